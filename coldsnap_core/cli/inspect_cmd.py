@@ -1,0 +1,96 @@
+"""``coldsnap inspect ARTIFACT [--json]``: what an artifact holds, without reading the payloads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+from coldsnap_core.cli._targets import resolve
+from coldsnap_core.format.manifest import NativeManifest
+
+
+def summarize(manifest: NativeManifest) -> dict[str, object]:
+    """The inspect summary of one worker (the ``--json`` shape, documented in docs/format.md)."""
+    stored = {(e.sha256, e.size_bytes) for e in manifest.model_extents}
+    per_file: dict[str, dict[str, int]] = defaultdict(lambda: {"extents": 0, "bytes": 0, "dtype_converted": 0})
+    for e in manifest.model_extents:
+        entry = per_file[e.provenance.checkpoint_file]
+        entry["extents"] += 1
+        entry["bytes"] += e.size_bytes
+        entry["dtype_converted"] += int(e.provenance.dtype_converted)
+    by_tag: dict[str, int] = defaultdict(int)
+    for a in manifest.allocations.allocations:
+        by_tag[a.tag] += a.size_bytes
+    return {
+        "worker": manifest.worker.to_json(),
+        "capsule": manifest.worker.capsule_name,
+        "capture_point": manifest.capture_point,
+        "layout_fingerprint": manifest.layout_fingerprint,
+        "allocations": len(manifest.allocations),
+        "allocation_bytes": manifest.allocations.total_bytes,
+        "allocation_bytes_by_tag": dict(sorted(by_tag.items())),
+        "tensors": sum(len(a.tensors) for a in manifest.allocations.allocations),
+        "model_extents": len(manifest.model_extents),
+        "model_bytes": manifest.model_bytes,
+        "residual_extents": len(manifest.residual_extents),
+        "residual_bytes": manifest.residual_bytes,
+        "pack": {
+            **manifest.pack.to_json(),
+            "stored_extents": len(stored),
+            "stored_bytes": sum(size for _, size in stored),
+        },
+        "residual": manifest.residual.to_json(),
+        "provenance": dict(sorted(per_file.items())),
+    }
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def run(args: argparse.Namespace) -> int:
+    descriptor, capsules = resolve(args.artifact)
+    summaries = [summarize(c.native) for c in capsules]
+    if args.json:
+        doc = {
+            "model": descriptor.model.to_json() if descriptor else capsules[0].recovery.model.to_json(),
+            "distinct_payloads": sorted({s["pack"]["sha256"] for s in summaries}),
+            "workers": summaries,
+        }
+        print(json.dumps(doc, indent=2, sort_keys=True))
+        return 0
+    model = descriptor.model if descriptor else capsules[0].recovery.model
+    print(f"model: {model.source}" + (f" @ {model.revision}" if model.revision else ""))
+    for f in model.files:
+        print(f"  checkpoint {f.name}: {_human(f.size_bytes)} sha256 {f.sha256}")
+    print(f"workers: {len(summaries)}, distinct payloads: {len({s['pack']['sha256'] for s in summaries})}")
+    for s in summaries:
+        pack = s["pack"]
+        total = s["allocation_bytes"]
+        print(f"\n{s['capsule']} ({s['capture_point']} capture point, layout {s['layout_fingerprint'][:16]})")
+        print(f"  allocations: {s['allocations']} ({_human(total)}), tensors: {s['tensors']}")
+        print(f"  model bytes:    {_human(s['model_bytes'])} in {s['model_extents']} extents ({100 * s['model_bytes'] / max(total, 1):.2f}%)")
+        print(f"  residual bytes: {_human(s['residual_bytes'])} in {s['residual_extents']} extents")
+        print(f"  pack: sha256 {pack['sha256']}")
+        print(f"        {_human(pack['size_bytes'])}, {pack['stored_extents']} stored extents, path {pack['path']}")
+        print(f"  residual blob: {s['residual']['file']} {_human(s['residual']['size_bytes'])} sha256 {s['residual']['sha256']}")
+        for name, p in s["provenance"].items():
+            converted = f", {p['dtype_converted']} dtype-converted" if p["dtype_converted"] else ""
+            print(f"  provenance {name}: {p['extents']} extents, {_human(p['bytes'])}{converted}")
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "inspect",
+        help="show allocations, model vs residual bytes, the pack digest and provenance",
+        description="Summarize an artifact folder, a capsule folder or a native-manifest.json. Reads manifests only.",
+    )
+    p.add_argument("artifact", metavar="ARTIFACT", help="artifact folder, capsule folder or native-manifest.json")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=run)

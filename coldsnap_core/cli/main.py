@@ -1,0 +1,59 @@
+"""The ``coldsnap`` command line.
+
+Every subcommand lives in its own module under :mod:`coldsnap_core.cli` and exposes
+``add_parser(subparsers)``; the parser's ``func`` returns the exit code. A
+:class:`~coldsnap_core.errors.ColdsnapError` stops the command with its message on stderr and its
+``exit_code`` (0 verified, 1 content mismatch or corruption, 2 malformed or unsupported manifest,
+3 missing object, 4 other error; ``docs/format.md``, "Exit codes").
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from coldsnap_core.errors import EXIT_OTHER, ColdsnapError
+
+#: Subcommand modules, in ``--help`` order.
+COMMAND_MODULES = (
+    "coldsnap_core.cli.inspect_cmd",
+    "coldsnap_core.cli.verify_cmd",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="coldsnap",
+        description="Inspect, verify, stage and publish coldsnap artifacts (format 9).",
+        epilog="Exit codes: 0 verified/ok, 1 content mismatch or corruption, 2 malformed or unsupported manifest, "
+        "3 missing object, 4 other error.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return int(args.func(args))
+    except ColdsnapError as exc:
+        print(f"coldsnap {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"coldsnap {args.command}: interrupted", file=sys.stderr)
+        return EXIT_OTHER
+    except OSError as exc:
+        print(f"coldsnap {args.command}: {exc}", file=sys.stderr)
+        return EXIT_OTHER
+
+
+if __name__ == "__main__":
+    sys.exit(main())

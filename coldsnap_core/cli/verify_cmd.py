@@ -1,0 +1,55 @@
+"""``coldsnap verify ARTIFACT``: check every rule over every byte of every worker's payloads."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tqdm import tqdm
+
+from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cli._targets import resolve
+from coldsnap_core.errors import ArtifactError
+from coldsnap_core.verify import check_manifest, extent_owner_map, verify_blob_file, verify_pack_file
+
+
+def run(args: argparse.Namespace) -> int:
+    cache = PayloadCache(args.state_root)
+    descriptor, capsules = resolve(args.artifact)
+    if descriptor is not None:
+        for entry, capsule in zip(descriptor.workers, capsules, strict=True):
+            if entry.payload != capsule.native.pack:
+                raise ArtifactError("artifact.json names another payload than the capsule's manifest", file=capsule.path)
+    verified_packs: set[str] = set()
+    for capsule in capsules:
+        manifest = capsule.native
+        layout = check_manifest(manifest, file=str(capsule.native_manifest_path))
+        if manifest.pack.sha256 not in verified_packs:
+            path = cache.object_path(manifest.pack.sha256)
+            with tqdm(
+                total=manifest.pack.size_bytes, unit="B", unit_scale=True, desc=f"verify {manifest.pack.sha256[:12]}", leave=False, disable=None
+            ) as bar:
+                verify_pack_file(path, manifest.pack, layout, progress=bar.update, extent_owner=extent_owner_map(manifest))
+            verified_packs.add(manifest.pack.sha256)
+        verify_blob_file(capsule.blob_path, manifest.residual)
+        print(
+            f"{manifest.worker.capsule_name}: verified pack {manifest.pack.sha256} ({manifest.pack.size_bytes} bytes, "
+            f"{len(manifest.model_extents)} model extents) and residual blob ({manifest.residual.size_bytes} bytes)"
+        )
+    print(f"ok: {len(capsules)} worker(s), {len(verified_packs)} distinct payload(s)", file=sys.stderr)
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "verify",
+        help="fully verify manifests, packs and residual blobs",
+        description=(
+            "Check every manifest rule, then read each pack once (size, SHA-256, zero padding, every extent's SHA-256) "
+            "and each residual blob (size, SHA-256). Exit codes: 0 verified, 1 content mismatch or corruption, "
+            "2 malformed or unsupported manifest, 3 missing object, 4 other error."
+        ),
+    )
+    p.add_argument("artifact", metavar="ARTIFACT", help="artifact folder, capsule folder or native-manifest.json")
+    p.add_argument("--state-root", default=None, help="where packs live (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)")
+    p.set_defaults(func=run)

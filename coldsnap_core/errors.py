@@ -1,0 +1,355 @@
+"""The one exception hierarchy of coldsnap.
+
+Every failure that coldsnap detects is raised as a subclass of :class:`ColdsnapError`. Each class names
+the *rule* it enforces (a short stable identifier, listed in ``docs/format.md``) and carries the
+context that failed: the file, the allocation index, the byte offset. The message always spells
+those out, so a log line alone says what was refused and why::
+
+    coldsnap: rule extent-sha256 failed: model extent 17 does not match its SHA-256 (expected 3f2a..., got 9be1...)
+        [file=/cache/model-payloads/sha256/ab..cd.pack, allocation=12, offset_bytes=4096]
+
+Each class also has an ``exit_code``: the code ``coldsnap verify`` (and every other CLI command) exits
+with when that error stops it (``docs/format.md``, "Exit codes"):
+
+====  =========================================================
+code  meaning
+====  =========================================================
+0     verified
+1     content mismatch or corruption (:class:`IntegrityError`)
+2     malformed or unsupported manifest (:class:`ManifestError`)
+3     missing object (:class:`MissingObjectError`)
+4     any other error
+====  =========================================================
+"""
+
+from __future__ import annotations
+
+from os import PathLike
+
+__all__ = [
+    "AllocationSizeMismatchError",
+    "ArtifactError",
+    "CacheError",
+    "ColdsnapError",
+    "ConfigurationError",
+    "CopyBackendError",
+    "CoverageGapError",
+    "EngineVersionError",
+    "ExtentBoundsError",
+    "ExtentDigestMismatchError",
+    "ExtentOrderError",
+    "ExtentOverlapError",
+    "InsufficientSpaceError",
+    "IntegrityError",
+    "InvalidDigestError",
+    "LayoutMismatchError",
+    "ManifestError",
+    "ManifestParseError",
+    "ManifestSchemaError",
+    "ManifestValueError",
+    "MissingObjectError",
+    "NonZeroPaddingError",
+    "ObserverError",
+    "PackDigestMismatchError",
+    "PackLayoutError",
+    "PackPathMismatchError",
+    "PackSizeMismatchError",
+    "PayloadUnavailableError",
+    "ResidualDigestMismatchError",
+    "ResidualLayoutError",
+    "ResidualSizeMismatchError",
+    "StoreError",
+    "UnsafePathError",
+    "UnsupportedFormatVersionError",
+    "ValidationRecordError",
+    "WakeError",
+]
+
+EXIT_VERIFIED = 0
+EXIT_INTEGRITY = 1
+EXIT_MANIFEST = 2
+EXIT_MISSING = 3
+EXIT_OTHER = 4
+
+
+class ColdsnapError(Exception):
+    """Base class of every error coldsnap raises.
+
+    Args:
+        detail: what was found, in words (the rule is prepended automatically).
+        file: the file (pack, blob, manifest, record, lock) the failure concerns, if any.
+        allocation: the allocation index the failure concerns, if any.
+        offset_bytes: the byte offset (within the allocation, or within ``file`` when no allocation
+            is named) where the failure was detected, if any.
+
+    Attributes:
+        rule: stable identifier of the violated rule (see ``docs/format.md``).
+        exit_code: the CLI exit code for this error.
+    """
+
+    rule: str = "coldsnap"
+    exit_code: int = EXIT_OTHER
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        file: str | PathLike[str] | None = None,
+        allocation: int | None = None,
+        offset_bytes: int | None = None,
+    ) -> None:
+        self.detail = detail
+        self.file = None if file is None else str(file)
+        self.allocation = allocation
+        self.offset_bytes = offset_bytes
+        super().__init__(self._compose())
+
+    def _compose(self) -> str:
+        context = []
+        if self.file is not None:
+            context.append(f"file={self.file}")
+        if self.allocation is not None:
+            context.append(f"allocation={self.allocation}")
+        if self.offset_bytes is not None:
+            context.append(f"offset_bytes={self.offset_bytes}")
+        suffix = f" [{', '.join(context)}]" if context else ""
+        return f"rule {self.rule} failed: {self.detail}{suffix}"
+
+
+# --- 2: malformed or unsupported manifests --------------------------------------------------------
+
+
+class ManifestError(ColdsnapError):
+    """A manifest, descriptor or record is malformed, unsupported or internally inconsistent."""
+
+    rule = "manifest"
+    exit_code = EXIT_MANIFEST
+
+
+class ManifestParseError(ManifestError):
+    """The file is not valid UTF-8 JSON."""
+
+    rule = "manifest-json"
+
+
+class ManifestSchemaError(ManifestError):
+    """A field is missing, mistyped or unknown, or the document kind is wrong."""
+
+    rule = "manifest-schema"
+
+
+class UnsupportedFormatVersionError(ManifestError):
+    """The document declares a format version this release does not read (only 9 is read)."""
+
+    rule = "format-version"
+
+
+class ManifestValueError(ManifestError):
+    """A numeric field is negative, overflows a signed 64-bit offset, or a string has a bad form."""
+
+    rule = "manifest-value"
+
+
+class ExtentBoundsError(ManifestError):
+    """An extent lies (partly) outside its allocation, or names an allocation that does not exist."""
+
+    rule = "extent-within-allocation"
+
+
+class ExtentOverlapError(ManifestError):
+    """Two extents (model or residual, in any combination) cover the same allocation byte."""
+
+    rule = "maps-disjoint"
+
+
+class CoverageGapError(ManifestError):
+    """Some byte of a preserved allocation is covered by neither the model nor the residual map."""
+
+    rule = "maps-cover-allocation"
+
+
+class PackLayoutError(ManifestError):
+    """The model extent map does not describe a canonical pack.
+
+    Canonical means: stored extents ordered by (SHA-256, size), each starting on a 4096-byte
+    boundary right after the previous one's padding, identical extents stored once, and the file
+    size equal to the end of the last extent rounded up to 4096 bytes.
+    """
+
+    rule = "pack-canonical-layout"
+
+
+class ResidualLayoutError(ManifestError):
+    """The residual extent map does not describe the blob: extents must be stored back to back, in
+    map order, from offset 0, and their sizes must add up to the blob's ``size_bytes``."""
+
+    rule = "residual-canonical-layout"
+
+
+class ExtentOrderError(ManifestError):
+    """An extent map is not sorted by (allocation_index, offset_bytes)."""
+
+    rule = "extent-order"
+
+
+class LayoutMismatchError(ManifestError):
+    """The live allocations do not have the layout the manifest was captured from.
+
+    Raised when the layout fingerprint (names, dtypes, shapes, strides, offsets and sizes) of the
+    model being restored differs from the manifest's, e.g. a payload captured from another model,
+    dtype or layer count, or when an allocation map no longer matches its recorded fingerprint.
+    """
+
+    rule = "layout-fingerprint"
+
+
+class AllocationSizeMismatchError(ManifestError):
+    """A live allocation's size differs from the size recorded in the allocation map."""
+
+    rule = "allocation-size"
+
+
+# --- 1: content mismatch or corruption -----------------------------------------------------------
+
+
+class IntegrityError(ColdsnapError):
+    """Bytes on disk (or in memory) do not match what the manifest or the digest promises."""
+
+    rule = "integrity"
+    exit_code = EXIT_INTEGRITY
+
+
+class PackSizeMismatchError(IntegrityError):
+    """The pack file's size differs from the manifest's ``size_bytes`` (a truncated or extended pack)."""
+
+    rule = "pack-size"
+
+
+class PackDigestMismatchError(IntegrityError):
+    """The pack file's SHA-256 differs from the digest that names it."""
+
+    rule = "pack-sha256"
+
+
+class PackPathMismatchError(IntegrityError):
+    """The pack's path is not ``model-payloads/sha256/<sha256>.pack`` for its recorded SHA-256."""
+
+    rule = "pack-path"
+
+
+class NonZeroPaddingError(IntegrityError):
+    """A padding byte between (or after) pack extents is not zero."""
+
+    rule = "pack-padding-zero"
+
+
+class ExtentDigestMismatchError(IntegrityError):
+    """A model extent's bytes do not match the extent's recorded SHA-256."""
+
+    rule = "extent-sha256"
+
+
+class ResidualSizeMismatchError(IntegrityError):
+    """The residual blob's size differs from the manifest's (a truncated or extended blob)."""
+
+    rule = "residual-size"
+
+
+class ResidualDigestMismatchError(IntegrityError):
+    """The residual blob's SHA-256 differs from the manifest's."""
+
+    rule = "residual-sha256"
+
+
+# --- 3: missing objects ----------------------------------------------------------------------------
+
+
+class MissingObjectError(ColdsnapError):
+    """A pack, residual blob, manifest or descriptor that should exist does not."""
+
+    rule = "object-present"
+    exit_code = EXIT_MISSING
+
+
+class PayloadUnavailableError(MissingObjectError):
+    """No source (node-local cache, payload store) can provide a worker's pack.
+
+    ``COLDSNAP_RESTORE=auto`` falls back to the safetensors recovery load on this error.
+    """
+
+    rule = "payload-available"
+
+
+# --- 4: everything else ----------------------------------------------------------------------------
+
+
+class InvalidDigestError(ColdsnapError):
+    """A digest is not 64 lowercase hexadecimal characters; raised before any path is built from it."""
+
+    rule = "digest-form"
+
+
+class UnsafePathError(ColdsnapError):
+    """A cache path (object, record, lock, folder) is a symbolic link or not a regular file."""
+
+    rule = "no-symlinks"
+
+
+class CacheError(ColdsnapError):
+    """The node-local cache could not complete an operation (I/O error, lock timeout)."""
+
+    rule = "cache"
+
+
+class InsufficientSpaceError(CacheError):
+    """A write ran out of space (ENOSPC, EDQUOT) or hit the file size limit (EFBIG); nothing was kept."""
+
+    rule = "space"
+
+
+class ValidationRecordError(CacheError):
+    """A validation record exists but cannot be trusted (loose mode, other owner, edited field)."""
+
+    rule = "validation-record"
+
+
+class StoreError(ColdsnapError):
+    """A payload store (local folder, Hugging Face repository) failed."""
+
+    rule = "payload-store"
+
+
+class ArtifactError(ColdsnapError):
+    """An artifact folder is inconsistent (e.g. a capsule that the descriptor does not list)."""
+
+    rule = "artifact"
+
+
+class ConfigurationError(ColdsnapError):
+    """An environment variable, extra-config key or CLI option has an unsupported value."""
+
+    rule = "configuration"
+
+
+class EngineVersionError(ConfigurationError):
+    """The installed inference engine (vLLM, SGLang) is a version coldsnap does not support."""
+
+    rule = "engine-version"
+
+
+class CopyBackendError(ColdsnapError):
+    """A copy backend failed to move bytes (I/O error, short read, device error)."""
+
+    rule = "copy"
+
+
+class ObserverError(ColdsnapError):
+    """The write observer saw something it cannot classify safely."""
+
+    rule = "observer"
+
+
+class WakeError(ColdsnapError):
+    """A level-1 wake could not hydrate every weights segment; the next wake starts over."""
+
+    rule = "wake"

@@ -1,0 +1,174 @@
+"""Strict JSON field access for the format documents.
+
+Every document is parsed through :class:`Fields`, which refuses missing, mistyped and unknown keys,
+booleans where integers are expected, negative numbers and numbers that do not fit a signed 64-bit
+byte offset. Errors name the JSON path (``model_extents[3].offset_bytes``) and the file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from coldsnap_core.errors import (
+    ManifestParseError,
+    ManifestSchemaError,
+    ManifestValueError,
+    MissingObjectError,
+    UnsupportedFormatVersionError,
+)
+
+T = TypeVar("T")
+
+FORMAT_VERSION = 9
+"""The only artifact format version this release writes and reads (seed 000, "ColdSnap artifact format 9")."""
+
+MAX_OFFSET_BYTES = (1 << 63) - 1
+"""Largest byte offset or size accepted anywhere (signed 64-bit, as in safetensors and ``off_t``)."""
+
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+
+class Fields:
+    """A cursor over one JSON object that hands out typed fields and rejects the rest.
+
+    Call :meth:`done` after reading every expected key: any key left over is an unknown field and
+    raises :class:`~coldsnap_core.errors.ManifestSchemaError`.
+    """
+
+    def __init__(self, obj: Any, where: str, file: str | None) -> None:
+        if not isinstance(obj, Mapping):
+            raise ManifestSchemaError(f"{where or 'document'} must be a JSON object, got {type(obj).__name__}", file=file)
+        self._obj = obj
+        self._where = where
+        self._file = file
+        self._seen: set[str] = set()
+
+    def _path(self, key: str) -> str:
+        return f"{self._where}.{key}" if self._where else key
+
+    def _get(self, key: str) -> Any:
+        self._seen.add(key)
+        if key not in self._obj:
+            raise ManifestSchemaError(f"missing field {self._path(key)}", file=self._file)
+        return self._obj[key]
+
+    def has(self, key: str) -> bool:
+        return key in self._obj
+
+    def str(self, key: str, *, pattern: re.Pattern[str] | None = None, allow_empty: bool = False) -> str:
+        value = self._get(key)
+        if not isinstance(value, str):
+            raise ManifestSchemaError(f"field {self._path(key)} must be a string, got {type(value).__name__}", file=self._file)
+        if not allow_empty and not value:
+            raise ManifestValueError(f"field {self._path(key)} must not be empty", file=self._file)
+        if pattern is not None and not pattern.fullmatch(value):
+            raise ManifestValueError(f"field {self._path(key)}={value!r} does not match {pattern.pattern}", file=self._file)
+        return value
+
+    def opt_str(self, key: str) -> str | None:
+        if self._obj.get(key, None) is None:
+            self._get(key)  # still required to be present
+            return None
+        return self.str(key)
+
+    def sha256(self, key: str) -> str:
+        return self.str(key, pattern=_SHA256_RE)
+
+    def bool(self, key: str) -> bool:
+        value = self._get(key)
+        if not isinstance(value, bool):
+            raise ManifestSchemaError(f"field {self._path(key)} must be true or false, got {type(value).__name__}", file=self._file)
+        return value
+
+    def int(self, key: str, *, minimum: int = 0, maximum: int = MAX_OFFSET_BYTES) -> int:
+        return self._check_int(self._get(key), self._path(key), minimum, maximum)
+
+    def opt_int(self, key: str, *, minimum: int = 0, maximum: int = MAX_OFFSET_BYTES) -> int | None:
+        value = self._get(key)
+        if value is None:
+            return None
+        return self._check_int(value, self._path(key), minimum, maximum)
+
+    def _check_int(self, value: Any, path: str, minimum: int, maximum: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ManifestSchemaError(f"field {path} must be an integer, got {type(value).__name__}", file=self._file)
+        if value < minimum:
+            raise ManifestValueError(f"field {path}={value} is below the minimum {minimum}", file=self._file)
+        if value > maximum:
+            raise ManifestValueError(f"field {path}={value} overflows the maximum {maximum}", file=self._file)
+        return value
+
+    def int_tuple(self, key: str, *, minimum: int = 0) -> tuple[int, ...]:
+        items = self._get(key)
+        if not isinstance(items, list):
+            raise ManifestSchemaError(f"field {self._path(key)} must be a list, got {type(items).__name__}", file=self._file)
+        return tuple(self._check_int(v, f"{self._path(key)}[{i}]", minimum, MAX_OFFSET_BYTES) for i, v in enumerate(items))
+
+    def obj(self, key: str, parse: Callable[[Fields], T]) -> T:
+        return parse(Fields(self._get(key), self._path(key), self._file))
+
+    def opt_obj(self, key: str, parse: Callable[[Fields], T]) -> T | None:
+        if self._get(key) is None:
+            return None
+        return self.obj(key, parse)
+
+    def list(self, key: str, parse: Callable[[Fields], T]) -> tuple[T, ...]:
+        items = self._get(key)
+        if not isinstance(items, list):
+            raise ManifestSchemaError(f"field {self._path(key)} must be a list, got {type(items).__name__}", file=self._file)
+        return tuple(parse(Fields(item, f"{self._path(key)}[{i}]", self._file)) for i, item in enumerate(items))
+
+    def header(self, kind: str) -> None:
+        """Check the ``format`` and ``format_version`` keys every document starts with."""
+        found = self.str("format")
+        if found != kind:
+            raise ManifestSchemaError(f"document kind is {found!r}, expected {kind!r}", file=self._file)
+        version = self._get("format_version")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ManifestSchemaError(f"format_version must be an integer, got {version!r}", file=self._file)
+        if version != FORMAT_VERSION:
+            raise UnsupportedFormatVersionError(
+                f"{kind} declares format_version {version}; this release reads only {FORMAT_VERSION}", file=self._file
+            )
+
+    def done(self) -> None:
+        unknown = sorted(set(self._obj) - self._seen)
+        if unknown:
+            raise ManifestSchemaError(f"unknown field(s) {', '.join(self._path(k) for k in unknown)}", file=self._file)
+
+    def error(self, detail: str) -> ManifestValueError:
+        """A :class:`ManifestValueError` located at this object."""
+        return ManifestValueError(f"{self._where or 'document'}: {detail}", file=self._file)
+
+
+def parse_document(text: str | bytes, parse: Callable[[Fields], T], *, file: str | None = None) -> T:
+    """Parse one JSON document strictly with ``parse``; see :class:`Fields`."""
+    try:
+        raw = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ManifestParseError(f"not valid JSON: {exc}", file=file) from exc
+    return parse(Fields(raw, "", file))
+
+
+def read_document(path: str | Path, parse: Callable[[Fields], T]) -> T:
+    """Read and strictly parse the JSON document at ``path``.
+
+    Raises:
+        MissingObjectError: the file does not exist.
+        ManifestError: any parse or schema failure (see :class:`Fields`).
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise MissingObjectError("document does not exist", file=path) from exc
+    return parse_document(data, parse, file=str(path))
+
+
+def dump_document(obj: Mapping[str, Any]) -> bytes:
+    """Serialize a document deterministically: sorted keys, two-space indent, UTF-8, final newline."""
+    return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")

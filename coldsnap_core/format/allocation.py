@@ -1,0 +1,206 @@
+"""The allocation map: which weight allocations a capture preserved and what tensors live in them.
+
+An *allocation* is one contiguous byte range that a worker owns for its weights:
+
+* portable capture point: one parameter or buffer storage (``torch.UntypedStorage``) of the model,
+  enumerated in a deterministic order (``DESIGN.md``, "Two capture points");
+* native capture point: one CuMem "weights" segment at its captured virtual address
+  (``reference/vllm.md`` section 4.2, ``CuMemAllocator.pointer_to_data``).
+
+Every byte of every allocation is covered by exactly one model extent or one residual extent
+(:mod:`coldsnap_core.format.extents`). The *layout fingerprint* identifies the layout without the
+addresses, so the same model built again (in another process, on another node) has the same
+fingerprint, and a different model, dtype or layer count has another one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+
+from coldsnap_core.format._strict import Fields
+
+#: Size in bytes of one element of each dtype a tensor placement may name (torch dtype names).
+DTYPE_ITEMSIZE_BYTES: dict[str, int] = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+    "int16": 2,
+    "uint16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "complex32": 4,
+    "int32": 4,
+    "uint32": 4,
+    "float32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float64": 8,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+_TAG_RE = re.compile(r"[A-Za-z0-9_.-]+")
+_LAYOUT_FINGERPRINT_DOMAIN = b"coldsnap-layout-v1\n"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorPlacement:
+    """One tensor (a parameter, a buffer, or an alias of one) hosted by an allocation.
+
+    Attributes:
+        name: the tensor's qualified name in the model (``model.layers.0.mlp.down_proj.weight``).
+        dtype: torch dtype name without the ``torch.`` prefix (a key of :data:`DTYPE_ITEMSIZE_BYTES`).
+        shape: the tensor's shape, in elements.
+        stride: the tensor's strides, in elements (as ``torch.Tensor.stride()``).
+        offset_bytes: byte offset of element 0 within the allocation.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset_bytes: int
+
+    @property
+    def itemsize_bytes(self) -> int:
+        return DTYPE_ITEMSIZE_BYTES[self.dtype]
+
+    @property
+    def span_bytes(self) -> int:
+        """Bytes from element 0 to one past the last element (0 for an empty tensor)."""
+        if any(n == 0 for n in self.shape):
+            return 0
+        last = sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True))
+        return (last + 1) * self.itemsize_bytes
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "stride": list(self.stride),
+            "offset_bytes": self.offset_bytes,
+        }
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> TensorPlacement:
+        placement = cls(
+            name=f.str("name"),
+            dtype=f.str("dtype"),
+            shape=f.int_tuple("shape"),
+            stride=f.int_tuple("stride"),
+            offset_bytes=f.int("offset_bytes"),
+        )
+        f.done()
+        if placement.dtype not in DTYPE_ITEMSIZE_BYTES:
+            raise f.error(f"unknown dtype {placement.dtype!r}")
+        if len(placement.shape) != len(placement.stride):
+            raise f.error(f"shape {placement.shape} and stride {placement.stride} differ in rank")
+        return placement
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """One preserved weight allocation.
+
+    Attributes:
+        index: position in the allocation map (0, 1, 2, ... in enumeration order).
+        size_bytes: size of the allocation in bytes (the storage's ``nbytes``, or the CuMem
+            segment's aligned size ``handle[1]``).
+        tag: ``parameter`` or ``buffer`` (portable) or the CuMem tag, ``weights`` (native).
+        address: the captured virtual address (native capture point), or ``None`` (portable: host
+            addresses are meaningless across processes).
+        tensors: the tensors whose storage is this allocation, in enumeration order.
+    """
+
+    index: int
+    size_bytes: int
+    tag: str
+    address: int | None
+    tensors: tuple[TensorPlacement, ...]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "index": self.index,
+            "size_bytes": self.size_bytes,
+            "tag": self.tag,
+            "address": self.address,
+            "tensors": [t.to_json() for t in self.tensors],
+        }
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> Allocation:
+        allocation = cls(
+            index=f.int("index"),
+            size_bytes=f.int("size_bytes"),
+            tag=f.str("tag", pattern=_TAG_RE),
+            address=f.opt_int("address"),
+            tensors=f.list("tensors", TensorPlacement.from_fields),
+        )
+        f.done()
+        for tensor in allocation.tensors:
+            if tensor.offset_bytes + tensor.span_bytes > allocation.size_bytes:
+                raise f.error(
+                    f"tensor {tensor.name} spans bytes [{tensor.offset_bytes}, {tensor.offset_bytes + tensor.span_bytes})"
+                    f" beyond the allocation's {allocation.size_bytes} bytes"
+                )
+        return allocation
+
+
+@dataclass(frozen=True, slots=True)
+class AllocationMap:
+    """The ordered list of preserved allocations of one worker.
+
+    Invariant (checked by :meth:`from_fields` and :meth:`__post_init__`): ``allocations[i].index == i``.
+    """
+
+    allocations: tuple[Allocation, ...]
+
+    def __post_init__(self) -> None:
+        for position, allocation in enumerate(self.allocations):
+            if allocation.index != position:
+                raise ValueError(f"allocation at position {position} has index {allocation.index}")
+
+    def __len__(self) -> int:
+        return len(self.allocations)
+
+    def __getitem__(self, index: int) -> Allocation:
+        return self.allocations[index]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(a.size_bytes for a in self.allocations)
+
+    def layout_fingerprint(self) -> str:
+        """SHA-256 (hex) of the canonical layout: every field except the addresses.
+
+        Two captures of the same model built the same way have the same fingerprint in any process
+        or on any node; a different dtype, shape, tensor name, tensor order, allocation size or
+        tag changes it.
+        """
+        canonical = [
+            {"index": a.index, "size_bytes": a.size_bytes, "tag": a.tag, "tensors": [t.to_json() for t in a.tensors]}
+            for a in self.allocations
+        ]
+        text = json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(_LAYOUT_FINGERPRINT_DOMAIN + text).hexdigest()
+
+    def to_json(self) -> list[object]:
+        return [a.to_json() for a in self.allocations]
+
+    @classmethod
+    def from_fields_list(cls, f: Fields, key: str) -> AllocationMap:
+        allocations = f.list(key, Allocation.from_fields)
+        for position, allocation in enumerate(allocations):
+            if allocation.index != position:
+                raise f.error(f"{key}[{position}] has index {allocation.index}; indices must be 0, 1, 2, ...")
+        return cls(allocations)

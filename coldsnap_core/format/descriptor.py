@@ -1,0 +1,111 @@
+"""The artifact descriptor (``artifact.json``): every worker of an artifact and its payload digest.
+
+An artifact folder looks like::
+
+    artifact.json                      ArtifactDescriptor
+    workers/worker-0-of-2/             unit capsule of rank 0 (see coldsnap_core.format.manifest)
+    workers/worker-1-of-2/             unit capsule of rank 1
+
+The packs themselves are not in the artifact: each worker entry names its payload by digest, and
+the object lives at ``<state-root>/model-payloads/sha256/<digest>.pack`` (or in a payload store).
+Several workers may name the same digest; publication uploads it once (seed 000, "Capture and
+publication").
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from coldsnap_core.format._strict import Fields, dump_document, parse_document, read_document
+from coldsnap_core.format.manifest import ModelIdentity, PackRef, WorkerIdentity
+
+ARTIFACT_KIND = "coldsnap.artifact"
+DESCRIPTOR_FILENAME = "artifact.json"
+WORKERS_DIRNAME = "workers"
+
+_CAPSULE_RE = re.compile(r"workers/[a-z][a-z0-9_]*-[0-9]+-of-[0-9]+")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerEntry:
+    """One worker of an artifact.
+
+    Attributes:
+        worker: the worker's identity.
+        capsule: the capsule folder, relative to the artifact folder (``workers/<capsule_name>``).
+        payload: the worker's pack (digest, size, derived path).
+    """
+
+    worker: WorkerIdentity
+    capsule: str
+    payload: PackRef
+
+    def to_json(self) -> dict[str, object]:
+        return {"worker": self.worker.to_json(), "capsule": self.capsule, "payload": self.payload.to_json()}
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> WorkerEntry:
+        entry = cls(
+            worker=f.obj("worker", WorkerIdentity.from_fields),
+            capsule=f.str("capsule", pattern=_CAPSULE_RE),
+            payload=f.obj("payload", PackRef.from_fields),
+        )
+        f.done()
+        if entry.capsule != f"{WORKERS_DIRNAME}/{entry.worker.capsule_name}":
+            raise f.error(f"capsule {entry.capsule!r} is not the worker's capsule folder")
+        return entry
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactDescriptor:
+    """``artifact.json``: the model identity and the worker list, sorted by (role, rank).
+
+    Attributes:
+        model: the pinned model identity shared by every worker.
+        workers: one entry per worker that has captured.
+    """
+
+    model: ModelIdentity
+    workers: tuple[WorkerEntry, ...]
+
+    def with_worker(self, entry: WorkerEntry) -> ArtifactDescriptor:
+        """A copy with ``entry`` added, replacing any entry of the same (role, rank)."""
+        key = (entry.worker.role, entry.worker.rank)
+        kept = [w for w in self.workers if (w.worker.role, w.worker.rank) != key]
+        workers = sorted([*kept, entry], key=lambda w: (w.worker.role, w.worker.rank))
+        return ArtifactDescriptor(self.model, tuple(workers))
+
+    def distinct_payloads(self) -> tuple[PackRef, ...]:
+        """Each payload digest once, in digest order."""
+        return tuple(sorted({w.payload.sha256: w.payload for w in self.workers}.values(), key=lambda p: p.sha256))
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "format": ARTIFACT_KIND,
+            "format_version": 9,
+            "model": self.model.to_json(),
+            "workers": [w.to_json() for w in self.workers],
+        }
+
+    def dumps(self) -> bytes:
+        return dump_document(self.to_json())
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> ArtifactDescriptor:
+        f.header(ARTIFACT_KIND)
+        descriptor = cls(model=f.obj("model", ModelIdentity.from_fields), workers=f.list("workers", WorkerEntry.from_fields))
+        f.done()
+        keys = [(w.worker.role, w.worker.rank) for w in descriptor.workers]
+        if len(set(keys)) != len(keys):
+            raise f.error("two worker entries have the same (role, rank)")
+        return descriptor
+
+    @classmethod
+    def loads(cls, text: str | bytes, *, file: str | None = None) -> ArtifactDescriptor:
+        return parse_document(text, cls.from_fields, file=file)
+
+    @classmethod
+    def read(cls, path: str | Path) -> ArtifactDescriptor:
+        return read_document(path, cls.from_fields)

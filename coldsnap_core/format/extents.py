@@ -1,0 +1,171 @@
+"""The two extent maps that together cover every preserved allocation byte exactly once.
+
+* :class:`ModelExtent`: a byte range that the loader wrote from the checkpoint and that still held
+  those bytes when the capture was taken. Its bytes are stored in ``model-weights.pack`` at
+  ``pack_offset_bytes`` (shared, content addressed).
+* :class:`ResidualExtent`: every other byte (buffers, vocabulary padding, bytes rewritten after
+  loading, allocator slack). Its bytes are stored in ``weights.blob`` at ``blob_offset_bytes``
+  (target specific, never shared).
+
+Source: seed 000, "model-weights.pack" and "weights.blob"; ``DESIGN.md``, "The two byte sources".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coldsnap_core.format._strict import MAX_OFFSET_BYTES, Fields
+
+
+@dataclass(frozen=True, slots=True)
+class ExtentProvenance:
+    """Where a model extent's bytes came from in the checkpoint (informational, never trusted).
+
+    The source is described as ``source_size_bytes`` bytes read from ``checkpoint_file`` in runs of
+    ``source_run_bytes`` bytes, the first starting at file offset ``source_offset_bytes`` and each
+    next one ``source_run_stride_bytes`` further. A contiguous source has
+    ``source_run_bytes == source_run_stride_bytes == source_size_bytes``; a row-parallel shard
+    (``narrow`` on dim 1) has one run per row.
+
+    Attributes:
+        checkpoint_file: the safetensors file name, relative to the checkpoint folder.
+        tensor_name: the tensor's name in that file's header (before any engine renaming).
+        source_offset_bytes: absolute file offset of the first source byte (header included).
+        source_size_bytes: number of source bytes the copy read.
+        source_run_bytes: length of each contiguous source run.
+        source_run_stride_bytes: distance between the starts of consecutive runs.
+        dtype_converted: whether the copy converted the dtype (then the destination bytes are a
+            function of the source bytes, not equal to them).
+    """
+
+    checkpoint_file: str
+    tensor_name: str
+    source_offset_bytes: int
+    source_size_bytes: int
+    source_run_bytes: int
+    source_run_stride_bytes: int
+    dtype_converted: bool
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "checkpoint_file": self.checkpoint_file,
+            "tensor_name": self.tensor_name,
+            "source_offset_bytes": self.source_offset_bytes,
+            "source_size_bytes": self.source_size_bytes,
+            "source_run_bytes": self.source_run_bytes,
+            "source_run_stride_bytes": self.source_run_stride_bytes,
+            "dtype_converted": self.dtype_converted,
+        }
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> ExtentProvenance:
+        provenance = cls(
+            checkpoint_file=f.str("checkpoint_file"),
+            tensor_name=f.str("tensor_name"),
+            source_offset_bytes=f.int("source_offset_bytes"),
+            source_size_bytes=f.int("source_size_bytes"),
+            source_run_bytes=f.int("source_run_bytes"),
+            source_run_stride_bytes=f.int("source_run_stride_bytes"),
+            dtype_converted=f.bool("dtype_converted"),
+        )
+        f.done()
+        return provenance
+
+
+@dataclass(frozen=True, slots=True)
+class ModelExtent:
+    """A destination byte range filled from ``model-weights.pack``.
+
+    Attributes:
+        allocation_index: the allocation (index in the allocation map) the range lies in.
+        offset_bytes: start of the range within the allocation.
+        size_bytes: length of the range, > 0.
+        pack_offset_bytes: where the range's bytes start in the pack; a multiple of 4096.
+            Identical extents (same SHA-256 and size) share one ``pack_offset_bytes``.
+        sha256: SHA-256 (lowercase hex) of the range's bytes.
+        provenance: the checkpoint source of the bytes.
+    """
+
+    allocation_index: int
+    offset_bytes: int
+    size_bytes: int
+    pack_offset_bytes: int
+    sha256: str
+    provenance: ExtentProvenance
+
+    @property
+    def end_bytes(self) -> int:
+        return self.offset_bytes + self.size_bytes
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "allocation_index": self.allocation_index,
+            "offset_bytes": self.offset_bytes,
+            "size_bytes": self.size_bytes,
+            "pack_offset_bytes": self.pack_offset_bytes,
+            "sha256": self.sha256,
+            "provenance": self.provenance.to_json(),
+        }
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> ModelExtent:
+        extent = cls(
+            allocation_index=f.int("allocation_index"),
+            offset_bytes=f.int("offset_bytes"),
+            size_bytes=f.int("size_bytes", minimum=1),
+            pack_offset_bytes=f.int("pack_offset_bytes"),
+            sha256=f.sha256("sha256"),
+            provenance=f.obj("provenance", ExtentProvenance.from_fields),
+        )
+        f.done()
+        _check_end(f, extent.offset_bytes, extent.size_bytes, "offset_bytes + size_bytes")
+        _check_end(f, extent.pack_offset_bytes, extent.size_bytes, "pack_offset_bytes + size_bytes")
+        return extent
+
+
+@dataclass(frozen=True, slots=True)
+class ResidualExtent:
+    """A destination byte range filled from the worker's ``weights.blob``.
+
+    Attributes:
+        allocation_index: the allocation (index in the allocation map) the range lies in.
+        offset_bytes: start of the range within the allocation.
+        size_bytes: length of the range, > 0.
+        blob_offset_bytes: where the range's bytes start in the blob. Residual extents are stored
+            back to back, in map order, without padding.
+    """
+
+    allocation_index: int
+    offset_bytes: int
+    size_bytes: int
+    blob_offset_bytes: int
+
+    @property
+    def end_bytes(self) -> int:
+        return self.offset_bytes + self.size_bytes
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "allocation_index": self.allocation_index,
+            "offset_bytes": self.offset_bytes,
+            "size_bytes": self.size_bytes,
+            "blob_offset_bytes": self.blob_offset_bytes,
+        }
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> ResidualExtent:
+        extent = cls(
+            allocation_index=f.int("allocation_index"),
+            offset_bytes=f.int("offset_bytes"),
+            size_bytes=f.int("size_bytes", minimum=1),
+            blob_offset_bytes=f.int("blob_offset_bytes"),
+        )
+        f.done()
+        _check_end(f, extent.offset_bytes, extent.size_bytes, "offset_bytes + size_bytes")
+        _check_end(f, extent.blob_offset_bytes, extent.size_bytes, "blob_offset_bytes + size_bytes")
+        return extent
+
+
+def _check_end(f: Fields, start: int, size: int, what: str) -> None:
+    if start + size > MAX_OFFSET_BYTES:
+        raise f.error(f"{what} = {start + size} overflows a signed 64-bit offset")

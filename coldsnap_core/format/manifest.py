@@ -1,0 +1,326 @@
+"""Worker manifests: the native manifest and the recovery manifest of one unit capsule.
+
+A worker's *unit capsule* is a folder in the artifact (``workers/<capsule_name>/``) holding::
+
+    weights.blob               residual bytes (ResidualRef)
+    native-manifest.json       NativeManifest: allocation map + model map + residual map
+    recovery-manifest.json     RecoveryManifest: residual map + pinned model identity
+
+Source: seed 000, "For every execution worker, capture produces"; ``docs/format.md`` gives every field.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from coldsnap_core.digests import pack_relpath
+from coldsnap_core.format._strict import Fields, dump_document, parse_document, read_document
+from coldsnap_core.format.allocation import AllocationMap
+from coldsnap_core.format.extents import ModelExtent, ResidualExtent
+
+NATIVE_MANIFEST_KIND = "coldsnap.native-manifest"
+RECOVERY_MANIFEST_KIND = "coldsnap.recovery-manifest"
+NATIVE_MANIFEST_FILENAME = "native-manifest.json"
+RECOVERY_MANIFEST_FILENAME = "recovery-manifest.json"
+RESIDUAL_FILENAME = "weights.blob"
+
+CapturePoint = Literal["portable", "native"]
+_CAPTURE_POINTS = ("portable", "native")
+_ROLE_RE = re.compile(r"[a-z][a-z0-9_]*")
+_FILENAME_RE = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]+")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerIdentity:
+    """Which execution worker a capsule belongs to.
+
+    Attributes:
+        role: ``worker`` for a vLLM/SGLang model worker (``driver`` and others are reserved).
+        rank: global rank of the worker (``torch.distributed`` rank; 0 when not distributed).
+        world_size: number of workers (tensor parallel x pipeline parallel).
+        tensor_parallel_rank: the worker's tensor parallel rank.
+        tensor_parallel_size: the tensor parallel size.
+    """
+
+    role: str
+    rank: int
+    world_size: int
+    tensor_parallel_rank: int
+    tensor_parallel_size: int
+
+    def __post_init__(self) -> None:
+        if not _ROLE_RE.fullmatch(self.role):
+            raise ValueError(f"worker role {self.role!r} must match {_ROLE_RE.pattern}")
+        if not (0 <= self.rank < self.world_size and 0 <= self.tensor_parallel_rank < self.tensor_parallel_size):
+            raise ValueError(f"inconsistent worker identity {self}")
+
+    @property
+    def capsule_name(self) -> str:
+        """The capsule folder name: ``<role>-<rank>-of-<world_size>`` (e.g. ``worker-0-of-2``)."""
+        return f"{self.role}-{self.rank}-of-{self.world_size}"
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "role": self.role,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "tensor_parallel_rank": self.tensor_parallel_rank,
+            "tensor_parallel_size": self.tensor_parallel_size,
+        }
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> WorkerIdentity:
+        role = f.str("role", pattern=_ROLE_RE)
+        rank = f.int("rank")
+        world_size = f.int("world_size", minimum=1)
+        tp_rank = f.int("tensor_parallel_rank")
+        tp_size = f.int("tensor_parallel_size", minimum=1)
+        f.done()
+        if rank >= world_size or tp_rank >= tp_size:
+            raise f.error(f"rank {rank}/{world_size}, tensor parallel rank {tp_rank}/{tp_size} are out of range")
+        return cls(role, rank, world_size, tp_rank, tp_size)
+
+
+@dataclass(frozen=True, slots=True)
+class PackRef:
+    """The worker's model payload: a content-addressed ``model-weights.pack``.
+
+    Attributes:
+        sha256: SHA-256 (lowercase hex) of the whole pack file, padding included.
+        size_bytes: size of the pack file; a multiple of 4096 (0 for an empty pack).
+        path: ``model-payloads/sha256/<sha256>.pack``, relative to a state root or store root.
+            Always derived from ``sha256``; a manifest whose path disagrees is refused.
+    """
+
+    sha256: str
+    size_bytes: int
+    path: str
+
+    @classmethod
+    def for_digest(cls, sha256: str, size_bytes: int) -> PackRef:
+        return cls(sha256, size_bytes, pack_relpath(sha256))
+
+    def to_json(self) -> dict[str, object]:
+        return {"sha256": self.sha256, "size_bytes": self.size_bytes, "path": self.path}
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> PackRef:
+        ref = cls(sha256=f.sha256("sha256"), size_bytes=f.int("size_bytes"), path=f.str("path"))
+        f.done()
+        return ref
+
+
+@dataclass(frozen=True, slots=True)
+class ResidualRef:
+    """The worker's residual blob, stored in its capsule.
+
+    Attributes:
+        file: file name within the capsule folder (``weights.blob``).
+        sha256: SHA-256 (lowercase hex) of the whole blob.
+        size_bytes: size of the blob; equal to the sum of the residual extents' sizes.
+    """
+
+    file: str
+    sha256: str
+    size_bytes: int
+
+    def to_json(self) -> dict[str, object]:
+        return {"file": self.file, "sha256": self.sha256, "size_bytes": self.size_bytes}
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> ResidualRef:
+        ref = cls(file=f.str("file", pattern=_FILENAME_RE), sha256=f.sha256("sha256"), size_bytes=f.int("size_bytes"))
+        f.done()
+        return ref
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointFile:
+    """One pinned checkpoint file of the recovery model identity.
+
+    Attributes:
+        name: file name relative to the checkpoint folder (``model-00001-of-00003.safetensors``).
+        size_bytes: the file's size.
+        sha256: SHA-256 (lowercase hex) of the whole file.
+    """
+
+    name: str
+    size_bytes: int
+    sha256: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"name": self.name, "size_bytes": self.size_bytes, "sha256": self.sha256}
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> CheckpointFile:
+        entry = cls(name=f.str("name"), size_bytes=f.int("size_bytes"), sha256=f.sha256("sha256"))
+        f.done()
+        return entry
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIdentity:
+    """The pinned model the recovery loader falls back to.
+
+    Attributes:
+        source: Hugging Face repository id, or the local checkpoint folder's path.
+        revision: the repository revision (commit), or ``None`` for a local folder.
+        files: every checkpoint file with its size and SHA-256, sorted by name.
+    """
+
+    source: str
+    revision: str | None
+    files: tuple[CheckpointFile, ...]
+
+    def to_json(self) -> dict[str, object]:
+        return {"source": self.source, "revision": self.revision, "files": [c.to_json() for c in self.files]}
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> ModelIdentity:
+        identity = cls(source=f.str("source"), revision=f.opt_str("revision"), files=f.list("files", CheckpointFile.from_fields))
+        f.done()
+        return identity
+
+
+@dataclass(frozen=True, slots=True)
+class NativeManifest:
+    """The allocation map plus the independent model and residual extent maps of one worker.
+
+    It binds every pack offset and blob offset to an allocation byte range (and, at the native
+    capture point, to the captured virtual address of the allocation).
+
+    Attributes:
+        capture_point: ``portable`` (parameter storages at the end of ``load_weights``) or
+            ``native`` (CuMem "weights" segments at the first level-1 sleep).
+        worker: the worker this capsule belongs to.
+        layout_fingerprint: :meth:`AllocationMap.layout_fingerprint` of ``allocations``.
+        pack: the shared model payload.
+        residual: this worker's residual blob.
+        allocations: the preserved allocations.
+        model_extents: ranges filled from the pack, sorted by (allocation_index, offset_bytes).
+        residual_extents: ranges filled from the blob, sorted by (allocation_index, offset_bytes).
+    """
+
+    capture_point: CapturePoint
+    worker: WorkerIdentity
+    layout_fingerprint: str
+    pack: PackRef
+    residual: ResidualRef
+    allocations: AllocationMap
+    model_extents: tuple[ModelExtent, ...]
+    residual_extents: tuple[ResidualExtent, ...]
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(e.size_bytes for e in self.model_extents)
+
+    @property
+    def residual_bytes(self) -> int:
+        return sum(e.size_bytes for e in self.residual_extents)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "format": NATIVE_MANIFEST_KIND,
+            "format_version": 9,
+            "capture_point": self.capture_point,
+            "worker": self.worker.to_json(),
+            "layout_fingerprint": self.layout_fingerprint,
+            "pack": self.pack.to_json(),
+            "residual": self.residual.to_json(),
+            "allocations": self.allocations.to_json(),
+            "model_extents": [e.to_json() for e in self.model_extents],
+            "residual_extents": [e.to_json() for e in self.residual_extents],
+        }
+
+    def dumps(self) -> bytes:
+        return dump_document(self.to_json())
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> NativeManifest:
+        f.header(NATIVE_MANIFEST_KIND)
+        capture_point = f.str("capture_point")
+        if capture_point not in _CAPTURE_POINTS:
+            raise f.error(f"capture_point {capture_point!r} is not one of {_CAPTURE_POINTS}")
+        manifest = cls(
+            capture_point=capture_point,  # type: ignore[arg-type]
+            worker=f.obj("worker", WorkerIdentity.from_fields),
+            layout_fingerprint=f.sha256("layout_fingerprint"),
+            pack=f.obj("pack", PackRef.from_fields),
+            residual=f.obj("residual", ResidualRef.from_fields),
+            allocations=AllocationMap.from_fields_list(f, "allocations"),
+            model_extents=f.list("model_extents", ModelExtent.from_fields),
+            residual_extents=f.list("residual_extents", ResidualExtent.from_fields),
+        )
+        f.done()
+        return manifest
+
+    @classmethod
+    def loads(cls, text: str | bytes, *, file: str | None = None) -> NativeManifest:
+        """Parse strictly; raises a :class:`~coldsnap_core.errors.ManifestError` subclass."""
+        return parse_document(text, cls.from_fields, file=file)
+
+    @classmethod
+    def read(cls, path: str | Path) -> NativeManifest:
+        """Read strictly; raises :class:`~coldsnap_core.errors.MissingObjectError` or a ManifestError."""
+        return read_document(path, cls.from_fields)
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryManifest:
+    """The residual map plus the pinned model identity used by the recovery-loader fallback.
+
+    Attributes:
+        worker: the worker this capsule belongs to.
+        layout_fingerprint: fingerprint of ``allocations`` (equal to the native manifest's).
+        model: the pinned checkpoint the recovery loader reads model bytes from.
+        residual: this worker's residual blob (the same blob as the native manifest's).
+        allocations: the preserved allocations.
+        residual_extents: the same residual map as the native manifest's.
+    """
+
+    worker: WorkerIdentity
+    layout_fingerprint: str
+    model: ModelIdentity
+    residual: ResidualRef
+    allocations: AllocationMap
+    residual_extents: tuple[ResidualExtent, ...]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "format": RECOVERY_MANIFEST_KIND,
+            "format_version": 9,
+            "worker": self.worker.to_json(),
+            "layout_fingerprint": self.layout_fingerprint,
+            "model": self.model.to_json(),
+            "residual": self.residual.to_json(),
+            "allocations": self.allocations.to_json(),
+            "residual_extents": [e.to_json() for e in self.residual_extents],
+        }
+
+    def dumps(self) -> bytes:
+        return dump_document(self.to_json())
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> RecoveryManifest:
+        f.header(RECOVERY_MANIFEST_KIND)
+        manifest = cls(
+            worker=f.obj("worker", WorkerIdentity.from_fields),
+            layout_fingerprint=f.sha256("layout_fingerprint"),
+            model=f.obj("model", ModelIdentity.from_fields),
+            residual=f.obj("residual", ResidualRef.from_fields),
+            allocations=AllocationMap.from_fields_list(f, "allocations"),
+            residual_extents=f.list("residual_extents", ResidualExtent.from_fields),
+        )
+        f.done()
+        return manifest
+
+    @classmethod
+    def loads(cls, text: str | bytes, *, file: str | None = None) -> RecoveryManifest:
+        return parse_document(text, cls.from_fields, file=file)
+
+    @classmethod
+    def read(cls, path: str | Path) -> RecoveryManifest:
+        return read_document(path, cls.from_fields)

@@ -1,0 +1,119 @@
+"""Two-source hydration: fill live allocations from the shared pack and the worker's residual blob.
+
+Order of work (``DESIGN.md``, "The two byte sources"; seed 000, "Restore"):
+
+1. every manifest rule (:func:`coldsnap_core.verify.check_manifest`): disjoint maps that cover every
+   byte, canonical pack and blob layout, the pack path derived from the digest;
+2. the live layout: fingerprint and every allocation's size (:func:`check_live_layout`);
+3. the pack: admitted by the node-local cache (size, then the validation record or a full SHA-256),
+   and its padding read and required to be zero;
+4. the residual blob: size, then SHA-256;
+5. only then the copy plan runs through the copy backend (large reads straight into the
+   destinations; never the whole pack in memory), optionally re-hashing every model extent.
+
+If any check fails nothing is written. If the copy itself fails, the allocations hold a mixture and
+the caller must not report the restore as done (vLLM ``auto`` falls back to the normal load, which
+overwrites every byte).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from coldsnap_core.cache import PayloadCache
+from coldsnap_core.copy.base import CopyBackend, CopyOp, LiveAllocation
+from coldsnap_core.format.allocation import AllocationMap
+from coldsnap_core.format.manifest import NativeManifest
+from coldsnap_core.verify import check_live_layout, check_manifest, check_pack_padding, verify_blob_file
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class HydrationReport:
+    """What a hydration did.
+
+    Attributes:
+        model_bytes: bytes copied from the pack (counting every destination).
+        residual_bytes: bytes copied from the blob.
+        check_seconds: time spent on checks before the first byte was written.
+        copy_seconds: time spent copying.
+    """
+
+    model_bytes: int
+    residual_bytes: int
+    check_seconds: float
+    copy_seconds: float
+
+
+def plan_hydration(manifest: NativeManifest) -> list[CopyOp]:
+    """The copy plan: model extents in pack order, then residual extents in blob order."""
+    ops = [
+        CopyOp("pack", e.pack_offset_bytes, e.allocation_index, e.offset_bytes, e.size_bytes, e.sha256, i)
+        for i, e in enumerate(manifest.model_extents)
+    ]
+    ops.sort(key=lambda op: (op.source_offset_bytes, op.allocation_index, op.offset_bytes))
+    ops.extend(
+        CopyOp("blob", e.blob_offset_bytes, e.allocation_index, e.offset_bytes, e.size_bytes, None, i)
+        for i, e in enumerate(manifest.residual_extents)
+    )
+    return ops
+
+
+def hydrate(
+    manifest: NativeManifest,
+    *,
+    blob_path: Path,
+    cache: PayloadCache,
+    allocations: Sequence[LiveAllocation],
+    backend: CopyBackend,
+    live_layout: AllocationMap | None = None,
+    verify_extents: bool = False,
+    manifest_file: str | None = None,
+) -> HydrationReport:
+    """Verify everything, then fill ``allocations`` from the pack and the blob.
+
+    Args:
+        manifest: the worker's native manifest.
+        blob_path: the worker's ``weights.blob``.
+        cache: the node-local cache holding the pack (already staged there).
+        allocations: the live allocations, ``allocations[i].index == i``.
+        backend: the copy backend for the allocations' memory.
+        live_layout: the live model's allocation map, to compare fingerprints (``None`` compares
+            sizes only).
+        verify_extents: also hash every model extent while copying (catches an in-place edit of a
+            cached pack that restored its size and mtime, which a validation record cannot see).
+        manifest_file: the manifest's path, for error messages.
+
+    Raises:
+        ManifestError: a manifest rule or the live layout check failed (nothing written).
+        IntegrityError: the pack or blob is corrupt (nothing written), or ``verify_extents`` found
+            a bad extent (the allocations are then partly written).
+        MissingObjectError: the pack or blob is missing (nothing written).
+    """
+    started = time.perf_counter()
+    layout = check_manifest(manifest, file=manifest_file)
+    check_live_layout(manifest.allocations, live_layout, allocations, file=manifest_file)
+    pack_path = cache.admit(manifest.pack.sha256, manifest.pack.size_bytes)
+    check_pack_padding(pack_path, layout)
+    verify_blob_file(blob_path, manifest.residual)
+    checked = time.perf_counter()
+    backend.fill(
+        plan_hydration(manifest), {"pack": pack_path, "blob": blob_path}, allocations, verify_extents=verify_extents
+    )
+    done = time.perf_counter()
+    report = HydrationReport(manifest.model_bytes, manifest.residual_bytes, checked - started, done - checked)
+    logger.info(
+        "coldsnap: hydrated %s: %d bytes from pack %s, %d from the residual blob (checks %.3f s, copy %.3f s)",
+        manifest.worker.capsule_name,
+        report.model_bytes,
+        manifest.pack.sha256[:12],
+        report.residual_bytes,
+        report.check_seconds,
+        report.copy_seconds,
+    )
+    return report

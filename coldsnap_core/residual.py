@@ -1,0 +1,76 @@
+"""The residual blob writer (``weights.blob``) and the residual map it follows.
+
+The residual map is the complement of the model map within every preserved allocation: each maximal
+run of bytes not covered by a model extent becomes one residual extent. Residual extents are stored
+back to back in map order, from blob offset 0, without padding (``docs/format.md``, "Residual blob").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from coldsnap_core._io import HashingWriter, fsync_fd
+from coldsnap_core.copy.base import CopyBackend, LiveAllocation
+from coldsnap_core.errors import ResidualSizeMismatchError
+from coldsnap_core.format.extents import ResidualExtent
+from coldsnap_core.format.manifest import ResidualRef
+
+
+def residual_extents(allocation_sizes: Sequence[int], model_ranges: Iterable[tuple[int, int, int]]) -> tuple[ResidualExtent, ...]:
+    """The complement of ``model_ranges`` over the allocations, with blob offsets.
+
+    Args:
+        allocation_sizes: ``size_bytes`` of each allocation, by index.
+        model_ranges: ``(allocation_index, offset_bytes, size_bytes)`` of every model extent, sorted
+            and disjoint.
+    """
+    by_allocation: list[list[tuple[int, int]]] = [[] for _ in allocation_sizes]
+    for index, offset, size in model_ranges:
+        by_allocation[index].append((offset, offset + size))
+    extents = []
+    blob_offset = 0
+    for index, size_bytes in enumerate(allocation_sizes):
+        position = 0
+        for start, end in [*by_allocation[index], (size_bytes, size_bytes)]:
+            if start > position:
+                extents.append(ResidualExtent(index, position, start - position, blob_offset))
+                blob_offset += start - position
+            position = max(position, end)
+    return tuple(extents)
+
+
+def write_residual(
+    extents: Sequence[ResidualExtent],
+    allocations: Sequence[LiveAllocation],
+    backend: CopyBackend,
+    path: Path,
+) -> ResidualRef:
+    """Write the residual bytes to a new file ``path`` (which must not exist) and fsync it.
+
+    Returns:
+        The blob's :class:`ResidualRef` (file name, SHA-256, size).
+
+    Raises:
+        ResidualSizeMismatchError: the file does not hold the bytes written.
+        InsufficientSpaceError: the file system filled up.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        writer = HashingWriter(fd, file=path)
+        try:
+            for extent in extents:
+                for chunk in backend.read_chunks(allocations[extent.allocation_index], extent.offset_bytes, extent.size_bytes):
+                    writer.write(chunk)
+        except BaseException:
+            writer.abort()
+            raise
+        digest = writer.finish()
+        fsync_fd(fd, file=path)
+        expected = sum(e.size_bytes for e in extents)
+        if os.fstat(fd).st_size != expected:
+            raise ResidualSizeMismatchError(f"wrote {expected} bytes but the blob holds {os.fstat(fd).st_size}", file=path)
+    finally:
+        os.close(fd)
+    return ResidualRef(path.name, digest, expected)
