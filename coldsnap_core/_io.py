@@ -13,6 +13,7 @@ Internal logic worth knowing:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -118,10 +119,8 @@ class HashingWriter:
         return self._hash.hexdigest()
 
     def abort(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self._wait()
-        except Exception:  # noqa: BLE001 - the caller is already failing
-            pass
         self._pool.shutdown(wait=True)
 
 

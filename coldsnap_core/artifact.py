@@ -168,7 +168,9 @@ def find_worker(descriptor: ArtifactDescriptor, worker: WorkerIdentity) -> Worke
     for entry in descriptor.workers:
         if entry.worker == worker:
             return entry
-    raise MissingObjectError(f"the artifact lists no capsule for {worker.capsule_name} (tensor parallel rank {worker.tensor_parallel_rank})")
+    raise MissingObjectError(
+        f"the artifact lists no capsule for {worker.capsule_name} (tensor parallel rank {worker.tensor_parallel_rank})"
+    )
 
 
 def read_descriptor(artifact_dir: Path) -> ArtifactDescriptor:

@@ -91,11 +91,17 @@ def check_model_ranges(ranges: Sequence[ModelRange], allocations: Sequence[LiveA
     previous = (0, 0)
     for r in ranges:
         if r.size_bytes <= 0 or r.allocation_index >= len(allocations):
-            raise ObserverError("empty model range or unknown allocation", allocation=r.allocation_index, offset_bytes=r.offset_bytes)
+            raise ObserverError(
+                "empty model range or unknown allocation", allocation=r.allocation_index, offset_bytes=r.offset_bytes
+            )
         if r.offset_bytes + r.size_bytes > allocations[r.allocation_index].size_bytes:
-            raise ObserverError("model range ends beyond its allocation", allocation=r.allocation_index, offset_bytes=r.offset_bytes)
+            raise ObserverError(
+                "model range ends beyond its allocation", allocation=r.allocation_index, offset_bytes=r.offset_bytes
+            )
         if (r.allocation_index, r.offset_bytes) < previous:
-            raise ObserverError("model ranges are not sorted and disjoint", allocation=r.allocation_index, offset_bytes=r.offset_bytes)
+            raise ObserverError(
+                "model ranges are not sorted and disjoint", allocation=r.allocation_index, offset_bytes=r.offset_bytes
+            )
         previous = (r.allocation_index, r.offset_bytes + r.size_bytes)
 
 

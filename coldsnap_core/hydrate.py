@@ -102,9 +102,7 @@ def hydrate(
     check_pack_padding(pack_path, layout)
     verify_blob_file(blob_path, manifest.residual)
     checked = time.perf_counter()
-    backend.fill(
-        plan_hydration(manifest), {"pack": pack_path, "blob": blob_path}, allocations, verify_extents=verify_extents
-    )
+    backend.fill(plan_hydration(manifest), {"pack": pack_path, "blob": blob_path}, allocations, verify_extents=verify_extents)
     done = time.perf_counter()
     report = HydrationReport(manifest.model_bytes, manifest.residual_bytes, checked - started, done - checked)
     logger.info(

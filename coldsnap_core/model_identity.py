@@ -9,7 +9,9 @@ from coldsnap_core._io import sha256_file
 from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity
 
 
-def identify_checkpoint(files: Iterable[Path], *, source: str, revision: str | None = None, root: Path | None = None) -> ModelIdentity:
+def identify_checkpoint(
+    files: Iterable[Path], *, source: str, revision: str | None = None, root: Path | None = None
+) -> ModelIdentity:
     """Hash every checkpoint file (SHA-256, one pass each) into a :class:`ModelIdentity`.
 
     Args:

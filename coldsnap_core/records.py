@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coldsnap_core._io import fsync_dir, sha256_file
+from coldsnap_core._io import fsync_dir
 from coldsnap_core.digests import SHA256_HEX_RE, check_digest
 from coldsnap_core.errors import (
     ColdsnapError,

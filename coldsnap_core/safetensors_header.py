@@ -88,6 +88,11 @@ def read_header(path: str | Path) -> dict[str, TensorLocation]:
             continue
         begin, end = entry["data_offsets"]
         locations[name] = TensorLocation(
-            path, name, SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"].lower()), tuple(entry["shape"]), base + begin, end - begin
+            path,
+            name,
+            SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"].lower()),
+            tuple(entry["shape"]),
+            base + begin,
+            end - begin,
         )
     return locations

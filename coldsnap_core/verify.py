@@ -179,7 +179,9 @@ def check_residual_layout(extents: Sequence, residual: ResidualRef, *, file: str
             )
         position += extent.size_bytes
     if position != residual.size_bytes:
-        raise ResidualLayoutError(f"residual extents hold {position} bytes, the blob's size_bytes is {residual.size_bytes}", file=file)
+        raise ResidualLayoutError(
+            f"residual extents hold {position} bytes, the blob's size_bytes is {residual.size_bytes}", file=file
+        )
 
 
 # --- the manifest against the live allocations ----------------------------------------------------
@@ -373,7 +375,9 @@ def check_pack_padding(path: str | os.PathLike[str], layout: PackLayout) -> None
             data = os.pread(fd, size, start)
             if data.count(0) != size:
                 first = next(i for i, b in enumerate(data) if b)
-                raise NonZeroPaddingError("a padding byte between pack extents is not zero", file=path, offset_bytes=start + first)
+                raise NonZeroPaddingError(
+                    "a padding byte between pack extents is not zero", file=path, offset_bytes=start + first
+                )
     finally:
         os.close(fd)
 
@@ -392,7 +396,9 @@ def verify_blob_file(path: str | os.PathLike[str], residual: ResidualRef) -> Non
     _require_size(path, residual.size_bytes, ResidualSizeMismatchError, "residual blob")
     digest, _ = sha256_file(path)
     if digest != residual.sha256:
-        raise ResidualDigestMismatchError(f"the residual blob's SHA-256 is {digest}, the manifest records {residual.sha256}", file=path)
+        raise ResidualDigestMismatchError(
+            f"the residual blob's SHA-256 is {digest}, the manifest records {residual.sha256}", file=path
+        )
 
 
 def extent_owner_map(manifest: NativeManifest) -> Callable[[PackEntry], tuple[int | None, int | None]]:

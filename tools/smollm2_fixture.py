@@ -53,7 +53,11 @@ _LAYER_PARTS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-_GLOBALS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_GLOBALS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def fixtures_dir() -> Path:

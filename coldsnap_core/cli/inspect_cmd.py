@@ -74,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
         total = s["allocation_bytes"]
         print(f"\n{s['capsule']} ({s['capture_point']} capture point, layout {s['layout_fingerprint'][:16]})")
         print(f"  allocations: {s['allocations']} ({_human(total)}), tensors: {s['tensors']}")
-        print(f"  model bytes:    {_human(s['model_bytes'])} in {s['model_extents']} extents ({100 * s['model_bytes'] / max(total, 1):.2f}%)")
+        print(
+            f"  model bytes:    {_human(s['model_bytes'])} in {s['model_extents']} extents ({100 * s['model_bytes'] / max(total, 1):.2f}%)"
+        )
         print(f"  residual bytes: {_human(s['residual_bytes'])} in {s['residual_extents']} extents")
         print(f"  pack: sha256 {pack['sha256']}")
         print(f"        {_human(pack['size_bytes'])}, {pack['stored_extents']} stored extents, path {pack['path']}")

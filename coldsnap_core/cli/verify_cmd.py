@@ -27,7 +27,12 @@ def run(args: argparse.Namespace) -> int:
         if manifest.pack.sha256 not in verified_packs:
             path = cache.object_path(manifest.pack.sha256)
             with tqdm(
-                total=manifest.pack.size_bytes, unit="B", unit_scale=True, desc=f"verify {manifest.pack.sha256[:12]}", leave=False, disable=None
+                total=manifest.pack.size_bytes,
+                unit="B",
+                unit_scale=True,
+                desc=f"verify {manifest.pack.sha256[:12]}",
+                leave=False,
+                disable=None,
             ) as bar:
                 verify_pack_file(path, manifest.pack, layout, progress=bar.update, extent_owner=extent_owner_map(manifest))
             verified_packs.add(manifest.pack.sha256)

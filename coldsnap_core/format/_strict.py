@@ -81,7 +81,9 @@ class Fields:
     def bool(self, key: str) -> bool:
         value = self._get(key)
         if not isinstance(value, bool):
-            raise ManifestSchemaError(f"field {self._path(key)} must be true or false, got {type(value).__name__}", file=self._file)
+            raise ManifestSchemaError(
+                f"field {self._path(key)} must be true or false, got {type(value).__name__}", file=self._file
+            )
         return value
 
     def int(self, key: str, *, minimum: int = 0, maximum: int = MAX_OFFSET_BYTES) -> int:
