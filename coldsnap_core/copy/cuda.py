@@ -1,0 +1,695 @@
+"""The CUDA copy backend: allocations are device memory (CUDA virtual addresses), files reach them
+through pinned host staging buffers.
+
+Hydration (:meth:`CudaCopyBackend.fill`) is one pipeline:
+
+1. The plan's ops (sorted by source file and file offset) are cut into *chunks*: runs of one source
+   file up to ``chunk_bytes`` long (64 MiB by default). Consecutive ops whose bytes are close in the
+   file share a chunk, so one large read serves many extents of many allocations (the pack's
+   4 KiB padding is read along; a gap over ``max_gap_bytes`` starts a new chunk). An op larger than
+   a chunk is split over several chunks.
+2. ``staging_buffers`` pinned host buffers (2: double buffering) take turns. For chunk ``k`` the
+   pipeline waits on the event of the buffer's previous use (its copies to the device are done),
+   reads the chunk into it (``read_threads`` parallel ``preadv`` calls, GIL released), enqueues one
+   asynchronous host-to-device copy per piece on one stream (destinations in any allocation) and
+   records the buffer's event. Chunk ``k + 1`` is read while the DMA engine copies chunk ``k``.
+3. At the end the stream is synchronized; only then does :meth:`fill` return.
+
+Capture and materialization read device bytes back with :meth:`CudaCopyBackend.read_chunks`:
+device-to-host copies into three pinned buffers in turn, the next chunk copied while the caller
+hashes or writes the current one.
+
+The device is reached through :class:`DeviceOps`, a small Protocol with CUDA runtime semantics
+(pinned allocation, stream, event, asynchronous copies). :class:`CupyDeviceOps` implements it with
+cupy's runtime bindings (``cupy.cuda.runtime``; imported lazily, so this module imports without
+cupy). The CPU tests drive the same pipeline code through a host-memory implementation that keeps
+the asynchronous contract (copies happen at synchronization, a staging buffer overwritten while a
+copy from it is pending is detected).
+
+Sources of the facts used here: CUDA runtime API (``cudaMemcpyAsync``, ``cudaHostAlloc``,
+``cudaEventRecord``/``cudaEventSynchronize``; enum values ``cudaMemcpyHostToDevice = 1``,
+``cudaMemcpyDeviceToHost = 2``, ``cudaHostAllocPortable = 1``, ``cudaStreamNonBlocking = 1``,
+``cudaEventDisableTiming = 2``); cupy ``cupy_backends/cuda/api/runtime.pyx`` (the functions take and
+return plain integers); ``reference/vllm.md`` section 4.5 (the wake fills segments through any host
+pointer with UVA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import queue
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from coldsnap_core.copy.base import CopyOp, LiveAllocation, SourceName
+from coldsnap_core.copy.host import host_view
+from coldsnap_core.errors import ConfigurationError, CopyBackendError, ExtentDigestMismatchError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+"""Bytes per staging buffer and file read for hydration (64 MiB)."""
+
+DEFAULT_READ_CHUNK_BYTES = 16 << 20
+"""Bytes per device-to-host copy in :meth:`CudaCopyBackend.read_chunks` (16 MiB)."""
+
+DEFAULT_MAX_GAP_BYTES = 1 << 20
+"""Two ops of one source share a chunk when the bytes between them are at most this many (1 MiB)."""
+
+READ_BUFFERS = 3
+"""Pinned buffers per :meth:`CudaCopyBackend.read_chunks` lane (the caller's chunk, the previous
+one it may still be finishing, and the one being copied)."""
+
+IO_ALIGNMENT_BYTES = 4096
+"""File offset, length and buffer alignment of ``O_DIRECT`` reads (the pack's extent alignment)."""
+
+# CUDA runtime enum values (driver_types.h); stable ABI constants.
+CUDA_MEMCPY_HOST_TO_DEVICE = 1
+CUDA_MEMCPY_DEVICE_TO_HOST = 2
+CUDA_HOST_ALLOC_PORTABLE = 1
+CUDA_STREAM_NON_BLOCKING = 1
+CUDA_EVENT_DISABLE_TIMING = 2
+
+
+@runtime_checkable
+class DeviceOps(Protocol):
+    """The device operations the copy pipeline needs, with CUDA runtime semantics.
+
+    Addresses are plain integers: host pointers for pinned buffers, CUDA virtual addresses for device
+    memory (unified addressing). Streams and events are opaque handles. Asynchronous copies are
+    ordered on their stream and may run at any time until the stream (or an event recorded after
+    them) is synchronized; their source must not change and their destination must not be read
+    until then. Every method raises (any exception) on failure.
+    """
+
+    device: int
+
+    def alloc_pinned(self, size_bytes: int) -> int:
+        """Allocate page-locked host memory (page aligned); return its address."""
+        ...
+
+    def free_pinned(self, address: int) -> None: ...
+
+    def create_stream(self) -> Any: ...
+
+    def destroy_stream(self, stream: Any) -> None: ...
+
+    def create_event(self) -> Any: ...
+
+    def destroy_event(self, event: Any) -> None: ...
+
+    def memcpy_htod_async(self, device_address: int, host_address: int, size_bytes: int, stream: Any) -> None:
+        """Enqueue a copy of ``size_bytes`` bytes from pinned host memory to device memory."""
+        ...
+
+    def memcpy_dtoh_async(self, host_address: int, device_address: int, size_bytes: int, stream: Any) -> None:
+        """Enqueue a copy of ``size_bytes`` bytes from device memory to pinned host memory."""
+        ...
+
+    def record_event(self, event: Any, stream: Any) -> None:
+        """Record ``event`` after the work enqueued so far on ``stream``."""
+        ...
+
+    def synchronize_event(self, event: Any) -> None:
+        """Block until the work before the event's last record is done."""
+        ...
+
+    def synchronize_stream(self, stream: Any) -> None:
+        """Block until all work enqueued on ``stream`` is done."""
+        ...
+
+
+class CupyDeviceOps:
+    """:class:`DeviceOps` through ``cupy.cuda.runtime`` on one CUDA device.
+
+    Every call runs with ``device`` current (``cupy.cuda.Device``), so worker threads whose current
+    device is another one still record events on the right device.
+
+    Args:
+        device: the CUDA device ordinal (default: the calling thread's current device).
+
+    Raises:
+        ConfigurationError: cupy is not installed, or no CUDA device is usable (the driver or the
+            device is missing); the message says which.
+    """
+
+    def __init__(self, device: int | None = None) -> None:
+        try:
+            import cupy
+        except ImportError as exc:
+            raise ConfigurationError(
+                "the CUDA copy backend needs cupy (pip install 'coldsnap[cuda]', i.e. cupy-cuda12x)"
+            ) from exc
+        self._cupy = cupy
+        self._rt = cupy.cuda.runtime
+        try:
+            count = self._rt.getDeviceCount()
+            self.device = self._rt.getDevice() if device is None else int(device)
+        except Exception as exc:  # cupy raises CUDARuntimeError without a driver
+            raise ConfigurationError(f"no usable CUDA device for the CUDA copy backend: {exc}") from exc
+        if not 0 <= self.device < count:
+            raise ConfigurationError(f"CUDA device {self.device} does not exist ({count} devices)")
+
+    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
+        return self._cupy.cuda.Device(self.device)
+
+    def alloc_pinned(self, size_bytes: int) -> int:
+        with self._on_device():
+            return int(self._rt.hostAlloc(size_bytes, CUDA_HOST_ALLOC_PORTABLE))
+
+    def free_pinned(self, address: int) -> None:
+        with self._on_device():
+            self._rt.freeHost(address)
+
+    def create_stream(self) -> int:
+        with self._on_device():
+            return int(self._rt.streamCreateWithFlags(CUDA_STREAM_NON_BLOCKING))
+
+    def destroy_stream(self, stream: int) -> None:
+        with self._on_device():
+            self._rt.streamDestroy(stream)
+
+    def create_event(self) -> int:
+        with self._on_device():
+            return int(self._rt.eventCreateWithFlags(CUDA_EVENT_DISABLE_TIMING))
+
+    def destroy_event(self, event: int) -> None:
+        with self._on_device():
+            self._rt.eventDestroy(event)
+
+    def memcpy_htod_async(self, device_address: int, host_address: int, size_bytes: int, stream: int) -> None:
+        with self._on_device():
+            self._rt.memcpyAsync(device_address, host_address, size_bytes, CUDA_MEMCPY_HOST_TO_DEVICE, stream)
+
+    def memcpy_dtoh_async(self, host_address: int, device_address: int, size_bytes: int, stream: int) -> None:
+        with self._on_device():
+            self._rt.memcpyAsync(host_address, device_address, size_bytes, CUDA_MEMCPY_DEVICE_TO_HOST, stream)
+
+    def record_event(self, event: int, stream: int) -> None:
+        with self._on_device():
+            self._rt.eventRecord(event, stream)
+
+    def synchronize_event(self, event: int) -> None:
+        with self._on_device():
+            self._rt.eventSynchronize(event)
+
+    def synchronize_stream(self, stream: int) -> None:
+        with self._on_device():
+            self._rt.streamSynchronize(stream)
+
+
+def cuda_unavailable_reason() -> str | None:
+    """Why the CUDA copy backend cannot run here (``None`` when it can): for skips and clear errors."""
+    try:
+        CupyDeviceOps()
+    except ConfigurationError as exc:
+        return exc.detail
+    return None
+
+
+# --- the plan: chunks of one source file -----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """The part of one op that one chunk carries.
+
+    Attributes:
+        op: the op.
+        op_offset_bytes: where the piece starts within the op.
+        chunk_offset_bytes: where the piece's bytes start within the chunk.
+        size_bytes: length.
+    """
+
+    op: CopyOp
+    op_offset_bytes: int
+    chunk_offset_bytes: int
+    size_bytes: int
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One read: ``[file_offset_bytes, file_offset_bytes + size_bytes)`` of ``source``, and the
+    pieces it feeds (in file order)."""
+
+    source: SourceName
+    file_offset_bytes: int
+    size_bytes: int
+    pieces: list[Piece] = field(default_factory=list)
+
+
+def plan_chunks(ops: Sequence[CopyOp], chunk_bytes: int, max_gap_bytes: int = DEFAULT_MAX_GAP_BYTES) -> list[Chunk]:
+    """Cut ``ops`` into chunks of at most ``chunk_bytes`` bytes of one source file.
+
+    The ops are taken in (source, source offset) order; identical pack extents (same offset) and
+    ops that are at most ``max_gap_bytes`` apart share a chunk. Every op byte is in exactly one
+    piece; the pieces of one op appear in op order.
+    """
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, not {chunk_bytes}")
+    chunks: list[Chunk] = []
+    current: Chunk | None = None
+    for op in sorted(ops, key=lambda o: (o.source, o.source_offset_bytes)):
+        position = op.source_offset_bytes
+        end = op.source_offset_bytes + op.size_bytes
+        while position < end:
+            fits = (
+                current is not None
+                and current.source == op.source
+                and current.file_offset_bytes <= position < current.file_offset_bytes + chunk_bytes
+                and position - (current.file_offset_bytes + current.size_bytes) <= max_gap_bytes
+            )
+            if not fits:
+                current = Chunk(op.source, position, 0)
+                chunks.append(current)
+            assert current is not None
+            take = min(end, current.file_offset_bytes + chunk_bytes) - position
+            chunk_offset = position - current.file_offset_bytes
+            current.pieces.append(Piece(op, position - op.source_offset_bytes, chunk_offset, take))
+            current.size_bytes = max(current.size_bytes, chunk_offset + take)
+            position += take
+    return chunks
+
+
+def describe_op(op: CopyOp) -> str:
+    """``model extent 3`` / ``residual extent 7``: how errors name an op."""
+    kind = "model" if op.source == "pack" else "residual"
+    return f"{kind} extent {op.extent_index}"
+
+
+# --- staging buffers and lanes ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Lane:
+    """A stream with its pinned buffers and one event per buffer."""
+
+    stream: Any
+    buffers: list[int]
+    events: list[Any]
+    buffer_bytes: int
+    pending: list[bool]
+
+
+class CudaCopyBackend:
+    """Copy backend for allocations in CUDA device memory (see the module docstring).
+
+    Args:
+        ops: the device operations (default: :class:`CupyDeviceOps` on ``device``, created on first use).
+        device: the CUDA device ordinal for the default ``ops``.
+        chunk_bytes: bytes per hydration chunk (staging buffer size).
+        staging_buffers: number of hydration staging buffers (2: double buffering).
+        read_threads: parallel ``preadv`` calls per chunk (default: usable CPUs, at most 8; reading
+            the page cache into pinned memory is a CPU copy that has to keep up with the DMA).
+        read_chunk_bytes: bytes per device-to-host copy in :meth:`read_chunks`.
+        max_read_lanes: concurrent :meth:`read_chunks` generators (each holds a stream and
+            :data:`READ_BUFFERS` pinned buffers of ``read_chunk_bytes``; default: usable CPUs, at
+            most 8, as capture hashes on every CPU); more callers wait.
+        direct_io: open sources with ``O_DIRECT`` (page cache bypass; falls back to buffered reads
+            where the file system refuses it).
+        max_gap_bytes: see :func:`plan_chunks`.
+
+    The pinned buffers and streams are created on first use and kept until :meth:`close`.
+    """
+
+    name = "cuda"
+
+    def __init__(
+        self,
+        *,
+        ops: DeviceOps | None = None,
+        device: int | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        staging_buffers: int = 2,
+        read_threads: int | None = None,
+        read_chunk_bytes: int = DEFAULT_READ_CHUNK_BYTES,
+        max_read_lanes: int | None = None,
+        direct_io: bool = False,
+        max_gap_bytes: int = DEFAULT_MAX_GAP_BYTES,
+    ) -> None:
+        if staging_buffers < 2:
+            raise ValueError("the pipeline needs at least 2 staging buffers")
+        if chunk_bytes % IO_ALIGNMENT_BYTES or read_chunk_bytes % IO_ALIGNMENT_BYTES:
+            raise ValueError(f"chunk sizes must be multiples of {IO_ALIGNMENT_BYTES}")
+        self._ops = ops
+        self._device = device
+        self.chunk_bytes = chunk_bytes
+        self.staging_buffers = staging_buffers
+        self.read_threads = max(1, read_threads or min(8, len(os.sched_getaffinity(0))))
+        self.read_chunk_bytes = read_chunk_bytes
+        self.max_read_lanes = max(1, max_read_lanes or min(8, len(os.sched_getaffinity(0))))
+        self.direct_io = direct_io
+        self.max_gap_bytes = max_gap_bytes
+        self._lock = threading.Lock()
+        self._fill_lock = threading.Lock()
+        self._fill_lane: _Lane | None = None
+        self._read_lanes: queue.LifoQueue[_Lane] = queue.LifoQueue()
+        self._read_lanes_created = 0
+        self._all_lanes: list[_Lane] = []
+
+    @property
+    def ops(self) -> DeviceOps:
+        """The device operations (created on first use; see :class:`CupyDeviceOps` for errors)."""
+        if self._ops is None:
+            self._ops = CupyDeviceOps(self._device)
+        return self._ops
+
+    # -- lanes --------------------------------------------------------------------------------------
+
+    def _new_lane(self, count: int, buffer_bytes: int) -> _Lane:
+        ops = self.ops
+        buffers: list[int] = []
+        events: list[Any] = []
+        stream = None
+        try:
+            stream = ops.create_stream()
+            for _ in range(count):
+                buffers.append(ops.alloc_pinned(buffer_bytes))
+                events.append(ops.create_event())
+        except Exception as exc:
+            for address in buffers:
+                with contextlib.suppress(Exception):
+                    ops.free_pinned(address)
+            for event in events:
+                with contextlib.suppress(Exception):
+                    ops.destroy_event(event)
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    ops.destroy_stream(stream)
+            raise CopyBackendError(f"allocating {count} pinned staging buffers of {buffer_bytes} bytes failed: {exc}") from exc
+        lane = _Lane(stream, buffers, events, buffer_bytes, [False] * count)
+        self._all_lanes.append(lane)
+        return lane
+
+    def _acquire_read_lane(self) -> _Lane:
+        with self._lock:
+            try:
+                return self._read_lanes.get_nowait()
+            except queue.Empty:
+                if self._read_lanes_created < self.max_read_lanes:
+                    self._read_lanes_created += 1
+                    try:
+                        return self._new_lane(READ_BUFFERS, self.read_chunk_bytes)
+                    except BaseException:
+                        self._read_lanes_created -= 1
+                        raise
+        return self._read_lanes.get()
+
+    def close(self) -> None:
+        """Wait for outstanding copies, then free every pinned buffer, event and stream."""
+        with self._lock:
+            lanes, self._all_lanes = self._all_lanes, []
+            self._fill_lane = None
+            self._read_lanes = queue.LifoQueue()
+            self._read_lanes_created = 0
+        if not lanes:
+            return
+        ops = self.ops
+        for lane in lanes:
+            with contextlib.suppress(Exception):
+                ops.synchronize_stream(lane.stream)
+            for event in lane.events:
+                with contextlib.suppress(Exception):
+                    ops.destroy_event(event)
+            for address in lane.buffers:
+                with contextlib.suppress(Exception):
+                    ops.free_pinned(address)
+            with contextlib.suppress(Exception):
+                ops.destroy_stream(lane.stream)
+
+    def __enter__(self) -> CudaCopyBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def prepare(self) -> None:
+        """Allocate the hydration staging buffers and stream now (a sleep does this, so that the
+        wake does not pay for pinned allocation).
+
+        Raises:
+            ConfigurationError: the device operations cannot be created (cupy or the GPU missing).
+            CopyBackendError: pinned allocation failed.
+        """
+        with self._fill_lock, self._lock:
+            if self._fill_lane is None:
+                self._fill_lane = self._new_lane(self.staging_buffers, self.chunk_bytes + 2 * IO_ALIGNMENT_BYTES)
+
+    # -- hydration ----------------------------------------------------------------------------------
+
+    def fill(
+        self,
+        ops: Sequence[CopyOp],
+        sources: Mapping[SourceName, Path],
+        allocations: Sequence[LiveAllocation],
+        *,
+        verify_extents: bool,
+    ) -> None:
+        """See :meth:`coldsnap_core.copy.base.CopyBackend.fill`.
+
+        Raises:
+            CopyBackendError: a read failed or ended early, or a device copy failed; the message
+                names the extent (``model extent k`` / ``residual extent k``), and the error the
+                allocation and the offset within it. Outstanding copies are drained first.
+            ExtentDigestMismatchError: ``verify_extents`` and a model extent's staged bytes do not
+                have its SHA-256.
+        """
+        if not ops:
+            return
+        with self._fill_lock:
+            self._fill(plan_chunks(ops, self.chunk_bytes, self.max_gap_bytes), sources, allocations, verify_extents)
+
+    def _fill(
+        self, chunks: list[Chunk], sources: Mapping[SourceName, Path], allocations: Sequence[LiveAllocation], verify_extents: bool
+    ) -> None:
+        with self._lock:
+            if self._fill_lane is None:
+                self._fill_lane = self._new_lane(self.staging_buffers, self.chunk_bytes + 2 * IO_ALIGNMENT_BYTES)
+            lane = self._fill_lane
+        device = self.ops
+        hashes: dict[int, Any] = {}
+        fds: dict[SourceName, tuple[int, bool]] = {}
+        pool = (
+            ThreadPoolExecutor(max_workers=self.read_threads, thread_name_prefix="coldsnap-read")
+            if self.read_threads > 1
+            else None
+        )
+        try:
+            for name, path in sources.items():
+                fds[name] = self._open(path)
+            for k, chunk in enumerate(chunks):
+                slot = k % len(lane.buffers)
+                if lane.pending[slot]:
+                    try:
+                        device.synchronize_event(lane.events[slot])
+                    except Exception as exc:
+                        raise self._copy_error(chunks[k - len(lane.buffers)], exc) from exc
+                    lane.pending[slot] = False
+                fd, direct = fds[chunk.source]
+                lead = self._read_chunk(pool, fd, direct, lane.buffers[slot], chunk, sources)
+                staged = lane.buffers[slot] + lead
+                for piece in chunk.pieces:
+                    op = piece.op
+                    if verify_extents and op.sha256 is not None:
+                        digest = hashes.setdefault(id(op), hashlib.sha256())
+                        digest.update(host_view(staged + piece.chunk_offset_bytes, piece.size_bytes))
+                        if piece.op_offset_bytes + piece.size_bytes == op.size_bytes:
+                            self._check_digest(hashes.pop(id(op)), op, sources)
+                    destination = allocations[op.allocation_index].address + op.offset_bytes + piece.op_offset_bytes
+                    try:
+                        device.memcpy_htod_async(destination, staged + piece.chunk_offset_bytes, piece.size_bytes, lane.stream)
+                    except Exception as exc:
+                        raise CopyBackendError(
+                            f"copying {describe_op(op)} ({piece.size_bytes} bytes at byte {piece.op_offset_bytes} of the extent)"
+                            f" to device address {destination:#x} failed: {exc}",
+                            file=sources[op.source],
+                            allocation=op.allocation_index,
+                            offset_bytes=op.offset_bytes + piece.op_offset_bytes,
+                        ) from exc
+                try:
+                    device.record_event(lane.events[slot], lane.stream)
+                except Exception as exc:
+                    raise self._copy_error(chunk, exc) from exc
+                lane.pending[slot] = True
+            try:
+                device.synchronize_stream(lane.stream)
+            except Exception as exc:
+                raise CopyBackendError(f"the host-to-device copies failed: {exc}") from exc
+            lane.pending = [False] * len(lane.buffers)
+        except BaseException:
+            self._drain(lane)
+            raise
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
+            for fd, _ in fds.values():
+                os.close(fd)
+
+    def _open(self, path: Path) -> tuple[int, bool]:
+        flags = os.O_RDONLY | os.O_CLOEXEC
+        if self.direct_io and hasattr(os, "O_DIRECT"):
+            try:
+                return os.open(path, flags | os.O_DIRECT), True
+            except OSError as exc:
+                logger.debug("coldsnap: O_DIRECT refused for %s (%s); reading through the page cache", path, exc)
+        try:
+            return os.open(path, flags), False
+        except OSError as exc:
+            raise CopyBackendError(f"cannot open the source: {exc}", file=path) from exc
+
+    def _read_chunk(
+        self,
+        pool: ThreadPoolExecutor | None,
+        fd: int,
+        direct: bool,
+        buffer: int,
+        chunk: Chunk,
+        sources: Mapping[SourceName, Path],
+    ) -> int:
+        """Read the chunk's bytes into ``buffer``; return where they start in it (the O_DIRECT lead)."""
+        lead = chunk.file_offset_bytes % IO_ALIGNMENT_BYTES if direct else 0
+        start = chunk.file_offset_bytes - lead
+        length = lead + chunk.size_bytes
+        if direct:
+            length = -(-length // IO_ALIGNMENT_BYTES) * IO_ALIGNMENT_BYTES
+        parts = []
+        part_bytes = max(1 << 20, -(-length // self.read_threads))
+        part_bytes = -(-part_bytes // IO_ALIGNMENT_BYTES) * IO_ALIGNMENT_BYTES
+        for offset in range(0, length, part_bytes):
+            parts.append((offset, min(part_bytes, length - offset)))
+
+        def read(part: tuple[int, int]) -> int:
+            offset, size = part
+            view = host_view(buffer + offset, size)
+            done = 0
+            while done < size:
+                n = os.preadv(fd, [view[done:]], start + offset + done)
+                if n == 0:
+                    break
+                done += n
+            return done
+
+        try:
+            counts = [read(p) for p in parts] if pool is None or len(parts) == 1 else list(pool.map(read, parts))
+        except OSError as exc:
+            op = chunk.pieces[0].op
+            raise CopyBackendError(
+                f"reading {chunk.source} bytes [{chunk.file_offset_bytes}, {chunk.file_offset_bytes + chunk.size_bytes})"
+                f" for {describe_op(op)} failed: {exc}",
+                file=sources[chunk.source],
+                allocation=op.allocation_index,
+                offset_bytes=op.offset_bytes,
+            ) from exc
+        available = 0
+        for (offset, size), n in zip(parts, counts, strict=True):
+            available = offset + n
+            if n < size:
+                break
+        available -= lead
+        if available < chunk.size_bytes:
+            short = next(p for p in chunk.pieces if p.chunk_offset_bytes + p.size_bytes > available)
+            op = short.op
+            raise CopyBackendError(
+                f"{chunk.source} ended at offset {chunk.file_offset_bytes + max(available, 0)} inside {describe_op(op)}"
+                f" (needs bytes up to {op.source_offset_bytes + op.size_bytes})",
+                file=sources[chunk.source],
+                allocation=op.allocation_index,
+                offset_bytes=op.offset_bytes,
+            )
+        return lead
+
+    def _check_digest(self, digest: Any, op: CopyOp, sources: Mapping[SourceName, Path]) -> None:
+        actual = digest.hexdigest()
+        if actual != op.sha256:
+            raise ExtentDigestMismatchError(
+                f"{describe_op(op)} has SHA-256 {actual} in the staging buffer, the manifest records {op.sha256}",
+                file=sources[op.source],
+                allocation=op.allocation_index,
+                offset_bytes=op.offset_bytes,
+            )
+
+    def _copy_error(self, chunk: Chunk, exc: BaseException) -> CopyBackendError:
+        first, last = chunk.pieces[0].op, chunk.pieces[-1].op
+        names = describe_op(first) if first is last else f"{describe_op(first)} .. {describe_op(last)}"
+        return CopyBackendError(
+            f"the host-to-device copies of {names} failed: {exc}",
+            allocation=first.allocation_index,
+            offset_bytes=first.offset_bytes,
+        )
+
+    def _drain(self, lane: _Lane) -> None:
+        """After a failure: wait for every enqueued copy before the staging buffers are reused."""
+        with contextlib.suppress(Exception):
+            self.ops.synchronize_stream(lane.stream)
+        lane.pending = [False] * len(lane.buffers)
+
+    # -- capture ------------------------------------------------------------------------------------
+
+    def read_chunks(self, allocation: LiveAllocation, offset_bytes: int, size_bytes: int) -> Iterator[memoryview]:
+        """Yield the allocation's bytes ``[offset_bytes, offset_bytes + size_bytes)`` in host memory,
+        ``read_chunk_bytes`` at a time.
+
+        Device-to-host copies go into :data:`READ_BUFFERS` pinned buffers in turn; chunk ``k + 1`` is
+        copied while the caller uses chunk ``k``. A chunk stays valid until two further chunks have
+        been requested from the same generator, and the last chunk is a private copy that stays
+        valid: a consumer may keep using chunk ``k`` while it requests chunk ``k + 1`` (as
+        :class:`coldsnap_core._io.HashingWriter` does, hashing on a helper thread). Safe to call from
+        several threads (each active generator holds its own lane; at most ``max_read_lanes``).
+
+        Raises:
+            CopyBackendError: the range lies outside the allocation, or a device-to-host copy failed
+                (names the allocation and the offset).
+        """
+        if offset_bytes < 0 or offset_bytes + size_bytes > allocation.size_bytes:
+            raise CopyBackendError(
+                f"bytes [{offset_bytes}, {offset_bytes + size_bytes}) lie outside the allocation's {allocation.size_bytes} bytes",
+                allocation=allocation.index,
+                offset_bytes=offset_bytes,
+            )
+        if size_bytes == 0:
+            return
+        pieces = [
+            (start, min(self.read_chunk_bytes, offset_bytes + size_bytes - start))
+            for start in range(offset_bytes, offset_bytes + size_bytes, self.read_chunk_bytes)
+        ]
+        lane = self._acquire_read_lane()
+        device = self.ops
+        slots = len(lane.buffers)
+
+        def enqueue(i: int) -> None:
+            start, n = pieces[i]
+            try:
+                device.memcpy_dtoh_async(lane.buffers[i % slots], allocation.address + start, n, lane.stream)
+                device.record_event(lane.events[i % slots], lane.stream)
+            except Exception as exc:
+                raise CopyBackendError(
+                    f"copying {n} bytes from device address {allocation.address + start:#x} to the host failed: {exc}",
+                    allocation=allocation.index,
+                    offset_bytes=start,
+                ) from exc
+
+        try:
+            enqueue(0)
+            for i, (start, n) in enumerate(pieces):
+                if i + 1 < len(pieces):
+                    enqueue(i + 1)  # into the buffer of chunk i - 2, which the caller is done with
+                try:
+                    device.synchronize_event(lane.events[i % slots])
+                except Exception as exc:
+                    raise CopyBackendError(
+                        f"the device-to-host copy of {n} bytes failed: {exc}", allocation=allocation.index, offset_bytes=start
+                    ) from exc
+                view = host_view(lane.buffers[i % slots], n)
+                # The lane goes back to the pool when this generator ends: the last chunk is a copy.
+                yield view if i + 1 < len(pieces) else memoryview(bytes(view))
+        finally:
+            with contextlib.suppress(Exception):
+                device.synchronize_stream(lane.stream)
+            self._read_lanes.put(lane)

@@ -1,0 +1,374 @@
+"""The ``coldsnap`` sleep-mode backend: a level-1 sleep that keeps no host copy of the weights.
+
+vLLM's own level-1 sleep (``CuMemBackend``) copies every "weights" segment into pinned host memory
+and back, one allocation at a time. This backend instead
+
+* at ``suspend(1)``: captures the live weights segments (pack in the node-local cache, residual blob
+  and native manifest in a process-local sleep capsule; :mod:`coldsnap_vllm.sleep_capture`), then
+  calls ``allocator.sleep(offload_tags=("runtime", "cudagraph"))``: the weights are released with
+  no backup, runtime and CUDA-graph pools are still offloaded as vLLM does;
+* at ``resume(tags)`` (weights included): records the asleep weights segments, lets the allocator map
+  new physical memory at the same virtual addresses (``allocator.wake_up(tags)``), then hydrates every
+  weights segment from pack + residual (:func:`coldsnap_core.hydrate.hydrate`: every check runs
+  before the first byte is written) through the CUDA copy backend.
+
+Level 2 keeps vLLM's semantics (weights discarded, the caller reloads them; no capture, no hydration).
+
+States (``state()``): ``RUNNING`` (weights resident); ``SUSPENDED`` (weights released, or a wake
+failed: the segments are marked as needing hydration and the next wake starts over); ``RESUMING``
+(during a wake). A second sleep releases whatever else is awake and leaves the weights alone; a wake
+with nothing asleep does nothing.
+
+vLLM constructs the backend with no arguments (``SleepModeBackendFactory.create_backend``), so the
+model knowledge comes from :mod:`coldsnap_vllm.state` (published by the coldsnap loader in the same
+worker process). Facts: ``reference/vllm.md`` sections 4.1-4.5; ``vllm/device_allocator/
+sleep_mode_backend.py`` and ``cumem.py``; ``vllm/v1/worker/gpu_worker.py`` (``sleep``/``wake_up``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from coldsnap_core.cache import PayloadCache
+from coldsnap_core.copy.base import CopyBackend, LiveAllocation
+from coldsnap_core.errors import ColdsnapError, ConfigurationError, WakeError
+from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME
+from coldsnap_core.hydrate import HydrationReport, hydrate
+from coldsnap_vllm import state as load_state
+from coldsnap_vllm.cumem import WEIGHTS_TAG, weights_segments
+from coldsnap_vllm.sleep_capture import ReferenceDigests, SleepCapture, capture_for_sleep
+from coldsnap_vllm.state import WorkerLoadState
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "coldsnap"
+"""The name for ``--sleep-mode-backend``."""
+
+OFFLOAD_TAGS: tuple[str, ...] = ("runtime", "cudagraph")
+"""Tags vLLM backs up to host memory at every sleep level (``CuMemBackend.suspend``)."""
+
+VERIFY_EXTENTS_ENV = "COLDSNAP_VERIFY_EXTENTS"
+"""``1``: hash every model extent while waking (catches an in-place edit of a cached pack)."""
+
+SleepState = Literal["RUNNING", "SUSPENDED", "RESUMING"]
+
+try:  # feature-detect: vLLM >= 0.32 has pluggable sleep backends (PR #44074)
+    from vllm.device_allocator.sleep_mode_backend import SleepModeBackend as _SleepModeBackendBase
+except ImportError:  # vLLM absent or without the factory: the class still works on its own
+    _SleepModeBackendBase = object  # type: ignore[assignment,misc]
+
+_Weights = Literal["resident", "captured", "discarded", "needs_hydration"]
+
+
+def _default_allocator() -> Any:
+    from vllm.device_allocator import get_mem_allocator_instance
+
+    return get_mem_allocator_instance()
+
+
+class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-type]
+    """vLLM ``SleepModeBackend`` named ``coldsnap`` (see the module docstring).
+
+    All arguments exist for tests and tools; vLLM passes none.
+
+    Args:
+        allocator: the sleep-mode allocator (``pointer_to_data``, ``sleep``, ``wake_up``, ``discard``);
+            default ``vllm.device_allocator.get_mem_allocator_instance()`` (the CuMem singleton).
+        backend_factory: builds the copy backend from the weights segments' CUDA device; default a
+            :class:`coldsnap_core.copy.cuda.CudaCopyBackend` (cupy).
+        load_state: returns the loader's published state; default :func:`coldsnap_vllm.state.current`.
+        verify_extents: hash every model extent while waking (default: ``$COLDSNAP_VERIFY_EXTENTS == "1"``).
+    """
+
+    def __init__(
+        self,
+        *,
+        allocator: Any = None,
+        backend_factory: Callable[[int], CopyBackend] | None = None,
+        load_state: Callable[[], WorkerLoadState | None] | None = None,
+        verify_extents: bool | None = None,
+    ) -> None:
+        if _SleepModeBackendBase is not object:
+            super().__init__()
+        self._allocator = allocator
+        self._backend_factory = backend_factory
+        self._load_state = load_state or load_state_current
+        self.verify_extents = os.environ.get(VERIFY_EXTENTS_ENV) == "1" if verify_extents is None else verify_extents
+        self._lock = threading.RLock()
+        self._state: SleepState = "RUNNING"
+        self._weights: _Weights = "resident"
+        self._capture: SleepCapture | None = None
+        self._references: ReferenceDigests | None = None
+        self._copy_backend: CopyBackend | None = None
+        self._needs_hydration: set[int] = set()
+        self._finalizer: weakref.finalize | None = None
+        self.last_report: HydrationReport | None = None
+
+    # -- vLLM's interface ---------------------------------------------------------------------------
+
+    @classmethod
+    def is_supported(cls) -> bool:
+        """Supported where vLLM's CuMem allocator is (CUDA and ROCm builds with the C extension)."""
+        try:
+            from vllm.device_allocator import cumem
+        except ImportError:
+            return False
+        return bool(cumem.cumem_available)
+
+    @classmethod
+    def preserves_communicators(cls) -> bool:
+        """Only memory is released; communicators stay as with vLLM's ``cumem`` backend."""
+        return True
+
+    def state(self) -> SleepState:
+        """``RUNNING``, ``SUSPENDED`` (also after a failed wake) or ``RESUMING``."""
+        return self._state
+
+    @property
+    def capture(self) -> SleepCapture | None:
+        """The last level-1 capture (its capsule is valid while the weights are asleep)."""
+        return self._capture
+
+    @property
+    def needs_hydration(self) -> frozenset[int]:
+        """Addresses of weights segments a wake must still fill."""
+        return frozenset(self._needs_hydration)
+
+    def suspend(self, level: int = 1) -> None:
+        """Release GPU state. Level 1 captures first; level 2 discards the weights as vLLM does.
+
+        Nothing is released if the capture fails.
+
+        Raises:
+            ConfigurationError: ``level`` is not 1 or 2, the coldsnap loader published no state in
+                this process, or the copy backend cannot run (e.g. cupy missing).
+            ObserverError / CacheError / ManifestError: the capture failed (the model stays awake).
+        """
+        if level not in (1, 2):
+            raise ConfigurationError(f"sleep level {level} is not supported by the coldsnap backend (1 or 2)")
+        with self._lock:
+            allocator = self._get_allocator()
+            if self._weights == "resident":
+                if level == 1:
+                    self._capture_weights(allocator)
+                    self._weights = "captured"
+                else:
+                    self._weights = "discarded"
+            elif self._weights == "needs_hydration":
+                logger.info("coldsnap: sleeping again after a failed wake; the capsule from the last sleep stays valid")
+                self._weights = "captured"
+            elif level == 2 and self._weights == "captured":
+                self._weights = "discarded"
+            else:
+                logger.info("coldsnap: the weights are already asleep; releasing whatever else is awake")
+            self._state = "SUSPENDED"
+            allocator.sleep(offload_tags=OFFLOAD_TAGS)
+
+    def resume(self, tags: list[str] | None = None) -> None:
+        """Wake ``tags`` (``None``: everything). Weights from a level-1 sleep are hydrated from pack +
+        residual; the backend reports ``RUNNING`` only once every weights segment is filled.
+
+        Raises:
+            WakeError: the allocator could not map a segment, a segment changed, or hydration failed
+                (its message carries the cause: rule, file, allocation, offset). The segments stay
+                marked as needing hydration and the state ``SUSPENDED``; the next wake starts over.
+        """
+        with self._lock:
+            allocator = self._get_allocator()
+            wake_weights = tags is None or WEIGHTS_TAG in tags
+            anything_asleep = any(d.is_asleep for d in allocator.pointer_to_data.values())
+            if wake_weights and self._weights in ("captured", "needs_hydration"):
+                self._wake_and_hydrate(allocator, tags)
+            elif anything_asleep:
+                self._state = "RESUMING"
+                try:
+                    allocator.wake_up(tags)
+                except BaseException:
+                    self._state = "SUSPENDED"
+                    raise
+                if wake_weights and self._weights == "discarded":
+                    self._weights = "resident"
+            else:
+                logger.info("coldsnap: nothing is asleep; wake ignored")
+            self._state = "RUNNING" if self._weights == "resident" and not self._any_asleep(allocator) else "SUSPENDED"
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        """Discard tagged allocations without backup (vLLM ``discard``). Discarding the weights makes
+        the next wake a plain re-map (the caller reloads them), as with vLLM's backend."""
+        with self._lock:
+            allocator = self._get_allocator()
+            if WEIGHTS_TAG in tags and self._weights != "discarded":
+                self._weights = "discarded"
+                self._needs_hydration.clear()
+            allocator.discard(tags)
+            self._state = "SUSPENDED"
+
+    def close(self) -> None:
+        """Remove this process's sleep capsule and free the copy backend's pinned buffers."""
+        with self._lock:
+            if self._finalizer is not None:
+                self._finalizer()
+                self._finalizer = None
+            close = getattr(self._copy_backend, "close", None)
+            if close is not None:
+                close()
+            self._copy_backend = None
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _get_allocator(self) -> Any:
+        if self._allocator is None:
+            self._allocator = _default_allocator()
+        return self._allocator
+
+    @staticmethod
+    def _any_asleep(allocator: Any) -> bool:
+        return any(d.is_asleep for d in allocator.pointer_to_data.values())
+
+    def _copy(self, device: int) -> CopyBackend:
+        if self._copy_backend is None:
+            if self._backend_factory is not None:
+                self._copy_backend = self._backend_factory(device)
+            else:
+                from coldsnap_core.copy.cuda import CudaCopyBackend, CupyDeviceOps
+
+                self._copy_backend = CudaCopyBackend(ops=CupyDeviceOps(device))
+        return self._copy_backend
+
+    def _capture_weights(self, allocator: Any) -> None:
+        state = self._load_state()
+        if state is None:
+            raise ConfigurationError(
+                "the coldsnap sleep backend needs the coldsnap loader's state in this worker process:"
+                " load the model with --load-format coldsnap (or use --sleep-mode-backend cumem)"
+            )
+        segments = weights_segments(allocator.pointer_to_data)
+        if not segments:
+            raise ConfigurationError("the allocator has no 'weights' segments; was the model loaded with --enable-sleep-mode?")
+        asleep = [s for s in segments if allocator.pointer_to_data[s.address].is_asleep]
+        if asleep:
+            raise ConfigurationError(
+                f"weights segment at {asleep[0].address:#x} is already released; cannot capture",
+                allocation=asleep[0].index,
+            )
+        backend = self._copy(segments[0].device)
+        if self._references is None or self._references.state is not state:
+            self._references = ReferenceDigests(state)
+        capture = capture_for_sleep(state, segments, backend, self._references)
+        if self._finalizer is not None and self._capture is not None and self._capture.capsule_dir != capture.capsule_dir:
+            self._finalizer()  # a reloaded model with another identity: drop the old capsule
+            self._finalizer = None
+        if self._finalizer is None:
+            self._finalizer = weakref.finalize(self, shutil.rmtree, capture.capsule_dir, True)
+        self._capture = capture
+        prepare = getattr(backend, "prepare", None)
+        if prepare is not None:  # staging buffers now, not on the wake's critical path
+            prepare()
+
+    def _wake_and_hydrate(self, allocator: Any, tags: list[str] | None) -> None:
+        capture = self._capture
+        assert capture is not None
+        self._state = "RESUMING"
+        self._needs_hydration |= {
+            address
+            for address, data in allocator.pointer_to_data.items()
+            if data.tag == WEIGHTS_TAG and data.is_asleep and data.cpu_backup_tensor is None
+        }
+        self._weights = "needs_hydration"
+        try:
+            try:
+                allocator.wake_up(tags)
+            except Exception as exc:
+                raise WakeError(f"the allocator could not map the weights segments again: {exc}") from exc
+            allocations = self._check_segments(allocator, capture)
+            self.last_report = hydrate(
+                capture.manifest,
+                blob_path=capture.blob_path,
+                cache=PayloadCache(capture.state_root),
+                allocations=allocations,
+                backend=self._copy(capture.segments[0].device),
+                verify_extents=self.verify_extents,
+                manifest_file=str(capture.capsule_dir / NATIVE_MANIFEST_FILENAME),
+            )
+        except BaseException as exc:
+            self._state = "SUSPENDED"
+            if isinstance(exc, WakeError):
+                raise
+            if isinstance(exc, ColdsnapError):
+                raise WakeError(
+                    f"hydrating the weights failed, {len(self._needs_hydration)} segments still need hydration"
+                    f" (the next wake starts over): rule {exc.rule} failed: {exc.detail}",
+                    file=exc.file,
+                    allocation=exc.allocation,
+                    offset_bytes=exc.offset_bytes,
+                ) from exc
+            if isinstance(exc, Exception):
+                raise WakeError(f"hydrating the weights failed (the next wake starts over): {exc!r}") from exc
+            raise
+        self._needs_hydration.clear()
+        self._weights = "resident"
+
+    def _check_segments(self, allocator: Any, capture: SleepCapture) -> Sequence[LiveAllocation]:
+        """Every captured segment is mapped again at its address with its size, and every weights
+        segment that was asleep is one the capture knows."""
+        captured = {s.address: s for s in capture.segments}
+        for address in sorted(self._needs_hydration):
+            if address not in captured:
+                raise WakeError(f"weights segment at {address:#x} was not captured at the last sleep; cannot hydrate it")
+        allocations = []
+        for segment in capture.segments:
+            data = allocator.pointer_to_data.get(segment.address)
+            if data is None or data.tag != WEIGHTS_TAG:
+                raise WakeError(f"captured weights segment at {segment.address:#x} is gone", allocation=segment.index)
+            if data.is_asleep:
+                raise WakeError(
+                    f"weights segment at {segment.address:#x} is still asleep after wake_up", allocation=segment.index
+                )
+            if int(data.handle[1]) != segment.size_bytes:
+                raise WakeError(
+                    f"weights segment at {segment.address:#x} is {int(data.handle[1])} bytes, it was {segment.size_bytes} at the sleep",
+                    allocation=segment.index,
+                )
+            allocations.append(LiveAllocation(segment.index, segment.address, segment.size_bytes))
+        return allocations
+
+
+def load_state_current() -> WorkerLoadState | None:
+    """The coldsnap loader's published state in this process (:func:`coldsnap_vllm.state.current`)."""
+    return load_state.current()
+
+
+# --- registration ------------------------------------------------------------------------------------
+
+_registration_lock = threading.Lock()
+
+
+def register_sleep_backend() -> bool:
+    """Register ``coldsnap`` with vLLM's ``SleepModeBackendFactory`` (idempotent, no CUDA init).
+
+    Feature-detects ``vllm.device_allocator.sleep_mode_backend``; registration is lazy (vLLM imports
+    this module only when ``--sleep-mode-backend coldsnap`` is selected).
+
+    Returns:
+        ``True`` when the backend is registered (now or before), ``False`` when this vLLM has no
+        pluggable sleep backends.
+    """
+    try:
+        from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+    except ImportError:
+        logger.debug("coldsnap: this vLLM has no SleepModeBackendFactory; the coldsnap sleep backend is not registered")
+        return False
+    with _registration_lock:
+        registry = getattr(SleepModeBackendFactory, "_registry", None)
+        if isinstance(registry, dict) and BACKEND_NAME in registry:
+            return True
+        with contextlib.suppress(ValueError):  # "already registered": another path got there first
+            SleepModeBackendFactory.register_backend(BACKEND_NAME, __name__, ColdsnapSleepBackend.__name__)
+    return True

@@ -1,0 +1,374 @@
+"""The native capture taken at a level-1 sleep: pack (shared) + residual and manifest (a sleep capsule).
+
+At ``suspend(level=1)`` the weights segments still hold the live model. This module
+
+1. locates the loader's observed model writes in the segments (:func:`coldsnap_vllm.cumem.map_writes`);
+2. hashes each write's live bytes and compares the digest with what the write held when the loader
+   wrote it (:class:`ReferenceDigests`: the worker's manifest in the artifact, else the pinned
+   checkpoint file's bytes). A write that still matches is a model extent; one that post-processing
+   rewrote (or whose original digest cannot be established) becomes residual;
+3. makes sure the pack of the model extents exists in the node-local cache: when the artifact's
+   manifest has exactly the same extent contents, its pack is that pack (admitted, or rebuilt from
+   the live bytes with its digest as the expected one); otherwise the canonical writer
+   (:func:`coldsnap_core.pack_writer.write_pack`) writes it from the live bytes;
+4. writes the residual of every weights segment (all bytes not in a model extent) and the native
+   manifest (capture point ``native``, the segments' captured addresses) into a process-local sleep
+   capsule, ``<state_root>/sleep/<capsule_name>-pid<pid>/``, replaced as a whole.
+
+Facts: ``DESIGN.md`` ("Two capture points, one shared pack"); seed 000 ("Hydration first remaps the
+captured allocations..."); ``reference/vllm.md`` sections 2.6 (post-processing rewrites bytes) and
+4.5 (the residual is mandatory at level 1: buffers and post-processed weights live in the segments).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from coldsnap_core._io import fsync_dir
+from coldsnap_core.artifact import write_file_durably
+from coldsnap_core.cache import PayloadCache
+from coldsnap_core.capture import ModelRange, hash_ranges
+from coldsnap_core.copy.base import CopyBackend, LiveAllocation
+from coldsnap_core.errors import ColdsnapError, IntegrityError, MissingObjectError
+from coldsnap_core.format.descriptor import WORKERS_DIRNAME
+from coldsnap_core.format.extents import ExtentProvenance, ModelExtent
+from coldsnap_core.format.manifest import (
+    NATIVE_MANIFEST_FILENAME,
+    RECOVERY_MANIFEST_FILENAME,
+    RESIDUAL_FILENAME,
+    ModelIdentity,
+    NativeManifest,
+    PackRef,
+    RecoveryManifest,
+    WorkerIdentity,
+)
+from coldsnap_core.format.pack_layout import PackLayout
+from coldsnap_core.pack_writer import write_pack
+from coldsnap_core.residual import residual_extents, write_residual
+from coldsnap_core.verify import check_manifest
+from coldsnap_vllm.cumem import WeightsSegment, live_allocations, map_writes, native_allocation_map
+from coldsnap_vllm.state import WorkerLoadState
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SLEEP_DIRNAME = "sleep"
+"""Folder of process-local sleep capsules under the state root."""
+
+_READ_BYTES = 8 << 20
+
+
+def sleep_capsule_dir(state_root: Path, worker: WorkerIdentity, pid: int | None = None) -> Path:
+    """``<state_root>/sleep/<capsule_name>-pid<pid>``: this process's sleep capsule."""
+    return Path(state_root) / SLEEP_DIRNAME / f"{worker.capsule_name}-pid{os.getpid() if pid is None else pid}"
+
+
+# --- what each write held when the loader wrote it ---------------------------------------------------
+
+
+class ReferenceDigests:
+    """The SHA-256 each observed model write had right after ``load_weights``.
+
+    Sources, in order:
+
+    1. the worker's native manifest in the artifact (``<artifact_dir>/workers/<capsule_name>/``),
+       written by the loader's capture or restore: its model extents are keyed by provenance. It is
+       used only when it names the pack the loader published (when one is published);
+    2. the pinned checkpoint file (``ModelIdentity``: a local folder, or the Hugging Face cache via
+       ``huggingface_hub.try_to_load_from_cache``) with the size the identity records: the write's
+       source runs are read and hashed. A dtype-converting copy has no byte-equal source, so it has
+       no reference from this source.
+
+    A write with no reference is treated as rewritten (residual): that keeps non-checkpoint bytes out
+    of the shared pack. Digests from checkpoint files are computed once and cached.
+
+    Args:
+        state: the loader's published state.
+    """
+
+    def __init__(self, state: WorkerLoadState) -> None:
+        self.state = state
+        self.manifest: NativeManifest | None = None
+        self._by_source: dict[tuple[ExtentProvenance, int], str] = {}
+        self._checkpoint_cache: dict[tuple[ExtentProvenance, int], str | None] = {}
+        self._files: dict[str, Path | None] = {}
+        self._load_manifest()
+
+    def _load_manifest(self) -> None:
+        path = self.state.artifact_dir / WORKERS_DIRNAME / self.state.worker.capsule_name / NATIVE_MANIFEST_FILENAME
+        if not path.is_file():
+            return
+        try:
+            manifest = NativeManifest.read(path)
+        except ColdsnapError as exc:
+            logger.warning("coldsnap: ignoring the artifact manifest as a sleep reference: %s", exc)
+            return
+        if manifest.worker != self.state.worker:
+            logger.warning("coldsnap: %s belongs to %s, not %s; ignored", path, manifest.worker, self.state.worker)
+            return
+        if self.state.pack is not None and manifest.pack.sha256 != self.state.pack.sha256:
+            logger.warning(
+                "coldsnap: %s names pack %s, the loader published %s; ignored", path, manifest.pack.sha256, self.state.pack.sha256
+            )
+            return
+        self.manifest = manifest
+        for extent in manifest.model_extents:
+            self._by_source[(extent.provenance, extent.size_bytes)] = extent.sha256
+
+    def expected(self, provenance: ExtentProvenance, size_bytes: int) -> str | None:
+        """The digest the write of ``provenance`` (``size_bytes`` destination bytes) had, or ``None``."""
+        found = self._by_source.get((provenance, size_bytes))
+        if found is not None:
+            return found
+        key = (provenance, size_bytes)
+        if key not in self._checkpoint_cache:
+            self._checkpoint_cache[key] = self._from_checkpoint(provenance, size_bytes)
+        return self._checkpoint_cache[key]
+
+    def _checkpoint_file(self, name: str) -> Path | None:
+        if name in self._files:
+            return self._files[name]
+        path = None
+        model: ModelIdentity | None = self.state.model
+        entry = next((f for f in model.files if f.name == name), None) if model is not None else None
+        if model is not None and entry is not None:
+            root = Path(model.source)
+            if root.is_dir():
+                path = root / name
+            else:
+                try:
+                    import huggingface_hub
+
+                    cached = huggingface_hub.try_to_load_from_cache(model.source, name, revision=model.revision)
+                    path = Path(cached) if isinstance(cached, str) else None
+                except Exception as exc:  # an unusable repo id or cache layout: no reference
+                    logger.debug("coldsnap: no cached %s of %s: %s", name, model.source, exc)
+            if path is not None and (not path.is_file() or path.stat().st_size != entry.size_bytes):
+                logger.warning(
+                    "coldsnap: checkpoint file %s is missing or not %d bytes; no reference digests from it",
+                    path,
+                    entry.size_bytes,
+                )
+                path = None
+        self._files[name] = path
+        return path
+
+    def _from_checkpoint(self, provenance: ExtentProvenance, size_bytes: int) -> str | None:
+        if provenance.dtype_converted or provenance.source_size_bytes != size_bytes or provenance.source_run_bytes <= 0:
+            return None
+        path = self._checkpoint_file(provenance.checkpoint_file)
+        if path is None:
+            return None
+        digest = hashlib.sha256()
+        remaining = size_bytes
+        run_start = provenance.source_offset_bytes
+        with open(path, "rb", buffering=0) as f:
+            while remaining > 0:
+                run = min(provenance.source_run_bytes, remaining)
+                position = run_start
+                while position < run_start + run:
+                    data = os.pread(f.fileno(), min(_READ_BYTES, run_start + run - position), position)
+                    if not data:
+                        return None
+                    digest.update(data)
+                    position += len(data)
+                remaining -= run
+                run_start += provenance.source_run_stride_bytes
+        return digest.hexdigest()
+
+
+# --- the capture -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SleepCapture:
+    """What a level-1 sleep captured.
+
+    Attributes:
+        capsule_dir: the process-local sleep capsule.
+        state_root: the state root whose node-local cache holds the pack.
+        blob_path: the residual blob in it.
+        manifest: the native manifest (capture point ``native``).
+        segments: the weights segments, by allocation index.
+        pack_path: the pack in the node-local cache.
+        pack_written: whether this capture wrote the pack (``False``: an existing one was admitted).
+        rewritten: observed writes whose live bytes no longer match their reference (residual now).
+        seconds: wall time of the capture.
+    """
+
+    capsule_dir: Path
+    state_root: Path
+    blob_path: Path
+    manifest: NativeManifest
+    segments: tuple[WeightsSegment, ...]
+    pack_path: Path
+    pack_written: bool
+    rewritten: tuple[ModelRange, ...]
+    seconds: float
+
+
+def capture_for_sleep(
+    state: WorkerLoadState,
+    segments: Sequence[WeightsSegment],
+    backend: CopyBackend,
+    references: ReferenceDigests,
+    *,
+    capsule_dir: Path | None = None,
+) -> SleepCapture:
+    """Capture the live weights segments into pack + sleep capsule (see the module docstring).
+
+    Args:
+        state: the loader's published state (worker, writes, artifact, state root).
+        segments: the awake weights segments, sorted by address.
+        backend: reads the segments (device-to-host on CUDA).
+        references: the writes' reference digests (keep one per loaded model; it caches).
+        capsule_dir: where the capsule goes (default :func:`sleep_capsule_dir`).
+
+    Returns:
+        The :class:`SleepCapture`; nothing has been released yet.
+
+    Raises:
+        ObserverError: a write straddles a segment end or writes overlap (nothing written).
+        PackDigestMismatchError: rebuilding the artifact's pack from live bytes gave other bytes.
+        ManifestError: the manifest this capture built fails the verifier (a bug; nothing committed).
+        InsufficientSpaceError / CacheError: writing failed (no half-written capsule remains).
+    """
+    started = time.perf_counter()
+    allocations = live_allocations(segments)
+    mapped = map_writes(state.writes, segments)
+    live = hash_ranges(mapped.ranges, allocations, backend)
+    valid: list[tuple[ModelRange, str]] = []
+    rewritten: list[ModelRange] = []
+    for r, digest in zip(mapped.ranges, live, strict=True):
+        if references.expected(r.provenance, r.size_bytes) == digest:
+            valid.append((r, digest))
+        else:
+            rewritten.append(r)
+    if rewritten:
+        logger.info(
+            "coldsnap: %d of %d model writes (%d bytes) no longer hold their loaded bytes; they are residual",
+            len(rewritten),
+            len(mapped.ranges),
+            sum(r.size_bytes for r in rewritten),
+        )
+
+    layout = PackLayout.plan((d, r.size_bytes) for r, d in valid)
+    locate: dict[tuple[str, int], tuple[LiveAllocation, int]] = {}
+    for r, d in valid:
+        locate.setdefault((d, r.size_bytes), (allocations[r.allocation_index], r.offset_bytes))
+    cache = PayloadCache(state.state_root)
+    pack, pack_written = _ensure_pack(layout, locate, backend, cache, references.manifest)
+    offsets = layout.offsets()
+    model_extents = tuple(
+        ModelExtent(r.allocation_index, r.offset_bytes, r.size_bytes, offsets[(d, r.size_bytes)], d, r.provenance)
+        for r, d in valid
+    )
+    residual_map = residual_extents(
+        [s.size_bytes for s in segments], ((r.allocation_index, r.offset_bytes, r.size_bytes) for r, _ in valid)
+    )
+    allocation_map = native_allocation_map(segments)
+    fingerprint = allocation_map.layout_fingerprint()
+    final = capsule_dir or sleep_capsule_dir(state.state_root, state.worker)
+
+    def fill(staging: Path) -> NativeManifest:
+        residual = write_residual(residual_map, allocations, backend, staging / RESIDUAL_FILENAME)
+        manifest = NativeManifest(
+            capture_point="native",
+            worker=state.worker,
+            layout_fingerprint=fingerprint,
+            pack=pack,
+            residual=residual,
+            allocations=allocation_map,
+            model_extents=model_extents,
+            residual_extents=residual_map,
+        )
+        check_manifest(manifest, file=str(final / NATIVE_MANIFEST_FILENAME))
+        write_file_durably(staging / NATIVE_MANIFEST_FILENAME, manifest.dumps())
+        if state.model is not None:
+            recovery = RecoveryManifest(state.worker, fingerprint, state.model, residual, allocation_map, residual_map)
+            write_file_durably(staging / RECOVERY_MANIFEST_FILENAME, recovery.dumps())
+        return manifest
+
+    manifest = replace_dir_atomically(final, fill)
+    capture = SleepCapture(
+        capsule_dir=final,
+        state_root=cache.state_root,
+        blob_path=final / RESIDUAL_FILENAME,
+        manifest=manifest,
+        segments=tuple(segments),
+        pack_path=cache.object_path(pack.sha256),
+        pack_written=pack_written,
+        rewritten=tuple(rewritten),
+        seconds=time.perf_counter() - started,
+    )
+    logger.info(
+        "coldsnap: sleep capture of %s: %d weights segments, %d model bytes in %d extents (pack %s, %s), %d residual bytes, %.2f s",
+        state.worker.capsule_name,
+        len(segments),
+        manifest.model_bytes,
+        len(model_extents),
+        pack.sha256[:12],
+        "written" if pack_written else "already cached",
+        manifest.residual_bytes,
+        capture.seconds,
+    )
+    return capture
+
+
+def _ensure_pack(
+    layout: PackLayout,
+    locate: dict[tuple[str, int], tuple[LiveAllocation, int]],
+    backend: CopyBackend,
+    cache: PayloadCache,
+    reference: NativeManifest | None,
+) -> tuple[PackRef, bool]:
+    """The pack of ``layout``: the reference manifest's (admitted, or rebuilt with its digest as the
+    expected one) when it has the same contents, else a new one from the live bytes."""
+    contents = {(e.sha256, e.size_bytes) for e in layout.entries}
+    if reference is not None and contents == {(e.sha256, e.size_bytes) for e in reference.model_extents}:
+        pack = reference.pack
+        try:
+            cache.admit(pack.sha256, pack.size_bytes)
+            return pack, False
+        except (MissingObjectError, IntegrityError) as exc:
+            logger.info(
+                "coldsnap: pack %s is not usable in the cache (%s); rebuilding it from the live weights", pack.sha256, exc
+            )
+        return write_pack(layout, locate, backend, cache, expected_sha256=pack.sha256), True
+    return write_pack(layout, locate, backend, cache), True
+
+
+def replace_dir_atomically(final: Path, fill: Callable[[Path], T]) -> T:
+    """Build a folder in a hidden staging folder next to ``final``, fsync it, and swap it in.
+
+    A failure leaves the previous ``final`` (if any) untouched and no staging folder behind.
+    """
+    parent = final.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(8)
+    staging = parent / f".{final.name}.{token}.partial"
+    staging.mkdir()
+    try:
+        result = fill(staging)
+        fsync_dir(staging)
+        old = None
+        if final.exists():
+            old = parent / f".{final.name}.{token}.old"
+            os.rename(final, old)
+        os.rename(staging, final)
+        fsync_dir(parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return result
