@@ -3,23 +3,52 @@
 Layout under a state root (``COLDSNAP_STATE_ROOT``, default ``~/.cache/coldsnap``)::
 
     model-payloads/sha256/<digest>.pack          the object, mode 0444
-    model-payloads/sha256/<digest>.pack.record   its validation record (see coldsnap_core.records)
+    model-payloads/sha256/<digest>.pack.record   its validation record (see coldsnap_core.records), mode 0444
     model-payloads/locks/<digest>.lock           per-digest filelock (duplicate-work prevention only)
-    model-payloads/tmp/<name>.<random>.partial   writes in progress; never eligible
-    model-payloads/quarantine/                   objects that failed verification
+    model-payloads/tmp/<label>.<random>.partial  writes in progress (flock-held by their writer); never eligible
+    model-payloads/tmp/<...>.partial.d/          a store download in progress (belongs to the .partial beside it)
+    model-payloads/quarantine/<digest>.<random>.pack   objects that failed verification
 
-Safety comes from unique temporary names, fsync, size-then-SHA-256 checks before the rename, the
-folder fsync after it, and the validation record; the lock only makes same-host writers converge on
-one object (``DESIGN.md``, "The node-local cache and the verifier"; ``reference/anchors.md`` B4, B10).
+Internal logic worth knowing (``DESIGN.md``, "The node-local cache and the verifier";
+``reference/anchors.md`` B1-B5, B10):
+
+* **Digests before paths.** Every path is built by :meth:`PayloadCache.object_path` and friends,
+  which validate the digest (64 lowercase hex characters) first; ``../x`` never reaches the file
+  system. Temporary-file labels are validated the same way.
+* **No symbolic links.** The folders below the state root and the object, record and lock paths
+  are ``lstat``-ed and refused (:class:`~coldsnap_core.errors.UnsafePathError`) when they are links
+  or of the wrong type; files are opened with ``O_NOFOLLOW``. The state root itself may be a link
+  (e.g. ``~/.cache/coldsnap -> /nvme/coldsnap``).
+* **Commit order** (containerd ``writer.Commit`` plus the folder fsync it lacks): fsync the file,
+  check its size, check its SHA-256 (streamed by the writer or computed by the verifier), make it
+  read-only, rename it into place, fsync the folder, write the validation record bound to the
+  renamed inode.
+* **Locks prevent duplicate work only.** One ``filelock`` lock per digest makes same-host writers
+  converge on one object; it is re-entrant per thread. If it cannot be had within the timeout, the
+  caller proceeds without it (with a WARNING): correctness never depends on it, because every
+  writer uses a process-unique temporary name (huggingface_hub PR #4306), hashes before the rename,
+  and the rename is atomic. The tests prove this with ``flock`` patched into a no-op (the Lustre case).
+* **Writer liveness.** A writer holds ``flock`` on its own temporary file for its whole life; the
+  kernel drops it when the writer dies (``kill -9`` included), which is how :meth:`PayloadCache.gc`
+  tells a stale temporary from a live one (plus an age threshold, for file systems whose ``flock``
+  is a no-op).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import logging
 import os
+import re
 import secrets
+import shutil
 import stat
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import filelock
@@ -28,15 +57,33 @@ from coldsnap_core._io import fsync_dir, fsync_fd
 from coldsnap_core.digests import PAYLOADS_DIRNAME, check_digest
 from coldsnap_core.errors import (
     CacheError,
-    ColdsnapError,
+    InsufficientSpaceError,
+    IntegrityError,
+    InvalidDigestError,
     PackDigestMismatchError,
     PackSizeMismatchError,
     UnsafePathError,
 )
+from coldsnap_core.format.pack_layout import PackEntry, PackLayout
+
+logger = logging.getLogger(__name__)
 
 STATE_ROOT_ENV = "COLDSNAP_STATE_ROOT"
 DEFAULT_STATE_ROOT = Path("~/.cache/coldsnap")
 LOCK_TIMEOUT_SECONDS = 600.0
+"""How long a writer waits for another same-host writer of the same digest before proceeding anyway."""
+
+TEMP_SUFFIX = ".partial"
+DOWNLOAD_DIR_SUFFIX = ".partial.d"
+DEFAULT_GC_AGE_SECONDS = 3600.0
+"""``coldsnap cache gc`` removes temporaries and quarantined objects older than this (1 hour)."""
+
+_LABEL_RE = re.compile(r"[0-9a-z][0-9a-z.-]{0,99}")
+_OBJECT_NAME_RE = re.compile(r"([0-9a-f]{64})\.pack")
+_RECORD_NAME_RE = re.compile(r"([0-9a-f]{64})\.pack\.record")
+
+ProgressCallback = Callable[[int], object]
+"""Called with a number of bytes processed since the previous call."""
 
 
 def resolve_state_root(explicit: str | os.PathLike[str] | None = None) -> Path:
@@ -45,16 +92,88 @@ def resolve_state_root(explicit: str | os.PathLike[str] | None = None) -> Path:
     return Path(chosen).expanduser().absolute()
 
 
-def refuse_symlink(path: Path) -> None:
-    """Raise :class:`UnsafePathError` if ``path`` exists as a symbolic link or a non-regular file."""
+def refuse_symlink(path: Path) -> os.stat_result | None:
+    """``lstat`` ``path``; return ``None`` if absent, its stat if a regular file.
+
+    Raises:
+        UnsafePathError: ``path`` is a symbolic link or not a regular file.
+    """
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return
+        return None
     if stat.S_ISLNK(st.st_mode):
         raise UnsafePathError("refusing a symbolic link in the payload cache", file=path)
     if not stat.S_ISREG(st.st_mode):
-        raise UnsafePathError("refusing a non-regular file in the payload cache", file=path)
+        raise UnsafePathError(f"refusing a non-regular file ({stat.filemode(st.st_mode)}) in the payload cache", file=path)
+    return st
+
+
+def _refuse_non_directory(path: Path) -> bool:
+    """True if ``path`` is a real folder, False if absent; raises if it is a link or another type."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePathError("refusing a symbolic link as a payload cache folder", file=path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError("a payload cache folder path is not a folder", file=path)
+    return True
+
+
+def check_label(label: str) -> str:
+    """Temporary-file labels are a digest or a short lowercase word; anything else never reaches a path.
+
+    Raises:
+        InvalidDigestError: ``label`` contains anything but ``[0-9a-z.-]`` or starts with ``.``/``-``.
+    """
+    if not isinstance(label, str) or not _LABEL_RE.fullmatch(label):
+        raise InvalidDigestError(f"{label!r} is not a valid temporary-file label ([0-9a-z][0-9a-z.-]{{0,99}})")
+    return label
+
+
+_held = threading.local()
+
+
+def _held_locks() -> set[tuple[int, str]]:
+    held = getattr(_held, "locks", None)
+    if held is None:
+        held = _held.locks = set()
+    return held
+
+
+@dataclass(frozen=True, slots=True)
+class GcReport:
+    """What :meth:`PayloadCache.gc` removed (or would remove, with ``dry_run``).
+
+    Attributes:
+        temporaries: stale ``*.partial`` files and ``*.partial.d`` download folders.
+        quarantined: quarantined objects.
+        orphan_records: records whose object is gone.
+        kept_live: temporaries left in place: younger than the threshold, or their writer still holds them.
+        bytes_freed: total size of the removed files, in bytes.
+    """
+
+    temporaries: tuple[Path, ...] = ()
+    quarantined: tuple[Path, ...] = ()
+    orphan_records: tuple[Path, ...] = ()
+    kept_live: tuple[Path, ...] = ()
+    bytes_freed: int = 0
+
+
+@dataclass(slots=True)
+class _GcBuilder:
+    temporaries: list[Path] = field(default_factory=list)
+    quarantined: list[Path] = field(default_factory=list)
+    orphan_records: list[Path] = field(default_factory=list)
+    kept_live: list[Path] = field(default_factory=list)
+    bytes_freed: int = 0
+
+    def freeze(self) -> GcReport:
+        return GcReport(
+            tuple(self.temporaries), tuple(self.quarantined), tuple(self.orphan_records), tuple(self.kept_live), self.bytes_freed
+        )
 
 
 class PayloadCache:
@@ -62,137 +181,413 @@ class PayloadCache:
 
     Args:
         state_root: the state root; see :func:`resolve_state_root`.
+        lock_timeout_seconds: how long to wait for another writer of the same digest before
+            proceeding without the lock (safe; see the module docstring).
     """
 
-    def __init__(self, state_root: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self, state_root: str | os.PathLike[str] | None = None, *, lock_timeout_seconds: float = LOCK_TIMEOUT_SECONDS
+    ) -> None:
         self.state_root = resolve_state_root(state_root)
         self.payloads_dir = self.state_root / PAYLOADS_DIRNAME
         self.objects_dir = self.payloads_dir / "sha256"
         self.locks_dir = self.payloads_dir / "locks"
         self.tmp_dir = self.payloads_dir / "tmp"
         self.quarantine_dir = self.payloads_dir / "quarantine"
+        self.lock_timeout_seconds = lock_timeout_seconds
 
-    # -- paths -------------------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        return f"PayloadCache({str(self.state_root)!r})"
 
-    def _ensure_dirs(self) -> None:
-        for folder in (self.objects_dir, self.locks_dir, self.tmp_dir):
-            folder.mkdir(parents=True, exist_ok=True)
-            for part in (self.payloads_dir, folder):
-                if part.is_symlink():
-                    raise UnsafePathError("refusing a symbolic link in the payload cache", file=part)
+    # -- folders and paths -------------------------------------------------------------------------
+
+    def ensure_dirs(self) -> None:
+        """Create the cache folders (mode 0700 where new) and refuse any that is a symbolic link.
+
+        Raises:
+            UnsafePathError: ``model-payloads`` or one of its folders is a link or not a folder.
+            InsufficientSpaceError / CacheError: a folder could not be created (no space, read-only
+                file system, permissions).
+        """
+        try:
+            self.state_root.mkdir(parents=True, exist_ok=True)
+            for folder in (self.payloads_dir, self.objects_dir, self.locks_dir, self.tmp_dir, self.quarantine_dir):
+                if not _refuse_non_directory(folder):
+                    with contextlib.suppress(FileExistsError):
+                        folder.mkdir(mode=0o700)
+                    _refuse_non_directory(folder)
+        except OSError as exc:
+            raise _os_error("cannot create the cache folders", exc, self.payloads_dir) from exc
+
+    def check_dirs(self) -> bool:
+        """Refuse linked cache folders without creating anything; return whether ``sha256/`` exists.
+
+        Raises:
+            UnsafePathError: a cache folder below the state root is a link or not a folder.
+        """
+        present = [
+            _refuse_non_directory(folder)
+            for folder in (self.payloads_dir, self.objects_dir, self.locks_dir, self.tmp_dir, self.quarantine_dir)
+        ]
+        return present[0] and present[1]
 
     def object_path(self, digest: str) -> Path:
         """``<state-root>/model-payloads/sha256/<digest>.pack``; the digest is validated first."""
         return self.objects_dir / f"{check_digest(digest)}.pack"
 
     def record_path(self, digest: str) -> Path:
+        """``<state-root>/model-payloads/sha256/<digest>.pack.record``; the digest is validated first."""
         return self.objects_dir / f"{check_digest(digest)}.pack.record"
 
     def lock_path(self, digest: str) -> Path:
+        """``<state-root>/model-payloads/locks/<digest>.lock``; the digest is validated first."""
         return self.locks_dir / f"{check_digest(digest)}.lock"
 
     # -- locking and temporaries -------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def lock(self, digest: str, *, timeout_seconds: float = LOCK_TIMEOUT_SECONDS) -> Iterator[None]:
-        """Hold the per-digest lock (``filelock.FileLock``, >= 3.20.3; refuses a symlinked lock file)."""
-        self._ensure_dirs()
+    def lock(self, digest: str, *, timeout_seconds: float | None = None) -> Iterator[bool]:
+        """Hold the per-digest lock (``filelock.FileLock``, >= 3.20.3); re-entrant per thread.
+
+        Yields ``True`` when the lock is held, ``False`` when the wait timed out or the lock file
+        cannot be created (e.g. a read-only cache) and the caller proceeds without it (logged as a
+        WARNING; safe, only duplicate work may follow).
+
+        Raises:
+            InvalidDigestError: bad digest (before any path is built).
+            UnsafePathError: the lock path or a cache folder is a symbolic link.
+        """
         path = self.lock_path(digest)
-        refuse_symlink(path)
+        key = (os.getpid(), str(path))
+        held = _held_locks()
+        if key in held:
+            yield True
+            return
+        timeout = self.lock_timeout_seconds if timeout_seconds is None else timeout_seconds
+        lock = filelock.FileLock(path, timeout=timeout, mode=0o600)
+        reason = None
         try:
-            with filelock.FileLock(path, timeout=timeout_seconds):
-                yield
-        except filelock.Timeout as exc:
-            raise CacheError(f"timed out after {timeout_seconds} s waiting for the lock", file=path) from exc
+            self.ensure_dirs()
+            refuse_symlink(path)
+            lock.acquire()
+        except filelock.Timeout:
+            reason = f"waited {timeout:.1f} s for it"
+        except (OSError, CacheError) as exc:
+            reason = f"it cannot be created ({exc})"
+        if reason is not None:
+            logger.warning("coldsnap: %s: %s; proceeding without it (the lock only prevents duplicate work)", path, reason)
+            yield False
+            return
+        held.add(key)
+        try:
+            yield True
+        finally:
+            held.discard(key)
+            lock.release()
 
     @contextlib.contextmanager
     def temporary(self, label: str) -> Iterator[tuple[int, Path]]:
-        """Create a uniquely named temporary file (``O_EXCL | O_NOFOLLOW``, mode 0600).
+        """Create ``tmp/<label>.<random>.partial`` (``O_EXCL | O_NOFOLLOW``, mode 0600), flock-held.
 
-        Yields ``(fd, path)``. The file is closed and unlinked on exit unless the caller renamed it
-        (see :meth:`commit`); a partial file therefore never survives a failure in this process, and
-        one left by a killed process is never eligible (it is not at an object path).
+        Yields ``(fd, path)``; ``fd`` is open for writing. The file is closed and unlinked on exit
+        unless the caller renamed it (see :meth:`commit`); a partial file therefore never survives
+        a failure in this process, and one left by a killed process is never eligible (it is not at
+        an object path) and is removed by :meth:`gc`.
+
+        Raises:
+            InvalidDigestError: ``label`` is not ``[0-9a-z][0-9a-z.-]*``.
+            InsufficientSpaceError / CacheError: the file could not be created.
         """
-        self._ensure_dirs()
-        path = self.tmp_dir / f"{label}.{secrets.token_hex(8)}.partial"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        check_label(label)
+        self.ensure_dirs()
+        path = self.tmp_dir / f"{label}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
         try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise _os_error("cannot create a temporary file", exc, path) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             yield fd, path
         finally:
             with contextlib.suppress(OSError):
                 os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+            download_dir = path.with_name(path.name + ".d")
+            if download_dir.exists():
+                shutil.rmtree(download_dir, ignore_errors=True)
 
     # -- commit ------------------------------------------------------------------------------------
 
     def commit(self, fd: int, temp_path: Path, *, sha256: str, size_bytes: int, expected_sha256: str | None = None) -> Path:
-        """Publish a fully written temporary file as the object for ``sha256``.
+        """Publish a fully written temporary file (from :meth:`temporary`) as the object for ``sha256``.
 
-        ``sha256`` and ``size_bytes`` are what the writer streamed; ``expected_sha256``, when given,
-        is the digest the caller must produce (materialization). In order: fsync the file; check
-        its size (OCI: size before digest); check the digest; take the digest's lock; if a valid
-        object is already there, keep it and drop the temporary; otherwise make the file read-only,
-        rename it into place, fsync the folder, and write the validation record.
+        ``sha256`` and ``size_bytes`` are what the writer streamed (or what the verifier just
+        confirmed); ``expected_sha256``, when given, is the digest the caller must produce. In
+        order: fsync the file; check its size (OCI: size before digest); check the digest; take the
+        digest's lock; if a valid object is already there keep it (the temporary is dropped by
+        :meth:`temporary`); otherwise make the file read-only, rename it into place, fsync the
+        folder, and write the validation record bound to the renamed inode. A failed record write
+        is logged and leaves a valid object without a record (fully verified on its next use).
 
         Returns:
             The object path.
 
         Raises:
+            InvalidDigestError: ``sha256`` or ``expected_sha256`` is not a digest.
             PackSizeMismatchError: the file on disk is not ``size_bytes`` long.
-            PackDigestMismatchError: ``expected_sha256`` differs from the streamed digest.
+            PackDigestMismatchError: ``expected_sha256`` differs from ``sha256``.
             InsufficientSpaceError: fsync reported no space.
+            CacheError: the temporary file was removed or replaced while it was written.
+            UnsafePathError: the object or record path is a symbolic link.
         """
         check_digest(sha256)
+        if expected_sha256 is not None:
+            check_digest(expected_sha256)
         fsync_fd(fd, file=temp_path)
-        actual_size = os.fstat(fd).st_size
-        if actual_size != size_bytes:
-            raise PackSizeMismatchError(f"wrote {size_bytes} bytes but the file holds {actual_size}", file=temp_path)
+        st = os.fstat(fd)
+        if st.st_size != size_bytes:
+            raise PackSizeMismatchError(f"wrote {size_bytes} bytes but the file holds {st.st_size}", file=temp_path)
         if expected_sha256 is not None and expected_sha256 != sha256:
             raise PackDigestMismatchError(
-                f"materialized pack has SHA-256 {sha256}, the manifest expects {expected_sha256}", file=temp_path
+                f"the written pack has SHA-256 {sha256}, the manifest expects {expected_sha256}; nothing was kept",
+                file=temp_path,
             )
         final = self.object_path(sha256)
         with self.lock(sha256):
-            refuse_symlink(final)
             refuse_symlink(self.record_path(sha256))
-            if final.exists():
+            if refuse_symlink(final) is not None:
+                from coldsnap_core.records import admit_locked
+
                 try:
-                    self.admit(sha256, size_bytes)
-                except ColdsnapError:
-                    self.quarantine(sha256)
+                    admit_locked(self, sha256, size_bytes)
+                except (IntegrityError, CacheError):
+                    pass  # corrupt (quarantined) or being replaced: ours is verified, rename it over
                 else:
                     return final
+            current = refuse_symlink(temp_path)
+            if current is None or (current.st_dev, current.st_ino) != (st.st_dev, st.st_ino):
+                raise CacheError("the temporary file was removed or replaced while it was written", file=temp_path)
             os.fchmod(fd, 0o444)
             os.rename(temp_path, final)
             fsync_dir(self.objects_dir)
-            self.write_record(sha256)
+            self._record_after_commit(sha256, fd, final)
         return final
+
+    def _record_after_commit(self, digest: str, fd: int, final: Path) -> None:
+        from coldsnap_core.records import write_record
+
+        try:
+            write_record(self, digest, os.fstat(fd))
+        except (OSError, CacheError) as exc:
+            logger.warning("coldsnap: %s is valid but its validation record could not be written: %s", final, exc)
 
     # -- admission (first-use verification and validation records) ---------------------------------
 
-    def admit(self, digest: str, size_bytes: int | None = None) -> Path:
+    def admit(
+        self,
+        digest: str,
+        size_bytes: int | None = None,
+        *,
+        progress: ProgressCallback | None = None,
+        layout: PackLayout | None = None,
+        extent_owner: Callable[[PackEntry], tuple[int | None, int | None]] | None = None,
+    ) -> Path:
         """Return the object path of ``digest`` once it is verified for use.
 
-        Accepts the object on a trusted validation record; otherwise hashes it in full, rewrites the
-        record on success, and quarantines the object on failure.
+        Accepts the object on a trusted validation record (no lock, a few ``stat`` calls);
+        otherwise takes the digest's lock (so same-host callers hash it once), hashes it in full
+        with :func:`coldsnap_core.verify.verify_pack_file`, rewrites the record on success and
+        quarantines the object on failure.
+
+        Args:
+            digest: the pack's SHA-256.
+            size_bytes: the size the pack must have (``None``: whatever size it has).
+            progress: called with bytes hashed, during a full verification.
+            layout: the manifest's canonical layout (:func:`coldsnap_core.verify.check_manifest`);
+                a full verification then also checks padding and every stored extent, in the
+                same pass, and names the extent of a corrupt byte.
+            extent_owner: with ``layout``, maps a stored entry to a destination for error messages
+                (:func:`coldsnap_core.verify.extent_owner_map`).
 
         Raises:
+            InvalidDigestError: bad digest (no file touched).
             MissingObjectError: no object.
             PackSizeMismatchError / PackDigestMismatchError: the object is corrupt (now quarantined).
-            UnsafePathError: the object or record path is a symbolic link.
+            UnsafePathError: the object, record or lock path, or a cache folder, is a symbolic link.
+            CacheError: the object changed while it was being verified (not admitted).
         """
         from coldsnap_core.records import admit_object
 
-        return admit_object(self, digest, size_bytes)
+        return admit_object(self, digest, size_bytes, progress=progress, layout=layout, extent_owner=extent_owner)
 
-    def write_record(self, digest: str) -> None:
-        from coldsnap_core.records import write_record
+    def reverify(self, digest: str, size_bytes: int | None = None, *, progress: ProgressCallback | None = None) -> Path:
+        """Like :meth:`admit`, but always hash in full (ignoring any record); used by ``coldsnap cache verify --full``."""
+        from coldsnap_core.records import admit_locked
 
-        write_record(self, digest)
+        check_digest(digest)
+        with self.lock(digest):
+            return admit_locked(self, digest, size_bytes, progress=progress, trust_record=False)
 
     def quarantine(self, digest: str) -> Path | None:
         """Move a bad object (and drop its record) out of the eligible path; return where it went."""
         from coldsnap_core.records import quarantine_object
 
         return quarantine_object(self, digest)
+
+    # -- listing and garbage collection ------------------------------------------------------------
+
+    def digests(self) -> list[str]:
+        """Digests of every ``<digest>.pack`` name in ``sha256/`` (sorted; links included, to be refused on use)."""
+        if not self.check_dirs():
+            return []
+        return sorted(m.group(1) for name in os.listdir(self.objects_dir) if (m := _OBJECT_NAME_RE.fullmatch(name)))
+
+    def foreign_names(self) -> list[str]:
+        """Names in ``sha256/`` that are neither objects nor records (never used, never removed)."""
+        if not self.check_dirs():
+            return []
+        return sorted(
+            name
+            for name in os.listdir(self.objects_dir)
+            if not _OBJECT_NAME_RE.fullmatch(name) and not _RECORD_NAME_RE.fullmatch(name)
+        )
+
+    def temporaries(self) -> list[Path]:
+        """Every entry of ``tmp/`` (writes in progress or left by dead writers)."""
+        self.check_dirs()
+        return _listdir(self.tmp_dir)
+
+    def quarantined(self) -> list[Path]:
+        """Every entry of ``quarantine/``."""
+        self.check_dirs()
+        return _listdir(self.quarantine_dir)
+
+    def gc(self, *, older_than_seconds: float = DEFAULT_GC_AGE_SECONDS, dry_run: bool = False) -> GcReport:
+        """Remove what no reader can use: stale temporaries, quarantined objects, orphan records.
+
+        * a ``tmp/*.partial`` file is removed when it is older than ``older_than_seconds`` (by
+          mtime) **and** its writer is gone (its ``flock`` can be taken); a ``*.partial.d``
+          download folder goes with its ``*.partial`` file, or alone once it is old;
+        * ``quarantine/*`` entries older than ``older_than_seconds`` (by ctime, i.e. quarantine time);
+        * ``sha256/<digest>.pack.record`` whose ``<digest>.pack`` is absent (checked under the lock).
+
+        Objects and lock files are never removed: unlinking a lock file that another process is
+        about to lock would let two holders in.
+
+        Raises:
+            UnsafePathError: a cache folder is a symbolic link.
+        """
+        report = _GcBuilder()
+        if not self.check_dirs():
+            return report.freeze()
+        now = time.time()
+        entries = {p.name: p for p in _listdir(self.tmp_dir)}
+        stale_partials: set[str] = set()
+        for name, path in sorted(entries.items()):
+            if not name.endswith(TEMP_SUFFIX):
+                continue
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if now - st.st_mtime < older_than_seconds:
+                report.kept_live.append(path)
+                continue
+            if stat.S_ISREG(st.st_mode) and not _writer_gone(path):
+                report.kept_live.append(path)
+                continue
+            stale_partials.add(name)
+            report.temporaries.append(path)
+            report.bytes_freed += st.st_size if stat.S_ISREG(st.st_mode) else 0
+            if not dry_run:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        for name, path in sorted(entries.items()):
+            if not name.endswith(DOWNLOAD_DIR_SUFFIX):
+                continue
+            owner = name[: -len(".d")]
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            owner_alive = owner in entries and owner not in stale_partials
+            if owner_alive or (owner not in entries and now - st.st_mtime < older_than_seconds):
+                report.kept_live.append(path)
+                continue
+            report.temporaries.append(path)
+            report.bytes_freed += _tree_size(path)
+            if not dry_run:
+                _remove_tree_or_file(path)
+        for path in _listdir(self.quarantine_dir):
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if now - st.st_ctime < older_than_seconds:
+                continue
+            report.quarantined.append(path)
+            report.bytes_freed += st.st_size if stat.S_ISREG(st.st_mode) else 0
+            if not dry_run:
+                _remove_tree_or_file(path)
+        for name in sorted(os.listdir(self.objects_dir)):
+            match = _RECORD_NAME_RE.fullmatch(name)
+            if match is None:
+                continue
+            digest = match.group(1)
+            if os.path.lexists(self.object_path(digest)):
+                continue
+            with self.lock(digest, timeout_seconds=5.0):
+                if os.path.lexists(self.object_path(digest)):
+                    continue
+                record = self.record_path(digest)
+                report.orphan_records.append(record)
+                if not dry_run:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(record)
+        if not dry_run and (report.orphan_records or report.temporaries):
+            fsync_dir(self.objects_dir)
+        return report.freeze()
+
+
+def _os_error(what: str, exc: OSError, path: Path) -> CacheError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return InsufficientSpaceError(f"{what}: {os.strerror(exc.errno)}", file=path)
+    return CacheError(f"{what}: {exc.strerror or exc}", file=path)
+
+
+def _listdir(folder: Path) -> list[Path]:
+    try:
+        return sorted(folder.iterdir())
+    except FileNotFoundError:
+        return []
+
+
+def _writer_gone(path: Path) -> bool:
+    """True if nobody holds ``flock`` on ``path`` (its writer exited or was killed)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def _tree_size(path: Path) -> int:
+    if path.is_symlink() or not path.is_dir():
+        return 0
+    return sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _remove_tree_or_file(path: Path) -> None:
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)

@@ -1,20 +1,26 @@
 """Validation records: evidence that a cached pack was fully verified, bound to its inode.
 
 A record (``<digest>.pack.record``, JSON, mode 0444) binds the digest to the object's device, inode,
-size and mtime (ns) as seen right after a full SHA-256 verification, plus the verifier version and
-the time. A later restore accepts the object without re-hashing only while (seed 000, "Recovery
-read-through cache"; ``DESIGN.md``):
+size, mtime and ctime (ns) as seen right after a full SHA-256 verification, plus the verifier version
+and the time. A later restore accepts the object without re-hashing only while (seed 000, "Recovery
+read-through cache"; ``DESIGN.md``, "The node-local cache and the verifier"):
 
 * the record is a regular file (not a symlink) owned by the current user and not group- or
   world-writable,
 * it parses strictly, names this digest and this verifier version,
-* and every bound field equals a fresh ``lstat`` of the object (itself a regular file, not a symlink).
+* the object is a regular file (not a symlink) that is not group- or world-writable,
+* and every bound field equals a fresh ``lstat`` of the object.
 
-Anything else means a full re-hash: success rewrites the record, failure quarantines the object.
+Anything else means a full re-hash under the digest's lock (so same-host callers hash once; the lock
+is not what makes it safe): success rewrites the record, failure quarantines the object and the
+caller gets the verifier's error.
 
-**Limit.** A record cannot see an in-place edit that restores the size and the mtime (e.g. a
-``dd conv=notrunc`` followed by ``touch -d``). Per-extent SHA-256 verification during hydration
-(``hydrate(..., verify_extents=True)``, ``COLDSNAP_VERIFY_EXTENTS=1``) is the answer to that.
+**Limit.** A record cannot see an in-place edit that keeps the inode and restores the size, the
+mtime and the ctime. Restoring the mtime (``touch -d``, ``os.utime``) moves the ctime, so the ctime
+binding catches that; what remains is an edit by someone who can also set the system clock (root),
+or on a file system that does not maintain ctime. Per-extent SHA-256 verification during hydration
+(``hydrate(..., verify_extents=True)``) is the answer to that: every model extent is hashed as it
+is copied, and a mismatch stops the restore.
 """
 
 from __future__ import annotations
@@ -23,33 +29,50 @@ import contextlib
 import datetime
 import logging
 import os
-import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coldsnap_core._io import fsync_dir
+from coldsnap_core._io import fsync_dir, fsync_fd, write_all
 from coldsnap_core.digests import SHA256_HEX_RE, check_digest
 from coldsnap_core.errors import (
-    ColdsnapError,
+    CacheError,
     IntegrityError,
     ManifestError,
     MissingObjectError,
-    PackDigestMismatchError,
     PackSizeMismatchError,
+    UnsafePathError,
     ValidationRecordError,
 )
 from coldsnap_core.format._strict import Fields, dump_document, parse_document
 from coldsnap_core.verify import VERIFIER_VERSION
 
 if TYPE_CHECKING:
-    from coldsnap_core.cache import PayloadCache
+    from collections.abc import Callable
+
+    from coldsnap_core.cache import PayloadCache, ProgressCallback
+    from coldsnap_core.format.pack_layout import PackEntry, PackLayout
+
+    ExtentOwner = Callable[[PackEntry], tuple[int | None, int | None]]
 
 logger = logging.getLogger(__name__)
 
 RECORD_KIND = "coldsnap.validation-record"
 RECORD_VERSION = 1
+RECORD_MAX_BYTES = 64 << 10
+"""A record is a few hundred bytes; anything larger is refused unread."""
+ADMIT_ATTEMPTS = 3
+"""How often admission starts over when the object is replaced while it is being hashed."""
+ADMIT_CHUNK_BYTES = 1 << 20
+"""Read size of a first-use verification (1 MiB): each chunk is still in the CPU cache when it is
+hashed; with the verifier's default 8 MiB double buffer the same pass measured about 10 % slower
+(``benchmarks/verify.py``)."""
+
+
+def identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """The fields a record binds: ``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)``."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +83,11 @@ class ValidationRecord:
         digest: the object's SHA-256 (lowercase hex).
         device: ``st_dev`` of the object.
         inode: ``st_ino`` of the object.
-        size_bytes: ``st_size`` of the object.
-        mtime_ns: ``st_mtime_ns`` of the object.
+        size_bytes: ``st_size`` of the object, in bytes.
+        mtime_ns: ``st_mtime_ns`` of the object (nanoseconds since the epoch).
+        ctime_ns: ``st_ctime_ns`` of the object (nanoseconds since the epoch; any ``utime`` moves it).
         verifier_version: :data:`coldsnap_core.verify.VERIFIER_VERSION` of the verifying release.
-        verified_at: UTC time of the verification, ISO 8601.
+        verified_at: UTC time of the verification, ISO 8601 with seconds.
     """
 
     digest: str
@@ -71,8 +95,22 @@ class ValidationRecord:
     inode: int
     size_bytes: int
     mtime_ns: int
+    ctime_ns: int
     verifier_version: str
     verified_at: str
+
+    @classmethod
+    def for_stat(cls, digest: str, st: os.stat_result) -> ValidationRecord:
+        return cls(
+            digest=digest,
+            device=st.st_dev,
+            inode=st.st_ino,
+            size_bytes=st.st_size,
+            mtime_ns=st.st_mtime_ns,
+            ctime_ns=st.st_ctime_ns,
+            verifier_version=VERIFIER_VERSION,
+            verified_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        )
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -83,6 +121,7 @@ class ValidationRecord:
             "inode": self.inode,
             "size_bytes": self.size_bytes,
             "mtime_ns": self.mtime_ns,
+            "ctime_ns": self.ctime_ns,
             "verifier_version": self.verifier_version,
             "verified_at": self.verified_at,
         }
@@ -99,96 +138,129 @@ class ValidationRecord:
             inode=f.int("inode"),
             size_bytes=f.int("size_bytes"),
             mtime_ns=f.int("mtime_ns"),
+            ctime_ns=f.int("ctime_ns"),
             verifier_version=f.str("verifier_version"),
             verified_at=f.str("verified_at"),
         )
         f.done()
         return record
 
-    def matches(self, st: os.stat_result) -> bool:
-        return (self.device, self.inode, self.size_bytes, self.mtime_ns) == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def _lstat_regular(path: Path) -> os.stat_result | None:
-    from coldsnap_core.cache import refuse_symlink
-
-    refuse_symlink(path)
-    try:
-        return os.lstat(path)
-    except FileNotFoundError:
+    def mismatch(self, st: os.stat_result) -> str | None:
+        """The first bound field that differs from ``st`` (``"inode"``, ``"mtime_ns"``, ...), or ``None``."""
+        names = ("device", "inode", "size_bytes", "mtime_ns", "ctime_ns")
+        mine = (self.device, self.inode, self.size_bytes, self.mtime_ns, self.ctime_ns)
+        for name, want, have in zip(names, mine, identity(st), strict=True):
+            if want != have:
+                return f"{name} is {have}, the record says {want}"
         return None
 
 
-def read_trusted_record(cache: PayloadCache, digest: str) -> ValidationRecord:
+def _refuse(path: Path) -> os.stat_result | None:
+    from coldsnap_core.cache import refuse_symlink
+
+    return refuse_symlink(path)
+
+
+def read_trusted_record(cache: PayloadCache, digest: str, object_st: os.stat_result | None = None) -> ValidationRecord:
     """Return the record of ``digest`` if it may be trusted right now.
 
+    Args:
+        cache: the cache.
+        digest: the object's digest.
+        object_st: a fresh ``lstat`` of the object, if the caller has one.
+
     Raises:
-        ValidationRecordError: absent, loose mode, other owner, unparsable, or a bound field differs.
-        UnsafePathError: the record or object path is a symbolic link.
+        ValidationRecordError: absent, loose mode, other owner, unparsable, another digest or
+            verifier version, a loose object mode, or a bound field differs from the object.
+        MissingObjectError: the object does not exist.
+        UnsafePathError: the record or object path is a symbolic link or not a regular file.
     """
     path = cache.record_path(digest)
-    st = _lstat_regular(path)
+    st = _refuse(path)
     if st is None:
         raise ValidationRecordError("no validation record", file=path)
     if st.st_uid != os.geteuid():
         raise ValidationRecordError(f"record belongs to uid {st.st_uid}, not {os.geteuid()}", file=path)
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise ValidationRecordError(f"record mode {stat.filemode(st.st_mode)} is group- or world-writable", file=path)
+    if st.st_size > RECORD_MAX_BYTES:
+        raise ValidationRecordError(f"record is {st.st_size} bytes, more than {RECORD_MAX_BYTES}", file=path)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        record = parse_document(path.read_bytes(), ValidationRecord.from_fields, file=str(path))
+        data = os.read(fd, RECORD_MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        record = parse_document(data, ValidationRecord.from_fields, file=str(path))
     except ManifestError as exc:
         raise ValidationRecordError(f"record is malformed: {exc.detail}", file=path) from exc
-    if record.digest != digest or record.verifier_version != VERIFIER_VERSION:
-        raise ValidationRecordError("record names another digest or verifier version", file=path)
-    object_st = _lstat_regular(cache.object_path(digest))
+    if record.digest != digest:
+        raise ValidationRecordError(f"record names digest {record.digest}", file=path)
+    if record.verifier_version != VERIFIER_VERSION:
+        raise ValidationRecordError(
+            f"record was written by {record.verifier_version!r}, this release is {VERIFIER_VERSION!r}", file=path
+        )
+    object_path = cache.object_path(digest)
     if object_st is None:
-        raise MissingObjectError("object does not exist", file=cache.object_path(digest))
-    if not record.matches(object_st):
-        raise ValidationRecordError("record no longer matches the object's device, inode, size or mtime", file=path)
+        object_st = _refuse(object_path)
+    if object_st is None:
+        raise MissingObjectError("object does not exist", file=object_path)
+    if object_st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ValidationRecordError(f"object mode {stat.filemode(object_st.st_mode)} is group- or world-writable", file=path)
+    difference = record.mismatch(object_st)
+    if difference is not None:
+        raise ValidationRecordError(f"record no longer matches the object: {difference}", file=path)
     return record
 
 
-def write_record(cache: PayloadCache, digest: str) -> ValidationRecord:
-    """Write (replace) the read-only record of a just-verified object."""
-    object_path = cache.object_path(digest)
-    st = _lstat_regular(object_path)
-    if st is None:
-        raise MissingObjectError("object does not exist", file=object_path)
-    record = ValidationRecord(
-        digest=digest,
-        device=st.st_dev,
-        inode=st.st_ino,
-        size_bytes=st.st_size,
-        mtime_ns=st.st_mtime_ns,
-        verifier_version=VERIFIER_VERSION,
-        verified_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    )
-    path = cache.record_path(digest)
-    _lstat_regular(path)
-    temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.partial")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444)
+def record_state(cache: PayloadCache, digest: str) -> str:
+    """``"trusted"``, or why the record of ``digest`` is not trusted (for ``coldsnap cache ls``)."""
     try:
-        os.write(fd, dump_document(record.to_json()))
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
+        read_trusted_record(cache, digest)
+    except (ValidationRecordError, MissingObjectError, UnsafePathError) as exc:
+        return f"untrusted: {exc.detail}"
+    return "trusted"
+
+
+def write_record(cache: PayloadCache, digest: str, verified: os.stat_result) -> ValidationRecord:
+    """Write (replace) the read-only record of a just-verified object.
+
+    Args:
+        cache: the cache.
+        digest: the object's digest.
+        verified: the ``stat`` of the inode that was verified; the record is written only if the
+            object path still holds exactly that inode, size, mtime and ctime.
+
+    Raises:
+        CacheError: the object changed since it was verified (no record written).
+        InsufficientSpaceError: no space for the record (no record written).
+        UnsafePathError: the object or record path is a symbolic link.
+    """
+    object_path = cache.object_path(digest)
+    current = _refuse(object_path)
+    if current is None or identity(current) != identity(verified):
+        raise CacheError("the object changed after it was verified; no validation record written", file=object_path)
+    record = ValidationRecord.for_stat(digest, current)
+    path = cache.record_path(digest)
+    with cache.temporary(f"{digest}.record") as (fd, temp):
+        write_all(fd, dump_document(record.to_json()), file=temp)
+        os.fchmod(fd, 0o444)
+        fsync_fd(fd, file=temp)
+        _refuse(path)
         os.rename(temp, path)
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
     fsync_dir(path.parent)
     return record
 
 
 def quarantine_object(cache: PayloadCache, digest: str) -> Path | None:
-    """Move ``<digest>.pack`` into ``quarantine/`` (unique name) and delete its record."""
+    """Move ``<digest>.pack`` into ``quarantine/`` (unique name) and delete its record first."""
+    import secrets
+
     check_digest(digest)
+    cache.ensure_dirs()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(cache.record_path(digest))
     source = cache.object_path(digest)
-    cache.quarantine_dir.mkdir(parents=True, exist_ok=True)
     target = cache.quarantine_dir / f"{digest}.{secrets.token_hex(8)}.pack"
     try:
         os.rename(source, target)
@@ -199,41 +271,128 @@ def quarantine_object(cache: PayloadCache, digest: str) -> Path | None:
     return target
 
 
-def admit_object(cache: PayloadCache, digest: str, size_bytes: int | None = None) -> Path:
-    """See :meth:`coldsnap_core.cache.PayloadCache.admit`."""
+def admit_object(
+    cache: PayloadCache,
+    digest: str,
+    size_bytes: int | None = None,
+    *,
+    progress: ProgressCallback | None = None,
+    layout: PackLayout | None = None,
+    extent_owner: ExtentOwner | None = None,
+) -> Path:
+    """See :meth:`coldsnap_core.cache.PayloadCache.admit`: the record fast path, else :func:`admit_locked`."""
+    check_digest(digest)
+    path = cache.object_path(digest)
+    if not cache.check_dirs():
+        raise MissingObjectError("pack is not in the node-local cache (the cache is empty)", file=path)
+    st = _refuse(path)
+    _refuse(cache.record_path(digest))
+    if st is None:
+        raise MissingObjectError("pack is not in the node-local cache", file=path)
+    try:
+        read_trusted_record(cache, digest, st)
+    except ValidationRecordError as exc:
+        logger.info("coldsnap: verifying %s in full (%s)", path, exc.detail)
+    else:
+        _require_caller_size(path, st.st_size, size_bytes)
+        return path
+    with cache.lock(digest):
+        return admit_locked(cache, digest, size_bytes, progress=progress, layout=layout, extent_owner=extent_owner)
+
+
+def admit_locked(
+    cache: PayloadCache,
+    digest: str,
+    size_bytes: int | None = None,
+    *,
+    progress: ProgressCallback | None = None,
+    trust_record: bool = True,
+    layout: PackLayout | None = None,
+    extent_owner: ExtentOwner | None = None,
+) -> Path:
+    """Admission with the digest's lock held (or given up on): re-check the record, else hash in full.
+
+    An object whose size differs from ``size_bytes`` is quarantined unless a trusted record
+    vouches for it at its current size (then only the caller's expectation is wrong). The one
+    verifier (:func:`coldsnap_core.verify.verify_pack_file`) judges the bytes; on an
+    :class:`~coldsnap_core.errors.IntegrityError` the object is quarantined and the error re-raised.
+    With ``layout`` (from :func:`coldsnap_core.verify.check_manifest`) the same single pass also
+    checks the zero padding and every stored extent's SHA-256, so a corrupt byte is reported as the
+    extent (allocation, offset) that holds it.
+
+    Raises:
+        MissingObjectError, PackSizeMismatchError, PackDigestMismatchError, UnsafePathError:
+            as :meth:`coldsnap_core.cache.PayloadCache.admit`.
+        CacheError: the object changed while it was being hashed, :data:`ADMIT_ATTEMPTS` times in a
+            row (each change starts the check over; it is not admitted).
+    """
     from coldsnap_core.format.manifest import PackRef
     from coldsnap_core.verify import verify_pack_file
 
     path = cache.object_path(digest)
-    st = _lstat_regular(path)
-    _lstat_regular(cache.record_path(digest))
-    if st is None:
-        raise MissingObjectError("pack is not in the node-local cache", file=path)
-    if size_bytes is not None and st.st_size != size_bytes:
-        cache.quarantine(digest)
-        state = "truncated" if st.st_size < size_bytes else "extended"
-        raise PackSizeMismatchError(f"cached pack is {st.st_size} bytes, expected {size_bytes} ({state}); quarantined", file=path)
-    try:
-        read_trusted_record(cache, digest)
-        return path
-    except ValidationRecordError as exc:
-        logger.info("coldsnap: verifying %s in full (%s)", path, exc.detail)
-    try:
-        verify_pack_file(path, PackRef.for_digest(digest, st.st_size))
-    except IntegrityError:
-        cache.quarantine(digest)
-        raise
-    except ColdsnapError:
-        raise
-    write_record(cache, digest)
-    return path
+    if size_bytes is None and layout is not None:
+        size_bytes = layout.size_bytes
+    for attempt in range(1, ADMIT_ATTEMPTS + 1):
+        st = _refuse(path)
+        _refuse(cache.record_path(digest))
+        if st is None:
+            raise MissingObjectError("pack is not in the node-local cache", file=path)
+        if trust_record:
+            try:
+                read_trusted_record(cache, digest, st)
+            except ValidationRecordError:
+                pass
+            else:
+                _require_caller_size(path, st.st_size, size_bytes)
+                return path
+        if size_bytes is not None and st.st_size != size_bytes:
+            cache.quarantine(digest)
+            state = "truncated" if st.st_size < size_bytes else "extended"
+            raise PackSizeMismatchError(
+                f"cached pack is {st.st_size} bytes, expected {size_bytes} ({state}); quarantined", file=path
+            )
+        if st.st_mode & 0o222 and st.st_uid == os.geteuid():
+            os.chmod(path, 0o444)
+            st = _refuse(path) or st
+        try:
+            verify_pack_file(
+                path,
+                PackRef.for_digest(digest, st.st_size),
+                layout,
+                progress=progress,
+                extent_owner=extent_owner,
+                chunk_bytes=ADMIT_CHUNK_BYTES,
+            )
+        except IntegrityError:
+            cache.quarantine(digest)
+            raise
+        after = _refuse(path)
+        if after is not None and identity(after) == identity(st):
+            try:
+                write_record(cache, digest, after)
+            except (OSError, CacheError) as exc:
+                logger.warning("coldsnap: %s verified, but its validation record could not be written: %s", path, exc)
+            return path
+        # Replaced or touched while being hashed: another writer that did not (or could not) take
+        # the lock. What was hashed may not be what is there now, so start over.
+        logger.info("coldsnap: %s changed while it was being verified (attempt %d)", path, attempt)
+    raise CacheError(f"the pack changed while it was being verified, {ADMIT_ATTEMPTS} times in a row; not admitted", file=path)
+
+
+def _require_caller_size(path: Path, actual: int, expected: int | None) -> None:
+    if expected is not None and actual != expected:
+        raise PackSizeMismatchError(
+            f"cached pack is {actual} bytes and verified against its digest, but {expected} bytes were expected", file=path
+        )
 
 
 __all__ = [
-    "PackDigestMismatchError",
     "ValidationRecord",
+    "admit_locked",
     "admit_object",
+    "identity",
     "quarantine_object",
     "read_trusted_record",
+    "record_state",
     "write_record",
 ]

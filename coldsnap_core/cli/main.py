@@ -21,6 +21,9 @@ from coldsnap_core.errors import EXIT_OTHER, ColdsnapError
 COMMAND_MODULES = (
     "coldsnap_core.cli.inspect_cmd",
     "coldsnap_core.cli.verify_cmd",
+    "coldsnap_core.cli.stage_cmd",
+    "coldsnap_core.cli.publish_cmd",
+    "coldsnap_core.cli.cache_cmd",
 )
 
 

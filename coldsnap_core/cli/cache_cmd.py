@@ -1,0 +1,145 @@
+"""``coldsnap cache ls|verify|gc``: look after the node-local payload cache.
+
+Exit codes (``docs/format.md``, "Exit codes"): ``ls`` and ``gc`` exit 0, or 4 when a cache folder is a
+symbolic link; ``verify`` exits 0 when every object verified, 1 when any object was corrupt (each is
+quarantined; the others are still checked), 3 when a named digest is not in the cache, 4 for an
+invalid digest (checked before any file is touched), a symbolic link, or another error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from coldsnap_core.cache import DEFAULT_GC_AGE_SECONDS, PayloadCache, refuse_symlink
+from coldsnap_core.cli._progress import byte_bar
+from coldsnap_core.digests import check_digest
+from coldsnap_core.errors import EXIT_INTEGRITY, ColdsnapError, IntegrityError
+from coldsnap_core.records import record_state
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
+
+
+def _ls(args: argparse.Namespace) -> int:
+    cache = PayloadCache(args.state_root)
+    objects = []
+    for digest in cache.digests():
+        try:
+            st = refuse_symlink(cache.object_path(digest))
+            size = st.st_size if st else None
+            state = record_state(cache, digest)
+        except ColdsnapError as exc:
+            size, state = None, f"unsafe: {exc.detail}"
+        objects.append({"digest": digest, "size_bytes": size, "record": state})
+    doc = {
+        "state_root": str(cache.state_root),
+        "objects": objects,
+        "temporaries": [str(p) for p in cache.temporaries()],
+        "quarantined": [str(p) for p in cache.quarantined()],
+        "foreign": cache.foreign_names(),
+    }
+    if args.json:
+        print(json.dumps(doc, indent=2, sort_keys=True))
+        return 0
+    print(f"state root: {cache.state_root}")
+    for o in objects:
+        size = "?" if o["size_bytes"] is None else str(o["size_bytes"])
+        print(f"{o['digest']}  {size:>14} bytes  {o['record']}")
+    print(
+        f"{len(objects)} object(s), {len(doc['temporaries'])} temporary file(s), "
+        f"{len(doc['quarantined'])} quarantined, {len(doc['foreign'])} foreign name(s)"
+    )
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    cache = PayloadCache(args.state_root)
+    digests = [check_digest(d) for d in args.digest] if args.digest else cache.digests()
+    failures: list[ColdsnapError] = []
+    for digest in digests:
+        try:
+            before = record_state(cache, digest) if not args.full else "ignored"
+            st = refuse_symlink(cache.object_path(digest))
+            with byte_bar(f"verify {digest[:12]}", st.st_size if st else None) as update:
+                if args.full:
+                    cache.reverify(digest, progress=update)
+                else:
+                    cache.admit(digest, progress=update)
+            how = "trusted validation record" if before == "trusted" else "full SHA-256"
+            print(f"ok {digest} ({how})")
+        except ColdsnapError as exc:
+            print(f"coldsnap cache verify: {digest}: {exc}", file=sys.stderr)
+            failures.append(exc)
+    if not failures:
+        print(f"ok: {len(digests)} object(s) verified", file=sys.stderr)
+        return 0
+    if any(isinstance(exc, IntegrityError) for exc in failures):
+        return EXIT_INTEGRITY
+    return failures[0].exit_code
+
+
+def _gc(args: argparse.Namespace) -> int:
+    cache = PayloadCache(args.state_root)
+    report = cache.gc(older_than_seconds=args.older_than, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for kind, paths in (
+        ("temporary", report.temporaries),
+        ("quarantined", report.quarantined),
+        ("orphan record", report.orphan_records),
+    ):
+        for path in paths:
+            print(f"{verb} {kind} {path}")
+    for path in report.kept_live:
+        print(f"kept {path} (writer alive or younger than {args.older_than:g} s)")
+    print(
+        f"{verb} {len(report.temporaries)} temporary, {len(report.quarantined)} quarantined, "
+        f"{len(report.orphan_records)} orphan record(s); {report.bytes_freed} bytes",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "cache",
+        help="list, verify and clean the node-local payload cache",
+        description="Look after <state-root>/model-payloads: list objects and their validation records, verify them, "
+        "remove stale temporary files, quarantined objects and orphan records.",
+    )
+    sub = p.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
+    state_root = argparse.ArgumentParser(add_help=False)
+    state_root.add_argument(
+        "--state-root", default=None, help="the cache's state root (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)"
+    )
+
+    ls = sub.add_parser("ls", parents=[state_root], help="list objects, record states, temporaries, quarantine")
+    ls.add_argument("--json", action="store_true", help="print JSON")
+    ls.set_defaults(func=_ls)
+
+    verify = sub.add_parser(
+        "verify",
+        parents=[state_root],
+        help="verify objects (record fast path, else full SHA-256); quarantine corrupt ones",
+        description="Exit codes: 0 verified, 1 an object was corrupt (quarantined), 3 a named digest is missing, "
+        "4 invalid digest, symbolic link or other error.",
+    )
+    verify.add_argument("digest", nargs="*", metavar="DIGEST", help="digests to verify (default: every object)")
+    verify.add_argument("--full", action="store_true", help="hash in full even where a trusted record exists")
+    verify.set_defaults(func=_verify)
+
+    gc = sub.add_parser("gc", parents=[state_root], help="remove stale temporaries, quarantined objects, orphan records")
+    gc.add_argument(
+        "--older-than",
+        type=_seconds,
+        default=DEFAULT_GC_AGE_SECONDS,
+        metavar="SECONDS",
+        help=f"only remove temporaries and quarantined objects older than this (default {DEFAULT_GC_AGE_SECONDS:g})",
+    )
+    gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    gc.set_defaults(func=_gc)

@@ -1,0 +1,67 @@
+"""``coldsnap publish-native ARTIFACT... --repo REPO [--dry-run]``: upload each distinct model payload once.
+
+REPO is a Hugging Face repository id (``org/name[@revision]``; token and endpoint from ``HF_TOKEN`` and
+``HF_ENDPOINT``) or a folder (``/abs``, ``./rel``, ``../rel``, ``~/...`` or ``file://...``). Objects go to
+``model-payloads/sha256/<digest>.pack`` there; the path comes from the digest alone.
+
+Exit codes: 0 every payload is in the store (uploaded now or already present; with ``--dry-run``: the
+checks passed); 1 a local object does not verify (it is quarantined, nothing more is uploaded);
+2 a malformed manifest or descriptor; 3 an artifact or a local object to upload is missing; 4 any
+other error (the store failed, bad REPO, symbolic link, artifact inconsistency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cli._progress import BarFactory
+from coldsnap_core.publish import PublishedPayload, publish_native
+from coldsnap_core.stores import parse_store_spec
+
+
+def run(args: argparse.Namespace) -> int:
+    store = parse_store_spec(args.repo)
+    cache = PayloadCache(args.state_root)
+    bars = BarFactory()
+
+    def report(item: PublishedPayload) -> None:
+        bars.close()
+        print(f"{item.action} {item.pack.sha256} ({item.pack.size_bytes} bytes) <- {', '.join(item.owners)}")
+
+    try:
+        results = publish_native(
+            [Path(a) for a in args.artifact], store, cache, dry_run=args.dry_run, progress=bars, on_payload=report
+        )
+    finally:
+        bars.close()
+    counts = {action: sum(r.action == action for r in results) for action in ("uploaded", "present", "would-upload")}
+    print(
+        f"ok: {len(results)} distinct payload(s) -> {store.name}: {counts['uploaded']} uploaded, "
+        f"{counts['present']} already present" + (f", {counts['would-upload']} would be uploaded" if args.dry_run else ""),
+        file=sys.stderr,
+    )
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "publish-native",
+        help="upload each distinct model payload of artifacts to a payload store, once",
+        description=(
+            "Verify each local pack named by the artifacts' workers in full, then upload every distinct digest once to "
+            "model-payloads/sha256/<digest>.pack in REPO, skipping digests already present. Exit codes: 0 ok, "
+            "1 a local pack is corrupt, 2 malformed manifest, 3 missing artifact or local pack, 4 other error."
+        ),
+    )
+    p.add_argument("artifact", nargs="+", metavar="ARTIFACT", help="artifact folder(s) (with artifact.json)")
+    p.add_argument(
+        "--repo", required=True, help="Hugging Face repo id org/name[@revision], or a folder path (/abs, ./rel, ~/x, file://)"
+    )
+    p.add_argument("--dry-run", action="store_true", help="check presence and local objects; hash and upload nothing")
+    p.add_argument(
+        "--state-root", default=None, help="the cache's state root (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)"
+    )
+    p.set_defaults(func=run)

@@ -1,0 +1,178 @@
+"""Publication (``coldsnap publish-native``): upload each distinct model payload of artifacts once.
+
+Seed 000, "Capture and publication": the object path is derived from the digest alone, and "if
+multiple workers have identical payloads, the artifact may reference the same object from multiple
+worker owners and publication uploads it once". For every distinct digest named by the artifacts'
+workers, in digest order:
+
+1. the store already holds it (right size; right LFS SHA-256 where the store reports one): skipped;
+2. otherwise the local object (``<state-root>/model-payloads/sha256/<digest>.pack``) is verified in
+   full by the one verifier (:func:`coldsnap_core.verify.verify_pack_file`: size, SHA-256, zero
+   padding and every stored extent's SHA-256 against the manifest's layout) — never on a validation
+   record's word, because a published object serves the whole fleet; a corrupt local object is
+   quarantined and publication stops with the verifier's error;
+3. then uploaded (:meth:`PayloadStore.upload`, atomic in the store).
+
+``dry_run`` performs step 1 and checks that each local object exists with the right size, but
+neither hashes nor uploads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from coldsnap_core.artifact import read_capsule, read_descriptor
+from coldsnap_core.cache import PayloadCache, refuse_symlink
+from coldsnap_core.errors import ArtifactError, IntegrityError, MissingObjectError, PackSizeMismatchError
+from coldsnap_core.format.manifest import NativeManifest, PackRef
+from coldsnap_core.format.pack_layout import PackLayout
+from coldsnap_core.stores.base import PayloadStore
+from coldsnap_core.verify import check_manifest, extent_owner_map, verify_pack_file
+
+logger = logging.getLogger(__name__)
+
+PublishAction = Literal["uploaded", "present", "would-upload"]
+ProgressFactory = Callable[[str, int], Callable[[int], object]]
+"""``(description, total_bytes) -> progress callback``; the CLI passes tqdm bars."""
+
+__all__ = ["PayloadToPublish", "PublishedPayload", "collect_payloads", "publish_native"]
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadToPublish:
+    """One distinct payload of the artifacts being published.
+
+    Attributes:
+        pack: digest, size in bytes, derived path.
+        manifest: one native manifest naming it (gives the canonical layout for verification).
+        owners: ``<artifact folder>:<capsule name>`` of every worker that names it.
+    """
+
+    pack: PackRef
+    manifest: NativeManifest
+    owners: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedPayload:
+    """What publication did with one payload.
+
+    Attributes:
+        pack: the payload.
+        action: ``uploaded``, ``present`` (already in the store, skipped) or ``would-upload`` (dry run).
+        owners: the workers that name it.
+    """
+
+    pack: PackRef
+    action: PublishAction
+    owners: tuple[str, ...]
+
+
+def collect_payloads(artifact_dirs: Sequence[Path]) -> list[PayloadToPublish]:
+    """The distinct payloads named by the workers of ``artifact_dirs``, in digest order.
+
+    Raises:
+        MissingObjectError: an artifact folder has no ``artifact.json`` or a capsule is missing.
+        ManifestError: a manifest breaks a format rule (including a pack path not derived from its digest).
+        ArtifactError: a capsule names another pack than ``artifact.json``, or one digest appears
+            with two sizes.
+    """
+    found: dict[str, tuple[PackRef, NativeManifest, list[str]]] = {}
+    for artifact_dir in artifact_dirs:
+        artifact_dir = Path(artifact_dir)
+        descriptor = read_descriptor(artifact_dir)
+        for entry in descriptor.workers:
+            capsule = read_capsule(artifact_dir / entry.capsule)
+            if capsule.native.pack != entry.payload:
+                raise ArtifactError(
+                    f"artifact.json names pack {entry.payload.sha256}, the capsule's native manifest {capsule.native.pack.sha256}",
+                    file=capsule.native_manifest_path,
+                )
+            check_manifest(capsule.native, file=str(capsule.native_manifest_path))
+            owner = f"{artifact_dir}:{entry.worker.capsule_name}"
+            digest = entry.payload.sha256
+            if digest in found:
+                if found[digest][0].size_bytes != entry.payload.size_bytes:
+                    raise ArtifactError(
+                        f"pack {digest} is {entry.payload.size_bytes} bytes here and {found[digest][0].size_bytes} bytes in {found[digest][2][0]}",
+                        file=capsule.native_manifest_path,
+                    )
+                found[digest][2].append(owner)
+            else:
+                found[digest] = (entry.payload, capsule.native, [owner])
+    return [PayloadToPublish(pack, manifest, tuple(owners)) for _, (pack, manifest, owners) in sorted(found.items())]
+
+
+def publish_native(
+    artifact_dirs: Sequence[Path],
+    store: PayloadStore,
+    cache: PayloadCache,
+    *,
+    dry_run: bool = False,
+    progress: ProgressFactory | None = None,
+    on_payload: Callable[[PublishedPayload], object] | None = None,
+) -> list[PublishedPayload]:
+    """Upload each distinct payload of ``artifact_dirs`` to ``store`` once (see the module docstring).
+
+    Args:
+        artifact_dirs: artifact folders.
+        store: the destination store.
+        cache: the node-local cache holding the local objects.
+        dry_run: check presence and local objects, hash and upload nothing.
+        progress: makes a progress callback for each verification and upload.
+        on_payload: called after each payload is handled (the CLI prints a line).
+
+    Returns:
+        One entry per distinct payload, in digest order.
+
+    Raises:
+        MissingObjectError: a local object to upload is absent.
+        IntegrityError: a local object does not verify (it is quarantined; nothing more is uploaded).
+        StoreError: the store failed.
+        UnsafePathError: a symbolic link at a local object path.
+        ManifestError, ArtifactError: as :func:`collect_payloads`.
+    """
+    results = []
+    for item in collect_payloads(artifact_dirs):
+        pack = item.pack
+        if store.has(pack.sha256, pack.size_bytes):
+            action: PublishAction = "present"
+        else:
+            path = cache.object_path(pack.sha256)
+            st = refuse_symlink(path)
+            if st is None:
+                raise MissingObjectError(
+                    f"pack is not in the node-local cache, so it cannot be published (named by {', '.join(item.owners)})",
+                    file=path,
+                )
+            if dry_run:
+                if st.st_size != pack.size_bytes:
+                    raise PackSizeMismatchError(f"local pack is {st.st_size} bytes, expected {pack.size_bytes}", file=path)
+                action = "would-upload"
+            else:
+                _verify_local(path, pack, item.manifest, cache, progress)
+                upload_progress = progress(f"upload {pack.sha256[:12]}", pack.size_bytes) if progress else None
+                store.upload(path, pack.sha256, pack.size_bytes, progress=upload_progress)
+                action = "uploaded"
+        published = PublishedPayload(pack, action, item.owners)
+        logger.info("coldsnap: %s %s (%d bytes) -> %s", action, pack.sha256, pack.size_bytes, store.name)
+        if on_payload is not None:
+            on_payload(published)
+        results.append(published)
+    return results
+
+
+def _verify_local(
+    path: Path, pack: PackRef, manifest: NativeManifest, cache: PayloadCache, progress: ProgressFactory | None
+) -> None:
+    layout: PackLayout = check_manifest(manifest)
+    callback = progress(f"verify {pack.sha256[:12]}", pack.size_bytes) if progress else None
+    try:
+        verify_pack_file(path, pack, layout, progress=callback, extent_owner=extent_owner_map(manifest))
+    except IntegrityError:
+        cache.quarantine(pack.sha256)
+        raise

@@ -1,0 +1,174 @@
+"""Staging: make each local worker's pack available, verified, in the node-local cache.
+
+Order of sources (seed 000, "Restore": "Native restore preparation stages only the payload assigned
+to each worker on the host that owns that worker"; ``DESIGN.md``, "Restore and fallback"):
+
+1. the node-local cache: a trusted validation record (a few ``stat`` calls), else a full SHA-256 by
+   the one verifier under the digest's lock; a corrupt object is quarantined;
+2. the configured payload store (:mod:`coldsnap_core.stores`): fetched under the digest's lock into a
+   unique temporary file, verified by :func:`coldsnap_core.verify.verify_pack_file` (size, then
+   SHA-256), committed by :meth:`PayloadCache.commit` (fsync, rename, folder fsync, record);
+3. otherwise :class:`~coldsnap_core.errors.PayloadUnavailableError`, on which ``COLDSNAP_RESTORE=auto``
+   falls back to the safetensors recovery load.
+
+Every path is derived from the digest alone; a :class:`PackRef` whose ``path`` is not
+``model-payloads/sha256/<sha256>.pack`` is refused before anything is read.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from coldsnap_core.artifact import find_worker, read_capsule, read_descriptor
+from coldsnap_core.cache import PayloadCache
+from coldsnap_core.digests import check_digest, pack_relpath
+from coldsnap_core.errors import (
+    ArtifactError,
+    IntegrityError,
+    MissingObjectError,
+    PackPathMismatchError,
+    PayloadUnavailableError,
+    StoreError,
+)
+from coldsnap_core.format.descriptor import WorkerEntry
+from coldsnap_core.format.manifest import PackRef, WorkerIdentity
+from coldsnap_core.records import admit_locked
+from coldsnap_core.stores.base import PayloadStore
+from coldsnap_core.verify import verify_pack_file
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["stage_artifact", "stage_payload", "worker_entries"]
+
+
+def _check_pack_ref(pack: PackRef) -> None:
+    check_digest(pack.sha256)
+    if pack.path != pack_relpath(pack.sha256):
+        raise PackPathMismatchError(
+            f"pack path {pack.path!r} is not the path of its SHA-256 ({pack_relpath(pack.sha256)!r})", file=pack.path
+        )
+
+
+def stage_payload(
+    pack: PackRef,
+    *,
+    cache: PayloadCache,
+    store: PayloadStore | None = None,
+    progress: Callable[[int], object] | None = None,
+) -> Path:
+    """Return the admitted object path of ``pack`` in ``cache``, fetching it from ``store`` if needed.
+
+    Args:
+        pack: digest, size (bytes) and derived path of the pack.
+        cache: the node-local cache.
+        store: where to fetch a missing (or quarantined) pack from; ``None``: the cache only.
+        progress: called with a number of bytes after each chunk copied or hashed (a fetch reports
+            each byte twice: once copied, once verified).
+
+    Returns:
+        ``<state-root>/model-payloads/sha256/<sha256>.pack``, verified (record or full hash).
+
+    Raises:
+        InvalidDigestError: ``pack.sha256`` is not 64 lowercase hex characters (nothing touched).
+        PackPathMismatchError: ``pack.path`` is not derived from the digest (nothing touched).
+        PayloadUnavailableError: neither the cache nor the store has the pack, or the store failed
+            (its error is chained); ``auto`` restore falls back on this.
+        IntegrityError: the cached object is corrupt and no store is configured (it is
+            quarantined), or the store's object does not verify (nothing is kept).
+        InsufficientSpaceError: the cache's file system filled up during a fetch (nothing is kept).
+        UnsafePathError: a symbolic link at an object, record or lock path or a cache folder.
+    """
+    _check_pack_ref(pack)
+    digest = pack.sha256
+    try:
+        return cache.admit(digest, pack.size_bytes, progress=progress)
+    except MissingObjectError:
+        pass
+    except IntegrityError as exc:
+        if store is None:
+            raise
+        logger.warning("coldsnap: cached pack %s is corrupt (%s); fetching it again from %s", digest, exc.detail, store.name)
+    if store is None:
+        raise PayloadUnavailableError(
+            "the pack is not in the node-local cache and no payload store is configured "
+            "(set COLDSNAP_PAYLOAD_DIR or COLDSNAP_PAYLOAD_REPO)",
+            file=cache.object_path(digest),
+        )
+    with cache.lock(digest):
+        try:
+            return admit_locked(cache, digest, pack.size_bytes, progress=progress)
+        except (MissingObjectError, IntegrityError):
+            pass  # absent, or corrupt and now quarantined: fetch it
+        return _fetch(pack, cache, store, progress)
+
+
+def _fetch(pack: PackRef, cache: PayloadCache, store: PayloadStore, progress: Callable[[int], object] | None) -> Path:
+    digest = pack.sha256
+    logger.info("coldsnap: fetching pack %s (%d bytes) from %s", digest, pack.size_bytes, store.name)
+    with cache.temporary(digest) as (fd, temp):
+        try:
+            store.fetch(digest, pack.size_bytes, fd, file=temp, progress=progress)
+        except StoreError as exc:
+            raise PayloadUnavailableError(f"{store.name} could not provide the pack: {exc.detail}", file=exc.file) from exc
+        verify_pack_file(temp, pack, progress=progress)
+        path = cache.commit(fd, temp, sha256=digest, size_bytes=pack.size_bytes, expected_sha256=digest)
+    logger.info("coldsnap: staged pack %s from %s", digest, store.name)
+    return path
+
+
+def worker_entries(artifact_dir: Path, workers: Sequence[WorkerIdentity]) -> list[WorkerEntry]:
+    """The descriptor entries of ``workers``, after checking that each capsule's manifest names the same pack.
+
+    Raises:
+        MissingObjectError: no descriptor, or no capsule for a worker.
+        ManifestError: a capsule's manifest is malformed.
+        ArtifactError: a capsule's native manifest names another pack than ``artifact.json``.
+    """
+    artifact_dir = Path(artifact_dir)
+    descriptor = read_descriptor(artifact_dir)
+    entries = [find_worker(descriptor, worker) for worker in workers]
+    for entry in entries:
+        capsule = read_capsule(artifact_dir / entry.capsule)
+        if capsule.native.pack != entry.payload:
+            raise ArtifactError(
+                f"artifact.json names pack {entry.payload.sha256}, the capsule's native manifest {capsule.native.pack.sha256}",
+                file=capsule.native_manifest_path,
+            )
+    return entries
+
+
+def stage_artifact(
+    artifact_dir: Path,
+    workers: Sequence[WorkerIdentity],
+    *,
+    cache: PayloadCache,
+    store: PayloadStore | None = None,
+) -> dict[WorkerIdentity, Path]:
+    """Stage the packs of ``workers`` (the workers on this host) from ``artifact_dir``; each digest once.
+
+    Args:
+        artifact_dir: the artifact folder (``artifact.json``, ``workers/``).
+        workers: the workers whose packs this host needs; other workers' packs are not touched.
+        cache: the node-local cache.
+        store: the payload store, or ``None``.
+
+    Returns:
+        For each worker, the admitted object path of its pack (workers that share a digest share
+        the path).
+
+    Raises:
+        MissingObjectError: the artifact has no descriptor, or lists no capsule for a worker.
+        ArtifactError: a capsule's native manifest names another pack than ``artifact.json``.
+        PayloadUnavailableError, IntegrityError, ...: as :func:`stage_payload`.
+    """
+    entries = worker_entries(artifact_dir, workers)
+    staged: dict[str, Path] = {}
+    result: dict[WorkerIdentity, Path] = {}
+    for worker, entry in zip(workers, entries, strict=True):
+        digest = entry.payload.sha256
+        if digest not in staged:
+            staged[digest] = stage_payload(entry.payload, cache=cache, store=store)
+        result[worker] = staged[digest]
+    return result

@@ -1,0 +1,86 @@
+"""Payload stores: where packs come from when the node-local cache lacks them, and go on publication.
+
+Configuration (:func:`from_env`):
+
+* ``COLDSNAP_PAYLOAD_DIR=/path``: a local or shared folder (:class:`LocalFolderStore`);
+* ``COLDSNAP_PAYLOAD_REPO=org/name[@revision]``: a Hugging Face repository
+  (:class:`coldsnap_core.stores.hf.HfPayloadStore`), with ``COLDSNAP_PAYLOAD_REPO_TYPE=model|dataset``
+  (default ``model``); token and endpoint from ``HF_TOKEN``/``HF_ENDPOINT`` as ``huggingface_hub``
+  reads them. A value that looks like a path (see :func:`parse_store_spec`) is a folder store, so
+  ``COLDSNAP_PAYLOAD_REPO`` and ``coldsnap publish-native --repo`` accept the same syntax.
+
+Setting both variables is a :class:`~coldsnap_core.errors.ConfigurationError`; setting neither
+means "no store" (staging then uses the node-local cache only).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from coldsnap_core.errors import ConfigurationError
+from coldsnap_core.stores.base import PayloadStore
+from coldsnap_core.stores.local import LocalFolderStore
+
+PAYLOAD_DIR_ENV = "COLDSNAP_PAYLOAD_DIR"
+PAYLOAD_REPO_ENV = "COLDSNAP_PAYLOAD_REPO"
+PAYLOAD_REPO_TYPE_ENV = "COLDSNAP_PAYLOAD_REPO_TYPE"
+
+__all__ = [
+    "PAYLOAD_DIR_ENV",
+    "PAYLOAD_REPO_ENV",
+    "PAYLOAD_REPO_TYPE_ENV",
+    "LocalFolderStore",
+    "PayloadStore",
+    "from_env",
+    "parse_store_spec",
+]
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec in (".", "..") or spec.startswith(("/", "./", "../", "~", "file://"))
+
+
+def parse_store_spec(spec: str, *, repo_type: str = "model") -> PayloadStore:
+    """A store from a ``--repo`` / ``COLDSNAP_PAYLOAD_REPO`` value.
+
+    * ``file:///abs/path``, ``/abs/path``, ``./rel``, ``../rel``, ``~/path``, ``.``: a folder store;
+    * ``org/name`` or ``org/name@revision`` (revision: branch, tag or commit; it may contain ``/``):
+      a Hugging Face repository of type ``repo_type``.
+
+    Raises:
+        ConfigurationError: empty value, empty revision, or an invalid repository id or type.
+    """
+    spec = spec.strip()
+    if not spec:
+        raise ConfigurationError("the payload store is empty; give a folder path or a Hugging Face repository id")
+    if _looks_like_path(spec):
+        return LocalFolderStore(spec.removeprefix("file://"))
+    from coldsnap_core.stores.hf import HfPayloadStore
+
+    repo_id, at, revision = spec.partition("@")
+    if at and not revision:
+        raise ConfigurationError(f"payload repository {spec!r} has an empty revision after '@'")
+    return HfPayloadStore(repo_id, revision=revision or None, repo_type=repo_type)
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> PayloadStore | None:
+    """The payload store configured by ``COLDSNAP_PAYLOAD_DIR`` or ``COLDSNAP_PAYLOAD_REPO``, or ``None``.
+
+    Raises:
+        ConfigurationError: both are set, or a value is invalid (names the variable).
+    """
+    env = os.environ if environ is None else environ
+    directory = env.get(PAYLOAD_DIR_ENV, "").strip()
+    repo = env.get(PAYLOAD_REPO_ENV, "").strip()
+    if directory and repo:
+        raise ConfigurationError(f"set only one of {PAYLOAD_DIR_ENV} ({directory!r}) and {PAYLOAD_REPO_ENV} ({repo!r})")
+    if directory:
+        return LocalFolderStore(directory)
+    if repo:
+        repo_type = env.get(PAYLOAD_REPO_TYPE_ENV, "").strip() or "model"
+        try:
+            return parse_store_spec(repo, repo_type=repo_type)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"{PAYLOAD_REPO_ENV}/{PAYLOAD_REPO_TYPE_ENV}: {exc.detail}") from exc
+    return None

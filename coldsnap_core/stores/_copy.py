@@ -1,0 +1,80 @@
+"""Copy a whole file into a file descriptor in the kernel, for store fetches and uploads.
+
+``os.copy_file_range`` moves the bytes without a trip through user space (and may share extents on
+file systems with reflinks); where the kernel refuses it (``EXDEV`` on old kernels, ``ENOSYS``,
+``EINVAL`` on some file systems) the copy falls back to ``os.sendfile``, then to ``read``/``write``.
+Space errors (``ENOSPC``, ``EDQUOT``, ``EFBIG`` from ``RLIMIT_FSIZE``) become
+:class:`~coldsnap_core.errors.InsufficientSpaceError`. This module never judges content: the one
+verifier (:func:`coldsnap_core.verify.verify_pack_file`) does that after the copy.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from coldsnap_core._io import write_all
+from coldsnap_core.errors import CacheError, InsufficientSpaceError
+
+COPY_CHUNK_BYTES = 64 << 20
+"""Bytes per kernel copy call (64 MiB), i.e. per progress update."""
+
+_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_FALLBACK_ERRNOS = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
+
+
+def copy_fd(
+    source_fd: int,
+    target_fd: int,
+    size_bytes: int,
+    *,
+    source: str | os.PathLike[str],
+    target: str | os.PathLike[str],
+    progress: Callable[[int], object] | None = None,
+) -> None:
+    """Copy ``size_bytes`` bytes from offset 0 of ``source_fd`` to offset 0 of ``target_fd``.
+
+    Raises:
+        InsufficientSpaceError: the target file system is full, a quota or ``RLIMIT_FSIZE`` was hit.
+        CacheError: the source ended early, or another I/O error.
+    """
+    done = 0
+    method = "copy_file_range"
+    while done < size_bytes:
+        count = min(COPY_CHUNK_BYTES, size_bytes - done)
+        try:
+            if method == "copy_file_range":
+                n = os.copy_file_range(source_fd, target_fd, count, done, done)
+            elif method == "sendfile":
+                os.lseek(target_fd, done, os.SEEK_SET)
+                n = os.sendfile(target_fd, source_fd, done, count)
+            else:
+                data = os.pread(source_fd, count, done)
+                os.lseek(target_fd, done, os.SEEK_SET)
+                write_all(target_fd, data, file=target)
+                n = len(data)
+        except OSError as exc:
+            if exc.errno in _SPACE_ERRNOS:
+                raise InsufficientSpaceError(f"copy failed at byte {done}: {os.strerror(exc.errno)}", file=target) from exc
+            if exc.errno in _FALLBACK_ERRNOS and method != "readwrite":
+                method = "sendfile" if method == "copy_file_range" else "readwrite"
+                continue
+            raise CacheError(f"copying {source} failed at byte {done}: {exc}", file=target) from exc
+        if n == 0:
+            raise CacheError(f"{source} ended after {done} of {size_bytes} bytes", file=target)
+        done += n
+        if progress is not None:
+            progress(n)
+
+
+def copy_file(
+    source: Path, target_fd: int, size_bytes: int, *, target: Path, progress: Callable[[int], object] | None = None
+) -> None:
+    """Open ``source`` (``O_NOFOLLOW``) and copy its first ``size_bytes`` bytes to ``target_fd``."""
+    source_fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        copy_fd(source_fd, target_fd, size_bytes, source=source, target=target, progress=progress)
+    finally:
+        os.close(source_fd)

@@ -1,0 +1,70 @@
+"""The payload-store extension point: where packs live beyond the node-local cache.
+
+A store holds content-addressed objects at ``model-payloads/sha256/<digest>.pack`` (the same relative
+path as the cache; :func:`coldsnap_core.digests.pack_relpath`), so every path is derived from the
+digest alone (seed 000, "Capture and publication": "recipes and capture IDs cannot choose the
+committed object path"). Implementations: :class:`coldsnap_core.stores.local.LocalFolderStore` (a
+local or shared folder) and :class:`coldsnap_core.stores.hf.HfPayloadStore` (a Hugging Face repository).
+
+A store moves bytes; it never decides whether they are right. Staging runs the one verifier
+(:func:`coldsnap_core.verify.verify_pack_file`) on every fetched object before the cache commits it,
+and publication runs it on every local object before upload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+ProgressCallback = Callable[[int], object]
+"""Called with a number of bytes moved since the previous call."""
+
+
+@runtime_checkable
+class PayloadStore(Protocol):
+    """A place packs can be fetched from and uploaded to.
+
+    Attributes:
+        name: a short human-readable description for logs (``folder /mnt/payloads``,
+            ``hf org/name@main``).
+    """
+
+    name: str
+
+    def has(self, digest: str, size_bytes: int | None = None) -> bool:
+        """Whether the store holds ``digest`` (with ``size_bytes`` bytes, when given).
+
+        An object whose size (or store-reported SHA-256) disagrees is reported absent, with a
+        WARNING, so that publication replaces it.
+
+        Raises:
+            InvalidDigestError: bad digest (before any path or URL is built).
+            StoreError: the store cannot be queried.
+        """
+        ...
+
+    def fetch(self, digest: str, size_bytes: int, fd: int, *, file: Path, progress: ProgressCallback | None = None) -> None:
+        """Write the object's bytes to ``fd`` (open for writing, at offset 0) of the file ``file``.
+
+        ``file`` is a unique temporary file in the node-local cache's ``tmp/``; a store that needs
+        scratch space uses the folder ``<file>.d`` (removed by the cache with the temporary).
+
+        Raises:
+            InvalidDigestError: bad digest.
+            PayloadUnavailableError: the store does not hold the object.
+            PackSizeMismatchError: the stored object does not have ``size_bytes`` bytes.
+            InsufficientSpaceError: the local file system filled up.
+            StoreError: any other failure of the store.
+        """
+        ...
+
+    def upload(self, path: Path, digest: str, size_bytes: int, *, progress: ProgressCallback | None = None) -> None:
+        """Store the (already verified) local file ``path`` as the object ``digest``, atomically.
+
+        Raises:
+            InvalidDigestError: bad digest.
+            IntegrityError: the bytes that reached the store do not hash to ``digest``.
+            StoreError: the store refused or failed.
+        """
+        ...

@@ -1,0 +1,174 @@
+"""A payload store in a Hugging Face repository, through ``huggingface_hub``.
+
+Objects live at ``model-payloads/sha256/<digest>.pack`` in the repository (LFS/Xet files). The
+repository id and revision come from ``COLDSNAP_PAYLOAD_REPO=org/name[@revision]`` (see
+:func:`coldsnap_core.stores.from_env`); the token and the endpoint come from the usual Hugging Face
+variables (``HF_TOKEN``, ``HF_ENDPOINT``, ``HF_HUB_OFFLINE``, ...), which ``huggingface_hub`` reads
+itself. Calls used (``huggingface_hub`` >= 1.31):
+
+* ``HfApi.get_paths_info``: presence, size and the LFS SHA-256 of an object;
+* ``HfApi.hf_hub_download(..., local_dir=...)``: download into a scratch folder next to the cache's
+  temporary file, then a kernel copy into it (the cache verifies and commits);
+* ``HfApi.create_commit`` with one ``CommitOperationAdd`` per object.
+
+Errors from the Hub are wrapped: a missing object is
+:class:`~coldsnap_core.errors.PayloadUnavailableError`, anything else
+:class:`~coldsnap_core.errors.StoreError` naming the repository and the path.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import CommitOperationAdd, HfApi
+from huggingface_hub.errors import EntryNotFoundError, HFValidationError
+from huggingface_hub.hf_api import RepoFile
+from huggingface_hub.utils import validate_repo_id
+
+from coldsnap_core.cache import refuse_symlink
+from coldsnap_core.digests import check_digest, pack_relpath
+from coldsnap_core.errors import (
+    ColdsnapError,
+    ConfigurationError,
+    PackDigestMismatchError,
+    PackSizeMismatchError,
+    PayloadUnavailableError,
+    StoreError,
+)
+from coldsnap_core.stores._copy import copy_file
+from coldsnap_core.stores.base import ProgressCallback
+
+logger = logging.getLogger(__name__)
+
+REPO_TYPES = ("model", "dataset")
+
+
+class HfPayloadStore:
+    """Objects in a Hugging Face repository.
+
+    Args:
+        repo_id: ``org/name``.
+        revision: branch, tag or commit to read from and commit to (``None``: the default branch).
+        repo_type: ``model`` (default) or ``dataset``.
+        api: the ``HfApi`` to use (default: ``HfApi()``, configured from the environment).
+
+    Raises:
+        ConfigurationError: the repository id or type is invalid.
+    """
+
+    def __init__(self, repo_id: str, *, revision: str | None = None, repo_type: str = "model", api: HfApi | None = None) -> None:
+        try:
+            validate_repo_id(repo_id)
+        except HFValidationError as exc:
+            raise ConfigurationError(f"{repo_id!r} is not a Hugging Face repository id: {exc}") from exc
+        if repo_type not in REPO_TYPES:
+            raise ConfigurationError(f"payload repository type {repo_type!r} is not one of {', '.join(REPO_TYPES)}")
+        if revision is not None and not revision:
+            raise ConfigurationError("an empty revision was given for the payload repository")
+        self.repo_id = repo_id
+        self.revision = revision
+        self.repo_type = repo_type
+        self.api = api if api is not None else HfApi()
+        self.name = f"hf {repo_type}s/{repo_id}@{revision or 'default branch'}"
+
+    def __repr__(self) -> str:
+        return f"HfPayloadStore({self.repo_id!r}, revision={self.revision!r}, repo_type={self.repo_type!r})"
+
+    def _where(self, digest: str) -> str:
+        return f"{self.repo_id}/{pack_relpath(digest)}"
+
+    def _fail(self, action: str, digest: str, exc: Exception) -> StoreError:
+        return StoreError(f"{self.name}: {action} failed: {type(exc).__name__}: {exc}", file=self._where(digest))
+
+    def has(self, digest: str, size_bytes: int | None = None) -> bool:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.has` (``HfApi.get_paths_info``)."""
+        relpath = pack_relpath(digest)
+        try:
+            infos: list[Any] = self.api.get_paths_info(self.repo_id, [relpath], repo_type=self.repo_type, revision=self.revision)
+        except Exception as exc:
+            raise self._fail("looking up the pack", digest, exc) from exc
+        found = [info for info in infos if isinstance(info, RepoFile) and info.path == relpath]
+        if not found:
+            return False
+        info = found[0]
+        if size_bytes is not None and info.size != size_bytes:
+            logger.warning(
+                "coldsnap: %s is %d bytes, expected %d; treating it as absent", self._where(digest), info.size, size_bytes
+            )
+            return False
+        if info.lfs is not None and info.lfs.sha256 != digest:
+            logger.warning(
+                "coldsnap: %s has LFS SHA-256 %s, not its name; treating it as absent", self._where(digest), info.lfs.sha256
+            )
+            return False
+        return True
+
+    def fetch(self, digest: str, size_bytes: int, fd: int, *, file: Path, progress: ProgressCallback | None = None) -> None:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch` (``HfApi.hf_hub_download``)."""
+        relpath = pack_relpath(digest)
+        scratch = file.with_name(file.name + ".d")
+        scratch.mkdir(mode=0o700)
+        try:
+            try:
+                downloaded = self.api.hf_hub_download(
+                    self.repo_id, relpath, repo_type=self.repo_type, revision=self.revision, local_dir=scratch
+                )
+            except EntryNotFoundError as exc:
+                raise PayloadUnavailableError(f"{self.name} does not hold the pack", file=self._where(digest)) from exc
+            except ColdsnapError:
+                raise
+            except Exception as exc:
+                raise self._fail("downloading the pack", digest, exc) from exc
+            local = Path(downloaded)
+            st = refuse_symlink(local)
+            if st is None:
+                raise StoreError(f"{self.name}: hf_hub_download returned a path that does not exist", file=local)
+            if st.st_size != size_bytes:
+                state = "truncated" if st.st_size < size_bytes else "extended"
+                raise PackSizeMismatchError(
+                    f"stored pack is {st.st_size} bytes, expected {size_bytes} ({state})", file=self._where(digest)
+                )
+            copy_file(local, fd, size_bytes, target=file, progress=progress)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def upload(self, path: Path, digest: str, size_bytes: int, *, progress: ProgressCallback | None = None) -> None:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.upload` (``HfApi.create_commit``).
+
+        After the commit, the SHA-256 that ``huggingface_hub`` computed of the uploaded bytes (it
+        needs it for LFS and Xet anyway) is compared with ``digest``.
+
+        Raises:
+            PackSizeMismatchError: ``path`` does not have ``size_bytes`` bytes (nothing uploaded).
+            PackDigestMismatchError: the uploaded bytes do not hash to ``digest`` (the file changed
+                after it was verified).
+            StoreError: the Hub refused or failed.
+        """
+        relpath = pack_relpath(check_digest(digest))
+        operation = CommitOperationAdd(path_in_repo=relpath, path_or_fileobj=str(path))
+        if operation.upload_info.size != size_bytes:
+            raise PackSizeMismatchError(
+                f"the file to upload is {operation.upload_info.size} bytes, expected {size_bytes}", file=path
+            )
+        try:
+            self.api.create_commit(
+                self.repo_id,
+                [operation],
+                commit_message=f"coldsnap: add model payload {digest}",
+                repo_type=self.repo_type,
+                revision=self.revision,
+            )
+        except Exception as exc:
+            raise self._fail("uploading the pack", digest, exc) from exc
+        uploaded = operation.upload_info.sha256.hex()
+        if uploaded != digest:
+            raise PackDigestMismatchError(
+                f"the bytes uploaded to {self.name} hash to {uploaded}, not {digest}; the file changed after verification",
+                file=path,
+            )
+        if progress is not None:
+            progress(size_bytes)
+        logger.info("coldsnap: uploaded %s to %s", digest, self.name)

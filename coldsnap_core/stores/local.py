@@ -1,0 +1,117 @@
+"""A payload store in a local or shared folder (NFS, a mounted bucket, a second disk).
+
+Layout under the store root (the same relative paths as the node-local cache)::
+
+    model-payloads/sha256/<digest>.pack        objects, mode 0444
+    model-payloads/tmp/<digest>.<random>.partial   uploads in progress; never eligible
+
+An upload is atomic: unique temporary name (``O_EXCL``), kernel copy, fsync, the one verifier over the
+copy (size, then SHA-256), read-only, rename, folder fsync. A reader therefore sees either no object
+or a complete, verified one; a killed uploader leaves only a ``.partial`` file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import secrets
+from pathlib import Path
+
+from coldsnap_core._io import fsync_dir, fsync_fd
+from coldsnap_core.cache import refuse_symlink
+from coldsnap_core.digests import PAYLOADS_DIRNAME, check_digest, pack_relpath
+from coldsnap_core.errors import PackSizeMismatchError, PayloadUnavailableError, StoreError, UnsafePathError
+from coldsnap_core.format.manifest import PackRef
+from coldsnap_core.stores._copy import copy_fd, copy_file
+from coldsnap_core.stores.base import ProgressCallback
+
+logger = logging.getLogger(__name__)
+
+
+class LocalFolderStore:
+    """Objects in ``<root>/model-payloads/sha256/<digest>.pack``.
+
+    Args:
+        root: the store root (created on the first upload).
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).expanduser().absolute()
+        self.name = f"folder {self.root}"
+
+    def __repr__(self) -> str:
+        return f"LocalFolderStore({str(self.root)!r})"
+
+    def object_path(self, digest: str) -> Path:
+        """``<root>/model-payloads/sha256/<digest>.pack``; the digest is validated first."""
+        return self.root / pack_relpath(digest)
+
+    def has(self, digest: str, size_bytes: int | None = None) -> bool:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.has`.
+
+        Raises:
+            UnsafePathError: the object path is a symbolic link or not a regular file.
+        """
+        path = self.object_path(digest)
+        st = refuse_symlink(path)
+        if st is None:
+            return False
+        if size_bytes is not None and st.st_size != size_bytes:
+            logger.warning("coldsnap: %s is %d bytes, expected %d; treating it as absent", path, st.st_size, size_bytes)
+            return False
+        return True
+
+    def fetch(self, digest: str, size_bytes: int, fd: int, *, file: Path, progress: ProgressCallback | None = None) -> None:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch`."""
+        path = self.object_path(digest)
+        try:
+            source_fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError as exc:
+            raise PayloadUnavailableError(f"{self.name} does not hold the pack", file=path) from exc
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnsafePathError("refusing a symbolic link in the payload store", file=path) from exc
+            raise StoreError(f"cannot open the stored pack: {exc}", file=path) from exc
+        try:
+            actual = os.fstat(source_fd).st_size
+            if actual != size_bytes:
+                state = "truncated" if actual < size_bytes else "extended"
+                raise PackSizeMismatchError(f"stored pack is {actual} bytes, expected {size_bytes} ({state})", file=path)
+            copy_fd(source_fd, fd, size_bytes, source=path, target=file, progress=progress)
+        finally:
+            os.close(source_fd)
+
+    def upload(self, path: Path, digest: str, size_bytes: int, *, progress: ProgressCallback | None = None) -> None:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.upload`.
+
+        Raises:
+            IntegrityError: the copy does not verify (nothing is published).
+            InsufficientSpaceError: the store's file system filled up (nothing is left behind).
+            StoreError: the store folder cannot be written.
+        """
+        from coldsnap_core.verify import verify_pack_file
+
+        final = self.object_path(digest)
+        tmp_dir = self.root / PAYLOADS_DIRNAME / "tmp"
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create the store folders: {exc}", file=final.parent) from exc
+        temp = tmp_dir / f"{check_digest(digest)}.{secrets.token_hex(8)}.partial"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            copy_file(path, fd, size_bytes, target=temp, progress=progress)
+            fsync_fd(fd, file=temp)
+            verify_pack_file(temp, PackRef.for_digest(digest, size_bytes))
+            os.fchmod(fd, 0o444)
+            refuse_symlink(final)
+            os.rename(temp, final)
+            fsync_dir(final.parent)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+        logger.info("coldsnap: uploaded %s to %s", digest, self.name)

@@ -1,0 +1,126 @@
+"""A full file system in the middle of a write: a clear error, nothing eligible, nothing left behind.
+
+Two real ways to run out of space: ``RLIMIT_FSIZE`` in a child process (the writer gets ``EFBIG``),
+and a small real tmpfs mounted for the test (``ENOSPC``; needs root, which this machine has).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cache_support import child_command, eligible_objects, run_child, sha256_of, temporaries
+
+from coldsnap_core.cache import PayloadCache
+from coldsnap_core.copy.host import HostCopyBackend
+from coldsnap_core.errors import InsufficientSpaceError
+from coldsnap_core.materialize import materialize_payload
+from coldsnap_core.slabs import stage_checkpoint
+from coldsnap_core.staging import stage_payload
+from coldsnap_core.stores.local import LocalFolderStore
+
+
+@contextlib.contextmanager
+def tmpfs(mount_point: Path, size_bytes: int) -> Iterator[Path]:
+    """Mount a real tmpfs of ``size_bytes`` at ``mount_point`` (root only) and unmount it afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount_point.mkdir(parents=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 0.99])
+def test_rlimit_fsize_mid_write(captured, tmp_path: Path, fraction: float) -> None:
+    """A writer whose file size limit is hit at 0 %, 50 % or 99 % of the pack reports
+    InsufficientSpaceError (rule ``space``), no object is eligible and no temporary is left."""
+    state = tmp_path / "state"
+    limit = int(captured.pack.size_bytes * fraction)
+    rc, report, err = run_child(child_command(captured.checkpoint, captured.artifact_dir, state, "--fsize-limit", str(limit)))
+    assert rc == 1, err
+    assert report["error"] == "InsufficientSpaceError"
+    assert "rule space failed" in report["message"] and ".partial" in report["message"]
+    assert eligible_objects(state) == {}
+    assert temporaries(state) == []
+
+
+def test_full_tmpfs_during_materialization(captured, tmp_path: Path) -> None:
+    """On a real 512 KiB tmpfs the 1.2 MiB pack cannot fit: InsufficientSpaceError, nothing eligible,
+    nothing left in ``tmp/``."""
+    with tmpfs(tmp_path / "mnt", 512 << 10) as mnt:
+        cache = PayloadCache(mnt / "state")
+        slabs = stage_checkpoint(captured.checkpoint, slab_count=2)
+        with pytest.raises(InsufficientSpaceError, match="No space left"):
+            materialize_payload(captured.manifest, slabs.allocations, HostCopyBackend(threads=1), cache, mode="required")
+        assert cache.digests() == []
+        assert cache.temporaries() == []
+
+
+def test_full_tmpfs_during_a_store_fetch(captured, tmp_path: Path) -> None:
+    """Staging from a folder store into a full cache: InsufficientSpaceError, nothing eligible or
+    left behind (the kernel-copy path maps ENOSPC too)."""
+    store = LocalFolderStore(tmp_path / "store")
+    store.upload(captured.pack_path, captured.pack.sha256, captured.pack.size_bytes)
+    with tmpfs(tmp_path / "mnt", 512 << 10) as mnt:
+        cache = PayloadCache(mnt / "state")
+        with pytest.raises(InsufficientSpaceError):
+            stage_payload(captured.pack, cache=cache, store=store)
+        assert cache.digests() == []
+        assert cache.temporaries() == []
+
+
+def test_no_room_for_the_record_keeps_the_valid_object(captured, tmp_path: Path, caplog) -> None:
+    """A tmpfs with room for the pack but not its record: the commit keeps the verified object
+    (logging a WARNING), and its next admission simply hashes it in full."""
+    with tmpfs(tmp_path / "mnt", captured.pack.size_bytes) as mnt:
+        cache = PayloadCache(mnt / "state")
+        slabs = stage_checkpoint(captured.checkpoint, slab_count=2)
+        with caplog.at_level(logging.WARNING):
+            materialize_payload(captured.manifest, slabs.allocations, HostCopyBackend(threads=1), cache, mode="required")
+        path = cache.object_path(captured.pack.sha256)
+        assert sha256_of(path) == captured.pack.sha256
+        assert not cache.record_path(captured.pack.sha256).exists()
+        assert "validation record could not be written" in caplog.text
+        assert cache.temporaries() == []
+        hashed = []
+        assert cache.admit(captured.pack.sha256, progress=hashed.append) == path
+        assert sum(hashed) == captured.pack.size_bytes
+
+
+def test_read_only_cache_admits_after_a_full_hash(captured, tmp_path: Path, caplog) -> None:
+    """A cache on a read-only file system (a shared, pre-filled mount): an object without a record is
+    hashed in full and admitted although neither the lock nor the record can be written (WARNINGs);
+    staging a missing pack into it fails with a clear CacheError, not a bare OSError."""
+    from coldsnap_core.errors import CacheError
+
+    with tmpfs(tmp_path / "mnt", 8 << 20) as mnt:
+        cache = PayloadCache(mnt / "state")
+        slabs = stage_checkpoint(captured.checkpoint, slab_count=2)
+        materialize_payload(captured.manifest, slabs.allocations, HostCopyBackend(threads=1), cache, mode="required")
+        cache.record_path(captured.pack.sha256).unlink()
+        for lock in cache.locks_dir.iterdir():
+            lock.unlink()
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        with caplog.at_level(logging.WARNING):
+            assert cache.admit(captured.pack.sha256, captured.pack.size_bytes) == cache.object_path(captured.pack.sha256)
+        assert "proceeding without it" in caplog.text and "record could not be written" in caplog.text
+        from coldsnap_core.format.manifest import PackRef
+
+        store = LocalFolderStore(tmp_path / "store")
+        store.upload(captured.pack_path, captured.pack.sha256, captured.pack.size_bytes)
+        with pytest.raises(CacheError, match="Read-only file system"):
+            stage_payload(
+                PackRef.for_digest(captured.pack.sha256, captured.pack.size_bytes), cache=PayloadCache(mnt / "other"), store=store
+            )

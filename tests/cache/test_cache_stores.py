@@ -1,0 +1,301 @@
+"""Payload stores: a real folder store, and the Hugging Face store through huggingface_hub's real API surface.
+
+The Hub is unreachable here, so the HF store is driven by ``create_autospec(HfApi, instance=True)``:
+a wrong method or argument name fails exactly as it would against the real class. The objects the
+fake download returns and the ``CommitOperationAdd`` the upload builds are real (real files, real
+``huggingface_hub`` hashing). One test also uses a real ``HfApi`` in offline mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from pathlib import Path
+from unittest.mock import create_autospec
+
+import huggingface_hub
+import pytest
+from cache_support import flip_byte, sha256_of
+from huggingface_hub import CommitOperationAdd, HfApi
+from huggingface_hub.errors import EntryNotFoundError
+from huggingface_hub.hf_api import RepoFile
+
+from coldsnap_core.cache import PayloadCache
+from coldsnap_core.digests import pack_relpath
+from coldsnap_core.errors import (
+    ConfigurationError,
+    PackDigestMismatchError,
+    PackSizeMismatchError,
+    PayloadUnavailableError,
+    StoreError,
+    UnsafePathError,
+)
+from coldsnap_core.publish import publish_native
+from coldsnap_core.staging import stage_payload
+from coldsnap_core.stores import from_env, parse_store_spec
+from coldsnap_core.stores.base import PayloadStore
+from coldsnap_core.stores.hf import HfPayloadStore
+from coldsnap_core.stores.local import LocalFolderStore
+
+REPO_ID = "coldsnap-test/payloads"
+
+
+def repo_file(path: str, size: int, sha256: str | None) -> RepoFile:
+    """A RepoFile as huggingface_hub builds it from a paths-info response."""
+    lfs = {"size": size, "oid": sha256, "pointerSize": 134} if sha256 else None
+    return RepoFile(path=path, size=size, oid="0" * 40, lfs=lfs)
+
+
+@pytest.fixture
+def api():
+    return create_autospec(HfApi, instance=True)
+
+
+# --- folder store ----------------------------------------------------------------------------------
+
+
+def test_folder_store_upload_is_atomic_and_read_only(captured, tmp_path: Path) -> None:
+    """After an upload the object is at model-payloads/sha256/<digest>.pack, mode 0444, correct, and
+    no temporary remains; ``has`` checks the size."""
+    store = LocalFolderStore(tmp_path / "store")
+    assert isinstance(store, PayloadStore)
+    digest, size = captured.pack.sha256, captured.pack.size_bytes
+    assert not store.has(digest, size)
+    store.upload(captured.pack_path, digest, size)
+    path = tmp_path / "store" / pack_relpath(digest)
+    assert store.object_path(digest) == path
+    assert sha256_of(path) == digest and stat.S_IMODE(os.lstat(path).st_mode) == 0o444
+    assert list((tmp_path / "store" / "model-payloads" / "tmp").iterdir()) == []
+    assert store.has(digest, size) and store.has(digest)
+
+
+def test_folder_store_upload_of_wrong_bytes_publishes_nothing(captured, tmp_path: Path) -> None:
+    """Uploading a file whose bytes do not hash to the digest fails in the store's own verification
+    of its copy: nothing at the object path, no temporary left."""
+    bad = tmp_path / "bad.pack"
+    bad.write_bytes(captured.pack_path.read_bytes())
+    flip_byte(bad, 1)
+    store = LocalFolderStore(tmp_path / "store")
+    with pytest.raises(PackDigestMismatchError):
+        store.upload(bad, captured.pack.sha256, captured.pack.size_bytes)
+    assert not store.has(captured.pack.sha256)
+    assert list((tmp_path / "store" / "model-payloads" / "tmp").iterdir()) == []
+
+
+def test_folder_store_wrong_size_counts_as_absent(captured, tmp_path: Path, caplog) -> None:
+    """An object of the wrong size is reported absent with a WARNING (publication then replaces it)."""
+    store = LocalFolderStore(tmp_path / "store")
+    path = store.object_path(captured.pack.sha256)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"short")
+    with caplog.at_level(logging.WARNING):
+        assert not store.has(captured.pack.sha256, captured.pack.size_bytes)
+    assert "treating it as absent" in caplog.text
+
+
+def test_folder_store_refuses_symlinks(captured, tmp_path: Path) -> None:
+    store = LocalFolderStore(tmp_path / "store")
+    path = store.object_path(captured.pack.sha256)
+    path.parent.mkdir(parents=True)
+    os.symlink(captured.pack_path, path)
+    with pytest.raises(UnsafePathError):
+        store.has(captured.pack.sha256)
+
+
+# --- Hugging Face store (huggingface_hub API surface, no network) --------------------------------------
+
+
+def test_hf_has_uses_paths_info_and_checks_size_and_lfs_sha256(api, captured) -> None:
+    """``has`` asks get_paths_info for exactly the digest's path; a wrong size or LFS SHA-256 is absent."""
+    digest, size = captured.pack.sha256, captured.pack.size_bytes
+    relpath = pack_relpath(digest)
+    store = HfPayloadStore(REPO_ID, revision="main", api=api)
+    api.get_paths_info.return_value = [repo_file(relpath, size, digest)]
+    assert store.has(digest, size)
+    api.get_paths_info.assert_called_with(REPO_ID, [relpath], repo_type="model", revision="main")
+    api.get_paths_info.return_value = [repo_file(relpath, size + 1, digest)]
+    assert not store.has(digest, size)
+    api.get_paths_info.return_value = [repo_file(relpath, size, "e" * 64)]
+    assert not store.has(digest, size)
+    api.get_paths_info.return_value = []
+    assert not store.has(digest, size)
+
+
+def test_hf_fetch_stages_into_the_cache(api, captured, tmp_path: Path) -> None:
+    """Staging through the HF store: hf_hub_download (called with its real argument names) lands
+    the file in a scratch folder beside the cache temporary; the cache verifies and commits it, and
+    the scratch folder is gone."""
+    digest, size = captured.pack.sha256, captured.pack.size_bytes
+    relpath = pack_relpath(digest)
+
+    def download(repo_id, filename, *, repo_type=None, revision=None, local_dir=None, **_):
+        assert (repo_id, filename, repo_type, revision) == (REPO_ID, relpath, "model", "v1")
+        target = Path(local_dir) / filename
+        target.parent.mkdir(parents=True)
+        target.write_bytes(captured.pack_path.read_bytes())
+        return str(target)
+
+    api.hf_hub_download.side_effect = download
+    cache = PayloadCache(tmp_path / "state")
+    path = stage_payload(captured.pack, cache=cache, store=HfPayloadStore(REPO_ID, revision="v1", api=api))
+    assert sha256_of(path) == digest
+    assert cache.temporaries() == []
+    api.hf_hub_download.assert_called_once()
+    assert size == os.path.getsize(path)
+
+
+def test_hf_fetch_of_corrupt_object_keeps_nothing(api, captured, tmp_path: Path) -> None:
+    """A Hub object with other bytes fails the cache's verification; nothing is eligible or left."""
+
+    def download(repo_id, filename, *, local_dir=None, **_):
+        target = Path(local_dir) / "x.pack"
+        data = bytearray(captured.pack_path.read_bytes())
+        data[77] ^= 1
+        target.write_bytes(bytes(data))
+        return str(target)
+
+    api.hf_hub_download.side_effect = download
+    cache = PayloadCache(tmp_path / "state")
+    with pytest.raises(PackDigestMismatchError):
+        stage_payload(captured.pack, cache=cache, store=HfPayloadStore(REPO_ID, api=api))
+    assert cache.digests() == [] and cache.temporaries() == []
+
+
+def test_hf_fetch_of_wrong_size_is_refused(api, captured, tmp_path: Path) -> None:
+    def download(repo_id, filename, *, local_dir=None, **_):
+        target = Path(local_dir) / "x.pack"
+        target.write_bytes(b"\0" * 4096)
+        return str(target)
+
+    api.hf_hub_download.side_effect = download
+    cache = PayloadCache(tmp_path / "state")
+    with pytest.raises(PackSizeMismatchError, match=REPO_ID):
+        stage_payload(captured.pack, cache=cache, store=HfPayloadStore(REPO_ID, api=api))
+    assert cache.temporaries() == []
+
+
+def test_hf_missing_object_is_unavailable(api, captured, tmp_path: Path) -> None:
+    """EntryNotFoundError from the Hub means PayloadUnavailableError (auto restore falls back)."""
+    api.hf_hub_download.side_effect = EntryNotFoundError("404 Client Error: Entry Not Found")
+    with pytest.raises(PayloadUnavailableError, match="does not hold the pack"):
+        stage_payload(captured.pack, cache=PayloadCache(tmp_path / "state"), store=HfPayloadStore(REPO_ID, api=api))
+
+
+def test_hf_failure_is_a_store_error_and_staging_reports_unavailable(api, captured, tmp_path: Path) -> None:
+    """Any other Hub failure is a StoreError naming the repository and path; staging wraps it into
+    PayloadUnavailableError with the cause chained."""
+    api.hf_hub_download.side_effect = ConnectionError("connection reset")
+    store = HfPayloadStore(REPO_ID, api=api)
+    with pytest.raises(PayloadUnavailableError, match="connection reset") as info:
+        stage_payload(captured.pack, cache=PayloadCache(tmp_path / "state"), store=store)
+    assert isinstance(info.value.__cause__, StoreError)
+    api.get_paths_info.side_effect = ConnectionError("down")
+    with pytest.raises(StoreError, match=REPO_ID):
+        store.has(captured.pack.sha256)
+
+
+def test_hf_real_api_offline_is_unavailable(captured, tmp_path: Path, monkeypatch) -> None:
+    """A real HfApi with HF_HUB_OFFLINE: the download cannot happen, staging says unavailable."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    store = HfPayloadStore(REPO_ID)
+    cache = PayloadCache(tmp_path / "state")
+    with pytest.raises(PayloadUnavailableError):
+        stage_payload(captured.pack, cache=cache, store=store)
+    assert cache.temporaries() == []
+    with pytest.raises(StoreError, match="OfflineModeIsEnabled"):
+        store.has(captured.pack.sha256)
+
+
+def test_hf_upload_commits_one_operation_with_the_digest_path(api, captured) -> None:
+    """upload builds a real CommitOperationAdd for model-payloads/sha256/<digest>.pack and calls
+    create_commit with its real argument names; huggingface_hub's own SHA-256 of the file matches."""
+    store = HfPayloadStore(REPO_ID, revision="main", repo_type="dataset", api=api)
+    store.upload(captured.pack_path, captured.pack.sha256, captured.pack.size_bytes)
+    api.create_commit.assert_called_once()
+    args, kwargs = api.create_commit.call_args
+    assert args[0] == REPO_ID
+    (operation,) = args[1]
+    assert isinstance(operation, CommitOperationAdd)
+    assert operation.path_in_repo == pack_relpath(captured.pack.sha256)
+    assert operation.upload_info.sha256.hex() == captured.pack.sha256
+    assert kwargs["repo_type"] == "dataset" and kwargs["revision"] == "main"
+    assert captured.pack.sha256 in kwargs["commit_message"]
+
+
+def test_hf_upload_failure_is_a_store_error(api, captured) -> None:
+    api.create_commit.side_effect = OSError("403 Forbidden")
+    with pytest.raises(StoreError, match="403 Forbidden"):
+        HfPayloadStore(REPO_ID, api=api).upload(captured.pack_path, captured.pack.sha256, captured.pack.size_bytes)
+
+
+def test_hf_upload_of_wrong_size_uploads_nothing(api, captured) -> None:
+    with pytest.raises(PackSizeMismatchError):
+        HfPayloadStore(REPO_ID, api=api).upload(captured.pack_path, captured.pack.sha256, captured.pack.size_bytes + 1)
+    api.create_commit.assert_not_called()
+
+
+def test_hf_publish_of_two_artifacts_sharing_a_digest_commits_once(api, tmp_path: Path, tiny_checkpoint: Path) -> None:
+    """Two artifacts whose workers share a digest: one create_commit, the second artifact finds it present."""
+    from cache_support import capture
+
+    root = tmp_path / "root"
+    a = capture(tiny_checkpoint, tmp_path / "a", root)
+    capture(tiny_checkpoint, tmp_path / "b", root, reverse=True)
+    api.get_paths_info.return_value = []
+    store = HfPayloadStore(REPO_ID, api=api)
+    results = publish_native([tmp_path / "a", tmp_path / "b"], store, PayloadCache(root))
+    assert [r.action for r in results] == ["uploaded"]
+    assert len(results[0].owners) == 2
+    api.create_commit.assert_called_once()
+    relpath = pack_relpath(a.manifest.pack.sha256)
+    api.get_paths_info.return_value = [repo_file(relpath, a.manifest.pack.size_bytes, a.manifest.pack.sha256)]
+    again = publish_native([tmp_path / "b"], store, PayloadCache(root))
+    assert [r.action for r in again] == ["present"]
+    api.create_commit.assert_called_once()
+
+
+# --- configuration ------------------------------------------------------------------------------------
+
+
+def test_from_env(tmp_path: Path) -> None:
+    """COLDSNAP_PAYLOAD_DIR gives a folder store, COLDSNAP_PAYLOAD_REPO an HF store (org/name[@revision],
+    type from COLDSNAP_PAYLOAD_REPO_TYPE) or a folder when it is a path; nothing set gives None."""
+    assert from_env({}) is None
+    folder = from_env({"COLDSNAP_PAYLOAD_DIR": str(tmp_path)})
+    assert isinstance(folder, LocalFolderStore) and folder.root == tmp_path
+    hf = from_env({"COLDSNAP_PAYLOAD_REPO": "org/name@refs/pr/3", "COLDSNAP_PAYLOAD_REPO_TYPE": "dataset"})
+    assert isinstance(hf, HfPayloadStore)
+    assert (hf.repo_id, hf.revision, hf.repo_type) == ("org/name", "refs/pr/3", "dataset")
+    plain = from_env({"COLDSNAP_PAYLOAD_REPO": "org/name"})
+    assert (plain.revision, plain.repo_type) == (None, "model")
+    assert isinstance(from_env({"COLDSNAP_PAYLOAD_REPO": f"file://{tmp_path}"}), LocalFolderStore)
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"COLDSNAP_PAYLOAD_DIR": "/x", "COLDSNAP_PAYLOAD_REPO": "org/name"},
+        {"COLDSNAP_PAYLOAD_REPO": "org/name@"},
+        {"COLDSNAP_PAYLOAD_REPO": "org/na me"},
+        {"COLDSNAP_PAYLOAD_REPO": "a/b/c"},
+        {"COLDSNAP_PAYLOAD_REPO": "org/name", "COLDSNAP_PAYLOAD_REPO_TYPE": "space"},
+    ],
+)
+def test_from_env_rejects_bad_configuration(environ: dict[str, str]) -> None:
+    """Both variables, an empty revision, an invalid repository id or type: ConfigurationError naming the variable."""
+    with pytest.raises(ConfigurationError, match="COLDSNAP_PAYLOAD"):
+        from_env(environ)
+
+
+@pytest.mark.parametrize(
+    ("spec", "kind"),
+    [("/abs/path", LocalFolderStore), ("./rel", LocalFolderStore), ("~/p", LocalFolderStore), ("org/name", HfPayloadStore)],
+)
+def test_parse_store_spec(spec: str, kind: type) -> None:
+    assert isinstance(parse_store_spec(spec), kind)
+
+
+def test_parse_store_spec_empty() -> None:
+    with pytest.raises(ConfigurationError):
+        parse_store_spec("  ")
