@@ -14,6 +14,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from coldsnap_core.errors import EXIT_OTHER, ColdsnapError
 
@@ -27,8 +28,17 @@ COMMAND_MODULES = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors exit 4 ("other error"), not argparse's 2, which means
+    "malformed or unsupported manifest" here."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_OTHER, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="coldsnap",
         description="Inspect, verify, stage and publish coldsnap artifacts (format 9).",
         epilog="Exit codes: 0 verified/ok, 1 content mismatch or corruption, 2 malformed or unsupported manifest, "
