@@ -6,9 +6,12 @@ Internal logic worth knowing:
   large" (``EFBIG``, what ``RLIMIT_FSIZE`` produces; CPython ignores ``SIGXFSZ``) to
   :class:`~coldsnap_core.errors.InsufficientSpaceError`, so a caller can delete its temporary file and
   report one clear error.
-* :class:`HashingWriter` computes the SHA-256 of what it writes on a helper thread, overlapped with
-  the ``write`` system calls (both release the GIL), so writing a pack costs one hash pass, not a
-  hash pass plus a write pass.
+* :func:`write_hashed` writes a stream of chunks while computing its SHA-256 on a helper thread,
+  overlapped with the ``write`` system calls (both release the GIL), so writing a pack costs one hash
+  pass, not a hash pass plus a write pass. When the chunks are *stable* (views of memory that does
+  not change, such as host allocations) the helper walks its own copy of the stream and never waits
+  for the writer; otherwise (:class:`HashingWriter`) the two go in lockstep, one chunk at a time,
+  because the chunk's buffer is reused for the next one.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import contextlib
 import errno
 import hashlib
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -124,6 +128,80 @@ class HashingWriter:
         self._pool.shutdown(wait=True)
 
 
+def zero_chunks(size_bytes: int) -> Iterable[memoryview]:
+    """``size_bytes`` zero bytes as read-only views of one shared 1 MiB zero buffer."""
+    zeros = memoryview(_ZEROS)
+    while size_bytes > 0:
+        n = min(size_bytes, len(_ZEROS))
+        yield zeros[:n]
+        size_bytes -= n
+
+
+def write_hashed(
+    fd: int,
+    chunks: Callable[[], Iterable[memoryview | bytes]],
+    *,
+    file: str | os.PathLike[str],
+    stable: bool,
+    progress: Callable[[int], object] | None = None,
+) -> tuple[str, int]:
+    """Write every chunk of ``chunks()`` to ``fd``; return ``(sha256 hex, size_bytes)`` of what was written.
+
+    Args:
+        fd: an open, writable file descriptor positioned where writing starts.
+        chunks: returns a fresh iterator over the bytes to write, in order.
+        file: the file's path, for error messages.
+        stable: ``chunks()`` may be iterated twice at once (on two threads) and every chunk stays
+            valid and unchanged until both iterations end. Then a helper thread hashes its own
+            iteration while this thread writes (no per-chunk hand-off). Otherwise
+            :class:`HashingWriter` is used (hash of chunk ``k`` overlapped with its write).
+        progress: called with the number of bytes written after each chunk.
+
+    Raises:
+        InsufficientSpaceError: the file system is full, a quota or ``RLIMIT_FSIZE`` was hit.
+        CacheError: any other write error, or the two iterations did not yield the same number of
+            bytes.
+    """
+    if not stable:
+        writer = HashingWriter(fd, file=file, progress=progress)
+        try:
+            for chunk in chunks():
+                writer.write(chunk)
+        except BaseException:
+            writer.abort()
+            raise
+        return writer.finish(), writer.size_bytes
+
+    stop = threading.Event()
+
+    def hash_stream() -> tuple[str, int]:
+        digest = hashlib.sha256()
+        hashed = 0
+        for chunk in chunks():
+            if stop.is_set():
+                break
+            digest.update(chunk)
+            hashed += len(chunk)
+        return digest.hexdigest(), hashed
+
+    written = 0
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="coldsnap-hash") as pool:
+        hashing = pool.submit(hash_stream)
+        try:
+            for chunk in chunks():
+                write_all(fd, chunk, file=file)
+                written += len(chunk)
+                if progress is not None:
+                    progress(len(chunk))
+        except BaseException:
+            stop.set()
+            raise
+        digest, hashed = hashing.result()
+    if hashed != written:
+        raise CacheError(f"wrote {written} bytes but hashed {hashed}: the chunk stream is not stable", file=file)
+    return digest, written
+
+
 def sha256_file(
     path: str | os.PathLike[str],
     *,
@@ -136,13 +214,16 @@ def sha256_file(
         path: the file.
         progress: called with the number of bytes hashed after each chunk.
         observe: called with ``(file_offset_bytes, chunk)`` for each chunk, before it is hashed
-            (the verifier checks padding this way without a second read).
+            (the chunk's buffer is reused for the next one).
+
+    Memory: one buffer of ``min(8 MiB, file size + 1)`` bytes.
     """
     digest = hashlib.sha256()
     size = 0
-    buffer = bytearray(HASH_CHUNK_BYTES)
-    view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
+        # A small file gets a small buffer (bytearray zero-fills, so every page of it is resident).
+        buffer = bytearray(max(1, min(HASH_CHUNK_BYTES, os.fstat(f.fileno()).st_size + 1)))
+        view = memoryview(buffer)
         while True:
             n = f.readinto(view)
             if not n:

@@ -25,7 +25,7 @@ from typing import TypeVar
 import filelock
 
 from coldsnap_core._io import fsync_dir, fsync_fd, write_all
-from coldsnap_core.errors import ArtifactError, MissingObjectError
+from coldsnap_core.errors import ArtifactError, ManifestMismatchError, MissingObjectError
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WORKERS_DIRNAME, ArtifactDescriptor, WorkerEntry
 from coldsnap_core.format.manifest import (
     NATIVE_MANIFEST_FILENAME,
@@ -143,19 +143,23 @@ def read_capsule(path: Path) -> Capsule:
     Raises:
         MissingObjectError: the capsule or a manifest is missing.
         ManifestError: a manifest is malformed or unsupported.
-        ArtifactError: the two manifests disagree (worker, layout, residual map).
+        ManifestMismatchError: the two manifests disagree (worker, layout fingerprint, allocation map,
+            residual blob or residual map); an :class:`ArtifactError` with exit code 2.
     """
     if not path.is_dir():
         raise MissingObjectError("capsule folder does not exist", file=path)
     native = NativeManifest.read(path / NATIVE_MANIFEST_FILENAME)
     recovery = RecoveryManifest.read(path / RECOVERY_MANIFEST_FILENAME)
-    if (native.worker, native.layout_fingerprint, native.residual, native.residual_extents) != (
+    if (native.worker, native.layout_fingerprint, native.residual, native.residual_extents, native.allocations) != (
         recovery.worker,
         recovery.layout_fingerprint,
         recovery.residual,
         recovery.residual_extents,
+        recovery.allocations,
     ):
-        raise ArtifactError("the native and recovery manifests disagree on worker, layout or residual map", file=path)
+        raise ManifestMismatchError(
+            "the native and recovery manifests disagree on worker, layout, allocations, residual blob or residual map", file=path
+        )
     return Capsule(path, native, recovery)
 
 
@@ -187,10 +191,20 @@ def write_manifests(staging: Path, native: NativeManifest, recovery: RecoveryMan
 
 
 def check_artifact_layout(artifact_dir: Path) -> None:
-    """Every capsule folder in ``workers/`` is listed in the descriptor (stale capsules are an error)."""
+    """Every capsule folder in ``workers/`` is listed in the descriptor (stale capsules are an error).
+
+    Hidden entries (staging folders ``.<name>.<random>.partial``, locks) are ignored.
+
+    Raises:
+        MissingObjectError: no ``artifact.json``.
+        ArtifactError: a capsule folder is not listed (names the folder).
+    """
     descriptor = read_descriptor(artifact_dir)
     listed = {entry.capsule for entry in descriptor.workers}
-    for child in sorted((artifact_dir / WORKERS_DIRNAME).iterdir()):
+    workers_dir = artifact_dir / WORKERS_DIRNAME
+    if not workers_dir.is_dir():
+        return
+    for child in sorted(workers_dir.iterdir()):
         if child.name.startswith("."):
             continue
         if f"{WORKERS_DIRNAME}/{child.name}" not in listed:

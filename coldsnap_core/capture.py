@@ -73,6 +73,10 @@ class CaptureResult:
         capsule_dir: the unit capsule folder.
         pack_path: the pack object in the node-local cache.
         seconds: wall time of the capture (hashing, pack, blob, manifests).
+        phase_seconds: wall time of each phase, in order: ``extent_digests`` (SHA-256 of every
+            model range, on all usable CPUs), ``pack`` (stream, hash and commit the pack: fsync,
+            rename, folder fsync, validation record), ``capsule`` (residual blob and manifests, each
+            fsynced) and ``descriptor`` (``artifact.json`` under its lock).
     """
 
     manifest: NativeManifest
@@ -80,27 +84,43 @@ class CaptureResult:
     capsule_dir: Path
     pack_path: Path
     seconds: float
+    phase_seconds: tuple[tuple[str, float], ...] = ()
 
 
 def check_model_ranges(ranges: Sequence[ModelRange], allocations: Sequence[LiveAllocation]) -> None:
-    """Model ranges must be sorted, in bounds and disjoint; an observer bug otherwise.
+    """Model ranges must be non-empty, in bounds, sorted by (allocation, offset) and disjoint.
+
+    Anything else is an observer bug, refused before a byte is written.
 
     Raises:
         ObserverError: names the offending range's allocation and offset.
     """
     previous = (0, 0)
-    for r in ranges:
-        if r.size_bytes <= 0 or r.allocation_index >= len(allocations):
+    for i, r in enumerate(ranges):
+        if r.size_bytes <= 0 or r.offset_bytes < 0:
             raise ObserverError(
-                "empty model range or unknown allocation", allocation=r.allocation_index, offset_bytes=r.offset_bytes
+                f"model range {i} has offset {r.offset_bytes} and size {r.size_bytes} bytes; ranges are non-empty and start at >= 0",
+                allocation=r.allocation_index,
+                offset_bytes=r.offset_bytes,
+            )
+        if not 0 <= r.allocation_index < len(allocations):
+            raise ObserverError(
+                f"model range {i} names allocation {r.allocation_index}, but there are {len(allocations)}",
+                allocation=r.allocation_index,
+                offset_bytes=r.offset_bytes,
             )
         if r.offset_bytes + r.size_bytes > allocations[r.allocation_index].size_bytes:
             raise ObserverError(
-                "model range ends beyond its allocation", allocation=r.allocation_index, offset_bytes=r.offset_bytes
+                f"model range {i} ends at byte {r.offset_bytes + r.size_bytes}, beyond its allocation's"
+                f" {allocations[r.allocation_index].size_bytes} bytes",
+                allocation=r.allocation_index,
+                offset_bytes=r.offset_bytes,
             )
         if (r.allocation_index, r.offset_bytes) < previous:
             raise ObserverError(
-                "model ranges are not sorted and disjoint", allocation=r.allocation_index, offset_bytes=r.offset_bytes
+                f"model range {i} starts before the end of model range {i - 1}; ranges must be sorted and disjoint",
+                allocation=r.allocation_index,
+                offset_bytes=r.offset_bytes,
             )
         previous = (r.allocation_index, r.offset_bytes + r.size_bytes)
 
@@ -140,6 +160,12 @@ def capture_worker(
 ) -> CaptureResult:
     """Capture one worker: write its pack (shared), residual blob and manifests (its capsule).
 
+    Order: every model range's SHA-256 (on all usable CPUs; the pack order needs them all), then the
+    canonical pack into ``cache`` (:func:`coldsnap_core.pack_writer.write_pack`), then the capsule
+    (blob and both manifests, each fsynced, renamed into place as a whole), then ``artifact.json``.
+    The allocations must not change while this runs (the model is quiescent): their bytes are read
+    more than once (extent digests, pack, blob).
+
     Args:
         allocation_map: the allocations' layout; ``allocation_map[i].size_bytes`` must equal
             ``allocations[i].size_bytes``.
@@ -152,17 +178,31 @@ def capture_worker(
         artifact_dir: the artifact folder (capsule and ``artifact.json``).
         backend: reads the allocations.
 
+    Returns:
+        The manifests written, the capsule folder, the pack's object path, and the wall time of the
+        capture and of each phase.
+
     Raises:
-        ObserverError: the model ranges are not sorted, disjoint and in bounds, or the allocation
-            map disagrees with the live allocations.
-        InsufficientSpaceError / CacheError: writing failed (nothing half-written remains).
+        ObserverError: the model ranges are not sorted, disjoint, non-empty and in bounds, or the
+            allocation map disagrees with the live allocations (count, index or size); raised
+            before anything is written.
+        InsufficientSpaceError / CacheError: writing failed (nothing half-written remains: the pack
+            is committed only once complete, the capsule only as a whole).
     """
     started = time.perf_counter()
-    if [a.size_bytes for a in allocation_map.allocations] != [a.size_bytes for a in allocations]:
-        raise ObserverError("the allocation map's sizes differ from the live allocations'")
+    if len(allocation_map) != len(allocations):
+        raise ObserverError(f"the allocation map has {len(allocation_map)} allocations, the live model {len(allocations)}")
+    for recorded, live in zip(allocation_map.allocations, allocations, strict=True):
+        if live.index != recorded.index or live.size_bytes != recorded.size_bytes:
+            raise ObserverError(
+                f"live allocation {live.index} ({live.size_bytes} bytes) is not allocation {recorded.index}"
+                f" of the allocation map ({recorded.size_bytes} bytes)",
+                allocation=recorded.index,
+            )
     check_model_ranges(model_ranges, allocations)
 
     digests = hash_ranges(model_ranges, allocations, backend)
+    hashed = time.perf_counter()
     layout = PackLayout.plan((d, r.size_bytes) for d, r in zip(digests, model_ranges, strict=True))
     offsets = layout.offsets()
     locate: dict[tuple[str, int], tuple[LiveAllocation, int]] = {}
@@ -176,6 +216,7 @@ def capture_worker(
     )
 
     pack = write_pack(layout, locate, backend, cache)
+    packed = time.perf_counter()
     fingerprint = allocation_map.layout_fingerprint()
 
     def fill(staging: Path) -> tuple[NativeManifest, RecoveryManifest]:
@@ -202,8 +243,16 @@ def capture_worker(
         return native, recovery
 
     capsule_dir, (native, recovery) = write_capsule(artifact_dir, worker, fill)
+    written = time.perf_counter()
     register_worker(artifact_dir, model, WorkerEntry(worker, f"{WORKERS_DIRNAME}/{worker.capsule_name}", pack))
-    seconds = time.perf_counter() - started
+    finished = time.perf_counter()
+    seconds = finished - started
+    phases = (
+        ("extent_digests", hashed - started),
+        ("pack", packed - hashed),
+        ("capsule", written - packed),
+        ("descriptor", finished - written),
+    )
     logger.info(
         "coldsnap: captured %s: %d model bytes in %d extents (pack %s, %d bytes), %d residual bytes, %.2f s",
         worker.capsule_name,
@@ -214,4 +263,4 @@ def capture_worker(
         native.residual_bytes,
         seconds,
     )
-    return CaptureResult(native, recovery, capsule_dir, cache.object_path(pack.sha256), seconds)
+    return CaptureResult(native, recovery, capsule_dir, cache.object_path(pack.sha256), seconds, phases)

@@ -44,10 +44,12 @@ __all__ = [
     "InvalidDigestError",
     "LayoutMismatchError",
     "ManifestError",
+    "ManifestMismatchError",
     "ManifestParseError",
     "ManifestSchemaError",
     "ManifestValueError",
     "MissingObjectError",
+    "ModelIdentityMismatchError",
     "NonZeroPaddingError",
     "ObserverError",
     "PackDigestMismatchError",
@@ -353,3 +355,28 @@ class WakeError(ColdsnapError):
     """A level-1 wake could not hydrate every weights segment; the next wake starts over."""
 
     rule = "wake"
+
+
+class ModelIdentityMismatchError(ManifestError):
+    """The engine is loading another model than the one the artifact was captured from.
+
+    Compared before any payload byte is read: the model's source (Hugging Face repository id or
+    local folder), its revision and, for a local folder, every recorded checkpoint file's name and
+    size (the files are not hashed at restore: reading them is what restore avoids).
+    """
+
+    rule = "model-identity"
+
+
+class ManifestMismatchError(ArtifactError):
+    """Two documents of one artifact disagree: a capsule's native and recovery manifests (worker,
+    layout fingerprint, allocation map, residual blob or residual map), or ``artifact.json`` and a
+    capsule's manifests (payload digest, size and path; model identity).
+
+    An :class:`ArtifactError`, but an inconsistent manifest, so it exits with code 2
+    (``docs/format.md``, "Exit codes": ``verify`` exits 2 on a malformed, unsupported or inconsistent
+    manifest).
+    """
+
+    rule = "manifests-agree"
+    exit_code = EXIT_MANIFEST

@@ -5,9 +5,10 @@ Order of work (``DESIGN.md``, "The two byte sources"; seed 000, "Restore"):
 1. every manifest rule (:func:`coldsnap_core.verify.check_manifest`): disjoint maps that cover every
    byte, canonical pack and blob layout, the pack path derived from the digest;
 2. the live layout: fingerprint and every allocation's size (:func:`check_live_layout`);
-3. the pack: admitted by the node-local cache (size, then the validation record or a full SHA-256),
-   and its padding read and required to be zero;
-4. the residual blob: size, then SHA-256;
+3. the residual blob: size, then SHA-256 (usually small, so a bad blob is found before a long pack
+   verification);
+4. the pack: admitted by the node-local cache (size, then the validation record or a full SHA-256;
+   a corrupt object is quarantined), and its padding read and required to be zero;
 5. only then the copy plan runs through the copy backend (large reads straight into the
    destinations; never the whole pack in memory), optionally re-hashing every model extent.
 
@@ -85,22 +86,37 @@ def hydrate(
         backend: the copy backend for the allocations' memory.
         live_layout: the live model's allocation map, to compare fingerprints (``None`` compares
             sizes only).
-        verify_extents: also hash every model extent while copying (catches an in-place edit of a
-            cached pack that restored its size and mtime, which a validation record cannot see).
+        verify_extents: also hash every model extent right after its bytes land (on the backend's
+            threads; catches bytes that changed under a still-valid validation record, e.g. bit rot
+            on the device, which no inode field shows).
         manifest_file: the manifest's path, for error messages.
 
+    Returns:
+        What was copied (bytes from each source, counting every destination of a deduplicated
+        extent) and how long the checks and the copy took.
+
     Raises:
-        ManifestError: a manifest rule or the live layout check failed (nothing written).
-        IntegrityError: the pack or blob is corrupt (nothing written), or ``verify_extents`` found
-            a bad extent (the allocations are then partly written).
+        ManifestError: a manifest rule or the live layout check failed (nothing written):
+            :class:`~coldsnap_core.errors.LayoutMismatchError`,
+            :class:`~coldsnap_core.errors.AllocationSizeMismatchError`,
+            :class:`~coldsnap_core.errors.ExtentOrderError`, ``ExtentBoundsError``,
+            ``ExtentOverlapError``, ``CoverageGapError``, ``PackLayoutError``, ``ResidualLayoutError``.
+        IntegrityError: the pack or blob is corrupt (nothing written): ``PackPathMismatchError``,
+            ``PackSizeMismatchError``, ``PackDigestMismatchError`` (the object is quarantined),
+            ``NonZeroPaddingError``, ``ResidualSizeMismatchError``, ``ResidualDigestMismatchError``;
+            or ``ExtentDigestMismatchError`` from ``verify_extents`` (the allocations are then
+            partly written and must not be reported as restored).
         MissingObjectError: the pack or blob is missing (nothing written).
+        CopyBackendError: a read failed during the copy (partly written).
     """
     started = time.perf_counter()
     layout = check_manifest(manifest, file=manifest_file)
-    check_live_layout(manifest.allocations, live_layout, allocations, file=manifest_file)
+    check_live_layout(
+        manifest.allocations, live_layout, allocations, file=manifest_file, manifest_fingerprint=manifest.layout_fingerprint
+    )
+    verify_blob_file(blob_path, manifest.residual)
     pack_path = cache.admit(manifest.pack.sha256, manifest.pack.size_bytes)
     check_pack_padding(pack_path, layout)
-    verify_blob_file(blob_path, manifest.residual)
     checked = time.perf_counter()
     backend.fill(plan_hydration(manifest), {"pack": pack_path, "blob": blob_path}, allocations, verify_extents=verify_extents)
     done = time.perf_counter()

@@ -8,20 +8,25 @@ Internal logic:
 
 * the layout comes from :meth:`PackLayout.plan` (sorted by (SHA-256, size), 4096-byte aligned, each
   distinct content once, zero padding, size rounded up to 4096);
-* the bytes stream from the live allocations through the copy backend, chunk by chunk, into a
-  uniquely named temporary file, hashed on a helper thread while being written (bounded memory:
-  no whole-model buffer);
+* the bytes stream from the live allocations through the copy backend, chunk by chunk (each
+  distinct content read from the first destination holding it, zero chunks for the padding), into a
+  uniquely named temporary file; the file's SHA-256 is computed on a helper thread while it is
+  written (:func:`coldsnap_core._io.write_hashed`: the helper walks its own copy of the stream when
+  the backend's chunks are stable host views, and goes in lockstep with the writer otherwise).
+  Memory: the backend's chunks (zero-copy for host memory) and a 1 MiB zero buffer; never a
+  whole-model or whole-extent buffer;
 * :meth:`PayloadCache.commit` then fsyncs, checks size, checks the digest (against the expected one
-  when materializing), renames to ``model-payloads/sha256/<digest>.pack`` and fsyncs the folder.
+  when materializing), renames to ``model-payloads/sha256/<digest>.pack``, fsyncs the folder and
+  writes the validation record.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
-from coldsnap_core._io import HashingWriter
+from coldsnap_core._io import write_hashed, zero_chunks
 from coldsnap_core.cache import PayloadCache
-from coldsnap_core.copy.base import CopyBackend, LiveAllocation
+from coldsnap_core.copy.base import CopyBackend, LiveAllocation, stable_chunks
 from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.format.pack_layout import PackLayout
 
@@ -54,21 +59,18 @@ def write_pack(
         PackDigestMismatchError: ``expected_sha256`` given and not produced (nothing is kept).
         InsufficientSpaceError: the file system filled up (the temporary file is removed).
     """
+
+    def stream() -> Iterator[memoryview]:
+        position = 0
+        for entry in layout.entries:
+            yield from zero_chunks(entry.offset_bytes - position)
+            allocation, offset_bytes = locate[(entry.sha256, entry.size_bytes)]
+            yield from backend.read_chunks(allocation, offset_bytes, entry.size_bytes)
+            position = entry.end_bytes
+        yield from zero_chunks(layout.size_bytes - position)
+
     label = expected_sha256 or "capture"
     with cache.temporary(label) as (fd, temp_path):
-        writer = HashingWriter(fd, file=temp_path, progress=progress)
-        try:
-            position = 0
-            for entry in layout.entries:
-                writer.write_zeros(entry.offset_bytes - position)
-                allocation, offset_bytes = locate[(entry.sha256, entry.size_bytes)]
-                for chunk in backend.read_chunks(allocation, offset_bytes, entry.size_bytes):
-                    writer.write(chunk)
-                position = entry.end_bytes
-            writer.write_zeros(layout.size_bytes - position)
-        except BaseException:
-            writer.abort()
-            raise
-        digest = writer.finish()
+        digest, _ = write_hashed(fd, stream, file=temp_path, stable=stable_chunks(backend), progress=progress)
         cache.commit(fd, temp_path, sha256=digest, size_bytes=layout.size_bytes, expected_sha256=expected_sha256)
     return PackRef.for_digest(digest, layout.size_bytes)

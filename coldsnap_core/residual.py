@@ -8,11 +8,11 @@ back to back in map order, from blob offset 0, without padding (``docs/format.md
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-from coldsnap_core._io import HashingWriter, fsync_fd
-from coldsnap_core.copy.base import CopyBackend, LiveAllocation
+from coldsnap_core._io import fsync_fd, write_hashed
+from coldsnap_core.copy.base import CopyBackend, LiveAllocation, stable_chunks
 from coldsnap_core.errors import ResidualSizeMismatchError
 from coldsnap_core.format.extents import ResidualExtent
 from coldsnap_core.format.manifest import ResidualRef
@@ -56,21 +56,21 @@ def write_residual(
         ResidualSizeMismatchError: the file does not hold the bytes written.
         InsufficientSpaceError: the file system filled up.
     """
+
+    def stream() -> Iterator[memoryview]:
+        for extent in extents:
+            yield from backend.read_chunks(allocations[extent.allocation_index], extent.offset_bytes, extent.size_bytes)
+
+    expected = sum(e.size_bytes for e in extents)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
-        writer = HashingWriter(fd, file=path)
-        try:
-            for extent in extents:
-                for chunk in backend.read_chunks(allocations[extent.allocation_index], extent.offset_bytes, extent.size_bytes):
-                    writer.write(chunk)
-        except BaseException:
-            writer.abort()
-            raise
-        digest = writer.finish()
+        digest, written = write_hashed(fd, stream, file=path, stable=stable_chunks(backend))
         fsync_fd(fd, file=path)
-        expected = sum(e.size_bytes for e in extents)
-        if os.fstat(fd).st_size != expected:
-            raise ResidualSizeMismatchError(f"wrote {expected} bytes but the blob holds {os.fstat(fd).st_size}", file=path)
+        size = os.fstat(fd).st_size
+        if written != expected or size != expected:
+            raise ResidualSizeMismatchError(
+                f"the residual extents hold {expected} bytes, {written} were written, the blob holds {size}", file=path
+            )
     finally:
         os.close(fd)
     return ResidualRef(path.name, digest, expected)

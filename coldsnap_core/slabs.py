@@ -66,7 +66,11 @@ def _gap_pattern(slab: int, position: int, size: int) -> np.ndarray:
 
 
 def plan_slabs(locations: Sequence[TensorLocation], slab_count: int, gap_bytes: int) -> AllocationMap:
-    """Lay tensors out in ``slab_count`` slabs, in the given order, with ``gap_bytes`` between them."""
+    """Lay tensors out in ``slab_count`` slabs, in the given order, with ``gap_bytes`` around them.
+
+    Each tensor starts on a 256-byte boundary at least ``gap_bytes`` after the previous one's end (or
+    the slab's start); each slab ends ``gap_bytes`` after its last tensor. Strides are contiguous.
+    """
     per_slab = -(-len(locations) // slab_count)
     allocations = []
     for slab in range(slab_count):
@@ -92,17 +96,38 @@ def allocate(allocation_map: AllocationMap) -> tuple[np.ndarray, ...]:
 def stage_checkpoint(checkpoint_dir: Path, *, slab_count: int = 4, gap_bytes: int = 512, reverse: bool = False) -> Slabs:
     """Read every tensor of a safetensors checkpoint into allocate-once slabs.
 
+    Tensors are taken in (file name, file offset) order (reversed with ``reverse``), split into
+    ``slab_count`` runs of ``ceil(n / slab_count)`` tensors, and placed in their slab with
+    ``gap_bytes`` pattern bytes before the first, between each two and after the last, each tensor
+    starting on a :data:`TENSOR_ALIGNMENT_BYTES` (256-byte) boundary. Each tensor's bytes are read
+    with ``os.preadv`` straight into its slab view (seed 001: no ``torch.cat``, no second copy).
+    The layout is a pure function of the checkpoint headers and the arguments, so the layout
+    fingerprint and the residual bytes are reproducible (pinned in ``tests/core``).
+
     Args:
         checkpoint_dir: folder with ``*.safetensors`` files.
-        slab_count: number of slabs (allocations); tensors are split evenly in order.
-        gap_bytes: non-checkpoint bytes before, between and after tensors, filled with a
-            deterministic pattern (residual bytes).
+        slab_count: number of slabs (allocations), >= 1; fewer when there are fewer tensors.
+        gap_bytes: non-checkpoint bytes before, between and after tensors (>= 0), filled with a
+            deterministic pattern that capture must classify as residual.
         reverse: lay tensors out in reverse order (a different allocation order and layout
             holding the same model bytes).
+
+    Returns:
+        The slabs (``numpy.uint8`` arrays, tag ``slab``), their allocation map, and one model range
+        per non-empty tensor with its provenance (file, tensor name, absolute source offset).
+
+    Raises:
+        ValueError: ``slab_count`` < 1, ``gap_bytes`` < 0, a dtype without a known item size, or a
+            file ends inside a tensor.
+        ManifestParseError: a safetensors header is malformed (see :func:`read_header`).
     """
+    if slab_count < 1 or gap_bytes < 0:
+        raise ValueError(f"slab_count ({slab_count}) must be >= 1 and gap_bytes ({gap_bytes}) >= 0")
     locations = [loc for f in checkpoint_files(checkpoint_dir) for loc in read_header(f).values()]
     locations.sort(key=lambda loc: (loc.file.name, loc.offset_bytes), reverse=reverse)
     for loc in locations:
+        if loc.dtype not in DTYPE_ITEMSIZE_BYTES:
+            raise ValueError(f"{loc.file}: tensor {loc.name} has dtype {loc.dtype!r}, which staging does not support")
         expected = int(np.prod(loc.shape, dtype=np.int64)) * DTYPE_ITEMSIZE_BYTES[loc.dtype]
         if expected != loc.size_bytes:
             raise ValueError(f"{loc.file}: tensor {loc.name} has {loc.size_bytes} bytes, its shape needs {expected}")
@@ -117,7 +142,9 @@ def stage_checkpoint(checkpoint_dir: Path, *, slab_count: int = 4, gap_bytes: in
             for t in allocation.tensors:
                 array[position : t.offset_bytes] = _gap_pattern(allocation.index, position, t.offset_bytes - position)
                 loc = by_name[t.name]
-                fd = fds.get(loc.file) or fds.setdefault(loc.file, os.open(loc.file, os.O_RDONLY))
+                if loc.file not in fds:
+                    fds[loc.file] = os.open(loc.file, os.O_RDONLY | os.O_CLOEXEC)
+                fd = fds[loc.file]
                 view = memoryview(array[t.offset_bytes : t.offset_bytes + loc.size_bytes])
                 done = 0
                 while done < loc.size_bytes:

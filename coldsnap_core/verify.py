@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from coldsnap_core._io import HASH_CHUNK_BYTES
+from coldsnap_core._io import HASH_CHUNK_BYTES, sha256_file
 from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.digests import pack_relpath
 from coldsnap_core.errors import (
@@ -88,27 +88,30 @@ def check_manifest(manifest: NativeManifest, *, file: str | None = None) -> Pack
 def check_coverage(manifest: NativeManifest, *, file: str | None = None) -> None:
     """Bounds, order, disjointness and coverage of the two maps over every allocation."""
     allocations = manifest.allocations
-    per_allocation: list[list[tuple[int, int, str]]] = [[] for _ in allocations.allocations]
+    sizes = [a.size_bytes for a in allocations.allocations]
+    count = len(sizes)
+    per_allocation: list[list[tuple[int, int, str]]] = [[] for _ in sizes]
     for kind, extents in (("model", manifest.model_extents), ("residual", manifest.residual_extents)):
         previous = (-1, -1)
         for i, extent in enumerate(extents):
             key = (extent.allocation_index, extent.offset_bytes)
             if key <= previous:
                 raise ExtentOrderError(
-                    f"{kind} extent {i} is not after extent {i - 1} in (allocation_index, offset_bytes) order",
+                    f"{kind} extent {i} starts at ({key[0]}, {key[1]}), not after {kind} extent {i - 1} at"
+                    f" ({previous[0]}, {previous[1]}) in (allocation_index, offset_bytes) order",
                     file=file,
                     allocation=extent.allocation_index,
                     offset_bytes=extent.offset_bytes,
                 )
             previous = key
-            if extent.allocation_index >= len(allocations):
+            if extent.allocation_index >= count:
                 raise ExtentBoundsError(
-                    f"{kind} extent {i} names allocation {extent.allocation_index}, but there are {len(allocations)}",
+                    f"{kind} extent {i} names allocation {extent.allocation_index}, but there are {count}",
                     file=file,
                     allocation=extent.allocation_index,
                     offset_bytes=extent.offset_bytes,
                 )
-            size = allocations[extent.allocation_index].size_bytes
+            size = sizes[extent.allocation_index]
             if extent.end_bytes > size:
                 raise ExtentBoundsError(
                     f"{kind} extent {i} ends at byte {extent.end_bytes}, beyond the allocation's {size} bytes",
@@ -193,6 +196,7 @@ def check_live_layout(
     allocations: Sequence[LiveAllocation],
     *,
     file: str | None = None,
+    manifest_fingerprint: str | None = None,
 ) -> None:
     """The live model must have the captured layout, allocation for allocation.
 
@@ -200,26 +204,37 @@ def check_live_layout(
         manifest_allocations: the manifest's allocation map.
         live: the live model's allocation map (names, dtypes, shapes, ...), or ``None`` when only
             sizes are known (the native capture point compares segments by size).
-        allocations: the live allocations' addresses and sizes.
+        allocations: the live allocations' addresses and sizes, ``allocations[i].index == i``.
+        file: the manifest's path, for error messages.
+        manifest_fingerprint: the manifest's layout fingerprint when the caller already checked it
+            (:func:`check_manifest`); computed from ``manifest_allocations`` otherwise.
 
     Raises:
-        LayoutMismatchError: the fingerprints differ (names the first differing allocation/tensor)
-            or the number of allocations differs.
+        LayoutMismatchError: the fingerprints differ (names the first differing allocation/tensor),
+            the number of allocations differs, or ``allocations`` is not in index order.
         AllocationSizeMismatchError: a live allocation's size differs from the manifest's.
     """
-    if live is not None and live.layout_fingerprint() != manifest_allocations.layout_fingerprint():
-        raise LayoutMismatchError(_first_layout_difference(manifest_allocations, live), file=file)
+    if live is not None:
+        expected = manifest_fingerprint or manifest_allocations.layout_fingerprint()
+        if live.layout_fingerprint() != expected:
+            raise LayoutMismatchError(_first_layout_difference(manifest_allocations, live), file=file)
     if len(allocations) != len(manifest_allocations):
         raise LayoutMismatchError(
             f"the live model has {len(allocations)} allocations, the manifest {len(manifest_allocations)}", file=file
         )
-    for expected, actual in zip(manifest_allocations.allocations, allocations, strict=True):
-        if actual.index != expected.index or actual.size_bytes != expected.size_bytes:
-            raise AllocationSizeMismatchError(
-                f"live allocation is {actual.size_bytes} bytes, the manifest records {expected.size_bytes}",
+    for expected_allocation, actual in zip(manifest_allocations.allocations, allocations, strict=True):
+        if actual.index != expected_allocation.index:
+            raise LayoutMismatchError(
+                f"live allocation at position {expected_allocation.index} has index {actual.index}",
                 file=file,
-                allocation=expected.index,
-                offset_bytes=0,
+                allocation=expected_allocation.index,
+            )
+        if actual.size_bytes != expected_allocation.size_bytes:
+            raise AllocationSizeMismatchError(
+                f"live allocation is {actual.size_bytes} bytes, the manifest records {expected_allocation.size_bytes}",
+                file=file,
+                allocation=expected_allocation.index,
+                offset_bytes=min(actual.size_bytes, expected_allocation.size_bytes),
             )
 
 
@@ -260,11 +275,17 @@ def verify_pack_file(
     *,
     progress: Callable[[int], object] | None = None,
     extent_owner: Callable[[PackEntry], tuple[int | None, int | None]] | None = None,
+    chunk_bytes: int = HASH_CHUNK_BYTES,
 ) -> None:
     """Verify a pack object in full: size, SHA-256, and with ``layout`` its padding and extents.
 
-    One sequential read: the main thread hashes the file while a helper thread hashes each stored
-    extent, and padding bytes are compared with zeros as they stream past.
+    One sequential read in ``chunk_bytes`` chunks (two buffers, so at most ``2 * chunk_bytes`` of
+    the pack is in memory): the main thread hashes the file and compares the padding bytes with zero
+    as they stream past, while a helper thread feeds each stored extent's bytes into that extent's
+    own SHA-256 (an extent may span any number of chunks).
+
+    Checks, and the error raised first, in this order: the file exists, its size, its padding, each
+    stored extent's SHA-256 (the first bad one in pack order), the file's SHA-256.
 
     Args:
         path: the pack file.
@@ -274,26 +295,30 @@ def verify_pack_file(
         progress: called with the number of bytes read after each chunk.
         extent_owner: maps a stored entry to ``(allocation_index, offset_bytes)`` of one
             destination holding it, for error messages.
+        chunk_bytes: bytes per read (default 8 MiB), > 0.
 
     Raises:
         MissingObjectError: no file at ``path``.
         PackSizeMismatchError: truncated or extended (checked before any hashing).
-        NonZeroPaddingError: a padding byte is not zero.
-        ExtentDigestMismatchError: a stored extent's bytes do not match its SHA-256.
+        NonZeroPaddingError: a padding byte is not zero (names its pack offset).
+        ExtentDigestMismatchError: a stored extent's bytes do not match its SHA-256 (names the
+            destination allocation and offset from ``extent_owner``).
         PackDigestMismatchError: the file's SHA-256 is not ``pack.sha256``.
     """
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     path = Path(path)
     _require_size(path, pack.size_bytes, PackSizeMismatchError, "pack")
     entries = layout.entries if layout is not None else ()
     padding = list(layout.padding_ranges()) if layout is not None else []
     file_hash = hashlib.sha256()
     bad_padding: int | None = None
-    bad_entry: tuple[PackEntry, str] | None = None
     entry_hashes = [hashlib.sha256() for _ in entries]
-    zeros = bytes(HASH_CHUNK_BYTES)
+    zeros = bytes(chunk_bytes)
 
     def hash_entries(chunk_offset: int, chunk: memoryview, first: int) -> int:
-        """Feed the chunk's part of each stored extent into that extent's hash (helper thread)."""
+        """Feed the chunk's part of each stored extent into that extent's hash; return the index of
+        the first extent not finished by this chunk (helper thread)."""
         chunk_end = chunk_offset + len(chunk)
         i = first
         while i < len(entries) and entries[i].offset_bytes < chunk_end:
@@ -307,7 +332,7 @@ def verify_pack_file(
             i += 1
         return i
 
-    buffers = [bytearray(HASH_CHUNK_BYTES), bytearray(HASH_CHUNK_BYTES)]
+    buffers = [bytearray(chunk_bytes), bytearray(chunk_bytes)]
     next_entry = 0
     pad_index = 0
     offset = 0
@@ -315,6 +340,8 @@ def verify_pack_file(
         pending = None
         turn = 0
         while True:
+            # The helper may still hash buffers[turn ^ 1]; buffers[turn] was released by the
+            # ``pending.result()`` of the previous round.
             view = memoryview(buffers[turn])
             n = f.readinto(view)
             if not n:
@@ -341,23 +368,29 @@ def verify_pack_file(
             turn ^= 1
         if pending is not None:
             pending.result()
+    if offset != pack.size_bytes:
+        state = "truncated" if offset < pack.size_bytes else "extended"
+        raise PackSizeMismatchError(
+            f"pack changed while being read: {offset} bytes read, expected {pack.size_bytes} ({state})", file=path
+        )
+    if bad_padding is not None:
+        raise NonZeroPaddingError(
+            f"padding byte at pack offset {bad_padding} is not zero (padding runs from each extent's end to the next"
+            " 4096-byte boundary)",
+            file=path,
+            offset_bytes=bad_padding,
+        )
     for entry, h in zip(entries, entry_hashes, strict=True):
         digest = h.hexdigest()
         if digest != entry.sha256:
-            bad_entry = (entry, digest)
-            break
-    if bad_padding is not None:
-        raise NonZeroPaddingError("a padding byte between pack extents is not zero", file=path, offset_bytes=bad_padding)
-    if bad_entry is not None:
-        entry, digest = bad_entry
-        allocation, dest_offset = extent_owner(entry) if extent_owner else (None, None)
-        raise ExtentDigestMismatchError(
-            f"the extent stored at pack offset {entry.offset_bytes} ({entry.size_bytes} bytes) has SHA-256 {digest},"
-            f" the manifest records {entry.sha256}",
-            file=path,
-            allocation=allocation,
-            offset_bytes=dest_offset,
-        )
+            allocation, dest_offset = extent_owner(entry) if extent_owner else (None, None)
+            raise ExtentDigestMismatchError(
+                f"the extent stored at pack offset {entry.offset_bytes} ({entry.size_bytes} bytes) has SHA-256 {digest},"
+                f" the manifest records {entry.sha256}",
+                file=path,
+                allocation=allocation,
+                offset_bytes=dest_offset,
+            )
     digest = file_hash.hexdigest()
     if digest != pack.sha256:
         raise PackDigestMismatchError(f"the pack's SHA-256 is {digest}, its digest and path say {pack.sha256}", file=path)
@@ -366,17 +399,33 @@ def verify_pack_file(
 def check_pack_padding(path: str | os.PathLike[str], layout: PackLayout) -> None:
     """Read only the padding runs of an (already admitted) pack and require zeros.
 
+    The padding is less than 4096 bytes per stored extent, so this reads a few KiB per extent.
+
     Raises:
+        MissingObjectError: no file at ``path``.
+        PackSizeMismatchError: the file ends inside a padding run (it was truncated after admission).
         NonZeroPaddingError: a padding byte is not zero (names its file offset).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError as exc:
+        raise MissingObjectError("pack does not exist", file=path) from exc
     try:
         for start, size in layout.padding_ranges():
             data = os.pread(fd, size, start)
+            if len(data) != size:
+                raise PackSizeMismatchError(
+                    f"the pack ends at byte {start + len(data)}, inside the padding run [{start}, {start + size})"
+                    f" (expected {layout.size_bytes} bytes; truncated)",
+                    file=path,
+                    offset_bytes=start + len(data),
+                )
             if data.count(0) != size:
                 first = next(i for i, b in enumerate(data) if b)
                 raise NonZeroPaddingError(
-                    "a padding byte between pack extents is not zero", file=path, offset_bytes=start + first
+                    f"padding byte at pack offset {start + first} is {data[first]:#04x}, not zero",
+                    file=path,
+                    offset_bytes=start + first,
                 )
     finally:
         os.close(fd)
@@ -390,8 +439,6 @@ def verify_blob_file(path: str | os.PathLike[str], residual: ResidualRef) -> Non
         ResidualSizeMismatchError: truncated or extended.
         ResidualDigestMismatchError: the SHA-256 differs from the manifest's.
     """
-    from coldsnap_core._io import sha256_file
-
     path = Path(path)
     _require_size(path, residual.size_bytes, ResidualSizeMismatchError, "residual blob")
     digest, _ = sha256_file(path)

@@ -1,15 +1,33 @@
-"""``coldsnap verify ARTIFACT``: check every rule over every byte of every worker's payloads."""
+"""``coldsnap verify ARTIFACT``: check every rule over every byte of every worker's payloads.
+
+Order (each step raises the first failure it finds; ``docs/format.md``, "Verification rules"):
+
+1. resolve ``ARTIFACT`` (artifact folder, capsule folder or ``native-manifest.json``) and parse every
+   document strictly; for an artifact folder, every capsule folder is listed in ``artifact.json`` and
+   every capsule's manifests name the descriptor's payload and model identity;
+2. per worker, every manifest rule (:func:`coldsnap_core.verify.check_manifest`);
+3. per distinct pack, one full read (:func:`coldsnap_core.verify.verify_pack_file`): size, zero
+   padding, every stored extent's SHA-256, the file's SHA-256; a symbolic link or non-regular file
+   at the object path is refused;
+4. per worker, the residual blob: size, then SHA-256.
+
+Nothing is written (no validation record either): ``verify`` is a read-only audit.
+Exit codes: 0 verified, 1 content mismatch or corruption, 2 malformed or unsupported manifest,
+3 missing object, 4 other error.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from tqdm import tqdm
 
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.artifact import check_artifact_layout
+from coldsnap_core.cache import PayloadCache, refuse_symlink
 from coldsnap_core.cli._targets import resolve
-from coldsnap_core.errors import ArtifactError
+from coldsnap_core.errors import ManifestMismatchError
 from coldsnap_core.verify import check_manifest, extent_owner_map, verify_blob_file, verify_pack_file
 
 
@@ -17,15 +35,24 @@ def run(args: argparse.Namespace) -> int:
     cache = PayloadCache(args.state_root)
     descriptor, capsules = resolve(args.artifact)
     if descriptor is not None:
+        artifact_dir = Path(args.artifact)
+        check_artifact_layout(artifact_dir.parent if artifact_dir.is_file() else artifact_dir)
         for entry, capsule in zip(descriptor.workers, capsules, strict=True):
             if entry.payload != capsule.native.pack:
-                raise ArtifactError("artifact.json names another payload than the capsule's manifest", file=capsule.path)
+                raise ManifestMismatchError(
+                    "artifact.json names another payload than the capsule's native manifest", file=capsule.path
+                )
+            if descriptor.model != capsule.recovery.model:
+                raise ManifestMismatchError(
+                    "artifact.json names another model identity than the capsule's recovery manifest", file=capsule.path
+                )
     verified_packs: set[str] = set()
     for capsule in capsules:
         manifest = capsule.native
         layout = check_manifest(manifest, file=str(capsule.native_manifest_path))
         if manifest.pack.sha256 not in verified_packs:
             path = cache.object_path(manifest.pack.sha256)
+            refuse_symlink(path)
             with tqdm(
                 total=manifest.pack.size_bytes,
                 unit="B",
@@ -50,9 +77,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "verify",
         help="fully verify manifests, packs and residual blobs",
         description=(
-            "Check every manifest rule, then read each pack once (size, SHA-256, zero padding, every extent's SHA-256) "
-            "and each residual blob (size, SHA-256). Exit codes: 0 verified, 1 content mismatch or corruption, "
-            "2 malformed or unsupported manifest, 3 missing object, 4 other error."
+            "Check every manifest rule, then read each pack once (size, zero padding, every extent's SHA-256, the file's "
+            "SHA-256) and each residual blob (size, SHA-256). Read only. Exit codes: 0 verified, 1 content mismatch or "
+            "corruption, 2 malformed or unsupported manifest, 3 missing object, 4 other error. Every failure names its "
+            "rule, file, allocation and offset."
         ),
     )
     p.add_argument("artifact", metavar="ARTIFACT", help="artifact folder, capsule folder or native-manifest.json")

@@ -9,6 +9,14 @@ A backend knows one kind of memory (host memory, CUDA device memory). It does tw
   chunks, for capture and materialization.
 
 The shared code (planning, verification, the canonical writers) never touches memory directly.
+
+Optional capability: a backend whose class sets ``stable_chunks = True`` promises that the views
+:meth:`CopyBackend.read_chunks` yields stay valid and unchanged after the next one is requested and
+that several ``read_chunks`` iterations may run at once on different threads (true of zero-copy
+views of host memory). The canonical writers then hash and write the stream on two threads without
+a per-chunk hand-off (:func:`coldsnap_core._io.write_hashed`). Backends that reuse a staging buffer
+(device-to-host copies) leave it unset. It is read with :func:`stable_chunks`, not part of the
+Protocol, so existing backends need not declare it.
 """
 
 from __future__ import annotations
@@ -95,3 +103,8 @@ class CopyBackend(Protocol):
         Each chunk is valid until the next one is requested.
         """
         ...
+
+
+def stable_chunks(backend: object) -> bool:
+    """Whether ``backend`` declares ``stable_chunks = True`` (see the module docstring)."""
+    return getattr(backend, "stable_chunks", False) is True

@@ -1,18 +1,30 @@
 """The host-memory copy backend: allocations are plain process memory (CPU tensors' storages).
 
 Hydration reads each source range straight into its destination with ``os.preadv`` (one copy, from
-the page cache or the disk into the allocation; no staging buffer, no whole-pack read), spread over
-worker threads (``preadv`` and ``hashlib`` release the GIL). With ``verify_extents`` each model
-extent is hashed right after its bytes land, while they are still in the CPU cache.
+the page cache or the disk into the allocation; no staging buffer, no whole-pack read). The plan is
+cut into one *batch* per worker thread (``preadv`` and ``hashlib`` release the GIL), each batch read
+in source order:
+
+* without verification, the plan's bytes (model extents in pack order, then residual extents in blob
+  order) are split into ``threads`` contiguous runs of nearly equal size, cut at
+  ``chunk_bytes`` boundaries, so a single large extent (an embedding) is shared by every thread;
+* with ``verify_extents``, an extent's SHA-256 is a serial computation, so whole extents are dealt
+  to the threads largest first (each to the least loaded thread) and each is hashed right after its
+  bytes land, ``chunk_bytes`` at a time, while they are still in the CPU cache.
+
+A failure in one batch stops the others at their next chunk; the first error is raised.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import heapq
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 
 from coldsnap_core.copy.base import CopyOp, LiveAllocation, SourceName
@@ -21,26 +33,84 @@ from coldsnap_core.errors import CopyBackendError, ExtentDigestMismatchError
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Bytes per ``preadv`` call (4 MiB): large enough for throughput, small enough to hash cache-hot."""
 
+MAX_DEFAULT_THREADS = 8
+"""Upper bound of the default thread count (the usable CPUs)."""
+
 
 def host_view(address: int, size_bytes: int) -> memoryview:
-    """A writable byte view of ``size_bytes`` bytes of this process's memory at ``address``."""
+    """A writable byte view of ``size_bytes`` bytes of this process's memory at ``address``.
+
+    The caller keeps the memory alive and in bounds; ``address`` is a raw pointer (no checks).
+    """
     if size_bytes == 0:
         return memoryview(bytearray(0))
     return memoryview((ctypes.c_char * size_bytes).from_address(address)).cast("B")
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """A part of one op: ``size_bytes`` bytes starting ``skip_bytes`` into the op."""
+
+    op: CopyOp
+    skip_bytes: int
+    size_bytes: int
+
+
+def split_even(ops: Sequence[CopyOp], parts: int, align_bytes: int) -> list[list[_Piece]]:
+    """Cut the concatenation of ``ops`` into at most ``parts`` contiguous runs of nearly equal size.
+
+    A cut inside an op falls ``k * align_bytes`` bytes after the op's start, so every read starts on
+    an aligned source offset when the op does (pack extents start on 4096-byte boundaries). Runs
+    differ in size by at most about ``align_bytes``; empty runs are dropped.
+    """
+    total = sum(op.size_bytes for op in ops)
+    target = max(1, -(-total // max(1, parts)))
+    batches: list[list[_Piece]] = [[]]
+    room = target
+    for op in ops:
+        skip = 0
+        while skip < op.size_bytes:
+            if room <= 0 and len(batches) < parts:
+                batches.append([])
+                room = target
+            end = op.size_bytes if room <= 0 else min(op.size_bytes, skip + room)
+            if end < op.size_bytes:
+                end = max(skip + align_bytes, end // align_bytes * align_bytes)
+                end = min(end, op.size_bytes)
+            batches[-1].append(_Piece(op, skip, end - skip))
+            room -= end - skip
+            skip = end
+    return [b for b in batches if b]
+
+
+def deal_largest_first(ops: Sequence[CopyOp], parts: int) -> list[list[_Piece]]:
+    """Deal whole ops to ``parts`` batches, largest first to the least loaded; each batch in plan order."""
+    heap = [(0, i) for i in range(max(1, parts))]
+    chosen: list[list[tuple[int, CopyOp]]] = [[] for _ in heap]
+    for position, op in sorted(enumerate(ops), key=lambda p: -p[1].size_bytes):
+        load, i = heapq.heappop(heap)
+        chosen[i].append((position, op))
+        heapq.heappush(heap, (load + op.size_bytes, i))
+    return [[_Piece(op, 0, op.size_bytes) for _, op in sorted(batch, key=lambda p: p[0])] for batch in chosen if batch]
 
 
 class HostCopyBackend:
     """Copy backend for allocations in host memory.
 
     Args:
-        threads: worker threads for :meth:`fill` (default: the number of usable CPUs, at most 8).
-        chunk_bytes: bytes per read call and per hash update.
+        threads: worker threads for :meth:`fill` (default: the number of usable CPUs, at most
+            :data:`MAX_DEFAULT_THREADS`).
+        chunk_bytes: bytes per read call and per hash update, > 0 (default 4 MiB).
     """
 
     name = "host"
+    stable_chunks = True
+    """:meth:`read_chunks` yields zero-copy views of the allocations (``coldsnap_core.copy.base``)."""
 
     def __init__(self, *, threads: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-        self.threads = threads or max(1, min(8, len(os.sched_getaffinity(0))))
+        if chunk_bytes <= 0 or (threads is not None and threads <= 0):
+            raise ValueError(f"threads ({threads}) and chunk_bytes ({chunk_bytes}) must be positive")
+        self.threads = threads or max(1, min(MAX_DEFAULT_THREADS, len(os.sched_getaffinity(0))))
         self.chunk_bytes = chunk_bytes
 
     def fill(
@@ -52,55 +122,89 @@ class HostCopyBackend:
         verify_extents: bool,
     ) -> None:
         """See :meth:`coldsnap_core.copy.base.CopyBackend.fill`."""
-        fds = {name: os.open(path, os.O_RDONLY | os.O_CLOEXEC) for name, path in sources.items()}
+        batches = deal_largest_first(ops, self.threads) if verify_extents else split_even(ops, self.threads, self.chunk_bytes)
+        stop = threading.Event()
+        fds: dict[SourceName, int] = {}
         try:
-            if self.threads == 1 or len(ops) < 2:
-                for op in ops:
-                    self._run(op, fds, sources, allocations, verify_extents)
+            for name, path in sources.items():
+                try:
+                    fds[name] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError as exc:
+                    raise CopyBackendError(f"cannot open the {name}: {exc}", file=path) from exc
+            if len(batches) <= 1:
+                for batch in batches:
+                    self._run_batch(batch, fds, sources, allocations, verify_extents, stop)
                 return
-            with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="coldsnap-fill") as pool:
-                # Largest first, so the threads finish together.
-                ordered = sorted(ops, key=lambda op: -op.size_bytes)
-                futures = [pool.submit(self._run, op, fds, sources, allocations, verify_extents) for op in ordered]
+            with ThreadPoolExecutor(max_workers=len(batches), thread_name_prefix="coldsnap-fill") as pool:
+                futures = [
+                    pool.submit(self._run_batch, batch, fds, sources, allocations, verify_extents, stop) for batch in batches
+                ]
+                try:
+                    wait(futures, return_when=FIRST_EXCEPTION)
+                except BaseException:  # interrupted: let the other batches stop at their next chunk
+                    stop.set()
+                    raise
                 for future in futures:
-                    future.result()
+                    error = future.exception() if future.done() else None
+                    if error is not None:
+                        stop.set()
+                        raise error
         finally:
             for fd in fds.values():
                 os.close(fd)
 
-    def _run(
+    def _run_batch(
         self,
-        op: CopyOp,
+        batch: Sequence[_Piece],
         fds: Mapping[SourceName, int],
         sources: Mapping[SourceName, Path],
         allocations: Sequence[LiveAllocation],
         verify: bool,
+        stop: threading.Event,
     ) -> None:
+        for piece in batch:
+            if stop.is_set():
+                return
+            self._copy_piece(piece, fds, sources, allocations, verify, stop)
+
+    def _copy_piece(
+        self,
+        piece: _Piece,
+        fds: Mapping[SourceName, int],
+        sources: Mapping[SourceName, Path],
+        allocations: Sequence[LiveAllocation],
+        verify: bool,
+        stop: threading.Event,
+    ) -> None:
+        op = piece.op
         allocation = allocations[op.allocation_index]
-        destination = host_view(allocation.address + op.offset_bytes, op.size_bytes)
+        destination = host_view(allocation.address + op.offset_bytes + piece.skip_bytes, piece.size_bytes)
         digest = hashlib.sha256() if verify and op.sha256 is not None else None
         fd = fds[op.source]
+        source_offset = op.source_offset_bytes + piece.skip_bytes
         done = 0
-        while done < op.size_bytes:
-            piece = destination[done : done + self.chunk_bytes]
+        while done < piece.size_bytes:
+            if stop.is_set():
+                return
+            view = destination[done : done + self.chunk_bytes]
             try:
-                n = os.preadv(fd, [piece], op.source_offset_bytes + done)
+                n = os.preadv(fd, [view], source_offset + done)
             except OSError as exc:
                 raise CopyBackendError(
-                    f"reading {op.source} at offset {op.source_offset_bytes + done} failed: {exc}",
+                    f"reading the {op.source} at offset {source_offset + done} failed: {exc}",
                     file=sources[op.source],
                     allocation=op.allocation_index,
-                    offset_bytes=op.offset_bytes + done,
+                    offset_bytes=op.offset_bytes + piece.skip_bytes + done,
                 ) from exc
             if n == 0:
                 raise CopyBackendError(
-                    f"{op.source} ended at offset {op.source_offset_bytes + done} inside {op.source} extent {op.extent_index}",
+                    f"the {op.source} ends at offset {source_offset + done}, inside {op.source} extent {op.extent_index}",
                     file=sources[op.source],
                     allocation=op.allocation_index,
-                    offset_bytes=op.offset_bytes + done,
+                    offset_bytes=op.offset_bytes + piece.skip_bytes + done,
                 )
             if digest is not None:
-                digest.update(piece[:n])
+                digest.update(view[:n])
             done += n
         if digest is not None and digest.hexdigest() != op.sha256:
             raise ExtentDigestMismatchError(
@@ -111,7 +215,18 @@ class HostCopyBackend:
             )
 
     def read_chunks(self, allocation: LiveAllocation, offset_bytes: int, size_bytes: int) -> Iterator[memoryview]:
-        """Zero-copy views of the allocation's bytes, ``chunk_bytes`` at a time."""
+        """Zero-copy views of the allocation's bytes ``[offset_bytes, offset_bytes + size_bytes)``,
+        ``chunk_bytes`` at a time (each valid while the allocation lives).
+
+        Raises:
+            CopyBackendError: the range is not within the allocation.
+        """
+        if offset_bytes < 0 or size_bytes < 0 or offset_bytes + size_bytes > allocation.size_bytes:
+            raise CopyBackendError(
+                f"range [{offset_bytes}, {offset_bytes + size_bytes}) is outside the allocation's {allocation.size_bytes} bytes",
+                allocation=allocation.index,
+                offset_bytes=offset_bytes,
+            )
         view = host_view(allocation.address + offset_bytes, size_bytes)
         for start in range(0, size_bytes, self.chunk_bytes):
             yield view[start : start + self.chunk_bytes]

@@ -2,7 +2,15 @@
 
 Every document is parsed through :class:`Fields`, which refuses missing, mistyped and unknown keys,
 booleans where integers are expected, negative numbers and numbers that do not fit a signed 64-bit
-byte offset. Errors name the JSON path (``model_extents[3].offset_bytes``) and the file.
+byte offset. Before that, :func:`parse_document` refuses what is not strict JSON: invalid UTF-8,
+``NaN``/``Infinity``, nesting deeper than the parser's recursion limit, and an object that repeats a
+key (JSON leaves the meaning open; two readers could disagree). Errors name the JSON path
+(``model_extents[3].offset_bytes``) and the file.
+
+Error classes (``coldsnap_core.errors``, all exit code 2): :class:`ManifestParseError` (not JSON),
+:class:`ManifestSchemaError` (missing, unknown, repeated or mistyped key; wrong document kind),
+:class:`UnsupportedFormatVersionError` (``format_version`` is not 9), :class:`ManifestValueError`
+(a value out of range or of the wrong form).
 """
 
 from __future__ import annotations
@@ -147,11 +155,39 @@ class Fields:
         return ManifestValueError(f"{self._where or 'document'}: {detail}", file=self._file)
 
 
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _DuplicateKey(key)
+        obj[key] = value
+    return obj
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def parse_document(text: str | bytes, parse: Callable[[Fields], T], *, file: str | None = None) -> T:
-    """Parse one JSON document strictly with ``parse``; see :class:`Fields`."""
+    """Parse one JSON document strictly with ``parse``; see :class:`Fields`.
+
+    Raises:
+        ManifestParseError: not UTF-8 JSON (``NaN`` and ``Infinity`` included), or nested too deeply.
+        ManifestSchemaError: an object repeats a key (JSON leaves that undefined; coldsnap refuses it),
+            or any :class:`Fields` rule.
+        ManifestValueError / UnsupportedFormatVersionError: see :class:`Fields`.
+    """
     try:
-        raw = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
+        raw = json.loads(text, object_pairs_hook=_refuse_duplicate_keys, parse_constant=_refuse_constant)
+    except _DuplicateKey as exc:
+        raise ManifestSchemaError(f"an object repeats the key {exc.key!r}", file=file) from exc
+    except (ValueError, RecursionError) as exc:
         raise ManifestParseError(f"not valid JSON: {exc}", file=file) from exc
     return parse(Fields(raw, "", file))
 

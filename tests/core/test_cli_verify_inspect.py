@@ -1,0 +1,281 @@
+"""The real ``coldsnap`` command line, run as a subprocess: ``--help``, ``inspect`` (text and ``--json``)
+and ``verify`` with its documented exit code for every rule (0 verified, 1 content mismatch or
+corruption, 2 malformed or unsupported manifest, 3 missing object, 4 other error)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from core_support import Captured, copy_capture, edit_json, flip_byte, run_cli
+
+from coldsnap_core.digests import pack_relpath
+from coldsnap_core.verify import check_manifest
+
+
+def _both_manifests(edit: Callable[[dict], object]) -> Callable[[Captured], None]:
+    """Apply the same edit to the native and the recovery manifest (so that they still agree)."""
+
+    def corrupt(c: Captured) -> None:
+        edit_json(c.manifest_path, edit)
+        edit_json(c.recovery_path, edit)
+
+    return corrupt
+
+
+def _native(edit: Callable[[dict], object]) -> Callable[[Captured], None]:
+    return lambda c: edit_json(c.manifest_path, edit)
+
+
+def _repoint_pack(c: Captured, digest: str, *, path: str | None = None) -> None:
+    """Make the native manifest and artifact.json name ``digest`` (and ``path``) as the payload."""
+
+    def edit(ref: dict) -> None:
+        ref["sha256"] = digest
+        ref["path"] = path or pack_relpath(digest)
+
+    edit_json(c.manifest_path, lambda d: edit(d["pack"]))
+    edit_json(c.artifact_dir / "artifact.json", lambda d: edit(d["workers"][0]["payload"]))
+
+
+def _pack_under_another_digest(c: Captured) -> None:
+    """The real pack file, stored and named under a digest it does not have."""
+    fake = "0" * 64
+    os.link(c.pack_path, c.cache.object_path(fake))
+    _repoint_pack(c, fake)
+
+
+def _nonzero_padding(c: Captured) -> None:
+    start, _ = next(iter(check_manifest(c.manifest).padding_ranges()))
+    flip_byte(c.pack_path, start)
+
+
+def _truncate(path_of: Callable[[Captured], Path]) -> Callable[[Captured], None]:
+    def corrupt(c: Captured) -> None:
+        path = path_of(c)
+        os.chmod(path, 0o644)
+        os.truncate(path, path.stat().st_size - 1)
+
+    return corrupt
+
+
+def _symlinked_pack(c: Captured) -> None:
+    target = c.root / "elsewhere.pack"
+    shutil.copy2(c.pack_path, target)
+    c.pack_path.unlink()
+    c.pack_path.symlink_to(target)
+
+
+def _stale_capsule(c: Captured) -> None:
+    shutil.copytree(c.capsule_dir, c.artifact_dir / "workers" / "worker-0-of-2")
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    corrupt: Callable[[Captured], None]
+    code: int
+    rule: str
+    copy_pack: bool = False
+    names_extent: bool = False
+
+
+CASES = [
+    Case(
+        "gap",
+        _both_manifests(lambda d: d["residual_extents"].pop(2)),
+        2,
+        "maps-cover-allocation",
+        names_extent=True,
+    ),
+    Case(
+        "overlap",
+        _both_manifests(lambda d: d["residual_extents"][0].update(size_bytes=d["residual_extents"][0]["size_bytes"] + 2)),
+        2,
+        "maps-disjoint",
+        names_extent=True,
+    ),
+    Case(
+        "allocation-size-change",
+        _both_manifests(lambda d: d["allocations"][3].update(size_bytes=d["allocations"][3]["size_bytes"] + 1)),
+        2,
+        "layout-fingerprint",
+    ),
+    Case(
+        "out-of-bounds-extent",
+        _native(lambda d: d["model_extents"][-1].update(offset_bytes=d["allocations"][-1]["size_bytes"])),
+        2,
+        "extent-within-allocation",
+        names_extent=True,
+    ),
+    Case(
+        "unsorted-extents",
+        _native(lambda d: d["model_extents"].insert(0, d["model_extents"].pop(1))),
+        2,
+        "extent-order",
+        names_extent=True,
+    ),
+    Case(
+        "non-canonical-pack-offset",
+        _native(lambda d: d["model_extents"][2].update(pack_offset_bytes=d["model_extents"][2]["pack_offset_bytes"] + 4096)),
+        2,
+        "pack-canonical-layout",
+        names_extent=True,
+    ),
+    Case("unknown-version", _native(lambda d: d.update(format_version=10)), 2, "format-version"),
+    Case("mistyped-field", _native(lambda d: d["pack"].update(size_bytes=True)), 2, "manifest-schema"),
+    Case("negative-offset", _native(lambda d: d["model_extents"][0].update(offset_bytes=-1)), 2, "manifest-value"),
+    Case("malformed-json", lambda c: c.manifest_path.write_text("{"), 2, "manifest-json"),
+    Case(
+        "path-mismatch",
+        lambda c: _repoint_pack(c, c.manifest.pack.sha256, path=pack_relpath("1" * 64)),
+        1,
+        "pack-path",
+    ),
+    Case("digest-mismatch", _pack_under_another_digest, 1, "pack-sha256"),
+    Case("non-zero-padding", _nonzero_padding, 1, "pack-padding-zero", copy_pack=True),
+    Case(
+        "extent-digest-mismatch",
+        lambda c: flip_byte(c.pack_path, c.manifest.model_extents[4].pack_offset_bytes + 1),
+        1,
+        "extent-sha256",
+        copy_pack=True,
+        names_extent=True,
+    ),
+    Case("truncated-pack", _truncate(lambda c: c.pack_path), 1, "pack-size", copy_pack=True),
+    Case("truncated-blob", _truncate(lambda c: c.blob_path), 1, "residual-size"),
+    Case("blob-byte-flipped", lambda c: flip_byte(c.blob_path, 0), 1, "residual-sha256"),
+    Case("missing-pack", lambda c: c.pack_path.unlink(), 3, "object-present"),
+    Case("missing-blob", lambda c: c.blob_path.unlink(), 3, "object-present"),
+    Case("missing-recovery-manifest", lambda c: c.recovery_path.unlink(), 3, "object-present"),
+    Case(
+        "descriptor-disagrees-with-capsule",
+        lambda c: edit_json(c.artifact_dir / "artifact.json", lambda d: d["workers"][0]["payload"].update(size_bytes=0)),
+        2,
+        "manifests-agree",
+    ),
+    Case(
+        "native-and-recovery-disagree",
+        _native(lambda d: d["residual_extents"].pop(2)),
+        2,
+        "manifests-agree",
+    ),
+    Case("symlinked-pack", _symlinked_pack, 4, "no-symlinks"),
+    Case("stale-capsule", _stale_capsule, 4, "artifact"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_verify_exit_code_and_message_for_each_rule(captured_2layer: Captured, tmp_path: Path, case: Case) -> None:
+    """Catches a rule mapped to the wrong exit code, an exception escaping untyped (a traceback and
+    exit 1 from Python), or a message that does not name the rule and file: ``coldsnap verify`` on
+    the corrupted artifact exits with the documented code and prints ``rule <id> failed`` with the
+    file (and allocation and offset for per-extent rules) on stderr, nothing on stdout."""
+    captured = copy_capture(captured_2layer, tmp_path / "copy", copy_pack=case.copy_pack)
+    case.corrupt(captured)
+    done = run_cli("verify", captured.artifact_dir, "--state-root", captured.state_root)
+    assert done.returncode == case.code, done.stderr
+    assert f"rule {case.rule} failed" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "file=" in done.stderr and str(tmp_path / "copy") in done.stderr
+    if case.names_extent:
+        assert "allocation=" in done.stderr and "offset_bytes=" in done.stderr, done.stderr
+    assert "verified" not in done.stdout
+
+
+def test_verify_passes_on_a_good_capture_for_each_target_form(captured_2layer: Captured) -> None:
+    """Catches a broken happy path: the artifact folder, the capsule folder and the native manifest
+    each verify with exit code 0, naming the pack digest; verify writes nothing."""
+    before = sorted(p.name for p in captured_2layer.state_root.rglob("*"))
+    digest = captured_2layer.manifest.pack.sha256
+    for target in (captured_2layer.artifact_dir, captured_2layer.capsule_dir, captured_2layer.manifest_path):
+        done = run_cli("verify", target, "--state-root", captured_2layer.state_root)
+        assert done.returncode == 0, done.stderr
+        assert f"worker-0-of-1: verified pack {digest}" in done.stdout
+        assert "ok: 1 worker(s), 1 distinct payload(s)" in done.stderr
+    assert sorted(p.name for p in captured_2layer.state_root.rglob("*")) == before
+
+
+def test_verify_reads_the_state_root_from_the_environment(captured_2layer: Captured) -> None:
+    """Catches ``--state-root`` being the only way to find packs (COLDSNAP_STATE_ROOT is documented)."""
+    done = run_cli("verify", captured_2layer.artifact_dir, env={"COLDSNAP_STATE_ROOT": str(captured_2layer.state_root)})
+    assert done.returncode == 0, done.stderr
+
+
+def test_verify_of_a_missing_artifact_is_exit_3(tmp_path: Path) -> None:
+    """Catches a missing target reported as a crash or as another family."""
+    done = run_cli("verify", tmp_path / "nothing", "--state-root", tmp_path)
+    assert done.returncode == 3 and "rule object-present failed" in done.stderr
+
+
+def test_help_lists_the_commands_and_exit_codes() -> None:
+    """Catches a broken console entry point or undocumented exit codes."""
+    done = run_cli("--help")
+    assert done.returncode == 0
+    assert "inspect" in done.stdout and "verify" in done.stdout
+    assert "3 missing object" in " ".join(done.stdout.split())
+    verify_help = run_cli("verify", "--help")
+    assert verify_help.returncode == 0 and "--state-root" in verify_help.stdout
+    assert "2 malformed or unsupported manifest" in " ".join(verify_help.stdout.split())
+
+
+def test_console_script_runs(captured_2layer: Captured) -> None:
+    """Catches a missing or broken ``coldsnap`` console script in the environment."""
+    import subprocess
+    import sys
+
+    script = Path(sys.executable).parent / "coldsnap"
+    if not script.exists():
+        pytest.skip(f"no console script next to {sys.executable} (not installed in this environment)")
+    done = subprocess.run([script, "inspect", captured_2layer.artifact_dir], capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and captured_2layer.manifest.pack.sha256 in done.stdout
+
+
+def test_inspect_json_summarizes_the_capture(captured_2layer: Captured) -> None:
+    """Catches wrong byte accounting in ``inspect --json``: allocations, model vs residual bytes (which
+    add up to the allocation bytes), the pack digest, stored extents and the provenance summary."""
+    done = run_cli("inspect", captured_2layer.artifact_dir, "--json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    manifest = captured_2layer.manifest
+    assert doc["distinct_payloads"] == [manifest.pack.sha256]
+    (worker,) = doc["workers"]
+    assert worker["capsule"] == "worker-0-of-1" and worker["capture_point"] == "portable"
+    assert worker["allocations"] == 4 and worker["tensors"] == 20
+    assert worker["model_bytes"] + worker["residual_bytes"] == worker["allocation_bytes"] == manifest.allocations.total_bytes
+    assert worker["model_bytes"] == 70_784_640  # every tensor byte of the 2-layer checkpoint
+    assert worker["pack"] == {
+        "sha256": manifest.pack.sha256,
+        "size_bytes": manifest.pack.size_bytes,
+        "path": manifest.pack.path,
+        "stored_extents": 20,
+        "stored_bytes": 70_784_640,
+    }
+    assert worker["provenance"] == {"model.safetensors": {"extents": 20, "bytes": 70_784_640, "dtype_converted": 0}}
+    assert (
+        doc["model"]["files"][0]["sha256"]
+        == hashlib.sha256((Path(doc["model"]["source"]) / "model.safetensors").read_bytes()).hexdigest()
+    )
+
+
+def test_inspect_text_names_digest_and_byte_split(captured_2layer: Captured) -> None:
+    """Catches a text summary missing the facts an operator looks for."""
+    done = run_cli("inspect", captured_2layer.capsule_dir)
+    assert done.returncode == 0, done.stderr
+    assert captured_2layer.manifest.pack.sha256 in done.stdout
+    assert "model bytes:" in done.stdout and "residual bytes:" in done.stdout and "provenance model.safetensors" in done.stdout
+
+
+def test_inspect_of_a_bad_manifest_uses_the_same_exit_codes(captured_2layer: Captured, tmp_path: Path) -> None:
+    """Catches ``inspect`` crashing instead of reporting: a newer format version exits 2, nothing exits 3."""
+    captured = copy_capture(captured_2layer, tmp_path / "copy", copy_pack=False)
+    edit_json(captured.manifest_path, lambda d: d.update(format_version=10))
+    done = run_cli("inspect", captured.artifact_dir)
+    assert done.returncode == 2 and "rule format-version failed" in done.stderr
+    assert run_cli("inspect", tmp_path / "nothing").returncode == 3

@@ -1,0 +1,223 @@
+"""The host copy backend, the capture-side range checks, and the streaming writers, on real files.
+
+Synthetic byte patterns make every misplaced byte visible; odd chunk sizes put chunk boundaries
+inside extents; several threads exercise the batch split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from core_support import SYNTHETIC_MODEL, WORKER, live_allocations
+
+from coldsnap_core._io import HashingWriter, write_hashed
+from coldsnap_core.cache import PayloadCache
+from coldsnap_core.capture import ModelRange, capture_worker, check_model_ranges
+from coldsnap_core.copy.base import CopyOp, LiveAllocation, stable_chunks
+from coldsnap_core.copy.host import HostCopyBackend, deal_largest_first, split_even
+from coldsnap_core.errors import CopyBackendError, ExtentDigestMismatchError, ObserverError
+from coldsnap_core.format.allocation import Allocation, AllocationMap
+from coldsnap_core.format.extents import ExtentProvenance
+
+SOURCE_BYTES = 1 << 20
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> tuple[Path, bytes]:
+    data = hashlib.shake_256(b"coldsnap").digest(SOURCE_BYTES)
+    path = tmp_path / "source.bin"
+    path.write_bytes(data)
+    return path, data
+
+
+def _ops(data: bytes) -> list[CopyOp]:
+    """Ops of assorted sizes (1 byte to 300 KiB) into two allocations, in source order."""
+    sizes = [1, 4095, 4096, 4097, 300_000, 7, 100_000, 65_536]
+    ops, source_offset, dest = [], 0, [0, 0]
+    for i, size in enumerate(sizes):
+        allocation = i % 2
+        digest = hashlib.sha256(data[source_offset : source_offset + size]).hexdigest()
+        ops.append(CopyOp("pack", source_offset, allocation, dest[allocation], size, digest, i))
+        source_offset += size + 123
+        dest[allocation] += size + 11
+    return ops
+
+
+def _expected(ops: list[CopyOp], data: bytes, sizes: list[int]) -> list[bytes]:
+    out = [bytearray(n) for n in sizes]
+    for op in ops:
+        out[op.allocation_index][op.offset_bytes : op.offset_bytes + op.size_bytes] = data[
+            op.source_offset_bytes : op.source_offset_bytes + op.size_bytes
+        ]
+    return [bytes(b) for b in out]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("chunk_bytes", [4096, 5000, 1 << 20])
+@pytest.mark.parametrize("verify", [False, True])
+def test_fill_places_every_byte(source, threads: int, chunk_bytes: int, verify: bool) -> None:
+    """Catches misplaced, skipped or doubled bytes when ops are split across threads and chunks (a
+    chunk boundary inside an op, an op smaller than a chunk, more threads than ops' worth of bytes),
+    and a verification that hashes the wrong bytes (a correct copy would then fail)."""
+    path, data = source
+    ops = _ops(data)
+    sizes = [max(op.offset_bytes + op.size_bytes for op in ops if op.allocation_index == a) + 5 for a in (0, 1)]
+    arrays = [np.zeros(n, dtype=np.uint8) for n in sizes]
+    HostCopyBackend(threads=threads, chunk_bytes=chunk_bytes).fill(
+        ops, {"pack": path}, live_allocations(arrays), verify_extents=verify
+    )
+    assert [a.tobytes() for a in arrays] == _expected(ops, data, sizes)
+
+
+def test_split_even_cuts_contiguous_aligned_balanced_runs(source) -> None:
+    """Catches an unbalanced split (one thread left with a whole embedding) or pieces that overlap or
+    leave gaps: the runs cover every op byte once, in order, cut at multiples of the chunk size."""
+    _, data = source
+    ops = _ops(data)
+    total = sum(op.size_bytes for op in ops)
+    batches = split_even(ops, 3, 4096)
+    assert len(batches) == 3
+    loads = [sum(p.size_bytes for p in b) for b in batches]
+    assert sum(loads) == total and max(loads) - min(loads) <= 2 * 4096 + max(loads) // 10
+    flat = [p for b in batches for p in b]
+    covered: dict[int, int] = {}
+    for piece in flat:
+        assert piece.skip_bytes % 4096 == 0
+        assert covered.get(piece.op.extent_index, 0) == piece.skip_bytes
+        covered[piece.op.extent_index] = piece.skip_bytes + piece.size_bytes
+    assert covered == {op.extent_index: op.size_bytes for op in ops}
+    assert split_even([], 4, 4096) == []
+
+
+def test_deal_largest_first_keeps_whole_ops_and_balances(source) -> None:
+    """Catches a verification split that cuts an extent (its SHA-256 could not be checked) or piles
+    work on one thread: every op lands whole in exactly one batch; the largest goes alone."""
+    _, data = source
+    ops = _ops(data)
+    batches = deal_largest_first(ops, 2)
+    assert sorted(p.op.extent_index for b in batches for p in b) == list(range(len(ops)))
+    assert all(p.skip_bytes == 0 and p.size_bytes == p.op.size_bytes for b in batches for p in b)
+    assert [p.op.size_bytes for p in batches[0]] == [300_000]
+
+
+def test_short_source_is_a_copy_error_naming_the_destination(source, tmp_path: Path) -> None:
+    """Catches a short read silently leaving destination bytes unwritten (preadv returning 0)."""
+    _, data = source
+    short = tmp_path / "short.bin"
+    short.write_bytes(data[:1000])
+    ops = [CopyOp("blob", 500, 1, 64, 1000, None, 3)]
+    arrays = [np.zeros(10, np.uint8), np.zeros(2000, np.uint8)]
+    with pytest.raises(CopyBackendError) as info:
+        HostCopyBackend(threads=1).fill(ops, {"blob": short}, live_allocations(arrays), verify_extents=False)
+    assert (info.value.allocation, info.value.offset_bytes) == (1, 564)
+    assert "blob extent 3" in str(info.value) and str(short) in str(info.value)
+
+
+def test_missing_source_is_a_copy_error(tmp_path: Path) -> None:
+    """Catches an untyped FileNotFoundError from the backend (exit code 4 with a message, not a traceback)."""
+    with pytest.raises(CopyBackendError, match="cannot open the pack"):
+        HostCopyBackend().fill([], {"pack": tmp_path / "gone.pack"}, [], verify_extents=False)
+
+
+def test_extent_digest_mismatch_names_the_extent_and_stops(source) -> None:
+    """Catches a wrong extent going unnoticed with ``verify_extents``: the bad extent raises
+    ExtentDigestMismatchError naming its allocation and offset (here the 300 KiB extent 4)."""
+    path, data = source
+    ops = _ops(data)
+    bad = ops[4]
+    ops[4] = CopyOp(bad.source, bad.source_offset_bytes, bad.allocation_index, bad.offset_bytes, bad.size_bytes, "0" * 64, 4)
+    sizes = [max(op.offset_bytes + op.size_bytes for op in ops if op.allocation_index == a) + 5 for a in (0, 1)]
+    arrays = [np.zeros(n, dtype=np.uint8) for n in sizes]
+    with pytest.raises(ExtentDigestMismatchError) as info:
+        HostCopyBackend(threads=2).fill(ops, {"pack": path}, live_allocations(arrays), verify_extents=True)
+    assert (info.value.allocation, info.value.offset_bytes) == (bad.allocation_index, bad.offset_bytes)
+    assert "model extent 4" in str(info.value)
+
+
+def test_read_chunks_refuses_ranges_outside_the_allocation() -> None:
+    """Catches reads past an allocation's end (raw pointers: that would read another object's memory)."""
+    array = np.arange(100, dtype=np.uint8)
+    (live,) = live_allocations([array])
+    backend = HostCopyBackend(chunk_bytes=30)
+    assert b"".join(bytes(c) for c in backend.read_chunks(live, 10, 90)) == array[10:].tobytes()
+    assert [len(c) for c in backend.read_chunks(live, 10, 90)] == [30, 30, 30]
+    for offset, size in ((95, 10), (-1, 5), (0, 101)):
+        with pytest.raises(CopyBackendError):
+            list(backend.read_chunks(live, offset, size))
+    with pytest.raises(ValueError):
+        HostCopyBackend(threads=0)
+
+
+@pytest.mark.parametrize("stable", [True, False])
+def test_write_hashed_digest_equals_the_file(tmp_path: Path, stable: bool) -> None:
+    """Catches a streaming writer whose digest does not cover exactly the written bytes in order (in
+    both the two-thread stable mode and the lockstep mode)."""
+    pieces = [os.urandom(n) for n in (0, 1, 5000, 1 << 20, (8 << 20) + 3, 17)]
+    path = tmp_path / "out.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        seen = []
+        digest, size = write_hashed(fd, lambda: iter(pieces), file=path, stable=stable, progress=seen.append)
+    finally:
+        os.close(fd)
+    data = path.read_bytes()
+    assert (digest, size) == (hashlib.sha256(data).hexdigest(), len(data)) and data == b"".join(pieces)
+    assert sum(seen) == size
+
+
+def test_stable_chunks_is_opt_in() -> None:
+    """Catches the two-thread writer being used for a backend that reuses its buffers (that would hash
+    bytes other than those written): only backends declaring ``stable_chunks = True`` get it."""
+    assert stable_chunks(HostCopyBackend())
+    assert not stable_chunks(object())
+    assert HashingWriter  # the lockstep writer remains for the others
+
+
+def _provenance() -> ExtentProvenance:
+    return ExtentProvenance("f.safetensors", "t", 0, 1, 1, 1, False)
+
+
+@pytest.mark.parametrize(
+    ("ranges", "words"),
+    [
+        ([ModelRange(0, 0, 0, _provenance())], "non-empty"),
+        ([ModelRange(1, -8, 16, _provenance())], "start at >= 0"),
+        ([ModelRange(2, 0, 4, _provenance())], "names allocation 2"),
+        ([ModelRange(-1, 0, 4, _provenance())], "names allocation -1"),
+        ([ModelRange(0, 60, 8, _provenance())], "beyond its allocation"),
+        ([ModelRange(0, 8, 8, _provenance()), ModelRange(0, 12, 8, _provenance())], "sorted and disjoint"),
+        ([ModelRange(1, 0, 8, _provenance()), ModelRange(0, 0, 8, _provenance())], "sorted and disjoint"),
+    ],
+    ids=["empty", "negative-offset", "unknown-allocation", "negative-allocation", "past-end", "overlap", "unsorted"],
+)
+def test_observer_ranges_are_checked_before_capture(ranges: list[ModelRange], words: str) -> None:
+    """Catches an observer bug slipping into a manifest (a negative index would silently address the
+    last allocation): each malformed model range raises ObserverError naming allocation and offset."""
+    allocations = [LiveAllocation(0, 4096, 64), LiveAllocation(1, 8192, 64)]
+    with pytest.raises(ObserverError) as info:
+        check_model_ranges(ranges, allocations)
+    assert words in str(info.value) and "allocation=" in str(info.value)
+
+
+def test_capture_refuses_an_allocation_map_that_disagrees_with_the_live_allocations(tmp_path: Path) -> None:
+    """Catches a manifest written for other allocations than the ones read: nothing is written."""
+    arrays = [np.zeros(64, np.uint8), np.zeros(32, np.uint8)]
+    allocation_map = AllocationMap((Allocation(0, 64, "buffer", None, ()), Allocation(1, 33, "buffer", None, ())))
+    with pytest.raises(ObserverError) as info:
+        capture_worker(
+            allocation_map=allocation_map,
+            allocations=live_allocations(arrays),
+            model_ranges=[],
+            worker=WORKER,
+            capture_point="portable",
+            model=SYNTHETIC_MODEL,
+            cache=PayloadCache(tmp_path / "state"),
+            artifact_dir=tmp_path / "artifact",
+            backend=HostCopyBackend(),
+        )
+    assert info.value.allocation == 1
+    assert not (tmp_path / "state").exists() and not (tmp_path / "artifact").exists()
