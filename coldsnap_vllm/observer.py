@@ -1,0 +1,578 @@
+"""The checkpoint-to-destination write observer: which destination bytes hold checkpoint bytes.
+
+Classification comes from observed loader behaviour, never from parameter names (``DESIGN.md``,
+"The two byte sources"; ``reference/vllm.md`` section 2.5). Two boundaries are watched:
+
+1. **The iterator boundary** (source side). Every ``(name, tensor)`` the engine's checkpoint iterator
+   yields is registered in :class:`CheckpointSources` with the file, tensor name and file offset
+   that the safetensors header gives for it (:func:`coldsnap_core.safetensors_header.read_header`),
+   keyed by the tensor's storage. An entry lives exactly as long as that storage (a weak reference
+   to the storage object, which torch keeps unique per storage), so a freed source whose address is
+   reused by another tensor is never mistaken for checkpoint bytes.
+2. **The write boundary** (destination side). :class:`WriteObserver` is a ``TorchDispatchMode``
+   around the engine's ``load_weights``. It sees every aten operator and classifies every byte
+   range it writes:
+
+   * ``aten.copy_`` whose source is (a view of) a registered checkpoint tensor, with the same
+     shape, no broadcasting and the same dtype, records *model* bytes: one record per contiguous
+     destination run, each with its provenance (file, tensor, source offset, and for a strided
+     source such as a row-parallel ``narrow(1, ...)`` shard, the run length and run stride).
+     Stacked parameters (``qkv_proj``, ``gate_up_proj``) get one record per shard copy; a tied
+     embedding is one storage, so its bytes are recorded once.
+   * any other write into memory makes the written bytes *residual*: ``fill_``, ``zero_``,
+     ``index_put_``, ``index_copy_``, a copy from a non-checkpoint tensor, and generally every
+     operator whose schema marks an argument as written (``Tensor(a!)``, ``out=`` tensors),
+     except metadata-only in-place views (tag ``inplace_view``) and ``set_``. The whole byte hull
+     of the written tensor becomes residual, also when the operator writes only some of its
+     elements (which ones ``index_put_`` touches depends on the index values).
+   * a dtype-converting ``copy_`` from a checkpoint tensor is residual by default; with
+     ``converted_copies="model"`` it is recorded as a model extent whose provenance says
+     ``dtype_converted: true`` (the destination bytes are then a function of the source bytes,
+     which the pack stores as they are).
+   * a second checkpoint copy over bytes an earlier checkpoint copy wrote makes the overlap
+     residual; a write that lands *before* a checkpoint copy is simply overwritten by it.
+   * a write into a registered checkpoint tensor removes it from the sources (its bytes are no
+     longer the file's).
+
+A byte is therefore *model* exactly when one checkpoint copy wrote it and nothing wrote it
+afterwards, until :meth:`WriteObserver.model_records` is read at the end of ``load_weights``.
+Addresses are absolute; :func:`map_to_allocations` maps them onto the portable allocations and drops
+writes into memory that is not a model allocation.
+
+Limits: writes that bypass the torch dispatcher (raw pointers, ``Tensor.numpy()`` views, a custom
+operator registered without alias annotations) are invisible; the loaders the project supports
+(vLLM's default loader with the safetensors or InstantTensor iterator) write through ``copy_``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from coldsnap_core.capture import ModelRange
+from coldsnap_core.format.extents import ExtentProvenance
+from coldsnap_core.safetensors_header import TensorLocation
+from coldsnap_core.torch_allocations import TorchAllocations, dtype_name
+
+ConvertedCopies = Literal["residual", "model"]
+
+_aten = torch.ops.aten
+_METADATA_ONLY_OPS = frozenset(
+    {
+        _aten.set_.source_Storage,
+        _aten.set_.source_Storage_storage_offset,
+        _aten.set_.source_Tensor,
+        _aten.set_.default,
+        _aten.resize_.default,
+    }
+)
+
+
+# --- the source side ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SourceSpan:
+    """A checkpoint tensor as the engine's iterator yielded it.
+
+    Attributes:
+        checkpoint_file: the file's name relative to the checkpoint folder.
+        tensor_name: the tensor's name in the file's header.
+        file_offset_bytes: absolute file offset of the tensor's first byte.
+        size_bytes: the tensor's size in bytes.
+        dtype: the tensor's dtype.
+        storage_offset_bytes: where the tensor starts in its storage.
+    """
+
+    checkpoint_file: str
+    tensor_name: str
+    file_offset_bytes: int
+    size_bytes: int
+    dtype: torch.dtype
+    storage_offset_bytes: int
+
+
+class _StorageEntry:
+    __slots__ = ("ref", "spans")
+
+    def __init__(self, ref: weakref.ref, spans: list[SourceSpan]) -> None:
+        self.ref = ref
+        self.spans = spans
+
+
+def _storage_extent_bytes(tensor: torch.Tensor) -> tuple[int, int]:
+    """``[lo, hi)`` byte offsets within its storage that ``tensor`` can touch (non-negative strides)."""
+    start = int(tensor.storage_offset()) * tensor.element_size()
+    if tensor.numel() == 0:
+        return start, start
+    last = sum((int(n) - 1) * int(s) for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    return start, start + (last + 1) * tensor.element_size()
+
+
+class CheckpointSources:
+    """Live checkpoint tensors, keyed by their storage (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[int, _StorageEntry] = {}
+        self.registered = 0
+        self.unknown: list[str] = []
+
+    def register(self, tensor: torch.Tensor, location: TensorLocation | None, checkpoint_file: str | None) -> bool:
+        """Register a yielded checkpoint tensor; return whether it was accepted as a source.
+
+        A tensor is accepted when ``location`` describes it exactly: same dtype, shape and byte size,
+        dense and contiguous. Anything else (a ``.bin`` checkpoint, a converted or reconstructed
+        tensor) is not a source, so copies from it are residual.
+        """
+        if (
+            location is None
+            or checkpoint_file is None
+            or not tensor.is_contiguous()
+            or dtype_name(tensor.dtype) != location.dtype
+            or tuple(tensor.shape) != tuple(location.shape)
+            or tensor.numel() * tensor.element_size() != location.size_bytes
+            or tensor.layout != torch.strided
+        ):
+            self.unknown.append(location.name if location is not None else "?")
+            return False
+        storage = tensor.untyped_storage()
+        start, _ = _storage_extent_bytes(tensor)
+        span = SourceSpan(checkpoint_file, location.name, location.offset_bytes, location.size_bytes, tensor.dtype, start)
+        base = storage.data_ptr()
+        with self._lock:
+            entry = self._entries.get(base)
+            if entry is not None and entry.ref() is storage:
+                entry.spans = [s for s in entry.spans if not _overlaps(s, span)]
+                entry.spans.append(span)
+                entry.spans.sort(key=lambda s: s.storage_offset_bytes)
+            else:
+                entry = _StorageEntry(weakref.ref(storage), [span])
+                self._entries[base] = entry
+                weakref.finalize(storage, self._forget, base, entry)
+            self.registered += 1
+        return True
+
+    def __len__(self) -> int:
+        """Number of live storages holding registered checkpoint tensors."""
+        with self._lock:
+            return len(self._entries)
+
+    def _forget(self, base: int, entry: _StorageEntry) -> None:
+        with self._lock:
+            if self._entries.get(base) is entry:
+                del self._entries[base]
+
+    def _entry(self, tensor: torch.Tensor) -> _StorageEntry | None:
+        if tensor.layout != torch.strided or tensor.device.type == "meta":
+            return None
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+        entry = self._entries.get(storage.data_ptr())
+        if entry is None or entry.ref() is not storage:
+            return None
+        return entry
+
+    def find(self, tensor: torch.Tensor) -> tuple[SourceSpan, int] | None:
+        """The checkpoint tensor ``tensor`` is a view of, and the byte offset of ``tensor``'s first
+        element within it; ``None`` if ``tensor`` is not (entirely) inside one registered source."""
+        with self._lock:
+            entry = self._entry(tensor)
+            if entry is None:
+                return None
+            lo, hi = _storage_extent_bytes(tensor)
+            for span in entry.spans:
+                if span.storage_offset_bytes <= lo and hi <= span.storage_offset_bytes + span.size_bytes:
+                    return span, lo - span.storage_offset_bytes
+        return None
+
+    def taint(self, tensor: torch.Tensor) -> None:
+        """``tensor`` was written: its bytes are no longer the file's; forget overlapping sources."""
+        with self._lock:
+            entry = self._entry(tensor)
+            if entry is None:
+                return
+            lo, hi = _storage_extent_bytes(tensor)
+            entry.spans = [s for s in entry.spans if s.storage_offset_bytes + s.size_bytes <= lo or hi <= s.storage_offset_bytes]
+
+
+def _overlaps(a: SourceSpan, b: SourceSpan) -> bool:
+    return (
+        a.storage_offset_bytes < b.storage_offset_bytes + b.size_bytes
+        and b.storage_offset_bytes < a.storage_offset_bytes + a.size_bytes
+    )
+
+
+# --- model records -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRecord:
+    """A contiguous destination byte range that holds checkpoint bytes.
+
+    The source is described in *units*: a unit is one byte for a byte-exact copy, and one element
+    for a dtype-converting copy (``unit_source_bytes`` and ``unit_destination_bytes`` then differ).
+    Destination unit ``k`` came from source unit ``source_first + (k // run) * stride + k % run``,
+    counted from the checkpoint tensor's first byte.
+
+    Attributes:
+        address: absolute address of the first destination byte.
+        size_bytes: destination bytes, a multiple of ``unit_destination_bytes``.
+        source: the checkpoint tensor.
+        source_first: first source unit.
+        run: source units per contiguous run.
+        stride: source units between the starts of consecutive runs (``== run`` when contiguous).
+        unit_source_bytes: bytes per source unit.
+        unit_destination_bytes: bytes per destination unit.
+        dtype_converted: whether the copy converted the dtype.
+    """
+
+    address: int
+    size_bytes: int
+    source: SourceSpan
+    source_first: int
+    run: int
+    stride: int
+    unit_source_bytes: int
+    unit_destination_bytes: int
+    dtype_converted: bool
+
+    @property
+    def end(self) -> int:
+        return self.address + self.size_bytes
+
+    def slice(self, start_bytes: int, end_bytes: int) -> list[ModelRecord]:
+        """The parts of this record inside destination bytes ``[start_bytes, end_bytes)`` (offsets
+        relative to ``address``), each with a source describable as uniform runs.
+
+        For a converted copy, a cut inside a destination element drops that element (its bytes were
+        written by something else, so the element is no longer the converted source element).
+        """
+        unit = self.unit_destination_bytes
+        ua = -(-max(0, start_bytes) // unit)
+        ub = min(self.size_bytes, end_bytes) // unit
+        if ua >= ub:
+            return []
+        if self.run == self.stride:
+            return [self._piece(ua, ub, self.source_first + ua, ub - ua, ub - ua)]
+        run = self.run
+        pieces = []
+        r0, off0 = divmod(ua, run)
+        if off0:
+            hi = min(ub, (r0 + 1) * run)
+            pieces.append(self._piece(ua, hi, self.source_first + r0 * self.stride + off0, hi - ua, hi - ua))
+        ra, rb = -(-ua // run), ub // run
+        if rb > ra:
+            pieces.append(self._piece(ra * run, rb * run, self.source_first + ra * self.stride, run, self.stride))
+        if ub % run and rb * run >= ua:
+            lo = max(ua, rb * run)
+            pieces.append(self._piece(lo, ub, self.source_first + rb * self.stride, ub - lo, ub - lo))
+        return pieces
+
+    def _piece(self, ua: int, ub: int, first: int, run: int, stride: int) -> ModelRecord:
+        units = ub - ua
+        if units <= run:
+            run = stride = units
+        unit = self.unit_destination_bytes
+        return replace(
+            self, address=self.address + ua * unit, size_bytes=units * unit, source_first=first, run=run, stride=stride
+        )
+
+    def provenance(self) -> ExtentProvenance:
+        """The record's source as format-9 provenance (absolute file offsets, bytes)."""
+        units = self.size_bytes // self.unit_destination_bytes
+        u = self.unit_source_bytes
+        run, stride = (units, units) if self.run == self.stride or units <= self.run else (self.run, self.stride)
+        return ExtentProvenance(
+            checkpoint_file=self.source.checkpoint_file,
+            tensor_name=self.source.tensor_name,
+            source_offset_bytes=self.source.file_offset_bytes + self.source_first * u,
+            source_size_bytes=units * u,
+            source_run_bytes=run * u,
+            source_run_stride_bytes=stride * u,
+            dtype_converted=self.dtype_converted,
+        )
+
+
+class _RecordMap:
+    """Disjoint model records, sorted by address."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.records: list[ModelRecord] = []
+
+    def remove(self, lo: int, hi: int) -> bool:
+        """Cut ``[lo, hi)`` out of every record; return whether anything was cut."""
+        i = max(0, bisect.bisect_right(self.starts, lo) - 1)
+        j = i
+        while j < len(self.records) and self.records[j].address < hi:
+            j += 1
+        touched = [r for r in self.records[i:j] if r.address < hi and lo < r.end]
+        if not touched:
+            return False
+        keep = [r for r in self.records[i:j] if not (r.address < hi and lo < r.end)]
+        for r in touched:
+            keep += r.slice(0, lo - r.address) + r.slice(hi - r.address, r.size_bytes)
+        keep.sort(key=lambda r: r.address)
+        self.records[i:j] = keep
+        self.starts[i:j] = [r.address for r in keep]
+        return True
+
+    def add(self, record: ModelRecord) -> None:
+        i = bisect.bisect_left(self.starts, record.address)
+        self.starts.insert(i, record.address)
+        self.records.insert(i, record)
+
+
+class _IntervalSet:
+    """A union of byte intervals, kept merged and sorted."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def uncovered(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The parts of ``[lo, hi)`` outside the set."""
+        out = []
+        i = max(0, bisect.bisect_right(self.starts, lo) - 1)
+        position = lo
+        while i < len(self.starts) and self.starts[i] < hi:
+            if self.ends[i] > position:
+                if self.starts[i] > position:
+                    out.append((position, self.starts[i]))
+                position = max(position, self.ends[i])
+            i += 1
+        if position < hi:
+            out.append((position, hi))
+        return out
+
+    def add(self, lo: int, hi: int) -> None:
+        i = bisect.bisect_left(self.ends, lo)
+        j = bisect.bisect_right(self.starts, hi)
+        if i < j:
+            lo = min(lo, self.starts[i])
+            hi = max(hi, self.ends[j - 1])
+        self.starts[i:j] = [lo]
+        self.ends[i:j] = [hi]
+
+
+# --- decomposing a copy into runs ----------------------------------------------------------------
+
+
+def _copy_runs(
+    shape: Sequence[int], source_stride: Sequence[int], dest_stride: Sequence[int]
+) -> Iterator[tuple[int, int, int, int, int]]:
+    """Split an elementwise copy of ``shape`` into destination-contiguous pieces.
+
+    Yields ``(dest_offset, source_offset, units, run, stride)`` in elements: the piece's
+    destination elements ``[dest_offset, dest_offset + units)`` are contiguous and come from
+    source runs of ``run`` elements starting ``stride`` apart from ``source_offset``.
+    """
+    dims = [(int(n), int(s), int(d)) for n, s, d in zip(shape, source_stride, dest_stride, strict=True) if n != 1]
+    merged: list[tuple[int, int, int]] = []
+    for n, s, d in reversed(dims):  # innermost first
+        if merged and s == merged[-1][0] * merged[-1][1] and d == merged[-1][0] * merged[-1][2]:
+            inner = merged.pop()
+            merged.append((n * inner[0], inner[1], inner[2]))
+        else:
+            merged.append((n, s, d))
+    merged.reverse()  # outermost first
+    run = merged.pop()[0] if merged and merged[-1][1] == 1 and merged[-1][2] == 1 else 1
+    if not merged:
+        yield 0, 0, run, run, run
+        return
+    rows_n, rows_s, rows_d = merged.pop()
+    outer = merged
+
+    def combos(k: int, s0: int, d0: int) -> Iterator[tuple[int, int]]:
+        if k == len(outer):
+            yield s0, d0
+            return
+        n, s, d = outer[k]
+        for i in range(n):
+            yield from combos(k + 1, s0 + i * s, d0 + i * d)
+
+    for s0, d0 in combos(0, 0, 0):
+        if rows_d == run:
+            yield d0, s0, rows_n * run, run, rows_s
+        else:
+            for i in range(rows_n):
+                yield d0 + i * rows_d, s0 + i * rows_s, run, run, run
+
+
+def _hull(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """Absolute ``[lo, hi)`` of the bytes ``tensor`` can touch, or ``None`` if it has none."""
+    if tensor.numel() == 0 or tensor.layout != torch.strided or tensor.device.type == "meta":
+        return None
+    lo, hi = _storage_extent_bytes(tensor)
+    base = tensor.untyped_storage().data_ptr()
+    return base + lo, base + hi
+
+
+# --- the dispatch mode ---------------------------------------------------------------------------
+
+
+class WriteObserver(TorchDispatchMode):
+    """Observe every tensor write while active (see the module docstring).
+
+    Args:
+        sources: the checkpoint tensors registered at the iterator boundary.
+        converted_copies: ``residual`` (default) or ``model`` for dtype-converting checkpoint copies.
+
+    Attributes:
+        checkpoint_copies: number of ``copy_`` calls recorded as model bytes (for logs and tests).
+        other_writes: number of other byte-writing operator calls seen.
+    """
+
+    def __init__(self, sources: CheckpointSources, *, converted_copies: ConvertedCopies = "residual") -> None:
+        super().__init__()
+        self.sources = sources
+        self.converted_copies = converted_copies
+        self._records = _RecordMap()
+        self._copied = _IntervalSet()
+        self._written_args: dict[object, tuple[tuple[int, str], ...]] = {}
+        self.checkpoint_copies = 0
+        self.other_writes = 0
+
+    # -- dispatch ----------------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func is _aten.copy_.default:
+            self._on_copy(args[0], args[1])
+        else:
+            for tensor in self._written_tensors(func, args, kwargs):
+                self._on_write(tensor)
+        return result
+
+    def _written_tensors(self, func, args, kwargs) -> Iterator[torch.Tensor]:
+        spec = self._written_args.get(func)
+        if spec is None:
+            spec = self._written_spec(func)
+            self._written_args[func] = spec
+        for position, name in spec:
+            value = args[position] if position < len(args) else kwargs.get(name)
+            if isinstance(value, torch.Tensor):
+                yield value
+            elif isinstance(value, list | tuple):
+                yield from (v for v in value if isinstance(v, torch.Tensor))
+
+    @staticmethod
+    def _written_spec(func) -> tuple[tuple[int, str], ...]:
+        if func in _METADATA_ONLY_OPS or torch.Tag.inplace_view in getattr(func, "tags", ()):
+            return ()
+        schema = getattr(func, "_schema", None)
+        if schema is None:
+            return ()
+        return tuple((i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+
+    # -- classification ----------------------------------------------------------------------------
+
+    def _on_write(self, tensor: torch.Tensor) -> None:
+        hull = _hull(tensor)
+        if hull is None:
+            return
+        self.other_writes += 1
+        self.sources.taint(tensor)
+        self._records.remove(*hull)
+
+    def _on_copy(self, dest: torch.Tensor, source: object) -> None:
+        records = self._checkpoint_records(dest, source) if isinstance(source, torch.Tensor) else None
+        if records is None:
+            self._on_write(dest)
+            return
+        self.sources.taint(dest)
+        self.checkpoint_copies += 1
+        for record in records:
+            lo, hi = record.address, record.end
+            fresh = self._copied.uncovered(lo, hi)
+            self._records.remove(lo, hi)
+            for a, b in fresh:
+                for piece in record.slice(a - lo, b - lo):
+                    self._records.add(piece)
+            self._copied.add(lo, hi)
+
+    def _checkpoint_records(self, dest: torch.Tensor, source: torch.Tensor) -> list[ModelRecord] | None:
+        if dest.numel() == 0 or dest.layout != torch.strided or dest.device.type == "meta":
+            return None
+        if tuple(source.shape) != tuple(dest.shape):
+            return None  # broadcasting: not a verbatim copy
+        if any(s <= 0 for n, s in zip(dest.shape, dest.stride(), strict=True) if n > 1):
+            return None  # overlapping destination elements
+        if any(s <= 0 for n, s in zip(source.shape, source.stride(), strict=True) if n > 1):
+            return None
+        found = self.sources.find(source)
+        if found is None:
+            return None
+        span, offset_in_tensor = found
+        converted = source.dtype != dest.dtype
+        if converted and self.converted_copies != "model":
+            return None
+        s_item, d_item = source.element_size(), dest.element_size()
+        dest_base = dest.untyped_storage().data_ptr() + int(dest.storage_offset()) * d_item
+        # Units: elements for a converted copy, bytes for a byte-exact one.
+        if converted:
+            unit_s, unit_d, scale_s = s_item, d_item, 1
+            first0 = offset_in_tensor // s_item
+        else:
+            unit_s = unit_d = 1
+            scale_s = s_item
+            first0 = offset_in_tensor
+        records = []
+        for d_off, s_off, units, run, stride in _copy_runs(dest.shape, source.stride(), dest.stride()):
+            records.append(
+                ModelRecord(
+                    address=dest_base + d_off * d_item,
+                    size_bytes=units * d_item,
+                    source=span,
+                    source_first=first0 + s_off * scale_s,
+                    run=run * scale_s,
+                    stride=stride * scale_s,
+                    unit_source_bytes=unit_s,
+                    unit_destination_bytes=unit_d,
+                    dtype_converted=converted,
+                )
+            )
+        return records
+
+    # -- results -----------------------------------------------------------------------------------
+
+    def model_records(self) -> tuple[ModelRecord, ...]:
+        """The model records, sorted by address and disjoint (absolute addresses)."""
+        return tuple(self._records.records)
+
+
+def map_to_allocations(
+    records: Iterable[ModelRecord], allocations: TorchAllocations
+) -> tuple[list[ModelRange], list[ModelRecord]]:
+    """Map absolute model records onto the portable allocations.
+
+    Returns:
+        ``(ranges, kept)``: the model ranges sorted by (allocation index, offset) for
+        :func:`coldsnap_core.capture.capture_worker`, and the records (or parts of records) that lie
+        inside an allocation, sorted by address. Records in memory that is not a model allocation
+        (a temporary, a cache outside the model) are dropped.
+    """
+    ranges = []
+    kept = []
+    for record in records:
+        for index, offset, size in allocations.locate(record.address, record.size_bytes):
+            start = allocations.live[index].address + offset - record.address
+            for piece in record.slice(start, start + size):
+                kept.append(piece)
+                ranges.append(
+                    ModelRange(index, piece.address - allocations.live[index].address, piece.size_bytes, piece.provenance())
+                )
+    ranges.sort(key=lambda r: (r.allocation_index, r.offset_bytes))
+    kept.sort(key=lambda r: r.address)
+    return ranges, kept

@@ -1,0 +1,267 @@
+"""Restore one vLLM worker's weights from its pack and residual blob (the portable capture point).
+
+Called by the coldsnap loader instead of reading the checkpoint, after vLLM built the model and
+before its post-processing (``DESIGN.md``, "Two capture points": "restore replaces ``load_weights``
+with hydration, and the engine's own post-processing then runs as usual"). In order, each step
+raising a :class:`~coldsnap_core.errors.ColdsnapError` subclass and nothing written before step 7:
+
+1. ``artifact.json`` lists this worker (role, rank, world size, tensor parallel rank and size);
+2. its unit capsule parses, its two manifests agree, it names the pack ``artifact.json`` names and
+   was taken at the portable capture point;
+3. the live model's allocations have the captured layout (fingerprint, then every size): a payload
+   captured from another architecture, dtype, layer count or tensor parallel size stops here;
+4. the model being loaded is the captured one (source, revision, checkpoint file names and sizes):
+   a payload of the same layout but other weights (a fine-tune at another path) stops here;
+5. every manifest rule holds (:func:`coldsnap_core.verify.check_manifest`);
+6. the pack is staged: a cached object without a trusted validation record is verified in full
+   *with the manifest's layout*, so a corrupt extent is named by allocation and offset; a missing
+   one is fetched from the configured payload store (:func:`coldsnap_core.staging.stage_payload`),
+   else :class:`~coldsnap_core.errors.PayloadUnavailableError`;
+7. :func:`coldsnap_core.hydrate.hydrate` checks the blob and fills every allocation.
+
+Only this worker's payload is staged (seed 000, "Restore").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from coldsnap_core.artifact import Capsule, find_worker, read_capsule, read_descriptor
+from coldsnap_core.cache import PayloadCache, refuse_symlink
+from coldsnap_core.copy.base import CopyBackend
+from coldsnap_core.errors import (
+    ArtifactError,
+    ExtentDigestMismatchError,
+    IntegrityError,
+    MissingObjectError,
+    ModelIdentityMismatchError,
+    PayloadUnavailableError,
+    ValidationRecordError,
+)
+from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME
+from coldsnap_core.format.manifest import ModelIdentity, NativeManifest, WorkerIdentity
+from coldsnap_core.format.pack_layout import PackLayout
+from coldsnap_core.hydrate import HydrationReport, hydrate
+from coldsnap_core.records import identity, read_trusted_record, write_record
+from coldsnap_core.staging import stage_payload
+from coldsnap_core.stores import from_env as store_from_env
+from coldsnap_core.torch_allocations import TorchAllocations
+from coldsnap_core.verify import check_live_layout, check_manifest, extent_owner_map, verify_pack_file
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """What the engine is loading, for the model identity check.
+
+    Attributes:
+        source: vLLM's ``model_config.model`` (repository id or local folder).
+        revision: vLLM's ``model_config.revision``.
+        folder: the local checkpoint folder when ``source`` is one, else ``None``.
+    """
+
+    source: str
+    revision: str | None
+    folder: Path | None
+
+    @classmethod
+    def from_config(cls, source: str, revision: str | None) -> LoadedModel:
+        return cls(source, revision, Path(source) if os.path.isdir(source) else None)
+
+
+def check_model_identity(recorded: ModelIdentity, loaded: LoadedModel, *, file: str | None = None) -> None:
+    """The artifact's pinned model must be the one being loaded.
+
+    Raises:
+        ModelIdentityMismatchError: another source or revision, or (local folder) a recorded
+            checkpoint file is missing or has another size.
+    """
+    if (recorded.source, recorded.revision) != (loaded.source, loaded.revision):
+        raise ModelIdentityMismatchError(
+            f"the artifact was captured from {recorded.source!r} (revision {recorded.revision}), "
+            f"the engine is loading {loaded.source!r} (revision {loaded.revision})",
+            file=file,
+        )
+    if loaded.folder is None:
+        return
+    for checkpoint in recorded.files:
+        path = loaded.folder / checkpoint.name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise ModelIdentityMismatchError(
+                f"checkpoint file {checkpoint.name} recorded by the artifact is missing", file=path
+            ) from None
+        if size != checkpoint.size_bytes:
+            raise ModelIdentityMismatchError(
+                f"checkpoint file {checkpoint.name} is {size} bytes, the artifact recorded {checkpoint.size_bytes}", file=path
+            )
+
+
+class _DropQuarantineNotice(logging.Filter):
+    """Drops the cache's own "quarantined" WARNING: the loader reports the quarantine in its one
+    fallback WARNING (``quarantined_to``) instead of a second line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "quarantined" not in record.getMessage()
+
+
+def quarantine_quietly(cache: PayloadCache, digest: str) -> Path | None:
+    """:meth:`PayloadCache.quarantine` without its log line; return where the object went."""
+    records_logger = logging.getLogger("coldsnap_core.records")
+    notice = _DropQuarantineNotice()
+    records_logger.addFilter(notice)
+    try:
+        return cache.quarantine(digest)
+    finally:
+        records_logger.removeFilter(notice)
+
+
+def verify_untrusted_pack(cache: PayloadCache, manifest: NativeManifest, layout: PackLayout) -> Path | None:
+    """If the cached pack exists without a trusted validation record, verify it in full with the
+    manifest's layout (padding and each stored extent, then the file's SHA-256) and record it.
+
+    This is the verifier's own pass (:func:`coldsnap_core.verify.verify_pack_file`), run with the
+    layout so that a corrupt byte is reported as the extent that holds it (allocation and offset),
+    not only as a wrong file digest. A corrupt object is quarantined (the error then carries the
+    quarantine path in ``quarantined_to``). An absent object is left to staging.
+
+    Raises:
+        PackSizeMismatchError, NonZeroPaddingError, ExtentDigestMismatchError,
+        PackDigestMismatchError: the object is corrupt (now quarantined).
+        UnsafePathError: a symbolic link at the object or record path.
+    """
+    digest = manifest.pack.sha256
+    path = cache.object_path(digest)
+    if not cache.check_dirs():
+        return
+    st = refuse_symlink(path)
+    if st is None:
+        return
+    try:
+        read_trusted_record(cache, digest, st)
+        return
+    except ValidationRecordError as exc:
+        logger.info("coldsnap: verifying %s in full against the manifest (%s)", path, exc.detail)
+    with cache.lock(digest):
+        st = refuse_symlink(path)
+        if st is None:
+            return
+        try:
+            verify_pack_file(path, manifest.pack, layout, extent_owner=extent_owner_map(manifest))
+        except IntegrityError as exc:
+            exc.quarantined_to = quarantine_quietly(cache, digest)  # type: ignore[attr-defined]
+            raise
+        after = refuse_symlink(path)
+        if after is not None and identity(after) == identity(st):
+            write_record(cache, digest, after)
+
+
+@dataclass
+class WorkerRestore:
+    """One restore attempt of one worker (see the module docstring for the steps).
+
+    Args:
+        artifact_dir: the artifact folder.
+        worker: this worker's identity.
+        loaded: the model being loaded.
+        cache: the node-local cache.
+        verify_extents: hash every model extent while hydrating.
+
+    Attributes:
+        capsule: this worker's capsule, once read (step 2); ``None`` before.
+        layout_matches: whether the live layout matched the manifest (step 4 passed).
+        pack_unavailable: whether the attempt failed because the pack cannot be served: no source
+            has it, or the cached object proved corrupt and was quarantined. After a recovery load
+            the loader then materializes it.
+    """
+
+    artifact_dir: Path
+    worker: WorkerIdentity
+    loaded: LoadedModel
+    cache: PayloadCache
+    verify_extents: bool = False
+    capsule: Capsule | None = None
+    layout_matches: bool = False
+    pack_unavailable: bool = False
+    _recorded_model: ModelIdentity | None = None
+
+    @property
+    def manifest(self) -> NativeManifest | None:
+        return self.capsule.native if self.capsule is not None else None
+
+    def read(self) -> Capsule:
+        """Steps 1-2: find and read this worker's capsule."""
+        descriptor = read_descriptor(self.artifact_dir)
+        entry = find_worker(descriptor, self.worker)
+        capsule = read_capsule(self.artifact_dir / entry.capsule)
+        manifest_file = str(capsule.native_manifest_path)
+        if capsule.native.pack != entry.payload:
+            raise ArtifactError(
+                f"artifact.json names pack {entry.payload.sha256}, the capsule's native manifest {capsule.native.pack.sha256}",
+                file=manifest_file,
+            )
+        if capsule.native.capture_point != "portable":
+            raise ArtifactError(
+                f"the capsule was captured at the {capsule.native.capture_point} capture point; the loader restores"
+                " portable captures only (a native capture is restored by the level-1 wake)",
+                file=manifest_file,
+            )
+        self.capsule = capsule
+        self._recorded_model = descriptor.model
+        return capsule
+
+    def run(self, allocations: TorchAllocations, backend: CopyBackend) -> HydrationReport:
+        """Steps 1-7. On return every byte of every allocation holds the captured bytes.
+
+        Raises:
+            ColdsnapError: the subclass of the first failed check (see the module docstring).
+        """
+        capsule = self.capsule or self.read()
+        manifest = capsule.native
+        manifest_file = str(capsule.native_manifest_path)
+        check_live_layout(
+            manifest.allocations,
+            allocations.allocation_map,
+            allocations.live,
+            file=manifest_file,
+            manifest_fingerprint=manifest.layout_fingerprint,
+        )
+        self.layout_matches = True
+        assert self._recorded_model is not None
+        check_model_identity(self._recorded_model, self.loaded, file=str(self.artifact_dir / DESCRIPTOR_FILENAME))
+        layout = check_manifest(manifest, file=manifest_file)
+        try:
+            verify_untrusted_pack(self.cache, manifest, layout)
+            stage_payload(manifest.pack, cache=self.cache, store=store_from_env())
+        except PayloadUnavailableError:
+            self.pack_unavailable = True
+            raise
+        except MissingObjectError as exc:
+            self.pack_unavailable = True
+            raise PayloadUnavailableError(exc.detail, file=exc.file) from exc
+        except IntegrityError:
+            self.pack_unavailable = not self.cache.object_path(manifest.pack.sha256).exists()
+            raise
+        try:
+            return hydrate(
+                manifest,
+                blob_path=capsule.blob_path,
+                cache=self.cache,
+                allocations=allocations.live,
+                backend=backend,
+                live_layout=allocations.allocation_map,
+                verify_extents=self.verify_extents,
+                manifest_file=manifest_file,
+            )
+        except ExtentDigestMismatchError as exc:
+            if exc.file is not None and Path(exc.file) == self.cache.object_path(manifest.pack.sha256):
+                # The admitted object was edited in place (a validation record cannot see an edit
+                # that restores size and mtime): it is proven corrupt, so it leaves the cache.
+                exc.quarantined_to = quarantine_quietly(self.cache, manifest.pack.sha256)  # type: ignore[attr-defined]
+                self.pack_unavailable = True
+            raise

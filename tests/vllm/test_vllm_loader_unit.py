@@ -1,0 +1,296 @@
+"""The coldsnap loader class itself, in-process, with vLLM's real ``DefaultModelLoader`` and
+``ModelConfig`` and the real SmolLM2 2-layer and 3-shard checkpoints, but no engine.
+
+The "model" here is a small ``nn.Module`` with vLLM's model protocol (``load_weights(iterable)``
+returning the loaded names) whose weight loader copies checkpoint tensors into its parameters, so
+the loader's own wiring (iterator boundary, observer, capture, restore, fallback, state
+publication) runs on real vLLM code paths in seconds. End-to-end engine tests are in
+``test_vllm_engine.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.config import ModelConfig
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader import get_model_loader
+
+import coldsnap_vllm.compat as compat
+from coldsnap_core.errors import ConfigurationError, EngineVersionError, ObserverError
+from coldsnap_core.safetensors_header import read_header
+from coldsnap_vllm import state
+from coldsnap_vllm.loader import ColdsnapModelLoader, copy_backend_for, last_outcome, register_loader
+
+pytestmark = pytest.mark.vllm
+
+TARGETS = {
+    "model.embed_tokens.weight": "embed",
+    "model.norm.weight": "norm",
+    "model.layers.1.mlp.down_proj.weight": "down",
+}
+
+
+class Consumer(torch.nn.Module):
+    """Three parameters loaded from the checkpoint (embedding, final norm, one down projection
+    split as tensor parallel rank 1 of 2 would split it), plus a buffer."""
+
+    def __init__(self, *, rebind: bool = False) -> None:
+        super().__init__()
+        self.embed = torch.nn.Parameter(torch.zeros(49152, 576, dtype=torch.bfloat16), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(576, dtype=torch.bfloat16), requires_grad=False)
+        self.down = torch.nn.Parameter(torch.zeros(576, 768, dtype=torch.bfloat16), requires_grad=False)
+        self.register_buffer("rope", torch.arange(64, dtype=torch.float32))
+        self.rebind = rebind
+
+    def load_weights(self, weights) -> set[str]:
+        for name, tensor in weights:
+            target = TARGETS.get(name)
+            if target == "down":
+                self.down.data.copy_(tensor.narrow(1, 768, 768))
+            elif target is not None:
+                getattr(self, target).data.copy_(tensor)
+        if self.rebind:
+            self.norm.data = torch.ones(576, dtype=torch.bfloat16)
+        return {"embed", "norm", "down"}
+
+    def snapshot(self) -> dict[str, bytes]:
+        return {
+            n: t.contiguous().view(torch.uint8).numpy().tobytes() for n, t in [*self.named_parameters(), *self.named_buffers()]
+        }
+
+
+@pytest.fixture(scope="module")
+def model_config(smollm2_2layer: Path) -> ModelConfig:
+    return ModelConfig(model=str(smollm2_2layer), dtype="bfloat16")
+
+
+@pytest.fixture(autouse=True)
+def current_vllm_config(request: pytest.FixtureRequest):
+    """``DefaultModelLoader.load_weights`` reads the current vLLM config (expert-parallel filter)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    if "model_config" not in request.fixturenames:
+        yield
+        return
+    with set_current_vllm_config(VllmConfig(model_config=request.getfixturevalue("model_config"))):
+        yield
+
+
+def make_loader(**extra) -> ColdsnapModelLoader:
+    return ColdsnapModelLoader(LoadConfig(load_format="coldsnap", model_loader_extra_config=extra))
+
+
+def test_register_is_idempotent_and_selects_the_loader(caplog: pytest.LogCaptureFixture) -> None:
+    """``register_loader`` twice registers once (vLLM warns on every overwrite); ``get_model_loader``
+    then builds a ColdsnapModelLoader for ``load_format="coldsnap"``."""
+    register_loader()
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        register_loader()
+    assert "already registered" not in caplog.text
+    assert type(get_model_loader(LoadConfig(load_format="coldsnap"))) is ColdsnapModelLoader
+
+
+def test_inner_load_config(tmp_path: Path) -> None:
+    """The loader's own load config has the inner format and no coldsnap keys; building it creates
+    no file (vLLM builds loaders several times per worker)."""
+    loader = make_loader(artifact_dir=str(tmp_path / "a"), state_root=str(tmp_path / "s"), enable_multithread_load=False)
+    assert loader.load_config.load_format == "safetensors"
+    assert loader.load_config.model_loader_extra_config == {"enable_multithread_load": False}
+    assert loader.coldsnap_settings.artifact_dir == tmp_path / "a"
+    assert list(tmp_path.iterdir()) == []
+    assert make_loader(inner_load_format="hf").load_config.load_format == "hf"
+
+
+def test_unknown_keys_reach_vllm_and_are_refused() -> None:
+    """A key that is not coldsnap's (e.g. an attempt to name the pack) is refused by vLLM itself."""
+    with pytest.raises(ValueError, match="Unexpected extra config keys"):
+        make_loader(pack_name="mine")
+
+
+def test_bad_setting_fails_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An invalid setting stops the engine where the loader is built, naming the variable."""
+    monkeypatch.setenv("COLDSNAP_RESTORE", "bogus")
+    with pytest.raises(ConfigurationError, match="COLDSNAP_RESTORE='bogus'"):
+        make_loader()
+
+
+def test_unsupported_vllm_version_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building the loader under a vLLM outside 0.32/0.33 raises EngineVersionError naming it."""
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.31.4")
+    with pytest.raises(EngineVersionError, match=r"vLLM 0\.31\.4 is not supported"):
+        make_loader()
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.33.1", "0.33.0rc1"])
+def test_supported_versions(version: str) -> None:
+    compat.check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.9", "0.34.0", "1.0.0", "dev", ""])
+def test_unsupported_versions(version: str) -> None:
+    with pytest.raises(EngineVersionError, match="is not supported") as raised:
+        compat.check_vllm_version(version)
+    assert raised.value.rule == "engine-version"
+
+
+def test_private_api_is_feature_detected() -> None:
+    """A DefaultModelLoader without ``_prepare_weights``, or whose ``_get_weights_iterator`` lost its
+    parameter, is refused with EngineVersionError naming the method and the version."""
+
+    class Missing:
+        def _get_weights_iterator(self, source): ...
+        def get_all_weights(self, model_config, model): ...
+        def load_weights(self, model, model_config): ...
+
+    class Moved(Missing):
+        def _prepare_weights(self, model_name_or_path, subfolder, revision, fall_back_to_pt, allow_patterns_overrides): ...
+        def _get_weights_iterator(self, spec): ...
+
+    with pytest.raises(EngineVersionError, match=r"vLLM 9\.9: Missing\._prepare_weights does not exist"):
+        compat.check_loader_api(Missing, "9.9")
+    with pytest.raises(EngineVersionError, match=r"Moved\._get_weights_iterator has no parameter source"):
+        compat.check_loader_api(Moved, "9.9")
+    compat.require_supported_vllm()
+
+
+def test_worker_identity_outside_an_engine() -> None:
+    assert compat.worker_identity().capsule_name == "worker-0-of-1"
+
+
+def test_copy_backend_selection() -> None:
+    """Host memory gets the host backend; CUDA without a usable device or cupy, and any other
+    device type, get a ConfigurationError that says why."""
+    assert copy_backend_for(torch.device("cpu")).name == "host"
+    with pytest.raises(ConfigurationError, match="CUDA copy backend cannot run"):
+        copy_backend_for(torch.device("cuda", 0))
+    with pytest.raises(ConfigurationError, match="no copy backend for weights on meta"):
+        copy_backend_for(torch.device("meta"))
+
+
+def test_observed_load_capture_and_restore(model_config: ModelConfig, smollm2_2layer: Path, tmp_path: Path, monkeypatch) -> None:
+    """Export: the loader reads the real checkpoint under the observer, captures the consumer (model
+    bytes = the three copies, provenance from the header), and publishes the writes. Restore into a
+    fresh consumer: identical bytes, no checkpoint read (the iterator is never built)."""
+    monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
+    loaded = Consumer()
+    make_loader().load_weights(loaded, model_config)
+    outcome = last_outcome()
+    assert outcome.kind == "captured" and outcome.checkpoint_copies == 3
+    assert outcome.model_bytes == (49152 * 576 + 576 + 576 * 768) * 2
+    header = read_header(smollm2_2layer / "model.safetensors")
+    extents = {e.provenance.tensor_name: e for e in outcome.capture.manifest.model_extents}
+    down = extents["model.layers.1.mlp.down_proj.weight"].provenance
+    assert down.source_offset_bytes == header["model.layers.1.mlp.down_proj.weight"].offset_bytes + 1536
+    assert (down.source_run_bytes, down.source_run_stride_bytes) == (1536, 3072)
+    published = state.current()
+    assert published.pack == outcome.capture.manifest.pack
+    assert sum(w.size_bytes for w in published.writes) == outcome.model_bytes
+    assert [w.address for w in published.writes] == sorted(w.address for w in published.writes)
+
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
+    monkeypatch.setenv("COLDSNAP_RESTORE", "native")
+    fresh = Consumer()
+    loader = make_loader()
+
+    def no_checkpoint(*args, **kwargs):
+        raise AssertionError("restore read the checkpoint")
+
+    monkeypatch.setattr(loader, "_get_weights_iterator", no_checkpoint)
+    loader.load_weights(fresh, model_config)
+    assert last_outcome().kind == "restored"
+    assert fresh.snapshot() == loaded.snapshot()
+    assert state.current().pack == outcome.capture.manifest.pack
+
+
+def test_auto_falls_back_with_one_warning(model_config: ModelConfig, tmp_path: Path, monkeypatch, caplog) -> None:
+    """``auto`` with an artifact folder that has no artifact yet: exactly one coldsnap WARNING that
+    says why, then the normal (observed) checkpoint load. ``native`` raises the same error."""
+    monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
+    consumer = Consumer()
+    with caplog.at_level(logging.INFO):
+        make_loader().load_weights(consumer, model_config)
+    # One record may reach pytest's capture twice (through vLLM's logger and directly), so count records.
+    warnings = list({id(r): r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("coldsnap")}.values())
+    assert len(warnings) == 1
+    assert "loading the checkpoint instead" in warnings[0].getMessage()
+    assert "artifact descriptor does not exist" in warnings[0].getMessage()
+    outcome = last_outcome()
+    assert outcome.kind == "checkpoint" and outcome.fallback.rule == "object-present"
+    assert outcome.checkpoint_copies == 3 and consumer.norm.abs().sum() > 0
+    monkeypatch.setenv("COLDSNAP_RESTORE", "native")
+    with pytest.raises(Exception, match="artifact descriptor does not exist"):
+        make_loader().load_weights(Consumer(), model_config)
+
+
+def test_shard_files_are_the_provenance(smollm2_2layer_3shards: Path, tmp_path: Path, monkeypatch) -> None:
+    """With a 3-shard checkpoint (``model.safetensors.index.json``) each extent names the shard its
+    tensor came from, at that shard's header offset."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    config = ModelConfig(model=str(smollm2_2layer_3shards), dtype="bfloat16")
+    monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
+    with set_current_vllm_config(VllmConfig(model_config=config)):
+        make_loader().load_weights(Consumer(), config)
+    for extent in last_outcome().capture.manifest.model_extents:
+        p = extent.provenance
+        location = read_header(smollm2_2layer_3shards / p.checkpoint_file)[p.tensor_name]
+        assert location.offset_bytes <= p.source_offset_bytes < location.offset_bytes + location.size_bytes
+    assert len({e.provenance.checkpoint_file for e in last_outcome().capture.manifest.model_extents}) >= 2
+
+
+def test_rebinding_a_parameter_during_load_is_refused(model_config: ModelConfig, tmp_path: Path, monkeypatch) -> None:
+    """A weight loader that replaces a parameter's storage makes the observed addresses stale: the
+    loader refuses to capture rather than map writes onto the wrong memory; without export the load
+    proceeds and nothing is published for the sleep backend."""
+    monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
+    with pytest.raises(ObserverError, match="storages changed during load_weights"):
+        make_loader().load_weights(Consumer(rebind=True), model_config)
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
+    state.clear()
+    make_loader().load_weights(Consumer(rebind=True), model_config)  # a plain load still works
+    assert last_outcome().kind == "checkpoint" and state.current() is None
+
+
+@pytest.mark.parametrize("mode", ["async", "off"])
+def test_fallback_for_a_missing_pack_materializes_it(model_config: ModelConfig, tmp_path: Path, monkeypatch, mode: str) -> None:
+    """The capsule is there but its pack is not (a new node): ``auto`` falls back to the checkpoint,
+    then (``COLDSNAP_MATERIALIZE=async``, vLLM's default) writes the pack from the loaded bytes in
+    the background with the canonical writer: the same digest and bytes as the captured pack, so
+    the next restore finds it. ``off`` writes nothing."""
+    monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "capture-state"))
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
+    make_loader().load_weights(Consumer(), model_config)
+    captured = last_outcome().capture
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "node-state"))
+    monkeypatch.setenv("COLDSNAP_MATERIALIZE", mode)
+    make_loader().load_weights(Consumer(), model_config)
+    outcome = last_outcome()
+    assert outcome.kind == "checkpoint" and outcome.fallback.rule == "payload-available"
+    node_pack = tmp_path / "node-state" / captured.manifest.pack.path
+    if mode == "off":
+        assert outcome.materialization is None and not node_pack.exists()
+        return
+    assert outcome.materialization.wait(120) and outcome.materialization.error is None
+    assert outcome.materialization.result.pack == captured.manifest.pack
+    assert node_pack.read_bytes() == captured.pack_path.read_bytes()
+    fresh = Consumer()
+    make_loader().load_weights(fresh, model_config)
+    assert last_outcome().kind == "restored"

@@ -1,0 +1,367 @@
+"""Unit tests of the write observer on small torch modules and a real safetensors file (no engine).
+
+Each test mimics one write pattern of vLLM's weight loaders (``reference/vllm.md`` section 2.4:
+``default_weight_loader``, column/row-parallel ``narrow``, ``QKVParallelLinear`` and
+``MergedColumnParallelLinear`` stacking, ``VocabParallelEmbedding`` padding, tied embeddings) and
+checks, byte for byte, which destination ranges end up as model bytes and with which provenance.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+from observer_support import file_bytes, open_checkpoint, pattern, tensor_bytes, write_checkpoint
+
+from coldsnap_core.safetensors_header import read_header
+from coldsnap_core.torch_allocations import enumerate_allocations
+from coldsnap_vllm.observer import CheckpointSources, WriteObserver, map_to_allocations
+
+
+def _param(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+
+
+def _ranges(module: torch.nn.Module, observer: WriteObserver):
+    ranges, _ = map_to_allocations(observer.model_records(), enumerate_allocations(module))
+    return ranges
+
+
+def _check_against_file(module: torch.nn.Module, observer: WriteObserver, checkpoint: Path) -> None:
+    """Every model range's destination bytes equal the file bytes its provenance names."""
+    allocations = enumerate_allocations(module)
+    for r in _ranges(module, observer):
+        p = r.provenance
+        expected = b"".join(
+            file_bytes(checkpoint, p.source_offset_bytes + k * p.source_run_stride_bytes, p.source_run_bytes)
+            for k in range(p.source_size_bytes // p.source_run_bytes)
+        )
+        storage = allocations.storages[r.allocation_index]
+        actual = bytes(storage)[r.offset_bytes : r.offset_bytes + r.size_bytes]
+        assert actual == expected, r
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    return write_checkpoint(tmp_path)
+
+
+def test_plain_copy_is_one_extent_with_the_file_offset(checkpoint: Path) -> None:
+    """``default_weight_loader``: one copy_, one extent whose provenance is the header's byte range.
+    Fails if the source offset is taken from the mapping instead of the header, or the copy is split."""
+    m = torch.nn.Module()
+    m.w = _param(8, 8)
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+        m.w.data.copy_(t["o.weight"])
+    (r,) = _ranges(m, observer)
+    assert (r.allocation_index, r.offset_bytes, r.size_bytes) == (0, 0, 128)
+    assert r.provenance.tensor_name == "o.weight" and r.provenance.checkpoint_file == "model.safetensors"
+    assert r.provenance.source_run_bytes == r.provenance.source_run_stride_bytes == 128
+    assert not r.provenance.dtype_converted
+    _check_against_file(m, observer, checkpoint)
+
+
+def test_row_parallel_narrow_on_dim_1_is_a_strided_source(checkpoint: Path) -> None:
+    """``RowParallelLinear`` at tensor parallel rank 1 of 2: ``narrow(1, 8, 8)`` of a [8, 16] tensor
+    gives one destination extent read as 8 runs of 16 bytes, 32 bytes apart, starting 16 bytes in.
+    Fails if a non-contiguous source is classified as contiguous or dropped."""
+    m = torch.nn.Module()
+    m.w = _param(8, 8)
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+        m.w.data.copy_(t["down.weight"].narrow(1, 8, 8))
+    (r,) = _ranges(m, observer)
+    assert (r.offset_bytes, r.size_bytes) == (0, 128)
+    assert (r.provenance.source_run_bytes, r.provenance.source_run_stride_bytes, r.provenance.source_size_bytes) == (16, 32, 128)
+    assert r.provenance.source_offset_bytes == read_header(checkpoint)["down.weight"].offset_bytes + 16
+    _check_against_file(m, observer, checkpoint)
+
+
+def test_column_parallel_narrow_on_dim_0_is_contiguous(checkpoint: Path) -> None:
+    """``ColumnParallelLinear`` rank 1 of 2: rows 4..7 of q are one contiguous run 64 bytes in."""
+    m = torch.nn.Module()
+    m.w = _param(4, 8)
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+        m.w.data.copy_(t["q.weight"].narrow(0, 4, 4))
+    (r,) = _ranges(m, observer)
+    assert r.provenance.source_run_bytes == r.provenance.source_run_stride_bytes == r.size_bytes == 64
+    _check_against_file(m, observer, checkpoint)
+
+
+def test_stacked_qkv_gets_one_extent_per_shard_copy(checkpoint: Path) -> None:
+    """``QKVParallelLinear``: q at byte 0, k right after q, v right after k, one extent each.
+    Fails if stacked shards are merged, misplaced or attributed to the wrong tensor."""
+    m = torch.nn.Module()
+    m.qkv = _param(16, 8)
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+        m.qkv.data.narrow(0, 0, 8).copy_(t["q.weight"])
+        m.qkv.data.narrow(0, 8, 4).copy_(t["k.weight"])
+        m.qkv.data.narrow(0, 12, 4).copy_(t["v.weight"])
+    ranges = _ranges(m, observer)
+    assert [(r.offset_bytes, r.size_bytes, r.provenance.tensor_name) for r in ranges] == [
+        (0, 128, "q.weight"),
+        (128, 64, "k.weight"),
+        (192, 64, "v.weight"),
+    ]
+    assert observer.checkpoint_copies == 3
+    _check_against_file(m, observer, checkpoint)
+
+
+def test_strided_destination_gets_one_extent_per_row(checkpoint: Path) -> None:
+    """A destination narrowed on dim 1 (column block of a wider parameter) is not contiguous: each
+    row is its own extent. Fails if the gaps between rows are claimed as model bytes."""
+    m = torch.nn.Module()
+    m.w = _param(4, 16)
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+        m.w.data.narrow(1, 0, 8).copy_(t["k.weight"])
+    ranges = _ranges(m, observer)
+    assert [(r.offset_bytes, r.size_bytes) for r in ranges] == [(0, 16), (32, 16), (64, 16), (96, 16)]
+    _check_against_file(m, observer, checkpoint)
+
+
+def test_fill_after_copy_makes_those_bytes_residual(checkpoint: Path) -> None:
+    """A ``fill_`` over part of a copied range splits it: the filled rows are residual, the rest keep
+    their provenance (shifted source offsets). Fails if later writes are not seen."""
+    m = torch.nn.Module()
+    m.w = _param(8, 8)
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+        m.w.data.copy_(t["o.weight"])
+        m.w.data[2:3].fill_(0)
+        m.w.data[5:6].zero_()
+    ranges = _ranges(m, observer)
+    assert [(r.offset_bytes, r.size_bytes) for r in ranges] == [(0, 32), (48, 32), (96, 32)]
+    _check_against_file(m, observer, checkpoint)
+
+
+def test_fill_before_copy_does_not_matter(checkpoint: Path) -> None:
+    """A write *before* the checkpoint copy is overwritten by it: the bytes are model bytes. Fails if
+    the observer marks bytes residual that hold checkpoint bytes at capture time."""
+    m = torch.nn.Module()
+    m.w = _param(8, 8)
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+        m.w.data.fill_(1)
+        m.w.data.copy_(t["o.weight"])
+    assert [(r.offset_bytes, r.size_bytes) for r in _ranges(m, observer)] == [(0, 128)]
+
+
+def test_second_copy_over_a_recorded_range_is_residual(checkpoint: Path) -> None:
+    """Two checkpoint copies into the same bytes: the overlap is residual (a second write), the
+    bytes only one copy wrote stay model bytes."""
+    m = torch.nn.Module()
+    m.w = _param(8, 8)
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+        m.w.data.narrow(0, 0, 4).copy_(t["k.weight"])
+        m.w.data.narrow(0, 2, 4).copy_(t["v.weight"])
+    assert [(r.offset_bytes, r.size_bytes, r.provenance.tensor_name) for r in _ranges(m, observer)] == [
+        (0, 32, "k.weight"),
+        (64, 32, "v.weight"),
+    ]
+
+
+def test_dtype_converting_copy_is_residual_by_default(checkpoint: Path) -> None:
+    """bf16 checkpoint -> fp32 parameter: the destination bytes are not the file's bytes, so by
+    default they are residual. Fails if a converting copy is recorded as a byte copy."""
+    m = torch.nn.Module()
+    m.w = _param(8, dtype=torch.float32)
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+        m.w.data.copy_(t["norm.weight"])
+    assert _ranges(m, observer) == []
+
+
+def test_dtype_converting_copy_as_model_extent_when_asked(checkpoint: Path) -> None:
+    """``converted_copies="model"``: one extent of 32 destination bytes (8 fp32) from 16 source bytes
+    (8 bf16), marked ``dtype_converted``; a fill over one fp32 element cuts exactly that element
+    and the matching 2 source bytes."""
+    m = torch.nn.Module()
+    m.w = _param(8, dtype=torch.float32)
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources, converted_copies="model") as observer:
+        m.w.data.copy_(t["norm.weight"])
+        m.w.data[3:4].fill_(0)
+    ranges = _ranges(m, observer)
+    assert [(r.offset_bytes, r.size_bytes, r.provenance.source_size_bytes) for r in ranges] == [(0, 12, 6), (16, 16, 8)]
+    assert all(r.provenance.dtype_converted for r in ranges)
+    base = read_header(checkpoint)["norm.weight"].offset_bytes
+    assert [r.provenance.source_offset_bytes for r in ranges] == [base, base + 8]
+
+
+def test_tied_weights_are_one_allocation_copied_once(checkpoint: Path) -> None:
+    """``lm_head.weight`` tied to ``embed_tokens.weight``: one storage, listed as one allocation
+    hosting both names; the single copy is one extent. Fails if aliases become two allocations
+    (hydration would then write the bytes twice and the layout would differ from vLLM's)."""
+    m = torch.nn.Module()
+    m.embed = torch.nn.Module()
+    m.lm_head = torch.nn.Module()
+    m.embed.weight = _param(10, 8)
+    m.lm_head.weight = m.embed.weight
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+        m.embed.weight.data.copy_(t["embed.weight"])
+    allocations = enumerate_allocations(m)
+    assert len(allocations.allocation_map) == 1
+    assert [p.name for p in allocations.allocation_map[0].tensors] == ["embed.weight", "lm_head.weight"]
+    assert [(r.offset_bytes, r.size_bytes) for r in _ranges(m, observer)] == [(0, 160)]
+
+
+def test_vocabulary_padding_is_residual(checkpoint: Path) -> None:
+    """``VocabParallelEmbedding``: 10 checkpoint rows copied into a 16-row (padded) parameter, the
+    padding rows filled with zeros: model bytes are exactly the 10 rows."""
+    m = torch.nn.Module()
+    m.embed = _param(16, 8)
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+        m.embed[:10].data.copy_(t["embed.weight"])
+        m.embed[10:].data.fill_(0)
+    assert [(r.offset_bytes, r.size_bytes) for r in _ranges(m, observer)] == [(0, 160)]
+    assert enumerate_allocations(m).allocation_map[0].size_bytes == 256
+
+
+def test_index_put_and_out_arguments_are_writes(checkpoint: Path) -> None:
+    """``index_put_`` (``view[idx] = x``) and an ``out=`` argument are writes found from the operator
+    schema (``Tensor(a!)``). The whole tensor an ``index_put_`` indexes becomes residual (which rows
+    it touches depends on the index values), here rows 6-7; ``out=`` makes row 0 residual."""
+    m = torch.nn.Module()
+    m.w = _param(8, 8)
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+        m.w.data.copy_(t["o.weight"])
+        m.w.data[6:8][torch.tensor([1])] = torch.ones(1, 8, dtype=torch.bfloat16)
+        torch.add(t["q.weight"][0], 1, out=m.w.data[0])
+    assert [(r.offset_bytes, r.size_bytes) for r in _ranges(m, observer)] == [(16, 80)]
+
+
+def test_metadata_only_inplace_ops_are_not_writes(checkpoint: Path) -> None:
+    """``t_()`` / ``unsqueeze_()`` change a view's metadata, not bytes (tag ``inplace_view``)."""
+    m = torch.nn.Module()
+    m.w = _param(8, 8)
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+        m.w.data.copy_(t["o.weight"])
+        view = m.w.data.view(8, 8)
+        view.t_()
+        view.unsqueeze_(0)
+    assert [(r.offset_bytes, r.size_bytes) for r in _ranges(m, observer)] == [(0, 128)]
+
+
+def test_copy_from_a_modified_checkpoint_tensor_is_residual(checkpoint: Path) -> None:
+    """A registered checkpoint tensor written in place (``mul_``) no longer holds the file's bytes:
+    copies from it afterwards are residual. Fails if writes into sources are not tracked."""
+    m = torch.nn.Module()
+    m.w = _param(8, 8)
+    own = pattern((8, 8), 4).clone()  # the values of o.weight, in writable memory
+    sources = CheckpointSources()
+    assert sources.register(own, read_header(checkpoint)["o.weight"], checkpoint.name)
+    with WriteObserver(sources) as observer:
+        m.w.data[:4].copy_(own[:4])
+        own.mul_(2)
+        m.w.data[4:].copy_(own[4:])
+    assert [(r.offset_bytes, r.size_bytes) for r in _ranges(m, observer)] == [(0, 64)]
+
+
+def test_non_checkpoint_source_and_broadcast_are_residual(checkpoint: Path) -> None:
+    """A copy from a computed tensor, and a broadcasting copy from a checkpoint row, are residual."""
+    m = torch.nn.Module()
+    m.w = _param(8, 8)
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+        m.w.data[:4].copy_(t["k.weight"] * 1)
+        m.w.data[4:].copy_(t["norm.weight"].expand(4, 8))
+    assert _ranges(m, observer) == []
+    assert observer.checkpoint_copies == 0
+
+
+def test_another_storage_at_a_source_address_is_not_a_source(checkpoint: Path) -> None:
+    """A tensor built over the same memory as a registered source, but with its own storage (what
+    an address reuse after the source was freed looks like), is not a checkpoint source. Fails if
+    sources are looked up by address alone."""
+    m = torch.nn.Module()
+    m.w = _param(8, 8)
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+        source = t["o.weight"]
+        raw = (ctypes.c_char * 128).from_address(source.data_ptr())
+        alias = torch.frombuffer(raw, dtype=torch.bfloat16).view(8, 8)
+        assert alias.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+        m.w.data.copy_(alias)
+    assert _ranges(m, observer) == []
+
+
+def test_sources_are_forgotten_when_their_storage_dies(checkpoint: Path) -> None:
+    """The source index holds no tensor alive and drops an entry when its storage is freed."""
+    sources = CheckpointSources()
+    tensor = pattern((8, 8), 4).clone()
+    assert sources.register(tensor, read_header(checkpoint)["o.weight"], checkpoint.name)
+    assert len(sources) == 1
+    del tensor
+    gc.collect()
+    assert len(sources) == 0
+
+
+def test_mismatching_tensor_is_not_registered(checkpoint: Path) -> None:
+    """A yielded tensor whose dtype or shape differs from its header entry (a converted or
+    reconstructed tensor) is not a source, and is counted as unknown."""
+    sources = CheckpointSources()
+    location = read_header(checkpoint)["o.weight"]
+    assert not sources.register(pattern((8, 8), 0, torch.float32), location, checkpoint.name)
+    assert not sources.register(pattern((4, 16), 0), location, checkpoint.name)
+    assert not sources.register(pattern((8, 8), 0), None, None)
+    assert len(sources.unknown) == 3
+
+
+def test_writes_outside_model_allocations_are_ignored(checkpoint: Path) -> None:
+    """A checkpoint copy into a temporary that is not a parameter or buffer is not a model write."""
+    m = torch.nn.Module()
+    m.w = _param(8, 8)
+    scratch = torch.zeros(8, 8, dtype=torch.bfloat16)
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+        scratch.copy_(t["o.weight"])
+        m.w.data.copy_(t["q.weight"])
+    ranges, kept = map_to_allocations(observer.model_records(), enumerate_allocations(m))
+    assert [r.provenance.tensor_name for r in ranges] == ["q.weight"]
+    assert len(observer.model_records()) == 2 and len(kept) == 1
+
+
+def test_observed_bytes_round_trip_through_capture_and_hydration(checkpoint: Path, tmp_path: Path) -> None:
+    """Capture a small module through the observer and the canonical writer, zero it, hydrate it:
+    every byte comes back; the pack has a golden digest (it depends only on the extents' bytes).
+    Fails on any change to what the observer classifies as model bytes or to the pack layout."""
+    from coldsnap_core.cache import PayloadCache
+    from coldsnap_core.capture import capture_worker
+    from coldsnap_core.copy.host import HostCopyBackend
+    from coldsnap_core.format.manifest import ModelIdentity, WorkerIdentity
+    from coldsnap_core.hydrate import hydrate
+
+    m = torch.nn.Module()
+    m.qkv = _param(16, 8)
+    m.o = _param(8, 8)
+    m.register_buffer("cache", torch.arange(6, dtype=torch.float32))
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+        m.qkv.data.narrow(0, 0, 8).copy_(t["q.weight"])
+        m.qkv.data.narrow(0, 8, 4).copy_(t["k.weight"])
+        m.qkv.data.narrow(0, 12, 4).copy_(t["v.weight"])
+        m.o.data.copy_(t["down.weight"].narrow(1, 0, 8))
+        m.o.data[7].fill_(3)
+    allocations = enumerate_allocations(m)
+    ranges, _ = map_to_allocations(observer.model_records(), allocations)
+    before = [tensor_bytes(x) for x in (m.qkv, m.o, m.cache)]
+    cache = PayloadCache(tmp_path / "state")
+    result = capture_worker(
+        allocation_map=allocations.allocation_map,
+        allocations=allocations.live,
+        model_ranges=ranges,
+        worker=WorkerIdentity("worker", 0, 1, 0, 1),
+        capture_point="portable",
+        model=ModelIdentity(str(checkpoint.parent), None, ()),
+        cache=cache,
+        artifact_dir=tmp_path / "artifact",
+        backend=HostCopyBackend(),
+    )
+    assert result.manifest.model_bytes == 256 + 112
+    assert result.manifest.pack.sha256 == "6a31ecc6ac1b207d42dc8a871123aaaf9b1589a9e73b73cf2c985f4b75fcd76b"
+    with torch.no_grad():
+        for x in (m.qkv, m.o, m.cache):
+            x.zero_()
+    hydrate(
+        result.manifest,
+        blob_path=result.capsule_dir / "weights.blob",
+        cache=cache,
+        allocations=allocations.live,
+        backend=HostCopyBackend(),
+        live_layout=enumerate_allocations(m).allocation_map,
+    )
+    assert [tensor_bytes(x) for x in (m.qkv, m.o, m.cache)] == before

@@ -1,0 +1,113 @@
+"""coldsnap_vllm settings: environment variables, extra-config overrides, and every parsing error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from coldsnap_core.errors import ConfigurationError
+from coldsnap_vllm.settings import KEYS, ColdsnapSettings
+
+
+def test_defaults_without_configuration() -> None:
+    """Nothing set: no export, no artifact, ``auto`` restore, ``async`` materialization, the
+    ``~/.cache/coldsnap`` state root, no extent re-hash, platform inner loader, converted copies
+    residual; unknown keys pass through untouched."""
+    settings, rest = ColdsnapSettings.resolve({}, {"enable_multithread_load": True})
+    assert settings == ColdsnapSettings(state_root=Path("~/.cache/coldsnap").expanduser().absolute())
+    assert rest == {"enable_multithread_load": True}
+
+
+def test_environment_variables(tmp_path: Path) -> None:
+    """Every variable is read, values are normalized (case, ``~``, relative paths made absolute)."""
+    env = {
+        "COLDSNAP_EXPORT_MODEL_PAYLOAD": "1",
+        "COLDSNAP_ARTIFACT_DIR": str(tmp_path / "artifact"),
+        "COLDSNAP_STATE_ROOT": str(tmp_path / "state"),
+        "COLDSNAP_RESTORE": "NATIVE",
+        "COLDSNAP_MATERIALIZE": "required",
+        "COLDSNAP_VERIFY_EXTENTS": "true",
+        "COLDSNAP_INNER_LOAD_FORMAT": "instanttensor",
+    }
+    settings, rest = ColdsnapSettings.resolve(env, None)
+    assert settings == ColdsnapSettings(
+        export_model_payload=True,
+        artifact_dir=tmp_path / "artifact",
+        state_root=tmp_path / "state",
+        restore="native",
+        materialize="required",
+        verify_extents=True,
+        inner_load_format="instanttensor",
+    )
+    assert rest == {}
+
+
+def test_extra_config_keys_override_and_are_removed(tmp_path: Path) -> None:
+    """A ``--model-loader-extra-config`` key wins over its variable, and every coldsnap key is removed
+    before vLLM's DefaultModelLoader sees the dict (it rejects unknown keys)."""
+    env = {"COLDSNAP_RESTORE": "native", "COLDSNAP_ARTIFACT_DIR": "/nowhere", "COLDSNAP_EXPORT_MODEL_PAYLOAD": "1"}
+    extra = {
+        "restore": "auto",
+        "artifact_dir": str(tmp_path),
+        "export_model_payload": False,
+        "verify_extents": True,
+        "converted_copies": "model",
+        "num_threads": 4,
+    }
+    settings, rest = ColdsnapSettings.resolve(env, extra)
+    assert (settings.restore, settings.artifact_dir, settings.export_model_payload) == ("auto", tmp_path, False)
+    assert (settings.verify_extents, settings.converted_copies) == (True, "model")
+    assert rest == {"num_threads": 4}
+    assert not set(rest) & set(KEYS)
+
+
+def test_relative_artifact_dir_is_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    settings, _ = ColdsnapSettings.resolve({"COLDSNAP_ARTIFACT_DIR": "art"}, None)
+    assert settings.artifact_dir == tmp_path / "art"
+
+
+@pytest.mark.parametrize(
+    ("env", "extra", "names"),
+    [
+        ({"COLDSNAP_RESTORE": "sometimes"}, {}, ["COLDSNAP_RESTORE", "'sometimes'", "auto, native"]),
+        ({"COLDSNAP_MATERIALIZE": "later"}, {}, ["COLDSNAP_MATERIALIZE", "'later'", "async, required, off"]),
+        ({"COLDSNAP_EXPORT_MODEL_PAYLOAD": "maybe"}, {}, ["COLDSNAP_EXPORT_MODEL_PAYLOAD", "'maybe'"]),
+        ({"COLDSNAP_VERIFY_EXTENTS": "2"}, {}, ["COLDSNAP_VERIFY_EXTENTS", "'2'"]),
+        ({"COLDSNAP_INNER_LOAD_FORMAT": "coldsnap"}, {}, ["COLDSNAP_INNER_LOAD_FORMAT", "'coldsnap'", "DefaultModelLoader"]),
+        ({"COLDSNAP_INNER_LOAD_FORMAT": "tensorizer"}, {}, ["'tensorizer'"]),
+        ({}, {"converted_copies": "sometimes"}, ["extra-config key 'converted_copies'", "residual, model"]),
+        ({}, {"restore": 1}, ["extra-config key 'restore'", "must be a string"]),
+        ({}, {"verify_extents": 3}, ["extra-config key 'verify_extents'", "not a boolean"]),
+        ({}, {"artifact_dir": ["a"]}, ["extra-config key 'artifact_dir'", "must be a string"]),
+    ],
+)
+def test_invalid_values_name_the_setting_and_the_value(env: dict, extra: dict, names: list[str]) -> None:
+    """Each bad value raises ConfigurationError whose message names where it came from, the value
+    and what is allowed. Fails if a typo silently falls back to a default."""
+    with pytest.raises(ConfigurationError) as raised:
+        ColdsnapSettings.resolve(env, extra)
+    for name in names:
+        assert name in str(raised.value)
+    assert raised.value.rule == "configuration"
+
+
+def test_export_without_artifact_dir_is_refused() -> None:
+    """Export needs to know where the capsule goes; refusing beats writing a pack nobody can find."""
+    with pytest.raises(ConfigurationError, match="COLDSNAP_EXPORT_MODEL_PAYLOAD=1 needs an artifact folder"):
+        ColdsnapSettings.resolve({"COLDSNAP_EXPORT_MODEL_PAYLOAD": "1"}, None)
+
+
+def test_native_restore_without_artifact_dir_is_refused() -> None:
+    """``native`` must restore from a payload; with no artifact folder it cannot, so it fails closed."""
+    with pytest.raises(ConfigurationError, match="COLDSNAP_RESTORE=native needs an artifact folder"):
+        ColdsnapSettings.resolve({"COLDSNAP_RESTORE": "native"}, None)
+
+
+def test_no_setting_names_a_pack() -> None:
+    """Recipes cannot choose the pack's name: it is always derived from its SHA-256 (seed 000). A
+    key such as ``pack_name`` is not coldsnap's, so it is passed on to vLLM's DefaultModelLoader,
+    which rejects unknown keys (checked with the real loader in test_vllm_loader_unit.py)."""
+    assert not [key for key in KEYS if "pack" in key or "digest" in key]
+    assert ColdsnapSettings.resolve({}, {"pack_name": "x"})[1] == {"pack_name": "x"}
