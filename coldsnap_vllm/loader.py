@@ -29,8 +29,9 @@ unknown keys). ``vllm_config.load_config.load_format`` stays ``coldsnap``, which
     materialized from the resident bytes (``COLDSNAP_MATERIALIZE``, default ``async``) with the
     canonical writer, so the next restore finds it.
 
-In both cases the loader publishes a :class:`coldsnap_vllm.state.WorkerLoadState` (when an artifact
-folder is configured) for the level-1 sleep backend: the model writes by absolute address.
+In both cases the loader publishes a :class:`coldsnap_vllm.state.WorkerLoadState` for the level-1 sleep
+backend: the model writes by absolute address, and the pinned model identity when it is known (always
+when ``--sleep-mode-backend coldsnap`` is enabled).
 """
 
 from __future__ import annotations
@@ -400,6 +401,9 @@ class ColdsnapModelLoader(DefaultModelLoader):
             handle = self._materialize(attempt.manifest, after, copy_backend_for(after.device), cache)
             if handle is not None and handle.done and handle.result is not None:
                 pack = handle.result.pack
+        if identity is None and _coldsnap_sleep_enabled(model_config):
+            # The level-1 sleep backend takes its reference digests from the pinned checkpoint files.
+            identity = self._identify(session, model_config)
         self._publish(worker, identity, kept, pack)
         _set_outcome(
             LoadOutcome(
@@ -445,8 +449,6 @@ class ColdsnapModelLoader(DefaultModelLoader):
         pack: PackRef | None,
     ) -> None:
         settings = self.coldsnap_settings
-        if settings.artifact_dir is None:
-            return
         observed = tuple(
             w
             if isinstance(w, load_state.ObservedModelWrite)
@@ -463,6 +465,13 @@ class ColdsnapModelLoader(DefaultModelLoader):
                 state_root=settings.state_root,
             )
         )
+
+
+def _coldsnap_sleep_enabled(model_config: ModelConfig) -> bool:
+    """Whether this engine runs with ``--enable-sleep-mode --sleep-mode-backend coldsnap``."""
+    return bool(getattr(model_config, "enable_sleep_mode", False)) and (
+        getattr(model_config, "sleep_mode_backend", None) == "coldsnap"
+    )
 
 
 _registration_lock = threading.Lock()

@@ -104,6 +104,8 @@ class ReferenceDigests:
         self._load_manifest()
 
     def _load_manifest(self) -> None:
+        if self.state.artifact_dir is None:
+            return
         path = self.state.artifact_dir / WORKERS_DIRNAME / self.state.worker.capsule_name / NATIVE_MANIFEST_FILENAME
         if not path.is_file():
             return

@@ -41,7 +41,8 @@ class WorkerLoadState:
         model: the pinned model identity (``None`` if it could not be determined).
         writes: the observed model writes, sorted by address, disjoint.
         pack: the worker's pack, when one was captured, restored or materialized.
-        artifact_dir: the artifact folder in use.
+        artifact_dir: the artifact folder in use, or ``None`` (no ``COLDSNAP_ARTIFACT_DIR``: the sleep
+            backend then takes its reference digests from the checkpoint files).
         state_root: the state root of the node-local cache.
     """
 
@@ -49,7 +50,7 @@ class WorkerLoadState:
     model: ModelIdentity | None
     writes: tuple[ObservedModelWrite, ...]
     pack: PackRef | None
-    artifact_dir: Path
+    artifact_dir: Path | None
     state_root: Path
 
 

@@ -129,9 +129,12 @@ def test_cache_gc_refuses_a_symlinked_folder(captured, tmp_path: Path) -> None:
 
 
 def test_cache_gc_rejects_negative_age(tmp_path: Path) -> None:
+    """A negative ``--older-than`` is a usage error: exit 4 ("other error"), never argparse's 2, which
+    would read as "malformed manifest"; and nothing is created under the state root."""
     with pytest.raises(SystemExit) as info:
-        coldsnap("cache", "gc", "--state-root", tmp_path, "--older-than", "-1")
-    assert info.value.code == 2  # argparse's usage error
+        coldsnap("cache", "gc", "--state-root", tmp_path / "root", "--older-than", "-1")
+    assert info.value.code == 4
+    assert not (tmp_path / "root").exists()
 
 
 # --- stage --------------------------------------------------------------------------------------------

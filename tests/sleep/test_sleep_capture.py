@@ -205,3 +205,17 @@ def test_capsule_replacement_is_all_or_nothing(tmp_path: Path) -> None:
         replace_dir_atomically(final, broken)
     assert (final / "weights.blob").read_bytes() == b"old"
     assert sorted(p.name for p in final.parent.iterdir()) == [final.name]
+
+
+def test_without_an_artifact_folder_the_checkpoint_files_are_the_reference(
+    loaded: LoadedModel, allocator: FakeCuMemAllocator, smollm2_2layer: Path, smollm2_identity: ModelIdentity, tmp_path: Path
+) -> None:
+    """``--load-format coldsnap`` with no ``COLDSNAP_ARTIFACT_DIR``: the loader publishes
+    ``artifact_dir=None``; the sleep reads its reference digests from the pinned checkpoint files and
+    still names the same pack as a portable capture. Fails if a missing artifact folder breaks the
+    level-1 sleep (it used to be a required path)."""
+    state = dataclasses.replace(load_state(loaded, smollm2_identity, tmp_path / "native"), artifact_dir=None)
+    native = sleep_capture(state, allocator)
+    portable = portable_capture(smollm2_2layer, smollm2_identity, tmp_path / "portable")
+    assert native.manifest.pack == portable.manifest.pack
+    assert cached_packs(state) == [f"{portable.manifest.pack.sha256}.pack"]

@@ -213,6 +213,35 @@ def test_observed_load_capture_and_restore(model_config: ModelConfig, smollm2_2l
     assert state.current().pack == outcome.capture.manifest.pack
 
 
+@pytest.mark.parametrize("sleep_backend", ["coldsnap", "cumem"])
+def test_writes_are_published_without_an_artifact_folder(
+    smollm2_2layer: Path, tmp_path: Path, monkeypatch, sleep_backend: str
+) -> None:
+    """No ``COLDSNAP_ARTIFACT_DIR`` (plain ``--load-format coldsnap --sleep-mode-backend coldsnap``): the
+    observed writes are still published for the sleep backend (regression: nothing was published, so
+    a level-1 sleep failed). The pinned model identity, which the sleep backend needs to find the
+    checkpoint files, is computed only when the ``coldsnap`` sleep backend is enabled."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    monkeypatch.delenv("COLDSNAP_ARTIFACT_DIR", raising=False)
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
+    config = ModelConfig(model=str(smollm2_2layer), dtype="bfloat16")
+    config.enable_sleep_mode = True  # vLLM refuses sleep mode on CPU at engine level, not here
+    config.sleep_mode_backend = sleep_backend
+    state.clear()
+    with set_current_vllm_config(VllmConfig(model_config=config)):
+        make_loader().load_weights(Consumer(), config)
+    published = state.current()
+    assert published is not None and published.artifact_dir is None
+    assert sum(w.size_bytes for w in published.writes) == last_outcome().model_bytes > 0
+    if sleep_backend == "coldsnap":
+        assert [f.name for f in published.model.files] == ["model.safetensors"]
+        assert published.model.source == str(smollm2_2layer)
+    else:
+        assert published.model is None
+    assert not (tmp_path / "state").exists()  # nothing captured, nothing cached
+
+
 def test_auto_falls_back_with_one_warning(model_config: ModelConfig, tmp_path: Path, monkeypatch, caplog) -> None:
     """``auto`` with an artifact folder that has no artifact yet: exactly one coldsnap WARNING that
     says why, then the normal (observed) checkpoint load. ``native`` raises the same error."""
