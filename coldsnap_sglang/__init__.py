@@ -1,0 +1,67 @@
+"""coldsnap_sglang: the SGLang plugin (``--load-format coldsnap``, restore of already-built payloads).
+
+``register()`` is the ``sglang.srt.plugins`` entry point (``pyproject.toml``). SGLang calls it in the
+launcher and in every scheduler (tensor parallel) process before arguments are parsed
+(``reference/sglang.md`` section 1.5). It is idempotent and initialises no device. It
+
+* adds ``coldsnap`` to the ``--load-format`` choices (``sglang.srt.server_args.add_load_format_choices``),
+* registers a BEFORE hook on ``LoadConfig._verify_load_format`` that swaps the string ``"coldsnap"`` for
+  the loader class :class:`coldsnap_sglang.loader.ColdsnapModelLoader` (SGLang passes a class
+  ``load_format`` straight to ``get_model_loader``; ``ServerArgs.load_format`` stays the string, so the
+  HTTP info endpoints keep working).
+
+The Python API needs no plugin: ``sgl.Engine(model_path=..., load_format=ColdsnapModelLoader)``.
+
+Scope (``DESIGN.md``): SGLang restores payloads that already exist (pack + residual + manifests whose
+layout matches the SGLang model); materialization is ``off`` only, because this integration does not
+run the canonical model-payload writer (``COLDSNAP_MATERIALIZE=async|required`` and
+``COLDSNAP_EXPORT_MODEL_PAYLOAD=1`` are refused with a :class:`~coldsnap_core.errors.ConfigurationError`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+__all__ = ["LOAD_FORMAT", "register"]
+
+LOAD_FORMAT = "coldsnap"
+_lock = threading.Lock()
+_registered = False
+
+
+def swap_load_format(load_config: object, *args: object, **kwargs: object) -> None:
+    """BEFORE hook of ``LoadConfig._verify_load_format``: ``"coldsnap"`` becomes the loader class."""
+    value = getattr(load_config, "load_format", None)
+    if isinstance(value, str) and value.lower() == LOAD_FORMAT:
+        from coldsnap_sglang.loader import ColdsnapModelLoader
+
+        load_config.load_format = ColdsnapModelLoader  # type: ignore[attr-defined]
+
+
+def register() -> None:
+    """Register ``--load-format coldsnap`` with SGLang (idempotent; needs SGLang >= 0.5.11's plugins).
+
+    Raises:
+        EngineVersionError: SGLang's plugin API (``add_load_format_choices``, ``HookRegistry``) is missing.
+    """
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        from coldsnap_core.errors import EngineVersionError
+
+        try:
+            from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+            from sglang.srt.server_args import add_load_format_choices
+        except ImportError as exc:
+            raise EngineVersionError(
+                f"coldsnap_sglang needs SGLang's plugin API (sglang >= 0.5.11): {exc}; on older SGLang pass "
+                "load_format=coldsnap_sglang.loader.ColdsnapModelLoader to sgl.Engine"
+            ) from exc
+        from sglang.srt import server_args
+
+        choices = getattr(server_args, "LOAD_FORMAT_CHOICES", None)
+        if choices is None or LOAD_FORMAT not in choices:
+            add_load_format_choices([LOAD_FORMAT])
+        HookRegistry.register("sglang.srt.configs.load_config.LoadConfig._verify_load_format", swap_load_format, HookType.BEFORE)
+        _registered = True

@@ -11,7 +11,7 @@ unknown keys). ``vllm_config.load_config.load_format`` stays ``coldsnap``, which
 ``load_weights(model, model_config)`` (vLLM calls it after building the model and before
 ``process_weights_after_loading``):
 
-* **restore** (an artifact folder is set, export is off): :class:`coldsnap_vllm.restore.WorkerRestore`
+* **restore** (an artifact folder is set, export is off): :class:`coldsnap_core.restore.WorkerRestore`
   stages this worker's pack, verifies it and hydrates the model's parameter and buffer storages;
   no checkpoint byte is read. On any coldsnap error ``COLDSNAP_RESTORE=auto`` logs one WARNING with
   the error and falls through to the checkpoint load; ``native`` raises it.
@@ -57,26 +57,26 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import CaptureResult, capture_worker
 from coldsnap_core.copy.base import CopyBackend
-from coldsnap_core.copy.host import HostCopyBackend
-from coldsnap_core.errors import ColdsnapError, ConfigurationError, ObserverError
+from coldsnap_core.copy.select import copy_backend_for
+from coldsnap_core.errors import ColdsnapError, ObserverError
 from coldsnap_core.format.manifest import ModelIdentity, NativeManifest, PackRef, WorkerIdentity
 from coldsnap_core.hydrate import HydrationReport
 from coldsnap_core.materialize import MaterializationHandle, materialize_payload
 from coldsnap_core.model_identity import identify_checkpoint
+from coldsnap_core.restore import LoadedModel, WorkerRestore
 from coldsnap_core.safetensors_header import TensorLocation, read_header
+from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_core.torch_allocations import TorchAllocations, enumerate_allocations
 from coldsnap_vllm import compat
 from coldsnap_vllm import state as load_state
 from coldsnap_vllm.observer import CheckpointSources, ModelRecord, WriteObserver, map_to_allocations
-from coldsnap_vllm.restore import LoadedModel, WorkerRestore
-from coldsnap_vllm.settings import ColdsnapSettings
 
 logger = logging.getLogger(__name__)
 
 LOAD_FORMAT = "coldsnap"
 """The load format name: ``--load-format coldsnap`` / ``LLM(..., load_format="coldsnap")``."""
 
-__all__ = ["LOAD_FORMAT", "ColdsnapModelLoader", "LoadOutcome", "copy_backend_for", "last_outcome", "register_loader"]
+__all__ = ["LOAD_FORMAT", "ColdsnapModelLoader", "LoadOutcome", "last_outcome", "register_loader"]
 
 
 @dataclass(frozen=True)
@@ -144,25 +144,6 @@ def _set_outcome(outcome: LoadOutcome) -> None:
     global _last_outcome
     with _outcome_lock:
         _last_outcome = outcome
-
-
-def copy_backend_for(device: torch.device) -> CopyBackend:
-    """The copy backend for allocations on ``device``: host memory on CPU, the CUDA backend on CUDA.
-
-    Raises:
-        ConfigurationError: the CUDA backend cannot run (cupy missing or no device; names why) or
-            the device type has no backend.
-    """
-    if device.type == "cpu":
-        return HostCopyBackend()
-    if device.type == "cuda":
-        from coldsnap_core.copy.cuda import CudaCopyBackend, cuda_unavailable_reason
-
-        reason = cuda_unavailable_reason()
-        if reason is not None:
-            raise ConfigurationError(f"weights are on {device}, but the CUDA copy backend cannot run: {reason}")
-        return CudaCopyBackend(device=device.index if device.index is not None else torch.cuda.current_device())
-    raise ConfigurationError(f"coldsnap has no copy backend for weights on {device}")
 
 
 @dataclass

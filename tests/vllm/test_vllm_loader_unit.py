@@ -23,10 +23,11 @@ from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader import get_model_loader
 
 import coldsnap_vllm.compat as compat
+from coldsnap_core.copy.select import copy_backend_for
 from coldsnap_core.errors import ConfigurationError, EngineVersionError, ObserverError
 from coldsnap_core.safetensors_header import read_header
 from coldsnap_vllm import state
-from coldsnap_vllm.loader import ColdsnapModelLoader, copy_backend_for, last_outcome, register_loader
+from coldsnap_vllm.loader import ColdsnapModelLoader, last_outcome, register_loader
 
 pytestmark = pytest.mark.vllm
 

@@ -1,4 +1,4 @@
-"""The loader's restore steps (coldsnap_vllm.restore) on small torch models and real files, no engine.
+"""The portable restore steps (coldsnap_core.restore) on small torch models and real files, no engine.
 
 A tiny model is loaded from a real safetensors file through the write observer and captured with
 the canonical writer, exactly as the loader does at the end of ``load_weights``; restores then run
@@ -34,9 +34,9 @@ from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME, PackRef, WorkerIdentity
 from coldsnap_core.model_identity import identify_checkpoint
 from coldsnap_core.records import write_record
+from coldsnap_core.restore import LoadedModel, WorkerRestore, check_model_identity
 from coldsnap_core.torch_allocations import enumerate_allocations
 from coldsnap_vllm.observer import WriteObserver, map_to_allocations
-from coldsnap_vllm.restore import LoadedModel, WorkerRestore, check_model_identity
 
 RANK0 = WorkerIdentity("worker", 0, 1, 0, 1)
 

@@ -1,4 +1,8 @@
-"""coldsnap_vllm's settings: environment variables, overridable by ``--model-loader-extra-config`` keys.
+"""The engine plugins' settings: environment variables, overridable by ``--model-loader-extra-config`` keys.
+
+Shared by the vLLM loader (``coldsnap_vllm``) and the SGLang loader (``coldsnap_sglang``); each engine
+passes its own default for ``materialize`` (vLLM ``async``, SGLang ``off``) and the inner load formats
+its default loader serves.
 
 =============================  ==========================  ==================================================
 environment variable           extra-config key            meaning (default)
@@ -48,7 +52,7 @@ ConvertedCopies = Literal["residual", "model"]
 
 RESTORE_MODES: tuple[str, ...] = ("auto", "native")
 CONVERTED_COPIES: tuple[str, ...] = ("residual", "model")
-INNER_LOAD_FORMATS: tuple[str, ...] = (
+VLLM_INNER_LOAD_FORMATS: tuple[str, ...] = (
     "auto",
     "hf",
     "safetensors",
@@ -60,6 +64,7 @@ INNER_LOAD_FORMATS: tuple[str, ...] = (
 )
 """The load formats vLLM serves with ``DefaultModelLoader`` (``model_loader/__init__.py``), whose I/O
 the coldsnap loader can keep."""
+INNER_LOAD_FORMATS = VLLM_INNER_LOAD_FORMATS
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -103,13 +108,20 @@ class ColdsnapSettings:
 
     @classmethod
     def resolve(
-        cls, environ: Mapping[str, str] | None = None, extra_config: Mapping[str, object] | None = None
+        cls,
+        environ: Mapping[str, str] | None = None,
+        extra_config: Mapping[str, object] | None = None,
+        *,
+        materialize_default: MaterializeMode = "async",
+        inner_load_formats: tuple[str, ...] = VLLM_INNER_LOAD_FORMATS,
     ) -> tuple[ColdsnapSettings, dict[str, object]]:
         """Resolve the settings from the environment and the loader's extra config.
 
         Args:
             environ: the environment (default ``os.environ``).
             extra_config: ``LoadConfig.model_loader_extra_config``.
+            materialize_default: the engine's default materialization mode (vLLM ``async``).
+            inner_load_formats: the load formats the engine's default loader serves.
 
         Returns:
             ``(settings, rest)``: the settings, and the extra config without coldsnap's keys (for
@@ -167,17 +179,17 @@ class ColdsnapSettings:
 
         inner = text("inner_load_format")
         inner_format = inner[1].strip().lower() or None if inner else None
-        if inner is not None and inner_format is not None and inner_format not in INNER_LOAD_FORMATS:
+        if inner is not None and inner_format is not None and inner_format not in inner_load_formats:
             raise ConfigurationError(
-                f"{inner[0]}={inner[1]!r} is not a load format served by vLLM's DefaultModelLoader"
-                f" ({', '.join(INNER_LOAD_FORMATS)})"
+                f"{inner[0]}={inner[1]!r} is not a load format served by the engine's default loader"
+                f" ({', '.join(inner_load_formats)})"
             )
         settings = cls(
             export_model_payload=flag("export_model_payload"),
             artifact_dir=path("artifact_dir"),
             state_root=path("state_root") or DEFAULT_STATE_ROOT.expanduser().absolute(),
             restore=choice("restore", RESTORE_MODES, "auto"),  # type: ignore[arg-type]
-            materialize=choice("materialize", MATERIALIZE_MODES, "async"),  # type: ignore[arg-type]
+            materialize=choice("materialize", MATERIALIZE_MODES, materialize_default),  # type: ignore[arg-type]
             verify_extents=flag("verify_extents"),
             inner_load_format=inner_format,
             converted_copies=choice("converted_copies", CONVERTED_COPIES, "residual"),  # type: ignore[arg-type]

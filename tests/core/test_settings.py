@@ -1,4 +1,4 @@
-"""coldsnap_vllm settings: environment variables, extra-config overrides, and every parsing error."""
+"""Engine plugin settings (coldsnap_core.settings): environment variables, extra-config overrides, and every parsing error."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from coldsnap_core.errors import ConfigurationError
-from coldsnap_vllm.settings import KEYS, ColdsnapSettings
+from coldsnap_core.settings import KEYS, ColdsnapSettings
 
 
 def test_defaults_without_configuration() -> None:
@@ -75,7 +75,7 @@ def test_relative_artifact_dir_is_made_absolute(tmp_path: Path, monkeypatch: pyt
         ({"COLDSNAP_MATERIALIZE": "later"}, {}, ["COLDSNAP_MATERIALIZE", "'later'", "async, required, off"]),
         ({"COLDSNAP_EXPORT_MODEL_PAYLOAD": "maybe"}, {}, ["COLDSNAP_EXPORT_MODEL_PAYLOAD", "'maybe'"]),
         ({"COLDSNAP_VERIFY_EXTENTS": "2"}, {}, ["COLDSNAP_VERIFY_EXTENTS", "'2'"]),
-        ({"COLDSNAP_INNER_LOAD_FORMAT": "coldsnap"}, {}, ["COLDSNAP_INNER_LOAD_FORMAT", "'coldsnap'", "DefaultModelLoader"]),
+        ({"COLDSNAP_INNER_LOAD_FORMAT": "coldsnap"}, {}, ["COLDSNAP_INNER_LOAD_FORMAT", "'coldsnap'", "default loader"]),
         ({"COLDSNAP_INNER_LOAD_FORMAT": "tensorizer"}, {}, ["'tensorizer'"]),
         ({}, {"converted_copies": "sometimes"}, ["extra-config key 'converted_copies'", "residual, model"]),
         ({}, {"restore": 1}, ["extra-config key 'restore'", "must be a string"]),

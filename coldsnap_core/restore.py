@@ -1,7 +1,8 @@
-"""Restore one vLLM worker's weights from its pack and residual blob (the portable capture point).
+"""Restore one worker's weights from its pack and residual blob (the portable capture point).
 
-Called by the coldsnap loader instead of reading the checkpoint, after vLLM built the model and
-before its post-processing (``DESIGN.md``, "Two capture points": "restore replaces ``load_weights``
+Engine neutral: the vLLM loader (``coldsnap_vllm.loader``) and the SGLang loader
+(``coldsnap_sglang.loader``) both call :class:`WorkerRestore` instead of reading the checkpoint, after
+the engine built the model and before its post-processing (``DESIGN.md``, "Two capture points": "restore replaces ``load_weights``
 with hydration, and the engine's own post-processing then runs as usual"). In order, each step
 raising a :class:`~coldsnap_core.errors.ColdsnapError` subclass and nothing written before step 7:
 
@@ -59,8 +60,9 @@ class LoadedModel:
     """What the engine is loading, for the model identity check.
 
     Attributes:
-        source: vLLM's ``model_config.model`` (repository id or local folder).
-        revision: vLLM's ``model_config.revision``.
+        source: the engine's model (vLLM ``model_config.model``, SGLang ``model_config.model_path``):
+            a repository id or a local folder.
+        revision: the engine's model revision, if any.
         folder: the local checkpoint folder when ``source`` is one, else ``None``.
     """
 

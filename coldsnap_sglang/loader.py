@@ -1,0 +1,117 @@
+"""The SGLang loader: ``DefaultModelLoader`` that hydrates from pack + residual instead of reading
+the checkpoint, then runs SGLang's own post-processing.
+
+SGLang's ``DefaultModelLoader.load_model`` builds the model, then calls
+``self.load_weights_and_postprocess(model, weights, target_device)`` (``reference/sglang.md``
+section 2; an instance override is honoured, SGLang's own tests rely on it). This loader overrides it:
+when ``COLDSNAP_ARTIFACT_DIR`` lists this worker, :class:`coldsnap_core.restore.WorkerRestore` checks
+the layout and the model identity, stages this worker's pack only, verifies and hydrates the model's
+parameter and buffer storages (the portable capture point); the checkpoint iterator is never
+consumed, and the post-processing then runs on an empty weights iterator. ``COLDSNAP_RESTORE=auto``
+falls back to the normal load with one WARNING; ``native`` fails closed.
+
+Settings are those of :mod:`coldsnap_core.settings` (environment variables or
+``--model-loader-extra-config`` keys, removed before SGLang's loader validates the rest), with
+materialization ``off`` by default and the only accepted value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import Iterable
+
+import torch
+from sglang.srt.configs.load_config import LoadFormat
+from sglang.srt.model_loader.loader import DefaultModelLoader
+
+from coldsnap_core.cache import PayloadCache
+from coldsnap_core.copy.select import copy_backend_for
+from coldsnap_core.errors import ColdsnapError, EngineVersionError
+from coldsnap_core.format.manifest import WorkerIdentity
+from coldsnap_core.restore import LoadedModel, WorkerRestore
+from coldsnap_core.torch_allocations import enumerate_allocations
+from coldsnap_sglang.settings import resolve_sglang_settings
+
+logger = logging.getLogger(__name__)
+
+if not hasattr(DefaultModelLoader, "load_weights_and_postprocess"):
+    raise EngineVersionError(
+        "this SGLang's DefaultModelLoader has no load_weights_and_postprocess; coldsnap_sglang supports SGLang 0.5.18-0.5.23"
+    )
+
+
+def worker_identity(load_config: object) -> WorkerIdentity:
+    """This scheduler process's worker identity: the tensor parallel rank from ``LoadConfig.tp_rank``,
+    the global rank and world size from ``torch.distributed`` (rank 0 of 1 when not initialised)."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    rank = torch.distributed.get_rank() if distributed else 0
+    world = torch.distributed.get_world_size() if distributed else 1
+    tp_rank = getattr(load_config, "tp_rank", None)
+    tp_rank = rank if tp_rank is None else int(tp_rank)
+    tp_size = world
+    with contextlib.suppress(ImportError, AssertionError, AttributeError, RuntimeError):
+        from sglang.srt.distributed import get_tensor_model_parallel_world_size
+
+        tp_size = get_tensor_model_parallel_world_size()
+    return WorkerIdentity("worker", rank, world, tp_rank, max(tp_size, tp_rank + 1))
+
+
+class ColdsnapModelLoader(DefaultModelLoader):
+    """SGLang ``DefaultModelLoader`` with coldsnap restore (see the module docstring).
+
+    Raises:
+        ConfigurationError: a coldsnap setting is invalid, or asks for materialization or capture.
+    """
+
+    def __init__(self, load_config) -> None:
+        self.coldsnap_settings, rest = resolve_sglang_settings(os.environ, load_config.model_loader_extra_config)
+        # The parent sees the inner format (SGLang's DefaultModelLoader dispatches its file patterns
+        # and iterator on it) and only the extra-config keys it knows (it rejects the others).
+        inner = LoadFormat(self.coldsnap_settings.inner_load_format or "auto")
+        super().__init__(dataclasses.replace(load_config, load_format=inner, model_loader_extra_config=rest))
+        self._model_source: LoadedModel | None = None
+
+    def load_model(self, *, model_config, device_config, **kwargs):
+        self._model_source = LoadedModel.from_config(str(model_config.model_path), getattr(model_config, "revision", None))
+        return super().load_model(model_config=model_config, device_config=device_config, **kwargs)
+
+    def load_weights_and_postprocess(self, model: torch.nn.Module, weights: Iterable, target_device: torch.device):  # type: ignore[override]
+        """Hydrate from the artifact when possible, then SGLang's post-processing; else the normal load."""
+        if restore_into(model, self.coldsnap_settings, worker_identity(self.load_config), self._model_source):
+            return DefaultModelLoader.load_weights_and_postprocess(model, iter(()), target_device)
+        return DefaultModelLoader.load_weights_and_postprocess(model, weights, target_device)
+
+
+def restore_into(model: torch.nn.Module, settings, worker: WorkerIdentity, source: LoadedModel | None) -> bool:
+    """Restore ``model`` from the artifact; ``True`` when restored, ``False`` to load the checkpoint.
+
+    Raises:
+        ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed (the verifier's error).
+    """
+    if settings.artifact_dir is None or source is None:
+        return False
+    attempt = WorkerRestore(settings.artifact_dir, worker, source, PayloadCache(settings.state_root), settings.verify_extents)
+    try:
+        allocations = enumerate_allocations(model)
+        report = attempt.run(allocations, copy_backend_for(allocations.device))
+    except ColdsnapError as exc:
+        if settings.restore == "native":
+            raise
+        logger.warning(
+            "coldsnap: could not restore %s from %s; loading the checkpoint instead (COLDSNAP_RESTORE=auto): %s",
+            worker.capsule_name,
+            settings.artifact_dir,
+            exc,
+        )
+        return False
+    logger.info(
+        "coldsnap: restored %s from pack %s (%d model bytes, %d residual bytes; no checkpoint read)",
+        worker.capsule_name,
+        attempt.capsule.native.pack.sha256[:12] if attempt.capsule else "?",
+        report.model_bytes,
+        report.residual_bytes,
+    )
+    return True

