@@ -62,8 +62,37 @@ def replace_file_durably(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     fsync_dir(path.parent)
 
 
+def replace_dir_atomically(final: Path, fill: Callable[[Path], T]) -> T:
+    """Build a folder in a hidden staging folder next to ``final``, fsync it, and swap it in.
+
+    ``fill`` is called with the staging folder and writes the files (each fsynced). A previous
+    ``final`` is moved aside first and deleted after; a failure leaves the previous ``final`` (if
+    any) untouched and no staging folder behind. Returns ``fill``'s result.
+    """
+    parent = final.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(8)
+    staging = parent / f".{final.name}.{token}.partial"
+    staging.mkdir()
+    try:
+        result = fill(staging)
+        fsync_dir(staging)
+        old = None
+        if final.exists():
+            old = parent / f".{final.name}.{token}.old"
+            os.rename(final, old)
+        os.rename(staging, final)
+        fsync_dir(parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return result
+
+
 def write_capsule(artifact_dir: Path, worker: WorkerIdentity, fill: Callable[[Path], T]) -> tuple[Path, T]:
-    """Create (or replace) the unit capsule of ``worker`` as one atomic step.
+    """Create (or replace) the unit capsule of ``worker`` as one atomic step, under the capsule's lock.
 
     Args:
         artifact_dir: the artifact folder.
@@ -76,24 +105,8 @@ def write_capsule(artifact_dir: Path, worker: WorkerIdentity, fill: Callable[[Pa
     workers_dir = artifact_dir / WORKERS_DIRNAME
     workers_dir.mkdir(parents=True, exist_ok=True)
     final = workers_dir / worker.capsule_name
-    token = secrets.token_hex(8)
-    staging = workers_dir / f".{worker.capsule_name}.{token}.partial"
     with filelock.FileLock(workers_dir / f".{worker.capsule_name}.lock"):
-        staging.mkdir()
-        try:
-            result = fill(staging)
-            fsync_dir(staging)
-            old = None
-            if final.exists():
-                old = workers_dir / f".{worker.capsule_name}.{token}.old"
-                os.rename(final, old)
-            os.rename(staging, final)
-            fsync_dir(workers_dir)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+        result = replace_dir_atomically(final, fill)
     return final, result
 
 

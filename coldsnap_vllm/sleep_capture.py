@@ -25,16 +25,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import secrets
-import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from coldsnap_core._io import fsync_dir
-from coldsnap_core.artifact import write_file_durably
+from coldsnap_core.artifact import replace_dir_atomically, write_file_durably
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import ModelRange, hash_ranges
 from coldsnap_core.copy.base import CopyBackend, LiveAllocation
@@ -347,30 +344,3 @@ def _ensure_pack(
             )
         return write_pack(layout, locate, backend, cache, expected_sha256=pack.sha256), True
     return write_pack(layout, locate, backend, cache), True
-
-
-def replace_dir_atomically(final: Path, fill: Callable[[Path], T]) -> T:
-    """Build a folder in a hidden staging folder next to ``final``, fsync it, and swap it in.
-
-    A failure leaves the previous ``final`` (if any) untouched and no staging folder behind.
-    """
-    parent = final.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_hex(8)
-    staging = parent / f".{final.name}.{token}.partial"
-    staging.mkdir()
-    try:
-        result = fill(staging)
-        fsync_dir(staging)
-        old = None
-        if final.exists():
-            old = parent / f".{final.name}.{token}.old"
-            os.rename(final, old)
-        os.rename(staging, final)
-        fsync_dir(parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return result

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from sleep_fakes import FakeCuMemAllocator, LoadedModel, load_state
 
+from coldsnap_core.artifact import replace_dir_atomically
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import capture_worker
 from coldsnap_core.copy.host import HostCopyBackend
@@ -18,7 +19,7 @@ from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity, WorkerI
 from coldsnap_core.slabs import stage_checkpoint
 from coldsnap_vllm.cumem import weights_segments
 from coldsnap_vllm.sleep import ColdsnapSleepBackend
-from coldsnap_vllm.sleep_capture import ReferenceDigests, capture_for_sleep, replace_dir_atomically
+from coldsnap_vllm.sleep_capture import ReferenceDigests, capture_for_sleep
 from coldsnap_vllm.state import ObservedModelWrite, WorkerLoadState
 
 WORKER = WorkerIdentity("worker", 0, 1, 0, 1)
