@@ -18,13 +18,16 @@ Variants:
 * ``coldsnap capture``: ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``: observed load plus capture (extent
   SHA-256s, canonical pack write with fsync, residual blob, manifests).
 
-Usage: ``python benchmarks/vllm_load.py [--layers N] [--repetitions R] [--workdir DIR]``
+Usage: ``python benchmarks/vllm_load.py [--layers N] [--repetitions R] [--workdir DIR] [--cold]``
 (default: the full SmolLM2-135M, 3 repetitions). The goal is restore <= 0.5 x safetensors.
+``--cold`` evicts the files each engine reads from the page cache instead (``posix_fadvise``
+``DONTNEED``), the situation of a node that has not read the model since boot.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -46,6 +49,17 @@ def warm(paths) -> None:
                 pass
 
 
+def evict(paths) -> None:
+    """Drop ``paths`` from the page cache (``POSIX_FADV_DONTNEED`` after an ``fdatasync``)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def load_seconds(result, name: str) -> float:
     if result.error is not None or len(result.load_weights_seconds) != 1:
         raise SystemExit(f"{name}: engine failed: {result.error}")
@@ -57,6 +71,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=None, help="SmolLM2 cut to N layers (default: full, 30 layers)")
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--cold", action="store_true", help="evict the files from the page cache before each engine")
     args = parser.parse_args()
     model = ensure_fixture(layers=args.layers)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="coldsnap-vllm-load-"))
@@ -66,20 +81,28 @@ def main() -> int:
     )
 
     checkpoint_files = sorted(model.glob("*.safetensors"))
+
+    def payload_files() -> list[Path]:
+        return sorted((state / "model-payloads" / "sha256").glob("*.pack")) + sorted(artifact.glob("workers/*/weights.blob"))
+
+    def prepare(paths) -> None:
+        (evict if args.cold else warm)(paths)
+
     run_engine(work, "warm", model, "safetensors")
     times: dict[str, list[float]] = {"safetensors": [], "coldsnap restore": [], "coldsnap observe": [], "coldsnap capture": []}
     capture_only: list[float] = []
     hydration: list[float] = []
     for i in range(args.repetitions):
-        warm(checkpoint_files)
+        prepare(checkpoint_files)
         capture = run_engine(
             work, f"capture-{i}", model, "coldsnap", env=coldsnap_env(artifact, state, COLDSNAP_EXPORT_MODEL_PAYLOAD="1")
         )
         times["coldsnap capture"].append(load_seconds(capture, "capture"))
         capture_only.append(capture.outcome["capture_seconds"])
-        warm(checkpoint_files)
+        prepare(checkpoint_files)
         plain = run_engine(work, f"plain-{i}", model, "safetensors")
         times["safetensors"].append(load_seconds(plain, "safetensors"))
+        prepare(payload_files() + checkpoint_files)
         restore = run_engine(
             work, f"restore-{i}", model, "coldsnap", env=coldsnap_env(artifact, state, COLDSNAP_RESTORE="native")
         )
@@ -87,13 +110,16 @@ def main() -> int:
         hydration.append(restore.outcome["load_seconds"])
         if restore.outputs != plain.outputs or restore.digests != plain.digests:
             raise SystemExit("restore did not reproduce the safetensors load")
-        warm(checkpoint_files)
+        prepare(checkpoint_files)
         observe = run_engine(work, f"observe-{i}", model, "coldsnap")
         times["coldsnap observe"].append(load_seconds(observe, "observe"))
 
     medians = {name: statistics.median(values) for name, values in times.items()}
     reference = medians["safetensors"]
-    print(f"\nload_weights wall time, median of {args.repetitions} fresh engines (seconds; ratio to safetensors)")
+    cache_state = "cold (evicted)" if args.cold else "warm"
+    print(
+        f"\nload_weights wall time, page cache {cache_state}, median of {args.repetitions} fresh engines (seconds; ratio to safetensors)"
+    )
     for name, value in medians.items():
         print(f"  {name:<18} {value:8.3f} s   x{value / reference:5.2f}   runs: {', '.join(f'{v:.3f}' for v in times[name])}")
     print(f"  of which hydration (checks + copy) in restore: {statistics.median(hydration):.3f} s")
