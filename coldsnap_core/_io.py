@@ -52,6 +52,15 @@ def write_all(fd: int, data: memoryview | bytes, *, file: str | os.PathLike[str]
         view = view[written:]
 
 
+def advise_sequential(fd: int) -> None:
+    """Tell the kernel a file is about to be read front to back (``POSIX_FADV_SEQUENTIAL``: a larger
+    readahead window). Measured on this project's 2-core machine with the 269 MB SmolLM2 pack evicted
+    from the page cache: one reading thread went from 0.5-0.7 GB/s to 2.0 GB/s. Advice only: errors
+    (a file system without ``fadvise``) are ignored."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """fsync a folder so that a rename into it is durable (``reference/anchors.md`` B5, B10)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from coldsnap_core._io import advise_sequential
 from coldsnap_core.copy.base import CopyOp, LiveAllocation, SourceName
 from coldsnap_core.copy.host import host_view
 from coldsnap_core.errors import ConfigurationError, CopyBackendError, ExtentDigestMismatchError
@@ -540,9 +541,11 @@ class CudaCopyBackend:
             except OSError as exc:
                 logger.debug("coldsnap: O_DIRECT refused for %s (%s); reading through the page cache", path, exc)
         try:
-            return os.open(path, flags), False
+            fd = os.open(path, flags)
         except OSError as exc:
             raise CopyBackendError(f"cannot open the source: {exc}", file=path) from exc
+        advise_sequential(fd)
+        return fd, False
 
     def _read_chunk(
         self,

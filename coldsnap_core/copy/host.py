@@ -27,6 +27,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
+from coldsnap_core._io import advise_sequential
 from coldsnap_core.copy.base import CopyOp, LiveAllocation, SourceName
 from coldsnap_core.errors import CopyBackendError, ExtentDigestMismatchError
 
@@ -129,6 +130,7 @@ class HostCopyBackend:
             for name, path in sources.items():
                 try:
                     fds[name] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                    advise_sequential(fds[name])
                 except OSError as exc:
                     raise CopyBackendError(f"cannot open the {name}: {exc}", file=path) from exc
             if len(batches) <= 1:
