@@ -6,6 +6,9 @@ Internal logic worth knowing:
   large" (``EFBIG``, what ``RLIMIT_FSIZE`` produces; CPython ignores ``SIGXFSZ``) to
   :class:`~coldsnap_core.errors.InsufficientSpaceError`, so a caller can delete its temporary file and
   report one clear error.
+* :func:`os_error` turns an ``OSError`` met while opening or reading a file into the typed error a
+  caller reports (missing, not a regular file, no space, anything else ``io``), so no bare ``OSError``
+  reaches a loader's ``auto`` fallback or the CLI.
 * :func:`write_hashed` writes a stream of chunks while computing its SHA-256 on a helper thread,
   overlapped with the ``write`` system calls (both release the GIL), so writing a pack costs one hash
   pass, not a hash pass plus a write pass. When the chunks are *stable* (views of memory that does
@@ -25,13 +28,56 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from coldsnap_core.errors import CacheError, InsufficientSpaceError
+from coldsnap_core.errors import (
+    CacheError,
+    ColdsnapError,
+    FileAccessError,
+    InsufficientSpaceError,
+    MissingObjectError,
+    NotRegularFileError,
+)
 
 HASH_CHUNK_BYTES = 8 << 20
 """Chunk size for hashing and streaming writes (8 MiB)."""
 
 _ZEROS = bytes(1 << 20)
 _SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def os_error(what: str, exc: OSError, path: str | os.PathLike[str] | None) -> ColdsnapError:
+    """The typed error for an ``OSError`` met while accessing ``path`` (raise it ``from exc``).
+
+    ``ENOENT``/``ENOTDIR`` (nothing there, or a path component is a file):
+    :class:`~coldsnap_core.errors.MissingObjectError`; ``EISDIR``:
+    :class:`~coldsnap_core.errors.NotRegularFileError`; ``ENOSPC``/``EDQUOT``/``EFBIG``:
+    :class:`~coldsnap_core.errors.InsufficientSpaceError`; anything else (``EACCES``, ``ELOOP``,
+    ``EIO``, ``EROFS``, ...): :class:`~coldsnap_core.errors.FileAccessError` (rule ``io``). The
+    message is ``"<what>: <the operating system's reason>"`` and names ``path``.
+    """
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+        return MissingObjectError(f"{what}: {reason}", file=path)
+    if exc.errno == errno.EISDIR:
+        return NotRegularFileError(f"{what}: it is a folder, not a regular file", file=path)
+    if exc.errno in _SPACE_ERRNOS:
+        return InsufficientSpaceError(f"{what}: {reason}", file=path)
+    return FileAccessError(f"{what}: {reason}", file=path)
+
+
+def unexpected_os_error(exc: OSError) -> FileAccessError:
+    """An ``OSError`` that no coldsnap layer turned into a typed error, as a rule-style error (rule
+    ``io``, exit code 4) naming its file(s); the ``OSError`` is its ``__cause__``. The last line of
+    defence of the CLI and of the loaders' ``COLDSNAP_RESTORE=auto`` fallback."""
+
+    def name(value: object) -> str | None:
+        return os.fsdecode(value) if isinstance(value, (str, bytes, os.PathLike)) else None
+
+    detail = f"unexpected I/O error: {exc.strerror or exc}"
+    if name(exc.filename2) is not None:
+        detail += f" (second file: {name(exc.filename2)})"
+    error = FileAccessError(detail, file=name(exc.filename))
+    error.__cause__ = exc
+    return error
 
 
 def write_all(fd: int, data: memoryview | bytes, *, file: str | os.PathLike[str]) -> None:

@@ -21,8 +21,16 @@ Internal logic worth knowing (``DESIGN.md``, "The node-local cache and the verif
   (e.g. ``~/.cache/coldsnap -> /nvme/coldsnap``).
 * **Commit order** (containerd ``writer.Commit`` plus the folder fsync it lacks): fsync the file,
   check its size, check its SHA-256 (streamed by the writer or computed by the verifier), make it
-  read-only, rename it into place, fsync the folder, write the validation record bound to the
-  renamed inode.
+  read-only, rename it into place (over an existing object, which is never kept on its record's
+  word), fsync the folder, write the validation record bound to the renamed inode.
+* **Records are best effort.** A record that cannot be written (read-only file system, no space)
+  leaves a valid object without a record; the :class:`PayloadCache` object that verified it
+  remembers that in memory, so one process hashes it once, and other processes hash it in full.
+* **Typed failures.** A state root that is a file, link loops, folders where files belong and other
+  ``OSError`` s become :class:`~coldsnap_core.errors.ConfigurationError`,
+  :class:`~coldsnap_core.errors.UnsafePathError`, :class:`~coldsnap_core.errors.NotRegularFileError`,
+  :class:`~coldsnap_core.errors.CacheError` or :class:`~coldsnap_core.errors.FileAccessError`, so a
+  loader's ``auto`` mode can fall back.
 * **Locks prevent duplicate work only.** One ``filelock`` lock per digest makes same-host writers
   converge on one object; it is re-entrant per thread. If it cannot be had within the timeout, the
   caller proceeds without it (with a WARNING): correctness never depends on it, because every
@@ -57,9 +65,11 @@ from coldsnap_core._io import fsync_dir, fsync_fd
 from coldsnap_core.digests import PAYLOADS_DIRNAME, check_digest
 from coldsnap_core.errors import (
     CacheError,
+    ConfigurationError,
+    FileAccessError,
     InsufficientSpaceError,
-    IntegrityError,
     InvalidDigestError,
+    NotRegularFileError,
     PackDigestMismatchError,
     PackSizeMismatchError,
     UnsafePathError,
@@ -87,33 +97,59 @@ ProgressCallback = Callable[[int], object]
 
 
 def resolve_state_root(explicit: str | os.PathLike[str] | None = None) -> Path:
-    """The state root: ``explicit``, else ``$COLDSNAP_STATE_ROOT``, else ``~/.cache/coldsnap``."""
-    chosen = explicit if explicit is not None else os.environ.get(STATE_ROOT_ENV) or DEFAULT_STATE_ROOT
+    """The state root: ``explicit``, else ``$COLDSNAP_STATE_ROOT``, else ``~/.cache/coldsnap``.
+
+    An empty (or all-blank) value counts as not given, for the argument and the variable alike, so
+    ``--state-root ""`` and ``COLDSNAP_STATE_ROOT=`` both mean the default, never the current folder
+    (as the engine settings read ``COLDSNAP_STATE_ROOT``, :mod:`coldsnap_core.settings`).
+    """
+    chosen: str | os.PathLike[str] | None = explicit
+    if chosen is None or not str(chosen).strip():
+        chosen = os.environ.get(STATE_ROOT_ENV, "")
+    if not str(chosen).strip():
+        chosen = DEFAULT_STATE_ROOT
     return Path(chosen).expanduser().absolute()
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    """``os.lstat``; ``None`` when nothing is there; other failures as typed errors.
+
+    Raises:
+        UnsafePathError: a path component is not a folder (``ENOTDIR``) or a link loop (``ELOOP``).
+        FileAccessError: any other failure (``EACCES``, ``EIO``, ...).
+    """
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+            raise UnsafePathError(f"a component of the path is not a usable folder: {exc.strerror or exc}", file=path) from exc
+        raise FileAccessError(f"cannot examine the path: {exc.strerror or exc}", file=path) from exc
 
 
 def refuse_symlink(path: Path) -> os.stat_result | None:
     """``lstat`` ``path``; return ``None`` if absent, its stat if a regular file.
 
     Raises:
-        UnsafePathError: ``path`` is a symbolic link or not a regular file.
+        UnsafePathError: ``path`` is a symbolic link, or a path component is not a folder.
+        NotRegularFileError: ``path`` is a folder, device or other non-regular file.
+        FileAccessError: ``path`` cannot be examined (``EACCES``, ``EIO``, ...).
     """
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
+    st = _lstat(path)
+    if st is None:
         return None
     if stat.S_ISLNK(st.st_mode):
         raise UnsafePathError("refusing a symbolic link in the payload cache", file=path)
     if not stat.S_ISREG(st.st_mode):
-        raise UnsafePathError(f"refusing a non-regular file ({stat.filemode(st.st_mode)}) in the payload cache", file=path)
+        raise NotRegularFileError(f"refusing a non-regular file ({stat.filemode(st.st_mode)}) in the payload cache", file=path)
     return st
 
 
 def _refuse_non_directory(path: Path) -> bool:
     """True if ``path`` is a real folder, False if absent; raises if it is a link or another type."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
+    st = _lstat(path)
+    if st is None:
         return False
     if stat.S_ISLNK(st.st_mode):
         raise UnsafePathError("refusing a symbolic link as a payload cache folder", file=path)
@@ -195,20 +231,49 @@ class PayloadCache:
         self.tmp_dir = self.payloads_dir / "tmp"
         self.quarantine_dir = self.payloads_dir / "quarantine"
         self.lock_timeout_seconds = lock_timeout_seconds
+        self._verified_here: dict[str, tuple[int, int, int, int, int]] = {}
+        self._verified_here_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"PayloadCache({str(self.state_root)!r})"
 
     # -- folders and paths -------------------------------------------------------------------------
 
+    def _check_state_root(self) -> bool:
+        """Whether the state root exists; it may be a symbolic link, but must lead to a folder.
+
+        Raises:
+            ConfigurationError: the state root (or a component of it) is a file, or a link loop.
+            CacheError: the state root cannot be examined (``EACCES``, ``EIO``, ...).
+        """
+        try:
+            st = os.stat(self.state_root)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+                raise ConfigurationError(
+                    f"the state root (COLDSNAP_STATE_ROOT, --state-root) is not a usable folder: {exc.strerror or exc}",
+                    file=self.state_root,
+                ) from exc
+            raise CacheError(f"cannot examine the state root: {exc.strerror or exc}", file=self.state_root) from exc
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigurationError(
+                f"the state root (COLDSNAP_STATE_ROOT, --state-root) is not a folder ({stat.filemode(st.st_mode)})",
+                file=self.state_root,
+            )
+        return True
+
     def ensure_dirs(self) -> None:
         """Create the cache folders (mode 0700 where new) and refuse any that is a symbolic link.
 
         Raises:
+            ConfigurationError: the state root is a file (or a component of it is).
             UnsafePathError: ``model-payloads`` or one of its folders is a link or not a folder.
             InsufficientSpaceError / CacheError: a folder could not be created (no space, read-only
                 file system, permissions).
         """
+        self._check_state_root()
         try:
             self.state_root.mkdir(parents=True, exist_ok=True)
             for folder in (self.payloads_dir, self.objects_dir, self.locks_dir, self.tmp_dir, self.quarantine_dir):
@@ -223,8 +288,11 @@ class PayloadCache:
         """Refuse linked cache folders without creating anything; return whether ``sha256/`` exists.
 
         Raises:
+            ConfigurationError: the state root is a file (or a component of it is).
             UnsafePathError: a cache folder below the state root is a link or not a folder.
         """
+        if not self._check_state_root():
+            return False
         present = [
             _refuse_non_directory(folder)
             for folder in (self.payloads_dir, self.objects_dir, self.locks_dir, self.tmp_dir, self.quarantine_dir)
@@ -250,8 +318,9 @@ class PayloadCache:
         """Hold the per-digest lock (``filelock.FileLock``, >= 3.20.3); re-entrant per thread.
 
         Yields ``True`` when the lock is held, ``False`` when the wait timed out or the lock file
-        cannot be created (e.g. a read-only cache) and the caller proceeds without it (logged as a
-        WARNING; safe, only duplicate work may follow).
+        cannot be created and the caller proceeds without it (safe: only duplicate work may follow).
+        That is logged as a WARNING, except on a read-only file system (``EROFS``), where no other
+        writer can exist and the cache is only read: INFO.
 
         Raises:
             InvalidDigestError: bad digest (before any path is built).
@@ -266,6 +335,7 @@ class PayloadCache:
         timeout = self.lock_timeout_seconds if timeout_seconds is None else timeout_seconds
         lock = filelock.FileLock(path, timeout=timeout, mode=0o600)
         reason = None
+        level = logging.WARNING
         try:
             self.ensure_dirs()
             refuse_symlink(path)
@@ -274,8 +344,10 @@ class PayloadCache:
             reason = f"waited {timeout:.1f} s for it"
         except (OSError, CacheError) as exc:
             reason = f"it cannot be created ({exc})"
+            if os_errno(exc) == errno.EROFS:
+                level = logging.INFO
         if reason is not None:
-            logger.warning("coldsnap: %s: %s; proceeding without it (the lock only prevents duplicate work)", path, reason)
+            logger.log(level, "coldsnap: %s: %s; proceeding without it (the lock only prevents duplicate work)", path, reason)
             yield False
             return
         held.add(key)
@@ -325,10 +397,18 @@ class PayloadCache:
         ``sha256`` and ``size_bytes`` are what the writer streamed (or what the verifier just
         confirmed); ``expected_sha256``, when given, is the digest the caller must produce. In
         order: fsync the file; check its size (OCI: size before digest); check the digest; take the
-        digest's lock; if a valid object is already there keep it (the temporary is dropped by
-        :meth:`temporary`); otherwise make the file read-only, rename it into place, fsync the
-        folder, and write the validation record bound to the renamed inode. A failed record write
-        is logged and leaves a valid object without a record (fully verified on its next use).
+        digest's lock; make the file read-only, rename it into place (over any object already
+        there), fsync the folder, and write the validation record bound to the renamed inode. A
+        failed record write is logged and leaves a valid object without a record (see
+        :func:`coldsnap_core.records.record_verified`).
+
+        An object already at the path is replaced, not kept: this file's SHA-256 was computed from
+        the very bytes written and equals the name, while the existing object is at best vouched
+        for by a validation record, which cannot see an in-place edit that restores size, mtime and
+        ctime (``docs/format.md`` §11). So a re-capture repairs such an object instead of keeping
+        it, and no full hash of the existing object is needed. The rename is atomic; a reader
+        holding the old file keeps reading it. (Callers that can avoid the write check first:
+        materialization and store fetches admit the existing object under the lock before writing.)
 
         Returns:
             The object path.
@@ -357,30 +437,46 @@ class PayloadCache:
         with self.lock(sha256):
             refuse_symlink(self.record_path(sha256))
             if refuse_symlink(final) is not None:
-                from coldsnap_core.records import admit_locked
-
-                try:
-                    admit_locked(self, sha256, size_bytes)
-                except (IntegrityError, CacheError):
-                    pass  # corrupt (quarantined) or being replaced: ours is verified, rename it over
-                else:
-                    return final
+                logger.info("coldsnap: replacing %s with the freshly written and verified copy", final)
             current = refuse_symlink(temp_path)
             if current is None or (current.st_dev, current.st_ino) != (st.st_dev, st.st_ino):
                 raise CacheError("the temporary file was removed or replaced while it was written", file=temp_path)
-            os.fchmod(fd, 0o444)
-            os.rename(temp_path, final)
-            fsync_dir(self.objects_dir)
-            self._record_after_commit(sha256, fd, final)
+            try:
+                os.fchmod(fd, 0o444)
+                os.rename(temp_path, final)
+                fsync_dir(self.objects_dir)
+            except OSError as exc:
+                raise _os_error("cannot commit the pack", exc, final) from exc
+            from coldsnap_core.records import record_verified
+
+            record_verified(self, sha256, os.fstat(fd))
         return final
 
-    def _record_after_commit(self, digest: str, fd: int, final: Path) -> None:
-        from coldsnap_core.records import write_record
+    # -- verified in this process (when no validation record can be written) -----------------------
 
-        try:
-            write_record(self, digest, os.fstat(fd))
-        except (OSError, CacheError) as exc:
-            logger.warning("coldsnap: %s is valid but its validation record could not be written: %s", final, exc)
+    def remember_verified(self, digest: str, st: os.stat_result) -> None:
+        """Remember, for this :class:`PayloadCache` object only, that the object ``digest`` with the
+        identity of ``st`` (device, inode, size, mtime, ctime) was just verified in full.
+
+        Used when the validation record cannot be written (read-only file system, no space): the
+        admissions that follow in this process (staging, then hydration) then accept the object on
+        the same binding a record would give, instead of hashing it again each time. Nothing is
+        written; another process (or another ``PayloadCache``) hashes the object in full.
+        """
+        from coldsnap_core.records import identity
+
+        with self._verified_here_lock:
+            self._verified_here[check_digest(digest)] = identity(st)
+
+    def verified_here(self, digest: str, st: os.stat_result) -> bool:
+        """Whether :meth:`remember_verified` vouches for ``digest`` at exactly the identity of ``st``
+        (a fresh ``lstat`` of the object), whose mode is not group- or world-writable."""
+        from coldsnap_core.records import identity
+
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return False
+        with self._verified_here_lock:
+            return self._verified_here.get(digest) == identity(st)
 
     # -- admission (first-use verification and validation records) ---------------------------------
 
@@ -429,11 +525,12 @@ class PayloadCache:
         with self.lock(digest):
             return admit_locked(self, digest, size_bytes, progress=progress, trust_record=False)
 
-    def quarantine(self, digest: str) -> Path | None:
-        """Move a bad object (and drop its record) out of the eligible path; return where it went."""
+    def quarantine(self, digest: str, *, log: bool = True) -> Path | None:
+        """Move a bad object (and drop its record) out of the eligible path; return where it went
+        (``None``: nothing there, or it cannot be moved). See :func:`coldsnap_core.records.quarantine_object`."""
         from coldsnap_core.records import quarantine_object
 
-        return quarantine_object(self, digest)
+        return quarantine_object(self, digest, log=log)
 
     # -- listing and garbage collection ------------------------------------------------------------
 
@@ -548,6 +645,14 @@ class PayloadCache:
         if not dry_run and (report.orphan_records or report.temporaries):
             fsync_dir(self.objects_dir)
         return report.freeze()
+
+
+def os_errno(exc: BaseException) -> int | None:
+    """The ``errno`` of an ``OSError``, or of the ``OSError`` a :class:`CacheError` was raised from."""
+    if isinstance(exc, OSError):
+        return exc.errno
+    cause = exc.__cause__
+    return cause.errno if isinstance(cause, OSError) else None
 
 
 def _os_error(what: str, exc: OSError, path: Path) -> CacheError:

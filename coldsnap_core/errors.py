@@ -30,6 +30,7 @@ __all__ = [
     "AllocationSizeMismatchError",
     "ArtifactError",
     "CacheError",
+    "CapsulePinMismatchError",
     "ColdsnapError",
     "ConfigurationError",
     "CopyBackendError",
@@ -39,18 +40,22 @@ __all__ = [
     "ExtentDigestMismatchError",
     "ExtentOrderError",
     "ExtentOverlapError",
+    "FileAccessError",
     "InsufficientSpaceError",
     "IntegrityError",
     "InvalidDigestError",
     "LayoutMismatchError",
     "ManifestError",
+    "ManifestExtentDigestError",
     "ManifestMismatchError",
+    "ManifestPaddingError",
     "ManifestParseError",
     "ManifestSchemaError",
     "ManifestValueError",
     "MissingObjectError",
     "ModelIdentityMismatchError",
     "NonZeroPaddingError",
+    "NotRegularFileError",
     "ObserverError",
     "PackDigestMismatchError",
     "PackLayoutError",
@@ -379,4 +384,59 @@ class ManifestMismatchError(ArtifactError):
     """
 
     rule = "manifests-agree"
+    exit_code = EXIT_MANIFEST
+
+
+class ManifestExtentDigestError(ManifestError):
+    """A model extent's recorded SHA-256 does not match the bytes the pack stores for it, while the
+    pack file's own SHA-256 matches its name.
+
+    The pack is then intact (it holds exactly the bytes its name promises) and the manifest is wrong
+    about it: exit code 2, and the pack is not quarantined (other artifacts naming the same digest
+    keep using it). A pack whose file SHA-256 differs from its name reports
+    :class:`ExtentDigestMismatchError` (exit code 1) instead.
+    """
+
+    rule = "manifest-extent-sha256"
+
+
+class ManifestPaddingError(ManifestError):
+    """The manifest's layout puts padding where the pack holds a non-zero byte, while the pack file's
+    own SHA-256 matches its name: the manifest's extent sizes do not describe this pack.
+
+    Exit code 2; the pack is not quarantined. A pack whose file SHA-256 differs from its name reports
+    :class:`NonZeroPaddingError` (exit code 1) instead.
+    """
+
+    rule = "manifest-pack-padding"
+
+
+class NotRegularFileError(UnsafePathError):
+    """A path that must hold a regular file (pack, residual blob, manifest, descriptor, record, store
+    object) holds a folder, device, socket or other non-regular file. An :class:`UnsafePathError`
+    (exit code 4) with its own rule, so a folder at ``weights.blob`` is not reported as a blob of the
+    wrong size."""
+
+    rule = "regular-file"
+
+
+class FileAccessError(ColdsnapError):
+    """A file or folder could not be opened, read, listed or written for a reason that says nothing
+    about its content: permissions (``EACCES``), a symbolic link loop (``ELOOP``), an I/O error
+    (``EIO``), a read-only file system, ... The message carries the operating system's reason."""
+
+    rule = "io"
+
+
+class CapsulePinMismatchError(ManifestError):
+    """A capsule file does not match its pin in ``artifact.json``.
+
+    ``artifact.json`` is the root of trust of an artifact: each worker entry pins the SHA-256 and
+    size of both manifests and the residual blob of its capsule (``capsule_files``). A manifest
+    edited in any byte (even so that it stays consistent with itself and with its pack), replaced by
+    another worker's, or a pin that disagrees with the native manifest's ``residual`` is refused
+    before the capsule is used. Exit code 2, like any other inconsistent manifest.
+    """
+
+    rule = "capsule-pin"
     exit_code = EXIT_MANIFEST

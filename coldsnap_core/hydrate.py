@@ -15,6 +15,19 @@ Order of work (``DESIGN.md``, "The two byte sources"; seed 000, "Restore"):
 If any check fails nothing is written. If the copy itself fails, the allocations hold a mixture and
 the caller must not report the restore as done (vLLM ``auto`` falls back to the normal load, which
 overwrites every byte).
+
+**Who is wrong when bytes disagree after admission.** The pack is content addressed, so its file
+SHA-256 decides. When the padding check (step 4) or a per-extent SHA-256 (``verify_extents``, step 5)
+fails on an admitted pack, the pack is verified once more in full, ignoring its validation record:
+
+* its file SHA-256 differs from its name: the object was corrupted in a way the record cannot see;
+  it is quarantined (``quarantined_to`` on the error) and the original error is raised;
+* it matches, but the manifest's layout or an extent digest does not: the manifest is wrong
+  (:class:`~coldsnap_core.errors.ManifestPaddingError`,
+  :class:`~coldsnap_core.errors.ManifestExtentDigestError`, exit code 2); the pack stays;
+* everything matches: the bytes changed while they were copied or in the destination
+  (:class:`~coldsnap_core.errors.CopyBackendError`), or the pack changed while its padding was read
+  (the padding error is raised as found); the pack stays.
 """
 
 from __future__ import annotations
@@ -27,9 +40,25 @@ from pathlib import Path
 
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.copy.base import CopyBackend, CopyOp, LiveAllocation
+from coldsnap_core.errors import (
+    ColdsnapError,
+    CopyBackendError,
+    ExtentDigestMismatchError,
+    IntegrityError,
+    ManifestError,
+    NonZeroPaddingError,
+)
 from coldsnap_core.format.allocation import AllocationMap
 from coldsnap_core.format.manifest import NativeManifest
-from coldsnap_core.verify import check_live_layout, check_manifest, check_pack_padding, verify_blob_file
+from coldsnap_core.format.pack_layout import PackLayout
+from coldsnap_core.verify import (
+    check_live_layout,
+    check_manifest,
+    check_pack_padding,
+    extent_owner_map,
+    verify_blob_file,
+    verify_pack_file,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -103,11 +132,18 @@ def hydrate(
             ``ExtentOverlapError``, ``CoverageGapError``, ``PackLayoutError``, ``ResidualLayoutError``.
         IntegrityError: the pack or blob is corrupt (nothing written): ``PackPathMismatchError``,
             ``PackSizeMismatchError``, ``PackDigestMismatchError`` (the object is quarantined),
-            ``NonZeroPaddingError``, ``ResidualSizeMismatchError``, ``ResidualDigestMismatchError``;
-            or ``ExtentDigestMismatchError`` from ``verify_extents`` (the allocations are then
-            partly written and must not be reported as restored).
+            ``NonZeroPaddingError`` (the object is quarantined), ``ResidualSizeMismatchError``,
+            ``ResidualDigestMismatchError``; or ``ExtentDigestMismatchError`` from
+            ``verify_extents`` (the object is quarantined; the allocations are then partly written
+            and must not be reported as restored). A quarantine sets ``quarantined_to`` on the error.
+        ManifestPaddingError / ManifestExtentDigestError: the pack is intact but the manifest's
+            layout or an extent digest is wrong (the pack is kept; after ``verify_extents`` the
+            allocations are partly written).
         MissingObjectError: the pack or blob is missing (nothing written).
-        CopyBackendError: a read failed during the copy (partly written).
+        NotRegularFileError / FileAccessError: the blob or pack is not a regular file, or cannot be
+            read (nothing written).
+        CopyBackendError: a read failed during the copy, or a copied extent changed on its way
+            while the pack verifies in full (partly written).
     """
     started = time.perf_counter()
     layout = check_manifest(manifest, file=manifest_file)
@@ -116,9 +152,21 @@ def hydrate(
     )
     verify_blob_file(blob_path, manifest.residual)
     pack_path = cache.admit(manifest.pack.sha256, manifest.pack.size_bytes)
-    check_pack_padding(pack_path, layout)
+    try:
+        check_pack_padding(pack_path, layout)
+    except NonZeroPaddingError as exc:
+        judged = _judge_admitted_pack(exc, cache, manifest, layout, pack_path, manifest_file)
+        if judged is exc:
+            raise
+        raise judged from exc
     checked = time.perf_counter()
-    backend.fill(plan_hydration(manifest), {"pack": pack_path, "blob": blob_path}, allocations, verify_extents=verify_extents)
+    try:
+        backend.fill(plan_hydration(manifest), {"pack": pack_path, "blob": blob_path}, allocations, verify_extents=verify_extents)
+    except ExtentDigestMismatchError as exc:
+        judged = _judge_admitted_pack(exc, cache, manifest, layout, pack_path, manifest_file)
+        if judged is exc:
+            raise
+        raise judged from exc
     done = time.perf_counter()
     report = HydrationReport(manifest.model_bytes, manifest.residual_bytes, checked - started, done - checked)
     logger.info(
@@ -131,3 +179,39 @@ def hydrate(
         report.copy_seconds,
     )
     return report
+
+
+def _judge_admitted_pack(
+    found: IntegrityError,
+    cache: PayloadCache,
+    manifest: NativeManifest,
+    layout: PackLayout,
+    pack_path: Path,
+    manifest_file: str | None,
+) -> ColdsnapError:
+    """After an admitted pack's padding or a copied extent disagreed with the manifest: verify the
+    pack in full (no record) and return the error to raise (see the module docstring)."""
+    digest = manifest.pack.sha256
+    try:
+        verify_pack_file(pack_path, manifest.pack, layout, extent_owner=extent_owner_map(manifest), manifest_file=manifest_file)
+    except IntegrityError as corrupt:
+        found.quarantined_to = cache.quarantine(digest, log=False)  # type: ignore[attr-defined]
+        found.__cause__ = corrupt
+        logger.info(
+            "coldsnap: pack %s is corrupt although it was admitted (%s); quarantined as %s",
+            digest,
+            corrupt.detail,
+            found.quarantined_to,  # type: ignore[attr-defined]
+        )
+        return found
+    except ManifestError as wrong:
+        return wrong
+    if isinstance(found, ExtentDigestMismatchError):
+        return CopyBackendError(
+            f"{found.detail}; the pack verifies in full, so the bytes changed while they were copied or in the"
+            " destination memory",
+            file=found.file,
+            allocation=found.allocation,
+            offset_bytes=found.offset_bytes,
+        )
+    return found  # the padding read non-zero, the full read zero: the file changed in between; not restored

@@ -5,7 +5,10 @@ multiple workers have identical payloads, the artifact may reference the same ob
 worker owners and publication uploads it once". For every distinct digest named by the artifacts'
 workers, in digest order:
 
-1. the store already holds it (right size; right LFS SHA-256 where the store reports one): skipped;
+1. the store already holds it, checked as far as the store can (``PayloadStore.has(verify=True)``: a
+   folder store hashes its object in full; the Hugging Face store compares the LFS SHA-256 the Hub
+   reports): skipped. A store object of the wrong size or content counts as absent (WARNING) and
+   is replaced by steps 2-3;
 2. otherwise the local object (``<state-root>/model-payloads/sha256/<digest>.pack``) is verified in
    full by the one verifier (:func:`coldsnap_core.verify.verify_pack_file`: size, SHA-256, zero
    padding and every stored extent's SHA-256 against the manifest's layout) — never on a validation
@@ -13,8 +16,8 @@ workers, in digest order:
    quarantined and publication stops with the verifier's error;
 3. then uploaded (:meth:`PayloadStore.upload`, atomic in the store).
 
-``dry_run`` performs step 1 and checks that each local object exists with the right size, but
-neither hashes nor uploads.
+``dry_run`` performs step 1 by size (and the Hub's LFS SHA-256) only, and checks that each local
+object exists with the right size, but neither hashes nor uploads.
 """
 
 from __future__ import annotations
@@ -50,11 +53,13 @@ class PayloadToPublish:
         pack: digest, size in bytes, derived path.
         manifest: one native manifest naming it (gives the canonical layout for verification).
         owners: ``<artifact folder>:<capsule name>`` of every worker that names it.
+        manifest_file: the path of ``manifest`` (named by manifest errors).
     """
 
     pack: PackRef
     manifest: NativeManifest
     owners: tuple[str, ...]
+    manifest_file: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +86,7 @@ def collect_payloads(artifact_dirs: Sequence[Path]) -> list[PayloadToPublish]:
         ArtifactError: a capsule names another pack than ``artifact.json``, or one digest appears
             with two sizes.
     """
-    found: dict[str, tuple[PackRef, NativeManifest, list[str]]] = {}
+    found: dict[str, tuple[PackRef, NativeManifest, list[str], str]] = {}
     for artifact_dir in artifact_dirs:
         artifact_dir = Path(artifact_dir)
         descriptor = read_descriptor(artifact_dir)
@@ -103,8 +108,11 @@ def collect_payloads(artifact_dirs: Sequence[Path]) -> list[PayloadToPublish]:
                     )
                 found[digest][2].append(owner)
             else:
-                found[digest] = (entry.payload, capsule.native, [owner])
-    return [PayloadToPublish(pack, manifest, tuple(owners)) for _, (pack, manifest, owners) in sorted(found.items())]
+                found[digest] = (entry.payload, capsule.native, [owner], str(capsule.native_manifest_path))
+    return [
+        PayloadToPublish(pack, manifest, tuple(owners), manifest_file)
+        for _, (pack, manifest, owners, manifest_file) in sorted(found.items())
+    ]
 
 
 def publish_native(
@@ -122,7 +130,7 @@ def publish_native(
         artifact_dirs: artifact folders.
         store: the destination store.
         cache: the node-local cache holding the local objects.
-        dry_run: check presence and local objects, hash and upload nothing.
+        dry_run: check presence (by size) and local objects, hash and upload nothing.
         progress: makes a progress callback for each verification and upload.
         on_payload: called after each payload is handled (the CLI prints a line).
 
@@ -132,6 +140,8 @@ def publish_native(
     Raises:
         MissingObjectError: a local object to upload is absent.
         IntegrityError: a local object does not verify (it is quarantined; nothing more is uploaded).
+        ManifestExtentDigestError / ManifestPaddingError: the local object is intact but the
+            manifest's extent digests or layout are wrong (the object is kept; nothing more is uploaded).
         StoreError: the store failed.
         UnsafePathError: a symbolic link at a local object path.
         ManifestError, ArtifactError: as :func:`collect_payloads`.
@@ -139,7 +149,7 @@ def publish_native(
     results = []
     for item in collect_payloads(artifact_dirs):
         pack = item.pack
-        if store.has(pack.sha256, pack.size_bytes):
+        if store.has(pack.sha256, pack.size_bytes, verify=not dry_run):
             action: PublishAction = "present"
         else:
             path = cache.object_path(pack.sha256)
@@ -154,7 +164,7 @@ def publish_native(
                     raise PackSizeMismatchError(f"local pack is {st.st_size} bytes, expected {pack.size_bytes}", file=path)
                 action = "would-upload"
             else:
-                _verify_local(path, pack, item.manifest, cache, progress)
+                _verify_local(path, pack, item.manifest, item.manifest_file, cache, progress)
                 upload_progress = progress(f"upload {pack.sha256[:12]}", pack.size_bytes) if progress else None
                 store.upload(path, pack.sha256, pack.size_bytes, progress=upload_progress)
                 action = "uploaded"
@@ -167,12 +177,19 @@ def publish_native(
 
 
 def _verify_local(
-    path: Path, pack: PackRef, manifest: NativeManifest, cache: PayloadCache, progress: ProgressFactory | None
+    path: Path,
+    pack: PackRef,
+    manifest: NativeManifest,
+    manifest_file: str | None,
+    cache: PayloadCache,
+    progress: ProgressFactory | None,
 ) -> None:
-    layout: PackLayout = check_manifest(manifest)
+    layout: PackLayout = check_manifest(manifest, file=manifest_file)
     callback = progress(f"verify {pack.sha256[:12]}", pack.size_bytes) if progress else None
     try:
-        verify_pack_file(path, pack, layout, progress=callback, extent_owner=extent_owner_map(manifest))
-    except IntegrityError:
+        verify_pack_file(
+            path, pack, layout, progress=callback, extent_owner=extent_owner_map(manifest), manifest_file=manifest_file
+        )
+    except IntegrityError:  # a ManifestError (the manifest is wrong, the pack intact) keeps the pack
         cache.quarantine(pack.sha256)
         raise

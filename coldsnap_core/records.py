@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import logging
 import os
 import stat
@@ -252,22 +253,79 @@ def write_record(cache: PayloadCache, digest: str, verified: os.stat_result) -> 
     return record
 
 
-def quarantine_object(cache: PayloadCache, digest: str) -> Path | None:
-    """Move ``<digest>.pack`` into ``quarantine/`` (unique name) and delete its record first."""
+def record_verified(cache: PayloadCache, digest: str, verified: os.stat_result) -> bool:
+    """After a full verification: write the record, or if that is impossible, say so once and go on.
+
+    The object stays valid and admitted either way (``docs/format.md`` §10: "A record that cannot be
+    written leaves a valid object without a record"). When the object still has the identity that
+    was verified but the record cannot be written (read-only file system, no space, ...), the
+    verification is remembered by ``cache`` (:meth:`~coldsnap_core.cache.PayloadCache.remember_verified`),
+    so this process does not hash the object again; other processes hash it in full. Logged at
+    INFO on a read-only file system (expected for a shared, pre-filled cache), else as a WARNING.
+
+    Args:
+        cache: the cache.
+        digest: the object's digest.
+        verified: the ``stat`` of the inode that was verified.
+
+    Returns:
+        Whether a record was written.
+
+    Raises:
+        UnsafePathError: the object or record path is a symbolic link.
+    """
+    object_path = cache.object_path(digest)
+    current = _refuse(object_path)
+    if current is None or identity(current) != identity(verified):
+        logger.info("coldsnap: %s changed after it was verified; no validation record written", object_path)
+        return False
+    try:
+        write_record(cache, digest, verified)
+    except (OSError, CacheError) as exc:
+        from coldsnap_core.cache import os_errno
+
+        cache.remember_verified(digest, verified)
+        read_only = os_errno(exc) == errno.EROFS
+        logger.log(
+            logging.INFO if read_only else logging.WARNING,
+            "coldsnap: %s is valid but its validation record could not be written (%s); it is trusted in this"
+            " process only, and other processes hash it in full",
+            object_path,
+            "read-only file system" if read_only else exc,
+        )
+        return False
+    return True
+
+
+def quarantine_object(cache: PayloadCache, digest: str, *, log: bool = True) -> Path | None:
+    """Move ``<digest>.pack`` into ``quarantine/`` (unique name) and delete its record first.
+
+    Returns where the object went, or ``None`` when there was nothing to move or it cannot be moved
+    (e.g. a read-only file system: then it stays at its path, logged as a WARNING, and every later
+    admission verifies it again and fails again; nothing serves it).
+
+    Args:
+        log: log the quarantine as a WARNING (``False``: at INFO, for a caller that reports it in its
+            own message).
+    """
     import secrets
 
     check_digest(digest)
-    cache.ensure_dirs()
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(cache.record_path(digest))
     source = cache.object_path(digest)
-    target = cache.quarantine_dir / f"{digest}.{secrets.token_hex(8)}.pack"
     try:
-        os.rename(source, target)
-    except FileNotFoundError:
+        cache.ensure_dirs()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(cache.record_path(digest))
+        target = cache.quarantine_dir / f"{digest}.{secrets.token_hex(8)}.pack"
+        try:
+            os.rename(source, target)
+        except FileNotFoundError:
+            return None
+        fsync_dir(cache.objects_dir)
+    except (OSError, CacheError) as exc:
+        logger.warning("coldsnap: %s failed verification but cannot be quarantined (%s); it stays in place", source, exc)
         return None
-    fsync_dir(cache.objects_dir)
-    logger.warning("coldsnap: quarantined %s as %s", source, target)
+    logger.log(logging.WARNING if log else logging.INFO, "coldsnap: quarantined %s as %s", source, target)
     return target
 
 
@@ -292,6 +350,9 @@ def admit_object(
     try:
         read_trusted_record(cache, digest, st)
     except ValidationRecordError as exc:
+        if cache.verified_here(digest, st):
+            _require_caller_size(path, st.st_size, size_bytes)
+            return path
         logger.info("coldsnap: verifying %s in full (%s)", path, exc.detail)
     else:
         _require_caller_size(path, st.st_size, size_bytes)
@@ -341,8 +402,10 @@ def admit_locked(
             try:
                 read_trusted_record(cache, digest, st)
             except ValidationRecordError:
-                pass
+                trusted = cache.verified_here(digest, st)
             else:
+                trusted = True
+            if trusted:
                 _require_caller_size(path, st.st_size, size_bytes)
                 return path
         if size_bytes is not None and st.st_size != size_bytes:
@@ -352,7 +415,10 @@ def admit_locked(
                 f"cached pack is {st.st_size} bytes, expected {size_bytes} ({state}); quarantined", file=path
             )
         if st.st_mode & 0o222 and st.st_uid == os.geteuid():
-            os.chmod(path, 0o444)
+            try:
+                os.chmod(path, 0o444)
+            except OSError as exc:  # e.g. a read-only file system: the object is still verified below
+                logger.info("coldsnap: cannot make %s read-only (%s)", path, exc.strerror or exc)
             st = _refuse(path) or st
         try:
             verify_pack_file(
@@ -368,10 +434,7 @@ def admit_locked(
             raise
         after = _refuse(path)
         if after is not None and identity(after) == identity(st):
-            try:
-                write_record(cache, digest, after)
-            except (OSError, CacheError) as exc:
-                logger.warning("coldsnap: %s verified, but its validation record could not be written: %s", path, exc)
+            record_verified(cache, digest, after)
             return path
         # Replaced or touched while being hashed: another writer that did not (or could not) take
         # the lock. What was hashed may not be what is there now, so start over.
@@ -394,5 +457,6 @@ __all__ = [
     "quarantine_object",
     "read_trusted_record",
     "record_state",
+    "record_verified",
     "write_record",
 ]

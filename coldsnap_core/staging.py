@@ -8,8 +8,13 @@ to each worker on the host that owns that worker"; ``DESIGN.md``, "Restore and f
 2. the configured payload store (:mod:`coldsnap_core.stores`): fetched under the digest's lock into a
    unique temporary file, verified by :func:`coldsnap_core.verify.verify_pack_file` (size, then
    SHA-256), committed by :meth:`PayloadCache.commit` (fsync, rename, folder fsync, record);
-3. otherwise :class:`~coldsnap_core.errors.PayloadUnavailableError`, on which ``COLDSNAP_RESTORE=auto``
-   falls back to the safetensors recovery load.
+3. otherwise :class:`~coldsnap_core.errors.PayloadUnavailableError` (no source holds the pack) or
+   :class:`~coldsnap_core.errors.StoreError` (the store did not answer or failed); on either,
+   ``COLDSNAP_RESTORE=auto`` falls back to the safetensors recovery load (it falls back on every
+   coldsnap error).
+
+A store object that does not verify is reported as the store's: the error names the object in the
+store (:meth:`PayloadStore.location`), not the cache temporary it was fetched into.
 
 Every path is derived from the digest alone; a :class:`PackRef` whose ``path`` is not
 ``model-payloads/sha256/<sha256>.pack`` is refused before anything is read.
@@ -21,11 +26,10 @@ import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from coldsnap_core.artifact import find_worker, read_capsule, read_descriptor
+from coldsnap_core.artifact import find_worker, read_descriptor, read_worker_capsule
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.digests import check_digest, pack_relpath
 from coldsnap_core.errors import (
-    ArtifactError,
     IntegrityError,
     MissingObjectError,
     PackPathMismatchError,
@@ -73,10 +77,13 @@ def stage_payload(
     Raises:
         InvalidDigestError: ``pack.sha256`` is not 64 lowercase hex characters (nothing touched).
         PackPathMismatchError: ``pack.path`` is not derived from the digest (nothing touched).
-        PayloadUnavailableError: neither the cache nor the store has the pack, or the store failed
-            (its error is chained); ``auto`` restore falls back on this.
+        PayloadUnavailableError: neither the cache nor the store has the pack; ``auto`` restore
+            falls back on this.
+        StoreError: the pack is not cached and the store did not answer (unreachable, offline) or
+            failed; ``auto`` restore falls back on this too.
         IntegrityError: the cached object is corrupt and no store is configured (it is
-            quarantined), or the store's object does not verify (nothing is kept).
+            quarantined), or the store's object does not verify (nothing is kept; the error names
+            the store object).
         InsufficientSpaceError: the cache's file system filled up during a fetch (nothing is kept).
         UnsafePathError: a symbolic link at an object, record or lock path or a cache folder.
     """
@@ -111,8 +118,19 @@ def _fetch(pack: PackRef, cache: PayloadCache, store: PayloadStore, progress: Ca
         try:
             store.fetch(digest, pack.size_bytes, fd, file=temp, progress=progress)
         except StoreError as exc:
-            raise PayloadUnavailableError(f"{store.name} could not provide the pack: {exc.detail}", file=exc.file) from exc
-        verify_pack_file(temp, pack, progress=progress)
+            raise StoreError(
+                f"the pack is not in the node-local cache and cannot be fetched: {exc.detail}", file=exc.file
+            ) from exc
+        try:
+            verify_pack_file(temp, pack, progress=progress)
+        except IntegrityError as exc:
+            raise type(exc)(
+                f"{store.name} holds a corrupt copy of the pack: {exc.detail} (checked in the cache temporary {temp};"
+                " nothing was kept)",
+                file=store.location(digest),
+                allocation=exc.allocation,
+                offset_bytes=exc.offset_bytes,
+            ) from exc
         path = cache.commit(fd, temp, sha256=digest, size_bytes=pack.size_bytes, expected_sha256=digest)
     logger.info("coldsnap: staged pack %s from %s", digest, store.name)
     return path
@@ -124,18 +142,15 @@ def worker_entries(artifact_dir: Path, workers: Sequence[WorkerIdentity]) -> lis
     Raises:
         MissingObjectError: no descriptor, or no capsule for a worker.
         ManifestError: a capsule's manifest is malformed.
-        ArtifactError: a capsule's native manifest names another pack than ``artifact.json``.
+        CapsulePinMismatchError: a capsule's manifest does not match its pin in ``artifact.json``.
+        ManifestMismatchError: a capsule names another worker or pack than ``artifact.json`` (an
+            ``ArtifactError``, exit code 2).
     """
     artifact_dir = Path(artifact_dir)
     descriptor = read_descriptor(artifact_dir)
     entries = [find_worker(descriptor, worker) for worker in workers]
     for entry in entries:
-        capsule = read_capsule(artifact_dir / entry.capsule)
-        if capsule.native.pack != entry.payload:
-            raise ArtifactError(
-                f"artifact.json names pack {entry.payload.sha256}, the capsule's native manifest {capsule.native.pack.sha256}",
-                file=capsule.native_manifest_path,
-            )
+        read_worker_capsule(artifact_dir, entry)  # pins, worker and payload (ManifestMismatchError)
     return entries
 
 
@@ -160,7 +175,7 @@ def stage_artifact(
 
     Raises:
         MissingObjectError: the artifact has no descriptor, or lists no capsule for a worker.
-        ArtifactError: a capsule's native manifest names another pack than ``artifact.json``.
+        CapsulePinMismatchError, ManifestMismatchError: as :func:`worker_entries`.
         PayloadUnavailableError, IntegrityError, ...: as :func:`stage_payload`.
     """
     entries = worker_entries(artifact_dir, workers)

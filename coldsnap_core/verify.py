@@ -8,7 +8,8 @@ cache's first-use admission and publication (``DESIGN.md``, "The node-local cach
 * :func:`check_live_layout`: the manifest against the live allocations (layout fingerprint, sizes).
 * :func:`verify_pack_file`: the pack object: size first, then one streaming pass that computes the
   file's SHA-256, checks the zero padding and, given a layout, each stored extent's SHA-256 (on a
-  second thread).
+  second thread). The file's SHA-256 decides who is wrong: a pack that hashes to its name is intact,
+  and a layout or extent digest that does not describe it is a manifest error (exit code 2).
 * :func:`verify_blob_file`: the residual blob: size, then SHA-256.
 * :func:`check_pack_padding`: the padding of an already admitted pack (a few KiB of reads).
 
@@ -19,11 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from coldsnap_core._io import HASH_CHUNK_BYTES, sha256_file
+from coldsnap_core._io import HASH_CHUNK_BYTES, os_error, sha256_file
 from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.digests import pack_relpath
 from coldsnap_core.errors import (
@@ -34,8 +36,11 @@ from coldsnap_core.errors import (
     ExtentOrderError,
     ExtentOverlapError,
     LayoutMismatchError,
+    ManifestExtentDigestError,
+    ManifestPaddingError,
     MissingObjectError,
     NonZeroPaddingError,
+    NotRegularFileError,
     PackDigestMismatchError,
     PackLayoutError,
     PackPathMismatchError,
@@ -259,10 +264,24 @@ def _first_layout_difference(expected: AllocationMap, actual: AllocationMap) -> 
 
 
 def _require_size(path: Path, expected: int, error: type[Exception], what: str) -> None:
+    """``path`` must be a regular file (symbolic links followed) of ``expected`` bytes.
+
+    Raises:
+        MissingObjectError: nothing at ``path``.
+        NotRegularFileError: a folder, device, socket or FIFO at ``path`` (its ``st_size`` says
+            nothing about content, so it must not be reported as truncated or extended).
+        FileAccessError: ``path`` cannot be examined (``EACCES``, ``ELOOP``, ``EIO``, ...).
+        ``error``: the size differs.
+    """
     try:
-        actual = os.stat(path).st_size
+        st = os.stat(path)
     except FileNotFoundError as exc:
         raise MissingObjectError(f"{what} does not exist", file=path) from exc
+    except OSError as exc:
+        raise os_error(f"cannot examine the {what}", exc, path) from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFileError(f"the {what} is not a regular file ({stat.filemode(st.st_mode)})", file=path)
+    actual = st.st_size
     if actual != expected:
         state = "truncated" if actual < expected else "extended"
         raise error(f"{what} is {actual} bytes, expected {expected} ({state})", file=path)
@@ -276,6 +295,7 @@ def verify_pack_file(
     progress: Callable[[int], object] | None = None,
     extent_owner: Callable[[PackEntry], tuple[int | None, int | None]] | None = None,
     chunk_bytes: int = HASH_CHUNK_BYTES,
+    manifest_file: str | os.PathLike[str] | None = None,
 ) -> None:
     """Verify a pack object in full: size, SHA-256, and with ``layout`` its padding and extents.
 
@@ -284,8 +304,18 @@ def verify_pack_file(
     as they stream past, while a helper thread feeds each stored extent's bytes into that extent's
     own SHA-256 (an extent may span any number of chunks).
 
-    Checks, and the error raised first, in this order: the file exists, its size, its padding, each
-    stored extent's SHA-256 (the first bad one in pack order), the file's SHA-256.
+    Checks, and the error raised first, in this order: the file exists and is a regular file, its
+    size; then, after the one read, who is wrong is decided by the file's SHA-256, because the pack
+    is content addressed (its name is the SHA-256 of its bytes):
+
+    * the file's SHA-256 differs from ``pack.sha256``: the **object is corrupt** (exit code 1) and
+      the most precise error is raised: its padding (:class:`NonZeroPaddingError`), else the first
+      bad stored extent in pack order (:class:`ExtentDigestMismatchError`), else
+      :class:`PackDigestMismatchError`;
+    * the file's SHA-256 matches but a padding run or a stored extent does not match ``layout``:
+      the object holds exactly the bytes its name promises and **the manifest is wrong** about them
+      (exit code 2, :class:`ManifestPaddingError` / :class:`ManifestExtentDigestError`); callers do
+      not quarantine the object for that, so other artifacts naming the same digest keep it.
 
     Args:
         path: the pack file.
@@ -296,14 +326,22 @@ def verify_pack_file(
         extent_owner: maps a stored entry to ``(allocation_index, offset_bytes)`` of one
             destination holding it, for error messages.
         chunk_bytes: bytes per read (default 8 MiB), > 0.
+        manifest_file: the manifest ``layout`` comes from, named by the manifest errors (default:
+            they name the pack).
 
     Raises:
         MissingObjectError: no file at ``path``.
+        NotRegularFileError: ``path`` is a folder or another non-regular file.
+        FileAccessError: ``path`` cannot be opened or read (``EACCES``, ``ELOOP``, ``EIO``, ...).
         PackSizeMismatchError: truncated or extended (checked before any hashing).
-        NonZeroPaddingError: a padding byte is not zero (names its pack offset).
-        ExtentDigestMismatchError: a stored extent's bytes do not match its SHA-256 (names the
-            destination allocation and offset from ``extent_owner``).
+        NonZeroPaddingError: the object is corrupt and a padding byte is not zero (names its pack offset).
+        ExtentDigestMismatchError: the object is corrupt and a stored extent's bytes do not match its
+            SHA-256 (names the destination allocation and offset from ``extent_owner``).
         PackDigestMismatchError: the file's SHA-256 is not ``pack.sha256``.
+        ManifestPaddingError: the object is intact, but the manifest's layout puts padding on a
+            non-zero byte.
+        ManifestExtentDigestError: the object is intact, but a stored extent's bytes do not match
+            the SHA-256 the manifest records for it.
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -336,14 +374,21 @@ def verify_pack_file(
     next_entry = 0
     pad_index = 0
     offset = 0
-    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(max_workers=1, thread_name_prefix="coldsnap-verify") as pool:
+    try:
+        f = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by the with statement below)
+    except OSError as exc:
+        raise os_error("cannot open the pack", exc, path) from exc
+    with f, ThreadPoolExecutor(max_workers=1, thread_name_prefix="coldsnap-verify") as pool:
         pending = None
         turn = 0
         while True:
             # The helper may still hash buffers[turn ^ 1]; buffers[turn] was released by the
             # ``pending.result()`` of the previous round.
             view = memoryview(buffers[turn])
-            n = f.readinto(view)
+            try:
+                n = f.readinto(view)
+            except OSError as exc:
+                raise os_error(f"reading the pack at offset {offset} failed", exc, path) from exc
             if not n:
                 break
             chunk = view[:n]
@@ -373,16 +418,22 @@ def verify_pack_file(
         raise PackSizeMismatchError(
             f"pack changed while being read: {offset} bytes read, expected {pack.size_bytes} ({state})", file=path
         )
-    if bad_padding is not None:
-        raise NonZeroPaddingError(
-            f"padding byte at pack offset {bad_padding} is not zero (padding runs from each extent's end to the next"
-            " 4096-byte boundary)",
-            file=path,
-            offset_bytes=bad_padding,
-        )
-    for entry, h in zip(entries, entry_hashes, strict=True):
-        digest = h.hexdigest()
-        if digest != entry.sha256:
+    bad_extent = next(
+        ((entry, h.hexdigest()) for entry, h in zip(entries, entry_hashes, strict=True) if h.hexdigest() != entry.sha256),
+        None,
+    )
+    file_digest = file_hash.hexdigest()
+    if file_digest != pack.sha256:
+        # The object is corrupt: report the most precise place.
+        if bad_padding is not None:
+            raise NonZeroPaddingError(
+                f"padding byte at pack offset {bad_padding} is not zero (padding runs from each extent's end to the next"
+                " 4096-byte boundary)",
+                file=path,
+                offset_bytes=bad_padding,
+            )
+        if bad_extent is not None:
+            entry, digest = bad_extent
             allocation, dest_offset = extent_owner(entry) if extent_owner else (None, None)
             raise ExtentDigestMismatchError(
                 f"the extent stored at pack offset {entry.offset_bytes} ({entry.size_bytes} bytes) has SHA-256 {digest},"
@@ -391,9 +442,28 @@ def verify_pack_file(
                 allocation=allocation,
                 offset_bytes=dest_offset,
             )
-    digest = file_hash.hexdigest()
-    if digest != pack.sha256:
-        raise PackDigestMismatchError(f"the pack's SHA-256 is {digest}, its digest and path say {pack.sha256}", file=path)
+        raise PackDigestMismatchError(f"the pack's SHA-256 is {file_digest}, its digest and path say {pack.sha256}", file=path)
+    # The object holds exactly the bytes its name promises: any disagreement is the manifest's.
+    blame = path if manifest_file is None else manifest_file
+    if bad_padding is not None:
+        raise ManifestPaddingError(
+            f"the manifest's layout puts padding at pack offset {bad_padding}, but the pack {path} (whose SHA-256"
+            f" matches its name) holds a non-zero byte there: the manifest's extent sizes do not describe this pack;"
+            " the pack is intact and kept",
+            file=blame,
+            offset_bytes=bad_padding,
+        )
+    if bad_extent is not None:
+        entry, digest = bad_extent
+        allocation, dest_offset = extent_owner(entry) if extent_owner else (None, None)
+        raise ManifestExtentDigestError(
+            f"the manifest records SHA-256 {entry.sha256} for the extent stored at pack offset {entry.offset_bytes}"
+            f" ({entry.size_bytes} bytes), but the pack {path} (whose SHA-256 matches its name) stores bytes with"
+            f" SHA-256 {digest} there: the manifest is wrong; the pack is intact and kept",
+            file=blame,
+            allocation=allocation,
+            offset_bytes=dest_offset,
+        )
 
 
 def check_pack_padding(path: str | os.PathLike[str], layout: PackLayout) -> None:
@@ -410,9 +480,14 @@ def check_pack_padding(path: str | os.PathLike[str], layout: PackLayout) -> None
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError as exc:
         raise MissingObjectError("pack does not exist", file=path) from exc
+    except OSError as exc:
+        raise os_error("cannot open the pack", exc, path) from exc
     try:
         for start, size in layout.padding_ranges():
-            data = os.pread(fd, size, start)
+            try:
+                data = os.pread(fd, size, start)
+            except OSError as exc:
+                raise os_error(f"reading the pack's padding at offset {start} failed", exc, path) from exc
             if len(data) != size:
                 raise PackSizeMismatchError(
                     f"the pack ends at byte {start + len(data)}, inside the padding run [{start}, {start + size})"
@@ -436,12 +511,17 @@ def verify_blob_file(path: str | os.PathLike[str], residual: ResidualRef) -> Non
 
     Raises:
         MissingObjectError: no file at ``path``.
+        NotRegularFileError: ``path`` is a folder or another non-regular file.
+        FileAccessError: ``path`` cannot be examined or read (``EACCES``, ``ELOOP``, ``EIO``, ...).
         ResidualSizeMismatchError: truncated or extended.
         ResidualDigestMismatchError: the SHA-256 differs from the manifest's.
     """
     path = Path(path)
     _require_size(path, residual.size_bytes, ResidualSizeMismatchError, "residual blob")
-    digest, _ = sha256_file(path)
+    try:
+        digest, _ = sha256_file(path)
+    except OSError as exc:
+        raise os_error("cannot read the residual blob", exc, path) from exc
     if digest != residual.sha256:
         raise ResidualDigestMismatchError(
             f"the residual blob's SHA-256 is {digest}, the manifest records {residual.sha256}", file=path

@@ -4,7 +4,9 @@ Every subcommand lives in its own module under :mod:`coldsnap_core.cli` and expo
 ``add_parser(subparsers)``; the parser's ``func`` returns the exit code. A
 :class:`~coldsnap_core.errors.ColdsnapError` stops the command with its message on stderr and its
 ``exit_code`` (0 verified, 1 content mismatch or corruption, 2 malformed or unsupported manifest,
-3 missing object, 4 other error; ``docs/format.md``, "Exit codes").
+3 missing object, 4 other error; ``docs/format.md``, "Exit codes"). An ``OSError`` that no coldsnap
+layer turned into a typed error is reported the same way, as rule ``io``
+(:class:`~coldsnap_core.errors.FileAccessError`, naming the file), with exit code 4.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from coldsnap_core._io import unexpected_os_error
 from coldsnap_core.errors import EXIT_OTHER, ColdsnapError
 
 #: Subcommand modules, in ``--help`` order.
@@ -64,8 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"coldsnap {args.command}: interrupted", file=sys.stderr)
         return EXIT_OTHER
     except OSError as exc:
-        print(f"coldsnap {args.command}: {exc}", file=sys.stderr)
-        return EXIT_OTHER
+        error = unexpected_os_error(exc)
+        print(f"coldsnap {args.command}: {error}", file=sys.stderr)
+        return error.exit_code
 
 
 if __name__ == "__main__":

@@ -4,10 +4,16 @@ REPO is a Hugging Face repository id (``org/name[@revision]``; token and endpoin
 ``HF_ENDPOINT``) or a folder (``/abs``, ``./rel``, ``../rel``, ``~/...`` or ``file://...``). Objects go to
 ``model-payloads/sha256/<digest>.pack`` there; the path comes from the digest alone.
 
+A payload counts as present only if the store's object verifies as far as the store can tell (a
+folder store: its SHA-256 is hashed; the Hugging Face store: the LFS SHA-256 the Hub reports); a
+corrupt store object is replaced. ``--dry-run`` checks the store's objects by size (and the Hub's LFS
+SHA-256) only.
+
 Exit codes: 0 every payload is in the store (uploaded now or already present; with ``--dry-run``: the
 checks passed); 1 a local object does not verify (it is quarantined, nothing more is uploaded);
-2 a malformed manifest or descriptor; 3 an artifact or a local object to upload is missing; 4 any
-other error (the store failed, bad REPO, symbolic link, artifact inconsistency).
+2 a malformed manifest or descriptor, including one whose extent digests or layout do not describe
+its (intact, kept) pack; 3 an artifact or a local object to upload is missing; 4 any other error (the
+store failed, bad REPO, symbolic link, artifact inconsistency).
 """
 
 from __future__ import annotations
@@ -52,7 +58,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="upload each distinct model payload of artifacts to a payload store, once",
         description=(
             "Verify each local pack named by the artifacts' workers in full, then upload every distinct digest once to "
-            "model-payloads/sha256/<digest>.pack in REPO, skipping digests already present. Exit codes: 0 ok, "
+            "model-payloads/sha256/<digest>.pack in REPO, skipping digests already present (a corrupt store object is "
+            "replaced). Exit codes: 0 ok, "
             "1 a local pack is corrupt, 2 malformed manifest, 3 missing artifact or local pack, 4 other error."
         ),
     )

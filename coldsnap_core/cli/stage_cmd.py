@@ -1,10 +1,10 @@
 """``coldsnap stage ARTIFACT [--rank N ...]``: put this host's packs into the node-local cache, verified.
 
 Exit codes: 0 every requested pack is staged and verified; 1 a pack is corrupt (a cached one with no
-store to repair it from, now quarantined, or the store's copy; nothing is kept); 2 a malformed
-manifest or descriptor; 3 a pack is unavailable (not cached, not in the store, or the store failed)
-or a rank is not in the artifact; 4 any other error (configuration, symbolic link, artifact
-inconsistency).
+store to repair it from, now quarantined, or the store's copy, named by its place in the store;
+nothing is kept); 2 a malformed manifest or descriptor; 3 a pack is unavailable (not cached and not
+in the store) or a rank is not in the artifact; 4 any other error (the store did not answer or
+failed, configuration, symbolic link, artifact inconsistency).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "For each selected worker of ARTIFACT, make its pack available in <state-root>/model-payloads: from the cache "
             "(validation record or full SHA-256), else from the payload store (--repo, COLDSNAP_PAYLOAD_DIR or "
             "COLDSNAP_PAYLOAD_REPO). Exit codes: 0 staged, 1 corrupt pack, 2 malformed manifest, 3 pack unavailable or "
-            "unknown rank, 4 other error."
+            "unknown rank, 4 other error (including a store that did not answer)."
         ),
     )
     p.add_argument("artifact", metavar="ARTIFACT", help="artifact folder (with artifact.json)")

@@ -32,15 +32,28 @@ class PayloadStore(Protocol):
 
     name: str
 
-    def has(self, digest: str, size_bytes: int | None = None) -> bool:
+    def has(self, digest: str, size_bytes: int | None = None, *, verify: bool = False) -> bool:
         """Whether the store holds ``digest`` (with ``size_bytes`` bytes, when given).
 
         An object whose size (or store-reported SHA-256) disagrees is reported absent, with a
-        WARNING, so that publication replaces it.
+        WARNING, so that publication replaces it. With ``verify``, the store also checks the
+        object's content as far as it can (a folder store hashes it in full; the Hugging Face
+        store compares the LFS SHA-256 the Hub reports, which it always does): a corrupt object is
+        reported absent, with a WARNING.
 
         Raises:
             InvalidDigestError: bad digest (before any path or URL is built).
+            UnsafePathError: the object path is a symbolic link or not a regular file.
             StoreError: the store cannot be queried.
+        """
+        ...
+
+    def location(self, digest: str) -> str:
+        """Where the object ``digest`` lives in this store, for error messages (a path or
+        ``org/name/model-payloads/sha256/<digest>.pack``).
+
+        Raises:
+            InvalidDigestError: bad digest.
         """
         ...
 

@@ -11,9 +11,11 @@ itself. Calls used (``huggingface_hub`` >= 1.31):
   temporary file, then a kernel copy into it (the cache verifies and commits);
 * ``HfApi.create_commit`` with one ``CommitOperationAdd`` per object.
 
-Errors from the Hub are wrapped: a missing object is
-:class:`~coldsnap_core.errors.PayloadUnavailableError`, anything else
-:class:`~coldsnap_core.errors.StoreError` naming the repository and the path.
+Errors from the Hub are wrapped: a missing object (the Hub answered "not found") is
+:class:`~coldsnap_core.errors.PayloadUnavailableError`; a Hub that did not answer (unreachable
+endpoint, ``HF_HUB_OFFLINE=1``: ``huggingface_hub`` raises ``LocalEntryNotFoundError``, a subclass of
+``EntryNotFoundError``, when it could neither reach the Hub nor find a local copy) and anything else
+is a :class:`~coldsnap_core.errors.StoreError` naming the repository and the path.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from huggingface_hub import CommitOperationAdd, HfApi
-from huggingface_hub.errors import EntryNotFoundError, HFValidationError
+from huggingface_hub import constants as hf_constants
+from huggingface_hub.errors import EntryNotFoundError, HFValidationError, LocalEntryNotFoundError
 from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import validate_repo_id
 
@@ -80,11 +83,30 @@ class HfPayloadStore:
     def _where(self, digest: str) -> str:
         return f"{self.repo_id}/{pack_relpath(digest)}"
 
+    def location(self, digest: str) -> str:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: ``org/name/model-payloads/sha256/<digest>.pack``."""
+        return self._where(digest)
+
     def _fail(self, action: str, digest: str, exc: Exception) -> StoreError:
         return StoreError(f"{self.name}: {action} failed: {type(exc).__name__}: {exc}", file=self._where(digest))
 
-    def has(self, digest: str, size_bytes: int | None = None) -> bool:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.has` (``HfApi.get_paths_info``)."""
+    def _no_answer(self, digest: str, exc: Exception) -> StoreError:
+        """The Hub could not be asked: offline mode, or the endpoint did not answer."""
+        if hf_constants.HF_HUB_OFFLINE:
+            why = "huggingface_hub is offline, HF_HUB_OFFLINE=1"
+        else:
+            endpoint = getattr(self.api, "endpoint", None)
+            endpoint = endpoint if isinstance(endpoint, str) and endpoint else hf_constants.ENDPOINT
+            cause = exc.__cause__ or exc.__context__
+            why = f"endpoint {endpoint}" + (f": {type(cause).__name__}: {cause}" if cause is not None else "")
+        return StoreError(f"{self.name} did not answer ({why}); nothing was fetched", file=self._where(digest))
+
+    def has(self, digest: str, size_bytes: int | None = None, *, verify: bool = False) -> bool:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.has` (``HfApi.get_paths_info``).
+
+        The LFS SHA-256 the Hub reports is always compared with ``digest`` (``verify`` adds nothing:
+        the Hub computed it from the stored bytes); a file without LFS metadata is judged by size.
+        """
         relpath = pack_relpath(digest)
         try:
             infos: list[Any] = self.api.get_paths_info(self.repo_id, [relpath], repo_type=self.repo_type, revision=self.revision)
@@ -116,6 +138,8 @@ class HfPayloadStore:
                 downloaded = self.api.hf_hub_download(
                     self.repo_id, relpath, repo_type=self.repo_type, revision=self.revision, local_dir=scratch
                 )
+            except LocalEntryNotFoundError as exc:  # a subclass of EntryNotFoundError: the Hub did not answer
+                raise self._no_answer(digest, exc) from exc
             except EntryNotFoundError as exc:
                 raise PayloadUnavailableError(f"{self.name} does not hold the pack", file=self._where(digest)) from exc
             except ColdsnapError:

@@ -17,12 +17,21 @@ import errno
 import logging
 import os
 import secrets
+import stat
 from pathlib import Path
 
 from coldsnap_core._io import fsync_dir, fsync_fd
 from coldsnap_core.cache import refuse_symlink
 from coldsnap_core.digests import PAYLOADS_DIRNAME, check_digest, pack_relpath
-from coldsnap_core.errors import PackSizeMismatchError, PayloadUnavailableError, StoreError, UnsafePathError
+from coldsnap_core.errors import (
+    IntegrityError,
+    MissingObjectError,
+    NotRegularFileError,
+    PackSizeMismatchError,
+    PayloadUnavailableError,
+    StoreError,
+    UnsafePathError,
+)
 from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.stores._copy import copy_fd, copy_file
 from coldsnap_core.stores.base import ProgressCallback
@@ -48,12 +57,21 @@ class LocalFolderStore:
         """``<root>/model-payloads/sha256/<digest>.pack``; the digest is validated first."""
         return self.root / pack_relpath(digest)
 
-    def has(self, digest: str, size_bytes: int | None = None) -> bool:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.has`.
+    def location(self, digest: str) -> str:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: the object path."""
+        return str(self.object_path(digest))
+
+    def has(self, digest: str, size_bytes: int | None = None, *, verify: bool = False) -> bool:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.has`; ``verify`` hashes the object in
+        full with the one verifier (:func:`coldsnap_core.verify.verify_pack_file`: size, SHA-256).
 
         Raises:
-            UnsafePathError: the object path is a symbolic link or not a regular file.
+            UnsafePathError: the object path is a symbolic link, or a component of it is not a folder.
+            NotRegularFileError: the object path holds a folder or another non-regular file.
+            FileAccessError: the object cannot be examined or read.
         """
+        from coldsnap_core.verify import verify_pack_file
+
         path = self.object_path(digest)
         st = refuse_symlink(path)
         if st is None:
@@ -61,6 +79,14 @@ class LocalFolderStore:
         if size_bytes is not None and st.st_size != size_bytes:
             logger.warning("coldsnap: %s is %d bytes, expected %d; treating it as absent", path, st.st_size, size_bytes)
             return False
+        if verify:
+            try:
+                verify_pack_file(path, PackRef.for_digest(digest, st.st_size))
+            except MissingObjectError:
+                return False
+            except IntegrityError as exc:
+                logger.warning("coldsnap: %s is corrupt (%s); treating it as absent", path, exc.detail)
+                return False
         return True
 
     def fetch(self, digest: str, size_bytes: int, fd: int, *, file: Path, progress: ProgressCallback | None = None) -> None:
@@ -73,9 +99,12 @@ class LocalFolderStore:
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise UnsafePathError("refusing a symbolic link in the payload store", file=path) from exc
-            raise StoreError(f"cannot open the stored pack: {exc}", file=path) from exc
+            raise StoreError(f"cannot open the stored pack: {exc.strerror or exc}", file=path) from exc
         try:
-            actual = os.fstat(source_fd).st_size
+            st = os.fstat(source_fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotRegularFileError(f"the stored pack is not a regular file ({stat.filemode(st.st_mode)})", file=path)
+            actual = st.st_size
             if actual != size_bytes:
                 state = "truncated" if actual < size_bytes else "extended"
                 raise PackSizeMismatchError(f"stored pack is {actual} bytes, expected {size_bytes} ({state})", file=path)
@@ -101,7 +130,10 @@ class LocalFolderStore:
         except OSError as exc:
             raise StoreError(f"cannot create the store folders: {exc}", file=final.parent) from exc
         temp = tmp_dir / f"{check_digest(digest)}.{secrets.token_hex(8)}.partial"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise StoreError(f"cannot create a temporary file in the store: {exc.strerror or exc}", file=temp) from exc
         try:
             copy_file(path, fd, size_bytes, target=temp, progress=progress)
             fsync_fd(fd, file=temp)

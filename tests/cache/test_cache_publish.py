@@ -109,6 +109,23 @@ def test_wrong_sized_store_object_is_replaced(two_artifacts, tmp_path: Path) -> 
     assert sha256_of(path) == pack.sha256
 
 
+def test_same_size_corrupt_store_object_is_replaced(two_artifacts, tmp_path: Path, caplog) -> None:
+    """A store object of the right size with one flipped byte: publication hashes what the store holds,
+    finds it corrupt (WARNING), and replaces it with the verified local object (it said "present",
+    and every later ``stage --repo`` failed with pack-sha256)."""
+    import logging
+
+    a, _, root, pack = two_artifacts
+    store = LocalFolderStore(tmp_path / "store")
+    publish_native([a], store, PayloadCache(root))
+    flip_byte(store.object_path(pack.sha256), 4096 + 17)
+    with caplog.at_level(logging.WARNING):
+        assert [r.action for r in publish_native([a], store, PayloadCache(root))] == ["uploaded"]
+    assert "is corrupt" in caplog.text
+    assert sha256_of(store.object_path(pack.sha256)) == pack.sha256
+    assert [r.action for r in publish_native([a], store, PayloadCache(root))] == ["present"]
+
+
 def test_pack_path_not_derived_from_digest_is_refused(two_artifacts, tmp_path: Path) -> None:
     """A manifest whose pack path is not model-payloads/sha256/<digest>.pack is refused; the path is
     never used to place anything."""

@@ -435,18 +435,36 @@ def test_commit_refuses_a_replaced_temporary(cache: PayloadCache) -> None:
 
 
 def test_commit_replaces_a_corrupt_existing_object(captured, caplog: pytest.LogCaptureFixture) -> None:
-    """A new commit over a corrupt object quarantines it and publishes the verified bytes."""
+    """A new commit over a corrupt object publishes the verified bytes and a record bound to them,
+    without hashing the old object first."""
     cache = PayloadCache(captured.capture_root)
     digest = captured.pack.sha256
     good = captured.pack_path.read_bytes()
     flip_byte(captured.pack_path, 3)
-    with caplog.at_level(logging.WARNING), cache.temporary(digest) as (fd, path):
+    with caplog.at_level(logging.INFO), cache.temporary(digest) as (fd, path):
         os.write(fd, good)
         cache.commit(fd, path, sha256=digest, size_bytes=len(good), expected_sha256=digest)
     assert sha256_of(captured.pack_path) == digest
     assert record_state(cache, digest) == "trusted"
-    assert len(cache.quarantined()) == 1
-    assert "quarantined" in caplog.text
+    assert "replacing" in caplog.text and "verifying" not in caplog.text
+
+
+def test_recapture_repairs_a_corrupt_object_its_record_vouches_for(captured, tiny_checkpoint: Path) -> None:
+    """The record's documented limit (an in-place edit re-bound by a forged record, as someone who
+    can set the clock could) does not survive a re-capture: the commit installs its freshly written
+    file, whose SHA-256 it computed from the bytes and which equals the name, instead of keeping the
+    existing object on its record's word (it kept the corrupt object, trusted)."""
+    from cache_support import capture
+
+    cache = PayloadCache(captured.capture_root)
+    digest = captured.pack.sha256
+    flip_byte(captured.pack_path, captured.manifest.model_extents[0].pack_offset_bytes + 9)
+    write_record(cache, digest, os.lstat(captured.pack_path))
+    assert record_state(cache, digest) == "trusted"
+    capture(tiny_checkpoint, captured.artifact_dir, captured.capture_root)
+    assert sha256_of(captured.pack_path) == digest
+    assert record_state(cache, digest) == "trusted"
+    assert cache.quarantined() == []
 
 
 def test_validation_record_dataclass_roundtrip(captured) -> None:

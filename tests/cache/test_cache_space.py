@@ -83,7 +83,8 @@ def test_full_tmpfs_during_a_store_fetch(captured, tmp_path: Path) -> None:
 
 def test_no_room_for_the_record_keeps_the_valid_object(captured, tmp_path: Path, caplog) -> None:
     """A tmpfs with room for the pack but not its record: the commit keeps the verified object
-    (logging a WARNING), and its next admission simply hashes it in full."""
+    (logging a WARNING); this cache object remembers the verification (no second hash in this
+    process), and any other reader hashes it in full."""
     with tmpfs(tmp_path / "mnt", captured.pack.size_bytes) as mnt:
         cache = PayloadCache(mnt / "state")
         slabs = stage_checkpoint(captured.checkpoint, slab_count=2)
@@ -94,17 +95,18 @@ def test_no_room_for_the_record_keeps_the_valid_object(captured, tmp_path: Path,
         assert not cache.record_path(captured.pack.sha256).exists()
         assert "validation record could not be written" in caplog.text
         assert cache.temporaries() == []
-        hashed = []
+        hashed: list[int] = []
         assert cache.admit(captured.pack.sha256, progress=hashed.append) == path
+        assert sum(hashed) == 0
+        other = PayloadCache(mnt / "state")
+        assert other.admit(captured.pack.sha256, progress=hashed.append) == path
         assert sum(hashed) == captured.pack.size_bytes
 
 
-def test_read_only_cache_admits_after_a_full_hash(captured, tmp_path: Path, caplog) -> None:
-    """A cache on a read-only file system (a shared, pre-filled mount): an object without a record is
-    hashed in full and admitted although neither the lock nor the record can be written (WARNINGs);
-    staging a missing pack into it fails with a clear CacheError, not a bare OSError."""
-    from coldsnap_core.errors import CacheError
-
+@contextlib.contextmanager
+def read_only_cache(captured, tmp_path: Path) -> Iterator[PayloadCache]:
+    """The captured pack in a cache on a real tmpfs, without record or lock files, remounted read-only
+    (a shared, pre-filled mount; or a state copied elsewhere, whose records name another device)."""
     with tmpfs(tmp_path / "mnt", 8 << 20) as mnt:
         cache = PayloadCache(mnt / "state")
         slabs = stage_checkpoint(captured.checkpoint, slab_count=2)
@@ -113,14 +115,96 @@ def test_read_only_cache_admits_after_a_full_hash(captured, tmp_path: Path, capl
         for lock in cache.locks_dir.iterdir():
             lock.unlink()
         subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
-        with caplog.at_level(logging.WARNING):
-            assert cache.admit(captured.pack.sha256, captured.pack.size_bytes) == cache.object_path(captured.pack.sha256)
-        assert "proceeding without it" in caplog.text and "record could not be written" in caplog.text
-        from coldsnap_core.format.manifest import PackRef
+        yield PayloadCache(mnt / "state")
 
+
+def _coldsnap_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("coldsnap")]
+
+
+def test_read_only_cache_admits_after_one_full_hash_without_warnings(captured, tmp_path: Path, caplog) -> None:
+    """A read-only cache: an object without a record is hashed in full and admitted although neither
+    the lock nor the record can be written; both are said once at INFO (no WARNING: nothing is wrong),
+    and later admissions in this process do not hash again. Staging a missing pack into it fails with
+    a clear CacheError, not a bare OSError."""
+    from coldsnap_core.errors import CacheError
+    from coldsnap_core.format.manifest import PackRef
+
+    with read_only_cache(captured, tmp_path) as cache:
+        hashed: list[int] = []
+        with caplog.at_level(logging.INFO):
+            assert cache.admit(captured.pack.sha256, captured.pack.size_bytes, progress=hashed.append) == cache.object_path(
+                captured.pack.sha256
+            )
+            assert cache.admit(captured.pack.sha256, captured.pack.size_bytes, progress=hashed.append)
+        assert sum(hashed) == captured.pack.size_bytes
+        assert _coldsnap_warnings(caplog) == []
+        assert "proceeding without it" in caplog.text and "read-only file system" in caplog.text
         store = LocalFolderStore(tmp_path / "store")
         store.upload(captured.pack_path, captured.pack.sha256, captured.pack.size_bytes)
         with pytest.raises(CacheError, match="Read-only file system"):
             stage_payload(
-                PackRef.for_digest(captured.pack.sha256, captured.pack.size_bytes), cache=PayloadCache(mnt / "other"), store=store
+                PackRef.for_digest(captured.pack.sha256, captured.pack.size_bytes),
+                cache=PayloadCache(cache.state_root.parent / "other"),
+                store=store,
             )
+
+
+def test_read_only_cache_restore_sequence_hashes_once_and_hydrates(captured, tmp_path: Path, caplog) -> None:
+    """The restore path on a read-only state root whose pack verifies: the first-use verification with
+    the manifest's layout and :func:`record_verified` (what ``coldsnap_core.restore`` does), then
+    staging, then hydration: one full hash in total, no WARNING, the allocations restored (the record
+    write raised CacheError "cannot create a temporary file: Read-only file system", and ``auto``
+    fell back to the checkpoint although the pack verified)."""
+    from coldsnap_core.artifact import read_capsule
+    from coldsnap_core.copy.base import LiveAllocation
+    from coldsnap_core.copy.host import host_view
+    from coldsnap_core.hydrate import hydrate
+    from coldsnap_core.records import record_verified
+    from coldsnap_core.slabs import allocate
+    from coldsnap_core.verify import check_manifest, extent_owner_map, verify_pack_file
+
+    capsule = read_capsule(captured.artifact_dir / "workers" / "worker-0-of-1")
+    manifest = capsule.native
+    with read_only_cache(captured, tmp_path) as cache, caplog.at_level(logging.INFO):
+        path = cache.object_path(manifest.pack.sha256)
+        hashed: list[int] = []
+        with cache.lock(manifest.pack.sha256):
+            st = os.lstat(path)
+            verify_pack_file(path, manifest.pack, check_manifest(manifest), extent_owner=extent_owner_map(manifest))
+            assert record_verified(cache, manifest.pack.sha256, st) is False
+        assert stage_payload(manifest.pack, cache=cache, progress=hashed.append) == path
+        arrays = allocate(manifest.allocations)
+        allocations = [LiveAllocation(i, int(a.ctypes.data), a.nbytes) for i, a in enumerate(arrays)]
+        hydrate(manifest, blob_path=capsule.blob_path, cache=cache, allocations=allocations, backend=HostCopyBackend(threads=1))
+        assert sum(hashed) == 0
+        assert _coldsnap_warnings(caplog) == []
+        assert "verifying" not in caplog.text
+    slabs = stage_checkpoint(captured.checkpoint, slab_count=2)
+    for extent in manifest.model_extents[:3]:
+        restored = arrays[extent.allocation_index].view("uint8")[extent.offset_bytes : extent.offset_bytes + extent.size_bytes]
+        source = slabs.allocations[extent.allocation_index]
+        assert bytes(restored) == bytes(host_view(source.address + extent.offset_bytes, extent.size_bytes))
+
+
+def test_read_only_cache_corrupt_object_fails_cleanly(captured, tmp_path: Path, caplog) -> None:
+    """A corrupt object on a read-only cache: the verifier's PackDigestMismatchError (not a bare
+    OSError from the quarantine's unlink/rename), one WARNING that it cannot be quarantined, and it
+    is never admitted."""
+    from cache_support import flip_byte
+
+    from coldsnap_core.errors import PackDigestMismatchError
+
+    with tmpfs(tmp_path / "mnt", 8 << 20) as mnt:
+        cache = PayloadCache(mnt / "state")
+        slabs = stage_checkpoint(captured.checkpoint, slab_count=2)
+        materialize_payload(captured.manifest, slabs.allocations, HostCopyBackend(threads=1), cache, mode="required")
+        flip_byte(cache.object_path(captured.pack.sha256), 100)
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        with caplog.at_level(logging.WARNING):
+            with pytest.raises(PackDigestMismatchError):
+                cache.admit(captured.pack.sha256, captured.pack.size_bytes)
+            with pytest.raises(PackDigestMismatchError):
+                cache.admit(captured.pack.sha256, captured.pack.size_bytes)
+        assert "cannot be quarantined" in caplog.text
+        assert cache.object_path(captured.pack.sha256).exists()

@@ -94,6 +94,33 @@ def test_folder_store_wrong_size_counts_as_absent(captured, tmp_path: Path, capl
     assert "treating it as absent" in caplog.text
 
 
+def test_folder_store_verify_finds_a_same_size_corrupt_object(captured, tmp_path: Path, caplog) -> None:
+    """``has(verify=True)`` hashes the object: one flipped byte (same size) makes it absent, with a
+    WARNING; ``has()`` without ``verify`` still checks the size only."""
+    store = LocalFolderStore(tmp_path / "store")
+    digest, size = captured.pack.sha256, captured.pack.size_bytes
+    store.upload(captured.pack_path, digest, size)
+    assert store.has(digest, size, verify=True)
+    flip_byte(store.object_path(digest), 1000)
+    assert store.has(digest, size)
+    with caplog.at_level(logging.WARNING):
+        assert not store.has(digest, size, verify=True)
+    assert "is corrupt" in caplog.text
+    assert store.location(digest) == str(store.object_path(digest))
+
+
+def test_stage_from_a_corrupt_store_object_names_the_store_object(captured, tmp_path: Path) -> None:
+    """A same-size corrupt object in a folder store: staging fails with PackDigestMismatchError
+    naming the store object (and the store), not the cache's ``tmp/<digest>.<hex>.partial``."""
+    store = LocalFolderStore(tmp_path / "store")
+    store.upload(captured.pack_path, captured.pack.sha256, captured.pack.size_bytes)
+    flip_byte(store.object_path(captured.pack.sha256), 1000)
+    with pytest.raises(PackDigestMismatchError) as info:
+        stage_payload(captured.pack, cache=PayloadCache(tmp_path / "state"), store=store)
+    assert info.value.file == str(store.object_path(captured.pack.sha256))
+    assert store.name in info.value.detail and ".partial" not in str(info.value.file)
+
+
 def test_folder_store_refuses_symlinks(captured, tmp_path: Path) -> None:
     store = LocalFolderStore(tmp_path / "store")
     path = store.object_path(captured.pack.sha256)
@@ -182,29 +209,64 @@ def test_hf_missing_object_is_unavailable(api, captured, tmp_path: Path) -> None
         stage_payload(captured.pack, cache=PayloadCache(tmp_path / "state"), store=HfPayloadStore(REPO_ID, api=api))
 
 
-def test_hf_failure_is_a_store_error_and_staging_reports_unavailable(api, captured, tmp_path: Path) -> None:
-    """Any other Hub failure is a StoreError naming the repository and path; staging wraps it into
-    PayloadUnavailableError with the cause chained."""
+def test_hf_failure_is_a_store_error_and_staging_keeps_it(api, captured, tmp_path: Path) -> None:
+    """Any other Hub failure is a StoreError naming the repository and path; staging raises it as a
+    StoreError (exit 4: the store failed), with the cause chained, not as "unavailable" (exit 3)."""
     api.hf_hub_download.side_effect = ConnectionError("connection reset")
     store = HfPayloadStore(REPO_ID, api=api)
-    with pytest.raises(PayloadUnavailableError, match="connection reset") as info:
+    with pytest.raises(StoreError, match="connection reset") as info:
         stage_payload(captured.pack, cache=PayloadCache(tmp_path / "state"), store=store)
+    assert not isinstance(info.value, PayloadUnavailableError)
     assert isinstance(info.value.__cause__, StoreError)
     api.get_paths_info.side_effect = ConnectionError("down")
     with pytest.raises(StoreError, match=REPO_ID):
         store.has(captured.pack.sha256)
 
 
-def test_hf_real_api_offline_is_unavailable(captured, tmp_path: Path, monkeypatch) -> None:
-    """A real HfApi with HF_HUB_OFFLINE: the download cannot happen, staging says unavailable."""
+def test_hf_unreachable_hub_is_a_store_error_not_a_missing_pack(api, captured, tmp_path: Path) -> None:
+    """``hf_hub_download`` raising LocalEntryNotFoundError (what it raises when the endpoint does not
+    answer and no local copy exists; a subclass of EntryNotFoundError) is "the store did not answer"
+    (StoreError, naming the endpoint and the cause), not "the store does not hold the pack"
+    (PayloadUnavailableError, exit 3), which is what catching EntryNotFoundError alone reported."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def unreachable(*args, **kwargs):
+        try:
+            raise ConnectionRefusedError(111, "Connection refused")
+        except ConnectionRefusedError as exc:
+            raise LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub") from exc
+
+    api.hf_hub_download.side_effect = unreachable
+    with pytest.raises(StoreError, match="did not answer") as info:
+        stage_payload(captured.pack, cache=PayloadCache(tmp_path / "state"), store=HfPayloadStore(REPO_ID, api=api))
+    assert not isinstance(info.value, PayloadUnavailableError)
+    assert "ConnectionRefusedError" in info.value.detail and "does not hold" not in info.value.detail
+
+
+def test_hf_real_api_offline_is_a_store_error(captured, tmp_path: Path, monkeypatch) -> None:
+    """A real HfApi with HF_HUB_OFFLINE: the download cannot happen; staging says the store did not
+    answer because huggingface_hub is offline (StoreError), and keeps nothing."""
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     store = HfPayloadStore(REPO_ID)
     cache = PayloadCache(tmp_path / "state")
-    with pytest.raises(PayloadUnavailableError):
+    with pytest.raises(StoreError, match="HF_HUB_OFFLINE=1") as info:
         stage_payload(captured.pack, cache=cache, store=store)
+    assert not isinstance(info.value, PayloadUnavailableError)
     assert cache.temporaries() == []
     with pytest.raises(StoreError, match="OfflineModeIsEnabled"):
         store.has(captured.pack.sha256)
+
+
+def test_cli_stage_from_an_offline_hub_exits_4(captured, tmp_path: Path, monkeypatch, capsys) -> None:
+    """``coldsnap stage --repo org/name@main`` with the Hub offline: exit 4, rule payload-store, "did
+    not answer" (was exit 3, payload-available, "does not hold the pack")."""
+    from coldsnap_core.cli.main import main
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    args = ["stage", str(captured.artifact_dir), "--repo", f"{REPO_ID}@main", "--state-root", str(tmp_path / "x")]
+    assert main(args) == 4
+    err = capsys.readouterr().err
+    assert "rule payload-store failed" in err and "did not answer" in err
 
 
 def test_hf_upload_commits_one_operation_with_the_digest_path(api, captured) -> None:
@@ -233,6 +295,16 @@ def test_hf_upload_of_wrong_size_uploads_nothing(api, captured) -> None:
     with pytest.raises(PackSizeMismatchError):
         HfPayloadStore(REPO_ID, api=api).upload(captured.pack_path, captured.pack.sha256, captured.pack.size_bytes + 1)
     api.create_commit.assert_not_called()
+
+
+def test_hf_publish_replaces_an_object_whose_lfs_digest_is_wrong(api, captured) -> None:
+    """Publication to the Hub: a present object whose LFS SHA-256 (reported by get_paths_info) is not
+    its name counts as absent and is uploaded again."""
+    relpath = pack_relpath(captured.pack.sha256)
+    api.get_paths_info.return_value = [repo_file(relpath, captured.pack.size_bytes, "e" * 64)]
+    results = publish_native([captured.artifact_dir], HfPayloadStore(REPO_ID, api=api), PayloadCache(captured.capture_root))
+    assert [r.action for r in results] == ["uploaded"]
+    api.create_commit.assert_called_once()
 
 
 def test_hf_publish_of_two_artifacts_sharing_a_digest_commits_once(api, tmp_path: Path, tiny_checkpoint: Path) -> None:

@@ -67,7 +67,9 @@ def _drop_live_allocation(s: Setup) -> None:
 
 
 def _nonzero_padding_renamed(s: Setup) -> None:
-    """A pack with a non-zero padding byte whose digest and path were recomputed to match it."""
+    """A pack with a non-zero padding byte whose digest and path were recomputed to match it: the
+    object is intact (it hashes to its name), so the manifest that names it while its layout puts
+    padding on that byte is what is wrong (``manifest-pack-padding``, exit 2; the object is kept)."""
     manifest = s.captured.manifest
     layout = check_manifest(manifest)
     start, _ = next(iter(layout.padding_ranges()))
@@ -100,6 +102,14 @@ def _bit_rot_under_a_valid_record(s: Setup) -> None:
     flip_byte(s.captured.pack_path, extent.pack_offset_bytes + 100)
     write_record(s.captured.cache, s.captured.manifest.pack.sha256, os.stat(s.captured.pack_path))
     s.verify_extents = True
+
+
+def _under_a_valid_record(s: Setup, offset: int) -> None:
+    """A pack byte (here a padding byte) changes after the object was verified, under a record that
+    still matches: the admitted pack's padding check finds it, a full re-check proves the file
+    corrupt, and the object is quarantined."""
+    flip_byte(s.captured.pack_path, offset)
+    write_record(s.captured.cache, s.captured.manifest.pack.sha256, os.stat(s.captured.pack_path))
 
 
 @dataclass(frozen=True)
@@ -178,7 +188,14 @@ CASES = [
         False,
         True,
     ),
-    Case("non-zero-padding", _nonzero_padding_renamed, errors.NonZeroPaddingError, False, True),
+    Case("non-zero-padding-renamed", _nonzero_padding_renamed, errors.ManifestPaddingError, False, True),
+    Case(
+        "non-zero-padding-under-a-valid-record",
+        lambda s: _under_a_valid_record(s, next(iter(check_manifest(s.captured.manifest).padding_ranges()))[0]),
+        errors.NonZeroPaddingError,
+        False,
+        True,
+    ),
     Case("extent-digest-verify-extents", _bit_rot_under_a_valid_record, errors.ExtentDigestMismatchError, True, True, "", False),
 ]
 
