@@ -8,15 +8,23 @@ Nothing on disk is ever half-valid:
   (then restore falls back), never a mixture;
 * ``artifact.json`` is rewritten under a ``filelock`` lock by temporary file, fsync, rename and
   folder fsync, so concurrent tensor parallel ranks all land in one descriptor.
+
+``artifact.json`` is the root of trust of an artifact: each worker entry pins the SHA-256 and size of
+its capsule's files (:class:`~coldsnap_core.format.descriptor.CapsuleFile`), and
+:func:`read_worker_capsule` checks the pins, then that descriptor entry, folder name and manifests
+name one worker and one payload, before anything in the capsule is used.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
+import re
 import secrets
 import shutil
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +33,21 @@ from typing import TypeVar
 import filelock
 
 from coldsnap_core._io import fsync_dir, fsync_fd, write_all
-from coldsnap_core.errors import ArtifactError, ManifestMismatchError, MissingObjectError
-from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WORKERS_DIRNAME, ArtifactDescriptor, WorkerEntry
+from coldsnap_core.errors import (
+    ArtifactError,
+    CapsulePinMismatchError,
+    ManifestError,
+    ManifestMismatchError,
+    MissingObjectError,
+)
+from coldsnap_core.format._strict import parse_document, read_document_bytes
+from coldsnap_core.format.descriptor import (
+    DESCRIPTOR_FILENAME,
+    WORKERS_DIRNAME,
+    ArtifactDescriptor,
+    CapsuleFile,
+    WorkerEntry,
+)
 from coldsnap_core.format.manifest import (
     NATIVE_MANIFEST_FILENAME,
     RECOVERY_MANIFEST_FILENAME,
@@ -105,32 +126,118 @@ def write_capsule(artifact_dir: Path, worker: WorkerIdentity, fill: Callable[[Pa
     workers_dir = artifact_dir / WORKERS_DIRNAME
     workers_dir.mkdir(parents=True, exist_ok=True)
     final = workers_dir / worker.capsule_name
-    with filelock.FileLock(workers_dir / f".{worker.capsule_name}.lock"):
+    with filelock.FileLock(_capsule_lock_path(workers_dir, worker.capsule_name)):
+        sweep_capsule_debris(workers_dir, worker.capsule_name)
         result = replace_dir_atomically(final, fill)
     return final, result
+
+
+_CAPSULE_NAME_RE = re.compile(r"(?P<role>[a-z][a-z0-9_]*)-(?P<rank>[0-9]+)-of-(?P<world_size>[0-9]+)")
+
+
+def _capsule_lock_path(workers_dir: Path, capsule_name: str) -> Path:
+    return workers_dir / f".{capsule_name}.lock"
+
+
+def sweep_capsule_debris(workers_dir: Path, capsule_name: str) -> list[Path]:
+    """Remove the staging (``.<name>.<hex16>.partial``) and moved-aside (``.<name>.<hex16>.old``)
+    folders of one capsule that a killed writer left behind. Call with the capsule's lock held: no
+    live writer of this capsule (on this host) can own them then. Returns what was removed."""
+    pattern = re.compile(rf"\.{re.escape(capsule_name)}\.[0-9a-f]{{16}}\.(partial|old)")
+    removed = []
+    for child in sorted(workers_dir.iterdir()):
+        if pattern.fullmatch(child.name):
+            _remove_tree(child)
+            removed.append(child)
+    if removed:
+        logger.info("coldsnap: removed %d stale staging folder(s) of %s: %s", len(removed), capsule_name, removed)
+    return removed
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove a folder (or a symbolic link or file in its place) without following links."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def remove_other_worlds(artifact_dir: Path, world_size: int) -> list[Path]:
+    """Remove every capsule folder ``workers/<role>-<rank>-of-<W>`` with ``W != world_size``.
+
+    Each is removed under its own capsule lock (so never while a writer swaps it in), by renaming it
+    to a hidden ``.<name>.<hex16>.old`` sibling first (so a crash leaves only hidden debris, swept
+    by the next capture of that capsule) and then deleting it. Returns the removed capsule folders.
+    """
+    workers_dir = artifact_dir / WORKERS_DIRNAME
+    if not workers_dir.is_dir():
+        return []
+    removed = []
+    for child in sorted(workers_dir.iterdir()):
+        match = _CAPSULE_NAME_RE.fullmatch(child.name)
+        if match is None or int(match["world_size"]) == world_size:
+            continue
+        with filelock.FileLock(_capsule_lock_path(workers_dir, child.name)):
+            aside = workers_dir / f".{child.name}.{secrets.token_hex(8)}.old"
+            try:
+                os.rename(child, aside)
+            except FileNotFoundError:
+                continue
+            fsync_dir(workers_dir)
+            _remove_tree(aside)
+        removed.append(child)
+    if removed:
+        logger.warning(
+            "coldsnap: %s: removed the capsules of another world size (this capture has world size %d): %s",
+            artifact_dir,
+            world_size,
+            ", ".join(p.name for p in removed),
+        )
+    return removed
 
 
 def register_worker(artifact_dir: Path, model: ModelIdentity, entry: WorkerEntry) -> ArtifactDescriptor:
     """Add (or replace) ``entry`` in ``artifact.json``, under the descriptor's lock.
 
-    A descriptor that names another model identity is started afresh (its workers are stale), with a
-    WARNING.
+    A descriptor that names another model identity, or that cannot be read (malformed, or written
+    by another release), is started afresh (its workers are stale), with a WARNING. Entries of
+    another world size are dropped (:meth:`ArtifactDescriptor.with_worker`) and their capsule folders
+    removed (:func:`remove_other_worlds`), so a fresh capture never leaves an artifact that fails
+    ``coldsnap verify``.
     """
     artifact_dir.mkdir(parents=True, exist_ok=True)
     path = artifact_dir / DESCRIPTOR_FILENAME
     with filelock.FileLock(artifact_dir / f".{DESCRIPTOR_FILENAME}.lock"):
         descriptor = ArtifactDescriptor(model, ())
         if path.exists():
-            existing = ArtifactDescriptor.read(path)
-            if existing.model == model:
-                descriptor = existing
+            try:
+                existing = ArtifactDescriptor.read(path)
+            except ManifestError as exc:
+                logger.warning("coldsnap: %s cannot be read (%s); starting a new descriptor", path, exc)
             else:
-                logger.warning(
-                    "coldsnap: %s described model %s; starting a new descriptor for %s", path, existing.model.source, model.source
-                )
+                if existing.model == model:
+                    descriptor = existing
+                else:
+                    logger.warning(
+                        "coldsnap: %s described model %s; starting a new descriptor for %s",
+                        path,
+                        existing.model.source,
+                        model.source,
+                    )
         descriptor = descriptor.with_worker(entry)
         replace_file_durably(path, descriptor.dumps())
+        remove_other_worlds(artifact_dir, entry.worker.world_size)
     return descriptor
+
+
+def pin_file(name: str, data: bytes) -> CapsuleFile:
+    """The pin of a capsule file whose whole content is ``data``."""
+    return CapsuleFile(name, len(data), hashlib.sha256(data).hexdigest())
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,18 +258,49 @@ class Capsule:
 
 
 def read_capsule(path: Path) -> Capsule:
-    """Read and strictly parse a capsule's two manifests and check that they agree.
+    """Read and strictly parse a capsule's two manifests and check that they agree with each other and
+    with the capsule folder's name.
+
+    This reads a capsule on its own (``coldsnap verify CAPSULE``); a capsule of an artifact is read
+    with :func:`read_worker_capsule`, which also checks its pins in ``artifact.json``.
 
     Raises:
         MissingObjectError: the capsule or a manifest is missing.
         ManifestError: a manifest is malformed or unsupported.
         ManifestMismatchError: the two manifests disagree (worker, layout fingerprint, allocation map,
-            residual blob or residual map); an :class:`ArtifactError` with exit code 2.
+            residual blob or residual map), or the folder is not named after the manifests' worker;
+            an :class:`ArtifactError` with exit code 2.
     """
+    return _read_capsule(path, {})
+
+
+def _check_pin(path: Path, data: bytes, pin: CapsuleFile | None) -> None:
+    if pin is None:
+        raise CapsulePinMismatchError(f"artifact.json pins no {path.name} for this capsule", file=path)
+    digest = hashlib.sha256(data).hexdigest()
+    if (len(data), digest) != (pin.size_bytes, pin.sha256):
+        raise CapsulePinMismatchError(
+            f"{path.name} is {len(data)} bytes with SHA-256 {digest}; artifact.json pins {pin.size_bytes} bytes with"
+            f" SHA-256 {pin.sha256}",
+            file=path,
+        )
+
+
+def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None]) -> Capsule:
     if not path.is_dir():
         raise MissingObjectError("capsule folder does not exist", file=path)
-    native = NativeManifest.read(path / NATIVE_MANIFEST_FILENAME)
-    recovery = RecoveryManifest.read(path / RECOVERY_MANIFEST_FILENAME)
+    documents = {}
+    for name in (NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME):
+        data = read_document_bytes(path / name)
+        if name in pins:
+            _check_pin(path / name, data, pins[name])
+        documents[name] = data
+    native = parse_document(
+        documents[NATIVE_MANIFEST_FILENAME], NativeManifest.from_fields, file=str(path / NATIVE_MANIFEST_FILENAME)
+    )
+    recovery = parse_document(
+        documents[RECOVERY_MANIFEST_FILENAME], RecoveryManifest.from_fields, file=str(path / RECOVERY_MANIFEST_FILENAME)
+    )
     if (native.worker, native.layout_fingerprint, native.residual, native.residual_extents, native.allocations) != (
         recovery.worker,
         recovery.layout_fingerprint,
@@ -173,7 +311,76 @@ def read_capsule(path: Path) -> Capsule:
         raise ManifestMismatchError(
             "the native and recovery manifests disagree on worker, layout, allocations, residual blob or residual map", file=path
         )
+    if path.name != native.worker.capsule_name:
+        raise ManifestMismatchError(
+            f"the capsule folder is named {path.name!r}, but its manifests belong to {native.worker.capsule_name}"
+            f" (rank {native.worker.rank} of {native.worker.world_size}, tensor parallel rank"
+            f" {native.worker.tensor_parallel_rank} of {native.worker.tensor_parallel_size})",
+            file=path,
+        )
     return Capsule(path, native, recovery)
+
+
+def read_worker_capsule(artifact_dir: Path, entry: WorkerEntry) -> Capsule:
+    """Read the capsule of one ``artifact.json`` entry and check it against the entry.
+
+    In order: the capsule folder exists; each manifest's bytes have the size and SHA-256 that
+    ``entry.capsule_files`` pins (before they are parsed); both parse and agree; the folder, the
+    manifests and the entry name the same worker; the pinned residual blob is the one the native
+    manifest names; the native manifest names the entry's payload.
+
+    Raises:
+        MissingObjectError: the capsule folder or a manifest is missing.
+        CapsulePinMismatchError: a manifest does not match its pin, or the residual pin differs from
+            the native manifest's ``residual`` (exit code 2).
+        ManifestError: a manifest is malformed or unsupported.
+        ManifestMismatchError: the manifests disagree with each other, with the folder name or with
+            the entry (worker, payload) (exit code 2).
+    """
+    path = artifact_dir / entry.capsule
+    pins = {name: entry.pin(name) for name in (NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME)}
+    capsule = _read_capsule(path, pins)
+    native = capsule.native
+    if native.worker != entry.worker:
+        raise ManifestMismatchError(
+            f"artifact.json lists this capsule for {entry.worker.capsule_name} (tensor parallel rank"
+            f" {entry.worker.tensor_parallel_rank} of {entry.worker.tensor_parallel_size}), its manifests belong to"
+            f" {native.worker.capsule_name} (tensor parallel rank {native.worker.tensor_parallel_rank} of"
+            f" {native.worker.tensor_parallel_size})",
+            file=path,
+        )
+    blob_pin = entry.pin(native.residual.file)
+    if blob_pin is None or (blob_pin.size_bytes, blob_pin.sha256) != (native.residual.size_bytes, native.residual.sha256):
+        raise CapsulePinMismatchError(
+            f"artifact.json pins {blob_pin} for the residual blob, the native manifest names {native.residual.file}"
+            f" ({native.residual.size_bytes} bytes, SHA-256 {native.residual.sha256})",
+            file=path / native.residual.file,
+        )
+    if native.pack != entry.payload:
+        raise ManifestMismatchError(
+            f"artifact.json names pack {entry.payload.sha256} ({entry.payload.size_bytes} bytes), the capsule's native"
+            f" manifest {native.pack.sha256} ({native.pack.size_bytes} bytes)",
+            file=capsule.native_manifest_path,
+        )
+    return capsule
+
+
+def check_provenance_in_identity(manifest: NativeManifest, model: ModelIdentity, *, file: str | None = None) -> None:
+    """Every model extent's provenance names a checkpoint file of the model identity.
+
+    Raises:
+        ManifestMismatchError: names the first extent whose ``checkpoint_file`` the identity does not list.
+    """
+    names = {f.name for f in model.files}
+    for i, extent in enumerate(manifest.model_extents):
+        if extent.provenance.checkpoint_file not in names:
+            raise ManifestMismatchError(
+                f"model extent {i} comes from checkpoint file {extent.provenance.checkpoint_file!r}, which the model"
+                f" identity does not list ({', '.join(sorted(names))})",
+                file=file,
+                allocation=extent.allocation_index,
+                offset_bytes=extent.offset_bytes,
+            )
 
 
 def find_worker(descriptor: ArtifactDescriptor, worker: WorkerIdentity) -> WorkerEntry:
@@ -197,10 +404,19 @@ def read_descriptor(artifact_dir: Path) -> ArtifactDescriptor:
     return ArtifactDescriptor.read(path)
 
 
-def write_manifests(staging: Path, native: NativeManifest, recovery: RecoveryManifest) -> None:
-    """Write both manifests into a capsule staging folder (each fsynced)."""
-    write_file_durably(staging / NATIVE_MANIFEST_FILENAME, native.dumps())
-    write_file_durably(staging / RECOVERY_MANIFEST_FILENAME, recovery.dumps())
+def write_manifests(staging: Path, native: NativeManifest, recovery: RecoveryManifest) -> tuple[CapsuleFile, ...]:
+    """Write both manifests into a capsule staging folder (each fsynced).
+
+    Returns:
+        The pins of the capsule's three files (both manifests, and the residual blob as the native
+        manifest names it), sorted by name, for its ``artifact.json`` entry.
+    """
+    native_bytes, recovery_bytes = native.dumps(), recovery.dumps()
+    write_file_durably(staging / NATIVE_MANIFEST_FILENAME, native_bytes)
+    write_file_durably(staging / RECOVERY_MANIFEST_FILENAME, recovery_bytes)
+    pins = [pin_file(NATIVE_MANIFEST_FILENAME, native_bytes), pin_file(RECOVERY_MANIFEST_FILENAME, recovery_bytes)]
+    pins.append(CapsuleFile(native.residual.file, native.residual.size_bytes, native.residual.sha256))
+    return tuple(sorted(pins, key=lambda p: p.name))
 
 
 def check_artifact_layout(artifact_dir: Path) -> None:

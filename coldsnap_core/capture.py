@@ -29,7 +29,7 @@ from coldsnap_core.cache import PayloadCache
 from coldsnap_core.copy.base import CopyBackend, LiveAllocation
 from coldsnap_core.errors import ObserverError
 from coldsnap_core.format.allocation import AllocationMap
-from coldsnap_core.format.descriptor import WORKERS_DIRNAME, WorkerEntry
+from coldsnap_core.format.descriptor import WORKERS_DIRNAME, CapsuleFile, WorkerEntry
 from coldsnap_core.format.extents import ExtentProvenance, ModelExtent
 from coldsnap_core.format.manifest import (
     RESIDUAL_FILENAME,
@@ -162,7 +162,8 @@ def capture_worker(
 
     Order: every model range's SHA-256 (on all usable CPUs; the pack order needs them all), then the
     canonical pack into ``cache`` (:func:`coldsnap_core.pack_writer.write_pack`), then the capsule
-    (blob and both manifests, each fsynced, renamed into place as a whole), then ``artifact.json``.
+    (blob and both manifests, each fsynced, renamed into place as a whole), then ``artifact.json``
+    with the pins (size and SHA-256) of the capsule's three files.
     The allocations must not change while this runs (the model is quiescent): their bytes are read
     more than once (extent digests, pack, blob).
 
@@ -183,9 +184,13 @@ def capture_worker(
         capture and of each phase.
 
     Raises:
-        ObserverError: the model ranges are not sorted, disjoint, non-empty and in bounds, or the
-            allocation map disagrees with the live allocations (count, index or size); raised
-            before anything is written.
+        ObserverError: the model ranges are not sorted, disjoint, non-empty and in bounds, the
+            allocation map disagrees with the live allocations (count, index or size), or its
+            addresses do not fit the capture point (``native``: every allocation has one;
+            ``portable``: none has); raised before anything is written.
+
+    A capture whose model bytes are less than half the allocation bytes logs a WARNING naming the
+    likely cause (:func:`warn_if_few_model_bytes`).
         InsufficientSpaceError / CacheError: writing failed (nothing half-written remains: the pack
             is committed only once complete, the capsule only as a whole).
     """
@@ -197,6 +202,13 @@ def capture_worker(
             raise ObserverError(
                 f"live allocation {live.index} ({live.size_bytes} bytes) is not allocation {recorded.index}"
                 f" of the allocation map ({recorded.size_bytes} bytes)",
+                allocation=recorded.index,
+            )
+    for recorded in allocation_map.allocations:
+        if (recorded.address is None) == (capture_point == "native"):
+            rule = "the address of every allocation" if capture_point == "native" else "no addresses (null)"
+            raise ObserverError(
+                f"allocation {recorded.index} has address {recorded.address}; the {capture_point} capture point records {rule}",
                 allocation=recorded.index,
             )
     check_model_ranges(model_ranges, allocations)
@@ -219,7 +231,7 @@ def capture_worker(
     packed = time.perf_counter()
     fingerprint = allocation_map.layout_fingerprint()
 
-    def fill(staging: Path) -> tuple[NativeManifest, RecoveryManifest]:
+    def fill(staging: Path) -> tuple[NativeManifest, RecoveryManifest, tuple[CapsuleFile, ...]]:
         residual = write_residual(residual_map, allocations, backend, staging / RESIDUAL_FILENAME)
         native = NativeManifest(
             capture_point=capture_point,
@@ -239,12 +251,12 @@ def capture_worker(
             allocations=allocation_map,
             residual_extents=residual_map,
         )
-        write_manifests(staging, native, recovery)
-        return native, recovery
+        pins = write_manifests(staging, native, recovery)
+        return native, recovery, pins
 
-    capsule_dir, (native, recovery) = write_capsule(artifact_dir, worker, fill)
+    capsule_dir, (native, recovery, pins) = write_capsule(artifact_dir, worker, fill)
     written = time.perf_counter()
-    register_worker(artifact_dir, model, WorkerEntry(worker, f"{WORKERS_DIRNAME}/{worker.capsule_name}", pack))
+    register_worker(artifact_dir, model, WorkerEntry(worker, f"{WORKERS_DIRNAME}/{worker.capsule_name}", pack, pins))
     finished = time.perf_counter()
     seconds = finished - started
     phases = (
@@ -263,4 +275,30 @@ def capture_worker(
         native.residual_bytes,
         seconds,
     )
+    warn_if_few_model_bytes(native, worker)
     return CaptureResult(native, recovery, capsule_dir, cache.object_path(pack.sha256), seconds, phases)
+
+
+LOW_MODEL_BYTES_FRACTION = 0.5
+"""Below this fraction of model bytes among the allocation bytes, capture logs a WARNING: most of the
+weights then live in the worker's residual blob, which is neither shared nor content addressed."""
+
+
+def warn_if_few_model_bytes(manifest: NativeManifest, worker: WorkerIdentity) -> bool:
+    """Log a WARNING (and return ``True``) when the model bytes are less than
+    :data:`LOW_MODEL_BYTES_FRACTION` of the allocation bytes, naming the likely cause."""
+    total = manifest.allocations.total_bytes
+    if total == 0 or manifest.model_bytes >= LOW_MODEL_BYTES_FRACTION * total:
+        return False
+    logger.warning(
+        "coldsnap: %s: only %d of %d allocation bytes (%.1f%%) are model bytes; the rest (%d bytes) went into the"
+        " residual blob, which is this worker's own and not shared. Likely cause: the engine converted the"
+        " checkpoint's dtype while loading (e.g. --dtype float32 for a bfloat16 checkpoint); dtype-converting copies"
+        " are residual unless the loader's extra-config key converted_copies=model is set",
+        worker.capsule_name,
+        manifest.model_bytes,
+        total,
+        100 * manifest.model_bytes / total,
+        total - manifest.model_bytes,
+    )
+    return True

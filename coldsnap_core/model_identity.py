@@ -1,29 +1,378 @@
-"""The pinned model identity recorded for the recovery-loader fallback."""
+"""The pinned model identity: checkpoint files, the engine's model configuration, checkpoint records.
+
+A :class:`~coldsnap_core.format.manifest.ModelIdentity` says which model an artifact was captured
+from. Restore compares it with what the engine is loading before any payload byte is read
+(:func:`coldsnap_core.restore.check_model_identity`), because the layout fingerprint only sees
+shapes, dtypes and names: another fine-tune, a replaced checkpoint file of the same size, or another
+rotary base (``rope_theta``, a buffer computed at build time and restored from the residual blob)
+all have the same layout.
+
+Three parts:
+
+* **Checkpoint files** (:func:`identify_checkpoint`): every file's name, size and SHA-256, hashed
+  once at capture.
+* **Model configuration** (:func:`model_config_sha256`): a digest of the engine's effective model
+  configuration (the Hugging Face config after overrides, the dtype, the quantization method), as
+  canonical JSON without the keys that vary with the path or the library version.
+* **Checkpoint records** (:class:`CheckpointRecords`): node-local evidence that a checkpoint file was
+  hashed, bound to its real path, device, inode, size, mtime and ctime, like the payload cache's
+  validation records (``docs/format.md`` §11). Written whenever coldsnap hashes a checkpoint file
+  (capture; a restore that had to hash one). Restore does not read the checkpoint (that is what it
+  exists to avoid): a file whose record still matches a fresh ``stat`` has the recorded SHA-256; a
+  file whose record no longer matches is hashed again (and re-recorded); a file without a record
+  (another node) is accepted on its name and size, unless ``COLDSNAP_VERIFY_CHECKPOINT=1``.
+
+**Limit.** Without a record, a checkpoint file replaced by other content of the same size is not
+seen unless ``COLDSNAP_VERIFY_CHECKPOINT=1`` (one SHA-256 pass over the checkpoint per restore, then
+recorded). A record cannot see an in-place edit that restores size, mtime and ctime (the same limit
+as the payload cache's records).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import datetime
+import enum
+import hashlib
+import json
+import logging
+import math
+import os
+import secrets
+import stat
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
-from coldsnap_core._io import sha256_file
+from coldsnap_core._io import fsync_dir, fsync_fd, sha256_file, write_all
+from coldsnap_core.errors import CacheError, ManifestError, UnsafePathError
+from coldsnap_core.format._strict import Fields, dump_document, parse_document
 from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity
+
+logger = logging.getLogger(__name__)
+
+# --- the engine's model configuration --------------------------------------------------------------
+
+CONFIG_DIGEST_DOMAIN = b"coldsnap-model-config-v1\n"
+VOLATILE_CONFIG_KEYS = frozenset({"transformers_version"})
+"""Keys left out of the configuration digest besides every key that starts with ``_`` (such as
+``_name_or_path``, ``_commit_hash``, ``_attn_implementation_internal``): they name the path the
+config was read from or the library version, not the model."""
+
+
+def _canonical(value: object) -> object:
+    """``value`` as plain JSON data, deterministically (no addresses, sorted sets)."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, enum.Enum):
+        return _canonical(value.value)
+    if isinstance(value, Mapping):
+        return {
+            str(k): _canonical(v)
+            for k, v in value.items()
+            if not (isinstance(k, str) and (k.startswith("_") or k in VOLATILE_CONFIG_KEYS))
+        }
+    if isinstance(value, list | tuple):
+        return [_canonical(v) for v in value]
+    if isinstance(value, set | frozenset):
+        return sorted((_canonical(v) for v in value), key=lambda v: json.dumps(v, sort_keys=True))
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        return str(value).removeprefix("torch.")
+    if hasattr(value, "to_dict") and hasattr(value, "__dict__"):
+        # A (nested) Hugging Face config: its public attributes as set (what model code reads), not
+        # ``to_dict()``, whose output follows each transformers version's serialization rules.
+        return _canonical(vars(value))
+    text = repr(value)
+    return type(value).__qualname__ if " at 0x" in text else text
+
+
+def canonical_model_config(hf_config: object, *, dtype: object, quantization: object = None) -> str:
+    """The canonical JSON whose SHA-256 is :func:`model_config_sha256` (sorted keys, no spaces, ASCII)."""
+    document = {"hf_config": _canonical(hf_config), "dtype": _canonical(dtype), "quantization": _canonical(quantization)}
+    return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def model_config_sha256(hf_config: object, *, dtype: object, quantization: object = None) -> str:
+    """SHA-256 (lowercase hex) of an engine's effective model configuration.
+
+    ``sha256(b"coldsnap-model-config-v1\\n" + canonical_json)`` where ``canonical_json`` is
+    ``{"hf_config": ..., "dtype": ..., "quantization": ...}`` with sorted keys: ``hf_config`` is every
+    public attribute of the Hugging Face config object (nested configs likewise) or the mapping given,
+    without :data:`VOLATILE_CONFIG_KEYS` and ``_``-prefixed keys; torch dtypes are written by name
+    (``bfloat16``).
+
+    Args:
+        hf_config: the engine's Hugging Face config after overrides (vLLM ``model_config.hf_config``,
+            which has ``--hf-overrides`` applied; SGLang ``model_config.hf_config``), or a mapping.
+        dtype: the engine's model dtype (a ``torch.dtype`` or its name).
+        quantization: the engine's quantization method, or ``None``.
+    """
+    text = canonical_model_config(hf_config, dtype=dtype, quantization=quantization).encode("ascii")
+    return hashlib.sha256(CONFIG_DIGEST_DOMAIN + text).hexdigest()
+
+
+# --- checkpoint records ----------------------------------------------------------------------------
+
+CHECKPOINT_RECORDS_DIRNAME = "checkpoint-records"
+CHECKPOINT_RECORD_KIND = "coldsnap.checkpoint-record"
+CHECKPOINT_RECORD_VERSION = 1
+_RECORD_MAX_BYTES = 64 << 10
+
+
+def _stat_identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRecord:
+    """Evidence that the checkpoint file at ``path`` had ``sha256`` while it had this ``stat``.
+
+    Attributes:
+        path: the file's real path (``os.path.realpath``).
+        device: ``st_dev``.
+        inode: ``st_ino``.
+        size_bytes: ``st_size``, bytes.
+        mtime_ns: ``st_mtime_ns``, nanoseconds since the epoch.
+        ctime_ns: ``st_ctime_ns``, nanoseconds since the epoch.
+        sha256: SHA-256 (lowercase hex) of the whole file.
+        hashed_at: UTC time of the hash, ISO 8601 with seconds.
+    """
+
+    path: str
+    device: int
+    inode: int
+    size_bytes: int
+    mtime_ns: int
+    ctime_ns: int
+    sha256: str
+    hashed_at: str
+
+    def matches(self, st: os.stat_result) -> bool:
+        return (self.device, self.inode, self.size_bytes, self.mtime_ns, self.ctime_ns) == _stat_identity(st)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "format": CHECKPOINT_RECORD_KIND,
+            "format_version": CHECKPOINT_RECORD_VERSION,
+            "path": self.path,
+            "device": self.device,
+            "inode": self.inode,
+            "size_bytes": self.size_bytes,
+            "mtime_ns": self.mtime_ns,
+            "ctime_ns": self.ctime_ns,
+            "sha256": self.sha256,
+            "hashed_at": self.hashed_at,
+        }
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> CheckpointRecord:
+        if f.str("format") != CHECKPOINT_RECORD_KIND:
+            raise f.error("not a checkpoint record")
+        if f.int("format_version") != CHECKPOINT_RECORD_VERSION:
+            raise f.error("unsupported checkpoint record version")
+        record = cls(
+            path=f.str("path"),
+            device=f.int("device"),
+            inode=f.int("inode"),
+            size_bytes=f.int("size_bytes"),
+            mtime_ns=f.int("mtime_ns"),
+            ctime_ns=f.int("ctime_ns"),
+            sha256=f.sha256("sha256"),
+            hashed_at=f.str("hashed_at"),
+        )
+        f.done()
+        return record
+
+
+class RecordState(enum.Enum):
+    """What :meth:`CheckpointRecords.lookup` found for a checkpoint file."""
+
+    TRUSTED = "trusted"
+    """A trusted record matches the file's ``stat``: its SHA-256 is the file's."""
+    STALE = "stale"
+    """A trusted record names the file, but the file changed since it was hashed."""
+    ABSENT = "absent"
+    """No record, or one that cannot be trusted (loose mode, other owner, malformed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordLookup:
+    state: RecordState
+    sha256: str | None = None
+    reason: str = ""
+
+
+class CheckpointRecords:
+    """The node-local checkpoint records of one state root: ``<state_root>/checkpoint-records/``.
+
+    Each record is ``<sha256 of the file's real path>.record`` (JSON, mode 0444), trusted only while
+    it is a regular file of at most 64 KiB owned by the current user and not group- or
+    world-writable, parses strictly and names the file's real path. The folder is created 0700 and
+    refused if it is a symbolic link (rule ``no-symlinks``).
+
+    Args:
+        state_root: the state root (``COLDSNAP_STATE_ROOT``).
+    """
+
+    def __init__(self, state_root: str | os.PathLike[str]) -> None:
+        self.state_root = Path(state_root)
+        self.folder = self.state_root / CHECKPOINT_RECORDS_DIRNAME
+
+    def record_path(self, real_path: str) -> Path:
+        key = hashlib.sha256(os.fsencode(real_path)).hexdigest()
+        return self.folder / f"{key}.record"
+
+    def _folder_present(self) -> bool:
+        try:
+            st = os.lstat(self.folder)
+        except FileNotFoundError:
+            return False
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            raise UnsafePathError("refusing a symbolic link or non-folder as the checkpoint records folder", file=self.folder)
+        return True
+
+    def lookup(self, path: str | os.PathLike[str], st: os.stat_result | None = None) -> RecordLookup:
+        """The record state of the checkpoint file ``path`` (its real path is used).
+
+        Args:
+            path: the checkpoint file (a symbolic link is resolved, as the engine's open does).
+            st: a fresh ``os.stat`` of the file, if the caller has one.
+
+        Raises:
+            UnsafePathError: the records folder or the record is a symbolic link.
+            FileNotFoundError: the checkpoint file does not exist.
+        """
+        real = os.path.realpath(path)
+        st = os.stat(real) if st is None else st
+        if not self._folder_present():
+            return RecordLookup(RecordState.ABSENT, reason="no checkpoint records on this node")
+        record_path = self.record_path(real)
+        try:
+            rst = os.lstat(record_path)
+        except FileNotFoundError:
+            return RecordLookup(RecordState.ABSENT, reason="no checkpoint record")
+        if stat.S_ISLNK(rst.st_mode) or not stat.S_ISREG(rst.st_mode):
+            raise UnsafePathError("refusing a symbolic link or non-regular file as a checkpoint record", file=record_path)
+        if rst.st_uid != os.geteuid() or rst.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or rst.st_size > _RECORD_MAX_BYTES:
+            return RecordLookup(
+                RecordState.ABSENT, reason=f"checkpoint record {record_path} is not trusted (owner, mode or size)"
+            )
+        fd = os.open(record_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            data = os.read(fd, _RECORD_MAX_BYTES + 1)
+        finally:
+            os.close(fd)
+        try:
+            record = parse_document(data, CheckpointRecord.from_fields, file=str(record_path))
+        except ManifestError as exc:
+            return RecordLookup(RecordState.ABSENT, reason=f"checkpoint record is malformed: {exc.detail}")
+        if record.path != real:
+            return RecordLookup(RecordState.ABSENT, reason=f"checkpoint record names {record.path!r}")
+        if not record.matches(st):
+            return RecordLookup(
+                RecordState.STALE, record.sha256, reason=f"{real} changed since it was hashed at {record.hashed_at}"
+            )
+        return RecordLookup(RecordState.TRUSTED, record.sha256)
+
+    def write(self, path: str | os.PathLike[str], sha256: str, hashed: os.stat_result) -> CheckpointRecord:
+        """Record that ``path`` (real path) had ``sha256`` while it had the ``stat`` ``hashed``.
+
+        Written only if the file still has exactly that device, inode, size, mtime and ctime:
+        temporary file (``O_EXCL | O_NOFOLLOW``), fsync, mode 0444, rename, folder fsync.
+
+        Raises:
+            CacheError: the file changed since it was hashed (nothing written), or the write failed.
+            InsufficientSpaceError: no space (nothing written).
+            UnsafePathError: the records folder is a symbolic link.
+        """
+        real = os.path.realpath(path)
+        current = os.stat(real)
+        if _stat_identity(current) != _stat_identity(hashed):
+            raise CacheError("the checkpoint file changed while it was hashed; no checkpoint record written", file=real)
+        try:
+            self.state_root.mkdir(parents=True, exist_ok=True)
+            if not self._folder_present():
+                with contextlib.suppress(FileExistsError):
+                    self.folder.mkdir(mode=0o700)
+                self._folder_present()
+        except OSError as exc:
+            raise CacheError(f"cannot create the checkpoint records folder: {exc}", file=self.folder) from exc
+        record = CheckpointRecord(
+            path=real,
+            device=current.st_dev,
+            inode=current.st_ino,
+            size_bytes=current.st_size,
+            mtime_ns=current.st_mtime_ns,
+            ctime_ns=current.st_ctime_ns,
+            sha256=sha256,
+            hashed_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        )
+        final = self.record_path(real)
+        temp = final.with_name(f".{final.name}.{secrets.token_hex(8)}.partial")
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise CacheError(f"cannot create a checkpoint record: {exc}", file=temp) from exc
+        try:
+            try:
+                write_all(fd, dump_document(record.to_json()), file=temp)
+                os.fchmod(fd, 0o444)
+                fsync_fd(fd, file=temp)
+            finally:
+                os.close(fd)
+            os.rename(temp, final)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+        fsync_dir(self.folder)
+        return record
+
+
+def hash_checkpoint_file(path: str | os.PathLike[str], records: CheckpointRecords | None = None) -> tuple[str, int]:
+    """SHA-256 and size of a checkpoint file (one read); with ``records``, record the result.
+
+    A record that cannot be written is logged as a WARNING (the hash is still returned): without it,
+    a later restore on this node accepts the file on its name and size.
+    """
+    real = os.path.realpath(path)
+    before = os.stat(real)
+    digest, size = sha256_file(real)
+    if records is not None:
+        try:
+            records.write(real, digest, before)
+        except (OSError, CacheError, UnsafePathError) as exc:
+            logger.warning("coldsnap: %s hashed, but its checkpoint record could not be written: %s", real, exc)
+    return digest, size
 
 
 def identify_checkpoint(
-    files: Iterable[Path], *, source: str, revision: str | None = None, root: Path | None = None
+    files: Iterable[Path],
+    *,
+    source: str,
+    revision: str | None = None,
+    root: Path | None = None,
+    config_sha256: str | None = None,
+    records: CheckpointRecords | None = None,
 ) -> ModelIdentity:
     """Hash every checkpoint file (SHA-256, one pass each) into a :class:`ModelIdentity`.
 
     Args:
         files: the checkpoint files.
-        source: the Hugging Face repository id or the local folder the model was loaded from.
+        source: the Hugging Face repository id or the local folder the model was loaded from; a local
+            folder is recorded by its real path (a trailing ``/`` or a symbolic link does not matter).
         revision: the repository revision, if any.
         root: names are recorded relative to this folder (default: each file's own folder).
+        config_sha256: :func:`model_config_sha256` of the engine's model configuration, if known.
+        records: write a checkpoint record for each file hashed (see :class:`CheckpointRecords`).
     """
     entries = []
     for path in files:
         path = Path(path)
-        digest, size = sha256_file(path)
+        digest, size = hash_checkpoint_file(path, records)
         name = str(path.relative_to(root)) if root is not None else path.name
         entries.append(CheckpointFile(name, size, digest))
-    return ModelIdentity(source, revision, tuple(sorted(entries, key=lambda c: c.name)))
+    if os.path.isdir(source):
+        source = os.path.realpath(source)
+    return ModelIdentity(source, revision, tuple(sorted(entries, key=lambda c: c.name)), config_sha256)

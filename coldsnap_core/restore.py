@@ -7,12 +7,15 @@ with hydration, and the engine's own post-processing then runs as usual"). In or
 raising a :class:`~coldsnap_core.errors.ColdsnapError` subclass and nothing written before step 7:
 
 1. ``artifact.json`` lists this worker (role, rank, world size, tensor parallel rank and size);
-2. its unit capsule parses, its two manifests agree, it names the pack ``artifact.json`` names and
-   was taken at the portable capture point;
+2. its unit capsule's manifests match their pins in ``artifact.json`` (size and SHA-256), parse and
+   agree; the folder, the manifests and the entry name this worker; it names the pack
+   ``artifact.json`` names and was taken at the portable capture point; every model extent comes
+   from a checkpoint file of the model identity;
 3. the live model's allocations have the captured layout (fingerprint, then every size): a payload
    captured from another architecture, dtype, layer count or tensor parallel size stops here;
-4. the model being loaded is the captured one (source, revision, checkpoint file names and sizes):
-   a payload of the same layout but other weights (a fine-tune at another path) stops here;
+4. the model being loaded is the captured one (:func:`check_model_identity`: a Hugging Face
+   repository by id and revision, a local folder by content; the engine's model configuration by
+   digest): a payload of the same layout but other weights or another configuration stops here;
 5. every manifest rule holds (:func:`coldsnap_core.verify.check_manifest`);
 6. the pack is staged: a cached object without a trusted validation record is verified in full
    *with the manifest's layout*, so a corrupt extent is named by allocation and offset; a missing
@@ -30,7 +33,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from coldsnap_core.artifact import Capsule, find_worker, read_capsule, read_descriptor
+from coldsnap_core.artifact import Capsule, check_provenance_in_identity, find_worker, read_descriptor, read_worker_capsule
 from coldsnap_core.cache import PayloadCache, refuse_symlink
 from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.errors import (
@@ -46,6 +49,7 @@ from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME
 from coldsnap_core.format.manifest import ModelIdentity, NativeManifest, WorkerIdentity
 from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.hydrate import HydrationReport, hydrate
+from coldsnap_core.model_identity import CheckpointRecords, RecordState, hash_checkpoint_file
 from coldsnap_core.records import identity, read_trusted_record, write_record
 from coldsnap_core.staging import stage_payload
 from coldsnap_core.stores import from_env as store_from_env
@@ -63,29 +67,59 @@ class LoadedModel:
         source: the engine's model (vLLM ``model_config.model``, SGLang ``model_config.model_path``):
             a repository id or a local folder.
         revision: the engine's model revision, if any.
-        folder: the local checkpoint folder when ``source`` is one, else ``None``.
+        folder: the local checkpoint folder's real path when ``source`` is one, else ``None``.
+        config_sha256: :func:`coldsnap_core.model_identity.model_config_sha256` of the engine's
+            effective model configuration, or ``None`` when the caller has no engine configuration.
     """
 
     source: str
     revision: str | None
     folder: Path | None
+    config_sha256: str | None = None
 
     @classmethod
-    def from_config(cls, source: str, revision: str | None) -> LoadedModel:
-        return cls(source, revision, Path(source) if os.path.isdir(source) else None)
+    def from_config(cls, source: str, revision: str | None, config_sha256: str | None = None) -> LoadedModel:
+        folder = Path(os.path.realpath(source)) if os.path.isdir(source) else None
+        return cls(source, revision, folder, config_sha256)
 
 
-def check_model_identity(recorded: ModelIdentity, loaded: LoadedModel, *, file: str | None = None) -> None:
+def check_model_identity(
+    recorded: ModelIdentity,
+    loaded: LoadedModel,
+    *,
+    file: str | None = None,
+    records: CheckpointRecords | None = None,
+    verify_checkpoint: bool = False,
+) -> None:
     """The artifact's pinned model must be the one being loaded.
 
+    * A Hugging Face repository (``loaded.folder is None``): the same id and revision.
+    * A local folder, by content and not by path (another node may mount it elsewhere; ``$M`` and
+      ``$M/`` are one folder): every recorded checkpoint file exists with its size, and its SHA-256,
+      where this node knows it, is the recorded one. It is known from a checkpoint record
+      (:class:`~coldsnap_core.model_identity.CheckpointRecords`) that still matches the file's
+      ``stat``; a file that changed since its record was written is hashed again (one read of that
+      file, then recorded); a file without a record is hashed only with ``verify_checkpoint``
+      (``COLDSNAP_VERIFY_CHECKPOINT=1``), else accepted on its name and size.
+    * The engine's model configuration digest, when the engine gives one, equals the recorded one (an
+      artifact captured without one is refused then).
+
     Raises:
-        ModelIdentityMismatchError: another source or revision, or (local folder) a recorded
-            checkpoint file is missing or has another size.
+        ModelIdentityMismatchError: names what differs (source, revision, configuration, a missing,
+            resized or rewritten checkpoint file).
+        UnsafePathError: the checkpoint records folder or a record is a symbolic link.
     """
-    if (recorded.source, recorded.revision) != (loaded.source, loaded.revision):
+    if loaded.folder is None and (recorded.source, recorded.revision) != (loaded.source, loaded.revision):
         raise ModelIdentityMismatchError(
             f"the artifact was captured from {recorded.source!r} (revision {recorded.revision}), "
             f"the engine is loading {loaded.source!r} (revision {loaded.revision})",
+            file=file,
+        )
+    if loaded.config_sha256 is not None and recorded.config_sha256 != loaded.config_sha256:
+        raise ModelIdentityMismatchError(
+            f"the engine's model configuration (Hugging Face config after overrides, dtype, quantization) has digest"
+            f" {loaded.config_sha256}, the artifact recorded {recorded.config_sha256} (a changed config.json,"
+            " --hf-overrides or --dtype; buffers such as the rotary cache would come back with the captured values)",
             file=file,
         )
     if loaded.folder is None:
@@ -93,15 +127,39 @@ def check_model_identity(recorded: ModelIdentity, loaded: LoadedModel, *, file: 
     for checkpoint in recorded.files:
         path = loaded.folder / checkpoint.name
         try:
-            size = path.stat().st_size
-        except FileNotFoundError:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
             raise ModelIdentityMismatchError(
                 f"checkpoint file {checkpoint.name} recorded by the artifact is missing", file=path
             ) from None
-        if size != checkpoint.size_bytes:
+        if st.st_size != checkpoint.size_bytes:
             raise ModelIdentityMismatchError(
-                f"checkpoint file {checkpoint.name} is {size} bytes, the artifact recorded {checkpoint.size_bytes}", file=path
+                f"checkpoint file {checkpoint.name} is {st.st_size} bytes, the artifact recorded {checkpoint.size_bytes}",
+                file=path,
             )
+        digest, how = _checkpoint_digest(path, st, records, verify_checkpoint)
+        if digest is not None and digest != checkpoint.sha256:
+            raise ModelIdentityMismatchError(
+                f"checkpoint file {checkpoint.name} has SHA-256 {digest} ({how}), the artifact recorded {checkpoint.sha256}:"
+                " the file was replaced with other content of the same size",
+                file=path,
+            )
+
+
+def _checkpoint_digest(
+    path: Path, st: os.stat_result, records: CheckpointRecords | None, verify_checkpoint: bool
+) -> tuple[str | None, str]:
+    """The file's SHA-256 where it is known without trusting names and sizes, and how it is known."""
+    lookup = records.lookup(path, st) if records is not None else None
+    if lookup is not None and lookup.state is RecordState.TRUSTED:
+        return lookup.sha256, "from this node's checkpoint record"
+    if lookup is not None and lookup.state is RecordState.STALE:
+        logger.info("coldsnap: %s; hashing it again", lookup.reason)
+        return hash_checkpoint_file(path, records)[0], "hashed again: it changed since its checkpoint record"
+    if verify_checkpoint:
+        logger.info("coldsnap: hashing checkpoint file %s (COLDSNAP_VERIFY_CHECKPOINT=1)", path)
+        return hash_checkpoint_file(path, records)[0], "hashed: COLDSNAP_VERIFY_CHECKPOINT=1"
+    return None, "no checkpoint record on this node"
 
 
 class _DropQuarantineNotice(logging.Filter):
@@ -171,8 +229,10 @@ class WorkerRestore:
         artifact_dir: the artifact folder.
         worker: this worker's identity.
         loaded: the model being loaded.
-        cache: the node-local cache.
+        cache: the node-local cache (its state root also holds the checkpoint records).
         verify_extents: hash every model extent while hydrating.
+        verify_checkpoint: hash local checkpoint files this node has no checkpoint record of
+            (``COLDSNAP_VERIFY_CHECKPOINT=1``).
 
     Attributes:
         capsule: this worker's capsule, once read (step 2); ``None`` before.
@@ -187,6 +247,7 @@ class WorkerRestore:
     loaded: LoadedModel
     cache: PayloadCache
     verify_extents: bool = False
+    verify_checkpoint: bool = False
     capsule: Capsule | None = None
     layout_matches: bool = False
     pack_unavailable: bool = False
@@ -197,16 +258,21 @@ class WorkerRestore:
         return self.capsule.native if self.capsule is not None else None
 
     def read(self) -> Capsule:
-        """Steps 1-2: find and read this worker's capsule."""
+        """Steps 1-2: find and read this worker's capsule.
+
+        Raises:
+            MissingObjectError: no ``artifact.json``, no entry for this worker, or a missing capsule file.
+            CapsulePinMismatchError: a manifest does not match its pin in ``artifact.json``.
+            ManifestMismatchError: the capsule disagrees with itself, its folder name or its entry
+                (worker, payload), or a model extent names a file the model identity does not list.
+            ArtifactError: the capsule was captured at the native capture point.
+            ManifestError: a document is malformed.
+        """
         descriptor = read_descriptor(self.artifact_dir)
         entry = find_worker(descriptor, self.worker)
-        capsule = read_capsule(self.artifact_dir / entry.capsule)
+        capsule = read_worker_capsule(self.artifact_dir, entry)
         manifest_file = str(capsule.native_manifest_path)
-        if capsule.native.pack != entry.payload:
-            raise ArtifactError(
-                f"artifact.json names pack {entry.payload.sha256}, the capsule's native manifest {capsule.native.pack.sha256}",
-                file=manifest_file,
-            )
+        check_provenance_in_identity(capsule.native, descriptor.model, file=manifest_file)
         if capsule.native.capture_point != "portable":
             raise ArtifactError(
                 f"the capsule was captured at the {capsule.native.capture_point} capture point; the loader restores"
@@ -235,7 +301,13 @@ class WorkerRestore:
         )
         self.layout_matches = True
         assert self._recorded_model is not None
-        check_model_identity(self._recorded_model, self.loaded, file=str(self.artifact_dir / DESCRIPTOR_FILENAME))
+        check_model_identity(
+            self._recorded_model,
+            self.loaded,
+            file=str(self.artifact_dir / DESCRIPTOR_FILENAME),
+            records=CheckpointRecords(self.cache.state_root),
+            verify_checkpoint=self.verify_checkpoint,
+        )
         layout = check_manifest(manifest, file=manifest_file)
         try:
             verify_untrusted_pack(self.cache, manifest, layout)

@@ -22,6 +22,9 @@ COLDSNAP_RESTORE               ``restore``                 ``auto``: restore fro
 COLDSNAP_MATERIALIZE           ``materialize``             after a recovery load, write the missing pack:
                                                            ``async`` / ``required`` / ``off`` (``async``)
 COLDSNAP_VERIFY_EXTENTS        ``verify_extents``          ``1``: hash every model extent while hydrating (``0``)
+COLDSNAP_VERIFY_CHECKPOINT     ``verify_checkpoint``       ``1``: at restore, hash every local checkpoint file
+                                                           this node has no checkpoint record of (``0``:
+                                                           accept it on its name and size)
 COLDSNAP_INNER_LOAD_FORMAT     ``inner_load_format``       the vLLM load format whose I/O the loader keeps
                                                            (``instanttensor`` on CUDA, ``safetensors``
                                                            elsewhere)
@@ -83,6 +86,7 @@ KEYS: dict[str, str | None] = {
     "restore": "COLDSNAP_RESTORE",
     "materialize": "COLDSNAP_MATERIALIZE",
     "verify_extents": "COLDSNAP_VERIFY_EXTENTS",
+    "verify_checkpoint": "COLDSNAP_VERIFY_CHECKPOINT",
     "inner_load_format": "COLDSNAP_INNER_LOAD_FORMAT",
     "converted_copies": None,
 }
@@ -99,6 +103,7 @@ class ColdsnapSettings:
         restore: ``auto`` or ``native``.
         materialize: ``async``, ``required`` or ``off``.
         verify_extents: hash every model extent while hydrating.
+        verify_checkpoint: at restore, hash local checkpoint files without a checkpoint record.
         inner_load_format: the vLLM load format to keep, or ``None`` for the platform default.
         converted_copies: ``residual`` or ``model``.
     """
@@ -109,6 +114,7 @@ class ColdsnapSettings:
     restore: RestoreMode = "auto"
     materialize: MaterializeMode = "async"
     verify_extents: bool = False
+    verify_checkpoint: bool = False
     inner_load_format: str | None = None
     converted_copies: ConvertedCopies = "residual"
 
@@ -199,6 +205,7 @@ class ColdsnapSettings:
             restore=choice("restore", RESTORE_MODES, "auto"),  # type: ignore[arg-type]
             materialize=choice("materialize", MATERIALIZE_MODES, materialize_default),  # type: ignore[arg-type]
             verify_extents=flag("verify_extents"),
+            verify_checkpoint=flag("verify_checkpoint"),
             inner_load_format=inner_format,
             converted_copies=choice("converted_copies", CONVERTED_COPIES, "residual"),  # type: ignore[arg-type]
         )

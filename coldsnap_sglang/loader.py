@@ -5,7 +5,8 @@ SGLang's ``DefaultModelLoader.load_model`` builds the model, then calls
 ``self.load_weights_and_postprocess(model, weights, target_device)`` (``reference/sglang.md``
 section 2; an instance override is honoured, SGLang's own tests rely on it). This loader overrides it:
 when ``COLDSNAP_ARTIFACT_DIR`` lists this worker, :class:`coldsnap_core.restore.WorkerRestore` checks
-the layout and the model identity, stages this worker's pack only, verifies and hydrates the model's
+the layout and the model identity (checkpoint files and the digest of SGLang's model configuration,
+:func:`engine_config_sha256`), stages this worker's pack only, verifies and hydrates the model's
 parameter and buffer storages (the portable capture point); the checkpoint iterator is never
 consumed, and the post-processing then runs on an empty weights iterator. ``COLDSNAP_RESTORE=auto``
 falls back to the normal load with one WARNING; ``native`` fails closed.
@@ -31,6 +32,7 @@ from coldsnap_core.cache import PayloadCache
 from coldsnap_core.copy.select import copy_backend_for
 from coldsnap_core.errors import ColdsnapError, EngineVersionError
 from coldsnap_core.format.manifest import WorkerIdentity
+from coldsnap_core.model_identity import model_config_sha256
 from coldsnap_core.restore import LoadedModel, WorkerRestore
 from coldsnap_core.torch_allocations import enumerate_allocations
 from coldsnap_sglang.settings import resolve_sglang_settings
@@ -75,7 +77,9 @@ class ColdsnapModelLoader(DefaultModelLoader):
         self._model_source: LoadedModel | None = None
 
     def load_model(self, *, model_config, device_config, **kwargs):
-        self._model_source = LoadedModel.from_config(str(model_config.model_path), getattr(model_config, "revision", None))
+        self._model_source = LoadedModel.from_config(
+            str(model_config.model_path), getattr(model_config, "revision", None), engine_config_sha256(model_config)
+        )
         return super().load_model(model_config=model_config, device_config=device_config, **kwargs)
 
     def load_weights_and_postprocess(self, model: torch.nn.Module, weights: Iterable, target_device: torch.device):  # type: ignore[override]
@@ -83,6 +87,18 @@ class ColdsnapModelLoader(DefaultModelLoader):
         if restore_into(model, self.coldsnap_settings, worker_identity(self.load_config), self._model_source):
             return DefaultModelLoader.load_weights_and_postprocess(model, iter(()), target_device)
         return DefaultModelLoader.load_weights_and_postprocess(model, weights, target_device)
+
+
+def engine_config_sha256(model_config) -> str | None:
+    """:func:`coldsnap_core.model_identity.model_config_sha256` of SGLang's effective model configuration:
+    ``model_config.hf_config`` (SGLang applies ``--json-model-override-args`` to it), ``model_config.dtype``
+    and ``model_config.quantization``; ``None`` when the config has no ``hf_config``."""
+    hf_config = getattr(model_config, "hf_config", None)
+    if hf_config is None:
+        return None
+    return model_config_sha256(
+        hf_config, dtype=getattr(model_config, "dtype", None), quantization=getattr(model_config, "quantization", None)
+    )
 
 
 def restore_into(model: torch.nn.Module, settings, worker: WorkerIdentity, source: LoadedModel | None) -> bool:
@@ -93,7 +109,14 @@ def restore_into(model: torch.nn.Module, settings, worker: WorkerIdentity, sourc
     """
     if settings.artifact_dir is None or source is None:
         return False
-    attempt = WorkerRestore(settings.artifact_dir, worker, source, PayloadCache(settings.state_root), settings.verify_extents)
+    attempt = WorkerRestore(
+        settings.artifact_dir,
+        worker,
+        source,
+        PayloadCache(settings.state_root),
+        verify_extents=settings.verify_extents,
+        verify_checkpoint=settings.verify_checkpoint,
+    )
     try:
         allocations = enumerate_allocations(model)
         report = attempt.run(allocations, copy_backend_for(allocations.device))

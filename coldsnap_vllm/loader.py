@@ -62,7 +62,7 @@ from coldsnap_core.errors import ColdsnapError, ObserverError
 from coldsnap_core.format.manifest import ModelIdentity, NativeManifest, PackRef, WorkerIdentity
 from coldsnap_core.hydrate import HydrationReport
 from coldsnap_core.materialize import MaterializationHandle, materialize_payload
-from coldsnap_core.model_identity import identify_checkpoint
+from coldsnap_core.model_identity import CheckpointRecords, identify_checkpoint, model_config_sha256
 from coldsnap_core.restore import LoadedModel, WorkerRestore
 from coldsnap_core.safetensors_header import TensorLocation, read_header
 from coldsnap_core.settings import ColdsnapSettings
@@ -76,7 +76,7 @@ logger = logging.getLogger(__name__)
 LOAD_FORMAT = "coldsnap"
 """The load format name: ``--load-format coldsnap`` / ``LLM(..., load_format="coldsnap")``."""
 
-__all__ = ["LOAD_FORMAT", "ColdsnapModelLoader", "LoadOutcome", "last_outcome", "register_loader"]
+__all__ = ["LOAD_FORMAT", "ColdsnapModelLoader", "LoadOutcome", "engine_config_sha256", "last_outcome", "register_loader"]
 
 
 @dataclass(frozen=True)
@@ -250,9 +250,10 @@ class ColdsnapModelLoader(DefaultModelLoader):
             attempt = WorkerRestore(
                 settings.artifact_dir,
                 worker,
-                LoadedModel.from_config(model_config.model, model_config.revision),
+                LoadedModel.from_config(model_config.model, model_config.revision, engine_config_sha256(model_config)),
                 cache,
-                settings.verify_extents,
+                verify_extents=settings.verify_extents,
+                verify_checkpoint=settings.verify_checkpoint,
             )
             try:
                 with _collector_paused():
@@ -364,7 +365,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
         pack: PackRef | None = None
         if settings.export_model_payload:
             assert settings.artifact_dir is not None
-            identity = self._identify(session, model_config)
+            identity = self._identify(session, model_config, settings.state_root)
             capture = capture_worker(
                 allocation_map=after.allocation_map,
                 allocations=after.live,
@@ -384,7 +385,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
                 pack = handle.result.pack
         if identity is None and _coldsnap_sleep_enabled(model_config):
             # The level-1 sleep backend takes its reference digests from the pinned checkpoint files.
-            identity = self._identify(session, model_config)
+            identity = self._identify(session, model_config, settings.state_root)
         self._publish(worker, identity, kept, pack)
         _set_outcome(
             LoadOutcome(
@@ -412,14 +413,21 @@ class ColdsnapModelLoader(DefaultModelLoader):
         return materialize_payload(manifest, allocations.live, backend, cache, mode=mode, keepalive=allocations)
 
     @staticmethod
-    def _identify(session: _LoadSession, model_config: ModelConfig) -> ModelIdentity:
+    def _identify(session: _LoadSession, model_config: ModelConfig, state_root: Path) -> ModelIdentity:
+        """The model identity: the checkpoint files just loaded (hashed, and recorded in the state
+        root's checkpoint records) and the engine's model configuration digest."""
         primary = next((p for p in session.prepared if p.model_or_path == str(model_config.model)), None)
         if primary is None:
             primary = session.prepared[0] if session.prepared else None
         if primary is None:
             raise ObserverError("the checkpoint iterator was never prepared; no checkpoint files to pin")
         return identify_checkpoint(
-            primary.files, source=str(model_config.model), revision=model_config.revision, root=primary.folder
+            primary.files,
+            source=str(model_config.model),
+            revision=model_config.revision,
+            root=primary.folder,
+            config_sha256=engine_config_sha256(model_config),
+            records=CheckpointRecords(state_root),
         )
 
     def _publish(
@@ -446,6 +454,15 @@ class ColdsnapModelLoader(DefaultModelLoader):
                 state_root=settings.state_root,
             )
         )
+
+
+def engine_config_sha256(model_config: ModelConfig) -> str:
+    """:func:`coldsnap_core.model_identity.model_config_sha256` of vLLM's effective model configuration:
+    ``model_config.hf_config`` (``--hf-overrides`` already applied by ``ModelConfig.__post_init__``),
+    ``model_config.dtype`` and ``model_config.quantization``."""
+    return model_config_sha256(
+        model_config.hf_config, dtype=model_config.dtype, quantization=getattr(model_config, "quantization", None)
+    )
 
 
 def _coldsnap_sleep_enabled(model_config: ModelConfig) -> bool:

@@ -4,25 +4,41 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from coldsnap_core.artifact import Capsule, read_capsule, read_descriptor
-from coldsnap_core.errors import MissingObjectError
-from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, ArtifactDescriptor
+from coldsnap_core.artifact import Capsule, read_capsule, read_descriptor, read_worker_capsule
+from coldsnap_core.errors import ArtifactError, MissingObjectError
+from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WORKERS_DIRNAME, ArtifactDescriptor
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME
 
 
 def resolve(target: str) -> tuple[ArtifactDescriptor | None, list[Capsule]]:
     """``target`` may be an artifact folder (``artifact.json`` inside), a capsule folder, or a
-    ``native-manifest.json`` file. Returns the descriptor (if any) and the capsules, in order.
+    ``native-manifest.json`` file. Returns the descriptor (for an artifact folder) and the capsules,
+    in order.
+
+    Every capsule of an artifact is read with :func:`coldsnap_core.artifact.read_worker_capsule`
+    (pins, worker, payload). So is a capsule folder named directly when it lies in an artifact
+    (``<artifact>/workers/<name>/`` next to an ``artifact.json``): its pins are checked too, and a
+    capsule the descriptor does not list is refused. A capsule folder outside any artifact is read
+    on its own (:func:`coldsnap_core.artifact.read_capsule`).
 
     Raises:
         MissingObjectError: nothing usable at ``target``.
+        ArtifactError: a capsule folder inside an artifact that ``artifact.json`` does not list.
+        CapsulePinMismatchError, ManifestMismatchError, ManifestError: see ``read_worker_capsule``.
     """
     path = Path(target)
     if path.is_file() and path.name == NATIVE_MANIFEST_FILENAME:
         path = path.parent
     if (path / DESCRIPTOR_FILENAME).is_file():
         descriptor = read_descriptor(path)
-        return descriptor, [read_capsule(path / entry.capsule) for entry in descriptor.workers]
+        return descriptor, [read_worker_capsule(path, entry) for entry in descriptor.workers]
     if (path / NATIVE_MANIFEST_FILENAME).is_file():
+        artifact_dir = path.parent.parent
+        if path.parent.name == WORKERS_DIRNAME and (artifact_dir / DESCRIPTOR_FILENAME).is_file():
+            descriptor = read_descriptor(artifact_dir)
+            entry = next((e for e in descriptor.workers if e.capsule == f"{WORKERS_DIRNAME}/{path.name}"), None)
+            if entry is None:
+                raise ArtifactError("capsule is not listed in artifact.json", file=path)
+            return None, [read_worker_capsule(artifact_dir, entry)]
         return None, [read_capsule(path)]
     raise MissingObjectError(f"no {DESCRIPTOR_FILENAME} or {NATIVE_MANIFEST_FILENAME} here", file=path)

@@ -3,13 +3,19 @@
 Order (each step raises the first failure it finds; ``docs/format.md``, "Verification rules"):
 
 1. resolve ``ARTIFACT`` (artifact folder, capsule folder or ``native-manifest.json``) and parse every
-   document strictly; for an artifact folder, every capsule folder is listed in ``artifact.json`` and
-   every capsule's manifests name the descriptor's payload and model identity;
-2. per worker, every manifest rule (:func:`coldsnap_core.verify.check_manifest`);
-3. per distinct pack, one full read (:func:`coldsnap_core.verify.verify_pack_file`): size, zero
-   padding, every stored extent's SHA-256, the file's SHA-256; a symbolic link or non-regular file
-   at the object path is refused;
-4. per worker, the residual blob: size, then SHA-256.
+   document strictly; each capsule of an artifact matches its pins in ``artifact.json`` (both
+   manifests, the residual blob's digest) and names the worker and payload of its entry; a capsule's
+   folder is named after its manifests' worker;
+2. for an artifact folder, every capsule folder is listed in ``artifact.json`` and every capsule's
+   recovery manifest names the descriptor's model identity; every model extent comes from a
+   checkpoint file of the model identity;
+3. per worker, every manifest rule (:func:`coldsnap_core.verify.check_manifest`);
+4. the cache folders are checked as the cache commands check them (no symbolic link at
+   ``model-payloads/`` or below, :meth:`coldsnap_core.cache.PayloadCache.check_dirs`); per distinct
+   pack, one full read (:func:`coldsnap_core.verify.verify_pack_file`): size, zero padding, every
+   stored extent's SHA-256, the file's SHA-256; a symbolic link or non-regular file at the object
+   path is refused;
+5. per worker, the residual blob: size, then SHA-256.
 
 Nothing is written (no validation record either): ``verify`` is a read-only audit.
 Exit codes: 0 verified, 1 content mismatch or corruption, 2 malformed or unsupported manifest,
@@ -24,7 +30,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from coldsnap_core.artifact import check_artifact_layout
+from coldsnap_core.artifact import check_artifact_layout, check_provenance_in_identity
 from coldsnap_core.cache import PayloadCache, refuse_symlink
 from coldsnap_core.cli._targets import resolve
 from coldsnap_core.errors import ManifestMismatchError
@@ -37,19 +43,19 @@ def run(args: argparse.Namespace) -> int:
     if descriptor is not None:
         artifact_dir = Path(args.artifact)
         check_artifact_layout(artifact_dir.parent if artifact_dir.is_file() else artifact_dir)
-        for entry, capsule in zip(descriptor.workers, capsules, strict=True):
-            if entry.payload != capsule.native.pack:
-                raise ManifestMismatchError(
-                    "artifact.json names another payload than the capsule's native manifest", file=capsule.path
-                )
+        for capsule in capsules:
             if descriptor.model != capsule.recovery.model:
                 raise ManifestMismatchError(
                     "artifact.json names another model identity than the capsule's recovery manifest", file=capsule.path
                 )
-    verified_packs: set[str] = set()
     for capsule in capsules:
+        model = descriptor.model if descriptor is not None else capsule.recovery.model
+        check_provenance_in_identity(capsule.native, model, file=str(capsule.native_manifest_path))
+    layouts = [check_manifest(c.native, file=str(c.native_manifest_path)) for c in capsules]
+    cache.check_dirs()
+    verified_packs: set[str] = set()
+    for capsule, layout in zip(capsules, layouts, strict=True):
         manifest = capsule.native
-        layout = check_manifest(manifest, file=str(capsule.native_manifest_path))
         if manifest.pack.sha256 not in verified_packs:
             path = cache.object_path(manifest.pack.sha256)
             refuse_symlink(path)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from coldsnap_core._io import os_error
 from coldsnap_core.errors import (
     ManifestParseError,
     ManifestSchemaError,
@@ -85,6 +86,13 @@ class Fields:
 
     def sha256(self, key: str) -> str:
         return self.str(key, pattern=_SHA256_RE)
+
+    def opt_sha256(self, key: str) -> str | None:
+        """A SHA-256 digest (64 lowercase hex characters) or ``null``; the key must be present."""
+        if self._obj.get(key, None) is None:
+            self._get(key)
+            return None
+        return self.sha256(key)
 
     def bool(self, key: str) -> bool:
         value = self._get(key)
@@ -197,14 +205,27 @@ def read_document(path: str | Path, parse: Callable[[Fields], T]) -> T:
 
     Raises:
         MissingObjectError: the file does not exist.
+        NotRegularFileError / FileAccessError: a folder at ``path``, or it cannot be read.
         ManifestError: any parse or schema failure (see :class:`Fields`).
     """
     path = Path(path)
+    return parse_document(read_document_bytes(path), parse, file=str(path))
+
+
+def read_document_bytes(path: Path) -> bytes:
+    """The bytes of a document file.
+
+    Raises:
+        MissingObjectError: the file does not exist.
+        NotRegularFileError / FileAccessError: a folder at ``path``, or it cannot be read
+            (:func:`coldsnap_core._io.os_error`).
+    """
     try:
-        data = path.read_bytes()
+        return path.read_bytes()
     except FileNotFoundError as exc:
         raise MissingObjectError("document does not exist", file=path) from exc
-    return parse_document(data, parse, file=str(path))
+    except OSError as exc:
+        raise os_error("document cannot be read", exc, path) from exc
 
 
 def dump_document(obj: Mapping[str, Any]) -> bytes:

@@ -10,6 +10,11 @@ The packs themselves are not in the artifact: each worker entry names its payloa
 the object lives at ``<state-root>/model-payloads/sha256/<digest>.pack`` (or in a payload store).
 Several workers may name the same digest; publication uploads it once (seed 000, "Capture and
 publication").
+
+``artifact.json`` is the root of trust of an artifact: each worker entry pins the SHA-256 and size
+of every file of its capsule (both manifests and the residual blob), so a capsule edited in any
+byte, even consistently with itself, is refused before it is used. It is distributed like any other
+configuration; signing it is out of scope.
 """
 
 from __future__ import annotations
@@ -19,13 +24,45 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coldsnap_core.format._strict import Fields, dump_document, parse_document, read_document
-from coldsnap_core.format.manifest import ModelIdentity, PackRef, WorkerIdentity
+from coldsnap_core.format.manifest import (
+    CAPSULE_FILENAME_RE,
+    NATIVE_MANIFEST_FILENAME,
+    RECOVERY_MANIFEST_FILENAME,
+    ModelIdentity,
+    PackRef,
+    WorkerIdentity,
+)
 
 ARTIFACT_KIND = "coldsnap.artifact"
 DESCRIPTOR_FILENAME = "artifact.json"
 WORKERS_DIRNAME = "workers"
 
 _CAPSULE_RE = re.compile(r"workers/[a-z][a-z0-9_]*-[0-9]+-of-[0-9]+")
+
+
+@dataclass(frozen=True, slots=True)
+class CapsuleFile:
+    """The pin of one file of a unit capsule, recorded in ``artifact.json``.
+
+    Attributes:
+        name: the file name within the capsule folder (``native-manifest.json``,
+            ``recovery-manifest.json``, or the residual blob's ``residual.file``, ``weights.blob``).
+        size_bytes: the file's size in bytes.
+        sha256: SHA-256 (lowercase hex) of the whole file.
+    """
+
+    name: str
+    size_bytes: int
+    sha256: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"name": self.name, "size_bytes": self.size_bytes, "sha256": self.sha256}
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> CapsuleFile:
+        pin = cls(name=f.str("name", pattern=CAPSULE_FILENAME_RE), size_bytes=f.int("size_bytes"), sha256=f.sha256("sha256"))
+        f.done()
+        return pin
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,14 +73,26 @@ class WorkerEntry:
         worker: the worker's identity.
         capsule: the capsule folder, relative to the artifact folder (``workers/<capsule_name>``).
         payload: the worker's pack (digest, size, derived path).
+        capsule_files: the pins of the capsule's three files, sorted by name: both manifests and the
+            residual blob (its ``sha256`` and ``size_bytes`` equal the native manifest's ``residual``).
     """
 
     worker: WorkerIdentity
     capsule: str
     payload: PackRef
+    capsule_files: tuple[CapsuleFile, ...]
+
+    def pin(self, name: str) -> CapsuleFile | None:
+        """The pin of the capsule file ``name``, or ``None``."""
+        return next((p for p in self.capsule_files if p.name == name), None)
 
     def to_json(self) -> dict[str, object]:
-        return {"worker": self.worker.to_json(), "capsule": self.capsule, "payload": self.payload.to_json()}
+        return {
+            "worker": self.worker.to_json(),
+            "capsule": self.capsule,
+            "payload": self.payload.to_json(),
+            "capsule_files": [p.to_json() for p in self.capsule_files],
+        }
 
     @classmethod
     def from_fields(cls, f: Fields) -> WorkerEntry:
@@ -51,10 +100,18 @@ class WorkerEntry:
             worker=f.obj("worker", WorkerIdentity.from_fields),
             capsule=f.str("capsule", pattern=_CAPSULE_RE),
             payload=f.obj("payload", PackRef.from_fields),
+            capsule_files=f.list("capsule_files", CapsuleFile.from_fields),
         )
         f.done()
         if entry.capsule != f"{WORKERS_DIRNAME}/{entry.worker.capsule_name}":
             raise f.error(f"capsule {entry.capsule!r} is not the worker's capsule folder")
+        names = [p.name for p in entry.capsule_files]
+        manifests = {NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME}
+        if len(names) != 3 or names != sorted(set(names)) or not manifests <= set(names):
+            raise f.error(
+                f"capsule_files names {names}; expected the capsule's three files (both manifests and the residual"
+                " blob), each once, sorted by name"
+            )
         return entry
 
 
@@ -71,9 +128,13 @@ class ArtifactDescriptor:
     workers: tuple[WorkerEntry, ...]
 
     def with_worker(self, entry: WorkerEntry) -> ArtifactDescriptor:
-        """A copy with ``entry`` added, replacing any entry of the same (role, rank)."""
+        """A copy with ``entry`` added, replacing any entry of the same (role, rank) and dropping every
+        entry of another world size (a capture with another world size starts another world: the old
+        world's capsules cannot be restored next to the new one's)."""
         key = (entry.worker.role, entry.worker.rank)
-        kept = [w for w in self.workers if (w.worker.role, w.worker.rank) != key]
+        kept = [
+            w for w in self.workers if (w.worker.role, w.worker.rank) != key and w.worker.world_size == entry.worker.world_size
+        ]
         workers = sorted([*kept, entry], key=lambda w: (w.worker.role, w.worker.rank))
         return ArtifactDescriptor(self.model, tuple(workers))
 
@@ -100,6 +161,11 @@ class ArtifactDescriptor:
         keys = [(w.worker.role, w.worker.rank) for w in descriptor.workers]
         if len(set(keys)) != len(keys):
             raise f.error("two worker entries have the same (role, rank)")
+        if keys != sorted(keys):
+            raise f.error("worker entries are not sorted by (role, rank)")
+        world_sizes = sorted({w.worker.world_size for w in descriptor.workers})
+        if len(world_sizes) > 1:
+            raise f.error(f"worker entries of several world sizes {world_sizes}; one artifact holds one world")
         return descriptor
 
     @classmethod

@@ -11,6 +11,7 @@ Source: seed 000, "For every execution worker, capture produces"; ``docs/format.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ CapturePoint = Literal["portable", "native"]
 _CAPTURE_POINTS = ("portable", "native")
 _ROLE_RE = re.compile(r"[a-z][a-z0-9_]*")
 _FILENAME_RE = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]+")
+CAPSULE_FILENAME_RE = _FILENAME_RE
+"""A file name inside a capsule folder: ``[A-Za-z0-9._-]+``, not ``.`` or ``..``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,30 +161,74 @@ class CheckpointFile:
     def from_fields(cls, f: Fields) -> CheckpointFile:
         entry = cls(name=f.str("name"), size_bytes=f.int("size_bytes"), sha256=f.sha256("sha256"))
         f.done()
+        problem = checkpoint_name_problem(entry.name)
+        if problem is not None:
+            raise f.error(f"name {entry.name!r} {problem}")
         return entry
+
+
+def checkpoint_name_problem(name: str) -> str | None:
+    """Why ``name`` is not a checkpoint file name relative to its folder, or ``None`` if it is one.
+
+    A name is ``/``-separated components, none empty, ``.`` or ``..``; no leading ``/``, no
+    backslash and no NUL (so ``folder / name`` never leaves the folder on any reader).
+    """
+    if "\\" in name or "\x00" in name:
+        return "contains a backslash or NUL"
+    if name.startswith("/"):
+        return "is an absolute path"
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        return "has an empty, '.' or '..' component"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
 class ModelIdentity:
-    """The pinned model the recovery loader falls back to.
+    """The pinned model: what restore compares with the model the engine is loading, and what the
+    recovery loader falls back to.
 
     Attributes:
-        source: Hugging Face repository id, or the local checkpoint folder's path.
+        source: Hugging Face repository id, or the local checkpoint folder's real path
+            (``os.path.realpath``; informational for a local folder: restore compares its content).
         revision: the repository revision (commit), or ``None`` for a local folder.
-        files: every checkpoint file with its size and SHA-256, sorted by name.
+        files: every checkpoint file with its size and SHA-256, sorted by name, at least one, names
+            unique and relative to the checkpoint folder.
+        config_sha256: SHA-256 (lowercase hex) of the engine's effective model configuration
+            (:func:`coldsnap_core.model_identity.model_config_sha256`: the Hugging Face config after
+            overrides, the dtype and the quantization method), or ``None`` when the capture ran
+            without an engine. It covers what changes buffer values but not shapes (a rotary base,
+            a rope scaling), which the layout fingerprint cannot see.
     """
 
     source: str
     revision: str | None
     files: tuple[CheckpointFile, ...]
+    config_sha256: str | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {"source": self.source, "revision": self.revision, "files": [c.to_json() for c in self.files]}
+        return {
+            "source": self.source,
+            "revision": self.revision,
+            "files": [c.to_json() for c in self.files],
+            "config_sha256": self.config_sha256,
+        }
 
     @classmethod
     def from_fields(cls, f: Fields) -> ModelIdentity:
-        identity = cls(source=f.str("source"), revision=f.opt_str("revision"), files=f.list("files", CheckpointFile.from_fields))
+        identity = cls(
+            source=f.str("source"),
+            revision=f.opt_str("revision"),
+            files=f.list("files", CheckpointFile.from_fields),
+            config_sha256=f.opt_sha256("config_sha256"),
+        )
         f.done()
+        if not identity.files:
+            raise f.error("files is empty; a model identity names at least one checkpoint file")
+        names = [c.name for c in identity.files]
+        for i, (a, b) in enumerate(itertools.pairwise(names)):
+            if a >= b:
+                what = "repeats" if a == b else "is not sorted by name at"
+                raise f.error(f"files {what} {b!r} (files[{i + 1}]); names are unique and sorted")
         return identity
 
 
@@ -255,6 +302,13 @@ class NativeManifest:
             residual_extents=f.list("residual_extents", ResidualExtent.from_fields),
         )
         f.done()
+        for allocation in manifest.allocations.allocations:
+            if (allocation.address is None) == (capture_point == "native"):
+                needs = "an integer address" if capture_point == "native" else "address null"
+                raise f.error(
+                    f"allocations[{allocation.index}].address is {allocation.address}; the {capture_point} capture point"
+                    f" needs {needs} on every allocation"
+                )
         return manifest
 
     @classmethod

@@ -3,6 +3,8 @@ captures for corruption tests, rewrite manifests, and run the real CLI."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -22,6 +24,7 @@ from coldsnap_core.format.allocation import AllocationMap
 from coldsnap_core.format.manifest import (
     NATIVE_MANIFEST_FILENAME,
     RECOVERY_MANIFEST_FILENAME,
+    CapturePoint,
     CheckpointFile,
     ModelIdentity,
     NativeManifest,
@@ -85,14 +88,16 @@ def capture(
     *,
     model: ModelIdentity = SYNTHETIC_MODEL,
     backend: HostCopyBackend | None = None,
+    capture_point: CapturePoint = "portable",
+    worker: WorkerIdentity = WORKER,
 ) -> Captured:
     """Run the real capture into ``root/state`` and ``root/artifact``."""
     result = capture_worker(
         allocation_map=allocation_map,
         allocations=allocations,
         model_ranges=model_ranges,
-        worker=WORKER,
-        capture_point="portable",
+        worker=worker,
+        capture_point=capture_point,
         model=model,
         cache=PayloadCache(root / "state"),
         artifact_dir=root / "artifact",
@@ -128,6 +133,33 @@ def edit_json(path: Path, edit: Callable[[dict], object]) -> None:
     edit(doc)
     os.chmod(path, 0o644)
     path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
+def repin(c: Captured) -> None:
+    """Make ``artifact.json`` pin every capsule's current manifests (and the residual blob its native
+    manifest names): what an editor who rewrites the descriptor along with the capsule would do. Tests
+    of the rules behind the pins use it after editing a manifest."""
+
+    def edit(doc: dict) -> None:
+        for entry in doc["workers"]:
+            capsule = c.artifact_dir / entry["capsule"]
+            native_path = capsule / NATIVE_MANIFEST_FILENAME
+            residual = None
+            with contextlib.suppress(ValueError, OSError, KeyError, TypeError):
+                residual = json.loads(native_path.read_bytes())["residual"]
+            pins = []
+            for pin in entry["capsule_files"]:
+                path = capsule / pin["name"]
+                if pin["name"].endswith(".json"):
+                    if path.is_file():
+                        data = path.read_bytes()
+                        pin = {**pin, "size_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                elif isinstance(residual, dict) and {"file", "size_bytes", "sha256"} <= set(residual):
+                    pin = {"name": residual["file"], "size_bytes": residual["size_bytes"], "sha256": residual["sha256"]}
+                pins.append(pin)
+            entry["capsule_files"] = sorted(pins, key=lambda p: p["name"])
+
+    edit_json(c.artifact_dir / "artifact.json", edit)
 
 
 def flip_byte(path: Path, offset: int, *, keep_mtime: bool = False) -> None:

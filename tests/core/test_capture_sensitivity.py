@@ -52,7 +52,7 @@ def test_other_addresses_keep_the_pack(staged_2layer: Slabs, captured_2layer: Ca
     with_addresses = AllocationMap(
         tuple(replace(a, address=la.address) for a, la in zip(staged_2layer.allocation_map.allocations, live, strict=True))
     )
-    got = capture(tmp_path, with_addresses, live, staged_2layer.model_ranges)
+    got = capture(tmp_path, with_addresses, live, staged_2layer.model_ranges, capture_point="native")
     assert got.manifest.pack == captured_2layer.manifest.pack
     assert got.manifest.layout_fingerprint == captured_2layer.manifest.layout_fingerprint
     assert [a.address for a in got.manifest.allocations.allocations] == [a.address for a in live]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from core_support import Captured, copy_capture, edit_json, flip_byte, run_cli
+from core_support import Captured, copy_capture, edit_json, flip_byte, repin, run_cli
 
 from coldsnap_core.digests import pack_relpath
 from coldsnap_core.verify import check_manifest
@@ -76,6 +76,46 @@ def _stale_capsule(c: Captured) -> None:
     shutil.copytree(c.capsule_dir, c.artifact_dir / "workers" / "worker-0-of-2")
 
 
+def _swap_equal_sized_extents(doc: dict) -> None:
+    """QA's attack: swap SHA-256, pack offset and provenance between two model extents of equal size
+    (layer 0's and layer 1's ``gate_proj``): the manifest stays consistent with itself and with the
+    pack, but each destination would receive the other layer's bytes."""
+    by_name = {e["provenance"]["tensor_name"]: e for e in doc["model_extents"]}
+    a, b = by_name["model.layers.0.mlp.gate_proj.weight"], by_name["model.layers.1.mlp.gate_proj.weight"]
+    assert a["size_bytes"] == b["size_bytes"] and a["sha256"] != b["sha256"]
+    for key in ("sha256", "pack_offset_bytes", "provenance"):
+        a[key], b[key] = b[key], a[key]
+
+
+def _as_another_world(doc: dict) -> None:
+    doc["worker"].update(world_size=2, tensor_parallel_size=2)
+
+
+def _model_files(edit: Callable[[list], object]) -> Callable[[Captured], None]:
+    """Apply ``edit`` to ``model.files`` in the recovery manifest and in artifact.json alike."""
+
+    def corrupt(c: Captured) -> None:
+        edit_json(c.recovery_path, lambda d: edit(d["model"]["files"]))
+        edit_json(c.artifact_dir / "artifact.json", lambda d: edit(d["model"]["files"]))
+
+    return corrupt
+
+
+def _native_without_addresses(doc: dict) -> None:
+    doc["capture_point"] = "native"  # the allocations keep their portable tags and null addresses
+
+
+def _symlinked_cache_folder(name: str) -> Callable[[Captured], None]:
+    def corrupt(c: Captured) -> None:
+        folder = c.state_root / "model-payloads"
+        folder = folder / "sha256" if name == "sha256" else folder
+        target = c.root / f"moved-{name}"
+        os.rename(folder, target)
+        folder.symlink_to(target)
+
+    return corrupt
+
+
 @dataclass(frozen=True)
 class Case:
     id: str
@@ -84,6 +124,8 @@ class Case:
     rule: str
     copy_pack: bool = False
     names_extent: bool = False
+    repin: bool = True
+    """Rewrite artifact.json's pins after the edit (so the rule behind the pins is what is tested)."""
 
 
 CASES = [
@@ -168,6 +210,43 @@ CASES = [
     ),
     Case("symlinked-pack", _symlinked_pack, 4, "no-symlinks"),
     Case("stale-capsule", _stale_capsule, 4, "artifact"),
+    # artifact.json pins each capsule's files (QA defect 1): an unpinned edit of either manifest, even
+    # one that keeps the capsule consistent with itself and with its pack, is refused.
+    Case("self-consistent-extent-swap", _native(_swap_equal_sized_extents), 2, "capsule-pin", repin=False),
+    Case(
+        "recovery-manifest-edited",
+        lambda c: edit_json(c.recovery_path, lambda d: d["residual_extents"][0].update(size_bytes=1)),
+        2,
+        "capsule-pin",
+        repin=False,
+    ),
+    Case(
+        "residual-pin-disagrees",
+        lambda c: edit_json(
+            c.artifact_dir / "artifact.json", lambda d: d["workers"][0]["capsule_files"][2].update(sha256="0" * 64)
+        ),
+        2,
+        "capsule-pin",
+        repin=False,
+    ),
+    # The worker of the descriptor entry, the folder name and the manifests agree (QA defect 4b).
+    Case("manifests-of-another-world", _both_manifests(_as_another_world), 2, "manifests-agree"),
+    # Malformed content (QA defect 8).
+    Case("native-capture-point-without-addresses", _native(_native_without_addresses), 2, "manifest-value"),
+    Case("model-file-name-escapes", _model_files(lambda f: f[0].update(name="../../etc/passwd")), 2, "manifest-value"),
+    Case("model-file-name-absolute", _model_files(lambda f: f[0].update(name="/etc/passwd")), 2, "manifest-value"),
+    Case("model-files-empty", _model_files(lambda f: f.clear()), 2, "manifest-value"),
+    Case("model-files-duplicate", _model_files(lambda f: f.append(dict(f[0]))), 2, "manifest-value"),
+    Case(
+        "provenance-not-in-model-identity",
+        _native(lambda d: d["model_extents"][3]["provenance"].update(checkpoint_file="other.safetensors")),
+        2,
+        "manifests-agree",
+        names_extent=True,
+    ),
+    # verify checks the cache folders as the cache commands do (QA defect 7).
+    Case("symlinked-model-payloads-folder", _symlinked_cache_folder("model-payloads"), 4, "no-symlinks"),
+    Case("symlinked-sha256-folder", _symlinked_cache_folder("sha256"), 4, "no-symlinks"),
 ]
 
 
@@ -179,6 +258,8 @@ def test_verify_exit_code_and_message_for_each_rule(captured_2layer: Captured, t
     file (and allocation and offset for per-extent rules) on stderr, nothing on stdout."""
     captured = copy_capture(captured_2layer, tmp_path / "copy", copy_pack=case.copy_pack)
     case.corrupt(captured)
+    if case.repin:
+        repin(captured)
     done = run_cli("verify", captured.artifact_dir, "--state-root", captured.state_root)
     assert done.returncode == case.code, done.stderr
     assert f"rule {case.rule} failed" in done.stderr, done.stderr
@@ -276,6 +357,7 @@ def test_inspect_of_a_bad_manifest_uses_the_same_exit_codes(captured_2layer: Cap
     """Catches ``inspect`` crashing instead of reporting: a newer format version exits 2, nothing exits 3."""
     captured = copy_capture(captured_2layer, tmp_path / "copy", copy_pack=False)
     edit_json(captured.manifest_path, lambda d: d.update(format_version=10))
+    repin(captured)
     done = run_cli("inspect", captured.artifact_dir)
     assert done.returncode == 2 and "rule format-version failed" in done.stderr
     assert run_cli("inspect", tmp_path / "nothing").returncode == 3

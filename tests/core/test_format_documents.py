@@ -11,6 +11,7 @@ import copy
 import json
 import string
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -27,7 +28,7 @@ from coldsnap_core.errors import (
 )
 from coldsnap_core.format._strict import MAX_OFFSET_BYTES
 from coldsnap_core.format.allocation import DTYPE_ITEMSIZE_BYTES, Allocation, AllocationMap, TensorPlacement
-from coldsnap_core.format.descriptor import ArtifactDescriptor, WorkerEntry
+from coldsnap_core.format.descriptor import ArtifactDescriptor, CapsuleFile, WorkerEntry
 from coldsnap_core.format.extents import ExtentProvenance, ModelExtent, ResidualExtent
 from coldsnap_core.format.manifest import (
     CheckpointFile,
@@ -39,7 +40,7 @@ from coldsnap_core.format.manifest import (
     WorkerIdentity,
 )
 
-NULLABLE = {"address", "revision"}
+NULLABLE = {"address", "revision", "config_sha256"}
 """Fields whose JSON value may be null."""
 
 # --- hypothesis strategies for every document kind --------------------------------------------------
@@ -62,13 +63,16 @@ def tensor_placements(draw: st.DrawFn) -> TensorPlacement:
 
 
 @st.composite
-def allocation_maps(draw: st.DrawFn) -> AllocationMap:
+def allocation_maps(draw: st.DrawFn, *, addresses: bool | None = None) -> AllocationMap:
+    """``addresses``: every allocation has one (native capture point), none has (portable), or either
+    (``None``: the recovery manifest, which names no capture point)."""
     allocations = []
     for index in range(draw(st.integers(0, 4))):
         tensors = tuple(draw(st.lists(tensor_placements(), max_size=4)))
         needed = max((t.offset_bytes + t.span_bytes for t in tensors), default=0)
         size = needed + draw(st.integers(0, 1 << 20))
-        address = draw(st.none() | st.integers(0, MAX_OFFSET_BYTES))
+        integer = st.integers(0, MAX_OFFSET_BYTES)
+        address = draw({True: integer, False: st.none(), None: st.none() | integer}[addresses])
         allocations.append(Allocation(index, size, draw(tags), address, tensors))
     return AllocationMap(tuple(allocations))
 
@@ -85,19 +89,37 @@ model_extents = st.builds(ModelExtent, st.integers(0, 1 << 20), offsets, sizes, 
 residual_extents = st.builds(ResidualExtent, st.integers(0, 1 << 20), offsets, sizes, offsets)
 pack_refs = st.builds(PackRef.for_digest, sha256s, offsets) | st.builds(PackRef, sha256s, offsets, names)
 residual_refs = st.builds(ResidualRef, file_names, sha256s, offsets)
-checkpoint_files = st.builds(CheckpointFile, names, offsets, sha256s)
-model_identities = st.builds(ModelIdentity, names, st.none() | names, st.lists(checkpoint_files, max_size=3).map(tuple))
-native_manifests = st.builds(
-    NativeManifest,
-    st.sampled_from(["portable", "native"]),
-    workers(),
-    sha256s,
-    pack_refs,
-    residual_refs,
-    allocation_maps(),
-    st.lists(model_extents, max_size=4).map(tuple),
-    st.lists(residual_extents, max_size=4).map(tuple),
+name_components = st.text(
+    st.characters(exclude_categories=("Cs",), exclude_characters="/\\\x00"), min_size=1, max_size=12
+).filter(lambda s: s not in (".", ".."))
+checkpoint_names = st.lists(name_components, min_size=1, max_size=3).map("/".join)
+checkpoint_files = st.builds(CheckpointFile, checkpoint_names, offsets, sha256s)
+model_identities = st.builds(
+    ModelIdentity,
+    names,
+    st.none() | names,
+    st.lists(checkpoint_files, min_size=1, max_size=3, unique_by=lambda c: c.name).map(
+        lambda files: tuple(sorted(files, key=lambda c: c.name))
+    ),
+    st.none() | sha256s,
 )
+
+
+@st.composite
+def native_manifests(draw: st.DrawFn) -> NativeManifest:
+    capture_point = draw(st.sampled_from(["portable", "native"]))
+    return NativeManifest(
+        capture_point,
+        draw(workers()),
+        draw(sha256s),
+        draw(pack_refs),
+        draw(residual_refs),
+        draw(allocation_maps(addresses=capture_point == "native")),
+        tuple(draw(st.lists(model_extents, max_size=4))),
+        tuple(draw(st.lists(residual_extents, max_size=4))),
+    )
+
+
 recovery_manifests = st.builds(
     RecoveryManifest,
     workers(),
@@ -110,17 +132,28 @@ recovery_manifests = st.builds(
 
 
 @st.composite
+def capsule_files(draw: st.DrawFn) -> tuple[CapsuleFile, ...]:
+    blob = draw(file_names.filter(lambda n: n not in ("native-manifest.json", "recovery-manifest.json")))
+    names = ["native-manifest.json", "recovery-manifest.json", blob]
+    return tuple(sorted((CapsuleFile(n, draw(offsets), draw(sha256s)) for n in names), key=lambda p: p.name))
+
+
+@st.composite
 def descriptors(draw: st.DrawFn) -> ArtifactDescriptor:
     entries = {}
+    world = draw(st.integers(1, 64))  # one artifact holds one world
     for worker in draw(st.lists(workers(), max_size=4)):
-        entries[(worker.role, worker.rank)] = WorkerEntry(worker, f"workers/{worker.capsule_name}", draw(pack_refs))
+        worker = replace(worker, rank=worker.rank % world, world_size=world)
+        entries[(worker.role, worker.rank)] = WorkerEntry(
+            worker, f"workers/{worker.capsule_name}", draw(pack_refs), draw(capsule_files())
+        )
     return ArtifactDescriptor(
         draw(model_identities), tuple(sorted(entries.values(), key=lambda e: (e.worker.role, e.worker.rank)))
     )
 
 
 ROUND_TRIPS: list[tuple[str, st.SearchStrategy[Any], Callable[[bytes], Any]]] = [
-    ("native manifest", native_manifests, NativeManifest.loads),
+    ("native manifest", native_manifests(), NativeManifest.loads),
     ("recovery manifest", recovery_manifests, RecoveryManifest.loads),
     ("artifact descriptor", descriptors(), ArtifactDescriptor.loads),
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -19,10 +19,10 @@ import torch
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import ModelRange, capture_worker
 from coldsnap_core.copy.host import HostCopyBackend
-from coldsnap_core.errors import ConfigurationError, ExtentDigestMismatchError
+from coldsnap_core.errors import ConfigurationError, ExtentDigestMismatchError, ModelIdentityMismatchError
 from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import WorkerIdentity
-from coldsnap_core.model_identity import identify_checkpoint
+from coldsnap_core.model_identity import identify_checkpoint, model_config_sha256
 from coldsnap_core.safetensors_header import read_header
 from coldsnap_core.torch_allocations import enumerate_allocations
 
@@ -56,12 +56,23 @@ class TinyModel(torch.nn.Module):
 
 @dataclass
 class ModelConfig:
-    """SGLang's ``ModelConfig`` as the loader reads it (``model_path``, ``revision``) plus the two
-    steps the stand-in's ``DefaultModelLoader`` delegates (building the model, the weights iterator)."""
+    """SGLang's ``ModelConfig`` as the loader reads it (``model_path``, ``revision``, ``hf_config``
+    after ``--json-model-override-args``, ``dtype``, ``quantization``) plus the two steps the
+    stand-in's ``DefaultModelLoader`` delegates (building the model, the weights iterator)."""
 
     model_path: str
     revision: str | None = None
     weights_read: int = 0
+    overrides: dict = field(default_factory=dict)
+    dtype: torch.dtype = torch.bfloat16
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        import transformers
+
+        self.hf_config = transformers.AutoConfig.from_pretrained(self.model_path)
+        for key, value in self.overrides.items():
+            setattr(self.hf_config, key, value)
 
     def build(self) -> TinyModel:
         return TinyModel()
@@ -104,7 +115,11 @@ def captured(smollm2_2layer: Path, tmp_path: Path):
         model_ranges=ranges,
         worker=WorkerIdentity("worker", 0, 1, 0, 1),
         capture_point="portable",
-        model=identify_checkpoint([smollm2_2layer / "model.safetensors"], source=str(smollm2_2layer)),
+        model=identify_checkpoint(
+            [smollm2_2layer / "model.safetensors"],
+            source=str(smollm2_2layer),
+            config_sha256=model_config_sha256(config.hf_config, dtype=config.dtype, quantization=config.quantization),
+        ),
         cache=PayloadCache(tmp_path / "state"),
         artifact_dir=tmp_path / "artifact",
         backend=HostCopyBackend(),
@@ -112,14 +127,16 @@ def captured(smollm2_2layer: Path, tmp_path: Path):
     return model, result
 
 
-def load(fake_sglang, tmp_path: Path, smollm2_2layer: Path, **extra) -> tuple[torch.nn.Module, ModelConfig, object]:
+def load(
+    fake_sglang, tmp_path: Path, smollm2_2layer: Path, *, overrides: dict | None = None, **extra
+) -> tuple[torch.nn.Module, ModelConfig, object]:
     import coldsnap_sglang
 
     coldsnap_sglang.register()
     options = {"artifact_dir": str(tmp_path / "artifact"), "state_root": str(tmp_path / "state"), **extra}
     load_config = fake_sglang.LoadConfig(load_format="coldsnap", model_loader_extra_config=json.dumps(options))
     loader = fake_sglang.get_model_loader(load_config)
-    config = ModelConfig(str(smollm2_2layer))
+    config = ModelConfig(str(smollm2_2layer), overrides=overrides or {})
     return loader.load_model(model_config=config, device_config=DeviceConfig()), config, loader
 
 
@@ -201,3 +218,17 @@ def test_materialize_defaults_to_off_and_other_keys_reach_sglang(fake_sglang, sm
     assert loader.load_config.model_loader_extra_config == {"num_threads": 2}
     with pytest.raises(ValueError, match="Unexpected extra config keys"):
         load(fake_sglang, tmp_path, smollm2_2layer, pack_name="mine")
+
+
+def test_another_model_configuration_is_not_restored(fake_sglang, captured, smollm2_2layer, tmp_path, caplog) -> None:
+    """QA defect 2 on SGLang: the same checkpoint with another rotary base in ``hf_config`` (a changed
+    config.json or ``--json-model-override-args``; the layout is the same) is refused under ``native``
+    with ModelIdentityMismatchError, and ``auto`` loads the checkpoint with one WARNING naming the
+    configuration instead of restoring the captured buffers."""
+    with pytest.raises(ModelIdentityMismatchError, match="model configuration"):
+        load(fake_sglang, tmp_path, smollm2_2layer, overrides={"rope_theta": 5000.0}, restore="native")
+    with caplog.at_level(logging.WARNING, logger="coldsnap_sglang"):
+        _, config, _ = load(fake_sglang, tmp_path, smollm2_2layer, overrides={"rope_theta": 5000.0})
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "rule model-identity failed" in warning and "model configuration" in warning
+    assert config.weights_read == len(NAMES)

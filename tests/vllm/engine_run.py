@@ -12,7 +12,7 @@ keeps vLLM's engine core and its one worker in this process (the ``uni`` executo
 
 Usage: ``python tests/vllm/engine_run.py SPEC.json RESULT.json`` where SPEC has ``model``,
 ``load_format`` and optionally ``dtype`` (``bfloat16``), ``env`` (set before vLLM is imported),
-``extra_config``, ``prompts``, ``max_tokens`` (8), ``max_model_len`` (256), ``skip_tokenizer_init``
+``extra_config``, ``hf_overrides`` (vLLM's ``--hf-overrides``), ``prompts``, ``max_tokens`` (8), ``max_model_len`` (256), ``skip_tokenizer_init``
 (prompts are then lists of token ids), ``tensor_parallel_size`` (1; above 1 the ``mp`` executor
 runs the workers in other processes and no digests are recorded) and ``digests`` (true). RESULT gets
 ``digests`` (name -> sha256), ``outputs`` (greedy texts or token ids), ``outcome`` (the coldsnap
@@ -110,6 +110,8 @@ def main(spec_path: str, result_path: str) -> int:
     }
     if spec.get("extra_config"):
         kwargs["model_loader_extra_config"] = spec["extra_config"]
+    if spec.get("hf_overrides"):
+        kwargs["hf_overrides"] = spec["hf_overrides"]
     if spec.get("skip_tokenizer_init"):
         kwargs["skip_tokenizer_init"] = True
     if tp > 1:

@@ -5,7 +5,7 @@ bytes every parameter and buffer holds right before vLLM's ``process_weights_aft
 (per-tensor SHA-256, recorded by ``engine_run.py`` for any load format), against a plain
 ``--load-format safetensors`` load of the same checkpoint, and on greedy generations.
 
-Engine starts are shared per module (fixtures of module scope): 2-layer (9 engines), 3-shard (3),
+Engine starts are shared per module (fixtures of module scope): 2-layer (10 engines), 3-shard (3),
 untied (3).
 """
 
@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def two_layer(smollm2_2layer: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """A plain load, two captures in two processes (separate state roots), and a native restore."""
+    """A plain load, two captures in two processes (separate state roots), and a native restore that
+    names the model folder with a trailing ``/`` (another spelling of the captured path)."""
     work = tmp_path_factory.mktemp("two-layer")
     runs = {"work": work, "model": smollm2_2layer}
     runs["plain"] = run_engine(work, "plain", smollm2_2layer, "safetensors")
@@ -31,7 +32,7 @@ def two_layer(smollm2_2layer: Path, tmp_path_factory: pytest.TempPathFactory) ->
         env = coldsnap_env(work / f"artifact-{name}", work / f"state-{name}", COLDSNAP_EXPORT_MODEL_PAYLOAD="1")
         runs[f"capture-{name}"] = run_engine(work, f"capture-{name}", smollm2_2layer, "coldsnap", env=env)
     env = coldsnap_env(work / "artifact-a", work / "state-a", COLDSNAP_RESTORE="native")
-    runs["restore"] = run_engine(work, "restore", smollm2_2layer, "coldsnap", env=env)
+    runs["restore"] = run_engine(work, "restore", f"{smollm2_2layer}/", "coldsnap", env=env)
     return runs
 
 
@@ -46,7 +47,9 @@ def _assert_same_load(restored, plain) -> None:
 def test_restore_equals_a_plain_safetensors_load(two_layer: dict) -> None:
     """After a native restore (no checkpoint read) every parameter and buffer holds, before
     post-processing, the bytes of a plain safetensors load; generations are identical. The capture
-    run itself (the observed load) also changed nothing."""
+    run itself (the observed load) also changed nothing. The restore named the model ``$M/``, the
+    capture ``$M``: the same folder, so no model-identity WARNING (QA defect 5), and the model
+    configuration digest computed in the two processes agrees."""
     plain, capture, restore = two_layer["plain"], two_layer["capture-a"], two_layer["restore"]
     assert len(plain.digests) > 20
     _assert_same_load(capture, plain)
@@ -140,6 +143,20 @@ def test_layout_check_refuses_another_model(two_layer: dict, request, case: str,
     result = run_engine(two_layer["work"], f"layout-{case}", model, "coldsnap", env=env, dtype=dtype)
     assert result.error is not None
     assert "LayoutMismatchError: rule layout-fingerprint failed" in result.error, case
+
+
+def test_another_rotary_base_is_not_restored(two_layer: dict) -> None:
+    """QA defect 2 end to end: the captured 2-layer payload restored into an engine started with
+    ``--hf-overrides '{"rope_theta": 5000}'`` (same layout, other rotary ``cos_sin_cache`` values) is
+    refused under ``native`` by the model identity's configuration digest; without it the residual
+    blob would bring back the captured cache."""
+    env = coldsnap_env(two_layer["work"] / "artifact-a", two_layer["work"] / "state-a", COLDSNAP_RESTORE="native")
+    result = run_engine(
+        two_layer["work"], "rope-override", two_layer["model"], "coldsnap", env=env, hf_overrides={"rope_theta": 5000.0}
+    )
+    assert result.error is not None and result.outputs == []
+    assert "ModelIdentityMismatchError: rule model-identity failed" in result.error
+    assert "model configuration" in result.error
 
 
 @pytest.mark.parametrize("variant", ["smollm2_2layer_3shards", "smollm2_2layer_untied"])

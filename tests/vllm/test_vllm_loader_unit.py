@@ -11,6 +11,7 @@ publication) runs on real vLLM code paths in seconds. End-to-end engine tests ar
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -24,10 +25,10 @@ from vllm.model_executor.model_loader import get_model_loader
 
 import coldsnap_vllm.compat as compat
 from coldsnap_core.copy.select import copy_backend_for
-from coldsnap_core.errors import ConfigurationError, EngineVersionError, ObserverError
+from coldsnap_core.errors import ConfigurationError, EngineVersionError, ModelIdentityMismatchError, ObserverError
 from coldsnap_core.safetensors_header import read_header
 from coldsnap_vllm import state
-from coldsnap_vllm.loader import ColdsnapModelLoader, last_outcome, register_loader
+from coldsnap_vllm.loader import ColdsnapModelLoader, engine_config_sha256, last_outcome, register_loader
 
 pytestmark = pytest.mark.vllm
 
@@ -42,11 +43,11 @@ class Consumer(torch.nn.Module):
     """Three parameters loaded from the checkpoint (embedding, final norm, one down projection
     split as tensor parallel rank 1 of 2 would split it), plus a buffer."""
 
-    def __init__(self, *, rebind: bool = False) -> None:
+    def __init__(self, *, rebind: bool = False, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
-        self.embed = torch.nn.Parameter(torch.zeros(49152, 576, dtype=torch.bfloat16), requires_grad=False)
-        self.norm = torch.nn.Parameter(torch.zeros(576, dtype=torch.bfloat16), requires_grad=False)
-        self.down = torch.nn.Parameter(torch.zeros(576, 768, dtype=torch.bfloat16), requires_grad=False)
+        self.embed = torch.nn.Parameter(torch.zeros(49152, 576, dtype=dtype), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(576, dtype=dtype), requires_grad=False)
+        self.down = torch.nn.Parameter(torch.zeros(576, 768, dtype=dtype), requires_grad=False)
         self.register_buffer("rope", torch.arange(64, dtype=torch.float32))
         self.rebind = rebind
 
@@ -237,10 +238,13 @@ def test_writes_are_published_without_an_artifact_folder(
     assert sum(w.size_bytes for w in published.writes) == last_outcome().model_bytes > 0
     if sleep_backend == "coldsnap":
         assert [f.name for f in published.model.files] == ["model.safetensors"]
-        assert published.model.source == str(smollm2_2layer)
+        assert published.model.source == os.path.realpath(smollm2_2layer)
+        assert published.model.config_sha256 == engine_config_sha256(config)
+        # Nothing captured or cached; the files hashed for the identity are recorded.
+        assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["checkpoint-records"]
     else:
         assert published.model is None
-    assert not (tmp_path / "state").exists()  # nothing captured, nothing cached
+        assert not (tmp_path / "state").exists()  # nothing captured, nothing cached
 
 
 def test_auto_falls_back_with_one_warning(model_config: ModelConfig, tmp_path: Path, monkeypatch, caplog) -> None:
@@ -324,3 +328,73 @@ def test_fallback_for_a_missing_pack_materializes_it(model_config: ModelConfig, 
     fresh = Consumer()
     make_loader().load_weights(fresh, model_config)
     assert last_outcome().kind == "restored"
+
+
+def test_engine_config_digest_follows_overrides_and_dtype(model_config: ModelConfig, smollm2_2layer: Path) -> None:
+    """QA defects 2 and 5 on vLLM's real ``ModelConfig``: ``--hf-overrides`` (a rotary base) and
+    ``--dtype`` change the configuration digest; the same model named ``$M/`` (vLLM records the
+    spelling in ``hf_config._name_or_path``) does not."""
+    base = engine_config_sha256(model_config)
+    assert engine_config_sha256(ModelConfig(model=f"{smollm2_2layer}/", dtype="bfloat16")) == base
+    overridden = ModelConfig(model=str(smollm2_2layer), dtype="bfloat16", hf_overrides={"rope_theta": 5000.0})
+    assert engine_config_sha256(overridden) != base
+    assert engine_config_sha256(ModelConfig(model=str(smollm2_2layer), dtype="float32")) != base
+
+
+def test_restore_refuses_another_model_configuration(
+    model_config: ModelConfig, smollm2_2layer: Path, tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """QA defect 2 through the loader: a payload captured with the checkpoint's config, restored into an
+    engine whose ``--hf-overrides`` change the rotary base (same layout), is refused with
+    ModelIdentityMismatchError under ``native``; ``auto`` loads the checkpoint with one WARNING naming
+    the configuration. Restoring with the captured configuration (path spelled ``$M/``) works."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
+    loaded = Consumer()
+    make_loader().load_weights(loaded, model_config)
+    assert last_outcome().capture.recovery.model.config_sha256 == engine_config_sha256(model_config)
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
+
+    overridden = ModelConfig(model=str(smollm2_2layer), dtype="bfloat16", hf_overrides={"rope_theta": 5000.0})
+    with set_current_vllm_config(VllmConfig(model_config=overridden)):
+        monkeypatch.setenv("COLDSNAP_RESTORE", "native")
+        with pytest.raises(ModelIdentityMismatchError, match="model configuration"):
+            make_loader().load_weights(Consumer(), overridden)
+        monkeypatch.setenv("COLDSNAP_RESTORE", "auto")
+        with caplog.at_level(logging.WARNING):
+            make_loader().load_weights(Consumer(), overridden)
+    assert last_outcome().kind == "checkpoint" and last_outcome().fallback.rule == "model-identity"
+    warnings = {r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("coldsnap")}
+    assert len(warnings) == 1 and "model configuration" in warnings.pop()
+
+    spelled = ModelConfig(model=f"{smollm2_2layer}/", dtype="bfloat16")
+    fresh = Consumer()
+    monkeypatch.setenv("COLDSNAP_RESTORE", "native")
+    with set_current_vllm_config(VllmConfig(model_config=spelled)):
+        make_loader().load_weights(fresh, spelled)
+    assert last_outcome().kind == "restored" and fresh.snapshot() == loaded.snapshot()
+
+
+def test_dtype_converting_capture_warns(model_config: ModelConfig, tmp_path: Path, monkeypatch, caplog) -> None:
+    """QA defect 10: a float32 model loaded from the bf16 checkpoint (``--dtype float32``) captured 0
+    model bytes (every copy converts, so everything went into the residual blob) with only an INFO
+    line. Now one WARNING names the byte split and the cause (``converted_copies=model``); with that
+    key the converted copies are model extents and there is no WARNING."""
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
+    for name, extra in (("residual", {}), ("model", {"converted_copies": "model"})):
+        monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / name))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            make_loader(**extra).load_weights(Consumer(dtype=torch.float32), model_config)
+        warnings = {r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("coldsnap")}
+        manifest = last_outcome().capture.manifest
+        if name == "residual":
+            assert manifest.model_bytes == 0
+            (warning,) = warnings
+            assert "only 0 of" in warning and "converted_copies=model" in warning
+        else:
+            assert manifest.model_bytes > manifest.residual_bytes and warnings == set()

@@ -10,6 +10,7 @@ a corrupt pack (named by extent), a record that vouches for corrupt bytes, incon
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -24,18 +25,22 @@ from coldsnap_core.capture import CaptureResult, capture_worker
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.errors import (
     ArtifactError,
+    CapsulePinMismatchError,
     ExtentDigestMismatchError,
     LayoutMismatchError,
+    ManifestMismatchError,
     MissingObjectError,
     ModelIdentityMismatchError,
     PayloadUnavailableError,
 )
-from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME
-from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME, PackRef, WorkerIdentity
-from coldsnap_core.model_identity import identify_checkpoint
+from coldsnap_core.format.allocation import AllocationMap
+from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, CapsuleFile
+from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, PackRef, WorkerIdentity
+from coldsnap_core.model_identity import CheckpointRecords, RecordState, identify_checkpoint
 from coldsnap_core.records import write_record
 from coldsnap_core.restore import LoadedModel, WorkerRestore, check_model_identity
 from coldsnap_core.torch_allocations import enumerate_allocations
+from coldsnap_core.verify import check_manifest
 from coldsnap_vllm.observer import WriteObserver, map_to_allocations
 
 RANK0 = WorkerIdentity("worker", 0, 1, 0, 1)
@@ -89,7 +94,9 @@ def capture(
         model_ranges=ranges,
         worker=worker,
         capture_point="portable",
-        model=identify_checkpoint([checkpoint], source=str(checkpoint.parent), root=checkpoint.parent),
+        model=identify_checkpoint(
+            [checkpoint], source=str(checkpoint.parent), root=checkpoint.parent, records=CheckpointRecords(state)
+        ),
         cache=PayloadCache(state),
         artifact_dir=artifact,
         backend=HostCopyBackend(),
@@ -161,15 +168,19 @@ def test_layout_check_refuses_another_layout(tmp_path: Path, checkpoint: Path, c
 
 
 def test_model_identity_is_checked(tmp_path: Path, checkpoint: Path, captured) -> None:
-    """Another source, another revision, a missing or resized checkpoint file: refused with
+    """Another repository or revision, a missing or resized checkpoint file: refused with
     ModelIdentityMismatchError (after the layout check passed) before anything is staged."""
     recorded = read_descriptor(tmp_path / "artifact").model
     folder = checkpoint.parent
     check_model_identity(recorded, LoadedModel.from_config(str(folder), None))
+    hub = dataclasses.replace(recorded, source="org/tiny", revision="abc123")
+    check_model_identity(hub, LoadedModel.from_config("org/tiny", "abc123"))
     with pytest.raises(ModelIdentityMismatchError, match="captured from"):
-        check_model_identity(recorded, LoadedModel.from_config(str(tmp_path), None))
+        check_model_identity(hub, LoadedModel.from_config("org/other", "abc123"))
     with pytest.raises(ModelIdentityMismatchError, match="revision"):
-        check_model_identity(recorded, LoadedModel.from_config(str(folder), "abc123"))
+        check_model_identity(hub, LoadedModel.from_config("org/tiny", "def456"))
+    with pytest.raises(ModelIdentityMismatchError, match="is missing"):
+        check_model_identity(recorded, LoadedModel.from_config(str(tmp_path), None))
     with open(checkpoint, "ab") as f:
         f.write(b"\0")
     with pytest.raises(ModelIdentityMismatchError, match="bytes, the artifact recorded"):
@@ -177,6 +188,96 @@ def test_model_identity_is_checked(tmp_path: Path, checkpoint: Path, captured) -
     checkpoint.unlink()
     with pytest.raises(ModelIdentityMismatchError, match="is missing"):
         restorer(checkpoint, tmp_path / "artifact", tmp_path / "state").run(enumerate_allocations(TinyModel()), HostCopyBackend())
+
+
+def test_another_spelling_of_the_local_folder_is_the_same_model(tmp_path: Path, checkpoint: Path, captured) -> None:
+    """QA defect 5: captured with ``$M``, restored with ``$M/``, through a symbolic link, or from a copy
+    of the folder at another path (another node's mount): the same content is the same model, and the
+    restore succeeds. Fails if the identity compares path strings."""
+    loaded, _ = captured
+    folder = checkpoint.parent
+    link = tmp_path / "link"
+    link.symlink_to(folder)
+    copy = tmp_path / "mounted-elsewhere"
+    shutil.copytree(folder, copy)
+    for spelling in (f"{folder}/", str(link), f"{folder}/../{folder.name}", str(copy)):
+        fresh = TinyModel()
+        attempt = WorkerRestore(
+            tmp_path / "artifact", RANK0, LoadedModel.from_config(spelling, None), PayloadCache(tmp_path / "state")
+        )
+        attempt.run(enumerate_allocations(fresh), HostCopyBackend())
+        assert fresh.snapshot() == loaded.snapshot(), spelling
+
+
+def _rewrite_same_size(checkpoint: Path) -> None:
+    """Replace the checkpoint's tensors with other values of the same shapes (the same file size)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {name: (t.float() + 1).to(t.dtype) for name, t in load_file(str(checkpoint)).items()}
+    size = checkpoint.stat().st_size
+    save_file(tensors, str(checkpoint), metadata={"format": "pt"})
+    assert checkpoint.stat().st_size == size
+
+
+def test_checkpoint_replaced_with_same_size_content_is_refused(tmp_path: Path, checkpoint: Path, captured) -> None:
+    """QA defect 3: the checkpoint rewritten with other tensors of the same size was restored with the
+    old weights. Capture recorded the file's digest in this node's checkpoint records; the rewrite
+    changes the file's ``stat``, so restore hashes it again, finds another SHA-256 and refuses the
+    payload (``auto`` then loads the new checkpoint). The next restore refuses it from the renewed
+    record without reading the file again. Nothing is written into the model."""
+    _rewrite_same_size(checkpoint)
+    fresh = TinyModel()
+    before = fresh.snapshot()
+    attempt = restorer(checkpoint, tmp_path / "artifact", tmp_path / "state")
+    with pytest.raises(ModelIdentityMismatchError, match="hashed again: it changed since its checkpoint record"):
+        attempt.run(enumerate_allocations(fresh), HostCopyBackend())
+    assert fresh.snapshot() == before and not attempt.pack_unavailable
+    with pytest.raises(ModelIdentityMismatchError, match="from this node's checkpoint record"):
+        restorer(checkpoint, tmp_path / "artifact", tmp_path / "state").run(enumerate_allocations(TinyModel()), HostCopyBackend())
+
+
+def test_touched_checkpoint_is_hashed_once_and_restored(tmp_path: Path, checkpoint: Path, captured) -> None:
+    """A checkpoint file whose ``stat`` changed but whose bytes did not (``touch``, a re-download of the
+    same file) is hashed again once, its record renewed, and the restore goes on: no fallback on
+    every later start."""
+    loaded, _ = captured
+    os.utime(checkpoint, ns=(1, 1))
+    records = CheckpointRecords(tmp_path / "state")
+    assert records.lookup(checkpoint).state is RecordState.STALE
+    fresh = TinyModel()
+    restorer(checkpoint, tmp_path / "artifact", tmp_path / "state").run(enumerate_allocations(fresh), HostCopyBackend())
+    assert fresh.snapshot() == loaded.snapshot()
+    assert records.lookup(checkpoint).state is RecordState.TRUSTED
+
+
+def test_replaced_checkpoint_without_a_record_needs_verify_checkpoint(tmp_path: Path, checkpoint: Path, captured) -> None:
+    """The documented limit of QA defect 3's fix: on a node without checkpoint records (another node's
+    state root) a same-size replacement is accepted on names and sizes; with
+    ``COLDSNAP_VERIFY_CHECKPOINT=1`` (``verify_checkpoint``) the files are hashed and it is refused."""
+    _rewrite_same_size(checkpoint)
+    other_node = tmp_path / "other-node"
+    shutil.copytree(tmp_path / "state" / "model-payloads", other_node / "model-payloads")
+    attempt = restorer(checkpoint, tmp_path / "artifact", other_node, verify_checkpoint=True)
+    with pytest.raises(ModelIdentityMismatchError, match="COLDSNAP_VERIFY_CHECKPOINT=1"):
+        attempt.run(enumerate_allocations(TinyModel()), HostCopyBackend())
+    shutil.rmtree(other_node / "checkpoint-records")
+    restorer(checkpoint, tmp_path / "artifact", other_node).run(enumerate_allocations(TinyModel()), HostCopyBackend())
+
+
+def test_model_configuration_digest_is_compared(tmp_path: Path, checkpoint: Path, captured) -> None:
+    """QA defect 2: an engine whose model configuration (config.json, ``--hf-overrides``, dtype) has
+    another digest than the captured one is refused before anything is staged, as is an engine
+    restoring an artifact captured without a configuration digest; equal digests restore."""
+    artifact = tmp_path / "artifact"
+    recorded = read_descriptor(artifact).model
+    assert recorded.config_sha256 is None  # this capture ran without an engine configuration
+    folder = str(checkpoint.parent)
+    with pytest.raises(ModelIdentityMismatchError, match="the artifact recorded None"):
+        check_model_identity(recorded, LoadedModel.from_config(folder, None, "a" * 64))
+    pinned = dataclasses.replace(recorded, config_sha256="a" * 64)
+    check_model_identity(pinned, LoadedModel.from_config(folder, None, "a" * 64))
+    with pytest.raises(ModelIdentityMismatchError, match=r"model configuration .* has digest b{64}"):
+        check_model_identity(pinned, LoadedModel.from_config(folder, None, "b" * 64))
 
 
 def test_unavailable_pack(tmp_path: Path, checkpoint: Path, captured) -> None:
@@ -258,23 +359,100 @@ def test_record_vouching_for_corrupt_bytes_is_caught_by_extent_verification(tmp_
 
 
 def test_capsule_naming_another_pack_is_refused(tmp_path: Path, checkpoint: Path, captured) -> None:
-    """``artifact.json`` and the capsule's native manifest disagree on the pack: ArtifactError."""
+    """``artifact.json`` and the capsule's native manifest disagree on the pack: ManifestMismatchError
+    (rule manifests-agree, exit code 2), the same rule ``coldsnap verify`` reports (QA defect 9)."""
     artifact = tmp_path / "artifact"
     descriptor = read_descriptor(artifact)
     entry = dataclasses.replace(descriptor.workers[0], payload=PackRef.for_digest("0" * 64, 4096))
     replace_file_durably(artifact / DESCRIPTOR_FILENAME, dataclasses.replace(descriptor, workers=(entry,)).dumps())
-    with pytest.raises(ArtifactError, match="names pack 0000"):
+    with pytest.raises(ManifestMismatchError, match="names pack 0000") as raised:
         restorer(checkpoint, artifact, tmp_path / "state").read()
+    assert (raised.value.rule, raised.value.exit_code) == ("manifests-agree", 2)
+
+
+def _rewrite_capsule(artifact: Path, native=None, recovery=None) -> None:
+    """Replace worker 0's manifests and re-pin them in artifact.json (a consistent rewrite of both)."""
+    capsule_dir = artifact / "workers" / RANK0.capsule_name
+    written = {}
+    for name, document in ((NATIVE_MANIFEST_FILENAME, native), (RECOVERY_MANIFEST_FILENAME, recovery)):
+        if document is not None:
+            data = document.dumps()
+            replace_file_durably(capsule_dir / name, data)
+            written[name] = CapsuleFile(name, len(data), hashlib.sha256(data).hexdigest())
+    descriptor = read_descriptor(artifact)
+    pins = tuple(written.get(p.name, p) for p in descriptor.workers[0].capsule_files)
+    entry = dataclasses.replace(descriptor.workers[0], capsule_files=pins)
+    replace_file_durably(artifact / DESCRIPTOR_FILENAME, dataclasses.replace(descriptor, workers=(entry,)).dumps())
 
 
 def test_native_capture_point_is_not_restored_by_the_loader(tmp_path: Path, checkpoint: Path, captured) -> None:
     """A capsule captured at the native (level-1 sleep) capture point holds CuMem segments, not
     parameter storages: the loader refuses it with ArtifactError."""
     capsule = read_capsule(tmp_path / "artifact" / "workers" / RANK0.capsule_name)
-    native = dataclasses.replace(capsule.native, capture_point="native")
-    replace_file_durably(capsule.native_manifest_path, native.dumps())
+    addressed = AllocationMap(tuple(dataclasses.replace(a, address=4096 * (a.index + 1)) for a in capsule.native.allocations))
+    _rewrite_capsule(
+        tmp_path / "artifact",
+        native=dataclasses.replace(capsule.native, capture_point="native", allocations=addressed),
+        recovery=dataclasses.replace(capsule.recovery, allocations=addressed),
+    )
     with pytest.raises(ArtifactError, match="native capture point"):
         restorer(checkpoint, tmp_path / "artifact", tmp_path / "state").read()
+
+
+def test_self_consistent_manifest_edit_is_refused_by_its_pin(tmp_path: Path, checkpoint: Path, captured) -> None:
+    """QA defect 1: two model extents of equal size swap SHA-256, pack offset and provenance. The
+    manifest stays consistent with itself and with the pack (every rule of the verifier passes), and a
+    native restore served each destination the other's bytes. Now the manifest no longer matches its
+    pin in artifact.json: CapsulePinMismatchError (exit code 2) before anything is written."""
+    _, result = captured
+    extents = list(result.manifest.model_extents)
+    i, j = next(
+        (i, j)
+        for i in range(len(extents))
+        for j in range(i + 1, len(extents))
+        if extents[i].size_bytes == extents[j].size_bytes and extents[i].sha256 != extents[j].sha256
+    )
+    a, b = extents[i], extents[j]
+    extents[i] = dataclasses.replace(a, sha256=b.sha256, pack_offset_bytes=b.pack_offset_bytes, provenance=b.provenance)
+    extents[j] = dataclasses.replace(b, sha256=a.sha256, pack_offset_bytes=a.pack_offset_bytes, provenance=a.provenance)
+    swapped = dataclasses.replace(result.manifest, model_extents=tuple(extents))
+    check_manifest(swapped)  # the edit is invisible to the manifest rules
+    replace_file_durably(result.capsule_dir / NATIVE_MANIFEST_FILENAME, swapped.dumps())
+    fresh = TinyModel()
+    before = fresh.snapshot()
+    with pytest.raises(CapsulePinMismatchError, match=r"artifact\.json pins") as raised:
+        restorer(checkpoint, tmp_path / "artifact", tmp_path / "state").run(enumerate_allocations(fresh), HostCopyBackend())
+    assert (raised.value.rule, raised.value.exit_code) == ("capsule-pin", 2)
+    assert fresh.snapshot() == before
+
+
+def test_worker_of_the_capsule_must_be_the_entrys(tmp_path: Path, checkpoint: Path, captured) -> None:
+    """QA defect 4b: both manifests of a rank-0-of-1 capsule rewritten to say world size 2 (and re-pinned)
+    restored natively. Now the entry (and folder) and the manifests disagree: ManifestMismatchError."""
+    capsule = read_capsule(tmp_path / "artifact" / "workers" / RANK0.capsule_name)
+    other = WorkerIdentity("worker", 0, 2, 0, 2)
+    _rewrite_capsule(
+        tmp_path / "artifact",
+        native=dataclasses.replace(capsule.native, worker=other),
+        recovery=dataclasses.replace(capsule.recovery, worker=other),
+    )
+    with pytest.raises(ManifestMismatchError, match="belong to worker-0-of-2"):
+        restorer(checkpoint, tmp_path / "artifact", tmp_path / "state").read()
+
+
+def test_provenance_outside_the_model_identity_is_refused(tmp_path: Path, checkpoint: Path, captured) -> None:
+    """A model extent whose provenance names a checkpoint file the model identity does not list (bytes
+    attributed to another model) is refused, naming the extent's allocation and offset."""
+    _, result = captured
+    first = result.manifest.model_extents[0]
+    moved = dataclasses.replace(first, provenance=dataclasses.replace(first.provenance, checkpoint_file="other.safetensors"))
+    _rewrite_capsule(
+        tmp_path / "artifact",
+        native=dataclasses.replace(result.manifest, model_extents=(moved, *result.manifest.model_extents[1:])),
+    )
+    with pytest.raises(ManifestMismatchError, match=r"other\.safetensors") as raised:
+        restorer(checkpoint, tmp_path / "artifact", tmp_path / "state").read()
+    assert (raised.value.allocation, raised.value.offset_bytes) == (first.allocation_index, first.offset_bytes)
 
 
 def test_each_tensor_parallel_rank_restores_only_its_own_pack(tmp_path: Path, checkpoint: Path, monkeypatch) -> None:
