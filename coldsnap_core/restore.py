@@ -38,11 +38,11 @@ from coldsnap_core.cache import PayloadCache, refuse_symlink
 from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.errors import (
     ArtifactError,
-    ExtentDigestMismatchError,
     IntegrityError,
     MissingObjectError,
     ModelIdentityMismatchError,
     PayloadUnavailableError,
+    StoreError,
     ValidationRecordError,
 )
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME
@@ -50,7 +50,7 @@ from coldsnap_core.format.manifest import ModelIdentity, NativeManifest, WorkerI
 from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.hydrate import HydrationReport, hydrate
 from coldsnap_core.model_identity import CheckpointRecords, RecordState, hash_checkpoint_file
-from coldsnap_core.records import identity, read_trusted_record, write_record
+from coldsnap_core.records import identity, read_trusted_record, record_verified
 from coldsnap_core.staging import stage_payload
 from coldsnap_core.stores import from_env as store_from_env
 from coldsnap_core.torch_allocations import TorchAllocations
@@ -181,7 +181,9 @@ def quarantine_quietly(cache: PayloadCache, digest: str) -> Path | None:
         records_logger.removeFilter(notice)
 
 
-def verify_untrusted_pack(cache: PayloadCache, manifest: NativeManifest, layout: PackLayout) -> Path | None:
+def verify_untrusted_pack(
+    cache: PayloadCache, manifest: NativeManifest, layout: PackLayout, *, manifest_file: str | None = None
+) -> Path | None:
     """If the cached pack exists without a trusted validation record, verify it in full with the
     manifest's layout (padding and each stored extent, then the file's SHA-256) and record it.
 
@@ -193,6 +195,8 @@ def verify_untrusted_pack(cache: PayloadCache, manifest: NativeManifest, layout:
     Raises:
         PackSizeMismatchError, NonZeroPaddingError, ExtentDigestMismatchError,
         PackDigestMismatchError: the object is corrupt (now quarantined).
+        ManifestPaddingError, ManifestExtentDigestError: the object is intact (its SHA-256 is its
+            name) and ``manifest_file`` is wrong about it; the object stays in the cache.
         UnsafePathError: a symbolic link at the object or record path.
     """
     digest = manifest.pack.sha256
@@ -212,13 +216,13 @@ def verify_untrusted_pack(cache: PayloadCache, manifest: NativeManifest, layout:
         if st is None:
             return
         try:
-            verify_pack_file(path, manifest.pack, layout, extent_owner=extent_owner_map(manifest))
+            verify_pack_file(path, manifest.pack, layout, extent_owner=extent_owner_map(manifest), manifest_file=manifest_file)
         except IntegrityError as exc:
             exc.quarantined_to = quarantine_quietly(cache, digest)  # type: ignore[attr-defined]
             raise
         after = refuse_symlink(path)
         if after is not None and identity(after) == identity(st):
-            write_record(cache, digest, after)
+            record_verified(cache, digest, after)
 
 
 @dataclass
@@ -310,9 +314,9 @@ class WorkerRestore:
         )
         layout = check_manifest(manifest, file=manifest_file)
         try:
-            verify_untrusted_pack(self.cache, manifest, layout)
+            verify_untrusted_pack(self.cache, manifest, layout, manifest_file=manifest_file)
             stage_payload(manifest.pack, cache=self.cache, store=store_from_env())
-        except PayloadUnavailableError:
+        except (PayloadUnavailableError, StoreError):
             self.pack_unavailable = True
             raise
         except MissingObjectError as exc:
@@ -332,10 +336,9 @@ class WorkerRestore:
                 verify_extents=self.verify_extents,
                 manifest_file=manifest_file,
             )
-        except ExtentDigestMismatchError as exc:
-            if exc.file is not None and Path(exc.file) == self.cache.object_path(manifest.pack.sha256):
-                # The admitted object was edited in place (a validation record cannot see an edit
-                # that restores size and mtime): it is proven corrupt, so it leaves the cache.
-                exc.quarantined_to = quarantine_quietly(self.cache, manifest.pack.sha256)  # type: ignore[attr-defined]
+        except IntegrityError as exc:
+            # hydrate re-verifies an admitted pack whose padding or extent disagreed and quarantines
+            # it when it is proven corrupt (an edit in place that a validation record cannot see).
+            if getattr(exc, "quarantined_to", None) is not None:
                 self.pack_unavailable = True
             raise

@@ -54,6 +54,7 @@ from vllm.config import ModelConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+from coldsnap_core._io import unexpected_os_error
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import CaptureResult, capture_worker
 from coldsnap_core.copy.base import CopyBackend
@@ -259,9 +260,12 @@ class ColdsnapModelLoader(DefaultModelLoader):
                 with _collector_paused():
                     allocations = enumerate_allocations(model)
                     report = attempt.run(allocations, copy_backend_for(allocations.device))
-            except ColdsnapError as exc:
+            except (ColdsnapError, OSError) as raised:
+                exc = raised if isinstance(raised, ColdsnapError) else unexpected_os_error(raised)
                 if settings.restore == "native":
-                    raise
+                    if exc is raised:
+                        raise
+                    raise exc from raised
                 fallback = exc
                 quarantined = getattr(exc, "quarantined_to", None)
                 logger.warning(

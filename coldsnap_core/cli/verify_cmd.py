@@ -67,7 +67,14 @@ def run(args: argparse.Namespace) -> int:
                 leave=False,
                 disable=None,
             ) as bar:
-                verify_pack_file(path, manifest.pack, layout, progress=bar.update, extent_owner=extent_owner_map(manifest))
+                verify_pack_file(
+                    path,
+                    manifest.pack,
+                    layout,
+                    progress=bar.update,
+                    extent_owner=extent_owner_map(manifest),
+                    manifest_file=str(capsule.native_manifest_path),
+                )
             verified_packs.add(manifest.pack.sha256)
         verify_blob_file(capsule.blob_path, manifest.residual)
         print(

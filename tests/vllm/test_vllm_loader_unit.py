@@ -25,7 +25,14 @@ from vllm.model_executor.model_loader import get_model_loader
 
 import coldsnap_vllm.compat as compat
 from coldsnap_core.copy.select import copy_backend_for
-from coldsnap_core.errors import ConfigurationError, EngineVersionError, ModelIdentityMismatchError, ObserverError
+from coldsnap_core.errors import (
+    ConfigurationError,
+    EngineVersionError,
+    FileAccessError,
+    ModelIdentityMismatchError,
+    ObserverError,
+    StoreError,
+)
 from coldsnap_core.safetensors_header import read_header
 from coldsnap_vllm import state
 from coldsnap_vllm.loader import ColdsnapModelLoader, engine_config_sha256, last_outcome, register_loader
@@ -328,6 +335,65 @@ def test_fallback_for_a_missing_pack_materializes_it(model_config: ModelConfig, 
     fresh = Consumer()
     make_loader().load_weights(fresh, model_config)
     assert last_outcome().kind == "restored"
+
+
+def test_failing_payload_store_falls_back_and_materializes(model_config: ModelConfig, tmp_path: Path, monkeypatch) -> None:
+    """A payload store that fails (a file where the store folder should be: the open of the stored
+    pack fails with ENOTDIR) is a ``StoreError`` (rule ``payload-store``), and the pack counts as
+    unavailable: ``auto`` falls back and materializes it, so the next load restores (regression: a
+    store failure left the node without a pack for good). ``native`` raises the ``StoreError``."""
+    monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "capture-state"))
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
+    make_loader().load_weights(Consumer(), model_config)
+    captured = last_outcome().capture
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "node-state"))
+    monkeypatch.setenv("COLDSNAP_PAYLOAD_DIR", str(blocker))
+    monkeypatch.setenv("COLDSNAP_RESTORE", "native")
+    with pytest.raises(StoreError, match="cannot open the stored pack"):
+        make_loader().load_weights(Consumer(), model_config)
+    monkeypatch.setenv("COLDSNAP_RESTORE", "auto")
+    monkeypatch.setenv("COLDSNAP_MATERIALIZE", "async")
+    make_loader().load_weights(Consumer(), model_config)
+    outcome = last_outcome()
+    assert outcome.kind == "checkpoint" and outcome.fallback.rule == "payload-store"
+    assert outcome.materialization.wait(120) and outcome.materialization.error is None
+    node_pack = tmp_path / "node-state" / captured.manifest.pack.path
+    assert node_pack.read_bytes() == captured.pack_path.read_bytes()
+    make_loader().load_weights(Consumer(), model_config)
+    assert last_outcome().kind == "restored"
+
+
+def test_unexpected_oserror_during_restore_is_typed(model_config: ModelConfig, tmp_path: Path, monkeypatch) -> None:
+    """An ``OSError`` that no coldsnap layer typed (fault injected: EIO from hydration) does not escape
+    the loader raw: ``auto`` falls back with rule ``io`` naming the file, ``native`` raises
+    ``FileAccessError`` with the ``OSError`` as its cause (regression: a raw OSError crashed the
+    worker under ``auto``)."""
+    import errno
+
+    import coldsnap_core.restore as restore_module
+
+    monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
+    make_loader().load_weights(Consumer(), model_config)
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
+
+    def failing_hydrate(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error", str(tmp_path / "state" / "the.pack"))
+
+    monkeypatch.setattr(restore_module, "hydrate", failing_hydrate)
+    make_loader().load_weights(Consumer(), model_config)
+    outcome = last_outcome()
+    assert outcome.kind == "checkpoint" and outcome.fallback.rule == "io"
+    assert outcome.fallback.file.endswith("the.pack")
+    monkeypatch.setenv("COLDSNAP_RESTORE", "native")
+    with pytest.raises(FileAccessError, match="Input/output error") as info:
+        make_loader().load_weights(Consumer(), model_config)
+    assert isinstance(info.value.__cause__, OSError)
 
 
 def test_engine_config_digest_follows_overrides_and_dtype(model_config: ModelConfig, smollm2_2layer: Path) -> None:
