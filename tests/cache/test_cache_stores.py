@@ -223,12 +223,17 @@ def test_hf_failure_is_a_store_error_and_staging_keeps_it(api, captured, tmp_pat
         store.has(captured.pack.sha256)
 
 
-def test_hf_unreachable_hub_is_a_store_error_not_a_missing_pack(api, captured, tmp_path: Path) -> None:
+def test_hf_unreachable_hub_is_a_store_error_not_a_missing_pack(api, captured, tmp_path: Path, monkeypatch) -> None:
     """``hf_hub_download`` raising LocalEntryNotFoundError (what it raises when the endpoint does not
     answer and no local copy exists; a subclass of EntryNotFoundError) is "the store did not answer"
     (StoreError, naming the endpoint and the cause), not "the store does not hold the pack"
     (PayloadUnavailableError, exit 3), which is what catching EntryNotFoundError alone reported."""
+    import huggingface_hub.constants
     from huggingface_hub.errors import LocalEntryNotFoundError
+
+    # Online mode whatever the environment says (scripts/test.sh exports HF_HUB_OFFLINE=1, which
+    # makes the message name offline mode instead of the endpoint and its cause).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
 
     def unreachable(*args, **kwargs):
         try:
