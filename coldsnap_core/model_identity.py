@@ -45,9 +45,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coldsnap_core._io import fsync_dir, fsync_fd, sha256_file, write_all
-from coldsnap_core.errors import CacheError, ManifestError, UnsafePathError
-from coldsnap_core.format._strict import Fields, dump_document, parse_document
+from coldsnap_core.errors import CacheError, UnsafePathError, ValidationRecordError
+from coldsnap_core.format._strict import Fields, dump_document
 from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity
+from coldsnap_core.records import identity as stat_identity
+from coldsnap_core.records import read_private_record
 
 logger = logging.getLogger(__name__)
 
@@ -118,11 +120,6 @@ def model_config_sha256(hf_config: object, *, dtype: object, quantization: objec
 CHECKPOINT_RECORDS_DIRNAME = "checkpoint-records"
 CHECKPOINT_RECORD_KIND = "coldsnap.checkpoint-record"
 CHECKPOINT_RECORD_VERSION = 1
-_RECORD_MAX_BYTES = 64 << 10
-
-
-def _stat_identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +147,7 @@ class CheckpointRecord:
     hashed_at: str
 
     def matches(self, st: os.stat_result) -> bool:
-        return (self.device, self.inode, self.size_bytes, self.mtime_ns, self.ctime_ns) == _stat_identity(st)
+        return (self.device, self.inode, self.size_bytes, self.mtime_ns, self.ctime_ns) == stat_identity(st)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -250,24 +247,9 @@ class CheckpointRecords:
             return RecordLookup(RecordState.ABSENT, reason="no checkpoint records on this node")
         record_path = self.record_path(real)
         try:
-            rst = os.lstat(record_path)
-        except FileNotFoundError:
-            return RecordLookup(RecordState.ABSENT, reason="no checkpoint record")
-        if stat.S_ISLNK(rst.st_mode) or not stat.S_ISREG(rst.st_mode):
-            raise UnsafePathError("refusing a symbolic link or non-regular file as a checkpoint record", file=record_path)
-        if rst.st_uid != os.geteuid() or rst.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or rst.st_size > _RECORD_MAX_BYTES:
-            return RecordLookup(
-                RecordState.ABSENT, reason=f"checkpoint record {record_path} is not trusted (owner, mode or size)"
-            )
-        fd = os.open(record_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            data = os.read(fd, _RECORD_MAX_BYTES + 1)
-        finally:
-            os.close(fd)
-        try:
-            record = parse_document(data, CheckpointRecord.from_fields, file=str(record_path))
-        except ManifestError as exc:
-            return RecordLookup(RecordState.ABSENT, reason=f"checkpoint record is malformed: {exc.detail}")
+            record = read_private_record(record_path, CheckpointRecord.from_fields)
+        except ValidationRecordError as exc:
+            return RecordLookup(RecordState.ABSENT, reason=f"checkpoint record {record_path}: {exc.detail}")
         if record.path != real:
             return RecordLookup(RecordState.ABSENT, reason=f"checkpoint record names {record.path!r}")
         if not record.matches(st):
@@ -289,7 +271,7 @@ class CheckpointRecords:
         """
         real = os.path.realpath(path)
         current = os.stat(real)
-        if _stat_identity(current) != _stat_identity(hashed):
+        if stat_identity(current) != stat_identity(hashed):
             raise CacheError("the checkpoint file changed while it was hashed; no checkpoint record written", file=real)
         try:
             self.state_root.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from coldsnap_core._io import fsync_dir, fsync_fd, write_all
 from coldsnap_core.digests import SHA256_HEX_RE, check_digest
@@ -58,6 +58,8 @@ if TYPE_CHECKING:
     ExtentOwner = Callable[[PackEntry], tuple[int | None, int | None]]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 RECORD_KIND = "coldsnap.validation-record"
 RECORD_VERSION = 1
@@ -162,6 +164,39 @@ def _refuse(path: Path) -> os.stat_result | None:
     return refuse_symlink(path)
 
 
+def read_private_record(path: Path, parse: Callable[[Fields], T]) -> T:
+    """Read and strictly parse a node-local record that this user alone could have written.
+
+    The trust rules shared by validation records and checkpoint records
+    (:class:`coldsnap_core.model_identity.CheckpointRecords`; ``docs/format.md`` §10.1 and §11): a
+    regular file, not a symbolic link, owned by the current user, not group- or world-writable, at
+    most :data:`RECORD_MAX_BYTES` (larger files are refused unread), opened with ``O_NOFOLLOW``.
+
+    Raises:
+        ValidationRecordError: absent, another owner, a loose mode, too large, or malformed (names why).
+        UnsafePathError: ``path`` is a symbolic link, or a path component is not a folder.
+        NotRegularFileError: ``path`` is a folder, device or other non-regular file.
+    """
+    st = _refuse(path)
+    if st is None:
+        raise ValidationRecordError("no record", file=path)
+    if st.st_uid != os.geteuid():
+        raise ValidationRecordError(f"record belongs to uid {st.st_uid}, not {os.geteuid()}", file=path)
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ValidationRecordError(f"record mode {stat.filemode(st.st_mode)} is group- or world-writable", file=path)
+    if st.st_size > RECORD_MAX_BYTES:
+        raise ValidationRecordError(f"record is {st.st_size} bytes, more than {RECORD_MAX_BYTES}", file=path)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        data = os.read(fd, RECORD_MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        return parse_document(data, parse, file=str(path))
+    except ManifestError as exc:
+        raise ValidationRecordError(f"record is malformed: {exc.detail}", file=path) from exc
+
+
 def read_trusted_record(cache: PayloadCache, digest: str, object_st: os.stat_result | None = None) -> ValidationRecord:
     """Return the record of ``digest`` if it may be trusted right now.
 
@@ -177,24 +212,7 @@ def read_trusted_record(cache: PayloadCache, digest: str, object_st: os.stat_res
         UnsafePathError: the record or object path is a symbolic link or not a regular file.
     """
     path = cache.record_path(digest)
-    st = _refuse(path)
-    if st is None:
-        raise ValidationRecordError("no validation record", file=path)
-    if st.st_uid != os.geteuid():
-        raise ValidationRecordError(f"record belongs to uid {st.st_uid}, not {os.geteuid()}", file=path)
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ValidationRecordError(f"record mode {stat.filemode(st.st_mode)} is group- or world-writable", file=path)
-    if st.st_size > RECORD_MAX_BYTES:
-        raise ValidationRecordError(f"record is {st.st_size} bytes, more than {RECORD_MAX_BYTES}", file=path)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        data = os.read(fd, RECORD_MAX_BYTES + 1)
-    finally:
-        os.close(fd)
-    try:
-        record = parse_document(data, ValidationRecord.from_fields, file=str(path))
-    except ManifestError as exc:
-        raise ValidationRecordError(f"record is malformed: {exc.detail}", file=path) from exc
+    record = read_private_record(path, ValidationRecord.from_fields)
     if record.digest != digest:
         raise ValidationRecordError(f"record names digest {record.digest}", file=path)
     if record.verifier_version != VERIFIER_VERSION:
