@@ -18,6 +18,7 @@ name one worker and one payload, before anything in the capsule is used.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -53,6 +54,7 @@ from coldsnap_core.format.manifest import (
     RECOVERY_MANIFEST_FILENAME,
     ModelIdentity,
     NativeManifest,
+    PackRef,
     RecoveryManifest,
     WorkerIdentity,
 )
@@ -274,9 +276,22 @@ def read_capsule(path: Path) -> Capsule:
     return _read_capsule(path, {})
 
 
-def _check_pin(path: Path, data: bytes, pin: CapsuleFile | None) -> None:
+def _require_pin(path: Path, pin: CapsuleFile | None) -> CapsuleFile:
     if pin is None:
         raise CapsulePinMismatchError(f"artifact.json pins no {path.name} for this capsule", file=path)
+    return pin
+
+
+def _check_pinned_size(path: Path, pin: CapsuleFile, size_bytes: int) -> None:
+    """Before a pinned manifest is read: its size must be the pinned one (so a huge file is never read)."""
+    if size_bytes != pin.size_bytes:
+        raise CapsulePinMismatchError(
+            f"{path.name} is {size_bytes} bytes; artifact.json pins {pin.size_bytes} bytes with SHA-256 {pin.sha256}",
+            file=path,
+        )
+
+
+def _check_pin(path: Path, data: bytes, pin: CapsuleFile) -> None:
     digest = hashlib.sha256(data).hexdigest()
     if (len(data), digest) != (pin.size_bytes, pin.sha256):
         raise CapsulePinMismatchError(
@@ -291,9 +306,12 @@ def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None]) -> Capsule:
         raise MissingObjectError("capsule folder does not exist", file=path)
     documents = {}
     for name in (NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME):
-        data = read_document_bytes(path / name)
         if name in pins:
-            _check_pin(path / name, data, pins[name])
+            pin = _require_pin(path / name, pins[name])
+            data = read_document_bytes(path / name, check_size=functools.partial(_check_pinned_size, path / name, pin))
+            _check_pin(path / name, data, pin)
+        else:
+            data = read_document_bytes(path / name)
         documents[name] = data
     native = parse_document(
         documents[NATIVE_MANIFEST_FILENAME], NativeManifest.from_fields, file=str(path / NATIVE_MANIFEST_FILENAME)
@@ -301,16 +319,13 @@ def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None]) -> Capsule:
     recovery = parse_document(
         documents[RECOVERY_MANIFEST_FILENAME], RecoveryManifest.from_fields, file=str(path / RECOVERY_MANIFEST_FILENAME)
     )
-    if (native.worker, native.layout_fingerprint, native.residual, native.residual_extents, native.allocations) != (
-        recovery.worker,
-        recovery.layout_fingerprint,
-        recovery.residual,
-        recovery.residual_extents,
-        recovery.allocations,
-    ):
-        raise ManifestMismatchError(
-            "the native and recovery manifests disagree on worker, layout, allocations, residual blob or residual map", file=path
-        )
+    differing = [
+        name
+        for name in ("worker", "layout_fingerprint", "allocations", "residual", "residual_extents")
+        if getattr(native, name) != getattr(recovery, name)
+    ]
+    if differing:
+        raise ManifestMismatchError(f"the native and recovery manifests disagree on {', '.join(differing)}", file=path)
     if path.name != native.worker.capsule_name:
         raise ManifestMismatchError(
             f"the capsule folder is named {path.name!r}, but its manifests belong to {native.worker.capsule_name}"
@@ -351,18 +366,27 @@ def read_worker_capsule(artifact_dir: Path, entry: WorkerEntry) -> Capsule:
         )
     blob_pin = entry.pin(native.residual.file)
     if blob_pin is None or (blob_pin.size_bytes, blob_pin.sha256) != (native.residual.size_bytes, native.residual.sha256):
+        pinned = (
+            f"{blob_pin.size_bytes} bytes with SHA-256 {blob_pin.sha256}"
+            if blob_pin is not None
+            else f"nothing named {native.residual.file}"
+        )
         raise CapsulePinMismatchError(
-            f"artifact.json pins {blob_pin} for the residual blob, the native manifest names {native.residual.file}"
+            f"artifact.json pins {pinned} for the residual blob, the native manifest names {native.residual.file}"
             f" ({native.residual.size_bytes} bytes, SHA-256 {native.residual.sha256})",
             file=path / native.residual.file,
         )
     if native.pack != entry.payload:
         raise ManifestMismatchError(
-            f"artifact.json names pack {entry.payload.sha256} ({entry.payload.size_bytes} bytes), the capsule's native"
-            f" manifest {native.pack.sha256} ({native.pack.size_bytes} bytes)",
+            f"artifact.json names pack {_describe_pack(entry.payload)}, the capsule's native manifest"
+            f" {_describe_pack(native.pack)}",
             file=capsule.native_manifest_path,
         )
     return capsule
+
+
+def _describe_pack(pack: PackRef) -> str:
+    return f"{pack.sha256} ({pack.size_bytes} bytes, path {pack.path!r})"
 
 
 def check_provenance_in_identity(manifest: NativeManifest, model: ModelIdentity, *, file: str | None = None) -> None:

@@ -140,9 +140,11 @@ def refuse_symlink(path: Path) -> os.stat_result | None:
     if st is None:
         return None
     if stat.S_ISLNK(st.st_mode):
-        raise UnsafePathError("refusing a symbolic link in the payload cache", file=path)
+        raise UnsafePathError("refusing a symbolic link in the node-local state root", file=path)
     if not stat.S_ISREG(st.st_mode):
-        raise NotRegularFileError(f"refusing a non-regular file ({stat.filemode(st.st_mode)}) in the payload cache", file=path)
+        raise NotRegularFileError(
+            f"refusing a non-regular file ({stat.filemode(st.st_mode)}) in the node-local state root", file=path
+        )
     return st
 
 

@@ -23,6 +23,7 @@ Every path is derived from the digest alone; a :class:`PackRef` whose ``path`` i
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from coldsnap_core.errors import (
     PayloadUnavailableError,
     StoreError,
 )
-from coldsnap_core.format.descriptor import WorkerEntry
+from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WorkerEntry
 from coldsnap_core.format.manifest import PackRef, WorkerIdentity
 from coldsnap_core.records import admit_locked
 from coldsnap_core.stores.base import PayloadStore
@@ -47,11 +48,14 @@ logger = logging.getLogger(__name__)
 __all__ = ["stage_artifact", "stage_payload", "worker_entries"]
 
 
-def _check_pack_ref(pack: PackRef) -> None:
+def _check_pack_ref(pack: PackRef, *, file: str | os.PathLike[str] | None = None) -> None:
+    """The digest's form (rule 22), then the pack path derived from it (rule 13); ``file`` is the
+    document that names ``pack`` (default: the pack path itself)."""
     check_digest(pack.sha256)
     if pack.path != pack_relpath(pack.sha256):
         raise PackPathMismatchError(
-            f"pack path {pack.path!r} is not the path of its SHA-256 ({pack_relpath(pack.sha256)!r})", file=pack.path
+            f"pack path {pack.path!r} is not the path of its SHA-256 ({pack_relpath(pack.sha256)!r})",
+            file=pack.path if file is None else file,
         )
 
 
@@ -142,6 +146,8 @@ def worker_entries(artifact_dir: Path, workers: Sequence[WorkerIdentity]) -> lis
     Raises:
         MissingObjectError: no descriptor, or no capsule for a worker.
         ManifestError: a capsule's manifest is malformed.
+        InvalidDigestError, PackPathMismatchError: ``artifact.json`` names a pack by a malformed
+            digest or by a path that is not derived from its digest.
         CapsulePinMismatchError: a capsule's manifest does not match its pin in ``artifact.json``.
         ManifestMismatchError: a capsule names another worker or pack than ``artifact.json`` (an
             ``ArtifactError``, exit code 2).
@@ -151,6 +157,7 @@ def worker_entries(artifact_dir: Path, workers: Sequence[WorkerIdentity]) -> lis
     entries = [find_worker(descriptor, worker) for worker in workers]
     for entry in entries:
         read_worker_capsule(artifact_dir, entry)  # pins, worker and payload (ManifestMismatchError)
+        _check_pack_ref(entry.payload, file=artifact_dir / DESCRIPTOR_FILENAME)
     return entries
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from coldsnap_core.artifact import Capsule, read_capsule, read_descriptor, read_worker_capsule
@@ -10,9 +11,23 @@ from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WORKERS_DIRNAME
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME
 
 
+def _folder_of(target: str) -> Path:
+    """``target`` itself, or its folder when it names an ``artifact.json`` or ``native-manifest.json``."""
+    path = Path(target)
+    if path.name in (DESCRIPTOR_FILENAME, NATIVE_MANIFEST_FILENAME) and os.path.lexists(path) and not path.is_dir():
+        return path.parent
+    return path
+
+
+def artifact_folder(target: str) -> Path:
+    """The artifact folder named by ``target``: the folder, or its ``artifact.json``."""
+    return _folder_of(target)
+
+
 def resolve(target: str) -> tuple[ArtifactDescriptor | None, list[Capsule]]:
-    """``target`` may be an artifact folder (``artifact.json`` inside), a capsule folder, or a
-    ``native-manifest.json`` file. Returns the descriptor (for an artifact folder) and the capsules,
+    """``target`` may be an artifact folder (``artifact.json`` inside) or its ``artifact.json``, a
+    capsule folder, or a ``native-manifest.json`` file. Whatever is at a document's path is read (a
+    named pipe or folder there is ``regular-file``, not "nothing here"). Returns the descriptor (for an artifact folder) and the capsules,
     in order.
 
     Every capsule of an artifact is read with :func:`coldsnap_core.artifact.read_worker_capsule`
@@ -26,13 +41,11 @@ def resolve(target: str) -> tuple[ArtifactDescriptor | None, list[Capsule]]:
         ArtifactError: a capsule folder inside an artifact that ``artifact.json`` does not list.
         CapsulePinMismatchError, ManifestMismatchError, ManifestError: see ``read_worker_capsule``.
     """
-    path = Path(target)
-    if path.is_file() and path.name == NATIVE_MANIFEST_FILENAME:
-        path = path.parent
-    if (path / DESCRIPTOR_FILENAME).is_file():
+    path = _folder_of(target)
+    if os.path.lexists(path / DESCRIPTOR_FILENAME):
         descriptor = read_descriptor(path)
         return descriptor, [read_worker_capsule(path, entry) for entry in descriptor.workers]
-    if (path / NATIVE_MANIFEST_FILENAME).is_file():
+    if os.path.lexists(path / NATIVE_MANIFEST_FILENAME):
         artifact_dir = path.parent.parent
         if path.parent.name == WORKERS_DIRNAME and (artifact_dir / DESCRIPTOR_FILENAME).is_file():
             descriptor = read_descriptor(artifact_dir)

@@ -20,7 +20,10 @@ from coldsnap_core.records import record_state
 
 
 def _seconds(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
     return value

@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     model = descriptor.model if descriptor else capsules[0].recovery.model
     print(f"model: {model.source}" + (f" @ {model.revision}" if model.revision else ""))
+    print(f"  configuration sha256 {model.config_sha256 or '(none: captured without an engine)'}")
     for f in model.files:
         print(f"  checkpoint {f.name}: {_human(f.size_bytes)} sha256 {f.sha256}")
     print(f"workers: {len(summaries)}, distinct payloads: {len({s['pack']['sha256'] for s in summaries})}")

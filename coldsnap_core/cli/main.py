@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
 import sys
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from typing import NoReturn
 
 from coldsnap_core._io import unexpected_os_error
 from coldsnap_core.errors import EXIT_OTHER, ColdsnapError
+from coldsnap_core.format._strict import FORMAT_VERSION
 
 #: Subcommand modules, in ``--help`` order.
 COMMAND_MODULES = (
@@ -40,6 +42,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_OTHER, f"{self.prog}: error: {message}\n")
 
 
+def _installed_version() -> str:
+    try:
+        return importlib.metadata.version("coldsnap")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="coldsnap",
@@ -48,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
         "3 missing object, 4 other error.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
+    parser.add_argument(
+        "--version", action="version", version=f"coldsnap {_installed_version()} (artifact format {FORMAT_VERSION})"
+    )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_parser(subparsers)

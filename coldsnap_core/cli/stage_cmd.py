@@ -16,13 +16,14 @@ from pathlib import Path
 from coldsnap_core.artifact import read_descriptor
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.cli._progress import byte_bar
+from coldsnap_core.cli._targets import artifact_folder
 from coldsnap_core.errors import MissingObjectError
 from coldsnap_core.staging import stage_payload, worker_entries
 from coldsnap_core.stores import from_env, parse_store_spec
 
 
 def run(args: argparse.Namespace) -> int:
-    artifact_dir = Path(args.artifact)
+    artifact_dir = artifact_folder(args.artifact)
     cache = PayloadCache(args.state_root)
     store = parse_store_spec(args.repo) if args.repo else from_env()
     descriptor = read_descriptor(artifact_dir)
@@ -58,7 +59,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "unknown rank, 4 other error (including a store that did not answer)."
         ),
     )
-    p.add_argument("artifact", metavar="ARTIFACT", help="artifact folder (with artifact.json)")
+    p.add_argument("artifact", metavar="ARTIFACT", help="artifact folder (with artifact.json), or its artifact.json")
     p.add_argument(
         "--rank", type=int, action="append", metavar="N", help="stage only the worker with this rank (repeatable; default: all)"
     )

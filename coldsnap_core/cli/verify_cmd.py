@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from tqdm import tqdm
 
 from coldsnap_core.artifact import check_artifact_layout, check_provenance_in_identity
 from coldsnap_core.cache import PayloadCache, refuse_symlink
-from coldsnap_core.cli._targets import resolve
+from coldsnap_core.cli._targets import artifact_folder, resolve
 from coldsnap_core.errors import ManifestMismatchError
 from coldsnap_core.verify import check_manifest, extent_owner_map, verify_blob_file, verify_pack_file
 
@@ -41,8 +40,7 @@ def run(args: argparse.Namespace) -> int:
     cache = PayloadCache(args.state_root)
     descriptor, capsules = resolve(args.artifact)
     if descriptor is not None:
-        artifact_dir = Path(args.artifact)
-        check_artifact_layout(artifact_dir.parent if artifact_dir.is_file() else artifact_dir)
+        check_artifact_layout(artifact_folder(args.artifact))
         for capsule in capsules:
             if descriptor.model != capsule.recovery.model:
                 raise ManifestMismatchError(

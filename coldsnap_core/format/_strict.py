@@ -16,7 +16,9 @@ Error classes (``coldsnap_core.errors``, all exit code 2): :class:`ManifestParse
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,6 +29,7 @@ from coldsnap_core.errors import (
     ManifestSchemaError,
     ManifestValueError,
     MissingObjectError,
+    NotRegularFileError,
     UnsupportedFormatVersionError,
 )
 
@@ -212,20 +215,60 @@ def read_document(path: str | Path, parse: Callable[[Fields], T]) -> T:
     return parse_document(read_document_bytes(path), parse, file=str(path))
 
 
-def read_document_bytes(path: Path) -> bytes:
-    """The bytes of a document file.
+MAX_DOCUMENT_BYTES = 256 << 20
+"""The largest JSON document coldsnap reads (256 MiB; ``docs/format.md`` §4). A manifest takes a few
+hundred bytes per tensor and extent (SmolLM2-135M: about 200 KiB), so this leaves room for models with
+hundreds of thousands of tensors while bounding what a hostile file can make a reader allocate."""
+
+
+def read_document_bytes(path: Path, *, check_size: Callable[[int], None] | None = None) -> bytes:
+    """The bytes of a document file, read through one descriptor that is checked before any read.
+
+    The file is opened with ``O_NONBLOCK`` (so a named pipe cannot block the open), refused unless
+    ``fstat`` says it is a regular file, and its size is checked (``check_size``, then
+    :data:`MAX_DOCUMENT_BYTES`) before anything is read; at most that many bytes plus one are read.
+
+    Args:
+        path: the document.
+        check_size: called with the file's size in bytes before it is read (for a pinned manifest:
+            raise if it is not the pinned size).
 
     Raises:
         MissingObjectError: the file does not exist.
-        NotRegularFileError / FileAccessError: a folder at ``path``, or it cannot be read
-            (:func:`coldsnap_core._io.os_error`).
+        NotRegularFileError: a folder, named pipe, device or socket at ``path`` (rule ``regular-file``).
+        FileAccessError: it cannot be opened or read (:func:`coldsnap_core._io.os_error`).
+        ManifestParseError: it is larger than :data:`MAX_DOCUMENT_BYTES`.
     """
     try:
-        return path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError as exc:
         raise MissingObjectError("document does not exist", file=path) from exc
     except OSError as exc:
         raise os_error("document cannot be read", exc, path) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFileError(f"document is not a regular file ({stat.filemode(st.st_mode)})", file=path)
+        if check_size is not None:
+            check_size(st.st_size)
+        if st.st_size > MAX_DOCUMENT_BYTES:
+            raise ManifestParseError(
+                f"document is {st.st_size} bytes, more than the {MAX_DOCUMENT_BYTES} bytes a coldsnap document may have",
+                file=path,
+            )
+        limit = st.st_size + 1
+        chunks = []
+        while limit > 0:
+            chunk = os.read(fd, min(limit, 8 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            limit -= len(chunk)
+        return b"".join(chunks)
+    except OSError as exc:
+        raise os_error("document cannot be read", exc, path) from exc
+    finally:
+        os.close(fd)
 
 
 def dump_document(obj: Mapping[str, Any]) -> bytes:

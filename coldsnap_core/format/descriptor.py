@@ -158,6 +158,8 @@ class ArtifactDescriptor:
         f.header(ARTIFACT_KIND)
         descriptor = cls(model=f.obj("model", ModelIdentity.from_fields), workers=f.list("workers", WorkerEntry.from_fields))
         f.done()
+        if not descriptor.workers:
+            raise f.error("workers is empty; an artifact lists at least one captured worker")
         keys = [(w.worker.role, w.worker.rank) for w in descriptor.workers]
         if len(set(keys)) != len(keys):
             raise f.error("two worker entries have the same (role, rank)")

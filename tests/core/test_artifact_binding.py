@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -256,3 +257,121 @@ def test_capture_refuses_addresses_that_do_not_fit_the_capture_point(staged_2lay
         with pytest.raises(ObserverError, match=f"the {point} capture point records"):
             capture(root, allocation_map, staged_2layer.allocations, staged_2layer.model_ranges, capture_point=point)
         assert not root.exists()
+
+
+# --- QA pass 2 (helper-8): hostile files at document paths, messages, CLI targets -----------------
+
+
+def _state_root_option(command: str, captured: Captured) -> tuple[str, ...]:
+    return () if command == "inspect" else ("--state-root", str(captured.state_root))
+
+
+@pytest.mark.parametrize("name", ["native-manifest.json", "recovery-manifest.json", "artifact.json"])
+@pytest.mark.parametrize("command", ["verify", "inspect", "stage"])
+def test_named_pipe_at_a_document_is_refused_not_waited_on(
+    captured_2layer: Captured, tmp_path: Path, name: str, command: str
+) -> None:
+    """Catches a document opened without checking what it is: a named pipe at a manifest or at
+    ``artifact.json`` made verify, inspect, stage and a restore hang forever (or, for artifact.json,
+    exit 3 "nothing here"). It is rule regular-file (exit 4), naming the file, and nothing waits."""
+    captured = copy_capture(captured_2layer, tmp_path / "copy", copy_pack=False)
+    fifo = (captured.artifact_dir if name == "artifact.json" else captured.capsule_dir) / name
+    fifo.unlink()
+    os.mkfifo(fifo)
+    done = run_cli(command, captured.artifact_dir, *_state_root_option(command, captured))
+    assert done.returncode == 4 and "rule regular-file failed" in done.stderr, done.stderr
+    assert str(fifo) in done.stderr
+
+
+def test_a_huge_pinned_manifest_is_refused_by_its_size_unread(captured_2layer: Captured, tmp_path: Path) -> None:
+    """Catches a manifest read whole before its pin is compared: a 3 GiB (sparse) native manifest made
+    verify allocate 3 GiB. Its size differs from the pin, which is checked on ``fstat`` before any
+    read: capsule-pin (exit 2) naming both sizes."""
+    from coldsnap_core.artifact import read_worker_capsule
+    from coldsnap_core.errors import CapsulePinMismatchError
+
+    captured = copy_capture(captured_2layer, tmp_path / "copy", copy_pack=False)
+    os.truncate(captured.manifest_path, 3 << 30)
+    (entry,) = read_descriptor(captured.artifact_dir).workers
+    with pytest.raises(CapsulePinMismatchError, match=f"is {3 << 30} bytes; artifact.json pins"):
+        read_worker_capsule(captured.artifact_dir, entry)
+
+
+def test_a_lone_document_above_the_size_limit_is_refused_unread(captured_2layer: Captured, tmp_path: Path) -> None:
+    """Catches an unbounded read of an unpinned document (a lone capsule): one larger than
+    MAX_DOCUMENT_BYTES (sparse) is manifest-json (exit 2) before it is read."""
+    from coldsnap_core.format._strict import MAX_DOCUMENT_BYTES
+
+    lone = tmp_path / "lone" / "worker-0-of-1"
+    shutil.copytree(captured_2layer.capsule_dir, lone)
+    os.truncate(lone / "native-manifest.json", MAX_DOCUMENT_BYTES + 1)
+    done = run_cli("verify", lone, "--state-root", captured_2layer.state_root)
+    assert done.returncode == 2 and "rule manifest-json failed" in done.stderr, done.stderr
+    assert f"more than the {MAX_DOCUMENT_BYTES} bytes" in done.stderr
+
+
+def test_an_artifact_without_workers_is_malformed(captured_2layer: Captured, tmp_path: Path) -> None:
+    """Catches ``stage`` reporting success (exit 0, "0 worker(s) staged") for an artifact.json whose
+    ``workers`` list is empty: the document is malformed (exit 2) for every command."""
+    captured = copy_capture(captured_2layer, tmp_path / "copy", copy_pack=False)
+    edit_json(captured.artifact_dir / "artifact.json", lambda d: d.update(workers=[]))
+    for command in ("stage", "verify", "inspect"):
+        done = run_cli(command, captured.artifact_dir, *_state_root_option(command, captured))
+        assert done.returncode == 2 and "workers is empty" in done.stderr, (command, done.stderr)
+
+
+def test_artifact_json_itself_is_a_valid_target(captured_2layer: Captured) -> None:
+    """Catches ``coldsnap verify ART/artifact.json`` being refused as "no artifact.json here" (exit 3):
+    the descriptor file names its artifact, for verify, inspect and stage alike."""
+    target = captured_2layer.artifact_dir / "artifact.json"
+    for command in ("verify", "inspect", "stage"):
+        done = run_cli(command, target, *_state_root_option(command, captured_2layer))
+        assert done.returncode == 0, (command, done.stderr)
+
+
+def test_stage_names_artifact_json_for_a_pack_path_not_derived_from_the_digest(captured_2layer: Captured, tmp_path: Path) -> None:
+    """Catches ``stage`` blaming a relative traversal path (``[file=model-payloads/sha256/../..]``) for
+    rule pack-path: the error names the artifact.json that holds the path (exit 1), before any store
+    or cache path is built from it."""
+    captured = copy_capture(captured_2layer, tmp_path / "copy", copy_pack=False)
+    bad = "model-payloads/sha256/../../../../etc/passwd"
+    edit_json(captured.manifest_path, lambda d: d["pack"].update(path=bad))
+    edit_json(captured.artifact_dir / "artifact.json", lambda d: d["workers"][0]["payload"].update(path=bad))
+    repin(captured)
+    done = run_cli("stage", captured.artifact_dir, "--state-root", captured.state_root)
+    assert done.returncode == 1 and "rule pack-path failed" in done.stderr, done.stderr
+    assert f"file={captured.artifact_dir / 'artifact.json'}" in done.stderr
+
+
+def test_mismatch_messages_say_what_differs(captured_2layer: Captured, tmp_path: Path) -> None:
+    """Catches messages that hide the difference: a pack path that differs between artifact.json and
+    the manifest is shown (both sides printed identical digests before); a wrong blob pin is shown as
+    size and digest, not a Python repr; manifests that disagree name the differing field."""
+    from coldsnap_core.artifact import read_capsule, read_worker_capsule
+    from coldsnap_core.errors import CapsulePinMismatchError, ManifestMismatchError
+
+    captured = copy_capture(captured_2layer, tmp_path / "copy", copy_pack=False)
+    edit_json(captured.artifact_dir / "artifact.json", lambda d: d["workers"][0]["payload"].update(path="elsewhere.pack"))
+    (entry,) = read_descriptor(captured.artifact_dir).workers
+    with pytest.raises(ManifestMismatchError, match=re.escape("path 'elsewhere.pack'")):
+        read_worker_capsule(captured.artifact_dir, entry)
+
+    captured = copy_capture(captured_2layer, tmp_path / "copy2", copy_pack=False)
+    edit_json(captured.artifact_dir / "artifact.json", lambda d: d["workers"][0]["capsule_files"][2].update(sha256="0" * 64))
+    (entry,) = read_descriptor(captured.artifact_dir).workers
+    with pytest.raises(CapsulePinMismatchError, match=f"pins 12672 bytes with SHA-256 {'0' * 64} for the residual blob") as info:
+        read_worker_capsule(captured.artifact_dir, entry)
+    assert "CapsuleFile(" not in str(info.value)
+
+    edit_json(captured.recovery_path, lambda d: d.update(layout_fingerprint="1" * 64))
+    with pytest.raises(ManifestMismatchError, match=r"disagree on layout_fingerprint\b(?!,)"):
+        read_capsule(captured.capsule_dir)
+
+
+def test_version_and_usage_messages() -> None:
+    """Catches a missing ``--version`` (exit 4, "COMMAND required") and an internal function name in a
+    usage error (``invalid _seconds value``)."""
+    done = run_cli("--version")
+    assert done.returncode == 0 and done.stdout.startswith("coldsnap ") and "artifact format 9" in done.stdout
+    done = run_cli("cache", "gc", "--older-than", "abc")
+    assert done.returncode == 4 and "'abc' is not a number of seconds" in done.stderr and "_seconds" not in done.stderr

@@ -142,7 +142,7 @@ def capsule_files(draw: st.DrawFn) -> tuple[CapsuleFile, ...]:
 def descriptors(draw: st.DrawFn) -> ArtifactDescriptor:
     entries = {}
     world = draw(st.integers(1, 64))  # one artifact holds one world
-    for worker in draw(st.lists(workers(), max_size=4)):
+    for worker in draw(st.lists(workers(), min_size=1, max_size=4)):  # an artifact lists at least one worker
         worker = replace(worker, rank=worker.rank % world, world_size=world)
         entries[(worker.role, worker.rank)] = WorkerEntry(
             worker, f"workers/{worker.capsule_name}", draw(pack_refs), draw(capsule_files())
