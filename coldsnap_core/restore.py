@@ -14,7 +14,7 @@ raising a :class:`~coldsnap_core.errors.ColdsnapError` subclass and nothing writ
 3. the live model's allocations have the captured layout (fingerprint, then every size): a payload
    captured from another architecture, dtype, layer count or tensor parallel size stops here;
 4. the model being loaded is the captured one (:func:`check_model_identity`: a Hugging Face
-   repository by id and revision, a local folder by content; the engine's model configuration by
+   repository by id and resolved commit, a local folder by content; the engine's model configuration by
    digest): a payload of the same layout but other weights or another configuration stops here;
 5. every manifest rule holds (:func:`coldsnap_core.verify.check_manifest`);
 6. the pack is staged: a cached object without a trusted validation record is verified in full
@@ -49,7 +49,7 @@ from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME
 from coldsnap_core.format.manifest import ModelIdentity, NativeManifest, WorkerIdentity
 from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.hydrate import HydrationReport, hydrate
-from coldsnap_core.model_identity import CheckpointRecords, RecordState, hash_checkpoint_file
+from coldsnap_core.model_identity import COMMIT_HASH, CheckpointRecords, RecordState, hash_checkpoint_file, resolve_hub_commit
 from coldsnap_core.records import identity, read_trusted_record, record_verified
 from coldsnap_core.staging import stage_payload
 from coldsnap_core.stores import from_env as store_from_env
@@ -66,21 +66,45 @@ class LoadedModel:
     Attributes:
         source: the engine's model (vLLM ``model_config.model``, SGLang ``model_config.model_path``):
             a repository id or a local folder.
-        revision: the engine's model revision, if any.
+        revision: for a repository id, the commit hash the engine's revision resolves to in the local
+            Hugging Face cache (:func:`~coldsnap_core.model_identity.resolve_hub_commit`), else the
+            engine's revision as given (``None`` when none; always the given value for a local folder).
         folder: the local checkpoint folder's real path when ``source`` is one, else ``None``.
         config_sha256: :func:`coldsnap_core.model_identity.model_config_sha256` of the engine's
             effective model configuration, or ``None`` when the caller has no engine configuration.
+        requested_revision: the engine's revision as given (``None``: the default branch), for messages.
     """
 
     source: str
     revision: str | None
     folder: Path | None
     config_sha256: str | None = None
+    requested_revision: str | None = None
 
     @classmethod
-    def from_config(cls, source: str, revision: str | None, config_sha256: str | None = None) -> LoadedModel:
-        folder = Path(os.path.realpath(source)) if os.path.isdir(source) else None
-        return cls(source, revision, folder, config_sha256)
+    def from_config(
+        cls,
+        source: str,
+        revision: str | None,
+        config_sha256: str | None = None,
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+    ) -> LoadedModel:
+        """The model an engine loads from ``source`` at ``revision``.
+
+        Args:
+            source: a local folder or a Hugging Face repository id.
+            revision: the engine's revision (vLLM ``model_config.revision``, a
+                ``huggingface_hub.ResolvedRevision`` in vLLM 0.32; SGLang ``model_config.revision``).
+            config_sha256: the engine's model configuration digest, if known.
+            cache_dir: the Hugging Face cache the engine downloads into (vLLM/SGLang
+                ``load_config.download_dir``); ``None`` means ``HF_HUB_CACHE``.
+        """
+        requested = None if revision is None else str(revision)
+        if os.path.isdir(source):
+            return cls(source, requested, Path(os.path.realpath(source)), config_sha256, requested)
+        commit = resolve_hub_commit(source, revision, cache_dir=cache_dir)
+        return cls(source, commit if commit is not None else requested, None, config_sha256, requested)
 
 
 def check_model_identity(
@@ -93,7 +117,11 @@ def check_model_identity(
 ) -> None:
     """The artifact's pinned model must be the one being loaded.
 
-    * A Hugging Face repository (``loaded.folder is None``): the same id and revision.
+    * A Hugging Face repository (``loaded.folder is None``): the same id and the same commit. Capture
+      records the commit the revision (``main`` when none is given) resolved to in the local Hugging
+      Face cache, and :meth:`LoadedModel.from_config` resolves the engine's revision the same way, so
+      a repository whose ``main`` moved to another commit (same layout and config, other weights) is
+      refused, and so is an engine whose cache cannot resolve a commit (fail closed).
     * A local folder, by content and not by path (another node may mount it elsewhere; ``$M`` and
       ``$M/`` are one folder): every recorded checkpoint file exists with its size, and its SHA-256,
       where this node knows it, is the recorded one. It is known from a checkpoint record
@@ -105,16 +133,12 @@ def check_model_identity(
       artifact captured without one is refused then).
 
     Raises:
-        ModelIdentityMismatchError: names what differs (source, revision, configuration, a missing,
+        ModelIdentityMismatchError: names what differs (source, commit, configuration, a missing,
             resized or rewritten checkpoint file).
         UnsafePathError: the checkpoint records folder or a record is a symbolic link.
     """
     if loaded.folder is None and (recorded.source, recorded.revision) != (loaded.source, loaded.revision):
-        raise ModelIdentityMismatchError(
-            f"the artifact was captured from {recorded.source!r} (revision {recorded.revision}), "
-            f"the engine is loading {loaded.source!r} (revision {loaded.revision})",
-            file=file,
-        )
+        raise ModelIdentityMismatchError(_repository_mismatch(recorded, loaded), file=file)
     if loaded.config_sha256 is not None and recorded.config_sha256 != loaded.config_sha256:
         raise ModelIdentityMismatchError(
             f"the engine's model configuration (Hugging Face config after overrides, dtype, quantization) has digest"
@@ -144,6 +168,35 @@ def check_model_identity(
                 " the file was replaced with other content of the same size",
                 file=path,
             )
+
+
+def _repository_mismatch(recorded: ModelIdentity, loaded: LoadedModel) -> str:
+    """Why a repository-id model identity differs (source, commit, or a revision without a commit)."""
+    captured = f"the artifact was captured from {recorded.source!r} at revision {recorded.revision}"
+    requested = loaded.requested_revision or "main"
+    if recorded.source != loaded.source:
+        return f"{captured}, the engine is loading {loaded.source!r} (revision {loaded.revision})"
+    recorded_commit = recorded.revision is not None and COMMIT_HASH.fullmatch(recorded.revision) is not None
+    loaded_commit = loaded.revision is not None and COMMIT_HASH.fullmatch(loaded.revision) is not None
+    if recorded_commit and loaded_commit:
+        return (
+            f"{captured}, but the engine's {loaded.source!r} revision {requested} resolved to another commit,"
+            f" {loaded.revision}, in the local Hugging Face cache: the repository moved (its weights may differ"
+            " with the same layout and configuration); capture the artifact again or pin the captured commit"
+            " with --revision"
+        )
+    if recorded_commit:
+        return (
+            f"{captured}, but the engine's {loaded.source!r} revision {requested} does not resolve to a commit in"
+            " the local Hugging Face cache, so the commit being loaded cannot be checked"
+        )
+    if loaded_commit:
+        return (
+            f"{captured}, which is not a commit hash (an artifact captured before repository commits were"
+            f" recorded, or from a revision the cache could not resolve); the engine's {loaded.source!r} revision"
+            f" {requested} resolved to {loaded.revision}; capture the artifact again"
+        )
+    return f"{captured}, the engine is loading {loaded.source!r} at revision {loaded.revision} (no commit in the local cache)"
 
 
 def _checkpoint_digest(

@@ -78,8 +78,13 @@ class ColdsnapModelLoader(DefaultModelLoader):
         self._model_source: LoadedModel | None = None
 
     def load_model(self, *, model_config, device_config, **kwargs):
+        # A repository id is pinned by the commit its revision resolves to in the Hugging Face cache
+        # SGLang downloads into (``--download-dir``, else ``HF_HUB_CACHE``).
         self._model_source = LoadedModel.from_config(
-            str(model_config.model_path), getattr(model_config, "revision", None), engine_config_sha256(model_config)
+            str(model_config.model_path),
+            getattr(model_config, "revision", None),
+            engine_config_sha256(model_config),
+            cache_dir=getattr(self.load_config, "download_dir", None),
         )
         return super().load_model(model_config=model_config, device_config=device_config, **kwargs)
 

@@ -63,7 +63,7 @@ from coldsnap_core.errors import ColdsnapError, ObserverError
 from coldsnap_core.format.manifest import ModelIdentity, NativeManifest, PackRef, WorkerIdentity
 from coldsnap_core.hydrate import HydrationReport
 from coldsnap_core.materialize import MaterializationHandle, materialize_payload
-from coldsnap_core.model_identity import CheckpointRecords, identify_checkpoint, model_config_sha256
+from coldsnap_core.model_identity import CheckpointRecords, identify_checkpoint, model_config_sha256, resolve_hub_commit
 from coldsnap_core.restore import LoadedModel, WorkerRestore
 from coldsnap_core.safetensors_header import TensorLocation, read_header
 from coldsnap_core.settings import ColdsnapSettings
@@ -251,7 +251,12 @@ class ColdsnapModelLoader(DefaultModelLoader):
             attempt = WorkerRestore(
                 settings.artifact_dir,
                 worker,
-                LoadedModel.from_config(model_config.model, model_config.revision, engine_config_sha256(model_config)),
+                LoadedModel.from_config(
+                    model_config.model,
+                    model_config.revision,
+                    engine_config_sha256(model_config),
+                    cache_dir=self.load_config.download_dir,
+                ),
                 cache,
                 verify_extents=settings.verify_extents,
                 verify_checkpoint=settings.verify_checkpoint,
@@ -369,7 +374,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
         pack: PackRef | None = None
         if settings.export_model_payload:
             assert settings.artifact_dir is not None
-            identity = self._identify(session, model_config, settings.state_root)
+            identity = self._identify(session, model_config, settings.state_root, self.load_config.download_dir)
             capture = capture_worker(
                 allocation_map=after.allocation_map,
                 allocations=after.live,
@@ -389,7 +394,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
                 pack = handle.result.pack
         if identity is None and _coldsnap_sleep_enabled(model_config):
             # The level-1 sleep backend takes its reference digests from the pinned checkpoint files.
-            identity = self._identify(session, model_config, settings.state_root)
+            identity = self._identify(session, model_config, settings.state_root, self.load_config.download_dir)
         self._publish(worker, identity, kept, pack)
         _set_outcome(
             LoadOutcome(
@@ -417,9 +422,12 @@ class ColdsnapModelLoader(DefaultModelLoader):
         return materialize_payload(manifest, allocations.live, backend, cache, mode=mode, keepalive=allocations)
 
     @staticmethod
-    def _identify(session: _LoadSession, model_config: ModelConfig, state_root: Path) -> ModelIdentity:
+    def _identify(
+        session: _LoadSession, model_config: ModelConfig, state_root: Path, download_dir: str | None = None
+    ) -> ModelIdentity:
         """The model identity: the checkpoint files just loaded (hashed, and recorded in the state
-        root's checkpoint records) and the engine's model configuration digest."""
+        root's checkpoint records), the engine's model configuration digest and, for a repository id,
+        the commit :func:`hub_revision` resolves."""
         primary = next((p for p in session.prepared if p.model_or_path == str(model_config.model)), None)
         if primary is None:
             primary = session.prepared[0] if session.prepared else None
@@ -428,7 +436,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
         return identify_checkpoint(
             primary.files,
             source=str(model_config.model),
-            revision=model_config.revision,
+            revision=hub_revision(model_config, download_dir),
             root=primary.folder,
             config_sha256=engine_config_sha256(model_config),
             records=CheckpointRecords(state_root),
@@ -467,6 +475,24 @@ def engine_config_sha256(model_config: ModelConfig) -> str:
     return model_config_sha256(
         model_config.hf_config, dtype=model_config.dtype, quantization=getattr(model_config, "quantization", None)
     )
+
+
+def hub_revision(model_config: ModelConfig, download_dir: str | None = None) -> str | None:
+    """The revision the model identity records for vLLM's model.
+
+    A local folder: ``model_config.revision`` as given (a string, or ``None``). A Hugging Face
+    repository id: the commit hash its revision resolves to
+    (:func:`coldsnap_core.model_identity.resolve_hub_commit`: vLLM 0.32's ``ModelConfig`` already
+    resolved ``model_config.revision`` to a ``huggingface_hub.ResolvedRevision``, whose commit is
+    used; else the ``refs`` entry of ``--download-dir`` or ``HF_HUB_CACHE``), or the revision as given
+    when the cache cannot resolve it (restore then refuses the artifact, fail closed).
+    """
+    revision = model_config.revision
+    requested = None if revision is None else str(revision)
+    if os.path.isdir(str(model_config.model)):
+        return requested
+    commit = resolve_hub_commit(str(model_config.model), revision, cache_dir=download_dir)
+    return commit if commit is not None else requested
 
 
 def _coldsnap_sleep_enabled(model_config: ModelConfig) -> bool:

@@ -2,25 +2,66 @@
 
 The configuration digest is computed from the real SmolLM2 ``config.json`` as ``transformers``
 loads it; checkpoint records are written by hashing the real 2-layer checkpoint (QA defects 2, 3, 5).
+Repository commits are resolved by the real ``huggingface_hub`` in a real Hugging Face cache folder
+built under ``tmp_path`` with the layout of huggingface_hub's caching guide (``blobs/``, ``refs/``,
+``snapshots/<commit>/`` links); nothing reaches the network.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 import transformers
 
-from coldsnap_core.errors import UnsafePathError
+from coldsnap_core.errors import ModelIdentityMismatchError, UnsafePathError
 from coldsnap_core.model_identity import (
     CheckpointRecords,
     RecordState,
+    _resolved_by_snapshot,
     canonical_model_config,
     identify_checkpoint,
     model_config_sha256,
+    resolve_hub_commit,
 )
+from coldsnap_core.restore import LoadedModel, check_model_identity
+
+REPO_ID = "org/name"
+COMMIT_A = "0123456789abcdef0123456789abcdef01234567"
+COMMIT_B = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def hub_snapshot(cache: Path, repo_id: str, commit: str, files: dict[str, bytes], *, ref: str | None = "main") -> Path:
+    """Add ``files`` as snapshot ``commit`` of ``repo_id`` to the Hugging Face cache ``cache`` (each a
+    relative link to ``blobs/<sha256>``, as ``hf_hub_download`` leaves them) and point ``refs/<ref>`` at
+    it, as a download of ``ref`` that found ``commit`` upstream does. Returns the snapshot folder."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    for name, data in files.items():
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = snapshot / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    if ref is not None:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+@pytest.fixture
+def hub_cache(smollm2_2layer: Path, tmp_path: Path) -> Path:
+    """A Hugging Face cache holding ``org/name`` at COMMIT_A (``main``): the 2-layer config and a small
+    safetensors file."""
+    cache = tmp_path / "hf-cache"
+    files = {"config.json": (smollm2_2layer / "config.json").read_bytes(), "model.safetensors": b"\x08" + b"\0" * 7 + b"{}      "}
+    hub_snapshot(cache, REPO_ID, COMMIT_A, files)
+    return cache
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +149,79 @@ def test_a_rewritten_file_makes_its_record_stale(tmp_path: Path) -> None:
     records.folder.symlink_to(moved)
     with pytest.raises(UnsafePathError):
         records.lookup(checkpoint)
+
+
+# --- repository commits -----------------------------------------------------------------------------
+
+
+def test_resolve_hub_commit_reads_the_cache(hub_cache: Path, tmp_path: Path) -> None:
+    """QA (repository id without ``--revision``): catches a resolver that returns the revision as given
+    (``None``/``main``) instead of the commit, that looks in ``HF_HUB_CACHE`` instead of ``cache_dir``, or
+    that prefers the cache's ``refs/main`` over a commit vLLM already resolved (a
+    ``huggingface_hub.ResolvedRevision``). An explicit commit comes back unchanged, cached or not; an
+    unknown repository, an unknown branch, or a ``refs`` entry that is not a commit give ``None``."""
+    assert resolve_hub_commit(REPO_ID, None, cache_dir=hub_cache) == COMMIT_A
+    assert resolve_hub_commit(REPO_ID, "main", cache_dir=hub_cache) == COMMIT_A
+    assert resolve_hub_commit(REPO_ID, COMMIT_B, cache_dir=hub_cache) == COMMIT_B
+    assert resolve_hub_commit(REPO_ID, None, cache_dir=tmp_path / "empty") is None
+    assert resolve_hub_commit("org/unknown", None, cache_dir=hub_cache) is None
+    assert resolve_hub_commit(REPO_ID, "dev", cache_dir=hub_cache) is None
+    engine = huggingface_hub.ResolvedRevision(resolved=COMMIT_B, initial=None, repo_id=REPO_ID)
+    assert resolve_hub_commit(REPO_ID, engine, cache_dir=hub_cache) == COMMIT_B
+    (hub_cache / "models--org--name" / "refs" / "broken").write_text("not a commit")
+    assert resolve_hub_commit(REPO_ID, "broken", cache_dir=hub_cache) is None
+
+
+def test_snapshot_resolution_agrees_with_the_api(hub_cache: Path, tmp_path: Path) -> None:
+    """The path for a ``huggingface_hub`` without ``HfApi.resolve_revision`` (``try_to_load_from_cache``
+    and its ``snapshots/<commit>/``): catches a fallback that reads another commit than the API for the
+    same cache (``main`` moved to COMMIT_B), or that names a folder outside ``snapshots/``."""
+    assert _resolved_by_snapshot(REPO_ID, None, hub_cache, "model") == COMMIT_A
+    hub_snapshot(hub_cache, REPO_ID, COMMIT_B, {"config.json": b"{}"})
+    assert (
+        _resolved_by_snapshot(REPO_ID, None, hub_cache, "model")
+        == COMMIT_B
+        == resolve_hub_commit(REPO_ID, None, cache_dir=hub_cache)
+    )
+    assert _resolved_by_snapshot(REPO_ID, COMMIT_A, hub_cache, "model") == COMMIT_A
+    assert _resolved_by_snapshot("org/unknown", None, hub_cache, "model") is None
+
+
+def test_a_moved_main_is_refused(hub_cache: Path, tmp_path: Path) -> None:
+    """The QA defect: an artifact captured from ``org/name`` (no ``--revision``) kept restoring the old
+    weights after upstream ``main`` got a new commit with the same layout and config, because only
+    ``(source, revision=None)`` was compared. Now the identity records COMMIT_A, and once ``refs/main``
+    moves to COMMIT_B the check raises ModelIdentityMismatchError naming both commits. The same
+    commit passes (before the move, and pinned with ``--revision COMMIT_A`` after it)."""
+    snapshot = hub_cache / "models--org--name" / "snapshots" / COMMIT_A
+    recorded = identify_checkpoint(
+        [snapshot / "model.safetensors"], source=REPO_ID, revision=resolve_hub_commit(REPO_ID, None, cache_dir=hub_cache)
+    )
+    assert recorded.revision == COMMIT_A
+    loaded = LoadedModel.from_config(REPO_ID, None, cache_dir=hub_cache)
+    assert (loaded.revision, loaded.folder, loaded.requested_revision) == (COMMIT_A, None, None)
+    check_model_identity(recorded, loaded)
+
+    hub_snapshot(hub_cache, REPO_ID, COMMIT_B, {p.name: p.read_bytes() for p in snapshot.iterdir()})
+    moved = LoadedModel.from_config(REPO_ID, None, cache_dir=hub_cache)
+    with pytest.raises(ModelIdentityMismatchError, match="resolved to another commit") as raised:
+        check_model_identity(recorded, moved, file="artifact.json")
+    assert COMMIT_A in str(raised.value) and COMMIT_B in str(raised.value) and raised.value.rule == "model-identity"
+    check_model_identity(recorded, LoadedModel.from_config(REPO_ID, COMMIT_A, cache_dir=hub_cache))
+
+
+def test_an_unresolvable_revision_fails_closed(hub_cache: Path, tmp_path: Path) -> None:
+    """Fail closed both ways: an artifact that recorded a commit, restored by an engine whose cache cannot
+    resolve the revision (no cache, or another ``--download-dir``), is refused (catches a check that skips
+    unresolvable revisions); an artifact that recorded no commit (captured before commits were recorded)
+    is refused once the engine's revision resolves to one (catches a check that accepts ``None``)."""
+    recorded = identify_checkpoint(
+        [hub_cache / "models--org--name" / "snapshots" / COMMIT_A / "model.safetensors"], source=REPO_ID, revision=COMMIT_A
+    )
+    unresolved = LoadedModel.from_config(REPO_ID, None, cache_dir=tmp_path / "empty")
+    assert unresolved.revision is None
+    with pytest.raises(ModelIdentityMismatchError, match="does not resolve to a commit"):
+        check_model_identity(recorded, unresolved)
+    legacy = identify_checkpoint([hub_cache / "models--org--name" / "snapshots" / COMMIT_A / "model.safetensors"], source=REPO_ID)
+    with pytest.raises(ModelIdentityMismatchError, match="not a commit hash"):
+        check_model_identity(legacy, LoadedModel.from_config(REPO_ID, None, cache_dir=hub_cache))

@@ -78,6 +78,7 @@ class LoadConfig:
     load_format: object = LoadFormat.AUTO
     model_loader_extra_config: object = None
     tp_rank: int | None = None
+    download_dir: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.model_loader_extra_config, str):

@@ -66,11 +66,14 @@ class ModelConfig:
     overrides: dict = field(default_factory=dict)
     dtype: torch.dtype = torch.bfloat16
     quantization: str | None = None
+    files: str | None = None
+    """The folder config and weights are read from when ``model_path`` is a repository id (its snapshot
+    in the Hugging Face cache); ``None``: ``model_path``."""
 
     def __post_init__(self) -> None:
         import transformers
 
-        self.hf_config = transformers.AutoConfig.from_pretrained(self.model_path)
+        self.hf_config = transformers.AutoConfig.from_pretrained(self.files or self.model_path)
         for key, value in self.overrides.items():
             setattr(self.hf_config, key, value)
 
@@ -80,7 +83,7 @@ class ModelConfig:
     def weights(self):
         from safetensors import safe_open
 
-        with safe_open(Path(self.model_path) / "model.safetensors", framework="pt") as f:
+        with safe_open(Path(self.files or self.model_path) / "model.safetensors", framework="pt") as f:
             for name in NAMES.values():
                 self.weights_read += 1
                 yield name, f.get_tensor(name)
@@ -95,6 +98,10 @@ class DeviceConfig:
 def captured(smollm2_2layer: Path, tmp_path: Path):
     """A real capture of TinyModel loaded from the checkpoint: the two norms are model extents (their
     provenance from the safetensors header), the buffer is residual."""
+    return capture(smollm2_2layer, tmp_path, source=str(smollm2_2layer))
+
+
+def capture(smollm2_2layer: Path, tmp_path: Path, *, source: str, revision: str | None = None):
     config = ModelConfig(str(smollm2_2layer))
     model = config.build()
     model.load_weights(config.weights())
@@ -117,7 +124,8 @@ def captured(smollm2_2layer: Path, tmp_path: Path):
         capture_point="portable",
         model=identify_checkpoint(
             [smollm2_2layer / "model.safetensors"],
-            source=str(smollm2_2layer),
+            source=source,
+            revision=revision,
             config_sha256=model_config_sha256(config.hf_config, dtype=config.dtype, quantization=config.quantization),
         ),
         cache=PayloadCache(tmp_path / "state"),
@@ -128,15 +136,26 @@ def captured(smollm2_2layer: Path, tmp_path: Path):
 
 
 def load(
-    fake_sglang, tmp_path: Path, smollm2_2layer: Path, *, overrides: dict | None = None, **extra
+    fake_sglang,
+    tmp_path: Path,
+    smollm2_2layer: Path,
+    *,
+    overrides: dict | None = None,
+    config: ModelConfig | None = None,
+    download_dir: Path | None = None,
+    **extra,
 ) -> tuple[torch.nn.Module, ModelConfig, object]:
     import coldsnap_sglang
 
     coldsnap_sglang.register()
     options = {"artifact_dir": str(tmp_path / "artifact"), "state_root": str(tmp_path / "state"), **extra}
-    load_config = fake_sglang.LoadConfig(load_format="coldsnap", model_loader_extra_config=json.dumps(options))
+    load_config = fake_sglang.LoadConfig(
+        load_format="coldsnap",
+        model_loader_extra_config=json.dumps(options),
+        download_dir=None if download_dir is None else str(download_dir),
+    )
     loader = fake_sglang.get_model_loader(load_config)
-    config = ModelConfig(str(smollm2_2layer), overrides=overrides or {})
+    config = config or ModelConfig(str(smollm2_2layer), overrides=overrides or {})
     return loader.load_model(model_config=config, device_config=DeviceConfig()), config, loader
 
 
@@ -231,4 +250,60 @@ def test_another_model_configuration_is_not_restored(fake_sglang, captured, smol
         _, config, _ = load(fake_sglang, tmp_path, smollm2_2layer, overrides={"rope_theta": 5000.0})
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "rule model-identity failed" in warning and "model configuration" in warning
+    assert config.weights_read == len(NAMES)
+
+
+COMMIT_A = "0123456789abcdef0123456789abcdef01234567"
+COMMIT_B = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def hub_snapshot(cache: Path, repo_id: str, commit: str, folder: Path) -> Path:
+    """Add ``folder``'s ``config.json`` and ``model.safetensors`` as snapshot ``commit`` of ``repo_id`` to
+    the Hugging Face cache ``cache`` (relative links to ``blobs/<sha256>``, the layout ``hf_hub_download``
+    leaves) and point ``refs/main`` at it. Returns the snapshot folder."""
+    import hashlib
+    import os
+    import shutil
+
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    for name in ("config.json", "model.safetensors"):
+        with open(folder / name, "rb") as f:
+            blob = repo / "blobs" / hashlib.file_digest(f, "sha256").hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        if not blob.exists():
+            shutil.copyfile(folder / name, blob)
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def test_a_moved_main_is_not_restored(fake_sglang, smollm2_2layer, tmp_path, caplog, monkeypatch) -> None:
+    """The QA defect on SGLang: a payload captured from ``org/name`` at commit A (no ``--revision``) was
+    restored after ``main`` moved to commit B with the same layout and config, because the loader
+    compared the revision as given (``None`` with ``None``). Now the loader resolves ``main`` in the
+    Hugging Face cache of ``--download-dir`` (catches a loader that ignores ``load_config.download_dir``):
+    at A it restores without reading the checkpoint; at B ``native`` raises ModelIdentityMismatchError
+    naming both commits and ``auto`` reads the checkpoint with one WARNING."""
+    cache = tmp_path / "hf-cache"
+    snapshot = hub_snapshot(cache, "org/name", COMMIT_A, smollm2_2layer)
+    capture(smollm2_2layer, tmp_path, source="org/name", revision=COMMIT_A)
+    monkeypatch.chdir(tmp_path)  # "org/name" is not a local folder
+
+    def hub_config() -> ModelConfig:
+        return ModelConfig("org/name", files=str(snapshot))
+
+    _, config, _ = load(fake_sglang, tmp_path, smollm2_2layer, config=hub_config(), download_dir=cache, restore="native")
+    assert config.weights_read == 0
+
+    hub_snapshot(cache, "org/name", COMMIT_B, smollm2_2layer)
+    with pytest.raises(ModelIdentityMismatchError, match="resolved to another commit") as raised:
+        load(fake_sglang, tmp_path, smollm2_2layer, config=hub_config(), download_dir=cache, restore="native")
+    assert COMMIT_A in str(raised.value) and COMMIT_B in str(raised.value)
+    with caplog.at_level(logging.WARNING, logger="coldsnap_sglang"):
+        _, config, _ = load(fake_sglang, tmp_path, smollm2_2layer, config=hub_config(), download_dir=cache)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "rule model-identity failed" in warning and COMMIT_B in warning
     assert config.weights_read == len(NAMES)

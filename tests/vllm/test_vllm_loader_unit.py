@@ -464,3 +464,83 @@ def test_dtype_converting_capture_warns(model_config: ModelConfig, tmp_path: Pat
             assert "only 0 of" in warning and "converted_copies=model" in warning
         else:
             assert manifest.model_bytes > manifest.residual_bytes and warnings == set()
+
+
+COMMIT_A = "0123456789abcdef0123456789abcdef01234567"
+COMMIT_B = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def hub_snapshot(cache: Path, repo_id: str, commit: str, folder: Path) -> None:
+    """Add every file of ``folder`` as snapshot ``commit`` of ``repo_id`` to the Hugging Face cache
+    ``cache`` (relative links to ``blobs/<sha256>``, the layout ``hf_hub_download`` leaves) and point
+    ``refs/main`` at it, as an online download of ``main`` that found ``commit`` upstream does."""
+    import hashlib
+    import shutil
+
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    for source in sorted(folder.iterdir()):
+        with open(source, "rb") as f:
+            blob = repo / "blobs" / hashlib.file_digest(f, "sha256").hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        if not blob.exists():
+            shutil.copyfile(source, blob)
+        link = repo / "snapshots" / commit / source.name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+
+
+def test_a_moved_main_is_not_restored(smollm2_2layer: Path, tmp_path: Path, monkeypatch, caplog) -> None:
+    """The QA defect through vLLM's real ``ModelConfig`` and weight download (offline, a real Hugging
+    Face cache under ``tmp_path`` passed as ``--download-dir``): an artifact captured from ``org/name``
+    without ``--revision`` kept restoring the old weights after ``main`` moved to a new commit with the
+    same files' layout and config, because ``(source, revision)`` compared ``main`` with ``main``. Now
+    the capture records commit A; once ``refs/main`` names commit B, ``native`` raises
+    ModelIdentityMismatchError naming both commits and ``auto`` loads the checkpoint (B's files) with
+    one WARNING; an engine pinned to commit A (``--revision A``) still restores."""
+    import huggingface_hub
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    cache = tmp_path / "hf-cache"
+    hub_snapshot(cache, "org/name", COMMIT_A, smollm2_2layer)
+    # What HF_HUB_OFFLINE=1 HF_HUB_CACHE=<cache> do at interpreter start (the constants are read at import).
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)  # "org/name" is not a local folder
+    monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
+
+    def load(config: ModelConfig, consumer: Consumer) -> None:
+        loader = ColdsnapModelLoader(LoadConfig(load_format="coldsnap", download_dir=str(cache)))
+        with set_current_vllm_config(VllmConfig(model_config=config)):
+            loader.load_weights(consumer, config)
+
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
+    captured = Consumer()
+    load(ModelConfig(model="org/name", dtype="bfloat16"), captured)
+    identity = last_outcome().capture.recovery.model
+    assert (identity.source, identity.revision) == ("org/name", COMMIT_A)
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
+
+    hub_snapshot(cache, "org/name", COMMIT_B, smollm2_2layer)
+    moved = ModelConfig(model="org/name", dtype="bfloat16")
+    monkeypatch.setenv("COLDSNAP_RESTORE", "native")
+    with pytest.raises(ModelIdentityMismatchError, match="resolved to another commit") as raised:
+        load(moved, Consumer())
+    assert COMMIT_A in str(raised.value) and COMMIT_B in str(raised.value)
+    monkeypatch.setenv("COLDSNAP_RESTORE", "auto")
+    fallback = Consumer()
+    with caplog.at_level(logging.WARNING):
+        load(moved, fallback)
+    outcome = last_outcome()
+    assert outcome.kind == "checkpoint" and outcome.fallback.rule == "model-identity" and outcome.checkpoint_copies == 3
+    warnings = {r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("coldsnap")}
+    assert len(warnings) == 1 and COMMIT_B in warnings.pop()
+
+    pinned = Consumer()
+    monkeypatch.setenv("COLDSNAP_RESTORE", "native")
+    load(ModelConfig(model="org/name", revision=COMMIT_A, dtype="bfloat16"), pinned)
+    assert last_outcome().kind == "restored" and pinned.snapshot() == captured.snapshot()
