@@ -12,6 +12,9 @@ in source order:
   to the threads largest first (each to the least loaded thread) and each is hashed right after its
   bytes land, ``chunk_bytes`` at a time, while they are still in the CPU cache.
 
+Each destination range is faulted in with one ``madvise(MADV_POPULATE_WRITE)`` before it is read
+into (:func:`prefault_for_write`), instead of one page fault per 4 KiB page of fresh memory.
+
 A failure in one batch stops the others at their next chunk; the first error is raised.
 """
 
@@ -36,6 +39,29 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 
 MAX_DEFAULT_THREADS = 8
 """Upper bound of the default thread count (the usable CPUs)."""
+
+
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+MADV_POPULATE_WRITE = 23
+"""Linux >= 5.14 ``madvise`` advice: fault the range in for writing in one call (``mm/madvise.c``)."""
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def prefault_for_write(address: int, size_bytes: int) -> bool:
+    """Fault in the pages under ``[address, address + size_bytes)`` for writing, in one system call.
+
+    A fresh allocation's first write takes one page fault per 4 KiB page; ``MADV_POPULATE_WRITE``
+    maps the whole range in one call, which made a copy into fresh memory about 20 % faster
+    (``benchmarks/vllm_load.py``). It never changes the bytes already there, so the partial pages at
+    either end (shared with neighbouring memory) are safe to include. Returns ``False`` where the
+    kernel does not support it (older than 5.14) or refuses the range; the copy then faults as usual.
+    """
+    if size_bytes <= 0:
+        return True
+    start = address - address % PAGE_BYTES
+    end = address + size_bytes
+    return _libc.madvise(start, end - start, MADV_POPULATE_WRITE) == 0
 
 
 def host_view(address: int, size_bytes: int) -> memoryview:
@@ -180,7 +206,9 @@ class HostCopyBackend:
     ) -> None:
         op = piece.op
         allocation = allocations[op.allocation_index]
-        destination = host_view(allocation.address + op.offset_bytes + piece.skip_bytes, piece.size_bytes)
+        destination_address = allocation.address + op.offset_bytes + piece.skip_bytes
+        prefault_for_write(destination_address, piece.size_bytes)
+        destination = host_view(destination_address, piece.size_bytes)
         digest = hashlib.sha256() if verify and op.sha256 is not None else None
         fd = fds[op.source]
         source_offset = op.source_offset_bytes + piece.skip_bytes

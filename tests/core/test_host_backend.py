@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
+import re
 from pathlib import Path
 
 import numpy as np
@@ -221,3 +223,19 @@ def test_capture_refuses_an_allocation_map_that_disagrees_with_the_live_allocati
         )
     assert info.value.allocation == 1
     assert not (tmp_path / "state").exists() and not (tmp_path / "artifact").exists()
+
+
+def test_prefault_for_write_never_changes_bytes() -> None:
+    """Catches a prefault that writes (or zeroes) memory: ``MADV_POPULATE_WRITE`` over a range whose
+    first and last pages are shared with neighbouring bytes leaves every byte as it was, and it is
+    supported on this kernel (>= 5.14), so the copy really takes the one-call path."""
+    from coldsnap_core.copy.host import PAGE_BYTES, prefault_for_write
+
+    block = np.frombuffer(np.random.default_rng(7).bytes(8 * PAGE_BYTES), dtype=np.uint8).copy()
+    before = hashlib.sha256(block.tobytes()).hexdigest()
+    address = block.ctypes.data
+    supported = prefault_for_write(address + 100, 5 * PAGE_BYTES + 17)  # unaligned at both ends
+    kernel = tuple(int(part) for part in re.findall(r"\d+", platform.release())[:2])
+    assert supported or kernel < (5, 14), f"MADV_POPULATE_WRITE refused on Linux {platform.release()}"
+    assert prefault_for_write(address, 0)
+    assert hashlib.sha256(block.tobytes()).hexdigest() == before
