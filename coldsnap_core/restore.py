@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,10 @@ class LoadedModel:
         config_sha256: :func:`coldsnap_core.model_identity.model_config_sha256` of the engine's
             effective model configuration, or ``None`` when the caller has no engine configuration.
         requested_revision: the engine's revision as given (``None``: the default branch), for messages.
+        checkpoint_files: for a local folder, the names (relative to ``folder``, ``/``-separated) of
+            every checkpoint file the engine's own loader would read now (vLLM
+            ``DefaultModelLoader._prepare_weights``: its glob and its index filter), or ``None`` when
+            the caller cannot tell.
     """
 
     source: str
@@ -80,6 +85,7 @@ class LoadedModel:
     folder: Path | None
     config_sha256: str | None = None
     requested_revision: str | None = None
+    checkpoint_files: tuple[str, ...] | None = None
 
     @classmethod
     def from_config(
@@ -89,6 +95,7 @@ class LoadedModel:
         config_sha256: str | None = None,
         *,
         cache_dir: str | os.PathLike[str] | None = None,
+        checkpoint_files: Iterable[str] | None = None,
     ) -> LoadedModel:
         """The model an engine loads from ``source`` at ``revision``.
 
@@ -99,10 +106,13 @@ class LoadedModel:
             config_sha256: the engine's model configuration digest, if known.
             cache_dir: the Hugging Face cache the engine downloads into (vLLM/SGLang
                 ``load_config.download_dir``); ``None`` means ``HF_HUB_CACHE``.
+            checkpoint_files: for a local folder, the checkpoint files the engine would read (see
+                ``checkpoint_files``); ignored for a repository id.
         """
         requested = None if revision is None else str(revision)
         if os.path.isdir(source):
-            return cls(source, requested, Path(os.path.realpath(source)), config_sha256, requested)
+            files = None if checkpoint_files is None else tuple(sorted(checkpoint_files))
+            return cls(source, requested, Path(os.path.realpath(source)), config_sha256, requested, files)
         commit = resolve_hub_commit(source, revision, cache_dir=cache_dir)
         return cls(source, commit if commit is not None else requested, None, config_sha256, requested)
 
@@ -128,7 +138,10 @@ def check_model_identity(
       (:class:`~coldsnap_core.model_identity.CheckpointRecords`) that still matches the file's
       ``stat``; a file that changed since its record was written is hashed again (one read of that
       file, then recorded); a file without a record is hashed only with ``verify_checkpoint``
-      (``COLDSNAP_VERIFY_CHECKPOINT=1``), else accepted on its name and size.
+      (``COLDSNAP_VERIFY_CHECKPOINT=1``), else accepted on its name and size. When the engine says
+      which files it would read (``loaded.checkpoint_files``), they must be exactly the recorded ones:
+      a shard added to the folder (which a plain load would read too) or one the engine would no
+      longer read is refused.
     * The engine's model configuration digest, when the engine gives one, equals the recorded one (an
       artifact captured without one is refused then).
 
@@ -148,6 +161,18 @@ def check_model_identity(
         )
     if loaded.folder is None:
         return
+    if loaded.checkpoint_files is not None:
+        recorded_names = {c.name for c in recorded.files}
+        added = sorted(set(loaded.checkpoint_files) - recorded_names)
+        dropped = sorted(recorded_names - set(loaded.checkpoint_files))
+        if added or dropped:
+            raise ModelIdentityMismatchError(
+                f"the engine would read the checkpoint files {list(loaded.checkpoint_files)} of {loaded.folder}, the"
+                f" artifact recorded {sorted(recorded_names)}"
+                + (f"; not recorded: {added} (a plain load would read them too)" if added else "")
+                + (f"; recorded but not read by the engine now: {dropped}" if dropped else ""),
+                file=file,
+            )
     for checkpoint in recorded.files:
         path = loaded.folder / checkpoint.name
         try:

@@ -232,6 +232,28 @@ class ColdsnapModelLoader(DefaultModelLoader):
             return iterator  # reload_weights and other callers outside an observed load
         return self._session.observe(source.prefix, iterator)
 
+    def _checkpoint_files_now(self, model: nn.Module, model_config: ModelConfig) -> list[str] | None:
+        """For a local checkpoint folder: the files vLLM's own loader would read now (relative names),
+        from ``DefaultModelLoader._prepare_weights`` (a glob of the folder and the safetensors index
+        filter; no tensor is read), so restore can refuse a folder that gained or lost a shard. ``None``
+        for a repository id (its commit is checked instead) or when vLLM finds no weights (the
+        recorded files are then reported missing)."""
+        if not os.path.isdir(model_config.model):
+            return None
+        try:
+            folder, files = DefaultModelLoader._prepare_weights(
+                self,
+                model_config.model,
+                None,
+                model_config.revision,
+                getattr(model, "fall_back_to_pt_during_load", True),
+                getattr(model, "allow_patterns_overrides", None),
+            )[:2]
+        except (RuntimeError, ValueError, OSError) as exc:
+            logger.debug("coldsnap: vLLM finds no checkpoint files in %s: %s", model_config.model, exc)
+            return None
+        return [Path(os.path.relpath(f, folder)).as_posix() for f in files]
+
     # -- load_weights ------------------------------------------------------------------------------
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
@@ -256,6 +278,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
                     model_config.revision,
                     engine_config_sha256(model_config),
                     cache_dir=self.load_config.download_dir,
+                    checkpoint_files=self._checkpoint_files_now(model, model_config),
                 ),
                 cache,
                 verify_extents=settings.verify_extents,

@@ -225,3 +225,20 @@ def test_an_unresolvable_revision_fails_closed(hub_cache: Path, tmp_path: Path) 
     legacy = identify_checkpoint([hub_cache / "models--org--name" / "snapshots" / COMMIT_A / "model.safetensors"], source=REPO_ID)
     with pytest.raises(ModelIdentityMismatchError, match="not a commit hash"):
         check_model_identity(legacy, LoadedModel.from_config(REPO_ID, None, cache_dir=hub_cache))
+
+
+def test_the_files_the_engine_would_read_must_be_the_recorded_ones(tmp_path: Path) -> None:
+    """Catches a local-folder identity that only checks the recorded files: when the engine says
+    which files it would read, an added one and a dropped one are each refused (named); the same set
+    in another order passes."""
+    for name in ("a.safetensors", "b.safetensors"):
+        (tmp_path / name).write_bytes(name.encode() * 64)
+    recorded = identify_checkpoint([tmp_path / "a.safetensors", tmp_path / "b.safetensors"], source=str(tmp_path))
+    same = LoadedModel.from_config(str(tmp_path), None, checkpoint_files=["b.safetensors", "a.safetensors"])
+    check_model_identity(recorded, same)
+    added = LoadedModel.from_config(str(tmp_path), None, checkpoint_files=["a.safetensors", "b.safetensors", "c.safetensors"])
+    with pytest.raises(ModelIdentityMismatchError, match=r"not recorded: \['c.safetensors'\]"):
+        check_model_identity(recorded, added)
+    dropped = LoadedModel.from_config(str(tmp_path), None, checkpoint_files=["a.safetensors"])
+    with pytest.raises(ModelIdentityMismatchError, match=r"not read by the engine now: \['b.safetensors'\]"):
+        check_model_identity(recorded, dropped)

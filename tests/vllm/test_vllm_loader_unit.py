@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -442,6 +444,46 @@ def test_restore_refuses_another_model_configuration(
     with set_current_vllm_config(VllmConfig(model_config=spelled)):
         make_loader().load_weights(fresh, spelled)
     assert last_outcome().kind == "restored" and fresh.snapshot() == loaded.snapshot()
+
+
+def test_a_shard_added_to_the_folder_is_not_restored_over(smollm2_2layer_3shards: Path, tmp_path: Path, monkeypatch) -> None:
+    """Catches a restore that checks only the recorded files: a safetensors file added to the local
+    folder, which vLLM's own loader would read too (no index lists the shards), made the plain load
+    differ from the restore. Restore asks vLLM's ``_prepare_weights`` which files it would read:
+    an added shard is refused under ``native`` (named) and ``auto`` loads the checkpoint. In a folder
+    with ``model.safetensors.index.json``, vLLM ignores a shard the index does not list, and so does
+    restore."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    folder = tmp_path / "model"
+    shutil.copytree(smollm2_2layer_3shards, folder)
+    index = folder / "model.safetensors.index.json"
+    saved_index = index.read_bytes()
+    index.unlink()  # no index: vLLM reads every *.safetensors file
+    config = ModelConfig(model=str(folder), dtype="bfloat16")
+    monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
+    with set_current_vllm_config(VllmConfig(model_config=config)):
+        monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
+        loaded = Consumer()
+        make_loader().load_weights(loaded, config)
+        assert [f.name for f in last_outcome().capture.recovery.model.files] == [
+            f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)
+        ]
+        monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
+        shutil.copy(folder / "model-00003-of-00003.safetensors", folder / "model-extra.safetensors")
+        monkeypatch.setenv("COLDSNAP_RESTORE", "native")
+        with pytest.raises(ModelIdentityMismatchError, match=re.escape("not recorded: ['model-extra.safetensors']")):
+            make_loader().load_weights(Consumer(), config)
+        monkeypatch.setenv("COLDSNAP_RESTORE", "auto")
+        make_loader().load_weights(Consumer(), config)
+        assert last_outcome().kind == "checkpoint" and last_outcome().fallback.rule == "model-identity"
+
+        index.write_bytes(saved_index)  # the index does not list the extra shard: vLLM skips it
+        monkeypatch.setenv("COLDSNAP_RESTORE", "native")
+        fresh = Consumer()
+        make_loader().load_weights(fresh, config)
+        assert last_outcome().kind == "restored" and fresh.snapshot() == loaded.snapshot()
 
 
 def test_dtype_converting_capture_warns(model_config: ModelConfig, tmp_path: Path, monkeypatch, caplog) -> None:
