@@ -33,7 +33,7 @@ from typing import TypeVar
 
 import filelock
 
-from coldsnap_core._io import fsync_dir, fsync_fd, write_all
+from coldsnap_core._io import fsync_dir, fsync_fd, os_error, write_all
 from coldsnap_core.errors import (
     ArtifactError,
     CapsulePinMismatchError,
@@ -302,8 +302,9 @@ def _check_pin(path: Path, data: bytes, pin: CapsuleFile) -> None:
 
 
 def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None]) -> Capsule:
+    _require_present(path, "capsule folder")
     if not path.is_dir():
-        raise MissingObjectError("capsule folder does not exist", file=path)
+        raise MissingObjectError("capsule folder does not exist (a file is in its place)", file=path)
     documents = {}
     for name in (NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME):
         if name in pins:
@@ -422,10 +423,27 @@ def find_worker(descriptor: ArtifactDescriptor, worker: WorkerIdentity) -> Worke
 
 
 def read_descriptor(artifact_dir: Path) -> ArtifactDescriptor:
+    """Read and strictly parse ``<artifact_dir>/artifact.json``.
+
+    Raises:
+        MissingObjectError: it does not exist.
+        NotRegularFileError, FileAccessError: not a regular file, or it cannot be examined (a
+            symbolic link loop is rule ``io``, not "missing").
+        ManifestError: it is malformed.
+    """
     path = artifact_dir / DESCRIPTOR_FILENAME
-    if not path.exists():
-        raise MissingObjectError("artifact descriptor does not exist", file=path)
+    _require_present(path, "artifact descriptor")
     return ArtifactDescriptor.read(path)
+
+
+def _require_present(path: Path, what: str) -> None:
+    """``MissingObjectError`` if nothing is at ``path``; the typed error if it cannot be examined."""
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise MissingObjectError(f"{what} does not exist", file=path) from exc
+    except OSError as exc:
+        raise os_error(f"{what} cannot be examined", exc, path) from exc
 
 
 def write_manifests(staging: Path, native: NativeManifest, recovery: RecoveryManifest) -> tuple[CapsuleFile, ...]:

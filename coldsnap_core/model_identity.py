@@ -118,8 +118,8 @@ def resolve_hub_commit(
         revision (no cache folder for the repository, no ``refs`` entry, an invalid repository id, a
         ``refs`` entry that is not a commit hash).
     """
-    if revision is not None and COMMIT_HASH.fullmatch(str(revision)):
-        return str(revision)
+    if revision is not None and not hasattr(revision, "resolved") and COMMIT_HASH.fullmatch(str(revision)):
+        return str(revision)  # a ResolvedRevision goes through huggingface_hub, which reads its .resolved
     import huggingface_hub
     from huggingface_hub import errors as hf_errors
 

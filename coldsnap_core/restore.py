@@ -78,6 +78,8 @@ class LoadedModel:
             every checkpoint file the engine's own loader would read now (vLLM
             ``DefaultModelLoader._prepare_weights``: its glob and its index filter), or ``None`` when
             the caller cannot tell.
+        checkpoint_files_error: why the engine could not list those files (a safetensors index
+            naming a missing shard, malformed JSON, ...); the identity check then fails closed.
     """
 
     source: str
@@ -86,6 +88,7 @@ class LoadedModel:
     config_sha256: str | None = None
     requested_revision: str | None = None
     checkpoint_files: tuple[str, ...] | None = None
+    checkpoint_files_error: str | None = None
 
     @classmethod
     def from_config(
@@ -96,6 +99,7 @@ class LoadedModel:
         *,
         cache_dir: str | os.PathLike[str] | None = None,
         checkpoint_files: Iterable[str] | None = None,
+        checkpoint_files_error: str | None = None,
     ) -> LoadedModel:
         """The model an engine loads from ``source`` at ``revision``.
 
@@ -108,11 +112,13 @@ class LoadedModel:
                 ``load_config.download_dir``); ``None`` means ``HF_HUB_CACHE``.
             checkpoint_files: for a local folder, the checkpoint files the engine would read (see
                 ``checkpoint_files``); ignored for a repository id.
+            checkpoint_files_error: why the engine could not list them, if it failed.
         """
         requested = None if revision is None else str(revision)
         if os.path.isdir(source):
             files = None if checkpoint_files is None else tuple(sorted(checkpoint_files))
-            return cls(source, requested, Path(os.path.realpath(source)), config_sha256, requested, files)
+            folder = Path(os.path.realpath(source))
+            return cls(source, requested, folder, config_sha256, requested, files, checkpoint_files_error)
         commit = resolve_hub_commit(source, revision, cache_dir=cache_dir)
         return cls(source, commit if commit is not None else requested, None, config_sha256, requested)
 
@@ -131,7 +137,8 @@ def check_model_identity(
       records the commit the revision (``main`` when none is given) resolved to in the local Hugging
       Face cache, and :meth:`LoadedModel.from_config` resolves the engine's revision the same way, so
       a repository whose ``main`` moved to another commit (same layout and config, other weights) is
-      refused, and so is an engine whose cache cannot resolve a commit (fail closed).
+      refused, and so is an engine whose cache cannot resolve a commit, or an artifact that recorded
+      no commit (fail closed).
     * A local folder, by content and not by path (another node may mount it elsewhere; ``$M`` and
       ``$M/`` are one folder): every recorded checkpoint file exists with its size, and its SHA-256,
       where this node knows it, is the recorded one. It is known from a checkpoint record
@@ -141,7 +148,8 @@ def check_model_identity(
       (``COLDSNAP_VERIFY_CHECKPOINT=1``), else accepted on its name and size. When the engine says
       which files it would read (``loaded.checkpoint_files``), they must be exactly the recorded ones:
       a shard added to the folder (which a plain load would read too) or one the engine would no
-      longer read is refused.
+      longer read is refused, and so is a folder whose files the engine cannot list. An artifact
+      captured from a repository id is never restored into a local folder.
     * The engine's model configuration digest, when the engine gives one, equals the recorded one (an
       artifact captured without one is refused then).
 
@@ -150,8 +158,20 @@ def check_model_identity(
             resized or rewritten checkpoint file).
         UnsafePathError: the checkpoint records folder or a record is a symbolic link.
     """
-    if loaded.folder is None and (recorded.source, recorded.revision) != (loaded.source, loaded.revision):
+    recorded_from_folder = os.path.isabs(recorded.source)  # a local folder is recorded by its real path
+    if loaded.folder is None and (
+        (recorded.source, recorded.revision) != (loaded.source, loaded.revision)
+        or recorded.revision is None
+        or COMMIT_HASH.fullmatch(recorded.revision) is None
+    ):
         raise ModelIdentityMismatchError(_repository_mismatch(recorded, loaded), file=file)
+    if loaded.folder is not None and not recorded_from_folder:
+        raise ModelIdentityMismatchError(
+            f"the artifact was captured from the Hugging Face repository {recorded.source!r} at revision"
+            f" {recorded.revision}, the engine is loading the local folder {loaded.folder}; a folder is not"
+            " checked against a repository commit (load the repository id, or capture from the folder)",
+            file=file,
+        )
     if loaded.config_sha256 is not None and recorded.config_sha256 != loaded.config_sha256:
         raise ModelIdentityMismatchError(
             f"the engine's model configuration (Hugging Face config after overrides, dtype, quantization) has digest"
@@ -161,6 +181,12 @@ def check_model_identity(
         )
     if loaded.folder is None:
         return
+    if loaded.checkpoint_files_error is not None:
+        raise ModelIdentityMismatchError(
+            f"the engine cannot say which checkpoint files of {loaded.folder} it would read"
+            f" ({loaded.checkpoint_files_error}); a plain load would fail the same way",
+            file=file,
+        )
     if loaded.checkpoint_files is not None:
         recorded_names = {c.name for c in recorded.files}
         added = sorted(set(loaded.checkpoint_files) - recorded_names)

@@ -232,14 +232,18 @@ class ColdsnapModelLoader(DefaultModelLoader):
             return iterator  # reload_weights and other callers outside an observed load
         return self._session.observe(source.prefix, iterator)
 
-    def _checkpoint_files_now(self, model: nn.Module, model_config: ModelConfig) -> list[str] | None:
+    def _checkpoint_files_now(self, model: nn.Module, model_config: ModelConfig) -> tuple[list[str] | None, str | None]:
         """For a local checkpoint folder: the files vLLM's own loader would read now (relative names),
         from ``DefaultModelLoader._prepare_weights`` (a glob of the folder and the safetensors index
-        filter; no tensor is read), so restore can refuse a folder that gained or lost a shard. ``None``
-        for a repository id (its commit is checked instead) or when vLLM finds no weights (the
-        recorded files are then reported missing)."""
+        filter; no tensor is read), so restore can refuse a folder that gained or lost a shard.
+
+        Returns:
+            ``(names, None)``; ``(None, None)`` for a repository id (its commit is checked instead);
+            ``(None, why)`` when vLLM cannot list them (an index naming a missing shard, a malformed
+            index, no weights): the identity check then fails closed, as a plain load would.
+        """
         if not os.path.isdir(model_config.model):
-            return None
+            return None, None
         try:
             folder, files = DefaultModelLoader._prepare_weights(
                 self,
@@ -249,10 +253,9 @@ class ColdsnapModelLoader(DefaultModelLoader):
                 getattr(model, "fall_back_to_pt_during_load", True),
                 getattr(model, "allow_patterns_overrides", None),
             )[:2]
-        except (RuntimeError, ValueError, OSError) as exc:
-            logger.debug("coldsnap: vLLM finds no checkpoint files in %s: %s", model_config.model, exc)
-            return None
-        return [Path(os.path.relpath(f, folder)).as_posix() for f in files]
+        except Exception as exc:  # whatever vLLM raises, restore must not go ahead
+            return None, f"vLLM's _prepare_weights raised {type(exc).__name__}: {exc}"
+        return [Path(os.path.relpath(f, folder)).as_posix() for f in files], None
 
     # -- load_weights ------------------------------------------------------------------------------
 
@@ -270,6 +273,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
         attempt: WorkerRestore | None = None
         fallback: ColdsnapError | None = None
         if settings.artifact_dir is not None and not settings.export_model_payload:
+            checkpoint_files, checkpoint_files_error = self._checkpoint_files_now(model, model_config)
             attempt = WorkerRestore(
                 settings.artifact_dir,
                 worker,
@@ -278,7 +282,8 @@ class ColdsnapModelLoader(DefaultModelLoader):
                     model_config.revision,
                     engine_config_sha256(model_config),
                     cache_dir=self.load_config.download_dir,
-                    checkpoint_files=self._checkpoint_files_now(model, model_config),
+                    checkpoint_files=checkpoint_files,
+                    checkpoint_files_error=checkpoint_files_error,
                 ),
                 cache,
                 verify_extents=settings.verify_extents,

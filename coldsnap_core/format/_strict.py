@@ -224,7 +224,8 @@ hundreds of thousands of tensors while bounding what a hostile file can make a r
 def read_document_bytes(path: Path, *, check_size: Callable[[int], None] | None = None) -> bytes:
     """The bytes of a document file, read through one descriptor that is checked before any read.
 
-    The file is opened with ``O_NONBLOCK`` (so a named pipe cannot block the open), refused unless
+    Anything but a regular file (``stat``, following links) is refused before it is opened; the file
+    is opened with ``O_NONBLOCK`` (so a named pipe swapped in cannot block the open) and refused unless
     ``fstat`` says it is a regular file, and its size is checked (``check_size``, then
     :data:`MAX_DOCUMENT_BYTES`) before anything is read; at most that many bytes plus one are read.
 
@@ -240,7 +241,11 @@ def read_document_bytes(path: Path, *, check_size: Callable[[int], None] | None 
         ManifestParseError: it is larger than :data:`MAX_DOCUMENT_BYTES`.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        # stat first: opening a socket fails with ENXIO and a terminal may block or take control.
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFileError(f"document is not a regular file ({stat.filemode(mode)})", file=path)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except FileNotFoundError as exc:
         raise MissingObjectError("document does not exist", file=path) from exc
     except OSError as exc:

@@ -10,6 +10,7 @@ publication) runs on real vLLM code paths in seconds. End-to-end engine tests ar
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -484,6 +485,16 @@ def test_a_shard_added_to_the_folder_is_not_restored_over(smollm2_2layer_3shards
         fresh = Consumer()
         make_loader().load_weights(fresh, config)
         assert last_outcome().kind == "restored" and fresh.snapshot() == loaded.snapshot()
+
+        # QA pass 3, defects 2 and 3: an index vLLM cannot use (it names a missing shard; it has no
+        # weight_map) turned the check off (restored) or crashed with KeyError. Now the identity
+        # check fails closed, naming vLLM's error, as a plain load would fail.
+        doc = json.loads(saved_index)
+        doc["weight_map"]["model.layers.9.x"] = "model-00004-of-00004.safetensors"
+        for broken, words in ((json.dumps(doc), "FileNotFoundError"), ("{}", "KeyError")):
+            index.write_text(broken)
+            with pytest.raises(ModelIdentityMismatchError, match=f"cannot say which checkpoint files.*{words}"):
+                make_loader().load_weights(Consumer(), config)
 
 
 def test_dtype_converting_capture_warns(model_config: ModelConfig, tmp_path: Path, monkeypatch, caplog) -> None:

@@ -173,12 +173,22 @@ def test_model_identity_is_checked(tmp_path: Path, checkpoint: Path, captured) -
     recorded = read_descriptor(tmp_path / "artifact").model
     folder = checkpoint.parent
     check_model_identity(recorded, LoadedModel.from_config(str(folder), None))
-    hub = dataclasses.replace(recorded, source="org/tiny", revision="abc123")
-    check_model_identity(hub, LoadedModel.from_config("org/tiny", "abc123"))
+    commit, other_commit = "1" * 40, "2" * 40
+    hub = dataclasses.replace(recorded, source="org/tiny", revision=commit)
+    check_model_identity(hub, LoadedModel.from_config("org/tiny", commit))
     with pytest.raises(ModelIdentityMismatchError, match="captured from"):
-        check_model_identity(hub, LoadedModel.from_config("org/other", "abc123"))
+        check_model_identity(hub, LoadedModel.from_config("org/other", commit))
     with pytest.raises(ModelIdentityMismatchError, match="revision"):
-        check_model_identity(hub, LoadedModel.from_config("org/tiny", "def456"))
+        check_model_identity(hub, LoadedModel.from_config("org/tiny", other_commit))
+    # QA pass 3, defect 4: the same revision that is not a commit (a branch the cache cannot resolve)
+    # on both sides is no pin at all: refused.
+    branch = dataclasses.replace(recorded, source="org/tiny", revision="dev")
+    with pytest.raises(ModelIdentityMismatchError, match="no commit in the local cache"):
+        check_model_identity(branch, LoadedModel.from_config("org/tiny", "dev", cache_dir=tmp_path / "no-cache"))
+    # QA pass 3, defect 1: an artifact captured from a repository is never restored into a local folder
+    # (here the very folder the files came from, under the repository's name).
+    with pytest.raises(ModelIdentityMismatchError, match="local folder"):
+        check_model_identity(hub, LoadedModel.from_config(str(folder), None))
     with pytest.raises(ModelIdentityMismatchError, match="is missing"):
         check_model_identity(recorded, LoadedModel.from_config(str(tmp_path), None))
     with open(checkpoint, "ab") as f:
