@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.cli._progress import BarFactory
+from coldsnap_core.cli._targets import artifact_folder
 from coldsnap_core.publish import PublishedPayload, publish_native
 from coldsnap_core.stores import parse_store_spec
 
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         results = publish_native(
-            [Path(a) for a in args.artifact], store, cache, dry_run=args.dry_run, progress=bars, on_payload=report
+            [artifact_folder(a) for a in args.artifact], store, cache, dry_run=args.dry_run, progress=bars, on_payload=report
         )
     finally:
         bars.close()

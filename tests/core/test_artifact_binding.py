@@ -321,13 +321,17 @@ def test_an_artifact_without_workers_is_malformed(captured_2layer: Captured, tmp
         assert done.returncode == 2 and "workers is empty" in done.stderr, (command, done.stderr)
 
 
-def test_artifact_json_itself_is_a_valid_target(captured_2layer: Captured) -> None:
+def test_artifact_json_itself_is_a_valid_target(captured_2layer: Captured, tmp_path: Path) -> None:
     """Catches ``coldsnap verify ART/artifact.json`` being refused as "no artifact.json here" (exit 3):
-    the descriptor file names its artifact, for verify, inspect and stage alike."""
+    the descriptor file names its artifact, for verify, inspect, stage and publish-native alike."""
     target = captured_2layer.artifact_dir / "artifact.json"
     for command in ("verify", "inspect", "stage"):
         done = run_cli(command, target, *_state_root_option(command, captured_2layer))
         assert done.returncode == 0, (command, done.stderr)
+    store = tmp_path / "store"
+    done = run_cli("publish-native", target, "--repo", store, "--state-root", captured_2layer.state_root)
+    assert done.returncode == 0, done.stderr
+    assert (store / captured_2layer.manifest.pack.path).is_file()
 
 
 def test_stage_names_artifact_json_for_a_pack_path_not_derived_from_the_digest(captured_2layer: Captured, tmp_path: Path) -> None:
