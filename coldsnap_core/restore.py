@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from coldsnap_core._io import unexpected_os_error
 from coldsnap_core.artifact import Capsule, check_provenance_in_identity, find_worker, read_descriptor, read_worker_capsule
 from coldsnap_core.cache import PayloadCache, refuse_symlink
 from coldsnap_core.copy.base import CopyBackend
@@ -395,8 +396,16 @@ class WorkerRestore:
         """Steps 1-7. On return every byte of every allocation holds the captured bytes.
 
         Raises:
-            ColdsnapError: the subclass of the first failed check (see the module docstring).
+            ColdsnapError: the subclass of the first failed check (see the module docstring); an
+                ``OSError`` no layer typed is raised as ``FileAccessError`` (rule ``io``), so the
+                loaders' ``COLDSNAP_RESTORE=auto`` fallback sees only typed errors.
         """
+        try:
+            return self._run(allocations, backend)
+        except OSError as exc:
+            raise unexpected_os_error(exc) from exc
+
+    def _run(self, allocations: TorchAllocations, backend: CopyBackend) -> HydrationReport:
         capsule = self.capsule or self.read()
         manifest = capsule.native
         manifest_file = str(capsule.native_manifest_path)

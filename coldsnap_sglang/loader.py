@@ -28,7 +28,6 @@ import torch
 from sglang.srt.configs.load_config import LoadFormat
 from sglang.srt.model_loader.loader import DefaultModelLoader
 
-from coldsnap_core._io import unexpected_os_error
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.copy.select import copy_backend_for
 from coldsnap_core.errors import ColdsnapError, EngineVersionError
@@ -126,12 +125,9 @@ def restore_into(model: torch.nn.Module, settings, worker: WorkerIdentity, sourc
     try:
         allocations = enumerate_allocations(model)
         report = attempt.run(allocations, copy_backend_for(allocations.device))
-    except (ColdsnapError, OSError) as raised:
-        exc = raised if isinstance(raised, ColdsnapError) else unexpected_os_error(raised)
+    except ColdsnapError as exc:
         if settings.restore == "native":
-            if exc is raised:
-                raise
-            raise exc from raised
+            raise
         logger.warning(
             "coldsnap: could not restore %s from %s; loading the checkpoint instead (COLDSNAP_RESTORE=auto): %s",
             worker.capsule_name,

@@ -54,7 +54,6 @@ from vllm.config import ModelConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from coldsnap_core._io import unexpected_os_error
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import CaptureResult, capture_worker
 from coldsnap_core.copy.base import CopyBackend
@@ -293,12 +292,9 @@ class ColdsnapModelLoader(DefaultModelLoader):
                 with _collector_paused():
                     allocations = enumerate_allocations(model)
                     report = attempt.run(allocations, copy_backend_for(allocations.device))
-            except (ColdsnapError, OSError) as raised:
-                exc = raised if isinstance(raised, ColdsnapError) else unexpected_os_error(raised)
+            except ColdsnapError as exc:
                 if settings.restore == "native":
-                    if exc is raised:
-                        raise
-                    raise exc from raised
+                    raise
                 fallback = exc
                 quarantined = getattr(exc, "quarantined_to", None)
                 logger.warning(
