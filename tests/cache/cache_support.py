@@ -31,8 +31,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from coldsnap_core.cache import PayloadCache
+    from coldsnap_core.copy.host import HostCopyBackend
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -91,6 +96,37 @@ def capture(
         artifact_dir=artifact_dir,
         backend=HostCopyBackend(threads=1),
     )
+
+
+def hydrate_captured(
+    captured,
+    cache: PayloadCache,
+    *,
+    backend: HostCopyBackend | None = None,
+    verify_extents: bool = False,
+    name_manifest: bool = False,
+) -> list[np.ndarray]:
+    """Hydrate the capture's ``worker-0-of-1`` capsule into fresh host allocations
+    (:func:`coldsnap_core.slabs.allocate`) through ``backend`` (default: the host backend on one
+    thread) and return them; ``name_manifest`` passes the native manifest's path for error messages."""
+    from coldsnap_core.artifact import read_capsule
+    from coldsnap_core.copy.base import LiveAllocation
+    from coldsnap_core.copy.host import HostCopyBackend
+    from coldsnap_core.hydrate import hydrate
+    from coldsnap_core.slabs import allocate
+
+    capsule = read_capsule(captured.artifact_dir / "workers" / "worker-0-of-1")
+    arrays = allocate(capsule.native.allocations)
+    hydrate(
+        capsule.native,
+        blob_path=capsule.blob_path,
+        cache=cache,
+        allocations=[LiveAllocation(i, int(a.ctypes.data), a.nbytes) for i, a in enumerate(arrays)],
+        backend=backend or HostCopyBackend(threads=1),
+        verify_extents=verify_extents,
+        manifest_file=str(capsule.native_manifest_path) if name_manifest else None,
+    )
+    return arrays
 
 
 def sha256_of(path: Path) -> str:

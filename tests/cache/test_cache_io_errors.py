@@ -12,12 +12,11 @@ import os
 from pathlib import Path
 
 import pytest
+from cache_support import hydrate_captured
 
 from coldsnap_core.artifact import read_capsule
 from coldsnap_core.cache import PayloadCache, resolve_state_root
 from coldsnap_core.cli.main import main
-from coldsnap_core.copy.base import LiveAllocation
-from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.errors import (
     ConfigurationError,
     FileAccessError,
@@ -25,27 +24,12 @@ from coldsnap_core.errors import (
     NotRegularFileError,
     UnsafePathError,
 )
-from coldsnap_core.hydrate import hydrate
-from coldsnap_core.slabs import allocate
 from coldsnap_core.staging import stage_payload
 from coldsnap_core.verify import verify_blob_file, verify_pack_file
 
 
 def coldsnap(*args: object) -> int:
     return main([str(a) for a in args])
-
-
-def _hydrate(captured, cache: PayloadCache) -> None:
-    capsule = read_capsule(captured.artifact_dir / "workers" / "worker-0-of-1")
-    arrays = allocate(capsule.native.allocations)
-    allocations = [LiveAllocation(i, int(a.ctypes.data), a.nbytes) for i, a in enumerate(arrays)]
-    hydrate(
-        capsule.native,
-        blob_path=capsule.blob_path,
-        cache=cache,
-        allocations=allocations,
-        backend=HostCopyBackend(threads=1),
-    )
 
 
 # --- the state root ------------------------------------------------------------------------------------
@@ -66,7 +50,7 @@ def test_state_root_that_is_a_file_is_a_configuration_error(captured, tmp_path: 
     with pytest.raises(ConfigurationError):
         cache.ensure_dirs()
     with pytest.raises(ConfigurationError):
-        _hydrate(captured, cache)
+        hydrate_captured(captured, cache)
     # A path below a file (a component is not a folder) is refused the same way.
     with pytest.raises(ConfigurationError, match="not a usable folder"):
         PayloadCache(blocker / "sub").check_dirs()
@@ -143,7 +127,7 @@ def test_folder_at_the_blob_path_is_not_reported_as_truncated(captured) -> None:
     with pytest.raises(NotRegularFileError, match="residual blob is not a regular file"):
         verify_blob_file(blob, residual)
     with pytest.raises(NotRegularFileError):
-        _hydrate(captured, PayloadCache(captured.capture_root))
+        hydrate_captured(captured, PayloadCache(captured.capture_root))
 
 
 def test_cli_verify_folder_at_the_blob_path_exits_4(captured, capsys) -> None:

@@ -14,14 +14,11 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
-from cache_support import capture, flip_byte, sha256_of
+from cache_support import capture, flip_byte, hydrate_captured, sha256_of
 
-from coldsnap_core.artifact import read_capsule
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.cli.main import main
-from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.copy.host import HostCopyBackend, host_view
 from coldsnap_core.errors import (
     CopyBackendError,
@@ -32,10 +29,8 @@ from coldsnap_core.errors import (
 )
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME, NativeManifest
 from coldsnap_core.format.pack_layout import PackEntry, PackLayout
-from coldsnap_core.hydrate import hydrate
 from coldsnap_core.publish import publish_native
 from coldsnap_core.records import record_state, write_record
-from coldsnap_core.slabs import allocate
 from coldsnap_core.stores.local import LocalFolderStore
 from coldsnap_core.verify import check_manifest, verify_pack_file
 
@@ -81,11 +76,6 @@ def misrecord_one_extent_digest(artifact_dir: Path) -> int:
     _repin(artifact_dir, NATIVE_MANIFEST_FILENAME, data)
     check_manifest(NativeManifest.read(path))  # the canonical layout still holds
     return index
-
-
-def _live(manifest: NativeManifest) -> tuple[list[np.ndarray], list[LiveAllocation]]:
-    arrays = allocate(manifest.allocations)
-    return arrays, [LiveAllocation(i, int(a.ctypes.data), a.nbytes) for i, a in enumerate(arrays)]
 
 
 # --- the verifier -------------------------------------------------------------------------------------
@@ -185,20 +175,10 @@ def test_hydration_blames_a_wrong_manifest_and_keeps_the_pack(captured) -> None:
     ManifestExtentDigestError is raised; the pack and its record stay (a regression that quarantines
     on any extent mismatch removes a valid shared pack here)."""
     misrecord_one_extent_digest(captured.artifact_dir)
-    capsule = read_capsule(captured.artifact_dir / CAPSULE)
     cache = PayloadCache(captured.capture_root)
-    _, allocations = _live(capsule.native)
     with pytest.raises(ManifestExtentDigestError) as info:
-        hydrate(
-            capsule.native,
-            blob_path=capsule.blob_path,
-            cache=cache,
-            allocations=allocations,
-            backend=HostCopyBackend(threads=1),
-            verify_extents=True,
-            manifest_file=str(capsule.native_manifest_path),
-        )
-    assert info.value.file == str(capsule.native_manifest_path)
+        hydrate_captured(captured, cache, verify_extents=True, name_manifest=True)
+    assert info.value.file == str(captured.artifact_dir / CAPSULE / "native-manifest.json")
     assert cache.quarantined() == [] and record_state(cache, captured.pack.sha256) == "trusted"
 
 
@@ -210,17 +190,8 @@ def test_hydration_quarantines_a_pack_corrupted_under_its_record(captured) -> No
     extent = captured.manifest.model_extents[0]
     flip_byte(captured.pack_path, extent.pack_offset_bytes + 5)
     write_record(cache, captured.pack.sha256, os.lstat(captured.pack_path))
-    capsule = read_capsule(captured.artifact_dir / CAPSULE)
-    _, allocations = _live(capsule.native)
     with pytest.raises(ExtentDigestMismatchError) as info:
-        hydrate(
-            capsule.native,
-            blob_path=capsule.blob_path,
-            cache=cache,
-            allocations=allocations,
-            backend=HostCopyBackend(threads=1),
-            verify_extents=True,
-        )
+        hydrate_captured(captured, cache, verify_extents=True)
     assert info.value.allocation is not None
     assert info.value.quarantined_to is not None and info.value.quarantined_to.exists()
     assert cache.digests() == []
@@ -234,12 +205,8 @@ def test_hydration_quarantines_padding_corrupted_under_its_record(captured) -> N
     start, _ = next(iter(layout.padding_ranges()))
     flip_byte(captured.pack_path, start)
     write_record(cache, captured.pack.sha256, os.lstat(captured.pack_path))
-    capsule = read_capsule(captured.artifact_dir / CAPSULE)
-    _, allocations = _live(capsule.native)
     with pytest.raises(NonZeroPaddingError) as info:
-        hydrate(
-            capsule.native, blob_path=capsule.blob_path, cache=cache, allocations=allocations, backend=HostCopyBackend(threads=1)
-        )
+        hydrate_captured(captured, cache)
     assert info.value.quarantined_to is not None
     assert cache.digests() == []
 
@@ -273,16 +240,7 @@ def test_hydration_blames_the_copy_when_pack_and_manifest_agree(captured) -> Non
     (rule copy), and the valid pack is neither quarantined nor unrecorded (it was quarantined
     because the error named the pack)."""
     cache = PayloadCache(captured.capture_root)
-    capsule = read_capsule(captured.artifact_dir / CAPSULE)
-    _, allocations = _live(capsule.native)
     with pytest.raises(CopyBackendError, match="pack verifies in full"):
-        hydrate(
-            capsule.native,
-            blob_path=capsule.blob_path,
-            cache=cache,
-            allocations=allocations,
-            backend=BitRotBackend(threads=1),
-            verify_extents=True,
-        )
+        hydrate_captured(captured, cache, backend=BitRotBackend(threads=1), verify_extents=True)
     assert cache.quarantined() == [] and sha256_of(captured.pack_path) == captured.pack.sha256
     assert record_state(cache, captured.pack.sha256) == "trusted"

@@ -13,7 +13,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from cache_support import flip_byte, sha256_of
+from cache_support import flip_byte, hydrate_captured, sha256_of
 
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.errors import (
@@ -157,30 +157,14 @@ def test_record_limit_is_covered_by_extent_verification_during_hydration(capture
     """The documented limit: an edit that leaves every bound field as recorded (simulated by
     re-binding the record after the edit, as someone who can also set the clock could) is admitted,
     and ``hydrate(verify_extents=True)`` is what catches it, naming the allocation."""
-    from coldsnap_core.artifact import read_capsule
-    from coldsnap_core.copy.base import LiveAllocation
-    from coldsnap_core.copy.host import HostCopyBackend
-    from coldsnap_core.hydrate import hydrate
-    from coldsnap_core.slabs import allocate
-
     cache = PayloadCache(captured.capture_root)
     digest = captured.pack.sha256
     extent = captured.manifest.model_extents[0]
     flip_byte(captured.pack_path, extent.pack_offset_bytes + 5)
     write_record(cache, digest, os.lstat(captured.pack_path))
     assert cache.admit(digest, captured.pack.size_bytes) == captured.pack_path
-    capsule = read_capsule(captured.artifact_dir / "workers" / "worker-0-of-1")
-    arrays = allocate(capsule.native.allocations)
-    allocations = [LiveAllocation(i, int(a.ctypes.data), a.nbytes) for i, a in enumerate(arrays)]
     with pytest.raises(ExtentDigestMismatchError) as info:
-        hydrate(
-            capsule.native,
-            blob_path=capsule.blob_path,
-            cache=cache,
-            allocations=allocations,
-            backend=HostCopyBackend(threads=1),
-            verify_extents=True,
-        )
+        hydrate_captured(captured, cache, verify_extents=True)
     assert info.value.allocation is not None
 
 
