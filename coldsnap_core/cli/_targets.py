@@ -11,17 +11,13 @@ from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WORKERS_DIRNAME
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME
 
 
-def _folder_of(target: str) -> Path:
-    """``target`` itself, or its folder when it names an ``artifact.json`` or ``native-manifest.json``."""
+def artifact_folder(target: str) -> Path:
+    """``target`` itself, or its folder when it names an ``artifact.json`` or ``native-manifest.json``
+    (so an artifact folder may be named by its ``artifact.json``)."""
     path = Path(target)
     if path.name in (DESCRIPTOR_FILENAME, NATIVE_MANIFEST_FILENAME) and os.path.lexists(path) and not path.is_dir():
         return path.parent
     return path
-
-
-def artifact_folder(target: str) -> Path:
-    """The artifact folder named by ``target``: the folder, or its ``artifact.json``."""
-    return _folder_of(target)
 
 
 def resolve(target: str) -> tuple[ArtifactDescriptor | None, list[Capsule]]:
@@ -41,7 +37,7 @@ def resolve(target: str) -> tuple[ArtifactDescriptor | None, list[Capsule]]:
         ArtifactError: a capsule folder inside an artifact that ``artifact.json`` does not list.
         CapsulePinMismatchError, ManifestMismatchError, ManifestError: see ``read_worker_capsule``.
     """
-    path = _folder_of(target)
+    path = artifact_folder(target)
     if os.path.lexists(path / DESCRIPTOR_FILENAME):
         descriptor = read_descriptor(path)
         return descriptor, [read_worker_capsule(path, entry) for entry in descriptor.workers]
