@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_support import flip_byte
 from observer_support import open_checkpoint, tensor_bytes, write_checkpoint
 
 from coldsnap_core.artifact import read_capsule, read_descriptor, replace_file_durably
@@ -319,16 +320,6 @@ def test_pack_is_staged_from_the_configured_store(tmp_path: Path, checkpoint: Pa
     restorer(checkpoint, tmp_path / "artifact", tmp_path / "state").run(enumerate_allocations(fresh), HostCopyBackend())
     assert fresh.snapshot() == loaded.snapshot()
     assert result.pack_path.exists()
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    os.chmod(path, 0o644)
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        value = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([value ^ 0x01]))
-    os.chmod(path, 0o444)
 
 
 def test_flipped_pack_byte_is_named_by_extent_and_quarantined(tmp_path: Path, checkpoint: Path, captured) -> None:
