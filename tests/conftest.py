@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,23 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 
 from smollm2_fixture import ensure_fixture  # noqa: E402
+
+# What one run of the suite needs on disk besides the virtual environment, measured on a fresh clone
+# (.fixtures/ about 620 MiB, pytest's tmp folders at most about 540 MiB with passing tests' folders removed).
+SUITE_DISK_BYTES = 1_200 * 2**20
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Print the free space where the suite writes, and say so plainly when it is less than the suite
+    needs: a full disk otherwise shows up as hundreds of unrelated ``tmp_path`` set-up errors."""
+    lines = []
+    for label, folder in (("tmp", Path(tempfile.gettempdir())), ("fixtures", REPO)):
+        free_bytes = shutil.disk_usage(folder).free
+        line = f"coldsnap: {free_bytes / 2**30:.1f} GiB free for {label} ({folder})"
+        if free_bytes < SUITE_DISK_BYTES:
+            line += f"; the suite needs about {SUITE_DISK_BYTES / 2**30:.1f} GiB: expect set-up errors (ENOSPC)"
+        lines.append(line)
+    return lines
 
 
 @pytest.fixture(scope="session")
