@@ -6,7 +6,8 @@ SGLang's ``DefaultModelLoader.load_model`` builds the model, then calls
 section 2; an instance override is honoured, SGLang's own tests rely on it). This loader overrides it:
 when ``COLDSNAP_ARTIFACT_DIR`` lists this worker, :class:`coldsnap_core.restore.WorkerRestore` checks
 the layout and the model identity (checkpoint files and the digest of SGLang's model configuration,
-:func:`engine_config_sha256`), stages this worker's pack only, verifies and hydrates the model's
+:func:`engine_config_sha256`; for a local folder, the files SGLang's own
+``_prepare_weights`` would read now, which must be exactly the recorded ones), stages this worker's pack only, verifies and hydrates the model's
 parameter and buffer storages (the portable capture point); the checkpoint iterator is never
 consumed, and the post-processing then runs on an empty weights iterator. ``COLDSNAP_RESTORE=auto``
 falls back to the normal load with one WARNING; ``native`` fails closed.
@@ -23,6 +24,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 from sglang.srt.configs.load_config import LoadFormat
@@ -74,24 +76,58 @@ class ColdsnapModelLoader(DefaultModelLoader):
         # and iterator on it) and only the extra-config keys it knows (it rejects the others).
         inner = LoadFormat(self.coldsnap_settings.inner_load_format or "auto")
         super().__init__(dataclasses.replace(load_config, load_format=inner, model_loader_extra_config=rest))
-        self._model_source: LoadedModel | None = None
+        self._model_config = None
 
     def load_model(self, *, model_config, device_config, **kwargs):
-        # A repository id is pinned by the commit its revision resolves to in the Hugging Face cache
-        # SGLang downloads into (``--download-dir``, else ``HF_HUB_CACHE``).
-        self._model_source = LoadedModel.from_config(
-            str(model_config.model_path),
-            getattr(model_config, "revision", None),
-            engine_config_sha256(model_config),
-            cache_dir=getattr(self.load_config, "download_dir", None),
-        )
+        self._model_config = model_config
         return super().load_model(model_config=model_config, device_config=device_config, **kwargs)
 
     def load_weights_and_postprocess(self, model: torch.nn.Module, weights: Iterable, target_device: torch.device):  # type: ignore[override]
         """Hydrate from the artifact when possible, then SGLang's post-processing; else the normal load."""
-        if restore_into(model, self.coldsnap_settings, worker_identity(self.load_config), self._model_source):
+        source = self._loaded_model(model) if self.coldsnap_settings.artifact_dir is not None else None
+        if restore_into(model, self.coldsnap_settings, worker_identity(self.load_config), source):
             return DefaultModelLoader.load_weights_and_postprocess(model, iter(()), target_device)
         return DefaultModelLoader.load_weights_and_postprocess(model, weights, target_device)
+
+    def _loaded_model(self, model: torch.nn.Module) -> LoadedModel | None:
+        """What SGLang is loading, for the model identity check: a repository id is pinned by the commit
+        its revision resolves to in the Hugging Face cache SGLang downloads into (``--download-dir``,
+        else ``HF_HUB_CACHE``); a local folder by the files SGLang would read from it now."""
+        model_config = self._model_config
+        if model_config is None:  # load_weights_and_postprocess called outside load_model
+            return None
+        path = str(model_config.model_path)
+        revision = getattr(model_config, "revision", None)
+        files, files_error = self._checkpoint_files_now(model, path, revision)
+        return LoadedModel.from_config(
+            path,
+            revision,
+            engine_config_sha256(model_config),
+            cache_dir=getattr(self.load_config, "download_dir", None),
+            checkpoint_files=files,
+            checkpoint_files_error=files_error,
+        )
+
+    def _checkpoint_files_now(
+        self, model: torch.nn.Module, path: str, revision: str | None
+    ) -> tuple[list[str] | None, str | None]:
+        """For a local checkpoint folder: the files SGLang's own loader would read now (relative names),
+        from ``DefaultModelLoader._prepare_weights(model_name_or_path, revision, fall_back_to_pt)``
+        (SGLang 0.5.23 ``model_loader/loader.py``: the load format's glob and the safetensors index
+        filter; no tensor is read), so restore refuses a folder that gained or lost a shard.
+
+        Returns:
+            ``(names, None)``; ``(None, None)`` for a repository id (its commit is checked instead);
+            ``(None, why)`` when SGLang cannot list them (no weights, a malformed index): the identity
+            check then fails closed, as a plain load would.
+        """
+        if not os.path.isdir(path):
+            return None, None
+        try:
+            folder, files = self._prepare_weights(path, revision, getattr(model, "fall_back_to_pt_during_load", True))[:2]
+        except Exception as exc:  # whatever SGLang raises, restore must not go ahead
+            return None, f"SGLang's _prepare_weights raised {type(exc).__name__}: {exc}"
+        return [Path(os.path.relpath(f, folder)).as_posix() for f in files], None
 
 
 def engine_config_sha256(model_config) -> str | None:

@@ -14,7 +14,12 @@ package as ``sglang`` in ``sys.modules``. Every piece follows the SGLang source 
 * ``DefaultModelLoader.__init__`` rejects unknown extra-config keys (1.4); ``load_model`` builds the
   model and calls ``self.load_weights_and_postprocess(model, self._get_all_weights(...), device)``,
   a staticmethod that runs ``model.load_weights(weights)`` then each module's
-  ``quant_method.process_weights_after_loading`` (section 2).
+  ``quant_method.process_weights_after_loading`` (section 2);
+* ``DefaultModelLoader._prepare_weights(model_name_or_path, revision, fall_back_to_pt)`` picks a local
+  folder's checkpoint files: the first of the load format's glob patterns that matches (``auto``:
+  ``*.safetensors`` then ``*.bin``; ``*.pt`` too with ``fall_back_to_pt``), then, for safetensors, only
+  the files ``model.safetensors.index.json`` lists (``filter_duplicate_safetensors_files``); no match
+  raises ``RuntimeError`` (SGLang 0.5.23 ``model_loader/loader.py``, section 2).
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import glob
 import importlib
 import json
+import os
 import sys
 import types
 from collections.abc import Callable
@@ -113,6 +120,33 @@ class DefaultModelLoader(BaseModelLoader):
         model = model_config.build()
         self.load_weights_and_postprocess(model, model_config.weights(), device_config.device)
         return model.eval()
+
+    _PATTERNS: ClassVar[dict] = {
+        LoadFormat.AUTO: ["*.safetensors", "*.bin"],
+        LoadFormat.SAFETENSORS: ["*.safetensors"],
+        LoadFormat.PT: ["*.pt"],
+        LoadFormat.NPCACHE: ["*.bin"],
+    }
+
+    def _prepare_weights(self, model_name_or_path: str, revision: str | None, fall_back_to_pt: bool):
+        if not os.path.isdir(model_name_or_path):
+            raise NotImplementedError("the stand-in does not download from the Hub")
+        patterns = list(self._PATTERNS[self.load_config.load_format]) + (["*.pt"] if fall_back_to_pt else [])
+        files: list[str] = []
+        use_safetensors = self.load_config.load_format == LoadFormat.SAFETENSORS
+        for pattern in patterns:
+            files += glob.glob(os.path.join(model_name_or_path, pattern))
+            if files:
+                use_safetensors = use_safetensors or pattern == "*.safetensors"
+                break
+        index = os.path.join(model_name_or_path, "model.safetensors.index.json")
+        if use_safetensors and os.path.isfile(index):
+            with open(index) as f:
+                listed = {os.path.join(model_name_or_path, name) for name in json.load(f)["weight_map"].values()}
+            files = [name for name in files if name in listed]
+        if not files:
+            raise RuntimeError(f"Cannot find any model weights with `{model_name_or_path}`")
+        return model_name_or_path, files, use_safetensors
 
     @staticmethod
     def load_weights_and_postprocess(model, weights, target_device):

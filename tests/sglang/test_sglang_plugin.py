@@ -307,3 +307,43 @@ def test_a_moved_main_is_not_restored(fake_sglang, smollm2_2layer, tmp_path, cap
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "rule model-identity failed" in warning and COMMIT_B in warning
     assert config.weights_read == len(NAMES)
+
+
+def checkpoint_copy(smollm2_2layer: Path, tmp_path: Path) -> Path:
+    """A private copy of the 2-layer checkpoint folder that a test may add files to."""
+    import shutil
+
+    return Path(shutil.copytree(smollm2_2layer, tmp_path / "checkpoint"))
+
+
+def test_a_shard_added_to_the_folder_is_not_restored(fake_sglang, smollm2_2layer, tmp_path, caplog) -> None:
+    """The vLLM loader's folder check, on SGLang: a safetensors file added to a captured local folder
+    (no index, so SGLang's ``_prepare_weights`` would read it too) makes the folder another model.
+    ``native`` raises ModelIdentityMismatchError naming the added file; ``auto`` loads the checkpoint with
+    one WARNING. Fails if the SGLang loader stops passing the files SGLang would read to the identity
+    check (it restored here before)."""
+    folder = checkpoint_copy(smollm2_2layer, tmp_path)
+    capture(folder, tmp_path, source=str(folder))
+    _, config, _ = load(fake_sglang, tmp_path, folder, restore="native")
+    assert config.weights_read == 0  # the untouched folder restores
+
+    (folder / "extra.safetensors").write_bytes((folder / "model.safetensors").read_bytes()[:4096])
+    with pytest.raises(ModelIdentityMismatchError, match=r"extra\.safetensors"):
+        load(fake_sglang, tmp_path, folder, restore="native")
+    with caplog.at_level(logging.WARNING, logger="coldsnap_sglang"):
+        _, config, _ = load(fake_sglang, tmp_path, folder)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "rule model-identity failed" in warning and "extra.safetensors" in warning
+    assert config.weights_read == len(NAMES)
+
+
+def test_a_folder_sglang_cannot_list_is_not_restored(fake_sglang, smollm2_2layer, tmp_path) -> None:
+    """An index that lists only a missing shard leaves SGLang no file to read (``_prepare_weights``
+    raises RuntimeError; a plain load fails there too): ``native`` raises ModelIdentityMismatchError
+    quoting SGLang's error instead of restoring. Fails if a failing ``_prepare_weights`` is taken as
+    "cannot tell" and the restore goes ahead."""
+    folder = checkpoint_copy(smollm2_2layer, tmp_path)
+    capture(folder, tmp_path, source=str(folder))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "missing.safetensors"}}))
+    with pytest.raises(ModelIdentityMismatchError, match="_prepare_weights raised RuntimeError: Cannot find any model weights"):
+        load(fake_sglang, tmp_path, folder, restore="native")
