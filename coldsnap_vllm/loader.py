@@ -488,6 +488,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
                 pack=pack,
                 artifact_dir=settings.artifact_dir,
                 state_root=settings.state_root,
+                hf_cache_dir=None if self.load_config.download_dir is None else Path(self.load_config.download_dir),
             )
         )
 

@@ -80,7 +80,8 @@ class ReferenceDigests:
     1. the worker's native manifest in the artifact (``<artifact_dir>/workers/<capsule_name>/``),
        written by the loader's capture or restore: its model extents are keyed by provenance. It is
        used only when it names the pack the loader published (when one is published);
-    2. the pinned checkpoint file (``ModelIdentity``: a local folder, or the Hugging Face cache via
+    2. the pinned checkpoint file (``ModelIdentity``: a local folder, or the Hugging Face cache vLLM
+       downloads into, ``--download-dir`` else ``HF_HUB_CACHE``, via
        ``huggingface_hub.try_to_load_from_cache``) with the size the identity records: the write's
        source runs are read and hashed. A dtype-converting copy has no byte-equal source, so it has
        no reference from this source.
@@ -147,7 +148,9 @@ class ReferenceDigests:
                 try:
                     import huggingface_hub
 
-                    cached = huggingface_hub.try_to_load_from_cache(model.source, name, revision=model.revision)
+                    cached = huggingface_hub.try_to_load_from_cache(
+                        model.source, name, cache_dir=self.state.hf_cache_dir, revision=model.revision
+                    )
                     path = Path(cached) if isinstance(cached, str) else None
                 except Exception as exc:  # an unusable repo id or cache layout: no reference
                     logger.debug("coldsnap: no cached %s of %s: %s", name, model.source, exc)

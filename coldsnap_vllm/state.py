@@ -44,6 +44,9 @@ class WorkerLoadState:
         artifact_dir: the artifact folder in use, or ``None`` (no ``COLDSNAP_ARTIFACT_DIR``: the sleep
             backend then takes its reference digests from the checkpoint files).
         state_root: the state root of the node-local cache.
+        hf_cache_dir: the Hugging Face cache vLLM downloads into (``--download-dir``,
+            ``load_config.download_dir``), or ``None`` for ``HF_HUB_CACHE``: where the sleep backend
+            finds a repository's checkpoint files.
     """
 
     worker: WorkerIdentity
@@ -52,6 +55,7 @@ class WorkerLoadState:
     pack: PackRef | None
     artifact_dir: Path | None
     state_root: Path
+    hf_cache_dir: Path | None = None
 
 
 _lock = threading.Lock()

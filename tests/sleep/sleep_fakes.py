@@ -287,6 +287,7 @@ def load_state(
     *,
     pack: PackRef | None = None,
     writes: Iterable[ObservedModelWrite] | None = None,
+    hf_cache_dir: Path | None = None,
 ) -> WorkerLoadState:
     """The state the coldsnap loader would publish for ``model`` (artifact and state root under ``root``)."""
     return WorkerLoadState(
@@ -296,6 +297,7 @@ def load_state(
         pack=pack,
         artifact_dir=root / "artifact",
         state_root=root / "state",
+        hf_cache_dir=hf_cache_dir,
     )
 
 

@@ -129,22 +129,26 @@ def test_checkpoint_references_come_from_the_hugging_face_cache(
 ) -> None:
     """A repository id as the model source: the checkpoint file is found through
     huggingface_hub.try_to_load_from_cache at the pinned revision (a cache laid out as the library
-    does: models--org--name/snapshots/<revision>/); absent from the cache, there is no reference."""
+    does: models--org--name/snapshots/<revision>/); absent from the cache, there is no reference.
+    The cache is vLLM's ``--download-dir`` when the loader published one (``hf_cache_dir``), else
+    ``HF_HUB_CACHE``: fails if the backend looks only in ``HF_HUB_CACHE``."""
     revision = "0123456789abcdef0123456789abcdef01234567"
     repo = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    cache = tmp_path / "hf"
-    snapshot = cache / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "snapshots" / revision
-    snapshot.mkdir(parents=True)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
     identity = dataclasses.replace(smollm2_identity, source=repo, revision=revision)
     write = loaded.writes[5]
-    absent = ReferenceDigests(load_state(loaded, identity, tmp_path / "a"))
-    assert absent.expected(write.provenance, write.size_bytes) is None
-    for f in smollm2_2layer.glob("*.safetensors"):
-        (snapshot / f.name).symlink_to(f)
-    local = ReferenceDigests(load_state(loaded, smollm2_identity, tmp_path / "b"))
-    cached = ReferenceDigests(load_state(loaded, identity, tmp_path / "c"))
-    assert cached.expected(write.provenance, write.size_bytes) == local.expected(write.provenance, write.size_bytes) is not None
+    local = ReferenceDigests(load_state(loaded, smollm2_identity, tmp_path / "b")).expected(write.provenance, write.size_bytes)
+    assert local is not None
+    default_cache, download_dir = tmp_path / "hf", tmp_path / "download-dir"
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(default_cache))
+    for cache, hf_cache_dir, label in ((default_cache, None, "d"), (download_dir, download_dir, "e")):
+        snapshot = cache / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "snapshots" / revision
+        snapshot.mkdir(parents=True)
+        state = load_state(loaded, identity, tmp_path / f"{label}-absent", hf_cache_dir=hf_cache_dir)
+        assert ReferenceDigests(state).expected(write.provenance, write.size_bytes) is None
+        for f in smollm2_2layer.glob("*.safetensors"):
+            (snapshot / f.name).symlink_to(f)
+        state = load_state(loaded, identity, tmp_path / label, hf_cache_dir=hf_cache_dir)
+        assert ReferenceDigests(state).expected(write.provenance, write.size_bytes) == local, label
 
 
 def test_a_source_range_past_the_file_end_is_no_reference(
