@@ -32,7 +32,7 @@ from sglang.srt.model_loader.loader import DefaultModelLoader
 
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.copy.select import copy_backend_for
-from coldsnap_core.errors import ColdsnapError, EngineVersionError
+from coldsnap_core.errors import ColdsnapError, EngineVersionError, ModelIdentityMismatchError
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.model_identity import model_config_sha256
 from coldsnap_core.restore import LoadedModel, WorkerRestore
@@ -145,20 +145,30 @@ def engine_config_sha256(model_config) -> str | None:
 def restore_into(model: torch.nn.Module, settings, worker: WorkerIdentity, source: LoadedModel | None) -> bool:
     """Restore ``model`` from the artifact; ``True`` when restored, ``False`` to load the checkpoint.
 
+    ``source`` is ``None`` when the loader does not know the model being loaded (called outside
+    ``load_model``): that fails the identity check (rule ``model-identity``) like any other mismatch.
+
     Raises:
         ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed (the verifier's error).
     """
-    if settings.artifact_dir is None or source is None:
+    if settings.artifact_dir is None:
         return False
-    attempt = WorkerRestore(
-        settings.artifact_dir,
-        worker,
-        source,
-        PayloadCache(settings.state_root),
-        verify_extents=settings.verify_extents,
-        verify_checkpoint=settings.verify_checkpoint,
-    )
     try:
+        if source is None:
+            raise ModelIdentityMismatchError(
+                "the loader cannot tell which model SGLang is loading (load_weights_and_postprocess was called on"
+                " the loader outside its load_model, which records the model configuration), so its identity cannot"
+                " be checked against the artifact",
+                file=settings.artifact_dir,
+            )
+        attempt = WorkerRestore(
+            settings.artifact_dir,
+            worker,
+            source,
+            PayloadCache(settings.state_root),
+            verify_extents=settings.verify_extents,
+            verify_checkpoint=settings.verify_checkpoint,
+        )
         allocations = enumerate_allocations(model)
         report = attempt.run(allocations, copy_backend_for(allocations.device))
     except ColdsnapError as exc:

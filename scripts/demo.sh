@@ -9,4 +9,9 @@ cd "$root"
 scripts/setup-venv.sh
 venv=${COLDSNAP_VENV:-$root/.venv}
 export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-exec "$venv/bin/python" examples/vllm_capture_restore.py "$@"
+# vLLM leaves its IPC sockets and small files in the temporary folder: give this run its own and remove
+# it at the end.
+run_tmp=$(mktemp -d "${TMPDIR:-/tmp}/coldsnap-run.XXXXXX")
+trap 'rm -rf "$run_tmp"' EXIT
+export TMPDIR=$run_tmp
+"$venv/bin/python" examples/vllm_capture_restore.py "$@"

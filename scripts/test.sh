@@ -10,4 +10,10 @@ venv=${COLDSNAP_VENV:-$root/.venv}
 export PATH="$venv/bin:$PATH" HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 ruff check .
 ruff format --check .
-exec python -m pytest "$@"
+# vLLM leaves its IPC sockets and small files in the temporary folder: give this run its own and remove
+# it at the end (pytest's own temporary folders stay where they were, under PYTEST_DEBUG_TEMPROOT).
+export PYTEST_DEBUG_TEMPROOT=${PYTEST_DEBUG_TEMPROOT:-${TMPDIR:-/tmp}}
+run_tmp=$(mktemp -d "${TMPDIR:-/tmp}/coldsnap-run.XXXXXX")
+trap 'rm -rf "$run_tmp"' EXIT
+export TMPDIR=$run_tmp
+python -m pytest "$@"

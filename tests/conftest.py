@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -12,24 +13,42 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 
-from smollm2_fixture import ensure_fixture  # noqa: E402
+from smollm2_fixture import ensure_fixture, fixtures_dir  # noqa: E402
 
 # What one run of the suite needs on disk besides the virtual environment, measured on a fresh clone
 # (.fixtures/ about 620 MiB, pytest's tmp folders at most about 540 MiB with passing tests' folders removed).
 SUITE_DISK_BYTES = 1_200 * 2**20
 
 
-def pytest_report_header(config: pytest.Config) -> list[str]:
-    """Print the free space where the suite writes, and say so plainly when it is less than the suite
-    needs: a full disk otherwise shows up as hundreds of unrelated ``tmp_path`` set-up errors."""
-    lines = []
-    for label, folder in (("tmp", Path(tempfile.gettempdir())), ("fixtures", REPO)):
+def _disk_lines() -> tuple[list[str], bool]:
+    """One line per folder the suite writes to (pytest's temporary root, the fixtures folder) with its
+    free space; and whether any has less than the suite needs."""
+    lines, low = [], False
+    tmp_root = Path(os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir())
+    fixtures = fixtures_dir()
+    for label, folder in (("tmp", tmp_root), ("fixtures", fixtures if fixtures.exists() else REPO)):
         free_bytes = shutil.disk_usage(folder).free
         line = f"coldsnap: {free_bytes / 2**30:.1f} GiB free for {label} ({folder})"
         if free_bytes < SUITE_DISK_BYTES:
+            low = True
             line += f"; the suite needs about {SUITE_DISK_BYTES / 2**30:.1f} GiB: expect set-up errors (ENOSPC)"
         lines.append(line)
-    return lines
+    return lines, low
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Print the free space where the suite writes: a full disk otherwise shows up as hundreds of
+    unrelated ``tmp_path`` set-up errors."""
+    return _disk_lines()[0]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under ``-q`` pytest prints no header: say a low-space warning anyway."""
+    lines, low = _disk_lines()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if low and reporter is not None and session.config.get_verbosity() < 0:
+        for line in lines:
+            reporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,12 @@ package as ``sglang`` in ``sys.modules``. Every piece follows the SGLang source 
   ``quant_method.process_weights_after_loading`` (section 2);
 * ``DefaultModelLoader._prepare_weights(model_name_or_path, revision, fall_back_to_pt)`` picks a local
   folder's checkpoint files: the first of the load format's glob patterns that matches (``auto``:
-  ``*.safetensors`` then ``*.bin``; ``*.pt`` too with ``fall_back_to_pt``), then, for safetensors, only
-  the files ``model.safetensors.index.json`` lists (``filter_duplicate_safetensors_files``); no match
-  raises ``RuntimeError`` (SGLang 0.5.23 ``model_loader/loader.py``, section 2).
+  ``*.safetensors`` then ``*.bin``; ``safetensors``, ``fastsafetensors``, ``instanttensor``:
+  ``*.safetensors``; ``pt``: ``*.pt``; ``npcache``: ``*.bin``; ``*.pt`` too with ``fall_back_to_pt``;
+  another format raises ``ValueError``), then, for safetensors, only the files
+  ``model.safetensors.index.json`` lists (``filter_duplicate_safetensors_files``), otherwise without
+  training files (``filter_files_not_needed_for_inference``); no match raises ``RuntimeError``
+  (SGLang ``model_loader/loader.py``, section 2).
 """
 
 from __future__ import annotations
@@ -124,16 +127,28 @@ class DefaultModelLoader(BaseModelLoader):
     _PATTERNS: ClassVar[dict] = {
         LoadFormat.AUTO: ["*.safetensors", "*.bin"],
         LoadFormat.SAFETENSORS: ["*.safetensors"],
+        LoadFormat.FASTSAFETENSORS: ["*.safetensors"],
+        LoadFormat.INSTANTTENSOR: ["*.safetensors"],
         LoadFormat.PT: ["*.pt"],
         LoadFormat.NPCACHE: ["*.bin"],
     }
+    _NOT_FOR_INFERENCE: ClassVar[tuple[str, ...]] = (
+        "training_args.bin",
+        "optimizer.bin",
+        "optimizer.pt",
+        "scheduler.pt",
+        "scaler.pt",
+    )
 
     def _prepare_weights(self, model_name_or_path: str, revision: str | None, fall_back_to_pt: bool):
         if not os.path.isdir(model_name_or_path):
             raise NotImplementedError("the stand-in does not download from the Hub")
-        patterns = list(self._PATTERNS[self.load_config.load_format]) + (["*.pt"] if fall_back_to_pt else [])
+        load_format = self.load_config.load_format
+        if load_format not in self._PATTERNS:
+            raise ValueError(f"Unknown load_format: {load_format}")
+        patterns = list(self._PATTERNS[load_format]) + (["*.pt"] if fall_back_to_pt else [])
+        use_safetensors = self._PATTERNS[load_format] == ["*.safetensors"]
         files: list[str] = []
-        use_safetensors = self.load_config.load_format == LoadFormat.SAFETENSORS
         for pattern in patterns:
             files += glob.glob(os.path.join(model_name_or_path, pattern))
             if files:
@@ -144,6 +159,8 @@ class DefaultModelLoader(BaseModelLoader):
             with open(index) as f:
                 listed = {os.path.join(model_name_or_path, name) for name in json.load(f)["weight_map"].values()}
             files = [name for name in files if name in listed]
+        elif not use_safetensors:
+            files = [name for name in files if not name.endswith(self._NOT_FOR_INFERENCE)]
         if not files:
             raise RuntimeError(f"Cannot find any model weights with `{model_name_or_path}`")
         return model_name_or_path, files, use_safetensors

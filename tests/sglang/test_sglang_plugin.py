@@ -347,3 +347,59 @@ def test_a_folder_sglang_cannot_list_is_not_restored(fake_sglang, smollm2_2layer
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "missing.safetensors"}}))
     with pytest.raises(ModelIdentityMismatchError, match="_prepare_weights raised RuntimeError: Cannot find any model weights"):
         load(fake_sglang, tmp_path, folder, restore="native")
+
+
+@pytest.mark.parametrize(
+    ("inner", "restores"),
+    [
+        ("auto", True),
+        ("safetensors", True),
+        ("fastsafetensors", True),
+        ("instanttensor", True),
+        ("pt", False),
+        ("npcache", False),
+    ],
+)
+def test_each_inner_load_format_lists_the_files_sglang_reads(fake_sglang, smollm2_2layer, tmp_path, inner, restores) -> None:
+    """Every inner load format coldsnap accepts for SGLang is handed to SGLang's ``_prepare_weights``:
+    the safetensors formats read ``model.safetensors`` (the recorded file) and restore; ``pt`` and
+    ``npcache`` find no ``*.pt``/``*.bin`` in a safetensors folder, so SGLang could not load it and
+    ``native`` refuses quoting SGLang's error. Fails if the loader lists files for another format
+    than the one SGLang will read with, or if an accepted format cannot be listed."""
+    from coldsnap_sglang.settings import SGLANG_INNER_LOAD_FORMATS
+
+    assert {"auto", "safetensors", "fastsafetensors", "instanttensor", "pt", "npcache"} == set(SGLANG_INNER_LOAD_FORMATS)
+    folder = checkpoint_copy(smollm2_2layer, tmp_path)
+    capture(folder, tmp_path, source=str(folder))
+    if restores:
+        _, config, _ = load(fake_sglang, tmp_path, folder, restore="native", inner_load_format=inner)
+        assert config.weights_read == 0
+    else:
+        with pytest.raises(ModelIdentityMismatchError, match="_prepare_weights raised RuntimeError"):
+            load(fake_sglang, tmp_path, folder, restore="native", inner_load_format=inner)
+
+
+def test_a_restore_outside_load_model_is_refused(fake_sglang, captured, smollm2_2layer, tmp_path, caplog) -> None:
+    """``load_weights_and_postprocess`` called on the loader without its ``load_model`` (which records
+    the model configuration) cannot check the model identity: ``native`` raises
+    ModelIdentityMismatchError saying so, and ``auto`` loads the checkpoint with one WARNING. Fails if
+    that call silently loads the checkpoint under ``native`` (a QA finding) or restores unchecked."""
+    import coldsnap_sglang
+
+    coldsnap_sglang.register()
+
+    def loader(restore: str):
+        options = {"artifact_dir": str(tmp_path / "artifact"), "state_root": str(tmp_path / "state"), "restore": restore}
+        return fake_sglang.get_model_loader(
+            fake_sglang.LoadConfig(load_format="coldsnap", model_loader_extra_config=json.dumps(options))
+        )
+
+    config = ModelConfig(str(smollm2_2layer))
+    with pytest.raises(ModelIdentityMismatchError, match="cannot tell which model SGLang is loading"):
+        loader("native").load_weights_and_postprocess(config.build(), config.weights(), "cpu")
+    assert config.weights_read == 0
+    with caplog.at_level(logging.WARNING, logger="coldsnap_sglang"):
+        loader("auto").load_weights_and_postprocess(config.build(), config.weights(), "cpu")
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "rule model-identity failed" in warning and "outside its load_model" in warning
+    assert config.weights_read == len(NAMES)
