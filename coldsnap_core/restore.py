@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,6 +122,35 @@ class LoadedModel:
             return cls(source, requested, folder, config_sha256, requested, files, checkpoint_files_error)
         commit = resolve_hub_commit(source, revision, cache_dir=cache_dir)
         return cls(source, commit if commit is not None else requested, None, config_sha256, requested)
+
+
+def engine_checkpoint_files(
+    source: str, engine: str, prepare_weights: Callable[[], Sequence[object]]
+) -> tuple[list[str] | None, str | None]:
+    """For a local checkpoint folder: the files the engine's own loader would read now, for
+    :meth:`LoadedModel.from_config` (``checkpoint_files``, ``checkpoint_files_error``), so restore
+    refuses a folder that gained or lost a shard.
+
+    Args:
+        source: the engine's model (a local folder or a repository id).
+        engine: the engine's name, for the error text (``"vLLM"``, ``"SGLang"``).
+        prepare_weights: calls the engine's ``DefaultModelLoader._prepare_weights`` (vLLM and SGLang:
+            a glob of the folder for the load format and the safetensors index filter; no tensor is
+            read), which returns ``(folder, files, ...)`` with ``files`` as paths in ``folder``.
+
+    Returns:
+        ``(names relative to the folder, "/"-separated, None)``; ``(None, None)`` for a repository id
+        (its commit is checked instead); ``(None, why)`` when the engine cannot list them (an index
+        naming a missing shard, a malformed index, no weights): the identity check then fails
+        closed, as a plain load would.
+    """
+    if not os.path.isdir(source):
+        return None, None
+    try:
+        folder, files = prepare_weights()[:2]
+    except Exception as exc:  # whatever the engine raises, restore must not go ahead
+        return None, f"{engine}'s _prepare_weights raised {type(exc).__name__}: {exc}"
+    return [Path(os.path.relpath(f, folder)).as_posix() for f in files], None
 
 
 def check_model_identity(

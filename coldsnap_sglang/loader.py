@@ -24,7 +24,6 @@ import dataclasses
 import logging
 import os
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 from sglang.srt.configs.load_config import LoadFormat
@@ -35,7 +34,7 @@ from coldsnap_core.copy.select import copy_backend_for
 from coldsnap_core.errors import ColdsnapError, EngineVersionError, ModelIdentityMismatchError
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.model_identity import model_config_sha256
-from coldsnap_core.restore import LoadedModel, WorkerRestore
+from coldsnap_core.restore import LoadedModel, WorkerRestore, engine_checkpoint_files
 from coldsnap_core.torch_allocations import enumerate_allocations
 from coldsnap_sglang.settings import resolve_sglang_settings
 
@@ -111,23 +110,12 @@ class ColdsnapModelLoader(DefaultModelLoader):
     def _checkpoint_files_now(
         self, model: torch.nn.Module, path: str, revision: str | None
     ) -> tuple[list[str] | None, str | None]:
-        """For a local checkpoint folder: the files SGLang's own loader would read now (relative names),
-        from ``DefaultModelLoader._prepare_weights(model_name_or_path, revision, fall_back_to_pt)``
-        (SGLang 0.5.23 ``model_loader/loader.py``: the load format's glob and the safetensors index
-        filter; no tensor is read), so restore refuses a folder that gained or lost a shard.
-
-        Returns:
-            ``(names, None)``; ``(None, None)`` for a repository id (its commit is checked instead);
-            ``(None, why)`` when SGLang cannot list them (no weights, a malformed index): the identity
-            check then fails closed, as a plain load would.
-        """
-        if not os.path.isdir(path):
-            return None, None
-        try:
-            folder, files = self._prepare_weights(path, revision, getattr(model, "fall_back_to_pt_during_load", True))[:2]
-        except Exception as exc:  # whatever SGLang raises, restore must not go ahead
-            return None, f"SGLang's _prepare_weights raised {type(exc).__name__}: {exc}"
-        return [Path(os.path.relpath(f, folder)).as_posix() for f in files], None
+        """:func:`coldsnap_core.restore.engine_checkpoint_files` through SGLang's
+        ``DefaultModelLoader._prepare_weights(model_name_or_path, revision, fall_back_to_pt)`` (SGLang 0.5.23
+        ``model_loader/loader.py``), with the model's ``fall_back_to_pt_during_load``."""
+        return engine_checkpoint_files(
+            path, "SGLang", lambda: self._prepare_weights(path, revision, getattr(model, "fall_back_to_pt_during_load", True))
+        )
 
 
 def engine_config_sha256(model_config) -> str | None:

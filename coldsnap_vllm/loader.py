@@ -63,7 +63,7 @@ from coldsnap_core.format.manifest import ModelIdentity, NativeManifest, PackRef
 from coldsnap_core.hydrate import HydrationReport
 from coldsnap_core.materialize import MaterializationHandle, materialize_payload
 from coldsnap_core.model_identity import CheckpointRecords, identify_checkpoint, model_config_sha256, resolve_hub_commit
-from coldsnap_core.restore import LoadedModel, WorkerRestore
+from coldsnap_core.restore import LoadedModel, WorkerRestore, engine_checkpoint_files
 from coldsnap_core.safetensors_header import TensorLocation, read_header
 from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_core.torch_allocations import TorchAllocations, enumerate_allocations
@@ -232,29 +232,21 @@ class ColdsnapModelLoader(DefaultModelLoader):
         return self._session.observe(source.prefix, iterator)
 
     def _checkpoint_files_now(self, model: nn.Module, model_config: ModelConfig) -> tuple[list[str] | None, str | None]:
-        """For a local checkpoint folder: the files vLLM's own loader would read now (relative names),
-        from ``DefaultModelLoader._prepare_weights`` (a glob of the folder and the safetensors index
-        filter; no tensor is read), so restore can refuse a folder that gained or lost a shard.
-
-        Returns:
-            ``(names, None)``; ``(None, None)`` for a repository id (its commit is checked instead);
-            ``(None, why)`` when vLLM cannot list them (an index naming a missing shard, a malformed
-            index, no weights): the identity check then fails closed, as a plain load would.
-        """
-        if not os.path.isdir(model_config.model):
-            return None, None
-        try:
-            folder, files = DefaultModelLoader._prepare_weights(
+        """:func:`coldsnap_core.restore.engine_checkpoint_files` through vLLM's
+        ``DefaultModelLoader._prepare_weights`` (with the model's ``fall_back_to_pt_during_load`` and
+        ``allow_patterns_overrides``, as ``DefaultModelLoader.Source.init_new`` passes them)."""
+        return engine_checkpoint_files(
+            model_config.model,
+            "vLLM",
+            lambda: DefaultModelLoader._prepare_weights(
                 self,
                 model_config.model,
                 None,
                 model_config.revision,
                 getattr(model, "fall_back_to_pt_during_load", True),
                 getattr(model, "allow_patterns_overrides", None),
-            )[:2]
-        except Exception as exc:  # whatever vLLM raises, restore must not go ahead
-            return None, f"vLLM's _prepare_weights raised {type(exc).__name__}: {exc}"
-        return [Path(os.path.relpath(f, folder)).as_posix() for f in files], None
+            ),
+        )
 
     # -- load_weights ------------------------------------------------------------------------------
 
