@@ -422,6 +422,9 @@ def verify_pack_file(
         ((entry, h.hexdigest()) for entry, h in zip(entries, entry_hashes, strict=True) if h.hexdigest() != entry.sha256),
         None,
     )
+    if bad_extent is not None:
+        entry, digest = bad_extent
+        allocation, dest_offset = extent_owner(entry) if extent_owner else (None, None)
     file_digest = file_hash.hexdigest()
     if file_digest != pack.sha256:
         # The object is corrupt: report the most precise place.
@@ -433,8 +436,6 @@ def verify_pack_file(
                 offset_bytes=bad_padding,
             )
         if bad_extent is not None:
-            entry, digest = bad_extent
-            allocation, dest_offset = extent_owner(entry) if extent_owner else (None, None)
             raise ExtentDigestMismatchError(
                 f"the extent stored at pack offset {entry.offset_bytes} ({entry.size_bytes} bytes) has SHA-256 {digest},"
                 f" the manifest records {entry.sha256}",
@@ -454,8 +455,6 @@ def verify_pack_file(
             offset_bytes=bad_padding,
         )
     if bad_extent is not None:
-        entry, digest = bad_extent
-        allocation, dest_offset = extent_owner(entry) if extent_owner else (None, None)
         raise ManifestExtentDigestError(
             f"the manifest records SHA-256 {entry.sha256} for the extent stored at pack offset {entry.offset_bytes}"
             f" ({entry.size_bytes} bytes), but the pack {path} (whose SHA-256 matches its name) stores bytes with"
