@@ -6,9 +6,9 @@ SGLang's ``DefaultModelLoader.load_model`` builds the model, then calls
 section 2; an instance override is honoured, SGLang's own tests rely on it). This loader overrides it:
 when ``COLDSNAP_ARTIFACT_DIR`` lists this worker, :class:`coldsnap_core.restore.WorkerRestore` checks
 the layout and the model identity (checkpoint files and the digest of SGLang's model configuration,
-:func:`engine_config_sha256`; for a local folder, the files SGLang's own
-``_prepare_weights`` would read now, which must be exactly the recorded ones), stages this worker's pack only, verifies and hydrates the model's
-parameter and buffer storages (the portable capture point); the checkpoint iterator is never
+:func:`engine_config_sha256`; for a local folder, the files SGLang's own ``_prepare_weights`` would
+read now, which must be exactly the recorded ones), stages this worker's pack only, verifies and
+hydrates the model's parameter and buffer storages (the portable capture point); the checkpoint iterator is never
 consumed, and the post-processing then runs on an empty weights iterator. ``COLDSNAP_RESTORE=auto``
 falls back to the normal load with one WARNING; ``native`` fails closed.
 
@@ -91,13 +91,17 @@ class ColdsnapModelLoader(DefaultModelLoader):
     def _loaded_model(self, model: torch.nn.Module) -> LoadedModel | None:
         """What SGLang is loading, for the model identity check: a repository id is pinned by the commit
         its revision resolves to in the Hugging Face cache SGLang downloads into (``--download-dir``,
-        else ``HF_HUB_CACHE``); a local folder by the files SGLang would read from it now."""
+        else ``HF_HUB_CACHE``); a local folder by the files SGLang would read from it now, through SGLang's
+        ``DefaultModelLoader._prepare_weights(model_name_or_path, revision, fall_back_to_pt)`` (SGLang 0.5.23
+        ``model_loader/loader.py``) with the model's ``fall_back_to_pt_during_load``."""
         model_config = self._model_config
         if model_config is None:  # load_weights_and_postprocess called outside load_model
             return None
         path = str(model_config.model_path)
         revision = getattr(model_config, "revision", None)
-        files, files_error = self._checkpoint_files_now(model, path, revision)
+        files, files_error = engine_checkpoint_files(
+            path, "SGLang", lambda: self._prepare_weights(path, revision, getattr(model, "fall_back_to_pt_during_load", True))
+        )
         return LoadedModel.from_config(
             path,
             revision,
@@ -105,16 +109,6 @@ class ColdsnapModelLoader(DefaultModelLoader):
             cache_dir=getattr(self.load_config, "download_dir", None),
             checkpoint_files=files,
             checkpoint_files_error=files_error,
-        )
-
-    def _checkpoint_files_now(
-        self, model: torch.nn.Module, path: str, revision: str | None
-    ) -> tuple[list[str] | None, str | None]:
-        """:func:`coldsnap_core.restore.engine_checkpoint_files` through SGLang's
-        ``DefaultModelLoader._prepare_weights(model_name_or_path, revision, fall_back_to_pt)`` (SGLang 0.5.23
-        ``model_loader/loader.py``), with the model's ``fall_back_to_pt_during_load``."""
-        return engine_checkpoint_files(
-            path, "SGLang", lambda: self._prepare_weights(path, revision, getattr(model, "fall_back_to_pt_during_load", True))
         )
 
 
