@@ -16,7 +16,7 @@ unknown keys). ``vllm_config.load_config.load_format`` stays ``coldsnap``, which
   no checkpoint byte is read. On any coldsnap error ``COLDSNAP_RESTORE=auto`` logs one WARNING with
   the error and falls through to the checkpoint load; ``native`` raises it.
 * **checkpoint load** (otherwise, or as the fallback): ``DefaultModelLoader.load_weights`` under the
-  write observer (:mod:`coldsnap_vllm.observer`). The iterator boundary is watched by overriding
+  write observer (:mod:`coldsnap_core.observer`). The iterator boundary is watched by overriding
   ``_prepare_weights`` (the exact file list) and ``_get_weights_iterator`` (each yielded tensor).
   Then:
 
@@ -63,13 +63,13 @@ from coldsnap_core.format.manifest import ModelIdentity, NativeManifest, PackRef
 from coldsnap_core.hydrate import HydrationReport
 from coldsnap_core.materialize import MaterializationHandle, materialize_payload
 from coldsnap_core.model_identity import CheckpointRecords, identify_checkpoint, model_config_sha256, resolve_hub_commit
+from coldsnap_core.observer import CheckpointSources, ModelRecord, WriteObserver, map_to_allocations
 from coldsnap_core.restore import LoadedModel, WorkerRestore, engine_checkpoint_files
 from coldsnap_core.safetensors_header import TensorLocation, read_header
 from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_core.torch_allocations import TorchAllocations, enumerate_allocations
 from coldsnap_vllm import compat
 from coldsnap_vllm import state as load_state
-from coldsnap_vllm.observer import CheckpointSources, ModelRecord, WriteObserver, map_to_allocations
 
 logger = logging.getLogger(__name__)
 

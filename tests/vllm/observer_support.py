@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from coldsnap_core.observer import CheckpointSources
 from coldsnap_core.safetensors_header import read_header
-from coldsnap_vllm.observer import CheckpointSources
 
 CHECKPOINT_NAME = "model.safetensors"
 

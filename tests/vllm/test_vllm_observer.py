@@ -16,9 +16,9 @@ import pytest
 import torch
 from observer_support import file_bytes, open_checkpoint, pattern, tensor_bytes, write_checkpoint
 
+from coldsnap_core.observer import CheckpointSources, WriteObserver, map_to_allocations
 from coldsnap_core.safetensors_header import read_header
 from coldsnap_core.torch_allocations import enumerate_allocations
-from coldsnap_vllm.observer import CheckpointSources, WriteObserver, map_to_allocations
 
 
 def _param(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Parameter:
