@@ -58,6 +58,7 @@ from coldsnap_core.format.manifest import (
     RecoveryManifest,
     WorkerIdentity,
 )
+from coldsnap_core.format.target import TARGET_FILENAME, TargetIdentity
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -244,11 +245,21 @@ def pin_file(name: str, data: bytes) -> CapsuleFile:
 
 @dataclass(frozen=True, slots=True)
 class Capsule:
-    """A worker's unit capsule as read from disk."""
+    """A worker's unit capsule as read from disk.
+
+    Attributes:
+        path: the capsule folder.
+        native: its native manifest.
+        recovery: its recovery manifest.
+        target: its ``target.json`` (the target the residual was captured on); always present in a
+            capsule of an artifact (pinned); ``None`` for a capsule read on its own without one (a
+            level-1 sleep capsule).
+    """
 
     path: Path
     native: NativeManifest
     recovery: RecoveryManifest
+    target: TargetIdentity | None = None
 
     @property
     def blob_path(self) -> Path:
@@ -320,6 +331,7 @@ def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None]) -> Capsule:
     recovery = parse_document(
         documents[RECOVERY_MANIFEST_FILENAME], RecoveryManifest.from_fields, file=str(path / RECOVERY_MANIFEST_FILENAME)
     )
+    target = _read_target(path / TARGET_FILENAME, pins)
     differing = [
         name
         for name in ("worker", "layout_fingerprint", "allocations", "residual", "residual_extents")
@@ -334,7 +346,22 @@ def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None]) -> Capsule:
             f" {native.worker.tensor_parallel_rank} of {native.worker.tensor_parallel_size})",
             file=path,
         )
-    return Capsule(path, native, recovery)
+    return Capsule(path, native, recovery, target)
+
+
+def _read_target(path: Path, pins: dict[str, CapsuleFile | None]) -> TargetIdentity | None:
+    """``target.json``: checked against its pin when the capsule is read with pins (it must then be
+    pinned and present); else read when present."""
+    if TARGET_FILENAME in pins:
+        pin = _require_pin(path, pins[TARGET_FILENAME])
+        _require_present(path, "target identity")
+        data = read_document_bytes(path, check_size=functools.partial(_check_pinned_size, path, pin))
+        _check_pin(path, data, pin)
+    elif os.path.lexists(path):
+        data = read_document_bytes(path)
+    else:
+        return None
+    return parse_document(data, TargetIdentity.from_fields, file=str(path))
 
 
 def read_worker_capsule(artifact_dir: Path, entry: WorkerEntry) -> Capsule:
@@ -353,8 +380,13 @@ def read_worker_capsule(artifact_dir: Path, entry: WorkerEntry) -> Capsule:
         ManifestMismatchError: the manifests disagree with each other, with the folder name or with
             the entry (worker, payload) (exit code 2).
     """
-    path = artifact_dir / entry.capsule
-    pins = {name: entry.pin(name) for name in (NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME)}
+    return read_pinned_capsule(artifact_dir / entry.capsule, entry)
+
+
+def read_pinned_capsule(path: Path, entry: WorkerEntry) -> Capsule:
+    """:func:`read_worker_capsule` for a capsule folder at ``path`` (named after ``entry.worker``)
+    pinned by ``entry``: a worker of an artifact, or a target-local overlay (its descriptor's pins)."""
+    pins = {name: entry.pin(name) for name in (NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, TARGET_FILENAME)}
     capsule = _read_capsule(path, pins)
     native = capsule.native
     if native.worker != entry.worker:
@@ -446,17 +478,24 @@ def _require_present(path: Path, what: str) -> None:
         raise os_error(f"{what} cannot be examined", exc, path) from exc
 
 
-def write_manifests(staging: Path, native: NativeManifest, recovery: RecoveryManifest) -> tuple[CapsuleFile, ...]:
-    """Write both manifests into a capsule staging folder (each fsynced).
+def write_manifests(
+    staging: Path, native: NativeManifest, recovery: RecoveryManifest, target: TargetIdentity
+) -> tuple[CapsuleFile, ...]:
+    """Write both manifests and ``target.json`` into a capsule staging folder (each fsynced).
 
     Returns:
-        The pins of the capsule's three files (both manifests, and the residual blob as the native
-        manifest names it), sorted by name, for its ``artifact.json`` entry.
+        The pins of the capsule's four files (both manifests, ``target.json``, and the residual blob
+        as the native manifest names it), sorted by name, for its ``artifact.json`` entry.
     """
-    native_bytes, recovery_bytes = native.dumps(), recovery.dumps()
+    native_bytes, recovery_bytes, target_bytes = native.dumps(), recovery.dumps(), target.dumps()
     write_file_durably(staging / NATIVE_MANIFEST_FILENAME, native_bytes)
     write_file_durably(staging / RECOVERY_MANIFEST_FILENAME, recovery_bytes)
-    pins = [pin_file(NATIVE_MANIFEST_FILENAME, native_bytes), pin_file(RECOVERY_MANIFEST_FILENAME, recovery_bytes)]
+    write_file_durably(staging / TARGET_FILENAME, target_bytes)
+    pins = [
+        pin_file(NATIVE_MANIFEST_FILENAME, native_bytes),
+        pin_file(RECOVERY_MANIFEST_FILENAME, recovery_bytes),
+        pin_file(TARGET_FILENAME, target_bytes),
+    ]
     pins.append(CapsuleFile(native.residual.file, native.residual.size_bytes, native.residual.sha256))
     return tuple(sorted(pins, key=lambda p: p.name))
 

@@ -40,8 +40,10 @@ from coldsnap_core.format.manifest import (
     WorkerIdentity,
 )
 from coldsnap_core.format.pack_layout import PackLayout
+from coldsnap_core.format.target import TargetIdentity
 from coldsnap_core.pack_writer import write_pack
 from coldsnap_core.residual import residual_extents, write_residual
+from coldsnap_core.target import collect_target
 
 logger = logging.getLogger(__name__)
 
@@ -157,13 +159,14 @@ def capture_worker(
     cache: PayloadCache,
     artifact_dir: Path,
     backend: CopyBackend,
+    target: TargetIdentity | None = None,
 ) -> CaptureResult:
     """Capture one worker: write its pack (shared), residual blob and manifests (its capsule).
 
     Order: every model range's SHA-256 (on all usable CPUs; the pack order needs them all), then the
     canonical pack into ``cache`` (:func:`coldsnap_core.pack_writer.write_pack`), then the capsule
     (blob and both manifests, each fsynced, renamed into place as a whole), then ``artifact.json``
-    with the pins (size and SHA-256) of the capsule's three files.
+    with the pins (size and SHA-256) of the capsule's four files (both manifests, ``target.json``, the blob).
     The allocations must not change while this runs (the model is quiescent): their bytes are read
     more than once (extent digests, pack, blob).
 
@@ -178,6 +181,9 @@ def capture_worker(
         cache: where the pack object goes.
         artifact_dir: the artifact folder (capsule and ``artifact.json``).
         backend: reads the allocations.
+        target: the target the capture runs on, recorded as the capsule's ``target.json``
+            (the engine plugins pass theirs); default: :func:`coldsnap_core.target.collect_target`
+            without an engine, on the CPU.
 
     Returns:
         The manifests written, the capsule folder, the pack's object path, and the wall time of the
@@ -212,6 +218,7 @@ def capture_worker(
                 allocation=recorded.index,
             )
     check_model_ranges(model_ranges, allocations)
+    target = target if target is not None else collect_target()
 
     digests = hash_ranges(model_ranges, allocations, backend)
     hashed = time.perf_counter()
@@ -251,7 +258,7 @@ def capture_worker(
             allocations=allocation_map,
             residual_extents=residual_map,
         )
-        pins = write_manifests(staging, native, recovery)
+        pins = write_manifests(staging, native, recovery, target)
         return native, recovery, pins
 
     capsule_dir, (native, recovery, pins) = write_capsule(artifact_dir, worker, fill)

@@ -19,6 +19,7 @@ code  meaning
 2     malformed or unsupported manifest (:class:`ManifestError`)
 3     missing object (:class:`MissingObjectError`)
 4     any other error
+5     the capsule is intact but not qualified for this target (:class:`TargetMismatchError`)
 ====  =========================================================
 """
 
@@ -57,6 +58,7 @@ __all__ = [
     "NonZeroPaddingError",
     "NotRegularFileError",
     "ObserverError",
+    "OverlayError",
     "PackDigestMismatchError",
     "PackLayoutError",
     "PackPathMismatchError",
@@ -66,6 +68,7 @@ __all__ = [
     "ResidualLayoutError",
     "ResidualSizeMismatchError",
     "StoreError",
+    "TargetMismatchError",
     "UnsafePathError",
     "UnsupportedFormatVersionError",
     "ValidationRecordError",
@@ -77,6 +80,7 @@ EXIT_INTEGRITY = 1
 EXIT_MANIFEST = 2
 EXIT_MISSING = 3
 EXIT_OTHER = 4
+EXIT_TARGET = 5
 
 
 class ColdsnapError(Exception):
@@ -439,4 +443,33 @@ class CapsulePinMismatchError(ManifestError):
     """
 
     rule = "capsule-pin"
+    exit_code = EXIT_MANIFEST
+
+
+class TargetMismatchError(ColdsnapError):
+    """The capsule's residual was captured on another target (``docs/format.md`` §16): a qualifying
+    field of its ``target.json`` (engine, engine version, torch and its CUDA version, device type,
+    accelerator model, NVIDIA driver) differs from the current worker's, and no target-local overlay
+    or qualification record of this node covers the current target. The capsule itself is intact;
+    ``COLDSNAP_RESTORE=auto`` loads the checkpoint, ``native`` stops here. Never raised for the pack:
+    model bytes are target independent.
+
+    Attributes:
+        differences: ``(field, captured value, current value)`` for each differing qualifying field.
+    """
+
+    rule = "target-qualification"
+    exit_code = EXIT_TARGET
+
+    def __init__(self, detail: str, *, differences: tuple[tuple[str, object, object], ...] = (), **kwargs) -> None:
+        self.differences = differences
+        super().__init__(detail, **kwargs)
+
+
+class OverlayError(ArtifactError):
+    """A target-local overlay capture does not belong to its portable capsule (``docs/format.md``
+    §16.3): another worker, or model payload objects whose owner, role, size or SHA-256 differ (it is
+    not the same model). Nothing is stored. Exit code 2, like an inconsistent manifest."""
+
+    rule = "overlay"
     exit_code = EXIT_MANIFEST

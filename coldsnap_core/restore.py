@@ -11,6 +11,11 @@ raising a :class:`~coldsnap_core.errors.ColdsnapError` subclass and nothing writ
    agree; the folder, the manifests and the entry name this worker; it names the pack
    ``artifact.json`` names and was taken at the portable capture point; every model extent comes
    from a checkpoint file of the model identity;
+2b. the capsule's residual qualifies for this target (:func:`coldsnap_core.overlay.select_capsule`:
+   engine, engine version, torch and its CUDA version, device type, accelerator model and NVIDIA
+   driver equal to the ones ``target.json`` records, else this node's target-local overlay for
+   exactly this target): a capsule captured by another engine or another runtime stops here, before
+   its layout is compared (``docs/format.md`` §16);
 3. the live model's allocations have the captured layout (fingerprint, then every size): a payload
    captured from another architecture, dtype, layer count or tensor parallel size stops here;
 4. the model being loaded is the captured one (:func:`check_model_identity`: a Hugging Face
@@ -45,16 +50,20 @@ from coldsnap_core.errors import (
     ModelIdentityMismatchError,
     PayloadUnavailableError,
     StoreError,
+    TargetMismatchError,
     ValidationRecordError,
 )
-from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME
+from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WorkerEntry
 from coldsnap_core.format.manifest import ModelIdentity, NativeManifest, WorkerIdentity
 from coldsnap_core.format.pack_layout import PackLayout
+from coldsnap_core.format.target import TargetIdentity
 from coldsnap_core.hydrate import HydrationReport, hydrate
 from coldsnap_core.model_identity import COMMIT_HASH, CheckpointRecords, RecordState, hash_checkpoint_file, resolve_hub_commit
+from coldsnap_core.overlay import Selection, portable_descriptor_sha256, select_capsule
 from coldsnap_core.records import identity, read_trusted_record, record_verified
 from coldsnap_core.staging import stage_payload
 from coldsnap_core.stores import from_env as store_from_env
+from coldsnap_core.target import ENGINE_NONE, collect_target
 from coldsnap_core.torch_allocations import TorchAllocations
 from coldsnap_core.verify import check_live_layout, check_manifest, extent_owner_map, verify_pack_file
 
@@ -371,9 +380,21 @@ class WorkerRestore:
         verify_extents: hash every model extent while hydrating.
         verify_checkpoint: hash local checkpoint files this node has no checkpoint record of
             (``COLDSNAP_VERIFY_CHECKPOINT=1``).
+        engine: the engine restoring (``vllm``, ``sglang``; :data:`~coldsnap_core.target.ENGINE_NONE`
+            without one), for the target identity.
+        engine_version: its version string.
+        target: the current target identity; default: :func:`coldsnap_core.target.collect_target`
+            of ``engine`` on the allocations' device, collected in :meth:`run`.
+        use_overlays: select this node's target-local overlays (``COLDSNAP_OVERLAY`` is not ``off``).
 
     Attributes:
-        capsule: this worker's capsule, once read (step 2); ``None`` before.
+        capsule: the capsule restored from: the portable one once read (step 2), this node's overlay
+            once step 2b selected it; ``None`` before.
+        portable_capsule: the artifact's capsule of this worker, once read.
+        selection: which capsule step 2b chose and why (:class:`coldsnap_core.overlay.Selection`).
+        descriptor_sha256: SHA-256 of ``artifact.json`` when it was read (overlays bind to it).
+        target_mismatch: the qualification error when step 2b refused the capsule (the loader then
+            captures a target-local overlay after its checkpoint load), else ``None``.
         layout_matches: whether the live layout matched the manifest (step 4 passed).
         pack_unavailable: whether the attempt failed because the pack cannot be served: no source
             has it, or the cached object proved corrupt and was quarantined. After a recovery load
@@ -386,10 +407,29 @@ class WorkerRestore:
     cache: PayloadCache
     verify_extents: bool = False
     verify_checkpoint: bool = False
+    engine: str = ENGINE_NONE
+    engine_version: str | None = None
+    target: TargetIdentity | None = None
+    use_overlays: bool = True
     capsule: Capsule | None = None
+    portable_capsule: Capsule | None = None
+    selection: Selection | None = None
+    descriptor_sha256: str | None = None
+    target_mismatch: TargetMismatchError | None = None
     layout_matches: bool = False
     pack_unavailable: bool = False
     _recorded_model: ModelIdentity | None = None
+    _entry: WorkerEntry | None = None
+
+    @property
+    def entry(self) -> WorkerEntry | None:
+        """This worker's ``artifact.json`` entry, once read."""
+        return self._entry
+
+    @property
+    def recorded_model(self) -> ModelIdentity | None:
+        """The artifact's pinned model identity, once read."""
+        return self._recorded_model
 
     @property
     def manifest(self) -> NativeManifest | None:
@@ -417,9 +457,70 @@ class WorkerRestore:
                 " portable captures only (a native capture is restored by the level-1 wake)",
                 file=manifest_file,
             )
-        self.capsule = capsule
+        self.capsule = self.portable_capsule = capsule
         self._recorded_model = descriptor.model
+        self._entry = entry
+        self.descriptor_sha256 = portable_descriptor_sha256(self.artifact_dir)
         return capsule
+
+    def current_target(self, allocations: TorchAllocations) -> TargetIdentity:
+        """The target this restore runs on (``target``, else collected once for the allocations' device)."""
+        if self.target is None:
+            self.target = collect_target(self.engine, self.engine_version, device=allocations.device)
+        return self.target
+
+    def qualify(self, capsule: Capsule, allocations: TorchAllocations) -> Capsule:
+        """Step 2b: choose the capsule whose residual qualifies for this target, before any byte is
+        written (:func:`coldsnap_core.overlay.select_capsule`): the portable capsule when its
+        ``target.json`` qualifies, else this node's target-local overlay or qualification record for
+        exactly this target. Sets :attr:`selection` and :attr:`capsule`.
+
+        Raises:
+            TargetMismatchError: no capsule qualifies (the differing fields are named with both
+                values; another engine first); also kept in :attr:`target_mismatch`.
+            ManifestMismatchError: an overlay's model extent names a file the model identity lacks.
+        """
+        current = self.current_target(allocations)
+        assert self._entry is not None and self._recorded_model is not None
+        try:
+            selection = select_capsule(
+                artifact_dir=self.artifact_dir,
+                entry=self._entry,
+                portable=capsule,
+                current=current,
+                state_root=self.cache.state_root,
+                descriptor_sha256=self.descriptor_sha256 or "",
+                use_overlays=self.use_overlays,
+            )
+        except TargetMismatchError as exc:
+            self.target_mismatch = exc
+            raise
+        if selection.source == "overlay":
+            check_provenance_in_identity(
+                selection.capsule.native, self._recorded_model, file=str(selection.capsule.native_manifest_path)
+            )
+        if selection.source != "portable":
+            logger.info(
+                "coldsnap: %s: restoring with %s (%s)", self.worker.capsule_name, selection.overlay_path, selection.reason
+            )
+        self.selection = selection
+        self.capsule = selection.capsule
+        return selection.capsule
+
+    def check_identity(self) -> None:
+        """Step 4: the model being loaded is the one the artifact pins (:func:`check_model_identity`).
+
+        Raises:
+            ModelIdentityMismatchError: see :func:`check_model_identity`.
+        """
+        assert self._recorded_model is not None
+        check_model_identity(
+            self._recorded_model,
+            self.loaded,
+            file=str(self.artifact_dir / DESCRIPTOR_FILENAME),
+            records=CheckpointRecords(self.cache.state_root),
+            verify_checkpoint=self.verify_checkpoint,
+        )
 
     def run(self, allocations: TorchAllocations, backend: CopyBackend) -> HydrationReport:
         """Steps 1-7. On return every byte of every allocation holds the captured bytes.
@@ -435,7 +536,7 @@ class WorkerRestore:
             raise unexpected_os_error(exc) from exc
 
     def _run(self, allocations: TorchAllocations, backend: CopyBackend) -> HydrationReport:
-        capsule = self.capsule or self.read()
+        capsule = self.qualify(self.portable_capsule or self.read(), allocations)
         manifest = capsule.native
         manifest_file = str(capsule.native_manifest_path)
         check_live_layout(
@@ -446,14 +547,7 @@ class WorkerRestore:
             manifest_fingerprint=manifest.layout_fingerprint,
         )
         self.layout_matches = True
-        assert self._recorded_model is not None
-        check_model_identity(
-            self._recorded_model,
-            self.loaded,
-            file=str(self.artifact_dir / DESCRIPTOR_FILENAME),
-            records=CheckpointRecords(self.cache.state_root),
-            verify_checkpoint=self.verify_checkpoint,
-        )
+        self.check_identity()
         layout = check_manifest(manifest, file=manifest_file)
         try:
             verify_untrusted_pack(self.cache, manifest, layout, manifest_file=manifest_file)

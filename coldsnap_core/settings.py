@@ -25,6 +25,12 @@ COLDSNAP_VERIFY_EXTENTS        ``verify_extents``          ``1``: hash every mod
 COLDSNAP_VERIFY_CHECKPOINT     ``verify_checkpoint``       ``1``: at restore, hash every local checkpoint file
                                                            this node has no checkpoint record of (``0``:
                                                            accept it on its name and size)
+COLDSNAP_OVERLAY               ``overlay``                 target-local overlays (``docs/format.md`` §16):
+                                                           ``auto``: select this node's overlay for this
+                                                           target, and capture one after a fallback caused
+                                                           by target qualification; ``capture``: load the
+                                                           checkpoint and capture one now (an operator's
+                                                           explicit command); ``off``: neither (``auto``)
 COLDSNAP_INNER_LOAD_FORMAT     ``inner_load_format``       the vLLM load format whose I/O the loader keeps
                                                            (``instanttensor`` on CUDA, ``safetensors``
                                                            elsewhere)
@@ -57,9 +63,11 @@ from coldsnap_core.errors import ConfigurationError
 from coldsnap_core.materialize import MATERIALIZE_MODES, MaterializeMode
 
 RestoreMode = Literal["auto", "native"]
+OverlayMode = Literal["auto", "capture", "off"]
 ConvertedCopies = Literal["residual", "model"]
 
 RESTORE_MODES: tuple[str, ...] = ("auto", "native")
+OVERLAY_MODES: tuple[str, ...] = ("auto", "capture", "off")
 CONVERTED_COPIES: tuple[str, ...] = ("residual", "model")
 VLLM_INNER_LOAD_FORMATS: tuple[str, ...] = (
     "auto",
@@ -88,6 +96,7 @@ KEYS: dict[str, str | None] = {
     "verify_extents": "COLDSNAP_VERIFY_EXTENTS",
     "verify_checkpoint": "COLDSNAP_VERIFY_CHECKPOINT",
     "inner_load_format": "COLDSNAP_INNER_LOAD_FORMAT",
+    "overlay": "COLDSNAP_OVERLAY",
     "converted_copies": None,
 }
 
@@ -106,6 +115,7 @@ class ColdsnapSettings:
         verify_checkpoint: at restore, hash local checkpoint files without a checkpoint record.
         inner_load_format: the vLLM load format to keep, or ``None`` for the platform default.
         converted_copies: ``residual`` or ``model``.
+        overlay: ``auto``, ``capture`` or ``off`` (target-local overlays).
     """
 
     export_model_payload: bool = False
@@ -117,6 +127,7 @@ class ColdsnapSettings:
     verify_checkpoint: bool = False
     inner_load_format: str | None = None
     converted_copies: ConvertedCopies = "residual"
+    overlay: OverlayMode = "auto"
 
     @classmethod
     def resolve(
@@ -208,11 +219,17 @@ class ColdsnapSettings:
             verify_checkpoint=flag("verify_checkpoint"),
             inner_load_format=inner_format,
             converted_copies=choice("converted_copies", CONVERTED_COPIES, "residual"),  # type: ignore[arg-type]
+            overlay=choice("overlay", OVERLAY_MODES, "auto"),  # type: ignore[arg-type]
         )
         if settings.artifact_dir is None and settings.export_model_payload:
             raise ConfigurationError(
                 "COLDSNAP_EXPORT_MODEL_PAYLOAD=1 needs an artifact folder: set COLDSNAP_ARTIFACT_DIR"
                 " (or the extra-config key 'artifact_dir')"
+            )
+        if settings.overlay == "capture" and (settings.artifact_dir is None or settings.export_model_payload):
+            raise ConfigurationError(
+                "COLDSNAP_OVERLAY=capture captures a target-local overlay of an existing artifact: it needs"
+                " COLDSNAP_ARTIFACT_DIR and excludes COLDSNAP_EXPORT_MODEL_PAYLOAD=1 (which captures the portable artifact)"
             )
         if settings.artifact_dir is None and settings.restore == "native":
             raise ConfigurationError(

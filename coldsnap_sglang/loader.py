@@ -35,6 +35,7 @@ from coldsnap_core.errors import ColdsnapError, EngineVersionError, ModelIdentit
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.model_identity import model_config_sha256
 from coldsnap_core.restore import LoadedModel, WorkerRestore, engine_checkpoint_files
+from coldsnap_core.target import engine_version
 from coldsnap_core.torch_allocations import enumerate_allocations
 from coldsnap_sglang.settings import resolve_sglang_settings
 
@@ -150,6 +151,8 @@ def restore_into(model: torch.nn.Module, settings, worker: WorkerIdentity, sourc
             PayloadCache(settings.state_root),
             verify_extents=settings.verify_extents,
             verify_checkpoint=settings.verify_checkpoint,
+            engine="sglang",
+            engine_version=engine_version("sglang"),
         )
         allocations = enumerate_allocations(model)
         report = attempt.run(allocations, copy_backend_for(allocations.device))

@@ -64,14 +64,19 @@ from coldsnap_core.hydrate import HydrationReport
 from coldsnap_core.materialize import MaterializationHandle, materialize_payload
 from coldsnap_core.model_identity import CheckpointRecords, identify_checkpoint, model_config_sha256, resolve_hub_commit
 from coldsnap_core.observer import CheckpointSources, ModelRecord, WriteObserver, map_to_allocations
+from coldsnap_core.overlay import OverlayCapture, capture_overlay
 from coldsnap_core.restore import LoadedModel, WorkerRestore, engine_checkpoint_files
 from coldsnap_core.safetensors_header import TensorLocation, read_header
 from coldsnap_core.settings import ColdsnapSettings
+from coldsnap_core.target import collect_target, engine_version
 from coldsnap_core.torch_allocations import TorchAllocations, enumerate_allocations
 from coldsnap_vllm import compat
 from coldsnap_vllm import state as load_state
 
 logger = logging.getLogger(__name__)
+
+ENGINE = "vllm"
+"""The engine name recorded in a capsule's ``target.json`` (``docs/format.md`` §16.1)."""
 
 LOAD_FORMAT = "coldsnap"
 """The load format name: ``--load-format coldsnap`` / ``LLM(..., load_format="coldsnap")``."""
@@ -94,6 +99,9 @@ class LoadOutcome:
         hydration: the hydration report (``restored``).
         capture: the capture result (``captured``).
         materialization: the materialization handle, when one was started after a fallback.
+        capsule_source: ``restored``: which capsule (``portable``, ``overlay``, ``qualified``:
+            :class:`coldsnap_core.overlay.Selection`).
+        overlay: the target-local overlay captured after this checkpoint load, if any.
         model_bytes: destination bytes classified as model bytes (restored: the manifest's).
         checkpoint_copies: ``copy_`` calls recorded as model bytes by the observer.
     """
@@ -106,6 +114,8 @@ class LoadOutcome:
     hydration: HydrationReport | None = None
     capture: CaptureResult | None = None
     materialization: MaterializationHandle | None = None
+    capsule_source: str | None = None
+    overlay: OverlayCapture | None = None
     model_bytes: int = 0
     checkpoint_copies: int = 0
 
@@ -279,7 +289,17 @@ class ColdsnapModelLoader(DefaultModelLoader):
                 cache,
                 verify_extents=settings.verify_extents,
                 verify_checkpoint=settings.verify_checkpoint,
+                engine=ENGINE,
+                engine_version=engine_version(ENGINE),
+                use_overlays=settings.overlay != "off",
             )
+            if settings.overlay == "capture":
+                # An operator's explicit overlay capture: read the portable capsule, load the
+                # checkpoint, capture (below); a capsule that cannot be read stops here.
+                attempt.read()
+                with _collector_paused():
+                    self._load_checkpoint(model, model_config, worker, cache, attempt, None, started)
+                return
             try:
                 with _collector_paused():
                     allocations = enumerate_allocations(model)
@@ -328,6 +348,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
                 load_seconds=report.check_seconds + report.copy_seconds,
                 total_seconds=total,
                 hydration=report,
+                capsule_source=attempt.selection.source if attempt.selection is not None else None,
                 model_bytes=manifest.model_bytes,
             )
         )
@@ -401,6 +422,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
                 cache=cache,
                 artifact_dir=settings.artifact_dir,
                 backend=copy_backend_for(after.device),
+                target=collect_target(ENGINE, engine_version(ENGINE), device=after.device),
             )
             pack = capture.manifest.pack
         elif fallback is not None and attempt is not None and attempt.pack_unavailable and attempt.layout_matches:
@@ -408,6 +430,9 @@ class ColdsnapModelLoader(DefaultModelLoader):
             handle = self._materialize(attempt.manifest, after, copy_backend_for(after.device), cache)
             if handle is not None and handle.done and handle.result is not None:
                 pack = handle.result.pack
+        overlay: OverlayCapture | None = None
+        if attempt is not None and attempt.portable_capsule is not None and self._wants_overlay(attempt, fallback):
+            overlay = self._capture_overlay(attempt, after, ranges)
         if identity is None and _coldsnap_sleep_enabled(model_config):
             # The level-1 sleep backend takes its reference digests from the pinned checkpoint files.
             identity = self._identify(session, model_config, settings.state_root, self.load_config.download_dir)
@@ -421,10 +446,55 @@ class ColdsnapModelLoader(DefaultModelLoader):
                 fallback=fallback,
                 capture=capture,
                 materialization=handle,
+                overlay=overlay,
                 model_bytes=model_bytes,
                 checkpoint_copies=observer.checkpoint_copies,
             )
         )
+
+    def _wants_overlay(self, attempt: WorkerRestore, fallback: ColdsnapError | None) -> bool:
+        """Capture a target-local overlay after this checkpoint load: on ``COLDSNAP_OVERLAY=capture``,
+        or (``auto``) after a fallback caused by target qualification of a capsule vLLM captured (a
+        capsule of another engine gets no overlay: that engine's artifact is captured with it)."""
+        mode = self.coldsnap_settings.overlay
+        if mode == "capture":
+            return True
+        portable = attempt.portable_capsule
+        return (
+            mode == "auto"
+            and fallback is not None
+            and fallback is attempt.target_mismatch
+            and portable is not None
+            and portable.target is not None
+            and portable.target.engine == ENGINE
+        )
+
+    def _capture_overlay(self, attempt: WorkerRestore, after: TorchAllocations, ranges) -> OverlayCapture | None:
+        """:func:`coldsnap_core.overlay.capture_overlay` of the loaded model, after the model identity
+        check restore would have run. ``auto``: a failure is one WARNING (the load stands);
+        ``capture``: it raises."""
+        settings = self.coldsnap_settings
+        assert settings.artifact_dir is not None and attempt.portable_capsule is not None and attempt.entry is not None
+        try:
+            attempt.check_identity()
+            return capture_overlay(
+                state_root=settings.state_root,
+                artifact_dir=settings.artifact_dir,
+                entry=attempt.entry,
+                portable=attempt.portable_capsule,
+                descriptor_sha256=attempt.descriptor_sha256 or "",
+                model=attempt.recorded_model,
+                target=attempt.current_target(after),
+                allocation_map=after.allocation_map,
+                allocations=after.live,
+                model_ranges=ranges,
+                backend=copy_backend_for(after.device),
+            )
+        except ColdsnapError as exc:
+            if settings.overlay == "capture":
+                raise
+            logger.warning("coldsnap: %s: no target-local overlay captured: %s", attempt.worker.capsule_name, exc)
+            return None
 
     def _materialize(
         self, manifest: NativeManifest, allocations: TorchAllocations, backend: CopyBackend, cache: PayloadCache

@@ -32,6 +32,7 @@ from coldsnap_core.format.manifest import (
     PackRef,
     WorkerIdentity,
 )
+from coldsnap_core.format.target import TARGET_FILENAME
 
 ARTIFACT_KIND = "coldsnap.artifact"
 DESCRIPTOR_FILENAME = "artifact.json"
@@ -73,8 +74,9 @@ class WorkerEntry:
         worker: the worker's identity.
         capsule: the capsule folder, relative to the artifact folder (``workers/<capsule_name>``).
         payload: the worker's pack (digest, size, derived path).
-        capsule_files: the pins of the capsule's three files, sorted by name: both manifests and the
-            residual blob (its ``sha256`` and ``size_bytes`` equal the native manifest's ``residual``).
+        capsule_files: the pins of the capsule's four files, sorted by name: both manifests,
+            ``target.json`` and the residual blob (its ``sha256`` and ``size_bytes`` equal the native
+            manifest's ``residual``).
     """
 
     worker: WorkerIdentity
@@ -106,11 +108,11 @@ class WorkerEntry:
         if entry.capsule != f"{WORKERS_DIRNAME}/{entry.worker.capsule_name}":
             raise f.error(f"capsule {entry.capsule!r} is not the worker's capsule folder")
         names = [p.name for p in entry.capsule_files]
-        manifests = {NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME}
-        if len(names) != 3 or names != sorted(set(names)) or not manifests <= set(names):
+        documents = {NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, TARGET_FILENAME}
+        if len(names) != 4 or names != sorted(set(names)) or not documents <= set(names):
             raise f.error(
-                f"capsule_files names {names}; expected the capsule's three files (both manifests and the residual"
-                " blob), each once, sorted by name"
+                f"capsule_files names {names}; expected the capsule's four files (both manifests, {TARGET_FILENAME} and"
+                " the residual blob), each once, sorted by name"
             )
         return entry
 

@@ -42,10 +42,15 @@ def _capture_world_of_2(staged: Slabs, root: Path) -> Captured:
 
 def test_capture_pins_every_capsule_file(captured_2layer: Captured) -> None:
     """Catches pins computed over other bytes than the files written (or missing): each worker entry
-    of artifact.json pins the SHA-256 and size of both manifests and the residual blob as they are on
+    of artifact.json pins the SHA-256 and size of both manifests, target.json and the residual blob as they are on
     disk, and reading the capsule through its entry succeeds (QA defect 1)."""
     (entry,) = read_descriptor(captured_2layer.artifact_dir).workers
-    assert [p.name for p in entry.capsule_files] == ["native-manifest.json", "recovery-manifest.json", "weights.blob"]
+    assert [p.name for p in entry.capsule_files] == [
+        "native-manifest.json",
+        "recovery-manifest.json",
+        "target.json",
+        "weights.blob",
+    ]
     for pin in entry.capsule_files:
         data = (captured_2layer.capsule_dir / pin.name).read_bytes()
         assert (pin.size_bytes, pin.sha256) == (len(data), hashlib.sha256(data).hexdigest()), pin.name
@@ -76,7 +81,7 @@ def _two_world_sizes(doc: dict) -> None:
     ids=["pin-missing", "pin-twice", "pins-unsorted", "pin-name-escapes", "two-world-sizes", "config-digest-form"],
 )
 def test_descriptor_value_rules(captured_2layer: Captured, edit, words: str) -> None:
-    """Catches a descriptor whose pins do not name exactly the capsule's three files (sorted, each once,
+    """Catches a descriptor whose pins do not name exactly the capsule's four files (sorted, each once,
     plain file names), that mixes world sizes (QA defect 6), or whose configuration digest is not a
     digest: each is a ManifestValueError naming the field."""
     doc = _descriptor_doc(captured_2layer)
@@ -362,7 +367,7 @@ def test_mismatch_messages_say_what_differs(captured_2layer: Captured, tmp_path:
         read_worker_capsule(captured.artifact_dir, entry)
 
     captured = copy_capture(captured_2layer, tmp_path / "copy2", copy_pack=False)
-    edit_json(captured.artifact_dir / "artifact.json", lambda d: d["workers"][0]["capsule_files"][2].update(sha256="0" * 64))
+    edit_json(captured.artifact_dir / "artifact.json", lambda d: d["workers"][0]["capsule_files"][3].update(sha256="0" * 64))
     (entry,) = read_descriptor(captured.artifact_dir).workers
     with pytest.raises(CapsulePinMismatchError, match=f"pins 12672 bytes with SHA-256 {'0' * 64} for the residual blob") as info:
         read_worker_capsule(captured.artifact_dir, entry)

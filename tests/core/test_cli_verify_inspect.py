@@ -223,7 +223,7 @@ CASES = [
     Case(
         "residual-pin-disagrees",
         lambda c: edit_json(
-            c.artifact_dir / "artifact.json", lambda d: d["workers"][0]["capsule_files"][2].update(sha256="0" * 64)
+            c.artifact_dir / "artifact.json", lambda d: d["workers"][0]["capsule_files"][3].update(sha256="0" * 64)
         ),
         2,
         "capsule-pin",

@@ -26,7 +26,7 @@ from coldsnap_core.errors import (
     ManifestValueError,
     UnsupportedFormatVersionError,
 )
-from coldsnap_core.format._strict import MAX_OFFSET_BYTES
+from coldsnap_core.format._strict import MAX_OFFSET_BYTES, parse_document
 from coldsnap_core.format.allocation import DTYPE_ITEMSIZE_BYTES, Allocation, AllocationMap, TensorPlacement
 from coldsnap_core.format.descriptor import ArtifactDescriptor, CapsuleFile, WorkerEntry
 from coldsnap_core.format.extents import ExtentProvenance, ModelExtent, ResidualExtent
@@ -39,6 +39,8 @@ from coldsnap_core.format.manifest import (
     ResidualRef,
     WorkerIdentity,
 )
+from coldsnap_core.format.target import TargetIdentity
+from coldsnap_core.overlay import OverlayDescriptor
 
 NULLABLE = {"address", "revision", "config_sha256"}
 """Fields whose JSON value may be null."""
@@ -133,8 +135,8 @@ recovery_manifests = st.builds(
 
 @st.composite
 def capsule_files(draw: st.DrawFn) -> tuple[CapsuleFile, ...]:
-    blob = draw(file_names.filter(lambda n: n not in ("native-manifest.json", "recovery-manifest.json")))
-    names = ["native-manifest.json", "recovery-manifest.json", blob]
+    blob = draw(file_names.filter(lambda n: n not in ("native-manifest.json", "recovery-manifest.json", "target.json")))
+    names = ["native-manifest.json", "recovery-manifest.json", "target.json", blob]
     return tuple(sorted((CapsuleFile(n, draw(offsets), draw(sha256s)) for n in names), key=lambda p: p.name))
 
 
@@ -152,7 +154,49 @@ def descriptors(draw: st.DrawFn) -> ArtifactDescriptor:
     )
 
 
+optional_names = st.none() | names
+targets = st.builds(
+    TargetIdentity,
+    engine=roles,
+    engine_version=optional_names,
+    coldsnap_version=names,
+    torch_version=names,
+    torch_cuda_version=optional_names,
+    device_type=roles,
+    accelerator_model=optional_names,
+    accelerator_count=st.integers(0, 1 << 20),
+    nvidia_driver_version=optional_names,
+    host=names,
+)
+
+
+@st.composite
+def overlay_descriptors(draw: st.DrawFn) -> OverlayDescriptor:
+    kind = draw(st.sampled_from(["overlay", "qualified"]))
+    files = tuple(
+        sorted(
+            (
+                CapsuleFile(n, draw(offsets), draw(sha256s))
+                for n in ("native-manifest.json", "recovery-manifest.json", "target.json", "weights.blob")
+            ),
+            key=lambda p: p.name,
+        )
+    )
+    return OverlayDescriptor(
+        kind,
+        draw(names),
+        draw(sha256s),
+        draw(workers()),
+        draw(pack_refs),
+        draw(targets),
+        files if kind == "overlay" else (),
+        draw(names),
+    )
+
+
 ROUND_TRIPS: list[tuple[str, st.SearchStrategy[Any], Callable[[bytes], Any]]] = [
+    ("target identity", targets, TargetIdentity.loads),
+    ("overlay descriptor", overlay_descriptors(), lambda data: parse_document(data, OverlayDescriptor.from_fields)),
     ("native manifest", native_manifests(), NativeManifest.loads),
     ("recovery manifest", recovery_manifests, RecoveryManifest.loads),
     ("artifact descriptor", descriptors(), ArtifactDescriptor.loads),

@@ -24,6 +24,7 @@ from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.model_identity import identify_checkpoint, model_config_sha256
 from coldsnap_core.safetensors_header import read_header
+from coldsnap_core.target import collect_target, engine_version
 from coldsnap_core.torch_allocations import enumerate_allocations
 
 NAMES = {"norm": "model.norm.weight", "attn_norm": "model.layers.0.input_layernorm.weight"}
@@ -131,6 +132,7 @@ def capture(smollm2_2layer: Path, tmp_path: Path, *, source: str, revision: str 
         cache=PayloadCache(tmp_path / "state"),
         artifact_dir=tmp_path / "artifact",
         backend=HostCopyBackend(),
+        target=collect_target("sglang", engine_version("sglang")),  # what the SGLang loader compares with
     )
     return model, result
 

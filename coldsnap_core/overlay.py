@@ -1,0 +1,591 @@
+"""Target-local residual overlays: a node's own capsule for a portable capsule it may not replay.
+
+A portable capsule's residual is replayed only on a target that qualifies (``docs/format.md``
+§16.2). When one does not (an engine or driver upgrade), the loader falls back to the checkpoint load
+and then captures this worker's residual and manifests for *this* target (:func:`capture_overlay`).
+The model payload objects must be the portable capsule's (same owner, role, size and SHA-256): the
+pack stays shared and is never copied. If the residual and both manifests are also byte-identical
+to the portable capsule's, the capture is discarded and the node records that its target is
+qualified for the portable capsule (kind ``qualified``); otherwise it stores the capture (kind
+``overlay``). Either way an **overlay descriptor** (``overlay.json``) binds it to the portable
+``artifact.json`` by SHA-256, to the exact target identity and to the pins of its files, in the
+node-local state root::
+
+    <state-root>/overlays/<artifact-key>/<target-key>/<role>-<rank>-of-<world_size>/
+        overlay.json            OverlayDescriptor, mode 0444
+        native-manifest.json    (kind "overlay" only) the overlay capsule, pinned by overlay.json
+        recovery-manifest.json
+        target.json
+        weights.blob
+
+An ordinary restore selects an overlay (:func:`select_capsule`) only on the exact target it is bound
+to and only while the portable ``artifact.json`` is the one it was bound to. Missing, stale or invalid
+overlay metadata falls back to the portable artifact (a WARNING for invalid metadata). Overlays are
+an acceleration cache, never published (``docs/format.md`` §16.3-16.5).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import json
+import logging
+import os
+import shutil
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from coldsnap_core.artifact import (
+    Capsule,
+    read_pinned_capsule,
+    replace_dir_atomically,
+    write_file_durably,
+    write_manifests,
+)
+from coldsnap_core.capture import ModelRange, check_model_ranges, hash_ranges
+from coldsnap_core.copy.base import CopyBackend, LiveAllocation
+from coldsnap_core.errors import ColdsnapError, OverlayError, TargetMismatchError, UnsafePathError
+from coldsnap_core.format._strict import Fields, dump_document, read_document_bytes
+from coldsnap_core.format.allocation import AllocationMap
+from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WORKERS_DIRNAME, CapsuleFile, WorkerEntry
+from coldsnap_core.format.extents import ModelExtent
+from coldsnap_core.format.manifest import (
+    NATIVE_MANIFEST_FILENAME,
+    RECOVERY_MANIFEST_FILENAME,
+    RESIDUAL_FILENAME,
+    ModelIdentity,
+    NativeManifest,
+    PackRef,
+    RecoveryManifest,
+    WorkerIdentity,
+)
+from coldsnap_core.format.pack_layout import PackLayout
+from coldsnap_core.format.target import TargetIdentity, describe_differences
+from coldsnap_core.records import read_private_record
+from coldsnap_core.residual import residual_extents, write_residual
+from coldsnap_core.target import mismatch_detail
+
+logger = logging.getLogger(__name__)
+
+OVERLAYS_DIRNAME = "overlays"
+OVERLAY_KIND = "coldsnap.overlay"
+OVERLAY_FILENAME = "overlay.json"
+
+OverlayKind = Literal["overlay", "qualified"]
+_KINDS = ("overlay", "qualified")
+
+
+def artifact_key(artifact_dir: Path) -> str:
+    """The folder name of one portable artifact's overlays: SHA-256 of its folder's real path."""
+    return hashlib.sha256(os.path.realpath(artifact_dir).encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def target_key(target: TargetIdentity) -> str:
+    """The folder name of one target's overlays: ``sha256(b"coldsnap-target-v1\\n" + canonical JSON)``
+    of every field of the target identity (keys sorted, separators ``,`` ``:``, ASCII)."""
+    canonical = json.dumps(target.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(b"coldsnap-target-v1\n" + canonical.encode("ascii")).hexdigest()
+
+
+def overlay_dir(state_root: Path, artifact_dir: Path, worker: WorkerIdentity, target: TargetIdentity) -> Path:
+    """``<state_root>/overlays/<artifact_key>/<target_key>/<capsule_name>``."""
+    return state_root / OVERLAYS_DIRNAME / artifact_key(artifact_dir) / target_key(target) / worker.capsule_name
+
+
+def portable_descriptor_sha256(artifact_dir: Path) -> str:
+    """SHA-256 of the portable artifact's ``artifact.json`` bytes as they are now.
+
+    Raises:
+        MissingObjectError, NotRegularFileError, FileAccessError, ManifestParseError: see
+            :func:`coldsnap_core.format._strict.read_document_bytes`.
+    """
+    return hashlib.sha256(read_document_bytes(artifact_dir / DESCRIPTOR_FILENAME)).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class OverlayDescriptor:
+    """``overlay.json`` (``docs/format.md`` §16.3).
+
+    Attributes:
+        kind: ``overlay`` (the folder holds this target's capsule) or ``qualified`` (the capture was
+            identical to the portable capsule: the portable capsule is replayed on this target).
+        artifact_dir: the portable artifact folder's real path when the overlay was captured.
+        portable_descriptor_sha256: SHA-256 of that ``artifact.json``'s bytes.
+        worker: the worker (the model payload's owner and role).
+        payload: the model payload, equal to the portable entry's ``payload``.
+        target: the exact target identity the overlay is bound to.
+        capsule_files: the pins of the overlay capsule's four files, sorted by name (empty for
+            ``qualified``).
+        created_at: UTC time of the capture, ISO 8601 with seconds.
+    """
+
+    kind: OverlayKind
+    artifact_dir: str
+    portable_descriptor_sha256: str
+    worker: WorkerIdentity
+    payload: PackRef
+    target: TargetIdentity
+    capsule_files: tuple[CapsuleFile, ...]
+    created_at: str
+
+    def entry(self) -> WorkerEntry:
+        """The overlay capsule's pins as a worker entry (for :func:`read_pinned_capsule`)."""
+        return WorkerEntry(self.worker, f"{WORKERS_DIRNAME}/{self.worker.capsule_name}", self.payload, self.capsule_files)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "format": OVERLAY_KIND,
+            "format_version": 9,
+            "kind": self.kind,
+            "artifact_dir": self.artifact_dir,
+            "portable_descriptor_sha256": self.portable_descriptor_sha256,
+            "worker": self.worker.to_json(),
+            "payload": self.payload.to_json(),
+            "target": self.target.to_json(),
+            "capsule_files": [p.to_json() for p in self.capsule_files],
+            "created_at": self.created_at,
+        }
+
+    def dumps(self) -> bytes:
+        return dump_document(self.to_json())
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> OverlayDescriptor:
+        f.header(OVERLAY_KIND)
+        kind = f.str("kind")
+        if kind not in _KINDS:
+            raise f.error(f"kind {kind!r} is not one of {', '.join(_KINDS)}")
+        descriptor = cls(
+            kind=kind,  # type: ignore[arg-type]
+            artifact_dir=f.str("artifact_dir"),
+            portable_descriptor_sha256=f.sha256("portable_descriptor_sha256"),
+            worker=f.obj("worker", WorkerIdentity.from_fields),
+            payload=f.obj("payload", PackRef.from_fields),
+            target=f.obj("target", TargetIdentity.body_from_fields),
+            capsule_files=f.list("capsule_files", CapsuleFile.from_fields),
+            created_at=f.str("created_at"),
+        )
+        f.done()
+        if kind == "qualified" and descriptor.capsule_files:
+            raise f.error("a qualified record pins no capsule files")
+        if kind == "overlay":
+            names = [p.name for p in descriptor.capsule_files]
+            expected = sorted({NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, "target.json", RESIDUAL_FILENAME})
+            if names != expected:
+                raise f.error(f"capsule_files names {names}; expected {expected}")
+        return descriptor
+
+
+# -- selection ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """Which capsule a restore on this node uses, and why.
+
+    Attributes:
+        source: ``portable`` (its target qualifies), ``qualified`` (this node recorded the portable
+            capsule qualified for its target) or ``overlay`` (this node's target-local capsule).
+        capsule: the capsule to restore from (the portable one unless ``overlay``).
+        reason: why, in words (logged, and shown by ``coldsnap inspect``).
+        overlay_path: the overlay folder for ``qualified`` and ``overlay``, else ``None``.
+    """
+
+    source: Literal["portable", "qualified", "overlay"]
+    capsule: Capsule
+    reason: str
+    overlay_path: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """What this node holds for one (artifact, worker, target).
+
+    Attributes:
+        status: ``absent``, ``stale`` (bound to another ``artifact.json``) , ``invalid`` (unreadable,
+            a symbolic link, a loose mode, a bad pin, ...) or ``valid``.
+        reason: why, in words.
+        path: the overlay folder looked at.
+        descriptor: the descriptor when ``valid``.
+        capsule: the overlay capsule when ``valid`` and of kind ``overlay``.
+    """
+
+    status: Literal["absent", "stale", "invalid", "valid"]
+    reason: str
+    path: Path
+    descriptor: OverlayDescriptor | None = None
+    capsule: Capsule | None = None
+
+
+def _refuse_linked_folders(state_root: Path, path: Path) -> bool:
+    """Each folder from ``<state_root>/overlays`` down to ``path`` must be a real folder (no symbolic
+    link). Returns ``False`` when one is absent.
+
+    Raises:
+        UnsafePathError: a symbolic link, or something else than a folder, on the way.
+    """
+    top = state_root / OVERLAYS_DIRNAME
+    chain = [top, *reversed([p for p in path.parents if p != top and top in p.parents]), path]
+    for folder in chain:
+        try:
+            st = os.lstat(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        if not stat.S_ISDIR(st.st_mode):
+            raise UnsafePathError("refusing a symbolic link or file where an overlay folder belongs", file=folder)
+    return True
+
+
+def find_overlay(
+    state_root: Path, artifact_dir: Path, entry: WorkerEntry, current: TargetIdentity, descriptor_sha256: str
+) -> Lookup:
+    """Look up and validate this node's overlay for ``entry``'s worker on the target ``current``.
+
+    Never raises for what it finds: every problem is a ``stale`` or ``invalid`` :class:`Lookup`.
+    """
+    path = overlay_dir(state_root, artifact_dir, entry.worker, current)
+    try:
+        if not _refuse_linked_folders(state_root, path):
+            return Lookup("absent", _absent_reason(state_root, artifact_dir, entry.worker, current), path)
+        descriptor = read_private_record(path / OVERLAY_FILENAME, OverlayDescriptor.from_fields)
+    except ColdsnapError as exc:
+        return Lookup("invalid", f"its {OVERLAY_FILENAME} is not trusted: {exc}", path)
+    if descriptor.artifact_dir != os.path.realpath(artifact_dir) or descriptor.target != current:
+        return Lookup("invalid", f"its {OVERLAY_FILENAME} is bound to another artifact folder or target than its path", path)
+    if descriptor.worker != entry.worker or descriptor.payload != entry.payload:
+        return Lookup("stale", "it names another worker or model payload than the portable artifact's entry", path)
+    if descriptor.portable_descriptor_sha256 != descriptor_sha256:
+        return Lookup(
+            "stale",
+            f"the portable {DESCRIPTOR_FILENAME} changed since it was captured (bound to SHA-256"
+            f" {descriptor.portable_descriptor_sha256}, now {descriptor_sha256})",
+            path,
+        )
+    if descriptor.kind == "qualified":
+        return Lookup("valid", "this node recorded the portable capsule qualified for this target", path, descriptor)
+    try:
+        capsule = read_pinned_capsule(path, descriptor.entry())
+    except ColdsnapError as exc:
+        return Lookup("invalid", f"its capsule does not match {OVERLAY_FILENAME}: {exc}", path)
+    if capsule.native.pack != entry.payload or capsule.target != current or capsule.native.capture_point != "portable":
+        return Lookup("invalid", "its capsule names another pack, target or capture point than its descriptor", path)
+    return Lookup("valid", "this node's target-local overlay for this target", path, descriptor, capsule)
+
+
+def _absent_reason(state_root: Path, artifact_dir: Path, worker: WorkerIdentity, current: TargetIdentity) -> str:
+    """ "no overlay for this target", naming how the targets of this worker's other overlays differ."""
+    others = []
+    base = state_root / OVERLAYS_DIRNAME / artifact_key(artifact_dir)
+    with contextlib.suppress(OSError):
+        for candidate in sorted(base.glob(f"*/{worker.capsule_name}/{OVERLAY_FILENAME}")):
+            with contextlib.suppress(ColdsnapError, OSError):
+                other = read_private_record(candidate, OverlayDescriptor.from_fields).target
+                differences = other.differences(current, tuple(other.to_json()))
+                others.append(describe_differences(differences))
+    if not others:
+        return "this node has no overlay for this target"
+    return f"this node has no overlay for this target (its overlays of this worker are for other targets: {' | '.join(others)})"
+
+
+def select_capsule(
+    *,
+    artifact_dir: Path,
+    entry: WorkerEntry,
+    portable: Capsule,
+    current: TargetIdentity,
+    state_root: Path,
+    descriptor_sha256: str,
+    use_overlays: bool = True,
+) -> Selection:
+    """Which capsule restores ``entry``'s worker on the target ``current`` (``docs/format.md`` §16.4).
+
+    The portable capsule when its recorded target qualifies; else this node's valid overlay or
+    qualification record for exactly ``current`` (never for another engine: a capsule of another
+    engine is refused as such); else nothing. Invalid overlay metadata is logged as a WARNING.
+
+    Raises:
+        TargetMismatchError: no capsule qualifies; the message names the differing fields (captured
+            and current values) and what this node's overlays hold.
+    """
+    file = str(portable.path / "target.json")
+    recorded = portable.target
+    if recorded is None:
+        raise TargetMismatchError("the capsule records no target.json; its target cannot be checked", file=file)
+    detail = mismatch_detail(recorded, current)
+    if detail is None:
+        return Selection("portable", portable, "the portable capsule's target qualifies for this one")
+    differences = recorded.differences(current)
+    if recorded.engine != current.engine or not use_overlays:
+        raise TargetMismatchError(detail, differences=differences, file=file)
+    lookup = find_overlay(state_root, artifact_dir, entry, current, descriptor_sha256)
+    if lookup.status == "valid":
+        assert lookup.descriptor is not None
+        if lookup.descriptor.kind == "qualified":
+            return Selection("qualified", portable, f"{lookup.reason} ({describe_differences(differences)})", lookup.path)
+        assert lookup.capsule is not None
+        return Selection("overlay", lookup.capsule, f"{lookup.reason} ({describe_differences(differences)})", lookup.path)
+    if lookup.status == "invalid":
+        logger.warning(
+            "coldsnap: ignoring the target-local overlay at %s (%s); using the portable artifact", lookup.path, lookup.reason
+        )
+    elif lookup.status == "stale":
+        logger.info(
+            "coldsnap: the target-local overlay at %s is stale (%s); using the portable artifact", lookup.path, lookup.reason
+        )
+    raise TargetMismatchError(f"{detail}; overlay: {lookup.reason}", differences=differences, file=file)
+
+
+# -- capture -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OverlayCapture:
+    """What :func:`capture_overlay` stored.
+
+    Attributes:
+        kind: ``overlay`` (a capsule was stored) or ``qualified`` (the capture was identical and discarded).
+        path: the overlay folder.
+        descriptor: its ``overlay.json``.
+    """
+
+    kind: OverlayKind
+    path: Path
+    descriptor: OverlayDescriptor
+
+
+def capture_overlay(
+    *,
+    state_root: Path,
+    artifact_dir: Path,
+    entry: WorkerEntry,
+    portable: Capsule,
+    descriptor_sha256: str,
+    model: ModelIdentity,
+    target: TargetIdentity,
+    allocation_map: AllocationMap,
+    allocations: Sequence[LiveAllocation],
+    model_ranges: Sequence[ModelRange],
+    backend: CopyBackend,
+) -> OverlayCapture:
+    """Capture this worker's residual and manifests for ``target`` and store them as an overlay of
+    the portable capsule ``portable`` (``docs/format.md`` §16.3).
+
+    Call right after a checkpoint load, with the allocations quiescent, and only after the model
+    identity was checked against the portable artifact's (the caller's job: the loaders check it the
+    way restore does). The model ranges are hashed (on all usable CPUs) and must hold exactly the
+    portable manifest's extent contents, so the pack is the portable one: it is referenced, never
+    written or copied.
+
+    Args:
+        state_root: the node-local state root.
+        artifact_dir: the portable artifact folder.
+        entry: this worker's portable ``artifact.json`` entry.
+        portable: its portable capsule.
+        descriptor_sha256: :func:`portable_descriptor_sha256` when the capsule was read.
+        model: the portable artifact's model identity (the overlay's recovery manifest names it).
+        target: the current target identity (the overlay is bound to it).
+        allocation_map, allocations, model_ranges, backend: as for
+            :func:`coldsnap_core.capture.capture_worker`.
+
+    Returns:
+        What was stored: ``qualified`` when the residual and both manifests are byte-identical to
+        the portable capsule's (the capture is discarded), else ``overlay``.
+
+    Raises:
+        OverlayError: the worker differs from the entry's, or the model payload does not (other extent
+            contents: not the same model); nothing is stored.
+        ObserverError: the model ranges are malformed.
+        InsufficientSpaceError, FileAccessError: writing failed (nothing half-written is left).
+    """
+    worker = entry.worker
+    check_model_ranges(model_ranges, allocations)
+    digests = hash_ranges(model_ranges, allocations, backend)
+    layout = PackLayout.plan((d, r.size_bytes) for d, r in zip(digests, model_ranges, strict=True))
+    contents = {(d, r.size_bytes) for d, r in zip(digests, model_ranges, strict=True)}
+    portable_contents = {(e.sha256, e.size_bytes) for e in portable.native.model_extents}
+    if contents != portable_contents or layout.size_bytes != entry.payload.size_bytes:
+        raise OverlayError(
+            f"the loaded model bytes are {len(contents)} distinct contents, the portable capsule's pack"
+            f" {entry.payload.sha256} holds {len(portable_contents)} ({len(contents - portable_contents)} not in it):"
+            " not the same model; no overlay is stored",
+            file=portable.native_manifest_path,
+        )
+    offsets = layout.offsets()
+    extents = tuple(
+        ModelExtent(r.allocation_index, r.offset_bytes, r.size_bytes, offsets[(d, r.size_bytes)], d, r.provenance)
+        for d, r in zip(digests, model_ranges, strict=True)
+    )
+    residual_map = residual_extents(
+        [a.size_bytes for a in allocations], ((r.allocation_index, r.offset_bytes, r.size_bytes) for r in model_ranges)
+    )
+    fingerprint = allocation_map.layout_fingerprint()
+    path = overlay_dir(state_root, artifact_dir, worker, target)
+    created_at = datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat()
+
+    def fill(staging: Path) -> OverlayDescriptor:
+        residual = write_residual(residual_map, allocations, backend, staging / RESIDUAL_FILENAME)
+        native = NativeManifest(
+            capture_point="portable",
+            worker=worker,
+            layout_fingerprint=fingerprint,
+            pack=entry.payload,
+            residual=residual,
+            allocations=allocation_map,
+            model_extents=extents,
+            residual_extents=residual_map,
+        )
+        recovery = RecoveryManifest(
+            worker=worker,
+            layout_fingerprint=fingerprint,
+            model=model,
+            residual=residual,
+            allocations=allocation_map,
+            residual_extents=residual_map,
+        )
+        pins = write_manifests(staging, native, recovery, target)
+        same = {p.name: p for p in pins if p.name != "target.json"} == {
+            p.name: p for p in entry.capsule_files if p.name != "target.json"
+        }
+        kind: OverlayKind = "qualified" if same else "overlay"
+        if same:
+            for child in staging.iterdir():
+                os.unlink(child)
+        descriptor = OverlayDescriptor(
+            kind,
+            os.path.realpath(artifact_dir),
+            descriptor_sha256,
+            worker,
+            entry.payload,
+            target,
+            () if same else pins,
+            created_at,
+        )
+        write_file_durably(staging / OVERLAY_FILENAME, descriptor.dumps(), mode=0o444)
+        return descriptor
+
+    _make_private_dirs(state_root, path.parent)
+    descriptor = replace_dir_atomically(path, fill)
+    os.chmod(path, 0o700)
+    if descriptor.kind == "qualified":
+        logger.info(
+            "coldsnap: %s: the capture on this target is identical to the portable capsule; discarded it and recorded"
+            " this target as qualified (%s)",
+            worker.capsule_name,
+            path,
+        )
+    else:
+        logger.info(
+            "coldsnap: %s: stored a target-local overlay at %s (pack %s stays shared)",
+            worker.capsule_name,
+            path,
+            entry.payload.sha256[:12],
+        )
+    return OverlayCapture(descriptor.kind, path, descriptor)
+
+
+def _make_private_dirs(state_root: Path, folder: Path) -> None:
+    """Create ``folder`` and the folders above it up to ``<state_root>/overlays`` with mode 0700,
+    refusing a symbolic link on the way."""
+    state_root.mkdir(parents=True, exist_ok=True)
+    top = state_root / OVERLAYS_DIRNAME
+    for p in [top, *reversed([p for p in folder.parents if top in p.parents]), folder]:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(p, 0o700)
+        if not stat.S_ISDIR(os.lstat(p).st_mode):
+            raise UnsafePathError("refusing a symbolic link or file where an overlay folder belongs", file=p)
+
+
+# -- listing and gc ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OverlayListing:
+    """One overlay folder of the state root, for ``coldsnap cache ls`` and ``gc``.
+
+    Attributes:
+        path: the overlay folder.
+        status: ``current`` (its portable ``artifact.json`` exists with the bound SHA-256), ``stale``
+            (that descriptor is gone or changed) or ``invalid`` (its ``overlay.json`` is not trusted).
+        reason: why, in words.
+        descriptor: the parsed descriptor (``None`` when invalid).
+        size_bytes: the bytes of its files.
+    """
+
+    path: Path
+    status: Literal["current", "stale", "invalid"]
+    reason: str
+    descriptor: OverlayDescriptor | None
+    size_bytes: int
+
+
+def list_overlays(state_root: Path) -> list[OverlayListing]:
+    """Every overlay folder (``overlays/<artifact>/<target>/<capsule>``) of ``state_root``, sorted by path.
+
+    Raises:
+        UnsafePathError: ``<state_root>/overlays`` is a symbolic link.
+    """
+    top = state_root / OVERLAYS_DIRNAME
+    try:
+        st = os.lstat(top)
+    except FileNotFoundError:
+        return []
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError("refusing a symbolic link or file where the overlays folder belongs", file=top)
+    listings = []
+    for path in sorted(p for p in top.glob("*/*/*") if not p.name.startswith(".")):
+        size = sum(f.lstat().st_size for f in path.iterdir()) if path.is_dir() and not path.is_symlink() else 0
+        try:
+            if not _refuse_linked_folders(state_root, path):
+                continue
+            descriptor = read_private_record(path / OVERLAY_FILENAME, OverlayDescriptor.from_fields)
+        except (ColdsnapError, OSError) as exc:
+            listings.append(OverlayListing(path, "invalid", str(exc), None, size))
+            continue
+        try:
+            now = portable_descriptor_sha256(Path(descriptor.artifact_dir))
+        except ColdsnapError as exc:
+            listings.append(
+                OverlayListing(path, "stale", f"its portable {DESCRIPTOR_FILENAME} is gone ({exc.detail})", descriptor, size)
+            )
+            continue
+        if now != descriptor.portable_descriptor_sha256:
+            listings.append(OverlayListing(path, "stale", f"its portable {DESCRIPTOR_FILENAME} changed", descriptor, size))
+        else:
+            listings.append(OverlayListing(path, "current", "bound to the portable artifact as it is", descriptor, size))
+    return listings
+
+
+def gc_overlays(state_root: Path, *, dry_run: bool = False) -> list[OverlayListing]:
+    """Remove every stale or invalid overlay folder (:func:`list_overlays`), then empty parent folders.
+    Returns what was (or, with ``dry_run``, would be) removed. Current overlays are kept."""
+    removed = [o for o in list_overlays(state_root) if o.status != "current"]
+    if dry_run:
+        return removed
+    for o in removed:
+        shutil.rmtree(o.path, ignore_errors=True)
+        for parent in (o.path.parent, o.path.parent.parent):
+            with contextlib.suppress(OSError):
+                parent.rmdir()  # only when empty
+    return removed
+
+
+__all__ = [
+    "OVERLAYS_DIRNAME",
+    "OVERLAY_FILENAME",
+    "Lookup",
+    "OverlayCapture",
+    "OverlayDescriptor",
+    "OverlayListing",
+    "Selection",
+    "capture_overlay",
+    "find_overlay",
+    "gc_overlays",
+    "list_overlays",
+    "overlay_dir",
+    "portable_descriptor_sha256",
+    "select_capsule",
+]
