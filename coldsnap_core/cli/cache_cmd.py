@@ -16,6 +16,7 @@ from coldsnap_core.cache import DEFAULT_GC_AGE_SECONDS, PayloadCache, refuse_sym
 from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.digests import check_digest
 from coldsnap_core.errors import EXIT_INTEGRITY, ColdsnapError, IntegrityError
+from coldsnap_core.overlay import OverlayListing, gc_overlays, list_overlays
 from coldsnap_core.records import record_state
 
 
@@ -40,7 +41,9 @@ def _ls(args: argparse.Namespace) -> int:
         except ColdsnapError as exc:
             size, state = None, f"unsafe: {exc.detail}"
         objects.append({"digest": digest, "size_bytes": size, "record": state})
+    overlays = [_overlay_json(o) for o in list_overlays(cache.state_root)]
     doc = {
+        "overlays": overlays,
         "state_root": str(cache.state_root),
         "objects": objects,
         "temporaries": [str(p) for p in cache.temporaries()],
@@ -54,11 +57,28 @@ def _ls(args: argparse.Namespace) -> int:
     for o in objects:
         size = "?" if o["size_bytes"] is None else str(o["size_bytes"])
         print(f"{o['digest']}  {size:>14} bytes  {o['record']}")
+    for o in overlays:
+        print(f"overlay {o['path']}  {o['kind'] or '?'}  {o['status']}: {o['reason']}")
     print(
         f"{len(objects)} object(s), {len(doc['temporaries'])} temporary file(s), "
-        f"{len(doc['quarantined'])} quarantined, {len(doc['foreign'])} foreign name(s)"
+        f"{len(doc['quarantined'])} quarantined, {len(doc['foreign'])} foreign name(s), {len(overlays)} overlay(s)"
     )
     return 0
+
+
+def _overlay_json(o: OverlayListing) -> dict[str, object]:
+    d = o.descriptor
+    return {
+        "path": str(o.path),
+        "status": o.status,
+        "reason": o.reason,
+        "kind": d.kind if d else None,
+        "artifact_dir": d.artifact_dir if d else None,
+        "portable_descriptor_sha256": d.portable_descriptor_sha256 if d else None,
+        "worker": d.worker.capsule_name if d else None,
+        "engine": f"{d.target.engine} {d.target.engine_version}" if d else None,
+        "size_bytes": o.size_bytes,
+    }
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -100,9 +120,13 @@ def _gc(args: argparse.Namespace) -> int:
             print(f"{verb} {kind} {path}")
     for path in report.kept_live:
         print(f"kept {path} (writer alive or younger than {args.older_than:g} s)")
+    overlays = gc_overlays(cache.state_root, dry_run=args.dry_run)
+    for o in overlays:
+        print(f"{verb} overlay {o.path} ({o.status}: {o.reason})")
     print(
         f"{verb} {len(report.temporaries)} temporary, {len(report.quarantined)} quarantined, "
-        f"{len(report.orphan_records)} orphan record(s); {report.bytes_freed} bytes",
+        f"{len(report.orphan_records)} orphan record(s), {len(overlays)} stale or invalid overlay(s);"
+        f" {report.bytes_freed + sum(o.size_bytes for o in overlays)} bytes",
         file=sys.stderr,
     )
     return 0
@@ -136,7 +160,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     verify.add_argument("--full", action="store_true", help="hash in full even where a trusted record exists")
     verify.set_defaults(func=_verify)
 
-    gc = sub.add_parser("gc", parents=[state_root], help="remove stale temporaries, quarantined objects, orphan records")
+    gc = sub.add_parser(
+        "gc",
+        parents=[state_root],
+        help="remove stale temporaries, quarantined objects, orphan records, and overlays whose portable artifact.json"
+        " is gone or changed",
+    )
     gc.add_argument(
         "--older-than",
         type=_seconds,

@@ -1,13 +1,23 @@
-"""``coldsnap inspect ARTIFACT [--json]``: what an artifact holds, without reading the payloads."""
+"""``coldsnap inspect ARTIFACT [--json] [--state-root DIR]``: what an artifact holds, without reading the
+payloads, and which capsule a restore on this node would use (``docs/format.md`` §16.4)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 from collections import defaultdict
+from pathlib import Path
 
-from coldsnap_core.cli._targets import resolve
+import torch
+
+from coldsnap_core.artifact import Capsule
+from coldsnap_core.cache import resolve_state_root
+from coldsnap_core.cli._targets import artifact_folder, resolve
+from coldsnap_core.errors import ColdsnapError
+from coldsnap_core.format.descriptor import ArtifactDescriptor
 from coldsnap_core.format.manifest import NativeManifest
+from coldsnap_core.overlay import portable_descriptor_sha256, select_capsule
+from coldsnap_core.target import ENGINE_NONE, collect_target, engine_version
 
 
 def summarize(manifest: NativeManifest) -> dict[str, object]:
@@ -45,6 +55,43 @@ def summarize(manifest: NativeManifest) -> dict[str, object]:
     }
 
 
+def restore_here(artifact_dir: Path, descriptor: ArtifactDescriptor, capsule: Capsule, state_root: Path) -> dict[str, object]:
+    """Which capsule a restore of this worker by its capturing engine (the installed version of it)
+    would use on this node, and why (``docs/format.md`` §16.4): ``capsule`` is ``portable``,
+    ``qualified``, ``overlay`` or ``None`` (not qualified: ``auto`` loads the checkpoint, ``native``
+    refuses)."""
+    recorded = capsule.target
+    if recorded is None:
+        return {"engine": None, "capsule": None, "overlay": None, "reason": "the capsule records no target.json"}
+    device = "cuda" if recorded.device_type == "cuda" and torch.cuda.is_available() else "cpu"
+    version = engine_version(recorded.engine) if recorded.engine != ENGINE_NONE else None
+    current = collect_target(recorded.engine, version, device=device)
+    entry = next(e for e in descriptor.workers if e.worker == capsule.native.worker)
+    try:
+        selection = select_capsule(
+            artifact_dir=artifact_dir,
+            entry=entry,
+            portable=capsule,
+            current=current,
+            state_root=state_root,
+            descriptor_sha256=portable_descriptor_sha256(artifact_dir),
+        )
+    except ColdsnapError as exc:
+        return {"engine": recorded.engine, "capsule": None, "overlay": None, "reason": exc.detail}
+    overlay = str(selection.overlay_path) if selection.overlay_path is not None else None
+    return {"engine": recorded.engine, "capsule": selection.source, "overlay": overlay, "reason": selection.reason}
+
+
+def _restore_line(here: dict[str, object]) -> str:
+    where = {
+        "portable": "portable capsule",
+        "qualified": f"portable capsule, qualified for this target by {here['overlay']}",
+        "overlay": f"overlay {here['overlay']}",
+        None: "checkpoint load (auto) or refusal (native)",
+    }[here["capsule"]]  # type: ignore[index]
+    return f"  restore on this node ({here['engine']}): {where}: {here['reason']}"
+
+
 def _human(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -56,6 +103,11 @@ def _human(n: int) -> str:
 def run(args: argparse.Namespace) -> int:
     descriptor, capsules = resolve(args.artifact)
     summaries = [summarize(c.native) for c in capsules]
+    state_root = resolve_state_root(args.state_root)
+    for summary, capsule in zip(summaries, capsules, strict=True):
+        summary["target"] = capsule.target.to_json() if capsule.target is not None else None
+        if descriptor is not None:
+            summary["restore_on_this_node"] = restore_here(artifact_folder(args.artifact), descriptor, capsule, state_root)
     if args.json:
         doc = {
             "model": descriptor.model.to_json() if descriptor else capsules[0].recovery.model.to_json(),
@@ -82,6 +134,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"  pack: sha256 {pack['sha256']}")
         print(f"        {_human(pack['size_bytes'])}, {pack['stored_extents']} stored extents, path {pack['path']}")
         print(f"  residual blob: {s['residual']['file']} {_human(s['residual']['size_bytes'])} sha256 {s['residual']['sha256']}")
+        target = s["target"]
+        if target is not None:
+            print(
+                f"  target: {target['engine']} {target['engine_version']}, torch {target['torch_version']}"
+                f" (CUDA {target['torch_cuda_version']}), {target['device_type']}"
+                + (f" {target['accelerator_model']}" if target["accelerator_model"] else "")
+                + (f", NVIDIA driver {target['nvidia_driver_version']}" if target["nvidia_driver_version"] else "")
+                + f", host {target['host']}"
+            )
+        if "restore_on_this_node" in s:
+            print(_restore_line(s["restore_on_this_node"]))
         for name, p in s["provenance"].items():
             converted = f", {p['dtype_converted']} dtype-converted" if p["dtype_converted"] else ""
             print(f"  provenance {name}: {p['extents']} extents, {_human(p['bytes'])}{converted}")
@@ -96,4 +159,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("artifact", metavar="ARTIFACT", help="artifact folder, capsule folder or native-manifest.json")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument(
+        "--state-root",
+        default=None,
+        help="the node-local state root whose overlays a restore would use (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)",
+    )
     p.set_defaults(func=run)
