@@ -447,7 +447,7 @@ class CapsulePinMismatchError(ManifestError):
 
 
 class TargetMismatchError(ColdsnapError):
-    """The capsule's residual was captured on another target (``docs/format.md`` §16): a qualifying
+    """The capsule's residual was captured on another target (``docs/format.md`` §15): a qualifying
     field of its ``target.json`` (engine, engine version, torch and its CUDA version, device type,
     accelerator model, NVIDIA driver) differs from the current worker's, and no target-local overlay
     or qualification record of this node covers the current target. The capsule itself is intact;
@@ -468,7 +468,7 @@ class TargetMismatchError(ColdsnapError):
 
 class OverlayError(ArtifactError):
     """A target-local overlay capture does not belong to its portable capsule (``docs/format.md``
-    §16.3): another worker, or model payload objects whose owner, role, size or SHA-256 differ (it is
+    §15.3): another worker, or model payload objects whose owner, role, size or SHA-256 differ (it is
     not the same model). Nothing is stored. Exit code 2, like an inconsistent manifest."""
 
     rule = "overlay"

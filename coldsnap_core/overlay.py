@@ -1,7 +1,7 @@
 """Target-local residual overlays: a node's own capsule for a portable capsule it may not replay.
 
 A portable capsule's residual is replayed only on a target that qualifies (``docs/format.md``
-§16.2). When one does not (an engine or driver upgrade), the loader falls back to the checkpoint load
+§15.2). When one does not (an engine or driver upgrade), the loader falls back to the checkpoint load
 and then captures this worker's residual and manifests for *this* target (:func:`capture_overlay`).
 The model payload objects must be the portable capsule's (same owner, role, size and SHA-256): the
 pack stays shared and is never copied. If the residual and both manifests are also byte-identical
@@ -21,7 +21,7 @@ node-local state root::
 An ordinary restore selects an overlay (:func:`select_capsule`) only on the exact target it is bound
 to and only while the portable ``artifact.json`` is the one it was bound to. Missing, stale or invalid
 overlay metadata falls back to the portable artifact (a WARNING for invalid metadata). Overlays are
-an acceleration cache, never published (``docs/format.md`` §16.3-16.5).
+an acceleration cache, never published (``docs/format.md`` §15.3-16.5).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def portable_descriptor_sha256(artifact_dir: Path) -> str:
 
 @dataclass(frozen=True, slots=True)
 class OverlayDescriptor:
-    """``overlay.json`` (``docs/format.md`` §16.3).
+    """``overlay.json`` (``docs/format.md`` §15.3).
 
     Attributes:
         kind: ``overlay`` (the folder holds this target's capsule) or ``qualified`` (the capture was
@@ -301,7 +301,7 @@ def select_capsule(
     descriptor_sha256: str,
     use_overlays: bool = True,
 ) -> Selection:
-    """Which capsule restores ``entry``'s worker on the target ``current`` (``docs/format.md`` §16.4).
+    """Which capsule restores ``entry``'s worker on the target ``current`` (``docs/format.md`` §15.4).
 
     The portable capsule when its recorded target qualifies; else this node's valid overlay or
     qualification record for exactly ``current`` (never for another engine: a capsule of another
@@ -372,7 +372,7 @@ def capture_overlay(
     backend: CopyBackend,
 ) -> OverlayCapture:
     """Capture this worker's residual and manifests for ``target`` and store them as an overlay of
-    the portable capsule ``portable`` (``docs/format.md`` §16.3).
+    the portable capsule ``portable`` (``docs/format.md`` §15.3).
 
     Call right after a checkpoint load, with the allocations quiescent, and only after the model
     identity was checked against the portable artifact's (the caller's job: the loaders check it the

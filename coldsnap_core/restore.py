@@ -15,7 +15,7 @@ raising a :class:`~coldsnap_core.errors.ColdsnapError` subclass and nothing writ
    engine, engine version, torch and its CUDA version, device type, accelerator model and NVIDIA
    driver equal to the ones ``target.json`` records, else this node's target-local overlay for
    exactly this target): a capsule captured by another engine or another runtime stops here, before
-   its layout is compared (``docs/format.md`` §16);
+   its layout is compared (``docs/format.md`` §15);
 3. the live model's allocations have the captured layout (fingerprint, then every size): a payload
    captured from another architecture, dtype, layer count or tensor parallel size stops here;
 4. the model being loaded is the captured one (:func:`check_model_identity`: a Hugging Face

@@ -25,7 +25,7 @@ COLDSNAP_VERIFY_EXTENTS        ``verify_extents``          ``1``: hash every mod
 COLDSNAP_VERIFY_CHECKPOINT     ``verify_checkpoint``       ``1``: at restore, hash every local checkpoint file
                                                            this node has no checkpoint record of (``0``:
                                                            accept it on its name and size)
-COLDSNAP_OVERLAY               ``overlay``                 target-local overlays (``docs/format.md`` §16):
+COLDSNAP_OVERLAY               ``overlay``                 target-local overlays (``docs/format.md`` §15):
                                                            ``auto``: select this node's overlay for this
                                                            target, and capture one after a fallback caused
                                                            by target qualification; ``capture``: load the

@@ -3,7 +3,7 @@
 A residual blob holds bytes computed by the runtime that captured it (rotary caches, attention
 scales, padding: ``docs/format.md`` §3), so a capsule records its target in ``target.json``
 (:class:`~coldsnap_core.format.target.TargetIdentity`) and restore replays it only on a target whose
-qualifying fields are equal (§16). The pack is never judged here: model bytes are checkpoint bytes,
+qualifying fields are equal (§15). The pack is never judged here: model bytes are checkpoint bytes,
 target independent.
 """
 

@@ -76,7 +76,7 @@ from coldsnap_vllm import state as load_state
 logger = logging.getLogger(__name__)
 
 ENGINE = "vllm"
-"""The engine name recorded in a capsule's ``target.json`` (``docs/format.md`` §16.1)."""
+"""The engine name recorded in a capsule's ``target.json`` (``docs/format.md`` §15.1)."""
 
 LOAD_FORMAT = "coldsnap"
 """The load format name: ``--load-format coldsnap`` / ``LLM(..., load_format="coldsnap")``."""

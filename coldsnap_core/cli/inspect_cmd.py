@@ -1,5 +1,5 @@
 """``coldsnap inspect ARTIFACT [--json] [--state-root DIR]``: what an artifact holds, without reading the
-payloads, and which capsule a restore on this node would use (``docs/format.md`` §16.4)."""
+payloads, and which capsule a restore on this node would use (``docs/format.md`` §15.4)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def summarize(manifest: NativeManifest) -> dict[str, object]:
 
 def restore_here(artifact_dir: Path, descriptor: ArtifactDescriptor, capsule: Capsule, state_root: Path) -> dict[str, object]:
     """Which capsule a restore of this worker by its capturing engine (the installed version of it)
-    would use on this node, and why (``docs/format.md`` §16.4): ``capsule`` is ``portable``,
+    would use on this node, and why (``docs/format.md`` §15.4): ``capsule`` is ``portable``,
     ``qualified``, ``overlay`` or ``None`` (not qualified: ``auto`` loads the checkpoint, ``native``
     refuses)."""
     recorded = capsule.target

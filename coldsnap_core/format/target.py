@@ -4,7 +4,7 @@ A unit capsule holds, besides its manifests and residual blob, ``target.json``: 
 and version), coldsnap, torch (and the CUDA version torch was built with), device type, accelerator
 model and count, NVIDIA driver and host produced the residual. ``artifact.json`` pins it like every
 capsule file. Restore compares the *qualifying* fields (:data:`QUALIFYING_FIELDS`) with the current
-worker's target before any byte is written (``docs/format.md`` §16); the others are informational.
+worker's target before any byte is written (``docs/format.md`` §15); the others are informational.
 
 The values are collected by :func:`coldsnap_core.target.collect_target`.
 """
@@ -32,15 +32,15 @@ QUALIFYING_FIELDS: tuple[str, ...] = (
     "accelerator_model",
     "nvidia_driver_version",
 )
-"""Fields that must be equal for a residual to be replayed (``docs/format.md`` §16.1 says why for each)."""
+"""Fields that must be equal for a residual to be replayed (``docs/format.md`` §15.1 says why for each)."""
 
 INFORMATIONAL_FIELDS: tuple[str, ...] = ("coldsnap_version", "accelerator_count", "host")
-"""Recorded, shown by ``coldsnap inspect``, never compared for replay (``docs/format.md`` §16.1)."""
+"""Recorded, shown by ``coldsnap inspect``, never compared for replay (``docs/format.md`` §15.1)."""
 
 
 @dataclass(frozen=True, slots=True)
 class TargetIdentity:
-    """The runtime one worker ran on (``docs/format.md`` §16.1 gives every field).
+    """The runtime one worker ran on (``docs/format.md`` §15.1 gives every field).
 
     Attributes:
         engine: ``vllm``, ``sglang``, or ``none`` (captured or restored without an engine).

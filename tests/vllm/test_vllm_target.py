@@ -3,7 +3,7 @@
 The loader is vLLM's real ``DefaultModelLoader`` subclass on the real SmolLM2 2-layer checkpoint (the
 ``Consumer`` model of ``test_vllm_loader_unit.py``: three checkpoint parameters and a float32 buffer,
 which lands in the residual). A capsule's ``target.json`` is edited and re-pinned in ``artifact.json``
-the way an artifact captured on another runtime would look (docs/format.md §16).
+the way an artifact captured on another runtime would look (docs/format.md §15).
 """
 
 from __future__ import annotations
