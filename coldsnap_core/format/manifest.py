@@ -148,18 +148,30 @@ class CheckpointFile:
         name: file name relative to the checkpoint folder (``model-00001-of-00003.safetensors``).
         size_bytes: the file's size.
         sha256: SHA-256 (lowercase hex) of the whole file.
+        fingerprint_sha256: the file's content fingerprint (``docs/format.md`` §10.2: SHA-256 over its
+            size, its safetensors header and 32 sampled 128 KiB blocks), or ``None`` when the capture
+            did not record one. Written only when not ``None``.
     """
 
     name: str
     size_bytes: int
     sha256: str
+    fingerprint_sha256: str | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {"name": self.name, "size_bytes": self.size_bytes, "sha256": self.sha256}
+        document: dict[str, object] = {"name": self.name, "size_bytes": self.size_bytes, "sha256": self.sha256}
+        if self.fingerprint_sha256 is not None:
+            document["fingerprint_sha256"] = self.fingerprint_sha256
+        return document
 
     @classmethod
     def from_fields(cls, f: Fields) -> CheckpointFile:
-        entry = cls(name=f.str("name"), size_bytes=f.int("size_bytes"), sha256=f.sha256("sha256"))
+        entry = cls(
+            name=f.str("name"),
+            size_bytes=f.int("size_bytes"),
+            sha256=f.sha256("sha256"),
+            fingerprint_sha256=f.sha256("fingerprint_sha256") if f.has("fingerprint_sha256") else None,
+        )
         f.done()
         problem = checkpoint_name_problem(entry.name)
         if problem is not None:
