@@ -226,9 +226,12 @@ def fingerprint_ranges(size_bytes: int, header_length_bytes: int | None) -> list
     ``i`` in ``0..FINGERPRINT_BLOCK_COUNT - 1`` (the first block starts the data, the last one ends the file).
     """
     header_end = 0
-    if header_length_bytes is not None and header_length_bytes <= _MAX_SAFETENSORS_HEADER_BYTES:
-        if _HEADER_LENGTH_BYTES + header_length_bytes <= size_bytes:
-            header_end = _HEADER_LENGTH_BYTES + header_length_bytes
+    if (
+        header_length_bytes is not None
+        and header_length_bytes <= _MAX_SAFETENSORS_HEADER_BYTES
+        and _HEADER_LENGTH_BYTES + header_length_bytes <= size_bytes
+    ):
+        header_end = _HEADER_LENGTH_BYTES + header_length_bytes
     ranges = [(0, header_end)] if header_end else []
     data_size = size_bytes - header_end
     if data_size <= FINGERPRINT_BLOCK_COUNT * FINGERPRINT_BLOCK_BYTES:

@@ -427,7 +427,7 @@ def test_a_tensor_stored_in_two_shards_with_identical_bytes_loses_its_sharing(
     Fails if a full overwrite by a checkpoint copy is classified residual."""
     from safetensors.torch import load_file, save_file
 
-    single, single_ranges = _load_shards([smollm2_2layer / "model.safetensors"], tmp_path, "single")
+    single, _ = _load_shards([smollm2_2layer / "model.safetensors"], tmp_path, "single")
     embed = "model.embed_tokens.weight"
     tensors = load_file(str(smollm2_2layer / "model.safetensors"))
     shards = tmp_path / "shards"
@@ -449,22 +449,24 @@ def test_a_later_checkpoint_copy_with_other_bytes_wins_with_one_warning(checkpoi
     holds, so they are the model bytes (later provenance, checked against the file), and one WARNING
     names both files and the tensor. Fails if the warning is missing or repeated, or the earlier
     provenance is kept."""
+    from safetensors import safe_open
     from safetensors.torch import save_file
 
     other = tmp_path / "other.safetensors"
     save_file({"o.weight": pattern((8, 8), 9)}, str(other))
     m = torch.nn.Module()
     m.w = _param(8, 8)
-    with caplog.at_level("WARNING", logger="coldsnap_core.observer"):
-        with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
-            m.w.data.copy_(t["o.weight"])
-            header = read_header(other)
-            from safetensors import safe_open
-
-            with safe_open(str(other), framework="pt") as f:
-                later = f.get_tensor("o.weight")
-                assert sources.register(later, header["o.weight"], other.name)
-                m.w.data.copy_(later)
+    header = read_header(other)
+    with (
+        caplog.at_level("WARNING", logger="coldsnap_core.observer"),
+        open_checkpoint(checkpoint) as (sources, t),
+        WriteObserver(sources) as observer,
+        safe_open(str(other), framework="pt") as f,
+    ):
+        m.w.data.copy_(t["o.weight"])
+        later = f.get_tensor("o.weight")
+        assert sources.register(later, header["o.weight"], other.name)
+        m.w.data.copy_(later)
     (r,) = _ranges(m, observer)
     assert (r.offset_bytes, r.size_bytes, r.provenance.checkpoint_file) == (0, 128, other.name)
     assert tensor_bytes(m.w) == file_bytes(other, r.provenance.source_offset_bytes, 128)

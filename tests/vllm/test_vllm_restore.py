@@ -286,7 +286,7 @@ def test_a_different_checkpoint_with_the_same_file_names_and_sizes_is_served_the
         fresh = TinyModel()
         before = fresh.snapshot()
         attempt = WorkerRestore(tmp_path / "artifact", RANK0, LoadedModel.from_config(str(current), None), PayloadCache(state))
-        with pytest.raises(ModelIdentityMismatchError, match="content fingerprint .*no checkpoint record"):
+        with pytest.raises(ModelIdentityMismatchError, match=r"content fingerprint .*no checkpoint record"):
             attempt.run(enumerate_allocations(fresh), HostCopyBackend())
         assert fresh.snapshot() == before and not attempt.pack_unavailable
     # with COLDSNAP_VERIFY_CHECKPOINT=1 the full SHA-256 still decides (and is recorded)
