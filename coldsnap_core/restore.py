@@ -183,7 +183,7 @@ def check_model_identity(
       ``stat``; a file that changed since its record was written is hashed again (one read of that
       file, then recorded); a file without a record is hashed only with ``verify_checkpoint``
       (``COLDSNAP_VERIFY_CHECKPOINT=1``), else compared by its content fingerprint
-      (:func:`~coldsnap_core.model_identity.checkpoint_fingerprint`: header plus 4 MiB sampled; an
+      (:func:`~coldsnap_core.model_identity.checkpoint_fingerprint`: header plus 2 MiB sampled; an
       artifact that recorded none is accepted on name and size). When the engine says
       which files it would read (``loaded.checkpoint_files``), they must be exactly the recorded ones:
       a shard added to the folder (which a plain load would read too) or one the engine would no

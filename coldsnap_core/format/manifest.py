@@ -149,7 +149,7 @@ class CheckpointFile:
         size_bytes: the file's size.
         sha256: SHA-256 (lowercase hex) of the whole file.
         fingerprint_sha256: the file's content fingerprint (``docs/format.md`` §10.2: SHA-256 over its
-            size, its safetensors header and 32 sampled 128 KiB blocks), or ``None`` when the capture
+            size, its safetensors header and 16 sampled 128 KiB blocks), or ``None`` when the capture
             did not record one. Written only when not ``None``.
     """
 
