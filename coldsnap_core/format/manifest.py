@@ -149,8 +149,8 @@ class CheckpointFile:
         size_bytes: the file's size.
         sha256: SHA-256 (lowercase hex) of the whole file.
         fingerprint_sha256: the file's content fingerprint (``docs/format.md`` §10.2: SHA-256 over its
-            size, its safetensors header and 16 sampled 128 KiB blocks), or ``None`` when the capture
-            did not record one. Written only when not ``None``.
+            size, its safetensors header and 16 sampled 128 KiB blocks), or ``None`` (JSON ``null``)
+            when the capture did not compute one (restore then accepts the file on name and size).
     """
 
     name: str
@@ -159,10 +159,12 @@ class CheckpointFile:
     fingerprint_sha256: str | None = None
 
     def to_json(self) -> dict[str, object]:
-        document: dict[str, object] = {"name": self.name, "size_bytes": self.size_bytes, "sha256": self.sha256}
-        if self.fingerprint_sha256 is not None:
-            document["fingerprint_sha256"] = self.fingerprint_sha256
-        return document
+        return {
+            "name": self.name,
+            "size_bytes": self.size_bytes,
+            "sha256": self.sha256,
+            "fingerprint_sha256": self.fingerprint_sha256,
+        }
 
     @classmethod
     def from_fields(cls, f: Fields) -> CheckpointFile:
@@ -170,7 +172,7 @@ class CheckpointFile:
             name=f.str("name"),
             size_bytes=f.int("size_bytes"),
             sha256=f.sha256("sha256"),
-            fingerprint_sha256=f.sha256("fingerprint_sha256") if f.has("fingerprint_sha256") else None,
+            fingerprint_sha256=f.opt_sha256("fingerprint_sha256"),
         )
         f.done()
         problem = checkpoint_name_problem(entry.name)
