@@ -280,6 +280,51 @@ def test_auto_falls_back_with_one_warning(model_config: ModelConfig, tmp_path: P
         make_loader().load_weights(Consumer(), model_config)
 
 
+def test_a_blue_green_flip_to_a_same_shaped_checkpoint_is_refused_or_falls_back(
+    smollm2_2layer: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Reliability defect through vLLM's own loader and ``ModelConfig``: captured from ``current -> A``,
+    then ``current`` flipped to B, another "fine-tune" of A (every tensor changed; the same file names,
+    sizes, header and config) that this node never hashed. ``native`` refuses it by the content
+    fingerprint (rule ``model-identity``); ``auto`` falls back and the model holds B's weights. Main
+    restored A's weights. The engine-level twin is in ``test_vllm_engine.py``."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    blue, green = tmp_path / "blue", tmp_path / "green"
+    shutil.copytree(smollm2_2layer, blue)
+    shutil.copytree(smollm2_2layer, green)
+    weights = green / "model.safetensors"
+    with safe_open(str(weights), framework="pt") as f:
+        metadata = f.metadata()
+    size = weights.stat().st_size
+    save_file({n: (t.float() * 1.5).to(t.dtype) for n, t in load_file(str(weights)).items()}, str(weights), metadata=metadata)
+    assert weights.stat().st_size == size
+    current = tmp_path / "current"
+    current.symlink_to(blue)
+    config = ModelConfig(model=str(current), dtype="bfloat16")
+    monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
+    with set_current_vllm_config(VllmConfig(model_config=config)):
+        captured = Consumer()
+        make_loader().load_weights(captured, config)
+        current.unlink()
+        current.symlink_to(green)  # the flip
+        monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
+        monkeypatch.setenv("COLDSNAP_RESTORE", "native")
+        with pytest.raises(ModelIdentityMismatchError, match="content fingerprint"):
+            make_loader().load_weights(Consumer(), config)
+        monkeypatch.setenv("COLDSNAP_RESTORE", "auto")
+        served = Consumer()
+        make_loader().load_weights(served, config)
+    outcome = last_outcome()
+    assert outcome.kind == "checkpoint" and outcome.fallback.rule == "model-identity"
+    assert served.snapshot()["embed"] != captured.snapshot()["embed"]
+    assert torch.equal(served.embed, load_file(str(weights))["model.embed_tokens.weight"])
+
+
 def test_fallbacks_are_hard_to_see(model_config: ModelConfig, tmp_path: Path, monkeypatch, capsys) -> None:
     """Reliability defect: under ``auto`` a failed restore was one WARNING in the engine's log, so a fleet
     could lose every restore to a fallback unnoticed. Every worker load now appends one JSON line to the
