@@ -434,13 +434,12 @@ def _copy_runs(
                 yield d0 + i * rows_d, s0 + i * rows_s, run, run, run
 
 
-def _bytes_changed(dest: torch.Tensor, before: tuple[int, torch.Tensor], record: ModelRecord) -> bool:
-    """Whether the destination bytes of ``record`` differ now from their copy in ``before``."""
-    hull_lo, saved = before
-    base = dest.untyped_storage().data_ptr()
-    whole = torch.empty(0, dtype=torch.uint8, device=dest.device).set_(dest.untyped_storage())
-    now = whole[record.address - base : record.end - base]
-    return not torch.equal(now, saved[record.address - hull_lo : record.end - hull_lo])
+def _storage_bytes(tensor: torch.Tensor, record: ModelRecord) -> torch.Tensor:
+    """The destination bytes of ``record`` in ``tensor``'s storage, as a ``uint8`` view (any device)."""
+    storage = tensor.untyped_storage()
+    base = storage.data_ptr()
+    whole = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+    return whole[record.address - base : record.end - base]
 
 
 def _hull(tensor: torch.Tensor) -> tuple[int, int] | None:
@@ -482,9 +481,11 @@ class WriteObserver(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         if func is _aten.copy_.default:
-            before = self._previously_copied_bytes(args[0])
+            dest, source = args[0], args[1]
+            records = self._checkpoint_records(dest, source) if isinstance(source, torch.Tensor) else None
+            saved = self._overwritten_bytes(dest, records) if records else []
             result = func(*args, **kwargs)
-            self._on_copy(args[0], args[1], before)
+            self._on_copy(dest, records, saved)
             return result
         result = func(*args, **kwargs)
         for tensor in self._written_tensors(func, args, kwargs):
@@ -522,25 +523,29 @@ class WriteObserver(TorchDispatchMode):
         self.sources.taint(tensor)
         self._records.remove(*hull)
 
-    def _previously_copied_bytes(self, dest: torch.Tensor) -> tuple[int, torch.Tensor] | None:
-        """``(hull start address, a uint8 copy of the hull's bytes)`` of the destination of a
-        ``copy_`` about to run, when an earlier checkpoint copy wrote into that hull (rare: a tensor
-        stored in two shards); else ``None``. Kept to tell whether a full overwrite changed bytes."""
-        hull = _hull(dest)
-        if hull is None or self._copied.uncovered(*hull) == [hull]:
-            return None
-        base = dest.untyped_storage().data_ptr()
-        whole = torch.empty(0, dtype=torch.uint8, device=dest.device).set_(dest.untyped_storage())
-        return hull[0], whole[hull[0] - base : hull[1] - base].clone()
+    def _overwritten_bytes(self, dest: torch.Tensor, records: list[ModelRecord]) -> list[tuple[ModelRecord, torch.Tensor]]:
+        """Before a checkpoint ``copy_`` runs: each earlier record it will fully overwrite, with a
+        ``uint8`` copy of that record's destination bytes (to tell afterwards whether the bytes
+        changed). Empty unless an earlier checkpoint copy wrote into the range (rare: a tensor name
+        stored in two shards), so a plain load copies nothing here."""
+        saved = []
+        for record in records:
+            lo, hi = record.address, record.end
+            fresh = self._copied.uncovered(lo, hi)
+            if fresh == [(lo, hi)]:
+                continue
+            for earlier in self._records.fully_overwritten(lo, hi, hi - lo - sum(b - a for a, b in fresh)) or ():
+                saved.append((earlier, _storage_bytes(dest, earlier).clone()))
+        return saved
 
-    def _on_copy(self, dest: torch.Tensor, source: object, before: tuple[int, torch.Tensor] | None = None) -> None:
-        records = self._checkpoint_records(dest, source) if isinstance(source, torch.Tensor) else None
+    def _on_copy(
+        self, dest: torch.Tensor, records: list[ModelRecord] | None, saved: list[tuple[ModelRecord, torch.Tensor]]
+    ) -> None:
         if records is None:
             self._on_write(dest)
             return
         self.sources.taint(dest)
         self.checkpoint_copies += 1
-        changed: list[ModelRecord] = []
         for record in records:
             lo, hi = record.address, record.end
             fresh = self._copied.uncovered(lo, hi)
@@ -550,12 +555,12 @@ class WriteObserver(TorchDispatchMode):
                 # Every byte earlier copies wrote here is replaced by this copy: the destination
                 # holds exactly this source, so the whole range is model bytes of this record.
                 self._records.add(record)
-                changed += [r for r in overwritten if before is not None and _bytes_changed(dest, before, r)]
             else:
                 for a, b in fresh:
                     for piece in record.slice(a - lo, b - lo):
                         self._records.add(piece)
             self._copied.add(lo, hi)
+        changed = [earlier for earlier, before in saved if not torch.equal(_storage_bytes(dest, earlier), before)]
         if changed:
             earlier = sorted({f"{r.source.tensor_name} of {r.source.checkpoint_file}" for r in changed})
             later = records[0].source
