@@ -31,6 +31,9 @@ COLDSNAP_OVERLAY               ``overlay``                 target-local overlays
                                                            by target qualification; ``capture``: load the
                                                            checkpoint and capture one now (an operator's
                                                            explicit command); ``off``: neither (``auto``)
+COLDSNAP_OUTCOME_LOG           ``outcome_log``             the load outcome log each worker load appends one
+                                                           JSON line to (``<state-root>/load-outcomes.jsonl``;
+                                                           ``docs/format.md`` §10.3)
 COLDSNAP_INNER_LOAD_FORMAT     ``inner_load_format``       the vLLM load format whose I/O the loader keeps
                                                            (``instanttensor`` on CUDA, ``safetensors``
                                                            elsewhere)
@@ -97,6 +100,7 @@ KEYS: dict[str, str | None] = {
     "verify_checkpoint": "COLDSNAP_VERIFY_CHECKPOINT",
     "inner_load_format": "COLDSNAP_INNER_LOAD_FORMAT",
     "overlay": "COLDSNAP_OVERLAY",
+    "outcome_log": "COLDSNAP_OUTCOME_LOG",
     "converted_copies": None,
 }
 
@@ -116,6 +120,8 @@ class ColdsnapSettings:
         inner_load_format: the vLLM load format to keep, or ``None`` for the platform default.
         converted_copies: ``residual`` or ``model``.
         overlay: ``auto``, ``capture`` or ``off`` (target-local overlays).
+        outcome_log: the load outcome log (absolute), or ``None`` for
+            ``<state_root>/load-outcomes.jsonl`` (:attr:`outcome_log_path`).
     """
 
     export_model_payload: bool = False
@@ -128,6 +134,12 @@ class ColdsnapSettings:
     inner_load_format: str | None = None
     converted_copies: ConvertedCopies = "residual"
     overlay: OverlayMode = "auto"
+    outcome_log: Path | None = None
+
+    @property
+    def outcome_log_path(self) -> Path:
+        """Where this loader appends its load outcome lines (``docs/format.md`` §10.3)."""
+        return self.outcome_log if self.outcome_log is not None else self.state_root / "load-outcomes.jsonl"
 
     @classmethod
     def resolve(
@@ -220,6 +232,7 @@ class ColdsnapSettings:
             inner_load_format=inner_format,
             converted_copies=choice("converted_copies", CONVERTED_COPIES, "residual"),  # type: ignore[arg-type]
             overlay=choice("overlay", OVERLAY_MODES, "auto"),  # type: ignore[arg-type]
+            outcome_log=path("outcome_log"),
         )
         if settings.artifact_dir is None and settings.export_model_payload:
             raise ConfigurationError(
