@@ -146,6 +146,8 @@ def main(spec_path: str, result_path: str) -> int:
             "pack": outcome.capture.manifest.pack.sha256 if outcome.capture else None,
             "capture_seconds": outcome.capture.seconds if outcome.capture else None,
             "materialized": None,
+            "capsule_source": outcome.capsule_source,
+            "overlay": None if outcome.overlay is None else outcome.overlay.kind,
         }
         if outcome.materialization is not None:
             outcome.materialization.wait(300)

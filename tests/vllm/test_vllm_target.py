@@ -382,3 +382,13 @@ def test_explicit_overlay_capture(exported, model_config, tmp_path: Path, monkey
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
     with pytest.raises(ConfigurationError, match="COLDSNAP_OVERLAY=capture"):
         make_loader()
+
+
+def test_publish_native_never_uploads_overlays(overlaid, tmp_path: Path) -> None:
+    """Catches an overlay (a target-local acceleration cache) reaching a payload store: publishing the
+    artifact while this node holds an overlay uploads the one pack object and nothing else."""
+    artifact, state, _ = overlaid
+    store = tmp_path / "store"
+    assert coldsnap_main(["publish-native", str(artifact), "--repo", str(store), "--state-root", str(state)]) == 0
+    uploaded = sorted(str(p.relative_to(store)) for p in store.rglob("*") if p.is_file())
+    assert uploaded == [f"model-payloads/sha256/{_pack_objects(state)[0]}"]

