@@ -24,7 +24,7 @@ COLDSNAP_MATERIALIZE           ``materialize``             after a recovery load
 COLDSNAP_VERIFY_EXTENTS        ``verify_extents``          ``1``: hash every model extent while hydrating (``0``)
 COLDSNAP_VERIFY_CHECKPOINT     ``verify_checkpoint``       ``1``: at restore, hash every local checkpoint file
                                                            this node has no checkpoint record of (``0``:
-                                                           accept it on its name and size)
+                                                           compare its content fingerprint instead)
 COLDSNAP_OUTCOME_LOG           ``outcome_log``             the load outcome log each worker load appends one
                                                            JSON line to (``<state-root>/load-outcomes.jsonl``;
                                                            ``docs/format.md`` §10.3)
