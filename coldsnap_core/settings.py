@@ -28,9 +28,9 @@ COLDSNAP_VERIFY_CHECKPOINT     ``verify_checkpoint``       ``1``: at restore, ha
 COLDSNAP_INNER_LOAD_FORMAT     ``inner_load_format``       the vLLM load format whose I/O the loader keeps
                                                            (``instanttensor`` on CUDA, ``safetensors``
                                                            elsewhere)
-(none)                         ``converted_copies``        ``residual`` (default) or ``model``: whether a
+(none)                         ``converted_copies``        ``model`` (default) or ``residual``: whether a
                                                            dtype-converting checkpoint copy is a model extent
-                                                           (with ``dtype_converted: true``)
+                                                           (with ``dtype_converted: true``) or residual
 =============================  ==========================  ==================================================
 
 An extra-config key wins over its environment variable. Values are read leniently in form only: choices
@@ -105,7 +105,7 @@ class ColdsnapSettings:
         verify_extents: hash every model extent while hydrating.
         verify_checkpoint: at restore, hash local checkpoint files without a checkpoint record.
         inner_load_format: the vLLM load format to keep, or ``None`` for the platform default.
-        converted_copies: ``residual`` or ``model``.
+        converted_copies: ``model`` (converted copies are model extents) or ``residual``.
     """
 
     export_model_payload: bool = False
@@ -116,7 +116,7 @@ class ColdsnapSettings:
     verify_extents: bool = False
     verify_checkpoint: bool = False
     inner_load_format: str | None = None
-    converted_copies: ConvertedCopies = "residual"
+    converted_copies: ConvertedCopies = "model"
 
     @classmethod
     def resolve(
@@ -207,7 +207,7 @@ class ColdsnapSettings:
             verify_extents=flag("verify_extents"),
             verify_checkpoint=flag("verify_checkpoint"),
             inner_load_format=inner_format,
-            converted_copies=choice("converted_copies", CONVERTED_COPIES, "residual"),  # type: ignore[arg-type]
+            converted_copies=choice("converted_copies", CONVERTED_COPIES, "model"),  # type: ignore[arg-type]
         )
         if settings.artifact_dir is None and settings.export_model_payload:
             raise ConfigurationError(
