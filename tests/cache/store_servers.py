@@ -16,6 +16,9 @@ child process (another "node") needs to reach the same store through ``--repo``.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ from typing import Any
 from coldsnap_core.digests import pack_relpath
 from coldsnap_core.stores.base import PayloadStore
 
+REPO = Path(__file__).resolve().parent.parent.parent
 STORE_KINDS = ("folder", "hf", "s3")
 HF_REPO = "coldsnap-test/payloads"
 S3_ENV = {
@@ -130,3 +134,35 @@ def make_store(kind: str, tmp_path: Path, *, hub: Any = None, s3_endpoint: str |
     spec = f"s3://{bucket}/fleet/a"
     store = S3PayloadStore.from_url(spec, client=client, part_size_bytes=part_size_bytes)
     return StoreUnderTest(kind, store, spec, {**S3_ENV, "AWS_ENDPOINT_URL": s3_endpoint}, client, bucket)
+
+
+def node_command(start_file: Path, *cli_args: str) -> list[str]:
+    """A child process (another "node") that waits for ``start_file`` to exist, then runs ``coldsnap
+    CLI_ARGS...`` in-process and exits with its code (all nodes start together)."""
+    return [sys.executable, str(Path(__file__).resolve()), str(start_file), *cli_args]
+
+
+def run_nodes(commands: list[list[str]], env: dict[str, str], start_file: Path, *, timeout_seconds: float = 120.0):
+    """Start every command, release them at once, and return ``[(returncode, stdout, stderr)]``."""
+    child_env = {**os.environ, **env}
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env, cwd=REPO)
+        for cmd in commands
+    ]
+    time.sleep(0.2)
+    start_file.touch()
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout_seconds)
+        results.append((proc.returncode, out, err))
+    return results
+
+
+if __name__ == "__main__":
+    start = Path(sys.argv[1])
+    from coldsnap_core.cli.main import main  # imported before the wait: the nodes race on the store, not on imports
+
+    deadline = time.monotonic() + 60
+    while not start.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sys.exit(main(sys.argv[2:]))

@@ -9,7 +9,9 @@ it catches. The objects are always at ``model-payloads/sha256/<digest>.pack`` (u
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
+import threading
 
 import pytest
 from cache_support import eligible_objects, sha256_of
@@ -169,3 +171,27 @@ def test_cli_progress_is_quiet_off_a_terminal_and_drawn_on_one(any_store, captur
     monkeypatch.setattr("sys.stderr", terminal)
     assert main([*args, "--state-root", str(tmp_path / "drawn")]) == 0
     assert f"stage {captured_once.pack.sha256[:12]}" in terminal.getvalue()
+
+
+def test_two_uploads_of_one_digest_at_once_create_it_once(any_store, captured_once) -> None:
+    """Two clients call ``upload`` for the same digest at the same moment (both past their ``has`` check,
+    as two publishing nodes can be): neither fails and the store ends with one object. Where the store has
+    a conditional create (folder: no-replace ``link``; S3: ``If-None-Match: *``) exactly one call creates
+    it (returns True), the other keeps it (False) and S3 keeps one object version. Fails if the create is
+    unconditional (both return True, S3 writes a second version) or the loser raises."""
+    pack = captured_once.pack
+    clients = [any_store.new_store(), any_store.new_store()]
+    barrier = threading.Barrier(2)
+
+    def upload(store):
+        barrier.wait()
+        return store.upload(captured_once.pack_path, pack.sha256, pack.size_bytes)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        created = sorted(pool.map(upload, clients))
+    assert any_store.objects() == [f"{pack.sha256}.pack"] and any_store.leftovers() == []
+    if any_store.kind == "hf":  # no conditional create on the Hub: both commit the same LFS object
+        assert created == [True, True]
+    else:
+        assert created == [False, True]
+        assert any_store.writes(pack.sha256) == 1
