@@ -86,7 +86,7 @@ def local_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 def s3_server():
     """``moto`` in server mode on 127.0.0.1 (a thread of this process, real HTTP), for the session.
 
-    S3's 5 MiB minimum part size is lowered to 256 KiB so the 2.3 MB test pack takes the multipart path
+    S3's 5 MiB minimum part size is lowered to 256 KiB so the 1.3 MB test pack takes the multipart path
     with 1 MiB parts (moto reads the minimum from ``moto.s3.models.S3_UPLOAD_PART_MIN_SIZE``)."""
     import logging
 

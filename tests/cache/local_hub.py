@@ -74,6 +74,7 @@ class LocalHub:
         self.lfs_uploads = 0
         self.commits = 0
         self.created: list[tuple[str, str, bool]] = []  # (type, repo_id, private)
+        self.refuse_commits: int | None = None  # an HTTP status every commit gets (403: a read-only token)
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
@@ -216,6 +217,9 @@ def _handler(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
             if found is None:
                 return
             repo, _sha, tree = found
+            if action in ("preupload", "commit") and hub.refuse_commits:
+                self._error(hub.refuse_commits, "Forbidden", f"You don't have the rights to write to {repo_id}")
+                return
             if action == "preupload":
                 files = json.loads(body)["files"]
                 self._json(200, {"files": [{"path": f["path"], "uploadMode": "lfs", "shouldIgnore": False} for f in files]})
@@ -282,6 +286,9 @@ def _handler(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             path = self.path.split("?")[0]
             m = re.fullmatch(r"/api/(models|datasets)/([^/]+/[^/]+)(?:/(tree|revision)/([^/]+))?(/.*)?", path)
+            if m and m.group(5):  # e.g. /xet-write-token/main: this Hub offers no Xet
+                self._error(404, "NotFound", f"no route GET {path}")
+                return
             if m:
                 repo_type, repo_id, kind, revision = _TYPES[m.group(1)], m.group(2), m.group(3), m.group(4)
                 found = self._repo(repo_type, repo_id, revision)
