@@ -343,3 +343,13 @@ def _handler(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
             self._send(status, data, headers)
 
     return Handler
+
+
+if __name__ == "__main__":  # python tests/cache/local_hub.py ROOT: serve until killed, print the URL (benchmarks)
+    import sys
+    import time
+
+    with LocalHub(Path(sys.argv[1])) as running:
+        print(running.url, flush=True)
+        while True:
+            time.sleep(3600)
