@@ -174,8 +174,9 @@ class S3PayloadStore:
 
     def _head(self, digest: str) -> dict[str, Any] | None:
         """``HeadObject`` with checksums, or ``None`` when the object does not exist."""
+        client = self.client  # outside the try: a missing boto3 is a ConfigurationError, not a store failure
         try:
-            return self.client.head_object(Bucket=self.bucket, Key=self.key(digest), ChecksumMode="ENABLED")
+            return client.head_object(Bucket=self.bucket, Key=self.key(digest), ChecksumMode="ENABLED")
         except Exception as exc:
             if _error_code(exc) in _NOT_FOUND_CODES:
                 return None
@@ -316,6 +317,7 @@ class S3PayloadStore:
         actual = os.path.getsize(path)
         if actual != size_bytes:
             raise PackSizeMismatchError(f"the file to upload is {actual} bytes, expected {size_bytes}", file=path)
+        self.client  # noqa: B018 (made here: a missing boto3 is a ConfigurationError, not a store failure)
         if self._create(path, digest, size_bytes, progress, {"IfNoneMatch": "*"}):
             logger.info("coldsnap: uploaded %s to %s", digest, self.name)
             return True

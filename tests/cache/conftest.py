@@ -96,12 +96,31 @@ def s3_server():
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     minimum = moto.s3.models.S3_UPLOAD_PART_MIN_SIZE
     moto.s3.models.S3_UPLOAD_PART_MIN_SIZE = 256 << 10
+    # S3 evaluates a conditional write atomically; moto 5.2's threaded server checks If-None-Match and then
+    # writes, unlocked (S3Response.put_object, _key_response_post), so two racing creates could both win.
+    # One lock around those two handlers gives the tests S3's semantics.
+    import threading
+
+    import moto.s3.responses
+
+    write_lock = threading.Lock()
+    originals = {}
+    for name in ("put_object", "_key_response_post"):
+        original = originals[name] = getattr(moto.s3.responses.S3Response, name)
+
+        def locked(self, *args, _original=original, **kwargs):
+            with write_lock:
+                return _original(self, *args, **kwargs)
+
+        setattr(moto.s3.responses.S3Response, name, locked)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
     server.stop()
     moto.s3.models.S3_UPLOAD_PART_MIN_SIZE = minimum
+    for name, original in originals.items():
+        setattr(moto.s3.responses.S3Response, name, original)
 
 
 @pytest.fixture

@@ -104,3 +104,14 @@ def test_multipart_upload_sends_each_part_with_its_sha256(s3_env, captured) -> N
     assert parts == expected and len(parts) >= 2
     assert completes[0]["IfNoneMatch"] == "*"
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+def test_without_boto3_the_store_names_the_extra(monkeypatch) -> None:
+    """An ``s3://`` store without boto3 installed: parsing works, the first request raises
+    ConfigurationError naming ``coldsnap[s3]`` (not an ImportError traceback)."""
+    import sys
+
+    store = parse_store_spec("s3://payloads/x")
+    monkeypatch.setitem(sys.modules, "boto3", None)
+    with pytest.raises(ConfigurationError, match=r"coldsnap\[s3\]"):
+        store.has("a" * 64)
