@@ -24,7 +24,7 @@ COLDSNAP_MATERIALIZE           ``materialize``             after a recovery load
 COLDSNAP_VERIFY_EXTENTS        ``verify_extents``          ``1``: hash every model extent while hydrating (``0``)
 COLDSNAP_VERIFY_CHECKPOINT     ``verify_checkpoint``       ``1``: at restore, hash every local checkpoint file
                                                            this node has no checkpoint record of (``0``:
-                                                           accept it on its name and size)
+                                                           compare its content fingerprint instead)
 COLDSNAP_OVERLAY               ``overlay``                 target-local overlays (``docs/format.md`` §15):
                                                            ``auto``: select this node's overlay for this
                                                            target, and capture one after a fallback caused
@@ -37,9 +37,9 @@ COLDSNAP_OUTCOME_LOG           ``outcome_log``             the load outcome log 
 COLDSNAP_INNER_LOAD_FORMAT     ``inner_load_format``       the vLLM load format whose I/O the loader keeps
                                                            (``instanttensor`` on CUDA, ``safetensors``
                                                            elsewhere)
-(none)                         ``converted_copies``        ``residual`` (default) or ``model``: whether a
+(none)                         ``converted_copies``        ``model`` (default) or ``residual``: whether a
                                                            dtype-converting checkpoint copy is a model extent
-                                                           (with ``dtype_converted: true``)
+                                                           (with ``dtype_converted: true``) or residual
 =============================  ==========================  ==================================================
 
 An extra-config key wins over its environment variable. Values are read leniently in form only: choices
@@ -118,7 +118,7 @@ class ColdsnapSettings:
         verify_extents: hash every model extent while hydrating.
         verify_checkpoint: at restore, hash local checkpoint files without a checkpoint record.
         inner_load_format: the vLLM load format to keep, or ``None`` for the platform default.
-        converted_copies: ``residual`` or ``model``.
+        converted_copies: ``model`` (converted copies are model extents, the default) or ``residual``.
         overlay: ``auto``, ``capture`` or ``off`` (target-local overlays).
         outcome_log: the load outcome log (absolute), or ``None`` for
             ``<state_root>/load-outcomes.jsonl`` (:attr:`outcome_log_path`).
@@ -132,7 +132,7 @@ class ColdsnapSettings:
     verify_extents: bool = False
     verify_checkpoint: bool = False
     inner_load_format: str | None = None
-    converted_copies: ConvertedCopies = "residual"
+    converted_copies: ConvertedCopies = "model"
     overlay: OverlayMode = "auto"
     outcome_log: Path | None = None
 
@@ -230,7 +230,7 @@ class ColdsnapSettings:
             verify_extents=flag("verify_extents"),
             verify_checkpoint=flag("verify_checkpoint"),
             inner_load_format=inner_format,
-            converted_copies=choice("converted_copies", CONVERTED_COPIES, "residual"),  # type: ignore[arg-type]
+            converted_copies=choice("converted_copies", CONVERTED_COPIES, "model"),  # type: ignore[arg-type]
             overlay=choice("overlay", OVERLAY_MODES, "auto"),  # type: ignore[arg-type]
             outcome_log=path("outcome_log"),
         )
