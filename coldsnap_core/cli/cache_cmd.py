@@ -17,6 +17,7 @@ from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.digests import check_digest
 from coldsnap_core.errors import EXIT_INTEGRITY, ColdsnapError, IntegrityError
 from coldsnap_core.records import record_state
+from coldsnap_core.sleep_capsules import list_sleep_capsules, sweep_sleep_capsules
 
 
 def _seconds(text: str) -> float:
@@ -46,6 +47,9 @@ def _ls(args: argparse.Namespace) -> int:
         "temporaries": [str(p) for p in cache.temporaries()],
         "quarantined": [str(p) for p in cache.quarantined()],
         "foreign": cache.foreign_names(),
+        "sleep_capsules": [
+            {"path": str(e.path), "owner": e.owner, "size_bytes": e.size_bytes} for e in list_sleep_capsules(cache.state_root)
+        ],
     }
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
@@ -54,9 +58,13 @@ def _ls(args: argparse.Namespace) -> int:
     for o in objects:
         size = "?" if o["size_bytes"] is None else str(o["size_bytes"])
         print(f"{o['digest']}  {size:>14} bytes  {o['record']}")
+    for c in doc["sleep_capsules"]:
+        note = "process alive" if c["owner"] == "alive" else "process gone; coldsnap cache gc removes it"
+        print(f"sleep capsule {c['path']}  {c['size_bytes']:>14} bytes  {note}")
     print(
         f"{len(objects)} object(s), {len(doc['temporaries'])} temporary file(s), "
-        f"{len(doc['quarantined'])} quarantined, {len(doc['foreign'])} foreign name(s)"
+        f"{len(doc['quarantined'])} quarantined, {len(doc['foreign'])} foreign name(s), "
+        f"{len(doc['sleep_capsules'])} sleep capsule(s)"
     )
     return 0
 
@@ -91,6 +99,9 @@ def _gc(args: argparse.Namespace) -> int:
     cache = PayloadCache(args.state_root)
     report = cache.gc(older_than_seconds=args.older_than, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
+    sleep_capsules = sweep_sleep_capsules(cache.state_root, dry_run=args.dry_run)
+    for entry in sleep_capsules:
+        print(f"{verb} sleep capsule {entry.path} (its process is gone)")
     for kind, paths in (
         ("temporary", report.temporaries),
         ("quarantined", report.quarantined),
@@ -102,7 +113,8 @@ def _gc(args: argparse.Namespace) -> int:
         print(f"kept {path} (writer alive or younger than {args.older_than:g} s)")
     print(
         f"{verb} {len(report.temporaries)} temporary, {len(report.quarantined)} quarantined, "
-        f"{len(report.orphan_records)} orphan record(s); {report.bytes_freed} bytes",
+        f"{len(report.orphan_records)} orphan record(s), {len(sleep_capsules)} sleep capsule(s); "
+        f"{report.bytes_freed + sum(e.size_bytes for e in sleep_capsules)} bytes",
         file=sys.stderr,
     )
     return 0
@@ -113,7 +125,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "cache",
         help="list, verify and clean the node-local payload cache",
         description="Look after <state-root>/model-payloads: list objects and their validation records, verify them, "
-        "remove stale temporary files, quarantined objects and orphan records.",
+        "remove stale temporary files, quarantined objects, orphan records and the sleep capsules of processes that are gone.",
     )
     sub = p.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
     state_root = argparse.ArgumentParser(add_help=False)
