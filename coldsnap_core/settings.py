@@ -25,6 +25,10 @@ COLDSNAP_VERIFY_EXTENTS        ``verify_extents``          ``1``: hash every mod
 COLDSNAP_VERIFY_CHECKPOINT     ``verify_checkpoint``       ``1``: at restore, hash every local checkpoint file
                                                            this node has no checkpoint record of (``0``:
                                                            accept it on its name and size)
+COLDSNAP_LOCK_TIMEOUT          ``lock_timeout``            seconds to wait for a pack's lock held by another
+                                                           process (``600``); restore then fails with
+                                                           ``LockTimeoutError`` (``auto`` falls back), a
+                                                           writer proceeds without the lock
 COLDSNAP_INNER_LOAD_FORMAT     ``inner_load_format``       the vLLM load format whose I/O the loader keeps
                                                            (``instanttensor`` on CUDA, ``safetensors``
                                                            elsewhere)
@@ -52,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from coldsnap_core.cache import DEFAULT_STATE_ROOT
+from coldsnap_core.cache import DEFAULT_STATE_ROOT, LOCK_TIMEOUT_SECONDS, lock_timeout_from_env
 from coldsnap_core.errors import ConfigurationError
 from coldsnap_core.materialize import MATERIALIZE_MODES, MaterializeMode
 
@@ -88,6 +92,7 @@ KEYS: dict[str, str | None] = {
     "verify_extents": "COLDSNAP_VERIFY_EXTENTS",
     "verify_checkpoint": "COLDSNAP_VERIFY_CHECKPOINT",
     "inner_load_format": "COLDSNAP_INNER_LOAD_FORMAT",
+    "lock_timeout": "COLDSNAP_LOCK_TIMEOUT",
     "converted_copies": None,
 }
 
@@ -106,6 +111,7 @@ class ColdsnapSettings:
         verify_checkpoint: at restore, hash local checkpoint files without a checkpoint record.
         inner_load_format: the vLLM load format to keep, or ``None`` for the platform default.
         converted_copies: ``residual`` or ``model``.
+        lock_timeout_s: seconds to wait for a pack's lock (:meth:`coldsnap_core.cache.PayloadCache.lock`).
     """
 
     export_model_payload: bool = False
@@ -117,6 +123,7 @@ class ColdsnapSettings:
     verify_checkpoint: bool = False
     inner_load_format: str | None = None
     converted_copies: ConvertedCopies = "residual"
+    lock_timeout_s: float = LOCK_TIMEOUT_SECONDS
 
     @classmethod
     def resolve(
@@ -208,6 +215,9 @@ class ColdsnapSettings:
             verify_checkpoint=flag("verify_checkpoint"),
             inner_load_format=inner_format,
             converted_copies=choice("converted_copies", CONVERTED_COPIES, "residual"),  # type: ignore[arg-type]
+            lock_timeout_s=lock_timeout_from_env(value=raw["lock_timeout"][1], where=raw["lock_timeout"][0])
+            if "lock_timeout" in raw
+            else LOCK_TIMEOUT_SECONDS,
         )
         if settings.artifact_dir is None and settings.export_model_payload:
             raise ConfigurationError(

@@ -47,6 +47,14 @@ def _ls(args: argparse.Namespace) -> int:
         "temporaries": [str(p) for p in cache.temporaries()],
         "quarantined": [str(p) for p in cache.quarantined()],
         "foreign": cache.foreign_names(),
+        "debris": [
+            *({"path": str(p), "kind": "temporary", "owner": "gone"} for p in cache.abandoned_temporaries()),
+            *(
+                {"path": str(e.path), "kind": "sleep-capsule", "owner": "gone"}
+                for e in list_sleep_capsules(cache.state_root)
+                if e.owner == "gone"
+            ),
+        ],
         "sleep_capsules": [
             {"path": str(e.path), "owner": e.owner, "size_bytes": e.size_bytes} for e in list_sleep_capsules(cache.state_root)
         ],
@@ -58,6 +66,9 @@ def _ls(args: argparse.Namespace) -> int:
     for o in objects:
         size = "?" if o["size_bytes"] is None else str(o["size_bytes"])
         print(f"{o['digest']}  {size:>14} bytes  {o['record']}")
+    for d in doc["debris"]:
+        if d["kind"] == "temporary":
+            print(f"debris {d['path']}  temporary file whose writer is gone; the next writer or coldsnap cache gc removes it")
     for c in doc["sleep_capsules"]:
         note = "process alive" if c["owner"] == "alive" else "process gone; coldsnap cache gc removes it"
         print(f"sleep capsule {c['path']}  {c['size_bytes']:>14} bytes  {note}")
