@@ -29,6 +29,9 @@ COLDSNAP_LOCK_TIMEOUT          ``lock_timeout``            seconds to wait for a
                                                            process (``600``); restore then fails with
                                                            ``LockTimeoutError`` (``auto`` falls back), a
                                                            writer proceeds without the lock
+COLDSNAP_OUTCOME_LOG           ``outcome_log``             the load outcome log each worker load appends one
+                                                           JSON line to (``<state-root>/load-outcomes.jsonl``;
+                                                           ``docs/format.md`` §10.3)
 COLDSNAP_INNER_LOAD_FORMAT     ``inner_load_format``       the vLLM load format whose I/O the loader keeps
                                                            (``instanttensor`` on CUDA, ``safetensors``
                                                            elsewhere)
@@ -93,6 +96,7 @@ KEYS: dict[str, str | None] = {
     "verify_checkpoint": "COLDSNAP_VERIFY_CHECKPOINT",
     "inner_load_format": "COLDSNAP_INNER_LOAD_FORMAT",
     "lock_timeout": "COLDSNAP_LOCK_TIMEOUT",
+    "outcome_log": "COLDSNAP_OUTCOME_LOG",
     "converted_copies": None,
 }
 
@@ -112,6 +116,8 @@ class ColdsnapSettings:
         inner_load_format: the vLLM load format to keep, or ``None`` for the platform default.
         converted_copies: ``residual`` or ``model``.
         lock_timeout_s: seconds to wait for a pack's lock (:meth:`coldsnap_core.cache.PayloadCache.lock`).
+        outcome_log: the load outcome log (absolute), or ``None`` for
+            ``<state_root>/load-outcomes.jsonl`` (:attr:`outcome_log_path`).
     """
 
     export_model_payload: bool = False
@@ -124,6 +130,12 @@ class ColdsnapSettings:
     inner_load_format: str | None = None
     converted_copies: ConvertedCopies = "residual"
     lock_timeout_s: float = LOCK_TIMEOUT_SECONDS
+    outcome_log: Path | None = None
+
+    @property
+    def outcome_log_path(self) -> Path:
+        """Where this loader appends its load outcome lines (``docs/format.md`` §10.3)."""
+        return self.outcome_log if self.outcome_log is not None else self.state_root / "load-outcomes.jsonl"
 
     @classmethod
     def resolve(
@@ -218,6 +230,7 @@ class ColdsnapSettings:
             lock_timeout_s=lock_timeout_from_env(value=raw["lock_timeout"][1], where=raw["lock_timeout"][0])
             if "lock_timeout" in raw
             else LOCK_TIMEOUT_SECONDS,
+            outcome_log=path("outcome_log"),
         )
         if settings.artifact_dir is None and settings.export_model_payload:
             raise ConfigurationError(

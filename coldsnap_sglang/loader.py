@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Iterable
 
 import torch
@@ -34,6 +35,7 @@ from coldsnap_core.copy.select import copy_backend_for
 from coldsnap_core.errors import ColdsnapError, EngineVersionError, ModelIdentityMismatchError
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.model_identity import model_config_sha256
+from coldsnap_core.outcomes import LoadOutcomeLine, Outcome, append_outcome
 from coldsnap_core.restore import LoadedModel, WorkerRestore, engine_checkpoint_files
 from coldsnap_core.torch_allocations import enumerate_allocations
 from coldsnap_sglang.settings import resolve_sglang_settings
@@ -82,11 +84,28 @@ class ColdsnapModelLoader(DefaultModelLoader):
         return super().load_model(model_config=model_config, device_config=device_config, **kwargs)
 
     def load_weights_and_postprocess(self, model: torch.nn.Module, weights: Iterable, target_device: torch.device):  # type: ignore[override]
-        """Hydrate from the artifact when possible, then SGLang's post-processing; else the normal load."""
-        source = self._loaded_model(model) if self.coldsnap_settings.artifact_dir is not None else None
-        if restore_into(model, self.coldsnap_settings, worker_identity(self.load_config), source):
-            return DefaultModelLoader.load_weights_and_postprocess(model, iter(()), target_device)
-        return DefaultModelLoader.load_weights_and_postprocess(model, weights, target_device)
+        """Hydrate from the artifact when possible, then SGLang's post-processing; else the normal load.
+
+        Appends one line to the load outcome log (:mod:`coldsnap_core.outcomes`): restored, fell back,
+        refused (``native``; the error is raised) or checkpoint (no artifact folder)."""
+        started = time.perf_counter()
+        settings = self.coldsnap_settings
+        worker = worker_identity(self.load_config)
+        source = self._loaded_model(model) if settings.artifact_dir is not None else None
+        failures: list[ColdsnapError] = []
+        try:
+            restored = restore_into(model, settings, worker, source, failures=failures)
+        except ColdsnapError as exc:
+            _log_outcome(settings, "refused", worker, time.perf_counter() - started, exc)
+            raise
+        if restored:
+            result = DefaultModelLoader.load_weights_and_postprocess(model, iter(()), target_device)
+            _log_outcome(settings, "restored", worker, time.perf_counter() - started)
+            return result
+        result = DefaultModelLoader.load_weights_and_postprocess(model, weights, target_device)
+        kind = "checkpoint" if settings.artifact_dir is None else "fell-back"
+        _log_outcome(settings, kind, worker, time.perf_counter() - started, failures[0] if failures else None)
+        return result
 
     def _loaded_model(self, model: torch.nn.Module) -> LoadedModel | None:
         """What SGLang is loading, for the model identity check: a repository id is pinned by the commit
@@ -124,8 +143,30 @@ def engine_config_sha256(model_config) -> str | None:
     )
 
 
-def restore_into(model: torch.nn.Module, settings, worker: WorkerIdentity, source: LoadedModel | None) -> bool:
-    """Restore ``model`` from the artifact; ``True`` when restored, ``False`` to load the checkpoint.
+def _log_outcome(settings, outcome: Outcome, worker: WorkerIdentity, seconds: float, error: ColdsnapError | None = None) -> None:
+    append_outcome(
+        settings.outcome_log_path,
+        LoadOutcomeLine(
+            outcome,
+            "sglang",
+            worker.capsule_name,
+            None if settings.artifact_dir is None else str(settings.artifact_dir),
+            seconds,
+            error=error,
+        ),
+    )
+
+
+def restore_into(
+    model: torch.nn.Module,
+    settings,
+    worker: WorkerIdentity,
+    source: LoadedModel | None,
+    *,
+    failures: list[ColdsnapError] | None = None,
+) -> bool:
+    """Restore ``model`` from the artifact; ``True`` when restored, ``False`` to load the checkpoint
+    (under ``auto`` the error that made it fall back is appended to ``failures``).
 
     ``source`` is ``None`` when the loader does not know the model being loaded (called outside
     ``load_model``): that fails the identity check (rule ``model-identity``) like any other mismatch.
@@ -156,6 +197,8 @@ def restore_into(model: torch.nn.Module, settings, worker: WorkerIdentity, sourc
     except ColdsnapError as exc:
         if settings.restore == "native":
             raise
+        if failures is not None:
+            failures.append(exc)
         logger.warning(
             "coldsnap: could not restore %s from %s; loading the checkpoint instead (COLDSNAP_RESTORE=auto): %s",
             worker.capsule_name,
