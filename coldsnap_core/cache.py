@@ -32,8 +32,11 @@ Internal logic worth knowing (``DESIGN.md``, "The node-local cache and the verif
   :class:`~coldsnap_core.errors.CacheError` or :class:`~coldsnap_core.errors.FileAccessError`, so a
   loader's ``auto`` mode can fall back.
 * **Locks prevent duplicate work only.** One ``filelock`` lock per digest makes same-host writers
-  converge on one object; it is re-entrant per thread. If it cannot be had within the timeout, the
-  caller proceeds without it (with a WARNING): correctness never depends on it, because every
+  converge on one object; it is re-entrant per thread. A wait longer than a few seconds is logged at
+  INFO with the lock and its holder; the wait is bounded by ``COLDSNAP_LOCK_TIMEOUT``. A reader
+  (admission, staging) that times out raises :class:`~coldsnap_core.errors.LockTimeoutError`, so a
+  hung holder is seen and ``auto`` falls back. A writer that times out proceeds without the lock
+  (with a WARNING): correctness never depends on it, because every
   writer uses a process-unique temporary name (huggingface_hub PR #4306), hashes before the rename,
   and the rename is atomic. The tests prove this with ``flock`` patched into a no-op (the Lustre case).
 * **Writer liveness.** A writer holds ``flock`` on its own temporary file for its whole life; the
@@ -431,7 +434,7 @@ class PayloadCache:
         except OSError as exc:
             raise _os_error("cannot create a temporary file", exc, path) from exc
         try:
-            sweep_dead_partials(self.tmp_dir, path, fd)
+            sweep_dead_partials(self.tmp_dir, path)  # the caller's own flock on path is what the probe needs
             yield fd, path
         finally:
             with contextlib.suppress(OSError):
@@ -784,7 +787,7 @@ def _flock_works(path: Path) -> bool:
     return False
 
 
-def sweep_dead_partials(tmp_dir: Path, own_path: Path, own_fd: int) -> list[Path]:
+def sweep_dead_partials(tmp_dir: Path, own_path: Path) -> list[Path]:
     """Remove every ``*.partial`` in ``tmp_dir`` whose writer is gone (its ``flock`` is free) and that
     was last modified more than :data:`SWEEP_GRACE_SECONDS` ago, with its ``.partial.d`` download
     folder; called by each new writer, which holds ``own_path`` locked.
@@ -794,7 +797,6 @@ def sweep_dead_partials(tmp_dir: Path, own_path: Path, own_fd: int) -> list[Path
     ``coldsnap cache gc``'s age threshold is the only safe rule. Best effort: failures are ignored.
     Returns the removed paths.
     """
-    del own_fd  # held by the caller for the whole check: it is what the probe relies on
     if not _flock_works(own_path):
         return []
     removed = []

@@ -136,7 +136,7 @@ class LocalFolderStore:
         except OSError as exc:
             raise StoreError(f"cannot create a temporary file in the store: {exc.strerror or exc}", file=temp) from exc
         try:
-            sweep_dead_partials(tmp_dir, temp, fd)  # uploads killed earlier (their flock is free)
+            sweep_dead_partials(tmp_dir, temp)  # uploads killed earlier (their flock is free)
             copy_file(path, fd, size_bytes, target=temp, progress=progress)
             fsync_fd(fd, file=temp)
             verify_pack_file(temp, PackRef.for_digest(digest, size_bytes))
