@@ -24,7 +24,7 @@ COLDSNAP_MATERIALIZE           ``materialize``             after a recovery load
 COLDSNAP_VERIFY_EXTENTS        ``verify_extents``          ``1``: hash every model extent while hydrating (``0``)
 COLDSNAP_VERIFY_CHECKPOINT     ``verify_checkpoint``       ``1``: at restore, hash every local checkpoint file
                                                            this node has no checkpoint record of (``0``:
-                                                           accept it on its name and size)
+                                                           compare its content fingerprint instead)
 COLDSNAP_LOCK_TIMEOUT          ``lock_timeout``            seconds to wait for a pack's lock held by another
                                                            process (``600``); restore then fails with
                                                            ``LockTimeoutError`` (``auto`` falls back), a
@@ -35,9 +35,9 @@ COLDSNAP_OUTCOME_LOG           ``outcome_log``             the load outcome log 
 COLDSNAP_INNER_LOAD_FORMAT     ``inner_load_format``       the vLLM load format whose I/O the loader keeps
                                                            (``instanttensor`` on CUDA, ``safetensors``
                                                            elsewhere)
-(none)                         ``converted_copies``        ``residual`` (default) or ``model``: whether a
+(none)                         ``converted_copies``        ``model`` (default) or ``residual``: whether a
                                                            dtype-converting checkpoint copy is a model extent
-                                                           (with ``dtype_converted: true``)
+                                                           (with ``dtype_converted: true``) or residual
 =============================  ==========================  ==================================================
 
 An extra-config key wins over its environment variable. Values are read leniently in form only: choices
@@ -114,7 +114,7 @@ class ColdsnapSettings:
         verify_extents: hash every model extent while hydrating.
         verify_checkpoint: at restore, hash local checkpoint files without a checkpoint record.
         inner_load_format: the vLLM load format to keep, or ``None`` for the platform default.
-        converted_copies: ``residual`` or ``model``.
+        converted_copies: ``model`` (converted copies are model extents, the default) or ``residual``.
         lock_timeout_s: seconds to wait for a pack's lock (:meth:`coldsnap_core.cache.PayloadCache.lock`).
         outcome_log: the load outcome log (absolute), or ``None`` for
             ``<state_root>/load-outcomes.jsonl`` (:attr:`outcome_log_path`).
@@ -128,7 +128,7 @@ class ColdsnapSettings:
     verify_extents: bool = False
     verify_checkpoint: bool = False
     inner_load_format: str | None = None
-    converted_copies: ConvertedCopies = "residual"
+    converted_copies: ConvertedCopies = "model"
     lock_timeout_s: float = LOCK_TIMEOUT_SECONDS
     outcome_log: Path | None = None
 
@@ -226,7 +226,7 @@ class ColdsnapSettings:
             verify_extents=flag("verify_extents"),
             verify_checkpoint=flag("verify_checkpoint"),
             inner_load_format=inner_format,
-            converted_copies=choice("converted_copies", CONVERTED_COPIES, "residual"),  # type: ignore[arg-type]
+            converted_copies=choice("converted_copies", CONVERTED_COPIES, "model"),  # type: ignore[arg-type]
             lock_timeout_s=lock_timeout_from_env(value=raw["lock_timeout"][1], where=raw["lock_timeout"][0])
             if "lock_timeout" in raw
             else LOCK_TIMEOUT_SECONDS,
