@@ -31,6 +31,10 @@ COLDSNAP_OVERLAY               ``overlay``                 target-local overlays
                                                            by target qualification; ``capture``: load the
                                                            checkpoint and capture one now (an operator's
                                                            explicit command); ``off``: neither (``auto``)
+COLDSNAP_LOCK_TIMEOUT          ``lock_timeout``            seconds to wait for a pack's lock held by another
+                                                           process (``600``); restore then fails with
+                                                           ``LockTimeoutError`` (``auto`` falls back), a
+                                                           writer proceeds without the lock
 COLDSNAP_OUTCOME_LOG           ``outcome_log``             the load outcome log each worker load appends one
                                                            JSON line to (``<state-root>/load-outcomes.jsonl``;
                                                            ``docs/format.md`` §10.3)
@@ -61,7 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from coldsnap_core.cache import DEFAULT_STATE_ROOT
+from coldsnap_core.cache import DEFAULT_STATE_ROOT, LOCK_TIMEOUT_SECONDS, lock_timeout_from_env
 from coldsnap_core.errors import ConfigurationError
 from coldsnap_core.materialize import MATERIALIZE_MODES, MaterializeMode
 
@@ -100,6 +104,7 @@ KEYS: dict[str, str | None] = {
     "verify_checkpoint": "COLDSNAP_VERIFY_CHECKPOINT",
     "inner_load_format": "COLDSNAP_INNER_LOAD_FORMAT",
     "overlay": "COLDSNAP_OVERLAY",
+    "lock_timeout": "COLDSNAP_LOCK_TIMEOUT",
     "outcome_log": "COLDSNAP_OUTCOME_LOG",
     "converted_copies": None,
 }
@@ -120,6 +125,7 @@ class ColdsnapSettings:
         inner_load_format: the vLLM load format to keep, or ``None`` for the platform default.
         converted_copies: ``model`` (converted copies are model extents, the default) or ``residual``.
         overlay: ``auto``, ``capture`` or ``off`` (target-local overlays).
+        lock_timeout_s: seconds to wait for a pack's lock (:meth:`coldsnap_core.cache.PayloadCache.lock`).
         outcome_log: the load outcome log (absolute), or ``None`` for
             ``<state_root>/load-outcomes.jsonl`` (:attr:`outcome_log_path`).
     """
@@ -134,6 +140,7 @@ class ColdsnapSettings:
     inner_load_format: str | None = None
     converted_copies: ConvertedCopies = "model"
     overlay: OverlayMode = "auto"
+    lock_timeout_s: float = LOCK_TIMEOUT_SECONDS
     outcome_log: Path | None = None
 
     @property
@@ -232,6 +239,9 @@ class ColdsnapSettings:
             inner_load_format=inner_format,
             converted_copies=choice("converted_copies", CONVERTED_COPIES, "model"),  # type: ignore[arg-type]
             overlay=choice("overlay", OVERLAY_MODES, "auto"),  # type: ignore[arg-type]
+            lock_timeout_s=lock_timeout_from_env(value=raw["lock_timeout"][1], where=raw["lock_timeout"][0])
+            if "lock_timeout" in raw
+            else LOCK_TIMEOUT_SECONDS,
             outcome_log=path("outcome_log"),
         )
         if settings.artifact_dir is None and settings.export_model_payload:

@@ -23,6 +23,7 @@ from coldsnap_core.digests import check_digest
 from coldsnap_core.errors import EXIT_INTEGRITY, ColdsnapError, IntegrityError
 from coldsnap_core.overlay import OverlayListing, gc_overlays, list_overlays
 from coldsnap_core.records import read_trusted_record, record_state
+from coldsnap_core.sleep_capsules import list_sleep_capsules, sweep_sleep_capsules
 
 
 def _seconds(text: str) -> float:
@@ -77,6 +78,17 @@ def _ls(args: argparse.Namespace) -> int:
         "temporaries": [str(p) for p in cache.temporaries()],
         "quarantined": [str(p) for p in cache.quarantined()],
         "foreign": cache.foreign_names(),
+        "debris": [
+            *({"path": str(p), "kind": "temporary", "owner": "gone"} for p in cache.abandoned_temporaries()),
+            *(
+                {"path": str(e.path), "kind": "sleep-capsule", "owner": "gone"}
+                for e in list_sleep_capsules(cache.state_root)
+                if e.owner == "gone"
+            ),
+        ],
+        "sleep_capsules": [
+            {"path": str(e.path), "owner": e.owner, "size_bytes": e.size_bytes} for e in list_sleep_capsules(cache.state_root)
+        ],
     }
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
@@ -90,9 +102,16 @@ def _ls(args: argparse.Namespace) -> int:
         print(f"{o['digest']}  {size:>14} bytes  {o['record']}{verified}")
     for o in overlays:
         print(f"overlay {o['path']}  {o['kind'] or '?'}  {o['status']}: {o['reason']}")
+    for d in doc["debris"]:
+        if d["kind"] == "temporary":
+            print(f"debris {d['path']}  temporary file whose writer is gone; the next writer or coldsnap cache gc removes it")
+    for c in doc["sleep_capsules"]:
+        note = "process alive" if c["owner"] == "alive" else "process gone; coldsnap cache gc removes it"
+        print(f"sleep capsule {c['path']}  {c['size_bytes']:>14} bytes  {note}")
     print(
         f"{len(objects)} object(s), {len(doc['temporaries'])} temporary file(s), "
-        f"{len(doc['quarantined'])} quarantined, {len(doc['foreign'])} foreign name(s), {len(overlays)} overlay(s)"
+        f"{len(doc['quarantined'])} quarantined, {len(doc['foreign'])} foreign name(s), "
+        f"{len(doc['sleep_capsules'])} sleep capsule(s), {len(overlays)} overlay(s)"
     )
     return 0
 
@@ -142,6 +161,9 @@ def _gc(args: argparse.Namespace) -> int:
     cache = PayloadCache(args.state_root)
     report = cache.gc(older_than_seconds=args.older_than, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
+    sleep_capsules = sweep_sleep_capsules(cache.state_root, dry_run=args.dry_run)
+    for entry in sleep_capsules:
+        print(f"{verb} sleep capsule {entry.path} (its process is gone)")
     for kind, paths in (
         ("temporary", report.temporaries),
         ("quarantined", report.quarantined),
@@ -156,8 +178,8 @@ def _gc(args: argparse.Namespace) -> int:
         print(f"{verb} overlay {o.path} ({o.status}: {o.reason})")
     print(
         f"{verb} {len(report.temporaries)} temporary, {len(report.quarantined)} quarantined, "
-        f"{len(report.orphan_records)} orphan record(s), {len(overlays)} stale or invalid overlay(s);"
-        f" {report.bytes_freed + sum(o.size_bytes for o in overlays)} bytes",
+        f"{len(report.orphan_records)} orphan record(s), {len(sleep_capsules)} sleep capsule(s), {len(overlays)} stale or"
+        f" invalid overlay(s); {report.bytes_freed + sum(e.size_bytes for e in sleep_capsules) + sum(o.size_bytes for o in overlays)} bytes",
         file=sys.stderr,
     )
     return 0
@@ -168,7 +190,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "cache",
         help="list, verify and clean the node-local payload cache",
         description="Look after <state-root>/model-payloads: list objects and their validation records, verify them, "
-        "remove stale temporary files, quarantined objects and orphan records.",
+        "remove stale temporary files, quarantined objects, orphan records and the sleep capsules of processes that are gone.",
     )
     sub = p.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
     state_root = argparse.ArgumentParser(add_help=False)
