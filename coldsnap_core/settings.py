@@ -28,6 +28,12 @@ COLDSNAP_VERIFY_CHECKPOINT     ``verify_checkpoint``       ``1``: at restore, ha
 COLDSNAP_INNER_LOAD_FORMAT     ``inner_load_format``       the vLLM load format whose I/O the loader keeps
                                                            (``instanttensor`` on CUDA, ``safetensors``
                                                            elsewhere)
+COLDSNAP_PAYLOAD_DIR           ``payload_dir``             a folder payload store packs are fetched from when
+                                                           the node-local cache lacks them (none)
+COLDSNAP_PAYLOAD_REPO          ``payload_repo``            a Hugging Face payload store ``org/name[@revision]``
+                                                           (or a path: a folder store); not with
+                                                           ``payload_dir`` (none)
+COLDSNAP_PAYLOAD_REPO_TYPE     ``payload_repo_type``       ``model`` or ``dataset`` (``model``)
 (none)                         ``converted_copies``        ``residual`` (default) or ``model``: whether a
                                                            dtype-converting checkpoint copy is a model extent
                                                            (with ``dtype_converted: true``)
@@ -40,8 +46,12 @@ config), paths are trimmed, ``~``-expanded and made absolute. Anything else is a
 :class:`~coldsnap_core.errors.ConfigurationError` naming the variable or key and the value.
 
 These keys are removed from the extra config before the engine's default loader sees it (it rejects keys
-it does not know, ``reference/vllm.md`` section 1.3). Nothing here names a pack: a pack's path is always
-derived from its SHA-256.
+it does not know: vLLM ``DefaultModelLoader.__init__`` raises on unexpected extra-config keys). Nothing here
+names a pack: a pack's path is always derived from its SHA-256.
+
+This module is the one place that reads ``COLDSNAP_*`` variables (the cache's state root, the payload store
+and the sleep backend's extent verification included) and it imports no implementation module, so every
+layer can use it.
 """
 
 from __future__ import annotations
@@ -50,12 +60,19 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
-from coldsnap_core.cache import DEFAULT_STATE_ROOT
 from coldsnap_core.errors import ConfigurationError
-from coldsnap_core.materialize import MATERIALIZE_MODES, MaterializeMode
 
+STATE_ROOT_ENV = "COLDSNAP_STATE_ROOT"
+DEFAULT_STATE_ROOT = Path("~/.cache/coldsnap")
+PAYLOAD_DIR_ENV = "COLDSNAP_PAYLOAD_DIR"
+PAYLOAD_REPO_ENV = "COLDSNAP_PAYLOAD_REPO"
+PAYLOAD_REPO_TYPE_ENV = "COLDSNAP_PAYLOAD_REPO_TYPE"
+MATERIALIZE_ENV = "COLDSNAP_MATERIALIZE"
+
+MaterializeMode = Literal["async", "required", "off"]
+MATERIALIZE_MODES: tuple[str, ...] = get_args(MaterializeMode)
 RestoreMode = Literal["auto", "native"]
 ConvertedCopies = Literal["residual", "model"]
 
@@ -88,8 +105,96 @@ KEYS: dict[str, str | None] = {
     "verify_extents": "COLDSNAP_VERIFY_EXTENTS",
     "verify_checkpoint": "COLDSNAP_VERIFY_CHECKPOINT",
     "inner_load_format": "COLDSNAP_INNER_LOAD_FORMAT",
+    "payload_dir": PAYLOAD_DIR_ENV,
+    "payload_repo": PAYLOAD_REPO_ENV,
+    "payload_repo_type": PAYLOAD_REPO_TYPE_ENV,
     "converted_copies": None,
 }
+
+
+def parse_flag(where: str, value: object) -> bool:
+    """A boolean setting, spelled as every coldsnap boolean is: ``1``/``0``, ``true``/``false``,
+    ``yes``/``no``, ``on``/``off`` (case-insensitive, trimmed; empty is ``False``), or a JSON
+    ``true``/``false``/``1``/``0`` from an extra config.
+
+    Raises:
+        ConfigurationError: anything else, naming ``where`` and the value.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):  # JSON extra config: {"export_model_payload": 1}
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ConfigurationError(f"{where}={value!r} is not a boolean; use 1 or 0")
+
+
+def env_flag(variable: str, environ: Mapping[str, str] | None = None) -> bool:
+    """The boolean environment variable ``variable`` (unset: ``False``), spelled as :func:`parse_flag` accepts.
+
+    Raises:
+        ConfigurationError: the value is not a boolean (names the variable).
+    """
+    environ = os.environ if environ is None else environ
+    return parse_flag(variable, environ[variable]) if variable in environ else False
+
+
+def resolve_state_root(explicit: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None) -> Path:
+    """The state root: ``explicit``, else ``$COLDSNAP_STATE_ROOT``, else ``~/.cache/coldsnap``.
+
+    An empty (or all-blank) value counts as not given, for the argument and the variable alike, so
+    ``--state-root ""`` and ``COLDSNAP_STATE_ROOT=`` both mean the default, never the current folder
+    (as :meth:`ColdsnapSettings.resolve` reads ``COLDSNAP_STATE_ROOT``).
+    """
+    environ = os.environ if environ is None else environ
+    chosen: str | os.PathLike[str] | None = explicit
+    if chosen is None or not str(chosen).strip():
+        chosen = environ.get(STATE_ROOT_ENV, "")
+    if not str(chosen).strip():
+        chosen = DEFAULT_STATE_ROOT
+    return Path(chosen).expanduser().absolute()
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSettings:
+    """Where packs come from when the node-local cache lacks them (see :mod:`coldsnap_core.stores`).
+
+    Attributes:
+        payload_dir: a folder store (``COLDSNAP_PAYLOAD_DIR``), as given but trimmed, or ``None``.
+        payload_repo: a Hugging Face repository ``org/name[@revision]``, or a path (a folder store)
+            (``COLDSNAP_PAYLOAD_REPO``), trimmed, or ``None``.
+        repo_type: ``COLDSNAP_PAYLOAD_REPO_TYPE`` (``model`` when unset or empty), trimmed.
+    """
+
+    payload_dir: str | None = None
+    payload_repo: str | None = None
+    repo_type: str = "model"
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> StoreSettings:
+        """The store settings of the environment alone (the CLI, and callers without an engine).
+
+        Raises:
+            ConfigurationError: both a folder and a repository are set (names both variables).
+        """
+        env = os.environ if environ is None else environ
+        return cls._checked(
+            env.get(PAYLOAD_DIR_ENV, ""), env.get(PAYLOAD_REPO_ENV, ""), env.get(PAYLOAD_REPO_TYPE_ENV, ""), PAYLOAD_DIR_ENV
+        )
+
+    @classmethod
+    def _checked(
+        cls, directory: str, repo: str, repo_type: str, dir_where: str, repo_where: str = PAYLOAD_REPO_ENV
+    ) -> StoreSettings:
+        directory, repo = directory.strip(), repo.strip()
+        if directory and repo:
+            raise ConfigurationError(f"set only one of {dir_where} ({directory!r}) and {repo_where} ({repo!r})")
+        return cls(directory or None, repo or None, repo_type.strip() or "model")
+
+    @property
+    def configured(self) -> bool:
+        """Whether a store is configured at all."""
+        return self.payload_dir is not None or self.payload_repo is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +211,7 @@ class ColdsnapSettings:
         verify_checkpoint: at restore, hash local checkpoint files without a checkpoint record.
         inner_load_format: the vLLM load format to keep, or ``None`` for the platform default.
         converted_copies: ``residual`` or ``model``.
+        store: the payload store settings (``COLDSNAP_PAYLOAD_DIR`` / ``COLDSNAP_PAYLOAD_REPO``).
     """
 
     export_model_payload: bool = False
@@ -117,6 +223,7 @@ class ColdsnapSettings:
     verify_checkpoint: bool = False
     inner_load_format: str | None = None
     converted_copies: ConvertedCopies = "residual"
+    store: StoreSettings = StoreSettings()
 
     @classmethod
     def resolve(
@@ -166,14 +273,14 @@ class ColdsnapSettings:
         def flag(key: str) -> bool:
             if key not in raw:
                 return False
-            where, value = raw[key]
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, int) and value in (0, 1):  # JSON extra config: {"export_model_payload": 1}
-                return bool(value)
-            if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-                return value.strip().lower() in _TRUE
-            raise ConfigurationError(f"{where}={value!r} is not a boolean; use 1 or 0")
+            return parse_flag(*raw[key])
+
+        def store() -> StoreSettings:
+            found = {key: text(key) for key in ("payload_dir", "payload_repo", "payload_repo_type")}
+            directory, repo, repo_type = (("", "") if f is None else f for f in found.values())
+            return StoreSettings._checked(
+                directory[1], repo[1], repo_type[1], directory[0] or PAYLOAD_DIR_ENV, repo[0] or PAYLOAD_REPO_ENV
+            )
 
         def choice(key: str, allowed: tuple[str, ...], default: str) -> str:
             found = text(key)
@@ -208,6 +315,7 @@ class ColdsnapSettings:
             verify_checkpoint=flag("verify_checkpoint"),
             inner_load_format=inner_format,
             converted_copies=choice("converted_copies", CONVERTED_COPIES, "residual"),  # type: ignore[arg-type]
+            store=store(),
         )
         if settings.artifact_dir is None and settings.export_model_payload:
             raise ConfigurationError(

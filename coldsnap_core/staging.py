@@ -39,7 +39,6 @@ from coldsnap_core.errors import (
 )
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WorkerEntry
 from coldsnap_core.format.manifest import PackRef, WorkerIdentity
-from coldsnap_core.records import admit_locked
 from coldsnap_core.stores.base import PayloadStore
 from coldsnap_core.verify import verify_pack_file
 
@@ -109,7 +108,7 @@ def stage_payload(
         )
     with cache.lock(digest):
         try:
-            return admit_locked(cache, digest, pack.size_bytes, progress=progress)
+            return cache.admit_locked(digest, pack.size_bytes, progress=progress)
         except (MissingObjectError, IntegrityError):
             pass  # absent, or corrupt and now quarantined: fetch it
         return _fetch(pack, cache, store, progress)

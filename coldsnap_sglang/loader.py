@@ -4,7 +4,7 @@ the checkpoint, then runs SGLang's own post-processing.
 SGLang's ``DefaultModelLoader.load_model`` builds the model, then calls
 ``self.load_weights_and_postprocess(model, weights, target_device)`` (``reference/sglang.md``
 section 2; an instance override is honoured, SGLang's own tests rely on it). This loader overrides it:
-when ``COLDSNAP_ARTIFACT_DIR`` lists this worker, :class:`coldsnap_core.restore.WorkerRestore` checks
+when ``COLDSNAP_ARTIFACT_DIR`` lists this worker, :func:`coldsnap_core.restore.restore_or_fall_back` checks
 the layout and the model identity (checkpoint files and the digest of SGLang's model configuration,
 :func:`engine_config_sha256`; for a local folder, the files SGLang's own ``_prepare_weights`` would
 read now, which must be exactly the recorded ones), stages this worker's pack only, verifies and
@@ -29,13 +29,10 @@ import torch
 from sglang.srt.configs.load_config import LoadFormat
 from sglang.srt.model_loader.loader import DefaultModelLoader
 
-from coldsnap_core.cache import PayloadCache
-from coldsnap_core.copy.select import copy_backend_for
-from coldsnap_core.errors import ColdsnapError, EngineVersionError, ModelIdentityMismatchError
+from coldsnap_core.errors import EngineVersionError
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.model_identity import model_config_sha256
-from coldsnap_core.restore import LoadedModel, WorkerRestore, engine_checkpoint_files
-from coldsnap_core.torch_allocations import enumerate_allocations
+from coldsnap_core.restore import LoadedModel, engine_checkpoint_files, restore_or_fall_back
 from coldsnap_sglang.settings import resolve_sglang_settings
 
 logger = logging.getLogger(__name__)
@@ -127,47 +124,23 @@ def engine_config_sha256(model_config) -> str | None:
 def restore_into(model: torch.nn.Module, settings, worker: WorkerIdentity, source: LoadedModel | None) -> bool:
     """Restore ``model`` from the artifact; ``True`` when restored, ``False`` to load the checkpoint.
 
-    ``source`` is ``None`` when the loader does not know the model being loaded (called outside
-    ``load_model``): that fails the identity check (rule ``model-identity``) like any other mismatch.
+    The ``COLDSNAP_RESTORE`` policy is :func:`coldsnap_core.restore.restore_or_fall_back`'s. ``source``
+    is ``None`` when the loader does not know the model being loaded (called outside ``load_model``,
+    which records the model configuration): that fails the identity check (rule ``model-identity``)
+    like any other mismatch.
 
     Raises:
         ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed (the verifier's error).
     """
-    if settings.artifact_dir is None:
+    result = restore_or_fall_back(model, settings, worker, source, engine="SGLang", log=logger)
+    if not result.restored:
         return False
-    try:
-        if source is None:
-            raise ModelIdentityMismatchError(
-                "the loader cannot tell which model SGLang is loading (load_weights_and_postprocess was called on"
-                " the loader outside its load_model, which records the model configuration), so its identity cannot"
-                " be checked against the artifact",
-                file=settings.artifact_dir,
-            )
-        attempt = WorkerRestore(
-            settings.artifact_dir,
-            worker,
-            source,
-            PayloadCache(settings.state_root),
-            verify_extents=settings.verify_extents,
-            verify_checkpoint=settings.verify_checkpoint,
-        )
-        allocations = enumerate_allocations(model)
-        report = attempt.run(allocations, copy_backend_for(allocations.device))
-    except ColdsnapError as exc:
-        if settings.restore == "native":
-            raise
-        logger.warning(
-            "coldsnap: could not restore %s from %s; loading the checkpoint instead (COLDSNAP_RESTORE=auto): %s",
-            worker.capsule_name,
-            settings.artifact_dir,
-            exc,
-        )
-        return False
+    assert result.attempt is not None and result.attempt.capsule is not None and result.report is not None
     logger.info(
         "coldsnap: restored %s from pack %s (%d model bytes, %d residual bytes; no checkpoint read)",
         worker.capsule_name,
-        attempt.capsule.native.pack.sha256[:12] if attempt.capsule else "?",
-        report.model_bytes,
-        report.residual_bytes,
+        result.attempt.capsule.native.pack.sha256[:12],
+        result.report.model_bytes,
+        result.report.residual_bytes,
     )
     return True

@@ -11,7 +11,7 @@ unknown keys). ``vllm_config.load_config.load_format`` stays ``coldsnap``, which
 ``load_weights(model, model_config)`` (vLLM calls it after building the model and before
 ``process_weights_after_loading``):
 
-* **restore** (an artifact folder is set, export is off): :class:`coldsnap_core.restore.WorkerRestore`
+* **restore** (an artifact folder is set, export is off): :func:`coldsnap_core.restore.restore_or_fall_back`
   stages this worker's pack, verifies it and hydrates the model's parameter and buffer storages;
   no checkpoint byte is read. On any coldsnap error ``COLDSNAP_RESTORE=auto`` logs one WARNING with
   the error and falls through to the checkpoint load; ``native`` raises it.
@@ -62,9 +62,16 @@ from coldsnap_core.errors import ColdsnapError, ObserverError
 from coldsnap_core.format.manifest import ModelIdentity, NativeManifest, PackRef, WorkerIdentity
 from coldsnap_core.hydrate import HydrationReport
 from coldsnap_core.materialize import MaterializationHandle, materialize_payload
-from coldsnap_core.model_identity import CheckpointRecords, identify_checkpoint, model_config_sha256, resolve_hub_commit
+from coldsnap_core.model_identity import (
+    CheckpointRecords,
+    LoadedModel,
+    engine_checkpoint_files,
+    identify_checkpoint,
+    model_config_sha256,
+    resolve_hub_commit,
+)
 from coldsnap_core.observer import CheckpointSources, ModelRecord, WriteObserver, map_to_allocations
-from coldsnap_core.restore import LoadedModel, WorkerRestore, engine_checkpoint_files
+from coldsnap_core.restore import WorkerRestore, restore_or_fall_back
 from coldsnap_core.safetensors_header import TensorLocation, read_header
 from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_core.torch_allocations import TorchAllocations, enumerate_allocations
@@ -265,40 +272,21 @@ class ColdsnapModelLoader(DefaultModelLoader):
         fallback: ColdsnapError | None = None
         if settings.artifact_dir is not None and not settings.export_model_payload:
             checkpoint_files, checkpoint_files_error = self._checkpoint_files_now(model, model_config)
-            attempt = WorkerRestore(
-                settings.artifact_dir,
-                worker,
-                LoadedModel.from_config(
-                    model_config.model,
-                    model_config.revision,
-                    engine_config_sha256(model_config),
-                    cache_dir=self.load_config.download_dir,
-                    checkpoint_files=checkpoint_files,
-                    checkpoint_files_error=checkpoint_files_error,
-                ),
-                cache,
-                verify_extents=settings.verify_extents,
-                verify_checkpoint=settings.verify_checkpoint,
+            loaded = LoadedModel.from_config(
+                model_config.model,
+                model_config.revision,
+                engine_config_sha256(model_config),
+                cache_dir=self.load_config.download_dir,
+                checkpoint_files=checkpoint_files,
+                checkpoint_files_error=checkpoint_files_error,
             )
-            try:
-                with _collector_paused():
-                    allocations = enumerate_allocations(model)
-                    report = attempt.run(allocations, copy_backend_for(allocations.device))
-            except ColdsnapError as exc:
-                if settings.restore == "native":
-                    raise
-                fallback = exc
-                quarantined = getattr(exc, "quarantined_to", None)
-                logger.warning(
-                    "coldsnap: could not restore %s from %s; loading the checkpoint instead (COLDSNAP_RESTORE=auto): %s%s",
-                    worker.capsule_name,
-                    settings.artifact_dir,
-                    exc,
-                    f" (the corrupt pack was quarantined as {quarantined})" if quarantined else "",
-                )
-            else:
-                self._restored(attempt, allocations, report, started)
+            with _collector_paused():
+                result = restore_or_fall_back(model, settings, worker, loaded, cache=cache, engine="vLLM", log=logger)
+            if result.restored:
+                assert result.attempt is not None and result.allocations is not None and result.report is not None
+                self._restored(result.attempt, result.allocations, result.report, started)
                 return
+            attempt, fallback = result.attempt, result.fallback
         with _collector_paused():
             self._load_checkpoint(model, model_config, worker, cache, attempt, fallback, started)
 

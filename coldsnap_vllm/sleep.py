@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import shutil
 import threading
 import weakref
@@ -41,6 +40,7 @@ from coldsnap_core.copy.base import CopyBackend, LiveAllocation
 from coldsnap_core.errors import ColdsnapError, ConfigurationError, WakeError
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME
 from coldsnap_core.hydrate import HydrationReport, hydrate
+from coldsnap_core.settings import env_flag
 from coldsnap_vllm import state as load_state
 from coldsnap_vllm.cumem import WEIGHTS_TAG, weights_segments
 from coldsnap_vllm.sleep_capture import ReferenceDigests, SleepCapture, capture_for_sleep
@@ -84,7 +84,8 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
         backend_factory: builds the copy backend from the weights segments' CUDA device; default a
             :class:`coldsnap_core.copy.cuda.CudaCopyBackend` (cupy).
         load_state: returns the loader's published state; default :func:`coldsnap_vllm.state.current`.
-        verify_extents: hash every model extent while waking (default: ``$COLDSNAP_VERIFY_EXTENTS == "1"``).
+        verify_extents: hash every model extent while waking (default: ``$COLDSNAP_VERIFY_EXTENTS``, a boolean spelled as
+            every coldsnap boolean, :func:`coldsnap_core.settings.parse_flag`).
     """
 
     def __init__(
@@ -100,7 +101,7 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
         self._allocator = allocator
         self._backend_factory = backend_factory
         self._load_state = load_state or load_state_current
-        self.verify_extents = os.environ.get(VERIFY_EXTENTS_ENV) == "1" if verify_extents is None else verify_extents
+        self.verify_extents = env_flag(VERIFY_EXTENTS_ENV) if verify_extents is None else verify_extents
         self._lock = threading.RLock()
         self._state: SleepState = "RUNNING"
         self._weights: _Weights = "resident"
