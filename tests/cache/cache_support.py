@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+sys.path.insert(0, str(REPO / "tools"))  # the test-only slabs, also when this file runs as a child process
 WATCHED_CALLS = ("rename", "fsync", "fchmod", "unlink")
 
 

@@ -538,3 +538,35 @@ def test_one_restore_runs_each_check_once(tmp_path: Path, checkpoint: Path, capt
     counts = _count_calls(lambda: attempt.run(allocations, HostCopyBackend()), names)
     assert fresh.snapshot() == loaded.snapshot()
     assert counts == {"check_manifest": 1, "check_live_layout": 1, "read_trusted_record": 1, "admit": 1}
+
+
+def test_restore_or_fall_back_uses_the_store_of_the_settings(tmp_path: Path, checkpoint: Path, captured, monkeypatch) -> None:
+    """``restore_or_fall_back`` (both engine plugins' policy) restores from the payload store the
+    settings name, here from the extra-config key ``payload_dir`` with no ``COLDSNAP_PAYLOAD_DIR`` in
+    the environment; under ``auto`` a failure comes back as ``fallback`` with one WARNING, under
+    ``native`` it is raised. Fails if the store is looked up in the environment only (the extra-config
+    store was then ignored and the pack unavailable) or if ``auto`` raises."""
+    from coldsnap_core.restore import restore_or_fall_back
+    from coldsnap_core.settings import ColdsnapSettings
+
+    loaded, result = captured
+    store = tmp_path / "store" / "model-payloads" / "sha256"
+    store.mkdir(parents=True)
+    shutil.copy(result.pack_path, store / result.pack_path.name)
+    os.chmod(result.pack_path, 0o644)
+    result.pack_path.unlink()
+    monkeypatch.delenv("COLDSNAP_PAYLOAD_DIR", raising=False)
+    extra = {"artifact_dir": str(tmp_path / "artifact"), "state_root": str(tmp_path / "state")}
+    source = LoadedModel.from_config(str(checkpoint.parent), None)
+    fresh = TinyModel()
+    settings = ColdsnapSettings.resolve({}, {**extra, "payload_dir": str(tmp_path / "store")})[0]
+    outcome = restore_or_fall_back(fresh, settings, RANK0, source)
+    assert outcome.restored and outcome.fallback is None and fresh.snapshot() == loaded.snapshot()
+    os.chmod(result.pack_path, 0o644)
+    result.pack_path.unlink()
+    without_store = ColdsnapSettings.resolve({}, extra)[0]
+    outcome = restore_or_fall_back(TinyModel(), without_store, RANK0, source)
+    assert not outcome.restored and isinstance(outcome.fallback, PayloadUnavailableError)
+    assert outcome.attempt is not None and outcome.attempt.pack_unavailable
+    with pytest.raises(PayloadUnavailableError):
+        restore_or_fall_back(TinyModel(), ColdsnapSettings.resolve({}, {**extra, "restore": "native"})[0], RANK0, source)
