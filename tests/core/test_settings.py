@@ -147,5 +147,5 @@ def test_payload_store_is_a_setting_like_the_others(tmp_path: Path) -> None:
     assert ColdsnapSettings.resolve(env)[0].store == StoreSettings(payload_repo="org/name@v1", repo_type="dataset")
     with pytest.raises(ConfigurationError, match=r"extra-config key 'payload_dir'.*COLDSNAP_PAYLOAD_REPO"):
         ColdsnapSettings.resolve(env, {"payload_dir": str(tmp_path)})
-    with pytest.raises(ConfigurationError, match="COLDSNAP_PAYLOAD_DIR.*COLDSNAP_PAYLOAD_REPO"):
+    with pytest.raises(ConfigurationError, match=r"COLDSNAP_PAYLOAD_DIR.*COLDSNAP_PAYLOAD_REPO"):
         StoreSettings.from_environ({"COLDSNAP_PAYLOAD_DIR": "/x", "COLDSNAP_PAYLOAD_REPO": "org/name"})
