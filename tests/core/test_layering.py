@@ -14,7 +14,7 @@ rank  modules
 4     ``records`` (read and write validation records only), ``model_identity`` (produced and checked)
 5     ``cache`` (admission and quarantine), ``artifact``, ``residual``
 6     ``stores``, ``pack_writer``
-7     ``staging``, ``hydrate``, ``capture``, ``materialize``, ``publish``
+7     ``staging``, ``hydrate``, ``capture``, ``materialize``, ``publish``, ``audit``
 8     ``restore``, ``observer``
 9     ``cli``
 10    the package (``coldsnap_core/__init__.py``: the public API re-exports)
@@ -68,6 +68,7 @@ LAYERS: dict[str, int] = {
     "capture": 7,
     "materialize": 7,
     "publish": 7,
+    "audit": 7,
     "restore": 8,
     "observer": 8,
     "cli": 9,
