@@ -166,7 +166,7 @@ def advise_sequential(fd: int) -> None:
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """fsync a folder so that a rename into it is durable (``reference/anchors.md`` B5, B10)."""
+    """fsync a folder so that a rename into it is durable (POSIX ``rename``: the new name is durable only once its folder is synced)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

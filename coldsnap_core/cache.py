@@ -9,8 +9,7 @@ Layout under a state root (``COLDSNAP_STATE_ROOT``, default ``~/.cache/coldsnap`
     model-payloads/tmp/<...>.partial.d/          a store download in progress (belongs to the .partial beside it)
     model-payloads/quarantine/<digest>.<random>.pack   objects that failed verification
 
-Internal logic worth knowing (``DESIGN.md``, "The node-local cache and the verifier";
-``reference/anchors.md`` B1-B5, B10):
+Internal logic worth knowing (``docs/format.md`` §10 and §11):
 
 * **Digests before paths.** Every path is built by :meth:`PayloadCache.object_path` and friends,
   which validate the digest (64 lowercase hex characters) first; ``../x`` never reaches the file

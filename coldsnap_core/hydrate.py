@@ -1,6 +1,6 @@
 """Two-source hydration: fill live allocations from the shared pack and the worker's residual blob.
 
-Order of work (``DESIGN.md``, "The two byte sources"; seed 000, "Restore"):
+Order of work (``docs/format.md`` §7, the ``hydrate`` entries):
 
 1. every manifest rule (:func:`coldsnap_core.verify.check_manifest`): disjoint maps that cover every
    byte, canonical pack and blob layout, the pack path derived from the digest;

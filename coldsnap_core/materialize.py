@@ -3,7 +3,7 @@
 After a safetensors (recovery) load the model extents of the worker's native manifest hold exactly
 the bytes they held at capture, so the canonical writer (:func:`coldsnap_core.pack_writer.write_pack`,
 the one capture uses) rebuilds the byte-identical pack from memory, without reading the checkpoint
-again (seed 000, "Recovery read-through cache"). Modes (``COLDSNAP_MATERIALIZE``):
+again (``docs/format.md`` §13). Modes (``COLDSNAP_MATERIALIZE``):
 
 * ``async`` (vLLM default): a background thread (at a lower CPU priority) writes the pack while the
   engine serves; the first token is not delayed. It never raises into the caller: a failure is

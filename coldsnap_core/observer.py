@@ -1,7 +1,9 @@
 """The checkpoint-to-destination write observer: which destination bytes hold checkpoint bytes.
 
-Classification comes from observed loader behaviour, never from parameter names (``DESIGN.md``,
-"The two byte sources"; ``reference/vllm.md`` section 2.5). Two boundaries are watched:
+Classification comes from observed loader behaviour, never from parameter names (``docs/format.md``
+§6.1; vLLM ``model_executor/model_loader/default_loader.py`` yields each checkpoint tensor from its
+weights iterator, and the model's ``weight_loader`` functions copy them into parameter views). Two
+boundaries are watched:
 
 1. **The iterator boundary** (source side). Every ``(name, tensor)`` the engine's checkpoint iterator
    yields is registered in :class:`CheckpointSources` with the file, tensor name and file offset

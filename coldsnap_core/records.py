@@ -2,8 +2,7 @@
 
 A record (``<digest>.pack.record``, JSON, mode 0444) binds the digest to the object's device, inode,
 size, mtime and ctime (ns) as seen right after a full SHA-256 verification, plus the verifier version
-and the time. A later restore accepts the object without re-hashing only while (seed 000, "Recovery
-read-through cache"; ``DESIGN.md``, "The node-local cache and the verifier"):
+and the time. A later restore accepts the object without re-hashing only while (``docs/format.md`` §11):
 
 * the record is a regular file (not a symlink) owned by the current user and not group- or
   world-writable,
@@ -12,8 +11,9 @@ read-through cache"; ``DESIGN.md``, "The node-local cache and the verifier"):
 * and every bound field equals a fresh ``lstat`` of the object.
 
 Anything else means a full re-hash under the digest's lock (so same-host callers hash once; the lock
-is not what makes it safe): success rewrites the record, failure quarantines the object and the
-caller gets the verifier's error.
+is not what makes it safe; :meth:`coldsnap_core.cache.PayloadCache.admit` does that): success rewrites
+the record, failure quarantines the object and the caller gets the verifier's error. This module only
+reads and writes records; it never admits, locks or quarantines.
 
 **Limit.** A record cannot see an in-place edit that keeps the inode and restores the size, the
 mtime and the ctime. Restoring the mtime (``touch -d``, ``os.utime``) moves the ctime, so the ctime

@@ -1,7 +1,7 @@
 """Staging: make each local worker's pack available, verified, in the node-local cache.
 
-Order of sources (seed 000, "Restore": "Native restore preparation stages only the payload assigned
-to each worker on the host that owns that worker"; ``DESIGN.md``, "Restore and fallback"):
+Only the payload assigned to each worker is staged, on the host that owns that worker
+(``docs/format.md`` §1 and §12). Order of sources:
 
 1. the node-local cache: a trusted validation record (a few ``stat`` calls), else a full SHA-256 by
    the one verifier under the digest's lock; a corrupt object is quarantined;

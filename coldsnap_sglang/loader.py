@@ -2,8 +2,8 @@
 the checkpoint, then runs SGLang's own post-processing.
 
 SGLang's ``DefaultModelLoader.load_model`` builds the model, then calls
-``self.load_weights_and_postprocess(model, weights, target_device)`` (``reference/sglang.md``
-section 2; an instance override is honoured, SGLang's own tests rely on it). This loader overrides it:
+``self.load_weights_and_postprocess(model, weights, target_device)`` (SGLang
+``srt/model_loader/loader.py``; an instance override is honoured, SGLang's own tests rely on it). This loader overrides it:
 when ``COLDSNAP_ARTIFACT_DIR`` lists this worker, :func:`coldsnap_core.restore.restore_or_fall_back` checks
 the layout and the model identity (checkpoint files and the digest of SGLang's model configuration,
 :func:`engine_config_sha256`; for a local folder, the files SGLang's own ``_prepare_weights`` would

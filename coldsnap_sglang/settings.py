@@ -1,8 +1,8 @@
 """SGLang's view of the coldsnap settings: :mod:`coldsnap_core.settings` with materialization ``off``.
 
 SGLang's integration restores payloads that already exist; it does not implement the canonical
-model-payload writer (seed 000, "Recovery read-through cache": "SGLang defaults to off and rejects
-async or required"), so ``COLDSNAP_MATERIALIZE`` must be ``off`` (the default here) and
+model-payload writer (``docs/format.md`` §13: SGLang defaults to ``off`` and rejects ``async`` and
+``required``), so ``COLDSNAP_MATERIALIZE`` must be ``off`` (the default here) and
 ``COLDSNAP_EXPORT_MODEL_PAYLOAD`` must be unset.
 """
 

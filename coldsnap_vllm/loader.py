@@ -1,7 +1,7 @@
 """The ``coldsnap`` load format: vLLM's default loader, observed, with capture and restore.
 
 :class:`ColdsnapModelLoader` is a subclass of vLLM's ``DefaultModelLoader`` registered with
-``register_model_loader("coldsnap")`` (``reference/vllm.md`` sections 1.2 and 2.7). It keeps the
+``register_model_loader("coldsnap")`` (vLLM ``model_executor/model_loader/__init__.py``). It keeps the
 configured inner loader's I/O: its own ``load_config`` is vLLM's with ``load_format`` replaced by the
 inner format (``instanttensor`` on CUDA, ``safetensors`` elsewhere, or ``COLDSNAP_INNER_LOAD_FORMAT``)
 and coldsnap's extra-config keys removed (``DefaultModelLoader`` rejects ``coldsnap`` as a format and

@@ -21,7 +21,7 @@ with nothing asleep does nothing.
 
 vLLM constructs the backend with no arguments (``SleepModeBackendFactory.create_backend``), so the
 model knowledge comes from :mod:`coldsnap_vllm.state` (published by the coldsnap loader in the same
-worker process). Facts: ``reference/vllm.md`` sections 4.1-4.5; ``vllm/device_allocator/
+worker process). Facts: ``docs/format.md`` §6.2; ``vllm/device_allocator/
 sleep_mode_backend.py`` and ``cumem.py``; ``vllm/v1/worker/gpu_worker.py`` (``sleep``/``wake_up``).
 """
 
