@@ -25,6 +25,9 @@ COLDSNAP_VERIFY_EXTENTS        ``verify_extents``          ``1``: hash every mod
 COLDSNAP_VERIFY_CHECKPOINT     ``verify_checkpoint``       ``1``: at restore, hash every local checkpoint file
                                                            this node has no checkpoint record of (``0``:
                                                            accept it on its name and size)
+COLDSNAP_OUTCOME_LOG           ``outcome_log``             the load outcome log each worker load appends one
+                                                           JSON line to (``<state-root>/load-outcomes.jsonl``;
+                                                           ``docs/format.md`` §10.3)
 COLDSNAP_INNER_LOAD_FORMAT     ``inner_load_format``       the vLLM load format whose I/O the loader keeps
                                                            (``instanttensor`` on CUDA, ``safetensors``
                                                            elsewhere)
@@ -34,9 +37,9 @@ COLDSNAP_PAYLOAD_REPO          ``payload_repo``            a Hugging Face payloa
                                                            (or a path: a folder store); not with
                                                            ``payload_dir`` (none)
 COLDSNAP_PAYLOAD_REPO_TYPE     ``payload_repo_type``       ``model`` or ``dataset`` (``model``)
-(none)                         ``converted_copies``        ``residual`` (default) or ``model``: whether a
+(none)                         ``converted_copies``        ``model`` (default) or ``residual``: whether a
                                                            dtype-converting checkpoint copy is a model extent
-                                                           (with ``dtype_converted: true``)
+                                                           (with ``dtype_converted: true``) or residual
 =============================  ==========================  ==================================================
 
 An extra-config key wins over its environment variable. Values are read leniently in form only: choices
@@ -108,6 +111,7 @@ KEYS: dict[str, str | None] = {
     "payload_dir": PAYLOAD_DIR_ENV,
     "payload_repo": PAYLOAD_REPO_ENV,
     "payload_repo_type": PAYLOAD_REPO_TYPE_ENV,
+    "outcome_log": "COLDSNAP_OUTCOME_LOG",
     "converted_copies": None,
 }
 
@@ -210,7 +214,9 @@ class ColdsnapSettings:
         verify_extents: hash every model extent while hydrating.
         verify_checkpoint: at restore, hash local checkpoint files without a checkpoint record.
         inner_load_format: the vLLM load format to keep, or ``None`` for the platform default.
-        converted_copies: ``residual`` or ``model``.
+        converted_copies: ``model`` (converted copies are model extents, the default) or ``residual``.
+        outcome_log: the load outcome log (absolute), or ``None`` for
+            ``<state_root>/load-outcomes.jsonl`` (:attr:`outcome_log_path`).
         store: the payload store settings (``COLDSNAP_PAYLOAD_DIR`` / ``COLDSNAP_PAYLOAD_REPO``).
     """
 
@@ -222,8 +228,14 @@ class ColdsnapSettings:
     verify_extents: bool = False
     verify_checkpoint: bool = False
     inner_load_format: str | None = None
-    converted_copies: ConvertedCopies = "residual"
+    converted_copies: ConvertedCopies = "model"
+    outcome_log: Path | None = None
     store: StoreSettings = StoreSettings()
+
+    @property
+    def outcome_log_path(self) -> Path:
+        """Where this loader appends its load outcome lines (``docs/format.md`` §10.3)."""
+        return self.outcome_log if self.outcome_log is not None else self.state_root / "load-outcomes.jsonl"
 
     @classmethod
     def resolve(
@@ -314,7 +326,8 @@ class ColdsnapSettings:
             verify_extents=flag("verify_extents"),
             verify_checkpoint=flag("verify_checkpoint"),
             inner_load_format=inner_format,
-            converted_copies=choice("converted_copies", CONVERTED_COPIES, "residual"),  # type: ignore[arg-type]
+            converted_copies=choice("converted_copies", CONVERTED_COPIES, "model"),  # type: ignore[arg-type]
+            outcome_log=path("outcome_log"),
             store=store(),
         )
         if settings.artifact_dir is None and settings.export_model_payload:

@@ -23,15 +23,17 @@ import contextlib
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Iterable
 
 import torch
 from sglang.srt.configs.load_config import LoadFormat
 from sglang.srt.model_loader.loader import DefaultModelLoader
 
-from coldsnap_core.errors import EngineVersionError
+from coldsnap_core.errors import ColdsnapError, EngineVersionError
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.model_identity import model_config_sha256
+from coldsnap_core.outcomes import LoadOutcomeLine, Outcome, append_outcome
 from coldsnap_core.restore import LoadedModel, engine_checkpoint_files, restore_or_fall_back
 from coldsnap_sglang.settings import resolve_sglang_settings
 
@@ -79,11 +81,28 @@ class ColdsnapModelLoader(DefaultModelLoader):
         return super().load_model(model_config=model_config, device_config=device_config, **kwargs)
 
     def load_weights_and_postprocess(self, model: torch.nn.Module, weights: Iterable, target_device: torch.device):  # type: ignore[override]
-        """Hydrate from the artifact when possible, then SGLang's post-processing; else the normal load."""
-        source = self._loaded_model(model) if self.coldsnap_settings.artifact_dir is not None else None
-        if restore_into(model, self.coldsnap_settings, worker_identity(self.load_config), source):
-            return DefaultModelLoader.load_weights_and_postprocess(model, iter(()), target_device)
-        return DefaultModelLoader.load_weights_and_postprocess(model, weights, target_device)
+        """Hydrate from the artifact when possible, then SGLang's post-processing; else the normal load.
+
+        Appends one line to the load outcome log (:mod:`coldsnap_core.outcomes`): restored, fell back,
+        refused (``native``; the error is raised) or checkpoint (no artifact folder)."""
+        started = time.perf_counter()
+        settings = self.coldsnap_settings
+        worker = worker_identity(self.load_config)
+        source = self._loaded_model(model) if settings.artifact_dir is not None else None
+        failures: list[ColdsnapError] = []
+        try:
+            restored = restore_into(model, settings, worker, source, failures=failures)
+        except ColdsnapError as exc:
+            _log_outcome(settings, "refused", worker, time.perf_counter() - started, exc)
+            raise
+        if restored:
+            result = DefaultModelLoader.load_weights_and_postprocess(model, iter(()), target_device)
+            _log_outcome(settings, "restored", worker, time.perf_counter() - started)
+            return result
+        result = DefaultModelLoader.load_weights_and_postprocess(model, weights, target_device)
+        kind = "checkpoint" if settings.artifact_dir is None else "fell-back"
+        _log_outcome(settings, kind, worker, time.perf_counter() - started, failures[0] if failures else None)
+        return result
 
     def _loaded_model(self, model: torch.nn.Module) -> LoadedModel | None:
         """What SGLang is loading, for the model identity check: a repository id is pinned by the commit
@@ -121,8 +140,30 @@ def engine_config_sha256(model_config) -> str | None:
     )
 
 
-def restore_into(model: torch.nn.Module, settings, worker: WorkerIdentity, source: LoadedModel | None) -> bool:
-    """Restore ``model`` from the artifact; ``True`` when restored, ``False`` to load the checkpoint.
+def _log_outcome(settings, outcome: Outcome, worker: WorkerIdentity, seconds: float, error: ColdsnapError | None = None) -> None:
+    append_outcome(
+        settings.outcome_log_path,
+        LoadOutcomeLine(
+            outcome,
+            "sglang",
+            worker.capsule_name,
+            None if settings.artifact_dir is None else str(settings.artifact_dir),
+            seconds,
+            error=error,
+        ),
+    )
+
+
+def restore_into(
+    model: torch.nn.Module,
+    settings,
+    worker: WorkerIdentity,
+    source: LoadedModel | None,
+    *,
+    failures: list[ColdsnapError] | None = None,
+) -> bool:
+    """Restore ``model`` from the artifact; ``True`` when restored, ``False`` to load the checkpoint
+    (under ``auto`` the error that made it fall back is appended to ``failures``).
 
     The ``COLDSNAP_RESTORE`` policy is :func:`coldsnap_core.restore.restore_or_fall_back`'s. ``source``
     is ``None`` when the loader does not know the model being loaded (called outside ``load_model``,
@@ -134,6 +175,8 @@ def restore_into(model: torch.nn.Module, settings, worker: WorkerIdentity, sourc
     """
     result = restore_or_fall_back(model, settings, worker, source, engine="SGLang", log=logger)
     if not result.restored:
+        if result.fallback is not None and failures is not None:
+            failures.append(result.fallback)
         return False
     assert result.attempt is not None and result.attempt.capsule is not None and result.report is not None
     logger.info(

@@ -12,7 +12,7 @@ rank  modules
 2     ``format.*`` (the byte-level documents), ``safetensors_header``
 3     ``verify``, the copy backends, ``torch_allocations``
 4     ``records`` (read and write validation records only), ``model_identity`` (produced and checked)
-5     ``cache`` (admission and quarantine), ``artifact``, ``residual``
+5     ``cache`` (admission and quarantine), ``artifact``, ``residual``, ``outcomes`` (the load outcome log)
 6     ``stores``, ``pack_writer``
 7     ``staging``, ``hydrate``, ``capture``, ``materialize``, ``publish``, ``audit``
 8     ``restore``, ``observer``
@@ -58,10 +58,12 @@ LAYERS: dict[str, int] = {
     "cache": 5,
     "artifact": 5,
     "residual": 5,
+    "outcomes": 5,
     "stores": 6,
     "stores._copy": 6,
     "stores.local": 6,
     "stores.hf": 6,
+    "stores.s3": 6,
     "pack_writer": 6,
     "staging": 7,
     "hydrate": 7,

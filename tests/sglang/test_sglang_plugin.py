@@ -198,6 +198,30 @@ def test_auto_without_an_artifact_loads_the_checkpoint_with_one_warning(fake_sgl
     assert config.weights_read == len(NAMES) and model.norm.abs().sum() > 0
 
 
+def test_sglang_loads_leave_an_outcome_line(fake_sglang, captured, smollm2_2layer, tmp_path) -> None:
+    """The SGLang loader appends one load outcome line per load, like vLLM's: restored, then (the pack
+    corrupted) refused under ``native`` and fell back under ``auto``, with the rule and file. Fails if
+    an SGLang load leaves no line or a fallback's line lacks its rule."""
+    _, result = captured
+    log = tmp_path / "outcomes.jsonl"
+    load(fake_sglang, tmp_path, smollm2_2layer, restore="native", outcome_log=str(log))
+    pack = result.pack_path
+    pack.chmod(0o644)
+    data = bytearray(pack.read_bytes())
+    data[100] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    with pytest.raises(ExtentDigestMismatchError):
+        load(fake_sglang, tmp_path, smollm2_2layer, restore="native", outcome_log=str(log))
+    load(fake_sglang, tmp_path, smollm2_2layer, outcome_log=str(log))
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(d["engine"], d["outcome"]) for d in lines] == [
+        ("sglang", "restored"),
+        ("sglang", "refused"),
+        ("sglang", "fell-back"),
+    ]
+    assert lines[1]["rule"] == "extent-sha256" and lines[2]["rule"] is not None and lines[2]["file"] is not None
+
+
 def test_native_fails_closed_on_a_corrupt_pack(fake_sglang, captured, smollm2_2layer, tmp_path) -> None:
     """``native`` and a flipped pack byte (mtime changed, so no record vouches for it): the verifier's
     error, naming the corrupt extent's allocation, reaches the caller and nothing is loaded. Fails if
