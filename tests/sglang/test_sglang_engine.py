@@ -120,7 +120,7 @@ def test_sglang_and_vllm_captures_name_the_same_pack(two_layer: dict, smollm2_2l
     assert _only_pack(two_layer["state"]).read_bytes() == _only_pack(tmp_path / "state").read_bytes()
     sglang_native = read_capsule(two_layer["artifact"] / "workers" / WORKER).native
     vllm_native = read_capsule(tmp_path / "artifact" / "workers" / WORKER).native
-    assert len(sglang_native.allocations) < len(vllm_native.allocations)
+    assert len(sglang_native.allocations.allocations) < len(vllm_native.allocations.allocations)
 
 
 def _flipped_state(two_layer: dict, name: str) -> tuple[Path, tuple[int, int]]:
@@ -166,14 +166,14 @@ def test_materialize_async_and_required_are_refused_under_sglang(two_layer: dict
     env = coldsnap_env(two_layer["artifact"], two_layer["state"], COLDSNAP_MATERIALIZE="async")
     result = run_sglang(two_layer["work"], "materialize-async", two_layer["model"], "coldsnap", env=env)
     assert not result.started
-    assert "ConfigurationError: COLDSNAP_MATERIALIZE=async is not supported with SGLang" in result.log
+    assert "ConfigurationError: rule configuration failed: COLDSNAP_MATERIALIZE=async is not supported with SGLang" in result.log
     script = (
-        "import coldsnap_sglang; coldsnap_sglang.register()\n"
+        "from sglang.srt.plugins import load_plugins; load_plugins()\n"  # the entry point, as in every SGLang process
         "from sglang.srt.configs.load_config import LoadConfig\n"
         "from sglang.srt.model_loader.loader import get_model_loader\n"
         "from coldsnap_core.errors import ConfigurationError\n"
         "try:\n"
-        "    get_model_loader(LoadConfig(load_format='coldsnap', model_loader_extra_config='{\"materialize\": \"required\"}'))\n"
+        "    get_model_loader(LoadConfig(load_format='coldsnap', model_loader_extra_config={'materialize': 'required'}))\n"
         "except ConfigurationError as exc:\n"
         "    print('refused:', exc)\n"
     )
@@ -184,7 +184,9 @@ def test_materialize_async_and_required_are_refused_under_sglang(two_layer: dict
         text=True,
         timeout=300,
     )
-    assert "refused: COLDSNAP_MATERIALIZE=required is not supported with SGLang" in proc.stdout, proc.stdout + proc.stderr
+    assert "refused: rule configuration failed: COLDSNAP_MATERIALIZE=required is not supported with SGLang" in proc.stdout, (
+        proc.stdout + proc.stderr
+    )
 
 
 def _free_port() -> int:

@@ -21,7 +21,7 @@ import torch
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import ModelRange, capture_worker
 from coldsnap_core.copy.host import HostCopyBackend
-from coldsnap_core.errors import ConfigurationError, ModelIdentityMismatchError
+from coldsnap_core.errors import ConfigurationError, ModelIdentityMismatchError, ObserverError
 from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.model_identity import identify_checkpoint, model_config_sha256
@@ -366,3 +366,24 @@ def test_a_restore_outside_load_model_is_refused(fake_sglang, captured, smollm2_
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "rule model-identity failed" in warning and "outside its load_model" in warning
     assert config.weights_read == len(NAMES)
+
+
+def test_an_export_outside_an_observed_load_is_refused(fake_sglang, smollm2_2layer, tmp_path) -> None:
+    """``COLDSNAP_EXPORT_MODEL_PAYLOAD=1`` needs the checkpoint files the loader's ``_prepare_weights``
+    returned: ``load_weights_and_postprocess`` called outside ``load_model`` raises ObserverError saying so,
+    and a load whose weights bypass ``_prepare_weights``/``_get_weights_iterator`` (the stand-in's
+    ``load_model`` reads them itself) raises ObserverError naming the unprepared iterator; nothing is
+    captured either way. Fails if a capture without pinned checkpoint files is written."""
+    import coldsnap_sglang
+
+    coldsnap_sglang.register()
+    options = {"artifact_dir": str(tmp_path / "artifact"), "state_root": str(tmp_path / "state"), "export_model_payload": 1}
+    loader = fake_sglang.get_model_loader(
+        fake_sglang.LoadConfig(load_format="coldsnap", model_loader_extra_config=json.dumps(options))
+    )
+    config = ModelConfig(str(smollm2_2layer))
+    with pytest.raises(ObserverError, match="load_weights_and_postprocess was called outside it"):
+        loader.load_weights_and_postprocess(config.build(), config.weights(), "cpu")
+    with pytest.raises(ObserverError, match="the checkpoint iterator was never prepared"):
+        load(fake_sglang, tmp_path, smollm2_2layer, export_model_payload=1)
+    assert not (tmp_path / "artifact").exists() or not any((tmp_path / "artifact").iterdir())
