@@ -29,13 +29,18 @@ Classification comes from observed loader behaviour, never from parameter names 
      ``converted_copies="model"`` it is recorded as a model extent whose provenance says
      ``dtype_converted: true`` (the destination bytes are then a function of the source bytes,
      which the pack stores as they are).
-   * a second checkpoint copy over bytes an earlier checkpoint copy wrote makes the overlap
-     residual; a write that lands *before* a checkpoint copy is simply overwritten by it.
+   * a later checkpoint copy that fully overwrites earlier checkpoint copies (every byte an earlier
+     copy wrote inside its range is still a model byte of a record that lies wholly inside it: a
+     tensor stored in two shards, which the engine's iterator yields twice) leaves model bytes with
+     the later copy's provenance, since the destination now holds exactly that source; when the
+     overwritten bytes differ from the later ones, one WARNING names both files. A checkpoint copy
+     that overlaps an earlier one only partly makes the overlap residual; a write that lands
+     *before* a checkpoint copy is simply overwritten by it.
    * a write into a registered checkpoint tensor removes it from the sources (its bytes are no
      longer the file's).
 
-A byte is therefore *model* exactly when one checkpoint copy wrote it and nothing wrote it
-afterwards, until :meth:`WriteObserver.model_records` is read at the end of ``load_weights``.
+A byte is therefore *model* exactly when a checkpoint copy wrote it last, and no earlier write to it
+was a partly overlapping checkpoint copy or another write after a checkpoint copy, until :meth:`WriteObserver.model_records` is read at the end of ``load_weights``.
 Addresses are absolute; :func:`map_to_allocations` maps them onto the portable allocations and drops
 writes into memory that is not a model allocation.
 
@@ -49,6 +54,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import gc
+import logging
 import threading
 import weakref
 from collections.abc import Generator, Iterable, Iterator, Sequence
@@ -65,6 +71,7 @@ from coldsnap_core.safetensors_header import TensorLocation, read_header
 from coldsnap_core.torch_allocations import TorchAllocations, dtype_name
 
 ConvertedCopies = Literal["residual", "model"]
+logger = logging.getLogger(__name__)
 
 _aten = torch.ops.aten
 _METADATA_ONLY_OPS = frozenset(
@@ -330,6 +337,24 @@ class _RecordMap:
         self.starts[i:j] = [r.address for r in keep]
         return True
 
+    def fully_overwritten(self, lo: int, hi: int, copied_bytes: int) -> list[ModelRecord] | None:
+        """The records inside ``[lo, hi)`` when a copy over that range fully overwrites earlier
+        copies: some earlier copy wrote there (``copied_bytes > 0``, the bytes of the range earlier
+        copies wrote), every record touching the range lies wholly inside it, and together they
+        cover all ``copied_bytes`` (no copied byte became residual since). Else ``None``."""
+        if copied_bytes <= 0:
+            return None
+        i = max(0, bisect.bisect_right(self.starts, lo) - 1)
+        inside = []
+        while i < len(self.records) and self.records[i].address < hi:
+            r = self.records[i]
+            if lo < r.end:
+                if r.address < lo or r.end > hi:
+                    return None
+                inside.append(r)
+            i += 1
+        return inside if sum(r.size_bytes for r in inside) == copied_bytes else None
+
     def add(self, record: ModelRecord) -> None:
         i = bisect.bisect_left(self.starts, record.address)
         self.starts.insert(i, record.address)
@@ -412,6 +437,14 @@ def _copy_runs(
                 yield d0 + i * rows_d, s0 + i * rows_s, run, run, run
 
 
+def _storage_bytes(tensor: torch.Tensor, record: ModelRecord) -> torch.Tensor:
+    """The destination bytes of ``record`` in ``tensor``'s storage, as a ``uint8`` view (any device)."""
+    storage = tensor.untyped_storage()
+    base = storage.data_ptr()
+    whole = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+    return whole[record.address - base : record.end - base]
+
+
 def _hull(tensor: torch.Tensor) -> tuple[int, int] | None:
     """Absolute ``[lo, hi)`` of the bytes ``tensor`` can touch, or ``None`` if it has none."""
     if tensor.numel() == 0 or tensor.layout != torch.strided or tensor.device.type == "meta":
@@ -450,12 +483,16 @@ class WriteObserver(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        result = func(*args, **kwargs)
         if func is _aten.copy_.default:
-            self._on_copy(args[0], args[1])
-        else:
-            for tensor in self._written_tensors(func, args, kwargs):
-                self._on_write(tensor)
+            dest, source = args[0], args[1]
+            records = self._checkpoint_records(dest, source) if isinstance(source, torch.Tensor) else None
+            saved = self._overwritten_bytes(dest, records) if records else []
+            result = func(*args, **kwargs)
+            self._on_copy(dest, records, saved)
+            return result
+        result = func(*args, **kwargs)
+        for tensor in self._written_tensors(func, args, kwargs):
+            self._on_write(tensor)
         return result
 
     def _written_tensors(self, func, args, kwargs) -> Iterator[torch.Tensor]:
@@ -489,8 +526,24 @@ class WriteObserver(TorchDispatchMode):
         self.sources.taint(tensor)
         self._records.remove(*hull)
 
-    def _on_copy(self, dest: torch.Tensor, source: object) -> None:
-        records = self._checkpoint_records(dest, source) if isinstance(source, torch.Tensor) else None
+    def _overwritten_bytes(self, dest: torch.Tensor, records: list[ModelRecord]) -> list[tuple[ModelRecord, torch.Tensor]]:
+        """Before a checkpoint ``copy_`` runs: each earlier record it will fully overwrite, with a
+        ``uint8`` copy of that record's destination bytes (to tell afterwards whether the bytes
+        changed). Empty unless an earlier checkpoint copy wrote into the range (rare: a tensor name
+        stored in two shards), so a plain load copies nothing here."""
+        saved = []
+        for record in records:
+            lo, hi = record.address, record.end
+            fresh = self._copied.uncovered(lo, hi)
+            if fresh == [(lo, hi)]:
+                continue
+            for earlier in self._records.fully_overwritten(lo, hi, hi - lo - sum(b - a for a, b in fresh)) or ():
+                saved.append((earlier, _storage_bytes(dest, earlier).clone()))
+        return saved
+
+    def _on_copy(
+        self, dest: torch.Tensor, records: list[ModelRecord] | None, saved: list[tuple[ModelRecord, torch.Tensor]]
+    ) -> None:
         if records is None:
             self._on_write(dest)
             return
@@ -499,11 +552,29 @@ class WriteObserver(TorchDispatchMode):
         for record in records:
             lo, hi = record.address, record.end
             fresh = self._copied.uncovered(lo, hi)
+            overwritten = self._records.fully_overwritten(lo, hi, hi - lo - sum(b - a for a, b in fresh))
             self._records.remove(lo, hi)
-            for a, b in fresh:
-                for piece in record.slice(a - lo, b - lo):
-                    self._records.add(piece)
+            if overwritten is not None:
+                # Every byte earlier copies wrote here is replaced by this copy: the destination
+                # holds exactly this source, so the whole range is model bytes of this record.
+                self._records.add(record)
+            else:
+                for a, b in fresh:
+                    for piece in record.slice(a - lo, b - lo):
+                        self._records.add(piece)
             self._copied.add(lo, hi)
+        changed = [earlier for earlier, before in saved if not torch.equal(_storage_bytes(dest, earlier), before)]
+        if changed:
+            earlier = sorted({f"{r.source.tensor_name} of {r.source.checkpoint_file}" for r in changed})
+            later = records[0].source
+            logger.warning(
+                "coldsnap: checkpoint tensor %s of %s overwrote other bytes that %s had written into the same"
+                " destination; the later copy's bytes are the model bytes (the checkpoint stores one tensor"
+                " name twice with different values)",
+                later.tensor_name,
+                later.checkpoint_file,
+                ", ".join(earlier),
+            )
 
     def _checkpoint_records(self, dest: torch.Tensor, source: torch.Tensor) -> list[ModelRecord] | None:
         if dest.numel() == 0 or dest.layout != torch.strided or dest.device.type == "meta":

@@ -51,7 +51,14 @@ from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME
 from coldsnap_core.format.manifest import ModelIdentity, NativeManifest, WorkerIdentity
 from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.hydrate import HydrationReport, hydrate
-from coldsnap_core.model_identity import COMMIT_HASH, CheckpointRecords, RecordState, hash_checkpoint_file, resolve_hub_commit
+from coldsnap_core.model_identity import (
+    COMMIT_HASH,
+    CheckpointRecords,
+    RecordState,
+    checkpoint_fingerprint,
+    hash_checkpoint_file,
+    resolve_hub_commit,
+)
 from coldsnap_core.records import identity, read_trusted_record, record_verified
 from coldsnap_core.staging import stage_payload
 from coldsnap_core.stores import from_env as store_from_env
@@ -175,7 +182,9 @@ def check_model_identity(
       (:class:`~coldsnap_core.model_identity.CheckpointRecords`) that still matches the file's
       ``stat``; a file that changed since its record was written is hashed again (one read of that
       file, then recorded); a file without a record is hashed only with ``verify_checkpoint``
-      (``COLDSNAP_VERIFY_CHECKPOINT=1``), else accepted on its name and size. When the engine says
+      (``COLDSNAP_VERIFY_CHECKPOINT=1``), else compared by its content fingerprint
+      (:func:`~coldsnap_core.model_identity.checkpoint_fingerprint`: header plus 2 MiB sampled; an
+      artifact that recorded none is accepted on name and size). When the engine says
       which files it would read (``loaded.checkpoint_files``), they must be exactly the recorded ones:
       a shard added to the folder (which a plain load would read too) or one the engine would no
       longer read is refused, and so is a folder whose files the engine cannot list. An artifact
@@ -249,6 +258,17 @@ def check_model_identity(
                 " the file was replaced with other content of the same size",
                 file=path,
             )
+        if digest is None and checkpoint.fingerprint_sha256 is not None:
+            # No full hash known on this node: the sampled fingerprint (docs/format.md §10.2) is what
+            # tells two checkpoints with the same names and sizes apart (two fine-tunes of one base).
+            fingerprint = checkpoint_fingerprint(path)
+            if fingerprint != checkpoint.fingerprint_sha256:
+                raise ModelIdentityMismatchError(
+                    f"checkpoint file {checkpoint.name} has content fingerprint {fingerprint} (no checkpoint record on"
+                    f" this node), the artifact recorded {checkpoint.fingerprint_sha256}: another checkpoint with the same"
+                    " file names and sizes (a swapped fine-tune, a flipped symbolic link)",
+                    file=path,
+                )
 
 
 def _repository_mismatch(recorded: ModelIdentity, loaded: LoadedModel) -> str:

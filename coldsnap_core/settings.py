@@ -25,6 +25,9 @@ COLDSNAP_VERIFY_EXTENTS        ``verify_extents``          ``1``: hash every mod
 COLDSNAP_VERIFY_CHECKPOINT     ``verify_checkpoint``       ``1``: at restore, hash every local checkpoint file
                                                            this node has no checkpoint record of (``0``:
                                                            accept it on its name and size)
+COLDSNAP_OUTCOME_LOG           ``outcome_log``             the load outcome log each worker load appends one
+                                                           JSON line to (``<state-root>/load-outcomes.jsonl``;
+                                                           ``docs/format.md`` §10.3)
 COLDSNAP_INNER_LOAD_FORMAT     ``inner_load_format``       the vLLM load format whose I/O the loader keeps
                                                            (``instanttensor`` on CUDA, ``safetensors``
                                                            elsewhere)
@@ -88,6 +91,7 @@ KEYS: dict[str, str | None] = {
     "verify_extents": "COLDSNAP_VERIFY_EXTENTS",
     "verify_checkpoint": "COLDSNAP_VERIFY_CHECKPOINT",
     "inner_load_format": "COLDSNAP_INNER_LOAD_FORMAT",
+    "outcome_log": "COLDSNAP_OUTCOME_LOG",
     "converted_copies": None,
 }
 
@@ -106,6 +110,8 @@ class ColdsnapSettings:
         verify_checkpoint: at restore, hash local checkpoint files without a checkpoint record.
         inner_load_format: the vLLM load format to keep, or ``None`` for the platform default.
         converted_copies: ``residual`` or ``model``.
+        outcome_log: the load outcome log (absolute), or ``None`` for
+            ``<state_root>/load-outcomes.jsonl`` (:attr:`outcome_log_path`).
     """
 
     export_model_payload: bool = False
@@ -117,6 +123,12 @@ class ColdsnapSettings:
     verify_checkpoint: bool = False
     inner_load_format: str | None = None
     converted_copies: ConvertedCopies = "residual"
+    outcome_log: Path | None = None
+
+    @property
+    def outcome_log_path(self) -> Path:
+        """Where this loader appends its load outcome lines (``docs/format.md`` §10.3)."""
+        return self.outcome_log if self.outcome_log is not None else self.state_root / "load-outcomes.jsonl"
 
     @classmethod
     def resolve(
@@ -208,6 +220,7 @@ class ColdsnapSettings:
             verify_checkpoint=flag("verify_checkpoint"),
             inner_load_format=inner_format,
             converted_copies=choice("converted_copies", CONVERTED_COPIES, "residual"),  # type: ignore[arg-type]
+            outcome_log=path("outcome_log"),
         )
         if settings.artifact_dir is None and settings.export_model_payload:
             raise ConfigurationError(

@@ -47,6 +47,7 @@ from coldsnap_core.errors import ColdsnapError, EngineVersionError, ModelIdentit
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.model_identity import CheckpointRecords, identify_checkpoint, model_config_sha256, resolve_hub_commit
 from coldsnap_core.observer import LoadSession, PreparedWeights, WriteObserver, collector_paused, map_to_allocations
+from coldsnap_core.outcomes import LoadOutcomeLine, Outcome, append_outcome
 from coldsnap_core.restore import LoadedModel, WorkerRestore, engine_checkpoint_files
 from coldsnap_core.torch_allocations import enumerate_allocations
 from coldsnap_sglang.settings import resolve_sglang_settings
@@ -124,20 +125,43 @@ class ColdsnapModelLoader(DefaultModelLoader):
     # -- load_weights_and_postprocess --------------------------------------------------------------
 
     def load_weights_and_postprocess(self, model: torch.nn.Module, weights: Iterable, target_device: torch.device):  # type: ignore[override]
-        """Capture, or hydrate from the artifact when possible; then SGLang's post-processing.
+        """Capture, or hydrate from the artifact when possible; then SGLang's post-processing; else the
+        normal load.
+
+        Appends one line to the load outcome log (:mod:`coldsnap_core.outcomes`): captured, restored, fell
+        back, refused (``native``, or a failed capture; the error is raised) or checkpoint (no artifact folder).
 
         Raises:
             ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed (the verifier's error), or
                 the export capture failed.
         """
+        started = time.perf_counter()
         settings = self.coldsnap_settings
+        worker = worker_identity(self.load_config)
         if settings.export_model_payload:
-            self._capture(model, weights, target_device)
-            return DefaultModelLoader.postprocess_weights(model, target_device)
+            try:
+                captured = self._capture(model, weights, target_device)
+            except ColdsnapError as exc:
+                _log_outcome(settings, "refused", worker, time.perf_counter() - started, exc)
+                raise
+            DefaultModelLoader.postprocess_weights(model, target_device)
+            _log_outcome(settings, "captured", worker, time.perf_counter() - started, pack_sha256=captured.manifest.pack.sha256)
+            return None
         source = self._loaded_model(model) if settings.artifact_dir is not None else None
-        if restore_into(model, settings, worker_identity(self.load_config), source):
-            return DefaultModelLoader.postprocess_weights(model, target_device)
-        return DefaultModelLoader.load_weights_and_postprocess(model, weights, target_device)
+        failures: list[ColdsnapError] = []
+        try:
+            restored = restore_into(model, settings, worker, source, failures=failures)
+        except ColdsnapError as exc:
+            _log_outcome(settings, "refused", worker, time.perf_counter() - started, exc)
+            raise
+        if restored:
+            DefaultModelLoader.postprocess_weights(model, target_device)
+            _log_outcome(settings, "restored", worker, time.perf_counter() - started)
+            return None
+        result = DefaultModelLoader.load_weights_and_postprocess(model, weights, target_device)
+        kind = "checkpoint" if settings.artifact_dir is None else "fell-back"
+        _log_outcome(settings, kind, worker, time.perf_counter() - started, failures[0] if failures else None)
+        return result
 
     def _capture(self, model: torch.nn.Module, weights: Iterable, target_device: torch.device) -> CaptureResult:
         """SGLang's ``DefaultModelLoader.load_weights_only`` (the first half of its
@@ -250,8 +274,39 @@ def _identity_revision(model_config, download_dir: str | None) -> str | None:
     return commit if commit is not None else requested
 
 
-def restore_into(model: torch.nn.Module, settings, worker: WorkerIdentity, source: LoadedModel | None) -> bool:
-    """Restore ``model`` from the artifact; ``True`` when restored, ``False`` to load the checkpoint.
+def _log_outcome(
+    settings,
+    outcome: Outcome,
+    worker: WorkerIdentity,
+    seconds: float,
+    error: ColdsnapError | None = None,
+    *,
+    pack_sha256: str | None = None,
+) -> None:
+    append_outcome(
+        settings.outcome_log_path,
+        LoadOutcomeLine(
+            outcome,
+            "sglang",
+            worker.capsule_name,
+            None if settings.artifact_dir is None else str(settings.artifact_dir),
+            seconds,
+            error=error,
+            pack_sha256=pack_sha256,
+        ),
+    )
+
+
+def restore_into(
+    model: torch.nn.Module,
+    settings,
+    worker: WorkerIdentity,
+    source: LoadedModel | None,
+    *,
+    failures: list[ColdsnapError] | None = None,
+) -> bool:
+    """Restore ``model`` from the artifact; ``True`` when restored, ``False`` to load the checkpoint
+    (under ``auto`` the error that made it fall back is appended to ``failures``).
 
     ``source`` is ``None`` when the loader does not know the model being loaded (called outside
     ``load_model``): that fails the identity check (rule ``model-identity``) like any other mismatch.
@@ -282,6 +337,8 @@ def restore_into(model: torch.nn.Module, settings, worker: WorkerIdentity, sourc
     except ColdsnapError as exc:
         if settings.restore == "native":
             raise
+        if failures is not None:
+            failures.append(exc)
         logger.warning(
             "coldsnap: could not restore %s from %s; loading the checkpoint instead (COLDSNAP_RESTORE=auto): %s",
             worker.capsule_name,

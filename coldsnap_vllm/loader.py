@@ -60,6 +60,7 @@ from coldsnap_core.hydrate import HydrationReport
 from coldsnap_core.materialize import MaterializationHandle, materialize_payload
 from coldsnap_core.model_identity import CheckpointRecords, identify_checkpoint, model_config_sha256, resolve_hub_commit
 from coldsnap_core.observer import LoadSession, ModelRecord, PreparedWeights, WriteObserver, collector_paused, map_to_allocations
+from coldsnap_core.outcomes import LoadOutcomeLine, Outcome, append_outcome
 from coldsnap_core.restore import LoadedModel, WorkerRestore, engine_checkpoint_files
 from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_core.torch_allocations import TorchAllocations, enumerate_allocations
@@ -115,7 +116,7 @@ def last_outcome() -> LoadOutcome | None:
         return _last_outcome
 
 
-def _set_outcome(outcome: LoadOutcome) -> None:
+def _set_outcome(outcome: LoadOutcome | None) -> None:
     global _last_outcome
     with _outcome_lock:
         _last_outcome = outcome
@@ -139,6 +140,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
         super().__init__(dataclasses.replace(load_config, load_format=inner_format, model_loader_extra_config=rest))
         self.coldsnap_settings = settings
         self._session: LoadSession | None = None
+        self._restored_pack: str | None = None
 
     # -- the iterator boundary ---------------------------------------------------------------------
 
@@ -179,11 +181,64 @@ class ColdsnapModelLoader(DefaultModelLoader):
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         """Restore from the artifact, or load from the checkpoint (observed; captured on export).
 
+        Every call appends one line to the load outcome log (:mod:`coldsnap_core.outcomes`):
+        restored, captured, fell back, refused (the error is raised) or checkpoint.
+
         Raises:
             ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed (the verifier's error),
                 or the export capture failed.
         """
         started = time.perf_counter()
+        try:
+            self._load_weights(model, model_config, started)
+        except ColdsnapError as exc:
+            self._log_outcome("refused", compat.worker_identity(), time.perf_counter() - started, error=exc)
+            raise
+        outcome = last_outcome()
+        if outcome is not None:
+            kind = "fell-back" if outcome.fallback is not None else outcome.kind
+            pack = None
+            if outcome.hydration is not None and self._restored_pack is not None:
+                pack = self._restored_pack
+            elif outcome.capture is not None:
+                pack = outcome.capture.manifest.pack.sha256
+            self._log_outcome(
+                kind,  # type: ignore[arg-type]
+                outcome.worker,
+                outcome.total_seconds,
+                error=outcome.fallback,
+                materialization_started=outcome.materialization is not None,
+                pack_sha256=pack,
+            )
+
+    def _log_outcome(
+        self,
+        outcome: Outcome,
+        worker: WorkerIdentity,
+        seconds: float,
+        *,
+        error: ColdsnapError | None = None,
+        materialization_started: bool = False,
+        pack_sha256: str | None = None,
+    ) -> None:
+        settings = self.coldsnap_settings
+        append_outcome(
+            settings.outcome_log_path,
+            LoadOutcomeLine(
+                outcome,
+                "vllm",
+                worker.capsule_name,
+                None if settings.artifact_dir is None else str(settings.artifact_dir),
+                seconds,
+                materialization_started=materialization_started,
+                error=error,
+                pack_sha256=pack_sha256,
+            ),
+        )
+
+    def _load_weights(self, model: nn.Module, model_config: ModelConfig, started: float) -> None:
+        self._restored_pack = None
+        _set_outcome(None)
         settings = self.coldsnap_settings
         worker = compat.worker_identity()
         cache = PayloadCache(settings.state_root)
@@ -231,6 +286,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
     def _restored(self, attempt: WorkerRestore, allocations: TorchAllocations, report: HydrationReport, started: float) -> None:
         assert attempt.capsule is not None
         manifest = attempt.capsule.native
+        self._restored_pack = manifest.pack.sha256
         writes = tuple(
             load_state.ObservedModelWrite(
                 allocations.live[e.allocation_index].address + e.offset_bytes, e.size_bytes, e.provenance

@@ -1,5 +1,9 @@
 """``coldsnap cache ls|verify|gc``: look after the node-local payload cache.
 
+``ls`` shows, for each object with a trusted validation record, when it was last hashed in full
+(``verified_at``; the record fast path never refreshes it); ``verify --full`` is the scrub that hashes
+every object again, refreshes that time and quarantines a corrupt object.
+
 Exit codes (``docs/format.md``, "Exit codes"): ``ls`` and ``gc`` exit 0, or 4 when a cache folder is a
 symbolic link; ``verify`` exits 0 when every object verified, 1 when any object was corrupt (each is
 quarantined; the others are still checked), 3 when a named digest is not in the cache, 4 for an
@@ -9,6 +13,7 @@ invalid digest (checked before any file is touched), a symbolic link, or another
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 
@@ -16,7 +21,7 @@ from coldsnap_core.cache import DEFAULT_GC_AGE_SECONDS, PayloadCache, refuse_sym
 from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.digests import check_digest
 from coldsnap_core.errors import EXIT_INTEGRITY, ColdsnapError, IntegrityError
-from coldsnap_core.records import record_state
+from coldsnap_core.records import read_trusted_record, record_state
 
 
 def _seconds(text: str) -> float:
@@ -29,6 +34,26 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _last_full_verification(cache: PayloadCache, digest: str) -> tuple[str | None, int | None]:
+    """``(verified_at, age in whole seconds)`` of the object's trusted validation record: when it was
+    last hashed in full (``docs/format.md`` §11); ``(None, None)`` without a trusted record."""
+    try:
+        verified_at = read_trusted_record(cache, digest).verified_at
+        when = datetime.datetime.fromisoformat(verified_at)
+    except (ColdsnapError, ValueError):
+        return None, None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)
+    return verified_at, int((datetime.datetime.now(datetime.UTC) - when).total_seconds())
+
+
+def _age(seconds: int) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds // size} {unit}"
+    return f"{max(seconds, 0)} s"
+
+
 def _ls(args: argparse.Namespace) -> int:
     cache = PayloadCache(args.state_root)
     objects = []
@@ -37,9 +62,12 @@ def _ls(args: argparse.Namespace) -> int:
             st = refuse_symlink(cache.object_path(digest))
             size = st.st_size if st else None
             state = record_state(cache, digest)
+            verified_at, age_s = _last_full_verification(cache, digest)
         except ColdsnapError as exc:
-            size, state = None, f"unsafe: {exc.detail}"
-        objects.append({"digest": digest, "size_bytes": size, "record": state})
+            size, state, verified_at, age_s = None, f"unsafe: {exc.detail}", None, None
+        objects.append(
+            {"digest": digest, "size_bytes": size, "record": state, "verified_at": verified_at, "verified_age_s": age_s}
+        )
     doc = {
         "state_root": str(cache.state_root),
         "objects": objects,
@@ -53,7 +81,10 @@ def _ls(args: argparse.Namespace) -> int:
     print(f"state root: {cache.state_root}")
     for o in objects:
         size = "?" if o["size_bytes"] is None else str(o["size_bytes"])
-        print(f"{o['digest']}  {size:>14} bytes  {o['record']}")
+        verified = (
+            "" if o["verified_at"] is None else f", last fully verified {o['verified_at']} ({_age(o['verified_age_s'])} ago)"
+        )
+        print(f"{o['digest']}  {size:>14} bytes  {o['record']}{verified}")
     print(
         f"{len(objects)} object(s), {len(doc['temporaries'])} temporary file(s), "
         f"{len(doc['quarantined'])} quarantined, {len(doc['foreign'])} foreign name(s)"
@@ -121,7 +152,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--state-root", default=None, help="the cache's state root (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)"
     )
 
-    ls = sub.add_parser("ls", parents=[state_root], help="list objects, record states, temporaries, quarantine")
+    ls = sub.add_parser(
+        "ls", parents=[state_root], help="list objects, record states, last full verification, temporaries, quarantine"
+    )
     ls.add_argument("--json", action="store_true", help="print JSON")
     ls.set_defaults(func=_ls)
 
@@ -133,7 +166,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "4 invalid digest, symbolic link or other error.",
     )
     verify.add_argument("digest", nargs="*", metavar="DIGEST", help="digests to verify (default: every object)")
-    verify.add_argument("--full", action="store_true", help="hash in full even where a trusted record exists")
+    verify.add_argument(
+        "--full",
+        action="store_true",
+        help="hash in full even where a trusted record exists (the scrub: refreshes each object's last full verification)",
+    )
     verify.set_defaults(func=_verify)
 
     gc = sub.add_parser("gc", parents=[state_root], help="remove stale temporaries, quarantined objects, orphan records")

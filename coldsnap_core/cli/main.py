@@ -30,6 +30,7 @@ COMMAND_MODULES = (
     "coldsnap_core.cli.stage_cmd",
     "coldsnap_core.cli.publish_cmd",
     "coldsnap_core.cli.cache_cmd",
+    "coldsnap_core.cli.status_cmd",
 )
 
 

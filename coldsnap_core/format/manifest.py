@@ -148,18 +148,32 @@ class CheckpointFile:
         name: file name relative to the checkpoint folder (``model-00001-of-00003.safetensors``).
         size_bytes: the file's size.
         sha256: SHA-256 (lowercase hex) of the whole file.
+        fingerprint_sha256: the file's content fingerprint (``docs/format.md`` §10.2: SHA-256 over its
+            size, its safetensors header and 16 sampled 128 KiB blocks), or ``None`` (JSON ``null``)
+            when the capture did not compute one (restore then accepts the file on name and size).
     """
 
     name: str
     size_bytes: int
     sha256: str
+    fingerprint_sha256: str | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {"name": self.name, "size_bytes": self.size_bytes, "sha256": self.sha256}
+        return {
+            "name": self.name,
+            "size_bytes": self.size_bytes,
+            "sha256": self.sha256,
+            "fingerprint_sha256": self.fingerprint_sha256,
+        }
 
     @classmethod
     def from_fields(cls, f: Fields) -> CheckpointFile:
-        entry = cls(name=f.str("name"), size_bytes=f.int("size_bytes"), sha256=f.sha256("sha256"))
+        entry = cls(
+            name=f.str("name"),
+            size_bytes=f.int("size_bytes"),
+            sha256=f.sha256("sha256"),
+            fingerprint_sha256=f.opt_sha256("fingerprint_sha256"),
+        )
         f.done()
         problem = checkpoint_name_problem(entry.name)
         if problem is not None:

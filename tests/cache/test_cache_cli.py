@@ -33,7 +33,9 @@ def test_cache_ls(captured, capsys) -> None:
     assert f"{captured.pack.sha256}" in out and "trusted" in out
     assert coldsnap("cache", "ls", "--state-root", root, "--json") == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["objects"] == [{"digest": captured.pack.sha256, "size_bytes": captured.pack.size_bytes, "record": "trusted"}]
+    (listed,) = doc["objects"]
+    assert listed.pop("verified_at") is not None and 0 <= listed.pop("verified_age_s") < 3600
+    assert listed == {"digest": captured.pack.sha256, "size_bytes": captured.pack.size_bytes, "record": "trusted"}
     assert doc["temporaries"] == doc["quarantined"] == doc["foreign"] == []
 
 
@@ -91,6 +93,54 @@ def test_cache_verify_full_catches_what_the_record_cannot(captured) -> None:
     write_record(cache, captured.pack.sha256, os.lstat(captured.pack_path))
     assert coldsnap("cache", "verify", "--state-root", captured.capture_root) == 0
     assert coldsnap("cache", "verify", "--full", "--state-root", captured.capture_root) == 1
+
+
+def _age_record(cache: PayloadCache, digest: str, verified_at: str) -> None:
+    """Rewrite the object's validation record with another ``verified_at`` (the same binding): a
+    record written by a full verification long ago."""
+    import dataclasses
+
+    from coldsnap_core.format._strict import dump_document
+    from coldsnap_core.records import ValidationRecord, read_trusted_record
+
+    record = read_trusted_record(cache, digest)
+    old = dataclasses.replace(record, verified_at=verified_at)
+    path = cache.record_path(digest)
+    os.chmod(path, 0o644)
+    path.write_bytes(dump_document(old.to_json()))
+    os.chmod(path, 0o444)
+    assert isinstance(record, ValidationRecord)
+
+
+def test_same_stat_corruption_of_a_cached_pack_is_served(captured, capsys) -> None:
+    """Reliability defect: a pack byte changed with device, inode, size, mtime and ctime unchanged (bit
+    rot; simulated by re-binding the record to the edited file) passes ``cache verify`` on the record
+    fast path, which stays. The policy: ``cache ls`` shows when each object was last fully verified
+    (``verified_at``, ``verified_age_s``), ``cache verify --full`` is the scrub that refreshes it, and a
+    scrub that finds corruption quarantines the object. Fails if ``cache ls`` does not show the age, if
+    ``--full`` leaves the age, or if the corrupt object stays eligible."""
+    from coldsnap_core.records import write_record
+
+    root, digest = captured.capture_root, captured.pack.sha256
+    cache = PayloadCache(root)
+    _age_record(cache, digest, "2000-01-01T00:00:00+00:00")
+    assert coldsnap("cache", "ls", "--state-root", root, "--json") == 0
+    (listed,) = json.loads(capsys.readouterr().out)["objects"]
+    assert listed["verified_at"] == "2000-01-01T00:00:00+00:00" and listed["verified_age_s"] > 20 * 365 * 86400
+    assert coldsnap("cache", "ls", "--state-root", root) == 0
+    assert "last fully verified 2000-01-01T00:00:00+00:00" in capsys.readouterr().out
+    assert coldsnap("cache", "verify", "--full", "--state-root", root) == 0  # the scrub refreshes the age
+    capsys.readouterr()
+    assert coldsnap("cache", "ls", "--state-root", root, "--json") == 0
+    (listed,) = json.loads(capsys.readouterr().out)["objects"]
+    assert listed["verified_at"] != "2000-01-01T00:00:00+00:00" and 0 <= listed["verified_age_s"] < 3600
+    flip_byte(captured.pack_path, 33)
+    write_record(cache, digest, os.lstat(captured.pack_path))  # the edit the record cannot see
+    assert coldsnap("cache", "verify", "--state-root", root) == 0  # the fast path is kept
+    capsys.readouterr()
+    assert coldsnap("cache", "verify", "--full", "--state-root", root) == 1
+    assert "rule pack-sha256 failed" in capsys.readouterr().err
+    assert cache.digests() == [] and len(cache.quarantined()) == 1
 
 
 def test_cache_verify_missing_digest_exits_3(captured) -> None:

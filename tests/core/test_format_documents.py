@@ -40,7 +40,7 @@ from coldsnap_core.format.manifest import (
     WorkerIdentity,
 )
 
-NULLABLE = {"address", "revision", "config_sha256"}
+NULLABLE = {"address", "revision", "config_sha256", "fingerprint_sha256"}
 """Fields whose JSON value may be null."""
 
 # --- hypothesis strategies for every document kind --------------------------------------------------
@@ -93,7 +93,7 @@ name_components = st.text(
     st.characters(exclude_categories=("Cs",), exclude_characters="/\\\x00"), min_size=1, max_size=12
 ).filter(lambda s: s not in (".", ".."))
 checkpoint_names = st.lists(name_components, min_size=1, max_size=3).map("/".join)
-checkpoint_files = st.builds(CheckpointFile, checkpoint_names, offsets, sha256s)
+checkpoint_files = st.builds(CheckpointFile, checkpoint_names, offsets, sha256s, st.none() | sha256s)
 model_identities = st.builds(
     ModelIdentity,
     names,

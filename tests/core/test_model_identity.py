@@ -242,3 +242,77 @@ def test_the_files_the_engine_would_read_must_be_the_recorded_ones(tmp_path: Pat
     dropped = LoadedModel.from_config(str(tmp_path), None, checkpoint_files=["a.safetensors"])
     with pytest.raises(ModelIdentityMismatchError, match=r"not read by the engine now: \['b.safetensors'\]"):
         check_model_identity(recorded, dropped)
+
+
+# --- the content fingerprint (docs/format.md §10.2) ------------------------------------------------
+
+
+def _synthetic_safetensors(path: Path, data_bytes: int) -> int:
+    """A safetensors-shaped file: an 8-byte length, a JSON header padded to 8 bytes, then ``data_bytes``
+    bytes ``(7i + 3) mod 256``. Returns the header end (``8 + N``)."""
+    import json
+    import struct
+
+    header = json.dumps({"w": {"dtype": "U8", "shape": [data_bytes], "data_offsets": [0, data_bytes]}}).encode()
+    header += b" " * (-len(header) % 8)
+    data = bytes((7 * i + 3) % 256 for i in range(256)) * (data_bytes // 256) + bytes(
+        (7 * i + 3) % 256 for i in range(data_bytes % 256)
+    )
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return 8 + len(header)
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_fingerprint_ranges_are_the_documented_ones() -> None:
+    """Catches drift from docs/format.md §10.2: the header range, 16 blocks of 128 KiB from the data
+    start to the file end, the whole file when the data is at most 2 MiB, no header for a non-safetensors
+    length."""
+    from coldsnap_core.model_identity import FINGERPRINT_BLOCK_BYTES, fingerprint_ranges
+
+    block = FINGERPRINT_BLOCK_BYTES
+    assert block == 131_072
+    ranges = fingerprint_ranges(100 * 2**20, 88)
+    assert ranges[0] == (0, 96) and len(ranges) == 17
+    assert ranges[1] == (96, block) and ranges[-1] == (100 * 2**20 - block, block)
+    assert ranges[2] == (96 + (100 * 2**20 - 96 - block) // 15, block)
+    assert fingerprint_ranges(96 + 2 * 2**20, 88) == [(0, 96 + 2 * 2**20)]
+    assert fingerprint_ranges(10 * 2**20, 2**62)[0] == (0, block)  # not a safetensors length: no header range
+    assert fingerprint_ranges(0, None) == []
+
+
+def test_fingerprint_golden_and_what_it_sees(tmp_path: Path) -> None:
+    """A fixed 5 MiB safetensors-shaped file has a pinned fingerprint (catches any change to the domain,
+    the ranges or their order). A byte changed in the header or in a sampled block changes it; a byte
+    between two blocks does not (the documented limit: the full SHA-256 sees it); in a small file every
+    byte counts."""
+    from coldsnap_core.model_identity import FINGERPRINT_BLOCK_BYTES, checkpoint_fingerprint, fingerprint_ranges
+
+    path = tmp_path / "model.safetensors"
+    header_end = _synthetic_safetensors(path, 5 * 2**20)
+    golden = checkpoint_fingerprint(path)
+    assert golden == GOLDEN_FINGERPRINT
+    ranges = fingerprint_ranges(path.stat().st_size, header_end - 8)
+    for offset in (20, ranges[5][0] + 1000, ranges[-1][0] + FINGERPRINT_BLOCK_BYTES - 1):
+        _flip(path, offset)
+        assert checkpoint_fingerprint(path) != golden, offset
+        _flip(path, offset)
+    between = ranges[5][0] + FINGERPRINT_BLOCK_BYTES + 10
+    assert between < ranges[6][0]
+    _flip(path, between)
+    assert checkpoint_fingerprint(path) == golden
+    small = tmp_path / "small.safetensors"
+    _synthetic_safetensors(small, 2**20)
+    before = checkpoint_fingerprint(small)
+    _flip(small, small.stat().st_size - 1)
+    assert checkpoint_fingerprint(small) != before
+
+
+GOLDEN_FINGERPRINT = "bf3ef532bed7214e3450e32dc8daba49049bcb05168bc7f61777b753babc4a56"
+"""Of the 5 MiB file of ``_synthetic_safetensors``, also computed by hand from docs/format.md §10.2 with hashlib."""

@@ -21,7 +21,7 @@ import torch
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import ModelRange, capture_worker
 from coldsnap_core.copy.host import HostCopyBackend
-from coldsnap_core.errors import ConfigurationError, ModelIdentityMismatchError, ObserverError
+from coldsnap_core.errors import ConfigurationError, ExtentDigestMismatchError, ModelIdentityMismatchError, ObserverError
 from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.model_identity import identify_checkpoint, model_config_sha256
@@ -176,6 +176,30 @@ def test_register_is_idempotent_and_swaps_the_string_for_the_loader_class(fake_s
     assert fake_sglang.HookRegistry.applied == ["sglang.srt.configs.load_config.LoadConfig._verify_load_format"]
     assert fake_sglang.LoadConfig(load_format="COLDSNAP").load_format is ColdsnapModelLoader
     assert fake_sglang.LoadConfig(load_format="safetensors").load_format is fake_sglang.LoadFormat.SAFETENSORS
+
+
+def test_sglang_loads_leave_an_outcome_line(fake_sglang, captured, smollm2_2layer, tmp_path) -> None:
+    """The SGLang loader appends one load outcome line per load, like vLLM's: restored, then (the pack
+    corrupted) refused under ``native`` and fell back under ``auto``, with the rule and file. Fails if
+    an SGLang load leaves no line or a fallback's line lacks its rule."""
+    _, result = captured
+    log = tmp_path / "outcomes.jsonl"
+    load(fake_sglang, tmp_path, smollm2_2layer, restore="native", outcome_log=str(log))
+    pack = result.pack_path
+    pack.chmod(0o644)
+    data = bytearray(pack.read_bytes())
+    data[100] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    with pytest.raises(ExtentDigestMismatchError):
+        load(fake_sglang, tmp_path, smollm2_2layer, restore="native", outcome_log=str(log))
+    load(fake_sglang, tmp_path, smollm2_2layer, outcome_log=str(log))
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(d["engine"], d["outcome"]) for d in lines] == [
+        ("sglang", "restored"),
+        ("sglang", "refused"),
+        ("sglang", "fell-back"),
+    ]
+    assert lines[1]["rule"] == "extent-sha256" and lines[2]["rule"] is not None and lines[2]["file"] is not None
 
 
 @pytest.mark.parametrize(

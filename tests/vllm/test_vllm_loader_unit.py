@@ -251,10 +251,12 @@ def test_writes_are_published_without_an_artifact_folder(
         assert published.model.source == os.path.realpath(smollm2_2layer)
         assert published.model.config_sha256 == engine_config_sha256(config)
         # Nothing captured or cached; the files hashed for the identity are recorded.
-        assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["checkpoint-records"]
+        assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["checkpoint-records", "load-outcomes.jsonl"]
     else:
         assert published.model is None
-        assert not (tmp_path / "state").exists()  # nothing captured, nothing cached
+        # nothing captured, nothing cached: the load's outcome line only
+        assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["load-outcomes.jsonl"]
+    assert json.loads((tmp_path / "state" / "load-outcomes.jsonl").read_text())["outcome"] == "checkpoint"
 
 
 def test_auto_falls_back_with_one_warning(model_config: ModelConfig, tmp_path: Path, monkeypatch, caplog) -> None:
@@ -276,6 +278,109 @@ def test_auto_falls_back_with_one_warning(model_config: ModelConfig, tmp_path: P
     monkeypatch.setenv("COLDSNAP_RESTORE", "native")
     with pytest.raises(Exception, match="artifact descriptor does not exist"):
         make_loader().load_weights(Consumer(), model_config)
+
+
+def test_a_blue_green_flip_to_a_same_shaped_checkpoint_is_refused_or_falls_back(
+    smollm2_2layer: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Reliability defect through vLLM's own loader and ``ModelConfig``: captured from ``current -> A``,
+    then ``current`` flipped to B, another "fine-tune" of A (every tensor changed; the same file names,
+    sizes, header and config) that this node never hashed. ``native`` refuses it by the content
+    fingerprint (rule ``model-identity``); ``auto`` falls back and the model holds B's weights. Main
+    restored A's weights. The engine-level twin is in ``test_vllm_engine.py``."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    blue, green = tmp_path / "blue", tmp_path / "green"
+    shutil.copytree(smollm2_2layer, blue)
+    shutil.copytree(smollm2_2layer, green)
+    weights = green / "model.safetensors"
+    with safe_open(str(weights), framework="pt") as f:
+        metadata = f.metadata()
+    size = weights.stat().st_size
+    save_file({n: (t.float() * 1.5).to(t.dtype) for n, t in load_file(str(weights)).items()}, str(weights), metadata=metadata)
+    assert weights.stat().st_size == size
+    current = tmp_path / "current"
+    current.symlink_to(blue)
+    config = ModelConfig(model=str(current), dtype="bfloat16")
+    monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
+    with set_current_vllm_config(VllmConfig(model_config=config)):
+        captured = Consumer()
+        make_loader().load_weights(captured, config)
+        current.unlink()
+        current.symlink_to(green)  # the flip
+        monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
+        monkeypatch.setenv("COLDSNAP_RESTORE", "native")
+        with pytest.raises(ModelIdentityMismatchError, match="content fingerprint"):
+            make_loader().load_weights(Consumer(), config)
+        monkeypatch.setenv("COLDSNAP_RESTORE", "auto")
+        served = Consumer()
+        make_loader().load_weights(served, config)
+    outcome = last_outcome()
+    assert outcome.kind == "checkpoint" and outcome.fallback.rule == "model-identity"
+    assert served.snapshot()["embed"] != captured.snapshot()["embed"]
+    assert torch.equal(served.embed, load_file(str(weights))["model.embed_tokens.weight"])
+
+
+def test_fallbacks_are_hard_to_see(model_config: ModelConfig, tmp_path: Path, monkeypatch, capsys) -> None:
+    """Reliability defect: under ``auto`` a failed restore was one WARNING in the engine's log, so a fleet
+    could lose every restore to a fallback unnoticed. Every worker load now appends one JSON line to the
+    outcome log (``COLDSNAP_OUTCOME_LOG``, default ``<state-root>/load-outcomes.jsonl``): captured,
+    restored, fell back (rule, file, seconds, materialization started), refused; ``coldsnap status``
+    summarizes them per artifact. Fails if any load leaves no line, a line lacks the rule or file of its
+    fallback, or ``status`` miscounts."""
+    from coldsnap_core.cli.main import main
+
+    log = tmp_path / "outcomes" / "fleet.jsonl"
+    artifact = tmp_path / "artifact"
+    monkeypatch.setenv("COLDSNAP_OUTCOME_LOG", str(log))
+    monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(artifact))
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "capture-state"))
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
+    make_loader().load_weights(Consumer(), model_config)
+    pack = last_outcome().capture.manifest.pack
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
+    make_loader().load_weights(Consumer(), model_config)  # restored
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "new-node"))  # the pack is not on this node
+    monkeypatch.setenv("COLDSNAP_MATERIALIZE", "async")
+    make_loader().load_weights(Consumer(), model_config)
+    assert last_outcome().materialization.wait(120)
+    monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "no-artifact"))
+    monkeypatch.setenv("COLDSNAP_RESTORE", "native")
+    with pytest.raises(Exception, match="artifact descriptor does not exist"):
+        make_loader().load_weights(Consumer(), model_config)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(d["outcome"], d["artifact_dir"]) for d in lines] == [
+        ("captured", str(artifact)),
+        ("restored", str(artifact)),
+        ("fell-back", str(artifact)),
+        ("refused", str(tmp_path / "no-artifact")),
+    ]
+    captured, restored, fell_back, refused = lines
+    assert captured["pack_sha256"] == restored["pack_sha256"] == pack.sha256
+    assert restored["rule"] is None and restored["materialization_started"] is False
+    assert fell_back["rule"] == "payload-available" and fell_back["materialization_started"] is True
+    assert fell_back["error"] == "PayloadUnavailableError" and pack.sha256 in fell_back["file"]
+    assert refused["rule"] == "object-present" and refused["file"].endswith("artifact.json")
+    assert all(d["engine"] == "vllm" and d["worker"] == "worker-0-of-1" and d["seconds"] >= 0 for d in lines)
+    assert all(d["pid"] == os.getpid() and d["format"] == "coldsnap.load-outcome" for d in lines)
+
+    assert main(["status", "--outcome-log", str(log), "--json"]) == 0
+    summary = {a["artifact_dir"]: a for a in json.loads(capsys.readouterr().out)["artifacts"]}
+    assert summary[str(artifact)]["counts"] == {"restored": 1, "captured": 1, "fell-back": 1, "refused": 0, "checkpoint": 0}
+    assert summary[str(artifact)]["last_failure"]["rule"] == "payload-available"
+    assert main(["status", "--outcome-log", str(log), "--fail-on-fallback"]) == 1
+    out = capsys.readouterr().out
+    assert "1 restored, 1 captured, 1 fell-back" in out and "rule payload-available" in out
+    # without COLDSNAP_OUTCOME_LOG the line goes to the state root
+    monkeypatch.delenv("COLDSNAP_OUTCOME_LOG")
+    monkeypatch.setenv("COLDSNAP_RESTORE", "auto")
+    make_loader().load_weights(Consumer(), model_config)
+    (line,) = (tmp_path / "new-node" / "load-outcomes.jsonl").read_text().splitlines()
+    assert json.loads(line)["outcome"] == "fell-back"
 
 
 def test_shard_files_are_the_provenance(smollm2_2layer_3shards: Path, tmp_path: Path, monkeypatch) -> None:

@@ -365,3 +365,110 @@ def test_observed_bytes_round_trip_through_capture_and_hydration(checkpoint: Pat
         live_layout=enumerate_allocations(m).allocation_map,
     )
     assert [tensor_bytes(x) for x in (m.qkv, m.o, m.cache)] == before
+
+
+def _load_shards(shards: list[Path], tmp_path: Path, label: str):
+    """A generic loader over real safetensors shards: one parameter per tensor name, each copied with
+    ``copy_`` from every shard that stores it, in file order (vLLM's default loader calls the
+    weight loader once per ``(name, tensor)`` its iterator yields, so a name stored in two shards is
+    copied twice). Captured through the observer and the canonical writer; returns the capture."""
+    from safetensors import safe_open
+
+    from coldsnap_core.cache import PayloadCache
+    from coldsnap_core.capture import capture_worker
+    from coldsnap_core.copy.host import HostCopyBackend
+    from coldsnap_core.format.manifest import ModelIdentity, WorkerIdentity
+
+    names: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118
+                names.setdefault(name, f.get_slice(name))
+    m = torch.nn.Module()
+    m.p = torch.nn.ParameterList(
+        [
+            _param(*names[n].get_shape(), dtype=getattr(torch, {"BF16": "bfloat16", "F32": "float32"}[names[n].get_dtype()]))
+            for n in sorted(names)
+        ]
+    )
+    index = {n: i for i, n in enumerate(sorted(names))}
+    sources = CheckpointSources()
+    with WriteObserver(sources) as observer:
+        for shard in shards:
+            header = read_header(shard)
+            with safe_open(str(shard), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118
+                    tensor = f.get_tensor(name)
+                    assert sources.register(tensor, header[name], shard.name)
+                    m.p[index[name]].data.copy_(tensor)
+    allocations = enumerate_allocations(m)
+    ranges, _ = map_to_allocations(observer.model_records(), allocations)
+    return capture_worker(
+        allocation_map=allocations.allocation_map,
+        allocations=allocations.live,
+        model_ranges=ranges,
+        worker=WorkerIdentity("worker", 0, 1, 0, 1),
+        capture_point="portable",
+        model=ModelIdentity(str(shards[0].parent), None, ()),
+        cache=PayloadCache(tmp_path / f"state-{label}"),
+        artifact_dir=tmp_path / f"artifact-{label}",
+        backend=HostCopyBackend(),
+    ), ranges
+
+
+def test_a_tensor_stored_in_two_shards_with_identical_bytes_loses_its_sharing(
+    smollm2_2layer: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Reliability defect: the real 2-layer SmolLM2 with its embedding (80 % of the bytes) stored again,
+    byte for byte, in a second shard. The second checkpoint copy fully overwrites the first; the
+    destination holds exactly that source, so its bytes stay model bytes with the later copy's
+    provenance and the pack digest equals the single-file checkpoint's (main made the overlap residual:
+    another pack, the embedding in every worker's residual blob). No WARNING, since the bytes agree.
+    Fails if a full overwrite by a checkpoint copy is classified residual."""
+    from safetensors.torch import load_file, save_file
+
+    single, _ = _load_shards([smollm2_2layer / "model.safetensors"], tmp_path, "single")
+    embed = "model.embed_tokens.weight"
+    tensors = load_file(str(smollm2_2layer / "model.safetensors"))
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    save_file(tensors, str(shards / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+    save_file({embed: tensors[embed]}, str(shards / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level("WARNING", logger="coldsnap_core.observer"):
+        duplicated, ranges = _load_shards(sorted(shards.glob("*.safetensors")), tmp_path, "duplicated")
+    assert duplicated.manifest.pack.sha256 == single.manifest.pack.sha256
+    assert duplicated.manifest.residual.size_bytes == single.manifest.residual.size_bytes
+    assert {r.provenance.checkpoint_file for r in ranges if r.provenance.tensor_name == embed} == {
+        "model-00002-of-00002.safetensors"
+    }
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_later_checkpoint_copy_with_other_bytes_wins_with_one_warning(checkpoint: Path, tmp_path: Path, caplog) -> None:
+    """A name stored in two files with different bytes: the later copy's bytes are what the destination
+    holds, so they are the model bytes (later provenance, checked against the file), and one WARNING
+    names both files and the tensor. Fails if the warning is missing or repeated, or the earlier
+    provenance is kept."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    other = tmp_path / "other.safetensors"
+    save_file({"o.weight": pattern((8, 8), 9)}, str(other))
+    m = torch.nn.Module()
+    m.w = _param(8, 8)
+    header = read_header(other)
+    with (
+        caplog.at_level("WARNING", logger="coldsnap_core.observer"),
+        open_checkpoint(checkpoint) as (sources, t),
+        WriteObserver(sources) as observer,
+        safe_open(str(other), framework="pt") as f,
+    ):
+        m.w.data.copy_(t["o.weight"])
+        later = f.get_tensor("o.weight")
+        assert sources.register(later, header["o.weight"], other.name)
+        m.w.data.copy_(later)
+    (r,) = _ranges(m, observer)
+    assert (r.offset_bytes, r.size_bytes, r.provenance.checkpoint_file) == (0, 128, other.name)
+    assert tensor_bytes(m.w) == file_bytes(other, r.provenance.source_offset_bytes, 128)
+    warnings = [rec.getMessage() for rec in caplog.records if rec.levelname == "WARNING"]
+    assert len(warnings) == 1 and checkpoint.name in warnings[0] and other.name in warnings[0] and "o.weight" in warnings[0]

@@ -261,18 +261,52 @@ def test_touched_checkpoint_is_hashed_once_and_restored(tmp_path: Path, checkpoi
     assert records.lookup(checkpoint).state is RecordState.TRUSTED
 
 
-def test_replaced_checkpoint_without_a_record_needs_verify_checkpoint(tmp_path: Path, checkpoint: Path, captured) -> None:
-    """The documented limit of QA defect 3's fix: on a node without checkpoint records (another node's
-    state root) a same-size replacement is accepted on names and sizes; with
-    ``COLDSNAP_VERIFY_CHECKPOINT=1`` (``verify_checkpoint``) the files are hashed and it is refused."""
-    _rewrite_same_size(checkpoint)
+def test_a_different_checkpoint_with_the_same_file_names_and_sizes_is_served_the_old_weights(
+    tmp_path: Path, checkpoint: Path
+) -> None:
+    """Reliability defect: a blue/green flip of ``current -> A`` to ``current -> B``, where B is another
+    fine-tune with the same file names, sizes and config, on a node without a checkpoint record for B,
+    restored A's weights. The artifact now records each file's content fingerprint and restore compares
+    it where no record applies: B is refused (rule ``model-identity``, naming the fingerprint), nothing is
+    written into the model, and the pack is not blamed. Fails if the fingerprint is not recorded at
+    capture or not compared without a record."""
+    blue = checkpoint.parent
+    green = tmp_path / "green"
+    shutil.copytree(blue, green)
+    _rewrite_same_size(green / checkpoint.name)
+    current = tmp_path / "current"
+    current.symlink_to(blue)
+    model = TinyModel()
+    capture(model, current / checkpoint.name, tmp_path / "artifact", tmp_path / "state")
+    current.unlink()
+    current.symlink_to(green)  # the flip
     other_node = tmp_path / "other-node"
     shutil.copytree(tmp_path / "state" / "model-payloads", other_node / "model-payloads")
-    attempt = restorer(checkpoint, tmp_path / "artifact", other_node, verify_checkpoint=True)
+    for state in (tmp_path / "state", other_node):  # the capturing node has no record for B either
+        fresh = TinyModel()
+        before = fresh.snapshot()
+        attempt = WorkerRestore(tmp_path / "artifact", RANK0, LoadedModel.from_config(str(current), None), PayloadCache(state))
+        with pytest.raises(ModelIdentityMismatchError, match=r"content fingerprint .*no checkpoint record"):
+            attempt.run(enumerate_allocations(fresh), HostCopyBackend())
+        assert fresh.snapshot() == before and not attempt.pack_unavailable
+    # with COLDSNAP_VERIFY_CHECKPOINT=1 the full SHA-256 still decides (and is recorded)
+    attempt = WorkerRestore(
+        tmp_path / "artifact",
+        RANK0,
+        LoadedModel.from_config(str(current), None),
+        PayloadCache(other_node),
+        verify_checkpoint=True,
+    )
     with pytest.raises(ModelIdentityMismatchError, match="COLDSNAP_VERIFY_CHECKPOINT=1"):
         attempt.run(enumerate_allocations(TinyModel()), HostCopyBackend())
-    shutil.rmtree(other_node / "checkpoint-records")
-    restorer(checkpoint, tmp_path / "artifact", other_node).run(enumerate_allocations(TinyModel()), HostCopyBackend())
+    # flipped back to A: restored from the fingerprint on the node without a record
+    current.unlink()
+    current.symlink_to(blue)
+    fresh = TinyModel()
+    WorkerRestore(tmp_path / "artifact", RANK0, LoadedModel.from_config(str(current), None), PayloadCache(other_node)).run(
+        enumerate_allocations(fresh), HostCopyBackend()
+    )
+    assert fresh.snapshot() == model.snapshot()
 
 
 def test_model_configuration_digest_is_compared(tmp_path: Path, checkpoint: Path, captured) -> None:

@@ -1,0 +1,81 @@
+"""``coldsnap status``: what the recent worker loads did, per artifact (restored, captured, fell back).
+
+Reads the load outcome log (``docs/format.md`` §10.3: ``<state-root>/load-outcomes.jsonl``, or
+``--outcome-log`` / ``$COLDSNAP_OUTCOME_LOG``) and prints, for each artifact folder, how many of the
+last ``--last`` loads ended in each outcome, the latest one and the latest fallback or refusal with
+its rule and file. Exit codes: 0 (also for a missing or empty log), 4 when the log cannot be read; with
+``--fail-on-fallback``, 1 when the latest load of any artifact fell back or was refused (for alerting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from coldsnap_core._io import os_error
+from coldsnap_core.cache import resolve_state_root
+from coldsnap_core.errors import EXIT_INTEGRITY
+from coldsnap_core.outcomes import OUTCOMES, outcome_log_path, read_outcomes, summarize
+
+OUTCOME_LOG_ENV = "COLDSNAP_OUTCOME_LOG"
+DEFAULT_LAST_LINES = 1000
+
+
+def _line(doc: dict[str, object]) -> str:
+    text = f"{doc.get('outcome')} {doc.get('time')} {doc.get('engine')} {doc.get('worker')} on {doc.get('host')} ({doc.get('seconds')} s"
+    if doc.get("materialization_started"):
+        text += ", materialization started"
+    text += ")"
+    if doc.get("rule") is not None:
+        text += f": rule {doc.get('rule')}, file {doc.get('file')}: {doc.get('detail')}"
+    return text
+
+
+def _status(args: argparse.Namespace) -> int:
+    path = outcome_log_path(resolve_state_root(args.state_root), args.outcome_log or os.environ.get(OUTCOME_LOG_ENV))
+    try:
+        lines, skipped = read_outcomes(path, args.last)
+    except OSError as exc:
+        raise os_error("cannot read the load outcome log", exc, path) from exc
+    summaries = summarize(lines)
+    if args.json:
+        doc = {"outcome_log": str(path), "lines": len(lines), "skipped": skipped, "artifacts": [s.to_json() for s in summaries]}
+        print(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        print(f"outcome log: {path} ({len(lines)} load(s) read" + (f", {skipped} malformed line(s) skipped)" if skipped else ")"))
+        if not summaries:
+            print("no load outcomes recorded")
+        for s in summaries:
+            counts = ", ".join(f"{s.counts[o]} {o}" for o in OUTCOMES if s.counts[o])
+            print(f"{s.artifact_dir or '(no artifact folder)'}: {counts}")
+            print(f"  last: {_line(s.last)}")
+            if s.last_failure is not None and s.last_failure is not s.last:
+                print(f"  last failure: {_line(s.last_failure)}")
+    if args.fail_on_fallback and any(s.last.get("outcome") in ("fell-back", "refused") for s in summaries):
+        return EXIT_INTEGRITY
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "status",
+        help="summarize recent worker loads per artifact (restored / captured / fell back)",
+        description="Summarize the load outcome log per artifact folder. Exit codes: 0 ok, 1 with --fail-on-fallback "
+        "when the latest load of an artifact fell back or was refused, 4 the log cannot be read.",
+    )
+    p.add_argument("--state-root", default=None, help="the state root (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)")
+    p.add_argument(
+        "--outcome-log",
+        default=None,
+        metavar="PATH",
+        help=f"the outcome log (default: ${OUTCOME_LOG_ENV} or <state-root>/load-outcomes.jsonl)",
+    )
+    p.add_argument(
+        "--last", type=int, default=DEFAULT_LAST_LINES, metavar="N", help=f"read the last N loads (default {DEFAULT_LAST_LINES})"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument(
+        "--fail-on-fallback", action="store_true", help="exit 1 when the latest load of any artifact fell back or was refused"
+    )
+    p.set_defaults(func=_status)

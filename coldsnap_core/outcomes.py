@@ -1,0 +1,220 @@
+"""The load outcome log: one JSON line per worker load, so a fleet sees its fallbacks.
+
+Under ``COLDSNAP_RESTORE=auto`` a failed restore becomes one WARNING in the engine's log and a
+checkpoint load; without a machine-readable trace a fleet can lose every restore to a fallback and
+never notice. Every coldsnap worker load (vLLM and SGLang loaders) therefore appends one line to
+``<state-root>/load-outcomes.jsonl`` (``COLDSNAP_OUTCOME_LOG`` or the extra-config key
+``outcome_log`` sets another path), and ``coldsnap status`` summarizes the recent lines per
+artifact. The line format is ``docs/format.md`` §10.3.
+
+Appending never fails a load: a log that cannot be written is reported once per process as a
+WARNING. Each line is written with one ``write`` on an ``O_APPEND`` descriptor (concurrent workers'
+lines do not interleave on a local file system); the file is created 0600 and never followed through
+a symbolic link. When it exceeds :data:`OUTCOME_LOG_ROTATE_BYTES` it is renamed to ``<path>.1``
+(replacing an older one) under ``<path>.lock`` before the next line is appended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import socket
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import filelock
+
+from coldsnap_core.errors import ColdsnapError
+
+logger = logging.getLogger(__name__)
+
+OUTCOME_LOG_FILENAME = "load-outcomes.jsonl"
+OUTCOME_KIND = "coldsnap.load-outcome"
+OUTCOME_VERSION = 1
+OUTCOME_LOG_ROTATE_BYTES = 16 * 2**20
+"""A log larger than this (bytes) is renamed to ``<path>.1`` before the next line is appended."""
+MAX_DETAIL_CHARS = 2000
+"""An error's detail is cut to this many characters (``…`` appended), so a line stays small."""
+
+Outcome = Literal["restored", "captured", "fell-back", "refused", "checkpoint"]
+OUTCOMES: tuple[str, ...] = ("restored", "captured", "fell-back", "refused", "checkpoint")
+
+_warned: set[str] = set()
+
+
+def outcome_log_path(state_root: str | os.PathLike[str], explicit: str | os.PathLike[str] | None = None) -> Path:
+    """The outcome log: ``explicit`` (``COLDSNAP_OUTCOME_LOG``) when given, else ``<state_root>/load-outcomes.jsonl``."""
+    return Path(explicit) if explicit is not None and str(explicit).strip() else Path(state_root) / OUTCOME_LOG_FILENAME
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOutcomeLine:
+    """One line of the outcome log (``docs/format.md`` §10.3).
+
+    Attributes:
+        outcome: ``restored`` (filled from pack and residual), ``captured`` (checkpoint load, then
+            captured), ``fell-back`` (the restore failed under ``auto``; the checkpoint was loaded),
+            ``refused`` (the restore or the capture failed and the load failed with it: ``native``, or an
+            export error), ``checkpoint`` (no restore was attempted: no artifact folder).
+        engine: ``vllm`` or ``sglang``.
+        worker: the worker's capsule name (``worker-0-of-3``).
+        artifact_dir: the artifact folder, or ``None``.
+        seconds: wall time of the worker's weight load, seconds.
+        materialization_started: whether the missing pack is being (or was) written after a fallback.
+        error: for ``fell-back`` and ``refused``, the error: its class name, ``rule``, ``file`` and
+            ``detail``; else ``None``.
+        pack_sha256: the pack restored from or captured, when known.
+    """
+
+    outcome: Outcome
+    engine: str
+    worker: str
+    artifact_dir: str | None
+    seconds: float
+    materialization_started: bool = False
+    error: ColdsnapError | None = None
+    pack_sha256: str | None = None
+
+    def to_json(self, *, now: datetime.datetime | None = None) -> dict[str, object]:
+        now = now or datetime.datetime.now(datetime.UTC)
+        detail = None
+        if self.error is not None:
+            detail = self.error.detail
+            if len(detail) > MAX_DETAIL_CHARS:
+                detail = detail[:MAX_DETAIL_CHARS] + "…"
+        return {
+            "format": OUTCOME_KIND,
+            "format_version": OUTCOME_VERSION,
+            "time": now.isoformat(timespec="milliseconds"),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "engine": self.engine,
+            "worker": self.worker,
+            "artifact_dir": self.artifact_dir,
+            "outcome": self.outcome,
+            "seconds": round(self.seconds, 3),
+            "materialization_started": self.materialization_started,
+            "error": None if self.error is None else type(self.error).__name__,
+            "rule": None if self.error is None else self.error.rule,
+            "file": None if self.error is None or self.error.file is None else str(self.error.file),
+            "detail": detail,
+            "pack_sha256": self.pack_sha256,
+        }
+
+
+def _warn_once(path: Path, why: object) -> None:
+    if str(path) not in _warned:
+        _warned.add(str(path))
+        logger.warning(
+            "coldsnap: cannot append to the load outcome log %s (%s); outcomes of this process go unrecorded", path, why
+        )
+
+
+def _rotate_if_large(path: Path) -> None:
+    try:
+        if os.lstat(path).st_size <= OUTCOME_LOG_ROTATE_BYTES:
+            return
+    except FileNotFoundError:
+        return
+    with filelock.FileLock(f"{path}.lock", timeout=10), contextlib.suppress(FileNotFoundError):
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_size > OUTCOME_LOG_ROTATE_BYTES:  # another writer may have rotated it
+            os.replace(path, f"{path}.1")
+
+
+def append_outcome(path: str | os.PathLike[str], line: LoadOutcomeLine) -> bool:
+    """Append ``line`` to the outcome log at ``path``; return whether it was written.
+
+    Never raises for the log itself: a folder that cannot be created, a symbolic link at ``path``
+    (refused, ``O_NOFOLLOW``), no space, or a permission error is one WARNING per path and process.
+    """
+    path = Path(path)
+    data = (json.dumps(line.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n").encode("ascii")
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _rotate_if_large(path)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(f"{path} is not a regular file")
+            written = os.write(fd, data)
+            if written != len(data):
+                raise OSError(f"short write ({written} of {len(data)} bytes)")
+        finally:
+            os.close(fd)
+    except (OSError, filelock.Timeout) as exc:
+        _warn_once(path, exc)
+        return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactSummary:
+    """The recent outcomes of one artifact folder (``None``: loads without an artifact).
+
+    Attributes:
+        artifact_dir: the artifact folder.
+        counts: lines per outcome, every outcome of :data:`OUTCOMES` present.
+        last: the most recent line.
+        last_failure: the most recent ``fell-back`` or ``refused`` line, or ``None``.
+    """
+
+    artifact_dir: str | None
+    counts: dict[str, int]
+    last: dict[str, object]
+    last_failure: dict[str, object] | None
+
+    def to_json(self) -> dict[str, object]:
+        return {"artifact_dir": self.artifact_dir, "counts": self.counts, "last": self.last, "last_failure": self.last_failure}
+
+
+def read_outcomes(path: str | os.PathLike[str], last: int) -> tuple[list[dict[str, object]], int]:
+    """The last ``last`` well-formed lines of the outcome log (oldest first) and how many lines were
+    skipped as malformed (not JSON, not a load outcome of version 1). A missing log has no lines.
+
+    Raises:
+        OSError: the log exists but cannot be read.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read().splitlines()
+    except FileNotFoundError:
+        return [], 0
+    lines, skipped = [], 0
+    for text in raw[-last:] if last > 0 else []:
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            skipped += 1
+            continue
+        if not isinstance(doc, dict) or doc.get("format") != OUTCOME_KIND or doc.get("format_version") != OUTCOME_VERSION:
+            skipped += 1
+            continue
+        if doc.get("outcome") not in OUTCOMES:
+            skipped += 1
+            continue
+        lines.append(doc)
+    return lines, skipped
+
+
+def summarize(lines: Iterable[dict[str, object]]) -> list[ArtifactSummary]:
+    """Group outcome lines (oldest first) by ``artifact_dir``; artifacts sorted by their most recent line, newest first."""
+    groups: dict[str | None, list[dict[str, object]]] = {}
+    for doc in lines:
+        artifact = doc.get("artifact_dir")
+        groups.setdefault(artifact if isinstance(artifact, str) else None, []).append(doc)
+    summaries = []
+    for artifact, docs in groups.items():
+        counts = dict.fromkeys(OUTCOMES, 0)
+        for doc in docs:
+            counts[str(doc["outcome"])] += 1
+        failures = [d for d in docs if d["outcome"] in ("fell-back", "refused")]
+        summaries.append(ArtifactSummary(artifact, counts, docs[-1], failures[-1] if failures else None))
+    summaries.sort(key=lambda s: str(s.last.get("time", "")), reverse=True)
+    return summaries

@@ -1,0 +1,88 @@
+"""The load outcome log (coldsnap_core.outcomes, docs/format.md §10.3) and ``coldsnap status``: the line
+format, the failure paths of appending (never fatal, one WARNING), rotation, and the summary."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from coldsnap_core import outcomes
+from coldsnap_core.cli.main import main
+from coldsnap_core.errors import PayloadUnavailableError
+from coldsnap_core.outcomes import LoadOutcomeLine, append_outcome, read_outcomes, summarize
+
+
+def _line(outcome: str = "restored", artifact: str | None = "/a", **kwargs) -> LoadOutcomeLine:
+    return LoadOutcomeLine(outcome, "vllm", "worker-0-of-1", artifact, 1.23456, **kwargs)  # type: ignore[arg-type]
+
+
+def test_line_has_exactly_the_documented_fields(tmp_path: Path) -> None:
+    """Catches a field added, dropped or renamed without docs/format.md §10.3: the keys, the rounding,
+    the error's class, rule, file and detail cut to 2000 characters."""
+    log = tmp_path / "log.jsonl"
+    error = PayloadUnavailableError("x" * 3000, file="/cache/p.pack")
+    assert append_outcome(log, _line("fell-back", error=error, materialization_started=True))
+    (doc,) = [json.loads(line) for line in log.read_text().splitlines()]
+    documented = ["format", "format_version", "time", "host", "pid", "engine", "worker", "artifact_dir", "outcome"]
+    documented += ["seconds", "materialization_started", "error", "rule", "file", "detail", "pack_sha256"]
+    assert sorted(doc) == sorted(documented)
+    assert (doc["format"], doc["format_version"], doc["seconds"]) == ("coldsnap.load-outcome", 1, 1.235)
+    assert (doc["error"], doc["rule"], doc["file"]) == ("PayloadUnavailableError", "payload-available", "/cache/p.pack")
+    assert len(doc["detail"]) == 2001 and doc["detail"].endswith("…") and doc["materialization_started"] is True
+    assert log.stat().st_mode & 0o777 == 0o600
+
+
+def test_an_unwritable_log_is_one_warning_and_never_fatal(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A symbolic link at the log path is refused (``O_NOFOLLOW``) and a folder there cannot be
+    appended to: ``append_outcome`` returns False with one WARNING per path, naming it, however many
+    loads try. Fails if a load could raise from the log or the warning repeats."""
+    target = tmp_path / "elsewhere.jsonl"
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    folder = tmp_path / "folder.jsonl"
+    folder.mkdir()
+    with caplog.at_level(logging.WARNING, logger="coldsnap_core.outcomes"):
+        for _ in range(3):
+            assert not append_outcome(link, _line())
+            assert not append_outcome(folder, _line())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and str(link) in warnings[0] and str(folder) in warnings[1]
+    assert not target.exists()
+
+
+def test_a_large_log_is_rotated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above the rotation size the log moves to ``<path>.1`` before the next line is appended."""
+    monkeypatch.setattr(outcomes, "OUTCOME_LOG_ROTATE_BYTES", 600)
+    log = tmp_path / "log.jsonl"
+    for _ in range(3):
+        append_outcome(log, _line())
+    assert len(log.read_text().splitlines()) == 1 and len(Path(f"{log}.1").read_text().splitlines()) == 2
+
+
+def test_status_summarizes_per_artifact_and_skips_malformed_lines(tmp_path: Path, capsys) -> None:
+    """``coldsnap status``: counts per outcome and artifact, the latest failure with its rule, malformed
+    lines skipped and counted, ``--fail-on-fallback`` exit 1 only when an artifact's latest load fell
+    back; a missing log is exit 0; a log that cannot be read is exit 4 naming it."""
+    log = tmp_path / "log.jsonl"
+    append_outcome(log, _line("fell-back", "/a", error=PayloadUnavailableError("gone", file="/p")))
+    append_outcome(log, _line("restored", "/a"))
+    with open(log, "a") as f:
+        f.write("not json\n" + json.dumps({"format": "other"}) + "\n")
+    append_outcome(log, _line("fell-back", "/b", error=PayloadUnavailableError("gone", file="/q")))
+    lines, skipped = read_outcomes(log, 100)
+    assert len(lines) == 3 and skipped == 2
+    by_artifact = {s.artifact_dir: s for s in summarize(lines)}
+    assert by_artifact["/a"].counts["fell-back"] == 1 and by_artifact["/a"].last["outcome"] == "restored"
+    assert by_artifact["/a"].last_failure["file"] == "/p"
+    assert main(["status", "--outcome-log", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "2 malformed line(s) skipped" in out and "/b: 1 fell-back" in out and "rule payload-available, file /q" in out
+    assert main(["status", "--outcome-log", str(log), "--fail-on-fallback"]) == 1  # /b's latest load fell back
+    capsys.readouterr()
+    assert main(["status", "--outcome-log", str(tmp_path / "none.jsonl")]) == 0
+    assert "no load outcomes recorded" in capsys.readouterr().out
+    assert main(["status", "--outcome-log", str(tmp_path)]) == 4
+    assert str(tmp_path) in capsys.readouterr().err
