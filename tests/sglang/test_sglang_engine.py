@@ -27,6 +27,9 @@ import pytest
 from sglang_support import coldsnap_env, run_sglang, sglang_env, sglang_python
 
 from coldsnap_core.artifact import read_capsule, read_descriptor
+from coldsnap_core.cache import PayloadCache
+from coldsnap_core.publish import publish_native
+from coldsnap_core.stores.local import LocalFolderStore
 
 pytestmark = [pytest.mark.sglang, pytest.mark.vllm, pytest.mark.slow]
 
@@ -98,7 +101,7 @@ def test_sglang_and_vllm_captures_name_the_same_pack(two_layer: dict, smollm2_2l
     checkpoint (in this test run) gives the pack digest SGLang's capture gave, with byte-identical pack
     files; each engine keeps its own capsule (the residual and the allocation layout differ: vLLM has 4
     attention scales per layer more). Fails if either engine's capture orders or classifies model bytes
-    differently."""
+    differently. Publishing both artifacts uploads that pack once."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm"))
     from engine_support import run_engine
 
@@ -121,6 +124,11 @@ def test_sglang_and_vllm_captures_name_the_same_pack(two_layer: dict, smollm2_2l
     sglang_native = read_capsule(two_layer["artifact"] / "workers" / WORKER).native
     vllm_native = read_capsule(tmp_path / "artifact" / "workers" / WORKER).native
     assert len(sglang_native.allocations.allocations) < len(vllm_native.allocations.allocations)
+    # Publication of both engines' artifacts uploads the shared pack once, owned by both capsules.
+    (published,) = publish_native(
+        [two_layer["artifact"], tmp_path / "artifact"], LocalFolderStore(tmp_path / "store"), PayloadCache(two_layer["state"])
+    )
+    assert published.action == "uploaded" and published.pack == sglang_pack and len(published.owners) == 2
 
 
 def _flipped_state(two_layer: dict, name: str) -> tuple[Path, tuple[int, int]]:

@@ -411,3 +411,24 @@ def test_an_export_outside_an_observed_load_is_refused(fake_sglang, smollm2_2lay
     with pytest.raises(ObserverError, match="the checkpoint iterator was never prepared"):
         load(fake_sglang, tmp_path, smollm2_2layer, export_model_payload=1)
     assert not (tmp_path / "artifact").exists() or not any((tmp_path / "artifact").iterdir())
+
+
+def test_each_tensor_parallel_rank_is_its_own_worker(fake_sglang, monkeypatch) -> None:
+    """Tensor parallel rank logic (SGLang's CPU engine is run at tensor parallel size 1 in these tests):
+    the worker identity takes the global rank and world size from ``torch.distributed`` and the tensor
+    parallel rank from SGLang's ``LoadConfig.tp_rank``, so rank 2 of 3 is ``worker-2-of-3`` with its own
+    capsule, and a process without a process group is ``worker-0-of-1``. Fails if every rank would write
+    (or restore) the same capsule."""
+    from coldsnap_sglang.loader import worker_identity
+
+    assert worker_identity(fake_sglang.LoadConfig()).capsule_name == "worker-0-of-1"
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 3)
+    for rank in range(3):
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda rank=rank: rank)
+        identity = worker_identity(fake_sglang.LoadConfig(tp_rank=rank))
+        assert (identity.capsule_name, identity.tensor_parallel_rank, identity.tensor_parallel_size) == (
+            f"worker-{rank}-of-3",
+            rank,
+            3,
+        )
