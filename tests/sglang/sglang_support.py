@@ -87,10 +87,9 @@ class SGLangResult:
         """SGLang's own ``Load weight end. elapsed=`` figures (seconds), one per rank."""
         return [float(m) for m in _LOAD_WEIGHT_END.findall(self.log)]
 
-    def coldsnap_lines(self, level: str | None = None) -> list[str]:
-        """Log lines written by coldsnap (``coldsnap:``), of ``level`` (``WARNING``, ``INFO``) when given."""
-        lines = [line for line in self.log.splitlines() if "coldsnap:" in line]
-        return lines if level is None else [line for line in lines if level in line]
+    def coldsnap_lines(self) -> list[str]:
+        """Log lines written by coldsnap (``coldsnap:``); SGLang's log format has no level name."""
+        return [line for line in self.log.splitlines() if "coldsnap:" in line]
 
 
 def run_sglang(

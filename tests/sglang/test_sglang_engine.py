@@ -5,8 +5,8 @@ Every engine runs in its own process with the SGLang virtual environment's Pytho
 persistent buffer, the first 8 bytes of the SHA-256 of its bytes) against a plain ``--load-format
 safetensors`` load, and greedy generations. Engine starts cost 30-47 s each on two cores, so one capture
 of the 2-layer checkpoint serves every check of this module (a fixture of module scope): plain load,
-capture, native restore, a flipped pack byte under ``auto`` and ``native``, ``COLDSNAP_MATERIALIZE=async``,
-and ``python -m sglang.launch_server``. The 3-shard and untied checkpoints get their own capture and
+capture, native restore through ``python -m sglang.launch_server``, a flipped pack byte under ``auto`` and
+``native``, ``COLDSNAP_MATERIALIZE=async``. The 3-shard and untied checkpoints get their own capture and
 restore.
 """
 
@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from sglang_support import coldsnap_env, run_sglang, sglang_env, sglang_python
+from sglang_support import PROMPTS, SGLangResult, coldsnap_env, run_sglang, sglang_env, sglang_python
 
 from coldsnap_core.artifact import read_capsule, read_descriptor
 from coldsnap_core.cache import PayloadCache
@@ -34,6 +34,7 @@ from coldsnap_core.stores.local import LocalFolderStore
 pytestmark = [pytest.mark.sglang, pytest.mark.vllm, pytest.mark.slow]
 
 WORKER = "worker-0-of-1"
+SMOLLM2_2LAYER_PACK_SHA256 = "b5a02a03cd57b72df32f33a3822006fb012818690d609dfca6a8e0265a05d407"  # vLLM's too
 STARTUP_TIMEOUT_SECONDS = 600
 
 
@@ -52,17 +53,87 @@ def _flip_byte(path: Path, offset: int) -> None:
     path.chmod(0o444)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(url: str, body: dict | None = None, timeout: float = 5) -> tuple[int, object]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
+        return 0, None
+
+
+def _serve_restore(work: Path, model: Path, env: dict[str, str]) -> SGLangResult:
+    """``python -m sglang.launch_server ... --load-format coldsnap`` with ``env``: wait for ``/health``, send
+    one ``/generate`` request with both prompts, read ``/weights_checker`` (``action=checksum``), stop the
+    server with SIGINT; the result in :class:`SGLangResult` form (``output_ids`` from ``/generate``)."""
+    port = _free_port()
+    command = [str(sglang_python()), "-m", "sglang.launch_server", "--model-path", str(model)]
+    command += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--tp-size", "1"]
+    command += ["--dtype", "bfloat16", "--mem-fraction-static", "0.1", "--context-length", "256", "--max-total-tokens", "2048"]
+    command += [
+        "--skip-server-warmup",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--load-format",
+        "coldsnap",
+        "--random-seed",
+        "0",
+    ]
+    log_path = work / "server.log"
+    answer, checksums = None, None
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            command, env=sglang_env(work / "server.tmp", env), stdout=log, stderr=subprocess.STDOUT, cwd=work
+        )
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
+        while _http(f"http://127.0.0.1:{port}/health")[0] != 200:
+            if server.poll() is not None or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        else:
+            body = {"text": PROMPTS, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
+            _, answer = _http(f"http://127.0.0.1:{port}/generate", body, timeout=300)
+            _, checksums = _http(f"http://127.0.0.1:{port}/weights_checker", {"action": "checksum"}, timeout=300)
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    log_text = log_path.read_text()
+    if not isinstance(answer, list) or not isinstance(checksums, dict):
+        return SGLangResult(server.returncode or 1, [], [], [], log_text)
+    return SGLangResult(
+        0,
+        [a["text"] for a in answer],
+        [a["output_ids"] for a in answer],
+        [r["checksums"] for r in sorted(checksums["ranks"], key=lambda r: r["parallelism_info"][0]["tp_rank"])],
+        log_text,
+    )
+
+
 @pytest.fixture(scope="module")
 def two_layer(smollm2_2layer: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A plain SGLang load, a capture (``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``) and a native restore in a
-    fresh engine, of the 2-layer checkpoint."""
+    fresh engine (``python -m sglang.launch_server``, :func:`_serve_restore`), of the 2-layer checkpoint."""
     sglang_python()  # skip before any work without the SGLang virtual environment
     work = tmp_path_factory.mktemp("sglang-two-layer")
     runs = {"work": work, "model": smollm2_2layer, "artifact": work / "artifact", "state": work / "state"}
     runs["plain"] = run_sglang(work, "plain", smollm2_2layer, "safetensors")
     env = coldsnap_env(runs["artifact"], runs["state"])
     runs["capture"] = run_sglang(work, "capture", smollm2_2layer, "coldsnap", env={**env, "COLDSNAP_EXPORT_MODEL_PAYLOAD": "1"})
-    runs["restore"] = run_sglang(work, "restore", smollm2_2layer, "coldsnap", env={**env, "COLDSNAP_RESTORE": "native"})
+    runs["restore"] = _serve_restore(work, smollm2_2layer, {**env, "COLDSNAP_RESTORE": "native"})
     return runs
 
 
@@ -76,24 +147,28 @@ def _assert_same_load(result, plain) -> None:
 
 
 def test_capture_then_restore_equals_a_plain_sglang_load(two_layer: dict, smollm2_2layer: Path) -> None:
-    """Capture inside SGLang, then a native restore in a fresh engine: every parameter's bytes (SGLang's
-    weights checker) and the greedy tokens equal a plain SGLang load; the capture run (the observed load)
+    """Capture inside SGLang, then a native restore in a fresh engine started as ``python -m
+    sglang.launch_server ... --load-format coldsnap`` (its scheduler loads the plugin through the
+    ``sglang.srt.plugins`` entry point): every parameter's bytes (SGLang's ``/weights_checker``) and the
+    greedy tokens of one ``/generate`` request equal a plain SGLang load; the capture run (the observed load)
     changed nothing either. The capsule holds every checkpoint byte as model bytes (the tied ``lm_head``
-    once) and the restore read no checkpoint. Fails if SGLang's capture misclassifies a write, if restore
-    hydrates other bytes, or if the loader falls back to the checkpoint."""
+    once), its pack is the 2-layer golden digest, and the restore read no checkpoint. Fails if SGLang's
+    capture misclassifies a write, if restore hydrates other bytes, if the entry point does not register in
+    the scheduler, or if the loader falls back to the checkpoint."""
     from coldsnap_core.safetensors_header import read_header
 
     plain, capture, restore = two_layer["plain"], two_layer["capture"], two_layer["restore"]
     _assert_same_load(capture, plain)
     _assert_same_load(restore, plain)
-    assert [line for line in capture.coldsnap_lines("INFO") if f"captured {WORKER}: 70784640 model bytes" in line]
-    assert [line for line in restore.coldsnap_lines("INFO") if f"restored {WORKER} from pack" in line]
-    assert restore.coldsnap_lines("WARNING") == []
+    assert [line for line in capture.coldsnap_lines() if f"captured {WORKER}: 70784640 model bytes" in line]
+    assert [line for line in restore.coldsnap_lines() if f"restored {WORKER} from pack" in line]
+    assert [line for line in restore.coldsnap_lines() if "could not restore" in line] == []
     header = read_header(smollm2_2layer / "model.safetensors")
     native = read_capsule(two_layer["artifact"] / "workers" / WORKER).native
     assert native.model_bytes == sum(t.size_bytes for t in header.values()) == 70_784_640
     assert {e.provenance.tensor_name for e in native.model_extents} == set(header)
     assert native.capture_point == "portable"
+    assert native.pack.sha256 == SMOLLM2_2LAYER_PACK_SHA256
 
 
 def test_sglang_and_vllm_captures_name_the_same_pack(two_layer: dict, smollm2_2layer: Path, tmp_path: Path) -> None:
@@ -149,7 +224,7 @@ def test_flipped_pack_byte_auto_warns_once_and_serves_correctly(two_layer: dict)
         two_layer["work"], "flipped-auto", two_layer["model"], "coldsnap", env=coldsnap_env(two_layer["artifact"], state)
     )
     _assert_same_load(result, two_layer["plain"])
-    (warning,) = result.coldsnap_lines("WARNING")
+    (warning,) = [line for line in result.coldsnap_lines() if "could not restore" in line]  # SGLang logs no level name
     assert f"could not restore {WORKER}" in warning and "rule extent-sha256 failed" in warning
 
 
@@ -197,76 +272,6 @@ def test_materialize_async_and_required_are_refused_under_sglang(two_layer: dict
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _http(url: str, body: dict | None = None, timeout: float = 5) -> tuple[int, dict | None]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read() or b"null")
-    except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
-        return 0, None
-
-
-def test_launch_server_restores_and_answers_generate(two_layer: dict) -> None:
-    """``python -m sglang.launch_server ... --load-format coldsnap`` with ``COLDSNAP_RESTORE=native``: the
-    scheduler process loads the plugin through its ``sglang.srt.plugins`` entry point, restores from pack
-    and residual (its log says so, no WARNING), ``/weights_checker`` reports the plain load's checksums and
-    ``/generate`` answers with the plain load's greedy tokens. Fails if the entry point is not installed or
-    does not register in the scheduler process."""
-    port = _free_port()
-    command = [str(sglang_python()), "-m", "sglang.launch_server", "--model-path", str(two_layer["model"])]
-    command += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--tp-size", "1"]
-    command += ["--dtype", "bfloat16", "--mem-fraction-static", "0.1", "--context-length", "256", "--max-total-tokens", "2048"]
-    command += [
-        "--skip-server-warmup",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--load-format",
-        "coldsnap",
-        "--random-seed",
-        "0",
-    ]
-    env = sglang_env(
-        two_layer["work"] / "server.tmp", coldsnap_env(two_layer["artifact"], two_layer["state"], COLDSNAP_RESTORE="native")
-    )
-    log_path = two_layer["work"] / "server.log"
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=two_layer["work"])
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
-        while _http(f"http://127.0.0.1:{port}/health")[0] != 200:
-            assert server.poll() is None, f"launch_server exited with {server.returncode}:\n{log_path.read_text()[-5000:]}"
-            assert time.monotonic() < deadline, "launch_server did not become healthy"
-            time.sleep(1)
-        prompt = "The capital of France is"
-        status, answer = _http(
-            f"http://127.0.0.1:{port}/generate",
-            {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
-            timeout=120,
-        )
-        checked, checksums = _http(f"http://127.0.0.1:{port}/weights_checker", {"action": "checksum"}, timeout=120)
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-    log_text = log_path.read_text()
-    assert status == 200 and answer["text"] == two_layer["plain"].outputs[0]
-    assert checked == 200 and checksums["ranks"][0]["checksums"] == two_layer["plain"].checksums[0]
-    assert f"coldsnap: restored {WORKER} from pack" in log_text
-    assert "could not restore" not in log_text
-
-
 @pytest.mark.parametrize("variant", ["smollm2_2layer_3shards", "smollm2_2layer_untied"])
 def test_variants_capture_and_restore_equal_plain_loads(variant: str, request, two_layer: dict, tmp_path: Path) -> None:
     """The 3-shard checkpoint (``model.safetensors.index.json``; its tensors are the 2-layer checkpoint's,
@@ -280,7 +285,7 @@ def test_variants_capture_and_restore_equal_plain_loads(variant: str, request, t
     restore = run_sglang(tmp_path, "restore", model, "coldsnap", env={**env, "COLDSNAP_RESTORE": "native"})
     _assert_same_load(capture, plain)
     _assert_same_load(restore, plain)
-    assert [line for line in restore.coldsnap_lines("INFO") if f"restored {WORKER} from pack" in line]
+    assert [line for line in restore.coldsnap_lines() if f"restored {WORKER} from pack" in line]
     files = {e.provenance.checkpoint_file for e in read_capsule(tmp_path / "artifact" / "workers" / WORKER).native.model_extents}
     if variant.endswith("3shards"):
         assert files == {f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)}
