@@ -69,6 +69,7 @@ def run_phase(phase: str, model: str, workdir: Path) -> list[str]:
         skip_server_warmup=True,
         disable_cuda_graph=True,
         random_seed=0,
+        log_level="info",  # SGLang's "Load weight end. elapsed=" line and coldsnap's own lines
     )
     try:
         outputs = engine.generate(prompt=PROMPTS, sampling_params={"temperature": 0.0, "max_new_tokens": MAX_TOKENS})
