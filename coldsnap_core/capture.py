@@ -293,8 +293,9 @@ def warn_if_few_model_bytes(manifest: NativeManifest, worker: WorkerIdentity) ->
     logger.warning(
         "coldsnap: %s: only %d of %d allocation bytes (%.1f%%) are model bytes; the rest (%d bytes) went into the"
         " residual blob, which is this worker's own and not shared. Likely cause: the engine converted the"
-        " checkpoint's dtype while loading (e.g. --dtype float32 for a bfloat16 checkpoint); dtype-converting copies"
-        " are residual unless the loader's extra-config key converted_copies=model is set",
+        " checkpoint's dtype while loading (e.g. --dtype float32 for a bfloat16 checkpoint) with the loader's"
+        " extra-config key converted_copies=residual set (remove it to share converted copies), or the model"
+        " rewrites its weights after copying them",
         worker.capsule_name,
         manifest.model_bytes,
         total,

@@ -25,10 +25,12 @@ Classification comes from observed loader behaviour, never from parameter names 
      except metadata-only in-place views (tag ``inplace_view``) and ``set_``. The whole byte hull
      of the written tensor becomes residual, also when the operator writes only some of its
      elements (which ones ``index_put_`` touches depends on the index values).
-   * a dtype-converting ``copy_`` from a checkpoint tensor is residual by default; with
-     ``converted_copies="model"`` it is recorded as a model extent whose provenance says
-     ``dtype_converted: true`` (the destination bytes are then a function of the source bytes,
-     which the pack stores as they are).
+   * a dtype-converting ``copy_`` from a checkpoint tensor is, by default
+     (``converted_copies="model"``), a model extent whose provenance says ``dtype_converted: true``:
+     the destination bytes are a deterministic function of the source bytes (IEEE round to nearest
+     even), so every worker that converts the same checkpoint the same way writes the same bytes,
+     which the pack stores as they are and shares. ``converted_copies="residual"`` opts out
+     (the converted bytes then go into each worker's own residual blob).
    * a later checkpoint copy that fully overwrites earlier checkpoint copies (every byte an earlier
      copy wrote inside its range is still a model byte of a record that lies wholly inside it: a
      tensor stored in two shards, which the engine's iterator yields twice) leaves model bytes with
@@ -462,14 +464,14 @@ class WriteObserver(TorchDispatchMode):
 
     Args:
         sources: the checkpoint tensors registered at the iterator boundary.
-        converted_copies: ``residual`` (default) or ``model`` for dtype-converting checkpoint copies.
+        converted_copies: ``model`` (default) or ``residual`` for dtype-converting checkpoint copies.
 
     Attributes:
         checkpoint_copies: number of ``copy_`` calls recorded as model bytes (for logs and tests).
         other_writes: number of other byte-writing operator calls seen.
     """
 
-    def __init__(self, sources: CheckpointSources, *, converted_copies: ConvertedCopies = "residual") -> None:
+    def __init__(self, sources: CheckpointSources, *, converted_copies: ConvertedCopies = "model") -> None:
         super().__init__()
         self.sources = sources
         self.converted_copies = converted_copies

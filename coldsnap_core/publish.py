@@ -166,8 +166,9 @@ def publish_native(
             else:
                 _verify_local(path, pack, item.manifest, item.manifest_file, cache, progress)
                 upload_progress = progress(f"upload {pack.sha256[:12]}", pack.size_bytes) if progress else None
-                store.upload(path, pack.sha256, pack.size_bytes, progress=upload_progress)
-                action = "uploaded"
+                created = store.upload(path, pack.sha256, pack.size_bytes, progress=upload_progress)
+                # False: another publisher created this digest while we verified and sent it (kept as is)
+                action = "present" if created is False else "uploaded"
         published = PublishedPayload(pack, action, item.owners)
         logger.info("coldsnap: %s %s (%d bytes) -> %s", action, pack.sha256, pack.size_bytes, store.name)
         if on_payload is not None:

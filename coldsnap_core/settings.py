@@ -24,16 +24,16 @@ COLDSNAP_MATERIALIZE           ``materialize``             after a recovery load
 COLDSNAP_VERIFY_EXTENTS        ``verify_extents``          ``1``: hash every model extent while hydrating (``0``)
 COLDSNAP_VERIFY_CHECKPOINT     ``verify_checkpoint``       ``1``: at restore, hash every local checkpoint file
                                                            this node has no checkpoint record of (``0``:
-                                                           accept it on its name and size)
+                                                           compare its content fingerprint instead)
 COLDSNAP_OUTCOME_LOG           ``outcome_log``             the load outcome log each worker load appends one
                                                            JSON line to (``<state-root>/load-outcomes.jsonl``;
                                                            ``docs/format.md`` §10.3)
 COLDSNAP_INNER_LOAD_FORMAT     ``inner_load_format``       the vLLM load format whose I/O the loader keeps
                                                            (``instanttensor`` on CUDA, ``safetensors``
                                                            elsewhere)
-(none)                         ``converted_copies``        ``residual`` (default) or ``model``: whether a
+(none)                         ``converted_copies``        ``model`` (default) or ``residual``: whether a
                                                            dtype-converting checkpoint copy is a model extent
-                                                           (with ``dtype_converted: true``)
+                                                           (with ``dtype_converted: true``) or residual
 =============================  ==========================  ==================================================
 
 An extra-config key wins over its environment variable. Values are read leniently in form only: choices
@@ -109,7 +109,7 @@ class ColdsnapSettings:
         verify_extents: hash every model extent while hydrating.
         verify_checkpoint: at restore, hash local checkpoint files without a checkpoint record.
         inner_load_format: the vLLM load format to keep, or ``None`` for the platform default.
-        converted_copies: ``residual`` or ``model``.
+        converted_copies: ``model`` (converted copies are model extents, the default) or ``residual``.
         outcome_log: the load outcome log (absolute), or ``None`` for
             ``<state_root>/load-outcomes.jsonl`` (:attr:`outcome_log_path`).
     """
@@ -122,7 +122,7 @@ class ColdsnapSettings:
     verify_extents: bool = False
     verify_checkpoint: bool = False
     inner_load_format: str | None = None
-    converted_copies: ConvertedCopies = "residual"
+    converted_copies: ConvertedCopies = "model"
     outcome_log: Path | None = None
 
     @property
@@ -219,7 +219,7 @@ class ColdsnapSettings:
             verify_extents=flag("verify_extents"),
             verify_checkpoint=flag("verify_checkpoint"),
             inner_load_format=inner_format,
-            converted_copies=choice("converted_copies", CONVERTED_COPIES, "residual"),  # type: ignore[arg-type]
+            converted_copies=choice("converted_copies", CONVERTED_COPIES, "model"),  # type: ignore[arg-type]
             outcome_log=path("outcome_log"),
         )
         if settings.artifact_dir is None and settings.export_model_payload:

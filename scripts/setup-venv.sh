@@ -28,9 +28,11 @@ step() {  # step DESCRIPTION COMMAND...: run quietly, show the output only on fa
 }
 
 if [ -f "$stamp" ]; then
-  # Ready: the editable install is redone only when pyproject.toml changed (entry points, dependencies).
+  # Ready: the editable install is redone only when pyproject.toml changed (entry points, dependencies,
+  # extras: new test or s3 dependencies are installed then, under the same torch constraint).
   if [ "$(cat "$stamp")" != "$project_hash" ]; then
-    step "pyproject.toml changed: reinstalling coldsnap (editable)" "$venv/bin/pip" install -q --no-deps -e "$root"
+    step "pyproject.toml changed: reinstalling coldsnap (editable) with its test, fixture and s3 extras" \
+      "$venv/bin/pip" install -q --disable-pip-version-check -c "$venv/cpu-constraints.txt" -e "$root[test,fixtures,s3]"
     echo "$project_hash" > "$stamp"
   fi
   exit 0
@@ -47,7 +49,7 @@ sp=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purel
 mkdir -p "$sp/vllm-0.32.0+cpu.dist-info"
 printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$sp/vllm-0.32.0+cpu.dist-info/METADATA"
 : > "$sp/vllm-0.32.0+cpu.dist-info/RECORD"
-step "installing coldsnap (editable) with its test and fixture extras" \
-  "${pip[@]}" -c "$venv/cpu-constraints.txt" -e "$root[test,fixtures]"
+step "installing coldsnap (editable) with its test, fixture and s3 extras" \
+  "${pip[@]}" -c "$venv/cpu-constraints.txt" -e "$root[test,fixtures,s3]"
 echo "$project_hash" > "$stamp"
 echo "setup-venv: ready: $venv" >&2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 
 from tqdm import tqdm
@@ -26,3 +27,12 @@ class BarFactory:
 
     def close(self) -> None:
         self._stack.close()
+
+
+def quiet_hub_bars() -> None:
+    """Silence ``huggingface_hub``'s own upload and download bars unless stderr is a terminal (its bars,
+    unlike ours, print into logs and pipes too)."""
+    if not sys.stderr.isatty():
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()

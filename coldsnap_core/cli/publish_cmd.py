@@ -1,7 +1,8 @@
 """``coldsnap publish-native ARTIFACT... --repo REPO [--dry-run]``: upload each distinct model payload once.
 
 REPO is a Hugging Face repository id (``org/name[@revision]``; token and endpoint from ``HF_TOKEN`` and
-``HF_ENDPOINT``) or a folder (``/abs``, ``./rel``, ``../rel``, ``~/...`` or ``file://...``). Objects go to
+``HF_ENDPOINT``; a missing repository is created, private unless ``--public``), an S3-compatible bucket
+(``s3://bucket/prefix``; endpoint and credentials from the AWS variables) or a folder (``/abs``, ``./rel``, ``../rel``, ``~/...`` or ``file://...``). Objects go to
 ``model-payloads/sha256/<digest>.pack`` there; the path comes from the digest alone.
 
 A payload counts as present only if the store's object verifies as far as the store can tell (a
@@ -22,14 +23,25 @@ import argparse
 import sys
 
 from coldsnap_core.cache import PayloadCache
-from coldsnap_core.cli._progress import BarFactory
+from coldsnap_core.cli._progress import BarFactory, quiet_hub_bars
 from coldsnap_core.cli._targets import artifact_folder
 from coldsnap_core.publish import PublishedPayload, publish_native
 from coldsnap_core.stores import parse_store_spec
+from coldsnap_core.stores.base import PayloadStore
+
+
+def _set_visibility(store: PayloadStore, public: bool) -> None:
+    from coldsnap_core.stores.hf import HfPayloadStore
+
+    if isinstance(store, HfPayloadStore):
+        store.private = not public
 
 
 def run(args: argparse.Namespace) -> int:
     store = parse_store_spec(args.repo)
+    if args.public:
+        _set_visibility(store, True)
+    quiet_hub_bars()
     cache = PayloadCache(args.state_root)
     bars = BarFactory()
 
@@ -65,7 +77,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("artifact", nargs="+", metavar="ARTIFACT", help="artifact folder(s) (with artifact.json)")
     p.add_argument(
-        "--repo", required=True, help="Hugging Face repo id org/name[@revision], or a folder path (/abs, ./rel, ~/x, file://)"
+        "--repo",
+        required=True,
+        help="Hugging Face repo id org/name[@revision], s3://bucket/prefix, or a folder path (/abs, ./rel, ~/x, file://)",
+    )
+    p.add_argument(
+        "--public", action="store_true", help="create a missing Hugging Face repository public (default: private, as hf upload)"
     )
     p.add_argument("--dry-run", action="store_true", help="check presence and local objects; hash and upload nothing")
     p.add_argument(

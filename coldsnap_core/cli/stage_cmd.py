@@ -1,5 +1,13 @@
 """``coldsnap stage ARTIFACT [--rank N ...]``: put this host's packs into the node-local cache, verified.
 
+Which workers are this host's (:func:`host_workers`), first rule that applies:
+
+1. ``--rank N`` (repeatable): exactly those ranks;
+2. ``--node-rank K`` with ``--workers-per-node W`` (defaults: torchrun's ``NODE_RANK`` (or ``GROUP_RANK``)
+   and ``LOCAL_WORLD_SIZE``): ranks ``K*W`` to ``K*W+W-1`` (``torch.distributed`` numbers ranks node by
+   node, as torchrun and vLLM's multi-node launch do);
+3. otherwise every worker in ``artifact.json`` (a single-host deployment: all its workers run here).
+
 Exit codes: 0 every requested pack is staged and verified; 1 a pack is corrupt (a cached one with no
 store to repair it from, now quarantined, or the store's copy, named by its place in the store;
 nothing is kept); 2 a malformed manifest or descriptor; 3 a pack is unavailable (not cached and not
@@ -10,36 +18,98 @@ failed, configuration, symbolic link, artifact inconsistency).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from coldsnap_core.artifact import read_descriptor
 from coldsnap_core.cache import PayloadCache
-from coldsnap_core.cli._progress import byte_bar
+from coldsnap_core.cli._progress import byte_bar, quiet_hub_bars
 from coldsnap_core.cli._targets import artifact_folder
-from coldsnap_core.errors import MissingObjectError
+from coldsnap_core.errors import ConfigurationError, MissingObjectError
+from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.staging import stage_payload, worker_entries
 from coldsnap_core.stores import from_env, parse_store_spec
+
+
+def _env_int(environ: Mapping[str, str], *names: str) -> tuple[str, int] | None:
+    for name in names:
+        value = environ.get(name, "").strip()
+        if value:
+            try:
+                return name, int(value)
+            except ValueError:
+                raise ConfigurationError(f"{name}={value!r} is not an integer") from None
+    return None
+
+
+def host_workers(
+    workers: Sequence[WorkerIdentity],
+    *,
+    ranks: Sequence[int] | None = None,
+    node_rank: int | None = None,
+    workers_per_node: int | None = None,
+    environ: Mapping[str, str] | None = None,
+    descriptor_file: str | os.PathLike[str] | None = None,
+) -> list[WorkerIdentity]:
+    """The workers of ``workers`` (an artifact's, in its order) that run on this host (module docstring rule).
+
+    Raises:
+        MissingObjectError: a requested rank is not in the artifact, or node ``K`` has no worker.
+        ConfigurationError: only one of node rank and workers per node is known, or one is negative
+            or not an integer (names the variable).
+    """
+    if ranks:
+        missing = sorted(set(ranks) - {w.rank for w in workers})
+        if missing:
+            raise MissingObjectError(
+                f"the artifact lists no worker with rank {', '.join(map(str, missing))}", file=descriptor_file
+            )
+        return [w for w in workers if w.rank in set(ranks)]
+    env = os.environ if environ is None else environ
+    node = ("--node-rank", node_rank) if node_rank is not None else _env_int(env, "NODE_RANK", "GROUP_RANK")
+    per_node = ("--workers-per-node", workers_per_node) if workers_per_node is not None else _env_int(env, "LOCAL_WORLD_SIZE")
+    if node is None and per_node is None:
+        return list(workers)
+    if node is None or per_node is None:
+        given = (node or per_node)[0]
+        raise ConfigurationError(
+            f"{given} is set but not {'LOCAL_WORLD_SIZE/--workers-per-node' if node else 'NODE_RANK/--node-rank'}: "
+            "both say which ranks run on this host"
+        )
+    if node[1] < 0 or per_node[1] <= 0:
+        raise ConfigurationError(f"{node[0]}={node[1]} must be >= 0 and {per_node[0]}={per_node[1]} > 0")
+    first = node[1] * per_node[1]
+    mine = [w for w in workers if first <= w.rank < first + per_node[1]]
+    if not mine:
+        raise MissingObjectError(
+            f"node {node[1]} with {per_node[1]} workers per node runs ranks {first}-{first + per_node[1] - 1}; "
+            "the artifact lists none of them",
+            file=descriptor_file,
+        )
+    return mine
 
 
 def run(args: argparse.Namespace) -> int:
     artifact_dir = artifact_folder(args.artifact)
     cache = PayloadCache(args.state_root)
     store = parse_store_spec(args.repo) if args.repo else from_env()
+    quiet_hub_bars()
     descriptor = read_descriptor(artifact_dir)
-    workers = [entry.worker for entry in descriptor.workers]
-    if args.rank:
-        missing = sorted(set(args.rank) - {w.rank for w in workers})
-        if missing:
-            raise MissingObjectError(
-                f"the artifact lists no worker with rank {', '.join(map(str, missing))}", file=artifact_dir / "artifact.json"
-            )
-        workers = [w for w in workers if w.rank in set(args.rank)]
+    workers = host_workers(
+        [entry.worker for entry in descriptor.workers],
+        ranks=args.rank,
+        node_rank=args.node_rank,
+        workers_per_node=args.workers_per_node,
+        descriptor_file=artifact_dir / "artifact.json",
+    )
     entries = worker_entries(artifact_dir, workers)
     staged: dict[str, Path] = {}
     for entry in entries:
         pack = entry.payload
         if pack.sha256 not in staged:
+            # each fetched byte is reported twice (copied, then verified); a cached one once (hashed) or never (record)
             with byte_bar(f"stage {pack.sha256[:12]}", None) as update:
                 staged[pack.sha256] = stage_payload(pack, cache=cache, store=store, progress=update)
         print(f"{entry.worker.capsule_name}: {staged[pack.sha256]}")
@@ -53,17 +123,34 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "stage",
         help="stage (and verify) the packs of this host's workers into the node-local cache",
         description=(
-            "For each selected worker of ARTIFACT, make its pack available in <state-root>/model-payloads: from the cache "
+            "For each of this host's workers in ARTIFACT, make its pack available in <state-root>/model-payloads: from the cache "
             "(validation record or full SHA-256), else from the payload store (--repo, COLDSNAP_PAYLOAD_DIR or "
             "COLDSNAP_PAYLOAD_REPO). Exit codes: 0 staged, 1 corrupt pack, 2 malformed manifest, 3 pack unavailable or "
-            "unknown rank, 4 other error (including a store that did not answer)."
+            "unknown rank, 4 other error (including a store that did not answer). This host's workers: the --rank values; "
+            "else, with --node-rank K and --workers-per-node W (default: $NODE_RANK or $GROUP_RANK, and $LOCAL_WORLD_SIZE, "
+            "as torchrun sets them), ranks K*W to K*W+W-1; else every worker in artifact.json (one host runs them all)."
         ),
     )
     p.add_argument("artifact", metavar="ARTIFACT", help="artifact folder (with artifact.json), or its artifact.json")
     p.add_argument(
-        "--rank", type=int, action="append", metavar="N", help="stage only the worker with this rank (repeatable; default: all)"
+        "--rank",
+        type=int,
+        action="append",
+        metavar="N",
+        help="stage only the worker with this rank (repeatable; default: this host's workers, see above)",
     )
-    p.add_argument("--repo", default=None, help="payload store: a folder path or a Hugging Face repo id org/name[@revision]")
+    p.add_argument(
+        "--node-rank", type=int, default=None, metavar="K", help="this host's node rank (default: $NODE_RANK/$GROUP_RANK)"
+    )
+    p.add_argument(
+        "--workers-per-node", type=int, default=None, metavar="W", help="workers per host (default: $LOCAL_WORLD_SIZE)"
+    )
+    p.add_argument(
+        "--repo",
+        default=None,
+        help="payload store: a folder path, s3://bucket/prefix or a Hugging Face repo id org/name[@revision] "
+        "(default: $COLDSNAP_PAYLOAD_DIR or $COLDSNAP_PAYLOAD_REPO)",
+    )
     p.add_argument(
         "--state-root", default=None, help="the cache's state root (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)"
     )

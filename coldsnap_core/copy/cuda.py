@@ -146,7 +146,8 @@ class CupyDeviceOps:
             import cupy
         except ImportError as exc:
             raise ConfigurationError(
-                "the CUDA copy backend needs cupy (pip install 'coldsnap[cuda]', i.e. cupy-cuda12x)"
+                "the CUDA copy backend needs cupy (pip install 'coldsnap[cuda]': cupy-cuda13x for CUDA 13,"
+                " or 'coldsnap[cuda12]': cupy-cuda12x for CUDA 12)"
             ) from exc
         self._cupy = cupy
         self._rt = cupy.cuda.runtime

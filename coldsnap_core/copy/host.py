@@ -12,8 +12,12 @@ in source order:
   to the threads largest first (each to the least loaded thread) and each is hashed right after its
   bytes land, ``chunk_bytes`` at a time, while they are still in the CPU cache.
 
-Each destination range is faulted in with one ``madvise(MADV_POPULATE_WRITE)`` before it is read
-into (:func:`prefault_for_write`), instead of one page fault per 4 KiB page of fresh memory.
+Fresh destination memory is the main cost of a warm copy, so before the threads start every
+destination allocation's whole 2 MiB pages are advised ``MADV_HUGEPAGE`` (:func:`advise_huge_pages`),
+and each thread then faults its own range in with one ``madvise(MADV_POPULATE_WRITE)`` before
+reading into it (:func:`prefault_for_write`): the faults and the zeroing of fresh pages run on every
+worker thread, one fault per 2 MiB page where the kernel grants huge pages, instead of one fault per
+4 KiB page on first touch. The bytes are still copied once, from the page cache into the allocation.
 
 A failure in one batch stops the others at their next chunk; the first error is raised.
 """
@@ -42,10 +46,33 @@ MAX_DEFAULT_THREADS = 8
 
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+HUGE_PAGE_BYTES = 2 << 20
+"""Size of a transparent huge page on x86-64 and on arm64 with 4 KiB base pages (2 MiB, PMD size)."""
+MADV_HUGEPAGE = 14
+"""``madvise`` advice: back the range with transparent huge pages where possible (``mm/madvise.c``)."""
 MADV_POPULATE_WRITE = 23
 """Linux >= 5.14 ``madvise`` advice: fault the range in for writing in one call (``mm/madvise.c``)."""
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def advise_huge_pages(address: int, size_bytes: int) -> bool:
+    """Advise ``MADV_HUGEPAGE`` on the whole 2 MiB pages inside ``[address, address + size_bytes)``.
+
+    Only the huge-page-aligned interior is advised: a huge page that straddled the range's ends
+    would also cover neighbouring memory that the caller does not own. Must run before the range is
+    first faulted (a page already mapped with 4 KiB pages stays so until ``khugepaged`` collapses
+    it). Faulting fresh memory in 2 MiB pages takes one fault and one zeroing per 512 base pages:
+    about 31 ms instead of about 58 ms for 269 MB here (``benchmarks/host_fill.py``). With
+    transparent huge pages in ``never`` mode, or for anonymous memory the kernel cannot back with
+    them, the advice changes nothing. Returns ``False`` when the range has no whole huge page or the
+    kernel refuses the advice (the copy then uses base pages as usual).
+    """
+    start = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    end = (address + size_bytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if end <= start:
+        return False
+    return _libc.madvise(start, end - start, MADV_HUGEPAGE) == 0
 
 
 def prefault_for_write(address: int, size_bytes: int) -> bool:
@@ -150,6 +177,11 @@ class HostCopyBackend:
     ) -> None:
         """See :meth:`coldsnap_core.copy.base.CopyBackend.fill`."""
         batches = deal_largest_first(ops, self.threads) if verify_extents else split_even(ops, self.threads, self.chunk_bytes)
+        # Before any thread faults its range: a 2 MiB page that straddles two threads' pieces is
+        # advised here once, per destination allocation, so neither piece falls back to 4 KiB pages.
+        for index in sorted({op.allocation_index for op in ops}):
+            allocation = allocations[index]
+            advise_huge_pages(allocation.address, allocation.size_bytes)
         stop = threading.Event()
         fds: dict[SourceName, int] = {}
         try:

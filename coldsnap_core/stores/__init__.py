@@ -3,6 +3,8 @@
 Configuration (:func:`from_env`):
 
 * ``COLDSNAP_PAYLOAD_DIR=/path``: a local or shared folder (:class:`LocalFolderStore`);
+* ``COLDSNAP_PAYLOAD_REPO=s3://bucket[/prefix]``: an S3-compatible bucket
+  (:class:`coldsnap_core.stores.s3.S3PayloadStore`; endpoint and credentials from the AWS variables);
 * ``COLDSNAP_PAYLOAD_REPO=org/name[@revision]``: a Hugging Face repository
   (:class:`coldsnap_core.stores.hf.HfPayloadStore`), with ``COLDSNAP_PAYLOAD_REPO_TYPE=model|dataset``
   (default ``model``); token and endpoint from ``HF_TOKEN``/``HF_ENDPOINT`` as ``huggingface_hub``
@@ -45,6 +47,7 @@ def parse_store_spec(spec: str, *, repo_type: str = "model") -> PayloadStore:
     """A store from a ``--repo`` / ``COLDSNAP_PAYLOAD_REPO`` value.
 
     * ``file:///abs/path``, ``/abs/path``, ``./rel``, ``../rel``, ``~/path``, ``.``: a folder store;
+    * ``s3://bucket`` or ``s3://bucket/prefix``: an S3-compatible bucket (boto3, the ``s3`` extra);
     * ``org/name`` or ``org/name@revision`` (revision: branch, tag or commit; it may contain ``/``):
       a Hugging Face repository of type ``repo_type``.
 
@@ -56,6 +59,10 @@ def parse_store_spec(spec: str, *, repo_type: str = "model") -> PayloadStore:
         raise ConfigurationError("the payload store is empty; give a folder path or a Hugging Face repository id")
     if _looks_like_path(spec):
         return LocalFolderStore(spec.removeprefix("file://"))
+    if spec.startswith("s3://"):
+        from coldsnap_core.stores.s3 import S3PayloadStore
+
+        return S3PayloadStore.from_url(spec)
     from coldsnap_core.stores.hf import HfPayloadStore
 
     repo_id, at, revision = spec.partition("@")

@@ -4,7 +4,8 @@ A store holds content-addressed objects at ``model-payloads/sha256/<digest>.pack
 path as the cache; :func:`coldsnap_core.digests.pack_relpath`), so every path is derived from the
 digest alone (seed 000, "Capture and publication": "recipes and capture IDs cannot choose the
 committed object path"). Implementations: :class:`coldsnap_core.stores.local.LocalFolderStore` (a
-local or shared folder) and :class:`coldsnap_core.stores.hf.HfPayloadStore` (a Hugging Face repository).
+local or shared folder), :class:`coldsnap_core.stores.hf.HfPayloadStore` (a Hugging Face repository) and
+:class:`coldsnap_core.stores.s3.S3PayloadStore` (an S3-compatible bucket).
 
 A store moves bytes; it never decides whether they are right. Staging runs the one verifier
 (:func:`coldsnap_core.verify.verify_pack_file`) on every fetched object before the cache commits it,
@@ -72,8 +73,13 @@ class PayloadStore(Protocol):
         """
         ...
 
-    def upload(self, path: Path, digest: str, size_bytes: int, *, progress: ProgressCallback | None = None) -> None:
+    def upload(self, path: Path, digest: str, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
         """Store the (already verified) local file ``path`` as the object ``digest``, atomically.
+
+        Returns:
+            ``True`` when this call created (or replaced a corrupt) object; ``False`` when another
+            publisher created the same digest meanwhile and it was kept (a store with a conditional
+            create: the folder store's no-replace link, S3's ``If-None-Match: *``).
 
         Raises:
             InvalidDigestError: bad digest.

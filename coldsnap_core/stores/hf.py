@@ -9,7 +9,16 @@ itself. Calls used (``huggingface_hub`` >= 1.31):
 * ``HfApi.get_paths_info``: presence, size and the LFS SHA-256 of an object;
 * ``HfApi.hf_hub_download(..., local_dir=...)``: download into a scratch folder next to the cache's
   temporary file, then a kernel copy into it (the cache verifies and commits);
-* ``HfApi.create_commit`` with one ``CommitOperationAdd`` per object.
+* ``HfApi.create_repo(exist_ok=True, private=...)`` when the repository does not exist yet (private
+  unless the store was made with ``private=False``, as ``hf upload`` does), then
+  ``HfApi.create_commit`` with one ``CommitOperationAdd`` per object.
+
+Xet: ``huggingface_hub`` uploads through Xet whenever ``hf_xet`` is importable (it is a dependency of
+``huggingface_hub`` 2.x) unless ``HF_HUB_DISABLE_XET=1``. coldsnap leaves that choice to the client:
+against the Hugging Face Hub (which offers Xet) uploads go through Xet and ``paths-info`` still
+reports the file's SHA-256 (``lfs.oid``); against a Hub without Xet (a self-hosted or test Hub) set
+``HF_HUB_DISABLE_XET=1`` for the classic LFS upload. Downloads need no switch. Either way the cache
+verifies every fetched byte itself.
 
 Errors from the Hub are wrapped: a missing object (the Hub answered "not found") is
 :class:`~coldsnap_core.errors.PayloadUnavailableError`; a Hub that did not answer (unreachable
@@ -27,7 +36,7 @@ from typing import Any
 
 from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub import constants as hf_constants
-from huggingface_hub.errors import EntryNotFoundError, HFValidationError, LocalEntryNotFoundError
+from huggingface_hub.errors import EntryNotFoundError, HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import validate_repo_id
 
@@ -57,12 +66,21 @@ class HfPayloadStore:
         revision: branch, tag or commit to read from and commit to (``None``: the default branch).
         repo_type: ``model`` (default) or ``dataset``.
         api: the ``HfApi`` to use (default: ``HfApi()``, configured from the environment).
+        private: visibility of the repository if an upload has to create it (default private).
 
     Raises:
         ConfigurationError: the repository id or type is invalid.
     """
 
-    def __init__(self, repo_id: str, *, revision: str | None = None, repo_type: str = "model", api: HfApi | None = None) -> None:
+    def __init__(
+        self,
+        repo_id: str,
+        *,
+        revision: str | None = None,
+        repo_type: str = "model",
+        api: HfApi | None = None,
+        private: bool = True,
+    ) -> None:
         try:
             validate_repo_id(repo_id)
         except HFValidationError as exc:
@@ -75,6 +93,7 @@ class HfPayloadStore:
         self.revision = revision
         self.repo_type = repo_type
         self.api = api if api is not None else HfApi()
+        self.private = private
         self.name = f"hf {repo_type}s/{repo_id}@{revision or 'default branch'}"
 
     def __repr__(self) -> str:
@@ -106,10 +125,16 @@ class HfPayloadStore:
 
         The LFS SHA-256 the Hub reports is always compared with ``digest`` (``verify`` adds nothing:
         the Hub computed it from the stored bytes); a file without LFS metadata is judged by size.
+        A repository that does not exist (``RepositoryNotFoundError``) holds nothing: ``False``, and
+        :meth:`upload` creates it. (The Hub answers the same for a private repository the token
+        cannot read; creating it then fails with the Hub's own error, a :class:`StoreError`.)
         """
         relpath = pack_relpath(digest)
         try:
             infos: list[Any] = self.api.get_paths_info(self.repo_id, [relpath], repo_type=self.repo_type, revision=self.revision)
+        except RepositoryNotFoundError:
+            logger.info("coldsnap: %s does not exist (yet); it holds no pack", self.name)
+            return False
         except Exception as exc:
             raise self._fail("looking up the pack", digest, exc) from exc
         found = [info for info in infos if isinstance(info, RepoFile) and info.path == relpath]
@@ -159,16 +184,19 @@ class HfPayloadStore:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
-    def upload(self, path: Path, digest: str, size_bytes: int, *, progress: ProgressCallback | None = None) -> None:
+    def upload(self, path: Path, digest: str, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
         """See :meth:`coldsnap_core.stores.base.PayloadStore.upload` (``HfApi.create_commit``).
 
-        After the commit, the SHA-256 that ``huggingface_hub`` computed of the uploaded bytes (it
-        needs it for LFS and Xet anyway) is compared with ``digest``.
+        Before anything is sent, the SHA-256 that ``huggingface_hub`` computed of the file (it needs
+        it for LFS and Xet anyway) is compared with ``digest``. A missing repository is created
+        first (``create_repo(exist_ok=True)``, private unless ``private=False``). The Hub has no
+        conditional create: two publishers committing one digest at once both commit (the Hub keeps
+        one LFS object for the SHA-256; the second may send the bytes again), so this returns ``True``.
 
         Raises:
             PackSizeMismatchError: ``path`` does not have ``size_bytes`` bytes (nothing uploaded).
-            PackDigestMismatchError: the uploaded bytes do not hash to ``digest`` (the file changed
-                after it was verified).
+            PackDigestMismatchError: the file does not hash to ``digest`` (it changed after it was
+                verified; nothing uploaded).
             StoreError: the Hub refused or failed.
         """
         relpath = pack_relpath(check_digest(digest))
@@ -177,6 +205,20 @@ class HfPayloadStore:
             raise PackSizeMismatchError(
                 f"the file to upload is {operation.upload_info.size} bytes, expected {size_bytes}", file=path
             )
+        # huggingface_hub hashed the file when it built the operation (it sends that SHA-256 as the LFS
+        # oid, and the Hub refuses bytes that hash otherwise): compare before anything is committed.
+        uploaded = operation.upload_info.sha256.hex()
+        if uploaded != digest:
+            raise PackDigestMismatchError(
+                f"the file to upload to {self.name} hashes to {uploaded}, not {digest}; it changed after verification"
+                " (nothing was uploaded)",
+                file=path,
+            )
+        try:
+            # exist_ok: a no-op (409) when the repository exists; creates it, private by default, when not
+            self.api.create_repo(self.repo_id, repo_type=self.repo_type, private=self.private, exist_ok=True)
+        except Exception as exc:
+            raise self._fail(f"creating the repository {self.repo_id}", digest, exc) from exc
         try:
             self.api.create_commit(
                 self.repo_id,
@@ -187,12 +229,7 @@ class HfPayloadStore:
             )
         except Exception as exc:
             raise self._fail("uploading the pack", digest, exc) from exc
-        uploaded = operation.upload_info.sha256.hex()
-        if uploaded != digest:
-            raise PackDigestMismatchError(
-                f"the bytes uploaded to {self.name} hash to {uploaded}, not {digest}; the file changed after verification",
-                file=path,
-            )
         if progress is not None:
             progress(size_bytes)
         logger.info("coldsnap: uploaded %s to %s", digest, self.name)
+        return True

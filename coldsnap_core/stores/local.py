@@ -6,8 +6,11 @@ Layout under the store root (the same relative paths as the node-local cache)::
     model-payloads/tmp/<digest>.<random>.partial   uploads in progress; never eligible
 
 An upload is atomic: unique temporary name (``O_EXCL``), kernel copy, fsync, the one verifier over the
-copy (size, then SHA-256), read-only, rename, folder fsync. A reader therefore sees either no object
-or a complete, verified one; a killed uploader leaves only a ``.partial`` file.
+copy (size, then SHA-256), read-only, then a no-replace ``link`` to the object path (``rename`` where
+the file system has no hard links, e.g. some FUSE mounts of buckets), folder fsync. A reader therefore
+sees either no object or a complete, verified one; a killed uploader leaves only a ``.partial`` file.
+Of two publishers of one digest, the second's ``link`` fails with ``EEXIST``: it keeps the first's
+object when that verifies (and replaces it with ``rename`` when it does not).
 """
 
 from __future__ import annotations
@@ -112,8 +115,9 @@ class LocalFolderStore:
         finally:
             os.close(source_fd)
 
-    def upload(self, path: Path, digest: str, size_bytes: int, *, progress: ProgressCallback | None = None) -> None:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.upload`.
+    def upload(self, path: Path, digest: str, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.upload` (``False``: another publisher's
+        verified object was already there and is kept).
 
         Raises:
             IntegrityError: the copy does not verify (nothing is published).
@@ -140,10 +144,26 @@ class LocalFolderStore:
             verify_pack_file(temp, PackRef.for_digest(digest, size_bytes))
             os.fchmod(fd, 0o444)
             refuse_symlink(final)
-            os.rename(temp, final)
+            created = self._link_or_keep(temp, final, digest, size_bytes)
             fsync_dir(final.parent)
         finally:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temp)
-        logger.info("coldsnap: uploaded %s to %s", digest, self.name)
+        logger.info("coldsnap: %s %s to %s", "uploaded" if created else "kept another publisher's", digest, self.name)
+        return created
+
+    def _link_or_keep(self, temp: Path, final: Path, digest: str, size_bytes: int) -> bool:
+        """Publish ``temp`` at ``final`` without replacing a good object; ``False`` when one was kept."""
+        try:
+            os.link(temp, final)
+            return True
+        except FileExistsError:
+            if self.has(digest, size_bytes, verify=True):
+                return False
+            logger.warning("coldsnap: replacing the corrupt store object %s", final)
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV):
+                raise StoreError(f"cannot publish the object: {exc.strerror or exc}", file=final) from exc
+        os.rename(temp, final)
+        return True

@@ -61,3 +61,96 @@ def captured(tmp_path: Path, tiny_checkpoint: Path) -> Captured:
 def cache(tmp_path: Path) -> PayloadCache:
     """An empty cache under ``tmp_path/state``."""
     return PayloadCache(tmp_path / "state")
+
+
+# --- payload store servers on 127.0.0.1 (store_servers.py) ----------------------------------------------
+
+
+@pytest.fixture
+def local_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A running :class:`local_hub.LocalHub`; ``huggingface_hub`` pointed at it, online, without Xet
+    (the suite runs with ``HF_HUB_OFFLINE=1``; huggingface_hub read its variables at import)."""
+    import huggingface_hub.constants as hf_constants
+    from local_hub import LocalHub
+
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)
+    with LocalHub(tmp_path / "hub") as hub:
+        # HF_ENDPOINT as huggingface_hub derived it at import: the endpoint and the download URL template
+        monkeypatch.setattr(hf_constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(hf_constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+        yield hub
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """``moto`` in server mode on 127.0.0.1 (a thread of this process, real HTTP), for the session.
+
+    S3's 5 MiB minimum part size is lowered to 256 KiB so the 1.3 MB test pack takes the multipart path
+    with 1 MiB parts (moto reads the minimum from ``moto.s3.models.S3_UPLOAD_PART_MIN_SIZE``)."""
+    import logging
+
+    import moto.s3.models
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    minimum = moto.s3.models.S3_UPLOAD_PART_MIN_SIZE
+    moto.s3.models.S3_UPLOAD_PART_MIN_SIZE = 256 << 10
+    # S3 evaluates a conditional write atomically; moto 5.2's threaded server checks If-None-Match and then
+    # writes, unlocked (S3Response.put_object, _key_response_post), so two racing creates could both win.
+    # One lock around those two handlers gives the tests S3's semantics.
+    import threading
+
+    import moto.s3.responses
+
+    write_lock = threading.Lock()
+    originals = {}
+    for name in ("put_object", "_key_response_post"):
+        original = originals[name] = getattr(moto.s3.responses.S3Response, name)
+
+        def locked(self, *args, _original=original, **kwargs):
+            with write_lock:
+                return _original(self, *args, **kwargs)
+
+        setattr(moto.s3.responses.S3Response, name, locked)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+    moto.s3.models.S3_UPLOAD_PART_MIN_SIZE = minimum
+    for name, original in originals.items():
+        setattr(moto.s3.responses.S3Response, name, original)
+
+
+@pytest.fixture
+def s3_env(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The AWS variables a boto3 client needs to reach the moto server; returns the endpoint."""
+    from store_servers import S3_ENV
+
+    for name, value in {**S3_ENV, "AWS_ENDPOINT_URL": s3_server}.items():
+        monkeypatch.setenv(name, value)
+    return s3_server
+
+
+@pytest.fixture(params=["folder", "hf", "s3"])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path):
+    """Each payload store kind in turn (:class:`store_servers.StoreUnderTest`), on its own server."""
+    from store_servers import make_store
+
+    kind = request.param
+    hub = request.getfixturevalue("local_hub") if kind == "hf" else None
+    endpoint = request.getfixturevalue("s3_env") if kind == "s3" else None
+    return make_store(kind, tmp_path, hub=hub, s3_endpoint=endpoint)
+
+
+@pytest.fixture(scope="module")
+def captured_once(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Captured:
+    """One capture shared by a module's tests (they only read its artifact and pack)."""
+    base = tmp_path_factory.mktemp("captured-once")
+    return Captured(
+        tiny_checkpoint,
+        base / "artifact",
+        base / "capture-root",
+        capture(tiny_checkpoint, base / "artifact", base / "capture-root"),
+    )

@@ -1,9 +1,10 @@
-"""Payload stores: a real folder store, and the Hugging Face store through huggingface_hub's real API surface.
+"""Payload stores: a real folder store, and the Hugging Face store with the real ``huggingface_hub``
+client over HTTP to the local Hub (``local_hub.py``, the ``local_hub`` fixture). The contract every store
+meets is in ``test_store_contract.py``; these are store-specific behaviours.
 
-The Hub is unreachable here, so the HF store is driven by ``create_autospec(HfApi, instance=True)``:
-a wrong method or argument name fails exactly as it would against the real class. The objects the
-fake download returns and the ``CommitOperationAdd`` the upload builds are real (real files, real
-``huggingface_hub`` hashing). One test also uses a real ``HfApi`` in offline mode.
+Two tests still drive the HF store through ``create_autospec(HfApi, instance=True)``: a connection
+reset and an unreachable endpoint, which the real client answers only after its retry back-off (tens
+of seconds). One test uses a real ``HfApi`` in offline mode.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from unittest.mock import create_autospec
 import huggingface_hub
 import pytest
 from cache_support import flip_byte, sha256_of
-from huggingface_hub import CommitOperationAdd, HfApi
-from huggingface_hub.errors import EntryNotFoundError
+from huggingface_hub import HfApi
 from huggingface_hub.hf_api import RepoFile
 
 from coldsnap_core.cache import PayloadCache
@@ -133,80 +133,144 @@ def test_folder_store_refuses_symlinks(captured, tmp_path: Path) -> None:
 # --- Hugging Face store (huggingface_hub API surface, no network) --------------------------------------
 
 
-def test_hf_has_uses_paths_info_and_checks_size_and_lfs_sha256(api, captured) -> None:
-    """``has`` asks get_paths_info for exactly the digest's path; a wrong size or LFS SHA-256 is absent."""
+def hub_store(hub, **kwargs) -> HfPayloadStore:
+    """The HF store with a real HfApi talking HTTP to the local Hub."""
+    return HfPayloadStore(REPO_ID, api=HfApi(endpoint=hub.url), **kwargs)
+
+
+def test_hf_has_checks_size_and_the_lfs_sha256_the_hub_reports(local_hub, captured) -> None:
+    """``has`` asks paths-info for the digest's path: a file there whose LFS SHA-256 (as the Hub reports
+    it) is not the digest counts as absent even at the right size; the right one is present. Fails if
+    ``has`` trusts the path's name or checks the size only."""
     digest, size = captured.pack.sha256, captured.pack.size_bytes
-    relpath = pack_relpath(digest)
-    store = HfPayloadStore(REPO_ID, revision="main", api=api)
-    api.get_paths_info.return_value = [repo_file(relpath, size, digest)]
-    assert store.has(digest, size)
-    api.get_paths_info.assert_called_with(REPO_ID, [relpath], repo_type="model", revision="main")
-    api.get_paths_info.return_value = [repo_file(relpath, size + 1, digest)]
+    data = captured.pack_path.read_bytes()
+    store = hub_store(local_hub)
+    local_hub.plant(REPO_ID, pack_relpath(digest), data, claimed_sha256="e" * 64)
     assert not store.has(digest, size)
-    api.get_paths_info.return_value = [repo_file(relpath, size, "e" * 64)]
-    assert not store.has(digest, size)
-    api.get_paths_info.return_value = []
-    assert not store.has(digest, size)
+    local_hub.plant(REPO_ID, pack_relpath(digest), data)
+    assert store.has(digest, size) and not store.has(digest, size + 1)
 
 
-def test_hf_fetch_stages_into_the_cache(api, captured, tmp_path: Path) -> None:
-    """Staging through the HF store: hf_hub_download (called with its real argument names) lands
-    the file in a scratch folder beside the cache temporary; the cache verifies and commits it, and
-    the scratch folder is gone."""
-    digest, size = captured.pack.sha256, captured.pack.size_bytes
-    relpath = pack_relpath(digest)
+def test_hf_stage_from_a_pinned_commit(local_hub, captured, tmp_path: Path) -> None:
+    """``org/name@<commit>`` reads that commit even after the branch moved on to a bad object: staging
+    from the pinned commit gets the good pack, from ``main`` the bad one is refused. Fails if the
+    revision is dropped on the way to hf_hub_download (X-Repo-Commit pinning)."""
+    from huggingface_hub import HfApi
 
-    def download(repo_id, filename, *, repo_type=None, revision=None, local_dir=None, **_):
-        assert (repo_id, filename, repo_type, revision) == (REPO_ID, relpath, "model", "v1")
-        target = Path(local_dir) / filename
-        target.parent.mkdir(parents=True)
-        target.write_bytes(captured.pack_path.read_bytes())
-        return str(target)
-
-    api.hf_hub_download.side_effect = download
-    cache = PayloadCache(tmp_path / "state")
-    path = stage_payload(captured.pack, cache=cache, store=HfPayloadStore(REPO_ID, revision="v1", api=api))
-    assert sha256_of(path) == digest
-    assert cache.temporaries() == []
-    api.hf_hub_download.assert_called_once()
-    assert size == os.path.getsize(path)
-
-
-def test_hf_fetch_of_corrupt_object_keeps_nothing(api, captured, tmp_path: Path) -> None:
-    """A Hub object with other bytes fails the cache's verification; nothing is eligible or left."""
-
-    def download(repo_id, filename, *, local_dir=None, **_):
-        target = Path(local_dir) / "x.pack"
-        data = bytearray(captured.pack_path.read_bytes())
-        data[77] ^= 1
-        target.write_bytes(bytes(data))
-        return str(target)
-
-    api.hf_hub_download.side_effect = download
-    cache = PayloadCache(tmp_path / "state")
+    digest = captured.pack.sha256
+    publish_native([captured.artifact_dir], hub_store(local_hub), PayloadCache(captured.capture_root))
+    commit = HfApi(endpoint=local_hub.url).model_info(REPO_ID).sha
+    data = bytearray(captured.pack_path.read_bytes())
+    data[100] ^= 1
+    local_hub.plant(REPO_ID, pack_relpath(digest), bytes(data))  # main now names other bytes
+    pinned = parse_store_spec(f"{REPO_ID}@{commit}")
+    assert isinstance(pinned, HfPayloadStore) and pinned.revision == commit
+    assert sha256_of(stage_payload(captured.pack, cache=PayloadCache(tmp_path / "a"), store=pinned)) == digest
     with pytest.raises(PackDigestMismatchError):
-        stage_payload(captured.pack, cache=cache, store=HfPayloadStore(REPO_ID, api=api))
+        stage_payload(captured.pack, cache=PayloadCache(tmp_path / "b"), store=hub_store(local_hub))
+
+
+def test_hf_bit_rot_behind_correct_metadata_is_refused(local_hub, captured, tmp_path: Path) -> None:
+    """The Hub's tree still reports the right size and LFS SHA-256 but serves other bytes: ``has`` cannot
+    tell (it trusts the Hub's SHA-256), the cache's own verification refuses the fetch and keeps nothing.
+    Fails if staging admitted a store object on the store's word."""
+    digest = captured.pack.sha256
+    store = hub_store(local_hub)
+    publish_native([captured.artifact_dir], store, PayloadCache(captured.capture_root))
+    data = bytearray(captured.pack_path.read_bytes())
+    data[4242] ^= 0xFF
+    local_hub.tamper(REPO_ID, pack_relpath(digest), bytes(data))
+    assert store.has(digest, captured.pack.size_bytes)
+    cache = PayloadCache(tmp_path / "node")
+    with pytest.raises(PackDigestMismatchError, match="holds a corrupt copy"):
+        stage_payload(captured.pack, cache=cache, store=store)
     assert cache.digests() == [] and cache.temporaries() == []
 
 
-def test_hf_fetch_of_wrong_size_is_refused(api, captured, tmp_path: Path) -> None:
-    def download(repo_id, filename, *, local_dir=None, **_):
-        target = Path(local_dir) / "x.pack"
-        target.write_bytes(b"\0" * 4096)
-        return str(target)
+def test_hf_publish_to_a_missing_repository_creates_it_private(local_hub, captured) -> None:
+    """publish-native to a repository that does not exist creates it, private (as ``hf upload`` does),
+    and uploads; ``--public`` creates it public. Before, the lookup failed first with "looking up the
+    pack failed: RepositoryNotFoundError"."""
+    from coldsnap_core.cli.main import main
 
-    api.hf_hub_download.side_effect = download
-    cache = PayloadCache(tmp_path / "state")
-    with pytest.raises(PackSizeMismatchError, match=REPO_ID):
-        stage_payload(captured.pack, cache=cache, store=HfPayloadStore(REPO_ID, api=api))
-    assert cache.temporaries() == []
+    results = publish_native([captured.artifact_dir], hub_store(local_hub), PayloadCache(captured.capture_root))
+    assert [r.action for r in results] == ["uploaded"]
+    assert local_hub.created == [("model", REPO_ID, True)]
+    args = ["publish-native", str(captured.artifact_dir), "--state-root", str(captured.capture_root)]
+    assert main([*args, "--repo", "coldsnap-test/public-payloads", "--public"]) == 0
+    assert local_hub.created[-1] == ("model", "coldsnap-test/public-payloads", False)
 
 
-def test_hf_missing_object_is_unavailable(api, captured, tmp_path: Path) -> None:
-    """EntryNotFoundError from the Hub means PayloadUnavailableError (auto restore falls back)."""
-    api.hf_hub_download.side_effect = EntryNotFoundError("404 Client Error: Entry Not Found")
-    with pytest.raises(PayloadUnavailableError, match="does not hold the pack"):
-        stage_payload(captured.pack, cache=PayloadCache(tmp_path / "state"), store=HfPayloadStore(REPO_ID, api=api))
+def test_hf_upload_to_a_dataset_repository_at_a_revision(local_hub, captured) -> None:
+    """A dataset repository and a branch: the object lands at ``model-payloads/sha256/<digest>.pack`` on
+    that branch of the dataset, with the digest as its LFS SHA-256, in one commit of one LFS upload."""
+    local_hub.create(REPO_ID, "dataset")
+    store = hub_store(local_hub, repo_type="dataset", revision="main")
+    assert store.upload(captured.pack_path, captured.pack.sha256, captured.pack.size_bytes) is True
+    entry = local_hub.objects(REPO_ID, "dataset")[pack_relpath(captured.pack.sha256)]
+    assert (entry.sha256, entry.size) == (captured.pack.sha256, captured.pack.size_bytes)
+    assert (local_hub.commits, local_hub.lfs_uploads) == (1, 1)
+    assert ("model", REPO_ID) not in local_hub.repos
+
+
+def test_hf_upload_refused_by_the_hub_is_a_store_error(local_hub, captured) -> None:
+    """The Hub refuses the commit (403, a read-only token): StoreError naming the repository and the
+    path; nothing is stored."""
+    local_hub.create(REPO_ID)
+    local_hub.refuse_commits = 403
+    with pytest.raises(StoreError, match="rights to write") as info:
+        hub_store(local_hub).upload(captured.pack_path, captured.pack.sha256, captured.pack.size_bytes)
+    assert pack_relpath(captured.pack.sha256) in str(info.value.file)
+    assert local_hub.objects(REPO_ID) == {}
+
+
+def test_hf_upload_of_wrong_size_uploads_nothing(local_hub, captured) -> None:
+    """A size that disagrees with the file: PackSizeMismatchError before any request (no repository
+    created, no commit, no LFS upload)."""
+    with pytest.raises(PackSizeMismatchError):
+        hub_store(local_hub).upload(captured.pack_path, captured.pack.sha256, captured.pack.size_bytes + 1)
+    assert (local_hub.created, local_hub.commits, local_hub.lfs_uploads) == ([], 0, 0)
+
+
+def test_hf_upload_with_xet_against_a_hub_without_xet_is_a_store_error(local_hub, captured, monkeypatch) -> None:
+    """With Xet enabled (huggingface_hub's default while hf_xet is importable) a Hub that offers no Xet
+    fails the upload; coldsnap reports it as a StoreError naming the store (set HF_HUB_DISABLE_XET=1
+    for such a Hub), and nothing is stored."""
+    import huggingface_hub.constants
+
+    pytest.importorskip("hf_xet")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", False)
+    local_hub.create(REPO_ID)
+    with pytest.raises(StoreError, match="uploading the pack failed"):
+        hub_store(local_hub).upload(captured.pack_path, captured.pack.sha256, captured.pack.size_bytes)
+    assert local_hub.objects(REPO_ID) == {}
+
+
+def test_hf_publish_replaces_an_object_whose_lfs_digest_is_wrong(local_hub, captured) -> None:
+    """Publication to the Hub: a present object whose LFS SHA-256 (reported by paths-info) is not its
+    name counts as absent and is committed again, after which paths-info reports the digest."""
+    digest = captured.pack.sha256
+    local_hub.plant(REPO_ID, pack_relpath(digest), captured.pack_path.read_bytes(), claimed_sha256="e" * 64)
+    results = publish_native([captured.artifact_dir], hub_store(local_hub), PayloadCache(captured.capture_root))
+    assert [r.action for r in results] == ["uploaded"]
+    assert local_hub.objects(REPO_ID)[pack_relpath(digest)].sha256 == digest
+
+
+def test_hf_publish_of_two_artifacts_sharing_a_digest_commits_once(local_hub, tmp_path: Path, tiny_checkpoint: Path) -> None:
+    """Two artifacts whose workers share a digest: one commit with one LFS upload; a second publication
+    finds it present and commits nothing."""
+    from cache_support import capture
+
+    root = tmp_path / "root"
+    capture(tiny_checkpoint, tmp_path / "a", root)
+    capture(tiny_checkpoint, tmp_path / "b", root, reverse=True)
+    store = hub_store(local_hub)
+    results = publish_native([tmp_path / "a", tmp_path / "b"], store, PayloadCache(root))
+    assert [r.action for r in results] == ["uploaded"] and len(results[0].owners) == 2
+    assert (local_hub.commits, local_hub.lfs_uploads) == (1, 1)
+    again = publish_native([tmp_path / "b"], store, PayloadCache(root))
+    assert [r.action for r in again] == ["present"]
+    assert (local_hub.commits, local_hub.lfs_uploads) == (1, 1)
 
 
 def test_hf_failure_is_a_store_error_and_staging_keeps_it(api, captured, tmp_path: Path) -> None:
@@ -272,64 +336,6 @@ def test_cli_stage_from_an_offline_hub_exits_4(captured, tmp_path: Path, monkeyp
     assert main(args) == 4
     err = capsys.readouterr().err
     assert "rule payload-store failed" in err and "did not answer" in err
-
-
-def test_hf_upload_commits_one_operation_with_the_digest_path(api, captured) -> None:
-    """upload builds a real CommitOperationAdd for model-payloads/sha256/<digest>.pack and calls
-    create_commit with its real argument names; huggingface_hub's own SHA-256 of the file matches."""
-    store = HfPayloadStore(REPO_ID, revision="main", repo_type="dataset", api=api)
-    store.upload(captured.pack_path, captured.pack.sha256, captured.pack.size_bytes)
-    api.create_commit.assert_called_once()
-    args, kwargs = api.create_commit.call_args
-    assert args[0] == REPO_ID
-    (operation,) = args[1]
-    assert isinstance(operation, CommitOperationAdd)
-    assert operation.path_in_repo == pack_relpath(captured.pack.sha256)
-    assert operation.upload_info.sha256.hex() == captured.pack.sha256
-    assert kwargs["repo_type"] == "dataset" and kwargs["revision"] == "main"
-    assert captured.pack.sha256 in kwargs["commit_message"]
-
-
-def test_hf_upload_failure_is_a_store_error(api, captured) -> None:
-    api.create_commit.side_effect = OSError("403 Forbidden")
-    with pytest.raises(StoreError, match="403 Forbidden"):
-        HfPayloadStore(REPO_ID, api=api).upload(captured.pack_path, captured.pack.sha256, captured.pack.size_bytes)
-
-
-def test_hf_upload_of_wrong_size_uploads_nothing(api, captured) -> None:
-    with pytest.raises(PackSizeMismatchError):
-        HfPayloadStore(REPO_ID, api=api).upload(captured.pack_path, captured.pack.sha256, captured.pack.size_bytes + 1)
-    api.create_commit.assert_not_called()
-
-
-def test_hf_publish_replaces_an_object_whose_lfs_digest_is_wrong(api, captured) -> None:
-    """Publication to the Hub: a present object whose LFS SHA-256 (reported by get_paths_info) is not
-    its name counts as absent and is uploaded again."""
-    relpath = pack_relpath(captured.pack.sha256)
-    api.get_paths_info.return_value = [repo_file(relpath, captured.pack.size_bytes, "e" * 64)]
-    results = publish_native([captured.artifact_dir], HfPayloadStore(REPO_ID, api=api), PayloadCache(captured.capture_root))
-    assert [r.action for r in results] == ["uploaded"]
-    api.create_commit.assert_called_once()
-
-
-def test_hf_publish_of_two_artifacts_sharing_a_digest_commits_once(api, tmp_path: Path, tiny_checkpoint: Path) -> None:
-    """Two artifacts whose workers share a digest: one create_commit, the second artifact finds it present."""
-    from cache_support import capture
-
-    root = tmp_path / "root"
-    a = capture(tiny_checkpoint, tmp_path / "a", root)
-    capture(tiny_checkpoint, tmp_path / "b", root, reverse=True)
-    api.get_paths_info.return_value = []
-    store = HfPayloadStore(REPO_ID, api=api)
-    results = publish_native([tmp_path / "a", tmp_path / "b"], store, PayloadCache(root))
-    assert [r.action for r in results] == ["uploaded"]
-    assert len(results[0].owners) == 2
-    api.create_commit.assert_called_once()
-    relpath = pack_relpath(a.manifest.pack.sha256)
-    api.get_paths_info.return_value = [repo_file(relpath, a.manifest.pack.size_bytes, a.manifest.pack.sha256)]
-    again = publish_native([tmp_path / "b"], store, PayloadCache(root))
-    assert [r.action for r in again] == ["present"]
-    api.create_commit.assert_called_once()
 
 
 # --- configuration ------------------------------------------------------------------------------------

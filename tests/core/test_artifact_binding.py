@@ -241,7 +241,7 @@ def test_capture_warns_when_model_bytes_are_few(staged_2layer: Slabs, tmp_path: 
     (warning,) = {r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING}
     assert few.manifest.model_bytes == 0
     assert f"only 0 of {staged_2layer.allocation_map.total_bytes} allocation bytes" in warning
-    assert "converted the checkpoint's dtype" in warning and "converted_copies=model" in warning
+    assert "converted the checkpoint's dtype" in warning and "converted_copies=residual" in warning
 
 
 def test_capture_refuses_addresses_that_do_not_fit_the_capture_point(staged_2layer: Slabs, tmp_path: Path) -> None:

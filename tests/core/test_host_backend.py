@@ -239,3 +239,95 @@ def test_prefault_for_write_never_changes_bytes() -> None:
     assert supported or kernel < (5, 14), f"MADV_POPULATE_WRITE refused on Linux {platform.release()}"
     assert prefault_for_write(address, 0)
     assert hashlib.sha256(block.tobytes()).hexdigest() == before
+
+
+def _anon_huge_kib(start: int, end: int) -> int:
+    """``AnonHugePages`` (KiB) of this process's mappings that overlap ``[start, end)`` (``/proc/self/smaps``;
+    advice on part of a mapping splits it into several)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < end and start < hi
+            elif inside and head == "AnonHugePages:":
+                total += int(line.split()[1])
+    return total
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "absent"
+    return re.search(r"\[(\w+)\]", text).group(1)
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off on this kernel")
+def test_fill_backs_fresh_destinations_with_huge_pages(tmp_path: Path) -> None:
+    """Catches hydration into fresh memory losing its huge-page advice (``MADV_HUGEPAGE`` before the
+    threads fault their ranges, ``benchmarks/host_fill.py`` measures what that buys): a fill of
+    12 MiB into a fresh, unaligned anonymous mapping leaves it backed by transparent huge pages, the
+    bytes are exact, and the bytes before and after the allocation (its neighbours) are untouched.
+    Four threads cut the range so that a 2 MiB page straddles two threads' pieces. (Under THP mode
+    ``always`` every fresh mapping gets huge pages anyway; the test then only checks the bytes.)"""
+    import ctypes
+    import mmap
+
+    size = 12 << 20
+    data = hashlib.shake_256(b"huge").digest(size)
+    path = tmp_path / "pack"
+    path.write_bytes(data)
+    # Fresh private anonymous memory, never touched (as a large torch CPU allocation; a shared
+    # mapping would be shmem, which the THP "enabled" mode does not cover).
+    region = mmap.mmap(-1, size + (6 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        start = (-(-base // (2 << 20)) * (2 << 20)) + 12345 - base  # unaligned inside a huge page
+        region[start - 1 : start] = b"\x01"
+        region[start + size : start + size + 1] = b"\x02"
+        ops = [CopyOp("pack", 0, 0, 0, size, None, 0)]
+        HostCopyBackend(threads=4, chunk_bytes=1 << 20).fill(
+            ops, {"pack": path}, [LiveAllocation(0, base + start, size)], verify_extents=False
+        )
+        assert region[start : start + size] == data
+        assert region[start - 1 : start] == b"\x01" and region[start + size : start + size + 1] == b"\x02"
+        assert _anon_huge_kib(base, base + len(region)) >= 4 * 2048, "transparent huge pages do not back the filled range"
+    finally:
+        del base
+        region.close()
+
+
+@pytest.mark.parametrize("stable", [True, False])
+def test_write_hashed_starts_writeback_each_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stable: bool) -> None:
+    """Catches capture writing a whole pack into the page cache before the disk starts (the final
+    fsync then waits for every byte, nothing overlapped with hashing): ``write_hashed`` of 2.5
+    windows from offset 4096 starts the writeback of each full window, in order, on the kernel's
+    real ``sync_file_range`` (which accepts it here), and the bytes and digest are exact."""
+    import coldsnap_core._io as io_module
+
+    calls: list[tuple[int, int, bool]] = []
+    real = io_module.start_writeback
+
+    def recording(fd: int, offset_bytes: int, size_bytes: int) -> bool:
+        accepted = real(fd, offset_bytes, size_bytes)
+        calls.append((offset_bytes, size_bytes, accepted))
+        return accepted
+
+    monkeypatch.setattr(io_module, "start_writeback", recording)
+    window = io_module.WRITEBACK_WINDOW_BYTES
+    data = np.random.default_rng(3).integers(0, 256, 5 * window // 2, dtype=np.uint8).tobytes()
+    path = tmp_path / "out"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, bytes(4096))
+        chunk = 1 << 20
+        digest, size = write_hashed(
+            fd, lambda: (memoryview(data)[i : i + chunk] for i in range(0, len(data), chunk)), file=path, stable=stable
+        )
+    finally:
+        os.close(fd)
+    assert (digest, size) == (hashlib.sha256(data).hexdigest(), len(data))
+    assert path.read_bytes()[4096:] == data
+    assert calls == [(4096, window, True), (4096 + window, window, True)]

@@ -13,7 +13,7 @@ from coldsnap_core.settings import KEYS, ColdsnapSettings
 def test_defaults_without_configuration() -> None:
     """Nothing set: no export, no artifact, ``auto`` restore, ``async`` materialization, the
     ``~/.cache/coldsnap`` state root, no extent re-hash, platform inner loader, converted copies
-    residual; unknown keys pass through untouched."""
+    model extents; unknown keys pass through untouched."""
     settings, rest = ColdsnapSettings.resolve({}, {"enable_multithread_load": True})
     assert settings == ColdsnapSettings(state_root=Path("~/.cache/coldsnap").expanduser().absolute())
     assert rest == {"enable_multithread_load": True}
@@ -52,12 +52,12 @@ def test_extra_config_keys_override_and_are_removed(tmp_path: Path) -> None:
         "artifact_dir": str(tmp_path),
         "export_model_payload": False,
         "verify_extents": True,
-        "converted_copies": "model",
+        "converted_copies": "Residual",
         "num_threads": 4,
     }
     settings, rest = ColdsnapSettings.resolve(env, extra)
     assert (settings.restore, settings.artifact_dir, settings.export_model_payload) == ("auto", tmp_path, False)
-    assert (settings.verify_extents, settings.converted_copies) == (True, "model")
+    assert (settings.verify_extents, settings.converted_copies) == (True, "residual")
     assert rest == {"num_threads": 4}
     assert not set(rest) & set(KEYS)
 

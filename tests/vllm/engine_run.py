@@ -16,7 +16,7 @@ Usage: ``python tests/vllm/engine_run.py SPEC.json RESULT.json`` where SPEC has 
 (prompts are then lists of token ids), ``tensor_parallel_size`` (1; above 1 the ``mp`` executor
 runs the workers in other processes and no digests are recorded) and ``digests`` (true). RESULT gets
 ``digests`` (name -> sha256), ``outputs`` (greedy texts or token ids), ``outcome`` (the coldsnap
-loader's :class:`~coldsnap_vllm.loader.LoadOutcome` summary), ``load_weights_seconds`` and ``error``
+loader's :class:`~coldsnap_vllm.loader.LoadOutcome` summary), ``load_weights_seconds``, ``load_weights_rss_bytes`` (RSS before and peak RSS during each call) and ``error``
 (the exception chain's text when the engine failed to start).
 """
 
@@ -66,6 +66,14 @@ def main(spec_path: str, result_path: str) -> int:
     coldsnap_loader.register_loader()
     result: dict[str, object] = {"digests": {}, "outputs": [], "outcome": None, "error": None}
     timings: list[float] = []
+    rss: list[list[int]] = []
+
+    def status_bytes(field: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+        return -1
 
     original_process = base_loader.process_weights_after_loading
 
@@ -84,11 +92,18 @@ def main(spec_path: str, result_path: str) -> int:
         inner = type(self).load_weights
 
         def timed(model, config):
+            before = status_bytes("VmRSS")
+            try:  # reset the peak RSS to the current one (Linux clear_refs value 5)
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                pass
             started = time.perf_counter()
             try:
                 return inner(self, model, config)
             finally:
                 timings.append(time.perf_counter() - started)
+                rss.append([before, status_bytes("VmHWM")])
 
         self.load_weights = timed
         try:
@@ -154,6 +169,7 @@ def main(spec_path: str, result_path: str) -> int:
                 done.pack.sha256 if done is not None else f"failed: {outcome.materialization.error}"
             )
     result["load_weights_seconds"] = timings
+    result["load_weights_rss_bytes"] = rss
     with open(result_path, "w") as f:
         json.dump(result, f)
     return 0

@@ -13,7 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ENGINE_RUN = Path(__file__).resolve().parent / "engine_run.py"
@@ -33,6 +33,9 @@ class EngineResult:
         error: the exception chain's text when the engine failed to start, else ``None``.
         log: the process's stdout and stderr.
         load_weights_seconds: wall time of each ``load_weights`` call, in seconds.
+        load_weights_rss_bytes: per ``load_weights`` call, ``[resident set size before it, peak
+            resident set size during it]`` of the engine process (``VmRSS``, ``VmHWM`` after a
+            ``clear_refs`` reset; tensor parallel 1 only, where the model loads in that process).
     """
 
     digests: dict[str, list]
@@ -41,6 +44,7 @@ class EngineResult:
     error: str | None
     log: str
     load_weights_seconds: list[float]
+    load_weights_rss_bytes: list[list[int]] = field(default_factory=list)
 
     def coldsnap_lines(self, level: str) -> list[str]:
         """Log lines of ``level`` (``WARNING``, ``INFO``) written by coldsnap."""
@@ -104,6 +108,7 @@ def run_engine(
         error=data["error"],
         log=log,
         load_weights_seconds=data.get("load_weights_seconds", []),
+        load_weights_rss_bytes=data.get("load_weights_rss_bytes", []),
     )
 
 

@@ -602,26 +602,60 @@ def test_a_shard_added_to_the_folder_is_not_restored_over(smollm2_2layer_3shards
                 make_loader().load_weights(Consumer(), config)
 
 
-def test_dtype_converting_capture_warns(model_config: ModelConfig, tmp_path: Path, monkeypatch, caplog) -> None:
-    """QA defect 10: a float32 model loaded from the bf16 checkpoint (``--dtype float32``) captured 0
-    model bytes (every copy converts, so everything went into the residual blob) with only an INFO
-    line. Now one WARNING names the byte split and the cause (``converted_copies=model``); with that
-    key the converted copies are model extents and there is no WARNING."""
-    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
+@pytest.fixture
+def fp32_checkpoint(smollm2_2layer: Path, tmp_path: Path) -> Path:
+    """The SmolLM2 2-layer checkpoint with every tensor converted to float32 (a real fp32 checkpoint)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "fp32"
+    folder.mkdir()
+    for source in smollm2_2layer.iterdir():
+        if source.suffix != ".safetensors":
+            shutil.copy(source, folder / source.name)
+    tensors = load_file(smollm2_2layer / "model.safetensors")
+    save_file({n: t.float() for n, t in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_dtype_converting_load_is_shared_by_default(
+    fp32_checkpoint: Path, model_config: ModelConfig, tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """An fp32 checkpoint served as bf16 (every checkpoint copy converts): by default the converted
+    copies are model extents (``dtype_converted: true``), so the capture is ~100 % model bytes, logs
+    no WARNING, two captures on separate state roots name one pack digest and a restore reproduces
+    the load bit for bit. ``converted_copies="residual"`` keeps the old behaviour as an opt-out
+    (0 model bytes, one WARNING naming the cause). Fails if the default goes back to residual
+    (QA defect 10 then recurs: nothing shared) or if a conversion is not deterministic."""
+    config = ModelConfig(model=str(fp32_checkpoint), dtype="bfloat16")
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
-    for name, extra in (("residual", {}), ("model", {"converted_copies": "model"})):
-        monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / name))
+    packs, loaded = [], None
+    for name, extra in (("first", {}), ("second", {}), ("residual", {"converted_copies": "residual"})):
+        monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / name / "state"))
+        monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / name / "artifact"))
         caplog.clear()
+        consumer = Consumer()
         with caplog.at_level(logging.WARNING):
-            make_loader(**extra).load_weights(Consumer(dtype=torch.float32), model_config)
+            make_loader(**extra).load_weights(consumer, config)
         warnings = {r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("coldsnap")}
         manifest = last_outcome().capture.manifest
         if name == "residual":
             assert manifest.model_bytes == 0
             (warning,) = warnings
-            assert "only 0 of" in warning and "converted_copies=model" in warning
-        else:
-            assert manifest.model_bytes > manifest.residual_bytes and warnings == set()
+            assert "only 0 of" in warning and "converted_copies=residual" in warning
+            continue
+        assert warnings == set()
+        assert manifest.model_bytes >= 0.99 * manifest.allocations.total_bytes
+        assert all(e.provenance.dtype_converted for e in manifest.model_extents)
+        packs.append(manifest.pack.sha256)
+        loaded = consumer
+    assert packs[0] == packs[1]
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "first" / "state"))
+    monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "first" / "artifact"))
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
+    monkeypatch.setenv("COLDSNAP_RESTORE", "native")
+    fresh = Consumer()
+    make_loader().load_weights(fresh, config)
+    assert last_outcome().kind == "restored" and fresh.snapshot() == loaded.snapshot()
 
 
 COMMIT_A = "0123456789abcdef0123456789abcdef01234567"

@@ -160,23 +160,24 @@ def test_second_copy_over_a_recorded_range_is_residual(checkpoint: Path) -> None
     ]
 
 
-def test_dtype_converting_copy_is_residual_by_default(checkpoint: Path) -> None:
-    """bf16 checkpoint -> fp32 parameter: the destination bytes are not the file's bytes, so by
-    default they are residual. Fails if a converting copy is recorded as a byte copy."""
+def test_dtype_converting_copy_is_residual_when_opted_out(checkpoint: Path) -> None:
+    """bf16 checkpoint -> fp32 parameter with ``converted_copies="residual"``: the destination bytes
+    are not the file's bytes, so they are residual. Fails if the opt-out is ignored or a converting
+    copy is recorded as a byte copy."""
     m = torch.nn.Module()
     m.w = _param(8, dtype=torch.float32)
-    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources, converted_copies="residual") as observer:
         m.w.data.copy_(t["norm.weight"])
     assert _ranges(m, observer) == []
 
 
-def test_dtype_converting_copy_as_model_extent_when_asked(checkpoint: Path) -> None:
-    """``converted_copies="model"``: one extent of 32 destination bytes (8 fp32) from 16 source bytes
+def test_dtype_converting_copy_is_a_model_extent_by_default(checkpoint: Path) -> None:
+    """``converted_copies="model"`` (the default): one extent of 32 destination bytes (8 fp32) from 16 source bytes
     (8 bf16), marked ``dtype_converted``; a fill over one fp32 element cuts exactly that element
     and the matching 2 source bytes."""
     m = torch.nn.Module()
     m.w = _param(8, dtype=torch.float32)
-    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources, converted_copies="model") as observer:
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
         m.w.data.copy_(t["norm.weight"])
         m.w.data[3:4].fill_(0)
     ranges = _ranges(m, observer)

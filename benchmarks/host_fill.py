@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Host hydration into fresh memory against the machine's physical limits, side by side in one run.
+
+A warm restore is one copy from the page cache into memory nobody has touched yet, so its cost is
+the copy plus the first-touch faults (and zeroing) of the fresh pages. This script measures, on one
+file of ``--size-mib`` MiB (a real pack when ``--file`` is given, else seeded bytes) and in
+alternation, each variant ``--repetitions`` times into a fresh private anonymous mapping (as a large
+torch CPU allocation is):
+
+* ``fill``: :meth:`coldsnap_core.copy.host.HostCopyBackend.fill`, every usable CPU, as hydration runs
+  it (``MADV_HUGEPAGE`` on the destination, ``MADV_POPULATE_WRITE`` per thread, ``os.preadv``);
+* ``fill, 4 KiB pages``: the same without the huge-page advice;
+* ``fill, 1 thread``: the same on one thread;
+* ``read, first touch``: one ``os.preadv`` pass on one thread into the fresh mapping, faulting page
+  by page: what a plain loader's copy into a new tensor costs;
+
+and the limits, each on already-faulted memory (no faults): ``memcpy`` (numpy copy between two
+faulted buffers; the memory bandwidth one core gets), ``page cache read`` (``os.preadv`` from the
+cached file into a faulted buffer) and ``disk read`` (the file evicted with ``POSIX_FADV_DONTNEED``,
+then read on every CPU: the storage's rate). It prints medians, GB/s and each fill's time over the
+memcpy time. Nothing is asserted. Usage::
+
+    python benchmarks/host_fill.py [--size-mib 269] [--repetitions 5] [--file PACK] [--tmp DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from _common import MiB, drop_file_from_page_cache, machine_line, print_table, warm_page_cache
+
+import coldsnap_core.copy.host as host
+from coldsnap_core.copy.base import CopyOp, LiveAllocation
+from coldsnap_core.copy.host import HostCopyBackend, host_view
+
+
+def fresh_mapping(size_bytes: int) -> tuple[mmap.mmap, int]:
+    """A private anonymous mapping nobody has touched, and its address."""
+    region = mmap.mmap(-1, size_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return region, np.frombuffer(region, dtype=np.uint8).ctypes.data
+
+
+def timed(run: Callable[[int, int], object], size_bytes: int) -> float:
+    region, address = fresh_mapping(size_bytes)
+    try:
+        started = time.perf_counter()
+        run(address, size_bytes)
+        return time.perf_counter() - started
+    finally:
+        region.close()
+
+
+def read_all(fd: int, address: int, size_bytes: int, threads: int, chunk_bytes: int = 4 * MiB) -> None:
+    view = host_view(address, size_bytes)
+
+    def one(part: int) -> None:
+        for start in range(part * chunk_bytes, size_bytes, threads * chunk_bytes):
+            os.preadv(fd, [view[start : start + chunk_bytes]], start)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(threads)))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mib", type=int, default=269)
+    parser.add_argument("--repetitions", type=int, default=5)
+    parser.add_argument("--file", type=Path, default=None, help="an existing file to read (default: a seeded temporary file)")
+    parser.add_argument("--tmp", type=Path, default=None, help="folder for the temporary file (default: the temp folder)")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="coldsnap-host-fill-", dir=args.tmp))
+    try:
+        if args.file is not None:
+            path = args.file
+            size = path.stat().st_size
+        else:
+            size = args.size_mib * MiB
+            path = work / "source.bin"
+            rng = np.random.default_rng(12)
+            with open(path, "wb") as f:
+                for start in range(0, size, 64 * MiB):
+                    f.write(rng.integers(0, 256, min(64 * MiB, size - start), dtype=np.uint8).tobytes())
+        cpus = len(os.sched_getaffinity(0))
+        print(f"host_fill: {machine_line()}")
+        print(
+            f"host_fill: {path} ({size / 1e6:.1f} MB), THP {Path('/sys/kernel/mm/transparent_hugepage/enabled').read_text().strip()}"
+        )
+        ops = [CopyOp("pack", 0, 0, 0, size, None, 0)]
+        fd = os.open(path, os.O_RDONLY)
+        advise = host.advise_huge_pages
+
+        def fill(threads: int, huge: bool) -> Callable[[int, int], object]:
+            def run(address: int, size_bytes: int) -> None:
+                host.advise_huge_pages = advise if huge else (lambda *_: False)
+                try:
+                    HostCopyBackend(threads=threads).fill(
+                        ops, {"pack": path}, [LiveAllocation(0, address, size_bytes)], verify_extents=False
+                    )
+                finally:
+                    host.advise_huge_pages = advise
+
+            return run
+
+        variants: dict[str, Callable[[int, int], object]] = {
+            f"fill ({cpus} threads, huge pages)": fill(cpus, True),
+            f"fill ({cpus} threads, 4 KiB pages)": fill(cpus, False),
+            "fill (1 thread, huge pages)": fill(1, True),
+            "read, first touch (1 thread)": lambda a, n: read_all(fd, a, n, 1),
+        }
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        limits: dict[str, list[float]] = {"memcpy (faulted buffers, 1 thread)": [], "page cache read (faulted buffer)": []}
+        disk: list[float] = []
+        source = np.empty(size, dtype=np.uint8)
+        source[:] = 1
+        target = np.empty(size, dtype=np.uint8)
+        target[:] = 0
+        warm_page_cache(path)
+        for _ in range(args.repetitions):
+            for name, run in variants.items():
+                times[name].append(timed(run, size))
+            started = time.perf_counter()
+            np.copyto(target, source)
+            limits["memcpy (faulted buffers, 1 thread)"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            read_all(fd, target.ctypes.data, size, cpus)
+            limits["page cache read (faulted buffer)"].append(time.perf_counter() - started)
+        for _ in range(min(2, args.repetitions)):
+            os.fdatasync(fd) if os.access(path, os.W_OK) else None
+            drop_file_from_page_cache(path)
+            started = time.perf_counter()
+            read_all(fd, target.ctypes.data, size, cpus)
+            disk.append(time.perf_counter() - started)
+        warm_page_cache(path)
+        os.close(fd)
+        memcpy = statistics.median(limits["memcpy (faulted buffers, 1 thread)"])
+        rows = []
+        for name, values in [*times.items(), *limits.items(), (f"disk read ({cpus} threads, evicted)", disk)]:
+            m = statistics.median(values)
+            rows.append([name, f"{m:.4f}", f"{size / m / 1e9:.2f}", f"{m / memcpy:.2f}"])
+        print(f"\nMedians of {args.repetitions} repetitions (disk: {len(disk)}), {size / 1e6:.1f} MB each:")
+        print_table(["variant", "seconds", "GB/s", "x memcpy"], rows)
+        huge = statistics.median(times[f"fill ({cpus} threads, huge pages)"])
+        small = statistics.median(times[f"fill ({cpus} threads, 4 KiB pages)"])
+        plain = statistics.median(times["read, first touch (1 thread)"])
+        print(f"\nhuge pages / 4 KiB pages = {huge / small:.2f}; fill / plain first-touch read = {huge / plain:.2f}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

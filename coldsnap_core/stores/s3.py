@@ -1,0 +1,461 @@
+"""A payload store in an S3-compatible bucket, through ``boto3`` (the optional extra ``coldsnap[s3]``).
+
+URL form: ``s3://bucket`` or ``s3://bucket/prefix`` (``--repo`` and ``COLDSNAP_PAYLOAD_REPO``). Objects
+live at ``<prefix>/model-payloads/sha256/<digest>.pack`` (``model-payloads/...`` at the bucket's root
+without a prefix). The endpoint, region and credentials come from the usual AWS variables, which
+boto3 reads itself (``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``/``AWS_DEFAULT_REGION``,
+``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, ...); path-style
+addressing is used (S3-compatible servers on one host name, MinIO, moto) unless
+``AWS_S3_ADDRESSING_STYLE`` says otherwise.
+
+Consistency rule: an object is created once, never overwritten. Publication creates it with a
+conditional write (``If-None-Match: *`` on ``PutObject`` and on ``CompleteMultipartUpload``; S3 User
+Guide, "Add preconditions to S3 operations with conditional requests"): of two publishers of one
+digest exactly one creates the object, the other gets ``412 PreconditionFailed`` (or ``409
+ConditionalRequestConflict`` while the first is completing) and counts the digest as present; neither
+fails. The server checks the SHA-256 of every byte it receives: a single ``PutObject`` carries the
+digest itself as ``x-amz-checksum-sha256`` (the server refuses the body if it hashes otherwise), a
+multipart upload carries each part's SHA-256 (``ChecksumAlgorithm=SHA256``), and the whole file is
+hashed while its parts are read, so a file that changed after verification is never completed.
+
+Fetch: ``HeadObject`` (size and ``ETag``), then
+parallel ranged ``GetObject`` calls (``Range: bytes=a-b``, ``If-Match: <ETag>`` so a replaced
+object cannot be mixed in) written with ``pwrite`` into the cache's temporary file; the cache then
+verifies the whole file (:func:`coldsnap_core.verify.verify_pack_file`) before admitting it.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import errno
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from coldsnap_core.digests import check_digest, pack_relpath
+from coldsnap_core.errors import (
+    ConfigurationError,
+    InsufficientSpaceError,
+    PackDigestMismatchError,
+    PackSizeMismatchError,
+    PayloadUnavailableError,
+    StoreError,
+)
+from coldsnap_core.stores.base import ProgressCallback
+
+logger = logging.getLogger(__name__)
+
+S3_SCHEME = "s3://"
+PART_SIZE_BYTES = 64 << 20
+"""Bytes per multipart part and per ranged GET (64 MiB; S3 parts are 5 MiB to 5 GiB, at most 10,000)."""
+MAX_PARTS = 10_000
+DEFAULT_CONCURRENCY = 8
+"""Parts or ranges in flight at once (threads; boto3 clients are thread-safe)."""
+_NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
+_CONDITION_FAILED_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
+_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def _b64_sha256(data: bytes | bytearray | memoryview) -> str:
+    return base64.b64encode(hashlib.sha256(data).digest()).decode()
+
+
+def _error_code(exc: Exception) -> str | None:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = response.get("Error", {}).get("Code")
+        if code:
+            return str(code)
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return None if status is None else str(status)
+    return None
+
+
+def parse_s3_url(spec: str) -> tuple[str, str]:
+    """``s3://bucket[/prefix]`` -> ``(bucket, prefix)`` (prefix without leading or trailing ``/``).
+
+    Raises:
+        ConfigurationError: not an ``s3://`` URL, an empty or invalid bucket name (S3 bucket naming
+            rules: 3 to 63 characters of ``a-z 0-9 . -``), or a prefix with an empty, ``.`` or
+            ``..`` segment.
+    """
+    if not spec.startswith(S3_SCHEME):
+        raise ConfigurationError(f"{spec!r} is not an s3://bucket/prefix URL")
+    bucket, _, prefix = spec[len(S3_SCHEME) :].partition("/")
+    if not (3 <= len(bucket) <= 63) or not all(c.isascii() and (c.islower() or c.isdigit() or c in ".-") for c in bucket):
+        raise ConfigurationError(f"{spec!r}: {bucket!r} is not an S3 bucket name (3-63 characters of a-z, 0-9, '.', '-')")
+    prefix = prefix.strip("/")
+    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
+        raise ConfigurationError(f"{spec!r}: the key prefix {prefix!r} has an empty, '.' or '..' segment")
+    return bucket, prefix
+
+
+def _default_client() -> Any:
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError as exc:  # the optional extra is not installed
+        raise ConfigurationError("an s3:// payload store needs boto3: pip install 'coldsnap[s3]'") from exc
+    style = os.environ.get("AWS_S3_ADDRESSING_STYLE", "path")
+    config = Config(
+        s3={"addressing_style": style},
+        max_pool_connections=DEFAULT_CONCURRENCY * 2,
+        # boto3 >= 1.36 adds CRC checksums to every upload by default; the store sends SHA-256 itself.
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    return boto3.client("s3", config=config)
+
+
+class S3PayloadStore:
+    """Objects in ``s3://<bucket>/<prefix>/model-payloads/sha256/<digest>.pack``.
+
+    Args:
+        bucket: the bucket (it must exist; coldsnap never creates buckets).
+        prefix: key prefix, without leading or trailing ``/`` (may be empty).
+        client: a boto3 S3 client (default: one from the environment, see the module docstring).
+        part_size_bytes: bytes per multipart part and per ranged GET (default 64 MiB; at least 5 MiB
+            for S3's multipart rules, except in tests against servers that allow less).
+        concurrency: parts or ranges in flight at once.
+
+    Raises:
+        ConfigurationError: boto3 is missing, or ``concurrency``/``part_size_bytes`` is not positive.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        client: Any = None,
+        part_size_bytes: int = PART_SIZE_BYTES,
+        concurrency: int = DEFAULT_CONCURRENCY,
+    ) -> None:
+        if part_size_bytes <= 0 or concurrency <= 0:
+            raise ConfigurationError(f"S3 store: part_size_bytes ({part_size_bytes}) and concurrency ({concurrency}) must be > 0")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.part_size_bytes = part_size_bytes
+        self.concurrency = concurrency
+        self._client = client
+        self.name = f"s3 {bucket}/{self.prefix}" if self.prefix else f"s3 {bucket}"
+
+    @classmethod
+    def from_url(cls, spec: str, **kwargs: Any) -> S3PayloadStore:
+        """A store for ``s3://bucket[/prefix]`` (see :func:`parse_s3_url`)."""
+        bucket, prefix = parse_s3_url(spec)
+        return cls(bucket, prefix, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"S3PayloadStore({self.bucket!r}, {self.prefix!r})"
+
+    @property
+    def client(self) -> Any:
+        """The boto3 client, made on first use (so that parsing a URL needs no boto3 import)."""
+        if self._client is None:
+            self._client = _default_client()
+        return self._client
+
+    def key(self, digest: str) -> str:
+        """``<prefix>/model-payloads/sha256/<digest>.pack``; the digest is validated first."""
+        relpath = pack_relpath(digest)
+        return f"{self.prefix}/{relpath}" if self.prefix else relpath
+
+    def location(self, digest: str) -> str:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: ``s3://bucket/<key>``."""
+        return f"{S3_SCHEME}{self.bucket}/{self.key(digest)}"
+
+    def _fail(self, action: str, digest: str, exc: Exception) -> StoreError:
+        return StoreError(f"{self.name}: {action} failed: {type(exc).__name__}: {exc}", file=self.location(digest))
+
+    def _head(self, digest: str) -> dict[str, Any] | None:
+        """``HeadObject`` with checksums, or ``None`` when the object does not exist."""
+        client = self.client  # outside the try: a missing boto3 is a ConfigurationError, not a store failure
+        try:
+            return client.head_object(Bucket=self.bucket, Key=self.key(digest), ChecksumMode="ENABLED")
+        except Exception as exc:
+            if _error_code(exc) in _NOT_FOUND_CODES:
+                return None
+            raise self._fail("looking up the pack", digest, exc) from exc
+
+    def has(self, digest: str, size_bytes: int | None = None, *, verify: bool = False) -> bool:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.has` (``HeadObject``, by size).
+
+        With ``verify`` the object is read (parallel ranged GETs, as a fetch) and hashed in full: the
+        checksum S3 keeps is the digest only for a single-part object and composite (a hash of the
+        parts' hashes) for a multipart one, and S3-compatible servers do not all say which.
+        """
+        check_digest(digest)
+        head = self._head(digest)
+        if head is None:
+            return False
+        where = self.location(digest)
+        actual = int(head["ContentLength"])
+        if size_bytes is not None and actual != size_bytes:
+            logger.warning("coldsnap: %s is %d bytes, expected %d; treating it as absent", where, actual, size_bytes)
+            return False
+        if verify:
+            hashed = self._hash_object(digest, actual, head.get("ETag"))
+            if hashed != digest:
+                logger.warning("coldsnap: %s hashes to %s, not its name; treating it as absent", where, hashed)
+                return False
+        return True
+
+    # -- fetch -----------------------------------------------------------------------------------
+
+    def _ranges(self, size_bytes: int) -> list[tuple[int, int]]:
+        step = self.part_size_bytes
+        return [(start, min(start + step, size_bytes)) for start in range(0, size_bytes, step)]
+
+    def _get_range(self, digest: str, start: int, end: int, etag: str | None) -> bytes:
+        """Bytes ``[start, end)`` of the object (one ranged GET, pinned to ``etag``)."""
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(digest), "Range": f"bytes={start}-{end - 1}"}
+        if etag:
+            kwargs["IfMatch"] = etag
+        try:
+            response = self.client.get_object(**kwargs)
+            data = response["Body"].read()
+        except Exception as exc:
+            if _error_code(exc) in _NOT_FOUND_CODES:
+                raise PayloadUnavailableError(f"{self.name} no longer holds the pack", file=self.location(digest)) from exc
+            if _error_code(exc) in _CONDITION_FAILED_CODES:
+                raise StoreError(
+                    f"{self.name}: the object changed while it was read (ETag {etag} no longer matches)",
+                    file=self.location(digest),
+                ) from exc
+            raise self._fail(f"reading bytes {start}-{end - 1}", digest, exc) from exc
+        if len(data) != end - start:
+            raise PackSizeMismatchError(
+                f"ranged read of bytes {start}-{end - 1} returned {len(data)} bytes (the object changed size)",
+                file=self.location(digest),
+                offset_bytes=start,
+            )
+        return data
+
+    def _hash_object(self, digest: str, size_bytes: int, etag: str | None) -> str:
+        h = hashlib.sha256()
+        with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
+            # map keeps order; at most `concurrency` ranges are read ahead of the hash
+            for data in pool.map(lambda r: self._get_range(digest, r[0], r[1], etag), self._ranges(size_bytes)):
+                h.update(data)
+        return h.hexdigest()
+
+    def fetch(self, digest: str, size_bytes: int, fd: int, *, file: Path, progress: ProgressCallback | None = None) -> None:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch`: parallel ranged GETs into ``fd``.
+
+        Raises:
+            PayloadUnavailableError: no object at the digest's key.
+            PackSizeMismatchError: the object is truncated or extended (nothing is read), or a range
+                came back short.
+            InsufficientSpaceError: the cache's file system filled up.
+            StoreError: the server failed, or the object changed during the fetch.
+        """
+        check_digest(digest)
+        head = self._head(digest)
+        where = self.location(digest)
+        if head is None:
+            raise PayloadUnavailableError(f"{self.name} does not hold the pack", file=where)
+        actual = int(head["ContentLength"])
+        if actual != size_bytes:
+            state = "truncated" if actual < size_bytes else "extended"
+            raise PackSizeMismatchError(f"stored pack is {actual} bytes, expected {size_bytes} ({state})", file=where)
+        etag = head.get("ETag")
+        lock = threading.Lock()
+
+        def one(r: tuple[int, int]) -> None:
+            data = self._get_range(digest, r[0], r[1], etag)
+            view = memoryview(data)
+            offset = r[0]
+            while view:
+                try:
+                    n = os.pwrite(fd, view, offset)
+                except OSError as exc:
+                    if exc.errno in _SPACE_ERRNOS:
+                        raise InsufficientSpaceError(
+                            f"fetch failed at byte {offset}: {os.strerror(exc.errno)}", file=file
+                        ) from exc
+                    raise StoreError(f"writing the fetched bytes at {offset} failed: {exc}", file=file) from exc
+                view = view[n:]
+                offset += n
+            if progress is not None:
+                with lock:
+                    progress(r[1] - r[0])
+
+        _run_all(one, self._ranges(size_bytes), self.concurrency)
+
+    # -- upload ----------------------------------------------------------------------------------
+
+    def upload(self, path: Path, digest: str, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.upload`: a conditional create.
+
+        Up to one part (``part_size_bytes``): one ``PutObject`` with ``If-None-Match: *`` and the
+        digest as ``x-amz-checksum-sha256``. Larger: a multipart upload with per-part SHA-256, the
+        parts read in order (whole-file SHA-256 computed on the way) and sent ``concurrency`` at a
+        time, completed with ``If-None-Match: *`` only if the whole file hashed to ``digest``
+        (otherwise aborted).
+
+        When the condition fails (another writer created the key first), the existing object is
+        hashed in full: if it is the digest's bytes, another publisher won and this call returns
+        ``False`` (nothing replaced); if not (a corrupt object), it is replaced, conditionally on its
+        ``ETag`` (``If-Match``) so a concurrent good replacement is never overwritten.
+
+        Returns:
+            ``True`` when this call created (or replaced) the object, ``False`` when another
+            publisher had created it.
+
+        Raises:
+            PackSizeMismatchError: ``path`` does not have ``size_bytes`` bytes (nothing uploaded).
+            PackDigestMismatchError: the file's bytes do not hash to ``digest`` (nothing published).
+            StoreError: the server refused or failed (a multipart upload is aborted), or the key kept
+                changing under a replacement.
+        """
+        check_digest(digest)
+        actual = os.path.getsize(path)
+        if actual != size_bytes:
+            raise PackSizeMismatchError(f"the file to upload is {actual} bytes, expected {size_bytes}", file=path)
+        self.client  # noqa: B018 (made here: a missing boto3 is a ConfigurationError, not a store failure)
+        if self._create(path, digest, size_bytes, progress, {"IfNoneMatch": "*"}):
+            logger.info("coldsnap: uploaded %s to %s", digest, self.name)
+            return True
+        head = self._head(digest)
+        intact = head is not None and int(head["ContentLength"]) == size_bytes
+        if intact and self._hash_object(digest, size_bytes, head.get("ETag")) == digest:
+            logger.info("coldsnap: %s was created by another publisher; not uploaded again", self.location(digest))
+            return False
+        logger.warning("coldsnap: %s exists but is not the digest's bytes; replacing it", self.location(digest))
+        condition = {"IfNoneMatch": "*"} if head is None else {"IfMatch": head["ETag"]}
+        if not self._create(path, digest, size_bytes, progress, condition):
+            raise StoreError(f"{self.name}: the object changed while a corrupt copy was replaced", file=self.location(digest))
+        logger.info("coldsnap: replaced %s in %s", digest, self.name)
+        return True
+
+    def _create(
+        self, path: Path, digest: str, size_bytes: int, progress: ProgressCallback | None, condition: dict[str, str]
+    ) -> bool:
+        """Write the object under ``condition``; ``False`` when the server says the condition failed."""
+        if size_bytes <= self.part_size_bytes:
+            created = self._put_once(path, digest, size_bytes, condition)
+            if created and progress is not None:
+                progress(size_bytes)
+            return created
+        return self._multipart(path, digest, size_bytes, progress, condition)
+
+    def _put_once(self, path: Path, digest: str, size_bytes: int, condition: dict[str, str]) -> bool:
+        data = path.read_bytes()
+        if len(data) != size_bytes or hashlib.sha256(data).hexdigest() != digest:
+            raise PackDigestMismatchError(
+                "the file to upload does not hash to its digest; it changed after verification", file=path
+            )
+        try:
+            self.client.put_object(
+                Bucket=self.bucket,
+                Key=self.key(digest),
+                Body=data,
+                **condition,
+                ChecksumSHA256=base64.b64encode(bytes.fromhex(digest)).decode(),
+                ContentType="application/octet-stream",
+            )
+        except Exception as exc:
+            if _error_code(exc) in _CONDITION_FAILED_CODES:
+                return False
+            raise self._fail("uploading the pack", digest, exc) from exc
+        return True
+
+    def _multipart(
+        self, path: Path, digest: str, size_bytes: int, progress: ProgressCallback | None, condition: dict[str, str]
+    ) -> bool:
+        ranges = self._ranges(size_bytes)
+        if len(ranges) > MAX_PARTS:
+            raise StoreError(
+                f"{self.name}: {size_bytes} bytes need {len(ranges)} parts of {self.part_size_bytes} bytes (S3 allows {MAX_PARTS})",
+                file=path,
+            )
+        key = self.key(digest)
+        try:
+            upload_id = self.client.create_multipart_upload(
+                Bucket=self.bucket, Key=key, ChecksumAlgorithm="SHA256", ContentType="application/octet-stream"
+            )["UploadId"]
+        except Exception as exc:
+            raise self._fail("starting a multipart upload", digest, exc) from exc
+        completed = False
+        try:
+            whole = hashlib.sha256()
+            parts: dict[int, dict[str, Any]] = {}
+            lock = threading.Lock()
+
+            def send(number: int, data: bytes) -> None:
+                checksum = _b64_sha256(data)
+                try:
+                    response = self.client.upload_part(
+                        Bucket=self.bucket,
+                        Key=key,
+                        UploadId=upload_id,
+                        PartNumber=number,
+                        Body=data,
+                        ChecksumAlgorithm="SHA256",
+                        ChecksumSHA256=checksum,
+                    )
+                except Exception as exc:
+                    raise self._fail(f"uploading part {number}", digest, exc) from exc
+                with lock:
+                    parts[number] = {"PartNumber": number, "ETag": response["ETag"], "ChecksumSHA256": checksum}
+                    if progress is not None:
+                        progress(len(data))
+
+            with open(path, "rb") as f, concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
+                pending: set[concurrent.futures.Future[None]] = set()
+                for number, (start, end) in enumerate(ranges, start=1):
+                    data = f.read(end - start)
+                    whole.update(data)
+                    pending.add(pool.submit(send, number, data))
+                    if len(pending) >= self.concurrency:  # bounded read-ahead: at most `concurrency` parts in memory
+                        done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                        for future in done:
+                            future.result()
+                for future in concurrent.futures.as_completed(pending):
+                    future.result()
+                if f.read(1):
+                    raise PackSizeMismatchError(f"the file grew past {size_bytes} bytes during the upload", file=path)
+            if whole.hexdigest() != digest:
+                raise PackDigestMismatchError(
+                    f"the bytes read for upload hash to {whole.hexdigest()}, not {digest}; the file changed after verification",
+                    file=path,
+                )
+            try:
+                self.client.complete_multipart_upload(
+                    Bucket=self.bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": [parts[n] for n in sorted(parts)]},
+                    **condition,
+                )
+                completed = True
+            except Exception as exc:
+                if _error_code(exc) in _CONDITION_FAILED_CODES:
+                    return False
+                raise self._fail("completing the multipart upload", digest, exc) from exc
+        finally:
+            if not completed:
+                try:
+                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+                except Exception as exc:  # the original error matters more; the bucket's lifecycle rule cleans up
+                    logger.warning("coldsnap: aborting multipart upload %s of %s failed: %s", upload_id, key, exc)
+        return True
+
+
+def _run_all(function: Any, items: list[Any], concurrency: int) -> None:
+    """Run ``function(item)`` for every item on ``concurrency`` threads; the first error is raised
+    after the others stop being started (those in flight finish)."""
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        futures = [pool.submit(function, item) for item in items]
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                future.result()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise

@@ -1,0 +1,168 @@
+"""The three payload stores under one test harness, each backed by a real server on 127.0.0.1.
+
+* ``folder``: a :class:`LocalFolderStore` in a folder (a shared mount, as far as a node can tell);
+* ``hf``: the :class:`HfPayloadStore` with a real ``huggingface_hub.HfApi`` talking HTTP to
+  :class:`local_hub.LocalHub` (``HF_HUB_DISABLE_XET=1``: the local Hub has no Xet);
+* ``s3``: the :class:`S3PayloadStore` with a real boto3 client talking HTTP to ``moto`` in server
+  mode (``moto.server.ThreadedMotoServer``), bucket versioning on so the tests can count how many
+  times a key was written.
+
+:class:`StoreUnderTest` gives the contract tests what they need beyond the :class:`PayloadStore`
+protocol: put arbitrary bytes at a digest's place (a corrupt, truncated or extended object), count the
+objects and writes on the server, list anything partial a store may leave, and the environment a
+child process (another "node") needs to reach the same store through ``--repo``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from coldsnap_core.digests import pack_relpath
+from coldsnap_core.stores.base import PayloadStore
+
+REPO = Path(__file__).resolve().parent.parent.parent
+STORE_KINDS = ("folder", "hf", "s3")
+HF_REPO = "coldsnap-test/payloads"
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+@dataclass
+class StoreUnderTest:
+    kind: str
+    store: PayloadStore
+    spec: str  # the --repo value that names this store
+    env: dict[str, str]  # what a child process needs to reach it
+    backend: Any = None  # LocalHub, the boto3 client, or the folder root
+    bucket: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def new_store(self) -> PayloadStore:
+        """Another client of the same store (another node's view)."""
+        from coldsnap_core.stores import parse_store_spec
+
+        if self.kind == "hf":
+            from huggingface_hub import HfApi
+
+            from coldsnap_core.stores.hf import HfPayloadStore
+
+            return HfPayloadStore(HF_REPO, api=HfApi(endpoint=self.backend.url))
+        if self.kind == "s3":
+            from coldsnap_core.stores.s3 import S3PayloadStore
+
+            return S3PayloadStore.from_url(self.spec, client=self.backend, part_size_bytes=self.store.part_size_bytes)
+        return parse_store_spec(self.spec)
+
+    def put_raw(self, digest: str, data: bytes) -> None:
+        """Make the store's object for ``digest`` hold ``data`` (as a broken writer or bit rot would)."""
+        if self.kind == "folder":
+            path = self.backend / pack_relpath(digest)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.exists():
+                os.chmod(path, 0o644)
+            path.write_bytes(data)
+        elif self.kind == "hf":
+            # a commit of other bytes at the digest's path: paths-info reports their real SHA-256
+            self.backend.plant(HF_REPO, pack_relpath(digest), data)
+        else:
+            self.backend.put_object(Bucket=self.bucket, Key=self.store.key(digest), Body=data)
+
+    def objects(self) -> list[str]:
+        """The object names (``<digest>.pack``) the store holds."""
+        if self.kind == "folder":
+            folder = self.backend / "model-payloads" / "sha256"
+            return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+        if self.kind == "hf":
+            if (("model", HF_REPO)) not in self.backend.repos:
+                return []
+            return sorted(Path(p).name for p in self.backend.objects(HF_REPO) if p.startswith("model-payloads/sha256/"))
+        listing = self.backend.list_objects_v2(Bucket=self.bucket)
+        return sorted(Path(o["Key"]).name for o in listing.get("Contents", []))
+
+    def writes(self, digest: str) -> int:
+        """How many times bytes were stored for ``digest``: object versions (S3), LFS uploads (Hub),
+        links/renames (folder: 1 while the object's inode is the first one, counted by the caller)."""
+        if self.kind == "s3":
+            versions = self.backend.list_object_versions(Bucket=self.bucket, Prefix=self.store.key(digest))
+            return len(versions.get("Versions", []))
+        if self.kind == "hf":
+            return self.backend.lfs_uploads
+        return 1 if (self.backend / pack_relpath(digest)).exists() else 0
+
+    def leftovers(self) -> list[str]:
+        """Anything partial the store holds: folder ``model-payloads/tmp/*``, unfinished S3 multipart
+        uploads, ``.partial`` files of the local Hub."""
+        if self.kind == "folder":
+            tmp = self.backend / "model-payloads" / "tmp"
+            return sorted(p.name for p in tmp.iterdir()) if tmp.is_dir() else []
+        if self.kind == "hf":
+            return sorted(p.name for p in (self.backend.root / "lfs").glob("*.partial"))
+        uploads = self.backend.list_multipart_uploads(Bucket=self.bucket).get("Uploads", [])
+        return [u["Key"] for u in uploads]
+
+
+def make_store(kind: str, tmp_path: Path, *, hub: Any = None, s3_endpoint: str | None = None, part_size_bytes: int = 1 << 20):
+    """A :class:`StoreUnderTest` of ``kind``; ``hub`` (a running LocalHub) for ``hf``, ``s3_endpoint`` for ``s3``."""
+    if kind == "folder":
+        from coldsnap_core.stores.local import LocalFolderStore
+
+        root = tmp_path / "folder-store"
+        return StoreUnderTest(kind, LocalFolderStore(root), str(root), {}, root)
+    if kind == "hf":
+        from huggingface_hub import HfApi
+
+        from coldsnap_core.stores.hf import HfPayloadStore
+
+        env = {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0"}
+        return StoreUnderTest(kind, HfPayloadStore(HF_REPO, api=HfApi(endpoint=hub.url)), HF_REPO, env, hub)
+    from coldsnap_core.stores.s3 import S3PayloadStore, _default_client
+
+    client = _default_client()
+    bucket = f"payloads-{os.urandom(4).hex()}"
+    client.create_bucket(Bucket=bucket)
+    client.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    spec = f"s3://{bucket}/fleet/a"
+    store = S3PayloadStore.from_url(spec, client=client, part_size_bytes=part_size_bytes)
+    return StoreUnderTest(kind, store, spec, {**S3_ENV, "AWS_ENDPOINT_URL": s3_endpoint}, client, bucket)
+
+
+def node_command(start_file: Path, *cli_args: str) -> list[str]:
+    """A child process (another "node") that waits for ``start_file`` to exist, then runs ``coldsnap
+    CLI_ARGS...`` in-process and exits with its code (all nodes start together)."""
+    return [sys.executable, str(Path(__file__).resolve()), str(start_file), *cli_args]
+
+
+def run_nodes(commands: list[list[str]], env: dict[str, str], start_file: Path, *, timeout_seconds: float = 120.0):
+    """Start every command, release them at once, and return ``[(returncode, stdout, stderr)]``."""
+    child_env = {**os.environ, **env}
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env, cwd=REPO)
+        for cmd in commands
+    ]
+    time.sleep(0.2)
+    start_file.touch()
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout_seconds)
+        results.append((proc.returncode, out, err))
+    return results
+
+
+if __name__ == "__main__":
+    start = Path(sys.argv[1])
+    from coldsnap_core.cli.main import main  # imported before the wait: the nodes race on the store, not on imports
+
+    deadline = time.monotonic() + 60
+    while not start.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sys.exit(main(sys.argv[2:]))

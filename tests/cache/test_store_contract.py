@@ -1,0 +1,197 @@
+"""The payload-store contract, run against every store kind over real I/O (in the manner of containerd's
+content-store test suite, ``content/testsuite``): a folder, the Hugging Face store with the real
+``huggingface_hub`` client over HTTP to the local Hub, and the S3 store with the real boto3 client over
+HTTP to moto in server mode.
+
+Every test here runs three times (``any_store``: ``folder``, ``hf``, ``s3``) and says which regression
+it catches. The objects are always at ``model-payloads/sha256/<digest>.pack`` (under the S3 prefix).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import threading
+
+import pytest
+from cache_support import eligible_objects, sha256_of
+
+from coldsnap_core.cache import PayloadCache
+from coldsnap_core.digests import pack_relpath
+from coldsnap_core.errors import PackDigestMismatchError, PackSizeMismatchError, PayloadUnavailableError
+from coldsnap_core.publish import publish_native
+from coldsnap_core.staging import stage_payload
+from coldsnap_core.stores.base import PayloadStore
+
+
+def _flipped(data: bytes, offset: int) -> bytes:
+    out = bytearray(data)
+    out[offset] ^= 0xFF
+    return bytes(out)
+
+
+def _nothing_kept(cache: PayloadCache) -> None:
+    assert cache.digests() == [] and cache.temporaries() == []
+
+
+def test_publish_then_stage_on_another_node(any_store, captured_once, tmp_path) -> None:
+    """publish-native uploads the pack to the digest's path; a second node (another state root, another
+    client) stages it, verified, and nothing partial is left in the store or the cache. Fails if a store
+    writes elsewhere than ``model-payloads/sha256/<digest>.pack``, loses or alters bytes on the way, or
+    leaves a temporary (a folder ``.partial``, an unfinished multipart upload)."""
+    pack = captured_once.pack
+    assert isinstance(any_store.store, PayloadStore)
+    assert not any_store.store.has(pack.sha256, pack.size_bytes)
+    results = publish_native([captured_once.artifact_dir], any_store.store, PayloadCache(captured_once.capture_root))
+    assert [r.action for r in results] == ["uploaded"]
+    assert any_store.objects() == [f"{pack.sha256}.pack"]
+    assert any_store.store.location(pack.sha256).endswith(pack_relpath(pack.sha256))
+    node = any_store.new_store()
+    assert node.has(pack.sha256, pack.size_bytes) and node.has(pack.sha256, pack.size_bytes, verify=True)
+    cache = PayloadCache(tmp_path / "node-2")
+    path = stage_payload(pack, cache=cache, store=node)
+    assert sha256_of(path) == pack.sha256 and cache.temporaries() == []
+    assert any_store.leftovers() == []
+
+
+def test_publishing_a_present_digest_uploads_nothing(any_store, captured_once) -> None:
+    """A second publication of the same digest finds it present and sends no bytes (no new S3 object
+    version, no LFS upload, the folder object untouched). Fails if ``has`` misses a present object."""
+    cache = PayloadCache(captured_once.capture_root)
+    digest = captured_once.pack.sha256
+    publish_native([captured_once.artifact_dir], any_store.store, cache)
+    writes = any_store.writes(digest)
+    again = publish_native([captured_once.artifact_dir], any_store.new_store(), cache)
+    assert [r.action for r in again] == ["present"]
+    assert any_store.writes(digest) == writes == 1
+
+
+def test_missing_object_is_unavailable(any_store, captured_once, tmp_path) -> None:
+    """An object the store does not hold: ``has`` is False and staging raises PayloadUnavailableError
+    (exit 3; ``auto`` falls back), not a generic store failure."""
+    pack = captured_once.pack
+    if any_store.kind == "hf":
+        any_store.backend.create("coldsnap-test/payloads")
+    assert not any_store.store.has(pack.sha256, pack.size_bytes)
+    cache = PayloadCache(tmp_path / "node")
+    with pytest.raises(PayloadUnavailableError):
+        stage_payload(pack, cache=cache, store=any_store.store)
+    _nothing_kept(cache)
+
+
+@pytest.mark.parametrize("change", ["truncated", "extended"])
+def test_truncated_or_extended_object_is_refused(any_store, captured_once, tmp_path, change: str) -> None:
+    """An object of the wrong size in the store: absent for ``has`` (so publication replaces it), and
+    staging refuses it with PackSizeMismatchError naming the store object, before any byte is admitted.
+    Fails if a store trusts the digest in the name, or hands a short read to the cache."""
+    pack = captured_once.pack
+    data = captured_once.pack_path.read_bytes()
+    any_store.put_raw(pack.sha256, data[:-4096] if change == "truncated" else data + b"\0" * 4096)
+    assert not any_store.store.has(pack.sha256, pack.size_bytes)
+    cache = PayloadCache(tmp_path / "node")
+    with pytest.raises(PackSizeMismatchError, match=change) as info:
+        stage_payload(pack, cache=cache, store=any_store.store)
+    assert pack.sha256 in str(info.value.file)
+    _nothing_kept(cache)
+
+
+def test_same_size_wrong_bytes_are_refused_and_never_admitted(any_store, captured_once, tmp_path) -> None:
+    """An object of the right size with one byte changed: the cache's full verification refuses it with
+    PackDigestMismatchError naming the object in the store (not the cache temporary); nothing is
+    admitted; ``has(verify=True)`` reports it absent. Fails if a fetched object is committed unverified."""
+    pack = captured_once.pack
+    any_store.put_raw(pack.sha256, _flipped(captured_once.pack_path.read_bytes(), 5000))
+    assert not any_store.store.has(pack.sha256, pack.size_bytes, verify=True)
+    cache = PayloadCache(tmp_path / "node")
+    with pytest.raises(PackDigestMismatchError) as info:
+        stage_payload(pack, cache=cache, store=any_store.store)
+    assert info.value.file == any_store.store.location(pack.sha256)
+    _nothing_kept(cache)
+
+
+def test_publication_replaces_a_corrupt_store_object(any_store, captured_once, tmp_path) -> None:
+    """A same-size corrupt object in the store is replaced by publication (S3: the conditional create
+    fails, the existing object is hashed, found corrupt and replaced with ``If-Match`` on its ETag), and a
+    node then stages the right bytes. Fails if a conditional create takes any existing object as good."""
+    pack = captured_once.pack
+    any_store.put_raw(pack.sha256, _flipped(captured_once.pack_path.read_bytes(), 5000))
+    results = publish_native([captured_once.artifact_dir], any_store.store, PayloadCache(captured_once.capture_root))
+    assert [r.action for r in results] == ["uploaded"]
+    path = stage_payload(pack, cache=PayloadCache(tmp_path / "node"), store=any_store.new_store())
+    assert sha256_of(path) == pack.sha256
+    assert any_store.leftovers() == []
+
+
+def test_upload_of_bytes_that_are_not_the_digest_publishes_nothing(any_store, captured_once, tmp_path) -> None:
+    """``upload`` of a file whose bytes do not hash to the digest (it changed after verification) raises
+    PackDigestMismatchError and leaves no object and nothing partial (S3: the multipart upload is
+    aborted; Hub: nothing is committed). Fails if a store publishes first and checks afterwards."""
+    bad = tmp_path / "bad.pack"
+    bad.write_bytes(_flipped(captured_once.pack_path.read_bytes(), 77))
+    pack = captured_once.pack
+    with pytest.raises(PackDigestMismatchError):
+        any_store.store.upload(bad, pack.sha256, pack.size_bytes)
+    assert any_store.objects() == [] and any_store.leftovers() == []
+
+
+@pytest.mark.parametrize(("damage", "exit_code"), [("missing", 3), ("corrupt", 1)])
+def test_cli_stage_exit_codes(any_store, captured_once, tmp_path, capsys, damage: str, exit_code: int) -> None:
+    """``coldsnap stage ARTIFACT --repo <store>``: a missing object exits 3 (payload-available), a corrupt
+    one exits 1 (pack-sha256) naming the store object, whatever the store kind."""
+    from coldsnap_core.cli.main import main
+
+    pack = captured_once.pack
+    if damage == "corrupt":
+        any_store.put_raw(pack.sha256, _flipped(captured_once.pack_path.read_bytes(), 5000))
+    elif any_store.kind == "hf":
+        any_store.backend.create("coldsnap-test/payloads")
+    node = tmp_path / "node"
+    assert main(["stage", str(captured_once.artifact_dir), "--repo", any_store.spec, "--state-root", str(node)]) == exit_code
+    err = capsys.readouterr().err
+    assert ("payload-available" if damage == "missing" else "pack-sha256") in err
+    assert eligible_objects(node) == {}
+
+
+def test_cli_progress_is_quiet_off_a_terminal_and_drawn_on_one(any_store, captured_once, tmp_path, capsys, monkeypatch) -> None:
+    """tqdm bars (coldsnap's and huggingface_hub's) stay out of a pipe or log; on a terminal the stage
+    bar is drawn. Fails if a bar is forced on (``disable=False``) or never shown."""
+    from coldsnap_core.cli.main import main
+
+    publish_native([captured_once.artifact_dir], any_store.store, PayloadCache(captured_once.capture_root))
+    capsys.readouterr()  # huggingface_hub's upload bar above ran outside the CLI
+    args = ["stage", str(captured_once.artifact_dir), "--repo", any_store.spec]
+    assert main([*args, "--state-root", str(tmp_path / "quiet")]) == 0
+    assert "B/s" not in capsys.readouterr().err
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    assert main([*args, "--state-root", str(tmp_path / "drawn")]) == 0
+    assert f"stage {captured_once.pack.sha256[:12]}" in terminal.getvalue()
+
+
+def test_two_uploads_of_one_digest_at_once_create_it_once(any_store, captured_once) -> None:
+    """Two clients call ``upload`` for the same digest at the same moment (both past their ``has`` check,
+    as two publishing nodes can be): neither fails and the store ends with one object. Where the store has
+    a conditional create (folder: no-replace ``link``; S3: ``If-None-Match: *``) exactly one call creates
+    it (returns True), the other keeps it (False) and S3 keeps one object version. Fails if the create is
+    unconditional (both return True, S3 writes a second version) or the loser raises."""
+    pack = captured_once.pack
+    clients = [any_store.new_store(), any_store.new_store()]
+    barrier = threading.Barrier(2)
+
+    def upload(store):
+        barrier.wait()
+        return store.upload(captured_once.pack_path, pack.sha256, pack.size_bytes)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        created = sorted(pool.map(upload, clients))
+    assert any_store.objects() == [f"{pack.sha256}.pack"] and any_store.leftovers() == []
+    if any_store.kind == "hf":  # no conditional create on the Hub: both commit the same LFS object
+        assert created == [True, True]
+    else:
+        assert created == [False, True]
+        assert any_store.writes(pack.sha256) == 1

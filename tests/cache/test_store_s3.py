@@ -1,0 +1,117 @@
+"""The S3 store's own behaviour (the contract it shares with the other stores is in test_store_contract.py):
+the URL form, the single-``PutObject`` path with the digest as its SHA-256 checksum, multipart uploads
+with per-part SHA-256, and parallel ranged reads. Real boto3 over HTTP to moto in server mode."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+from cache_support import sha256_of
+
+from coldsnap_core.cache import PayloadCache
+from coldsnap_core.errors import ConfigurationError
+from coldsnap_core.staging import stage_payload
+from coldsnap_core.stores import from_env, parse_store_spec
+from coldsnap_core.stores.s3 import S3PayloadStore, _default_client, parse_s3_url
+
+
+@pytest.mark.parametrize(
+    ("url", "bucket", "prefix", "key_start"),
+    [
+        ("s3://payloads", "payloads", "", "model-payloads/sha256/"),
+        ("s3://payloads/", "payloads", "", "model-payloads/sha256/"),
+        ("s3://pay.loads-1/fleet/a/", "pay.loads-1", "fleet/a", "fleet/a/model-payloads/sha256/"),
+    ],
+)
+def test_s3_url_form(url: str, bucket: str, prefix: str, key_start: str) -> None:
+    """``s3://bucket[/prefix]``: objects at ``<prefix>/model-payloads/sha256/<digest>.pack``; parsing
+    needs no network and no boto3 client."""
+    store = parse_store_spec(url)
+    assert isinstance(store, S3PayloadStore) and (store.bucket, store.prefix) == (bucket, prefix)
+    assert store.key("a" * 64) == f"{key_start}{'a' * 64}.pack"
+    assert store.location("a" * 64) == f"s3://{bucket}/{key_start}{'a' * 64}.pack"
+    assert isinstance(from_env({"COLDSNAP_PAYLOAD_REPO": url}), S3PayloadStore)
+
+
+@pytest.mark.parametrize(
+    "url", ["s3://", "s3://ab", "s3://Payloads", "s3://pay_loads/x", "s3://payloads/a//b", "s3://payloads/../x"]
+)
+def test_s3_url_errors(url: str) -> None:
+    """A bucket name S3 would refuse, or a prefix with an empty, ``.`` or ``..`` segment: ConfigurationError
+    (also through COLDSNAP_PAYLOAD_REPO, naming the variable)."""
+    with pytest.raises(ConfigurationError):
+        parse_s3_url(url)
+    with pytest.raises(ConfigurationError, match="COLDSNAP_PAYLOAD_REPO"):
+        from_env({"COLDSNAP_PAYLOAD_REPO": url})
+
+
+def _bucket(client) -> str:
+    import os
+
+    name = f"single-{os.urandom(4).hex()}"
+    client.create_bucket(Bucket=name)
+    client.put_bucket_versioning(Bucket=name, VersioningConfiguration={"Status": "Enabled"})
+    return name
+
+
+def test_single_put_carries_the_digest_as_its_checksum_and_creates_once(s3_env, captured, tmp_path) -> None:
+    """A pack no larger than one part goes up in one ``PutObject`` whose ``x-amz-checksum-sha256`` is the
+    digest itself (a server that checks checksums refuses other bytes), under ``If-None-Match: *``: a
+    second upload returns False and writes no second version. Then a fetch in 512 KiB ranges stages it."""
+    client = _default_client()
+    bucket = _bucket(client)
+    store = S3PayloadStore(bucket, "p", client=client, part_size_bytes=8 << 20)
+    digest, size = captured.pack.sha256, captured.pack.size_bytes
+    sent: list[dict] = []
+    client.meta.events.register("provide-client-params.s3.PutObject", lambda params, **_: sent.append(dict(params)))
+    assert store.upload(captured.pack_path, digest, size) is True
+    assert store.upload(captured.pack_path, digest, size) is False
+    assert [p["ChecksumSHA256"] for p in sent] == [base64.b64encode(bytes.fromhex(digest)).decode()] * 2
+    assert all(p["IfNoneMatch"] == "*" for p in sent)
+    assert len(client.list_object_versions(Bucket=bucket)["Versions"]) == 1
+    reader = S3PayloadStore(bucket, "p", client=client, part_size_bytes=512 << 10, concurrency=3)
+    ranges: list[str] = []
+    client.meta.events.register("provide-client-params.s3.GetObject", lambda params, **_: ranges.append(params["Range"]))
+    path = stage_payload(captured.pack, cache=PayloadCache(tmp_path / "node"), store=reader)
+    assert sha256_of(path) == digest
+    assert sorted(ranges, key=lambda r: int(r[6:].split("-")[0])) == [
+        f"bytes={a}-{min(a + (512 << 10), size) - 1}" for a in range(0, size, 512 << 10)
+    ]
+
+
+def test_multipart_upload_sends_each_part_with_its_sha256(s3_env, captured) -> None:
+    """A pack larger than a part: a multipart upload created with ``ChecksumAlgorithm=SHA256``, each part
+    with its own SHA-256, completed under ``If-None-Match: *``; nothing unfinished remains."""
+    import hashlib
+
+    client = _default_client()
+    bucket = _bucket(client)
+    store = S3PayloadStore(bucket, client=client, part_size_bytes=1 << 20)
+    data = captured.pack_path.read_bytes()
+    parts: dict[int, str] = {}
+    completes: list[dict] = []
+    client.meta.events.register(
+        "provide-client-params.s3.UploadPart",
+        lambda params, **_: parts.__setitem__(params["PartNumber"], params["ChecksumSHA256"]),
+    )
+    client.meta.events.register("provide-client-params.s3.CompleteMultipartUpload", lambda params, **_: completes.append(params))
+    assert store.upload(captured.pack_path, captured.pack.sha256, len(data)) is True
+    expected = {
+        n + 1: base64.b64encode(hashlib.sha256(data[a : a + (1 << 20)]).digest()).decode()
+        for n, a in enumerate(range(0, len(data), 1 << 20))
+    }
+    assert parts == expected and len(parts) >= 2
+    assert completes[0]["IfNoneMatch"] == "*"
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+def test_without_boto3_the_store_names_the_extra(monkeypatch) -> None:
+    """An ``s3://`` store without boto3 installed: parsing works, the first request raises
+    ConfigurationError naming ``coldsnap[s3]`` (not an ImportError traceback)."""
+    import sys
+
+    store = parse_store_spec("s3://payloads/x")
+    monkeypatch.setitem(sys.modules, "boto3", None)
+    with pytest.raises(ConfigurationError, match=r"coldsnap\[s3\]"):
+        store.has("a" * 64)
