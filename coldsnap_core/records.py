@@ -375,7 +375,7 @@ def admit_object(
     else:
         _require_caller_size(path, st.st_size, size_bytes)
         return path
-    with cache.lock(digest):
+    with cache.lock(digest, required=True):
         return admit_locked(cache, digest, size_bytes, progress=progress, layout=layout, extent_owner=extent_owner)
 
 

@@ -365,7 +365,7 @@ def verify_untrusted_pack(
         return
     except ValidationRecordError as exc:
         logger.info("coldsnap: verifying %s in full against the manifest (%s)", path, exc.detail)
-    with cache.lock(digest):
+    with cache.lock(digest, required=True):
         st = refuse_symlink(path)
         if st is None:
             return

@@ -25,6 +25,10 @@ COLDSNAP_VERIFY_EXTENTS        ``verify_extents``          ``1``: hash every mod
 COLDSNAP_VERIFY_CHECKPOINT     ``verify_checkpoint``       ``1``: at restore, hash every local checkpoint file
                                                            this node has no checkpoint record of (``0``:
                                                            compare its content fingerprint instead)
+COLDSNAP_LOCK_TIMEOUT          ``lock_timeout``            seconds to wait for a pack's lock held by another
+                                                           process (``600``); restore then fails with
+                                                           ``LockTimeoutError`` (``auto`` falls back), a
+                                                           writer proceeds without the lock
 COLDSNAP_OUTCOME_LOG           ``outcome_log``             the load outcome log each worker load appends one
                                                            JSON line to (``<state-root>/load-outcomes.jsonl``;
                                                            ``docs/format.md`` §10.3)
@@ -55,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from coldsnap_core.cache import DEFAULT_STATE_ROOT
+from coldsnap_core.cache import DEFAULT_STATE_ROOT, LOCK_TIMEOUT_SECONDS, lock_timeout_from_env
 from coldsnap_core.errors import ConfigurationError
 from coldsnap_core.materialize import MATERIALIZE_MODES, MaterializeMode
 
@@ -91,6 +95,7 @@ KEYS: dict[str, str | None] = {
     "verify_extents": "COLDSNAP_VERIFY_EXTENTS",
     "verify_checkpoint": "COLDSNAP_VERIFY_CHECKPOINT",
     "inner_load_format": "COLDSNAP_INNER_LOAD_FORMAT",
+    "lock_timeout": "COLDSNAP_LOCK_TIMEOUT",
     "outcome_log": "COLDSNAP_OUTCOME_LOG",
     "converted_copies": None,
 }
@@ -110,6 +115,7 @@ class ColdsnapSettings:
         verify_checkpoint: at restore, hash local checkpoint files without a checkpoint record.
         inner_load_format: the vLLM load format to keep, or ``None`` for the platform default.
         converted_copies: ``model`` (converted copies are model extents, the default) or ``residual``.
+        lock_timeout_s: seconds to wait for a pack's lock (:meth:`coldsnap_core.cache.PayloadCache.lock`).
         outcome_log: the load outcome log (absolute), or ``None`` for
             ``<state_root>/load-outcomes.jsonl`` (:attr:`outcome_log_path`).
     """
@@ -123,6 +129,7 @@ class ColdsnapSettings:
     verify_checkpoint: bool = False
     inner_load_format: str | None = None
     converted_copies: ConvertedCopies = "model"
+    lock_timeout_s: float = LOCK_TIMEOUT_SECONDS
     outcome_log: Path | None = None
 
     @property
@@ -220,6 +227,9 @@ class ColdsnapSettings:
             verify_checkpoint=flag("verify_checkpoint"),
             inner_load_format=inner_format,
             converted_copies=choice("converted_copies", CONVERTED_COPIES, "model"),  # type: ignore[arg-type]
+            lock_timeout_s=lock_timeout_from_env(value=raw["lock_timeout"][1], where=raw["lock_timeout"][0])
+            if "lock_timeout" in raw
+            else LOCK_TIMEOUT_SECONDS,
             outcome_log=path("outcome_log"),
         )
         if settings.artifact_dir is None and settings.export_model_payload:

@@ -328,7 +328,7 @@ def restore_into(
             settings.artifact_dir,
             worker,
             source,
-            PayloadCache(settings.state_root),
+            PayloadCache(settings.state_root, lock_timeout_seconds=settings.lock_timeout_s),
             verify_extents=settings.verify_extents,
             verify_checkpoint=settings.verify_checkpoint,
         )

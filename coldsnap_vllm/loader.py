@@ -241,7 +241,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
         _set_outcome(None)
         settings = self.coldsnap_settings
         worker = compat.worker_identity()
-        cache = PayloadCache(settings.state_root)
+        cache = PayloadCache(settings.state_root, lock_timeout_seconds=settings.lock_timeout_s)
         attempt: WorkerRestore | None = None
         fallback: ColdsnapError | None = None
         if settings.artifact_dir is not None and not settings.export_model_payload:
