@@ -18,6 +18,7 @@ name one worker and one payload, before anything in the capsule is used.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import logging
@@ -26,7 +27,7 @@ import re
 import secrets
 import shutil
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -40,6 +41,8 @@ from coldsnap_core.errors import (
     ManifestError,
     ManifestMismatchError,
     MissingObjectError,
+    NotRegularFileError,
+    UnsafePathError,
 )
 from coldsnap_core.format._strict import parse_document, read_document_bytes
 from coldsnap_core.format.descriptor import (
@@ -114,6 +117,67 @@ def replace_dir_atomically(final: Path, fill: Callable[[Path], T]) -> T:
     return result
 
 
+def descriptor_lock_path(artifact_dir: Path) -> Path:
+    """``<artifact_dir>/.artifact.json.lock``: the lock that serializes ``artifact.json`` updates."""
+    return artifact_dir / f".{DESCRIPTOR_FILENAME}.lock"
+
+
+def check_artifact_paths(artifact_dir: Path, worker: WorkerIdentity) -> None:
+    """Refuse, before a capture writes anything, the paths of ``artifact_dir`` it would lock or write
+    through: the descriptor lock, ``workers/`` and the worker's capsule lock. The artifact folder
+    itself may be a symbolic link (a blue/green ``current -> a``); absent paths are fine.
+
+    Raises:
+        UnsafePathError: one of them is a symbolic link (rule ``no-symlinks``, naming it), or a
+            path component is not a folder.
+        NotRegularFileError: a lock path holds a folder or another non-regular file.
+        FileAccessError: one cannot be examined (``EACCES``, ``EIO``, ...).
+    """
+    workers_dir = artifact_dir / WORKERS_DIRNAME
+    _refuse_link(descriptor_lock_path(artifact_dir), regular=True)
+    _refuse_link(workers_dir, regular=False)
+    _refuse_link(_capsule_lock_path(workers_dir, worker.capsule_name), regular=True)
+
+
+def _refuse_link(path: Path, *, regular: bool) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+            raise UnsafePathError(f"a component of the path is not a usable folder: {exc.strerror or exc}", file=path) from exc
+        raise os_error("cannot examine an artifact path", exc, path) from exc
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePathError("refusing a symbolic link in the artifact folder", file=path)
+    if regular and not stat.S_ISREG(st.st_mode):
+        raise NotRegularFileError(f"an artifact lock path is not a regular file ({stat.filemode(st.st_mode)})", file=path)
+    if not regular and not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError("an artifact folder path is not a folder", file=path)
+
+
+@contextlib.contextmanager
+def _artifact_lock(path: Path) -> Iterator[None]:
+    """Hold the ``filelock`` lock at ``path``, refusing a symbolic link there (typed, not ``ELOOP``).
+
+    Raises:
+        UnsafePathError: ``path`` is a symbolic link.
+        FileAccessError / InsufficientSpaceError: the lock file cannot be created or locked.
+    """
+    _refuse_link(path, regular=True)
+    lock = filelock.FileLock(path)
+    try:
+        lock.acquire()
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # replaced by a link since the check
+            raise UnsafePathError("refusing a symbolic link in the artifact folder", file=path) from exc
+        raise os_error("cannot take the artifact lock", exc, path) from exc
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def write_capsule(artifact_dir: Path, worker: WorkerIdentity, fill: Callable[[Path], T]) -> tuple[Path, T]:
     """Create (or replace) the unit capsule of ``worker`` as one atomic step, under the capsule's lock.
 
@@ -125,10 +189,11 @@ def write_capsule(artifact_dir: Path, worker: WorkerIdentity, fill: Callable[[Pa
     Returns:
         ``(capsule path, fill's result)``.
     """
+    check_artifact_paths(artifact_dir, worker)
     workers_dir = artifact_dir / WORKERS_DIRNAME
     workers_dir.mkdir(parents=True, exist_ok=True)
     final = workers_dir / worker.capsule_name
-    with filelock.FileLock(_capsule_lock_path(workers_dir, worker.capsule_name)):
+    with _artifact_lock(_capsule_lock_path(workers_dir, worker.capsule_name)):
         sweep_capsule_debris(workers_dir, worker.capsule_name)
         result = replace_dir_atomically(final, fill)
     return final, result
@@ -184,7 +249,7 @@ def remove_other_worlds(artifact_dir: Path, world_size: int) -> list[Path]:
         match = _CAPSULE_NAME_RE.fullmatch(child.name)
         if match is None or int(match["world_size"]) == world_size:
             continue
-        with filelock.FileLock(_capsule_lock_path(workers_dir, child.name)):
+        with _artifact_lock(_capsule_lock_path(workers_dir, child.name)):
             aside = workers_dir / f".{child.name}.{secrets.token_hex(8)}.old"
             try:
                 os.rename(child, aside)
@@ -214,7 +279,7 @@ def register_worker(artifact_dir: Path, model: ModelIdentity, entry: WorkerEntry
     """
     artifact_dir.mkdir(parents=True, exist_ok=True)
     path = artifact_dir / DESCRIPTOR_FILENAME
-    with filelock.FileLock(artifact_dir / f".{DESCRIPTOR_FILENAME}.lock"):
+    with _artifact_lock(descriptor_lock_path(artifact_dir)):
         descriptor = ArtifactDescriptor(model, ())
         if path.exists():
             try:

@@ -31,8 +31,11 @@ Internal logic worth knowing (``docs/format.md`` §10 and §11):
   :class:`~coldsnap_core.errors.CacheError` or :class:`~coldsnap_core.errors.FileAccessError`, so a
   loader's ``auto`` mode can fall back.
 * **Locks prevent duplicate work only.** One ``filelock`` lock per digest makes same-host writers
-  converge on one object; it is re-entrant per thread. If it cannot be had within the timeout, the
-  caller proceeds without it (with a WARNING): correctness never depends on it, because every
+  converge on one object; it is re-entrant per thread. A wait longer than a few seconds is logged at
+  INFO with the lock and its holder; the wait is bounded by ``COLDSNAP_LOCK_TIMEOUT``. A reader
+  (admission, staging) that times out raises :class:`~coldsnap_core.errors.LockTimeoutError`, so a
+  hung holder is seen and ``auto`` falls back. A writer that times out proceeds without the lock
+  (with a WARNING): correctness never depends on it, because every
   writer uses a process-unique temporary name (huggingface_hub PR #4306), hashes before the rename,
   and the rename is atomic. The tests prove this with ``flock`` patched into a no-op (the Lustre case).
 * **Writer liveness.** A writer holds ``flock`` on its own temporary file for its whole life; the
@@ -67,6 +70,7 @@ from coldsnap_core.errors import (
     ConfigurationError,
     IntegrityError,
     InvalidDigestError,
+    LockTimeoutError,
     MissingObjectError,
     PackDigestMismatchError,
     PackSizeMismatchError,
@@ -76,7 +80,7 @@ from coldsnap_core.errors import (
 from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.format.pack_layout import PackEntry, PackLayout
 from coldsnap_core.records import identity, read_trusted_record, record_verified
-from coldsnap_core.settings import resolve_state_root
+from coldsnap_core.settings import LOCK_TIMEOUT_ENV, lock_timeout_from_env, resolve_state_root
 from coldsnap_core.verify import verify_pack_file
 
 logger = logging.getLogger(__name__)
@@ -87,8 +91,10 @@ ADMIT_CHUNK_BYTES = 1 << 20
 """Read size of a first-use verification (1 MiB): each chunk is still in the CPU cache when it is
 hashed; with the verifier's default 8 MiB double buffer the same pass measured about 10 % slower
 (``benchmarks/verify.py``)."""
-LOCK_TIMEOUT_SECONDS = 600.0
-"""How long a writer waits for another same-host writer of the same digest before proceeding anyway."""
+LOCK_NOTICE_SECONDS = 5.0
+"""A wait for a lock longer than this is logged at INFO (lock path, holder), and again every
+:data:`LOCK_NOTICE_REPEAT_SECONDS`."""
+LOCK_NOTICE_REPEAT_SECONDS = 30.0
 
 TEMP_SUFFIX = ".partial"
 DOWNLOAD_DIR_SUFFIX = ".partial.d"
@@ -176,20 +182,21 @@ class PayloadCache:
 
     Args:
         state_root: the state root; see :func:`resolve_state_root`.
-        lock_timeout_seconds: how long to wait for another writer of the same digest before
-            proceeding without the lock (safe; see the module docstring).
+        lock_timeout_seconds: how long to wait for a digest's lock (``None``: ``$COLDSNAP_LOCK_TIMEOUT``,
+            default :data:`LOCK_TIMEOUT_SECONDS`); see :meth:`lock`.
+
+    Raises:
+        ConfigurationError: ``$COLDSNAP_LOCK_TIMEOUT`` is not a number of seconds >= 0.
     """
 
-    def __init__(
-        self, state_root: str | os.PathLike[str] | None = None, *, lock_timeout_seconds: float = LOCK_TIMEOUT_SECONDS
-    ) -> None:
+    def __init__(self, state_root: str | os.PathLike[str] | None = None, *, lock_timeout_seconds: float | None = None) -> None:
         self.state_root = resolve_state_root(state_root)
         self.payloads_dir = self.state_root / PAYLOADS_DIRNAME
         self.objects_dir = self.payloads_dir / "sha256"
         self.locks_dir = self.payloads_dir / "locks"
         self.tmp_dir = self.payloads_dir / "tmp"
         self.quarantine_dir = self.payloads_dir / "quarantine"
-        self.lock_timeout_seconds = lock_timeout_seconds
+        self.lock_timeout_seconds = lock_timeout_from_env() if lock_timeout_seconds is None else float(lock_timeout_seconds)
         self._verified_here: dict[str, tuple[int, int, int, int, int]] = {}
         self._verified_here_lock = threading.Lock()
 
@@ -273,17 +280,30 @@ class PayloadCache:
     # -- locking and temporaries -------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def lock(self, digest: str, *, timeout_seconds: float | None = None) -> Iterator[bool]:
+    def lock(self, digest: str, *, timeout_seconds: float | None = None, required: bool = False) -> Iterator[bool]:
         """Hold the per-digest lock (``filelock.FileLock``, >= 3.20.3); re-entrant per thread.
 
-        Yields ``True`` when the lock is held, ``False`` when the wait timed out or the lock file
-        cannot be created and the caller proceeds without it (safe: only duplicate work may follow).
-        That is logged as a WARNING, except on a read-only file system (``EROFS``), where no other
-        writer can exist and the cache is only read: INFO.
+        A wait longer than :data:`LOCK_NOTICE_SECONDS` is logged at INFO with the lock's path and its
+        holder (pid and host from the kernel's lock table, where this process can see it), and again
+        every :data:`LOCK_NOTICE_REPEAT_SECONDS`.
+
+        Yields ``True`` when the lock is held, ``False`` when the wait timed out (writers, ``required``
+        false) or the lock file cannot be created, and the caller proceeds without it (safe: only
+        duplicate work may follow). That is logged as a WARNING, except on a read-only file system
+        (``EROFS``), where no other writer can exist and the cache is only read: INFO.
+
+        Args:
+            digest: the pack's SHA-256.
+            timeout_seconds: the wait (default: :attr:`lock_timeout_seconds`).
+            required: a reader (admission, staging, ``cache verify``) that waits on a live holder:
+                a timeout raises instead of proceeding (a hung holder must be seen, not waited out
+                by every restore).
 
         Raises:
             InvalidDigestError: bad digest (before any path is built).
             UnsafePathError: the lock path or a cache folder is a symbolic link.
+            LockTimeoutError: ``required`` and the lock was not had within the timeout; the message
+                names the lock, its holder and ``COLDSNAP_LOCK_TIMEOUT``.
         """
         path = self.lock_path(digest)
         key = (os.getpid(), str(path))
@@ -298,9 +318,15 @@ class PayloadCache:
         try:
             self.ensure_dirs()
             refuse_symlink(path)
-            lock.acquire()
+            _acquire_logged(lock, path, timeout)
         except filelock.Timeout:
-            reason = f"waited {timeout:.1f} s for it"
+            if required:
+                raise LockTimeoutError(
+                    f"waited {timeout:g} s for the lock (holder: {_describe_holder(path)}); a live process holds it"
+                    f" and does not finish. Set {LOCK_TIMEOUT_ENV} to wait longer, or stop the holder",
+                    file=path,
+                ) from None
+            reason = f"waited {timeout:.1f} s for it (holder: {_describe_holder(path)})"
         except (OSError, CacheError) as exc:
             reason = f"it cannot be created ({exc})"
             if os_errno(exc) == errno.EROFS:
@@ -323,7 +349,8 @@ class PayloadCache:
         Yields ``(fd, path)``; ``fd`` is open for writing. The file is closed and unlinked on exit
         unless the caller renamed it (see :meth:`commit`); a partial file therefore never survives
         a failure in this process, and one left by a killed process is never eligible (it is not at
-        an object path) and is removed by :meth:`gc`.
+        an object path). This writer removes such leftovers at once (:func:`sweep_dead_partials`:
+        their ``flock`` is free); :meth:`gc` removes them too.
 
         Raises:
             InvalidDigestError: ``label`` is not ``[0-9a-z][0-9a-z.-]*``.
@@ -333,11 +360,11 @@ class PayloadCache:
         self.ensure_dirs()
         path = self.tmp_dir / f"{label}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = create_locked_partial(path)
         except OSError as exc:
             raise _os_error("cannot create a temporary file", exc, path) from exc
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            sweep_dead_partials(self.tmp_dir, path)  # the caller's own flock on path is what the probe needs
             yield fd, path
         finally:
             with contextlib.suppress(OSError):
@@ -496,7 +523,7 @@ class PayloadCache:
         else:
             _require_caller_size(path, st.st_size, size_bytes)
             return path
-        with self.lock(digest):
+        with self.lock(digest, required=True):
             return self.admit_locked(
                 digest,
                 size_bytes,
@@ -594,7 +621,7 @@ class PayloadCache:
     def reverify(self, digest: str, size_bytes: int | None = None, *, progress: ProgressCallback | None = None) -> Path:
         """Like :meth:`admit`, but always hash in full (ignoring any record); used by ``coldsnap cache verify --full``."""
         check_digest(digest)
-        with self.lock(digest):
+        with self.lock(digest, required=True):
             return self.admit_locked(digest, size_bytes, progress=progress, trust_record=False)
 
     def quarantine(self, digest: str, *, log: bool = True) -> Path | None:
@@ -649,6 +676,13 @@ class PayloadCache:
         """Every entry of ``tmp/`` (writes in progress or left by dead writers)."""
         self.check_dirs()
         return _listdir(self.tmp_dir)
+
+    def abandoned_temporaries(self) -> list[Path]:
+        """The ``tmp/*.partial`` files whose writer is gone (their ``flock`` is free): debris that the
+        next writer (where ``flock`` works) or :meth:`gc` removes."""
+        return [
+            p for p in self.temporaries() if p.name.endswith(TEMP_SUFFIX) and stat.S_ISREG(p.lstat().st_mode) and _writer_gone(p)
+        ]
 
     def quarantined(self) -> list[Path]:
         """Every entry of ``quarantine/``."""
@@ -778,6 +812,80 @@ def _writer_gone(path: Path) -> bool:
     return True
 
 
+SWEEP_GRACE_SECONDS = 10.0
+"""A writer's sweep (:func:`sweep_dead_partials`) leaves a ``.partial`` modified less than this long ago:
+a new writer creates its file, then takes its ``flock``, and is not mistaken for a dead one in between."""
+
+
+def create_locked_partial(path: Path) -> int:
+    """Create ``path`` (``O_EXCL | O_NOFOLLOW``, mode 0600, open for writing) and hold ``flock`` on it.
+    Returns the descriptor.
+
+    Raises:
+        OSError: the file cannot be created (the caller types it).
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file (O_EXCL): nobody else holds it
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    return fd
+
+
+def _flock_works(path: Path) -> bool:
+    """Whether ``flock`` excludes here: a second open of ``path``, which this process holds locked,
+    must fail to lock it (on Lustre, GPFS and some NFS mounts ``flock`` is a no-op that always succeeds)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
+
+
+def sweep_dead_partials(tmp_dir: Path, own_path: Path) -> list[Path]:
+    """Remove every ``*.partial`` in ``tmp_dir`` whose writer is gone (its ``flock`` is free) and that
+    was last modified more than :data:`SWEEP_GRACE_SECONDS` ago, with its ``.partial.d`` download
+    folder; called by each new writer, which holds ``own_path`` locked.
+
+    Nothing is removed unless ``flock`` is seen to exclude on this file system (``own_path`` cannot
+    be locked a second time): where it is a no-op a live writer's partial would look abandoned, and
+    ``coldsnap cache gc``'s age threshold is the only safe rule. Best effort: failures are ignored.
+    Returns the removed paths.
+    """
+    if not _flock_works(own_path):
+        return []
+    removed = []
+    now = time.time()
+    for path in _listdir(tmp_dir):
+        if path == own_path or not path.name.endswith(TEMP_SUFFIX):
+            continue
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < SWEEP_GRACE_SECONDS or not _writer_gone(path):
+                continue
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(path)
+        download_dir = path.with_name(path.name + ".d")
+        if os.path.lexists(download_dir):
+            _remove_tree_or_file(download_dir)
+    if removed:
+        logger.info("coldsnap: removed %d temporary file(s) whose writer is gone: %s", len(removed), ", ".join(map(str, removed)))
+    return removed
+
+
 def _tree_size(path: Path) -> int:
     if path.is_symlink() or not path.is_dir():
         return 0
@@ -791,3 +899,64 @@ def _remove_tree_or_file(path: Path) -> None:
     else:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def _acquire_logged(lock: filelock.BaseFileLock, path: Path, timeout: float) -> None:
+    """``lock.acquire(timeout)``, logging at INFO while the wait is long (see :meth:`PayloadCache.lock`).
+
+    Raises:
+        filelock.Timeout: not had within ``timeout`` seconds (``timeout < 0``: wait for ever).
+    """
+    started = time.monotonic()
+    notice = LOCK_NOTICE_SECONDS
+    while True:
+        waited = time.monotonic() - started
+        remaining = float("inf") if timeout < 0 else timeout - waited
+        step = min(remaining, max(notice - waited, 0.0))
+        try:
+            lock.acquire(timeout=max(step, 0.0))
+            return
+        except filelock.Timeout:
+            waited = time.monotonic() - started
+            if timeout >= 0 and waited >= timeout:
+                raise
+            if waited >= notice:
+                logger.info(
+                    "coldsnap: waiting for %s (holder: %s) for %.0f s so far, up to %s (%s)",
+                    path,
+                    _describe_holder(path),
+                    waited,
+                    "no limit" if timeout < 0 else f"{timeout:g} s",
+                    LOCK_TIMEOUT_ENV,
+                )
+                notice = waited + LOCK_NOTICE_REPEAT_SECONDS
+
+
+def _describe_holder(lock_path: Path) -> str:
+    """``pid N on host H`` of the process holding ``flock`` on ``lock_path``, from the kernel's lock
+    table (``/proc/locks``, matched by device and inode; the pid as this process's PID namespace sees
+    it), or ``unknown`` (no ``/proc``, a holder in a PID namespace this process cannot see, or a lock
+    held on another host of a network file system)."""
+    import socket
+
+    try:
+        st = os.stat(lock_path)
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            table = f.read()
+    except OSError:
+        return "unknown"
+    wanted = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    for line in table.splitlines():
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 4242 fd:01:1234 0 EOF"; "->" marks a waiter, not a holder.
+        if len(fields) < 6 or fields[1] == "->" or fields[1] != "FLOCK":
+            continue
+        try:
+            major, minor, inode = fields[5].split(":")
+            key = (int(major, 16), int(minor, 16), int(inode))
+            pid = int(fields[4])
+        except ValueError:
+            continue
+        if key == wanted and pid > 0:
+            return f"pid {pid} on host {socket.gethostname()}"
+    return "unknown"

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from coldsnap_core.artifact import register_worker, write_capsule, write_manifests
+from coldsnap_core.artifact import check_artifact_paths, register_worker, write_capsule, write_manifests
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.copy.base import CopyBackend, LiveAllocation
 from coldsnap_core.errors import ObserverError
@@ -188,6 +188,8 @@ def capture_worker(
             allocation map disagrees with the live allocations (count, index or size), or its
             addresses do not fit the capture point (``native``: every allocation has one;
             ``portable``: none has); raised before anything is written.
+        UnsafePathError: a symbolic link at the artifact's descriptor lock, ``workers/`` or the
+            capsule's lock (rule ``no-symlinks``); raised before anything is written.
 
     A capture whose model bytes are less than half the allocation bytes logs a WARNING naming the
     likely cause (:func:`warn_if_few_model_bytes`).
@@ -212,6 +214,7 @@ def capture_worker(
                 allocation=recorded.index,
             )
     check_model_ranges(model_ranges, allocations)
+    check_artifact_paths(artifact_dir, worker)  # a link at a lock path is refused before anything is written
 
     digests = hash_ranges(model_ranges, allocations, backend)
     hashed = time.perf_counter()

@@ -45,6 +45,7 @@ __all__ = [
     "IntegrityError",
     "InvalidDigestError",
     "LayoutMismatchError",
+    "LockTimeoutError",
     "ManifestError",
     "ManifestExtentDigestError",
     "ManifestMismatchError",
@@ -312,6 +313,12 @@ class InsufficientSpaceError(CacheError):
     """A write ran out of space (ENOSPC, EDQUOT) or hit the file size limit (EFBIG); nothing was kept."""
 
     rule = "space"
+
+
+class LockTimeoutError(CacheError):
+    """A reader waited the lock timeout (``COLDSNAP_LOCK_TIMEOUT``) for a lock that a live process holds."""
+
+    rule = "lock-timeout"
 
 
 class ValidationRecordError(CacheError):

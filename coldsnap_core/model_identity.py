@@ -482,7 +482,7 @@ def hash_checkpoint_file(path: str | os.PathLike[str], records: CheckpointRecord
     """SHA-256 and size of a checkpoint file (one read); with ``records``, record the result.
 
     A record that cannot be written is logged as a WARNING (the hash is still returned): without it,
-    a later restore on this node accepts the file on its name and size.
+    a later restore on this node checks the file by its content fingerprint only.
     """
     real = os.path.realpath(path)
     before = os.stat(real)

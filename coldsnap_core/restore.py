@@ -295,7 +295,7 @@ def restore_or_fall_back(
     """
     if settings.artifact_dir is None or settings.export_model_payload:
         return RestoreResult()
-    cache = PayloadCache(settings.state_root) if cache is None else cache
+    cache = PayloadCache(settings.state_root, lock_timeout_seconds=settings.lock_timeout_s) if cache is None else cache
     attempt: WorkerRestore | None = None
     allocations: TorchAllocations | None = None
     try:

@@ -24,7 +24,11 @@ COLDSNAP_MATERIALIZE           ``materialize``             after a recovery load
 COLDSNAP_VERIFY_EXTENTS        ``verify_extents``          ``1``: hash every model extent while hydrating (``0``)
 COLDSNAP_VERIFY_CHECKPOINT     ``verify_checkpoint``       ``1``: at restore, hash every local checkpoint file
                                                            this node has no checkpoint record of (``0``:
-                                                           accept it on its name and size)
+                                                           compare its content fingerprint instead)
+COLDSNAP_LOCK_TIMEOUT          ``lock_timeout``            seconds to wait for a pack's lock held by another
+                                                           process (``600``); restore then fails with
+                                                           ``LockTimeoutError`` (``auto`` falls back), a
+                                                           writer proceeds without the lock
 COLDSNAP_OUTCOME_LOG           ``outcome_log``             the load outcome log each worker load appends one
                                                            JSON line to (``<state-root>/load-outcomes.jsonl``;
                                                            ``docs/format.md`` §10.3)
@@ -73,6 +77,11 @@ PAYLOAD_DIR_ENV = "COLDSNAP_PAYLOAD_DIR"
 PAYLOAD_REPO_ENV = "COLDSNAP_PAYLOAD_REPO"
 PAYLOAD_REPO_TYPE_ENV = "COLDSNAP_PAYLOAD_REPO_TYPE"
 MATERIALIZE_ENV = "COLDSNAP_MATERIALIZE"
+LOCK_TIMEOUT_ENV = "COLDSNAP_LOCK_TIMEOUT"
+LOCK_TIMEOUT_SECONDS = 600.0
+"""Default wait for a digest's lock (``COLDSNAP_LOCK_TIMEOUT`` overrides it): a writer then proceeds
+without the lock, a reader (admission, staging, ``cache verify``) fails with
+:class:`~coldsnap_core.errors.LockTimeoutError`."""
 
 MaterializeMode = Literal["async", "required", "off"]
 MATERIALIZE_MODES: tuple[str, ...] = get_args(MaterializeMode)
@@ -111,6 +120,7 @@ KEYS: dict[str, str | None] = {
     "payload_dir": PAYLOAD_DIR_ENV,
     "payload_repo": PAYLOAD_REPO_ENV,
     "payload_repo_type": PAYLOAD_REPO_TYPE_ENV,
+    "lock_timeout": "COLDSNAP_LOCK_TIMEOUT",
     "outcome_log": "COLDSNAP_OUTCOME_LOG",
     "converted_copies": None,
 }
@@ -141,6 +151,28 @@ def env_flag(variable: str, environ: Mapping[str, str] | None = None) -> bool:
     """
     environ = os.environ if environ is None else environ
     return parse_flag(variable, environ[variable]) if variable in environ else False
+
+
+def lock_timeout_from_env(
+    environ: Mapping[str, str] | None = None, *, value: object = None, where: str = LOCK_TIMEOUT_ENV
+) -> float:
+    """The lock timeout in seconds: ``value`` if given, else ``$COLDSNAP_LOCK_TIMEOUT``, else
+    :data:`LOCK_TIMEOUT_SECONDS` (an empty value means the default).
+
+    Raises:
+        ConfigurationError: the value is not a finite number of seconds >= 0 (names ``where``).
+    """
+    if value is None:
+        value = (os.environ if environ is None else environ).get(LOCK_TIMEOUT_ENV, "")
+    if isinstance(value, str) and not value.strip():
+        return LOCK_TIMEOUT_SECONDS
+    try:
+        seconds = float(value.strip() if isinstance(value, str) else value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if isinstance(value, bool) or not (0 <= seconds < float("inf")):
+        raise ConfigurationError(f"{where}={value!r} is not a number of seconds >= 0")
+    return seconds
 
 
 def resolve_state_root(explicit: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None) -> Path:
@@ -215,6 +247,7 @@ class ColdsnapSettings:
         verify_checkpoint: at restore, hash local checkpoint files without a checkpoint record.
         inner_load_format: the vLLM load format to keep, or ``None`` for the platform default.
         converted_copies: ``model`` (converted copies are model extents, the default) or ``residual``.
+        lock_timeout_s: seconds to wait for a pack's lock (:meth:`coldsnap_core.cache.PayloadCache.lock`).
         outcome_log: the load outcome log (absolute), or ``None`` for
             ``<state_root>/load-outcomes.jsonl`` (:attr:`outcome_log_path`).
         store: the payload store settings (``COLDSNAP_PAYLOAD_DIR`` / ``COLDSNAP_PAYLOAD_REPO``).
@@ -229,6 +262,7 @@ class ColdsnapSettings:
     verify_checkpoint: bool = False
     inner_load_format: str | None = None
     converted_copies: ConvertedCopies = "model"
+    lock_timeout_s: float = LOCK_TIMEOUT_SECONDS
     outcome_log: Path | None = None
     store: StoreSettings = StoreSettings()
 
@@ -327,6 +361,9 @@ class ColdsnapSettings:
             verify_checkpoint=flag("verify_checkpoint"),
             inner_load_format=inner_format,
             converted_copies=choice("converted_copies", CONVERTED_COPIES, "model"),  # type: ignore[arg-type]
+            lock_timeout_s=lock_timeout_from_env(value=raw["lock_timeout"][1], where=raw["lock_timeout"][0])
+            if "lock_timeout" in raw
+            else LOCK_TIMEOUT_SECONDS,
             outcome_log=path("outcome_log"),
             store=store(),
         )

@@ -106,7 +106,7 @@ def stage_payload(
             "(set COLDSNAP_PAYLOAD_DIR or COLDSNAP_PAYLOAD_REPO)",
             file=cache.object_path(digest),
         )
-    with cache.lock(digest):
+    with cache.lock(digest, required=True):
         try:
             return cache.admit_locked(digest, pack.size_bytes, progress=progress)
         except (MissingObjectError, IntegrityError):

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -41,6 +40,7 @@ from coldsnap_core.errors import ColdsnapError, ConfigurationError, WakeError
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME
 from coldsnap_core.hydrate import HydrationReport, hydrate
 from coldsnap_core.settings import env_flag
+from coldsnap_core.sleep_capsules import SleepCapsuleClaim, sleep_dir, sweep_sleep_capsules
 from coldsnap_vllm import state as load_state
 from coldsnap_vllm.cumem import WEIGHTS_TAG, weights_segments
 from coldsnap_vllm.sleep_capture import ReferenceDigests, SleepCapture, capture_for_sleep
@@ -109,6 +109,7 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
         self._references: ReferenceDigests | None = None
         self._copy_backend: CopyBackend | None = None
         self._needs_hydration: set[int] = set()
+        self._claim: SleepCapsuleClaim | None = None
         self._finalizer: weakref.finalize | None = None
         self.last_report: HydrationReport | None = None
 
@@ -212,17 +213,21 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
             self._state = "SUSPENDED"
 
     def close(self) -> None:
-        """Remove this process's sleep capsule and free the copy backend's pinned buffers."""
+        """Remove this process's sleep capsule and its lock, and free the copy backend's pinned buffers."""
         with self._lock:
-            if self._finalizer is not None:
-                self._finalizer()
-                self._finalizer = None
+            self._release_claim()
             close = getattr(self._copy_backend, "close", None)
             if close is not None:
                 close()
             self._copy_backend = None
 
     # -- internals ----------------------------------------------------------------------------------
+
+    def _release_claim(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # SleepCapsuleClaim.release: the capsule, then its lock
+            self._finalizer = None
+        self._claim = None
 
     def _get_allocator(self) -> Any:
         if self._allocator is None:
@@ -262,12 +267,21 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
         backend = self._copy(segments[0].device)
         if self._references is None or self._references.state is not state:
             self._references = ReferenceDigests(state)
-        capture = capture_for_sleep(state, segments, backend, self._references)
-        if self._finalizer is not None and self._capture is not None and self._capture.capsule_dir != capture.capsule_dir:
-            self._finalizer()  # a reloaded model with another identity: drop the old capsule
-            self._finalizer = None
-        if self._finalizer is None:
-            self._finalizer = weakref.finalize(self, shutil.rmtree, capture.capsule_dir, True)
+        claim = self._claim
+        if claim is not None and (claim.folder != sleep_dir(state.state_root) or claim.capsule_name != state.worker.capsule_name):
+            self._release_claim()  # a reloaded model with another identity or state root: drop the old capsule
+            claim = None
+        if claim is None:
+            # Unique to this process instance (pid plus a random token: two engines in two PID
+            # namespaces may both be PID 1) and locked while in use; see coldsnap_core.sleep_capsules.
+            claim = SleepCapsuleClaim(state.state_root, state.worker.capsule_name)
+            self._claim = claim
+            self._finalizer = weakref.finalize(self, claim.release)
+        try:  # every sleep capture is a writer of sleep/: the capsules of killed engines go now
+            sweep_sleep_capsules(state.state_root)
+        except ColdsnapError as exc:
+            logger.warning("coldsnap: cannot remove stale sleep capsules: %s", exc)
+        capture = capture_for_sleep(state, segments, backend, self._references, capsule_dir=claim.path)
         self._capture = capture
         prepare = getattr(backend, "prepare", None)
         if prepare is not None:  # staging buffers now, not on the wake's critical path
@@ -276,6 +290,10 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
     def _wake_and_hydrate(self, allocator: Any, tags: list[str] | None) -> None:
         capture = self._capture
         assert capture is not None
+        claim = self._claim
+        if claim is None or not claim.held or capture.capsule_dir != claim.path:
+            # Only the capsule this backend wrote and still holds is ever read back.
+            raise WakeError("this backend holds no sleep capsule of its own; cannot hydrate", file=capture.capsule_dir)
         self._state = "RESUMING"
         self._needs_hydration |= {
             address

@@ -13,7 +13,8 @@ At ``suspend(level=1)`` the weights segments still hold the live model. This mod
    (:func:`coldsnap_core.pack_writer.write_pack`) writes it from the live bytes;
 4. writes the residual of every weights segment (all bytes not in a model extent) and the native
    manifest (capture point ``native``, the segments' captured addresses) into a process-local sleep
-   capsule, ``<state_root>/sleep/<capsule_name>-pid<pid>/``, replaced as a whole.
+   capsule, ``<state_root>/sleep/<capsule_name>-pid<pid>-<hex16>/`` (unique to the process instance,
+   held under its owner's lock: :mod:`coldsnap_core.sleep_capsules`), replaced as a whole.
 
 Facts: ``docs/format.md`` §6.2 (the native capture point: hydration first remaps the captured
 allocations at their addresses); vLLM ``model_executor/model_loader/utils.py``
@@ -27,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,6 +55,7 @@ from coldsnap_core.format.manifest import (
 from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.pack_writer import write_pack
 from coldsnap_core.residual import residual_extents, write_residual
+from coldsnap_core.sleep_capsules import sleep_dir
 from coldsnap_core.verify import check_manifest
 from coldsnap_vllm.cumem import WeightsSegment, live_allocations, map_writes, native_allocation_map
 from coldsnap_vllm.state import WorkerLoadState
@@ -60,15 +63,14 @@ from coldsnap_vllm.state import WorkerLoadState
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SLEEP_DIRNAME = "sleep"
-"""Folder of process-local sleep capsules under the state root."""
-
 _READ_BYTES = 8 << 20
 
 
-def sleep_capsule_dir(state_root: Path, worker: WorkerIdentity, pid: int | None = None) -> Path:
-    """``<state_root>/sleep/<capsule_name>-pid<pid>``: this process's sleep capsule."""
-    return Path(state_root) / SLEEP_DIRNAME / f"{worker.capsule_name}-pid{os.getpid() if pid is None else pid}"
+def sleep_capsule_dir(state_root: Path, worker: WorkerIdentity) -> Path:
+    """A fresh, unclaimed sleep capsule path ``<state_root>/sleep/<capsule_name>-pid<pid>-<hex16>``
+    (:mod:`coldsnap_core.sleep_capsules`). Nobody holds its lock, so a sweep may remove it: the sleep
+    backend captures into the folder of a :class:`~coldsnap_core.sleep_capsules.SleepCapsuleClaim`."""
+    return sleep_dir(state_root) / f"{worker.capsule_name}-pid{os.getpid()}-{secrets.token_hex(8)}"
 
 
 # --- what each write held when the loader wrote it ---------------------------------------------------
@@ -235,7 +237,9 @@ def capture_for_sleep(
         segments: the awake weights segments, sorted by address.
         backend: reads the segments (device-to-host on CUDA).
         references: the writes' reference digests (keep one per loaded model; it caches).
-        capsule_dir: where the capsule goes (default :func:`sleep_capsule_dir`).
+        capsule_dir: where the capsule goes: the folder of the caller's
+            :class:`~coldsnap_core.sleep_capsules.SleepCapsuleClaim` (default :func:`sleep_capsule_dir`,
+            an unclaimed name, for tools and tests).
 
     Returns:
         The :class:`SleepCapture`; nothing has been released yet.

@@ -5,17 +5,33 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from coldsnap_core._io import os_error
 from coldsnap_core.artifact import Capsule, read_capsule, read_descriptor, read_worker_capsule
 from coldsnap_core.errors import ArtifactError, MissingObjectError
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WORKERS_DIRNAME, ArtifactDescriptor
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME
 
 
+def _present(path: Path) -> bool:
+    """Whether something is at ``path`` (``lstat``). A path that cannot be examined is not "absent":
+
+    Raises:
+        FileAccessError: permission denied (or another error) examining ``path``; names it.
+    """
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as exc:
+        raise os_error("cannot examine the path", exc, path) from exc
+    return True
+
+
 def artifact_folder(target: str) -> Path:
     """``target`` itself, or its folder when it names an ``artifact.json`` or ``native-manifest.json``
     (so an artifact folder may be named by its ``artifact.json``)."""
     path = Path(target)
-    if path.name in (DESCRIPTOR_FILENAME, NATIVE_MANIFEST_FILENAME) and os.path.lexists(path) and not path.is_dir():
+    if path.name in (DESCRIPTOR_FILENAME, NATIVE_MANIFEST_FILENAME) and _present(path) and not path.is_dir():
         return path.parent
     return path
 
@@ -34,14 +50,16 @@ def resolve(target: str) -> tuple[ArtifactDescriptor | None, list[Capsule]]:
 
     Raises:
         MissingObjectError: nothing usable at ``target``.
+        FileAccessError: ``target`` (or a document in it) cannot be examined, e.g. permission
+            denied (rule ``io``, exit code 4): never reported as missing.
         ArtifactError: a capsule folder inside an artifact that ``artifact.json`` does not list.
         CapsulePinMismatchError, ManifestMismatchError, ManifestError: see ``read_worker_capsule``.
     """
     path = artifact_folder(target)
-    if os.path.lexists(path / DESCRIPTOR_FILENAME):
+    if _present(path / DESCRIPTOR_FILENAME):
         descriptor = read_descriptor(path)
         return descriptor, [read_worker_capsule(path, entry) for entry in descriptor.workers]
-    if os.path.lexists(path / NATIVE_MANIFEST_FILENAME):
+    if _present(path / NATIVE_MANIFEST_FILENAME):
         artifact_dir = path.parent.parent
         if path.parent.name == WORKERS_DIRNAME and (artifact_dir / DESCRIPTOR_FILENAME).is_file():
             descriptor = read_descriptor(artifact_dir)

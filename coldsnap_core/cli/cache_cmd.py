@@ -22,6 +22,7 @@ from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.digests import check_digest
 from coldsnap_core.errors import EXIT_INTEGRITY, ColdsnapError, IntegrityError
 from coldsnap_core.records import read_trusted_record, record_state
+from coldsnap_core.sleep_capsules import list_sleep_capsules, sweep_sleep_capsules
 
 
 def _seconds(text: str) -> float:
@@ -74,6 +75,17 @@ def _ls(args: argparse.Namespace) -> int:
         "temporaries": [str(p) for p in cache.temporaries()],
         "quarantined": [str(p) for p in cache.quarantined()],
         "foreign": cache.foreign_names(),
+        "debris": [
+            *({"path": str(p), "kind": "temporary", "owner": "gone"} for p in cache.abandoned_temporaries()),
+            *(
+                {"path": str(e.path), "kind": "sleep-capsule", "owner": "gone"}
+                for e in list_sleep_capsules(cache.state_root)
+                if e.owner == "gone"
+            ),
+        ],
+        "sleep_capsules": [
+            {"path": str(e.path), "owner": e.owner, "size_bytes": e.size_bytes} for e in list_sleep_capsules(cache.state_root)
+        ],
     }
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
@@ -85,9 +97,16 @@ def _ls(args: argparse.Namespace) -> int:
             "" if o["verified_at"] is None else f", last fully verified {o['verified_at']} ({_age(o['verified_age_s'])} ago)"
         )
         print(f"{o['digest']}  {size:>14} bytes  {o['record']}{verified}")
+    for d in doc["debris"]:
+        if d["kind"] == "temporary":
+            print(f"debris {d['path']}  temporary file whose writer is gone; the next writer or coldsnap cache gc removes it")
+    for c in doc["sleep_capsules"]:
+        note = "process alive" if c["owner"] == "alive" else "process gone; coldsnap cache gc removes it"
+        print(f"sleep capsule {c['path']}  {c['size_bytes']:>14} bytes  {note}")
     print(
         f"{len(objects)} object(s), {len(doc['temporaries'])} temporary file(s), "
-        f"{len(doc['quarantined'])} quarantined, {len(doc['foreign'])} foreign name(s)"
+        f"{len(doc['quarantined'])} quarantined, {len(doc['foreign'])} foreign name(s), "
+        f"{len(doc['sleep_capsules'])} sleep capsule(s)"
     )
     return 0
 
@@ -122,6 +141,9 @@ def _gc(args: argparse.Namespace) -> int:
     cache = PayloadCache(args.state_root)
     report = cache.gc(older_than_seconds=args.older_than, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
+    sleep_capsules = sweep_sleep_capsules(cache.state_root, dry_run=args.dry_run)
+    for entry in sleep_capsules:
+        print(f"{verb} sleep capsule {entry.path} (its process is gone)")
     for kind, paths in (
         ("temporary", report.temporaries),
         ("quarantined", report.quarantined),
@@ -133,7 +155,8 @@ def _gc(args: argparse.Namespace) -> int:
         print(f"kept {path} (writer alive or younger than {args.older_than:g} s)")
     print(
         f"{verb} {len(report.temporaries)} temporary, {len(report.quarantined)} quarantined, "
-        f"{len(report.orphan_records)} orphan record(s); {report.bytes_freed} bytes",
+        f"{len(report.orphan_records)} orphan record(s), {len(sleep_capsules)} sleep capsule(s); "
+        f"{report.bytes_freed + sum(e.size_bytes for e in sleep_capsules)} bytes",
         file=sys.stderr,
     )
     return 0
@@ -144,7 +167,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "cache",
         help="list, verify and clean the node-local payload cache",
         description="Look after <state-root>/model-payloads: list objects and their validation records, verify them, "
-        "remove stale temporary files, quarantined objects and orphan records.",
+        "remove stale temporary files, quarantined objects, orphan records and the sleep capsules of processes that are gone.",
     )
     sub = p.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
     state_root = argparse.ArgumentParser(add_help=False)

@@ -8,7 +8,9 @@ Layout under the store root (the same relative paths as the node-local cache)::
 An upload is atomic: unique temporary name (``O_EXCL``), kernel copy, fsync, the one verifier over the
 copy (size, then SHA-256), read-only, then a no-replace ``link`` to the object path (``rename`` where
 the file system has no hard links, e.g. some FUSE mounts of buckets), folder fsync. A reader therefore
-sees either no object or a complete, verified one; a killed uploader leaves only a ``.partial`` file.
+sees either no object or a complete, verified one; a killed uploader leaves only a ``.partial`` file,
+which the next upload removes (every uploader holds ``flock`` on its ``.partial``; the kernel drops it
+when the uploader dies).
 Of two publishers of one digest, the second's ``link`` fails with ``EEXIST``: it keeps the first's
 object when that verifies (and replaces it with ``rename`` when it does not).
 """
@@ -24,7 +26,7 @@ import stat
 from pathlib import Path
 
 from coldsnap_core._io import fsync_dir, fsync_fd
-from coldsnap_core.cache import refuse_symlink
+from coldsnap_core.cache import create_locked_partial, refuse_symlink, sweep_dead_partials
 from coldsnap_core.digests import PAYLOADS_DIRNAME, check_digest, pack_relpath
 from coldsnap_core.errors import (
     IntegrityError,
@@ -135,10 +137,11 @@ class LocalFolderStore:
             raise StoreError(f"cannot create the store folders: {exc}", file=final.parent) from exc
         temp = tmp_dir / f"{check_digest(digest)}.{secrets.token_hex(8)}.partial"
         try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = create_locked_partial(temp)  # flock-held while this upload lives
         except OSError as exc:
             raise StoreError(f"cannot create a temporary file in the store: {exc.strerror or exc}", file=temp) from exc
         try:
+            sweep_dead_partials(tmp_dir, temp)  # uploads killed earlier (their flock is free)
             copy_file(path, fd, size_bytes, target=temp, progress=progress)
             fsync_fd(fd, file=temp)
             verify_pack_file(temp, PackRef.for_digest(digest, size_bytes))

@@ -59,6 +59,7 @@ LAYERS: dict[str, int] = {
     "artifact": 5,
     "residual": 5,
     "outcomes": 5,
+    "sleep_capsules": 5,
     "stores": 6,
     "stores._copy": 6,
     "stores.local": 6,

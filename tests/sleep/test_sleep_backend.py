@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -84,7 +85,9 @@ def test_level1_cycle_restores_every_segment_byte_for_byte(
     assert allocator.pointer_to_data[allocator.addresses("runtime")[0]].cpu_backup_tensor is not None
     capture = backend.capture
     assert capture is not None
-    assert capture.capsule_dir == state.state_root / "sleep" / f"worker-0-of-1-pid{os.getpid()}"
+    assert capture.capsule_dir.parent == state.state_root / "sleep"
+    assert re.fullmatch(rf"worker-0-of-1-pid{os.getpid()}-[0-9a-f]{{16}}", capture.capsule_dir.name)
+    assert (state.state_root / "sleep" / f"{capture.capsule_dir.name}.lock").is_file()
     on_disk = NativeManifest.read(capture.capsule_dir / NATIVE_MANIFEST_FILENAME)
     assert on_disk == capture.manifest
     assert on_disk.capture_point == "native"

@@ -159,6 +159,50 @@ def test_another_rotary_base_is_not_restored(two_layer: dict) -> None:
     assert "model configuration" in result.error
 
 
+def test_a_blue_green_flip_to_a_same_shaped_checkpoint_is_not_restored(two_layer: dict) -> None:
+    """Reliability defect end to end: capture A's artifact, then ``current -> B`` where B is another
+    "fine-tune" of A (every tensor changed, the same file names, sizes, header and config). The node
+    has checkpoint records for A only. ``native`` refuses B by its content fingerprint (rule
+    ``model-identity``) and the engine does not start; ``auto`` falls back with one WARNING, serves B's
+    own weights (not A's) and leaves a ``fell-back`` line in the outcome log. Main restored A's
+    weights into both."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    work = two_layer["work"]
+    green = work / "green"
+    shutil.copytree(two_layer["model"], green)
+    weights = green / "model.safetensors"
+    with safe_open(str(weights), framework="pt") as f:
+        metadata = f.metadata()
+    size = weights.stat().st_size
+    tensors = {name: (t.float() * 1.5).to(t.dtype) for name, t in load_file(str(weights)).items()}
+    save_file(tensors, str(weights), metadata=metadata)
+    assert weights.stat().st_size == size
+    current = work / "current"
+    current.symlink_to(green)
+    state = copy_state(work / "state-a", work / "state-flip")
+    env = coldsnap_env(work / "artifact-a", state, COLDSNAP_RESTORE="native")
+    refused = run_engine(work, "flip-native", current, "coldsnap", env=env)
+    assert refused.error is not None and refused.outputs == []
+    assert "ModelIdentityMismatchError: rule model-identity failed" in refused.error
+    assert "content fingerprint" in refused.error
+    env = coldsnap_env(work / "artifact-a", state, COLDSNAP_RESTORE="auto", COLDSNAP_MATERIALIZE="off")
+    served = run_engine(work, "flip-auto", current, "coldsnap", env=env)
+    assert served.error is None, served.error
+    (warning,) = served.coldsnap_lines("WARNING")
+    assert "rule model-identity failed" in warning and "content fingerprint" in warning
+    assert served.outcome["kind"] == "checkpoint" and served.outcome["fallback_rule"] == "model-identity"
+    a = two_layer["plain"].digests
+    assert [n for n in a if served.digests[n] != a[n] and "weight" in n]  # B's weights, not A's
+    lines = [json.loads(line) for line in (state / "load-outcomes.jsonl").read_text().splitlines()]
+    # the state root is a copy of capture A's, whose log already holds that capture's and its restore's lines
+    assert [(d["outcome"], d["rule"]) for d in lines[-2:]] == [("refused", "model-identity"), ("fell-back", "model-identity")]
+
+
 @pytest.mark.parametrize("variant", ["smollm2_2layer_3shards", "smollm2_2layer_untied"])
 def test_variants_restore_equal_plain_loads(variant: str, request, tmp_path: Path) -> None:
     """The 3-shard checkpoint (``model.safetensors.index.json``) and the untied one (an explicit

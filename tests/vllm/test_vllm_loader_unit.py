@@ -280,6 +280,55 @@ def test_auto_falls_back_with_one_warning(model_config: ModelConfig, tmp_path: P
         make_loader().load_weights(Consumer(), model_config)
 
 
+def test_hung_lock_holder_makes_auto_fall_back_after_the_lock_timeout(
+    model_config: ModelConfig, tmp_path: Path, monkeypatch
+) -> None:
+    """A live process holds the pack's lock and never releases it while a worker restores a pack that
+    needs a full verification (no validation record): after ``COLDSNAP_LOCK_TIMEOUT`` the restore
+    fails with rule lock-timeout and ``auto`` loads the checkpoint. Fails if the restore waits the
+    600 s default (the subprocess-free test would hang) or the timeout is not a typed fallback."""
+    import subprocess
+    import sys
+
+    from coldsnap_core.cache import PayloadCache
+
+    monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
+    make_loader().load_weights(Consumer(), model_config)
+    digest = last_outcome().capture.manifest.pack.sha256
+    cache = PayloadCache(tmp_path / "state")
+    os.unlink(cache.record_path(digest))
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from coldsnap_core.cache import PayloadCache\n"
+            "with PayloadCache(sys.argv[1]).lock(sys.argv[2]):\n"
+            "    print('held', flush=True)\n"
+            "    time.sleep(120)\n",
+            str(tmp_path / "state"),
+            digest,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
+        monkeypatch.setenv("COLDSNAP_LOCK_TIMEOUT", "1")
+        consumer = Consumer()
+        make_loader().load_weights(consumer, model_config)
+        outcome = last_outcome()
+        assert outcome.kind == "checkpoint" and outcome.fallback.rule == "lock-timeout"
+        assert str(cache.lock_path(digest)) in str(outcome.fallback)
+        assert consumer.norm.abs().sum() > 0
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_blue_green_flip_to_a_same_shaped_checkpoint_is_refused_or_falls_back(
     smollm2_2layer: Path, tmp_path: Path, monkeypatch
 ) -> None:
