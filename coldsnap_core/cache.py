@@ -81,6 +81,7 @@ from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.format.pack_layout import PackEntry, PackLayout
 from coldsnap_core.records import identity, read_trusted_record, record_verified
 from coldsnap_core.settings import LOCK_TIMEOUT_ENV, lock_timeout_from_env, resolve_state_root
+from coldsnap_core.settings import LOCK_TIMEOUT_SECONDS as LOCK_TIMEOUT_SECONDS  # re-exported for callers of the cache
 from coldsnap_core.verify import verify_pack_file
 
 logger = logging.getLogger(__name__)
