@@ -2,7 +2,7 @@
 """Capture wall time against one hashlib SHA-256 pass over the same bytes, and capture's peak RSS.
 
 For each real SmolLM2 checkpoint (the 2-layer cut, 71 MB, and the full model, 269 MB) this script
-stages the checkpoint into host slabs (``coldsnap_core.slabs.stage_checkpoint``) and then, alternating,
+stages the checkpoint into host slabs (``slabs.stage_checkpoint``) and then, alternating,
 several times:
 
 * ``sha256``: one ``hashlib.sha256`` pass over the model bytes (every model range, in slab order),
@@ -54,6 +54,7 @@ from _common import (
     reset_peak_rss,
     rss_bytes,
 )
+from slabs import Slabs, checkpoint_files, stage_checkpoint
 
 from coldsnap_core._io import HASH_CHUNK_BYTES
 from coldsnap_core.cache import PayloadCache
@@ -61,7 +62,6 @@ from coldsnap_core.capture import CaptureResult, capture_worker
 from coldsnap_core.copy.host import DEFAULT_CHUNK_BYTES, HostCopyBackend, host_view
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.model_identity import identify_checkpoint
-from coldsnap_core.slabs import Slabs, checkpoint_files, stage_checkpoint
 
 
 def one_sha256_pass(slabs: Slabs) -> str:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 from _common import MiB, checkpoint, drop_file_from_page_cache, machine_line, median_seconds, print_table, warm_page_cache
+from slabs import checkpoint_files, stage_checkpoint
 
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import capture_worker
@@ -43,7 +44,6 @@ from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.hydrate import hydrate
 from coldsnap_core.model_identity import checkpoint_fingerprint, identify_checkpoint
 from coldsnap_core.restore import LoadedModel, check_model_identity
-from coldsnap_core.slabs import checkpoint_files, stage_checkpoint
 
 TENSOR_ROWS, TENSOR_COLUMNS = 8192, 4096  # bf16: 64 MiB per tensor
 

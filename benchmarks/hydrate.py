@@ -3,7 +3,7 @@
 
 For each real SmolLM2 checkpoint (the 2-layer cut, 71 MB, and the full model, 269 MB) this script
 
-1. stages the checkpoint into host slabs (``coldsnap_core.slabs.stage_checkpoint``) and captures a
+1. stages the checkpoint into host slabs (``slabs.stage_checkpoint``) and captures a
    pack + residual blob into a fresh state root;
 2. reads the pack and the blob once, so both are in the page cache;
 3. allocates fresh destination slabs and touches every page once (no first-touch faults in either
@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 from _common import CHECKPOINTS, MiB, checkpoint, machine_line, median_seconds, print_table, warm_page_cache
+from slabs import checkpoint_files, stage_checkpoint
 
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import capture_worker
@@ -44,7 +45,6 @@ from coldsnap_core.copy.host import HostCopyBackend, host_view
 from coldsnap_core.format.manifest import NativeManifest, WorkerIdentity
 from coldsnap_core.hydrate import hydrate
 from coldsnap_core.model_identity import identify_checkpoint
-from coldsnap_core.slabs import checkpoint_files, stage_checkpoint
 
 PIECE_BYTES = 4 * MiB
 

@@ -1,1 +1,107 @@
-"""coldsnap_core: the artifact format, the canonical writers, the verifier and hydration. Imports neither vllm nor sglang."""
+"""coldsnap_core: capture a model's weights into a content-addressed payload and restore them, engine neutral.
+
+The public API is :data:`__all__`; everything else is internal and may change. It imports neither vLLM nor
+SGLang (torch only), and each name is imported on first use, so ``import coldsnap_core`` stays cheap (the
+``coldsnap`` command does not load torch until it needs it).
+
+* Restore a worker: :func:`restore_or_fall_back` (the engine plugins' ``COLDSNAP_RESTORE`` policy) or
+  :class:`WorkerRestore` (one attempt, raising), with :class:`LoadedModel` (what is being loaded),
+  :class:`WorkerIdentity` and :class:`ColdsnapSettings`.
+* Capture a worker: :class:`WriteObserver` and :class:`CheckpointSources` watch a checkpoint load (each
+  tensor registered with its place in the file, :func:`read_header`),
+  :func:`enumerate_allocations` lists the model's storages, :func:`map_to_allocations` turns the observed
+  writes into :class:`ModelRange` s, :func:`identify_checkpoint` pins the model, :func:`capture_worker`
+  writes the pack, the residual blob and the capsule.
+* Verify: :func:`verify_artifact` checks every rule over every byte of an artifact (``coldsnap verify``).
+* Extension points: :class:`CopyBackend` (how bytes reach the allocations) and :class:`PayloadStore` (where
+  packs come from); :class:`PayloadCache` is the node-local cache; :class:`ColdsnapError` is the root of every
+  error (each subclass names its rule, file, allocation and offset).
+
+``examples/restore_without_engine.py`` runs the whole round trip on a small torch model.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS: dict[str, str] = {
+    "CaptureResult": "coldsnap_core.capture",
+    "CheckpointRecords": "coldsnap_core.model_identity",
+    "CheckpointSources": "coldsnap_core.observer",
+    "ColdsnapError": "coldsnap_core.errors",
+    "ColdsnapSettings": "coldsnap_core.settings",
+    "CopyBackend": "coldsnap_core.copy.base",
+    "LoadedModel": "coldsnap_core.model_identity",
+    "ModelRange": "coldsnap_core.capture",
+    "PayloadCache": "coldsnap_core.cache",
+    "PayloadStore": "coldsnap_core.stores.base",
+    "RestoreResult": "coldsnap_core.restore",
+    "WorkerIdentity": "coldsnap_core.format.manifest",
+    "WorkerRestore": "coldsnap_core.restore",
+    "WriteObserver": "coldsnap_core.observer",
+    "capture_worker": "coldsnap_core.capture",
+    "copy_backend_for": "coldsnap_core.copy.select",
+    "enumerate_allocations": "coldsnap_core.torch_allocations",
+    "identify_checkpoint": "coldsnap_core.model_identity",
+    "map_to_allocations": "coldsnap_core.observer",
+    "read_header": "coldsnap_core.safetensors_header",
+    "restore_or_fall_back": "coldsnap_core.restore",
+    "verify_artifact": "coldsnap_core.audit",
+}
+"""Public name -> the module that defines it."""
+
+__all__ = [
+    "CaptureResult",
+    "CheckpointRecords",
+    "CheckpointSources",
+    "ColdsnapError",
+    "ColdsnapSettings",
+    "CopyBackend",
+    "LoadedModel",
+    "ModelRange",
+    "PayloadCache",
+    "PayloadStore",
+    "RestoreResult",
+    "WorkerIdentity",
+    "WorkerRestore",
+    "WriteObserver",
+    "capture_worker",
+    "copy_backend_for",
+    "enumerate_allocations",
+    "identify_checkpoint",
+    "map_to_allocations",
+    "read_header",
+    "restore_or_fall_back",
+    "verify_artifact",
+]
+
+if TYPE_CHECKING:
+    from coldsnap_core.audit import verify_artifact
+    from coldsnap_core.cache import PayloadCache
+    from coldsnap_core.capture import CaptureResult, ModelRange, capture_worker
+    from coldsnap_core.copy.base import CopyBackend
+    from coldsnap_core.copy.select import copy_backend_for
+    from coldsnap_core.errors import ColdsnapError
+    from coldsnap_core.format.manifest import WorkerIdentity
+    from coldsnap_core.model_identity import CheckpointRecords, LoadedModel, identify_checkpoint
+    from coldsnap_core.observer import CheckpointSources, WriteObserver, map_to_allocations
+    from coldsnap_core.restore import RestoreResult, WorkerRestore, restore_or_fall_back
+    from coldsnap_core.safetensors_header import read_header
+    from coldsnap_core.settings import ColdsnapSettings
+    from coldsnap_core.stores.base import PayloadStore
+    from coldsnap_core.torch_allocations import enumerate_allocations
+
+
+def __getattr__(name: str) -> object:
+    """Import a public name on first use (PEP 562)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'coldsnap_core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -29,6 +29,7 @@ import ctypes
 import errno
 import hashlib
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +42,7 @@ from coldsnap_core.errors import (
     InsufficientSpaceError,
     MissingObjectError,
     NotRegularFileError,
+    UnsafePathError,
 )
 
 HASH_CHUNK_BYTES = 8 << 20
@@ -92,27 +94,83 @@ class Writeback:
 
 
 _ZEROS = bytes(1 << 20)
-_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+"""The ``errno`` values that mean "no space" everywhere: a full file system, a quota, ``RLIMIT_FSIZE``."""
 
 
-def os_error(what: str, exc: OSError, path: str | os.PathLike[str] | None) -> ColdsnapError:
-    """The typed error for an ``OSError`` met while accessing ``path`` (raise it ``from exc``).
+def os_error(
+    what: str,
+    exc: OSError,
+    path: str | os.PathLike[str] | None,
+    *,
+    missing: type[ColdsnapError] = MissingObjectError,
+    other: type[ColdsnapError] = FileAccessError,
+) -> ColdsnapError:
+    """The typed error for an ``OSError`` met while accessing ``path`` (raise it ``from exc``): the one
+    ``OSError`` table of the package.
 
-    ``ENOENT``/``ENOTDIR`` (nothing there, or a path component is a file):
-    :class:`~coldsnap_core.errors.MissingObjectError`; ``EISDIR``:
-    :class:`~coldsnap_core.errors.NotRegularFileError`; ``ENOSPC``/``EDQUOT``/``EFBIG``:
-    :class:`~coldsnap_core.errors.InsufficientSpaceError`; anything else (``EACCES``, ``ELOOP``,
-    ``EIO``, ``EROFS``, ...): :class:`~coldsnap_core.errors.FileAccessError` (rule ``io``). The
+    ``ENOSPC``/``EDQUOT``/``EFBIG`` (no space, a quota, ``RLIMIT_FSIZE``):
+    :class:`~coldsnap_core.errors.InsufficientSpaceError`, whoever calls; ``ENOENT``/``ENOTDIR``
+    (nothing there, or a path component is a file): ``missing``
+    (:class:`~coldsnap_core.errors.MissingObjectError` by default); ``EISDIR``:
+    :class:`~coldsnap_core.errors.NotRegularFileError`; anything else (``EACCES``, ``ELOOP``,
+    ``EIO``, ``EROFS``, ...): ``other`` (:class:`~coldsnap_core.errors.FileAccessError`, rule ``io``,
+    by default; the cache passes :class:`~coldsnap_core.errors.CacheError` for its own folders). The
     message is ``"<what>: <the operating system's reason>"`` and names ``path``.
     """
     reason = exc.strerror or str(exc)
+    if exc.errno in SPACE_ERRNOS:
+        return InsufficientSpaceError(f"{what}: {reason}", file=path)
     if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-        return MissingObjectError(f"{what}: {reason}", file=path)
+        return missing(f"{what}: {reason}", file=path)
     if exc.errno == errno.EISDIR:
         return NotRegularFileError(f"{what}: it is a folder, not a regular file", file=path)
-    if exc.errno in _SPACE_ERRNOS:
-        return InsufficientSpaceError(f"{what}: {reason}", file=path)
-    return FileAccessError(f"{what}: {reason}", file=path)
+    return other(f"{what}: {reason}", file=path)
+
+
+def os_errno(exc: BaseException) -> int | None:
+    """The ``errno`` of an ``OSError``, or of the ``OSError`` a coldsnap error was raised from."""
+    if isinstance(exc, OSError):
+        return exc.errno
+    cause = exc.__cause__
+    return cause.errno if isinstance(cause, OSError) else None
+
+
+def lstat_or_none(path: Path) -> os.stat_result | None:
+    """``os.lstat``; ``None`` when nothing is there; other failures as typed errors.
+
+    Raises:
+        UnsafePathError: a path component is not a folder (``ENOTDIR``) or a link loop (``ELOOP``).
+        FileAccessError: any other failure (``EACCES``, ``EIO``, ...).
+    """
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+            raise UnsafePathError(f"a component of the path is not a usable folder: {exc.strerror or exc}", file=path) from exc
+        raise FileAccessError(f"cannot examine the path: {exc.strerror or exc}", file=path) from exc
+
+
+def refuse_symlink(path: Path) -> os.stat_result | None:
+    """``lstat`` ``path``; return ``None`` if absent, its stat if a regular file.
+
+    Raises:
+        UnsafePathError: ``path`` is a symbolic link, or a path component is not a folder.
+        NotRegularFileError: ``path`` is a folder, device or other non-regular file.
+        FileAccessError: ``path`` cannot be examined (``EACCES``, ``EIO``, ...).
+    """
+    st = lstat_or_none(path)
+    if st is None:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePathError("refusing a symbolic link in the node-local state root", file=path)
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFileError(
+            f"refusing a non-regular file ({stat.filemode(st.st_mode)}) in the node-local state root", file=path
+        )
+    return st
 
 
 def unexpected_os_error(exc: OSError) -> FileAccessError:
@@ -143,7 +201,7 @@ def write_all(fd: int, data: memoryview | bytes, *, file: str | os.PathLike[str]
         try:
             written = os.write(fd, view)
         except OSError as exc:
-            if exc.errno in _SPACE_ERRNOS:
+            if exc.errno in SPACE_ERRNOS:
                 raise InsufficientSpaceError(f"write failed: {os.strerror(exc.errno)}", file=file) from exc
             raise CacheError(f"write failed: {exc}", file=file) from exc
         view = view[written:]
@@ -159,7 +217,7 @@ def advise_sequential(fd: int) -> None:
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """fsync a folder so that a rename into it is durable (``reference/anchors.md`` B5, B10)."""
+    """fsync a folder so that a rename into it is durable (POSIX ``rename``: the new name is durable only once its folder is synced)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -171,7 +229,7 @@ def fsync_fd(fd: int, *, file: str | os.PathLike[str]) -> None:
     try:
         os.fsync(fd)
     except OSError as exc:
-        if exc.errno in _SPACE_ERRNOS:
+        if exc.errno in SPACE_ERRNOS:
             raise InsufficientSpaceError(f"fsync failed: {os.strerror(exc.errno)}", file=file) from exc
         raise CacheError(f"fsync failed: {exc}", file=file) from exc
 

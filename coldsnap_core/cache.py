@@ -9,8 +9,7 @@ Layout under a state root (``COLDSNAP_STATE_ROOT``, default ``~/.cache/coldsnap`
     model-payloads/tmp/<...>.partial.d/          a store download in progress (belongs to the .partial beside it)
     model-payloads/quarantine/<digest>.<random>.pack   objects that failed verification
 
-Internal logic worth knowing (``DESIGN.md``, "The node-local cache and the verifier";
-``reference/anchors.md`` B1-B5, B10):
+Internal logic worth knowing (``docs/format.md`` §10 and §11):
 
 * **Digests before paths.** Every path is built by :meth:`PayloadCache.object_path` and friends,
   which validate the digest (64 lowercase hex characters) first; ``../x`` never reaches the file
@@ -58,37 +57,41 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import filelock
 
-from coldsnap_core._io import fsync_dir, fsync_fd
+from coldsnap_core._io import fsync_dir, fsync_fd, lstat_or_none, os_errno, os_error, refuse_symlink
 from coldsnap_core.digests import PAYLOADS_DIRNAME, check_digest
 from coldsnap_core.errors import (
     CacheError,
     ConfigurationError,
-    FileAccessError,
-    InsufficientSpaceError,
+    IntegrityError,
     InvalidDigestError,
     LockTimeoutError,
-    NotRegularFileError,
+    MissingObjectError,
     PackDigestMismatchError,
     PackSizeMismatchError,
     UnsafePathError,
+    ValidationRecordError,
 )
+from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.format.pack_layout import PackEntry, PackLayout
+from coldsnap_core.records import identity, read_trusted_record, record_verified
+from coldsnap_core.settings import LOCK_TIMEOUT_ENV, lock_timeout_from_env, resolve_state_root
+from coldsnap_core.settings import LOCK_TIMEOUT_SECONDS as LOCK_TIMEOUT_SECONDS  # re-exported for callers of the cache
+from coldsnap_core.verify import verify_pack_file
 
 logger = logging.getLogger(__name__)
 
-STATE_ROOT_ENV = "COLDSNAP_STATE_ROOT"
-DEFAULT_STATE_ROOT = Path("~/.cache/coldsnap")
-LOCK_TIMEOUT_ENV = "COLDSNAP_LOCK_TIMEOUT"
-LOCK_TIMEOUT_SECONDS = 600.0
-"""Default wait for a digest's lock (``COLDSNAP_LOCK_TIMEOUT`` overrides it): a writer then proceeds
-without the lock, a reader (admission, staging, ``cache verify``) fails with
-:class:`~coldsnap_core.errors.LockTimeoutError`."""
+ADMIT_ATTEMPTS = 3
+"""How often admission starts over when the object is replaced while it is being hashed."""
+ADMIT_CHUNK_BYTES = 1 << 20
+"""Read size of a first-use verification (1 MiB): each chunk is still in the CPU cache when it is
+hashed; with the verifier's default 8 MiB double buffer the same pass measured about 10 % slower
+(``benchmarks/verify.py``)."""
 LOCK_NOTICE_SECONDS = 5.0
 """A wait for a lock longer than this is logged at INFO (lock path, holder), and again every
 :data:`LOCK_NOTICE_REPEAT_SECONDS`."""
@@ -105,85 +108,13 @@ _RECORD_NAME_RE = re.compile(r"([0-9a-f]{64})\.pack\.record")
 
 ProgressCallback = Callable[[int], object]
 """Called with a number of bytes processed since the previous call."""
-
-
-def resolve_state_root(explicit: str | os.PathLike[str] | None = None) -> Path:
-    """The state root: ``explicit``, else ``$COLDSNAP_STATE_ROOT``, else ``~/.cache/coldsnap``.
-
-    An empty (or all-blank) value counts as not given, for the argument and the variable alike, so
-    ``--state-root ""`` and ``COLDSNAP_STATE_ROOT=`` both mean the default, never the current folder
-    (as the engine settings read ``COLDSNAP_STATE_ROOT``, :mod:`coldsnap_core.settings`).
-    """
-    chosen: str | os.PathLike[str] | None = explicit
-    if chosen is None or not str(chosen).strip():
-        chosen = os.environ.get(STATE_ROOT_ENV, "")
-    if not str(chosen).strip():
-        chosen = DEFAULT_STATE_ROOT
-    return Path(chosen).expanduser().absolute()
-
-
-def lock_timeout_from_env(
-    environ: Mapping[str, str] | None = None, *, value: object = None, where: str = LOCK_TIMEOUT_ENV
-) -> float:
-    """The lock timeout in seconds: ``value`` if given, else ``$COLDSNAP_LOCK_TIMEOUT``, else
-    :data:`LOCK_TIMEOUT_SECONDS` (an empty value means the default).
-
-    Raises:
-        ConfigurationError: the value is not a finite number of seconds >= 0 (names ``where``).
-    """
-    if value is None:
-        value = (os.environ if environ is None else environ).get(LOCK_TIMEOUT_ENV, "")
-    if isinstance(value, str) and not value.strip():
-        return LOCK_TIMEOUT_SECONDS
-    try:
-        seconds = float(value.strip() if isinstance(value, str) else value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        seconds = float("nan")
-    if isinstance(value, bool) or not (0 <= seconds < float("inf")):
-        raise ConfigurationError(f"{where}={value!r} is not a number of seconds >= 0")
-    return seconds
-
-
-def _lstat(path: Path) -> os.stat_result | None:
-    """``os.lstat``; ``None`` when nothing is there; other failures as typed errors.
-
-    Raises:
-        UnsafePathError: a path component is not a folder (``ENOTDIR``) or a link loop (``ELOOP``).
-        FileAccessError: any other failure (``EACCES``, ``EIO``, ...).
-    """
-    try:
-        return os.lstat(path)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno in (errno.ENOTDIR, errno.ELOOP):
-            raise UnsafePathError(f"a component of the path is not a usable folder: {exc.strerror or exc}", file=path) from exc
-        raise FileAccessError(f"cannot examine the path: {exc.strerror or exc}", file=path) from exc
-
-
-def refuse_symlink(path: Path) -> os.stat_result | None:
-    """``lstat`` ``path``; return ``None`` if absent, its stat if a regular file.
-
-    Raises:
-        UnsafePathError: ``path`` is a symbolic link, or a path component is not a folder.
-        NotRegularFileError: ``path`` is a folder, device or other non-regular file.
-        FileAccessError: ``path`` cannot be examined (``EACCES``, ``EIO``, ...).
-    """
-    st = _lstat(path)
-    if st is None:
-        return None
-    if stat.S_ISLNK(st.st_mode):
-        raise UnsafePathError("refusing a symbolic link in the node-local state root", file=path)
-    if not stat.S_ISREG(st.st_mode):
-        raise NotRegularFileError(
-            f"refusing a non-regular file ({stat.filemode(st.st_mode)}) in the node-local state root", file=path
-        )
-    return st
+ExtentOwner = Callable[[PackEntry], tuple[int | None, int | None]]
+"""Maps a stored pack entry to its destination (allocation index, offset in bytes) for messages."""
 
 
 def _refuse_non_directory(path: Path) -> bool:
     """True if ``path`` is a real folder, False if absent; raises if it is a link or another type."""
-    st = _lstat(path)
+    st = lstat_or_none(path)
     if st is None:
         return False
     if stat.S_ISLNK(st.st_mode):
@@ -503,8 +434,6 @@ class PayloadCache:
                 fsync_dir(self.objects_dir)
             except OSError as exc:
                 raise _os_error("cannot commit the pack", exc, final) from exc
-            from coldsnap_core.records import record_verified
-
             record_verified(self, sha256, os.fstat(fd))
         return final
 
@@ -519,22 +448,18 @@ class PayloadCache:
         the same binding a record would give, instead of hashing it again each time. Nothing is
         written; another process (or another ``PayloadCache``) hashes the object in full.
         """
-        from coldsnap_core.records import identity
-
         with self._verified_here_lock:
             self._verified_here[check_digest(digest)] = identity(st)
 
     def verified_here(self, digest: str, st: os.stat_result) -> bool:
         """Whether :meth:`remember_verified` vouches for ``digest`` at exactly the identity of ``st``
         (a fresh ``lstat`` of the object), whose mode is not group- or world-writable."""
-        from coldsnap_core.records import identity
-
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             return False
         with self._verified_here_lock:
             return self._verified_here.get(digest) == identity(st)
 
-    # -- admission (first-use verification and validation records) ---------------------------------
+    # -- admission: the one door (first-use verification, validation records, quarantine) ----------
 
     def admit(
         self,
@@ -543,14 +468,17 @@ class PayloadCache:
         *,
         progress: ProgressCallback | None = None,
         layout: PackLayout | None = None,
-        extent_owner: Callable[[PackEntry], tuple[int | None, int | None]] | None = None,
+        extent_owner: ExtentOwner | None = None,
+        manifest_file: str | None = None,
+        log_quarantine: bool = True,
     ) -> Path:
         """Return the object path of ``digest`` once it is verified for use.
 
-        Accepts the object on a trusted validation record (no lock, a few ``stat`` calls);
-        otherwise takes the digest's lock (so same-host callers hash it once), hashes it in full
-        with :func:`coldsnap_core.verify.verify_pack_file`, rewrites the record on success and
-        quarantines the object on failure.
+        Accepts the object on a trusted validation record (no lock, a few ``stat`` calls: the record
+        is read once); otherwise takes the digest's lock (so same-host callers hash it once), hashes
+        it in full with :func:`coldsnap_core.verify.verify_pack_file`, rewrites the record on success
+        and quarantines the object on failure. Every consumer of a cached pack (restore, staging,
+        materialization, ``coldsnap cache verify``) comes through here or :meth:`admit_locked`.
 
         Args:
             digest: the pack's SHA-256.
@@ -561,32 +489,171 @@ class PayloadCache:
                 same pass, and names the extent of a corrupt byte.
             extent_owner: with ``layout``, maps a stored entry to a destination for error messages
                 (:func:`coldsnap_core.verify.extent_owner_map`).
+            manifest_file: the manifest that gave ``layout``, named by a
+                :class:`~coldsnap_core.errors.ManifestPaddingError` or
+                :class:`~coldsnap_core.errors.ManifestExtentDigestError` (the object is intact and
+                the manifest is wrong about it; the object stays).
+            log_quarantine: log a quarantine as a WARNING (``False``: at INFO, for a caller that
+                reports it in its own message; a quarantine that fails is a WARNING either way).
 
         Raises:
             InvalidDigestError: bad digest (no file touched).
             MissingObjectError: no object.
-            PackSizeMismatchError / PackDigestMismatchError: the object is corrupt (now quarantined).
+            PackSizeMismatchError / PackDigestMismatchError / NonZeroPaddingError /
+                ExtentDigestMismatchError: the object is corrupt; it is quarantined and the error's
+                ``quarantined_to`` says where it went (``None``: it could not be moved).
+            ManifestPaddingError / ManifestExtentDigestError: as ``manifest_file``.
             UnsafePathError: the object, record or lock path, or a cache folder, is a symbolic link.
             CacheError: the object changed while it was being verified (not admitted).
         """
-        from coldsnap_core.records import admit_object
+        check_digest(digest)
+        path = self.object_path(digest)
+        if not self.check_dirs():
+            raise MissingObjectError("pack is not in the node-local cache (the cache is empty)", file=path)
+        st = refuse_symlink(path)
+        refuse_symlink(self.record_path(digest))
+        if st is None:
+            raise MissingObjectError("pack is not in the node-local cache", file=path)
+        try:
+            read_trusted_record(self, digest, st)
+        except ValidationRecordError as exc:
+            if self.verified_here(digest, st):
+                _require_caller_size(path, st.st_size, size_bytes)
+                return path
+            logger.info("coldsnap: verifying %s in full (%s)", path, exc.detail)
+        else:
+            _require_caller_size(path, st.st_size, size_bytes)
+            return path
+        with self.lock(digest, required=True):
+            return self.admit_locked(
+                digest,
+                size_bytes,
+                progress=progress,
+                layout=layout,
+                extent_owner=extent_owner,
+                manifest_file=manifest_file,
+                log_quarantine=log_quarantine,
+            )
 
-        return admit_object(self, digest, size_bytes, progress=progress, layout=layout, extent_owner=extent_owner)
+    def admit_locked(
+        self,
+        digest: str,
+        size_bytes: int | None = None,
+        *,
+        progress: ProgressCallback | None = None,
+        trust_record: bool = True,
+        layout: PackLayout | None = None,
+        extent_owner: ExtentOwner | None = None,
+        manifest_file: str | None = None,
+        log_quarantine: bool = True,
+    ) -> Path:
+        """Admission with the digest's lock held (or given up on): re-check the record, else hash in full.
+
+        An object whose size differs from ``size_bytes`` is quarantined unless a trusted record
+        vouches for it at its current size (then only the caller's expectation is wrong). The one
+        verifier (:func:`coldsnap_core.verify.verify_pack_file`) judges the bytes; on an
+        :class:`~coldsnap_core.errors.IntegrityError` the object is quarantined and the error
+        re-raised with ``quarantined_to``. With ``layout`` the same single pass also checks the zero
+        padding and every stored extent's SHA-256.
+
+        Args:
+            trust_record: ``False`` hashes in full whatever the record says (``cache verify --full``).
+            others: as :meth:`admit`.
+
+        Raises:
+            as :meth:`admit`; CacheError also when the object changed while it was being hashed,
+            :data:`ADMIT_ATTEMPTS` times in a row (each change starts the check over).
+        """
+        path = self.object_path(digest)
+        if size_bytes is None and layout is not None:
+            size_bytes = layout.size_bytes
+        for attempt in range(1, ADMIT_ATTEMPTS + 1):
+            st = refuse_symlink(path)
+            refuse_symlink(self.record_path(digest))
+            if st is None:
+                raise MissingObjectError("pack is not in the node-local cache", file=path)
+            if trust_record:  # again under the lock: another same-host caller may have verified it meanwhile
+                try:
+                    read_trusted_record(self, digest, st)
+                except ValidationRecordError:
+                    trusted = self.verified_here(digest, st)
+                else:
+                    trusted = True
+                if trusted:
+                    _require_caller_size(path, st.st_size, size_bytes)
+                    return path
+            if size_bytes is not None and st.st_size != size_bytes:
+                state = "truncated" if st.st_size < size_bytes else "extended"
+                error = PackSizeMismatchError(
+                    f"cached pack is {st.st_size} bytes, expected {size_bytes} ({state}); quarantined", file=path
+                )
+                error.quarantined_to = self.quarantine(digest, log=log_quarantine)  # type: ignore[attr-defined]
+                raise error
+            if st.st_mode & 0o222 and st.st_uid == os.geteuid():
+                try:
+                    os.chmod(path, 0o444)
+                except OSError as exc:  # e.g. a read-only file system: the object is still verified below
+                    logger.info("coldsnap: cannot make %s read-only (%s)", path, exc.strerror or exc)
+                st = refuse_symlink(path) or st
+            try:
+                verify_pack_file(
+                    path,
+                    PackRef.for_digest(digest, st.st_size),
+                    layout,
+                    progress=progress,
+                    extent_owner=extent_owner,
+                    chunk_bytes=ADMIT_CHUNK_BYTES,
+                    manifest_file=manifest_file,
+                )
+            except IntegrityError as exc:
+                exc.quarantined_to = self.quarantine(digest, log=log_quarantine)  # type: ignore[attr-defined]
+                raise
+            after = refuse_symlink(path)
+            if after is not None and identity(after) == identity(st):
+                record_verified(self, digest, after)
+                return path
+            # Replaced or touched while being hashed: another writer that did not (or could not) take
+            # the lock. What was hashed may not be what is there now, so start over.
+            logger.info("coldsnap: %s changed while it was being verified (attempt %d)", path, attempt)
+        raise CacheError(
+            f"the pack changed while it was being verified, {ADMIT_ATTEMPTS} times in a row; not admitted", file=path
+        )
 
     def reverify(self, digest: str, size_bytes: int | None = None, *, progress: ProgressCallback | None = None) -> Path:
         """Like :meth:`admit`, but always hash in full (ignoring any record); used by ``coldsnap cache verify --full``."""
-        from coldsnap_core.records import admit_locked
-
         check_digest(digest)
         with self.lock(digest, required=True):
-            return admit_locked(self, digest, size_bytes, progress=progress, trust_record=False)
+            return self.admit_locked(digest, size_bytes, progress=progress, trust_record=False)
 
     def quarantine(self, digest: str, *, log: bool = True) -> Path | None:
-        """Move a bad object (and drop its record) out of the eligible path; return where it went
-        (``None``: nothing there, or it cannot be moved). See :func:`coldsnap_core.records.quarantine_object`."""
-        from coldsnap_core.records import quarantine_object
+        """Move ``<digest>.pack`` into ``quarantine/`` (unique name) and delete its record first.
 
-        return quarantine_object(self, digest, log=log)
+        Returns where the object went, or ``None`` when there was nothing to move or it cannot be
+        moved (e.g. a read-only file system: then it stays at its path, always logged as a WARNING
+        naming the path, and every later admission verifies it again and fails again; nothing
+        serves it).
+
+        Args:
+            log: log a quarantine as a WARNING (``False``: at INFO, for a caller that reports it in
+                its own message). A quarantine that fails is a WARNING either way.
+        """
+        check_digest(digest)
+        source = self.object_path(digest)
+        try:
+            self.ensure_dirs()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.record_path(digest))
+            target = self.quarantine_dir / f"{digest}.{secrets.token_hex(8)}.pack"
+            try:
+                os.rename(source, target)
+            except FileNotFoundError:
+                return None
+            fsync_dir(self.objects_dir)
+        except (OSError, CacheError) as exc:
+            logger.warning("coldsnap: %s failed verification but cannot be quarantined (%s); it stays in place", source, exc)
+            return None
+        logger.log(logging.WARNING if log else logging.INFO, "coldsnap: quarantined %s as %s", source, target)
+        return target
 
     # -- listing and garbage collection ------------------------------------------------------------
 
@@ -710,18 +777,18 @@ class PayloadCache:
         return report.freeze()
 
 
-def os_errno(exc: BaseException) -> int | None:
-    """The ``errno`` of an ``OSError``, or of the ``OSError`` a :class:`CacheError` was raised from."""
-    if isinstance(exc, OSError):
-        return exc.errno
-    cause = exc.__cause__
-    return cause.errno if isinstance(cause, OSError) else None
-
-
 def _os_error(what: str, exc: OSError, path: Path) -> CacheError:
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return InsufficientSpaceError(f"{what}: {os.strerror(exc.errno)}", file=path)
-    return CacheError(f"{what}: {exc.strerror or exc}", file=path)
+    """:func:`coldsnap_core._io.os_error` for the cache's own folders and files: space errors
+    (``EFBIG`` included) are :class:`~coldsnap_core.errors.InsufficientSpaceError`, anything else a
+    :class:`~coldsnap_core.errors.CacheError`."""
+    return os_error(what, exc, path, missing=CacheError, other=CacheError)  # type: ignore[return-value]
+
+
+def _require_caller_size(path: Path, actual: int, expected: int | None) -> None:
+    if expected is not None and actual != expected:
+        raise PackSizeMismatchError(
+            f"cached pack is {actual} bytes and verified against its digest, but {expected} bytes were expected", file=path
+        )
 
 
 def _listdir(folder: Path) -> list[Path]:

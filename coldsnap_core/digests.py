@@ -1,7 +1,7 @@
 """Digest validation and the one rule that turns a digest into an object path.
 
 A pack is addressed only by its SHA-256: ``model-payloads/sha256/<digest>.pack``, the same relative
-path in the node-local cache and in every payload store (seed 000, "model-weights.pack"). Recipes and
+path in the node-local cache and in every payload store (``docs/format.md`` §1). Recipes and
 capture IDs cannot choose it. A digest is validated as exactly 64 lowercase hexadecimal characters
 *before* it is used to build any path, so ``../x``, uppercase hex or a short string never touch the
 file system.

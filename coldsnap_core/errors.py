@@ -376,9 +376,13 @@ class WakeError(ColdsnapError):
 class ModelIdentityMismatchError(ManifestError):
     """The engine is loading another model than the one the artifact was captured from.
 
-    Compared before any payload byte is read: the model's source (Hugging Face repository id or
-    local folder), its revision and, for a local folder, every recorded checkpoint file's name and
-    size (the files are not hashed at restore: reading them is what restore avoids).
+    Compared before any payload byte is read (:func:`coldsnap_core.model_identity.check_model_identity`):
+    the model's source (Hugging Face repository id or local folder); for a repository its resolved
+    commit; the engine's model configuration digest; for a local folder the checkpoint files the
+    engine would read, every recorded file's name and size, and its SHA-256 where this node knows it: from
+    a checkpoint record that still matches the file, by hashing a file that changed since its record,
+    or by hashing every file without a record under ``COLDSNAP_VERIFY_CHECKPOINT=1``
+    (``docs/format.md`` §10.1). A file without a record is otherwise accepted on its name and size.
     """
 
     rule = "model-identity"

@@ -1,6 +1,6 @@
 """Two-source hydration: fill live allocations from the shared pack and the worker's residual blob.
 
-Order of work (``DESIGN.md``, "The two byte sources"; seed 000, "Restore"):
+Order of work (``docs/format.md`` §7, the ``hydrate`` entries):
 
 1. every manifest rule (:func:`coldsnap_core.verify.check_manifest`): disjoint maps that cover every
    byte, canonical pack and blob layout, the pack path derived from the digest;
@@ -64,6 +64,21 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
+class AdmittedPack:
+    """A pack the caller already admitted, with the layout it checked: proof that steps 1, 2 and the
+    admission of step 4 (see the module docstring) are done, so :func:`hydrate` does not repeat them.
+
+    Attributes:
+        path: the admitted object path (:meth:`coldsnap_core.cache.PayloadCache.admit`).
+        layout: the pack's canonical layout (:func:`coldsnap_core.verify.check_manifest`), with the
+            live layout checked against the manifest (:func:`coldsnap_core.verify.check_live_layout`).
+    """
+
+    path: Path
+    layout: PackLayout
+
+
+@dataclass(frozen=True, slots=True)
 class HydrationReport:
     """What a hydration did.
 
@@ -104,6 +119,7 @@ def hydrate(
     live_layout: AllocationMap | None = None,
     verify_extents: bool = False,
     manifest_file: str | None = None,
+    admitted: AdmittedPack | None = None,
 ) -> HydrationReport:
     """Verify everything, then fill ``allocations`` from the pack and the blob.
 
@@ -119,6 +135,9 @@ def hydrate(
             threads; catches bytes that changed under a still-valid validation record, e.g. bit rot
             on the device, which no inode field shows).
         manifest_file: the manifest's path, for error messages.
+        admitted: the pack as the caller admitted it, after checking every manifest rule and the live
+            layout (:class:`coldsnap_core.restore.WorkerRestore` does, once each): steps 1, 2 and the
+            admission are then not repeated; the blob, the padding and the copy run as always.
 
     Returns:
         What was copied (bytes from each source, counting every destination of a deduplicated
@@ -146,12 +165,15 @@ def hydrate(
             while the pack verifies in full (partly written).
     """
     started = time.perf_counter()
-    layout = check_manifest(manifest, file=manifest_file)
-    check_live_layout(
-        manifest.allocations, live_layout, allocations, file=manifest_file, manifest_fingerprint=manifest.layout_fingerprint
-    )
+    if admitted is None:
+        layout = check_manifest(manifest, file=manifest_file)
+        check_live_layout(
+            manifest.allocations, live_layout, allocations, file=manifest_file, manifest_fingerprint=manifest.layout_fingerprint
+        )
+    else:
+        layout = admitted.layout
     verify_blob_file(blob_path, manifest.residual)
-    pack_path = cache.admit(manifest.pack.sha256, manifest.pack.size_bytes)
+    pack_path = cache.admit(manifest.pack.sha256, manifest.pack.size_bytes) if admitted is None else admitted.path
     try:
         check_pack_padding(pack_path, layout)
     except NonZeroPaddingError as exc:

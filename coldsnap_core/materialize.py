@@ -3,7 +3,7 @@
 After a safetensors (recovery) load the model extents of the worker's native manifest hold exactly
 the bytes they held at capture, so the canonical writer (:func:`coldsnap_core.pack_writer.write_pack`,
 the one capture uses) rebuilds the byte-identical pack from memory, without reading the checkpoint
-again (seed 000, "Recovery read-through cache"). Modes (``COLDSNAP_MATERIALIZE``):
+again (``docs/format.md`` §13). Modes (``COLDSNAP_MATERIALIZE``):
 
 * ``async`` (vLLM default): a background thread (at a lower CPU priority) writes the pack while the
   engine serves; the first token is not delayed. It never raises into the caller: a failure is
@@ -26,10 +26,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
 
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.copy.base import CopyBackend, LiveAllocation
@@ -37,14 +36,11 @@ from coldsnap_core.errors import ConfigurationError, IntegrityError, MissingObje
 from coldsnap_core.format.manifest import NativeManifest, PackRef
 from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.pack_writer import write_pack
-from coldsnap_core.records import admit_locked
+from coldsnap_core.settings import MATERIALIZE_ENV, MATERIALIZE_MODES, MaterializeMode
 from coldsnap_core.verify import check_live_layout, check_manifest
 
 logger = logging.getLogger(__name__)
 
-MaterializeMode = Literal["async", "required", "off"]
-MATERIALIZE_MODES: tuple[str, ...] = get_args(MaterializeMode)
-MATERIALIZE_ENV = "COLDSNAP_MATERIALIZE"
 BACKGROUND_NICE_INCREMENT = 10
 """The ``async`` writer thread lowers its own scheduling priority by this much (Linux, best effort)."""
 
@@ -54,32 +50,8 @@ __all__ = [
     "MaterializationHandle",
     "MaterializationResult",
     "MaterializeMode",
-    "materialize_mode_from_env",
     "materialize_payload",
-    "parse_materialize_mode",
 ]
-
-
-def parse_materialize_mode(value: str, *, source: str = MATERIALIZE_ENV) -> MaterializeMode:
-    """Return ``value`` as a materialization mode.
-
-    Raises:
-        ConfigurationError: ``value`` is not exactly ``async``, ``required`` or ``off`` (names ``source``).
-    """
-    if value not in MATERIALIZE_MODES:
-        raise ConfigurationError(f"{source}={value!r} is not one of {', '.join(MATERIALIZE_MODES)}")
-    return value  # type: ignore[return-value]
-
-
-def materialize_mode_from_env(default: MaterializeMode = "async", environ: Mapping[str, str] | None = None) -> MaterializeMode:
-    """``$COLDSNAP_MATERIALIZE``, or ``default`` when unset or empty.
-
-    Raises:
-        ConfigurationError: the variable has another value.
-    """
-    env = os.environ if environ is None else environ
-    value = env.get(MATERIALIZE_ENV, "").strip()
-    return parse_materialize_mode(value, source=MATERIALIZE_ENV) if value else default
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +136,7 @@ def _materialize(
     layout, locate = _plan(manifest, allocations)
     with cache.lock(pack.sha256):
         try:
-            path = admit_locked(cache, pack.sha256, pack.size_bytes)
+            path = cache.admit_locked(pack.sha256, pack.size_bytes)
         except MissingObjectError:
             pass
         except IntegrityError as exc:
@@ -217,7 +189,8 @@ def materialize_payload(
         InsufficientSpaceError: the cache's file system filled up.
         UnsafePathError: a symbolic link in the cache.
     """
-    parse_materialize_mode(mode, source="mode")
+    if mode not in MATERIALIZE_MODES:
+        raise ConfigurationError(f"mode={mode!r} is not one of {', '.join(MATERIALIZE_MODES)}")
     if mode == "off":
         return None
     handle = MaterializationHandle(manifest.pack, mode)

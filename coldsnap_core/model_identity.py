@@ -1,8 +1,8 @@
 """The pinned model identity: checkpoint files, the engine's model configuration, checkpoint records.
 
 A :class:`~coldsnap_core.format.manifest.ModelIdentity` says which model an artifact was captured
-from. Restore compares it with what the engine is loading before any payload byte is read
-(:func:`coldsnap_core.restore.check_model_identity`), because the layout fingerprint only sees
+from; this module produces it (capture) and checks it (:func:`check_model_identity`, which restore
+runs before any payload byte is read, against :class:`LoadedModel`, what the engine is loading), because the layout fingerprint only sees
 shapes, dtypes and names: another fine-tune, a replaced checkpoint file of the same size, or another
 rotary base (``rope_theta``, a buffer computed at build time and restored from the residual blob)
 all have the same layout.
@@ -46,12 +46,12 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from coldsnap_core._io import fsync_dir, fsync_fd, sha256_file, write_all
-from coldsnap_core.errors import CacheError, UnsafePathError, ValidationRecordError
+from coldsnap_core.errors import CacheError, ModelIdentityMismatchError, UnsafePathError, ValidationRecordError
 from coldsnap_core.format._strict import Fields, dump_document
 from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity
 from coldsnap_core.records import identity as stat_identity
@@ -526,3 +526,254 @@ def identify_checkpoint(
     if os.path.isdir(source):
         source = os.path.realpath(source)
     return ModelIdentity(source, revision, tuple(sorted(entries, key=lambda c: c.name)), config_sha256)
+
+
+# -- checked at restore: the model being loaded against the recorded identity ---------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """What the engine is loading, for the model identity check.
+
+    Attributes:
+        source: the engine's model (vLLM ``model_config.model``, SGLang ``model_config.model_path``):
+            a repository id or a local folder.
+        revision: for a repository id, the commit hash the engine's revision resolves to in the local
+            Hugging Face cache (:func:`~coldsnap_core.model_identity.resolve_hub_commit`), else the
+            engine's revision as given (``None`` when none; always the given value for a local folder).
+        folder: the local checkpoint folder's real path when ``source`` is one, else ``None``.
+        config_sha256: :func:`coldsnap_core.model_identity.model_config_sha256` of the engine's
+            effective model configuration, or ``None`` when the caller has no engine configuration.
+        requested_revision: the engine's revision as given (``None``: the default branch), for messages.
+        checkpoint_files: for a local folder, the names (relative to ``folder``, ``/``-separated) of
+            every checkpoint file the engine's own loader would read now (vLLM
+            ``DefaultModelLoader._prepare_weights``: its glob and its index filter), or ``None`` when
+            the caller cannot tell.
+        checkpoint_files_error: why the engine could not list those files (a safetensors index
+            naming a missing shard, malformed JSON, ...); the identity check then fails closed.
+    """
+
+    source: str
+    revision: str | None
+    folder: Path | None
+    config_sha256: str | None = None
+    requested_revision: str | None = None
+    checkpoint_files: tuple[str, ...] | None = None
+    checkpoint_files_error: str | None = None
+
+    @classmethod
+    def from_config(
+        cls,
+        source: str,
+        revision: str | None,
+        config_sha256: str | None = None,
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        checkpoint_files: Iterable[str] | None = None,
+        checkpoint_files_error: str | None = None,
+    ) -> LoadedModel:
+        """The model an engine loads from ``source`` at ``revision``.
+
+        Args:
+            source: a local folder or a Hugging Face repository id.
+            revision: the engine's revision (vLLM ``model_config.revision``, a
+                ``huggingface_hub.ResolvedRevision`` in vLLM 0.32; SGLang ``model_config.revision``).
+            config_sha256: the engine's model configuration digest, if known.
+            cache_dir: the Hugging Face cache the engine downloads into (vLLM/SGLang
+                ``load_config.download_dir``); ``None`` means ``HF_HUB_CACHE``.
+            checkpoint_files: for a local folder, the checkpoint files the engine would read (see
+                ``checkpoint_files``); ignored for a repository id.
+            checkpoint_files_error: why the engine could not list them, if it failed.
+        """
+        requested = None if revision is None else str(revision)
+        if os.path.isdir(source):
+            files = None if checkpoint_files is None else tuple(sorted(checkpoint_files))
+            folder = Path(os.path.realpath(source))
+            return cls(source, requested, folder, config_sha256, requested, files, checkpoint_files_error)
+        commit = resolve_hub_commit(source, revision, cache_dir=cache_dir)
+        return cls(source, commit if commit is not None else requested, None, config_sha256, requested)
+
+
+def engine_checkpoint_files(
+    source: str, engine: str, prepare_weights: Callable[[], Sequence[object]]
+) -> tuple[list[str] | None, str | None]:
+    """For a local checkpoint folder: the files the engine's own loader would read now, for
+    :meth:`LoadedModel.from_config` (``checkpoint_files``, ``checkpoint_files_error``), so restore
+    refuses a folder that gained or lost a shard.
+
+    Args:
+        source: the engine's model (a local folder or a repository id).
+        engine: the engine's name, for the error text (``"vLLM"``, ``"SGLang"``).
+        prepare_weights: calls the engine's ``DefaultModelLoader._prepare_weights`` (vLLM and SGLang:
+            a glob of the folder for the load format and the safetensors index filter; no tensor is
+            read), which returns ``(folder, files, ...)`` with ``files`` as paths in ``folder``.
+
+    Returns:
+        ``(names relative to the folder, "/"-separated, None)``; ``(None, None)`` for a repository id
+        (its commit is checked instead); ``(None, why)`` when the engine cannot list them (an index
+        naming a missing shard, a malformed index, no weights): the identity check then fails
+        closed, as a plain load would.
+    """
+    if not os.path.isdir(source):
+        return None, None
+    try:
+        folder, files = prepare_weights()[:2]
+    except Exception as exc:  # whatever the engine raises, restore must not go ahead
+        return None, f"{engine}'s _prepare_weights raised {type(exc).__name__}: {exc}"
+    return [Path(os.path.relpath(f, folder)).as_posix() for f in files], None
+
+
+def check_model_identity(
+    recorded: ModelIdentity,
+    loaded: LoadedModel,
+    *,
+    file: str | None = None,
+    records: CheckpointRecords | None = None,
+    verify_checkpoint: bool = False,
+) -> None:
+    """The artifact's pinned model must be the one being loaded.
+
+    * A Hugging Face repository (``loaded.folder is None``): the same id and the same commit. Capture
+      records the commit the revision (``main`` when none is given) resolved to in the local Hugging
+      Face cache, and :meth:`LoadedModel.from_config` resolves the engine's revision the same way, so
+      a repository whose ``main`` moved to another commit (same layout and config, other weights) is
+      refused, and so is an engine whose cache cannot resolve a commit, or an artifact that recorded
+      no commit (fail closed).
+    * A local folder, by content and not by path (another node may mount it elsewhere; ``$M`` and
+      ``$M/`` are one folder): every recorded checkpoint file exists with its size, and its SHA-256,
+      where this node knows it, is the recorded one. It is known from a checkpoint record
+      (:class:`~coldsnap_core.model_identity.CheckpointRecords`) that still matches the file's
+      ``stat``; a file that changed since its record was written is hashed again (one read of that
+      file, then recorded); a file without a record is hashed only with ``verify_checkpoint``
+      (``COLDSNAP_VERIFY_CHECKPOINT=1``), else compared by its content fingerprint
+      (:func:`~coldsnap_core.model_identity.checkpoint_fingerprint`: header plus 2 MiB sampled; an
+      artifact that recorded none is accepted on name and size). When the engine says
+      which files it would read (``loaded.checkpoint_files``), they must be exactly the recorded ones:
+      a shard added to the folder (which a plain load would read too) or one the engine would no
+      longer read is refused, and so is a folder whose files the engine cannot list. An artifact
+      captured from a repository id is never restored into a local folder.
+    * The engine's model configuration digest, when the engine gives one, equals the recorded one (an
+      artifact captured without one is refused then).
+
+    Raises:
+        ModelIdentityMismatchError: names what differs (source, commit, configuration, a missing,
+            resized or rewritten checkpoint file).
+        UnsafePathError: the checkpoint records folder or a record is a symbolic link.
+    """
+    recorded_from_folder = os.path.isabs(recorded.source)  # a local folder is recorded by its real path
+    if loaded.folder is None and (
+        (recorded.source, recorded.revision) != (loaded.source, loaded.revision)
+        or recorded.revision is None
+        or COMMIT_HASH.fullmatch(recorded.revision) is None
+    ):
+        raise ModelIdentityMismatchError(_repository_mismatch(recorded, loaded), file=file)
+    if loaded.folder is not None and not recorded_from_folder:
+        raise ModelIdentityMismatchError(
+            f"the artifact was captured from the Hugging Face repository {recorded.source!r} at revision"
+            f" {recorded.revision}, the engine is loading the local folder {loaded.folder}; a folder is not"
+            " checked against a repository commit (load the repository id, or capture from the folder)",
+            file=file,
+        )
+    if loaded.config_sha256 is not None and recorded.config_sha256 != loaded.config_sha256:
+        raise ModelIdentityMismatchError(
+            f"the engine's model configuration (Hugging Face config after overrides, dtype, quantization) has digest"
+            f" {loaded.config_sha256}, the artifact recorded {recorded.config_sha256} (a changed config.json,"
+            " --hf-overrides or --dtype; buffers such as the rotary cache would come back with the captured values)",
+            file=file,
+        )
+    if loaded.folder is None:
+        return
+    if loaded.checkpoint_files_error is not None:
+        raise ModelIdentityMismatchError(
+            f"the engine cannot say which checkpoint files of {loaded.folder} it would read"
+            f" ({loaded.checkpoint_files_error}); a plain load would fail the same way",
+            file=file,
+        )
+    if loaded.checkpoint_files is not None:
+        recorded_names = {c.name for c in recorded.files}
+        added = sorted(set(loaded.checkpoint_files) - recorded_names)
+        dropped = sorted(recorded_names - set(loaded.checkpoint_files))
+        if added or dropped:
+            raise ModelIdentityMismatchError(
+                f"the engine would read the checkpoint files {list(loaded.checkpoint_files)} of {loaded.folder}, the"
+                f" artifact recorded {sorted(recorded_names)}"
+                + (f"; not recorded: {added} (a plain load would read them too)" if added else "")
+                + (f"; recorded but not read by the engine now: {dropped}" if dropped else ""),
+                file=file,
+            )
+    for checkpoint in recorded.files:
+        path = loaded.folder / checkpoint.name
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            raise ModelIdentityMismatchError(
+                f"checkpoint file {checkpoint.name} recorded by the artifact is missing", file=path
+            ) from None
+        if st.st_size != checkpoint.size_bytes:
+            raise ModelIdentityMismatchError(
+                f"checkpoint file {checkpoint.name} is {st.st_size} bytes, the artifact recorded {checkpoint.size_bytes}",
+                file=path,
+            )
+        digest, how = _checkpoint_digest(path, st, records, verify_checkpoint)
+        if digest is not None and digest != checkpoint.sha256:
+            raise ModelIdentityMismatchError(
+                f"checkpoint file {checkpoint.name} has SHA-256 {digest} ({how}), the artifact recorded {checkpoint.sha256}:"
+                " the file was replaced with other content of the same size",
+                file=path,
+            )
+        if digest is None and checkpoint.fingerprint_sha256 is not None:
+            # No full hash known on this node: the sampled fingerprint (docs/format.md §10.2) is what
+            # tells two checkpoints with the same names and sizes apart (two fine-tunes of one base).
+            fingerprint = checkpoint_fingerprint(path)
+            if fingerprint != checkpoint.fingerprint_sha256:
+                raise ModelIdentityMismatchError(
+                    f"checkpoint file {checkpoint.name} has content fingerprint {fingerprint} (no checkpoint record on"
+                    f" this node), the artifact recorded {checkpoint.fingerprint_sha256}: another checkpoint with the same"
+                    " file names and sizes (a swapped fine-tune, a flipped symbolic link)",
+                    file=path,
+                )
+
+
+def _repository_mismatch(recorded: ModelIdentity, loaded: LoadedModel) -> str:
+    """Why a repository-id model identity differs (source, commit, or a revision without a commit)."""
+    captured = f"the artifact was captured from {recorded.source!r} at revision {recorded.revision}"
+    requested = loaded.requested_revision or "main"
+    if recorded.source != loaded.source:
+        return f"{captured}, the engine is loading {loaded.source!r} (revision {loaded.revision})"
+    recorded_commit = recorded.revision is not None and COMMIT_HASH.fullmatch(recorded.revision) is not None
+    loaded_commit = loaded.revision is not None and COMMIT_HASH.fullmatch(loaded.revision) is not None
+    if recorded_commit and loaded_commit:
+        return (
+            f"{captured}, but the engine's {loaded.source!r} revision {requested} resolved to another commit,"
+            f" {loaded.revision}, in the local Hugging Face cache: the repository moved (its weights may differ"
+            " with the same layout and configuration); capture the artifact again or pin the captured commit"
+            " with --revision"
+        )
+    if recorded_commit:
+        return (
+            f"{captured}, but the engine's {loaded.source!r} revision {requested} does not resolve to a commit in"
+            " the local Hugging Face cache, so the commit being loaded cannot be checked"
+        )
+    if loaded_commit:
+        return (
+            f"{captured}, which is not a commit hash (an artifact captured before repository commits were"
+            f" recorded, or from a revision the cache could not resolve); the engine's {loaded.source!r} revision"
+            f" {requested} resolved to {loaded.revision}; capture the artifact again"
+        )
+    return f"{captured}, the engine is loading {loaded.source!r} at revision {loaded.revision} (no commit in the local cache)"
+
+
+def _checkpoint_digest(
+    path: Path, st: os.stat_result, records: CheckpointRecords | None, verify_checkpoint: bool
+) -> tuple[str | None, str]:
+    """The file's SHA-256 where it is known without trusting names and sizes, and how it is known."""
+    lookup = records.lookup(path, st) if records is not None else None
+    if lookup is not None and lookup.state is RecordState.TRUSTED:
+        return lookup.sha256, "from this node's checkpoint record"
+    if lookup is not None and lookup.state is RecordState.STALE:
+        logger.info("coldsnap: %s; hashing it again", lookup.reason)
+        return hash_checkpoint_file(path, records)[0], "hashed again: it changed since its checkpoint record"
+    if verify_checkpoint:
+        logger.info("coldsnap: hashing checkpoint file %s (COLDSNAP_VERIFY_CHECKPOINT=1)", path)
+        return hash_checkpoint_file(path, records)[0], "hashed: COLDSNAP_VERIFY_CHECKPOINT=1"
+    return None, "no checkpoint record on this node"

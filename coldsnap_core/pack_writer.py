@@ -2,7 +2,7 @@
 
 Capture and materialization both call :func:`write_pack`, so a pack built from a capture and a pack
 rebuilt after a recovery load are byte-identical whenever their model extents hold the same bytes
-(seed 000, "Recovery read-through cache": "the exact canonical writer used during capture").
+(``docs/format.md`` §2 and §13: materialization uses the exact canonical writer used during capture).
 
 Internal logic:
 

@@ -1,8 +1,8 @@
 """Publication (``coldsnap publish-native``): upload each distinct model payload of artifacts once.
 
-Seed 000, "Capture and publication": the object path is derived from the digest alone, and "if
-multiple workers have identical payloads, the artifact may reference the same object from multiple
-worker owners and publication uploads it once". For every distinct digest named by the artifacts'
+The object path is derived from the digest alone, and when several workers have identical payloads the
+artifact references the same object from each of them and publication uploads it once (``docs/format.md``
+§5 and §12). For every distinct digest named by the artifacts'
 workers, in digest order:
 
 1. the store already holds it, checked as far as the store can (``PayloadStore.has(verify=True)``: a

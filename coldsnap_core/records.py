@@ -2,8 +2,7 @@
 
 A record (``<digest>.pack.record``, JSON, mode 0444) binds the digest to the object's device, inode,
 size, mtime and ctime (ns) as seen right after a full SHA-256 verification, plus the verifier version
-and the time. A later restore accepts the object without re-hashing only while (seed 000, "Recovery
-read-through cache"; ``DESIGN.md``, "The node-local cache and the verifier"):
+and the time. A later restore accepts the object without re-hashing only while (``docs/format.md`` §11):
 
 * the record is a regular file (not a symlink) owned by the current user and not group- or
   world-writable,
@@ -12,8 +11,9 @@ read-through cache"; ``DESIGN.md``, "The node-local cache and the verifier"):
 * and every bound field equals a fresh ``lstat`` of the object.
 
 Anything else means a full re-hash under the digest's lock (so same-host callers hash once; the lock
-is not what makes it safe): success rewrites the record, failure quarantines the object and the
-caller gets the verifier's error.
+is not what makes it safe; :meth:`coldsnap_core.cache.PayloadCache.admit` does that): success rewrites
+the record, failure quarantines the object and the caller gets the verifier's error. This module only
+reads and writes records; it never admits, locks or quarantines.
 
 **Limit.** A record cannot see an in-place edit that keeps the inode and restores the size, the
 mtime and the ctime. Restoring the mtime (``touch -d``, ``os.utime``) moves the ctime, so the ctime
@@ -25,37 +25,28 @@ is copied, and a mismatch stops the restore.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import errno
 import logging
 import os
 import stat
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
-from coldsnap_core._io import fsync_dir, fsync_fd, write_all
-from coldsnap_core.digests import SHA256_HEX_RE, check_digest
+from coldsnap_core._io import fsync_dir, fsync_fd, os_errno, refuse_symlink, write_all
+from coldsnap_core.digests import SHA256_HEX_RE
 from coldsnap_core.errors import (
     CacheError,
-    IntegrityError,
     ManifestError,
     MissingObjectError,
-    PackSizeMismatchError,
     UnsafePathError,
     ValidationRecordError,
 )
 from coldsnap_core.format._strict import Fields, dump_document, parse_document
 from coldsnap_core.verify import VERIFIER_VERSION
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from coldsnap_core.cache import PayloadCache, ProgressCallback
-    from coldsnap_core.format.pack_layout import PackEntry, PackLayout
-
-    ExtentOwner = Callable[[PackEntry], tuple[int | None, int | None]]
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +56,6 @@ RECORD_KIND = "coldsnap.validation-record"
 RECORD_VERSION = 1
 RECORD_MAX_BYTES = 64 << 10
 """A record is a few hundred bytes; anything larger is refused unread."""
-ADMIT_ATTEMPTS = 3
-"""How often admission starts over when the object is replaced while it is being hashed."""
-ADMIT_CHUNK_BYTES = 1 << 20
-"""Read size of a first-use verification (1 MiB): each chunk is still in the CPU cache when it is
-hashed; with the verifier's default 8 MiB double buffer the same pass measured about 10 % slower
-(``benchmarks/verify.py``)."""
 
 
 def identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
@@ -158,10 +143,21 @@ class ValidationRecord:
         return None
 
 
-def _refuse(path: Path) -> os.stat_result | None:
-    from coldsnap_core.cache import refuse_symlink
+class RecordHost(Protocol):
+    """What the record functions need of a cache (:class:`coldsnap_core.cache.PayloadCache` is one):
+    the paths of an object and its record, a private temporary file, and the in-process memory of a
+    verification whose record could not be written. Records never admit, quarantine or lock."""
 
-    return refuse_symlink(path)
+    def object_path(self, digest: str) -> Path: ...
+
+    def record_path(self, digest: str) -> Path: ...
+
+    def temporary(self, label: str) -> AbstractContextManager[tuple[int, Path]]: ...
+
+    def remember_verified(self, digest: str, st: os.stat_result) -> None: ...
+
+
+_refuse = refuse_symlink
 
 
 def read_private_record(path: Path, parse: Callable[[Fields], T]) -> T:
@@ -197,7 +193,7 @@ def read_private_record(path: Path, parse: Callable[[Fields], T]) -> T:
         raise ValidationRecordError(f"record is malformed: {exc.detail}", file=path) from exc
 
 
-def read_trusted_record(cache: PayloadCache, digest: str, object_st: os.stat_result | None = None) -> ValidationRecord:
+def read_trusted_record(cache: RecordHost, digest: str, object_st: os.stat_result | None = None) -> ValidationRecord:
     """Return the record of ``digest`` if it may be trusted right now.
 
     Args:
@@ -232,7 +228,7 @@ def read_trusted_record(cache: PayloadCache, digest: str, object_st: os.stat_res
     return record
 
 
-def record_state(cache: PayloadCache, digest: str) -> str:
+def record_state(cache: RecordHost, digest: str) -> str:
     """``"trusted"``, or why the record of ``digest`` is not trusted (for ``coldsnap cache ls``)."""
     try:
         read_trusted_record(cache, digest)
@@ -241,7 +237,7 @@ def record_state(cache: PayloadCache, digest: str) -> str:
     return "trusted"
 
 
-def write_record(cache: PayloadCache, digest: str, verified: os.stat_result) -> ValidationRecord:
+def write_record(cache: RecordHost, digest: str, verified: os.stat_result) -> ValidationRecord:
     """Write (replace) the read-only record of a just-verified object.
 
     Args:
@@ -271,7 +267,7 @@ def write_record(cache: PayloadCache, digest: str, verified: os.stat_result) -> 
     return record
 
 
-def record_verified(cache: PayloadCache, digest: str, verified: os.stat_result) -> bool:
+def record_verified(cache: RecordHost, digest: str, verified: os.stat_result) -> bool:
     """After a full verification: write the record, or if that is impossible, say so once and go on.
 
     The object stays valid and admitted either way (``docs/format.md`` §10: "A record that cannot be
@@ -300,8 +296,6 @@ def record_verified(cache: PayloadCache, digest: str, verified: os.stat_result) 
     try:
         write_record(cache, digest, verified)
     except (OSError, CacheError) as exc:
-        from coldsnap_core.cache import os_errno
-
         cache.remember_verified(digest, verified)
         read_only = os_errno(exc) == errno.EROFS
         logger.log(
@@ -315,164 +309,10 @@ def record_verified(cache: PayloadCache, digest: str, verified: os.stat_result) 
     return True
 
 
-def quarantine_object(cache: PayloadCache, digest: str, *, log: bool = True) -> Path | None:
-    """Move ``<digest>.pack`` into ``quarantine/`` (unique name) and delete its record first.
-
-    Returns where the object went, or ``None`` when there was nothing to move or it cannot be moved
-    (e.g. a read-only file system: then it stays at its path, logged as a WARNING, and every later
-    admission verifies it again and fails again; nothing serves it).
-
-    Args:
-        log: log the quarantine as a WARNING (``False``: at INFO, for a caller that reports it in its
-            own message).
-    """
-    import secrets
-
-    check_digest(digest)
-    source = cache.object_path(digest)
-    try:
-        cache.ensure_dirs()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(cache.record_path(digest))
-        target = cache.quarantine_dir / f"{digest}.{secrets.token_hex(8)}.pack"
-        try:
-            os.rename(source, target)
-        except FileNotFoundError:
-            return None
-        fsync_dir(cache.objects_dir)
-    except (OSError, CacheError) as exc:
-        logger.warning("coldsnap: %s failed verification but cannot be quarantined (%s); it stays in place", source, exc)
-        return None
-    logger.log(logging.WARNING if log else logging.INFO, "coldsnap: quarantined %s as %s", source, target)
-    return target
-
-
-def admit_object(
-    cache: PayloadCache,
-    digest: str,
-    size_bytes: int | None = None,
-    *,
-    progress: ProgressCallback | None = None,
-    layout: PackLayout | None = None,
-    extent_owner: ExtentOwner | None = None,
-) -> Path:
-    """See :meth:`coldsnap_core.cache.PayloadCache.admit`: the record fast path, else :func:`admit_locked`."""
-    check_digest(digest)
-    path = cache.object_path(digest)
-    if not cache.check_dirs():
-        raise MissingObjectError("pack is not in the node-local cache (the cache is empty)", file=path)
-    st = _refuse(path)
-    _refuse(cache.record_path(digest))
-    if st is None:
-        raise MissingObjectError("pack is not in the node-local cache", file=path)
-    try:
-        read_trusted_record(cache, digest, st)
-    except ValidationRecordError as exc:
-        if cache.verified_here(digest, st):
-            _require_caller_size(path, st.st_size, size_bytes)
-            return path
-        logger.info("coldsnap: verifying %s in full (%s)", path, exc.detail)
-    else:
-        _require_caller_size(path, st.st_size, size_bytes)
-        return path
-    with cache.lock(digest, required=True):
-        return admit_locked(cache, digest, size_bytes, progress=progress, layout=layout, extent_owner=extent_owner)
-
-
-def admit_locked(
-    cache: PayloadCache,
-    digest: str,
-    size_bytes: int | None = None,
-    *,
-    progress: ProgressCallback | None = None,
-    trust_record: bool = True,
-    layout: PackLayout | None = None,
-    extent_owner: ExtentOwner | None = None,
-) -> Path:
-    """Admission with the digest's lock held (or given up on): re-check the record, else hash in full.
-
-    An object whose size differs from ``size_bytes`` is quarantined unless a trusted record
-    vouches for it at its current size (then only the caller's expectation is wrong). The one
-    verifier (:func:`coldsnap_core.verify.verify_pack_file`) judges the bytes; on an
-    :class:`~coldsnap_core.errors.IntegrityError` the object is quarantined and the error re-raised.
-    With ``layout`` (from :func:`coldsnap_core.verify.check_manifest`) the same single pass also
-    checks the zero padding and every stored extent's SHA-256, so a corrupt byte is reported as the
-    extent (allocation, offset) that holds it.
-
-    Raises:
-        MissingObjectError, PackSizeMismatchError, PackDigestMismatchError, UnsafePathError:
-            as :meth:`coldsnap_core.cache.PayloadCache.admit`.
-        CacheError: the object changed while it was being hashed, :data:`ADMIT_ATTEMPTS` times in a
-            row (each change starts the check over; it is not admitted).
-    """
-    from coldsnap_core.format.manifest import PackRef
-    from coldsnap_core.verify import verify_pack_file
-
-    path = cache.object_path(digest)
-    if size_bytes is None and layout is not None:
-        size_bytes = layout.size_bytes
-    for attempt in range(1, ADMIT_ATTEMPTS + 1):
-        st = _refuse(path)
-        _refuse(cache.record_path(digest))
-        if st is None:
-            raise MissingObjectError("pack is not in the node-local cache", file=path)
-        if trust_record:
-            try:
-                read_trusted_record(cache, digest, st)
-            except ValidationRecordError:
-                trusted = cache.verified_here(digest, st)
-            else:
-                trusted = True
-            if trusted:
-                _require_caller_size(path, st.st_size, size_bytes)
-                return path
-        if size_bytes is not None and st.st_size != size_bytes:
-            cache.quarantine(digest)
-            state = "truncated" if st.st_size < size_bytes else "extended"
-            raise PackSizeMismatchError(
-                f"cached pack is {st.st_size} bytes, expected {size_bytes} ({state}); quarantined", file=path
-            )
-        if st.st_mode & 0o222 and st.st_uid == os.geteuid():
-            try:
-                os.chmod(path, 0o444)
-            except OSError as exc:  # e.g. a read-only file system: the object is still verified below
-                logger.info("coldsnap: cannot make %s read-only (%s)", path, exc.strerror or exc)
-            st = _refuse(path) or st
-        try:
-            verify_pack_file(
-                path,
-                PackRef.for_digest(digest, st.st_size),
-                layout,
-                progress=progress,
-                extent_owner=extent_owner,
-                chunk_bytes=ADMIT_CHUNK_BYTES,
-            )
-        except IntegrityError:
-            cache.quarantine(digest)
-            raise
-        after = _refuse(path)
-        if after is not None and identity(after) == identity(st):
-            record_verified(cache, digest, after)
-            return path
-        # Replaced or touched while being hashed: another writer that did not (or could not) take
-        # the lock. What was hashed may not be what is there now, so start over.
-        logger.info("coldsnap: %s changed while it was being verified (attempt %d)", path, attempt)
-    raise CacheError(f"the pack changed while it was being verified, {ADMIT_ATTEMPTS} times in a row; not admitted", file=path)
-
-
-def _require_caller_size(path: Path, actual: int, expected: int | None) -> None:
-    if expected is not None and actual != expected:
-        raise PackSizeMismatchError(
-            f"cached pack is {actual} bytes and verified against its digest, but {expected} bytes were expected", file=path
-        )
-
-
 __all__ = [
+    "RecordHost",
     "ValidationRecord",
-    "admit_locked",
-    "admit_object",
     "identity",
-    "quarantine_object",
     "read_trusted_record",
     "record_state",
     "record_verified",

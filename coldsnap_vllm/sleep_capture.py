@@ -16,9 +16,11 @@ At ``suspend(level=1)`` the weights segments still hold the live model. This mod
    capsule, ``<state_root>/sleep/<capsule_name>-pid<pid>-<hex16>/`` (unique to the process instance,
    held under its owner's lock: :mod:`coldsnap_core.sleep_capsules`), replaced as a whole.
 
-Facts: ``DESIGN.md`` ("Two capture points, one shared pack"); seed 000 ("Hydration first remaps the
-captured allocations..."); ``reference/vllm.md`` sections 2.6 (post-processing rewrites bytes) and
-4.5 (the residual is mandatory at level 1: buffers and post-processed weights live in the segments).
+Facts: ``docs/format.md`` §6.2 (the native capture point: hydration first remaps the captured
+allocations at their addresses); vLLM ``model_executor/model_loader/utils.py``
+(``process_weights_after_loading`` rewrites weight bytes after loading) and
+``device_allocator/cumem.py`` (buffers and post-processed weights live in the "weights" segments, so
+the residual is mandatory at level 1).
 """
 
 from __future__ import annotations

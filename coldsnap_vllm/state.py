@@ -1,7 +1,7 @@
 """Per-process state shared by the loader and the sleep backend.
 
 vLLM constructs a sleep-mode backend with no arguments and gives it no handle on the worker or the
-model (``reference/vllm.md`` section 4.5), so the loader publishes what it observed here, in the same
+model (vLLM ``device_allocator/sleep_mode_backend.py``), so the loader publishes what it observed here, in the same
 worker process, and the backend reads it.
 """
 

@@ -30,8 +30,8 @@ Sources of the facts used here: CUDA runtime API (``cudaMemcpyAsync``, ``cudaHos
 ``cudaEventRecord``/``cudaEventSynchronize``; enum values ``cudaMemcpyHostToDevice = 1``,
 ``cudaMemcpyDeviceToHost = 2``, ``cudaHostAllocPortable = 1``, ``cudaStreamNonBlocking = 1``,
 ``cudaEventDisableTiming = 2``); cupy ``cupy_backends/cuda/api/runtime.pyx`` (the functions take and
-return plain integers); ``reference/vllm.md`` section 4.5 (the wake fills segments through any host
-pointer with UVA).
+return plain integers); with unified virtual addressing a device address from vLLM's
+``CuMemAllocator`` can be filled through any host pointer (``docs/format.md`` §6.2).
 """
 
 from __future__ import annotations

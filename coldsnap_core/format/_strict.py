@@ -36,7 +36,7 @@ from coldsnap_core.errors import (
 T = TypeVar("T")
 
 FORMAT_VERSION = 9
-"""The only artifact format version this release writes and reads (seed 000, "ColdSnap artifact format 9")."""
+"""The only artifact format version this release writes and reads (``docs/format.md`` §15, "Versioning")."""
 
 MAX_OFFSET_BYTES = (1 << 63) - 1
 """Largest byte offset or size accepted anywhere (signed 64-bit, as in safetensors and ``off_t``)."""

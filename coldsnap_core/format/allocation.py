@@ -3,9 +3,9 @@
 An *allocation* is one contiguous byte range that a worker owns for its weights:
 
 * portable capture point: one parameter or buffer storage (``torch.UntypedStorage``) of the model,
-  enumerated in a deterministic order (``DESIGN.md``, "Two capture points");
+  enumerated in a deterministic order (``docs/format.md`` §6.1);
 * native capture point: one CuMem "weights" segment at its captured virtual address
-  (``reference/vllm.md`` section 4.2, ``CuMemAllocator.pointer_to_data``).
+  (vLLM ``device_allocator/cumem.py``, ``CuMemAllocator.pointer_to_data``; ``docs/format.md`` §6.2).
 
 Every byte of every allocation is covered by exactly one model extent or one residual extent
 (:mod:`coldsnap_core.format.extents`). The *layout fingerprint* identifies the layout without the

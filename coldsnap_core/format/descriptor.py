@@ -8,8 +8,7 @@ An artifact folder looks like::
 
 The packs themselves are not in the artifact: each worker entry names its payload by digest, and
 the object lives at ``<state-root>/model-payloads/sha256/<digest>.pack`` (or in a payload store).
-Several workers may name the same digest; publication uploads it once (seed 000, "Capture and
-publication").
+Several workers may name the same digest; publication uploads it once (``docs/format.md`` §5 and §12).
 
 ``artifact.json`` is the root of trust of an artifact: each worker entry pins the SHA-256 and size
 of every file of its capsule (both manifests and the residual blob), so a capsule edited in any

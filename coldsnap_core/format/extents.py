@@ -7,7 +7,7 @@
   loading, allocator slack). Its bytes are stored in ``weights.blob`` at ``blob_offset_bytes``
   (target specific, never shared).
 
-Source: seed 000, "model-weights.pack" and "weights.blob"; ``DESIGN.md``, "The two byte sources".
+Source: ``docs/format.md`` §4.6 and §4.7.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ A worker's *unit capsule* is a folder in the artifact (``workers/<capsule_name>/
     native-manifest.json       NativeManifest: allocation map + model map + residual map
     recovery-manifest.json     RecoveryManifest: residual map + pinned model identity
 
-Source: seed 000, "For every execution worker, capture produces"; ``docs/format.md`` gives every field.
+Source: ``docs/format.md`` §4, which gives every field.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The canonical byte layout of ``model-weights.pack``.
 
-Rules (seed 000, "model-weights.pack"; ``docs/format.md``, "Pack"):
+Rules (``docs/format.md`` §2, "The pack"):
 
 1. The pack stores each distinct extent content once. Two extents are the same content when their
    SHA-256 and size are equal; every destination holding that content references one stored copy.

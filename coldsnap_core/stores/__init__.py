@@ -1,6 +1,7 @@
 """Payload stores: where packs come from when the node-local cache lacks them, and go on publication.
 
-Configuration (:func:`from_env`):
+Configuration (:func:`from_settings`, :func:`from_env`; parsed by :class:`coldsnap_core.settings.StoreSettings`,
+also settable by the engine plugins' extra-config keys ``payload_dir``, ``payload_repo``, ``payload_repo_type``):
 
 * ``COLDSNAP_PAYLOAD_DIR=/path``: a local or shared folder (:class:`LocalFolderStore`);
 * ``COLDSNAP_PAYLOAD_REPO=s3://bucket[/prefix]``: an S3-compatible bucket
@@ -17,16 +18,12 @@ means "no store" (staging then uses the node-local cache only).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 from coldsnap_core.errors import ConfigurationError
+from coldsnap_core.settings import PAYLOAD_DIR_ENV, PAYLOAD_REPO_ENV, PAYLOAD_REPO_TYPE_ENV, StoreSettings
 from coldsnap_core.stores.base import PayloadStore
 from coldsnap_core.stores.local import LocalFolderStore
-
-PAYLOAD_DIR_ENV = "COLDSNAP_PAYLOAD_DIR"
-PAYLOAD_REPO_ENV = "COLDSNAP_PAYLOAD_REPO"
-PAYLOAD_REPO_TYPE_ENV = "COLDSNAP_PAYLOAD_REPO_TYPE"
 
 __all__ = [
     "PAYLOAD_DIR_ENV",
@@ -35,6 +32,7 @@ __all__ = [
     "LocalFolderStore",
     "PayloadStore",
     "from_env",
+    "from_settings",
     "parse_store_spec",
 ]
 
@@ -71,23 +69,26 @@ def parse_store_spec(spec: str, *, repo_type: str = "model") -> PayloadStore:
     return HfPayloadStore(repo_id, revision=revision or None, repo_type=repo_type)
 
 
+def from_settings(settings: StoreSettings) -> PayloadStore | None:
+    """The payload store ``settings`` configure, or ``None``.
+
+    Raises:
+        ConfigurationError: a repository value is invalid (names the variables).
+    """
+    if settings.payload_dir is not None:
+        return LocalFolderStore(settings.payload_dir)
+    if settings.payload_repo is not None:
+        try:
+            return parse_store_spec(settings.payload_repo, repo_type=settings.repo_type)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"{PAYLOAD_REPO_ENV}/{PAYLOAD_REPO_TYPE_ENV}: {exc.detail}") from exc
+    return None
+
+
 def from_env(environ: Mapping[str, str] | None = None) -> PayloadStore | None:
     """The payload store configured by ``COLDSNAP_PAYLOAD_DIR`` or ``COLDSNAP_PAYLOAD_REPO``, or ``None``.
 
     Raises:
         ConfigurationError: both are set, or a value is invalid (names the variable).
     """
-    env = os.environ if environ is None else environ
-    directory = env.get(PAYLOAD_DIR_ENV, "").strip()
-    repo = env.get(PAYLOAD_REPO_ENV, "").strip()
-    if directory and repo:
-        raise ConfigurationError(f"set only one of {PAYLOAD_DIR_ENV} ({directory!r}) and {PAYLOAD_REPO_ENV} ({repo!r})")
-    if directory:
-        return LocalFolderStore(directory)
-    if repo:
-        repo_type = env.get(PAYLOAD_REPO_TYPE_ENV, "").strip() or "model"
-        try:
-            return parse_store_spec(repo, repo_type=repo_type)
-        except ConfigurationError as exc:
-            raise ConfigurationError(f"{PAYLOAD_REPO_ENV}/{PAYLOAD_REPO_TYPE_ENV}: {exc.detail}") from exc
-    return None
+    return from_settings(StoreSettings.from_environ(environ))

@@ -15,13 +15,13 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from coldsnap_core._io import SPACE_ERRNOS as _SPACE_ERRNOS
 from coldsnap_core._io import write_all
 from coldsnap_core.errors import CacheError, InsufficientSpaceError
 
 COPY_CHUNK_BYTES = 64 << 20
 """Bytes per kernel copy call (64 MiB), i.e. per progress update."""
 
-_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _FALLBACK_ERRNOS = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
 
 

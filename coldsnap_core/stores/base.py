@@ -2,9 +2,9 @@
 
 A store holds content-addressed objects at ``model-payloads/sha256/<digest>.pack`` (the same relative
 path as the cache; :func:`coldsnap_core.digests.pack_relpath`), so every path is derived from the
-digest alone (seed 000, "Capture and publication": "recipes and capture IDs cannot choose the
-committed object path"). Implementations: :class:`coldsnap_core.stores.local.LocalFolderStore` (a
-local or shared folder), :class:`coldsnap_core.stores.hf.HfPayloadStore` (a Hugging Face repository) and
+digest alone: recipes and capture IDs cannot choose the committed object path (``docs/format.md`` §1).
+Implementations: :class:`coldsnap_core.stores.local.LocalFolderStore` (a local or shared folder),
+:class:`coldsnap_core.stores.hf.HfPayloadStore` (a Hugging Face repository) and
 :class:`coldsnap_core.stores.s3.S3PayloadStore` (an S3-compatible bucket).
 
 A store moves bytes; it never decides whether they are right. Staging runs the one verifier

@@ -1,7 +1,7 @@
 """Helpers for the cache tests, and the child-process entry point they run with ``sys.executable``.
 
 The children are real processes doing real work on real files: they stage a small real safetensors
-checkpoint into host slabs (:func:`coldsnap_core.slabs.stage_checkpoint`), read the worker's native
+checkpoint into host slabs (:func:`slabs.stage_checkpoint`), read the worker's native
 manifest from an artifact captured earlier, and materialize the pack into a state root with the real
 canonical writer, real ``filelock`` locks and real ``fsync``/``rename``. Optional fault injection:
 
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+sys.path.insert(0, str(REPO / "tools"))  # the test-only slabs, also when this file runs as a child process
 WATCHED_CALLS = ("rename", "fsync", "fchmod", "unlink")
 
 
@@ -76,12 +77,13 @@ def capture(
     slab_count: int = 2,
 ):
     """Capture ``checkpoint`` (staged into slabs) as one worker of ``artifact_dir``; return the CaptureResult."""
+    from slabs import checkpoint_files, stage_checkpoint
+
     from coldsnap_core.cache import PayloadCache
     from coldsnap_core.capture import capture_worker
     from coldsnap_core.copy.host import HostCopyBackend
     from coldsnap_core.format.manifest import WorkerIdentity
     from coldsnap_core.model_identity import identify_checkpoint
-    from coldsnap_core.slabs import checkpoint_files, stage_checkpoint
 
     slabs = stage_checkpoint(checkpoint, slab_count=slab_count, reverse=reverse)
     model = identify_checkpoint(checkpoint_files(checkpoint), source=str(checkpoint))
@@ -107,13 +109,14 @@ def hydrate_captured(
     name_manifest: bool = False,
 ) -> list[np.ndarray]:
     """Hydrate the capture's ``worker-0-of-1`` capsule into fresh host allocations
-    (:func:`coldsnap_core.slabs.allocate`) through ``backend`` (default: the host backend on one
+    (:func:`slabs.allocate`) through ``backend`` (default: the host backend on one
     thread) and return them; ``name_manifest`` passes the native manifest's path for error messages."""
+    from slabs import allocate
+
     from coldsnap_core.artifact import read_capsule
     from coldsnap_core.copy.base import LiveAllocation
     from coldsnap_core.copy.host import HostCopyBackend
     from coldsnap_core.hydrate import hydrate
-    from coldsnap_core.slabs import allocate
 
     capsule = read_capsule(captured.artifact_dir / "workers" / "worker-0-of-1")
     arrays = allocate(capsule.native.allocations)
@@ -250,12 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-file", type=Path, default=None)
     args = parser.parse_args(argv)
 
+    from slabs import stage_checkpoint
+
     from coldsnap_core.artifact import read_capsule
     from coldsnap_core.cache import PayloadCache
     from coldsnap_core.copy.host import HostCopyBackend
     from coldsnap_core.errors import ColdsnapError
     from coldsnap_core.materialize import materialize_payload
-    from coldsnap_core.slabs import stage_checkpoint
 
     slabs = stage_checkpoint(args.checkpoint, slab_count=args.slab_count, reverse=args.reverse)
     manifest = read_capsule(args.artifact / "workers" / f"worker-{args.rank}-of-1").native

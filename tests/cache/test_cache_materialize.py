@@ -9,19 +9,15 @@ from pathlib import Path
 
 import pytest
 from cache_support import capture, flip_byte, sha256_of
+from slabs import stage_checkpoint
 
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.errors import AllocationSizeMismatchError, ConfigurationError, LayoutMismatchError, PackDigestMismatchError
-from coldsnap_core.materialize import (
-    MaterializationHandle,
-    materialize_mode_from_env,
-    materialize_payload,
-    parse_materialize_mode,
-)
+from coldsnap_core.materialize import MaterializationHandle, materialize_payload
 from coldsnap_core.records import record_state
-from coldsnap_core.slabs import stage_checkpoint
+from coldsnap_core.settings import ColdsnapSettings
 
 TINY_PACK_SHA256 = "8deec00a23db33cd96d64728a18b63bdbf0d87336a8b8199a7b9733767c577fa"
 """Golden digest of the tiny checkpoint's pack (seed 0, 2 slabs): changes if the writer or layout drifts."""
@@ -157,17 +153,23 @@ def test_live_layout_mismatch(captured, tmp_path: Path) -> None:
 
 
 def test_mode_parsing() -> None:
-    """COLDSNAP_MATERIALIZE: async|required|off exactly; unset or empty gives the default; anything
-    else is a ConfigurationError naming the variable and the allowed values."""
-    assert materialize_mode_from_env(environ={}) == "async"
-    assert materialize_mode_from_env("off", environ={"COLDSNAP_MATERIALIZE": ""}) == "off"
+    """COLDSNAP_MATERIALIZE, parsed by the one settings object (as every other choice: trimmed,
+    case-insensitive): async|required|off; unset or empty gives the engine's default; anything else
+    is a ConfigurationError naming the variable (or extra-config key) and the allowed values."""
+
+    def mode(environ: dict[str, str], default: str = "async", extra: dict[str, object] | None = None) -> str:
+        return ColdsnapSettings.resolve(environ, extra, materialize_default=default)[0].materialize  # type: ignore[arg-type]
+
+    assert mode({}) == "async"
+    assert mode({"COLDSNAP_MATERIALIZE": ""}, "off") == "off"
     for value in ("async", "required", "off"):
-        assert materialize_mode_from_env(environ={"COLDSNAP_MATERIALIZE": value}) == value
-    for bad in ("ASYNC", "sync", "1", "on"):
+        assert mode({"COLDSNAP_MATERIALIZE": value}) == value
+        assert mode({"COLDSNAP_MATERIALIZE": f" {value.upper()} "}) == value
+    for bad in ("sync", "1", "on"):
         with pytest.raises(ConfigurationError, match=r"COLDSNAP_MATERIALIZE.*async, required, off"):
-            materialize_mode_from_env(environ={"COLDSNAP_MATERIALIZE": bad})
-    with pytest.raises(ConfigurationError):
-        parse_materialize_mode("later", source="extra_config.materialize")
+            mode({"COLDSNAP_MATERIALIZE": bad})
+    with pytest.raises(ConfigurationError, match="materialize"):
+        mode({}, extra={"materialize": "later"})
 
 
 def test_bad_mode_argument(captured, tmp_path: Path) -> None:

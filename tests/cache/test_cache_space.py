@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 from cache_support import child_command, eligible_objects, run_child, sha256_of, temporaries
+from slabs import stage_checkpoint
 
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.errors import InsufficientSpaceError
 from coldsnap_core.materialize import materialize_payload
-from coldsnap_core.slabs import stage_checkpoint
 from coldsnap_core.staging import stage_payload
 from coldsnap_core.stores.local import LocalFolderStore
 
@@ -156,12 +156,13 @@ def test_read_only_cache_restore_sequence_hashes_once_and_hydrates(captured, tmp
     staging, then hydration: one full hash in total, no WARNING, the allocations restored (the record
     write raised CacheError "cannot create a temporary file: Read-only file system", and ``auto``
     fell back to the checkpoint although the pack verified)."""
+    from slabs import allocate
+
     from coldsnap_core.artifact import read_capsule
     from coldsnap_core.copy.base import LiveAllocation
     from coldsnap_core.copy.host import host_view
     from coldsnap_core.hydrate import hydrate
     from coldsnap_core.records import record_verified
-    from coldsnap_core.slabs import allocate
     from coldsnap_core.verify import check_manifest, extent_owner_map, verify_pack_file
 
     capsule = read_capsule(captured.artifact_dir / "workers" / "worker-0-of-1")
@@ -208,3 +209,42 @@ def test_read_only_cache_corrupt_object_fails_cleanly(captured, tmp_path: Path, 
                 cache.admit(captured.pack.sha256, captured.pack.size_bytes)
         assert "cannot be quarantined" in caplog.text
         assert cache.object_path(captured.pack.sha256).exists()
+
+
+def test_efbig_is_a_space_error_everywhere(tmp_path: Path) -> None:
+    """``EFBIG`` (a write past ``RLIMIT_FSIZE``; CPython ignores ``SIGXFSZ``) is "no space" in every
+    layer: the one ``OSError`` table (``coldsnap_core._io.os_error``) maps it to
+    ``InsufficientSpaceError`` whether the caller is a reader (default classes) or the cache's own
+    folders (``CacheError`` for everything else). Fails if the cache keeps a second table that maps
+    ``EFBIG`` to a generic ``CacheError`` (so ``auto`` reported a cache fault instead of a full disk)."""
+    import errno
+    import sys
+
+    from coldsnap_core import _io
+    from coldsnap_core import cache as cache_module
+    from coldsnap_core.errors import CacheError, FileAccessError
+
+    probe = tmp_path / "probe"
+    script = (
+        "import os, resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+        "fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT, 0o600)\n"
+        "os.write(fd, bytes(4096))\n"
+        "try:\n    os.write(fd, b'x')\nexcept OSError as exc:\n    print(exc.errno)\n"
+    )
+    child = subprocess.run([sys.executable, "-c", script, str(probe)], capture_output=True, text=True, check=True)
+    real_errno = int(child.stdout)
+    assert real_errno == errno.EFBIG
+    exc = OSError(real_errno, os.strerror(real_errno), str(probe))
+    cache_error = cache_module._os_error("cannot create a temporary file", exc, probe)
+    assert type(cache_error) is InsufficientSpaceError, cache_error
+    for error in (
+        cache_error,
+        _io.os_error("cannot write", exc, probe),
+        _io.os_error("cannot write", exc, probe, missing=CacheError, other=CacheError),
+    ):
+        assert type(error) is InsufficientSpaceError and error.rule == "space" and str(probe) in str(error)
+    eio = OSError(errno.EIO, os.strerror(errno.EIO), str(probe))
+    assert type(cache_module._os_error("cannot commit the pack", eio, probe)) is CacheError
+    assert type(_io.os_error("cannot read", eio, probe)) is FileAccessError

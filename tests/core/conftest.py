@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 from core_support import Captured, capture
+from slabs import Slabs, checkpoint_files, stage_checkpoint
 
 from coldsnap_core.format.manifest import ModelIdentity
 from coldsnap_core.model_identity import identify_checkpoint
-from coldsnap_core.slabs import Slabs, checkpoint_files, stage_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import pytest
 from core_support import REPO, Captured, capture, copy_capture, edit_json, repin, run_cli
+from slabs import Slabs
 
 from coldsnap_core.artifact import read_descriptor, read_worker_capsule
 from coldsnap_core.errors import ManifestValueError, ObserverError
 from coldsnap_core.format.allocation import AllocationMap
 from coldsnap_core.format.descriptor import ArtifactDescriptor
 from coldsnap_core.format.manifest import WorkerIdentity
-from coldsnap_core.slabs import Slabs
 
 RANKS_OF_2 = [WorkerIdentity("worker", r, 2, r, 2) for r in range(2)]
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from core_support import Captured, capture, live_allocations
+from slabs import Slabs, allocate, stage_checkpoint
 
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.format.allocation import AllocationMap
 from coldsnap_core.hydrate import hydrate
-from coldsnap_core.slabs import Slabs, allocate, stage_checkpoint
 
 
 def _extent_digests(captured: Captured) -> dict[str, str]:

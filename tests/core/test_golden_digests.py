@@ -29,7 +29,8 @@ from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import capture_worker
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity, WorkerIdentity
-from coldsnap_core.slabs import stage_checkpoint
+sys.path.insert(0, "tools")  # cwd is the repository; the test-only slabs live in tools/
+from slabs import stage_checkpoint
 
 slabs = stage_checkpoint(Path(sys.argv[1]))
 root = Path(sys.argv[2])

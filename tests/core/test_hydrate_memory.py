@@ -30,7 +30,8 @@ from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity, WorkerIdentity
 from coldsnap_core.hydrate import hydrate
-from coldsnap_core.slabs import stage_checkpoint
+sys.path.insert(0, "tools")  # cwd is the repository; the test-only slabs live in tools/
+from slabs import stage_checkpoint
 
 def status(field):
     for line in open("/proc/self/status"):

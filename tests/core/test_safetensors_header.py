@@ -86,7 +86,7 @@ def test_unknown_dtype_code_is_kept_for_provenance(tmp_path: Path) -> None:
     """Catches provenance (read for every checkpoint the vLLM loader opens) failing on a dtype code
     this table does not list, e.g. the sub-byte ``F4``: the code is kept, lowercased, and the size is
     not checked against the shape; staging such a tensor is refused with a clear ValueError."""
-    from coldsnap_core.slabs import stage_checkpoint
+    from slabs import stage_checkpoint
 
     path = _file(tmp_path, {"t": {"dtype": "F4", "shape": [4], "data_offsets": [0, 2]}}, b"\0" * 2)
     assert read_header(path)["t"].dtype == "f4"

@@ -127,3 +127,25 @@ def test_lenient_forms_are_normalized(tmp_path: Path) -> None:
     assert settings.export_model_payload is True and settings.verify_extents is False
     with pytest.raises(ConfigurationError, match="is not a boolean"):
         ColdsnapSettings.resolve({}, {"export_model_payload": 2, "artifact_dir": str(tmp_path)})
+
+
+def test_payload_store_is_a_setting_like_the_others(tmp_path: Path) -> None:
+    """The payload store is parsed with every other setting (``COLDSNAP_PAYLOAD_DIR``,
+    ``COLDSNAP_PAYLOAD_REPO``, ``COLDSNAP_PAYLOAD_REPO_TYPE``) and can come from the engine's extra
+    config instead (``payload_dir``, ...), which wins over the environment and never reaches the
+    engine's loader. Fails if the store is read from the environment behind the settings' back (an
+    extra-config store was then ignored) or if both kinds of store may be set at once."""
+    from coldsnap_core.settings import StoreSettings
+    from coldsnap_core.stores import LocalFolderStore, from_settings
+
+    assert ColdsnapSettings.resolve({})[0].store == StoreSettings() and not StoreSettings().configured
+    env = {"COLDSNAP_PAYLOAD_REPO": " org/name@v1 ", "COLDSNAP_PAYLOAD_REPO_TYPE": "dataset"}
+    settings, rest = ColdsnapSettings.resolve(env, {"payload_dir": str(tmp_path), "payload_repo": "", "other": 1})
+    assert settings.store == StoreSettings(payload_dir=str(tmp_path), repo_type="dataset") and rest == {"other": 1}
+    store = from_settings(settings.store)
+    assert isinstance(store, LocalFolderStore)
+    assert ColdsnapSettings.resolve(env)[0].store == StoreSettings(payload_repo="org/name@v1", repo_type="dataset")
+    with pytest.raises(ConfigurationError, match=r"extra-config key 'payload_dir'.*COLDSNAP_PAYLOAD_REPO"):
+        ColdsnapSettings.resolve(env, {"payload_dir": str(tmp_path)})
+    with pytest.raises(ConfigurationError, match=r"COLDSNAP_PAYLOAD_DIR.*COLDSNAP_PAYLOAD_REPO"):
+        StoreSettings.from_environ({"COLDSNAP_PAYLOAD_DIR": "/x", "COLDSNAP_PAYLOAD_REPO": "org/name"})

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 from core_support import Captured, copy_capture, edit_json, flip_byte, live_allocations
+from slabs import Slabs, allocate, stage_checkpoint
 
 from coldsnap_core import errors
 from coldsnap_core.copy.host import HostCopyBackend
@@ -27,7 +28,6 @@ from coldsnap_core.digests import pack_relpath
 from coldsnap_core.format.manifest import NativeManifest
 from coldsnap_core.hydrate import hydrate
 from coldsnap_core.records import write_record
-from coldsnap_core.slabs import Slabs, allocate, stage_checkpoint
 from coldsnap_core.verify import check_manifest
 
 

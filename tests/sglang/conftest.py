@@ -1,4 +1,4 @@
-"""Install the SGLang stand-in (``fake_sglang``) as ``sglang`` for this folder's tests."""
+"""The SGLang stand-in (``fake_sglang``) as ``sglang``, for the tests that ask for the ``fake_sglang`` fixture."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 import pytest
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def fake_sglang(monkeypatch: pytest.MonkeyPatch):
     """A fresh stand-in per test, and a fresh ``coldsnap_sglang`` registration state."""
     for name in [n for n in sys.modules if n == "sglang" or n.startswith(("sglang.", "coldsnap_sglang"))]:

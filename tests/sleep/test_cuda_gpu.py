@@ -10,6 +10,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
+from slabs import stage_checkpoint
 
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import capture_worker
@@ -18,7 +19,6 @@ from coldsnap_core.copy.cuda import CudaCopyBackend, CupyDeviceOps, cuda_unavail
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.format.manifest import ModelIdentity, WorkerIdentity
 from coldsnap_core.hydrate import hydrate
-from coldsnap_core.slabs import stage_checkpoint
 
 REASON = cuda_unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"no CUDA copy backend here: {REASON}")]

@@ -413,3 +413,18 @@ def test_a_reloaded_model_with_another_state_root_replaces_the_old_capsule(
     assert allocator.digests() == before
     backend.close()
     assert not backend.capture.capsule_dir.exists()
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("1", True), ("true", True), (" Yes ", True), ("on", True), ("0", False), ("", False)]
+)
+def test_sleep_backend_reads_verify_extents_with_the_common_boolean_spellings(monkeypatch, value: str, expected: bool) -> None:
+    """``COLDSNAP_VERIFY_EXTENTS`` means the same to the level-1 sleep backend as to the loaders
+    (``coldsnap_core.settings.parse_flag``): ``true``/``yes``/``on`` enable extent hashing on wake.
+    Fails if the backend compares the variable with ``"1"`` (it then silently skipped verification
+    for ``true``) or accepts a value the loaders refuse."""
+    monkeypatch.setenv("COLDSNAP_VERIFY_EXTENTS", value)
+    assert ColdsnapSleepBackend(allocator=FakeCuMemAllocator(), load_state=lambda: None).verify_extents is expected
+    monkeypatch.setenv("COLDSNAP_VERIFY_EXTENTS", "sometimes")
+    with pytest.raises(ConfigurationError, match="COLDSNAP_VERIFY_EXTENTS"):
+        ColdsnapSleepBackend(allocator=FakeCuMemAllocator(), load_state=lambda: None)

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+from slabs import stage_checkpoint
 from sleep_fakes import FakeCuMemAllocator, LoadedModel, load_state
 
 from coldsnap_core.artifact import replace_dir_atomically
@@ -16,7 +17,6 @@ from coldsnap_core.capture import capture_worker
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.errors import ObserverError
 from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity, WorkerIdentity
-from coldsnap_core.slabs import stage_checkpoint
 from coldsnap_vllm.cumem import weights_segments
 from coldsnap_vllm.sleep import ColdsnapSleepBackend
 from coldsnap_vllm.sleep_capture import ReferenceDigests, capture_for_sleep

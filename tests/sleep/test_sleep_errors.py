@@ -9,6 +9,7 @@ from pathlib import Path
 
 import huggingface_hub.constants as hf_constants
 import pytest
+from slabs import stage_checkpoint
 from sleep_fakes import FakeCuMemAllocator, LoadedModel, load_state
 
 from coldsnap_core.cache import PayloadCache
@@ -17,7 +18,6 @@ from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.errors import ConfigurationError, PackDigestMismatchError, WakeError
 from coldsnap_core.format.descriptor import WORKERS_DIRNAME
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME, ModelIdentity, WorkerIdentity
-from coldsnap_core.slabs import stage_checkpoint
 from coldsnap_vllm.sleep import ColdsnapSleepBackend
 from coldsnap_vllm.sleep_capture import ReferenceDigests
 from coldsnap_vllm.state import WorkerLoadState

@@ -1,7 +1,9 @@
-"""Engine-free staging of a safetensors checkpoint into allocate-once host slabs.
+"""Engine-free staging of a safetensors checkpoint into allocate-once host slabs (tests and benchmarks).
 
-The reference "loader" for tests and benchmarks that need real weights without an engine, following
-the weight-staging seed (001): slabs are allocated once, each tensor is read from the checkpoint
+Not part of the shipped package (it needs numpy, which the product does not): the tests import it
+from ``tools/`` (``tests/conftest.py`` puts ``tools/`` on ``sys.path``) and so do the benchmarks
+(``benchmarks/_common.py``). The reference "loader" for code that needs real weights without an
+engine: slabs are allocated once, each tensor is read from the checkpoint
 straight into a view of its slab (no ``torch.cat``, no whole-model buffer), and order is contract (the
 allocation map records the resulting name-to-offset layout). Between tensors each slab holds a few
 *non-checkpoint* bytes (a deterministic pattern standing in for buffers, padding and allocator slack)

@@ -1,0 +1,192 @@
+"""The import layers of ``coldsnap_core``: every import goes down (or sideways within a layer), and no
+two modules import each other, directly or through others.
+
+The check is static (the AST of every module, function-local and ``TYPE_CHECKING`` imports included),
+so an import hidden inside a function to dodge a cycle is found as well. Layers, bottom to top:
+
+====  ======================================================================================
+rank  modules
+====  ======================================================================================
+0     ``errors``
+1     ``settings``, ``digests``, ``_io`` (the one durable-I/O and ``OSError`` module), the two Protocols
+2     ``format.*`` (the byte-level documents), ``safetensors_header``
+3     ``verify``, the copy backends, ``torch_allocations``, ``target`` (this worker's target identity,
+      collected from torch and the host; the qualification rule on two identities)
+4     ``records`` (read and write validation records only), ``model_identity`` (produced and checked)
+5     ``cache`` (admission and quarantine), ``artifact``, ``residual``, ``outcomes`` (the load outcome log)
+6     ``stores``, ``pack_writer``
+7     ``staging``, ``hydrate``, ``capture``, ``materialize``, ``publish``, ``audit``, ``overlay``
+      (target-local overlays: built from a capture, selected by restore, listed and collected by the cli)
+8     ``restore``, ``observer``
+9     ``cli``
+10    the package (``coldsnap_core/__init__.py``: the public API re-exports)
+====  ======================================================================================
+
+A new module must be placed in :data:`LAYERS`; the test says so rather than guessing.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import coldsnap_core
+
+PACKAGE_DIR = Path(coldsnap_core.__file__).parent
+
+LAYERS: dict[str, int] = {
+    "errors": 0,
+    "settings": 1,
+    "digests": 1,
+    "_io": 1,
+    "copy.base": 1,
+    "stores.base": 1,
+    "format": 2,
+    "format._strict": 2,
+    "format.allocation": 2,
+    "format.extents": 2,
+    "format.pack_layout": 2,
+    "format.manifest": 2,
+    "format.descriptor": 2,
+    "format.target": 2,
+    "safetensors_header": 2,
+    "verify": 3,
+    "copy": 3,
+    "copy.host": 3,
+    "copy.cuda": 3,
+    "copy.select": 3,
+    "torch_allocations": 3,
+    "target": 3,
+    "records": 4,
+    "model_identity": 4,
+    "cache": 5,
+    "artifact": 5,
+    "residual": 5,
+    "outcomes": 5,
+    "sleep_capsules": 5,
+    "stores": 6,
+    "stores._copy": 6,
+    "stores.local": 6,
+    "stores.hf": 6,
+    "stores.s3": 6,
+    "pack_writer": 6,
+    "staging": 7,
+    "hydrate": 7,
+    "capture": 7,
+    "materialize": 7,
+    "publish": 7,
+    "audit": 7,
+    "overlay": 7,
+    "restore": 8,
+    "observer": 8,
+    "cli": 9,
+    "": 10,
+}
+"""Module (relative to ``coldsnap_core``, ``""`` for the package itself) -> layer; ``cli.*`` is layer 9."""
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE_DIR.rglob("*.py"):
+        parts = path.relative_to(PACKAGE_DIR).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _layer(module: str) -> int | None:
+    if module.startswith("cli.") or module == "cli":
+        return LAYERS["cli"]
+    return LAYERS.get(module)
+
+
+def _imports(module: str, path: Path, known: set[str]) -> set[str]:
+    """The ``coldsnap_core`` modules ``module`` imports (relative names), wherever the import statement is."""
+    found = set()
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ["coldsnap_core", *package][: len(package) + 2 - node.level]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            targets = [name] + [f"{name}.{a.name}" for a in node.names]
+        else:
+            continue
+        for target in targets:
+            if target != "coldsnap_core" and not target.startswith("coldsnap_core."):
+                continue
+            relative = target.removeprefix("coldsnap_core").removeprefix(".")
+            while relative and relative not in known:
+                relative = relative.rpartition(".")[0]
+            if relative != module:
+                found.add(relative)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    return {m: _imports(m, p, known) for m, p in modules.items()}
+
+
+def test_every_module_has_a_layer() -> None:
+    """Fails when a module is added to ``coldsnap_core`` without being placed in a layer (so the
+    layering below cannot silently skip it)."""
+    unplaced = sorted(m for m in _modules() if _layer(m) is None)
+    assert unplaced == [], f"place these coldsnap_core modules in tests/core/test_layering.py LAYERS: {unplaced}"
+
+
+def test_imports_only_go_down() -> None:
+    """No module imports one of a higher layer (e.g. ``records`` importing ``cache``, ``settings``
+    importing an implementation module, the cache importing staging). Fails on the first upward import
+    and names it."""
+    upward = [
+        f"{importer or 'coldsnap_core'} (layer {_layer(importer)}) imports {imported or 'coldsnap_core'} (layer {_layer(imported)})"
+        for importer, imports in sorted(_graph().items())
+        for imported in sorted(imports)
+        if _layer(importer) is not None and _layer(imported) is not None and _layer(imported) > _layer(importer)  # type: ignore[operator]
+    ]
+    assert upward == []
+
+
+def test_no_import_cycle() -> None:
+    """No two ``coldsnap_core`` modules import each other, directly or through others (Tarjan's
+    strongly connected components over the static import graph). Fails on a cycle such as the one
+    ``cache`` and ``records`` once had through function-local imports, and names its members."""
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert cycles == []

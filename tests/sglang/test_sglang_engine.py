@@ -1,0 +1,297 @@
+"""End to end on the real SGLang engine (sglang 0.5.23 on the CPU) with the real SmolLM2 checkpoints.
+
+Every engine runs in its own process with the SGLang virtual environment's Python
+(``sglang_support.run_sglang``); the comparisons use SGLang's own weights checker (per parameter and
+persistent buffer, the first 8 bytes of the SHA-256 of its bytes) against a plain ``--load-format
+safetensors`` load, and greedy generations. Engine starts cost 30-47 s each on two cores, so one capture
+of the 2-layer checkpoint serves every check of this module (a fixture of module scope): plain load,
+capture, native restore through ``python -m sglang.launch_server``, a flipped pack byte under ``auto`` and
+``native``, ``COLDSNAP_MATERIALIZE=async``. The 3-shard and untied checkpoints get their own capture and
+restore.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from sglang_support import PROMPTS, SGLangResult, coldsnap_env, run_sglang, sglang_env, sglang_python
+
+from coldsnap_core.artifact import read_capsule, read_descriptor
+from coldsnap_core.cache import PayloadCache
+from coldsnap_core.publish import publish_native
+from coldsnap_core.stores.local import LocalFolderStore
+
+pytestmark = [pytest.mark.sglang, pytest.mark.vllm, pytest.mark.slow]
+
+WORKER = "worker-0-of-1"
+SMOLLM2_2LAYER_PACK_SHA256 = "b5a02a03cd57b72df32f33a3822006fb012818690d609dfca6a8e0265a05d407"  # vLLM's too
+STARTUP_TIMEOUT_SECONDS = 600
+
+
+def _only_pack(state: Path) -> Path:
+    (pack,) = sorted((state / "model-payloads" / "sha256").glob("*.pack"))
+    return pack
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    path.chmod(0o644)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        value = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([value ^ 0x01]))
+    path.chmod(0o444)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(url: str, body: dict | None = None, timeout: float = 5) -> tuple[int, object]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
+        return 0, None
+
+
+def _serve_restore(work: Path, model: Path, env: dict[str, str]) -> SGLangResult:
+    """``python -m sglang.launch_server ... --load-format coldsnap`` with ``env``: wait for ``/health``, send
+    one ``/generate`` request with both prompts, read ``/weights_checker`` (``action=checksum``), stop the
+    server with SIGINT; the result in :class:`SGLangResult` form (``output_ids`` from ``/generate``)."""
+    port = _free_port()
+    command = [str(sglang_python()), "-m", "sglang.launch_server", "--model-path", str(model)]
+    command += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--tp-size", "1"]
+    command += ["--dtype", "bfloat16", "--mem-fraction-static", "0.1", "--context-length", "256", "--max-total-tokens", "2048"]
+    command += [
+        "--skip-server-warmup",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--load-format",
+        "coldsnap",
+        "--random-seed",
+        "0",
+    ]
+    log_path = work / "server.log"
+    answer, checksums = None, None
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            command, env=sglang_env(work / "server.tmp", env), stdout=log, stderr=subprocess.STDOUT, cwd=work
+        )
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
+        while _http(f"http://127.0.0.1:{port}/health")[0] != 200:
+            if server.poll() is not None or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        else:
+            body = {"text": PROMPTS, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
+            _, answer = _http(f"http://127.0.0.1:{port}/generate", body, timeout=300)
+            _, checksums = _http(f"http://127.0.0.1:{port}/weights_checker", {"action": "checksum"}, timeout=300)
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    log_text = log_path.read_text()
+    if not isinstance(answer, list) or not isinstance(checksums, dict):
+        return SGLangResult(server.returncode or 1, [], [], [], log_text)
+    return SGLangResult(
+        0,
+        [a["text"] for a in answer],
+        [a["output_ids"] for a in answer],
+        [r["checksums"] for r in sorted(checksums["ranks"], key=lambda r: r["parallelism_info"][0]["tp_rank"])],
+        log_text,
+    )
+
+
+@pytest.fixture(scope="module")
+def two_layer(smollm2_2layer: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A plain SGLang load, a capture (``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``) and a native restore in a
+    fresh engine (``python -m sglang.launch_server``, :func:`_serve_restore`), of the 2-layer checkpoint."""
+    sglang_python()  # skip before any work without the SGLang virtual environment
+    work = tmp_path_factory.mktemp("sglang-two-layer")
+    runs = {"work": work, "model": smollm2_2layer, "artifact": work / "artifact", "state": work / "state"}
+    runs["plain"] = run_sglang(work, "plain", smollm2_2layer, "safetensors")
+    env = coldsnap_env(runs["artifact"], runs["state"])
+    runs["capture"] = run_sglang(work, "capture", smollm2_2layer, "coldsnap", env={**env, "COLDSNAP_EXPORT_MODEL_PAYLOAD": "1"})
+    runs["restore"] = _serve_restore(work, smollm2_2layer, {**env, "COLDSNAP_RESTORE": "native"})
+    return runs
+
+
+def _assert_same_load(result, plain) -> None:
+    assert result.started, result.log[-5000:]
+    assert plain.started, plain.log[-5000:]
+    assert len(plain.checksums[0]) >= 14
+    different = sorted(n for n in plain.checksums[0] if result.checksums[0].get(n) != plain.checksums[0][n])
+    assert set(result.checksums[0]) == set(plain.checksums[0]) and different == [], different
+    assert result.output_ids == plain.output_ids and result.outputs == plain.outputs
+
+
+def test_capture_then_restore_equals_a_plain_sglang_load(two_layer: dict, smollm2_2layer: Path) -> None:
+    """Capture inside SGLang, then a native restore in a fresh engine started as ``python -m
+    sglang.launch_server ... --load-format coldsnap`` (its scheduler loads the plugin through the
+    ``sglang.srt.plugins`` entry point): every parameter's bytes (SGLang's ``/weights_checker``) and the
+    greedy tokens of one ``/generate`` request equal a plain SGLang load; the capture run (the observed load)
+    changed nothing either. The capsule holds every checkpoint byte as model bytes (the tied ``lm_head``
+    once), its pack is the 2-layer golden digest, and the restore read no checkpoint. Fails if SGLang's
+    capture misclassifies a write, if restore hydrates other bytes, if the entry point does not register in
+    the scheduler, or if the loader falls back to the checkpoint."""
+    from coldsnap_core.safetensors_header import read_header
+
+    plain, capture, restore = two_layer["plain"], two_layer["capture"], two_layer["restore"]
+    _assert_same_load(capture, plain)
+    _assert_same_load(restore, plain)
+    assert [line for line in capture.coldsnap_lines() if f"captured {WORKER}: 70784640 model bytes" in line]
+    assert [line for line in restore.coldsnap_lines() if f"restored {WORKER} from pack" in line]
+    assert [line for line in restore.coldsnap_lines() if "could not restore" in line] == []
+    header = read_header(smollm2_2layer / "model.safetensors")
+    native = read_capsule(two_layer["artifact"] / "workers" / WORKER).native
+    assert native.model_bytes == sum(t.size_bytes for t in header.values()) == 70_784_640
+    assert {e.provenance.tensor_name for e in native.model_extents} == set(header)
+    assert native.capture_point == "portable"
+    assert native.pack.sha256 == SMOLLM2_2LAYER_PACK_SHA256
+
+
+def test_sglang_and_vllm_captures_name_the_same_pack(two_layer: dict, smollm2_2layer: Path, tmp_path: Path) -> None:
+    """The model bytes of one checkpoint are the same in both engines, so vLLM's capture of the 2-layer
+    checkpoint (in this test run) gives the pack digest SGLang's capture gave, with byte-identical pack
+    files; each engine keeps its own capsule (the residual and the allocation layout differ: vLLM has 4
+    attention scales per layer more). Fails if either engine's capture orders or classifies model bytes
+    differently. Publishing both artifacts uploads that pack once."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm"))
+    from engine_support import run_engine
+
+    vllm = run_engine(
+        tmp_path,
+        "vllm-capture",
+        smollm2_2layer,
+        "coldsnap",
+        env={
+            "COLDSNAP_ARTIFACT_DIR": str(tmp_path / "artifact"),
+            "COLDSNAP_STATE_ROOT": str(tmp_path / "state"),
+            "COLDSNAP_EXPORT_MODEL_PAYLOAD": "1",
+        },
+    )
+    assert vllm.error is None, vllm.error
+    sglang_pack = read_descriptor(two_layer["artifact"]).workers[0].payload
+    vllm_pack = read_descriptor(tmp_path / "artifact").workers[0].payload
+    assert sglang_pack == vllm_pack and vllm.outcome["pack"] == sglang_pack.sha256
+    assert _only_pack(two_layer["state"]).read_bytes() == _only_pack(tmp_path / "state").read_bytes()
+    sglang_native = read_capsule(two_layer["artifact"] / "workers" / WORKER).native
+    vllm_native = read_capsule(tmp_path / "artifact" / "workers" / WORKER).native
+    assert len(sglang_native.allocations.allocations) < len(vllm_native.allocations.allocations)
+    # Publication of both engines' artifacts uploads the shared pack once, owned by both capsules.
+    (published,) = publish_native(
+        [two_layer["artifact"], tmp_path / "artifact"], LocalFolderStore(tmp_path / "store"), PayloadCache(two_layer["state"])
+    )
+    assert published.action == "uploaded" and published.pack == sglang_pack and len(published.owners) == 2
+
+
+def _flipped_state(two_layer: dict, name: str) -> tuple[Path, tuple[int, int]]:
+    """A copy of the capture's state root with one byte flipped inside the largest model extent."""
+    state = Path(shutil.copytree(two_layer["state"], two_layer["work"] / name, symlinks=True))
+    manifest = read_capsule(two_layer["artifact"] / "workers" / WORKER).native
+    extent = max(manifest.model_extents, key=lambda e: e.size_bytes)
+    _flip_byte(_only_pack(state), extent.pack_offset_bytes + 12345)
+    return state, (extent.allocation_index, extent.offset_bytes)
+
+
+def test_flipped_pack_byte_auto_warns_once_and_serves_correctly(two_layer: dict) -> None:
+    """``auto`` with one flipped pack byte: exactly one coldsnap WARNING carrying the verifier's rule
+    (``extent-sha256``), then SGLang's checkpoint load, which serves the plain load's bytes and tokens.
+    Fails if SGLang would serve the corrupt pack or fall back silently."""
+    state, _ = _flipped_state(two_layer, "state-flipped-auto")
+    result = run_sglang(
+        two_layer["work"], "flipped-auto", two_layer["model"], "coldsnap", env=coldsnap_env(two_layer["artifact"], state)
+    )
+    _assert_same_load(result, two_layer["plain"])
+    (warning,) = [line for line in result.coldsnap_lines() if "could not restore" in line]  # SGLang logs no level name
+    assert f"could not restore {WORKER}" in warning and "rule extent-sha256 failed" in warning
+
+
+def test_flipped_pack_byte_native_fails_closed_naming_the_extent(two_layer: dict) -> None:
+    """``native`` with one flipped pack byte: the engine does not start, and its log carries the verifier's
+    error naming the rule, the allocation and the offset of the damaged extent. Fails if ``native`` falls
+    back or serves."""
+    state, (allocation, offset) = _flipped_state(two_layer, "state-flipped-native")
+    env = coldsnap_env(two_layer["artifact"], state, COLDSNAP_RESTORE="native")
+    result = run_sglang(two_layer["work"], "flipped-native", two_layer["model"], "coldsnap", env=env)
+    assert not result.started and result.outputs == []
+    assert "ExtentDigestMismatchError: rule extent-sha256 failed" in result.log
+    assert f"allocation={allocation}, offset_bytes={offset}" in result.log
+    assert "could not restore" not in result.log  # native never falls back
+
+
+def test_materialize_async_and_required_are_refused_under_sglang(two_layer: dict) -> None:
+    """``COLDSNAP_MATERIALIZE=async`` stops a real SGLang engine before it loads anything, the error naming
+    the setting; ``required`` is refused the same way by SGLang's own ``LoadConfig`` and
+    ``get_model_loader`` (no engine start needed to reach the loader's constructor). Fails if SGLang
+    silently ignores a materialization mode it does not implement."""
+    env = coldsnap_env(two_layer["artifact"], two_layer["state"], COLDSNAP_MATERIALIZE="async")
+    result = run_sglang(two_layer["work"], "materialize-async", two_layer["model"], "coldsnap", env=env)
+    assert not result.started
+    assert "ConfigurationError: rule configuration failed: COLDSNAP_MATERIALIZE=async is not supported with SGLang" in result.log
+    script = (
+        "from sglang.srt.plugins import load_plugins; load_plugins()\n"  # the entry point, as in every SGLang process
+        "from sglang.srt.configs.load_config import LoadConfig\n"
+        "from sglang.srt.model_loader.loader import get_model_loader\n"
+        "from coldsnap_core.errors import ConfigurationError\n"
+        "try:\n"
+        "    get_model_loader(LoadConfig(load_format='coldsnap', model_loader_extra_config={'materialize': 'required'}))\n"
+        "except ConfigurationError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    proc = subprocess.run(
+        [str(sglang_python()), "-c", script],
+        env=sglang_env(two_layer["work"] / "required.tmp"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "refused: rule configuration failed: COLDSNAP_MATERIALIZE=required is not supported with SGLang" in proc.stdout, (
+        proc.stdout + proc.stderr
+    )
+
+
+@pytest.mark.parametrize("variant", ["smollm2_2layer_3shards", "smollm2_2layer_untied"])
+def test_variants_capture_and_restore_equal_plain_loads(variant: str, request, two_layer: dict, tmp_path: Path) -> None:
+    """The 3-shard checkpoint (``model.safetensors.index.json``; its tensors are the 2-layer checkpoint's,
+    so the plain 2-layer load is its reference) and the untied one (an explicit ``lm_head.weight``, with a
+    plain load of its own): capture, restore in a fresh engine, compare with the plain load. Fails if
+    SGLang's capture loses the provenance of a shard or of the separate ``lm_head``."""
+    model = request.getfixturevalue(variant)
+    plain = two_layer["plain"] if variant.endswith("3shards") else run_sglang(tmp_path, "plain", model, "safetensors")
+    env = coldsnap_env(tmp_path / "artifact", tmp_path / "state")
+    capture = run_sglang(tmp_path, "capture", model, "coldsnap", env={**env, "COLDSNAP_EXPORT_MODEL_PAYLOAD": "1"})
+    restore = run_sglang(tmp_path, "restore", model, "coldsnap", env={**env, "COLDSNAP_RESTORE": "native"})
+    _assert_same_load(capture, plain)
+    _assert_same_load(restore, plain)
+    assert [line for line in restore.coldsnap_lines() if f"restored {WORKER} from pack" in line]
+    files = {e.provenance.checkpoint_file for e in read_capsule(tmp_path / "artifact" / "workers" / WORKER).native.model_extents}
+    if variant.endswith("3shards"):
+        assert files == {f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)}
+        assert (
+            read_descriptor(tmp_path / "artifact").workers[0].payload == read_descriptor(two_layer["artifact"]).workers[0].payload
+        )
+    else:
+        assert files == {"model.safetensors"}
+        assert "lm_head.weight" in plain.checksums[0]
