@@ -13,7 +13,7 @@ rank  modules
 3     ``verify``, the copy backends, ``torch_allocations``
 4     ``records`` (read and write validation records only), ``model_identity`` (produced and checked)
 5     ``cache`` (admission and quarantine), ``artifact``, ``residual``, ``outcomes`` (the load outcome log)
-6     ``stores``, ``pack_writer``
+6     ``stores``, ``pack_writer``, ``payload_plan``
 7     ``staging``, ``hydrate``, ``capture``, ``materialize``, ``publish``, ``audit``
 8     ``restore``, ``observer``
 9     ``cli``
@@ -66,6 +66,7 @@ LAYERS: dict[str, int] = {
     "stores.hf": 6,
     "stores.s3": 6,
     "pack_writer": 6,
+    "payload_plan": 6,
     "staging": 7,
     "hydrate": 7,
     "capture": 7,
