@@ -40,7 +40,7 @@ from huggingface_hub.errors import EntryNotFoundError, HFValidationError, LocalE
 from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import validate_repo_id
 
-from coldsnap_core.cache import refuse_symlink
+from coldsnap_core._io import refuse_symlink
 from coldsnap_core.digests import check_digest, pack_relpath
 from coldsnap_core.errors import (
     ColdsnapError,

@@ -25,8 +25,8 @@ import secrets
 import stat
 from pathlib import Path
 
-from coldsnap_core._io import fsync_dir, fsync_fd
-from coldsnap_core.cache import create_locked_partial, refuse_symlink, sweep_dead_partials
+from coldsnap_core._io import fsync_dir, fsync_fd, refuse_symlink
+from coldsnap_core.cache import create_locked_partial, sweep_dead_partials
 from coldsnap_core.digests import PAYLOADS_DIRNAME, check_digest, pack_relpath
 from coldsnap_core.errors import (
     IntegrityError,
