@@ -76,6 +76,7 @@ from coldsnap_core.errors import (
     PackSizeMismatchError,
     UnsafePathError,
     ValidationRecordError,
+    size_mismatch,
 )
 from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.format.pack_layout import PackEntry, PackLayout
@@ -249,7 +250,9 @@ class PayloadCache:
                         folder.mkdir(mode=0o700)
                     _refuse_non_directory(folder)
         except OSError as exc:
-            raise _os_error("cannot create the cache folders", exc, self.payloads_dir) from exc
+            raise os_error(
+                "cannot create the cache folders", exc, self.payloads_dir, missing=CacheError, other=CacheError
+            ) from exc
 
     def check_dirs(self) -> bool:
         """Refuse linked cache folders without creating anything; return whether ``sha256/`` exists.
@@ -363,7 +366,7 @@ class PayloadCache:
         try:
             fd = create_locked_partial(path)
         except OSError as exc:
-            raise _os_error("cannot create a temporary file", exc, path) from exc
+            raise os_error("cannot create a temporary file", exc, path, missing=CacheError, other=CacheError) from exc
         try:
             sweep_dead_partials(self.tmp_dir, path)  # the caller's own flock on path is what the probe needs
             yield fd, path
@@ -433,7 +436,7 @@ class PayloadCache:
                 os.rename(temp_path, final)
                 fsync_dir(self.objects_dir)
             except OSError as exc:
-                raise _os_error("cannot commit the pack", exc, final) from exc
+                raise os_error("cannot commit the pack", exc, final, missing=CacheError, other=CacheError) from exc
             record_verified(self, sha256, os.fstat(fd))
         return final
 
@@ -582,11 +585,14 @@ class PayloadCache:
                 if trusted:
                     _require_caller_size(path, st.st_size, size_bytes)
                     return path
-            if size_bytes is not None and st.st_size != size_bytes:
-                state = "truncated" if st.st_size < size_bytes else "extended"
-                error = PackSizeMismatchError(
-                    f"cached pack is {st.st_size} bytes, expected {size_bytes} ({state}); quarantined", file=path
+            error = (
+                None
+                if size_bytes is None
+                else size_mismatch(
+                    PackSizeMismatchError, "cached pack", st.st_size, size_bytes, file=path, suffix="; quarantined"
                 )
+            )
+            if error is not None:
                 error.quarantined_to = self.quarantine(digest, log=log_quarantine)  # type: ignore[attr-defined]
                 raise error
             if st.st_mode & 0o222 and st.st_uid == os.geteuid():
@@ -775,13 +781,6 @@ class PayloadCache:
         if not dry_run and (report.orphan_records or report.temporaries):
             fsync_dir(self.objects_dir)
         return report.freeze()
-
-
-def _os_error(what: str, exc: OSError, path: Path) -> CacheError:
-    """:func:`coldsnap_core._io.os_error` for the cache's own folders and files: space errors
-    (``EFBIG`` included) are :class:`~coldsnap_core.errors.InsufficientSpaceError`, anything else a
-    :class:`~coldsnap_core.errors.CacheError`."""
-    return os_error(what, exc, path, missing=CacheError, other=CacheError)  # type: ignore[return-value]
 
 
 def _require_caller_size(path: Path, actual: int, expected: int | None) -> None:

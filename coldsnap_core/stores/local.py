@@ -36,6 +36,7 @@ from coldsnap_core.errors import (
     PayloadUnavailableError,
     StoreError,
     UnsafePathError,
+    size_mismatch,
 )
 from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.stores._copy import copy_fd, copy_file
@@ -109,10 +110,9 @@ class LocalFolderStore:
             st = os.fstat(source_fd)
             if not stat.S_ISREG(st.st_mode):
                 raise NotRegularFileError(f"the stored pack is not a regular file ({stat.filemode(st.st_mode)})", file=path)
-            actual = st.st_size
-            if actual != size_bytes:
-                state = "truncated" if actual < size_bytes else "extended"
-                raise PackSizeMismatchError(f"stored pack is {actual} bytes, expected {size_bytes} ({state})", file=path)
+            mismatch = size_mismatch(PackSizeMismatchError, "stored pack", st.st_size, size_bytes, file=path)
+            if mismatch is not None:
+                raise mismatch
             copy_fd(source_fd, fd, size_bytes, source=path, target=file, progress=progress)
         finally:
             os.close(source_fd)
