@@ -12,6 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO))  # shared test support: ``from tests.support.<module> import ...``
 
 from smollm2_fixture import ensure_fixture, fixtures_dir  # noqa: E402
 
