@@ -250,9 +250,7 @@ class PayloadCache:
                         folder.mkdir(mode=0o700)
                     _refuse_non_directory(folder)
         except OSError as exc:
-            raise os_error(
-                "cannot create the cache folders", exc, self.payloads_dir, missing=CacheError, other=CacheError
-            ) from exc
+            raise _os_error("cannot create the cache folders", exc, self.payloads_dir) from exc
 
     def check_dirs(self) -> bool:
         """Refuse linked cache folders without creating anything; return whether ``sha256/`` exists.
@@ -366,7 +364,7 @@ class PayloadCache:
         try:
             fd = create_locked_partial(path)
         except OSError as exc:
-            raise os_error("cannot create a temporary file", exc, path, missing=CacheError, other=CacheError) from exc
+            raise _os_error("cannot create a temporary file", exc, path) from exc
         try:
             sweep_dead_partials(self.tmp_dir, path)  # the caller's own flock on path is what the probe needs
             yield fd, path
@@ -436,7 +434,7 @@ class PayloadCache:
                 os.rename(temp_path, final)
                 fsync_dir(self.objects_dir)
             except OSError as exc:
-                raise os_error("cannot commit the pack", exc, final, missing=CacheError, other=CacheError) from exc
+                raise _os_error("cannot commit the pack", exc, final) from exc
             record_verified(self, sha256, os.fstat(fd))
         return final
 
@@ -781,6 +779,13 @@ class PayloadCache:
         if not dry_run and (report.orphan_records or report.temporaries):
             fsync_dir(self.objects_dir)
         return report.freeze()
+
+
+def _os_error(what: str, exc: OSError, path: Path) -> CacheError:
+    """:func:`coldsnap_core._io.os_error` (the one ``OSError`` table) for the cache's own folders and
+    files: space errors (``EFBIG`` included) are :class:`~coldsnap_core.errors.InsufficientSpaceError`,
+    anything else a :class:`~coldsnap_core.errors.CacheError`."""
+    return os_error(what, exc, path, missing=CacheError, other=CacheError)  # type: ignore[return-value]
 
 
 def _require_caller_size(path: Path, actual: int, expected: int | None) -> None:
