@@ -33,7 +33,7 @@ _EXPORTS: dict[str, str] = {
     "ColdsnapSettings": "coldsnap_core.settings",
     "CopyBackend": "coldsnap_core.copy.base",
     "LoadedModel": "coldsnap_core.model_identity",
-    "ModelRange": "coldsnap_core.capture",
+    "ModelRange": "coldsnap_core.payload_plan",
     "PayloadCache": "coldsnap_core.cache",
     "PayloadStore": "coldsnap_core.stores.base",
     "RestoreResult": "coldsnap_core.restore",
@@ -79,13 +79,14 @@ __all__ = [
 if TYPE_CHECKING:
     from coldsnap_core.audit import verify_artifact
     from coldsnap_core.cache import PayloadCache
-    from coldsnap_core.capture import CaptureResult, ModelRange, capture_worker
+    from coldsnap_core.capture import CaptureResult, capture_worker
     from coldsnap_core.copy.base import CopyBackend
     from coldsnap_core.copy.select import copy_backend_for
     from coldsnap_core.errors import ColdsnapError
     from coldsnap_core.format.manifest import WorkerIdentity
     from coldsnap_core.model_identity import CheckpointRecords, LoadedModel, identify_checkpoint
     from coldsnap_core.observer import CheckpointSources, WriteObserver, map_to_allocations
+    from coldsnap_core.payload_plan import ModelRange
     from coldsnap_core.restore import RestoreResult, WorkerRestore, restore_or_fall_back
     from coldsnap_core.safetensors_header import read_header
     from coldsnap_core.settings import ColdsnapSettings

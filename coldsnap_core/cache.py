@@ -76,6 +76,7 @@ from coldsnap_core.errors import (
     PackSizeMismatchError,
     UnsafePathError,
     ValidationRecordError,
+    size_mismatch,
 )
 from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.format.pack_layout import PackEntry, PackLayout
@@ -582,11 +583,14 @@ class PayloadCache:
                 if trusted:
                     _require_caller_size(path, st.st_size, size_bytes)
                     return path
-            if size_bytes is not None and st.st_size != size_bytes:
-                state = "truncated" if st.st_size < size_bytes else "extended"
-                error = PackSizeMismatchError(
-                    f"cached pack is {st.st_size} bytes, expected {size_bytes} ({state}); quarantined", file=path
+            error = (
+                None
+                if size_bytes is None
+                else size_mismatch(
+                    PackSizeMismatchError, "cached pack", st.st_size, size_bytes, file=path, suffix="; quarantined"
                 )
+            )
+            if error is not None:
                 error.quarantined_to = self.quarantine(digest, log=log_quarantine)  # type: ignore[attr-defined]
                 raise error
             if st.st_mode & 0o222 and st.st_uid == os.geteuid():
@@ -778,9 +782,9 @@ class PayloadCache:
 
 
 def _os_error(what: str, exc: OSError, path: Path) -> CacheError:
-    """:func:`coldsnap_core._io.os_error` for the cache's own folders and files: space errors
-    (``EFBIG`` included) are :class:`~coldsnap_core.errors.InsufficientSpaceError`, anything else a
-    :class:`~coldsnap_core.errors.CacheError`."""
+    """:func:`coldsnap_core._io.os_error` (the one ``OSError`` table) for the cache's own folders and
+    files: space errors (``EFBIG`` included) are :class:`~coldsnap_core.errors.InsufficientSpaceError`,
+    anything else a :class:`~coldsnap_core.errors.CacheError`."""
     return os_error(what, exc, path, missing=CacheError, other=CacheError)  # type: ignore[return-value]
 
 

@@ -30,7 +30,6 @@ from coldsnap_core.copy.base import CopyBackend, LiveAllocation
 from coldsnap_core.errors import ObserverError
 from coldsnap_core.format.allocation import AllocationMap
 from coldsnap_core.format.descriptor import WORKERS_DIRNAME, CapsuleFile, WorkerEntry
-from coldsnap_core.format.extents import ExtentProvenance, ModelExtent
 from coldsnap_core.format.manifest import (
     RESIDUAL_FILENAME,
     CapturePoint,
@@ -39,30 +38,13 @@ from coldsnap_core.format.manifest import (
     RecoveryManifest,
     WorkerIdentity,
 )
-from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.format.target import TargetIdentity
 from coldsnap_core.pack_writer import write_pack
-from coldsnap_core.residual import residual_extents, write_residual
+from coldsnap_core.payload_plan import ModelRange, plan_payload
+from coldsnap_core.residual import write_residual
 from coldsnap_core.target import collect_target
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ModelRange:
-    """A destination byte range that holds checkpoint bytes at capture time.
-
-    Attributes:
-        allocation_index: the allocation the range lies in.
-        offset_bytes: start within the allocation.
-        size_bytes: length, > 0.
-        provenance: where the bytes came from.
-    """
-
-    allocation_index: int
-    offset_bytes: int
-    size_bytes: int
-    provenance: ExtentProvenance
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,42 +207,17 @@ def capture_worker(
 
     digests = hash_ranges(model_ranges, allocations, backend)
     hashed = time.perf_counter()
-    layout = PackLayout.plan((d, r.size_bytes) for d, r in zip(digests, model_ranges, strict=True))
-    offsets = layout.offsets()
-    locate: dict[tuple[str, int], tuple[LiveAllocation, int]] = {}
-    model_extents = []
-    for d, r in zip(digests, model_ranges, strict=True):
-        key = (d, r.size_bytes)
-        locate.setdefault(key, (allocations[r.allocation_index], r.offset_bytes))
-        model_extents.append(ModelExtent(r.allocation_index, r.offset_bytes, r.size_bytes, offsets[key], d, r.provenance))
-    residual_map = residual_extents(
-        [a.size_bytes for a in allocations], ((r.allocation_index, r.offset_bytes, r.size_bytes) for r in model_ranges)
-    )
+    plan = plan_payload(allocations, model_ranges, digests)
 
-    pack = write_pack(layout, locate, backend, cache)
+    pack = write_pack(plan.layout, plan.locate, backend, cache)
     packed = time.perf_counter()
-    fingerprint = allocation_map.layout_fingerprint()
 
     def fill(staging: Path) -> tuple[NativeManifest, RecoveryManifest, tuple[CapsuleFile, ...]]:
-        residual = write_residual(residual_map, allocations, backend, staging / RESIDUAL_FILENAME)
-        native = NativeManifest(
-            capture_point=capture_point,
-            worker=worker,
-            layout_fingerprint=fingerprint,
-            pack=pack,
-            residual=residual,
-            allocations=allocation_map,
-            model_extents=tuple(model_extents),
-            residual_extents=residual_map,
+        residual = write_residual(plan.residual_extents, allocations, backend, staging / RESIDUAL_FILENAME)
+        native = plan.native_manifest(
+            capture_point=capture_point, worker=worker, allocations=allocation_map, pack=pack, residual=residual
         )
-        recovery = RecoveryManifest(
-            worker=worker,
-            layout_fingerprint=fingerprint,
-            model=model,
-            residual=residual,
-            allocations=allocation_map,
-            residual_extents=residual_map,
-        )
+        recovery = plan.recovery_manifest(worker=worker, allocations=allocation_map, model=model, residual=residual)
         pins = write_manifests(staging, native, recovery, target)
         return native, recovery, pins
 
@@ -279,7 +236,7 @@ def capture_worker(
         "coldsnap: captured %s: %d model bytes in %d extents (pack %s, %d bytes), %d residual bytes, %.2f s",
         worker.capsule_name,
         native.model_bytes,
-        len(model_extents),
+        len(plan.model_extents),
         pack.sha256,
         pack.size_bytes,
         native.residual_bytes,

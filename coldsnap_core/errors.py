@@ -74,6 +74,7 @@ __all__ = [
     "UnsupportedFormatVersionError",
     "ValidationRecordError",
     "WakeError",
+    "size_mismatch",
 ]
 
 EXIT_VERIFIED = 0
@@ -265,6 +266,24 @@ class ResidualSizeMismatchError(IntegrityError):
     """The residual blob's size differs from the manifest's (a truncated or extended blob)."""
 
     rule = "residual-size"
+
+
+def size_mismatch(
+    error: type[IntegrityError],
+    what: str,
+    actual_bytes: int,
+    expected_bytes: int,
+    *,
+    file: str | PathLike[str] | None,
+    suffix: str = "",
+) -> IntegrityError | None:
+    """The one size check of a file (pack, blob, stored object): ``None`` when ``actual_bytes ==
+    expected_bytes``, else ``error`` (e.g. :class:`PackSizeMismatchError`, to raise) with the message
+    ``"<what> is <actual> bytes, expected <expected> (truncated|extended)<suffix>"`` naming ``file``."""
+    if actual_bytes == expected_bytes:
+        return None
+    state = "truncated" if actual_bytes < expected_bytes else "extended"
+    return error(f"{what} is {actual_bytes} bytes, expected {expected_bytes} ({state}){suffix}", file=file)
 
 
 class ResidualDigestMismatchError(IntegrityError):

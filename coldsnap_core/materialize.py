@@ -34,8 +34,8 @@ from coldsnap_core.cache import PayloadCache
 from coldsnap_core.copy.base import CopyBackend, LiveAllocation
 from coldsnap_core.errors import ConfigurationError, IntegrityError, MissingObjectError, PackSizeMismatchError
 from coldsnap_core.format.manifest import NativeManifest, PackRef
-from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.pack_writer import write_pack
+from coldsnap_core.payload_plan import PayloadPlan, plan_manifest_payload
 from coldsnap_core.settings import MATERIALIZE_ENV, MATERIALIZE_MODES, MaterializeMode
 from coldsnap_core.verify import check_live_layout, check_manifest
 
@@ -117,15 +117,10 @@ class MaterializationHandle:
         return f"MaterializationHandle({self.pack.sha256[:12]}, mode={self.mode}, {state})"
 
 
-def _plan(
-    manifest: NativeManifest, allocations: Sequence[LiveAllocation]
-) -> tuple[PackLayout, dict[tuple[str, int], tuple[LiveAllocation, int]]]:
-    layout = check_manifest(manifest)
+def _plan(manifest: NativeManifest, allocations: Sequence[LiveAllocation]) -> PayloadPlan:
+    check_manifest(manifest)
     check_live_layout(manifest.allocations, None, allocations)
-    locate: dict[tuple[str, int], tuple[LiveAllocation, int]] = {}
-    for extent in manifest.model_extents:
-        locate.setdefault((extent.sha256, extent.size_bytes), (allocations[extent.allocation_index], extent.offset_bytes))
-    return layout, locate
+    return plan_manifest_payload(manifest, allocations)
 
 
 def _materialize(
@@ -133,7 +128,7 @@ def _materialize(
 ) -> MaterializationResult:
     started = time.perf_counter()
     pack = manifest.pack
-    layout, locate = _plan(manifest, allocations)
+    plan = _plan(manifest, allocations)
     with cache.lock(pack.sha256):
         try:
             path = cache.admit_locked(pack.sha256, pack.size_bytes)
@@ -145,7 +140,7 @@ def _materialize(
             logger.warning("coldsnap: cached pack %s was corrupt (%s); rewriting it", pack.sha256, exc.detail)
         else:
             return MaterializationResult(pack, path, False, time.perf_counter() - started)
-        written = write_pack(layout, locate, backend, cache, expected_sha256=pack.sha256)
+        written = write_pack(plan.layout, plan.locate, backend, cache, expected_sha256=pack.sha256)
     if written.size_bytes != pack.size_bytes:
         raise PackSizeMismatchError(
             f"materialized pack is {written.size_bytes} bytes, the manifest records {pack.size_bytes}",

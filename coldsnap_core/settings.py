@@ -84,6 +84,7 @@ PAYLOAD_REPO_ENV = "COLDSNAP_PAYLOAD_REPO"
 PAYLOAD_REPO_TYPE_ENV = "COLDSNAP_PAYLOAD_REPO_TYPE"
 MATERIALIZE_ENV = "COLDSNAP_MATERIALIZE"
 LOCK_TIMEOUT_ENV = "COLDSNAP_LOCK_TIMEOUT"
+OUTCOME_LOG_ENV = "COLDSNAP_OUTCOME_LOG"
 LOCK_TIMEOUT_SECONDS = 600.0
 """Default wait for a digest's lock (``COLDSNAP_LOCK_TIMEOUT`` overrides it): a writer then proceeds
 without the lock, a reader (admission, staging, ``cache verify``) fails with
@@ -130,7 +131,7 @@ KEYS: dict[str, str | None] = {
     "payload_repo": PAYLOAD_REPO_ENV,
     "payload_repo_type": PAYLOAD_REPO_TYPE_ENV,
     "lock_timeout": "COLDSNAP_LOCK_TIMEOUT",
-    "outcome_log": "COLDSNAP_OUTCOME_LOG",
+    "outcome_log": OUTCOME_LOG_ENV,
     "converted_copies": None,
 }
 
@@ -182,6 +183,13 @@ def lock_timeout_from_env(
     if isinstance(value, bool) or not (0 <= seconds < float("inf")):
         raise ConfigurationError(f"{where}={value!r} is not a number of seconds >= 0")
     return seconds
+
+
+def outcome_log_from_env(environ: Mapping[str, str] | None = None) -> Path | None:
+    """``$COLDSNAP_OUTCOME_LOG`` as an absolute path (``~`` expanded), ``None`` when unset or blank: the
+    rule :meth:`ColdsnapSettings.resolve` applies to the ``outcome_log`` key."""
+    value = (os.environ if environ is None else environ).get(OUTCOME_LOG_ENV, "").strip()
+    return Path(value).expanduser().absolute() if value else None
 
 
 def resolve_state_root(explicit: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None) -> Path:

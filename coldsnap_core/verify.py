@@ -48,6 +48,7 @@ from coldsnap_core.errors import (
     ResidualDigestMismatchError,
     ResidualLayoutError,
     ResidualSizeMismatchError,
+    size_mismatch,
 )
 from coldsnap_core.format.allocation import AllocationMap
 from coldsnap_core.format.manifest import NativeManifest, PackRef, ResidualRef
@@ -281,10 +282,9 @@ def _require_size(path: Path, expected: int, error: type[Exception], what: str) 
         raise os_error(f"cannot examine the {what}", exc, path) from exc
     if not stat.S_ISREG(st.st_mode):
         raise NotRegularFileError(f"the {what} is not a regular file ({stat.filemode(st.st_mode)})", file=path)
-    actual = st.st_size
-    if actual != expected:
-        state = "truncated" if actual < expected else "extended"
-        raise error(f"{what} is {actual} bytes, expected {expected} ({state})", file=path)
+    mismatch = size_mismatch(error, what, st.st_size, expected, file=path)
+    if mismatch is not None:
+        raise mismatch
 
 
 def verify_pack_file(
@@ -413,11 +413,11 @@ def verify_pack_file(
             turn ^= 1
         if pending is not None:
             pending.result()
-    if offset != pack.size_bytes:
-        state = "truncated" if offset < pack.size_bytes else "extended"
-        raise PackSizeMismatchError(
-            f"pack changed while being read: {offset} bytes read, expected {pack.size_bytes} ({state})", file=path
-        )
+    mismatch = size_mismatch(
+        PackSizeMismatchError, "pack changed while being read: what was read", offset, pack.size_bytes, file=path
+    )
+    if mismatch is not None:
+        raise mismatch
     bad_extent = next(
         ((entry, h.hexdigest()) for entry, h in zip(entries, entry_hashes, strict=True) if h.hexdigest() != entry.sha256),
         None,

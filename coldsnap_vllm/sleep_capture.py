@@ -38,10 +38,10 @@ from typing import TypeVar
 from coldsnap_core.artifact import replace_dir_atomically, write_file_durably
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import ModelRange, hash_ranges
-from coldsnap_core.copy.base import CopyBackend, LiveAllocation
+from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.errors import ColdsnapError, IntegrityError, MissingObjectError
 from coldsnap_core.format.descriptor import WORKERS_DIRNAME
-from coldsnap_core.format.extents import ExtentProvenance, ModelExtent
+from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import (
     NATIVE_MANIFEST_FILENAME,
     RECOVERY_MANIFEST_FILENAME,
@@ -49,12 +49,11 @@ from coldsnap_core.format.manifest import (
     ModelIdentity,
     NativeManifest,
     PackRef,
-    RecoveryManifest,
     WorkerIdentity,
 )
-from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.pack_writer import write_pack
-from coldsnap_core.residual import residual_extents, write_residual
+from coldsnap_core.payload_plan import PayloadPlan, plan_payload
+from coldsnap_core.residual import write_residual
 from coldsnap_core.sleep_capsules import sleep_dir
 from coldsnap_core.verify import check_manifest
 from coldsnap_vllm.cumem import WeightsSegment, live_allocations, map_writes, native_allocation_map
@@ -269,40 +268,23 @@ def capture_for_sleep(
             sum(r.size_bytes for r in rewritten),
         )
 
-    layout = PackLayout.plan((d, r.size_bytes) for r, d in valid)
-    locate: dict[tuple[str, int], tuple[LiveAllocation, int]] = {}
-    for r, d in valid:
-        locate.setdefault((d, r.size_bytes), (allocations[r.allocation_index], r.offset_bytes))
+    plan = plan_payload(allocations, [r for r, _ in valid], [d for _, d in valid])
     cache = PayloadCache(state.state_root)
-    pack, pack_written = _ensure_pack(layout, locate, backend, cache, references.manifest)
-    offsets = layout.offsets()
-    model_extents = tuple(
-        ModelExtent(r.allocation_index, r.offset_bytes, r.size_bytes, offsets[(d, r.size_bytes)], d, r.provenance)
-        for r, d in valid
-    )
-    residual_map = residual_extents(
-        [s.size_bytes for s in segments], ((r.allocation_index, r.offset_bytes, r.size_bytes) for r, _ in valid)
-    )
+    pack, pack_written = _ensure_pack(plan, backend, cache, references.manifest)
     allocation_map = native_allocation_map(segments)
-    fingerprint = allocation_map.layout_fingerprint()
     final = capsule_dir or sleep_capsule_dir(state.state_root, state.worker)
 
     def fill(staging: Path) -> NativeManifest:
-        residual = write_residual(residual_map, allocations, backend, staging / RESIDUAL_FILENAME)
-        manifest = NativeManifest(
-            capture_point="native",
-            worker=state.worker,
-            layout_fingerprint=fingerprint,
-            pack=pack,
-            residual=residual,
-            allocations=allocation_map,
-            model_extents=model_extents,
-            residual_extents=residual_map,
+        residual = write_residual(plan.residual_extents, allocations, backend, staging / RESIDUAL_FILENAME)
+        manifest = plan.native_manifest(
+            capture_point="native", worker=state.worker, allocations=allocation_map, pack=pack, residual=residual
         )
         check_manifest(manifest, file=str(final / NATIVE_MANIFEST_FILENAME))
         write_file_durably(staging / NATIVE_MANIFEST_FILENAME, manifest.dumps())
         if state.model is not None:
-            recovery = RecoveryManifest(state.worker, fingerprint, state.model, residual, allocation_map, residual_map)
+            recovery = plan.recovery_manifest(
+                worker=state.worker, allocations=allocation_map, model=state.model, residual=residual
+            )
             write_file_durably(staging / RECOVERY_MANIFEST_FILENAME, recovery.dumps())
         return manifest
 
@@ -323,7 +305,7 @@ def capture_for_sleep(
         state.worker.capsule_name,
         len(segments),
         manifest.model_bytes,
-        len(model_extents),
+        len(plan.model_extents),
         pack.sha256[:12],
         "written" if pack_written else "already cached",
         manifest.residual_bytes,
@@ -333,15 +315,11 @@ def capture_for_sleep(
 
 
 def _ensure_pack(
-    layout: PackLayout,
-    locate: dict[tuple[str, int], tuple[LiveAllocation, int]],
-    backend: CopyBackend,
-    cache: PayloadCache,
-    reference: NativeManifest | None,
+    plan: PayloadPlan, backend: CopyBackend, cache: PayloadCache, reference: NativeManifest | None
 ) -> tuple[PackRef, bool]:
-    """The pack of ``layout``: the reference manifest's (admitted, or rebuilt with its digest as the
+    """The pack of ``plan``: the reference manifest's (admitted, or rebuilt with its digest as the
     expected one) when it has the same contents, else a new one from the live bytes."""
-    contents = {(e.sha256, e.size_bytes) for e in layout.entries}
+    contents = {(e.sha256, e.size_bytes) for e in plan.layout.entries}
     if reference is not None and contents == {(e.sha256, e.size_bytes) for e in reference.model_extents}:
         pack = reference.pack
         try:
@@ -351,5 +329,5 @@ def _ensure_pack(
             logger.info(
                 "coldsnap: pack %s is not usable in the cache (%s); rebuilding it from the live weights", pack.sha256, exc
             )
-        return write_pack(layout, locate, backend, cache, expected_sha256=pack.sha256), True
-    return write_pack(layout, locate, backend, cache), True
+        return write_pack(plan.layout, plan.locate, backend, cache, expected_sha256=pack.sha256), True
+    return write_pack(plan.layout, plan.locate, backend, cache), True

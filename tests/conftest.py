@@ -12,6 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO))  # shared test support: ``from tests.support.<module> import ...``
 
 from smollm2_fixture import ensure_fixture, fixtures_dir  # noqa: E402
 
@@ -73,3 +74,34 @@ def smollm2_2layer_untied() -> Path:
 def smollm2_full() -> Path:
     """The whole SmolLM2-135M-Instruct (30 layers, bf16, 269 MB): answers "Paris"."""
     return ensure_fixture(layers=None)
+
+
+@pytest.fixture(autouse=True)
+def _coldsnap_loggers_as_configured_by_python():
+    """Give every test the ``coldsnap_core`` / ``coldsnap_vllm`` loggers as Python configures them.
+
+    A test that builds a vLLM loader in this process routes both loggers through vLLM's logger
+    (``coldsnap_vllm.compat.attach_logging``: its own handler, ``propagate = False``), and that stays
+    for the rest of the session: a later ``caplog`` test would then see its records twice or not at
+    all, depending on the order tests run in. Restored after the test as well."""
+    import logging
+
+    saved = []
+    for name in ("coldsnap_core", "coldsnap_vllm"):
+        logger = logging.getLogger(name)
+        saved.append((logger, list(logger.handlers), logger.propagate, logger.level, logger.__dict__.copy()))
+        for handler in list(logger.handlers):
+            if type(handler).__name__ == "_ToVllmLogger":
+                logger.removeHandler(handler)
+        logger.propagate = True
+        logger.setLevel(logging.NOTSET)
+        logger.__dict__.pop("_coldsnap_attached_to_vllm", None)
+    yield
+    for logger, handlers, propagate, level, state in saved:
+        logger.handlers[:] = handlers
+        logger.propagate = propagate
+        logger.setLevel(level)
+        if "_coldsnap_attached_to_vllm" in state:
+            logger.__dict__["_coldsnap_attached_to_vllm"] = state["_coldsnap_attached_to_vllm"]
+        else:
+            logger.__dict__.pop("_coldsnap_attached_to_vllm", None)

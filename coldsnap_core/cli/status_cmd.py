@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 from coldsnap_core._io import os_error
-from coldsnap_core.cache import resolve_state_root
 from coldsnap_core.errors import EXIT_INTEGRITY
 from coldsnap_core.outcomes import OUTCOMES, outcome_log_path, read_outcomes, summarize
+from coldsnap_core.settings import OUTCOME_LOG_ENV, outcome_log_from_env, resolve_state_root
 
-OUTCOME_LOG_ENV = "COLDSNAP_OUTCOME_LOG"
 DEFAULT_LAST_LINES = 1000
 
 
@@ -33,7 +31,7 @@ def _line(doc: dict[str, object]) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
-    path = outcome_log_path(resolve_state_root(args.state_root), args.outcome_log or os.environ.get(OUTCOME_LOG_ENV))
+    path = outcome_log_path(resolve_state_root(args.state_root), args.outcome_log or outcome_log_from_env())
     try:
         lines, skipped = read_outcomes(path, args.last)
     except OSError as exc:

@@ -651,7 +651,7 @@ class CudaCopyBackend:
             CopyBackendError: the range lies outside the allocation, or a device-to-host copy failed
                 (names the allocation and the offset).
         """
-        if offset_bytes < 0 or offset_bytes + size_bytes > allocation.size_bytes:
+        if offset_bytes < 0 or size_bytes < 0 or offset_bytes + size_bytes > allocation.size_bytes:
             raise CopyBackendError(
                 f"bytes [{offset_bytes}, {offset_bytes + size_bytes}) lie outside the allocation's {allocation.size_bytes} bytes",
                 allocation=allocation.index,

@@ -40,7 +40,7 @@ from huggingface_hub.errors import EntryNotFoundError, HFValidationError, LocalE
 from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import validate_repo_id
 
-from coldsnap_core.cache import refuse_symlink
+from coldsnap_core._io import refuse_symlink
 from coldsnap_core.digests import check_digest, pack_relpath
 from coldsnap_core.errors import (
     ColdsnapError,
@@ -49,6 +49,7 @@ from coldsnap_core.errors import (
     PackSizeMismatchError,
     PayloadUnavailableError,
     StoreError,
+    size_mismatch,
 )
 from coldsnap_core.stores._copy import copy_file
 from coldsnap_core.stores.base import ProgressCallback
@@ -175,11 +176,9 @@ class HfPayloadStore:
             st = refuse_symlink(local)
             if st is None:
                 raise StoreError(f"{self.name}: hf_hub_download returned a path that does not exist", file=local)
-            if st.st_size != size_bytes:
-                state = "truncated" if st.st_size < size_bytes else "extended"
-                raise PackSizeMismatchError(
-                    f"stored pack is {st.st_size} bytes, expected {size_bytes} ({state})", file=self._where(digest)
-                )
+            mismatch = size_mismatch(PackSizeMismatchError, "stored pack", st.st_size, size_bytes, file=self._where(digest))
+            if mismatch is not None:
+                raise mismatch
             copy_file(local, fd, size_bytes, target=file, progress=progress)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -25,8 +25,8 @@ import secrets
 import stat
 from pathlib import Path
 
-from coldsnap_core._io import fsync_dir, fsync_fd
-from coldsnap_core.cache import create_locked_partial, refuse_symlink, sweep_dead_partials
+from coldsnap_core._io import fsync_dir, fsync_fd, refuse_symlink
+from coldsnap_core.cache import create_locked_partial, sweep_dead_partials
 from coldsnap_core.digests import PAYLOADS_DIRNAME, check_digest, pack_relpath
 from coldsnap_core.errors import (
     IntegrityError,
@@ -36,6 +36,7 @@ from coldsnap_core.errors import (
     PayloadUnavailableError,
     StoreError,
     UnsafePathError,
+    size_mismatch,
 )
 from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.stores._copy import copy_fd, copy_file
@@ -109,10 +110,9 @@ class LocalFolderStore:
             st = os.fstat(source_fd)
             if not stat.S_ISREG(st.st_mode):
                 raise NotRegularFileError(f"the stored pack is not a regular file ({stat.filemode(st.st_mode)})", file=path)
-            actual = st.st_size
-            if actual != size_bytes:
-                state = "truncated" if actual < size_bytes else "extended"
-                raise PackSizeMismatchError(f"stored pack is {actual} bytes, expected {size_bytes} ({state})", file=path)
+            mismatch = size_mismatch(PackSizeMismatchError, "stored pack", st.st_size, size_bytes, file=path)
+            if mismatch is not None:
+                raise mismatch
             copy_fd(source_fd, fd, size_bytes, source=path, target=file, progress=progress)
         finally:
             os.close(source_fd)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
-import errno
 import hashlib
 import logging
 import os
@@ -36,6 +35,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from coldsnap_core._io import SPACE_ERRNOS
 from coldsnap_core.digests import check_digest, pack_relpath
 from coldsnap_core.errors import (
     ConfigurationError,
@@ -44,6 +44,7 @@ from coldsnap_core.errors import (
     PackSizeMismatchError,
     PayloadUnavailableError,
     StoreError,
+    size_mismatch,
 )
 from coldsnap_core.stores.base import ProgressCallback
 
@@ -57,7 +58,6 @@ DEFAULT_CONCURRENCY = 8
 """Parts or ranges in flight at once (threads; boto3 clients are thread-safe)."""
 _NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
 _CONDITION_FAILED_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
-_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
 def _b64_sha256(data: bytes | bytearray | memoryview) -> str:
@@ -259,10 +259,9 @@ class S3PayloadStore:
         where = self.location(digest)
         if head is None:
             raise PayloadUnavailableError(f"{self.name} does not hold the pack", file=where)
-        actual = int(head["ContentLength"])
-        if actual != size_bytes:
-            state = "truncated" if actual < size_bytes else "extended"
-            raise PackSizeMismatchError(f"stored pack is {actual} bytes, expected {size_bytes} ({state})", file=where)
+        mismatch = size_mismatch(PackSizeMismatchError, "stored pack", int(head["ContentLength"]), size_bytes, file=where)
+        if mismatch is not None:
+            raise mismatch
         etag = head.get("ETag")
         lock = threading.Lock()
 
@@ -274,7 +273,7 @@ class S3PayloadStore:
                 try:
                     n = os.pwrite(fd, view, offset)
                 except OSError as exc:
-                    if exc.errno in _SPACE_ERRNOS:
+                    if exc.errno in SPACE_ERRNOS:
                         raise InsufficientSpaceError(
                             f"fetch failed at byte {offset}: {os.strerror(exc.errno)}", file=file
                         ) from exc

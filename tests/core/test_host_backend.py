@@ -140,16 +140,9 @@ def test_extent_digest_mismatch_names_the_extent_and_stops(source) -> None:
     assert "model extent 4" in str(info.value)
 
 
-def test_read_chunks_refuses_ranges_outside_the_allocation() -> None:
-    """Catches reads past an allocation's end (raw pointers: that would read another object's memory)."""
-    array = np.arange(100, dtype=np.uint8)
-    (live,) = live_allocations([array])
-    backend = HostCopyBackend(chunk_bytes=30)
-    assert b"".join(bytes(c) for c in backend.read_chunks(live, 10, 90)) == array[10:].tobytes()
-    assert [len(c) for c in backend.read_chunks(live, 10, 90)] == [30, 30, 30]
-    for offset, size in ((95, 10), (-1, 5), (0, 101)):
-        with pytest.raises(CopyBackendError):
-            list(backend.read_chunks(live, offset, size))
+def test_host_backend_needs_a_thread() -> None:
+    """Catches a host backend built with no thread (it would never copy). The ``read_chunks`` bounds
+    and chunking are the ``CopyBackend`` contract: ``tests/sleep/test_copy_backend_contract.py``."""
     with pytest.raises(ValueError):
         HostCopyBackend(threads=0)
 

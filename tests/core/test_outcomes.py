@@ -86,3 +86,18 @@ def test_status_summarizes_per_artifact_and_skips_malformed_lines(tmp_path: Path
     assert "no load outcomes recorded" in capsys.readouterr().out
     assert main(["status", "--outcome-log", str(tmp_path)]) == 4
     assert str(tmp_path) in capsys.readouterr().err
+
+
+def test_status_reads_the_outcome_log_variable_as_the_settings_do(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``coldsnap status`` without ``--outcome-log`` reads ``$COLDSNAP_OUTCOME_LOG`` with the settings'
+    rule (``~`` expanded, blank means the state root's log). Fails if the command parses the variable
+    itself with another rule, or ignores it."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    append_outcome(tmp_path / "elsewhere.jsonl", _line("restored", "/a"))
+    monkeypatch.setenv("COLDSNAP_OUTCOME_LOG", "~/elsewhere.jsonl")
+    assert main(["status", "--state-root", str(tmp_path / "state"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["outcome_log"] == str(tmp_path / "elsewhere.jsonl") and doc["lines"] == 1
+    monkeypatch.setenv("COLDSNAP_OUTCOME_LOG", "  ")
+    assert main(["status", "--state-root", str(tmp_path / "state"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["outcome_log"] == str(tmp_path / "state" / "load-outcomes.jsonl")

@@ -23,6 +23,7 @@ from coldsnap_core.format.allocation import Allocation, AllocationMap
 from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.pack_layout import PACK_ALIGNMENT_BYTES, PackEntry, PackLayout, align_up
 from coldsnap_core.hydrate import hydrate
+from coldsnap_core.payload_plan import plan_manifest_payload
 from coldsnap_core.verify import check_manifest, extent_owner_map, verify_pack_file
 
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
@@ -246,3 +247,20 @@ def test_pack_in_cache_is_named_by_its_digest(synthetic) -> None:
     digest = hashlib.sha256(captured.pack_path.read_bytes()).hexdigest()
     assert captured.pack_path == PayloadCache(captured.state_root).object_path(digest)
     assert captured.manifest.pack.path == f"model-payloads/sha256/{digest}.pack"
+
+
+def test_replanning_a_captured_manifest_gives_its_own_maps(synthetic) -> None:
+    """Materialization re-plans the pack from a manifest (``plan_manifest_payload``) with the planner
+    the capture used. Catches a divergence between the two (another locate rule, layout or residual
+    map): the re-plan equals the captured manifest's layout and maps, and each content is read from
+    the first destination holding it (A from allocation 0, not its duplicate C in allocation 3)."""
+    captured, arrays = synthetic
+    manifest = captured.manifest
+    plan = plan_manifest_payload(manifest, live_allocations(arrays))
+    assert plan.layout == check_manifest(manifest)
+    assert plan.model_extents == manifest.model_extents
+    assert plan.residual_extents == manifest.residual_extents
+    a = manifest.model_extents[0]
+    allocation, offset_bytes = plan.locate[(a.sha256, a.size_bytes)]
+    assert (allocation.index, offset_bytes) == (0, 0)
+    assert len(plan.locate) == len(plan.layout.entries) == 3

@@ -328,3 +328,18 @@ def test_manifest_json_round_trip_of_a_capture(captured_2layer: Captured) -> Non
     text = captured_2layer.manifest_path.read_bytes()
     assert NativeManifest.loads(text).dumps() == text
     assert json.loads(text)["format_version"] == 9
+
+
+def test_the_one_size_check_names_the_state_and_the_file() -> None:
+    """``errors.size_mismatch`` is the size check of the verifier, the cache and every store. Fails if
+    equal sizes produce an error, or the message loses the sizes, the truncated/extended word, the
+    caller's suffix or the file."""
+    assert errors.size_mismatch(errors.PackSizeMismatchError, "stored pack", 8192, 8192, file="/p") is None
+    short = errors.size_mismatch(errors.PackSizeMismatchError, "stored pack", 4096, 8192, file="/p")
+    assert isinstance(short, errors.PackSizeMismatchError) and short.file == "/p"
+    assert short.detail == "stored pack is 4096 bytes, expected 8192 (truncated)"
+    long = errors.size_mismatch(errors.ResidualSizeMismatchError, "blob", 9, 8, file=None, suffix="; quarantined")
+    assert (
+        isinstance(long, errors.ResidualSizeMismatchError)
+        and long.detail == "blob is 9 bytes, expected 8 (extended); quarantined"
+    )

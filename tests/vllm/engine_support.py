@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support.files import flip_byte as flip_byte  # re-exported for the engine tests
+
 ENGINE_RUN = Path(__file__).resolve().parent / "engine_run.py"
 ENGINE_TIMEOUT_SECONDS = 900
 PROMPTS = ["The capital of France is", "Once upon a time"]
@@ -126,13 +128,3 @@ def copy_state(source: Path, target: Path) -> Path:
 def only_pack(state: Path) -> Path:
     (pack,) = sorted((state / "model-payloads" / "sha256").glob("*.pack"))
     return pack
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    os.chmod(path, 0o644)
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        value = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([value ^ 0x01]))
-    os.chmod(path, 0o444)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from observer_support import file_bytes, open_checkpoint, pattern, tensor_bytes, write_checkpoint
 
 from coldsnap_core.observer import CheckpointSources, WriteObserver, map_to_allocations
 from coldsnap_core.safetensors_header import read_header
 from coldsnap_core.torch_allocations import enumerate_allocations
+from tests.support.observer_support import file_bytes, open_checkpoint, pattern, tensor_bytes, write_checkpoint
 
 
 def _param(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Parameter:

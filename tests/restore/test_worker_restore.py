@@ -21,8 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_support import flip_byte
-from observer_support import open_checkpoint, tensor_bytes, write_checkpoint
 
 from coldsnap_core.artifact import read_capsule, read_descriptor, replace_file_durably
 from coldsnap_core.cache import PayloadCache
@@ -47,6 +45,8 @@ from coldsnap_core.records import write_record
 from coldsnap_core.restore import LoadedModel, WorkerRestore, check_model_identity
 from coldsnap_core.torch_allocations import enumerate_allocations
 from coldsnap_core.verify import check_manifest
+from tests.support.files import flip_byte
+from tests.support.observer_support import open_checkpoint, tensor_bytes, write_checkpoint
 
 RANK0 = WorkerIdentity("worker", 0, 1, 0, 1)
 
