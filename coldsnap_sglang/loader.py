@@ -49,7 +49,7 @@ from coldsnap_core.model_identity import CheckpointRecords, identify_checkpoint,
 from coldsnap_core.observer import LoadSession, PreparedWeights, WriteObserver, collector_paused, map_to_allocations
 from coldsnap_core.outcomes import LoadOutcomeLine, Outcome, append_outcome
 from coldsnap_core.restore import LoadedModel, engine_checkpoint_files, restore_or_fall_back
-from coldsnap_core.target import engine_version
+from coldsnap_core.target import collect_target, engine_version
 from coldsnap_core.torch_allocations import enumerate_allocations
 from coldsnap_sglang.settings import resolve_sglang_settings
 
@@ -219,6 +219,9 @@ class ColdsnapModelLoader(DefaultModelLoader):
                 cache=PayloadCache(settings.state_root),
                 artifact_dir=settings.artifact_dir,
                 backend=copy_backend_for(after.device),
+                # The capsule records SGLang as its engine (``target.json``, ``docs/format.md`` §15): a
+                # vLLM restore refuses it by name, and an SGLang restore qualifies it.
+                target=collect_target(ENGINE, engine_version(ENGINE), device=after.device),
             )
         logger.info(
             "coldsnap: observed %d checkpoint copies in %.2f s: %d of %d allocation bytes are model bytes",
