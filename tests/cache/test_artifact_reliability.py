@@ -1,7 +1,9 @@
 """Artifact folders as operators leave them: a symbolic link at a lock path, folders nobody may read.
 
 Real captures of a real safetensors checkpoint, real ``coldsnap`` subprocesses, a real non-root user
-(``setpriv`` to ``nobody`` when the tests run as root, for whom permissions do not apply).
+(as root, for whom permissions do not apply, through ``setpriv`` without the two capabilities that
+bypass them, ``CAP_DAC_OVERRIDE`` and ``CAP_DAC_READ_SEARCH``: a switch to ``nobody`` fails where the
+interpreter lives below a folder only root may enter, as a pyenv under ``/root`` does).
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ import pytest
 from cache_support import REPO, capture
 
 from coldsnap_core.errors import UnsafePathError
-
-NOBODY = 65534
 
 
 @pytest.mark.parametrize(
@@ -51,7 +51,9 @@ def _as_non_root() -> list[str]:
         return []
     if shutil.which("setpriv") is None:
         pytest.skip("running as root without setpriv: cannot run a command as a non-root user")
-    return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    # Stay uid 0 (the interpreter and the checkout stay reachable) but drop the capabilities that
+    # bypass permission checks, so a mode-0 file owned by root is refused as it is to any user.
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]
 
 
 def _coldsnap(prefix: list[str], *args: str) -> subprocess.CompletedProcess:
