@@ -29,6 +29,7 @@ import ctypes
 import errno
 import hashlib
 import os
+import shutil
 import stat
 import threading
 from collections.abc import Callable, Iterable
@@ -411,3 +412,16 @@ def file_size(path: Path) -> int | None:
         return path.stat().st_size
     except FileNotFoundError:
         return None
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a folder (or a symbolic link or file in its place) without following links."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)

@@ -34,7 +34,7 @@ from typing import TypeVar
 
 import filelock
 
-from coldsnap_core._io import fsync_dir, fsync_fd, os_error, write_all
+from coldsnap_core._io import fsync_dir, fsync_fd, os_error, remove_tree, write_all
 from coldsnap_core.errors import (
     ArtifactError,
     CapsulePinMismatchError,
@@ -215,24 +215,11 @@ def sweep_capsule_debris(workers_dir: Path, capsule_name: str) -> list[Path]:
     removed = []
     for child in sorted(workers_dir.iterdir()):
         if pattern.fullmatch(child.name):
-            _remove_tree(child)
+            remove_tree(child)
             removed.append(child)
     if removed:
         logger.info("coldsnap: removed %d stale staging folder(s) of %s: %s", len(removed), capsule_name, removed)
     return removed
-
-
-def _remove_tree(path: Path) -> None:
-    """Remove a folder (or a symbolic link or file in its place) without following links."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
 
 
 def remove_other_worlds(artifact_dir: Path, world_size: int) -> list[Path]:
@@ -257,7 +244,7 @@ def remove_other_worlds(artifact_dir: Path, world_size: int) -> list[Path]:
             except FileNotFoundError:
                 continue
             fsync_dir(workers_dir)
-            _remove_tree(aside)
+            remove_tree(aside)
         removed.append(child)
     if removed:
         logger.warning(

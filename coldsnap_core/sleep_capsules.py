@@ -29,12 +29,12 @@ import logging
 import os
 import re
 import secrets
-import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from coldsnap_core._io import remove_tree
 from coldsnap_core.errors import CacheError, UnsafePathError
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class SleepCapsuleClaim:
         """Remove the capsule folder, then the lock file, then drop the lock (idempotent)."""
         if self._fd is None:
             return
-        _remove(self.path)
+        remove_tree(self.path)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.lock_path)
         os.close(self._fd)
@@ -195,7 +195,7 @@ def sweep_sleep_capsules(state_root: Path, *, dry_run: bool = False) -> list[Sle
         with _held_if_free(lock_path) as free:
             if not free:
                 continue
-            _remove(entry.path)
+            remove_tree(entry.path)
         removed.append(entry)
     if not dry_run and os.path.isdir(folder):
         capsules = {p.name for p in folder.iterdir() if not p.name.endswith(LOCK_SUFFIX)}
@@ -235,18 +235,6 @@ def _held_if_free(lock_path: Path):
         yield True
     finally:
         os.close(fd)
-
-
-def _remove(path: Path) -> None:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
 
 
 def _tree_size(path: Path) -> int:
