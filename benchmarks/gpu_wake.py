@@ -68,7 +68,7 @@ from _common import drop_file_from_page_cache, machine_line, print_table
 from synthetic_llama import PRESETS, write_checkpoint
 
 from coldsnap_core.cache import PayloadCache
-from coldsnap_core.capture import ModelRange, capture_worker
+from coldsnap_core.capture import capture_worker
 from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.copy.cuda import CudaCopyBackend, CupyDeviceOps, DeviceOps, cuda_unavailable_reason
 from coldsnap_core.format.allocation import Allocation, AllocationMap
@@ -76,6 +76,7 @@ from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.hydrate import hydrate
 from coldsnap_core.model_identity import identify_checkpoint
+from coldsnap_core.payload_plan import ModelRange
 from coldsnap_core.safetensors_header import read_header
 
 MiB = 1 << 20

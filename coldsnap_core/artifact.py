@@ -548,7 +548,7 @@ def write_manifests(
         pin_file(RECOVERY_MANIFEST_FILENAME, recovery_bytes),
         pin_file(TARGET_FILENAME, target_bytes),
     ]
-    pins.append(CapsuleFile(native.residual.file, native.residual.size_bytes, native.residual.sha256))
+    pins.append(CapsuleFile.of(native.residual))
     return tuple(sorted(pins, key=lambda p: p.name))
 
 

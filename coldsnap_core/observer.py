@@ -69,8 +69,8 @@ from typing import Literal
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from coldsnap_core.capture import ModelRange
 from coldsnap_core.format.extents import ExtentProvenance
+from coldsnap_core.payload_plan import ModelRange
 from coldsnap_core.safetensors_header import TensorLocation, read_header
 from coldsnap_core.torch_allocations import TorchAllocations, dtype_name
 

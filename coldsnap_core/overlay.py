@@ -46,16 +46,20 @@ from coldsnap_core.artifact import (
     write_file_durably,
     write_manifests,
 )
-from coldsnap_core.capture import ModelRange, check_model_ranges, hash_ranges
+from coldsnap_core.capture import check_model_ranges, hash_ranges
 from coldsnap_core.copy.base import CopyBackend, LiveAllocation
 from coldsnap_core.errors import ColdsnapError, OverlayError, TargetMismatchError, UnsafePathError
 from coldsnap_core.format._strict import Fields, dump_document, read_document_bytes
 from coldsnap_core.format.allocation import AllocationMap
-from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WORKERS_DIRNAME, CapsuleFile, WorkerEntry
+from coldsnap_core.format.descriptor import (
+    DESCRIPTOR_FILENAME,
+    WORKERS_DIRNAME,
+    CapsuleFile,
+    WorkerEntry,
+    check_capsule_file_names,
+)
 from coldsnap_core.format.extents import ModelExtent
 from coldsnap_core.format.manifest import (
-    NATIVE_MANIFEST_FILENAME,
-    RECOVERY_MANIFEST_FILENAME,
     RESIDUAL_FILENAME,
     ModelIdentity,
     NativeManifest,
@@ -65,6 +69,7 @@ from coldsnap_core.format.manifest import (
 )
 from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.format.target import TargetIdentity, describe_differences
+from coldsnap_core.payload_plan import ModelRange
 from coldsnap_core.records import read_private_record
 from coldsnap_core.residual import residual_extents, write_residual
 from coldsnap_core.target import mismatch_detail
@@ -173,10 +178,11 @@ class OverlayDescriptor:
         if kind == "qualified" and descriptor.capsule_files:
             raise f.error("a qualified record pins no capsule files")
         if kind == "overlay":
+            # the artifact's rule on a capsule's four pins; an overlay's blob is always weights.blob
+            check_capsule_file_names(f, descriptor.capsule_files)
             names = [p.name for p in descriptor.capsule_files]
-            expected = sorted({NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, "target.json", RESIDUAL_FILENAME})
-            if names != expected:
-                raise f.error(f"capsule_files names {names}; expected {expected}")
+            if RESIDUAL_FILENAME not in names:
+                raise f.error(f"capsule_files names {names}; the overlay's residual blob is {RESIDUAL_FILENAME}")
         return descriptor
 
 

@@ -31,7 +31,7 @@ from typing import Literal
 from coldsnap_core._io import refuse_symlink
 from coldsnap_core.artifact import read_capsule, read_descriptor
 from coldsnap_core.cache import PayloadCache
-from coldsnap_core.errors import ArtifactError, IntegrityError, MissingObjectError, PackSizeMismatchError
+from coldsnap_core.errors import ArtifactError, IntegrityError, MissingObjectError, PackSizeMismatchError, size_mismatch
 from coldsnap_core.format.manifest import NativeManifest, PackRef
 from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.stores.base import PayloadStore
@@ -161,8 +161,9 @@ def publish_native(
                     file=path,
                 )
             if dry_run:
-                if st.st_size != pack.size_bytes:
-                    raise PackSizeMismatchError(f"local pack is {st.st_size} bytes, expected {pack.size_bytes}", file=path)
+                mismatch = size_mismatch(PackSizeMismatchError, "local pack", st.st_size, pack.size_bytes, file=path)
+                if mismatch is not None:
+                    raise mismatch
                 action = "would-upload"
             else:
                 _verify_local(path, pack, item.manifest, item.manifest_file, cache, progress)

@@ -73,4 +73,4 @@ def write_residual(
             )
     finally:
         os.close(fd)
-    return ResidualRef(path.name, digest, expected)
+    return ResidualRef(path.name, expected, digest)

@@ -37,7 +37,7 @@ from typing import TypeVar
 
 from coldsnap_core.artifact import replace_dir_atomically, write_file_durably
 from coldsnap_core.cache import PayloadCache
-from coldsnap_core.capture import ModelRange, hash_ranges
+from coldsnap_core.capture import hash_ranges
 from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.errors import ColdsnapError, IntegrityError, MissingObjectError
 from coldsnap_core.format.descriptor import WORKERS_DIRNAME
@@ -52,7 +52,7 @@ from coldsnap_core.format.manifest import (
     WorkerIdentity,
 )
 from coldsnap_core.pack_writer import write_pack
-from coldsnap_core.payload_plan import PayloadPlan, plan_payload
+from coldsnap_core.payload_plan import ModelRange, PayloadPlan, plan_payload
 from coldsnap_core.residual import write_residual
 from coldsnap_core.sleep_capsules import sleep_dir
 from coldsnap_core.verify import check_manifest

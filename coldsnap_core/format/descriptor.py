@@ -21,8 +21,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from coldsnap_core.format._strict import Fields, dump_document, parse_document, read_document
+from coldsnap_core.format.content_ref import ContentRef
 from coldsnap_core.format.manifest import (
     CAPSULE_FILENAME_RE,
     NATIVE_MANIFEST_FILENAME,
@@ -41,28 +43,35 @@ _CAPSULE_RE = re.compile(r"workers/[a-z][a-z0-9_]*-[0-9]+-of-[0-9]+")
 
 
 @dataclass(frozen=True, slots=True)
-class CapsuleFile:
-    """The pin of one file of a unit capsule, recorded in ``artifact.json``.
+class CapsuleFile(ContentRef):
+    """The pin of one file of a unit capsule, recorded in ``artifact.json`` (a
+    :class:`~coldsnap_core.format.content_ref.ContentRef`; JSON keys ``name``, ``size_bytes``, ``sha256``).
 
     Attributes:
         name: the file name within the capsule folder (``native-manifest.json``,
-            ``recovery-manifest.json``, or the residual blob's ``residual.file``, ``weights.blob``).
+            ``recovery-manifest.json``, ``target.json``, or the residual blob's ``residual.file``,
+            ``weights.blob``).
         size_bytes: the file's size in bytes.
         sha256: SHA-256 (lowercase hex) of the whole file.
     """
 
-    name: str
-    size_bytes: int
-    sha256: str
+    NAME_PATTERN: ClassVar[re.Pattern[str] | None] = CAPSULE_FILENAME_RE
 
-    def to_json(self) -> dict[str, object]:
-        return {"name": self.name, "size_bytes": self.size_bytes, "sha256": self.sha256}
 
-    @classmethod
-    def from_fields(cls, f: Fields) -> CapsuleFile:
-        pin = cls(name=f.str("name", pattern=CAPSULE_FILENAME_RE), size_bytes=f.int("size_bytes"), sha256=f.sha256("sha256"))
-        f.done()
-        return pin
+def check_capsule_file_names(f: Fields, pins: tuple[CapsuleFile, ...]) -> None:
+    """The pins of a capsule are its four files (both manifests, ``target.json`` and the residual
+    blob), each once, sorted by name (``docs/format.md`` §5 and §15.3).
+
+    Raises:
+        ManifestValueError: any other list, located at ``f``.
+    """
+    names = [p.name for p in pins]
+    documents = {NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, TARGET_FILENAME}
+    if len(names) != 4 or names != sorted(set(names)) or not documents <= set(names):
+        raise f.error(
+            f"capsule_files names {names}; expected the capsule's four files (both manifests, {TARGET_FILENAME} and"
+            " the residual blob), each once, sorted by name"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,13 +115,7 @@ class WorkerEntry:
         f.done()
         if entry.capsule != f"{WORKERS_DIRNAME}/{entry.worker.capsule_name}":
             raise f.error(f"capsule {entry.capsule!r} is not the worker's capsule folder")
-        names = [p.name for p in entry.capsule_files]
-        documents = {NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, TARGET_FILENAME}
-        if len(names) != 4 or names != sorted(set(names)) or not documents <= set(names):
-            raise f.error(
-                f"capsule_files names {names}; expected the capsule's four files (both manifests, {TARGET_FILENAME} and"
-                " the residual blob), each once, sorted by name"
-            )
+        check_capsule_file_names(f, entry.capsule_files)
         return entry
 
 

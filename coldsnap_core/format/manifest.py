@@ -15,11 +15,12 @@ import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from coldsnap_core.digests import pack_relpath
 from coldsnap_core.format._strict import Fields, dump_document, parse_document, read_document
 from coldsnap_core.format.allocation import AllocationMap
+from coldsnap_core.format.content_ref import ContentRef
 from coldsnap_core.format.extents import ModelExtent, ResidualExtent
 
 NATIVE_MANIFEST_KIND = "coldsnap.native-manifest"
@@ -88,61 +89,56 @@ class WorkerIdentity:
 
 
 @dataclass(frozen=True, slots=True)
-class PackRef:
-    """The worker's model payload: a content-addressed ``model-weights.pack``.
+class PackRef(ContentRef):
+    """The worker's model payload: a content-addressed ``model-weights.pack`` (JSON keys ``sha256``,
+    ``size_bytes``, ``path``; a :class:`~coldsnap_core.format.content_ref.ContentRef` named by ``path``).
 
     Attributes:
-        sha256: SHA-256 (lowercase hex) of the whole pack file, padding included.
+        name: ``model-payloads/sha256/<sha256>.pack``, relative to a state root or store root (also
+            :attr:`path`). Always derived from ``sha256``; a manifest whose path disagrees is refused
+            before anything is read (:mod:`coldsnap_core.staging`).
         size_bytes: size of the pack file; a multiple of 4096 (0 for an empty pack).
-        path: ``model-payloads/sha256/<sha256>.pack``, relative to a state root or store root.
-            Always derived from ``sha256``; a manifest whose path disagrees is refused.
+        sha256: SHA-256 (lowercase hex) of the whole pack file, padding included.
     """
 
-    sha256: str
-    size_bytes: int
-    path: str
+    NAME_KEY: ClassVar[str] = "path"
+    KEYS: ClassVar[tuple[str, ...]] = ("sha256", "size_bytes", "path")
+
+    @property
+    def path(self) -> str:
+        """The pack's path relative to a state root or store root (the JSON key ``path``)."""
+        return self.name
 
     @classmethod
     def for_digest(cls, sha256: str, size_bytes: int) -> PackRef:
-        return cls(sha256, size_bytes, pack_relpath(sha256))
-
-    def to_json(self) -> dict[str, object]:
-        return {"sha256": self.sha256, "size_bytes": self.size_bytes, "path": self.path}
-
-    @classmethod
-    def from_fields(cls, f: Fields) -> PackRef:
-        ref = cls(sha256=f.sha256("sha256"), size_bytes=f.int("size_bytes"), path=f.str("path"))
-        f.done()
-        return ref
+        return cls(pack_relpath(sha256), size_bytes, sha256)
 
 
 @dataclass(frozen=True, slots=True)
-class ResidualRef:
-    """The worker's residual blob, stored in its capsule.
+class ResidualRef(ContentRef):
+    """The worker's residual blob, stored in its capsule (JSON keys ``file``, ``sha256``, ``size_bytes``;
+    a :class:`~coldsnap_core.format.content_ref.ContentRef` named by ``file``).
 
     Attributes:
-        file: file name within the capsule folder (``weights.blob``).
-        sha256: SHA-256 (lowercase hex) of the whole blob.
+        name: file name within the capsule folder (``weights.blob``; also :attr:`file`).
         size_bytes: size of the blob; equal to the sum of the residual extents' sizes.
+        sha256: SHA-256 (lowercase hex) of the whole blob.
     """
 
-    file: str
-    sha256: str
-    size_bytes: int
+    NAME_KEY: ClassVar[str] = "file"
+    NAME_PATTERN: ClassVar[re.Pattern[str] | None] = _FILENAME_RE
+    KEYS: ClassVar[tuple[str, ...]] = ("file", "sha256", "size_bytes")
 
-    def to_json(self) -> dict[str, object]:
-        return {"file": self.file, "sha256": self.sha256, "size_bytes": self.size_bytes}
-
-    @classmethod
-    def from_fields(cls, f: Fields) -> ResidualRef:
-        ref = cls(file=f.str("file", pattern=_FILENAME_RE), sha256=f.sha256("sha256"), size_bytes=f.int("size_bytes"))
-        f.done()
-        return ref
+    @property
+    def file(self) -> str:
+        """The blob's file name within the capsule folder (the JSON key ``file``)."""
+        return self.name
 
 
 @dataclass(frozen=True, slots=True)
-class CheckpointFile:
-    """One pinned checkpoint file of the recovery model identity.
+class CheckpointFile(ContentRef):
+    """One pinned checkpoint file of the recovery model identity (a
+    :class:`~coldsnap_core.format.content_ref.ContentRef` with a fingerprint).
 
     Attributes:
         name: file name relative to the checkpoint folder (``model-00001-of-00003.safetensors``).
@@ -153,32 +149,19 @@ class CheckpointFile:
             when the capture did not compute one (restore then accepts the file on name and size).
     """
 
-    name: str
-    size_bytes: int
-    sha256: str
     fingerprint_sha256: str | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "size_bytes": self.size_bytes,
-            "sha256": self.sha256,
-            "fingerprint_sha256": self.fingerprint_sha256,
-        }
+        return {**ContentRef.to_json(self), "fingerprint_sha256": self.fingerprint_sha256}
 
     @classmethod
-    def from_fields(cls, f: Fields) -> CheckpointFile:
-        entry = cls(
-            name=f.str("name"),
-            size_bytes=f.int("size_bytes"),
-            sha256=f.sha256("sha256"),
-            fingerprint_sha256=f.opt_sha256("fingerprint_sha256"),
-        )
-        f.done()
-        problem = checkpoint_name_problem(entry.name)
+    def _read_more(cls, f: Fields) -> dict[str, Any]:
+        return {"fingerprint_sha256": f.opt_sha256("fingerprint_sha256")}
+
+    def _check(self, f: Fields) -> None:
+        problem = checkpoint_name_problem(self.name)
         if problem is not None:
-            raise f.error(f"name {entry.name!r} {problem}")
-        return entry
+            raise f.error(f"name {self.name!r} {problem}")
 
 
 def checkpoint_name_problem(name: str) -> str | None:

@@ -142,10 +142,13 @@ class HfPayloadStore:
         if not found:
             return False
         info = found[0]
-        if size_bytes is not None and info.size != size_bytes:
-            logger.warning(
-                "coldsnap: %s is %d bytes, expected %d; treating it as absent", self._where(digest), info.size, size_bytes
-            )
+        mismatch = (
+            None
+            if size_bytes is None
+            else size_mismatch(PackSizeMismatchError, "stored pack", info.size, size_bytes, file=self._where(digest))
+        )
+        if mismatch is not None:
+            logger.warning("coldsnap: %s; treating it as absent", mismatch)
             return False
         if info.lfs is not None and info.lfs.sha256 != digest:
             logger.warning(
@@ -200,10 +203,9 @@ class HfPayloadStore:
         """
         relpath = pack_relpath(check_digest(digest))
         operation = CommitOperationAdd(path_in_repo=relpath, path_or_fileobj=str(path))
-        if operation.upload_info.size != size_bytes:
-            raise PackSizeMismatchError(
-                f"the file to upload is {operation.upload_info.size} bytes, expected {size_bytes}", file=path
-            )
+        mismatch = size_mismatch(PackSizeMismatchError, "the file to upload", operation.upload_info.size, size_bytes, file=path)
+        if mismatch is not None:
+            raise mismatch
         # huggingface_hub hashed the file when it built the operation (it sends that SHA-256 as the LFS
         # oid, and the Hub refuses bytes that hash otherwise): compare before anything is committed.
         uploaded = operation.upload_info.sha256.hex()

@@ -82,8 +82,11 @@ class LocalFolderStore:
         st = refuse_symlink(path)
         if st is None:
             return False
-        if size_bytes is not None and st.st_size != size_bytes:
-            logger.warning("coldsnap: %s is %d bytes, expected %d; treating it as absent", path, st.st_size, size_bytes)
+        mismatch = (
+            None if size_bytes is None else size_mismatch(PackSizeMismatchError, "stored pack", st.st_size, size_bytes, file=path)
+        )
+        if mismatch is not None:
+            logger.warning("coldsnap: %s; treating it as absent", mismatch)
             return False
         if verify:
             try:

@@ -195,8 +195,11 @@ class S3PayloadStore:
             return False
         where = self.location(digest)
         actual = int(head["ContentLength"])
-        if size_bytes is not None and actual != size_bytes:
-            logger.warning("coldsnap: %s is %d bytes, expected %d; treating it as absent", where, actual, size_bytes)
+        mismatch = (
+            None if size_bytes is None else size_mismatch(PackSizeMismatchError, "stored pack", actual, size_bytes, file=where)
+        )
+        if mismatch is not None:
+            logger.warning("coldsnap: %s; treating it as absent", mismatch)
             return False
         if verify:
             hashed = self._hash_object(digest, actual, head.get("ETag"))
@@ -314,8 +317,9 @@ class S3PayloadStore:
         """
         check_digest(digest)
         actual = os.path.getsize(path)
-        if actual != size_bytes:
-            raise PackSizeMismatchError(f"the file to upload is {actual} bytes, expected {size_bytes}", file=path)
+        mismatch = size_mismatch(PackSizeMismatchError, "the file to upload", actual, size_bytes, file=path)
+        if mismatch is not None:
+            raise mismatch
         self.client  # noqa: B018 (made here: a missing boto3 is a ConfigurationError, not a store failure)
         if self._create(path, digest, size_bytes, progress, {"IfNoneMatch": "*"}):
             logger.info("coldsnap: uploaded %s to %s", digest, self.name)

@@ -372,7 +372,7 @@ def test_bad_digest_is_rejected_before_any_file_is_touched(tmp_path: Path, diges
         lambda: cache.reverify(digest),
         lambda: cache.quarantine(digest),
         lambda: cache.lock(digest).__enter__(),
-        lambda: stage_payload(PackRef(digest, 4096, f"model-payloads/sha256/{digest}.pack"), cache=cache),
+        lambda: stage_payload(PackRef(name=f"model-payloads/sha256/{digest}.pack", size_bytes=4096, sha256=digest), cache=cache),
         lambda: LocalFolderStore(tmp_path / "store").has(digest),
     ]
     for call in calls:

@@ -89,8 +89,8 @@ def workers(draw: st.DrawFn) -> WorkerIdentity:
 provenances = st.builds(ExtentProvenance, names, names, offsets, offsets, offsets, offsets, st.booleans())
 model_extents = st.builds(ModelExtent, st.integers(0, 1 << 20), offsets, sizes, offsets, sha256s, provenances)
 residual_extents = st.builds(ResidualExtent, st.integers(0, 1 << 20), offsets, sizes, offsets)
-pack_refs = st.builds(PackRef.for_digest, sha256s, offsets) | st.builds(PackRef, sha256s, offsets, names)
-residual_refs = st.builds(ResidualRef, file_names, sha256s, offsets)
+pack_refs = st.builds(PackRef.for_digest, sha256s, offsets) | st.builds(PackRef, name=names, size_bytes=offsets, sha256=sha256s)
+residual_refs = st.builds(ResidualRef, name=file_names, size_bytes=offsets, sha256=sha256s)
 name_components = st.text(
     st.characters(exclude_categories=("Cs",), exclude_characters="/\\\x00"), min_size=1, max_size=12
 ).filter(lambda s: s not in (".", ".."))

@@ -48,6 +48,7 @@ LAYERS: dict[str, int] = {
     "format.pack_layout": 2,
     "format.manifest": 2,
     "format.descriptor": 2,
+    "format.content_ref": 2,
     "format.target": 2,
     "safetensors_header": 2,
     "verify": 3,
