@@ -801,12 +801,17 @@ def _listdir(folder: Path) -> list[Path]:
         return []
 
 
-def _writer_gone(path: Path) -> bool:
-    """True if nobody holds ``flock`` on ``path`` (its writer exited or was killed)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return False
+def _lock_is_free(path: Path) -> bool:
+    """Whether a fresh open of ``path`` can take ``flock`` on it now (taken and released at once):
+    ``False`` when another open file description holds it.
+
+    The open is ``O_RDONLY | O_NOFOLLOW | O_NONBLOCK`` (a link is refused; a FIFO swapped in cannot block).
+
+    Raises:
+        OSError: ``path`` cannot be opened (``FileNotFoundError`` included) or ``flock`` fails other
+            than by being held; the callers decide what that means.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -814,6 +819,15 @@ def _writer_gone(path: Path) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+def _writer_gone(path: Path) -> bool:
+    """True if nobody holds ``flock`` on ``path`` (its writer exited or was killed); ``False`` if the
+    file is gone already. Other ``OSError`` propagates."""
+    try:
+        return _lock_is_free(path)
+    except FileNotFoundError:
+        return False
 
 
 SWEEP_GRACE_SECONDS = 10.0
@@ -841,20 +855,12 @@ def create_locked_partial(path: Path) -> int:
 
 def _flock_works(path: Path) -> bool:
     """Whether ``flock`` excludes here: a second open of ``path``, which this process holds locked,
-    must fail to lock it (on Lustre, GPFS and some NFS mounts ``flock`` is a no-op that always succeeds)."""
+    must fail to lock it (on Lustre, GPFS and some NFS mounts ``flock`` is a no-op that always succeeds).
+    Any ``OSError`` means it cannot be shown to work: ``False``."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        return not _lock_is_free(path)
     except OSError:
         return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return False
 
 
 def sweep_dead_partials(tmp_dir: Path, own_path: Path) -> list[Path]:
