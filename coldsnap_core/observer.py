@@ -69,7 +69,10 @@ from typing import Literal
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from coldsnap_core.errors import ObserverError
 from coldsnap_core.format.extents import ExtentProvenance
+from coldsnap_core.format.manifest import ModelIdentity
+from coldsnap_core.model_identity import CheckpointRecords, identify_checkpoint
 from coldsnap_core.payload_plan import ModelRange
 from coldsnap_core.safetensors_header import TensorLocation, read_header
 from coldsnap_core.torch_allocations import TorchAllocations, dtype_name
@@ -717,6 +720,28 @@ class LoadSession:
         """The prepared source of the model itself (``model_or_path``), else the first one, else ``None``."""
         found = next((p for p in self.prepared if p.model_or_path == str(model_or_path)), None)
         return found if found is not None else (self.prepared[0] if self.prepared else None)
+
+    def identify(self, source: str, *, revision: str | None, config_sha256: str | None, state_root: Path) -> ModelIdentity:
+        """The model identity of this load: the checkpoint files of the :meth:`primary` source of
+        ``source`` (hashed, and recorded in ``state_root``'s checkpoint records,
+        :func:`coldsnap_core.model_identity.identify_checkpoint`), ``revision`` (a resolved Hugging Face
+        commit, or the revision as given) and the engine's model configuration digest.
+
+        Raises:
+            ObserverError: no weights were prepared (the engine's iterator was never entered).
+            ColdsnapError: a checkpoint file cannot be read (see ``identify_checkpoint``).
+        """
+        primary = self.primary(source)
+        if primary is None:
+            raise ObserverError("the checkpoint iterator was never prepared; no checkpoint files to pin")
+        return identify_checkpoint(
+            primary.files,
+            source=source,
+            revision=revision,
+            root=primary.folder,
+            config_sha256=config_sha256,
+            records=CheckpointRecords(state_root),
+        )
 
     @staticmethod
     def _header_index(prepared: PreparedWeights) -> dict[str, tuple[str, TensorLocation] | None]:

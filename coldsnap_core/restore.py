@@ -42,13 +42,14 @@ Only this worker's payload is staged (``docs/format.md``: each worker's capsule 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from coldsnap_core._io import unexpected_os_error
 from coldsnap_core.artifact import Capsule, check_provenance_in_identity, find_worker, read_descriptor, read_worker_capsule
 from coldsnap_core.cache import PayloadCache
+from coldsnap_core.capture import CaptureResult, capture_worker
 from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.copy.select import copy_backend_for
 from coldsnap_core.errors import (
@@ -68,12 +69,14 @@ from coldsnap_core.format.target import TargetIdentity
 from coldsnap_core.hydrate import AdmittedPack, HydrationReport, hydrate
 from coldsnap_core.model_identity import CheckpointRecords, LoadedModel, check_model_identity
 from coldsnap_core.overlay import Selection, portable_descriptor_sha256, select_capsule
+from coldsnap_core.payload_plan import ModelRange
 from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_core.staging import stage_payload
 from coldsnap_core.stores import from_env as store_from_env
 from coldsnap_core.stores import from_settings as store_from_settings
 from coldsnap_core.stores.base import PayloadStore
 from coldsnap_core.target import ENGINE_NONE, collect_target
+from coldsnap_core.target import engine_version as installed_engine_version
 from coldsnap_core.torch_allocations import TorchAllocations, enumerate_allocations
 from coldsnap_core.verify import check_live_layout, check_manifest, extent_owner_map
 
@@ -83,6 +86,7 @@ __all__ = [
     "FROM_ENVIRONMENT",
     "RestoreResult",
     "WorkerRestore",
+    "capture_loaded_worker",
     "restore_or_fall_back",
 ]
 
@@ -430,3 +434,50 @@ def restore_or_fall_back(
         )
         return RestoreResult(attempt, allocations, None, exc)
     return RestoreResult(attempt, allocations, report, None)
+
+
+def capture_loaded_worker(
+    allocations: TorchAllocations,
+    model_ranges: Sequence[ModelRange],
+    worker: WorkerIdentity,
+    model: ModelIdentity,
+    *,
+    cache: PayloadCache,
+    artifact_dir: Path,
+    engine: str,
+    backend_for: Callable[[object], CopyBackend] = copy_backend_for,  # type: ignore[assignment]
+) -> CaptureResult:
+    """The portable capture of a worker an engine plugin just loaded under the write observer: the
+    capture both engine plugins run on ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``, in one place.
+
+    :func:`coldsnap_core.capture.capture_worker` at capture point ``portable``, with the copy backend
+    for the allocations' device and the target identity of this worker with ``engine`` as its engine
+    (``target.json``, ``docs/format.md`` §15.1: a restore by another engine refuses the capsule by name,
+    one by the same engine qualifies it).
+
+    Args:
+        allocations: the model's allocations after the checkpoint load (before any post-processing).
+        model_ranges: the model-owned byte ranges the observer mapped onto ``allocations``.
+        worker: this worker's identity.
+        model: the model identity (:meth:`coldsnap_core.observer.LoadSession.identify`).
+        cache: the node-local cache the pack is committed to.
+        artifact_dir: the artifact folder the capsule and ``artifact.json`` entry go to.
+        engine: the engine's name as its target identity records it (``vllm``, ``sglang``); its
+            installed version is looked up (:func:`coldsnap_core.target.engine_version`).
+        backend_for: the copy backend for the allocations' device.
+
+    Raises:
+        ColdsnapError: see :func:`coldsnap_core.capture.capture_worker`.
+    """
+    return capture_worker(
+        allocation_map=allocations.allocation_map,
+        allocations=allocations.live,
+        model_ranges=model_ranges,
+        worker=worker,
+        capture_point="portable",
+        model=model,
+        cache=cache,
+        artifact_dir=artifact_dir,
+        backend=backend_for(allocations.device),
+        target=collect_target(engine, installed_engine_version(engine), device=allocations.device),
+    )

@@ -51,7 +51,7 @@ from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from coldsnap_core.cache import PayloadCache
-from coldsnap_core.capture import CaptureResult, capture_worker
+from coldsnap_core.capture import CaptureResult
 from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.copy.select import copy_backend_for
 from coldsnap_core.errors import ColdsnapError, ObserverError
@@ -59,19 +59,17 @@ from coldsnap_core.format.manifest import ModelIdentity, NativeManifest, PackRef
 from coldsnap_core.hydrate import HydrationReport
 from coldsnap_core.materialize import MaterializationHandle, materialize_payload
 from coldsnap_core.model_identity import (
-    CheckpointRecords,
     LoadedModel,
     engine_checkpoint_files,
-    identify_checkpoint,
     model_config_sha256,
     resolve_hub_commit,
 )
 from coldsnap_core.observer import LoadSession, ModelRecord, PreparedWeights, WriteObserver, collector_paused, map_to_allocations
 from coldsnap_core.outcomes import LoadOutcomeLine, Outcome, append_outcome
 from coldsnap_core.overlay import OverlayCapture, capture_overlay
-from coldsnap_core.restore import WorkerRestore, restore_or_fall_back
+from coldsnap_core.restore import WorkerRestore, capture_loaded_worker, restore_or_fall_back
 from coldsnap_core.settings import ColdsnapSettings
-from coldsnap_core.target import collect_target, engine_version
+from coldsnap_core.target import engine_version
 from coldsnap_core.torch_allocations import TorchAllocations, enumerate_allocations
 from coldsnap_vllm import compat
 from coldsnap_vllm import state as load_state
@@ -399,17 +397,8 @@ class ColdsnapModelLoader(DefaultModelLoader):
         if settings.export_model_payload:
             assert settings.artifact_dir is not None
             identity = self._identify(session, model_config, settings.state_root, self.load_config.download_dir)
-            capture = capture_worker(
-                allocation_map=after.allocation_map,
-                allocations=after.live,
-                model_ranges=ranges,
-                worker=worker,
-                capture_point="portable",
-                model=identity,
-                cache=cache,
-                artifact_dir=settings.artifact_dir,
-                backend=copy_backend_for(after.device),
-                target=collect_target(ENGINE, engine_version(ENGINE), device=after.device),
+            capture = capture_loaded_worker(
+                after, ranges, worker, identity, cache=cache, artifact_dir=settings.artifact_dir, engine=ENGINE
             )
             pack = capture.manifest.pack
         elif fallback is not None and attempt is not None and attempt.pack_unavailable and attempt.layout_matches:
@@ -501,16 +490,11 @@ class ColdsnapModelLoader(DefaultModelLoader):
         """The model identity: the checkpoint files just loaded (hashed, and recorded in the state
         root's checkpoint records), the engine's model configuration digest and, for a repository id,
         the commit :func:`hub_revision` resolves."""
-        primary = session.primary(str(model_config.model))
-        if primary is None:
-            raise ObserverError("the checkpoint iterator was never prepared; no checkpoint files to pin")
-        return identify_checkpoint(
-            primary.files,
-            source=str(model_config.model),
+        return session.identify(
+            str(model_config.model),
             revision=hub_revision(model_config, download_dir),
-            root=primary.folder,
             config_sha256=engine_config_sha256(model_config),
-            records=CheckpointRecords(state_root),
+            state_root=state_root,
         )
 
     def _publish(
