@@ -36,6 +36,7 @@ from typing import Literal
 
 from coldsnap_core._io import remove_tree
 from coldsnap_core.errors import CacheError, UnsafePathError
+from coldsnap_core.format.manifest import CAPSULE_NAME_RE
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ SLEEP_DIRNAME = "sleep"
 
 LOCK_SUFFIX = ".lock"
 
-_CAPSULE_RE = re.compile(r"(?P<capsule>[a-z][a-z0-9_]*-[0-9]+-of-[0-9]+-pid[0-9]+(?:-[0-9a-f]{16})?)")
+_CAPSULE_RE = re.compile(rf"(?P<capsule>{CAPSULE_NAME_RE.pattern}-pid[0-9]+(?:-[0-9a-f]{{16}})?)")
 _STAGING_RE = re.compile(r"\.(?P<capsule>.+)\.[0-9a-f]{16}\.(?:partial|old)")
 
 Owner = Literal["alive", "gone"]
