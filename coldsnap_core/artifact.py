@@ -501,9 +501,7 @@ def find_worker(descriptor: ArtifactDescriptor, worker: WorkerIdentity) -> Worke
     for entry in descriptor.workers:
         if entry.worker == worker:
             return entry
-    raise MissingObjectError(
-        f"the artifact lists no capsule for {worker.capsule_name} ({worker.describe()})"
-    )
+    raise MissingObjectError(f"the artifact lists no capsule for {worker.capsule_name} ({worker.describe()})")
 
 
 def read_descriptor(artifact_dir: Path) -> ArtifactDescriptor:

@@ -6,7 +6,7 @@ processes may share one state root: tensor parallel ranks, and engines in contai
 same node-local folder, where every engine may be PID 1 of its own PID namespace. So (``docs/format.md``
 §6.2 and §10):
 
-* a capsule is named ``<role>-<rank>-of-<world_size>-pid<pid>-<hex16>``, where ``<hex16>`` is drawn
+* a capsule is named ``<worker capsule name>-pid<pid>-<hex16>`` (``docs/format.md`` §4.3), where ``<hex16>`` is drawn
   from ``secrets`` once per claim: unique to its process instance even when two processes have the
   same pid;
 * its owner holds ``flock`` on ``<capsule name>.lock`` beside it for as long as the capsule is in use.
@@ -81,7 +81,8 @@ class SleepCapsuleClaim:
 
     Args:
         state_root: the state root.
-        capsule_name: the worker's capsule name (``<role>-<rank>-of-<world_size>``).
+        capsule_name: the worker's capsule name (``<role>-<rank>-of-<world_size>``, with
+            ``-dp-<data_parallel_rank>-of-<data_parallel_size>`` for a data parallel replica).
 
     Raises:
         UnsafePathError: ``sleep/`` or the lock path is a symbolic link.

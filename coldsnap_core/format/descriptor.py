@@ -26,9 +26,9 @@ from pathlib import Path
 from coldsnap_core.format._strict import Fields, dump_document, parse_document, read_document
 from coldsnap_core.format.manifest import (
     CAPSULE_FILENAME_RE,
+    CAPSULE_NAME_RE,
     NATIVE_MANIFEST_FILENAME,
     RECOVERY_MANIFEST_FILENAME,
-    CAPSULE_NAME_RE,
     ModelIdentity,
     PackRef,
     WorkerIdentity,
@@ -170,7 +170,8 @@ class ArtifactDescriptor:
         worlds = sorted({w.worker.world for w in descriptor.workers})
         if len(worlds) > 1:
             raise f.error(
-                f"worker entries of several worlds (world size, data parallel size) {worlds}; one artifact holds one world"
+                f"worker entries of several world sizes or data parallel sizes, (world size, data parallel size) {worlds};"
+                " one artifact holds one world"
             )
         return descriptor
 

@@ -150,7 +150,11 @@ def descriptors(draw: st.DrawFn) -> ArtifactDescriptor:
     dp = draw(st.integers(1, 3))
     for worker in draw(st.lists(workers(), min_size=1, max_size=4)):  # an artifact lists at least one worker
         worker = replace(
-            worker, rank=worker.rank % world, world_size=world, data_parallel_rank=worker.data_parallel_rank % dp, data_parallel_size=dp
+            worker,
+            rank=worker.rank % world,
+            world_size=world,
+            data_parallel_rank=worker.data_parallel_rank % dp,
+            data_parallel_size=dp,
         )
         entries[worker.sort_key] = WorkerEntry(worker, f"workers/{worker.capsule_name}", draw(pack_refs), draw(capsule_files()))
     return ArtifactDescriptor(draw(model_identities), tuple(sorted(entries.values(), key=lambda e: e.worker.sort_key)))
@@ -432,7 +436,12 @@ def test_unknown_format_version_is_its_own_error(documents, kind: str, version: 
         ("native", lambda d: d["model_extents"][0]["provenance"].update(tensor_name=""), ManifestValueError, "must not be empty"),
         ("recovery", lambda d: d["model"].update(revision=""), ManifestValueError, "model.revision"),
         ("descriptor", lambda d: d["workers"][0].update(capsule="workers/worker-1-of-1"), ManifestValueError, "capsule"),
-        ("descriptor", lambda d: d["workers"].append(d["workers"][0]), ManifestValueError, "same (role, data parallel rank, rank)"),
+        (
+            "descriptor",
+            lambda d: d["workers"].append(d["workers"][0]),
+            ManifestValueError,
+            "same (role, data parallel rank, rank)",
+        ),
         # data parallel: both fields or neither, size 1 is spelled by omission, rank below size, capsule from both
         ("native", lambda d: d["worker"].update(data_parallel_size=1, data_parallel_rank=0), ManifestValueError, "minimum 2"),
         ("native", lambda d: d["worker"].update(data_parallel_size=2, data_parallel_rank=2), ManifestValueError, "out of range"),

@@ -540,7 +540,9 @@ def test_data_parallel_replicas_write_two_capsules_sharing_one_pack(tmp_path: Pa
     ]
     assert results[0].manifest.pack == results[1].manifest.pack
     assert [p.pack for p in [results[0].manifest, results[1].manifest]] == list(descriptor.distinct_payloads()) * 2
-    assert sorted(p.name for p in (tmp_path / "state" / "model-payloads" / "sha256").glob("*.pack")) == [results[0].pack_path.name]
+    assert sorted(p.name for p in (tmp_path / "state" / "model-payloads" / "sha256").glob("*.pack")) == [
+        results[0].pack_path.name
+    ]
     assert results[0].manifest.residual.sha256 != results[1].manifest.residual.sha256
 
 
@@ -564,7 +566,7 @@ def test_worker_without_its_data_parallel_rank_finds_no_capsule(tmp_path: Path, 
     with pytest.raises(MissingObjectError, match=r"no capsule for worker-0-of-1 \(tensor parallel rank 0 of 1\)"):
         restorer(checkpoint, tmp_path / "artifact", tmp_path / "state", RANK0).read()
     other = WorkerIdentity("worker", 0, 1, 0, 1, 1, 3)
-    with pytest.raises(MissingObjectError, match="worker-0-of-1-dp-1-of-3.*data parallel rank 1 of 3"):
+    with pytest.raises(MissingObjectError, match=r"worker-0-of-1-dp-1-of-3.*data parallel rank 1 of 3"):
         restorer(checkpoint, tmp_path / "artifact", tmp_path / "state", other).read()
 
 
@@ -575,7 +577,9 @@ def test_capture_without_data_parallel_replaces_the_replicas(tmp_path: Path, che
     _capture_replicas(tmp_path, checkpoint)
     capture(TinyModel(), checkpoint, tmp_path / "artifact", tmp_path / "state")
     assert [w.capsule for w in read_descriptor(tmp_path / "artifact").workers] == ["workers/worker-0-of-1"]
-    assert sorted(p.name for p in (tmp_path / "artifact" / "workers").iterdir() if not p.name.startswith(".")) == ["worker-0-of-1"]
+    assert sorted(p.name for p in (tmp_path / "artifact" / "workers").iterdir() if not p.name.startswith(".")) == [
+        "worker-0-of-1"
+    ]
 
 
 def test_quarantine_warning_not_swallowed_when_corrupt_pack_cannot_be_quarantined(
