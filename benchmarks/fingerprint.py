@@ -42,8 +42,7 @@ from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.hydrate import hydrate
-from coldsnap_core.model_identity import checkpoint_fingerprint, identify_checkpoint
-from coldsnap_core.restore import LoadedModel, check_model_identity
+from coldsnap_core.model_identity import LoadedModel, check_model_identity, checkpoint_fingerprint, identify_checkpoint
 
 TENSOR_ROWS, TENSOR_COLUMNS = 8192, 4096  # bf16: 64 MiB per tensor
 

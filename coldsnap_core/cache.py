@@ -82,7 +82,6 @@ from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.format.pack_layout import PackEntry, PackLayout
 from coldsnap_core.records import identity, read_trusted_record, record_verified
 from coldsnap_core.settings import LOCK_TIMEOUT_ENV, lock_timeout_from_env, resolve_state_root
-from coldsnap_core.settings import LOCK_TIMEOUT_SECONDS as LOCK_TIMEOUT_SECONDS  # re-exported for callers of the cache
 from coldsnap_core.verify import verify_pack_file
 
 logger = logging.getLogger(__name__)
@@ -183,9 +182,9 @@ class PayloadCache:
     """One state root's ``model-payloads`` cache.
 
     Args:
-        state_root: the state root; see :func:`resolve_state_root`.
+        state_root: the state root; see :func:`coldsnap_core.settings.resolve_state_root`.
         lock_timeout_seconds: how long to wait for a digest's lock (``None``: ``$COLDSNAP_LOCK_TIMEOUT``,
-            default :data:`LOCK_TIMEOUT_SECONDS`); see :meth:`lock`.
+            default :data:`coldsnap_core.settings.LOCK_TIMEOUT_SECONDS`); see :meth:`lock`.
 
     Raises:
         ConfigurationError: ``$COLDSNAP_LOCK_TIMEOUT`` is not a number of seconds >= 0.

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from coldsnap_core._io import refuse_symlink
 from coldsnap_core.artifact import read_capsule, read_descriptor
-from coldsnap_core.cache import PayloadCache, refuse_symlink
+from coldsnap_core.cache import PayloadCache
 from coldsnap_core.errors import ArtifactError, IntegrityError, MissingObjectError, PackSizeMismatchError
 from coldsnap_core.format.manifest import NativeManifest, PackRef
 from coldsnap_core.format.pack_layout import PackLayout

@@ -66,7 +66,7 @@ from coldsnap_core.format.manifest import ModelIdentity, NativeManifest, WorkerI
 from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.format.target import TargetIdentity
 from coldsnap_core.hydrate import AdmittedPack, HydrationReport, hydrate
-from coldsnap_core.model_identity import CheckpointRecords, LoadedModel, check_model_identity, engine_checkpoint_files
+from coldsnap_core.model_identity import CheckpointRecords, LoadedModel, check_model_identity
 from coldsnap_core.overlay import Selection, portable_descriptor_sha256, select_capsule
 from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_core.staging import stage_payload
@@ -81,11 +81,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "FROM_ENVIRONMENT",
-    "LoadedModel",
     "RestoreResult",
     "WorkerRestore",
-    "check_model_identity",
-    "engine_checkpoint_files",
     "restore_or_fall_back",
 ]
 

@@ -45,10 +45,17 @@ from coldsnap_core.capture import CaptureResult, capture_worker
 from coldsnap_core.copy.select import copy_backend_for
 from coldsnap_core.errors import ColdsnapError, EngineVersionError, ObserverError
 from coldsnap_core.format.manifest import WorkerIdentity
-from coldsnap_core.model_identity import CheckpointRecords, identify_checkpoint, model_config_sha256, resolve_hub_commit
+from coldsnap_core.model_identity import (
+    CheckpointRecords,
+    LoadedModel,
+    engine_checkpoint_files,
+    identify_checkpoint,
+    model_config_sha256,
+    resolve_hub_commit,
+)
 from coldsnap_core.observer import LoadSession, PreparedWeights, WriteObserver, collector_paused, map_to_allocations
 from coldsnap_core.outcomes import LoadOutcomeLine, Outcome, append_outcome
-from coldsnap_core.restore import LoadedModel, engine_checkpoint_files, restore_or_fall_back
+from coldsnap_core.restore import restore_or_fall_back
 from coldsnap_core.target import collect_target, engine_version
 from coldsnap_core.torch_allocations import enumerate_allocations
 from coldsnap_sglang.settings import resolve_sglang_settings

@@ -177,7 +177,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
         return self._session.observe(source.prefix, iterator)
 
     def _checkpoint_files_now(self, model: nn.Module, model_config: ModelConfig) -> tuple[list[str] | None, str | None]:
-        """:func:`coldsnap_core.restore.engine_checkpoint_files` through vLLM's
+        """:func:`coldsnap_core.model_identity.engine_checkpoint_files` through vLLM's
         ``DefaultModelLoader._prepare_weights`` (with the model's ``fall_back_to_pt_during_load`` and
         ``allow_patterns_overrides``, as ``DefaultModelLoader.Source.init_new`` passes them)."""
         return engine_checkpoint_files(

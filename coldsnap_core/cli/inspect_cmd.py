@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 
 from coldsnap_core.artifact import Capsule
-from coldsnap_core.cache import resolve_state_root
 from coldsnap_core.cli._targets import artifact_folder, resolve
 from coldsnap_core.errors import ColdsnapError
 from coldsnap_core.format.descriptor import ArtifactDescriptor
 from coldsnap_core.format.manifest import NativeManifest
 from coldsnap_core.overlay import portable_descriptor_sha256, select_capsule
+from coldsnap_core.settings import resolve_state_root
 from coldsnap_core.target import ENGINE_NONE, collect_target, engine_version
 
 

@@ -15,7 +15,7 @@ import pytest
 from cache_support import hydrate_captured
 
 from coldsnap_core.artifact import read_capsule
-from coldsnap_core.cache import PayloadCache, resolve_state_root
+from coldsnap_core.cache import PayloadCache
 from coldsnap_core.cli.main import main
 from coldsnap_core.errors import (
     ConfigurationError,
@@ -24,6 +24,7 @@ from coldsnap_core.errors import (
     NotRegularFileError,
     UnsafePathError,
 )
+from coldsnap_core.settings import resolve_state_root
 from coldsnap_core.staging import stage_payload
 from coldsnap_core.verify import verify_blob_file, verify_pack_file
 

@@ -19,6 +19,7 @@ import pytest
 from cache_support import REPO, child_command, run_child, sha256_of, temporaries
 
 from coldsnap_core import cache as cache_module
+from coldsnap_core import settings
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.errors import ConfigurationError, LockTimeoutError
 from coldsnap_core.stores.local import LocalFolderStore
@@ -112,12 +113,12 @@ def test_hung_lock_holder_stalls_cache_verify_and_stage_for_the_configured_time(
 def test_lock_timeout_setting_is_validated() -> None:
     """COLDSNAP_LOCK_TIMEOUT is a number of seconds >= 0; anything else is a ConfigurationError naming
     the variable. Fails if a typo silently means the default."""
-    assert PayloadCache("/nonexistent", lock_timeout_seconds=None).lock_timeout_seconds == cache_module.LOCK_TIMEOUT_SECONDS
-    assert cache_module.lock_timeout_from_env({"COLDSNAP_LOCK_TIMEOUT": " 2.5 "}) == 2.5
-    assert cache_module.lock_timeout_from_env({"COLDSNAP_LOCK_TIMEOUT": ""}) == cache_module.LOCK_TIMEOUT_SECONDS
+    assert PayloadCache("/nonexistent", lock_timeout_seconds=None).lock_timeout_seconds == settings.LOCK_TIMEOUT_SECONDS
+    assert settings.lock_timeout_from_env({"COLDSNAP_LOCK_TIMEOUT": " 2.5 "}) == 2.5
+    assert settings.lock_timeout_from_env({"COLDSNAP_LOCK_TIMEOUT": ""}) == settings.LOCK_TIMEOUT_SECONDS
     for bad in ("ten", "-1", "nan"):
         with pytest.raises(ConfigurationError, match="COLDSNAP_LOCK_TIMEOUT"):
-            cache_module.lock_timeout_from_env({"COLDSNAP_LOCK_TIMEOUT": bad})
+            settings.lock_timeout_from_env({"COLDSNAP_LOCK_TIMEOUT": bad})
 
 
 def test_killed_capture_partial_survives_until_gc_after_an_hour(captured, tmp_path: Path) -> None:

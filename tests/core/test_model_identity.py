@@ -21,14 +21,15 @@ import transformers
 from coldsnap_core.errors import ModelIdentityMismatchError, UnsafePathError
 from coldsnap_core.model_identity import (
     CheckpointRecords,
+    LoadedModel,
     RecordState,
     _resolved_by_snapshot,
     canonical_model_config,
+    check_model_identity,
     identify_checkpoint,
     model_config_sha256,
     resolve_hub_commit,
 )
-from coldsnap_core.restore import LoadedModel, check_model_identity
 
 REPO_ID = "org/name"
 COMMIT_A = "0123456789abcdef0123456789abcdef01234567"

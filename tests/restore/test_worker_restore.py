@@ -39,10 +39,10 @@ from coldsnap_core.errors import (
 from coldsnap_core.format.allocation import AllocationMap
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, CapsuleFile
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, PackRef, WorkerIdentity
-from coldsnap_core.model_identity import CheckpointRecords, RecordState, identify_checkpoint
+from coldsnap_core.model_identity import CheckpointRecords, LoadedModel, RecordState, check_model_identity, identify_checkpoint
 from coldsnap_core.observer import WriteObserver, map_to_allocations
 from coldsnap_core.records import write_record
-from coldsnap_core.restore import LoadedModel, WorkerRestore, check_model_identity
+from coldsnap_core.restore import WorkerRestore
 from coldsnap_core.torch_allocations import enumerate_allocations
 from coldsnap_core.verify import check_manifest
 from tests.support.files import flip_byte

@@ -1,8 +1,9 @@
 """Unit tests of the write observer on small torch modules and a real safetensors file (no engine).
 
-Each test mimics one write pattern of vLLM's weight loaders (``reference/vllm.md`` section 2.4:
-``default_weight_loader``, column/row-parallel ``narrow``, ``QKVParallelLinear`` and
-``MergedColumnParallelLinear`` stacking, ``VocabParallelEmbedding`` padding, tied embeddings) and
+Each test mimics one write pattern of vLLM's weight loaders (``default_weight_loader`` in
+``vllm/model_executor/model_loader/weight_utils.py``; column/row-parallel ``narrow``,
+``QKVParallelLinear`` and ``MergedColumnParallelLinear`` stacking in ``vllm/model_executor/layers/linear.py``;
+``VocabParallelEmbedding`` padding in ``vllm/model_executor/layers/vocab_parallel_embedding.py``; tied embeddings) and
 checks, byte for byte, which destination ranges end up as model bytes and with which provenance.
 """
 
