@@ -7,9 +7,11 @@ file of ``--size-mib`` MiB (a real pack when ``--file`` is given, else seeded by
 alternation, each variant ``--repetitions`` times into a fresh private anonymous mapping (as a large
 torch CPU allocation is):
 
-* ``fill``: :meth:`coldsnap_core.copy.host.HostCopyBackend.fill`, every usable CPU, as hydration runs
-  it (``MADV_HUGEPAGE`` on the destination, ``MADV_POPULATE_WRITE`` per thread, ``os.preadv``);
-* ``fill, 4 KiB pages``: the same without the huge-page advice;
+* ``fill``: :meth:`coldsnap_core.copy.host.HostCopyBackend.fill`, every usable CPU
+  (``MADV_POPULATE_WRITE`` per thread, ``os.preadv``);
+* ``fill, default``: the same as hydration runs it, huge pages advised only where
+  :func:`coldsnap_core.copy.host.huge_pages_pay` says so (free 2 MiB blocks for twice the bytes);
+* ``fill, huge pages`` / ``fill, 4 KiB pages``: the same with the advice forced on / off;
 * ``fill, 1 thread``: the same on one thread;
 * ``read, first touch``: one ``os.preadv`` pass on one thread into the fresh mapping, faulting page
   by page: what a plain loader's copy into a new tensor costs;
@@ -97,21 +99,23 @@ def main() -> int:
         )
         ops = [CopyOp("pack", 0, 0, 0, size, None, 0)]
         fd = os.open(path, os.O_RDONLY)
-        advise = host.advise_huge_pages
 
-        def fill(threads: int, huge: bool) -> Callable[[int, int], object]:
+        def fill(threads: int, huge: bool | None) -> Callable[[int, int], object]:
             def run(address: int, size_bytes: int) -> None:
-                host.advise_huge_pages = advise if huge else (lambda *_: False)
-                try:
-                    HostCopyBackend(threads=threads).fill(
-                        ops, {"pack": path}, [LiveAllocation(0, address, size_bytes)], verify_extents=False
-                    )
-                finally:
-                    host.advise_huge_pages = advise
+                HostCopyBackend(threads=threads, huge_pages=huge).fill(
+                    ops, {"pack": path}, [LiveAllocation(0, address, size_bytes)], verify_extents=False
+                )
 
             return run
 
+        free_blocks = host.free_huge_block_bytes()
+        auto = host.huge_pages_pay(size, free_blocks)
+        print(
+            f"host_fill: free 2 MiB blocks now {(free_blocks or 0) / 1e9:.2f} GB: the default fill"
+            f" {'advises' if auto else 'does not advise'} huge pages for {size / 1e9:.2f} GB"
+        )
         variants: dict[str, Callable[[int, int], object]] = {
+            f"fill ({cpus} threads, default)": fill(cpus, None),
             f"fill ({cpus} threads, huge pages)": fill(cpus, True),
             f"fill ({cpus} threads, 4 KiB pages)": fill(cpus, False),
             "fill (1 thread, huge pages)": fill(1, True),
@@ -151,8 +155,12 @@ def main() -> int:
         print_table(["variant", "seconds", "GB/s", "x memcpy"], rows)
         huge = statistics.median(times[f"fill ({cpus} threads, huge pages)"])
         small = statistics.median(times[f"fill ({cpus} threads, 4 KiB pages)"])
+        default = statistics.median(times[f"fill ({cpus} threads, default)"])
         plain = statistics.median(times["read, first touch (1 thread)"])
-        print(f"\nhuge pages / 4 KiB pages = {huge / small:.2f}; fill / plain first-touch read = {huge / plain:.2f}")
+        print(
+            f"\nhuge pages / 4 KiB pages = {huge / small:.2f}; default fill / best of both = {default / min(huge, small):.2f};"
+            f" default fill / plain first-touch read = {default / plain:.2f}"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -12,12 +12,17 @@ in source order:
   to the threads largest first (each to the least loaded thread) and each is hashed right after its
   bytes land, ``chunk_bytes`` at a time, while they are still in the CPU cache.
 
-Fresh destination memory is the main cost of a warm copy, so before the threads start every
-destination allocation's whole 2 MiB pages are advised ``MADV_HUGEPAGE`` (:func:`advise_huge_pages`),
-and each thread then faults its own range in with one ``madvise(MADV_POPULATE_WRITE)`` before
-reading into it (:func:`prefault_for_write`): the faults and the zeroing of fresh pages run on every
-worker thread, one fault per 2 MiB page where the kernel grants huge pages, instead of one fault per
-4 KiB page on first touch. The bytes are still copied once, from the page cache into the allocation.
+Fresh destination memory is the main cost of a warm copy, so each thread faults its own range in
+with one ``madvise(MADV_POPULATE_WRITE)`` before reading into it (:func:`prefault_for_write`): the
+faults and the zeroing of fresh pages run on every worker thread. Before the threads start, the
+destination allocations' whole 2 MiB pages are advised ``MADV_HUGEPAGE`` (:func:`advise_huge_pages`,
+one fault per 2 MiB page instead of per 4 KiB page) *only when the kernel has free 2 MiB blocks for
+twice the destination bytes* (:func:`free_huge_block_bytes`, :func:`huge_pages_pay`): with
+transparent huge pages in ``madvise`` defrag mode an advised fault that finds no free 2 MiB block
+compacts memory synchronously, and on a node whose memory is full of page cache that made a 3.4 GB
+fill 1.2 x slower than with 4 KiB pages (``benchmarks/host_fill.py --size-mib 3264``), while at
+269 MB with free blocks the advice halves the fault cost. The bytes are still copied once, from the
+page cache into the allocation.
 
 A failure in one batch stops the others at their next chunk; the first error is raised.
 """
@@ -73,6 +78,48 @@ def advise_huge_pages(address: int, size_bytes: int) -> bool:
     if end <= start:
         return False
     return _libc.madvise(start, end - start, MADV_HUGEPAGE) == 0
+
+
+BUDDYINFO = Path("/proc/buddyinfo")
+"""The kernel's free-block counts per zone and order (``Documentation/filesystems/proc.rst``)."""
+
+
+def free_huge_block_bytes(buddyinfo: str | None = None) -> int | None:
+    """Bytes of free memory the kernel holds in blocks of at least one huge page (2 MiB), all zones.
+
+    Args:
+        buddyinfo: the text of ``/proc/buddyinfo`` (read when ``None``): one line per zone,
+            ``Node N, zone NAME c0 c1 ... c10``, where ``ck`` counts free blocks of ``2**k`` base pages.
+
+    Returns:
+        The sum over zones and orders ``k`` with ``PAGE_BYTES << k >= 2 MiB`` of ``ck * (PAGE_BYTES << k)``,
+        or ``None`` when the file cannot be read or parsed (another kernel, a sandbox): the caller
+        then does not advise huge pages.
+    """
+    try:
+        text = BUDDYINFO.read_text() if buddyinfo is None else buddyinfo
+        total = 0
+        for line in text.splitlines():
+            fields = line.split()
+            if len(fields) < 5 or fields[2] != "zone":
+                continue
+            counts = [int(field) for field in fields[4:]]  # every order parsed: a malformed line is None
+            total += sum(
+                count * (PAGE_BYTES << order) for order, count in enumerate(counts) if PAGE_BYTES << order >= HUGE_PAGE_BYTES
+            )
+        return total
+    except (OSError, ValueError):
+        return None
+
+
+def huge_pages_pay(destination_bytes: int, free_block_bytes: int | None) -> bool:
+    """Whether advising huge pages on ``destination_bytes`` of fresh memory is expected to pay.
+
+    True when the kernel's free 2 MiB blocks (:func:`free_huge_block_bytes`) cover at least twice
+    the destination: the faults then take free blocks instead of compacting memory synchronously
+    (the factor leaves the kernel its watermarks and the blocks other processes take meanwhile).
+    """
+    return free_block_bytes is not None and destination_bytes > 0 and 2 * destination_bytes <= free_block_bytes
 
 
 def prefault_for_write(address: int, size_bytes: int) -> bool:
@@ -155,17 +202,22 @@ class HostCopyBackend:
         threads: worker threads for :meth:`fill` (default: the number of usable CPUs, at most
             :data:`MAX_DEFAULT_THREADS`).
         chunk_bytes: bytes per read call and per hash update, > 0 (default 4 MiB).
+        huge_pages: advise ``MADV_HUGEPAGE`` on the destinations before faulting them: ``None``
+            (default) when :func:`huge_pages_pay` says so for this fill, ``True`` always, ``False`` never.
     """
 
     name = "host"
     stable_chunks = True
     """:meth:`read_chunks` yields zero-copy views of the allocations (``coldsnap_core.copy.base``)."""
 
-    def __init__(self, *, threads: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(
+        self, *, threads: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, huge_pages: bool | None = None
+    ) -> None:
         if chunk_bytes <= 0 or (threads is not None and threads <= 0):
             raise ValueError(f"threads ({threads}) and chunk_bytes ({chunk_bytes}) must be positive")
         self.threads = threads or max(1, min(MAX_DEFAULT_THREADS, len(os.sched_getaffinity(0))))
         self.chunk_bytes = chunk_bytes
+        self.huge_pages = huge_pages
 
     def fill(
         self,
@@ -179,9 +231,13 @@ class HostCopyBackend:
         batches = deal_largest_first(ops, self.threads) if verify_extents else split_even(ops, self.threads, self.chunk_bytes)
         # Before any thread faults its range: a 2 MiB page that straddles two threads' pieces is
         # advised here once, per destination allocation, so neither piece falls back to 4 KiB pages.
-        for index in sorted({op.allocation_index for op in ops}):
-            allocation = allocations[index]
-            advise_huge_pages(allocation.address, allocation.size_bytes)
+        destinations = [allocations[index] for index in sorted({op.allocation_index for op in ops})]
+        huge = self.huge_pages
+        if huge is None:
+            huge = huge_pages_pay(sum(a.size_bytes for a in destinations), free_huge_block_bytes())
+        if huge:
+            for allocation in destinations:
+                advise_huge_pages(allocation.address, allocation.size_bytes)
         stop = threading.Event()
         fds: dict[SourceName, int] = {}
         try:
