@@ -53,6 +53,7 @@ from coldsnap_core.format.descriptor import (
     WorkerEntry,
 )
 from coldsnap_core.format.manifest import (
+    CAPSULE_NAME_RE,
     NATIVE_MANIFEST_FILENAME,
     RECOVERY_MANIFEST_FILENAME,
     ModelIdentity,
@@ -200,9 +201,6 @@ def write_capsule(artifact_dir: Path, worker: WorkerIdentity, fill: Callable[[Pa
     return final, result
 
 
-_CAPSULE_NAME_RE = re.compile(r"(?P<role>[a-z][a-z0-9_]*)-(?P<rank>[0-9]+)-of-(?P<world_size>[0-9]+)")
-
-
 def _capsule_lock_path(workers_dir: Path, capsule_name: str) -> Path:
     return workers_dir / f".{capsule_name}.lock"
 
@@ -222,8 +220,9 @@ def sweep_capsule_debris(workers_dir: Path, capsule_name: str) -> list[Path]:
     return removed
 
 
-def remove_other_worlds(artifact_dir: Path, world_size: int) -> list[Path]:
-    """Remove every capsule folder ``workers/<role>-<rank>-of-<W>`` with ``W != world_size``.
+def remove_other_worlds(artifact_dir: Path, world_size: int, data_parallel_size: int = 1) -> list[Path]:
+    """Remove every capsule folder ``workers/<role>-<rank>-of-<W>[-dp-<d>-of-<D>]`` of another world:
+    ``W != world_size`` or ``D != data_parallel_size`` (a name without the ``-dp-`` part has ``D = 1``).
 
     Each is removed under its own capsule lock (so never while a writer swaps it in), by renaming it
     to a hidden ``.<name>.<hex16>.old`` sibling first (so a crash leaves only hidden debris, swept
@@ -234,8 +233,8 @@ def remove_other_worlds(artifact_dir: Path, world_size: int) -> list[Path]:
         return []
     removed = []
     for child in sorted(workers_dir.iterdir()):
-        match = _CAPSULE_NAME_RE.fullmatch(child.name)
-        if match is None or int(match["world_size"]) == world_size:
+        match = CAPSULE_NAME_RE.fullmatch(child.name)
+        if match is None or (int(match["world_size"]), int(match["data_parallel_size"] or 1)) == (world_size, data_parallel_size):
             continue
         with _artifact_lock(_capsule_lock_path(workers_dir, child.name)):
             aside = workers_dir / f".{child.name}.{secrets.token_hex(8)}.old"
@@ -248,9 +247,10 @@ def remove_other_worlds(artifact_dir: Path, world_size: int) -> list[Path]:
         removed.append(child)
     if removed:
         logger.warning(
-            "coldsnap: %s: removed the capsules of another world size (this capture has world size %d): %s",
+            "coldsnap: %s: removed the capsules of another world (this capture has world size %d, data parallel size %d): %s",
             artifact_dir,
             world_size,
+            data_parallel_size,
             ", ".join(p.name for p in removed),
         )
     return removed
@@ -261,7 +261,7 @@ def register_worker(artifact_dir: Path, model: ModelIdentity, entry: WorkerEntry
 
     A descriptor that names another model identity, or that cannot be read (malformed, or written
     by another release), is started afresh (its workers are stale), with a WARNING. Entries of
-    another world size are dropped (:meth:`ArtifactDescriptor.with_worker`) and their capsule folders
+    another world (world size or data parallel size) are dropped (:meth:`ArtifactDescriptor.with_worker`) and their capsule folders
     removed (:func:`remove_other_worlds`), so a fresh capture never leaves an artifact that fails
     ``coldsnap verify``.
     """
@@ -286,7 +286,7 @@ def register_worker(artifact_dir: Path, model: ModelIdentity, entry: WorkerEntry
                     )
         descriptor = descriptor.with_worker(entry)
         replace_file_durably(path, descriptor.dumps())
-        remove_other_worlds(artifact_dir, entry.worker.world_size)
+        remove_other_worlds(artifact_dir, entry.worker.world_size, entry.worker.data_parallel_size)
     return descriptor
 
 
@@ -443,10 +443,8 @@ def read_pinned_capsule(path: Path, entry: WorkerEntry) -> Capsule:
     native = capsule.native
     if native.worker != entry.worker:
         raise ManifestMismatchError(
-            f"artifact.json lists this capsule for {entry.worker.capsule_name} (tensor parallel rank"
-            f" {entry.worker.tensor_parallel_rank} of {entry.worker.tensor_parallel_size}), its manifests belong to"
-            f" {native.worker.capsule_name} (tensor parallel rank {native.worker.tensor_parallel_rank} of"
-            f" {native.worker.tensor_parallel_size})",
+            f"artifact.json lists this capsule for {entry.worker.capsule_name} ({entry.worker.describe()}), its manifests"
+            f" belong to {native.worker.capsule_name} ({native.worker.describe()})",
             file=path,
         )
     blob_pin = entry.pin(native.residual.file)
@@ -493,7 +491,9 @@ def check_provenance_in_identity(manifest: NativeManifest, model: ModelIdentity,
 
 
 def find_worker(descriptor: ArtifactDescriptor, worker: WorkerIdentity) -> WorkerEntry:
-    """The descriptor's entry for ``worker`` (same role, rank, world size and tensor parallel rank).
+    """The descriptor's entry for ``worker``: the same identity in every field (role, rank, world size,
+    tensor parallel rank and size, data parallel rank and size), so each data parallel replica gets
+    its own replica's capsule and a worker of another world gets none.
 
     Raises:
         MissingObjectError: the artifact has no capsule for this worker.
@@ -501,9 +501,7 @@ def find_worker(descriptor: ArtifactDescriptor, worker: WorkerIdentity) -> Worke
     for entry in descriptor.workers:
         if entry.worker == worker:
             return entry
-    raise MissingObjectError(
-        f"the artifact lists no capsule for {worker.capsule_name} (tensor parallel rank {worker.tensor_parallel_rank})"
-    )
+    raise MissingObjectError(f"the artifact lists no capsule for {worker.capsule_name} ({worker.describe()})")
 
 
 def read_descriptor(artifact_dir: Path) -> ArtifactDescriptor:

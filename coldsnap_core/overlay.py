@@ -11,7 +11,7 @@ qualified for the portable capsule (kind ``qualified``); otherwise it stores the
 ``artifact.json`` by SHA-256, to the exact target identity and to the pins of its files, in the
 node-local state root::
 
-    <state-root>/overlays/<artifact-key>/<target-key>/<role>-<rank>-of-<world_size>/
+    <state-root>/overlays/<artifact-key>/<target-key>/<capsule name>/
         overlay.json            OverlayDescriptor, mode 0444
         native-manifest.json    (kind "overlay" only) the overlay capsule, pinned by overlay.json
         recovery-manifest.json

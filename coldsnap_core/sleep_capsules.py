@@ -6,7 +6,7 @@ processes may share one state root: tensor parallel ranks, and engines in contai
 same node-local folder, where every engine may be PID 1 of its own PID namespace. So (``docs/format.md``
 §6.2 and §10):
 
-* a capsule is named ``<role>-<rank>-of-<world_size>-pid<pid>-<hex16>``, where ``<hex16>`` is drawn
+* a capsule is named ``<worker capsule name>-pid<pid>-<hex16>`` (``docs/format.md`` §4.3), where ``<hex16>`` is drawn
   from ``secrets`` once per claim: unique to its process instance even when two processes have the
   same pid;
 * its owner holds ``flock`` on ``<capsule name>.lock`` beside it for as long as the capsule is in use.
@@ -36,6 +36,7 @@ from typing import Literal
 
 from coldsnap_core._io import remove_tree
 from coldsnap_core.errors import CacheError, UnsafePathError
+from coldsnap_core.format.manifest import CAPSULE_NAME_RE
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ SLEEP_DIRNAME = "sleep"
 
 LOCK_SUFFIX = ".lock"
 
-_CAPSULE_RE = re.compile(r"(?P<capsule>[a-z][a-z0-9_]*-[0-9]+-of-[0-9]+-pid[0-9]+(?:-[0-9a-f]{16})?)")
+_CAPSULE_RE = re.compile(rf"(?P<capsule>{CAPSULE_NAME_RE.pattern}-pid[0-9]+(?:-[0-9a-f]{{16}})?)")
 _STAGING_RE = re.compile(r"\.(?P<capsule>.+)\.[0-9a-f]{16}\.(?:partial|old)")
 
 Owner = Literal["alive", "gone"]
@@ -80,7 +81,8 @@ class SleepCapsuleClaim:
 
     Args:
         state_root: the state root.
-        capsule_name: the worker's capsule name (``<role>-<rank>-of-<world_size>``).
+        capsule_name: the worker's capsule name (``<role>-<rank>-of-<world_size>``, with
+            ``-dp-<data_parallel_rank>-of-<data_parallel_size>`` for a data parallel replica).
 
     Raises:
         UnsafePathError: ``sleep/`` or the lock path is a symbolic link.

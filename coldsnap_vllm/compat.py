@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+from typing import Any
 
 from coldsnap_core.errors import EngineVersionError
 from coldsnap_core.format.manifest import WorkerIdentity
@@ -92,24 +93,83 @@ def default_inner_load_format() -> str:
     return "instanttensor" if current_platform.is_cuda() else "safetensors"
 
 
-def worker_identity() -> WorkerIdentity:
+def data_parallel_position(parallel_config: Any) -> tuple[int, int]:
+    """``(data_parallel_rank, data_parallel_size)`` of the replica this worker serves, from vLLM's
+    ``ParallelConfig`` (``vllm/config/parallel.py``); ``(0, 1)`` without data parallel.
+
+    vLLM runs the replicas of a dense (non-MoE) model as independent engines and, in each engine
+    process, calls ``ParallelConfig.reconfigure_for_independent_dp_rank``, which resets
+    ``data_parallel_size`` to 1 and ``data_parallel_rank`` to 0; the replica's rank survives in
+    ``data_parallel_index`` ("not overridden for dense models") and the deployment's size in
+    ``elastic_ep_max_dp_size`` (``__post_init__`` sets it to ``data_parallel_size`` unless elastic
+    expert parallel is on; ``vllm/v1/engine/core.py`` ``run_engine_core``). A MoE model keeps
+    ``data_parallel_size`` and ``data_parallel_rank``. So: the size is ``data_parallel_size`` when it
+    is above 1, else ``elastic_ep_max_dp_size``; the rank is ``data_parallel_index`` (falling back to
+    ``data_parallel_rank`` on a vLLM without it).
+
+    Raises:
+        EngineVersionError: the config lacks these fields, or they disagree (a rank outside the size):
+            the replica could not be told apart, and two replicas would write one capsule.
+    """
+    try:
+        size = int(parallel_config.data_parallel_size)
+        rank = int(getattr(parallel_config, "data_parallel_index", parallel_config.data_parallel_rank))
+        if size == 1 and not getattr(parallel_config, "enable_elastic_ep", False):
+            size = int(getattr(parallel_config, "elastic_ep_max_dp_size", None) or 1)
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise EngineVersionError(
+            f"vLLM {vllm_version()}: ParallelConfig has no usable data parallel rank and size ({exc}); coldsnap_vllm needs"
+            " them to name each data parallel replica's capsule"
+        ) from exc
+    if not 0 <= rank < size:
+        raise EngineVersionError(
+            f"vLLM {vllm_version()}: ParallelConfig says data parallel rank {rank} of {size} (data_parallel_size"
+            f" {parallel_config.data_parallel_size}, elastic_ep_max_dp_size"
+            f" {getattr(parallel_config, 'elastic_ep_max_dp_size', None)}); cannot tell this replica's capsule apart"
+        )
+    return rank, size
+
+
+def worker_identity(parallel_config: Any = None) -> WorkerIdentity:
     """This worker's identity from vLLM's parallel state (role ``worker``).
 
-    ``rank`` and ``world_size`` come from the world group, the tensor parallel rank and size from
-    the tensor parallel group (``vllm/distributed/parallel_state.py``). Outside an initialised
-    engine (unit tests) the worker is rank 0 of 1.
+    The tensor parallel rank and size come from the tensor parallel group, the data parallel rank
+    and size from ``parallel_config`` (:func:`data_parallel_position`; default: the current vLLM
+    config, which vLLM sets around ``load_model`` in ``vllm/v1/worker/gpu_worker.py``), and ``rank``
+    and ``world_size`` from the world group, within the replica: where the world group spans every
+    replica (MoE data parallel: ``init_distributed_environment`` makes the global rank
+    ``data_parallel_rank * world_size + rank``, ``vllm/distributed/parallel_state.py``), the
+    replica's offset is taken off. Outside an initialised engine (unit tests) the worker is rank 0
+    of 1.
+
+    Raises:
+        EngineVersionError: see :func:`data_parallel_position`.
     """
     from vllm.distributed import parallel_state
 
+    if parallel_config is None:
+        from vllm.config import get_current_vllm_config_or_none
+
+        current = get_current_vllm_config_or_none()
+        parallel_config = None if current is None else current.parallel_config
+    dp_rank, dp_size = (0, 1) if parallel_config is None else data_parallel_position(parallel_config)
     if not parallel_state.model_parallel_is_initialized():
-        return WorkerIdentity("worker", 0, 1, 0, 1)
+        return WorkerIdentity("worker", 0, 1, 0, 1, dp_rank, dp_size)
     world = parallel_state.get_world_group()
+    rank, world_size = world.rank_in_group, world.world_size
+    replica_world_size = getattr(parallel_config, "world_size", world_size)  # tensor x pipeline parallel
+    if dp_size > 1 and world_size == replica_world_size * dp_size:
+        # The world group spans the replicas (MoE data parallel); make rank and size per replica.
+        world_size = replica_world_size
+        rank %= world_size
     return WorkerIdentity(
         role="worker",
-        rank=world.rank_in_group,
-        world_size=world.world_size,
+        rank=rank,
+        world_size=world_size,
         tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
         tensor_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        data_parallel_rank=dp_rank,
+        data_parallel_size=dp_size,
     )
 
 

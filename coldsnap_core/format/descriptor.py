@@ -5,6 +5,7 @@ An artifact folder looks like::
     artifact.json                      ArtifactDescriptor
     workers/worker-0-of-2/             unit capsule of rank 0 (see coldsnap_core.format.manifest)
     workers/worker-1-of-2/             unit capsule of rank 1
+    workers/worker-0-of-1-dp-1-of-2/   (data parallel) the capsule of replica 1's rank 0
 
 The packs themselves are not in the artifact: each worker entry names its payload by digest, and
 the object lives at ``<state-root>/model-payloads/sha256/<digest>.pack`` (or in a payload store).
@@ -27,6 +28,7 @@ from coldsnap_core.format._strict import Fields, dump_document, parse_document, 
 from coldsnap_core.format.content_ref import ContentRef
 from coldsnap_core.format.manifest import (
     CAPSULE_FILENAME_RE,
+    CAPSULE_NAME_RE,
     NATIVE_MANIFEST_FILENAME,
     RECOVERY_MANIFEST_FILENAME,
     ModelIdentity,
@@ -39,7 +41,7 @@ ARTIFACT_KIND = "coldsnap.artifact"
 DESCRIPTOR_FILENAME = "artifact.json"
 WORKERS_DIRNAME = "workers"
 
-_CAPSULE_RE = re.compile(r"workers/[a-z][a-z0-9_]*-[0-9]+-of-[0-9]+")
+_CAPSULE_RE = re.compile(rf"workers/{CAPSULE_NAME_RE.pattern}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +123,7 @@ class WorkerEntry:
 
 @dataclass(frozen=True, slots=True)
 class ArtifactDescriptor:
-    """``artifact.json``: the model identity and the worker list, sorted by (role, rank).
+    """``artifact.json``: the model identity and the worker list, sorted by (role, data parallel rank, rank).
 
     Attributes:
         model: the pinned model identity shared by every worker.
@@ -132,14 +134,13 @@ class ArtifactDescriptor:
     workers: tuple[WorkerEntry, ...]
 
     def with_worker(self, entry: WorkerEntry) -> ArtifactDescriptor:
-        """A copy with ``entry`` added, replacing any entry of the same (role, rank) and dropping every
-        entry of another world size (a capture with another world size starts another world: the old
-        world's capsules cannot be restored next to the new one's)."""
-        key = (entry.worker.role, entry.worker.rank)
-        kept = [
-            w for w in self.workers if (w.worker.role, w.worker.rank) != key and w.worker.world_size == entry.worker.world_size
-        ]
-        workers = sorted([*kept, entry], key=lambda w: (w.worker.role, w.worker.rank))
+        """A copy with ``entry`` added, replacing any entry of the same worker (role, data parallel rank,
+        rank) and dropping every entry of another world (world size or data parallel size: a capture of
+        another world starts another world; the old world's capsules cannot be restored next to the
+        new one's)."""
+        key = entry.worker.sort_key
+        kept = [w for w in self.workers if w.worker.sort_key != key and w.worker.world == entry.worker.world]
+        workers = sorted([*kept, entry], key=lambda w: w.worker.sort_key)
         return ArtifactDescriptor(self.model, tuple(workers))
 
     def distinct_payloads(self) -> tuple[PackRef, ...]:
@@ -164,14 +165,17 @@ class ArtifactDescriptor:
         f.done()
         if not descriptor.workers:
             raise f.error("workers is empty; an artifact lists at least one captured worker")
-        keys = [(w.worker.role, w.worker.rank) for w in descriptor.workers]
+        keys = [w.worker.sort_key for w in descriptor.workers]
         if len(set(keys)) != len(keys):
-            raise f.error("two worker entries have the same (role, rank)")
+            raise f.error("two worker entries have the same (role, data parallel rank, rank)")
         if keys != sorted(keys):
-            raise f.error("worker entries are not sorted by (role, rank)")
-        world_sizes = sorted({w.worker.world_size for w in descriptor.workers})
-        if len(world_sizes) > 1:
-            raise f.error(f"worker entries of several world sizes {world_sizes}; one artifact holds one world")
+            raise f.error("worker entries are not sorted by (role, data parallel rank, rank)")
+        worlds = sorted({w.worker.world for w in descriptor.workers})
+        if len(worlds) > 1:
+            raise f.error(
+                f"worker entries of several world sizes or data parallel sizes, (world size, data parallel size) {worlds};"
+                " one artifact holds one world"
+            )
         return descriptor
 
     @classmethod

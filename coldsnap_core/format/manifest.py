@@ -35,18 +35,30 @@ _ROLE_RE = re.compile(r"[a-z][a-z0-9_]*")
 _FILENAME_RE = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]+")
 CAPSULE_FILENAME_RE = _FILENAME_RE
 """A file name inside a capsule folder: ``[A-Za-z0-9._-]+``, not ``.`` or ``..``."""
+CAPSULE_NAME_RE = re.compile(
+    r"(?P<role>[a-z][a-z0-9_]*)-(?P<rank>[0-9]+)-of-(?P<world_size>[0-9]+)"
+    r"(?:-dp-(?P<data_parallel_rank>[0-9]+)-of-(?P<data_parallel_size>[0-9]+))?"
+)
+"""A capsule folder name (:attr:`WorkerIdentity.capsule_name`, ``docs/format.md`` §4.3):
+``<role>-<rank>-of-<world_size>``, with ``-dp-<data_parallel_rank>-of-<data_parallel_size>`` appended
+for a data parallel replica (size > 1)."""
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerIdentity:
-    """Which execution worker a capsule belongs to.
+    """Which execution worker a capsule belongs to (``docs/format.md`` §4.3).
 
     Attributes:
         role: ``worker`` for a vLLM/SGLang model worker (``driver`` and others are reserved).
-        rank: global rank of the worker (``torch.distributed`` rank; 0 when not distributed).
-        world_size: number of workers (tensor parallel x pipeline parallel).
+        rank: rank of the worker within its data parallel replica (``torch.distributed`` rank of
+            the tensor x pipeline parallel world; 0 when not distributed).
+        world_size: number of workers of one replica (tensor parallel x pipeline parallel).
         tensor_parallel_rank: the worker's tensor parallel rank.
         tensor_parallel_size: the tensor parallel size.
+        data_parallel_rank: which data parallel replica the worker serves (0 without data parallel).
+        data_parallel_size: the number of data parallel replicas (1 without data parallel). Written
+            to the documents only when greater than 1, so an artifact without data parallel has the
+            same bytes it had before these fields existed.
     """
 
     role: str
@@ -54,26 +66,58 @@ class WorkerIdentity:
     world_size: int
     tensor_parallel_rank: int
     tensor_parallel_size: int
+    data_parallel_rank: int = 0
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not _ROLE_RE.fullmatch(self.role):
             raise ValueError(f"worker role {self.role!r} must match {_ROLE_RE.pattern}")
-        if not (0 <= self.rank < self.world_size and 0 <= self.tensor_parallel_rank < self.tensor_parallel_size):
+        if not (
+            0 <= self.rank < self.world_size
+            and 0 <= self.tensor_parallel_rank < self.tensor_parallel_size
+            and 0 <= self.data_parallel_rank < self.data_parallel_size
+        ):
             raise ValueError(f"inconsistent worker identity {self}")
 
     @property
     def capsule_name(self) -> str:
-        """The capsule folder name: ``<role>-<rank>-of-<world_size>`` (e.g. ``worker-0-of-2``)."""
-        return f"{self.role}-{self.rank}-of-{self.world_size}"
+        """The capsule folder name: ``<role>-<rank>-of-<world_size>`` (``worker-0-of-2``) without data
+        parallel, ``<role>-<rank>-of-<world_size>-dp-<data_parallel_rank>-of-<data_parallel_size>``
+        (``worker-0-of-1-dp-1-of-2``) for a replica of a data parallel deployment."""
+        name = f"{self.role}-{self.rank}-of-{self.world_size}"
+        if self.data_parallel_size > 1:
+            name += f"-dp-{self.data_parallel_rank}-of-{self.data_parallel_size}"
+        return name
+
+    @property
+    def world(self) -> tuple[int, int]:
+        """``(world_size, data_parallel_size)``: the workers of one artifact all share it."""
+        return (self.world_size, self.data_parallel_size)
+
+    @property
+    def sort_key(self) -> tuple[str, int, int]:
+        """``(role, data_parallel_rank, rank)``: the order and uniqueness key of ``artifact.json``'s workers."""
+        return (self.role, self.data_parallel_rank, self.rank)
+
+    def describe(self) -> str:
+        """``tensor parallel rank T of N`` (and ``, data parallel rank D of M`` when M > 1), for messages."""
+        text = f"tensor parallel rank {self.tensor_parallel_rank} of {self.tensor_parallel_size}"
+        if self.data_parallel_size > 1:
+            text += f", data parallel rank {self.data_parallel_rank} of {self.data_parallel_size}"
+        return text
 
     def to_json(self) -> dict[str, object]:
-        return {
+        doc: dict[str, object] = {
             "role": self.role,
             "rank": self.rank,
             "world_size": self.world_size,
             "tensor_parallel_rank": self.tensor_parallel_rank,
             "tensor_parallel_size": self.tensor_parallel_size,
         }
+        if self.data_parallel_size > 1:
+            doc["data_parallel_rank"] = self.data_parallel_rank
+            doc["data_parallel_size"] = self.data_parallel_size
+        return doc
 
     @classmethod
     def from_fields(cls, f: Fields) -> WorkerIdentity:
@@ -82,10 +126,18 @@ class WorkerIdentity:
         world_size = f.int("world_size", minimum=1)
         tp_rank = f.int("tensor_parallel_rank")
         tp_size = f.int("tensor_parallel_size", minimum=1)
+        dp_rank, dp_size = 0, 1
+        if f.has("data_parallel_rank") or f.has("data_parallel_size"):
+            # Both or neither; a size of 1 is written by omitting both (one spelling per identity).
+            dp_rank = f.int("data_parallel_rank")
+            dp_size = f.int("data_parallel_size", minimum=2)
         f.done()
-        if rank >= world_size or tp_rank >= tp_size:
-            raise f.error(f"rank {rank}/{world_size}, tensor parallel rank {tp_rank}/{tp_size} are out of range")
-        return cls(role, rank, world_size, tp_rank, tp_size)
+        if rank >= world_size or tp_rank >= tp_size or dp_rank >= dp_size:
+            raise f.error(
+                f"rank {rank}/{world_size}, tensor parallel rank {tp_rank}/{tp_size}, data parallel rank {dp_rank}/{dp_size}"
+                " are out of range"
+            )
+        return cls(role, rank, world_size, tp_rank, tp_size, dp_rank, dp_size)
 
 
 @dataclass(frozen=True, slots=True)

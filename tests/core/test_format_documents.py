@@ -83,7 +83,10 @@ def allocation_maps(draw: st.DrawFn, *, addresses: bool | None = None) -> Alloca
 def workers(draw: st.DrawFn) -> WorkerIdentity:
     world = draw(st.integers(1, 64))
     tp = draw(st.integers(1, 64))
-    return WorkerIdentity(draw(roles), draw(st.integers(0, world - 1)), world, draw(st.integers(0, tp - 1)), tp)
+    dp = draw(st.integers(1, 4))  # 1: no data parallel fields in the JSON
+    return WorkerIdentity(
+        draw(roles), draw(st.integers(0, world - 1)), world, draw(st.integers(0, tp - 1)), tp, draw(st.integers(0, dp - 1)), dp
+    )
 
 
 provenances = st.builds(ExtentProvenance, names, names, offsets, offsets, offsets, offsets, st.booleans())
@@ -143,15 +146,18 @@ def capsule_files(draw: st.DrawFn) -> tuple[CapsuleFile, ...]:
 @st.composite
 def descriptors(draw: st.DrawFn) -> ArtifactDescriptor:
     entries = {}
-    world = draw(st.integers(1, 64))  # one artifact holds one world
+    world = draw(st.integers(1, 64))  # one artifact holds one world (world size, data parallel size)
+    dp = draw(st.integers(1, 3))
     for worker in draw(st.lists(workers(), min_size=1, max_size=4)):  # an artifact lists at least one worker
-        worker = replace(worker, rank=worker.rank % world, world_size=world)
-        entries[(worker.role, worker.rank)] = WorkerEntry(
-            worker, f"workers/{worker.capsule_name}", draw(pack_refs), draw(capsule_files())
+        worker = replace(
+            worker,
+            rank=worker.rank % world,
+            world_size=world,
+            data_parallel_rank=worker.data_parallel_rank % dp,
+            data_parallel_size=dp,
         )
-    return ArtifactDescriptor(
-        draw(model_identities), tuple(sorted(entries.values(), key=lambda e: (e.worker.role, e.worker.rank)))
-    )
+        entries[worker.sort_key] = WorkerEntry(worker, f"workers/{worker.capsule_name}", draw(pack_refs), draw(capsule_files()))
+    return ArtifactDescriptor(draw(model_identities), tuple(sorted(entries.values(), key=lambda e: e.worker.sort_key)))
 
 
 optional_names = st.none() | names
@@ -430,7 +436,27 @@ def test_unknown_format_version_is_its_own_error(documents, kind: str, version: 
         ("native", lambda d: d["model_extents"][0]["provenance"].update(tensor_name=""), ManifestValueError, "must not be empty"),
         ("recovery", lambda d: d["model"].update(revision=""), ManifestValueError, "model.revision"),
         ("descriptor", lambda d: d["workers"][0].update(capsule="workers/worker-1-of-1"), ManifestValueError, "capsule"),
-        ("descriptor", lambda d: d["workers"].append(d["workers"][0]), ManifestValueError, "same (role, rank)"),
+        (
+            "descriptor",
+            lambda d: d["workers"].append(d["workers"][0]),
+            ManifestValueError,
+            "same (role, data parallel rank, rank)",
+        ),
+        # data parallel: both fields or neither, size 1 is spelled by omission, rank below size, capsule from both
+        ("native", lambda d: d["worker"].update(data_parallel_size=1, data_parallel_rank=0), ManifestValueError, "minimum 2"),
+        ("native", lambda d: d["worker"].update(data_parallel_size=2, data_parallel_rank=2), ManifestValueError, "out of range"),
+        (
+            "descriptor",
+            lambda d: d["workers"][0].update(capsule="workers/worker-0-of-1-dp-0-of-2"),
+            ManifestValueError,
+            "not the worker's capsule folder",
+        ),
+        (
+            "descriptor",
+            lambda d: d["workers"][0]["worker"].update(data_parallel_rank=1, data_parallel_size=2),
+            ManifestValueError,
+            "not the worker's capsule folder",
+        ),
     ],
 )
 def test_bad_values_are_value_errors(documents, kind: str, edit, expected: type, words: str) -> None:

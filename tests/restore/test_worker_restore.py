@@ -512,6 +512,76 @@ def test_each_tensor_parallel_rank_restores_only_its_own_pack(tmp_path: Path, ch
     assert sorted(p.name for p in (node / "model-payloads" / "sha256").glob("*.pack")) == [results[1].pack_path.name]
 
 
+def _capture_replicas(tmp_path: Path, checkpoint: Path) -> tuple[list[WorkerIdentity], list[TinyModel], list[CaptureResult]]:
+    """Two data parallel replicas of one tensor parallel 1 model, captured concurrently into one artifact and
+    one state root: the same model bytes, a residual (the rope buffer) that tells them apart."""
+    replicas = [WorkerIdentity("worker", 0, 1, 0, 1, d, 2) for d in range(2)]
+    models = [TinyModel() for _ in replicas]
+    with torch.no_grad():
+        models[1].rope.add_(1)
+    results = [
+        capture(m, checkpoint, tmp_path / "artifact", tmp_path / "state", worker=w) for m, w in zip(models, replicas, strict=True)
+    ]
+    return replicas, models, results
+
+
+def test_data_parallel_replicas_write_two_capsules_sharing_one_pack(tmp_path: Path, checkpoint: Path) -> None:
+    """Two data parallel replicas write two capsules (``worker-0-of-1-dp-0-of-2``, ``worker-0-of-1-dp-1-of-2``)
+    naming one pack digest, and the state root holds that pack once. Fails if the capsule name drops the data
+    parallel rank (both replicas would write ``worker-0-of-1``: one capsule, the second capture replacing the first)
+    or if the second replica's capture removes the first's capsule as another world."""
+    replicas, _models, results = _capture_replicas(tmp_path, checkpoint)
+    descriptor = read_descriptor(tmp_path / "artifact")
+    assert [w.capsule for w in descriptor.workers] == ["workers/worker-0-of-1-dp-0-of-2", "workers/worker-0-of-1-dp-1-of-2"]
+    assert [w.worker for w in descriptor.workers] == replicas
+    assert sorted(p.name for p in (tmp_path / "artifact" / "workers").iterdir() if not p.name.startswith(".")) == [
+        "worker-0-of-1-dp-0-of-2",
+        "worker-0-of-1-dp-1-of-2",
+    ]
+    assert results[0].manifest.pack == results[1].manifest.pack
+    assert [p.pack for p in [results[0].manifest, results[1].manifest]] == list(descriptor.distinct_payloads()) * 2
+    assert sorted(p.name for p in (tmp_path / "state" / "model-payloads" / "sha256").glob("*.pack")) == [
+        results[0].pack_path.name
+    ]
+    assert results[0].manifest.residual.sha256 != results[1].manifest.residual.sha256
+
+
+@pytest.mark.parametrize("replica", [0, 1])
+def test_each_data_parallel_replica_restores_its_own_capsule(tmp_path: Path, checkpoint: Path, replica: int) -> None:
+    """Each replica restores from its own replica's capsule: the rope buffer (residual) it gets is its own.
+    Fails if restore picks a capsule by rank alone (both replicas have rank 0) or swaps the data parallel ranks."""
+    replicas, models, _results = _capture_replicas(tmp_path, checkpoint)
+    fresh = TinyModel()
+    restorer(checkpoint, tmp_path / "artifact", tmp_path / "state", replicas[replica]).run(
+        enumerate_allocations(fresh), HostCopyBackend()
+    )
+    assert fresh.snapshot() == models[replica].snapshot() != models[1 - replica].snapshot()
+
+
+def test_worker_without_its_data_parallel_rank_finds_no_capsule(tmp_path: Path, checkpoint: Path) -> None:
+    """A worker that does not know its data parallel rank (identity ``worker-0-of-1``) finds no capsule in a
+    data parallel artifact, and a replica of another data parallel size finds none either, rather than being
+    served some replica's capsule. Fails if the lookup ignores the data parallel fields."""
+    _capture_replicas(tmp_path, checkpoint)
+    with pytest.raises(MissingObjectError, match=r"no capsule for worker-0-of-1 \(tensor parallel rank 0 of 1\)"):
+        restorer(checkpoint, tmp_path / "artifact", tmp_path / "state", RANK0).read()
+    other = WorkerIdentity("worker", 0, 1, 0, 1, 1, 3)
+    with pytest.raises(MissingObjectError, match=r"worker-0-of-1-dp-1-of-3.*data parallel rank 1 of 3"):
+        restorer(checkpoint, tmp_path / "artifact", tmp_path / "state", other).read()
+
+
+def test_capture_without_data_parallel_replaces_the_replicas(tmp_path: Path, checkpoint: Path) -> None:
+    """Capturing the artifact again without data parallel starts another world: both replica capsules and
+    entries go, ``worker-0-of-1`` is the only one left (so ``coldsnap verify`` passes). Fails if the world
+    ignores the data parallel size (the stale replica capsules would stay beside the new one)."""
+    _capture_replicas(tmp_path, checkpoint)
+    capture(TinyModel(), checkpoint, tmp_path / "artifact", tmp_path / "state")
+    assert [w.capsule for w in read_descriptor(tmp_path / "artifact").workers] == ["workers/worker-0-of-1"]
+    assert sorted(p.name for p in (tmp_path / "artifact" / "workers").iterdir() if not p.name.startswith(".")) == [
+        "worker-0-of-1"
+    ]
+
+
 def test_quarantine_warning_not_swallowed_when_corrupt_pack_cannot_be_quarantined(
     tmp_path: Path, checkpoint: Path, captured, caplog: pytest.LogCaptureFixture
 ) -> None:

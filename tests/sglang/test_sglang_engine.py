@@ -171,39 +171,90 @@ def test_capture_then_restore_equals_a_plain_sglang_load(two_layer: dict, smollm
     assert native.pack.sha256 == SMOLLM2_2LAYER_PACK_SHA256
 
 
-def test_sglang_and_vllm_captures_name_the_same_pack(two_layer: dict, smollm2_2layer: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def vllm_two_layer(two_layer: dict, smollm2_2layer: Path) -> dict:
+    """vLLM's capture (``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``) of the 2-layer checkpoint, in its own artifact
+    and state root: one vLLM engine run shared by the pack-equality and the cross-engine tests."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm"))
+    from engine_support import run_engine
+
+    work = two_layer["work"] / "vllm"
+    runs = {"work": work, "artifact": work / "artifact", "state": work / "state"}
+    runs["capture"] = run_engine(
+        work,
+        "vllm-capture",
+        smollm2_2layer,
+        "coldsnap",
+        env={**coldsnap_env(runs["artifact"], runs["state"]), "COLDSNAP_EXPORT_MODEL_PAYLOAD": "1"},
+    )
+    return runs
+
+
+def test_sglang_and_vllm_captures_name_the_same_pack(two_layer: dict, vllm_two_layer: dict, tmp_path: Path) -> None:
     """The model bytes of one checkpoint are the same in both engines, so vLLM's capture of the 2-layer
     checkpoint (in this test run) gives the pack digest SGLang's capture gave, with byte-identical pack
     files; each engine keeps its own capsule (the residual and the allocation layout differ: vLLM has 4
     attention scales per layer more). Fails if either engine's capture orders or classifies model bytes
     differently. Publishing both artifacts uploads that pack once."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm"))
-    from engine_support import run_engine
-
-    vllm = run_engine(
-        tmp_path,
-        "vllm-capture",
-        smollm2_2layer,
-        "coldsnap",
-        env={
-            "COLDSNAP_ARTIFACT_DIR": str(tmp_path / "artifact"),
-            "COLDSNAP_STATE_ROOT": str(tmp_path / "state"),
-            "COLDSNAP_EXPORT_MODEL_PAYLOAD": "1",
-        },
-    )
+    vllm = vllm_two_layer["capture"]
     assert vllm.error is None, vllm.error
+    vllm_artifact, vllm_state = vllm_two_layer["artifact"], vllm_two_layer["state"]
     sglang_pack = read_descriptor(two_layer["artifact"]).workers[0].payload
-    vllm_pack = read_descriptor(tmp_path / "artifact").workers[0].payload
+    vllm_pack = read_descriptor(vllm_artifact).workers[0].payload
     assert sglang_pack == vllm_pack and vllm.outcome["pack"] == sglang_pack.sha256
-    assert _only_pack(two_layer["state"]).read_bytes() == _only_pack(tmp_path / "state").read_bytes()
+    assert _only_pack(two_layer["state"]).read_bytes() == _only_pack(vllm_state).read_bytes()
     sglang_native = read_capsule(two_layer["artifact"] / "workers" / WORKER).native
-    vllm_native = read_capsule(tmp_path / "artifact" / "workers" / WORKER).native
+    vllm_native = read_capsule(vllm_artifact / "workers" / WORKER).native
     assert len(sglang_native.allocations.allocations) < len(vllm_native.allocations.allocations)
     # Publication of both engines' artifacts uploads the shared pack once, owned by both capsules.
     (published,) = publish_native(
-        [two_layer["artifact"], tmp_path / "artifact"], LocalFolderStore(tmp_path / "store"), PayloadCache(two_layer["state"])
+        [two_layer["artifact"], vllm_artifact], LocalFolderStore(tmp_path / "store"), PayloadCache(two_layer["state"])
     )
     assert published.action == "uploaded" and published.pack == sglang_pack and len(published.owners) == 2
+
+
+def test_a_vllm_artifact_is_refused_by_sglang_naming_vllm(two_layer: dict, vllm_two_layer: dict) -> None:
+    """vLLM's artifact of the very checkpoint SGLang loads (same pack): ``native`` stops the SGLang engine
+    with the target qualification error (``TargetMismatchError``, rule ``target-qualification``) that names vLLM as the
+    capturing engine and SGLang as this one, not a layout count; ``auto`` logs exactly one coldsnap
+    WARNING saying the same and then serves SGLang's checkpoint load, equal to a plain load. Fails if
+    SGLang replays another engine's capsule, or refuses it for a reason that does not name the engine
+    (the allocation layout, 303 against 183 allocations, or the configuration digest)."""
+    artifact, state = vllm_two_layer["artifact"], vllm_two_layer["state"]
+    why = "the capsule was captured by vllm 0."
+    native = run_sglang(
+        two_layer["work"],
+        "vllm-artifact-native",
+        two_layer["model"],
+        "coldsnap",
+        env=coldsnap_env(artifact, state, COLDSNAP_RESTORE="native"),
+    )
+    assert not native.started and native.outputs == []
+    refusals = [line for line in native.log.splitlines() if "TargetMismatchError: rule target-qualification failed" in line]
+    assert refusals and all(why in line and "this engine is sglang 0.5.23" in line for line in refusals), native.log[-5000:]
+    assert "could not restore" not in native.log  # native never falls back
+    auto = run_sglang(two_layer["work"], "vllm-artifact-auto", two_layer["model"], "coldsnap", env=coldsnap_env(artifact, state))
+    _assert_same_load(auto, two_layer["plain"])
+    (warning,) = [line for line in auto.coldsnap_lines() if "could not restore" in line]
+    assert f"could not restore {WORKER}" in warning and why in warning and "this engine is sglang 0.5.23" in warning
+
+
+def test_an_sglang_artifact_is_refused_by_vllm_naming_sglang(two_layer: dict, vllm_two_layer: dict) -> None:
+    """The reverse: SGLang's artifact given to vLLM with ``COLDSNAP_RESTORE=native``: the engine does not
+    start, and the error is the target qualification naming SGLang as the capturing engine and vLLM as this
+    one. Fails if vLLM replays SGLang's capsule or refuses it by its allocation count instead of by engine."""
+    from engine_support import run_engine  # on sys.path through vllm_two_layer
+
+    refused = run_engine(
+        two_layer["work"] / "vllm",
+        "sglang-artifact-native",
+        two_layer["model"],
+        "coldsnap",
+        env=coldsnap_env(two_layer["artifact"], two_layer["state"], COLDSNAP_RESTORE="native"),
+    )
+    assert refused.error is not None and refused.outputs == []
+    assert "TargetMismatchError" in refused.error and "rule target-qualification failed" in refused.error, refused.error
+    assert "the capsule was captured by sglang 0.5.23; this engine is vllm 0." in refused.error, refused.error
 
 
 def _flipped_state(two_layer: dict, name: str) -> tuple[Path, tuple[int, int]]:

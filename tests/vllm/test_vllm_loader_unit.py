@@ -36,6 +36,7 @@ from coldsnap_core.errors import (
     ObserverError,
     StoreError,
 )
+from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.safetensors_header import read_header
 from coldsnap_vllm import state
 from coldsnap_vllm.loader import ColdsnapModelLoader, engine_config_sha256, last_outcome, register_loader
@@ -176,6 +177,48 @@ def test_private_api_is_feature_detected() -> None:
 
 def test_worker_identity_outside_an_engine() -> None:
     assert compat.worker_identity().capsule_name == "worker-0-of-1"
+
+
+def _replica_parallel_config(dp_rank: int, dp_size: int, *, dense: bool):
+    """vLLM's real ``ParallelConfig`` of data parallel replica ``dp_rank`` as its engine process holds it:
+    for a dense model after vLLM's own ``reconfigure_for_independent_dp_rank`` (what ``run_engine_core`` does)."""
+    from vllm.config import ParallelConfig
+
+    config = ParallelConfig(data_parallel_size=dp_size, data_parallel_rank=dp_rank)
+    if dense:
+        config.reconfigure_for_independent_dp_rank()
+    return config
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "moe"])
+def test_worker_identity_names_each_data_parallel_replica(dense: bool) -> None:
+    """Each replica of ``--data-parallel-size 2`` gets its own capsule name, from vLLM's real ``ParallelConfig``
+    (a dense model's engine resets ``data_parallel_size`` to 1 and ``data_parallel_rank`` to 0: the rank is
+    ``data_parallel_index``, the size ``elastic_ep_max_dp_size``). Fails if the identity loses the data parallel
+    rank (both replicas ``worker-0-of-1``: one capsule, two writers), reads the reset ``data_parallel_rank``
+    (both rank 0) or swaps the replicas."""
+    names = [compat.worker_identity(_replica_parallel_config(r, 2, dense=dense)).capsule_name for r in range(2)]
+    assert names == ["worker-0-of-1-dp-0-of-2", "worker-0-of-1-dp-1-of-2"]
+    assert compat.data_parallel_position(_replica_parallel_config(2, 3, dense=dense)) == (2, 3)
+
+
+def test_worker_identity_without_data_parallel_keeps_its_name() -> None:
+    """Without data parallel the identity and its capsule name are those of every earlier artifact
+    (``worker-0-of-1``, no data parallel fields): fails if a data parallel size of 1 renames capsules."""
+    from vllm.config import ParallelConfig
+
+    identity = compat.worker_identity(ParallelConfig())
+    assert identity == compat.worker_identity() == WorkerIdentity("worker", 0, 1, 0, 1)
+    assert "data_parallel_rank" not in identity.to_json()
+
+
+def test_inconsistent_data_parallel_config_is_refused() -> None:
+    """A config whose data parallel rank is outside its size (the replica cannot be told apart) is an
+    EngineVersionError naming both, not a capsule name two replicas could share."""
+    config = _replica_parallel_config(1, 2, dense=True)
+    config.elastic_ep_max_dp_size = 1
+    with pytest.raises(EngineVersionError, match="data parallel rank 1 of 1"):
+        compat.worker_identity(config)
 
 
 def test_copy_backend_selection() -> None:

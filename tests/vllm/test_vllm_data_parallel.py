@@ -1,0 +1,140 @@
+"""``vllm serve MODEL --data-parallel-size 2 --load-format coldsnap``: two replicas, two capsules, one pack.
+
+vLLM runs each data parallel replica of a dense model as its own engine process with its own worker
+(``vllm/v1/engine/core.py`` ``run_engine_core``), so the two replicas capture and restore
+concurrently on one artifact and one state root. ``LLM(data_parallel_size=2)`` is refused for
+single-process use ("not supported for single-process usage and may hang"), so this goes through
+``vllm serve``. One server with export on, ``coldsnap publish-native`` to a folder store, a second
+server that restores both replicas, compared with a plain load's greedy completion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from engine_support import coldsnap_env, run_engine
+
+from coldsnap_core.artifact import read_descriptor
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+STARTUP_TIMEOUT_SECONDS = 600
+PROMPT = "The capital of France is"
+REPLICAS = ["worker-0-of-1-dp-0-of-2", "worker-0-of-1-dp-1-of-2"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return 0
+
+
+def _serve_dp2(model: Path, workdir: Path, name: str, env: dict[str, str]) -> str:
+    """Start ``vllm serve --data-parallel-size 2`` with ``env``, wait for ``/health``, return the greedy
+    completion of :data:`PROMPT` (8 tokens), stop the server with SIGINT; the log is ``<name>.log``."""
+    port = _free_port()
+    server_env = {k: v for k, v in os.environ.items() if not k.startswith("COLDSNAP_")}
+    server_env.update(env, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    command = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--load-format", "coldsnap"]
+    command += ["--data-parallel-size", "2", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager", "--seed", "0"]
+    log_path = workdir / f"{name}.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, env=server_env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
+        while _get(f"http://127.0.0.1:{port}/health") != 200:
+            assert server.poll() is None, f"vllm serve exited with {server.returncode}:\n{log_path.read_text()[-6000:]}"
+            assert time.monotonic() < deadline, "vllm serve did not become healthy"
+            time.sleep(1)
+        body = json.dumps({"model": str(model), "prompt": PROMPT, "max_tokens": 8, "temperature": 0}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.loads(response.read())["choices"][0]["text"]
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def _outcomes(state: Path) -> list[dict]:
+    return [json.loads(line) for line in (state / "load-outcomes.jsonl").read_text().splitlines()]
+
+
+def _publish(artifact: Path, state: Path, store: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "coldsnap_core.cli.main", "publish-native", str(artifact), "--repo", str(store)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "COLDSNAP_STATE_ROOT": str(state)},
+        check=False,
+    )
+
+
+def test_data_parallel_serve_captures_two_capsules_one_pack_and_restores_both(smollm2_2layer: Path, tmp_path: Path) -> None:
+    """Export with ``--data-parallel-size 2``: two capsules (one per replica, each naming its data parallel
+    rank), one pack digest, one cached object; ``publish-native`` uploads that pack once (a second
+    publication uploads nothing); a second ``--data-parallel-size 2`` server restores both replicas, each
+    from its own capsule (two ``restored`` outcome lines, one per replica), and answers what a plain load
+    answers. Fails if the replicas share a capsule name (they would race on one capsule folder and leave
+    one capsule), if a replica restores another replica's capsule or none, or if the pack is stored twice."""
+    artifact, state, store = tmp_path / "artifact", tmp_path / "state", tmp_path / "store"
+    env = coldsnap_env(artifact, state)
+
+    _serve_dp2(smollm2_2layer, tmp_path, "export", {**env, "COLDSNAP_EXPORT_MODEL_PAYLOAD": "1"})
+    descriptor = read_descriptor(artifact)
+    assert [w.worker.capsule_name for w in descriptor.workers] == REPLICAS
+    assert sorted(p.name for p in (artifact / "workers").iterdir() if not p.name.startswith(".")) == REPLICAS
+    (pack,) = descriptor.distinct_payloads()
+    assert [p.name for p in (state / "model-payloads" / "sha256").glob("*.pack")] == [f"{pack.sha256}.pack"]
+    captured = sorted((o["worker"], o["outcome"], o["pack_sha256"]) for o in _outcomes(state))
+    assert captured == [(name, "captured", pack.sha256) for name in REPLICAS]
+
+    first = _publish(artifact, state, store)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.count("uploaded ") == 1 and pack.sha256 in first.stdout, first.stdout
+    stored = sorted(p.relative_to(store).as_posix() for p in store.rglob("*") if p.is_file())
+    assert stored == [f"model-payloads/sha256/{pack.sha256}.pack"]
+    again = _publish(artifact, state, store)
+    assert again.returncode == 0 and "uploaded " not in again.stdout, again.stdout
+
+    restore_state = tmp_path / "restore-state"  # another node: its cache is empty, the store has the pack
+    restored_text = _serve_dp2(
+        smollm2_2layer,
+        tmp_path,
+        "restore",
+        {**coldsnap_env(artifact, restore_state), "COLDSNAP_RESTORE": "native", "COLDSNAP_PAYLOAD_REPO": str(store)},
+    )
+    restored = sorted((o["worker"], o["outcome"], o["pack_sha256"]) for o in _outcomes(restore_state))
+    assert restored == [(name, "restored", pack.sha256) for name in REPLICAS]
+    assert [p.name for p in (restore_state / "model-payloads" / "sha256").glob("*.pack")] == [f"{pack.sha256}.pack"]
+    log = (tmp_path / "restore.log").read_text()
+    assert all(f"coldsnap: restored {name} from pack" in log for name in REPLICAS)
+    assert "could not restore" not in log
+
+    plain = run_engine(tmp_path, "plain", smollm2_2layer, "safetensors", prompts=[PROMPT])
+    assert restored_text == plain.outputs[0]
