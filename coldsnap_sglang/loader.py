@@ -41,22 +41,19 @@ from sglang.srt.configs.load_config import LoadFormat
 from sglang.srt.model_loader.loader import DefaultModelLoader
 
 from coldsnap_core.cache import PayloadCache
-from coldsnap_core.capture import CaptureResult, capture_worker
-from coldsnap_core.copy.select import copy_backend_for
+from coldsnap_core.capture import CaptureResult
 from coldsnap_core.errors import ColdsnapError, EngineVersionError, ObserverError
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.model_identity import (
-    CheckpointRecords,
     LoadedModel,
     engine_checkpoint_files,
-    identify_checkpoint,
     model_config_sha256,
     resolve_hub_commit,
 )
 from coldsnap_core.observer import LoadSession, PreparedWeights, WriteObserver, collector_paused, map_to_allocations
 from coldsnap_core.outcomes import LoadOutcomeLine, Outcome, append_outcome
-from coldsnap_core.restore import restore_or_fall_back
-from coldsnap_core.target import collect_target, engine_version
+from coldsnap_core.restore import capture_loaded_worker, restore_or_fall_back
+from coldsnap_core.target import engine_version
 from coldsnap_core.torch_allocations import enumerate_allocations
 from coldsnap_sglang.settings import resolve_sglang_settings
 
@@ -205,30 +202,22 @@ class ColdsnapModelLoader(DefaultModelLoader):
                     " a parameter); its writes cannot be mapped onto the portable allocations"
                 )
             ranges, _ = map_to_allocations(observer.model_records(), after)
-            primary = session.primary(str(model_config.model_path))
-            if primary is None:
-                raise ObserverError("the checkpoint iterator was never prepared; no checkpoint files to pin")
-            identity = identify_checkpoint(
-                primary.files,
-                source=str(model_config.model_path),
+            identity = session.identify(
+                str(model_config.model_path),
                 revision=_identity_revision(model_config, getattr(self.load_config, "download_dir", None)),
-                root=primary.folder,
                 config_sha256=engine_config_sha256(model_config),
-                records=CheckpointRecords(settings.state_root),
+                state_root=settings.state_root,
             )
-            result = capture_worker(
-                allocation_map=after.allocation_map,
-                allocations=after.live,
-                model_ranges=ranges,
-                worker=worker,
-                capture_point="portable",
-                model=identity,
+            # The capsule records SGLang as its engine (``target.json``, ``docs/format.md`` §15): a
+            # vLLM restore refuses it by name, and an SGLang restore qualifies it.
+            result = capture_loaded_worker(
+                after,
+                ranges,
+                worker,
+                identity,
                 cache=PayloadCache(settings.state_root),
                 artifact_dir=settings.artifact_dir,
-                backend=copy_backend_for(after.device),
-                # The capsule records SGLang as its engine (``target.json``, ``docs/format.md`` §15): a
-                # vLLM restore refuses it by name, and an SGLang restore qualifies it.
-                target=collect_target(ENGINE, engine_version(ENGINE), device=after.device),
+                engine=ENGINE,
             )
         logger.info(
             "coldsnap: observed %d checkpoint copies in %.2f s: %d of %d allocation bytes are model bytes",
