@@ -7,12 +7,13 @@ safetensors`` load, and greedy generations. Engine starts cost 30-47 s each on t
 of the 2-layer checkpoint serves every check of this module (a fixture of module scope): plain load,
 capture, native restore through ``python -m sglang.launch_server``, a flipped pack byte under ``auto`` and
 ``native``, ``COLDSNAP_MATERIALIZE=async``. The 3-shard and untied checkpoints get their own capture and
-restore.
+restore, and so does tensor parallel size 3 (one worker and pack per rank).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -346,3 +347,45 @@ def test_variants_capture_and_restore_equal_plain_loads(variant: str, request, t
     else:
         assert files == {"model.safetensors"}
         assert "lm_head.weight" in plain.checksums[0]
+
+
+def _tensor_parallel_env(tp_size: int) -> dict[str, str]:
+    """What SGLang 0.5.23 needs to start ``tp_size`` CPU ranks here: one OpenMP core list per rank
+    (``SGLANG_CPU_OMP_THREADS_BIND``, ``|``-separated; ranks share cores when there are fewer cores than
+    ranks) and ``SGLANG_NCCL_SO_PATH`` at no file, else PyPI's CUDA torch ships ``libnccl.so.2`` and SGLang's
+    NCCL communicator refuses the CPU (``Expected a cuda device, but got: cpu``, ``pynccl.py``)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return {
+        "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(cpus[rank % len(cpus)]) for rank in range(tp_size)),
+        "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2",
+    }
+
+
+def test_tensor_parallel_3_each_rank_captures_and_restores_its_own_worker(smollm2_2layer: Path, tmp_path: Path) -> None:
+    """SGLang at ``--tp-size 3`` (SmolLM2 has 9 heads): the capture writes one capsule per tensor parallel
+    rank (``worker-<rank>-of-3``, from SGLang's ``LoadConfig.tp_rank``) with its own pack, three different
+    digests (each rank holds its own shard of the model), and a native restore in a fresh engine fills
+    every rank from its own worker: every rank's weights checksums and the greedy tokens equal a plain
+    TP 3 load, with no checkpoint read. Fails if the ranks share a worker name (one capsule overwriting
+    the others), if a rank restores another rank's capsule (its checksums then differ), or if a rank falls
+    back to the checkpoint."""
+    tp_env = _tensor_parallel_env(3)
+    env = {**tp_env, **coldsnap_env(tmp_path / "artifact", tmp_path / "state")}
+    plain = run_sglang(tmp_path, "plain", smollm2_2layer, "safetensors", env=tp_env, tp_size=3)
+    capture = run_sglang(
+        tmp_path, "capture", smollm2_2layer, "coldsnap", env={**env, "COLDSNAP_EXPORT_MODEL_PAYLOAD": "1"}, tp_size=3
+    )
+    restore = run_sglang(tmp_path, "restore", smollm2_2layer, "coldsnap", env={**env, "COLDSNAP_RESTORE": "native"}, tp_size=3)
+    for result in (plain, capture, restore):
+        assert result.started, result.log[-5000:]
+        assert len(result.checksums) == 3, "one weights checksum list per tensor parallel rank"
+    assert capture.checksums == plain.checksums and restore.checksums == plain.checksums
+    assert capture.output_ids == plain.output_ids and restore.output_ids == plain.output_ids
+    workers = [f"worker-{rank}-of-3" for rank in range(3)]
+    assert sorted(p.name for p in (tmp_path / "artifact" / "workers").iterdir() if not p.name.startswith(".")) == workers
+    packs = [read_capsule(tmp_path / "artifact" / "workers" / w).native.pack.sha256 for w in workers]
+    assert len(set(packs)) == 3
+    assert sorted(p.stem for p in (tmp_path / "state" / "model-payloads" / "sha256").glob("*.pack")) == sorted(packs)
+    for worker, digest in zip(workers, packs, strict=True):
+        assert [line for line in restore.coldsnap_lines() if f"restored {worker} from pack {digest[:12]}" in line], worker
+    assert [line for line in restore.coldsnap_lines() if "could not restore" in line] == []
