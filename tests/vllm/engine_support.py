@@ -11,8 +11,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +26,7 @@ from tests.support.files import flip_byte as flip_byte  # re-exported for the en
 ENGINE_RUN = Path(__file__).resolve().parent / "engine_run.py"
 ENGINE_TIMEOUT_SECONDS = 900
 PROMPTS = ["The capital of France is", "Once upon a time"]
+SERVE_STARTUP_TIMEOUT_SECONDS = 600
 
 
 @dataclass(frozen=True)
@@ -128,3 +134,55 @@ def copy_state(source: Path, target: Path) -> Path:
 def only_pack(state: Path) -> Path:
     (pack,) = sorted((state / "model-payloads" / "sha256").glob("*.pack"))
     return pack
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return 0
+
+
+def serve_completion(
+    model: Path, workdir: Path, name: str, env: dict[str, str], *, prompt: str, extra_args: tuple[str, ...] = ()
+) -> tuple[str, str]:
+    """``vllm serve MODEL --load-format coldsnap`` (plus ``extra_args``) with ``env`` over this environment
+    without its ``COLDSNAP_*`` variables: wait for ``/health`` (asserting the server is alive and healthy
+    within :data:`SERVE_STARTUP_TIMEOUT_SECONDS`), return the greedy completion of ``prompt`` (8 tokens,
+    temperature 0) and the server's log (``<name>.log``), after stopping it with SIGINT."""
+    port = _free_port()
+    server_env = {k: v for k, v in os.environ.items() if not k.startswith("COLDSNAP_")}
+    server_env.update(env, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    command = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--load-format", "coldsnap", *extra_args]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
+    command += ["--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager", "--seed", "0"]
+    log_path = workdir / f"{name}.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, env=server_env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+    try:
+        deadline = time.monotonic() + SERVE_STARTUP_TIMEOUT_SECONDS
+        while _http_status(f"http://127.0.0.1:{port}/health") != 200:
+            assert server.poll() is None, f"vllm serve exited with {server.returncode}:\n{log_path.read_text()[-6000:]}"
+            assert time.monotonic() < deadline, "vllm serve did not become healthy"
+            time.sleep(1)
+        body = json.dumps({"model": str(model), "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            text = json.loads(response.read())["choices"][0]["text"]
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    return text, log_path.read_text()

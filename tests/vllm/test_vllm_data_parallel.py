@@ -12,72 +12,26 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-from engine_support import coldsnap_env, run_engine
+from engine_support import coldsnap_env, run_engine, serve_completion
 
 from coldsnap_core.artifact import read_descriptor
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-STARTUP_TIMEOUT_SECONDS = 600
 PROMPT = "The capital of France is"
 REPLICAS = ["worker-0-of-1-dp-0-of-2", "worker-0-of-1-dp-1-of-2"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return 0
-
-
 def _serve_dp2(model: Path, workdir: Path, name: str, env: dict[str, str]) -> str:
-    """Start ``vllm serve --data-parallel-size 2`` with ``env``, wait for ``/health``, return the greedy
-    completion of :data:`PROMPT` (8 tokens), stop the server with SIGINT; the log is ``<name>.log``."""
-    port = _free_port()
-    server_env = {k: v for k, v in os.environ.items() if not k.startswith("COLDSNAP_")}
-    server_env.update(env, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
-    command = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--load-format", "coldsnap"]
-    command += ["--data-parallel-size", "2", "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager", "--seed", "0"]
-    log_path = workdir / f"{name}.log"
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(command, env=server_env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
-        while _get(f"http://127.0.0.1:{port}/health") != 200:
-            assert server.poll() is None, f"vllm serve exited with {server.returncode}:\n{log_path.read_text()[-6000:]}"
-            assert time.monotonic() < deadline, "vllm serve did not become healthy"
-            time.sleep(1)
-        body = json.dumps({"model": str(model), "prompt": PROMPT, "max_tokens": 8, "temperature": 0}).encode()
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return json.loads(response.read())["choices"][0]["text"]
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+    """``vllm serve --data-parallel-size 2`` with ``env``: the greedy completion of :data:`PROMPT`; the log is
+    ``<name>.log``."""
+    text, _ = serve_completion(model, workdir, name, env, prompt=PROMPT, extra_args=("--data-parallel-size", "2"))
+    return text
 
 
 def _outcomes(state: Path) -> list[dict]:
