@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +29,7 @@ from coldsnap_core.artifact import read_capsule, read_descriptor
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.publish import publish_native
 from coldsnap_core.stores.local import LocalFolderStore
+from tests.support.servers import free_port, stop_server
 
 pytestmark = [pytest.mark.sglang, pytest.mark.vllm, pytest.mark.slow]
 
@@ -54,12 +53,6 @@ def _flip_byte(path: Path, offset: int) -> None:
     path.chmod(0o444)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _http(url: str, body: dict | None = None, timeout: float = 5) -> tuple[int, object]:
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -74,7 +67,7 @@ def _serve_restore(work: Path, model: Path, env: dict[str, str]) -> SGLangResult
     """``python -m sglang.launch_server ... --load-format coldsnap`` with ``env``: wait for ``/health``, send
     one ``/generate`` request with both prompts, read ``/weights_checker`` (``action=checksum``), stop the
     server with SIGINT; the result in :class:`SGLangResult` form (``output_ids`` from ``/generate``)."""
-    port = _free_port()
+    port = free_port()
     command = [str(sglang_python()), "-m", "sglang.launch_server", "--model-path", str(model)]
     command += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--tp-size", "1"]
     command += ["--dtype", "bfloat16", "--mem-fraction-static", "0.1", "--context-length", "256", "--max-total-tokens", "2048"]
@@ -106,12 +99,7 @@ def _serve_restore(work: Path, model: Path, env: dict[str, str]) -> SGLangResult
             _, answer = _http(f"http://127.0.0.1:{port}/generate", body, timeout=300)
             _, checksums = _http(f"http://127.0.0.1:{port}/weights_checker", {"action": "checksum"}, timeout=300)
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_server(server)
     log_text = log_path.read_text()
     if not isinstance(answer, list) or not isinstance(checksums, dict):
         return SGLangResult(server.returncode or 1, [], [], [], log_text)

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.support.files import flip_byte as flip_byte  # re-exported for the engine tests
+from tests.support.servers import free_port, stop_server
 
 ENGINE_RUN = Path(__file__).resolve().parent / "engine_run.py"
 ENGINE_TIMEOUT_SECONDS = 900
@@ -136,12 +135,6 @@ def only_pack(state: Path) -> Path:
     return pack
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _http_status(url: str) -> int:
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
@@ -157,7 +150,7 @@ def serve_completion(
     without its ``COLDSNAP_*`` variables: wait for ``/health`` (asserting the server is alive and healthy
     within :data:`SERVE_STARTUP_TIMEOUT_SECONDS`), return the greedy completion of ``prompt`` (8 tokens,
     temperature 0) and the server's log (``<name>.log``), after stopping it with SIGINT."""
-    port = _free_port()
+    port = free_port()
     server_env = {k: v for k, v in os.environ.items() if not k.startswith("COLDSNAP_")}
     server_env.update(env, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
     command = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--load-format", "coldsnap", *extra_args]
@@ -179,10 +172,5 @@ def serve_completion(
         with urllib.request.urlopen(request, timeout=120) as response:
             text = json.loads(response.read())["choices"][0]["text"]
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_server(server)
     return text, log_path.read_text()
