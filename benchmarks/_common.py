@@ -14,7 +14,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tools"))
+# The engine benchmarks start engines through the tests' own support modules (``tests.support``,
+# ``tests/vllm/engine_support.py``), so the repository root is importable as well as ``tools/``.
+sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 from smollm2_fixture import ensure_fixture  # noqa: E402
 
