@@ -22,7 +22,7 @@ from smollm2_fixture import ensure_fixture  # noqa: E402
 
 MiB = 1 << 20
 
-#: Checkpoint name -> ``ensure_fixture`` keyword arguments (``reference/fixtures.md``).
+#: Checkpoint name -> ``ensure_fixture`` keyword arguments (``tools/smollm2_fixture.py``).
 CHECKPOINTS: dict[str, dict[str, object]] = {
     "smollm2-2layer": {"layers": 2},
     "smollm2-full": {"layers": None},

@@ -2,7 +2,7 @@
 """GPU check: a level-1 wake from pack + residual against a pinned host-to-device copy of the same bytes.
 
 What it does, on one CUDA device, with the CUDA driver's virtual memory API (cuda-python) exactly as
-vLLM's CuMem allocator uses it (``csrc/cumem_allocator.cpp``; ``reference/vllm.md`` section 4.2):
+vLLM's CuMem allocator uses it (``csrc/cumem_allocator.cpp``, ``vllm/device_allocator/cumem.py``):
 
 1. lays a real checkpoint out in "weights" segments the way a sleep-mode vLLM worker holds it
    (tensors of 1 MiB or more in their own segment, smaller ones packed 512-byte aligned into shared

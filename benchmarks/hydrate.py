@@ -18,7 +18,7 @@ For each real SmolLM2 checkpoint (the 2-layer cut, 71 MB, and the full model, 26
    * ``plain copy xN``: the same reads split into 4 MiB pieces over N threads (the best plain copy on
      this machine, for context).
 
-It prints medians and the throughput ratio ``hydrate / plain copy`` (goal >= 0.9, issue 2). Nothing
+It prints medians and the throughput ratio ``hydrate / plain copy`` (goal >= 0.9). Nothing
 is asserted. Usage::
 
     .venv/bin/python benchmarks/hydrate.py [--repetitions 15] [--tmp /dev/shm] [--checkpoint smollm2-2layer ...]
@@ -193,7 +193,7 @@ def main() -> None:
         ],
         rows,
     )
-    print("\nratios are throughput ratios (plain copy time / hydrate time); goal hydrate/copy >= 0.9 (issue 2)")
+    print("\nratios are throughput ratios (plain copy time / hydrate time); goal hydrate/copy >= 0.9")
 
 
 if __name__ == "__main__":

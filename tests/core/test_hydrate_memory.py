@@ -1,4 +1,4 @@
-"""Hydration and capture never hold the model twice (DESIGN.md, "Allocate once and copy into views").
+"""Hydration and capture never hold the model twice: allocate once, copy into views.
 
 Measured in a fresh subprocess on the real 2-layer checkpoint (67.5 MiB of weights): the peak resident
 set (``VmHWM``, reset through ``/proc/self/clear_refs`` right before the operation) may grow by far

@@ -106,7 +106,7 @@ def test_native_restore_without_artifact_dir_is_refused() -> None:
 
 
 def test_no_setting_names_a_pack() -> None:
-    """Recipes cannot choose the pack's name: it is always derived from its SHA-256 (seed 000). A
+    """Recipes cannot choose the pack's name: it is always derived from its SHA-256 (``docs/format.md`` §1). A
     key such as ``pack_name`` is not coldsnap's, so it is passed on to vLLM's DefaultModelLoader,
     which rejects unknown keys (checked with the real loader in test_vllm_loader_unit.py)."""
     assert not [key for key in KEYS if "pack" in key or "digest" in key]

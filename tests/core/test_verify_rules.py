@@ -1,5 +1,5 @@
 """Every verification rule, produced on a real SmolLM2 capture and caught by hydration before a byte
-is written (issue 2, "Sensitivity": gap, overlap, size change, digest/path mismatch, non-zero
+is written (gap, overlap, size change, digest/path mismatch, non-zero
 padding, truncated pack, truncated blob, unknown version, ... each its own error).
 
 Each case corrupts one thing in a copy of the capture, hydrates into zero-filled slabs, and checks

