@@ -7,14 +7,20 @@ file of ``--size-mib`` MiB (a real pack when ``--file`` is given, else seeded by
 alternation, each variant ``--repetitions`` times into a fresh private anonymous mapping (as a large
 torch CPU allocation is):
 
-* ``fill``: :meth:`coldsnap_core.copy.host.HostCopyBackend.fill`, every usable CPU
-  (``MADV_POPULATE_WRITE`` per thread, ``os.preadv``);
-* ``fill, default``: the same as hydration runs it, huge pages advised only where
-  :func:`coldsnap_core.copy.host.huge_pages_pay` says so (free 2 MiB blocks for twice the bytes);
+* ``fill, default``: :meth:`coldsnap_core.copy.host.HostCopyBackend.fill` as hydration runs it,
+  every usable CPU (``MADV_POPULATE_WRITE`` then ``os.preadv``, 4 MiB at a time), huge pages advised
+  only where :func:`coldsnap_core.copy.host.huge_pages_pay` says so (free 2 MiB blocks for twice the
+  bytes, and no free page reporting to a hypervisor);
 * ``fill, huge pages`` / ``fill, 4 KiB pages``: the same with the advice forced on / off;
 * ``fill, 1 thread``: the same on one thread;
 * ``read, first touch``: one ``os.preadv`` pass on one thread into the fresh mapping, faulting page
   by page: what a plain loader's copy into a new tensor costs;
+* ``fault only``: ``MADV_POPULATE_WRITE`` of the fresh mapping, 4 MiB at a time on every CPU, with
+  no copy (:func:`_common.fresh_fault_seconds`): the floor of any fill into fresh memory;
+
+each after waiting :data:`_common.PAGE_REPORTING_SETTLE_S` so that the memory the previous variant
+freed has been reported to the host where the machine does that (as the memory an engine starts
+with has);
 
 and the limits, each on already-faulted memory (no faults): ``memcpy`` (numpy copy between two
 faulted buffers; the memory bandwidth one core gets), ``page cache read`` (``os.preadv`` from the
@@ -39,7 +45,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from _common import MiB, drop_file_from_page_cache, machine_line, print_table, warm_page_cache
+from _common import (
+    PAGE_REPORTING_SETTLE_S,
+    MiB,
+    drop_file_from_page_cache,
+    fresh_fault_seconds,
+    machine_line,
+    print_table,
+    warm_page_cache,
+)
 
 import coldsnap_core.copy.host as host
 from coldsnap_core.copy.base import CopyOp, LiveAllocation
@@ -53,6 +67,7 @@ def fresh_mapping(size_bytes: int) -> tuple[mmap.mmap, int]:
 
 
 def timed(run: Callable[[int, int], object], size_bytes: int) -> float:
+    time.sleep(PAGE_REPORTING_SETTLE_S)
     region, address = fresh_mapping(size_bytes)
     try:
         started = time.perf_counter()
@@ -109,9 +124,11 @@ def main() -> int:
             return run
 
         free_blocks = host.free_huge_block_bytes()
-        auto = host.huge_pages_pay(size, free_blocks)
+        reporting = host.free_page_reporting()
+        auto = host.huge_pages_pay(size, free_blocks, page_reporting=reporting)
         print(
-            f"host_fill: free 2 MiB blocks now {(free_blocks or 0) / 1e9:.2f} GB: the default fill"
+            f"host_fill: free 2 MiB blocks now {(free_blocks or 0) / 1e9:.2f} GB, free page reporting"
+            f" {'on' if reporting else 'off'}: the default fill"
             f" {'advises' if auto else 'does not advise'} huge pages for {size / 1e9:.2f} GB"
         )
         variants: dict[str, Callable[[int, int], object]] = {
@@ -122,6 +139,7 @@ def main() -> int:
             "read, first touch (1 thread)": lambda a, n: read_all(fd, a, n, 1),
         }
         times: dict[str, list[float]] = {name: [] for name in variants}
+        times[f"fault only ({cpus} threads, no copy)"] = []
         limits: dict[str, list[float]] = {"memcpy (faulted buffers, 1 thread)": [], "page cache read (faulted buffer)": []}
         disk: list[float] = []
         source = np.empty(size, dtype=np.uint8)
@@ -132,6 +150,7 @@ def main() -> int:
         for _ in range(args.repetitions):
             for name, run in variants.items():
                 times[name].append(timed(run, size))
+            times[f"fault only ({cpus} threads, no copy)"].append(fresh_fault_seconds(size))
             started = time.perf_counter()
             np.copyto(target, source)
             limits["memcpy (faulted buffers, 1 thread)"].append(time.perf_counter() - started)
@@ -157,9 +176,10 @@ def main() -> int:
         small = statistics.median(times[f"fill ({cpus} threads, 4 KiB pages)"])
         default = statistics.median(times[f"fill ({cpus} threads, default)"])
         plain = statistics.median(times["read, first touch (1 thread)"])
+        fault = statistics.median(times[f"fault only ({cpus} threads, no copy)"])
         print(
             f"\nhuge pages / 4 KiB pages = {huge / small:.2f}; default fill / best of both = {default / min(huge, small):.2f};"
-            f" default fill / plain first-touch read = {default / plain:.2f}"
+            f" default fill / plain first-touch read = {default / plain:.2f}; default fill / fault only = {default / fault:.2f}"
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)

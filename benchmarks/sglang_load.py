@@ -144,7 +144,7 @@ def main() -> int:
         f"physical limits on the same {checkpoint_bytes / 1e6:.1f} MB: memcpy {limits['memcpy']:.2f} GB/s"
         f" ({checkpoint_bytes / limits['memcpy'] / 1e9:.3f} s), page cache read {limits['page cache read']:.2f} GB/s"
         f" ({checkpoint_bytes / limits['page cache read'] / 1e9:.3f} s), disk read {limits['disk read']:.2f} GB/s,"
-        f" sha256 {limits['sha256']:.2f} GB/s"
+        f" sha256 {limits['sha256']:.2f} GB/s, fresh page faults {limits['fresh page faults']:.2f} GB/s"
     )
     print(f"machine after the runs: {machine_line()}")
     return 0

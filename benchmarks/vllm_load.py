@@ -168,10 +168,15 @@ def main() -> int:
         )
     print(
         f"  physical limits: memcpy {limits['memcpy']:.2f} GB/s, page cache read {limits['page cache read']:.2f} GB/s,"
-        f" disk read {limits['disk read']:.2f} GB/s"
+        f" disk read {limits['disk read']:.2f} GB/s, fresh page faults {limits['fresh page faults']:.2f} GB/s"
     )
     if hydration:
-        print(f"  of which hydration (checks + copy) in restore: {statistics.median(hydration):.3f} s")
+        fault_s = checkpoint_bytes / limits["fresh page faults"] / 1e9
+        print(
+            f"  of which hydration (checks + copy) in restore: {statistics.median(hydration):.3f} s"
+            f" ({statistics.median(hydration) / fault_s:.2f} x the {fault_s:.3f} s that faulting the same bytes"
+            " of fresh memory takes, with no copy)"
+        )
     if capture_only:
         print(f"  of which capture_worker in capture:            {statistics.median(capture_only):.3f} s")
     large = checkpoint_bytes > 2e9
