@@ -502,3 +502,54 @@ def test_read_missing_document_is_a_missing_object(tmp_path) -> None:
     with pytest.raises(MissingObjectError) as info:
         NativeManifest.read(tmp_path / "native-manifest.json")
     assert info.value.exit_code == 3 and "native-manifest.json" in str(info.value)
+
+
+def _reference_bytes(document: Any) -> bytes:
+    """What ``docs/format.md`` §4 says a document's bytes are."""
+    return (json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+_PLAIN_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.text(max_size=12),
+    lambda inner: (
+        st.lists(inner, max_size=5)
+        | st.lists(st.integers(), max_size=5)  # the all-int fast path (shapes, strides)
+        | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), _PLAIN_JSON, max_size=6))
+def test_dump_document_writes_exactly_the_bytes_json_dumps_writes(document: dict) -> None:
+    """Catches the document writer drifting from the documented bytes (``json.dumps`` with indent 2,
+    sorted keys, non-ASCII as is, final newline): a separator, an indent, the sort, the escaping of a
+    control or non-ASCII character, an empty list or object, a nested all-integer list, booleans kept
+    apart from integers."""
+    from coldsnap_core.format._strict import dump_document
+
+    assert dump_document(document) == _reference_bytes(document)
+
+
+def test_dump_document_leaves_other_values_to_json_dumps() -> None:
+    """Catches the fast writer mishandling what it does not know (a float, a non-string key, a tuple
+    of mixed items, an int subclass): it must give ``json.dumps``' bytes, not its own guess."""
+    import enum
+
+    from coldsnap_core.format._strict import dump_document
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    for document in ({"ratio": 0.5}, {"map": {1: "a"}}, {"pair": ("x", 2)}, {"level": Level.HIGH}, {}):
+        assert dump_document(document) == _reference_bytes(document)
+
+
+def test_real_documents_are_written_as_the_documented_bytes(captured_2layer: Captured) -> None:
+    """Catches a capture writing a manifest, ``target.json`` or ``artifact.json`` whose bytes differ
+    from the documented serialization of its own content (a real SmolLM2 2-layer capture)."""
+    paths = [*sorted(captured_2layer.capsule_dir.glob("*.json")), captured_2layer.artifact_dir / "artifact.json"]
+    assert len(paths) >= 4
+    for path in paths:
+        assert path.read_bytes() == _reference_bytes(json.loads(path.read_text())), path.name
