@@ -136,7 +136,11 @@ def fresh_fault_seconds(size_bytes: int, *, chunk_bytes: int = 4 * MiB, settle_s
 
     Waits ``settle_s`` first (:data:`PAGE_REPORTING_SETTLE_S`), then calls
     ``madvise(MADV_POPULATE_WRITE)`` ``chunk_bytes`` at a time on every usable CPU, with base pages
-    (:func:`coldsnap_core.copy.host.prefault_for_write`, as the host copy backend does).
+    (:func:`coldsnap_core.copy.host.prefault_for_write`, as the host copy backend does); where the kernel
+    refuses that advice, one write per page faults the chunk instead, so the time is never of nothing.
+
+    Raises:
+        ValueError: ``size_bytes`` or ``chunk_bytes`` is not positive.
     """
     import mmap
     from concurrent.futures import ThreadPoolExecutor
@@ -145,22 +149,29 @@ def fresh_fault_seconds(size_bytes: int, *, chunk_bytes: int = 4 * MiB, settle_s
 
     from coldsnap_core.copy.host import prefault_for_write
 
+    if size_bytes <= 0 or chunk_bytes <= 0:
+        raise ValueError(f"size_bytes ({size_bytes}) and chunk_bytes ({chunk_bytes}) must be positive")
     threads = len(os.sched_getaffinity(0))
     time.sleep(settle_s)
     region = mmap.mmap(-1, size_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    views = [np.frombuffer(region, dtype=np.uint8)]  # cleared before the mapping closes (numpy holds an export)
     try:
-        address = np.frombuffer(region, dtype=np.uint8).ctypes.data
+        address = views[0].ctypes.data
         step = -(-size_bytes // threads)
+        page_bytes = os.sysconf("SC_PAGE_SIZE")
 
         def fault(part: int) -> None:
             for start in range(part * step, min(size_bytes, (part + 1) * step), chunk_bytes):
-                prefault_for_write(address + start, min(chunk_bytes, size_bytes - start))
+                size = min(chunk_bytes, size_bytes - start, (part + 1) * step - start)
+                if not prefault_for_write(address + start, size):
+                    views[0][start : start + size : page_bytes] = 0  # no MADV_POPULATE_WRITE here: first touch
 
         started = time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(fault, range(threads)))
         return time.perf_counter() - started
     finally:
+        views.clear()
         region.close()
 
 

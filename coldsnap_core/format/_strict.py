@@ -287,7 +287,7 @@ def dump_document(obj: Mapping[str, Any]) -> bytes:
     """
     try:
         text = _indented(obj)
-    except _NotPlainJSON:
+    except (_NotPlainJSON, RecursionError):  # json.dumps then gives its own result or error (a cycle: ValueError)
         text = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False)
     return (text + "\n").encode("utf-8")
 

@@ -544,6 +544,10 @@ def test_dump_document_leaves_other_values_to_json_dumps() -> None:
 
     for document in ({"ratio": 0.5}, {"map": {1: "a"}}, {"pair": ("x", 2)}, {"level": Level.HIGH}, {}):
         assert dump_document(document) == _reference_bytes(document)
+    cycle: dict = {}
+    cycle["self"] = cycle
+    with pytest.raises(ValueError, match="Circular reference"):  # json.dumps' error, not a RecursionError
+        dump_document(cycle)
 
 
 def test_real_documents_are_written_as_the_documented_bytes(captured_2layer: Captured) -> None:
