@@ -6,6 +6,7 @@ a reference doing the same work on the same bytes) and never assert a time.
 
 from __future__ import annotations
 
+import mmap
 import os
 import statistics
 import sys
@@ -131,6 +132,14 @@ and an engine starts long after anything freed memory, so its faults find report
 memory; measuring right after freeing a buffer would find hot memory instead."""
 
 
+def fresh_mapping(size_bytes: int) -> tuple[mmap.mmap, int]:
+    """A private anonymous mapping nobody has touched (as a large torch CPU allocation is), and its address."""
+    import numpy as np
+
+    region = mmap.mmap(-1, size_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return region, np.frombuffer(region, dtype=np.uint8).ctypes.data
+
+
 def fresh_fault_seconds(size_bytes: int, *, chunk_bytes: int = 4 * MiB, settle_s: float = PAGE_REPORTING_SETTLE_S) -> float:
     """Seconds to fault in ``size_bytes`` of fresh private anonymous memory for writing, no copy.
 
@@ -142,36 +151,29 @@ def fresh_fault_seconds(size_bytes: int, *, chunk_bytes: int = 4 * MiB, settle_s
     Raises:
         ValueError: ``size_bytes`` or ``chunk_bytes`` is not positive.
     """
-    import mmap
     from concurrent.futures import ThreadPoolExecutor
 
-    import numpy as np
-
-    from coldsnap_core.copy.host import prefault_for_write
+    from coldsnap_core.copy.host import PAGE_BYTES, host_view, prefault_for_write
 
     if size_bytes <= 0 or chunk_bytes <= 0:
         raise ValueError(f"size_bytes ({size_bytes}) and chunk_bytes ({chunk_bytes}) must be positive")
     threads = len(os.sched_getaffinity(0))
     time.sleep(settle_s)
-    region = mmap.mmap(-1, size_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    views = [np.frombuffer(region, dtype=np.uint8)]  # cleared before the mapping closes (numpy holds an export)
+    region, address = fresh_mapping(size_bytes)
     try:
-        address = views[0].ctypes.data
         step = -(-size_bytes // threads)
-        page_bytes = os.sysconf("SC_PAGE_SIZE")
 
         def fault(part: int) -> None:
             for start in range(part * step, min(size_bytes, (part + 1) * step), chunk_bytes):
                 size = min(chunk_bytes, size_bytes - start, (part + 1) * step - start)
-                if not prefault_for_write(address + start, size):
-                    views[0][start : start + size : page_bytes] = 0  # no MADV_POPULATE_WRITE here: first touch
+                if not prefault_for_write(address + start, size):  # no MADV_POPULATE_WRITE here: first touch
+                    host_view(address + start, size)[::PAGE_BYTES] = bytes(len(range(0, size, PAGE_BYTES)))
 
         started = time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(fault, range(threads)))
         return time.perf_counter() - started
     finally:
-        views.clear()
         region.close()
 
 

@@ -34,7 +34,6 @@ memcpy time. Nothing is asserted. Usage::
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import shutil
 import statistics
@@ -50,6 +49,7 @@ from _common import (
     MiB,
     drop_file_from_page_cache,
     fresh_fault_seconds,
+    fresh_mapping,
     machine_line,
     print_table,
     warm_page_cache,
@@ -58,12 +58,6 @@ from _common import (
 import coldsnap_core.copy.host as host
 from coldsnap_core.copy.base import CopyOp, LiveAllocation
 from coldsnap_core.copy.host import HostCopyBackend, host_view
-
-
-def fresh_mapping(size_bytes: int) -> tuple[mmap.mmap, int]:
-    """A private anonymous mapping nobody has touched, and its address."""
-    region = mmap.mmap(-1, size_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return region, np.frombuffer(region, dtype=np.uint8).ctypes.data
 
 
 def timed(run: Callable[[int, int], object], size_bytes: int) -> float:

@@ -387,9 +387,13 @@ def test_fill_faults_each_chunk_right_before_reading_it(source: tuple[Path, byte
 
 
 @pytest.mark.skipif(_thp_mode() != "madvise", reason="only THP mode madvise makes the advice the difference")
-@pytest.mark.parametrize("setting", [False, None, "reported"])
+@pytest.mark.parametrize(
+    ("huge_pages", "budget_bytes", "reporting"),
+    [(False, 1 << 40, False), (None, 0, False), (None, 1 << 40, True)],
+    ids=["off", "no-budget", "reported"],
+)
 def test_fill_without_a_huge_page_budget_keeps_base_pages(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: bool | str | None
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, huge_pages: bool | None, budget_bytes: int, reporting: bool
 ) -> None:
     """Catches the huge-page advice being given when it was turned off (``huge_pages=False``), when
     the kernel has no free 2 MiB blocks for it (default, budget forced to 0) or when free blocks are
@@ -400,8 +404,8 @@ def test_fill_without_a_huge_page_budget_keeps_base_pages(
 
     import coldsnap_core.copy.host as host
 
-    monkeypatch.setattr(host, "free_huge_block_bytes", lambda: 0 if setting is None else 1 << 40)
-    monkeypatch.setattr(host, "free_page_reporting", lambda: setting is not None)
+    monkeypatch.setattr(host, "free_huge_block_bytes", lambda: budget_bytes)
+    monkeypatch.setattr(host, "free_page_reporting", lambda: reporting)
     size = 8 << 20
     data = hashlib.shake_256(b"small").digest(size)
     path = tmp_path / "pack"
@@ -411,7 +415,7 @@ def test_fill_without_a_huge_page_budget_keeps_base_pages(
         base = ctypes.addressof(ctypes.c_char.from_buffer(region))
         start = -(-base // (2 << 20)) * (2 << 20) - base
         ops = [CopyOp("pack", 0, 0, 0, size, None, 0)]
-        HostCopyBackend(threads=2, huge_pages=None if setting == "reported" else setting).fill(
+        HostCopyBackend(threads=2, huge_pages=huge_pages).fill(
             ops, {"pack": path}, [LiveAllocation(0, base + start, size)], verify_extents=False
         )
         assert region[start : start + size] == data
