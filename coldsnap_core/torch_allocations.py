@@ -121,6 +121,14 @@ def enumerate_allocations(module: torch.nn.Module) -> TorchAllocations:
             :data:`~coldsnap_core.format.allocation.DTYPE_ITEMSIZE_BYTES`, or two distinct storages
             overlap in memory (hydrating one would write into the other).
     """
+    # vLLM's parameters (BasevLLMParameter, vllm/model_executor/parameter.py) override
+    # __torch_function__, so every shape, stride and storage query below would run Python code of
+    # theirs; none changes what these queries return. Measured in a SmolLM2-135M engine: 15 ms -> 6 ms.
+    with torch._C.DisableTorchFunctionSubclass():
+        return _enumerate(module)
+
+
+def _enumerate(module: torch.nn.Module) -> TorchAllocations:
     entries: list[tuple[str, list[tuple[str, torch.Tensor]], torch.UntypedStorage]] = []
     by_key: dict[object, int] = {}
     device: torch.device | None = None

@@ -474,3 +474,89 @@ def test_a_later_checkpoint_copy_with_other_bytes_wins_with_one_warning(checkpoi
     assert tensor_bytes(m.w) == file_bytes(other, r.provenance.source_offset_bytes, 128)
     warnings = [rec.getMessage() for rec in caplog.records if rec.levelname == "WARNING"]
     assert len(warnings) == 1 and checkpoint.name in warnings[0] and other.name in warnings[0] and "o.weight" in warnings[0]
+
+
+class _CountingObserver(WriteObserver):
+    """A write observer that records the name of every operator it is shown."""
+
+    def __init__(self, sources: CheckpointSources) -> None:
+        super().__init__(sources)
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        self.seen.append(str(func))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _safetensors_iterator(path: Path):
+    """``safetensors_weights_iterator``'s lazy strategy (vLLM ``weight_utils.py``): one ``get_tensor`` per name."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118
+            yield name, f.get_tensor(name)
+
+
+def test_the_checkpoint_iterator_runs_outside_the_observer(checkpoint: Path) -> None:
+    """``LoadSession.observe`` sets the observer aside while the iterator makes each tensor, and puts it
+    back for the consumer's copies. Fails if the iterator's own operators (safetensors'
+    ``empty``/``set_``/``lift_fresh``...) reach the observer again, or if the observer is not back in
+    place after the iterator is exhausted (the copies after the loop would go unseen)."""
+    from coldsnap_core.observer import LoadSession, PreparedWeights
+
+    session = LoadSession()
+    session.prepared.append(PreparedWeights(str(checkpoint.parent), checkpoint.parent, [checkpoint], True))
+    m = torch.nn.Module()
+    m.w = _param(8, 8)
+    m.n = _param(8)
+    held = {}
+    with _CountingObserver(session.sources) as observer:
+        for name, tensor in session.observe("", _safetensors_iterator(checkpoint)):
+            held[name] = tensor
+            if name == "o.weight":
+                m.w.data.copy_(tensor)  # consumed inside the loop
+        m.n.data.copy_(held["norm.weight"])  # consumed after the iterator is exhausted
+        m.n.data[0:1].fill_(0)  # a write after the loop is observed too
+    assert session.sources.registered == 7
+    assert observer.seen.count("aten.copy_.default") == 2
+    assert not {"aten.empty.memory_format", "aten.set_.source_Storage", "aten.lift_fresh.default"} & set(observer.seen)
+    ranges = _ranges(m, observer)
+    assert sorted((r.size_bytes, r.provenance.tensor_name) for r in ranges) == [(14, "norm.weight"), (128, "o.weight")]
+    _check_against_file(m, observer, checkpoint)
+
+
+def test_the_iterator_stays_observed_under_a_mode_above_the_observer(checkpoint: Path) -> None:
+    """When another dispatch mode is entered inside the observer, the iterator is not taken out from
+    under it (only the innermost mode could be set aside), and that mode stays where it was. Fails if
+    the session pops whatever mode is on top."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from coldsnap_core.observer import LoadSession
+
+    session = LoadSession()
+    inner = _CountingObserver(CheckpointSources())
+    with _CountingObserver(session.sources) as outer, inner:
+        names = [name for name, _ in session.observe("", _safetensors_iterator(checkpoint))]
+        assert _get_current_dispatch_mode_stack()[-2:] == [outer, inner]
+    assert len(names) == 7
+    assert "aten.set_.source_Storage" in inner.seen
+    assert "aten.set_.source_Storage" in outer.seen
+
+
+def test_an_iterator_error_leaves_the_observer_in_place(checkpoint: Path) -> None:
+    """An exception raised by the checkpoint iterator reaches the consumer with the observer still the
+    innermost mode. Fails if the mode is not pushed back when the iterator raises."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from coldsnap_core.observer import LoadSession
+
+    def broken():
+        yield from list(_safetensors_iterator(checkpoint))[:1]
+        raise OSError("checkpoint shard truncated")
+
+    session = LoadSession()
+    with WriteObserver(session.sources) as observer:
+        with pytest.raises(OSError, match="truncated"):
+            for _ in session.observe("", broken()):
+                pass
+        assert _get_current_dispatch_mode() is observer

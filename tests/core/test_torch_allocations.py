@@ -136,3 +136,35 @@ def test_tensors_without_storage_are_refused() -> None:
     m.w = torch.nn.Parameter(torch.eye(3).to_sparse(), requires_grad=False)
     with pytest.raises(ObserverError, match="tensor w has no storage"):
         enumerate_allocations(m)
+
+
+class _CountingParameter(torch.nn.Parameter):
+    """A parameter that overrides ``__torch_function__``, as vLLM's ``BasevLLMParameter`` does
+    (``vllm/model_executor/parameter.py``), and counts the calls it sees."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_parameter_subclasses_are_enumerated_without_their_torch_function() -> None:
+    """A ``__torch_function__`` override is not run for the enumeration's queries, and the result is
+    the one plain parameters give. Fails if the override is entered again (about 1,000 Python calls
+    in a 270-tensor vLLM model, 15 ms instead of 6) or if disabling it changed a shape, stride or
+    address."""
+    data = [torch.zeros(6, 4, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.float32)]
+    plain, counted = torch.nn.Module(), torch.nn.Module()
+    plain.w, plain.b = (torch.nn.Parameter(t, requires_grad=False) for t in data)
+    counted.w, counted.b = (_CountingParameter(t, requires_grad=False) for t in data)
+    counted.v = torch.nn.Parameter(counted.w.data[2:], requires_grad=False)
+    plain.v = torch.nn.Parameter(plain.w.data[2:], requires_grad=False)
+    _CountingParameter.calls = 0
+    got = enumerate_allocations(counted)
+    assert _CountingParameter.calls == 0
+    want = enumerate_allocations(plain)
+    assert got.live == want.live
+    assert got.allocation_map == want.allocation_map
+    assert [p.offset_bytes for p in got.allocation_map.allocations[0].tensors] == [0, 16]
