@@ -62,12 +62,13 @@ import bisect
 import contextlib
 import gc
 import logging
+import sys
 import threading
 import weakref
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
@@ -81,6 +82,7 @@ from coldsnap_core.safetensors_header import TensorLocation, read_header
 from coldsnap_core.torch_allocations import TorchAllocations, dtype_name
 
 ConvertedCopies = Literal["residual", "model"]
+_T = TypeVar("_T")
 logger = logging.getLogger(__name__)
 
 _aten = torch.ops.aten
@@ -708,40 +710,56 @@ class LoadSession:
         self, prefix: str, iterator: Iterator[tuple[str, torch.Tensor]]
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
         """Register every yielded tensor with its header location (in the last prepared source, names
-        without ``prefix``), then pass it on unchanged."""
-        index = self._header_index(self.prepared[-1]) if self.prepared else {}
-        while True:
-            try:
-                name, tensor = self._next_unobserved(iterator)
-            except StopIteration:
-                return
-            raw = name[len(prefix) :] if prefix and name.startswith(prefix) else name
-            found = index.get(raw)
-            if found is None:
-                self.sources.register(tensor, None, None)
-            else:
-                self.sources.register(tensor, found[1], found[0])
-            yield name, tensor
+        without ``prefix``), then pass it on unchanged.
 
-    def _next_unobserved(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor]:
-        """The iterator's next item, produced with this session's :class:`WriteObserver` set aside
-        when it is the innermost dispatch mode (else under whatever modes are active).
+        The iterator's own code runs with this session's observer set aside (:meth:`_unobserved`):
+        each ``next`` and, when the consumer stops early (``close``, an exception thrown in), the
+        iterator's ``close``.
+        """
+        index = self._header_index(self.prepared[-1]) if self.prepared else {}
+        iterator = iter(iterator)
+        try:
+            while True:
+                try:
+                    name, tensor = self._unobserved(next, iterator)
+                except StopIteration:
+                    return
+                raw = name[len(prefix) :] if prefix and name.startswith(prefix) else name
+                found = index.get(raw)
+                if found is None:
+                    self.sources.register(tensor, None, None)
+                else:
+                    self.sources.register(tensor, found[1], found[0])
+                yield name, tensor
+        finally:
+            # Closed here rather than by garbage collection under the observer: an iterator that holds
+            # a dispatch mode of its own across its yields sits below the observer (pushed back on top
+            # of it after each next), and its exit pops the innermost mode, which must then be its own.
+            # (At interpreter exit torch's module globals may be gone; garbage collection closes it then.)
+            close = getattr(iterator, "close", None)
+            if close is not None and not sys.is_finalizing():
+                self._unobserved(close)
+
+    def _unobserved(self, call: Callable[..., _T], *args: object) -> _T:
+        """``call(*args)`` (the iterator's ``next`` or ``close``) with this session's
+        :class:`WriteObserver` set aside when it is the innermost dispatch mode (else under whatever
+        modes are active); the observer is back in place when it returns or raises.
 
         Producing a checkpoint tensor writes no model allocation: safetensors' ``get_tensor`` runs
-        eight operators per tensor (``empty``, ``set_``, ``lift_fresh``, ``select``, ``item``,
-        ``view``, ``detach``, a dtype ``view``), two thirds of a load's dispatch calls (SmolLM2-135M
-        on vLLM: 2,176 of 3,200), each about 20 us through a Python mode. A yielded tensor is
-        trusted to hold its file bytes as it is registered, so nothing the observer decides
+        eight operators per tensor (``empty``, ``set_``, ``select``, ``_local_scalar_dense``,
+        ``lift_fresh``, a dtype ``view``, ``detach``, ``view``), two thirds of a load's dispatch calls
+        (SmolLM2-135M on vLLM: 2,176 of 3,200), each about 20 us through a Python mode. A yielded
+        tensor is trusted to hold its file bytes as it is registered, so nothing the observer decides
         depends on seeing them.
 
         Raises:
-            StopIteration: the iterator is exhausted (the observer is back in place).
+            StopIteration: ``next`` on an exhausted iterator (the observer is back in place).
         """
         mode = _get_current_dispatch_mode()
         if isinstance(mode, WriteObserver) and mode.sources is self.sources:
             with _pop_mode_temporarily():
-                return next(iterator)
-        return next(iterator)
+                return call(*args)
+        return call(*args)
 
     def primary(self, model_or_path: str) -> PreparedWeights | None:
         """The prepared source of the model itself (``model_or_path``), else the first one, else ``None``."""

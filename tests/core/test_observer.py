@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from coldsnap_core.observer import CheckpointSources, WriteObserver, map_to_allocations
 from coldsnap_core.safetensors_header import read_header
@@ -560,3 +561,39 @@ def test_an_iterator_error_leaves_the_observer_in_place(checkpoint: Path) -> Non
             for _ in session.observe("", broken()):
                 pass
         assert _get_current_dispatch_mode() is observer
+
+
+class _HeldMode(TorchDispatchMode):
+    """A dispatch mode of the iterator's own, which it holds across its yields."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_iterator_closed_early_takes_its_own_mode_and_not_the_observer(checkpoint: Path) -> None:
+    """An iterator that holds a dispatch mode of its own across its yields sits below the observer
+    while the consumer runs (the observer is pushed back on top of it). When the consumer stops early
+    and closes the generator, the iterator's ``with`` exit pops the innermost mode: it must run with the
+    observer set aside, as its ``next`` did, so that it takes its own mode off. Fails if the iterator is
+    left to be closed by garbage collection under the observer (its exit then pops the observer, its own
+    mode stays on the stack, and the consumer's later writes are not observed)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from coldsnap_core.observer import LoadSession
+
+    def holding():
+        with _HeldMode():
+            yield from _safetensors_iterator(checkpoint)
+
+    session = LoadSession()
+    below = _get_current_dispatch_mode_stack()
+    w = torch.zeros(8, dtype=torch.bfloat16)
+    with WriteObserver(session.sources) as observer:
+        weights = session.observe("", holding())
+        for _ in weights:
+            break
+        weights.close()
+        assert _get_current_dispatch_mode_stack() == [*below, observer]
+        w.fill_(1)
+    assert observer.other_writes == 1
+    assert _get_current_dispatch_mode_stack() == below
