@@ -143,11 +143,14 @@ def _enumerate(module: torch.nn.Module) -> TorchAllocations:
             raise ObserverError(f"tensor {name} is on {tensor.device}, earlier tensors on {device}")
         try:
             storage = tensor.untyped_storage()
+            # A wrapper subclass (DTensor, torchao's quantized tensors) has a storage object without
+            # data: only its data_ptr() raises ("invalid python storage").
+            address = storage.data_ptr()
         except (RuntimeError, NotImplementedError) as exc:
             raise ObserverError(f"tensor {name} has no storage ({type(tensor).__name__}): {exc}") from exc
         # A storage's identity: its address for a non-empty one; the storage object for an empty one
         # (empty storages may all report address 0).
-        key: object = ("ptr", storage.data_ptr()) if storage.nbytes() else ("empty", storage._cdata)
+        key: object = ("ptr", address) if storage.nbytes() else ("empty", storage._cdata)
         index = by_key.get(key)
         if index is None:
             by_key[key] = len(entries)
@@ -155,7 +158,7 @@ def _enumerate(module: torch.nn.Module) -> TorchAllocations:
         else:
             if entries[index][2].nbytes() != storage.nbytes():
                 raise ObserverError(
-                    f"tensor {name} shares address {storage.data_ptr():#x} with {entries[index][1][0][0]}"
+                    f"tensor {name} shares address {address:#x} with {entries[index][1][0][0]}"
                     f" but its storage is {storage.nbytes()} bytes, not {entries[index][2].nbytes()}"
                 )
             entries[index][1].append((name, tensor))
