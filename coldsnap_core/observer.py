@@ -748,7 +748,7 @@ class LoadSession:
         Producing a checkpoint tensor writes no model allocation: safetensors' ``get_tensor`` runs
         eight operators per tensor (``empty``, ``set_``, ``select``, ``_local_scalar_dense``,
         ``lift_fresh``, a dtype ``view``, ``detach``, ``view``), two thirds of a load's dispatch calls
-        (SmolLM2-135M on vLLM: 2,176 of 3,200), each about 20 us through a Python mode. A yielded
+        (SmolLM2-135M on vLLM: 2,176 of about 3,200), each about 20 us through a Python mode. A yielded
         tensor is trusted to hold its file bytes as it is registered, so nothing the observer decides
         depends on seeing them.
 
