@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from safetensors import safe_open
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _get_current_dispatch_mode_stack
 
-from coldsnap_core.observer import CheckpointSources, WriteObserver, map_to_allocations
+from coldsnap_core.observer import CheckpointSources, LoadSession, PreparedWeights, WriteObserver, map_to_allocations
 from coldsnap_core.safetensors_header import read_header
 from coldsnap_core.torch_allocations import enumerate_allocations
 from tests.support.observer_support import file_bytes, open_checkpoint, pattern, tensor_bytes, write_checkpoint
@@ -375,8 +376,6 @@ def _load_shards(shards: list[Path], tmp_path: Path, label: str):
     ``copy_`` from every shard that stores it, in file order (vLLM's default loader calls the
     weight loader once per ``(name, tensor)`` its iterator yields, so a name stored in two shards is
     copied twice). Captured through the observer and the canonical writer; returns the capture."""
-    from safetensors import safe_open
-
     from coldsnap_core.cache import PayloadCache
     from coldsnap_core.capture import capture_worker
     from coldsnap_core.copy.host import HostCopyBackend
@@ -491,8 +490,6 @@ class _CountingObserver(WriteObserver):
 
 def _safetensors_iterator(path: Path):
     """``safetensors_weights_iterator``'s lazy strategy (vLLM ``weight_utils.py``): one ``get_tensor`` per name."""
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118
             yield name, f.get_tensor(name)
@@ -503,8 +500,6 @@ def test_the_checkpoint_iterator_runs_outside_the_observer(checkpoint: Path) -> 
     back for the consumer's copies. Fails if the iterator's own operators (safetensors'
     ``empty``/``set_``/``lift_fresh``...) reach the observer again, or if the observer is not back in
     place after the iterator is exhausted (the copies after the loop would go unseen)."""
-    from coldsnap_core.observer import LoadSession, PreparedWeights
-
     session = LoadSession()
     session.prepared.append(PreparedWeights(str(checkpoint.parent), checkpoint.parent, [checkpoint], True))
     m = torch.nn.Module()
@@ -530,10 +525,6 @@ def test_the_iterator_stays_observed_under_a_mode_above_the_observer(checkpoint:
     """When another dispatch mode is entered inside the observer, the iterator is not taken out from
     under it (only the innermost mode could be set aside), and that mode stays where it was. Fails if
     the session pops whatever mode is on top."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    from coldsnap_core.observer import LoadSession
-
     session = LoadSession()
     inner = _CountingObserver(CheckpointSources())
     with _CountingObserver(session.sources) as outer, inner:
@@ -547,9 +538,6 @@ def test_the_iterator_stays_observed_under_a_mode_above_the_observer(checkpoint:
 def test_an_iterator_error_leaves_the_observer_in_place(checkpoint: Path) -> None:
     """An exception raised by the checkpoint iterator reaches the consumer with the observer still the
     innermost mode. Fails if the mode is not pushed back when the iterator raises."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    from coldsnap_core.observer import LoadSession
 
     def broken():
         yield from list(_safetensors_iterator(checkpoint))[:1]
@@ -577,9 +565,6 @@ def test_an_iterator_closed_early_takes_its_own_mode_and_not_the_observer(checkp
     observer set aside, as its ``next`` did, so that it takes its own mode off. Fails if the iterator is
     left to be closed by garbage collection under the observer (its exit then pops the observer, its own
     mode stays on the stack, and the consumer's later writes are not observed)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    from coldsnap_core.observer import LoadSession
 
     def holding():
         with _HeldMode():
