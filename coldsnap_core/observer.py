@@ -53,7 +53,10 @@ operator registered without alias annotations) are invisible; the loaders the pr
 (vLLM's default loader with the safetensors or InstantTensor iterator) write through ``copy_``.
 The checkpoint iterator itself runs outside the observer (:meth:`LoadSession.observe`), so an
 iterator that rewrites a tensor it yielded earlier is not noticed; a dispatch mode is per thread,
-so an iterator's worker threads were never observed either.
+so an iterator's worker threads were never observed either. A wrapper tensor subclass (DTensor,
+torchao) writes its inner tensors below this mode: a write into one is counted in
+:attr:`WriteObserver.unattributed_writes`, and then :meth:`WriteObserver.model_records` refuses to
+classify anything (``docs/format.md`` §6.1, "Unclassifiable loads").
 """
 
 from __future__ import annotations
@@ -138,6 +141,21 @@ def _storage_extent_bytes(tensor: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * tensor.element_size()
 
 
+def _data_address(tensor: torch.Tensor) -> tuple[torch.UntypedStorage, int] | None:
+    """``tensor``'s storage and the address of the storage's first byte, or ``None`` when it has no data.
+
+    A wrapper subclass (DTensor, torchao's quantized tensors; made with
+    ``torch.Tensor._make_wrapper_subclass``) has a storage object whose ``data_ptr()`` raises
+    ``RuntimeError`` ("invalid python storage"): its bytes live in inner tensors that its own
+    ``__torch_dispatch__`` writes, below this mode, where the observer does not see them.
+    """
+    try:
+        storage = tensor.untyped_storage()
+        return storage, storage.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 class CheckpointSources:
     """Live checkpoint tensors, keyed by their storage (see the module docstring)."""
 
@@ -151,9 +169,10 @@ class CheckpointSources:
         """Register a yielded checkpoint tensor; return whether it was accepted as a source.
 
         A tensor is accepted when ``location`` describes it exactly: same dtype, shape and byte size,
-        dense and contiguous. Anything else (a ``.bin`` checkpoint, a converted or reconstructed
-        tensor) is not a source, so copies from it are residual.
+        dense and contiguous, with its own data. Anything else (a ``.bin`` checkpoint, a converted or
+        reconstructed tensor, a wrapper subclass) is not a source, so copies from it are residual.
         """
+        addressed = _data_address(tensor)
         if (
             location is None
             or checkpoint_file is None
@@ -162,13 +181,13 @@ class CheckpointSources:
             or tuple(tensor.shape) != tuple(location.shape)
             or tensor.numel() * tensor.element_size() != location.size_bytes
             or tensor.layout != torch.strided
+            or addressed is None
         ):
             self.unknown.append(location.name if location is not None else "?")
             return False
-        storage = tensor.untyped_storage()
+        storage, base = addressed
         start, _ = _storage_extent_bytes(tensor)
         span = SourceSpan(checkpoint_file, location.name, location.offset_bytes, location.size_bytes, tensor.dtype, start)
-        base = storage.data_ptr()
         with self._lock:
             entry = self._entries.get(base)
             if entry is not None and entry.ref() is storage:
@@ -195,11 +214,11 @@ class CheckpointSources:
     def _entry(self, tensor: torch.Tensor) -> _StorageEntry | None:
         if tensor.layout != torch.strided or tensor.device.type == "meta":
             return None
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):
+        addressed = _data_address(tensor)
+        if addressed is None:
             return None
-        entry = self._entries.get(storage.data_ptr())
+        storage, base = addressed
+        entry = self._entries.get(base)
         if entry is None or entry.ref() is not storage:
             return None
         return entry
@@ -457,13 +476,23 @@ def _storage_bytes(tensor: torch.Tensor, record: ModelRecord) -> torch.Tensor:
     return whole[record.address - base : record.end - base]
 
 
+class _NoData(Exception):
+    """:func:`_hull` of a tensor whose storage has no data pointer (a wrapper subclass)."""
+
+
 def _hull(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """Absolute ``[lo, hi)`` of the bytes ``tensor`` can touch, or ``None`` if it has none."""
+    """Absolute ``[lo, hi)`` of the bytes ``tensor`` can touch, or ``None`` if it has none.
+
+    Raises:
+        _NoData: ``tensor`` has elements but its storage has no data pointer (:func:`_data_address`).
+    """
     if tensor.numel() == 0 or tensor.layout != torch.strided or tensor.device.type == "meta":
         return None
+    addressed = _data_address(tensor)
+    if addressed is None:
+        raise _NoData
     lo, hi = _storage_extent_bytes(tensor)
-    base = tensor.untyped_storage().data_ptr()
-    return base + lo, base + hi
+    return addressed[1] + lo, addressed[1] + hi
 
 
 # --- the dispatch mode ---------------------------------------------------------------------------
@@ -479,6 +508,8 @@ class WriteObserver(TorchDispatchMode):
     Attributes:
         checkpoint_copies: number of ``copy_`` calls recorded as model bytes (for logs and tests).
         other_writes: number of other byte-writing operator calls seen.
+        unattributed_writes: one line (operator, tensor type) per write into a tensor without a data
+            pointer; any makes :meth:`model_records` raise.
     """
 
     def __init__(self, sources: CheckpointSources, *, converted_copies: ConvertedCopies = "model") -> None:
@@ -490,6 +521,7 @@ class WriteObserver(TorchDispatchMode):
         self._written_args: dict[object, tuple[tuple[int, str], ...]] = {}
         self.checkpoint_copies = 0
         self.other_writes = 0
+        self.unattributed_writes: list[str] = []
 
     # -- dispatch ----------------------------------------------------------------------------------
 
@@ -500,11 +532,11 @@ class WriteObserver(TorchDispatchMode):
             records = self._checkpoint_records(dest, source) if isinstance(source, torch.Tensor) else None
             saved = self._overwritten_bytes(dest, records) if records else []
             result = func(*args, **kwargs)
-            self._on_copy(dest, records, saved)
+            self._on_copy(dest, records, saved, func)
             return result
         result = func(*args, **kwargs)
         for tensor in self._written_tensors(func, args, kwargs):
-            self._on_write(tensor)
+            self._on_write(tensor, func)
         return result
 
     def _written_tensors(self, func, args, kwargs) -> Iterator[torch.Tensor]:
@@ -530,8 +562,14 @@ class WriteObserver(TorchDispatchMode):
 
     # -- classification ----------------------------------------------------------------------------
 
-    def _on_write(self, tensor: torch.Tensor) -> None:
-        hull = _hull(tensor)
+    def _on_write(self, tensor: torch.Tensor, func: object = None) -> None:
+        try:
+            hull = _hull(tensor)
+        except _NoData:
+            # Its bytes go to inner tensors this mode never sees, possibly over model bytes
+            # recorded earlier: model_records then refuses to classify anything.
+            self.unattributed_writes.append(f"{func} into a {type(tensor).__module__}.{type(tensor).__qualname__}")
+            return
         if hull is None:
             return
         self.other_writes += 1
@@ -554,10 +592,14 @@ class WriteObserver(TorchDispatchMode):
         return saved
 
     def _on_copy(
-        self, dest: torch.Tensor, records: list[ModelRecord] | None, saved: list[tuple[ModelRecord, torch.Tensor]]
+        self,
+        dest: torch.Tensor,
+        records: list[ModelRecord] | None,
+        saved: list[tuple[ModelRecord, torch.Tensor]],
+        func: object = None,
     ) -> None:
         if records is None:
-            self._on_write(dest)
+            self._on_write(dest, func)
             return
         self.sources.taint(dest)
         self.checkpoint_copies += 1
@@ -604,8 +646,11 @@ class WriteObserver(TorchDispatchMode):
         converted = source.dtype != dest.dtype
         if converted and self.converted_copies != "model":
             return None
+        addressed = _data_address(dest)
+        if addressed is None:
+            return None  # a wrapper destination: an unattributed write (_on_write)
         s_item, d_item = source.element_size(), dest.element_size()
-        dest_base = dest.untyped_storage().data_ptr() + int(dest.storage_offset()) * d_item
+        dest_base = addressed[1] + int(dest.storage_offset()) * d_item
         # Units: elements for a converted copy, bytes for a byte-exact one.
         if converted:
             unit_s, unit_d, scale_s = s_item, d_item, 1
@@ -634,7 +679,19 @@ class WriteObserver(TorchDispatchMode):
     # -- results -----------------------------------------------------------------------------------
 
     def model_records(self) -> tuple[ModelRecord, ...]:
-        """The model records, sorted by address and disjoint (absolute addresses)."""
+        """The model records, sorted by address and disjoint (absolute addresses).
+
+        Raises:
+            ObserverError: an operator wrote into a tensor whose storage has no data pointer (a
+                wrapper subclass such as DTensor): the bytes it changed are unknown, so no byte is
+                classified (the message names the first such operator and tensor type, and the count).
+        """
+        if self.unattributed_writes:
+            raise ObserverError(
+                f"{len(self.unattributed_writes)} write(s) went into tensors without a data pointer, first"
+                f" {self.unattributed_writes[0]} (a wrapper tensor subclass writes its inner tensors below the"
+                " observer); which bytes they changed is unknown, so this load's bytes are not classified"
+            )
         return tuple(self._records.records)
 
 

@@ -178,7 +178,8 @@ class ColdsnapModelLoader(DefaultModelLoader):
 
         Raises:
             ObserverError: the loader was not entered through ``load_model``, the iterator was never
-                prepared, or a weight loader rebound a parameter's storage.
+                prepared, a weight loader rebound a parameter's storage, or an operator wrote into a
+                tensor without a data pointer (``WriteObserver.model_records``).
         """
         session, model_config, settings = self._session, self._model_config, self.coldsnap_settings
         if session is None or model_config is None:

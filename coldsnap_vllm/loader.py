@@ -370,18 +370,23 @@ class ColdsnapModelLoader(DefaultModelLoader):
         finally:
             self._session = None
         load_seconds = time.perf_counter() - load_started
-        after = enumerate_allocations(model)
-        if not after.same_storages(before):
-            problem = ObserverError(
-                "the model's parameter or buffer storages changed during load_weights (a weight loader rebound"
-                " a parameter); its writes cannot be mapped onto the portable allocations"
-            )
+        try:
+            after = enumerate_allocations(model)
+            if not after.same_storages(before):
+                raise ObserverError(
+                    "the model's parameter or buffer storages changed during load_weights (a weight loader rebound"
+                    " a parameter); its writes cannot be mapped onto the portable allocations"
+                )
+            records = observer.model_records()
+        except ObserverError as problem:
+            # The weights are loaded; only their classification is unknown, so the engine serves them
+            # and nothing is captured or published (an export asked for a capture: it fails loudly).
             if settings.export_model_payload:
-                raise problem
+                raise
             logger.info("coldsnap: %s; nothing is published for the sleep backend", problem.detail)
             _set_outcome(LoadOutcome("checkpoint", worker, load_seconds, time.perf_counter() - started, fallback))
             return
-        ranges, kept = map_to_allocations(observer.model_records(), after)
+        ranges, kept = map_to_allocations(records, after)
         model_bytes = sum(r.size_bytes for r in ranges)
         logger.info(
             "coldsnap: observed %d checkpoint copies: %d of %d allocation bytes are model bytes (%d tensors without provenance)",

@@ -18,10 +18,11 @@ import torch
 from safetensors import safe_open
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _get_current_dispatch_mode_stack
 
+from coldsnap_core.errors import ObserverError
 from coldsnap_core.observer import CheckpointSources, LoadSession, PreparedWeights, WriteObserver, map_to_allocations
 from coldsnap_core.safetensors_header import read_header
 from coldsnap_core.torch_allocations import enumerate_allocations
-from tests.support.observer_support import file_bytes, open_checkpoint, pattern, tensor_bytes, write_checkpoint
+from tests.support.observer_support import WrapperTensor, file_bytes, open_checkpoint, pattern, tensor_bytes, write_checkpoint
 
 
 def _param(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Parameter:
@@ -305,6 +306,41 @@ def test_mismatching_tensor_is_not_registered(checkpoint: Path) -> None:
     assert not sources.register(pattern((4, 16), 0), location, checkpoint.name)
     assert not sources.register(pattern((8, 8), 0), None, None)
     assert len(sources.unknown) == 3
+
+
+def test_a_write_through_a_wrapper_subclass_leaves_the_load_unclassified(checkpoint: Path) -> None:
+    """A wrapper tensor subclass (DTensor, torchao) writes its inner tensor below the observer, so
+    the bytes it changes are unknown: here it overwrites a recorded checkpoint copy. The load runs on
+    and ``model_records`` refuses with the typed error naming the operator and the type. Fails if its
+    storage's ``data_ptr`` RuntimeError escapes from the dispatch mode (the engine's load crashes), or
+    if the stale record of ``o.weight`` is still returned (a capture would pack bytes the
+    parameter no longer holds)."""
+    m = torch.nn.Module()
+    m.w = _param(8, 8)
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+        m.w.data.copy_(t["o.weight"])
+        WrapperTensor(m.w.data).fill_(1.0)
+    assert bool((m.w == 1).all())  # the write did land, unseen
+    assert observer.unattributed_writes == [f"aten.fill_.Scalar into a {WrapperTensor.__module__}.WrapperTensor"]
+    with pytest.raises(ObserverError, match=r"1 write\(s\) went into tensors without a data pointer, first aten.fill_.Scalar"):
+        observer.model_records()
+
+
+def test_a_wrapper_subclass_is_never_a_checkpoint_source(checkpoint: Path) -> None:
+    """A yielded wrapper tensor is not registered (counted unknown), and a copy from one into a
+    parameter is a residual write, not an error. Fails if registering or looking up a source reads
+    its storage's ``data_ptr`` unguarded (RuntimeError)."""
+    location = read_header(checkpoint)["o.weight"]
+    sources = CheckpointSources()
+    wrapped = WrapperTensor(pattern((8, 8), 0))
+    assert not sources.register(wrapped, location, checkpoint.name)
+    assert sources.unknown == ["o.weight"] and len(sources) == 0
+    m = torch.nn.Module()
+    m.w = _param(8, 8)
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+        m.w.data.copy_(t["o.weight"])
+        m.w.data.copy_(WrapperTensor(t["q.weight"].clone()))
+    assert observer.model_records() == () and observer.other_writes == 1 and not observer.unattributed_writes
 
 
 def test_writes_outside_model_allocations_are_ignored(checkpoint: Path) -> None:

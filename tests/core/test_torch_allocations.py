@@ -11,6 +11,7 @@ import torch
 
 from coldsnap_core.errors import ObserverError
 from coldsnap_core.torch_allocations import enumerate_allocations
+from tests.support.observer_support import WrapperTensor
 
 
 class Block(torch.nn.Module):
@@ -170,33 +171,15 @@ def test_parameter_subclasses_are_enumerated_without_their_torch_function() -> N
     assert [p.offset_bytes for p in got.allocation_map.allocations[0].tensors] == [0, 16]
 
 
-class _WrapperTensor(torch.Tensor):
-    """A wrapper tensor subclass (``torch.Tensor._make_wrapper_subclass``, as DTensor and torchao's
-    quantized tensors are): it has a storage object but no data behind it."""
-
-    @staticmethod
-    def __new__(cls, inner: torch.Tensor):
-        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
-
-    def __init__(self, inner: torch.Tensor) -> None:
-        self.inner = inner
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.detach.default:
-            return cls(args[0].inner.detach())
-        raise NotImplementedError(str(func))
-
-
 def test_wrapper_subclasses_without_data_are_refused() -> None:
     """A wrapper-subclass parameter or buffer is refused with the typed error (the loaders then load
     without observing). Fails if its storage's ``data_ptr`` RuntimeError ("invalid python storage")
     escapes untyped."""
     m = torch.nn.Module()
-    m.w = torch.nn.Parameter(_WrapperTensor(torch.zeros(3)), requires_grad=False)
+    m.w = torch.nn.Parameter(WrapperTensor(torch.zeros(3)), requires_grad=False)
     with pytest.raises(ObserverError, match="tensor w has no storage"):
         enumerate_allocations(m)
     m = torch.nn.Module()
-    m.register_buffer("b", _WrapperTensor(torch.zeros(3)))
+    m.register_buffer("b", WrapperTensor(torch.zeros(3)))
     with pytest.raises(ObserverError, match="tensor b has no storage"):
         enumerate_allocations(m)

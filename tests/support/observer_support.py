@@ -66,3 +66,26 @@ def file_bytes(path: Path, offset: int, size: int) -> bytes:
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+class WrapperTensor(torch.Tensor):
+    """A wrapper tensor subclass (``torch.Tensor._make_wrapper_subclass``, as DTensor and torchao's
+    quantized tensors are): its storage object has no data behind it (``data_ptr()`` raises), and
+    its ``__torch_dispatch__`` runs each operator on the wrapped ``inner`` tensor, below any dispatch
+    mode (``detach`` keeps the wrapper, so it can be an ``nn.Parameter``)."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            return cls(args[0].inner.detach())
+        unwrap = lambda value: value.inner if isinstance(value, WrapperTensor) else value  # noqa: E731
+        inner_args = [unwrap(a) for a in args]
+        result = func(*inner_args, **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+        return args[0] if inner_args and result is inner_args[0] else result  # in place: the wrapper itself

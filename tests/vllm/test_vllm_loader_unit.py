@@ -40,6 +40,7 @@ from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.safetensors_header import read_header
 from coldsnap_vllm import state
 from coldsnap_vllm.loader import ColdsnapModelLoader, engine_config_sha256, last_outcome, register_loader
+from tests.support.observer_support import WrapperTensor
 
 pytestmark = pytest.mark.vllm
 
@@ -54,13 +55,14 @@ class Consumer(torch.nn.Module):
     """Three parameters loaded from the checkpoint (embedding, final norm, one down projection
     split as tensor parallel rank 1 of 2 would split it), plus a buffer."""
 
-    def __init__(self, *, rebind: bool = False, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, *, rebind: bool = False, wrapper_write: bool = False, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         self.embed = torch.nn.Parameter(torch.zeros(49152, 576, dtype=dtype), requires_grad=False)
         self.norm = torch.nn.Parameter(torch.zeros(576, dtype=dtype), requires_grad=False)
         self.down = torch.nn.Parameter(torch.zeros(576, 768, dtype=dtype), requires_grad=False)
         self.register_buffer("rope", torch.arange(64, dtype=torch.float32))
         self.rebind = rebind
+        self.wrapper_write = wrapper_write
 
     def load_weights(self, weights) -> set[str]:
         for name, tensor in weights:
@@ -71,6 +73,8 @@ class Consumer(torch.nn.Module):
                 getattr(self, target).data.copy_(tensor)
         if self.rebind:
             self.norm.data = torch.ones(576, dtype=torch.bfloat16)
+        if self.wrapper_write:  # as a DTensor or torchao weight loader would: below the observer
+            WrapperTensor(self.norm.data).fill_(1.0)
         return {"embed", "norm", "down"}
 
     def snapshot(self) -> dict[str, bytes]:
@@ -493,19 +497,35 @@ def test_shard_files_are_the_provenance(smollm2_2layer_3shards: Path, tmp_path: 
     assert len({e.provenance.checkpoint_file for e in last_outcome().capture.manifest.model_extents}) >= 2
 
 
-def test_rebinding_a_parameter_during_load_is_refused(model_config: ModelConfig, tmp_path: Path, monkeypatch) -> None:
-    """A weight loader that replaces a parameter's storage makes the observed addresses stale: the
-    loader refuses to capture rather than map writes onto the wrong memory; without export the load
-    proceeds and nothing is published for the sleep backend."""
+@pytest.mark.parametrize(
+    ("consumer", "problem"),
+    [
+        ({"rebind": True}, "storages changed during load_weights"),
+        ({"wrapper_write": True}, "without a data pointer, first aten.fill_.Scalar"),
+    ],
+    ids=["rebound-storage", "write-through-wrapper-subclass"],
+)
+def test_an_unclassifiable_load_is_refused_for_capture_and_still_served(
+    model_config: ModelConfig, tmp_path: Path, monkeypatch, consumer: dict, problem: str
+) -> None:
+    """A weight loader that replaces a parameter's storage makes the observed addresses stale; one
+    that writes through a wrapper tensor subclass changes bytes the observer cannot see. Either way
+    the loader refuses to capture (the typed ``ObserverError``) rather than pack bytes it cannot
+    vouch for; without export the load proceeds with the bytes the engine wrote, and nothing is
+    published for the sleep backend. Fails if either load crashes with another error, or a
+    non-export load publishes."""
     monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
-    with pytest.raises(ObserverError, match="storages changed during load_weights"):
-        make_loader().load_weights(Consumer(rebind=True), model_config)
+    with pytest.raises(ObserverError, match=problem):
+        make_loader().load_weights(Consumer(**consumer), model_config)
+    assert not (tmp_path / "artifact" / "artifact.json").exists()
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
     state.clear()
-    make_loader().load_weights(Consumer(rebind=True), model_config)  # a plain load still works
+    served = Consumer(**consumer)
+    make_loader().load_weights(served, model_config)  # a plain load still works
     assert last_outcome().kind == "checkpoint" and state.current() is None
+    assert bool((served.norm == 1).all())  # the engine's last write stands
 
 
 @pytest.mark.parametrize("mode", ["async", "off"])
