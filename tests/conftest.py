@@ -71,6 +71,21 @@ def smollm2_2layer_untied() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_2layer_fp32(smollm2_2layer: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 2-layer cut with every tensor converted to float32 (a real fp32 checkpoint, 141 MB): served
+    as bf16, every checkpoint copy converts."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("smollm2-2layer-fp32")
+    for source in smollm2_2layer.iterdir():
+        if source.suffix != ".safetensors":
+            shutil.copy(source, folder / source.name)
+    tensors = load_file(smollm2_2layer / "model.safetensors")
+    save_file({n: t.float() for n, t in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="session")
 def smollm2_full() -> Path:
     """The whole SmolLM2-135M-Instruct (30 layers, bf16, 269 MB): answers "Paris"."""
     return ensure_fixture(layers=None)

@@ -234,3 +234,45 @@ def test_variants_restore_equal_plain_loads(variant: str, request, tmp_path: Pat
         assert files == {f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)}
     else:
         assert files == {"model.safetensors"}
+
+
+def test_an_fp32_checkpoint_served_as_bf16_is_one_shared_pack(smollm2_2layer_fp32: Path, tmp_path: Path) -> None:
+    """A real engine serving an fp32 checkpoint as bf16 (``--dtype bfloat16``: every weight loader's
+    ``copy_`` converts): each capture's model bytes are every checkpoint tensor's converted bytes
+    (the allocations' bytes less the residual buffers), every model extent says
+    ``dtype_converted``, two captures in two processes with separate state roots write one pack
+    digest, byte for byte, and a restore equals a plain load of the same checkpoint. Fails if
+    converted copies go back to the residual by default (the pack is then nearly empty and nothing
+    is shared) or if the conversion is not deterministic across processes."""
+    from coldsnap_core.safetensors_header import read_header
+
+    plain = run_engine(tmp_path, "plain", smollm2_2layer_fp32, "safetensors")
+    captures = [
+        run_engine(
+            tmp_path,
+            f"capture-{n}",
+            smollm2_2layer_fp32,
+            "coldsnap",
+            env=coldsnap_env(tmp_path / f"artifact-{n}", tmp_path / f"state-{n}", COLDSNAP_EXPORT_MODEL_PAYLOAD="1"),
+        )
+        for n in "ab"
+    ]
+    restore = run_engine(
+        tmp_path,
+        "restore",
+        smollm2_2layer_fp32,
+        "coldsnap",
+        env=coldsnap_env(tmp_path / "artifact-a", tmp_path / "state-a", COLDSNAP_RESTORE="native"),
+    )
+    header = read_header(smollm2_2layer_fp32 / "model.safetensors")
+    for n, capture in zip("ab", captures, strict=True):
+        _assert_same_load(capture, plain)
+        assert capture.coldsnap_lines("WARNING") == []
+        manifest = read_capsule(tmp_path / f"artifact-{n}" / "workers" / "worker-0-of-1").native
+        assert manifest.model_bytes == sum(t.size_bytes for t in header.values()) // 2  # fp32 -> bf16
+        assert manifest.model_bytes >= 0.98 * manifest.allocations.total_bytes
+        assert all(e.provenance.dtype_converted for e in manifest.model_extents)
+    assert captures[0].outcome["pack"] == captures[1].outcome["pack"]
+    assert only_pack(tmp_path / "state-a").read_bytes() == only_pack(tmp_path / "state-b").read_bytes()
+    _assert_same_load(restore, plain)
+    assert restore.outcome["kind"] == "restored"

@@ -714,23 +714,8 @@ def test_a_shard_added_to_the_folder_is_not_restored_over(smollm2_2layer_3shards
                 make_loader().load_weights(Consumer(), config)
 
 
-@pytest.fixture
-def fp32_checkpoint(smollm2_2layer: Path, tmp_path: Path) -> Path:
-    """The SmolLM2 2-layer checkpoint with every tensor converted to float32 (a real fp32 checkpoint)."""
-    from safetensors.torch import load_file, save_file
-
-    folder = tmp_path / "fp32"
-    folder.mkdir()
-    for source in smollm2_2layer.iterdir():
-        if source.suffix != ".safetensors":
-            shutil.copy(source, folder / source.name)
-    tensors = load_file(smollm2_2layer / "model.safetensors")
-    save_file({n: t.float() for n, t in tensors.items()}, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
-
-
 def test_dtype_converting_load_is_shared_by_default(
-    fp32_checkpoint: Path, model_config: ModelConfig, tmp_path: Path, monkeypatch, caplog
+    smollm2_2layer_fp32: Path, model_config: ModelConfig, tmp_path: Path, monkeypatch, caplog
 ) -> None:
     """An fp32 checkpoint served as bf16 (every checkpoint copy converts): by default the converted
     copies are model extents (``dtype_converted: true``), so the capture is ~100 % model bytes, logs
@@ -738,7 +723,7 @@ def test_dtype_converting_load_is_shared_by_default(
     the load bit for bit. ``converted_copies="residual"`` keeps the old behaviour as an opt-out
     (0 model bytes, one WARNING naming the cause). Fails if the default goes back to residual
     (QA defect 10 then recurs: nothing shared) or if a conversion is not deterministic."""
-    config = ModelConfig(model=str(fp32_checkpoint), dtype="bfloat16")
+    config = ModelConfig(model=str(smollm2_2layer_fp32), dtype="bfloat16")
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
     packs, loaded = [], None
     for name, extra in (("first", {}), ("second", {}), ("residual", {"converted_copies": "residual"})):
