@@ -26,7 +26,8 @@ boundaries are watched:
      operator whose schema marks an argument as written (``Tensor(a!)``, ``out=`` tensors),
      except metadata-only in-place views (tag ``inplace_view``) and ``set_``. The whole byte hull
      of the written tensor becomes residual, also when the operator writes only some of its
-     elements (which ones ``index_put_`` touches depends on the index values).
+     elements (which ones ``index_put_`` touches depends on the index values); for a strided
+     nested tensor, which has no strides to bound its elements by, its whole storage.
    * a dtype-converting ``copy_`` from a checkpoint tensor is, by default
      (``converted_copies="model"``), a model extent whose provenance says ``dtype_converted: true``:
      the destination bytes are a deterministic function of the source bytes (IEEE round to nearest
@@ -53,8 +54,9 @@ operator registered without alias annotations) are invisible; the loaders the pr
 (vLLM's default loader with the safetensors or InstantTensor iterator) write through ``copy_``.
 The checkpoint iterator itself runs outside the observer (:meth:`LoadSession.observe`), so an
 iterator that rewrites a tensor it yielded earlier is not noticed; a dispatch mode is per thread,
-so an iterator's worker threads were never observed either. A wrapper tensor subclass (DTensor,
-torchao) writes its inner tensors below this mode: a write into one is counted in
+so an iterator's worker threads were never observed either. A wrapper tensor subclass of any
+layout (DTensor, torchao, a jagged nested tensor) writes its inner tensors below this mode, as a
+sparse tensor's kernels write its values: a write into one is counted in
 :attr:`WriteObserver.unattributed_writes`, and then :meth:`WriteObserver.model_records` refuses to
 classify anything (``docs/format.md`` §6.1, "Unclassifiable loads").
 """
@@ -141,6 +143,12 @@ def _storage_extent_bytes(tensor: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * tensor.element_size()
 
 
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is strided with sizes and strides: not sparse, mkldnn or jagged, and not a
+    strided nested tensor (``NestedTensorImpl``: its ``shape`` and ``stride()`` raise ``RuntimeError``)."""
+    return tensor.layout == torch.strided and not tensor.is_nested
+
+
 def _data_address(tensor: torch.Tensor) -> tuple[torch.UntypedStorage, int] | None:
     """``tensor``'s storage and the address of the storage's first byte, or ``None`` when it has no data.
 
@@ -170,17 +178,18 @@ class CheckpointSources:
 
         A tensor is accepted when ``location`` describes it exactly: same dtype, shape and byte size,
         dense and contiguous, with its own data. Anything else (a ``.bin`` checkpoint, a converted or
-        reconstructed tensor, a wrapper subclass) is not a source, so copies from it are residual.
+        reconstructed tensor, a wrapper subclass, a nested tensor) is not a source, so copies from it are
+        residual.
         """
         addressed = _data_address(tensor)
         if (
             location is None
             or checkpoint_file is None
+            or not _dense(tensor)
             or not tensor.is_contiguous()
             or dtype_name(tensor.dtype) != location.dtype
             or tuple(tensor.shape) != tuple(location.shape)
             or tensor.numel() * tensor.element_size() != location.size_bytes
-            or tensor.layout != torch.strided
             or addressed is None
         ):
             self.unknown.append(location.name if location is not None else "?")
@@ -226,6 +235,8 @@ class CheckpointSources:
     def find(self, tensor: torch.Tensor) -> tuple[SourceSpan, int] | None:
         """The checkpoint tensor ``tensor`` is a view of, and the byte offset of ``tensor``'s first
         element within it; ``None`` if ``tensor`` is not (entirely) inside one registered source."""
+        if not _dense(tensor):
+            return None
         with self._lock:
             entry = self._entry(tensor)
             if entry is None:
@@ -242,7 +253,8 @@ class CheckpointSources:
             entry = self._entry(tensor)
             if entry is None:
                 return
-            lo, hi = _storage_extent_bytes(tensor)
+            # A strided nested tensor has no strides to bound its elements by: all of its storage.
+            lo, hi = _storage_extent_bytes(tensor) if _dense(tensor) else (0, tensor.untyped_storage().nbytes())
             entry.spans = [s for s in entry.spans if s.storage_offset_bytes + s.size_bytes <= lo or hi <= s.storage_offset_bytes]
 
 
@@ -483,16 +495,24 @@ class _NoData(Exception):
 def _hull(tensor: torch.Tensor) -> tuple[int, int] | None:
     """Absolute ``[lo, hi)`` of the bytes ``tensor`` can touch, or ``None`` if it has none.
 
+    A strided nested tensor has a data pointer but no strides to bound its elements by: its hull is
+    its whole storage.
+
     Raises:
-        _NoData: ``tensor`` has elements but its storage has no data pointer (:func:`_data_address`).
+        _NoData: ``tensor`` has elements but its storage has no data pointer (:func:`_data_address`):
+            a wrapper subclass of any layout (DTensor, torchao, a jagged nested tensor), a sparse or
+            mkldnn tensor.
     """
-    if tensor.numel() == 0 or tensor.layout != torch.strided or tensor.device.type == "meta":
+    if tensor.numel() == 0 or tensor.device.type == "meta":
         return None
     addressed = _data_address(tensor)
     if addressed is None:
         raise _NoData
+    storage, base = addressed
+    if not _dense(tensor):
+        return base, base + storage.nbytes()
     lo, hi = _storage_extent_bytes(tensor)
-    return addressed[1] + lo, addressed[1] + hi
+    return base + lo, base + hi
 
 
 # --- the dispatch mode ---------------------------------------------------------------------------
@@ -509,7 +529,7 @@ class WriteObserver(TorchDispatchMode):
         checkpoint_copies: number of ``copy_`` calls recorded as model bytes (for logs and tests).
         other_writes: number of other byte-writing operator calls seen.
         unattributed_writes: one line (operator, tensor type) per write into a tensor without a data
-            pointer; any makes :meth:`model_records` raise.
+            pointer (:func:`_hull`); any makes :meth:`model_records` raise.
     """
 
     def __init__(self, sources: CheckpointSources, *, converted_copies: ConvertedCopies = "model") -> None:
@@ -631,7 +651,7 @@ class WriteObserver(TorchDispatchMode):
             )
 
     def _checkpoint_records(self, dest: torch.Tensor, source: torch.Tensor) -> list[ModelRecord] | None:
-        if dest.numel() == 0 or dest.layout != torch.strided or dest.device.type == "meta":
+        if dest.numel() == 0 or not _dense(dest) or not _dense(source) or dest.device.type == "meta":
             return None
         if tuple(source.shape) != tuple(dest.shape):
             return None  # broadcasting: not a verbatim copy
@@ -683,8 +703,9 @@ class WriteObserver(TorchDispatchMode):
 
         Raises:
             ObserverError: an operator wrote into a tensor whose storage has no data pointer (a
-                wrapper subclass such as DTensor): the bytes it changed are unknown, so no byte is
-                classified (the message names the first such operator and tensor type, and the count).
+                wrapper subclass such as DTensor or a jagged nested tensor, a sparse tensor): the bytes
+                it changed are unknown, so no byte is classified (the message names the first such
+                operator and tensor type, and the count).
         """
         if self.unattributed_writes:
             raise ObserverError(

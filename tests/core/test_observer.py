@@ -343,6 +343,53 @@ def test_a_wrapper_subclass_is_never_a_checkpoint_source(checkpoint: Path) -> No
     assert observer.model_records() == () and observer.other_writes == 1 and not observer.unattributed_writes
 
 
+def test_a_write_through_a_jagged_nested_tensor_leaves_the_load_unclassified(checkpoint: Path) -> None:
+    """A jagged nested tensor (``torch.nested.nested_tensor_from_jagged``: a wrapper subclass with
+    layout ``torch.jagged``) over a parameter writes the parameter below the observer, like any
+    wrapper subclass: ``model_records`` refuses. Fails if a write into a tensor of a non-strided
+    layout is skipped unseen (the stale record of ``k.weight`` is then returned, and a capture would
+    pack bytes the parameter no longer holds)."""
+    m = torch.nn.Module()
+    m.w = _param(4, 8)
+    jagged = torch.nested.nested_tensor_from_jagged(m.w.data, torch.tensor([0, 1, 4]))
+    with open_checkpoint(checkpoint) as (sources, t), WriteObserver(sources) as observer:
+        m.w.data.copy_(t["k.weight"])
+        jagged.mul_(0)
+    assert bool((m.w == 0).all())  # the write did land
+    assert observer.unattributed_writes == ["aten.mul_.Tensor into a torch.nested._internal.nested_tensor.NestedTensor"]
+    with pytest.raises(ObserverError, match=r"1 write\(s\) went into tensors without a data pointer, first aten.mul_.Tensor"):
+        observer.model_records()
+
+
+def test_a_strided_nested_tensor_write_is_residual_over_its_whole_storage(checkpoint: Path) -> None:
+    """A strided nested tensor (``NestedTensorImpl``: a data pointer, but no sizes or strides, so
+    ``shape`` raises ``RuntimeError``) viewing part of a parameter: a write into it makes its whole
+    storage residual (its elements cannot be bounded more tightly), a copy between nested tensors
+    likewise; one viewing a checkpoint tensor takes that tensor out of the sources when written; a
+    yielded one is no source. Fails if the observer reads its shape or strides (the RuntimeError then
+    escapes from the dispatch mode and the engine's load crashes), or if the written checkpoint
+    tensor stays a source (a later copy from it would be recorded as the file's bytes)."""
+    location = read_header(checkpoint)["o.weight"]
+    sizes, strides, offsets = torch.tensor([[8], [8]]), torch.tensor([[1], [1]]), torch.tensor([0, 8])
+    assert not CheckpointSources().register(torch.nested.nested_tensor([pattern((8,), 0)] * 8), location, checkpoint.name)
+    m = torch.nn.Module()
+    m.w, m.v, m.u = _param(8, 8), _param(4, 8), _param(8, 8)
+    first_rows = torch._nested_view_from_buffer(m.w.data.view(-1), sizes, strides, offsets)
+    with open_checkpoint(checkpoint) as (sources, t):
+        q_rows = torch._nested_view_from_buffer(t["q.weight"].view(-1), sizes, strides, offsets)
+        with WriteObserver(sources) as observer:
+            m.w.data.copy_(t["o.weight"])
+            m.v.data.copy_(t["k.weight"])
+            first_rows.add_(1)
+            first_rows.copy_(torch._nested_view_from_buffer(pattern((64,), 0), sizes, strides, offsets))
+            q_rows.mul_(2)
+            m.u.data.copy_(t["q.weight"])
+    assert observer.other_writes == 4 and not observer.unattributed_writes
+    records = observer.model_records()
+    assert [(r.source.tensor_name, r.size_bytes) for r in records] == [("k.weight", 64)]
+    assert records[0].address == m.v.untyped_storage().data_ptr()
+
+
 def test_writes_outside_model_allocations_are_ignored(checkpoint: Path) -> None:
     """A checkpoint copy into a temporary that is not a parameter or buffer is not a model write."""
     m = torch.nn.Module()
