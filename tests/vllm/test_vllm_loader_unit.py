@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 pytest.importorskip("vllm")
 
@@ -715,14 +716,17 @@ def test_a_shard_added_to_the_folder_is_not_restored_over(smollm2_2layer_3shards
 
 
 def test_dtype_converting_load_is_shared_by_default(
-    smollm2_2layer_fp32: Path, model_config: ModelConfig, tmp_path: Path, monkeypatch, caplog
+    smollm2_2layer_fp32: Path, smollm2_2layer: Path, model_config: ModelConfig, tmp_path: Path, monkeypatch, caplog
 ) -> None:
     """An fp32 checkpoint served as bf16 (every checkpoint copy converts): by default the converted
     copies are model extents (``dtype_converted: true``), so the capture is ~100 % model bytes, logs
     no WARNING, two captures on separate state roots name one pack digest and a restore reproduces
     the load bit for bit. ``converted_copies="residual"`` keeps the old behaviour as an opt-out
-    (0 model bytes, one WARNING naming the cause). Fails if the default goes back to residual
-    (QA defect 10 then recurs: nothing shared) or if a conversion is not deterministic."""
+    (0 model bytes, one WARNING naming the cause). The checkpoint's values are mostly not bf16
+    values, so the conversion rounds (to nearest even: the loaded embedding equals the bf16 cut of the
+    same weights). Fails if the default goes back to residual (QA defect 10 then recurs: nothing
+    shared), if a conversion is not deterministic, or if the fixture's values are all bf16 values (an
+    fp32 checkpoint upcast from bf16: nothing rounds, so determinism goes untested)."""
     config = ModelConfig(model=str(smollm2_2layer_fp32), dtype="bfloat16")
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
     packs, loaded = [], None
@@ -746,6 +750,13 @@ def test_dtype_converting_load_is_shared_by_default(
         packs.append(manifest.pack.sha256)
         loaded = consumer
     assert packs[0] == packs[1]
+    with (
+        safe_open(str(smollm2_2layer_fp32 / "model.safetensors"), framework="pt") as fp32,
+        safe_open(str(smollm2_2layer / "model.safetensors"), framework="pt") as bf16,
+    ):
+        embed = fp32.get_tensor("model.embed_tokens.weight")
+        assert not torch.equal(embed.bfloat16().float(), embed), "the fp32 checkpoint holds only bf16 values"
+        assert torch.equal(loaded.embed, bf16.get_tensor("model.embed_tokens.weight"))
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "first" / "state"))
     monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "first" / "artifact"))
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
