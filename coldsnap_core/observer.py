@@ -181,7 +181,6 @@ class CheckpointSources:
         reconstructed tensor, a wrapper subclass, a nested tensor) is not a source, so copies from it are
         residual.
         """
-        addressed = _data_address(tensor)
         if (
             location is None
             or checkpoint_file is None
@@ -190,7 +189,7 @@ class CheckpointSources:
             or dtype_name(tensor.dtype) != location.dtype
             or tuple(tensor.shape) != tuple(location.shape)
             or tensor.numel() * tensor.element_size() != location.size_bytes
-            or addressed is None
+            or (addressed := _data_address(tensor)) is None
         ):
             self.unknown.append(location.name if location is not None else "?")
             return False
@@ -582,7 +581,7 @@ class WriteObserver(TorchDispatchMode):
 
     # -- classification ----------------------------------------------------------------------------
 
-    def _on_write(self, tensor: torch.Tensor, func: object = None) -> None:
+    def _on_write(self, tensor: torch.Tensor, func: object) -> None:
         try:
             hull = _hull(tensor)
         except _NoData:
@@ -616,7 +615,7 @@ class WriteObserver(TorchDispatchMode):
         dest: torch.Tensor,
         records: list[ModelRecord] | None,
         saved: list[tuple[ModelRecord, torch.Tensor]],
-        func: object = None,
+        func: object,
     ) -> None:
         if records is None:
             self._on_write(dest, func)
@@ -714,6 +713,22 @@ class WriteObserver(TorchDispatchMode):
                 " observer); which bytes they changed is unknown, so this load's bytes are not classified"
             )
         return tuple(self._records.records)
+
+    def loaded_records(self, before: TorchAllocations, after: TorchAllocations) -> tuple[ModelRecord, ...]:
+        """:meth:`model_records` of a whole ``load_weights``, whose allocations were ``before`` as it
+        started and are ``after`` now (:func:`coldsnap_core.torch_allocations.enumerate_allocations`).
+
+        Raises:
+            ObserverError: a weight loader rebound a parameter's or buffer's storage (the records'
+                addresses may then lie in freed memory that another tensor reuses), or see
+                :meth:`model_records`.
+        """
+        if not after.same_storages(before):
+            raise ObserverError(
+                "the model's parameter or buffer storages changed during load_weights (a weight loader rebound"
+                " a parameter); its writes cannot be mapped onto the portable allocations"
+            )
+        return self.model_records()
 
 
 def map_to_allocations(

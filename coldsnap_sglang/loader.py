@@ -179,7 +179,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
         Raises:
             ObserverError: the loader was not entered through ``load_model``, the iterator was never
                 prepared, a weight loader rebound a parameter's storage, or an operator wrote into a
-                tensor without a data pointer (``WriteObserver.model_records``).
+                tensor without a data pointer (``WriteObserver.loaded_records``).
         """
         session, model_config, settings = self._session, self._model_config, self.coldsnap_settings
         if session is None or model_config is None:
@@ -197,12 +197,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
                 DefaultModelLoader.load_weights_only(model, weights, target_device)
             load_seconds = time.perf_counter() - started
             after = enumerate_allocations(model)
-            if not after.same_storages(before):
-                raise ObserverError(
-                    "the model's parameter or buffer storages changed during load_weights (a weight loader rebound"
-                    " a parameter); its writes cannot be mapped onto the portable allocations"
-                )
-            ranges, _ = map_to_allocations(observer.model_records(), after)
+            ranges, _ = map_to_allocations(observer.loaded_records(before, after), after)
             identity = session.identify(
                 str(model_config.model_path),
                 revision=_identity_revision(model_config, getattr(self.load_config, "download_dir", None)),

@@ -372,12 +372,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
         load_seconds = time.perf_counter() - load_started
         try:
             after = enumerate_allocations(model)
-            if not after.same_storages(before):
-                raise ObserverError(
-                    "the model's parameter or buffer storages changed during load_weights (a weight loader rebound"
-                    " a parameter); its writes cannot be mapped onto the portable allocations"
-                )
-            records = observer.model_records()
+            records = observer.loaded_records(before, after)
         except ObserverError as problem:
             # The weights are loaded; only their classification is unknown, so the engine serves them
             # and nothing is captured or published (an export asked for a capture: it fails loudly).
