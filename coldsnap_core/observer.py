@@ -791,6 +791,34 @@ class PreparedWeights:
     use_safetensors: bool
 
 
+def _stored_location(
+    tensor: torch.Tensor, candidates: list[tuple[str, TensorLocation]], seen: int
+) -> tuple[str, TensorLocation] | None:
+    """Which of the files that store a tensor's name holds the bytes of this yielded ``tensor``.
+
+    A name stored in several files (a tied or shared weight saved again in another shard) is yielded
+    once per file, and the engines walk the files in orders of their own (vLLM sorts them naturally,
+    ``model_executor/model_loader/weight_utils.py``). So the stored bytes decide, read from each file at
+    the header's offset: the ``seen``-th candidate (in prepared file order) when its bytes are the
+    tensor's (identical copies: any is right), else the first whose bytes are; ``None`` when none is
+    (the copies from it are then residual). Reads each candidate's ``size_bytes`` at most once.
+    """
+    if not _dense(tensor) or not tensor.is_contiguous() or tensor.device.type != "cpu":
+        return None
+    data = tensor.detach().reshape(-1).view(torch.uint8).numpy().tobytes()
+    order = [seen] if seen < len(candidates) else []
+    order += [i for i in range(len(candidates)) if i != seen]
+    for i in order:
+        location = candidates[i][1]
+        if location.size_bytes != len(data):
+            continue
+        with open(location.file, "rb") as f:
+            f.seek(location.offset_bytes)
+            if f.read(location.size_bytes) == data:
+                return candidates[i]
+    return None
+
+
 @dataclass
 class LoadSession:
     """Bookkeeping of one observed checkpoint load: the prepared weight sources, in order, and the
@@ -810,6 +838,7 @@ class LoadSession:
         iterator's ``close``.
         """
         index = self._header_index(self.prepared[-1]) if self.prepared else {}
+        yielded: dict[str, int] = {}  # how often each header name was yielded so far
         iterator = iter(iterator)
         try:
             while True:
@@ -818,7 +847,13 @@ class LoadSession:
                 except StopIteration:
                     return
                 raw = name[len(prefix) :] if prefix and name.startswith(prefix) else name
-                found = index.get(raw)
+                candidates = index.get(raw, [])
+                if len(candidates) > 1:
+                    seen = yielded.get(raw, 0)
+                    yielded[raw] = seen + 1
+                    found = self._unobserved(_stored_location, tensor, candidates, seen)
+                else:
+                    found = candidates[0] if candidates else None
                 if found is None:
                     self.sources.register(tensor, None, None)
                 else:
@@ -882,10 +917,22 @@ class LoadSession:
         )
 
     @staticmethod
-    def _header_index(prepared: PreparedWeights) -> dict[str, tuple[str, TensorLocation] | None]:
-        index: dict[str, tuple[str, TensorLocation] | None] = {}
+    def _header_index(prepared: PreparedWeights) -> dict[str, list[tuple[str, TensorLocation]]]:
+        """Every header name of the prepared safetensors files with its locations, one per file that
+        holds it, in the prepared file order (the relative file name and the location)."""
+        index: dict[str, list[tuple[str, TensorLocation]]] = {}
         if not prepared.use_safetensors:
             return index
+        for path in prepared.files:
+            if path.suffix != ".safetensors":
+                continue
+            try:
+                relative = str(path.relative_to(prepared.folder))
+            except ValueError:
+                relative = path.name
+            for name, location in read_header(path).items():
+                index.setdefault(name, []).append((relative, location))
+        return index
         for path in prepared.files:
             if path.suffix != ".safetensors":
                 continue

@@ -454,11 +454,13 @@ def test_observed_bytes_round_trip_through_capture_and_hydration(checkpoint: Pat
     assert [tensor_bytes(x) for x in (m.qkv, m.o, m.cache)] == before
 
 
-def _load_shards(shards: list[Path], tmp_path: Path, label: str):
-    """A generic loader over real safetensors shards: one parameter per tensor name, each copied with
-    ``copy_`` from every shard that stores it, in file order (vLLM's default loader calls the
-    weight loader once per ``(name, tensor)`` its iterator yields, so a name stored in two shards is
-    copied twice). Captured through the observer and the canonical writer; returns the capture."""
+def _load_shards(shards: list[Path], tmp_path: Path, label: str, *, iteration_order: list[Path] | None = None):
+    """A generic loader over real safetensors shards through :class:`LoadSession` (what both engine
+    plugins use): the shards are the prepared file list, the iterator walks ``iteration_order`` (default:
+    the same order; vLLM sorts the files its own way) and yields every name of each file, and each
+    yielded tensor is copied with ``copy_`` into its parameter (vLLM's default loader calls the weight
+    loader once per ``(name, tensor)`` its iterator yields, so a name stored in two shards is copied
+    twice). Captured through the observer and the canonical writer; returns the capture and its ranges."""
     from coldsnap_core.cache import PayloadCache
     from coldsnap_core.capture import capture_worker
     from coldsnap_core.copy.host import HostCopyBackend
@@ -477,15 +479,17 @@ def _load_shards(shards: list[Path], tmp_path: Path, label: str):
         ]
     )
     index = {n: i for i, n in enumerate(sorted(names))}
-    sources = CheckpointSources()
-    with WriteObserver(sources) as observer:
-        for shard in shards:
-            header = read_header(shard)
-            with safe_open(str(shard), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118
-                    tensor = f.get_tensor(name)
-                    assert sources.register(tensor, header[name], shard.name)
-                    m.p[index[name]].data.copy_(tensor)
+    session = LoadSession()
+    session.prepared.append(PreparedWeights(str(shards[0].parent), shards[0].parent, list(shards), True))
+
+    def iterator():
+        for shard in iteration_order or shards:
+            yield from _safetensors_iterator(shard)
+
+    with WriteObserver(session.sources) as observer:
+        for name, tensor in session.observe("", iterator()):
+            m.p[index[name]].data.copy_(tensor)
+    assert not session.sources.unknown, session.sources.unknown
     allocations = enumerate_allocations(m)
     ranges, _ = map_to_allocations(observer.model_records(), allocations)
     return capture_worker(
@@ -501,15 +505,17 @@ def _load_shards(shards: list[Path], tmp_path: Path, label: str):
     ), ranges
 
 
-def test_a_tensor_stored_in_two_shards_with_identical_bytes_loses_its_sharing(
-    smollm2_2layer: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("iteration_order", ["file-list", "reversed"])
+def test_a_tensor_stored_in_two_shards_with_identical_bytes_keeps_its_sharing(
+    smollm2_2layer: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, iteration_order: str
 ) -> None:
-    """Reliability defect: the real 2-layer SmolLM2 with its embedding (80 % of the bytes) stored again,
-    byte for byte, in a second shard. The second checkpoint copy fully overwrites the first; the
-    destination holds exactly that source, so its bytes stay model bytes with the later copy's
-    provenance and the pack digest equals the single-file checkpoint's (main made the overlap residual:
-    another pack, the embedding in every worker's residual blob). No WARNING, since the bytes agree.
-    Fails if a full overwrite by a checkpoint copy is classified residual."""
+    """The real 2-layer SmolLM2 with its embedding (80 % of the bytes) stored again, byte for byte, in a
+    second shard, loaded through ``LoadSession`` (both engines' path), whose iterator yields the name once
+    per file, in the prepared order or reversed (an engine that walks its files in another order). Each
+    yield gets the provenance of the file whose stored bytes it holds; the second copy fully overwrites the
+    first, so the bytes stay model bytes and the pack digest equals the single-file checkpoint's, with
+    the same residual size and no WARNING. Fails if a name found in two files gets no provenance (the
+    embedding then goes to the residual blob, another pack digest) or the wrong file's."""
     from safetensors.torch import load_file, save_file
 
     single, _ = _load_shards([smollm2_2layer / "model.safetensors"], tmp_path, "single")
@@ -519,14 +525,43 @@ def test_a_tensor_stored_in_two_shards_with_identical_bytes_loses_its_sharing(
     shards.mkdir()
     save_file(tensors, str(shards / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
     save_file({embed: tensors[embed]}, str(shards / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    files = sorted(shards.glob("*.safetensors"))
+    order = files if iteration_order == "file-list" else files[::-1]
     with caplog.at_level("WARNING", logger="coldsnap_core.observer"):
-        duplicated, ranges = _load_shards(sorted(shards.glob("*.safetensors")), tmp_path, "duplicated")
+        duplicated, ranges = _load_shards(files, tmp_path, "duplicated", iteration_order=order)
     assert duplicated.manifest.pack.sha256 == single.manifest.pack.sha256
     assert duplicated.manifest.residual.size_bytes == single.manifest.residual.size_bytes
-    assert {r.provenance.checkpoint_file for r in ranges if r.provenance.tensor_name == embed} == {
-        "model-00002-of-00002.safetensors"
-    }
+    provenance = {r.provenance.checkpoint_file for r in ranges if r.provenance.tensor_name == embed}
+    # Identical copies: either file is the truth; in file-list order the yield count picks the later one.
+    assert provenance == {order[-1].name} if iteration_order == "file-list" else len(provenance) == 1
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_name_in_two_files_with_other_bytes_takes_the_file_it_was_read_from(tmp_path: Path) -> None:
+    """Two files store one name with different bytes and the iterator reads them in reverse file order:
+    each yielded tensor is registered with the file whose bytes it holds, so the destination's final bytes
+    (the last copy) carry that file's provenance. Fails if the k-th yield is blindly given the k-th file."""
+    from safetensors.torch import save_file
+
+    first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"o.weight": pattern((8, 8), 1)}, str(first))
+    save_file({"o.weight": pattern((8, 8), 2)}, str(second))
+    session = LoadSession()
+    session.prepared.append(PreparedWeights(str(tmp_path), tmp_path, [first, second], True))
+    m = torch.nn.Module()
+    m.w = _param(8, 8)
+
+    def iterator():
+        yield from _safetensors_iterator(second)
+        yield from _safetensors_iterator(first)
+
+    with WriteObserver(session.sources) as observer:
+        for _, tensor in session.observe("", iterator()):
+            m.w.data.copy_(tensor)
+    assert not session.sources.unknown
+    (r,) = _ranges(m, observer)
+    assert r.provenance.checkpoint_file == first.name
+    assert tensor_bytes(m.w) == file_bytes(first, r.provenance.source_offset_bytes, 128)
 
 
 def test_a_later_checkpoint_copy_with_other_bytes_wins_with_one_warning(checkpoint: Path, tmp_path: Path, caplog) -> None:
