@@ -15,11 +15,13 @@ import logging
 import re
 import socket
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from coldsnap_core.errors import TargetMismatchError
 from coldsnap_core.format.target import QUALIFYING_FIELDS, TargetIdentity, describe_differences
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,8 @@ def collect_target(
         The identity; the driver version is that of the NVIDIA kernel module when one is loaded
         (:func:`nvidia_driver_version`), whatever the device.
     """
+    import torch  # here, not at module top: the CLI's commands import this module and most never need torch
+
     device = torch.device(device if device is not None else "cpu")
     model: str | None = None
     count = 0

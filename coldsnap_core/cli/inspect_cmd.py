@@ -8,8 +8,6 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 from coldsnap_core.artifact import Capsule
 from coldsnap_core.cli._targets import artifact_folder, resolve
 from coldsnap_core.errors import ColdsnapError
@@ -63,6 +61,8 @@ def restore_here(artifact_dir: Path, descriptor: ArtifactDescriptor, capsule: Ca
     recorded = capsule.target
     if recorded is None:
         return {"engine": None, "capsule": None, "overlay": None, "reason": "the capsule records no target.json"}
+    import torch  # only here: every other command starts without torch (about 2 s of import time)
+
     device = "cuda" if recorded.device_type == "cuda" and torch.cuda.is_available() else "cpu"
     version = engine_version(recorded.engine) if recorded.engine != ENGINE_NONE else None
     current = collect_target(recorded.engine, version, device=device)

@@ -361,3 +361,22 @@ def test_inspect_of_a_bad_manifest_uses_the_same_exit_codes(captured_2layer: Cap
     done = run_cli("inspect", captured.artifact_dir)
     assert done.returncode == 2 and "rule format-version failed" in done.stderr
     assert run_cli("inspect", tmp_path / "nothing").returncode == 3
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect", "status", "stage", "cache", "publish-native"])
+def test_a_command_that_needs_no_tensor_starts_without_torch(command: str, tmp_path: Path) -> None:
+    """Parsing any command and running ``verify`` of a folder without an artifact import no torch (about
+    2 s of start-up on this machine, and every test that runs the CLI paid it). Fails if a command
+    module, or a module it imports at its top, imports torch again."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from coldsnap_core.cli.main import main\n"
+        f"try:\n    main([{command!r}, '--help'])\nexcept SystemExit:\n    pass\n"
+        f"main(['verify', {str(tmp_path)!r}])\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:] + done.stderr[-2000:]
