@@ -55,7 +55,9 @@ def _hold_lock(state_root: Path, digest: str) -> subprocess.Popen:
     return holder
 
 
-def test_hung_lock_holder_stalls_admission_silently(captured, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+def test_a_hung_lock_holder_is_named_while_admission_waits_then_times_out_typed(
+    captured, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
     """A live process holds a pack's lock and never releases it; admission of that pack (which needs
     the lock: no validation record) logs at INFO which lock it waits for, with the holder's pid and
     host, and fails after the timeout with LockTimeoutError naming the lock. Fails if the wait is

@@ -131,14 +131,35 @@ def test_restore_fills_every_byte(tmp_path: Path, checkpoint: Path, captured) ->
     assert report.residual_bytes == result.manifest.residual_bytes > 0
 
 
-def test_restore_with_extent_verification(tmp_path: Path, checkpoint: Path, captured) -> None:
-    """``COLDSNAP_VERIFY_EXTENTS=1`` hashes every extent while copying; a good pack passes."""
-    loaded, _ = captured
-    fresh = TinyModel()
-    restorer(checkpoint, tmp_path / "artifact", tmp_path / "state", verify_extents=True).run(
-        enumerate_allocations(fresh), HostCopyBackend()
-    )
-    assert fresh.snapshot() == loaded.snapshot()
+def test_the_verify_extents_setting_reaches_hydration(tmp_path: Path, checkpoint: Path, captured) -> None:
+    """``verify_extents`` from the resolved settings (here the extra-config key, as an engine plugin passes
+    it to ``restore_or_fall_back``) makes hydration hash every model extent: with a pack byte flipped
+    under a validation record rewritten to vouch for it (so admission trusts the file), the setting off
+    restores the flipped byte, the setting on falls back under ``auto`` with ``ExtentDigestMismatchError``
+    naming the extent. Fails if the setting is dropped on its way from the settings to ``hydrate``."""
+    from coldsnap_core.restore import restore_or_fall_back
+    from coldsnap_core.settings import ColdsnapSettings
+
+    loaded, result = captured
+    extent = result.manifest.model_extents[0]
+    flip_byte(result.pack_path, extent.pack_offset_bytes)
+    cache = PayloadCache(tmp_path / "state")
+    os.chmod(cache.record_path(result.manifest.pack.sha256), 0o644)
+    os.unlink(cache.record_path(result.manifest.pack.sha256))
+    write_record(cache, result.manifest.pack.sha256, os.lstat(result.pack_path))
+    source = LoadedModel.from_config(str(checkpoint.parent), None)
+    extra = {"artifact_dir": str(tmp_path / "artifact"), "state_root": str(tmp_path / "state")}
+
+    unverified = TinyModel()
+    settings = ColdsnapSettings.resolve({}, {**extra, "verify_extents": "0"})[0]
+    assert restore_or_fall_back(unverified, settings, RANK0, source).restored
+    assert unverified.snapshot() != loaded.snapshot()  # the flipped byte was served: only the setting catches it
+
+    settings = ColdsnapSettings.resolve({}, {**extra, "verify_extents": "1"})[0]
+    assert settings.verify_extents
+    outcome = restore_or_fall_back(TinyModel(), settings, RANK0, source)
+    assert not outcome.restored and isinstance(outcome.fallback, ExtentDigestMismatchError)
+    assert extent.sha256 in str(outcome.fallback) or str(extent.pack_offset_bytes) in str(outcome.fallback)
 
 
 def test_missing_artifact_and_missing_worker(tmp_path: Path, checkpoint: Path, captured) -> None:

@@ -33,6 +33,7 @@ from coldsnap_core.errors import (
     ConfigurationError,
     EngineVersionError,
     FileAccessError,
+    MissingObjectError,
     ModelIdentityMismatchError,
     ObserverError,
     StoreError,
@@ -324,7 +325,7 @@ def test_auto_falls_back_with_one_warning(model_config: ModelConfig, tmp_path: P
     assert outcome.kind == "checkpoint" and outcome.fallback.rule == "object-present"
     assert outcome.checkpoint_copies == 3 and consumer.norm.abs().sum() > 0
     monkeypatch.setenv("COLDSNAP_RESTORE", "native")
-    with pytest.raises(Exception, match="artifact descriptor does not exist"):
+    with pytest.raises(MissingObjectError, match="artifact descriptor does not exist"):
         make_loader().load_weights(Consumer(), model_config)
 
 
@@ -422,9 +423,11 @@ def test_a_blue_green_flip_to_a_same_shaped_checkpoint_is_refused_or_falls_back(
     assert torch.equal(served.embed, load_file(str(weights))["model.embed_tokens.weight"])
 
 
-def test_fallbacks_are_hard_to_see(model_config: ModelConfig, tmp_path: Path, monkeypatch, capsys) -> None:
-    """Reliability defect: under ``auto`` a failed restore was one WARNING in the engine's log, so a fleet
-    could lose every restore to a fallback unnoticed. Every worker load now appends one JSON line to the
+def test_every_load_appends_one_outcome_line_that_status_counts(
+    model_config: ModelConfig, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Under ``auto`` a failed restore must not be only one WARNING in the engine's log (a fleet could
+    lose every restore to a fallback unnoticed): every worker load appends one JSON line to the
     outcome log (``COLDSNAP_OUTCOME_LOG``, default ``<state-root>/load-outcomes.jsonl``): captured,
     restored, fell back (rule, file, seconds, materialization started), refused; ``coldsnap status``
     summarizes them per artifact. Fails if any load leaves no line, a line lacks the rule or file of its
@@ -447,7 +450,7 @@ def test_fallbacks_are_hard_to_see(model_config: ModelConfig, tmp_path: Path, mo
     assert last_outcome().materialization.wait(120)
     monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "no-artifact"))
     monkeypatch.setenv("COLDSNAP_RESTORE", "native")
-    with pytest.raises(Exception, match="artifact descriptor does not exist"):
+    with pytest.raises(MissingObjectError, match="artifact descriptor does not exist"):
         make_loader().load_weights(Consumer(), model_config)
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(d["outcome"], d["artifact_dir"]) for d in lines] == [
