@@ -1,16 +1,29 @@
 #!/usr/bin/env bash
-# The test command (README, "Set up"): create the virtual environments if needed (vLLM's, and SGLang's,
-# which cannot share it: the two engines pin different torch releases), then lint, check formatting and
-# run the whole test suite, the vLLM and SGLang end-to-end tests included.
-#   scripts/test.sh [PYTEST ARGS...]
+# The test command (README, "Set up").
+#   scripts/test.sh [PYTEST ARGS...]         the full suite: lint, formatting, every test (the vLLM and SGLang
+#                                            engine tests included); builds both virtual environments if needed
+#   scripts/test.sh --fast [PYTEST ARGS...]  the fast tier: lint, formatting and every test that starts no engine
+#                                            and is not marked slow (-m "not engine and not slow"); builds only
+#                                            the vLLM environment (.venv), never SGLang's
+# Both print the 25 slowest tests. The two environments cannot be one: the engines pin different torch releases.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+fast=0
+if [ "${1:-}" = "--fast" ]; then
+  fast=1
+  shift
+fi
 scripts/setup-venv.sh
 venv=${COLDSNAP_VENV:-$root/.venv}
-# The SGLang engine tests start their engines with this environment's Python (tests/sglang/sglang_support.py).
-COLDSNAP_SGLANG_VENV=$(scripts/setup-sglang-venv.sh)
-export COLDSNAP_SGLANG_VENV
+marker=()
+if [ "$fast" = 1 ]; then
+  marker=(-m "not engine and not slow")
+else
+  # The SGLang engine tests start their engines with this environment's Python (tests/sglang/sglang_support.py).
+  COLDSNAP_SGLANG_VENV=$(scripts/setup-sglang-venv.sh)
+  export COLDSNAP_SGLANG_VENV
+fi
 export PATH="$venv/bin:$PATH" HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 ruff check .
 ruff format --check .
@@ -20,4 +33,4 @@ export PYTEST_DEBUG_TEMPROOT=${PYTEST_DEBUG_TEMPROOT:-${TMPDIR:-/tmp}}
 run_tmp=$(mktemp -d "${TMPDIR:-/tmp}/coldsnap-run.XXXXXX")
 trap 'rm -rf "$run_tmp"' EXIT
 export TMPDIR=$run_tmp
-python -m pytest "$@"
+python -m pytest --durations=25 "${marker[@]}" "$@"

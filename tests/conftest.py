@@ -16,6 +16,9 @@ sys.path.insert(0, str(REPO))  # shared test support: ``from tests.support.<modu
 
 from smollm2_fixture import ensure_fixture, fixtures_dir  # noqa: E402
 
+from tests.support.engine_marker import set_current_test  # noqa: E402
+from tests.support.shared_memory import engine_entries, remove_left_entries  # noqa: E402
+
 # What one run of the suite needs on disk besides the virtual environment, measured on a fresh clone
 # (.fixtures/ about 620 MiB, pytest's tmp folders at most about 540 MiB with passing tests' folders removed).
 SUITE_DISK_BYTES = 1_200 * 2**20
@@ -50,6 +53,22 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if low and reporter is not None and session.config.get_verbosity() < 0:
         for line in lines:
             reporter.write_line(line)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Record whether the test about to be set up may start engines (``tests/support/engine_marker.py``)."""
+    set_current_test(item.nodeid, engine=item.get_closest_marker("engine") is not None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def remove_engine_shared_memory():
+    """At the end of the run, remove the ``/dev/shm`` entries its engine processes left behind: only this
+    user's, only those that appeared during the run, only those no live process holds
+    (``tests/support/shared_memory.py``), so ``ls /dev/shm`` is the same before and after the suite."""
+    before = engine_entries()
+    yield
+    remove_left_entries(before)
 
 
 @pytest.fixture(scope="session")

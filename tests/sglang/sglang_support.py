@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.engine_marker import require_engine_marker
+
 REPO = Path(__file__).resolve().parents[2]
 SGLANG_RUN = Path(__file__).resolve().parent / "sglang_run.py"
 SUPPORT = Path(__file__).resolve().parent / "support"
@@ -106,6 +108,7 @@ def run_sglang(
     checksums: bool = True,
 ) -> SGLangResult:
     """Run one SGLang engine in a new process (``sglang_run.py``) and return what it did."""
+    require_engine_marker("an SGLang engine")
     python = sglang_python()
     workdir.mkdir(parents=True, exist_ok=True)
     spec = {

@@ -29,9 +29,10 @@ from coldsnap_core.artifact import read_capsule, read_descriptor
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.publish import publish_native
 from coldsnap_core.stores.local import LocalFolderStore
+from tests.support.engine_marker import require_engine_marker
 from tests.support.servers import free_port, stop_server
 
-pytestmark = [pytest.mark.sglang, pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.sglang]
 
 WORKER = "worker-0-of-1"
 SMOLLM2_2LAYER_PACK_SHA256 = "b5a02a03cd57b72df32f33a3822006fb012818690d609dfca6a8e0265a05d407"  # vLLM's too
@@ -67,6 +68,7 @@ def _serve_restore(work: Path, model: Path, env: dict[str, str]) -> SGLangResult
     """``python -m sglang.launch_server ... --load-format coldsnap`` with ``env``: wait for ``/health``, send
     one ``/generate`` request with both prompts, read ``/weights_checker`` (``action=checksum``), stop the
     server with SIGINT; the result in :class:`SGLangResult` form (``output_ids`` from ``/generate``)."""
+    require_engine_marker("sglang.launch_server")
     port = free_port()
     command = [str(sglang_python()), "-m", "sglang.launch_server", "--model-path", str(model)]
     command += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--tp-size", "1"]

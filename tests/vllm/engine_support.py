@@ -19,6 +19,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support.engine_marker import require_engine_marker
 from tests.support.files import flip_byte as flip_byte  # re-exported for the engine tests
 from tests.support.servers import free_port, stop_server
 
@@ -74,6 +75,7 @@ def run_engine(
     max_tokens: int = 8,
 ) -> EngineResult:
     """Run one engine in a new process and return what it did (raises if the process crashed)."""
+    require_engine_marker("a vLLM engine")
     workdir.mkdir(parents=True, exist_ok=True)
     spec = {
         "model": str(model),
@@ -150,6 +152,7 @@ def serve_completion(
     without its ``COLDSNAP_*`` variables: wait for ``/health`` (asserting the server is alive and healthy
     within :data:`SERVE_STARTUP_TIMEOUT_SECONDS`), return the greedy completion of ``prompt`` (8 tokens,
     temperature 0) and the server's log (``<name>.log``), after stopping it with SIGINT."""
+    require_engine_marker("vllm serve")
     port = free_port()
     server_env = {k: v for k, v in os.environ.items() if not k.startswith("COLDSNAP_")}
     server_env.update(env, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")

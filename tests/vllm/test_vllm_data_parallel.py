@@ -21,7 +21,7 @@ from engine_support import coldsnap_env, run_engine, serve_completion
 
 from coldsnap_core.artifact import read_descriptor
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
 PROMPT = "The capital of France is"
 REPLICAS = ["worker-0-of-1-dp-0-of-2", "worker-0-of-1-dp-1-of-2"]

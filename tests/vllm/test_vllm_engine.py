@@ -18,7 +18,7 @@ from engine_support import coldsnap_env, copy_state, flip_byte, only_pack, run_e
 
 from coldsnap_core.artifact import read_capsule, read_descriptor
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from test_vllm_target import _edit_target, _perturb_residual
 
 from coldsnap_core.overlay import list_overlays
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
 
 def _packs(state: Path) -> list[str]:

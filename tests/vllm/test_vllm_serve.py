@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from engine_support import coldsnap_env, run_engine, serve_completion
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
 
 def test_vllm_serve_restores_and_answers(smollm2_2layer: Path, tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from tiny_llama import build_tiny_llama
 
 from coldsnap_core.artifact import read_capsule, read_descriptor
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
 PROMPTS = [[1, 5, 9, 33, 70], [7, 7, 100, 3]]
 

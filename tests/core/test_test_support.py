@@ -1,0 +1,63 @@
+"""The suite's own rules about engines: the shared-memory entries engine processes leave are removed
+(only this user's, only new ones, never one a live process holds), and a test that starts an engine
+without the ``engine`` marker is stopped before the engine starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.engine_marker import require_engine_marker, set_current_test
+from tests.support.shared_memory import engine_entries, entries_in_use, remove_left_entries
+
+
+def test_only_new_entries_that_no_process_holds_are_removed(tmp_path: Path) -> None:
+    """Fails if the clean-up removes an entry that was there before the run, an entry a live process
+    still maps (a concurrent engine of the same user), a name without an engine prefix, or if it
+    leaves a stale new one behind."""
+    old, stale, held, other = "sem.mp-old", "sem.mp-stale", "sgl_shm_mq_held", "unrelated_segment"
+    for name in (old, stale, held, other):
+        (tmp_path / name).write_bytes(b"\0" * 4096)
+    before = {old}
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import mmap, sys, time; f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 4096); f.close();"
+            " print('mapped', flush=True); time.sleep(60)",
+            str(tmp_path / held),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        assert held in entries_in_use(tmp_path)
+        assert engine_entries(tmp_path) == {old, stale, held}
+        assert remove_left_entries(before, tmp_path) == [stale]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(os.listdir(tmp_path)) == sorted([old, held, other])
+    assert remove_left_entries(before, tmp_path) == [held]  # its holder has exited now
+
+
+def test_an_engine_start_without_the_engine_marker_is_refused() -> None:
+    """Fails if a test without ``pytest.mark.engine`` can start an engine (the fast tier would then run it)."""
+    set_current_test("tests/x.py::test_y", engine=False)
+    try:
+        with pytest.raises(AssertionError, match=r"tests/x.py::test_y starts a vLLM engine but is not marked engine"):
+            require_engine_marker("a vLLM engine")
+    finally:
+        set_current_test(None, engine=True)
+    require_engine_marker("a vLLM engine")  # outside a test (a benchmark script): allowed
+
+
+def test_this_test_is_recorded_as_not_marked_engine(request: pytest.FixtureRequest) -> None:
+    """Fails if ``tests/conftest.py`` stops recording the running test's marker before its set-up."""
+    with pytest.raises(AssertionError, match=request.node.name):
+        require_engine_marker("an SGLang engine")
