@@ -90,6 +90,13 @@ def smollm2_2layer_untied() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_2layer_untied_3shards() -> Path:
+    """The untied 2-layer cut (an explicit lm_head.weight) split over 3 safetensors files plus
+    model.safetensors.index.json: the one checkpoint the engine tests use for both layout cases."""
+    return ensure_fixture(layers=2, shards=3, untie=True)
+
+
+@pytest.fixture(scope="session")
 def smollm2_2layer_fp32() -> Path:
     """The 2-layer cut written as float32 (141 MB; ``config.json`` says ``float32``): the dequantized
     weights themselves, 92 % of them not bf16 values, so serving it as bf16 rounds every checkpoint

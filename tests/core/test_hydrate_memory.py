@@ -24,6 +24,7 @@ MEASURE = """
 import gc, json, sys, tempfile
 from pathlib import Path
 import numpy as np
+import torch  # loaded in every engine process: its import is not capture's memory (the CLI imports it lazily)
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import capture_worker
 from coldsnap_core.copy.base import LiveAllocation
