@@ -70,6 +70,7 @@ layer can use it.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,6 +164,10 @@ def env_flag(variable: str, environ: Mapping[str, str] | None = None) -> bool:
     return parse_flag(variable, environ[variable]) if variable in environ else False
 
 
+_SECONDS = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", re.ASCII)
+"""A number of seconds as ``COLDSNAP_LOCK_TIMEOUT`` takes it: ASCII decimal digits, an optional fraction."""
+
+
 def lock_timeout_from_env(
     environ: Mapping[str, str] | None = None, *, value: object = None, where: str = LOCK_TIMEOUT_ENV
 ) -> float:
@@ -176,20 +181,38 @@ def lock_timeout_from_env(
         value = (os.environ if environ is None else environ).get(LOCK_TIMEOUT_ENV, "")
     if isinstance(value, str) and not value.strip():
         return LOCK_TIMEOUT_SECONDS
-    try:
-        seconds = float(value.strip() if isinstance(value, str) else value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    text = value.strip() if isinstance(value, str) else value
+    if isinstance(text, str) and not _SECONDS.fullmatch(text):
+        # float() also takes "1_000", "١٠" (any Unicode digit), "inf" and "nan": only plain ASCII decimals are seconds
         seconds = float("nan")
+    else:
+        try:
+            seconds = float(text)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            seconds = float("nan")
     if isinstance(value, bool) or not (0 <= seconds < float("inf")):
         raise ConfigurationError(f"{where}={value!r} is not a number of seconds >= 0")
     return seconds
+
+
+def expand_path(value: str | os.PathLike[str], where: str) -> Path:
+    """``value`` as an absolute path with ``~`` and ``~user`` expanded.
+
+    Raises:
+        ConfigurationError: ``~user`` names no user here (pathlib's ``RuntimeError``), naming ``where``
+            (the variable, extra-config key or option the path came from) and the value.
+    """
+    try:
+        return Path(value).expanduser().absolute()
+    except RuntimeError as exc:
+        raise ConfigurationError(f"{where}={str(value)!r}: cannot expand the home folder ({exc})") from None
 
 
 def outcome_log_from_env(environ: Mapping[str, str] | None = None) -> Path | None:
     """``$COLDSNAP_OUTCOME_LOG`` as an absolute path (``~`` expanded), ``None`` when unset or blank: the
     rule :meth:`ColdsnapSettings.resolve` applies to the ``outcome_log`` key."""
     value = (os.environ if environ is None else environ).get(OUTCOME_LOG_ENV, "").strip()
-    return Path(value).expanduser().absolute() if value else None
+    return expand_path(value, OUTCOME_LOG_ENV) if value else None
 
 
 def resolve_state_root(explicit: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None) -> Path:
@@ -201,11 +224,12 @@ def resolve_state_root(explicit: str | os.PathLike[str] | None = None, environ: 
     """
     environ = os.environ if environ is None else environ
     chosen: str | os.PathLike[str] | None = explicit
+    where = "--state-root"
     if chosen is None or not str(chosen).strip():
-        chosen = environ.get(STATE_ROOT_ENV, "")
+        chosen, where = environ.get(STATE_ROOT_ENV, ""), STATE_ROOT_ENV
     if not str(chosen).strip():
         chosen = DEFAULT_STATE_ROOT
-    return Path(chosen).expanduser().absolute()
+    return expand_path(chosen, where)
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,7 +385,7 @@ class ColdsnapSettings:
             found = text(key)
             if found is None or not found[1].strip():
                 return None
-            return Path(found[1].strip()).expanduser().absolute()
+            return expand_path(found[1].strip(), found[0])
 
         inner = text("inner_load_format")
         inner_format = inner[1].strip().lower() or None if inner else None

@@ -55,6 +55,13 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_count(text: str) -> int:
+    """``--last``: a whole number >= 1 in ASCII digits (the parser reports the ``ArgumentTypeError`` as a usage error, exit 4)."""
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of loads >= 1")
+    return int(text)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "status",
@@ -70,7 +77,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"the outcome log (default: ${OUTCOME_LOG_ENV} or <state-root>/load-outcomes.jsonl)",
     )
     p.add_argument(
-        "--last", type=int, default=DEFAULT_LAST_LINES, metavar="N", help=f"read the last N loads (default {DEFAULT_LAST_LINES})"
+        "--last",
+        type=_positive_count,
+        default=DEFAULT_LAST_LINES,
+        metavar="N",
+        help=f"read the last N loads, N >= 1 (default {DEFAULT_LAST_LINES})",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(

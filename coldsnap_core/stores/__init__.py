@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from coldsnap_core.errors import ConfigurationError
-from coldsnap_core.settings import PAYLOAD_DIR_ENV, PAYLOAD_REPO_ENV, PAYLOAD_REPO_TYPE_ENV, StoreSettings
+from coldsnap_core.settings import PAYLOAD_DIR_ENV, PAYLOAD_REPO_ENV, PAYLOAD_REPO_TYPE_ENV, StoreSettings, expand_path
 from coldsnap_core.stores.base import PayloadStore
 from coldsnap_core.stores.local import LocalFolderStore
 
@@ -56,7 +56,7 @@ def parse_store_spec(spec: str, *, repo_type: str = "model") -> PayloadStore:
     if not spec:
         raise ConfigurationError("the payload store is empty; give a folder path or a Hugging Face repository id")
     if _looks_like_path(spec):
-        return LocalFolderStore(spec.removeprefix("file://"))
+        return LocalFolderStore(expand_path(spec.removeprefix("file://"), "the payload store"))
     if spec.startswith("s3://"):
         from coldsnap_core.stores.s3 import S3PayloadStore
 
@@ -76,7 +76,7 @@ def from_settings(settings: StoreSettings) -> PayloadStore | None:
         ConfigurationError: a repository value is invalid (names the variables).
     """
     if settings.payload_dir is not None:
-        return LocalFolderStore(settings.payload_dir)
+        return LocalFolderStore(expand_path(settings.payload_dir, PAYLOAD_DIR_ENV))
     if settings.payload_repo is not None:
         try:
             return parse_store_spec(settings.payload_repo, repo_type=settings.repo_type)

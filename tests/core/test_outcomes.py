@@ -118,3 +118,13 @@ def test_status_reads_the_outcome_log_variable_as_the_settings_do(tmp_path: Path
     monkeypatch.setenv("COLDSNAP_OUTCOME_LOG", "  ")
     assert main(["status", "--state-root", str(tmp_path / "state"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["outcome_log"] == str(tmp_path / "state" / "load-outcomes.jsonl")
+
+
+@pytest.mark.parametrize("last", ["-1", "0", "abc", "1_0"])
+def test_status_refuses_a_count_of_loads_below_one(last: str, tmp_path: Path, capsys) -> None:
+    """``status --last N`` takes a whole number >= 1; ``-1`` used to read nothing and say "no load outcomes
+    recorded". Fails if any of these is accepted (a usage error: exit 4, naming the option)."""
+    with pytest.raises(SystemExit) as raised:
+        main(["status", "--outcome-log", str(tmp_path / "log.jsonl"), "--last", last])
+    assert raised.value.code == 4
+    assert "--last" in capsys.readouterr().err

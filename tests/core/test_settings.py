@@ -149,3 +149,52 @@ def test_payload_store_is_a_setting_like_the_others(tmp_path: Path) -> None:
         ColdsnapSettings.resolve(env, {"payload_dir": str(tmp_path)})
     with pytest.raises(ConfigurationError, match=r"COLDSNAP_PAYLOAD_DIR.*COLDSNAP_PAYLOAD_REPO"):
         StoreSettings.from_environ({"COLDSNAP_PAYLOAD_DIR": "/x", "COLDSNAP_PAYLOAD_REPO": "org/name"})
+
+
+@pytest.mark.parametrize("value", ["1_000", "١٠", "１０", "inf", "nan", "1e3", "-1", "abc", "0x10"])
+def test_the_lock_timeout_takes_only_plain_ascii_seconds(value: str) -> None:
+    """``COLDSNAP_LOCK_TIMEOUT`` is seconds in ASCII decimal digits with an optional fraction; anything
+    ``float()`` would also take (digit separators, any Unicode digit, exponents, ``inf``) is refused with a
+    ``ConfigurationError`` naming the variable and the value. Fails if ``1_000`` waits 1000 s."""
+    from coldsnap_core.errors import ConfigurationError
+    from coldsnap_core.settings import lock_timeout_from_env
+
+    with pytest.raises(ConfigurationError, match=r"COLDSNAP_LOCK_TIMEOUT="):
+        lock_timeout_from_env({"COLDSNAP_LOCK_TIMEOUT": value})
+    assert lock_timeout_from_env({"COLDSNAP_LOCK_TIMEOUT": " 2.5 "}) == 2.5
+    assert lock_timeout_from_env({"COLDSNAP_LOCK_TIMEOUT": "0"}) == 0.0
+
+
+NO_SUCH_USER = "~coldsnap-no-such-user-zz/folder"
+
+
+@pytest.mark.parametrize(
+    ("variable", "key"),
+    [
+        ("COLDSNAP_STATE_ROOT", "state_root"),
+        ("COLDSNAP_ARTIFACT_DIR", "artifact_dir"),
+        ("COLDSNAP_OUTCOME_LOG", "outcome_log"),
+    ],
+)
+def test_a_home_folder_of_no_user_is_a_configuration_error_naming_the_setting(variable: str, key: str) -> None:
+    """``~nosuchuser/...`` in a path setting: pathlib's ``RuntimeError`` escaped (a traceback, the engine
+    died without naming the variable). Now a ``ConfigurationError`` naming the variable or the extra-config
+    key and the value. Fails if the RuntimeError escapes or the message names neither."""
+    with pytest.raises(ConfigurationError, match=rf"{variable}='{NO_SUCH_USER}'"):
+        ColdsnapSettings.resolve({variable: NO_SUCH_USER}, {})
+    with pytest.raises(ConfigurationError, match=rf"{key}.*{NO_SUCH_USER}"):
+        ColdsnapSettings.resolve({}, {key: NO_SUCH_USER})
+
+
+def test_a_home_folder_of_no_user_in_a_store_or_cli_path_is_named(tmp_path: Path, capsys) -> None:
+    """The same for ``COLDSNAP_PAYLOAD_DIR``, a folder ``--repo`` and ``--state-root``: a typed error, and
+    the CLI exits 4 with the option in its message instead of a traceback (exit 1)."""
+    from coldsnap_core.cli.main import main
+    from coldsnap_core.stores import from_env
+
+    with pytest.raises(ConfigurationError, match=rf"COLDSNAP_PAYLOAD_DIR='{NO_SUCH_USER}'"):
+        from_env({"COLDSNAP_PAYLOAD_DIR": NO_SUCH_USER})
+    assert main(["status", "--state-root", NO_SUCH_USER]) == 4
+    assert f"--state-root='{NO_SUCH_USER}'" in capsys.readouterr().err
+    assert main(["stage", str(tmp_path), "--repo", NO_SUCH_USER]) == 4
+    assert NO_SUCH_USER in capsys.readouterr().err
