@@ -48,7 +48,7 @@ from coldsnap_core.artifact import (
 )
 from coldsnap_core.capture import check_model_ranges, hash_ranges
 from coldsnap_core.copy.base import CopyBackend, LiveAllocation
-from coldsnap_core.errors import ColdsnapError, OverlayError, TargetMismatchError, UnsafePathError
+from coldsnap_core.errors import ColdsnapError, MissingObjectError, OverlayError, TargetMismatchError, UnsafePathError
 from coldsnap_core.format._strict import Fields, dump_document, read_document_bytes
 from coldsnap_core.format.allocation import AllocationMap
 from coldsnap_core.format.descriptor import (
@@ -515,14 +515,15 @@ class OverlayListing:
     Attributes:
         path: the overlay folder.
         status: ``current`` (its portable ``artifact.json`` exists with the bound SHA-256), ``stale``
-            (that descriptor is gone or changed) or ``invalid`` (its ``overlay.json`` is not trusted).
+            (that descriptor is gone or changed), ``invalid`` (its ``overlay.json`` is not trusted) or
+            ``unreadable`` (that descriptor exists or may exist but cannot be read now: kept by ``gc``).
         reason: why, in words.
         descriptor: the parsed descriptor (``None`` when invalid).
         size_bytes: the bytes of its files.
     """
 
     path: Path
-    status: Literal["current", "stale", "invalid"]
+    status: Literal["current", "stale", "invalid", "unreadable"]
     reason: str
     descriptor: OverlayDescriptor | None
     size_bytes: int
@@ -553,9 +554,16 @@ def list_overlays(state_root: Path) -> list[OverlayListing]:
             continue
         try:
             now = portable_descriptor_sha256(Path(descriptor.artifact_dir))
-        except ColdsnapError as exc:
+        except MissingObjectError as exc:
             listings.append(
                 OverlayListing(path, "stale", f"its portable {DESCRIPTOR_FILENAME} is gone ({exc.detail})", descriptor, size)
+            )
+            continue
+        except ColdsnapError as exc:
+            # Only a missing descriptor is gone: one that cannot be read now (EACCES, an NFS outage, EIO) may
+            # still be there, and removing its overlay would wipe every overlay of a node on a transient error.
+            listings.append(
+                OverlayListing(path, "unreadable", f"its portable {DESCRIPTOR_FILENAME} cannot be read ({exc})", descriptor, size)
             )
             continue
         if now != descriptor.portable_descriptor_sha256:
@@ -565,18 +573,23 @@ def list_overlays(state_root: Path) -> list[OverlayListing]:
     return listings
 
 
-def gc_overlays(state_root: Path, *, dry_run: bool = False) -> list[OverlayListing]:
+def gc_overlays(state_root: Path, *, dry_run: bool = False) -> tuple[list[OverlayListing], list[OverlayListing]]:
     """Remove every stale or invalid overlay folder (:func:`list_overlays`), then empty parent folders.
-    Returns what was (or, with ``dry_run``, would be) removed. Current overlays are kept."""
-    removed = [o for o in list_overlays(state_root) if o.status != "current"]
+
+    Returns what was (or, with ``dry_run``, would be) removed, and the unreadable overlays that were kept
+    (their portable descriptor could not be read: ``coldsnap cache gc`` then exits 4). Current overlays
+    are kept too."""
+    listings = list_overlays(state_root)
+    removed = [o for o in listings if o.status in ("stale", "invalid")]
+    unreadable = [o for o in listings if o.status == "unreadable"]
     if dry_run:
-        return removed
+        return removed, unreadable
     for o in removed:
         shutil.rmtree(o.path, ignore_errors=True)
         for parent in (o.path.parent, o.path.parent.parent):
             with contextlib.suppress(OSError):
                 parent.rmdir()  # only when empty
-    return removed
+    return removed, unreadable
 
 
 __all__ = [

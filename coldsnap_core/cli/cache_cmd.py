@@ -21,7 +21,7 @@ from coldsnap_core._io import refuse_symlink
 from coldsnap_core.cache import DEFAULT_GC_AGE_SECONDS, PayloadCache
 from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.digests import check_digest
-from coldsnap_core.errors import EXIT_INTEGRITY, ColdsnapError, IntegrityError
+from coldsnap_core.errors import EXIT_INTEGRITY, EXIT_OTHER, ColdsnapError, IntegrityError
 from coldsnap_core.overlay import OverlayListing, gc_overlays, list_overlays
 from coldsnap_core.records import read_trusted_record, record_state
 from coldsnap_core.sleep_capsules import list_sleep_capsules, sweep_sleep_capsules
@@ -174,7 +174,7 @@ def _gc(args: argparse.Namespace) -> int:
             print(f"{verb} {kind} {path}")
     for path in report.kept_live:
         print(f"kept {path} (writer alive or younger than {args.older_than:g} s)")
-    overlays = gc_overlays(cache.state_root, dry_run=args.dry_run)
+    overlays, unreadable = gc_overlays(cache.state_root, dry_run=args.dry_run)
     for o in overlays:
         print(f"{verb} overlay {o.path} ({o.status}: {o.reason})")
     print(
@@ -183,7 +183,9 @@ def _gc(args: argparse.Namespace) -> int:
         f" invalid overlay(s); {report.bytes_freed + sum(e.size_bytes for e in sleep_capsules) + sum(o.size_bytes for o in overlays)} bytes",
         file=sys.stderr,
     )
-    return 0
+    for o in unreadable:
+        print(f"kept overlay {o.path} ({o.status}: {o.reason})", file=sys.stderr)
+    return EXIT_OTHER if unreadable else 0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -14,6 +14,8 @@ import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,7 @@ from coldsnap_core.overlay import OVERLAY_FILENAME, OVERLAYS_DIRNAME, list_overl
 from coldsnap_vllm.loader import last_outcome
 
 pytestmark = pytest.mark.vllm
+REPO = Path(__file__).resolve().parents[2]
 
 CAPSULE = "workers/worker-0-of-1"
 
@@ -343,6 +346,28 @@ def test_stale_overlay_falls_back(overlaid, model_config, monkeypatch, caplog) -
     assert _coldsnap_warnings(caplog) == []
 
 
+def _gc_with_an_unreadable_descriptor_keeps_the_overlay(artifact: Path, state: Path, overlay: Path) -> None:
+    """``coldsnap cache gc`` while the portable artifact.json exists but cannot be read (EACCES, as during
+    an NFS outage): the overlay is kept, named as unreadable, and gc exits 4. As root the command runs with
+    the file-permission capabilities dropped (``setpriv``), so mode 000 is refused as it is for a user."""
+    descriptor = artifact / "artifact.json"
+    mode = descriptor.stat().st_mode & 0o7777
+    command = [sys.executable, "-m", "coldsnap_core.cli.main", "cache", "gc", "--state-root", str(state)]
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        assert setpriv, "setpriv (util-linux) is needed to drop CAP_DAC_OVERRIDE for this check"
+        drop = "-dac_override,-dac_read_search"
+        command = [setpriv, f"--bounding-set={drop}", f"--inh-caps={drop}", *command]
+    os.chmod(descriptor, 0)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    finally:
+        os.chmod(descriptor, mode)
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert f"kept overlay {overlay} (unreadable" in done.stderr
+    assert overlay.is_dir() and [o.status for o in list_overlays(state)] == ["current"]
+
+
 def test_cache_ls_gc_and_inspect_show_overlays(overlaid, capsys) -> None:
     """Catches gc removing a current overlay or keeping one whose portable descriptor is gone, and
     inspect not saying which capsule a restore on this node uses: ``cache ls`` lists the overlay,
@@ -359,6 +384,7 @@ def test_cache_ls_gc_and_inspect_show_overlays(overlaid, capsys) -> None:
 
     assert coldsnap_main(["cache", "gc", "--state-root", str(state)]) == 0
     assert path.is_dir() and [o.status for o in list_overlays(state)] == ["current"]
+    _gc_with_an_unreadable_descriptor_keeps_the_overlay(artifact, state, path)
     os.unlink(artifact / "artifact.json")
     assert coldsnap_main(["cache", "gc", "--state-root", str(state), "--dry-run"]) == 0
     assert path.is_dir()
