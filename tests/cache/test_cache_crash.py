@@ -45,6 +45,7 @@ def _points(captured, tmp_path: Path) -> list[tuple[str, ...]]:
     return points
 
 
+@pytest.mark.slow  # about 19 s: dozens of writer processes killed at each point
 def test_kill_9_at_many_points_never_leaves_a_wrong_eligible_object(captured, tmp_path: Path) -> None:
     """At >= 20 kill points: nothing wrong is ever eligible, the next run succeeds and leaves the one
     correct object with a trusted record, and gc clears the dead writer's temporaries. Catches a
