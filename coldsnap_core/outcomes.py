@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
 import logging
 import os
@@ -38,6 +39,9 @@ OUTCOME_LOG_FILENAME = "load-outcomes.jsonl"
 OUTCOME_KIND = "coldsnap.load-outcome"
 OUTCOME_VERSION = 1
 OUTCOME_LOG_ROTATE_BYTES = 16 * 2**20
+OUTCOME_LOG_READ_BYTES = 2 * OUTCOME_LOG_ROTATE_BYTES
+"""The most ``read_outcomes`` reads, from the end of the log: twice the rotation size (a log larger than that
+was written by something else)."""
 """A log larger than this (bytes) is renamed to ``<path>.1`` before the next line is appended."""
 MAX_DETAIL_CHARS = 2000
 """An error's detail is cut to this many characters (``…`` appended), so a line stays small."""
@@ -139,7 +143,9 @@ def append_outcome(path: str | os.PathLike[str], line: LoadOutcomeLine) -> bool:
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         _rotate_if_large(path)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        # O_NONBLOCK: a named pipe at the path must not block the load (no reader: ENXIO; a reader: refused below)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        fd = os.open(path, flags, 0o600)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise OSError(f"{path} is not a regular file")
@@ -178,14 +184,27 @@ def read_outcomes(path: str | os.PathLike[str], last: int) -> tuple[list[dict[st
     """The last ``last`` well-formed lines of the outcome log (oldest first) and how many lines were
     skipped as malformed (not JSON, not a load outcome of version 1). A missing log has no lines.
 
+    The log is opened as documents are (no following of a symbolic link, non-blocking, regular files only)
+    and at most :data:`OUTCOME_LOG_READ_BYTES` from its end are read (a log rotates at
+    :data:`OUTCOME_LOG_ROTATE_BYTES`), so a named pipe or a device at the path cannot block or exhaust
+    the reader.
+
     Raises:
-        OSError: the log exists but cannot be read.
+        OSError: the log exists but cannot be read, or is not a regular file.
     """
     try:
-        with open(path, "rb") as f:
-            raw = f.read().splitlines()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return [], 0
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "the outcome log is not a regular file", str(path))
+        start = max(0, st.st_size - OUTCOME_LOG_READ_BYTES)
+        f.seek(start)
+        raw = f.read(OUTCOME_LOG_READ_BYTES).splitlines()
+    if start > 0 and raw:
+        raw = raw[1:]  # the first line read from the middle of the file is partial
     lines, skipped = [], 0
     for text in raw[-last:] if last > 0 else []:
         try:

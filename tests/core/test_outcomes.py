@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -128,3 +129,39 @@ def test_status_refuses_a_count_of_loads_below_one(last: str, tmp_path: Path, ca
         main(["status", "--outcome-log", str(tmp_path / "log.jsonl"), "--last", last])
     assert raised.value.code == 4
     assert "--last" in capsys.readouterr().err
+
+
+def test_a_named_pipe_at_the_log_never_blocks_a_load_or_status(tmp_path: Path, capsys, caplog) -> None:
+    """A FIFO at ``load-outcomes.jsonl`` (no reader): appending used to block the engine after "restored"
+    and ``status`` blocked reading it. Now the append returns False at once with its one WARNING, and
+    ``status`` exits 4 naming the log; ``/dev/zero`` is refused the same way instead of read without end.
+    Fails if either blocks (the test would hang: run under a 60 s subprocess bound below)."""
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "load-outcomes.jsonl"
+    os.mkfifo(fifo)
+    script = (
+        "import sys\n"
+        "from coldsnap_core.outcomes import LoadOutcomeLine, append_outcome\n"
+        "from coldsnap_core.cli.main import main\n"
+        "print(append_outcome(sys.argv[1], LoadOutcomeLine('restored', 'vllm', 'worker-0-of-1', '/a', 1.0)))\n"
+        "print(main(['status', '--outcome-log', sys.argv[1]]))\n"
+        "print(main(['status', '--outcome-log', '/dev/zero']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(fifo)], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["False", "4", "4"], done.stdout + done.stderr
+    assert "not a regular file" in done.stderr and str(fifo) in done.stderr and "/dev/zero" in done.stderr
+
+
+def test_status_reads_a_bounded_tail_of_a_large_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``read_outcomes`` reads at most ``OUTCOME_LOG_READ_BYTES`` from the end and drops the partial first
+    line it lands in. Fails if the whole file is read (a log without rotation could be any size)."""
+    log = tmp_path / "log.jsonl"
+    for i in range(40):
+        assert append_outcome(log, _line("restored", artifact=f"/a{i}"))
+    size = log.stat().st_size
+    monkeypatch.setattr(outcomes, "OUTCOME_LOG_READ_BYTES", size // 4)
+    lines, skipped = read_outcomes(log, 1000)
+    assert skipped == 0 and 8 <= len(lines) <= 10
+    assert lines[-1]["artifact_dir"] == "/a39"
