@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from coldsnap_core._io import fsync_dir, fsync_fd, sha256_file, write_all
+from coldsnap_core._io import fsync_dir, fsync_fd, os_error, sha256_file, write_all
 from coldsnap_core.errors import CacheError, ModelIdentityMismatchError, UnsafePathError, ValidationRecordError
 from coldsnap_core.format._strict import Fields, dump_document
 from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity
@@ -119,6 +119,9 @@ def resolve_hub_commit(
         The commit hash (40 lowercase hex digits), or ``None`` when the cache cannot resolve the
         revision (no cache folder for the repository, no ``refs`` entry, an invalid repository id, a
         ``refs`` entry that is not a commit hash).
+
+    Raises:
+        FileAccessError: the cache exists but cannot be read (anything but "no such file"), naming the file.
     """
     if revision is not None and not hasattr(revision, "resolved") and COMMIT_HASH.fullmatch(str(revision)):
         return str(revision)  # a ResolvedRevision goes through huggingface_hub, which reads its .resolved
@@ -131,9 +134,15 @@ def resolve_hub_commit(
             commit = _resolved_by_api(repo_id, revision, cache_dir, repo_type)
         else:
             commit = _resolved_by_snapshot(repo_id, revision, cache_dir, repo_type)
-    except (resolution_error, ValueError, OSError) as exc:
+    except (resolution_error, ValueError, FileNotFoundError, NotADirectoryError) as exc:
         logger.debug("coldsnap: the Hugging Face cache does not resolve %s@%s: %s", repo_id, revision or "main", exc)
         return None
+    except OSError as exc:
+        # Only an absent cache entry means "no commit": a cache that cannot be read (EACCES, EIO) is named,
+        # instead of the misleading "does not resolve to a commit" later.
+        raise os_error(
+            f"the Hugging Face cache entry of {repo_id}@{revision or 'main'} cannot be read", exc, exc.filename or cache_dir
+        ) from exc
     return commit if commit is not None and COMMIT_HASH.fullmatch(commit) else None
 
 

@@ -17,6 +17,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from coldsnap_core._io import os_error
 from coldsnap_core.errors import TargetMismatchError
 from coldsnap_core.format.target import QUALIFYING_FIELDS, TargetIdentity, describe_differences
 
@@ -57,11 +58,20 @@ def engine_version(engine: str) -> str | None:
 @functools.cache
 def nvidia_driver_version(version_file: Path = NVIDIA_DRIVER_VERSION_FILE) -> str | None:
     """The installed NVIDIA kernel driver's version (``550.54.15``), read from ``version_file``;
-    ``None`` when there is no NVIDIA driver (no file) or the file names no version."""
+    ``None`` when there is no NVIDIA driver (no file) or the file names no version.
+
+    Raises:
+        FileAccessError, NotRegularFileError: the file exists (or may) but cannot be read (``EACCES``,
+            ``EIO``; a folder there): "no driver" would change the target identity, so a node would fall back and capture
+            an overlay for a target that does not exist. Not cached (``functools.cache`` keeps no
+            exception), so a later call reads the file again.
+    """
     try:
         text = version_file.read_text(encoding="utf-8", errors="replace")
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as exc:
+        raise os_error("the NVIDIA driver version cannot be read", exc, version_file) from exc
     match = _DRIVER_RE.search(text)
     return match.group(1) if match else None
 

@@ -317,3 +317,53 @@ def test_fingerprint_golden_and_what_it_sees(tmp_path: Path) -> None:
 
 GOLDEN_FINGERPRINT = "bf3ef532bed7214e3450e32dc8daba49049bcb05168bc7f61777b753babc4a56"
 """Of the 5 MiB file of ``_synthetic_safetensors``, also computed by hand from docs/format.md §10.2 with hashlib."""
+
+
+def test_an_unreadable_hub_cache_is_named_instead_of_meaning_no_commit(tmp_path: Path) -> None:
+    """A Hugging Face cache whose ``refs/main`` exists but cannot be read (``EACCES``) used to be "no
+    commit" (logged at DEBUG), and the user then read "does not resolve to a commit". Now it is a
+    ``FileAccessError`` naming the file; a missing entry is still ``None``. Fails if any ``OSError``
+    other than "no such file" is turned into "no commit"."""
+    import subprocess
+    import sys
+
+    from tests.support.files import permissions_enforced
+
+    commit = "a" * 40
+    repo = tmp_path / "models--org--name"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    script = (
+        "import sys\n"
+        "from coldsnap_core.errors import FileAccessError\n"
+        "from coldsnap_core.model_identity import resolve_hub_commit\n"
+        "print(resolve_hub_commit('org/missing', None, cache_dir=sys.argv[1]))\n"
+        "try:\n"
+        "    print(resolve_hub_commit('org/name', None, cache_dir=sys.argv[1]))\n"
+        "except FileAccessError as exc:\n"
+        "    print('FileAccessError', exc.file)\n"
+    )
+    command = permissions_enforced([sys.executable, "-c", script, str(tmp_path)])
+    assert subprocess.run(command, capture_output=True, text=True, timeout=60).stdout.split() == ["None", commit]
+    os.chmod(repo / "refs" / "main", 0)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["None", "FileAccessError", str(repo / "refs" / "main")], done.stdout + done.stderr
+
+
+def test_an_unreadable_driver_version_file_is_an_error_not_no_driver(tmp_path: Path) -> None:
+    """``nvidia_driver_version`` maps only a missing file to "no driver"; a file that cannot be read (here a
+    folder at the path) is a typed error naming it (``NotRegularFileError``) and is not cached, so a
+    node does not capture an overlay for a target without a driver. Fails if any ``OSError`` means None."""
+    from coldsnap_core.errors import NotRegularFileError
+    from coldsnap_core.target import nvidia_driver_version
+
+    assert nvidia_driver_version(tmp_path / "absent") is None
+    there = tmp_path / "version"
+    there.mkdir()
+    with pytest.raises(NotRegularFileError, match="NVIDIA driver version") as raised:
+        nvidia_driver_version(there)
+    assert raised.value.file == str(there) or str(there) in str(raised.value)
+    there.rmdir()
+    there.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\n")
+    assert nvidia_driver_version(there) == "550.54.15"  # the failure above was not cached

@@ -31,6 +31,7 @@ from coldsnap_core.errors import TargetMismatchError
 from coldsnap_core.format.target import INFORMATIONAL_FIELDS, QUALIFYING_FIELDS
 from coldsnap_core.overlay import OVERLAY_FILENAME, OVERLAYS_DIRNAME, list_overlays
 from coldsnap_vllm.loader import last_outcome
+from tests.support.files import permissions_enforced
 
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[2]
@@ -352,12 +353,7 @@ def _gc_with_an_unreadable_descriptor_keeps_the_overlay(artifact: Path, state: P
     the file-permission capabilities dropped (``setpriv``), so mode 000 is refused as it is for a user."""
     descriptor = artifact / "artifact.json"
     mode = descriptor.stat().st_mode & 0o7777
-    command = [sys.executable, "-m", "coldsnap_core.cli.main", "cache", "gc", "--state-root", str(state)]
-    if os.geteuid() == 0:
-        setpriv = shutil.which("setpriv")
-        assert setpriv, "setpriv (util-linux) is needed to drop CAP_DAC_OVERRIDE for this check"
-        drop = "-dac_override,-dac_read_search"
-        command = [setpriv, f"--bounding-set={drop}", f"--inh-caps={drop}", *command]
+    command = permissions_enforced([sys.executable, "-m", "coldsnap_core.cli.main", "cache", "gc", "--state-root", str(state)])
     os.chmod(descriptor, 0)
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
