@@ -194,13 +194,48 @@ def parse_document(text: str | bytes, parse: Callable[[Fields], T], *, file: str
             or any :class:`Fields` rule.
         ManifestValueError / UnsupportedFormatVersionError: see :class:`Fields`.
     """
+    if isinstance(text, bytes | bytearray | memoryview):
+        data = bytes(text)
+        if data.startswith(b"\xef\xbb\xbf"):
+            raise ManifestParseError("not UTF-8 JSON: it starts with a byte-order mark", file=file)
+        try:
+            # json.loads(bytes) would also take UTF-16 and UTF-32 (and lone surrogates, 'surrogatepass')
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ManifestParseError(f"not UTF-8 JSON: {exc}", file=file) from None
     try:
         raw = json.loads(text, object_pairs_hook=_refuse_duplicate_keys, parse_constant=_refuse_constant)
     except _DuplicateKey as exc:
         raise ManifestSchemaError(f"an object repeats the key {exc.key!r}", file=file) from exc
     except (ValueError, RecursionError) as exc:
         raise ManifestParseError(f"not valid JSON: {exc}", file=file) from exc
+    if _SURROGATE_ESCAPE.search(text):  # only then can a string hold a lone surrogate (not Unicode, not UTF-8)
+        _refuse_lone_surrogates(raw, file)
     return parse(Fields(raw, "", file))
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+"""A JSON escape of a UTF-16 surrogate (``\\ud800``-``\\udfff``): a pair is one character, a lone one is not text."""
+
+
+def _refuse_lone_surrogates(value: Any, file: str | None) -> None:
+    """Raise ``ManifestParseError`` when a key or string of ``value`` holds a lone surrogate, which no UTF-8
+    writer can write back (``inspect`` crashed on one with ``UnicodeEncodeError``)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ManifestParseError(
+                    f"not UTF-8 JSON: the string {item!r} holds a lone surrogate escape", file=file
+                ) from None
 
 
 def read_document(path: str | Path, parse: Callable[[Fields], T]) -> T:

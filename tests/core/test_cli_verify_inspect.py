@@ -380,3 +380,42 @@ def test_a_command_that_needs_no_tensor_starts_without_torch(command: str, tmp_p
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:] + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("document", "encode"),
+    [
+        ("recovery-manifest.json", "lone-surrogate"),
+        ("target.json", "lone-surrogate"),
+        ("recovery-manifest.json", "utf-8-bom"),
+        ("recovery-manifest.json", "utf-16"),
+    ],
+)
+def test_verify_and_inspect_refuse_a_document_that_is_not_utf8_text(
+    captured_2layer: Captured, tmp_path: Path, document: str, encode: str
+) -> None:
+    """docs/format.md §4: every document is UTF-8 JSON. A re-pinned capsule document with a lone surrogate
+    escape (``"\\ud800"``, valid JSON syntax, not text), a UTF-8 byte-order mark, or UTF-16 was accepted by
+    ``verify`` (``json.loads`` of bytes takes all three) and crashed ``inspect`` with ``UnicodeEncodeError``.
+    Both now refuse it with the ``manifest-json`` rule (exit 2) naming the file."""
+    c = copy_capture(captured_2layer, tmp_path / "copy")
+    path = c.capsule_dir / document
+    text = path.read_text(encoding="utf-8")
+    if encode == "lone-surrogate":
+        doc = json.loads(text)
+        key = "model" if "model" in doc else sorted(k for k, v in doc.items() if isinstance(v, str) and k != "format")[0]
+        if key == "model":
+            doc["model"]["source"] = "\ud800-model"
+        else:
+            doc[key] = "\ud800" + doc[key]
+        path.write_bytes((json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=True) + "\n").encode("ascii"))
+    elif encode == "utf-8-bom":
+        path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    else:
+        path.write_bytes(text.encode("utf-16"))
+    repin(c)
+    for command in ("verify", "inspect"):
+        done = run_cli(command, c.artifact_dir)
+        assert done.returncode == 2, (command, done.stdout[-2000:], done.stderr[-2000:])
+        assert "manifest-json" in done.stderr and document in done.stderr, (command, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr

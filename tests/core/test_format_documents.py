@@ -90,8 +90,17 @@ def workers(draw: st.DrawFn) -> WorkerIdentity:
 
 
 provenances = st.builds(ExtentProvenance, names, names, offsets, offsets, offsets, offsets, st.booleans())
-model_extents = st.builds(ModelExtent, st.integers(0, 1 << 20), offsets, sizes, offsets, sha256s, provenances)
-residual_extents = st.builds(ResidualExtent, st.integers(0, 1 << 20), offsets, sizes, offsets)
+
+
+def _ends_fit(extent: ModelExtent | ResidualExtent) -> bool:
+    """Whether every ``start + size_bytes`` of ``extent`` fits a signed 64-bit offset (§4: the parser
+    refuses the others; the round trip is for valid documents, the overflow rule has its own tests)."""
+    starts = [extent.offset_bytes, getattr(extent, "pack_offset_bytes", 0), getattr(extent, "blob_offset_bytes", 0)]
+    return all(start + extent.size_bytes <= MAX_OFFSET_BYTES for start in starts)
+
+
+model_extents = st.builds(ModelExtent, st.integers(0, 1 << 20), offsets, sizes, offsets, sha256s, provenances).filter(_ends_fit)
+residual_extents = st.builds(ResidualExtent, st.integers(0, 1 << 20), offsets, sizes, offsets).filter(_ends_fit)
 pack_refs = st.builds(PackRef.for_digest, sha256s, offsets) | st.builds(PackRef, name=names, size_bytes=offsets, sha256=sha256s)
 residual_refs = st.builds(ResidualRef, name=file_names, size_bytes=offsets, sha256=sha256s)
 name_components = st.text(
