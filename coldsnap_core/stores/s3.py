@@ -94,21 +94,58 @@ def parse_s3_url(spec: str) -> tuple[str, str]:
     return bucket, prefix
 
 
+CONNECT_TIMEOUT_S = 10.0
+"""Seconds to wait for a TCP connection to the S3 endpoint (botocore's own default is 60)."""
+READ_TIMEOUT_S = 60.0
+"""Seconds a request may go without receiving a byte before it is retried; botocore's retries (``standard``
+mode, ``AWS_MAX_ATTEMPTS`` attempts, default 3 here) bound a stalled endpoint to a few minutes at most instead
+of an unbounded wait behind the digest's lock."""
+S3_CLIENT_VARIABLES = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_PROFILE",
+    "AWS_S3_ADDRESSING_STYLE",
+    "AWS_RETRY_MODE",
+    "AWS_MAX_ATTEMPTS",
+)
+"""The environment variables that shape the client: named in the error when it cannot be built."""
+
+
 def _default_client() -> Any:
+    """A boto3 S3 client from the environment: path-style addressing unless ``AWS_S3_ADDRESSING_STYLE``
+    says otherwise, :data:`CONNECT_TIMEOUT_S` / :data:`READ_TIMEOUT_S`, ``standard`` retries unless
+    ``AWS_RETRY_MODE`` / ``AWS_MAX_ATTEMPTS`` (boto3's own variables) say otherwise.
+
+    Raises:
+        ConfigurationError: boto3 is missing, or the client cannot be built from the environment (an
+            invalid endpoint URL, a missing profile, an invalid addressing style, retry mode or attempt
+            count), naming the variables that are set.
+    """
     try:
         import boto3
         from botocore.config import Config
+        from botocore.exceptions import BotoCoreError
     except ImportError as exc:  # the optional extra is not installed
         raise ConfigurationError("an s3:// payload store needs boto3: pip install 'coldsnap[s3]'") from exc
     style = os.environ.get("AWS_S3_ADDRESSING_STYLE", "path")
-    config = Config(
-        s3={"addressing_style": style},
-        max_pool_connections=DEFAULT_CONCURRENCY * 2,
-        # boto3 >= 1.36 adds CRC checksums to every upload by default; the store sends SHA-256 itself.
-        request_checksum_calculation="when_required",
-        response_checksum_validation="when_required",
-    )
-    return boto3.client("s3", config=config)
+    retries = {"mode": os.environ.get("AWS_RETRY_MODE", "standard")}
+    try:
+        if "AWS_MAX_ATTEMPTS" not in os.environ:
+            retries["total_max_attempts"] = 3  # type: ignore[assignment]
+        config = Config(
+            s3={"addressing_style": style},
+            max_pool_connections=DEFAULT_CONCURRENCY * 2,
+            connect_timeout=CONNECT_TIMEOUT_S,
+            read_timeout=READ_TIMEOUT_S,
+            retries=retries,
+            # boto3 >= 1.36 adds CRC checksums to every upload by default; the store sends SHA-256 itself.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        return boto3.client("s3", config=config)
+    except (ValueError, BotoCoreError) as exc:
+        given = ", ".join(f"{v}={os.environ[v]!r}" for v in S3_CLIENT_VARIABLES if v in os.environ) or "no AWS_* variable set"
+        raise ConfigurationError(f"the S3 client cannot be built from the environment ({given}): {exc}") from exc
 
 
 class S3PayloadStore:

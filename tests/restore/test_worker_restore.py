@@ -695,3 +695,36 @@ def test_restore_or_fall_back_uses_the_store_of_the_settings(tmp_path: Path, che
     assert outcome.attempt is not None and outcome.attempt.pack_unavailable
     with pytest.raises(PayloadUnavailableError):
         restore_or_fall_back(TinyModel(), ColdsnapSettings.resolve({}, {**extra, "restore": "native"})[0], RANK0, source)
+
+
+@pytest.mark.parametrize(
+    "variable", ["AWS_ENDPOINT_URL=not-a-url", "AWS_PROFILE=coldsnap-no-such-profile", "AWS_MAX_ATTEMPTS=abc"]
+)
+def test_an_s3_client_that_cannot_be_built_falls_back_under_auto(
+    tmp_path: Path, checkpoint: Path, captured, monkeypatch, caplog, variable: str
+) -> None:
+    """The pack is not cached and the store is ``s3://``, but the environment cannot make an S3 client:
+    botocore's ``ValueError`` / ``ProfileNotFound`` used to escape the restore (vLLM died with "Invalid
+    endpoint" and no outcome line). Now it is a ``ConfigurationError`` naming the variable, so ``auto`` falls
+    back with its one WARNING and ``native`` raises it. Fails if any untyped botocore error escapes."""
+    from coldsnap_core.errors import ConfigurationError
+    from coldsnap_core.restore import restore_or_fall_back
+    from coldsnap_core.settings import ColdsnapSettings
+
+    _, result = captured
+    os.chmod(result.pack_path, 0o644)
+    result.pack_path.unlink()
+    name, _, value = variable.partition("=")
+    monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    extra = {"artifact_dir": str(tmp_path / "artifact"), "state_root": str(tmp_path / "state"), "payload_repo": "s3://packs"}
+    source = LoadedModel.from_config(str(checkpoint.parent), None)
+    with caplog.at_level(logging.WARNING, logger="coldsnap_core"):
+        outcome = restore_or_fall_back(TinyModel(), ColdsnapSettings.resolve({}, extra)[0], RANK0, source)
+    assert not outcome.restored and isinstance(outcome.fallback, ConfigurationError)
+    assert f"{name}=" in str(outcome.fallback)
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    with pytest.raises(ConfigurationError, match=name):
+        restore_or_fall_back(TinyModel(), ColdsnapSettings.resolve({}, {**extra, "restore": "native"})[0], RANK0, source)
