@@ -96,9 +96,9 @@ def parse_s3_url(spec: str) -> tuple[str, str]:
 
 CONNECT_TIMEOUT_S = 10.0
 """Seconds to wait for a TCP connection to the S3 endpoint (botocore's own default is 60)."""
-READ_TIMEOUT_S = 60.0
+READ_TIMEOUT_S = 20.0
 """Seconds a request may go without receiving a byte before it is retried; botocore's retries (``standard``
-mode, ``AWS_MAX_ATTEMPTS`` attempts, default 3 here) bound a stalled endpoint to a few minutes at most instead
+mode, ``AWS_MAX_ATTEMPTS`` attempts, default 3 here) bound a stalled endpoint to about a minute instead
 of an unbounded wait behind the digest's lock."""
 S3_CLIENT_VARIABLES = (
     "AWS_ENDPOINT_URL",
