@@ -200,6 +200,7 @@ class PayloadCache:
         self.lock_timeout_seconds = lock_timeout_from_env() if lock_timeout_seconds is None else float(lock_timeout_seconds)
         self._verified_here: dict[str, tuple[int, int, int, int, int]] = {}
         self._verified_here_lock = threading.Lock()
+        self._admitted: dict[str, tuple[int, int, int, int, int]] = {}
 
     def __repr__(self) -> str:
         return f"PayloadCache({str(self.state_root)!r})"
@@ -437,6 +438,21 @@ class PayloadCache:
             record_verified(self, sha256, os.fstat(fd))
         return final
 
+    # -- what the last admission accepted ------------------------------------------------------------
+
+    def _admitted_at(self, digest: str, st: os.stat_result) -> Path:
+        """Remember the identity of the object an admission of ``digest`` just accepted; return its path."""
+        with self._verified_here_lock:
+            self._admitted[digest] = identity(st)
+        return self.object_path(digest)
+
+    def admitted_identity(self, digest: str) -> tuple[int, int, int, int, int] | None:
+        """``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)`` of the object the latest :meth:`admit`
+        of ``digest`` by this object accepted, or ``None``: what a reader that opens the path afterwards
+        compares its open file with, since another process may rename other bytes onto the path."""
+        with self._verified_here_lock:
+            return self._admitted.get(digest)
+
     # -- verified in this process (when no validation record can be written) -----------------------
 
     def remember_verified(self, digest: str, st: os.stat_result) -> None:
@@ -519,11 +535,11 @@ class PayloadCache:
         except ValidationRecordError as exc:
             if self.verified_here(digest, st):
                 _require_caller_size(path, st.st_size, size_bytes)
-                return path
+                return self._admitted_at(digest, st)
             logger.info("coldsnap: verifying %s in full (%s)", path, exc.detail)
         else:
             _require_caller_size(path, st.st_size, size_bytes)
-            return path
+            return self._admitted_at(digest, st)
         with self.lock(digest, required=True):
             return self.admit_locked(
                 digest,
@@ -581,7 +597,7 @@ class PayloadCache:
                     trusted = True
                 if trusted:
                     _require_caller_size(path, st.st_size, size_bytes)
-                    return path
+                    return self._admitted_at(digest, st)
             error = (
                 None
                 if size_bytes is None
@@ -614,7 +630,7 @@ class PayloadCache:
             after = refuse_symlink(path)
             if after is not None and identity(after) == identity(st):
                 record_verified(self, digest, after)
-                return path
+                return self._admitted_at(digest, after)
             # Replaced or touched while being hashed: another writer that did not (or could not) take
             # the lock. What was hashed may not be what is there now, so start over.
             logger.info("coldsnap: %s changed while it was being verified (attempt %d)", path, attempt)

@@ -33,6 +33,7 @@ fails on an admitted pack, the pack is verified once more in full, ignoring its 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from pathlib import Path
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.copy.base import CopyBackend, CopyOp, LiveAllocation
 from coldsnap_core.errors import (
+    CacheError,
     ColdsnapError,
     CopyBackendError,
     ExtentDigestMismatchError,
@@ -51,11 +53,13 @@ from coldsnap_core.errors import (
 from coldsnap_core.format.allocation import AllocationMap
 from coldsnap_core.format.manifest import NativeManifest
 from coldsnap_core.format.pack_layout import PackLayout
+from coldsnap_core.records import identity, read_trusted_record
 from coldsnap_core.verify import (
     check_live_layout,
     check_manifest,
     check_pack_padding,
     extent_owner_map,
+    pinned_file,
     verify_blob_file,
     verify_pack_file,
 )
@@ -172,23 +176,29 @@ def hydrate(
         )
     else:
         layout = admitted.layout
-    verify_blob_file(blob_path, manifest.residual)
-    pack_path = cache.admit(manifest.pack.sha256, manifest.pack.size_bytes) if admitted is None else admitted.path
-    try:
-        check_pack_padding(pack_path, layout)
-    except NonZeroPaddingError as exc:
-        judged = _judge_admitted_pack(exc, cache, manifest, layout, pack_path, manifest_file)
-        if judged is exc:
-            raise
-        raise judged from exc
-    checked = time.perf_counter()
-    try:
-        backend.fill(plan_hydration(manifest), {"pack": pack_path, "blob": blob_path}, allocations, verify_extents=verify_extents)
-    except ExtentDigestMismatchError as exc:
-        judged = _judge_admitted_pack(exc, cache, manifest, layout, pack_path, manifest_file)
-        if judged is exc:
-            raise
-        raise judged from exc
+    # The blob and the pack are each opened once: what is verified below is what the backend copies,
+    # through /proc/self/fd/<n>, even if another process renames other bytes onto either path meanwhile.
+    with pinned_file(blob_path, "residual blob") as blob_opened:
+        verify_blob_file(blob_path, manifest.residual, opened=blob_opened)
+        pack_path = cache.admit(manifest.pack.sha256, manifest.pack.size_bytes) if admitted is None else admitted.path
+        with pinned_file(pack_path, "pack") as pack_opened:
+            _require_admitted_inode(cache, manifest.pack.sha256, pack_path, pack_opened)
+            try:
+                check_pack_padding(pack_path, layout)
+            except NonZeroPaddingError as exc:
+                judged = _judge_admitted_pack(exc, cache, manifest, layout, pack_path, manifest_file)
+                if judged is exc:
+                    raise
+                raise judged from exc
+            checked = time.perf_counter()
+            sources = {"pack": Path(pack_opened), "blob": Path(blob_opened)}
+            try:
+                backend.fill(plan_hydration(manifest), sources, allocations, verify_extents=verify_extents)
+            except ExtentDigestMismatchError as exc:
+                judged = _judge_admitted_pack(exc, cache, manifest, layout, pack_path, manifest_file)
+                if judged is exc:
+                    raise
+                raise judged from exc
     done = time.perf_counter()
     report = HydrationReport(manifest.model_bytes, manifest.residual_bytes, checked - started, done - checked)
     logger.info(
@@ -201,6 +211,21 @@ def hydrate(
         report.copy_seconds,
     )
     return report
+
+
+def _require_admitted_inode(cache: PayloadCache, digest: str, pack_path: Path, opened: str) -> None:
+    """The pack held open at ``opened`` must be the inode that admission accepted (verified or trusted),
+    not another file renamed onto ``pack_path`` since.
+
+    Raises:
+        CacheError: the open file is not the admitted one (nothing is copied).
+    """
+    admitted = cache.admitted_identity(digest)
+    if admitted is None:  # admitted by another cache object: its validation record must bind the open file
+        read_trusted_record(cache, digest, os.stat(opened))
+        return
+    if identity(os.stat(opened)) != admitted:
+        raise CacheError("the pack was replaced after it was admitted (another inode is at the path); not copied", file=pack_path)
 
 
 def _judge_admitted_pack(

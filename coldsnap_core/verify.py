@@ -18,10 +18,11 @@ Each failure raises its own :mod:`coldsnap_core.errors` class naming file, alloc
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -264,7 +265,7 @@ def _first_layout_difference(expected: AllocationMap, actual: AllocationMap) -> 
 # --- files ----------------------------------------------------------------------------------------
 
 
-def _require_size(path: Path, expected: int, error: type[Exception], what: str) -> None:
+def _require_size(path: Path, expected: int, error: type[Exception], what: str, *, opened: str | None = None) -> None:
     """``path`` must be a regular file (symbolic links followed) of ``expected`` bytes.
 
     Raises:
@@ -275,7 +276,7 @@ def _require_size(path: Path, expected: int, error: type[Exception], what: str) 
         ``error``: the size differs.
     """
     try:
-        st = os.stat(path)
+        st = os.stat(opened if opened is not None else path)
     except FileNotFoundError as exc:
         raise MissingObjectError(f"{what} does not exist", file=path) from exc
     except OSError as exc:
@@ -505,8 +506,14 @@ def check_pack_padding(path: str | os.PathLike[str], layout: PackLayout) -> None
         os.close(fd)
 
 
-def verify_blob_file(path: str | os.PathLike[str], residual: ResidualRef) -> None:
+def verify_blob_file(path: str | os.PathLike[str], residual: ResidualRef, *, opened: str | None = None) -> None:
     """Verify a residual blob: size first, then SHA-256.
+
+    Args:
+        path: the blob (named in every error).
+        residual: what the manifest records of it.
+        opened: where to read it instead, when the caller holds it open: the ``/proc/self/fd/<n>`` of
+            :func:`pinned_file`, so the bytes verified are the bytes a copy through that name reads.
 
     Raises:
         MissingObjectError: no file at ``path``.
@@ -516,15 +523,37 @@ def verify_blob_file(path: str | os.PathLike[str], residual: ResidualRef) -> Non
         ResidualDigestMismatchError: the SHA-256 differs from the manifest's.
     """
     path = Path(path)
-    _require_size(path, residual.size_bytes, ResidualSizeMismatchError, "residual blob")
+    _require_size(path, residual.size_bytes, ResidualSizeMismatchError, "residual blob", opened=opened)
     try:
-        digest, _ = sha256_file(path)
+        digest, _ = sha256_file(opened if opened is not None else path)
     except OSError as exc:
         raise os_error("cannot read the residual blob", exc, path) from exc
     if digest != residual.sha256:
         raise ResidualDigestMismatchError(
             f"the residual blob's SHA-256 is {digest}, the manifest records {residual.sha256}", file=path
         )
+
+
+@contextlib.contextmanager
+def pinned_file(path: str | os.PathLike[str], what: str) -> Iterator[str]:
+    """Open ``path`` once and yield ``/proc/self/fd/<n>``: opening that name again (a copy backend does, with
+    flags of its own such as ``O_DIRECT``) opens the same inode whatever is renamed onto ``path`` meanwhile,
+    so what is verified through it is what is copied through it (proc(5), ``/proc/pid/fd``).
+
+    Raises:
+        MissingObjectError: nothing at ``path``.
+        FileAccessError: it cannot be opened.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError as exc:
+        raise MissingObjectError(f"{what} does not exist", file=path) from exc
+    except OSError as exc:
+        raise os_error(f"cannot open the {what}", exc, path) from exc
+    try:
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
 
 
 def extent_owner_map(manifest: NativeManifest) -> Callable[[PackEntry], tuple[int | None, int | None]]:

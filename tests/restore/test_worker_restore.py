@@ -728,3 +728,64 @@ def test_an_s3_client_that_cannot_be_built_falls_back_under_auto(
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
     with pytest.raises(ConfigurationError, match=name):
         restore_or_fall_back(TinyModel(), ColdsnapSettings.resolve({}, {**extra, "restore": "native"})[0], RANK0, source)
+
+
+class _SwappingBackend(HostCopyBackend):
+    """The real host copy backend, but right before it copies, another process's re-export is simulated:
+    same-size files with other bytes are renamed onto the blob's and the pack's paths."""
+
+    def __init__(self, blob: Path, pack: Path) -> None:
+        super().__init__()
+        self.targets = (blob, pack)
+
+    def fill(self, ops, sources, allocations, *, verify_extents: bool) -> None:
+        for path in self.targets:
+            other = path.with_name(path.name + ".other")
+            other.write_bytes(bytes(b ^ 0xFF for b in path.read_bytes()))
+            os.replace(other, path)
+        super().fill(ops, sources, allocations, verify_extents=verify_extents)
+
+
+def test_the_bytes_copied_are_the_bytes_verified_when_the_files_are_replaced(tmp_path: Path, checkpoint: Path, captured) -> None:
+    """A re-capture into the same artifact folder (or a swap on NFS) renames other bytes of the same size
+    onto ``weights.blob`` and the pack between verification and copy: the restore still fills exactly
+    the verified bytes, because both are copied through the descriptors they were verified through.
+    Fails if the copy backend opens the paths again (it then served a blob its manifest does not pin)."""
+    loaded, result = captured
+    fresh = TinyModel()
+    attempt = restorer(checkpoint, tmp_path / "artifact", tmp_path / "state")
+    blob = result.capsule_dir / "weights.blob"
+    attempt.run(enumerate_allocations(fresh), _SwappingBackend(blob, result.pack_path))
+    assert fresh.snapshot() == loaded.snapshot()
+
+
+def test_a_pack_replaced_after_its_admission_is_not_copied(tmp_path: Path, checkpoint: Path, captured) -> None:
+    """Other bytes renamed onto the pack's path right after admission accepted it: hydration compares the
+    file it opened with the admitted inode and refuses (``CacheError``) before copying a byte. Fails if
+    an unadmitted file can reach the allocations."""
+    from coldsnap_core.errors import CacheError
+    from coldsnap_core.hydrate import hydrate
+
+    _, result = captured
+
+    class SwapAfterAdmission(PayloadCache):
+        def admit(self, digest, size_bytes=None, **kwargs):
+            path = super().admit(digest, size_bytes, **kwargs)
+            other = path.with_name("other.partial")
+            other.write_bytes(path.read_bytes())
+            os.chmod(other, 0o444)
+            os.replace(other, path)
+            return path
+
+    fresh = TinyModel()
+    allocations = enumerate_allocations(fresh)
+    with pytest.raises(CacheError, match="replaced after it was admitted"):
+        hydrate(
+            result.manifest,
+            blob_path=result.capsule_dir / "weights.blob",
+            cache=SwapAfterAdmission(tmp_path / "state"),
+            allocations=allocations.live,
+            backend=HostCopyBackend(),
+            live_layout=allocations.allocation_map,
+        )
+    assert all(b == 0 for b in fresh.embed.detach().view(torch.uint8).flatten().tolist())
