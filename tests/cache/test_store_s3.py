@@ -115,3 +115,41 @@ def test_without_boto3_the_store_names_the_extra(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "boto3", None)
     with pytest.raises(ConfigurationError, match=r"coldsnap\[s3\]"):
         store.has("a" * 64)
+
+
+def test_the_loser_of_two_repairs_of_a_corrupt_object_reports_it_present(s3_env, captured) -> None:
+    """Two publishers find the same corrupt object and both replace it conditionally on its ``ETag``; the
+    one whose ``If-Match`` loses finds the digest's bytes there and returns False (present, §12.4) instead
+    of failing with "the object changed", since the store holds the right bytes. A loser that finds other
+    bytes still fails. The other publisher is a real second upload to the moto server, made right before
+    this one's replacement."""
+    from coldsnap_core.errors import StoreError
+
+    client = _default_client()
+    bucket = _bucket(client)
+    digest, size = captured.pack.sha256, captured.pack.size_bytes
+    good = captured.pack_path.read_bytes()
+
+    class RacedStore(S3PayloadStore):
+        def __init__(self, *args, other_bytes: bytes, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.other_bytes, self.creates = other_bytes, 0
+
+        def _create(self, path, digest, size_bytes, progress, condition):
+            self.creates += 1
+            if "IfMatch" in condition:  # the other publisher's repair lands first
+                client.put_object(Bucket=bucket, Key=self.key(digest), Body=self.other_bytes)
+            return super()._create(path, digest, size_bytes, progress, condition)
+
+    corrupt = bytes(b ^ 0x01 for b in good)
+    client.put_object(Bucket=bucket, Key=S3PayloadStore(bucket, "p").key(digest), Body=corrupt)
+    store = RacedStore(bucket, "p", client=client, part_size_bytes=8 << 20, other_bytes=good)
+    assert store.upload(captured.pack_path, digest, size) is False
+    assert store.creates == 2
+    got = client.get_object(Bucket=bucket, Key=store.key(digest))["Body"].read()
+    assert got == good
+
+    client.put_object(Bucket=bucket, Key=store.key(digest), Body=corrupt)
+    worse = RacedStore(bucket, "p", client=client, part_size_bytes=8 << 20, other_bytes=corrupt[::-1])
+    with pytest.raises(StoreError, match="changed while a corrupt copy was replaced"):
+        worse.upload(captured.pack_path, digest, size)
