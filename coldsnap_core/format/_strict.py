@@ -238,7 +238,7 @@ def _refuse_lone_surrogates(value: Any, file: str | None) -> None:
                 ) from None
 
 
-def read_document(path: str | Path, parse: Callable[[Fields], T]) -> T:
+def read_document(path: str | Path, parse: Callable[[Fields], T], *, max_bytes: int | None = None) -> T:
     """Read and strictly parse the JSON document at ``path``.
 
     Raises:
@@ -247,8 +247,14 @@ def read_document(path: str | Path, parse: Callable[[Fields], T]) -> T:
         ManifestError: any parse or schema failure (see :class:`Fields`).
     """
     path = Path(path)
-    return parse_document(read_document_bytes(path), parse, file=str(path))
+    return parse_document(read_document_bytes(path, max_bytes=max_bytes), parse, file=str(path))
 
+
+MAX_DESCRIPTOR_BYTES = 8 << 20
+"""The largest ``artifact.json`` coldsnap reads (8 MiB; ``docs/format.md`` §4). It is the one document no
+pin bounds (manifests are read only at the size ``artifact.json`` pins), and Python's JSON parser needs about
+30 times a document's size in memory, so the cap bounds what a hostile descriptor costs each reader and rank
+(about 250 MiB). A descriptor takes under 1 KiB per worker: 8 MiB fits about 10,000 workers."""
 
 MAX_DOCUMENT_BYTES = 256 << 20
 """The largest JSON document coldsnap reads (256 MiB; ``docs/format.md`` §4). A manifest takes a few
@@ -256,7 +262,7 @@ hundred bytes per tensor and extent (SmolLM2-135M: about 200 KiB), so this leave
 hundreds of thousands of tensors while bounding what a hostile file can make a reader allocate."""
 
 
-def read_document_bytes(path: Path, *, check_size: Callable[[int], None] | None = None) -> bytes:
+def read_document_bytes(path: Path, *, check_size: Callable[[int], None] | None = None, max_bytes: int | None = None) -> bytes:
     """The bytes of a document file, read through one descriptor that is checked before any read.
 
     Anything but a regular file (``stat``, following links) is refused before it is opened; the file
@@ -291,9 +297,10 @@ def read_document_bytes(path: Path, *, check_size: Callable[[int], None] | None 
             raise NotRegularFileError(f"document is not a regular file ({stat.filemode(st.st_mode)})", file=path)
         if check_size is not None:
             check_size(st.st_size)
-        if st.st_size > MAX_DOCUMENT_BYTES:
+        cap = MAX_DOCUMENT_BYTES if max_bytes is None else min(max_bytes, MAX_DOCUMENT_BYTES)
+        if st.st_size > cap:
             raise ManifestParseError(
-                f"document is {st.st_size} bytes, more than the {MAX_DOCUMENT_BYTES} bytes a coldsnap document may have",
+                f"document is {st.st_size} bytes, more than the {cap} bytes a coldsnap document of its kind may have",
                 file=path,
             )
         limit = st.st_size + 1

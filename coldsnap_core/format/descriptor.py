@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from coldsnap_core.format._strict import Fields, dump_document, parse_document, read_document
+from coldsnap_core.format._strict import MAX_DESCRIPTOR_BYTES, Fields, dump_document, parse_document, read_document
 from coldsnap_core.format.content_ref import ContentRef
 from coldsnap_core.format.manifest import (
     CAPSULE_FILENAME_RE,
@@ -184,4 +184,5 @@ class ArtifactDescriptor:
 
     @classmethod
     def read(cls, path: str | Path) -> ArtifactDescriptor:
-        return read_document(path, cls.from_fields)
+        """Read and parse ``artifact.json``, at most :data:`MAX_DESCRIPTOR_BYTES` (else ``ManifestParseError``)."""
+        return read_document(path, cls.from_fields, max_bytes=MAX_DESCRIPTOR_BYTES)

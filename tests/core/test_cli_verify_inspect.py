@@ -419,3 +419,24 @@ def test_verify_and_inspect_refuse_a_document_that_is_not_utf8_text(
         assert done.returncode == 2, (command, done.stdout[-2000:], done.stderr[-2000:])
         assert "manifest-json" in done.stderr and document in done.stderr, (command, done.stderr[-2000:])
         assert "Traceback" not in done.stderr
+
+
+def test_an_artifact_json_over_its_cap_is_refused_before_it_is_parsed(captured_2layer: Captured, tmp_path: Path) -> None:
+    """``artifact.json`` is the one document no pin bounds, and parsing JSON costs about 30 times its size
+    (a 40 MiB descriptor took ``verify`` to 1.3 GB RSS): above ``MAX_DESCRIPTOR_BYTES`` (8 MiB) it is refused
+    by its size alone, with ``manifest-json`` (exit 2) naming the file and the cap, whatever it contains; the
+    same descriptor padded to just under the cap still verifies. Fails if the cap is raised or dropped."""
+    from coldsnap_core.format._strict import MAX_DESCRIPTOR_BYTES
+
+    c = copy_capture(captured_2layer, tmp_path / "copy")
+    descriptor = c.artifact_dir / "artifact.json"
+    text = descriptor.read_text(encoding="utf-8").rstrip("\n")
+    descriptor.write_text(text + " " * (MAX_DESCRIPTOR_BYTES - len(text.encode()) - 1) + "\n", encoding="utf-8")
+    assert descriptor.stat().st_size == MAX_DESCRIPTOR_BYTES
+    ok = run_cli("verify", c.artifact_dir, "--state-root", c.state_root)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    descriptor.write_text(text + " " * MAX_DESCRIPTOR_BYTES + "\n", encoding="utf-8")
+    done = run_cli("verify", c.artifact_dir, "--state-root", c.state_root)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "manifest-json" in done.stderr and f"more than the {MAX_DESCRIPTOR_BYTES} bytes" in done.stderr
+    assert "artifact.json" in done.stderr
