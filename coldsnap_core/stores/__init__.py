@@ -18,6 +18,7 @@ means "no store" (staging then uses the node-local cache only).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 from coldsnap_core.errors import ConfigurationError
@@ -61,7 +62,12 @@ def parse_store_spec(spec: str, *, repo_type: str = "model") -> PayloadStore:
         from coldsnap_core.stores.s3 import S3PayloadStore
 
         return S3PayloadStore.from_url(spec)
-    from coldsnap_core.stores.hf import HfPayloadStore
+    try:
+        from coldsnap_core.stores.hf import HfPayloadStore
+    except ValueError as exc:  # huggingface_hub parses HF_ENDPOINT when it is imported
+        raise ConfigurationError(
+            f"HF_ENDPOINT={os.environ.get('HF_ENDPOINT', '')!r} is not a URL huggingface_hub accepts: {exc}"
+        ) from exc
 
     repo_id, at, revision = spec.partition("@")
     if at and not revision:

@@ -198,3 +198,17 @@ def test_a_home_folder_of_no_user_in_a_store_or_cli_path_is_named(tmp_path: Path
     assert f"--state-root='{NO_SUCH_USER}'" in capsys.readouterr().err
     assert main(["stage", str(tmp_path), "--repo", NO_SUCH_USER]) == 4
     assert NO_SUCH_USER in capsys.readouterr().err
+
+
+def test_an_hf_endpoint_that_is_no_url_is_a_configuration_error(tmp_path: Path) -> None:
+    """``HF_ENDPOINT=http://[::1`` makes importing huggingface_hub raise ``ValueError``; ``coldsnap stage``
+    with a Hugging Face ``--repo`` printed that traceback (exit 1). Now exit 4 naming ``HF_ENDPOINT``."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_ENDPOINT": "http://[::1"}
+    command = [sys.executable, "-m", "coldsnap_core.cli.main", "stage", str(tmp_path), "--repo", "org/name"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 4, done.stderr[-2000:]
+    assert "HF_ENDPOINT='http://[::1'" in done.stderr and "Traceback" not in done.stderr
