@@ -254,6 +254,9 @@ class ColdsnapModelLoader(DefaultModelLoader):
     def _load_weights(self, model: nn.Module, model_config: ModelConfig, started: float) -> None:
         self._restored_pack = None
         _set_outcome(None)
+        # A later load in this process (vLLM's reload_weights, a second load_weights) replaces the weights:
+        # what the sleep backend works from is this load's state or none, never the previous load's.
+        load_state.clear()
         settings = self.coldsnap_settings
         worker = compat.worker_identity()
         cache = PayloadCache(settings.state_root, lock_timeout_seconds=settings.lock_timeout_s)

@@ -847,3 +847,34 @@ def test_a_moved_main_is_not_restored(smollm2_2layer: Path, tmp_path: Path, monk
     monkeypatch.setenv("COLDSNAP_RESTORE", "native")
     load(ModelConfig(model="org/name", revision=COMMIT_A, dtype="bfloat16"), pinned)
     assert last_outcome().kind == "restored" and pinned.snapshot() == captured.snapshot()
+
+
+@pytest.mark.parametrize("second", ["rebound-storage", "unobserved"])
+def test_a_later_load_publishes_its_own_state_or_none(smollm2_2layer: Path, tmp_path: Path, monkeypatch, second: str) -> None:
+    """A second load in the same worker process (vLLM's ``reload_weights``, another ``load_weights``) that is
+    unclassifiable (a rebound storage) or unobserved (the allocations cannot be enumerated) publishes nothing,
+    and the previous load's state is gone with it: the sleep backend must never work from the earlier load's
+    writes. Fails if the first load's state survives the second load."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from coldsnap_core.errors import ObserverError
+
+    monkeypatch.delenv("COLDSNAP_ARTIFACT_DIR", raising=False)
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
+    config = ModelConfig(model=str(smollm2_2layer), dtype="bfloat16")
+    state.clear()
+    with set_current_vllm_config(VllmConfig(model_config=config)):
+        make_loader().load_weights(Consumer(), config)
+        assert state.current() is not None
+        if second == "rebound-storage":
+            make_loader().load_weights(Consumer(rebind=True), config)
+        else:
+            import coldsnap_vllm.loader as loader_module
+
+            def refuse(model):
+                raise ObserverError("allocations cannot be enumerated here")
+
+            monkeypatch.setattr(loader_module, "enumerate_allocations", refuse)
+            make_loader().load_weights(Consumer(), config)
+    assert last_outcome().kind == "checkpoint"
+    assert state.current() is None
