@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="coldsnap",
         description="Inspect, verify, stage and publish coldsnap artifacts (format 9).",
         epilog="Exit codes: 0 verified/ok, 1 content mismatch or corruption, 2 malformed or unsupported manifest, "
-        "3 missing object, 4 other error.",
+        "3 missing object, 4 other error, 5 capsule not qualified for this target (a native restore).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
     parser.add_argument(
