@@ -158,13 +158,13 @@ class ColdsnapModelLoader(DefaultModelLoader):
         source = self._loaded_model(model) if settings.artifact_dir is not None else None
         failures: list[ColdsnapError] = []
         try:
-            restored = restore_into(model, settings, worker, source, failures=failures)
+            restored_pack = restore_into(model, settings, worker, source, failures=failures)
         except ColdsnapError as exc:
             _log_outcome(settings, "refused", worker, time.perf_counter() - started, exc)
             raise
-        if restored:
+        if restored_pack is not None:
             DefaultModelLoader.postprocess_weights(model, target_device)
-            _log_outcome(settings, "restored", worker, time.perf_counter() - started)
+            _log_outcome(settings, "restored", worker, time.perf_counter() - started, pack_sha256=restored_pack)
             return None
         result = DefaultModelLoader.load_weights_and_postprocess(model, weights, target_device)
         kind = "checkpoint" if settings.artifact_dir is None else "fell-back"
@@ -211,7 +211,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
                 ranges,
                 worker,
                 identity,
-                cache=PayloadCache(settings.state_root),
+                cache=PayloadCache(settings.state_root, lock_timeout_seconds=settings.lock_timeout_s),
                 artifact_dir=settings.artifact_dir,
                 engine=ENGINE,
             )
@@ -303,9 +303,9 @@ def restore_into(
     source: LoadedModel | None,
     *,
     failures: list[ColdsnapError] | None = None,
-) -> bool:
-    """Restore ``model`` from the artifact; ``True`` when restored, ``False`` to load the checkpoint
-    (under ``auto`` the error that made it fall back is appended to ``failures``).
+) -> str | None:
+    """Restore ``model`` from the artifact; the SHA-256 of the pack restored from, or ``None`` to load the
+    checkpoint (under ``auto`` the error that made it fall back is appended to ``failures``).
 
     The ``COLDSNAP_RESTORE`` policy is :func:`coldsnap_core.restore.restore_or_fall_back`'s. ``source``
     is ``None`` when the loader does not know the model being loaded (called outside ``load_model``,
@@ -328,7 +328,7 @@ def restore_into(
     if not result.restored:
         if result.fallback is not None and failures is not None:
             failures.append(result.fallback)
-        return False
+        return None
     assert result.attempt is not None and result.attempt.capsule is not None and result.report is not None
     logger.info(
         "coldsnap: restored %s from pack %s (%d model bytes, %d residual bytes; no checkpoint read)",
@@ -337,4 +337,4 @@ def restore_into(
         result.report.model_bytes,
         result.report.residual_bytes,
     )
-    return True
+    return result.attempt.capsule.native.pack.sha256

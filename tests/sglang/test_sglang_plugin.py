@@ -203,6 +203,7 @@ def test_sglang_loads_leave_an_outcome_line(fake_sglang, captured, smollm2_2laye
         ("sglang", "fell-back"),
     ]
     assert lines[1]["rule"] == "extent-sha256" and lines[2]["rule"] is not None and lines[2]["file"] is not None
+    assert lines[0]["pack_sha256"] == result.manifest.pack.sha256  # restored lines name their pack, as vLLM's do
 
 
 @pytest.mark.parametrize(
