@@ -117,6 +117,19 @@ class ColdsnapError(Exception):
         self.offset_bytes = offset_bytes
         super().__init__(self._compose())
 
+    def renaming_file(self, names: dict[str, str]) -> ColdsnapError:
+        """Name ``names[old]`` wherever this error names ``old`` (its ``file`` and its detail); returns ``self``.
+
+        Hydration reads through ``/proc/self/fd/<n>`` names (:func:`coldsnap_core.verify.pinned_file`); an
+        error raised on one must still name the real file.
+        """
+        for old, new in names.items():
+            if self.file == old:
+                self.file = new
+            self.detail = self.detail.replace(old, new)
+        self.args = (self._compose(),)
+        return self
+
     def _compose(self) -> str:
         context = []
         if self.file is not None:

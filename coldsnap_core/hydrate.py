@@ -194,7 +194,10 @@ def hydrate(
             sources = {"pack": Path(pack_opened), "blob": Path(blob_opened)}
             try:
                 backend.fill(plan_hydration(manifest), sources, allocations, verify_extents=verify_extents)
-            except ExtentDigestMismatchError as exc:
+            except ColdsnapError as exc:
+                exc.renaming_file({pack_opened: str(pack_path), blob_opened: str(blob_path)})
+                if not isinstance(exc, ExtentDigestMismatchError):
+                    raise
                 judged = _judge_admitted_pack(exc, cache, manifest, layout, pack_path, manifest_file)
                 if judged is exc:
                     raise
