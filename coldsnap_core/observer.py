@@ -933,14 +933,3 @@ class LoadSession:
             for name, location in read_header(path).items():
                 index.setdefault(name, []).append((relative, location))
         return index
-        for path in prepared.files:
-            if path.suffix != ".safetensors":
-                continue
-            try:
-                relative = str(path.relative_to(prepared.folder))
-            except ValueError:
-                relative = path.name
-            for name, location in read_header(path).items():
-                # A name in two files is ambiguous: no provenance, so its copies are residual.
-                index[name] = None if name in index else (relative, location)
-        return index

@@ -108,6 +108,18 @@ def capture(
     )
 
 
+def _flip_a_pack_byte_under_a_vouching_record(result: CaptureResult, state: Path):
+    """Flip the first byte of the first model extent in the cached pack and rewrite its validation record
+    to vouch for the edited file (so admission trusts it); returns that extent."""
+    extent = result.manifest.model_extents[0]
+    flip_byte(result.pack_path, extent.pack_offset_bytes)
+    cache = PayloadCache(state)
+    os.chmod(cache.record_path(result.manifest.pack.sha256), 0o644)
+    os.unlink(cache.record_path(result.manifest.pack.sha256))
+    write_record(cache, result.manifest.pack.sha256, os.lstat(result.pack_path))
+    return extent
+
+
 def restorer(checkpoint: Path, artifact: Path, state: Path, worker: WorkerIdentity = RANK0, **kwargs) -> WorkerRestore:
     return WorkerRestore(artifact, worker, LoadedModel.from_config(str(checkpoint.parent), None), PayloadCache(state), **kwargs)
 
@@ -141,12 +153,7 @@ def test_the_verify_extents_setting_reaches_hydration(tmp_path: Path, checkpoint
     from coldsnap_core.settings import ColdsnapSettings
 
     loaded, result = captured
-    extent = result.manifest.model_extents[0]
-    flip_byte(result.pack_path, extent.pack_offset_bytes)
-    cache = PayloadCache(tmp_path / "state")
-    os.chmod(cache.record_path(result.manifest.pack.sha256), 0o644)
-    os.unlink(cache.record_path(result.manifest.pack.sha256))
-    write_record(cache, result.manifest.pack.sha256, os.lstat(result.pack_path))
+    extent = _flip_a_pack_byte_under_a_vouching_record(result, tmp_path / "state")
     source = LoadedModel.from_config(str(checkpoint.parent), None)
     extra = {"artifact_dir": str(tmp_path / "artifact"), "state_root": str(tmp_path / "state")}
 
@@ -406,12 +413,7 @@ def test_record_vouching_for_corrupt_bytes_is_caught_by_extent_verification(tmp_
     """A validation record rewritten after an edit (so the fast path trusts it) cannot hide the edit
     from ``verify_extents``: hydration stops with the extent's error and the object leaves the cache."""
     _, result = captured
-    extent = result.manifest.model_extents[0]
-    flip_byte(result.pack_path, extent.pack_offset_bytes)
-    cache = PayloadCache(tmp_path / "state")
-    os.chmod(cache.record_path(result.manifest.pack.sha256), 0o644)
-    os.unlink(cache.record_path(result.manifest.pack.sha256))
-    write_record(cache, result.manifest.pack.sha256, os.lstat(result.pack_path))
+    _flip_a_pack_byte_under_a_vouching_record(result, tmp_path / "state")
     attempt = restorer(checkpoint, tmp_path / "artifact", tmp_path / "state", verify_extents=True)
     with pytest.raises(ExtentDigestMismatchError):
         attempt.run(enumerate_allocations(TinyModel()), HostCopyBackend())
