@@ -184,8 +184,9 @@ def hydrate(
         with pinned_file(pack_path, "pack") as pack_opened:
             _require_admitted_inode(cache, manifest.pack.sha256, pack_path, pack_opened)
             try:
-                check_pack_padding(pack_path, layout)
+                check_pack_padding(Path(pack_opened), layout)
             except NonZeroPaddingError as exc:
+                exc.renaming_file({pack_opened: str(pack_path)})
                 judged = _judge_admitted_pack(exc, cache, manifest, layout, pack_path, manifest_file)
                 if judged is exc:
                     raise
