@@ -38,6 +38,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.copy.base import CopyBackend, CopyOp, LiveAllocation
@@ -187,10 +188,7 @@ def hydrate(
                 check_pack_padding(Path(pack_opened), layout)
             except NonZeroPaddingError as exc:
                 exc.renaming_file({pack_opened: str(pack_path)})
-                judged = _judge_admitted_pack(exc, cache, manifest, layout, pack_path, manifest_file)
-                if judged is exc:
-                    raise
-                raise judged from exc
+                _raise_judged(exc, cache, manifest, layout, pack_path, manifest_file)
             checked = time.perf_counter()
             sources = {"pack": Path(pack_opened), "blob": Path(blob_opened)}
             try:
@@ -199,10 +197,7 @@ def hydrate(
                 exc.renaming_file({pack_opened: str(pack_path), blob_opened: str(blob_path)})
                 if not isinstance(exc, ExtentDigestMismatchError):
                     raise
-                judged = _judge_admitted_pack(exc, cache, manifest, layout, pack_path, manifest_file)
-                if judged is exc:
-                    raise
-                raise judged from exc
+                _raise_judged(exc, cache, manifest, layout, pack_path, manifest_file)
     done = time.perf_counter()
     report = HydrationReport(manifest.model_bytes, manifest.residual_bytes, checked - started, done - checked)
     logger.info(
@@ -230,6 +225,22 @@ def _require_admitted_inode(cache: PayloadCache, digest: str, pack_path: Path, o
         return
     if identity(os.stat(opened)) != admitted:
         raise CacheError("the pack was replaced after it was admitted (another inode is at the path); not copied", file=pack_path)
+
+
+def _raise_judged(
+    found: IntegrityError,
+    cache: PayloadCache,
+    manifest: NativeManifest,
+    layout: PackLayout,
+    pack_path: Path,
+    manifest_file: str | None,
+) -> NoReturn:
+    """Raise what :func:`_judge_admitted_pack` makes of ``found``: ``found`` itself, or the judged error
+    chained to it."""
+    judged = _judge_admitted_pack(found, cache, manifest, layout, pack_path, manifest_file)
+    if judged is found:
+        raise found
+    raise judged from found
 
 
 def _judge_admitted_pack(

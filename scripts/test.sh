@@ -5,7 +5,8 @@
 #   scripts/test.sh --fast [PYTEST ARGS...]  the fast tier: lint, formatting and every test that starts no engine
 #                                            and is not marked slow (-m "not engine and not slow"); builds only
 #                                            the vLLM environment (.venv), never SGLang's
-# Both print the 25 slowest tests. The two environments cannot be one: the engines pin different torch releases.
+# Both print the 25 slowest tests and the wall time of each phase (set-up, lint, tests). The two environments
+# cannot be one: the engines pin different torch releases.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -14,6 +15,11 @@ if [ "${1:-}" = "--fast" ]; then
   fast=1
   shift
 fi
+phase_started=$SECONDS
+phase_done() {  # phase_done NAME: print the wall time since the previous phase ended
+  echo "test.sh: phase $1 took $((SECONDS - phase_started)) s" >&2
+  phase_started=$SECONDS
+}
 scripts/setup-venv.sh
 venv=${COLDSNAP_VENV:-$root/.venv}
 marker=()
@@ -25,12 +31,17 @@ else
   export COLDSNAP_SGLANG_VENV
 fi
 export PATH="$venv/bin:$PATH" HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+phase_done set-up
 ruff check .
 ruff format --check .
+phase_done lint
 # vLLM leaves its IPC sockets and small files in the temporary folder: give this run its own and remove
 # it at the end (pytest's own temporary folders stay where they were, under PYTEST_DEBUG_TEMPROOT).
 export PYTEST_DEBUG_TEMPROOT=${PYTEST_DEBUG_TEMPROOT:-${TMPDIR:-/tmp}}
 run_tmp=$(mktemp -d "${TMPDIR:-/tmp}/coldsnap-run.XXXXXX")
 trap 'rm -rf "$run_tmp"' EXIT
 export TMPDIR=$run_tmp
-python -m pytest --durations=25 "${marker[@]}" "$@"
+status=0
+python -m pytest --durations=25 "${marker[@]}" "$@" || status=$?
+phase_done tests
+exit "$status"

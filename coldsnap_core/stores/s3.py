@@ -128,10 +128,10 @@ def _default_client() -> Any:
     except ImportError as exc:  # the optional extra is not installed
         raise ConfigurationError("an s3:// payload store needs boto3: pip install 'coldsnap[s3]'") from exc
     style = os.environ.get("AWS_S3_ADDRESSING_STYLE", "path")
-    retries = {"mode": os.environ.get("AWS_RETRY_MODE", "standard")}
+    retries: dict[str, Any] = {"mode": os.environ.get("AWS_RETRY_MODE", "standard")}
+    if "AWS_MAX_ATTEMPTS" not in os.environ:  # botocore reads the variable itself when it is set
+        retries["total_max_attempts"] = 3
     try:
-        if "AWS_MAX_ATTEMPTS" not in os.environ:
-            retries["total_max_attempts"] = 3  # type: ignore[assignment]
         config = Config(
             s3={"addressing_style": style},
             max_pool_connections=DEFAULT_CONCURRENCY * 2,
@@ -361,9 +361,8 @@ class S3PayloadStore:
         if self._create(path, digest, size_bytes, progress, {"IfNoneMatch": "*"}):
             logger.info("coldsnap: uploaded %s to %s", digest, self.name)
             return True
-        head = self._head(digest)
-        intact = head is not None and int(head["ContentLength"]) == size_bytes
-        if intact and self._hash_object(digest, size_bytes, head.get("ETag")) == digest:
+        present, head = self._holds_digest(digest, size_bytes)
+        if present:
             logger.info("coldsnap: %s was created by another publisher; not uploaded again", self.location(digest))
             return False
         logger.warning("coldsnap: %s exists but is not the digest's bytes; replacing it", self.location(digest))
@@ -371,17 +370,19 @@ class S3PayloadStore:
         if not self._create(path, digest, size_bytes, progress, condition):
             # Another publisher replaced the object first (its If-Match won): if the store now holds the
             # digest's bytes, the digest is present (docs/format.md §12.4), not a failure.
-            head = self._head(digest)
-            if (
-                head is not None
-                and int(head["ContentLength"]) == size_bytes
-                and self._hash_object(digest, size_bytes, head.get("ETag")) == digest
-            ):
+            if self._holds_digest(digest, size_bytes)[0]:
                 logger.info("coldsnap: %s was repaired by another publisher; not uploaded again", self.location(digest))
                 return False
             raise StoreError(f"{self.name}: the object changed while a corrupt copy was replaced", file=self.location(digest))
         logger.info("coldsnap: replaced %s in %s", digest, self.name)
         return True
+
+    def _holds_digest(self, digest: str, size_bytes: int) -> tuple[bool, dict[str, Any] | None]:
+        """Whether the object at the digest's key is the digest's bytes (its size, then its SHA-256 in
+        full), and its ``HeadObject`` answer (``None``: no object)."""
+        head = self._head(digest)
+        intact = head is not None and int(head["ContentLength"]) == size_bytes
+        return intact and self._hash_object(digest, size_bytes, head.get("ETag")) == digest, head
 
     def _create(
         self, path: Path, digest: str, size_bytes: int, progress: ProgressCallback | None, condition: dict[str, str]
