@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from coldsnap_core.artifact import find_worker, read_descriptor, read_worker_capsule
@@ -45,6 +48,11 @@ from coldsnap_core.verify import verify_pack_file
 logger = logging.getLogger(__name__)
 
 __all__ = ["stage_artifact", "stage_payload", "worker_entries"]
+
+FETCH_NOTICE_INTERVAL_S = 10.0
+"""Seconds a fetch may go without writing a byte before an INFO line says what it waits for (and again
+after each further interval): a stalled store is otherwise silent until its client's read timeout and
+retries end it, while every other restorer of the digest waits on its lock."""
 
 
 def _check_pack_ref(pack: PackRef, *, file: str | os.PathLike[str] | None = None) -> None:
@@ -114,12 +122,58 @@ def stage_payload(
         return _fetch(pack, cache, store, progress)
 
 
+@contextmanager
+def _fetch_watch(
+    pack: PackRef, store: PayloadStore, progress: Callable[[int], object] | None
+) -> Iterator[Callable[[int], object]]:
+    """A progress callback for ``store.fetch`` that counts the bytes written (and passes them on to
+    ``progress``), and, while the fetch runs, one INFO line after every :data:`FETCH_NOTICE_INTERVAL_S`
+    without a byte written: the pack, the store, the bytes so far and how long nothing arrived."""
+    written = [0, time.monotonic()]  # bytes so far, monotonic time of the last bytes
+    lock = threading.Lock()
+    done = threading.Event()
+    started = time.monotonic()
+
+    def counted(n: int) -> None:
+        with lock:
+            written[0] += n
+            written[1] = time.monotonic()
+        if progress is not None:
+            progress(n)
+
+    def watch() -> None:
+        while not done.wait(FETCH_NOTICE_INTERVAL_S):
+            with lock:
+                so_far, last = written
+            quiet_s = time.monotonic() - last
+            if quiet_s >= FETCH_NOTICE_INTERVAL_S:
+                logger.info(
+                    "coldsnap: still fetching pack %s from %s: %d of %d bytes after %.0f s, none in the last %.0f s"
+                    " (waiting for the store to send more, or for its client's timeout)",
+                    pack.sha256,
+                    store.name,
+                    so_far,
+                    pack.size_bytes,
+                    time.monotonic() - started,
+                    quiet_s,
+                )
+
+    watcher = threading.Thread(target=watch, name=f"coldsnap-fetch-watch-{pack.sha256[:12]}", daemon=True)
+    watcher.start()
+    try:
+        yield counted
+    finally:
+        done.set()
+        watcher.join()
+
+
 def _fetch(pack: PackRef, cache: PayloadCache, store: PayloadStore, progress: Callable[[int], object] | None) -> Path:
     digest = pack.sha256
     logger.info("coldsnap: fetching pack %s (%d bytes) from %s", digest, pack.size_bytes, store.name)
     with cache.temporary(digest) as (fd, temp):
         try:
-            store.fetch(digest, pack.size_bytes, fd, file=temp, progress=progress)
+            with _fetch_watch(pack, store, progress) as counted:
+                store.fetch(digest, pack.size_bytes, fd, file=temp, progress=counted)
         except StoreError as exc:
             raise StoreError(
                 f"the pack is not in the node-local cache and cannot be fetched: {exc.detail}", file=exc.file

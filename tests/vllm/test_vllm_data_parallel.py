@@ -5,7 +5,8 @@ vLLM runs each data parallel replica of a dense model as its own engine process 
 concurrently on one artifact and one state root. ``LLM(data_parallel_size=2)`` is refused for
 single-process use ("not supported for single-process usage and may hang"), so this goes through
 ``vllm serve``. One server with export on, ``coldsnap publish-native`` to a folder store, a second
-server that restores both replicas, compared with a plain load's greedy completion.
+server that restores both replicas, compared with a plain load's greedy completion (the session's,
+``vllm_two_layer`` in ``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_support import coldsnap_env, run_engine, serve_completion
+from engine_support import PROMPTS, coldsnap_env, serve_completion
 
 from coldsnap_core.artifact import read_descriptor
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
-PROMPT = "The capital of France is"
+PROMPT = PROMPTS[0]  # "The capital of France is"
 REPLICAS = ["worker-0-of-1-dp-0-of-2", "worker-0-of-1-dp-1-of-2"]
 
 
@@ -49,7 +50,9 @@ def _publish(artifact: Path, state: Path, store: Path) -> subprocess.CompletedPr
     )
 
 
-def test_data_parallel_serve_captures_two_capsules_one_pack_and_restores_both(smollm2_2layer: Path, tmp_path: Path) -> None:
+def test_data_parallel_serve_captures_two_capsules_one_pack_and_restores_both(
+    vllm_two_layer: dict, smollm2_2layer: Path, tmp_path: Path
+) -> None:
     """Export with ``--data-parallel-size 2``: two capsules (one per replica, each naming its data parallel
     rank), one pack digest, one cached object; ``publish-native`` uploads that pack once (a second
     publication uploads nothing); a second ``--data-parallel-size 2`` server restores both replicas, each
@@ -90,5 +93,5 @@ def test_data_parallel_serve_captures_two_capsules_one_pack_and_restores_both(sm
     assert all(f"coldsnap: restored {name} from pack" in log for name in REPLICAS)
     assert "could not restore" not in log
 
-    plain = run_engine(tmp_path, "plain", smollm2_2layer, "safetensors", prompts=[PROMPT])
-    assert restored_text == plain.outputs[0]
+    plain = vllm_two_layer["plain"]  # the session's plain load: PROMPT is its first prompt, 8 greedy tokens
+    assert plain.outputs and restored_text == plain.outputs[0]

