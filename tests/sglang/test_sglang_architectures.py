@@ -2,10 +2,14 @@
 
 GPT-2 (a tiny random checkpoint built at test time, ``tests/support/tiny_checkpoints.py``; no tokenizer:
 ``skip_tokenizer_init`` and token-id prompts) is the one of the three architectures of
-``tests/vllm/test_vllm_architectures.py`` chosen here because SGLang's CPU path loads it with the torch
-stand-ins of this machine (``tests/sglang/support``): ``sglang/srt/models/gpt2.py`` loads every ``Conv1D``
-weight through ``loaded_weight.t()``, as vLLM does, and runs on ``torch_native`` attention. Its fused MoE and
-GPTQ linear methods on the CPU need the ``sgl_kernel`` CPU operators, which no PyPI wheel ships.
+``tests/vllm/test_vllm_architectures.py`` chosen here: SGLang's CPU path loads it with the ``sgl_kernel``
+stand-in of this machine (``tests/sglang/support``), and ``sglang/srt/models/gpt2.py`` loads every ``Conv1D``
+weight through ``loaded_weight.t()`` as vLLM does, so both engines copy transposed views row by row. Of the
+other two, the Mixtral checkpoint also loads here (and generates vLLM's greedy tokens); the GPTQ llama does
+not: SGLang's CPU GPTQ post-processing calls an operator the stand-in lacks (``AttributeError: '_OpNamespace'
+'sgl_kernel' object has no attribute 'convert_weight_packed_scale_zp'``, ``sglang/srt/layers/amx_utils.py``
+from ``sglang/srt/hardware_backend/cpu/quantization/gptq_kernels.py``), and no PyPI wheel ships SGLang's CPU
+kernels.
 
 One fixture of module scope: a plain SGLang load, an SGLang capture, an SGLang native restore in a fresh
 engine, and vLLM's capture of the same checkpoint folder (one vLLM engine), so the two engines' packs are

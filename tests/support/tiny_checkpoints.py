@@ -96,21 +96,10 @@ def build_tiny_gptq_llama(folder: Path) -> Path:
         return folder
     import torch
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(2026)
-    config = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB_SIZE,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
-    )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = gptq_llama_before_quantization()
+    config = model.config
+    config.architectures = ["LlamaForCausalLM"]  # what save_pretrained writes for the model
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         module, _, leaf = name.rpartition(".")
@@ -135,6 +124,26 @@ def build_tiny_gptq_llama(folder: Path) -> Path:
     config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
+
+
+def gptq_llama_before_quantization():
+    """The bf16 ``LlamaForCausalLM`` (fixed seed) whose projections :func:`build_tiny_gptq_llama` quantizes."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(2026)
+    config = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    return LlamaForCausalLM(config).to(torch.bfloat16)
 
 
 def _gptq_quantize(weight) -> dict:
