@@ -160,6 +160,21 @@ def vllm_two_layer(smollm2_2layer: Path, tmp_path_factory: pytest.TempPathFactor
     return runs
 
 
+@pytest.fixture(scope="session")
+def vllm_gpt2(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The tiny GPT-2 checkpoint (``tests/support/tiny_checkpoints.py``) and its vLLM plain load, capture and
+    native restore (token-id prompts, no tokenizer), made once per session: read by the vLLM architecture
+    tests and by the SGLang one that compares SGLang's pack with vLLM's. Keys as in ``vllm_two_layer``
+    (``work``, ``model``, ``artifact``, ``state``, ``plain``, ``capture``, ``restore``)."""
+    sys.path.insert(0, str(REPO / "tests" / "vllm"))
+    from engine_support import TOKEN_PROMPTS, plain_capture_restore
+
+    from tests.support.tiny_checkpoints import build_tiny_gpt2
+
+    work = tmp_path_factory.mktemp("vllm-gpt2")
+    return plain_capture_restore(work, build_tiny_gpt2, skip_tokenizer_init=True, prompts=TOKEN_PROMPTS)
+
+
 @pytest.fixture(autouse=True)
 def _coldsnap_loggers_as_configured_by_python():
     """Give every test the ``coldsnap_core`` / ``coldsnap_vllm`` loggers as Python configures them.

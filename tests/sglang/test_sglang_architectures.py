@@ -12,13 +12,12 @@ from ``sglang/srt/hardware_backend/cpu/quantization/gptq_kernels.py``), and no P
 kernels.
 
 One fixture of module scope: a plain SGLang load, an SGLang capture, an SGLang native restore in a fresh
-engine, and vLLM's capture of the same checkpoint folder (one vLLM engine), so the two engines' packs are
-compared byte for byte in the same run.
+engine; vLLM's capture of the same checkpoint folder is the session's (``vllm_gpt2``), so the two engines'
+packs are compared byte for byte in the same run.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,11 +25,10 @@ from sglang_support import coldsnap_env, run_sglang, sglang_python
 
 from coldsnap_core.artifact import read_capsule, read_descriptor
 from coldsnap_core.safetensors_header import read_header
-from tests.support.tiny_checkpoints import build_tiny_gpt2
 
 pytestmark = [pytest.mark.engine, pytest.mark.sglang]
 
-PROMPTS = [[1, 5, 9, 33, 70], [7, 7, 100, 3]]
+PROMPTS = [[1, 5, 9, 33, 70], [7, 7, 100, 3]]  # the vLLM runs' TOKEN_PROMPTS (tests/vllm/engine_support.py)
 WORKER = "worker-0-of-1"
 
 
@@ -40,23 +38,20 @@ def _only_pack(state: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gpt2(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The GPT-2 checkpoint, SGLang's plain load, capture and native restore, and vLLM's capture."""
+def gpt2(vllm_gpt2: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """SGLang's plain load, capture and native restore of the session's GPT-2 checkpoint, and vLLM's capture
+    of that folder (the session's, ``vllm_gpt2`` in ``tests/conftest.py``)."""
     sglang_python()  # skip before any work without the SGLang virtual environment
     work = tmp_path_factory.mktemp("sglang-gpt2")
-    model = build_tiny_gpt2(work / "checkpoint")
+    model = vllm_gpt2["model"]
     runs = {"work": work, "model": model, "artifact": work / "artifact", "state": work / "state"}
     common = {"skip_tokenizer_init": True, "prompts": PROMPTS}
     env = coldsnap_env(runs["artifact"], runs["state"])
     runs["plain"] = run_sglang(work, "plain", model, "safetensors", **common)
     runs["capture"] = run_sglang(work, "capture", model, "coldsnap", env={**env, "COLDSNAP_EXPORT_MODEL_PAYLOAD": "1"}, **common)
     runs["restore"] = run_sglang(work, "restore", model, "coldsnap", env={**env, "COLDSNAP_RESTORE": "native"}, **common)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm"))
-    from engine_support import run_engine
-
-    runs["vllm-artifact"], runs["vllm-state"] = work / "vllm-artifact", work / "vllm-state"
-    vllm_env = coldsnap_env(runs["vllm-artifact"], runs["vllm-state"], COLDSNAP_EXPORT_MODEL_PAYLOAD="1")
-    runs["vllm-capture"] = run_engine(work / "vllm", "vllm-capture", model, "coldsnap", env=vllm_env, **common)
+    runs["vllm-artifact"], runs["vllm-state"] = vllm_gpt2["artifact"], vllm_gpt2["state"]
+    runs["vllm-capture"] = vllm_gpt2["capture"]
     return runs
 
 

@@ -30,6 +30,8 @@ from tests.support.servers import free_port, stop_server
 ENGINE_RUN = Path(__file__).resolve().parent / "engine_run.py"
 ENGINE_TIMEOUT_SECONDS = 900
 PROMPTS = ["The capital of France is", "Once upon a time"]
+TOKEN_PROMPTS = [[1, 5, 9, 33, 70], [7, 7, 100, 3]]
+"""Prompts as token ids, for checkpoints without a tokenizer (``skip_tokenizer_init=True``)."""
 SERVE_STARTUP_TIMEOUT_SECONDS = 600
 _HOST: EngineHost | None = None
 
@@ -136,6 +138,22 @@ def run_engine(
         load_weights_rss_bytes=data.get("load_weights_rss_bytes", []),
         outputs_after_reload=data.get("outputs_after_reload", []),
     )
+
+
+def plain_capture_restore(work: Path, build, **engine_options) -> dict:
+    """``build(work / "checkpoint")`` (returns the checkpoint folder), then three engines in three fresh
+    processes: a plain ``safetensors`` load (``plain``), a capture with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``
+    into ``work/artifact`` and ``work/state`` (``capture``), a native restore from them (``restore``), each
+    with ``engine_options`` (:func:`run_engine`'s keywords). Returns those and ``work``, ``model``,
+    ``artifact``, ``state``."""
+    model = build(work / "checkpoint")
+    runs = {"work": work, "model": model, "artifact": work / "artifact", "state": work / "state"}
+    runs["plain"] = run_engine(work, "plain", model, "safetensors", **engine_options)
+    env = coldsnap_env(runs["artifact"], runs["state"], COLDSNAP_EXPORT_MODEL_PAYLOAD="1")
+    runs["capture"] = run_engine(work, "capture", model, "coldsnap", env=env, **engine_options)
+    env = coldsnap_env(runs["artifact"], runs["state"], COLDSNAP_RESTORE="native")
+    runs["restore"] = run_engine(work, "restore", model, "coldsnap", env=env, **engine_options)
+    return runs
 
 
 def coldsnap_env(artifact: Path, state: Path, **more: str) -> dict[str, str]:

@@ -32,31 +32,21 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from engine_support import coldsnap_env, only_pack, run_engine
+from engine_support import TOKEN_PROMPTS, only_pack, plain_capture_restore
 
 from coldsnap_core.artifact import read_capsule
 from coldsnap_core.format.manifest import NativeManifest
 from coldsnap_core.safetensors_header import read_header
-from tests.support.tiny_checkpoints import build_tiny_gpt2, build_tiny_gptq_llama, build_tiny_mixtral
+from tests.support.tiny_checkpoints import build_tiny_gptq_llama, build_tiny_mixtral
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
-PROMPTS = [[1, 5, 9, 33, 70], [7, 7, 100, 3]]
 WORKER = "worker-0-of-1"
 
 
 def _round_trip(tmp_path_factory: pytest.TempPathFactory, name: str, build) -> dict:
     """Build the checkpoint, then a plain load, a capture and a native restore, each in its own engine."""
-    work = tmp_path_factory.mktemp(name)
-    model = build(work / "checkpoint")
-    runs = {"work": work, "model": model, "artifact": work / "artifact", "state": work / "state"}
-    common = {"skip_tokenizer_init": True, "prompts": PROMPTS}
-    runs["plain"] = run_engine(work, "plain", model, "safetensors", **common)
-    env = coldsnap_env(runs["artifact"], runs["state"], COLDSNAP_EXPORT_MODEL_PAYLOAD="1")
-    runs["capture"] = run_engine(work, "capture", model, "coldsnap", env=env, **common)
-    env = coldsnap_env(runs["artifact"], runs["state"], COLDSNAP_RESTORE="native")
-    runs["restore"] = run_engine(work, "restore", model, "coldsnap", env=env, **common)
-    return runs
+    return plain_capture_restore(tmp_path_factory.mktemp(name), build, skip_tokenizer_init=True, prompts=TOKEN_PROMPTS)
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +54,10 @@ def mixtral(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return _round_trip(tmp_path_factory, "mixtral", build_tiny_mixtral)
 
 
-@pytest.fixture(scope="module")
-def gpt2(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return _round_trip(tmp_path_factory, "gpt2", build_tiny_gpt2)
+@pytest.fixture
+def gpt2(vllm_gpt2: dict) -> dict:
+    """The session's GPT-2 runs (``tests/conftest.py``; the SGLang architecture test reads them too)."""
+    return vllm_gpt2
 
 
 @pytest.fixture(scope="module")
