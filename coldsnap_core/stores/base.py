@@ -15,6 +15,7 @@ and publication runs it on every local object before upload.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -84,6 +85,54 @@ class PayloadStore(Protocol):
         Raises:
             InvalidDigestError: bad digest.
             IntegrityError: the bytes that reached the store do not hash to ``digest``.
+            StoreError: the store refused or failed.
+        """
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ListedPack:
+    """One pack of an artifact, as a store's artifact index lists it.
+
+    Attributes:
+        sha256: the pack's digest (lowercase hex, 64 characters).
+        size_bytes: its size in bytes.
+        workers: the capsule names of the workers that name it (``worker-0-of-1``, ...).
+    """
+
+    sha256: str
+    size_bytes: int
+    workers: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactListing:
+    """What a store's artifact index records of one published artifact.
+
+    Attributes:
+        name: the artifact folder's name.
+        format_version: the artifact format version (``docs/format.md`` §16).
+        annotations: ``(key, value)`` pairs naming the model identity (``model.source``,
+            ``model.revision``, ``model.config-sha256``, ``model.sha256``: the SHA-256 of the identity's JSON).
+        packs: every distinct pack the artifact's workers name.
+    """
+
+    name: str
+    format_version: int
+    annotations: tuple[tuple[str, str], ...]
+    packs: tuple[ListedPack, ...]
+
+
+@runtime_checkable
+class ArtifactIndex(Protocol):
+    """A store that also records which packs make up an artifact (an OCI registry: one manifest per
+    artifact, ``docs/format.md`` §12.6). Publication calls it once per artifact, after every pack is in
+    the store; staging never needs it (packs are fetched by digest)."""
+
+    def publish_artifact(self, listing: ArtifactListing) -> str:
+        """Record ``listing``; returns a reference to the record (for the log and the CLI).
+
+        Raises:
             StoreError: the store refused or failed.
         """
         ...

