@@ -57,6 +57,8 @@ KEY_ENV = "AZURE_STORAGE_KEY"
 SAS_ENV = "AZURE_STORAGE_SAS_TOKEN"
 CONNECT_TIMEOUT_S = 10
 READ_TIMEOUT_S = 20
+RETRIES = 3
+"""Retries of a failed request (azure-core's exponential retry policy; its default is 10)."""
 
 
 def _split_container(value: str, spec_for_errors: str) -> tuple[str, str]:
@@ -100,7 +102,9 @@ def parse_azure_spec(spec: str) -> tuple[str | None, str | None, str, str]:
     return account, rest, container, prefix
 
 
-def _service_client(account: str | None, connection_string: str | None, *, chunk_size_bytes: int, credential: Any = None) -> Any:
+def _service_client(
+    account: str | None, connection_string: str | None, *, chunk_size_bytes: int, retries: int, credential: Any = None
+) -> Any:
     """A ``BlobServiceClient`` for the spec (see the module docstring).
 
     Raises:
@@ -115,6 +119,7 @@ def _service_client(account: str | None, connection_string: str | None, *, chunk
         "read_timeout": READ_TIMEOUT_S,
         "max_block_size": chunk_size_bytes,  # bytes per staged block
         "max_single_put_size": chunk_size_bytes,  # up to this, one Put Blob; beyond, blocks and Put Block List
+        "retry_total": retries,
     }
     try:
         if connection_string is not None:
@@ -153,6 +158,7 @@ class AzurePayloadStore:
         service: a ``BlobServiceClient`` (default: one from the arguments and the environment).
         chunk_size_bytes: bytes per ranged download and per staged block.
         concurrency: ranges or blocks in flight at once.
+        retries: retries of a failed request (for a client made here).
 
     Raises:
         ConfigurationError: ``chunk_size_bytes`` or ``concurrency`` is not positive.
@@ -168,6 +174,7 @@ class AzurePayloadStore:
         service: Any = None,
         chunk_size_bytes: int = RANGE_SIZE_BYTES,
         concurrency: int = DEFAULT_CONCURRENCY,
+        retries: int = RETRIES,
     ) -> None:
         if chunk_size_bytes <= 0 or concurrency <= 0:
             raise ConfigurationError(
@@ -178,6 +185,7 @@ class AzurePayloadStore:
         self.account = account
         self.chunk_size_bytes = chunk_size_bytes
         self.concurrency = concurrency
+        self.retries = retries
         self._connection_string = connection_string
         self._service = service
         where = f"{account or '?'}/{container}"
@@ -196,7 +204,9 @@ class AzurePayloadStore:
     def service(self) -> Any:
         """The ``BlobServiceClient``, made on first use."""
         if self._service is None:
-            self._service = _service_client(self.account, self._connection_string, chunk_size_bytes=self.chunk_size_bytes)
+            self._service = _service_client(
+                self.account, self._connection_string, chunk_size_bytes=self.chunk_size_bytes, retries=self.retries
+            )
         return self._service
 
     def key(self, digest: str) -> str:

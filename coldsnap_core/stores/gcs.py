@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 GCS_SCHEME = "gs://"
 TIMEOUT_S = (10.0, 20.0)
 """``(connect, read)`` seconds for every request (a stalled read fails instead of waiting)."""
+RETRY_TIMEOUT_S = 30.0
+"""Seconds a request is retried (google-cloud-storage's retry on 429, 5xx and connection errors; its default is 120)."""
 GCS_CLIENT_VARIABLES = ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT", "STORAGE_EMULATOR_HOST")
 
 
@@ -69,7 +71,7 @@ def parse_gs_url(spec: str) -> tuple[str, str]:
     return bucket, prefix
 
 
-def _default_client() -> Any:
+def _default_client(name: str) -> Any:
     """A ``google.cloud.storage.Client`` from the environment.
 
     Raises:
@@ -85,7 +87,7 @@ def _default_client() -> Any:
         return storage.Client()
     except (google.auth.exceptions.GoogleAuthError, ValueError, OSError) as exc:
         given = ", ".join(f"{v}={os.environ[v]!r}" for v in GCS_CLIENT_VARIABLES if v in os.environ) or "none of GOOGLE_* set"
-        raise ConfigurationError(f"the GCS client cannot be built from the environment ({given}): {exc}") from exc
+        raise ConfigurationError(f"{name}: the GCS client cannot be built from the environment ({given}): {exc}") from exc
 
 
 def _is(exc: BaseException, name: str) -> bool:
@@ -101,6 +103,7 @@ class GcsPayloadStore:
         client: a ``google.cloud.storage.Client`` (default: one from the environment).
         chunk_size_bytes: bytes per ranged read and per resumable-upload chunk (a multiple of 256 KiB).
         concurrency: ranged reads in flight at once.
+        retry_timeout_s: seconds a failing request is retried before the store gives up.
 
     Raises:
         ConfigurationError: ``chunk_size_bytes`` is not a positive multiple of 256 KiB, or ``concurrency`` < 1.
@@ -114,6 +117,7 @@ class GcsPayloadStore:
         client: Any = None,
         chunk_size_bytes: int = RANGE_SIZE_BYTES,
         concurrency: int = DEFAULT_CONCURRENCY,
+        retry_timeout_s: float = RETRY_TIMEOUT_S,
     ) -> None:
         if chunk_size_bytes <= 0 or chunk_size_bytes % (256 << 10) or concurrency <= 0:
             raise ConfigurationError(
@@ -123,6 +127,7 @@ class GcsPayloadStore:
         self.prefix = prefix.strip("/")
         self.chunk_size_bytes = chunk_size_bytes
         self.concurrency = concurrency
+        self.retry_timeout_s = retry_timeout_s
         self._client = client
         self.name = f"gcs {bucket}/{self.prefix}" if self.prefix else f"gcs {bucket}"
 
@@ -136,10 +141,16 @@ class GcsPayloadStore:
         return f"GcsPayloadStore({self.bucket_name!r}, {self.prefix!r})"
 
     @property
+    def _retry(self) -> Any:
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        return DEFAULT_RETRY.with_timeout(self.retry_timeout_s)
+
+    @property
     def client(self) -> Any:
         """The storage client, made on first use (parsing a URL needs no google import)."""
         if self._client is None:
-            self._client = _default_client()
+            self._client = _default_client(self.name)
         return self._client
 
     def key(self, digest: str) -> str:
@@ -164,7 +175,7 @@ class GcsPayloadStore:
         """``(size_bytes, generation)`` of the live object, or ``None`` when there is none."""
         client = self.client  # outside the try: a missing library is a ConfigurationError
         try:
-            blob = client.bucket(self.bucket_name).get_blob(self.key(digest), timeout=TIMEOUT_S)
+            blob = client.bucket(self.bucket_name).get_blob(self.key(digest), timeout=TIMEOUT_S, retry=self._retry)
         except Exception as exc:
             raise self._fail("looking up the pack", digest, exc) from exc
         return None if blob is None else (int(blob.size), int(blob.generation))
@@ -193,7 +204,7 @@ class GcsPayloadStore:
         where = self.location(digest)
         try:
             data = self._blob(digest, generation).download_as_bytes(
-                start=start, end=end - 1, raw_download=True, checksum=None, timeout=TIMEOUT_S
+                start=start, end=end - 1, raw_download=True, checksum=None, timeout=TIMEOUT_S, retry=self._retry
             )
         except Exception as exc:
             if _is(exc, "NotFound"):
@@ -285,6 +296,7 @@ class GcsPayloadStore:
                 if_generation_match=generation,
                 checksum="md5",
                 timeout=TIMEOUT_S,
+                retry=self._retry,  # a create under if_generation_match is idempotent
             )
         except PackDigestMismatchError:
             raise

@@ -57,6 +57,7 @@ class StoreUnderTest:
     backend: Any = None  # LocalHub, the boto3 client, the folder root, or the Registry / Azurite / FakeGcs process
     bucket: str = ""  # the S3 or GCS bucket, the Azure container, the OCI repository
     extra: dict[str, Any] = field(default_factory=dict)
+    server: Any = None  # what can stop() and start() the server again (same port, same objects)
 
     def new_store_with(self, **kwargs: Any) -> PayloadStore:
         """Another client of the same store with other parameters (``chunk_size_bytes``, ``concurrency``)."""

@@ -205,3 +205,97 @@ def test_two_uploads_of_one_digest_at_once_create_it_once(any_store, captured_on
     else:
         assert created == [False, True]
         assert any_store.writes(pack.sha256) == 1
+
+
+def test_server_stopped_mid_fetch_leaves_nothing_eligible_and_a_retry_succeeds(ranged_store, captured_once, tmp_path) -> None:
+    """The store's server stops after the first range of a fetch reached the cache (the other ranges find nothing
+    listening): staging fails with StoreError naming the store object, the node keeps no eligible pack and no
+    temporary; once the server is back (same port, same objects), staging again admits the verified pack. Fails if
+    a partial fetch is committed, a temporary is left behind, or the failure is not the store's typed error."""
+    pack = captured_once.pack
+    publish_native([captured_once.artifact_dir], ranged_store.store, PayloadCache(captured_once.capture_root))
+    # one range at a time, 256 KiB each: the server stops while the pack's later ranges are still to be read
+    node_store = ranged_store.new_store_with(chunk_size_bytes=256 << 10, concurrency=1, **_few_retries(ranged_store.kind))
+    cache = PayloadCache(tmp_path / "node")
+    seen: list[int] = []
+
+    def stop_after_first_range(n: int) -> None:
+        seen.append(n)
+        if len(seen) == 1:
+            ranged_store.server.stop()
+
+    try:
+        with pytest.raises(StoreError) as info:
+            stage_payload(pack, cache=cache, store=node_store, progress=stop_after_first_range)
+    finally:
+        if not ranged_store.server.running:
+            ranged_store.server.start()
+    assert info.value.file == node_store.location(pack.sha256)
+    assert eligible_objects(tmp_path / "node") == {} and cache.temporaries() == []
+    path = stage_payload(pack, cache=cache, store=node_store)
+    assert sha256_of(path) == pack.sha256 and cache.temporaries() == []
+
+
+def _few_retries(kind: str) -> dict[str, object]:
+    """Store options that give up on a stopped server within seconds (the defaults retry for up to ~30 s)."""
+    return {"gcs": {"retry_timeout_s": 1.0}, "azure": {"retries": 0}}.get(kind, {})
+
+
+@pytest.mark.parametrize("kind", ["oci", "gcs", "azure"])
+def test_a_wrong_credential_is_an_error_naming_the_store(kind, captured_once, tmp_path, request, monkeypatch) -> None:
+    """A credential the service refuses (OCI: a Docker config ``auths`` entry with the wrong password for a registry
+    with htpasswd authentication; Azure: a wrong account key; GCS: a credentials file that is not one) fails the
+    first call with a typed error naming the store and where the credential came from, and staging falls back on
+    it; with the right credential (OCI) the same store publishes and stages. Fails if a refusal reads as "not
+    found" (PayloadUnavailableError), or the message names neither the store nor the credential's source."""
+    from conftest import store_under_test
+
+    from coldsnap_core.errors import ConfigurationError
+    from coldsnap_core.stores import parse_store_spec
+
+    pack = captured_once.pack
+    if kind == "oci":
+        import base64
+        import json
+
+        from store_processes import Registry
+
+        registry = Registry(tmp_path / "auth-registry", users={"fleet": "right-password"})
+        registry.start()
+        request.addfinalizer(registry.stop)
+        config = tmp_path / "docker-config"
+        config.mkdir()
+
+        def login(password: str) -> None:
+            auth = base64.b64encode(f"fleet:{password}".encode()).decode()
+            (config / "config.json").write_text(json.dumps({"auths": {registry.registry: {"auth": auth}}}))
+
+        monkeypatch.setenv("DOCKER_CONFIG", str(config))
+        spec = f"oci://{registry.registry}/coldsnap/private"
+        login("wrong-password")
+        with pytest.raises(StoreError, match=r"refused access \(401") as info:
+            parse_store_spec(spec).has(pack.sha256)
+        assert str(config / "config.json") in str(info.value) and "oci 127.0.0.1" in str(info.value)
+        login("right-password")
+        publish_native([captured_once.artifact_dir], parse_store_spec(spec), PayloadCache(captured_once.capture_root))
+        staged = stage_payload(pack, cache=PayloadCache(tmp_path / "node"), store=parse_store_spec(spec))
+        assert sha256_of(staged) == pack.sha256
+        return
+    target = store_under_test(kind, request, tmp_path, monkeypatch)
+    if kind == "azure":
+        from store_processes import AZURITE_KEY
+
+        monkeypatch.setenv("AZURE_STORAGE_KEY", AZURITE_KEY[:-8] + "AAAAAAA=")
+        expected, pattern = StoreError, r"refused the credential"
+    else:
+        bad = tmp_path / "credentials.json"
+        bad.write_text('{"type": "service_account", "client_email": "nobody"}')
+        monkeypatch.delenv("STORAGE_EMULATOR_HOST")
+        monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(bad))
+        expected, pattern = ConfigurationError, str(bad)
+    store = parse_store_spec(target.spec)
+    with pytest.raises(expected, match=pattern) as info:
+        store.has(pack.sha256)
+    assert target.store.name in str(info.value)
+    with pytest.raises(expected):
+        stage_payload(pack, cache=PayloadCache(tmp_path / "node"), store=store)
