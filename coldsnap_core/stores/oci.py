@@ -89,8 +89,6 @@ CONNECT_TIMEOUT_S = 10.0
 """Seconds to wait for a TCP connection to the registry."""
 READ_TIMEOUT_S = 20.0
 """Seconds a request may go without receiving a byte before it fails."""
-CONNECT_RETRIES = 2
-"""Retries of a connection that could not be made (httpx retries only failed connects, never a sent request)."""
 
 _NAME_COMPONENT = r"[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*"
 _REPOSITORY_RE = re.compile(rf"^{_NAME_COMPONENT}(?:/{_NAME_COMPONENT})*$")
@@ -286,7 +284,8 @@ class OciPayloadStore:
 
     @property
     def client(self) -> Any:
-        """The ``httpx.Client``, made on first use.
+        """The ``httpx.Client``, made on first use (it honours ``HTTPS_PROXY``/``HTTP_PROXY``/``NO_PROXY``, so a
+        distributor's node-local proxy can sit in front of the registry).
 
         Raises:
             ConfigurationError: httpx is missing.
@@ -298,10 +297,7 @@ class OciPayloadStore:
                 raise ConfigurationError("an oci:// payload store needs httpx: pip install 'coldsnap[oci]'") from exc
             self._client = httpx.Client(
                 timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
-                transport=httpx.HTTPTransport(
-                    retries=CONNECT_RETRIES,
-                    limits=httpx.Limits(max_connections=self.concurrency * 2, max_keepalive_connections=self.concurrency * 2),
-                ),
+                limits=httpx.Limits(max_connections=self.concurrency * 2, max_keepalive_connections=self.concurrency * 2),
                 follow_redirects=True,  # blob GETs are often redirected to object storage; httpx drops Authorization across origins
             )
         return self._client

@@ -117,11 +117,117 @@ def htpasswd_line(user: str, password: str) -> str:
     return f"{user}:{crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH))}"
 
 
+class TokenService:
+    """A Docker registry token service (the realm of ``WWW-Authenticate: Bearer``) on 127.0.0.1, in a thread:
+    ``GET /token?service=...&scope=repository:NAME:ACTIONS`` with Basic credentials of ``users`` answers
+    ``{"token": JWT}``, the JWT signed RS256 by a self-signed certificate carried in its ``x5c`` header, which the
+    registry trusts through ``rootcertbundle`` (distribution's ``registry/auth/token``). Wrong or missing
+    credentials get 401. :attr:`requests` records ``(user, scope)`` of each token issued."""
+
+    issuer = "coldsnap-test-issuer"
+    service = "coldsnap-test-registry"
+
+    def __init__(self, root: Path, users: dict[str, str]) -> None:
+        import datetime
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import padding, rsa
+        from cryptography.x509.oid import NameOID
+
+        key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "coldsnap test token issuer")])
+        now = datetime.datetime.now(datetime.UTC)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256())
+        )
+        root.mkdir(parents=True, exist_ok=True)
+        self.cert_path = root / "token-issuer.pem"
+        self.cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        x5c = base64.b64encode(cert.public_bytes(serialization.Encoding.DER)).decode()
+        self.requests: list[tuple[str, str]] = []
+        service = self
+
+        def b64url(data: bytes) -> str:
+            return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+        def token_for(user: str, scope: str) -> str:
+            import json
+            import secrets
+
+            access = []
+            if scope:
+                kind, name, actions = scope.split(":", 2)
+                access.append({"type": kind, "name": name, "actions": actions.split(",")})
+            issued = int(time.time())
+            claims = {
+                "iss": service.issuer,
+                "sub": user,
+                "aud": service.service,
+                "exp": issued + 600,
+                "nbf": issued - 60,
+                "iat": issued,
+                "jti": secrets.token_hex(8),
+                "access": access,
+            }
+            header = {"typ": "JWT", "alg": "RS256", "x5c": [x5c]}
+            signing_input = f"{b64url(json.dumps(header).encode())}.{b64url(json.dumps(claims).encode())}"
+            signature = key.sign(signing_input.encode(), padding.PKCS1v15(), hashes.SHA256())
+            return f"{signing_input}.{b64url(signature)}"
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                import json
+                import urllib.parse
+
+                query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+                header = self.headers.get("Authorization", "")
+                user = password = None
+                if header.startswith("Basic "):
+                    user, _, password = base64.b64decode(header[6:]).decode().partition(":")
+                if user is None or users.get(user) != password:
+                    body = b'{"errors":[{"code":"UNAUTHORIZED","message":"bad credentials"}]}'
+                    self.send_response(401)
+                else:
+                    scope = " ".join(query.get("scope", []))
+                    service.requests.append((user, scope))
+                    body = json.dumps({"token": token_for(user, scope), "expires_in": 600}).encode()
+                    self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.realm = f"http://127.0.0.1:{self._server.server_address[1]}/token"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
 class Registry(ServerProcess):
     """``docker-registry serve`` with filesystem storage under ``root/storage`` (no blob descriptor cache, so a
-    test's change to a stored blob is what the registry serves), optionally with htpasswd authentication."""
+    test's change to a stored blob is what the registry serves), optionally with htpasswd authentication or a
+    token service (``WWW-Authenticate: Bearer``)."""
 
-    def __init__(self, root: Path, *, users: dict[str, str] | None = None) -> None:
+    def __init__(self, root: Path, *, users: dict[str, str] | None = None, token: TokenService | None = None) -> None:
         self.root = root
         self.storage = root / "storage"
         root.mkdir(parents=True, exist_ok=True)
@@ -130,6 +236,11 @@ class Registry(ServerProcess):
         if users:
             (root / "htpasswd").write_text("".join(htpasswd_line(u, p) + "\n" for u, p in users.items()))
             auth = f"auth:\n  htpasswd:\n    realm: coldsnap-test\n    path: {root / 'htpasswd'}\n"
+        if token is not None:
+            auth = (
+                f"auth:\n  token:\n    realm: {token.realm}\n    service: {token.service}\n    issuer: {token.issuer}\n"
+                f"    rootcertbundle: {token.cert_path}\n"
+            )
 
         def argv(port: int) -> list[str]:
             config = root / "config.yml"

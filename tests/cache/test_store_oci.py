@@ -13,7 +13,7 @@ import pytest
 from cache_support import capture, sha256_of
 
 from coldsnap_core.cache import PayloadCache
-from coldsnap_core.errors import ConfigurationError
+from coldsnap_core.errors import ConfigurationError, StoreError
 from coldsnap_core.publish import publish_native
 from coldsnap_core.staging import stage_payload
 from coldsnap_core.stores import parse_store_spec
@@ -186,3 +186,41 @@ def test_docker_config_auths_are_matched_by_host(tmp_path, monkeypatch) -> None:
     with pytest.raises(ConfigurationError, match="auth is not base64") as info:
         load_credentials("reg.example:5000")
     assert info.value.file == str(config)
+
+
+def test_the_bearer_token_challenge_is_answered_with_the_docker_config_credentials(tmp_path, monkeypatch, captured) -> None:
+    """A registry with token authentication answers 401 ``WWW-Authenticate: Bearer realm=...,service=...,scope=...``;
+    the store fetches a token from the realm with the Docker config's credentials (Basic) for that scope, retries
+    with it, and publishes and stages. With a wrong password the token service refuses and the error names the
+    store, the realm and the config file. Fails if the challenge's realm, service or scope is not followed, or the
+    token is not sent."""
+    from store_processes import Registry, TokenService
+
+    token = TokenService(tmp_path / "token", {"fleet": "s3cret"})
+    registry = Registry(tmp_path / "registry", token=token)
+    registry.start()
+    try:
+        config = tmp_path / "docker-config"
+        config.mkdir()
+        monkeypatch.setenv("DOCKER_CONFIG", str(config))
+        spec = f"oci://{registry.registry}/models/private"
+
+        def login(password: str) -> None:
+            auth = base64.b64encode(f"fleet:{password}".encode()).decode()
+            (config / "config.json").write_text(json.dumps({"auths": {f"https://{registry.registry}": {"auth": auth}}}))
+
+        login("wrong")
+        with pytest.raises(StoreError, match="token service") as info:
+            parse_store_spec(spec).has(captured.pack.sha256)
+        assert token.realm in str(info.value) and str(config / "config.json") in str(info.value)
+        login("s3cret")
+        publish_native([captured.artifact_dir], parse_store_spec(spec), PayloadCache(captured.capture_root))
+        staged = stage_payload(captured.pack, cache=PayloadCache(tmp_path / "node"), store=parse_store_spec(spec))
+        assert sha256_of(staged) == captured.pack.sha256
+        scopes = {scope for _user, scope in token.requests}
+        assert "repository:models/private:pull" in scopes and any(
+            s.startswith("repository:models/private:") and "push" in s for s in scopes
+        )
+    finally:
+        registry.stop()
+        token.stop()
