@@ -270,6 +270,7 @@ class OciPayloadStore:
         self._credentials = credentials
         self._credentials_loaded = credentials is not None
         self._authorization: dict[str, str] = {}  # scope -> Authorization header value
+        self._tagged: dict[str, str] = {}  # tag -> the artifact this store pushed under it
         self._lock = threading.Lock()
         self.name = f"oci {registry}/{repository}"
 
@@ -681,12 +682,19 @@ class OciPayloadStore:
         ``oci://HOST/NAME:TAG@sha256:<manifest digest>``. A tag already naming the same manifest is left as is.
 
         Raises:
+            ConfigurationError: the store's tag already named another artifact of this publication (one tag, one
+                artifact: publish several artifacts without a tag in the URL).
             StoreError: the registry refused the manifest (e.g. a pack blob is missing) or failed, or it
                 answered with another manifest digest.
         """
         manifest = self.manifest_for(listing)
         manifest_digest = hashlib.sha256(manifest).hexdigest()
         tag = self.tag_for(listing)
+        if self._tagged.setdefault(tag, listing.name) != listing.name:
+            raise ConfigurationError(
+                f"{self.name}: the tag {tag!r} would name both {self._tagged[tag]!r} and {listing.name!r}; "
+                "publish one artifact per tag, or leave the tag out of the URL (each artifact is then tagged by its folder name)"
+            )
         url = f"{self.base_url}/v2/{self.repository}/manifests/{tag}"
         where = f"{OCI_SCHEME}{self.registry}/{self.repository}:{tag}"
         reference = f"{where}@sha256:{manifest_digest}"

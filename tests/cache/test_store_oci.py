@@ -224,3 +224,26 @@ def test_the_bearer_token_challenge_is_answered_with_the_docker_config_credentia
     finally:
         registry.stop()
         token.stop()
+
+
+def test_one_tag_names_one_artifact(registry, tmp_path, tiny_checkpoint) -> None:
+    """Two artifacts published in one call to a URL with a tag: the first manifest is pushed under the tag and the
+    second is refused (ConfigurationError naming both) instead of silently replacing it; without a tag each
+    artifact gets its folder name as tag. Fails if a second manifest overwrites the first under one tag."""
+    root = tmp_path / "root"
+    capture(tiny_checkpoint, tmp_path / "art-a", root)
+    capture(tiny_checkpoint, tmp_path / "art-b", root, reverse=True)
+    tagged = OciPayloadStore.from_url(f"oci://{registry.registry}/models/x:v1")
+    with pytest.raises(ConfigurationError, match="'art-a' and 'art-b'"):
+        publish_native([tmp_path / "art-a", tmp_path / "art-b"], tagged, PayloadCache(root))
+    references: list[str] = []
+    publish_native(
+        [tmp_path / "art-a", tmp_path / "art-b"],
+        OciPayloadStore.from_url(f"oci://{registry.registry}/models/x"),
+        PayloadCache(root),
+        on_artifact=references.append,
+    )
+    assert [r.split("@")[0] for r in references] == [
+        f"oci://{registry.registry}/models/x:art-a",
+        f"oci://{registry.registry}/models/x:art-b",
+    ]
