@@ -26,6 +26,8 @@ object exists with the right size, but neither hashes nor uploads.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -197,9 +199,6 @@ def artifact_listing(artifact_dir: Path) -> ArtifactListing:
     Raises:
         MissingObjectError, ManifestError: as :func:`coldsnap_core.artifact.read_descriptor`.
     """
-    import hashlib
-    import json
-
     descriptor = read_descriptor(artifact_dir)
     model = descriptor.model
     identity = json.dumps(model.to_json(), sort_keys=True, separators=(",", ":")).encode()

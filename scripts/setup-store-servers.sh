@@ -8,27 +8,38 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 azurite_version=3.37.0
+apt_updated=0
+
+apt_install() {  # apt_install WHAT PACKAGE...: as root on Debian, install quietly; otherwise say what is missing
+  local what=$1 out
+  shift
+  echo "setup-store-servers: installing $what with apt-get ($*)" >&2
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "setup-store-servers: FAILED: $what is missing and this is not root on a Debian system; install $* yourself" >&2
+    exit 1
+  fi
+  if [ "$apt_updated" = 0 ]; then
+    if ! out=$(apt-get update -qq 2>&1); then
+      printf '%s\n' "$out" >&2
+      echo "setup-store-servers: FAILED: apt-get update" >&2
+      exit 1
+    fi
+    apt_updated=1
+  fi
+  if ! out=$(DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" 2>&1); then
+    printf '%s\n' "$out" >&2
+    echo "setup-store-servers: FAILED: apt-get install $*" >&2
+    exit 1
+  fi
+}
 
 if ! command -v docker-registry >/dev/null 2>&1 && ! command -v registry >/dev/null 2>&1; then
-  echo "setup-store-servers: installing docker-registry (the OCI distribution registry) with apt-get" >&2
-  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
-    echo "setup-store-servers: FAILED: docker-registry is missing and this is not root on a Debian system;" \
-      "install Debian's docker-registry (or put the distribution registry on PATH as 'registry')" >&2
-    exit 1
-  fi
-  if ! out=$( (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-registry) 2>&1); then
-    printf '%s\n' "$out" >&2
-    echo "setup-store-servers: FAILED: apt-get install docker-registry" >&2
-    exit 1
-  fi
+  apt_install "the OCI distribution registry" docker-registry
 fi
 
 if [ ! -x "$root/.tools/node_modules/.bin/azurite-blob" ]; then
   echo "setup-store-servers: installing azurite $azurite_version (npm) into .tools/" >&2
-  if ! command -v npm >/dev/null 2>&1; then
-    echo "setup-store-servers: FAILED: npm is missing (Debian: apt-get install npm); azurite is installed with it" >&2
-    exit 1
-  fi
+  command -v npm >/dev/null 2>&1 || apt_install "npm (azurite is installed with it)" nodejs npm
   mkdir -p "$root/.tools"
   if ! out=$(npm install --prefix "$root/.tools" --no-audit --no-fund --loglevel=error "azurite@$azurite_version" 2>&1); then
     printf '%s\n' "$out" >&2

@@ -4,8 +4,12 @@ A store holds content-addressed objects at ``model-payloads/sha256/<digest>.pack
 path as the cache; :func:`coldsnap_core.digests.pack_relpath`), so every path is derived from the
 digest alone: recipes and capture IDs cannot choose the committed object path (``docs/format.md`` §1).
 Implementations: :class:`coldsnap_core.stores.local.LocalFolderStore` (a local or shared folder),
-:class:`coldsnap_core.stores.hf.HfPayloadStore` (a Hugging Face repository) and
-:class:`coldsnap_core.stores.s3.S3PayloadStore` (an S3-compatible bucket).
+:class:`coldsnap_core.stores.hf.HfPayloadStore` (a Hugging Face repository),
+:class:`coldsnap_core.stores.s3.S3PayloadStore` (an S3-compatible bucket),
+:class:`coldsnap_core.stores.gcs.GcsPayloadStore` (Google Cloud Storage),
+:class:`coldsnap_core.stores.azure.AzurePayloadStore` (Azure Blob) and
+:class:`coldsnap_core.stores.oci.OciPayloadStore` (an OCI registry: the blob ``sha256:<digest>`` of a
+repository, no path; it is also an :class:`ArtifactIndex`).
 
 A store moves bytes; it never decides whether they are right. Staging runs the one verifier
 (:func:`coldsnap_core.verify.verify_pack_file`) on every fetched object before the cache commits it,
