@@ -196,40 +196,19 @@ def azurite_server(tmp_path_factory: pytest.TempPathFactory):
     server.stop()
 
 
-_STORE_SERVERS = {"oci": "registry_server", "gcs": "gcs_server", "azure": "azurite_server"}
-
-
-def store_under_test(kind: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """A :class:`store_servers.StoreUnderTest` of ``kind`` on its server, with the environment its clients (and
-    the CLI run in-process) need set for the test."""
-    from store_servers import make_store
-
-    hub = request.getfixturevalue("local_hub") if kind == "hf" else None
-    endpoint = request.getfixturevalue("s3_env") if kind == "s3" else None
-    server = request.getfixturevalue(_STORE_SERVERS[kind]) if kind in _STORE_SERVERS else None
-    if kind == "oci":
-        monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker-config"))  # no credentials of the machine's user
-    elif kind == "gcs":
-        monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
-    elif kind == "azure":
-        from store_processes import AZURITE_KEY
-
-        monkeypatch.setenv("AZURE_STORAGE_BLOB_ENDPOINT", server.endpoint)
-        monkeypatch.setenv("AZURE_STORAGE_KEY", AZURITE_KEY)
-    store = make_store(kind, tmp_path, hub=hub, s3_endpoint=endpoint, server=server)
-    store.server = request.getfixturevalue("s3_moto") if kind == "s3" else server
-    return store
-
-
 @pytest.fixture(params=["folder", "hf", "s3", "oci", "gcs", "azure"])
 def any_store(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Each payload store kind in turn (:class:`store_servers.StoreUnderTest`), on its own server."""
+    from store_servers import store_under_test
+
     return store_under_test(request.param, request, tmp_path, monkeypatch)
 
 
 @pytest.fixture(params=["s3", "oci", "gcs", "azure"])
 def ranged_store(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Each store kind that fetches by parallel ranged reads from a server the test can stop and start, in turn."""
+    from store_servers import store_under_test
+
     return store_under_test(request.param, request, tmp_path, monkeypatch)
 
 

@@ -28,12 +28,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from store_processes import AZURITE_KEY
 
 from coldsnap_core.digests import pack_relpath
 from coldsnap_core.stores.base import PayloadStore
+
+if TYPE_CHECKING:
+    import pytest
 
 REPO = Path(__file__).resolve().parent.parent.parent
 STORE_KINDS = ("folder", "hf", "s3", "oci", "gcs", "azure")
@@ -251,6 +254,29 @@ def make_store(
     spec = f"s3://{bucket}/fleet/a"
     store = S3PayloadStore.from_url(spec, client=client, part_size_bytes=part_size_bytes)
     return StoreUnderTest(kind, store, spec, {**S3_ENV, "AWS_ENDPOINT_URL": s3_endpoint}, client, bucket)
+
+
+_STORE_SERVERS = {"oci": "registry_server", "gcs": "gcs_server", "azure": "azurite_server"}
+
+
+def store_under_test(kind: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A :class:`store_servers.StoreUnderTest` of ``kind`` on its server, with the environment its clients (and
+    the CLI run in-process) need set for the test."""
+    hub = request.getfixturevalue("local_hub") if kind == "hf" else None
+    endpoint = request.getfixturevalue("s3_env") if kind == "s3" else None
+    server = request.getfixturevalue(_STORE_SERVERS[kind]) if kind in _STORE_SERVERS else None
+    if kind == "oci":
+        monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker-config"))  # no credentials of the machine's user
+    elif kind == "gcs":
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
+    elif kind == "azure":
+        from store_processes import AZURITE_KEY
+
+        monkeypatch.setenv("AZURE_STORAGE_BLOB_ENDPOINT", server.endpoint)
+        monkeypatch.setenv("AZURE_STORAGE_KEY", AZURITE_KEY)
+    store = make_store(kind, tmp_path, hub=hub, s3_endpoint=endpoint, server=server)
+    store.server = request.getfixturevalue("s3_moto") if kind == "s3" else server
+    return store
 
 
 def node_command(start_file: Path, *cli_args: str) -> list[str]:

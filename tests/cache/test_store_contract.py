@@ -248,7 +248,7 @@ def test_a_wrong_credential_is_an_error_naming_the_store(kind, captured_once, tm
     first call with a typed error naming the store and where the credential came from, and staging falls back on
     it; with the right credential (OCI) the same store publishes and stages. Fails if a refusal reads as "not
     found" (PayloadUnavailableError), or the message names neither the store nor the credential's source."""
-    from conftest import store_under_test
+    from store_servers import store_under_test
 
     from coldsnap_core.errors import ConfigurationError
     from coldsnap_core.stores import parse_store_spec
