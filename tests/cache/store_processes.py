@@ -45,22 +45,37 @@ class ServerProcess:
         self._argv = argv
         self._ready_timeout_s = ready_timeout_s
         self._proc: subprocess.Popen | None = None
+        self._started = False  # listened once: a restart must keep the port (clients know it)
 
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self) -> None:
+        for _attempt in range(3):
+            logged = len(self.log_text())
+            if self._start_once():
+                return
+            # another process took the free port between its choice and the bind: a first start takes another
+            said = self.log_text()[logged:]
+            if self._started or not ("address already in use" in said or "EADDRINUSE" in said):
+                break
+            self.port = free_port()
+        pytest.fail(f"{self.name} exited with {self._proc.returncode} on start:\n{self.log_text()[-3000:]}")
+
+    def _start_once(self) -> bool:
+        """Start the process and wait until it listens; ``False`` when it exited first."""
         with open(self.log, "ab") as out:
             self._proc = subprocess.Popen(self._argv(self.port), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + self._ready_timeout_s
         next_note = time.monotonic() + 5
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                pytest.fail(f"{self.name} exited with {self._proc.returncode} on start:\n{self.log_text()[-3000:]}")
+                return False
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
+                    self._started = True
+                    return True
             if time.monotonic() > next_note:
                 print(f"waiting for {self.name} to listen on 127.0.0.1:{self.port}", file=sys.stderr)
                 next_note = time.monotonic() + 5
@@ -253,7 +268,11 @@ class Registry(ServerProcess):
             return [binary, "serve", str(config)]
 
         super().__init__("the OCI registry (docker-registry)", argv, root / "registry.log")
-        self.registry = f"127.0.0.1:{self.port}"
+
+    @property
+    def registry(self) -> str:
+        """``127.0.0.1:<port>``, the ``HOST:PORT`` of ``oci://`` URLs."""
+        return f"127.0.0.1:{self.port}"
 
     def repository_dir(self, repository: str) -> Path:
         return self.storage / "docker" / "registry" / "v2" / "repositories" / repository
@@ -324,7 +343,10 @@ class Azurite(ServerProcess):
             ],
             root / "azurite.log",
         )
-        self.endpoint = f"http://127.0.0.1:{self.port}/{AZURITE_ACCOUNT}"
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}/{AZURITE_ACCOUNT}"
 
     @property
     def connection_string(self) -> str:
@@ -359,7 +381,10 @@ class FakeGcs(ServerProcess):
             return [binary, *(item for pair in flags.items() for item in pair)]
 
         super().__init__("fake-gcs-server", argv, root / "fake-gcs.log")
-        self.url = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
 
 def basic_auth(user: str, password: str) -> str:
