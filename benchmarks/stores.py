@@ -12,7 +12,15 @@ moved ``--repetitions`` times per operation, medians printed side by side:
   with SHA-256 per 64 MiB part, 8 in flight; fetch as parallel ranged GETs), a fresh key each upload;
 * ``hf``: :class:`HfPayloadStore` with the real ``huggingface_hub`` client against the tests' local Hub
   (``tests/cache/local_hub.py``) in its own process, a fresh repository each upload (LFS basic transfer,
-  ``HF_HUB_DISABLE_XET=1``); fetch is ``hf_hub_download`` plus the kernel copy into the temporary.
+  ``HF_HUB_DISABLE_XET=1``); fetch is ``hf_hub_download`` plus the kernel copy into the temporary;
+* ``oci``: :class:`OciPayloadStore` against Debian's ``docker-registry`` (a Go process) on 127.0.0.1, a fresh
+  repository each upload (64 MiB ``PATCH`` chunks and a closing ``PUT``; fetch as parallel ranged GETs);
+* ``gcs``: :class:`GcsPayloadStore` with ``google-cloud-storage`` against ``fake-gcs-server`` (Go, filesystem
+  backend), a fresh prefix each upload (resumable upload in 64 MiB chunks; fetch as parallel ranged reads);
+* ``azure``: :class:`AzurePayloadStore` with ``azure-storage-blob`` against ``azurite`` (Node.js), a fresh prefix
+  each upload (64 MiB blocks and ``Put Block List``; fetch as parallel ranged downloads).
+
+The registry, fake-gcs-server and azurite are what ``scripts/setup-store-servers.sh`` installs for the tests.
 
 Fetches write into a temporary file only; the cache's verification (one SHA-256 pass, measured by
 ``benchmarks/verify.py``) is not included. Both servers are Python test servers, so the figures bound
@@ -63,6 +71,66 @@ def _fetch(store, digest: str, size: int, target: Path) -> None:
     finally:
         os.close(fd)
     shutil.rmtree(target.with_name(target.name + ".d"), ignore_errors=True)
+
+
+def _new_stores(work: Path, source: Path, digest: str, size: int, fetched: Path, repetitions: int, counter, procs) -> dict:
+    """Upload and fetch medians of the OCI, GCS and Azure stores against their servers (started here)."""
+    from store_processes import AZURITE_KEY, Azurite, FakeGcs, Registry
+
+    from coldsnap_core.stores.azure import AzurePayloadStore
+    from coldsnap_core.stores.gcs import GcsPayloadStore
+    from coldsnap_core.stores.oci import OciPayloadStore
+
+    times = {}
+    registry = Registry(work / "registry")
+    registry.start()
+    procs.append(registry)
+    repo = {"value": "bench/r0"}
+
+    def oci_upload() -> None:
+        repo["value"] = f"bench/r{next(counter)}"
+        OciPayloadStore(registry.registry, repo["value"]).upload(source, digest, size)
+
+    up = median_seconds(oci_upload, repetitions)
+    down = median_seconds(lambda: _fetch(OciPayloadStore(registry.registry, repo["value"]), digest, size, fetched), repetitions)
+    times["oci"] = (up, down)
+
+    gcs = FakeGcs(work / "fake-gcs")
+    gcs.start()
+    procs.append(gcs)
+    os.environ["STORAGE_EMULATOR_HOST"] = gcs.url
+    from google.cloud import storage
+
+    storage.Client().create_bucket("bench")
+    prefix = {"value": "p0"}
+
+    def gcs_upload() -> None:
+        prefix["value"] = f"p{next(counter)}"
+        GcsPayloadStore("bench", prefix["value"]).upload(source, digest, size)
+
+    up = median_seconds(gcs_upload, repetitions)
+    down = median_seconds(lambda: _fetch(GcsPayloadStore("bench", prefix["value"]), digest, size, fetched), repetitions)
+    times["gcs"] = (up, down)
+
+    azurite = Azurite(work / "azurite")
+    azurite.start()
+    procs.append(azurite)
+    os.environ.update(AZURE_STORAGE_BLOB_ENDPOINT=azurite.endpoint, AZURE_STORAGE_KEY=AZURITE_KEY)
+    from azure.storage.blob import BlobServiceClient
+
+    BlobServiceClient.from_connection_string(azurite.connection_string).create_container("bench")
+
+    def azure_upload() -> None:
+        prefix["value"] = f"p{next(counter)}"
+        AzurePayloadStore("bench", prefix["value"], account="devstoreaccount1").upload(source, digest, size)
+
+    up = median_seconds(azure_upload, repetitions)
+    down = median_seconds(
+        lambda: _fetch(AzurePayloadStore("bench", prefix["value"], account="devstoreaccount1"), digest, size, fetched),
+        repetitions,
+    )
+    times["azure"] = (up, down)
+    return times
 
 
 def main() -> int:
@@ -148,6 +216,8 @@ def main() -> int:
         down = median_seconds(lambda: _fetch(HfPayloadStore(repo["value"], api=api), digest, size, fetched), args.repetitions)
         times["hf"] = (up, down)
 
+        times.update(_new_stores(work, source, digest, size, fetched, args.repetitions, counter, procs))
+
         print(machine_line())
         print(f"{args.size_mib} MiB, median of {args.repetitions}; file copy {copy_s:.3f} s ({size / MiB / copy_s:.0f} MiB/s)")
         rows = [
@@ -176,8 +246,11 @@ def main() -> int:
         print_table(["store", "upload s", "MiB/s", "x copy", "fetch s", "MiB/s", "x copy"], rows)
     finally:
         for proc in procs:
-            proc.terminate()
-            proc.wait(timeout=30)
+            if isinstance(proc, subprocess.Popen):
+                proc.terminate()
+                proc.wait(timeout=30)
+            else:  # a store_processes server
+                proc.stop()
         shutil.rmtree(work, ignore_errors=True)
     return 0
 

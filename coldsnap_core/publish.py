@@ -16,12 +16,18 @@ workers, in digest order:
    quarantined and publication stops with the verifier's error;
 3. then uploaded (:meth:`PayloadStore.upload`, atomic in the store).
 
+A store that also indexes artifacts (:class:`~coldsnap_core.stores.base.ArtifactIndex`: an OCI registry, one
+manifest per artifact) then records each artifact: its name, the model identity and every pack it names
+(``docs/format.md`` §12.6). ``on_artifact`` is called with each record's reference.
+
 ``dry_run`` performs step 1 by size (and the Hub's LFS SHA-256) only, and checks that each local
 object exists with the right size, but neither hashes nor uploads.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,9 +38,10 @@ from coldsnap_core._io import refuse_symlink
 from coldsnap_core.artifact import read_capsule, read_descriptor
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.errors import ArtifactError, IntegrityError, MissingObjectError, PackSizeMismatchError, size_mismatch
+from coldsnap_core.format._strict import FORMAT_VERSION
 from coldsnap_core.format.manifest import NativeManifest, PackRef
 from coldsnap_core.format.pack_layout import PackLayout
-from coldsnap_core.stores.base import PayloadStore
+from coldsnap_core.stores.base import ArtifactIndex, ArtifactListing, ListedPack, PayloadStore
 from coldsnap_core.verify import check_manifest, extent_owner_map, verify_pack_file
 
 logger = logging.getLogger(__name__)
@@ -43,7 +50,7 @@ PublishAction = Literal["uploaded", "present", "would-upload"]
 ProgressFactory = Callable[[str, int], Callable[[int], object]]
 """``(description, total_bytes) -> progress callback``; the CLI passes tqdm bars."""
 
-__all__ = ["PayloadToPublish", "PublishedPayload", "collect_payloads", "publish_native"]
+__all__ = ["PayloadToPublish", "PublishedPayload", "artifact_listing", "collect_payloads", "publish_native"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +131,7 @@ def publish_native(
     dry_run: bool = False,
     progress: ProgressFactory | None = None,
     on_payload: Callable[[PublishedPayload], object] | None = None,
+    on_artifact: Callable[[str], object] | None = None,
 ) -> list[PublishedPayload]:
     """Upload each distinct payload of ``artifact_dirs`` to ``store`` once (see the module docstring).
 
@@ -134,6 +142,7 @@ def publish_native(
         dry_run: check presence (by size) and local objects, hash and upload nothing.
         progress: makes a progress callback for each verification and upload.
         on_payload: called after each payload is handled (the CLI prints a line).
+        on_artifact: called with the reference of each artifact record an :class:`ArtifactIndex` store made.
 
     Returns:
         One entry per distinct payload, in digest order.
@@ -176,7 +185,33 @@ def publish_native(
         if on_payload is not None:
             on_payload(published)
         results.append(published)
+    if isinstance(store, ArtifactIndex) and not dry_run:
+        for artifact_dir in artifact_dirs:
+            reference = store.publish_artifact(artifact_listing(Path(artifact_dir)))
+            if on_artifact is not None:
+                on_artifact(reference)
     return results
+
+
+def artifact_listing(artifact_dir: Path) -> ArtifactListing:
+    """What an :class:`ArtifactIndex` records of ``artifact_dir``: its name, the model identity and its packs.
+
+    Raises:
+        MissingObjectError, ManifestError: as :func:`coldsnap_core.artifact.read_descriptor`.
+    """
+    descriptor = read_descriptor(artifact_dir)
+    model = descriptor.model
+    identity = json.dumps(model.to_json(), sort_keys=True, separators=(",", ":")).encode()
+    annotations = [("model.source", model.source), ("model.sha256", hashlib.sha256(identity).hexdigest())]
+    if model.revision is not None:
+        annotations.append(("model.revision", model.revision))
+    if model.config_sha256 is not None:
+        annotations.append(("model.config-sha256", model.config_sha256))
+    workers: dict[str, tuple[PackRef, list[str]]] = {}
+    for entry in descriptor.workers:
+        workers.setdefault(entry.payload.sha256, (entry.payload, []))[1].append(entry.worker.capsule_name)
+    packs = tuple(ListedPack(pack.sha256, pack.size_bytes, tuple(names)) for _, (pack, names) in sorted(workers.items()))
+    return ArtifactListing(Path(artifact_dir).resolve().name, FORMAT_VERSION, tuple(sorted(annotations)), packs)
 
 
 def _verify_local(

@@ -27,12 +27,14 @@ step() {  # step DESCRIPTION COMMAND...: run quietly, show the output only on fa
   fi
 }
 
+# The payload-store servers of the tests (OCI registry, azurite): installed when missing, in both paths below.
+"$root/scripts/setup-store-servers.sh"
 if [ -f "$stamp" ]; then
   # Ready: the editable install is redone only when pyproject.toml changed (entry points, dependencies,
-  # extras: new test or s3 dependencies are installed then, under the same torch constraint).
+  # extras: new test or store dependencies are installed then, under the same torch constraint).
   if [ "$(cat "$stamp")" != "$project_hash" ]; then
-    step "pyproject.toml changed: reinstalling coldsnap (editable) with its test, fixture and s3 extras" \
-      "$venv/bin/pip" install -q --disable-pip-version-check -c "$venv/cpu-constraints.txt" -e "$root[test,fixtures,s3]"
+    step "pyproject.toml changed: reinstalling coldsnap (editable) with its test, fixture and store extras" \
+      "$venv/bin/pip" install -q --disable-pip-version-check -c "$venv/cpu-constraints.txt" -e "$root[test,fixtures,s3,oci,gcs,azure]"
     echo "$project_hash" > "$stamp"
   fi
   exit 0
@@ -49,7 +51,7 @@ sp=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purel
 mkdir -p "$sp/vllm-0.32.0+cpu.dist-info"
 printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$sp/vllm-0.32.0+cpu.dist-info/METADATA"
 : > "$sp/vllm-0.32.0+cpu.dist-info/RECORD"
-step "installing coldsnap (editable) with its test, fixture and s3 extras" \
-  "${pip[@]}" -c "$venv/cpu-constraints.txt" -e "$root[test,fixtures,s3]"
+step "installing coldsnap (editable) with its test, fixture and store extras (s3, oci, gcs, azure)" \
+  "${pip[@]}" -c "$venv/cpu-constraints.txt" -e "$root[test,fixtures,s3,oci,gcs,azure]"
 echo "$project_hash" > "$stamp"
 echo "setup-venv: ready: $venv" >&2

@@ -2,7 +2,9 @@
 
 REPO is a Hugging Face repository id (``org/name[@revision]``; token and endpoint from ``HF_TOKEN`` and
 ``HF_ENDPOINT``; a missing repository is created, private unless ``--public``), an S3-compatible bucket
-(``s3://bucket/prefix``; endpoint and credentials from the AWS variables) or a folder (``/abs``, ``./rel``, ``../rel``, ``~/...`` or ``file://...``). Objects go to
+(``s3://bucket/prefix``; endpoint and credentials from the AWS variables), an OCI registry repository
+(``oci://HOST/NAMESPACE/NAME[:TAG]``; a manifest per artifact is pushed too), a GCS bucket (``gs://bucket/prefix``),
+an Azure Blob container (``az://account/container/prefix`` or a connection string) or a folder (``/abs``, ``./rel``, ``../rel``, ``~/...`` or ``file://...``). Objects go to
 ``model-payloads/sha256/<digest>.pack`` there; the path comes from the digest alone.
 
 A payload counts as present only if the store's object verifies as far as the store can tell (a
@@ -51,7 +53,13 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         results = publish_native(
-            [artifact_folder(a) for a in args.artifact], store, cache, dry_run=args.dry_run, progress=bars, on_payload=report
+            [artifact_folder(a) for a in args.artifact],
+            store,
+            cache,
+            dry_run=args.dry_run,
+            progress=bars,
+            on_payload=report,
+            on_artifact=lambda reference: print(f"manifest {reference}"),
         )
     finally:
         bars.close()
@@ -79,7 +87,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--repo",
         required=True,
-        help="Hugging Face repo id org/name[@revision], s3://bucket/prefix, or a folder path (/abs, ./rel, ~/x, file://)",
+        help=(
+            "Hugging Face repo id org/name[@revision], s3://bucket/prefix, oci://host/ns/name[:tag], gs://bucket/prefix, "
+            "az://account/container/prefix (or an Azure connection string), or a folder path (/abs, ./rel, ~/x, file://)"
+        ),
     )
     p.add_argument(
         "--public", action="store_true", help="create a missing Hugging Face repository public (default: private, as hf upload)"

@@ -148,7 +148,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--repo",
         default=None,
-        help="payload store: a folder path, s3://bucket/prefix or a Hugging Face repo id org/name[@revision] "
+        help="payload store: a folder path, s3://bucket/prefix, oci://host/ns/name, gs://bucket/prefix, "
+        "az://account/container/prefix (or an Azure connection string) or a Hugging Face repo id org/name[@revision] "
         "(default: $COLDSNAP_PAYLOAD_DIR or $COLDSNAP_PAYLOAD_REPO)",
     )
     p.add_argument(

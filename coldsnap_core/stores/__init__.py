@@ -6,6 +6,12 @@ also settable by the engine plugins' extra-config keys ``payload_dir``, ``payloa
 * ``COLDSNAP_PAYLOAD_DIR=/path``: a local or shared folder (:class:`LocalFolderStore`);
 * ``COLDSNAP_PAYLOAD_REPO=s3://bucket[/prefix]``: an S3-compatible bucket
   (:class:`coldsnap_core.stores.s3.S3PayloadStore`; endpoint and credentials from the AWS variables);
+* ``COLDSNAP_PAYLOAD_REPO=oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]``: an OCI registry
+  (:class:`coldsnap_core.stores.oci.OciPayloadStore`; credentials from the Docker config file);
+* ``COLDSNAP_PAYLOAD_REPO=gs://bucket[/prefix]``: Google Cloud Storage
+  (:class:`coldsnap_core.stores.gcs.GcsPayloadStore`; credentials as ``google-cloud-storage`` finds them);
+* ``COLDSNAP_PAYLOAD_REPO=az://account/container[/prefix]`` or a connection string: Azure Blob
+  (:class:`coldsnap_core.stores.azure.AzurePayloadStore`);
 * ``COLDSNAP_PAYLOAD_REPO=org/name[@revision]``: a Hugging Face repository
   (:class:`coldsnap_core.stores.hf.HfPayloadStore`), with ``COLDSNAP_PAYLOAD_REPO_TYPE=model|dataset``
   (default ``model``); token and endpoint from ``HF_TOKEN``/``HF_ENDPOINT`` as ``huggingface_hub``
@@ -42,11 +48,24 @@ def _looks_like_path(spec: str) -> bool:
     return spec in (".", "..") or spec.startswith(("/", "./", "../", "~", "file://"))
 
 
+def _looks_like_azure_connection_string(spec: str) -> bool:
+    """An Azure Storage connection string (``DefaultEndpointsProtocol=...;AccountName=...;...``), with the
+    container (and prefix) after a final ``;container=NAME[/prefix]``; see :mod:`coldsnap_core.stores.azure`."""
+    keys = {part.split("=", 1)[0].strip().lower() for part in spec.split(";") if "=" in part}
+    return "container" in keys and bool(
+        keys & {"accountname", "blobendpoint", "defaultendpointsprotocol", "usedevelopmentstorage"}
+    )
+
+
 def parse_store_spec(spec: str, *, repo_type: str = "model") -> PayloadStore:
     """A store from a ``--repo`` / ``COLDSNAP_PAYLOAD_REPO`` value.
 
     * ``file:///abs/path``, ``/abs/path``, ``./rel``, ``../rel``, ``~/path``, ``.``: a folder store;
     * ``s3://bucket`` or ``s3://bucket/prefix``: an S3-compatible bucket (boto3, the ``s3`` extra);
+    * ``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]``: a repository of an OCI registry (httpx, the ``oci`` extra);
+    * ``gs://bucket[/prefix]``: a Google Cloud Storage bucket (``google-cloud-storage``, the ``gcs`` extra);
+    * ``az://account/container[/prefix]``, or an Azure Storage connection string ending in
+      ``;Container=NAME[/prefix]``: an Azure Blob container (``azure-storage-blob``, the ``azure`` extra);
     * ``org/name`` or ``org/name@revision`` (revision: branch, tag or commit; it may contain ``/``):
       a Hugging Face repository of type ``repo_type``.
 
@@ -62,6 +81,18 @@ def parse_store_spec(spec: str, *, repo_type: str = "model") -> PayloadStore:
         from coldsnap_core.stores.s3 import S3PayloadStore
 
         return S3PayloadStore.from_url(spec)
+    if spec.startswith("oci://"):
+        from coldsnap_core.stores.oci import OciPayloadStore
+
+        return OciPayloadStore.from_url(spec)
+    if spec.startswith("gs://"):
+        from coldsnap_core.stores.gcs import GcsPayloadStore
+
+        return GcsPayloadStore.from_url(spec)
+    if spec.startswith("az://") or _looks_like_azure_connection_string(spec):
+        from coldsnap_core.stores.azure import AzurePayloadStore
+
+        return AzurePayloadStore.from_url(spec)
     try:
         from coldsnap_core.stores.hf import HfPayloadStore
     except ValueError as exc:  # huggingface_hub parses HF_ENDPOINT when it is imported

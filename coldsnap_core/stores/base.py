@@ -4,8 +4,12 @@ A store holds content-addressed objects at ``model-payloads/sha256/<digest>.pack
 path as the cache; :func:`coldsnap_core.digests.pack_relpath`), so every path is derived from the
 digest alone: recipes and capture IDs cannot choose the committed object path (``docs/format.md`` §1).
 Implementations: :class:`coldsnap_core.stores.local.LocalFolderStore` (a local or shared folder),
-:class:`coldsnap_core.stores.hf.HfPayloadStore` (a Hugging Face repository) and
-:class:`coldsnap_core.stores.s3.S3PayloadStore` (an S3-compatible bucket).
+:class:`coldsnap_core.stores.hf.HfPayloadStore` (a Hugging Face repository),
+:class:`coldsnap_core.stores.s3.S3PayloadStore` (an S3-compatible bucket),
+:class:`coldsnap_core.stores.gcs.GcsPayloadStore` (Google Cloud Storage),
+:class:`coldsnap_core.stores.azure.AzurePayloadStore` (Azure Blob) and
+:class:`coldsnap_core.stores.oci.OciPayloadStore` (an OCI registry: the blob ``sha256:<digest>`` of a
+repository, no path; it is also an :class:`ArtifactIndex`).
 
 A store moves bytes; it never decides whether they are right. Staging runs the one verifier
 (:func:`coldsnap_core.verify.verify_pack_file`) on every fetched object before the cache commits it,
@@ -15,6 +19,7 @@ and publication runs it on every local object before upload.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -84,6 +89,54 @@ class PayloadStore(Protocol):
         Raises:
             InvalidDigestError: bad digest.
             IntegrityError: the bytes that reached the store do not hash to ``digest``.
+            StoreError: the store refused or failed.
+        """
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ListedPack:
+    """One pack of an artifact, as a store's artifact index lists it.
+
+    Attributes:
+        sha256: the pack's digest (lowercase hex, 64 characters).
+        size_bytes: its size in bytes.
+        workers: the capsule names of the workers that name it (``worker-0-of-1``, ...).
+    """
+
+    sha256: str
+    size_bytes: int
+    workers: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactListing:
+    """What a store's artifact index records of one published artifact.
+
+    Attributes:
+        name: the artifact folder's name.
+        format_version: the artifact format version (``docs/format.md`` §16).
+        annotations: ``(key, value)`` pairs naming the model identity (``model.source``,
+            ``model.revision``, ``model.config-sha256``, ``model.sha256``: the SHA-256 of the identity's JSON).
+        packs: every distinct pack the artifact's workers name.
+    """
+
+    name: str
+    format_version: int
+    annotations: tuple[tuple[str, str], ...]
+    packs: tuple[ListedPack, ...]
+
+
+@runtime_checkable
+class ArtifactIndex(Protocol):
+    """A store that also records which packs make up an artifact (an OCI registry: one manifest per
+    artifact, ``docs/format.md`` §12.6). Publication calls it once per artifact, after every pack is in
+    the store; staging never needs it (packs are fetched by digest)."""
+
+    def publish_artifact(self, listing: ArtifactListing) -> str:
+        """Record ``listing``; returns a reference to the record (for the log and the CLI).
+
+        Raises:
             StoreError: the store refused or failed.
         """
         ...

@@ -82,8 +82,34 @@ def local_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         yield hub
 
 
+class MotoServer:
+    """``moto.server.ThreadedMotoServer`` on 127.0.0.1 that can be stopped (its socket closed) and started again
+    on the same port; moto keeps its buckets in the process, so they survive a restart."""
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._server.start()
+        host, self.port = self._server.get_host_and_port()
+        self.url = f"http://{host}:{self.port}"
+        self.running = True
+
+    def stop(self) -> None:
+        self.running = False
+        self._server.stop()
+        self._server._server.server_close()  # stop() leaves the socket listening; a stopped server refuses connections
+
+    def start(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._server.start()
+        self.running = True
+
+
 @pytest.fixture(scope="session")
-def s3_server():
+def s3_moto():
     """``moto`` in server mode on 127.0.0.1 (a thread of this process, real HTTP), for the session.
 
     S3's 5 MiB minimum part size is lowered to 256 KiB so the 1.3 MB test pack takes the multipart path
@@ -91,7 +117,6 @@ def s3_server():
     import logging
 
     import moto.s3.models
-    from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     minimum = moto.s3.models.S3_UPLOAD_PART_MIN_SIZE
@@ -113,14 +138,18 @@ def s3_server():
                 return _original(self, *args, **kwargs)
 
         setattr(moto.s3.responses.S3Response, name, locked)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
+    server = MotoServer()
+    yield server
     server.stop()
     moto.s3.models.S3_UPLOAD_PART_MIN_SIZE = minimum
     for name, original in originals.items():
         setattr(moto.s3.responses.S3Response, name, original)
+
+
+@pytest.fixture(scope="session")
+def s3_server(s3_moto) -> str:
+    """The endpoint of :func:`s3_moto`."""
+    return s3_moto.url
 
 
 @pytest.fixture
@@ -133,15 +162,54 @@ def s3_env(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
     return s3_server
 
 
-@pytest.fixture(params=["folder", "hf", "s3"])
-def any_store(request: pytest.FixtureRequest, tmp_path: Path):
-    """Each payload store kind in turn (:class:`store_servers.StoreUnderTest`), on its own server."""
-    from store_servers import make_store
+@pytest.fixture
+def registry_server(tmp_path: Path):
+    """Debian's ``docker-registry`` (the distribution registry) on 127.0.0.1, for one test: a registry keeps one
+    copy of a blob for all its repositories, so a test that damages a stored blob must have its own."""
+    from store_processes import Registry
 
-    kind = request.param
-    hub = request.getfixturevalue("local_hub") if kind == "hf" else None
-    endpoint = request.getfixturevalue("s3_env") if kind == "s3" else None
-    return make_store(kind, tmp_path, hub=hub, s3_endpoint=endpoint)
+    server = Registry(tmp_path / "registry")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory: pytest.TempPathFactory):
+    """``fake-gcs-server`` on 127.0.0.1, for the session."""
+    from store_processes import FakeGcs
+
+    server = FakeGcs(tmp_path_factory.mktemp("fake-gcs"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def azurite_server(tmp_path_factory: pytest.TempPathFactory):
+    """``azurite-blob`` on 127.0.0.1, for the session."""
+    from store_processes import Azurite
+
+    server = Azurite(tmp_path_factory.mktemp("azurite"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["folder", "hf", "s3", "oci", "gcs", "azure"])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Each payload store kind in turn (:class:`store_servers.StoreUnderTest`), on its own server."""
+    from store_servers import store_under_test
+
+    return store_under_test(request.param, request, tmp_path, monkeypatch)
+
+
+@pytest.fixture(params=["s3", "oci", "gcs", "azure"])
+def ranged_store(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Each store kind that fetches by parallel ranged reads from a server the test can stop and start, in turn."""
+    from store_servers import store_under_test
+
+    return store_under_test(request.param, request, tmp_path, monkeypatch)
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,18 @@
-"""The three payload stores under one test harness, each backed by a real server on 127.0.0.1.
+"""The payload stores under one test harness, each backed by a real server on 127.0.0.1.
 
 * ``folder``: a :class:`LocalFolderStore` in a folder (a shared mount, as far as a node can tell);
 * ``hf``: the :class:`HfPayloadStore` with a real ``huggingface_hub.HfApi`` talking HTTP to
   :class:`local_hub.LocalHub` (``HF_HUB_DISABLE_XET=1``: the local Hub has no Xet);
 * ``s3``: the :class:`S3PayloadStore` with a real boto3 client talking HTTP to ``moto`` in server
   mode (``moto.server.ThreadedMotoServer``), bucket versioning on so the tests can count how many
-  times a key was written.
+  times a key was written;
+* ``oci``: the :class:`OciPayloadStore` (httpx) against Debian's ``docker-registry`` (the distribution registry,
+  a process; ``store_processes.Registry``), one repository per test;
+* ``gcs``: the :class:`GcsPayloadStore` with the real ``google-cloud-storage`` client against ``fake-gcs-server``
+  (``STORAGE_EMULATOR_HOST``), one bucket per test;
+* ``azure``: the :class:`AzurePayloadStore` with the real ``azure-storage-blob`` client against ``azurite``
+  (``az://devstoreaccount1/<container>/...`` with ``AZURE_STORAGE_BLOB_ENDPOINT`` and ``AZURE_STORAGE_KEY``), one
+  container per test.
 
 :class:`StoreUnderTest` gives the contract tests what they need beyond the :class:`PayloadStore`
 protocol: put arbitrary bytes at a digest's place (a corrupt, truncated or extended object), count the
@@ -21,13 +28,20 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from store_processes import AZURITE_KEY
 
 from coldsnap_core.digests import pack_relpath
 from coldsnap_core.stores.base import PayloadStore
 
+if TYPE_CHECKING:
+    import pytest
+
 REPO = Path(__file__).resolve().parent.parent.parent
-STORE_KINDS = ("folder", "hf", "s3")
+STORE_KINDS = ("folder", "hf", "s3", "oci", "gcs", "azure")
+REMOTE_KINDS = ("hf", "s3", "oci", "gcs", "azure")
+"""The kinds with a server (a server can stop, a credential can be wrong)."""
 HF_REPO = "coldsnap-test/payloads"
 S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -43,9 +57,31 @@ class StoreUnderTest:
     store: PayloadStore
     spec: str  # the --repo value that names this store
     env: dict[str, str]  # what a child process needs to reach it
-    backend: Any = None  # LocalHub, the boto3 client, or the folder root
-    bucket: str = ""
+    backend: Any = None  # LocalHub, the boto3 client, the folder root, or the Registry / Azurite / FakeGcs process
+    bucket: str = ""  # the S3 or GCS bucket, the Azure container, the OCI repository
     extra: dict[str, Any] = field(default_factory=dict)
+    server: Any = None  # what can stop() and start() the server again (same port, same objects)
+
+    def new_store_with(self, **kwargs: Any) -> PayloadStore:
+        """Another client of the same store with other parameters (``chunk_size_bytes``, ``concurrency``)."""
+        if self.kind == "oci":
+            from coldsnap_core.stores.oci import OciPayloadStore
+
+            return OciPayloadStore.from_url(self.spec, **kwargs)
+        if self.kind == "gcs":
+            from coldsnap_core.stores.gcs import GcsPayloadStore
+
+            return GcsPayloadStore.from_url(self.spec, **kwargs)
+        if self.kind == "azure":
+            from coldsnap_core.stores.azure import AzurePayloadStore
+
+            return AzurePayloadStore.from_url(self.spec, **kwargs)
+        if self.kind == "s3":
+            from coldsnap_core.stores.s3 import S3PayloadStore
+
+            size = kwargs.pop("chunk_size_bytes", self.store.part_size_bytes)
+            return S3PayloadStore.from_url(self.spec, client=self.backend, part_size_bytes=size, **kwargs)
+        raise AssertionError(f"no parameters for {self.kind}")
 
     def new_store(self) -> PayloadStore:
         """Another client of the same store (another node's view)."""
@@ -61,6 +97,8 @@ class StoreUnderTest:
             from coldsnap_core.stores.s3 import S3PayloadStore
 
             return S3PayloadStore.from_url(self.spec, client=self.backend, part_size_bytes=self.store.part_size_bytes)
+        if self.kind in ("oci", "gcs", "azure"):
+            return self.new_store_with(chunk_size_bytes=self.extra["chunk_size_bytes"])
         return parse_store_spec(self.spec)
 
     def put_raw(self, digest: str, data: bytes) -> None:
@@ -74,6 +112,13 @@ class StoreUnderTest:
         elif self.kind == "hf":
             # a commit of other bytes at the digest's path: paths-info reports their real SHA-256
             self.backend.plant(HF_REPO, pack_relpath(digest), data)
+        elif self.kind == "oci":
+            # a registry hashes every blob pushed to it, so other bytes under a digest come from its storage
+            self.backend.plant(self.bucket, digest, data)
+        elif self.kind == "gcs":
+            self.extra["client"].bucket(self.bucket).blob(self.store.key(digest)).upload_from_string(data)
+        elif self.kind == "azure":
+            self.extra["service"].get_blob_client(self.bucket, self.store.key(digest)).upload_blob(data, overwrite=True)
         else:
             self.backend.put_object(Bucket=self.bucket, Key=self.store.key(digest), Body=data)
 
@@ -86,6 +131,14 @@ class StoreUnderTest:
             if (("model", HF_REPO)) not in self.backend.repos:
                 return []
             return sorted(Path(p).name for p in self.backend.objects(HF_REPO) if p.startswith("model-payloads/sha256/"))
+        if self.kind == "oci":
+            from coldsnap_core.stores.oci import EMPTY_DIGEST
+
+            return [f"{d}.pack" for d in self.backend.layers(self.bucket) if d != EMPTY_DIGEST]
+        if self.kind == "gcs":
+            return sorted(Path(b.name).name for b in self.extra["client"].list_blobs(self.bucket))
+        if self.kind == "azure":
+            return sorted(Path(b.name).name for b in self.extra["service"].get_container_client(self.bucket).list_blobs())
         listing = self.backend.list_objects_v2(Bucket=self.bucket)
         return sorted(Path(o["Key"]).name for o in listing.get("Contents", []))
 
@@ -97,6 +150,24 @@ class StoreUnderTest:
             return len(versions.get("Versions", []))
         if self.kind == "hf":
             return self.backend.lfs_uploads
+        if self.kind == "oci":
+            return self.backend.completed_uploads(self.bucket, digest)
+        if self.kind in ("gcs", "azure"):
+            # the object versions seen so far (a GCS generation, an Azure ETag): each write makes a new one
+            seen = self.extra.setdefault("versions_seen", set())
+            if self.kind == "gcs":
+                blob = self.extra["client"].bucket(self.bucket).get_blob(self.store.key(digest))
+                version = None if blob is None else blob.generation
+            else:
+                try:
+                    version = (
+                        self.extra["service"].get_blob_client(self.bucket, self.store.key(digest)).get_blob_properties().etag
+                    )
+                except Exception:
+                    version = None
+            if version is not None:
+                seen.add(version)
+            return len(seen)
         return 1 if (self.backend / pack_relpath(digest)).exists() else 0
 
     def leftovers(self) -> list[str]:
@@ -107,12 +178,61 @@ class StoreUnderTest:
             return sorted(p.name for p in tmp.iterdir()) if tmp.is_dir() else []
         if self.kind == "hf":
             return sorted(p.name for p in (self.backend.root / "lfs").glob("*.partial"))
+        if self.kind == "oci":
+            return self.backend.uploads_in_progress(self.bucket)
+        if self.kind == "gcs":
+            return []  # an unfinished resumable upload is invisible, and expires
+        if self.kind == "azure":
+            container = self.extra["service"].get_container_client(self.bucket)
+            committed = {b.name for b in container.list_blobs()}
+            return sorted({b.name for b in container.list_blobs(include=["uncommittedblobs"])} - committed)
         uploads = self.backend.list_multipart_uploads(Bucket=self.bucket).get("Uploads", [])
         return [u["Key"] for u in uploads]
 
 
-def make_store(kind: str, tmp_path: Path, *, hub: Any = None, s3_endpoint: str | None = None, part_size_bytes: int = 1 << 20):
-    """A :class:`StoreUnderTest` of ``kind``; ``hub`` (a running LocalHub) for ``hf``, ``s3_endpoint`` for ``s3``."""
+def make_store(
+    kind: str,
+    tmp_path: Path,
+    *,
+    hub: Any = None,
+    s3_endpoint: str | None = None,
+    server: Any = None,
+    part_size_bytes: int = 1 << 20,
+):
+    """A :class:`StoreUnderTest` of ``kind``; ``hub`` (a running LocalHub) for ``hf``, ``s3_endpoint`` for ``s3``,
+    ``server`` (a running ``store_processes`` server) for ``oci``, ``gcs`` and ``azure``; the environment they
+    need must already be set (the ``any_store`` fixture does it)."""
+    name = f"payloads-{os.urandom(4).hex()}"
+    if kind == "oci":
+        from coldsnap_core.stores.oci import OciPayloadStore
+
+        repository = f"coldsnap/{name}"
+        spec = f"oci://{server.registry}/{repository}"
+        store = OciPayloadStore.from_url(spec, chunk_size_bytes=part_size_bytes)
+        env = {"DOCKER_CONFIG": str(tmp_path / "docker-config")}
+        return StoreUnderTest(kind, store, spec, env, server, repository, {"chunk_size_bytes": part_size_bytes})
+    if kind == "gcs":
+        from google.cloud import storage
+
+        from coldsnap_core.stores.gcs import GcsPayloadStore
+
+        client = storage.Client()
+        client.create_bucket(name)
+        spec = f"gs://{name}/fleet/a"
+        store = GcsPayloadStore.from_url(spec, chunk_size_bytes=part_size_bytes)
+        env = {"STORAGE_EMULATOR_HOST": server.url}
+        return StoreUnderTest(kind, store, spec, env, server, name, {"client": client, "chunk_size_bytes": part_size_bytes})
+    if kind == "azure":
+        from azure.storage.blob import BlobServiceClient
+
+        from coldsnap_core.stores.azure import AzurePayloadStore
+
+        service = BlobServiceClient.from_connection_string(server.connection_string)
+        service.create_container(name)
+        spec = f"az://devstoreaccount1/{name}/fleet/a"
+        store = AzurePayloadStore.from_url(spec, chunk_size_bytes=part_size_bytes)
+        env = {"AZURE_STORAGE_BLOB_ENDPOINT": server.endpoint, "AZURE_STORAGE_KEY": AZURITE_KEY}
+        return StoreUnderTest(kind, store, spec, env, server, name, {"service": service, "chunk_size_bytes": part_size_bytes})
     if kind == "folder":
         from coldsnap_core.stores.local import LocalFolderStore
 
@@ -134,6 +254,29 @@ def make_store(kind: str, tmp_path: Path, *, hub: Any = None, s3_endpoint: str |
     spec = f"s3://{bucket}/fleet/a"
     store = S3PayloadStore.from_url(spec, client=client, part_size_bytes=part_size_bytes)
     return StoreUnderTest(kind, store, spec, {**S3_ENV, "AWS_ENDPOINT_URL": s3_endpoint}, client, bucket)
+
+
+_STORE_SERVERS = {"oci": "registry_server", "gcs": "gcs_server", "azure": "azurite_server"}
+
+
+def store_under_test(kind: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A :class:`store_servers.StoreUnderTest` of ``kind`` on its server, with the environment its clients (and
+    the CLI run in-process) need set for the test."""
+    hub = request.getfixturevalue("local_hub") if kind == "hf" else None
+    endpoint = request.getfixturevalue("s3_env") if kind == "s3" else None
+    server = request.getfixturevalue(_STORE_SERVERS[kind]) if kind in _STORE_SERVERS else None
+    if kind == "oci":
+        monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker-config"))  # no credentials of the machine's user
+    elif kind == "gcs":
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
+    elif kind == "azure":
+        from store_processes import AZURITE_KEY
+
+        monkeypatch.setenv("AZURE_STORAGE_BLOB_ENDPOINT", server.endpoint)
+        monkeypatch.setenv("AZURE_STORAGE_KEY", AZURITE_KEY)
+    store = make_store(kind, tmp_path, hub=hub, s3_endpoint=endpoint, server=server)
+    store.server = request.getfixturevalue("s3_moto") if kind == "s3" else server
+    return store
 
 
 def node_command(start_file: Path, *cli_args: str) -> list[str]:

@@ -3,31 +3,67 @@
 This is the one test that goes through vLLM's own process layout: the API server, the engine core
 process and the worker process each load the ``vllm.general_plugins`` entry point
 (``coldsnap_vllm:register``), so it fails if the plugin is not installed as an entry point or does
-not register in every process. The artifact comes from a capture in another process.
+not register in every process. The artifact comes from a capture in another process, and reaches the serving
+node (a fresh state root) through an OCI registry started by the test.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from engine_support import coldsnap_env, run_engine, serve_completion
+from engine_support import PROMPTS, coldsnap_env, copy_state, only_pack, serve_completion
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cache"))  # the store servers of the cache tests
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
 
-def test_vllm_serve_restores_and_answers(smollm2_2layer: Path, tmp_path: Path) -> None:
-    """Capture in one process, then ``vllm serve --load-format coldsnap`` with ``COLDSNAP_RESTORE=native``:
-    the worker restores from pack + residual (its log says so, with no fallback WARNING) and
-    ``/v1/completions`` returns the same greedy text as the captured engine."""
-    prompt = "The capital of France is"
-    env = coldsnap_env(tmp_path / "artifact", tmp_path / "state")
-    captured = run_engine(
-        tmp_path, "capture", smollm2_2layer, "coldsnap", env={**env, "COLDSNAP_EXPORT_MODEL_PAYLOAD": "1"}, prompts=[prompt]
-    )
-    assert captured.error is None and captured.outcome["kind"] == "captured"
+def test_vllm_serve_restores_and_answers(vllm_two_layer: dict, smollm2_2layer: Path, tmp_path: Path) -> None:
+    """The session's capture (``vllm_two_layer`` in ``tests/conftest.py``, another process), its pack published
+    to an OCI registry (``coldsnap publish-native --repo oci://...``, Debian's ``docker-registry`` on 127.0.0.1); then, on a second node (a fresh state root that holds no pack),
+    ``vllm serve --load-format coldsnap`` with ``COLDSNAP_PAYLOAD_REPO=oci://...`` and ``COLDSNAP_RESTORE=native``:
+    the worker stages the pack from the registry by digest, restores from pack + residual (its log says so, with no
+    fallback WARNING) and ``/v1/completions`` returns the same greedy text as the captured engine (a plain load)."""
+    from store_processes import Registry
 
-    text, log_text = serve_completion(smollm2_2layer, tmp_path, "serve", {**env, "COLDSNAP_RESTORE": "native"}, prompt=prompt)
+    prompt = PROMPTS[0]  # "The capital of France is": the captured engine's first completion is the reference
+    captured = vllm_two_layer["capture"]
+    assert captured.error is None and captured.outcome["kind"] == "captured"
+    shutil.copytree(vllm_two_layer["artifact"], tmp_path / "artifact", symlinks=True)
+    copy_state(vllm_two_layer["state"], tmp_path / "state")
+
+    registry = Registry(tmp_path / "registry")
+    registry.start()
+    try:
+        repo = f"oci://{registry.registry}/models/smollm2"
+        docker_config = {"DOCKER_CONFIG": str(tmp_path / "docker-config")}
+        cli = [str(Path(sys.executable).with_name("coldsnap")), "publish-native", str(tmp_path / "artifact")]
+        publish = subprocess.run(
+            [*cli, "--repo", repo, "--state-root", str(tmp_path / "state")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**_env_without_coldsnap(), **docker_config},
+        )
+        assert publish.returncode == 0, publish.stderr
+        pack = only_pack(tmp_path / "state")
+        assert f"uploaded {pack.name[:-5]}" in publish.stdout and f"manifest {repo}:artifact@sha256:" in publish.stdout
+
+        node = coldsnap_env(tmp_path / "artifact", tmp_path / "node-2", COLDSNAP_PAYLOAD_REPO=repo, COLDSNAP_RESTORE="native")
+        text, log_text = serve_completion(smollm2_2layer, tmp_path, "serve", {**node, **docker_config}, prompt=prompt)
+    finally:
+        registry.stop()
     assert text == captured.outputs[0]
     assert "coldsnap: restored worker-0-of-1 from pack" in log_text
     assert "could not restore" not in log_text
+    assert only_pack(tmp_path / "node-2").read_bytes() == pack.read_bytes()  # staged from the registry, verified
+    assert f"GET /v2/models/smollm2/blobs/sha256:{pack.name[:-5]}" in registry.log_text()
+
+
+def _env_without_coldsnap() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("COLDSNAP_")}

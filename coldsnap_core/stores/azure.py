@@ -1,0 +1,391 @@
+"""A payload store in an Azure Blob Storage container, through ``azure-storage-blob`` (the extra ``coldsnap[azure]``).
+
+Two spellings (``--repo`` and ``COLDSNAP_PAYLOAD_REPO``):
+
+* ``az://account/container[/prefix]``: the account's endpoint is ``https://<account>.blob.core.windows.net``
+  unless ``AZURE_STORAGE_BLOB_ENDPOINT`` names another (an emulator, a sovereign cloud); the credential is
+  ``AZURE_STORAGE_KEY`` (the account key), else ``AZURE_STORAGE_SAS_TOKEN``, else
+  ``azure.identity.DefaultAzureCredential`` when ``azure-identity`` is installed, else none (a public container);
+* the connection string users already have, with the container (and prefix) appended as
+  ``;Container=NAME[/prefix]``: ``DefaultEndpointsProtocol=https;AccountName=...;AccountKey=...;Container=payloads/fleet``.
+  The store's name and every message name the account, container and prefix only, never the key.
+
+Objects live at ``<prefix>/model-payloads/sha256/<digest>.pack`` (block blobs). Consistency rule: created once,
+``upload_blob(overwrite=False)`` sends ``If-None-Match: *`` (Azure Storage REST API, "Specifying conditional
+headers for Blob service operations"): of two publishers exactly one creates the blob, the other gets
+``409 BlobAlreadyExists`` and counts the digest as present after hashing the blob in full; a corrupt blob is
+replaced under ``If-Match: <its ETag>``. The file is hashed while the client reads it and the read of its last
+byte raises when the SHA-256 is not the digest, so the ``Put Blob`` or ``Put Block List`` that would create the
+blob is never sent (staged blocks that are never committed expire).
+
+Fetch: the blob's properties (size, ETag), then parallel ranged downloads pinned to that ETag (64 MiB, 8 in
+flight) written with ``pwrite``; the cache verifies the whole file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from coldsnap_core.digests import check_digest, pack_relpath
+from coldsnap_core.errors import (
+    ConfigurationError,
+    PackDigestMismatchError,
+    PackSizeMismatchError,
+    PayloadUnavailableError,
+    StoreError,
+    size_mismatch,
+)
+from coldsnap_core.stores._ranged import (
+    DEFAULT_CONCURRENCY,
+    RANGE_SIZE_BYTES,
+    HashingReader,
+    check_file_digest,
+    checked_range,
+    fetch_ranges,
+    hash_ranges,
+)
+from coldsnap_core.stores.base import ProgressCallback
+
+logger = logging.getLogger(__name__)
+
+AZURE_SCHEME = "az://"
+ENDPOINT_ENV = "AZURE_STORAGE_BLOB_ENDPOINT"
+KEY_ENV = "AZURE_STORAGE_KEY"
+SAS_ENV = "AZURE_STORAGE_SAS_TOKEN"
+CONNECT_TIMEOUT_S = 10
+READ_TIMEOUT_S = 20
+RETRIES = 3
+"""Retries of a failed request (azure-core's exponential retry policy; its default is 10)."""
+
+
+def _split_container(value: str, spec_for_errors: str) -> tuple[str, str]:
+    container, _, prefix = value.strip().strip("/").partition("/")
+    if not (3 <= len(container) <= 63) or not all(c.isascii() and (c.islower() or c.isdigit() or c == "-") for c in container):
+        raise ConfigurationError(
+            f"{spec_for_errors}: {container!r} is not an Azure container name (3-63 characters of a-z, 0-9, '-')"
+        )
+    prefix = prefix.strip("/")
+    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
+        raise ConfigurationError(f"{spec_for_errors}: the blob prefix {prefix!r} has an empty, '.' or '..' segment")
+    return container, prefix
+
+
+def parse_azure_spec(spec: str) -> tuple[str | None, str | None, str, str]:
+    """``az://account/container[/prefix]`` -> ``(account, None, container, prefix)``; a connection string with
+    ``;Container=NAME[/prefix]`` -> ``(account or None, connection string without Container, container, prefix)``.
+
+    Raises:
+        ConfigurationError: no account, an invalid container name (3-63 of ``a-z 0-9 -``), a prefix with an
+            empty, ``.`` or ``..`` segment, or a connection string without ``Container=``. Messages never
+            repeat a connection string (it holds the key).
+    """
+    if spec.startswith(AZURE_SCHEME):
+        account, _, rest = spec[len(AZURE_SCHEME) :].partition("/")
+        if not account or not all(c.isascii() and (c.islower() or c.isdigit()) for c in account):
+            raise ConfigurationError(f"{spec!r}: {account!r} is not an Azure storage account name (a-z, 0-9)")
+        container, prefix = _split_container(rest, repr(spec))
+        return account, None, container, prefix
+    parts = [p for p in spec.strip().split(";") if p.strip()]
+    container_parts = [p for p in parts if p.split("=", 1)[0].strip().lower() == "container"]
+    if len(container_parts) != 1:
+        raise ConfigurationError(
+            "the Azure connection string needs exactly one ';Container=NAME[/prefix]' (the key is not shown)"
+        )
+    container, prefix = _split_container(container_parts[0].split("=", 1)[1], "the Azure connection string")
+    rest = ";".join(p for p in parts if p not in container_parts)
+    account = next((p.split("=", 1)[1].strip() for p in parts if p.split("=", 1)[0].strip().lower() == "accountname"), None)
+    if account is None and "usedevelopmentstorage=true" in rest.lower().replace(" ", ""):
+        account = "devstoreaccount1"
+    return account, rest, container, prefix
+
+
+def _service_client(
+    account: str | None, connection_string: str | None, *, chunk_size_bytes: int, retries: int, credential: Any = None
+) -> Any:
+    """A ``BlobServiceClient`` for the spec (see the module docstring).
+
+    Raises:
+        ConfigurationError: azure-storage-blob is missing, or the connection string or endpoint is invalid.
+    """
+    try:
+        from azure.storage.blob import BlobServiceClient
+    except ImportError as exc:
+        raise ConfigurationError("an az:// payload store needs azure-storage-blob: pip install 'coldsnap[azure]'") from exc
+    timeouts = {
+        "connection_timeout": CONNECT_TIMEOUT_S,
+        "read_timeout": READ_TIMEOUT_S,
+        "max_block_size": chunk_size_bytes,  # bytes per staged block
+        "max_single_put_size": chunk_size_bytes,  # up to this, one Put Blob; beyond, blocks and Put Block List
+        "retry_total": retries,
+    }
+    try:
+        if connection_string is not None:
+            return BlobServiceClient.from_connection_string(connection_string, credential=credential, **timeouts)
+        url = os.environ.get(ENDPOINT_ENV) or f"https://{account}.blob.core.windows.net"
+        if credential is None:
+            if os.environ.get(KEY_ENV):
+                credential = {"account_name": account, "account_key": os.environ[KEY_ENV]}
+            elif os.environ.get(SAS_ENV):
+                credential = os.environ[SAS_ENV]
+            else:
+                try:
+                    from azure.identity import DefaultAzureCredential
+                except ImportError:
+                    credential = None
+                else:
+                    credential = DefaultAzureCredential()
+        return BlobServiceClient(url, credential=credential, **timeouts)
+    except (ValueError, TypeError) as exc:
+        where = "the connection string" if connection_string is not None else f"{ENDPOINT_ENV}={os.environ.get(ENDPOINT_ENV)!r}"
+        raise ConfigurationError(f"the Azure Blob client cannot be built from {where}: {type(exc).__name__}") from exc
+
+
+def _is(exc: BaseException, *names: str) -> bool:
+    return any(cls.__name__ in names for cls in type(exc).__mro__)
+
+
+class AzurePayloadStore:
+    """Block blobs at ``<container>/<prefix>/model-payloads/sha256/<digest>.pack`` of one storage account.
+
+    Args:
+        container: the container (it must exist; coldsnap never creates containers).
+        prefix: blob-name prefix, without leading or trailing ``/`` (may be empty).
+        account: the storage account (for the name and the default endpoint).
+        connection_string: a connection string without ``Container=`` (instead of ``account``'s endpoint).
+        service: a ``BlobServiceClient`` (default: one from the arguments and the environment).
+        chunk_size_bytes: bytes per ranged download and per staged block.
+        concurrency: ranges or blocks in flight at once.
+        retries: retries of a failed request (for a client made here).
+
+    Raises:
+        ConfigurationError: ``chunk_size_bytes`` or ``concurrency`` is not positive.
+    """
+
+    def __init__(
+        self,
+        container: str,
+        prefix: str = "",
+        *,
+        account: str | None = None,
+        connection_string: str | None = None,
+        service: Any = None,
+        chunk_size_bytes: int = RANGE_SIZE_BYTES,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        retries: int = RETRIES,
+    ) -> None:
+        if chunk_size_bytes <= 0 or concurrency <= 0:
+            raise ConfigurationError(
+                f"Azure store: chunk_size_bytes ({chunk_size_bytes}) and concurrency ({concurrency}) must be > 0"
+            )
+        self.container = container
+        self.prefix = prefix.strip("/")
+        self.account = account
+        self.chunk_size_bytes = chunk_size_bytes
+        self.concurrency = concurrency
+        self.retries = retries
+        self._connection_string = connection_string
+        self._service = service
+        where = f"{account or '?'}/{container}"
+        self.name = f"azure {where}/{self.prefix}" if self.prefix else f"azure {where}"
+
+    @classmethod
+    def from_url(cls, spec: str, **kwargs: Any) -> AzurePayloadStore:
+        """A store for ``az://account/container[/prefix]`` or a connection string (see :func:`parse_azure_spec`)."""
+        account, connection_string, container, prefix = parse_azure_spec(spec)
+        return cls(container, prefix, account=account, connection_string=connection_string, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"AzurePayloadStore({self.account!r}, {self.container!r}, {self.prefix!r})"
+
+    @property
+    def service(self) -> Any:
+        """The ``BlobServiceClient``, made on first use."""
+        if self._service is None:
+            self._service = _service_client(
+                self.account, self._connection_string, chunk_size_bytes=self.chunk_size_bytes, retries=self.retries
+            )
+        return self._service
+
+    def key(self, digest: str) -> str:
+        """``<prefix>/model-payloads/sha256/<digest>.pack``; the digest is validated first."""
+        relpath = pack_relpath(digest)
+        return f"{self.prefix}/{relpath}" if self.prefix else relpath
+
+    def location(self, digest: str) -> str:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: ``az://account/container/<key>``."""
+        return f"{AZURE_SCHEME}{self.account or '?'}/{self.container}/{self.key(digest)}"
+
+    def _blob(self, digest: str) -> Any:
+        return self.service.get_blob_client(self.container, self.key(digest))
+
+    def _fail(self, action: str, digest: str, exc: BaseException) -> StoreError:
+        if _is(exc, "ClientAuthenticationError") or getattr(exc, "status_code", None) in (401, 403):
+            code = getattr(exc, "error_code", None) or getattr(getattr(exc, "response", None), "status_code", "")
+            return StoreError(
+                f"{self.name}: {action} failed: the storage account refused the credential ({code}); check {KEY_ENV}, "
+                f"{SAS_ENV}, the connection string's AccountKey or the identity's role",
+                file=self.location(digest),
+            )
+        message = str(exc).splitlines()[0] if str(exc) else ""
+        return StoreError(f"{self.name}: {action} failed: {type(exc).__name__}: {message}", file=self.location(digest))
+
+    def _properties(self, digest: str) -> tuple[int, str] | None:
+        """``(size_bytes, etag)`` of the blob, or ``None`` when there is none."""
+        blob = self._blob(digest)  # outside the try: a missing library is a ConfigurationError
+        try:
+            props = blob.get_blob_properties()
+        except Exception as exc:
+            if _is(exc, "ResourceNotFoundError"):
+                return None
+            raise self._fail("looking up the pack", digest, exc) from exc
+        return int(props.size), str(props.etag)
+
+    def has(self, digest: str, size_bytes: int | None = None, *, verify: bool = False) -> bool:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.has` (the blob's properties, by size; with ``verify``
+        the blob is read and hashed in full)."""
+        check_digest(digest)
+        props = self._properties(digest)
+        if props is None:
+            return False
+        where = self.location(digest)
+        if size_bytes is not None:
+            mismatch = size_mismatch(PackSizeMismatchError, "stored pack", props[0], size_bytes, file=where)
+            if mismatch is not None:
+                logger.warning("coldsnap: %s; treating it as absent", mismatch)
+                return False
+        if verify:
+            hashed = self._hash_blob(digest, *props)
+            if hashed != digest:
+                logger.warning("coldsnap: %s hashes to %s, not its name; treating it as absent", where, hashed)
+                return False
+        return True
+
+    def _get_range(self, digest: str, etag: str, start: int, end: int) -> bytes:
+        from azure.core import MatchConditions
+
+        where = self.location(digest)
+        try:
+            data = (
+                self._blob(digest)
+                .download_blob(
+                    offset=start, length=end - start, etag=etag, match_condition=MatchConditions.IfNotModified, max_concurrency=1
+                )
+                .readall()
+            )
+        except Exception as exc:
+            if _is(exc, "ResourceNotFoundError"):
+                raise PayloadUnavailableError(f"{self.name} no longer holds the pack", file=where) from exc
+            if _is(exc, "ResourceModifiedError"):
+                raise StoreError(
+                    f"{self.name}: the blob changed while it was read (ETag {etag} no longer matches)", file=where
+                ) from exc
+            raise self._fail(f"reading bytes {start}-{end - 1}", digest, exc) from exc
+        return checked_range(data, start, end, where=where)
+
+    def _hash_blob(self, digest: str, size_bytes: int, etag: str) -> str:
+        return hash_ranges(
+            lambda a, b: self._get_range(digest, etag, a, b),
+            size_bytes,
+            range_size_bytes=self.chunk_size_bytes,
+            concurrency=self.concurrency,
+        )
+
+    def fetch(self, digest: str, size_bytes: int, fd: int, *, file: Path, progress: ProgressCallback | None = None) -> None:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch`: parallel ranged downloads pinned to the ETag.
+
+        Raises:
+            PayloadUnavailableError: no blob at the digest's name.
+            PackSizeMismatchError: the blob is truncated or extended (nothing is read), or a range came back short.
+            InsufficientSpaceError: the cache's file system filled up.
+            StoreError: the service failed, refused the credential, or the blob changed during the fetch.
+        """
+        check_digest(digest)
+        where = self.location(digest)
+        props = self._properties(digest)
+        if props is None:
+            raise PayloadUnavailableError(f"{self.name} does not hold the pack", file=where)
+        mismatch = size_mismatch(PackSizeMismatchError, "stored pack", props[0], size_bytes, file=where)
+        if mismatch is not None:
+            raise mismatch
+        etag = props[1]
+        fetch_ranges(
+            lambda a, b: self._get_range(digest, etag, a, b),
+            size_bytes,
+            fd,
+            file=file,
+            range_size_bytes=self.chunk_size_bytes,
+            concurrency=self.concurrency,
+            progress=progress,
+        )
+
+    def upload(self, path: Path, digest: str, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.upload`: a conditional create (``If-None-Match: *``).
+
+        Returns:
+            ``True`` when this call created (or replaced a corrupt) blob, ``False`` when another publisher had
+            created it.
+
+        Raises:
+            PackSizeMismatchError: ``path`` does not have ``size_bytes`` bytes (nothing uploaded).
+            PackDigestMismatchError: the file's bytes do not hash to ``digest`` (nothing committed).
+            StoreError: the service refused or failed, or the blob kept changing under a replacement.
+        """
+        check_digest(digest)
+        mismatch = size_mismatch(PackSizeMismatchError, "the file to upload", os.path.getsize(path), size_bytes, file=path)
+        if mismatch is not None:
+            raise mismatch
+        where = self.location(digest)
+        check_file_digest(path, digest, size_bytes)  # staged blocks cannot be taken back: check before sending any
+        if self._create(path, digest, size_bytes, progress, None):
+            logger.info("coldsnap: uploaded %s to %s", digest, self.name)
+            return True
+        props = self._properties(digest)
+        if props is not None and props[0] == size_bytes and self._hash_blob(digest, *props) == digest:
+            logger.info("coldsnap: %s was created by another publisher; not uploaded again", where)
+            return False
+        logger.warning("coldsnap: %s exists but is not the digest's bytes; replacing it", where)
+        if not self._create(path, digest, size_bytes, progress, None if props is None else props[1]):
+            props = self._properties(digest)
+            if props is not None and props[0] == size_bytes and self._hash_blob(digest, *props) == digest:
+                logger.info("coldsnap: %s was repaired by another publisher; not uploaded again", where)
+                return False
+            raise StoreError(f"{self.name}: the blob changed while a corrupt copy was replaced", file=where)
+        logger.info("coldsnap: replaced %s in %s", digest, self.name)
+        return True
+
+    def _create(self, path: Path, digest: str, size_bytes: int, progress: ProgressCallback | None, etag: str | None) -> bool:
+        """Create the blob (``etag`` ``None``: only if absent; else only if its ETag is still ``etag``);
+        ``False`` when the condition failed."""
+        from azure.core import MatchConditions
+        from azure.storage.blob import ContentSettings
+
+        blob = self._blob(digest)
+        condition: dict[str, Any] = (
+            {"overwrite": False}
+            if etag is None
+            else {"overwrite": True, "etag": etag, "match_condition": MatchConditions.IfNotModified}
+        )
+        reader = HashingReader(path, digest, size_bytes, progress)
+        try:
+            blob.upload_blob(
+                reader,
+                length=size_bytes,
+                max_concurrency=1,  # the reader is sequential: it hashes in order and refuses the last read on a mismatch
+                content_settings=ContentSettings(content_type="application/octet-stream"),
+                **condition,
+            )
+        except (PackDigestMismatchError, PackSizeMismatchError):
+            raise
+        except Exception as exc:
+            cause = exc.__cause__ or exc.__context__
+            if isinstance(cause, PackDigestMismatchError | PackSizeMismatchError):
+                raise cause from exc
+            if _is(exc, "ResourceExistsError", "ResourceModifiedError"):
+                return False
+            raise self._fail("uploading the pack", digest, exc) from exc
+        finally:
+            reader.close()
+        return True

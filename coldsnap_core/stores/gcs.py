@@ -1,0 +1,314 @@
+"""A payload store in a Google Cloud Storage bucket, through ``google-cloud-storage`` (the extra ``coldsnap[gcs]``).
+
+URL form: ``gs://bucket`` or ``gs://bucket/prefix``. Objects live at ``<prefix>/model-payloads/sha256/<digest>.pack``.
+Credentials and endpoint come from the environment as ``google-cloud-storage`` reads it (Application Default
+Credentials: ``GOOGLE_APPLICATION_CREDENTIALS``, the metadata server, ``gcloud auth application-default login``;
+``GOOGLE_CLOUD_PROJECT``; ``STORAGE_EMULATOR_HOST`` for an emulator, which uses anonymous credentials).
+
+Consistency rule: an object is created once (``if_generation_match=0``, the precondition "no live object"; Cloud
+Storage documentation, "Request preconditions"). Of two publishers exactly one creates it, the other gets ``412``
+and counts the digest as present after hashing the existing object in full; a corrupt object is replaced under
+``if_generation_match=<its generation>``. The file is hashed while it is read for upload and the read of its last
+byte raises when the SHA-256 is not the digest, so the request (or the resumable upload's final chunk) that would
+create the object is never sent; MD5 checksums (``checksum="md5"``) guard the bytes on the wire.
+
+Fetch: the object's metadata (size, generation), then parallel ranged reads of that generation (64 MiB, 8 in
+flight) written with ``pwrite`` into the cache's temporary file; the cache verifies the whole file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from coldsnap_core.digests import check_digest, pack_relpath
+from coldsnap_core.errors import (
+    ConfigurationError,
+    PackDigestMismatchError,
+    PackSizeMismatchError,
+    PayloadUnavailableError,
+    StoreError,
+    size_mismatch,
+)
+from coldsnap_core.stores._ranged import (
+    DEFAULT_CONCURRENCY,
+    RANGE_SIZE_BYTES,
+    HashingReader,
+    checked_range,
+    fetch_ranges,
+    hash_ranges,
+)
+from coldsnap_core.stores.base import ProgressCallback
+
+logger = logging.getLogger(__name__)
+
+GCS_SCHEME = "gs://"
+TIMEOUT_S = (10.0, 20.0)
+"""``(connect, read)`` seconds for every request (a stalled read fails instead of waiting)."""
+RETRY_TIMEOUT_S = 30.0
+"""Seconds a request is retried (google-cloud-storage's retry on 429, 5xx and connection errors; its default is 120)."""
+GCS_CLIENT_VARIABLES = ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT", "STORAGE_EMULATOR_HOST")
+
+
+def parse_gs_url(spec: str) -> tuple[str, str]:
+    """``gs://bucket[/prefix]`` -> ``(bucket, prefix)``.
+
+    Raises:
+        ConfigurationError: not a ``gs://`` URL, a bucket name outside 3-63 characters of ``a-z 0-9 . - _``
+            (starting and ending with a letter or digit), or a prefix with an empty, ``.`` or ``..`` segment.
+    """
+    if not spec.startswith(GCS_SCHEME):
+        raise ConfigurationError(f"{spec!r} is not a gs://bucket/prefix URL")
+    bucket, _, prefix = spec[len(GCS_SCHEME) :].partition("/")
+    valid = 3 <= len(bucket) <= 63 and all(c.isascii() and (c.islower() or c.isdigit() or c in ".-_") for c in bucket)
+    if not valid or not (bucket[0].isalnum() and bucket[-1].isalnum()):
+        raise ConfigurationError(f"{spec!r}: {bucket!r} is not a GCS bucket name (3-63 characters of a-z, 0-9, '.', '-', '_')")
+    prefix = prefix.strip("/")
+    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
+        raise ConfigurationError(f"{spec!r}: the object prefix {prefix!r} has an empty, '.' or '..' segment")
+    return bucket, prefix
+
+
+def _default_client(name: str) -> Any:
+    """A ``google.cloud.storage.Client`` from the environment.
+
+    Raises:
+        ConfigurationError: google-cloud-storage is missing, or no client can be built (no or unreadable
+            credentials), naming the variables that are set.
+    """
+    try:
+        import google.auth.exceptions
+        from google.cloud import storage
+    except ImportError as exc:
+        raise ConfigurationError("a gs:// payload store needs google-cloud-storage: pip install 'coldsnap[gcs]'") from exc
+    try:
+        return storage.Client()
+    except (google.auth.exceptions.GoogleAuthError, ValueError, OSError) as exc:
+        given = ", ".join(f"{v}={os.environ[v]!r}" for v in GCS_CLIENT_VARIABLES if v in os.environ) or "none of GOOGLE_* set"
+        raise ConfigurationError(f"{name}: the GCS client cannot be built from the environment ({given}): {exc}") from exc
+
+
+def _is(exc: BaseException, name: str) -> bool:
+    return any(cls.__name__ == name for cls in type(exc).__mro__)
+
+
+class GcsPayloadStore:
+    """Objects in ``gs://<bucket>/<prefix>/model-payloads/sha256/<digest>.pack``.
+
+    Args:
+        bucket: the bucket (it must exist; coldsnap never creates buckets).
+        prefix: object-name prefix, without leading or trailing ``/`` (may be empty).
+        client: a ``google.cloud.storage.Client`` (default: one from the environment).
+        chunk_size_bytes: bytes per ranged read and per resumable-upload chunk (a multiple of 256 KiB).
+        concurrency: ranged reads in flight at once.
+        retry_timeout_s: seconds a failing request is retried before the store gives up.
+
+    Raises:
+        ConfigurationError: ``chunk_size_bytes`` is not a positive multiple of 256 KiB, or ``concurrency`` < 1.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        client: Any = None,
+        chunk_size_bytes: int = RANGE_SIZE_BYTES,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        retry_timeout_s: float = RETRY_TIMEOUT_S,
+    ) -> None:
+        if chunk_size_bytes <= 0 or chunk_size_bytes % (256 << 10) or concurrency <= 0:
+            raise ConfigurationError(
+                f"GCS store: chunk_size_bytes ({chunk_size_bytes}) must be a positive multiple of 256 KiB and concurrency ({concurrency}) > 0"
+            )
+        self.bucket_name = bucket
+        self.prefix = prefix.strip("/")
+        self.chunk_size_bytes = chunk_size_bytes
+        self.concurrency = concurrency
+        self.retry_timeout_s = retry_timeout_s
+        self._client = client
+        self.name = f"gcs {bucket}/{self.prefix}" if self.prefix else f"gcs {bucket}"
+
+    @classmethod
+    def from_url(cls, spec: str, **kwargs: Any) -> GcsPayloadStore:
+        """A store for ``gs://bucket[/prefix]`` (see :func:`parse_gs_url`)."""
+        bucket, prefix = parse_gs_url(spec)
+        return cls(bucket, prefix, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"GcsPayloadStore({self.bucket_name!r}, {self.prefix!r})"
+
+    @property
+    def _retry(self) -> Any:
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        return DEFAULT_RETRY.with_timeout(self.retry_timeout_s)
+
+    @property
+    def client(self) -> Any:
+        """The storage client, made on first use (parsing a URL needs no google import)."""
+        if self._client is None:
+            self._client = _default_client(self.name)
+        return self._client
+
+    def key(self, digest: str) -> str:
+        """``<prefix>/model-payloads/sha256/<digest>.pack``; the digest is validated first."""
+        relpath = pack_relpath(digest)
+        return f"{self.prefix}/{relpath}" if self.prefix else relpath
+
+    def location(self, digest: str) -> str:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: ``gs://bucket/<key>``."""
+        return f"{GCS_SCHEME}{self.bucket_name}/{self.key(digest)}"
+
+    def _fail(self, action: str, digest: str, exc: BaseException) -> StoreError:
+        return StoreError(f"{self.name}: {action} failed: {type(exc).__name__}: {exc}", file=self.location(digest))
+
+    def _blob(self, digest: str, generation: int | None = None) -> Any:
+        blob = self.client.bucket(self.bucket_name).blob(
+            self.key(digest), generation=generation, chunk_size=self.chunk_size_bytes
+        )
+        return blob
+
+    def _metadata(self, digest: str) -> tuple[int, int] | None:
+        """``(size_bytes, generation)`` of the live object, or ``None`` when there is none."""
+        client = self.client  # outside the try: a missing library is a ConfigurationError
+        try:
+            blob = client.bucket(self.bucket_name).get_blob(self.key(digest), timeout=TIMEOUT_S, retry=self._retry)
+        except Exception as exc:
+            raise self._fail("looking up the pack", digest, exc) from exc
+        return None if blob is None else (int(blob.size), int(blob.generation))
+
+    def has(self, digest: str, size_bytes: int | None = None, *, verify: bool = False) -> bool:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.has` (the object's metadata, by size; with
+        ``verify`` the object is read and hashed in full)."""
+        check_digest(digest)
+        meta = self._metadata(digest)
+        if meta is None:
+            return False
+        where = self.location(digest)
+        if size_bytes is not None:
+            mismatch = size_mismatch(PackSizeMismatchError, "stored pack", meta[0], size_bytes, file=where)
+            if mismatch is not None:
+                logger.warning("coldsnap: %s; treating it as absent", mismatch)
+                return False
+        if verify:
+            hashed = self._hash_object(digest, *meta)
+            if hashed != digest:
+                logger.warning("coldsnap: %s hashes to %s, not its name; treating it as absent", where, hashed)
+                return False
+        return True
+
+    def _get_range(self, digest: str, generation: int, start: int, end: int) -> bytes:
+        where = self.location(digest)
+        try:
+            data = self._blob(digest, generation).download_as_bytes(
+                start=start, end=end - 1, raw_download=True, checksum=None, timeout=TIMEOUT_S, retry=self._retry
+            )
+        except Exception as exc:
+            if _is(exc, "NotFound"):
+                raise PayloadUnavailableError(
+                    f"{self.name} no longer holds generation {generation} of the pack", file=where
+                ) from exc
+            raise self._fail(f"reading bytes {start}-{end - 1}", digest, exc) from exc
+        return checked_range(data, start, end, where=where)
+
+    def _hash_object(self, digest: str, size_bytes: int, generation: int) -> str:
+        return hash_ranges(
+            lambda a, b: self._get_range(digest, generation, a, b),
+            size_bytes,
+            range_size_bytes=self.chunk_size_bytes,
+            concurrency=self.concurrency,
+        )
+
+    def fetch(self, digest: str, size_bytes: int, fd: int, *, file: Path, progress: ProgressCallback | None = None) -> None:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch`: parallel ranged reads of one generation.
+
+        Raises:
+            PayloadUnavailableError: no object at the digest's name (or that generation went away).
+            PackSizeMismatchError: the object is truncated or extended (nothing is read), or a range came back short.
+            InsufficientSpaceError: the cache's file system filled up.
+            StoreError: the server failed.
+        """
+        check_digest(digest)
+        where = self.location(digest)
+        meta = self._metadata(digest)
+        if meta is None:
+            raise PayloadUnavailableError(f"{self.name} does not hold the pack", file=where)
+        mismatch = size_mismatch(PackSizeMismatchError, "stored pack", meta[0], size_bytes, file=where)
+        if mismatch is not None:
+            raise mismatch
+        generation = meta[1]
+        fetch_ranges(
+            lambda a, b: self._get_range(digest, generation, a, b),
+            size_bytes,
+            fd,
+            file=file,
+            range_size_bytes=self.chunk_size_bytes,
+            concurrency=self.concurrency,
+            progress=progress,
+        )
+
+    def upload(self, path: Path, digest: str, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.upload`: a conditional create (``if_generation_match=0``).
+
+        Returns:
+            ``True`` when this call created (or replaced a corrupt) object, ``False`` when another publisher had
+            created it.
+
+        Raises:
+            PackSizeMismatchError: ``path`` does not have ``size_bytes`` bytes (nothing uploaded).
+            PackDigestMismatchError: the file's bytes do not hash to ``digest`` (nothing created).
+            StoreError: the server refused or failed, or the object kept changing under a replacement.
+        """
+        check_digest(digest)
+        mismatch = size_mismatch(PackSizeMismatchError, "the file to upload", os.path.getsize(path), size_bytes, file=path)
+        if mismatch is not None:
+            raise mismatch
+        self.client  # noqa: B018 (a missing library is a ConfigurationError, not a store failure)
+        where = self.location(digest)
+        if self._create(path, digest, size_bytes, progress, 0):
+            logger.info("coldsnap: uploaded %s to %s", digest, self.name)
+            return True
+        meta = self._metadata(digest)
+        if meta is not None and meta[0] == size_bytes and self._hash_object(digest, *meta) == digest:
+            logger.info("coldsnap: %s was created by another publisher; not uploaded again", where)
+            return False
+        logger.warning("coldsnap: %s exists but is not the digest's bytes; replacing it", where)
+        if not self._create(path, digest, size_bytes, progress, 0 if meta is None else meta[1]):
+            meta = self._metadata(digest)
+            if meta is not None and meta[0] == size_bytes and self._hash_object(digest, *meta) == digest:
+                logger.info("coldsnap: %s was repaired by another publisher; not uploaded again", where)
+                return False
+            raise StoreError(f"{self.name}: the object changed while a corrupt copy was replaced", file=where)
+        logger.info("coldsnap: replaced %s in %s", digest, self.name)
+        return True
+
+    def _create(self, path: Path, digest: str, size_bytes: int, progress: ProgressCallback | None, generation: int) -> bool:
+        """Write the object if its live generation is ``generation`` (0: none); ``False`` when that failed."""
+        reader = HashingReader(path, digest, size_bytes, progress)
+        try:
+            self._blob(digest).upload_from_file(
+                reader,
+                size=size_bytes,
+                content_type="application/octet-stream",
+                if_generation_match=generation,
+                checksum="md5",
+                timeout=TIMEOUT_S,
+                retry=self._retry,  # a create under if_generation_match is idempotent
+            )
+        except PackDigestMismatchError:
+            raise
+        except PackSizeMismatchError:
+            raise
+        except Exception as exc:
+            cause = exc.__cause__ or exc.__context__
+            if isinstance(cause, PackDigestMismatchError | PackSizeMismatchError):
+                raise cause from exc
+            if _is(exc, "PreconditionFailed") or getattr(exc, "code", None) == 412:
+                return False
+            raise self._fail("uploading the pack", digest, exc) from exc
+        finally:
+            reader.close()
+        return True

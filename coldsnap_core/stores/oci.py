@@ -1,0 +1,733 @@
+"""A payload store in an OCI registry (the OCI distribution API over HTTP, through ``httpx``; the extra
+``coldsnap[oci]``).
+
+URL form: ``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]`` (``--repo`` and ``COLDSNAP_PAYLOAD_REPO``). A pack is the
+blob ``sha256:<digest>`` of the repository ``NAMESPACE/NAME``: a pack's name is its SHA-256, which is exactly
+an OCI blob digest, so the registry's ``Docker-Content-Digest`` is the pack's own (``docs/format.md`` §12.6).
+Calls (OCI Distribution Specification v1.1, "Pulling blobs", "Pushing blobs", "Pushing manifests"):
+
+* ``HEAD /v2/<name>/blobs/<digest>``: presence and size;
+* fetch: ranged ``GET /v2/<name>/blobs/<digest>`` (``Range: bytes=a-b``, 206), 64 MiB each, 8 in flight,
+  written with ``pwrite`` into the cache's temporary file (the cache then verifies the whole file);
+* upload: ``HEAD`` first; ``POST /v2/<name>/blobs/uploads/?mount=<digest>[&from=<repo>]`` (a cross-repository
+  mount from each repository in ``COLDSNAP_OCI_MOUNT_FROM``; 201 = mounted, no byte sent), else the upload
+  session it opened: one ``PUT <location>?digest=<digest>`` with the body up to 64 MiB, else ``PATCH`` chunks
+  of 64 MiB (``Content-Range``) and a closing ``PUT ?digest=``. The registry hashes what it received and
+  refuses another digest (``DIGEST_INVALID``); the file is hashed on the way too, and a failed session is
+  cancelled (``DELETE <location>``);
+* one OCI image manifest per artifact (:meth:`OciPayloadStore.publish_artifact`): ``artifactType``
+  :data:`ARTIFACT_TYPE`, the empty config, one layer of media type :data:`PACK_MEDIA_TYPE` per pack,
+  annotations naming the model identity and the format version, ``PUT /v2/<name>/manifests/<tag>``.
+
+Credentials: the Docker config file (``$DOCKER_CONFIG/config.json``, else ``~/.docker/config.json``), its
+``auths`` entry for the registry (``auth`` = base64 ``user:password``, or ``username``/``password``, or
+``identitytoken``); on ``401`` the registry's challenge is answered: ``WWW-Authenticate: Basic`` with those
+credentials, ``WWW-Authenticate: Bearer realm=...,service=...,scope=...`` with a token fetched from the realm
+(the Docker registry token protocol; the credentials as Basic authentication, an ``identitytoken`` as an
+OAuth2 refresh token). Plain HTTP only for a loopback registry (``127.0.0.0/8``, ``::1``, ``localhost``) or
+with ``COLDSNAP_OCI_PLAIN_HTTP=1``; HTTPS otherwise.
+
+Consistency: a registry stores a blob by its digest after hashing it, so two publishers of one digest leave
+one blob. A registry never replaces a blob it already holds (an upload of the same digest is accepted and
+the stored bytes kept), so a stored blob whose bytes are not its digest (damage on the registry's disk) cannot
+be repaired by publication: the upload refuses with :class:`~coldsnap_core.errors.StoreError` naming the blob
+(delete it and run the registry's garbage collection).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import ipaddress
+import json
+import logging
+import os
+import re
+import threading
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coldsnap_core.digests import check_digest
+from coldsnap_core.errors import (
+    ConfigurationError,
+    PackDigestMismatchError,
+    PackSizeMismatchError,
+    PayloadUnavailableError,
+    StoreError,
+    size_mismatch,
+)
+from coldsnap_core.stores._ranged import (
+    DEFAULT_CONCURRENCY,
+    check_file_digest,
+    checked_range,
+    fetch_ranges,
+    hash_ranges,
+    read_file_checked,
+)
+from coldsnap_core.stores.base import ArtifactListing, ProgressCallback
+
+logger = logging.getLogger(__name__)
+
+OCI_SCHEME = "oci://"
+PACK_MEDIA_TYPE = "application/vnd.coldsnap.pack.v1"
+"""The media type of a pack layer (uncompressed bytes; the layer digest is the pack's SHA-256)."""
+ARTIFACT_TYPE = "application/vnd.coldsnap.artifact.v1"
+"""The ``artifactType`` of a coldsnap artifact's manifest."""
+MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"
+EMPTY_MEDIA_TYPE = "application/vnd.oci.empty.v1+json"
+EMPTY_CONFIG = b"{}"
+EMPTY_DIGEST = hashlib.sha256(EMPTY_CONFIG).hexdigest()
+ANNOTATION_PREFIX = "dev.coldsnap."
+PLAIN_HTTP_ENV = "COLDSNAP_OCI_PLAIN_HTTP"
+MOUNT_FROM_ENV = "COLDSNAP_OCI_MOUNT_FROM"
+DOCKER_CONFIG_ENV = "DOCKER_CONFIG"
+CHUNK_SIZE_BYTES = 64 << 20
+"""Bytes per upload request (one ``PUT`` up to this size, ``PATCH`` chunks of this size beyond)."""
+CONNECT_TIMEOUT_S = 10.0
+"""Seconds to wait for a TCP connection to the registry."""
+READ_TIMEOUT_S = 20.0
+"""Seconds a request may go without receiving a byte before it fails."""
+
+_NAME_COMPONENT = r"[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*"
+_REPOSITORY_RE = re.compile(rf"^{_NAME_COMPONENT}(?:/{_NAME_COMPONENT})*$")
+_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+_HOST_RE = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)(?::[0-9]{1,5})?$")
+
+
+@dataclass(frozen=True, slots=True)
+class OciReference:
+    """A parsed ``oci://`` URL.
+
+    Attributes:
+        registry: ``HOST[:PORT]``.
+        repository: ``NAMESPACE/NAME`` (the distribution spec's ``<name>``).
+        tag: the manifest tag, or ``None`` (then each artifact is tagged by its folder name).
+    """
+
+    registry: str
+    repository: str
+    tag: str | None
+
+
+def parse_oci_url(spec: str) -> OciReference:
+    """``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]`` -> :class:`OciReference`.
+
+    Raises:
+        ConfigurationError: not an ``oci://`` URL, no repository, a repository or tag outside the distribution
+            spec's grammar (lowercase ``a-z 0-9`` components separated by ``. _ __ -``, joined by ``/``; a tag
+            of at most 128 characters of ``A-Za-z0-9._-``), or a digest reference (``@sha256:``).
+    """
+    if not spec.startswith(OCI_SCHEME):
+        raise ConfigurationError(f"{spec!r} is not an oci://HOST/NAMESPACE/NAME[:TAG] URL")
+    rest = spec[len(OCI_SCHEME) :]
+    if "@" in rest:
+        raise ConfigurationError(f"{spec!r}: a payload store is a repository (and tag), not a digest reference")
+    registry, _, path = rest.partition("/")
+    if not registry or not _HOST_RE.match(registry):
+        raise ConfigurationError(f"{spec!r}: {registry!r} is not a registry HOST[:PORT]")
+    path = path.strip("/")
+    tag = None
+    last = path.rsplit("/", 1)[-1]
+    if ":" in last:
+        path, _, tag = path.rpartition(":")
+        if not _TAG_RE.match(tag):
+            raise ConfigurationError(
+                f"{spec!r}: {tag!r} is not an OCI tag (1-128 characters of A-Za-z0-9._-, not starting with . or -)"
+            )
+    if not path or not _REPOSITORY_RE.match(path):
+        raise ConfigurationError(
+            f"{spec!r}: {path!r} is not an OCI repository name (lowercase a-z 0-9 components separated by '.', '_', '__' or '-', joined by '/')"
+        )
+    return OciReference(registry, path, tag)
+
+
+def _is_loopback(registry: str) -> bool:
+    host = registry.rsplit(":", 1)[0] if not registry.startswith("[") else registry[1:].split("]", 1)[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def docker_config_path() -> Path:
+    """``$DOCKER_CONFIG/config.json``, else ``~/.docker/config.json``."""
+    folder = os.environ.get(DOCKER_CONFIG_ENV)
+    return Path(folder) / "config.json" if folder else Path.home() / ".docker" / "config.json"
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryCredentials:
+    """Credentials for one registry from a Docker config file's ``auths`` entry.
+
+    Attributes:
+        username, password: for Basic authentication and the token request (``None``: none given).
+        identity_token: an OAuth2 refresh token (``identitytoken``), used instead of the password at a
+            Bearer realm.
+        source: the config file they came from (named by errors).
+    """
+
+    username: str | None
+    password: str | None
+    identity_token: str | None
+    source: str
+
+
+def load_credentials(registry: str, config_path: Path | None = None) -> RegistryCredentials | None:
+    """The ``auths`` entry for ``registry`` in the Docker config file (keys ``HOST[:PORT]``, with or without
+    ``https://`` / ``http://`` and a path), or ``None`` when the file or the entry is absent.
+
+    Raises:
+        ConfigurationError: the file is not JSON, or the entry's ``auth`` is not base64 ``user:password``.
+    """
+    path = config_path or docker_config_path()
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigurationError(f"the Docker config file cannot be read: {exc}", file=path) from exc
+    try:
+        auths = json.loads(text).get("auths", {})
+    except (ValueError, AttributeError) as exc:
+        raise ConfigurationError(f"the Docker config file is not a JSON object: {exc}", file=path) from exc
+    for key, entry in auths.items() if isinstance(auths, dict) else ():
+        host = urllib.parse.urlsplit(key).netloc if "://" in key else key.split("/", 1)[0]
+        if host != registry or not isinstance(entry, dict):
+            continue
+        username, password = entry.get("username"), entry.get("password")
+        if entry.get("auth"):
+            try:
+                username, _, password = base64.b64decode(entry["auth"], validate=True).decode().partition(":")
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise ConfigurationError(f"auths[{key!r}].auth is not base64 'user:password'", file=path) from exc
+        return RegistryCredentials(username or None, password or None, entry.get("identitytoken") or None, str(path))
+    return None
+
+
+def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
+    """``Bearer realm="...",service="...",scope="..."`` -> ``("bearer", {...})``."""
+    scheme, _, params = header.strip().partition(" ")
+    return scheme.lower(), {k.lower(): v for k, v in re.findall(r'([A-Za-z]+)="([^"]*)"', params)}
+
+
+class OciPayloadStore:
+    """Packs as blobs of one repository of an OCI registry.
+
+    Args:
+        registry: ``HOST[:PORT]``.
+        repository: ``NAMESPACE/NAME``.
+        tag: the manifest tag for :meth:`publish_artifact` (``None``: each artifact's folder name).
+        client: an ``httpx.Client`` (default: one with :data:`CONNECT_TIMEOUT_S` / :data:`READ_TIMEOUT_S`).
+        plain_http: ``http://`` instead of ``https://`` (default: for a loopback registry, or
+            ``COLDSNAP_OCI_PLAIN_HTTP=1``).
+        credentials: default: the Docker config file's entry for ``registry``.
+        mount_from: repositories of the same registry to mount a blob from before uploading it (default:
+            ``COLDSNAP_OCI_MOUNT_FROM``, comma-separated).
+        chunk_size_bytes: bytes per upload request and per ranged GET.
+        concurrency: ranged GETs in flight at once.
+
+    Raises:
+        ConfigurationError: httpx is missing, ``chunk_size_bytes``/``concurrency`` is not positive, or a
+            ``mount_from`` entry is not a repository name.
+    """
+
+    def __init__(
+        self,
+        registry: str,
+        repository: str,
+        *,
+        tag: str | None = None,
+        client: Any = None,
+        plain_http: bool | None = None,
+        credentials: RegistryCredentials | None = None,
+        mount_from: tuple[str, ...] | None = None,
+        chunk_size_bytes: int = CHUNK_SIZE_BYTES,
+        concurrency: int = DEFAULT_CONCURRENCY,
+    ) -> None:
+        if chunk_size_bytes <= 0 or concurrency <= 0:
+            raise ConfigurationError(
+                f"OCI store: chunk_size_bytes ({chunk_size_bytes}) and concurrency ({concurrency}) must be > 0"
+            )
+        if plain_http is None:
+            plain_http = _is_loopback(registry) or os.environ.get(PLAIN_HTTP_ENV, "") == "1"
+        if mount_from is None:
+            mount_from = tuple(r.strip() for r in os.environ.get(MOUNT_FROM_ENV, "").split(",") if r.strip())
+        for other in mount_from:
+            if not _REPOSITORY_RE.match(other):
+                raise ConfigurationError(f"{MOUNT_FROM_ENV}: {other!r} is not an OCI repository name")
+        self.registry = registry
+        self.repository = repository
+        self.tag = tag
+        self.base_url = f"{'http' if plain_http else 'https'}://{registry}"
+        self.mount_from = tuple(r for r in mount_from if r != repository)
+        self.chunk_size_bytes = chunk_size_bytes
+        self.concurrency = concurrency
+        self._client = client
+        self._credentials = credentials
+        self._credentials_loaded = credentials is not None
+        self._authorization: dict[str, str] = {}  # scope -> Authorization header value
+        self._tagged: dict[str, str] = {}  # tag -> the artifact this store pushed under it
+        self._lock = threading.Lock()
+        self.name = f"oci {registry}/{repository}"
+
+    @classmethod
+    def from_url(cls, spec: str, **kwargs: Any) -> OciPayloadStore:
+        """A store for ``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]`` (see :func:`parse_oci_url`)."""
+        ref = parse_oci_url(spec)
+        return cls(ref.registry, ref.repository, tag=ref.tag, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"OciPayloadStore({self.registry!r}, {self.repository!r})"
+
+    @property
+    def client(self) -> Any:
+        """The ``httpx.Client``, made on first use (it honours ``HTTPS_PROXY``/``HTTP_PROXY``/``NO_PROXY``, so a
+        distributor's node-local proxy can sit in front of the registry).
+
+        Raises:
+            ConfigurationError: httpx is missing.
+        """
+        if self._client is None:
+            try:
+                import httpx
+            except ImportError as exc:
+                raise ConfigurationError("an oci:// payload store needs httpx: pip install 'coldsnap[oci]'") from exc
+            self._client = httpx.Client(
+                timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
+                limits=httpx.Limits(max_connections=self.concurrency * 2, max_keepalive_connections=self.concurrency * 2),
+                follow_redirects=True,  # blob GETs are often redirected to object storage; httpx drops Authorization across origins
+            )
+        return self._client
+
+    def blob_url(self, digest: str) -> str:
+        """``<base>/v2/<name>/blobs/sha256:<digest>``; the digest is validated first."""
+        check_digest(digest)
+        return f"{self.base_url}/v2/{self.repository}/blobs/sha256:{digest}"
+
+    def location(self, digest: str) -> str:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: ``oci://HOST/NAME@sha256:<digest>``."""
+        check_digest(digest)
+        return f"{OCI_SCHEME}{self.registry}/{self.repository}@sha256:{digest}"
+
+    # -- HTTP with the registry's authentication -------------------------------------------------
+
+    def _credentials_for_registry(self) -> RegistryCredentials | None:
+        if not self._credentials_loaded:
+            self._credentials = load_credentials(self.registry)
+            self._credentials_loaded = True
+        return self._credentials
+
+    def _request(self, method: str, url: str, *, where: str, scope_key: str = "", **kwargs: Any) -> Any:
+        """One request, answering a ``401`` challenge once (Basic, or a Bearer token from the realm).
+
+        Raises:
+            StoreError: the registry cannot be reached, or it refused the credentials (401/403 after the
+                challenge was answered), naming the store, ``where`` and where the credentials came from.
+        """
+        import httpx
+
+        headers = dict(kwargs.pop("headers", {}))
+        for attempt in range(2):
+            authorization = self._authorization.get(scope_key)
+            if authorization:
+                headers["Authorization"] = authorization
+            try:
+                response = self.client.request(method, url, headers=headers, **kwargs)
+            except httpx.HTTPError as exc:
+                raise StoreError(f"{self.name}: {method} {url} failed: {type(exc).__name__}: {exc}", file=where) from exc
+            if response.status_code not in (401, 403) or attempt == 1:
+                break
+            challenge = response.headers.get("WWW-Authenticate", "")
+            if response.status_code == 403 or not challenge:
+                break
+            self._answer_challenge(challenge, scope_key, where=where)
+        if response.status_code in (401, 403):
+            creds = self._credentials_for_registry()
+            source = (
+                f"credentials from {creds.source}" if creds else f"no credentials for {self.registry} in {docker_config_path()}"
+            )
+            raise StoreError(
+                f"{self.name}: the registry refused access ({response.status_code} {_error_text(response)}) to {method} {url} ({source})",
+                file=where,
+            )
+        return response
+
+    def _answer_challenge(self, challenge: str, scope_key: str, *, where: str) -> None:
+        import httpx
+
+        scheme, params = _parse_challenge(challenge)
+        creds = self._credentials_for_registry()
+        basic = None
+        if creds is not None and creds.username is not None:
+            basic = "Basic " + base64.b64encode(f"{creds.username}:{creds.password or ''}".encode()).decode()
+        if scheme == "basic":
+            if basic is None:
+                return  # the retry gets the same 401, reported with "no credentials"
+            with self._lock:
+                self._authorization[scope_key] = basic
+            return
+        if scheme != "bearer" or "realm" not in params:
+            raise StoreError(f"{self.name}: the registry asks for an unsupported authentication: {challenge!r}", file=where)
+        query = {k: v for k, v in (("service", params.get("service")), ("scope", params.get("scope"))) if v}
+        try:
+            if creds is not None and creds.identity_token:
+                response = self.client.post(
+                    params["realm"],
+                    data={**query, "grant_type": "refresh_token", "refresh_token": creds.identity_token, "client_id": "coldsnap"},
+                )
+            else:
+                response = self.client.get(params["realm"], params=query, headers={"Authorization": basic} if basic else {})
+        except httpx.HTTPError as exc:
+            raise StoreError(f"{self.name}: the token request to {params['realm']} failed: {exc}", file=where) from exc
+        if response.status_code != 200:
+            source = f"credentials from {creds.source}" if creds else "anonymous"
+            raise StoreError(
+                f"{self.name}: the token service {params['realm']} refused ({response.status_code} {_error_text(response)}; {source})",
+                file=where,
+            )
+        try:
+            body = response.json()
+            token = body.get("token") or body.get("access_token")
+        except ValueError:
+            token = None
+        if not token:
+            raise StoreError(f"{self.name}: the token service {params['realm']} answered without a token", file=where)
+        with self._lock:
+            self._authorization[scope_key] = f"Bearer {token}"
+
+    def _fail(self, action: str, response: Any, where: str) -> StoreError:
+        return StoreError(f"{self.name}: {action} failed: HTTP {response.status_code} {_error_text(response)}", file=where)
+
+    # -- presence ------------------------------------------------------------------------------------
+
+    def _head(self, digest: str) -> int | None:
+        """The blob's size from ``HEAD``, or ``None`` when the repository does not hold it."""
+        where = self.location(digest)
+        response = self._request("HEAD", self.blob_url(digest), where=where, scope_key="pull")
+        if response.status_code == 404:
+            return None
+        if response.status_code != 200:
+            raise self._fail("looking up the blob", response, where)
+        try:
+            return int(response.headers["Content-Length"])
+        except (KeyError, ValueError) as exc:
+            raise StoreError(f"{self.name}: HEAD of the blob gave no Content-Length", file=where) from exc
+
+    def has(self, digest: str, size_bytes: int | None = None, *, verify: bool = False) -> bool:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.has` (``HEAD``, by size).
+
+        With ``verify`` the blob is read (parallel ranged GETs) and hashed in full: a registry names a blob by
+        the digest it computed when the blob was pushed, and does not re-hash what it serves.
+        """
+        check_digest(digest)
+        actual = self._head(digest)
+        if actual is None:
+            return False
+        where = self.location(digest)
+        mismatch = (
+            None if size_bytes is None else size_mismatch(PackSizeMismatchError, "stored blob", actual, size_bytes, file=where)
+        )
+        if mismatch is not None:
+            logger.warning("coldsnap: %s; treating it as absent", mismatch)
+            return False
+        if verify:
+            hashed = self._hash_blob(digest, actual)
+            if hashed != digest:
+                logger.warning("coldsnap: %s hashes to %s, not its digest; treating it as absent", where, hashed)
+                return False
+        return True
+
+    # -- fetch ---------------------------------------------------------------------------------------
+
+    def _get_range(self, digest: str, start: int, end: int, size_bytes: int) -> bytes:
+        where = self.location(digest)
+        response = self._request(
+            "GET", self.blob_url(digest), where=where, scope_key="pull", headers={"Range": f"bytes={start}-{end - 1}"}
+        )
+        if response.status_code == 404:
+            raise PayloadUnavailableError(f"{self.name} no longer holds the blob", file=where)
+        if response.status_code == 200 and len(response.content) == size_bytes:
+            return response.content[start:end]  # a registry (or proxy) that ignores Range sent the whole blob
+        if response.status_code != 206:
+            raise self._fail(f"reading bytes {start}-{end - 1}", response, where)
+        return checked_range(response.content, start, end, where=where)
+
+    def _hash_blob(self, digest: str, size_bytes: int) -> str:
+        return hash_ranges(
+            lambda a, b: self._get_range(digest, a, b, size_bytes),
+            size_bytes,
+            range_size_bytes=self.chunk_size_bytes,
+            concurrency=self.concurrency,
+        )
+
+    def fetch(self, digest: str, size_bytes: int, fd: int, *, file: Path, progress: ProgressCallback | None = None) -> None:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch`: parallel ranged GETs into ``fd``.
+
+        Raises:
+            PayloadUnavailableError: the repository does not hold the blob (HEAD 404).
+            PackSizeMismatchError: the blob is truncated or extended (nothing is read), or a range came back short.
+            InsufficientSpaceError: the cache's file system filled up.
+            StoreError: the registry failed, cannot be reached, or refused the credentials.
+        """
+        check_digest(digest)
+        where = self.location(digest)
+        actual = self._head(digest)
+        if actual is None:
+            raise PayloadUnavailableError(f"{self.name} does not hold the blob", file=where)
+        mismatch = size_mismatch(PackSizeMismatchError, "stored blob", actual, size_bytes, file=where)
+        if mismatch is not None:
+            raise mismatch
+        fetch_ranges(
+            lambda a, b: self._get_range(digest, a, b, size_bytes),
+            size_bytes,
+            fd,
+            file=file,
+            range_size_bytes=self.chunk_size_bytes,
+            concurrency=self.concurrency,
+            progress=progress,
+        )
+
+    # -- upload --------------------------------------------------------------------------------------
+
+    def upload(self, path: Path, digest: str, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.upload`: HEAD, mount, else the upload flow.
+
+        Returns:
+            ``True`` when this call mounted or uploaded the blob; ``False`` when the repository already held
+            the digest's bytes (another publisher pushed them).
+
+        Raises:
+            PackSizeMismatchError: ``path`` does not have ``size_bytes`` bytes (nothing uploaded).
+            PackDigestMismatchError: the file's bytes do not hash to ``digest`` (the upload is cancelled; the
+                registry refuses such a blob as well).
+            StoreError: the registry refused or failed (the upload session is cancelled), or it holds other bytes
+                under the digest (it never replaces a blob; delete it and garbage-collect the registry).
+        """
+        check_digest(digest)
+        where = self.location(digest)
+        actual = os.path.getsize(path)
+        mismatch = size_mismatch(PackSizeMismatchError, "the file to upload", actual, size_bytes, file=path)
+        if mismatch is not None:
+            raise mismatch
+        if self._present_or_refused(digest, size_bytes, where):
+            logger.info("coldsnap: %s is already in the registry; not uploaded again", where)
+            return False
+        # before a session is opened: a cancelled session can leave its folder in the registry's storage
+        check_file_digest(path, digest, size_bytes)
+        location = self._start_upload(digest, where)
+        if location is None:
+            logger.info("coldsnap: mounted %s into %s", digest, self.name)
+            return True
+        self._send(location, path, digest, size_bytes, where, progress)
+        logger.info("coldsnap: uploaded %s to %s", digest, self.name)
+        return True
+
+    def _present_or_refused(self, digest: str, size_bytes: int, where: str) -> bool:
+        """Whether the repository holds the digest's bytes; a blob of other bytes under it is refused."""
+        actual = self._head(digest)
+        if actual is None:
+            return False
+        if actual == size_bytes and self._hash_blob(digest, actual) == digest:
+            return True
+        raise StoreError(
+            f"{self.name} holds a blob of other bytes under sha256:{digest} ({actual} bytes); a registry never replaces "
+            "a blob it holds: delete it (DELETE /v2/<name>/blobs/<digest>) and run the registry's garbage collection",
+            file=where,
+        )
+
+    def _absolute(self, location: str) -> str:
+        return urllib.parse.urljoin(self.base_url + "/", location)
+
+    def _start_upload(self, digest: str, where: str) -> str | None:
+        """Open an upload session (``POST .../blobs/uploads/``), trying a mount from each ``mount_from``
+        repository first; the session's absolute location, or ``None`` when the blob was mounted."""
+        url = f"{self.base_url}/v2/{self.repository}/blobs/uploads/"
+        for other in self.mount_from:
+            response = self._request(
+                "POST", url, where=where, scope_key=f"mount:{other}", params={"mount": f"sha256:{digest}", "from": other}
+            )
+            if response.status_code == 201:
+                return None
+            if response.status_code == 202 and response.headers.get("Location"):
+                return self._absolute(response.headers["Location"])
+        response = self._request("POST", url, where=where, scope_key="push")
+        if response.status_code != 202 or not response.headers.get("Location"):
+            raise self._fail("starting a blob upload", response, where)
+        return self._absolute(response.headers["Location"])
+
+    def _cancel(self, location: str, where: str) -> None:
+        try:
+            self._request("DELETE", location, where=where, scope_key="push")
+        except StoreError as exc:  # the original error matters more; the registry expires stale sessions
+            logger.warning("coldsnap: cancelling the upload session %s failed: %s", location, exc)
+
+    def _send(
+        self, location: str, path: Path, digest: str, size_bytes: int, where: str, progress: ProgressCallback | None
+    ) -> None:
+        finished = False
+        try:
+            if size_bytes <= self.chunk_size_bytes:
+                data = read_file_checked(path, digest, size_bytes)
+                response = self._put(location, digest, data, where)
+                if progress is not None:
+                    progress(size_bytes)
+            else:
+                whole = hashlib.sha256()
+                with open(path, "rb") as f:
+                    offset = 0
+                    while offset < size_bytes:
+                        data = f.read(min(self.chunk_size_bytes, size_bytes - offset))
+                        if not data:
+                            raise PackSizeMismatchError(
+                                f"the file ended at byte {offset} of {size_bytes} during the upload", file=path
+                            )
+                        whole.update(data)
+                        response = self._request(
+                            "PATCH",
+                            location,
+                            where=where,
+                            scope_key="push",
+                            content=data,
+                            headers={
+                                "Content-Type": "application/octet-stream",
+                                "Content-Range": f"{offset}-{offset + len(data) - 1}",
+                                "Content-Length": str(len(data)),
+                            },
+                        )
+                        if response.status_code != 202 or not response.headers.get("Location"):
+                            raise self._fail(f"uploading bytes {offset}-{offset + len(data) - 1}", response, where)
+                        location = self._absolute(response.headers["Location"])
+                        offset += len(data)
+                        if progress is not None:
+                            progress(len(data))
+                    if f.read(1):
+                        raise PackSizeMismatchError(f"the file grew past {size_bytes} bytes during the upload", file=path)
+                if whole.hexdigest() != digest:
+                    raise PackDigestMismatchError(
+                        f"the bytes read for upload hash to {whole.hexdigest()}, not {digest}; the file changed after verification",
+                        file=path,
+                    )
+                response = self._put(location, digest, b"", where)
+            if response.status_code == 400 and "DIGEST_INVALID" in response.text:
+                raise PackDigestMismatchError(f"{self.name} refused the bytes: they do not hash to sha256:{digest}", file=path)
+            if response.status_code != 201:
+                raise self._fail("completing the blob upload", response, where)
+            finished = True
+        finally:
+            if not finished:
+                self._cancel(location, where)
+
+    def _put(self, location: str, digest: str, data: bytes, where: str) -> Any:
+        separator = "&" if "?" in location else "?"
+        return self._request(
+            "PUT",
+            f"{location}{separator}digest=sha256:{digest}",
+            where=where,
+            scope_key="push",
+            content=data,
+            headers={"Content-Type": "application/octet-stream", "Content-Length": str(len(data))},
+        )
+
+    # -- the artifact's manifest -----------------------------------------------------------------------
+
+    def manifest_for(self, listing: ArtifactListing) -> bytes:
+        """The OCI image manifest of ``listing`` (UTF-8 JSON, keys sorted): ``artifactType``
+        :data:`ARTIFACT_TYPE`, the empty config, one :data:`PACK_MEDIA_TYPE` layer per pack (in digest order,
+        annotated with its file name and the workers that name it), the model identity and format version as
+        annotations (``docs/format.md`` §12.6)."""
+        layers = [
+            {
+                "mediaType": PACK_MEDIA_TYPE,
+                "digest": f"sha256:{pack.sha256}",
+                "size": pack.size_bytes,
+                "annotations": {
+                    "org.opencontainers.image.title": f"{pack.sha256}.pack",
+                    f"{ANNOTATION_PREFIX}workers": ",".join(pack.workers),
+                },
+            }
+            for pack in sorted(listing.packs, key=lambda p: p.sha256)
+        ]
+        annotations = {f"{ANNOTATION_PREFIX}{key}": value for key, value in listing.annotations}
+        annotations[f"{ANNOTATION_PREFIX}format-version"] = str(listing.format_version)
+        annotations["org.opencontainers.image.title"] = listing.name
+        manifest = {
+            "schemaVersion": 2,
+            "mediaType": MANIFEST_MEDIA_TYPE,
+            "artifactType": ARTIFACT_TYPE,
+            "config": {
+                "mediaType": EMPTY_MEDIA_TYPE,
+                "digest": f"sha256:{EMPTY_DIGEST}",
+                "size": len(EMPTY_CONFIG),
+                "data": "e30=",
+            },
+            "layers": layers,
+            "annotations": annotations,
+        }
+        return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+
+    def tag_for(self, listing: ArtifactListing) -> str:
+        """The store's tag, else the artifact's folder name made a tag (characters outside ``A-Za-z0-9._-``
+        become ``-``; at most 128)."""
+        if self.tag is not None:
+            return self.tag
+        tag = re.sub(r"[^A-Za-z0-9._-]", "-", listing.name).lstrip(".-")[:128]
+        return tag or "latest"
+
+    def publish_artifact(self, listing: ArtifactListing) -> str:
+        """Push the manifest of one artifact whose packs are in the repository; returns its reference
+        ``oci://HOST/NAME:TAG@sha256:<manifest digest>``. A tag already naming the same manifest is left as is.
+
+        Raises:
+            ConfigurationError: the store's tag already named another artifact of this publication (one tag, one
+                artifact: publish several artifacts without a tag in the URL).
+            StoreError: the registry refused the manifest (e.g. a pack blob is missing) or failed, or it
+                answered with another manifest digest.
+        """
+        manifest = self.manifest_for(listing)
+        manifest_digest = hashlib.sha256(manifest).hexdigest()
+        tag = self.tag_for(listing)
+        if self._tagged.setdefault(tag, listing.name) != listing.name:
+            raise ConfigurationError(
+                f"{self.name}: the tag {tag!r} would name both {self._tagged[tag]!r} and {listing.name!r}; "
+                "publish one artifact per tag, or leave the tag out of the URL (each artifact is then tagged by its folder name)"
+            )
+        url = f"{self.base_url}/v2/{self.repository}/manifests/{tag}"
+        where = f"{OCI_SCHEME}{self.registry}/{self.repository}:{tag}"
+        reference = f"{where}@sha256:{manifest_digest}"
+        head = self._request("HEAD", url, where=where, scope_key="pull", headers={"Accept": MANIFEST_MEDIA_TYPE})
+        if head.status_code == 200 and head.headers.get("Docker-Content-Digest") == f"sha256:{manifest_digest}":
+            logger.info("coldsnap: %s already names this manifest", where)
+            return reference
+        if self._head(EMPTY_DIGEST) is None:
+            location = self._start_upload(EMPTY_DIGEST, where)
+            if location is not None:
+                response = self._put(location, EMPTY_DIGEST, EMPTY_CONFIG, where)
+                if response.status_code != 201:
+                    self._cancel(location, where)
+                    raise self._fail("uploading the empty config blob", response, where)
+        response = self._request(
+            "PUT", url, where=where, scope_key="push", content=manifest, headers={"Content-Type": MANIFEST_MEDIA_TYPE}
+        )
+        if response.status_code != 201:
+            raise self._fail("pushing the artifact's manifest", response, where)
+        answered = response.headers.get("Docker-Content-Digest")
+        if answered and answered != f"sha256:{manifest_digest}":
+            raise StoreError(
+                f"{self.name}: the registry stored the manifest as {answered}, not sha256:{manifest_digest}", file=where
+            )
+        logger.info("coldsnap: pushed the manifest of %s as %s", listing.name, reference)
+        return reference
+
+
+def _error_text(response: Any) -> str:
+    """The registry's error codes and messages (``{"errors": [{"code", "message"}]}``), else the reason."""
+    try:
+        errors = response.json().get("errors") or []
+        text = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors if isinstance(e, dict))
+    except (ValueError, AttributeError):
+        text = ""
+    return text or response.reason_phrase or ""

