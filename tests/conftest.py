@@ -62,14 +62,29 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     set_current_test(item.nodeid, engine=item.get_closest_marker("engine") is not None)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def remove_engine_shared_memory():
+_SHARED_MEMORY_BEFORE: set[str] | None = None
+
+
+def _runs_the_whole_session(config: pytest.Config) -> bool:
+    """False in a pytest-xdist worker (``config.workerinput``): only the process that sees the whole run (the
+    controller, or pytest itself without workers) removes shared memory, after every worker has ended."""
+    return not hasattr(config, "workerinput")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Note this user's engine ``/dev/shm`` entries before the run (see :func:`pytest_unconfigure`)."""
+    global _SHARED_MEMORY_BEFORE
+    if _runs_the_whole_session(config):
+        _SHARED_MEMORY_BEFORE = engine_entries()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
     """At the end of the run, remove the ``/dev/shm`` entries its engine processes left behind: only this
     user's, only those that appeared during the run, only those no live process holds
     (``tests/support/shared_memory.py``), so ``ls /dev/shm`` is the same before and after the suite."""
-    before = engine_entries()
-    yield
-    remove_left_entries(before)
+    if _runs_the_whole_session(config) and _SHARED_MEMORY_BEFORE is not None:
+        remove_left_entries(_SHARED_MEMORY_BEFORE)
 
 
 @pytest.fixture(scope="session")
