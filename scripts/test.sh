@@ -5,7 +5,8 @@
 #   scripts/test.sh --fast [PYTEST ARGS...]  the fast tier: lint, formatting and every test that starts no engine
 #                                            and is not marked slow (-m "not engine and not slow"); builds only
 #                                            the vLLM environment (.venv), never SGLang's
-# Both print the 25 slowest tests and the wall time of each phase (set-up, lint, tests). The two environments
+# Both run the tests in two pytest-xdist workers (COLDSNAP_TEST_WORKERS=0 runs them in the pytest process itself) and print the 25
+# slowest tests and the wall time of each phase (set-up, lint, tests). The two environments
 # cannot be one: the engines pin different torch releases.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -42,6 +43,9 @@ run_tmp=$(mktemp -d "${TMPDIR:-/tmp}/coldsnap-run.XXXXXX")
 trap 'rm -rf "$run_tmp"' EXIT
 export TMPDIR=$run_tmp
 status=0
-python -m pytest --durations=25 "${marker[@]}" "$@" || status=$?
+# Two workers (pytest-xdist), one test file each at a time: most of the time is engine processes that use one
+# core each (vLLM reduces torch to one thread per worker), so two run side by side on two cores. A file's
+# module fixtures stay in one worker; a session fixture is made once per worker that needs it.
+python -m pytest -n "${COLDSNAP_TEST_WORKERS:-2}" --dist loadfile --durations=25 "${marker[@]}" "$@" || status=$?
 phase_done tests
 exit "$status"

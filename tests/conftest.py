@@ -191,6 +191,20 @@ def vllm_gpt2(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.fixture(autouse=True)
+def _environment_as_before_the_test():
+    """Give every test the process environment the previous one found. Building a vLLM configuration in
+    process sets variables for its workers (``vllm/platforms/cpu.py`` ``check_and_update_config``:
+    ``LOCAL_WORLD_SIZE``, ``VLLM_WORKER_MULTIPROC_METHOD``, ``LD_PRELOAD``, ...), which would then reach
+    every later test of the process (``coldsnap stage`` refuses ``LOCAL_WORLD_SIZE`` without a node rank), so
+    whether a test passed would depend on the order the tests ran in."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def _coldsnap_loggers_as_configured_by_python():
     """Give every test the ``coldsnap_core`` / ``coldsnap_vllm`` loggers as Python configures them.
 
