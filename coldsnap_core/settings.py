@@ -62,9 +62,12 @@ These keys are removed from the extra config before the engine's default loader 
 it does not know: vLLM ``DefaultModelLoader.__init__`` raises on unexpected extra-config keys). Nothing here
 names a pack: a pack's path is always derived from its SHA-256.
 
-This module is the one place that reads ``COLDSNAP_*`` variables (the cache's state root, the payload store
-and the sleep backend's extent verification included) and it imports no implementation module, so every
-layer can use it.
+The environment is read only where a plugin or the CLI starts: an engine plugin calls
+:meth:`ColdsnapSettings.resolve` when its loader is built and hands the resolved settings down (the cache,
+the payload store, the restore, the sleep backend's extent verification through the published load state);
+the ``coldsnap`` command resolves ``--state-root`` / ``COLDSNAP_STATE_ROOT``, ``COLDSNAP_LOCK_TIMEOUT``,
+``COLDSNAP_OUTCOME_LOG`` and the payload store variables when it starts. This module imports no
+implementation module, so every layer can use it.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -154,16 +157,6 @@ def parse_flag(where: str, value: object) -> bool:
     raise ConfigurationError(f"{where}={value!r} is not a boolean; use 1 or 0")
 
 
-def env_flag(variable: str, environ: Mapping[str, str] | None = None) -> bool:
-    """The boolean environment variable ``variable`` (unset: ``False``), spelled as :func:`parse_flag` accepts.
-
-    Raises:
-        ConfigurationError: the value is not a boolean (names the variable).
-    """
-    environ = os.environ if environ is None else environ
-    return parse_flag(variable, environ[variable]) if variable in environ else False
-
-
 _SECONDS = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", re.ASCII)
 """A number of seconds as ``COLDSNAP_LOCK_TIMEOUT`` takes it: ASCII decimal digits, an optional fraction."""
 
@@ -241,11 +234,13 @@ class StoreSettings:
         payload_repo: a Hugging Face repository ``org/name[@revision]``, or a path (a folder store)
             (``COLDSNAP_PAYLOAD_REPO``), trimmed, or ``None``.
         repo_type: ``COLDSNAP_PAYLOAD_REPO_TYPE`` (``model`` when unset or empty), trimmed.
+        repo_where: where ``payload_repo`` came from (the variable or the extra-config key), for messages.
     """
 
     payload_dir: str | None = None
     payload_repo: str | None = None
     repo_type: str = "model"
+    repo_where: str = field(default=PAYLOAD_REPO_ENV, compare=False)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> StoreSettings:
@@ -266,7 +261,7 @@ class StoreSettings:
         directory, repo = directory.strip(), repo.strip()
         if directory and repo:
             raise ConfigurationError(f"set only one of {dir_where} ({directory!r}) and {repo_where} ({repo!r})")
-        return cls(directory or None, repo or None, repo_type.strip() or "model")
+        return cls(directory or None, repo or None, repo_type.strip() or "model", repo_where)
 
     @property
     def configured(self) -> bool:
