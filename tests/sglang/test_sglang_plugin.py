@@ -450,31 +450,6 @@ def _observed(smollm2_2layer: Path) -> ModelConfig:
     return ModelConfig(str(smollm2_2layer), through_loader=True)
 
 
-def _hold_lock(state_root: Path, digest: str):
-    """A live process that takes the digest's lock the way coldsnap does and never lets go."""
-    import subprocess
-    import sys
-
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time\n"
-            "from coldsnap_core.cache import PayloadCache\n"
-            "with PayloadCache(sys.argv[1]).lock(sys.argv[2]):\n"
-            "    print('held', flush=True)\n"
-            "    time.sleep(120)\n",
-            str(state_root),
-            digest,
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert holder.stdout.readline().strip() == "held"
-    return holder
-
-
 def test_sglang_honours_lock_timeout_and_verify_extents_from_extra_config(
     fake_sglang, smollm2_2layer, tmp_path, monkeypatch
 ) -> None:
@@ -487,6 +462,7 @@ def test_sglang_honours_lock_timeout_and_verify_extents_from_extra_config(
     refused ``abc``, or the flipped byte was served)."""
     from coldsnap_core.records import write_record
     from tests.support.files import flip_byte
+    from tests.support.locks import hold_lock
 
     monkeypatch.setenv("COLDSNAP_LOCK_TIMEOUT", "abc")
     monkeypatch.setenv("COLDSNAP_VERIFY_EXTENTS", "0")
@@ -497,7 +473,7 @@ def test_sglang_honours_lock_timeout_and_verify_extents_from_extra_config(
     cache = PayloadCache(tmp_path / "state")
     cache.record_path(digest).chmod(0o644)
     cache.record_path(digest).unlink()
-    holder = _hold_lock(tmp_path / "state", digest)
+    holder = hold_lock(tmp_path / "state", digest)
     try:
         load(fake_sglang, tmp_path, smollm2_2layer, outcome_log=str(log), lock_timeout="1")
     finally:

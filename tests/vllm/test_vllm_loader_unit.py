@@ -371,10 +371,8 @@ def test_hung_lock_holder_makes_auto_fall_back_after_the_lock_timeout(
     needs a full verification (no validation record): after ``COLDSNAP_LOCK_TIMEOUT`` the restore
     fails with rule lock-timeout and ``auto`` loads the checkpoint. Fails if the restore waits the
     600 s default (the subprocess-free test would hang) or the timeout is not a typed fallback."""
-    import subprocess
-    import sys
-
     from coldsnap_core.cache import PayloadCache
+    from tests.support.locks import hold_lock
 
     monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
@@ -383,23 +381,8 @@ def test_hung_lock_holder_makes_auto_fall_back_after_the_lock_timeout(
     digest = last_outcome().capture.manifest.pack.sha256
     cache = PayloadCache(tmp_path / "state")
     os.unlink(cache.record_path(digest))
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time\n"
-            "from coldsnap_core.cache import PayloadCache\n"
-            "with PayloadCache(sys.argv[1]).lock(sys.argv[2]):\n"
-            "    print('held', flush=True)\n"
-            "    time.sleep(120)\n",
-            str(tmp_path / "state"),
-            digest,
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    holder = hold_lock(tmp_path / "state", digest)
     try:
-        assert holder.stdout.readline().strip() == "held"
         monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
         monkeypatch.setenv("COLDSNAP_LOCK_TIMEOUT", "1")
         consumer = Consumer()
