@@ -59,7 +59,7 @@ from coldsnap_core.format.manifest import ModelIdentity, PackRef, WorkerIdentity
 from coldsnap_core.hydrate import HydrationReport
 from coldsnap_core.materialize import MaterializationHandle, materialize_payload
 from coldsnap_core.model_identity import LoadedModel, resolve_hub_commit
-from coldsnap_core.observer import LoadSession, WriteObserver, collector_paused, map_to_allocations
+from coldsnap_core.observer import LoadSession, ModelRecord, WriteObserver, collector_paused, map_to_allocations
 from coldsnap_core.outcomes import LoadOutcomeLine, Outcome, append_outcome
 from coldsnap_core.overlay import OverlayCapture, capture_overlay
 from coldsnap_core.restore import WorkerRestore, capture_loaded_worker, restore_or_fall_back
@@ -370,46 +370,13 @@ class LoadPolicy(abc.ABC):
         before: TorchAllocations | None,
         started: float,
     ) -> LoadOutcome:
-        """The observed checkpoint load and what follows it (capture, materialization, overlay).
-
-        ``before`` is the restore attempt's enumeration of the allocations, reused as the observer's
-        "before" (the storages are the ones the checkpoint load fills).
-        """
+        """The observed checkpoint load (:meth:`_observe_checkpoint_load`) and what follows it: capture,
+        materialization, overlay."""
         settings = self.settings
-        if settings.export_model_payload and self.model_source(model) is None:
-            raise ObserverError(
-                "COLDSNAP_EXPORT_MODEL_PAYLOAD=1 needs the loader's load_model (it watches the checkpoint iterator);"
-                f" {self.weights_call} was called outside it"
-            )
-        try:
-            before = enumerate_allocations(model) if before is None else before  # type: ignore[arg-type]
-        except ObserverError as exc:
-            if settings.export_model_payload:
-                raise
-            self.log.info("coldsnap: not observing this load (%s)", exc.detail)
-            self.load_checkpoint(model)
-            seconds = time.perf_counter() - started
-            return LoadOutcome("checkpoint", worker, seconds, seconds, fallback, observed=False)
-        session = LoadSession()
-        observer = WriteObserver(session.sources, converted_copies=settings.converted_copies)
-        load_started = time.perf_counter()
-        self.session = session
-        try:
-            with observer:
-                self.load_checkpoint(model)
-        finally:
-            self.session = None
-        load_seconds = time.perf_counter() - load_started
-        try:
-            after = enumerate_allocations(model)  # type: ignore[arg-type]
-            records = observer.loaded_records(before, after)
-        except ObserverError as problem:
-            # The weights are loaded; only their classification is unknown, so the engine serves them
-            # and nothing is captured or published (an export asked for a capture: it fails loudly).
-            if settings.export_model_payload:
-                raise
-            self.log.info("coldsnap: %s; nothing is published for the sleep backend", problem.detail)
-            return LoadOutcome("checkpoint", worker, load_seconds, time.perf_counter() - started, fallback, observed=False)
+        observed = self._observe_checkpoint_load(model, worker, fallback, before, started)
+        if isinstance(observed, LoadOutcome):
+            return observed
+        session, observer, after, records, load_seconds = observed
         ranges, kept = map_to_allocations(records, after)
         model_bytes = sum(r.size_bytes for r in ranges)
         self.log.info(
@@ -454,6 +421,62 @@ class LoadPolicy(abc.ABC):
             writes=tuple(ModelWrite(r.address, r.size_bytes, r.provenance()) for r in kept),
             pack=pack,
         )
+
+    def _observe_checkpoint_load(
+        self,
+        model: object,
+        worker: WorkerIdentity,
+        fallback: ColdsnapError | None,
+        before: TorchAllocations | None,
+        started: float,
+    ) -> tuple[LoadSession, WriteObserver, TorchAllocations, list[ModelRecord], float] | LoadOutcome:
+        """The engine's checkpoint load under the write observer: ``(session, observer, allocations after,
+        model records, load seconds)``, or the outcome of a load that could not be observed or classified
+        (the engine serves it; nothing is captured or published).
+
+        ``before`` is the restore attempt's enumeration of the allocations, reused as the observer's
+        "before" (the storages are the ones the checkpoint load fills).
+
+        Raises:
+            ObserverError: with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``, the load cannot be observed or
+                classified, or runs outside the engine's ``load_model``.
+        """
+        export = self.settings.export_model_payload
+        if export and self.model_source(model) is None:
+            raise ObserverError(
+                "COLDSNAP_EXPORT_MODEL_PAYLOAD=1 needs the loader's load_model (it watches the checkpoint iterator);"
+                f" {self.weights_call} was called outside it"
+            )
+        try:
+            before = enumerate_allocations(model) if before is None else before  # type: ignore[arg-type]
+        except ObserverError as exc:
+            if export:
+                raise
+            self.log.info("coldsnap: not observing this load (%s)", exc.detail)
+            self.load_checkpoint(model)
+            seconds = time.perf_counter() - started
+            return LoadOutcome("checkpoint", worker, seconds, seconds, fallback, observed=False)
+        session = LoadSession()
+        observer = WriteObserver(session.sources, converted_copies=self.settings.converted_copies)
+        load_started = time.perf_counter()
+        self.session = session
+        try:
+            with observer:
+                self.load_checkpoint(model)
+        finally:
+            self.session = None
+        load_seconds = time.perf_counter() - load_started
+        try:
+            after = enumerate_allocations(model)  # type: ignore[arg-type]
+            records = observer.loaded_records(before, after)
+        except ObserverError as problem:
+            # The weights are loaded; only their classification is unknown, so the engine serves them
+            # and nothing is captured or published (an export asked for a capture: it fails loudly).
+            if export:
+                raise
+            self.log.info("coldsnap: %s; nothing is published for the sleep backend", problem.detail)
+            return LoadOutcome("checkpoint", worker, load_seconds, time.perf_counter() - started, fallback, observed=False)
+        return session, observer, after, records, load_seconds
 
     def _identify(self, session: LoadSession, model: object) -> ModelIdentity:
         """The model identity of this load: the checkpoint files just loaded (hashed, and recorded in the

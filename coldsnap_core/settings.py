@@ -529,22 +529,32 @@ class ColdsnapSettings:
                 "store": store,
             }
         )
-        if settings.artifact_dir is None and settings.export_model_payload:
-            raise ConfigurationError(
-                "COLDSNAP_EXPORT_MODEL_PAYLOAD=1 needs an artifact folder: set COLDSNAP_ARTIFACT_DIR"
-                " (or the extra-config key 'artifact_dir')"
-            )
-        if settings.overlay == "capture" and (settings.artifact_dir is None or settings.export_model_payload):
-            raise ConfigurationError(
-                "COLDSNAP_OVERLAY=capture captures a target-local overlay of an existing artifact: it needs"
-                " COLDSNAP_ARTIFACT_DIR and excludes COLDSNAP_EXPORT_MODEL_PAYLOAD=1 (which captures the portable artifact)"
-            )
-        if settings.artifact_dir is None and settings.restore == "native":
-            raise ConfigurationError(
-                "COLDSNAP_RESTORE=native needs an artifact folder to restore from: set COLDSNAP_ARTIFACT_DIR"
-                " (or the extra-config key 'artifact_dir')"
-            )
+        _check_combination(settings)
         return settings, rest
+
+
+def _check_combination(settings: ColdsnapSettings) -> None:
+    """The rules between settings: export and ``restore=native`` need an artifact folder;
+    ``overlay=capture`` needs one and excludes export.
+
+    Raises:
+        ConfigurationError: a rule is broken (names the settings).
+    """
+    if settings.artifact_dir is None and settings.export_model_payload:
+        raise ConfigurationError(
+            "COLDSNAP_EXPORT_MODEL_PAYLOAD=1 needs an artifact folder: set COLDSNAP_ARTIFACT_DIR"
+            " (or the extra-config key 'artifact_dir')"
+        )
+    if settings.overlay == "capture" and (settings.artifact_dir is None or settings.export_model_payload):
+        raise ConfigurationError(
+            "COLDSNAP_OVERLAY=capture captures a target-local overlay of an existing artifact: it needs"
+            " COLDSNAP_ARTIFACT_DIR and excludes COLDSNAP_EXPORT_MODEL_PAYLOAD=1 (which captures the portable artifact)"
+        )
+    if settings.artifact_dir is None and settings.restore == "native":
+        raise ConfigurationError(
+            "COLDSNAP_RESTORE=native needs an artifact folder to restore from: set COLDSNAP_ARTIFACT_DIR"
+            " (or the extra-config key 'artifact_dir')"
+        )
 
 
 __doc__ = (__doc__ or "") + _settings_rst()
