@@ -6,7 +6,8 @@ persistent buffer, the first 8 bytes of the SHA-256 of its bytes) against a plai
 safetensors`` load, and greedy generations. Engine starts cost 30-47 s each on two cores, so one capture
 of the 2-layer checkpoint serves every check of this module (a fixture of module scope): plain load,
 capture, native restore through ``python -m sglang.launch_server``, a flipped pack byte under ``auto`` and
-``native``, ``COLDSNAP_MATERIALIZE=async``. The 3-shard and untied checkpoints get their own capture and
+``native``, ``COLDSNAP_MATERIALIZE=async``, and (in a copy of its artifact and state root) a capsule recorded under
+another SGLang version, which falls back once and captures a target-local overlay. The 3-shard and untied checkpoints get their own capture and
 restore, and so does tensor parallel size 3 (one worker and pack per rank).
 """
 
