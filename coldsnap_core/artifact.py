@@ -44,7 +44,7 @@ from coldsnap_core.errors import (
     NotRegularFileError,
     UnsafePathError,
 )
-from coldsnap_core.format._strict import parse_document, read_document_bytes
+from coldsnap_core.format._strict import MAX_DESCRIPTOR_BYTES, parse_document, read_document_bytes
 from coldsnap_core.format.descriptor import (
     DESCRIPTOR_FILENAME,
     WORKERS_DIRNAME,
@@ -516,6 +516,19 @@ def read_descriptor(artifact_dir: Path) -> ArtifactDescriptor:
     path = artifact_dir / DESCRIPTOR_FILENAME
     _require_present(path, "artifact descriptor")
     return ArtifactDescriptor.read(path)
+
+
+def read_descriptor_bytes(artifact_dir: Path) -> tuple[ArtifactDescriptor, str]:
+    """:func:`read_descriptor`, with the SHA-256 of the very bytes parsed (what a target-local overlay
+    binds to, ``docs/format.md`` §15.3): one read, so the digest cannot describe another version.
+
+    Raises:
+        MissingObjectError, NotRegularFileError, FileAccessError, ManifestError: as :func:`read_descriptor`.
+    """
+    path = artifact_dir / DESCRIPTOR_FILENAME
+    _require_present(path, "artifact descriptor")
+    data = read_document_bytes(path, max_bytes=MAX_DESCRIPTOR_BYTES)
+    return ArtifactDescriptor.loads(data, file=str(path)), hashlib.sha256(data).hexdigest()
 
 
 def _require_present(path: Path, what: str) -> None:

@@ -134,8 +134,8 @@ def verify_artifact(
 
     Args:
         artifact_dir: the artifact folder.
-        cache: where the packs live (default: the state root of ``COLDSNAP_STATE_ROOT`` or
-            ``~/.cache/coldsnap``).
+        cache: where the packs live (default: ``~/.cache/coldsnap``; the environment is read only where a
+            plugin or the CLI starts, so a caller with another state root passes its ``PayloadCache``).
         progress_for: progress callbacks per pack read.
 
     Returns:

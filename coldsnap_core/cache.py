@@ -81,7 +81,7 @@ from coldsnap_core.errors import (
 from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.format.pack_layout import PackEntry, PackLayout
 from coldsnap_core.records import identity, read_trusted_record, record_verified
-from coldsnap_core.settings import LOCK_TIMEOUT_ENV, lock_timeout_from_env, resolve_state_root
+from coldsnap_core.settings import LOCK_TIMEOUT_ENV, LOCK_TIMEOUT_SECONDS, resolve_state_root
 from coldsnap_core.verify import verify_pack_file
 
 logger = logging.getLogger(__name__)
@@ -182,22 +182,22 @@ class PayloadCache:
     """One state root's ``model-payloads`` cache.
 
     Args:
-        state_root: the state root; see :func:`coldsnap_core.settings.resolve_state_root`.
-        lock_timeout_seconds: how long to wait for a digest's lock (``None``: ``$COLDSNAP_LOCK_TIMEOUT``,
-            default :data:`coldsnap_core.settings.LOCK_TIMEOUT_SECONDS`); see :meth:`lock`.
-
-    Raises:
-        ConfigurationError: ``$COLDSNAP_LOCK_TIMEOUT`` is not a number of seconds >= 0.
+        state_root: the state root, made absolute with ``~`` expanded; ``None`` or blank:
+            ``~/.cache/coldsnap``. The environment is not read here: an engine plugin passes its resolved
+            ``state_root``, the CLI resolves ``--state-root`` / ``COLDSNAP_STATE_ROOT`` when it starts.
+        lock_timeout_seconds: how long to wait for a digest's lock, in seconds (the resolved
+            ``lock_timeout`` setting; ``None``: :data:`coldsnap_core.settings.LOCK_TIMEOUT_SECONDS`); see
+            :meth:`lock`.
     """
 
     def __init__(self, state_root: str | os.PathLike[str] | None = None, *, lock_timeout_seconds: float | None = None) -> None:
-        self.state_root = resolve_state_root(state_root)
+        self.state_root = resolve_state_root(state_root, environ={})
         self.payloads_dir = self.state_root / PAYLOADS_DIRNAME
         self.objects_dir = self.payloads_dir / "sha256"
         self.locks_dir = self.payloads_dir / "locks"
         self.tmp_dir = self.payloads_dir / "tmp"
         self.quarantine_dir = self.payloads_dir / "quarantine"
-        self.lock_timeout_seconds = lock_timeout_from_env() if lock_timeout_seconds is None else float(lock_timeout_seconds)
+        self.lock_timeout_seconds = LOCK_TIMEOUT_SECONDS if lock_timeout_seconds is None else float(lock_timeout_seconds)
         self._verified_here: dict[str, tuple[int, int, int, int, int]] = {}
         self._verified_here_lock = threading.Lock()
         self._admitted: dict[str, tuple[int, int, int, int, int]] = {}

@@ -47,7 +47,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coldsnap_core._io import unexpected_os_error
-from coldsnap_core.artifact import Capsule, check_provenance_in_identity, find_worker, read_descriptor, read_worker_capsule
+from coldsnap_core.artifact import (
+    Capsule,
+    check_provenance_in_identity,
+    find_worker,
+    read_descriptor_bytes,
+    read_worker_capsule,
+)
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import CaptureResult, capture_worker
 from coldsnap_core.copy.base import CopyBackend
@@ -68,11 +74,10 @@ from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.format.target import TargetIdentity
 from coldsnap_core.hydrate import AdmittedPack, HydrationReport, hydrate
 from coldsnap_core.model_identity import CheckpointRecords, LoadedModel, check_model_identity
-from coldsnap_core.overlay import Selection, portable_descriptor_sha256, select_capsule
+from coldsnap_core.overlay import Selection, select_capsule
 from coldsnap_core.payload_plan import ModelRange
 from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_core.staging import stage_payload
-from coldsnap_core.stores import from_env as store_from_env
 from coldsnap_core.stores import from_settings as store_from_settings
 from coldsnap_core.stores.base import PayloadStore
 from coldsnap_core.target import ENGINE_NONE, collect_target
@@ -83,16 +88,11 @@ from coldsnap_core.verify import check_live_layout, check_manifest, extent_owner
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "FROM_ENVIRONMENT",
     "RestoreResult",
     "WorkerRestore",
     "capture_loaded_worker",
     "restore_or_fall_back",
 ]
-
-FROM_ENVIRONMENT = "environment"
-""":attr:`WorkerRestore.store` default: the payload store of ``COLDSNAP_PAYLOAD_DIR`` /
-``COLDSNAP_PAYLOAD_REPO`` (:func:`coldsnap_core.stores.from_env`), looked up when the pack is missing."""
 
 
 @dataclass
@@ -113,15 +113,15 @@ class WorkerRestore:
         target: the current target identity; default: :func:`coldsnap_core.target.collect_target`
             of ``engine`` on the allocations' device, collected in :meth:`run`.
         use_overlays: select this node's target-local overlays (``COLDSNAP_OVERLAY`` is not ``off``).
-        store: where a pack missing from the cache is fetched from; ``None``: nowhere;
-            :data:`FROM_ENVIRONMENT` (the default): the store the environment configures.
+        store: where a pack missing from the cache is fetched from (the store the resolved settings
+            configure, :func:`coldsnap_core.stores.from_settings`); ``None`` (the default): nowhere.
 
     Attributes:
         capsule: the capsule restored from: the portable one once read (step 1), this node's overlay
             once step 2 selected it; ``None`` before.
         portable_capsule: the artifact's capsule of this worker, once read.
         selection: which capsule step 2 chose and why (:class:`coldsnap_core.overlay.Selection`).
-        descriptor_sha256: SHA-256 of ``artifact.json`` when it was read (overlays bind to it).
+        descriptor_sha256: SHA-256 of the ``artifact.json`` bytes step 1 parsed (overlays bind to it).
         target_mismatch: the qualification error when step 2 refused the capsule (the loader then
             captures a target-local overlay after its checkpoint load), else ``None``.
         layout_matches: whether the live layout matched the manifest (step 3 passed).
@@ -140,7 +140,7 @@ class WorkerRestore:
     engine_version: str | None = None
     target: TargetIdentity | None = None
     use_overlays: bool = True
-    store: PayloadStore | str | None = FROM_ENVIRONMENT
+    store: PayloadStore | None = None
     capsule: Capsule | None = None
     portable_capsule: Capsule | None = None
     selection: Selection | None = None
@@ -150,6 +150,33 @@ class WorkerRestore:
     pack_unavailable: bool = False
     _recorded_model: ModelIdentity | None = None
     _entry: WorkerEntry | None = None
+
+    @classmethod
+    def for_settings(
+        cls,
+        settings: ColdsnapSettings,
+        worker: WorkerIdentity,
+        loaded: LoadedModel,
+        cache: PayloadCache,
+        engine: str,
+        engine_version: str | None,
+        store: PayloadStore | None,
+    ) -> WorkerRestore:
+        """The attempt the resolved ``settings`` ask for (artifact folder, verification flags, overlay
+        use), by ``engine`` at ``engine_version``, fetching a missing pack from ``store``."""
+        assert settings.artifact_dir is not None
+        return cls(
+            settings.artifact_dir,
+            worker,
+            loaded,
+            cache,
+            verify_extents=settings.verify_extents,
+            verify_checkpoint=settings.verify_checkpoint,
+            engine=engine,
+            engine_version=engine_version,
+            use_overlays=settings.overlay != "off",
+            store=store,
+        )
 
     @property
     def entry(self) -> WorkerEntry | None:
@@ -176,7 +203,7 @@ class WorkerRestore:
             ArtifactError: the capsule was captured at the native capture point.
             ManifestError: a document is malformed.
         """
-        descriptor = read_descriptor(self.artifact_dir)
+        descriptor, self.descriptor_sha256 = read_descriptor_bytes(self.artifact_dir)
         entry = find_worker(descriptor, self.worker)
         capsule = read_worker_capsule(self.artifact_dir, entry)
         manifest_file = str(capsule.native_manifest_path)
@@ -190,7 +217,6 @@ class WorkerRestore:
         self.capsule = self.portable_capsule = capsule
         self._recorded_model = descriptor.model
         self._entry = entry
-        self.descriptor_sha256 = portable_descriptor_sha256(self.artifact_dir)
         return capsule
 
     def current_target(self, allocations: TorchAllocations) -> TargetIdentity:
@@ -314,8 +340,7 @@ class WorkerRestore:
                     log_quarantine=False,
                 )
             except MissingObjectError:
-                store = store_from_env() if self.store == FROM_ENVIRONMENT else self.store
-                return stage_payload(pack, cache=self.cache, store=store)  # type: ignore[arg-type]
+                return stage_payload(pack, cache=self.cache, store=self.store)
         except (PayloadUnavailableError, StoreError):
             self.pack_unavailable = True
             raise
@@ -325,6 +350,13 @@ class WorkerRestore:
         except IntegrityError:
             self.pack_unavailable = not self.cache.object_path(pack.sha256).exists()
             raise
+
+
+class _FromSettings:
+    """:func:`restore_or_fall_back`'s ``store`` default: the store of ``settings.store``."""
+
+
+_FROM_SETTINGS = _FromSettings()
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,6 +395,7 @@ def restore_or_fall_back(
     engine_version: str | None = None,
     log: logging.Logger | None = None,
     backend_for: Callable[[object], CopyBackend] = copy_backend_for,  # type: ignore[assignment]
+    store: PayloadStore | _FromSettings | None = _FROM_SETTINGS,
 ) -> RestoreResult:
     """Restore ``model`` (a ``torch.nn.Module``) from ``settings.artifact_dir``, or say why not: the
     ``COLDSNAP_RESTORE`` policy of both engine plugins, in one place.
@@ -390,13 +423,19 @@ def restore_or_fall_back(
             engine's log; default this module's).
         backend_for: the copy backend for the allocations' device
             (:func:`coldsnap_core.copy.select.copy_backend_for`).
+        store: where a missing pack is fetched from (``None``: nowhere); default: the store
+            ``settings.store`` configures, built before the attempt.
 
     Raises:
+        ConfigurationError: the store ``settings`` configure is malformed (under ``auto`` too: it is
+            parsed before the attempt, never a reason to fall back).
         ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed.
     """
     if settings.artifact_dir is None or settings.export_model_payload:
         return RestoreResult()
     cache = PayloadCache(settings.state_root, lock_timeout_seconds=settings.lock_timeout_s) if cache is None else cache
+    if isinstance(store, _FromSettings):
+        store = store_from_settings(settings.store)
     attempt: WorkerRestore | None = None
     allocations: TorchAllocations | None = None
     try:
@@ -407,18 +446,7 @@ def restore_or_fall_back(
                 " the artifact",
                 file=settings.artifact_dir,
             )
-        attempt = WorkerRestore(
-            settings.artifact_dir,
-            worker,
-            loaded,
-            cache,
-            verify_extents=settings.verify_extents,
-            verify_checkpoint=settings.verify_checkpoint,
-            engine=target_engine,
-            engine_version=engine_version,
-            use_overlays=settings.overlay != "off",
-            store=store_from_settings(settings.store),
-        )
+        attempt = WorkerRestore.for_settings(settings, worker, loaded, cache, target_engine, engine_version, store)
         allocations = enumerate_allocations(model)  # type: ignore[arg-type]
         report = attempt.run(allocations, backend_for(allocations.device))
     except ColdsnapError as exc:

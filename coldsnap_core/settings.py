@@ -4,53 +4,10 @@ Shared by the vLLM loader (``coldsnap_vllm``) and the SGLang loader (``coldsnap_
 passes its own default for ``materialize`` (vLLM ``async``, SGLang ``off``) and the inner load formats
 its default loader serves.
 
-=============================  ==========================  ==================================================
-environment variable           extra-config key            meaning (default)
-=============================  ==========================  ==================================================
-COLDSNAP_EXPORT_MODEL_PAYLOAD  ``export_model_payload``    ``1``: load from the checkpoint and capture this
-                                                           worker's pack, residual and manifests (``0``)
-COLDSNAP_ARTIFACT_DIR          ``artifact_dir``            the artifact folder (``artifact.json`` and the
-                                                           unit capsules); no default: without it the loader
-                                                           loads from the checkpoint and neither captures nor
-                                                           restores
-COLDSNAP_STATE_ROOT            ``state_root``              the node-local cache root (``~/.cache/coldsnap``);
-                                                           packs live at
-                                                           ``model-payloads/sha256/<digest>.pack`` under it
-COLDSNAP_RESTORE               ``restore``                 ``auto``: restore from the payload when it can be
-                                                           staged and verified, else load from the checkpoint
-                                                           with one WARNING; ``native``: fail closed (``auto``)
-COLDSNAP_MATERIALIZE           ``materialize``             after a recovery load, write the missing pack:
-                                                           ``async`` / ``required`` / ``off`` (``async``)
-COLDSNAP_VERIFY_EXTENTS        ``verify_extents``          ``1``: hash every model extent while hydrating (``0``)
-COLDSNAP_VERIFY_CHECKPOINT     ``verify_checkpoint``       ``1``: at restore, hash every local checkpoint file
-                                                           this node has no checkpoint record of (``0``:
-                                                           compare its content fingerprint instead)
-COLDSNAP_OVERLAY               ``overlay``                 target-local overlays (``docs/format.md`` §15):
-                                                           ``auto``: select this node's overlay for this
-                                                           target, and capture one after a fallback caused
-                                                           by target qualification; ``capture``: load the
-                                                           checkpoint and capture one now (an operator's
-                                                           explicit command); ``off``: neither (``auto``)
-COLDSNAP_LOCK_TIMEOUT          ``lock_timeout``            seconds to wait for a pack's lock held by another
-                                                           process (``600``); restore then fails with
-                                                           ``LockTimeoutError`` (``auto`` falls back), a
-                                                           writer proceeds without the lock
-COLDSNAP_OUTCOME_LOG           ``outcome_log``             the load outcome log each worker load appends one
-                                                           JSON line to (``<state-root>/load-outcomes.jsonl``;
-                                                           ``docs/format.md`` §10.3)
-COLDSNAP_INNER_LOAD_FORMAT     ``inner_load_format``       the vLLM load format whose I/O the loader keeps
-                                                           (``instanttensor`` on CUDA, ``safetensors``
-                                                           elsewhere)
-COLDSNAP_PAYLOAD_DIR           ``payload_dir``             a folder payload store packs are fetched from when
-                                                           the node-local cache lacks them (none)
-COLDSNAP_PAYLOAD_REPO          ``payload_repo``            a Hugging Face payload store ``org/name[@revision]``
-                                                           (or a path: a folder store); not with
-                                                           ``payload_dir`` (none)
-COLDSNAP_PAYLOAD_REPO_TYPE     ``payload_repo_type``       ``model`` or ``dataset`` (``model``)
-(none)                         ``converted_copies``        ``model`` (default) or ``residual``: whether a
-                                                           dtype-converting checkpoint copy is a model extent
-                                                           (with ``dtype_converted: true``) or residual
-=============================  ==========================  ==================================================
+Each setting is declared once, in :data:`SETTINGS` (extra-config key, variable, parser, default and a
+one-line meaning): :meth:`ColdsnapSettings.resolve` follows it, the list at the end of this docstring is
+made from it, and README's settings table is compared with it row by row
+(``tests/core/test_settings.py``).
 
 An extra-config key wins over its environment variable. Values are read leniently in form only: choices
 are case-insensitive and trimmed, an empty value means the default, booleans are ``1``/``0``,
@@ -62,17 +19,23 @@ These keys are removed from the extra config before the engine's default loader 
 it does not know: vLLM ``DefaultModelLoader.__init__`` raises on unexpected extra-config keys). Nothing here
 names a pack: a pack's path is always derived from its SHA-256.
 
-This module is the one place that reads ``COLDSNAP_*`` variables (the cache's state root, the payload store
-and the sleep backend's extent verification included) and it imports no implementation module, so every
-layer can use it.
+The environment is read only where a plugin or the CLI starts: an engine plugin calls
+:meth:`ColdsnapSettings.resolve` when its loader is built and hands the resolved settings down (the cache,
+the payload store, the restore, the sleep backend's extent verification through the published load state);
+the ``coldsnap`` command resolves ``--state-root`` / ``COLDSNAP_STATE_ROOT``, ``COLDSNAP_LOCK_TIMEOUT``,
+``COLDSNAP_OUTCOME_LOG`` and the payload store variables when it starts. This module imports no
+implementation module, so every layer can use it.
+
+The settings (:data:`SETTINGS`; ``—``: none):
+
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -117,25 +80,6 @@ INNER_LOAD_FORMATS = VLLM_INNER_LOAD_FORMATS
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
-#: extra-config key -> environment variable (``None``: key only).
-KEYS: dict[str, str | None] = {
-    "export_model_payload": "COLDSNAP_EXPORT_MODEL_PAYLOAD",
-    "artifact_dir": "COLDSNAP_ARTIFACT_DIR",
-    "state_root": "COLDSNAP_STATE_ROOT",
-    "restore": "COLDSNAP_RESTORE",
-    "materialize": "COLDSNAP_MATERIALIZE",
-    "verify_extents": "COLDSNAP_VERIFY_EXTENTS",
-    "verify_checkpoint": "COLDSNAP_VERIFY_CHECKPOINT",
-    "inner_load_format": "COLDSNAP_INNER_LOAD_FORMAT",
-    "overlay": "COLDSNAP_OVERLAY",
-    "payload_dir": PAYLOAD_DIR_ENV,
-    "payload_repo": PAYLOAD_REPO_ENV,
-    "payload_repo_type": PAYLOAD_REPO_TYPE_ENV,
-    "lock_timeout": "COLDSNAP_LOCK_TIMEOUT",
-    "outcome_log": OUTCOME_LOG_ENV,
-    "converted_copies": None,
-}
-
 
 def parse_flag(where: str, value: object) -> bool:
     """A boolean setting, spelled as every coldsnap boolean is: ``1``/``0``, ``true``/``false``,
@@ -152,16 +96,6 @@ def parse_flag(where: str, value: object) -> bool:
     if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
         return value.strip().lower() in _TRUE
     raise ConfigurationError(f"{where}={value!r} is not a boolean; use 1 or 0")
-
-
-def env_flag(variable: str, environ: Mapping[str, str] | None = None) -> bool:
-    """The boolean environment variable ``variable`` (unset: ``False``), spelled as :func:`parse_flag` accepts.
-
-    Raises:
-        ConfigurationError: the value is not a boolean (names the variable).
-    """
-    environ = os.environ if environ is None else environ
-    return parse_flag(variable, environ[variable]) if variable in environ else False
 
 
 _SECONDS = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", re.ASCII)
@@ -241,11 +175,13 @@ class StoreSettings:
         payload_repo: a Hugging Face repository ``org/name[@revision]``, or a path (a folder store)
             (``COLDSNAP_PAYLOAD_REPO``), trimmed, or ``None``.
         repo_type: ``COLDSNAP_PAYLOAD_REPO_TYPE`` (``model`` when unset or empty), trimmed.
+        repo_where: where ``payload_repo`` came from (the variable or the extra-config key), for messages.
     """
 
     payload_dir: str | None = None
     payload_repo: str | None = None
     repo_type: str = "model"
+    repo_where: str = field(default=PAYLOAD_REPO_ENV, compare=False)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> StoreSettings:
@@ -266,12 +202,226 @@ class StoreSettings:
         directory, repo = directory.strip(), repo.strip()
         if directory and repo:
             raise ConfigurationError(f"set only one of {dir_where} ({directory!r}) and {repo_where} ({repo!r})")
-        return cls(directory or None, repo or None, repo_type.strip() or "model")
+        return cls(directory or None, repo or None, repo_type.strip() or "model", repo_where)
 
     @property
     def configured(self) -> bool:
         """Whether a store is configured at all."""
         return self.payload_dir is not None or self.payload_repo is not None
+
+
+def _string(where: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ConfigurationError(f"{where} must be a string, got {value!r}")
+    return value
+
+
+def _path(where: str, value: object) -> Path | None:
+    """A path setting: trimmed, ``~`` expanded, made absolute; blank means the default (``None``)."""
+    text = _string(where, value).strip()
+    return expand_path(text, where) if text else None
+
+
+def _choice(*allowed: str) -> Callable[[str, object], str | None]:
+    """A choice setting: case-insensitive and trimmed; blank means the default (``None``)."""
+
+    def parse(where: str, value: object) -> str | None:
+        text = _string(where, value).strip().lower()
+        if text and text not in allowed:
+            raise ConfigurationError(f"{where}={value!r} is not one of {', '.join(allowed)}")
+        return text or None
+
+    return parse
+
+
+def _word(where: str, value: object) -> str | None:
+    """A trimmed, lower-cased word (the inner load format, checked against the engine's list by
+    :meth:`ColdsnapSettings.resolve`); blank means the default (``None``)."""
+    return _string(where, value).strip().lower() or None
+
+
+def _seconds(where: str, value: object) -> float:
+    return lock_timeout_from_env(value=value, where=where)
+
+
+def _text(where: str, value: object) -> str:
+    """Text kept as given (a payload store; trimmed by :class:`StoreSettings`)."""
+    return _string(where, value)
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One coldsnap setting, declared once (a row of :data:`SETTINGS`).
+
+    Attributes:
+        key: the ``--model-loader-extra-config`` key.
+        variable: the environment variable, or ``None`` (extra-config key only).
+        field: the :class:`ColdsnapSettings` attribute it sets (``store.<name>``: a
+            :class:`StoreSettings` attribute).
+        parse: ``parse(where, value)``: the value, or ``None`` for the default (a blank value);
+            raises :class:`~coldsnap_core.errors.ConfigurationError` naming ``where`` and the value.
+        default: the default, as README's table shows it (Markdown).
+        meaning: one line, as README's table shows it (Markdown).
+    """
+
+    key: str
+    variable: str | None
+    field: str
+    parse: Callable[[str, object], object]
+    default: str
+    meaning: str
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "export_model_payload",
+        "COLDSNAP_EXPORT_MODEL_PAYLOAD",
+        "export_model_payload",
+        parse_flag,
+        "`0`",
+        "`1`: load from the checkpoint and capture this worker at the end of `load_weights`",
+    ),
+    Setting(
+        "artifact_dir",
+        "COLDSNAP_ARTIFACT_DIR",
+        "artifact_dir",
+        _path,
+        "none",
+        "the artifact folder (`artifact.json`, one capsule per worker); without it nothing is captured or restored",
+    ),
+    Setting(
+        "state_root",
+        STATE_ROOT_ENV,
+        "state_root",
+        _path,
+        "`~/.cache/coldsnap`",
+        "node-local cache; packs at `model-payloads/sha256/<digest>.pack`",
+    ),
+    Setting(
+        "restore",
+        "COLDSNAP_RESTORE",
+        "restore",
+        _choice(*RESTORE_MODES),
+        "`auto`",
+        "`auto`: restore when the payload stages and verifies, else load the checkpoint with one WARNING; `native`: fail closed",
+    ),
+    Setting(
+        "materialize",
+        MATERIALIZE_ENV,
+        "materialize",
+        _choice(*MATERIALIZE_MODES),
+        "`async` (vLLM), `off` (SGLang)",
+        "after a fallback caused by a missing pack: rebuild it from the loaded bytes in the background (`async`),"
+        " before the load reports success (`required`), or not (`off`, the only value SGLang accepts)",
+    ),
+    Setting(
+        "verify_extents",
+        "COLDSNAP_VERIFY_EXTENTS",
+        "verify_extents",
+        parse_flag,
+        "`0`",
+        "`1`: also hash every model extent while hydrating (restore and the level-1 wake)",
+    ),
+    Setting(
+        "verify_checkpoint",
+        "COLDSNAP_VERIFY_CHECKPOINT",
+        "verify_checkpoint",
+        parse_flag,
+        "`0`",
+        "`1`: at restore, hash each local checkpoint file this node has no checkpoint record of in full (else its"
+        " content fingerprint, a few MiB sampled, is compared; `docs/format.md` §10.1-§10.2)",
+    ),
+    Setting(
+        "lock_timeout",
+        LOCK_TIMEOUT_ENV,
+        "lock_timeout_s",
+        _seconds,
+        "`600`",
+        "seconds to wait for a pack's lock held by another process (a wait over 5 s is logged at INFO with the"
+        " lock and its holder's pid); restore then fails with rule `lock-timeout` and `auto` falls back; also read"
+        " by the `coldsnap` command",
+    ),
+    Setting(
+        "outcome_log",
+        OUTCOME_LOG_ENV,
+        "outcome_log",
+        _path,
+        "`<state-root>/load-outcomes.jsonl`",
+        "where every worker load appends one JSON line: restored / captured / fell-back / refused / checkpoint,"
+        " with the rule and file (`docs/format.md` §10.3); `coldsnap status` summarizes it",
+    ),
+    Setting(
+        "inner_load_format",
+        "COLDSNAP_INNER_LOAD_FORMAT",
+        "inner_load_format",
+        _word,
+        "`instanttensor` on CUDA, `safetensors` elsewhere",
+        "the engine's load format whose I/O the loader keeps",
+    ),
+    Setting(
+        "overlay",
+        "COLDSNAP_OVERLAY",
+        "overlay",
+        _choice(*OVERLAY_MODES),
+        "`auto`",
+        "target-local overlays: `auto` selects this node's overlay for its target and captures one after a"
+        " fallback caused by the target; `capture` loads the checkpoint and captures one now; `off` neither",
+    ),
+    Setting(
+        "converted_copies",
+        None,
+        "converted_copies",
+        _choice(*CONVERTED_COPIES),
+        "`model`",
+        "dtype-converting checkpoint copies (an fp32 checkpoint served as bf16) are model extents"
+        " (`dtype_converted: true`, shared in the pack); `residual`: keep them in each worker's own residual blob",
+    ),
+    Setting(
+        "payload_dir",
+        PAYLOAD_DIR_ENV,
+        "store.payload_dir",
+        _text,
+        "none",
+        "a local or shared folder payload store (staging falls back to it when the cache misses); not with `payload_repo`",
+    ),
+    Setting(
+        "payload_repo",
+        PAYLOAD_REPO_ENV,
+        "store.payload_repo",
+        _text,
+        "none",
+        "a payload store: `s3://bucket[/prefix]` (AWS variables), `oci://HOST/NAMESPACE/NAME[:TAG]` (Docker config),"
+        " `gs://bucket[/prefix]` (Google credentials), `az://account/container[/prefix]` or an Azure connection"
+        ' string, a Hugging Face repository `org/name[@revision]` (`HF_*` variables) or a folder path; see "Payload'
+        ' stores"',
+    ),
+    Setting(
+        "payload_repo_type",
+        PAYLOAD_REPO_TYPE_ENV,
+        "store.repo_type",
+        _text,
+        "`model`",
+        "the Hugging Face repository type of `payload_repo`: `model` or `dataset`",
+    ),
+)
+"""Every coldsnap setting, in README's order."""
+
+KEYS: dict[str, str | None] = {s.key: s.variable for s in SETTINGS}
+"""Extra-config key -> environment variable (``None``: key only)."""
+
+
+def settings_table_markdown() -> list[str]:
+    """README's settings table rows (``| variable | extra-config key | default | meaning |``), from :data:`SETTINGS`."""
+    return [f"| {'—' if s.variable is None else f'`{s.variable}`'} | `{s.key}` | {s.default} | {s.meaning} |" for s in SETTINGS]
+
+
+def _settings_rst() -> str:
+    rows = []
+    for s in SETTINGS:
+        variable = "—" if s.variable is None else f"``{s.variable}``"
+        meaning = s.meaning.replace("`", "``")
+        rows.append(f"{variable} / ``{s.key}`` (default {s.default.replace('`', '``')})\n    {meaning}\n")
+    return "\n".join(rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,9 +481,12 @@ class ColdsnapSettings:
             materialize_default: the engine's default materialization mode (vLLM ``async``).
             inner_load_formats: the load formats the engine's default loader serves.
 
+        Each row of :data:`SETTINGS` is looked up once: its extra-config key, else its variable, parsed
+        by its parser; a blank value means the default.
+
         Returns:
             ``(settings, rest)``: the settings, and the extra config without coldsnap's keys (for
-            vLLM's ``DefaultModelLoader``).
+            the engine's ``DefaultModelLoader``).
 
         Raises:
             ConfigurationError: a value is not one of the allowed ones (the message names the
@@ -344,86 +497,66 @@ class ColdsnapSettings:
         environ = os.environ if environ is None else environ
         extra = dict(extra_config or {})
         rest = {k: v for k, v in extra.items() if k not in KEYS}
-        raw: dict[str, tuple[str, object]] = {}
-        for key, variable in KEYS.items():
-            if key in extra:
-                raw[key] = (f"extra-config key {key!r}", extra[key])
-            elif variable is not None and variable in environ:
-                raw[key] = (variable, environ[variable])
-
-        def text(key: str) -> tuple[str, str] | None:
-            if key not in raw:
-                return None
-            where, value = raw[key]
-            if not isinstance(value, str):
-                raise ConfigurationError(f"{where} must be a string, got {value!r}")
-            return where, value
-
-        def flag(key: str) -> bool:
-            if key not in raw:
-                return False
-            return parse_flag(*raw[key])
-
-        def store() -> StoreSettings:
-            found = {key: text(key) for key in ("payload_dir", "payload_repo", "payload_repo_type")}
-            directory, repo, repo_type = (("", "") if f is None else f for f in found.values())
-            return StoreSettings._checked(
-                directory[1], repo[1], repo_type[1], directory[0] or PAYLOAD_DIR_ENV, repo[0] or PAYLOAD_REPO_ENV
-            )
-
-        def choice(key: str, allowed: tuple[str, ...], default: str) -> str:
-            found = text(key)
-            if found is None:
-                return default
-            where, value = found
-            value = value.strip().lower() or default
-            if value not in allowed:
-                raise ConfigurationError(f"{where}={found[1]!r} is not one of {', '.join(allowed)}")
-            return value
-
-        def path(key: str) -> Path | None:
-            found = text(key)
-            if found is None or not found[1].strip():
-                return None
-            return expand_path(found[1].strip(), found[0])
-
-        inner = text("inner_load_format")
-        inner_format = inner[1].strip().lower() or None if inner else None
-        if inner is not None and inner_format is not None and inner_format not in inner_load_formats:
+        values: dict[str, object] = {}
+        found: dict[str, tuple[str, object]] = {}  # field -> (where it was set, the value as given)
+        for setting in SETTINGS:
+            if setting.key in extra:
+                where, value = f"extra-config key {setting.key!r}", extra[setting.key]
+            elif setting.variable is not None and setting.variable in environ:
+                where, value = setting.variable, environ[setting.variable]
+            else:
+                continue
+            found[setting.field] = (where, value)
+            parsed = setting.parse(where, value)
+            if parsed is not None:
+                values[setting.field] = parsed
+        inner_format = values.get("inner_load_format")
+        if inner_format is not None and inner_format not in inner_load_formats:
+            where, given = found["inner_load_format"]
             raise ConfigurationError(
-                f"{inner[0]}={inner[1]!r} is not a load format served by the engine's default loader"
-                f" ({', '.join(inner_load_formats)})"
+                f"{where}={given!r} is not a load format served by the engine's default loader ({', '.join(inner_load_formats)})"
             )
-        settings = cls(
-            export_model_payload=flag("export_model_payload"),
-            artifact_dir=path("artifact_dir"),
-            state_root=path("state_root") or DEFAULT_STATE_ROOT.expanduser().absolute(),
-            restore=choice("restore", RESTORE_MODES, "auto"),  # type: ignore[arg-type]
-            materialize=choice("materialize", MATERIALIZE_MODES, materialize_default),  # type: ignore[arg-type]
-            verify_extents=flag("verify_extents"),
-            verify_checkpoint=flag("verify_checkpoint"),
-            inner_load_format=inner_format,
-            converted_copies=choice("converted_copies", CONVERTED_COPIES, "model"),  # type: ignore[arg-type]
-            overlay=choice("overlay", OVERLAY_MODES, "auto"),  # type: ignore[arg-type]
-            lock_timeout_s=lock_timeout_from_env(value=raw["lock_timeout"][1], where=raw["lock_timeout"][0])
-            if "lock_timeout" in raw
-            else LOCK_TIMEOUT_SECONDS,
-            outcome_log=path("outcome_log"),
-            store=store(),
+        store = StoreSettings._checked(
+            str(values.pop("store.payload_dir", "")),
+            str(values.pop("store.payload_repo", "")),
+            str(values.pop("store.repo_type", "")),
+            found.get("store.payload_dir", (PAYLOAD_DIR_ENV, None))[0],
+            found.get("store.payload_repo", (PAYLOAD_REPO_ENV, None))[0],
         )
-        if settings.artifact_dir is None and settings.export_model_payload:
-            raise ConfigurationError(
-                "COLDSNAP_EXPORT_MODEL_PAYLOAD=1 needs an artifact folder: set COLDSNAP_ARTIFACT_DIR"
-                " (or the extra-config key 'artifact_dir')"
-            )
-        if settings.overlay == "capture" and (settings.artifact_dir is None or settings.export_model_payload):
-            raise ConfigurationError(
-                "COLDSNAP_OVERLAY=capture captures a target-local overlay of an existing artifact: it needs"
-                " COLDSNAP_ARTIFACT_DIR and excludes COLDSNAP_EXPORT_MODEL_PAYLOAD=1 (which captures the portable artifact)"
-            )
-        if settings.artifact_dir is None and settings.restore == "native":
-            raise ConfigurationError(
-                "COLDSNAP_RESTORE=native needs an artifact folder to restore from: set COLDSNAP_ARTIFACT_DIR"
-                " (or the extra-config key 'artifact_dir')"
-            )
+        settings = cls(
+            **{
+                "materialize": materialize_default,
+                "state_root": DEFAULT_STATE_ROOT.expanduser().absolute(),
+                **values,  # type: ignore[arg-type]
+                "store": store,
+            }
+        )
+        _check_combination(settings)
         return settings, rest
+
+
+def _check_combination(settings: ColdsnapSettings) -> None:
+    """The rules between settings: export and ``restore=native`` need an artifact folder;
+    ``overlay=capture`` needs one and excludes export.
+
+    Raises:
+        ConfigurationError: a rule is broken (names the settings).
+    """
+    if settings.artifact_dir is None and settings.export_model_payload:
+        raise ConfigurationError(
+            "COLDSNAP_EXPORT_MODEL_PAYLOAD=1 needs an artifact folder: set COLDSNAP_ARTIFACT_DIR"
+            " (or the extra-config key 'artifact_dir')"
+        )
+    if settings.overlay == "capture" and (settings.artifact_dir is None or settings.export_model_payload):
+        raise ConfigurationError(
+            "COLDSNAP_OVERLAY=capture captures a target-local overlay of an existing artifact: it needs"
+            " COLDSNAP_ARTIFACT_DIR and excludes COLDSNAP_EXPORT_MODEL_PAYLOAD=1 (which captures the portable artifact)"
+        )
+    if settings.artifact_dir is None and settings.restore == "native":
+        raise ConfigurationError(
+            "COLDSNAP_RESTORE=native needs an artifact folder to restore from: set COLDSNAP_ARTIFACT_DIR"
+            " (or the extra-config key 'artifact_dir')"
+        )
+
+
+__doc__ = (__doc__ or "") + _settings_rst()

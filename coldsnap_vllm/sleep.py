@@ -39,7 +39,7 @@ from coldsnap_core.copy.base import CopyBackend, LiveAllocation
 from coldsnap_core.errors import ColdsnapError, ConfigurationError, WakeError
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME
 from coldsnap_core.hydrate import HydrationReport, hydrate
-from coldsnap_core.settings import env_flag
+from coldsnap_core.settings import LOCK_TIMEOUT_SECONDS
 from coldsnap_core.sleep_capsules import SleepCapsuleClaim, sleep_dir, sweep_sleep_capsules
 from coldsnap_vllm import state as load_state
 from coldsnap_vllm.cumem import WEIGHTS_TAG, weights_segments
@@ -53,9 +53,6 @@ BACKEND_NAME = "coldsnap"
 
 OFFLOAD_TAGS: tuple[str, ...] = ("runtime", "cudagraph")
 """Tags vLLM backs up to host memory at every sleep level (``CuMemBackend.suspend``)."""
-
-VERIFY_EXTENTS_ENV = "COLDSNAP_VERIFY_EXTENTS"
-"""``1``: hash every model extent while waking (catches an in-place edit of a cached pack)."""
 
 SleepState = Literal["RUNNING", "SUSPENDED", "RESUMING"]
 
@@ -84,8 +81,9 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
         backend_factory: builds the copy backend from the weights segments' CUDA device; default a
             :class:`coldsnap_core.copy.cuda.CudaCopyBackend` (cupy).
         load_state: returns the loader's published state; default :func:`coldsnap_vllm.state.current`.
-        verify_extents: hash every model extent while waking (default: ``$COLDSNAP_VERIFY_EXTENTS``, a boolean spelled as
-            every coldsnap boolean, :func:`coldsnap_core.settings.parse_flag`).
+        verify_extents: hash every model extent while waking; default ``None``: the loader's resolved
+            ``verify_extents`` setting (``COLDSNAP_VERIFY_EXTENTS`` or the extra-config key), published with
+            its load state (:attr:`coldsnap_vllm.state.WorkerLoadState.verify_extents`).
     """
 
     def __init__(
@@ -101,7 +99,9 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
         self._allocator = allocator
         self._backend_factory = backend_factory
         self._load_state = load_state or load_state_current
-        self.verify_extents = env_flag(VERIFY_EXTENTS_ENV) if verify_extents is None else verify_extents
+        self.verify_extents = verify_extents
+        self._wake_verify_extents = bool(verify_extents)
+        self._wake_lock_timeout_s = LOCK_TIMEOUT_SECONDS
         self._lock = threading.RLock()
         self._state: SleepState = "RUNNING"
         self._weights: _Weights = "resident"
@@ -265,6 +265,8 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
                 allocation=asleep[0].index,
             )
         backend = self._copy(segments[0].device)
+        self._wake_verify_extents = state.verify_extents if self.verify_extents is None else self.verify_extents
+        self._wake_lock_timeout_s = state.lock_timeout_s
         if self._references is None or self._references.state is not state:
             self._references = ReferenceDigests(state)
         claim = self._claim
@@ -310,10 +312,10 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
             self.last_report = hydrate(
                 capture.manifest,
                 blob_path=capture.blob_path,
-                cache=PayloadCache(capture.state_root),
+                cache=PayloadCache(capture.state_root, lock_timeout_seconds=self._wake_lock_timeout_s),
                 allocations=allocations,
                 backend=self._copy(capture.segments[0].device),
-                verify_extents=self.verify_extents,
+                verify_extents=self._wake_verify_extents,
                 manifest_file=str(capture.capsule_dir / NATIVE_MANIFEST_FILENAME),
             )
         except BaseException as exc:

@@ -269,7 +269,7 @@ def capture_for_sleep(
         )
 
     plan = plan_payload(allocations, [r for r, _ in valid], [d for _, d in valid])
-    cache = PayloadCache(state.state_root)
+    cache = PayloadCache(state.state_root, lock_timeout_seconds=state.lock_timeout_s)
     pack, pack_written = _ensure_pack(plan, backend, cache, references.manifest)
     allocation_map = native_allocation_map(segments)
     final = capsule_dir or sleep_capsule_dir(state.state_root, state.worker)

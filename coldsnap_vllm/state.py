@@ -11,25 +11,14 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import ModelIdentity, PackRef, WorkerIdentity
+from coldsnap_core.load_policy import ModelWrite
+from coldsnap_core.settings import LOCK_TIMEOUT_SECONDS
 
-
-@dataclass(frozen=True, slots=True)
-class ObservedModelWrite:
-    """A destination byte range that the loader filled from the checkpoint and nothing rewrote
-    before the end of ``load_weights``.
-
-    Attributes:
-        address: absolute address of the first destination byte (host pointer, or CUDA virtual
-            address inside a CuMem "weights" segment).
-        size_bytes: length of the range.
-        provenance: the checkpoint source of the bytes.
-    """
-
-    address: int
-    size_bytes: int
-    provenance: ExtentProvenance
+ObservedModelWrite = ModelWrite
+"""A destination byte range that the loader filled from the checkpoint and nothing rewrote before the
+end of ``load_weights`` (:class:`coldsnap_core.load_policy.ModelWrite`: ``address``, ``size_bytes``,
+``provenance``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +36,10 @@ class WorkerLoadState:
         hf_cache_dir: the Hugging Face cache vLLM downloads into (``--download-dir``,
             ``load_config.download_dir``), or ``None`` for ``HF_HUB_CACHE``: where the sleep backend
             finds a repository's checkpoint files.
+        verify_extents: the loader's resolved ``verify_extents`` setting (``COLDSNAP_VERIFY_EXTENTS`` or
+            the extra-config key): the sleep backend hashes every model extent while waking.
+        lock_timeout_s: the loader's resolved ``lock_timeout`` setting, in seconds: how long the sleep
+            backend's cache waits for a pack's lock.
     """
 
     worker: WorkerIdentity
@@ -56,6 +49,8 @@ class WorkerLoadState:
     artifact_dir: Path | None
     state_root: Path
     hf_cache_dir: Path | None = None
+    verify_extents: bool = False
+    lock_timeout_s: float = LOCK_TIMEOUT_SECONDS
 
 
 _lock = threading.Lock()

@@ -58,7 +58,7 @@ def _age(seconds: int) -> str:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    cache = PayloadCache(args.state_root)
+    cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
     objects = []
     for digest in cache.digests():
         try:
@@ -133,7 +133,7 @@ def _overlay_json(o: OverlayListing) -> dict[str, object]:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    cache = PayloadCache(args.state_root)
+    cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
     digests = [check_digest(d) for d in args.digest] if args.digest else cache.digests()
     failures: list[ColdsnapError] = []
     for digest in digests:
@@ -159,7 +159,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    cache = PayloadCache(args.state_root)
+    cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
     report = cache.gc(older_than_seconds=args.older_than, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     sleep_capsules = sweep_sleep_capsules(cache.state_root, dry_run=args.dry_run)

@@ -22,6 +22,7 @@ from typing import NoReturn
 from coldsnap_core._io import unexpected_os_error
 from coldsnap_core.errors import EXIT_OTHER, ColdsnapError
 from coldsnap_core.format._strict import FORMAT_VERSION
+from coldsnap_core.settings import lock_timeout_from_env, resolve_state_root
 
 #: Subcommand modules, in ``--help`` order.
 COMMAND_MODULES = (
@@ -67,11 +68,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _resolve_environment(args: argparse.Namespace) -> None:
+    """Where the CLI reads the environment, once, as it starts: ``--state-root`` (else
+    ``COLDSNAP_STATE_ROOT``, else ``~/.cache/coldsnap``) becomes an absolute path, and
+    ``COLDSNAP_LOCK_TIMEOUT`` the seconds every command's cache waits for a digest's lock.
+
+    Raises:
+        ConfigurationError: either value is invalid (names the variable and the value).
+    """
+    if hasattr(args, "state_root"):
+        args.state_root = resolve_state_root(args.state_root)
+    args.lock_timeout_s = lock_timeout_from_env()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
+        _resolve_environment(args)
         return int(args.func(args))
     except ColdsnapError as exc:
         print(f"coldsnap {args.command}: {exc}", file=sys.stderr)

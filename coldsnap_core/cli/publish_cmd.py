@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if args.public:
         _set_visibility(store, True)
     quiet_hub_bars()
-    cache = PayloadCache(args.state_root)
+    cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
     bars = BarFactory()
 
     def report(item: PublishedPayload) -> None:

@@ -93,7 +93,7 @@ def host_workers(
 
 def run(args: argparse.Namespace) -> int:
     artifact_dir = artifact_folder(args.artifact)
-    cache = PayloadCache(args.state_root)
+    cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
     store = parse_store_spec(args.repo) if args.repo else from_env()
     quiet_hub_bars()
     descriptor = read_descriptor(artifact_dir)

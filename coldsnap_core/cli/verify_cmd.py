@@ -34,7 +34,7 @@ def _bar(pack: PackRef) -> Iterator[Callable[[int], object]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    cache = PayloadCache(args.state_root)
+    cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
     descriptor, capsules = resolve(args.artifact)
     artifact_dir = artifact_folder(args.artifact) if descriptor is not None else None
     verified = verify_capsules(descriptor, capsules, cache=cache, artifact_dir=artifact_dir, progress_for=_bar)

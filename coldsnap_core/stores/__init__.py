@@ -118,7 +118,9 @@ def from_settings(settings: StoreSettings) -> PayloadStore | None:
         try:
             return parse_store_spec(settings.payload_repo, repo_type=settings.repo_type)
         except ConfigurationError as exc:
-            raise ConfigurationError(f"{PAYLOAD_REPO_ENV}/{PAYLOAD_REPO_TYPE_ENV}: {exc.detail}") from exc
+            raise ConfigurationError(
+                f"{settings.repo_where}={settings.payload_repo!r} (repository type {settings.repo_type!r}): {exc.detail}"
+            ) from exc
     return None
 
 

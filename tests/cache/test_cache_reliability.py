@@ -23,6 +23,7 @@ from coldsnap_core import settings
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.errors import ConfigurationError, LockTimeoutError
 from coldsnap_core.stores.local import LocalFolderStore
+from tests.support.locks import hold_lock
 
 
 def _age(path: Path, seconds: float = 60.0) -> None:
@@ -31,28 +32,6 @@ def _age(path: Path, seconds: float = 60.0) -> None:
     assert seconds > cache_module.SWEEP_GRACE_SECONDS
     when = os.stat(path).st_mtime - seconds
     os.utime(path, (when, when))
-
-
-def _hold_lock(state_root: Path, digest: str) -> subprocess.Popen:
-    """A live process that takes the digest's lock the way coldsnap does and never lets go."""
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time\n"
-            "from coldsnap_core.cache import PayloadCache\n"
-            "with PayloadCache(sys.argv[1]).lock(sys.argv[2]):\n"
-            "    print('held', flush=True)\n"
-            "    time.sleep(120)\n",
-            str(state_root),
-            digest,
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-    )
-    assert holder.stdout.readline().strip() == "held"
-    return holder
 
 
 def test_a_hung_lock_holder_is_named_while_admission_waits_then_times_out_typed(
@@ -66,7 +45,7 @@ def test_a_hung_lock_holder_is_named_while_admission_waits_then_times_out_typed(
     cache = PayloadCache(root, lock_timeout_seconds=1.5)
     os.unlink(cache.record_path(digest))
     monkeypatch.setattr(cache_module, "LOCK_NOTICE_SECONDS", 0.2, raising=False)
-    holder = _hold_lock(root, digest)
+    holder = hold_lock(root, digest)
     try:
         with caplog.at_level(logging.INFO, logger="coldsnap_core"), pytest.raises(LockTimeoutError) as raised:
             cache.admit(digest)
@@ -90,7 +69,7 @@ def test_hung_lock_holder_stalls_cache_verify_and_stage_for_the_configured_time(
     root, digest = captured.capture_root, captured.pack.sha256
     cache = PayloadCache(root)
     os.unlink(cache.record_path(digest))
-    holder = _hold_lock(root, digest)
+    holder = hold_lock(root, digest)
     env = {**os.environ, "COLDSNAP_LOCK_TIMEOUT": "1"}
     try:
         for args in (

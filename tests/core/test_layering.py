@@ -18,7 +18,8 @@ rank  modules
 7     ``staging``, ``hydrate``, ``capture``, ``materialize``, ``publish``, ``audit``, ``overlay``
       (target-local overlays: built from a capture, selected by restore, listed and collected by the cli)
 8     ``restore``, ``observer``
-9     ``cli``
+9     ``load_policy`` (the load policy both engine plugins run: restore or fall back, capture,
+      materialize, overlay, one outcome line), ``cli``
 10    the package (``coldsnap_core/__init__.py``: the public API re-exports)
 ====  ======================================================================================
 
@@ -85,6 +86,7 @@ LAYERS: dict[str, int] = {
     "overlay": 7,
     "restore": 8,
     "observer": 8,
+    "load_policy": 9,
     "cli": 9,
     "": 10,
 }

@@ -212,3 +212,30 @@ def test_an_hf_endpoint_that_is_no_url_is_a_configuration_error(tmp_path: Path) 
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 4, done.stderr[-2000:]
     assert "HF_ENDPOINT='http://[::1'" in done.stderr and "Traceback" not in done.stderr
+
+
+def _readme_settings_rows() -> list[str]:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines()
+    start = readme.index("| variable | extra-config key | default | meaning |") + 2
+    rows = []
+    for line in readme[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return rows
+
+
+def test_readme_settings_table_equals_the_settings_table() -> None:
+    """README's settings table is the settings table (:data:`coldsnap_core.settings.SETTINGS`), row by row
+    (variable, extra-config key, default, meaning), and ``resolve`` consumes every key of it. Fails if a setting is added, renamed or redocumented in one place only (README
+    once had two ``COLDSNAP_VERIFY_CHECKPOINT`` rows and no extra-config key for the payload store)."""
+    from coldsnap_core.settings import SETTINGS, settings_table_markdown
+
+    readme, table = _readme_settings_rows(), settings_table_markdown()
+    for index, (documented, declared) in enumerate(zip(readme, table, strict=False)):
+        assert documented == declared, f"README settings row {index + 1} differs from SETTINGS"
+    assert len(readme) == len(table) == len(SETTINGS)
+    variables = [s.variable for s in SETTINGS if s.variable is not None]
+    assert len(set(variables)) == len(variables) and len({s.key for s in SETTINGS}) == len(SETTINGS)
+    for setting in SETTINGS:
+        assert setting.key not in ColdsnapSettings.resolve({}, {setting.key: ""})[1]

@@ -373,8 +373,11 @@ def test_unavailable_pack(tmp_path: Path, checkpoint: Path, captured) -> None:
 
 
 def test_pack_is_staged_from_the_configured_store(tmp_path: Path, checkpoint: Path, captured, monkeypatch) -> None:
-    """With ``COLDSNAP_PAYLOAD_DIR`` a pack missing from the node-local cache is fetched, verified and
+    """With ``COLDSNAP_PAYLOAD_DIR`` (read where the caller starts, :func:`coldsnap_core.stores.from_env`,
+    and handed to the attempt) a pack missing from the node-local cache is fetched, verified and
     committed, then hydrated."""
+    from coldsnap_core.stores import from_env
+
     loaded, result = captured
     store = tmp_path / "store" / "model-payloads" / "sha256"
     store.mkdir(parents=True)
@@ -383,7 +386,8 @@ def test_pack_is_staged_from_the_configured_store(tmp_path: Path, checkpoint: Pa
     result.pack_path.unlink()
     monkeypatch.setenv("COLDSNAP_PAYLOAD_DIR", str(tmp_path / "store"))
     fresh = TinyModel()
-    restorer(checkpoint, tmp_path / "artifact", tmp_path / "state").run(enumerate_allocations(fresh), HostCopyBackend())
+    attempt = restorer(checkpoint, tmp_path / "artifact", tmp_path / "state", store=from_env())
+    attempt.run(enumerate_allocations(fresh), HostCopyBackend())
     assert fresh.snapshot() == loaded.snapshot()
     assert result.pack_path.exists()
 
@@ -521,6 +525,8 @@ def test_each_tensor_parallel_rank_restores_only_its_own_pack(tmp_path: Path, ch
     """Two tensor parallel ranks with different shards write two capsules (``worker-0-of-2``,
     ``worker-1-of-2``) and two packs into one artifact; restoring rank 1 from a store stages rank 1's
     pack only. Fails if ranks share a capsule name or staging fetches other ranks' payloads."""
+    from coldsnap_core.stores import from_env
+
     artifact, state = tmp_path / "artifact", tmp_path / "capture-state"
     ranks = [WorkerIdentity("worker", r, 2, r, 2) for r in range(2)]
     models = [TinyModel() for _ in ranks]
@@ -530,7 +536,7 @@ def test_each_tensor_parallel_rank_restores_only_its_own_pack(tmp_path: Path, ch
     monkeypatch.setenv("COLDSNAP_PAYLOAD_DIR", str(state))
     node = tmp_path / "node-state"
     fresh = TinyModel()
-    restorer(checkpoint, artifact, node, ranks[1]).run(enumerate_allocations(fresh), HostCopyBackend())
+    restorer(checkpoint, artifact, node, ranks[1], store=from_env()).run(enumerate_allocations(fresh), HostCopyBackend())
     assert fresh.snapshot() == models[1].snapshot() != models[0].snapshot()
     assert sorted(p.name for p in (node / "model-payloads" / "sha256").glob("*.pack")) == [results[1].pack_path.name]
 

@@ -14,7 +14,10 @@ installed as ``sglang`` in ``sys.modules``. Every piece follows SGLang 0.5.23's 
   returns early for a non-string and converts a string to ``LoadFormat`` (unknown -> ValueError) (``python/sglang/srt/configs/load_config.py``);
 * ``get_model_loader`` instantiates a class ``load_format`` (``python/sglang/srt/model_loader/__init__.py``);
 * ``DefaultModelLoader.__init__`` rejects unknown extra-config keys; ``load_model`` builds the
-  model and calls ``self.load_weights_and_postprocess(model, self._get_all_weights(...), device)``,
+  model and calls ``self.load_weights_and_postprocess(model, self._get_all_weights(...), device)``
+  (here: ``model_config.weights()`` unless the config sets ``through_loader``, then SGLang's own
+  ``_get_all_weights``: a lazy generator over ``_get_weights_iterator(Source.init_new(...))``, which calls
+  ``_prepare_weights`` eagerly and yields ``(source.prefix + name, tensor)`` for every tensor of every file),
   a staticmethod that runs ``load_weights_only`` (``model.load_weights(weights)``) then
   ``postprocess_weights`` (each module's ``quant_method.process_weights_after_loading``);
 * ``DefaultModelLoader._prepare_weights(model_name_or_path, revision, fall_back_to_pt)`` picks a local
@@ -121,10 +124,41 @@ class DefaultModelLoader(BaseModelLoader):
         if not isinstance(load_config.load_format, LoadFormat):
             raise ValueError(f"Unknown load_format: {load_config.load_format}")
 
+    @dataclasses.dataclass
+    class Source:
+        model_or_path: str
+        revision: str | None
+        prefix: str = ""
+        fall_back_to_pt: bool = True
+
+        @classmethod
+        def init_new(cls, model_config, model):
+            return cls(model_config.model_path, model_config.revision, "", getattr(model, "fall_back_to_pt_during_load", True))
+
     def load_model(self, *, model_config, device_config):
         model = model_config.build()
-        self.load_weights_and_postprocess(model, model_config.weights(), device_config.device)
+        if getattr(model_config, "through_loader", False):
+            weights = self._get_all_weights(model_config, model)
+        else:
+            weights = model_config.weights()
+        self.load_weights_and_postprocess(model, weights, device_config.device)
         return model.eval()
+
+    def _get_all_weights(self, model_config, model):
+        yield from self._get_weights_iterator(DefaultModelLoader.Source.init_new(model_config, model))
+
+    def _get_weights_iterator(self, source):
+        from safetensors import safe_open
+
+        _, files, _ = self._prepare_weights(source.model_or_path, source.revision, source.fall_back_to_pt)
+
+        def tensors():
+            for file in files:
+                with safe_open(file, framework="pt") as f:
+                    for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                        yield name, f.get_tensor(name)
+
+        return ((source.prefix + name, tensor) for name, tensor in tensors())
 
     _PATTERNS: ClassVar[dict] = {
         LoadFormat.AUTO: ["*.safetensors", "*.bin"],

@@ -6,15 +6,18 @@ persistent buffer, the first 8 bytes of the SHA-256 of its bytes) against a plai
 safetensors`` load, and greedy generations. Engine starts cost 30-47 s each on two cores, so one capture
 of the 2-layer checkpoint serves every check of this module (a fixture of module scope): plain load,
 capture, native restore through ``python -m sglang.launch_server``, a flipped pack byte under ``auto``,
-``COLDSNAP_MATERIALIZE=async``; vLLM's runs are the session's (``vllm_two_layer`` in ``tests/conftest.py``).
-Each refusal rule family keeps one end-to-end case (corruption: the flipped byte under ``auto``; target:
-vLLM's artifact under ``native`` and ``auto``; configuration: ``COLDSNAP_MATERIALIZE=async``); their other
-cases are asserted in process (``tests/sglang/test_sglang_plugin.py``, ``tests/restore``). The 3-shard and untied checkpoints get their own capture and
+``COLDSNAP_MATERIALIZE=async``, and (in a copy of its artifact and state root) a capsule recorded under another
+SGLang version, which falls back once and captures a target-local overlay; vLLM's runs are the session's
+(``vllm_two_layer`` in ``tests/conftest.py``). Each refusal rule family keeps one end-to-end case (corruption:
+the flipped byte under ``auto``; target: vLLM's artifact under ``native`` and ``auto``; configuration:
+``COLDSNAP_MATERIALIZE=async``); their other cases are asserted in process (``tests/sglang/test_sglang_plugin.py``,
+``tests/restore``). The 3-shard and untied checkpoints get their own capture and
 restore, and so does tensor parallel size 3 (one worker and pack per rank).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -286,6 +289,52 @@ def test_materialize_async_and_required_are_refused_under_sglang(two_layer: dict
     assert answer.get("refused", answer).startswith(
         "rule configuration failed: COLDSNAP_MATERIALIZE=required is not supported with SGLang"
     ), answer
+
+
+def _edit_target(artifact: Path, **fields) -> None:
+    """Edit the capsule's ``target.json`` and re-pin every capsule file in ``artifact.json`` (an edit a
+    re-signing operator would make), as ``tests/vllm/test_vllm_target.py`` does for vLLM."""
+    target = artifact / "workers" / WORKER / "target.json"
+    target.write_text(json.dumps({**json.loads(target.read_text()), **fields}, indent=2, sort_keys=True) + "\n")
+    doc = json.loads((artifact / "artifact.json").read_text())
+    for entry in doc["workers"]:
+        for pin in entry["capsule_files"]:
+            data = (artifact / entry["capsule"] / pin["name"]).read_bytes()
+            pin.update(size_bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (artifact / "artifact.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
+def test_a_capsule_of_another_sglang_version_falls_back_once_then_restores_through_an_overlay(
+    two_layer: dict, tmp_path: Path
+) -> None:
+    """A copy of the module's capture whose ``target.json`` records another SGLang version: under ``auto``
+    the first start falls back once (rule target-qualification) and, after its checkpoint load, captures this
+    target's overlay (here a qualification record: SGLang's residual is the same on this runtime); the next
+    start restores from the pack through that overlay without falling back. Both serve a plain load's
+    bytes and tokens. Fails if every SGLang start after an upgrade falls back (no overlay was captured)."""
+    from coldsnap_core.overlay import list_overlays
+
+    artifact, state, log = tmp_path / "artifact", tmp_path / "state", tmp_path / "outcomes.jsonl"
+    shutil.copytree(two_layer["artifact"], artifact)
+    shutil.copytree(two_layer["state"], state)
+    _edit_target(artifact, engine_version="0.5.22")
+    env = coldsnap_env(artifact, state, COLDSNAP_OUTCOME_LOG=str(log))
+    first = run_sglang(tmp_path, "other-version", two_layer["model"], "coldsnap", env=env)
+    _assert_same_load(first, two_layer["plain"])
+    (warning,) = [line for line in first.coldsnap_lines() if "could not restore" in line]
+    assert "rule target-qualification failed" in warning and "0.5.22" in warning
+    (overlay,) = list_overlays(state)
+    assert overlay.descriptor.kind in ("overlay", "qualified")
+    second = run_sglang(tmp_path, "through-overlay", two_layer["model"], "coldsnap", env=env)
+    _assert_same_load(second, two_layer["plain"])
+    assert [line for line in second.coldsnap_lines() if "could not restore" in line] == []
+    assert [line for line in second.coldsnap_lines() if f"restored {WORKER} from pack" in line]
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(d["engine"], d["outcome"], d["rule"]) for d in lines] == [
+        ("sglang", "fell-back", "target-qualification"),
+        ("sglang", "restored", None),
+    ]
+    assert lines[1]["pack_sha256"] == SMOLLM2_2LAYER_PACK_SHA256
 
 
 def test_a_sharded_untied_checkpoint_restores_equal_to_a_plain_load(smollm2_2layer_untied_3shards: Path, tmp_path: Path) -> None:

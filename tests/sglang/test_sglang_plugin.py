@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,6 +74,9 @@ class ModelConfig:
     files: str | None = None
     """The folder config and weights are read from when ``model_path`` is a repository id (its snapshot
     in the Hugging Face cache); ``None``: ``model_path``."""
+    through_loader: bool = False
+    """Read the weights through the loader's own ``_get_all_weights`` (``_prepare_weights`` and
+    ``_get_weights_iterator``, which the coldsnap loader observes) instead of :meth:`weights`."""
 
     def __post_init__(self) -> None:
         import transformers
@@ -436,3 +440,116 @@ def test_each_tensor_parallel_rank_is_its_own_worker(fake_sglang, monkeypatch) -
             rank,
             3,
         )
+
+
+# --- settings from the extra config, and target-local overlays ------------------------------------------
+
+
+def _observed(smollm2_2layer: Path) -> ModelConfig:
+    """A model config whose weights go through the loader's iterator boundary (as SGLang's do)."""
+    return ModelConfig(str(smollm2_2layer), through_loader=True)
+
+
+def test_sglang_honours_lock_timeout_and_verify_extents_from_extra_config(
+    fake_sglang, smollm2_2layer, tmp_path, monkeypatch
+) -> None:
+    """The extra-config keys ``lock_timeout`` and ``verify_extents`` win over their variables on SGLang as
+    on vLLM. With ``COLDSNAP_LOCK_TIMEOUT=abc`` in the environment and ``lock_timeout`` set, the capture and
+    the restore use the key (a hung lock holder makes ``auto`` fall back after it, rule lock-timeout); with
+    ``COLDSNAP_VERIFY_EXTENTS=0`` and ``verify_extents`` set, hydration hashes every extent and a flipped
+    pack byte under a vouching record falls back (rule extent-sha256), where ``verify_extents: 0``
+    restored it. Fails if the SGLang loader reads either variable below its settings (the capture then
+    refused ``abc``, or the flipped byte was served)."""
+    from coldsnap_core.records import write_record
+    from tests.support.files import flip_byte
+    from tests.support.locks import hold_lock
+
+    monkeypatch.setenv("COLDSNAP_LOCK_TIMEOUT", "abc")
+    monkeypatch.setenv("COLDSNAP_VERIFY_EXTENTS", "0")
+    log = tmp_path / "outcomes.jsonl"
+    load(fake_sglang, tmp_path, smollm2_2layer, config=_observed(smollm2_2layer), export_model_payload=1, lock_timeout="1")
+    (entry,) = json.loads((tmp_path / "artifact" / "artifact.json").read_text())["workers"]
+    digest = entry["payload"]["sha256"]
+    cache = PayloadCache(tmp_path / "state")
+    cache.record_path(digest).chmod(0o644)
+    cache.record_path(digest).unlink()
+    holder = hold_lock(tmp_path / "state", digest)
+    try:
+        load(fake_sglang, tmp_path, smollm2_2layer, outcome_log=str(log), lock_timeout="1")
+    finally:
+        holder.kill()
+        holder.wait()
+    (line,) = [json.loads(text) for text in log.read_text().splitlines()]
+    assert (line["outcome"], line["rule"]) == ("fell-back", "lock-timeout")
+
+    load(fake_sglang, tmp_path, smollm2_2layer, outcome_log=str(log), lock_timeout="1")  # admits it again, with a record
+    pack = cache.object_path(digest)
+    native = json.loads((tmp_path / "artifact" / entry["capsule"] / "native-manifest.json").read_text())
+    flip_byte(pack, native["model_extents"][0]["pack_offset_bytes"])
+    cache.record_path(digest).chmod(0o644)
+    cache.record_path(digest).unlink()
+    write_record(cache, digest, os.lstat(pack))
+    load(fake_sglang, tmp_path, smollm2_2layer, outcome_log=str(log), lock_timeout="1", verify_extents="0")
+    load(fake_sglang, tmp_path, smollm2_2layer, outcome_log=str(log), lock_timeout="1", verify_extents="1")
+    lines = [json.loads(text) for text in log.read_text().splitlines()]
+    assert [(d["outcome"], d["rule"]) for d in lines[1:]] == [
+        ("restored", None),
+        ("restored", None),  # the flipped byte served: only the setting catches it
+        ("fell-back", "extent-sha256"),
+    ]
+
+
+def _edit_target(artifact: Path, **fields) -> None:
+    """Edit the capsule's ``target.json`` and re-pin it in ``artifact.json`` (a re-signing operator's edit)."""
+    import hashlib
+
+    doc = json.loads((artifact / "artifact.json").read_text())
+    (entry,) = doc["workers"]
+    target = artifact / entry["capsule"] / "target.json"
+    target.write_text(json.dumps({**json.loads(target.read_text()), **fields}, indent=2, sort_keys=True) + "\n")
+    for pin in entry["capsule_files"]:
+        data = (artifact / entry["capsule"] / pin["name"]).read_bytes()
+        pin.update(size_bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (artifact / "artifact.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
+def test_overlay_capture_on_sglang_captures_a_target_local_overlay(fake_sglang, smollm2_2layer, tmp_path) -> None:
+    """``COLDSNAP_OVERLAY=capture`` on SGLang reads the portable capsule, loads the checkpoint under the
+    observer and captures this target's overlay under the state root (outcome ``checkpoint``, no fallback),
+    here for a capsule recorded under another SGLang version, which the next load restores through that
+    overlay without falling back. Fails if SGLang treats ``capture`` as ``auto`` (it restored, and no overlay was written)."""
+    from coldsnap_core.load_policy import last_outcome
+    from coldsnap_core.overlay import list_overlays
+
+    load(fake_sglang, tmp_path, smollm2_2layer, config=_observed(smollm2_2layer), export_model_payload=1)
+    _edit_target(tmp_path / "artifact", engine_version="0.0.1")
+    model, _, _ = load(fake_sglang, tmp_path, smollm2_2layer, config=_observed(smollm2_2layer), overlay="capture")
+    assert len(list_overlays(tmp_path / "state")) == 1
+    outcome = last_outcome()
+    assert outcome.kind == "checkpoint" and outcome.fallback is None and outcome.overlay is not None
+    assert model.quant_method.calls == 1  # SGLang's post-processing ran after the capture
+    restored, config, _ = load(fake_sglang, tmp_path, smollm2_2layer)
+    assert last_outcome().kind == "restored" and last_outcome().capsule_source == outcome.overlay.kind  # overlay or qualified
+    assert config.weights_read == 0 and torch.equal(restored.norm, model.norm) and torch.equal(restored.rope, model.rope)
+
+
+def test_a_capsule_of_another_sglang_version_falls_back_once_and_captures_an_overlay(
+    fake_sglang, smollm2_2layer, tmp_path
+) -> None:
+    """Under ``auto`` a capsule recorded under another SGLang version falls back once (rule
+    target-qualification), captures a target-local overlay after the checkpoint load, and the next load restores
+    through it: SGLang gets what vLLM has after an upgrade. Fails if every SGLang start after an upgrade
+    falls back (no overlay)."""
+    from coldsnap_core.load_policy import last_outcome
+
+    load(fake_sglang, tmp_path, smollm2_2layer, config=_observed(smollm2_2layer), export_model_payload=1)
+    _edit_target(tmp_path / "artifact", engine_version="0.0.1")
+    log = tmp_path / "outcomes.jsonl"
+    loaded, _, _ = load(fake_sglang, tmp_path, smollm2_2layer, config=_observed(smollm2_2layer), outcome_log=str(log))
+    overlay = last_outcome().overlay
+    assert overlay is not None
+    restored, config, _ = load(fake_sglang, tmp_path, smollm2_2layer, outcome_log=str(log))
+    assert last_outcome().capsule_source == overlay.kind and config.weights_read == 0
+    assert torch.equal(restored.norm, loaded.norm) and torch.equal(restored.attn_norm, loaded.attn_norm)
+    lines = [json.loads(text) for text in log.read_text().splitlines()]
+    assert [(d["outcome"], d["rule"]) for d in lines] == [("fell-back", "target-qualification"), ("restored", None)]

@@ -415,16 +415,38 @@ def test_a_reloaded_model_with_another_state_root_replaces_the_old_capsule(
     assert not backend.capture.capsule_dir.exists()
 
 
-@pytest.mark.parametrize(
-    ("value", "expected"), [("1", True), ("true", True), (" Yes ", True), ("on", True), ("0", False), ("", False)]
-)
-def test_sleep_backend_reads_verify_extents_with_the_common_boolean_spellings(monkeypatch, value: str, expected: bool) -> None:
-    """``COLDSNAP_VERIFY_EXTENTS`` means the same to the level-1 sleep backend as to the loaders
-    (``coldsnap_core.settings.parse_flag``): ``true``/``yes``/``on`` enable extent hashing on wake.
-    Fails if the backend compares the variable with ``"1"`` (it then silently skipped verification
-    for ``true``) or accepts a value the loaders refuse."""
-    monkeypatch.setenv("COLDSNAP_VERIFY_EXTENTS", value)
-    assert ColdsnapSleepBackend(allocator=FakeCuMemAllocator(), load_state=lambda: None).verify_extents is expected
-    monkeypatch.setenv("COLDSNAP_VERIFY_EXTENTS", "sometimes")
-    with pytest.raises(ConfigurationError, match="COLDSNAP_VERIFY_EXTENTS"):
-        ColdsnapSleepBackend(allocator=FakeCuMemAllocator(), load_state=lambda: None)
+class RecordingCopy(HostCopyBackend):
+    """The host copy backend, recording the ``verify_extents`` of every ``fill``."""
+
+    def __init__(self) -> None:
+        super().__init__(threads=1)
+        self.verify_extents: list[bool] = []
+
+    def fill(self, ops, sources, allocations, *, verify_extents):  # type: ignore[override]
+        self.verify_extents.append(verify_extents)
+        super().fill(ops, sources, allocations, verify_extents=verify_extents)
+
+
+@pytest.mark.parametrize(("published", "explicit", "expected"), [(True, None, True), (False, None, False), (True, False, False)])
+def test_the_wake_hashes_extents_as_the_loaders_resolved_setting_says(
+    loaded: LoadedModel, allocator: FakeCuMemAllocator, state: WorkerLoadState, monkeypatch, published, explicit, expected
+) -> None:
+    """The wake's extent verification is the loader's resolved ``verify_extents`` (an extra-config key
+    wins over ``COLDSNAP_VERIFY_EXTENTS``), published with its load state, never the backend's own read
+    of the environment (here the variable says the opposite); an explicit constructor argument wins.
+    Fails if the backend reads ``COLDSNAP_VERIFY_EXTENTS`` itself (the extra-config key was then ignored
+    at wake)."""
+    monkeypatch.setenv("COLDSNAP_VERIFY_EXTENTS", "0" if published else "1")
+    copy = RecordingCopy()
+    backend = ColdsnapSleepBackend(
+        allocator=allocator,
+        backend_factory=lambda device: copy,
+        load_state=lambda: dataclasses.replace(state, verify_extents=published),
+        verify_extents=explicit,
+    )
+    before = allocator.digests()
+    backend.suspend(1)
+    backend.resume(None)
+    assert allocator.digests() == before
+    assert copy.verify_extents and set(copy.verify_extents) == {expected}
+    backend.close()

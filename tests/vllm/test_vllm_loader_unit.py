@@ -140,6 +140,41 @@ def test_bad_setting_fails_at_construction(monkeypatch: pytest.MonkeyPatch) -> N
         make_loader()
 
 
+@pytest.mark.parametrize(
+    ("variable", "value"), [("COLDSNAP_PAYLOAD_REPO", "s3://"), ("COLDSNAP_LOCK_TIMEOUT", "abc"), ("COLDSNAP_RESTORE", "yes")]
+)
+def test_an_invalid_setting_stops_the_start_under_auto(
+    model_config: ModelConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    """Under ``COLDSNAP_RESTORE=auto`` an invalid value, the payload store's included, stops the engine
+    where the loader is built with a ConfigurationError naming the variable and the value, before any
+    load: no fallback, no outcome line. Fails if the store is parsed inside the restore's ``try`` (a
+    malformed ``COLDSNAP_PAYLOAD_REPO`` then gave one WARNING and a checkpoint load at every start)."""
+    monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigurationError, match=re.escape(f"{variable}={value!r}")):
+        make_loader().load_weights(Consumer(), model_config)
+    assert not (tmp_path / "state").exists()
+
+
+def test_verify_extents_from_the_extra_config_is_published_for_the_sleep_backend(
+    model_config: ModelConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The extra-config key ``verify_extents`` wins over ``COLDSNAP_VERIFY_EXTENTS`` for the level-1 wake
+    too: the loader publishes its resolved value (and lock timeout) with the load state the sleep backend
+    reads. Fails if the wake's verification comes from anywhere but the loader's settings."""
+    monkeypatch.delenv("COLDSNAP_ARTIFACT_DIR", raising=False)
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
+    monkeypatch.setenv("COLDSNAP_VERIFY_EXTENTS", "0")
+    state.clear()
+    make_loader(verify_extents="1", lock_timeout="7").load_weights(Consumer(), model_config)
+    published = state.current()
+    assert published is not None and published.verify_extents is True and published.lock_timeout_s == 7.0
+    make_loader().load_weights(Consumer(), model_config)
+    assert state.current().verify_extents is False
+
+
 def test_unsupported_vllm_version_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     """Building the loader under a vLLM outside 0.32/0.33 raises EngineVersionError naming it."""
     import vllm
@@ -336,10 +371,8 @@ def test_hung_lock_holder_makes_auto_fall_back_after_the_lock_timeout(
     needs a full verification (no validation record): after ``COLDSNAP_LOCK_TIMEOUT`` the restore
     fails with rule lock-timeout and ``auto`` loads the checkpoint. Fails if the restore waits the
     600 s default (the subprocess-free test would hang) or the timeout is not a typed fallback."""
-    import subprocess
-    import sys
-
     from coldsnap_core.cache import PayloadCache
+    from tests.support.locks import hold_lock
 
     monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
@@ -348,23 +381,8 @@ def test_hung_lock_holder_makes_auto_fall_back_after_the_lock_timeout(
     digest = last_outcome().capture.manifest.pack.sha256
     cache = PayloadCache(tmp_path / "state")
     os.unlink(cache.record_path(digest))
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time\n"
-            "from coldsnap_core.cache import PayloadCache\n"
-            "with PayloadCache(sys.argv[1]).lock(sys.argv[2]):\n"
-            "    print('held', flush=True)\n"
-            "    time.sleep(120)\n",
-            str(tmp_path / "state"),
-            digest,
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    holder = hold_lock(tmp_path / "state", digest)
     try:
-        assert holder.stdout.readline().strip() == "held"
         monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
         monkeypatch.setenv("COLDSNAP_LOCK_TIMEOUT", "1")
         consumer = Consumer()
@@ -869,7 +887,7 @@ def test_a_later_load_publishes_its_own_state_or_none(smollm2_2layer: Path, tmp_
         if second == "rebound-storage":
             make_loader().load_weights(Consumer(rebind=True), config)
         else:
-            import coldsnap_vllm.loader as loader_module
+            import coldsnap_core.load_policy as loader_module  # the policy enumerates the allocations
 
             def refuse(model):
                 raise ObserverError("allocations cannot be enumerated here")

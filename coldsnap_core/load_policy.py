@@ -1,0 +1,581 @@
+"""The load policy both engine plugins run: restore or fall back, then capture / materialize / overlay,
+then one outcome line.
+
+:class:`LoadPolicy` is a small base class with one template method, :meth:`LoadPolicy.load`, in the
+shape of vLLM's ``BaseModelLoader.load_model`` (``vllm/model_executor/model_loader/base_loader.py``:
+the template fixes the order, subclasses supply the engine-specific steps). An engine adapter
+(``coldsnap_vllm.loader``, ``coldsnap_sglang.loader``) supplies only what needs its engine:
+
+* :meth:`~LoadPolicy.worker_identity`: this worker's identity;
+* :meth:`~LoadPolicy.model_source` and :meth:`~LoadPolicy.checkpoint_files`: what the engine is
+  loading (model path or repository id, revision, the digest of its model configuration, its download
+  folder) and the files its own ``_prepare_weights`` would read now;
+* :meth:`~LoadPolicy.load_checkpoint`: how to run the engine's checkpoint load (its iterator hooks hand
+  each prepared source and yielded tensor to :attr:`LoadPolicy.session` while it is set);
+* :attr:`~LoadPolicy.engine` / :attr:`~LoadPolicy.engine_label`: the engine name its target identity
+  records (``docs/format.md`` §15.1) and the one its messages use; :meth:`~LoadPolicy.engine_version`.
+
+:meth:`LoadPolicy.load` then does, for one ``load_weights`` call:
+
+1. **restore** when an artifact folder is set and export is off
+   (:func:`coldsnap_core.restore.restore_or_fall_back`: ``COLDSNAP_RESTORE=auto`` falls back with one
+   WARNING, ``native`` raises); with ``COLDSNAP_OVERLAY=capture`` the portable capsule is read and the
+   checkpoint is loaded to capture an overlay instead;
+2. otherwise, or as the fallback, the **checkpoint load** under the write observer
+   (:mod:`coldsnap_core.observer`), then
+
+   * with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1`` the portable **capture**
+     (:func:`coldsnap_core.restore.capture_loaded_worker`);
+   * after a fallback whose cause was the pack (no source has it, or the cached object was corrupt and
+     is now quarantined) while the capsule and the live layout matched: **materialization** of the pack
+     from the resident bytes (``COLDSNAP_MATERIALIZE``; ``docs/format.md`` §13);
+   * on ``COLDSNAP_OVERLAY=capture``, or under ``auto`` after a fallback caused by target qualification
+     of a capsule this engine captured: a target-local **overlay** (:func:`coldsnap_core.overlay.capture_overlay`,
+     ``docs/format.md`` §15);
+3. one **outcome line** (:mod:`coldsnap_core.outcomes`, ``docs/format.md`` §10.3): ``restored``,
+   ``captured``, ``fell-back``, ``checkpoint``, or ``refused`` when an error is raised.
+
+The payload store is built from the resolved settings when the policy is constructed (an engine
+plugin does so when its loader is built), so a malformed ``COLDSNAP_PAYLOAD_REPO`` stops the engine's
+start with a :class:`~coldsnap_core.errors.ConfigurationError` under ``auto`` too.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from coldsnap_core.cache import PayloadCache
+from coldsnap_core.capture import CaptureResult
+from coldsnap_core.copy.select import copy_backend_for
+from coldsnap_core.errors import ColdsnapError, ObserverError
+from coldsnap_core.format.extents import ExtentProvenance
+from coldsnap_core.format.manifest import ModelIdentity, PackRef, WorkerIdentity
+from coldsnap_core.hydrate import HydrationReport
+from coldsnap_core.materialize import MaterializationHandle, materialize_payload
+from coldsnap_core.model_identity import LoadedModel, resolve_hub_commit
+from coldsnap_core.observer import LoadSession, ModelRecord, WriteObserver, collector_paused, map_to_allocations
+from coldsnap_core.outcomes import LoadOutcomeLine, Outcome, append_outcome
+from coldsnap_core.overlay import OverlayCapture, capture_overlay
+from coldsnap_core.restore import WorkerRestore, capture_loaded_worker, restore_or_fall_back
+from coldsnap_core.settings import ColdsnapSettings
+from coldsnap_core.stores import from_settings as store_from_settings
+from coldsnap_core.target import engine_version as installed_engine_version
+from coldsnap_core.torch_allocations import TorchAllocations, enumerate_allocations
+
+__all__ = ["LoadOutcome", "LoadPolicy", "ModelSource", "ModelWrite", "last_outcome"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelWrite:
+    """A destination byte range the load filled with checkpoint bytes that nothing rewrote before its end.
+
+    Attributes:
+        address: absolute address of the first destination byte (host pointer or CUDA virtual address).
+        size_bytes: length of the range in bytes.
+        provenance: the checkpoint source of the bytes.
+    """
+
+    address: int
+    size_bytes: int
+    provenance: ExtentProvenance
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """What the engine is loading, as its model configuration says.
+
+    Attributes:
+        path: the model: a local folder or a Hugging Face repository id.
+        revision: the revision as the engine was given it (``None``: the default branch).
+        config_sha256: :func:`coldsnap_core.model_identity.model_config_sha256` of the engine's effective
+            model configuration, or ``None`` when the engine has none.
+        download_dir: the Hugging Face cache the engine downloads into (``--download-dir``), or ``None``
+            for ``HF_HUB_CACHE``.
+    """
+
+    path: str
+    revision: str | None
+    config_sha256: str | None
+    download_dir: str | None = None
+
+    def identity_revision(self) -> str | None:
+        """The revision the model identity records: for a local folder the revision as given; for a
+        repository id the commit it resolves to in the Hugging Face cache
+        (:func:`coldsnap_core.model_identity.resolve_hub_commit`), or the revision as given when the cache
+        cannot resolve it (a restore then refuses the artifact: fail closed)."""
+        requested = None if self.revision is None else str(self.revision)
+        if os.path.isdir(self.path):
+            return requested
+        commit = resolve_hub_commit(self.path, self.revision, cache_dir=self.download_dir)
+        return commit if commit is not None else requested
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    """What one :meth:`LoadPolicy.load` did (for logs, tests, benchmarks and the vLLM sleep backend).
+
+    Attributes:
+        kind: ``restored`` (from pack + residual), ``captured`` (checkpoint load + capture) or
+            ``checkpoint`` (checkpoint load only, possibly after a fallback).
+        worker: the worker's identity.
+        load_seconds: wall time of the weight loading proper (hydration, or the checkpoint load
+            under the observer), in seconds.
+        total_seconds: wall time of the whole load, in seconds.
+        fallback: the error that made ``auto`` fall back to the checkpoint, if any.
+        hydration: the hydration report (``restored``).
+        capture: the capture result (``captured``).
+        materialization: the materialization handle, when one was started after a fallback.
+        capsule_source: ``restored``: which capsule (``portable``, ``overlay``, ``qualified``:
+            :class:`coldsnap_core.overlay.Selection`).
+        overlay: the target-local overlay captured after this checkpoint load, if any.
+        model_bytes: destination bytes classified as model bytes (restored: the manifest's).
+        checkpoint_copies: ``copy_`` calls recorded as model bytes by the observer.
+        model: the pinned model identity when it is known (restored, captured, after a fallback, or
+            when :meth:`LoadPolicy.wants_model_identity`), else ``None``.
+        writes: the model writes by absolute address, sorted and disjoint (empty when the load was
+            not observed).
+        pack: the worker's pack, when one was restored, captured or materialized.
+        observed: whether :attr:`writes` says where the model bytes are (restored, or a checkpoint load
+            whose writes the observer classified); ``False``: nothing may be published about them.
+    """
+
+    kind: Literal["restored", "captured", "checkpoint"]
+    worker: WorkerIdentity
+    load_seconds: float
+    total_seconds: float
+    fallback: ColdsnapError | None = None
+    hydration: HydrationReport | None = None
+    capture: CaptureResult | None = None
+    materialization: MaterializationHandle | None = None
+    capsule_source: str | None = None
+    overlay: OverlayCapture | None = None
+    model_bytes: int = 0
+    checkpoint_copies: int = 0
+    model: ModelIdentity | None = None
+    writes: tuple[ModelWrite, ...] = ()
+    pack: PackRef | None = None
+    observed: bool = True
+
+    @property
+    def line_kind(self) -> Outcome:
+        """The outcome log's word for it (``fell-back`` when ``auto`` fell back)."""
+        return "fell-back" if self.fallback is not None else self.kind
+
+
+_outcome_lock = threading.Lock()
+_last_outcome: LoadOutcome | None = None
+
+
+def last_outcome() -> LoadOutcome | None:
+    """The :class:`LoadOutcome` of this process's last :meth:`LoadPolicy.load`, or ``None`` (cleared
+    when a load starts, so a refused load leaves ``None``)."""
+    with _outcome_lock:
+        return _last_outcome
+
+
+def _set_outcome(outcome: LoadOutcome | None) -> None:
+    global _last_outcome
+    with _outcome_lock:
+        _last_outcome = outcome
+
+
+class LoadPolicy(abc.ABC):
+    """The engine-neutral load policy (see the module docstring); an engine adapter subclasses it.
+
+    Args:
+        settings: the resolved settings (:meth:`coldsnap_core.settings.ColdsnapSettings.resolve`).
+        log: the logger of the policy's lines (the engine plugin's own, whose records reach the
+            engine's log).
+
+    Raises:
+        ConfigurationError: the payload store the settings name is malformed (names the variable or
+            key and the value).
+    """
+
+    engine: ClassVar[str]
+    """The engine name a capsule's ``target.json`` records (``vllm``, ``sglang``; ``docs/format.md`` §15.1)."""
+    engine_label: ClassVar[str]
+    """The engine's name in messages (``vLLM``, ``SGLang``)."""
+    weights_call: ClassVar[str] = "load_weights"
+    """The engine's loader method that runs :meth:`load`, for the message when it runs outside ``load_model``."""
+
+    def __init__(self, settings: ColdsnapSettings, *, log: logging.Logger) -> None:
+        self.settings = settings
+        self.log = log
+        self.store = store_from_settings(settings.store)
+        self.session: LoadSession | None = None
+        """The observed load in progress: set only while :meth:`load_checkpoint` runs under the observer."""
+
+    # -- what the engine adapter supplies ----------------------------------------------------------
+
+    @abc.abstractmethod
+    def worker_identity(self) -> WorkerIdentity:
+        """This worker's identity."""
+
+    @abc.abstractmethod
+    def model_source(self, model: object) -> ModelSource | None:
+        """What the engine is loading into ``model``; ``None`` when the loader cannot tell (its weights
+        were requested outside its ``load_model``)."""
+
+    @abc.abstractmethod
+    def checkpoint_files(self, model: object, source: ModelSource) -> tuple[list[str] | None, str | None]:
+        """:func:`coldsnap_core.model_identity.engine_checkpoint_files` through the engine's own
+        ``_prepare_weights`` (no tensor is read)."""
+
+    @abc.abstractmethod
+    def load_checkpoint(self, model: object) -> None:
+        """Run the engine's checkpoint load into ``model`` (its iterator hooks report to :attr:`session`)."""
+
+    def engine_version(self) -> str | None:
+        """The engine's installed version (:func:`coldsnap_core.target.engine_version`)."""
+        return installed_engine_version(self.engine)
+
+    def wants_model_identity(self) -> bool:
+        """Whether a plain checkpoint load pins the model identity too (vLLM: its sleep backend needs it)."""
+        return False
+
+    # -- the template method -----------------------------------------------------------------------
+
+    def load(self, model: object) -> LoadOutcome:
+        """Restore or load ``model`` (a ``torch.nn.Module`` the engine built), then append one outcome line.
+
+        Returns:
+            What the load did (also :func:`last_outcome`).
+
+        Raises:
+            ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed (the verifier's error),
+                the export capture or an explicit overlay capture failed; the outcome line says
+                ``refused``.
+        """
+        started = time.perf_counter()
+        _set_outcome(None)
+        worker = self.worker_identity()
+        try:
+            with collector_paused():
+                outcome = self._load(model, worker, started)
+        except ColdsnapError as exc:
+            self._append_line("refused", worker, time.perf_counter() - started, error=exc)
+            raise
+        _set_outcome(outcome)
+        self._append_line(
+            outcome.line_kind,
+            worker,
+            outcome.total_seconds,
+            error=outcome.fallback,
+            materialization_started=outcome.materialization is not None,
+            pack_sha256=None if outcome.kind == "checkpoint" or outcome.pack is None else outcome.pack.sha256,
+        )
+        return outcome
+
+    def _load(self, model: object, worker: WorkerIdentity, started: float) -> LoadOutcome:
+        settings = self.settings
+        cache = PayloadCache(settings.state_root, lock_timeout_seconds=settings.lock_timeout_s)
+        if settings.artifact_dir is None or settings.export_model_payload:
+            return self._load_checkpoint(model, worker, cache, None, None, None, started)
+        loaded = self._loaded_model(model)
+        if settings.overlay == "capture":
+            # An operator's explicit overlay capture: read the portable capsule, load the checkpoint,
+            # capture; a capsule that cannot be read (or a model the loader cannot tell) stops here.
+            attempt = WorkerRestore.for_settings(
+                settings, worker, self._require_loaded(loaded), cache, self.engine, self.engine_version(), self.store
+            )
+            attempt.read()
+            return self._load_checkpoint(model, worker, cache, attempt, None, None, started)
+        result = restore_or_fall_back(
+            model,
+            settings,
+            worker,
+            loaded,
+            cache=cache,
+            engine=self.engine_label,
+            target_engine=self.engine,
+            engine_version=self.engine_version(),
+            log=self.log,
+            store=self.store,
+        )
+        if result.restored:
+            assert result.attempt is not None and result.allocations is not None and result.report is not None
+            return self._restored(result.attempt, result.allocations, result.report, started)
+        return self._load_checkpoint(model, worker, cache, result.attempt, result.fallback, result.allocations, started)
+
+    def _loaded_model(self, model: object) -> LoadedModel | None:
+        source = self.model_source(model)
+        if source is None:
+            return None
+        files, files_error = self.checkpoint_files(model, source)
+        return LoadedModel.from_config(
+            source.path,
+            source.revision,
+            source.config_sha256,
+            cache_dir=source.download_dir,
+            checkpoint_files=files,
+            checkpoint_files_error=files_error,
+        )
+
+    def _require_loaded(self, loaded: LoadedModel | None) -> LoadedModel:
+        if loaded is None:
+            raise ObserverError(
+                f"the loader cannot tell which model {self.engine_label} is loading: {self.weights_call} was called"
+                " outside its load_model"
+            )
+        return loaded
+
+    def _restored(
+        self, attempt: WorkerRestore, allocations: TorchAllocations, report: HydrationReport, started: float
+    ) -> LoadOutcome:
+        assert attempt.capsule is not None
+        manifest = attempt.capsule.native
+        writes = sorted(
+            (
+                ModelWrite(allocations.live[e.allocation_index].address + e.offset_bytes, e.size_bytes, e.provenance)
+                for e in manifest.model_extents
+            ),
+            key=lambda w: w.address,
+        )
+        total = time.perf_counter() - started
+        self.log.info(
+            "coldsnap: restored %s from pack %s in %.2f s (%d model bytes, %d residual bytes; no checkpoint read)",
+            attempt.worker.capsule_name,
+            manifest.pack.sha256[:12],
+            total,
+            report.model_bytes,
+            report.residual_bytes,
+        )
+        return LoadOutcome(
+            "restored",
+            attempt.worker,
+            load_seconds=report.check_seconds + report.copy_seconds,
+            total_seconds=total,
+            hydration=report,
+            capsule_source=attempt.selection.source if attempt.selection is not None else None,
+            model_bytes=manifest.model_bytes,
+            model=attempt.capsule.recovery.model,
+            writes=tuple(writes),
+            pack=manifest.pack,
+        )
+
+    def _load_checkpoint(
+        self,
+        model: object,
+        worker: WorkerIdentity,
+        cache: PayloadCache,
+        attempt: WorkerRestore | None,
+        fallback: ColdsnapError | None,
+        before: TorchAllocations | None,
+        started: float,
+    ) -> LoadOutcome:
+        """The observed checkpoint load (:meth:`_observe_checkpoint_load`) and what follows it: capture,
+        materialization, overlay."""
+        settings = self.settings
+        observed = self._observe_checkpoint_load(model, worker, fallback, before, started)
+        if isinstance(observed, LoadOutcome):
+            return observed
+        session, observer, after, records, load_seconds = observed
+        ranges, kept = map_to_allocations(records, after)
+        model_bytes = sum(r.size_bytes for r in ranges)
+        self.log.info(
+            "coldsnap: observed %d checkpoint copies in %.2f s: %d of %d allocation bytes are model bytes"
+            " (%d tensors without provenance)",
+            observer.checkpoint_copies,
+            load_seconds,
+            model_bytes,
+            after.total_bytes,
+            len(session.sources.unknown),
+        )
+        capture: CaptureResult | None = None
+        handle: MaterializationHandle | None = None
+        identity = attempt.capsule.recovery.model if attempt is not None and attempt.capsule is not None else None
+        pack: PackRef | None = None
+        if settings.export_model_payload:
+            assert settings.artifact_dir is not None
+            identity = self._identify(session, model)
+            capture = capture_loaded_worker(
+                after, ranges, worker, identity, cache=cache, artifact_dir=settings.artifact_dir, engine=self.engine
+            )
+            pack = capture.manifest.pack
+        elif fallback is not None and attempt is not None and attempt.pack_unavailable and attempt.layout_matches:
+            handle = self._materialize(attempt, after, cache)
+            if handle is not None and handle.done and handle.result is not None:
+                pack = handle.result.pack
+        overlay = self._capture_overlay(attempt, after, ranges) if self._wants_overlay(attempt, fallback) else None
+        if identity is None and self.wants_model_identity():
+            identity = self._identify(session, model)
+        return LoadOutcome(
+            "captured" if capture is not None else "checkpoint",
+            worker,
+            load_seconds=load_seconds,
+            total_seconds=time.perf_counter() - started,
+            fallback=fallback,
+            capture=capture,
+            materialization=handle,
+            overlay=overlay,
+            model_bytes=model_bytes,
+            checkpoint_copies=observer.checkpoint_copies,
+            model=identity,
+            writes=tuple(ModelWrite(r.address, r.size_bytes, r.provenance()) for r in kept),
+            pack=pack,
+        )
+
+    def _observe_checkpoint_load(
+        self,
+        model: object,
+        worker: WorkerIdentity,
+        fallback: ColdsnapError | None,
+        before: TorchAllocations | None,
+        started: float,
+    ) -> tuple[LoadSession, WriteObserver, TorchAllocations, list[ModelRecord], float] | LoadOutcome:
+        """The engine's checkpoint load under the write observer: ``(session, observer, allocations after,
+        model records, load seconds)``, or the outcome of a load that could not be observed or classified
+        (the engine serves it; nothing is captured or published).
+
+        ``before`` is the restore attempt's enumeration of the allocations, reused as the observer's
+        "before" (the storages are the ones the checkpoint load fills).
+
+        Raises:
+            ObserverError: with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``, the load cannot be observed or
+                classified, or runs outside the engine's ``load_model``.
+        """
+        export = self.settings.export_model_payload
+        if export and self.model_source(model) is None:
+            raise ObserverError(
+                "COLDSNAP_EXPORT_MODEL_PAYLOAD=1 needs the loader's load_model (it watches the checkpoint iterator);"
+                f" {self.weights_call} was called outside it"
+            )
+        try:
+            before = enumerate_allocations(model) if before is None else before  # type: ignore[arg-type]
+        except ObserverError as exc:
+            if export:
+                raise
+            self.log.info("coldsnap: not observing this load (%s)", exc.detail)
+            self.load_checkpoint(model)
+            seconds = time.perf_counter() - started
+            return LoadOutcome("checkpoint", worker, seconds, seconds, fallback, observed=False)
+        session = LoadSession()
+        observer = WriteObserver(session.sources, converted_copies=self.settings.converted_copies)
+        load_started = time.perf_counter()
+        self.session = session
+        try:
+            with observer:
+                self.load_checkpoint(model)
+        finally:
+            self.session = None
+        load_seconds = time.perf_counter() - load_started
+        try:
+            after = enumerate_allocations(model)  # type: ignore[arg-type]
+            records = observer.loaded_records(before, after)
+        except ObserverError as problem:
+            # The weights are loaded; only their classification is unknown, so the engine serves them
+            # and nothing is captured or published (an export asked for a capture: it fails loudly).
+            if export:
+                raise
+            self.log.info("coldsnap: %s; nothing is published for the sleep backend", problem.detail)
+            return LoadOutcome("checkpoint", worker, load_seconds, time.perf_counter() - started, fallback, observed=False)
+        return session, observer, after, records, load_seconds
+
+    def _identify(self, session: LoadSession, model: object) -> ModelIdentity:
+        """The model identity of this load: the checkpoint files just loaded (hashed, and recorded in the
+        state root's checkpoint records), the engine's model configuration digest and the revision
+        :meth:`ModelSource.identity_revision` gives."""
+        source = self.model_source(model)
+        assert source is not None
+        return session.identify(
+            source.path,
+            revision=source.identity_revision(),
+            config_sha256=source.config_sha256,
+            state_root=self.settings.state_root,
+        )
+
+    def _materialize(
+        self, attempt: WorkerRestore, allocations: TorchAllocations, cache: PayloadCache
+    ) -> MaterializationHandle | None:
+        assert attempt.manifest is not None
+        mode = self.settings.materialize
+        if mode == "off":
+            return None
+        self.log.info(
+            "coldsnap: materializing pack %s from the loaded weights (COLDSNAP_MATERIALIZE=%s)",
+            attempt.manifest.pack.sha256[:12],
+            mode,
+        )
+        # ``allocations`` holds the storages: vLLM's CPU post-processing replaces every linear weight,
+        # and the background writer must still read the loaded bytes.
+        return materialize_payload(
+            attempt.manifest, allocations.live, copy_backend_for(allocations.device), cache, mode=mode, keepalive=allocations
+        )
+
+    def _wants_overlay(self, attempt: WorkerRestore | None, fallback: ColdsnapError | None) -> bool:
+        """Capture a target-local overlay after this checkpoint load: on ``COLDSNAP_OVERLAY=capture``,
+        or (``auto``) after a fallback caused by target qualification of a capsule this engine captured
+        (a capsule of another engine gets no overlay: that engine's artifact is captured with it)."""
+        if attempt is None or attempt.portable_capsule is None:
+            return False
+        mode = self.settings.overlay
+        if mode == "capture":
+            return True
+        portable = attempt.portable_capsule
+        return (
+            mode == "auto"
+            and fallback is not None
+            and fallback is attempt.target_mismatch
+            and portable.target is not None
+            and portable.target.engine == self.engine
+        )
+
+    def _capture_overlay(self, attempt: WorkerRestore | None, after: TorchAllocations, ranges) -> OverlayCapture | None:
+        """:func:`coldsnap_core.overlay.capture_overlay` of the loaded model, after the model identity
+        check restore would have run. ``auto``: a failure is one WARNING (the load stands);
+        ``capture``: it raises."""
+        settings = self.settings
+        assert attempt is not None and settings.artifact_dir is not None
+        assert attempt.portable_capsule is not None and attempt.entry is not None
+        try:
+            attempt.check_identity()
+            return capture_overlay(
+                state_root=settings.state_root,
+                artifact_dir=settings.artifact_dir,
+                entry=attempt.entry,
+                portable=attempt.portable_capsule,
+                descriptor_sha256=attempt.descriptor_sha256 or "",
+                model=attempt.recorded_model,
+                target=attempt.current_target(after),
+                allocation_map=after.allocation_map,
+                allocations=after.live,
+                model_ranges=ranges,
+                backend=copy_backend_for(after.device),
+            )
+        except ColdsnapError as exc:
+            if settings.overlay == "capture":
+                raise
+            self.log.warning("coldsnap: %s: no target-local overlay captured: %s", attempt.worker.capsule_name, exc)
+            return None
+
+    def _append_line(
+        self,
+        outcome: Outcome,
+        worker: WorkerIdentity,
+        seconds: float,
+        *,
+        error: ColdsnapError | None = None,
+        materialization_started: bool = False,
+        pack_sha256: str | None = None,
+    ) -> None:
+        settings = self.settings
+        append_outcome(
+            settings.outcome_log_path,
+            LoadOutcomeLine(
+                outcome,
+                self.engine,
+                worker.capsule_name,
+                None if settings.artifact_dir is None else str(settings.artifact_dir),
+                seconds,
+                materialization_started=materialization_started,
+                error=error,
+                pack_sha256=pack_sha256,
+            ),
+        )
