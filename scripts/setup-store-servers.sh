@@ -41,7 +41,11 @@ if [ ! -x "$root/.tools/node_modules/.bin/azurite-blob" ]; then
   echo "setup-store-servers: installing azurite $azurite_version (npm) into .tools/" >&2
   command -v npm >/dev/null 2>&1 || apt_install "npm (azurite is installed with it)" nodejs npm
   mkdir -p "$root/.tools"
-  if ! out=$(npm install --prefix "$root/.tools" --no-audit --no-fund --loglevel=error "azurite@$azurite_version" 2>&1); then
+  # Installed from inside .tools/ (its own package.json, so npm does not climb to a parent's), not with --prefix:
+  # --prefix also moves npm's global config to <prefix>/etc/npmrc, which loses the machine's own settings there
+  # (here its cafile: every request then fails with SELF_SIGNED_CERT_IN_CHAIN and is retried for minutes).
+  [ -f "$root/.tools/package.json" ] || echo '{"private": true, "description": "test servers of coldsnap"}' > "$root/.tools/package.json"
+  if ! out=$(cd "$root/.tools" && npm install --no-audit --no-fund --loglevel=error "azurite@$azurite_version" 2>&1); then
     printf '%s\n' "$out" >&2
     echo "setup-store-servers: FAILED: npm install azurite@$azurite_version" >&2
     exit 1
