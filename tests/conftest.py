@@ -73,8 +73,10 @@ def _runs_the_whole_session(config: pytest.Config) -> bool:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
-    """Note this user's engine ``/dev/shm`` entries before the run (see :func:`pytest_unconfigure`)."""
+    """Note the environment (see :func:`_environment_as_at_the_start_of_the_run`) and this user's engine
+    ``/dev/shm`` entries (see :func:`pytest_unconfigure`) before the run."""
     global _SHARED_MEMORY_BEFORE
+    _ENVIRONMENT_AT_START.update(os.environ)
     if _runs_the_whole_session(config):
         _SHARED_MEMORY_BEFORE = engine_entries()
 
@@ -190,18 +192,24 @@ def vllm_gpt2(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return plain_capture_restore(work, build_tiny_gpt2, skip_tokenizer_init=True, prompts=TOKEN_PROMPTS)
 
 
+_ENVIRONMENT_AT_START: dict[str, str] = {}
+
+
 @pytest.fixture(autouse=True)
-def _environment_as_before_the_test():
-    """Give every test the process environment the previous one found. Building a vLLM configuration in
-    process sets variables for its workers (``vllm/platforms/cpu.py`` ``check_and_update_config``:
-    ``LOCAL_WORLD_SIZE``, ``VLLM_WORKER_MULTIPROC_METHOD``, ``LD_PRELOAD``, ...), which would then reach
+def _environment_as_at_the_start_of_the_run():
+    """After every test, put back the process environment the run started with (taken in
+    :func:`pytest_configure`, before any fixture). Building a vLLM configuration in process sets variables for
+    its workers (``vllm/platforms/cpu.py`` ``check_and_update_config``: ``LOCAL_WORLD_SIZE``,
+    ``VLLM_WORKER_MULTIPROC_METHOD``, ``LD_PRELOAD``, ...), also inside module fixtures, which would then reach
     every later test of the process (``coldsnap stage`` refuses ``LOCAL_WORLD_SIZE`` without a node rank), so
-    whether a test passed would depend on the order the tests ran in."""
-    saved = dict(os.environ)
+    whether a test passed would depend on the order the tests ran in. No fixture of this suite sets a variable
+    for longer than one test (``monkeypatch`` does it per test)."""
     yield
-    if os.environ != saved:
-        os.environ.clear()
-        os.environ.update(saved)
+    for name in [n for n in os.environ if n not in _ENVIRONMENT_AT_START and n != "PYTEST_CURRENT_TEST"]:
+        del os.environ[name]  # PYTEST_CURRENT_TEST is pytest's own, removed by pytest after the teardown
+    for name, value in _ENVIRONMENT_AT_START.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)

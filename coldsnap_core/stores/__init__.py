@@ -25,9 +25,10 @@ means "no store" (staging then uses the node-local cache only).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 
-from coldsnap_core.errors import ConfigurationError
+from coldsnap_core.errors import ColdsnapError, ConfigurationError
 from coldsnap_core.settings import PAYLOAD_DIR_ENV, PAYLOAD_REPO_ENV, PAYLOAD_REPO_TYPE_ENV, StoreSettings, expand_path
 from coldsnap_core.stores.base import PayloadStore
 from coldsnap_core.stores.local import LocalFolderStore
@@ -48,16 +49,54 @@ def _looks_like_path(spec: str) -> bool:
     return spec in (".", "..") or spec.startswith(("/", "./", "../", "~", "file://"))
 
 
+_AZURE_CONNECTION_KEYS = frozenset(
+    {
+        "accountname",
+        "accountkey",
+        "sharedaccesssignature",
+        "blobendpoint",
+        "defaultendpointsprotocol",
+        "endpointsuffix",
+        "usedevelopmentstorage",
+    }
+)
+_SECRET_VALUE = re.compile(r"(?i)\b(AccountKey|SharedAccessSignature|sig)=([^;&\s'\"]*)")
+_URL_USERINFO = re.compile(r"(://)[^/@\s'\"]*@")
+
+
 def _looks_like_azure_connection_string(spec: str) -> bool:
-    """An Azure Storage connection string (``DefaultEndpointsProtocol=...;AccountName=...;...``), with the
-    container (and prefix) after a final ``;container=NAME[/prefix]``; see :mod:`coldsnap_core.stores.azure`."""
+    """An Azure Storage connection string (``DefaultEndpointsProtocol=...;AccountName=...;AccountKey=...``), with
+    the container (and prefix) after a final ``;container=NAME[/prefix]``; see :mod:`coldsnap_core.stores.azure`.
+    Any ``key=value`` list naming one of its keys counts, so a string that lacks ``Container=`` or is otherwise
+    wrong is refused by the Azure parser (which never shows the key), not echoed by another one."""
     keys = {part.split("=", 1)[0].strip().lower() for part in spec.split(";") if "=" in part}
-    return "container" in keys and bool(
-        keys & {"accountname", "blobendpoint", "defaultendpointsprotocol", "usedevelopmentstorage"}
-    )
+    return bool(keys & _AZURE_CONNECTION_KEYS)
+
+
+def redact_store_spec(text: str) -> str:
+    """``text`` (a store setting, or a message quoting one) with its secrets replaced by ``***``: the values of
+    an Azure connection string's ``AccountKey`` and ``SharedAccessSignature`` (and a SAS ``sig``), and the
+    ``user:password@`` of a URL. Every message that quotes a store setting goes through this."""
+    return _URL_USERINFO.sub(r"\1***@", _SECRET_VALUE.sub(r"\1=***", text))
+
+
+def _redacted(exc: ColdsnapError) -> ColdsnapError:
+    """``exc`` with :func:`redact_store_spec` applied to its detail (same type, file and position)."""
+    exc.detail = redact_store_spec(exc.detail)
+    exc.args = (exc._compose(),)
+    return exc
 
 
 def parse_store_spec(spec: str, *, repo_type: str = "model") -> PayloadStore:
+    """See :func:`_parse_store_spec`; every error it raises has the setting's secrets redacted
+    (:func:`redact_store_spec`)."""
+    try:
+        return _parse_store_spec(spec, repo_type=repo_type)
+    except ColdsnapError as exc:
+        raise _redacted(exc) from None
+
+
+def _parse_store_spec(spec: str, *, repo_type: str = "model") -> PayloadStore:
     """A store from a ``--repo`` / ``COLDSNAP_PAYLOAD_REPO`` value.
 
     * ``file:///abs/path``, ``/abs/path``, ``./rel``, ``../rel``, ``~/path``, ``.``: a folder store;
@@ -118,9 +157,10 @@ def from_settings(settings: StoreSettings) -> PayloadStore | None:
         try:
             return parse_store_spec(settings.payload_repo, repo_type=settings.repo_type)
         except ConfigurationError as exc:
+            shown = redact_store_spec(repr(settings.payload_repo))
             raise ConfigurationError(
-                f"{settings.repo_where}={settings.payload_repo!r} (repository type {settings.repo_type!r}): {exc.detail}"
-            ) from exc
+                f"{settings.repo_where}={shown} (repository type {settings.repo_type!r}): {exc.detail}"
+            ) from None  # the cause would quote the unredacted value again
     return None
 
 

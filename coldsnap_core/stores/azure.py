@@ -79,7 +79,8 @@ def parse_azure_spec(spec: str) -> tuple[str | None, str | None, str, str]:
 
     Raises:
         ConfigurationError: no account, an invalid container name (3-63 of ``a-z 0-9 -``), a prefix with an
-            empty, ``.`` or ``..`` segment, or a connection string without ``Container=``. Messages never
+            empty, ``.`` or ``..`` segment, or a connection string without ``Container=`` or without any of
+            ``AccountName=``, ``BlobEndpoint=``, ``UseDevelopmentStorage=true``. Messages never
             repeat a connection string (it holds the key).
     """
     if spec.startswith(AZURE_SCHEME):
@@ -99,6 +100,12 @@ def parse_azure_spec(spec: str) -> tuple[str | None, str | None, str, str]:
     account = next((p.split("=", 1)[1].strip() for p in parts if p.split("=", 1)[0].strip().lower() == "accountname"), None)
     if account is None and "usedevelopmentstorage=true" in rest.lower().replace(" ", ""):
         account = "devstoreaccount1"
+    keys = {p.split("=", 1)[0].strip().lower() for p in parts if "=" in p}
+    if account is None and "blobendpoint" not in keys:
+        raise ConfigurationError(
+            "the Azure connection string names no account: it needs AccountName=, BlobEndpoint= or"
+            " UseDevelopmentStorage=true (the key is not shown)"
+        )
     return account, rest, container, prefix
 
 

@@ -253,7 +253,10 @@ class OciPayloadStore:
                 f"OCI store: chunk_size_bytes ({chunk_size_bytes}) and concurrency ({concurrency}) must be > 0"
             )
         if plain_http is None:
-            plain_http = _is_loopback(registry) or os.environ.get(PLAIN_HTTP_ENV, "") == "1"
+            flag = os.environ.get(PLAIN_HTTP_ENV, "").strip()
+            if flag not in ("", "0", "1"):
+                raise ConfigurationError(f"{PLAIN_HTTP_ENV}={flag!r} is not 0 or 1")
+            plain_http = _is_loopback(registry) or flag == "1"
         if mount_from is None:
             mount_from = tuple(r.strip() for r in os.environ.get(MOUNT_FROM_ENV, "").split(",") if r.strip())
         for other in mount_from:
