@@ -2,7 +2,8 @@
 
 vLLM's and SGLang's worker processes create POSIX named semaphores through ``multiprocessing``
 (``sem.mp-*``), and SGLang 0.5.23 also its load bookkeeping and scheduler message queues
-(``sglang_loads_*``, ``sgl_shm_mq_*``); a killed or fast-exiting process never unlinks them, so each
+(``sglang_loads_*``, ``sgl_shm_mq_*``), and vLLM's CPU tensor parallel workers their shared-memory
+communicator's buffers (``vllm_dist_*-cpushm_*``, ``vllm/distributed/device_communicators/cpu_communicator.py``); a killed or fast-exiting process never unlinks them, so each
 engine start used to leave a few on the node. The suite removes, at its end, only the entries that
 match these prefixes, belong to this user, appeared while it ran, and that no live process still has
 open or mapped (so a concurrent run of the same user keeps the segments it is using).
@@ -15,7 +16,7 @@ import os
 from pathlib import Path
 
 SHARED_MEMORY = Path("/dev/shm")
-ENGINE_SHARED_MEMORY_PREFIXES = ("sem.mp-", "sglang_loads_", "sgl_shm_mq_")
+ENGINE_SHARED_MEMORY_PREFIXES = ("sem.mp-", "sglang_loads_", "sgl_shm_mq_", "vllm_dist_")
 
 
 def engine_entries(folder: Path = SHARED_MEMORY) -> set[str]:
