@@ -35,17 +35,16 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from coldsnap_core._io import SPACE_ERRNOS
 from coldsnap_core.digests import check_digest, pack_relpath
 from coldsnap_core.errors import (
     ConfigurationError,
-    InsufficientSpaceError,
     PackDigestMismatchError,
     PackSizeMismatchError,
     PayloadUnavailableError,
     StoreError,
     size_mismatch,
 )
+from coldsnap_core.stores._ranged import byte_ranges, checked_range, fetch_ranges
 from coldsnap_core.stores.base import ProgressCallback
 
 logger = logging.getLogger(__name__)
@@ -248,8 +247,7 @@ class S3PayloadStore:
     # -- fetch -----------------------------------------------------------------------------------
 
     def _ranges(self, size_bytes: int) -> list[tuple[int, int]]:
-        step = self.part_size_bytes
-        return [(start, min(start + step, size_bytes)) for start in range(0, size_bytes, step)]
+        return byte_ranges(size_bytes, self.part_size_bytes)
 
     def _get_range(self, digest: str, start: int, end: int, etag: str | None) -> bytes:
         """Bytes ``[start, end)`` of the object (one ranged GET, pinned to ``etag``)."""
@@ -268,13 +266,7 @@ class S3PayloadStore:
                     file=self.location(digest),
                 ) from exc
             raise self._fail(f"reading bytes {start}-{end - 1}", digest, exc) from exc
-        if len(data) != end - start:
-            raise PackSizeMismatchError(
-                f"ranged read of bytes {start}-{end - 1} returned {len(data)} bytes (the object changed size)",
-                file=self.location(digest),
-                offset_bytes=start,
-            )
-        return data
+        return checked_range(data, start, end, where=self.location(digest))
 
     def _hash_object(self, digest: str, size_bytes: int, etag: str | None) -> str:
         h = hashlib.sha256()
@@ -303,28 +295,15 @@ class S3PayloadStore:
         if mismatch is not None:
             raise mismatch
         etag = head.get("ETag")
-        lock = threading.Lock()
-
-        def one(r: tuple[int, int]) -> None:
-            data = self._get_range(digest, r[0], r[1], etag)
-            view = memoryview(data)
-            offset = r[0]
-            while view:
-                try:
-                    n = os.pwrite(fd, view, offset)
-                except OSError as exc:
-                    if exc.errno in SPACE_ERRNOS:
-                        raise InsufficientSpaceError(
-                            f"fetch failed at byte {offset}: {os.strerror(exc.errno)}", file=file
-                        ) from exc
-                    raise StoreError(f"writing the fetched bytes at {offset} failed: {exc}", file=file) from exc
-                view = view[n:]
-                offset += n
-            if progress is not None:
-                with lock:
-                    progress(r[1] - r[0])
-
-        _run_all(one, self._ranges(size_bytes), self.concurrency)
+        fetch_ranges(
+            lambda start, end: self._get_range(digest, start, end, etag),
+            size_bytes,
+            fd,
+            file=file,
+            range_size_bytes=self.part_size_bytes,
+            concurrency=self.concurrency,
+            progress=progress,
+        )
 
     # -- upload ----------------------------------------------------------------------------------
 
@@ -496,17 +475,3 @@ class S3PayloadStore:
                 except Exception as exc:  # the original error matters more; the bucket's lifecycle rule cleans up
                     logger.warning("coldsnap: aborting multipart upload %s of %s failed: %s", upload_id, key, exc)
         return True
-
-
-def _run_all(function: Any, items: list[Any], concurrency: int) -> None:
-    """Run ``function(item)`` for every item on ``concurrency`` threads; the first error is raised
-    after the others stop being started (those in flight finish)."""
-    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        futures = [pool.submit(function, item) for item in items]
-        try:
-            for future in concurrent.futures.as_completed(futures):
-                future.result()
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
