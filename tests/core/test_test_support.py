@@ -4,6 +4,7 @@ without the ``engine`` marker is stopped before the engine starts."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.engine_marker import require_engine_marker, set_current_test
-from tests.support.shared_memory import engine_entries, entries_in_use, remove_left_entries
+from tests.support.shared_memory import SHARED_MEMORY, engine_entries, inodes_in_use, remove_left_entries
 
 
 def test_only_new_entries_that_no_process_holds_are_removed(tmp_path: Path) -> None:
@@ -37,7 +38,7 @@ def test_only_new_entries_that_no_process_holds_are_removed(tmp_path: Path) -> N
     )
     try:
         assert holder.stdout.readline().strip() == "mapped"
-        assert held in entries_in_use(tmp_path)
+        assert os.stat(tmp_path / held).st_ino in inodes_in_use(tmp_path)
         assert engine_entries(tmp_path) == {old, stale, held, tp_buffer}
         assert sorted(remove_left_entries(before, tmp_path)) == sorted([stale, tp_buffer])
     finally:
@@ -45,6 +46,19 @@ def test_only_new_entries_that_no_process_holds_are_removed(tmp_path: Path) -> N
         holder.wait()
     assert sorted(os.listdir(tmp_path)) == sorted([old, held, other])
     assert remove_left_entries(before, tmp_path) == [held]  # its holder has exited now
+
+
+def test_a_live_named_semaphore_is_kept() -> None:
+    """Fails if the clean-up removes a ``multiprocessing`` semaphore that a live process holds (here this
+    one): glibc maps it under a temporary name, so a name match finds no holder and the clean-up of one run
+    used to unlink the semaphores of a concurrent engine start, whose spawned workers then failed with
+    ``FileNotFoundError`` in ``SemLock._rebuild``."""
+    lock = multiprocessing.get_context("spawn").Lock()  # spawn: the name stays linked until the tracker unlinks it
+    name = "sem." + lock._semlock.name.lstrip("/")
+    assert name in engine_entries()
+    before = engine_entries() - {name}
+    assert name not in remove_left_entries(before)
+    assert (SHARED_MEMORY / name).exists()
 
 
 def test_an_engine_start_without_the_engine_marker_is_refused() -> None:

@@ -33,25 +33,31 @@ def engine_entries(folder: Path = SHARED_MEMORY) -> set[str]:
     return owned
 
 
-def entries_in_use(folder: Path = SHARED_MEMORY) -> set[str]:
-    """Names in ``folder`` that some process this user can inspect has open (``/proc/PID/fd``) or mapped
-    (``/proc/PID/maps``; a named semaphore is only mapped, its descriptor closed after ``sem_open``)."""
+def inodes_in_use(folder: Path = SHARED_MEMORY) -> set[int]:
+    """Inode numbers of the files in ``folder`` that some process this user can inspect has open
+    (``/proc/PID/fd``) or mapped (``/proc/PID/maps``).
+
+    Inodes, not names: glibc's ``sem_open`` creates a named semaphore under a temporary name
+    (``sem.XXXXXX``), maps it, links it to ``sem.<name>`` and unlinks the temporary name, so a live
+    semaphore's mapping reads ``/dev/shm/sem.XXXXXX (deleted)`` and only its inode (the fifth field of a
+    maps line, ``proc(5)``) ties it to the entry.
+    """
     prefix = str(folder) + "/"
-    used: set[str] = set()
+    used: set[int] = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         with contextlib.suppress(OSError), open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
             for line in maps:
-                at = line.find(prefix)
-                if at >= 0:
-                    used.add(line[at + len(prefix) :].rstrip("\n").removesuffix(" (deleted)"))
+                if prefix in line:
+                    fields = line.split(maxsplit=5)
+                    with contextlib.suppress(IndexError, ValueError):
+                        used.add(int(fields[4]))
         with contextlib.suppress(OSError):
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    if target.startswith(prefix):
-                        used.add(target[len(prefix) :])
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
+                        used.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
     return used
 
 
@@ -62,8 +68,11 @@ def remove_left_entries(before: set[str], folder: Path = SHARED_MEMORY) -> list[
     candidates = engine_entries(folder) - before
     if not candidates:
         return removed
-    for name in sorted(candidates - entries_in_use(folder)):
+    in_use = inodes_in_use(folder)
+    for name in sorted(candidates):
         with contextlib.suppress(OSError):
+            if os.lstat(folder / name).st_ino in in_use:
+                continue
             os.unlink(folder / name)
             removed.append(name)
     return removed
