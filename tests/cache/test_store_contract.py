@@ -237,8 +237,10 @@ def test_server_stopped_mid_fetch_leaves_nothing_eligible_and_a_retry_succeeds(r
 
 
 def _few_retries(kind: str) -> dict[str, object]:
-    """Store options that give up on a stopped server within seconds (the defaults retry for up to ~30 s)."""
-    return {"gcs": {"retry_timeout_s": 1.0}, "azure": {"retries": 0}}.get(kind, {})
+    """Store options that give up on a stopped server at once (no retry: a retry would wait up to 4 s)."""
+    from coldsnap_core.settings import StoreClientSettings
+
+    return {"client_settings": StoreClientSettings(retries=0)} if kind in ("gcs", "azure") else {}
 
 
 @pytest.mark.parametrize("kind", ["oci", "gcs", "azure"])
