@@ -717,13 +717,51 @@ class OciPayloadStore:
         tag = re.sub(r"[^A-Za-z0-9._-]", "-", listing.name).lstrip(".-")[:128]
         return tag or "latest"
 
+    def _check_tag_move(self, url: str, where: str, name: str, current: str | None, manifest_digest: str) -> None:
+        """The tag names another manifest: allowed, with a WARNING, only when that manifest is coldsnap's for the
+        same artifact folder name (a re-capture); one tag names one artifact across publications too.
+
+        Raises:
+            ConfigurationError: the tag names another artifact, or a manifest that is not a coldsnap artifact's.
+            StoreError: the current manifest cannot be read.
+        """
+        response = self._request("GET", url, where=where, scope_key="pull", headers={"Accept": MANIFEST_MEDIA_TYPE})
+        if response.status_code != 200:
+            raise self._fail("reading the manifest the tag names", response, where)
+        try:
+            document = response.json()
+            title = (document.get("annotations") or {}).get("org.opencontainers.image.title")
+            artifact_type = document.get("artifactType")
+        except (ValueError, AttributeError):
+            title = artifact_type = None
+        if artifact_type != ARTIFACT_TYPE or title != name:
+            what = (
+                f"the coldsnap artifact {title!r}"
+                if artifact_type == ARTIFACT_TYPE
+                else "a manifest that is not a coldsnap artifact's"
+            )
+            raise ConfigurationError(
+                f"{self.name}: the tag {where} names {what} ({current}); one tag names one artifact: publish {name!r}"
+                " under another tag (or none: each artifact is then tagged by its folder name), or delete the tag first"
+            )
+        logger.warning(
+            "coldsnap: moving %s from %s to sha256:%s (a new capture of %r; pulls of the tag get the new one)",
+            where,
+            current,
+            manifest_digest,
+            name,
+        )
+
     def publish_artifact(self, listing: ArtifactListing) -> str:
         """Push the manifest of one artifact whose packs are in the repository; returns its reference
         ``oci://HOST/NAME:TAG@sha256:<manifest digest>``. A tag already naming the same manifest is left as is.
 
+        A tag naming another manifest of the same artifact folder name (a re-capture) is moved, with a WARNING.
+
         Raises:
-            ConfigurationError: the store's tag already named another artifact of this publication (one tag, one
-                artifact: publish several artifacts without a tag in the URL).
+            ConfigurationError: the store's tag already named another artifact of this publication, or names
+                another artifact (another folder name) or a manifest that is not coldsnap's in the registry (one
+                tag, one artifact: publish several artifacts without a tag in the URL).
             StoreError: the registry refused the manifest (e.g. a pack blob is missing) or failed, or it
                 answered with another manifest digest.
         """
@@ -742,6 +780,8 @@ class OciPayloadStore:
         if head.status_code == 200 and head.headers.get("Docker-Content-Digest") == f"sha256:{manifest_digest}":
             logger.info("coldsnap: %s already names this manifest", where)
             return reference
+        if head.status_code == 200:
+            self._check_tag_move(url, where, listing.name, head.headers.get("Docker-Content-Digest"), manifest_digest)
         if self._head(EMPTY_DIGEST) is None:
             location = self._start_upload(EMPTY_DIGEST, where)
             if location is not None:
