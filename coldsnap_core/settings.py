@@ -10,7 +10,9 @@ made from it, and README's settings table is compared with it row by row
 (``tests/core/test_settings.py``).
 
 An extra-config key wins over its environment variable. Values are read leniently in form only: choices
-are case-insensitive and trimmed, an empty value means the default, booleans are ``1``/``0``,
+are case-insensitive and trimmed, an empty or blank (whitespace-only) value means the default for every setting
+(as if it were unset: ``VAR=`` is how a shell unsets a variable for one command; the ``coldsnap`` command's
+readers follow the same rule), booleans are ``1``/``0``,
 ``true``/``false``, ``yes``/``no``, ``on``/``off`` (or JSON ``true``/``false``/``1``/``0`` in the extra
 config), paths are trimmed, ``~``-expanded and made absolute. Anything else is a
 :class:`~coldsnap_core.errors.ConfigurationError` naming the variable or key and the value.
