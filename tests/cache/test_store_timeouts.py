@@ -123,3 +123,33 @@ def test_a_store_retry_count_outside_0_to_20_is_refused(value: str) -> None:
     the variable and the value."""
     with pytest.raises(ConfigurationError, match=f"COLDSNAP_STORE_RETRIES={value!r} is not a whole number of retries"):
         ColdsnapSettings.resolve({"COLDSNAP_STORE_RETRIES": value})
+
+
+@pytest.mark.parametrize("kind", ["oci", "gcs", "azure"])
+def test_a_frozen_store_server_fails_staging_within_the_configured_read_timeout(
+    kind: str, captured_once, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real server (the distribution registry, fake-gcs-server, azurite) holding the pack, stopped with SIGSTOP:
+    it accepts connections and answers nothing. Staging on a node whose store client has a 0.5 s read timeout and
+    one retry fails as a StoreError naming the store object and that timeout, and keeps nothing; once the server
+    runs again the same client stages the pack. Fails if the client waits with another timeout than the configured
+    one (the message names what expired) or if a stalled fetch leaves anything eligible."""
+    from cache_support import eligible_objects, sha256_of
+    from store_servers import store_under_test
+
+    from coldsnap_core.cache import PayloadCache
+    from coldsnap_core.publish import publish_native
+    from coldsnap_core.staging import stage_payload
+
+    target = store_under_test(kind, request, tmp_path, monkeypatch)
+    publish_native([captured_once.artifact_dir], target.store, PayloadCache(captured_once.capture_root))
+    client = StoreClientSettings(connect_timeout_s=0.5, read_timeout_s=0.5, retries=1)
+    node_store = target.new_store_with(chunk_size_bytes=target.extra["chunk_size_bytes"], client_settings=client)
+    cache = PayloadCache(tmp_path / "node")
+    pack = captured_once.pack
+    with target.server.frozen(), pytest.raises(StoreError) as raised:
+        stage_payload(pack, cache=cache, store=node_store)
+    assert raised.value.file == node_store.location(pack.sha256)
+    assert "read timeout of 0.5 s, COLDSNAP_STORE_READ_TIMEOUT" in str(raised.value), str(raised.value)
+    assert eligible_objects(tmp_path / "node") == {} and cache.temporaries() == []
+    assert sha256_of(stage_payload(pack, cache=cache, store=node_store)) == pack.sha256
