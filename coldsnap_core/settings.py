@@ -10,7 +10,9 @@ made from it, and README's settings table is compared with it row by row
 (``tests/core/test_settings.py``).
 
 An extra-config key wins over its environment variable. Values are read leniently in form only: choices
-are case-insensitive and trimmed, an empty value means the default, booleans are ``1``/``0``,
+are case-insensitive and trimmed, an empty or blank (whitespace-only) value means the default for every setting
+(as if it were unset: ``VAR=`` is how a shell unsets a variable for one command; the ``coldsnap`` command's
+readers follow the same rule), booleans are ``1``/``0``,
 ``true``/``false``, ``yes``/``no``, ``on``/``off`` (or JSON ``true``/``false``/``1``/``0`` in the extra
 config), paths are trimmed, ``~``-expanded and made absolute. Anything else is a
 :class:`~coldsnap_core.errors.ConfigurationError` naming the variable or key and the value.
@@ -49,6 +51,17 @@ PAYLOAD_REPO_TYPE_ENV = "COLDSNAP_PAYLOAD_REPO_TYPE"
 MATERIALIZE_ENV = "COLDSNAP_MATERIALIZE"
 LOCK_TIMEOUT_ENV = "COLDSNAP_LOCK_TIMEOUT"
 OUTCOME_LOG_ENV = "COLDSNAP_OUTCOME_LOG"
+STORE_CONNECT_TIMEOUT_ENV = "COLDSNAP_STORE_CONNECT_TIMEOUT"
+STORE_READ_TIMEOUT_ENV = "COLDSNAP_STORE_READ_TIMEOUT"
+STORE_RETRIES_ENV = "COLDSNAP_STORE_RETRIES"
+STORE_CONNECT_TIMEOUT_S = 10.0
+"""Default seconds a payload store client waits for a TCP connection (``COLDSNAP_STORE_CONNECT_TIMEOUT``)."""
+STORE_READ_TIMEOUT_S = 20.0
+"""Default seconds a payload store request may go without receiving a byte (``COLDSNAP_STORE_READ_TIMEOUT``)."""
+STORE_RETRIES = 2
+"""Default retries of a failed payload store request (``COLDSNAP_STORE_RETRIES``): 3 attempts in all."""
+STORE_RETRIES_MAX = 20
+"""The most retries ``COLDSNAP_STORE_RETRIES`` accepts (more only multiplies how long a dead store holds a lock)."""
 LOCK_TIMEOUT_SECONDS = 600.0
 """Default wait for a digest's lock (``COLDSNAP_LOCK_TIMEOUT`` overrides it): a writer then proceeds
 without the lock, a reader (admission, staging, ``cache verify``) fails with
@@ -166,6 +179,80 @@ def resolve_state_root(explicit: str | os.PathLike[str] | None = None, environ: 
     return expand_path(chosen, where)
 
 
+_WHOLE = re.compile(r"[0-9]+", re.ASCII)
+
+
+def positive_seconds(where: str, value: object) -> float | None:
+    """A store timeout: a finite number of seconds > 0 in ASCII decimals (``2``, ``0.5``; trimmed), or a JSON
+    number from an extra config; blank means the default (``None``).
+
+    Raises:
+        ConfigurationError: anything else (``0``, ``-1``, ``inf``, ``nan``, ``1_000``, non-ASCII digits),
+            naming ``where`` and the value.
+    """
+    if isinstance(value, str) and not value.strip():
+        return None
+    text = value.strip() if isinstance(value, str) else value
+    number = isinstance(text, int | float) and not isinstance(text, bool)  # a JSON number from an extra config
+    seconds = float(text) if number or (isinstance(text, str) and _SECONDS.fullmatch(text)) else float("nan")  # type: ignore[arg-type]
+    if not (0 < seconds < float("inf")):
+        raise ConfigurationError(f"{where}={value!r} is not a number of seconds > 0")
+    return seconds
+
+
+def retry_count(where: str, value: object) -> int | None:
+    """A store retry count: a whole number 0-:data:`STORE_RETRIES_MAX` in ASCII digits (trimmed), or a JSON
+    integer from an extra config; blank means the default (``None``).
+
+    Raises:
+        ConfigurationError: anything else, naming ``where`` and the value.
+    """
+    if isinstance(value, str) and not value.strip():
+        return None
+    count = -1
+    if isinstance(value, str) and _WHOLE.fullmatch(value.strip()):
+        count = int(value.strip())
+    elif isinstance(value, int) and not isinstance(value, bool):
+        count = value
+    if not 0 <= count <= STORE_RETRIES_MAX:
+        raise ConfigurationError(f"{where}={value!r} is not a whole number of retries from 0 to {STORE_RETRIES_MAX}")
+    return count
+
+
+@dataclass(frozen=True, slots=True)
+class StoreClientSettings:
+    """How a payload store's client talks to its server (``docs/format.md`` §12: every remote store).
+
+    Attributes:
+        connect_timeout_s: seconds to wait for a TCP connection (``COLDSNAP_STORE_CONNECT_TIMEOUT``).
+        read_timeout_s: seconds a request may go without receiving a byte (``COLDSNAP_STORE_READ_TIMEOUT``).
+        retries: retries of a failed request, so ``retries + 1`` attempts at most (``COLDSNAP_STORE_RETRIES``).
+    """
+
+    connect_timeout_s: float = STORE_CONNECT_TIMEOUT_S
+    read_timeout_s: float = STORE_READ_TIMEOUT_S
+    retries: int = STORE_RETRIES
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> StoreClientSettings:
+        """The client settings of the environment alone (the CLI's ``--repo``).
+
+        Raises:
+            ConfigurationError: a value is invalid (names the variable and the value).
+        """
+        env = os.environ if environ is None else environ
+        values = {
+            name: parsed
+            for name, variable, parse in (
+                ("connect_timeout_s", STORE_CONNECT_TIMEOUT_ENV, positive_seconds),
+                ("read_timeout_s", STORE_READ_TIMEOUT_ENV, positive_seconds),
+                ("retries", STORE_RETRIES_ENV, retry_count),
+            )
+            if (parsed := parse(variable, env.get(variable, ""))) is not None
+        }
+        return cls(**values)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True, slots=True)
 class StoreSettings:
     """Where packs come from when the node-local cache lacks them (see :mod:`coldsnap_core.stores`).
@@ -176,33 +263,46 @@ class StoreSettings:
             (``COLDSNAP_PAYLOAD_REPO``), trimmed, or ``None``.
         repo_type: ``COLDSNAP_PAYLOAD_REPO_TYPE`` (``model`` when unset or empty), trimmed.
         repo_where: where ``payload_repo`` came from (the variable or the extra-config key), for messages.
+        client: timeouts and retries of a remote store's client.
     """
 
     payload_dir: str | None = None
     payload_repo: str | None = None
     repo_type: str = "model"
     repo_where: str = field(default=PAYLOAD_REPO_ENV, compare=False)
+    client: StoreClientSettings = StoreClientSettings()
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> StoreSettings:
         """The store settings of the environment alone (the CLI, and callers without an engine).
 
         Raises:
-            ConfigurationError: both a folder and a repository are set (names both variables).
+            ConfigurationError: both a folder and a repository are set (names both variables), or a store
+                client setting is invalid (names the variable and the value).
         """
         env = os.environ if environ is None else environ
         return cls._checked(
-            env.get(PAYLOAD_DIR_ENV, ""), env.get(PAYLOAD_REPO_ENV, ""), env.get(PAYLOAD_REPO_TYPE_ENV, ""), PAYLOAD_DIR_ENV
+            env.get(PAYLOAD_DIR_ENV, ""),
+            env.get(PAYLOAD_REPO_ENV, ""),
+            env.get(PAYLOAD_REPO_TYPE_ENV, ""),
+            PAYLOAD_DIR_ENV,
+            client=StoreClientSettings.from_environ(env),
         )
 
     @classmethod
     def _checked(
-        cls, directory: str, repo: str, repo_type: str, dir_where: str, repo_where: str = PAYLOAD_REPO_ENV
+        cls,
+        directory: str,
+        repo: str,
+        repo_type: str,
+        dir_where: str,
+        repo_where: str = PAYLOAD_REPO_ENV,
+        client: StoreClientSettings = StoreClientSettings(),
     ) -> StoreSettings:
         directory, repo = directory.strip(), repo.strip()
         if directory and repo:
             raise ConfigurationError(f"set only one of {dir_where} ({directory!r}) and {repo_where} ({repo!r})")
-        return cls(directory or None, repo or None, repo_type.strip() or "model", repo_where)
+        return cls(directory or None, repo or None, repo_type.strip() or "model", repo_where, client)
 
     @property
     def configured(self) -> bool:
@@ -257,7 +357,7 @@ class Setting:
         key: the ``--model-loader-extra-config`` key.
         variable: the environment variable, or ``None`` (extra-config key only).
         field: the :class:`ColdsnapSettings` attribute it sets (``store.<name>``: a
-            :class:`StoreSettings` attribute).
+            :class:`StoreSettings` or :class:`StoreClientSettings` attribute).
         parse: ``parse(where, value)``: the value, or ``None`` for the default (a blank value);
             raises :class:`~coldsnap_core.errors.ConfigurationError` naming ``where`` and the value.
         default: the default, as README's table shows it (Markdown).
@@ -403,6 +503,32 @@ SETTINGS: tuple[Setting, ...] = (
         "`model`",
         "the Hugging Face repository type of `payload_repo`: `model` or `dataset`",
     ),
+    Setting(
+        "store_connect_timeout",
+        STORE_CONNECT_TIMEOUT_ENV,
+        "store.connect_timeout_s",
+        positive_seconds,
+        "`10`",
+        "seconds a remote payload store's client (S3, OCI, GCS, Azure) waits for a connection (> 0)",
+    ),
+    Setting(
+        "store_read_timeout",
+        STORE_READ_TIMEOUT_ENV,
+        "store.read_timeout_s",
+        positive_seconds,
+        "`20`",
+        "seconds a remote payload store request may go without receiving a byte before it fails (> 0); a stalled"
+        " store fails as `payload-store` naming the store and this timeout",
+    ),
+    Setting(
+        "store_retries",
+        STORE_RETRIES_ENV,
+        "store.retries",
+        retry_count,
+        "`2`",
+        "retries of a failed remote payload store request (0-20), with back-off capped at a few seconds; S3 takes"
+        " `AWS_MAX_ATTEMPTS` instead when it is set",
+    ),
 )
 """Every coldsnap setting, in README's order."""
 
@@ -522,6 +648,9 @@ class ColdsnapSettings:
             str(values.pop("store.repo_type", "")),
             found.get("store.payload_dir", (PAYLOAD_DIR_ENV, None))[0],
             found.get("store.payload_repo", (PAYLOAD_REPO_ENV, None))[0],
+            client=StoreClientSettings(
+                **{name.removeprefix("store."): values.pop(name) for name in list(values) if name.startswith("store.")}  # type: ignore[arg-type]
+            ),
         )
         settings = cls(
             **{

@@ -29,6 +29,7 @@ from coldsnap_core.cli._progress import byte_bar, quiet_hub_bars
 from coldsnap_core.cli._targets import artifact_folder
 from coldsnap_core.errors import ConfigurationError, MissingObjectError
 from coldsnap_core.format.manifest import WorkerIdentity
+from coldsnap_core.settings import StoreClientSettings
 from coldsnap_core.staging import stage_payload, worker_entries
 from coldsnap_core.stores import from_env, parse_store_spec
 
@@ -94,7 +95,7 @@ def host_workers(
 def run(args: argparse.Namespace) -> int:
     artifact_dir = artifact_folder(args.artifact)
     cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
-    store = parse_store_spec(args.repo) if args.repo else from_env()
+    store = parse_store_spec(args.repo, client=StoreClientSettings.from_environ()) if args.repo else from_env()
     quiet_hub_bars()
     descriptor = read_descriptor(artifact_dir)
     workers = host_workers(

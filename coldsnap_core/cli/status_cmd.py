@@ -3,17 +3,19 @@
 Reads the load outcome log (``docs/format.md`` §10.3: ``<state-root>/load-outcomes.jsonl``, or
 ``--outcome-log`` / ``$COLDSNAP_OUTCOME_LOG``) and prints, for each artifact folder, how many of the
 last ``--last`` loads ended in each outcome, the latest one and the latest fallback or refusal with
-its rule and file. Exit codes: 0 (also for a missing or empty log), 4 when the log cannot be read; with
-``--fail-on-fallback``, 1 when the latest load of any artifact fell back or was refused (for alerting).
+its rule and file. Exit codes: 0 (also for a missing or empty log, which the output says), 4 when the log cannot
+be read; with ``--fail-on-fallback``, 1 when the latest load of any artifact fell back or was refused (for
+alerting) and 4 when the log does not exist (an alert that cannot see the log must not pass).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from coldsnap_core._io import os_error
-from coldsnap_core.errors import EXIT_INTEGRITY
+from coldsnap_core.errors import EXIT_INTEGRITY, FileAccessError
 from coldsnap_core.outcomes import OUTCOMES, outcome_log_path, read_outcomes, summarize
 from coldsnap_core.settings import OUTCOME_LOG_ENV, outcome_log_from_env, resolve_state_root
 
@@ -36,12 +38,30 @@ def _status(args: argparse.Namespace) -> int:
         lines, skipped = read_outcomes(path, args.last)
     except OSError as exc:
         raise os_error("cannot read the load outcome log", exc, path) from exc
+    exists = bool(lines) or skipped > 0 or os.path.lexists(path)  # read_outcomes reads a missing log as empty
+    if not exists and args.fail_on_fallback:
+        # an alert that cannot see the log must not pass: a path into a folder that does not exist (a typo in
+        # COLDSNAP_OUTCOME_LOG) would otherwise report "no fallback" for ever
+        raise FileAccessError(
+            f"the load outcome log does not exist ({'nor its folder' if not path.parent.is_dir() else 'no load recorded yet'}):"
+            f" --fail-on-fallback cannot tell whether a load fell back; check --outcome-log, ${OUTCOME_LOG_ENV} and the state root",
+            file=path,
+        )
     summaries = summarize(lines)
     if args.json:
-        doc = {"outcome_log": str(path), "lines": len(lines), "skipped": skipped, "artifacts": [s.to_json() for s in summaries]}
+        doc = {
+            "outcome_log": str(path),
+            "exists": exists,
+            "lines": len(lines),
+            "skipped": skipped,
+            "artifacts": [s.to_json() for s in summaries],
+        }
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
-        print(f"outcome log: {path} ({len(lines)} load(s) read" + (f", {skipped} malformed line(s) skipped)" if skipped else ")"))
+        shown = path if exists else f"{path} (does not exist{'' if path.parent.is_dir() else ', nor its folder'})"
+        print(
+            f"outcome log: {shown} ({len(lines)} load(s) read" + (f", {skipped} malformed line(s) skipped)" if skipped else ")")
+        )
         if not summaries:
             print("no load outcomes recorded")
         for s in summaries:
@@ -67,7 +87,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "status",
         help="summarize recent worker loads per artifact (restored / captured / fell back)",
         description="Summarize the load outcome log per artifact folder. Exit codes: 0 ok, 1 with --fail-on-fallback "
-        "when the latest load of an artifact fell back or was refused, 4 the log cannot be read.",
+        "when the latest load of an artifact fell back or was refused, 4 the log cannot be read (with "
+        "--fail-on-fallback: also when it does not exist).",
     )
     p.add_argument("--state-root", default=None, help="the state root (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)")
     p.add_argument(
@@ -85,6 +106,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
-        "--fail-on-fallback", action="store_true", help="exit 1 when the latest load of any artifact fell back or was refused"
+        "--fail-on-fallback",
+        action="store_true",
+        help="exit 1 when the latest load of any artifact fell back or was refused, 4 when the log does not exist",
     )
     p.set_defaults(func=_status)

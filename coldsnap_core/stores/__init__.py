@@ -29,7 +29,14 @@ import re
 from collections.abc import Mapping
 
 from coldsnap_core.errors import ColdsnapError, ConfigurationError
-from coldsnap_core.settings import PAYLOAD_DIR_ENV, PAYLOAD_REPO_ENV, PAYLOAD_REPO_TYPE_ENV, StoreSettings, expand_path
+from coldsnap_core.settings import (
+    PAYLOAD_DIR_ENV,
+    PAYLOAD_REPO_ENV,
+    PAYLOAD_REPO_TYPE_ENV,
+    StoreClientSettings,
+    StoreSettings,
+    expand_path,
+)
 from coldsnap_core.stores.base import PayloadStore
 from coldsnap_core.stores.local import LocalFolderStore
 
@@ -87,16 +94,16 @@ def _redacted(exc: ColdsnapError) -> ColdsnapError:
     return exc
 
 
-def parse_store_spec(spec: str, *, repo_type: str = "model") -> PayloadStore:
+def parse_store_spec(spec: str, *, repo_type: str = "model", client: StoreClientSettings | None = None) -> PayloadStore:
     """See :func:`_parse_store_spec`; every error it raises has the setting's secrets redacted
     (:func:`redact_store_spec`)."""
     try:
-        return _parse_store_spec(spec, repo_type=repo_type)
+        return _parse_store_spec(spec, repo_type=repo_type, client=client or StoreClientSettings())
     except ColdsnapError as exc:
         raise _redacted(exc) from None
 
 
-def _parse_store_spec(spec: str, *, repo_type: str = "model") -> PayloadStore:
+def _parse_store_spec(spec: str, *, repo_type: str, client: StoreClientSettings) -> PayloadStore:
     """A store from a ``--repo`` / ``COLDSNAP_PAYLOAD_REPO`` value.
 
     * ``file:///abs/path``, ``/abs/path``, ``./rel``, ``../rel``, ``~/path``, ``.``: a folder store;
@@ -107,6 +114,9 @@ def _parse_store_spec(spec: str, *, repo_type: str = "model") -> PayloadStore:
       ``;Container=NAME[/prefix]``: an Azure Blob container (``azure-storage-blob``, the ``azure`` extra);
     * ``org/name`` or ``org/name@revision`` (revision: branch, tag or commit; it may contain ``/``):
       a Hugging Face repository of type ``repo_type``.
+
+    ``client`` (timeouts, retries) goes to the S3, OCI, GCS and Azure stores; the Hugging Face store's client is
+    ``huggingface_hub``'s, configured by its own variables (``HF_HUB_ETAG_TIMEOUT``, ``HF_HUB_DOWNLOAD_TIMEOUT``).
 
     Raises:
         ConfigurationError: empty value, empty revision, or an invalid repository id or type.
@@ -119,19 +129,19 @@ def _parse_store_spec(spec: str, *, repo_type: str = "model") -> PayloadStore:
     if spec.startswith("s3://"):
         from coldsnap_core.stores.s3 import S3PayloadStore
 
-        return S3PayloadStore.from_url(spec)
+        return S3PayloadStore.from_url(spec, client_settings=client)
     if spec.startswith("oci://"):
         from coldsnap_core.stores.oci import OciPayloadStore
 
-        return OciPayloadStore.from_url(spec)
+        return OciPayloadStore.from_url(spec, client_settings=client)
     if spec.startswith("gs://"):
         from coldsnap_core.stores.gcs import GcsPayloadStore
 
-        return GcsPayloadStore.from_url(spec)
+        return GcsPayloadStore.from_url(spec, client_settings=client)
     if spec.startswith("az://") or _looks_like_azure_connection_string(spec):
         from coldsnap_core.stores.azure import AzurePayloadStore
 
-        return AzurePayloadStore.from_url(spec)
+        return AzurePayloadStore.from_url(spec, client_settings=client)
     try:
         from coldsnap_core.stores.hf import HfPayloadStore
     except ValueError as exc:  # huggingface_hub parses HF_ENDPOINT when it is imported
@@ -155,7 +165,7 @@ def from_settings(settings: StoreSettings) -> PayloadStore | None:
         return LocalFolderStore(expand_path(settings.payload_dir, PAYLOAD_DIR_ENV))
     if settings.payload_repo is not None:
         try:
-            return parse_store_spec(settings.payload_repo, repo_type=settings.repo_type)
+            return parse_store_spec(settings.payload_repo, repo_type=settings.repo_type, client=settings.client)
         except ConfigurationError as exc:
             shown = redact_store_spec(repr(settings.payload_repo))
             raise ConfigurationError(

@@ -1,5 +1,5 @@
 """Parallel ranged reads of one remote object into a file descriptor, shared by the object-store clients
-(OCI registry, GCS, Azure Blob).
+(S3, OCI registry, GCS, Azure Blob), and the message of a failed request (:func:`request_failure`).
 
 A store gives :func:`fetch_ranges` a function that returns the bytes ``[start, end)`` of the object; the
 ranges are read ``concurrency`` at a time and written with ``pwrite`` at their offsets. Nothing here judges
@@ -19,6 +19,12 @@ from typing import Any
 
 from coldsnap_core._io import SPACE_ERRNOS
 from coldsnap_core.errors import InsufficientSpaceError, PackDigestMismatchError, PackSizeMismatchError, StoreError
+from coldsnap_core.settings import (
+    STORE_CONNECT_TIMEOUT_ENV,
+    STORE_READ_TIMEOUT_ENV,
+    STORE_RETRIES_ENV,
+    StoreClientSettings,
+)
 
 RANGE_SIZE_BYTES = 64 << 20
 """Bytes per ranged GET (64 MiB)."""
@@ -27,6 +33,39 @@ DEFAULT_CONCURRENCY = 8
 
 ReadRange = Callable[[int, int], bytes]
 """``(start, end) -> bytes [start, end)`` of the object."""
+
+
+def timed_out(exc: BaseException) -> str | None:
+    """``"connect"`` or ``"read"`` when ``exc`` (or an exception in its chain) is a client's timeout (botocore's
+    ``ConnectTimeoutError``/``ReadTimeoutError``, httpx's and requests' ``ConnectTimeout``/``ReadTimeout``, an
+    ``OSError`` "timed out" as azure-core and urllib3 report it), else ``None``."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        names = [cls.__name__ for cls in type(current).__mro__]
+        if any("ConnectTimeout" in n for n in names):
+            return "connect"
+        if any("Timeout" in n for n in names) or "timed out" in str(current).lower():
+            return "read"
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def request_failure(name: str, action: str, exc: BaseException, client: StoreClientSettings, *, where: str) -> StoreError:
+    """The :class:`StoreError` of a failed request of store ``name``: ``"<name>: <action> failed: <class>:
+    <first line>"``, and for a timeout the timeout that expired, its variable and the attempts made, so a
+    stalled store says what ended the wait."""
+    message = str(exc).splitlines()[0] if str(exc) else ""
+    text = f"{name}: {action} failed: {type(exc).__name__}: {message}"
+    kind = timed_out(exc)
+    if kind == "connect":
+        text += f" (no connection within the connect timeout of {client.connect_timeout_s:g} s, {STORE_CONNECT_TIMEOUT_ENV}"
+    elif kind == "read":
+        text += f" (no byte within the read timeout of {client.read_timeout_s:g} s, {STORE_READ_TIMEOUT_ENV}"
+    if kind is not None:
+        text += f"; at most {client.retries + 1} attempt(s), {STORE_RETRIES_ENV})"
+    return StoreError(text, file=where)
 
 
 def byte_ranges(size_bytes: int, step_bytes: int) -> list[tuple[int, int]]:

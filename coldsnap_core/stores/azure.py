@@ -38,6 +38,7 @@ from coldsnap_core.errors import (
     StoreError,
     size_mismatch,
 )
+from coldsnap_core.settings import StoreClientSettings
 from coldsnap_core.stores._ranged import (
     DEFAULT_CONCURRENCY,
     RANGE_SIZE_BYTES,
@@ -46,8 +47,9 @@ from coldsnap_core.stores._ranged import (
     checked_range,
     fetch_ranges,
     hash_ranges,
+    request_failure,
 )
-from coldsnap_core.stores.base import ProgressCallback
+from coldsnap_core.stores.base import ProgressCallback, checked_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -55,22 +57,21 @@ AZURE_SCHEME = "az://"
 ENDPOINT_ENV = "AZURE_STORAGE_BLOB_ENDPOINT"
 KEY_ENV = "AZURE_STORAGE_KEY"
 SAS_ENV = "AZURE_STORAGE_SAS_TOKEN"
-CONNECT_TIMEOUT_S = 10
-READ_TIMEOUT_S = 20
-RETRIES = 3
-"""Retries of a failed request (azure-core's exponential retry policy; its default is 10)."""
+RETRY_BACKOFF_S = 1.0
+"""Seconds before the first retry (azure-storage-blob's ``ExponentialRetry`` waits 15 s, then 18 s, 24 s, ...)."""
+RETRY_BACKOFF_MAX_S = 4.0
+"""The longest wait between two attempts: a hanging account fails after ``retries + 1`` read timeouts and at
+most ``retries`` times this, not after minutes of back-off."""
 
 
 def _split_container(value: str, spec_for_errors: str) -> tuple[str, str]:
-    container, _, prefix = value.strip().strip("/").partition("/")
+    # no stripping of "/": "cont//p" and "/cont" name an empty segment, refused below, not "cont/p" and "cont"
+    container, _, prefix = value.strip().partition("/")
     if not (3 <= len(container) <= 63) or not all(c.isascii() and (c.islower() or c.isdigit() or c == "-") for c in container):
         raise ConfigurationError(
             f"{spec_for_errors}: {container!r} is not an Azure container name (3-63 characters of a-z, 0-9, '-')"
         )
-    prefix = prefix.strip("/")
-    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
-        raise ConfigurationError(f"{spec_for_errors}: the blob prefix {prefix!r} has an empty, '.' or '..' segment")
-    return container, prefix
+    return container, checked_prefix(prefix, spec=spec_for_errors, what="blob prefix")
 
 
 def parse_azure_spec(spec: str) -> tuple[str | None, str | None, str, str]:
@@ -109,10 +110,36 @@ def parse_azure_spec(spec: str) -> tuple[str | None, str | None, str, str]:
     return account, rest, container, prefix
 
 
+def _retry_policy(retries: int) -> Any:
+    """azure-storage-blob's ``ExponentialRetry`` with ``retries`` retries of every kind (connect, read, status)
+    and its back-off capped at :data:`RETRY_BACKOFF_MAX_S` (the policy has no cap of its own)."""
+    from azure.storage.blob import ExponentialRetry
+
+    class CappedExponentialRetry(ExponentialRetry):
+        def get_backoff_time(self, settings: dict[str, Any]) -> float:
+            return min(super().get_backoff_time(settings), RETRY_BACKOFF_MAX_S)
+
+    return CappedExponentialRetry(
+        initial_backoff=RETRY_BACKOFF_S,
+        increment_base=2,
+        random_jitter_range=0.5,
+        retry_total=retries,
+        retry_connect=retries,
+        retry_read=retries,
+        retry_status=retries,
+    )
+
+
 def _service_client(
-    account: str | None, connection_string: str | None, *, chunk_size_bytes: int, retries: int, credential: Any = None
+    account: str | None,
+    connection_string: str | None,
+    *,
+    chunk_size_bytes: int,
+    client_settings: StoreClientSettings,
+    credential: Any = None,
 ) -> Any:
-    """A ``BlobServiceClient`` for the spec (see the module docstring).
+    """A ``BlobServiceClient`` for the spec (see the module docstring), with the timeouts of ``client_settings``
+    and :func:`_retry_policy`.
 
     Raises:
         ConfigurationError: azure-storage-blob is missing, or the connection string or endpoint is invalid.
@@ -122,11 +149,11 @@ def _service_client(
     except ImportError as exc:
         raise ConfigurationError("an az:// payload store needs azure-storage-blob: pip install 'coldsnap[azure]'") from exc
     timeouts = {
-        "connection_timeout": CONNECT_TIMEOUT_S,
-        "read_timeout": READ_TIMEOUT_S,
+        "connection_timeout": client_settings.connect_timeout_s,
+        "read_timeout": client_settings.read_timeout_s,
         "max_block_size": chunk_size_bytes,  # bytes per staged block
         "max_single_put_size": chunk_size_bytes,  # up to this, one Put Blob; beyond, blocks and Put Block List
-        "retry_total": retries,
+        "retry_policy": _retry_policy(client_settings.retries),
     }
     try:
         if connection_string is not None:
@@ -165,7 +192,7 @@ class AzurePayloadStore:
         service: a ``BlobServiceClient`` (default: one from the arguments and the environment).
         chunk_size_bytes: bytes per ranged download and per staged block.
         concurrency: ranges or blocks in flight at once.
-        retries: retries of a failed request (for a client made here).
+        client_settings: timeouts and retries of a client made here (and named in a timeout's message).
 
     Raises:
         ConfigurationError: ``chunk_size_bytes`` or ``concurrency`` is not positive.
@@ -181,7 +208,7 @@ class AzurePayloadStore:
         service: Any = None,
         chunk_size_bytes: int = RANGE_SIZE_BYTES,
         concurrency: int = DEFAULT_CONCURRENCY,
-        retries: int = RETRIES,
+        client_settings: StoreClientSettings | None = None,
     ) -> None:
         if chunk_size_bytes <= 0 or concurrency <= 0:
             raise ConfigurationError(
@@ -192,7 +219,7 @@ class AzurePayloadStore:
         self.account = account
         self.chunk_size_bytes = chunk_size_bytes
         self.concurrency = concurrency
-        self.retries = retries
+        self.client_settings = client_settings or StoreClientSettings()
         self._connection_string = connection_string
         self._service = service
         where = f"{account or '?'}/{container}"
@@ -212,7 +239,10 @@ class AzurePayloadStore:
         """The ``BlobServiceClient``, made on first use."""
         if self._service is None:
             self._service = _service_client(
-                self.account, self._connection_string, chunk_size_bytes=self.chunk_size_bytes, retries=self.retries
+                self.account,
+                self._connection_string,
+                chunk_size_bytes=self.chunk_size_bytes,
+                client_settings=self.client_settings,
             )
         return self._service
 
@@ -236,8 +266,27 @@ class AzurePayloadStore:
                 f"{SAS_ENV}, the connection string's AccountKey or the identity's role",
                 file=self.location(digest),
             )
-        message = str(exc).splitlines()[0] if str(exc) else ""
-        return StoreError(f"{self.name}: {action} failed: {type(exc).__name__}: {message}", file=self.location(digest))
+        return request_failure(self.name, action, exc, self.client_settings, where=self.location(digest))
+
+    def _check_container(self, digest: str, error_code: object) -> None:
+        """After a "not found": nothing when the blob is what is missing.
+
+        Raises:
+            StoreError: the container does not exist (a misconfiguration, not a missing pack), naming it.
+        """
+        if error_code == "BlobNotFound":
+            return
+        if error_code != "ContainerNotFound":  # a HEAD's answer may carry no error code: ask for the container
+            try:
+                if self.service.get_container_client(self.container).exists():
+                    return
+            except Exception as exc:
+                raise self._fail("looking up the container", digest, exc) from exc
+        raise StoreError(
+            f"{self.name}: the container {self.container!r} does not exist in storage account {self.account or '?'}"
+            " (coldsnap never creates containers; check the payload store setting)",
+            file=self.location(digest),
+        )
 
     def _properties(self, digest: str) -> tuple[int, str] | None:
         """``(size_bytes, etag)`` of the blob, or ``None`` when there is none."""
@@ -246,6 +295,7 @@ class AzurePayloadStore:
             props = blob.get_blob_properties()
         except Exception as exc:
             if _is(exc, "ResourceNotFoundError"):
+                self._check_container(digest, getattr(exc, "error_code", None))
                 return None
             raise self._fail("looking up the pack", digest, exc) from exc
         return int(props.size), str(props.etag)

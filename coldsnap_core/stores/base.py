@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from coldsnap_core.errors import ConfigurationError
+
 ProgressCallback = Callable[[int], object]
 """Called with a number of bytes moved since the previous call."""
 
@@ -140,3 +142,32 @@ class ArtifactIndex(Protocol):
             StoreError: the store refused or failed.
         """
         ...
+
+
+PACK_NAME_BYTES = len("/model-payloads/sha256/") + 64 + len(".pack")
+"""Bytes a pack's object name adds after a key prefix (``/model-payloads/sha256/<digest>.pack``)."""
+OBJECT_NAME_MAX_BYTES = 1024
+"""The longest object name S3, Cloud Storage and Azure Blob take (UTF-8 bytes; Azure counts characters, the same
+for the ASCII a pack's name is)."""
+
+
+def checked_prefix(prefix: str, *, spec: str, what: str) -> str:
+    """A store URL's key prefix (what follows the bucket or container and its ``/``) without its one optional
+    trailing ``/``.
+
+    Every segment must be non-empty and neither ``.`` nor ``..``: ``gs://bucket//p`` names the object prefix ``/p``,
+    which is not ``p``, so it is refused rather than silently read as ``p``.
+
+    Raises:
+        ConfigurationError: an empty, ``.`` or ``..`` segment (``what`` names the prefix, ``spec`` the setting),
+            or a prefix too long for an object name of at most :data:`OBJECT_NAME_MAX_BYTES` bytes.
+    """
+    trimmed = prefix.removesuffix("/")
+    if prefix and (not trimmed or any(part in ("", ".", "..") for part in trimmed.split("/"))):
+        raise ConfigurationError(f"{spec}: the {what} {prefix!r} has an empty, '.' or '..' segment")
+    if len(trimmed.encode()) + PACK_NAME_BYTES > OBJECT_NAME_MAX_BYTES:
+        raise ConfigurationError(
+            f"{spec}: the {what} is {len(trimmed.encode())} bytes long; with a pack's name"
+            f" ({PACK_NAME_BYTES} bytes) it must fit the {OBJECT_NAME_MAX_BYTES}-byte object name limit"
+        )
+    return trimmed

@@ -32,6 +32,7 @@ from coldsnap_core.errors import (
     StoreError,
     size_mismatch,
 )
+from coldsnap_core.settings import StoreClientSettings
 from coldsnap_core.stores._ranged import (
     DEFAULT_CONCURRENCY,
     RANGE_SIZE_BYTES,
@@ -39,16 +40,15 @@ from coldsnap_core.stores._ranged import (
     checked_range,
     fetch_ranges,
     hash_ranges,
+    request_failure,
 )
-from coldsnap_core.stores.base import ProgressCallback
+from coldsnap_core.stores.base import ProgressCallback, checked_prefix
 
 logger = logging.getLogger(__name__)
 
 GCS_SCHEME = "gs://"
-TIMEOUT_S = (10.0, 20.0)
-"""``(connect, read)`` seconds for every request (a stalled read fails instead of waiting)."""
-RETRY_TIMEOUT_S = 30.0
-"""Seconds a request is retried (google-cloud-storage's retry on 429, 5xx and connection errors; its default is 120)."""
+RETRY_BACKOFF_MAX_S = 4.0
+"""The longest wait between two attempts of a request (google-cloud-storage's default retry waits up to 60 s)."""
 GCS_CLIENT_VARIABLES = ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT", "STORAGE_EMULATOR_HOST")
 
 
@@ -57,7 +57,8 @@ def parse_gs_url(spec: str) -> tuple[str, str]:
 
     Raises:
         ConfigurationError: not a ``gs://`` URL, a bucket name outside 3-63 characters of ``a-z 0-9 . - _``
-            (starting and ending with a letter or digit), or a prefix with an empty, ``.`` or ``..`` segment.
+            (starting and ending with a letter or digit), or a prefix with an empty, ``.`` or ``..`` segment or too
+            long for Cloud Storage's 1024-byte object names (:func:`coldsnap_core.stores.base.checked_prefix`).
     """
     if not spec.startswith(GCS_SCHEME):
         raise ConfigurationError(f"{spec!r} is not a gs://bucket/prefix URL")
@@ -65,10 +66,7 @@ def parse_gs_url(spec: str) -> tuple[str, str]:
     valid = 3 <= len(bucket) <= 63 and all(c.isascii() and (c.islower() or c.isdigit() or c in ".-_") for c in bucket)
     if not valid or not (bucket[0].isalnum() and bucket[-1].isalnum()):
         raise ConfigurationError(f"{spec!r}: {bucket!r} is not a GCS bucket name (3-63 characters of a-z, 0-9, '.', '-', '_')")
-    prefix = prefix.strip("/")
-    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
-        raise ConfigurationError(f"{spec!r}: the object prefix {prefix!r} has an empty, '.' or '..' segment")
-    return bucket, prefix
+    return bucket, checked_prefix(prefix, spec=repr(spec), what="object prefix")
 
 
 def _default_client(name: str) -> Any:
@@ -103,7 +101,9 @@ class GcsPayloadStore:
         client: a ``google.cloud.storage.Client`` (default: one from the environment).
         chunk_size_bytes: bytes per ranged read and per resumable-upload chunk (a multiple of 256 KiB).
         concurrency: ranged reads in flight at once.
-        retry_timeout_s: seconds a failing request is retried before the store gives up.
+        client_settings: the ``(connect, read)`` timeouts of every request and how often a failed request is
+            retried (google-cloud-storage's retry on 429, 5xx and connection errors, back-off capped at
+            :data:`RETRY_BACKOFF_MAX_S`); named in a timeout's message.
 
     Raises:
         ConfigurationError: ``chunk_size_bytes`` is not a positive multiple of 256 KiB, or ``concurrency`` < 1.
@@ -117,7 +117,7 @@ class GcsPayloadStore:
         client: Any = None,
         chunk_size_bytes: int = RANGE_SIZE_BYTES,
         concurrency: int = DEFAULT_CONCURRENCY,
-        retry_timeout_s: float = RETRY_TIMEOUT_S,
+        client_settings: StoreClientSettings | None = None,
     ) -> None:
         if chunk_size_bytes <= 0 or chunk_size_bytes % (256 << 10) or concurrency <= 0:
             raise ConfigurationError(
@@ -127,7 +127,8 @@ class GcsPayloadStore:
         self.prefix = prefix.strip("/")
         self.chunk_size_bytes = chunk_size_bytes
         self.concurrency = concurrency
-        self.retry_timeout_s = retry_timeout_s
+        self.client_settings = client_settings or StoreClientSettings()
+        self._timeout_s = (self.client_settings.connect_timeout_s, self.client_settings.read_timeout_s)
         self._client = client
         self.name = f"gcs {bucket}/{self.prefix}" if self.prefix else f"gcs {bucket}"
 
@@ -142,9 +143,27 @@ class GcsPayloadStore:
 
     @property
     def _retry(self) -> Any:
+        """A fresh retry policy for one request: google-cloud-storage's predicate for at most
+        ``client_settings.retries`` retries (its ``Retry`` counts time, not attempts), back-off 1 s doubling up to
+        :data:`RETRY_BACKOFF_MAX_S`."""
         from google.cloud.storage.retry import DEFAULT_RETRY
 
-        return DEFAULT_RETRY.with_timeout(self.retry_timeout_s)
+        retryable = DEFAULT_RETRY._predicate  # google-cloud-storage's own choice of what to retry
+        left = [self.client_settings.retries]
+
+        def predicate(exc: Exception) -> bool:
+            if left[0] <= 0 or not retryable(exc):
+                return False
+            left[0] -= 1
+            return True
+
+        settings = self.client_settings
+        deadline_s = (settings.retries + 1) * (settings.connect_timeout_s + settings.read_timeout_s + RETRY_BACKOFF_MAX_S)
+        return (
+            DEFAULT_RETRY.with_predicate(predicate)
+            .with_delay(initial=1.0, maximum=RETRY_BACKOFF_MAX_S, multiplier=2.0)
+            .with_timeout(deadline_s)
+        )
 
     @property
     def client(self) -> Any:
@@ -163,7 +182,7 @@ class GcsPayloadStore:
         return f"{GCS_SCHEME}{self.bucket_name}/{self.key(digest)}"
 
     def _fail(self, action: str, digest: str, exc: BaseException) -> StoreError:
-        return StoreError(f"{self.name}: {action} failed: {type(exc).__name__}: {exc}", file=self.location(digest))
+        return request_failure(self.name, action, exc, self.client_settings, where=self.location(digest))
 
     def _blob(self, digest: str, generation: int | None = None) -> Any:
         blob = self.client.bucket(self.bucket_name).blob(
@@ -172,12 +191,25 @@ class GcsPayloadStore:
         return blob
 
     def _metadata(self, digest: str) -> tuple[int, int] | None:
-        """``(size_bytes, generation)`` of the live object, or ``None`` when there is none."""
+        """``(size_bytes, generation)`` of the live object, or ``None`` when there is none.
+
+        Raises:
+            StoreError: the request failed, or the bucket does not exist (a misconfiguration, not a missing
+                pack: ``get_blob`` answers ``None`` for both), naming the bucket.
+        """
         client = self.client  # outside the try: a missing library is a ConfigurationError
         try:
-            blob = client.bucket(self.bucket_name).get_blob(self.key(digest), timeout=TIMEOUT_S, retry=self._retry)
+            bucket = client.bucket(self.bucket_name)
+            blob = bucket.get_blob(self.key(digest), timeout=self._timeout_s, retry=self._retry)
+            bucket_exists = blob is not None or bucket.exists(timeout=self._timeout_s, retry=self._retry)
         except Exception as exc:
             raise self._fail("looking up the pack", digest, exc) from exc
+        if not bucket_exists:
+            raise StoreError(
+                f"{self.name}: the bucket {self.bucket_name!r} does not exist (coldsnap never creates buckets;"
+                " check the payload store setting)",
+                file=self.location(digest),
+            )
         return None if blob is None else (int(blob.size), int(blob.generation))
 
     def has(self, digest: str, size_bytes: int | None = None, *, verify: bool = False) -> bool:
@@ -204,7 +236,7 @@ class GcsPayloadStore:
         where = self.location(digest)
         try:
             data = self._blob(digest, generation).download_as_bytes(
-                start=start, end=end - 1, raw_download=True, checksum=None, timeout=TIMEOUT_S, retry=self._retry
+                start=start, end=end - 1, raw_download=True, checksum=None, timeout=self._timeout_s, retry=self._retry
             )
         except Exception as exc:
             if _is(exc, "NotFound"):
@@ -295,7 +327,7 @@ class GcsPayloadStore:
                 content_type="application/octet-stream",
                 if_generation_match=generation,
                 checksum="md5",
-                timeout=TIMEOUT_S,
+                timeout=self._timeout_s,
                 retry=self._retry,  # a create under if_generation_match is idempotent
             )
         except PackDigestMismatchError:

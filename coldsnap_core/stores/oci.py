@@ -58,6 +58,7 @@ from coldsnap_core.errors import (
     StoreError,
     size_mismatch,
 )
+from coldsnap_core.settings import StoreClientSettings
 from coldsnap_core.stores._ranged import (
     DEFAULT_CONCURRENCY,
     check_file_digest,
@@ -65,6 +66,7 @@ from coldsnap_core.stores._ranged import (
     fetch_ranges,
     hash_ranges,
     read_file_checked,
+    request_failure,
 )
 from coldsnap_core.stores.base import ArtifactListing, ProgressCallback
 
@@ -85,10 +87,9 @@ MOUNT_FROM_ENV = "COLDSNAP_OCI_MOUNT_FROM"
 DOCKER_CONFIG_ENV = "DOCKER_CONFIG"
 CHUNK_SIZE_BYTES = 64 << 20
 """Bytes per upload request (one ``PUT`` up to this size, ``PATCH`` chunks of this size beyond)."""
-CONNECT_TIMEOUT_S = 10.0
-"""Seconds to wait for a TCP connection to the registry."""
-READ_TIMEOUT_S = 20.0
-"""Seconds a request may go without receiving a byte before it fails."""
+REFERENCE_NAME_MAX_CHARS = 255
+"""The longest ``HOST[:PORT]/NAME`` (OCI Distribution Specification, "Pulling manifests": many clients impose this
+limit, so a longer one could be pushed but not pulled by them)."""
 
 _NAME_COMPONENT = r"[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*"
 _REPOSITORY_RE = re.compile(rf"^{_NAME_COMPONENT}(?:/{_NAME_COMPONENT})*$")
@@ -117,16 +118,26 @@ def parse_oci_url(spec: str) -> OciReference:
     Raises:
         ConfigurationError: not an ``oci://`` URL, no repository, a repository or tag outside the distribution
             spec's grammar (lowercase ``a-z 0-9`` components separated by ``. _ __ -``, joined by ``/``; a tag
-            of at most 128 characters of ``A-Za-z0-9._-``), or a digest reference (``@sha256:``).
+            of at most 128 characters of ``A-Za-z0-9._-``), ``HOST[:PORT]/NAME`` over
+            :data:`REFERENCE_NAME_MAX_CHARS` characters, a port outside 1-65535, credentials in the URL
+            (``user:password@``: they come from the Docker config), or a digest reference (``@sha256:``).
     """
     if not spec.startswith(OCI_SCHEME):
         raise ConfigurationError(f"{spec!r} is not an oci://HOST/NAMESPACE/NAME[:TAG] URL")
     rest = spec[len(OCI_SCHEME) :]
+    if "@" in rest.partition("/")[0]:
+        raise ConfigurationError(
+            f"{spec!r}: credentials do not go in the URL; they come from the Docker config ({docker_config_path()},"
+            f" its auths entry for the registry)"
+        )
     if "@" in rest:
         raise ConfigurationError(f"{spec!r}: a payload store is a repository (and tag), not a digest reference")
     registry, _, path = rest.partition("/")
     if not registry or not _HOST_RE.match(registry):
         raise ConfigurationError(f"{spec!r}: {registry!r} is not a registry HOST[:PORT]")
+    port = registry.rpartition("]")[2].rpartition(":")[2] if ":" in registry.rpartition("]")[2] else None
+    if port is not None and not 1 <= int(port) <= 65535:
+        raise ConfigurationError(f"{spec!r}: port {port} of {registry!r} is outside 1-65535")
     path = path.strip("/")
     tag = None
     last = path.rsplit("/", 1)[-1]
@@ -139,6 +150,11 @@ def parse_oci_url(spec: str) -> OciReference:
     if not path or not _REPOSITORY_RE.match(path):
         raise ConfigurationError(
             f"{spec!r}: {path!r} is not an OCI repository name (lowercase a-z 0-9 components separated by '.', '_', '__' or '-', joined by '/')"
+        )
+    if len(f"{registry}/{path}") > REFERENCE_NAME_MAX_CHARS:
+        raise ConfigurationError(
+            f"{spec!r}: HOST[:PORT]/NAME is {len(f'{registry}/{path}')} characters; the distribution spec lets clients"
+            f" limit it to {REFERENCE_NAME_MAX_CHARS}"
         )
     return OciReference(registry, path, tag)
 
@@ -181,7 +197,9 @@ def load_credentials(registry: str, config_path: Path | None = None) -> Registry
     ``https://`` / ``http://`` and a path), or ``None`` when the file or the entry is absent.
 
     Raises:
-        ConfigurationError: the file is not JSON, or the entry's ``auth`` is not base64 ``user:password``.
+        ConfigurationError: the file is not a JSON object, its ``auths`` is not an object, or the entry for
+            ``registry`` is not an object, has a field that is not a string, or an ``auth`` that is not base64
+            ``user:password`` (with the ``:``); entries for other registries are not judged.
     """
     path = config_path or docker_config_path()
     try:
@@ -194,17 +212,28 @@ def load_credentials(registry: str, config_path: Path | None = None) -> Registry
         auths = json.loads(text).get("auths", {})
     except (ValueError, AttributeError) as exc:
         raise ConfigurationError(f"the Docker config file is not a JSON object: {exc}", file=path) from exc
-    for key, entry in auths.items() if isinstance(auths, dict) else ():
+    if not isinstance(auths, dict):
+        raise ConfigurationError(f"the Docker config file's 'auths' is not an object: {type(auths).__name__}", file=path)
+    for key, entry in auths.items():
         host = urllib.parse.urlsplit(key).netloc if "://" in key else key.split("/", 1)[0]
-        if host != registry or not isinstance(entry, dict):
+        if host != registry:
             continue
-        username, password = entry.get("username"), entry.get("password")
-        if entry.get("auth"):
+        if not isinstance(entry, dict):
+            raise ConfigurationError(f"auths[{key!r}] is a {type(entry).__name__}, not an object", file=path)
+        fields = {name: entry.get(name) for name in ("auth", "username", "password", "identitytoken")}
+        for name, value in fields.items():
+            if value is not None and not isinstance(value, str):
+                raise ConfigurationError(f"auths[{key!r}].{name} is a {type(value).__name__}, not a string", file=path)
+        username, password = fields["username"], fields["password"]
+        if fields["auth"]:
             try:
-                username, _, password = base64.b64decode(entry["auth"], validate=True).decode().partition(":")
+                decoded = base64.b64decode(fields["auth"], validate=True).decode()
             except (ValueError, UnicodeDecodeError) as exc:
                 raise ConfigurationError(f"auths[{key!r}].auth is not base64 'user:password'", file=path) from exc
-        return RegistryCredentials(username or None, password or None, entry.get("identitytoken") or None, str(path))
+            if ":" not in decoded:
+                raise ConfigurationError(f"auths[{key!r}].auth decodes to no 'user:password' (no ':')", file=path)
+            username, _, password = decoded.partition(":")
+        return RegistryCredentials(username or None, password or None, fields["identitytoken"] or None, str(path))
     return None
 
 
@@ -221,7 +250,7 @@ class OciPayloadStore:
         registry: ``HOST[:PORT]``.
         repository: ``NAMESPACE/NAME``.
         tag: the manifest tag for :meth:`publish_artifact` (``None``: each artifact's folder name).
-        client: an ``httpx.Client`` (default: one with :data:`CONNECT_TIMEOUT_S` / :data:`READ_TIMEOUT_S`).
+        client: an ``httpx.Client`` (default: one with the timeouts and retries of ``client_settings``).
         plain_http: ``http://`` instead of ``https://`` (default: for a loopback registry, or
             ``COLDSNAP_OCI_PLAIN_HTTP=1``).
         credentials: default: the Docker config file's entry for ``registry``.
@@ -229,6 +258,8 @@ class OciPayloadStore:
             ``COLDSNAP_OCI_MOUNT_FROM``, comma-separated).
         chunk_size_bytes: bytes per upload request and per ranged GET.
         concurrency: ranged GETs in flight at once.
+        client_settings: connect and read timeouts, and retries of a connection that failed (httpx's transport
+            retries connecting, never a request the registry received).
 
     Raises:
         ConfigurationError: httpx is missing, ``chunk_size_bytes``/``concurrency`` is not positive, or a
@@ -247,6 +278,7 @@ class OciPayloadStore:
         mount_from: tuple[str, ...] | None = None,
         chunk_size_bytes: int = CHUNK_SIZE_BYTES,
         concurrency: int = DEFAULT_CONCURRENCY,
+        client_settings: StoreClientSettings | None = None,
     ) -> None:
         if chunk_size_bytes <= 0 or concurrency <= 0:
             raise ConfigurationError(
@@ -270,6 +302,7 @@ class OciPayloadStore:
         self.chunk_size_bytes = chunk_size_bytes
         self.concurrency = concurrency
         self._client = client
+        self.client_settings = client_settings or StoreClientSettings()
         self._credentials = credentials
         self._credentials_loaded = credentials is not None
         self._authorization: dict[str, str] = {}  # scope -> Authorization header value
@@ -299,9 +332,12 @@ class OciPayloadStore:
                 import httpx
             except ImportError as exc:
                 raise ConfigurationError("an oci:// payload store needs httpx: pip install 'coldsnap[oci]'") from exc
+            timeouts = self.client_settings
+            limits = httpx.Limits(max_connections=self.concurrency * 2, max_keepalive_connections=self.concurrency * 2)
             self._client = httpx.Client(
-                timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
-                limits=httpx.Limits(max_connections=self.concurrency * 2, max_keepalive_connections=self.concurrency * 2),
+                timeout=httpx.Timeout(timeouts.read_timeout_s, connect=timeouts.connect_timeout_s),
+                # a transport given here takes the limits (the client's own are for its default transport)
+                transport=httpx.HTTPTransport(retries=timeouts.retries, limits=limits),
                 follow_redirects=True,  # blob GETs are often redirected to object storage; httpx drops Authorization across origins
             )
         return self._client
@@ -333,6 +369,7 @@ class OciPayloadStore:
         """
         import httpx
 
+        self._credentials_for_registry()  # a broken Docker config entry is refused before any request, not at a 401
         headers = dict(kwargs.pop("headers", {}))
         for attempt in range(2):
             authorization = self._authorization.get(scope_key)
@@ -341,7 +378,7 @@ class OciPayloadStore:
             try:
                 response = self.client.request(method, url, headers=headers, **kwargs)
             except httpx.HTTPError as exc:
-                raise StoreError(f"{self.name}: {method} {url} failed: {type(exc).__name__}: {exc}", file=where) from exc
+                raise request_failure(self.name, f"{method} {url}", exc, self.client_settings, where=where) from exc
             if response.status_code not in (401, 403) or attempt == 1:
                 break
             challenge = response.headers.get("WWW-Authenticate", "")
@@ -680,13 +717,51 @@ class OciPayloadStore:
         tag = re.sub(r"[^A-Za-z0-9._-]", "-", listing.name).lstrip(".-")[:128]
         return tag or "latest"
 
+    def _check_tag_move(self, url: str, where: str, name: str, current: str | None, manifest_digest: str) -> None:
+        """The tag names another manifest: allowed, with a WARNING, only when that manifest is coldsnap's for the
+        same artifact folder name (a re-capture); one tag names one artifact across publications too.
+
+        Raises:
+            ConfigurationError: the tag names another artifact, or a manifest that is not a coldsnap artifact's.
+            StoreError: the current manifest cannot be read.
+        """
+        response = self._request("GET", url, where=where, scope_key="pull", headers={"Accept": MANIFEST_MEDIA_TYPE})
+        if response.status_code != 200:
+            raise self._fail("reading the manifest the tag names", response, where)
+        try:
+            document = response.json()
+            title = (document.get("annotations") or {}).get("org.opencontainers.image.title")
+            artifact_type = document.get("artifactType")
+        except (ValueError, AttributeError):
+            title = artifact_type = None
+        if artifact_type != ARTIFACT_TYPE or title != name:
+            what = (
+                f"the coldsnap artifact {title!r}"
+                if artifact_type == ARTIFACT_TYPE
+                else "a manifest that is not a coldsnap artifact's"
+            )
+            raise ConfigurationError(
+                f"{self.name}: the tag {where} names {what} ({current}); one tag names one artifact: publish {name!r}"
+                " under another tag (or none: each artifact is then tagged by its folder name), or delete the tag first"
+            )
+        logger.warning(
+            "coldsnap: moving %s from %s to sha256:%s (a new capture of %r; pulls of the tag get the new one)",
+            where,
+            current,
+            manifest_digest,
+            name,
+        )
+
     def publish_artifact(self, listing: ArtifactListing) -> str:
         """Push the manifest of one artifact whose packs are in the repository; returns its reference
         ``oci://HOST/NAME:TAG@sha256:<manifest digest>``. A tag already naming the same manifest is left as is.
 
+        A tag naming another manifest of the same artifact folder name (a re-capture) is moved, with a WARNING.
+
         Raises:
-            ConfigurationError: the store's tag already named another artifact of this publication (one tag, one
-                artifact: publish several artifacts without a tag in the URL).
+            ConfigurationError: the store's tag already named another artifact of this publication, or names
+                another artifact (another folder name) or a manifest that is not coldsnap's in the registry (one
+                tag, one artifact: publish several artifacts without a tag in the URL).
             StoreError: the registry refused the manifest (e.g. a pack blob is missing) or failed, or it
                 answered with another manifest digest.
         """
@@ -705,6 +780,8 @@ class OciPayloadStore:
         if head.status_code == 200 and head.headers.get("Docker-Content-Digest") == f"sha256:{manifest_digest}":
             logger.info("coldsnap: %s already names this manifest", where)
             return reference
+        if head.status_code == 200:
+            self._check_tag_move(url, where, listing.name, head.headers.get("Docker-Content-Digest"), manifest_digest)
         if self._head(EMPTY_DIGEST) is None:
             location = self._start_upload(EMPTY_DIGEST, where)
             if location is not None:

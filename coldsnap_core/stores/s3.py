@@ -44,8 +44,9 @@ from coldsnap_core.errors import (
     StoreError,
     size_mismatch,
 )
-from coldsnap_core.stores._ranged import byte_ranges, checked_range, fetch_ranges
-from coldsnap_core.stores.base import ProgressCallback
+from coldsnap_core.settings import StoreClientSettings
+from coldsnap_core.stores._ranged import byte_ranges, checked_range, fetch_ranges, request_failure
+from coldsnap_core.stores.base import ProgressCallback, checked_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -80,25 +81,16 @@ def parse_s3_url(spec: str) -> tuple[str, str]:
     Raises:
         ConfigurationError: not an ``s3://`` URL, an empty or invalid bucket name (S3 bucket naming
             rules: 3 to 63 characters of ``a-z 0-9 . -``), or a prefix with an empty, ``.`` or
-            ``..`` segment.
+            ``..`` segment (a single trailing ``/`` is allowed), or too long for S3's 1024-byte keys.
     """
     if not spec.startswith(S3_SCHEME):
         raise ConfigurationError(f"{spec!r} is not an s3://bucket/prefix URL")
     bucket, _, prefix = spec[len(S3_SCHEME) :].partition("/")
     if not (3 <= len(bucket) <= 63) or not all(c.isascii() and (c.islower() or c.isdigit() or c in ".-") for c in bucket):
         raise ConfigurationError(f"{spec!r}: {bucket!r} is not an S3 bucket name (3-63 characters of a-z, 0-9, '.', '-')")
-    prefix = prefix.strip("/")
-    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
-        raise ConfigurationError(f"{spec!r}: the key prefix {prefix!r} has an empty, '.' or '..' segment")
-    return bucket, prefix
+    return bucket, checked_prefix(prefix, spec=repr(spec), what="key prefix")
 
 
-CONNECT_TIMEOUT_S = 10.0
-"""Seconds to wait for a TCP connection to the S3 endpoint (botocore's own default is 60)."""
-READ_TIMEOUT_S = 20.0
-"""Seconds a request may go without receiving a byte before it is retried; botocore's retries (``standard``
-mode, ``AWS_MAX_ATTEMPTS`` attempts, default 3 here) bound a stalled endpoint to about a minute instead
-of an unbounded wait behind the digest's lock."""
 S3_CLIENT_VARIABLES = (
     "AWS_ENDPOINT_URL",
     "AWS_ENDPOINT_URL_S3",
@@ -110,10 +102,12 @@ S3_CLIENT_VARIABLES = (
 """The environment variables that shape the client: named in the error when it cannot be built."""
 
 
-def _default_client() -> Any:
+def _default_client(client_settings: StoreClientSettings | None = None) -> Any:
     """A boto3 S3 client from the environment: path-style addressing unless ``AWS_S3_ADDRESSING_STYLE``
-    says otherwise, :data:`CONNECT_TIMEOUT_S` / :data:`READ_TIMEOUT_S`, ``standard`` retries unless
-    ``AWS_RETRY_MODE`` / ``AWS_MAX_ATTEMPTS`` (boto3's own variables) say otherwise.
+    says otherwise, the connect and read timeouts of ``client_settings`` (``COLDSNAP_STORE_CONNECT_TIMEOUT``,
+    ``COLDSNAP_STORE_READ_TIMEOUT``), ``standard`` retries (``client_settings.retries`` retries) unless
+    ``AWS_RETRY_MODE`` / ``AWS_MAX_ATTEMPTS`` (boto3's own variables) say otherwise. botocore retries a request
+    that failed, not a body read that timed out, so a stalled ranged GET ends after one read timeout.
 
     Raises:
         ConfigurationError: boto3 is missing, or the client cannot be built from the environment (an
@@ -126,16 +120,17 @@ def _default_client() -> Any:
         from botocore.exceptions import BotoCoreError
     except ImportError as exc:  # the optional extra is not installed
         raise ConfigurationError("an s3:// payload store needs boto3: pip install 'coldsnap[s3]'") from exc
+    client_settings = client_settings or StoreClientSettings()
     style = os.environ.get("AWS_S3_ADDRESSING_STYLE", "path")
     retries: dict[str, Any] = {"mode": os.environ.get("AWS_RETRY_MODE", "standard")}
     if "AWS_MAX_ATTEMPTS" not in os.environ:  # botocore reads the variable itself when it is set
-        retries["total_max_attempts"] = 3
+        retries["total_max_attempts"] = client_settings.retries + 1
     try:
         config = Config(
             s3={"addressing_style": style},
             max_pool_connections=DEFAULT_CONCURRENCY * 2,
-            connect_timeout=CONNECT_TIMEOUT_S,
-            read_timeout=READ_TIMEOUT_S,
+            connect_timeout=client_settings.connect_timeout_s,
+            read_timeout=client_settings.read_timeout_s,
             retries=retries,
             # boto3 >= 1.36 adds CRC checksums to every upload by default; the store sends SHA-256 itself.
             request_checksum_calculation="when_required",
@@ -157,6 +152,7 @@ class S3PayloadStore:
         part_size_bytes: bytes per multipart part and per ranged GET (default 64 MiB; at least 5 MiB
             for S3's multipart rules, except in tests against servers that allow less).
         concurrency: parts or ranges in flight at once.
+        client_settings: timeouts and retries of a client made here (and named in a timeout's message).
 
     Raises:
         ConfigurationError: boto3 is missing, or ``concurrency``/``part_size_bytes`` is not positive.
@@ -170,6 +166,7 @@ class S3PayloadStore:
         client: Any = None,
         part_size_bytes: int = PART_SIZE_BYTES,
         concurrency: int = DEFAULT_CONCURRENCY,
+        client_settings: StoreClientSettings | None = None,
     ) -> None:
         if part_size_bytes <= 0 or concurrency <= 0:
             raise ConfigurationError(f"S3 store: part_size_bytes ({part_size_bytes}) and concurrency ({concurrency}) must be > 0")
@@ -178,6 +175,7 @@ class S3PayloadStore:
         self.part_size_bytes = part_size_bytes
         self.concurrency = concurrency
         self._client = client
+        self.client_settings = client_settings or StoreClientSettings()
         self.name = f"s3 {bucket}/{self.prefix}" if self.prefix else f"s3 {bucket}"
 
     @classmethod
@@ -193,7 +191,7 @@ class S3PayloadStore:
     def client(self) -> Any:
         """The boto3 client, made on first use (so that parsing a URL needs no boto3 import)."""
         if self._client is None:
-            self._client = _default_client()
+            self._client = _default_client(self.client_settings)
         return self._client
 
     def key(self, digest: str) -> str:
@@ -206,17 +204,33 @@ class S3PayloadStore:
         return f"{S3_SCHEME}{self.bucket}/{self.key(digest)}"
 
     def _fail(self, action: str, digest: str, exc: Exception) -> StoreError:
-        return StoreError(f"{self.name}: {action} failed: {type(exc).__name__}: {exc}", file=self.location(digest))
+        return request_failure(self.name, action, exc, self.client_settings, where=self.location(digest))
 
     def _head(self, digest: str) -> dict[str, Any] | None:
-        """``HeadObject`` with checksums, or ``None`` when the object does not exist."""
+        """``HeadObject`` with checksums, or ``None`` when the object does not exist.
+
+        Raises:
+            StoreError: the request failed, or the bucket does not exist (naming it).
+        """
         client = self.client  # outside the try: a missing boto3 is a ConfigurationError, not a store failure
         try:
             return client.head_object(Bucket=self.bucket, Key=self.key(digest), ChecksumMode="ENABLED")
         except Exception as exc:
-            if _error_code(exc) in _NOT_FOUND_CODES:
-                return None
-            raise self._fail("looking up the pack", digest, exc) from exc
+            if _error_code(exc) not in _NOT_FOUND_CODES:
+                raise self._fail("looking up the pack", digest, exc) from exc
+        # a HEAD's 404 has no body, so a missing bucket looks like a missing object: ask for the bucket
+        try:
+            client.head_bucket(Bucket=self.bucket)
+        except Exception as exc:
+            if _error_code(exc) in _NOT_FOUND_CODES | {"NoSuchBucket"}:
+                raise StoreError(
+                    f"{self.name}: the bucket {self.bucket!r} does not exist (coldsnap never creates buckets;"
+                    " check the payload store setting)",
+                    file=self.location(digest),
+                ) from exc
+            # HeadBucket needs s3:ListBucket; without it the object's 404 stands (the behaviour before this check)
+            logger.debug("coldsnap: HeadBucket of %s after a 404: %s", self.bucket, exc)
+        return None
 
     def has(self, digest: str, size_bytes: int | None = None, *, verify: bool = False) -> bool:
         """See :meth:`coldsnap_core.stores.base.PayloadStore.has` (``HeadObject``, by size).

@@ -10,14 +10,16 @@ fails the test with what is missing and how to install it (CI must run these tes
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,17 @@ class ServerProcess:
                 if s.connect_ex(("127.0.0.1", self.port)) != 0:
                     return
             time.sleep(0.05)
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """The process stopped with ``SIGSTOP`` for the block, then continued: the kernel still completes TCP
+        connections to its port (the listen backlog), but nothing answers (a hung server)."""
+        assert self._proc is not None and self.running, f"{self.name} is not running"
+        os.kill(self._proc.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self._proc.pid, signal.SIGCONT)
 
     def log_text(self) -> str:
         try:

@@ -279,6 +279,78 @@ def store_under_test(kind: str, request: pytest.FixtureRequest, tmp_path: Path, 
     return store
 
 
+class StallingEndpoint:
+    """A real TCP server on 127.0.0.1 that accepts every connection, reads what the client sends and never
+    answers (a store behind a hung load balancer, or a frozen server process): the clients' connect succeeds,
+    their read times out. :attr:`requests` holds the request line of every HTTP request received (the attempts a
+    client made; a client may also send requests of its own, such as google-cloud-storage's background fetch of
+    the bucket's metadata)."""
+
+    def __init__(self) -> None:
+        import re
+        import socket
+        import threading
+
+        self._request_line = re.compile(rb"(?m)^(?:GET|HEAD|PUT|POST|PATCH|DELETE) \S+ HTTP/1\.[01]\r$")
+        self._socket = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
+        self.host = self.url.removeprefix("http://")
+        self.requests: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._connections: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        import threading
+
+        self._socket.settimeout(0.1)
+        while not self._stop.is_set():
+            try:
+                connection, _ = self._socket.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with self._lock:
+                self._connections.append(connection)
+            threading.Thread(target=self._read, args=(connection,), daemon=True).start()
+
+    def _read(self, connection) -> None:
+        connection.settimeout(0.1)
+        while not self._stop.is_set():
+            try:
+                data = connection.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            with self._lock:
+                self.requests += [line.decode().strip() for line in self._request_line.findall(data)]
+
+    def requests_naming(self, text: str) -> list[str]:
+        """The request lines received that contain ``text`` (a digest: the requests for one object)."""
+        with self._lock:
+            return [line for line in self.requests if text in line]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._socket.close()
+        with self._lock:
+            for connection in self._connections:
+                connection.close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> StallingEndpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def node_command(start_file: Path, *cli_args: str) -> list[str]:
     """A child process (another "node") that waits for ``start_file`` to exist, then runs ``coldsnap
     CLI_ARGS...`` in-process and exits with its code (all nodes start together)."""

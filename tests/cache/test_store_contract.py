@@ -160,6 +160,35 @@ def test_cli_stage_exit_codes(any_store, captured_once, tmp_path, capsys, damage
     assert eligible_objects(node) == {}
 
 
+@pytest.mark.parametrize("kind", ["s3", "gcs", "azure"])
+def test_a_missing_bucket_or_container_is_a_store_error_naming_it(
+    kind, captured_once, tmp_path, request, monkeypatch, capsys
+) -> None:
+    """A store URL whose bucket (S3, GCS) or container (Azure) does not exist on the real server is a
+    ``payload-store`` error naming it, from ``has`` and from ``coldsnap stage`` (exit 4), not a missing pack
+    (``payload-available``, exit 3: "publish it" would be the wrong advice). Fails if the service's "not found" for
+    the lookup (``get_blob`` gives ``None``, a HEAD's 404 has no body) is taken for the object's."""
+    from store_servers import store_under_test
+
+    from coldsnap_core.cli.main import main
+    from coldsnap_core.stores import parse_store_spec
+
+    target = store_under_test(kind, request, tmp_path, monkeypatch)  # the server and the client's environment
+    missing = f"missing-{target.bucket}"
+    spec = target.spec.replace(target.bucket, missing)
+    store = parse_store_spec(spec)
+    if kind == "s3":
+        store._client = target.backend
+    with pytest.raises(StoreError, match=f"'{missing}' does not exist") as raised:
+        store.has(captured_once.pack.sha256)
+    assert raised.value.exit_code == 4 and store.name in str(raised.value)
+    node = tmp_path / "node"
+    assert main(["stage", str(captured_once.artifact_dir), "--repo", spec, "--state-root", str(node)]) == 4
+    err = capsys.readouterr().err
+    assert "payload-store" in err and f"'{missing}' does not exist" in err and "payload-available" not in err
+    assert eligible_objects(node) == {}
+
+
 def test_cli_progress_is_quiet_off_a_terminal_and_drawn_on_one(any_store, captured_once, tmp_path, capsys, monkeypatch) -> None:
     """tqdm bars (coldsnap's and huggingface_hub's) stay out of a pipe or log; on a terminal the stage
     bar is drawn. Fails if a bar is forced on (``disable=False``) or never shown."""
@@ -237,8 +266,10 @@ def test_server_stopped_mid_fetch_leaves_nothing_eligible_and_a_retry_succeeds(r
 
 
 def _few_retries(kind: str) -> dict[str, object]:
-    """Store options that give up on a stopped server within seconds (the defaults retry for up to ~30 s)."""
-    return {"gcs": {"retry_timeout_s": 1.0}, "azure": {"retries": 0}}.get(kind, {})
+    """Store options that give up on a stopped server at once (no retry: a retry would wait up to 4 s)."""
+    from coldsnap_core.settings import StoreClientSettings
+
+    return {"client_settings": StoreClientSettings(retries=0)} if kind in ("gcs", "azure") else {}
 
 
 @pytest.mark.parametrize("kind", ["oci", "gcs", "azure"])

@@ -247,3 +247,42 @@ def test_one_tag_names_one_artifact(registry, tmp_path, tiny_checkpoint) -> None
         f"oci://{registry.registry}/models/x:art-a",
         f"oci://{registry.registry}/models/x:art-b",
     ]
+
+
+def test_a_tag_naming_another_artifact_in_the_registry_is_refused_and_a_recapture_moves_it_with_a_warning(
+    registry, tmp_path, tiny_checkpoint, other_checkpoint, caplog
+) -> None:
+    """A later publication to a tag that already names another artifact's manifest (another folder name) is refused
+    with a ConfigurationError naming the tag and that artifact, and the tag keeps its manifest; a new capture of the
+    same artifact folder moves the tag with a WARNING naming both manifest digests. Fails if a second publication
+    moves the tag silently (``oras pull :tag`` then gets another model than the one tagged)."""
+    import logging
+    import shutil
+
+    import httpx
+
+    root = tmp_path / "root"
+    capture(tiny_checkpoint, tmp_path / "art-a", root)
+    capture(tiny_checkpoint, tmp_path / "art-b", root, reverse=True)
+    url = f"oci://{registry.registry}/models/x:v1"
+    manifest_url = f"http://{registry.registry}/v2/models/x/manifests/v1"
+
+    def tagged_digest() -> str:
+        headers = {"Accept": "application/vnd.oci.image.manifest.v1+json"}
+        return httpx.head(manifest_url, headers=headers).headers["Docker-Content-Digest"]
+
+    first: list[str] = []
+    publish_native([tmp_path / "art-a"], OciPayloadStore.from_url(url), PayloadCache(root), on_artifact=first.append)
+    before = tagged_digest()
+    assert first[0].endswith(before)
+    with pytest.raises(ConfigurationError, match=r"names the coldsnap artifact 'art-a'.*one tag names one artifact"):
+        publish_native([tmp_path / "art-b"], OciPayloadStore.from_url(url), PayloadCache(root))
+    assert tagged_digest() == before
+    shutil.rmtree(tmp_path / "art-a")
+    capture(other_checkpoint, tmp_path / "art-a", root)  # a new capture into the same folder: another pack
+    with caplog.at_level(logging.WARNING, logger="coldsnap_core"):
+        publish_native([tmp_path / "art-a"], OciPayloadStore.from_url(url), PayloadCache(root))
+    after = tagged_digest()
+    assert after != before
+    moves = [r.getMessage() for r in caplog.records if "moving" in r.getMessage()]
+    assert len(moves) == 1 and before in moves[0] and after in moves[0] and "'art-a'" in moves[0]

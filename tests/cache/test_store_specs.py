@@ -99,6 +99,8 @@ def test_a_password_in_an_oci_url_is_never_shown() -> None:
     with pytest.raises(ConfigurationError) as raised:
         parse_store_spec("oci://user:hunter2@127.0.0.1:5055/models/tiny")
     assert "hunter2" not in str(raised.value) and "***@" in str(raised.value)
+    # the rule it breaks, not "a digest reference" (the '@' of the user information is no digest)
+    assert "credentials do not go in the URL; they come from the Docker config" in str(raised.value)
 
 
 @pytest.mark.parametrize("value", ["true", "yes", "2", "on"])
@@ -108,3 +110,87 @@ def test_coldsnap_oci_plain_http_takes_only_0_or_1(value: str, monkeypatch) -> N
     monkeypatch.setenv("COLDSNAP_OCI_PLAIN_HTTP", value)
     with pytest.raises(ConfigurationError, match=f"COLDSNAP_OCI_PLAIN_HTTP='{value}' is not 0 or 1"):
         parse_store_spec("oci://registry.example:5000/models/tiny")
+
+
+@pytest.mark.parametrize(
+    ("spec", "prefix"),
+    [
+        ("gs://bucket//pfx", "'/pfx'"),
+        ("az://acct/cont//pfx", "'/pfx'"),
+        ("s3://bucket//pfx", "'/pfx'"),
+        ("gs://bucket/a/", None),
+        ("az://acct/cont/a/", None),
+        ("gs://bucket//", "'/'"),
+        ("az://acct//cont", None),
+    ],
+)
+def test_a_prefix_with_an_empty_segment_anywhere_is_refused(spec: str, prefix: str | None) -> None:
+    """An empty segment first in the prefix (``gs://bucket//pfx``) is refused like one in the middle, naming the
+    rule; a single trailing ``/`` is not a segment. Fails if the leading ``/`` is stripped and the store silently
+    reads ``pfx`` (another set of objects than the URL names)."""
+    if prefix is None and spec.endswith("/"):
+        assert parse_store_spec(spec).prefix == "a"
+        return
+    with pytest.raises(ConfigurationError) as raised:
+        parse_store_spec(spec)
+    if prefix is not None:
+        assert f"prefix {prefix} has an empty, '.' or '..' segment" in str(raised.value)
+
+
+@pytest.mark.parametrize("scheme", ["gs://bucket", "s3://bucket", "az://acct/cont"])
+def test_a_prefix_too_long_for_an_object_name_is_refused(scheme: str) -> None:
+    """A prefix that leaves no room in the services' 1024-byte object names for ``/model-payloads/sha256/<digest>.pack``
+    is refused up front (ConfigurationError naming the limit); the longest that fits is accepted. Fails if it is
+    only found by the service's 400 at the first upload."""
+    from coldsnap_core.stores.base import OBJECT_NAME_MAX_BYTES, PACK_NAME_BYTES
+
+    longest = "p" * (OBJECT_NAME_MAX_BYTES - PACK_NAME_BYTES)
+    store = parse_store_spec(f"{scheme}/{longest}")
+    assert len(store.key("ab" * 32).encode()) == OBJECT_NAME_MAX_BYTES
+    with pytest.raises(ConfigurationError, match="1024-byte object name limit"):
+        parse_store_spec(f"{scheme}/{longest}p")
+
+
+@pytest.mark.parametrize(
+    ("spec", "rule"),
+    [
+        ("oci://127.0.0.1:0/models/tiny", "outside 1-65535"),
+        ("oci://127.0.0.1:65536/models/tiny", "outside 1-65535"),
+        ("oci://registry.example:99999/models/tiny", "outside 1-65535"),
+        ("oci://registry.example/" + "/".join(["n" * 50] * 5), "limit it to 255"),
+    ],
+)
+def test_an_oci_port_or_name_outside_the_distribution_limits_is_refused(spec: str, rule: str) -> None:
+    """A port outside 1-65535 and a ``HOST/NAME`` over the 255 characters the distribution spec lets clients impose
+    are refused when the URL is parsed. Fails if they are only found by a connection error or by a client that
+    cannot pull what was pushed."""
+    with pytest.raises(ConfigurationError, match=rule):
+        parse_store_spec(spec)
+    assert parse_store_spec("oci://127.0.0.1:65535/models/tiny").registry == "127.0.0.1:65535"
+
+
+@pytest.mark.parametrize(
+    ("entry", "rule"),
+    [
+        ("dXNlcjpwYXNz", "is a str, not an object"),
+        ({"auth": "bm9jb2xvbg=="}, "no 'user:password'"),  # base64 of "nocolon"
+        ({"username": ["u"], "password": "p"}, "username is a list, not a string"),
+    ],
+)
+def test_a_malformed_docker_config_entry_for_the_registry_is_refused_before_any_request(
+    entry: object, rule: str, tmp_path, monkeypatch
+) -> None:
+    """The Docker config's ``auths`` entry for the store's registry that is not an object, has a non-string field or
+    an ``auth`` without ``user:password`` is a ConfigurationError naming the file and the entry, raised before the
+    first request (nothing listens on the port: a request would be a StoreError). Fails if the entry is skipped
+    (anonymous requests, then a confusing 401) or read as a user name without a password."""
+    import json
+
+    config = tmp_path / "docker-config"
+    config.mkdir()
+    (config / "config.json").write_text(json.dumps({"auths": {"127.0.0.1:9": entry, "other.example": "ignored"}}))
+    monkeypatch.setenv("DOCKER_CONFIG", str(config))
+    store = parse_store_spec("oci://127.0.0.1:9/models/tiny")
+    with pytest.raises(ConfigurationError, match=rule) as raised:
+        store.has("ab" * 32)
+    assert raised.value.file == str(config / "config.json")

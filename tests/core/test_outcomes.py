@@ -121,6 +121,27 @@ def test_status_reads_the_outcome_log_variable_as_the_settings_do(tmp_path: Path
     assert json.loads(capsys.readouterr().out)["outcome_log"] == str(tmp_path / "state" / "load-outcomes.jsonl")
 
 
+def test_status_fail_on_fallback_refuses_a_log_that_does_not_exist(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``status --fail-on-fallback`` (an alert) exits 4 naming the path when the outcome log does not exist, also
+    when ``COLDSNAP_OUTCOME_LOG`` points into a folder that does not exist; plain ``status`` still exits 0 and says
+    the log does not exist (``docs/format.md`` §10.3). Fails if the alert passes (exit 0) on a log it cannot see:
+    a mistyped path would then report "no fallback" for ever."""
+    missing = tmp_path / "no-such-folder" / "load-outcomes.jsonl"
+    monkeypatch.setenv("COLDSNAP_OUTCOME_LOG", str(missing))
+    assert main(["status", "--state-root", str(tmp_path / "state"), "--fail-on-fallback"]) == 4
+    err = capsys.readouterr().err
+    assert str(missing) in err and "does not exist (nor its folder)" in err
+    assert main(["status", "--state-root", str(tmp_path / "state")]) == 0
+    assert f"outcome log: {missing} (does not exist, nor its folder)" in capsys.readouterr().out
+    assert main(["status", "--state-root", str(tmp_path / "state"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["exists"] is False
+    in_folder = tmp_path / "load-outcomes.jsonl"  # the folder exists, no load recorded yet
+    assert main(["status", "--outcome-log", str(in_folder), "--fail-on-fallback"]) == 4
+    assert "no load recorded yet" in capsys.readouterr().err
+    append_outcome(in_folder, _line("restored", "/a"))
+    assert main(["status", "--outcome-log", str(in_folder), "--fail-on-fallback"]) == 0
+
+
 @pytest.mark.parametrize("last", ["-1", "0", "abc", "1_0"])
 def test_status_refuses_a_count_of_loads_below_one(last: str, tmp_path: Path, capsys) -> None:
     """``status --last N`` takes a whole number >= 1; ``-1`` used to read nothing and say "no load outcomes

@@ -239,3 +239,30 @@ def test_readme_settings_table_equals_the_settings_table() -> None:
     assert len(set(variables)) == len(variables) and len({s.key for s in SETTINGS}) == len(SETTINGS)
     for setting in SETTINGS:
         assert setting.key not in ColdsnapSettings.resolve({}, {setting.key: ""})[1]
+
+
+@pytest.mark.parametrize("value", ["", "   ", "\t"])
+def test_an_empty_or_blank_value_means_the_default_for_every_setting(value: str, tmp_path: Path, monkeypatch) -> None:
+    """Every row of the settings table reads an empty or whitespace-only value as unset (the documented rule), from
+    its variable and from its extra-config key, and so do the ``coldsnap`` command's own readers (store settings,
+    lock timeout, outcome log, state root). Fails if one parser gives blank another meaning (a refusal, the current
+    folder as a path, 0 s as a timeout) than the others."""
+    from coldsnap_core.settings import (
+        SETTINGS,
+        StoreSettings,
+        lock_timeout_from_env,
+        outcome_log_from_env,
+        resolve_state_root,
+    )
+
+    monkeypatch.chdir(tmp_path)
+    unset, _ = ColdsnapSettings.resolve({}, None)
+    for setting in SETTINGS:
+        if setting.variable is not None:
+            assert ColdsnapSettings.resolve({setting.variable: value}, None)[0] == unset, setting.variable
+        assert ColdsnapSettings.resolve({}, {setting.key: value})[0] == unset, setting.key
+    blank_env = {s.variable: value for s in SETTINGS if s.variable is not None}
+    assert StoreSettings.from_environ(blank_env) == StoreSettings.from_environ({})
+    assert lock_timeout_from_env(blank_env) == lock_timeout_from_env({})
+    assert outcome_log_from_env(blank_env) is None
+    assert resolve_state_root(None, blank_env) == resolve_state_root(None, {})

@@ -1,0 +1,155 @@
+"""Store timeouts and retries come from the settings (``COLDSNAP_STORE_CONNECT_TIMEOUT``,
+``COLDSNAP_STORE_READ_TIMEOUT``, ``COLDSNAP_STORE_RETRIES``; ``docs/format.md`` §12): each remote store's real
+client, configured through the environment the CLI and the engine plugins read, against a real server on
+127.0.0.1 that accepts and then never answers (:class:`store_servers.StallingEndpoint`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from store_processes import AZURITE_KEY
+from store_servers import S3_ENV, StallingEndpoint
+
+from coldsnap_core.errors import ConfigurationError, StoreError
+from coldsnap_core.settings import ColdsnapSettings, StoreClientSettings, StoreSettings
+from coldsnap_core.stores import from_env, from_settings
+
+DIGEST = "ab" * 32
+
+
+def _environment(kind: str, endpoint: StallingEndpoint, tmp_path: Path) -> tuple[str, dict[str, str]]:
+    """The ``COLDSNAP_PAYLOAD_REPO`` value and the client variables that point ``kind``'s client at ``endpoint``."""
+    if kind == "s3":
+        return "s3://payloads/fleet", {**S3_ENV, "AWS_ENDPOINT_URL": endpoint.url}
+    if kind == "oci":  # a loopback registry is spoken to over plain HTTP
+        return f"oci://{endpoint.host}/coldsnap/payloads", {"DOCKER_CONFIG": str(tmp_path / "docker-config")}
+    if kind == "gcs":
+        return "gs://payloads/fleet", {"STORAGE_EMULATOR_HOST": endpoint.url}
+    return "az://devstoreaccount1/payloads/fleet", {
+        "AZURE_STORAGE_BLOB_ENDPOINT": f"{endpoint.url}/devstoreaccount1",
+        "AZURE_STORAGE_KEY": AZURITE_KEY,
+    }
+
+
+ATTEMPTS_WITH_ONE_RETRY = {"s3": 2, "oci": 1, "gcs": 2, "azure": 2}
+"""Requests a stalled lookup makes with ``COLDSNAP_STORE_RETRIES=1``: the retry policies of boto3, google-cloud-storage
+and azure-storage-blob retry a read timeout; httpx's transport (OCI) retries only a connection that failed."""
+
+
+@pytest.mark.parametrize("kind", ["s3", "oci", "gcs", "azure"])
+def test_a_stalled_store_fails_after_the_configured_read_timeout_and_retries(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that accepts the connection and never answers fails the lookup as a StoreError naming the store,
+    the read timeout and its variable, after exactly the attempts ``COLDSNAP_STORE_RETRIES`` allows. Fails if a
+    store keeps its own fixed timeout (the lookup then runs 20 s per attempt and the test's server sees the
+    client's default attempt count), if a retry policy ignores the setting (Azure's default made 4 attempts with
+    15-24 s back-off in between), or if a timeout is reported without what expired."""
+    with StallingEndpoint() as endpoint:
+        spec, client_env = _environment(kind, endpoint, tmp_path)
+        for name, value in {
+            **client_env,
+            "COLDSNAP_PAYLOAD_REPO": spec,
+            "COLDSNAP_STORE_READ_TIMEOUT": "0.5",
+            "COLDSNAP_STORE_CONNECT_TIMEOUT": "0.5",
+            "COLDSNAP_STORE_RETRIES": "1",
+        }.items():
+            monkeypatch.setenv(name, value)
+        store = from_env()
+        with pytest.raises(StoreError) as raised:
+            store.has(DIGEST)
+        attempts = endpoint.requests_naming(DIGEST)
+    message = str(raised.value)
+    assert store.name in message and store.location(DIGEST) in message
+    assert "read timeout of 0.5 s, COLDSNAP_STORE_READ_TIMEOUT" in message, message
+    assert "at most 2 attempt(s), COLDSNAP_STORE_RETRIES" in message, message
+    assert len(attempts) == ATTEMPTS_WITH_ONE_RETRY[kind], attempts
+
+
+def test_azure_retries_wait_at_most_the_capped_back_off_between_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Azure client's retry policy takes ``COLDSNAP_STORE_RETRIES`` for every kind of retry and waits at most
+    ``RETRY_BACKOFF_MAX_S`` between attempts, so a hanging account fails after ``retries + 1`` read timeouts plus
+    at most ``retries`` capped waits. Fails if azure-storage-blob's own ``ExponentialRetry`` is left in place (15 s,
+    then 18 s, 24 s, 42 s, ... between attempts: about 170 s until a hanging account failed)."""
+    from coldsnap_core.stores.azure import RETRY_BACKOFF_MAX_S
+
+    monkeypatch.setenv("AZURE_STORAGE_BLOB_ENDPOINT", "http://127.0.0.1:9/devstoreaccount1")
+    monkeypatch.setenv("AZURE_STORAGE_KEY", AZURITE_KEY)
+    settings = StoreSettings(payload_repo="az://devstoreaccount1/payloads", client=StoreClientSettings(retries=7))
+    policy = from_settings(settings).service._config.retry_policy
+    assert (policy.total_retries, policy.connect_retries, policy.read_retries, policy.status_retries) == (7, 7, 7, 7)
+    waits = [policy.get_backoff_time({"count": count}) for count in range(8) for _ in range(20)]
+    assert max(waits) <= RETRY_BACKOFF_MAX_S <= 5
+
+
+def test_store_client_settings_reach_every_remote_store_from_the_engine_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The extra-config keys (``store_connect_timeout``, ``store_read_timeout``, ``store_retries``) resolve into the
+    store settings and reach the store :func:`from_settings` builds. Fails if a store is built with its module's
+    own constants instead of the resolved settings."""
+    expected = StoreClientSettings(connect_timeout_s=1.5, read_timeout_s=2.0, retries=4)
+    for spec in ("s3://payloads/p", "oci://127.0.0.1:5000/a/b", "gs://payloads/p", "az://acct/payloads/p"):
+        settings, _ = ColdsnapSettings.resolve(
+            {"COLDSNAP_PAYLOAD_REPO": spec, "COLDSNAP_STORE_RETRIES": "9"},
+            {"store_connect_timeout": 1.5, "store_read_timeout": "2", "store_retries": 4},
+        )
+        assert settings.store.client == expected
+        assert from_settings(settings.store).client_settings == expected
+    # the clients the stores build carry them (the message of a timeout names the setting, not the client's value)
+    oci = from_settings(StoreSettings(payload_repo="oci://127.0.0.1:5000/a/b", client=expected))
+    assert (oci.client.timeout.connect, oci.client.timeout.read) == (1.5, 2.0)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS", raising=False)
+    s3 = from_settings(StoreSettings(payload_repo="s3://payloads/p", client=expected))
+    config = s3.client.meta.config
+    assert (config.connect_timeout, config.read_timeout, config.retries["total_max_attempts"]) == (1.5, 2.0, 5)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "1_000", "\u0661\u0660", "ten", "1e3"])
+def test_a_store_timeout_that_is_not_a_positive_number_of_seconds_is_refused(value: str) -> None:
+    """``COLDSNAP_STORE_READ_TIMEOUT`` (and the connect timeout) take a finite number of seconds > 0 in ASCII
+    decimals; anything else is a ConfigurationError naming the variable and the value, from the engine settings and
+    from the CLI's store settings alike."""
+    for variable in ("COLDSNAP_STORE_READ_TIMEOUT", "COLDSNAP_STORE_CONNECT_TIMEOUT"):
+        with pytest.raises(ConfigurationError, match=f"{variable}={value!r} is not a number of seconds > 0"):
+            ColdsnapSettings.resolve({variable: value})
+        with pytest.raises(ConfigurationError, match=variable):
+            StoreSettings.from_environ({variable: value})
+
+
+@pytest.mark.parametrize("value", ["-1", "21", "1.5", "two", "\u0662"])
+def test_a_store_retry_count_outside_0_to_20_is_refused(value: str) -> None:
+    """``COLDSNAP_STORE_RETRIES`` takes a whole number from 0 to 20; anything else is a ConfigurationError naming
+    the variable and the value."""
+    with pytest.raises(ConfigurationError, match=f"COLDSNAP_STORE_RETRIES={value!r} is not a whole number of retries"):
+        ColdsnapSettings.resolve({"COLDSNAP_STORE_RETRIES": value})
+
+
+@pytest.mark.parametrize("kind", ["oci", "gcs", "azure"])
+def test_a_frozen_store_server_fails_staging_within_the_configured_read_timeout(
+    kind: str, captured_once, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real server (the distribution registry, fake-gcs-server, azurite) holding the pack, stopped with SIGSTOP:
+    it accepts connections and answers nothing. Staging on a node whose store client has a 0.5 s read timeout and
+    one retry fails as a StoreError naming the store object and that timeout, and keeps nothing; once the server
+    runs again the same client stages the pack. Fails if the client waits with another timeout than the configured
+    one (the message names what expired) or if a stalled fetch leaves anything eligible."""
+    from cache_support import eligible_objects, sha256_of
+    from store_servers import store_under_test
+
+    from coldsnap_core.cache import PayloadCache
+    from coldsnap_core.publish import publish_native
+    from coldsnap_core.staging import stage_payload
+
+    target = store_under_test(kind, request, tmp_path, monkeypatch)
+    publish_native([captured_once.artifact_dir], target.store, PayloadCache(captured_once.capture_root))
+    client = StoreClientSettings(connect_timeout_s=0.5, read_timeout_s=0.5, retries=1)
+    node_store = target.new_store_with(chunk_size_bytes=target.extra["chunk_size_bytes"], client_settings=client)
+    cache = PayloadCache(tmp_path / "node")
+    pack = captured_once.pack
+    with target.server.frozen(), pytest.raises(StoreError) as raised:
+        stage_payload(pack, cache=cache, store=node_store)
+    assert raised.value.file == node_store.location(pack.sha256)
+    assert "read timeout of 0.5 s, COLDSNAP_STORE_READ_TIMEOUT" in str(raised.value), str(raised.value)
+    assert eligible_objects(tmp_path / "node") == {} and cache.temporaries() == []
+    assert sha256_of(stage_payload(pack, cache=cache, store=node_store)) == pack.sha256
