@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -178,7 +179,35 @@ def flip_byte(path: Path, offset: int, *, keep_mtime: bool = False) -> None:
 
 
 def run_cli(*args: str | os.PathLike[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run the real ``coldsnap`` command line (``python -m coldsnap_core.cli.main``) in a subprocess."""
+    """Run the real ``coldsnap`` command line in this process: :func:`coldsnap_core.cli.main.main`, what the
+    console script and ``python -m coldsnap_core.cli.main`` call, with its stdout and stderr captured and
+    ``env`` added to the environment for the call (restored after). Returns what :func:`run_cli_process`
+    returns: the exit code (argparse's ``--help``, ``--version`` and usage errors included), stdout, stderr.
+
+    In process because a fresh interpreter costs about 0.3 s of CPU per command and these tests run about a
+    hundred; an exception the CLI does not turn into an exit code propagates (the test fails with its
+    traceback). Tests whose regression would hang or exhaust this process (a named pipe, a huge document)
+    use :func:`run_cli_process`."""
+    from coldsnap_core.cli.main import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    saved = dict(os.environ)
+    os.environ.update({"HF_HUB_OFFLINE": "1", **(env or {})})
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                code = main([str(arg) for arg in args])
+            except SystemExit as exc:  # argparse exits: --help and --version (0), usage errors (4)
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["coldsnap", *map(str, args)], code, stdout.getvalue(), stderr.getvalue())
+
+
+def run_cli_process(*args: str | os.PathLike[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the real ``coldsnap`` command line as its own process (``python -m coldsnap_core.cli.main``, at
+    most 300 s)."""
     return subprocess.run(
         [sys.executable, "-m", "coldsnap_core.cli.main", *map(str, args)],
         capture_output=True,

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from core_support import REPO, Captured, capture, copy_capture, edit_json, repin, run_cli
+from core_support import REPO, Captured, capture, copy_capture, edit_json, repin, run_cli, run_cli_process
 from slabs import Slabs
 
 from coldsnap_core.artifact import read_descriptor, read_worker_capsule
@@ -284,7 +284,7 @@ def test_named_pipe_at_a_document_is_refused_not_waited_on(
     fifo = (captured.artifact_dir if name == "artifact.json" else captured.capsule_dir) / name
     fifo.unlink()
     os.mkfifo(fifo)
-    done = run_cli(command, captured.artifact_dir, *_state_root_option(command, captured))
+    done = run_cli_process(command, captured.artifact_dir, *_state_root_option(command, captured))
     assert done.returncode == 4 and "rule regular-file failed" in done.stderr, done.stderr
     assert str(fifo) in done.stderr
 
@@ -311,7 +311,7 @@ def test_a_lone_document_above_the_size_limit_is_refused_unread(captured_2layer:
     lone = tmp_path / "lone" / "worker-0-of-1"
     shutil.copytree(captured_2layer.capsule_dir, lone)
     os.truncate(lone / "native-manifest.json", MAX_DOCUMENT_BYTES + 1)
-    done = run_cli("verify", lone, "--state-root", captured_2layer.state_root)
+    done = run_cli_process("verify", lone, "--state-root", captured_2layer.state_root)
     assert done.returncode == 2 and "rule manifest-json failed" in done.stderr, done.stderr
     assert f"more than the {MAX_DOCUMENT_BYTES} bytes" in done.stderr
 

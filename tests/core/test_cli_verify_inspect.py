@@ -1,6 +1,7 @@
-"""The real ``coldsnap`` command line, run as a subprocess: ``--help``, ``inspect`` (text and ``--json``)
-and ``verify`` with its documented exit code for every rule (0 verified, 1 content mismatch or
-corruption, 2 malformed or unsupported manifest, 3 missing object, 4 other error)."""
+"""The real ``coldsnap`` command line (its ``main``, in process; ``--help``, the console script and the
+torch-free start as processes): ``--help``, ``inspect`` (text and ``--json``) and ``verify`` with its
+documented exit code for every rule (0 verified, 1 content mismatch or corruption, 2 malformed or
+unsupported manifest, 3 missing object, 4 other error)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from core_support import Captured, copy_capture, edit_json, flip_byte, repin, run_cli
+from core_support import Captured, copy_capture, edit_json, flip_byte, repin, run_cli, run_cli_process
 
 from coldsnap_core.digests import pack_relpath
 from coldsnap_core.verify import check_manifest
@@ -296,8 +297,8 @@ def test_verify_of_a_missing_artifact_is_exit_3(tmp_path: Path) -> None:
 
 
 def test_help_lists_the_commands_and_exit_codes() -> None:
-    """Catches a broken console entry point or undocumented exit codes."""
-    done = run_cli("--help")
+    """Catches a broken ``python -m coldsnap_core.cli.main`` entry point or undocumented exit codes."""
+    done = run_cli_process("--help")
     assert done.returncode == 0
     assert "inspect" in done.stdout and "verify" in done.stdout
     assert "3 missing object" in " ".join(done.stdout.split())
