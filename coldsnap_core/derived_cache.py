@@ -44,7 +44,7 @@ from coldsnap_core.errors import (
     MissingObjectError,
     UnsafePathError,
 )
-from coldsnap_core.format._strict import Fields, dump_document, parse_document, read_document_bytes
+from coldsnap_core.format._strict import FORMAT_VERSION, Fields, dump_document, parse_document, read_document_bytes
 from coldsnap_core.format.content_ref import ContentRef
 from coldsnap_core.format.descriptor import (
     DESCRIPTOR_FILENAME,
@@ -59,7 +59,7 @@ from coldsnap_core.format.target import TargetIdentity
 logger = logging.getLogger(__name__)
 
 SEED_KIND = "coldsnap.derived-cache"
-SEED_VERSION = 1
+SEED_VERSION = FORMAT_VERSION
 SEED_DOCUMENT_FILENAME, SEED_ARCHIVE_FILENAME = SEED_FILENAMES
 MAX_SEED_DOCUMENT_BYTES = 16 * 2**20
 CPUINFO = Path("/proc/cpuinfo")

@@ -101,6 +101,7 @@ def run_engine(
     skip_tokenizer_init: bool = False,
     max_tokens: int = 8,
     reload: bool = False,
+    enforce_eager: bool = True,
 ) -> EngineResult:
     """Run one engine in a new process and return what it did (raises if the process crashed)."""
     require_engine_marker("a vLLM engine")
@@ -117,6 +118,7 @@ def run_engine(
         "tensor_parallel_size": tensor_parallel_size,
         "skip_tokenizer_init": skip_tokenizer_init,
         "reload": reload,
+        "enforce_eager": enforce_eager,
     }
     spec_path = workdir / f"{name}.spec.json"
     result_path = workdir / f"{name}.result.json"
