@@ -17,7 +17,8 @@ Usage: ``python tests/vllm/engine_run.py SPEC.json RESULT.json``, or forked from
 ``collective_rpc("reload_weights")`` and the same prompts again: ``outputs_after_reload``), ``skip_tokenizer_init``
 (prompts are then lists of token ids), ``enforce_eager`` (true; false: vLLM compiles, into the ``VLLM_CACHE_ROOT`` its ``env`` names), ``tensor_parallel_size`` (1; above 1 the ``mp`` executor
 runs the workers in other processes and no digests are recorded) and ``digests`` (true). RESULT gets
-``digests`` (name -> sha256), ``outputs`` (greedy texts or token ids), ``outcome`` (the coldsnap
+``digests`` (name -> sha256), ``outputs`` (greedy texts or token ids), ``inductor_cache`` (torch inductor's
+``fxgraph_cache_*`` counters), ``init_seconds`` (wall time of ``LLM(...)``: the time to ready), ``outcome`` (the coldsnap
 loader's :class:`~coldsnap_vllm.loader.LoadOutcome` summary), ``load_weights_seconds``, ``load_weights_rss_bytes`` (RSS before and peak RSS during each call) and ``error``
 (the exception chain's text when the engine failed to start).
 """
@@ -160,8 +161,10 @@ def main(spec_path: str, result_path: str) -> int:
         kwargs["skip_tokenizer_init"] = True
     if tp > 1:
         kwargs["distributed_executor_backend"] = "mp"
+    init_started = time.perf_counter()
     try:
         llm = LLM(**kwargs)
+        result["init_seconds"] = time.perf_counter() - init_started  # time to ready: LLM(...) returned
     except Exception as exc:
         result["error"] = _error_text(exc)
         result["traceback"] = traceback.format_exc()
@@ -182,6 +185,11 @@ def main(spec_path: str, result_path: str) -> int:
             result["outputs_after_reload"] = [
                 list(o.outputs[0].token_ids) if spec.get("skip_tokenizer_init") else o.outputs[0].text for o in outputs
             ]
+    from torch._dynamo.utils import counters
+
+    # torch inductor's own count of FX graph cache hits and misses in this process (a start that compiled
+    # from an empty cache misses; one whose cache was seeded hits and never misses)
+    result["inductor_cache"] = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
     outcome = coldsnap_loader.last_outcome()
     if outcome is not None:
         result["outcome"] = {
