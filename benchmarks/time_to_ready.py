@@ -74,7 +74,7 @@ def main() -> int:
     if export.error is not None:
         print(export.error, file=sys.stderr)
         return 1
-    print(f"export: {export.init_seconds:.1f} s to ready; inductor {export.inductor_cache}")
+    print(f"export: {export.init_seconds:.1f} s to ready; compile caches {export.compile_cache_counters}")
 
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     weights: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -99,7 +99,7 @@ def main() -> int:
             seed = (run.outcome or {}).get("derived_cache")
             print(
                 f"  run {i} {variant:22s} {run.init_seconds:7.1f} s to ready, load_weights {sum(run.load_weights_seconds):.2f} s,"
-                f" seed {seed}, inductor {run.inductor_cache}"
+                f" seed {seed}, compile caches {run.compile_cache_counters}"
             )
             times[variant].append(run.init_seconds)
             weights[variant].append(sum(run.load_weights_seconds))

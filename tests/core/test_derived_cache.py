@@ -24,7 +24,6 @@ from coldsnap_core.derived_cache import (
 )
 from coldsnap_core.errors import ManifestMismatchError, ManifestValueError
 from coldsnap_core.format.descriptor import ArtifactDescriptor
-from coldsnap_core.outcomes import read_outcomes, summarize
 from coldsnap_core.target import collect_target
 
 FLAGS = ("avx", "avx2", "fma", "sse4_2")
@@ -190,15 +189,3 @@ def test_a_seed_is_attached_only_to_the_capsule_this_process_captured(captured_2
     with pytest.raises(ManifestMismatchError, match="replaced meanwhile"):
         attach_seed(c.artifact_dir, WORKER, "f" * 64, qualification(), files)
     assert not (c.capsule_dir / SEED_ARCHIVE_FILENAME).exists()
-
-
-def test_status_counts_the_seed_of_each_line() -> None:
-    """``coldsnap status`` counts used / skipped / absent per artifact. Fails if the field is not summarized."""
-    lines = [
-        {"artifact_dir": "/a", "outcome": "restored", "time": "1", "derived_cache": "used"},
-        {"artifact_dir": "/a", "outcome": "restored", "time": "2", "derived_cache": "skipped"},
-        {"artifact_dir": "/a", "outcome": "captured", "time": "3", "derived_cache": None},
-    ]
-    (summary,) = summarize(lines)
-    assert summary.derived_cache == {"used": 1, "skipped": 1, "absent": 0}
-    assert read_outcomes  # the reader keeps unknown keys: the field reaches summarize as written

@@ -17,8 +17,8 @@ Usage: ``python tests/vllm/engine_run.py SPEC.json RESULT.json``, or forked from
 ``collective_rpc("reload_weights")`` and the same prompts again: ``outputs_after_reload``), ``skip_tokenizer_init``
 (prompts are then lists of token ids), ``enforce_eager`` (true; false: vLLM compiles, into the ``VLLM_CACHE_ROOT`` its ``env`` names), ``tensor_parallel_size`` (1; above 1 the ``mp`` executor
 runs the workers in other processes and no digests are recorded) and ``digests`` (true). RESULT gets
-``digests`` (name -> sha256), ``outputs`` (greedy texts or token ids), ``inductor_cache`` (torch inductor's
-``fxgraph_cache_*`` counters), ``init_seconds`` (wall time of ``LLM(...)``: the time to ready), ``outcome`` (the coldsnap
+``digests`` (name -> sha256), ``outputs`` (greedy texts or token ids), ``compile_cache_counters`` (torch's
+compile-cache counters, ``<group>.<counter>``), ``init_seconds`` (wall time of ``LLM(...)``: the time to ready), ``outcome`` (the coldsnap
 loader's :class:`~coldsnap_vllm.loader.LoadOutcome` summary), ``load_weights_seconds``, ``load_weights_rss_bytes`` (RSS before and peak RSS during each call) and ``error``
 (the exception chain's text when the engine failed to start).
 """
@@ -187,9 +187,9 @@ def main(spec_path: str, result_path: str) -> int:
             ]
     from torch._dynamo.utils import counters
 
-    # torch inductor's own count of FX graph cache hits and misses in this process (a start that compiled
-    # from an empty cache misses; one whose cache was seeded hits and never misses)
-    result["inductor_cache"] = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+    # torch's own count of its compile caches' hits and misses in this process, ``<group>.<counter>``
+    # (a start that compiled from an empty cache misses; one whose cache was seeded hits and never misses)
+    result["compile_cache_counters"] = {f"{g}.{k}": v for g, d in counters.items() for k, v in d.items() if "cache" in k}
     outcome = coldsnap_loader.last_outcome()
     if outcome is not None:
         result["outcome"] = {

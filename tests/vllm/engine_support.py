@@ -70,8 +70,8 @@ class EngineResult:
         load_weights_rss_bytes: per ``load_weights`` call, ``[resident set size before it, peak
             resident set size during it]`` of the engine process (``VmRSS``, ``VmHWM`` after a
             ``clear_refs`` reset; tensor parallel 1 only, where the model loads in that process).
-        inductor_cache: torch inductor's ``fxgraph_cache_*`` counters in the engine process after it
-            generated (``fxgraph_cache_hit``, ``fxgraph_cache_miss``; empty when nothing compiled).
+        compile_cache_counters: torch's counters of its compile caches in the engine process after it
+            generated, ``<group>.<counter>`` (``aot_autograd.autograd_cache_miss``, ...; empty when nothing compiled).
         init_seconds: wall time of ``LLM(...)`` (the time to ready), seconds; ``None`` if it failed.
     """
 
@@ -83,7 +83,7 @@ class EngineResult:
     load_weights_seconds: list[float]
     load_weights_rss_bytes: list[list[int]] = field(default_factory=list)
     outputs_after_reload: list = field(default_factory=list)
-    inductor_cache: dict = field(default_factory=dict)
+    compile_cache_counters: dict = field(default_factory=dict)
     init_seconds: float | None = None
 
     def coldsnap_lines(self, level: str) -> list[str]:
@@ -144,7 +144,7 @@ def run_engine(
         load_weights_seconds=data.get("load_weights_seconds", []),
         load_weights_rss_bytes=data.get("load_weights_rss_bytes", []),
         outputs_after_reload=data.get("outputs_after_reload", []),
-        inductor_cache=data.get("inductor_cache", {}),
+        compile_cache_counters=data.get("compile_cache_counters", {}),
         init_seconds=data.get("init_seconds"),
     )
 
