@@ -546,6 +546,39 @@ def _install(target: Path, data: bytes, root: Path) -> int:
             os.unlink(temp)
 
 
+def verify_seed(capsule_dir: Path, capsule_files: Iterable[CapsuleFile]) -> SeedDocument | None:
+    """Check the seed of the capsule at ``capsule_dir`` without placing it (``coldsnap verify``): both files
+    match their pins, the document parses and names the pinned archive, and the archive holds exactly the
+    listed regular files with their sizes and SHA-256. Returns the document, or ``None`` without a seed.
+
+    Raises:
+        CapsulePinMismatchError: a file does not match its pin, one seed file is pinned without the other,
+            or the archive's files are not the listed ones (rule ``capsule-pin``).
+        MissingObjectError, ManifestError, FileAccessError: a file is missing, malformed or unreadable.
+    """
+    pins = {p.name: p for p in capsule_files if p.name in SEED_FILENAMES}
+    if not pins:
+        return None
+    document = _read_seed(capsule_dir, pins)
+    archive_path = capsule_dir / SEED_ARCHIVE_FILENAME
+    expected = {m.name: m for m in document.members}
+    try:
+        with tarfile.open(archive_path, "r:") as tar:
+            infos = tar.getmembers()
+            if sorted(i.name for i in infos) != sorted(expected) or len(infos) != len(expected):
+                raise CapsulePinMismatchError("the archive's files are not the ones derived-cache.json lists", file=archive_path)
+            for info in infos:
+                member = expected[info.name]
+                extracted = tar.extractfile(info) if info.isreg() else None
+                if extracted is None or info.size != member.size_bytes:
+                    raise CapsulePinMismatchError(f"archive member {info.name} is not the listed regular file", file=archive_path)
+                if hashlib.sha256(extracted.read()).hexdigest() != member.sha256:
+                    raise CapsulePinMismatchError(f"archive member {info.name} does not match its SHA-256", file=archive_path)
+    except tarfile.TarError as exc:
+        raise CapsulePinMismatchError(f"the archive cannot be read as a tar: {exc}", file=archive_path) from exc
+    return document
+
+
 def compilation_digest(parts: Iterable[str]) -> str:
     """SHA-256 of the engine's compilation factors (strings, in the engine's order), for
     :attr:`SeedQualification.compilation_sha256`."""
@@ -565,4 +598,5 @@ __all__ = [
     "compilation_digest",
     "place_seed",
     "read_cpu_isa_flags",
+    "verify_seed",
 ]

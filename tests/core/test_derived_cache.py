@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
-from core_support import WORKER, Captured, copy_capture, flip_byte
+from core_support import WORKER, Captured, copy_capture, flip_byte, run_cli
 
 from coldsnap_core.derived_cache import (
     SEED_ARCHIVE_FILENAME,
@@ -189,3 +189,15 @@ def test_a_seed_is_attached_only_to_the_capsule_this_process_captured(captured_2
     with pytest.raises(ManifestMismatchError, match="replaced meanwhile"):
         attach_seed(c.artifact_dir, WORKER, "f" * 64, qualification(), files)
     assert not (c.capsule_dir / SEED_ARCHIVE_FILENAME).exists()
+
+
+def test_coldsnap_verify_checks_a_seed_against_its_pins(captured_2layer: Captured, tmp_path: Path) -> None:
+    """``coldsnap verify`` reads the seed like every pinned capsule file: a seeded capsule verifies, one flipped
+    byte in the archive is exit 1 naming derived-cache.tar (rule capsule-pin). Fails if verify ignores the
+    seed's pins."""
+    c = seeded(captured_2layer, tmp_path)
+    ok = run_cli("verify", c.artifact_dir, "--state-root", c.state_root)
+    assert ok.returncode == 0, ok.stderr
+    flip_byte(c.capsule_dir / SEED_ARCHIVE_FILENAME, 1500)
+    bad = run_cli("verify", c.artifact_dir, "--state-root", c.state_root)
+    assert bad.returncode != 0 and "derived-cache.tar" in bad.stderr and "capsule-pin" in bad.stderr, bad.stderr
