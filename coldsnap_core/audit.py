@@ -10,7 +10,9 @@ Order (each step raises the first failure it finds; ``docs/format.md``, "Verific
    ``model-payloads/`` or below, :meth:`coldsnap_core.cache.PayloadCache.check_dirs`); per distinct pack,
    one full read (:func:`coldsnap_core.verify.verify_pack_file`): size, zero padding, every stored
    extent's SHA-256, the file's SHA-256; a symbolic link or non-regular file at the object path is refused;
-4. per worker, the residual blob: size, then SHA-256.
+4. per worker, the residual blob: size, then SHA-256; for a capsule of an artifact with a derived-cache
+   seed, its two files against their pins and each archived file against its size and SHA-256
+   (:func:`coldsnap_core.derived_cache.verify_seed`, ``docs/format.md`` §17).
 
 Nothing is written (no validation record either): this is a read-only audit.
 """
@@ -28,10 +30,12 @@ from coldsnap_core.artifact import (
     Capsule,
     check_artifact_layout,
     check_provenance_in_identity,
+    find_worker,
     read_descriptor,
     read_worker_capsule,
 )
 from coldsnap_core.cache import PayloadCache
+from coldsnap_core.derived_cache import verify_seed
 from coldsnap_core.errors import ManifestMismatchError
 from coldsnap_core.format.descriptor import ArtifactDescriptor
 from coldsnap_core.format.manifest import PackRef, WorkerIdentity
@@ -122,6 +126,8 @@ def verify_capsules(
                 )
             verified_packs.add(manifest.pack.sha256)
         verify_blob_file(capsule.blob_path, manifest.residual)
+        if descriptor is not None:  # a derived-cache seed's two pinned files (docs/format.md §17.1)
+            verify_seed(capsule.path, find_worker(descriptor, manifest.worker).capsule_files)
         verified.append(VerifiedWorker(manifest.worker, manifest.pack, len(manifest.model_extents), manifest.residual.size_bytes))
     return verified
 

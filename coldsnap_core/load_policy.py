@@ -32,7 +32,10 @@ the template fixes the order, subclasses supply the engine-specific steps). An e
    * on ``COLDSNAP_OVERLAY=capture``, or under ``auto`` after a fallback caused by target qualification
      of a capsule this engine captured: a target-local **overlay** (:func:`coldsnap_core.overlay.capture_overlay`,
      ``docs/format.md`` §15);
-3. one **outcome line** (:mod:`coldsnap_core.outcomes`, ``docs/format.md`` §10.3): ``restored``,
+3. the capsule's **derived-cache seed** (``docs/format.md`` §17), when a capsule was read: the engine
+   adapter's :meth:`~LoadPolicy.place_derived_cache` places it where the engine's compiler looks
+   (default: the engine keeps none);
+4. one **outcome line** (:mod:`coldsnap_core.outcomes`, ``docs/format.md`` §10.3): ``restored``,
    ``captured``, ``fell-back``, ``checkpoint``, or ``refused`` when an error is raised.
 
 The payload store is built from the resolved settings when the policy is constructed (an engine
@@ -43,17 +46,21 @@ start with a :class:`~coldsnap_core.errors.ConfigurationError` under ``auto`` to
 from __future__ import annotations
 
 import abc
+import dataclasses
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import CaptureResult
 from coldsnap_core.copy.select import copy_backend_for
+from coldsnap_core.derived_cache import SeedPlacement
 from coldsnap_core.errors import ColdsnapError, ObserverError
+from coldsnap_core.format.descriptor import CapsuleFile
 from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import ModelIdentity, PackRef, WorkerIdentity
 from coldsnap_core.hydrate import HydrationReport
@@ -143,6 +150,10 @@ class LoadOutcome:
         pack: the worker's pack, when one was restored, captured or materialized.
         observed: whether :attr:`writes` says where the model bytes are (restored, or a checkpoint load
             whose writes the observer classified); ``False``: nothing may be published about them.
+        capsule_dir: the portable capsule read for this load (restored, or a fallback after it was
+            read), else ``None``: where its derived-cache seed is.
+        capsule_files: that capsule's pins in ``artifact.json``.
+        derived_cache: what became of its seed (:meth:`LoadPolicy.place_derived_cache`), or ``None``.
     """
 
     kind: Literal["restored", "captured", "checkpoint"]
@@ -161,6 +172,9 @@ class LoadOutcome:
     writes: tuple[ModelWrite, ...] = ()
     pack: PackRef | None = None
     observed: bool = True
+    capsule_dir: Path | None = None
+    capsule_files: tuple[CapsuleFile, ...] = ()
+    derived_cache: SeedPlacement | None = None
 
     @property
     def line_kind(self) -> Outcome:
@@ -240,6 +254,12 @@ class LoadPolicy(abc.ABC):
         """Whether a plain checkpoint load pins the model identity too (vLLM: its sleep backend needs it)."""
         return False
 
+    def place_derived_cache(self, outcome: LoadOutcome) -> SeedPlacement | None:
+        """Place the derived-cache seed of ``outcome.capsule_dir`` before the engine compiles
+        (:func:`coldsnap_core.derived_cache.place_seed`), or ``None`` when the engine keeps no seed (the
+        default) or no capsule was read. Must not raise: a seed only makes a start faster."""
+        return None
+
     # -- the template method -----------------------------------------------------------------------
 
     def load(self, model: object) -> LoadOutcome:
@@ -262,6 +282,8 @@ class LoadPolicy(abc.ABC):
         except ColdsnapError as exc:
             self._append_line("refused", worker, time.perf_counter() - started, error=exc)
             raise
+        seed = self.place_derived_cache(outcome) if outcome.capsule_dir is not None else None
+        outcome = dataclasses.replace(outcome, derived_cache=seed)
         _set_outcome(outcome)
         self._append_line(
             outcome.line_kind,
@@ -270,6 +292,7 @@ class LoadPolicy(abc.ABC):
             error=outcome.fallback,
             materialization_started=outcome.materialization is not None,
             pack_sha256=None if outcome.kind == "checkpoint" or outcome.pack is None else outcome.pack.sha256,
+            derived_cache=seed,
         )
         return outcome
 
@@ -358,6 +381,7 @@ class LoadPolicy(abc.ABC):
             model=attempt.capsule.recovery.model,
             writes=tuple(writes),
             pack=manifest.pack,
+            **_seed_source(attempt),
         )
 
     def _load_checkpoint(
@@ -420,6 +444,7 @@ class LoadPolicy(abc.ABC):
             model=identity,
             writes=tuple(ModelWrite(r.address, r.size_bytes, r.provenance()) for r in kept),
             pack=pack,
+            **(_seed_source(attempt) if fallback is not None else {}),
         )
 
     def _observe_checkpoint_load(
@@ -564,6 +589,7 @@ class LoadPolicy(abc.ABC):
         error: ColdsnapError | None = None,
         materialization_started: bool = False,
         pack_sha256: str | None = None,
+        derived_cache: SeedPlacement | None = None,
     ) -> None:
         settings = self.settings
         append_outcome(
@@ -577,5 +603,15 @@ class LoadPolicy(abc.ABC):
                 materialization_started=materialization_started,
                 error=error,
                 pack_sha256=pack_sha256,
+                derived_cache=None if derived_cache is None else derived_cache.status,
+                derived_cache_reason=None if derived_cache is None else derived_cache.reason,
             ),
         )
+
+
+def _seed_source(attempt: WorkerRestore | None) -> dict[str, object]:
+    """``capsule_dir`` and ``capsule_files`` of the portable capsule ``attempt`` read (its seed, if any,
+    is pinned there), or nothing when it read none."""
+    if attempt is None or attempt.portable_capsule is None or attempt.entry is None:
+        return {}
+    return {"capsule_dir": attempt.portable_capsule.path, "capsule_files": attempt.entry.capsule_files}

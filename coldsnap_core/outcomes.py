@@ -49,6 +49,9 @@ MAX_DETAIL_CHARS = 2000
 Outcome = Literal["restored", "captured", "fell-back", "refused", "checkpoint"]
 OUTCOMES: tuple[str, ...] = ("restored", "captured", "fell-back", "refused", "checkpoint")
 
+DERIVED_CACHE_VALUES: tuple[str, ...] = ("used", "skipped", "absent")
+"""The values of a line's ``derived_cache`` (``docs/format.md`` §17.4), besides ``null``."""
+
 _warned: set[str] = set()
 
 
@@ -74,6 +77,11 @@ class LoadOutcomeLine:
         error: for ``fell-back`` and ``refused``, the error: its class name, ``rule``, ``file`` and
             ``detail``; else ``None``.
         pack_sha256: the pack restored from or captured, when known.
+        derived_cache: what became of the capsule's derived-cache seed (``docs/format.md`` §17):
+            ``used`` (placed where the engine looks before it compiles), ``skipped`` (with
+            :attr:`derived_cache_reason`), ``absent`` (the capsule has none), or ``None`` (no capsule was
+            read, or the engine has no seeds).
+        derived_cache_reason: why the seed was skipped, else ``None``.
     """
 
     outcome: Outcome
@@ -84,6 +92,8 @@ class LoadOutcomeLine:
     materialization_started: bool = False
     error: ColdsnapError | None = None
     pack_sha256: str | None = None
+    derived_cache: str | None = None
+    derived_cache_reason: str | None = None
 
     def to_json(self, *, now: datetime.datetime | None = None) -> dict[str, object]:
         now = now or datetime.datetime.now(datetime.UTC)
@@ -109,6 +119,8 @@ class LoadOutcomeLine:
             "file": None if self.error is None or self.error.file is None else str(self.error.file),
             "detail": detail,
             "pack_sha256": self.pack_sha256,
+            "derived_cache": self.derived_cache,
+            "derived_cache_reason": self.derived_cache_reason,
         }
 
 
@@ -169,15 +181,24 @@ class ArtifactSummary:
         counts: lines per outcome, every outcome of :data:`OUTCOMES` present.
         last: the most recent line.
         last_failure: the most recent ``fell-back`` or ``refused`` line, or ``None``.
+        derived_cache: lines per ``derived_cache`` value (``used``, ``skipped``, ``absent``; lines
+            without one are not counted).
     """
 
     artifact_dir: str | None
     counts: dict[str, int]
     last: dict[str, object]
     last_failure: dict[str, object] | None
+    derived_cache: dict[str, int] | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {"artifact_dir": self.artifact_dir, "counts": self.counts, "last": self.last, "last_failure": self.last_failure}
+        return {
+            "artifact_dir": self.artifact_dir,
+            "counts": self.counts,
+            "last": self.last,
+            "last_failure": self.last_failure,
+            "derived_cache": self.derived_cache,
+        }
 
 
 def read_outcomes(path: str | os.PathLike[str], last: int) -> tuple[list[dict[str, object]], int]:
@@ -234,6 +255,10 @@ def summarize(lines: Iterable[dict[str, object]]) -> list[ArtifactSummary]:
         for doc in docs:
             counts[str(doc["outcome"])] += 1
         failures = [d for d in docs if d["outcome"] in ("fell-back", "refused")]
-        summaries.append(ArtifactSummary(artifact, counts, docs[-1], failures[-1] if failures else None))
+        seeds = dict.fromkeys(DERIVED_CACHE_VALUES, 0)
+        for doc in docs:
+            if doc.get("derived_cache") in seeds:
+                seeds[str(doc["derived_cache"])] += 1
+        summaries.append(ArtifactSummary(artifact, counts, docs[-1], failures[-1] if failures else None, seeds))
     summaries.sort(key=lambda s: str(s.last.get("time", "")), reverse=True)
     return summaries

@@ -71,6 +71,8 @@ MaterializeMode = Literal["async", "required", "off"]
 MATERIALIZE_MODES: tuple[str, ...] = get_args(MaterializeMode)
 RestoreMode = Literal["auto", "native"]
 OverlayMode = Literal["auto", "capture", "off"]
+DerivedCacheMode = Literal["auto", "off"]
+DERIVED_CACHE_MODES: tuple[str, ...] = get_args(DerivedCacheMode)
 ConvertedCopies = Literal["residual", "model"]
 
 RESTORE_MODES: tuple[str, ...] = ("auto", "native")
@@ -468,6 +470,15 @@ SETTINGS: tuple[Setting, ...] = (
         " fallback caused by the target; `capture` loads the checkpoint and captures one now; `off` neither",
     ),
     Setting(
+        "derived_cache",
+        "COLDSNAP_DERIVED_CACHE",
+        "derived_cache",
+        _choice(*DERIVED_CACHE_MODES),
+        "`auto`",
+        "derived-cache seeds (vLLM's compile cache; `docs/format.md` §17): `auto` captures one into the capsule"
+        " after an export's start compiled and places a qualified one before a restore's start compiles; `off` neither",
+    ),
+    Setting(
         "converted_copies",
         None,
         "converted_copies",
@@ -565,6 +576,7 @@ class ColdsnapSettings:
         inner_load_format: the vLLM load format to keep, or ``None`` for the platform default.
         converted_copies: ``model`` (converted copies are model extents, the default) or ``residual``.
         overlay: ``auto``, ``capture`` or ``off`` (target-local overlays).
+        derived_cache: ``auto`` or ``off`` (derived-cache seeds, ``docs/format.md`` §17).
         lock_timeout_s: seconds to wait for a pack's lock (:meth:`coldsnap_core.cache.PayloadCache.lock`).
         outcome_log: the load outcome log (absolute), or ``None`` for
             ``<state_root>/load-outcomes.jsonl`` (:attr:`outcome_log_path`).
@@ -581,6 +593,7 @@ class ColdsnapSettings:
     inner_load_format: str | None = None
     converted_copies: ConvertedCopies = "model"
     overlay: OverlayMode = "auto"
+    derived_cache: DerivedCacheMode = "auto"
     lock_timeout_s: float = LOCK_TIMEOUT_SECONDS
     outcome_log: Path | None = None
     store: StoreSettings = StoreSettings()

@@ -43,6 +43,7 @@ from coldsnap_core.model_identity import engine_checkpoint_files, model_config_s
 from coldsnap_core.observer import PreparedWeights
 from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_vllm import compat
+from coldsnap_vllm import derived_cache as seeds
 from coldsnap_vllm import state as load_state
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ class _VllmLoad(LoadPolicy):
         super().__init__(settings, log=logger)
         self.loader = loader
         self.model_config: ModelConfig | None = None
+        self.vllm_config = None
+        """vLLM's configuration of this worker, set by :meth:`ColdsnapModelLoader.load_model` (its compile settings)."""
 
     def worker_identity(self) -> WorkerIdentity:
         return compat.worker_identity()
@@ -96,6 +99,20 @@ class _VllmLoad(LoadPolicy):
     def load_checkpoint(self, model: object) -> None:
         assert self.model_config is not None
         DefaultModelLoader.load_weights(self.loader, model, self.model_config)  # type: ignore[arg-type]
+
+    def place_derived_cache(self, outcome: LoadOutcome):
+        """The capsule's seed of vLLM's compile cache, placed before vLLM compiles
+        (:func:`coldsnap_vllm.derived_cache.place`; ``docs/format.md`` §17)."""
+        assert outcome.capsule_dir is not None and self.model_config is not None
+        return seeds.place(
+            self.vllm_config,
+            outcome.capsule_dir,
+            outcome.capsule_files,
+            engine=self.engine,
+            engine_version=self.engine_version(),
+            config_sha256=engine_config_sha256(self.model_config),
+            enabled=self.settings.derived_cache == "auto",
+        )
 
     def wants_model_identity(self) -> bool:
         """With ``--enable-sleep-mode --sleep-mode-backend coldsnap`` the level-1 sleep backend takes its
@@ -143,7 +160,13 @@ class ColdsnapModelLoader(DefaultModelLoader):
             return iterator  # reload_weights and other callers outside an observed load
         return session.observe(source.prefix, iterator)
 
-    # -- load_weights ------------------------------------------------------------------------------
+    # -- load_model / load_weights -----------------------------------------------------------------
+
+    def load_model(self, vllm_config, model_config, prefix: str = ""):  # type: ignore[override]
+        """vLLM's ``BaseModelLoader.load_model``, keeping ``vllm_config`` for the derived-cache seed (its
+        compilation settings; ``load_weights`` is not given it)."""
+        self._policy.vllm_config = vllm_config
+        return super().load_model(vllm_config, model_config, prefix)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         """Restore from the artifact, or load from the checkpoint (observed; captured on export), with
@@ -160,6 +183,39 @@ class ColdsnapModelLoader(DefaultModelLoader):
         outcome = self._policy.load(model)
         if outcome.observed:
             self._publish(outcome)
+        if outcome.capture is not None:
+            self._capture_seed_after_compilation(model, outcome)
+
+    def _capture_seed_after_compilation(self, model: nn.Module, outcome: LoadOutcome) -> None:
+        """After an export's capture: the worker's compile cache goes into its capsule once vLLM has
+        compiled (:class:`coldsnap_vllm.derived_cache.SeedCapture`), unless ``COLDSNAP_DERIVED_CACHE=off``
+        or vLLM keeps no compile cache for this start (one INFO line says why)."""
+        settings = self.coldsnap_settings
+        if settings.derived_cache == "off" or settings.artifact_dir is None or outcome.capture is None:
+            return
+        policy = self._policy
+        try:
+            reason = seeds.compile_skip_reason(policy.vllm_config)
+            qualification = None
+            if reason is None:
+                assert self._policy.model_config is not None
+                qualification = seeds.qualification(
+                    policy.vllm_config, policy.engine, policy.engine_version(), engine_config_sha256(self._policy.model_config)
+                )
+        except Exception as exc:  # vLLM's private hashing moved: the export stands without a seed
+            reason = f"this start's compilation settings cannot be read ({type(exc).__name__}: {exc})"
+        if reason is not None:
+            logger.info("coldsnap: %s: no derived-cache seed captured: %s", outcome.worker.capsule_name, reason)
+            return
+        assert qualification is not None
+        seeds.SeedCapture(
+            model,
+            policy.vllm_config,
+            settings.artifact_dir,
+            outcome.worker,
+            outcome.capture.manifest.pack.sha256,
+            qualification,
+        )
 
     def _publish(self, outcome: LoadOutcome) -> None:
         settings = self.coldsnap_settings

@@ -27,6 +27,10 @@ def _line(doc: dict[str, object]) -> str:
     if doc.get("materialization_started"):
         text += ", materialization started"
     text += ")"
+    if doc.get("derived_cache") is not None:  # docs/format.md §17.4
+        text += f"; derived cache {doc.get('derived_cache')}"
+        if doc.get("derived_cache_reason"):
+            text += f" ({doc.get('derived_cache_reason')})"
     if doc.get("rule") is not None:
         text += f": rule {doc.get('rule')}, file {doc.get('file')}: {doc.get('detail')}"
     return text
@@ -67,6 +71,9 @@ def _status(args: argparse.Namespace) -> int:
         for s in summaries:
             counts = ", ".join(f"{s.counts[o]} {o}" for o in OUTCOMES if s.counts[o])
             print(f"{s.artifact_dir or '(no artifact folder)'}: {counts}")
+            if s.derived_cache and any(s.derived_cache.values()):
+                seeds = ", ".join(f"{n} {v}" for v, n in s.derived_cache.items() if n)
+                print(f"  derived-cache seeds: {seeds}")
             print(f"  last: {_line(s.last)}")
             if s.last_failure is not None and s.last_failure is not s.last:
                 print(f"  last failure: {_line(s.last_failure)}")

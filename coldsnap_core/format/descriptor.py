@@ -38,6 +38,8 @@ from coldsnap_core.format.manifest import (
 from coldsnap_core.format.target import TARGET_FILENAME
 
 ARTIFACT_KIND = "coldsnap.artifact"
+SEED_FILENAMES = ("derived-cache.json", "derived-cache.tar")
+"""A derived-cache seed's two capsule files (``docs/format.md`` §17), pinned together or not at all."""
 DESCRIPTOR_FILENAME = "artifact.json"
 WORKERS_DIRNAME = "workers"
 
@@ -69,10 +71,13 @@ def check_capsule_file_names(f: Fields, pins: tuple[CapsuleFile, ...]) -> None:
     """
     names = [p.name for p in pins]
     documents = {NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, TARGET_FILENAME}
-    if len(names) != 4 or names != sorted(set(names)) or not documents <= set(names):
+    # a derived-cache seed (docs/format.md §17) adds its two files, both or neither
+    seed = [n for n in names if n in SEED_FILENAMES]
+    core = [n for n in names if n not in SEED_FILENAMES]
+    if len(core) != 4 or names != sorted(set(names)) or not documents <= set(core) or seed not in ([], sorted(SEED_FILENAMES)):
         raise f.error(
             f"capsule_files names {names}; expected the capsule's four files (both manifests, {TARGET_FILENAME} and"
-            " the residual blob), each once, sorted by name"
+            " the residual blob), and optionally a derived-cache seed's two, each once, sorted by name"
         )
 
 

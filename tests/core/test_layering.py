@@ -14,7 +14,8 @@ rank  modules
       collected from torch and the host; the qualification rule on two identities)
 4     ``records`` (read and write validation records only), ``model_identity`` (produced and checked)
 5     ``cache`` (admission and quarantine), ``artifact``, ``residual``, ``outcomes`` (the load outcome log)
-6     ``stores``, ``pack_writer``, ``payload_plan``
+6     ``stores``, ``pack_writer``, ``payload_plan``, ``derived_cache`` (compile-cache seeds: captured into a
+      capsule, qualified and placed at restore)
 7     ``staging``, ``hydrate``, ``capture``, ``materialize``, ``publish``, ``audit``, ``overlay``
       (target-local overlays: built from a capture, selected by restore, listed and collected by the cli)
 8     ``restore``, ``observer``
@@ -77,6 +78,7 @@ LAYERS: dict[str, int] = {
     "stores.azure": 6,
     "pack_writer": 6,
     "payload_plan": 6,
+    "derived_cache": 6,
     "staging": 7,
     "hydrate": 7,
     "capture": 7,

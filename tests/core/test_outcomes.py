@@ -142,6 +142,23 @@ def test_status_fail_on_fallback_refuses_a_log_that_does_not_exist(tmp_path: Pat
     assert main(["status", "--outcome-log", str(in_folder), "--fail-on-fallback"]) == 0
 
 
+def test_status_counts_derived_cache_seeds_and_shows_why_one_was_skipped(tmp_path: Path, capsys) -> None:
+    """``coldsnap status`` counts each artifact's lines by ``derived_cache`` (``docs/format.md`` §17.4) and
+    prints the latest line's seed with the reason it was skipped; ``--json`` has the counts. Fails if the
+    field is dropped from the line, the summary or the text."""
+    log = tmp_path / "log.jsonl"
+    append_outcome(log, _line("restored", "/a", derived_cache="used"))
+    append_outcome(log, _line("captured", "/a"))
+    append_outcome(log, _line("restored", "/a", derived_cache="skipped", derived_cache_reason="torch_version: captured 2.12"))
+    assert main(["status", "--outcome-log", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "derived-cache seeds: 1 used, 1 skipped" in out
+    assert "derived cache skipped (torch_version: captured 2.12)" in out
+    assert main(["status", "--outcome-log", str(log), "--json"]) == 0
+    (artifact,) = json.loads(capsys.readouterr().out)["artifacts"]
+    assert artifact["derived_cache"] == {"used": 1, "skipped": 1, "absent": 0}
+
+
 @pytest.mark.parametrize("last", ["-1", "0", "abc", "1_0"])
 def test_status_refuses_a_count_of_loads_below_one(last: str, tmp_path: Path, capsys) -> None:
     """``status --last N`` takes a whole number >= 1; ``-1`` used to read nothing and say "no load outcomes

@@ -15,9 +15,10 @@ Usage: ``python tests/vllm/engine_run.py SPEC.json RESULT.json``, or forked from
 ``load_format`` and optionally ``dtype`` (``bfloat16``), ``env`` (set before the engine starts),
 ``extra_config``, ``hf_overrides`` (vLLM's ``--hf-overrides``), ``prompts``, ``max_tokens`` (8), ``max_model_len`` (256), ``reload`` (after the generations, vLLM's in-place
 ``collective_rpc("reload_weights")`` and the same prompts again: ``outputs_after_reload``), ``skip_tokenizer_init``
-(prompts are then lists of token ids), ``tensor_parallel_size`` (1; above 1 the ``mp`` executor
+(prompts are then lists of token ids), ``enforce_eager`` (true; false: vLLM compiles, into the ``VLLM_CACHE_ROOT`` its ``env`` names), ``tensor_parallel_size`` (1; above 1 the ``mp`` executor
 runs the workers in other processes and no digests are recorded) and ``digests`` (true). RESULT gets
-``digests`` (name -> sha256), ``outputs`` (greedy texts or token ids), ``outcome`` (the coldsnap
+``digests`` (name -> sha256), ``outputs`` (greedy texts or token ids), ``compile_cache_counters`` (torch's
+compile-cache counters, ``<group>.<counter>``), ``init_seconds`` (wall time of ``LLM(...)``: the time to ready), ``outcome`` (the coldsnap
 loader's :class:`~coldsnap_vllm.loader.LoadOutcome` summary), ``load_weights_seconds``, ``load_weights_rss_bytes`` (RSS before and peak RSS during each call) and ``error``
 (the exception chain's text when the engine failed to start).
 """
@@ -146,7 +147,7 @@ def main(spec_path: str, result_path: str) -> int:
         "model": spec["model"],
         "load_format": spec["load_format"],
         "dtype": spec.get("dtype", "bfloat16"),
-        "enforce_eager": True,
+        "enforce_eager": bool(spec.get("enforce_eager", True)),
         "max_model_len": int(spec.get("max_model_len", 256)),
         "max_num_seqs": 4,
         "tensor_parallel_size": tp,
@@ -160,8 +161,10 @@ def main(spec_path: str, result_path: str) -> int:
         kwargs["skip_tokenizer_init"] = True
     if tp > 1:
         kwargs["distributed_executor_backend"] = "mp"
+    init_started = time.perf_counter()
     try:
         llm = LLM(**kwargs)
+        result["init_seconds"] = time.perf_counter() - init_started  # time to ready: LLM(...) returned
     except Exception as exc:
         result["error"] = _error_text(exc)
         result["traceback"] = traceback.format_exc()
@@ -182,6 +185,11 @@ def main(spec_path: str, result_path: str) -> int:
             result["outputs_after_reload"] = [
                 list(o.outputs[0].token_ids) if spec.get("skip_tokenizer_init") else o.outputs[0].text for o in outputs
             ]
+    from torch._dynamo.utils import counters
+
+    # torch's own count of its compile caches' hits and misses in this process, ``<group>.<counter>``
+    # (a start that compiled from an empty cache misses; one whose cache was seeded hits and never misses)
+    result["compile_cache_counters"] = {f"{g}.{k}": v for g, d in counters.items() for k, v in d.items() if "cache" in k}
     outcome = coldsnap_loader.last_outcome()
     if outcome is not None:
         result["outcome"] = {
@@ -198,6 +206,8 @@ def main(spec_path: str, result_path: str) -> int:
             "materialized": None,
             "capsule_source": outcome.capsule_source,
             "overlay": None if outcome.overlay is None else outcome.overlay.kind,
+            "derived_cache": None if outcome.derived_cache is None else outcome.derived_cache.status,
+            "derived_cache_reason": None if outcome.derived_cache is None else outcome.derived_cache.reason,
         }
         if outcome.materialization is not None:
             outcome.materialization.wait(300)

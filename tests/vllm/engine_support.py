@@ -70,6 +70,9 @@ class EngineResult:
         load_weights_rss_bytes: per ``load_weights`` call, ``[resident set size before it, peak
             resident set size during it]`` of the engine process (``VmRSS``, ``VmHWM`` after a
             ``clear_refs`` reset; tensor parallel 1 only, where the model loads in that process).
+        compile_cache_counters: torch's counters of its compile caches in the engine process after it
+            generated, ``<group>.<counter>`` (``aot_autograd.autograd_cache_miss``, ...; empty when nothing compiled).
+        init_seconds: wall time of ``LLM(...)`` (the time to ready), seconds; ``None`` if it failed.
     """
 
     digests: dict[str, list]
@@ -80,6 +83,8 @@ class EngineResult:
     load_weights_seconds: list[float]
     load_weights_rss_bytes: list[list[int]] = field(default_factory=list)
     outputs_after_reload: list = field(default_factory=list)
+    compile_cache_counters: dict = field(default_factory=dict)
+    init_seconds: float | None = None
 
     def coldsnap_lines(self, level: str) -> list[str]:
         """Log lines of ``level`` (``WARNING``, ``INFO``) written by coldsnap."""
@@ -101,6 +106,7 @@ def run_engine(
     skip_tokenizer_init: bool = False,
     max_tokens: int = 8,
     reload: bool = False,
+    enforce_eager: bool = True,
 ) -> EngineResult:
     """Run one engine in a new process and return what it did (raises if the process crashed)."""
     require_engine_marker("a vLLM engine")
@@ -117,6 +123,7 @@ def run_engine(
         "tensor_parallel_size": tensor_parallel_size,
         "skip_tokenizer_init": skip_tokenizer_init,
         "reload": reload,
+        "enforce_eager": enforce_eager,
     }
     spec_path = workdir / f"{name}.spec.json"
     result_path = workdir / f"{name}.result.json"
@@ -137,6 +144,8 @@ def run_engine(
         load_weights_seconds=data.get("load_weights_seconds", []),
         load_weights_rss_bytes=data.get("load_weights_rss_bytes", []),
         outputs_after_reload=data.get("outputs_after_reload", []),
+        compile_cache_counters=data.get("compile_cache_counters", {}),
+        init_seconds=data.get("init_seconds"),
     )
 
 

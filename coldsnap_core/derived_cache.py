@@ -1,0 +1,602 @@
+"""Derived-cache seeds: an engine's compile cache, captured into a capsule and placed before it compiles.
+
+A start with compilation on spends most of its time compiling once the weights restore fast (vLLM on
+CPU: inductor builds and loads a shared object per graph). A *seed* is what the engine's compile cache
+held for one worker after its start compiled: the files themselves in one uncompressed tar archive
+(``derived-cache.tar``), described by ``derived-cache.json`` (:class:`SeedDocument`: each file's path,
+size and SHA-256, and the :class:`SeedQualification` it was captured under). Both are files of the
+worker's capsule, pinned in ``artifact.json`` like its other files (``docs/format.md`` §17).
+
+* :func:`attach_seed` writes a seed into a captured capsule and adds its two pins to the worker's
+  ``artifact.json`` entry (the engine compiles after ``load_weights``, so this runs after the capture);
+* :func:`place_seed` at restore: the pins, then the qualification (the exact target, the CPU's
+  instruction-set flags or the GPU's compute capability, the model configuration and compilation
+  settings), then each file is written where the engine looks for it, never over a file already there.
+  It never raises: a seed that is absent, unqualified or corrupt is skipped with the reason
+  (:class:`SeedPlacement`), and the engine compiles as it would without one.
+
+Engine-neutral: the engine plugin names the cache roots (``vllm-cache``: ``VLLM_CACHE_ROOT``;
+``inductor-cache``: ``TORCHINDUCTOR_CACHE_DIR``), which files of them belong to the worker, and its
+compilation digest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import secrets
+import stat
+import tarfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from coldsnap_core._io import fsync_dir, fsync_fd, os_error, write_all
+from coldsnap_core.artifact import _artifact_lock, _capsule_lock_path, descriptor_lock_path, replace_file_durably
+from coldsnap_core.errors import (
+    CapsulePinMismatchError,
+    ColdsnapError,
+    ManifestMismatchError,
+    MissingObjectError,
+    UnsafePathError,
+)
+from coldsnap_core.format._strict import FORMAT_VERSION, Fields, dump_document, parse_document, read_document_bytes
+from coldsnap_core.format.content_ref import ContentRef
+from coldsnap_core.format.descriptor import (
+    DESCRIPTOR_FILENAME,
+    SEED_FILENAMES,
+    WORKERS_DIRNAME,
+    ArtifactDescriptor,
+    CapsuleFile,
+)
+from coldsnap_core.format.manifest import WorkerIdentity
+from coldsnap_core.format.target import TargetIdentity
+
+logger = logging.getLogger(__name__)
+
+SEED_KIND = "coldsnap.derived-cache"
+SEED_VERSION = FORMAT_VERSION
+SEED_DOCUMENT_FILENAME, SEED_ARCHIVE_FILENAME = SEED_FILENAMES
+MAX_SEED_DOCUMENT_BYTES = 16 * 2**20
+CPUINFO = Path("/proc/cpuinfo")
+
+ROOT_NAMES = ("vllm-cache", "inductor-cache")
+"""The cache roots a seed's paths start with (``docs/format.md`` §17.1)."""
+_MEMBER_RE = re.compile(r"(?:vllm-cache|inductor-cache)(?:/(?!\.\.?(?:/|$))[A-Za-z0-9._+=-]+)+")
+"""A member path: a root name, then one or more components of safe characters, none ``.`` or ``..``."""
+
+DerivedCacheStatus = Literal["used", "skipped", "absent"]
+
+
+@dataclass(frozen=True, slots=True)
+class SeedMember(ContentRef):
+    """One file of a seed: ``name`` is ``<root>/<path below the root>`` (JSON key ``path``)."""
+
+    NAME_KEY: ClassVar[str] = "path"
+    NAME_PATTERN: ClassVar[re.Pattern[str] | None] = _MEMBER_RE
+    KEYS: ClassVar[tuple[str, ...]] = ("path", "size_bytes", "sha256")
+
+
+@dataclass(frozen=True, slots=True)
+class SeedQualification:
+    """What a seed's compiled code depends on; a seed is placed only where every field is equal.
+
+    Attributes:
+        engine, engine_version, torch_version, torch_cuda_version, device_type, accelerator_model,
+            nvidia_driver_version: the capsule's target identity's fields (``docs/format.md`` §15.1).
+        cpu_isa_flags: on CPU, the instruction-set flags of ``/proc/cpuinfo`` (sorted; inductor's C++
+            code is built for this machine's vector extensions); ``()`` elsewhere.
+        compute_capability: on CUDA, ``major.minor`` of the device; else ``None``.
+        model_config_sha256: the digest of the engine's effective model configuration.
+        compilation_sha256: the engine's digest of its compilation settings (vLLM: the configuration
+            hash and compile-relevant environment that name its cache folder).
+    """
+
+    engine: str
+    engine_version: str | None
+    torch_version: str
+    torch_cuda_version: str | None
+    device_type: str
+    accelerator_model: str | None
+    nvidia_driver_version: str | None
+    cpu_isa_flags: tuple[str, ...]
+    compute_capability: str | None
+    model_config_sha256: str | None
+    compilation_sha256: str
+
+    @classmethod
+    def for_target(
+        cls,
+        target: TargetIdentity,
+        *,
+        model_config_sha256: str | None,
+        compilation_sha256: str,
+        cpu_isa_flags: tuple[str, ...] | None = None,
+        compute_capability: str | None = None,
+    ) -> SeedQualification:
+        """The qualification of ``target``; on CPU the flags default to :func:`cpu_isa_flags`."""
+        if cpu_isa_flags is None:
+            cpu_isa_flags = read_cpu_isa_flags() if target.device_type == "cpu" else ()
+        return cls(
+            engine=target.engine,
+            engine_version=target.engine_version,
+            torch_version=target.torch_version,
+            torch_cuda_version=target.torch_cuda_version,
+            device_type=target.device_type,
+            accelerator_model=target.accelerator_model,
+            nvidia_driver_version=target.nvidia_driver_version,
+            cpu_isa_flags=tuple(sorted(set(cpu_isa_flags))),
+            compute_capability=compute_capability,
+            model_config_sha256=model_config_sha256,
+            compilation_sha256=compilation_sha256,
+        )
+
+    def differences(self, current: SeedQualification) -> list[str]:
+        """Each differing field as ``name: captured X, here Y`` (flags: only those that differ)."""
+        out = []
+        for name in self.__dataclass_fields__:
+            mine, theirs = getattr(self, name), getattr(current, name)
+            if mine == theirs:
+                continue
+            if name == "cpu_isa_flags":
+                only_there = sorted(set(mine) - set(theirs))
+                only_here = sorted(set(theirs) - set(mine))
+                out.append(f"cpu_isa_flags: captured with {only_there or 'none'} more, here {only_here or 'none'} more")
+            else:
+                out.append(f"{name}: captured {mine}, here {theirs}")
+        return out
+
+    def to_json(self) -> dict[str, object]:
+        return {name: list(v) if isinstance(v := getattr(self, name), tuple) else v for name in self.__dataclass_fields__}
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> SeedQualification:
+        raw_flags = f._get("cpu_isa_flags")
+        if not isinstance(raw_flags, list) or not all(isinstance(x, str) for x in raw_flags):
+            raise f.error("cpu_isa_flags must be a list of strings")
+        if raw_flags != sorted(set(raw_flags)):
+            raise f.error("cpu_isa_flags must be sorted and unique")
+        q = cls(
+            engine=f.str("engine"),
+            engine_version=f.opt_str("engine_version"),
+            torch_version=f.str("torch_version"),
+            torch_cuda_version=f.opt_str("torch_cuda_version"),
+            device_type=f.str("device_type"),
+            accelerator_model=f.opt_str("accelerator_model"),
+            nvidia_driver_version=f.opt_str("nvidia_driver_version"),
+            cpu_isa_flags=tuple(raw_flags),
+            compute_capability=f.opt_str("compute_capability"),
+            model_config_sha256=f.opt_sha256("model_config_sha256"),
+            compilation_sha256=f.sha256("compilation_sha256"),
+        )
+        f.done()
+        return q
+
+
+@dataclass(frozen=True, slots=True)
+class SeedDocument:
+    """``derived-cache.json`` (``docs/format.md`` §17.2).
+
+    Attributes:
+        worker: the worker whose start compiled these files.
+        qualification: what they were compiled for.
+        archive: the pin of ``derived-cache.tar``.
+        members: the archive's files, in archive order (sorted by path).
+    """
+
+    worker: WorkerIdentity
+    qualification: SeedQualification
+    archive: CapsuleFile
+    members: tuple[SeedMember, ...]
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(m.size_bytes for m in self.members)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "format": SEED_KIND,
+            "format_version": SEED_VERSION,
+            "worker": self.worker.to_json(),
+            "qualification": self.qualification.to_json(),
+            "archive": self.archive.to_json(),
+            "members": [m.to_json() for m in self.members],
+        }
+
+    def dumps(self) -> bytes:
+        return dump_document(self.to_json())
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> SeedDocument:
+        f.header(SEED_KIND)
+        document = cls(
+            worker=f.obj("worker", WorkerIdentity.from_fields),
+            qualification=f.obj("qualification", SeedQualification.from_fields),
+            archive=f.obj("archive", CapsuleFile.from_fields),
+            members=f.list("members", SeedMember.from_fields),
+        )
+        f.done()
+        if document.archive.name != SEED_ARCHIVE_FILENAME:
+            raise f.error(f"archive names {document.archive.name!r}; a seed's archive is {SEED_ARCHIVE_FILENAME}")
+        paths = [m.name for m in document.members]
+        if paths != sorted(set(paths)):
+            raise f.error("members are not sorted by path, or a path repeats")
+        return document
+
+
+def read_cpu_isa_flags(cpuinfo: Path = CPUINFO) -> tuple[str, ...]:
+    """The ``flags`` of the first processor in ``cpuinfo`` (sorted), or ``()`` when there is none
+    (not Linux x86; ARM's ``Features`` line is read the same way)."""
+    try:
+        text = cpuinfo.read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return ()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return tuple(sorted(set(value.split())))
+    return ()
+
+
+# -- capture -----------------------------------------------------------------------------------------
+
+
+def collect_files(
+    roots: Mapping[str, Path], folders: Iterable[tuple[str, str]], *, since_ns: int | None = None
+) -> list[tuple[str, Path]]:
+    """The regular files to capture: every file below each ``(root name, folder below the root)`` of
+    ``folders`` (with ``since_ns``: only those modified at or after it, in nanoseconds since the epoch),
+    as ``(member path, file path)`` sorted by member path. Lock files (``*.lock``, a ``locks`` folder)
+    and hidden temporaries (``.*``) are left out: they carry no compiled code. Symbolic links are not
+    followed."""
+    found: dict[str, Path] = {}
+    for root_name, folder in folders:
+        base = roots[root_name]
+        start = base / folder
+        if not start.is_dir():
+            continue
+        for dirpath, dirnames, filenames in os.walk(start, followlinks=False):
+            dirnames[:] = sorted(d for d in dirnames if d != "locks" and not d.startswith("."))
+            for name in sorted(filenames):
+                if name.startswith(".") or name.endswith(".lock") or name.endswith(".tmp"):
+                    continue
+                path = Path(dirpath) / name
+                st = os.lstat(path)
+                if not stat.S_ISREG(st.st_mode) or (since_ns is not None and st.st_mtime_ns < since_ns):
+                    continue
+                member = f"{root_name}/{path.relative_to(base).as_posix()}"
+                if _MEMBER_RE.fullmatch(member):
+                    found[member] = path
+    return sorted(found.items())
+
+
+def _write_archive(path: Path, files: list[tuple[str, Path]]) -> tuple[CapsuleFile, tuple[SeedMember, ...]]:
+    """Write ``files`` into a new uncompressed tar at ``path`` (ustar/pax, owner and times zeroed so the
+    archive depends only on the bytes) and return its pin and the members' pins."""
+    members = []
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for member_path, source in files:
+            data = source.read_bytes()
+            info = tarfile.TarInfo(member_path)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, _BytesReader(data))
+            members.append(SeedMember(member_path, len(data), hashlib.sha256(data).hexdigest()))
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fsync_fd(fd, file=path)
+    finally:
+        os.close(fd)
+    return CapsuleFile(SEED_ARCHIVE_FILENAME, path.stat().st_size, digest.hexdigest()), tuple(members)
+
+
+class _BytesReader:
+    def __init__(self, data: bytes) -> None:
+        self._data, self._offset = data, 0
+
+    def read(self, size: int = -1) -> bytes:
+        end = len(self._data) if size < 0 else self._offset + size
+        chunk = self._data[self._offset : end]
+        self._offset += len(chunk)
+        return chunk
+
+
+def attach_seed(
+    artifact_dir: Path,
+    worker: WorkerIdentity,
+    pack_sha256: str,
+    qualification: SeedQualification,
+    files: list[tuple[str, Path]],
+) -> SeedDocument | None:
+    """Write a seed of ``files`` (:func:`collect_files`) into ``worker``'s capsule and pin it in ``artifact.json``.
+
+    The capsule must still be the one this process captured (its entry names pack ``pack_sha256``);
+    under the capsule's lock both files are written (temporary name, fsync, rename), then under the
+    descriptor's lock the entry's ``capsule_files`` gets their two pins (replacing an older seed's). A
+    crash in between leaves unpinned files that restore ignores and the next capture replaces.
+
+    Returns:
+        The seed document, or ``None`` when ``files`` is empty (nothing was compiled).
+
+    Raises:
+        MissingObjectError: the artifact has no entry for ``worker``.
+        ManifestMismatchError: the entry names another pack (the capsule was replaced meanwhile).
+        UnsafePathError, FileAccessError, InsufficientSpaceError: writing failed.
+    """
+    if not files:
+        return None
+    capsule_dir = artifact_dir / WORKERS_DIRNAME / worker.capsule_name
+    descriptor_path = artifact_dir / DESCRIPTOR_FILENAME
+    with _artifact_lock(_capsule_lock_path(artifact_dir / WORKERS_DIRNAME, worker.capsule_name)):
+        _require_entry(ArtifactDescriptor.read(descriptor_path), worker, pack_sha256, descriptor_path)
+        temp = capsule_dir / f".{SEED_ARCHIVE_FILENAME}.{secrets.token_hex(8)}.partial"
+        try:
+            archive, members = _write_archive(temp, files)
+            document = SeedDocument(worker, qualification, archive, members)
+            os.rename(temp, capsule_dir / SEED_ARCHIVE_FILENAME)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+        data = document.dumps()
+        replace_file_durably(capsule_dir / SEED_DOCUMENT_FILENAME, data)
+        pins = (CapsuleFile(SEED_DOCUMENT_FILENAME, len(data), hashlib.sha256(data).hexdigest()), archive)
+        with _artifact_lock(descriptor_lock_path(artifact_dir)):
+            descriptor = ArtifactDescriptor.read(descriptor_path)
+            entry = _require_entry(descriptor, worker, pack_sha256, descriptor_path)
+            kept = [p for p in entry.capsule_files if p.name not in SEED_FILENAMES]
+            entry = replace(entry, capsule_files=tuple(sorted([*kept, *pins], key=lambda p: p.name)))
+            replace_file_durably(descriptor_path, descriptor.with_worker(entry).dumps())
+    logger.info(
+        "coldsnap: %s: derived-cache seed captured: %d files, %d bytes (archive %s)",
+        worker.capsule_name,
+        len(members),
+        document.size_bytes,
+        archive.sha256[:12],
+    )
+    return document
+
+
+def _require_entry(descriptor: ArtifactDescriptor, worker: WorkerIdentity, pack_sha256: str, file: Path):
+    entry = next((e for e in descriptor.workers if e.worker == worker), None)
+    if entry is None:
+        raise MissingObjectError(f"the artifact lists no capsule for {worker.capsule_name} to attach a seed to", file=file)
+    if entry.payload.sha256 != pack_sha256:
+        raise ManifestMismatchError(
+            f"{worker.capsule_name} now names pack {entry.payload.sha256}, this capture wrote {pack_sha256}: the capsule"
+            " was replaced meanwhile; its seed is not attached",
+            file=file,
+        )
+    return entry
+
+
+# -- restore -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SeedPlacement:
+    """What :func:`place_seed` did.
+
+    Attributes:
+        status: ``used`` (verified, qualified and placed where the engine looks), ``skipped``
+            (present but not placed: :attr:`reason`), ``absent`` (the capsule has none).
+        reason: why it was skipped, in words; ``None`` otherwise.
+        placed_files: files written.
+        present_files: files already there (never overwritten).
+        size_bytes: the seed's bytes.
+    """
+
+    status: DerivedCacheStatus
+    reason: str | None = None
+    placed_files: int = 0
+    present_files: int = 0
+    size_bytes: int = 0
+
+
+def place_seed(
+    capsule_dir: Path,
+    capsule_files: Iterable[CapsuleFile],
+    current: SeedQualification,
+    roots: Mapping[str, Path],
+    *,
+    log: logging.Logger = logger,
+) -> SeedPlacement:
+    """Verify the seed of the capsule at ``capsule_dir`` and place its files under ``roots``.
+
+    In order: both seed files pinned in ``capsule_files`` (else ``absent``); the document's bytes and
+    the archive's match their pins (size and SHA-256) and the document parses; its qualification equals
+    ``current`` field by field; then each member is read from the archive, checked against its size and
+    SHA-256, and written to ``roots[<root>]/<path>`` by a temporary file and a hard link, so a file
+    already there is never replaced (nor is one another process writes meanwhile).
+
+    Never raises: anything else is ``skipped`` with the reason, logged as one INFO line on ``log``.
+    Files placed before a member failed its check stay (each was verified); the engine compiles
+    what is missing.
+    """
+    pins = {p.name: p for p in capsule_files if p.name in SEED_FILENAMES}
+    if not pins:
+        return SeedPlacement("absent")
+    try:
+        document = _read_seed(capsule_dir, pins)
+        differences = document.qualification.differences(current)
+        if differences:
+            raise _Unqualified("captured for another target or configuration (" + "; ".join(differences) + ")")
+        placed, present = _place_members(capsule_dir / SEED_ARCHIVE_FILENAME, document, roots)
+    except (ColdsnapError, _Unqualified, OSError, tarfile.TarError) as exc:
+        reason = exc.detail if isinstance(exc, ColdsnapError) else str(exc)
+        if isinstance(exc, ColdsnapError) and exc.file is not None:
+            reason = f"{reason} ({exc.file})"
+        log.info("coldsnap: %s: derived-cache seed skipped: %s", capsule_dir.name, reason)
+        return SeedPlacement("skipped", reason)
+    log.info(
+        "coldsnap: %s: derived-cache seed placed: %d files written, %d already present (%d bytes)",
+        capsule_dir.name,
+        placed,
+        present,
+        document.size_bytes,
+    )
+    return SeedPlacement("used", None, placed, present, document.size_bytes)
+
+
+class _Unqualified(Exception):
+    """The seed does not qualify for this start (the message says why)."""
+
+
+def _read_seed(capsule_dir: Path, pins: dict[str, CapsuleFile]) -> SeedDocument:
+    missing = [name for name in SEED_FILENAMES if name not in pins]
+    if missing:
+        raise CapsulePinMismatchError(f"artifact.json pins one seed file without {missing[0]}", file=capsule_dir)
+    document_path = capsule_dir / SEED_DOCUMENT_FILENAME
+    document_pin = pins[SEED_DOCUMENT_FILENAME]
+    data = read_document_bytes(document_path, max_bytes=MAX_SEED_DOCUMENT_BYTES)
+    _check_digest(document_path, len(data), hashlib.sha256(data).hexdigest(), document_pin)
+    document = parse_document(data, SeedDocument.from_fields, file=str(document_path))
+    archive_path = capsule_dir / SEED_ARCHIVE_FILENAME
+    archive_pin = pins[SEED_ARCHIVE_FILENAME]
+    if (archive_pin.size_bytes, archive_pin.sha256) != (document.archive.size_bytes, document.archive.sha256):
+        raise CapsulePinMismatchError("artifact.json pins another archive than derived-cache.json names", file=archive_path)
+    size, digest = _hash_file(archive_path)
+    _check_digest(archive_path, size, digest, archive_pin)
+    return document
+
+
+def _hash_file(path: Path) -> tuple[int, str]:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError as exc:
+        raise MissingObjectError("the seed archive does not exist", file=path) from exc
+    except OSError as exc:
+        raise os_error("the seed archive cannot be opened", exc, path) from exc
+    digest, size = hashlib.sha256(), 0
+    with os.fdopen(fd, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def _check_digest(path: Path, size_bytes: int, sha256: str, pin: CapsuleFile) -> None:
+    if (size_bytes, sha256) != (pin.size_bytes, pin.sha256):
+        raise CapsulePinMismatchError(
+            f"{path.name} is {size_bytes} bytes with SHA-256 {sha256}; artifact.json pins {pin.size_bytes} bytes with"
+            f" SHA-256 {pin.sha256}",
+            file=path,
+        )
+
+
+def _place_members(archive_path: Path, document: SeedDocument, roots: Mapping[str, Path]) -> tuple[int, int]:
+    expected = {m.name: m for m in document.members}
+    placed = present = 0
+    with tarfile.open(archive_path, "r:") as tar:
+        infos = tar.getmembers()
+        if sorted(i.name for i in infos) != sorted(expected) or len(infos) != len(expected):
+            raise CapsulePinMismatchError("the archive's files are not the ones derived-cache.json lists", file=archive_path)
+        for info in infos:
+            member = expected[info.name]
+            if not info.isreg() or info.size != member.size_bytes:
+                raise CapsulePinMismatchError(f"archive member {info.name} is not the listed regular file", file=archive_path)
+            root_name, _, relative = member.name.partition("/")
+            target = roots[root_name] / relative
+            if os.path.lexists(target):
+                present += 1
+                continue
+            extracted = tar.extractfile(info)
+            assert extracted is not None
+            data = extracted.read()
+            if hashlib.sha256(data).hexdigest() != member.sha256:
+                raise CapsulePinMismatchError(f"archive member {info.name} does not match its SHA-256", file=archive_path)
+            placed += _install(target, data, roots[root_name])
+    return placed, present
+
+
+def _install(target: Path, data: bytes, root: Path) -> int:
+    """Write ``data`` to ``target`` unless something is there (1 if written, else 0). Every folder on the
+    way below ``root`` must be a real folder (no symbolic link leads the file elsewhere)."""
+    parent = target.parent
+    folder = root
+    root.mkdir(parents=True, exist_ok=True)
+    for part in parent.relative_to(root).parts:
+        folder = folder / part
+        if os.path.islink(folder):
+            raise UnsafePathError("refusing a symbolic link in the compile cache", file=folder)
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir()
+    temp = parent / f".{target.name}.{secrets.token_hex(8)}.partial"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            write_all(fd, data, file=temp)
+            fsync_fd(fd, file=temp)
+        finally:
+            os.close(fd)
+        try:
+            os.link(temp, target)  # fails if anything is there: never replaces an entry
+        except FileExistsError:
+            return 0
+        fsync_dir(parent)
+        return 1
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+
+
+def verify_seed(capsule_dir: Path, capsule_files: Iterable[CapsuleFile]) -> SeedDocument | None:
+    """Check the seed of the capsule at ``capsule_dir`` without placing it (``coldsnap verify``): both files
+    match their pins, the document parses and names the pinned archive, and the archive holds exactly the
+    listed regular files with their sizes and SHA-256. Returns the document, or ``None`` without a seed.
+
+    Raises:
+        CapsulePinMismatchError: a file does not match its pin, one seed file is pinned without the other,
+            or the archive's files are not the listed ones (rule ``capsule-pin``).
+        MissingObjectError, ManifestError, FileAccessError: a file is missing, malformed or unreadable.
+    """
+    pins = {p.name: p for p in capsule_files if p.name in SEED_FILENAMES}
+    if not pins:
+        return None
+    document = _read_seed(capsule_dir, pins)
+    archive_path = capsule_dir / SEED_ARCHIVE_FILENAME
+    expected = {m.name: m for m in document.members}
+    try:
+        with tarfile.open(archive_path, "r:") as tar:
+            infos = tar.getmembers()
+            if sorted(i.name for i in infos) != sorted(expected) or len(infos) != len(expected):
+                raise CapsulePinMismatchError("the archive's files are not the ones derived-cache.json lists", file=archive_path)
+            for info in infos:
+                member = expected[info.name]
+                extracted = tar.extractfile(info) if info.isreg() else None
+                if extracted is None or info.size != member.size_bytes:
+                    raise CapsulePinMismatchError(f"archive member {info.name} is not the listed regular file", file=archive_path)
+                if hashlib.sha256(extracted.read()).hexdigest() != member.sha256:
+                    raise CapsulePinMismatchError(f"archive member {info.name} does not match its SHA-256", file=archive_path)
+    except tarfile.TarError as exc:
+        raise CapsulePinMismatchError(f"the archive cannot be read as a tar: {exc}", file=archive_path) from exc
+    return document
+
+
+def compilation_digest(parts: Iterable[str]) -> str:
+    """SHA-256 of the engine's compilation factors (strings, in the engine's order), for
+    :attr:`SeedQualification.compilation_sha256`."""
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+__all__ = [
+    "ROOT_NAMES",
+    "SEED_ARCHIVE_FILENAME",
+    "SEED_DOCUMENT_FILENAME",
+    "SeedDocument",
+    "SeedMember",
+    "SeedPlacement",
+    "SeedQualification",
+    "attach_seed",
+    "collect_files",
+    "compilation_digest",
+    "place_seed",
+    "read_cpu_isa_flags",
+    "verify_seed",
+]

