@@ -164,7 +164,7 @@ def read_private_record(path: Path, parse: Callable[[Fields], T]) -> T:
     """Read and strictly parse a node-local record that this user alone could have written.
 
     The trust rules shared by validation records and checkpoint records
-    (:class:`coldsnap_core.model_identity.CheckpointRecords`; ``docs/format.md`` §10.1 and §11): a
+    (:class:`coldsnap_core.checkpoint_records.CheckpointRecords`; ``docs/format.md`` §10.1 and §11): a
     regular file, not a symbolic link, owned by the current user, not group- or world-writable, at
     most :data:`RECORD_MAX_BYTES` (larger files are refused unread), opened with ``O_NOFOLLOW``.
 

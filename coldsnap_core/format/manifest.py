@@ -243,7 +243,7 @@ class ModelIdentity:
         files: every checkpoint file with its size and SHA-256, sorted by name, at least one, names
             unique and relative to the checkpoint folder.
         config_sha256: SHA-256 (lowercase hex) of the engine's effective model configuration
-            (:func:`coldsnap_core.model_identity.model_config_sha256`: the Hugging Face config after
+            (:func:`coldsnap_core.config_digest.model_config_sha256`: the Hugging Face config after
             overrides, the dtype and the quantization method), or ``None`` when the capture ran
             without an engine. It covers what changes buffer values but not shapes (a rotary base,
             a rope scaling), which the layout fingerprint cannot see.
