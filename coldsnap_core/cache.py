@@ -151,6 +151,7 @@ class PayloadCache:
         self._verified_here: dict[str, tuple[int, int, int, int, int]] = {}
         self._verified_here_lock = threading.Lock()
         self._admitted: dict[str, tuple[int, int, int, int, int]] = {}
+        self._verified_layouts: dict[str, tuple[tuple[int, int, int, int, int], PackLayout]] = {}
 
     def __repr__(self) -> str:
         return f"PayloadCache({str(self.state_root)!r})"
@@ -396,6 +397,15 @@ class PayloadCache:
             self._admitted[digest] = identity(st)
         return self.object_path(digest)
 
+    def verified_against(self, digest: str, st: os.stat_result, layout: PackLayout) -> bool:
+        """Whether an admission by this object verified the inode ``st`` of ``digest`` in full against
+        ``layout`` (size, digest, every padding byte and stored extent in one pass), so that a reader of
+        that inode need not read its padding again. ``False`` for a pack admitted on its record.
+        """
+        with self._verified_here_lock:
+            seen = self._verified_layouts.get(digest)
+        return seen is not None and seen[0] == identity(st) and seen[1] == layout
+
     def admitted_identity(self, digest: str) -> tuple[int, int, int, int, int] | None:
         """``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)`` of the object the latest :meth:`admit`
         of ``digest`` by this object accepted, or ``None``: what a reader that opens the path afterwards
@@ -579,6 +589,9 @@ class PayloadCache:
                 raise
             after = refuse_symlink(path)
             if after is not None and identity(after) == identity(st):
+                if layout is not None:
+                    with self._verified_here_lock:
+                        self._verified_layouts[digest] = (identity(after), layout)
                 record_verified(self, digest, after)
                 return self._admitted_at(digest, after)
             # Replaced or touched while being hashed: another writer that did not (or could not) take

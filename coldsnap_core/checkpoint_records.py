@@ -14,16 +14,15 @@ import enum
 import hashlib
 import logging
 import os
-import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from coldsnap_core._io import fsync_dir, fsync_fd, sha256_file, write_all
+from coldsnap_core._io import replace_file_durably, sha256_file
 from coldsnap_core.errors import CacheError, UnsafePathError, ValidationRecordError
 from coldsnap_core.format._strict import Fields, dump_document
+from coldsnap_core.records import StatBound, read_private_record
 from coldsnap_core.records import identity as stat_identity
-from coldsnap_core.records import read_private_record
 
 logger = logging.getLogger(__name__)
 
@@ -38,31 +37,19 @@ CHECKPOINT_RECORD_VERSION = 1
 
 
 @dataclass(frozen=True, slots=True)
-class CheckpointRecord:
-    """Evidence that the checkpoint file at ``path`` had ``sha256`` while it had this ``stat``.
+class CheckpointRecord(StatBound):
+    """Evidence that the checkpoint file at ``path`` had ``sha256`` while it had these ``stat`` fields
+    (:class:`~coldsnap_core.records.StatBound`).
 
     Attributes:
         path: the file's real path (``os.path.realpath``).
-        device: ``st_dev``.
-        inode: ``st_ino``.
-        size_bytes: ``st_size``, bytes.
-        mtime_ns: ``st_mtime_ns``, nanoseconds since the epoch.
-        ctime_ns: ``st_ctime_ns``, nanoseconds since the epoch.
         sha256: SHA-256 (lowercase hex) of the whole file.
         hashed_at: UTC time of the hash, ISO 8601 with seconds.
     """
 
     path: str
-    device: int
-    inode: int
-    size_bytes: int
-    mtime_ns: int
-    ctime_ns: int
     sha256: str
     hashed_at: str
-
-    def matches(self, st: os.stat_result) -> bool:
-        return (self.device, self.inode, self.size_bytes, self.mtime_ns, self.ctime_ns) == stat_identity(st)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -86,11 +73,7 @@ class CheckpointRecord:
             raise f.error("unsupported checkpoint record version")
         record = cls(
             path=f.str("path"),
-            device=f.int("device"),
-            inode=f.int("inode"),
-            size_bytes=f.int("size_bytes"),
-            mtime_ns=f.int("mtime_ns"),
-            ctime_ns=f.int("ctime_ns"),
+            **StatBound.bound_fields(f),
             sha256=f.sha256("sha256"),
             hashed_at=f.str("hashed_at"),
         )
@@ -198,32 +181,15 @@ class CheckpointRecords:
             raise CacheError(f"cannot create the checkpoint records folder: {exc}", file=self.folder) from exc
         record = CheckpointRecord(
             path=real,
-            device=current.st_dev,
-            inode=current.st_ino,
-            size_bytes=current.st_size,
-            mtime_ns=current.st_mtime_ns,
-            ctime_ns=current.st_ctime_ns,
+            **StatBound.bound(current),
             sha256=sha256,
             hashed_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         )
         final = self.record_path(real)
-        temp = final.with_name(f".{final.name}.{secrets.token_hex(8)}.partial")
         try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            replace_file_durably(final, dump_document(record.to_json()), mode=0o600, read_only=True)
         except OSError as exc:
-            raise CacheError(f"cannot create a checkpoint record: {exc}", file=temp) from exc
-        try:
-            try:
-                write_all(fd, dump_document(record.to_json()), file=temp)
-                os.fchmod(fd, 0o444)
-                fsync_fd(fd, file=temp)
-            finally:
-                os.close(fd)
-            os.rename(temp, final)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp)
-        fsync_dir(self.folder)
+            raise CacheError(f"cannot write a checkpoint record: {exc}", file=final) from exc
         return record
 
 

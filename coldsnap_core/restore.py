@@ -73,7 +73,7 @@ from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WorkerEntry
 from coldsnap_core.format.manifest import ModelIdentity, NativeManifest, WorkerIdentity
 from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.format.target import TargetIdentity
-from coldsnap_core.hydrate import AdmittedPack, HydrationReport, hydrate
+from coldsnap_core.hydrate import AdmittedPack, HydrationReport, hydrate_admitted
 from coldsnap_core.model_identity import LoadedModel, check_model_identity
 from coldsnap_core.overlay import Selection, select_capsule
 from coldsnap_core.payload_plan import ModelRange
@@ -308,15 +308,15 @@ class WorkerRestore:
         layout = check_manifest(manifest, file=manifest_file)
         pack_path = self._admit(manifest, layout, manifest_file)
         try:
-            return hydrate(
+            return hydrate_admitted(
                 manifest,
+                AdmittedPack(pack_path, layout),
                 blob_path=capsule.blob_path,
                 cache=self.cache,
                 allocations=allocations.live,
                 backend=backend,
                 verify_extents=self.verify_extents,
                 manifest_file=manifest_file,
-                admitted=AdmittedPack(pack_path, layout),
             )
         except IntegrityError as exc:
             # hydrate re-verifies an admitted pack whose padding or extent disagreed and quarantines

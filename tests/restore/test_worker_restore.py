@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from coldsnap_core.artifact import read_capsule, read_descriptor, replace_file_durably
+from coldsnap_core._io import replace_file_durably
+from coldsnap_core.artifact import read_capsule, read_descriptor
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import CaptureResult, capture_worker
 from coldsnap_core.checkpoint_records import CheckpointRecords, RecordState
