@@ -532,6 +532,10 @@ class PayloadCache:
         re-raised with ``quarantined_to``. With ``layout`` the same single pass also checks the zero
         padding and every stored extent's SHA-256.
 
+        Long: the admission loop (re-check the record under the lock, the size rule, make the object
+        read-only, the one full verification, the record and the inode re-check) restarts as a whole when
+        the object changes while it is hashed; its steps share that loop's state.
+
         Args:
             trust_record: ``False`` hashes in full whatever the record says (``cache verify --full``).
             others: as :meth:`admit`.

@@ -213,6 +213,10 @@ def check_model_identity(
     * The engine's model configuration digest, when the engine gives one, equals the recorded one (an
       artifact captured without one is refused then).
 
+    Long: the identity rules are checked in the order a user fixes them (source, revision,
+    configuration, then each checkpoint file by record, fingerprint or full hash), each with its own
+    message; the per-file part shares the records and the mode of the whole check.
+
     Raises:
         ModelIdentityMismatchError: names what differs (source, commit, configuration, a missing,
             resized or rewritten checkpoint file).
