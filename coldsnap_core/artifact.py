@@ -44,7 +44,7 @@ from coldsnap_core.errors import (
     NotRegularFileError,
     UnsafePathError,
 )
-from coldsnap_core.format._strict import MAX_DESCRIPTOR_BYTES, parse_document, read_document_bytes
+from coldsnap_core.format._strict import MAX_DESCRIPTOR_BYTES, Fields, parse_document, read_document_bytes
 from coldsnap_core.format.descriptor import (
     DESCRIPTOR_FILENAME,
     WORKERS_DIRNAME,
@@ -355,11 +355,17 @@ def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None]) -> Capsule:
         else:
             data = read_document_bytes(path / name)
         documents[name] = data
-    native = parse_document(
-        documents[NATIVE_MANIFEST_FILENAME], NativeManifest.from_fields, file=str(path / NATIVE_MANIFEST_FILENAME)
-    )
+    native_raw: dict[str, object] = {}
+
+    def parse_native(f: Fields) -> NativeManifest:
+        native_raw.update(f.raw)  # the recovery manifest's shared maps are compared with these, not parsed again
+        return NativeManifest.from_fields(f)
+
+    native = parse_document(documents[NATIVE_MANIFEST_FILENAME], parse_native, file=str(path / NATIVE_MANIFEST_FILENAME))
     recovery = parse_document(
-        documents[RECOVERY_MANIFEST_FILENAME], RecoveryManifest.from_fields, file=str(path / RECOVERY_MANIFEST_FILENAME)
+        documents[RECOVERY_MANIFEST_FILENAME],
+        functools.partial(RecoveryManifest.from_fields, native=(native_raw, native)),
+        file=str(path / RECOVERY_MANIFEST_FILENAME),
     )
     target = _read_target(path / TARGET_FILENAME, pins)
     differing = [

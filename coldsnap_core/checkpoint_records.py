@@ -56,11 +56,7 @@ class CheckpointRecord(StatBound):
             "format": CHECKPOINT_RECORD_KIND,
             "format_version": CHECKPOINT_RECORD_VERSION,
             "path": self.path,
-            "device": self.device,
-            "inode": self.inode,
-            "size_bytes": self.size_bytes,
-            "mtime_ns": self.mtime_ns,
-            "ctime_ns": self.ctime_ns,
+            **self.bound_json(),
             "sha256": self.sha256,
             "hashed_at": self.hashed_at,
         }

@@ -97,6 +97,16 @@ class StatBound:
         """The bound fields of a parsed record document, by name."""
         return {name: f.int(name) for name in STAT_FIELDS}
 
+    def bound_json(self) -> dict[str, int]:
+        """The bound fields as a record document's keys."""
+        return {
+            "device": self.device,
+            "inode": self.inode,
+            "size_bytes": self.size_bytes,
+            "mtime_ns": self.mtime_ns,
+            "ctime_ns": self.ctime_ns,
+        }
+
     def mismatch(self, st: os.stat_result) -> str | None:
         """The first bound field that differs from ``st`` (``"inode is 5, the record says 4"``), or ``None``."""
         mine = (self.device, self.inode, self.size_bytes, self.mtime_ns, self.ctime_ns)
@@ -139,11 +149,7 @@ class ValidationRecord(StatBound):
             "format": RECORD_KIND,
             "format_version": RECORD_VERSION,
             "digest": self.digest,
-            "device": self.device,
-            "inode": self.inode,
-            "size_bytes": self.size_bytes,
-            "mtime_ns": self.mtime_ns,
-            "ctime_ns": self.ctime_ns,
+            **self.bound_json(),
             "verifier_version": self.verifier_version,
             "verified_at": self.verified_at,
         }
