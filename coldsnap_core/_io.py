@@ -252,6 +252,15 @@ def write_file_durably(path: Path, data: bytes, *, mode: int = 0o644) -> None:
         os.close(fd)
 
 
+def close_and_remove(fd: int, path: Path) -> None:
+    """Close ``fd`` and remove the temporary file ``path``: the end of a temporary file's life, whether it
+    was renamed into place (nothing left to remove), closed already, or abandoned after a failure."""
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
 @contextlib.contextmanager
 def sibling_temporary(path: Path, *, mode: int = 0o644) -> Iterator[tuple[int, Path]]:
     """Create ``.<name>.<random>.partial`` beside ``path`` (``O_EXCL | O_NOFOLLOW``, ``mode``); yield
@@ -266,10 +275,7 @@ def sibling_temporary(path: Path, *, mode: int = 0o644) -> Iterator[tuple[int, P
     try:
         yield fd, temp
     finally:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
+        close_and_remove(fd, temp)
 
 
 def replace_file_durably(

@@ -61,7 +61,7 @@ from pathlib import Path
 
 import filelock
 
-from coldsnap_core._io import fsync_dir, fsync_fd, lstat_or_none, os_errno, os_error, refuse_symlink
+from coldsnap_core._io import close_and_remove, fsync_dir, fsync_fd, lstat_or_none, os_errno, os_error, refuse_symlink
 from coldsnap_core.cache_gc import DEFAULT_GC_AGE_SECONDS, GcBuilder, GcReport, sweep_quarantine, sweep_temporaries
 from coldsnap_core.cache_locks import acquire_logged, describe_holder, held_locks
 from coldsnap_core.digests import PAYLOADS_DIRNAME, check_digest
@@ -320,10 +320,7 @@ class PayloadCache:
             sweep_dead_partials(self.tmp_dir, path)  # the caller's own flock on path is what the probe needs
             yield fd, path
         finally:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            close_and_remove(fd, path)
             download_dir = path.with_name(path.name + ".d")
             if download_dir.exists():
                 shutil.rmtree(download_dir, ignore_errors=True)
