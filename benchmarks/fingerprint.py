@@ -14,7 +14,7 @@ holds all of them) this script
      computed) followed by :func:`coldsnap_core.hydrate.hydrate` into pre-touched destinations, with
      pack, blob and checkpoint page-cached (``warm``: the fastest restore, so the least favourable
      reference) and after ``POSIX_FADV_DONTNEED`` on all of them (``cold``: a restore after a reboot);
-   * ``fingerprint``: :func:`coldsnap_core.model_identity.checkpoint_fingerprint` of every file, with
+   * ``fingerprint``: :func:`coldsnap_core.fingerprint.checkpoint_fingerprint` of every file, with
      the files page-cached (``warm``) and after ``POSIX_FADV_DONTNEED`` (``cold``: read from disk);
 
 and prints medians and the fingerprint's share of the restore (goal < 2 %). Nothing is asserted.
@@ -40,9 +40,10 @@ from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import capture_worker
 from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.copy.host import HostCopyBackend
+from coldsnap_core.fingerprint import checkpoint_fingerprint
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.hydrate import hydrate
-from coldsnap_core.model_identity import LoadedModel, check_model_identity, checkpoint_fingerprint, identify_checkpoint
+from coldsnap_core.model_identity import LoadedModel, check_model_identity, identify_checkpoint
 
 TENSOR_ROWS, TENSOR_COLUMNS = 8192, 4096  # bf16: 64 MiB per tensor
 

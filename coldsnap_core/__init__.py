@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 _EXPORTS: dict[str, str] = {
     "CaptureResult": "coldsnap_core.capture",
-    "CheckpointRecords": "coldsnap_core.model_identity",
-    "CheckpointSources": "coldsnap_core.observer",
+    "CheckpointRecords": "coldsnap_core.checkpoint_records",
+    "CheckpointSources": "coldsnap_core.checkpoint_sources",
     "ColdsnapError": "coldsnap_core.errors",
     "ColdsnapSettings": "coldsnap_core.settings",
     "CopyBackend": "coldsnap_core.copy.base",
@@ -80,12 +80,14 @@ if TYPE_CHECKING:
     from coldsnap_core.audit import verify_artifact
     from coldsnap_core.cache import PayloadCache
     from coldsnap_core.capture import CaptureResult, capture_worker
+    from coldsnap_core.checkpoint_records import CheckpointRecords
+    from coldsnap_core.checkpoint_sources import CheckpointSources
     from coldsnap_core.copy.base import CopyBackend
     from coldsnap_core.copy.select import copy_backend_for
     from coldsnap_core.errors import ColdsnapError
     from coldsnap_core.format.manifest import WorkerIdentity
-    from coldsnap_core.model_identity import CheckpointRecords, LoadedModel, identify_checkpoint
-    from coldsnap_core.observer import CheckpointSources, WriteObserver, map_to_allocations
+    from coldsnap_core.model_identity import LoadedModel, identify_checkpoint
+    from coldsnap_core.observer import WriteObserver, map_to_allocations
     from coldsnap_core.payload_plan import ModelRange
     from coldsnap_core.restore import RestoreResult, WorkerRestore, restore_or_fall_back
     from coldsnap_core.safetensors_header import read_header

@@ -29,10 +29,11 @@ import ctypes
 import errno
 import hashlib
 import os
+import secrets
 import shutil
 import stat
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -233,6 +234,83 @@ def fsync_fd(fd: int, *, file: str | os.PathLike[str]) -> None:
         if exc.errno in SPACE_ERRNOS:
             raise InsufficientSpaceError(f"fsync failed: {os.strerror(exc.errno)}", file=file) from exc
         raise CacheError(f"fsync failed: {exc}", file=file) from exc
+
+
+def write_file_durably(path: Path, data: bytes, *, mode: int = 0o644) -> None:
+    """Write a new small file (``O_EXCL | O_NOFOLLOW``, created with ``mode``) and fsync it. The caller
+    fsyncs the folder.
+
+    Raises:
+        OSError: ``path`` exists (``FileExistsError``) or cannot be created.
+        InsufficientSpaceError / CacheError: the write or the fsync failed.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        write_all(fd, data, file=path)
+        fsync_fd(fd, file=path)
+    finally:
+        os.close(fd)
+
+
+def close_and_remove(fd: int, path: Path) -> None:
+    """Close ``fd`` and remove the temporary file ``path``: the end of a temporary file's life, whether it
+    was renamed into place (nothing left to remove), closed already, or abandoned after a failure."""
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+@contextlib.contextmanager
+def sibling_temporary(path: Path, *, mode: int = 0o644) -> Iterator[tuple[int, Path]]:
+    """Create ``.<name>.<random>.partial`` beside ``path`` (``O_EXCL | O_NOFOLLOW``, ``mode``); yield
+    ``(fd, temporary path)``, open for writing. On exit the descriptor is closed and the file removed
+    unless it was renamed.
+
+    Raises:
+        OSError: the temporary file cannot be created.
+    """
+    temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.partial")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        yield fd, temp
+    finally:
+        close_and_remove(fd, temp)
+
+
+def replace_file_durably(
+    path: Path,
+    data: bytes,
+    *,
+    mode: int = 0o644,
+    read_only: bool = False,
+    temporary: Callable[[], contextlib.AbstractContextManager[tuple[int, Path]]] | None = None,
+    before_rename: Callable[[Path], object] | None = None,
+) -> None:
+    """Atomically and durably replace the small file ``path`` with ``data``: the one replace of
+    ``artifact.json``, validation records and checkpoint records.
+
+    Writes a temporary file (``temporary()``, a context manager yielding ``(fd, path)`` open for writing
+    that removes the file on exit unless renamed; default :func:`sibling_temporary` with ``mode``), makes
+    it mode 0444 when ``read_only``, fsyncs it, calls ``before_rename(path)`` (a last check of the
+    target, e.g. refusing a symbolic link), renames it onto ``path`` and fsyncs the folder. A reader sees
+    the old file or the new one, never a part.
+
+    Raises:
+        OSError: the temporary file cannot be created or renamed.
+        InsufficientSpaceError / CacheError: the write or an fsync failed.
+        whatever ``before_rename`` raises (nothing renamed).
+    """
+    opened = temporary() if temporary is not None else sibling_temporary(path, mode=mode)
+    with opened as (fd, temp):
+        write_all(fd, data, file=temp)
+        if read_only:
+            os.fchmod(fd, 0o444)
+        fsync_fd(fd, file=temp)
+        if before_rename is not None:
+            before_rename(path)
+        os.rename(temp, path)
+    fsync_dir(path.parent)
 
 
 class HashingWriter:

@@ -34,7 +34,7 @@ from typing import TypeVar
 
 import filelock
 
-from coldsnap_core._io import fsync_dir, fsync_fd, os_error, remove_tree, write_all
+from coldsnap_core._io import fsync_dir, os_error, remove_tree, replace_file_durably, write_file_durably
 from coldsnap_core.errors import (
     ArtifactError,
     CapsulePinMismatchError,
@@ -44,7 +44,7 @@ from coldsnap_core.errors import (
     NotRegularFileError,
     UnsafePathError,
 )
-from coldsnap_core.format._strict import MAX_DESCRIPTOR_BYTES, parse_document, read_document_bytes
+from coldsnap_core.format._strict import MAX_DESCRIPTOR_BYTES, Fields, parse_document, read_document_bytes
 from coldsnap_core.format.descriptor import (
     DESCRIPTOR_FILENAME,
     WORKERS_DIRNAME,
@@ -66,28 +66,6 @@ from coldsnap_core.format.target import TARGET_FILENAME, TargetIdentity
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-def write_file_durably(path: Path, data: bytes, *, mode: int = 0o644) -> None:
-    """Write a new small file (``O_EXCL``), fsync it. The caller fsyncs the folder."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    try:
-        write_all(fd, data, file=path)
-        fsync_fd(fd, file=path)
-    finally:
-        os.close(fd)
-
-
-def replace_file_durably(path: Path, data: bytes, *, mode: int = 0o644) -> None:
-    """Atomically replace ``path`` with ``data``: unique temporary name, fsync, rename, folder fsync."""
-    temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.partial")
-    try:
-        write_file_durably(temp, data, mode=mode)
-        os.rename(temp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-    fsync_dir(path.parent)
 
 
 def replace_dir_atomically(final: Path, fill: Callable[[Path], T]) -> T:
@@ -377,11 +355,17 @@ def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None]) -> Capsule:
         else:
             data = read_document_bytes(path / name)
         documents[name] = data
-    native = parse_document(
-        documents[NATIVE_MANIFEST_FILENAME], NativeManifest.from_fields, file=str(path / NATIVE_MANIFEST_FILENAME)
-    )
+    native_raw: dict[str, object] = {}
+
+    def parse_native(f: Fields) -> NativeManifest:
+        native_raw.update(f.raw)  # the recovery manifest's shared maps are compared with these, not parsed again
+        return NativeManifest.from_fields(f)
+
+    native = parse_document(documents[NATIVE_MANIFEST_FILENAME], parse_native, file=str(path / NATIVE_MANIFEST_FILENAME))
     recovery = parse_document(
-        documents[RECOVERY_MANIFEST_FILENAME], RecoveryManifest.from_fields, file=str(path / RECOVERY_MANIFEST_FILENAME)
+        documents[RECOVERY_MANIFEST_FILENAME],
+        functools.partial(RecoveryManifest.from_fields, native=(native_raw, native)),
+        file=str(path / RECOVERY_MANIFEST_FILENAME),
     )
     target = _read_target(path / TARGET_FILENAME, pins)
     differing = [

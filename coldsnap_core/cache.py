@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import re
@@ -58,12 +57,13 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import filelock
 
-from coldsnap_core._io import fsync_dir, fsync_fd, lstat_or_none, os_errno, os_error, refuse_symlink
+from coldsnap_core._io import close_and_remove, fsync_dir, fsync_fd, lstat_or_none, os_errno, os_error, refuse_symlink
+from coldsnap_core.cache_gc import DEFAULT_GC_AGE_SECONDS, GcBuilder, GcReport, sweep_quarantine, sweep_temporaries
+from coldsnap_core.cache_locks import acquire_logged, describe_holder, held_locks
 from coldsnap_core.digests import PAYLOADS_DIRNAME, check_digest
 from coldsnap_core.errors import (
     CacheError,
@@ -80,6 +80,7 @@ from coldsnap_core.errors import (
 )
 from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.format.pack_layout import PackEntry, PackLayout
+from coldsnap_core.partials import TEMP_SUFFIX, create_locked_partial, list_folder, sweep_dead_partials, writer_gone
 from coldsnap_core.records import identity, read_trusted_record, record_verified
 from coldsnap_core.settings import LOCK_TIMEOUT_ENV, LOCK_TIMEOUT_SECONDS, resolve_state_root
 from coldsnap_core.verify import verify_pack_file
@@ -92,15 +93,7 @@ ADMIT_CHUNK_BYTES = 1 << 20
 """Read size of a first-use verification (1 MiB): each chunk is still in the CPU cache when it is
 hashed; with the verifier's default 8 MiB double buffer the same pass measured about 10 % slower
 (``benchmarks/verify.py``)."""
-LOCK_NOTICE_SECONDS = 5.0
-"""A wait for a lock longer than this is logged at INFO (lock path, holder), and again every
-:data:`LOCK_NOTICE_REPEAT_SECONDS`."""
-LOCK_NOTICE_REPEAT_SECONDS = 30.0
 
-TEMP_SUFFIX = ".partial"
-DOWNLOAD_DIR_SUFFIX = ".partial.d"
-DEFAULT_GC_AGE_SECONDS = 3600.0
-"""``coldsnap cache gc`` removes temporaries and quarantined objects older than this (1 hour)."""
 
 _LABEL_RE = re.compile(r"[0-9a-z][0-9a-z.-]{0,99}")
 _OBJECT_NAME_RE = re.compile(r"([0-9a-f]{64})\.pack")
@@ -135,49 +128,6 @@ def check_label(label: str) -> str:
     return label
 
 
-_held = threading.local()
-
-
-def _held_locks() -> set[tuple[int, str]]:
-    held = getattr(_held, "locks", None)
-    if held is None:
-        held = _held.locks = set()
-    return held
-
-
-@dataclass(frozen=True, slots=True)
-class GcReport:
-    """What :meth:`PayloadCache.gc` removed (or would remove, with ``dry_run``).
-
-    Attributes:
-        temporaries: stale ``*.partial`` files and ``*.partial.d`` download folders.
-        quarantined: quarantined objects.
-        orphan_records: records whose object is gone.
-        kept_live: temporaries left in place: younger than the threshold, or their writer still holds them.
-        bytes_freed: total size of the removed files, in bytes.
-    """
-
-    temporaries: tuple[Path, ...] = ()
-    quarantined: tuple[Path, ...] = ()
-    orphan_records: tuple[Path, ...] = ()
-    kept_live: tuple[Path, ...] = ()
-    bytes_freed: int = 0
-
-
-@dataclass(slots=True)
-class _GcBuilder:
-    temporaries: list[Path] = field(default_factory=list)
-    quarantined: list[Path] = field(default_factory=list)
-    orphan_records: list[Path] = field(default_factory=list)
-    kept_live: list[Path] = field(default_factory=list)
-    bytes_freed: int = 0
-
-    def freeze(self) -> GcReport:
-        return GcReport(
-            tuple(self.temporaries), tuple(self.quarantined), tuple(self.orphan_records), tuple(self.kept_live), self.bytes_freed
-        )
-
-
 class PayloadCache:
     """One state root's ``model-payloads`` cache.
 
@@ -201,6 +151,7 @@ class PayloadCache:
         self._verified_here: dict[str, tuple[int, int, int, int, int]] = {}
         self._verified_here_lock = threading.Lock()
         self._admitted: dict[str, tuple[int, int, int, int, int]] = {}
+        self._verified_layouts: dict[str, tuple[tuple[int, int, int, int, int], PackLayout]] = {}
 
     def __repr__(self) -> str:
         return f"PayloadCache({str(self.state_root)!r})"
@@ -285,9 +236,9 @@ class PayloadCache:
     def lock(self, digest: str, *, timeout_seconds: float | None = None, required: bool = False) -> Iterator[bool]:
         """Hold the per-digest lock (``filelock.FileLock``, >= 3.20.3); re-entrant per thread.
 
-        A wait longer than :data:`LOCK_NOTICE_SECONDS` is logged at INFO with the lock's path and its
+        A wait longer than :data:`~coldsnap_core.cache_locks.LOCK_NOTICE_SECONDS` is logged at INFO with the lock's path and its
         holder (pid and host from the kernel's lock table, where this process can see it), and again
-        every :data:`LOCK_NOTICE_REPEAT_SECONDS`.
+        every :data:`~coldsnap_core.cache_locks.LOCK_NOTICE_REPEAT_SECONDS`.
 
         Yields ``True`` when the lock is held, ``False`` when the wait timed out (writers, ``required``
         false) or the lock file cannot be created, and the caller proceeds without it (safe: only
@@ -309,7 +260,7 @@ class PayloadCache:
         """
         path = self.lock_path(digest)
         key = (os.getpid(), str(path))
-        held = _held_locks()
+        held = held_locks()
         if key in held:
             yield True
             return
@@ -320,15 +271,15 @@ class PayloadCache:
         try:
             self.ensure_dirs()
             refuse_symlink(path)
-            _acquire_logged(lock, path, timeout)
+            acquire_logged(lock, path, timeout)
         except filelock.Timeout:
             if required:
                 raise LockTimeoutError(
-                    f"waited {timeout:g} s for the lock (holder: {_describe_holder(path)}); a live process holds it"
+                    f"waited {timeout:g} s for the lock (holder: {describe_holder(path)}); a live process holds it"
                     f" and does not finish. Set {LOCK_TIMEOUT_ENV} to wait longer, or stop the holder",
                     file=path,
                 ) from None
-            reason = f"waited {timeout:.1f} s for it (holder: {_describe_holder(path)})"
+            reason = f"waited {timeout:.1f} s for it (holder: {describe_holder(path)})"
         except (OSError, CacheError) as exc:
             reason = f"it cannot be created ({exc})"
             if os_errno(exc) == errno.EROFS:
@@ -369,10 +320,7 @@ class PayloadCache:
             sweep_dead_partials(self.tmp_dir, path)  # the caller's own flock on path is what the probe needs
             yield fd, path
         finally:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            close_and_remove(fd, path)
             download_dir = path.with_name(path.name + ".d")
             if download_dir.exists():
                 shutil.rmtree(download_dir, ignore_errors=True)
@@ -445,6 +393,15 @@ class PayloadCache:
         with self._verified_here_lock:
             self._admitted[digest] = identity(st)
         return self.object_path(digest)
+
+    def verified_against(self, digest: str, st: os.stat_result, layout: PackLayout) -> bool:
+        """Whether an admission by this object verified the inode ``st`` of ``digest`` in full against
+        ``layout`` (size, digest, every padding byte and stored extent in one pass), so that a reader of
+        that inode need not read its padding again. ``False`` for a pack admitted on its record.
+        """
+        with self._verified_here_lock:
+            seen = self._verified_layouts.get(digest)
+        return seen is not None and seen[0] == identity(st) and seen[1] == layout
 
     def admitted_identity(self, digest: str) -> tuple[int, int, int, int, int] | None:
         """``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)`` of the object the latest :meth:`admit`
@@ -572,6 +529,10 @@ class PayloadCache:
         re-raised with ``quarantined_to``. With ``layout`` the same single pass also checks the zero
         padding and every stored extent's SHA-256.
 
+        Long: the admission loop (re-check the record under the lock, the size rule, make the object
+        read-only, the one full verification, the record and the inode re-check) restarts as a whole when
+        the object changes while it is hashed; its steps share that loop's state.
+
         Args:
             trust_record: ``False`` hashes in full whatever the record says (``cache verify --full``).
             others: as :meth:`admit`.
@@ -629,6 +590,9 @@ class PayloadCache:
                 raise
             after = refuse_symlink(path)
             if after is not None and identity(after) == identity(st):
+                if layout is not None:
+                    with self._verified_here_lock:
+                        self._verified_layouts[digest] = (identity(after), layout)
                 record_verified(self, digest, after)
                 return self._admitted_at(digest, after)
             # Replaced or touched while being hashed: another writer that did not (or could not) take
@@ -695,19 +659,19 @@ class PayloadCache:
     def temporaries(self) -> list[Path]:
         """Every entry of ``tmp/`` (writes in progress or left by dead writers)."""
         self.check_dirs()
-        return _listdir(self.tmp_dir)
+        return list_folder(self.tmp_dir)
 
     def abandoned_temporaries(self) -> list[Path]:
         """The ``tmp/*.partial`` files whose writer is gone (their ``flock`` is free): debris that the
         next writer (where ``flock`` works) or :meth:`gc` removes."""
         return [
-            p for p in self.temporaries() if p.name.endswith(TEMP_SUFFIX) and stat.S_ISREG(p.lstat().st_mode) and _writer_gone(p)
+            p for p in self.temporaries() if p.name.endswith(TEMP_SUFFIX) and stat.S_ISREG(p.lstat().st_mode) and writer_gone(p)
         ]
 
     def quarantined(self) -> list[Path]:
         """Every entry of ``quarantine/``."""
         self.check_dirs()
-        return _listdir(self.quarantine_dir)
+        return list_folder(self.quarantine_dir)
 
     def gc(self, *, older_than_seconds: float = DEFAULT_GC_AGE_SECONDS, dry_run: bool = False) -> GcReport:
         """Remove what no reader can use: stale temporaries, quarantined objects, orphan records.
@@ -724,58 +688,20 @@ class PayloadCache:
         Raises:
             UnsafePathError: a cache folder is a symbolic link.
         """
-        report = _GcBuilder()
+        report = GcBuilder()
         if not self.check_dirs():
             return report.freeze()
         now = time.time()
-        entries = {p.name: p for p in _listdir(self.tmp_dir)}
-        stale_partials: set[str] = set()
-        for name, path in sorted(entries.items()):
-            if not name.endswith(TEMP_SUFFIX):
-                continue
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue
-            if now - st.st_mtime < older_than_seconds:
-                report.kept_live.append(path)
-                continue
-            if stat.S_ISREG(st.st_mode) and not _writer_gone(path):
-                report.kept_live.append(path)
-                continue
-            stale_partials.add(name)
-            report.temporaries.append(path)
-            report.bytes_freed += st.st_size if stat.S_ISREG(st.st_mode) else 0
-            if not dry_run:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-        for name, path in sorted(entries.items()):
-            if not name.endswith(DOWNLOAD_DIR_SUFFIX):
-                continue
-            owner = name[: -len(".d")]
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue
-            owner_alive = owner in entries and owner not in stale_partials
-            if owner_alive or (owner not in entries and now - st.st_mtime < older_than_seconds):
-                report.kept_live.append(path)
-                continue
-            report.temporaries.append(path)
-            report.bytes_freed += _tree_size(path)
-            if not dry_run:
-                _remove_tree_or_file(path)
-        for path in _listdir(self.quarantine_dir):
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue
-            if now - st.st_ctime < older_than_seconds:
-                continue
-            report.quarantined.append(path)
-            report.bytes_freed += st.st_size if stat.S_ISREG(st.st_mode) else 0
-            if not dry_run:
-                _remove_tree_or_file(path)
+        sweep_temporaries(self.tmp_dir, report, now=now, older_than_seconds=older_than_seconds, dry_run=dry_run)
+        sweep_quarantine(self.quarantine_dir, report, now=now, older_than_seconds=older_than_seconds, dry_run=dry_run)
+        self._sweep_orphan_records(report, dry_run=dry_run)
+        if not dry_run and (report.orphan_records or report.temporaries):
+            fsync_dir(self.objects_dir)
+        return report.freeze()
+
+    def _sweep_orphan_records(self, report: GcBuilder, *, dry_run: bool) -> None:
+        """Remove (or, with ``dry_run``, list) every ``<digest>.pack.record`` whose object is absent,
+        checked again under the digest's lock (an admission may be writing both)."""
         for name in sorted(os.listdir(self.objects_dir)):
             match = _RECORD_NAME_RE.fullmatch(name)
             if match is None:
@@ -791,9 +717,6 @@ class PayloadCache:
                 if not dry_run:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(record)
-        if not dry_run and (report.orphan_records or report.temporaries):
-            fsync_dir(self.objects_dir)
-        return report.freeze()
 
 
 def _os_error(what: str, exc: OSError, path: Path) -> CacheError:
@@ -808,181 +731,3 @@ def _require_caller_size(path: Path, actual: int, expected: int | None) -> None:
         raise PackSizeMismatchError(
             f"cached pack is {actual} bytes and verified against its digest, but {expected} bytes were expected", file=path
         )
-
-
-def _listdir(folder: Path) -> list[Path]:
-    try:
-        return sorted(folder.iterdir())
-    except FileNotFoundError:
-        return []
-
-
-def _lock_is_free(path: Path) -> bool:
-    """Whether a fresh open of ``path`` can take ``flock`` on it now (taken and released at once):
-    ``False`` when another open file description holds it.
-
-    The open is ``O_RDONLY | O_NOFOLLOW | O_NONBLOCK`` (a link is refused; a FIFO swapped in cannot block).
-
-    Raises:
-        OSError: ``path`` cannot be opened (``FileNotFoundError`` included) or ``flock`` fails other
-            than by being held; the callers decide what that means.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-    return True
-
-
-def _writer_gone(path: Path) -> bool:
-    """True if nobody holds ``flock`` on ``path`` (its writer exited or was killed); ``False`` if the
-    file is gone already. Other ``OSError`` propagates."""
-    try:
-        return _lock_is_free(path)
-    except FileNotFoundError:
-        return False
-
-
-SWEEP_GRACE_SECONDS = 10.0
-"""A writer's sweep (:func:`sweep_dead_partials`) leaves a ``.partial`` modified less than this long ago:
-a new writer creates its file, then takes its ``flock``, and is not mistaken for a dead one in between."""
-
-
-def create_locked_partial(path: Path) -> int:
-    """Create ``path`` (``O_EXCL | O_NOFOLLOW``, mode 0600, open for writing) and hold ``flock`` on it.
-    Returns the descriptor.
-
-    Raises:
-        OSError: the file cannot be created (the caller types it).
-    """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file (O_EXCL): nobody else holds it
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        raise
-    return fd
-
-
-def _flock_works(path: Path) -> bool:
-    """Whether ``flock`` excludes here: a second open of ``path``, which this process holds locked,
-    must fail to lock it (on Lustre, GPFS and some NFS mounts ``flock`` is a no-op that always succeeds).
-    Any ``OSError`` means it cannot be shown to work: ``False``."""
-    try:
-        return not _lock_is_free(path)
-    except OSError:
-        return False
-
-
-def sweep_dead_partials(tmp_dir: Path, own_path: Path) -> list[Path]:
-    """Remove every ``*.partial`` in ``tmp_dir`` whose writer is gone (its ``flock`` is free) and that
-    was last modified more than :data:`SWEEP_GRACE_SECONDS` ago, with its ``.partial.d`` download
-    folder; called by each new writer, which holds ``own_path`` locked.
-
-    Nothing is removed unless ``flock`` is seen to exclude on this file system (``own_path`` cannot
-    be locked a second time): where it is a no-op a live writer's partial would look abandoned, and
-    ``coldsnap cache gc``'s age threshold is the only safe rule. Best effort: failures are ignored.
-    Returns the removed paths.
-    """
-    if not _flock_works(own_path):
-        return []
-    removed = []
-    now = time.time()
-    for path in _listdir(tmp_dir):
-        if path == own_path or not path.name.endswith(TEMP_SUFFIX):
-            continue
-        try:
-            st = os.lstat(path)
-            if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < SWEEP_GRACE_SECONDS or not _writer_gone(path):
-                continue
-            os.unlink(path)
-        except OSError:
-            continue
-        removed.append(path)
-        download_dir = path.with_name(path.name + ".d")
-        if os.path.lexists(download_dir):
-            _remove_tree_or_file(download_dir)
-    if removed:
-        logger.info("coldsnap: removed %d temporary file(s) whose writer is gone: %s", len(removed), ", ".join(map(str, removed)))
-    return removed
-
-
-def _tree_size(path: Path) -> int:
-    if path.is_symlink() or not path.is_dir():
-        return 0
-    return sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
-
-
-def _remove_tree_or_file(path: Path) -> None:
-    st = os.lstat(path)
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-
-def _acquire_logged(lock: filelock.BaseFileLock, path: Path, timeout: float) -> None:
-    """``lock.acquire(timeout)``, logging at INFO while the wait is long (see :meth:`PayloadCache.lock`).
-
-    Raises:
-        filelock.Timeout: not had within ``timeout`` seconds (``timeout < 0``: wait for ever).
-    """
-    started = time.monotonic()
-    notice = LOCK_NOTICE_SECONDS
-    while True:
-        waited = time.monotonic() - started
-        remaining = float("inf") if timeout < 0 else timeout - waited
-        step = min(remaining, max(notice - waited, 0.0))
-        try:
-            lock.acquire(timeout=max(step, 0.0))
-            return
-        except filelock.Timeout:
-            waited = time.monotonic() - started
-            if timeout >= 0 and waited >= timeout:
-                raise
-            if waited >= notice:
-                logger.info(
-                    "coldsnap: waiting for %s (holder: %s) for %.0f s so far, up to %s (%s)",
-                    path,
-                    _describe_holder(path),
-                    waited,
-                    "no limit" if timeout < 0 else f"{timeout:g} s",
-                    LOCK_TIMEOUT_ENV,
-                )
-                notice = waited + LOCK_NOTICE_REPEAT_SECONDS
-
-
-def _describe_holder(lock_path: Path) -> str:
-    """``pid N on host H`` of the process holding ``flock`` on ``lock_path``, from the kernel's lock
-    table (``/proc/locks``, matched by device and inode; the pid as this process's PID namespace sees
-    it), or ``unknown`` (no ``/proc``, a holder in a PID namespace this process cannot see, or a lock
-    held on another host of a network file system)."""
-    import socket
-
-    try:
-        st = os.stat(lock_path)
-        with open("/proc/locks", encoding="ascii", errors="replace") as f:
-            table = f.read()
-    except OSError:
-        return "unknown"
-    wanted = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
-    for line in table.splitlines():
-        fields = line.split()
-        # "1: FLOCK  ADVISORY  WRITE 4242 fd:01:1234 0 EOF"; "->" marks a waiter, not a holder.
-        if len(fields) < 6 or fields[1] == "->" or fields[1] != "FLOCK":
-            continue
-        try:
-            major, minor, inode = fields[5].split(":")
-            key = (int(major, 16), int(minor, 16), int(inode))
-            pid = int(fields[4])
-        except ValueError:
-            continue
-        if key == wanted and pid > 0:
-            return f"pid {pid} on host {socket.gethostname()}"
-    return "unknown"

@@ -152,6 +152,10 @@ def capture_worker(
     The allocations must not change while this runs (the model is quiescent): their bytes are read
     more than once (extent digests, pack, blob).
 
+    Long: the checks that must all pass before anything is written (the allocation map against the live
+    allocations, the capture point's address rule, the model ranges, the artifact paths), then the steps in
+    their one order, timed as the phases the outcome line reports (extent digests, pack, capsule, descriptor).
+
     Args:
         allocation_map: the allocations' layout; ``allocation_map[i].size_bytes`` must equal
             ``allocations[i].size_bytes``.

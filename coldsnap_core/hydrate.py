@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -71,7 +71,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class AdmittedPack:
     """A pack the caller already admitted, with the layout it checked: proof that steps 1, 2 and the
-    admission of step 4 (see the module docstring) are done, so :func:`hydrate` does not repeat them.
+    admission of step 4 (see the module docstring) are done, so :func:`hydrate_admitted` does not repeat them.
 
     Attributes:
         path: the admitted object path (:meth:`coldsnap_core.cache.PayloadCache.admit`).
@@ -124,7 +124,6 @@ def hydrate(
     live_layout: AllocationMap | None = None,
     verify_extents: bool = False,
     manifest_file: str | None = None,
-    admitted: AdmittedPack | None = None,
 ) -> HydrationReport:
     """Verify everything, then fill ``allocations`` from the pack and the blob.
 
@@ -140,9 +139,6 @@ def hydrate(
             threads; catches bytes that changed under a still-valid validation record, e.g. bit rot
             on the device, which no inode field shows).
         manifest_file: the manifest's path, for error messages.
-        admitted: the pack as the caller admitted it, after checking every manifest rule and the live
-            layout (:class:`coldsnap_core.restore.WorkerRestore` does, once each): steps 1, 2 and the
-            admission are then not repeated; the blob, the padding and the copy run as always.
 
     Returns:
         What was copied (bytes from each source, counting every destination of a deduplicated
@@ -170,22 +166,83 @@ def hydrate(
             while the pack verifies in full (partly written).
     """
     started = time.perf_counter()
-    if admitted is None:
-        layout = check_manifest(manifest, file=manifest_file)
-        check_live_layout(
-            manifest.allocations, live_layout, allocations, file=manifest_file, manifest_fingerprint=manifest.layout_fingerprint
-        )
-    else:
-        layout = admitted.layout
+    layout = check_manifest(manifest, file=manifest_file)
+    check_live_layout(
+        manifest.allocations, live_layout, allocations, file=manifest_file, manifest_fingerprint=manifest.layout_fingerprint
+    )
+    return _verify_and_fill(
+        manifest,
+        layout,
+        lambda: cache.admit(manifest.pack.sha256, manifest.pack.size_bytes),
+        blob_path=blob_path,
+        cache=cache,
+        allocations=allocations,
+        backend=backend,
+        verify_extents=verify_extents,
+        manifest_file=manifest_file,
+        started=started,
+    )
+
+
+def hydrate_admitted(
+    manifest: NativeManifest,
+    admitted: AdmittedPack,
+    *,
+    blob_path: Path,
+    cache: PayloadCache,
+    allocations: Sequence[LiveAllocation],
+    backend: CopyBackend,
+    verify_extents: bool = False,
+    manifest_file: str | None = None,
+) -> HydrationReport:
+    """:func:`hydrate` of a pack the caller already admitted, after checking every manifest rule and the
+    live layout (:class:`coldsnap_core.restore.WorkerRestore` does, once each): steps 1, 2 and the
+    admission are not repeated; the blob, the padding and the copy run as in :func:`hydrate`. The
+    padding is not read again when the admission just verified the pack in full against
+    ``admitted.layout`` (that pass checked every padding byte of the same inode).
+
+    Returns and raises: as :func:`hydrate`, but for the manifest and live layout errors of steps 1 and 2.
+    """
+    return _verify_and_fill(
+        manifest,
+        admitted.layout,
+        lambda: admitted.path,
+        blob_path=blob_path,
+        cache=cache,
+        allocations=allocations,
+        backend=backend,
+        verify_extents=verify_extents,
+        manifest_file=manifest_file,
+        started=time.perf_counter(),
+    )
+
+
+def _verify_and_fill(
+    manifest: NativeManifest,
+    layout: PackLayout,
+    admit: Callable[[], Path],
+    *,
+    blob_path: Path,
+    cache: PayloadCache,
+    allocations: Sequence[LiveAllocation],
+    backend: CopyBackend,
+    verify_extents: bool,
+    manifest_file: str | None,
+    started: float,
+) -> HydrationReport:
+    """Steps 3 to 5 of the module docstring: verify the blob, take the admitted pack (``admit()``, called
+    with the blob open), check its padding unless the admission verified this inode against ``layout``,
+    then copy. Raises as :func:`hydrate`."""
     # The blob and the pack are each opened once: what is verified below is what the backend copies,
     # through /proc/self/fd/<n>, even if another process renames other bytes onto either path meanwhile.
     with pinned_file(blob_path, "residual blob") as blob_opened:
         verify_blob_file(blob_path, manifest.residual, opened=blob_opened)
-        pack_path = cache.admit(manifest.pack.sha256, manifest.pack.size_bytes) if admitted is None else admitted.path
+        pack_path = admit()
         with pinned_file(pack_path, "pack") as pack_opened:
             _require_admitted_inode(cache, manifest.pack.sha256, pack_path, pack_opened)
             try:
-                check_pack_padding(Path(pack_opened), layout)
+                if not cache.verified_against(manifest.pack.sha256, os.stat(pack_opened), layout):
+                    check_pack_padding(Path(pack_opened), layout)
             except NonZeroPaddingError as exc:
                 exc.renaming_file({pack_opened: str(pack_path)})
                 _raise_judged(exc, cache, manifest, layout, pack_path, manifest_file)

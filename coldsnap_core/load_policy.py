@@ -57,16 +57,20 @@ from typing import ClassVar, Literal
 
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import CaptureResult
+from coldsnap_core.collector import collector_paused
 from coldsnap_core.copy.select import copy_backend_for
 from coldsnap_core.derived_cache import SeedPlacement
 from coldsnap_core.errors import ColdsnapError, ObserverError
 from coldsnap_core.format.descriptor import CapsuleFile
 from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import ModelIdentity, PackRef, WorkerIdentity
+from coldsnap_core.hub_commit import resolve_hub_commit
 from coldsnap_core.hydrate import HydrationReport
+from coldsnap_core.load_session import LoadSession
 from coldsnap_core.materialize import MaterializationHandle, materialize_payload
-from coldsnap_core.model_identity import LoadedModel, resolve_hub_commit
-from coldsnap_core.observer import LoadSession, ModelRecord, WriteObserver, collector_paused, map_to_allocations
+from coldsnap_core.model_identity import LoadedModel
+from coldsnap_core.model_records import ModelRecord
+from coldsnap_core.observer import WriteObserver, map_to_allocations
 from coldsnap_core.outcomes import LoadOutcomeLine, Outcome, append_outcome
 from coldsnap_core.overlay import OverlayCapture, capture_overlay
 from coldsnap_core.restore import WorkerRestore, capture_loaded_worker, restore_or_fall_back
@@ -100,7 +104,7 @@ class ModelSource:
     Attributes:
         path: the model: a local folder or a Hugging Face repository id.
         revision: the revision as the engine was given it (``None``: the default branch).
-        config_sha256: :func:`coldsnap_core.model_identity.model_config_sha256` of the engine's effective
+        config_sha256: :func:`coldsnap_core.config_digest.model_config_sha256` of the engine's effective
             model configuration, or ``None`` when the engine has none.
         download_dir: the Hugging Face cache the engine downloads into (``--download-dir``), or ``None``
             for ``HF_HUB_CACHE``.
@@ -114,7 +118,7 @@ class ModelSource:
     def identity_revision(self) -> str | None:
         """The revision the model identity records: for a local folder the revision as given; for a
         repository id the commit it resolves to in the Hugging Face cache
-        (:func:`coldsnap_core.model_identity.resolve_hub_commit`), or the revision as given when the cache
+        (:func:`coldsnap_core.hub_commit.resolve_hub_commit`), or the revision as given when the cache
         cannot resolve it (a restore then refuses the artifact: fail closed)."""
         requested = None if self.revision is None else str(self.revision)
         if os.path.isdir(self.path):

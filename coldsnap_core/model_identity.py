@@ -7,18 +7,18 @@ shapes, dtypes and names: another fine-tune, a replaced checkpoint file of the s
 rotary base (``rope_theta``, a buffer computed at build time and restored from the residual blob)
 all have the same layout.
 
-Four parts:
+Four parts, each in a module of its own, which this module combines:
 
-* **Repository commit** (:func:`resolve_hub_commit`): a model loaded from a Hugging Face repository
+* **Repository commit** (:func:`coldsnap_core.hub_commit.resolve_hub_commit`): a model loaded from a Hugging Face repository
   id is pinned by the commit its revision (``main`` when none is given) resolves to in the local
   Hugging Face cache, so an artifact captured from ``org/name`` is refused once ``main`` moves.
 * **Checkpoint files** (:func:`identify_checkpoint`): every file's name, size and SHA-256, hashed
-  once at capture, and its content fingerprint (:func:`checkpoint_fingerprint`: a few MiB sampled
+  once at capture, and its content fingerprint (:func:`coldsnap_core.fingerprint.checkpoint_fingerprint`: a few MiB sampled
   from the file, ``docs/format.md`` §10.2), cheap enough to re-check on every restore.
-* **Model configuration** (:func:`model_config_sha256`): a digest of the engine's effective model
+* **Model configuration** (:func:`coldsnap_core.config_digest.model_config_sha256`): a digest of the engine's effective model
   configuration (the Hugging Face config after overrides, the dtype, the quantization method), as
   canonical JSON without the keys that vary with the path or the library version.
-* **Checkpoint records** (:class:`CheckpointRecords`): node-local evidence that a checkpoint file was
+* **Checkpoint records** (:class:`coldsnap_core.checkpoint_records.CheckpointRecords`): node-local evidence that a checkpoint file was
   hashed, bound to its real path, device, inode, size, mtime and ctime, like the payload cache's
   validation records (``docs/format.md`` §11). Written whenever coldsnap hashes a checkpoint file
   (capture; a restore that had to hash one). Restore does not read the checkpoint (that is what it
@@ -35,473 +35,22 @@ that restores size, mtime and ctime (the same limit as the payload cache's recor
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import enum
-import hashlib
-import json
 import logging
-import math
 import os
-import re
-import secrets
-import stat
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from coldsnap_core._io import fsync_dir, fsync_fd, os_error, sha256_file, write_all
-from coldsnap_core.errors import CacheError, ModelIdentityMismatchError, UnsafePathError, ValidationRecordError
-from coldsnap_core.format._strict import Fields, dump_document
+from coldsnap_core.checkpoint_records import CheckpointRecords, RecordState, hash_checkpoint_file
+from coldsnap_core.errors import ModelIdentityMismatchError
+from coldsnap_core.fingerprint import checkpoint_fingerprint
 from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity
-from coldsnap_core.records import identity as stat_identity
-from coldsnap_core.records import read_private_record
+from coldsnap_core.hub_commit import COMMIT_HASH, resolve_hub_commit
 
 logger = logging.getLogger(__name__)
 
-# --- the repository commit -------------------------------------------------------------------------
 
-COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
-"""A Hugging Face commit hash: 40 lowercase hex digits (``huggingface_hub``'s ``REGEX_COMMIT_HASH``)."""
-
-_CACHE_PROBE_FILENAME = "config.json"
-
-
-def _resolved_by_api(repo_id: str, revision: str | None, cache_dir: str | os.PathLike[str] | None, repo_type: str) -> str:
-    """``HfApi.resolve_revision(..., local_files_only=True)``: the ``refs/<revision>`` entry of the
-    repository's cache folder; a ``ResolvedRevision`` already resolved for this repository (vLLM's
-    ``model_config.revision``) is returned as is. Raises when the cache has no such entry."""
-    import huggingface_hub
-
-    resolved = huggingface_hub.HfApi().resolve_revision(
-        repo_id, repo_type=repo_type, revision=revision, cache_dir=cache_dir, local_files_only=True
-    )
-    return resolved.resolved
-
-
-def _resolved_by_snapshot(
-    repo_id: str, revision: str | None, cache_dir: str | os.PathLike[str] | None, repo_type: str
-) -> str | None:
-    """For a ``huggingface_hub`` without ``HfApi.resolve_revision``: the ``snapshots/<commit>/`` folder
-    of the cached ``config.json`` that ``try_to_load_from_cache`` returns for ``revision``."""
-    import huggingface_hub
-
-    cached = huggingface_hub.try_to_load_from_cache(
-        repo_id, _CACHE_PROBE_FILENAME, cache_dir=cache_dir, revision=revision, repo_type=repo_type
-    )
-    if not isinstance(cached, str):
-        return None
-    snapshot = Path(cached).parent
-    return snapshot.name if snapshot.parent.name == "snapshots" else None
-
-
-def resolve_hub_commit(
-    repo_id: str, revision: str | None, *, cache_dir: str | os.PathLike[str] | None = None, repo_type: str = "model"
-) -> str | None:
-    """The commit hash the local Hugging Face cache resolves ``revision or "main"`` of ``repo_id`` to.
-
-    No network call: the cache's ``refs/<revision>`` entry is read through ``huggingface_hub``
-    (``HfApi.resolve_revision(..., local_files_only=True)``; with an older ``huggingface_hub``, the
-    ``snapshots/<commit>/`` folder of ``try_to_load_from_cache(repo_id, "config.json")``, the cache
-    layout documented in huggingface_hub's "Understand caching" guide). The engine has already
-    fetched the model's ``config.json`` when this is called (online that updates ``refs/main`` to the
-    current upstream commit), and vLLM 0.32 resolves ``model_config.revision`` to a
-    ``huggingface_hub.ResolvedRevision`` whose commit is returned as is.
-
-    Args:
-        repo_id: the repository id (``org/name``).
-        revision: a branch, tag or commit; ``None`` means ``main``. A 40-hex commit is returned as is.
-        cache_dir: the Hugging Face cache folder (vLLM's ``--download-dir``); ``None`` means
-            ``HF_HUB_CACHE``.
-        repo_type: ``"model"``, ``"dataset"`` or ``"space"``.
-
-    Returns:
-        The commit hash (40 lowercase hex digits), or ``None`` when the cache cannot resolve the
-        revision (no cache folder for the repository, no ``refs`` entry, an invalid repository id, a
-        ``refs`` entry that is not a commit hash).
-
-    Raises:
-        FileAccessError: the cache exists but cannot be read (anything but "no such file"), naming the file.
-    """
-    if revision is not None and not hasattr(revision, "resolved") and COMMIT_HASH.fullmatch(str(revision)):
-        return str(revision)  # a ResolvedRevision goes through huggingface_hub, which reads its .resolved
-    import huggingface_hub
-    from huggingface_hub import errors as hf_errors
-
-    resolution_error = getattr(hf_errors, "RevisionResolutionError", ValueError)
-    try:
-        if hasattr(huggingface_hub.HfApi, "resolve_revision"):
-            commit = _resolved_by_api(repo_id, revision, cache_dir, repo_type)
-        else:
-            commit = _resolved_by_snapshot(repo_id, revision, cache_dir, repo_type)
-    except (resolution_error, ValueError, FileNotFoundError, NotADirectoryError) as exc:
-        logger.debug("coldsnap: the Hugging Face cache does not resolve %s@%s: %s", repo_id, revision or "main", exc)
-        return None
-    except OSError as exc:
-        # Only an absent cache entry means "no commit": a cache that cannot be read (EACCES, EIO) is named,
-        # instead of the misleading "does not resolve to a commit" later.
-        raise os_error(
-            f"the Hugging Face cache entry of {repo_id}@{revision or 'main'} cannot be read", exc, exc.filename or cache_dir
-        ) from exc
-    return commit if commit is not None and COMMIT_HASH.fullmatch(commit) else None
-
-
-# --- the engine's model configuration --------------------------------------------------------------
-
-CONFIG_DIGEST_DOMAIN = b"coldsnap-model-config-v1\n"
-VOLATILE_CONFIG_KEYS = frozenset({"transformers_version"})
-"""Keys left out of the configuration digest besides every key that starts with ``_`` (such as
-``_name_or_path``, ``_commit_hash``, ``_attn_implementation_internal``): they name the path the
-config was read from or the library version, not the model."""
-
-
-def _canonical(value: object) -> object:
-    """``value`` as plain JSON data, deterministically (no addresses, sorted sets)."""
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else repr(value)
-    if isinstance(value, enum.Enum):
-        return _canonical(value.value)
-    if isinstance(value, Mapping):
-        return {
-            str(k): _canonical(v)
-            for k, v in value.items()
-            if not (isinstance(k, str) and (k.startswith("_") or k in VOLATILE_CONFIG_KEYS))
-        }
-    if isinstance(value, list | tuple):
-        return [_canonical(v) for v in value]
-    if isinstance(value, set | frozenset):
-        return sorted((_canonical(v) for v in value), key=lambda v: json.dumps(v, sort_keys=True))
-    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
-        return str(value).removeprefix("torch.")
-    if hasattr(value, "to_dict") and hasattr(value, "__dict__"):
-        # A (nested) Hugging Face config: its public attributes as set (what model code reads), not
-        # ``to_dict()``, whose output follows each transformers version's serialization rules.
-        return _canonical(vars(value))
-    text = repr(value)
-    return type(value).__qualname__ if " at 0x" in text else text
-
-
-def canonical_model_config(hf_config: object, *, dtype: object, quantization: object = None) -> str:
-    """The canonical JSON whose SHA-256 is :func:`model_config_sha256` (sorted keys, no spaces, ASCII)."""
-    document = {"hf_config": _canonical(hf_config), "dtype": _canonical(dtype), "quantization": _canonical(quantization)}
-    return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-
-
-def model_config_sha256(hf_config: object, *, dtype: object, quantization: object = None) -> str:
-    """SHA-256 (lowercase hex) of an engine's effective model configuration.
-
-    ``sha256(b"coldsnap-model-config-v1\\n" + canonical_json)`` where ``canonical_json`` is
-    ``{"hf_config": ..., "dtype": ..., "quantization": ...}`` with sorted keys: ``hf_config`` is every
-    public attribute of the Hugging Face config object (nested configs likewise) or the mapping given,
-    without :data:`VOLATILE_CONFIG_KEYS` and ``_``-prefixed keys; torch dtypes are written by name
-    (``bfloat16``).
-
-    Args:
-        hf_config: the engine's Hugging Face config after overrides (vLLM ``model_config.hf_config``,
-            which has ``--hf-overrides`` applied; SGLang ``model_config.hf_config``), or a mapping.
-        dtype: the engine's model dtype (a ``torch.dtype`` or its name).
-        quantization: the engine's quantization method, or ``None``.
-    """
-    text = canonical_model_config(hf_config, dtype=dtype, quantization=quantization).encode("ascii")
-    return hashlib.sha256(CONFIG_DIGEST_DOMAIN + text).hexdigest()
-
-
-# --- the content fingerprint -----------------------------------------------------------------------
-
-FINGERPRINT_DOMAIN = b"coldsnap-checkpoint-fingerprint-v1\n"
-FINGERPRINT_BLOCK_BYTES = 128 * 1024
-FINGERPRINT_BLOCK_COUNT = 16
-"""The fingerprint samples ``FINGERPRINT_BLOCK_COUNT`` blocks of ``FINGERPRINT_BLOCK_BYTES`` (2 MiB in
-all) from the data region of each checkpoint file (``docs/format.md`` §10.2)."""
-_HEADER_LENGTH_BYTES = 8
-_MAX_SAFETENSORS_HEADER_BYTES = 100_000_000  # safetensors' own cap (huggingface/safetensors README)
-
-
-def fingerprint_ranges(size_bytes: int, header_length_bytes: int | None) -> list[tuple[int, int]]:
-    """The ``(offset_bytes, size_bytes)`` ranges of a file that :func:`checkpoint_fingerprint` hashes, in order.
-
-    Args:
-        size_bytes: the file's size.
-        header_length_bytes: the little-endian ``u64`` at offset 0 of a safetensors file (its JSON
-            header's length ``N``), or ``None`` for a file too short to hold one.
-
-    The header region is ``[0, 8 + N)`` when ``8 + N <= size_bytes`` and ``N <= 100,000,000``, else
-    empty (not a safetensors file: a ``.bin`` or ``.pt`` checkpoint). The data region is the rest: hashed
-    whole when it is at most ``FINGERPRINT_BLOCK_COUNT * FINGERPRINT_BLOCK_BYTES`` (2 MiB), else as
-    ``FINGERPRINT_BLOCK_COUNT`` blocks of ``FINGERPRINT_BLOCK_BYTES`` at
-    ``data_start + (i * (data_size - FINGERPRINT_BLOCK_BYTES)) // (FINGERPRINT_BLOCK_COUNT - 1)`` for
-    ``i`` in ``0..FINGERPRINT_BLOCK_COUNT - 1`` (the first block starts the data, the last one ends the file).
-    """
-    header_end = 0
-    if (
-        header_length_bytes is not None
-        and header_length_bytes <= _MAX_SAFETENSORS_HEADER_BYTES
-        and _HEADER_LENGTH_BYTES + header_length_bytes <= size_bytes
-    ):
-        header_end = _HEADER_LENGTH_BYTES + header_length_bytes
-    ranges = [(0, header_end)] if header_end else []
-    data_size = size_bytes - header_end
-    if data_size <= FINGERPRINT_BLOCK_COUNT * FINGERPRINT_BLOCK_BYTES:
-        return [(0, size_bytes)] if size_bytes else []
-    span = data_size - FINGERPRINT_BLOCK_BYTES
-    for i in range(FINGERPRINT_BLOCK_COUNT):
-        ranges.append((header_end + (i * span) // (FINGERPRINT_BLOCK_COUNT - 1), FINGERPRINT_BLOCK_BYTES))
-    return ranges
-
-
-def checkpoint_fingerprint(path: str | os.PathLike[str]) -> str:
-    """The content fingerprint of a checkpoint file (``docs/format.md`` §10.2), lowercase hex.
-
-    ``sha256(b"coldsnap-checkpoint-fingerprint-v1\\n" + u64le(size_bytes) + bytes of each range of
-    fingerprint_ranges(size_bytes, N))``: the safetensors header (every tensor's name, dtype, shape and
-    offsets, and the metadata) and 16 blocks of 128 KiB spread evenly over the data, or the whole file
-    when it is small. It reads at most the header plus 2 MiB with ``os.pread``, so restore can check it on
-    every start; it sees any change of the header or the size and any change that touches a sampled
-    block, which a different fine-tune of the same base does (every tensor differs), but not an edit
-    confined to bytes between the blocks (the full SHA-256 sees that).
-
-    Raises:
-        OSError: the file cannot be opened or read (``FileNotFoundError`` when it is missing).
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, _HEADER_LENGTH_BYTES, 0)
-        header_length = int.from_bytes(head, "little") if len(head) == _HEADER_LENGTH_BYTES else None
-        digest = hashlib.sha256(FINGERPRINT_DOMAIN + size.to_bytes(8, "little"))
-        ranges = fingerprint_ranges(size, header_length)
-        for offset, length in ranges:
-            # Start every read at once: on a cold file the blocks then come in one round of
-            # parallel disk reads instead of one seek after another.
-            with contextlib.suppress(OSError, AttributeError):
-                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-        for offset, length in ranges:
-            while length:
-                chunk = os.pread(fd, min(length, 8 * 1024 * 1024), offset)
-                if not chunk:  # the file shrank while it was read: what was read is not this size's content
-                    raise OSError(f"{os.fspath(path)} shrank while its fingerprint was read")
-                digest.update(chunk)
-                offset += len(chunk)
-                length -= len(chunk)
-        return digest.hexdigest()
-    finally:
-        os.close(fd)
-
-
-# --- checkpoint records ----------------------------------------------------------------------------
-
-CHECKPOINT_RECORDS_DIRNAME = "checkpoint-records"
-CHECKPOINT_RECORD_KIND = "coldsnap.checkpoint-record"
-CHECKPOINT_RECORD_VERSION = 1
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointRecord:
-    """Evidence that the checkpoint file at ``path`` had ``sha256`` while it had this ``stat``.
-
-    Attributes:
-        path: the file's real path (``os.path.realpath``).
-        device: ``st_dev``.
-        inode: ``st_ino``.
-        size_bytes: ``st_size``, bytes.
-        mtime_ns: ``st_mtime_ns``, nanoseconds since the epoch.
-        ctime_ns: ``st_ctime_ns``, nanoseconds since the epoch.
-        sha256: SHA-256 (lowercase hex) of the whole file.
-        hashed_at: UTC time of the hash, ISO 8601 with seconds.
-    """
-
-    path: str
-    device: int
-    inode: int
-    size_bytes: int
-    mtime_ns: int
-    ctime_ns: int
-    sha256: str
-    hashed_at: str
-
-    def matches(self, st: os.stat_result) -> bool:
-        return (self.device, self.inode, self.size_bytes, self.mtime_ns, self.ctime_ns) == stat_identity(st)
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "format": CHECKPOINT_RECORD_KIND,
-            "format_version": CHECKPOINT_RECORD_VERSION,
-            "path": self.path,
-            "device": self.device,
-            "inode": self.inode,
-            "size_bytes": self.size_bytes,
-            "mtime_ns": self.mtime_ns,
-            "ctime_ns": self.ctime_ns,
-            "sha256": self.sha256,
-            "hashed_at": self.hashed_at,
-        }
-
-    @classmethod
-    def from_fields(cls, f: Fields) -> CheckpointRecord:
-        if f.str("format") != CHECKPOINT_RECORD_KIND:
-            raise f.error("not a checkpoint record")
-        if f.int("format_version") != CHECKPOINT_RECORD_VERSION:
-            raise f.error("unsupported checkpoint record version")
-        record = cls(
-            path=f.str("path"),
-            device=f.int("device"),
-            inode=f.int("inode"),
-            size_bytes=f.int("size_bytes"),
-            mtime_ns=f.int("mtime_ns"),
-            ctime_ns=f.int("ctime_ns"),
-            sha256=f.sha256("sha256"),
-            hashed_at=f.str("hashed_at"),
-        )
-        f.done()
-        return record
-
-
-class RecordState(enum.Enum):
-    """What :meth:`CheckpointRecords.lookup` found for a checkpoint file."""
-
-    TRUSTED = "trusted"
-    """A trusted record matches the file's ``stat``: its SHA-256 is the file's."""
-    STALE = "stale"
-    """A trusted record names the file, but the file changed since it was hashed."""
-    ABSENT = "absent"
-    """No record, or one that cannot be trusted (loose mode, other owner, malformed)."""
-
-
-@dataclass(frozen=True, slots=True)
-class RecordLookup:
-    state: RecordState
-    sha256: str | None = None
-    reason: str = ""
-
-
-class CheckpointRecords:
-    """The node-local checkpoint records of one state root: ``<state_root>/checkpoint-records/``.
-
-    Each record is ``<sha256 of the file's real path>.record`` (JSON, mode 0444), trusted only while
-    it is a regular file of at most 64 KiB owned by the current user and not group- or
-    world-writable, parses strictly and names the file's real path. The folder is created 0700 and
-    refused if it is a symbolic link (rule ``no-symlinks``).
-
-    Args:
-        state_root: the state root (``COLDSNAP_STATE_ROOT``).
-    """
-
-    def __init__(self, state_root: str | os.PathLike[str]) -> None:
-        self.state_root = Path(state_root)
-        self.folder = self.state_root / CHECKPOINT_RECORDS_DIRNAME
-
-    def record_path(self, real_path: str) -> Path:
-        key = hashlib.sha256(os.fsencode(real_path)).hexdigest()
-        return self.folder / f"{key}.record"
-
-    def _folder_present(self) -> bool:
-        try:
-            st = os.lstat(self.folder)
-        except FileNotFoundError:
-            return False
-        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-            raise UnsafePathError("refusing a symbolic link or non-folder as the checkpoint records folder", file=self.folder)
-        return True
-
-    def lookup(self, path: str | os.PathLike[str], st: os.stat_result | None = None) -> RecordLookup:
-        """The record state of the checkpoint file ``path`` (its real path is used).
-
-        Args:
-            path: the checkpoint file (a symbolic link is resolved, as the engine's open does).
-            st: a fresh ``os.stat`` of the file, if the caller has one.
-
-        Raises:
-            UnsafePathError: the records folder or the record is a symbolic link.
-            FileNotFoundError: the checkpoint file does not exist.
-        """
-        real = os.path.realpath(path)
-        st = os.stat(real) if st is None else st
-        if not self._folder_present():
-            return RecordLookup(RecordState.ABSENT, reason="no checkpoint records on this node")
-        record_path = self.record_path(real)
-        try:
-            record = read_private_record(record_path, CheckpointRecord.from_fields)
-        except ValidationRecordError as exc:
-            return RecordLookup(RecordState.ABSENT, reason=f"checkpoint record {record_path}: {exc.detail}")
-        if record.path != real:
-            return RecordLookup(RecordState.ABSENT, reason=f"checkpoint record names {record.path!r}")
-        if not record.matches(st):
-            return RecordLookup(
-                RecordState.STALE, record.sha256, reason=f"{real} changed since it was hashed at {record.hashed_at}"
-            )
-        return RecordLookup(RecordState.TRUSTED, record.sha256)
-
-    def write(self, path: str | os.PathLike[str], sha256: str, hashed: os.stat_result) -> CheckpointRecord:
-        """Record that ``path`` (real path) had ``sha256`` while it had the ``stat`` ``hashed``.
-
-        Written only if the file still has exactly that device, inode, size, mtime and ctime:
-        temporary file (``O_EXCL | O_NOFOLLOW``), fsync, mode 0444, rename, folder fsync.
-
-        Raises:
-            CacheError: the file changed since it was hashed (nothing written), or the write failed.
-            InsufficientSpaceError: no space (nothing written).
-            UnsafePathError: the records folder is a symbolic link.
-        """
-        real = os.path.realpath(path)
-        current = os.stat(real)
-        if stat_identity(current) != stat_identity(hashed):
-            raise CacheError("the checkpoint file changed while it was hashed; no checkpoint record written", file=real)
-        try:
-            self.state_root.mkdir(parents=True, exist_ok=True)
-            if not self._folder_present():
-                with contextlib.suppress(FileExistsError):
-                    self.folder.mkdir(mode=0o700)
-                self._folder_present()
-        except OSError as exc:
-            raise CacheError(f"cannot create the checkpoint records folder: {exc}", file=self.folder) from exc
-        record = CheckpointRecord(
-            path=real,
-            device=current.st_dev,
-            inode=current.st_ino,
-            size_bytes=current.st_size,
-            mtime_ns=current.st_mtime_ns,
-            ctime_ns=current.st_ctime_ns,
-            sha256=sha256,
-            hashed_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        )
-        final = self.record_path(real)
-        temp = final.with_name(f".{final.name}.{secrets.token_hex(8)}.partial")
-        try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise CacheError(f"cannot create a checkpoint record: {exc}", file=temp) from exc
-        try:
-            try:
-                write_all(fd, dump_document(record.to_json()), file=temp)
-                os.fchmod(fd, 0o444)
-                fsync_fd(fd, file=temp)
-            finally:
-                os.close(fd)
-            os.rename(temp, final)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp)
-        fsync_dir(self.folder)
-        return record
-
-
-def hash_checkpoint_file(path: str | os.PathLike[str], records: CheckpointRecords | None = None) -> tuple[str, int]:
-    """SHA-256 and size of a checkpoint file (one read); with ``records``, record the result.
-
-    A record that cannot be written is logged as a WARNING (the hash is still returned): without it,
-    a later restore on this node checks the file by its content fingerprint only.
-    """
-    real = os.path.realpath(path)
-    before = os.stat(real)
-    digest, size = sha256_file(real)
-    if records is not None:
-        try:
-            records.write(real, digest, before)
-        except (OSError, CacheError, UnsafePathError) as exc:
-            logger.warning("coldsnap: %s hashed, but its checkpoint record could not be written: %s", real, exc)
-    return digest, size
+# -- produced at capture: the identity of the checkpoint files ---------------------------------------
 
 
 def identify_checkpoint(
@@ -548,10 +97,10 @@ class LoadedModel:
         source: the engine's model (vLLM ``model_config.model``, SGLang ``model_config.model_path``):
             a repository id or a local folder.
         revision: for a repository id, the commit hash the engine's revision resolves to in the local
-            Hugging Face cache (:func:`~coldsnap_core.model_identity.resolve_hub_commit`), else the
+            Hugging Face cache (:func:`~coldsnap_core.hub_commit.resolve_hub_commit`), else the
             engine's revision as given (``None`` when none; always the given value for a local folder).
         folder: the local checkpoint folder's real path when ``source`` is one, else ``None``.
-        config_sha256: :func:`coldsnap_core.model_identity.model_config_sha256` of the engine's
+        config_sha256: :func:`coldsnap_core.config_digest.model_config_sha256` of the engine's
             effective model configuration, or ``None`` when the caller has no engine configuration.
         requested_revision: the engine's revision as given (``None``: the default branch), for messages.
         checkpoint_files: for a local folder, the names (relative to ``folder``, ``/``-separated) of
@@ -651,11 +200,11 @@ def check_model_identity(
     * A local folder, by content and not by path (another node may mount it elsewhere; ``$M`` and
       ``$M/`` are one folder): every recorded checkpoint file exists with its size, and its SHA-256,
       where this node knows it, is the recorded one. It is known from a checkpoint record
-      (:class:`~coldsnap_core.model_identity.CheckpointRecords`) that still matches the file's
+      (:class:`~coldsnap_core.checkpoint_records.CheckpointRecords`) that still matches the file's
       ``stat``; a file that changed since its record was written is hashed again (one read of that
       file, then recorded); a file without a record is hashed only with ``verify_checkpoint``
       (``COLDSNAP_VERIFY_CHECKPOINT=1``), else compared by its content fingerprint
-      (:func:`~coldsnap_core.model_identity.checkpoint_fingerprint`: header plus 2 MiB sampled; an
+      (:func:`~coldsnap_core.fingerprint.checkpoint_fingerprint`: header plus 2 MiB sampled; an
       artifact that recorded none is accepted on name and size). When the engine says
       which files it would read (``loaded.checkpoint_files``), they must be exactly the recorded ones:
       a shard added to the folder (which a plain load would read too) or one the engine would no
@@ -663,6 +212,10 @@ def check_model_identity(
       captured from a repository id is never restored into a local folder.
     * The engine's model configuration digest, when the engine gives one, equals the recorded one (an
       artifact captured without one is refused then).
+
+    Long: the identity rules are checked in the order a user fixes them (source, revision,
+    configuration, then each checkpoint file by record, fingerprint or full hash), each with its own
+    message; the per-file part shares the records and the mode of the whole check.
 
     Raises:
         ModelIdentityMismatchError: names what differs (source, commit, configuration, a missing,

@@ -39,13 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from coldsnap_core.artifact import (
-    Capsule,
-    read_pinned_capsule,
-    replace_dir_atomically,
-    write_file_durably,
-    write_manifests,
-)
+from coldsnap_core._io import write_file_durably
+from coldsnap_core.artifact import Capsule, read_pinned_capsule, replace_dir_atomically, write_manifests
 from coldsnap_core.capture import check_model_ranges, hash_ranges
 from coldsnap_core.copy.base import CopyBackend, LiveAllocation
 from coldsnap_core.errors import ColdsnapError, MissingObjectError, OverlayError, TargetMismatchError, UnsafePathError
@@ -58,20 +53,16 @@ from coldsnap_core.format.descriptor import (
     WorkerEntry,
     check_capsule_file_names,
 )
-from coldsnap_core.format.extents import ModelExtent
 from coldsnap_core.format.manifest import (
     RESIDUAL_FILENAME,
     ModelIdentity,
-    NativeManifest,
     PackRef,
-    RecoveryManifest,
     WorkerIdentity,
 )
-from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.format.target import TargetIdentity, describe_differences
-from coldsnap_core.payload_plan import ModelRange
+from coldsnap_core.payload_plan import ModelRange, PayloadPlan, plan_payload
 from coldsnap_core.records import read_private_record
-from coldsnap_core.residual import residual_extents, write_residual
+from coldsnap_core.residual import write_residual
 from coldsnap_core.target import mismatch_detail
 
 logger = logging.getLogger(__name__)
@@ -409,66 +400,28 @@ def capture_overlay(
     """
     worker = entry.worker
     check_model_ranges(model_ranges, allocations)
-    digests = hash_ranges(model_ranges, allocations, backend)
-    layout = PackLayout.plan((d, r.size_bytes) for d, r in zip(digests, model_ranges, strict=True))
-    contents = {(d, r.size_bytes) for d, r in zip(digests, model_ranges, strict=True)}
-    portable_contents = {(e.sha256, e.size_bytes) for e in portable.native.model_extents}
-    if contents != portable_contents or layout.size_bytes != entry.payload.size_bytes:
-        raise OverlayError(
-            f"the loaded model bytes are {len(contents)} distinct contents, the portable capsule's pack"
-            f" {entry.payload.sha256} holds {len(portable_contents)} ({len(contents - portable_contents)} not in it):"
-            " not the same model; no overlay is stored",
-            file=portable.native_manifest_path,
-        )
-    offsets = layout.offsets()
-    extents = tuple(
-        ModelExtent(r.allocation_index, r.offset_bytes, r.size_bytes, offsets[(d, r.size_bytes)], d, r.provenance)
-        for d, r in zip(digests, model_ranges, strict=True)
-    )
-    residual_map = residual_extents(
-        [a.size_bytes for a in allocations], ((r.allocation_index, r.offset_bytes, r.size_bytes) for r in model_ranges)
-    )
-    fingerprint = allocation_map.layout_fingerprint()
+    plan = plan_payload(allocations, model_ranges, hash_ranges(model_ranges, allocations, backend))
+    _require_portable_payload(plan, entry, portable)
     path = overlay_dir(state_root, artifact_dir, worker, target)
     created_at = datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat()
 
     def fill(staging: Path) -> OverlayDescriptor:
-        residual = write_residual(residual_map, allocations, backend, staging / RESIDUAL_FILENAME)
-        native = NativeManifest(
-            capture_point="portable",
-            worker=worker,
-            layout_fingerprint=fingerprint,
-            pack=entry.payload,
-            residual=residual,
-            allocations=allocation_map,
-            model_extents=extents,
-            residual_extents=residual_map,
+        residual = write_residual(plan.residual_extents, allocations, backend, staging / RESIDUAL_FILENAME)
+        native = plan.native_manifest(
+            capture_point="portable", worker=worker, allocations=allocation_map, pack=entry.payload, residual=residual
         )
-        recovery = RecoveryManifest(
-            worker=worker,
-            layout_fingerprint=fingerprint,
-            model=model,
-            residual=residual,
-            allocations=allocation_map,
-            residual_extents=residual_map,
-        )
+        recovery = plan.recovery_manifest(worker=worker, allocations=allocation_map, model=model, residual=residual)
         pins = write_manifests(staging, native, recovery, target)
         same = {p.name: p for p in pins if p.name != "target.json"} == {
             p.name: p for p in entry.capsule_files if p.name != "target.json"
         }
-        kind: OverlayKind = "qualified" if same else "overlay"
         if same:
             for child in staging.iterdir():
                 os.unlink(child)
+        kind: OverlayKind = "qualified" if same else "overlay"
+        pinned = () if same else pins
         descriptor = OverlayDescriptor(
-            kind,
-            os.path.realpath(artifact_dir),
-            descriptor_sha256,
-            worker,
-            entry.payload,
-            target,
-            () if same else pins,
-            created_at,
+            kind, os.path.realpath(artifact_dir), descriptor_sha256, worker, entry.payload, target, pinned, created_at
         )
         write_file_durably(staging / OVERLAY_FILENAME, descriptor.dumps(), mode=0o444)
         return descriptor
@@ -476,21 +429,44 @@ def capture_overlay(
     _make_private_dirs(state_root, path.parent)
     descriptor = replace_dir_atomically(path, fill)
     os.chmod(path, 0o700)
+    _log_stored(descriptor, path)
+    return OverlayCapture(descriptor.kind, path, descriptor)
+
+
+def _require_portable_payload(plan: PayloadPlan, entry: WorkerEntry, portable: Capsule) -> None:
+    """The planned payload must be the portable capsule's: the same distinct extent contents and the
+    same pack size (so the overlay references the portable pack, never writes one).
+
+    Raises:
+        OverlayError: other contents (not the same model), naming the portable native manifest.
+    """
+    contents = set(plan.locate)
+    portable_contents = {(e.sha256, e.size_bytes) for e in portable.native.model_extents}
+    if contents != portable_contents or plan.layout.size_bytes != entry.payload.size_bytes:
+        raise OverlayError(
+            f"the loaded model bytes are {len(contents)} distinct contents, the portable capsule's pack"
+            f" {entry.payload.sha256} holds {len(portable_contents)} ({len(contents - portable_contents)} not in it):"
+            " not the same model; no overlay is stored",
+            file=portable.native_manifest_path,
+        )
+
+
+def _log_stored(descriptor: OverlayDescriptor, path: Path) -> None:
+    """One INFO line: the target recorded as qualified, or the overlay stored at ``path``."""
     if descriptor.kind == "qualified":
         logger.info(
             "coldsnap: %s: the capture on this target is identical to the portable capsule; discarded it and recorded"
             " this target as qualified (%s)",
-            worker.capsule_name,
+            descriptor.worker.capsule_name,
             path,
         )
     else:
         logger.info(
             "coldsnap: %s: stored a target-local overlay at %s (pack %s stays shared)",
-            worker.capsule_name,
+            descriptor.worker.capsule_name,
             path,
-            entry.payload.sha256[:12],
+            descriptor.payload.sha256[:12],
         )
-    return OverlayCapture(descriptor.kind, path, descriptor)
 
 
 def _make_private_dirs(state_root: Path, folder: Path) -> None:

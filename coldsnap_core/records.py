@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from coldsnap_core._io import fsync_dir, fsync_fd, os_errno, refuse_symlink, write_all
+from coldsnap_core._io import os_errno, refuse_symlink, replace_file_durably
 from coldsnap_core.digests import SHA256_HEX_RE
 from coldsnap_core.errors import (
     CacheError,
@@ -63,27 +63,75 @@ def identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-@dataclass(frozen=True, slots=True)
-class ValidationRecord:
-    """Evidence that the object at a given inode was fully verified.
+STAT_FIELDS = ("device", "inode", "size_bytes", "mtime_ns", "ctime_ns")
+"""The ``stat`` fields a node-local record binds, in :func:`identity` order."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StatBound:
+    """The one stat-bound record shape: the ``stat`` fields of the file a node-local record vouches for
+    (validation records and checkpoint records, ``docs/format.md`` §10.1 and §11). A record holds while
+    every field equals a fresh ``stat`` of the file.
 
     Attributes:
-        digest: the object's SHA-256 (lowercase hex).
-        device: ``st_dev`` of the object.
-        inode: ``st_ino`` of the object.
-        size_bytes: ``st_size`` of the object, in bytes.
-        mtime_ns: ``st_mtime_ns`` of the object (nanoseconds since the epoch).
-        ctime_ns: ``st_ctime_ns`` of the object (nanoseconds since the epoch; any ``utime`` moves it).
-        verifier_version: :data:`coldsnap_core.verify.VERIFIER_VERSION` of the verifying release.
-        verified_at: UTC time of the verification, ISO 8601 with seconds.
+        device: ``st_dev``.
+        inode: ``st_ino``.
+        size_bytes: ``st_size``, in bytes.
+        mtime_ns: ``st_mtime_ns``, nanoseconds since the epoch.
+        ctime_ns: ``st_ctime_ns``, nanoseconds since the epoch (any ``utime`` moves it).
     """
 
-    digest: str
     device: int
     inode: int
     size_bytes: int
     mtime_ns: int
     ctime_ns: int
+
+    @staticmethod
+    def bound(st: os.stat_result) -> dict[str, int]:
+        """The bound fields of ``st``, by name (keyword arguments of a record)."""
+        return dict(zip(STAT_FIELDS, identity(st), strict=True))
+
+    @staticmethod
+    def bound_fields(f: Fields) -> dict[str, int]:
+        """The bound fields of a parsed record document, by name."""
+        return {name: f.int(name) for name in STAT_FIELDS}
+
+    def bound_json(self) -> dict[str, int]:
+        """The bound fields as a record document's keys."""
+        return {
+            "device": self.device,
+            "inode": self.inode,
+            "size_bytes": self.size_bytes,
+            "mtime_ns": self.mtime_ns,
+            "ctime_ns": self.ctime_ns,
+        }
+
+    def mismatch(self, st: os.stat_result) -> str | None:
+        """The first bound field that differs from ``st`` (``"inode is 5, the record says 4"``), or ``None``."""
+        mine = (self.device, self.inode, self.size_bytes, self.mtime_ns, self.ctime_ns)
+        for name, want, have in zip(STAT_FIELDS, mine, identity(st), strict=True):
+            if want != have:
+                return f"{name} is {have}, the record says {want}"
+        return None
+
+    def matches(self, st: os.stat_result) -> bool:
+        """Whether every bound field equals ``st``'s."""
+        return self.mismatch(st) is None
+
+
+@dataclass(frozen=True, slots=True)
+class ValidationRecord(StatBound):
+    """Evidence that the object at a given inode was fully verified (its ``stat`` fields:
+    :class:`StatBound`).
+
+    Attributes:
+        digest: the object's SHA-256 (lowercase hex).
+        verifier_version: :data:`coldsnap_core.verify.VERIFIER_VERSION` of the verifying release.
+        verified_at: UTC time of the verification, ISO 8601 with seconds.
+    """
+
+    digest: str
     verifier_version: str
     verified_at: str
 
@@ -91,11 +139,7 @@ class ValidationRecord:
     def for_stat(cls, digest: str, st: os.stat_result) -> ValidationRecord:
         return cls(
             digest=digest,
-            device=st.st_dev,
-            inode=st.st_ino,
-            size_bytes=st.st_size,
-            mtime_ns=st.st_mtime_ns,
-            ctime_ns=st.st_ctime_ns,
+            **StatBound.bound(st),
             verifier_version=VERIFIER_VERSION,
             verified_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         )
@@ -105,11 +149,7 @@ class ValidationRecord:
             "format": RECORD_KIND,
             "format_version": RECORD_VERSION,
             "digest": self.digest,
-            "device": self.device,
-            "inode": self.inode,
-            "size_bytes": self.size_bytes,
-            "mtime_ns": self.mtime_ns,
-            "ctime_ns": self.ctime_ns,
+            **self.bound_json(),
             "verifier_version": self.verifier_version,
             "verified_at": self.verified_at,
         }
@@ -122,25 +162,12 @@ class ValidationRecord:
             raise f.error("unsupported validation record version")
         record = cls(
             digest=f.str("digest", pattern=SHA256_HEX_RE),
-            device=f.int("device"),
-            inode=f.int("inode"),
-            size_bytes=f.int("size_bytes"),
-            mtime_ns=f.int("mtime_ns"),
-            ctime_ns=f.int("ctime_ns"),
+            **StatBound.bound_fields(f),
             verifier_version=f.str("verifier_version"),
             verified_at=f.str("verified_at"),
         )
         f.done()
         return record
-
-    def mismatch(self, st: os.stat_result) -> str | None:
-        """The first bound field that differs from ``st`` (``"inode"``, ``"mtime_ns"``, ...), or ``None``."""
-        names = ("device", "inode", "size_bytes", "mtime_ns", "ctime_ns")
-        mine = (self.device, self.inode, self.size_bytes, self.mtime_ns, self.ctime_ns)
-        for name, want, have in zip(names, mine, identity(st), strict=True):
-            if want != have:
-                return f"{name} is {have}, the record says {want}"
-        return None
 
 
 class RecordHost(Protocol):
@@ -164,7 +191,7 @@ def read_private_record(path: Path, parse: Callable[[Fields], T]) -> T:
     """Read and strictly parse a node-local record that this user alone could have written.
 
     The trust rules shared by validation records and checkpoint records
-    (:class:`coldsnap_core.model_identity.CheckpointRecords`; ``docs/format.md`` §10.1 and §11): a
+    (:class:`coldsnap_core.checkpoint_records.CheckpointRecords`; ``docs/format.md`` §10.1 and §11): a
     regular file, not a symbolic link, owned by the current user, not group- or world-writable, at
     most :data:`RECORD_MAX_BYTES` (larger files are refused unread), opened with ``O_NOFOLLOW``.
 
@@ -257,13 +284,13 @@ def write_record(cache: RecordHost, digest: str, verified: os.stat_result) -> Va
         raise CacheError("the object changed after it was verified; no validation record written", file=object_path)
     record = ValidationRecord.for_stat(digest, current)
     path = cache.record_path(digest)
-    with cache.temporary(f"{digest}.record") as (fd, temp):
-        write_all(fd, dump_document(record.to_json()), file=temp)
-        os.fchmod(fd, 0o444)
-        fsync_fd(fd, file=temp)
-        _refuse(path)
-        os.rename(temp, path)
-    fsync_dir(path.parent)
+    replace_file_durably(
+        path,
+        dump_document(record.to_json()),
+        read_only=True,
+        temporary=lambda: cache.temporary(f"{digest}.record"),
+        before_rename=_refuse,
+    )
     return record
 
 

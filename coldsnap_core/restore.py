@@ -56,6 +56,7 @@ from coldsnap_core.artifact import (
 )
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import CaptureResult, capture_worker
+from coldsnap_core.checkpoint_records import CheckpointRecords
 from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.copy.select import copy_backend_for
 from coldsnap_core.errors import (
@@ -72,8 +73,8 @@ from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WorkerEntry
 from coldsnap_core.format.manifest import ModelIdentity, NativeManifest, WorkerIdentity
 from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.format.target import TargetIdentity
-from coldsnap_core.hydrate import AdmittedPack, HydrationReport, hydrate
-from coldsnap_core.model_identity import CheckpointRecords, LoadedModel, check_model_identity
+from coldsnap_core.hydrate import AdmittedPack, HydrationReport, hydrate_admitted
+from coldsnap_core.model_identity import LoadedModel, check_model_identity
 from coldsnap_core.overlay import Selection, select_capsule
 from coldsnap_core.payload_plan import ModelRange
 from coldsnap_core.settings import ColdsnapSettings
@@ -307,15 +308,15 @@ class WorkerRestore:
         layout = check_manifest(manifest, file=manifest_file)
         pack_path = self._admit(manifest, layout, manifest_file)
         try:
-            return hydrate(
+            return hydrate_admitted(
                 manifest,
+                AdmittedPack(pack_path, layout),
                 blob_path=capsule.blob_path,
                 cache=self.cache,
                 allocations=allocations.live,
                 backend=backend,
                 verify_extents=self.verify_extents,
                 manifest_file=manifest_file,
-                admitted=AdmittedPack(pack_path, layout),
             )
         except IntegrityError as exc:
             # hydrate re-verifies an admitted pack whose padding or extent disagreed and quarantines
@@ -487,7 +488,7 @@ def capture_loaded_worker(
         allocations: the model's allocations after the checkpoint load (before any post-processing).
         model_ranges: the model-owned byte ranges the observer mapped onto ``allocations``.
         worker: this worker's identity.
-        model: the model identity (:meth:`coldsnap_core.observer.LoadSession.identify`).
+        model: the model identity (:meth:`coldsnap_core.load_session.LoadSession.identify`).
         cache: the node-local cache the pack is committed to.
         artifact_dir: the artifact folder the capsule and ``artifact.json`` entry go to.
         engine: the engine's name as its target identity records it (``vllm``, ``sglang``); its

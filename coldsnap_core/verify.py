@@ -318,6 +318,11 @@ def verify_pack_file(
       (exit code 2, :class:`ManifestPaddingError` / :class:`ManifestExtentDigestError`); callers do
       not quarantine the object for that, so other artifacts naming the same digest keep it.
 
+    Long: one streaming pass over the file, double-buffered with a helper thread that hashes the stored
+    extents, checks size, SHA-256, padding and extents at once; the pass's state (offset, buffer turn, next
+    extent, next padding run) is shared by every step of the loop, and the findings are judged together
+    after it (the object's or the manifest's fault), so the steps read best in one place.
+
     Args:
         path: the pack file.
         pack: digest and size the file must have.

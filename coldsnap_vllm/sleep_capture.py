@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from coldsnap_core.artifact import replace_dir_atomically, write_file_durably
+from coldsnap_core._io import write_file_durably
+from coldsnap_core.artifact import replace_dir_atomically
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import hash_ranges
 from coldsnap_core.copy.base import CopyBackend

@@ -18,7 +18,8 @@ import json
 import sys
 
 from coldsnap_core._io import refuse_symlink
-from coldsnap_core.cache import DEFAULT_GC_AGE_SECONDS, PayloadCache
+from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cache_gc import DEFAULT_GC_AGE_SECONDS
 from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.digests import check_digest
 from coldsnap_core.errors import EXIT_INTEGRITY, EXIT_OTHER, ColdsnapError, IntegrityError

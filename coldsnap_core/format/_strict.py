@@ -68,6 +68,24 @@ class Fields:
             raise ManifestSchemaError(f"missing field {self._path(key)}", file=self._file)
         return self._obj[key]
 
+    @property
+    def raw(self) -> Mapping[str, Any]:
+        """The JSON object this cursor reads (as parsed, before any field check)."""
+        return self._obj
+
+    def same_as(self, key: str, other: Any) -> bool:
+        """Whether field ``key`` holds exactly the JSON value ``other`` (another document's field, already
+        parsed and checked): compared as compact JSON text, so ``1``, ``1.0`` and ``true`` differ, as they
+        do to the typed getters. Marks ``key`` read.
+
+        Raises:
+            ManifestSchemaError: ``key`` is missing.
+        """
+        value = self._get(key)
+        if value is other:
+            return True
+        return json.dumps(value, separators=(",", ":")) == json.dumps(other, separators=(",", ":"))
+
     def has(self, key: str) -> bool:
         return key in self._obj
 

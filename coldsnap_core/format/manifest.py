@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -243,7 +244,7 @@ class ModelIdentity:
         files: every checkpoint file with its size and SHA-256, sorted by name, at least one, names
             unique and relative to the checkpoint folder.
         config_sha256: SHA-256 (lowercase hex) of the engine's effective model configuration
-            (:func:`coldsnap_core.model_identity.model_config_sha256`: the Hugging Face config after
+            (:func:`coldsnap_core.config_digest.model_config_sha256`: the Hugging Face config after
             overrides, the dtype and the quantization method), or ``None`` when the capture ran
             without an engine. It covers what changes buffer values but not shapes (a rotary base,
             a rope scaling), which the layout fingerprint cannot see.
@@ -407,16 +408,31 @@ class RecoveryManifest:
         return dump_document(self.to_json())
 
     @classmethod
-    def from_fields(cls, f: Fields) -> RecoveryManifest:
+    def from_fields(cls, f: Fields, *, native: tuple[Mapping[str, Any], NativeManifest] | None = None) -> RecoveryManifest:
+        """Strictly parse a recovery manifest.
+
+        Args:
+            f: the document.
+            native: the same capsule's native manifest, as ``(its JSON object, its parsed form)``: an
+                ``allocations`` or ``residual_extents`` field that is exactly the native one's JSON
+                (:meth:`Fields.same_as`) takes the native's parsed, already checked value instead of
+                being parsed a second time (the two must be equal anyway, ``docs/format.md`` §9).
+        """
         f.header(RECOVERY_MANIFEST_KIND)
-        manifest = cls(
-            worker=f.obj("worker", WorkerIdentity.from_fields),
-            layout_fingerprint=f.sha256("layout_fingerprint"),
-            model=f.obj("model", ModelIdentity.from_fields),
-            residual=f.obj("residual", ResidualRef.from_fields),
-            allocations=AllocationMap.from_fields_list(f, "allocations"),
-            residual_extents=f.list("residual_extents", ResidualExtent.from_fields),
-        )
+        native_raw, parsed = native if native is not None else ({}, None)
+        worker = f.obj("worker", WorkerIdentity.from_fields)
+        layout_fingerprint = f.sha256("layout_fingerprint")
+        model = f.obj("model", ModelIdentity.from_fields)
+        residual = f.obj("residual", ResidualRef.from_fields)
+        if parsed is not None and f.same_as("allocations", native_raw.get("allocations")):
+            allocations = parsed.allocations
+        else:
+            allocations = AllocationMap.from_fields_list(f, "allocations")
+        if parsed is not None and f.same_as("residual_extents", native_raw.get("residual_extents")):
+            residual_extents = parsed.residual_extents
+        else:
+            residual_extents = f.list("residual_extents", ResidualExtent.from_fields)
+        manifest = cls(worker, layout_fingerprint, model, residual, allocations, residual_extents)
         f.done()
         return manifest
 

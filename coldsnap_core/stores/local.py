@@ -26,7 +26,6 @@ import stat
 from pathlib import Path
 
 from coldsnap_core._io import fsync_dir, fsync_fd, refuse_symlink
-from coldsnap_core.cache import create_locked_partial, sweep_dead_partials
 from coldsnap_core.digests import PAYLOADS_DIRNAME, check_digest, pack_relpath
 from coldsnap_core.errors import (
     IntegrityError,
@@ -39,6 +38,7 @@ from coldsnap_core.errors import (
     size_mismatch,
 )
 from coldsnap_core.format.manifest import PackRef
+from coldsnap_core.partials import create_locked_partial, sweep_dead_partials
 from coldsnap_core.stores._copy import copy_fd, copy_file
 from coldsnap_core.stores.base import ProgressCallback
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from cache_support import REPO, child_command, run_child, sha256_of, temporaries
 
-from coldsnap_core import cache as cache_module
-from coldsnap_core import settings
+from coldsnap_core import cache_locks as cache_module
+from coldsnap_core import partials, settings
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.errors import ConfigurationError, LockTimeoutError
 from coldsnap_core.stores.local import LocalFolderStore
@@ -27,9 +27,9 @@ from tests.support.locks import hold_lock
 
 
 def _age(path: Path, seconds: float = 60.0) -> None:
-    """Backdate ``path``'s mtime past the sweep's grace (cache.SWEEP_GRACE_SECONDS, which protects a
+    """Backdate ``path``'s mtime past the sweep's grace (partials.SWEEP_GRACE_SECONDS, which protects a
     writer between creating its file and locking it)."""
-    assert seconds > cache_module.SWEEP_GRACE_SECONDS
+    assert seconds > partials.SWEEP_GRACE_SECONDS
     when = os.stat(path).st_mtime - seconds
     os.utime(path, (when, when))
 

@@ -18,8 +18,10 @@ import torch
 from safetensors import safe_open
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _get_current_dispatch_mode_stack
 
+from coldsnap_core.checkpoint_sources import CheckpointSources
 from coldsnap_core.errors import ObserverError
-from coldsnap_core.observer import CheckpointSources, LoadSession, PreparedWeights, WriteObserver, map_to_allocations
+from coldsnap_core.load_session import LoadSession, PreparedWeights
+from coldsnap_core.observer import WriteObserver, map_to_allocations
 from coldsnap_core.safetensors_header import read_header
 from coldsnap_core.torch_allocations import enumerate_allocations
 from tests.support.observer_support import WrapperTensor, file_bytes, open_checkpoint, pattern, tensor_bytes, write_checkpoint

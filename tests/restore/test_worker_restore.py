@@ -22,9 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from coldsnap_core.artifact import read_capsule, read_descriptor, replace_file_durably
+from coldsnap_core._io import replace_file_durably
+from coldsnap_core.artifact import read_capsule, read_descriptor
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import CaptureResult, capture_worker
+from coldsnap_core.checkpoint_records import CheckpointRecords, RecordState
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.errors import (
     ArtifactError,
@@ -39,7 +41,7 @@ from coldsnap_core.errors import (
 from coldsnap_core.format.allocation import AllocationMap
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, CapsuleFile
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, PackRef, WorkerIdentity
-from coldsnap_core.model_identity import CheckpointRecords, LoadedModel, RecordState, check_model_identity, identify_checkpoint
+from coldsnap_core.model_identity import LoadedModel, check_model_identity, identify_checkpoint
 from coldsnap_core.observer import WriteObserver, map_to_allocations
 from coldsnap_core.records import write_record
 from coldsnap_core.restore import WorkerRestore

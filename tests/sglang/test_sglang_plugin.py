@@ -21,11 +21,12 @@ import torch
 
 from coldsnap_core.cache import PayloadCache
 from coldsnap_core.capture import capture_worker
+from coldsnap_core.config_digest import model_config_sha256
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.errors import ConfigurationError, ExtentDigestMismatchError, ModelIdentityMismatchError, ObserverError
 from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import WorkerIdentity
-from coldsnap_core.model_identity import identify_checkpoint, model_config_sha256
+from coldsnap_core.model_identity import identify_checkpoint
 from coldsnap_core.payload_plan import ModelRange
 from coldsnap_core.safetensors_header import read_header
 from coldsnap_core.target import collect_target, engine_version

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from coldsnap_core.observer import CheckpointSources
+from coldsnap_core.checkpoint_sources import CheckpointSources
 from coldsnap_core.safetensors_header import read_header
 
 CHECKPOINT_NAME = "model.safetensors"

@@ -627,7 +627,7 @@ def test_unexpected_oserror_during_restore_is_typed(model_config: ModelConfig, t
     def failing_hydrate(*args, **kwargs):
         raise OSError(errno.EIO, "Input/output error", str(tmp_path / "state" / "the.pack"))
 
-    monkeypatch.setattr(restore_module, "hydrate", failing_hydrate)
+    monkeypatch.setattr(restore_module, "hydrate_admitted", failing_hydrate)
     make_loader().load_weights(Consumer(), model_config)
     outcome = last_outcome()
     assert outcome.kind == "checkpoint" and outcome.fallback.rule == "io"

@@ -1,0 +1,107 @@
+"""``coldsnap cache gc``'s sweeps of what no reader can use: stale temporaries and quarantined objects
+(the orphan records are swept by :meth:`coldsnap_core.cache.PayloadCache.gc`, under each digest's lock)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coldsnap_core.partials import DOWNLOAD_DIR_SUFFIX, TEMP_SUFFIX, list_folder, remove_tree_or_file, tree_size, writer_gone
+
+DEFAULT_GC_AGE_SECONDS = 3600.0
+"""``coldsnap cache gc`` removes temporaries and quarantined objects older than this (1 hour)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GcReport:
+    """What :meth:`PayloadCache.gc` removed (or would remove, with ``dry_run``).
+
+    Attributes:
+        temporaries: stale ``*.partial`` files and ``*.partial.d`` download folders.
+        quarantined: quarantined objects.
+        orphan_records: records whose object is gone.
+        kept_live: temporaries left in place: younger than the threshold, or their writer still holds them.
+        bytes_freed: total size of the removed files, in bytes.
+    """
+
+    temporaries: tuple[Path, ...] = ()
+    quarantined: tuple[Path, ...] = ()
+    orphan_records: tuple[Path, ...] = ()
+    kept_live: tuple[Path, ...] = ()
+    bytes_freed: int = 0
+
+
+@dataclass(slots=True)
+class GcBuilder:
+    temporaries: list[Path] = field(default_factory=list)
+    quarantined: list[Path] = field(default_factory=list)
+    orphan_records: list[Path] = field(default_factory=list)
+    kept_live: list[Path] = field(default_factory=list)
+    bytes_freed: int = 0
+
+    def freeze(self) -> GcReport:
+        return GcReport(
+            tuple(self.temporaries), tuple(self.quarantined), tuple(self.orphan_records), tuple(self.kept_live), self.bytes_freed
+        )
+
+
+def sweep_temporaries(tmp_dir: Path, report: GcBuilder, *, now: float, older_than_seconds: float, dry_run: bool) -> None:
+    """Remove (or, with ``dry_run``, list in ``report``) each ``tmp_dir/*.partial`` file older than
+    ``older_than_seconds`` (by mtime, against ``now``) whose writer is gone (its ``flock`` can be
+    taken), and each ``*.partial.d`` download folder whose ``*.partial`` goes, or that is alone and old."""
+    entries = {p.name: p for p in list_folder(tmp_dir)}
+    stale_partials: set[str] = set()
+    for name, path in sorted(entries.items()):
+        if not name.endswith(TEMP_SUFFIX):
+            continue
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if now - st.st_mtime < older_than_seconds:
+            report.kept_live.append(path)
+            continue
+        if stat.S_ISREG(st.st_mode) and not writer_gone(path):
+            report.kept_live.append(path)
+            continue
+        stale_partials.add(name)
+        report.temporaries.append(path)
+        report.bytes_freed += st.st_size if stat.S_ISREG(st.st_mode) else 0
+        if not dry_run:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    for name, path in sorted(entries.items()):
+        if not name.endswith(DOWNLOAD_DIR_SUFFIX):
+            continue
+        owner = name[: -len(".d")]
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        owner_alive = owner in entries and owner not in stale_partials
+        if owner_alive or (owner not in entries and now - st.st_mtime < older_than_seconds):
+            report.kept_live.append(path)
+            continue
+        report.temporaries.append(path)
+        report.bytes_freed += tree_size(path)
+        if not dry_run:
+            remove_tree_or_file(path)
+
+
+def sweep_quarantine(quarantine_dir: Path, report: GcBuilder, *, now: float, older_than_seconds: float, dry_run: bool) -> None:
+    """Remove (or, with ``dry_run``, list in ``report``) each ``quarantine_dir`` entry quarantined
+    longer than ``older_than_seconds`` ago (by ctime, against ``now``)."""
+    for path in list_folder(quarantine_dir):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if now - st.st_ctime < older_than_seconds:
+            continue
+        report.quarantined.append(path)
+        report.bytes_freed += st.st_size if stat.S_ISREG(st.st_mode) else 0
+        if not dry_run:
+            remove_tree_or_file(path)

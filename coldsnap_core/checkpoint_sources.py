@@ -1,0 +1,178 @@
+"""The source side of the write observer: the checkpoint tensors the engine's iterator yielded.
+
+:class:`CheckpointSources` registers every ``(name, tensor)`` the engine's checkpoint iterator yields
+with the file, tensor name and file offset the safetensors header gives for it, keyed by the
+tensor's storage (a weak reference, so a freed source whose address is reused is never mistaken for
+checkpoint bytes; ``docs/format.md`` §6.1). The storage helpers (:func:`dense`, :func:`data_address`,
+:func:`storage_extent_bytes`) are the observer's too.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from coldsnap_core.safetensors_header import TensorLocation
+from coldsnap_core.torch_allocations import dtype_name
+
+
+@dataclass(frozen=True, slots=True)
+class SourceSpan:
+    """A checkpoint tensor as the engine's iterator yielded it.
+
+    Attributes:
+        checkpoint_file: the file's name relative to the checkpoint folder.
+        tensor_name: the tensor's name in the file's header.
+        file_offset_bytes: absolute file offset of the tensor's first byte.
+        size_bytes: the tensor's size in bytes.
+        dtype: the tensor's dtype.
+        storage_offset_bytes: where the tensor starts in its storage.
+    """
+
+    checkpoint_file: str
+    tensor_name: str
+    file_offset_bytes: int
+    size_bytes: int
+    dtype: torch.dtype
+    storage_offset_bytes: int
+
+
+class _StorageEntry:
+    __slots__ = ("ref", "spans")
+
+    def __init__(self, ref: weakref.ref, spans: list[SourceSpan]) -> None:
+        self.ref = ref
+        self.spans = spans
+
+
+def storage_extent_bytes(tensor: torch.Tensor) -> tuple[int, int]:
+    """``[lo, hi)`` byte offsets within its storage that ``tensor`` can touch (non-negative strides)."""
+    start = int(tensor.storage_offset()) * tensor.element_size()
+    if tensor.numel() == 0:
+        return start, start
+    last = sum((int(n) - 1) * int(s) for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    return start, start + (last + 1) * tensor.element_size()
+
+
+def dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is strided with sizes and strides: not sparse, mkldnn or jagged, and not a
+    strided nested tensor (``NestedTensorImpl``: its ``shape`` and ``stride()`` raise ``RuntimeError``)."""
+    return tensor.layout == torch.strided and not tensor.is_nested
+
+
+def data_address(tensor: torch.Tensor) -> tuple[torch.UntypedStorage, int] | None:
+    """``tensor``'s storage and the address of the storage's first byte, or ``None`` when it has no data.
+
+    A wrapper subclass (DTensor, torchao's quantized tensors; made with
+    ``torch.Tensor._make_wrapper_subclass``) has a storage object whose ``data_ptr()`` raises
+    ``RuntimeError`` ("invalid python storage"): its bytes live in inner tensors that its own
+    ``__torch_dispatch__`` writes, below this mode, where the observer does not see them.
+    """
+    try:
+        storage = tensor.untyped_storage()
+        return storage, storage.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class CheckpointSources:
+    """Live checkpoint tensors, keyed by their storage (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[int, _StorageEntry] = {}
+        self.registered = 0
+        self.unknown: list[str] = []
+
+    def register(self, tensor: torch.Tensor, location: TensorLocation | None, checkpoint_file: str | None) -> bool:
+        """Register a yielded checkpoint tensor; return whether it was accepted as a source.
+
+        A tensor is accepted when ``location`` describes it exactly: same dtype, shape and byte size,
+        dense and contiguous, with its own data. Anything else (a ``.bin`` checkpoint, a converted or
+        reconstructed tensor, a wrapper subclass, a nested tensor) is not a source, so copies from it are
+        residual.
+        """
+        if (
+            location is None
+            or checkpoint_file is None
+            or not dense(tensor)
+            or not tensor.is_contiguous()
+            or dtype_name(tensor.dtype) != location.dtype
+            or tuple(tensor.shape) != tuple(location.shape)
+            or tensor.numel() * tensor.element_size() != location.size_bytes
+            or (addressed := data_address(tensor)) is None
+        ):
+            self.unknown.append(location.name if location is not None else "?")
+            return False
+        storage, base = addressed
+        start, _ = storage_extent_bytes(tensor)
+        span = SourceSpan(checkpoint_file, location.name, location.offset_bytes, location.size_bytes, tensor.dtype, start)
+        with self._lock:
+            entry = self._entries.get(base)
+            if entry is not None and entry.ref() is storage:
+                entry.spans = [s for s in entry.spans if not _overlaps(s, span)]
+                entry.spans.append(span)
+                entry.spans.sort(key=lambda s: s.storage_offset_bytes)
+            else:
+                entry = _StorageEntry(weakref.ref(storage), [span])
+                self._entries[base] = entry
+                weakref.finalize(storage, self._forget, base, entry)
+            self.registered += 1
+        return True
+
+    def __len__(self) -> int:
+        """Number of live storages holding registered checkpoint tensors."""
+        with self._lock:
+            return len(self._entries)
+
+    def _forget(self, base: int, entry: _StorageEntry) -> None:
+        with self._lock:
+            if self._entries.get(base) is entry:
+                del self._entries[base]
+
+    def _entry(self, tensor: torch.Tensor) -> _StorageEntry | None:
+        if tensor.layout != torch.strided or tensor.device.type == "meta":
+            return None
+        addressed = data_address(tensor)
+        if addressed is None:
+            return None
+        storage, base = addressed
+        entry = self._entries.get(base)
+        if entry is None or entry.ref() is not storage:
+            return None
+        return entry
+
+    def find(self, tensor: torch.Tensor) -> tuple[SourceSpan, int] | None:
+        """The checkpoint tensor ``tensor`` is a view of, and the byte offset of ``tensor``'s first
+        element within it; ``None`` if ``tensor`` is not (entirely) inside one registered source."""
+        if not dense(tensor):
+            return None
+        with self._lock:
+            entry = self._entry(tensor)
+            if entry is None:
+                return None
+            lo, hi = storage_extent_bytes(tensor)
+            for span in entry.spans:
+                if span.storage_offset_bytes <= lo and hi <= span.storage_offset_bytes + span.size_bytes:
+                    return span, lo - span.storage_offset_bytes
+        return None
+
+    def taint(self, tensor: torch.Tensor) -> None:
+        """``tensor`` was written: its bytes are no longer the file's; forget overlapping sources."""
+        with self._lock:
+            entry = self._entry(tensor)
+            if entry is None:
+                return
+            # A strided nested tensor has no strides to bound its elements by: all of its storage.
+            lo, hi = storage_extent_bytes(tensor) if dense(tensor) else (0, tensor.untyped_storage().nbytes())
+            entry.spans = [s for s in entry.spans if s.storage_offset_bytes + s.size_bytes <= lo or hi <= s.storage_offset_bytes]
+
+
+def _overlaps(a: SourceSpan, b: SourceSpan) -> bool:
+    return (
+        a.storage_offset_bytes < b.storage_offset_bytes + b.size_bytes
+        and b.storage_offset_bytes < a.storage_offset_bytes + a.size_bytes
+    )

@@ -1,0 +1,75 @@
+"""The digest of the engine's effective model configuration.
+
+:func:`model_config_sha256`: the Hugging Face config after overrides, the dtype and the quantization
+method, as canonical JSON without the keys that vary with the path or the library version
+(``docs/format.md`` §10.2).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+
+CONFIG_DIGEST_DOMAIN = b"coldsnap-model-config-v1\n"
+
+
+VOLATILE_CONFIG_KEYS = frozenset({"transformers_version"})
+"""Keys left out of the configuration digest besides every key that starts with ``_`` (such as
+``_name_or_path``, ``_commit_hash``, ``_attn_implementation_internal``): they name the path the
+config was read from or the library version, not the model."""
+
+
+def _canonical(value: object) -> object:
+    """``value`` as plain JSON data, deterministically (no addresses, sorted sets)."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, enum.Enum):
+        return _canonical(value.value)
+    if isinstance(value, Mapping):
+        return {
+            str(k): _canonical(v)
+            for k, v in value.items()
+            if not (isinstance(k, str) and (k.startswith("_") or k in VOLATILE_CONFIG_KEYS))
+        }
+    if isinstance(value, list | tuple):
+        return [_canonical(v) for v in value]
+    if isinstance(value, set | frozenset):
+        return sorted((_canonical(v) for v in value), key=lambda v: json.dumps(v, sort_keys=True))
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        return str(value).removeprefix("torch.")
+    if hasattr(value, "to_dict") and hasattr(value, "__dict__"):
+        # A (nested) Hugging Face config: its public attributes as set (what model code reads), not
+        # ``to_dict()``, whose output follows each transformers version's serialization rules.
+        return _canonical(vars(value))
+    text = repr(value)
+    return type(value).__qualname__ if " at 0x" in text else text
+
+
+def canonical_model_config(hf_config: object, *, dtype: object, quantization: object = None) -> str:
+    """The canonical JSON whose SHA-256 is :func:`model_config_sha256` (sorted keys, no spaces, ASCII)."""
+    document = {"hf_config": _canonical(hf_config), "dtype": _canonical(dtype), "quantization": _canonical(quantization)}
+    return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def model_config_sha256(hf_config: object, *, dtype: object, quantization: object = None) -> str:
+    """SHA-256 (lowercase hex) of an engine's effective model configuration.
+
+    ``sha256(b"coldsnap-model-config-v1\\n" + canonical_json)`` where ``canonical_json`` is
+    ``{"hf_config": ..., "dtype": ..., "quantization": ...}`` with sorted keys: ``hf_config`` is every
+    public attribute of the Hugging Face config object (nested configs likewise) or the mapping given,
+    without :data:`VOLATILE_CONFIG_KEYS` and ``_``-prefixed keys; torch dtypes are written by name
+    (``bfloat16``).
+
+    Args:
+        hf_config: the engine's Hugging Face config after overrides (vLLM ``model_config.hf_config``,
+            which has ``--hf-overrides`` applied; SGLang ``model_config.hf_config``), or a mapping.
+        dtype: the engine's model dtype (a ``torch.dtype`` or its name).
+        quantization: the engine's quantization method, or ``None``.
+    """
+    text = canonical_model_config(hf_config, dtype=dtype, quantization=quantization).encode("ascii")
+    return hashlib.sha256(CONFIG_DIGEST_DOMAIN + text).hexdigest()

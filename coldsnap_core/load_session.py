@@ -1,0 +1,183 @@
+"""One observed checkpoint load: the prepared weight sources, the iterator boundary, the identity.
+
+:class:`LoadSession` registers every tensor the engine's checkpoint iterator yields in its
+:class:`~coldsnap_core.checkpoint_sources.CheckpointSources` (running the iterator itself with the
+:class:`~coldsnap_core.observer.WriteObserver` set aside) and pins the model identity of the load
+(:meth:`LoadSession.identify`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+
+from coldsnap_core.checkpoint_records import CheckpointRecords
+from coldsnap_core.checkpoint_sources import CheckpointSources, dense
+from coldsnap_core.errors import ObserverError
+from coldsnap_core.format.manifest import ModelIdentity
+from coldsnap_core.model_identity import identify_checkpoint
+from coldsnap_core.observer import WriteObserver
+from coldsnap_core.safetensors_header import TensorLocation, read_header
+
+_T = TypeVar("_T")
+
+
+@dataclass
+class PreparedWeights:
+    """One ``_prepare_weights`` result of an engine's default loader: the folder and the exact file list of
+    one weight source (vLLM and SGLang both return ``(folder, files, use_safetensors)``)."""
+
+    model_or_path: str
+    folder: Path
+    files: list[Path]
+    use_safetensors: bool
+
+
+def _stored_location(
+    tensor: torch.Tensor, candidates: list[tuple[str, TensorLocation]], seen: int
+) -> tuple[str, TensorLocation] | None:
+    """Which of the files that store a tensor's name holds the bytes of this yielded ``tensor``.
+
+    A name stored in several files (a tied or shared weight saved again in another shard) is yielded
+    once per file, and the engines walk the files in orders of their own (vLLM sorts them naturally,
+    ``model_executor/model_loader/weight_utils.py``). So the stored bytes decide, read from each file at
+    the header's offset: the ``seen``-th candidate (in prepared file order) when its bytes are the
+    tensor's (identical copies: any is right), else the first whose bytes are; ``None`` when none is
+    (the copies from it are then residual). Reads each candidate's ``size_bytes`` at most once.
+    """
+    if not dense(tensor) or not tensor.is_contiguous() or tensor.device.type != "cpu":
+        return None
+    data = tensor.detach().reshape(-1).view(torch.uint8).numpy().tobytes()
+    order = [seen] if seen < len(candidates) else []
+    order += [i for i in range(len(candidates)) if i != seen]
+    for i in order:
+        location = candidates[i][1]
+        if location.size_bytes != len(data):
+            continue
+        with open(location.file, "rb") as f:
+            f.seek(location.offset_bytes)
+            if f.read(location.size_bytes) == data:
+                return candidates[i]
+    return None
+
+
+@dataclass
+class LoadSession:
+    """Bookkeeping of one observed checkpoint load: the prepared weight sources, in order, and the
+    checkpoint tensors the engine's iterator yielded (:class:`CheckpointSources`)."""
+
+    sources: CheckpointSources = field(default_factory=CheckpointSources)
+    prepared: list[PreparedWeights] = field(default_factory=list)
+
+    def observe(
+        self, prefix: str, iterator: Iterator[tuple[str, torch.Tensor]]
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """Register every yielded tensor with its header location (in the last prepared source, names
+        without ``prefix``), then pass it on unchanged.
+
+        The iterator's own code runs with this session's observer set aside (:meth:`_unobserved`):
+        each ``next`` and, when the consumer stops early (``close``, an exception thrown in), the
+        iterator's ``close``.
+        """
+        index = self._header_index(self.prepared[-1]) if self.prepared else {}
+        yielded: dict[str, int] = {}  # how often each header name was yielded so far
+        iterator = iter(iterator)
+        try:
+            while True:
+                try:
+                    name, tensor = self._unobserved(next, iterator)
+                except StopIteration:
+                    return
+                raw = name[len(prefix) :] if prefix and name.startswith(prefix) else name
+                candidates = index.get(raw, [])
+                if len(candidates) > 1:
+                    seen = yielded.get(raw, 0)
+                    yielded[raw] = seen + 1
+                    found = self._unobserved(_stored_location, tensor, candidates, seen)
+                else:
+                    found = candidates[0] if candidates else None
+                if found is None:
+                    self.sources.register(tensor, None, None)
+                else:
+                    self.sources.register(tensor, found[1], found[0])
+                yield name, tensor
+        finally:
+            # Closed here rather than by garbage collection under the observer: an iterator that holds
+            # a dispatch mode of its own across its yields sits below the observer (pushed back on top
+            # of it after each next), and its exit pops the innermost mode, which must then be its own.
+            # (At interpreter exit torch's module globals may be gone; garbage collection closes it then.)
+            close = getattr(iterator, "close", None)
+            if close is not None and not sys.is_finalizing():
+                self._unobserved(close)
+
+    def _unobserved(self, call: Callable[..., _T], *args: object) -> _T:
+        """``call(*args)`` (the iterator's ``next`` or ``close``) with this session's
+        :class:`WriteObserver` set aside when it is the innermost dispatch mode (else under whatever
+        modes are active); the observer is back in place when it returns or raises.
+
+        Producing a checkpoint tensor writes no model allocation: safetensors' ``get_tensor`` runs
+        eight operators per tensor (``empty``, ``set_``, ``select``, ``_local_scalar_dense``,
+        ``lift_fresh``, a dtype ``view``, ``detach``, ``view``), two thirds of a load's dispatch calls
+        (SmolLM2-135M on vLLM: 2,176 of about 3,200), each about 20 us through a Python mode. A yielded
+        tensor is trusted to hold its file bytes as it is registered, so nothing the observer decides
+        depends on seeing them.
+
+        Raises:
+            StopIteration: ``next`` on an exhausted iterator (the observer is back in place).
+        """
+        mode = _get_current_dispatch_mode()
+        if isinstance(mode, WriteObserver) and mode.sources is self.sources:
+            with _pop_mode_temporarily():
+                return call(*args)
+        return call(*args)
+
+    def primary(self, model_or_path: str) -> PreparedWeights | None:
+        """The prepared source of the model itself (``model_or_path``), else the first one, else ``None``."""
+        found = next((p for p in self.prepared if p.model_or_path == str(model_or_path)), None)
+        return found if found is not None else (self.prepared[0] if self.prepared else None)
+
+    def identify(self, source: str, *, revision: str | None, config_sha256: str | None, state_root: Path) -> ModelIdentity:
+        """The model identity of this load: the checkpoint files of the :meth:`primary` source of
+        ``source`` (hashed, and recorded in ``state_root``'s checkpoint records,
+        :func:`coldsnap_core.model_identity.identify_checkpoint`), ``revision`` (a resolved Hugging Face
+        commit, or the revision as given) and the engine's model configuration digest.
+
+        Raises:
+            ObserverError: no weights were prepared (the engine's iterator was never entered).
+            ColdsnapError: a checkpoint file cannot be read (see ``identify_checkpoint``).
+        """
+        primary = self.primary(source)
+        if primary is None:
+            raise ObserverError("the checkpoint iterator was never prepared; no checkpoint files to pin")
+        return identify_checkpoint(
+            primary.files,
+            source=source,
+            revision=revision,
+            root=primary.folder,
+            config_sha256=config_sha256,
+            records=CheckpointRecords(state_root),
+        )
+
+    @staticmethod
+    def _header_index(prepared: PreparedWeights) -> dict[str, list[tuple[str, TensorLocation]]]:
+        """Every header name of the prepared safetensors files with its locations, one per file that
+        holds it, in the prepared file order (the relative file name and the location)."""
+        index: dict[str, list[tuple[str, TensorLocation]]] = {}
+        if not prepared.use_safetensors:
+            return index
+        for path in prepared.files:
+            if path.suffix != ".safetensors":
+                continue
+            try:
+                relative = str(path.relative_to(prepared.folder))
+            except ValueError:
+                relative = path.name
+            for name, location in read_header(path).items():
+                index.setdefault(name, []).append((relative, location))
+        return index

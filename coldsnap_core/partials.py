@@ -1,0 +1,143 @@
+"""Writes in progress in a cache's ``tmp/`` folder: creating a ``flock``-held ``.partial`` file, and
+telling and sweeping the ones whose writer is gone.
+
+A writer holds ``flock`` on its own temporary file for its whole life; the kernel drops it when the
+writer dies (``kill -9`` included), which is how a stale temporary is told from a live one (plus an
+age threshold, for file systems whose ``flock`` is a no-op; ``docs/format.md`` §11).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import stat
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+TEMP_SUFFIX = ".partial"
+
+
+DOWNLOAD_DIR_SUFFIX = ".partial.d"
+
+
+def list_folder(folder: Path) -> list[Path]:
+    try:
+        return sorted(folder.iterdir())
+    except FileNotFoundError:
+        return []
+
+
+def _lock_is_free(path: Path) -> bool:
+    """Whether a fresh open of ``path`` can take ``flock`` on it now (taken and released at once):
+    ``False`` when another open file description holds it.
+
+    The open is ``O_RDONLY | O_NOFOLLOW | O_NONBLOCK`` (a link is refused; a FIFO swapped in cannot block).
+
+    Raises:
+        OSError: ``path`` cannot be opened (``FileNotFoundError`` included) or ``flock`` fails other
+            than by being held; the callers decide what that means.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def writer_gone(path: Path) -> bool:
+    """True if nobody holds ``flock`` on ``path`` (its writer exited or was killed); ``False`` if the
+    file is gone already. Other ``OSError`` propagates."""
+    try:
+        return _lock_is_free(path)
+    except FileNotFoundError:
+        return False
+
+
+SWEEP_GRACE_SECONDS = 10.0
+"""A writer's sweep (:func:`sweep_dead_partials`) leaves a ``.partial`` modified less than this long ago:
+a new writer creates its file, then takes its ``flock``, and is not mistaken for a dead one in between."""
+
+
+def create_locked_partial(path: Path) -> int:
+    """Create ``path`` (``O_EXCL | O_NOFOLLOW``, mode 0600, open for writing) and hold ``flock`` on it.
+    Returns the descriptor.
+
+    Raises:
+        OSError: the file cannot be created (the caller types it).
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file (O_EXCL): nobody else holds it
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    return fd
+
+
+def _flock_works(path: Path) -> bool:
+    """Whether ``flock`` excludes here: a second open of ``path``, which this process holds locked,
+    must fail to lock it (on Lustre, GPFS and some NFS mounts ``flock`` is a no-op that always succeeds).
+    Any ``OSError`` means it cannot be shown to work: ``False``."""
+    try:
+        return not _lock_is_free(path)
+    except OSError:
+        return False
+
+
+def sweep_dead_partials(tmp_dir: Path, own_path: Path) -> list[Path]:
+    """Remove every ``*.partial`` in ``tmp_dir`` whose writer is gone (its ``flock`` is free) and that
+    was last modified more than :data:`SWEEP_GRACE_SECONDS` ago, with its ``.partial.d`` download
+    folder; called by each new writer, which holds ``own_path`` locked.
+
+    Nothing is removed unless ``flock`` is seen to exclude on this file system (``own_path`` cannot
+    be locked a second time): where it is a no-op a live writer's partial would look abandoned, and
+    ``coldsnap cache gc``'s age threshold is the only safe rule. Best effort: failures are ignored.
+    Returns the removed paths.
+    """
+    if not _flock_works(own_path):
+        return []
+    removed = []
+    now = time.time()
+    for path in list_folder(tmp_dir):
+        if path == own_path or not path.name.endswith(TEMP_SUFFIX):
+            continue
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < SWEEP_GRACE_SECONDS or not writer_gone(path):
+                continue
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(path)
+        download_dir = path.with_name(path.name + ".d")
+        if os.path.lexists(download_dir):
+            remove_tree_or_file(download_dir)
+    if removed:
+        logger.info("coldsnap: removed %d temporary file(s) whose writer is gone: %s", len(removed), ", ".join(map(str, removed)))
+    return removed
+
+
+def tree_size(path: Path) -> int:
+    if path.is_symlink() or not path.is_dir():
+        return 0
+    return sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def remove_tree_or_file(path: Path) -> None:
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
