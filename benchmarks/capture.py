@@ -7,7 +7,7 @@ several times:
 
 * ``sha256``: one ``hashlib.sha256`` pass over the model bytes (every model range, in slab order),
   the reference;
-* ``capture``: :func:`coldsnap_core.capture.capture_worker` into a fresh state root and artifact
+* ``capture``: :func:`coldsnap_core.capture.worker.capture_worker` into a fresh state root and artifact
   folder (extent digests on every usable CPU, then the canonical pack streamed into the cache with
   the file's SHA-256 computed on a helper thread while it is written, fsync, rename, folder fsync,
   validation record; the residual blob and both manifests, each fsynced; ``artifact.json``), once
@@ -57,11 +57,11 @@ from _common import (
 from slabs import Slabs, checkpoint_files, stage_checkpoint
 
 from coldsnap_core._io import HASH_CHUNK_BYTES
-from coldsnap_core.cache import PayloadCache
-from coldsnap_core.capture import CaptureResult, capture_worker
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.worker import CaptureResult, capture_worker
 from coldsnap_core.copy.host import DEFAULT_CHUNK_BYTES, HostCopyBackend, host_view
 from coldsnap_core.format.manifest import WorkerIdentity
-from coldsnap_core.model_identity import identify_checkpoint
+from coldsnap_core.identity.model_identity import identify_checkpoint
 
 
 def one_sha256_pass(slabs: Slabs) -> str:

@@ -11,10 +11,10 @@ holds all of them) this script
 2. then, alternating, several times:
 
    * ``restore``: the model identity check without a checkpoint record (so the fingerprints are
-     computed) followed by :func:`coldsnap_core.hydrate.hydrate` into pre-touched destinations, with
+     computed) followed by :func:`coldsnap_core.restore.hydrate.hydrate` into pre-touched destinations, with
      pack, blob and checkpoint page-cached (``warm``: the fastest restore, so the least favourable
      reference) and after ``POSIX_FADV_DONTNEED`` on all of them (``cold``: a restore after a reboot);
-   * ``fingerprint``: :func:`coldsnap_core.fingerprint.checkpoint_fingerprint` of every file, with
+   * ``fingerprint``: :func:`coldsnap_core.identity.fingerprint.checkpoint_fingerprint` of every file, with
      the files page-cached (``warm``) and after ``POSIX_FADV_DONTNEED`` (``cold``: read from disk);
 
 and prints medians and the fingerprint's share of the restore (goal < 2 %). Nothing is asserted.
@@ -36,14 +36,14 @@ import numpy as np
 from _common import MiB, checkpoint, drop_file_from_page_cache, machine_line, median_seconds, print_table, warm_page_cache
 from slabs import checkpoint_files, stage_checkpoint
 
-from coldsnap_core.cache import PayloadCache
-from coldsnap_core.capture import capture_worker
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.worker import capture_worker
 from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.copy.host import HostCopyBackend
-from coldsnap_core.fingerprint import checkpoint_fingerprint
 from coldsnap_core.format.manifest import WorkerIdentity
-from coldsnap_core.hydrate import hydrate
-from coldsnap_core.model_identity import LoadedModel, check_model_identity, identify_checkpoint
+from coldsnap_core.identity.fingerprint import checkpoint_fingerprint
+from coldsnap_core.identity.model_identity import LoadedModel, check_model_identity, identify_checkpoint
+from coldsnap_core.restore.hydrate import hydrate
 
 TENSOR_ROWS, TENSOR_COLUMNS = 8192, 4096  # bf16: 64 MiB per tensor
 

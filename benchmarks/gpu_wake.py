@@ -9,14 +9,14 @@ vLLM's CuMem allocator uses it (``csrc/cumem_allocator.cpp``, ``vllm/device_allo
    segments; every 8 small tensors a 4 KiB non-checkpoint buffer; every other byte seeded garbage,
    i.e. allocator slack), each segment a reserved virtual range (``cuMemAddressReserve``) backed by
    physical memory (``cuMemCreate``, ``cuMemMap``, ``cuMemSetAccess``);
-2. captures the segments at the native capture point (:func:`coldsnap_core.capture.capture_worker`,
+2. captures the segments at the native capture point (:func:`coldsnap_core.capture.worker.capture_worker`,
    device-to-host reads through :class:`coldsnap_core.copy.cuda.CudaCopyBackend`): the shared pack
    in a node-local cache, the residual blob and the native manifest with the segments' addresses;
 3. then, ``--repeat`` times, alternating:
 
    * ``coldsnap wake``: unmap and release every segment (``cuMemUnmap``, ``cuMemRelease``; the
      virtual range stays reserved), map fresh physical memory at the same addresses, fill it with
-     garbage (untimed), and hydrate (:func:`coldsnap_core.hydrate.hydrate`: every check, then the
+     garbage (untimed), and hydrate (:func:`coldsnap_core.restore.hydrate.hydrate`: every check, then the
      pipelined copy from the page-cached pack and blob through pinned staging buffers);
    * ``pinned copy``: the same release and re-map, then the same bytes copied from pinned host
      buffers (one per segment, as vLLM's level-1 backup) with one synchronous copy per segment
@@ -67,17 +67,17 @@ from _common import checkpoint as fixture_checkpoint
 from _common import drop_file_from_page_cache, machine_line, print_table
 from synthetic_llama import PRESETS, write_checkpoint
 
-from coldsnap_core.cache import PayloadCache
-from coldsnap_core.capture import capture_worker
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.payload_plan import ModelRange
+from coldsnap_core.capture.worker import capture_worker
 from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.copy.cuda import CudaCopyBackend, CupyDeviceOps, DeviceOps, cuda_unavailable_reason
 from coldsnap_core.format.allocation import Allocation, AllocationMap
 from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import WorkerIdentity
-from coldsnap_core.hydrate import hydrate
-from coldsnap_core.model_identity import identify_checkpoint
-from coldsnap_core.payload_plan import ModelRange
-from coldsnap_core.safetensors_header import read_header
+from coldsnap_core.format.safetensors_header import read_header
+from coldsnap_core.identity.model_identity import identify_checkpoint
+from coldsnap_core.restore.hydrate import hydrate
 
 MiB = 1 << 20
 WORKER = WorkerIdentity("worker", 0, 1, 0, 1)

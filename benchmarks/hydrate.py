@@ -10,7 +10,7 @@ For each real SmolLM2 checkpoint (the 2-layer cut, 71 MB, and the full model, 26
    measurement);
 4. then, alternating, several times:
 
-   * ``hydrate``: :func:`coldsnap_core.hydrate.hydrate` with the host backend, everything included
+   * ``hydrate``: :func:`coldsnap_core.restore.hydrate.hydrate` with the host backend, everything included
      (manifest rules, live layout, pack admission through its validation record, padding check, blob
      SHA-256, the copy);
    * ``plain copy``: ``os.preadv`` of each extent's range of the same page-cached files into the same
@@ -38,13 +38,13 @@ import numpy as np
 from _common import CHECKPOINTS, MiB, checkpoint, machine_line, median_seconds, print_table, warm_page_cache
 from slabs import checkpoint_files, stage_checkpoint
 
-from coldsnap_core.cache import PayloadCache
-from coldsnap_core.capture import capture_worker
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.worker import capture_worker
 from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.copy.host import HostCopyBackend, host_view
 from coldsnap_core.format.manifest import NativeManifest, WorkerIdentity
-from coldsnap_core.hydrate import hydrate
-from coldsnap_core.model_identity import identify_checkpoint
+from coldsnap_core.identity.model_identity import identify_checkpoint
+from coldsnap_core.restore.hydrate import hydrate
 
 PIECE_BYTES = 4 * MiB
 

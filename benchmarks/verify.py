@@ -10,7 +10,7 @@ measurement below reads it from the page cache. Then, alternating, ``--repetitio
   into one buffer): the least work any full check can do;
 * ``first use``: :meth:`PayloadCache.admit` on the object with its validation record removed
   beforehand (untimed): the record check fails, the digest lock is taken, the one verifier
-  (:func:`coldsnap_core.verify.verify_pack_file`) hashes the file, and a new record is written and
+  (:func:`coldsnap_core.format.verify.verify_pack_file`) hashes the file, and a new record is written and
   fsynced;
 * ``first use + layout``: the same with the manifest's layout, so the single pass also checks the
   zero padding and every stored extent's SHA-256 on a helper thread (what hydration's fallback and
@@ -39,11 +39,11 @@ import numpy as np
 from _common import MiB, machine_line, median_seconds, print_table, warm_page_cache
 
 from coldsnap_core._io import HASH_CHUNK_BYTES
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.pack_writer import write_pack
 from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.format.pack_layout import PackLayout
-from coldsnap_core.pack_writer import write_pack
 
 EXTENT_BYTES = 4 * MiB - 123
 

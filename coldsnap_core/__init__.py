@@ -26,28 +26,28 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS: dict[str, str] = {
-    "CaptureResult": "coldsnap_core.capture",
-    "CheckpointRecords": "coldsnap_core.checkpoint_records",
-    "CheckpointSources": "coldsnap_core.checkpoint_sources",
+    "CaptureResult": "coldsnap_core.capture.worker",
+    "CheckpointRecords": "coldsnap_core.identity.checkpoint_records",
+    "CheckpointSources": "coldsnap_core.capture.checkpoint_sources",
     "ColdsnapError": "coldsnap_core.errors",
     "ColdsnapSettings": "coldsnap_core.settings",
     "CopyBackend": "coldsnap_core.copy.base",
-    "LoadedModel": "coldsnap_core.model_identity",
-    "ModelRange": "coldsnap_core.payload_plan",
-    "PayloadCache": "coldsnap_core.cache",
+    "LoadedModel": "coldsnap_core.identity.model_identity",
+    "ModelRange": "coldsnap_core.capture.payload_plan",
+    "PayloadCache": "coldsnap_core.cache.payload_cache",
     "PayloadStore": "coldsnap_core.stores.base",
-    "RestoreResult": "coldsnap_core.restore",
+    "RestoreResult": "coldsnap_core.restore.pipeline",
     "WorkerIdentity": "coldsnap_core.format.manifest",
-    "WorkerRestore": "coldsnap_core.restore",
-    "WriteObserver": "coldsnap_core.observer",
-    "capture_worker": "coldsnap_core.capture",
+    "WorkerRestore": "coldsnap_core.restore.pipeline",
+    "WriteObserver": "coldsnap_core.capture.observer",
+    "capture_worker": "coldsnap_core.capture.worker",
     "copy_backend_for": "coldsnap_core.copy.select",
-    "enumerate_allocations": "coldsnap_core.torch_allocations",
-    "identify_checkpoint": "coldsnap_core.model_identity",
-    "map_to_allocations": "coldsnap_core.observer",
-    "read_header": "coldsnap_core.safetensors_header",
-    "restore_or_fall_back": "coldsnap_core.restore",
-    "verify_artifact": "coldsnap_core.audit",
+    "enumerate_allocations": "coldsnap_core.copy.torch_allocations",
+    "identify_checkpoint": "coldsnap_core.identity.model_identity",
+    "map_to_allocations": "coldsnap_core.capture.observer",
+    "read_header": "coldsnap_core.format.safetensors_header",
+    "restore_or_fall_back": "coldsnap_core.restore.pipeline",
+    "verify_artifact": "coldsnap_core.restore.audit",
 }
 """Public name -> the module that defines it."""
 
@@ -77,23 +77,23 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from coldsnap_core.audit import verify_artifact
-    from coldsnap_core.cache import PayloadCache
-    from coldsnap_core.capture import CaptureResult, capture_worker
-    from coldsnap_core.checkpoint_records import CheckpointRecords
-    from coldsnap_core.checkpoint_sources import CheckpointSources
+    from coldsnap_core.cache.payload_cache import PayloadCache
+    from coldsnap_core.capture.checkpoint_sources import CheckpointSources
+    from coldsnap_core.capture.observer import WriteObserver, map_to_allocations
+    from coldsnap_core.capture.payload_plan import ModelRange
+    from coldsnap_core.capture.worker import CaptureResult, capture_worker
     from coldsnap_core.copy.base import CopyBackend
     from coldsnap_core.copy.select import copy_backend_for
+    from coldsnap_core.copy.torch_allocations import enumerate_allocations
     from coldsnap_core.errors import ColdsnapError
     from coldsnap_core.format.manifest import WorkerIdentity
-    from coldsnap_core.model_identity import LoadedModel, identify_checkpoint
-    from coldsnap_core.observer import WriteObserver, map_to_allocations
-    from coldsnap_core.payload_plan import ModelRange
-    from coldsnap_core.restore import RestoreResult, WorkerRestore, restore_or_fall_back
-    from coldsnap_core.safetensors_header import read_header
+    from coldsnap_core.format.safetensors_header import read_header
+    from coldsnap_core.identity.checkpoint_records import CheckpointRecords
+    from coldsnap_core.identity.model_identity import LoadedModel, identify_checkpoint
+    from coldsnap_core.restore.audit import verify_artifact
+    from coldsnap_core.restore.pipeline import RestoreResult, WorkerRestore, restore_or_fall_back
     from coldsnap_core.settings import ColdsnapSettings
     from coldsnap_core.stores.base import PayloadStore
-    from coldsnap_core.torch_allocations import enumerate_allocations
 
 
 def __getattr__(name: str) -> object:

@@ -120,7 +120,7 @@ class ColdsnapError(Exception):
     def renaming_file(self, names: dict[str, str]) -> ColdsnapError:
         """Name ``names[old]`` wherever this error names ``old`` (its ``file`` and its detail); returns ``self``.
 
-        Hydration reads through ``/proc/self/fd/<n>`` names (:func:`coldsnap_core.verify.pinned_file`); an
+        Hydration reads through ``/proc/self/fd/<n>`` names (:func:`coldsnap_core.format.verify.pinned_file`); an
         error raised on one must still name the real file.
         """
         for old, new in names.items():
@@ -408,7 +408,7 @@ class WakeError(ColdsnapError):
 class ModelIdentityMismatchError(ManifestError):
     """The engine is loading another model than the one the artifact was captured from.
 
-    Compared before any payload byte is read (:func:`coldsnap_core.model_identity.check_model_identity`):
+    Compared before any payload byte is read (:func:`coldsnap_core.identity.model_identity.check_model_identity`):
     the model's source (Hugging Face repository id or local folder); for a repository its resolved
     commit; the engine's model configuration digest; for a local folder the checkpoint files the
     engine would read, every recorded file's name and size, and its SHA-256 where this node knows it: from

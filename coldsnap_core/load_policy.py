@@ -18,19 +18,19 @@ the template fixes the order, subclasses supply the engine-specific steps). An e
 :meth:`LoadPolicy.load` then does, for one ``load_weights`` call:
 
 1. **restore** when an artifact folder is set and export is off
-   (:func:`coldsnap_core.restore.restore_or_fall_back`: ``COLDSNAP_RESTORE=auto`` falls back with one
+   (:func:`coldsnap_core.restore.pipeline.restore_or_fall_back`: ``COLDSNAP_RESTORE=auto`` falls back with one
    WARNING, ``native`` raises); with ``COLDSNAP_OVERLAY=capture`` the portable capsule is read and the
    checkpoint is loaded to capture an overlay instead;
 2. otherwise, or as the fallback, the **checkpoint load** under the write observer
-   (:mod:`coldsnap_core.observer`), then
+   (:mod:`coldsnap_core.capture.observer`), then
 
    * with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1`` the portable **capture**
-     (:func:`coldsnap_core.restore.capture_loaded_worker`);
+     (:func:`coldsnap_core.restore.pipeline.capture_loaded_worker`);
    * after a fallback whose cause was the pack (no source has it, or the cached object was corrupt and
      is now quarantined) while the capsule and the live layout matched: **materialization** of the pack
      from the resident bytes (``COLDSNAP_MATERIALIZE``; ``docs/format.md`` §13);
    * on ``COLDSNAP_OVERLAY=capture``, or under ``auto`` after a fallback caused by target qualification
-     of a capsule this engine captured: a target-local **overlay** (:func:`coldsnap_core.overlay.capture_overlay`,
+     of a capsule this engine captured: a target-local **overlay** (:func:`coldsnap_core.artifact.overlay.capture_overlay`,
      ``docs/format.md`` §15);
 3. the capsule's **derived-cache seed** (``docs/format.md`` §17), when a capsule was read: the engine
    adapter's :meth:`~LoadPolicy.place_derived_cache` places it where the engine's compiler looks
@@ -55,29 +55,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from coldsnap_core.cache import PayloadCache
-from coldsnap_core.capture import CaptureResult
+from coldsnap_core.artifact.derived_cache import SeedPlacement
+from coldsnap_core.artifact.overlay import OverlayCapture, capture_overlay
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.load_session import LoadSession
+from coldsnap_core.capture.materialize import MaterializationHandle, materialize_payload
+from coldsnap_core.capture.model_records import ModelRecord
+from coldsnap_core.capture.observer import WriteObserver, map_to_allocations
+from coldsnap_core.capture.worker import CaptureResult
 from coldsnap_core.collector import collector_paused
 from coldsnap_core.copy.select import copy_backend_for
-from coldsnap_core.derived_cache import SeedPlacement
+from coldsnap_core.copy.torch_allocations import TorchAllocations, enumerate_allocations
 from coldsnap_core.errors import ColdsnapError, ObserverError
 from coldsnap_core.format.descriptor import CapsuleFile
 from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import ModelIdentity, PackRef, WorkerIdentity
-from coldsnap_core.hub_commit import resolve_hub_commit
-from coldsnap_core.hydrate import HydrationReport
-from coldsnap_core.load_session import LoadSession
-from coldsnap_core.materialize import MaterializationHandle, materialize_payload
-from coldsnap_core.model_identity import LoadedModel
-from coldsnap_core.model_records import ModelRecord
-from coldsnap_core.observer import WriteObserver, map_to_allocations
+from coldsnap_core.identity.hub_commit import resolve_hub_commit
+from coldsnap_core.identity.model_identity import LoadedModel
+from coldsnap_core.identity.target import engine_version as installed_engine_version
 from coldsnap_core.outcomes import LoadOutcomeLine, Outcome, append_outcome
-from coldsnap_core.overlay import OverlayCapture, capture_overlay
-from coldsnap_core.restore import WorkerRestore, capture_loaded_worker, restore_or_fall_back
+from coldsnap_core.restore.hydrate import HydrationReport
+from coldsnap_core.restore.pipeline import WorkerRestore, capture_loaded_worker, restore_or_fall_back
 from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_core.stores import from_settings as store_from_settings
-from coldsnap_core.target import engine_version as installed_engine_version
-from coldsnap_core.torch_allocations import TorchAllocations, enumerate_allocations
 
 __all__ = ["LoadOutcome", "LoadPolicy", "ModelSource", "ModelWrite", "last_outcome"]
 
@@ -104,7 +104,7 @@ class ModelSource:
     Attributes:
         path: the model: a local folder or a Hugging Face repository id.
         revision: the revision as the engine was given it (``None``: the default branch).
-        config_sha256: :func:`coldsnap_core.config_digest.model_config_sha256` of the engine's effective
+        config_sha256: :func:`coldsnap_core.identity.config_digest.model_config_sha256` of the engine's effective
             model configuration, or ``None`` when the engine has none.
         download_dir: the Hugging Face cache the engine downloads into (``--download-dir``), or ``None``
             for ``HF_HUB_CACHE``.
@@ -118,7 +118,7 @@ class ModelSource:
     def identity_revision(self) -> str | None:
         """The revision the model identity records: for a local folder the revision as given; for a
         repository id the commit it resolves to in the Hugging Face cache
-        (:func:`coldsnap_core.hub_commit.resolve_hub_commit`), or the revision as given when the cache
+        (:func:`coldsnap_core.identity.hub_commit.resolve_hub_commit`), or the revision as given when the cache
         cannot resolve it (a restore then refuses the artifact: fail closed)."""
         requested = None if self.revision is None else str(self.revision)
         if os.path.isdir(self.path):
@@ -143,7 +143,7 @@ class LoadOutcome:
         capture: the capture result (``captured``).
         materialization: the materialization handle, when one was started after a fallback.
         capsule_source: ``restored``: which capsule (``portable``, ``overlay``, ``qualified``:
-            :class:`coldsnap_core.overlay.Selection`).
+            :class:`coldsnap_core.artifact.overlay.Selection`).
         overlay: the target-local overlay captured after this checkpoint load, if any.
         model_bytes: destination bytes classified as model bytes (restored: the manifest's).
         checkpoint_copies: ``copy_`` calls recorded as model bytes by the observer.
@@ -243,7 +243,7 @@ class LoadPolicy(abc.ABC):
 
     @abc.abstractmethod
     def checkpoint_files(self, model: object, source: ModelSource) -> tuple[list[str] | None, str | None]:
-        """:func:`coldsnap_core.model_identity.engine_checkpoint_files` through the engine's own
+        """:func:`coldsnap_core.identity.model_identity.engine_checkpoint_files` through the engine's own
         ``_prepare_weights`` (no tensor is read)."""
 
     @abc.abstractmethod
@@ -251,7 +251,7 @@ class LoadPolicy(abc.ABC):
         """Run the engine's checkpoint load into ``model`` (its iterator hooks report to :attr:`session`)."""
 
     def engine_version(self) -> str | None:
-        """The engine's installed version (:func:`coldsnap_core.target.engine_version`)."""
+        """The engine's installed version (:func:`coldsnap_core.identity.target.engine_version`)."""
         return installed_engine_version(self.engine)
 
     def wants_model_identity(self) -> bool:
@@ -260,7 +260,7 @@ class LoadPolicy(abc.ABC):
 
     def place_derived_cache(self, outcome: LoadOutcome) -> SeedPlacement | None:
         """Place the derived-cache seed of ``outcome.capsule_dir`` before the engine compiles
-        (:func:`coldsnap_core.derived_cache.place_seed`), or ``None`` when the engine keeps no seed (the
+        (:func:`coldsnap_core.artifact.derived_cache.place_seed`), or ``None`` when the engine keeps no seed (the
         default) or no capsule was read. Must not raise: a seed only makes a start faster."""
         return None
 
@@ -557,7 +557,7 @@ class LoadPolicy(abc.ABC):
         )
 
     def _capture_overlay(self, attempt: WorkerRestore | None, after: TorchAllocations, ranges) -> OverlayCapture | None:
-        """:func:`coldsnap_core.overlay.capture_overlay` of the loaded model, after the model identity
+        """:func:`coldsnap_core.artifact.overlay.capture_overlay` of the loaded model, after the model identity
         check restore would have run. ``auto``: a failure is one WARNING (the load stands);
         ``capture``: it raises."""
         settings = self.settings

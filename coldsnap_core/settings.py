@@ -577,7 +577,7 @@ class ColdsnapSettings:
         converted_copies: ``model`` (converted copies are model extents, the default) or ``residual``.
         overlay: ``auto``, ``capture`` or ``off`` (target-local overlays).
         derived_cache: ``auto`` or ``off`` (derived-cache seeds, ``docs/format.md`` §17).
-        lock_timeout_s: seconds to wait for a pack's lock (:meth:`coldsnap_core.cache.PayloadCache.lock`).
+        lock_timeout_s: seconds to wait for a pack's lock (:meth:`coldsnap_core.cache.payload_cache.PayloadCache.lock`).
         outcome_log: the load outcome log (absolute), or ``None`` for
             ``<state_root>/load-outcomes.jsonl`` (:attr:`outcome_log_path`).
         store: the payload store settings (``COLDSNAP_PAYLOAD_DIR`` / ``COLDSNAP_PAYLOAD_REPO``).

@@ -38,12 +38,12 @@ import torch
 from sglang.srt.configs.load_config import LoadFormat
 from sglang.srt.model_loader.loader import DefaultModelLoader
 
-from coldsnap_core.config_digest import model_config_sha256
+from coldsnap_core.capture.load_session import PreparedWeights
 from coldsnap_core.errors import EngineVersionError
 from coldsnap_core.format.manifest import WorkerIdentity
+from coldsnap_core.identity.config_digest import model_config_sha256
+from coldsnap_core.identity.model_identity import engine_checkpoint_files
 from coldsnap_core.load_policy import LoadPolicy, ModelSource
-from coldsnap_core.load_session import PreparedWeights
-from coldsnap_core.model_identity import engine_checkpoint_files
 from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_sglang.settings import resolve_sglang_settings
 
@@ -186,7 +186,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
 
 
 def engine_config_sha256(model_config) -> str | None:
-    """:func:`coldsnap_core.config_digest.model_config_sha256` of SGLang's effective model configuration:
+    """:func:`coldsnap_core.identity.config_digest.model_config_sha256` of SGLang's effective model configuration:
     ``model_config.hf_config`` (SGLang applies ``--json-model-override-args`` to it), ``model_config.dtype``
     and ``model_config.quantization``; ``None`` when the config has no ``hf_config``."""
     hf_config = getattr(model_config, "hf_config", None)

@@ -21,11 +21,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from coldsnap_core.capture import check_model_ranges
+from coldsnap_core.capture.payload_plan import ModelRange
+from coldsnap_core.capture.worker import check_model_ranges
 from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.errors import ObserverError
 from coldsnap_core.format.allocation import Allocation, AllocationMap
-from coldsnap_core.payload_plan import ModelRange
 from coldsnap_vllm.state import ObservedModelWrite
 
 logger = logging.getLogger(__name__)

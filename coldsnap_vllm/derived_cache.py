@@ -10,7 +10,7 @@ first forward is the warm-up of ``CPUModelRunner.warming_up_model``; on GPU the 
 * **Capture** (export): :class:`SeedCapture` registers a forward hook on the model ``load_weights``
   filled; when a forward has returned and vLLM's ``compilation_config.local_cache_dir`` names a
   folder, the worker's files are collected and attached to its capsule
-  (:func:`coldsnap_core.derived_cache.attach_seed`), and the hook removes itself. With AOT compile
+  (:func:`coldsnap_core.artifact.derived_cache.attach_seed`), and the hook removes itself. With AOT compile
   that folder is ``VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/<hash>/``: the rank's
   ``rank_<rank>_<dp>/model`` and ``inductor_cache/`` (vLLM points ``TORCHINDUCTOR_CACHE_DIR`` there),
   both under ``VLLM_CACHE_ROOT``. Without it, the rank's ``torch_compile_cache/<hash>/rank_<rank>_<dp>/``
@@ -30,7 +30,7 @@ import os
 import time
 from pathlib import Path
 
-from coldsnap_core.derived_cache import (
+from coldsnap_core.artifact.derived_cache import (
     SeedPlacement,
     SeedQualification,
     attach_seed,
@@ -41,7 +41,7 @@ from coldsnap_core.derived_cache import (
 from coldsnap_core.errors import ColdsnapError
 from coldsnap_core.format.descriptor import SEED_FILENAMES, CapsuleFile
 from coldsnap_core.format.manifest import WorkerIdentity
-from coldsnap_core.target import collect_target
+from coldsnap_core.identity.target import collect_target
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def cache_roots() -> dict[str, Path]:
 
 
 def qualification(vllm_config, engine: str, engine_version: str | None, config_sha256: str | None) -> SeedQualification:
-    """This start's :class:`~coldsnap_core.derived_cache.SeedQualification` (see the module docstring)."""
+    """This start's :class:`~coldsnap_core.artifact.derived_cache.SeedQualification` (see the module docstring)."""
     import torch
     from vllm.compilation.caching import aot_compile_hash_factors
 
@@ -106,7 +106,7 @@ def place(
 ) -> SeedPlacement:
     """Place the seed of the capsule at ``capsule_dir`` for this start (never raises): ``absent`` when it
     has none; ``skipped`` when ``COLDSNAP_DERIVED_CACHE=off``, when vLLM compiles nothing or keeps no
-    cache, or when :func:`coldsnap_core.derived_cache.place_seed` skips it; else ``used``."""
+    cache, or when :func:`coldsnap_core.artifact.derived_cache.place_seed` skips it; else ``used``."""
     if not any(p.name in SEED_FILENAMES for p in capsule_files):
         return SeedPlacement("absent")
     reason = "COLDSNAP_DERIVED_CACHE=off" if not enabled else None

@@ -37,11 +37,11 @@ from vllm.config import ModelConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from coldsnap_core.config_digest import model_config_sha256
+from coldsnap_core.capture.load_session import PreparedWeights
 from coldsnap_core.format.manifest import WorkerIdentity
+from coldsnap_core.identity.config_digest import model_config_sha256
+from coldsnap_core.identity.model_identity import engine_checkpoint_files
 from coldsnap_core.load_policy import LoadOutcome, LoadPolicy, ModelSource, last_outcome
-from coldsnap_core.load_session import PreparedWeights
-from coldsnap_core.model_identity import engine_checkpoint_files
 from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_vllm import compat
 from coldsnap_vllm import derived_cache as seeds
@@ -237,7 +237,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
 
 
 def engine_config_sha256(model_config: ModelConfig) -> str:
-    """:func:`coldsnap_core.config_digest.model_config_sha256` of vLLM's effective model configuration:
+    """:func:`coldsnap_core.identity.config_digest.model_config_sha256` of vLLM's effective model configuration:
     ``model_config.hf_config`` (``--hf-overrides`` already applied by ``ModelConfig.__post_init__``),
     ``model_config.dtype`` and ``model_config.quantization``."""
     return model_config_sha256(

@@ -9,7 +9,7 @@ and back, one allocation at a time. This backend instead
   no backup, runtime and CUDA-graph pools are still offloaded as vLLM does;
 * at ``resume(tags)`` (weights included): records the asleep weights segments, lets the allocator map
   new physical memory at the same virtual addresses (``allocator.wake_up(tags)``), then hydrates every
-  weights segment from pack + residual (:func:`coldsnap_core.hydrate.hydrate`: every check runs
+  weights segment from pack + residual (:func:`coldsnap_core.restore.hydrate.hydrate`: every check runs
   before the first byte is written) through the CUDA copy backend.
 
 Level 2 keeps vLLM's semantics (weights discarded, the caller reloads them; no capture, no hydration).
@@ -34,13 +34,13 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.artifact.sleep_capsules import SleepCapsuleClaim, sleep_dir, sweep_sleep_capsules
+from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.copy.base import CopyBackend, LiveAllocation
 from coldsnap_core.errors import ColdsnapError, ConfigurationError, WakeError
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME
-from coldsnap_core.hydrate import HydrationReport, hydrate
+from coldsnap_core.restore.hydrate import HydrationReport, hydrate
 from coldsnap_core.settings import LOCK_TIMEOUT_SECONDS
-from coldsnap_core.sleep_capsules import SleepCapsuleClaim, sleep_dir, sweep_sleep_capsules
 from coldsnap_vllm import state as load_state
 from coldsnap_vllm.cumem import WEIGHTS_TAG, weights_segments
 from coldsnap_vllm.sleep_capture import ReferenceDigests, SleepCapture, capture_for_sleep
@@ -275,7 +275,7 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
             claim = None
         if claim is None:
             # Unique to this process instance (pid plus a random token: two engines in two PID
-            # namespaces may both be PID 1) and locked while in use; see coldsnap_core.sleep_capsules.
+            # namespaces may both be PID 1) and locked while in use; see coldsnap_core.artifact.sleep_capsules.
             claim = SleepCapsuleClaim(state.state_root, state.worker.capsule_name)
             self._claim = claim
             self._finalizer = weakref.finalize(self, claim.release)

@@ -10,11 +10,11 @@ At ``suspend(level=1)`` the weights segments still hold the live model. This mod
 3. makes sure the pack of the model extents exists in the node-local cache: when the artifact's
    manifest has exactly the same extent contents, its pack is that pack (admitted, or rebuilt from
    the live bytes with its digest as the expected one); otherwise the canonical writer
-   (:func:`coldsnap_core.pack_writer.write_pack`) writes it from the live bytes;
+   (:func:`coldsnap_core.capture.pack_writer.write_pack`) writes it from the live bytes;
 4. writes the residual of every weights segment (all bytes not in a model extent) and the native
    manifest (capture point ``native``, the segments' captured addresses) into a process-local sleep
    capsule, ``<state_root>/sleep/<capsule_name>-pid<pid>-<hex16>/`` (unique to the process instance,
-   held under its owner's lock: :mod:`coldsnap_core.sleep_capsules`), replaced as a whole.
+   held under its owner's lock: :mod:`coldsnap_core.artifact.sleep_capsules`), replaced as a whole.
 
 Facts: ``docs/format.md`` §6.2 (the native capture point: hydration first remaps the captured
 allocations at their addresses); vLLM ``model_executor/model_loader/utils.py``
@@ -36,9 +36,13 @@ from pathlib import Path
 from typing import TypeVar
 
 from coldsnap_core._io import write_file_durably
-from coldsnap_core.artifact import replace_dir_atomically
-from coldsnap_core.cache import PayloadCache
-from coldsnap_core.capture import hash_ranges
+from coldsnap_core.artifact.capsules import replace_dir_atomically
+from coldsnap_core.artifact.residual import write_residual
+from coldsnap_core.artifact.sleep_capsules import sleep_dir
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.pack_writer import write_pack
+from coldsnap_core.capture.payload_plan import ModelRange, PayloadPlan, plan_payload
+from coldsnap_core.capture.worker import hash_ranges
 from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.errors import ColdsnapError, IntegrityError, MissingObjectError
 from coldsnap_core.format.descriptor import WORKERS_DIRNAME
@@ -52,11 +56,7 @@ from coldsnap_core.format.manifest import (
     PackRef,
     WorkerIdentity,
 )
-from coldsnap_core.pack_writer import write_pack
-from coldsnap_core.payload_plan import ModelRange, PayloadPlan, plan_payload
-from coldsnap_core.residual import write_residual
-from coldsnap_core.sleep_capsules import sleep_dir
-from coldsnap_core.verify import check_manifest
+from coldsnap_core.format.verify import check_manifest
 from coldsnap_vllm.cumem import WeightsSegment, live_allocations, map_writes, native_allocation_map
 from coldsnap_vllm.state import WorkerLoadState
 
@@ -68,8 +68,8 @@ _READ_BYTES = 8 << 20
 
 def sleep_capsule_dir(state_root: Path, worker: WorkerIdentity) -> Path:
     """A fresh, unclaimed sleep capsule path ``<state_root>/sleep/<capsule_name>-pid<pid>-<hex16>``
-    (:mod:`coldsnap_core.sleep_capsules`). Nobody holds its lock, so a sweep may remove it: the sleep
-    backend captures into the folder of a :class:`~coldsnap_core.sleep_capsules.SleepCapsuleClaim`."""
+    (:mod:`coldsnap_core.artifact.sleep_capsules`). Nobody holds its lock, so a sweep may remove it: the sleep
+    backend captures into the folder of a :class:`~coldsnap_core.artifact.sleep_capsules.SleepCapsuleClaim`."""
     return sleep_dir(state_root) / f"{worker.capsule_name}-pid{os.getpid()}-{secrets.token_hex(8)}"
 
 
@@ -238,7 +238,7 @@ def capture_for_sleep(
         backend: reads the segments (device-to-host on CUDA).
         references: the writes' reference digests (keep one per loaded model; it caches).
         capsule_dir: where the capsule goes: the folder of the caller's
-            :class:`~coldsnap_core.sleep_capsules.SleepCapsuleClaim` (default :func:`sleep_capsule_dir`,
+            :class:`~coldsnap_core.artifact.sleep_capsules.SleepCapsuleClaim` (default :func:`sleep_capsule_dir`,
             an unclaimed name, for tools and tests).
 
     Returns:

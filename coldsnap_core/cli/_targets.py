@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from coldsnap_core._io import os_error
-from coldsnap_core.artifact import Capsule, read_capsule, read_descriptor, read_worker_capsule
+from coldsnap_core.artifact.capsules import Capsule, read_capsule, read_descriptor, read_worker_capsule
 from coldsnap_core.errors import ArtifactError, MissingObjectError
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WORKERS_DIRNAME, ArtifactDescriptor
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME
@@ -42,11 +42,11 @@ def resolve(target: str) -> tuple[ArtifactDescriptor | None, list[Capsule]]:
     named pipe or folder there is ``regular-file``, not "nothing here"). Returns the descriptor (for an artifact folder) and the capsules,
     in order.
 
-    Every capsule of an artifact is read with :func:`coldsnap_core.artifact.read_worker_capsule`
+    Every capsule of an artifact is read with :func:`coldsnap_core.artifact.capsules.read_worker_capsule`
     (pins, worker, payload). So is a capsule folder named directly when it lies in an artifact
     (``<artifact>/workers/<name>/`` next to an ``artifact.json``): its pins are checked too, and a
     capsule the descriptor does not list is refused. A capsule folder outside any artifact is read
-    on its own (:func:`coldsnap_core.artifact.read_capsule`).
+    on its own (:func:`coldsnap_core.artifact.capsules.read_capsule`).
 
     Raises:
         MissingObjectError: nothing usable at ``target``.

@@ -18,14 +18,14 @@ import json
 import sys
 
 from coldsnap_core._io import refuse_symlink
-from coldsnap_core.cache import PayloadCache
-from coldsnap_core.cache_gc import DEFAULT_GC_AGE_SECONDS
+from coldsnap_core.artifact.overlay import OverlayListing, gc_overlays, list_overlays
+from coldsnap_core.artifact.sleep_capsules import list_sleep_capsules, sweep_sleep_capsules
+from coldsnap_core.cache.garbage import DEFAULT_GC_AGE_SECONDS
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.cache.records import read_trusted_record, record_state
 from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.digests import check_digest
 from coldsnap_core.errors import EXIT_INTEGRITY, EXIT_OTHER, ColdsnapError, IntegrityError
-from coldsnap_core.overlay import OverlayListing, gc_overlays, list_overlays
-from coldsnap_core.records import read_trusted_record, record_state
-from coldsnap_core.sleep_capsules import list_sleep_capsules, sweep_sleep_capsules
 
 
 def _seconds(text: str) -> float:

@@ -8,14 +8,14 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from coldsnap_core.artifact import Capsule
+from coldsnap_core.artifact.capsules import Capsule
+from coldsnap_core.artifact.overlay import portable_descriptor_sha256, select_capsule
 from coldsnap_core.cli._targets import artifact_folder, resolve
 from coldsnap_core.errors import ColdsnapError
 from coldsnap_core.format.descriptor import ArtifactDescriptor
 from coldsnap_core.format.manifest import NativeManifest
-from coldsnap_core.overlay import portable_descriptor_sha256, select_capsule
+from coldsnap_core.identity.target import ENGINE_NONE, collect_target, engine_version
 from coldsnap_core.settings import resolve_state_root
-from coldsnap_core.target import ENGINE_NONE, collect_target, engine_version
 
 
 def summarize(manifest: NativeManifest) -> dict[str, object]:

@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cli._progress import BarFactory, quiet_hub_bars
 from coldsnap_core.cli._targets import artifact_folder
-from coldsnap_core.publish import PublishedPayload, publish_native
 from coldsnap_core.settings import StoreClientSettings
 from coldsnap_core.stores import parse_store_spec
 from coldsnap_core.stores.base import PayloadStore
+from coldsnap_core.stores.publish import PublishedPayload, publish_native
 
 
 def _set_visibility(store: PayloadStore, public: bool) -> None:

@@ -23,14 +23,14 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from coldsnap_core.artifact import read_descriptor
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.artifact.capsules import read_descriptor
+from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cli._progress import byte_bar, quiet_hub_bars
 from coldsnap_core.cli._targets import artifact_folder
 from coldsnap_core.errors import ConfigurationError, MissingObjectError
 from coldsnap_core.format.manifest import WorkerIdentity
+from coldsnap_core.restore.staging import stage_payload, worker_entries
 from coldsnap_core.settings import StoreClientSettings
-from coldsnap_core.staging import stage_payload, worker_entries
 from coldsnap_core.stores import from_env, parse_store_spec
 
 

@@ -3,7 +3,7 @@
 ``ARTIFACT`` (artifact folder, capsule folder or ``native-manifest.json``) is resolved and every document
 parsed strictly (each capsule of an artifact matches its pins in ``artifact.json`` and names the worker
 and payload of its entry; a capsule's folder is named after its manifests' worker); then
-:func:`coldsnap_core.audit.verify_capsules` runs every rule (see there for the order).
+:func:`coldsnap_core.restore.audit.verify_capsules` runs every rule (see there for the order).
 
 Nothing is written (no validation record either): ``verify`` is a read-only audit.
 Exit codes: 0 verified, 1 content mismatch or corruption, 2 malformed or unsupported manifest,
@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterator
 
 from tqdm import tqdm
 
-from coldsnap_core.audit import verify_capsules
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cli._targets import artifact_folder, resolve
 from coldsnap_core.format.manifest import PackRef
+from coldsnap_core.restore.audit import verify_capsules
 
 
 @contextlib.contextmanager

@@ -149,7 +149,7 @@ class PackRef(ContentRef):
     Attributes:
         name: ``model-payloads/sha256/<sha256>.pack``, relative to a state root or store root (also
             :attr:`path`). Always derived from ``sha256``; a manifest whose path disagrees is refused
-            before anything is read (:mod:`coldsnap_core.staging`).
+            before anything is read (:mod:`coldsnap_core.restore.staging`).
         size_bytes: size of the pack file; a multiple of 4096 (0 for an empty pack).
         sha256: SHA-256 (lowercase hex) of the whole pack file, padding included.
     """
@@ -244,7 +244,7 @@ class ModelIdentity:
         files: every checkpoint file with its size and SHA-256, sorted by name, at least one, names
             unique and relative to the checkpoint folder.
         config_sha256: SHA-256 (lowercase hex) of the engine's effective model configuration
-            (:func:`coldsnap_core.config_digest.model_config_sha256`: the Hugging Face config after
+            (:func:`coldsnap_core.identity.config_digest.model_config_sha256`: the Hugging Face config after
             overrides, the dtype and the quantization method), or ``None`` when the capture ran
             without an engine. It covers what changes buffer values but not shapes (a rotary base,
             a rope scaling), which the layout fingerprint cannot see.

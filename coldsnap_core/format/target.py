@@ -6,7 +6,7 @@ model and count, NVIDIA driver and host produced the residual. ``artifact.json``
 capsule file. Restore compares the *qualifying* fields (:data:`QUALIFYING_FIELDS`) with the current
 worker's target before any byte is written (``docs/format.md`` §15); the others are informational.
 
-The values are collected by :func:`coldsnap_core.target.collect_target`.
+The values are collected by :func:`coldsnap_core.identity.target.collect_target`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ file systems with reflinks); where the kernel refuses it (``EXDEV`` on old kerne
 ``EINVAL`` on some file systems) the copy falls back to ``os.sendfile``, then to ``read``/``write``.
 Space errors (``ENOSPC``, ``EDQUOT``, ``EFBIG`` from ``RLIMIT_FSIZE``) become
 :class:`~coldsnap_core.errors.InsufficientSpaceError`. This module never judges content: the one
-verifier (:func:`coldsnap_core.verify.verify_pack_file`) does that after the copy.
+verifier (:func:`coldsnap_core.format.verify.verify_pack_file`) does that after the copy.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 A store gives :func:`fetch_ranges` a function that returns the bytes ``[start, end)`` of the object; the
 ranges are read ``concurrency`` at a time and written with ``pwrite`` at their offsets. Nothing here judges
-content: the cache verifies the whole file (:func:`coldsnap_core.verify.verify_pack_file`) before admitting it.
+content: the cache verifies the whole file (:func:`coldsnap_core.format.verify.verify_pack_file`) before admitting it.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Implementations: :class:`coldsnap_core.stores.local.LocalFolderStore` (a local o
 repository, no path; it is also an :class:`ArtifactIndex`).
 
 A store moves bytes; it never decides whether they are right. Staging runs the one verifier
-(:func:`coldsnap_core.verify.verify_pack_file`) on every fetched object before the cache commits it,
+(:func:`coldsnap_core.format.verify.verify_pack_file`) on every fetched object before the cache commits it,
 and publication runs it on every local object before upload.
 """
 

@@ -26,6 +26,7 @@ import stat
 from pathlib import Path
 
 from coldsnap_core._io import fsync_dir, fsync_fd, refuse_symlink
+from coldsnap_core.cache.partials import create_locked_partial, sweep_dead_partials
 from coldsnap_core.digests import PAYLOADS_DIRNAME, check_digest, pack_relpath
 from coldsnap_core.errors import (
     IntegrityError,
@@ -38,7 +39,6 @@ from coldsnap_core.errors import (
     size_mismatch,
 )
 from coldsnap_core.format.manifest import PackRef
-from coldsnap_core.partials import create_locked_partial, sweep_dead_partials
 from coldsnap_core.stores._copy import copy_fd, copy_file
 from coldsnap_core.stores.base import ProgressCallback
 
@@ -69,14 +69,14 @@ class LocalFolderStore:
 
     def has(self, digest: str, size_bytes: int | None = None, *, verify: bool = False) -> bool:
         """See :meth:`coldsnap_core.stores.base.PayloadStore.has`; ``verify`` hashes the object in
-        full with the one verifier (:func:`coldsnap_core.verify.verify_pack_file`: size, SHA-256).
+        full with the one verifier (:func:`coldsnap_core.format.verify.verify_pack_file`: size, SHA-256).
 
         Raises:
             UnsafePathError: the object path is a symbolic link, or a component of it is not a folder.
             NotRegularFileError: the object path holds a folder or another non-regular file.
             FileAccessError: the object cannot be examined or read.
         """
-        from coldsnap_core.verify import verify_pack_file
+        from coldsnap_core.format.verify import verify_pack_file
 
         path = self.object_path(digest)
         st = refuse_symlink(path)
@@ -129,7 +129,7 @@ class LocalFolderStore:
             InsufficientSpaceError: the store's file system filled up (nothing is left behind).
             StoreError: the store folder cannot be written.
         """
-        from coldsnap_core.verify import verify_pack_file
+        from coldsnap_core.format.verify import verify_pack_file
 
         final = self.object_path(digest)
         tmp_dir = self.root / PAYLOADS_DIRNAME / "tmp"

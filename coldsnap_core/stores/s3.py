@@ -21,7 +21,7 @@ hashed while its parts are read, so a file that changed after verification is ne
 Fetch: ``HeadObject`` (size and ``ETag``), then
 parallel ranged ``GetObject`` calls (``Range: bytes=a-b``, ``If-Match: <ETag>`` so a replaced
 object cannot be mixed in) written with ``pwrite`` into the cache's temporary file; the cache then
-verifies the whole file (:func:`coldsnap_core.verify.verify_pack_file`) before admitting it.
+verifies the whole file (:func:`coldsnap_core.format.verify.verify_pack_file`) before admitting it.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from coldsnap_core.cache import PayloadCache
+    from coldsnap_core.cache.payload_cache import PayloadCache
     from coldsnap_core.copy.host import HostCopyBackend
 
 HERE = Path(__file__).resolve().parent
@@ -80,11 +80,11 @@ def capture(
     """Capture ``checkpoint`` (staged into slabs) as one worker of ``artifact_dir``; return the CaptureResult."""
     from slabs import checkpoint_files, stage_checkpoint
 
-    from coldsnap_core.cache import PayloadCache
-    from coldsnap_core.capture import capture_worker
+    from coldsnap_core.cache.payload_cache import PayloadCache
+    from coldsnap_core.capture.worker import capture_worker
     from coldsnap_core.copy.host import HostCopyBackend
     from coldsnap_core.format.manifest import WorkerIdentity
-    from coldsnap_core.model_identity import identify_checkpoint
+    from coldsnap_core.identity.model_identity import identify_checkpoint
 
     slabs = stage_checkpoint(checkpoint, slab_count=slab_count, reverse=reverse)
     model = identify_checkpoint(checkpoint_files(checkpoint), source=str(checkpoint))
@@ -114,10 +114,10 @@ def hydrate_captured(
     thread) and return them; ``name_manifest`` passes the native manifest's path for error messages."""
     from slabs import allocate
 
-    from coldsnap_core.artifact import read_capsule
+    from coldsnap_core.artifact.capsules import read_capsule
     from coldsnap_core.copy.base import LiveAllocation
     from coldsnap_core.copy.host import HostCopyBackend
-    from coldsnap_core.hydrate import hydrate
+    from coldsnap_core.restore.hydrate import hydrate
 
     capsule = read_capsule(captured.artifact_dir / "workers" / "worker-0-of-1")
     arrays = allocate(capsule.native.allocations)
@@ -158,7 +158,7 @@ def eligible_objects(state_root: Path) -> dict[str, Path]:
 
 def assert_no_wrong_eligible_object(state_root: Path) -> None:
     """Every object at an object path hashes to its name, and admission agrees."""
-    from coldsnap_core.cache import PayloadCache
+    from coldsnap_core.cache.payload_cache import PayloadCache
 
     cache = PayloadCache(state_root)
     for digest, path in eligible_objects(state_root).items():
@@ -256,11 +256,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from slabs import stage_checkpoint
 
-    from coldsnap_core.artifact import read_capsule
-    from coldsnap_core.cache import PayloadCache
+    from coldsnap_core.artifact.capsules import read_capsule
+    from coldsnap_core.cache.payload_cache import PayloadCache
+    from coldsnap_core.capture.materialize import materialize_payload
     from coldsnap_core.copy.host import HostCopyBackend
     from coldsnap_core.errors import ColdsnapError
-    from coldsnap_core.materialize import materialize_payload
 
     slabs = stage_checkpoint(args.checkpoint, slab_count=args.slab_count, reverse=args.reverse)
     manifest = read_capsule(args.artifact / "workers" / f"worker-{args.rank}-of-1").native

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from cache_support import REPO, capture, child_command, flip_byte, run_child
 
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cli.main import main
 from coldsnap_core.stores.local import LocalFolderStore
 
@@ -86,7 +86,7 @@ def test_cache_verify_corrupt_exits_1_and_quarantines(captured, capsys) -> None:
 
 def test_cache_verify_full_catches_what_the_record_cannot(captured) -> None:
     """``--full`` ignores the record: an edit re-bound into the record is still caught (exit 1)."""
-    from coldsnap_core.records import write_record
+    from coldsnap_core.cache.records import write_record
 
     cache = PayloadCache(captured.capture_root)
     flip_byte(captured.pack_path, 33)
@@ -100,8 +100,8 @@ def _age_record(cache: PayloadCache, digest: str, verified_at: str) -> None:
     record written by a full verification long ago."""
     import dataclasses
 
+    from coldsnap_core.cache.records import ValidationRecord, read_trusted_record
     from coldsnap_core.format._strict import dump_document
-    from coldsnap_core.records import ValidationRecord, read_trusted_record
 
     record = read_trusted_record(cache, digest)
     old = dataclasses.replace(record, verified_at=verified_at)
@@ -119,7 +119,7 @@ def test_same_stat_corruption_of_a_cached_pack_is_served(captured, capsys) -> No
     (``verified_at``, ``verified_age_s``), ``cache verify --full`` is the scrub that refreshes it, and a
     scrub that finds corruption quarantines the object. Fails if ``cache ls`` does not show the age, if
     ``--full`` leaves the age, or if the corrupt object stays eligible."""
-    from coldsnap_core.records import write_record
+    from coldsnap_core.cache.records import write_record
 
     root, digest = captured.capture_root, captured.pack.sha256
     cache = PayloadCache(root)

@@ -16,10 +16,10 @@ from pathlib import Path
 from cache_support import assert_no_wrong_eligible_object, child_command, eligible_objects, sha256_of, temporaries
 from slabs import stage_checkpoint
 
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.cache.records import record_state
+from coldsnap_core.capture.materialize import materialize_payload
 from coldsnap_core.copy.host import HostCopyBackend
-from coldsnap_core.materialize import materialize_payload
-from coldsnap_core.records import record_state
 
 PROCESSES = 8
 

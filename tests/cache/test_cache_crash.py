@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from cache_support import WATCHED_CALLS, assert_no_wrong_eligible_object, child_command, run_child, sha256_of, temporaries
 
-from coldsnap_core.cache import PayloadCache
-from coldsnap_core.records import record_state
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.cache.records import record_state
 
 RANDOM_OFFSETS = 10
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cache_support import REPO, child_command, flip_byte, run_child, temporaries
 
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cache.payload_cache import PayloadCache
 
 
 def test_gc_removes_a_dead_writers_temporary_but_not_a_young_one(captured, tmp_path: Path) -> None:
@@ -36,7 +36,7 @@ def test_gc_keeps_a_live_writers_temporary(tmp_path: Path) -> None:
     state = tmp_path / "state"
     script = (
         "import sys, time\n"
-        "from coldsnap_core.cache import PayloadCache\n"
+        "from coldsnap_core.cache.payload_cache import PayloadCache\n"
         "with PayloadCache(sys.argv[1]).temporary('capture') as (fd, path):\n"
         "    print(path, flush=True)\n"
         "    time.sleep(60)\n"

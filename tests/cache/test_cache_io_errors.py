@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from cache_support import hydrate_captured
 
-from coldsnap_core.artifact import read_capsule
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.artifact.capsules import read_capsule
+from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cli.main import main
 from coldsnap_core.errors import (
     ConfigurationError,
@@ -24,9 +24,9 @@ from coldsnap_core.errors import (
     NotRegularFileError,
     UnsafePathError,
 )
+from coldsnap_core.format.verify import verify_blob_file, verify_pack_file
+from coldsnap_core.restore.staging import stage_payload
 from coldsnap_core.settings import resolve_state_root
-from coldsnap_core.staging import stage_payload
-from coldsnap_core.verify import verify_blob_file, verify_pack_file
 
 
 def coldsnap(*args: object) -> int:

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from cache_support import capture, flip_byte, hydrate_captured, sha256_of
 
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.cache.records import record_state, write_record
 from coldsnap_core.cli.main import main
 from coldsnap_core.copy.host import HostCopyBackend, host_view
 from coldsnap_core.errors import (
@@ -29,10 +30,9 @@ from coldsnap_core.errors import (
 )
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME, NativeManifest
 from coldsnap_core.format.pack_layout import PackEntry, PackLayout
-from coldsnap_core.publish import publish_native
-from coldsnap_core.records import record_state, write_record
+from coldsnap_core.format.verify import check_manifest, verify_pack_file
 from coldsnap_core.stores.local import LocalFolderStore
-from coldsnap_core.verify import check_manifest, verify_pack_file
+from coldsnap_core.stores.publish import publish_native
 
 CAPSULE = Path("workers") / "worker-0-of-1"
 

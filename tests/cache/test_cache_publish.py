@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from cache_support import capture, flip_byte, sha256_of
 
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.digests import pack_relpath
 from coldsnap_core.errors import (
     ArtifactError,
@@ -17,8 +17,8 @@ from coldsnap_core.errors import (
     MissingObjectError,
     PackPathMismatchError,
 )
-from coldsnap_core.publish import collect_payloads, publish_native
 from coldsnap_core.stores.local import LocalFolderStore
+from coldsnap_core.stores.publish import collect_payloads, publish_native
 
 
 @pytest.fixture

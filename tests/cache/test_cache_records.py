@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from cache_support import flip_byte, hydrate_captured, sha256_of
 
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.cache.records import ValidationRecord, read_trusted_record, record_state, write_record
 from coldsnap_core.errors import (
     CacheError,
     ExtentDigestMismatchError,
@@ -26,8 +27,7 @@ from coldsnap_core.errors import (
     UnsafePathError,
     ValidationRecordError,
 )
-from coldsnap_core.records import ValidationRecord, read_trusted_record, record_state, write_record
-from coldsnap_core.staging import stage_payload
+from coldsnap_core.restore.staging import stage_payload
 from coldsnap_core.stores.local import LocalFolderStore
 
 BAD_DIGESTS = [

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 from cache_support import REPO, child_command, run_child, sha256_of, temporaries
 
-from coldsnap_core import cache_locks as cache_module
-from coldsnap_core import partials, settings
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core import settings
+from coldsnap_core.cache import locks as cache_module
+from coldsnap_core.cache import partials
+from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.errors import ConfigurationError, LockTimeoutError
 from coldsnap_core.stores.local import LocalFolderStore
 from tests.support.locks import hold_lock

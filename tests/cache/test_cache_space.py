@@ -17,11 +17,11 @@ import pytest
 from cache_support import child_command, eligible_objects, run_child, sha256_of, temporaries
 from slabs import stage_checkpoint
 
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.materialize import materialize_payload
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.errors import InsufficientSpaceError
-from coldsnap_core.materialize import materialize_payload
-from coldsnap_core.staging import stage_payload
+from coldsnap_core.restore.staging import stage_payload
 from coldsnap_core.stores.local import LocalFolderStore
 
 
@@ -152,18 +152,18 @@ def test_read_only_cache_admits_after_one_full_hash_without_warnings(captured, t
 
 def test_read_only_cache_restore_sequence_hashes_once_and_hydrates(captured, tmp_path: Path, caplog) -> None:
     """The restore path on a read-only state root whose pack verifies: the first-use verification with
-    the manifest's layout and :func:`record_verified` (what ``coldsnap_core.restore`` does), then
+    the manifest's layout and :func:`record_verified` (what ``coldsnap_core.restore.pipeline`` does), then
     staging, then hydration: one full hash in total, no WARNING, the allocations restored (the record
     write raised CacheError "cannot create a temporary file: Read-only file system", and ``auto``
     fell back to the checkpoint although the pack verified)."""
     from slabs import allocate
 
-    from coldsnap_core.artifact import read_capsule
+    from coldsnap_core.artifact.capsules import read_capsule
+    from coldsnap_core.cache.records import record_verified
     from coldsnap_core.copy.base import LiveAllocation
     from coldsnap_core.copy.host import host_view
-    from coldsnap_core.hydrate import hydrate
-    from coldsnap_core.records import record_verified
-    from coldsnap_core.verify import check_manifest, extent_owner_map, verify_pack_file
+    from coldsnap_core.format.verify import check_manifest, extent_owner_map, verify_pack_file
+    from coldsnap_core.restore.hydrate import hydrate
 
     capsule = read_capsule(captured.artifact_dir / "workers" / "worker-0-of-1")
     manifest = capsule.native
@@ -221,7 +221,7 @@ def test_efbig_is_a_space_error_everywhere(tmp_path: Path) -> None:
     import sys
 
     from coldsnap_core import _io
-    from coldsnap_core import cache as cache_module
+    from coldsnap_core.cache import payload_cache as cache_module
     from coldsnap_core.errors import CacheError, FileAccessError
 
     probe = tmp_path / "probe"

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from cache_support import capture, flip_byte, sha256_of
 
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.cache.records import record_state
 from coldsnap_core.errors import (
     ArtifactError,
     MissingObjectError,
@@ -21,8 +22,7 @@ from coldsnap_core.errors import (
     UnsafePathError,
 )
 from coldsnap_core.format.manifest import PackRef, WorkerIdentity
-from coldsnap_core.records import record_state
-from coldsnap_core.staging import stage_artifact, stage_payload
+from coldsnap_core.restore.staging import stage_artifact, stage_payload
 from coldsnap_core.stores.local import LocalFolderStore
 
 

@@ -21,7 +21,7 @@ from cache_support import flip_byte, sha256_of
 from huggingface_hub import HfApi
 from huggingface_hub.hf_api import RepoFile
 
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.digests import pack_relpath
 from coldsnap_core.errors import (
     ConfigurationError,
@@ -31,12 +31,12 @@ from coldsnap_core.errors import (
     StoreError,
     UnsafePathError,
 )
-from coldsnap_core.publish import publish_native
-from coldsnap_core.staging import stage_payload
+from coldsnap_core.restore.staging import stage_payload
 from coldsnap_core.stores import from_env, parse_store_spec
 from coldsnap_core.stores.base import PayloadStore
 from coldsnap_core.stores.hf import HfPayloadStore
 from coldsnap_core.stores.local import LocalFolderStore
+from coldsnap_core.stores.publish import publish_native
 
 REPO_ID = "coldsnap-test/payloads"
 

@@ -16,12 +16,12 @@ import threading
 import pytest
 from cache_support import eligible_objects, sha256_of
 
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.digests import pack_relpath
 from coldsnap_core.errors import PackDigestMismatchError, PackSizeMismatchError, PayloadUnavailableError, StoreError
-from coldsnap_core.publish import publish_native
-from coldsnap_core.staging import stage_payload
+from coldsnap_core.restore.staging import stage_payload
 from coldsnap_core.stores.base import PayloadStore
+from coldsnap_core.stores.publish import publish_native
 
 
 def _flipped(data: bytes, offset: int) -> bytes:

@@ -11,8 +11,8 @@ import pytest
 from cache_support import capture, eligible_objects, sha256_of, temporaries
 from store_servers import node_command, run_nodes
 
-from coldsnap_core.cache import PayloadCache
-from coldsnap_core.publish import publish_native
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.stores.publish import publish_native
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 from cache_support import capture, sha256_of
 
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.errors import ConfigurationError, StoreError
-from coldsnap_core.publish import publish_native
-from coldsnap_core.staging import stage_payload
+from coldsnap_core.restore.staging import stage_payload
 from coldsnap_core.stores import parse_store_spec
 from coldsnap_core.stores.oci import (
     ARTIFACT_TYPE,
@@ -24,6 +23,7 @@ from coldsnap_core.stores.oci import (
     load_credentials,
     parse_oci_url,
 )
+from coldsnap_core.stores.publish import publish_native
 
 
 @pytest.fixture

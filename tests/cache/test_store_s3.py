@@ -9,9 +9,9 @@ import base64
 import pytest
 from cache_support import sha256_of
 
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.errors import ConfigurationError
-from coldsnap_core.staging import stage_payload
+from coldsnap_core.restore.staging import stage_payload
 from coldsnap_core.stores import from_env, parse_store_spec
 from coldsnap_core.stores.s3 import S3PayloadStore, _default_client, parse_s3_url
 
@@ -215,8 +215,8 @@ def test_a_stalled_fetch_says_what_it_waits_for_and_ends_as_a_store_error(
     import boto3
     from botocore.config import Config
 
-    from coldsnap_core import staging
     from coldsnap_core.errors import StoreError
+    from coldsnap_core.restore import staging
 
     monkeypatch.setattr(staging, "FETCH_NOTICE_INTERVAL_S", 0.5)
     for name, value in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}.items():

@@ -137,9 +137,9 @@ def test_a_frozen_store_server_fails_staging_within_the_configured_read_timeout(
     from cache_support import eligible_objects, sha256_of
     from store_servers import store_under_test
 
-    from coldsnap_core.cache import PayloadCache
-    from coldsnap_core.publish import publish_native
-    from coldsnap_core.staging import stage_payload
+    from coldsnap_core.cache.payload_cache import PayloadCache
+    from coldsnap_core.restore.staging import stage_payload
+    from coldsnap_core.stores.publish import publish_native
 
     target = store_under_test(kind, request, tmp_path, monkeypatch)
     publish_native([captured_once.artifact_dir], target.store, PayloadCache(captured_once.capture_root))

@@ -9,7 +9,7 @@ from core_support import Captured, capture
 from slabs import Slabs, checkpoint_files, stage_checkpoint
 
 from coldsnap_core.format.manifest import ModelIdentity
-from coldsnap_core.model_identity import identify_checkpoint
+from coldsnap_core.identity.model_identity import identify_checkpoint
 
 
 @pytest.fixture(scope="session")

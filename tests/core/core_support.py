@@ -17,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from coldsnap_core.cache import PayloadCache
-from coldsnap_core.capture import CaptureResult, capture_worker
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.payload_plan import ModelRange
+from coldsnap_core.capture.worker import CaptureResult, capture_worker
 from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.format.allocation import AllocationMap
@@ -31,7 +32,6 @@ from coldsnap_core.format.manifest import (
     NativeManifest,
     WorkerIdentity,
 )
-from coldsnap_core.payload_plan import ModelRange
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = WorkerIdentity("worker", 0, 1, 0, 1)

@@ -24,7 +24,7 @@ import pytest
 from core_support import REPO, Captured, capture, copy_capture, edit_json, repin, run_cli, run_cli_process
 from slabs import Slabs
 
-from coldsnap_core.artifact import read_descriptor, read_worker_capsule
+from coldsnap_core.artifact.capsules import read_descriptor, read_worker_capsule
 from coldsnap_core.errors import ManifestValueError, ObserverError
 from coldsnap_core.format.allocation import AllocationMap
 from coldsnap_core.format.descriptor import ArtifactDescriptor
@@ -196,7 +196,7 @@ def test_capture_with_another_world_size_removes_the_old_world(
 KILLED_WRITER = """
 import sys, time
 from pathlib import Path
-from coldsnap_core.artifact import write_capsule
+from coldsnap_core.artifact.capsules import write_capsule
 from coldsnap_core.format.manifest import WorkerIdentity
 
 def fill(staging):
@@ -238,7 +238,7 @@ def test_capture_warns_when_model_bytes_are_few(staged_2layer: Slabs, tmp_path: 
     """QA defect 10: a capture whose model bytes were 0 (``--dtype float32`` of a bf16 checkpoint: every
     copy converts) said so only at INFO. Now one WARNING names the byte split and the likely cause;
     the normal capture of the same slabs logs none."""
-    with caplog.at_level(logging.INFO, logger="coldsnap_core.capture"):
+    with caplog.at_level(logging.INFO, logger="coldsnap_core.capture.worker"):
         capture(tmp_path / "normal", staged_2layer.allocation_map, staged_2layer.allocations, staged_2layer.model_ranges)
         assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
         few = capture(tmp_path / "few", staged_2layer.allocation_map, staged_2layer.allocations, ())
@@ -293,7 +293,7 @@ def test_a_huge_pinned_manifest_is_refused_by_its_size_unread(captured_2layer: C
     """Catches a manifest read whole before its pin is compared: a 3 GiB (sparse) native manifest made
     verify allocate 3 GiB. Its size differs from the pin, which is checked on ``fstat`` before any
     read: capsule-pin (exit 2) naming both sizes."""
-    from coldsnap_core.artifact import read_worker_capsule
+    from coldsnap_core.artifact.capsules import read_worker_capsule
     from coldsnap_core.errors import CapsulePinMismatchError
 
     captured = copy_capture(captured_2layer, tmp_path / "copy", copy_pack=False)
@@ -357,7 +357,7 @@ def test_mismatch_messages_say_what_differs(captured_2layer: Captured, tmp_path:
     """Catches messages that hide the difference: a pack path that differs between artifact.json and
     the manifest is shown (both sides printed identical digests before); a wrong blob pin is shown as
     size and digest, not a Python repr; manifests that disagree name the differing field."""
-    from coldsnap_core.artifact import read_capsule, read_worker_capsule
+    from coldsnap_core.artifact.capsules import read_capsule, read_worker_capsule
     from coldsnap_core.errors import CapsulePinMismatchError, ManifestMismatchError
 
     captured = copy_capture(captured_2layer, tmp_path / "copy", copy_pack=False)

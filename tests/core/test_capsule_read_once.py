@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap_core.artifact import read_capsule
+from coldsnap_core.artifact.capsules import read_capsule
 from coldsnap_core.errors import ManifestError
 from coldsnap_core.format.manifest import RECOVERY_MANIFEST_FILENAME
 from tests.restore.test_worker_restore import TinyModel, capture

@@ -17,7 +17,7 @@ from slabs import Slabs, allocate, stage_checkpoint
 
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.format.allocation import AllocationMap
-from coldsnap_core.hydrate import hydrate
+from coldsnap_core.restore.hydrate import hydrate
 
 
 def _extent_digests(captured: Captured) -> dict[str, str]:

@@ -17,7 +17,7 @@ import pytest
 from core_support import Captured, copy_capture, edit_json, flip_byte, repin, run_cli, run_cli_process
 
 from coldsnap_core.digests import pack_relpath
-from coldsnap_core.verify import check_manifest
+from coldsnap_core.format.verify import check_manifest
 
 
 def _both_manifests(edit: Callable[[dict], object]) -> Callable[[Captured], None]:

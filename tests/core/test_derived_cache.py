@@ -1,4 +1,4 @@
-"""Derived-cache seeds without an engine (``coldsnap_core.derived_cache``, ``docs/format.md`` §17): a real
+"""Derived-cache seeds without an engine (``coldsnap_core.artifact.derived_cache``, ``docs/format.md`` §17): a real
 capture of the 2-layer checkpoint, a seed of real files attached to its capsule, and placement into empty
 cache folders. Each test names the regression it catches; the vLLM round trip is
 ``tests/vllm/test_vllm_derived_cache.py``."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from core_support import WORKER, Captured, copy_capture, flip_byte, run_cli
 
-from coldsnap_core.derived_cache import (
+from coldsnap_core.artifact.derived_cache import (
     SEED_ARCHIVE_FILENAME,
     SEED_DOCUMENT_FILENAME,
     SeedQualification,
@@ -24,7 +24,7 @@ from coldsnap_core.derived_cache import (
 )
 from coldsnap_core.errors import ManifestMismatchError, ManifestValueError
 from coldsnap_core.format.descriptor import ArtifactDescriptor
-from coldsnap_core.target import collect_target
+from coldsnap_core.identity.target import collect_target
 
 FLAGS = ("avx", "avx2", "fma", "sse4_2")
 CACHE_FILES = {
@@ -108,7 +108,7 @@ def test_a_flipped_byte_in_the_archive_skips_the_seed(captured_2layer: Captured,
     c = seeded(captured_2layer, tmp_path)
     flip_byte(c.capsule_dir / SEED_ARCHIVE_FILENAME, 1500)
     cache = tmp_path / "cache"
-    with caplog.at_level(logging.INFO, logger="coldsnap_core.derived_cache"):
+    with caplog.at_level(logging.INFO, logger="coldsnap_core.artifact.derived_cache"):
         placement = place(c, cache)
     assert placement.status == "skipped"
     assert "derived-cache.tar" in placement.reason and "artifact.json pins" in placement.reason

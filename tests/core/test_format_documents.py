@@ -19,6 +19,7 @@ from core_support import Captured
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from coldsnap_core.artifact.overlay import OverlayDescriptor
 from coldsnap_core.errors import (
     ManifestError,
     ManifestParseError,
@@ -40,7 +41,6 @@ from coldsnap_core.format.manifest import (
     WorkerIdentity,
 )
 from coldsnap_core.format.target import TargetIdentity
-from coldsnap_core.overlay import OverlayDescriptor
 
 NULLABLE = {"address", "revision", "config_sha256", "fingerprint_sha256"}
 """Fields whose JSON value may be null."""

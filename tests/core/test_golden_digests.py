@@ -25,8 +25,8 @@ GOLDEN_RESIDUAL_SHA256 = "7e016693e917d7aade31b69555dc0a706240fd86a60ff9e4465882
 CAPTURE_IN_A_FRESH_PROCESS = """
 import json, sys, tempfile
 from pathlib import Path
-from coldsnap_core.cache import PayloadCache
-from coldsnap_core.capture import capture_worker
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.worker import capture_worker
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity, WorkerIdentity
 sys.path.insert(0, "tools")  # cwd is the repository; the test-only slabs live in tools/

@@ -18,8 +18,9 @@ import pytest
 from core_support import SYNTHETIC_MODEL, WORKER, live_allocations
 
 from coldsnap_core._io import HashingWriter, write_hashed
-from coldsnap_core.cache import PayloadCache
-from coldsnap_core.capture import capture_worker, check_model_ranges
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.payload_plan import ModelRange
+from coldsnap_core.capture.worker import capture_worker, check_model_ranges
 from coldsnap_core.copy.base import CopyOp, LiveAllocation, stable_chunks
 from coldsnap_core.copy.host import (
     PAGE_BYTES,
@@ -33,7 +34,6 @@ from coldsnap_core.copy.host import (
 from coldsnap_core.errors import CopyBackendError, ExtentDigestMismatchError, ObserverError
 from coldsnap_core.format.allocation import Allocation, AllocationMap
 from coldsnap_core.format.extents import ExtentProvenance
-from coldsnap_core.payload_plan import ModelRange
 
 SOURCE_BYTES = 1 << 20
 

@@ -25,12 +25,12 @@ import gc, json, sys, tempfile
 from pathlib import Path
 import numpy as np
 import torch  # loaded in every engine process: its import is not capture's memory (the CLI imports it lazily)
-from coldsnap_core.cache import PayloadCache
-from coldsnap_core.capture import capture_worker
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.worker import capture_worker
 from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity, WorkerIdentity
-from coldsnap_core.hydrate import hydrate
+from coldsnap_core.restore.hydrate import hydrate
 sys.path.insert(0, "tools")  # cwd is the repository; the test-only slabs live in tools/
 from slabs import stage_checkpoint
 

@@ -2,29 +2,32 @@
 two modules import each other, directly or through others.
 
 The check is static (the AST of every module, function-local and ``TYPE_CHECKING`` imports included),
-so an import hidden inside a function to dodge a cycle is found as well. Layers, bottom to top:
+so an import hidden inside a function to dodge a cycle is found as well. Layers, bottom to top (README
+"Layout" lists the same table, checked by ``tests/core/test_readme_layout.py``):
 
 ====  ======================================================================================
 rank  modules
 ====  ======================================================================================
 0     ``errors``
-1     ``settings``, ``digests``, ``_io`` (the one durable-I/O and ``OSError`` module), the two Protocols
-2     ``format.*`` (the byte-level documents), ``safetensors_header``
-3     ``verify``, the copy backends, ``torch_allocations``, ``target`` (this worker's target identity,
-      collected from torch and the host; the qualification rule on two identities)
-4     ``records`` (read and write validation records only), ``model_identity`` (produced and checked)
-5     ``cache`` (admission and quarantine), ``artifact``, ``residual``, ``outcomes`` (the load outcome log)
-6     ``stores``, ``pack_writer``, ``payload_plan``, ``derived_cache`` (compile-cache seeds: captured into a
-      capsule, qualified and placed at restore)
-7     ``staging``, ``hydrate``, ``capture``, ``materialize``, ``publish``, ``audit``, ``overlay``
-      (target-local overlays: built from a capture, selected by restore, listed and collected by the cli)
-8     ``restore``, ``observer``
-9     ``load_policy`` (the load policy both engine plugins run: restore or fall back, capture,
-      materialize, overlay, one outcome line), ``cli``
+1     ``settings``, ``digests``, ``_io`` (the one durable-I/O and ``OSError`` module), ``collector``, the two
+      Protocols, ``identity.hub_commit``, ``identity.config_digest``
+2     ``format.*`` (the byte-level documents, the safetensors header)
+3     ``format.verify``, the copy backends, ``copy.torch_allocations``, ``identity.target`` (this worker's target
+      identity; the qualification rule), ``identity.fingerprint``, ``capture.checkpoint_sources``,
+      ``capture.model_records``
+4     ``cache.records``, ``cache.locks``, ``cache.partials``, ``cache.garbage``, ``identity.checkpoint_records``,
+      ``identity.model_identity`` (produced and checked)
+5     ``cache.payload_cache`` (admission and quarantine), ``artifact.*`` but overlays, ``outcomes``
+6     ``stores.*``, ``capture.pack_writer``, ``capture.payload_plan``
+7     ``restore.staging``, ``restore.hydrate``, ``restore.audit``, ``capture.worker``, ``capture.materialize``,
+      ``stores.publish``, ``artifact.overlay`` (target-local overlays)
+8     ``restore.pipeline``, ``capture.observer``, ``capture.load_session``
+9     ``load_policy`` (the load policy both engine plugins run), ``cli``
 10    the package (``coldsnap_core/__init__.py``: the public API re-exports)
 ====  ======================================================================================
 
-A new module must be placed in :data:`LAYERS`; the test says so rather than guessing.
+A package's ``__init__`` sits at the layer of its lowest module. A new module must be placed in :data:`LAYERS`;
+the test says so rather than guessing.
 """
 
 from __future__ import annotations
@@ -40,10 +43,13 @@ LAYERS: dict[str, int] = {
     "errors": 0,
     "settings": 1,
     "digests": 1,
-    "collector": 1,
     "_io": 1,
+    "collector": 1,
     "copy.base": 1,
     "stores.base": 1,
+    "identity": 1,
+    "identity.hub_commit": 1,
+    "identity.config_digest": 1,
     "format": 2,
     "format._strict": 2,
     "format.allocation": 2,
@@ -53,30 +59,31 @@ LAYERS: dict[str, int] = {
     "format.descriptor": 2,
     "format.content_ref": 2,
     "format.target": 2,
-    "safetensors_header": 2,
-    "verify": 3,
+    "format.safetensors_header": 2,
+    "format.verify": 3,
     "copy": 3,
     "copy.host": 3,
     "copy.cuda": 3,
     "copy.select": 3,
-    "torch_allocations": 3,
-    "target": 3,
-    "checkpoint_sources": 3,
-    "model_records": 3,
-    "records": 4,
-    "hub_commit": 1,
-    "config_digest": 1,
-    "fingerprint": 3,
-    "checkpoint_records": 4,
-    "model_identity": 4,
-    "partials": 4,
-    "cache_locks": 4,
-    "cache_gc": 4,
-    "cache": 5,
+    "copy.torch_allocations": 3,
+    "identity.target": 3,
+    "identity.fingerprint": 3,
+    "capture": 3,
+    "capture.checkpoint_sources": 3,
+    "capture.model_records": 3,
+    "cache": 4,
+    "cache.records": 4,
+    "cache.locks": 4,
+    "cache.partials": 4,
+    "cache.garbage": 4,
+    "identity.checkpoint_records": 4,
+    "identity.model_identity": 4,
+    "cache.payload_cache": 5,
     "artifact": 5,
-    "residual": 5,
+    "artifact.capsules": 5,
+    "artifact.residual": 5,
+    "artifact.sleep_capsules": 5,
     "outcomes": 5,
-    "sleep_capsules": 5,
     "stores": 6,
     "stores._copy": 6,
     "stores.local": 6,
@@ -86,19 +93,20 @@ LAYERS: dict[str, int] = {
     "stores.oci": 6,
     "stores.gcs": 6,
     "stores.azure": 6,
-    "pack_writer": 6,
-    "payload_plan": 6,
-    "derived_cache": 6,
-    "staging": 7,
-    "hydrate": 7,
-    "capture": 7,
-    "materialize": 7,
-    "publish": 7,
-    "audit": 7,
-    "overlay": 7,
-    "restore": 8,
-    "observer": 8,
-    "load_session": 8,
+    "capture.pack_writer": 6,
+    "capture.payload_plan": 6,
+    "artifact.derived_cache": 6,
+    "restore": 7,
+    "restore.staging": 7,
+    "restore.hydrate": 7,
+    "capture.worker": 7,
+    "capture.materialize": 7,
+    "stores.publish": 7,
+    "restore.audit": 7,
+    "artifact.overlay": 7,
+    "restore.pipeline": 8,
+    "capture.observer": 8,
+    "capture.load_session": 8,
     "load_policy": 9,
     "cli": 9,
     "": 10,

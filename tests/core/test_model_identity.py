@@ -18,11 +18,11 @@ import huggingface_hub
 import pytest
 import transformers
 
-from coldsnap_core.checkpoint_records import CheckpointRecords, RecordState
-from coldsnap_core.config_digest import canonical_model_config, model_config_sha256
 from coldsnap_core.errors import ModelIdentityMismatchError, UnsafePathError
-from coldsnap_core.hub_commit import _resolved_by_snapshot, resolve_hub_commit
-from coldsnap_core.model_identity import LoadedModel, check_model_identity, identify_checkpoint
+from coldsnap_core.identity.checkpoint_records import CheckpointRecords, RecordState
+from coldsnap_core.identity.config_digest import canonical_model_config, model_config_sha256
+from coldsnap_core.identity.hub_commit import _resolved_by_snapshot, resolve_hub_commit
+from coldsnap_core.identity.model_identity import LoadedModel, check_model_identity, identify_checkpoint
 
 REPO_ID = "org/name"
 COMMIT_A = "0123456789abcdef0123456789abcdef01234567"
@@ -268,7 +268,7 @@ def test_fingerprint_ranges_are_the_documented_ones() -> None:
     """Catches drift from docs/format.md §10.2: the header range, 16 blocks of 128 KiB from the data
     start to the file end, the whole file when the data is at most 2 MiB, no header for a non-safetensors
     length."""
-    from coldsnap_core.fingerprint import FINGERPRINT_BLOCK_BYTES, fingerprint_ranges
+    from coldsnap_core.identity.fingerprint import FINGERPRINT_BLOCK_BYTES, fingerprint_ranges
 
     block = FINGERPRINT_BLOCK_BYTES
     assert block == 131_072
@@ -286,7 +286,7 @@ def test_fingerprint_golden_and_what_it_sees(tmp_path: Path) -> None:
     the ranges or their order). A byte changed in the header or in a sampled block changes it; a byte
     between two blocks does not (the documented limit: the full SHA-256 sees it); in a small file every
     byte counts."""
-    from coldsnap_core.fingerprint import FINGERPRINT_BLOCK_BYTES, checkpoint_fingerprint, fingerprint_ranges
+    from coldsnap_core.identity.fingerprint import FINGERPRINT_BLOCK_BYTES, checkpoint_fingerprint, fingerprint_ranges
 
     path = tmp_path / "model.safetensors"
     header_end = _synthetic_safetensors(path, 5 * 2**20)
@@ -330,7 +330,7 @@ def test_an_unreadable_hub_cache_is_named_instead_of_meaning_no_commit(tmp_path:
     script = (
         "import sys\n"
         "from coldsnap_core.errors import FileAccessError\n"
-        "from coldsnap_core.hub_commit import resolve_hub_commit\n"
+        "from coldsnap_core.identity.hub_commit import resolve_hub_commit\n"
         "print(resolve_hub_commit('org/missing', None, cache_dir=sys.argv[1]))\n"
         "try:\n"
         "    print(resolve_hub_commit('org/name', None, cache_dir=sys.argv[1]))\n"
@@ -349,7 +349,7 @@ def test_an_unreadable_driver_version_file_is_an_error_not_no_driver(tmp_path: P
     folder at the path) is a typed error naming it (``NotRegularFileError``) and is not cached, so a
     node does not capture an overlay for a target without a driver. Fails if any ``OSError`` means None."""
     from coldsnap_core.errors import NotRegularFileError
-    from coldsnap_core.target import nvidia_driver_version
+    from coldsnap_core.identity.target import nvidia_driver_version
 
     assert nvidia_driver_version(tmp_path / "absent") is None
     there = tmp_path / "version"

@@ -18,12 +18,12 @@ import torch
 from safetensors import safe_open
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _get_current_dispatch_mode_stack
 
-from coldsnap_core.checkpoint_sources import CheckpointSources
+from coldsnap_core.capture.checkpoint_sources import CheckpointSources
+from coldsnap_core.capture.load_session import LoadSession, PreparedWeights
+from coldsnap_core.capture.observer import WriteObserver, map_to_allocations
+from coldsnap_core.copy.torch_allocations import enumerate_allocations
 from coldsnap_core.errors import ObserverError
-from coldsnap_core.load_session import LoadSession, PreparedWeights
-from coldsnap_core.observer import WriteObserver, map_to_allocations
-from coldsnap_core.safetensors_header import read_header
-from coldsnap_core.torch_allocations import enumerate_allocations
+from coldsnap_core.format.safetensors_header import read_header
 from tests.support.observer_support import WrapperTensor, file_bytes, open_checkpoint, pattern, tensor_bytes, write_checkpoint
 
 
@@ -409,11 +409,11 @@ def test_observed_bytes_round_trip_through_capture_and_hydration(checkpoint: Pat
     """Capture a small module through the observer and the canonical writer, zero it, hydrate it:
     every byte comes back; the pack has a golden digest (it depends only on the extents' bytes).
     Fails on any change to what the observer classifies as model bytes or to the pack layout."""
-    from coldsnap_core.cache import PayloadCache
-    from coldsnap_core.capture import capture_worker
+    from coldsnap_core.cache.payload_cache import PayloadCache
+    from coldsnap_core.capture.worker import capture_worker
     from coldsnap_core.copy.host import HostCopyBackend
     from coldsnap_core.format.manifest import ModelIdentity, WorkerIdentity
-    from coldsnap_core.hydrate import hydrate
+    from coldsnap_core.restore.hydrate import hydrate
 
     m = torch.nn.Module()
     m.qkv = _param(16, 8)
@@ -463,8 +463,8 @@ def _load_shards(shards: list[Path], tmp_path: Path, label: str, *, iteration_or
     yielded tensor is copied with ``copy_`` into its parameter (vLLM's default loader calls the weight
     loader once per ``(name, tensor)`` its iterator yields, so a name stored in two shards is copied
     twice). Captured through the observer and the canonical writer; returns the capture and its ranges."""
-    from coldsnap_core.cache import PayloadCache
-    from coldsnap_core.capture import capture_worker
+    from coldsnap_core.cache.payload_cache import PayloadCache
+    from coldsnap_core.capture.worker import capture_worker
     from coldsnap_core.copy.host import HostCopyBackend
     from coldsnap_core.format.manifest import ModelIdentity, WorkerIdentity
 
@@ -529,7 +529,7 @@ def test_a_tensor_stored_in_two_shards_with_identical_bytes_keeps_its_sharing(
     save_file({embed: tensors[embed]}, str(shards / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
     files = sorted(shards.glob("*.safetensors"))
     order = files if iteration_order == "file-list" else files[::-1]
-    with caplog.at_level("WARNING", logger="coldsnap_core.observer"):
+    with caplog.at_level("WARNING", logger="coldsnap_core.capture.observer"):
         duplicated, ranges = _load_shards(files, tmp_path, "duplicated", iteration_order=order)
     assert duplicated.manifest.pack.sha256 == single.manifest.pack.sha256
     assert duplicated.manifest.residual.size_bytes == single.manifest.residual.size_bytes
@@ -580,7 +580,7 @@ def test_a_later_checkpoint_copy_with_other_bytes_wins_with_one_warning(checkpoi
     m.w = _param(8, 8)
     header = read_header(other)
     with (
-        caplog.at_level("WARNING", logger="coldsnap_core.observer"),
+        caplog.at_level("WARNING", logger="coldsnap_core.capture.observer"),
         open_checkpoint(checkpoint) as (sources, t),
         WriteObserver(sources) as observer,
         safe_open(str(other), framework="pt") as f,

@@ -15,15 +15,15 @@ import pytest
 from core_support import Captured, capture, live_allocations
 from slabs import allocate
 
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.payload_plan import ModelRange, plan_manifest_payload
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.errors import ExtentDigestMismatchError, NonZeroPaddingError, PackDigestMismatchError
 from coldsnap_core.format.allocation import Allocation, AllocationMap
 from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.pack_layout import PACK_ALIGNMENT_BYTES, PackEntry, PackLayout, align_up
-from coldsnap_core.hydrate import hydrate
-from coldsnap_core.payload_plan import ModelRange, plan_manifest_payload
-from coldsnap_core.verify import check_manifest, extent_owner_map, verify_pack_file
+from coldsnap_core.format.verify import check_manifest, extent_owner_map, verify_pack_file
+from coldsnap_core.restore.hydrate import hydrate
 
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 

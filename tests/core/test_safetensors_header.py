@@ -11,7 +11,7 @@ import pytest
 from safetensors import deserialize
 
 from coldsnap_core.errors import ManifestParseError, MissingObjectError
-from coldsnap_core.safetensors_header import read_header
+from coldsnap_core.format.safetensors_header import read_header
 
 
 def test_offsets_match_the_safetensors_library(smollm2_2layer_3shards: Path) -> None:

@@ -14,7 +14,7 @@ from safetensors import safe_open
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 from synthetic_llama import PRESETS, header_bytes, plan_shards, write_checkpoint
 
-from coldsnap_core.safetensors_header import read_header
+from coldsnap_core.format.safetensors_header import read_header
 
 GOLDEN_TINY = {
     "model-00001-of-00004.safetensors": "cc5054ea0d85d161f408bb3a88ece831d266db8bf9ac3c31159864eddc56a1c9",

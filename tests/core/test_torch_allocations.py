@@ -1,4 +1,4 @@
-"""coldsnap_core.torch_allocations: the portable allocations of a torch module.
+"""coldsnap_core.copy.torch_allocations: the portable allocations of a torch module.
 
 The enumeration decides the layout fingerprint that a restore compares, so these tests pin the
 order, the aliasing rules and every refusal.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from coldsnap_core.copy.torch_allocations import enumerate_allocations
 from coldsnap_core.errors import ObserverError
-from coldsnap_core.torch_allocations import enumerate_allocations
 from tests.support.observer_support import WrapperTensor
 
 

@@ -23,12 +23,12 @@ from core_support import Captured, copy_capture, edit_json, flip_byte, live_allo
 from slabs import Slabs, allocate, stage_checkpoint
 
 from coldsnap_core import errors
+from coldsnap_core.cache.records import write_record
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.digests import pack_relpath
 from coldsnap_core.format.manifest import NativeManifest
-from coldsnap_core.hydrate import hydrate
-from coldsnap_core.records import write_record
-from coldsnap_core.verify import check_manifest
+from coldsnap_core.format.verify import check_manifest
+from coldsnap_core.restore.hydrate import hydrate
 
 
 @dataclass

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap_core import hydrate as hydrate_module
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.copy.host import HostCopyBackend
-from coldsnap_core.torch_allocations import enumerate_allocations
+from coldsnap_core.copy.torch_allocations import enumerate_allocations
+from coldsnap_core.restore import hydrate as hydrate_module
 from tests.restore.test_worker_restore import TinyModel, capture, restorer
 from tests.support.observer_support import write_checkpoint
 

@@ -1,4 +1,4 @@
-"""The portable restore steps (coldsnap_core.restore) on small torch models and real files, no engine.
+"""The portable restore steps (coldsnap_core.restore.pipeline) on small torch models and real files, no engine.
 
 A tiny model is loaded from a real safetensors file through the write observer and captured with
 the canonical writer, exactly as the loader does at the end of ``load_weights``; restores then run
@@ -23,11 +23,13 @@ import pytest
 import torch
 
 from coldsnap_core._io import replace_file_durably
-from coldsnap_core.artifact import read_capsule, read_descriptor
-from coldsnap_core.cache import PayloadCache
-from coldsnap_core.capture import CaptureResult, capture_worker
-from coldsnap_core.checkpoint_records import CheckpointRecords, RecordState
+from coldsnap_core.artifact.capsules import read_capsule, read_descriptor
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.cache.records import write_record
+from coldsnap_core.capture.observer import WriteObserver, map_to_allocations
+from coldsnap_core.capture.worker import CaptureResult, capture_worker
 from coldsnap_core.copy.host import HostCopyBackend
+from coldsnap_core.copy.torch_allocations import enumerate_allocations
 from coldsnap_core.errors import (
     ArtifactError,
     CapsulePinMismatchError,
@@ -41,12 +43,10 @@ from coldsnap_core.errors import (
 from coldsnap_core.format.allocation import AllocationMap
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, CapsuleFile
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, PackRef, WorkerIdentity
-from coldsnap_core.model_identity import LoadedModel, check_model_identity, identify_checkpoint
-from coldsnap_core.observer import WriteObserver, map_to_allocations
-from coldsnap_core.records import write_record
-from coldsnap_core.restore import WorkerRestore
-from coldsnap_core.torch_allocations import enumerate_allocations
-from coldsnap_core.verify import check_manifest
+from coldsnap_core.format.verify import check_manifest
+from coldsnap_core.identity.checkpoint_records import CheckpointRecords, RecordState
+from coldsnap_core.identity.model_identity import LoadedModel, check_model_identity, identify_checkpoint
+from coldsnap_core.restore.pipeline import WorkerRestore
 from tests.support.files import flip_byte
 from tests.support.observer_support import open_checkpoint, tensor_bytes, write_checkpoint
 
@@ -151,7 +151,7 @@ def test_the_verify_extents_setting_reaches_hydration(tmp_path: Path, checkpoint
     under a validation record rewritten to vouch for it (so admission trusts the file), the setting off
     restores the flipped byte, the setting on falls back under ``auto`` with ``ExtentDigestMismatchError``
     naming the extent. Fails if the setting is dropped on its way from the settings to ``hydrate``."""
-    from coldsnap_core.restore import restore_or_fall_back
+    from coldsnap_core.restore.pipeline import restore_or_fall_back
     from coldsnap_core.settings import ColdsnapSettings
 
     loaded, result = captured
@@ -681,7 +681,7 @@ def test_restore_or_fall_back_uses_the_store_of_the_settings(tmp_path: Path, che
     the environment; under ``auto`` a failure comes back as ``fallback`` with one WARNING, under
     ``native`` it is raised. Fails if the store is looked up in the environment only (the extra-config
     store was then ignored and the pack unavailable) or if ``auto`` raises."""
-    from coldsnap_core.restore import restore_or_fall_back
+    from coldsnap_core.restore.pipeline import restore_or_fall_back
     from coldsnap_core.settings import ColdsnapSettings
 
     loaded, result = captured
@@ -718,7 +718,7 @@ def test_an_s3_client_that_cannot_be_built_falls_back_under_auto(
     endpoint" and no outcome line). Now it is a ``ConfigurationError`` naming the variable, so ``auto`` falls
     back with its one WARNING and ``native`` raises it. Fails if any untyped botocore error escapes."""
     from coldsnap_core.errors import ConfigurationError
-    from coldsnap_core.restore import restore_or_fall_back
+    from coldsnap_core.restore.pipeline import restore_or_fall_back
     from coldsnap_core.settings import ColdsnapSettings
 
     _, result = captured
@@ -774,7 +774,7 @@ def test_a_pack_replaced_after_its_admission_is_not_copied(tmp_path: Path, check
     file it opened with the admitted inode and refuses (``CacheError``) before copying a byte. Fails if
     an unadmitted file can reach the allocations."""
     from coldsnap_core.errors import CacheError
-    from coldsnap_core.hydrate import hydrate
+    from coldsnap_core.restore.hydrate import hydrate
 
     _, result = captured
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from sglang_support import coldsnap_env, run_sglang, sglang_python
 
-from coldsnap_core.artifact import read_capsule, read_descriptor
-from coldsnap_core.safetensors_header import read_header
+from coldsnap_core.artifact.capsules import read_capsule, read_descriptor
+from coldsnap_core.format.safetensors_header import read_header
 
 pytestmark = [pytest.mark.engine, pytest.mark.sglang]
 

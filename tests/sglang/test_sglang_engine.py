@@ -30,10 +30,10 @@ from pathlib import Path
 import pytest
 from sglang_support import PROMPTS, SGLangResult, check_sglang_loader, coldsnap_env, run_sglang, sglang_env, sglang_python
 
-from coldsnap_core.artifact import read_capsule, read_descriptor
-from coldsnap_core.cache import PayloadCache
-from coldsnap_core.publish import publish_native
+from coldsnap_core.artifact.capsules import read_capsule, read_descriptor
+from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.stores.local import LocalFolderStore
+from coldsnap_core.stores.publish import publish_native
 from tests.support.engine_marker import require_engine_marker
 from tests.support.servers import free_port, stop_server
 
@@ -151,7 +151,7 @@ def test_capture_then_restore_equals_a_plain_sglang_load(two_layer: dict, smollm
     once), its pack is the 2-layer golden digest, and the restore read no checkpoint. Fails if SGLang's
     capture misclassifies a write, if restore hydrates other bytes, if the entry point does not register in
     the scheduler, or if the loader falls back to the checkpoint."""
-    from coldsnap_core.safetensors_header import read_header
+    from coldsnap_core.format.safetensors_header import read_header
 
     plain, capture, restore = two_layer["plain"], two_layer["capture"], two_layer["restore"]
     _assert_same_load(capture, plain)
@@ -312,7 +312,7 @@ def test_a_capsule_of_another_sglang_version_falls_back_once_then_restores_throu
     target's overlay (here a qualification record: SGLang's residual is the same on this runtime); the next
     start restores from the pack through that overlay without falling back. Both serve a plain load's
     bytes and tokens. Fails if every SGLang start after an upgrade falls back (no overlay was captured)."""
-    from coldsnap_core.overlay import list_overlays
+    from coldsnap_core.artifact.overlay import list_overlays
 
     artifact, state, log = tmp_path / "artifact", tmp_path / "state", tmp_path / "outcomes.jsonl"
     shutil.copytree(two_layer["artifact"], artifact)

@@ -4,7 +4,7 @@ restore, corruption, the server and the refused materialization modes run on the
 (``test_sglang_engine.py``).
 
 The model is a small ``nn.Module`` whose parameters come from the real SmolLM2 2-layer checkpoint;
-its capture is the real canonical capture (``coldsnap_core.capture.capture_worker``), so the restore
+its capture is the real canonical capture (``coldsnap_core.capture.worker.capture_worker``), so the restore
 runs the real verifier and hydration. Only SGLang itself is the stand-in.
 """
 
@@ -19,18 +19,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from coldsnap_core.cache import PayloadCache
-from coldsnap_core.capture import capture_worker
-from coldsnap_core.config_digest import model_config_sha256
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.payload_plan import ModelRange
+from coldsnap_core.capture.worker import capture_worker
 from coldsnap_core.copy.host import HostCopyBackend
+from coldsnap_core.copy.torch_allocations import enumerate_allocations
 from coldsnap_core.errors import ConfigurationError, ExtentDigestMismatchError, ModelIdentityMismatchError, ObserverError
 from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import WorkerIdentity
-from coldsnap_core.model_identity import identify_checkpoint
-from coldsnap_core.payload_plan import ModelRange
-from coldsnap_core.safetensors_header import read_header
-from coldsnap_core.target import collect_target, engine_version
-from coldsnap_core.torch_allocations import enumerate_allocations
+from coldsnap_core.format.safetensors_header import read_header
+from coldsnap_core.identity.config_digest import model_config_sha256
+from coldsnap_core.identity.model_identity import identify_checkpoint
+from coldsnap_core.identity.target import collect_target, engine_version
 
 NAMES = {"norm": "model.norm.weight", "attn_norm": "model.layers.0.input_layernorm.weight"}
 
@@ -461,7 +461,7 @@ def test_sglang_honours_lock_timeout_and_verify_extents_from_extra_config(
     pack byte under a vouching record falls back (rule extent-sha256), where ``verify_extents: 0``
     restored it. Fails if the SGLang loader reads either variable below its settings (the capture then
     refused ``abc``, or the flipped byte was served)."""
-    from coldsnap_core.records import write_record
+    from coldsnap_core.cache.records import write_record
     from tests.support.files import flip_byte
     from tests.support.locks import hold_lock
 
@@ -519,8 +519,8 @@ def test_overlay_capture_on_sglang_captures_a_target_local_overlay(fake_sglang, 
     observer and captures this target's overlay under the state root (outcome ``checkpoint``, no fallback),
     here for a capsule recorded under another SGLang version, which the next load restores through that
     overlay without falling back. Fails if SGLang treats ``capture`` as ``auto`` (it restored, and no overlay was written)."""
+    from coldsnap_core.artifact.overlay import list_overlays
     from coldsnap_core.load_policy import last_outcome
-    from coldsnap_core.overlay import list_overlays
 
     load(fake_sglang, tmp_path, smollm2_2layer, config=_observed(smollm2_2layer), export_model_payload=1)
     _edit_target(tmp_path / "artifact", engine_version="0.0.1")

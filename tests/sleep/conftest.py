@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sleep_fakes import FakeCuMemAllocator, LoadedModel, load_checkpoint
 
 from coldsnap_core.format.manifest import ModelIdentity
-from coldsnap_core.model_identity import identify_checkpoint
+from coldsnap_core.identity.model_identity import identify_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -45,7 +45,7 @@ def main() -> int:
     from sleep_fakes import FakeCuMemAllocator, load_checkpoint, load_state
 
     from coldsnap_core.copy.host import HostCopyBackend
-    from coldsnap_core.model_identity import identify_checkpoint
+    from coldsnap_core.identity.model_identity import identify_checkpoint
     from coldsnap_vllm.sleep import ColdsnapSleepBackend
 
     if role == "second":

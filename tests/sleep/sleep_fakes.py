@@ -34,7 +34,7 @@ import torch
 from coldsnap_core.copy.host import host_view
 from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import ModelIdentity, PackRef, WorkerIdentity
-from coldsnap_core.safetensors_header import read_header
+from coldsnap_core.format.safetensors_header import read_header
 from coldsnap_vllm.state import ObservedModelWrite, WorkerLoadState
 
 try:

@@ -11,9 +11,9 @@ import pytest
 from slabs import stage_checkpoint
 from sleep_fakes import FakeCuMemAllocator, LoadedModel, load_state
 
-from coldsnap_core.artifact import replace_dir_atomically
-from coldsnap_core.cache import PayloadCache
-from coldsnap_core.capture import capture_worker
+from coldsnap_core.artifact.capsules import replace_dir_atomically
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.worker import capture_worker
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.errors import ObserverError
 from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity, WorkerIdentity

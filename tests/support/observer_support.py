@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from coldsnap_core.checkpoint_sources import CheckpointSources
-from coldsnap_core.safetensors_header import read_header
+from coldsnap_core.capture.checkpoint_sources import CheckpointSources
+from coldsnap_core.format.safetensors_header import read_header
 
 CHECKPOINT_NAME = "model.safetensors"
 

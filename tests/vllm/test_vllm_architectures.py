@@ -34,9 +34,9 @@ from pathlib import Path
 import pytest
 from engine_support import TOKEN_PROMPTS, only_pack, plain_capture_restore
 
-from coldsnap_core.artifact import read_capsule
+from coldsnap_core.artifact.capsules import read_capsule
 from coldsnap_core.format.manifest import NativeManifest
-from coldsnap_core.safetensors_header import read_header
+from coldsnap_core.format.safetensors_header import read_header
 from tests.support.tiny_checkpoints import build_tiny_gptq_llama, build_tiny_mixtral
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]

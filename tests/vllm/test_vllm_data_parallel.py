@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from engine_support import PROMPTS, coldsnap_env, serve_completion
 
-from coldsnap_core.artifact import read_descriptor
+from coldsnap_core.artifact.capsules import read_descriptor
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 

@@ -16,8 +16,8 @@ import json
 import pytest
 from engine_support import coldsnap_env, run_engine
 
-from coldsnap_core.artifact import read_descriptor
-from coldsnap_core.derived_cache import SEED_ARCHIVE_FILENAME, SEED_DOCUMENT_FILENAME
+from coldsnap_core.artifact.capsules import read_descriptor
+from coldsnap_core.artifact.derived_cache import SEED_ARCHIVE_FILENAME, SEED_DOCUMENT_FILENAME
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 

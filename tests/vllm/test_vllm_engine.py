@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from engine_support import coldsnap_env, copy_state, flip_byte, only_pack, run_engine
 
-from coldsnap_core.artifact import read_capsule, read_descriptor
+from coldsnap_core.artifact.capsules import read_capsule, read_descriptor
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
@@ -91,7 +91,7 @@ def test_capture_classifies_every_checkpoint_byte(two_layer: dict, smollm2_2laye
     """The 2-layer checkpoint's 70,784,640 tensor bytes are exactly the model bytes (tied
     ``lm_head`` included once); everything else in the allocations (rotary caches, scales) is
     residual. Every one of the 20 checkpoint tensors appears in the provenance."""
-    from coldsnap_core.safetensors_header import read_header
+    from coldsnap_core.format.safetensors_header import read_header
 
     header = read_header(smollm2_2layer / "model.safetensors")
     capsule = read_capsule(two_layer["work"] / "artifact-a" / "workers" / "worker-0-of-1")
@@ -235,7 +235,7 @@ def test_an_fp32_checkpoint_served_as_bf16_is_one_shared_pack(smollm2_2layer_fp3
     digest, byte for byte, and a restore equals a plain load of the same checkpoint. Fails if
     converted copies go back to the residual by default (the pack is then nearly empty and nothing
     is shared) or if the conversion is not deterministic across processes."""
-    from coldsnap_core.safetensors_header import read_header
+    from coldsnap_core.format.safetensors_header import read_header
 
     plain = run_engine(tmp_path, "plain", smollm2_2layer_fp32, "safetensors")
     captures = [

@@ -17,7 +17,7 @@ import pytest
 from engine_support import coldsnap_env, copy_state, run_engine
 from test_vllm_target import _edit_target, _perturb_residual
 
-from coldsnap_core.overlay import list_overlays
+from coldsnap_core.artifact.overlay import list_overlays
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 

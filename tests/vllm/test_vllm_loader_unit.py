@@ -39,7 +39,7 @@ from coldsnap_core.errors import (
     StoreError,
 )
 from coldsnap_core.format.manifest import WorkerIdentity
-from coldsnap_core.safetensors_header import read_header
+from coldsnap_core.format.safetensors_header import read_header
 from coldsnap_vllm import state
 from coldsnap_vllm.loader import ColdsnapModelLoader, engine_config_sha256, last_outcome, register_loader
 from tests.support.observer_support import WrapperTensor
@@ -371,7 +371,7 @@ def test_hung_lock_holder_makes_auto_fall_back_after_the_lock_timeout(
     needs a full verification (no validation record): after ``COLDSNAP_LOCK_TIMEOUT`` the restore
     fails with rule lock-timeout and ``auto`` loads the checkpoint. Fails if the restore waits the
     600 s default (the subprocess-free test would hang) or the timeout is not a typed fallback."""
-    from coldsnap_core.cache import PayloadCache
+    from coldsnap_core.cache.payload_cache import PayloadCache
     from tests.support.locks import hold_lock
 
     monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
@@ -616,7 +616,7 @@ def test_unexpected_oserror_during_restore_is_typed(model_config: ModelConfig, t
     worker under ``auto``)."""
     import errno
 
-    import coldsnap_core.restore as restore_module
+    import coldsnap_core.restore.pipeline as restore_module
 
     monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))

@@ -26,10 +26,10 @@ pytest.importorskip("vllm")
 from test_vllm_loader_unit import Consumer, make_loader
 from vllm.config import ModelConfig
 
+from coldsnap_core.artifact.overlay import OVERLAY_FILENAME, OVERLAYS_DIRNAME, list_overlays
 from coldsnap_core.cli.main import main as coldsnap_main
 from coldsnap_core.errors import TargetMismatchError
 from coldsnap_core.format.target import INFORMATIONAL_FIELDS, QUALIFYING_FIELDS
-from coldsnap_core.overlay import OVERLAY_FILENAME, OVERLAYS_DIRNAME, list_overlays
 from coldsnap_vllm.loader import last_outcome
 from tests.support.files import permissions_enforced
 
@@ -324,7 +324,7 @@ def test_stale_overlay_falls_back(overlaid, model_config, monkeypatch, caplog) -
     stale (INFO, no WARNING) and the restore falls back naming why; on another target (here another
     coldsnap version, part of the exact target) the overlay is not selected and the message names how
     its target differs."""
-    import coldsnap_core.target as target
+    import coldsnap_core.identity.target as target
 
     artifact, _, path = overlaid
     monkeypatch.setenv("COLDSNAP_RESTORE", "native")

@@ -17,7 +17,7 @@ import pytest
 from engine_support import coldsnap_env, run_engine
 from tiny_llama import build_tiny_llama
 
-from coldsnap_core.artifact import read_capsule, read_descriptor
+from coldsnap_core.artifact.capsules import read_capsule, read_descriptor
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 

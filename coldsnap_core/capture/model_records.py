@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, replace
 
-from coldsnap_core.checkpoint_sources import SourceSpan
+from coldsnap_core.capture.checkpoint_sources import SourceSpan
 from coldsnap_core.format.extents import ExtentProvenance
 
 

@@ -14,7 +14,7 @@ same node-local folder, where every engine may be PID 1 of its own PID namespace
   so a capsule whose lock can be taken has no owner: it is debris, which the next sleep capture on
   the state root and ``coldsnap cache gc`` remove, and ``coldsnap cache ls`` lists;
 * the hidden staging folders of a capsule being replaced (``.<capsule name>.<hex16>.partial`` and
-  ``.old``, :func:`coldsnap_core.artifact.replace_dir_atomically`) belong to that capsule's owner.
+  ``.old``, :func:`coldsnap_core.artifact.capsules.replace_dir_atomically`) belong to that capsule's owner.
 
 An entry with no lock file (a capsule from before this scheme, or one whose lock file was removed)
 has no owner that can prove it is alive and counts as debris.

@@ -11,7 +11,7 @@ and the time. A later restore accepts the object without re-hashing only while (
 * and every bound field equals a fresh ``lstat`` of the object.
 
 Anything else means a full re-hash under the digest's lock (so same-host callers hash once; the lock
-is not what makes it safe; :meth:`coldsnap_core.cache.PayloadCache.admit` does that): success rewrites
+is not what makes it safe; :meth:`coldsnap_core.cache.payload_cache.PayloadCache.admit` does that): success rewrites
 the record, failure quarantines the object and the caller gets the verifier's error. This module only
 reads and writes records; it never admits, locks or quarantines.
 
@@ -46,7 +46,7 @@ from coldsnap_core.errors import (
     ValidationRecordError,
 )
 from coldsnap_core.format._strict import Fields, dump_document, parse_document
-from coldsnap_core.verify import VERIFIER_VERSION
+from coldsnap_core.format.verify import VERIFIER_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class ValidationRecord(StatBound):
 
     Attributes:
         digest: the object's SHA-256 (lowercase hex).
-        verifier_version: :data:`coldsnap_core.verify.VERIFIER_VERSION` of the verifying release.
+        verifier_version: :data:`coldsnap_core.format.verify.VERIFIER_VERSION` of the verifying release.
         verified_at: UTC time of the verification, ISO 8601 with seconds.
     """
 
@@ -171,7 +171,7 @@ class ValidationRecord(StatBound):
 
 
 class RecordHost(Protocol):
-    """What the record functions need of a cache (:class:`coldsnap_core.cache.PayloadCache` is one):
+    """What the record functions need of a cache (:class:`coldsnap_core.cache.payload_cache.PayloadCache` is one):
     the paths of an object and its record, a private temporary file, and the in-process memory of a
     verification whose record could not be written. Records never admit, quarantine or lock."""
 
@@ -191,7 +191,7 @@ def read_private_record(path: Path, parse: Callable[[Fields], T]) -> T:
     """Read and strictly parse a node-local record that this user alone could have written.
 
     The trust rules shared by validation records and checkpoint records
-    (:class:`coldsnap_core.checkpoint_records.CheckpointRecords`; ``docs/format.md`` §10.1 and §11): a
+    (:class:`coldsnap_core.identity.checkpoint_records.CheckpointRecords`; ``docs/format.md`` §10.1 and §11): a
     regular file, not a symbolic link, owned by the current user, not group- or world-writable, at
     most :data:`RECORD_MAX_BYTES` (larger files are refused unread), opened with ``O_NOFOLLOW``.
 
@@ -300,7 +300,7 @@ def record_verified(cache: RecordHost, digest: str, verified: os.stat_result) ->
     The object stays valid and admitted either way (``docs/format.md`` §10: "A record that cannot be
     written leaves a valid object without a record"). When the object still has the identity that
     was verified but the record cannot be written (read-only file system, no space, ...), the
-    verification is remembered by ``cache`` (:meth:`~coldsnap_core.cache.PayloadCache.remember_verified`),
+    verification is remembered by ``cache`` (:meth:`~coldsnap_core.cache.payload_cache.PayloadCache.remember_verified`),
     so this process does not hash the object again; other processes hash it in full. Logged at
     INFO on a read-only file system (expected for a shared, pre-filled cache), else as a WARNING.
 

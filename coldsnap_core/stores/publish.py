@@ -10,7 +10,7 @@ workers, in digest order:
    reports): skipped. A store object of the wrong size or content counts as absent (WARNING) and
    is replaced by steps 2-3;
 2. otherwise the local object (``<state-root>/model-payloads/sha256/<digest>.pack``) is verified in
-   full by the one verifier (:func:`coldsnap_core.verify.verify_pack_file`: size, SHA-256, zero
+   full by the one verifier (:func:`coldsnap_core.format.verify.verify_pack_file`: size, SHA-256, zero
    padding and every stored extent's SHA-256 against the manifest's layout) — never on a validation
    record's word, because a published object serves the whole fleet; a corrupt local object is
    quarantined and publication stops with the verifier's error;
@@ -35,14 +35,14 @@ from pathlib import Path
 from typing import Literal
 
 from coldsnap_core._io import refuse_symlink
-from coldsnap_core.artifact import read_capsule, read_descriptor
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.artifact.capsules import read_capsule, read_descriptor
+from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.errors import ArtifactError, IntegrityError, MissingObjectError, PackSizeMismatchError, size_mismatch
 from coldsnap_core.format._strict import FORMAT_VERSION
 from coldsnap_core.format.manifest import NativeManifest, PackRef
 from coldsnap_core.format.pack_layout import PackLayout
+from coldsnap_core.format.verify import check_manifest, extent_owner_map, verify_pack_file
 from coldsnap_core.stores.base import ArtifactIndex, ArtifactListing, ListedPack, PayloadStore
-from coldsnap_core.verify import check_manifest, extent_owner_map, verify_pack_file
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ def artifact_listing(artifact_dir: Path) -> ArtifactListing:
     """What an :class:`ArtifactIndex` records of ``artifact_dir``: its name, the model identity and its packs.
 
     Raises:
-        MissingObjectError, ManifestError: as :func:`coldsnap_core.artifact.read_descriptor`.
+        MissingObjectError, ManifestError: as :func:`coldsnap_core.artifact.capsules.read_descriptor`.
     """
     descriptor = read_descriptor(artifact_dir)
     model = descriptor.model

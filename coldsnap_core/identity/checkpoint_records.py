@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coldsnap_core._io import replace_file_durably, sha256_file
+from coldsnap_core.cache.records import StatBound, read_private_record
+from coldsnap_core.cache.records import identity as stat_identity
 from coldsnap_core.errors import CacheError, UnsafePathError, ValidationRecordError
 from coldsnap_core.format._strict import Fields, dump_document
-from coldsnap_core.records import StatBound, read_private_record
-from coldsnap_core.records import identity as stat_identity
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ CHECKPOINT_RECORD_VERSION = 1
 @dataclass(frozen=True, slots=True)
 class CheckpointRecord(StatBound):
     """Evidence that the checkpoint file at ``path`` had ``sha256`` while it had these ``stat`` fields
-    (:class:`~coldsnap_core.records.StatBound`).
+    (:class:`~coldsnap_core.cache.records.StatBound`).
 
     Attributes:
         path: the file's real path (``os.path.realpath``).

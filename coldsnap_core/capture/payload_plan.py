@@ -1,9 +1,9 @@
 """The payload planner: from model ranges and their digests to the pack layout, both extent maps and
 the native manifest.
 
-One function plans every payload coldsnap writes: the capture at load (:mod:`coldsnap_core.capture`),
+One function plans every payload coldsnap writes: the capture at load (:mod:`coldsnap_core.capture.worker`),
 the native capture at a level-1 sleep (``coldsnap_vllm.sleep_capture``) and the pack rebuilt from
-resident bytes after a recovery load (:mod:`coldsnap_core.materialize`). All three therefore agree on
+resident bytes after a recovery load (:mod:`coldsnap_core.capture.materialize`). All three therefore agree on
 
 * the canonical pack layout of the distinct ``(sha256, size_bytes)`` contents (``docs/format.md``,
   "Pack layout": sorted, each content once, 4096-byte aligned, zero padded);
@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from coldsnap_core.artifact.residual import residual_extents
 from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.format.allocation import AllocationMap
 from coldsnap_core.format.extents import ExtentProvenance, ModelExtent, ResidualExtent
@@ -32,7 +33,6 @@ from coldsnap_core.format.manifest import (
     WorkerIdentity,
 )
 from coldsnap_core.format.pack_layout import PackLayout
-from coldsnap_core.residual import residual_extents
 
 __all__ = ["ModelRange", "PayloadPlan", "plan_manifest_payload", "plan_payload"]
 
@@ -111,7 +111,7 @@ def plan_payload(
     allocations: Sequence[LiveAllocation], model_ranges: Sequence[ModelRange], digests: Sequence[str]
 ) -> PayloadPlan:
     """Plan the payload of ``model_ranges`` (sorted by (allocation, offset), disjoint, in bounds:
-    :func:`coldsnap_core.capture.check_model_ranges`) whose SHA-256 are ``digests`` (same order).
+    :func:`coldsnap_core.capture.worker.check_model_ranges`) whose SHA-256 are ``digests`` (same order).
 
     Args:
         allocations: the live allocations, ``allocations[i].index == i``.
@@ -138,8 +138,8 @@ def plan_payload(
 def plan_manifest_payload(manifest: NativeManifest, allocations: Sequence[LiveAllocation]) -> PayloadPlan:
     """Re-plan the payload a (verified) native manifest describes, reading from ``allocations``.
 
-    The manifest must have passed :func:`coldsnap_core.verify.check_manifest` and its allocations
-    :func:`coldsnap_core.verify.check_live_layout`; the plan then equals the manifest's own maps.
+    The manifest must have passed :func:`coldsnap_core.format.verify.check_manifest` and its allocations
+    :func:`coldsnap_core.format.verify.check_live_layout`; the plan then equals the manifest's own maps.
     """
     ranges = [ModelRange(e.allocation_index, e.offset_bytes, e.size_bytes, e.provenance) for e in manifest.model_extents]
     return plan_payload(allocations, ranges, [e.sha256 for e in manifest.model_extents])

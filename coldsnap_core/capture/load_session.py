@@ -1,8 +1,8 @@
 """One observed checkpoint load: the prepared weight sources, the iterator boundary, the identity.
 
 :class:`LoadSession` registers every tensor the engine's checkpoint iterator yields in its
-:class:`~coldsnap_core.checkpoint_sources.CheckpointSources` (running the iterator itself with the
-:class:`~coldsnap_core.observer.WriteObserver` set aside) and pins the model identity of the load
+:class:`~coldsnap_core.capture.checkpoint_sources.CheckpointSources` (running the iterator itself with the
+:class:`~coldsnap_core.capture.observer.WriteObserver` set aside) and pins the model identity of the load
 (:meth:`LoadSession.identify`).
 """
 
@@ -17,13 +17,13 @@ from typing import TypeVar
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 
-from coldsnap_core.checkpoint_records import CheckpointRecords
-from coldsnap_core.checkpoint_sources import CheckpointSources, dense
+from coldsnap_core.capture.checkpoint_sources import CheckpointSources, dense
+from coldsnap_core.capture.observer import WriteObserver
 from coldsnap_core.errors import ObserverError
 from coldsnap_core.format.manifest import ModelIdentity
-from coldsnap_core.model_identity import identify_checkpoint
-from coldsnap_core.observer import WriteObserver
-from coldsnap_core.safetensors_header import TensorLocation, read_header
+from coldsnap_core.format.safetensors_header import TensorLocation, read_header
+from coldsnap_core.identity.checkpoint_records import CheckpointRecords
+from coldsnap_core.identity.model_identity import identify_checkpoint
 
 _T = TypeVar("_T")
 
@@ -145,7 +145,7 @@ class LoadSession:
     def identify(self, source: str, *, revision: str | None, config_sha256: str | None, state_root: Path) -> ModelIdentity:
         """The model identity of this load: the checkpoint files of the :meth:`primary` source of
         ``source`` (hashed, and recorded in ``state_root``'s checkpoint records,
-        :func:`coldsnap_core.model_identity.identify_checkpoint`), ``revision`` (a resolved Hugging Face
+        :func:`coldsnap_core.identity.model_identity.identify_checkpoint`), ``revision`` (a resolved Hugging Face
         commit, or the revision as given) and the engine's model configuration digest.
 
         Raises:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from coldsnap_core.safetensors_header import TensorLocation
-from coldsnap_core.torch_allocations import dtype_name
+from coldsnap_core.copy.torch_allocations import dtype_name
+from coldsnap_core.format.safetensors_header import TensorLocation
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 Layout under a state root (``COLDSNAP_STATE_ROOT``, default ``~/.cache/coldsnap``)::
 
     model-payloads/sha256/<digest>.pack          the object, mode 0444
-    model-payloads/sha256/<digest>.pack.record   its validation record (see coldsnap_core.records), mode 0444
+    model-payloads/sha256/<digest>.pack.record   its validation record (see coldsnap_core.cache.records), mode 0444
     model-payloads/locks/<digest>.lock           per-digest filelock (duplicate-work prevention only)
     model-payloads/tmp/<label>.<random>.partial  writes in progress (flock-held by their writer); never eligible
     model-payloads/tmp/<...>.partial.d/          a store download in progress (belongs to the .partial beside it)
@@ -62,8 +62,10 @@ from pathlib import Path
 import filelock
 
 from coldsnap_core._io import close_and_remove, fsync_dir, fsync_fd, lstat_or_none, os_errno, os_error, refuse_symlink
-from coldsnap_core.cache_gc import DEFAULT_GC_AGE_SECONDS, GcBuilder, GcReport, sweep_quarantine, sweep_temporaries
-from coldsnap_core.cache_locks import acquire_logged, describe_holder, held_locks
+from coldsnap_core.cache.garbage import DEFAULT_GC_AGE_SECONDS, GcBuilder, GcReport, sweep_quarantine, sweep_temporaries
+from coldsnap_core.cache.locks import acquire_logged, describe_holder, held_locks
+from coldsnap_core.cache.partials import TEMP_SUFFIX, create_locked_partial, list_folder, sweep_dead_partials, writer_gone
+from coldsnap_core.cache.records import identity, read_trusted_record, record_verified
 from coldsnap_core.digests import PAYLOADS_DIRNAME, check_digest
 from coldsnap_core.errors import (
     CacheError,
@@ -80,10 +82,8 @@ from coldsnap_core.errors import (
 )
 from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.format.pack_layout import PackEntry, PackLayout
-from coldsnap_core.partials import TEMP_SUFFIX, create_locked_partial, list_folder, sweep_dead_partials, writer_gone
-from coldsnap_core.records import identity, read_trusted_record, record_verified
+from coldsnap_core.format.verify import verify_pack_file
 from coldsnap_core.settings import LOCK_TIMEOUT_ENV, LOCK_TIMEOUT_SECONDS, resolve_state_root
-from coldsnap_core.verify import verify_pack_file
 
 logger = logging.getLogger(__name__)
 
@@ -236,9 +236,9 @@ class PayloadCache:
     def lock(self, digest: str, *, timeout_seconds: float | None = None, required: bool = False) -> Iterator[bool]:
         """Hold the per-digest lock (``filelock.FileLock``, >= 3.20.3); re-entrant per thread.
 
-        A wait longer than :data:`~coldsnap_core.cache_locks.LOCK_NOTICE_SECONDS` is logged at INFO with the lock's path and its
+        A wait longer than :data:`~coldsnap_core.cache.locks.LOCK_NOTICE_SECONDS` is logged at INFO with the lock's path and its
         holder (pid and host from the kernel's lock table, where this process can see it), and again
-        every :data:`~coldsnap_core.cache_locks.LOCK_NOTICE_REPEAT_SECONDS`.
+        every :data:`~coldsnap_core.cache.locks.LOCK_NOTICE_REPEAT_SECONDS`.
 
         Yields ``True`` when the lock is held, ``False`` when the wait timed out (writers, ``required``
         false) or the lock file cannot be created, and the caller proceeds without it (safe: only
@@ -336,7 +336,7 @@ class PayloadCache:
         digest's lock; make the file read-only, rename it into place (over any object already
         there), fsync the folder, and write the validation record bound to the renamed inode. A
         failed record write is logged and leaves a valid object without a record (see
-        :func:`coldsnap_core.records.record_verified`).
+        :func:`coldsnap_core.cache.records.record_verified`).
 
         An object already at the path is replaced, not kept: this file's SHA-256 was computed from
         the very bytes written and equals the name, while the existing object is at best vouched
@@ -449,7 +449,7 @@ class PayloadCache:
 
         Accepts the object on a trusted validation record (no lock, a few ``stat`` calls: the record
         is read once); otherwise takes the digest's lock (so same-host callers hash it once), hashes
-        it in full with :func:`coldsnap_core.verify.verify_pack_file`, rewrites the record on success
+        it in full with :func:`coldsnap_core.format.verify.verify_pack_file`, rewrites the record on success
         and quarantines the object on failure. Every consumer of a cached pack (restore, staging,
         materialization, ``coldsnap cache verify``) comes through here or :meth:`admit_locked`.
 
@@ -457,11 +457,11 @@ class PayloadCache:
             digest: the pack's SHA-256.
             size_bytes: the size the pack must have (``None``: whatever size it has).
             progress: called with bytes hashed, during a full verification.
-            layout: the manifest's canonical layout (:func:`coldsnap_core.verify.check_manifest`);
+            layout: the manifest's canonical layout (:func:`coldsnap_core.format.verify.check_manifest`);
                 a full verification then also checks padding and every stored extent, in the
                 same pass, and names the extent of a corrupt byte.
             extent_owner: with ``layout``, maps a stored entry to a destination for error messages
-                (:func:`coldsnap_core.verify.extent_owner_map`).
+                (:func:`coldsnap_core.format.verify.extent_owner_map`).
             manifest_file: the manifest that gave ``layout``, named by a
                 :class:`~coldsnap_core.errors.ManifestPaddingError` or
                 :class:`~coldsnap_core.errors.ManifestExtentDigestError` (the object is intact and
@@ -524,7 +524,7 @@ class PayloadCache:
 
         An object whose size differs from ``size_bytes`` is quarantined unless a trusted record
         vouches for it at its current size (then only the caller's expectation is wrong). The one
-        verifier (:func:`coldsnap_core.verify.verify_pack_file`) judges the bytes; on an
+        verifier (:func:`coldsnap_core.format.verify.verify_pack_file`) judges the bytes; on an
         :class:`~coldsnap_core.errors.IntegrityError` the object is quarantined and the error
         re-raised with ``quarantined_to``. With ``layout`` the same single pass also checks the zero
         padding and every stored extent's SHA-256.

@@ -6,7 +6,7 @@ Only the payload assigned to each worker is staged, on the host that owns that w
 1. the node-local cache: a trusted validation record (a few ``stat`` calls), else a full SHA-256 by
    the one verifier under the digest's lock; a corrupt object is quarantined;
 2. the configured payload store (:mod:`coldsnap_core.stores`): fetched under the digest's lock into a
-   unique temporary file, verified by :func:`coldsnap_core.verify.verify_pack_file` (size, then
+   unique temporary file, verified by :func:`coldsnap_core.format.verify.verify_pack_file` (size, then
    SHA-256), committed by :meth:`PayloadCache.commit` (fsync, rename, folder fsync, record);
 3. otherwise :class:`~coldsnap_core.errors.PayloadUnavailableError` (no source holds the pack) or
    :class:`~coldsnap_core.errors.StoreError` (the store did not answer or failed); on either,
@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from coldsnap_core.artifact import find_worker, read_descriptor, read_worker_capsule
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.artifact.capsules import find_worker, read_descriptor, read_worker_capsule
+from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.digests import check_digest, pack_relpath
 from coldsnap_core.errors import (
     IntegrityError,
@@ -42,8 +42,8 @@ from coldsnap_core.errors import (
 )
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WorkerEntry
 from coldsnap_core.format.manifest import PackRef, WorkerIdentity
+from coldsnap_core.format.verify import verify_pack_file
 from coldsnap_core.stores.base import PayloadStore
-from coldsnap_core.verify import verify_pack_file
 
 logger = logging.getLogger(__name__)
 

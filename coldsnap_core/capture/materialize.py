@@ -1,7 +1,7 @@
 """Materialization: rebuild a worker's pack from its resident model bytes after a recovery load.
 
 After a safetensors (recovery) load the model extents of the worker's native manifest hold exactly
-the bytes they held at capture, so the canonical writer (:func:`coldsnap_core.pack_writer.write_pack`,
+the bytes they held at capture, so the canonical writer (:func:`coldsnap_core.capture.pack_writer.write_pack`,
 the one capture uses) rebuilds the byte-identical pack from memory, without reading the checkpoint
 again (``docs/format.md`` §13). Modes (``COLDSNAP_MATERIALIZE``):
 
@@ -30,14 +30,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.pack_writer import write_pack
+from coldsnap_core.capture.payload_plan import PayloadPlan, plan_manifest_payload
 from coldsnap_core.copy.base import CopyBackend, LiveAllocation
 from coldsnap_core.errors import ConfigurationError, IntegrityError, MissingObjectError, PackSizeMismatchError
 from coldsnap_core.format.manifest import NativeManifest, PackRef
-from coldsnap_core.pack_writer import write_pack
-from coldsnap_core.payload_plan import PayloadPlan, plan_manifest_payload
+from coldsnap_core.format.verify import check_live_layout, check_manifest
 from coldsnap_core.settings import MATERIALIZE_ENV, MATERIALIZE_MODES, MaterializeMode
-from coldsnap_core.verify import check_live_layout, check_manifest
 
 logger = logging.getLogger(__name__)
 

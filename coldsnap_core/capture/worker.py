@@ -24,8 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from coldsnap_core.artifact import check_artifact_paths, register_worker, write_capsule, write_manifests
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.artifact.capsules import check_artifact_paths, register_worker, write_capsule, write_manifests
+from coldsnap_core.artifact.residual import write_residual
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.pack_writer import write_pack
+from coldsnap_core.capture.payload_plan import ModelRange, plan_payload
 from coldsnap_core.copy.base import CopyBackend, LiveAllocation
 from coldsnap_core.errors import ObserverError
 from coldsnap_core.format.allocation import AllocationMap
@@ -39,10 +42,7 @@ from coldsnap_core.format.manifest import (
     WorkerIdentity,
 )
 from coldsnap_core.format.target import TargetIdentity
-from coldsnap_core.pack_writer import write_pack
-from coldsnap_core.payload_plan import ModelRange, plan_payload
-from coldsnap_core.residual import write_residual
-from coldsnap_core.target import collect_target
+from coldsnap_core.identity.target import collect_target
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def capture_worker(
     """Capture one worker: write its pack (shared), residual blob and manifests (its capsule).
 
     Order: every model range's SHA-256 (on all usable CPUs; the pack order needs them all), then the
-    canonical pack into ``cache`` (:func:`coldsnap_core.pack_writer.write_pack`), then the capsule
+    canonical pack into ``cache`` (:func:`coldsnap_core.capture.pack_writer.write_pack`), then the capsule
     (blob and both manifests, each fsynced, renamed into place as a whole), then ``artifact.json``
     with the pins (size and SHA-256) of the capsule's four files (both manifests, ``target.json``, the blob).
     The allocations must not change while this runs (the model is quiescent): their bytes are read
@@ -168,7 +168,7 @@ def capture_worker(
         artifact_dir: the artifact folder (capsule and ``artifact.json``).
         backend: reads the allocations.
         target: the target the capture runs on, recorded as the capsule's ``target.json``
-            (the engine plugins pass theirs); default: :func:`coldsnap_core.target.collect_target`
+            (the engine plugins pass theirs); default: :func:`coldsnap_core.identity.target.collect_target`
             without an engine, on the CPU.
 
     Returns:

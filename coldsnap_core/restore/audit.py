@@ -5,14 +5,14 @@ Order (each step raises the first failure it finds; ``docs/format.md``, "Verific
 1. for an artifact folder, every capsule folder is listed in ``artifact.json`` and every capsule's
    recovery manifest names the descriptor's model identity; every model extent comes from a checkpoint
    file of the model identity;
-2. per worker, every manifest rule (:func:`coldsnap_core.verify.check_manifest`);
+2. per worker, every manifest rule (:func:`coldsnap_core.format.verify.check_manifest`);
 3. the cache folders are checked as the cache commands check them (no symbolic link at
-   ``model-payloads/`` or below, :meth:`coldsnap_core.cache.PayloadCache.check_dirs`); per distinct pack,
-   one full read (:func:`coldsnap_core.verify.verify_pack_file`): size, zero padding, every stored
+   ``model-payloads/`` or below, :meth:`coldsnap_core.cache.payload_cache.PayloadCache.check_dirs`); per distinct pack,
+   one full read (:func:`coldsnap_core.format.verify.verify_pack_file`): size, zero padding, every stored
    extent's SHA-256, the file's SHA-256; a symbolic link or non-regular file at the object path is refused;
 4. per worker, the residual blob: size, then SHA-256; for a capsule of an artifact with a derived-cache
    seed, its two files against their pins and each archived file against its size and SHA-256
-   (:func:`coldsnap_core.derived_cache.verify_seed`, ``docs/format.md`` §17).
+   (:func:`coldsnap_core.artifact.derived_cache.verify_seed`, ``docs/format.md`` §17).
 
 Nothing is written (no validation record either): this is a read-only audit.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coldsnap_core._io import refuse_symlink
-from coldsnap_core.artifact import (
+from coldsnap_core.artifact.capsules import (
     Capsule,
     check_artifact_layout,
     check_provenance_in_identity,
@@ -34,12 +34,12 @@ from coldsnap_core.artifact import (
     read_descriptor,
     read_worker_capsule,
 )
-from coldsnap_core.cache import PayloadCache
-from coldsnap_core.derived_cache import verify_seed
+from coldsnap_core.artifact.derived_cache import verify_seed
+from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.errors import ManifestMismatchError
 from coldsnap_core.format.descriptor import ArtifactDescriptor
 from coldsnap_core.format.manifest import PackRef, WorkerIdentity
-from coldsnap_core.verify import check_manifest, extent_owner_map, verify_blob_file, verify_pack_file
+from coldsnap_core.format.verify import check_manifest, extent_owner_map, verify_blob_file, verify_pack_file
 
 ProgressFor = Callable[[PackRef], AbstractContextManager[Callable[[int], object] | None]]
 """Given a pack about to be read, a context manager yielding a callback for bytes read (or ``None``)."""
@@ -77,7 +77,7 @@ def verify_capsules(
     artifact_dir: Path | None = None,
     progress_for: ProgressFor | None = None,
 ) -> list[VerifiedWorker]:
-    """Verify ``capsules`` (read with their pins by :func:`coldsnap_core.artifact.read_worker_capsule`,
+    """Verify ``capsules`` (read with their pins by :func:`coldsnap_core.artifact.capsules.read_worker_capsule`,
     or one capsule read on its own) against ``descriptor`` and the packs in ``cache``; see the module
     docstring for the order. Each distinct pack is read once.
 

@@ -9,16 +9,16 @@ all have the same layout.
 
 Four parts, each in a module of its own, which this module combines:
 
-* **Repository commit** (:func:`coldsnap_core.hub_commit.resolve_hub_commit`): a model loaded from a Hugging Face repository
+* **Repository commit** (:func:`coldsnap_core.identity.hub_commit.resolve_hub_commit`): a model loaded from a Hugging Face repository
   id is pinned by the commit its revision (``main`` when none is given) resolves to in the local
   Hugging Face cache, so an artifact captured from ``org/name`` is refused once ``main`` moves.
 * **Checkpoint files** (:func:`identify_checkpoint`): every file's name, size and SHA-256, hashed
-  once at capture, and its content fingerprint (:func:`coldsnap_core.fingerprint.checkpoint_fingerprint`: a few MiB sampled
+  once at capture, and its content fingerprint (:func:`coldsnap_core.identity.fingerprint.checkpoint_fingerprint`: a few MiB sampled
   from the file, ``docs/format.md`` §10.2), cheap enough to re-check on every restore.
-* **Model configuration** (:func:`coldsnap_core.config_digest.model_config_sha256`): a digest of the engine's effective model
+* **Model configuration** (:func:`coldsnap_core.identity.config_digest.model_config_sha256`): a digest of the engine's effective model
   configuration (the Hugging Face config after overrides, the dtype, the quantization method), as
   canonical JSON without the keys that vary with the path or the library version.
-* **Checkpoint records** (:class:`coldsnap_core.checkpoint_records.CheckpointRecords`): node-local evidence that a checkpoint file was
+* **Checkpoint records** (:class:`coldsnap_core.identity.checkpoint_records.CheckpointRecords`): node-local evidence that a checkpoint file was
   hashed, bound to its real path, device, inode, size, mtime and ctime, like the payload cache's
   validation records (``docs/format.md`` §11). Written whenever coldsnap hashes a checkpoint file
   (capture; a restore that had to hash one). Restore does not read the checkpoint (that is what it
@@ -41,11 +41,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from coldsnap_core.checkpoint_records import CheckpointRecords, RecordState, hash_checkpoint_file
 from coldsnap_core.errors import ModelIdentityMismatchError
-from coldsnap_core.fingerprint import checkpoint_fingerprint
 from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity
-from coldsnap_core.hub_commit import COMMIT_HASH, resolve_hub_commit
+from coldsnap_core.identity.checkpoint_records import CheckpointRecords, RecordState, hash_checkpoint_file
+from coldsnap_core.identity.fingerprint import checkpoint_fingerprint
+from coldsnap_core.identity.hub_commit import COMMIT_HASH, resolve_hub_commit
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +97,10 @@ class LoadedModel:
         source: the engine's model (vLLM ``model_config.model``, SGLang ``model_config.model_path``):
             a repository id or a local folder.
         revision: for a repository id, the commit hash the engine's revision resolves to in the local
-            Hugging Face cache (:func:`~coldsnap_core.hub_commit.resolve_hub_commit`), else the
+            Hugging Face cache (:func:`~coldsnap_core.identity.hub_commit.resolve_hub_commit`), else the
             engine's revision as given (``None`` when none; always the given value for a local folder).
         folder: the local checkpoint folder's real path when ``source`` is one, else ``None``.
-        config_sha256: :func:`coldsnap_core.config_digest.model_config_sha256` of the engine's
+        config_sha256: :func:`coldsnap_core.identity.config_digest.model_config_sha256` of the engine's
             effective model configuration, or ``None`` when the caller has no engine configuration.
         requested_revision: the engine's revision as given (``None``: the default branch), for messages.
         checkpoint_files: for a local folder, the names (relative to ``folder``, ``/``-separated) of
@@ -200,11 +200,11 @@ def check_model_identity(
     * A local folder, by content and not by path (another node may mount it elsewhere; ``$M`` and
       ``$M/`` are one folder): every recorded checkpoint file exists with its size, and its SHA-256,
       where this node knows it, is the recorded one. It is known from a checkpoint record
-      (:class:`~coldsnap_core.checkpoint_records.CheckpointRecords`) that still matches the file's
+      (:class:`~coldsnap_core.identity.checkpoint_records.CheckpointRecords`) that still matches the file's
       ``stat``; a file that changed since its record was written is hashed again (one read of that
       file, then recorded); a file without a record is hashed only with ``verify_checkpoint``
       (``COLDSNAP_VERIFY_CHECKPOINT=1``), else compared by its content fingerprint
-      (:func:`~coldsnap_core.fingerprint.checkpoint_fingerprint`: header plus 2 MiB sampled; an
+      (:func:`~coldsnap_core.identity.fingerprint.checkpoint_fingerprint`: header plus 2 MiB sampled; an
       artifact that recorded none is accepted on name and size). When the engine says
       which files it would read (``loaded.checkpoint_files``), they must be exactly the recorded ones:
       a shard added to the folder (which a plain load would read too) or one the engine would no

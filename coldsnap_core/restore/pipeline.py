@@ -15,25 +15,25 @@ is written into the model before step 7:
    ``artifact.json`` names and was taken at the portable capture point; every model extent comes from
    a checkpoint file of the model identity;
 2. **qualify**: the capsule's residual qualifies for this target (:meth:`WorkerRestore.qualify`,
-   :func:`coldsnap_core.overlay.select_capsule`: engine, engine version, torch and its CUDA version,
+   :func:`coldsnap_core.artifact.overlay.select_capsule`: engine, engine version, torch and its CUDA version,
    device type, accelerator model and NVIDIA driver equal to the ones ``target.json`` records, else
    this node's target-local overlay for exactly this target): a capsule captured by another engine or
    another runtime stops here, before its layout is compared (``docs/format.md`` §15); the pack is
    never refused for this (model bytes are target independent);
 3. **layout**: the live model's allocations have the captured layout (fingerprint, then every size):
    a payload captured from another architecture, dtype, layer count or tensor parallel size stops here
-   (:func:`coldsnap_core.verify.check_live_layout`);
+   (:func:`coldsnap_core.format.verify.check_live_layout`);
 4. **identity**: the model being loaded is the captured one
-   (:func:`coldsnap_core.model_identity.check_model_identity`: a Hugging Face repository by id and
+   (:func:`coldsnap_core.identity.model_identity.check_model_identity`: a Hugging Face repository by id and
    resolved commit, a local folder by content; the engine's model configuration by digest);
-5. **manifest**: every manifest rule holds (:func:`coldsnap_core.verify.check_manifest`), which
+5. **manifest**: every manifest rule holds (:func:`coldsnap_core.format.verify.check_manifest`), which
    gives the pack's canonical layout;
-6. **admit**: the cache's one door (:meth:`coldsnap_core.cache.PayloadCache.admit`) accepts the pack on
+6. **admit**: the cache's one door (:meth:`coldsnap_core.cache.payload_cache.PayloadCache.admit`) accepts the pack on
    a trusted validation record, or verifies it in full *with the manifest's layout* (so a corrupt
    extent is named by allocation and offset) and quarantines it on failure; a pack the cache lacks is
-   fetched from the configured payload store (:func:`coldsnap_core.staging.stage_payload`), else
+   fetched from the configured payload store (:func:`coldsnap_core.restore.staging.stage_payload`), else
    :class:`~coldsnap_core.errors.PayloadUnavailableError`;
-7. **hydrate**: :func:`coldsnap_core.hydrate.hydrate` checks the residual blob and the pack's padding
+7. **hydrate**: :func:`coldsnap_core.restore.hydrate.hydrate` checks the residual blob and the pack's padding
    and fills every allocation from the admitted pack (no second manifest, layout or record check).
 
 Only this worker's payload is staged (``docs/format.md``: each worker's capsule names its own pack).
@@ -47,18 +47,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coldsnap_core._io import unexpected_os_error
-from coldsnap_core.artifact import (
+from coldsnap_core.artifact.capsules import (
     Capsule,
     check_provenance_in_identity,
     find_worker,
     read_descriptor_bytes,
     read_worker_capsule,
 )
-from coldsnap_core.cache import PayloadCache
-from coldsnap_core.capture import CaptureResult, capture_worker
-from coldsnap_core.checkpoint_records import CheckpointRecords
+from coldsnap_core.artifact.overlay import Selection, select_capsule
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.payload_plan import ModelRange
+from coldsnap_core.capture.worker import CaptureResult, capture_worker
 from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.copy.select import copy_backend_for
+from coldsnap_core.copy.torch_allocations import TorchAllocations, enumerate_allocations
 from coldsnap_core.errors import (
     ArtifactError,
     ColdsnapError,
@@ -73,18 +75,16 @@ from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WorkerEntry
 from coldsnap_core.format.manifest import ModelIdentity, NativeManifest, WorkerIdentity
 from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.format.target import TargetIdentity
-from coldsnap_core.hydrate import AdmittedPack, HydrationReport, hydrate_admitted
-from coldsnap_core.model_identity import LoadedModel, check_model_identity
-from coldsnap_core.overlay import Selection, select_capsule
-from coldsnap_core.payload_plan import ModelRange
+from coldsnap_core.format.verify import check_live_layout, check_manifest, extent_owner_map
+from coldsnap_core.identity.checkpoint_records import CheckpointRecords
+from coldsnap_core.identity.model_identity import LoadedModel, check_model_identity
+from coldsnap_core.identity.target import ENGINE_NONE, collect_target
+from coldsnap_core.identity.target import engine_version as installed_engine_version
+from coldsnap_core.restore.hydrate import AdmittedPack, HydrationReport, hydrate_admitted
+from coldsnap_core.restore.staging import stage_payload
 from coldsnap_core.settings import ColdsnapSettings
-from coldsnap_core.staging import stage_payload
 from coldsnap_core.stores import from_settings as store_from_settings
 from coldsnap_core.stores.base import PayloadStore
-from coldsnap_core.target import ENGINE_NONE, collect_target
-from coldsnap_core.target import engine_version as installed_engine_version
-from coldsnap_core.torch_allocations import TorchAllocations, enumerate_allocations
-from coldsnap_core.verify import check_live_layout, check_manifest, extent_owner_map
 
 logger = logging.getLogger(__name__)
 
@@ -108,10 +108,10 @@ class WorkerRestore:
         verify_extents: hash every model extent while hydrating.
         verify_checkpoint: hash local checkpoint files this node has no checkpoint record of
             (``COLDSNAP_VERIFY_CHECKPOINT=1``).
-        engine: the engine restoring (``vllm``, ``sglang``; :data:`~coldsnap_core.target.ENGINE_NONE`
+        engine: the engine restoring (``vllm``, ``sglang``; :data:`~coldsnap_core.identity.target.ENGINE_NONE`
             without one), for the target identity.
         engine_version: its version string.
-        target: the current target identity; default: :func:`coldsnap_core.target.collect_target`
+        target: the current target identity; default: :func:`coldsnap_core.identity.target.collect_target`
             of ``engine`` on the allocations' device, collected in :meth:`run`.
         use_overlays: select this node's target-local overlays (``COLDSNAP_OVERLAY`` is not ``off``).
         store: where a pack missing from the cache is fetched from (the store the resolved settings
@@ -121,7 +121,7 @@ class WorkerRestore:
         capsule: the capsule restored from: the portable one once read (step 1), this node's overlay
             once step 2 selected it; ``None`` before.
         portable_capsule: the artifact's capsule of this worker, once read.
-        selection: which capsule step 2 chose and why (:class:`coldsnap_core.overlay.Selection`).
+        selection: which capsule step 2 chose and why (:class:`coldsnap_core.artifact.overlay.Selection`).
         descriptor_sha256: SHA-256 of the ``artifact.json`` bytes step 1 parsed (overlays bind to it).
         target_mismatch: the qualification error when step 2 refused the capsule (the loader then
             captures a target-local overlay after its checkpoint load), else ``None``.
@@ -228,7 +228,7 @@ class WorkerRestore:
 
     def qualify(self, capsule: Capsule, allocations: TorchAllocations) -> Capsule:
         """Step 2: choose the capsule whose residual qualifies for this target, before any byte is
-        written (:func:`coldsnap_core.overlay.select_capsule`): the portable capsule when its
+        written (:func:`coldsnap_core.artifact.overlay.select_capsule`): the portable capsule when its
         ``target.json`` qualifies, else this node's target-local overlay or qualification record for
         exactly this target. Sets :attr:`selection` and :attr:`capsule`.
 
@@ -403,7 +403,7 @@ def restore_or_fall_back(
 
     No attempt is made without an artifact folder, or with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1`` (the
     load captures instead). Otherwise the allocations are enumerated
-    (:func:`coldsnap_core.torch_allocations.enumerate_allocations`) and :meth:`WorkerRestore.run` fills
+    (:func:`coldsnap_core.copy.torch_allocations.enumerate_allocations`) and :meth:`WorkerRestore.run` fills
     them with the copy backend for their device. On a :class:`~coldsnap_core.errors.ColdsnapError`,
     ``native`` raises it; ``auto`` logs one WARNING naming the worker, the artifact folder, the error
     (its rule, file, allocation and offset) and where a corrupt pack was quarantined, and returns the
@@ -479,7 +479,7 @@ def capture_loaded_worker(
     """The portable capture of a worker an engine plugin just loaded under the write observer: the
     capture both engine plugins run on ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``, in one place.
 
-    :func:`coldsnap_core.capture.capture_worker` at capture point ``portable``, with the copy backend
+    :func:`coldsnap_core.capture.worker.capture_worker` at capture point ``portable``, with the copy backend
     for the allocations' device and the target identity of this worker with ``engine`` as its engine
     (``target.json``, ``docs/format.md`` §15.1: a restore by another engine refuses the capsule by name,
     one by the same engine qualifies it).
@@ -488,15 +488,15 @@ def capture_loaded_worker(
         allocations: the model's allocations after the checkpoint load (before any post-processing).
         model_ranges: the model-owned byte ranges the observer mapped onto ``allocations``.
         worker: this worker's identity.
-        model: the model identity (:meth:`coldsnap_core.load_session.LoadSession.identify`).
+        model: the model identity (:meth:`coldsnap_core.capture.load_session.LoadSession.identify`).
         cache: the node-local cache the pack is committed to.
         artifact_dir: the artifact folder the capsule and ``artifact.json`` entry go to.
         engine: the engine's name as its target identity records it (``vllm``, ``sglang``); its
-            installed version is looked up (:func:`coldsnap_core.target.engine_version`).
+            installed version is looked up (:func:`coldsnap_core.identity.target.engine_version`).
         backend_for: the copy backend for the allocations' device.
 
     Raises:
-        ColdsnapError: see :func:`coldsnap_core.capture.capture_worker`.
+        ColdsnapError: see :func:`coldsnap_core.capture.worker.capture_worker`.
     """
     return capture_worker(
         allocation_map=allocations.allocation_map,

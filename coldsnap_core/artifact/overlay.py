@@ -40,8 +40,11 @@ from pathlib import Path
 from typing import Literal
 
 from coldsnap_core._io import write_file_durably
-from coldsnap_core.artifact import Capsule, read_pinned_capsule, replace_dir_atomically, write_manifests
-from coldsnap_core.capture import check_model_ranges, hash_ranges
+from coldsnap_core.artifact.capsules import Capsule, read_pinned_capsule, replace_dir_atomically, write_manifests
+from coldsnap_core.artifact.residual import write_residual
+from coldsnap_core.cache.records import read_private_record
+from coldsnap_core.capture.payload_plan import ModelRange, PayloadPlan, plan_payload
+from coldsnap_core.capture.worker import check_model_ranges, hash_ranges
 from coldsnap_core.copy.base import CopyBackend, LiveAllocation
 from coldsnap_core.errors import ColdsnapError, MissingObjectError, OverlayError, TargetMismatchError, UnsafePathError
 from coldsnap_core.format._strict import Fields, dump_document, read_document_bytes
@@ -60,10 +63,7 @@ from coldsnap_core.format.manifest import (
     WorkerIdentity,
 )
 from coldsnap_core.format.target import TargetIdentity, describe_differences
-from coldsnap_core.payload_plan import ModelRange, PayloadPlan, plan_payload
-from coldsnap_core.records import read_private_record
-from coldsnap_core.residual import write_residual
-from coldsnap_core.target import mismatch_detail
+from coldsnap_core.identity.target import mismatch_detail
 
 logger = logging.getLogger(__name__)
 
@@ -386,7 +386,7 @@ def capture_overlay(
         model: the portable artifact's model identity (the overlay's recovery manifest names it).
         target: the current target identity (the overlay is bound to it).
         allocation_map, allocations, model_ranges, backend: as for
-            :func:`coldsnap_core.capture.capture_worker`.
+            :func:`coldsnap_core.capture.worker.capture_worker`.
 
     Returns:
         What was stored: ``qualified`` when the residual and both manifests are byte-identical to

@@ -6,8 +6,8 @@ weights iterator, and the model's ``weight_loader`` functions copy them into par
 boundaries are watched:
 
 1. **The iterator boundary** (source side). Every ``(name, tensor)`` the engine's checkpoint iterator
-   yields is registered in :class:`~coldsnap_core.checkpoint_sources.CheckpointSources` with the file, tensor name and file offset
-   that the safetensors header gives for it (:func:`coldsnap_core.safetensors_header.read_header`),
+   yields is registered in :class:`~coldsnap_core.capture.checkpoint_sources.CheckpointSources` with the file, tensor name and file offset
+   that the safetensors header gives for it (:func:`coldsnap_core.format.safetensors_header.read_header`),
    keyed by the tensor's storage. An entry lives exactly as long as that storage (a weak reference
    to the storage object, which torch keeps unique per storage), so a freed source whose address is
    reused by another tensor is never mistaken for checkpoint bytes.
@@ -52,7 +52,7 @@ writes into memory that is not a model allocation.
 Limits: writes that bypass the torch dispatcher (raw pointers, ``Tensor.numpy()`` views, a custom
 operator registered without alias annotations) are invisible; the loaders the project supports
 (vLLM's default loader with the safetensors or InstantTensor iterator) write through ``copy_``.
-The checkpoint iterator itself runs outside the observer (:meth:`~coldsnap_core.load_session.LoadSession.observe`), so an
+The checkpoint iterator itself runs outside the observer (:meth:`~coldsnap_core.capture.load_session.LoadSession.observe`), so an
 iterator that rewrites a tensor it yielded earlier is not noticed; a dispatch mode is per thread,
 so an iterator's worker threads were never observed either. A wrapper tensor subclass of any
 layout (DTensor, torchao, a jagged nested tensor) writes its inner tensors below this mode, as a
@@ -70,11 +70,11 @@ from typing import Literal
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from coldsnap_core.checkpoint_sources import CheckpointSources, data_address, dense, storage_extent_bytes
+from coldsnap_core.capture.checkpoint_sources import CheckpointSources, data_address, dense, storage_extent_bytes
+from coldsnap_core.capture.model_records import IntervalSet, ModelRecord, RecordMap
+from coldsnap_core.capture.payload_plan import ModelRange
+from coldsnap_core.copy.torch_allocations import TorchAllocations
 from coldsnap_core.errors import ObserverError
-from coldsnap_core.model_records import IntervalSet, ModelRecord, RecordMap
-from coldsnap_core.payload_plan import ModelRange
-from coldsnap_core.torch_allocations import TorchAllocations
 
 ConvertedCopies = Literal["residual", "model"]
 logger = logging.getLogger(__name__)
@@ -378,7 +378,7 @@ class WriteObserver(TorchDispatchMode):
 
     def loaded_records(self, before: TorchAllocations, after: TorchAllocations) -> tuple[ModelRecord, ...]:
         """:meth:`model_records` of a whole ``load_weights``, whose allocations were ``before`` as it
-        started and are ``after`` now (:func:`coldsnap_core.torch_allocations.enumerate_allocations`).
+        started and are ``after`` now (:func:`coldsnap_core.copy.torch_allocations.enumerate_allocations`).
 
         Raises:
             ObserverError: a weight loader rebound a parameter's or buffer's storage (the records'
@@ -400,7 +400,7 @@ def map_to_allocations(
 
     Returns:
         ``(ranges, kept)``: the model ranges sorted by (allocation index, offset) for
-        :func:`coldsnap_core.capture.capture_worker`, and the records (or parts of records) that lie
+        :func:`coldsnap_core.capture.worker.capture_worker`, and the records (or parts of records) that lie
         inside an allocation, sorted by address. Records in memory that is not a model allocation
         (a temporary, a cache outside the model) are dropped.
     """

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from coldsnap_core._io import fsync_dir, fsync_fd, os_error, write_all
-from coldsnap_core.artifact import _artifact_lock, _capsule_lock_path, descriptor_lock_path, replace_file_durably
+from coldsnap_core.artifact.capsules import _artifact_lock, _capsule_lock_path, descriptor_lock_path, replace_file_durably
 from coldsnap_core.errors import (
     CapsulePinMismatchError,
     ColdsnapError,

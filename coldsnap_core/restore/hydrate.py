@@ -2,7 +2,7 @@
 
 Order of work (``docs/format.md`` §7, the ``hydrate`` entries):
 
-1. every manifest rule (:func:`coldsnap_core.verify.check_manifest`): disjoint maps that cover every
+1. every manifest rule (:func:`coldsnap_core.format.verify.check_manifest`): disjoint maps that cover every
    byte, canonical pack and blob layout, the pack path derived from the digest;
 2. the live layout: fingerprint and every allocation's size (:func:`check_live_layout`);
 3. the residual blob: size, then SHA-256 (usually small, so a bad blob is found before a long pack
@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from coldsnap_core.cache import PayloadCache
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.cache.records import identity, read_trusted_record
 from coldsnap_core.copy.base import CopyBackend, CopyOp, LiveAllocation
 from coldsnap_core.errors import (
     CacheError,
@@ -54,8 +55,7 @@ from coldsnap_core.errors import (
 from coldsnap_core.format.allocation import AllocationMap
 from coldsnap_core.format.manifest import NativeManifest
 from coldsnap_core.format.pack_layout import PackLayout
-from coldsnap_core.records import identity, read_trusted_record
-from coldsnap_core.verify import (
+from coldsnap_core.format.verify import (
     check_live_layout,
     check_manifest,
     check_pack_padding,
@@ -74,9 +74,9 @@ class AdmittedPack:
     admission of step 4 (see the module docstring) are done, so :func:`hydrate_admitted` does not repeat them.
 
     Attributes:
-        path: the admitted object path (:meth:`coldsnap_core.cache.PayloadCache.admit`).
-        layout: the pack's canonical layout (:func:`coldsnap_core.verify.check_manifest`), with the
-            live layout checked against the manifest (:func:`coldsnap_core.verify.check_live_layout`).
+        path: the admitted object path (:meth:`coldsnap_core.cache.payload_cache.PayloadCache.admit`).
+        layout: the pack's canonical layout (:func:`coldsnap_core.format.verify.check_manifest`), with the
+            live layout checked against the manifest (:func:`coldsnap_core.format.verify.check_live_layout`).
     """
 
     path: Path
@@ -196,7 +196,7 @@ def hydrate_admitted(
     manifest_file: str | None = None,
 ) -> HydrationReport:
     """:func:`hydrate` of a pack the caller already admitted, after checking every manifest rule and the
-    live layout (:class:`coldsnap_core.restore.WorkerRestore` does, once each): steps 1, 2 and the
+    live layout (:class:`coldsnap_core.restore.pipeline.WorkerRestore` does, once each): steps 1, 2 and the
     admission are not repeated; the blob, the padding and the copy run as in :func:`hydrate`. The
     padding is not read again when the admission just verified the pack in full against
     ``admitted.layout`` (that pass checked every padding byte of the same inode).

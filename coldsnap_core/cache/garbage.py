@@ -1,5 +1,5 @@
 """``coldsnap cache gc``'s sweeps of what no reader can use: stale temporaries and quarantined objects
-(the orphan records are swept by :meth:`coldsnap_core.cache.PayloadCache.gc`, under each digest's lock)."""
+(the orphan records are swept by :meth:`coldsnap_core.cache.payload_cache.PayloadCache.gc`, under each digest's lock)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coldsnap_core.partials import DOWNLOAD_DIR_SUFFIX, TEMP_SUFFIX, list_folder, remove_tree_or_file, tree_size, writer_gone
+from coldsnap_core.cache.partials import (
+    DOWNLOAD_DIR_SUFFIX,
+    TEMP_SUFFIX,
+    list_folder,
+    remove_tree_or_file,
+    tree_size,
+    writer_gone,
+)
 
 DEFAULT_GC_AGE_SECONDS = 3600.0
 """``coldsnap cache gc`` removes temporaries and quarantined objects older than this (1 hour)."""
