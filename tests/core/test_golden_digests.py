@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from core_support import REPO, Captured
 from safetensors import deserialize
 
@@ -45,6 +46,7 @@ print(json.dumps([m.pack.sha256, m.pack.size_bytes, m.layout_fingerprint, m.resi
 """
 
 
+@pytest.mark.slow  # about 13 s: two fresh interpreters capture the same bytes
 def test_golden_digests_are_the_same_in_two_separate_processes(smollm2_2layer: Path, tmp_path: Path) -> None:
     """Catches nondeterminism (hash randomization, dict or thread-completion order, addresses) leaking into the
     pack, the layout fingerprint or the residual blob, and any change to the canonical layout: two

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import coldsnap_core
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,6 +52,7 @@ def test_readme_names_the_public_api() -> None:
     assert "examples/restore_without_engine.py" in section
 
 
+@pytest.mark.slow  # about 10 s: the example runs as a script in a fresh interpreter
 def test_example_restores_a_captured_worker_without_an_engine(tmp_path: Path) -> None:
     """``examples/restore_without_engine.py`` runs as a user would run it (a fresh interpreter, the
     public API only), captures a worker, verifies the artifact and restores a fresh model byte for byte.

@@ -22,6 +22,7 @@ def test_without_a_gpu_the_script_says_why_and_exits_0() -> None:
     assert "nothing was measured" in result.stdout
 
 
+@pytest.mark.slow  # about 20 s: the GPU wake script end to end in fresh interpreters
 def test_simulated_run_checks_every_step_of_the_script(smollm2_2layer: Path, tmp_path: Path) -> None:
     """--simulate-on-cpu runs layout, capture, release/re-map, hydration, the pinned baselines and
     the sleep backend over mmap'd segments: every SHA-256 comparison reports equal and the sleep

@@ -50,6 +50,7 @@ def _backend(allocator: FakeCuMemAllocator, state) -> ColdsnapSleepBackend:
     return ColdsnapSleepBackend(allocator=allocator, backend_factory=lambda device: copy, load_state=lambda: state)
 
 
+@pytest.mark.slow  # about 11 s: sleeping processes in two PID namespaces
 @pytest.mark.skipif(not _pid_namespaces_available(), reason="unshare --pid needs root or user namespaces here")
 def test_sleep_capsules_collide_across_pid_namespaces(smollm2_2layer: Path, tmp_path: Path) -> None:
     """Two engines in two PID namespaces (both PID 1) share one state root: the first sleeps, the
@@ -115,6 +116,7 @@ def _cache_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # about 17 s: a sleeping process killed and its capsule collected by the CLI
 def test_sleep_capsule_of_an_engine_killed_while_asleep_is_listed_and_collected(
     smollm2_2layer: Path, smollm2_identity: ModelIdentity, tmp_path: Path
 ) -> None:
