@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
-from coldsnap_core.errors import ConfigurationError
+from coldsnap_core.errors import ConfigurationError, redact_store_spec
 
 STATE_ROOT_ENV = "COLDSNAP_STATE_ROOT"
 DEFAULT_STATE_ROOT = Path("~/.cache/coldsnap")
@@ -301,7 +301,10 @@ class StoreSettings:
     ) -> StoreSettings:
         directory, repo = directory.strip(), repo.strip()
         if directory and repo:
-            raise ConfigurationError(f"set only one of {dir_where} ({directory!r}) and {repo_where} ({repo!r})")
+            # the repository may be a connection string or URL with a secret: quoted redacted, as every store message
+            raise ConfigurationError(
+                f"set only one of {dir_where} ({directory!r}) and {repo_where} ({redact_store_spec(repr(repo))})"
+            )
         return cls(directory or None, repo or None, repo_type.strip() or "model", repo_where, client)
 
     @property

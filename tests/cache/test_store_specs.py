@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from coldsnap_core.errors import ConfigurationError
-from coldsnap_core.stores import parse_store_spec
+from coldsnap_core.errors import ConfigurationError, PayloadUnavailableError, StoreError
+from coldsnap_core.settings import ColdsnapSettings
+from coldsnap_core.stores import from_env, parse_store_spec
 from coldsnap_core.stores.azure import AzurePayloadStore
 from coldsnap_core.stores.gcs import GcsPayloadStore
 from coldsnap_core.stores.oci import OciPayloadStore
@@ -194,3 +195,98 @@ def test_a_malformed_docker_config_entry_for_the_registry_is_refused_before_any_
     with pytest.raises(ConfigurationError, match=rule) as raised:
         store.has("ab" * 32)
     assert raised.value.file == str(config / "config.json")
+
+
+@pytest.mark.parametrize(
+    ("spec", "secret"),
+    [
+        ("s3://AKIAXX:SeCrEt1@bucket/p", "SeCrEt1"),
+        ("gs://user:SeCrEt6@bkt/p", "SeCrEt6"),
+        ("az://acct:SeCrEt9@host/cont", "SeCrEt9"),
+        ("s3://AKIAXX:Se@Crt2@bucket/p", "Crt2"),  # an '@' inside the password: the whole user information goes
+    ],
+)
+def test_a_user_or_password_in_an_s3_gs_or_az_url_is_refused_and_never_shown(spec: str, secret: str, monkeypatch) -> None:
+    """``user:password@`` in an s3/gs/az URL is refused up front, naming the rule, and neither the message nor its
+    causes quote it (``--repo`` and ``COLDSNAP_PAYLOAD_REPO`` alike). Fails if the bucket/account check quotes the
+    unmasked first segment again."""
+    with pytest.raises(ConfigurationError) as raised:
+        parse_store_spec(spec)
+    assert "must not hold a user or password" in str(raised.value)
+    assert secret not in str(raised.value) and raised.value.__cause__ is None
+    monkeypatch.setenv("COLDSNAP_PAYLOAD_REPO", spec)
+    with pytest.raises(ConfigurationError) as raised:
+        from_env()
+    assert secret not in str(raised.value) and "COLDSNAP_PAYLOAD_REPO='" in str(raised.value)
+
+
+def test_both_store_variables_set_never_show_a_connection_string_key(monkeypatch, tmp_path) -> None:
+    """``COLDSNAP_PAYLOAD_DIR`` with an Azure connection string in ``COLDSNAP_PAYLOAD_REPO`` is refused naming both
+    variables with the account key masked, from the environment and from the engines' extra config. Fails if
+    ``StoreSettings`` quotes the repository unredacted."""
+    repo = "DefaultEndpointsProtocol=http;AccountName=a;AccountKey=SeCrEtK1;Container=cont"
+    monkeypatch.setenv("COLDSNAP_PAYLOAD_DIR", str(tmp_path))
+    monkeypatch.setenv("COLDSNAP_PAYLOAD_REPO", repo)
+    with pytest.raises(ConfigurationError, match="set only one of COLDSNAP_PAYLOAD_DIR") as raised:
+        from_env()
+    assert "SeCrEtK1" not in str(raised.value) and "AccountKey=***" in str(raised.value)
+    with pytest.raises(ConfigurationError, match="set only one of") as raised:
+        ColdsnapSettings.resolve({}, {"payload_dir": str(tmp_path), "payload_repo": repo})
+    assert "SeCrEtK1" not in str(raised.value) and "AccountKey=***" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("spec", "secret", "character"),
+    [
+        ("az://acct/cont/p?sv=2020&sig=SeCrEt8", "SeCrEt8", "?"),
+        ("s3://bkt/p?X-Amz-Signature=SeCrEt3", "SeCrEt3", "?"),
+        ("gs://bkt/p?sig=SeCrEt4", "SeCrEt4", "?"),
+        ("s3://bkt?X-Amz-Signature=SeCrEt5", "SeCrEt5", "?"),
+        ("gs://bkt/p#SeCrEt7", "SeCrEt7", "#"),
+        ("s3://bkt/p\\q", None, "\\"),
+        ("gs://bkt/p q", None, " "),
+        ("s3://bkt/p%2F..%2Fq", None, "%"),
+        ("az://acct/cont/p\nq", None, "\n"),
+        ("oci://registry.example/models/tiny?x=1", None, "?"),
+        ("DefaultEndpointsProtocol=http;AccountName=a;AccountKey=K;Container=cont/p?sig=SeCrEt2", "SeCrEt2", "?"),
+    ],
+)
+def test_a_query_fragment_or_odd_character_in_a_store_url_is_refused_redacted(
+    spec: str, secret: str | None, character: str
+) -> None:
+    """A query string, fragment, percent-escape, backslash, whitespace or control character in a store URL (or a
+    connection string's ``Container=`` prefix) is a ConfigurationError naming the character and the rule, and a
+    signature it carried is not shown. Fails if it is kept as part of the key prefix (the old behaviour: later store
+    errors then printed the signature)."""
+    with pytest.raises(ConfigurationError) as raised:
+        parse_store_spec(spec)
+    assert f"must not hold {character!r} (character " in str(raised.value) and "no query string" in str(raised.value)
+    if secret is not None:
+        assert secret not in str(raised.value)
+
+
+def test_a_store_error_never_shows_a_signature_its_store_name_carries() -> None:
+    """Every ``payload-store`` and ``payload-available`` error redacts its detail and file (one place, the error
+    classes), so a store whose name or location holds a signature never prints it. Fails if StoreError or
+    PayloadUnavailableError composes its message from the raw text."""
+    for exc in (
+        StoreError("az://acct/cont/p?sig=SeCrEt8: GET failed", file="s3://AK:SeCrEt1@b/x.pack"),
+        PayloadUnavailableError("az://acct/cont AccountKey=SeCrEt8 does not hold the pack", file="gs://b/p#SeCrEt1"),
+    ):
+        assert "SeCrEt8" not in str(exc) and "SeCrEt1" not in str(exc) and "***" in str(exc), str(exc)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["file://nas.example.com/exports/payloads", "file://", "file://user:SeCrEt@host/x", "file://host"],
+)
+def test_a_file_url_with_a_host_or_without_an_absolute_path_is_refused(spec: str, tmp_path, monkeypatch) -> None:
+    """Only ``file:///abs/path`` (empty or ``localhost`` host) is a folder store: ``file://nas/exports`` is a remote
+    host, not the relative folder ``./nas/exports``, and ``file://`` alone is not the current folder. Fails if the
+    scheme is stripped and the rest read as a (relative) path; the password is never shown."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigurationError, match=r"must be file:///absolute/path") as raised:
+        parse_store_spec(spec)
+    assert "SeCrEt" not in str(raised.value)
+    assert list(tmp_path.iterdir()) == []
+    assert parse_store_spec(f"file://{tmp_path}").name == parse_store_spec(f"file://localhost{tmp_path}").name
