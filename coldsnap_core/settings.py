@@ -60,6 +60,9 @@ STORE_READ_TIMEOUT_S = 20.0
 """Default seconds a payload store request may go without receiving a byte (``COLDSNAP_STORE_READ_TIMEOUT``)."""
 STORE_RETRIES = 2
 """Default retries of a failed payload store request (``COLDSNAP_STORE_RETRIES``): 3 attempts in all."""
+STORE_TIMEOUT_MAX_S = 86400.0
+"""The longest store timeout ``COLDSNAP_STORE_CONNECT_TIMEOUT`` / ``COLDSNAP_STORE_READ_TIMEOUT`` accept (1 day): a
+longer one overflows the clients' clocks (``OverflowError: timestamp out of range``) and only hides a dead store."""
 STORE_RETRIES_MAX = 20
 """The most retries ``COLDSNAP_STORE_RETRIES`` accepts (more only multiplies how long a dead store holds a lock)."""
 LOCK_TIMEOUT_SECONDS = 600.0
@@ -135,7 +138,7 @@ def lock_timeout_from_env(
     else:
         try:
             seconds = float(text)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: a JSON integer beyond a float (10**400)
             seconds = float("nan")
     if isinstance(value, bool) or not (0 <= seconds < float("inf")):
         raise ConfigurationError(f"{where}={value!r} is not a number of seconds >= 0")
@@ -183,20 +186,23 @@ _WHOLE = re.compile(r"[0-9]+", re.ASCII)
 
 
 def positive_seconds(where: str, value: object) -> float | None:
-    """A store timeout: a finite number of seconds > 0 in ASCII decimals (``2``, ``0.5``; trimmed), or a JSON
+    """A store timeout: a number of seconds > 0 and at most :data:`STORE_TIMEOUT_MAX_S` in ASCII decimals (``2``, ``0.5``; trimmed), or a JSON
     number from an extra config; blank means the default (``None``).
 
     Raises:
-        ConfigurationError: anything else (``0``, ``-1``, ``inf``, ``nan``, ``1_000``, non-ASCII digits),
-            naming ``where`` and the value.
+        ConfigurationError: anything else (``0``, ``-1``, ``inf``, ``nan``, ``1_000``, non-ASCII digits, more than
+            :data:`STORE_TIMEOUT_MAX_S`), naming ``where`` and the value.
     """
     if isinstance(value, str) and not value.strip():
         return None
     text = value.strip() if isinstance(value, str) else value
     number = isinstance(text, int | float) and not isinstance(text, bool)  # a JSON number from an extra config
-    seconds = float(text) if number or (isinstance(text, str) and _SECONDS.fullmatch(text)) else float("nan")  # type: ignore[arg-type]
-    if not (0 < seconds < float("inf")):
-        raise ConfigurationError(f"{where}={value!r} is not a number of seconds > 0")
+    try:
+        seconds = float(text) if number or (isinstance(text, str) and _SECONDS.fullmatch(text)) else float("nan")  # type: ignore[arg-type]
+    except OverflowError:  # a JSON integer beyond a float (10**400)
+        seconds = float("inf")
+    if not (0 < seconds <= STORE_TIMEOUT_MAX_S):
+        raise ConfigurationError(f"{where}={value!r} is not a number of seconds > 0 and at most {STORE_TIMEOUT_MAX_S:g} (1 day)")
     return seconds
 
 
@@ -512,7 +518,7 @@ SETTINGS: tuple[Setting, ...] = (
         "store.connect_timeout_s",
         positive_seconds,
         "`10`",
-        "seconds a remote payload store's client (S3, OCI, GCS, Azure) waits for a connection (> 0)",
+        "seconds a remote payload store's client (S3, OCI, GCS, Azure) waits for a connection (> 0, at most 86400)",
     ),
     Setting(
         "store_read_timeout",
@@ -520,7 +526,7 @@ SETTINGS: tuple[Setting, ...] = (
         "store.read_timeout_s",
         positive_seconds,
         "`20`",
-        "seconds a remote payload store request may go without receiving a byte before it fails (> 0); a stalled"
+        "seconds a remote payload store request may go without receiving a byte before it fails (> 0, at most 86400); a stalled"
         " store fails as `payload-store` naming the store and this timeout",
     ),
     Setting(

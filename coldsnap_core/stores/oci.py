@@ -377,7 +377,7 @@ class OciPayloadStore:
                 headers["Authorization"] = authorization
             try:
                 response = self.client.request(method, url, headers=headers, **kwargs)
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, OverflowError) as exc:  # OverflowError: a deadline past the clock's range
                 raise request_failure(self.name, f"{method} {url}", exc, self.client_settings, where=where) from exc
             if response.status_code not in (401, 403) or attempt == 1:
                 break
@@ -421,7 +421,7 @@ class OciPayloadStore:
                 )
             else:
                 response = self.client.get(params["realm"], params=query, headers={"Authorization": basic} if basic else {})
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, OverflowError) as exc:
             raise StoreError(f"{self.name}: the token request to {params['realm']} failed: {exc}", file=where) from exc
         if response.status_code != 200:
             source = f"credentials from {creds.source}" if creds else "anonymous"
