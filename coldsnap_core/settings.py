@@ -11,7 +11,8 @@ made from it, and README's settings table is compared with it row by row
 
 An extra-config key wins over its environment variable. Values are read leniently in form only: choices
 are case-insensitive and trimmed, an empty or blank (whitespace-only) value means the default for every setting
-(as if it were unset: ``VAR=`` is how a shell unsets a variable for one command; the ``coldsnap`` command's
+(as if it were unset: a blank extra-config key lets its variable apply; ``VAR=`` is how a shell unsets a
+variable for one command; the ``coldsnap`` command's
 readers follow the same rule), booleans are ``1``/``0``,
 ``true``/``false``, ``yes``/``no``, ``on``/``off`` (or JSON ``true``/``false``/``1``/``0`` in the extra
 config), paths are trimmed, ``~``-expanded and made absolute. Anything else is a
@@ -617,7 +618,7 @@ class ColdsnapSettings:
             inner_load_formats: the load formats the engine's default loader serves.
 
         Each row of :data:`SETTINGS` is looked up once: its extra-config key, else its variable, parsed
-        by its parser; a blank value means the default.
+        by its parser; a blank key is as if absent (its variable applies), a blank variable means the default.
 
         Returns:
             ``(settings, rest)``: the settings, and the extra config without coldsnap's keys (for
@@ -635,8 +636,10 @@ class ColdsnapSettings:
         values: dict[str, object] = {}
         found: dict[str, tuple[str, object]] = {}  # field -> (where it was set, the value as given)
         for setting in SETTINGS:
-            if setting.key in extra:
-                where, value = f"extra-config key {setting.key!r}", extra[setting.key]
+            given = extra.get(setting.key)
+            # a blank key is as if absent (the module docstring): its variable, if set, applies
+            if setting.key in extra and not (isinstance(given, str) and not given.strip()):
+                where, value = f"extra-config key {setting.key!r}", given
             elif setting.variable is not None and setting.variable in environ:
                 where, value = setting.variable, environ[setting.variable]
             else:
