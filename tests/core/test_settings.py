@@ -140,7 +140,9 @@ def test_payload_store_is_a_setting_like_the_others(tmp_path: Path) -> None:
 
     assert ColdsnapSettings.resolve({})[0].store == StoreSettings() and not StoreSettings().configured
     env = {"COLDSNAP_PAYLOAD_REPO": " org/name@v1 ", "COLDSNAP_PAYLOAD_REPO_TYPE": "dataset"}
-    settings, rest = ColdsnapSettings.resolve(env, {"payload_dir": str(tmp_path), "payload_repo": "", "other": 1})
+    # a blank key is as if absent (the variable would apply), so the repository variable is left out here
+    type_only = {"COLDSNAP_PAYLOAD_REPO_TYPE": "dataset"}
+    settings, rest = ColdsnapSettings.resolve(type_only, {"payload_dir": str(tmp_path), "payload_repo": "", "other": 1})
     assert settings.store == StoreSettings(payload_dir=str(tmp_path), repo_type="dataset") and rest == {"other": 1}
     store = from_settings(settings.store)
     assert isinstance(store, LocalFolderStore)
