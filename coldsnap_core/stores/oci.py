@@ -25,7 +25,7 @@ Credentials: the Docker config file (``$DOCKER_CONFIG/config.json``, else ``~/.d
 credentials, ``WWW-Authenticate: Bearer realm=...,service=...,scope=...`` with a token fetched from the realm
 (the Docker registry token protocol; the credentials as Basic authentication, an ``identitytoken`` as an
 OAuth2 refresh token). Plain HTTP only for a loopback registry (``127.0.0.0/8``, ``::1``, ``localhost``) or
-with ``COLDSNAP_OCI_PLAIN_HTTP=1``; HTTPS otherwise.
+with ``COLDSNAP_OCI_PLAIN_HTTP=1`` (or ``true``, ``yes``, ``on``); HTTPS otherwise.
 
 Consistency: a registry stores a blob by its digest after hashing it, so two publishers of one digest leave
 one blob. A registry never replaces a blob it already holds (an upload of the same digest is accepted and
@@ -58,7 +58,7 @@ from coldsnap_core.errors import (
     StoreError,
     size_mismatch,
 )
-from coldsnap_core.settings import StoreClientSettings
+from coldsnap_core.settings import StoreClientSettings, parse_flag
 from coldsnap_core.stores._ranged import (
     DEFAULT_CONCURRENCY,
     check_file_digest,
@@ -285,10 +285,8 @@ class OciPayloadStore:
                 f"OCI store: chunk_size_bytes ({chunk_size_bytes}) and concurrency ({concurrency}) must be > 0"
             )
         if plain_http is None:
-            flag = os.environ.get(PLAIN_HTTP_ENV, "").strip()
-            if flag not in ("", "0", "1"):
-                raise ConfigurationError(f"{PLAIN_HTTP_ENV}={flag!r} is not 0 or 1")
-            plain_http = _is_loopback(registry) or flag == "1"
+            # spelled as every coldsnap boolean (1/0, true/false, yes/no, on/off); anything else is refused
+            plain_http = _is_loopback(registry) or parse_flag(PLAIN_HTTP_ENV, os.environ.get(PLAIN_HTTP_ENV, ""))
         if mount_from is None:
             mount_from = tuple(r.strip() for r in os.environ.get(MOUNT_FROM_ENV, "").split(",") if r.strip())
         for other in mount_from:
