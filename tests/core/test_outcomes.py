@@ -147,7 +147,7 @@ def test_status_fail_on_fallback_refuses_a_log_of_only_malformed_lines(tmp_path:
     malformed lines (an alert that cannot read any load must not pass); plain ``status`` still exits 0 and reports
     them skipped. Fails if the alert passes (exit 0, the old behaviour) when no line could be read."""
     log = tmp_path / "load-outcomes.jsonl"
-    log.write_text("not json\n{\"format\": \"other\"}\n[1]\n")
+    log.write_text('not json\n{"format": "other"}\n[1]\n')
     assert main(["status", "--outcome-log", str(log), "--fail-on-fallback"]) == 4
     err = capsys.readouterr().err
     assert str(log) in err and "3 malformed line(s)" in err and "no readable load outcome" in err
