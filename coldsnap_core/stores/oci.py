@@ -51,13 +51,16 @@ from typing import Any
 
 from coldsnap_core.digests import check_digest
 from coldsnap_core.errors import (
+    ColdsnapError,
     ConfigurationError,
+    MissingObjectError,
     PackDigestMismatchError,
     PackSizeMismatchError,
     PayloadUnavailableError,
     StoreError,
     size_mismatch,
 )
+from coldsnap_core.format._strict import read_document_bytes
 from coldsnap_core.settings import StoreClientSettings, parse_flag
 from coldsnap_core.stores._ranged import (
     DEFAULT_CONCURRENCY,
@@ -87,6 +90,8 @@ MOUNT_FROM_ENV = "COLDSNAP_OCI_MOUNT_FROM"
 DOCKER_CONFIG_ENV = "DOCKER_CONFIG"
 CHUNK_SIZE_BYTES = 64 << 20
 """Bytes per upload request (one ``PUT`` up to this size, ``PATCH`` chunks of this size beyond)."""
+DOCKER_CONFIG_MAX_BYTES = 4 << 20
+"""The largest Docker config file read (4 MiB: a config holds one short entry per registry)."""
 REFERENCE_NAME_MAX_CHARS = 255
 """The longest ``HOST[:PORT]/NAME`` (OCI Distribution Specification, "Pulling manifests": many clients impose this
 limit, so a longer one could be pushed but not pulled by them)."""
@@ -197,19 +202,22 @@ def load_credentials(registry: str, config_path: Path | None = None) -> Registry
     ``https://`` / ``http://`` and a path), or ``None`` when the file or the entry is absent.
 
     Raises:
-        ConfigurationError: the file is not a JSON object, its ``auths`` is not an object, or the entry for
+        ConfigurationError: the file is not a regular file (a named pipe, a device), is larger than
+            :data:`DOCKER_CONFIG_MAX_BYTES` or cannot be read, is not a JSON object, its ``auths`` is not an object, or the entry for
             ``registry`` is not an object, has a field that is not a string, or an ``auth`` that is not base64
             ``user:password`` (with the ``:``); entries for other registries are not judged.
     """
     path = config_path or docker_config_path()
     try:
-        text = path.read_text()
-    except FileNotFoundError:
+        # read as documents are: a named pipe, a device (a link to /dev/zero) or a huge file never blocks the
+        # stage or makes it read without bound; only a regular file of at most DOCKER_CONFIG_MAX_BYTES is read
+        data = read_document_bytes(path, max_bytes=DOCKER_CONFIG_MAX_BYTES)
+    except MissingObjectError:
         return None
-    except OSError as exc:
-        raise ConfigurationError(f"the Docker config file cannot be read: {exc}", file=path) from exc
+    except ColdsnapError as exc:
+        raise ConfigurationError(f"the Docker config file cannot be read: {exc.detail}", file=path) from exc
     try:
-        auths = json.loads(text).get("auths", {})
+        auths = json.loads(data).get("auths", {})
     except (ValueError, AttributeError) as exc:
         raise ConfigurationError(f"the Docker config file is not a JSON object: {exc}", file=path) from exc
     if not isinstance(auths, dict):

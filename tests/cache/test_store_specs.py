@@ -3,6 +3,8 @@ stores themselves run the contract suite against fake-gcs-server and azurite).""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from coldsnap_core.errors import ConfigurationError, PayloadUnavailableError, StoreError
@@ -300,3 +302,41 @@ def test_a_file_url_with_a_host_or_without_an_absolute_path_is_refused(spec: str
     assert "SeCrEt" not in str(raised.value)
     assert list(tmp_path.iterdir()) == []
     assert parse_store_spec(f"file://{tmp_path}").name == parse_store_spec(f"file://localhost{tmp_path}").name
+
+
+def test_a_docker_config_that_is_a_pipe_a_device_or_huge_is_refused_naming_it(tmp_path) -> None:
+    """``$DOCKER_CONFIG/config.json`` that is a named pipe, a link to ``/dev/zero`` or larger than 4 MiB is a
+    ConfigurationError naming the file, before any request; it is opened as documents are (regular files only,
+    non-blocking, size cap). Fails if it is read with ``read_text`` again: the pipe then blocks the stage for ever
+    and ``/dev/zero`` is read without bound (run in a child process with a 60 s bound so the old code fails, not
+    hangs)."""
+    import subprocess
+    import sys
+
+    cases = {}
+    for name in ("fifo", "zero", "huge"):
+        folder = tmp_path / name
+        folder.mkdir()
+        cases[name] = folder
+    os.mkfifo(cases["fifo"] / "config.json")
+    (cases["zero"] / "config.json").symlink_to("/dev/zero")
+    with open(cases["huge"] / "config.json", "wb") as f:
+        f.truncate(5 << 20)  # sparse: 5 MiB of zeros, over the cap
+    script = (
+        "import os, sys\n"
+        "from coldsnap_core.errors import ConfigurationError\n"
+        "from coldsnap_core.stores import parse_store_spec\n"
+        "for folder in sys.argv[1:]:\n"
+        "    os.environ['DOCKER_CONFIG'] = folder\n"
+        "    try:\n"
+        "        parse_store_spec('oci://127.0.0.1:9/models/tiny').has('ab' * 32)\n"
+        "    except ConfigurationError as exc:\n"
+        "        print(exc.file, '|', exc.detail)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, *map(str, cases.values())], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.splitlines()
+    assert len(out) == 3, done.stdout
+    for line, folder in zip(out, cases.values(), strict=True):
+        assert line.startswith(f"{folder / 'config.json'} | the Docker config file cannot be read"), line
+    assert "not a regular file" in out[0] and "not a regular file" in out[1] and "more than" in out[2]
