@@ -117,7 +117,8 @@ def _file_url_path(spec: str) -> str:
 def _check_url(spec: str) -> None:
     """The rules every ``s3://``, ``gs://``, ``az://`` and ``oci://`` URL follows before its own parser runs:
     no ``user:password@`` (credentials come from the store's own variables or files, never the URL) and none of
-    the characters of :data:`coldsnap_core.stores.base.URL_REFUSED_CHARACTERS`. Messages never quote the URL (the caller quotes it redacted).
+    the characters of :data:`coldsnap_core.stores.base.URL_REFUSED_CHARACTERS`. Messages quote the URL, redacted by
+    :func:`parse_store_spec` (user information, query string and fragment masked).
 
     Raises:
         ConfigurationError: ``user:password@`` (rule: no credentials in a store URL), or a refused character
@@ -126,10 +127,10 @@ def _check_url(spec: str) -> None:
     scheme, _, rest = spec.partition("://")
     if "@" in rest.partition("/")[0] and scheme != "oci":  # oci's own parser refuses it with its own words
         raise ConfigurationError(
-            f"the {scheme}:// payload store URL must not hold a user or password ('user:password@'): credentials come"
-            " from the store's own variables or files (the value is not shown)"
+            f"{spec!r}: the {scheme}:// payload store URL must not hold a user or password ('user:password@'):"
+            " credentials come from the store's own variables or files"
         )
-    refused = refused_character_message(f"the {scheme}:// payload store URL", spec)
+    refused = refused_character_message(f"{spec!r}: the {scheme}:// payload store URL", spec)
     if refused:
         raise ConfigurationError(refused)
 

@@ -136,6 +136,16 @@ class ArtifactIndex(Protocol):
     artifact, ``docs/format.md`` §12.6). Publication calls it once per artifact, after every pack is in
     the store; staging never needs it (packs are fetched by digest)."""
 
+    def check_artifact(self, listing: ArtifactListing) -> None:
+        """Refuse now, reading only, what :meth:`publish_artifact` would refuse for ``listing`` (a tag naming
+        another artifact): publication calls it for every artifact before it uploads any pack, and a dry run too.
+
+        Raises:
+            ConfigurationError: the record would be refused.
+            StoreError: the store failed.
+        """
+        ...
+
     def publish_artifact(self, listing: ArtifactListing) -> str:
         """Record ``listing``; returns a reference to the record (for the log and the CLI).
 

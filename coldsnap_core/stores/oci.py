@@ -723,7 +723,9 @@ class OciPayloadStore:
         tag = re.sub(r"[^A-Za-z0-9._-]", "-", listing.name).lstrip(".-")[:128]
         return tag or "latest"
 
-    def _check_tag_move(self, url: str, where: str, name: str, current: str | None, manifest_digest: str) -> None:
+    def _check_tag_move(
+        self, url: str, where: str, name: str, current: str | None, manifest_digest: str, *, warn: bool = True
+    ) -> None:
         """The tag names another manifest: allowed, with a WARNING, only when that manifest is coldsnap's for the
         same artifact folder name (a re-capture); one tag names one artifact across publications too.
 
@@ -750,6 +752,8 @@ class OciPayloadStore:
                 f"{self.name}: the tag {where} names {what} ({current}); one tag names one artifact: publish {name!r}"
                 " under another tag (or none: each artifact is then tagged by its folder name), or delete the tag first"
             )
+        if not warn:  # a check before the upload: the move is logged once, when it happens
+            return
         logger.warning(
             "coldsnap: moving %s from %s to sha256:%s (a new capture of %r; pulls of the tag get the new one)",
             where,
@@ -757,6 +761,29 @@ class OciPayloadStore:
             manifest_digest,
             name,
         )
+
+    def check_artifact(self, listing: ArtifactListing) -> None:
+        """Refuse now what :meth:`publish_artifact` would refuse for ``listing``'s tag, before any blob is uploaded
+        (and for a dry run): the tag already named another artifact of this publication, or names another artifact
+        or a manifest that is not coldsnap's in the registry. Reads only (``HEAD``/``GET`` of the tag).
+
+        Raises:
+            ConfigurationError: as :meth:`publish_artifact`.
+            StoreError: the registry failed.
+        """
+        manifest_digest = hashlib.sha256(self.manifest_for(listing)).hexdigest()
+        tag = self.tag_for(listing)
+        if self._tagged.setdefault(tag, listing.name) != listing.name:
+            raise ConfigurationError(
+                f"{self.name}: the tag {tag!r} would name both {self._tagged[tag]!r} and {listing.name!r}; "
+                "publish one artifact per tag, or leave the tag out of the URL (each artifact is then tagged by its folder name)"
+            )
+        url = f"{self.base_url}/v2/{self.repository}/manifests/{tag}"
+        where = f"{OCI_SCHEME}{self.registry}/{self.repository}:{tag}"
+        head = self._request("HEAD", url, where=where, scope_key="pull", headers={"Accept": MANIFEST_MEDIA_TYPE})
+        current = head.headers.get("Docker-Content-Digest")
+        if head.status_code == 200 and current != f"sha256:{manifest_digest}":
+            self._check_tag_move(url, where, listing.name, current, manifest_digest, warn=False)
 
     def publish_artifact(self, listing: ArtifactListing) -> str:
         """Push the manifest of one artifact whose packs are in the repository; returns its reference
