@@ -178,12 +178,16 @@ def test_a_json_number_too_large_for_a_float_is_a_configuration_error_naming_the
 
 def test_a_clock_overflow_in_the_oci_client_is_a_payload_store_error(tmp_path: Path) -> None:
     """A deadline past the clock's range inside the OCI client (a timeout built around the settings' bound) is a
-    StoreError naming the store, never an untyped OverflowError (the CLI exited 1 with a traceback)."""
-    with StallingEndpoint() as endpoint:
+    StoreError naming the store, never an untyped OverflowError (the CLI exited 1 with a traceback). The registry is a
+    real listening socket on 127.0.0.1 (the kernel completes the connection; nothing answers)."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        host = f"127.0.0.1:{listener.getsockname()[1]}"
         store = from_settings(
-            StoreSettings(
-                payload_repo=f"oci://{endpoint.host}/coldsnap/payloads", client=StoreClientSettings(read_timeout_s=1e10)
-            )
+            StoreSettings(payload_repo=f"oci://{host}/coldsnap/payloads", client=StoreClientSettings(read_timeout_s=1e10))
         )
         with pytest.raises(StoreError, match="OverflowError") as raised:
             store.has(DIGEST)
