@@ -25,6 +25,7 @@ code  meaning
 
 from __future__ import annotations
 
+import re
 from os import PathLike
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "UnsupportedFormatVersionError",
     "ValidationRecordError",
     "WakeError",
+    "redact_store_spec",
     "size_mismatch",
 ]
 
@@ -140,6 +142,32 @@ class ColdsnapError(Exception):
             context.append(f"offset_bytes={self.offset_bytes}")
         suffix = f" [{', '.join(context)}]" if context else ""
         return f"rule {self.rule} failed: {self.detail}{suffix}"
+
+
+_SECRET_VALUE = re.compile(r"(?i)\b(AccountKey|SharedAccessSignature|sig|X-Amz-Signature|X-Goog-Signature)=([^;&\s'\"]*)")
+_URL_USERINFO = re.compile(r"(://)[^/\s'\"]*@")
+# a URL's query string or fragment (a SAS token, a presigned signature): everything after '?' or '#' up to a quote
+# or a space. Store URLs refuse both (docs/format.md §12), so only a message quoting a refused value shows one.
+_URL_QUERY = re.compile(r"(://[^?#\s'\"]*)[?#][^\s'\"]*")
+
+
+def redact_store_spec(text: str) -> str:
+    """``text`` (a store setting, or a message quoting one) with its secrets replaced by ``***``: the values of
+    an Azure connection string's ``AccountKey`` and ``SharedAccessSignature`` (and a SAS ``sig``, a presigned
+    ``X-Amz-Signature`` / ``X-Goog-Signature``), the ``user:password@`` of a URL, and a URL's query string or
+    fragment. Every message that quotes a store setting goes through this, and so does every
+    :class:`StoreError` and :class:`PayloadUnavailableError` (their detail and file)."""
+    text = _SECRET_VALUE.sub(r"\1=***", text)
+    text = _URL_USERINFO.sub(r"\1***@", text)
+    return _URL_QUERY.sub(r"\1?***", text)
+
+
+class _RedactedMessage(ColdsnapError):
+    """An error whose detail and file may quote a store's name or an object's location: both go through
+    :func:`redact_store_spec` (a store built from a setting with a secret never shows it in an error)."""
+
+    def __init__(self, detail: str, *, file: str | PathLike[str] | None = None, **kwargs: int | None) -> None:
+        super().__init__(redact_store_spec(detail), file=None if file is None else redact_store_spec(str(file)), **kwargs)
 
 
 # --- 2: malformed or unsupported manifests --------------------------------------------------------
@@ -315,7 +343,7 @@ class MissingObjectError(ColdsnapError):
     exit_code = EXIT_MISSING
 
 
-class PayloadUnavailableError(MissingObjectError):
+class PayloadUnavailableError(MissingObjectError, _RedactedMessage):
     """No source (node-local cache, payload store) can provide a worker's pack.
 
     ``COLDSNAP_RESTORE=auto`` falls back to the safetensors recovery load on this error.
@@ -363,7 +391,7 @@ class ValidationRecordError(CacheError):
     rule = "validation-record"
 
 
-class StoreError(ColdsnapError):
+class StoreError(_RedactedMessage):
     """A payload store (local folder, Hugging Face repository) failed."""
 
     rule = "payload-store"

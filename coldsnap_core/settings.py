@@ -11,7 +11,8 @@ made from it, and README's settings table is compared with it row by row
 
 An extra-config key wins over its environment variable. Values are read leniently in form only: choices
 are case-insensitive and trimmed, an empty or blank (whitespace-only) value means the default for every setting
-(as if it were unset: ``VAR=`` is how a shell unsets a variable for one command; the ``coldsnap`` command's
+(as if it were unset: a blank extra-config key lets its variable apply; ``VAR=`` is how a shell unsets a
+variable for one command; the ``coldsnap`` command's
 readers follow the same rule), booleans are ``1``/``0``,
 ``true``/``false``, ``yes``/``no``, ``on``/``off`` (or JSON ``true``/``false``/``1``/``0`` in the extra
 config), paths are trimmed, ``~``-expanded and made absolute. Anything else is a
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
-from coldsnap_core.errors import ConfigurationError
+from coldsnap_core.errors import ConfigurationError, redact_store_spec
 
 STATE_ROOT_ENV = "COLDSNAP_STATE_ROOT"
 DEFAULT_STATE_ROOT = Path("~/.cache/coldsnap")
@@ -60,6 +61,9 @@ STORE_READ_TIMEOUT_S = 20.0
 """Default seconds a payload store request may go without receiving a byte (``COLDSNAP_STORE_READ_TIMEOUT``)."""
 STORE_RETRIES = 2
 """Default retries of a failed payload store request (``COLDSNAP_STORE_RETRIES``): 3 attempts in all."""
+STORE_TIMEOUT_MAX_S = 86400.0
+"""The longest store timeout ``COLDSNAP_STORE_CONNECT_TIMEOUT`` / ``COLDSNAP_STORE_READ_TIMEOUT`` accept (1 day): a
+longer one overflows the clients' clocks (``OverflowError: timestamp out of range``) and only hides a dead store."""
 STORE_RETRIES_MAX = 20
 """The most retries ``COLDSNAP_STORE_RETRIES`` accepts (more only multiplies how long a dead store holds a lock)."""
 LOCK_TIMEOUT_SECONDS = 600.0
@@ -137,7 +141,7 @@ def lock_timeout_from_env(
     else:
         try:
             seconds = float(text)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: a JSON integer beyond a float (10**400)
             seconds = float("nan")
     if isinstance(value, bool) or not (0 <= seconds < float("inf")):
         raise ConfigurationError(f"{where}={value!r} is not a number of seconds >= 0")
@@ -185,20 +189,23 @@ _WHOLE = re.compile(r"[0-9]+", re.ASCII)
 
 
 def positive_seconds(where: str, value: object) -> float | None:
-    """A store timeout: a finite number of seconds > 0 in ASCII decimals (``2``, ``0.5``; trimmed), or a JSON
+    """A store timeout: a number of seconds > 0 and at most :data:`STORE_TIMEOUT_MAX_S` in ASCII decimals (``2``, ``0.5``; trimmed), or a JSON
     number from an extra config; blank means the default (``None``).
 
     Raises:
-        ConfigurationError: anything else (``0``, ``-1``, ``inf``, ``nan``, ``1_000``, non-ASCII digits),
-            naming ``where`` and the value.
+        ConfigurationError: anything else (``0``, ``-1``, ``inf``, ``nan``, ``1_000``, non-ASCII digits, more than
+            :data:`STORE_TIMEOUT_MAX_S`), naming ``where`` and the value.
     """
     if isinstance(value, str) and not value.strip():
         return None
     text = value.strip() if isinstance(value, str) else value
     number = isinstance(text, int | float) and not isinstance(text, bool)  # a JSON number from an extra config
-    seconds = float(text) if number or (isinstance(text, str) and _SECONDS.fullmatch(text)) else float("nan")  # type: ignore[arg-type]
-    if not (0 < seconds < float("inf")):
-        raise ConfigurationError(f"{where}={value!r} is not a number of seconds > 0")
+    try:
+        seconds = float(text) if number or (isinstance(text, str) and _SECONDS.fullmatch(text)) else float("nan")  # type: ignore[arg-type]
+    except OverflowError:  # a JSON integer beyond a float (10**400)
+        seconds = float("inf")
+    if not (0 < seconds <= STORE_TIMEOUT_MAX_S):
+        raise ConfigurationError(f"{where}={value!r} is not a number of seconds > 0 and at most {STORE_TIMEOUT_MAX_S:g} (1 day)")
     return seconds
 
 
@@ -303,7 +310,10 @@ class StoreSettings:
     ) -> StoreSettings:
         directory, repo = directory.strip(), repo.strip()
         if directory and repo:
-            raise ConfigurationError(f"set only one of {dir_where} ({directory!r}) and {repo_where} ({repo!r})")
+            # the repository may be a connection string or URL with a secret: quoted redacted, as every store message
+            raise ConfigurationError(
+                f"set only one of {dir_where} ({directory!r}) and {repo_where} ({redact_store_spec(repr(repo))})"
+            )
         return cls(directory or None, repo or None, repo_type.strip() or "model", repo_where, client)
 
     @property
@@ -520,7 +530,7 @@ SETTINGS: tuple[Setting, ...] = (
         "store.connect_timeout_s",
         positive_seconds,
         "`10`",
-        "seconds a remote payload store's client (S3, OCI, GCS, Azure) waits for a connection (> 0)",
+        "seconds a remote payload store's client (S3, OCI, GCS, Azure) waits for a connection (> 0, at most 86400)",
     ),
     Setting(
         "store_read_timeout",
@@ -528,7 +538,7 @@ SETTINGS: tuple[Setting, ...] = (
         "store.read_timeout_s",
         positive_seconds,
         "`20`",
-        "seconds a remote payload store request may go without receiving a byte before it fails (> 0); a stalled"
+        "seconds a remote payload store request may go without receiving a byte before it fails (> 0, at most 86400); a stalled"
         " store fails as `payload-store` naming the store and this timeout",
     ),
     Setting(
@@ -621,7 +631,7 @@ class ColdsnapSettings:
             inner_load_formats: the load formats the engine's default loader serves.
 
         Each row of :data:`SETTINGS` is looked up once: its extra-config key, else its variable, parsed
-        by its parser; a blank value means the default.
+        by its parser; a blank key is as if absent (its variable applies), a blank variable means the default.
 
         Returns:
             ``(settings, rest)``: the settings, and the extra config without coldsnap's keys (for
@@ -639,8 +649,10 @@ class ColdsnapSettings:
         values: dict[str, object] = {}
         found: dict[str, tuple[str, object]] = {}  # field -> (where it was set, the value as given)
         for setting in SETTINGS:
-            if setting.key in extra:
-                where, value = f"extra-config key {setting.key!r}", extra[setting.key]
+            given = extra.get(setting.key)
+            # a blank key is as if absent (the module docstring): its variable, if set, applies
+            if setting.key in extra and not (isinstance(given, str) and not given.strip()):
+                where, value = f"extra-config key {setting.key!r}", given
             elif setting.variable is not None and setting.variable in environ:
                 where, value = setting.variable, environ[setting.variable]
             else:

@@ -5,17 +5,19 @@ Reads the load outcome log (``docs/format.md`` §10.3: ``<state-root>/load-outco
 last ``--last`` loads ended in each outcome, the latest one and the latest fallback or refusal with
 its rule and file. Exit codes: 0 (also for a missing or empty log, which the output says), 4 when the log cannot
 be read; with ``--fail-on-fallback``, 1 when the latest load of any artifact fell back or was refused (for
-alerting) and 4 when the log does not exist (an alert that cannot see the log must not pass).
+alerting) and 4 when the log does not exist or holds only malformed lines (an alert that cannot see a load must not
+pass). A log that is a symbolic link is not followed (exit 4, saying so).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 
 from coldsnap_core._io import os_error
-from coldsnap_core.errors import EXIT_INTEGRITY, FileAccessError
+from coldsnap_core.errors import EXIT_INTEGRITY, FileAccessError, UnsafePathError
 from coldsnap_core.outcomes import OUTCOMES, outcome_log_path, read_outcomes, summarize
 from coldsnap_core.settings import OUTCOME_LOG_ENV, outcome_log_from_env, resolve_state_root
 
@@ -41,6 +43,11 @@ def _status(args: argparse.Namespace) -> int:
     try:
         lines, skipped = read_outcomes(path, args.last)
     except OSError as exc:
+        if exc.errno == errno.ELOOP and path.is_symlink():  # O_NOFOLLOW: "Too many levels of symbolic links"
+            raise UnsafePathError(
+                "the load outcome log is a symbolic link, which is not followed; give the log's real path",
+                file=path,
+            ) from exc
         raise os_error("cannot read the load outcome log", exc, path) from exc
     exists = bool(lines) or skipped > 0 or os.path.lexists(path)  # read_outcomes reads a missing log as empty
     if not exists and args.fail_on_fallback:
@@ -49,6 +56,13 @@ def _status(args: argparse.Namespace) -> int:
         raise FileAccessError(
             f"the load outcome log does not exist ({'nor its folder' if not path.parent.is_dir() else 'no load recorded yet'}):"
             f" --fail-on-fallback cannot tell whether a load fell back; check --outcome-log, ${OUTCOME_LOG_ENV} and the state root",
+            file=path,
+        )
+    if args.fail_on_fallback and not lines and skipped:
+        # an alert that cannot read any load must not pass: a log of only malformed lines says nothing
+        raise FileAccessError(
+            f"the load outcome log holds no readable load outcome ({skipped} malformed line(s) in the last"
+            f" {args.last} read): --fail-on-fallback cannot tell whether a load fell back",
             file=path,
         )
     summaries = summarize(lines)
@@ -95,7 +109,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="summarize recent worker loads per artifact (restored / captured / fell back)",
         description="Summarize the load outcome log per artifact folder. Exit codes: 0 ok, 1 with --fail-on-fallback "
         "when the latest load of an artifact fell back or was refused, 4 the log cannot be read (with "
-        "--fail-on-fallback: also when it does not exist).",
+        "--fail-on-fallback: also when it does not exist or holds only malformed lines).",
     )
     p.add_argument("--state-root", default=None, help="the state root (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)")
     p.add_argument(
@@ -115,6 +129,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--fail-on-fallback",
         action="store_true",
-        help="exit 1 when the latest load of any artifact fell back or was refused, 4 when the log does not exist",
+        help="exit 1 when the latest load of any artifact fell back or was refused, 4 when the log does not exist or"
+        " holds only malformed lines",
     )
     p.set_defaults(func=_status)

@@ -25,10 +25,9 @@ means "no store" (staging then uses the node-local cache only).
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 
-from coldsnap_core.errors import ColdsnapError, ConfigurationError
+from coldsnap_core.errors import ColdsnapError, ConfigurationError, redact_store_spec
 from coldsnap_core.settings import (
     PAYLOAD_DIR_ENV,
     PAYLOAD_REPO_ENV,
@@ -37,7 +36,7 @@ from coldsnap_core.settings import (
     StoreSettings,
     expand_path,
 )
-from coldsnap_core.stores.base import PayloadStore
+from coldsnap_core.stores.base import PayloadStore, refused_character_message
 from coldsnap_core.stores.local import LocalFolderStore
 
 __all__ = [
@@ -67,8 +66,7 @@ _AZURE_CONNECTION_KEYS = frozenset(
         "usedevelopmentstorage",
     }
 )
-_SECRET_VALUE = re.compile(r"(?i)\b(AccountKey|SharedAccessSignature|sig)=([^;&\s'\"]*)")
-_URL_USERINFO = re.compile(r"(://)[^/@\s'\"]*@")
+_URL_SCHEMES = ("s3://", "oci://", "gs://", "az://")
 
 
 def _looks_like_azure_connection_string(spec: str) -> bool:
@@ -78,13 +76,6 @@ def _looks_like_azure_connection_string(spec: str) -> bool:
     wrong is refused by the Azure parser (which never shows the key), not echoed by another one."""
     keys = {part.split("=", 1)[0].strip().lower() for part in spec.split(";") if "=" in part}
     return bool(keys & _AZURE_CONNECTION_KEYS)
-
-
-def redact_store_spec(text: str) -> str:
-    """``text`` (a store setting, or a message quoting one) with its secrets replaced by ``***``: the values of
-    an Azure connection string's ``AccountKey`` and ``SharedAccessSignature`` (and a SAS ``sig``), and the
-    ``user:password@`` of a URL. Every message that quotes a store setting goes through this."""
-    return _URL_USERINFO.sub(r"\1***@", _SECRET_VALUE.sub(r"\1=***", text))
 
 
 def _redacted(exc: ColdsnapError) -> ColdsnapError:
@@ -101,6 +92,47 @@ def parse_store_spec(spec: str, *, repo_type: str = "model", client: StoreClient
         return _parse_store_spec(spec, repo_type=repo_type, client=client or StoreClientSettings())
     except ColdsnapError as exc:
         raise _redacted(exc) from None
+
+
+def _file_url_path(spec: str) -> str:
+    """The path of a folder spec: ``file:///abs/path`` and ``file://localhost/abs/path`` name ``/abs/path``
+    (RFC 8089); any other spec is already a path.
+
+    Raises:
+        ConfigurationError: a ``file://`` URL with another host (``file://nas/exports`` is a remote host, not the
+            relative folder ``./nas/exports``), with a ``user:password@``, or without an absolute path
+            (``file://`` alone); the message never quotes the host part.
+    """
+    if not spec.startswith("file://"):
+        return spec
+    host, slash, path = spec[len("file://") :].partition("/")
+    if host not in ("", "localhost") or not slash:
+        raise ConfigurationError(
+            "a file:// payload store must be file:///absolute/path (no host other than localhost, no user or"
+            " password): coldsnap reads folders on this machine only; mount a remote share and give its path"
+        )
+    return "/" + path
+
+
+def _check_url(spec: str) -> None:
+    """The rules every ``s3://``, ``gs://``, ``az://`` and ``oci://`` URL follows before its own parser runs:
+    no ``user:password@`` (credentials come from the store's own variables or files, never the URL) and none of
+    the characters of :data:`coldsnap_core.stores.base.URL_REFUSED_CHARACTERS`. Messages quote the URL, redacted by
+    :func:`parse_store_spec` (user information, query string and fragment masked).
+
+    Raises:
+        ConfigurationError: ``user:password@`` (rule: no credentials in a store URL), or a refused character
+            (names it and its position).
+    """
+    scheme, _, rest = spec.partition("://")
+    if "@" in rest.partition("/")[0] and scheme != "oci":  # oci's own parser refuses it with its own words
+        raise ConfigurationError(
+            f"{spec!r}: the {scheme}:// payload store URL must not hold a user or password ('user:password@'):"
+            " credentials come from the store's own variables or files"
+        )
+    refused = refused_character_message(f"{spec!r}: the {scheme}:// payload store URL", spec)
+    if refused:
+        raise ConfigurationError(refused)
 
 
 def _parse_store_spec(spec: str, *, repo_type: str, client: StoreClientSettings) -> PayloadStore:
@@ -125,7 +157,9 @@ def _parse_store_spec(spec: str, *, repo_type: str, client: StoreClientSettings)
     if not spec:
         raise ConfigurationError("the payload store is empty; give a folder path or a Hugging Face repository id")
     if _looks_like_path(spec):
-        return LocalFolderStore(expand_path(spec.removeprefix("file://"), "the payload store"))
+        return LocalFolderStore(expand_path(_file_url_path(spec), "the payload store"))
+    if spec.startswith(_URL_SCHEMES):
+        _check_url(spec)
     if spec.startswith("s3://"):
         from coldsnap_core.stores.s3 import S3PayloadStore
 

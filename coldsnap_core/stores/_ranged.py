@@ -52,10 +52,19 @@ def timed_out(exc: BaseException) -> str | None:
     return None
 
 
-def request_failure(name: str, action: str, exc: BaseException, client: StoreClientSettings, *, where: str) -> StoreError:
+def request_failure(
+    name: str,
+    action: str,
+    exc: BaseException,
+    client: StoreClientSettings,
+    *,
+    where: str,
+    attempts_from: tuple[int, str] | None = None,
+) -> StoreError:
     """The :class:`StoreError` of a failed request of store ``name``: ``"<name>: <action> failed: <class>:
     <first line>"``, and for a timeout the timeout that expired, its variable and the attempts made, so a
-    stalled store says what ended the wait."""
+    stalled store says what ended the wait. ``attempts_from``: ``(attempts, where they came from)`` when the
+    client took them from elsewhere than ``COLDSNAP_STORE_RETRIES``."""
     message = str(exc).splitlines()[0] if str(exc) else ""
     text = f"{name}: {action} failed: {type(exc).__name__}: {message}"
     kind = timed_out(exc)
@@ -64,7 +73,10 @@ def request_failure(name: str, action: str, exc: BaseException, client: StoreCli
     elif kind == "read":
         text += f" (no byte within the read timeout of {client.read_timeout_s:g} s, {STORE_READ_TIMEOUT_ENV}"
     if kind is not None:
-        text += f"; at most {client.retries + 1} attempt(s), {STORE_RETRIES_ENV})"
+        attempts, source = client.retries + 1, STORE_RETRIES_ENV
+        if attempts_from is not None:  # a client whose own variable decided the attempts (S3: AWS_MAX_ATTEMPTS)
+            attempts, source = attempts_from
+        text += f"; at most {attempts} attempt(s), {source})"
     return StoreError(text, file=where)
 
 

@@ -18,6 +18,7 @@ and publication runs it on every local object before upload.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,6 +136,16 @@ class ArtifactIndex(Protocol):
     artifact, ``docs/format.md`` §12.6). Publication calls it once per artifact, after every pack is in
     the store; staging never needs it (packs are fetched by digest)."""
 
+    def check_artifact(self, listing: ArtifactListing) -> None:
+        """Refuse now, reading only, what :meth:`publish_artifact` would refuse for ``listing`` (a tag naming
+        another artifact): publication calls it for every artifact before it uploads any pack, and a dry run too.
+
+        Raises:
+            ConfigurationError: the record would be refused.
+            StoreError: the store failed.
+        """
+        ...
+
     def publish_artifact(self, listing: ArtifactListing) -> str:
         """Record ``listing``; returns a reference to the record (for the log and the CLI).
 
@@ -151,6 +162,24 @@ OBJECT_NAME_MAX_BYTES = 1024
 for the ASCII a pack's name is)."""
 
 
+URL_REFUSED_CHARACTERS = re.compile(r"[?#%\\\s\x00-\x1f\x7f]")
+"""What a store URL or key prefix never holds: a query string or fragment (a SAS token or a presigned signature
+would be kept as part of the key prefix), a percent-escape (``%2F..%2F`` is not decoded), a backslash, whitespace
+or a control character (``docs/format.md`` §12)."""
+
+
+def refused_character_message(what: str, text: str) -> str | None:
+    """Why ``text`` (``what``: a store URL, a prefix) is refused by :data:`URL_REFUSED_CHARACTERS`, or ``None``.
+    The message names the character and its position, never ``text`` (it may hold a signature)."""
+    bad = URL_REFUSED_CHARACTERS.search(text)
+    if bad is None:
+        return None
+    return (
+        f"{what} must not hold {bad.group()!r} (character {bad.start()}): no query string ('?'), fragment ('#'),"
+        " percent-escape ('%'), backslash, whitespace or control character"
+    )
+
+
 def checked_prefix(prefix: str, *, spec: str, what: str) -> str:
     """A store URL's key prefix (what follows the bucket or container and its ``/``) without its one optional
     trailing ``/``.
@@ -159,9 +188,13 @@ def checked_prefix(prefix: str, *, spec: str, what: str) -> str:
     which is not ``p``, so it is refused rather than silently read as ``p``.
 
     Raises:
-        ConfigurationError: an empty, ``.`` or ``..`` segment (``what`` names the prefix, ``spec`` the setting),
+        ConfigurationError: a character of :data:`URL_REFUSED_CHARACTERS`, an empty, ``.`` or ``..`` segment
+            (``what`` names the prefix, ``spec`` the setting),
             or a prefix too long for an object name of at most :data:`OBJECT_NAME_MAX_BYTES` bytes.
     """
+    refused = refused_character_message(f"the {what}", prefix)
+    if refused:
+        raise ConfigurationError(refused)
     trimmed = prefix.removesuffix("/")
     if prefix and (not trimmed or any(part in ("", ".", "..") for part in trimmed.split("/"))):
         raise ConfigurationError(f"{spec}: the {what} {prefix!r} has an empty, '.' or '..' segment")

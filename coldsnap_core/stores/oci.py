@@ -25,7 +25,7 @@ Credentials: the Docker config file (``$DOCKER_CONFIG/config.json``, else ``~/.d
 credentials, ``WWW-Authenticate: Bearer realm=...,service=...,scope=...`` with a token fetched from the realm
 (the Docker registry token protocol; the credentials as Basic authentication, an ``identitytoken`` as an
 OAuth2 refresh token). Plain HTTP only for a loopback registry (``127.0.0.0/8``, ``::1``, ``localhost``) or
-with ``COLDSNAP_OCI_PLAIN_HTTP=1``; HTTPS otherwise.
+with ``COLDSNAP_OCI_PLAIN_HTTP=1`` (or ``true``, ``yes``, ``on``); HTTPS otherwise.
 
 Consistency: a registry stores a blob by its digest after hashing it, so two publishers of one digest leave
 one blob. A registry never replaces a blob it already holds (an upload of the same digest is accepted and
@@ -51,14 +51,17 @@ from typing import Any
 
 from coldsnap_core.digests import check_digest
 from coldsnap_core.errors import (
+    ColdsnapError,
     ConfigurationError,
+    MissingObjectError,
     PackDigestMismatchError,
     PackSizeMismatchError,
     PayloadUnavailableError,
     StoreError,
     size_mismatch,
 )
-from coldsnap_core.settings import StoreClientSettings
+from coldsnap_core.format._strict import read_document_bytes
+from coldsnap_core.settings import StoreClientSettings, parse_flag
 from coldsnap_core.stores._ranged import (
     DEFAULT_CONCURRENCY,
     check_file_digest,
@@ -87,6 +90,8 @@ MOUNT_FROM_ENV = "COLDSNAP_OCI_MOUNT_FROM"
 DOCKER_CONFIG_ENV = "DOCKER_CONFIG"
 CHUNK_SIZE_BYTES = 64 << 20
 """Bytes per upload request (one ``PUT`` up to this size, ``PATCH`` chunks of this size beyond)."""
+DOCKER_CONFIG_MAX_BYTES = 4 << 20
+"""The largest Docker config file read (4 MiB: a config holds one short entry per registry)."""
 REFERENCE_NAME_MAX_CHARS = 255
 """The longest ``HOST[:PORT]/NAME`` (OCI Distribution Specification, "Pulling manifests": many clients impose this
 limit, so a longer one could be pushed but not pulled by them)."""
@@ -197,19 +202,22 @@ def load_credentials(registry: str, config_path: Path | None = None) -> Registry
     ``https://`` / ``http://`` and a path), or ``None`` when the file or the entry is absent.
 
     Raises:
-        ConfigurationError: the file is not a JSON object, its ``auths`` is not an object, or the entry for
+        ConfigurationError: the file is not a regular file (a named pipe, a device), is larger than
+            :data:`DOCKER_CONFIG_MAX_BYTES` or cannot be read, is not a JSON object, its ``auths`` is not an object, or the entry for
             ``registry`` is not an object, has a field that is not a string, or an ``auth`` that is not base64
             ``user:password`` (with the ``:``); entries for other registries are not judged.
     """
     path = config_path or docker_config_path()
     try:
-        text = path.read_text()
-    except FileNotFoundError:
+        # read as documents are: a named pipe, a device (a link to /dev/zero) or a huge file never blocks the
+        # stage or makes it read without bound; only a regular file of at most DOCKER_CONFIG_MAX_BYTES is read
+        data = read_document_bytes(path, max_bytes=DOCKER_CONFIG_MAX_BYTES)
+    except MissingObjectError:
         return None
-    except OSError as exc:
-        raise ConfigurationError(f"the Docker config file cannot be read: {exc}", file=path) from exc
+    except ColdsnapError as exc:
+        raise ConfigurationError(f"the Docker config file cannot be read: {exc.detail}", file=path) from exc
     try:
-        auths = json.loads(text).get("auths", {})
+        auths = json.loads(data).get("auths", {})
     except (ValueError, AttributeError) as exc:
         raise ConfigurationError(f"the Docker config file is not a JSON object: {exc}", file=path) from exc
     if not isinstance(auths, dict):
@@ -285,10 +293,8 @@ class OciPayloadStore:
                 f"OCI store: chunk_size_bytes ({chunk_size_bytes}) and concurrency ({concurrency}) must be > 0"
             )
         if plain_http is None:
-            flag = os.environ.get(PLAIN_HTTP_ENV, "").strip()
-            if flag not in ("", "0", "1"):
-                raise ConfigurationError(f"{PLAIN_HTTP_ENV}={flag!r} is not 0 or 1")
-            plain_http = _is_loopback(registry) or flag == "1"
+            # spelled as every coldsnap boolean (1/0, true/false, yes/no, on/off); anything else is refused
+            plain_http = _is_loopback(registry) or parse_flag(PLAIN_HTTP_ENV, os.environ.get(PLAIN_HTTP_ENV, ""))
         if mount_from is None:
             mount_from = tuple(r.strip() for r in os.environ.get(MOUNT_FROM_ENV, "").split(",") if r.strip())
         for other in mount_from:
@@ -377,7 +383,7 @@ class OciPayloadStore:
                 headers["Authorization"] = authorization
             try:
                 response = self.client.request(method, url, headers=headers, **kwargs)
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, OverflowError) as exc:  # OverflowError: a deadline past the clock's range
                 raise request_failure(self.name, f"{method} {url}", exc, self.client_settings, where=where) from exc
             if response.status_code not in (401, 403) or attempt == 1:
                 break
@@ -421,7 +427,7 @@ class OciPayloadStore:
                 )
             else:
                 response = self.client.get(params["realm"], params=query, headers={"Authorization": basic} if basic else {})
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, OverflowError) as exc:
             raise StoreError(f"{self.name}: the token request to {params['realm']} failed: {exc}", file=where) from exc
         if response.status_code != 200:
             source = f"credentials from {creds.source}" if creds else "anonymous"
@@ -717,7 +723,9 @@ class OciPayloadStore:
         tag = re.sub(r"[^A-Za-z0-9._-]", "-", listing.name).lstrip(".-")[:128]
         return tag or "latest"
 
-    def _check_tag_move(self, url: str, where: str, name: str, current: str | None, manifest_digest: str) -> None:
+    def _check_tag_move(
+        self, url: str, where: str, name: str, current: str | None, manifest_digest: str, *, warn: bool = True
+    ) -> None:
         """The tag names another manifest: allowed, with a WARNING, only when that manifest is coldsnap's for the
         same artifact folder name (a re-capture); one tag names one artifact across publications too.
 
@@ -744,6 +752,8 @@ class OciPayloadStore:
                 f"{self.name}: the tag {where} names {what} ({current}); one tag names one artifact: publish {name!r}"
                 " under another tag (or none: each artifact is then tagged by its folder name), or delete the tag first"
             )
+        if not warn:  # a check before the upload: the move is logged once, when it happens
+            return
         logger.warning(
             "coldsnap: moving %s from %s to sha256:%s (a new capture of %r; pulls of the tag get the new one)",
             where,
@@ -751,6 +761,29 @@ class OciPayloadStore:
             manifest_digest,
             name,
         )
+
+    def check_artifact(self, listing: ArtifactListing) -> None:
+        """Refuse now what :meth:`publish_artifact` would refuse for ``listing``'s tag, before any blob is uploaded
+        (and for a dry run): the tag already named another artifact of this publication, or names another artifact
+        or a manifest that is not coldsnap's in the registry. Reads only (``HEAD``/``GET`` of the tag).
+
+        Raises:
+            ConfigurationError: as :meth:`publish_artifact`.
+            StoreError: the registry failed.
+        """
+        manifest_digest = hashlib.sha256(self.manifest_for(listing)).hexdigest()
+        tag = self.tag_for(listing)
+        if self._tagged.setdefault(tag, listing.name) != listing.name:
+            raise ConfigurationError(
+                f"{self.name}: the tag {tag!r} would name both {self._tagged[tag]!r} and {listing.name!r}; "
+                "publish one artifact per tag, or leave the tag out of the URL (each artifact is then tagged by its folder name)"
+            )
+        url = f"{self.base_url}/v2/{self.repository}/manifests/{tag}"
+        where = f"{OCI_SCHEME}{self.registry}/{self.repository}:{tag}"
+        head = self._request("HEAD", url, where=where, scope_key="pull", headers={"Accept": MANIFEST_MEDIA_TYPE})
+        current = head.headers.get("Docker-Content-Digest")
+        if head.status_code == 200 and current != f"sha256:{manifest_digest}":
+            self._check_tag_move(url, where, listing.name, current, manifest_digest, warn=False)
 
     def publish_artifact(self, listing: ArtifactListing) -> str:
         """Push the manifest of one artifact whose packs are in the repository; returns its reference

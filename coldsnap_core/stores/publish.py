@@ -155,9 +155,17 @@ def publish_native(
         StoreError: the store failed.
         UnsafePathError: a symbolic link at a local object path.
         ManifestError, ArtifactError: as :func:`collect_payloads`.
+        ConfigurationError: an :class:`ArtifactIndex` store would refuse an artifact's record (before any upload,
+            and in a dry run).
     """
+    payloads = collect_payloads(artifact_dirs)
+    if isinstance(store, ArtifactIndex):
+        # an artifact record the store would refuse (an OCI tag naming another artifact) is refused before any pack
+        # is uploaded (no wasted upload, no orphan blob), and a dry run reports it as the real run would
+        for artifact_dir in artifact_dirs:
+            store.check_artifact(artifact_listing(Path(artifact_dir)))
     results = []
-    for item in collect_payloads(artifact_dirs):
+    for item in payloads:
         pack = item.pack
         if store.has(pack.sha256, pack.size_bytes, verify=not dry_run):
             action: PublishAction = "present"

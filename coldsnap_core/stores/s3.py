@@ -142,6 +142,18 @@ def _default_client(client_settings: StoreClientSettings | None = None) -> Any:
         raise ConfigurationError(f"the S3 client cannot be built from the environment ({given}): {exc}") from exc
 
 
+def _aws_max_attempts() -> tuple[int, str] | None:
+    """``(attempts, "AWS_MAX_ATTEMPTS")`` when botocore takes its attempts from ``AWS_MAX_ATTEMPTS`` (it wins over
+    ``COLDSNAP_STORE_RETRIES``, :func:`_default_client`), so a timeout names the attempts that were made."""
+    value = os.environ.get("AWS_MAX_ATTEMPTS")
+    if value is None:
+        return None
+    try:
+        return int(value), f"AWS_MAX_ATTEMPTS={value.strip()}"
+    except ValueError:  # botocore refused it when the client was built
+        return None
+
+
 class S3PayloadStore:
     """Objects in ``s3://<bucket>/<prefix>/model-payloads/sha256/<digest>.pack``.
 
@@ -204,7 +216,9 @@ class S3PayloadStore:
         return f"{S3_SCHEME}{self.bucket}/{self.key(digest)}"
 
     def _fail(self, action: str, digest: str, exc: Exception) -> StoreError:
-        return request_failure(self.name, action, exc, self.client_settings, where=self.location(digest))
+        return request_failure(
+            self.name, action, exc, self.client_settings, where=self.location(digest), attempts_from=_aws_max_attempts()
+        )
 
     def _head(self, digest: str) -> dict[str, Any] | None:
         """``HeadObject`` with checksums, or ``None`` when the object does not exist.

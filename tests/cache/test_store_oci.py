@@ -249,6 +249,35 @@ def test_one_tag_names_one_artifact(registry, tmp_path, tiny_checkpoint) -> None
     ]
 
 
+def test_a_tag_naming_another_artifact_is_refused_before_any_pack_is_uploaded_and_in_a_dry_run(
+    registry, tmp_path, tiny_checkpoint, other_checkpoint
+) -> None:
+    """Publishing art-b to a tag that names art-a in the registry is refused before art-b's pack is uploaded (no
+    wasted upload, no orphan blob), and ``--dry-run`` reports the same refusal (exit 4 from the CLI, as the real
+    run). Fails if the tag is checked only after the packs are uploaded (the old order: art-b's pack was in the
+    registry after the refusal) or if a dry run says "ok"."""
+    from coldsnap_core.cli.main import main
+    from coldsnap_core.stores.publish import collect_payloads
+
+    root = tmp_path / "root"
+    capture(tiny_checkpoint, tmp_path / "art-a", root)
+    capture(other_checkpoint, tmp_path / "art-b", root)  # another model: another pack
+    pack_a = collect_payloads([tmp_path / "art-a"])[0].pack
+    pack_b = collect_payloads([tmp_path / "art-b"])[0].pack
+    assert pack_a.sha256 != pack_b.sha256
+    url = f"oci://{registry.registry}/models/x:v1"
+    publish_native([tmp_path / "art-a"], OciPayloadStore.from_url(url), PayloadCache(root))
+    with pytest.raises(ConfigurationError, match=r"names the coldsnap artifact 'art-a'"):
+        publish_native([tmp_path / "art-b"], OciPayloadStore.from_url(url), PayloadCache(root), dry_run=True)
+    with pytest.raises(ConfigurationError, match=r"names the coldsnap artifact 'art-a'"):
+        publish_native([tmp_path / "art-b"], OciPayloadStore.from_url(url), PayloadCache(root))
+    assert not OciPayloadStore.from_url(url).has(pack_b.sha256, pack_b.size_bytes)
+    cli = ["publish-native", str(tmp_path / "art-b"), "--repo", url, "--state-root", str(root)]
+    assert main([*cli, "--dry-run"]) == 4
+    assert main(cli) == 4
+    assert not OciPayloadStore.from_url(url).has(pack_b.sha256, pack_b.size_bytes)
+
+
 def test_a_tag_naming_another_artifact_in_the_registry_is_refused_and_a_recapture_moves_it_with_a_warning(
     registry, tmp_path, tiny_checkpoint, other_checkpoint, caplog
 ) -> None:

@@ -3,10 +3,13 @@ stores themselves run the contract suite against fake-gcs-server and azurite).""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from coldsnap_core.errors import ConfigurationError
-from coldsnap_core.stores import parse_store_spec
+from coldsnap_core.errors import ConfigurationError, PayloadUnavailableError, StoreError
+from coldsnap_core.settings import ColdsnapSettings
+from coldsnap_core.stores import from_env, parse_store_spec
 from coldsnap_core.stores.azure import AzurePayloadStore
 from coldsnap_core.stores.gcs import GcsPayloadStore
 from coldsnap_core.stores.oci import OciPayloadStore
@@ -103,12 +106,22 @@ def test_a_password_in_an_oci_url_is_never_shown() -> None:
     assert "credentials do not go in the URL; they come from the Docker config" in str(raised.value)
 
 
-@pytest.mark.parametrize("value", ["true", "yes", "2", "on"])
-def test_coldsnap_oci_plain_http_takes_only_0_or_1(value: str, monkeypatch) -> None:
-    """``COLDSNAP_OCI_PLAIN_HTTP`` other than empty, ``0`` or ``1`` is a ConfigurationError naming the variable and
-    the value (it used to mean "off", so ``true`` silently spoke HTTPS to a plain-HTTP registry)."""
+@pytest.mark.parametrize(
+    ("value", "plain"), [("true", True), ("Yes", True), ("on", True), ("1", True), ("off", False), ("", False)]
+)
+def test_coldsnap_oci_plain_http_is_spelled_as_every_coldsnap_boolean(value: str, plain: bool, monkeypatch) -> None:
+    """``COLDSNAP_OCI_PLAIN_HTTP`` takes what every coldsnap boolean takes (``parse_flag``: 1/0, true/false,
+    yes/no, on/off). Fails if it accepts only 0/1 again (``true`` was refused) or reads ``true`` as off."""
     monkeypatch.setenv("COLDSNAP_OCI_PLAIN_HTTP", value)
-    with pytest.raises(ConfigurationError, match=f"COLDSNAP_OCI_PLAIN_HTTP='{value}' is not 0 or 1"):
+    assert parse_store_spec("oci://registry.example:5000/models/tiny").base_url.startswith("http://" if plain else "https://")
+
+
+@pytest.mark.parametrize("value", ["2", "maybe"])
+def test_coldsnap_oci_plain_http_that_is_no_boolean_is_refused(value: str, monkeypatch) -> None:
+    """Anything else is a ConfigurationError naming the variable and the value (it used to mean "off", so a typo
+    silently spoke HTTPS to a plain-HTTP registry)."""
+    monkeypatch.setenv("COLDSNAP_OCI_PLAIN_HTTP", value)
+    with pytest.raises(ConfigurationError, match=f"COLDSNAP_OCI_PLAIN_HTTP='{value}' is not a boolean"):
         parse_store_spec("oci://registry.example:5000/models/tiny")
 
 
@@ -194,3 +207,136 @@ def test_a_malformed_docker_config_entry_for_the_registry_is_refused_before_any_
     with pytest.raises(ConfigurationError, match=rule) as raised:
         store.has("ab" * 32)
     assert raised.value.file == str(config / "config.json")
+
+
+@pytest.mark.parametrize(
+    ("spec", "secret"),
+    [
+        ("s3://AKIAXX:SeCrEt1@bucket/p", "SeCrEt1"),
+        ("gs://user:SeCrEt6@bkt/p", "SeCrEt6"),
+        ("az://acct:SeCrEt9@host/cont", "SeCrEt9"),
+        ("s3://AKIAXX:Se@Crt2@bucket/p", "Crt2"),  # an '@' inside the password: the whole user information goes
+    ],
+)
+def test_a_user_or_password_in_an_s3_gs_or_az_url_is_refused_and_never_shown(spec: str, secret: str, monkeypatch) -> None:
+    """``user:password@`` in an s3/gs/az URL is refused up front, naming the rule, and neither the message nor its
+    causes quote it (``--repo`` and ``COLDSNAP_PAYLOAD_REPO`` alike). Fails if the bucket/account check quotes the
+    unmasked first segment again."""
+    with pytest.raises(ConfigurationError) as raised:
+        parse_store_spec(spec)
+    assert "must not hold a user or password" in str(raised.value)
+    assert secret not in str(raised.value) and raised.value.__cause__ is None
+    monkeypatch.setenv("COLDSNAP_PAYLOAD_REPO", spec)
+    with pytest.raises(ConfigurationError) as raised:
+        from_env()
+    assert secret not in str(raised.value) and "COLDSNAP_PAYLOAD_REPO='" in str(raised.value)
+
+
+def test_both_store_variables_set_never_show_a_connection_string_key(monkeypatch, tmp_path) -> None:
+    """``COLDSNAP_PAYLOAD_DIR`` with an Azure connection string in ``COLDSNAP_PAYLOAD_REPO`` is refused naming both
+    variables with the account key masked, from the environment and from the engines' extra config. Fails if
+    ``StoreSettings`` quotes the repository unredacted."""
+    repo = "DefaultEndpointsProtocol=http;AccountName=a;AccountKey=SeCrEtK1;Container=cont"
+    monkeypatch.setenv("COLDSNAP_PAYLOAD_DIR", str(tmp_path))
+    monkeypatch.setenv("COLDSNAP_PAYLOAD_REPO", repo)
+    with pytest.raises(ConfigurationError, match="set only one of COLDSNAP_PAYLOAD_DIR") as raised:
+        from_env()
+    assert "SeCrEtK1" not in str(raised.value) and "AccountKey=***" in str(raised.value)
+    with pytest.raises(ConfigurationError, match="set only one of") as raised:
+        ColdsnapSettings.resolve({}, {"payload_dir": str(tmp_path), "payload_repo": repo})
+    assert "SeCrEtK1" not in str(raised.value) and "AccountKey=***" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("spec", "secret", "character"),
+    [
+        ("az://acct/cont/p?sv=2020&sig=SeCrEt8", "SeCrEt8", "?"),
+        ("s3://bkt/p?X-Amz-Signature=SeCrEt3", "SeCrEt3", "?"),
+        ("gs://bkt/p?sig=SeCrEt4", "SeCrEt4", "?"),
+        ("s3://bkt?X-Amz-Signature=SeCrEt5", "SeCrEt5", "?"),
+        ("gs://bkt/p#SeCrEt7", "SeCrEt7", "#"),
+        ("s3://bkt/p\\q", None, "\\"),
+        ("gs://bkt/p q", None, " "),
+        ("s3://bkt/p%2F..%2Fq", None, "%"),
+        ("az://acct/cont/p\nq", None, "\n"),
+        ("oci://registry.example/models/tiny?x=1", None, "?"),
+        ("DefaultEndpointsProtocol=http;AccountName=a;AccountKey=K;Container=cont/p?sig=SeCrEt2", "SeCrEt2", "?"),
+    ],
+)
+def test_a_query_fragment_or_odd_character_in_a_store_url_is_refused_redacted(
+    spec: str, secret: str | None, character: str
+) -> None:
+    """A query string, fragment, percent-escape, backslash, whitespace or control character in a store URL (or a
+    connection string's ``Container=`` prefix) is a ConfigurationError naming the character and the rule, and a
+    signature it carried is not shown. Fails if it is kept as part of the key prefix (the old behaviour: later store
+    errors then printed the signature)."""
+    with pytest.raises(ConfigurationError) as raised:
+        parse_store_spec(spec)
+    assert f"must not hold {character!r} (character " in str(raised.value) and "no query string" in str(raised.value)
+    if secret is not None:
+        assert secret not in str(raised.value)
+
+
+def test_a_store_error_never_shows_a_signature_its_store_name_carries() -> None:
+    """Every ``payload-store`` and ``payload-available`` error redacts its detail and file (one place, the error
+    classes), so a store whose name or location holds a signature never prints it. Fails if StoreError or
+    PayloadUnavailableError composes its message from the raw text."""
+    for exc in (
+        StoreError("az://acct/cont/p?sig=SeCrEt8: GET failed", file="s3://AK:SeCrEt1@b/x.pack"),
+        PayloadUnavailableError("az://acct/cont AccountKey=SeCrEt8 does not hold the pack", file="gs://b/p#SeCrEt1"),
+    ):
+        assert "SeCrEt8" not in str(exc) and "SeCrEt1" not in str(exc) and "***" in str(exc), str(exc)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["file://nas.example.com/exports/payloads", "file://", "file://user:SeCrEt@host/x", "file://host"],
+)
+def test_a_file_url_with_a_host_or_without_an_absolute_path_is_refused(spec: str, tmp_path, monkeypatch) -> None:
+    """Only ``file:///abs/path`` (empty or ``localhost`` host) is a folder store: ``file://nas/exports`` is a remote
+    host, not the relative folder ``./nas/exports``, and ``file://`` alone is not the current folder. Fails if the
+    scheme is stripped and the rest read as a (relative) path; the password is never shown."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigurationError, match=r"must be file:///absolute/path") as raised:
+        parse_store_spec(spec)
+    assert "SeCrEt" not in str(raised.value)
+    assert list(tmp_path.iterdir()) == []
+    assert parse_store_spec(f"file://{tmp_path}").name == parse_store_spec(f"file://localhost{tmp_path}").name
+
+
+def test_a_docker_config_that_is_a_pipe_a_device_or_huge_is_refused_naming_it(tmp_path) -> None:
+    """``$DOCKER_CONFIG/config.json`` that is a named pipe, a link to ``/dev/zero`` or larger than 4 MiB is a
+    ConfigurationError naming the file, before any request; it is opened as documents are (regular files only,
+    non-blocking, size cap). Fails if it is read with ``read_text`` again: the pipe then blocks the stage for ever
+    and ``/dev/zero`` is read without bound (run in a child process with a 60 s bound so the old code fails, not
+    hangs)."""
+    import subprocess
+    import sys
+
+    cases = {}
+    for name in ("fifo", "zero", "huge"):
+        folder = tmp_path / name
+        folder.mkdir()
+        cases[name] = folder
+    os.mkfifo(cases["fifo"] / "config.json")
+    (cases["zero"] / "config.json").symlink_to("/dev/zero")
+    with open(cases["huge"] / "config.json", "wb") as f:
+        f.truncate(5 << 20)  # sparse: 5 MiB of zeros, over the cap
+    script = (
+        "import os, sys\n"
+        "from coldsnap_core.errors import ConfigurationError\n"
+        "from coldsnap_core.stores import parse_store_spec\n"
+        "for folder in sys.argv[1:]:\n"
+        "    os.environ['DOCKER_CONFIG'] = folder\n"
+        "    try:\n"
+        "        parse_store_spec('oci://127.0.0.1:9/models/tiny').has('ab' * 32)\n"
+        "    except ConfigurationError as exc:\n"
+        "        print(exc.file, '|', exc.detail)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, *map(str, cases.values())], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.splitlines()
+    assert len(out) == 3, done.stdout
+    for line, folder in zip(out, cases.values(), strict=True):
+        assert line.startswith(f"{folder / 'config.json'} | the Docker config file cannot be read"), line
+    assert "not a regular file" in out[0] and "not a regular file" in out[1] and "more than" in out[2]

@@ -153,3 +153,64 @@ def test_a_frozen_store_server_fails_staging_within_the_configured_read_timeout(
     assert "read timeout of 0.5 s, COLDSNAP_STORE_READ_TIMEOUT" in str(raised.value), str(raised.value)
     assert eligible_objects(tmp_path / "node") == {} and cache.temporaries() == []
     assert sha256_of(stage_payload(pack, cache=cache, store=node_store)) == pack.sha256
+
+
+@pytest.mark.parametrize("value", ["10000000000", "86400.5", "100000"])
+def test_a_store_timeout_over_one_day_is_refused_naming_the_variable(value: str) -> None:
+    """A store timeout over 86400 s (1 day) is a ConfigurationError naming the variable, the value and the bound,
+    from the engine settings and the CLI's store settings. Fails if it is accepted (``10000000000`` then made the
+    OCI client crash with an uncaught ``OverflowError`` and the other clients report a store failure)."""
+    for variable in ("COLDSNAP_STORE_READ_TIMEOUT", "COLDSNAP_STORE_CONNECT_TIMEOUT"):
+        with pytest.raises(ConfigurationError, match=f"{variable}={value!r} is not .* at most 86400"):
+            ColdsnapSettings.resolve({variable: value})
+        with pytest.raises(ConfigurationError, match=f"{variable}={value!r}"):
+            StoreSettings.from_environ({variable: value})
+    assert ColdsnapSettings.resolve({"COLDSNAP_STORE_READ_TIMEOUT": "86400"})[0].store.client.read_timeout_s == 86400
+
+
+@pytest.mark.parametrize("key", ["store_read_timeout", "store_connect_timeout", "lock_timeout"])
+def test_a_json_number_too_large_for_a_float_is_a_configuration_error_naming_the_key(key: str) -> None:
+    """An extra-config integer beyond a float (``10**400``) is a ConfigurationError naming the key. Fails if
+    ``float()``'s OverflowError escapes untyped."""
+    with pytest.raises(ConfigurationError, match=f"extra-config key {key!r}="):
+        ColdsnapSettings.resolve({}, {key: 10**400})
+
+
+def test_a_clock_overflow_in_the_oci_client_is_a_payload_store_error(tmp_path: Path) -> None:
+    """A deadline past the clock's range inside the OCI client (a timeout built around the settings' bound) is a
+    StoreError naming the store, never an untyped OverflowError (the CLI exited 1 with a traceback). The registry is a
+    real listening socket on 127.0.0.1 (the kernel completes the connection; nothing answers)."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        host = f"127.0.0.1:{listener.getsockname()[1]}"
+        store = from_settings(
+            StoreSettings(payload_repo=f"oci://{host}/coldsnap/payloads", client=StoreClientSettings(read_timeout_s=1e10))
+        )
+        with pytest.raises(StoreError, match="OverflowError") as raised:
+            store.has(DIGEST)
+    assert store.name in str(raised.value)
+
+
+def test_an_s3_timeout_names_aws_max_attempts_when_it_decided_the_attempts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``AWS_MAX_ATTEMPTS`` set, botocore makes that many attempts, and the timeout error says so and names the
+    variable. Fails if it names ``COLDSNAP_STORE_RETRIES``' attempts that were not the ones made."""
+    with StallingEndpoint() as endpoint:
+        spec, client_env = _environment("s3", endpoint, tmp_path)
+        for name, value in {
+            **client_env,
+            "COLDSNAP_PAYLOAD_REPO": spec,
+            "COLDSNAP_STORE_READ_TIMEOUT": "0.5",
+            "COLDSNAP_STORE_CONNECT_TIMEOUT": "0.5",
+            "AWS_MAX_ATTEMPTS": "1",
+        }.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(StoreError) as raised:
+            from_env().has(DIGEST)
+        attempts = endpoint.requests_naming(DIGEST)
+    assert "at most 1 attempt(s), AWS_MAX_ATTEMPTS=1)" in str(raised.value), str(raised.value)
+    assert len(attempts) == 1

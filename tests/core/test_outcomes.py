@@ -159,6 +159,35 @@ def test_status_counts_derived_cache_seeds_and_shows_why_one_was_skipped(tmp_pat
     assert artifact["derived_cache"] == {"used": 1, "skipped": 1, "absent": 0}
 
 
+def test_status_fail_on_fallback_refuses_a_log_of_only_malformed_lines(tmp_path: Path, capsys) -> None:
+    """``status --fail-on-fallback`` on a log whose lines are all malformed exits 4 naming the log and the count of
+    malformed lines (an alert that cannot read any load must not pass); plain ``status`` still exits 0 and reports
+    them skipped. Fails if the alert passes (exit 0, the old behaviour) when no line could be read."""
+    log = tmp_path / "load-outcomes.jsonl"
+    log.write_text('not json\n{"format": "other"}\n[1]\n')
+    assert main(["status", "--outcome-log", str(log), "--fail-on-fallback"]) == 4
+    err = capsys.readouterr().err
+    assert str(log) in err and "3 malformed line(s)" in err and "no readable load outcome" in err
+    assert main(["status", "--outcome-log", str(log)]) == 0
+    assert "3 malformed line(s) skipped" in capsys.readouterr().out
+    append_outcome(log, _line("restored", "/a"))  # one readable load: the alert reads it (exit 0)
+    assert main(["status", "--outcome-log", str(log), "--fail-on-fallback"]) == 0
+
+
+def test_status_says_a_symbolic_link_log_is_not_followed(tmp_path: Path, capsys) -> None:
+    """``status --outcome-log link.jsonl`` where the path is a symbolic link exits 4 saying the log is a symbolic
+    link and is not followed, naming it. Fails if it shows the bare ``O_NOFOLLOW`` error ("Too many levels of
+    symbolic links")."""
+    target = tmp_path / "real.jsonl"
+    append_outcome(target, _line("restored", "/a"))
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    assert main(["status", "--outcome-log", str(link)]) == 4
+    err = capsys.readouterr().err
+    assert "is a symbolic link, which is not followed" in err and str(link) in err
+    assert "Too many levels" not in err
+
+
 @pytest.mark.parametrize("last", ["-1", "0", "abc", "1_0"])
 def test_status_refuses_a_count_of_loads_below_one(last: str, tmp_path: Path, capsys) -> None:
     """``status --last N`` takes a whole number >= 1; ``-1`` used to read nothing and say "no load outcomes

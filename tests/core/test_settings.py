@@ -140,7 +140,9 @@ def test_payload_store_is_a_setting_like_the_others(tmp_path: Path) -> None:
 
     assert ColdsnapSettings.resolve({})[0].store == StoreSettings() and not StoreSettings().configured
     env = {"COLDSNAP_PAYLOAD_REPO": " org/name@v1 ", "COLDSNAP_PAYLOAD_REPO_TYPE": "dataset"}
-    settings, rest = ColdsnapSettings.resolve(env, {"payload_dir": str(tmp_path), "payload_repo": "", "other": 1})
+    # a blank key is as if absent (the variable would apply), so the repository variable is left out here
+    type_only = {"COLDSNAP_PAYLOAD_REPO_TYPE": "dataset"}
+    settings, rest = ColdsnapSettings.resolve(type_only, {"payload_dir": str(tmp_path), "payload_repo": "", "other": 1})
     assert settings.store == StoreSettings(payload_dir=str(tmp_path), repo_type="dataset") and rest == {"other": 1}
     store = from_settings(settings.store)
     assert isinstance(store, LocalFolderStore)
@@ -266,3 +268,41 @@ def test_an_empty_or_blank_value_means_the_default_for_every_setting(value: str,
     assert lock_timeout_from_env(blank_env) == lock_timeout_from_env({})
     assert outcome_log_from_env(blank_env) is None
     assert resolve_state_root(None, blank_env) == resolve_state_root(None, {})
+
+
+@pytest.mark.parametrize("blank", ["", "   "])
+def test_a_blank_extra_config_key_lets_its_variable_apply_for_every_setting(blank: str, tmp_path: Path) -> None:
+    """A blank extra-config key behaves exactly like an absent one (README: blank means "as unset"), so the
+    variable applies: ``COLDSNAP_STORE_READ_TIMEOUT=5`` with ``store_read_timeout: ""`` is 5 s, for every row of the
+    settings table that has a variable. Fails if a blank key still wins and gives the default (the old behaviour:
+    20 s)."""
+    from coldsnap_core.settings import SETTINGS
+
+    samples = {
+        "export_model_payload": "1",
+        "artifact_dir": str(tmp_path / "other-artifact"),
+        "state_root": str(tmp_path / "state"),
+        "restore": "native",
+        "materialize": "required",
+        "verify_extents": "1",
+        "verify_checkpoint": "1",
+        "lock_timeout": "5",
+        "outcome_log": str(tmp_path / "outcomes.jsonl"),
+        "inner_load_format": "safetensors",
+        "overlay": "off",
+        "payload_dir": str(tmp_path / "payloads"),
+        "payload_repo": "org/name",
+        "payload_repo_type": "dataset",
+        "store_connect_timeout": "5",
+        "store_read_timeout": "5",
+        "store_retries": "3",
+    }
+    assert set(samples) == {s.key for s in SETTINGS if s.variable is not None}
+    base = {"COLDSNAP_ARTIFACT_DIR": str(tmp_path / "artifact")}  # export and restore=native need one
+    for setting in SETTINGS:
+        if setting.variable is None:
+            continue
+        environ = {**base, setting.variable: samples[setting.key]}
+        from_variable, _ = ColdsnapSettings.resolve(environ, {})
+        assert from_variable != ColdsnapSettings.resolve(base, {})[0], setting.key  # the sample is no default
+        assert ColdsnapSettings.resolve(environ, {setting.key: blank})[0] == from_variable, setting.key
