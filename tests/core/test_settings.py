@@ -296,6 +296,7 @@ def test_a_blank_extra_config_key_lets_its_variable_apply_for_every_setting(blan
         "store_connect_timeout": "5",
         "store_read_timeout": "5",
         "store_retries": "3",
+        "derived_cache": "off",
     }
     assert set(samples) == {s.key for s in SETTINGS if s.variable is not None}
     base = {"COLDSNAP_ARTIFACT_DIR": str(tmp_path / "artifact")}  # export and restore=native need one
