@@ -97,11 +97,7 @@ class LoadOutcomeLine:
 
     def to_json(self, *, now: datetime.datetime | None = None) -> dict[str, object]:
         now = now or datetime.datetime.now(datetime.UTC)
-        detail = None
-        if self.error is not None:
-            detail = self.error.detail
-            if len(detail) > MAX_DETAIL_CHARS:
-                detail = detail[:MAX_DETAIL_CHARS] + "…"
+        detail = None if self.error is None else _capped(self.error.detail)
         return {
             "format": OUTCOME_KIND,
             "format_version": OUTCOME_VERSION,
@@ -120,7 +116,7 @@ class LoadOutcomeLine:
             "detail": detail,
             "pack_sha256": self.pack_sha256,
             "derived_cache": self.derived_cache,
-            "derived_cache_reason": self.derived_cache_reason,
+            "derived_cache_reason": None if self.derived_cache_reason is None else _capped(self.derived_cache_reason),
         }
 
 
@@ -243,6 +239,11 @@ def read_outcomes(path: str | os.PathLike[str], last: int) -> tuple[list[dict[st
     return lines, skipped
 
 
+def _capped(text: str) -> str:
+    """``text`` cut to :data:`MAX_DETAIL_CHARS` (a seed's reason quotes fields an artifact author wrote)."""
+    return text if len(text) <= MAX_DETAIL_CHARS else text[:MAX_DETAIL_CHARS] + "…"
+
+
 def summarize(lines: Iterable[dict[str, object]]) -> list[ArtifactSummary]:
     """Group outcome lines (oldest first) by ``artifact_dir``; artifacts sorted by their most recent line, newest first."""
     groups: dict[str | None, list[dict[str, object]]] = {}
@@ -257,7 +258,7 @@ def summarize(lines: Iterable[dict[str, object]]) -> list[ArtifactSummary]:
         failures = [d for d in docs if d["outcome"] in ("fell-back", "refused")]
         seeds = dict.fromkeys(DERIVED_CACHE_VALUES, 0)
         for doc in docs:
-            if doc.get("derived_cache") in seeds:
+            if isinstance(doc.get("derived_cache"), str) and doc["derived_cache"] in seeds:  # any other JSON value: not counted
                 seeds[str(doc["derived_cache"])] += 1
         summaries.append(ArtifactSummary(artifact, counts, docs[-1], failures[-1] if failures else None, seeds))
     summaries.sort(key=lambda s: str(s.last.get("time", "")), reverse=True)

@@ -61,6 +61,8 @@ logger = logging.getLogger(__name__)
 SEED_KIND = "coldsnap.derived-cache"
 SEED_VERSION = FORMAT_VERSION
 SEED_DOCUMENT_FILENAME, SEED_ARCHIVE_FILENAME = SEED_FILENAMES
+MAX_REASON_CHARS = 2000
+"""The longest skip reason logged for an unexpected error."""
 MAX_SEED_DOCUMENT_BYTES = 16 * 2**20
 CPUINFO = Path("/proc/cpuinfo")
 
@@ -427,12 +429,13 @@ def place_seed(
         differences = document.qualification.differences(current)
         if differences:
             raise _Unqualified("captured for another target or configuration (" + "; ".join(differences) + ")")
-        placed, present = _place_members(capsule_dir / SEED_ARCHIVE_FILENAME, document, roots)
-    except (ColdsnapError, _Unqualified, OSError, tarfile.TarError) as exc:
-        reason = exc.detail if isinstance(exc, ColdsnapError) else str(exc)
+        with _verified_archive(capsule_dir / SEED_ARCHIVE_FILENAME, pins[SEED_ARCHIVE_FILENAME]) as archive:
+            placed, present = _place_members(archive, capsule_dir / SEED_ARCHIVE_FILENAME, document, roots)
+    except Exception as exc:  # the contract: a seed never fails a start (docs/format.md §17)
+        reason = exc.detail if isinstance(exc, ColdsnapError) else f"{type(exc).__name__}: {exc}"[:MAX_REASON_CHARS]
         if isinstance(exc, ColdsnapError) and exc.file is not None:
             reason = f"{reason} ({exc.file})"
-        log.info("coldsnap: %s: derived-cache seed skipped: %s", capsule_dir.name, reason)
+        log.info("coldsnap: %s: derived-cache seed skipped: %r", capsule_dir.name, reason)  # %r: one line, escaped
         return SeedPlacement("skipped", reason)
     log.info(
         "coldsnap: %s: derived-cache seed placed: %d files written, %d already present (%d bytes)",
@@ -461,24 +464,46 @@ def _read_seed(capsule_dir: Path, pins: dict[str, CapsuleFile]) -> SeedDocument:
     archive_pin = pins[SEED_ARCHIVE_FILENAME]
     if (archive_pin.size_bytes, archive_pin.sha256) != (document.archive.size_bytes, document.archive.sha256):
         raise CapsulePinMismatchError("artifact.json pins another archive than derived-cache.json names", file=archive_path)
-    size, digest = _hash_file(archive_path)
-    _check_digest(archive_path, size, digest, archive_pin)
     return document
 
 
-def _hash_file(path: Path) -> tuple[int, str]:
+@contextlib.contextmanager
+def _verified_archive(path: Path, pin: CapsuleFile):
+    """The seed archive opened once (no symbolic link followed, never blocking on a pipe, regular files only),
+    hashed in full against ``pin``, and yielded at offset 0: the bytes read as a tar are the bytes hashed."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError as exc:
         raise MissingObjectError("the seed archive does not exist", file=path) from exc
     except OSError as exc:
         raise os_error("the seed archive cannot be opened", exc, path) from exc
-    digest, size = hashlib.sha256(), 0
     with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsafePathError("the seed archive is not a regular file", file=path)
+        digest, size = hashlib.sha256(), 0
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
             size += len(chunk)
-    return size, digest.hexdigest()
+        _check_digest(path, size, digest.hexdigest(), pin)
+        f.seek(0)
+        yield f
+
+
+def _members(tar: tarfile.TarFile, document: SeedDocument, archive_path: Path):
+    """Yield ``(info, member)`` for each archive member once the whole list checks: exactly the listed names,
+    each a plain regular file (no sparse member: its logical size is not bytes in the archive) of the listed
+    size, and the listed sizes no more than the pinned archive holds, so reading a member is bounded."""
+    expected = {m.name: m for m in document.members}
+    infos = tar.getmembers()
+    if sorted(i.name for i in infos) != sorted(expected) or len(infos) != len(expected):
+        raise CapsulePinMismatchError("the archive's files are not the ones derived-cache.json lists", file=archive_path)
+    if sum(m.size_bytes for m in document.members) > document.archive.size_bytes:
+        raise CapsulePinMismatchError("the listed files are larger than the archive holds", file=archive_path)
+    for info in infos:
+        member = expected[info.name]
+        if not info.isreg() or info.issparse() or info.size != member.size_bytes:
+            raise CapsulePinMismatchError(f"archive member {info.name} is not the listed regular file", file=archive_path)
+        yield info, member
 
 
 def _check_digest(path: Path, size_bytes: int, sha256: str, pin: CapsuleFile) -> None:
@@ -490,17 +515,10 @@ def _check_digest(path: Path, size_bytes: int, sha256: str, pin: CapsuleFile) ->
         )
 
 
-def _place_members(archive_path: Path, document: SeedDocument, roots: Mapping[str, Path]) -> tuple[int, int]:
-    expected = {m.name: m for m in document.members}
+def _place_members(archive, archive_path: Path, document: SeedDocument, roots: Mapping[str, Path]) -> tuple[int, int]:
     placed = present = 0
-    with tarfile.open(archive_path, "r:") as tar:
-        infos = tar.getmembers()
-        if sorted(i.name for i in infos) != sorted(expected) or len(infos) != len(expected):
-            raise CapsulePinMismatchError("the archive's files are not the ones derived-cache.json lists", file=archive_path)
-        for info in infos:
-            member = expected[info.name]
-            if not info.isreg() or info.size != member.size_bytes:
-                raise CapsulePinMismatchError(f"archive member {info.name} is not the listed regular file", file=archive_path)
+    with tarfile.open(fileobj=archive, mode="r:") as tar:
+        for info, member in _members(tar, document, archive_path):
             root_name, _, relative = member.name.partition("/")
             target = roots[root_name] / relative
             if os.path.lexists(target):
@@ -561,20 +579,16 @@ def verify_seed(capsule_dir: Path, capsule_files: Iterable[CapsuleFile]) -> Seed
         return None
     document = _read_seed(capsule_dir, pins)
     archive_path = capsule_dir / SEED_ARCHIVE_FILENAME
-    expected = {m.name: m for m in document.members}
     try:
-        with tarfile.open(archive_path, "r:") as tar:
-            infos = tar.getmembers()
-            if sorted(i.name for i in infos) != sorted(expected) or len(infos) != len(expected):
-                raise CapsulePinMismatchError("the archive's files are not the ones derived-cache.json lists", file=archive_path)
-            for info in infos:
-                member = expected[info.name]
-                extracted = tar.extractfile(info) if info.isreg() else None
-                if extracted is None or info.size != member.size_bytes:
-                    raise CapsulePinMismatchError(f"archive member {info.name} is not the listed regular file", file=archive_path)
-                if hashlib.sha256(extracted.read()).hexdigest() != member.sha256:
+        with (
+            _verified_archive(archive_path, pins[SEED_ARCHIVE_FILENAME]) as archive,
+            tarfile.open(fileobj=archive, mode="r:") as tar,
+        ):
+            for info, member in _members(tar, document, archive_path):
+                extracted = tar.extractfile(info)
+                if extracted is None or hashlib.sha256(extracted.read()).hexdigest() != member.sha256:
                     raise CapsulePinMismatchError(f"archive member {info.name} does not match its SHA-256", file=archive_path)
-    except tarfile.TarError as exc:
+    except (tarfile.TarError, ValueError) as exc:  # tarfile raises ValueError for malformed sparse headers
         raise CapsulePinMismatchError(f"the archive cannot be read as a tar: {exc}", file=archive_path) from exc
     return document
 

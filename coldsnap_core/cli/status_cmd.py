@@ -24,7 +24,17 @@ from coldsnap_core.settings import OUTCOME_LOG_ENV, outcome_log_from_env, resolv
 DEFAULT_LAST_LINES = 1000
 
 
+def _printable(value: object) -> str:
+    """``value`` as text with control characters escaped: a line's fields come from the log, and a reason
+    quotes fields an artifact author wrote, so no escape sequence or newline reaches the terminal raw."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(value))
+
+
 def _line(doc: dict[str, object]) -> str:
+    return _printable(_raw_line(doc))
+
+
+def _raw_line(doc: dict[str, object]) -> str:
     text = f"{doc.get('outcome')} {doc.get('time')} {doc.get('engine')} {doc.get('worker')} on {doc.get('host')} ({doc.get('seconds')} s"
     if doc.get("materialization_started"):
         text += ", materialization started"

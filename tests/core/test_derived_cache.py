@@ -6,13 +6,15 @@ cache folders. Each test names the regression it catches; the vLLM round trip is
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
-from core_support import WORKER, Captured, copy_capture, flip_byte, run_cli
+from core_support import WORKER, Captured, copy_capture, edit_json, flip_byte, run_cli
 
 from coldsnap_core.artifact.derived_cache import (
     SEED_ARCHIVE_FILENAME,
@@ -201,3 +203,48 @@ def test_coldsnap_verify_checks_a_seed_against_its_pins(captured_2layer: Capture
     flip_byte(c.capsule_dir / SEED_ARCHIVE_FILENAME, 1500)
     bad = run_cli("verify", c.artifact_dir, "--state-root", c.state_root)
     assert bad.returncode != 0 and "derived-cache.tar" in bad.stderr and "capsule-pin" in bad.stderr, bad.stderr
+
+
+def _replace_archive(c: Captured, archive: Path, members: list[dict]) -> None:
+    """Put ``archive`` in the capsule as its seed archive, list ``members`` in derived-cache.json and re-pin both
+    in artifact.json: what an author who controls the artifact can do, so only the seed's own rules stand."""
+    pins = {}
+    (c.capsule_dir / SEED_ARCHIVE_FILENAME).write_bytes(archive.read_bytes())
+    for name in (SEED_ARCHIVE_FILENAME, SEED_DOCUMENT_FILENAME):
+        if name == SEED_DOCUMENT_FILENAME:
+            edit_json(c.capsule_dir / name, lambda doc: doc.update(archive=pins[SEED_ARCHIVE_FILENAME], members=members))
+        data = (c.capsule_dir / name).read_bytes()
+        pins[name] = {"name": name, "size_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    edit_json(
+        c.artifact_dir / "artifact.json",
+        lambda doc: [p.update(pins[p["name"]]) for e in doc["workers"] for p in e["capsule_files"] if p["name"] in pins],
+    )
+
+
+def test_a_sparse_archive_member_is_refused_before_it_is_read(captured_2layer: Captured, tmp_path: Path) -> None:
+    """A 10 KB archive holding a sparse member of 1 GiB logical size, every pin matching: placement skips it
+    and ``coldsnap verify`` refuses it (exit 2, rule capsule-pin), and neither reads the member. Fails if the
+    member is read whole (the old code allocated its logical size and raised MemoryError out of the load)."""
+    c = seeded(captured_2layer, tmp_path)
+    source = tmp_path / "sparse" / "vllm-cache"
+    source.mkdir(parents=True)
+    with open(source / "big", "wb") as f:
+        f.truncate(1 << 30)
+    archive = tmp_path / "sparse.tar"
+    subprocess.run(["tar", "-S", "--format=pax", "-cf", archive, "-C", source.parent, "vllm-cache/big"], check=True)
+    assert archive.stat().st_size < 1 << 20
+    _replace_archive(c, archive, [{"path": "vllm-cache/big", "size_bytes": 1 << 30, "sha256": "0" * 64}])
+    placement = place(c, tmp_path / "cache")
+    assert placement.status == "skipped" and "larger than the archive holds" in placement.reason
+    result = run_cli("verify", c.artifact_dir, "--state-root", c.state_root)
+    assert result.returncode == 2 and "larger than the archive holds" in result.stderr, result.stderr
+
+
+def test_a_seed_archive_that_is_a_named_pipe_is_skipped_without_blocking(captured_2layer: Captured, tmp_path: Path) -> None:
+    """A FIFO in place of derived-cache.tar: skipped at once as not a regular file. Fails if the archive is
+    opened blocking (the old code waited for a writer for ever, inside ``load_weights``)."""
+    c = seeded(captured_2layer, tmp_path)
+    (c.capsule_dir / SEED_ARCHIVE_FILENAME).unlink()
+    os.mkfifo(c.capsule_dir / SEED_ARCHIVE_FILENAME)
+    placement = place(c, tmp_path / "cache")
+    assert placement.status == "skipped" and "not a regular file" in placement.reason

@@ -232,3 +232,17 @@ def test_status_reads_a_bounded_tail_of_a_large_log(tmp_path: Path, monkeypatch:
     lines, skipped = read_outcomes(log, 1000)
     assert skipped == 0 and 8 <= len(lines) <= 10
     assert lines[-1]["artifact_dir"] == "/a39"
+
+
+def test_status_escapes_control_characters_and_counts_only_known_seed_values(tmp_path: Path, capsys) -> None:
+    """A line whose ``derived_cache`` is no string is not counted (no crash), and a reason holding terminal escapes
+    and a newline is printed escaped on one line. Fails if ``status`` crashes on an unhashable value (the old
+    code: TypeError, exit 1, the code of a fallback alert) or writes the escape sequence raw."""
+    log = tmp_path / "log.jsonl"
+    append_outcome(log, _line("restored", "/a", derived_cache="skipped", derived_cache_reason="x\x1b]0;PWNED\x07\nlast: FAKE"))
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(json.dumps({**json.loads(log.read_text().splitlines()[0]), "derived_cache": ["used"]}) + "\n")
+    assert main(["status", "--outcome-log", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\\x1b]0;PWNED\\x07\\nlast: FAKE" in out
+    assert "derived-cache seeds: 1 skipped" in out
