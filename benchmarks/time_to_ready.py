@@ -19,9 +19,12 @@ Variants:
 The artifact and its seed come from one export with compilation on before the timed runs. Printed: each
 variant's median time to ready and its engine core's start (vLLM's "init engine (profile, create kv cache,
 warmup model)" line: where compilation happens), the ratios of both (goal: restore + seed / restore with a
-local cache <= 1.2) and the weights' share (``load_weights`` / time to ready). The local-cache variant also has
-vLLM's ``modelinfos/`` (its model-class inspection cache, read before any loader runs, so no seed can place it):
-the difference between its time to ready and the seeded restore's that its engine core does not show. On a loaded machine only the ratios mean anything.
+local cache <= 1.2) and the weights' share (``load_weights`` / time to ready). The seed also carries vLLM's
+``modelinfos/`` (its model-class inspection cache, read before any loader runs), which the plugin's
+``register()`` places before vLLM builds its configuration (``docs/format.md`` §17.4). Each run's line also
+shows the time to ready outside the engine core (mostly the configuration, where vLLM inspects the model class
+in a subprocess without a ``modelinfos/`` entry) and whether coldsnap placed that entry early. On a loaded
+machine only the ratios mean anything.
 
 Usage: ``python benchmarks/time_to_ready.py [--layers N | --checkpoint DIR] [--repetitions R] [--workdir DIR]``
 (default: the 2-layer SmolLM2 cut, 1 repetition: each start compiles, about a minute on an idle CPU).
@@ -47,6 +50,9 @@ from smollm2_fixture import ensure_fixture  # noqa: E402
 
 ENGINE_INIT_RE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s")
 """vLLM's own line for its engine core's start (``vllm/v1/engine/core.py``): compilation and warm-up included."""
+
+EARLY_PLACED = "model-class inspection cache placed from the seed"
+"""coldsnap's INFO line when ``register()`` placed the seed's ``modelinfos/`` (``coldsnap_vllm.early_seed``)."""
 
 VARIANTS = ("plain", "restore, no seed", "restore + seed", "restore, local cache")
 
@@ -107,9 +113,12 @@ def main() -> int:
             seed = (run.outcome or {}).get("derived_cache")
             match = ENGINE_INIT_RE.search(run.log)
             engine_init[variant].append(float(match.group(1)) if match else float("nan"))
+            early = "yes" if EARLY_PLACED in run.log else "no"
             print(
-                f"  run {i} {variant:22s} {run.init_seconds:7.1f} s to ready (engine core {engine_init[variant][-1]:.1f} s), load_weights {sum(run.load_weights_seconds):.2f} s,"
-                f" seed {seed}, compile caches {run.compile_cache_counters}"
+                f"  run {i} {variant:22s} {run.init_seconds:7.1f} s to ready (engine core {engine_init[variant][-1]:.1f} s,"
+                f" outside it {run.init_seconds - engine_init[variant][-1]:.1f} s), load_weights"
+                f" {sum(run.load_weights_seconds):.2f} s, seed {seed}, modelinfos placed early {early},"
+                f" compile caches {run.compile_cache_counters}"
             )
             times[variant].append(run.init_seconds)
             weights[variant].append(sum(run.load_weights_seconds))

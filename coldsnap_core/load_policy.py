@@ -32,9 +32,10 @@ the template fixes the order, subclasses supply the engine-specific steps). An e
    * on ``COLDSNAP_OVERLAY=capture``, or under ``auto`` after a fallback caused by target qualification
      of a capsule this engine captured: a target-local **overlay** (:func:`coldsnap_core.artifact.overlay.capture_overlay`,
      ``docs/format.md`` §15);
-3. the capsule's **derived-cache seed** (``docs/format.md`` §17), when a capsule was read: the engine
-   adapter's :meth:`~LoadPolicy.place_derived_cache` places it where the engine's compiler looks
-   (default: the engine keeps none);
+3. the capsule's **derived-cache seed** (``docs/format.md`` §17), when a capsule was read (a selected
+   overlay's own seed, else the portable capsule's): the engine adapter's
+   :meth:`~LoadPolicy.place_derived_cache` places it where the engine's compiler looks (default: the
+   engine keeps none);
 4. one **outcome line** (:mod:`coldsnap_core.outcomes`, ``docs/format.md`` §10.3): ``restored``,
    ``captured``, ``fell-back``, ``checkpoint``, or ``refused`` when an error is raised.
 
@@ -154,9 +155,10 @@ class LoadOutcome:
         pack: the worker's pack, when one was restored, captured or materialized.
         observed: whether :attr:`writes` says where the model bytes are (restored, or a checkpoint load
             whose writes the observer classified); ``False``: nothing may be published about them.
-        capsule_dir: the portable capsule read for this load (restored, or a fallback after it was
-            read), else ``None``: where its derived-cache seed is.
-        capsule_files: that capsule's pins in ``artifact.json``.
+        capsule_dir: where the derived-cache seed of the capsule chosen for this load is (restored, or a
+            fallback after a capsule was read): the selected overlay's folder, else the portable capsule's;
+            ``None`` when no capsule was read.
+        capsule_files: that capsule's pins (``artifact.json``'s entry, or the overlay's ``overlay.json``).
         derived_cache: what became of its seed (:meth:`LoadPolicy.place_derived_cache`), or ``None``.
     """
 
@@ -614,8 +616,13 @@ class LoadPolicy(abc.ABC):
 
 
 def _seed_source(attempt: WorkerRestore | None) -> dict[str, object]:
-    """``capsule_dir`` and ``capsule_files`` of the portable capsule ``attempt`` read (its seed, if any,
-    is pinned there), or nothing when it read none."""
+    """``capsule_dir`` and ``capsule_files`` of the derived-cache seed for the capsule ``attempt`` chose: the
+    target-local overlay's own seed when it selected an overlay or qualification record (``docs/format.md``
+    §15.4, §17.4: the portable seed was captured for another target), else the portable capsule's; nothing
+    when it read no capsule."""
     if attempt is None or attempt.portable_capsule is None or attempt.entry is None:
         return {}
+    overlay_seed = attempt.selection.seed_source if attempt.selection is not None else None
+    if overlay_seed is not None:
+        return {"capsule_dir": overlay_seed[0], "capsule_files": overlay_seed[1]}
     return {"capsule_dir": attempt.portable_capsule.path, "capsule_files": attempt.entry.capsule_files}

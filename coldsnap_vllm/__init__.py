@@ -6,7 +6,11 @@ process in the API server, the engine core and every worker (vLLM ``plugins/__in
 is idempotent, cheap, and never initialises CUDA. It registers
 
 * the load format ``coldsnap`` (:mod:`coldsnap_vllm.loader`), and
-* the sleep-mode backend ``coldsnap`` (:mod:`coldsnap_vllm.sleep`), where vLLM has pluggable backends.
+* the sleep-mode backend ``coldsnap`` (:mod:`coldsnap_vllm.sleep`), where vLLM has pluggable backends,
+
+and, once per process, places the derived-cache seed's copy of vLLM's model-class inspection cache
+(:func:`coldsnap_vllm.early_seed.place_early`, ``docs/format.md`` §17.4): vLLM calls it before it builds
+the model configuration, which reads that cache. That placement never raises.
 """
 
 from __future__ import annotations
@@ -15,9 +19,12 @@ __all__ = ["register"]
 
 
 def register() -> None:
-    """Register coldsnap's load format and sleep backend with vLLM (idempotent)."""
+    """Register coldsnap's load format and sleep backend with vLLM (idempotent), then place the seed's
+    model-class inspection cache (once per process; never raises)."""
+    from coldsnap_vllm.early_seed import place_early
     from coldsnap_vllm.loader import register_loader
     from coldsnap_vllm.sleep import register_sleep_backend
 
     register_loader()
     register_sleep_backend()
+    place_early()

@@ -7,14 +7,17 @@ front and writes the cache before that forward returns (``vllm/compilation/backe
 the default on torch >= 2.10, ``save_aot_compiled_function`` right after ``aot_compile``). On CPU that
 first forward is the warm-up of ``CPUModelRunner.warming_up_model``; on GPU the profile run.
 
-* **Capture** (export): :class:`SeedCapture` registers a forward hook on the model ``load_weights``
+* **Capture** (an export, or a target-local overlay this start stored): :class:`SeedCapture` registers a forward hook on the model ``load_weights``
   filled; when a forward has returned and vLLM's ``compilation_config.local_cache_dir`` names a
   folder, the worker's files are collected and attached to its capsule
-  (:func:`coldsnap_core.artifact.derived_cache.attach_seed`), and the hook removes itself. With AOT compile
+  (:func:`coldsnap_core.artifact.derived_cache.attach_seed`, or the overlay's
+  :func:`coldsnap_core.artifact.overlay.attach_overlay_seed`), and the hook removes itself. With AOT compile
   that folder is ``VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/<hash>/``: the rank's
   ``rank_<rank>_<dp>/model`` and ``inductor_cache/`` (vLLM points ``TORCHINDUCTOR_CACHE_DIR`` there),
   both under ``VLLM_CACHE_ROOT``. Without it, the rank's ``torch_compile_cache/<hash>/rank_<rank>_<dp>/``
-  and the files of torch inductor's cache (``TORCHINDUCTOR_CACHE_DIR``) written since the load began.
+  and the files of torch inductor's cache (``TORCHINDUCTOR_CACHE_DIR``) written since the load began. Either
+  way also ``VLLM_CACHE_ROOT/modelinfos/`` (vLLM's model-class inspection cache; placed before vLLM builds its
+  configuration by :mod:`coldsnap_vllm.early_seed`).
 * **Restore**: :func:`place` runs inside ``load_weights``, before the first forward, so the files are
   where vLLM looks when it compiles.
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from coldsnap_core.artifact.derived_cache import (
@@ -38,12 +42,17 @@ from coldsnap_core.artifact.derived_cache import (
     compilation_digest,
     place_seed,
 )
+from coldsnap_core.artifact.overlay import OverlayCapture, attach_overlay_seed
 from coldsnap_core.errors import ColdsnapError
 from coldsnap_core.format.descriptor import SEED_FILENAMES, CapsuleFile
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.identity.target import collect_target
 
 logger = logging.getLogger(__name__)
+
+MODELINFOS = "modelinfos"
+"""vLLM's model-class inspection cache below ``VLLM_CACHE_ROOT`` (``vllm/model_executor/models/registry.py``):
+captured with the compiled files, placed early by :mod:`coldsnap_vllm.early_seed`."""
 
 MAX_FORWARDS_WITHOUT_CACHE = 16
 """Forwards the capture hook waits for vLLM's cache folder before it gives up (one INFO line)."""
@@ -129,18 +138,24 @@ class SeedCapture:
         model: the model ``load_weights`` filled (its forward hook is the trigger).
         vllm_config: vLLM's configuration of this worker (its ``compilation_config`` names the cache folder
             once compiled).
-        artifact_dir, worker, pack_sha256: the capsule just captured.
+        worker: the worker whose capsule gets the seed.
         qualification: computed in ``load_weights`` (before compilation), as restore computes it.
+        attach: writes the collected ``(member path, file)`` list into the capsule and pins it: the
+            export's (:func:`for_export`) or a target-local overlay's (:func:`for_overlay`).
     """
 
     def __init__(
-        self, model, vllm_config, artifact_dir: Path, worker: WorkerIdentity, pack_sha256: str, qualification: SeedQualification
+        self,
+        model,
+        vllm_config,
+        worker: WorkerIdentity,
+        qualification: SeedQualification,
+        attach: Callable[[list[tuple[str, Path]]], object],
     ) -> None:
         self.vllm_config = vllm_config
-        self.artifact_dir = artifact_dir
         self.worker = worker
-        self.pack_sha256 = pack_sha256
         self.qualification = qualification
+        self.attach = attach
         self.started_ns = time.time_ns()
         self.forwards = 0
         self.done = False
@@ -189,12 +204,42 @@ class SeedCapture:
         rank_folder = next((p for p in [folder, *folder.parents] if p.name == rank_dir), None)
         if rank_folder is None:  # AOT compile: the hash folder holds rank_<r>_<d>/ and inductor_cache/
             base = folder.relative_to(vllm_root).as_posix()
-            files = collect_files(roots, [("vllm-cache", f"{base}/{rank_dir}"), ("vllm-cache", f"{base}/inductor_cache")])
+            files = collect_files(
+                roots,
+                [("vllm-cache", f"{base}/{rank_dir}"), ("vllm-cache", f"{base}/inductor_cache"), ("vllm-cache", MODELINFOS)],
+            )
         else:  # vLLM's own cache for this rank, plus what inductor wrote to its cache during this start
-            files = collect_files(roots, [("vllm-cache", rank_folder.relative_to(vllm_root).as_posix())])
+            files = collect_files(
+                roots, [("vllm-cache", rank_folder.relative_to(vllm_root).as_posix()), ("vllm-cache", MODELINFOS)]
+            )
             files += collect_files(roots, [("inductor-cache", ".")], since_ns=self.started_ns)
             files.sort()
-        attach_seed(self.artifact_dir, self.worker, self.pack_sha256, self.qualification, files)
+        self.attach(files)
 
 
-__all__ = ["SeedCapture", "cache_roots", "compile_skip_reason", "place", "qualification"]
+def for_export(
+    model, vllm_config, artifact_dir: Path, worker: WorkerIdentity, pack_sha256: str, qualification: SeedQualification
+) -> SeedCapture:
+    """A :class:`SeedCapture` into the export's capsule of ``worker`` (pack ``pack_sha256``)."""
+    return SeedCapture(
+        model,
+        vllm_config,
+        worker,
+        qualification,
+        lambda files: attach_seed(artifact_dir, worker, pack_sha256, qualification, files),
+    )
+
+
+def for_overlay(model, vllm_config, overlay: OverlayCapture, qualification: SeedQualification) -> SeedCapture:
+    """A :class:`SeedCapture` into the target-local overlay this start stored (``docs/format.md`` §15.3):
+    its own seed, qualified for exactly its target."""
+    return SeedCapture(
+        model,
+        vllm_config,
+        overlay.descriptor.worker,
+        qualification,
+        lambda files: attach_overlay_seed(overlay, qualification, files),
+    )
+
+
+__all__ = ["SeedCapture", "cache_roots", "compile_skip_reason", "for_export", "for_overlay", "place", "qualification"]

@@ -43,7 +43,7 @@ from coldsnap_core.identity.config_digest import model_config_sha256
 from coldsnap_core.identity.model_identity import engine_checkpoint_files
 from coldsnap_core.load_policy import LoadOutcome, LoadPolicy, ModelSource, last_outcome
 from coldsnap_core.settings import ColdsnapSettings
-from coldsnap_vllm import compat
+from coldsnap_vllm import compat, early_seed
 from coldsnap_vllm import derived_cache as seeds
 from coldsnap_vllm import state as load_state
 
@@ -180,19 +180,23 @@ class ColdsnapModelLoader(DefaultModelLoader):
         # A later load in this process (vLLM's reload_weights, a second load_weights) replaces the weights:
         # what the sleep backend works from is this load's state or none, never the previous load's.
         load_state.clear()
+        early_seed.flush_log()  # register()'s line, if vLLM's logging was not configured yet then
         self._policy.model_config = model_config
         outcome = self._policy.load(model)
         if outcome.observed:
             self._publish(outcome)
-        if outcome.capture is not None:
+        if outcome.capture is not None or outcome.overlay is not None:
             self._capture_seed_after_compilation(model, outcome)
 
     def _capture_seed_after_compilation(self, model: nn.Module, outcome: LoadOutcome) -> None:
-        """After an export's capture: the worker's compile cache goes into its capsule once vLLM has
-        compiled (:class:`coldsnap_vllm.derived_cache.SeedCapture`), unless ``COLDSNAP_DERIVED_CACHE=off``
-        or vLLM keeps no compile cache for this start (one INFO line says why)."""
+        """After an export's capture, or a target-local overlay this start stored: the worker's compile
+        cache goes into that capsule once vLLM has compiled (:class:`coldsnap_vllm.derived_cache.SeedCapture`),
+        unless ``COLDSNAP_DERIVED_CACHE=off`` or vLLM keeps no compile cache for this start (one INFO line
+        says why)."""
         settings = self.coldsnap_settings
-        if settings.derived_cache == "off" or settings.artifact_dir is None or outcome.capture is None:
+        if settings.derived_cache == "off" or settings.artifact_dir is None:
+            return
+        if outcome.capture is None and outcome.overlay is None:
             return
         policy = self._policy
         try:
@@ -209,14 +213,17 @@ class ColdsnapModelLoader(DefaultModelLoader):
             logger.info("coldsnap: %s: no derived-cache seed captured: %s", outcome.worker.capsule_name, reason)
             return
         assert qualification is not None
-        seeds.SeedCapture(
-            model,
-            policy.vllm_config,
-            settings.artifact_dir,
-            outcome.worker,
-            outcome.capture.manifest.pack.sha256,
-            qualification,
-        )
+        if outcome.capture is not None:
+            seeds.for_export(
+                model,
+                policy.vllm_config,
+                settings.artifact_dir,
+                outcome.worker,
+                outcome.capture.manifest.pack.sha256,
+                qualification,
+            )
+        elif outcome.overlay is not None:
+            seeds.for_overlay(model, policy.vllm_config, outcome.overlay, qualification)
 
     def _publish(self, outcome: LoadOutcome) -> None:
         settings = self.coldsnap_settings

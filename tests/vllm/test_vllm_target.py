@@ -8,6 +8,7 @@ the way an artifact captured on another runtime would look (docs/format.md §15)
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -26,12 +27,18 @@ pytest.importorskip("vllm")
 from test_vllm_loader_unit import Consumer, make_loader
 from vllm.config import ModelConfig
 
-from coldsnap_core.artifact.overlay import OVERLAY_FILENAME, OVERLAYS_DIRNAME, list_overlays
+from coldsnap_core.artifact.derived_cache import (
+    SEED_ARCHIVE_FILENAME,
+    SEED_DOCUMENT_FILENAME,
+    SeedQualification,
+    attach_seed,
+)
+from coldsnap_core.artifact.overlay import OVERLAY_FILENAME, OVERLAYS_DIRNAME, attach_overlay_seed, list_overlays
 from coldsnap_core.cli.main import main as coldsnap_main
-from coldsnap_core.errors import TargetMismatchError
+from coldsnap_core.errors import OverlayError, TargetMismatchError
 from coldsnap_core.format.target import INFORMATIONAL_FIELDS, QUALIFYING_FIELDS
 from coldsnap_vllm.loader import last_outcome
-from tests.support.files import permissions_enforced
+from tests.support.files import flip_byte, permissions_enforced
 
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[2]
@@ -414,3 +421,244 @@ def test_publish_native_never_uploads_overlays(overlaid, tmp_path: Path) -> None
     assert coldsnap_main(["publish-native", str(artifact), "--repo", str(store), "--state-root", str(state)]) == 0
     uploaded = sorted(str(p.relative_to(store)) for p in store.rglob("*") if p.is_file())
     assert uploaded == [f"model-payloads/sha256/{_pack_objects(state)[0]}"]
+
+
+# -- an overlay's own derived-cache seed (docs/format.md §15.3, §17) -----------------------------------
+
+
+def _seed_files(folder: Path, name: str) -> list[tuple[str, Path]]:
+    """One compiled file, as a seed's ``(member path, file)`` list: its bytes say whose seed it is."""
+    path = folder / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(f"kernel compiled for {name}\n".encode() * 40)
+    return [(f"vllm-cache/torch_compile_cache/{name}", path)]
+
+
+def _qualification(target) -> SeedQualification:
+    return SeedQualification.for_target(target, model_config_sha256="1" * 64, compilation_sha256="2" * 64)
+
+
+def _seed_the_portable_capsule(artifact: Path, tmp_path: Path) -> None:
+    """A seed in the portable capsule, qualified for the engine version the capsule will record (0.31.0)."""
+    from coldsnap_core.artifact.capsules import read_descriptor
+
+    (entry,) = read_descriptor(artifact).workers
+    recorded = dataclasses.replace(_current_qualification(), engine_version="0.31.0")
+    attach_seed(artifact, entry.worker, entry.payload.sha256, recorded, _seed_files(tmp_path / "portable-node-cache", "portable"))
+
+
+@pytest.fixture
+def placing_seeds(monkeypatch, tmp_path: Path) -> Path:
+    """The loader's seed placement as in an engine that compiles (the in-process loader has no
+    ``VllmConfig``): qualified as the overlay captured below, placed into an empty cache root (returned)."""
+    import coldsnap_vllm.derived_cache as seeds
+
+    roots = {"vllm-cache": tmp_path / "fresh-node" / "vllm", "inductor-cache": tmp_path / "fresh-node" / "inductor"}
+    monkeypatch.setattr(seeds, "compile_skip_reason", lambda vllm_config: None)
+    monkeypatch.setattr(seeds, "qualification", lambda vllm_config, engine, version, config: _current_qualification())
+    monkeypatch.setattr(seeds, "cache_roots", lambda: roots)
+    return roots["vllm-cache"]
+
+
+def _current_qualification() -> SeedQualification:
+    from coldsnap_core.identity.target import collect_target, engine_version
+
+    return _qualification(collect_target("vllm", engine_version("vllm"), device=torch.device("cpu")))
+
+
+def _overlay_with_seed(exported, model_config, tmp_path: Path, monkeypatch, *, perturb: bool):
+    """A portable capsule with its own seed, from another engine version (residual perturbed or not),
+    after one ``auto`` load on this node, and a seed attached to the overlay that load stored (as the
+    loader does once vLLM has compiled): (artifact, state root, overlay capture)."""
+    artifact = _copy_artifact(exported, tmp_path)
+    _seed_the_portable_capsule(artifact, tmp_path)
+    if perturb:
+        _perturb_residual(artifact)
+    _edit_target(artifact, engine_version="0.31.0")
+    state = tmp_path / "state"
+    shutil.copytree(exported[1], state)
+    _env(monkeypatch, artifact, state, restore="auto")
+    make_loader().load_weights(Consumer(), model_config)
+    capture = last_outcome().overlay
+    assert last_outcome().fallback.rule == "target-qualification" and capture is not None
+    # the portable seed was recorded for 0.31.0: this start skips it on qualification
+    assert last_outcome().derived_cache.status == "skipped" and "engine_version" in last_outcome().derived_cache.reason
+    attach_overlay_seed(capture, _current_qualification(), _seed_files(tmp_path / "this-node-cache", "overlay"))
+    return artifact, state, capture
+
+
+@pytest.mark.parametrize("perturb", [True, False], ids=["overlay", "qualified"])
+def test_an_overlay_carries_its_own_seed_and_a_restore_through_it_places_that_seed(
+    exported, model_config, tmp_path: Path, monkeypatch, caplog, placing_seeds: Path, perturb: bool
+) -> None:
+    """Catches an overlay without a seed of its own, a restore through an overlay (or a qualification
+    record) that places the portable capsule's seed (recorded for another target) or none, a portable
+    seed's pins taken for capsule bytes (a capture identical but for them stored as an ``overlay``),
+    and a corrupt overlay seed placed: overlay.json pins the seed's two files (read-only, still valid);
+    the next restore on this node selects the overlay and places exactly its seed; after one flipped
+    byte in the overlay's archive the restore still uses the overlay and skips the seed, naming the file."""
+    _, state, capture = _overlay_with_seed(exported, model_config, tmp_path, monkeypatch, perturb=perturb)
+    kind = "overlay" if perturb else "qualified"
+    assert capture.kind == kind
+    descriptor = json.loads((capture.path / OVERLAY_FILENAME).read_text())
+    names = [p["name"] for p in descriptor["capsule_files"]]
+    assert {SEED_DOCUMENT_FILENAME, SEED_ARCHIVE_FILENAME} <= set(names) and len(names) == (6 if perturb else 2)
+    assert os.stat(capture.path / OVERLAY_FILENAME).st_mode & 0o777 == 0o444
+    assert [o.status for o in list_overlays(state)] == ["current"]
+
+    monkeypatch.setenv("COLDSNAP_RESTORE", "native")
+    make_loader().load_weights(Consumer(), model_config)
+    outcome = last_outcome()
+    assert (outcome.kind, outcome.capsule_source, outcome.capsule_dir) == ("restored", kind, capture.path)
+    assert (outcome.derived_cache.status, outcome.derived_cache.placed_files) == ("used", 1)
+    placed = sorted(p.relative_to(placing_seeds).as_posix() for p in placing_seeds.rglob("*") if p.is_file())
+    assert placed == ["torch_compile_cache/overlay"]
+
+    shutil.rmtree(placing_seeds)
+    archive = capture.path / SEED_ARCHIVE_FILENAME
+    os.chmod(archive, 0o644)
+    flip_byte(archive, 700)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        make_loader().load_weights(Consumer(), model_config)
+    outcome = last_outcome()
+    assert (outcome.kind, outcome.capsule_source, outcome.derived_cache.status) == ("restored", kind, "skipped")
+    assert f"{SEED_ARCHIVE_FILENAME} is" in outcome.derived_cache.reason and str(archive) in outcome.derived_cache.reason
+    assert not placing_seeds.exists()
+    assert any("derived-cache seed skipped" in r.getMessage() for r in caplog.records)
+
+
+def test_an_overlay_seed_is_attached_only_to_the_overlay_this_start_stored(
+    exported, model_config, tmp_path: Path, monkeypatch, placing_seeds: Path
+) -> None:
+    """Catches a seed pinned into an overlay another capture replaced meanwhile, or one qualified for
+    another target than the overlay's: both refused (``OverlayError``), overlay.json unchanged."""
+    _, _, capture = _overlay_with_seed(exported, model_config, tmp_path, monkeypatch, perturb=True)
+    before = (capture.path / OVERLAY_FILENAME).read_bytes()
+    files = _seed_files(tmp_path / "again", "again")
+    replaced = dataclasses.replace(
+        capture, descriptor=dataclasses.replace(capture.descriptor, created_at="2000-01-01T00:00:00+00:00")
+    )
+    with pytest.raises(OverlayError, match="replaced since this start captured it"):
+        attach_overlay_seed(replaced, _current_qualification(), files)
+    other = dataclasses.replace(_current_qualification(), engine_version="0.31.0")
+    with pytest.raises(OverlayError, match="not for the overlay's target"):
+        attach_overlay_seed(capture, other, files)
+    assert (capture.path / OVERLAY_FILENAME).read_bytes() == before
+
+
+# -- the model-class inspection cache, placed when vLLM calls register() (docs/format.md §17.4) --------
+
+MODELINFO = "vllm-cache/modelinfos/vllm-model_executor-models-llama-LlamaForCausalLM.json"
+
+
+def _seed_with_modelinfo(folder: Path) -> list[tuple[str, Path]]:
+    """A compiled file and a modelinfos entry, as a seed's ``(member path, file)`` list."""
+    info = folder / "modelinfo.json"
+    info.parent.mkdir(parents=True, exist_ok=True)
+    info.write_text('{"hash": "abc", "modelinfo": {"architecture": "LlamaForCausalLM"}}\n')
+    return sorted([*_seed_files(folder, "kernel"), (MODELINFO, info)])
+
+
+@pytest.fixture
+def early(monkeypatch, tmp_path: Path):
+    """:func:`coldsnap_vllm.early_seed.place_early` as a fresh process runs it: its once-per-process flag
+    reset, ``VLLM_CACHE_ROOT`` an empty folder (returned with the function)."""
+    import coldsnap_vllm.early_seed as early_seed
+
+    cache = tmp_path / "fresh-node-cache"
+    monkeypatch.setattr(early_seed, "_done", False)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(cache))
+    return early_seed.place_early, cache
+
+
+def _early_env(artifact: Path, state: Path, **more: str) -> dict[str, str]:
+    return {"COLDSNAP_ARTIFACT_DIR": str(artifact), "COLDSNAP_STATE_ROOT": str(state), **more}
+
+
+def test_register_places_the_seeds_modelinfos_once_and_only_them(exported, tmp_path: Path, early, caplog) -> None:
+    """Catches a seed whose model-class inspection cache is placed only in ``load_weights`` (after vLLM read
+    it), compiled files placed before their full qualification is known, a second placement in one process,
+    an existing entry replaced, and a corrupt seed placed: the first call places exactly the modelinfos entry
+    (one INFO line), a second does nothing; an entry already there is kept; a flipped archive byte skips
+    with one INFO line naming the archive; ``COLDSNAP_DERIVED_CACHE=off`` and export place nothing."""
+    place_early, cache = early
+    artifact = _copy_artifact(exported, tmp_path)
+    from coldsnap_core.artifact.capsules import read_descriptor
+    from coldsnap_vllm.early_seed import flush_log
+
+    (entry,) = read_descriptor(artifact).workers
+    attach_seed(artifact, entry.worker, entry.payload.sha256, _current_qualification(), _seed_with_modelinfo(tmp_path / "c"))
+    env = _early_env(artifact, tmp_path / "state")
+    with caplog.at_level(logging.INFO, logger="coldsnap_vllm"):
+        placement = place_early(env)
+        assert place_early(env) is None
+        flush_log()  # a line made before vLLM configured its logging comes out when the loader runs
+    assert (placement.status, placement.placed_files, placement.present_files) == ("used", 1, 0)
+    assert [p.relative_to(cache).as_posix() for p in cache.rglob("*") if p.is_file()] == [MODELINFO.split("/", 1)[1]]
+    lines = [r.getMessage() for r in caplog.records if "inspection cache" in r.getMessage()]
+    assert len(lines) == 1 and "placed from the seed: 1 files written" in lines[0]
+
+    import coldsnap_vllm.early_seed as early_seed
+
+    placed = cache / MODELINFO.split("/", 1)[1]
+    placed.write_text("this node's own")
+    early_seed._done = False
+    assert (place_early(env).status, placed.read_text()) == ("used", "this node's own")
+
+    placed.unlink()
+    flip_byte(artifact / CAPSULE / SEED_ARCHIVE_FILENAME, 700)
+    early_seed._done = False
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="coldsnap_vllm"):
+        skipped = place_early(env)
+        flush_log()
+    assert skipped.status == "skipped" and f"{SEED_ARCHIVE_FILENAME} is" in skipped.reason and not placed.exists()
+    (line,) = [r.getMessage() for r in caplog.records if "inspection cache" in r.getMessage()]
+    assert "not placed from the seed" in line
+    flip_byte(artifact / CAPSULE / SEED_ARCHIVE_FILENAME, 700)  # intact again
+    for more in ({"COLDSNAP_DERIVED_CACHE": "off"}, {"COLDSNAP_EXPORT_MODEL_PAYLOAD": "1"}):
+        early_seed._done = False
+        assert place_early({**env, **more}) is None, more
+    early_seed._done = False
+    result = place_early({**env, "COLDSNAP_RESTORE": "nonsense"})  # a malformed setting: skipped, never raised
+    assert result.status == "skipped" and "COLDSNAP_RESTORE" in result.reason
+    assert not placed.exists()
+
+
+def test_register_places_the_overlays_modelinfos_after_an_engine_upgrade(
+    exported, model_config, tmp_path: Path, monkeypatch, early
+) -> None:
+    """Catches an early placement that takes the portable seed recorded for another engine version, or that
+    ignores the node's overlay: the portable seed is skipped on ``engine_version``, the overlay's own seed
+    places its entry."""
+    place_early, cache = early
+    artifact = _copy_artifact(exported, tmp_path)
+    from coldsnap_core.artifact.capsules import read_descriptor
+    from coldsnap_core.format.target import TargetIdentity
+
+    (entry,) = read_descriptor(artifact).workers
+    old = dataclasses.replace(_current_qualification(), engine_version="0.31.0")
+    attach_seed(artifact, entry.worker, entry.payload.sha256, old, _seed_with_modelinfo(tmp_path / "old"))
+    _perturb_residual(artifact)
+    _edit_target(artifact, engine_version="0.31.0")
+    state = tmp_path / "state"
+    shutil.copytree(exported[1], state)
+    env = _early_env(artifact, state)
+    skipped = place_early(env)
+    assert skipped.status == "skipped" and "engine_version: captured 0.31.0" in skipped.reason and not cache.exists()
+
+    _env(monkeypatch, artifact, state, restore="auto")
+    make_loader().load_weights(Consumer(), model_config)
+    capture = last_outcome().overlay
+    assert TargetIdentity.read(capture.path / "target.json") == capture.descriptor.target
+    attach_overlay_seed(capture, _current_qualification(), _seed_with_modelinfo(tmp_path / "new"))
+    import coldsnap_vllm.early_seed as early_seed
+
+    early_seed._done = False
+    assert place_early(env).status == "used"
+    assert (cache / MODELINFO.split("/", 1)[1]).is_file()
+    (cache / MODELINFO.split("/", 1)[1]).unlink()
+    early_seed._done = False
+    assert place_early({**env, "COLDSNAP_OVERLAY": "off"}).status == "skipped"
+    assert not (cache / MODELINFO.split("/", 1)[1]).exists()

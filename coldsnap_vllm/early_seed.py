@@ -1,0 +1,177 @@
+"""A seed's copy of vLLM's model-class inspection cache, placed before vLLM builds its configuration
+(``docs/format.md`` §17.4).
+
+vLLM inspects the model's class when it builds its ``ModelConfig``, in the process that calls
+``LLM(...)`` or runs ``vllm serve``, before any loader runs (``vllm/model_executor/models/registry.py``,
+``_LazyRegisteredModel.inspect_model_cls``): it reads ``VLLM_CACHE_ROOT/modelinfos/<module>-<class>.json``
+and, without an entry whose ``hash`` matches the model's module files, runs the inspection in a
+subprocess that imports the model (on a loaded 2-core machine about 16 s of a 2-layer model's start).
+``load_weights`` is too late for it. vLLM calls the general plugins' ``register()`` earlier, in every
+process: ``EngineArgs.__post_init__`` (``vllm/engine/arg_utils.py``) calls ``load_general_plugins()``
+before the model configuration is built, so :func:`place_early` runs there.
+
+It places only the seed's ``vllm-cache/modelinfos/`` members, from the artifact that
+``COLDSNAP_ARTIFACT_DIR`` names (extra-config settings are not known yet): the pins and the archive are
+verified as in ``load_weights``, and the qualification is compared on the fields this early point can
+know without touching a device (engine, its version, torch and its CUDA version: what an entry's
+content depends on; vLLM itself still checks each entry's hash of the model's module files). The
+portable capsules' seeds are tried first, then this node's valid target-local overlays of them
+(``docs/format.md`` §15.3). Once per process; never over an existing entry; it never raises and never
+waits on a lock: any error skips it with one INFO line, and vLLM inspects the class as without coldsnap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from coldsnap_core.artifact.derived_cache import MAX_REASON_CHARS, SeedPlacement, SeedQualification, place_seed
+from coldsnap_core.artifact.overlay import (
+    OVERLAY_FILENAME,
+    OVERLAYS_DIRNAME,
+    OverlayDescriptor,
+    artifact_key,
+    find_overlay,
+)
+from coldsnap_core.cache.records import read_private_record
+from coldsnap_core.format._strict import parse_document, read_document_bytes
+from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, ArtifactDescriptor, CapsuleFile
+from coldsnap_core.identity.target import engine_version
+from coldsnap_core.settings import ColdsnapSettings
+
+logger = logging.getLogger(__name__)
+
+EARLY_PREFIX = "vllm-cache/modelinfos/"
+"""The members placed before vLLM builds its configuration: its model-class inspection cache."""
+EARLY_FIELDS = ("engine", "engine_version", "torch_version", "torch_cuda_version")
+"""The qualification's fields compared for them (``docs/format.md`` §17.4)."""
+
+_candidates_log = logging.getLogger(f"{__name__}.candidates")
+_candidates_log.addHandler(logging.NullHandler())
+_candidates_log.propagate = False  # one line per process: each candidate's own outcome is summarized below
+
+_lock = threading.Lock()
+_done = False
+_pending: list[tuple[float, str, tuple[object, ...]]] = []
+"""Lines made before vLLM configured its logging (``LLM(...)`` configures it after ``EngineArgs`` called the
+plugins): handed to the logger by :func:`flush_log`, with their original time."""
+
+
+def _info(msg: str, *args: object) -> None:
+    """One INFO line now, or, while vLLM's ``vllm`` logger has no handler yet, when :func:`flush_log` runs."""
+    import vllm.envs as envs
+
+    if not envs.VLLM_CONFIGURE_LOGGING or logging.getLogger("vllm").handlers:
+        logger.info(msg, *args)
+    elif logger.isEnabledFor(logging.INFO):
+        _pending.append((time.time(), msg, args))
+
+
+def flush_log() -> None:
+    """Emit the lines :func:`place_early` made before vLLM configured its logging (the loader calls it)."""
+    while _pending:
+        created, msg, args = _pending.pop(0)
+        # made now, so that vLLM's record factory adds the fields its formatter needs; dated when it happened
+        record = logger.makeRecord(logger.name, logging.INFO, __file__, 0, msg, args, None)
+        record.created, record.msecs = created, (created % 1) * 1000
+        logger.handle(record)
+
+
+def place_early(environ: Mapping[str, str] | None = None) -> SeedPlacement | None:
+    """Place the model-class inspection cache of the artifact's seed, the first time this process calls it.
+
+    Returns:
+        What was done: ``None`` when nothing was to do (called before in this process, no
+        ``COLDSNAP_ARTIFACT_DIR``, an export, ``COLDSNAP_DERIVED_CACHE=off``, no seed with such entries);
+        ``used`` (placed, or all already there) or ``skipped`` (one INFO line says why). Never raises.
+    """
+    global _done
+    with _lock:
+        if _done:
+            return None
+        _done = True
+    try:
+        return _place(os.environ if environ is None else environ)
+    except Exception as exc:  # a seed never fails a start (docs/format.md §17)
+        reason = f"{type(exc).__name__}: {exc}"[:MAX_REASON_CHARS]
+        with contextlib.suppress(Exception):
+            _info("coldsnap: vLLM's model-class inspection cache not placed from the seed: %r", reason)
+        return SeedPlacement("skipped", reason)
+
+
+def _place(environ: Mapping[str, str]) -> SeedPlacement | None:
+    settings, _ = ColdsnapSettings.resolve(environ)
+    if settings.artifact_dir is None or settings.export_model_payload or settings.derived_cache == "off":
+        return None
+    import vllm.envs as envs
+
+    roots = {"vllm-cache": Path(envs.VLLM_CACHE_ROOT)}
+    current = _early_qualification()
+    skipped: tuple[Path, SeedPlacement] | None = None
+    for folder, pins in _candidates(settings.artifact_dir, settings.state_root, settings.overlay != "off"):
+        placement = place_seed(folder, pins, current, roots, log=_candidates_log, only=EARLY_PREFIX, fields=EARLY_FIELDS)
+        if placement.status == "used":
+            _info(
+                "coldsnap: %s: vLLM's model-class inspection cache placed from the seed: %d files written, %d already present",
+                folder,
+                placement.placed_files,
+                placement.present_files,
+            )
+            return placement
+        if placement.status == "skipped" and skipped is None:
+            skipped = (folder, placement)
+    if skipped is not None:
+        _info("coldsnap: %s: vLLM's model-class inspection cache not placed from the seed: %r", skipped[0], skipped[1].reason)
+        return skipped[1]
+    return None
+
+
+def _early_qualification() -> SeedQualification:
+    """This process's values of :data:`EARLY_FIELDS` (the others are never compared here)."""
+    import torch
+
+    return SeedQualification(
+        engine="vllm",
+        engine_version=engine_version("vllm"),
+        torch_version=str(torch.__version__),
+        torch_cuda_version=torch.version.cuda,
+        device_type="",
+        accelerator_model=None,
+        nvidia_driver_version=None,
+        cpu_isa_flags=(),
+        compute_capability=None,
+        model_config_sha256=None,
+        compilation_sha256="",
+    )
+
+
+def _candidates(artifact_dir: Path, state_root: Path, overlays: bool) -> Iterator[tuple[Path, tuple[CapsuleFile, ...]]]:
+    """``(folder, pins)`` of each seed to try: every portable capsule of the artifact, then this node's
+    valid overlays of them (:func:`coldsnap_core.artifact.overlay.find_overlay`, for the target each is
+    bound to)."""
+    data = read_document_bytes(artifact_dir / DESCRIPTOR_FILENAME)
+    descriptor = parse_document(data, ArtifactDescriptor.from_fields, file=str(artifact_dir / DESCRIPTOR_FILENAME))
+    for entry in descriptor.workers:
+        yield artifact_dir / entry.capsule, entry.capsule_files
+    if not overlays:
+        return
+    descriptor_sha256 = hashlib.sha256(data).hexdigest()
+    base = state_root / OVERLAYS_DIRNAME / artifact_key(artifact_dir)
+    for entry in descriptor.workers:
+        for path in sorted(base.glob(f"*/{entry.worker.capsule_name}/{OVERLAY_FILENAME}")):
+            try:
+                target = read_private_record(path, OverlayDescriptor.from_fields).target
+            except Exception:  # an untrusted overlay is skipped here; the loader warns about it
+                continue
+            lookup = find_overlay(state_root, artifact_dir, entry, target, descriptor_sha256)
+            if lookup.status == "valid" and lookup.descriptor is not None and lookup.descriptor.seed_files:
+                yield lookup.path, lookup.descriptor.seed_files
+
+
+__all__ = ["EARLY_FIELDS", "EARLY_PREFIX", "flush_log", "place_early"]
