@@ -17,6 +17,7 @@ import pytest
 from engine_support import coldsnap_env, copy_state, run_engine
 from test_vllm_target import _edit_target, _perturb_residual
 
+from coldsnap_core.artifact.derived_cache import SEED_ARCHIVE_FILENAME, SEED_DOCUMENT_FILENAME
 from coldsnap_core.artifact.overlay import list_overlays
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
@@ -34,7 +35,10 @@ def test_engine_upgrade_falls_back_once_then_restores_from_the_overlay(
     start falls back with one WARNING naming engine_version and captures an overlay; the next start on
     this node restores from it (no WARNING) with greedy outputs and per-tensor bytes equal to a plain
     load, although the portable residual differs; a second node falls back again; one pack object per
-    state root throughout."""
+    state root throughout. Both starts on this node compile (each with empty compile caches): the first
+    pins a derived-cache seed of this target in the overlay, the second places that seed (its model-class
+    inspection cache from the overlay folder when vLLM loads the plugin, the rest before vLLM compiles)
+    (docs/format.md §15.3, §17)."""
     capture = vllm_two_layer["capture"]
     assert capture.error is None and capture.outcome["kind"] == "captured"
     artifact = Path(shutil.copytree(vllm_two_layer["artifact"], tmp_path / "artifact", symlinks=True))
@@ -43,7 +47,12 @@ def test_engine_upgrade_falls_back_once_then_restores_from_the_overlay(
     _perturb_residual(artifact)
     _edit_target(artifact, engine_version="0.31.0")
 
-    first = run_engine(tmp_path, "first", smollm2_2layer, "coldsnap", env=coldsnap_env(artifact, state))
+    def caches(name: str) -> dict[str, str]:
+        return {"VLLM_CACHE_ROOT": str(tmp_path / name / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / name / "inductor")}
+
+    first = run_engine(
+        tmp_path, "first", smollm2_2layer, "coldsnap", env=coldsnap_env(artifact, state, **caches("first")), enforce_eager=False
+    )
     assert first.error is None
     assert (first.outcome["kind"], first.outcome["fallback_rule"], first.outcome["overlay"]) == (
         "checkpoint",
@@ -53,13 +62,22 @@ def test_engine_upgrade_falls_back_once_then_restores_from_the_overlay(
     (warning,) = first.coldsnap_lines("WARNING")
     assert "engine_version: '0.31.0' -> '0.32" in warning
     assert first.outputs == capture.outputs
-    assert [o.status for o in list_overlays(state)] == ["current"] and len(_packs(state)) == 1
+    (overlay,) = list_overlays(state)
+    assert overlay.status == "current" and len(_packs(state)) == 1
+    assert {SEED_DOCUMENT_FILENAME, SEED_ARCHIVE_FILENAME} <= {p.name for p in overlay.descriptor.capsule_files}
 
     second = run_engine(
-        tmp_path, "second", smollm2_2layer, "coldsnap", env=coldsnap_env(artifact, state, COLDSNAP_RESTORE="native")
+        tmp_path,
+        "second",
+        smollm2_2layer,
+        "coldsnap",
+        env=coldsnap_env(artifact, state, COLDSNAP_RESTORE="native", **caches("second")),
+        enforce_eager=False,
     )
     assert second.error is None, second.error
     assert (second.outcome["kind"], second.outcome["capsule_source"]) == ("restored", "overlay")
+    assert (second.outcome["derived_cache"], second.outcome["derived_cache_reason"]) == ("used", None)
+    assert any(str(overlay.path) in line and "inspection cache placed" in line for line in second.coldsnap_lines("INFO"))
     assert second.coldsnap_lines("WARNING") == []
     assert second.outputs == capture.outputs
     assert second.digests == capture.digests
