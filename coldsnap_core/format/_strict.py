@@ -51,16 +51,26 @@ class Fields:
     raises :class:`~coldsnap_core.errors.ManifestSchemaError`.
     """
 
-    def __init__(self, obj: Any, where: str, file: str | None) -> None:
-        if not isinstance(obj, Mapping):
-            raise ManifestSchemaError(f"{where or 'document'} must be a JSON object, got {type(obj).__name__}", file=file)
-        self._obj = obj
-        self._where = where
+    __slots__ = ("_file", "_index", "_obj", "_parent", "_seen")
+
+    def __init__(self, obj: Any, where: str, file: str | None, *, index: int | None = None) -> None:
+        # A manifest holds thousands of objects and most are never named in an error: the JSON path of
+        # a list item is kept as (the list's path, the index) and written out only when an error needs it.
+        self._parent = where
+        self._index = index
         self._file = file
+        if type(obj) is not dict and not isinstance(obj, Mapping):
+            raise ManifestSchemaError(f"{self._where or 'document'} must be a JSON object, got {type(obj).__name__}", file=file)
+        self._obj = obj
         self._seen: set[str] = set()
 
+    @property
+    def _where(self) -> str:
+        return self._parent if self._index is None else f"{self._parent}[{self._index}]"
+
     def _path(self, key: str) -> str:
-        return f"{self._where}.{key}" if self._where else key
+        where = self._where
+        return f"{where}.{key}" if where else key
 
     def _get(self, key: str) -> Any:
         self._seen.add(key)
@@ -91,6 +101,8 @@ class Fields:
 
     def str(self, key: str, *, pattern: re.Pattern[str] | None = None, allow_empty: bool = False) -> str:
         value = self._get(key)
+        if type(value) is str and value and pattern is None:  # the common case
+            return value
         if not isinstance(value, str):
             raise ManifestSchemaError(f"field {self._path(key)} must be a string, got {type(value).__name__}", file=self._file)
         if not allow_empty and not value:
@@ -124,6 +136,10 @@ class Fields:
         return value
 
     def int(self, key: str, *, minimum: int = 0, maximum: int = MAX_OFFSET_BYTES) -> int:
+        self._seen.add(key)
+        value = self._obj.get(key, _MISSING)
+        if type(value) is int and minimum <= value <= maximum:  # the common case, without building a path
+            return value
         return self._check_int(self._get(key), self._path(key), minimum, maximum)
 
     def opt_int(self, key: str, *, minimum: int = 0, maximum: int = MAX_OFFSET_BYTES) -> int | None:
@@ -145,6 +161,8 @@ class Fields:
         items = self._get(key)
         if not isinstance(items, list):
             raise ManifestSchemaError(f"field {self._path(key)} must be a list, got {type(items).__name__}", file=self._file)
+        if all(type(v) is int and minimum <= v <= MAX_OFFSET_BYTES for v in items):  # the common case
+            return tuple(items)
         return tuple(self._check_int(v, f"{self._path(key)}[{i}]", minimum, MAX_OFFSET_BYTES) for i, v in enumerate(items))
 
     def obj(self, key: str, parse: Callable[[Fields], T]) -> T:
@@ -159,7 +177,9 @@ class Fields:
         items = self._get(key)
         if not isinstance(items, list):
             raise ManifestSchemaError(f"field {self._path(key)} must be a list, got {type(items).__name__}", file=self._file)
-        return tuple(parse(Fields(item, f"{self._path(key)}[{i}]", self._file)) for i, item in enumerate(items))
+        path = self._path(key)
+        file = self._file
+        return tuple([parse(Fields(item, path, file, index=i)) for i, item in enumerate(items)])
 
     def header(self, kind: str) -> None:
         """Check the ``format`` and ``format_version`` keys every document starts with."""
@@ -175,6 +195,8 @@ class Fields:
             )
 
     def done(self) -> None:
+        if self._seen.issuperset(self._obj):
+            return
         unknown = sorted(set(self._obj) - self._seen)
         if unknown:
             raise ManifestSchemaError(f"unknown field(s) {', '.join(self._path(k) for k in unknown)}", file=self._file)
@@ -184,6 +206,10 @@ class Fields:
         return ManifestValueError(f"{self._where or 'document'}: {detail}", file=self._file)
 
 
+_MISSING = object()
+"""A default that no JSON value equals (:meth:`Fields.int`'s fast path)."""
+
+
 class _DuplicateKey(ValueError):
     def __init__(self, key: str) -> None:
         super().__init__(key)
@@ -191,11 +217,13 @@ class _DuplicateKey(ValueError):
 
 
 def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise _DuplicateKey(key)
-        obj[key] = value
+    obj = dict(pairs)  # built in C; a repeated key is the only way the dict ends up shorter than the pairs
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:  # only on the error path: name the first key that repeats
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
     return obj
 
 
