@@ -8,7 +8,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from coldsnap_core.artifact.capsules import Capsule
+from coldsnap_core.artifact.capsules import Capsule, find_worker
+from coldsnap_core.artifact.derived_cache import verify_seed
 from coldsnap_core.artifact.overlay import portable_descriptor_sha256, select_capsule
 from coldsnap_core.cli._targets import artifact_folder, resolve
 from coldsnap_core.errors import ColdsnapError
@@ -82,6 +83,39 @@ def restore_here(artifact_dir: Path, descriptor: ArtifactDescriptor, capsule: Ca
     return {"engine": recorded.engine, "capsule": selection.source, "overlay": overlay, "reason": selection.reason}
 
 
+def seed_summary(descriptor: ArtifactDescriptor, capsule: Capsule) -> dict[str, object]:
+    """The capsule's derived-cache seed (``docs/format.md`` §17) as ``inspect`` shows it: ``present``
+    (pinned in ``artifact.json``), and when present ``files`` and ``size_bytes`` (the archive's members)
+    and ``qualification`` (what it was compiled for), or ``error`` (why :func:`verify_seed` refused it: a
+    start would skip it). Reads and hashes the seed's two files; never raises a ``ColdsnapError``."""
+    try:
+        files = find_worker(descriptor, capsule.native.worker).capsule_files
+        document = verify_seed(capsule.path, files)
+    except ColdsnapError as exc:
+        return {"present": True, "error": str(exc)}
+    if document is None:
+        return {"present": False}
+    return {
+        "present": True,
+        "files": len(document.members),
+        "size_bytes": document.size_bytes,
+        "qualification": document.qualification.to_json(),
+    }
+
+
+def _seed_line(seed: dict[str, object]) -> str:
+    if not seed["present"]:
+        return "  derived-cache seed: none"
+    if "error" in seed:
+        return f"  derived-cache seed: refused, a start skips it: {seed['error']}"
+    q = seed["qualification"]
+    assert isinstance(q, dict) and isinstance(seed["size_bytes"], int)
+    return (
+        f"  derived-cache seed: {seed['files']} files, {_human(seed['size_bytes'])}, compiled by"
+        f" {q['engine']} {q['engine_version']} with torch {q['torch_version']} on {q['device_type']}"
+    )
+
+
 def _restore_line(here: dict[str, object]) -> str:
     where = {
         "portable": "portable capsule",
@@ -108,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         summary["target"] = capsule.target.to_json() if capsule.target is not None else None
         if descriptor is not None:
             summary["restore_on_this_node"] = restore_here(artifact_folder(args.artifact), descriptor, capsule, state_root)
+            summary["derived_cache"] = seed_summary(descriptor, capsule)
     if args.json:
         doc = {
             "model": descriptor.model.to_json() if descriptor else capsules[0].recovery.model.to_json(),
@@ -145,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
             )
         if "restore_on_this_node" in s:
             print(_restore_line(s["restore_on_this_node"]))
+        if "derived_cache" in s:
+            print(_seed_line(s["derived_cache"]))
         for name, p in s["provenance"].items():
             converted = f", {p['dtype_converted']} dtype-converted" if p["dtype_converted"] else ""
             print(f"  provenance {name}: {p['extents']} extents, {_human(p['bytes'])}{converted}")

@@ -248,3 +248,25 @@ def test_a_seed_archive_that_is_a_named_pipe_is_skipped_without_blocking(capture
     os.mkfifo(c.capsule_dir / SEED_ARCHIVE_FILENAME)
     placement = place(c, tmp_path / "cache")
     assert placement.status == "skipped" and "not a regular file" in placement.reason
+
+
+def test_coldsnap_inspect_shows_the_seed_and_whether_a_start_would_skip_it(captured_2layer: Captured, tmp_path: Path) -> None:
+    """``coldsnap inspect`` names each capsule's seed: its file count and what it was compiled for, ``none``
+    without one, and ``refused`` with the rule when a flipped archive byte means a start would skip it; the
+    JSON form carries the same. Fails if inspect hides the seed or shows a corrupt one as usable."""
+    plain = copy_capture(captured_2layer, tmp_path / "plain", copy_pack=False)
+    none = run_cli("inspect", plain.artifact_dir, "--state-root", plain.state_root)
+    assert none.returncode == 0, none.stderr
+    assert "derived-cache seed: none" in none.stdout
+    c = seeded(captured_2layer, tmp_path)
+    ok = run_cli("inspect", c.artifact_dir, "--state-root", c.state_root)
+    assert ok.returncode == 0, ok.stderr
+    assert f"derived-cache seed: {len(CACHE_FILES)} files" in ok.stdout and "compiled by vllm 0.32.0+cpu" in ok.stdout
+    doc = json.loads(run_cli("inspect", c.artifact_dir, "--state-root", c.state_root, "--json").stdout)
+    (worker,) = doc["workers"]
+    assert worker["derived_cache"]["files"] == len(CACHE_FILES)
+    assert worker["derived_cache"]["qualification"]["cpu_isa_flags"] == list(FLAGS)
+    flip_byte(c.capsule_dir / SEED_ARCHIVE_FILENAME, 1500)
+    bad = run_cli("inspect", c.artifact_dir, "--state-root", c.state_root)
+    assert bad.returncode == 0, bad.stderr
+    assert "derived-cache seed: refused" in bad.stdout and "capsule-pin" in bad.stdout, bad.stdout
