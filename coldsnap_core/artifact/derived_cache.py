@@ -54,7 +54,7 @@ from coldsnap_core.format.descriptor import (
     CapsuleFile,
 )
 from coldsnap_core.format.manifest import WorkerIdentity
-from coldsnap_core.format.target import TargetIdentity
+from coldsnap_core.format.target import QUALIFYING_FIELDS, TargetIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -73,16 +73,9 @@ _MEMBER_RE = re.compile(r"(?:vllm-cache|inductor-cache)(?:/(?!\.\.?(?:/|$))[A-Za
 
 DerivedCacheStatus = Literal["used", "skipped", "absent"]
 
-TARGET_QUALIFICATION_FIELDS = (
-    "engine",
-    "engine_version",
-    "torch_version",
-    "torch_cuda_version",
-    "device_type",
-    "accelerator_model",
-    "nvidia_driver_version",
-)
-"""The qualification's fields that are the target identity's (``docs/format.md`` §15.1, §17.2)."""
+TARGET_QUALIFICATION_FIELDS = QUALIFYING_FIELDS
+"""The qualification's fields that are the target identity's: the ones a residual qualifies on
+(``docs/format.md`` §15.1, §17.2)."""
 
 
 @dataclass(frozen=True, slots=True)
