@@ -69,8 +69,22 @@ class _VllmLoad(LoadPolicy):
         super().__init__(settings, log=logger)
         self.loader = loader
         self.model_config: ModelConfig | None = None
+        self._config_sha256: str | None = None
         self.vllm_config = None
         """vLLM's configuration of this worker, set by :meth:`ColdsnapModelLoader.load_model` (its compile settings)."""
+
+    def begin(self, model_config: ModelConfig) -> None:
+        """Start a ``load_weights`` call for ``model_config``."""
+        self.model_config = model_config
+        self._config_sha256 = None
+
+    def config_sha256(self) -> str:
+        """:func:`engine_config_sha256` of this load's model configuration, computed once per load (about
+        1 ms: every attribute of the Hugging Face config)."""
+        assert self.model_config is not None
+        if self._config_sha256 is None:
+            self._config_sha256 = engine_config_sha256(self.model_config)
+        return self._config_sha256
 
     def worker_identity(self) -> WorkerIdentity:
         return compat.worker_identity()
@@ -78,7 +92,7 @@ class _VllmLoad(LoadPolicy):
     def model_source(self, model: object) -> ModelSource:
         config = self.model_config
         assert config is not None
-        return ModelSource(str(config.model), config.revision, engine_config_sha256(config), self.loader.load_config.download_dir)
+        return ModelSource(str(config.model), config.revision, self.config_sha256(), self.loader.load_config.download_dir)
 
     def checkpoint_files(self, model: object, source: ModelSource) -> tuple[list[str] | None, str | None]:
         """Through vLLM's ``DefaultModelLoader._prepare_weights`` (with the model's
@@ -111,7 +125,7 @@ class _VllmLoad(LoadPolicy):
             outcome.capsule_files,
             engine=self.engine,
             engine_version=self.engine_version(),
-            config_sha256=engine_config_sha256(self.model_config),
+            config_sha256=self.config_sha256(),
             enabled=self.settings.derived_cache == "auto",
         )
 
@@ -181,7 +195,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
         # what the sleep backend works from is this load's state or none, never the previous load's.
         load_state.clear()
         early_seed.flush_log()  # register()'s line, if vLLM's logging was not configured yet then
-        self._policy.model_config = model_config
+        self._policy.begin(model_config)
         outcome = self._policy.load(model)
         if outcome.observed:
             self._publish(outcome)
@@ -203,9 +217,8 @@ class ColdsnapModelLoader(DefaultModelLoader):
             reason = seeds.compile_skip_reason(policy.vllm_config)
             qualification = None
             if reason is None:
-                assert self._policy.model_config is not None
                 qualification = seeds.qualification(
-                    policy.vllm_config, policy.engine, policy.engine_version(), engine_config_sha256(self._policy.model_config)
+                    policy.vllm_config, policy.engine, policy.engine_version(), policy.config_sha256()
                 )
         except Exception as exc:  # vLLM's private hashing moved: the export stands without a seed
             reason = f"this start's compilation settings cannot be read ({type(exc).__name__}: {exc})"

@@ -91,16 +91,22 @@ class TorchAllocations:
 
 
 def _placement(name: str, tensor: torch.Tensor) -> TensorPlacement:
-    dtype = dtype_name(tensor.dtype)
+    dtype = _DTYPE_NAMES.get(tensor.dtype) or dtype_name(tensor.dtype)
     if dtype not in DTYPE_ITEMSIZE_BYTES:
         raise ObserverError(f"tensor {name} has dtype {dtype}, which the allocation map cannot describe")
     return TensorPlacement(
         name=name,
         dtype=dtype,
-        shape=tuple(int(n) for n in tensor.shape),
-        stride=tuple(int(s) for s in tensor.stride()),
-        offset_bytes=int(tensor.storage_offset()) * tensor.element_size(),
+        shape=tuple(tensor.shape),  # torch.Size is a tuple of Python ints
+        stride=tensor.stride(),  # a tuple of Python ints
+        offset_bytes=tensor.storage_offset() * tensor.element_size(),
     )
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {
+    dtype: dtype_name(dtype) for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)
+}
+"""Each torch dtype's name, computed once (``str(dtype)`` for every tensor was a tenth of an enumeration)."""
 
 
 def enumerate_allocations(module: torch.nn.Module) -> TorchAllocations:
@@ -129,13 +135,14 @@ def enumerate_allocations(module: torch.nn.Module) -> TorchAllocations:
 
 
 def _enumerate(module: torch.nn.Module) -> TorchAllocations:
-    entries: list[tuple[str, list[tuple[str, torch.Tensor]], torch.UntypedStorage]] = []
+    # (tag, the tensors it hosts, the storage, its address, its size in bytes), by allocation index
+    entries: list[tuple[str, list[tuple[str, torch.Tensor]], torch.UntypedStorage, int, int]] = []
     by_key: dict[object, int] = {}
     device: torch.device | None = None
     named = [(PARAMETER_TAG, n, t) for n, t in module.named_parameters(remove_duplicate=False)]
     named += [(BUFFER_TAG, n, t) for n, t in module.named_buffers(remove_duplicate=False)]
     for tag, name, tensor in named:
-        if tensor.device.type == "meta":
+        if tensor.is_meta:
             raise ObserverError(f"tensor {name} is on the meta device; it has no bytes to capture or restore")
         if device is None:
             device = tensor.device
@@ -148,33 +155,34 @@ def _enumerate(module: torch.nn.Module) -> TorchAllocations:
             address = storage.data_ptr()
         except (RuntimeError, NotImplementedError) as exc:
             raise ObserverError(f"tensor {name} has no storage ({type(tensor).__name__}): {exc}") from exc
+        size_bytes = storage.nbytes()
         # A storage's identity: its address for a non-empty one; the storage object for an empty one
         # (empty storages may all report address 0).
-        key: object = ("ptr", address) if storage.nbytes() else ("empty", storage._cdata)
+        key: object = ("ptr", address) if size_bytes else ("empty", storage._cdata)
         index = by_key.get(key)
         if index is None:
             by_key[key] = len(entries)
-            entries.append((tag, [(name, tensor)], storage))
+            entries.append((tag, [(name, tensor)], storage, address, size_bytes))
         else:
-            if entries[index][2].nbytes() != storage.nbytes():
+            if entries[index][4] != size_bytes:
                 raise ObserverError(
                     f"tensor {name} shares address {address:#x} with {entries[index][1][0][0]}"
-                    f" but its storage is {storage.nbytes()} bytes, not {entries[index][2].nbytes()}"
+                    f" but its storage is {size_bytes} bytes, not {entries[index][4]}"
                 )
             entries[index][1].append((name, tensor))
 
     allocations = []
     live = []
-    for index, (tag, tensors, storage) in enumerate(entries):
-        placements = tuple(_placement(name, tensor) for name, tensor in tensors)
-        allocations.append(Allocation(index, storage.nbytes(), tag, None, placements))
-        live.append(LiveAllocation(index, storage.data_ptr(), storage.nbytes()))
+    for index, (tag, tensors, _, address, size_bytes) in enumerate(entries):
+        placements = tuple([_placement(name, tensor) for name, tensor in tensors])
+        allocations.append(Allocation(index, size_bytes, tag, None, placements))
+        live.append(LiveAllocation(index, address, size_bytes))
     _check_disjoint(live, entries)
     return TorchAllocations(
         AllocationMap(tuple(allocations)),
         tuple(live),
         device if device is not None else torch.device("cpu"),
-        tuple(storage for _, _, storage in entries),
+        tuple(entry[2] for entry in entries),
     )
 
 

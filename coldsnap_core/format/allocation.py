@@ -18,9 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from coldsnap_core.format._strict import Fields
+from coldsnap_core.format._strict import Fields, is_offset, offset_tuple
 
 #: Size in bytes of one element of each dtype a tensor placement may name (torch dtype names).
 DTYPE_ITEMSIZE_BYTES: dict[str, int] = {
@@ -49,6 +49,8 @@ DTYPE_ITEMSIZE_BYTES: dict[str, int] = {
 }
 
 _TAG_RE = re.compile(r"[A-Za-z0-9_.-]+")
+_PLACEMENT_KEYS = frozenset(("name", "dtype", "shape", "stride", "offset_bytes"))
+_ALLOCATION_KEYS = frozenset(("index", "size_bytes", "tag", "address", "tensors"))
 _LAYOUT_FINGERPRINT_DOMAIN = b"coldsnap-layout-v1\n"
 
 
@@ -77,10 +79,12 @@ class TensorPlacement:
     @property
     def span_bytes(self) -> int:
         """Bytes from element 0 to one past the last element (0 for an empty tensor)."""
-        if any(n == 0 for n in self.shape):
-            return 0
-        last = sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True))
-        return (last + 1) * self.itemsize_bytes
+        last = 0
+        for n, s in zip(self.shape, self.stride, strict=True):
+            if n == 0:
+                return 0
+            last += (n - 1) * s
+        return (last + 1) * DTYPE_ITEMSIZE_BYTES[self.dtype]
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -90,6 +94,27 @@ class TensorPlacement:
             "stride": list(self.stride),
             "offset_bytes": self.offset_bytes,
         }
+
+    @classmethod
+    def from_plain(cls, raw: object) -> TensorPlacement | None:
+        """:meth:`from_fields`'s result when ``raw`` passes each of its rules, else ``None`` (the fast path
+        of :meth:`Fields.list`; no error is built here)."""
+        if type(raw) is not dict or raw.keys() != _PLACEMENT_KEYS:
+            return None
+        name, dtype, offset_bytes = raw["name"], raw["dtype"], raw["offset_bytes"]
+        shape, stride = offset_tuple(raw["shape"]), offset_tuple(raw["stride"])
+        if (
+            type(name) is not str
+            or not name
+            or type(dtype) is not str
+            or dtype not in DTYPE_ITEMSIZE_BYTES
+            or not is_offset(offset_bytes)
+            or shape is None
+            or stride is None
+            or len(shape) != len(stride)
+        ):
+            return None
+        return cls(name, dtype, shape, stride, offset_bytes)
 
     @classmethod
     def from_fields(cls, f: Fields) -> TensorPlacement:
@@ -138,13 +163,37 @@ class Allocation:
         }
 
     @classmethod
+    def from_plain(cls, raw: object) -> Allocation | None:
+        """:meth:`from_fields`'s result when ``raw`` passes each of its rules, else ``None`` (the fast path
+        of :meth:`Fields.list`)."""
+        if type(raw) is not dict or raw.keys() != _ALLOCATION_KEYS:
+            return None
+        index, size_bytes, tag, address, items = raw["index"], raw["size_bytes"], raw["tag"], raw["address"], raw["tensors"]
+        if (
+            not is_offset(index)
+            or not is_offset(size_bytes)
+            or type(tag) is not str
+            or _TAG_RE.fullmatch(tag) is None
+            or not (address is None or is_offset(address))
+            or type(items) is not list
+        ):
+            return None
+        tensors = []
+        for item in items:
+            tensor = TensorPlacement.from_plain(item)
+            if tensor is None or tensor.offset_bytes + tensor.span_bytes > size_bytes:
+                return None
+            tensors.append(tensor)
+        return cls(index, size_bytes, tag, address, tuple(tensors))
+
+    @classmethod
     def from_fields(cls, f: Fields) -> Allocation:
         allocation = cls(
             index=f.int("index"),
             size_bytes=f.int("size_bytes"),
             tag=f.str("tag", pattern=_TAG_RE),
             address=f.opt_int("address"),
-            tensors=f.list("tensors", TensorPlacement.from_fields),
+            tensors=f.list("tensors", TensorPlacement.from_fields, fast=TensorPlacement.from_plain),
         )
         f.done()
         for tensor in allocation.tensors:
@@ -164,6 +213,8 @@ class AllocationMap:
     """
 
     allocations: tuple[Allocation, ...]
+    _fingerprint: str | None = field(default=None, init=False, repr=False, compare=False)
+    """:meth:`layout_fingerprint`, once computed (a restore needs it for the manifest and the live model)."""
 
     def __post_init__(self) -> None:
         for position, allocation in enumerate(self.allocations):
@@ -185,21 +236,25 @@ class AllocationMap:
 
         Two captures of the same model built the same way have the same fingerprint in any process
         or on any node; a different dtype, shape, tensor name, tensor order, allocation size or
-        tag changes it.
+        tag changes it. Computed once per map (a map is immutable).
         """
+        if self._fingerprint is not None:
+            return self._fingerprint
         canonical = [
             {"index": a.index, "size_bytes": a.size_bytes, "tag": a.tag, "tensors": [t.to_json() for t in a.tensors]}
             for a in self.allocations
         ]
         text = json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(_LAYOUT_FINGERPRINT_DOMAIN + text).hexdigest()
+        fingerprint = hashlib.sha256(_LAYOUT_FINGERPRINT_DOMAIN + text).hexdigest()
+        object.__setattr__(self, "_fingerprint", fingerprint)  # a frozen dataclass: the memo is not a field value
+        return fingerprint
 
     def to_json(self) -> list[object]:
         return [a.to_json() for a in self.allocations]
 
     @classmethod
     def from_fields_list(cls, f: Fields, key: str) -> AllocationMap:
-        allocations = f.list(key, Allocation.from_fields)
+        allocations = f.list(key, Allocation.from_fields, fast=Allocation.from_plain)
         for position, allocation in enumerate(allocations):
             if allocation.index != position:
                 raise f.error(f"{key}[{position}] has index {allocation.index}; indices must be 0, 1, 2, ...")

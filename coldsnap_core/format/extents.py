@@ -14,7 +14,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coldsnap_core.format._strict import MAX_OFFSET_BYTES, Fields
+from coldsnap_core.format._strict import MAX_OFFSET_BYTES, Fields, is_offset, is_sha256
+
+_PROVENANCE_KEYS = frozenset(
+    (
+        "checkpoint_file",
+        "tensor_name",
+        "source_offset_bytes",
+        "source_size_bytes",
+        "source_run_bytes",
+        "source_run_stride_bytes",
+        "dtype_converted",
+    )
+)
+_MODEL_EXTENT_KEYS = frozenset(("allocation_index", "offset_bytes", "size_bytes", "pack_offset_bytes", "sha256", "provenance"))
+_RESIDUAL_EXTENT_KEYS = frozenset(("allocation_index", "offset_bytes", "size_bytes", "blob_offset_bytes"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +70,34 @@ class ExtentProvenance:
             "source_run_stride_bytes": self.source_run_stride_bytes,
             "dtype_converted": self.dtype_converted,
         }
+
+    @classmethod
+    def from_plain(cls, raw: object) -> ExtentProvenance | None:
+        """:meth:`from_fields`'s result when ``raw`` passes each of its rules, else ``None``."""
+        if type(raw) is not dict or raw.keys() != _PROVENANCE_KEYS:
+            return None
+        provenance = cls(
+            raw["checkpoint_file"],
+            raw["tensor_name"],
+            raw["source_offset_bytes"],
+            raw["source_size_bytes"],
+            raw["source_run_bytes"],
+            raw["source_run_stride_bytes"],
+            raw["dtype_converted"],
+        )
+        if (
+            type(provenance.checkpoint_file) is not str
+            or not provenance.checkpoint_file
+            or type(provenance.tensor_name) is not str
+            or not provenance.tensor_name
+            or not is_offset(provenance.source_offset_bytes)
+            or not is_offset(provenance.source_size_bytes)
+            or not is_offset(provenance.source_run_bytes)
+            or not is_offset(provenance.source_run_stride_bytes)
+            or type(provenance.dtype_converted) is not bool
+        ):
+            return None
+        return provenance
 
     @classmethod
     def from_fields(cls, f: Fields) -> ExtentProvenance:
@@ -108,6 +150,33 @@ class ModelExtent:
         }
 
     @classmethod
+    def from_plain(cls, raw: object) -> ModelExtent | None:
+        """:meth:`from_fields`'s result when ``raw`` passes each of its rules, else ``None`` (the fast path
+        of :meth:`Fields.list`)."""
+        if type(raw) is not dict or raw.keys() != _MODEL_EXTENT_KEYS:
+            return None
+        index, offset, size, pack_offset = (
+            raw["allocation_index"],
+            raw["offset_bytes"],
+            raw["size_bytes"],
+            raw["pack_offset_bytes"],
+        )
+        if (
+            not is_offset(index)
+            or not is_offset(offset)
+            or not is_offset(size, 1)
+            or not is_offset(pack_offset)
+            or not is_sha256(raw["sha256"])
+            or offset + size > MAX_OFFSET_BYTES
+            or pack_offset + size > MAX_OFFSET_BYTES
+        ):
+            return None
+        provenance = ExtentProvenance.from_plain(raw["provenance"])
+        if provenance is None:
+            return None
+        return cls(index, offset, size, pack_offset, raw["sha256"], provenance)
+
+    @classmethod
     def from_fields(cls, f: Fields) -> ModelExtent:
         extent = cls(
             allocation_index=f.int("allocation_index"),
@@ -151,6 +220,29 @@ class ResidualExtent:
             "size_bytes": self.size_bytes,
             "blob_offset_bytes": self.blob_offset_bytes,
         }
+
+    @classmethod
+    def from_plain(cls, raw: object) -> ResidualExtent | None:
+        """:meth:`from_fields`'s result when ``raw`` passes each of its rules, else ``None`` (the fast path
+        of :meth:`Fields.list`)."""
+        if type(raw) is not dict or raw.keys() != _RESIDUAL_EXTENT_KEYS:
+            return None
+        index, offset, size, blob_offset = (
+            raw["allocation_index"],
+            raw["offset_bytes"],
+            raw["size_bytes"],
+            raw["blob_offset_bytes"],
+        )
+        if (
+            not is_offset(index)
+            or not is_offset(offset)
+            or not is_offset(size, 1)
+            or not is_offset(blob_offset)
+            or offset + size > MAX_OFFSET_BYTES
+            or blob_offset + size > MAX_OFFSET_BYTES
+        ):
+            return None
+        return cls(index, offset, size, blob_offset)
 
     @classmethod
     def from_fields(cls, f: Fields) -> ResidualExtent:

@@ -348,8 +348,8 @@ class NativeManifest:
             pack=f.obj("pack", PackRef.from_fields),
             residual=f.obj("residual", ResidualRef.from_fields),
             allocations=AllocationMap.from_fields_list(f, "allocations"),
-            model_extents=f.list("model_extents", ModelExtent.from_fields),
-            residual_extents=f.list("residual_extents", ResidualExtent.from_fields),
+            model_extents=f.list("model_extents", ModelExtent.from_fields, fast=ModelExtent.from_plain),
+            residual_extents=f.list("residual_extents", ResidualExtent.from_fields, fast=ResidualExtent.from_plain),
         )
         f.done()
         for allocation in manifest.allocations.allocations:
@@ -431,7 +431,7 @@ class RecoveryManifest:
         if parsed is not None and f.same_as("residual_extents", native_raw.get("residual_extents")):
             residual_extents = parsed.residual_extents
         else:
-            residual_extents = f.list("residual_extents", ResidualExtent.from_fields)
+            residual_extents = f.list("residual_extents", ResidualExtent.from_fields, fast=ResidualExtent.from_plain)
         manifest = cls(worker, layout_fingerprint, model, residual, allocations, residual_extents)
         f.done()
         return manifest

@@ -44,11 +44,16 @@ def coldsnap_version() -> str:
         return "unknown"
 
 
+@functools.cache
 def engine_version(engine: str) -> str | None:
     """The installed version of the engine's distribution (``importlib.metadata.version``: ``vllm``
     ``0.32.0+cpu``, ``sglang`` ``0.5.23``), read without importing the engine; ``None`` when no
     distribution of that name is installed. The local version label (``+cpu``) is kept: a CPU and a
-    CUDA build of one release are different runtimes."""
+    CUDA build of one release are different runtimes.
+
+    Read once per process (a metadata scan of ``sys.path`` costs about 1 ms per call, and a restore
+    asks several times): an engine upgraded on disk while a process runs does not change the code that
+    process runs."""
     try:
         return importlib.metadata.version(engine)
     except importlib.metadata.PackageNotFoundError:

@@ -42,3 +42,24 @@ def test_a_recovery_map_equal_only_as_numbers_is_refused(capsule_dir: Path) -> N
     path.write_text(json.dumps(document))
     with pytest.raises(ManifestError, match=r"allocations\[0\]\.size_bytes"):
         read_capsule(capsule_dir)
+
+
+@pytest.mark.parametrize(
+    ("where", "value"),
+    [("allocations", False), ("allocations", True), ("residual_extents", False)],
+    ids=["allocation-false", "allocation-true", "residual-extent-false"],
+)
+def test_a_recovery_map_equal_only_as_booleans_is_refused(capsule_dir: Path, where: str, value: bool) -> None:
+    """The recovery manifest writes ``false`` (or ``true``) where the native manifest has ``0`` (or ``1``): equal
+    in Python (``0 == False``), not in JSON. Fails if the shared maps are compared with ``==`` in a document that
+    holds a boolean."""
+    path = capsule_dir / RECOVERY_MANIFEST_FILENAME
+    document = json.loads(path.read_text())
+    index, key = next(
+        (i, k) for i, item in enumerate(document[where]) for k, v in item.items() if type(v) is int and v == int(value)
+    )
+    document[where][index][key] = value
+    os.chmod(path, 0o644)
+    path.write_text(json.dumps(document))
+    with pytest.raises(ManifestError, match=rf"{where}\[{index}\]\.{key} must be an integer"):
+        read_capsule(capsule_dir)
