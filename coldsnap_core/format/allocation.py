@@ -205,6 +205,29 @@ class Allocation:
         return allocation
 
 
+def canonical_layout_json(allocations: tuple[Allocation, ...]) -> str:
+    """The text the layout fingerprint hashes (``docs/format.md`` §4.4): exactly
+    ``json.dumps(canonical, sort_keys=True, separators=(",", ":"))`` (ASCII, escapes as ``json`` writes
+    them) of ``[{"index", "size_bytes", "tag", "tensors": [TensorPlacement.to_json(), ...]}, ...]``,
+    written directly (half the time of building the dictionaries and sorting their keys). Every number
+    is a Python ``int``, as the strict parser and the enumeration make them."""
+    quote = json.encoder.encode_basestring_ascii  # what json.dumps uses with ensure_ascii=True
+    parts = []
+    for allocation in allocations:
+        tensors = ",".join(
+            [
+                f'{{"dtype":{quote(t.dtype)},"name":{quote(t.name)},"offset_bytes":{t.offset_bytes},'
+                f'"shape":[{",".join(map(str, t.shape))}],"stride":[{",".join(map(str, t.stride))}]}}'
+                for t in allocation.tensors
+            ]
+        )
+        parts.append(
+            f'{{"index":{allocation.index},"size_bytes":{allocation.size_bytes},"tag":{quote(allocation.tag)},'
+            f'"tensors":[{tensors}]}}'
+        )
+    return "[" + ",".join(parts) + "]"
+
+
 @dataclass(frozen=True, slots=True)
 class AllocationMap:
     """The ordered list of preserved allocations of one worker.
@@ -240,11 +263,7 @@ class AllocationMap:
         """
         if self._fingerprint is not None:
             return self._fingerprint
-        canonical = [
-            {"index": a.index, "size_bytes": a.size_bytes, "tag": a.tag, "tensors": [t.to_json() for t in a.tensors]}
-            for a in self.allocations
-        ]
-        text = json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()
+        text = canonical_layout_json(self.allocations).encode()
         fingerprint = hashlib.sha256(_LAYOUT_FINGERPRINT_DOMAIN + text).hexdigest()
         object.__setattr__(self, "_fingerprint", fingerprint)  # a frozen dataclass: the memo is not a field value
         return fingerprint

@@ -28,7 +28,13 @@ from coldsnap_core.errors import (
     UnsupportedFormatVersionError,
 )
 from coldsnap_core.format._strict import MAX_OFFSET_BYTES, parse_document
-from coldsnap_core.format.allocation import DTYPE_ITEMSIZE_BYTES, Allocation, AllocationMap, TensorPlacement
+from coldsnap_core.format.allocation import (
+    DTYPE_ITEMSIZE_BYTES,
+    Allocation,
+    AllocationMap,
+    TensorPlacement,
+    canonical_layout_json,
+)
 from coldsnap_core.format.descriptor import ArtifactDescriptor, CapsuleFile, WorkerEntry
 from coldsnap_core.format.extents import ExtentProvenance, ModelExtent, ResidualExtent
 from coldsnap_core.format.manifest import (
@@ -566,3 +572,20 @@ def test_real_documents_are_written_as_the_documented_bytes(captured_2layer: Cap
     assert len(paths) >= 4
     for path in paths:
         assert path.read_bytes() == _reference_bytes(json.loads(path.read_text())), path.name
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(allocation_maps())
+def test_canonical_layout_text_is_the_documented_json(amap: AllocationMap) -> None:
+    """The layout fingerprint hashes text written without ``json.dumps`` (format.md 4.4). Fails if that text
+    differs in any byte from ``json.dumps(..., sort_keys=True, separators=(",", ":"))`` for any names (escapes,
+    non-ASCII, surrogate pairs), tags, shapes or offsets: every capsule's fingerprint would change."""
+    reference = json.dumps(
+        [
+            {"index": a.index, "size_bytes": a.size_bytes, "tag": a.tag, "tensors": [t.to_json() for t in a.tensors]}
+            for a in amap.allocations
+        ],
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    assert canonical_layout_json(amap.allocations) == reference

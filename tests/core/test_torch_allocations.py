@@ -183,3 +183,48 @@ def test_wrapper_subclasses_without_data_are_refused() -> None:
     m.register_buffer("b", WrapperTensor(torch.zeros(3)))
     with pytest.raises(ObserverError, match="tensor b has no storage"):
         enumerate_allocations(m)
+
+
+class _NoneMembers(torch.nn.Module):
+    """A module with a ``None`` parameter and buffer slot (as ``bias=False`` layers register them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_parameter("bias", None)
+        self.register_buffer("running", None)
+        self.weight = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+
+
+class _SkipsHead(torch.nn.Module):
+    """A module whose ``named_parameters`` leaves a parameter out (as wrappers such as FSDP reshape theirs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = model()
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        for name, parameter in super().named_parameters(prefix, recurse, remove_duplicate):
+            if not name.endswith("head.weight"):
+                yield name, parameter
+
+
+@pytest.mark.parametrize("build", [model, _NoneMembers, _SkipsHead], ids=["plain", "none-slots", "overridden"])
+def test_the_walk_names_what_named_parameters_then_named_buffers_name(build) -> None:
+    """The enumeration walks the module tree once for parameters and buffers together. Fails if that walk
+    names another tensor, order or tag than ``named_parameters(remove_duplicate=False)`` followed by
+    ``named_buffers(remove_duplicate=False)`` would: a ``None`` slot listed, a buffer before a parameter, an
+    alias dropped, or a module's own ``named_parameters`` override ignored."""
+    module = build()
+    expected = [("parameter", n, t) for n, t in module.named_parameters(remove_duplicate=False)]
+    expected += [("buffer", n, t) for n, t in module.named_buffers(remove_duplicate=False)]
+    amap = enumerate_allocations(module).allocation_map
+    enumerated = [(a.tag if t is a.tensors[0] else None, t.name) for a in amap.allocations for t in a.tensors]
+    first_tags = {name: tag for tag, name in enumerated if tag is not None}
+    names = [name for _, name in enumerated]
+    assert sorted(names) == sorted(name for _, name, _ in expected)
+    by_name = {name: (tag, tensor) for tag, name, tensor in expected}
+    for name, tag in first_tags.items():
+        assert by_name[name][0] == tag
+    order = [name for _, name, _ in expected]
+    firsts = [a.tensors[0].name for a in amap.allocations]
+    assert firsts == sorted(firsts, key=order.index), "allocations follow the order the tensors are first reached"
