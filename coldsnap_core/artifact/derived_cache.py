@@ -232,6 +232,12 @@ class SeedDocument:
         paths = [m.name for m in document.members]
         if paths != sorted(set(paths)):
             raise f.error("members are not sorted by path, or a path repeats")
+        files = set(paths)
+        for path in paths:  # every member is a file: none can be a folder holding another
+            parts = path.split("/")
+            for depth in range(1, len(parts)):
+                if "/".join(parts[:depth]) in files:
+                    raise f.error(f"member {path!r} lies inside member {'/'.join(parts[:depth])!r}, which is a file")
         return document
 
 

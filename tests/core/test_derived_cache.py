@@ -270,3 +270,29 @@ def test_coldsnap_inspect_shows_the_seed_and_whether_a_start_would_skip_it(captu
     bad = run_cli("inspect", c.artifact_dir, "--state-root", c.state_root)
     assert bad.returncode == 0, bad.stderr
     assert "derived-cache seed: refused" in bad.stdout and "capsule-pin" in bad.stdout, bad.stdout
+
+
+def test_a_member_inside_another_member_is_refused(captured_2layer: Captured, tmp_path: Path) -> None:
+    """A seed listing the file ``vllm-cache/a`` and the file ``vllm-cache/a/b``, every pin and digest matching: no
+    cache folder can hold both. ``coldsnap verify`` refuses it (exit 2, naming both members) and placement skips it
+    before writing anything. Fails if verify passes such a seed (placement then wrote one member and skipped the
+    other, leaving a partial cache)."""
+    import io
+    import tarfile
+
+    c = seeded(captured_2layer, tmp_path)
+    archive = tmp_path / "nested.tar"
+    members = []
+    with tarfile.open(archive, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in (("vllm-cache/a", b"outer"), ("vllm-cache/a/b", b"inner")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+            members.append({"path": name, "size_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    _replace_archive(c, archive, members)
+    result = run_cli("verify", c.artifact_dir, "--state-root", c.state_root)
+    assert result.returncode == 2 and "'vllm-cache/a/b' lies inside member 'vllm-cache/a'" in result.stderr, result.stderr
+    cache = tmp_path / "cache"
+    placement = place(c, cache)
+    assert placement.status == "skipped" and "lies inside member" in placement.reason
+    assert not cache.exists() or not any(cache.rglob("*"))
