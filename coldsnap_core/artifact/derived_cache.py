@@ -22,6 +22,7 @@ compilation digest.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import logging
@@ -232,12 +233,11 @@ class SeedDocument:
         paths = [m.name for m in document.members]
         if paths != sorted(set(paths)):
             raise f.error("members are not sorted by path, or a path repeats")
-        files = set(paths)
         for path in paths:  # every member is a file: none can be a folder holding another
-            parts = path.split("/")
-            for depth in range(1, len(parts)):
-                if "/".join(parts[:depth]) in files:
-                    raise f.error(f"member {path!r} lies inside member {'/'.join(parts[:depth])!r}, which is a file")
+            # paths are sorted: a path below ``path`` sorts first among those that start with ``path + "/"``
+            below = bisect.bisect_left(paths, path + "/")
+            if below < len(paths) and paths[below].startswith(path + "/"):
+                raise f.error(f"member {paths[below]!r} lies inside member {path!r}, which is a file")
         return document
 
 

@@ -194,16 +194,13 @@ def _named_tensors(module: torch.nn.Module) -> list[tuple[str, str, torch.Tensor
     """
     base = torch.nn.Module
     cls = type(module)
-    if (cls.named_parameters, cls.named_buffers, cls._named_members) != (
-        base.named_parameters,
-        base.named_buffers,
-        base._named_members,
-    ):
+    methods = ("named_parameters", "named_buffers", "_named_members")
+    if any(getattr(cls, name) is not getattr(base, name) or name in vars(module) for name in methods):
         named = [(PARAMETER_TAG, n, t) for n, t in module.named_parameters(remove_duplicate=False)]
         return named + [(BUFFER_TAG, n, t) for n, t in module.named_buffers(remove_duplicate=False)]
     parameters: list[tuple[str, str, torch.Tensor]] = []
     buffers: list[tuple[str, str, torch.Tensor]] = []
-    for prefix, submodule in module.named_modules(remove_duplicate=False):
+    for prefix, submodule in module.named_modules(prefix="", remove_duplicate=False):  # as _named_members calls it
         dot = prefix + "." if prefix else ""
         parameters.extend((PARAMETER_TAG, dot + key, t) for key, t in submodule._parameters.items() if t is not None)
         buffers.extend((BUFFER_TAG, dot + key, t) for key, t in submodule._buffers.items() if t is not None)

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -296,3 +297,27 @@ def test_a_member_inside_another_member_is_refused(captured_2layer: Captured, tm
     placement = place(c, cache)
     assert placement.status == "skipped" and "lies inside member" in placement.reason
     assert not cache.exists() or not any(cache.rglob("*"))
+
+
+def test_a_deep_member_path_does_not_hold_up_the_read(captured_2layer: Captured, tmp_path: Path) -> None:
+    """A member 262,144 folders deep (a 512 KiB path the member rules allow, in a document far under its size cap):
+    reading the document must take about as long as parsing it. The inside-another-member rule once rebuilt every
+    prefix of every path (quadratic: 4 s for a 32 KB path, about 20 minutes for this one, in every start that reads
+    the seed). The read runs in a subprocess given 120 s, a guard against that hang, not a timing. Fails if the rule
+    goes quadratic again."""
+    c = seeded(captured_2layer, tmp_path)
+    document = json.loads((c.capsule_dir / SEED_DOCUMENT_FILENAME).read_text())
+    deep = "vllm-cache" + "/a" * 262_144
+    document["members"] = sorted(
+        [*document["members"], {"path": deep, "size_bytes": 1, "sha256": "0" * 64}], key=lambda m: m["path"]
+    )
+    path = tmp_path / "deep.json"
+    path.write_text(json.dumps(document))
+    script = (
+        "import sys; from coldsnap_core.artifact.derived_cache import SeedDocument;"
+        " from coldsnap_core.format._strict import read_document;"
+        " d = read_document(sys.argv[1], SeedDocument.from_fields); print(max(len(m.name) for m in d.members))"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout) == len(deep)

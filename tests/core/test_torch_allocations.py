@@ -208,7 +208,30 @@ class _SkipsHead(torch.nn.Module):
                 yield name, parameter
 
 
-@pytest.mark.parametrize("build", [model, _NoneMembers, _SkipsHead], ids=["plain", "none-slots", "overridden"])
+def _instance_override() -> torch.nn.Module:
+    """A module whose instance (not its class) replaces ``named_parameters``, as patching wrappers do."""
+    m = model()
+    named = m.named_parameters
+    m.named_parameters = lambda *args, **kwargs: ((n, p) for n, p in named(*args, **kwargs) if n != "head.weight")
+    return m
+
+
+class _PositionalPrefix(torch.nn.Module):
+    """A module whose ``named_modules`` takes ``prefix`` positionally first (torch passes it by keyword)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = model()
+
+    def named_modules(self, prefix, remove_duplicate=True, memo=None):  # type: ignore[override]
+        return super().named_modules(memo, prefix, remove_duplicate)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [model, _NoneMembers, _SkipsHead, _instance_override, _PositionalPrefix],
+    ids=["plain", "none-slots", "overridden", "instance-override", "positional-prefix"],
+)
 def test_the_walk_names_what_named_parameters_then_named_buffers_name(build) -> None:
     """The enumeration walks the module tree once for parameters and buffers together. Fails if that walk
     names another tensor, order or tag than ``named_parameters(remove_duplicate=False)`` followed by
