@@ -155,26 +155,13 @@ class ModelExtent:
         of :meth:`Fields.list`)."""
         if type(raw) is not dict or raw.keys() != _MODEL_EXTENT_KEYS:
             return None
-        index, offset, size, pack_offset = (
-            raw["allocation_index"],
-            raw["offset_bytes"],
-            raw["size_bytes"],
-            raw["pack_offset_bytes"],
-        )
-        if (
-            not is_offset(index)
-            or not is_offset(offset)
-            or not is_offset(size, 1)
-            or not is_offset(pack_offset)
-            or not is_sha256(raw["sha256"])
-            or offset + size > MAX_OFFSET_BYTES
-            or pack_offset + size > MAX_OFFSET_BYTES
-        ):
+        placed = _plain_placement(raw, "pack_offset_bytes")
+        if placed is None or not is_sha256(raw["sha256"]):
             return None
         provenance = ExtentProvenance.from_plain(raw["provenance"])
         if provenance is None:
             return None
-        return cls(index, offset, size, pack_offset, raw["sha256"], provenance)
+        return cls(*placed, raw["sha256"], provenance)
 
     @classmethod
     def from_fields(cls, f: Fields) -> ModelExtent:
@@ -227,22 +214,8 @@ class ResidualExtent:
         of :meth:`Fields.list`)."""
         if type(raw) is not dict or raw.keys() != _RESIDUAL_EXTENT_KEYS:
             return None
-        index, offset, size, blob_offset = (
-            raw["allocation_index"],
-            raw["offset_bytes"],
-            raw["size_bytes"],
-            raw["blob_offset_bytes"],
-        )
-        if (
-            not is_offset(index)
-            or not is_offset(offset)
-            or not is_offset(size, 1)
-            or not is_offset(blob_offset)
-            or offset + size > MAX_OFFSET_BYTES
-            or blob_offset + size > MAX_OFFSET_BYTES
-        ):
-            return None
-        return cls(index, offset, size, blob_offset)
+        placed = _plain_placement(raw, "blob_offset_bytes")
+        return None if placed is None else cls(*placed)
 
     @classmethod
     def from_fields(cls, f: Fields) -> ResidualExtent:
@@ -256,6 +229,23 @@ class ResidualExtent:
         _check_end(f, extent.offset_bytes, extent.size_bytes, "offset_bytes + size_bytes")
         _check_end(f, extent.blob_offset_bytes, extent.size_bytes, "blob_offset_bytes + size_bytes")
         return extent
+
+
+def _plain_placement(raw: dict, stored_at: str) -> tuple[int, int, int, int] | None:
+    """``(allocation_index, offset_bytes, size_bytes, raw[stored_at])`` of an extent's JSON object when each
+    passes :meth:`Fields.int` (``size_bytes`` at least 1) and both ends fit a signed 64-bit offset, else ``None``:
+    the part of the extents' fast paths that the two kinds share."""
+    index, offset, size, stored = raw["allocation_index"], raw["offset_bytes"], raw["size_bytes"], raw[stored_at]
+    if (
+        not is_offset(index)
+        or not is_offset(offset)
+        or not is_offset(size, 1)
+        or not is_offset(stored)
+        or offset + size > MAX_OFFSET_BYTES
+        or stored + size > MAX_OFFSET_BYTES
+    ):
+        return None
+    return index, offset, size, stored
 
 
 def _check_end(f: Fields, start: int, size: int, what: str) -> None:
