@@ -199,44 +199,16 @@ class ColdsnapModelLoader(DefaultModelLoader):
         outcome = self._policy.load(model)
         if outcome.observed:
             self._publish(outcome)
-        if outcome.capture is not None or outcome.overlay is not None:
-            self._capture_seed_after_compilation(model, outcome)
-
-    def _capture_seed_after_compilation(self, model: nn.Module, outcome: LoadOutcome) -> None:
-        """After an export's capture, or a target-local overlay this start stored: the worker's compile
-        cache goes into that capsule once vLLM has compiled (:class:`coldsnap_vllm.derived_cache.SeedCapture`),
-        unless ``COLDSNAP_DERIVED_CACHE=off`` or vLLM keeps no compile cache for this start (one INFO line
-        says why)."""
-        settings = self.coldsnap_settings
-        if settings.derived_cache == "off" or settings.artifact_dir is None:
-            return
-        if outcome.capture is None and outcome.overlay is None:
-            return
         policy = self._policy
-        try:
-            reason = seeds.compile_skip_reason(policy.vllm_config)
-            qualification = None
-            if reason is None:
-                qualification = seeds.qualification(
-                    policy.vllm_config, policy.engine, policy.engine_version(), policy.config_sha256()
-                )
-        except Exception as exc:  # vLLM's private hashing moved: the export stands without a seed
-            reason = f"this start's compilation settings cannot be read ({type(exc).__name__}: {exc})"
-        if reason is not None:
-            logger.info("coldsnap: %s: no derived-cache seed captured: %s", outcome.worker.capsule_name, reason)
-            return
-        assert qualification is not None
-        if outcome.capture is not None:
-            seeds.for_export(
-                model,
-                policy.vllm_config,
-                settings.artifact_dir,
-                outcome.worker,
-                outcome.capture.manifest.pack.sha256,
-                qualification,
-            )
-        elif outcome.overlay is not None:
-            seeds.for_overlay(model, policy.vllm_config, outcome.overlay, qualification)
+        seeds.capture_after_compilation(
+            model,
+            policy.vllm_config,
+            outcome,
+            self.coldsnap_settings,
+            engine=policy.engine,
+            engine_version=policy.engine_version(),
+            config_sha256=policy.config_sha256,
+        )
 
     def _publish(self, outcome: LoadOutcome) -> None:
         settings = self.coldsnap_settings
