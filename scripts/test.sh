@@ -45,7 +45,8 @@ export TMPDIR=$run_tmp
 status=0
 # Two workers (pytest-xdist), one test file each at a time: most of the time is engine processes that use one
 # core each (vLLM reduces torch to one thread per worker), so two run side by side on two cores. A file's
-# module fixtures stay in one worker; a session fixture is made once per worker that needs it.
-python -m pytest -n "${COLDSNAP_TEST_WORKERS:-2}" --dist loadfile --durations=25 "${marker[@]}" "$@" || status=$?
+# module fixtures stay in one worker; a session fixture is made once per worker that needs it. The files are
+# handed out in the order tests/conftest.py gives them (longest first), not re-sorted by test count.
+python -m pytest -n "${COLDSNAP_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=25 "${marker[@]}" "$@" || status=$?
 phase_done tests
 exit "$status"

@@ -1,6 +1,6 @@
 """The suite's own rules about engines: the shared-memory entries engine processes leave are removed
-(only this user's, only new ones, never one a live process holds), and a test that starts an engine
-without the ``engine`` marker is stopped before the engine starts."""
+(only this user's, only new ones, never one a live process holds), a test that starts an engine
+without the ``engine`` marker is stopped before the engine starts, and the long files run first."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.engine_marker import require_engine_marker, set_current_test
+from tests.support.file_order import FILE_SECONDS, SGLANG_AFTER_SECONDS, file_order
 from tests.support.shared_memory import SHARED_MEMORY, engine_entries, inodes_in_use, remove_left_entries
 
 
@@ -76,3 +77,37 @@ def test_this_test_is_recorded_as_not_marked_engine(request: pytest.FixtureReque
     """Fails if ``tests/conftest.py`` stops recording the running test's marker before its set-up."""
     with pytest.raises(AssertionError, match=request.node.name):
         require_engine_marker("an SGLang engine")
+
+
+def test_the_longest_files_run_first_and_the_others_by_test_count() -> None:
+    """Fails if the files are ordered by test count alone (pytest-xdist's own reordering): the one-test engine
+    files, the longest of the suite, would then be handed out last."""
+    counts = {
+        "tests/core/test_few.py": 3,
+        "tests/vllm/test_vllm_data_parallel.py": 1,
+        "tests/core/test_many.py": 82,
+        "tests/vllm/test_vllm_engine.py": 10,
+        "tests/sglang/test_sglang_engine.py": 10,
+    }
+    assert file_order(counts) == [
+        "tests/sglang/test_sglang_engine.py",
+        "tests/vllm/test_vllm_engine.py",
+        "tests/vllm/test_vllm_data_parallel.py",
+        "tests/core/test_many.py",
+        "tests/core/test_few.py",
+    ]
+
+
+def test_while_sglang_is_being_built_its_files_start_after_the_long_vllm_files() -> None:
+    """Fails if the SGLang engine files keep their place at the front while their environment is still being
+    built (a worker would wait for the build instead of running vLLM files), or if they move behind the short
+    files (they would end long after the other worker)."""
+    counts = {path: 1 for path in FILE_SECONDS} | {"tests/core/test_short.py": 50}
+    waiting = frozenset(path for path in FILE_SECONDS if path.startswith("tests/sglang/"))
+    order = file_order(counts, waiting_for_sglang=waiting)
+    first = min(order.index(path) for path in waiting)
+    assert order[first : first + len(waiting)] == sorted(waiting, key=lambda path: -FILE_SECONDS[path])
+    before = [FILE_SECONDS[path] for path in order[:first]]
+    assert sum(before) >= SGLANG_AFTER_SECONDS > sum(before[:-1])
+    assert order.index("tests/core/test_short.py") > first
+    assert file_order(counts)[0] == "tests/sglang/test_sglang_engine.py" != order[0]  # first once it is built
