@@ -64,11 +64,20 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the test files longest first (``tests/support/file_order.py``; each file's tests keep their order)."""
+    """Run the test files longest first (``tests/support/file_order.py``; each file's tests keep their order).
+    While ``scripts/test.sh`` builds the SGLang environment in the background (``COLDSNAP_SGLANG_SETUP_STATUS``),
+    the files with SGLang engine tests come after the long vLLM files."""
     files: dict[str, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-    order = file_order({path: len(file_items) for path, file_items in files.items()})
+    waiting = frozenset()
+    if os.environ.get("COLDSNAP_SGLANG_SETUP_STATUS"):
+        waiting = frozenset(
+            path
+            for path, file_items in files.items()
+            if any(i.get_closest_marker("sglang") and i.get_closest_marker("engine") for i in file_items)
+        )
+    order = file_order({path: len(file_items) for path, file_items in files.items()}, waiting_for_sglang=waiting)
     items[:] = [item for path in order for item in files[path]]
 
 
