@@ -73,7 +73,7 @@ if [ -n "$sglang_pid" ]; then
   # Normally ended long ago (the SGLang tests waited for it); with none of them selected, wait for it here.
   wait "$sglang_pid" || true
   sglang_pid=
-  cat "$COLDSNAP_SGLANG_SETUP_LOG" >&2
+  cat "$COLDSNAP_SGLANG_SETUP_LOG" >&2 || true
   sglang_status=$(cat "$COLDSNAP_SGLANG_SETUP_STATUS" 2>/dev/null || echo "unknown")
   if [ "$sglang_status" != 0 ]; then
     echo "test.sh: FAILED: scripts/setup-sglang-venv.sh (its output is above)" >&2
