@@ -574,7 +574,7 @@ def test_real_documents_are_written_as_the_documented_bytes(captured_2layer: Cap
         assert path.read_bytes() == _reference_bytes(json.loads(path.read_text())), path.name
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(allocation_maps())
 def test_canonical_layout_text_is_the_documented_json(amap: AllocationMap) -> None:
     """The layout fingerprint hashes text written without ``json.dumps`` (format.md 4.4). Fails if that text
