@@ -53,6 +53,7 @@ else
     echo "$code" >"$3.part" && mv "$3.part" "$3"' \
     setup-sglang "$COLDSNAP_SGLANG_VENV" "$COLDSNAP_SGLANG_SETUP_LOG" "$COLDSNAP_SGLANG_SETUP_STATUS" &
   sglang_pid=$!
+  sglang_started=$SECONDS
 fi
 scripts/setup-venv.sh
 venv=${COLDSNAP_VENV:-$root/.venv}
@@ -67,10 +68,29 @@ status=0
 # core each (vLLM reduces torch to one thread per worker), so two run side by side on two cores. A file's
 # module fixtures stay in one worker; a session fixture is made once per worker that needs it. The files are
 # handed out in the order tests/conftest.py gives them (longest first), not re-sorted by test count.
+if [ -n "$sglang_pid" ] && kill -0 "$sglang_pid" 2>/dev/null; then
+  echo "test.sh: the SGLang environment is still being built in the background (log: $COLDSNAP_SGLANG_SETUP_LOG);" \
+    "its tests wait for it" >&2
+fi
 python -m pytest -n "${COLDSNAP_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=25 "${marker[@]}" "$@" || status=$?
 phase_done tests
+if [ "$status" = 2 ]; then
+  exit "$status"  # pytest was interrupted (Ctrl-C): stop now; the exit trap stops the background build
+fi
 if [ -n "$sglang_pid" ]; then
-  # Normally ended long ago (the SGLang tests waited for it); with none of them selected, wait for it here.
+  # Normally ended long ago (the SGLang tests waited for it); with none of them selected, wait for it here, at most
+  # COLDSNAP_SGLANG_SETUP_TIMEOUT seconds from its start (default 3600, what each SGLang test waits at most).
+  limit=${COLDSNAP_SGLANG_SETUP_TIMEOUT:-3600}
+  if kill -0 "$sglang_pid" 2>/dev/null; then
+    echo "test.sh: waiting for the background build of the SGLang environment (log: $COLDSNAP_SGLANG_SETUP_LOG)" >&2
+  fi
+  while kill -0 "$sglang_pid" 2>/dev/null && [ $((SECONDS - sglang_started)) -lt "$limit" ]; do
+    sleep 2
+  done
+  if kill -0 "$sglang_pid" 2>/dev/null; then
+    echo "test.sh: FAILED: scripts/setup-sglang-venv.sh has not ended after $limit s; stopping it" >&2
+    exit 1  # the exit trap stops the build
+  fi
   wait "$sglang_pid" || true
   sglang_pid=
   cat "$COLDSNAP_SGLANG_SETUP_LOG" >&2 || true

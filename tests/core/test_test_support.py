@@ -149,3 +149,21 @@ def test_a_background_setup_that_never_ends_fails_the_test_after_the_timeout(tmp
     """Fails if the wait for a step that never writes its status never ends, or ends as if it had succeeded."""
     with pytest.raises(pytest.fail.Exception, match=r"setup.sh has not ended after 0 s"):
         wait_for_setup("setup.sh", tmp_path / "setup.status", None, timeout_s=0.2, poll_s=0.05)
+
+
+def test_after_one_timed_out_wait_the_next_wait_for_that_setup_fails_at_once(tmp_path: Path, monkeypatch) -> None:
+    """A hung background build: the first test that needs it waits the whole timeout, the next ones of that worker
+    fail at once with the same message (no sleep at all). Fails if every test waits the timeout again (an hour each,
+    for every SGLang test of a worker)."""
+    from tests.support import background_setup
+
+    status = tmp_path / "setup.status"
+    with pytest.raises(pytest.fail.Exception, match="has not ended after"):
+        wait_for_setup("setup.sh", status, None, timeout_s=0.2, poll_s=0.05)
+
+    def no_second_wait(seconds: float) -> None:
+        raise AssertionError("the second wait waited for the build again")
+
+    monkeypatch.setattr(background_setup.time, "sleep", no_second_wait)
+    with pytest.raises(pytest.fail.Exception, match="has not ended after 0 s"):
+        wait_for_setup("setup.sh", status, None, timeout_s=3600, poll_s=0.05)
