@@ -44,6 +44,7 @@ import logging
 import os
 import re
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -822,11 +823,17 @@ class OciPayloadStore:
                 if response.status_code != 201:
                     self._cancel(location, where)
                     raise self._fail("uploading the empty config blob", response, where)
-        response = self._request(
-            "PUT", url, where=where, scope_key="push", content=manifest, headers={"Content-Type": MANIFEST_MEDIA_TYPE}
-        )
-        if response.status_code != 201:
-            raise self._fail("pushing the artifact's manifest", response, where)
+        for attempt in range(_MANIFEST_PUSH_ATTEMPTS):
+            response = self._request(
+                "PUT", url, where=where, scope_key="push", content=manifest, headers={"Content-Type": MANIFEST_MEDIA_TYPE}
+            )
+            if response.status_code == 201:
+                break
+            if attempt + 1 == _MANIFEST_PUSH_ATTEMPTS or not _transient_manifest_refusal(response):
+                raise self._fail("pushing the artifact's manifest", response, where)
+            # Another node pushing the same content-addressed blob at this moment: a registry's filesystem storage
+            # replaces the blob's file when that push commits, and a manifest checked meanwhile names an unknown blob.
+            time.sleep(0.5 * (attempt + 1))
         answered = response.headers.get("Docker-Content-Digest")
         if answered and answered != f"sha256:{manifest_digest}":
             raise StoreError(
@@ -834,6 +841,18 @@ class OciPayloadStore:
             )
         logger.info("coldsnap: pushed the manifest of %s as %s", listing.name, reference)
         return reference
+
+
+_MANIFEST_PUSH_ATTEMPTS = 3
+"""Tries of a manifest push the registry refuses for a blob it does not know yet, or with a 5xx status."""
+
+
+def _transient_manifest_refusal(response: Any) -> bool:
+    """Whether a refused manifest push may succeed when tried again: a 5xx status, or a 400 whose error codes name
+    an unknown blob (``MANIFEST_BLOB_UNKNOWN``, ``BLOB_UNKNOWN``: the OCI distribution spec's codes)."""
+    if response.status_code >= 500:
+        return True
+    return response.status_code == 400 and "BLOB_UNKNOWN" in _error_text(response)
 
 
 def _error_text(response: Any) -> str:

@@ -315,3 +315,26 @@ def test_a_tag_naming_another_artifact_in_the_registry_is_refused_and_a_recaptur
     assert after != before
     moves = [r.getMessage() for r in caplog.records if "moving" in r.getMessage()]
     assert len(moves) == 1 and before in moves[0] and after in moves[0] and "'art-a'" in moves[0]
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "again"),
+    [
+        (400, {"errors": [{"code": "MANIFEST_BLOB_UNKNOWN", "message": "blob unknown to registry"}]}, True),
+        (400, {"errors": [{"code": "BLOB_UNKNOWN", "message": "blob unknown"}]}, True),
+        (503, {}, True),
+        (400, {"errors": [{"code": "MANIFEST_INVALID", "message": "manifest invalid"}]}, False),
+        (404, {"errors": [{"code": "NAME_UNKNOWN", "message": "repository name not known"}]}, False),
+    ],
+    ids=["manifest-blob-unknown", "blob-unknown", "unavailable", "invalid", "no-repository"],
+)
+def test_only_a_manifest_refused_for_an_unknown_blob_or_a_5xx_is_pushed_again(status: int, body: dict, again: bool) -> None:
+    """Two nodes pushing one pack at once: a registry's filesystem storage replaces the blob's file when the other
+    push commits, and a manifest checked meanwhile names an unknown blob. Such a refusal (and a 5xx) is tried again;
+    any other refusal fails at once. Fails if a malformed manifest is retried, or an unknown-blob refusal is not."""
+    import httpx
+
+    from coldsnap_core.stores.oci import _transient_manifest_refusal
+
+    response = httpx.Response(status, json=body)
+    assert _transient_manifest_refusal(response) is again
