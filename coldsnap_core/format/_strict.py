@@ -63,14 +63,9 @@ class Fields:
             raise ManifestSchemaError(f"{self._where or 'document'} must be a JSON object, got {type(obj).__name__}", file=file)
         self._obj = obj
         self._seen: set[str] = set()
-        self._plain = False  # set by parse_document on a document's root (see :attr:`plain`)
-
-    @property
-    def plain(self) -> bool:
-        """Whether this cursor is a document's root and the document holds no ``true``, ``false`` or
-        number with a fraction or exponent (:func:`parse_document` knows; ``False`` otherwise). In such a
-        document Python's ``==`` between parsed values is JSON equality: ``1 == True == 1.0`` cannot arise."""
-        return self._plain
+        # True only on a document's root whose text holds no ``true``, ``false`` or float (set by parse_document):
+        # there Python's ``==`` between parsed values is JSON equality (``1 == True == 1.0`` cannot arise).
+        self._plain = False
 
     @property
     def _where(self) -> str:
@@ -97,7 +92,7 @@ class Fields:
 
         ``other`` must hold no ``true``, ``false`` or float: another document's field that the typed
         getters already accepted as integers, strings, ``null``, lists and objects. Then, in a
-        :attr:`plain` document, Python's ``==`` decides (0.4 ms for a SmolLM2 allocation map);
+        document without those (``_plain``), Python's ``==`` decides (0.4 ms for a SmolLM2 allocation map);
         otherwise both are compared as compact JSON text (7 ms).
 
         Raises:
