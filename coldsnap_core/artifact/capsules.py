@@ -35,6 +35,7 @@ from typing import TypeVar
 import filelock
 
 from coldsnap_core._io import fsync_dir, os_error, remove_tree, replace_file_durably, write_file_durably
+from coldsnap_core.artifact.parsed_capsules import ParsedCapsules, ParsedDocuments
 from coldsnap_core.errors import (
     ArtifactError,
     CapsulePinMismatchError,
@@ -342,7 +343,7 @@ def _check_pin(path: Path, data: bytes, pin: CapsuleFile) -> None:
         )
 
 
-def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None]) -> Capsule:
+def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None], parsed_capsules: ParsedCapsules | None = None) -> Capsule:
     _require_present(path, "capsule folder")
     if not path.is_dir():
         raise MissingObjectError("capsule folder does not exist (a file is in its place)", file=path)
@@ -355,6 +356,33 @@ def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None]) -> Capsule:
         else:
             data = read_document_bytes(path / name)
         documents[name] = data
+    target_data = _read_target_bytes(path / TARGET_FILENAME, pins)
+    # Every file was checked against its pin above; only then may a record of the same pins stand in
+    # for parsing them (docs/format.md §10.4).
+    key = None
+    if parsed_capsules is not None and all(pins.get(name) is not None for name in _PINNED_DOCUMENTS):
+        key = parsed_capsules.key([pins[name].sha256 for name in _PINNED_DOCUMENTS])  # type: ignore[union-attr]
+    parsed = parsed_capsules.get(key) if parsed_capsules is not None and key is not None else None
+    if parsed is None:
+        parsed = _parse_documents(path, documents, target_data)
+        if parsed_capsules is not None and key is not None:
+            parsed_capsules.put(key, parsed)
+    native, recovery, target = parsed
+    if path.name != native.worker.capsule_name:
+        raise ManifestMismatchError(
+            f"the capsule folder is named {path.name!r}, but its manifests belong to {native.worker.capsule_name}"
+            f" (rank {native.worker.rank} of {native.worker.world_size}, tensor parallel rank"
+            f" {native.worker.tensor_parallel_rank} of {native.worker.tensor_parallel_size})",
+            file=path,
+        )
+    return Capsule(path, native, recovery, target)
+
+
+_PINNED_DOCUMENTS = (NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, TARGET_FILENAME)
+
+
+def _parse_documents(path: Path, documents: dict[str, bytes], target_data: bytes | None) -> ParsedDocuments:
+    """Strictly parse a capsule's documents and check that the two manifests agree."""
     native_raw: dict[str, object] = {}
 
     def parse_native(f: Fields) -> NativeManifest:
@@ -367,7 +395,11 @@ def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None]) -> Capsule:
         functools.partial(RecoveryManifest.from_fields, native=(native_raw, native)),
         file=str(path / RECOVERY_MANIFEST_FILENAME),
     )
-    target = _read_target(path / TARGET_FILENAME, pins)
+    target = (
+        parse_document(target_data, TargetIdentity.from_fields, file=str(path / TARGET_FILENAME))
+        if target_data is not None
+        else None
+    )
     differing = [
         name
         for name in ("worker", "layout_fingerprint", "allocations", "residual", "residual_extents")
@@ -375,38 +407,37 @@ def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None]) -> Capsule:
     ]
     if differing:
         raise ManifestMismatchError(f"the native and recovery manifests disagree on {', '.join(differing)}", file=path)
-    if path.name != native.worker.capsule_name:
-        raise ManifestMismatchError(
-            f"the capsule folder is named {path.name!r}, but its manifests belong to {native.worker.capsule_name}"
-            f" (rank {native.worker.rank} of {native.worker.world_size}, tensor parallel rank"
-            f" {native.worker.tensor_parallel_rank} of {native.worker.tensor_parallel_size})",
-            file=path,
-        )
-    return Capsule(path, native, recovery, target)
+    return native, recovery, target
 
 
-def _read_target(path: Path, pins: dict[str, CapsuleFile | None]) -> TargetIdentity | None:
-    """``target.json``: checked against its pin when the capsule is read with pins (it must then be
-    pinned and present); else read when present."""
+def _read_target_bytes(path: Path, pins: dict[str, CapsuleFile | None]) -> bytes | None:
+    """``target.json``'s bytes: checked against its pin when the capsule is read with pins (it must
+    then be pinned and present); else read when present (``None`` when absent)."""
     if TARGET_FILENAME in pins:
         pin = _require_pin(path, pins[TARGET_FILENAME])
         _require_present(path, "target identity")
         data = read_document_bytes(path, check_size=functools.partial(_check_pinned_size, path, pin))
         _check_pin(path, data, pin)
-    elif os.path.lexists(path):
-        data = read_document_bytes(path)
-    else:
-        return None
-    return parse_document(data, TargetIdentity.from_fields, file=str(path))
+        return data
+    if os.path.lexists(path):
+        return read_document_bytes(path)
+    return None
 
 
-def read_worker_capsule(artifact_dir: Path, entry: WorkerEntry) -> Capsule:
+def read_worker_capsule(artifact_dir: Path, entry: WorkerEntry, *, parsed_capsules: ParsedCapsules | None = None) -> Capsule:
     """Read the capsule of one ``artifact.json`` entry and check it against the entry.
 
     In order: the capsule folder exists; each manifest's bytes have the size and SHA-256 that
     ``entry.capsule_files`` pins (before they are parsed); both parse and agree; the folder, the
     manifests and the entry name the same worker; the pinned residual blob is the one the native
     manifest names; the native manifest names the entry's payload.
+
+    Args:
+        artifact_dir: the artifact folder.
+        entry: the capsule's ``artifact.json`` entry.
+        parsed_capsules: the node's parsed-capsule records (:mod:`coldsnap_core.artifact.parsed_capsules`):
+            once every file matched its pin, a record of these pins stands in for parsing the
+            documents, and a strict parse writes one. ``None`` (the default): always parse.
 
     Raises:
         MissingObjectError: the capsule folder or a manifest is missing.
@@ -416,14 +447,14 @@ def read_worker_capsule(artifact_dir: Path, entry: WorkerEntry) -> Capsule:
         ManifestMismatchError: the manifests disagree with each other, with the folder name or with
             the entry (worker, payload) (exit code 2).
     """
-    return read_pinned_capsule(artifact_dir / entry.capsule, entry)
+    return read_pinned_capsule(artifact_dir / entry.capsule, entry, parsed_capsules=parsed_capsules)
 
 
-def read_pinned_capsule(path: Path, entry: WorkerEntry) -> Capsule:
+def read_pinned_capsule(path: Path, entry: WorkerEntry, *, parsed_capsules: ParsedCapsules | None = None) -> Capsule:
     """:func:`read_worker_capsule` for a capsule folder at ``path`` (named after ``entry.worker``)
     pinned by ``entry``: a worker of an artifact, or a target-local overlay (its descriptor's pins)."""
     pins = {name: entry.pin(name) for name in (NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, TARGET_FILENAME)}
-    capsule = _read_capsule(path, pins)
+    capsule = _read_capsule(path, pins, parsed_capsules)
     native = capsule.native
     if native.worker != entry.worker:
         raise ManifestMismatchError(

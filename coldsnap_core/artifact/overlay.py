@@ -56,6 +56,7 @@ from coldsnap_core.artifact.derived_cache import (
     with_seed_pins,
     write_seed_files,
 )
+from coldsnap_core.artifact.parsed_capsules import ParsedCapsules
 from coldsnap_core.artifact.residual import write_residual
 from coldsnap_core.cache.records import read_private_record
 from coldsnap_core.capture.payload_plan import ModelRange, PayloadPlan, plan_payload
@@ -272,9 +273,16 @@ def _refuse_linked_folders(state_root: Path, path: Path) -> bool:
 
 
 def find_overlay(
-    state_root: Path, artifact_dir: Path, entry: WorkerEntry, current: TargetIdentity, descriptor_sha256: str
+    state_root: Path,
+    artifact_dir: Path,
+    entry: WorkerEntry,
+    current: TargetIdentity,
+    descriptor_sha256: str,
+    *,
+    parsed_capsules: ParsedCapsules | None = None,
 ) -> Lookup:
-    """Look up and validate this node's overlay for ``entry``'s worker on the target ``current``.
+    """Look up and validate this node's overlay for ``entry``'s worker on the target ``current``
+    (its capsule read with ``parsed_capsules``, :func:`coldsnap_core.artifact.capsules.read_pinned_capsule`).
 
     Never raises for what it finds: every problem is a ``stale`` or ``invalid`` :class:`Lookup`.
     """
@@ -299,7 +307,7 @@ def find_overlay(
     if descriptor.kind == "qualified":
         return Lookup("valid", "this node recorded the portable capsule qualified for this target", path, descriptor)
     try:
-        capsule = read_pinned_capsule(path, descriptor.entry())
+        capsule = read_pinned_capsule(path, descriptor.entry(), parsed_capsules=parsed_capsules)
     except ColdsnapError as exc:
         return Lookup("invalid", f"its capsule does not match {OVERLAY_FILENAME}: {exc}", path)
     if capsule.native.pack != entry.payload or capsule.target != current or capsule.native.capture_point != "portable":
@@ -352,7 +360,10 @@ def select_capsule(
     differences = recorded.differences(current)
     if recorded.engine != current.engine or not use_overlays:
         raise TargetMismatchError(detail, differences=differences, file=file)
-    lookup = find_overlay(state_root, artifact_dir, entry, current, descriptor_sha256)
+    # A restore through an overlay reads it at every start, like a portable capsule: with the records
+    # (docs/format.md §10.4).
+    parsed = ParsedCapsules.in_state_root(state_root)
+    lookup = find_overlay(state_root, artifact_dir, entry, current, descriptor_sha256, parsed_capsules=parsed)
     if lookup.status == "valid":
         assert lookup.descriptor is not None
         if lookup.descriptor.kind == "qualified":

@@ -412,7 +412,8 @@ def test_observed_bytes_round_trip_through_capture_and_hydration(checkpoint: Pat
     from coldsnap_core.cache.payload_cache import PayloadCache
     from coldsnap_core.capture.worker import capture_worker
     from coldsnap_core.copy.host import HostCopyBackend
-    from coldsnap_core.format.manifest import ModelIdentity, WorkerIdentity
+    from coldsnap_core.format.manifest import WorkerIdentity
+    from coldsnap_core.identity.model_identity import identify_checkpoint
     from coldsnap_core.restore.hydrate import hydrate
 
     m = torch.nn.Module()
@@ -435,7 +436,7 @@ def test_observed_bytes_round_trip_through_capture_and_hydration(checkpoint: Pat
         model_ranges=ranges,
         worker=WorkerIdentity("worker", 0, 1, 0, 1),
         capture_point="portable",
-        model=ModelIdentity(str(checkpoint.parent), None, ()),
+        model=identify_checkpoint([checkpoint], source=str(checkpoint.parent)),
         cache=cache,
         artifact_dir=tmp_path / "artifact",
         backend=HostCopyBackend(),
@@ -466,7 +467,8 @@ def _load_shards(shards: list[Path], tmp_path: Path, label: str, *, iteration_or
     from coldsnap_core.cache.payload_cache import PayloadCache
     from coldsnap_core.capture.worker import capture_worker
     from coldsnap_core.copy.host import HostCopyBackend
-    from coldsnap_core.format.manifest import ModelIdentity, WorkerIdentity
+    from coldsnap_core.format.manifest import WorkerIdentity
+    from coldsnap_core.identity.model_identity import identify_checkpoint
 
     names: dict[str, torch.Tensor] = {}
     for shard in shards:
@@ -500,7 +502,7 @@ def _load_shards(shards: list[Path], tmp_path: Path, label: str, *, iteration_or
         model_ranges=ranges,
         worker=WorkerIdentity("worker", 0, 1, 0, 1),
         capture_point="portable",
-        model=ModelIdentity(str(shards[0].parent), None, ()),
+        model=identify_checkpoint(list(shards), source=str(shards[0].parent)),
         cache=PayloadCache(tmp_path / f"state-{label}"),
         artifact_dir=tmp_path / f"artifact-{label}",
         backend=HostCopyBackend(),
