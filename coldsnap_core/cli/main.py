@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata
 import logging
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
 from coldsnap_core._io import unexpected_os_error
+from coldsnap_core._version import __version__
 from coldsnap_core.errors import EXIT_OTHER, ColdsnapError
 from coldsnap_core.format._strict import FORMAT_VERSION
 from coldsnap_core.settings import lock_timeout_from_env, resolve_state_root
@@ -44,13 +44,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_OTHER, f"{self.prog}: error: {message}\n")
 
 
-def _installed_version() -> str:
-    try:
-        return importlib.metadata.version("coldsnap")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown (not installed)"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="coldsnap",
@@ -59,9 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         "3 missing object, 4 other error, 5 capsule not qualified for this target (a native restore).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
-    parser.add_argument(
-        "--version", action="version", version=f"coldsnap {_installed_version()} (artifact format {FORMAT_VERSION})"
-    )
+    parser.add_argument("--version", action="version", version=f"coldsnap {__version__} (artifact format {FORMAT_VERSION})")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_parser(subparsers)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from coldsnap_core._io import os_error
+from coldsnap_core._version import __version__
 from coldsnap_core.errors import TargetMismatchError
 from coldsnap_core.format.target import QUALIFYING_FIELDS, TargetIdentity, describe_differences
 
@@ -35,13 +36,11 @@ NVIDIA_DRIVER_VERSION_FILE = Path("/proc/driver/nvidia/version")
 _DRIVER_RE = re.compile(r"Kernel Module(?: for [A-Za-z0-9_]+)?\s+([0-9][0-9.]*)")
 
 
-@functools.cache
 def coldsnap_version() -> str:
-    """The installed coldsnap distribution's version, or ``unknown`` when it is run from a checkout."""
-    try:
-        return importlib.metadata.version("coldsnap")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+    """coldsnap's release version (:data:`coldsnap_core._version.__version__`, which the installed
+    distribution's metadata also says; read from the module rather than the metadata, whose first read
+    in a process scans ``sys.path`` and parses a mail header: 1-2 ms of every restore)."""
+    return __version__
 
 
 @functools.cache

@@ -41,6 +41,7 @@ PACKAGE_DIR = Path(coldsnap_core.__file__).parent
 
 LAYERS: dict[str, int] = {
     "errors": 0,
+    "_version": 0,
     "settings": 1,
     "digests": 1,
     "_io": 1,
