@@ -20,17 +20,20 @@ every module that parses or defines the documents, and Python's version) and the
 the native manifest, the recovery manifest and ``target.json``: another release, an edited parser or
 other bytes give another key, never a stale record.
 
-**File.** ``coldsnap.parsed-capsule 1\\n``, the SHA-256 of the body in lowercase hex, ``\\n``, then the
-body: a pickle (protocol 5) of ``(NativeManifest, RecoveryManifest, TargetIdentity | None)`` in which
-each object is its class called with its fields in order. Mode 0444, replaced atomically.
+**File.** ``coldsnap.parsed-capsule 1\\n``, the record's key, ``\\n``, the SHA-256 of the body in
+lowercase hex, ``\\n``, then the body: a pickle (protocol 5) of ``(NativeManifest, RecoveryManifest,
+TargetIdentity | None)`` in which each object is its class called with its fields in order. Mode 0444,
+replaced atomically.
 
 **Trust.** A record is used only if it is a regular file (not a symbolic link, in a folder that is not
 one) owned by the current user, not group- or world-writable, at most :data:`MAX_RECORD_BYTES`, its
-header and body digest hold, it unpickles with no class outside :data:`RECORD_CLASSES` (so loading one
-can only call those constructors) and it gives the three expected types. The same rules as a
-validation record (``docs/format.md`` §11): only this user could have written it. Anything else is
-logged at INFO and the documents are parsed strictly, whose result then replaces the record. A record
-that cannot be written (read-only state root) is logged at DEBUG: a record only saves time.
+header holds and names the key it is read for (a record renamed or copied under another record's name
+holds other documents), its body has the header's SHA-256, it unpickles with no class outside
+:data:`RECORD_CLASSES` (so loading one can only call those constructors) and it gives the three expected
+types. The same rules as a validation record (``docs/format.md`` §11), which names its digest: only this
+user could have written it, for this key. Anything else is logged at INFO and the documents are parsed
+strictly, whose result then replaces the record. A record that cannot be written (read-only state root)
+is logged at DEBUG: a record only saves time.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ from coldsnap_core.format.target import TargetIdentity
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "HEADER_BYTES",
     "MAX_RECORD_BYTES",
     "PARSED_CAPSULES_DIRNAME",
     "RECORD_CLASSES",
@@ -152,8 +156,13 @@ class _RecordUnpickler(pickle.Unpickler):
         return cls
 
 
-def encode(documents: ParsedDocuments) -> bytes:
-    """A record's bytes for ``documents`` (the file format in the module docstring)."""
+HEADER_BYTES = len(RECORD_MAGIC) + 65 + 65
+"""A record's header: :data:`RECORD_MAGIC`, its key and its body's SHA-256, each of those two a line of 64
+lowercase hex."""
+
+
+def encode(documents: ParsedDocuments, key: str) -> bytes:
+    """A record's bytes for ``documents`` under ``key`` (the file format in the module docstring)."""
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=5)
     # Each object as its constructor call: unpickling then costs one __init__ per object rather than
@@ -161,22 +170,29 @@ def encode(documents: ParsedDocuments) -> bytes:
     pickler.dispatch_table = dict.fromkeys(RECORD_CLASSES, _reduce)  # type: ignore[assignment]
     pickler.dump(documents)
     body = buffer.getvalue()
-    return RECORD_MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
+    return RECORD_MAGIC + key.encode() + b"\n" + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
 
 
-def decode(data: bytes) -> ParsedDocuments:
-    """The documents a record's bytes hold.
+def decode(data: bytes, key: str) -> ParsedDocuments:
+    """The documents a record's bytes hold, if it was written for ``key``.
 
     Raises:
-        ValueError: another kind or version, a body whose SHA-256 is not the header's, a class outside
+        ValueError: another kind or version, another key (a record renamed or copied under this one's
+            name: it holds other documents), a body whose SHA-256 is not the header's, a class outside
             :data:`RECORD_CLASSES`, anything else unpickling raises, or other types than
             :data:`ParsedDocuments`.
     """
-    start = len(RECORD_MAGIC) + 65
-    if not data.startswith(RECORD_MAGIC) or data[start - 1 : start] != b"\n":
+    start = len(RECORD_MAGIC)
+    if (
+        not data.startswith(RECORD_MAGIC)
+        or data[start + 64 : start + 65] != b"\n"
+        or data[HEADER_BYTES - 1 : HEADER_BYTES] != b"\n"
+    ):
         raise ValueError("it does not start with the parsed-capsule record header")
-    body = data[start:]
-    if hashlib.sha256(body).hexdigest().encode() != data[len(RECORD_MAGIC) : start - 1]:
+    if data[start : start + 64] != key.encode():
+        raise ValueError(f"it was written for key {data[start : start + 64].decode(errors='replace')}, not {key}")
+    body = data[HEADER_BYTES:]
+    if hashlib.sha256(body).hexdigest().encode() != data[start + 65 : HEADER_BYTES - 1]:
         raise ValueError("its body does not have the SHA-256 its header names")
     try:
         documents = _RecordUnpickler(io.BytesIO(body)).load()
@@ -228,7 +244,7 @@ class ParsedCapsules:
             data = self._read_private(path)
             if data is None:
                 return None
-            return decode(data)
+            return decode(data, key)
         except (ColdsnapError, OSError, ValueError) as exc:
             logger.info("coldsnap: not using the parsed-capsule record %s (%s); parsing the capsule strictly", path, exc)
             return None
@@ -260,7 +276,7 @@ class ParsedCapsules:
         """Write (or replace) record ``key`` for ``documents``, which a strict read just parsed and
         cross-checked. Never raises: a record that cannot be written is logged at DEBUG."""
         try:
-            data = encode(documents)
+            data = encode(documents, key)
             if os.path.islink(self.folder):
                 raise ValueError(f"{self.folder} is a symbolic link")
             self.folder.mkdir(mode=0o700, exist_ok=True)

@@ -63,11 +63,12 @@ class CaptureResult:
         recovery: the recovery manifest written to the capsule.
         capsule_dir: the unit capsule folder.
         pack_path: the pack object in the node-local cache.
-        seconds: wall time of the capture (hashing, pack, blob, manifests).
+        seconds: wall time of the capture (hashing, pack, blob, manifests, descriptor, read-back).
         phase_seconds: wall time of each phase, in order: ``extent_digests`` (SHA-256 of every
             model range, on all usable CPUs), ``pack`` (stream, hash and commit the pack: fsync,
             rename, folder fsync, validation record), ``capsule`` (residual blob and manifests, each
-            fsynced) and ``descriptor`` (``artifact.json`` under its lock).
+            fsynced), ``descriptor`` (``artifact.json`` under its lock) and ``read_back`` (the capsule read
+            as a restore reads it, which writes its parsed-capsule record, ``docs/format.md`` §10.4).
     """
 
     manifest: NativeManifest

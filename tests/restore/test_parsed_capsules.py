@@ -5,6 +5,7 @@ ever a stand-in for the strict parse of the same pinned bytes by the same parser
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import pickle
@@ -18,6 +19,7 @@ import torch
 from coldsnap_core.artifact import parsed_capsules
 from coldsnap_core.artifact.capsules import read_capsule
 from coldsnap_core.artifact.parsed_capsules import (
+    HEADER_BYTES,
     PARSED_CAPSULES_DIRNAME,
     RECORD_MAGIC,
     ParsedCapsules,
@@ -27,8 +29,10 @@ from coldsnap_core.artifact.parsed_capsules import (
 )
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.copy.torch_allocations import enumerate_allocations
-from coldsnap_core.errors import CapsulePinMismatchError
+from coldsnap_core.errors import CapsulePinMismatchError, TargetMismatchError
+from coldsnap_core.format._strict import dump_document
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME, NativeManifest
+from coldsnap_core.format.target import TARGET_FILENAME
 from tests.restore.test_worker_restore import RANK0, TinyModel, capture, checkpoint, restorer  # noqa: F401
 
 _EXECUTED: list[str] = []
@@ -97,18 +101,19 @@ def test_the_record_holds_exactly_the_strict_parse(tmp_path: Path, checkpoint: P
     _restore(tmp_path, checkpoint)
     (record,) = _records(tmp_path)
     data = record.read_bytes()
-    native, recovery, target = decode(data)
+    key = record.name.removesuffix(".record")
+    native, recovery, target = decode(data, key)
     strict = read_capsule(tmp_path / "artifact" / "workers" / RANK0.capsule_name)
     assert (native, recovery, target) == (strict.native, strict.recovery, strict.target)
     assert target is not None
     assert recovery.allocations is native.allocations
-    assert encode((native, recovery, target)) == data
+    assert encode((native, recovery, target), key) == data
     # docs/format.md §10.4: each object is a call of its class with its fields (REDUCE), not an empty object
     # filled by __setstate__ (NEWOBJ + BUILD, pickle's default for slotted dataclasses, twice as slow to load).
-    opcodes = {op.name for op, _, _ in pickletools.genops(data[len(RECORD_MAGIC) + 65 :])}
+    opcodes = {op.name for op, _, _ in pickletools.genops(data[HEADER_BYTES:])}
     assert "REDUCE" in opcodes and not opcodes & {"BUILD", "NEWOBJ", "NEWOBJ_EX"}
-    assert data.startswith(RECORD_MAGIC)
-    assert data[len(RECORD_MAGIC) : len(RECORD_MAGIC) + 64].decode() == hashlib.sha256(data[len(RECORD_MAGIC) + 65 :]).hexdigest()
+    assert data.startswith(RECORD_MAGIC + key.encode() + b"\n")
+    assert data[len(RECORD_MAGIC) + 65 : HEADER_BYTES - 1].decode() == hashlib.sha256(data[HEADER_BYTES:]).hexdigest()
 
 
 def test_an_edited_manifest_is_refused_by_its_pin_although_a_record_exists(tmp_path: Path, checkpoint: Path, captured) -> None:  # noqa: F811
@@ -125,8 +130,8 @@ def test_an_edited_manifest_is_refused_by_its_pin_although_a_record_exists(tmp_p
         restorer(checkpoint, tmp_path / "artifact", tmp_path / "state").read()
 
 
-def _forge(body: bytes) -> bytes:
-    return RECORD_MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
+def _forge(key: str, body: bytes) -> bytes:
+    return RECORD_MAGIC + key.encode() + b"\n" + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
 
 
 class _Calls:
@@ -155,6 +160,7 @@ def test_a_record_that_may_not_be_used_is_ignored_and_rewritten(
     through). Fails if any of them is used."""
     _restore(tmp_path, checkpoint)
     (record,) = _records(tmp_path)
+    key = record.name.removesuffix(".record")
     good = record.read_bytes()
     os.chmod(record, 0o644)
     if damage == "flipped-body-byte":
@@ -173,10 +179,10 @@ def test_a_record_that_may_not_be_used_is_ignored_and_rewritten(
         record.unlink()
         record.symlink_to(elsewhere)
     elif damage == "foreign-global":
-        record.write_bytes(_forge(pickle.dumps(_Calls(), protocol=5)))
+        record.write_bytes(_forge(key, pickle.dumps(_Calls(), protocol=5)))
     elif damage == "wrong-types":
-        native, recovery, _ = decode(good)
-        record.write_bytes(_forge(pickle.dumps((native, recovery), protocol=5)))
+        native, recovery, _ = decode(good, key)
+        record.write_bytes(_forge(key, pickle.dumps((native, recovery), protocol=5)))
     parses = _ParseCounter(monkeypatch)
     with caplog.at_level(logging.INFO, logger=parsed_capsules.__name__):
         assert _restore(tmp_path, checkpoint).snapshot() == captured.snapshot()
@@ -298,3 +304,56 @@ def test_a_capture_whose_capsule_does_not_read_back_says_so(tmp_path: Path, chec
     assert f"{RANK0.capsule_name}: the capsule just written does not read back" in caplog.text
     assert "refused by the test" in caplog.text
     assert _records(tmp_path) == []
+
+
+def _repin(artifact: Path, name: str, data: bytes) -> None:
+    """Pin ``data`` for every capsule file called ``name`` in ``artifact.json`` (an operator's re-signing)."""
+    path = artifact / "artifact.json"
+    doc = json.loads(path.read_text())
+    for entry in doc["workers"]:
+        for pin in entry["capsule_files"]:
+            if pin["name"] == name:
+                pin.update(size_bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    os.chmod(path, 0o644)
+    path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
+def test_a_record_stands_in_only_for_the_key_it_was_written_for(
+    tmp_path: Path,
+    checkpoint: Path,  # noqa: F811
+    captured,
+    caplog,
+) -> None:
+    """A record names its key: artifact B is artifact A with another ``torch_version`` in ``target.json``
+    (re-pinned), so its restore is refused by its target; with A's record copied under B's key (a rename in
+    the records folder, by anyone who can write there) B is still judged by its own ``target.json``, and the
+    copy is refused at INFO and replaced. Fails if a record is used under a key it was not written for: B's
+    restore then takes A's target identity and replays a residual captured on another torch."""
+    (record_a,) = _records(tmp_path)
+    artifact_b = tmp_path / "artifact-b"
+    shutil.copytree(tmp_path / "artifact", artifact_b)
+    target_path = artifact_b / "workers" / RANK0.capsule_name / TARGET_FILENAME
+    document = json.loads(target_path.read_text())
+    document["torch_version"] = "0.0.0+elsewhere"
+    data = dump_document(document)
+    os.chmod(target_path, 0o644)
+    target_path.write_bytes(data)
+    _repin(artifact_b, TARGET_FILENAME, data)
+
+    def restore_b() -> None:
+        fresh = TinyModel()
+        restorer(checkpoint, artifact_b, tmp_path / "state").run(enumerate_allocations(fresh), HostCopyBackend())
+
+    with pytest.raises(TargetMismatchError, match="torch_version"):
+        restore_b()  # strictly parsed: refused by its target, and its record written
+    (record_b,) = [r for r in _records(tmp_path) if r != record_a]
+    os.chmod(record_b, 0o644)
+    shutil.copyfile(record_a, record_b)
+    os.chmod(record_b, 0o444)
+    with (
+        caplog.at_level(logging.INFO, logger=parsed_capsules.__name__),
+        pytest.raises(TargetMismatchError, match="torch_version"),
+    ):
+        restore_b()
+    assert f"not using the parsed-capsule record {record_b}" in caplog.text
+    assert record_b.read_bytes() != record_a.read_bytes()
