@@ -11,6 +11,7 @@ import os
 import pickle
 import pickletools
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -143,7 +144,7 @@ class _Calls:
 
 @pytest.mark.parametrize(
     "damage",
-    ["flipped-body-byte", "truncated", "other-magic", "group-writable", "symlink", "foreign-global", "wrong-types"],
+    ["flipped-body-byte", "truncated", "other-magic", "group-writable", "symlink", "fifo", "foreign-global", "wrong-types"],
 )
 def test_a_record_that_may_not_be_used_is_ignored_and_rewritten(
     tmp_path: Path,
@@ -154,10 +155,10 @@ def test_a_record_that_may_not_be_used_is_ignored_and_rewritten(
     damage: str,
 ) -> None:
     """Each way a record can be unusable (a flipped byte under its digest, a torn write, another kind or
-    version, a mode another user could have written, a symbolic link, a class outside the allow-list, other
-    types) makes the restore parse strictly (logged at INFO), restore the right bytes, run nothing the forged
-    record names, and write a good record in its place (a symbolic link is left as it is, not written
-    through). Fails if any of them is used."""
+    version, a mode another user could have written, a symbolic link, a FIFO, a class outside the allow-list,
+    other types) makes the restore parse strictly (logged at INFO), restore the right bytes, run nothing the
+    forged record names, and write a good record in its place (a symbolic link or a FIFO is left as it is,
+    never written through or waited on). Fails if any of them is used."""
     _restore(tmp_path, checkpoint)
     (record,) = _records(tmp_path)
     key = record.name.removesuffix(".record")
@@ -173,6 +174,9 @@ def test_a_record_that_may_not_be_used_is_ignored_and_rewritten(
         record.write_bytes(good.replace(b"parsed-capsule 1", b"parsed-capsule 2", 1))
     elif damage == "group-writable":
         os.chmod(record, 0o664)
+    elif damage == "fifo":  # opened non-blocking and checked with fstat: refused, never waited on
+        record.unlink()
+        os.mkfifo(record)
     elif damage == "symlink":
         elsewhere = tmp_path / "elsewhere.record"
         shutil.copyfile(record, elsewhere)
@@ -191,6 +195,8 @@ def test_a_record_that_may_not_be_used_is_ignored_and_rewritten(
     assert "not using the parsed-capsule record" in caplog.text
     if damage == "symlink":  # refused, never written through (docs/format.md §10: no symbolic links)
         assert record.is_symlink() and (tmp_path / "elsewhere.record").read_bytes() == good
+    elif damage == "fifo":  # refused and left in place (docs/format.md §10: only regular files)
+        assert stat.S_ISFIFO(os.lstat(record).st_mode)
     else:
         assert record.read_bytes() == good
 
