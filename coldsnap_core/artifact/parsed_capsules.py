@@ -33,7 +33,8 @@ holds other documents), its body has the header's SHA-256, it unpickles with no 
 types. The same rules as a validation record (``docs/format.md`` §11), which names its digest: only this
 user could have written it, for this key. Anything else is logged at INFO and the documents are parsed
 strictly, whose result then replaces the record. A record that cannot be written (read-only state root)
-is logged at DEBUG: a record only saves time.
+is logged at DEBUG: a record only saves time. A record used or written is one DEBUG line naming it: the log
+says which of the two a start did.
 """
 
 from __future__ import annotations
@@ -249,10 +250,12 @@ class ParsedCapsules:
             data = self._read_private(path)
             if data is None:
                 return None
-            return decode(data, key)
+            documents = decode(data, key)
         except (ColdsnapError, OSError, ValueError) as exc:
             logger.info("coldsnap: not using the parsed-capsule record %s (%s); parsing the capsule strictly", path, exc)
             return None
+        logger.debug("coldsnap: parsed-capsule record %s used (the capsule's documents were not parsed)", path)
+        return documents
 
     def _read_private(self, path: Path) -> bytes | None:
         try:
@@ -297,6 +300,8 @@ class ParsedCapsules:
             replace_file_durably(self.path(key), data, read_only=True, before_rename=refuse_symlink)
         except (ColdsnapError, OSError, ValueError, pickle.PicklingError) as exc:
             logger.debug("coldsnap: parsed-capsule record %s not written: %s", self.path(key), exc)
+            return
+        logger.debug("coldsnap: parsed-capsule record %s written (%d bytes)", self.path(key), len(data))
 
     def sweep(self, *, older_than_seconds: float, dry_run: bool = False) -> list[tuple[Path, int]]:
         """``coldsnap cache gc``'s sweep: remove (or, with ``dry_run``, only list) every file in the folder

@@ -181,7 +181,8 @@ def _gc(args: argparse.Namespace) -> int:
         print(f"{verb} overlay {o.path} ({o.status}: {o.reason})")
     parsed = ParsedCapsules.in_state_root(cache.state_root).sweep(older_than_seconds=args.older_than, dry_run=args.dry_run)
     for path, _ in parsed:
-        print(f"{verb} parsed-capsule record {path}")
+        kind = "temporary" if path.name.endswith(".partial") else "record"  # a writer that died (docs/format.md §10.4)
+        print(f"{verb} parsed-capsule {kind} {path}")
     freed = report.bytes_freed + sum(e.size_bytes for e in sleep_capsules) + sum(o.size_bytes for o in overlays)
     print(
         f"{verb} {len(report.temporaries)} temporary, {len(report.quarantined)} quarantined, "

@@ -363,3 +363,36 @@ def test_a_record_stands_in_only_for_the_key_it_was_written_for(
         restore_b()
     assert f"not using the parsed-capsule record {record_b}" in caplog.text
     assert record_b.read_bytes() != record_a.read_bytes()
+
+
+def test_a_record_used_or_written_is_one_debug_line_naming_it(tmp_path: Path, checkpoint: Path, captured, caplog) -> None:  # noqa: F811
+    """With DEBUG on (``VLLM_LOGGING_LEVEL=DEBUG``), a restore that takes its documents from a record says so,
+    naming the record, and one that parsed and wrote it names the record written: an operator can tell
+    from the log which of the two a start did. Fails if either path is silent at DEBUG."""
+    (record,) = _records(tmp_path)
+    with caplog.at_level(logging.DEBUG, logger=parsed_capsules.__name__):
+        _restore(tmp_path, checkpoint)
+    assert f"coldsnap: parsed-capsule record {record} used" in caplog.text
+    assert f"{record} written" not in caplog.text
+    caplog.clear()
+    record.unlink()
+    with caplog.at_level(logging.DEBUG, logger=parsed_capsules.__name__):
+        _restore(tmp_path, checkpoint)
+    assert f"coldsnap: parsed-capsule record {record} written" in caplog.text
+    assert f"{record} used" not in caplog.text
+
+
+def test_gc_names_a_dead_writers_temporary_as_a_temporary(tmp_path: Path, checkpoint: Path, captured, capsys) -> None:  # noqa: F811
+    """A writer killed between creating its temporary and renaming it leaves ``.<key>.record.<hex16>.partial``:
+    ``coldsnap cache gc`` lists it as a parsed-capsule temporary, not as a record (which it never was), and the
+    record beside it as a record. Fails if gc calls the temporary a record."""
+    from coldsnap_core.cli.main import main
+
+    (record,) = _records(tmp_path)
+    temporary = record.parent / f".{record.name}.0123456789abcdef.partial"
+    temporary.write_bytes(b"torn")
+    assert main(["cache", "gc", "--older-than", "0", "--state-root", str(tmp_path / "state")]) == 0
+    out = capsys.readouterr().out
+    assert f"removed parsed-capsule temporary {temporary}" in out
+    assert f"removed parsed-capsule record {record}\n" in out
+    assert f"record {temporary}" not in out
