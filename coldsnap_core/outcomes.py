@@ -35,7 +35,6 @@ from coldsnap_core.errors import ColdsnapError
 
 logger = logging.getLogger(__name__)
 
-OUTCOME_LOG_FILENAME = "load-outcomes.jsonl"
 OUTCOME_KIND = "coldsnap.load-outcome"
 OUTCOME_VERSION = 1
 OUTCOME_LOG_ROTATE_BYTES = 16 * 2**20
@@ -53,11 +52,6 @@ DERIVED_CACHE_VALUES: tuple[str, ...] = ("used", "skipped", "absent")
 """The values of a line's ``derived_cache`` (``docs/format.md`` §17.4), besides ``null``."""
 
 _warned: set[str] = set()
-
-
-def outcome_log_path(state_root: str | os.PathLike[str], explicit: str | os.PathLike[str] | None = None) -> Path:
-    """The outcome log: ``explicit`` (``COLDSNAP_OUTCOME_LOG``) when given, else ``<state_root>/load-outcomes.jsonl``."""
-    return Path(explicit) if explicit is not None and str(explicit).strip() else Path(state_root) / OUTCOME_LOG_FILENAME
 
 
 @dataclass(frozen=True, slots=True)

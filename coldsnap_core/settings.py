@@ -1,50 +1,44 @@
-"""The engine plugins' settings: environment variables, overridable by ``--model-loader-extra-config`` keys.
+"""Every coldsnap setting, in one table: each ``COLDSNAP_*`` variable, its extra-config key and its parser.
 
-Shared by the vLLM loader (``coldsnap_vllm``) and the SGLang loader (``coldsnap_sglang``); each engine
-passes its own default for ``materialize`` (vLLM ``async``, SGLang ``off``) and the inner load formats
-its default loader serves.
+Each setting is declared once, in :data:`SETTINGS` (extra-config key, variable, the field it sets, parser and a
+one-line meaning); its default is the default of that field of :class:`ColdsnapSettings` (or of
+:class:`StoreSettings` / :class:`StoreClientSettings` under it). :meth:`ColdsnapSettings.resolve` follows the
+table, and README's settings table is made from it, row by row (:func:`settings_table_markdown`,
+``tests/core/test_settings.py``).
 
-Each setting is declared once, in :data:`SETTINGS` (extra-config key, variable, parser, default and a
-one-line meaning): :meth:`ColdsnapSettings.resolve` follows it, the list at the end of this docstring is
-made from it, and README's settings table is compared with it row by row
-(``tests/core/test_settings.py``).
+Three layers, the first given wins: a ``coldsnap`` option named as the key (``--state-root``, ``--outcome-log``),
+an extra-config key (``--model-loader-extra-config``), the variable; else the default. An empty or blank
+(whitespace-only) value is as unset in every layer (a blank key lets its variable apply; ``VAR=`` is how a shell
+unsets a variable for one command). Values are read leniently in form only: choices are case-insensitive and
+trimmed, booleans are ``1``/``0``, ``true``/``false``, ``yes``/``no``, ``on``/``off`` (or JSON
+``true``/``false``/``1``/``0`` in the extra config), paths are trimmed, ``~``-expanded and made absolute.
+Anything else is a :class:`~coldsnap_core.errors.ConfigurationError` naming the option, key or variable and the
+value.
 
-An extra-config key wins over its environment variable. Values are read leniently in form only: choices
-are case-insensitive and trimmed, an empty or blank (whitespace-only) value means the default for every setting
-(as if it were unset: a blank extra-config key lets its variable apply; ``VAR=`` is how a shell unsets a
-variable for one command; the ``coldsnap`` command's
-readers follow the same rule), booleans are ``1``/``0``,
-``true``/``false``, ``yes``/``no``, ``on``/``off`` (or JSON ``true``/``false``/``1``/``0`` in the extra
-config), paths are trimmed, ``~``-expanded and made absolute. Anything else is a
-:class:`~coldsnap_core.errors.ConfigurationError` naming the variable or key and the value.
+Nothing here names an engine: an engine's adapter passes its own default for ``materialize`` and the inner load
+formats its default loader serves. The keys are removed from the extra config before the engine's default loader
+sees it (it rejects keys it does not know: vLLM ``DefaultModelLoader.__init__`` raises on unexpected extra-config
+keys). Nothing here names a pack: a pack's path is always derived from its SHA-256.
 
-These keys are removed from the extra config before the engine's default loader sees it (it rejects keys
-it does not know: vLLM ``DefaultModelLoader.__init__`` raises on unexpected extra-config keys). Nothing here
-names a pack: a pack's path is always derived from its SHA-256.
-
-The environment is read only where a plugin or the CLI starts: an engine plugin calls
-:meth:`ColdsnapSettings.resolve` when its loader is built and hands the resolved settings down (the cache,
-the payload store, the restore, the sleep backend's extent verification through the published load state);
-the ``coldsnap`` command resolves ``--state-root`` / ``COLDSNAP_STATE_ROOT``, ``COLDSNAP_LOCK_TIMEOUT``,
-``COLDSNAP_OUTCOME_LOG`` and the payload store variables when it starts. This module imports no
-implementation module, so every layer can use it.
-
-The settings (:data:`SETTINGS`; ``—``: none):
-
+The environment is read only where a plugin or the CLI starts: an engine plugin resolves every row when its
+loader is built and hands the resolved settings down (the cache, the payload store, the restore, the sleep
+backend's extent verification through the published load state); the ``coldsnap`` command resolves the rows of
+:data:`COMMAND_SETTINGS` when it starts. This module imports no implementation module, so every layer can use it.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import reduce
 from pathlib import Path
 from typing import Literal, get_args
 
 from coldsnap_core.errors import ConfigurationError, redact_store_spec
 
-STATE_ROOT_ENV = "COLDSNAP_STATE_ROOT"
 DEFAULT_STATE_ROOT = Path("~/.cache/coldsnap")
 PAYLOAD_DIR_ENV = "COLDSNAP_PAYLOAD_DIR"
 PAYLOAD_REPO_ENV = "COLDSNAP_PAYLOAD_REPO"
@@ -55,12 +49,7 @@ OUTCOME_LOG_ENV = "COLDSNAP_OUTCOME_LOG"
 STORE_CONNECT_TIMEOUT_ENV = "COLDSNAP_STORE_CONNECT_TIMEOUT"
 STORE_READ_TIMEOUT_ENV = "COLDSNAP_STORE_READ_TIMEOUT"
 STORE_RETRIES_ENV = "COLDSNAP_STORE_RETRIES"
-STORE_CONNECT_TIMEOUT_S = 10.0
-"""Default seconds a payload store client waits for a TCP connection (``COLDSNAP_STORE_CONNECT_TIMEOUT``)."""
-STORE_READ_TIMEOUT_S = 20.0
-"""Default seconds a payload store request may go without receiving a byte (``COLDSNAP_STORE_READ_TIMEOUT``)."""
-STORE_RETRIES = 2
-"""Default retries of a failed payload store request (``COLDSNAP_STORE_RETRIES``): 3 attempts in all."""
+OCI_MOUNT_FROM_ENV = "COLDSNAP_OCI_MOUNT_FROM"
 STORE_TIMEOUT_MAX_S = 86400.0
 """The longest store timeout ``COLDSNAP_STORE_CONNECT_TIMEOUT`` / ``COLDSNAP_STORE_READ_TIMEOUT`` accept (1 day): a
 longer one overflows the clients' clocks (``OverflowError: timestamp out of range``) and only hides a dead store."""
@@ -76,76 +65,14 @@ MATERIALIZE_MODES: tuple[str, ...] = get_args(MaterializeMode)
 RestoreMode = Literal["auto", "native"]
 OverlayMode = Literal["auto", "capture", "off"]
 DerivedCacheMode = Literal["auto", "off"]
-DERIVED_CACHE_MODES: tuple[str, ...] = get_args(DerivedCacheMode)
 ConvertedCopies = Literal["residual", "model"]
 
-RESTORE_MODES: tuple[str, ...] = ("auto", "native")
-OVERLAY_MODES: tuple[str, ...] = ("auto", "capture", "off")
-CONVERTED_COPIES: tuple[str, ...] = ("residual", "model")
-VLLM_INNER_LOAD_FORMATS: tuple[str, ...] = (
-    "auto",
-    "hf",
-    "safetensors",
-    "fastsafetensors",
-    "instanttensor",
-    "mistral",
-    "pt",
-    "npcache",
-)
-"""The load formats vLLM serves with ``DefaultModelLoader`` (``model_loader/__init__.py``), whose I/O
-the coldsnap loader can keep."""
-INNER_LOAD_FORMATS = VLLM_INNER_LOAD_FORMATS
-
 _TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
-
-
-def parse_flag(where: str, value: object) -> bool:
-    """A boolean setting, spelled as every coldsnap boolean is: ``1``/``0``, ``true``/``false``,
-    ``yes``/``no``, ``on``/``off`` (case-insensitive, trimmed; empty is ``False``), or a JSON
-    ``true``/``false``/``1``/``0`` from an extra config.
-
-    Raises:
-        ConfigurationError: anything else, naming ``where`` and the value.
-    """
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):  # JSON extra config: {"export_model_payload": 1}
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-        return value.strip().lower() in _TRUE
-    raise ConfigurationError(f"{where}={value!r} is not a boolean; use 1 or 0")
-
-
+_FALSE = ("0", "false", "no", "off")
 _SECONDS = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", re.ASCII)
-"""A number of seconds as ``COLDSNAP_LOCK_TIMEOUT`` takes it: ASCII decimal digits, an optional fraction."""
-
-
-def lock_timeout_from_env(
-    environ: Mapping[str, str] | None = None, *, value: object = None, where: str = LOCK_TIMEOUT_ENV
-) -> float:
-    """The lock timeout in seconds: ``value`` if given, else ``$COLDSNAP_LOCK_TIMEOUT``, else
-    :data:`LOCK_TIMEOUT_SECONDS` (an empty value means the default).
-
-    Raises:
-        ConfigurationError: the value is not a finite number of seconds >= 0 (names ``where``).
-    """
-    if value is None:
-        value = (os.environ if environ is None else environ).get(LOCK_TIMEOUT_ENV, "")
-    if isinstance(value, str) and not value.strip():
-        return LOCK_TIMEOUT_SECONDS
-    text = value.strip() if isinstance(value, str) else value
-    if isinstance(text, str) and not _SECONDS.fullmatch(text):
-        # float() also takes "1_000", "١٠" (any Unicode digit), "inf" and "nan": only plain ASCII decimals are seconds
-        seconds = float("nan")
-    else:
-        try:
-            seconds = float(text)  # type: ignore[arg-type]
-        except (TypeError, ValueError, OverflowError):  # OverflowError: a JSON integer beyond a float (10**400)
-            seconds = float("nan")
-    if isinstance(value, bool) or not (0 <= seconds < float("inf")):
-        raise ConfigurationError(f"{where}={value!r} is not a number of seconds >= 0")
-    return seconds
+"""A number of seconds as text: ASCII decimal digits, an optional fraction (``float()`` also takes ``1_000``, ``١٠``
+(any Unicode digit), ``1e3``, ``inf`` and ``nan``: none of them is seconds here)."""
+_WHOLE = re.compile(r"[0-9]+", re.ASCII)
 
 
 def expand_path(value: str | os.PathLike[str], where: str) -> Path:
@@ -161,63 +88,87 @@ def expand_path(value: str | os.PathLike[str], where: str) -> Path:
         raise ConfigurationError(f"{where}={str(value)!r}: cannot expand the home folder ({exc})") from None
 
 
-def outcome_log_from_env(environ: Mapping[str, str] | None = None) -> Path | None:
-    """``$COLDSNAP_OUTCOME_LOG`` as an absolute path (``~`` expanded), ``None`` when unset or blank: the
-    rule :meth:`ColdsnapSettings.resolve` applies to the ``outcome_log`` key."""
-    value = (os.environ if environ is None else environ).get(OUTCOME_LOG_ENV, "").strip()
-    return expand_path(value, OUTCOME_LOG_ENV) if value else None
+def _string(where: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ConfigurationError(f"{where} must be a string, got {value!r}")
+    return value
 
 
-def resolve_state_root(explicit: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None) -> Path:
-    """The state root: ``explicit``, else ``$COLDSNAP_STATE_ROOT``, else ``~/.cache/coldsnap``.
-
-    An empty (or all-blank) value counts as not given, for the argument and the variable alike, so
-    ``--state-root ""`` and ``COLDSNAP_STATE_ROOT=`` both mean the default, never the current folder
-    (as :meth:`ColdsnapSettings.resolve` reads ``COLDSNAP_STATE_ROOT``).
-    """
-    environ = os.environ if environ is None else environ
-    chosen: str | os.PathLike[str] | None = explicit
-    where = "--state-root"
-    if chosen is None or not str(chosen).strip():
-        chosen, where = environ.get(STATE_ROOT_ENV, ""), STATE_ROOT_ENV
-    if not str(chosen).strip():
-        chosen = DEFAULT_STATE_ROOT
-    return expand_path(chosen, where)
+def _flag(where: str, value: object) -> bool:
+    """A boolean: ``1``/``0``, ``true``/``false``, ``yes``/``no``, ``on``/``off`` (case-insensitive, trimmed), or a
+    JSON ``true``/``false``/``1``/``0`` from an extra config."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):  # JSON extra config: {"export_model_payload": 1}
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ConfigurationError(f"{where}={value!r} is not a boolean; use 1 or 0")
 
 
-_WHOLE = re.compile(r"[0-9]+", re.ASCII)
+def _path(where: str, value: object) -> Path:
+    """A path: trimmed, ``~`` expanded, made absolute."""
+    return expand_path(_string(where, value).strip(), where)
 
 
-def positive_seconds(where: str, value: object) -> float | None:
-    """A store timeout: a number of seconds > 0 and at most :data:`STORE_TIMEOUT_MAX_S` in ASCII decimals (``2``, ``0.5``; trimmed), or a JSON
-    number from an extra config; blank means the default (``None``).
+def _choice(*allowed: str) -> Callable[[str, object], str]:
+    """A choice: case-insensitive and trimmed."""
 
-    Raises:
-        ConfigurationError: anything else (``0``, ``-1``, ``inf``, ``nan``, ``1_000``, non-ASCII digits, more than
-            :data:`STORE_TIMEOUT_MAX_S`), naming ``where`` and the value.
-    """
-    if isinstance(value, str) and not value.strip():
-        return None
-    text = value.strip() if isinstance(value, str) else value
-    number = isinstance(text, int | float) and not isinstance(text, bool)  # a JSON number from an extra config
-    try:
-        seconds = float(text) if number or (isinstance(text, str) and _SECONDS.fullmatch(text)) else float("nan")  # type: ignore[arg-type]
-    except OverflowError:  # a JSON integer beyond a float (10**400)
-        seconds = float("inf")
-    if not (0 < seconds <= STORE_TIMEOUT_MAX_S):
+    def parse(where: str, value: object) -> str:
+        text = _string(where, value).strip().lower()
+        if text not in allowed:
+            raise ConfigurationError(f"{where}={value!r} is not one of {', '.join(allowed)}")
+        return text
+
+    return parse
+
+
+def _word(where: str, value: object) -> str:
+    """A trimmed, lower-cased word (the inner load format, checked against the engine's list by
+    :meth:`ColdsnapSettings.resolve`)."""
+    return _string(where, value).strip().lower()
+
+
+def _text(where: str, value: object) -> str:
+    """Text kept as given (a payload store; trimmed by :class:`StoreSettings`)."""
+    return _string(where, value)
+
+
+def _repositories(where: str, value: object) -> tuple[str, ...]:
+    """A comma-separated list, each entry trimmed, empty entries dropped (checked by the store that uses it)."""
+    return tuple(entry.strip() for entry in _string(where, value).split(",") if entry.strip())
+
+
+def _seconds(value: object) -> float:
+    """``value`` as seconds: ASCII decimal text (trimmed) or a JSON number; ``nan`` for anything else."""
+    if isinstance(value, str):
+        return float(value.strip()) if _SECONDS.fullmatch(value.strip()) else math.nan
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:  # a JSON integer beyond a float (10**400)
+            return math.inf
+    return math.nan
+
+
+def _lock_seconds(where: str, value: object) -> float:
+    """The lock timeout: a finite number of seconds >= 0."""
+    seconds = _seconds(value)
+    if not 0 <= seconds < math.inf:
+        raise ConfigurationError(f"{where}={value!r} is not a number of seconds >= 0")
+    return seconds
+
+
+def _store_seconds(where: str, value: object) -> float:
+    """A store timeout: a number of seconds > 0 and at most :data:`STORE_TIMEOUT_MAX_S`."""
+    seconds = _seconds(value)
+    if not 0 < seconds <= STORE_TIMEOUT_MAX_S:
         raise ConfigurationError(f"{where}={value!r} is not a number of seconds > 0 and at most {STORE_TIMEOUT_MAX_S:g} (1 day)")
     return seconds
 
 
-def retry_count(where: str, value: object) -> int | None:
-    """A store retry count: a whole number 0-:data:`STORE_RETRIES_MAX` in ASCII digits (trimmed), or a JSON
-    integer from an extra config; blank means the default (``None``).
-
-    Raises:
-        ConfigurationError: anything else, naming ``where`` and the value.
-    """
-    if isinstance(value, str) and not value.strip():
-        return None
+def _retry_count(where: str, value: object) -> int:
+    """A store retry count: a whole number 0-:data:`STORE_RETRIES_MAX` in ASCII digits (trimmed), or a JSON integer."""
     count = -1
     if isinstance(value, str) and _WHOLE.fullmatch(value.strip()):
         count = int(value.strip())
@@ -236,30 +187,16 @@ class StoreClientSettings:
         connect_timeout_s: seconds to wait for a TCP connection (``COLDSNAP_STORE_CONNECT_TIMEOUT``).
         read_timeout_s: seconds a request may go without receiving a byte (``COLDSNAP_STORE_READ_TIMEOUT``).
         retries: retries of a failed request, so ``retries + 1`` attempts at most (``COLDSNAP_STORE_RETRIES``).
+        oci_plain_http: an OCI registry not on loopback is spoken to over plain HTTP (``COLDSNAP_OCI_PLAIN_HTTP``).
+        oci_mount_from: repositories of the same OCI registry to mount a blob from before uploading it
+            (``COLDSNAP_OCI_MOUNT_FROM``).
     """
 
-    connect_timeout_s: float = STORE_CONNECT_TIMEOUT_S
-    read_timeout_s: float = STORE_READ_TIMEOUT_S
-    retries: int = STORE_RETRIES
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> StoreClientSettings:
-        """The client settings of the environment alone (the CLI's ``--repo``).
-
-        Raises:
-            ConfigurationError: a value is invalid (names the variable and the value).
-        """
-        env = os.environ if environ is None else environ
-        values = {
-            name: parsed
-            for name, variable, parse in (
-                ("connect_timeout_s", STORE_CONNECT_TIMEOUT_ENV, positive_seconds),
-                ("read_timeout_s", STORE_READ_TIMEOUT_ENV, positive_seconds),
-                ("retries", STORE_RETRIES_ENV, retry_count),
-            )
-            if (parsed := parse(variable, env.get(variable, ""))) is not None
-        }
-        return cls(**values)  # type: ignore[arg-type]
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 20.0
+    retries: int = 2
+    oci_plain_http: bool = False
+    oci_mount_from: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,31 +219,8 @@ class StoreSettings:
     client: StoreClientSettings = StoreClientSettings()
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> StoreSettings:
-        """The store settings of the environment alone (the CLI, and callers without an engine).
-
-        Raises:
-            ConfigurationError: both a folder and a repository are set (names both variables), or a store
-                client setting is invalid (names the variable and the value).
-        """
-        env = os.environ if environ is None else environ
-        return cls._checked(
-            env.get(PAYLOAD_DIR_ENV, ""),
-            env.get(PAYLOAD_REPO_ENV, ""),
-            env.get(PAYLOAD_REPO_TYPE_ENV, ""),
-            PAYLOAD_DIR_ENV,
-            client=StoreClientSettings.from_environ(env),
-        )
-
-    @classmethod
     def _checked(
-        cls,
-        directory: str,
-        repo: str,
-        repo_type: str,
-        dir_where: str,
-        repo_where: str = PAYLOAD_REPO_ENV,
-        client: StoreClientSettings = StoreClientSettings(),
+        cls, directory: str, repo: str, repo_type: str, dir_where: str, repo_where: str, client: StoreClientSettings
     ) -> StoreSettings:
         directory, repo = directory.strip(), repo.strip()
         if directory and repo:
@@ -322,75 +236,40 @@ class StoreSettings:
         return self.payload_dir is not None or self.payload_repo is not None
 
 
-def _string(where: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise ConfigurationError(f"{where} must be a string, got {value!r}")
-    return value
-
-
-def _path(where: str, value: object) -> Path | None:
-    """A path setting: trimmed, ``~`` expanded, made absolute; blank means the default (``None``)."""
-    text = _string(where, value).strip()
-    return expand_path(text, where) if text else None
-
-
-def _choice(*allowed: str) -> Callable[[str, object], str | None]:
-    """A choice setting: case-insensitive and trimmed; blank means the default (``None``)."""
-
-    def parse(where: str, value: object) -> str | None:
-        text = _string(where, value).strip().lower()
-        if text and text not in allowed:
-            raise ConfigurationError(f"{where}={value!r} is not one of {', '.join(allowed)}")
-        return text or None
-
-    return parse
-
-
-def _word(where: str, value: object) -> str | None:
-    """A trimmed, lower-cased word (the inner load format, checked against the engine's list by
-    :meth:`ColdsnapSettings.resolve`); blank means the default (``None``)."""
-    return _string(where, value).strip().lower() or None
-
-
-def _seconds(where: str, value: object) -> float:
-    return lock_timeout_from_env(value=value, where=where)
-
-
-def _text(where: str, value: object) -> str:
-    """Text kept as given (a payload store; trimmed by :class:`StoreSettings`)."""
-    return _string(where, value)
-
-
 @dataclass(frozen=True, slots=True)
 class Setting:
     """One coldsnap setting, declared once (a row of :data:`SETTINGS`).
 
     Attributes:
-        key: the ``--model-loader-extra-config`` key.
+        key: the ``--model-loader-extra-config`` key (and the ``coldsnap`` option ``--<key with dashes>``, where
+            a command has one).
         variable: the environment variable, or ``None`` (extra-config key only).
-        field: the :class:`ColdsnapSettings` attribute it sets (``store.<name>``: a
-            :class:`StoreSettings` or :class:`StoreClientSettings` attribute).
-        parse: ``parse(where, value)``: the value, or ``None`` for the default (a blank value);
-            raises :class:`~coldsnap_core.errors.ConfigurationError` naming ``where`` and the value.
-        default: the default, as README's table shows it (Markdown).
+        field: the dotted path of the :class:`ColdsnapSettings` attribute it sets (``store.client.retries``);
+            that attribute's default is the setting's default.
+        parse: ``parse(where, value)``: the value of a non-blank input; raises
+            :class:`~coldsnap_core.errors.ConfigurationError` naming ``where`` and the value.
         meaning: one line, as README's table shows it (Markdown).
+        shown_default: README's default cell where the default value cannot say it (one derived from another
+            setting, or the engine's); ``None``: the value, shown by :func:`settings_table_markdown`.
     """
 
     key: str
     variable: str | None
     field: str
     parse: Callable[[str, object], object]
-    default: str
     meaning: str
+    shown_default: str | None = None
 
+
+ENGINE_DEFAULT = "the engine's"
+"""README's default cell of a setting whose default each engine's adapter passes in."""
 
 SETTINGS: tuple[Setting, ...] = (
     Setting(
         "export_model_payload",
         "COLDSNAP_EXPORT_MODEL_PAYLOAD",
         "export_model_payload",
-        parse_flag,
-        "`0`",
+        _flag,
         "`1`: load from the checkpoint and capture this worker at the end of `load_weights`",
     ),
     Setting(
@@ -398,23 +277,20 @@ SETTINGS: tuple[Setting, ...] = (
         "COLDSNAP_ARTIFACT_DIR",
         "artifact_dir",
         _path,
-        "none",
         "the artifact folder (`artifact.json`, one capsule per worker); without it nothing is captured or restored",
     ),
     Setting(
         "state_root",
-        STATE_ROOT_ENV,
+        "COLDSNAP_STATE_ROOT",
         "state_root",
         _path,
-        "`~/.cache/coldsnap`",
         "node-local cache; packs at `model-payloads/sha256/<digest>.pack`",
     ),
     Setting(
         "restore",
         "COLDSNAP_RESTORE",
         "restore",
-        _choice(*RESTORE_MODES),
-        "`auto`",
+        _choice(*get_args(RestoreMode)),
         "`auto`: restore when the payload stages and verifies, else load the checkpoint with one WARNING; `native`: fail closed",
     ),
     Setting(
@@ -422,24 +298,22 @@ SETTINGS: tuple[Setting, ...] = (
         MATERIALIZE_ENV,
         "materialize",
         _choice(*MATERIALIZE_MODES),
-        "`async` (vLLM), `off` (SGLang)",
         "after a fallback caused by a missing pack: rebuild it from the loaded bytes in the background (`async`),"
-        " before the load reports success (`required`), or not (`off`, the only value SGLang accepts)",
+        " before the load reports success (`required`), or not (`off`); an engine refuses a mode it cannot run",
+        ENGINE_DEFAULT,
     ),
     Setting(
         "verify_extents",
         "COLDSNAP_VERIFY_EXTENTS",
         "verify_extents",
-        parse_flag,
-        "`0`",
+        _flag,
         "`1`: also hash every model extent while hydrating (restore and the level-1 wake)",
     ),
     Setting(
         "verify_checkpoint",
         "COLDSNAP_VERIFY_CHECKPOINT",
         "verify_checkpoint",
-        parse_flag,
-        "`0`",
+        _flag,
         "`1`: at restore, hash each local checkpoint file this node has no checkpoint record of in full (else its"
         " content fingerprint, a few MiB sampled, is compared; `docs/format.md` §10.1-§10.2)",
     ),
@@ -447,35 +321,32 @@ SETTINGS: tuple[Setting, ...] = (
         "lock_timeout",
         LOCK_TIMEOUT_ENV,
         "lock_timeout_s",
-        _seconds,
-        "`600`",
+        _lock_seconds,
         "seconds to wait for a pack's lock held by another process (a wait over 5 s is logged at INFO with the"
-        " lock and its holder's pid); restore then fails with rule `lock-timeout` and `auto` falls back; also read"
-        " by the `coldsnap` command",
+        " lock and its holder's pid); restore then fails with rule `lock-timeout` and `auto` falls back",
     ),
     Setting(
         "outcome_log",
         OUTCOME_LOG_ENV,
         "outcome_log",
         _path,
-        "`<state-root>/load-outcomes.jsonl`",
         "where every worker load appends one JSON line: restored / captured / fell-back / refused / checkpoint,"
         " with the rule and file (`docs/format.md` §10.3); `coldsnap status` summarizes it",
+        "`<state-root>/load-outcomes.jsonl`",
     ),
     Setting(
         "inner_load_format",
         "COLDSNAP_INNER_LOAD_FORMAT",
         "inner_load_format",
         _word,
-        "`instanttensor` on CUDA, `safetensors` elsewhere",
         "the engine's load format whose I/O the loader keeps",
+        ENGINE_DEFAULT,
     ),
     Setting(
         "overlay",
         "COLDSNAP_OVERLAY",
         "overlay",
-        _choice(*OVERLAY_MODES),
-        "`auto`",
+        _choice(*get_args(OverlayMode)),
         "target-local overlays: `auto` selects this node's overlay for its target and captures one after a"
         " fallback caused by the target; `capture` loads the checkpoint and captures one now; `off` neither",
     ),
@@ -483,17 +354,15 @@ SETTINGS: tuple[Setting, ...] = (
         "derived_cache",
         "COLDSNAP_DERIVED_CACHE",
         "derived_cache",
-        _choice(*DERIVED_CACHE_MODES),
-        "`auto`",
-        "derived-cache seeds (vLLM's compile cache; `docs/format.md` §17): `auto` captures one into the capsule"
+        _choice(*get_args(DerivedCacheMode)),
+        "derived-cache seeds (an engine's compile cache; `docs/format.md` §17): `auto` captures one into the capsule"
         " after an export's start compiled and places a qualified one before a restore's start compiles; `off` neither",
     ),
     Setting(
         "converted_copies",
         None,
         "converted_copies",
-        _choice(*CONVERTED_COPIES),
-        "`model`",
+        _choice(*get_args(ConvertedCopies)),
         "dtype-converting checkpoint copies (an fp32 checkpoint served as bf16) are model extents"
         " (`dtype_converted: true`, shared in the pack); `residual`: keep them in each worker's own residual blob",
     ),
@@ -502,7 +371,6 @@ SETTINGS: tuple[Setting, ...] = (
         PAYLOAD_DIR_ENV,
         "store.payload_dir",
         _text,
-        "none",
         "a local or shared folder payload store (staging falls back to it when the cache misses); not with `payload_repo`",
     ),
     Setting(
@@ -510,7 +378,6 @@ SETTINGS: tuple[Setting, ...] = (
         PAYLOAD_REPO_ENV,
         "store.payload_repo",
         _text,
-        "none",
         "a payload store: `s3://bucket[/prefix]` (AWS variables), `oci://HOST/NAMESPACE/NAME[:TAG]` (Docker config),"
         " `gs://bucket[/prefix]` (Google credentials), `az://account/container[/prefix]` or an Azure connection"
         ' string, a Hugging Face repository `org/name[@revision]` (`HF_*` variables) or a folder path; see "Payload'
@@ -521,34 +388,44 @@ SETTINGS: tuple[Setting, ...] = (
         PAYLOAD_REPO_TYPE_ENV,
         "store.repo_type",
         _text,
-        "`model`",
         "the Hugging Face repository type of `payload_repo`: `model` or `dataset`",
     ),
     Setting(
         "store_connect_timeout",
         STORE_CONNECT_TIMEOUT_ENV,
-        "store.connect_timeout_s",
-        positive_seconds,
-        "`10`",
+        "store.client.connect_timeout_s",
+        _store_seconds,
         "seconds a remote payload store's client (S3, OCI, GCS, Azure) waits for a connection (> 0, at most 86400)",
     ),
     Setting(
         "store_read_timeout",
         STORE_READ_TIMEOUT_ENV,
-        "store.read_timeout_s",
-        positive_seconds,
-        "`20`",
+        "store.client.read_timeout_s",
+        _store_seconds,
         "seconds a remote payload store request may go without receiving a byte before it fails (> 0, at most 86400); a stalled"
         " store fails as `payload-store` naming the store and this timeout",
     ),
     Setting(
         "store_retries",
         STORE_RETRIES_ENV,
-        "store.retries",
-        retry_count,
-        "`2`",
+        "store.client.retries",
+        _retry_count,
         "retries of a failed remote payload store request (0-20), with back-off capped at a few seconds; S3 takes"
         " `AWS_MAX_ATTEMPTS` instead when it is set",
+    ),
+    Setting(
+        "oci_plain_http",
+        "COLDSNAP_OCI_PLAIN_HTTP",
+        "store.client.oci_plain_http",
+        _flag,
+        "`1`: speak plain HTTP to an OCI registry that is not on loopback (loopback always uses HTTP)",
+    ),
+    Setting(
+        "oci_mount_from",
+        OCI_MOUNT_FROM_ENV,
+        "store.client.oci_mount_from",
+        _repositories,
+        "repositories of the same OCI registry, comma-separated, to mount a blob from before uploading it",
     ),
 )
 """Every coldsnap setting, in README's order."""
@@ -556,34 +433,56 @@ SETTINGS: tuple[Setting, ...] = (
 KEYS: dict[str, str | None] = {s.key: s.variable for s in SETTINGS}
 """Extra-config key -> environment variable (``None``: key only)."""
 
+COMMAND_SETTINGS: tuple[Setting, ...] = tuple(
+    s for s in SETTINGS if s.field.split(".")[0] in ("state_root", "lock_timeout_s", "outcome_log", "store")
+)
+"""The rows the ``coldsnap`` command reads (the cache, the outcome log and the payload store); the others are the
+engine plugins' alone, so a value only a plugin reads never stops a command."""
+
 
 def settings_table_markdown() -> list[str]:
-    """README's settings table rows (``| variable | extra-config key | default | meaning |``), from :data:`SETTINGS`."""
-    return [f"| {'—' if s.variable is None else f'`{s.variable}`'} | `{s.key}` | {s.default} | {s.meaning} |" for s in SETTINGS]
-
-
-def _settings_rst() -> str:
-    rows = []
+    """README's settings table rows (``| variable | extra-config key | default | meaning |``), from :data:`SETTINGS`:
+    the default is the field's (``0``/``1`` for a boolean, ``none`` for no value) unless the row shows another."""
+    defaults, rows = ColdsnapSettings(), []
     for s in SETTINGS:
-        variable = "—" if s.variable is None else f"``{s.variable}``"
-        meaning = s.meaning.replace("`", "``")
-        rows.append(f"{variable} / ``{s.key}`` (default {s.default.replace('`', '``')})\n    {meaning}\n")
-    return "\n".join(rows)
+        value = reduce(getattr, s.field.split("."), defaults)
+        if isinstance(value, bool | float):
+            value = f"{value:g}"  # False -> 0, 600.0 -> 600
+        shown = s.shown_default or ("none" if value in (None, ()) else f"`{value}`")
+        rows.append(f"| {'—' if s.variable is None else f'`{s.variable}`'} | `{s.key}` | {shown} | {s.meaning} |")
+    return rows
+
+
+def _blank(value: object) -> bool:
+    return isinstance(value, str) and not value.strip()
+
+
+def _given(
+    setting: Setting, environ: Mapping[str, str], extra: Mapping[str, object], flags: Mapping[str, object]
+) -> tuple[str, object] | None:
+    """Where ``setting`` is given and its value: its option, else its extra-config key, else its variable; a blank
+    option or key is as if absent, a blank variable as unset (``None``: the default)."""
+    for where, layer in ((f"--{setting.key.replace('_', '-')}", flags), (f"extra-config key {setting.key!r}", extra)):
+        if setting.key in layer and not _blank(layer[setting.key]):
+            return where, layer[setting.key]
+    if setting.variable is not None and not _blank(environ.get(setting.variable, "")):
+        return setting.variable, environ[setting.variable]
+    return None
 
 
 @dataclass(frozen=True, slots=True)
 class ColdsnapSettings:
-    """The resolved settings of one coldsnap loader (see the module docstring for each field's source).
+    """The resolved settings of one coldsnap loader or command; each field's default is its setting's default.
 
     Attributes:
         export_model_payload: capture this worker after loading from the checkpoint.
         artifact_dir: the artifact folder (absolute), or ``None``.
         state_root: the node-local cache root (absolute after :meth:`resolve`).
         restore: ``auto`` or ``native``.
-        materialize: ``async``, ``required`` or ``off``.
+        materialize: ``async``, ``required`` or ``off`` (the default when the engine passes none).
         verify_extents: hash every model extent while hydrating.
         verify_checkpoint: at restore, hash local checkpoint files without a checkpoint record.
-        inner_load_format: the vLLM load format to keep, or ``None`` for the platform default.
+        inner_load_format: the engine's load format to keep, or ``None`` for the engine's default.
         converted_copies: ``model`` (converted copies are model extents, the default) or ``residual``.
         overlay: ``auto``, ``capture`` or ``off`` (target-local overlays).
         derived_cache: ``auto`` or ``off`` (derived-cache seeds, ``docs/format.md`` §17).
@@ -597,7 +496,7 @@ class ColdsnapSettings:
     artifact_dir: Path | None = None
     state_root: Path = DEFAULT_STATE_ROOT
     restore: RestoreMode = "auto"
-    materialize: MaterializeMode = "async"
+    materialize: MaterializeMode = "off"
     verify_extents: bool = False
     verify_checkpoint: bool = False
     inner_load_format: str | None = None
@@ -619,74 +518,65 @@ class ColdsnapSettings:
         environ: Mapping[str, str] | None = None,
         extra_config: Mapping[str, object] | None = None,
         *,
-        materialize_default: MaterializeMode = "async",
-        inner_load_formats: tuple[str, ...] = VLLM_INNER_LOAD_FORMATS,
+        flags: Mapping[str, object] | None = None,
+        rows: tuple[Setting, ...] = SETTINGS,
+        materialize_default: MaterializeMode = "off",
+        inner_load_formats: tuple[str, ...] = (),
     ) -> tuple[ColdsnapSettings, dict[str, object]]:
-        """Resolve the settings from the environment and the loader's extra config.
+        """Resolve ``rows`` from the ``coldsnap`` options, the loader's extra config and the environment.
 
         Args:
             environ: the environment (default ``os.environ``).
             extra_config: ``LoadConfig.model_loader_extra_config``.
-            materialize_default: the engine's default materialization mode (vLLM ``async``).
-            inner_load_formats: the load formats the engine's default loader serves.
+            flags: a command's options by key (``{"state_root": "/x"}`` is ``--state-root /x``; ``None`` values
+                are options not given).
+            rows: the settings to read (default every one; the ``coldsnap`` command: :data:`COMMAND_SETTINGS`).
+            materialize_default: the engine's default materialization mode.
+            inner_load_formats: the load formats the engine's default loader serves (none by default).
 
-        Each row of :data:`SETTINGS` is looked up once: its extra-config key, else its variable, parsed
-        by its parser; a blank key is as if absent (its variable applies), a blank variable means the default.
+        Each row is looked up once: its option, else its extra-config key, else its variable (a blank option or
+        key is as if absent), parsed by its parser; a blank variable, or none given, means the default.
 
         Returns:
             ``(settings, rest)``: the settings, and the extra config without coldsnap's keys (for
             the engine's ``DefaultModelLoader``).
 
         Raises:
-            ConfigurationError: a value is not one of the allowed ones (the message names the
-                variable or key, the value and what is allowed), ``export_model_payload`` or
-                ``restore=native`` is set without an artifact folder, or ``inner_load_format`` names
-                a format whose loader is not vLLM's ``DefaultModelLoader`` (``coldsnap`` included).
+            ConfigurationError: a value is not one of the allowed ones (the message names the option, key or
+                variable, the value and what is allowed), ``export_model_payload`` or ``restore=native`` is set
+                without an artifact folder, or ``inner_load_format`` names a format the engine's default loader
+                does not serve.
         """
         environ = os.environ if environ is None else environ
         extra = dict(extra_config or {})
-        rest = {k: v for k, v in extra.items() if k not in KEYS}
+        flags = {k: v for k, v in (flags or {}).items() if v is not None}
         values: dict[str, object] = {}
         found: dict[str, tuple[str, object]] = {}  # field -> (where it was set, the value as given)
-        for setting in SETTINGS:
-            given = extra.get(setting.key)
-            # a blank key is as if absent (the module docstring): its variable, if set, applies
-            if setting.key in extra and not (isinstance(given, str) and not given.strip()):
-                where, value = f"extra-config key {setting.key!r}", given
-            elif setting.variable is not None and setting.variable in environ:
-                where, value = setting.variable, environ[setting.variable]
-            else:
-                continue
-            found[setting.field] = (where, value)
-            parsed = setting.parse(where, value)
-            if parsed is not None:
-                values[setting.field] = parsed
+        for setting in rows:
+            given = _given(setting, environ, extra, flags)
+            if given is not None:
+                found[setting.field], values[setting.field] = given, setting.parse(*given)
         inner_format = values.get("inner_load_format")
         if inner_format is not None and inner_format not in inner_load_formats:
-            where, given = found["inner_load_format"]
+            where, value = found["inner_load_format"]
             raise ConfigurationError(
-                f"{where}={given!r} is not a load format served by the engine's default loader ({', '.join(inner_load_formats)})"
+                f"{where}={value!r} is not a load format served by the engine's default loader"
+                f" ({', '.join(inner_load_formats) or 'none'})"
             )
+        client = {k.removeprefix("store.client."): values.pop(k) for k in list(values) if k.startswith("store.client.")}
         store = StoreSettings._checked(
             str(values.pop("store.payload_dir", "")),
             str(values.pop("store.payload_repo", "")),
             str(values.pop("store.repo_type", "")),
-            found.get("store.payload_dir", (PAYLOAD_DIR_ENV, None))[0],
-            found.get("store.payload_repo", (PAYLOAD_REPO_ENV, None))[0],
-            client=StoreClientSettings(
-                **{name.removeprefix("store."): values.pop(name) for name in list(values) if name.startswith("store.")}  # type: ignore[arg-type]
-            ),
+            found.get("store.payload_dir", (PAYLOAD_DIR_ENV,))[0],
+            found.get("store.payload_repo", (PAYLOAD_REPO_ENV,))[0],
+            StoreClientSettings(**client),  # type: ignore[arg-type]
         )
-        settings = cls(
-            **{
-                "materialize": materialize_default,
-                "state_root": DEFAULT_STATE_ROOT.expanduser().absolute(),
-                **values,  # type: ignore[arg-type]
-                "store": store,
-            }
-        )
+        if "state_root" not in values:  # expanded only when used: a missing HOME does not matter when it is set
+            values["state_root"] = expand_path(DEFAULT_STATE_ROOT, "the state root (COLDSNAP_STATE_ROOT unset)")
+        settings = cls(**{"materialize": materialize_default, **values, "store": store})  # type: ignore[arg-type]
         _check_combination(settings)
-        return settings, rest
+        return settings, {k: v for k, v in extra.items() if k not in KEYS}
 
 
 def _check_combination(settings: ColdsnapSettings) -> None:
@@ -711,6 +601,3 @@ def _check_combination(settings: ColdsnapSettings) -> None:
             "COLDSNAP_RESTORE=native needs an artifact folder to restore from: set COLDSNAP_ARTIFACT_DIR"
             " (or the extra-config key 'artifact_dir')"
         )
-
-
-__doc__ = (__doc__ or "") + _settings_rst()

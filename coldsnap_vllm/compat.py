@@ -12,10 +12,12 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from coldsnap_core.errors import EngineVersionError
 from coldsnap_core.format.manifest import WorkerIdentity
+from coldsnap_core.settings import ColdsnapSettings
 
 SUPPORTED_VLLM_MINORS: tuple[tuple[int, int], ...] = ((0, 32), (0, 33))
 """(major, minor) versions of vLLM whose loader interfaces coldsnap_vllm was written against."""
@@ -83,6 +85,32 @@ def require_supported_vllm() -> None:
     version = vllm_version()
     check_vllm_version(version)
     check_loader_api(DefaultModelLoader, version)
+
+
+INNER_LOAD_FORMATS: tuple[str, ...] = (
+    "auto",
+    "hf",
+    "safetensors",
+    "fastsafetensors",
+    "instanttensor",
+    "mistral",
+    "pt",
+    "npcache",
+)
+"""The load formats vLLM serves with ``DefaultModelLoader`` (``model_loader/__init__.py``), whose I/O
+the coldsnap loader can keep."""
+
+
+def resolve_settings(
+    environ: Mapping[str, str], extra_config: Mapping[str, object] | None = None
+) -> tuple[ColdsnapSettings, dict[str, object]]:
+    """:meth:`ColdsnapSettings.resolve` with vLLM's defaults: materialization ``async`` (vLLM's loader can rebuild
+    a missing pack from the loaded weights in the background) and :data:`INNER_LOAD_FORMATS`.
+
+    Raises:
+        ConfigurationError: any :meth:`ColdsnapSettings.resolve` error.
+    """
+    return ColdsnapSettings.resolve(environ, extra_config, materialize_default="async", inner_load_formats=INNER_LOAD_FORMATS)
 
 
 def default_inner_load_format() -> str:

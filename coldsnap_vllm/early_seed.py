@@ -43,7 +43,7 @@ from coldsnap_core.cache.records import read_private_record
 from coldsnap_core.format._strict import parse_document, read_document_bytes
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, ArtifactDescriptor, CapsuleFile
 from coldsnap_core.identity.target import engine_version
-from coldsnap_core.settings import ColdsnapSettings
+from coldsnap_vllm import compat
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def place_early(environ: Mapping[str, str] | None = None) -> SeedPlacement | Non
 
 
 def _place(environ: Mapping[str, str]) -> SeedPlacement | None:
-    settings, _ = ColdsnapSettings.resolve(environ)
+    settings, _ = compat.resolve_settings(environ)
     if settings.artifact_dir is None or settings.export_model_payload or settings.derived_cache == "off":
         return None
     import vllm.envs as envs

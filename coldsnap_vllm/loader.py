@@ -150,7 +150,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
 
     def __init__(self, load_config: LoadConfig) -> None:
         compat.require_supported_vllm()
-        settings, rest = ColdsnapSettings.resolve(os.environ, load_config.model_loader_extra_config)
+        settings, rest = compat.resolve_settings(os.environ, load_config.model_loader_extra_config)
         inner_format = settings.inner_load_format or compat.default_inner_load_format()
         super().__init__(dataclasses.replace(load_config, load_format=inner_format, model_loader_extra_config=rest))
         self.coldsnap_settings = settings

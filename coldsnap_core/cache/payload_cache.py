@@ -83,7 +83,7 @@ from coldsnap_core.errors import (
 from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.format.pack_layout import PackEntry, PackLayout
 from coldsnap_core.format.verify import verify_pack_file
-from coldsnap_core.settings import LOCK_TIMEOUT_ENV, LOCK_TIMEOUT_SECONDS, resolve_state_root
+from coldsnap_core.settings import DEFAULT_STATE_ROOT, LOCK_TIMEOUT_ENV, LOCK_TIMEOUT_SECONDS, expand_path
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,8 @@ class PayloadCache:
     """
 
     def __init__(self, state_root: str | os.PathLike[str] | None = None, *, lock_timeout_seconds: float | None = None) -> None:
-        self.state_root = resolve_state_root(state_root, environ={})
+        given = state_root is not None and str(state_root).strip()
+        self.state_root = expand_path(state_root if given else DEFAULT_STATE_ROOT, "the state root")  # type: ignore[arg-type]
         self.payloads_dir = self.state_root / PAYLOADS_DIRNAME
         self.objects_dir = self.payloads_dir / "sha256"
         self.locks_dir = self.payloads_dir / "locks"

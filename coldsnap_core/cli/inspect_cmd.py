@@ -16,7 +16,6 @@ from coldsnap_core.errors import ColdsnapError
 from coldsnap_core.format.descriptor import ArtifactDescriptor
 from coldsnap_core.format.manifest import NativeManifest
 from coldsnap_core.identity.target import ENGINE_NONE, collect_target, engine_version
-from coldsnap_core.settings import resolve_state_root
 
 
 def summarize(manifest: NativeManifest) -> dict[str, object]:
@@ -137,11 +136,10 @@ def _human(n: int) -> str:
 def run(args: argparse.Namespace) -> int:
     descriptor, capsules = resolve(args.artifact)
     summaries = [summarize(c.native) for c in capsules]
-    state_root = resolve_state_root(args.state_root)
     for summary, capsule in zip(summaries, capsules, strict=True):
         summary["target"] = capsule.target.to_json() if capsule.target is not None else None
         if descriptor is not None:
-            summary["restore_on_this_node"] = restore_here(artifact_folder(args.artifact), descriptor, capsule, state_root)
+            summary["restore_on_this_node"] = restore_here(artifact_folder(args.artifact), descriptor, capsule, args.state_root)
             summary["derived_cache"] = seed_summary(descriptor, capsule)
     if args.json:
         doc = {

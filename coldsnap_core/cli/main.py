@@ -22,7 +22,7 @@ from coldsnap_core._io import unexpected_os_error
 from coldsnap_core._version import __version__
 from coldsnap_core.errors import EXIT_OTHER, ColdsnapError
 from coldsnap_core.format._strict import FORMAT_VERSION
-from coldsnap_core.settings import lock_timeout_from_env, resolve_state_root
+from coldsnap_core.settings import COMMAND_SETTINGS, KEYS, ColdsnapSettings
 
 #: Subcommand modules, in ``--help`` order.
 COMMAND_MODULES = (
@@ -60,16 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resolve_environment(args: argparse.Namespace) -> None:
-    """Where the CLI reads the environment, once, as it starts: ``--state-root`` (else
-    ``COLDSNAP_STATE_ROOT``, else ``~/.cache/coldsnap``) becomes an absolute path, and
-    ``COLDSNAP_LOCK_TIMEOUT`` the seconds every command's cache waits for a digest's lock.
+    """Where the CLI reads the environment, once, as it starts: the settings table's rows the command reads
+    (:data:`~coldsnap_core.settings.COMMAND_SETTINGS`), with the options named as their keys (``--state-root``,
+    ``--outcome-log``) over the variables, become ``args.settings``; ``args.state_root`` and
+    ``args.lock_timeout_s`` are the cache's.
 
     Raises:
-        ConfigurationError: either value is invalid (names the variable and the value).
+        ConfigurationError: a value is invalid (names the option or variable and the value).
     """
-    if hasattr(args, "state_root"):
-        args.state_root = resolve_state_root(args.state_root)
-    args.lock_timeout_s = lock_timeout_from_env()
+    flags = {key: value for key, value in vars(args).items() if key in KEYS}
+    args.settings = ColdsnapSettings.resolve(flags=flags, rows=COMMAND_SETTINGS)[0]
+    args.state_root, args.lock_timeout_s = args.settings.state_root, args.settings.lock_timeout_s
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,7 +27,6 @@ import sys
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cli._progress import BarFactory, quiet_hub_bars
 from coldsnap_core.cli._targets import artifact_folder
-from coldsnap_core.settings import StoreClientSettings
 from coldsnap_core.stores import parse_store_spec
 from coldsnap_core.stores.base import PayloadStore
 from coldsnap_core.stores.publish import PublishedPayload, publish_native
@@ -41,7 +40,7 @@ def _set_visibility(store: PayloadStore, public: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    store = parse_store_spec(args.repo, client=StoreClientSettings.from_environ())
+    store = parse_store_spec(args.repo, client=args.settings.store.client)
     if args.public:
         _set_visibility(store, True)
     quiet_hub_bars()

@@ -30,8 +30,7 @@ from coldsnap_core.cli._targets import artifact_folder
 from coldsnap_core.errors import ConfigurationError, MissingObjectError
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.restore.staging import stage_payload, worker_entries
-from coldsnap_core.settings import StoreClientSettings
-from coldsnap_core.stores import from_env, parse_store_spec
+from coldsnap_core.stores import from_settings, parse_store_spec
 
 
 def _env_int(environ: Mapping[str, str], *names: str) -> tuple[str, int] | None:
@@ -95,7 +94,8 @@ def host_workers(
 def run(args: argparse.Namespace) -> int:
     artifact_dir = artifact_folder(args.artifact)
     cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
-    store = parse_store_spec(args.repo, client=StoreClientSettings.from_environ()) if args.repo else from_env()
+    store_settings = args.settings.store
+    store = parse_store_spec(args.repo, client=store_settings.client) if args.repo else from_settings(store_settings)
     quiet_hub_bars()
     descriptor = read_descriptor(artifact_dir)
     workers = host_workers(

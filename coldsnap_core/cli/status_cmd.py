@@ -18,8 +18,8 @@ import os
 
 from coldsnap_core._io import os_error
 from coldsnap_core.errors import EXIT_INTEGRITY, FileAccessError, UnsafePathError
-from coldsnap_core.outcomes import OUTCOMES, outcome_log_path, read_outcomes, summarize
-from coldsnap_core.settings import OUTCOME_LOG_ENV, outcome_log_from_env, resolve_state_root
+from coldsnap_core.outcomes import OUTCOMES, read_outcomes, summarize
+from coldsnap_core.settings import OUTCOME_LOG_ENV
 
 DEFAULT_LAST_LINES = 1000
 
@@ -49,7 +49,7 @@ def _raw_line(doc: dict[str, object]) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
-    path = outcome_log_path(resolve_state_root(args.state_root), args.outcome_log or outcome_log_from_env())
+    path = args.settings.outcome_log_path
     try:
         lines, skipped = read_outcomes(path, args.last)
     except OSError as exc:

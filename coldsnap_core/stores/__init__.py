@@ -29,9 +29,11 @@ from collections.abc import Mapping
 
 from coldsnap_core.errors import ColdsnapError, ConfigurationError, redact_store_spec
 from coldsnap_core.settings import (
+    COMMAND_SETTINGS,
     PAYLOAD_DIR_ENV,
     PAYLOAD_REPO_ENV,
     PAYLOAD_REPO_TYPE_ENV,
+    ColdsnapSettings,
     StoreClientSettings,
     StoreSettings,
     expand_path,
@@ -209,9 +211,10 @@ def from_settings(settings: StoreSettings) -> PayloadStore | None:
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> PayloadStore | None:
-    """The payload store configured by ``COLDSNAP_PAYLOAD_DIR`` or ``COLDSNAP_PAYLOAD_REPO``, or ``None``.
+    """The payload store configured by ``COLDSNAP_PAYLOAD_DIR`` or ``COLDSNAP_PAYLOAD_REPO`` (and the store client
+    variables), or ``None``: the environment resolved as the ``coldsnap`` command resolves it.
 
     Raises:
         ConfigurationError: both are set, or a value is invalid (names the variable).
     """
-    return from_settings(StoreSettings.from_environ(environ))
+    return from_settings(ColdsnapSettings.resolve(environ, rows=COMMAND_SETTINGS)[0].store)

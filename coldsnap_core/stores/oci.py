@@ -10,7 +10,7 @@ Calls (OCI Distribution Specification v1.1, "Pulling blobs", "Pushing blobs", "P
 * fetch: ranged ``GET /v2/<name>/blobs/<digest>`` (``Range: bytes=a-b``, 206), 64 MiB each, 8 in flight,
   written with ``pwrite`` into the cache's temporary file (the cache then verifies the whole file);
 * upload: ``HEAD`` first; ``POST /v2/<name>/blobs/uploads/?mount=<digest>[&from=<repo>]`` (a cross-repository
-  mount from each repository in ``COLDSNAP_OCI_MOUNT_FROM``; 201 = mounted, no byte sent), else the upload
+  mount from each repository of the ``oci_mount_from`` setting; 201 = mounted, no byte sent), else the upload
   session it opened: one ``PUT <location>?digest=<digest>`` with the body up to 64 MiB, else ``PATCH`` chunks
   of 64 MiB (``Content-Range``) and a closing ``PUT ?digest=``. The registry hashes what it received and
   refuses another digest (``DIGEST_INVALID``); the file is hashed on the way too, and a failed session is
@@ -25,7 +25,7 @@ Credentials: the Docker config file (``$DOCKER_CONFIG/config.json``, else ``~/.d
 credentials, ``WWW-Authenticate: Bearer realm=...,service=...,scope=...`` with a token fetched from the realm
 (the Docker registry token protocol; the credentials as Basic authentication, an ``identitytoken`` as an
 OAuth2 refresh token). Plain HTTP only for a loopback registry (``127.0.0.0/8``, ``::1``, ``localhost``) or
-with ``COLDSNAP_OCI_PLAIN_HTTP=1`` (or ``true``, ``yes``, ``on``); HTTPS otherwise.
+with the ``oci_plain_http`` setting (``COLDSNAP_OCI_PLAIN_HTTP=1``); HTTPS otherwise.
 
 Consistency: a registry stores a blob by its digest after hashing it, so two publishers of one digest leave
 one blob. A registry never replaces a blob it already holds (an upload of the same digest is accepted and
@@ -62,7 +62,7 @@ from coldsnap_core.errors import (
     size_mismatch,
 )
 from coldsnap_core.format._strict import read_document_bytes
-from coldsnap_core.settings import StoreClientSettings, parse_flag
+from coldsnap_core.settings import OCI_MOUNT_FROM_ENV, StoreClientSettings
 from coldsnap_core.stores._ranged import (
     DEFAULT_CONCURRENCY,
     check_file_digest,
@@ -86,8 +86,6 @@ EMPTY_MEDIA_TYPE = "application/vnd.oci.empty.v1+json"
 EMPTY_CONFIG = b"{}"
 EMPTY_DIGEST = hashlib.sha256(EMPTY_CONFIG).hexdigest()
 ANNOTATION_PREFIX = "dev.coldsnap."
-PLAIN_HTTP_ENV = "COLDSNAP_OCI_PLAIN_HTTP"
-MOUNT_FROM_ENV = "COLDSNAP_OCI_MOUNT_FROM"
 DOCKER_CONFIG_ENV = "DOCKER_CONFIG"
 CHUNK_SIZE_BYTES = 64 << 20
 """Bytes per upload request (one ``PUT`` up to this size, ``PATCH`` chunks of this size beyond)."""
@@ -260,19 +258,17 @@ class OciPayloadStore:
         repository: ``NAMESPACE/NAME``.
         tag: the manifest tag for :meth:`publish_artifact` (``None``: each artifact's folder name).
         client: an ``httpx.Client`` (default: one with the timeouts and retries of ``client_settings``).
-        plain_http: ``http://`` instead of ``https://`` (default: for a loopback registry, or
-            ``COLDSNAP_OCI_PLAIN_HTTP=1``).
         credentials: default: the Docker config file's entry for ``registry``.
-        mount_from: repositories of the same registry to mount a blob from before uploading it (default:
-            ``COLDSNAP_OCI_MOUNT_FROM``, comma-separated).
         chunk_size_bytes: bytes per upload request and per ranged GET.
         concurrency: ranged GETs in flight at once.
         client_settings: connect and read timeouts, and retries of a connection that failed (httpx's transport
-            retries connecting, never a request the registry received).
+            retries connecting, never a request the registry received); ``http://`` instead of ``https://`` for a
+            loopback registry or with ``oci_plain_http``; the repositories of ``oci_mount_from`` to mount a blob
+            from before uploading it.
 
     Raises:
-        ConfigurationError: httpx is missing, ``chunk_size_bytes``/``concurrency`` is not positive, or a
-            ``mount_from`` entry is not a repository name.
+        ConfigurationError: httpx is missing, ``chunk_size_bytes``/``concurrency`` is not positive, or an
+            ``oci_mount_from`` entry is not a repository name.
     """
 
     def __init__(
@@ -282,9 +278,7 @@ class OciPayloadStore:
         *,
         tag: str | None = None,
         client: Any = None,
-        plain_http: bool | None = None,
         credentials: RegistryCredentials | None = None,
-        mount_from: tuple[str, ...] | None = None,
         chunk_size_bytes: int = CHUNK_SIZE_BYTES,
         concurrency: int = DEFAULT_CONCURRENCY,
         client_settings: StoreClientSettings | None = None,
@@ -293,23 +287,20 @@ class OciPayloadStore:
             raise ConfigurationError(
                 f"OCI store: chunk_size_bytes ({chunk_size_bytes}) and concurrency ({concurrency}) must be > 0"
             )
-        if plain_http is None:
-            # spelled as every coldsnap boolean (1/0, true/false, yes/no, on/off); anything else is refused
-            plain_http = _is_loopback(registry) or parse_flag(PLAIN_HTTP_ENV, os.environ.get(PLAIN_HTTP_ENV, ""))
-        if mount_from is None:
-            mount_from = tuple(r.strip() for r in os.environ.get(MOUNT_FROM_ENV, "").split(",") if r.strip())
-        for other in mount_from:
+        self.client_settings = client_settings or StoreClientSettings()
+        for other in self.client_settings.oci_mount_from:
             if not _REPOSITORY_RE.match(other):
-                raise ConfigurationError(f"{MOUNT_FROM_ENV}: {other!r} is not an OCI repository name")
+                raise ConfigurationError(
+                    f"{OCI_MOUNT_FROM_ENV} (extra-config key 'oci_mount_from'): {other!r} is not an OCI repository name"
+                )
         self.registry = registry
         self.repository = repository
         self.tag = tag
-        self.base_url = f"{'http' if plain_http else 'https'}://{registry}"
-        self.mount_from = tuple(r for r in mount_from if r != repository)
+        self.base_url = f"{'http' if _is_loopback(registry) or self.client_settings.oci_plain_http else 'https'}://{registry}"
+        self.mount_from = tuple(r for r in self.client_settings.oci_mount_from if r != repository)
         self.chunk_size_bytes = chunk_size_bytes
         self.concurrency = concurrency
         self._client = client
-        self.client_settings = client_settings or StoreClientSettings()
         self._credentials = credentials
         self._credentials_loaded = credentials is not None
         self._authorization: dict[str, str] = {}  # scope -> Authorization header value

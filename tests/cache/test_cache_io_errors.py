@@ -26,7 +26,7 @@ from coldsnap_core.errors import (
 )
 from coldsnap_core.format.verify import verify_blob_file, verify_pack_file
 from coldsnap_core.restore.staging import stage_payload
-from coldsnap_core.settings import resolve_state_root
+from coldsnap_core.settings import COMMAND_SETTINGS, ColdsnapSettings
 
 
 def coldsnap(*args: object) -> int:
@@ -81,6 +81,10 @@ def test_empty_state_root_means_the_default_for_option_and_variable(tmp_path: Pa
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", empty)
     default = tmp_path / "home" / ".cache" / "coldsnap"
+
+    def resolve_state_root(option: str | None) -> Path:  # as the coldsnap command resolves --state-root
+        return ColdsnapSettings.resolve(flags={"state_root": option}, rows=COMMAND_SETTINGS)[0].state_root
+
     assert resolve_state_root(empty) == default
     assert resolve_state_root(None) == default
     assert PayloadCache(empty).state_root == default

@@ -96,11 +96,15 @@ def test_lock_timeout_setting_is_validated() -> None:
     """COLDSNAP_LOCK_TIMEOUT is a number of seconds >= 0; anything else is a ConfigurationError naming
     the variable. Fails if a typo silently means the default."""
     assert PayloadCache("/nonexistent", lock_timeout_seconds=None).lock_timeout_seconds == settings.LOCK_TIMEOUT_SECONDS
-    assert settings.lock_timeout_from_env({"COLDSNAP_LOCK_TIMEOUT": " 2.5 "}) == 2.5
-    assert settings.lock_timeout_from_env({"COLDSNAP_LOCK_TIMEOUT": ""}) == settings.LOCK_TIMEOUT_SECONDS
+
+    def lock_timeout_from_env(environ: dict[str, str]) -> float:  # as the coldsnap command reads it
+        return settings.ColdsnapSettings.resolve(environ, rows=settings.COMMAND_SETTINGS)[0].lock_timeout_s
+
+    assert lock_timeout_from_env({"COLDSNAP_LOCK_TIMEOUT": " 2.5 "}) == 2.5
+    assert lock_timeout_from_env({"COLDSNAP_LOCK_TIMEOUT": ""}) == settings.LOCK_TIMEOUT_SECONDS
     for bad in ("ten", "-1", "nan"):
         with pytest.raises(ConfigurationError, match="COLDSNAP_LOCK_TIMEOUT"):
-            settings.lock_timeout_from_env({"COLDSNAP_LOCK_TIMEOUT": bad})
+            lock_timeout_from_env({"COLDSNAP_LOCK_TIMEOUT": bad})
 
 
 def test_killed_capture_partial_survives_until_gc_after_an_hour(captured, tmp_path: Path) -> None:

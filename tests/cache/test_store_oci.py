@@ -15,7 +15,7 @@ from cache_support import capture, sha256_of
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.errors import ConfigurationError, StoreError
 from coldsnap_core.restore.staging import stage_payload
-from coldsnap_core.stores import parse_store_spec
+from coldsnap_core.stores import from_env, parse_store_spec
 from coldsnap_core.stores.oci import (
     ARTIFACT_TYPE,
     PACK_MEDIA_TYPE,
@@ -115,8 +115,9 @@ def test_a_blob_in_another_repository_is_mounted_not_sent(registry, two_worker_a
     artifact, root, packs = two_worker_artifact
     publish_native([artifact], OciPayloadStore.from_url(store_url(registry)), PayloadCache(root))
     monkeypatch.setenv("COLDSNAP_OCI_MOUNT_FROM", "models/smollm2")
+    monkeypatch.setenv("COLDSNAP_PAYLOAD_REPO", f"oci://{registry.registry}/team-b/smollm2")
     sent: list[int] = []
-    target = parse_store_spec(f"oci://{registry.registry}/team-b/smollm2")
+    target = from_env()
     results = publish_native(
         [artifact],
         target,
@@ -166,7 +167,8 @@ def test_plain_http_only_for_loopback_or_when_set(monkeypatch) -> None:
     assert OciPayloadStore.from_url("oci://localhost:5000/org/model").base_url == "http://localhost:5000"
     assert OciPayloadStore.from_url("oci://[::1]:5000/org/model").base_url == "http://[::1]:5000"
     monkeypatch.setenv("COLDSNAP_OCI_PLAIN_HTTP", "1")
-    assert OciPayloadStore.from_url("oci://registry.internal:5000/org/model").base_url == "http://registry.internal:5000"
+    monkeypatch.setenv("COLDSNAP_PAYLOAD_REPO", "oci://registry.internal:5000/org/model")
+    assert from_env().base_url == "http://registry.internal:5000"
 
 
 def test_docker_config_auths_are_matched_by_host(tmp_path, monkeypatch) -> None:

@@ -110,10 +110,11 @@ def test_a_password_in_an_oci_url_is_never_shown() -> None:
     ("value", "plain"), [("true", True), ("Yes", True), ("on", True), ("1", True), ("off", False), ("", False)]
 )
 def test_coldsnap_oci_plain_http_is_spelled_as_every_coldsnap_boolean(value: str, plain: bool, monkeypatch) -> None:
-    """``COLDSNAP_OCI_PLAIN_HTTP`` takes what every coldsnap boolean takes (``parse_flag``: 1/0, true/false,
-    yes/no, on/off). Fails if it accepts only 0/1 again (``true`` was refused) or reads ``true`` as off."""
+    """``COLDSNAP_OCI_PLAIN_HTTP`` takes what every coldsnap boolean takes (1/0, true/false, yes/no, on/off).
+    Fails if it accepts only 0/1 again (``true`` was refused) or reads ``true`` as off."""
     monkeypatch.setenv("COLDSNAP_OCI_PLAIN_HTTP", value)
-    assert parse_store_spec("oci://registry.example:5000/models/tiny").base_url.startswith("http://" if plain else "https://")
+    monkeypatch.setenv("COLDSNAP_PAYLOAD_REPO", "oci://registry.example:5000/models/tiny")
+    assert from_env().base_url.startswith("http://" if plain else "https://")
 
 
 @pytest.mark.parametrize("value", ["2", "maybe"])
@@ -121,8 +122,9 @@ def test_coldsnap_oci_plain_http_that_is_no_boolean_is_refused(value: str, monke
     """Anything else is a ConfigurationError naming the variable and the value (it used to mean "off", so a typo
     silently spoke HTTPS to a plain-HTTP registry)."""
     monkeypatch.setenv("COLDSNAP_OCI_PLAIN_HTTP", value)
+    monkeypatch.setenv("COLDSNAP_PAYLOAD_REPO", "oci://registry.example:5000/models/tiny")
     with pytest.raises(ConfigurationError, match=f"COLDSNAP_OCI_PLAIN_HTTP='{value}' is not a boolean"):
-        parse_store_spec("oci://registry.example:5000/models/tiny")
+        from_env()
 
 
 @pytest.mark.parametrize(

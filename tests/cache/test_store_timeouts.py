@@ -12,7 +12,7 @@ from store_processes import AZURITE_KEY
 from store_servers import S3_ENV, StallingEndpoint
 
 from coldsnap_core.errors import ConfigurationError, StoreError
-from coldsnap_core.settings import ColdsnapSettings, StoreClientSettings, StoreSettings
+from coldsnap_core.settings import COMMAND_SETTINGS, ColdsnapSettings, StoreClientSettings, StoreSettings
 from coldsnap_core.stores import from_env, from_settings
 
 DIGEST = "ab" * 32
@@ -114,7 +114,7 @@ def test_a_store_timeout_that_is_not_a_positive_number_of_seconds_is_refused(val
         with pytest.raises(ConfigurationError, match=f"{variable}={value!r} is not a number of seconds > 0"):
             ColdsnapSettings.resolve({variable: value})
         with pytest.raises(ConfigurationError, match=variable):
-            StoreSettings.from_environ({variable: value})
+            ColdsnapSettings.resolve({variable: value}, rows=COMMAND_SETTINGS)
 
 
 @pytest.mark.parametrize("value", ["-1", "21", "1.5", "two", "\u0662"])
@@ -164,7 +164,7 @@ def test_a_store_timeout_over_one_day_is_refused_naming_the_variable(value: str)
         with pytest.raises(ConfigurationError, match=f"{variable}={value!r} is not .* at most 86400"):
             ColdsnapSettings.resolve({variable: value})
         with pytest.raises(ConfigurationError, match=f"{variable}={value!r}"):
-            StoreSettings.from_environ({variable: value})
+            ColdsnapSettings.resolve({variable: value}, rows=COMMAND_SETTINGS)
     assert ColdsnapSettings.resolve({"COLDSNAP_STORE_READ_TIMEOUT": "86400"})[0].store.client.read_timeout_s == 86400
 
 

@@ -7,7 +7,15 @@ from pathlib import Path
 import pytest
 
 from coldsnap_core.errors import ConfigurationError
-from coldsnap_core.settings import KEYS, ColdsnapSettings
+from coldsnap_core.settings import COMMAND_SETTINGS, KEYS, ColdsnapSettings
+
+ENGINE_FORMATS = ("safetensors", "instanttensor")
+"""The inner load formats a test engine's default loader serves (each adapter passes its own)."""
+
+
+def _command(environ: dict[str, str], **flags: object) -> ColdsnapSettings:
+    """The settings as the ``coldsnap`` command resolves them: its rows, its options named as their keys."""
+    return ColdsnapSettings.resolve(environ, flags=flags, rows=COMMAND_SETTINGS)[0]
 
 
 def test_defaults_without_configuration() -> None:
@@ -30,7 +38,7 @@ def test_environment_variables(tmp_path: Path) -> None:
         "COLDSNAP_VERIFY_EXTENTS": "true",
         "COLDSNAP_INNER_LOAD_FORMAT": "instanttensor",
     }
-    settings, rest = ColdsnapSettings.resolve(env, None)
+    settings, rest = ColdsnapSettings.resolve(env, None, inner_load_formats=ENGINE_FORMATS)
     assert settings == ColdsnapSettings(
         export_model_payload=True,
         artifact_dir=tmp_path / "artifact",
@@ -150,7 +158,7 @@ def test_payload_store_is_a_setting_like_the_others(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match=r"extra-config key 'payload_dir'.*COLDSNAP_PAYLOAD_REPO"):
         ColdsnapSettings.resolve(env, {"payload_dir": str(tmp_path)})
     with pytest.raises(ConfigurationError, match=r"COLDSNAP_PAYLOAD_DIR.*COLDSNAP_PAYLOAD_REPO"):
-        StoreSettings.from_environ({"COLDSNAP_PAYLOAD_DIR": "/x", "COLDSNAP_PAYLOAD_REPO": "org/name"})
+        _command({"COLDSNAP_PAYLOAD_DIR": "/x", "COLDSNAP_PAYLOAD_REPO": "org/name"})
 
 
 @pytest.mark.parametrize("value", ["1_000", "١٠", "１０", "inf", "nan", "1e3", "-1", "abc", "0x10"])
@@ -158,13 +166,10 @@ def test_the_lock_timeout_takes_only_plain_ascii_seconds(value: str) -> None:
     """``COLDSNAP_LOCK_TIMEOUT`` is seconds in ASCII decimal digits with an optional fraction; anything
     ``float()`` would also take (digit separators, any Unicode digit, exponents, ``inf``) is refused with a
     ``ConfigurationError`` naming the variable and the value. Fails if ``1_000`` waits 1000 s."""
-    from coldsnap_core.errors import ConfigurationError
-    from coldsnap_core.settings import lock_timeout_from_env
-
     with pytest.raises(ConfigurationError, match=r"COLDSNAP_LOCK_TIMEOUT="):
-        lock_timeout_from_env({"COLDSNAP_LOCK_TIMEOUT": value})
-    assert lock_timeout_from_env({"COLDSNAP_LOCK_TIMEOUT": " 2.5 "}) == 2.5
-    assert lock_timeout_from_env({"COLDSNAP_LOCK_TIMEOUT": "0"}) == 0.0
+        _command({"COLDSNAP_LOCK_TIMEOUT": value})
+    assert _command({"COLDSNAP_LOCK_TIMEOUT": " 2.5 "}).lock_timeout_s == 2.5
+    assert _command({"COLDSNAP_LOCK_TIMEOUT": "0"}).lock_timeout_s == 0.0
 
 
 NO_SUCH_USER = "~coldsnap-no-such-user-zz/folder"
@@ -246,16 +251,10 @@ def test_readme_settings_table_equals_the_settings_table() -> None:
 @pytest.mark.parametrize("value", ["", "   ", "\t"])
 def test_an_empty_or_blank_value_means_the_default_for_every_setting(value: str, tmp_path: Path, monkeypatch) -> None:
     """Every row of the settings table reads an empty or whitespace-only value as unset (the documented rule), from
-    its variable and from its extra-config key, and so do the ``coldsnap`` command's own readers (store settings,
-    lock timeout, outcome log, state root). Fails if one parser gives blank another meaning (a refusal, the current
-    folder as a path, 0 s as a timeout) than the others."""
-    from coldsnap_core.settings import (
-        SETTINGS,
-        StoreSettings,
-        lock_timeout_from_env,
-        outcome_log_from_env,
-        resolve_state_root,
-    )
+    its variable and from its extra-config key, and so does the ``coldsnap`` command from its options (store
+    settings, lock timeout, outcome log, state root). Fails if one parser gives blank another meaning (a refusal,
+    the current folder as a path, 0 s as a timeout) than the others."""
+    from coldsnap_core.settings import SETTINGS
 
     monkeypatch.chdir(tmp_path)
     unset, _ = ColdsnapSettings.resolve({}, None)
@@ -264,10 +263,10 @@ def test_an_empty_or_blank_value_means_the_default_for_every_setting(value: str,
             assert ColdsnapSettings.resolve({setting.variable: value}, None)[0] == unset, setting.variable
         assert ColdsnapSettings.resolve({}, {setting.key: value})[0] == unset, setting.key
     blank_env = {s.variable: value for s in SETTINGS if s.variable is not None}
-    assert StoreSettings.from_environ(blank_env) == StoreSettings.from_environ({})
-    assert lock_timeout_from_env(blank_env) == lock_timeout_from_env({})
-    assert outcome_log_from_env(blank_env) is None
-    assert resolve_state_root(None, blank_env) == resolve_state_root(None, {})
+    assert _command(blank_env).store == _command({}).store
+    assert _command(blank_env).lock_timeout_s == _command({}).lock_timeout_s
+    assert _command(blank_env, outcome_log=value).outcome_log is None
+    assert _command(blank_env, state_root=value).state_root == _command({}).state_root
 
 
 @pytest.mark.parametrize("blank", ["", "   "])
@@ -297,6 +296,8 @@ def test_a_blank_extra_config_key_lets_its_variable_apply_for_every_setting(blan
         "store_read_timeout": "5",
         "store_retries": "3",
         "derived_cache": "off",
+        "oci_plain_http": "1",
+        "oci_mount_from": "models/base",
     }
     assert set(samples) == {s.key for s in SETTINGS if s.variable is not None}
     base = {"COLDSNAP_ARTIFACT_DIR": str(tmp_path / "artifact")}  # export and restore=native need one
@@ -304,6 +305,70 @@ def test_a_blank_extra_config_key_lets_its_variable_apply_for_every_setting(blan
         if setting.variable is None:
             continue
         environ = {**base, setting.variable: samples[setting.key]}
-        from_variable, _ = ColdsnapSettings.resolve(environ, {})
+        from_variable, _ = ColdsnapSettings.resolve(environ, {}, inner_load_formats=ENGINE_FORMATS)
         assert from_variable != ColdsnapSettings.resolve(base, {})[0], setting.key  # the sample is no default
-        assert ColdsnapSettings.resolve(environ, {setting.key: blank})[0] == from_variable, setting.key
+        assert ColdsnapSettings.resolve(environ, {setting.key: blank}, inner_load_formats=ENGINE_FORMATS)[0] == from_variable, (
+            setting.key
+        )
+
+
+def test_the_oci_client_settings_are_rows_with_extra_config_keys(tmp_path: Path) -> None:
+    """``COLDSNAP_OCI_PLAIN_HTTP`` and ``COLDSNAP_OCI_MOUNT_FROM`` are rows of the table: their extra-config keys win
+    over the variables, never reach the engine's loader, and reach the OCI store through the resolved settings (the
+    store reads no variable itself). Fails if the store reads the environment behind the settings' back (the keys
+    were then ignored) or a key is passed on to the engine."""
+    from coldsnap_core.stores import from_settings
+
+    env = {"COLDSNAP_OCI_PLAIN_HTTP": "0", "COLDSNAP_OCI_MOUNT_FROM": "models/other"}
+    extra = {"oci_plain_http": True, "oci_mount_from": " models/base , ,team/base ", "payload_repo": "oci://reg.example/a/b"}
+    settings, rest = ColdsnapSettings.resolve(env, extra)
+    assert rest == {}
+    assert (settings.store.client.oci_plain_http, settings.store.client.oci_mount_from) == (True, ("models/base", "team/base"))
+    store = from_settings(settings.store)
+    assert store.base_url == "http://reg.example" and store.mount_from == ("models/base", "team/base")
+    assert from_settings(
+        ColdsnapSettings.resolve({**env, "COLDSNAP_PAYLOAD_REPO": "oci://reg.example/a/b"})[0].store
+    ).base_url == ("https://reg.example")
+
+
+def test_an_oci_mount_source_that_is_no_repository_name_is_refused_naming_the_setting() -> None:
+    """A ``COLDSNAP_OCI_MOUNT_FROM`` entry outside the distribution spec's repository grammar is a ConfigurationError
+    naming the variable, its extra-config key and the entry, when the store is built (at start). Fails if it is
+    accepted (every publication then tried a mount the registry refuses)."""
+    from coldsnap_core.stores import from_env
+
+    with pytest.raises(ConfigurationError, match=r"COLDSNAP_OCI_MOUNT_FROM \(extra-config key 'oci_mount_from'\): 'Bad/Name'"):
+        from_env({"COLDSNAP_PAYLOAD_REPO": "oci://reg.example/a/b", "COLDSNAP_OCI_MOUNT_FROM": "models/ok,Bad/Name"})
+
+
+def test_the_command_reads_its_rows_with_its_options_over_the_variables(tmp_path: Path) -> None:
+    """The ``coldsnap`` command resolves the same table: ``--state-root`` and ``--outcome-log`` (options named as their
+    keys) win over ``COLDSNAP_STATE_ROOT`` and ``COLDSNAP_OUTCOME_LOG``; a blank option lets the variable apply; a row
+    only an engine plugin reads (``COLDSNAP_RESTORE``, ``COLDSNAP_INNER_LOAD_FORMAT``) never stops a command. Fails if
+    the option loses to the variable, or a plugin-only value breaks ``coldsnap status``."""
+    env = {
+        "COLDSNAP_STATE_ROOT": str(tmp_path / "env-state"),
+        "COLDSNAP_OUTCOME_LOG": str(tmp_path / "env.jsonl"),
+        "COLDSNAP_RESTORE": "bogus",
+        "COLDSNAP_INNER_LOAD_FORMAT": "anything",
+        "COLDSNAP_EXPORT_MODEL_PAYLOAD": "1",
+    }
+    chosen = _command(env, state_root=str(tmp_path / "option"), outcome_log=str(tmp_path / "option.jsonl"))
+    assert (chosen.state_root, chosen.outcome_log_path) == (tmp_path / "option", tmp_path / "option.jsonl")
+    blank = _command(env, state_root=" ", outcome_log="")
+    assert (blank.state_root, blank.outcome_log_path) == (tmp_path / "env-state", tmp_path / "env.jsonl")
+    with pytest.raises(ConfigurationError, match="--state-root must be a string"):
+        _command({}, state_root=3)
+
+
+def test_no_core_default_names_an_engine() -> None:
+    """Without an engine's defaults the settings materialize nothing and accept no inner load format (an engine
+    without an inner loader refuses the setting at start); each adapter passes its own. Fails if vLLM's defaults
+    (``async``, its load formats) come back into the engine-free core."""
+    assert ColdsnapSettings.resolve({})[0].materialize == "off"
+    with pytest.raises(
+        ConfigurationError, match=r"'safetensors' is not a load format served by the engine's default loader \(none\)"
+    ):
+        ColdsnapSettings.resolve({"COLDSNAP_INNER_LOAD_FORMAT": "safetensors"})
+    settings, _ = ColdsnapSettings.resolve({}, materialize_default="async", inner_load_formats=ENGINE_FORMATS)
+    assert settings.materialize == "async"

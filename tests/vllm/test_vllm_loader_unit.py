@@ -127,6 +127,18 @@ def test_inner_load_config(tmp_path: Path) -> None:
     assert make_loader(inner_load_format="hf").load_config.load_format == "hf"
 
 
+def test_the_loader_passes_vllms_own_setting_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine-free settings name no engine; vLLM's loader passes its defaults: materialization ``async`` and
+    the load formats its ``DefaultModelLoader`` serves (``coldsnap`` itself is not one). Fails if the loader
+    resolves with the core's defaults (materialization ``off``, no inner load format accepted)."""
+    monkeypatch.delenv("COLDSNAP_MATERIALIZE", raising=False)
+    assert make_loader().coldsnap_settings.materialize == "async"
+    for name in compat.INNER_LOAD_FORMATS:
+        assert make_loader(inner_load_format=name).coldsnap_settings.inner_load_format == name
+    with pytest.raises(ConfigurationError, match="'coldsnap' is not a load format served by the engine's default loader"):
+        make_loader(inner_load_format="coldsnap")
+
+
 def test_unknown_keys_reach_vllm_and_are_refused() -> None:
     """A key that is not coldsnap's (e.g. an attempt to name the pack) is refused by vLLM itself."""
     with pytest.raises(ValueError, match="Unexpected extra config keys"):
