@@ -348,12 +348,6 @@ class HashingWriter:
             if self._progress is not None:
                 self._progress(len(piece))
 
-    def write_zeros(self, size_bytes: int) -> None:
-        while size_bytes > 0:
-            n = min(size_bytes, len(_ZEROS))
-            self.write(memoryview(_ZEROS)[:n])
-            size_bytes -= n
-
     def _wait(self) -> None:
         if self._pending is not None:
             self._pending.result()
