@@ -528,11 +528,8 @@ class PayloadCache:
         verifier (:func:`coldsnap_core.format.verify.verify_pack_file`) judges the bytes; on an
         :class:`~coldsnap_core.errors.IntegrityError` the object is quarantined and the error
         re-raised with ``quarantined_to``. With ``layout`` the same single pass also checks the zero
-        padding and every stored extent's SHA-256.
-
-        Long: the admission loop (re-check the record under the lock, the size rule, make the object
-        read-only, the one full verification, the record and the inode re-check) restarts as a whole when
-        the object changes while it is hashed; its steps share that loop's state.
+        padding and every stored extent's SHA-256. The check starts over when the object changes while it
+        is hashed.
 
         Args:
             trust_record: ``False`` hashes in full whatever the record says (``cache verify --full``).
@@ -550,32 +547,18 @@ class PayloadCache:
             refuse_symlink(self.record_path(digest))
             if st is None:
                 raise MissingObjectError("pack is not in the node-local cache", file=path)
-            if trust_record:  # again under the lock: another same-host caller may have verified it meanwhile
-                try:
-                    read_trusted_record(self, digest, st)
-                except ValidationRecordError:
-                    trusted = self.verified_here(digest, st)
-                else:
-                    trusted = True
-                if trusted:
-                    _require_caller_size(path, st.st_size, size_bytes)
-                    return self._admitted_at(digest, st)
-            error = (
-                None
-                if size_bytes is None
-                else size_mismatch(
+            # the record again under the lock: another same-host caller may have verified it meanwhile
+            if trust_record and self._trusted(digest, st):
+                _require_caller_size(path, st.st_size, size_bytes)
+                return self._admitted_at(digest, st)
+            if size_bytes is not None and (
+                error := size_mismatch(
                     PackSizeMismatchError, "cached pack", st.st_size, size_bytes, file=path, suffix="; quarantined"
                 )
-            )
-            if error is not None:
+            ):
                 error.quarantined_to = self.quarantine(digest, log=log_quarantine)  # type: ignore[attr-defined]
                 raise error
-            if st.st_mode & 0o222 and st.st_uid == os.geteuid():
-                try:
-                    os.chmod(path, 0o444)
-                except OSError as exc:  # e.g. a read-only file system: the object is still verified below
-                    logger.info("coldsnap: cannot make %s read-only (%s)", path, exc.strerror or exc)
-                st = refuse_symlink(path) or st
+            st = _make_read_only(path, st)
             try:
                 verify_pack_file(
                     path,
@@ -602,6 +585,15 @@ class PayloadCache:
         raise CacheError(
             f"the pack changed while it was being verified, {ADMIT_ATTEMPTS} times in a row; not admitted", file=path
         )
+
+    def _trusted(self, digest: str, st: os.stat_result) -> bool:
+        """Whether a trusted validation record, or this object's verification by this process, vouches for the object
+        at ``st``."""
+        try:
+            read_trusted_record(self, digest, st)
+        except ValidationRecordError:
+            return self.verified_here(digest, st)
+        return True
 
     def reverify(self, digest: str, size_bytes: int | None = None, *, progress: ProgressCallback | None = None) -> Path:
         """Like :meth:`admit`, but always hash in full (ignoring any record); used by ``coldsnap cache verify --full``."""
@@ -732,3 +724,14 @@ def _require_caller_size(path: Path, actual: int, expected: int | None) -> None:
         raise PackSizeMismatchError(
             f"cached pack is {actual} bytes and verified against its digest, but {expected} bytes were expected", file=path
         )
+
+
+def _make_read_only(path: Path, st: os.stat_result) -> os.stat_result:
+    """Make this process's own writable object read-only before it is verified; return its ``stat`` after."""
+    if st.st_mode & 0o222 and st.st_uid == os.geteuid():
+        try:
+            os.chmod(path, 0o444)
+        except OSError as exc:  # e.g. a read-only file system: the object is still verified after
+            logger.info("coldsnap: cannot make %s read-only (%s)", path, exc.strerror or exc)
+        st = refuse_symlink(path) or st
+    return st

@@ -24,7 +24,9 @@ import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NoReturn
 
 from coldsnap_core._io import HASH_CHUNK_BYTES, os_error, sha256_file
 from coldsnap_core.copy.base import LiveAllocation
@@ -321,11 +323,6 @@ def verify_pack_file(
       (exit code 2, :class:`ManifestPaddingError` / :class:`ManifestExtentDigestError`); callers do
       not quarantine the object for that, so other artifacts naming the same digest keep it.
 
-    Long: one streaming pass over the file, double-buffered with a helper thread that hashes the stored
-    extents, checks size, SHA-256, padding and extents at once; the pass's state (offset, buffer turn, next
-    extent, next padding run) is shared by every step of the loop, and the findings are judged together
-    after it (the object's or the manifest's fault), so the steps read best in one place.
-
     Args:
         path: the pack file.
         pack: digest and size the file must have.
@@ -356,40 +353,84 @@ def verify_pack_file(
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     path = Path(path)
     _require_size(path, pack.size_bytes, PackSizeMismatchError, "pack")
+    read = _read_pack(path, layout, chunk_bytes, progress)
+    mismatch = size_mismatch(
+        PackSizeMismatchError, "pack changed while being read: what was read", read.size_bytes, pack.size_bytes, file=path
+    )
+    if mismatch is not None:
+        raise mismatch
+    entries = layout.entries if layout is not None else ()
+    bad_extent = next(((e, d) for e, d in zip(entries, read.extent_sha256, strict=True) if d != e.sha256), None)
+    where = extent_owner(bad_extent[0]) if bad_extent is not None and extent_owner else (None, None)
+    if read.sha256 != pack.sha256:
+        _raise_corrupt_pack(path, pack, read, bad_extent, where)
+    _raise_wrong_manifest(path, read.bad_padding, bad_extent, where, path if manifest_file is None else manifest_file)
+
+
+@dataclass(frozen=True, slots=True)
+class _PackRead:
+    """What one pass over a pack found: bytes read, the file's SHA-256, the pack offset of the first non-zero padding
+    byte (``None``: all zero) and the SHA-256 of each stored extent, in layout order."""
+
+    size_bytes: int
+    sha256: str
+    bad_padding: int | None
+    extent_sha256: list[str]
+
+
+def _hash_extents(entries: Sequence[PackEntry], hashes: list[Any], chunk_offset: int, chunk: memoryview, first: int) -> int:
+    """Feed the chunk's part of each stored extent into that extent's hash; return the index of the first extent not
+    finished by this chunk (run on the helper thread)."""
+    chunk_end = chunk_offset + len(chunk)
+    i = first
+    while i < len(entries) and entries[i].offset_bytes < chunk_end:
+        entry = entries[i]
+        lo, hi = max(entry.offset_bytes, chunk_offset), min(entry.end_bytes, chunk_end)
+        if lo < hi:
+            hashes[i].update(chunk[lo - chunk_offset : hi - chunk_offset])
+        if entry.end_bytes > chunk_end:
+            break
+        i += 1
+    return i
+
+
+def _nonzero_padding(padding: list[tuple[int, int]], index: int, chunk: memoryview, offset: int) -> tuple[int, int | None]:
+    """Compare the chunk's part of each padding run from ``padding[index]`` on with zero; return the index of the first
+    run not finished by this chunk and the pack offset of the first non-zero byte (``None``: all zero)."""
+    end, bad = offset + len(chunk), None
+    while index < len(padding) and padding[index][0] < end:
+        pad_start, pad_size = padding[index]
+        lo, hi = max(pad_start, offset), min(pad_start + pad_size, end)
+        piece = chunk[lo - offset : hi - offset].tobytes()  # a run is shorter than the 4096-byte alignment
+        rest = piece.lstrip(b"\0")
+        if rest and bad is None:
+            bad = lo + len(piece) - len(rest)
+        if pad_start + pad_size > end:
+            break
+        index += 1
+    return index, bad
+
+
+def _read_pack(path: Path, layout: PackLayout | None, chunk_bytes: int, progress: Callable[[int], object] | None) -> _PackRead:
+    """One sequential read of the pack in ``chunk_bytes`` chunks, double-buffered: the calling thread hashes the file
+    and checks the padding as it streams past while a helper thread hashes the stored extents (an extent may span any
+    number of chunks), so at most ``2 * chunk_bytes`` of the pack is in memory.
+
+    Raises:
+        FileAccessError: the pack cannot be opened or read.
+    """
     entries = layout.entries if layout is not None else ()
     padding = list(layout.padding_ranges()) if layout is not None else []
-    file_hash = hashlib.sha256()
-    bad_padding: int | None = None
-    entry_hashes = [hashlib.sha256() for _ in entries]
-    zeros = bytes(chunk_bytes)
-
-    def hash_entries(chunk_offset: int, chunk: memoryview, first: int) -> int:
-        """Feed the chunk's part of each stored extent into that extent's hash; return the index of
-        the first extent not finished by this chunk (helper thread)."""
-        chunk_end = chunk_offset + len(chunk)
-        i = first
-        while i < len(entries) and entries[i].offset_bytes < chunk_end:
-            entry = entries[i]
-            lo = max(entry.offset_bytes, chunk_offset)
-            hi = min(entry.end_bytes, chunk_end)
-            if lo < hi:
-                entry_hashes[i].update(chunk[lo - chunk_offset : hi - chunk_offset])
-            if entry.end_bytes > chunk_end:
-                break
-            i += 1
-        return i
-
+    file_hash, extent_hashes = hashlib.sha256(), [hashlib.sha256() for _ in entries]
     buffers = [bytearray(chunk_bytes), bytearray(chunk_bytes)]
-    next_entry = 0
-    pad_index = 0
-    offset = 0
+    next_entry = pad_index = offset = turn = 0
+    bad_padding: int | None = None
     try:
         f = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by the with statement below)
     except OSError as exc:
         raise os_error("cannot open the pack", exc, path) from exc
     with f, ThreadPoolExecutor(max_workers=1, thread_name_prefix="coldsnap-verify") as pool:
         pending = None
-        turn = 0
         while True:
             # The helper may still hash buffers[turn ^ 1]; buffers[turn] was released by the
             # ``pending.result()`` of the previous round.
@@ -404,57 +445,54 @@ def verify_pack_file(
             if entries:
                 if pending is not None:
                     next_entry = pending.result()
-                pending = pool.submit(hash_entries, offset, chunk, next_entry)
-            end = offset + n
-            while pad_index < len(padding) and padding[pad_index][0] < end:
-                pad_start, pad_size = padding[pad_index]
-                lo, hi = max(pad_start, offset), min(pad_start + pad_size, end)
-                if lo < hi and bad_padding is None and chunk[lo - offset : hi - offset] != zeros[: hi - lo]:
-                    piece = bytes(chunk[lo - offset : hi - offset])
-                    bad_padding = lo + next(i for i, b in enumerate(piece) if b)
-                if pad_start + pad_size > end:
-                    break
-                pad_index += 1
+                pending = pool.submit(_hash_extents, entries, extent_hashes, offset, chunk, next_entry)
+            pad_index, bad = _nonzero_padding(padding, pad_index, chunk, offset)
+            bad_padding = bad if bad_padding is None else bad_padding
             file_hash.update(chunk)
             if progress is not None:
                 progress(n)
-            offset = end
+            offset += n
             turn ^= 1
         if pending is not None:
             pending.result()
-    mismatch = size_mismatch(
-        PackSizeMismatchError, "pack changed while being read: what was read", offset, pack.size_bytes, file=path
-    )
-    if mismatch is not None:
-        raise mismatch
-    bad_extent = next(
-        ((entry, h.hexdigest()) for entry, h in zip(entries, entry_hashes, strict=True) if h.hexdigest() != entry.sha256),
-        None,
-    )
+    return _PackRead(offset, file_hash.hexdigest(), bad_padding, [h.hexdigest() for h in extent_hashes])
+
+
+def _raise_corrupt_pack(
+    path: Path,
+    pack: PackRef,
+    read: _PackRead,
+    bad_extent: tuple[PackEntry, str] | None,
+    where: tuple[int | None, int | None],
+) -> NoReturn:
+    """The object is corrupt (its SHA-256 is not its name): raise the most precise error (:func:`verify_pack_file`)."""
+    if read.bad_padding is not None:
+        raise NonZeroPaddingError(
+            f"padding byte at pack offset {read.bad_padding} is not zero (padding runs from each extent's end to the next"
+            " 4096-byte boundary)",
+            file=path,
+            offset_bytes=read.bad_padding,
+        )
     if bad_extent is not None:
         entry, digest = bad_extent
-        allocation, dest_offset = extent_owner(entry) if extent_owner else (None, None)
-    file_digest = file_hash.hexdigest()
-    if file_digest != pack.sha256:
-        # The object is corrupt: report the most precise place.
-        if bad_padding is not None:
-            raise NonZeroPaddingError(
-                f"padding byte at pack offset {bad_padding} is not zero (padding runs from each extent's end to the next"
-                " 4096-byte boundary)",
-                file=path,
-                offset_bytes=bad_padding,
-            )
-        if bad_extent is not None:
-            raise ExtentDigestMismatchError(
-                f"the extent stored at pack offset {entry.offset_bytes} ({entry.size_bytes} bytes) has SHA-256 {digest},"
-                f" the manifest records {entry.sha256}",
-                file=path,
-                allocation=allocation,
-                offset_bytes=dest_offset,
-            )
-        raise PackDigestMismatchError(f"the pack's SHA-256 is {file_digest}, its digest and path say {pack.sha256}", file=path)
-    # The object holds exactly the bytes its name promises: any disagreement is the manifest's.
-    blame = path if manifest_file is None else manifest_file
+        raise ExtentDigestMismatchError(
+            f"the extent stored at pack offset {entry.offset_bytes} ({entry.size_bytes} bytes) has SHA-256 {digest},"
+            f" the manifest records {entry.sha256}",
+            file=path,
+            allocation=where[0],
+            offset_bytes=where[1],
+        )
+    raise PackDigestMismatchError(f"the pack's SHA-256 is {read.sha256}, its digest and path say {pack.sha256}", file=path)
+
+
+def _raise_wrong_manifest(
+    path: Path,
+    bad_padding: int | None,
+    bad_extent: tuple[PackEntry, str] | None,
+    where: tuple[int | None, int | None],
+    blame: str | os.PathLike[str],
+) -> None:
+    """The object holds exactly the bytes its name promises: any disagreement is the manifest's (``blame``)."""
     if bad_padding is not None:
         raise ManifestPaddingError(
             f"the manifest's layout puts padding at pack offset {bad_padding}, but the pack {path} (whose SHA-256"
@@ -464,13 +502,14 @@ def verify_pack_file(
             offset_bytes=bad_padding,
         )
     if bad_extent is not None:
+        entry, digest = bad_extent
         raise ManifestExtentDigestError(
             f"the manifest records SHA-256 {entry.sha256} for the extent stored at pack offset {entry.offset_bytes}"
             f" ({entry.size_bytes} bytes), but the pack {path} (whose SHA-256 matches its name) stores bytes with"
             f" SHA-256 {digest} there: the manifest is wrong; the pack is intact and kept",
             file=blame,
-            allocation=allocation,
-            offset_bytes=dest_offset,
+            allocation=where[0],
+            offset_bytes=where[1],
         )
 
 

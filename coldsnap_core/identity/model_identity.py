@@ -213,9 +213,8 @@ def check_model_identity(
     * The engine's model configuration digest, when the engine gives one, equals the recorded one (an
       artifact captured without one is refused then).
 
-    Long: the identity rules are checked in the order a user fixes them (source, revision,
-    configuration, then each checkpoint file by record, fingerprint or full hash), each with its own
-    message; the per-file part shares the records and the mode of the whole check.
+    The rules are checked in the order a user fixes them: source, revision, configuration, the file list, then
+    each checkpoint file by record, fingerprint or full hash.
 
     Raises:
         ModelIdentityMismatchError: names what differs (source, commit, configuration, a missing,
@@ -245,6 +244,17 @@ def check_model_identity(
         )
     if loaded.folder is None:
         return
+    _check_file_list(recorded, loaded, file)
+    for checkpoint in recorded.files:
+        _check_checkpoint_file(checkpoint, loaded.folder / checkpoint.name, records, verify_checkpoint)
+
+
+def _check_file_list(recorded: ModelIdentity, loaded: LoadedModel, file: str | None) -> None:
+    """The checkpoint files the engine would read from a local folder, when it says, are exactly the recorded ones.
+
+    Raises:
+        ModelIdentityMismatchError: the engine cannot list them, or names a file not recorded or misses a recorded one.
+    """
     if loaded.checkpoint_files_error is not None:
         raise ModelIdentityMismatchError(
             f"the engine cannot say which checkpoint files of {loaded.folder} it would read"
@@ -263,37 +273,46 @@ def check_model_identity(
                 + (f"; recorded but not read by the engine now: {dropped}" if dropped else ""),
                 file=file,
             )
-    for checkpoint in recorded.files:
-        path = loaded.folder / checkpoint.name
-        try:
-            st = os.stat(path)
-        except (FileNotFoundError, NotADirectoryError):
+
+
+def _check_checkpoint_file(
+    checkpoint: CheckpointFile, path: Path, records: CheckpointRecords | None, verify_checkpoint: bool
+) -> None:
+    """One recorded checkpoint file at ``path``: present, its size, then its SHA-256 where this node knows it
+    (:func:`_checkpoint_digest`), else its content fingerprint (see :func:`check_model_identity`).
+
+    Raises:
+        ModelIdentityMismatchError: the file is missing, resized, or holds other content.
+    """
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise ModelIdentityMismatchError(
+            f"checkpoint file {checkpoint.name} recorded by the artifact is missing", file=path
+        ) from None
+    if st.st_size != checkpoint.size_bytes:
+        raise ModelIdentityMismatchError(
+            f"checkpoint file {checkpoint.name} is {st.st_size} bytes, the artifact recorded {checkpoint.size_bytes}",
+            file=path,
+        )
+    digest, how = _checkpoint_digest(path, st, records, verify_checkpoint)
+    if digest is not None and digest != checkpoint.sha256:
+        raise ModelIdentityMismatchError(
+            f"checkpoint file {checkpoint.name} has SHA-256 {digest} ({how}), the artifact recorded {checkpoint.sha256}:"
+            " the file was replaced with other content of the same size",
+            file=path,
+        )
+    if digest is None and checkpoint.fingerprint_sha256 is not None:
+        # No full hash known on this node: the sampled fingerprint (docs/format.md §10.2) is what
+        # tells two checkpoints with the same names and sizes apart (two fine-tunes of one base).
+        fingerprint = checkpoint_fingerprint(path)
+        if fingerprint != checkpoint.fingerprint_sha256:
             raise ModelIdentityMismatchError(
-                f"checkpoint file {checkpoint.name} recorded by the artifact is missing", file=path
-            ) from None
-        if st.st_size != checkpoint.size_bytes:
-            raise ModelIdentityMismatchError(
-                f"checkpoint file {checkpoint.name} is {st.st_size} bytes, the artifact recorded {checkpoint.size_bytes}",
+                f"checkpoint file {checkpoint.name} has content fingerprint {fingerprint} (no checkpoint record on"
+                f" this node), the artifact recorded {checkpoint.fingerprint_sha256}: another checkpoint with the same"
+                " file names and sizes (a swapped fine-tune, a flipped symbolic link)",
                 file=path,
             )
-        digest, how = _checkpoint_digest(path, st, records, verify_checkpoint)
-        if digest is not None and digest != checkpoint.sha256:
-            raise ModelIdentityMismatchError(
-                f"checkpoint file {checkpoint.name} has SHA-256 {digest} ({how}), the artifact recorded {checkpoint.sha256}:"
-                " the file was replaced with other content of the same size",
-                file=path,
-            )
-        if digest is None and checkpoint.fingerprint_sha256 is not None:
-            # No full hash known on this node: the sampled fingerprint (docs/format.md §10.2) is what
-            # tells two checkpoints with the same names and sizes apart (two fine-tunes of one base).
-            fingerprint = checkpoint_fingerprint(path)
-            if fingerprint != checkpoint.fingerprint_sha256:
-                raise ModelIdentityMismatchError(
-                    f"checkpoint file {checkpoint.name} has content fingerprint {fingerprint} (no checkpoint record on"
-                    f" this node), the artifact recorded {checkpoint.fingerprint_sha256}: another checkpoint with the same"
-                    " file names and sizes (a swapped fine-tune, a flipped symbolic link)",
-                    file=path,
-                )
 
 
 def _repository_mismatch(recorded: ModelIdentity, loaded: LoadedModel) -> str:

@@ -17,10 +17,7 @@ MAX_LINES = 80
 
 LONG_FUNCTIONS: frozenset[str] = frozenset(
     {
-        "format.verify.verify_pack_file",
         "capture.worker.capture_worker",
-        "identity.model_identity.check_model_identity",
-        "cache.payload_cache.PayloadCache.admit_locked",
     }
 )
 """``module.qualified_name`` (module relative to ``coldsnap_core``) of each function allowed over :data:`MAX_LINES`."""
