@@ -40,7 +40,7 @@ from coldsnap_core.artifact.overlay import (
     find_overlay,
 )
 from coldsnap_core.cache.records import read_private_record
-from coldsnap_core.format._strict import parse_document, read_document_bytes
+from coldsnap_core.format._strict import read_document_bytes
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, ArtifactDescriptor, CapsuleFile
 from coldsnap_core.identity.target import engine_version
 from coldsnap_vllm import compat
@@ -156,7 +156,7 @@ def _candidates(artifact_dir: Path, state_root: Path, overlays: bool) -> Iterato
     valid overlays of them (:func:`coldsnap_core.artifact.overlay.find_overlay`, for the target each is
     bound to)."""
     data = read_document_bytes(artifact_dir / DESCRIPTOR_FILENAME)
-    descriptor = parse_document(data, ArtifactDescriptor.from_fields, file=str(artifact_dir / DESCRIPTOR_FILENAME))
+    descriptor = ArtifactDescriptor.loads(data, file=str(artifact_dir / DESCRIPTOR_FILENAME))
     for entry in descriptor.workers:
         yield artifact_dir / entry.capsule, entry.capsule_files
     if not overlays:
@@ -166,7 +166,7 @@ def _candidates(artifact_dir: Path, state_root: Path, overlays: bool) -> Iterato
     for entry in descriptor.workers:
         for path in sorted(base.glob(f"*/{entry.worker.capsule_name}/{OVERLAY_FILENAME}")):
             try:
-                target = read_private_record(path, OverlayDescriptor.from_fields).target
+                target = read_private_record(path, OverlayDescriptor).target
             except Exception:  # an untrusted overlay is skipped here; the loader warns about it
                 continue
             lookup = find_overlay(state_root, artifact_dir, entry, target, descriptor_sha256)

@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import TypeVar
 
 import filelock
+import msgspec
 
 from coldsnap_core._io import fsync_dir, os_error, remove_tree, replace_file_durably, write_file_durably
-from coldsnap_core.artifact.parsed_capsules import ParsedCapsules, ParsedDocuments
 from coldsnap_core.errors import (
     ArtifactError,
     CapsulePinMismatchError,
@@ -45,7 +45,7 @@ from coldsnap_core.errors import (
     NotRegularFileError,
     UnsafePathError,
 )
-from coldsnap_core.format._strict import MAX_DESCRIPTOR_BYTES, Fields, parse_document, read_document_bytes
+from coldsnap_core.format._strict import MAX_DESCRIPTOR_BYTES, read_document_bytes
 from coldsnap_core.format.descriptor import (
     DESCRIPTOR_FILENAME,
     WORKERS_DIRNAME,
@@ -247,23 +247,18 @@ def register_worker(artifact_dir: Path, model: ModelIdentity, entry: WorkerEntry
     artifact_dir.mkdir(parents=True, exist_ok=True)
     path = artifact_dir / DESCRIPTOR_FILENAME
     with _artifact_lock(descriptor_lock_path(artifact_dir)):
-        descriptor = ArtifactDescriptor(model, ())
+        existing = None
         if path.exists():
             try:
                 existing = ArtifactDescriptor.read(path)
             except ManifestError as exc:
                 logger.warning("coldsnap: %s cannot be read (%s); starting a new descriptor", path, exc)
-            else:
-                if existing.model == model:
-                    descriptor = existing
-                else:
-                    logger.warning(
-                        "coldsnap: %s described model %s; starting a new descriptor for %s",
-                        path,
-                        existing.model.source,
-                        model.source,
-                    )
-        descriptor = descriptor.with_worker(entry)
+            if existing is not None and existing.model != model:
+                logger.warning(
+                    "coldsnap: %s described model %s; starting a new descriptor for %s", path, existing.model.source, model.source
+                )
+                existing = None
+        descriptor = existing.with_worker(entry) if existing is not None else ArtifactDescriptor(model, (entry,))
         replace_file_durably(path, descriptor.dumps())
         remove_other_worlds(artifact_dir, entry.worker.world_size, entry.worker.data_parallel_size)
     return descriptor
@@ -343,7 +338,7 @@ def _check_pin(path: Path, data: bytes, pin: CapsuleFile) -> None:
         )
 
 
-def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None], parsed_capsules: ParsedCapsules | None = None) -> Capsule:
+def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None]) -> Capsule:
     _require_present(path, "capsule folder")
     if not path.is_dir():
         raise MissingObjectError("capsule folder does not exist (a file is in its place)", file=path)
@@ -357,17 +352,18 @@ def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None], parsed_capsul
             data = read_document_bytes(path / name)
         documents[name] = data
     target_data = _read_target_bytes(path / TARGET_FILENAME, pins)
-    # Every file was checked against its pin above; only then may a record of the same pins stand in
-    # for parsing them (docs/format.md §10.4).
-    key = None
-    if parsed_capsules is not None and all(pins.get(name) is not None for name in _PINNED_DOCUMENTS):
-        key = parsed_capsules.key([pins[name].sha256 for name in _PINNED_DOCUMENTS])  # type: ignore[union-attr]
-    parsed = parsed_capsules.get(key) if parsed_capsules is not None and key is not None else None
-    if parsed is None:
-        parsed = _parse_documents(path, documents, target_data)
-        if parsed_capsules is not None and key is not None:
-            parsed_capsules.put(key, parsed)
-    native, recovery, target = parsed
+    native = NativeManifest.loads(documents[NATIVE_MANIFEST_FILENAME], file=str(path / NATIVE_MANIFEST_FILENAME))
+    recovery = RecoveryManifest.loads(documents[RECOVERY_MANIFEST_FILENAME], file=str(path / RECOVERY_MANIFEST_FILENAME))
+    target = TargetIdentity.loads(target_data, file=str(path / TARGET_FILENAME)) if target_data is not None else None
+    differing = [
+        name
+        for name in ("worker", "layout_fingerprint", "allocations", "residual", "residual_extents")
+        if getattr(native, name) != getattr(recovery, name)
+    ]
+    if differing:
+        raise ManifestMismatchError(f"the native and recovery manifests disagree on {', '.join(differing)}", file=path)
+    # the two equal maps are held once (a model with many tensors holds them for the whole restore)
+    recovery = msgspec.structs.replace(recovery, allocations=native.allocations, residual_extents=native.residual_extents)
     if path.name != native.worker.capsule_name:
         raise ManifestMismatchError(
             f"the capsule folder is named {path.name!r}, but its manifests belong to {native.worker.capsule_name}"
@@ -376,38 +372,6 @@ def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None], parsed_capsul
             file=path,
         )
     return Capsule(path, native, recovery, target)
-
-
-_PINNED_DOCUMENTS = (NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, TARGET_FILENAME)
-
-
-def _parse_documents(path: Path, documents: dict[str, bytes], target_data: bytes | None) -> ParsedDocuments:
-    """Strictly parse a capsule's documents and check that the two manifests agree."""
-    native_raw: dict[str, object] = {}
-
-    def parse_native(f: Fields) -> NativeManifest:
-        native_raw.update(f.raw)  # the recovery manifest's shared maps are compared with these, not parsed again
-        return NativeManifest.from_fields(f)
-
-    native = parse_document(documents[NATIVE_MANIFEST_FILENAME], parse_native, file=str(path / NATIVE_MANIFEST_FILENAME))
-    recovery = parse_document(
-        documents[RECOVERY_MANIFEST_FILENAME],
-        functools.partial(RecoveryManifest.from_fields, native=(native_raw, native)),
-        file=str(path / RECOVERY_MANIFEST_FILENAME),
-    )
-    target = (
-        parse_document(target_data, TargetIdentity.from_fields, file=str(path / TARGET_FILENAME))
-        if target_data is not None
-        else None
-    )
-    differing = [
-        name
-        for name in ("worker", "layout_fingerprint", "allocations", "residual", "residual_extents")
-        if getattr(native, name) != getattr(recovery, name)
-    ]
-    if differing:
-        raise ManifestMismatchError(f"the native and recovery manifests disagree on {', '.join(differing)}", file=path)
-    return native, recovery, target
 
 
 def _read_target_bytes(path: Path, pins: dict[str, CapsuleFile | None]) -> bytes | None:
@@ -424,7 +388,7 @@ def _read_target_bytes(path: Path, pins: dict[str, CapsuleFile | None]) -> bytes
     return None
 
 
-def read_worker_capsule(artifact_dir: Path, entry: WorkerEntry, *, parsed_capsules: ParsedCapsules | None = None) -> Capsule:
+def read_worker_capsule(artifact_dir: Path, entry: WorkerEntry) -> Capsule:
     """Read the capsule of one ``artifact.json`` entry and check it against the entry.
 
     In order: the capsule folder exists; each manifest's bytes have the size and SHA-256 that
@@ -435,9 +399,6 @@ def read_worker_capsule(artifact_dir: Path, entry: WorkerEntry, *, parsed_capsul
     Args:
         artifact_dir: the artifact folder.
         entry: the capsule's ``artifact.json`` entry.
-        parsed_capsules: the node's parsed-capsule records (:mod:`coldsnap_core.artifact.parsed_capsules`):
-            once every file matched its pin, a record of these pins stands in for parsing the
-            documents, and a strict parse writes one. ``None`` (the default): always parse.
 
     Raises:
         MissingObjectError: the capsule folder or a manifest is missing.
@@ -447,14 +408,14 @@ def read_worker_capsule(artifact_dir: Path, entry: WorkerEntry, *, parsed_capsul
         ManifestMismatchError: the manifests disagree with each other, with the folder name or with
             the entry (worker, payload) (exit code 2).
     """
-    return read_pinned_capsule(artifact_dir / entry.capsule, entry, parsed_capsules=parsed_capsules)
+    return read_pinned_capsule(artifact_dir / entry.capsule, entry)
 
 
-def read_pinned_capsule(path: Path, entry: WorkerEntry, *, parsed_capsules: ParsedCapsules | None = None) -> Capsule:
+def read_pinned_capsule(path: Path, entry: WorkerEntry) -> Capsule:
     """:func:`read_worker_capsule` for a capsule folder at ``path`` (named after ``entry.worker``)
     pinned by ``entry``: a worker of an artifact, or a target-local overlay (its descriptor's pins)."""
     pins = {name: entry.pin(name) for name in (NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, TARGET_FILENAME)}
-    capsule = _read_capsule(path, pins, parsed_capsules)
+    capsule = _read_capsule(path, pins)
     native = capsule.native
     if native.worker != entry.worker:
         raise ManifestMismatchError(

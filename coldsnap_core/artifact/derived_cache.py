@@ -32,9 +32,11 @@ import secrets
 import stat
 import tarfile
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
+
+import msgspec
 
 from coldsnap_core._io import fsync_dir, fsync_fd, os_error, write_all
 from coldsnap_core.artifact.capsules import _artifact_lock, _capsule_lock_path, descriptor_lock_path, replace_file_durably
@@ -45,7 +47,7 @@ from coldsnap_core.errors import (
     MissingObjectError,
     UnsafePathError,
 )
-from coldsnap_core.format._strict import FORMAT_VERSION, Fields, dump_document, parse_document, read_document_bytes
+from coldsnap_core.format._strict import Document, Record, Sha256, Text, matching, read_document_bytes
 from coldsnap_core.format.content_ref import ContentRef
 from coldsnap_core.format.descriptor import (
     DESCRIPTOR_FILENAME,
@@ -60,7 +62,6 @@ from coldsnap_core.format.target import QUALIFYING_FIELDS, TargetIdentity
 logger = logging.getLogger(__name__)
 
 SEED_KIND = "coldsnap.derived-cache"
-SEED_VERSION = FORMAT_VERSION
 SEED_DOCUMENT_FILENAME, SEED_ARCHIVE_FILENAME = SEED_FILENAMES
 MAX_REASON_CHARS = 2000
 """The longest skip reason logged for an unexpected error."""
@@ -69,7 +70,9 @@ CPUINFO = Path("/proc/cpuinfo")
 
 ROOT_NAMES = ("vllm-cache", "inductor-cache")
 """The cache roots a seed's paths start with (``docs/format.md`` §17.1)."""
-_MEMBER_RE = re.compile(r"(?:vllm-cache|inductor-cache)(?:/(?!\.\.?(?:/|$))[A-Za-z0-9._+=-]+)+")
+_MEMBER = r"(?:vllm-cache|inductor-cache)(?:/(?!\.\.?(?:/|\Z))[A-Za-z0-9._+=-]+)+"
+_MEMBER_RE = re.compile(_MEMBER)
+MemberPath = matching(_MEMBER)
 """A member path: a root name, then one or more components of safe characters, none ``.`` or ``..``."""
 
 DerivedCacheStatus = Literal["used", "skipped", "absent"]
@@ -79,17 +82,13 @@ TARGET_QUALIFICATION_FIELDS = QUALIFYING_FIELDS
 (``docs/format.md`` §15.1, §17.2)."""
 
 
-@dataclass(frozen=True, slots=True)
 class SeedMember(ContentRef):
     """One file of a seed: ``name`` is ``<root>/<path below the root>`` (JSON key ``path``)."""
 
-    NAME_KEY: ClassVar[str] = "path"
-    NAME_PATTERN: ClassVar[re.Pattern[str] | None] = _MEMBER_RE
-    KEYS: ClassVar[tuple[str, ...]] = ("path", "size_bytes", "sha256")
+    name: MemberPath = msgspec.field(name="path")
 
 
-@dataclass(frozen=True, slots=True)
-class SeedQualification:
+class SeedQualification(Record):
     """What a seed's compiled code depends on; a seed is placed only where every field is equal.
 
     Attributes:
@@ -101,19 +100,26 @@ class SeedQualification:
         model_config_sha256: the digest of the engine's effective model configuration.
         compilation_sha256: the engine's digest of its compilation settings (vLLM: the configuration
             hash and compile-relevant environment that name its cache folder).
+
+    Raises:
+        ValueError: ``cpu_isa_flags`` is not sorted and unique.
     """
 
-    engine: str
-    engine_version: str | None
-    torch_version: str
-    torch_cuda_version: str | None
-    device_type: str
-    accelerator_model: str | None
-    nvidia_driver_version: str | None
+    engine: Text
+    engine_version: Text | None
+    torch_version: Text
+    torch_cuda_version: Text | None
+    device_type: Text
+    accelerator_model: Text | None
+    nvidia_driver_version: Text | None
     cpu_isa_flags: tuple[str, ...]
-    compute_capability: str | None
-    model_config_sha256: str | None
-    compilation_sha256: str
+    compute_capability: Text | None
+    model_config_sha256: Sha256 | None
+    compilation_sha256: Sha256
+
+    def __post_init__(self) -> None:
+        if list(self.cpu_isa_flags) != sorted(set(self.cpu_isa_flags)):
+            raise ValueError("cpu_isa_flags must be sorted and unique")
 
     @classmethod
     def for_target(
@@ -146,7 +152,7 @@ class SeedQualification:
         """Each differing field as ``name: captured X, here Y`` (flags: only those that differ); only
         ``fields`` when given (default: every field)."""
         out = []
-        for name in self.__dataclass_fields__ if fields is None else fields:
+        for name in self.__struct_fields__ if fields is None else fields:
             mine, theirs = getattr(self, name), getattr(current, name)
             if mine == theirs:
                 continue
@@ -158,87 +164,42 @@ class SeedQualification:
                 out.append(f"{name}: captured {mine}, here {theirs}")
         return out
 
-    def to_json(self) -> dict[str, object]:
-        return {name: list(v) if isinstance(v := getattr(self, name), tuple) else v for name in self.__dataclass_fields__}
 
-    @classmethod
-    def from_fields(cls, f: Fields) -> SeedQualification:
-        raw_flags = f._get("cpu_isa_flags")
-        if not isinstance(raw_flags, list) or not all(isinstance(x, str) for x in raw_flags):
-            raise f.error("cpu_isa_flags must be a list of strings")
-        if raw_flags != sorted(set(raw_flags)):
-            raise f.error("cpu_isa_flags must be sorted and unique")
-        q = cls(
-            engine=f.str("engine"),
-            engine_version=f.opt_str("engine_version"),
-            torch_version=f.str("torch_version"),
-            torch_cuda_version=f.opt_str("torch_cuda_version"),
-            device_type=f.str("device_type"),
-            accelerator_model=f.opt_str("accelerator_model"),
-            nvidia_driver_version=f.opt_str("nvidia_driver_version"),
-            cpu_isa_flags=tuple(raw_flags),
-            compute_capability=f.opt_str("compute_capability"),
-            model_config_sha256=f.opt_sha256("model_config_sha256"),
-            compilation_sha256=f.sha256("compilation_sha256"),
-        )
-        f.done()
-        return q
-
-
-@dataclass(frozen=True, slots=True)
-class SeedDocument:
+class SeedDocument(Document, tag=SEED_KIND):
     """``derived-cache.json`` (``docs/format.md`` §17.2).
 
     Attributes:
         worker: the worker whose start compiled these files.
         qualification: what they were compiled for.
         archive: the pin of ``derived-cache.tar``.
-        members: the archive's files, in archive order (sorted by path).
+        members: the archive's files, in archive order (sorted by path, unique, none inside another).
+
+    Raises:
+        ValueError: the archive is not named ``derived-cache.tar``, or the members break their order rule.
     """
+
+    MAX_BYTES = MAX_SEED_DOCUMENT_BYTES
 
     worker: WorkerIdentity
     qualification: SeedQualification
     archive: CapsuleFile
     members: tuple[SeedMember, ...]
 
-    @property
-    def size_bytes(self) -> int:
-        return sum(m.size_bytes for m in self.members)
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "format": SEED_KIND,
-            "format_version": SEED_VERSION,
-            "worker": self.worker.to_json(),
-            "qualification": self.qualification.to_json(),
-            "archive": self.archive.to_json(),
-            "members": [m.to_json() for m in self.members],
-        }
-
-    def dumps(self) -> bytes:
-        return dump_document(self.to_json())
-
-    @classmethod
-    def from_fields(cls, f: Fields) -> SeedDocument:
-        f.header(SEED_KIND)
-        document = cls(
-            worker=f.obj("worker", WorkerIdentity.from_fields),
-            qualification=f.obj("qualification", SeedQualification.from_fields),
-            archive=f.obj("archive", CapsuleFile.from_fields),
-            members=f.list("members", SeedMember.from_fields),
-        )
-        f.done()
-        if document.archive.name != SEED_ARCHIVE_FILENAME:
-            raise f.error(f"archive names {document.archive.name!r}; a seed's archive is {SEED_ARCHIVE_FILENAME}")
-        paths = [m.name for m in document.members]
+    def __post_init__(self) -> None:
+        if self.archive.name != SEED_ARCHIVE_FILENAME:
+            raise ValueError(f"archive names {self.archive.name!r}; a seed's archive is {SEED_ARCHIVE_FILENAME}")
+        paths = [m.name for m in self.members]
         if paths != sorted(set(paths)):
-            raise f.error("members are not sorted by path, or a path repeats")
+            raise ValueError("members are not sorted by path, or a path repeats")
         for path in paths:  # every member is a file: none can be a folder holding another
             # paths are sorted: a path below ``path`` sorts first among those that start with ``path + "/"``
             below = bisect.bisect_left(paths, path + "/")
             if below < len(paths) and paths[below].startswith(path + "/"):
-                raise f.error(f"member {paths[below]!r} lies inside member {path!r}, which is a file")
-        return document
+                raise ValueError(f"member {paths[below]!r} lies inside member {path!r}, which is a file")
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(m.size_bytes for m in self.members)
 
 
 def read_cpu_isa_flags(cpuinfo: Path = CPUINFO) -> tuple[str, ...]:
@@ -353,7 +314,7 @@ def attach_seed(
         with _artifact_lock(descriptor_lock_path(artifact_dir)):
             descriptor = ArtifactDescriptor.read(descriptor_path)
             entry = _require_entry(descriptor, worker, pack_sha256, descriptor_path)
-            entry = replace(entry, capsule_files=with_seed_pins(entry.capsule_files, pins))
+            entry = msgspec.structs.replace(entry, capsule_files=with_seed_pins(entry.capsule_files, pins))
             replace_file_durably(descriptor_path, descriptor.with_worker(entry).dumps())
     log_captured(capsule_dir.name, document)
     return document
@@ -514,7 +475,7 @@ def _read_seed(capsule_dir: Path, pins: dict[str, CapsuleFile]) -> SeedDocument:
     document_pin = pins[SEED_DOCUMENT_FILENAME]
     data = read_document_bytes(document_path, max_bytes=MAX_SEED_DOCUMENT_BYTES)
     _check_digest(document_path, len(data), hashlib.sha256(data).hexdigest(), document_pin)
-    document = parse_document(data, SeedDocument.from_fields, file=str(document_path))
+    document = SeedDocument.loads(data, file=str(document_path))
     archive_path = capsule_dir / SEED_ARCHIVE_FILENAME
     archive_pin = pins[SEED_ARCHIVE_FILENAME]
     if (archive_pin.size_bytes, archive_pin.sha256) != (document.archive.size_bytes, document.archive.sha256):

@@ -27,7 +27,6 @@ an acceleration cache, never published (``docs/format.md`` §15.3-16.5).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import hashlib
 import json
@@ -39,6 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+import msgspec
 
 from coldsnap_core._io import replace_file_durably, write_file_durably
 from coldsnap_core.artifact.capsules import (
@@ -56,14 +57,13 @@ from coldsnap_core.artifact.derived_cache import (
     with_seed_pins,
     write_seed_files,
 )
-from coldsnap_core.artifact.parsed_capsules import ParsedCapsules
 from coldsnap_core.artifact.residual import write_residual
 from coldsnap_core.cache.records import read_private_record
 from coldsnap_core.capture.payload_plan import ModelRange, PayloadPlan, plan_payload
 from coldsnap_core.capture.worker import check_model_ranges, hash_ranges
 from coldsnap_core.copy.base import CopyBackend, LiveAllocation
 from coldsnap_core.errors import ColdsnapError, MissingObjectError, OverlayError, TargetMismatchError, UnsafePathError
-from coldsnap_core.format._strict import Fields, dump_document, read_document_bytes
+from coldsnap_core.format._strict import Document, Sha256, Text, read_document_bytes
 from coldsnap_core.format.allocation import AllocationMap
 from coldsnap_core.format.descriptor import (
     DESCRIPTOR_FILENAME,
@@ -89,7 +89,6 @@ OVERLAY_KIND = "coldsnap.overlay"
 OVERLAY_FILENAME = "overlay.json"
 
 OverlayKind = Literal["overlay", "qualified"]
-_KINDS = ("overlay", "qualified")
 
 
 def artifact_key(artifact_dir: Path) -> str:
@@ -119,8 +118,7 @@ def portable_descriptor_sha256(artifact_dir: Path) -> str:
     return hashlib.sha256(read_document_bytes(artifact_dir / DESCRIPTOR_FILENAME)).hexdigest()
 
 
-@dataclass(frozen=True, slots=True)
-class OverlayDescriptor:
+class OverlayDescriptor(Document, tag=OVERLAY_KIND):
     """``overlay.json`` (``docs/format.md`` §15.3).
 
     Attributes:
@@ -135,16 +133,32 @@ class OverlayDescriptor:
             when one was captured (:func:`attach_overlay_seed`), sorted by name; ``qualified``: the seed's
             two or nothing.
         created_at: UTC time of the capture, ISO 8601 with seconds.
+
+    Raises:
+        ValueError: the pins do not fit the kind (``overlay``: the capsule's four files, its blob
+            ``weights.blob``, and optionally a seed's two; ``qualified``: a seed's two or nothing).
     """
 
     kind: OverlayKind
-    artifact_dir: str
-    portable_descriptor_sha256: str
+    artifact_dir: Text
+    portable_descriptor_sha256: Sha256
     worker: WorkerIdentity
     payload: PackRef
     target: TargetIdentity
     capsule_files: tuple[CapsuleFile, ...]
-    created_at: str
+    created_at: Text
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.capsule_files]
+        if self.kind == "qualified" and names not in ([], sorted(SEED_FILENAMES)):
+            raise ValueError(
+                f"capsule_files names {names}; a qualified record pins nothing but its derived-cache seed's two files"
+            )
+        if self.kind == "overlay":
+            # the artifact's rule on a capsule's four pins; an overlay's blob is always weights.blob
+            check_capsule_file_names(self.capsule_files)
+            if RESIDUAL_FILENAME not in names:
+                raise ValueError(f"capsule_files names {names}; the overlay's residual blob is {RESIDUAL_FILENAME}")
 
     @property
     def seed_files(self) -> tuple[CapsuleFile, ...]:
@@ -154,50 +168,6 @@ class OverlayDescriptor:
     def entry(self) -> WorkerEntry:
         """The overlay capsule's pins as a worker entry (for :func:`read_pinned_capsule`)."""
         return WorkerEntry(self.worker, f"{WORKERS_DIRNAME}/{self.worker.capsule_name}", self.payload, self.capsule_files)
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "format": OVERLAY_KIND,
-            "format_version": 9,
-            "kind": self.kind,
-            "artifact_dir": self.artifact_dir,
-            "portable_descriptor_sha256": self.portable_descriptor_sha256,
-            "worker": self.worker.to_json(),
-            "payload": self.payload.to_json(),
-            "target": self.target.to_json(),
-            "capsule_files": [p.to_json() for p in self.capsule_files],
-            "created_at": self.created_at,
-        }
-
-    def dumps(self) -> bytes:
-        return dump_document(self.to_json())
-
-    @classmethod
-    def from_fields(cls, f: Fields) -> OverlayDescriptor:
-        f.header(OVERLAY_KIND)
-        kind = f.str("kind")
-        if kind not in _KINDS:
-            raise f.error(f"kind {kind!r} is not one of {', '.join(_KINDS)}")
-        descriptor = cls(
-            kind=kind,  # type: ignore[arg-type]
-            artifact_dir=f.str("artifact_dir"),
-            portable_descriptor_sha256=f.sha256("portable_descriptor_sha256"),
-            worker=f.obj("worker", WorkerIdentity.from_fields),
-            payload=f.obj("payload", PackRef.from_fields),
-            target=f.obj("target", TargetIdentity.body_from_fields),
-            capsule_files=f.list("capsule_files", CapsuleFile.from_fields),
-            created_at=f.str("created_at"),
-        )
-        f.done()
-        names = [p.name for p in descriptor.capsule_files]
-        if kind == "qualified" and names not in ([], sorted(SEED_FILENAMES)):
-            raise f.error(f"capsule_files names {names}; a qualified record pins nothing but its derived-cache seed's two files")
-        if kind == "overlay":
-            # the artifact's rule on a capsule's four pins; an overlay's blob is always weights.blob
-            check_capsule_file_names(f, descriptor.capsule_files)
-            if RESIDUAL_FILENAME not in names:
-                raise f.error(f"capsule_files names {names}; the overlay's residual blob is {RESIDUAL_FILENAME}")
-        return descriptor
 
 
 # -- selection ---------------------------------------------------------------------------------------
@@ -278,11 +248,9 @@ def find_overlay(
     entry: WorkerEntry,
     current: TargetIdentity,
     descriptor_sha256: str,
-    *,
-    parsed_capsules: ParsedCapsules | None = None,
 ) -> Lookup:
     """Look up and validate this node's overlay for ``entry``'s worker on the target ``current``
-    (its capsule read with ``parsed_capsules``, :func:`coldsnap_core.artifact.capsules.read_pinned_capsule`).
+    (its capsule read by :func:`coldsnap_core.artifact.capsules.read_pinned_capsule`).
 
     Never raises for what it finds: every problem is a ``stale`` or ``invalid`` :class:`Lookup`.
     """
@@ -290,7 +258,7 @@ def find_overlay(
     try:
         if not _refuse_linked_folders(state_root, path):
             return Lookup("absent", _absent_reason(state_root, artifact_dir, entry.worker, current), path)
-        descriptor = read_private_record(path / OVERLAY_FILENAME, OverlayDescriptor.from_fields)
+        descriptor = read_private_record(path / OVERLAY_FILENAME, OverlayDescriptor)
     except ColdsnapError as exc:
         return Lookup("invalid", f"its {OVERLAY_FILENAME} is not trusted: {exc}", path)
     if descriptor.artifact_dir != os.path.realpath(artifact_dir) or descriptor.target != current:
@@ -307,7 +275,7 @@ def find_overlay(
     if descriptor.kind == "qualified":
         return Lookup("valid", "this node recorded the portable capsule qualified for this target", path, descriptor)
     try:
-        capsule = read_pinned_capsule(path, descriptor.entry(), parsed_capsules=parsed_capsules)
+        capsule = read_pinned_capsule(path, descriptor.entry())
     except ColdsnapError as exc:
         return Lookup("invalid", f"its capsule does not match {OVERLAY_FILENAME}: {exc}", path)
     if capsule.native.pack != entry.payload or capsule.target != current or capsule.native.capture_point != "portable":
@@ -322,7 +290,7 @@ def _absent_reason(state_root: Path, artifact_dir: Path, worker: WorkerIdentity,
     with contextlib.suppress(OSError):
         for candidate in sorted(base.glob(f"*/{worker.capsule_name}/{OVERLAY_FILENAME}")):
             with contextlib.suppress(ColdsnapError, OSError):
-                other = read_private_record(candidate, OverlayDescriptor.from_fields).target
+                other = read_private_record(candidate, OverlayDescriptor).target
                 differences = other.differences(current, tuple(other.to_json()))
                 others.append(describe_differences(differences))
     if not others:
@@ -360,10 +328,7 @@ def select_capsule(
     differences = recorded.differences(current)
     if recorded.engine != current.engine or not use_overlays:
         raise TargetMismatchError(detail, differences=differences, file=file)
-    # A restore through an overlay reads it at every start, like a portable capsule: with the records
-    # (docs/format.md §10.4).
-    parsed = ParsedCapsules.in_state_root(state_root)
-    lookup = find_overlay(state_root, artifact_dir, entry, current, descriptor_sha256, parsed_capsules=parsed)
+    lookup = find_overlay(state_root, artifact_dir, entry, current, descriptor_sha256)
     if lookup.status == "valid":
         assert lookup.descriptor is not None
         if lookup.descriptor.kind == "qualified":
@@ -524,11 +489,11 @@ def attach_overlay_seed(
     with _artifact_lock(_overlay_lock_path(path)):
         if not _refuse_linked_folders(path.parents[3], path):
             raise OverlayError("the overlay folder is gone; its seed is not attached", file=path)
-        current = read_private_record(path / OVERLAY_FILENAME, OverlayDescriptor.from_fields)
+        current = read_private_record(path / OVERLAY_FILENAME, OverlayDescriptor)
         if current != descriptor:
             raise OverlayError("the overlay was replaced since this start captured it; its seed is not attached", file=path)
         document, pins = write_seed_files(path, descriptor.worker, qualification, files)
-        updated = dataclasses.replace(descriptor, capsule_files=with_seed_pins(descriptor.capsule_files, pins))
+        updated = msgspec.structs.replace(descriptor, capsule_files=with_seed_pins(descriptor.capsule_files, pins))
         replace_file_durably(path / OVERLAY_FILENAME, updated.dumps(), read_only=True)
     log_captured(descriptor.worker.capsule_name, document, f" into the target-local overlay {path}")
     return document
@@ -625,7 +590,7 @@ def list_overlays(state_root: Path) -> list[OverlayListing]:
         try:
             if not _refuse_linked_folders(state_root, path):
                 continue
-            descriptor = read_private_record(path / OVERLAY_FILENAME, OverlayDescriptor.from_fields)
+            descriptor = read_private_record(path / OVERLAY_FILENAME, OverlayDescriptor)
         except (ColdsnapError, OSError) as exc:
             listings.append(OverlayListing(path, "invalid", str(exc), None, size))
             continue

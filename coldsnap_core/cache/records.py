@@ -30,14 +30,11 @@ import errno
 import logging
 import os
 import stat
-from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Literal, Protocol
 
 from coldsnap_core._io import os_errno, refuse_symlink, replace_file_durably
-from coldsnap_core.digests import SHA256_HEX_RE
 from coldsnap_core.errors import (
     CacheError,
     ManifestError,
@@ -45,12 +42,10 @@ from coldsnap_core.errors import (
     UnsafePathError,
     ValidationRecordError,
 )
-from coldsnap_core.format._strict import Fields, dump_document, parse_document
+from coldsnap_core.format._strict import D, Document, Offset, Sha256, Text, load_document
 from coldsnap_core.format.verify import VERIFIER_VERSION
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 RECORD_KIND = "coldsnap.validation-record"
 RECORD_VERSION = 1
@@ -67,8 +62,7 @@ STAT_FIELDS = ("device", "inode", "size_bytes", "mtime_ns", "ctime_ns")
 """The ``stat`` fields a node-local record binds, in :func:`identity` order."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StatBound:
+class StatBound(Document, kw_only=True):
     """The one stat-bound record shape: the ``stat`` fields of the file a node-local record vouches for
     (validation records and checkpoint records, ``docs/format.md`` §10.1 and §11). A record holds while
     every field equals a fresh ``stat`` of the file.
@@ -81,31 +75,16 @@ class StatBound:
         ctime_ns: ``st_ctime_ns``, nanoseconds since the epoch (any ``utime`` moves it).
     """
 
-    device: int
-    inode: int
-    size_bytes: int
-    mtime_ns: int
-    ctime_ns: int
+    device: Offset
+    inode: Offset
+    size_bytes: Offset
+    mtime_ns: Offset
+    ctime_ns: Offset
 
     @staticmethod
     def bound(st: os.stat_result) -> dict[str, int]:
         """The bound fields of ``st``, by name (keyword arguments of a record)."""
         return dict(zip(STAT_FIELDS, identity(st), strict=True))
-
-    @staticmethod
-    def bound_fields(f: Fields) -> dict[str, int]:
-        """The bound fields of a parsed record document, by name."""
-        return {name: f.int(name) for name in STAT_FIELDS}
-
-    def bound_json(self) -> dict[str, int]:
-        """The bound fields as a record document's keys."""
-        return {
-            "device": self.device,
-            "inode": self.inode,
-            "size_bytes": self.size_bytes,
-            "mtime_ns": self.mtime_ns,
-            "ctime_ns": self.ctime_ns,
-        }
 
     def mismatch(self, st: os.stat_result) -> str | None:
         """The first bound field that differs from ``st`` (``"inode is 5, the record says 4"``), or ``None``."""
@@ -120,8 +99,7 @@ class StatBound:
         return self.mismatch(st) is None
 
 
-@dataclass(frozen=True, slots=True)
-class ValidationRecord(StatBound):
+class ValidationRecord(StatBound, kw_only=True, tag=RECORD_KIND):
     """Evidence that the object at a given inode was fully verified (its ``stat`` fields:
     :class:`StatBound`).
 
@@ -131,9 +109,10 @@ class ValidationRecord(StatBound):
         verified_at: UTC time of the verification, ISO 8601 with seconds.
     """
 
-    digest: str
-    verifier_version: str
-    verified_at: str
+    format_version: Literal[1] = RECORD_VERSION
+    digest: Sha256
+    verifier_version: Text
+    verified_at: Text
 
     @classmethod
     def for_stat(cls, digest: str, st: os.stat_result) -> ValidationRecord:
@@ -143,31 +122,6 @@ class ValidationRecord(StatBound):
             verifier_version=VERIFIER_VERSION,
             verified_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         )
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "format": RECORD_KIND,
-            "format_version": RECORD_VERSION,
-            "digest": self.digest,
-            **self.bound_json(),
-            "verifier_version": self.verifier_version,
-            "verified_at": self.verified_at,
-        }
-
-    @classmethod
-    def from_fields(cls, f: Fields) -> ValidationRecord:
-        if f.str("format") != RECORD_KIND:
-            raise f.error("not a validation record")
-        if f.int("format_version") != RECORD_VERSION:
-            raise f.error("unsupported validation record version")
-        record = cls(
-            digest=f.str("digest", pattern=SHA256_HEX_RE),
-            **StatBound.bound_fields(f),
-            verifier_version=f.str("verifier_version"),
-            verified_at=f.str("verified_at"),
-        )
-        f.done()
-        return record
 
 
 class RecordHost(Protocol):
@@ -187,7 +141,7 @@ class RecordHost(Protocol):
 _refuse = refuse_symlink
 
 
-def read_private_record(path: Path, parse: Callable[[Fields], T]) -> T:
+def read_private_record(path: Path, kind: type[D]) -> D:
     """Read and strictly parse a node-local record that this user alone could have written.
 
     The trust rules shared by validation records and checkpoint records
@@ -215,7 +169,7 @@ def read_private_record(path: Path, parse: Callable[[Fields], T]) -> T:
     finally:
         os.close(fd)
     try:
-        return parse_document(data, parse, file=str(path))
+        return load_document(kind, data, file=str(path))
     except ManifestError as exc:
         raise ValidationRecordError(f"record is malformed: {exc.detail}", file=path) from exc
 
@@ -235,7 +189,7 @@ def read_trusted_record(cache: RecordHost, digest: str, object_st: os.stat_resul
         UnsafePathError: the record or object path is a symbolic link or not a regular file.
     """
     path = cache.record_path(digest)
-    record = read_private_record(path, ValidationRecord.from_fields)
+    record = read_private_record(path, ValidationRecord)
     if record.digest != digest:
         raise ValidationRecordError(f"record names digest {record.digest}", file=path)
     if record.verifier_version != VERIFIER_VERSION:
@@ -286,7 +240,7 @@ def write_record(cache: RecordHost, digest: str, verified: os.stat_result) -> Va
     path = cache.record_path(digest)
     replace_file_durably(
         path,
-        dump_document(record.to_json()),
+        record.dumps(),
         read_only=True,
         temporary=lambda: cache.temporary(f"{digest}.record"),
         before_rename=_refuse,

@@ -24,20 +24,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from coldsnap_core.artifact.capsules import (
-    check_artifact_paths,
-    read_pinned_capsule,
-    register_worker,
-    write_capsule,
-    write_manifests,
-)
-from coldsnap_core.artifact.parsed_capsules import ParsedCapsules
+from coldsnap_core.artifact.capsules import check_artifact_paths, register_worker, write_capsule, write_manifests
 from coldsnap_core.artifact.residual import write_residual
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.capture.pack_writer import write_pack
 from coldsnap_core.capture.payload_plan import ModelRange, plan_payload
 from coldsnap_core.copy.base import CopyBackend, LiveAllocation
-from coldsnap_core.errors import ColdsnapError, ObserverError
+from coldsnap_core.errors import ObserverError
 from coldsnap_core.format.allocation import AllocationMap
 from coldsnap_core.format.descriptor import WORKERS_DIRNAME, CapsuleFile, WorkerEntry
 from coldsnap_core.format.manifest import (
@@ -63,12 +56,11 @@ class CaptureResult:
         recovery: the recovery manifest written to the capsule.
         capsule_dir: the unit capsule folder.
         pack_path: the pack object in the node-local cache.
-        seconds: wall time of the capture (hashing, pack, blob, manifests, descriptor, read-back).
+        seconds: wall time of the capture (hashing, pack, blob, manifests, descriptor).
         phase_seconds: wall time of each phase, in order: ``extent_digests`` (SHA-256 of every
             model range, on all usable CPUs), ``pack`` (stream, hash and commit the pack: fsync,
             rename, folder fsync, validation record), ``capsule`` (residual blob and manifests, each
-            fsynced), ``descriptor`` (``artifact.json`` under its lock) and ``read_back`` (the capsule read
-            as a restore reads it, which writes its parsed-capsule record, ``docs/format.md`` §10.4).
+            fsynced) and ``descriptor`` (``artifact.json`` under its lock).
     """
 
     manifest: NativeManifest
@@ -138,22 +130,6 @@ def hash_ranges(
         return [futures[i].result() for i in range(len(ranges))]
 
 
-def read_back(capsule_dir: Path, entry: WorkerEntry, state_root: Path) -> None:
-    """Read a capsule just written as a restore reads it (pins, strict parse, the two manifests'
-    agreement), which writes its parsed-capsule record so that this node's first restore does not parse
-    it (``docs/format.md`` §10.4). A capsule that does not read back is a WARNING naming the error (a
-    restore of it would be refused), not a failed capture: what was written stays as it is."""
-    try:
-        read_pinned_capsule(capsule_dir, entry, parsed_capsules=ParsedCapsules.in_state_root(state_root))
-    except ColdsnapError as exc:
-        logger.warning(
-            "coldsnap: %s: the capsule just written does not read back as a restore reads it; a restore of it will"
-            " be refused: %s",
-            entry.worker.capsule_name,
-            exc,
-        )
-
-
 def capture_worker(
     *,
     allocation_map: AllocationMap,
@@ -178,8 +154,7 @@ def capture_worker(
 
     Long: the checks that must all pass before anything is written (the allocation map against the live
     allocations, the capture point's address rule, the model ranges, the artifact paths), then the steps in
-    their one order, timed as the phases the outcome line reports (extent digests, pack, capsule, descriptor,
-    and the read-back of the capsule as a restore reads it, which writes its parsed-capsule record).
+    their one order, timed as the phases the outcome line reports (extent digests, pack, capsule, descriptor).
 
     Args:
         allocation_map: the allocations' layout; ``allocation_map[i].size_bytes`` must equal
@@ -252,18 +227,14 @@ def capture_worker(
 
     capsule_dir, (native, recovery, pins) = write_capsule(artifact_dir, worker, fill)
     written = time.perf_counter()
-    entry = WorkerEntry(worker, f"{WORKERS_DIRNAME}/{worker.capsule_name}", pack, pins)
-    register_worker(artifact_dir, model, entry)
-    registered = time.perf_counter()
-    read_back(capsule_dir, entry, cache.state_root)
+    register_worker(artifact_dir, model, WorkerEntry(worker, f"{WORKERS_DIRNAME}/{worker.capsule_name}", pack, pins))
     finished = time.perf_counter()
     seconds = finished - started
     phases = (
         ("extent_digests", hashed - started),
         ("pack", packed - hashed),
         ("capsule", written - packed),
-        ("descriptor", registered - written),
-        ("read_back", finished - registered),
+        ("descriptor", finished - written),
     )
     logger.info(
         "coldsnap: captured %s: %d model bytes in %d extents (pack %s, %d bytes), %d residual bytes, %.2f s",

@@ -19,7 +19,6 @@ import sys
 
 from coldsnap_core._io import refuse_symlink
 from coldsnap_core.artifact.overlay import OverlayListing, gc_overlays, list_overlays
-from coldsnap_core.artifact.parsed_capsules import ParsedCapsules
 from coldsnap_core.artifact.sleep_capsules import list_sleep_capsules, sweep_sleep_capsules
 from coldsnap_core.cache.garbage import DEFAULT_GC_AGE_SECONDS
 from coldsnap_core.cache.payload_cache import PayloadCache
@@ -179,15 +178,11 @@ def _gc(args: argparse.Namespace) -> int:
     overlays, unreadable = gc_overlays(cache.state_root, dry_run=args.dry_run)
     for o in overlays:
         print(f"{verb} overlay {o.path} ({o.status}: {o.reason})")
-    parsed = ParsedCapsules.in_state_root(cache.state_root).sweep(older_than_seconds=args.older_than, dry_run=args.dry_run)
-    for path, _ in parsed:
-        kind = "temporary" if path.name.endswith(".partial") else "record"  # a writer that died (docs/format.md §10.4)
-        print(f"{verb} parsed-capsule {kind} {path}")
     freed = report.bytes_freed + sum(e.size_bytes for e in sleep_capsules) + sum(o.size_bytes for o in overlays)
     print(
         f"{verb} {len(report.temporaries)} temporary, {len(report.quarantined)} quarantined, "
         f"{len(report.orphan_records)} orphan record(s), {len(sleep_capsules)} sleep capsule(s), {len(overlays)} stale or"
-        f" invalid overlay(s), {len(parsed)} parsed-capsule record(s); {freed + sum(size for _, size in parsed)} bytes",
+        f" invalid overlay(s); {freed} bytes",
         file=sys.stderr,
     )
     for o in unreadable:
@@ -232,16 +227,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     gc = sub.add_parser(
         "gc",
         parents=[state_root],
-        help="remove stale temporaries, quarantined objects, orphan records, parsed-capsule records, and overlays whose"
-        " portable artifact.json is gone or changed",
+        help="remove stale temporaries, quarantined objects, orphan records, and overlays whose portable artifact.json"
+        " is gone or changed",
     )
     gc.add_argument(
         "--older-than",
         type=_seconds,
         default=DEFAULT_GC_AGE_SECONDS,
         metavar="SECONDS",
-        help=f"only remove temporaries, quarantined objects and parsed-capsule records older than this (default"
-        f" {DEFAULT_GC_AGE_SECONDS:g})",
+        help=f"only remove temporaries and quarantined objects older than this (default {DEFAULT_GC_AGE_SECONDS:g})",
     )
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
     gc.set_defaults(func=_gc)

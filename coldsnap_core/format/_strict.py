@@ -1,30 +1,49 @@
-"""Strict JSON field access for the format documents.
+"""The one codec of coldsnap's JSON documents: each is declared once, and its bytes and its strict reading follow.
 
-Every document is parsed through :class:`Fields`, which refuses missing, mistyped and unknown keys,
-booleans where integers are expected, negative numbers and numbers that do not fit a signed 64-bit
-byte offset. Before that, :func:`parse_document` refuses what is not strict JSON: invalid UTF-8,
-``NaN``/``Infinity``, nesting deeper than the parser's recursion limit, and an object that repeats a
-key (JSON leaves the meaning open; two readers could disagree). Errors name the JSON path
+A document type is a frozen :class:`msgspec.Struct` (:class:`Document`; its objects :class:`Record`): the field
+types and :class:`msgspec.Meta` constraints (:data:`Offset`, :data:`Count`, :data:`Text`, :data:`Sha256`,
+:func:`matching`) say what each value may be, and each type's ``__post_init__`` holds its rules across fields
+(sorted unique names, ranks below sizes, the capture point's addresses, ...); a ``__post_init__`` runs when
+a document is read and when one is built, so the writer cannot build what the reader refuses.
+
+**Writing** (:func:`dump_document`): the bytes are exactly ``json.dumps(document, indent=2, sort_keys=True,
+ensure_ascii=False) + "\\n"`` (``docs/format.md`` §4), written by msgspec's encoder with sorted fields and
+reformatted with a two-space indent (``msgspec.json.format``).
+
+**Reading** (:func:`load_document`): msgspec decodes the bytes into the declared type, refusing what is not
+JSON (``NaN``/``Infinity`` included), unknown and missing fields, wrong types (``true``/``false`` and ``1.0``
+are not integers), values outside their constraints and the ``__post_init__`` rules. Two things msgspec lets
+through: an object that repeats a key (it keeps the last; JSON leaves the meaning open, so two readers could
+disagree) and an absent field that has a default in Python. Both are excluded by one comparison: a document is
+accepted at once only when it is byte for byte what :func:`dump_document` writes for what was read, which every
+document coldsnap writes is (SmolLM2-135M's two manifests: about 2 ms for the comparison). Anything else (another
+spelling of valid JSON, or a refusal) is read again with Python's ``json`` module, which refuses a repeated key,
+invalid UTF-8, a byte-order mark, a lone surrogate escape and nesting deeper than its recursion limit; then the
+header is checked, then msgspec's refusal is raised as the class below, naming the JSON path
 (``model_extents[3].offset_bytes``) and the file.
 
 Error classes (``coldsnap_core.errors``, all exit code 2): :class:`ManifestParseError` (not JSON),
 :class:`ManifestSchemaError` (missing, unknown, repeated or mistyped key; wrong document kind),
-:class:`UnsupportedFormatVersionError` (``format_version`` is not 9), :class:`ManifestValueError`
-(a value out of range or of the wrong form).
+:class:`UnsupportedFormatVersionError` (``format_version`` is not the document's version, checked before any
+other field), :class:`ManifestValueError` (a value out of range or of the wrong form; a rule across fields).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
+
+import msgspec
 
 from coldsnap_core._io import os_error
 from coldsnap_core.errors import (
+    ManifestError,
     ManifestParseError,
     ManifestSchemaError,
     ManifestValueError,
@@ -33,226 +52,255 @@ from coldsnap_core.errors import (
     UnsupportedFormatVersionError,
 )
 
-T = TypeVar("T")
-
 FORMAT_VERSION = 9
-"""The only artifact format version this release writes and reads (``docs/format.md`` §15, "Versioning")."""
+"""The only artifact format version this release writes and reads (``docs/format.md`` §16, "Versioning")."""
 
 MAX_OFFSET_BYTES = (1 << 63) - 1
 """Largest byte offset or size accepted anywhere (signed 64-bit, as in safetensors and ``off_t``)."""
 
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+Offset = Annotated[int, msgspec.Meta(ge=0, le=MAX_OFFSET_BYTES)]
+"""An integer in [0, :data:`MAX_OFFSET_BYTES`]: a byte offset or size, an index, a rank."""
+
+Count = Annotated[int, msgspec.Meta(ge=1, le=MAX_OFFSET_BYTES)]
+"""An integer in [1, :data:`MAX_OFFSET_BYTES`]: a size that may not be 0 (an extent's, a world's)."""
+
+Text = Annotated[str, msgspec.Meta(min_length=1)]
+"""A non-empty string."""
 
 
-class Fields:
-    """A cursor over one JSON object that hands out typed fields and rejects the rest.
+def matching(regex: str) -> Any:
+    """A string type whose values match ``regex`` as a whole (msgspec's ``pattern`` searches, so it is anchored)."""
+    return Annotated[str, msgspec.Meta(pattern=rf"^(?:{regex})\Z")]
 
-    Call :meth:`done` after reading every expected key: any key left over is an unknown field and
-    raises :class:`~coldsnap_core.errors.ManifestSchemaError`.
+
+Sha256 = matching("[0-9a-f]{64}")
+"""A SHA-256 digest: 64 lowercase hexadecimal characters."""
+
+MAX_DESCRIPTOR_BYTES = 8 << 20
+"""The largest ``artifact.json`` coldsnap reads (8 MiB; ``docs/format.md`` §4). It is the one document no
+pin bounds (manifests are read only at the size ``artifact.json`` pins), and Python's JSON parser needs about
+30 times a document's size in memory, so the cap bounds what a hostile descriptor costs each reader and rank
+(about 250 MiB). A descriptor takes under 1 KiB per worker: 8 MiB fits about 10,000 workers."""
+
+MAX_DOCUMENT_BYTES = 256 << 20
+"""The largest JSON document coldsnap reads (256 MiB; ``docs/format.md`` §4). A manifest takes a few
+hundred bytes per tensor and extent (SmolLM2-135M: about 200 KiB), so this leaves room for models with
+hundreds of thousands of tensors while bounding what a hostile file can make a reader allocate."""
+
+
+_ENCODER = msgspec.json.Encoder(order="sorted")
+
+
+class Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A JSON object of a document: frozen, every field required in the JSON (a Python default is never an
+    omission there), no other key accepted."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object this record is written as (keys as written, lists for tuples)."""
+        return msgspec.json.decode(_ENCODER.encode(self))
+
+
+class Document(Record, kw_only=True, tag_field="format"):
+    """A document: a :class:`Record` whose ``format`` key is its kind (the class's ``tag``) and whose
+    ``format_version`` is its version (:data:`FORMAT_VERSION` unless a subclass declares another)."""
+
+    format_version: Literal[9] = FORMAT_VERSION
+
+    MAX_BYTES: ClassVar[int] = MAX_DOCUMENT_BYTES
+    """The largest file of this kind :meth:`read` reads."""
+
+    def dumps(self) -> bytes:
+        return dump_document(self)
+
+    @classmethod
+    def loads(cls: type[D], data: str | bytes, *, file: str | None = None) -> D:
+        """Parse strictly (:func:`load_document`); raises a :class:`~coldsnap_core.errors.ManifestError` subclass."""
+        return load_document(cls, data, file=file)
+
+    @classmethod
+    def read(cls: type[D], path: str | Path) -> D:
+        """Read strictly (:func:`read_document`)."""
+        return read_document(path, cls, max_bytes=cls.MAX_BYTES)
+
+
+D = TypeVar("D", bound=Record)
+
+
+def dump_document(document: Any) -> bytes:
+    """The bytes of a document: exactly ``json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False) + "\\n"``
+    (``docs/format.md`` §4) for a :class:`Record` or plain JSON without floats."""
+    return msgspec.json.format(_ENCODER.encode(document), indent=2) + b"\n"
+
+
+@functools.cache
+def _decoder(kind: type[D]) -> msgspec.json.Decoder[D]:
+    return msgspec.json.Decoder(kind)
+
+
+def load_document(kind: type[D], data: str | bytes, *, file: str | None = None) -> D:
+    """Parse one document of type ``kind`` strictly (the module docstring says how).
+
+    Raises:
+        ManifestParseError: not UTF-8 JSON (``NaN``, ``Infinity`` and lone surrogates included), or nested too deeply.
+        ManifestSchemaError: a repeated, missing, unknown or mistyped key, or another document kind.
+        UnsupportedFormatVersionError: another ``format_version``.
+        ManifestValueError: a value out of its range or form, or a rule across fields.
     """
+    data = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
+    try:
+        document = _decoder(kind).decode(data)
+    except msgspec.DecodeError as exc:  # msgspec.ValidationError included
+        document, refusal = None, exc
+    else:
+        if dump_document(document) == data:
+            return document
+        refusal = None
+    raw = _parse_plain(data, file)
+    _check_header(kind, raw, file)
+    if refusal is not None:
+        raise _manifest_error(refusal, raw, file) from None
+    error = _spelling_error(document.to_json(), raw, "", file)
+    if error is not None:
+        raise error
+    return document
 
-    __slots__ = ("_file", "_index", "_obj", "_parent", "_plain", "_seen")
 
-    def __init__(self, obj: Any, where: str, file: str | None, *, index: int | None = None) -> None:
-        # A manifest holds thousands of objects and most are never named in an error: the JSON path of
-        # a list item is kept as (the list's path, the index) and written out only when an error needs it.
-        self._parent = where
-        self._index = index
-        self._file = file
-        if type(obj) is not dict and not isinstance(obj, Mapping):
-            raise ManifestSchemaError(f"{self._where or 'document'} must be a JSON object, got {type(obj).__name__}", file=file)
-        self._obj = obj
-        self._seen: set[str] = set()
-        # True only on a document's root whose text holds no ``true``, ``false`` or float (set by parse_document):
-        # there Python's ``==`` between parsed values is JSON equality (``1 == True == 1.0`` cannot arise).
-        self._plain = False
+def read_document(path: str | Path, kind: type[D], *, max_bytes: int | None = None) -> D:
+    """Read and strictly parse the document of type ``kind`` at ``path``.
 
-    @property
-    def _where(self) -> str:
-        return self._parent if self._index is None else f"{self._parent}[{self._index}]"
+    Raises:
+        MissingObjectError: the file does not exist.
+        NotRegularFileError / FileAccessError: a folder at ``path``, or it cannot be read.
+        ManifestError: any parse or schema failure (:func:`load_document`).
+    """
+    path = Path(path)
+    return load_document(kind, read_document_bytes(path, max_bytes=max_bytes), file=str(path))
 
-    def _path(self, key: str) -> str:
-        where = self._where
-        return f"{where}.{key}" if where else key
 
-    def _get(self, key: str) -> Any:
-        self._seen.add(key)
-        if key not in self._obj:
-            raise ManifestSchemaError(f"missing field {self._path(key)}", file=self._file)
-        return self._obj[key]
+def _parse_plain(data: bytes, file: str | None) -> Any:
+    """``data`` parsed by Python's ``json`` module, refusing what msgspec does not (or names less well).
 
-    @property
-    def raw(self) -> Mapping[str, Any]:
-        """The JSON object this cursor reads (as parsed, before any field check)."""
-        return self._obj
+    Raises:
+        ManifestParseError: a byte-order mark, invalid UTF-8, not JSON, ``NaN``/``Infinity``, nesting deeper
+            than the recursion limit, or a lone surrogate escape.
+        ManifestSchemaError: an object repeats a key.
+    """
+    if data.startswith(b"\xef\xbb\xbf"):
+        raise ManifestParseError("not UTF-8 JSON: it starts with a byte-order mark", file=file)
+    try:
+        # json.loads(bytes) would also take UTF-16 and UTF-32 (and lone surrogates, 'surrogatepass')
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ManifestParseError(f"not UTF-8 JSON: {exc}", file=file) from None
+    try:
+        raw = json.loads(text, object_pairs_hook=_refuse_duplicate_keys, parse_constant=_refuse_constant)
+    except _DuplicateKey as exc:
+        raise ManifestSchemaError(f"an object repeats the key {exc.key!r}", file=file) from exc
+    except (ValueError, RecursionError) as exc:
+        raise ManifestParseError(f"not valid JSON: {exc}", file=file) from exc
+    if _SURROGATE_ESCAPE.search(text):  # only then can a string hold a lone surrogate (not Unicode, not UTF-8)
+        _refuse_lone_surrogates(raw, file)
+    return raw
 
-    def same_as(self, key: str, other: Any) -> bool:
-        """Whether field ``key`` holds exactly the JSON value ``other``, so that ``1``, ``1.0`` and
-        ``true`` differ, as they do to the typed getters. Marks ``key`` read.
 
-        ``other`` must hold no ``true``, ``false`` or float: another document's field that the typed
-        getters already accepted as integers, strings, ``null``, lists and objects. Then, in a
-        document without those (``_plain``), Python's ``==`` decides (0.4 ms for a SmolLM2 allocation map);
-        otherwise both are compared as compact JSON text (7 ms).
+def _check_header(kind: type[Record], raw: Any, file: str | None) -> None:
+    """The checks made before any other field: a JSON object, of ``kind``'s ``format``, then its ``format_version``."""
+    if type(raw) is not dict:
+        raise ManifestSchemaError(f"document must be a JSON object, got {type(raw).__name__}", file=file)
+    expected_kind = kind.__struct_config__.tag
+    expected_version = next(f.default for f in msgspec.structs.fields(kind) if f.name == "format_version")
+    for key in ("format", "format_version"):
+        if key not in raw:
+            raise ManifestSchemaError(f"missing field {key}", file=file)
+    if not isinstance(raw["format"], str):
+        raise ManifestSchemaError(f"field format must be a string, got {type(raw['format']).__name__}", file=file)
+    if raw["format"] != expected_kind:
+        raise ManifestSchemaError(f"document kind is {raw['format']!r}, expected {expected_kind!r}", file=file)
+    version = raw["format_version"]
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ManifestSchemaError(f"format_version must be an integer, got {version!r}", file=file)
+    if version != expected_version:
+        raise UnsupportedFormatVersionError(
+            f"{expected_kind} declares format_version {version}; this release reads only {expected_version}", file=file
+        )
 
-        Raises:
-            ManifestSchemaError: ``key`` is missing.
-        """
-        value = self._get(key)
-        if value is other:
-            return True
-        if self._plain:
-            return bool(value == other)
-        return json.dumps(value, separators=(",", ":")) == json.dumps(other, separators=(",", ":"))
 
-    def has(self, key: str) -> bool:
-        return key in self._obj
+_REFUSAL = re.compile(r"(?P<what>.*?)(?: - at `\$\.?(?P<path>[^`]*)`)?", re.DOTALL)
+"""A :class:`msgspec.ValidationError`'s message: what was refused, and where (``$.model_extents[3].size_bytes``)."""
 
-    def str(self, key: str, *, pattern: re.Pattern[str] | None = None, allow_empty: bool = False) -> str:
-        value = self._get(key)
-        if type(value) is str and value and pattern is None:  # the common case
-            return value
-        if not isinstance(value, str):
-            raise ManifestSchemaError(f"field {self._path(key)} must be a string, got {type(value).__name__}", file=self._file)
-        if not allow_empty and not value:
-            raise ManifestValueError(f"field {self._path(key)} must not be empty", file=self._file)
-        if pattern is not None and not pattern.fullmatch(value):
-            raise ManifestValueError(f"field {self._path(key)}={value!r} does not match {pattern.pattern}", file=self._file)
-        return value
+_RULES: tuple[tuple[re.Pattern[str], type[ManifestError], str], ...] = tuple(
+    (re.compile(pattern), error, message)
+    for pattern, error, message in (
+        (r"Object missing required field `(.*)`", ManifestSchemaError, "missing field {at}{0}"),
+        (r"Object contains unknown field `(.*)`", ManifestSchemaError, "unknown field(s) {at}{0}"),
+        (r"Expected `int` >= (.*)", ManifestValueError, "field {path}={value} is below the minimum {0}"),
+        (r"Expected `int` <= (.*)", ManifestValueError, "field {path}={value} overflows the maximum {0}"),
+        (r"Expected `str` of length >= 1", ManifestValueError, "field {path} must not be empty"),
+        (r"Expected `str` matching regex '\^\(\?:(.*)\)\\\\Z'", ManifestValueError, "field {path}={value!r} does not match {0}"),
+        (r"Invalid enum value .*", ManifestValueError, "field {path}={value!r} is not one of its values"),
+        (r"Expected `(.*)`, got `(.*)`", ManifestSchemaError, "field {path} must be {expected}, got {1}"),
+    )
+)
+"""msgspec's refusals as coldsnap's: (message pattern, class, message); anything else is a ManifestSchemaError."""
 
-    def opt_str(self, key: str) -> str | None:
-        if self._obj.get(key, None) is None:
-            self._get(key)  # still required to be present
+
+_JSON_TYPES = {"int": "an integer", "str": "a string", "bool": "true or false", "array": "a list", "object": "a JSON object"}
+"""msgspec's names of the JSON types a field may hold, as the messages say them."""
+
+
+def _manifest_error(refusal: msgspec.DecodeError, raw: Any, file: str | None) -> ManifestError:
+    """The error a refusal of msgspec's is, naming the JSON path (``raw`` is the document, for the value)."""
+    if not isinstance(refusal, msgspec.ValidationError):
+        return ManifestParseError(f"not valid JSON: {refusal}", file=file)
+    match = _REFUSAL.fullmatch(str(refusal))
+    assert match is not None  # the pattern matches any text
+    what, path = match["what"], match["path"] or ""
+    if isinstance(refusal.__cause__, ValueError):  # a __post_init__ rule
+        return ManifestValueError(f"{path or 'document'}: {refusal.__cause__}", file=file)
+    for pattern, error, message in _RULES:
+        found = pattern.fullmatch(what)
+        if found is not None:
+            expected = " or ".join(_JSON_TYPES.get(name, name) for name in found.group(1).split(" | ")) if found.groups() else ""
+            details = {"path": path, "value": _value_at(raw, path), "at": f"{path}." if path else "", "expected": expected}
+            return error(message.format(*found.groups(), **details), file=file)
+    return ManifestSchemaError(f"field {path or 'document'}: {what}", file=file)
+
+
+_PATH_STEP = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def _value_at(raw: Any, path: str) -> Any:
+    """The JSON value at ``path`` (``allocations[0].tag``) in ``raw``, for a message; ``None`` if there is none."""
+    for key, index in _PATH_STEP.findall(path):
+        try:
+            raw = raw[int(index)] if index else raw[key]
+        except (KeyError, IndexError, TypeError):
             return None
-        return self.str(key)
-
-    def sha256(self, key: str) -> str:
-        return self.str(key, pattern=_SHA256_RE)
-
-    def opt_sha256(self, key: str) -> str | None:
-        """A SHA-256 digest (64 lowercase hex characters) or ``null``; the key must be present."""
-        if self._obj.get(key, None) is None:
-            self._get(key)
-            return None
-        return self.sha256(key)
-
-    def bool(self, key: str) -> bool:
-        value = self._get(key)
-        if not isinstance(value, bool):
-            raise ManifestSchemaError(
-                f"field {self._path(key)} must be true or false, got {type(value).__name__}", file=self._file
-            )
-        return value
-
-    def int(self, key: str, *, minimum: int = 0, maximum: int = MAX_OFFSET_BYTES) -> int:
-        self._seen.add(key)
-        value = self._obj.get(key, _MISSING)
-        if type(value) is int and minimum <= value <= maximum:  # the common case, without building a path
-            return value
-        return self._check_int(self._get(key), self._path(key), minimum, maximum)
-
-    def opt_int(self, key: str, *, minimum: int = 0, maximum: int = MAX_OFFSET_BYTES) -> int | None:
-        value = self._get(key)
-        if value is None:
-            return None
-        return self._check_int(value, self._path(key), minimum, maximum)
-
-    def _check_int(self, value: Any, path: str, minimum: int, maximum: int) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ManifestSchemaError(f"field {path} must be an integer, got {type(value).__name__}", file=self._file)
-        if value < minimum:
-            raise ManifestValueError(f"field {path}={value} is below the minimum {minimum}", file=self._file)
-        if value > maximum:
-            raise ManifestValueError(f"field {path}={value} overflows the maximum {maximum}", file=self._file)
-        return value
-
-    def int_tuple(self, key: str, *, minimum: int = 0) -> tuple[int, ...]:
-        items = self._get(key)
-        if not isinstance(items, list):
-            raise ManifestSchemaError(f"field {self._path(key)} must be a list, got {type(items).__name__}", file=self._file)
-        if all(type(v) is int and minimum <= v <= MAX_OFFSET_BYTES for v in items):  # the common case
-            return tuple(items)
-        return tuple(self._check_int(v, f"{self._path(key)}[{i}]", minimum, MAX_OFFSET_BYTES) for i, v in enumerate(items))
-
-    def obj(self, key: str, parse: Callable[[Fields], T]) -> T:
-        return parse(Fields(self._get(key), self._path(key), self._file))
-
-    def opt_obj(self, key: str, parse: Callable[[Fields], T]) -> T | None:
-        if self._get(key) is None:
-            return None
-        return self.obj(key, parse)
-
-    def list(self, key: str, parse: Callable[[Fields], T], *, fast: Callable[[Any], T | None] | None = None) -> tuple[T, ...]:
-        """The list at ``key``, each item parsed with ``parse``.
-
-        Args:
-            fast: for lists of thousands of items (allocations, extents): takes one item's JSON value and
-                returns its parsed form when the item passes every rule of ``parse``, else ``None``; the
-                item is then parsed by ``parse``, which raises the error naming its JSON path. It must
-                never accept an item ``parse`` refuses (``tests/core/test_strict_fast_paths.py``).
-        """
-        items = self._get(key)
-        if not isinstance(items, list):
-            raise ManifestSchemaError(f"field {self._path(key)} must be a list, got {type(items).__name__}", file=self._file)
-        path = self._path(key)
-        file = self._file
-        if fast is None:
-            return tuple([parse(Fields(item, path, file, index=i)) for i, item in enumerate(items)])
-        parsed = []
-        for i, item in enumerate(items):
-            value = fast(item)
-            parsed.append(parse(Fields(item, path, file, index=i)) if value is None else value)
-        return tuple(parsed)
-
-    def header(self, kind: str) -> None:
-        """Check the ``format`` and ``format_version`` keys every document starts with."""
-        found = self.str("format")
-        if found != kind:
-            raise ManifestSchemaError(f"document kind is {found!r}, expected {kind!r}", file=self._file)
-        version = self._get("format_version")
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise ManifestSchemaError(f"format_version must be an integer, got {version!r}", file=self._file)
-        if version != FORMAT_VERSION:
-            raise UnsupportedFormatVersionError(
-                f"{kind} declares format_version {version}; this release reads only {FORMAT_VERSION}", file=self._file
-            )
-
-    def done(self) -> None:
-        if self._seen.issuperset(self._obj):
-            return
-        unknown = sorted(set(self._obj) - self._seen)
-        if unknown:
-            raise ManifestSchemaError(f"unknown field(s) {', '.join(self._path(k) for k in unknown)}", file=self._file)
-
-    def error(self, detail: str) -> ManifestValueError:
-        """A :class:`ManifestValueError` located at this object."""
-        return ManifestValueError(f"{self._where or 'document'}: {detail}", file=self._file)
+    return raw
 
 
-def offset_tuple(values: Any) -> tuple[int, ...] | None:
-    """``values`` as a tuple when it is a JSON list of integers in [0, :data:`MAX_OFFSET_BYTES`] (a shape,
-    a stride), else ``None``: the fast paths' form of :meth:`Fields.int_tuple`."""
-    if type(values) is not list:
+def _spelling_error(written: Any, raw: Any, path: str, file: str | None) -> ManifestSchemaError | None:
+    """Where the JSON value ``raw`` of a valid document differs from what :func:`dump_document` writes for it
+    (``written``): a key it writes that ``raw`` lacks (a field with a Python default), or a key ``raw`` holds that
+    it leaves out (``docs/format.md`` §4.3's data parallel fields); ``None`` when there is neither."""
+    if isinstance(written, dict):
+        at = f"{path}." if path else ""
+        missing = [key for key in written if key not in raw]
+        if missing:
+            return ManifestSchemaError(f"missing field {at}{missing[0]}", file=file)
+        extra = [key for key in raw if key not in written]
+        if extra:
+            return ManifestSchemaError(f"field {at}{extra[0]} must be left out with these values", file=file)
+        items = [(written[key], raw[key], f"{path}.{key}" if path else key) for key in written]
+    elif isinstance(written, list):
+        items = [(value, other, f"{path}[{i}]") for i, (value, other) in enumerate(zip(written, raw, strict=True))]
+    else:
         return None
-    for value in values:
-        if type(value) is not int or value < 0 or value > MAX_OFFSET_BYTES:
-            return None
-    return tuple(values)
-
-
-def is_offset(value: Any, minimum: int = 0) -> bool:
-    """Whether ``value`` passes :meth:`Fields.int` (an ``int``, not a ``bool``, in [``minimum``,
-    :data:`MAX_OFFSET_BYTES`]); for the fast paths."""
-    return type(value) is int and minimum <= value <= MAX_OFFSET_BYTES
-
-
-def is_sha256(value: Any) -> bool:
-    """Whether ``value`` passes :meth:`Fields.sha256` (64 lowercase hex characters); for the fast paths."""
-    return type(value) is str and _SHA256_RE.fullmatch(value) is not None
-
-
-_MISSING = object()
-"""A default that no JSON value equals (:meth:`Fields.int`'s fast path)."""
+    for value, other, where in items:
+        error = _spelling_error(value, other, where, file)
+        if error is not None:
+            return error
+    return None
 
 
 class _DuplicateKey(ValueError):
@@ -274,44 +322,6 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
-
-
-def parse_document(text: str | bytes, parse: Callable[[Fields], T], *, file: str | None = None) -> T:
-    """Parse one JSON document strictly with ``parse``; see :class:`Fields`.
-
-    Raises:
-        ManifestParseError: not UTF-8 JSON (``NaN`` and ``Infinity`` included), or nested too deeply.
-        ManifestSchemaError: an object repeats a key (JSON leaves that undefined; coldsnap refuses it),
-            or any :class:`Fields` rule.
-        ManifestValueError / UnsupportedFormatVersionError: see :class:`Fields`.
-    """
-    if isinstance(text, bytes | bytearray | memoryview):
-        data = bytes(text)
-        if data.startswith(b"\xef\xbb\xbf"):
-            raise ManifestParseError("not UTF-8 JSON: it starts with a byte-order mark", file=file)
-        try:
-            # json.loads(bytes) would also take UTF-16 and UTF-32 (and lone surrogates, 'surrogatepass')
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ManifestParseError(f"not UTF-8 JSON: {exc}", file=file) from None
-    floats: list[str] = []
-
-    def parse_float(number: str) -> float:
-        floats.append(number)
-        return float(number)
-
-    try:
-        raw = json.loads(text, object_pairs_hook=_refuse_duplicate_keys, parse_constant=_refuse_constant, parse_float=parse_float)
-    except _DuplicateKey as exc:
-        raise ManifestSchemaError(f"an object repeats the key {exc.key!r}", file=file) from exc
-    except (ValueError, RecursionError) as exc:
-        raise ManifestParseError(f"not valid JSON: {exc}", file=file) from exc
-    if _SURROGATE_ESCAPE.search(text):  # only then can a string hold a lone surrogate (not Unicode, not UTF-8)
-        _refuse_lone_surrogates(raw, file)
-    root = Fields(raw, "", file)
-    # "true" or "false" anywhere (inside a string too) counts: a cheap, conservative test for a boolean.
-    root._plain = not floats and "true" not in text and "false" not in text
-    return parse(root)
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -336,30 +346,6 @@ def _refuse_lone_surrogates(value: Any, file: str | None) -> None:
                 raise ManifestParseError(
                     f"not UTF-8 JSON: the string {item!r} holds a lone surrogate escape", file=file
                 ) from None
-
-
-def read_document(path: str | Path, parse: Callable[[Fields], T], *, max_bytes: int | None = None) -> T:
-    """Read and strictly parse the JSON document at ``path``.
-
-    Raises:
-        MissingObjectError: the file does not exist.
-        NotRegularFileError / FileAccessError: a folder at ``path``, or it cannot be read.
-        ManifestError: any parse or schema failure (see :class:`Fields`).
-    """
-    path = Path(path)
-    return parse_document(read_document_bytes(path, max_bytes=max_bytes), parse, file=str(path))
-
-
-MAX_DESCRIPTOR_BYTES = 8 << 20
-"""The largest ``artifact.json`` coldsnap reads (8 MiB; ``docs/format.md`` §4). It is the one document no
-pin bounds (manifests are read only at the size ``artifact.json`` pins), and Python's JSON parser needs about
-30 times a document's size in memory, so the cap bounds what a hostile descriptor costs each reader and rank
-(about 250 MiB). A descriptor takes under 1 KiB per worker: 8 MiB fits about 10,000 workers."""
-
-MAX_DOCUMENT_BYTES = 256 << 20
-"""The largest JSON document coldsnap reads (256 MiB; ``docs/format.md`` §4). A manifest takes a few
-hundred bytes per tensor and extent (SmolLM2-135M: about 200 KiB), so this leaves room for models with
-hundreds of thousands of tensors while bounding what a hostile file can make a reader allocate."""
 
 
 def read_document_bytes(path: Path, *, check_size: Callable[[int], None] | None = None, max_bytes: int | None = None) -> bytes:
@@ -416,78 +402,3 @@ def read_document_bytes(path: Path, *, check_size: Callable[[int], None] | None 
         raise os_error("document cannot be read", exc, path) from exc
     finally:
         os.close(fd)
-
-
-def dump_document(obj: Mapping[str, Any]) -> bytes:
-    """Serialize a document deterministically: sorted keys, two-space indent, UTF-8, final newline.
-
-    The bytes are exactly ``json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\\n"``
-    (``docs/format.md`` §4). CPython's C encoder does not indent, and its pure-Python indenting
-    encoder took 30 ms of a 360 ms SmolLM2 capture for the two manifests; :func:`_indented` writes
-    the same text in about half the time. A value outside what the documents hold (``str``, ``int``,
-    ``bool``, ``None``, lists, tuples and dicts with ``str`` keys) falls back to ``json.dumps``.
-    """
-    try:
-        text = _indented(obj)
-    except (_NotPlainJSON, RecursionError):  # json.dumps then gives its own result or error (a cycle: ValueError)
-        text = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False)
-    return (text + "\n").encode("utf-8")
-
-
-class _NotPlainJSON(Exception):
-    """A value :func:`_indented` leaves to ``json.dumps`` (a float, a non-str key, another type)."""
-
-
-def _indented(document: Any) -> str:
-    """``json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False)`` for plain documents.
-
-    Raises:
-        _NotPlainJSON: ``document`` holds a value other than ``str``, ``int`` (not a subclass),
-            ``True``/``False``/``None``, a list or tuple, or a dict whose keys are all ``str``.
-    """
-    parts: list[str] = []
-    append = parts.append
-    quote = json.encoder.encode_basestring  # the encoder json.dumps uses with ensure_ascii=False
-
-    def encode(value: Any, indent: str) -> None:
-        kind = type(value)
-        if kind is str:
-            append(quote(value))
-        elif kind is int:
-            append(int.__repr__(value))
-        elif value is None or value is True or value is False:
-            append("null" if value is None else "true" if value else "false")
-        elif kind is dict:
-            if not value:
-                append("{}")
-                return
-            if any(type(key) is not str for key in value):
-                raise _NotPlainJSON
-            inner = indent + "  "
-            separator = "{\n" + inner
-            for key in sorted(value):
-                append(separator)
-                append(quote(key))
-                append(": ")
-                encode(value[key], inner)
-                separator = ",\n" + inner
-            append("\n" + indent + "}")
-        elif kind is list or kind is tuple:
-            if not value:
-                append("[]")
-                return
-            inner = indent + "  "
-            if all(type(item) is int for item in value):  # shapes, strides: one short line each
-                append("[\n" + inner + (",\n" + inner).join(map(int.__repr__, value)) + "\n" + indent + "]")
-                return
-            separator = "[\n" + inner
-            for item in value:
-                append(separator)
-                encode(item, inner)
-                separator = ",\n" + inner
-            append("\n" + indent + "]")
-        else:
-            raise _NotPlainJSON
-
-    encode(document, "")
-    return "".join(parts)

@@ -15,12 +15,11 @@ fingerprint, and a different model, dtype or layer count has another one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-import re
-from dataclasses import dataclass, field
 
-from coldsnap_core.format._strict import Fields, is_offset, offset_tuple
+from coldsnap_core.format._strict import Offset, Record, Text, matching
 
 #: Size in bytes of one element of each dtype a tensor placement may name (torch dtype names).
 DTYPE_ITEMSIZE_BYTES: dict[str, int] = {
@@ -48,29 +47,36 @@ DTYPE_ITEMSIZE_BYTES: dict[str, int] = {
     "complex128": 16,
 }
 
-_TAG_RE = re.compile(r"[A-Za-z0-9_.-]+")
-_PLACEMENT_KEYS = frozenset(("name", "dtype", "shape", "stride", "offset_bytes"))
-_ALLOCATION_KEYS = frozenset(("index", "size_bytes", "tag", "address", "tensors"))
+Tag = matching("[A-Za-z0-9_.-]+")
+"""An allocation's tag: ``parameter``, ``buffer``, ``weights``, ..."""
 _LAYOUT_FINGERPRINT_DOMAIN = b"coldsnap-layout-v1\n"
 
 
-@dataclass(frozen=True, slots=True)
-class TensorPlacement:
+class TensorPlacement(Record):
     """One tensor (a parameter, a buffer, or an alias of one) hosted by an allocation.
 
     Attributes:
         name: the tensor's qualified name in the model (``model.layers.0.mlp.down_proj.weight``).
         dtype: torch dtype name without the ``torch.`` prefix (a key of :data:`DTYPE_ITEMSIZE_BYTES`).
         shape: the tensor's shape, in elements.
-        stride: the tensor's strides, in elements (as ``torch.Tensor.stride()``).
+        stride: the tensor's strides, in elements (as ``torch.Tensor.stride()``), as many as ``shape``.
         offset_bytes: byte offset of element 0 within the allocation.
+
+    Raises:
+        ValueError: an unknown dtype, or a stride of another rank than the shape.
     """
 
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset_bytes: int
+    name: Text
+    dtype: Text
+    shape: tuple[Offset, ...]
+    stride: tuple[Offset, ...]
+    offset_bytes: Offset
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_ITEMSIZE_BYTES:
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+        if len(self.shape) != len(self.stride):
+            raise ValueError(f"shape {self.shape} and stride {self.stride} differ in rank")
 
     @property
     def itemsize_bytes(self) -> int:
@@ -86,55 +92,8 @@ class TensorPlacement:
             last += (n - 1) * s
         return (last + 1) * DTYPE_ITEMSIZE_BYTES[self.dtype]
 
-    def to_json(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "stride": list(self.stride),
-            "offset_bytes": self.offset_bytes,
-        }
 
-    @classmethod
-    def from_plain(cls, raw: object) -> TensorPlacement | None:
-        """:meth:`from_fields`'s result when ``raw`` passes each of its rules, else ``None`` (the fast path
-        of :meth:`Fields.list`; no error is built here)."""
-        if type(raw) is not dict or raw.keys() != _PLACEMENT_KEYS:
-            return None
-        name, dtype, offset_bytes = raw["name"], raw["dtype"], raw["offset_bytes"]
-        shape, stride = offset_tuple(raw["shape"]), offset_tuple(raw["stride"])
-        if (
-            type(name) is not str
-            or not name
-            or type(dtype) is not str
-            or dtype not in DTYPE_ITEMSIZE_BYTES
-            or not is_offset(offset_bytes)
-            or shape is None
-            or stride is None
-            or len(shape) != len(stride)
-        ):
-            return None
-        return cls(name, dtype, shape, stride, offset_bytes)
-
-    @classmethod
-    def from_fields(cls, f: Fields) -> TensorPlacement:
-        placement = cls(
-            name=f.str("name"),
-            dtype=f.str("dtype"),
-            shape=f.int_tuple("shape"),
-            stride=f.int_tuple("stride"),
-            offset_bytes=f.int("offset_bytes"),
-        )
-        f.done()
-        if placement.dtype not in DTYPE_ITEMSIZE_BYTES:
-            raise f.error(f"unknown dtype {placement.dtype!r}")
-        if len(placement.shape) != len(placement.stride):
-            raise f.error(f"shape {placement.shape} and stride {placement.stride} differ in rank")
-        return placement
-
-
-@dataclass(frozen=True, slots=True)
-class Allocation:
+class Allocation(Record):
     """One preserved weight allocation.
 
     Attributes:
@@ -145,64 +104,24 @@ class Allocation:
         address: the captured virtual address (native capture point), or ``None`` (portable: host
             addresses are meaningless across processes).
         tensors: the tensors whose storage is this allocation, in enumeration order.
+
+    Raises:
+        ValueError: a tensor reaches beyond ``size_bytes``.
     """
 
-    index: int
-    size_bytes: int
-    tag: str
-    address: int | None
+    index: Offset
+    size_bytes: Offset
+    tag: Tag
+    address: Offset | None
     tensors: tuple[TensorPlacement, ...]
 
-    def to_json(self) -> dict[str, object]:
-        return {
-            "index": self.index,
-            "size_bytes": self.size_bytes,
-            "tag": self.tag,
-            "address": self.address,
-            "tensors": [t.to_json() for t in self.tensors],
-        }
-
-    @classmethod
-    def from_plain(cls, raw: object) -> Allocation | None:
-        """:meth:`from_fields`'s result when ``raw`` passes each of its rules, else ``None`` (the fast path
-        of :meth:`Fields.list`)."""
-        if type(raw) is not dict or raw.keys() != _ALLOCATION_KEYS:
-            return None
-        index, size_bytes, tag, address, items = raw["index"], raw["size_bytes"], raw["tag"], raw["address"], raw["tensors"]
-        if (
-            not is_offset(index)
-            or not is_offset(size_bytes)
-            or type(tag) is not str
-            or _TAG_RE.fullmatch(tag) is None
-            or not (address is None or is_offset(address))
-            or type(items) is not list
-        ):
-            return None
-        tensors = []
-        for item in items:
-            tensor = TensorPlacement.from_plain(item)
-            if tensor is None or tensor.offset_bytes + tensor.span_bytes > size_bytes:
-                return None
-            tensors.append(tensor)
-        return cls(index, size_bytes, tag, address, tuple(tensors))
-
-    @classmethod
-    def from_fields(cls, f: Fields) -> Allocation:
-        allocation = cls(
-            index=f.int("index"),
-            size_bytes=f.int("size_bytes"),
-            tag=f.str("tag", pattern=_TAG_RE),
-            address=f.opt_int("address"),
-            tensors=f.list("tensors", TensorPlacement.from_fields, fast=TensorPlacement.from_plain),
-        )
-        f.done()
-        for tensor in allocation.tensors:
-            if tensor.offset_bytes + tensor.span_bytes > allocation.size_bytes:
-                raise f.error(
+    def __post_init__(self) -> None:
+        for tensor in self.tensors:
+            if tensor.offset_bytes + tensor.span_bytes > self.size_bytes:
+                raise ValueError(
                     f"tensor {tensor.name} spans bytes [{tensor.offset_bytes}, {tensor.offset_bytes + tensor.span_bytes})"
-                    f" beyond the allocation's {allocation.size_bytes} bytes"
+                    f" beyond the allocation's {self.size_bytes} bytes"
                 )
-        return allocation
 
 
 def canonical_layout_json(allocations: tuple[Allocation, ...]) -> str:
@@ -228,31 +147,30 @@ def canonical_layout_json(allocations: tuple[Allocation, ...]) -> str:
     return "[" + ",".join(parts) + "]"
 
 
-@dataclass(frozen=True, slots=True)
-class AllocationMap:
-    """The ordered list of preserved allocations of one worker.
+class AllocationMap(tuple[Allocation, ...]):
+    """The ordered allocations of one worker: a tuple whose item ``i`` has index ``i``.
 
-    Invariant (checked by :meth:`from_fields` and :meth:`__post_init__`): ``allocations[i].index == i``.
+    A manifest's ``allocations`` field is read as a tuple and held as this type (its ``__post_init__``).
+
+    Raises:
+        ValueError: an allocation's index is not its position.
     """
 
-    allocations: tuple[Allocation, ...]
-    _fingerprint: str | None = field(default=None, init=False, repr=False, compare=False)
-    """:meth:`layout_fingerprint`, once computed (a restore needs it for the manifest and the live model)."""
-
-    def __post_init__(self) -> None:
-        for position, allocation in enumerate(self.allocations):
+    def __new__(cls, allocations: tuple[Allocation, ...] | list[Allocation] = ()) -> AllocationMap:
+        self = super().__new__(cls, allocations)
+        for position, allocation in enumerate(self):
             if allocation.index != position:
-                raise ValueError(f"allocation at position {position} has index {allocation.index}")
+                raise ValueError(f"allocations[{position}] has index {allocation.index}; indices must be 0, 1, 2, ...")
+        return self
 
-    def __len__(self) -> int:
-        return len(self.allocations)
-
-    def __getitem__(self, index: int) -> Allocation:
-        return self.allocations[index]
+    @property
+    def allocations(self) -> tuple[Allocation, ...]:
+        """The allocations in index order (the map itself)."""
+        return self
 
     @property
     def total_bytes(self) -> int:
-        return sum(a.size_bytes for a in self.allocations)
+        return sum(a.size_bytes for a in self)
 
     def layout_fingerprint(self) -> str:
         """SHA-256 (hex) of the canonical layout: every field except the addresses.
@@ -261,20 +179,9 @@ class AllocationMap:
         or on any node; a different dtype, shape, tensor name, tensor order, allocation size or
         tag changes it. Computed once per map (a map is immutable).
         """
-        if self._fingerprint is not None:
-            return self._fingerprint
-        text = canonical_layout_json(self.allocations).encode()
-        fingerprint = hashlib.sha256(_LAYOUT_FINGERPRINT_DOMAIN + text).hexdigest()
-        object.__setattr__(self, "_fingerprint", fingerprint)  # a frozen dataclass: the memo is not a field value
-        return fingerprint
+        return self._fingerprint
 
-    def to_json(self) -> list[object]:
-        return [a.to_json() for a in self.allocations]
-
-    @classmethod
-    def from_fields_list(cls, f: Fields, key: str) -> AllocationMap:
-        allocations = f.list(key, Allocation.from_fields, fast=Allocation.from_plain)
-        for position, allocation in enumerate(allocations):
-            if allocation.index != position:
-                raise f.error(f"{key}[{position}] has index {allocation.index}; indices must be 0, 1, 2, ...")
-        return cls(allocations)
+    @functools.cached_property
+    def _fingerprint(self) -> str:
+        text = canonical_layout_json(self).encode()
+        return hashlib.sha256(_LAYOUT_FINGERPRINT_DOMAIN + text).hexdigest()

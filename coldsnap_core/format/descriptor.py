@@ -19,18 +19,13 @@ configuration; signing it is out of scope.
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-from pathlib import Path
-from typing import ClassVar
-
-from coldsnap_core.format._strict import MAX_DESCRIPTOR_BYTES, Fields, dump_document, parse_document, read_document
+from coldsnap_core.format._strict import MAX_DESCRIPTOR_BYTES, Document, Record, matching
 from coldsnap_core.format.content_ref import ContentRef
 from coldsnap_core.format.manifest import (
-    CAPSULE_FILENAME_RE,
     CAPSULE_NAME_RE,
     NATIVE_MANIFEST_FILENAME,
     RECOVERY_MANIFEST_FILENAME,
+    CapsuleFileName,
     ModelIdentity,
     PackRef,
     WorkerIdentity,
@@ -43,10 +38,9 @@ SEED_FILENAMES = ("derived-cache.json", "derived-cache.tar")
 DESCRIPTOR_FILENAME = "artifact.json"
 WORKERS_DIRNAME = "workers"
 
-_CAPSULE_RE = re.compile(rf"workers/{CAPSULE_NAME_RE.pattern}")
+CapsuleFolder = matching(rf"workers/{CAPSULE_NAME_RE.pattern}")
 
 
-@dataclass(frozen=True, slots=True)
 class CapsuleFile(ContentRef):
     """The pin of one file of a unit capsule, recorded in ``artifact.json`` (a
     :class:`~coldsnap_core.format.content_ref.ContentRef`; JSON keys ``name``, ``size_bytes``, ``sha256``).
@@ -59,15 +53,15 @@ class CapsuleFile(ContentRef):
         sha256: SHA-256 (lowercase hex) of the whole file.
     """
 
-    NAME_PATTERN: ClassVar[re.Pattern[str] | None] = CAPSULE_FILENAME_RE
+    name: CapsuleFileName
 
 
-def check_capsule_file_names(f: Fields, pins: tuple[CapsuleFile, ...]) -> None:
+def check_capsule_file_names(pins: tuple[CapsuleFile, ...]) -> None:
     """The pins of a capsule are its four files (both manifests, ``target.json`` and the residual
     blob), each once, sorted by name (``docs/format.md`` §5 and §15.3).
 
     Raises:
-        ManifestValueError: any other list, located at ``f``.
+        ValueError: any other list.
     """
     names = [p.name for p in pins]
     documents = {NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, TARGET_FILENAME}
@@ -75,14 +69,13 @@ def check_capsule_file_names(f: Fields, pins: tuple[CapsuleFile, ...]) -> None:
     seed = [n for n in names if n in SEED_FILENAMES]
     core = [n for n in names if n not in SEED_FILENAMES]
     if len(core) != 4 or names != sorted(set(names)) or not documents <= set(core) or seed not in ([], sorted(SEED_FILENAMES)):
-        raise f.error(
+        raise ValueError(
             f"capsule_files names {names}; expected the capsule's four files (both manifests, {TARGET_FILENAME} and"
             " the residual blob), and optionally a derived-cache seed's two, each once, sorted by name"
         )
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerEntry:
+class WorkerEntry(Record):
     """One worker of an artifact.
 
     Attributes:
@@ -92,51 +85,57 @@ class WorkerEntry:
         capsule_files: the pins of the capsule's four files, sorted by name: both manifests,
             ``target.json`` and the residual blob (its ``sha256`` and ``size_bytes`` equal the native
             manifest's ``residual``).
+
+    Raises:
+        ValueError: ``capsule`` is not the worker's capsule folder, or the pins are not the capsule's files
+            (:func:`check_capsule_file_names`).
     """
 
     worker: WorkerIdentity
-    capsule: str
+    capsule: CapsuleFolder
     payload: PackRef
     capsule_files: tuple[CapsuleFile, ...]
+
+    def __post_init__(self) -> None:
+        if self.capsule != f"{WORKERS_DIRNAME}/{self.worker.capsule_name}":
+            raise ValueError(f"capsule {self.capsule!r} is not the worker's capsule folder")
+        check_capsule_file_names(self.capsule_files)
 
     def pin(self, name: str) -> CapsuleFile | None:
         """The pin of the capsule file ``name``, or ``None``."""
         return next((p for p in self.capsule_files if p.name == name), None)
 
-    def to_json(self) -> dict[str, object]:
-        return {
-            "worker": self.worker.to_json(),
-            "capsule": self.capsule,
-            "payload": self.payload.to_json(),
-            "capsule_files": [p.to_json() for p in self.capsule_files],
-        }
 
-    @classmethod
-    def from_fields(cls, f: Fields) -> WorkerEntry:
-        entry = cls(
-            worker=f.obj("worker", WorkerIdentity.from_fields),
-            capsule=f.str("capsule", pattern=_CAPSULE_RE),
-            payload=f.obj("payload", PackRef.from_fields),
-            capsule_files=f.list("capsule_files", CapsuleFile.from_fields),
-        )
-        f.done()
-        if entry.capsule != f"{WORKERS_DIRNAME}/{entry.worker.capsule_name}":
-            raise f.error(f"capsule {entry.capsule!r} is not the worker's capsule folder")
-        check_capsule_file_names(f, entry.capsule_files)
-        return entry
-
-
-@dataclass(frozen=True, slots=True)
-class ArtifactDescriptor:
+class ArtifactDescriptor(Document, tag=ARTIFACT_KIND):
     """``artifact.json``: the model identity and the worker list, sorted by (role, data parallel rank, rank).
 
     Attributes:
         model: the pinned model identity shared by every worker.
-        workers: one entry per worker that has captured.
+        workers: one entry per worker that has captured, at least one.
+
+    Raises:
+        ValueError: no worker, two entries of one worker, entries out of order, or of several worlds.
     """
+
+    MAX_BYTES = MAX_DESCRIPTOR_BYTES
 
     model: ModelIdentity
     workers: tuple[WorkerEntry, ...]
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            raise ValueError("workers is empty; an artifact lists at least one captured worker")
+        keys = [w.worker.sort_key for w in self.workers]
+        if len(set(keys)) != len(keys):
+            raise ValueError("two worker entries have the same (role, data parallel rank, rank)")
+        if keys != sorted(keys):
+            raise ValueError("worker entries are not sorted by (role, data parallel rank, rank)")
+        worlds = sorted({w.worker.world for w in self.workers})
+        if len(worlds) > 1:
+            raise ValueError(
+                f"worker entries of several world sizes or data parallel sizes, (world size, data parallel size) {worlds};"
+                " one artifact holds one world"
+            )
 
     def with_worker(self, entry: WorkerEntry) -> ArtifactDescriptor:
         """A copy with ``entry`` added, replacing any entry of the same worker (role, data parallel rank,
@@ -151,43 +150,3 @@ class ArtifactDescriptor:
     def distinct_payloads(self) -> tuple[PackRef, ...]:
         """Each payload digest once, in digest order."""
         return tuple(sorted({w.payload.sha256: w.payload for w in self.workers}.values(), key=lambda p: p.sha256))
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "format": ARTIFACT_KIND,
-            "format_version": 9,
-            "model": self.model.to_json(),
-            "workers": [w.to_json() for w in self.workers],
-        }
-
-    def dumps(self) -> bytes:
-        return dump_document(self.to_json())
-
-    @classmethod
-    def from_fields(cls, f: Fields) -> ArtifactDescriptor:
-        f.header(ARTIFACT_KIND)
-        descriptor = cls(model=f.obj("model", ModelIdentity.from_fields), workers=f.list("workers", WorkerEntry.from_fields))
-        f.done()
-        if not descriptor.workers:
-            raise f.error("workers is empty; an artifact lists at least one captured worker")
-        keys = [w.worker.sort_key for w in descriptor.workers]
-        if len(set(keys)) != len(keys):
-            raise f.error("two worker entries have the same (role, data parallel rank, rank)")
-        if keys != sorted(keys):
-            raise f.error("worker entries are not sorted by (role, data parallel rank, rank)")
-        worlds = sorted({w.worker.world for w in descriptor.workers})
-        if len(worlds) > 1:
-            raise f.error(
-                f"worker entries of several world sizes or data parallel sizes, (world size, data parallel size) {worlds};"
-                " one artifact holds one world"
-            )
-        return descriptor
-
-    @classmethod
-    def loads(cls, text: str | bytes, *, file: str | None = None) -> ArtifactDescriptor:
-        return parse_document(text, cls.from_fields, file=file)
-
-    @classmethod
-    def read(cls, path: str | Path) -> ArtifactDescriptor:
-        """Read and parse ``artifact.json``, at most :data:`MAX_DESCRIPTOR_BYTES` (else ``ManifestParseError``)."""
-        return read_document(path, cls.from_fields, max_bytes=MAX_DESCRIPTOR_BYTES)

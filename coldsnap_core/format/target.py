@@ -11,16 +11,26 @@ The values are collected by :func:`coldsnap_core.identity.target.collect_target`
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Literal
 
-from coldsnap_core.format._strict import Fields, dump_document, parse_document, read_document
+import msgspec
+
+from coldsnap_core.format._strict import (
+    FORMAT_VERSION,
+    Offset,
+    Record,
+    Text,
+    dump_document,
+    load_document,
+    matching,
+    read_document,
+)
 
 TARGET_KIND = "coldsnap.target"
 TARGET_FILENAME = "target.json"
 
-ENGINE_RE = re.compile(r"[a-z][a-z0-9_-]*")
+Engine = matching("[a-z][a-z0-9_-]*")
 """An engine name: ``vllm``, ``sglang``, or ``none`` for a capture without an engine."""
 
 QUALIFYING_FIELDS: tuple[str, ...] = (
@@ -38,8 +48,7 @@ INFORMATIONAL_FIELDS: tuple[str, ...] = ("coldsnap_version", "accelerator_count"
 """Recorded, shown by ``coldsnap inspect``, never compared for replay (``docs/format.md`` §15.1)."""
 
 
-@dataclass(frozen=True, slots=True)
-class TargetIdentity:
+class TargetIdentity(Record):
     """The runtime one worker ran on (``docs/format.md`` §15.1 gives every field).
 
     Attributes:
@@ -56,26 +65,20 @@ class TargetIdentity:
         host: this host's name (``socket.gethostname()``).
     """
 
-    engine: str
-    engine_version: str | None
-    coldsnap_version: str
-    torch_version: str
-    torch_cuda_version: str | None
-    device_type: str
-    accelerator_model: str | None
-    accelerator_count: int
-    nvidia_driver_version: str | None
-    host: str
-
-    def to_json(self) -> dict[str, object]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    def document(self) -> dict[str, object]:
-        """``target.json``'s content: the header and every field."""
-        return {"format": TARGET_KIND, "format_version": 9, **self.to_json()}
+    engine: Engine
+    engine_version: Text | None
+    coldsnap_version: Text
+    torch_version: Text
+    torch_cuda_version: Text | None
+    device_type: Engine
+    accelerator_model: Text | None
+    accelerator_count: Offset
+    nvidia_driver_version: Text | None
+    host: Text
 
     def dumps(self) -> bytes:
-        return dump_document(self.document())
+        """``target.json``'s bytes: the header and every field."""
+        return dump_document(_TargetDocument(**msgspec.structs.asdict(self)))
 
     def differences(
         self, other: TargetIdentity, names: tuple[str, ...] = QUALIFYING_FIELDS
@@ -88,35 +91,23 @@ class TargetIdentity:
         return not self.differences(other)
 
     @classmethod
-    def body_from_fields(cls, f: Fields) -> TargetIdentity:
-        """The fields without the header (the ``target`` object of an overlay descriptor)."""
-        target = cls(
-            engine=f.str("engine", pattern=ENGINE_RE),
-            engine_version=f.opt_str("engine_version"),
-            coldsnap_version=f.str("coldsnap_version"),
-            torch_version=f.str("torch_version"),
-            torch_cuda_version=f.opt_str("torch_cuda_version"),
-            device_type=f.str("device_type", pattern=ENGINE_RE),
-            accelerator_model=f.opt_str("accelerator_model"),
-            accelerator_count=f.int("accelerator_count"),
-            nvidia_driver_version=f.opt_str("nvidia_driver_version"),
-            host=f.str("host"),
-        )
-        f.done()
-        return target
-
-    @classmethod
-    def from_fields(cls, f: Fields) -> TargetIdentity:
-        f.header(TARGET_KIND)
-        return cls.body_from_fields(f)
-
-    @classmethod
-    def loads(cls, text: str | bytes, *, file: str | None = None) -> TargetIdentity:
-        return parse_document(text, cls.from_fields, file=file)
+    def loads(cls, data: str | bytes, *, file: str | None = None) -> TargetIdentity:
+        """Parse ``target.json`` strictly (:func:`~coldsnap_core.format._strict.load_document`)."""
+        return _TargetDocument.identity(load_document(_TargetDocument, data, file=file))
 
     @classmethod
     def read(cls, path: str | Path) -> TargetIdentity:
-        return read_document(path, cls.from_fields)
+        return _TargetDocument.identity(read_document(path, _TargetDocument))
+
+
+class _TargetDocument(TargetIdentity, kw_only=True, tag_field="format", tag=TARGET_KIND):
+    """``target.json``: a :class:`TargetIdentity` with the document header (an overlay descriptor holds the
+    identity without it)."""
+
+    format_version: Literal[9] = FORMAT_VERSION
+
+    def identity(self) -> TargetIdentity:
+        return TargetIdentity(**{name: getattr(self, name) for name in TargetIdentity.__struct_fields__})
 
 
 def describe_differences(differences: tuple[tuple[str, object, object], ...]) -> str:

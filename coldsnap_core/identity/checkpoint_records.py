@@ -17,12 +17,13 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from coldsnap_core._io import replace_file_durably, sha256_file
 from coldsnap_core.cache.records import StatBound, read_private_record
 from coldsnap_core.cache.records import identity as stat_identity
 from coldsnap_core.errors import CacheError, UnsafePathError, ValidationRecordError
-from coldsnap_core.format._strict import Fields, dump_document
+from coldsnap_core.format._strict import Sha256, Text
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +37,7 @@ CHECKPOINT_RECORD_KIND = "coldsnap.checkpoint-record"
 CHECKPOINT_RECORD_VERSION = 1
 
 
-@dataclass(frozen=True, slots=True)
-class CheckpointRecord(StatBound):
+class CheckpointRecord(StatBound, kw_only=True, tag=CHECKPOINT_RECORD_KIND):
     """Evidence that the checkpoint file at ``path`` had ``sha256`` while it had these ``stat`` fields
     (:class:`~coldsnap_core.cache.records.StatBound`).
 
@@ -47,34 +47,10 @@ class CheckpointRecord(StatBound):
         hashed_at: UTC time of the hash, ISO 8601 with seconds.
     """
 
-    path: str
-    sha256: str
-    hashed_at: str
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "format": CHECKPOINT_RECORD_KIND,
-            "format_version": CHECKPOINT_RECORD_VERSION,
-            "path": self.path,
-            **self.bound_json(),
-            "sha256": self.sha256,
-            "hashed_at": self.hashed_at,
-        }
-
-    @classmethod
-    def from_fields(cls, f: Fields) -> CheckpointRecord:
-        if f.str("format") != CHECKPOINT_RECORD_KIND:
-            raise f.error("not a checkpoint record")
-        if f.int("format_version") != CHECKPOINT_RECORD_VERSION:
-            raise f.error("unsupported checkpoint record version")
-        record = cls(
-            path=f.str("path"),
-            **StatBound.bound_fields(f),
-            sha256=f.sha256("sha256"),
-            hashed_at=f.str("hashed_at"),
-        )
-        f.done()
-        return record
+    format_version: Literal[1] = CHECKPOINT_RECORD_VERSION
+    path: Text
+    sha256: Sha256
+    hashed_at: Text
 
 
 class RecordState(enum.Enum):
@@ -141,7 +117,7 @@ class CheckpointRecords:
             return RecordLookup(RecordState.ABSENT, reason="no checkpoint records on this node")
         record_path = self.record_path(real)
         try:
-            record = read_private_record(record_path, CheckpointRecord.from_fields)
+            record = read_private_record(record_path, CheckpointRecord)
         except ValidationRecordError as exc:
             return RecordLookup(RecordState.ABSENT, reason=f"checkpoint record {record_path}: {exc.detail}")
         if record.path != real:
@@ -183,7 +159,7 @@ class CheckpointRecords:
         )
         final = self.record_path(real)
         try:
-            replace_file_durably(final, dump_document(record.to_json()), mode=0o600, read_only=True)
+            replace_file_durably(final, record.dumps(), mode=0o600, read_only=True)
         except OSError as exc:
             raise CacheError(f"cannot write a checkpoint record: {exc}", file=final) from exc
         return record

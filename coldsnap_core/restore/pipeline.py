@@ -55,7 +55,6 @@ from coldsnap_core.artifact.capsules import (
     read_worker_capsule,
 )
 from coldsnap_core.artifact.overlay import Selection, select_capsule
-from coldsnap_core.artifact.parsed_capsules import ParsedCapsules
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.capture.payload_plan import ModelRange
 from coldsnap_core.capture.worker import CaptureResult, capture_worker
@@ -207,9 +206,7 @@ class WorkerRestore:
         """
         descriptor, self.descriptor_sha256 = read_descriptor_bytes(self.artifact_dir)
         entry = find_worker(descriptor, self.worker)
-        capsule = read_worker_capsule(
-            self.artifact_dir, entry, parsed_capsules=ParsedCapsules.in_state_root(self.cache.state_root)
-        )
+        capsule = read_worker_capsule(self.artifact_dir, entry)
         manifest_file = str(capsule.native_manifest_path)
         check_provenance_in_identity(capsule.native, descriptor.model, file=manifest_file)
         if capsule.native.capture_point != "portable":

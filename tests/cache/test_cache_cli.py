@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 from cache_support import REPO, capture, child_command, flip_byte, run_child
 
@@ -98,13 +99,12 @@ def test_cache_verify_full_catches_what_the_record_cannot(captured) -> None:
 def _age_record(cache: PayloadCache, digest: str, verified_at: str) -> None:
     """Rewrite the object's validation record with another ``verified_at`` (the same binding): a
     record written by a full verification long ago."""
-    import dataclasses
 
     from coldsnap_core.cache.records import ValidationRecord, read_trusted_record
     from coldsnap_core.format._strict import dump_document
 
     record = read_trusted_record(cache, digest)
-    old = dataclasses.replace(record, verified_at=verified_at)
+    old = msgspec.structs.replace(record, verified_at=verified_at)
     path = cache.record_path(digest)
     os.chmod(path, 0o644)
     path.write_bytes(dump_document(old.to_json()))

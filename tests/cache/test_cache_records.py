@@ -453,9 +453,7 @@ def test_recapture_repairs_a_corrupt_object_its_record_vouches_for(captured, tin
 
 def test_validation_record_dataclass_roundtrip(captured) -> None:
     """The record parses back into the same dataclass (strict parser, no lost field)."""
-    from coldsnap_core.format._strict import parse_document
-
     cache = PayloadCache(captured.capture_root)
     record = read_trusted_record(cache, captured.pack.sha256)
-    again = parse_document(json.dumps(record.to_json()), ValidationRecord.from_fields)
+    again = ValidationRecord.loads(json.dumps(record.to_json()))
     assert again == record

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
 
+import msgspec
 import pytest
 from cache_support import capture, flip_byte, sha256_of
 
@@ -104,7 +104,7 @@ def test_corrupt_cached_object_without_store_raises_the_verifiers_error(captured
 
 def test_pack_path_must_be_derived_from_the_digest(captured, cache: PayloadCache, store) -> None:
     """A PackRef whose path is not model-payloads/sha256/<digest>.pack is refused before anything is read."""
-    bad = dataclasses.replace(captured.pack, name="model-payloads/sha256/../../evil.pack")
+    bad = msgspec.structs.replace(captured.pack, name="model-payloads/sha256/../../evil.pack")
     with pytest.raises(PackPathMismatchError):
         stage_payload(bad, cache=cache, store=store)
     assert not cache.state_root.exists()

@@ -1,5 +1,5 @@
-"""A capsule's two manifests share the allocation map and the residual map (``docs/format.md`` §9): reading a
-capsule parses them once, and the recovery manifest's copy is still held to the strict rules."""
+"""A capsule's two manifests share the allocation map and the residual map (``docs/format.md`` §9): a capsule
+read holds them once, and the recovery manifest's copy is still held to the strict rules."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ def capsule_dir(tmp_path: Path) -> Path:
 
 
 def test_the_shared_maps_are_parsed_once(capsule_dir: Path) -> None:
-    """Fails if reading a capsule parses the recovery manifest's allocation map or residual map a second time
-    (the recovery manifest then holds equal copies, not the native manifest's parsed values)."""
+    """Fails if a capsule read keeps the recovery manifest's allocation map or residual map as a second copy
+    (equal copies, not the native manifest's values)."""
     capsule = read_capsule(capsule_dir)
     assert capsule.recovery.allocations is capsule.native.allocations
     assert capsule.recovery.residual_extents is capsule.native.residual_extents

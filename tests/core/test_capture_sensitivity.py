@@ -7,12 +7,12 @@ checkpoint's sharding, a tied weight written twice) and shows exactly which obje
 from __future__ import annotations
 
 import hashlib
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 from core_support import Captured, capture, live_allocations
+from msgspec.structs import replace
 from slabs import Slabs, allocate, stage_checkpoint
 
 from coldsnap_core.copy.host import HostCopyBackend

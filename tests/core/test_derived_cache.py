@@ -5,7 +5,6 @@ cache folders. Each test names the regression it catches; the vLLM round trip is
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -14,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 from core_support import WORKER, Captured, copy_capture, edit_json, flip_byte, run_cli
 
@@ -46,7 +46,7 @@ def qualification(**changes) -> SeedQualification:
     q = SeedQualification.for_target(
         collect_target("vllm", "0.32.0+cpu"), model_config_sha256="1" * 64, compilation_sha256="2" * 64, cpu_isa_flags=FLAGS
     )
-    return dataclasses.replace(q, **changes)
+    return msgspec.structs.replace(q, **changes)
 
 
 def compiled_cache(root: Path) -> Path:
@@ -315,8 +315,7 @@ def test_a_deep_member_path_does_not_hold_up_the_read(captured_2layer: Captured,
     path.write_text(json.dumps(document))
     script = (
         "import sys; from coldsnap_core.artifact.derived_cache import SeedDocument;"
-        " from coldsnap_core.format._strict import read_document;"
-        " d = read_document(sys.argv[1], SeedDocument.from_fields); print(max(len(m.name) for m in d.members))"
+        " d = SeedDocument.read(sys.argv[1]); print(max(len(m.name) for m in d.members))"
     )
     result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -81,7 +81,6 @@ LAYERS: dict[str, int] = {
     "identity.model_identity": 4,
     "cache.payload_cache": 5,
     "artifact": 5,
-    "artifact.parsed_capsules": 5,
     "artifact.capsules": 5,
     "artifact.residual": 5,
     "artifact.sleep_capsules": 5,

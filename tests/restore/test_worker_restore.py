@@ -10,7 +10,6 @@ a corrupt pack (named by extent), a record that vouches for corrupt bytes, incon
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hashlib
 import logging
 import os
@@ -19,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -209,7 +209,7 @@ def test_model_identity_is_checked(tmp_path: Path, checkpoint: Path, captured) -
     folder = checkpoint.parent
     check_model_identity(recorded, LoadedModel.from_config(str(folder), None))
     commit, other_commit = "1" * 40, "2" * 40
-    hub = dataclasses.replace(recorded, source="org/tiny", revision=commit)
+    hub = msgspec.structs.replace(recorded, source="org/tiny", revision=commit)
     check_model_identity(hub, LoadedModel.from_config("org/tiny", commit))
     with pytest.raises(ModelIdentityMismatchError, match="captured from"):
         check_model_identity(hub, LoadedModel.from_config("org/other", commit))
@@ -217,7 +217,7 @@ def test_model_identity_is_checked(tmp_path: Path, checkpoint: Path, captured) -
         check_model_identity(hub, LoadedModel.from_config("org/tiny", other_commit))
     # QA pass 3, defect 4: the same revision that is not a commit (a branch the cache cannot resolve)
     # on both sides is no pin at all: refused.
-    branch = dataclasses.replace(recorded, source="org/tiny", revision="dev")
+    branch = msgspec.structs.replace(recorded, source="org/tiny", revision="dev")
     with pytest.raises(ModelIdentityMismatchError, match="no commit in the local cache"):
         check_model_identity(branch, LoadedModel.from_config("org/tiny", "dev", cache_dir=tmp_path / "no-cache"))
     # QA pass 3, defect 1: an artifact captured from a repository is never restored into a local folder
@@ -353,7 +353,7 @@ def test_model_configuration_digest_is_compared(tmp_path: Path, checkpoint: Path
     folder = str(checkpoint.parent)
     with pytest.raises(ModelIdentityMismatchError, match="the artifact recorded None"):
         check_model_identity(recorded, LoadedModel.from_config(folder, None, "a" * 64))
-    pinned = dataclasses.replace(recorded, config_sha256="a" * 64)
+    pinned = msgspec.structs.replace(recorded, config_sha256="a" * 64)
     check_model_identity(pinned, LoadedModel.from_config(folder, None, "a" * 64))
     with pytest.raises(ModelIdentityMismatchError, match=r"model configuration .* has digest b{64}"):
         check_model_identity(pinned, LoadedModel.from_config(folder, None, "b" * 64))
@@ -431,8 +431,8 @@ def test_capsule_naming_another_pack_is_refused(tmp_path: Path, checkpoint: Path
     (rule manifests-agree, exit code 2), the same rule ``coldsnap verify`` reports (QA defect 9)."""
     artifact = tmp_path / "artifact"
     descriptor = read_descriptor(artifact)
-    entry = dataclasses.replace(descriptor.workers[0], payload=PackRef.for_digest("0" * 64, 4096))
-    replace_file_durably(artifact / DESCRIPTOR_FILENAME, dataclasses.replace(descriptor, workers=(entry,)).dumps())
+    entry = msgspec.structs.replace(descriptor.workers[0], payload=PackRef.for_digest("0" * 64, 4096))
+    replace_file_durably(artifact / DESCRIPTOR_FILENAME, msgspec.structs.replace(descriptor, workers=(entry,)).dumps())
     with pytest.raises(ManifestMismatchError, match="names pack 0000") as raised:
         restorer(checkpoint, artifact, tmp_path / "state").read()
     assert (raised.value.rule, raised.value.exit_code) == ("manifests-agree", 2)
@@ -449,19 +449,19 @@ def _rewrite_capsule(artifact: Path, native=None, recovery=None) -> None:
             written[name] = CapsuleFile(name, len(data), hashlib.sha256(data).hexdigest())
     descriptor = read_descriptor(artifact)
     pins = tuple(written.get(p.name, p) for p in descriptor.workers[0].capsule_files)
-    entry = dataclasses.replace(descriptor.workers[0], capsule_files=pins)
-    replace_file_durably(artifact / DESCRIPTOR_FILENAME, dataclasses.replace(descriptor, workers=(entry,)).dumps())
+    entry = msgspec.structs.replace(descriptor.workers[0], capsule_files=pins)
+    replace_file_durably(artifact / DESCRIPTOR_FILENAME, msgspec.structs.replace(descriptor, workers=(entry,)).dumps())
 
 
 def test_native_capture_point_is_not_restored_by_the_loader(tmp_path: Path, checkpoint: Path, captured) -> None:
     """A capsule captured at the native (level-1 sleep) capture point holds CuMem segments, not
     parameter storages: the loader refuses it with ArtifactError."""
     capsule = read_capsule(tmp_path / "artifact" / "workers" / RANK0.capsule_name)
-    addressed = AllocationMap(tuple(dataclasses.replace(a, address=4096 * (a.index + 1)) for a in capsule.native.allocations))
+    addressed = AllocationMap(tuple(msgspec.structs.replace(a, address=4096 * (a.index + 1)) for a in capsule.native.allocations))
     _rewrite_capsule(
         tmp_path / "artifact",
-        native=dataclasses.replace(capsule.native, capture_point="native", allocations=addressed),
-        recovery=dataclasses.replace(capsule.recovery, allocations=addressed),
+        native=msgspec.structs.replace(capsule.native, capture_point="native", allocations=addressed),
+        recovery=msgspec.structs.replace(capsule.recovery, allocations=addressed),
     )
     with pytest.raises(ArtifactError, match="native capture point"):
         restorer(checkpoint, tmp_path / "artifact", tmp_path / "state").read()
@@ -481,9 +481,9 @@ def test_self_consistent_manifest_edit_is_refused_by_its_pin(tmp_path: Path, che
         if extents[i].size_bytes == extents[j].size_bytes and extents[i].sha256 != extents[j].sha256
     )
     a, b = extents[i], extents[j]
-    extents[i] = dataclasses.replace(a, sha256=b.sha256, pack_offset_bytes=b.pack_offset_bytes, provenance=b.provenance)
-    extents[j] = dataclasses.replace(b, sha256=a.sha256, pack_offset_bytes=a.pack_offset_bytes, provenance=a.provenance)
-    swapped = dataclasses.replace(result.manifest, model_extents=tuple(extents))
+    extents[i] = msgspec.structs.replace(a, sha256=b.sha256, pack_offset_bytes=b.pack_offset_bytes, provenance=b.provenance)
+    extents[j] = msgspec.structs.replace(b, sha256=a.sha256, pack_offset_bytes=a.pack_offset_bytes, provenance=a.provenance)
+    swapped = msgspec.structs.replace(result.manifest, model_extents=tuple(extents))
     check_manifest(swapped)  # the edit is invisible to the manifest rules
     replace_file_durably(result.capsule_dir / NATIVE_MANIFEST_FILENAME, swapped.dumps())
     fresh = TinyModel()
@@ -501,8 +501,8 @@ def test_worker_of_the_capsule_must_be_the_entrys(tmp_path: Path, checkpoint: Pa
     other = WorkerIdentity("worker", 0, 2, 0, 2)
     _rewrite_capsule(
         tmp_path / "artifact",
-        native=dataclasses.replace(capsule.native, worker=other),
-        recovery=dataclasses.replace(capsule.recovery, worker=other),
+        native=msgspec.structs.replace(capsule.native, worker=other),
+        recovery=msgspec.structs.replace(capsule.recovery, worker=other),
     )
     with pytest.raises(ManifestMismatchError, match="belong to worker-0-of-2"):
         restorer(checkpoint, tmp_path / "artifact", tmp_path / "state").read()
@@ -513,10 +513,12 @@ def test_provenance_outside_the_model_identity_is_refused(tmp_path: Path, checkp
     attributed to another model) is refused, naming the extent's allocation and offset."""
     _, result = captured
     first = result.manifest.model_extents[0]
-    moved = dataclasses.replace(first, provenance=dataclasses.replace(first.provenance, checkpoint_file="other.safetensors"))
+    moved = msgspec.structs.replace(
+        first, provenance=msgspec.structs.replace(first.provenance, checkpoint_file="other.safetensors")
+    )
     _rewrite_capsule(
         tmp_path / "artifact",
-        native=dataclasses.replace(result.manifest, model_extents=(moved, *result.manifest.model_extents[1:])),
+        native=msgspec.structs.replace(result.manifest, model_extents=(moved, *result.manifest.model_extents[1:])),
     )
     with pytest.raises(ManifestMismatchError, match=r"other\.safetensors") as raised:
         restorer(checkpoint, tmp_path / "artifact", tmp_path / "state").read()

@@ -7,6 +7,7 @@ import logging
 import os
 from pathlib import Path
 
+import msgspec
 import pytest
 from slabs import stage_checkpoint
 from sleep_fakes import FakeCuMemAllocator, LoadedModel, load_state
@@ -30,7 +31,7 @@ def portable_capture(checkpoint: Path, identity: ModelIdentity, root: Path, *, c
     (``converted``: the tensor whose copy the observer saw convert the dtype)."""
     slabs = stage_checkpoint(checkpoint)
     ranges = [
-        dataclasses.replace(r, provenance=dataclasses.replace(r.provenance, dtype_converted=True))
+        dataclasses.replace(r, provenance=msgspec.structs.replace(r.provenance, dtype_converted=True))
         if r.provenance.tensor_name == converted
         else r
         for r in slabs.model_ranges
@@ -80,7 +81,7 @@ def test_the_artifact_manifest_is_the_reference_and_its_cached_pack_is_reused(
     digests from that manifest (no checkpoint is read: the identity points nowhere) and writes no
     pack. Fails if every sleep rewrites the pack or ignores the artifact."""
     portable = portable_capture(smollm2_2layer, smollm2_identity, tmp_path)
-    nowhere = dataclasses.replace(smollm2_identity, source=str(tmp_path / "gone"))
+    nowhere = msgspec.structs.replace(smollm2_identity, source=str(tmp_path / "gone"))
     state = load_state(loaded, nowhere, tmp_path, pack=portable.manifest.pack)
     capture = sleep_capture(state, allocator)
     assert not capture.pack_written
@@ -108,7 +109,7 @@ def test_a_manifest_for_another_pack_is_not_a_reference(
     """If the loader published a different pack than the artifact's manifest names, the manifest is
     stale: its digests are not trusted (the checkpoint is the reference instead)."""
     portable_capture(smollm2_2layer, smollm2_identity, tmp_path)
-    other = dataclasses.replace(
+    other = msgspec.structs.replace(
         portable_capture(smollm2_2layer, smollm2_identity, tmp_path / "x").manifest.pack, sha256="ab" * 32
     )
     state = load_state(loaded, smollm2_identity, tmp_path, pack=other)
@@ -138,7 +139,7 @@ def test_a_checkpoint_file_of_another_size_gives_no_reference(
 ) -> None:
     """The identity pins each file's size: a file that differs is not read for reference digests."""
     files = tuple(CheckpointFile(f.name, f.size_bytes + 1, f.sha256) for f in smollm2_identity.files)
-    state = load_state(loaded, dataclasses.replace(smollm2_identity, files=files), tmp_path)
+    state = load_state(loaded, msgspec.structs.replace(smollm2_identity, files=files), tmp_path)
     write = loaded.writes[0]
     assert ReferenceDigests(state).expected(write.provenance, write.size_bytes) is None
 
@@ -149,7 +150,7 @@ def test_dtype_converted_writes_need_the_artifact_manifest(
     """A dtype-converting copy has no byte-equal checkpoint source: without a manifest it is residual;
     the artifact's manifest (which recorded the destination digest at load) makes it a model extent."""
     converted = [
-        dataclasses.replace(w, provenance=dataclasses.replace(w.provenance, dtype_converted=True)) if i == 3 else w
+        dataclasses.replace(w, provenance=msgspec.structs.replace(w.provenance, dtype_converted=True)) if i == 3 else w
         for i, w in enumerate(loaded.writes)
     ]
     name = converted[3].provenance.tensor_name
@@ -173,8 +174,8 @@ def test_reference_digests_follow_strided_source_runs(
     references = ReferenceDigests(load_state(loaded, smollm2_identity, tmp_path))
     whole = references.expected(write.provenance, write.size_bytes)
     half = write.size_bytes // 2
-    runs = dataclasses.replace(write.provenance, source_run_bytes=half, source_run_stride_bytes=half)
-    skewed = dataclasses.replace(write.provenance, source_run_bytes=half, source_run_stride_bytes=half + 2)
+    runs = msgspec.structs.replace(write.provenance, source_run_bytes=half, source_run_stride_bytes=half)
+    skewed = msgspec.structs.replace(write.provenance, source_run_bytes=half, source_run_stride_bytes=half + 2)
     assert whole is not None
     assert references.expected(runs, write.size_bytes) == whole
     assert references.expected(skewed, write.size_bytes) not in (None, whole)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import shutil
 from pathlib import Path
 
 import huggingface_hub.constants as hf_constants
+import msgspec
 import pytest
 from slabs import stage_checkpoint
 from sleep_fakes import FakeCuMemAllocator, LoadedModel, load_state
@@ -134,7 +134,7 @@ def test_checkpoint_references_come_from_the_hugging_face_cache(
     ``HF_HUB_CACHE``: fails if the backend looks only in ``HF_HUB_CACHE``."""
     revision = "0123456789abcdef0123456789abcdef01234567"
     repo = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    identity = dataclasses.replace(smollm2_identity, source=repo, revision=revision)
+    identity = msgspec.structs.replace(smollm2_identity, source=repo, revision=revision)
     write = loaded.writes[5]
     local = ReferenceDigests(load_state(loaded, smollm2_identity, tmp_path / "b")).expected(write.provenance, write.size_bytes)
     assert local is not None
@@ -157,7 +157,7 @@ def test_a_source_range_past_the_file_end_is_no_reference(
     """A provenance that reads beyond the checkpoint file gives no reference digest (never a digest
     of fewer bytes)."""
     write = loaded.writes[0]
-    beyond = dataclasses.replace(write.provenance, source_offset_bytes=smollm2_identity.files[0].size_bytes - 10)
+    beyond = msgspec.structs.replace(write.provenance, source_offset_bytes=smollm2_identity.files[0].size_bytes - 10)
     assert ReferenceDigests(load_state(loaded, smollm2_identity, tmp_path)).expected(beyond, write.size_bytes) is None
 
 

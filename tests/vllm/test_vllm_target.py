@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -443,7 +444,7 @@ def _seed_the_portable_capsule(artifact: Path, tmp_path: Path) -> None:
     from coldsnap_core.artifact.capsules import read_descriptor
 
     (entry,) = read_descriptor(artifact).workers
-    recorded = dataclasses.replace(_current_qualification(), engine_version="0.31.0")
+    recorded = msgspec.structs.replace(_current_qualification(), engine_version="0.31.0")
     attach_seed(artifact, entry.worker, entry.payload.sha256, recorded, _seed_files(tmp_path / "portable-node-cache", "portable"))
 
 
@@ -537,11 +538,11 @@ def test_an_overlay_seed_is_attached_only_to_the_overlay_this_start_stored(
     before = (capture.path / OVERLAY_FILENAME).read_bytes()
     files = _seed_files(tmp_path / "again", "again")
     replaced = dataclasses.replace(
-        capture, descriptor=dataclasses.replace(capture.descriptor, created_at="2000-01-01T00:00:00+00:00")
+        capture, descriptor=msgspec.structs.replace(capture.descriptor, created_at="2000-01-01T00:00:00+00:00")
     )
     with pytest.raises(OverlayError, match="replaced since this start captured it"):
         attach_overlay_seed(replaced, _current_qualification(), files)
-    other = dataclasses.replace(_current_qualification(), engine_version="0.31.0")
+    other = msgspec.structs.replace(_current_qualification(), engine_version="0.31.0")
     with pytest.raises(OverlayError, match="not for the overlay's target"):
         attach_overlay_seed(capture, other, files)
     assert (capture.path / OVERLAY_FILENAME).read_bytes() == before
@@ -638,7 +639,7 @@ def test_register_places_the_overlays_modelinfos_after_an_engine_upgrade(
     from coldsnap_core.format.target import TargetIdentity
 
     (entry,) = read_descriptor(artifact).workers
-    old = dataclasses.replace(_current_qualification(), engine_version="0.31.0")
+    old = msgspec.structs.replace(_current_qualification(), engine_version="0.31.0")
     attach_seed(artifact, entry.worker, entry.payload.sha256, old, _seed_with_modelinfo(tmp_path / "old"))
     _perturb_residual(artifact)
     _edit_target(artifact, engine_version="0.31.0")
