@@ -198,8 +198,10 @@ class UnsupportedFormatVersionError(ManifestError):
     rule = "format-version"
 
 
-class ManifestValueError(ManifestError):
-    """A numeric field is negative, overflows a signed 64-bit offset, or a string has a bad form."""
+class ManifestValueError(ManifestError, ValueError):
+    """A numeric field is negative, overflows a signed 64-bit offset, a string has a bad form, or a rule across a
+    document's fields fails. Also a ``ValueError``: a format type's ``__post_init__`` raises it, which refuses to build
+    such a document and lets msgspec name the object's JSON path when one is read."""
 
     rule = "manifest-value"
 

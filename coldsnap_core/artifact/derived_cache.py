@@ -44,6 +44,7 @@ from coldsnap_core.errors import (
     CapsulePinMismatchError,
     ColdsnapError,
     ManifestMismatchError,
+    ManifestValueError,
     MissingObjectError,
     UnsafePathError,
 )
@@ -102,7 +103,7 @@ class SeedQualification(Record):
             hash and compile-relevant environment that name its cache folder).
 
     Raises:
-        ValueError: ``cpu_isa_flags`` is not sorted and unique.
+        ManifestValueError: ``cpu_isa_flags`` is not sorted and unique.
     """
 
     engine: Text
@@ -119,7 +120,7 @@ class SeedQualification(Record):
 
     def __post_init__(self) -> None:
         if list(self.cpu_isa_flags) != sorted(set(self.cpu_isa_flags)):
-            raise ValueError("cpu_isa_flags must be sorted and unique")
+            raise ManifestValueError("cpu_isa_flags must be sorted and unique")
 
     @classmethod
     def for_target(
@@ -175,7 +176,7 @@ class SeedDocument(Document, tag=SEED_KIND):
         members: the archive's files, in archive order (sorted by path, unique, none inside another).
 
     Raises:
-        ValueError: the archive is not named ``derived-cache.tar``, or the members break their order rule.
+        ManifestValueError: the archive is not named ``derived-cache.tar``, or the members break their order rule.
     """
 
     MAX_BYTES = MAX_SEED_DOCUMENT_BYTES
@@ -187,15 +188,15 @@ class SeedDocument(Document, tag=SEED_KIND):
 
     def __post_init__(self) -> None:
         if self.archive.name != SEED_ARCHIVE_FILENAME:
-            raise ValueError(f"archive names {self.archive.name!r}; a seed's archive is {SEED_ARCHIVE_FILENAME}")
+            raise ManifestValueError(f"archive names {self.archive.name!r}; a seed's archive is {SEED_ARCHIVE_FILENAME}")
         paths = [m.name for m in self.members]
         if paths != sorted(set(paths)):
-            raise ValueError("members are not sorted by path, or a path repeats")
+            raise ManifestValueError("members are not sorted by path, or a path repeats")
         for path in paths:  # every member is a file: none can be a folder holding another
             # paths are sorted: a path below ``path`` sorts first among those that start with ``path + "/"``
             below = bisect.bisect_left(paths, path + "/")
             if below < len(paths) and paths[below].startswith(path + "/"):
-                raise ValueError(f"member {paths[below]!r} lies inside member {path!r}, which is a file")
+                raise ManifestValueError(f"member {paths[below]!r} lies inside member {path!r}, which is a file")
 
     @property
     def size_bytes(self) -> int:

@@ -62,7 +62,14 @@ from coldsnap_core.cache.records import read_private_record
 from coldsnap_core.capture.payload_plan import ModelRange, PayloadPlan, plan_payload
 from coldsnap_core.capture.worker import check_model_ranges, hash_ranges
 from coldsnap_core.copy.base import CopyBackend, LiveAllocation
-from coldsnap_core.errors import ColdsnapError, MissingObjectError, OverlayError, TargetMismatchError, UnsafePathError
+from coldsnap_core.errors import (
+    ColdsnapError,
+    ManifestValueError,
+    MissingObjectError,
+    OverlayError,
+    TargetMismatchError,
+    UnsafePathError,
+)
 from coldsnap_core.format._strict import Document, Sha256, Text, read_document_bytes
 from coldsnap_core.format.allocation import AllocationMap
 from coldsnap_core.format.descriptor import (
@@ -135,7 +142,7 @@ class OverlayDescriptor(Document, tag=OVERLAY_KIND):
         created_at: UTC time of the capture, ISO 8601 with seconds.
 
     Raises:
-        ValueError: the pins do not fit the kind (``overlay``: the capsule's four files, its blob
+        ManifestValueError: the pins do not fit the kind (``overlay``: the capsule's four files, its blob
             ``weights.blob``, and optionally a seed's two; ``qualified``: a seed's two or nothing).
     """
 
@@ -151,14 +158,14 @@ class OverlayDescriptor(Document, tag=OVERLAY_KIND):
     def __post_init__(self) -> None:
         names = [p.name for p in self.capsule_files]
         if self.kind == "qualified" and names not in ([], sorted(SEED_FILENAMES)):
-            raise ValueError(
+            raise ManifestValueError(
                 f"capsule_files names {names}; a qualified record pins nothing but its derived-cache seed's two files"
             )
         if self.kind == "overlay":
             # the artifact's rule on a capsule's four pins; an overlay's blob is always weights.blob
             check_capsule_file_names(self.capsule_files)
             if RESIDUAL_FILENAME not in names:
-                raise ValueError(f"capsule_files names {names}; the overlay's residual blob is {RESIDUAL_FILENAME}")
+                raise ManifestValueError(f"capsule_files names {names}; the overlay's residual blob is {RESIDUAL_FILENAME}")
 
     @property
     def seed_files(self) -> tuple[CapsuleFile, ...]:

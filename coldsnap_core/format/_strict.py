@@ -255,8 +255,8 @@ def _manifest_error(refusal: msgspec.DecodeError, raw: Any, file: str | None) ->
     match = _REFUSAL.fullmatch(str(refusal))
     assert match is not None  # the pattern matches any text
     what, path = match["what"], match["path"] or ""
-    if isinstance(refusal.__cause__, ValueError):  # a __post_init__ rule
-        return ManifestValueError(f"{path or 'document'}: {refusal.__cause__}", file=file)
+    if isinstance(refusal.__cause__, ManifestValueError):  # a __post_init__ rule
+        return ManifestValueError(f"{path or 'document'}: {refusal.__cause__.detail}", file=file)
     for pattern, error, message in _RULES:
         found = pattern.fullmatch(what)
         if found is not None:

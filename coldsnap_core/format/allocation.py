@@ -19,6 +19,7 @@ import functools
 import hashlib
 import json
 
+from coldsnap_core.errors import ManifestValueError
 from coldsnap_core.format._strict import Offset, Record, Text, matching
 
 #: Size in bytes of one element of each dtype a tensor placement may name (torch dtype names).
@@ -63,7 +64,7 @@ class TensorPlacement(Record):
         offset_bytes: byte offset of element 0 within the allocation.
 
     Raises:
-        ValueError: an unknown dtype, or a stride of another rank than the shape.
+        ManifestValueError: an unknown dtype, or a stride of another rank than the shape.
     """
 
     name: Text
@@ -74,9 +75,9 @@ class TensorPlacement(Record):
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_ITEMSIZE_BYTES:
-            raise ValueError(f"unknown dtype {self.dtype!r}")
+            raise ManifestValueError(f"unknown dtype {self.dtype!r}")
         if len(self.shape) != len(self.stride):
-            raise ValueError(f"shape {self.shape} and stride {self.stride} differ in rank")
+            raise ManifestValueError(f"shape {self.shape} and stride {self.stride} differ in rank")
 
     @property
     def itemsize_bytes(self) -> int:
@@ -106,7 +107,7 @@ class Allocation(Record):
         tensors: the tensors whose storage is this allocation, in enumeration order.
 
     Raises:
-        ValueError: a tensor reaches beyond ``size_bytes``.
+        ManifestValueError: a tensor reaches beyond ``size_bytes``.
     """
 
     index: Offset
@@ -118,7 +119,7 @@ class Allocation(Record):
     def __post_init__(self) -> None:
         for tensor in self.tensors:
             if tensor.offset_bytes + tensor.span_bytes > self.size_bytes:
-                raise ValueError(
+                raise ManifestValueError(
                     f"tensor {tensor.name} spans bytes [{tensor.offset_bytes}, {tensor.offset_bytes + tensor.span_bytes})"
                     f" beyond the allocation's {self.size_bytes} bytes"
                 )
@@ -153,14 +154,14 @@ class AllocationMap(tuple[Allocation, ...]):
     A manifest's ``allocations`` field is read as a tuple and held as this type (its ``__post_init__``).
 
     Raises:
-        ValueError: an allocation's index is not its position.
+        ManifestValueError: an allocation's index is not its position.
     """
 
     def __new__(cls, allocations: tuple[Allocation, ...] | list[Allocation] = ()) -> AllocationMap:
         self = super().__new__(cls, allocations)
         for position, allocation in enumerate(self):
             if allocation.index != position:
-                raise ValueError(f"allocations[{position}] has index {allocation.index}; indices must be 0, 1, 2, ...")
+                raise ManifestValueError(f"allocations[{position}] has index {allocation.index}; indices must be 0, 1, 2, ...")
         return self
 
     @property

@@ -19,6 +19,7 @@ configuration; signing it is out of scope.
 
 from __future__ import annotations
 
+from coldsnap_core.errors import ManifestValueError
 from coldsnap_core.format._strict import MAX_DESCRIPTOR_BYTES, Document, Record, matching
 from coldsnap_core.format.content_ref import ContentRef
 from coldsnap_core.format.manifest import (
@@ -61,7 +62,7 @@ def check_capsule_file_names(pins: tuple[CapsuleFile, ...]) -> None:
     blob), each once, sorted by name (``docs/format.md`` §5 and §15.3).
 
     Raises:
-        ValueError: any other list.
+        ManifestValueError: any other list.
     """
     names = [p.name for p in pins]
     documents = {NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, TARGET_FILENAME}
@@ -69,7 +70,7 @@ def check_capsule_file_names(pins: tuple[CapsuleFile, ...]) -> None:
     seed = [n for n in names if n in SEED_FILENAMES]
     core = [n for n in names if n not in SEED_FILENAMES]
     if len(core) != 4 or names != sorted(set(names)) or not documents <= set(core) or seed not in ([], sorted(SEED_FILENAMES)):
-        raise ValueError(
+        raise ManifestValueError(
             f"capsule_files names {names}; expected the capsule's four files (both manifests, {TARGET_FILENAME} and"
             " the residual blob), and optionally a derived-cache seed's two, each once, sorted by name"
         )
@@ -87,7 +88,7 @@ class WorkerEntry(Record):
             manifest's ``residual``).
 
     Raises:
-        ValueError: ``capsule`` is not the worker's capsule folder, or the pins are not the capsule's files
+        ManifestValueError: ``capsule`` is not the worker's capsule folder, or the pins are not the capsule's files
             (:func:`check_capsule_file_names`).
     """
 
@@ -98,7 +99,7 @@ class WorkerEntry(Record):
 
     def __post_init__(self) -> None:
         if self.capsule != f"{WORKERS_DIRNAME}/{self.worker.capsule_name}":
-            raise ValueError(f"capsule {self.capsule!r} is not the worker's capsule folder")
+            raise ManifestValueError(f"capsule {self.capsule!r} is not the worker's capsule folder")
         check_capsule_file_names(self.capsule_files)
 
     def pin(self, name: str) -> CapsuleFile | None:
@@ -114,7 +115,7 @@ class ArtifactDescriptor(Document, tag=ARTIFACT_KIND):
         workers: one entry per worker that has captured, at least one.
 
     Raises:
-        ValueError: no worker, two entries of one worker, entries out of order, or of several worlds.
+        ManifestValueError: no worker, two entries of one worker, entries out of order, or of several worlds.
     """
 
     MAX_BYTES = MAX_DESCRIPTOR_BYTES
@@ -124,15 +125,15 @@ class ArtifactDescriptor(Document, tag=ARTIFACT_KIND):
 
     def __post_init__(self) -> None:
         if not self.workers:
-            raise ValueError("workers is empty; an artifact lists at least one captured worker")
+            raise ManifestValueError("workers is empty; an artifact lists at least one captured worker")
         keys = [w.worker.sort_key for w in self.workers]
         if len(set(keys)) != len(keys):
-            raise ValueError("two worker entries have the same (role, data parallel rank, rank)")
+            raise ManifestValueError("two worker entries have the same (role, data parallel rank, rank)")
         if keys != sorted(keys):
-            raise ValueError("worker entries are not sorted by (role, data parallel rank, rank)")
+            raise ManifestValueError("worker entries are not sorted by (role, data parallel rank, rank)")
         worlds = sorted({w.worker.world for w in self.workers})
         if len(worlds) > 1:
-            raise ValueError(
+            raise ManifestValueError(
                 f"worker entries of several world sizes or data parallel sizes, (world size, data parallel size) {worlds};"
                 " one artifact holds one world"
             )

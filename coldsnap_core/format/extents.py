@@ -12,6 +12,7 @@ Source: ``docs/format.md`` §4.6 and §4.7.
 
 from __future__ import annotations
 
+from coldsnap_core.errors import ManifestValueError
 from coldsnap_core.format._strict import MAX_OFFSET_BYTES, Count, Offset, Record, Sha256, Text
 
 
@@ -101,4 +102,4 @@ class ResidualExtent(Record):
 def _check_end(start: int, size: int, what: str) -> None:
     """Raises ValueError when a range's end does not fit a signed 64-bit offset."""
     if start + size > MAX_OFFSET_BYTES:
-        raise ValueError(f"{what} = {start + size} overflows a signed 64-bit offset")
+        raise ManifestValueError(f"{what} = {start + size} overflows a signed 64-bit offset")

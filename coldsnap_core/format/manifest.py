@@ -18,6 +18,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from coldsnap_core.digests import pack_relpath
+from coldsnap_core.errors import ManifestValueError
 from coldsnap_core.format._strict import MAX_OFFSET_BYTES, Count, Document, Offset, Record, Sha256, Text, matching
 from coldsnap_core.format.allocation import Allocation, AllocationMap
 from coldsnap_core.format.content_ref import ContentRef
@@ -70,7 +71,7 @@ class WorkerIdentity(Record, omit_defaults=True):
             artifact without data parallel has the same bytes it had before these fields existed.
 
     Raises:
-        ValueError: a rank is not below its size.
+        ManifestValueError: a rank is not below its size.
     """
 
     role: Role
@@ -93,7 +94,7 @@ class WorkerIdentity(Record, omit_defaults=True):
             and self.tensor_parallel_rank < self.tensor_parallel_size
             and self.data_parallel_rank < self.data_parallel_size
         ):
-            raise ValueError(
+            raise ManifestValueError(
                 f"rank {self.rank}/{self.world_size}, tensor parallel rank {self.tensor_parallel_rank}/"
                 f"{self.tensor_parallel_size}, data parallel rank {self.data_parallel_rank}/{self.data_parallel_size}"
                 " are out of range"
@@ -182,7 +183,7 @@ class CheckpointFile(ContentRef):
             when the capture did not compute one (restore then accepts the file on name and size).
 
     Raises:
-        ValueError: the name is not relative to the checkpoint folder (:func:`checkpoint_name_problem`).
+        ManifestValueError: the name is not relative to the checkpoint folder (:func:`checkpoint_name_problem`).
     """
 
     fingerprint_sha256: Sha256 | None = None
@@ -190,7 +191,7 @@ class CheckpointFile(ContentRef):
     def __post_init__(self) -> None:
         problem = checkpoint_name_problem(self.name)
         if problem is not None:
-            raise ValueError(f"name {self.name!r} {problem}")
+            raise ManifestValueError(f"name {self.name!r} {problem}")
 
 
 def checkpoint_name_problem(name: str) -> str | None:
@@ -225,7 +226,7 @@ class ModelIdentity(Record):
             a rope scaling), which the layout fingerprint cannot see.
 
     Raises:
-        ValueError: ``files`` is empty, unsorted or names a file twice.
+        ManifestValueError: ``files`` is empty, unsorted or names a file twice.
     """
 
     source: Text
@@ -235,11 +236,11 @@ class ModelIdentity(Record):
 
     def __post_init__(self) -> None:
         if not self.files:
-            raise ValueError("files is empty; a model identity names at least one checkpoint file")
+            raise ManifestValueError("files is empty; a model identity names at least one checkpoint file")
         for i, (a, b) in enumerate(itertools.pairwise(c.name for c in self.files)):
             if a >= b:
                 what = "repeats" if a == b else "is not sorted by name at"
-                raise ValueError(f"files {what} {b!r} (files[{i + 1}]); names are unique and sorted")
+                raise ManifestValueError(f"files {what} {b!r} (files[{i + 1}]); names are unique and sorted")
 
 
 class NativeManifest(Document, tag=NATIVE_MANIFEST_KIND):
@@ -260,7 +261,7 @@ class NativeManifest(Document, tag=NATIVE_MANIFEST_KIND):
         residual_extents: ranges filled from the blob, sorted by (allocation_index, offset_bytes).
 
     Raises:
-        ValueError: an allocation's index is not its position, or an address does not fit the capture point
+        ManifestValueError: an allocation's index is not its position, or an address does not fit the capture point
             (``native``: every allocation has one; ``portable``: none has).
     """
 
@@ -278,7 +279,7 @@ class NativeManifest(Document, tag=NATIVE_MANIFEST_KIND):
         for allocation in self.allocations:
             if (allocation.address is None) == (self.capture_point == "native"):
                 needs = "an integer address" if self.capture_point == "native" else "address null"
-                raise ValueError(
+                raise ManifestValueError(
                     f"allocations[{allocation.index}].address is {allocation.address}; the {self.capture_point} capture"
                     f" point needs {needs} on every allocation"
                 )

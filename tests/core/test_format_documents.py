@@ -489,6 +489,48 @@ def test_bad_values_are_value_errors(documents, kind: str, edit, expected: type,
     assert type(error) is expected and words in error.detail, error
 
 
+def test_data_parallel_fields_are_written_for_every_replica_and_only_then() -> None:
+    """Both data parallel fields are written with data parallel, replica 0's rank 0 included, and neither without it
+    (docs/format.md §4.3). Fails if replica 0's rank is left out (msgspec leaves out a value that *is* its field's
+    default object, which only a worker without data parallel holds), or if a worker without data parallel writes
+    either field, however it was built (an artifact's bytes would change)."""
+    plain = WorkerIdentity("worker", 0, 1, 0, 1)
+    built_otherwise = (
+        WorkerIdentity("worker", 0, 1, 0, 1, 0, 1),
+        replace(WorkerIdentity("worker", 0, 1, 0, 1, 1, 2), data_parallel_rank=0, data_parallel_size=1),
+    )
+    for worker in (plain, *built_otherwise):
+        assert worker == plain
+        assert worker.to_json() == {
+            "role": "worker",
+            "rank": 0,
+            "world_size": 1,
+            "tensor_parallel_rank": 0,
+            "tensor_parallel_size": 1,
+        }
+    replica = WorkerIdentity("worker", 0, 1, 0, 1, 0, 2).to_json()
+    assert (replica["data_parallel_rank"], replica["data_parallel_size"]) == (0, 2)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: ModelIdentity("m", None, ()),
+        lambda: CheckpointFile("../model.safetensors", 1, "0" * 64),
+        lambda: WorkerIdentity("worker", 2, 2, 0, 1),
+        lambda: TensorPlacement("w", "bfloat17", (1,), (1,), 0),
+        lambda: ResidualExtent(0, MAX_OFFSET_BYTES, 1, 0),
+        lambda: AllocationMap((Allocation(1, 0, "slab", None, ()),)),
+    ],
+    ids=["no-checkpoint-file", "name-leaves-the-folder", "rank-beyond-world", "unknown-dtype", "end-overflows", "index"],
+)
+def test_building_a_document_the_reader_refuses_is_a_manifest_value_error(build) -> None:
+    """The rules across fields are the types' own (``__post_init__``), so a capture cannot build, and write, what
+    every reader refuses. Fails if a rule runs only when a document is read, or raises an untyped error."""
+    with pytest.raises(ManifestValueError):
+        build()
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
