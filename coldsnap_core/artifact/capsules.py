@@ -338,22 +338,18 @@ def _check_pin(path: Path, data: bytes, pin: CapsuleFile) -> None:
         )
 
 
+_DOCUMENTS = (NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, TARGET_FILENAME)
+"""A capsule's documents, in the order they are read."""
+
+
 def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None]) -> Capsule:
     _require_present(path, "capsule folder")
     if not path.is_dir():
         raise MissingObjectError("capsule folder does not exist (a file is in its place)", file=path)
-    documents = {}
-    for name in (NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME):
-        if name in pins:
-            pin = _require_pin(path / name, pins[name])
-            data = read_document_bytes(path / name, check_size=functools.partial(_check_pinned_size, path / name, pin))
-            _check_pin(path / name, data, pin)
-        else:
-            data = read_document_bytes(path / name)
-        documents[name] = data
-    target_data = _read_target_bytes(path / TARGET_FILENAME, pins)
-    native = NativeManifest.loads(documents[NATIVE_MANIFEST_FILENAME], file=str(path / NATIVE_MANIFEST_FILENAME))
-    recovery = RecoveryManifest.loads(documents[RECOVERY_MANIFEST_FILENAME], file=str(path / RECOVERY_MANIFEST_FILENAME))
+    data = {name: _read_document_bytes(path / name, pins) for name in _DOCUMENTS}
+    native = NativeManifest.loads(data[NATIVE_MANIFEST_FILENAME], file=str(path / NATIVE_MANIFEST_FILENAME))
+    recovery = RecoveryManifest.loads(data[RECOVERY_MANIFEST_FILENAME], file=str(path / RECOVERY_MANIFEST_FILENAME))
+    target_data = data[TARGET_FILENAME]
     target = TargetIdentity.loads(target_data, file=str(path / TARGET_FILENAME)) if target_data is not None else None
     differing = [
         name
@@ -374,18 +370,17 @@ def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None]) -> Capsule:
     return Capsule(path, native, recovery, target)
 
 
-def _read_target_bytes(path: Path, pins: dict[str, CapsuleFile | None]) -> bytes | None:
-    """``target.json``'s bytes: checked against its pin when the capsule is read with pins (it must
-    then be pinned and present); else read when present (``None`` when absent)."""
-    if TARGET_FILENAME in pins:
-        pin = _require_pin(path, pins[TARGET_FILENAME])
+def _read_document_bytes(path: Path, pins: dict[str, CapsuleFile | None]) -> bytes | None:
+    """A capsule document's bytes, checked against its pin when the capsule is read with pins (it must then be
+    pinned and present); else as they are (``target.json``: ``None`` when absent)."""
+    if path.name not in pins:
+        return None if path.name == TARGET_FILENAME and not os.path.lexists(path) else read_document_bytes(path)
+    pin = _require_pin(path, pins[path.name])
+    if path.name == TARGET_FILENAME:
         _require_present(path, "target identity")
-        data = read_document_bytes(path, check_size=functools.partial(_check_pinned_size, path, pin))
-        _check_pin(path, data, pin)
-        return data
-    if os.path.lexists(path):
-        return read_document_bytes(path)
-    return None
+    data = read_document_bytes(path, check_size=functools.partial(_check_pinned_size, path, pin))
+    _check_pin(path, data, pin)
+    return data
 
 
 def read_worker_capsule(artifact_dir: Path, entry: WorkerEntry) -> Capsule:
@@ -414,7 +409,7 @@ def read_worker_capsule(artifact_dir: Path, entry: WorkerEntry) -> Capsule:
 def read_pinned_capsule(path: Path, entry: WorkerEntry) -> Capsule:
     """:func:`read_worker_capsule` for a capsule folder at ``path`` (named after ``entry.worker``)
     pinned by ``entry``: a worker of an artifact, or a target-local overlay (its descriptor's pins)."""
-    pins = {name: entry.pin(name) for name in (NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, TARGET_FILENAME)}
+    pins = {name: entry.pin(name) for name in _DOCUMENTS}
     capsule = _read_capsule(path, pins)
     native = capsule.native
     if native.worker != entry.worker:

@@ -80,10 +80,6 @@ class TensorPlacement(Record):
             raise ManifestValueError(f"shape {self.shape} and stride {self.stride} differ in rank")
 
     @property
-    def itemsize_bytes(self) -> int:
-        return DTYPE_ITEMSIZE_BYTES[self.dtype]
-
-    @property
     def span_bytes(self) -> int:
         """Bytes from element 0 to one past the last element (0 for an empty tensor)."""
         last = 0
