@@ -42,6 +42,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 import msgspec
 
 from coldsnap_core._io import os_error
+from coldsnap_core.digests import SHA256_HEX_RE
 from coldsnap_core.errors import (
     ManifestError,
     ManifestParseError,
@@ -73,7 +74,7 @@ def matching(regex: str) -> Any:
     return Annotated[str, msgspec.Meta(pattern=rf"^(?:{regex})\Z")]
 
 
-Sha256 = matching("[0-9a-f]{64}")
+Sha256 = matching(SHA256_HEX_RE.pattern)
 """A SHA-256 digest: 64 lowercase hexadecimal characters."""
 
 MAX_DESCRIPTOR_BYTES = 8 << 20

@@ -227,7 +227,7 @@ ROUND_TRIPS: list[tuple[str, st.SearchStrategy[Any], Callable[[bytes], Any]]] = 
 
 @pytest.mark.parametrize(("kind", "strategy", "loads"), ROUND_TRIPS, ids=[r[0] for r in ROUND_TRIPS])
 def test_every_document_kind_round_trips_through_json_exactly(kind: str, strategy: st.SearchStrategy[Any], loads) -> None:
-    """Catches a field that ``to_json`` writes but ``from_fields`` reads differently (or not at all),
+    """Catches a field that ``dumps`` writes but ``loads`` reads differently (or not at all),
     a lossy type (tuple vs list, None vs missing, Unicode escapes), and non-canonical serialization:
     ``loads(dumps(x)) == x`` and ``dumps(loads(dumps(x))) == dumps(x)`` byte for byte, with sorted keys,
     two-space indent and a final newline. Every nested kind (allocation, tensor placement, model and
