@@ -11,16 +11,17 @@ ensure_ascii=False) + "\\n"`` (``docs/format.md`` §4), written by msgspec's enc
 reformatted with a two-space indent (``msgspec.json.format``).
 
 **Reading** (:func:`load_document`): msgspec decodes the bytes into the declared type, refusing what is not
-JSON (``NaN``/``Infinity`` included), unknown and missing fields, wrong types (``true``/``false`` and ``1.0``
-are not integers), values outside their constraints and the ``__post_init__`` rules. Two things msgspec lets
-through: an object that repeats a key (it keeps the last; JSON leaves the meaning open, so two readers could
-disagree) and an absent field that has a default in Python. Both are excluded by one comparison: a document is
-accepted at once only when it is byte for byte what :func:`dump_document` writes for what was read, which every
-document coldsnap writes is (SmolLM2-135M's two manifests: about 2 ms for the comparison). Anything else (another
-spelling of valid JSON, or a refusal) is read again with Python's ``json`` module, which refuses a repeated key,
-invalid UTF-8, a byte-order mark, a lone surrogate escape and nesting deeper than its recursion limit; then the
-header is checked, then msgspec's refusal is raised as the class below, naming the JSON path
-(``model_extents[3].offset_bytes``) and the file.
+JSON (``NaN``/``Infinity`` and lone surrogates included), unknown and missing fields, wrong types (``true``/
+``false`` and ``1.0`` are not integers), values outside their constraints and the ``__post_init__`` rules. Two
+things msgspec lets through: an object that repeats a key (it keeps the last; JSON leaves the meaning open, so two
+readers could disagree) and an absent field that has a default in Python. Both are excluded by one comparison: a
+document is accepted at once only when it is byte for byte what :func:`dump_document` writes for what was read,
+which every document coldsnap writes is (SmolLM2-135M's two manifests: about 1.5 ms for the comparison). Anything
+else (another spelling of valid JSON, or a refusal) is read again with Python's ``json`` module, which refuses a
+repeated key, invalid UTF-8, a byte-order mark and nesting deeper than its recursion limit; then the header is
+checked, then msgspec's refusal is raised as the class below, naming the JSON path
+(``model_extents[3].offset_bytes``) and the file; a valid document is then refused only if it lacks a key the
+writer writes or holds one the writer leaves out (the data parallel fields of a worker without data parallel).
 
 Error classes (``coldsnap_core.errors``, all exit code 2): :class:`ManifestParseError` (not JSON),
 :class:`ManifestSchemaError` (missing, unknown, repeated or mistyped key; wrong document kind),
