@@ -18,8 +18,8 @@ readers could disagree) and an absent field that has a default in Python. Both a
 document is accepted at once only when it is byte for byte what :func:`dump_document` writes for what was read,
 which every document coldsnap writes is (SmolLM2-135M's two manifests: about 1.5 ms for the comparison). Anything
 else (another spelling of valid JSON, or a refusal) is read again with Python's ``json`` module, which refuses a
-repeated key, invalid UTF-8, a byte-order mark and nesting deeper than its recursion limit; then the header is
-checked, then msgspec's refusal is raised as the class below, naming the JSON path
+repeated key, invalid UTF-8, a byte-order mark, a lone surrogate escape and nesting deeper than its recursion
+limit; then the header is checked, then msgspec's refusal is raised as the class below, naming the JSON path
 (``model_extents[3].offset_bytes``) and the file; a valid document is then refused only if it lacks a key the
 writer writes or holds one the writer leaves out (the data parallel fields of a worker without data parallel).
 
