@@ -11,6 +11,7 @@ from pathlib import Path
 from coldsnap_core.artifact.capsules import Capsule, find_worker
 from coldsnap_core.artifact.derived_cache import verify_seed
 from coldsnap_core.artifact.overlay import portable_descriptor_sha256, select_capsule
+from coldsnap_core.cli._extras import missing_dependency
 from coldsnap_core.cli._targets import artifact_folder, resolve
 from coldsnap_core.errors import ColdsnapError
 from coldsnap_core.format.descriptor import ArtifactDescriptor
@@ -57,11 +58,19 @@ def restore_here(artifact_dir: Path, descriptor: ArtifactDescriptor, capsule: Ca
     """Which capsule a restore of this worker by its capturing engine (the installed version of it)
     would use on this node, and why (``docs/format.md`` §15.4): ``capsule`` is ``portable``,
     ``qualified``, ``overlay`` or ``None`` (not qualified: ``auto`` loads the checkpoint, ``native``
-    refuses)."""
+    refuses; also without torch here, ``pip install coldsnap``: no engine can load a model on this node)."""
     recorded = capsule.target
     if recorded is None:
         return {"engine": None, "capsule": None, "overlay": None, "reason": "the capsule records no target.json"}
-    import torch  # only here: every other command starts without torch (about 2 s of import time)
+    try:
+        import torch  # only here: every other command starts without torch (about 2 s of import time)
+    except ModuleNotFoundError as exc:
+        return {
+            "engine": recorded.engine,
+            "capsule": None,
+            "overlay": None,
+            "reason": f"no engine can run here: {missing_dependency(exc).detail}",
+        }
 
     device = "cuda" if recorded.device_type == "cuda" and torch.cuda.is_available() else "cpu"
     version = engine_version(recorded.engine) if recorded.engine != ENGINE_NONE else None

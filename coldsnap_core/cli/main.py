@@ -6,7 +6,9 @@ Every subcommand lives in its own module under :mod:`coldsnap_core.cli` and expo
 ``exit_code`` (0 verified, 1 content mismatch or corruption, 2 malformed or unsupported manifest,
 3 missing object, 4 other error; ``docs/format.md``, "Exit codes"). An ``OSError`` that no coldsnap
 layer turned into a typed error is reported the same way, as rule ``io``
-(:class:`~coldsnap_core.errors.FileAccessError`, naming the file), with exit code 4.
+(:class:`~coldsnap_core.errors.FileAccessError`, naming the file), with exit code 4. A command that needs a module
+``pip install coldsnap`` leaves out (torch, an engine) stops with a ``ConfigurationError`` naming the extra that
+installs it (:mod:`coldsnap_core.cli._extras`), exit code 4.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import NoReturn
 
 from coldsnap_core._io import unexpected_os_error
 from coldsnap_core._version import __version__
+from coldsnap_core.cli._extras import missing_dependency
 from coldsnap_core.errors import EXIT_OTHER, ColdsnapError
 from coldsnap_core.format._strict import FORMAT_VERSION
 from coldsnap_core.settings import COMMAND_SETTINGS, KEYS, ColdsnapSettings
@@ -83,6 +86,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ColdsnapError as exc:
         print(f"coldsnap {args.command}: {exc}", file=sys.stderr)
         return exc.exit_code
+    except ModuleNotFoundError as exc:
+        error = missing_dependency(exc)
+        print(f"coldsnap {args.command}: {error}", file=sys.stderr)
+        return error.exit_code
     except KeyboardInterrupt:
         print(f"coldsnap {args.command}: interrupted", file=sys.stderr)
         return EXIT_OTHER

@@ -5,6 +5,7 @@ unsupported manifest, 3 missing object, 4 other error)."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -364,11 +365,19 @@ def test_inspect_of_a_bad_manifest_uses_the_same_exit_codes(captured_2layer: Cap
     assert run_cli("inspect", tmp_path / "nothing").returncode == 3
 
 
-@pytest.mark.parametrize("command", ["verify", "inspect", "status", "stage", "cache", "publish-native"])
+def _commands() -> list[str]:
+    """Every ``coldsnap`` subcommand the parser has (a new command is checked without being listed here)."""
+    from coldsnap_core.cli.main import build_parser
+
+    return sorted(next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices)
+
+
+@pytest.mark.parametrize("command", _commands())
 def test_a_command_that_needs_no_tensor_starts_without_torch(command: str, tmp_path: Path) -> None:
     """Parsing any command and running ``verify`` of a folder without an artifact import no torch (about
-    2 s of start-up on this machine, and every test that runs the CLI paid it). Fails if a command
-    module, or a module it imports at its top, imports torch again."""
+    2 s of start-up on this machine, and every test that runs the CLI paid it; ``pip install coldsnap`` has
+    no torch at all: tests/core/test_install.py). Fails if a command module, or a module it imports at its
+    top, imports torch again."""
     import subprocess
     import sys
 
