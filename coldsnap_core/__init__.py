@@ -4,9 +4,13 @@ The public API is :data:`__all__`; everything else is internal and may change. I
 SGLang (torch only), and each name is imported on first use, so ``import coldsnap_core`` stays cheap (the
 ``coldsnap`` command does not load torch until it needs it).
 
-* Restore a worker: :func:`restore_or_fall_back` (the engine plugins' ``COLDSNAP_RESTORE`` policy) or
-  :class:`WorkerRestore` (one attempt, raising), with :class:`LoadedModel` (what is being loaded),
-  :class:`WorkerIdentity` and :class:`ColdsnapSettings`.
+* Plug an engine in: :class:`LoadPolicy` is the engine contract both engine plugins run (restore or fall
+  back, capture, materialize, overlay, one outcome line per load); an adapter subclasses it, lists
+  :class:`ObservedLoader` before its engine's loader class and hands each load a :class:`LoadCall` (with a
+  :class:`ModelSource`), getting a :class:`LoadOutcome` back (README "Adding an engine").
+* Restore a worker: :func:`restore_or_fall_back` (the policy's restore step: ``COLDSNAP_RESTORE`` ``auto``
+  falls back, ``native`` raises) or :class:`WorkerRestore` (one attempt, raising), with :class:`LoadedModel`
+  (what is being loaded), :class:`WorkerIdentity` and :class:`ColdsnapSettings`.
 * Capture a worker: :class:`WriteObserver` and :class:`CheckpointSources` watch a checkpoint load (each
   tensor registered with its place in the file, :func:`read_header`),
   :func:`enumerate_allocations` lists the model's storages, :func:`map_to_allocations` turns the observed
@@ -32,8 +36,13 @@ _EXPORTS: dict[str, str] = {
     "ColdsnapError": "coldsnap_core.errors",
     "ColdsnapSettings": "coldsnap_core.settings",
     "CopyBackend": "coldsnap_core.copy.base",
+    "LoadCall": "coldsnap_core.load_policy",
+    "LoadOutcome": "coldsnap_core.load_policy",
+    "LoadPolicy": "coldsnap_core.load_policy",
     "LoadedModel": "coldsnap_core.identity.model_identity",
     "ModelRange": "coldsnap_core.capture.payload_plan",
+    "ModelSource": "coldsnap_core.load_policy",
+    "ObservedLoader": "coldsnap_core.load_policy",
     "PayloadCache": "coldsnap_core.cache.payload_cache",
     "PayloadStore": "coldsnap_core.stores.base",
     "RestoreResult": "coldsnap_core.restore.pipeline",
@@ -58,8 +67,13 @@ __all__ = [
     "ColdsnapError",
     "ColdsnapSettings",
     "CopyBackend",
+    "LoadCall",
+    "LoadOutcome",
+    "LoadPolicy",
     "LoadedModel",
     "ModelRange",
+    "ModelSource",
+    "ObservedLoader",
     "PayloadCache",
     "PayloadStore",
     "RestoreResult",
@@ -90,6 +104,7 @@ if TYPE_CHECKING:
     from coldsnap_core.format.safetensors_header import read_header
     from coldsnap_core.identity.checkpoint_records import CheckpointRecords
     from coldsnap_core.identity.model_identity import LoadedModel, identify_checkpoint
+    from coldsnap_core.load_policy import LoadCall, LoadOutcome, LoadPolicy, ModelSource, ObservedLoader
     from coldsnap_core.restore.audit import verify_artifact
     from coldsnap_core.restore.pipeline import RestoreResult, WorkerRestore, restore_or_fall_back
     from coldsnap_core.settings import ColdsnapSettings

@@ -1,19 +1,20 @@
-"""The load policy both engine plugins run: restore or fall back, then capture / materialize / overlay,
-then one outcome line.
+"""The engine contract: the load policy every engine plugin runs, and what an engine adapter supplies.
 
 :class:`LoadPolicy` is a small base class with one template method, :meth:`LoadPolicy.load`, in the
 shape of vLLM's ``BaseModelLoader.load_model`` (``vllm/model_executor/model_loader/base_loader.py``:
 the template fixes the order, subclasses supply the engine-specific steps). An engine adapter
-(``coldsnap_vllm.loader``, ``coldsnap_sglang.loader``) supplies only what needs its engine:
+(``coldsnap_vllm.loader``, ``coldsnap_sglang.loader``) lists :class:`ObservedLoader` before its engine's
+default loader class (the iterator boundary, watched) and supplies only what needs its engine:
 
-* :meth:`~LoadPolicy.worker_identity`: this worker's identity;
-* :meth:`~LoadPolicy.model_source` and :meth:`~LoadPolicy.checkpoint_files`: what the engine is
-  loading (model path or repository id, revision, the digest of its model configuration, its download
-  folder) and the files its own ``_prepare_weights`` would read now;
-* :meth:`~LoadPolicy.load_checkpoint`: how to run the engine's checkpoint load (its iterator hooks hand
-  each prepared source and yielded tensor to :attr:`LoadPolicy.session` while it is set);
 * :attr:`~LoadPolicy.engine` / :attr:`~LoadPolicy.engine_label`: the engine name its target identity
-  records (``docs/format.md`` §15.1) and the one its messages use; :meth:`~LoadPolicy.engine_version`.
+  records (``docs/format.md`` §15.1) and the one its messages use; :meth:`~LoadPolicy.engine_version`;
+* :meth:`~LoadPolicy.worker_identity`: this worker's identity;
+* per load, one :class:`LoadCall`: the model the engine built, what it is loading (:class:`ModelSource`,
+  resolved once) and the adapter's own inputs of the call;
+* :meth:`~LoadPolicy.checkpoint_files`: the files its own ``_prepare_weights`` would read now;
+* :meth:`~LoadPolicy.load_checkpoint`: how to run the engine's checkpoint load;
+* for an engine with a compile cache, :meth:`~LoadPolicy.place_derived_cache` and
+  :meth:`~LoadPolicy.capture_derived_cache` (an engine without one does not supply them).
 
 :meth:`LoadPolicy.load` then does, for one ``load_weights`` call:
 
@@ -33,15 +34,18 @@ the template fixes the order, subclasses supply the engine-specific steps). An e
      of a capsule this engine captured: a target-local **overlay** (:func:`coldsnap_core.artifact.overlay.capture_overlay`,
      ``docs/format.md`` §15);
 3. the capsule's **derived-cache seed** (``docs/format.md`` §17), when a capsule was read (a selected
-   overlay's own seed, else the portable capsule's): the engine adapter's
-   :meth:`~LoadPolicy.place_derived_cache` places it where the engine's compiler looks (default: the
-   engine keeps none);
+   overlay's own seed, else the portable capsule's): :meth:`~LoadPolicy.place_derived_cache` places it where
+   the engine's compiler looks;
 4. one **outcome line** (:mod:`coldsnap_core.outcomes`, ``docs/format.md`` §10.3): ``restored``,
-   ``captured``, ``fell-back``, ``checkpoint``, or ``refused`` when an error is raised.
+   ``captured``, ``fell-back``, ``checkpoint``, or ``refused`` when an error is raised;
+5. after a capture or an overlay this load wrote (``COLDSNAP_DERIVED_CACHE=auto``): the **derived-cache
+   capture** (:meth:`~LoadPolicy.capture_derived_cache`), which attaches the engine's compile cache to that
+   capsule once the engine has compiled.
 
-The payload store is built from the resolved settings when the policy is constructed (an engine
-plugin does so when its loader is built), so a malformed ``COLDSNAP_PAYLOAD_REPO`` stops the engine's
-start with a :class:`~coldsnap_core.errors.ConfigurationError` under ``auto`` too.
+It returns what it did (:class:`LoadOutcome`). The payload store is built from the resolved settings when
+the policy is constructed (an engine plugin does so when its loader is built), so a malformed
+``COLDSNAP_PAYLOAD_REPO`` stops the engine's start with a :class:`~coldsnap_core.errors.ConfigurationError`
+under ``auto`` too.
 """
 
 from __future__ import annotations
@@ -50,16 +54,15 @@ import abc
 import dataclasses
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from coldsnap_core.artifact.derived_cache import SeedPlacement
 from coldsnap_core.artifact.overlay import OverlayCapture, capture_overlay
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.capture.load_session import LoadSession
+from coldsnap_core.capture.load_session import LoadSession, PreparedWeights
 from coldsnap_core.capture.materialize import MaterializationHandle, materialize_payload
 from coldsnap_core.capture.model_records import ModelRecord
 from coldsnap_core.capture.observer import WriteObserver, map_to_allocations
@@ -80,7 +83,7 @@ from coldsnap_core.restore.pipeline import WorkerRestore, capture_loaded_worker,
 from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_core.stores import from_settings as store_from_settings
 
-__all__ = ["LoadOutcome", "LoadPolicy", "ModelSource", "ModelWrite", "last_outcome"]
+__all__ = ["LoadCall", "LoadOutcome", "LoadPolicy", "ModelSource", "ModelWrite", "ObservedLoader"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +129,23 @@ class ModelSource:
             return requested
         commit = resolve_hub_commit(self.path, self.revision, cache_dir=self.download_dir)
         return commit if commit is not None else requested
+
+
+@dataclass(frozen=True, slots=True)
+class LoadCall:
+    """The inputs of one :meth:`LoadPolicy.load`: one engine call that asks its loader for the weights.
+
+    Attributes:
+        model: the ``torch.nn.Module`` the engine built (parameters and buffers allocated, not loaded).
+        source: what the engine is loading into it, resolved once per load; ``None`` when the loader cannot
+            tell (the engine asked for the weights outside its ``load_model``).
+        engine: the adapter's own inputs of this call, handed back to its steps unread (vLLM: its model
+            configuration and ``VllmConfig``; SGLang: the weights iterator and the target device).
+    """
+
+    model: object
+    source: ModelSource | None
+    engine: Any = None
 
 
 @dataclass(frozen=True)
@@ -188,23 +208,6 @@ class LoadOutcome:
         return "fell-back" if self.fallback is not None else self.kind
 
 
-_outcome_lock = threading.Lock()
-_last_outcome: LoadOutcome | None = None
-
-
-def last_outcome() -> LoadOutcome | None:
-    """The :class:`LoadOutcome` of this process's last :meth:`LoadPolicy.load`, or ``None`` (cleared
-    when a load starts, so a refused load leaves ``None``)."""
-    with _outcome_lock:
-        return _last_outcome
-
-
-def _set_outcome(outcome: LoadOutcome | None) -> None:
-    global _last_outcome
-    with _outcome_lock:
-        _last_outcome = outcome
-
-
 class LoadPolicy(abc.ABC):
     """The engine-neutral load policy (see the module docstring); an engine adapter subclasses it.
 
@@ -230,7 +233,8 @@ class LoadPolicy(abc.ABC):
         self.log = log
         self.store = store_from_settings(settings.store)
         self.session: LoadSession | None = None
-        """The observed load in progress: set only while :meth:`load_checkpoint` runs under the observer."""
+        """The observed load in progress: set only while :meth:`load_checkpoint` runs under the observer
+        (:class:`ObservedLoader` reports to it)."""
 
     # -- what the engine adapter supplies ----------------------------------------------------------
 
@@ -239,40 +243,43 @@ class LoadPolicy(abc.ABC):
         """This worker's identity."""
 
     @abc.abstractmethod
-    def model_source(self, model: object) -> ModelSource | None:
-        """What the engine is loading into ``model``; ``None`` when the loader cannot tell (its weights
-        were requested outside its ``load_model``)."""
+    def checkpoint_files(self, call: LoadCall) -> tuple[list[str] | None, str | None]:
+        """:func:`coldsnap_core.identity.model_identity.engine_checkpoint_files` of ``call.source`` (never
+        ``None`` here) through the engine's own ``_prepare_weights`` (no tensor is read)."""
 
     @abc.abstractmethod
-    def checkpoint_files(self, model: object, source: ModelSource) -> tuple[list[str] | None, str | None]:
-        """:func:`coldsnap_core.identity.model_identity.engine_checkpoint_files` through the engine's own
-        ``_prepare_weights`` (no tensor is read)."""
-
-    @abc.abstractmethod
-    def load_checkpoint(self, model: object) -> None:
-        """Run the engine's checkpoint load into ``model`` (its iterator hooks report to :attr:`session`)."""
+    def load_checkpoint(self, call: LoadCall) -> None:
+        """Run the engine's checkpoint load into ``call.model`` (its iterator hooks, :class:`ObservedLoader`,
+        report to :attr:`session`)."""
 
     def engine_version(self) -> str | None:
         """The engine's installed version (:func:`coldsnap_core.identity.target.engine_version`)."""
         return installed_engine_version(self.engine)
 
-    def wants_model_identity(self) -> bool:
+    def wants_model_identity(self, call: LoadCall) -> bool:
         """Whether a plain checkpoint load pins the model identity too (vLLM: its sleep backend needs it)."""
         return False
 
-    def place_derived_cache(self, outcome: LoadOutcome) -> SeedPlacement | None:
-        """Place the derived-cache seed of ``outcome.capsule_dir`` before the engine compiles
-        (:func:`coldsnap_core.artifact.derived_cache.place_seed`), or ``None`` when the engine keeps no seed (the
-        default) or no capsule was read. Must not raise: a seed only makes a start faster."""
+    def place_derived_cache(self, call: LoadCall, outcome: LoadOutcome) -> SeedPlacement | None:
+        """Place the derived-cache seed of ``outcome.capsule_dir`` (a capsule was read) before the engine
+        compiles (:func:`coldsnap_core.artifact.derived_cache.place_seed`); ``None``: the engine keeps no
+        compile cache (the default). Must not raise: a seed only makes a start faster."""
+        return None
+
+    def capture_derived_cache(self, call: LoadCall, outcome: LoadOutcome) -> None:
+        """Attach the engine's compile cache to the capsule this load wrote (``outcome.capture`` or
+        ``outcome.overlay``) once the engine has compiled (:func:`coldsnap_core.artifact.derived_cache.attach_seed`);
+        the default does nothing (the engine keeps no compile cache). Must not raise: the capsule stands
+        without a seed."""
         return None
 
     # -- the template method -----------------------------------------------------------------------
 
-    def load(self, model: object) -> LoadOutcome:
-        """Restore or load ``model`` (a ``torch.nn.Module`` the engine built), then append one outcome line.
+    def load(self, call: LoadCall) -> LoadOutcome:
+        """Restore or load ``call.model``, then append one outcome line (see the module docstring).
 
         Returns:
-            What the load did (also :func:`last_outcome`).
+            What the load did.
 
         Raises:
             ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed (the verifier's error),
@@ -280,17 +287,15 @@ class LoadPolicy(abc.ABC):
                 ``refused``.
         """
         started = time.perf_counter()
-        _set_outcome(None)
         worker = self.worker_identity()
         try:
             with collector_paused():
-                outcome = self._load(model, worker, started)
+                outcome = self._load(call, worker, started)
         except ColdsnapError as exc:
             self._append_line("refused", worker, time.perf_counter() - started, error=exc)
             raise
-        seed = self.place_derived_cache(outcome) if outcome.capsule_dir is not None else None
-        outcome = dataclasses.replace(outcome, derived_cache=seed)
-        _set_outcome(outcome)
+        if outcome.capsule_dir is not None:
+            outcome = dataclasses.replace(outcome, derived_cache=self.place_derived_cache(call, outcome))
         self._append_line(
             outcome.line_kind,
             worker,
@@ -298,16 +303,18 @@ class LoadPolicy(abc.ABC):
             error=outcome.fallback,
             materialization_started=outcome.materialization is not None,
             pack_sha256=None if outcome.kind == "checkpoint" or outcome.pack is None else outcome.pack.sha256,
-            derived_cache=seed,
+            derived_cache=outcome.derived_cache,
         )
+        if self.settings.derived_cache == "auto" and (outcome.capture is not None or outcome.overlay is not None):
+            self.capture_derived_cache(call, outcome)
         return outcome
 
-    def _load(self, model: object, worker: WorkerIdentity, started: float) -> LoadOutcome:
+    def _load(self, call: LoadCall, worker: WorkerIdentity, started: float) -> LoadOutcome:
         settings = self.settings
         cache = PayloadCache(settings.state_root, lock_timeout_seconds=settings.lock_timeout_s)
         if settings.artifact_dir is None or settings.export_model_payload:
-            return self._load_checkpoint(model, worker, cache, None, None, None, started)
-        loaded = self._loaded_model(model)
+            return self._load_checkpoint(call, worker, cache, None, None, None, started)
+        loaded = self._loaded_model(call)
         if settings.overlay == "capture":
             # An operator's explicit overlay capture: read the portable capsule, load the checkpoint,
             # capture; a capsule that cannot be read (or a model the loader cannot tell) stops here.
@@ -315,9 +322,9 @@ class LoadPolicy(abc.ABC):
                 settings, worker, self._require_loaded(loaded), cache, self.engine, self.engine_version(), self.store
             )
             attempt.read()
-            return self._load_checkpoint(model, worker, cache, attempt, None, None, started)
+            return self._load_checkpoint(call, worker, cache, attempt, None, None, started)
         result = restore_or_fall_back(
-            model,
+            call.model,
             settings,
             worker,
             loaded,
@@ -331,13 +338,13 @@ class LoadPolicy(abc.ABC):
         if result.restored:
             assert result.attempt is not None and result.allocations is not None and result.report is not None
             return self._restored(result.attempt, result.allocations, result.report, started)
-        return self._load_checkpoint(model, worker, cache, result.attempt, result.fallback, result.allocations, started)
+        return self._load_checkpoint(call, worker, cache, result.attempt, result.fallback, result.allocations, started)
 
-    def _loaded_model(self, model: object) -> LoadedModel | None:
-        source = self.model_source(model)
+    def _loaded_model(self, call: LoadCall) -> LoadedModel | None:
+        source = call.source
         if source is None:
             return None
-        files, files_error = self.checkpoint_files(model, source)
+        files, files_error = self.checkpoint_files(call)
         return LoadedModel.from_config(
             source.path,
             source.revision,
@@ -392,7 +399,7 @@ class LoadPolicy(abc.ABC):
 
     def _load_checkpoint(
         self,
-        model: object,
+        call: LoadCall,
         worker: WorkerIdentity,
         cache: PayloadCache,
         attempt: WorkerRestore | None,
@@ -403,7 +410,7 @@ class LoadPolicy(abc.ABC):
         """The observed checkpoint load (:meth:`_observe_checkpoint_load`) and what follows it: capture,
         materialization, overlay."""
         settings = self.settings
-        observed = self._observe_checkpoint_load(model, worker, fallback, before, started)
+        observed = self._observe_checkpoint_load(call, worker, fallback, before, started)
         if isinstance(observed, LoadOutcome):
             return observed
         session, observer, after, records, load_seconds = observed
@@ -424,9 +431,16 @@ class LoadPolicy(abc.ABC):
         pack: PackRef | None = None
         if settings.export_model_payload:
             assert settings.artifact_dir is not None
-            identity = self._identify(session, model)
+            identity = self._identify(session, call)
             capture = capture_loaded_worker(
-                after, ranges, worker, identity, cache=cache, artifact_dir=settings.artifact_dir, engine=self.engine
+                after,
+                ranges,
+                worker,
+                identity,
+                cache=cache,
+                artifact_dir=settings.artifact_dir,
+                engine=self.engine,
+                engine_version=self.engine_version(),
             )
             pack = capture.manifest.pack
         elif fallback is not None and attempt is not None and attempt.pack_unavailable and attempt.layout_matches:
@@ -434,8 +448,8 @@ class LoadPolicy(abc.ABC):
             if handle is not None and handle.done and handle.result is not None:
                 pack = handle.result.pack
         overlay = self._capture_overlay(attempt, after, ranges) if self._wants_overlay(attempt, fallback) else None
-        if identity is None and self.wants_model_identity():
-            identity = self._identify(session, model)
+        if identity is None and self.wants_model_identity(call):
+            identity = self._identify(session, call)
         return LoadOutcome(
             "captured" if capture is not None else "checkpoint",
             worker,
@@ -455,7 +469,7 @@ class LoadPolicy(abc.ABC):
 
     def _observe_checkpoint_load(
         self,
-        model: object,
+        call: LoadCall,
         worker: WorkerIdentity,
         fallback: ColdsnapError | None,
         before: TorchAllocations | None,
@@ -473,18 +487,18 @@ class LoadPolicy(abc.ABC):
                 classified, or runs outside the engine's ``load_model``.
         """
         export = self.settings.export_model_payload
-        if export and self.model_source(model) is None:
+        if export and call.source is None:
             raise ObserverError(
                 "COLDSNAP_EXPORT_MODEL_PAYLOAD=1 needs the loader's load_model (it watches the checkpoint iterator);"
                 f" {self.weights_call} was called outside it"
             )
         try:
-            before = enumerate_allocations(model) if before is None else before  # type: ignore[arg-type]
+            before = enumerate_allocations(call.model) if before is None else before  # type: ignore[arg-type]
         except ObserverError as exc:
             if export:
                 raise
             self.log.info("coldsnap: not observing this load (%s)", exc.detail)
-            self.load_checkpoint(model)
+            self.load_checkpoint(call)
             seconds = time.perf_counter() - started
             return LoadOutcome("checkpoint", worker, seconds, seconds, fallback, observed=False)
         session = LoadSession()
@@ -493,12 +507,12 @@ class LoadPolicy(abc.ABC):
         self.session = session
         try:
             with observer:
-                self.load_checkpoint(model)
+                self.load_checkpoint(call)
         finally:
             self.session = None
         load_seconds = time.perf_counter() - load_started
         try:
-            after = enumerate_allocations(model)  # type: ignore[arg-type]
+            after = enumerate_allocations(call.model)  # type: ignore[arg-type]
             records = observer.loaded_records(before, after)
         except ObserverError as problem:
             # The weights are loaded; only their classification is unknown, so the engine serves them
@@ -509,11 +523,11 @@ class LoadPolicy(abc.ABC):
             return LoadOutcome("checkpoint", worker, load_seconds, time.perf_counter() - started, fallback, observed=False)
         return session, observer, after, records, load_seconds
 
-    def _identify(self, session: LoadSession, model: object) -> ModelIdentity:
+    def _identify(self, session: LoadSession, call: LoadCall) -> ModelIdentity:
         """The model identity of this load: the checkpoint files just loaded (hashed, and recorded in the
         state root's checkpoint records), the engine's model configuration digest and the revision
         :meth:`ModelSource.identity_revision` gives."""
-        source = self.model_source(model)
+        source = call.source
         assert source is not None
         return session.identify(
             source.path,
@@ -613,6 +627,37 @@ class LoadPolicy(abc.ABC):
                 derived_cache_reason=None if derived_cache is None else derived_cache.reason,
             ),
         )
+
+
+class ObservedLoader:
+    """The iterator boundary of an engine's default loader, watched: a mixin an engine adapter lists before
+    that loader class (``class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader)``) and whose
+    :attr:`policy` it sets.
+
+    vLLM's and SGLang's ``DefaultModelLoader`` both list a weight source's files with
+    ``_prepare_weights(model_name_or_path, ...)``, which returns ``(folder, files, use_safetensors, ...)``,
+    and read it through ``_get_weights_iterator(source, ...)`` (a source with a name ``prefix`` in vLLM);
+    while :attr:`LoadPolicy.session` is set (the observed checkpoint load), each prepared source is recorded
+    and each yielded tensor registered with its place in the file (:meth:`LoadSession.observe`). Outside it
+    (vLLM's ``reload_weights``, SGLang's ``update_weights_from_disk``) both pass through unchanged.
+    """
+
+    policy: LoadPolicy
+
+    def _prepare_weights(self, model_name_or_path, *args, **kwargs):
+        result = super()._prepare_weights(model_name_or_path, *args, **kwargs)  # type: ignore[misc]
+        session = self.policy.session
+        if session is not None:
+            folder, files, use_safetensors = result[0], result[1], result[2]
+            session.prepared.append(
+                PreparedWeights(str(model_name_or_path), Path(folder), [Path(f) for f in files], bool(use_safetensors))
+            )
+        return result
+
+    def _get_weights_iterator(self, source, *args, **kwargs):
+        iterator = super()._get_weights_iterator(source, *args, **kwargs)  # type: ignore[misc]
+        session = self.policy.session
+        return iterator if session is None else session.observe(getattr(source, "prefix", "") or "", iterator)
 
 
 def _seed_source(attempt: WorkerRestore | None) -> dict[str, object]:

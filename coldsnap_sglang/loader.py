@@ -10,18 +10,18 @@ module supplies only what needs SGLang:
 
 * the worker identity (:func:`worker_identity`: the tensor parallel rank of ``LoadConfig.tp_rank``);
 * the model source: ``model_config.model_path`` and ``revision``, the digest of SGLang's model
-  configuration (:func:`engine_config_sha256`), ``--download-dir``; for a local folder the files SGLang's
-  own ``_prepare_weights`` would read now (which must be exactly the recorded ones);
+  configuration, ``--download-dir``; for a local folder the files SGLang's own ``_prepare_weights`` would
+  read now (which must be exactly the recorded ones);
 * the checkpoint load: ``DefaultModelLoader.load_weights_only`` (``model.load_weights`` on the checkpoint
-  iterator; its boundary is watched by overriding ``_prepare_weights`` and ``_get_weights_iterator``), so a
-  capture (``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``) or a target-local overlay (after a fallback caused by the
-  target, or on ``COLDSNAP_OVERLAY=capture``) is taken before SGLang's post-processing. The model bytes
-  of a checkpoint are the same in SGLang and vLLM, so both engines' captures of one checkpoint name the
-  same pack.
+  iterator, whose boundary :class:`coldsnap_core.load_policy.ObservedLoader` watches), so a capture
+  (``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``) or a target-local overlay (after a fallback caused by the target, or
+  on ``COLDSNAP_OVERLAY=capture``) is taken before SGLang's post-processing. The model bytes of a checkpoint
+  are the same in SGLang and vLLM, so both engines' captures of one checkpoint name the same pack.
 
-Settings are those of :mod:`coldsnap_core.settings` (environment variables or
-``--model-loader-extra-config`` keys, removed before SGLang's loader validates the rest), with
-materialization ``off`` by default and the only accepted value (:mod:`coldsnap_sglang.settings`).
+SGLang keeps no compile cache, so it supplies no derived-cache steps. Settings are those of
+:mod:`coldsnap_core.settings` (environment variables or ``--model-loader-extra-config`` keys, removed before
+SGLang's loader validates the rest), with materialization ``off`` by default and the only accepted value
+(:mod:`coldsnap_sglang.settings`).
 """
 
 from __future__ import annotations
@@ -31,19 +31,17 @@ import dataclasses
 import logging
 import os
 from collections.abc import Iterable
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 from sglang.srt.configs.load_config import LoadFormat
 from sglang.srt.model_loader.loader import DefaultModelLoader
 
-from coldsnap_core.capture.load_session import PreparedWeights
 from coldsnap_core.errors import EngineVersionError
 from coldsnap_core.format.manifest import WorkerIdentity
-from coldsnap_core.identity.config_digest import model_config_sha256
+from coldsnap_core.identity.config_digest import engine_config_sha256
 from coldsnap_core.identity.model_identity import engine_checkpoint_files
-from coldsnap_core.load_policy import LoadPolicy, ModelSource
+from coldsnap_core.load_policy import LoadCall, LoadOutcome, LoadPolicy, ModelSource, ObservedLoader
 from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_sglang.settings import resolve_sglang_settings
 
@@ -78,9 +76,8 @@ def worker_identity(load_config: object) -> WorkerIdentity:
 
 
 class _SglangLoad(LoadPolicy):
-    """The load policy with SGLang's parts: one per :class:`ColdsnapModelLoader`; ``model_config`` is
-    set by ``load_model`` (``None`` outside it), ``weights`` and ``target_device`` by each
-    ``load_weights_and_postprocess``."""
+    """The load policy with SGLang's parts: one per :class:`ColdsnapModelLoader`; a call's
+    :attr:`~coldsnap_core.load_policy.LoadCall.engine` is ``(weights, target_device)``."""
 
     engine: ClassVar[str] = ENGINE
     engine_label: ClassVar[str] = "SGLang"
@@ -89,40 +86,28 @@ class _SglangLoad(LoadPolicy):
     def __init__(self, loader: ColdsnapModelLoader, settings: ColdsnapSettings) -> None:
         super().__init__(settings, log=logger)
         self.loader = loader
-        self.model_config = None
-        self.weights: Iterable = ()
-        self.target_device: object = None
 
     def worker_identity(self) -> WorkerIdentity:
         return worker_identity(self.loader.load_config)
 
-    def model_source(self, model: object) -> ModelSource | None:
-        config = self.model_config
-        if config is None:  # load_weights_and_postprocess called outside load_model
-            return None
-        return ModelSource(
-            str(config.model_path),
-            getattr(config, "revision", None),
-            engine_config_sha256(config),
-            getattr(self.loader.load_config, "download_dir", None),
-        )
-
-    def checkpoint_files(self, model: object, source: ModelSource) -> tuple[list[str] | None, str | None]:
+    def checkpoint_files(self, call: LoadCall) -> tuple[list[str] | None, str | None]:
         """Through SGLang's ``DefaultModelLoader._prepare_weights(model_name_or_path, revision,
         fall_back_to_pt)`` with the model's ``fall_back_to_pt_during_load``."""
+        source = call.source
+        assert source is not None
+        fall_back_to_pt = getattr(call.model, "fall_back_to_pt_during_load", True)
         return engine_checkpoint_files(
             source.path,
             self.engine_label,
-            lambda: self.loader._prepare_weights(
-                source.path, source.revision, getattr(model, "fall_back_to_pt_during_load", True)
-            ),
+            lambda: DefaultModelLoader._prepare_weights(self.loader, source.path, source.revision, fall_back_to_pt),
         )
 
-    def load_checkpoint(self, model: object) -> None:
-        DefaultModelLoader.load_weights_only(model, self.weights, self.target_device)
+    def load_checkpoint(self, call: LoadCall) -> None:
+        weights, target_device = call.engine
+        DefaultModelLoader.load_weights_only(call.model, weights, target_device)
 
 
-class ColdsnapModelLoader(DefaultModelLoader):
+class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
     """SGLang ``DefaultModelLoader`` with coldsnap capture and restore (see the module docstring).
 
     Raises:
@@ -137,61 +122,33 @@ class ColdsnapModelLoader(DefaultModelLoader):
         # and iterator on it) and only the extra-config keys it knows (it rejects the others).
         inner = LoadFormat(self.coldsnap_settings.inner_load_format or "auto")
         super().__init__(dataclasses.replace(load_config, load_format=inner, model_loader_extra_config=rest))
-        self._policy = _SglangLoad(self, self.coldsnap_settings)
+        self.policy = _SglangLoad(self, self.coldsnap_settings)
+        self._model_config = None
 
     def load_model(self, *, model_config, device_config, **kwargs):
-        self._policy.model_config = model_config
+        self._model_config = model_config
         try:
             return super().load_model(model_config=model_config, device_config=device_config, **kwargs)
         finally:
-            self._policy.model_config = None
-
-    # -- the iterator boundary ---------------------------------------------------------------------
-
-    def _prepare_weights(self, model_name_or_path, revision, fall_back_to_pt, *args, **kwargs):  # type: ignore[override]
-        result = super()._prepare_weights(model_name_or_path, revision, fall_back_to_pt, *args, **kwargs)
-        session = self._policy.session
-        if session is not None:
-            folder, files, use_safetensors = result[0], result[1], result[2]
-            session.prepared.append(
-                PreparedWeights(str(model_name_or_path), Path(folder), [Path(f) for f in files], bool(use_safetensors))
-            )
-        return result
-
-    def _get_weights_iterator(self, source, *args, **kwargs):  # type: ignore[override]
-        iterator = super()._get_weights_iterator(source, *args, **kwargs)
-        session = self._policy.session
-        if session is None:
-            return iterator  # update_weights_from_disk and other callers outside an observed load
-        return session.observe(getattr(source, "prefix", "") or "", iterator)
-
-    # -- load_weights_and_postprocess --------------------------------------------------------------
+            self._model_config = None
 
     def load_weights_and_postprocess(self, model: torch.nn.Module, weights: Iterable, target_device: torch.device):  # type: ignore[override]
         """Restore from the artifact or load the checkpoint (observed; captured on export, an overlay
         where the target asks for one), with one line in the load outcome log
         (:meth:`coldsnap_core.load_policy.LoadPolicy.load`); then SGLang's post-processing.
 
+        Returns:
+            What the load did (SGLang ignores it).
+
         Raises:
             ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed (the verifier's error), or
                 the export capture or an explicit overlay capture failed.
         """
-        policy = self._policy
-        policy.weights, policy.target_device = weights, target_device
-        try:
-            policy.load(model)
-        finally:
-            policy.weights, policy.target_device = (), None
+        config = self._model_config  # None: called outside load_model, so the loader cannot tell the model
+        source = None
+        if config is not None:
+            path, revision = str(config.model_path), getattr(config, "revision", None)
+            source = ModelSource(path, revision, engine_config_sha256(config), getattr(self.load_config, "download_dir", None))
+        outcome: LoadOutcome = self.policy.load(LoadCall(model, source, (weights, target_device)))
         DefaultModelLoader.postprocess_weights(model, target_device)
-
-
-def engine_config_sha256(model_config) -> str | None:
-    """:func:`coldsnap_core.identity.config_digest.model_config_sha256` of SGLang's effective model configuration:
-    ``model_config.hf_config`` (SGLang applies ``--json-model-override-args`` to it), ``model_config.dtype``
-    and ``model_config.quantization``; ``None`` when the config has no ``hf_config``."""
-    hf_config = getattr(model_config, "hf_config", None)
-    if hf_config is None:
-        return None
-    return model_config_sha256(
-        hf_config, dtype=getattr(model_config, "dtype", None), quantization=getattr(model_config, "quantization", None)
-    )
+        return outcome

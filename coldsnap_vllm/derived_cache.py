@@ -48,7 +48,6 @@ from coldsnap_core.format.descriptor import SEED_FILENAMES, CapsuleFile
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.identity.target import collect_target
 from coldsnap_core.load_policy import LoadOutcome
-from coldsnap_core.settings import ColdsnapSettings
 
 logger = logging.getLogger(__name__)
 
@@ -248,26 +247,22 @@ def capture_after_compilation(
     model,
     vllm_config,
     outcome: LoadOutcome,
-    settings: ColdsnapSettings,
+    artifact_dir: Path,
     *,
     engine: str,
     engine_version: str | None,
-    config_sha256: Callable[[], str],
+    config_sha256: str | None,
 ) -> SeedCapture | None:
-    """After an export's capture, or a target-local overlay this start stored: the worker's compile cache goes
-    into that capsule once vLLM has compiled (:func:`for_export`, :func:`for_overlay`), unless
-    ``COLDSNAP_DERIVED_CACHE=off`` or vLLM keeps no compile cache for this start (one INFO line says why).
-    ``config_sha256`` gives the digest of vLLM's model configuration (computed once per load by the loader).
+    """After an export's capture, or a target-local overlay this start stored (the load policy calls it only then,
+    and only under ``COLDSNAP_DERIVED_CACHE=auto``): the worker's compile cache goes into that capsule once vLLM
+    has compiled (:func:`for_export` into ``artifact_dir``, :func:`for_overlay`), unless vLLM keeps no compile cache for this start
+    (one INFO line says why). ``config_sha256`` is the digest of vLLM's model configuration.
     Never raises for a seed: the export stands without one."""
-    if settings.derived_cache == "off" or settings.artifact_dir is None:
-        return None
-    if outcome.capture is None and outcome.overlay is None:
-        return None
     try:
         reason = compile_skip_reason(vllm_config)
         recorded = None
         if reason is None:
-            recorded = qualification(vllm_config, engine, engine_version, config_sha256())
+            recorded = qualification(vllm_config, engine, engine_version, config_sha256)
     except Exception as exc:  # vLLM's private hashing moved: the export stands without a seed
         reason = f"this start's compilation settings cannot be read ({type(exc).__name__}: {exc})"
     if reason is not None:
@@ -275,9 +270,7 @@ def capture_after_compilation(
         return None
     assert recorded is not None
     if outcome.capture is not None:
-        return for_export(
-            model, vllm_config, settings.artifact_dir, outcome.worker, outcome.capture.manifest.pack.sha256, recorded
-        )
+        return for_export(model, vllm_config, artifact_dir, outcome.worker, outcome.capture.manifest.pack.sha256, recorded)
     assert outcome.overlay is not None
     return for_overlay(model, vllm_config, outcome.overlay, recorded)
 

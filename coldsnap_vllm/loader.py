@@ -10,13 +10,14 @@ unknown keys). ``vllm_config.load_config.load_format`` stays ``coldsnap``, which
 per worker.
 
 ``load_weights(model, model_config)`` (vLLM calls it after building the model and before
-``process_weights_after_loading``) runs :meth:`coldsnap_core.load_policy.LoadPolicy.load`: restore or
-fall back, then capture / materialize / overlay, then one outcome line. This module supplies only what
-needs vLLM: the worker identity (:func:`coldsnap_vllm.compat.worker_identity`), the model source and the
-digest of vLLM's model configuration (:func:`engine_config_sha256`), the files vLLM's
+``process_weights_after_loading``) runs :meth:`coldsnap_core.load_policy.LoadPolicy.load` and returns its
+outcome. This module supplies only what needs vLLM: the worker identity
+(:func:`coldsnap_vllm.compat.worker_identity`), the model source (``model_config.model``, ``revision``, the
+digest of vLLM's model configuration, ``--download-dir``), the files vLLM's
 ``DefaultModelLoader._prepare_weights`` would read, the checkpoint load itself
-(``DefaultModelLoader.load_weights``; its iterator boundary is watched by overriding ``_prepare_weights``
-and ``_get_weights_iterator``), and the engine name and version.
+(``DefaultModelLoader.load_weights``; its iterator boundary is watched by
+:class:`coldsnap_core.load_policy.ObservedLoader`), the engine name and the compile cache as a derived-cache
+seed (:mod:`coldsnap_vllm.derived_cache`).
 
 After each load the loader publishes a :class:`coldsnap_vllm.state.WorkerLoadState` for the level-1 sleep
 backend: the model writes by absolute address, the pinned model identity when it is known (always
@@ -30,18 +31,17 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from torch import nn
 from vllm.config import ModelConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from coldsnap_core.capture.load_session import PreparedWeights
 from coldsnap_core.format.manifest import WorkerIdentity
-from coldsnap_core.identity.config_digest import model_config_sha256
+from coldsnap_core.identity.config_digest import engine_config_sha256
 from coldsnap_core.identity.model_identity import engine_checkpoint_files
-from coldsnap_core.load_policy import LoadOutcome, LoadPolicy, ModelSource, last_outcome
+from coldsnap_core.load_policy import LoadCall, LoadOutcome, LoadPolicy, ModelSource, ObservedLoader
 from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_vllm import compat, early_seed
 from coldsnap_vllm import derived_cache as seeds
@@ -55,12 +55,19 @@ ENGINE = "vllm"
 LOAD_FORMAT = "coldsnap"
 """The load format name: ``--load-format coldsnap`` / ``LLM(..., load_format="coldsnap")``."""
 
-__all__ = ["LOAD_FORMAT", "ColdsnapModelLoader", "LoadOutcome", "engine_config_sha256", "last_outcome", "register_loader"]
+__all__ = ["LOAD_FORMAT", "ColdsnapModelLoader", "register_loader"]
+
+
+class _Inputs(NamedTuple):
+    """vLLM's inputs of one ``load_weights`` call (:attr:`coldsnap_core.load_policy.LoadCall.engine`)."""
+
+    model_config: ModelConfig
+    vllm_config: object | None
+    """vLLM's configuration of this worker as ``load_model`` was given it (its compile settings), or ``None``."""
 
 
 class _VllmLoad(LoadPolicy):
-    """The load policy with vLLM's parts: one per :class:`ColdsnapModelLoader`; ``model_config`` is set
-    by each ``load_weights`` call."""
+    """The load policy with vLLM's parts: one per :class:`ColdsnapModelLoader`."""
 
     engine: ClassVar[str] = ENGINE
     engine_label: ClassVar[str] = "vLLM"
@@ -68,36 +75,16 @@ class _VllmLoad(LoadPolicy):
     def __init__(self, loader: ColdsnapModelLoader, settings: ColdsnapSettings) -> None:
         super().__init__(settings, log=logger)
         self.loader = loader
-        self.model_config: ModelConfig | None = None
-        self._config_sha256: str | None = None
-        self.vllm_config = None
-        """vLLM's configuration of this worker, set by :meth:`ColdsnapModelLoader.load_model` (its compile settings)."""
-
-    def begin(self, model_config: ModelConfig) -> None:
-        """Start a ``load_weights`` call for ``model_config``."""
-        self.model_config = model_config
-        self._config_sha256 = None
-
-    def config_sha256(self) -> str:
-        """:func:`engine_config_sha256` of this load's model configuration, computed once per load (about
-        1 ms: every attribute of the Hugging Face config)."""
-        assert self.model_config is not None
-        if self._config_sha256 is None:
-            self._config_sha256 = engine_config_sha256(self.model_config)
-        return self._config_sha256
 
     def worker_identity(self) -> WorkerIdentity:
         return compat.worker_identity()
 
-    def model_source(self, model: object) -> ModelSource:
-        config = self.model_config
-        assert config is not None
-        return ModelSource(str(config.model), config.revision, self.config_sha256(), self.loader.load_config.download_dir)
-
-    def checkpoint_files(self, model: object, source: ModelSource) -> tuple[list[str] | None, str | None]:
+    def checkpoint_files(self, call: LoadCall) -> tuple[list[str] | None, str | None]:
         """Through vLLM's ``DefaultModelLoader._prepare_weights`` (with the model's
         ``fall_back_to_pt_during_load`` and ``allow_patterns_overrides``, as
         ``DefaultModelLoader.Source.init_new`` passes them), bypassing the observed override."""
+        source, model = call.source, call.model
+        assert source is not None
         return engine_checkpoint_files(
             source.path,
             self.engine_label,
@@ -111,32 +98,45 @@ class _VllmLoad(LoadPolicy):
             ),
         )
 
-    def load_checkpoint(self, model: object) -> None:
-        assert self.model_config is not None
-        DefaultModelLoader.load_weights(self.loader, model, self.model_config)  # type: ignore[arg-type]
+    def load_checkpoint(self, call: LoadCall) -> None:
+        DefaultModelLoader.load_weights(self.loader, call.model, call.engine.model_config)  # type: ignore[arg-type]
 
-    def place_derived_cache(self, outcome: LoadOutcome):
+    def place_derived_cache(self, call: LoadCall, outcome: LoadOutcome):
         """The capsule's seed of vLLM's compile cache, placed before vLLM compiles
         (:func:`coldsnap_vllm.derived_cache.place`; ``docs/format.md`` §17)."""
-        assert outcome.capsule_dir is not None and self.model_config is not None
+        assert outcome.capsule_dir is not None and call.source is not None
         return seeds.place(
-            self.vllm_config,
+            call.engine.vllm_config,
             outcome.capsule_dir,
             outcome.capsule_files,
             engine=self.engine,
             engine_version=self.engine_version(),
-            config_sha256=self.config_sha256(),
+            config_sha256=call.source.config_sha256,
             enabled=self.settings.derived_cache == "auto",
         )
 
-    def wants_model_identity(self) -> bool:
+    def capture_derived_cache(self, call: LoadCall, outcome: LoadOutcome) -> None:
+        """vLLM's compile cache into the capsule this load wrote, once vLLM has compiled
+        (:func:`coldsnap_vllm.derived_cache.capture_after_compilation`)."""
+        assert call.source is not None and self.settings.artifact_dir is not None
+        seeds.capture_after_compilation(
+            call.model,
+            call.engine.vllm_config,
+            outcome,
+            self.settings.artifact_dir,
+            engine=self.engine,
+            engine_version=self.engine_version(),
+            config_sha256=call.source.config_sha256,
+        )
+
+    def wants_model_identity(self, call: LoadCall) -> bool:
         """With ``--enable-sleep-mode --sleep-mode-backend coldsnap`` the level-1 sleep backend takes its
         reference digests from the pinned checkpoint files."""
-        config = self.model_config
+        config = call.engine.model_config
         return bool(getattr(config, "enable_sleep_mode", False)) and getattr(config, "sleep_mode_backend", None) == "coldsnap"
 
 
-class ColdsnapModelLoader(DefaultModelLoader):
+class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
     """vLLM's default loader with coldsnap capture and restore (see the module docstring).
 
     Args:
@@ -154,38 +154,21 @@ class ColdsnapModelLoader(DefaultModelLoader):
         inner_format = settings.inner_load_format or compat.default_inner_load_format()
         super().__init__(dataclasses.replace(load_config, load_format=inner_format, model_loader_extra_config=rest))
         self.coldsnap_settings = settings
-        self._policy = _VllmLoad(self, settings)
-
-    # -- the iterator boundary ---------------------------------------------------------------------
-
-    def _prepare_weights(self, model_name_or_path, subfolder, revision, fall_back_to_pt, allow_patterns_overrides):  # type: ignore[override]
-        result = super()._prepare_weights(model_name_or_path, subfolder, revision, fall_back_to_pt, allow_patterns_overrides)
-        session = self._policy.session
-        if session is not None:
-            folder, files, use_safetensors = result[0], result[1], result[2]
-            session.prepared.append(
-                PreparedWeights(str(model_name_or_path), Path(folder), [Path(f) for f in files], bool(use_safetensors))
-            )
-        return result
-
-    def _get_weights_iterator(self, source):  # type: ignore[override]
-        iterator = super()._get_weights_iterator(source)
-        session = self._policy.session
-        if session is None:
-            return iterator  # reload_weights and other callers outside an observed load
-        return session.observe(source.prefix, iterator)
-
-    # -- load_model / load_weights -----------------------------------------------------------------
+        self.policy = _VllmLoad(self, settings)
+        self._vllm_config = None
 
     def load_model(self, vllm_config, model_config, prefix: str = ""):  # type: ignore[override]
         """vLLM's ``BaseModelLoader.load_model``, keeping ``vllm_config`` for the derived-cache seed (its
         compilation settings; ``load_weights`` is not given it)."""
-        self._policy.vllm_config = vllm_config
+        self._vllm_config = vllm_config
         return super().load_model(vllm_config, model_config, prefix)
 
-    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> LoadOutcome:  # type: ignore[override]
         """Restore from the artifact, or load from the checkpoint (observed; captured on export), with
         one line in the load outcome log (:meth:`coldsnap_core.load_policy.LoadPolicy.load`).
+
+        Returns:
+            What the load did (vLLM ignores it).
 
         Raises:
             ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed (the verifier's error),
@@ -195,20 +178,12 @@ class ColdsnapModelLoader(DefaultModelLoader):
         # what the sleep backend works from is this load's state or none, never the previous load's.
         load_state.clear()
         early_seed.flush_log()  # register()'s line, if vLLM's logging was not configured yet then
-        self._policy.begin(model_config)
-        outcome = self._policy.load(model)
+        config_sha256 = engine_config_sha256(model_config)
+        source = ModelSource(str(model_config.model), model_config.revision, config_sha256, self.load_config.download_dir)
+        outcome = self.policy.load(LoadCall(model, source, _Inputs(model_config, self._vllm_config)))
         if outcome.observed:
             self._publish(outcome)
-        policy = self._policy
-        seeds.capture_after_compilation(
-            model,
-            policy.vllm_config,
-            outcome,
-            self.coldsnap_settings,
-            engine=policy.engine,
-            engine_version=policy.engine_version(),
-            config_sha256=policy.config_sha256,
-        )
+        return outcome
 
     def _publish(self, outcome: LoadOutcome) -> None:
         settings = self.coldsnap_settings
@@ -226,15 +201,6 @@ class ColdsnapModelLoader(DefaultModelLoader):
                 lock_timeout_s=settings.lock_timeout_s,
             )
         )
-
-
-def engine_config_sha256(model_config: ModelConfig) -> str:
-    """:func:`coldsnap_core.identity.config_digest.model_config_sha256` of vLLM's effective model configuration:
-    ``model_config.hf_config`` (``--hf-overrides`` already applied by ``ModelConfig.__post_init__``),
-    ``model_config.dtype`` and ``model_config.quantization``."""
-    return model_config_sha256(
-        model_config.hf_config, dtype=model_config.dtype, quantization=getattr(model_config, "quantization", None)
-    )
 
 
 _registration_lock = threading.Lock()

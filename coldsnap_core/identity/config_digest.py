@@ -2,7 +2,7 @@
 
 :func:`model_config_sha256`: the Hugging Face config after overrides, the dtype and the quantization
 method, as canonical JSON without the keys that vary with the path or the library version
-(``docs/format.md`` §10.2).
+(``docs/format.md`` §10.2); :func:`engine_config_sha256`: the same of an engine's ``ModelConfig``.
 """
 
 from __future__ import annotations
@@ -73,3 +73,16 @@ def model_config_sha256(hf_config: object, *, dtype: object, quantization: objec
     """
     text = canonical_model_config(hf_config, dtype=dtype, quantization=quantization).encode("ascii")
     return hashlib.sha256(CONFIG_DIGEST_DOMAIN + text).hexdigest()
+
+
+def engine_config_sha256(model_config: object) -> str | None:
+    """:func:`model_config_sha256` of an engine's effective model configuration object: its ``hf_config``
+    (vLLM applies ``--hf-overrides`` to it in ``ModelConfig.__post_init__``, SGLang
+    ``--json-model-override-args``), ``dtype`` and ``quantization``, which vLLM's and SGLang's ``ModelConfig``
+    name alike; ``None`` when it has no ``hf_config``."""
+    hf_config = getattr(model_config, "hf_config", None)
+    if hf_config is None:
+        return None
+    return model_config_sha256(
+        hf_config, dtype=getattr(model_config, "dtype", None), quantization=getattr(model_config, "quantization", None)
+    )

@@ -79,7 +79,6 @@ from coldsnap_core.format.verify import check_live_layout, check_manifest, exten
 from coldsnap_core.identity.checkpoint_records import CheckpointRecords
 from coldsnap_core.identity.model_identity import LoadedModel, check_model_identity
 from coldsnap_core.identity.target import ENGINE_NONE, collect_target
-from coldsnap_core.identity.target import engine_version as installed_engine_version
 from coldsnap_core.restore.hydrate import AdmittedPack, HydrationReport, hydrate_admitted
 from coldsnap_core.restore.staging import stage_payload
 from coldsnap_core.settings import ColdsnapSettings
@@ -474,6 +473,7 @@ def capture_loaded_worker(
     cache: PayloadCache,
     artifact_dir: Path,
     engine: str,
+    engine_version: str | None,
     backend_for: Callable[[object], CopyBackend] = copy_backend_for,  # type: ignore[assignment]
 ) -> CaptureResult:
     """The portable capture of a worker an engine plugin just loaded under the write observer: the
@@ -491,8 +491,8 @@ def capture_loaded_worker(
         model: the model identity (:meth:`coldsnap_core.capture.load_session.LoadSession.identify`).
         cache: the node-local cache the pack is committed to.
         artifact_dir: the artifact folder the capsule and ``artifact.json`` entry go to.
-        engine: the engine's name as its target identity records it (``vllm``, ``sglang``); its
-            installed version is looked up (:func:`coldsnap_core.identity.target.engine_version`).
+        engine: the engine's name as its target identity records it (``vllm``, ``sglang``).
+        engine_version: the engine's version string, likewise.
         backend_for: the copy backend for the allocations' device.
 
     Raises:
@@ -508,5 +508,5 @@ def capture_loaded_worker(
         cache=cache,
         artifact_dir=artifact_dir,
         backend=backend_for(allocations.device),
-        target=collect_target(engine, installed_engine_version(engine), device=allocations.device),
+        target=collect_target(engine, engine_version, device=allocations.device),
     )

@@ -166,6 +166,12 @@ def load(
     )
     loader = fake_sglang.get_model_loader(load_config)
     config = config or ModelConfig(str(smollm2_2layer), overrides=overrides or {})
+    load_weights = loader.load_weights_and_postprocess
+
+    def keep_outcome(*args):  # SGLang ignores what load_weights_and_postprocess returns: the test keeps it
+        loader.outcome = load_weights(*args)
+
+    loader.load_weights_and_postprocess = keep_outcome
     return loader.load_model(model_config=config, device_config=DeviceConfig()), config, loader
 
 
@@ -520,17 +526,16 @@ def test_overlay_capture_on_sglang_captures_a_target_local_overlay(fake_sglang, 
     here for a capsule recorded under another SGLang version, which the next load restores through that
     overlay without falling back. Fails if SGLang treats ``capture`` as ``auto`` (it restored, and no overlay was written)."""
     from coldsnap_core.artifact.overlay import list_overlays
-    from coldsnap_core.load_policy import last_outcome
 
     load(fake_sglang, tmp_path, smollm2_2layer, config=_observed(smollm2_2layer), export_model_payload=1)
     _edit_target(tmp_path / "artifact", engine_version="0.0.1")
-    model, _, _ = load(fake_sglang, tmp_path, smollm2_2layer, config=_observed(smollm2_2layer), overlay="capture")
+    model, _, loader = load(fake_sglang, tmp_path, smollm2_2layer, config=_observed(smollm2_2layer), overlay="capture")
     assert len(list_overlays(tmp_path / "state")) == 1
-    outcome = last_outcome()
+    outcome = loader.outcome
     assert outcome.kind == "checkpoint" and outcome.fallback is None and outcome.overlay is not None
     assert model.quant_method.calls == 1  # SGLang's post-processing ran after the capture
-    restored, config, _ = load(fake_sglang, tmp_path, smollm2_2layer)
-    assert last_outcome().kind == "restored" and last_outcome().capsule_source == outcome.overlay.kind  # overlay or qualified
+    restored, config, loader = load(fake_sglang, tmp_path, smollm2_2layer)
+    assert loader.outcome.kind == "restored" and loader.outcome.capsule_source == outcome.overlay.kind  # overlay or qualified
     assert config.weights_read == 0 and torch.equal(restored.norm, model.norm) and torch.equal(restored.rope, model.rope)
 
 
@@ -541,16 +546,14 @@ def test_a_capsule_of_another_sglang_version_falls_back_once_and_captures_an_ove
     target-qualification), captures a target-local overlay after the checkpoint load, and the next load restores
     through it: SGLang gets what vLLM has after an upgrade. Fails if every SGLang start after an upgrade
     falls back (no overlay)."""
-    from coldsnap_core.load_policy import last_outcome
-
     load(fake_sglang, tmp_path, smollm2_2layer, config=_observed(smollm2_2layer), export_model_payload=1)
     _edit_target(tmp_path / "artifact", engine_version="0.0.1")
     log = tmp_path / "outcomes.jsonl"
-    loaded, _, _ = load(fake_sglang, tmp_path, smollm2_2layer, config=_observed(smollm2_2layer), outcome_log=str(log))
-    overlay = last_outcome().overlay
+    loaded, _, loader = load(fake_sglang, tmp_path, smollm2_2layer, config=_observed(smollm2_2layer), outcome_log=str(log))
+    overlay = loader.outcome.overlay
     assert overlay is not None
-    restored, config, _ = load(fake_sglang, tmp_path, smollm2_2layer, outcome_log=str(log))
-    assert last_outcome().capsule_source == overlay.kind and config.weights_read == 0
+    restored, config, loader = load(fake_sglang, tmp_path, smollm2_2layer, outcome_log=str(log))
+    assert loader.outcome.capsule_source == overlay.kind and config.weights_read == 0
     assert torch.equal(restored.norm, loaded.norm) and torch.equal(restored.attn_norm, loaded.attn_norm)
     lines = [json.loads(text) for text in log.read_text().splitlines()]
     assert [(d["outcome"], d["rule"]) for d in lines] == [("fell-back", "target-qualification"), ("restored", None)]

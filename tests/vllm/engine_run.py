@@ -16,10 +16,11 @@ Usage: ``python tests/vllm/engine_run.py SPEC.json RESULT.json``, or forked from
 ``extra_config``, ``hf_overrides`` (vLLM's ``--hf-overrides``), ``prompts``, ``max_tokens`` (8), ``max_model_len`` (256), ``reload`` (after the generations, vLLM's in-place
 ``collective_rpc("reload_weights")`` and the same prompts again: ``outputs_after_reload``), ``skip_tokenizer_init``
 (prompts are then lists of token ids), ``enforce_eager`` (true; false: vLLM compiles, into the ``VLLM_CACHE_ROOT`` its ``env`` names), ``tensor_parallel_size`` (1; above 1 the ``mp`` executor
-runs the workers in other processes and no digests are recorded) and ``digests`` (true). RESULT gets
+runs the workers in other processes and no digests are recorded) and ``digests`` (true); or only ``loader_check`` (an
+extra config for :func:`_loader_check`, whose answer is then RESULT). RESULT gets
 ``digests`` (name -> sha256), ``outputs`` (greedy texts or token ids), ``compile_cache_counters`` (torch's
 compile-cache counters, ``<group>.<counter>``), ``init_seconds`` (wall time of ``LLM(...)``: the time to ready), ``outcome`` (the coldsnap
-loader's :class:`~coldsnap_vllm.loader.LoadOutcome` summary), ``load_weights_seconds``, ``load_weights_rss_bytes`` (RSS before and peak RSS during each call) and ``error``
+loader's :class:`~coldsnap_core.load_policy.LoadOutcome` summary, as its ``load_weights`` returned it), ``load_weights_seconds``, ``load_weights_rss_bytes`` (RSS before and peak RSS during each call) and ``error``
 (the exception chain's text when the engine failed to start).
 """
 
@@ -77,9 +78,31 @@ def preload() -> None:
     import coldsnap_vllm.loader  # noqa: F401
 
 
+def _loader_check(extra_config: dict) -> dict:
+    """vLLM's own ``get_model_loader`` for ``load_format="coldsnap"`` with ``extra_config`` (what a vLLM worker calls
+    before it loads anything; no engine is started): ``{"refused": "ConfigurationError: ..."}`` for a coldsnap
+    ``ConfigurationError``, else ``{"accepted": loader class name}``."""
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from coldsnap_core.errors import ConfigurationError
+    from coldsnap_vllm.loader import register_loader
+
+    register_loader()
+    try:
+        loader = get_model_loader(LoadConfig(load_format="coldsnap", model_loader_extra_config=extra_config))
+    except ConfigurationError as exc:
+        return {"refused": f"{type(exc).__name__}: {exc}"}
+    return {"accepted": type(loader).__name__}
+
+
 def main(spec_path: str, result_path: str) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
+    if "loader_check" in spec:
+        with open(result_path, "w") as f:
+            json.dump(_loader_check(spec["loader_check"]), f)
+        return 0
     tp = int(spec.get("tensor_parallel_size", 1))
     os.environ.update({k: str(v) for k, v in spec.get("env", {}).items()})
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -97,6 +120,7 @@ def main(spec_path: str, result_path: str) -> int:
     result: dict[str, object] = {"digests": {}, "outputs": [], "outcome": None, "error": None}
     timings: list[float] = []
     rss: list[list[int]] = []
+    outcomes: list[object] = []  # what each coldsnap load_weights returned (its LoadOutcome)
 
     def status_bytes(field: str) -> int:
         with open("/proc/self/status") as f:
@@ -115,7 +139,7 @@ def main(spec_path: str, result_path: str) -> int:
 
     base_loader.process_weights_after_loading = process_weights_after_loading
 
-    # Time load_weights as BaseModelLoader.load_model calls it (the outermost call only).
+    # Time load_weights as BaseModelLoader.load_model calls it (the outermost call only), keeping what it returned.
     original_load_model = BaseModelLoader.load_model
 
     def load_model(self, vllm_config, model_config, prefix=""):
@@ -130,7 +154,8 @@ def main(spec_path: str, result_path: str) -> int:
                 pass
             started = time.perf_counter()
             try:
-                return inner(self, model, config)
+                outcomes.append(inner(self, model, config))
+                return outcomes[-1]
             finally:
                 timings.append(time.perf_counter() - started)
                 rss.append([before, status_bytes("VmHWM")])
@@ -190,7 +215,7 @@ def main(spec_path: str, result_path: str) -> int:
     # torch's own count of its compile caches' hits and misses in this process, ``<group>.<counter>``
     # (a start that compiled from an empty cache misses; one whose cache was seeded hits and never misses)
     result["compile_cache_counters"] = {f"{g}.{k}": v for g, d in counters.items() for k, v in d.items() if "cache" in k}
-    outcome = coldsnap_loader.last_outcome()
+    outcome = outcomes[-1] if outcomes else None
     if outcome is not None:
         result["outcome"] = {
             "kind": outcome.kind,

@@ -40,8 +40,10 @@ from coldsnap_core.errors import (
 )
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.format.safetensors_header import read_header
+from coldsnap_core.identity.config_digest import engine_config_sha256
+from coldsnap_core.load_policy import LoadOutcome
 from coldsnap_vllm import state
-from coldsnap_vllm.loader import ColdsnapModelLoader, engine_config_sha256, last_outcome, register_loader
+from coldsnap_vllm.loader import ColdsnapModelLoader, register_loader
 from tests.support.observer_support import WrapperTensor
 
 pytestmark = pytest.mark.vllm
@@ -292,8 +294,7 @@ def test_observed_load_capture_and_restore(model_config: ModelConfig, smollm2_2l
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
     loaded = Consumer()
-    make_loader().load_weights(loaded, model_config)
-    outcome = last_outcome()
+    outcome = make_loader().load_weights(loaded, model_config)
     assert outcome.kind == "captured" and outcome.checkpoint_copies == 3
     assert outcome.model_bytes == (49152 * 576 + 576 + 576 * 768) * 2
     header = read_header(smollm2_2layer / "model.safetensors")
@@ -315,8 +316,8 @@ def test_observed_load_capture_and_restore(model_config: ModelConfig, smollm2_2l
         raise AssertionError("restore read the checkpoint")
 
     monkeypatch.setattr(loader, "_get_weights_iterator", no_checkpoint)
-    loader.load_weights(fresh, model_config)
-    assert last_outcome().kind == "restored"
+    restored = loader.load_weights(fresh, model_config)
+    assert restored.kind == "restored"
     assert fresh.snapshot() == loaded.snapshot()
     assert state.current().pack == outcome.capture.manifest.pack
 
@@ -338,10 +339,10 @@ def test_writes_are_published_without_an_artifact_folder(
     config.sleep_mode_backend = sleep_backend
     state.clear()
     with set_current_vllm_config(VllmConfig(model_config=config)):
-        make_loader().load_weights(Consumer(), config)
+        outcome = make_loader().load_weights(Consumer(), config)
     published = state.current()
     assert published is not None and published.artifact_dir is None
-    assert sum(w.size_bytes for w in published.writes) == last_outcome().model_bytes > 0
+    assert sum(w.size_bytes for w in published.writes) == outcome.model_bytes > 0
     if sleep_backend == "coldsnap":
         assert [f.name for f in published.model.files] == ["model.safetensors"]
         assert published.model.source == os.path.realpath(smollm2_2layer)
@@ -362,13 +363,12 @@ def test_auto_falls_back_with_one_warning(model_config: ModelConfig, tmp_path: P
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
     consumer = Consumer()
     with caplog.at_level(logging.INFO):
-        make_loader().load_weights(consumer, model_config)
+        outcome = make_loader().load_weights(consumer, model_config)
     # One record may reach pytest's capture twice (through vLLM's logger and directly), so count records.
     warnings = list({id(r): r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("coldsnap")}.values())
     assert len(warnings) == 1
     assert "loading the checkpoint instead" in warnings[0].getMessage()
     assert "artifact descriptor does not exist" in warnings[0].getMessage()
-    outcome = last_outcome()
     assert outcome.kind == "checkpoint" and outcome.fallback.rule == "object-present"
     assert outcome.checkpoint_copies == 3 and consumer.norm.abs().sum() > 0
     monkeypatch.setenv("COLDSNAP_RESTORE", "native")
@@ -389,8 +389,7 @@ def test_hung_lock_holder_makes_auto_fall_back_after_the_lock_timeout(
     monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
-    make_loader().load_weights(Consumer(), model_config)
-    digest = last_outcome().capture.manifest.pack.sha256
+    digest = make_loader().load_weights(Consumer(), model_config).capture.manifest.pack.sha256
     cache = PayloadCache(tmp_path / "state")
     os.unlink(cache.record_path(digest))
     holder = hold_lock(tmp_path / "state", digest)
@@ -398,8 +397,7 @@ def test_hung_lock_holder_makes_auto_fall_back_after_the_lock_timeout(
         monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
         monkeypatch.setenv("COLDSNAP_LOCK_TIMEOUT", "1")
         consumer = Consumer()
-        make_loader().load_weights(consumer, model_config)
-        outcome = last_outcome()
+        outcome = make_loader().load_weights(consumer, model_config)
         assert outcome.kind == "checkpoint" and outcome.fallback.rule == "lock-timeout"
         assert str(cache.lock_path(digest)) in str(outcome.fallback)
         assert consumer.norm.abs().sum() > 0
@@ -446,8 +444,7 @@ def test_a_blue_green_flip_to_a_same_shaped_checkpoint_is_refused_or_falls_back(
             make_loader().load_weights(Consumer(), config)
         monkeypatch.setenv("COLDSNAP_RESTORE", "auto")
         served = Consumer()
-        make_loader().load_weights(served, config)
-    outcome = last_outcome()
+        outcome = make_loader().load_weights(served, config)
     assert outcome.kind == "checkpoint" and outcome.fallback.rule == "model-identity"
     assert served.snapshot()["embed"] != captured.snapshot()["embed"]
     assert torch.equal(served.embed, load_file(str(weights))["model.embed_tokens.weight"])
@@ -470,14 +467,12 @@ def test_every_load_appends_one_outcome_line_that_status_counts(
     monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(artifact))
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "capture-state"))
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
-    make_loader().load_weights(Consumer(), model_config)
-    pack = last_outcome().capture.manifest.pack
+    pack = make_loader().load_weights(Consumer(), model_config).capture.manifest.pack
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
     make_loader().load_weights(Consumer(), model_config)  # restored
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "new-node"))  # the pack is not on this node
     monkeypatch.setenv("COLDSNAP_MATERIALIZE", "async")
-    make_loader().load_weights(Consumer(), model_config)
-    assert last_outcome().materialization.wait(120)
+    assert make_loader().load_weights(Consumer(), model_config).materialization.wait(120)
     monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "no-artifact"))
     monkeypatch.setenv("COLDSNAP_RESTORE", "native")
     with pytest.raises(MissingObjectError, match="artifact descriptor does not exist"):
@@ -523,12 +518,12 @@ def test_shard_files_are_the_provenance(smollm2_2layer_3shards: Path, tmp_path: 
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
     with set_current_vllm_config(VllmConfig(model_config=config)):
-        make_loader().load_weights(Consumer(), config)
-    for extent in last_outcome().capture.manifest.model_extents:
+        outcome = make_loader().load_weights(Consumer(), config)
+    for extent in outcome.capture.manifest.model_extents:
         p = extent.provenance
         location = read_header(smollm2_2layer_3shards / p.checkpoint_file)[p.tensor_name]
         assert location.offset_bytes <= p.source_offset_bytes < location.offset_bytes + location.size_bytes
-    assert len({e.provenance.checkpoint_file for e in last_outcome().capture.manifest.model_extents}) >= 2
+    assert len({e.provenance.checkpoint_file for e in outcome.capture.manifest.model_extents}) >= 2
 
 
 @pytest.mark.parametrize(
@@ -557,8 +552,8 @@ def test_an_unclassifiable_load_is_refused_for_capture_and_still_served(
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
     state.clear()
     served = Consumer(**consumer)
-    make_loader().load_weights(served, model_config)  # a plain load still works
-    assert last_outcome().kind == "checkpoint" and state.current() is None
+    outcome = make_loader().load_weights(served, model_config)  # a plain load still works
+    assert outcome.kind == "checkpoint" and state.current() is None
     assert bool((served.norm == 1).all())  # the engine's last write stands
 
 
@@ -571,13 +566,11 @@ def test_fallback_for_a_missing_pack_materializes_it(model_config: ModelConfig, 
     monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "capture-state"))
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
-    make_loader().load_weights(Consumer(), model_config)
-    captured = last_outcome().capture
+    captured = make_loader().load_weights(Consumer(), model_config).capture
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "node-state"))
     monkeypatch.setenv("COLDSNAP_MATERIALIZE", mode)
-    make_loader().load_weights(Consumer(), model_config)
-    outcome = last_outcome()
+    outcome = make_loader().load_weights(Consumer(), model_config)
     assert outcome.kind == "checkpoint" and outcome.fallback.rule == "payload-available"
     node_pack = tmp_path / "node-state" / captured.manifest.pack.path
     if mode == "off":
@@ -587,8 +580,7 @@ def test_fallback_for_a_missing_pack_materializes_it(model_config: ModelConfig, 
     assert outcome.materialization.result.pack == captured.manifest.pack
     assert node_pack.read_bytes() == captured.pack_path.read_bytes()
     fresh = Consumer()
-    make_loader().load_weights(fresh, model_config)
-    assert last_outcome().kind == "restored"
+    assert make_loader().load_weights(fresh, model_config).kind == "restored"
 
 
 def test_failing_payload_store_falls_back_and_materializes(model_config: ModelConfig, tmp_path: Path, monkeypatch) -> None:
@@ -599,8 +591,7 @@ def test_failing_payload_store_falls_back_and_materializes(model_config: ModelCo
     monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "capture-state"))
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
-    make_loader().load_weights(Consumer(), model_config)
-    captured = last_outcome().capture
+    captured = make_loader().load_weights(Consumer(), model_config).capture
     blocker = tmp_path / "blocker"
     blocker.write_text("not a folder")
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
@@ -611,14 +602,12 @@ def test_failing_payload_store_falls_back_and_materializes(model_config: ModelCo
         make_loader().load_weights(Consumer(), model_config)
     monkeypatch.setenv("COLDSNAP_RESTORE", "auto")
     monkeypatch.setenv("COLDSNAP_MATERIALIZE", "async")
-    make_loader().load_weights(Consumer(), model_config)
-    outcome = last_outcome()
+    outcome = make_loader().load_weights(Consumer(), model_config)
     assert outcome.kind == "checkpoint" and outcome.fallback.rule == "payload-store"
     assert outcome.materialization.wait(120) and outcome.materialization.error is None
     node_pack = tmp_path / "node-state" / captured.manifest.pack.path
     assert node_pack.read_bytes() == captured.pack_path.read_bytes()
-    make_loader().load_weights(Consumer(), model_config)
-    assert last_outcome().kind == "restored"
+    assert make_loader().load_weights(Consumer(), model_config).kind == "restored"
 
 
 def test_unexpected_oserror_during_restore_is_typed(model_config: ModelConfig, tmp_path: Path, monkeypatch) -> None:
@@ -640,8 +629,7 @@ def test_unexpected_oserror_during_restore_is_typed(model_config: ModelConfig, t
         raise OSError(errno.EIO, "Input/output error", str(tmp_path / "state" / "the.pack"))
 
     monkeypatch.setattr(restore_module, "hydrate_admitted", failing_hydrate)
-    make_loader().load_weights(Consumer(), model_config)
-    outcome = last_outcome()
+    outcome = make_loader().load_weights(Consumer(), model_config)
     assert outcome.kind == "checkpoint" and outcome.fallback.rule == "io"
     assert outcome.fallback.file.endswith("the.pack")
     monkeypatch.setenv("COLDSNAP_RESTORE", "native")
@@ -674,8 +662,8 @@ def test_restore_refuses_another_model_configuration(
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
     loaded = Consumer()
-    make_loader().load_weights(loaded, model_config)
-    assert last_outcome().capture.recovery.model.config_sha256 == engine_config_sha256(model_config)
+    captured = make_loader().load_weights(loaded, model_config)
+    assert captured.capture.recovery.model.config_sha256 == engine_config_sha256(model_config)
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
 
     overridden = ModelConfig(model=str(smollm2_2layer), dtype="bfloat16", hf_overrides={"rope_theta": 5000.0})
@@ -685,8 +673,8 @@ def test_restore_refuses_another_model_configuration(
             make_loader().load_weights(Consumer(), overridden)
         monkeypatch.setenv("COLDSNAP_RESTORE", "auto")
         with caplog.at_level(logging.WARNING):
-            make_loader().load_weights(Consumer(), overridden)
-    assert last_outcome().kind == "checkpoint" and last_outcome().fallback.rule == "model-identity"
+            fell_back = make_loader().load_weights(Consumer(), overridden)
+    assert fell_back.kind == "checkpoint" and fell_back.fallback.rule == "model-identity"
     warnings = {r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("coldsnap")}
     assert len(warnings) == 1 and "model configuration" in warnings.pop()
 
@@ -694,8 +682,8 @@ def test_restore_refuses_another_model_configuration(
     fresh = Consumer()
     monkeypatch.setenv("COLDSNAP_RESTORE", "native")
     with set_current_vllm_config(VllmConfig(model_config=spelled)):
-        make_loader().load_weights(fresh, spelled)
-    assert last_outcome().kind == "restored" and fresh.snapshot() == loaded.snapshot()
+        restored = make_loader().load_weights(fresh, spelled)
+    assert restored.kind == "restored" and fresh.snapshot() == loaded.snapshot()
 
 
 def test_a_shard_added_to_the_folder_is_not_restored_over(smollm2_2layer_3shards: Path, tmp_path: Path, monkeypatch) -> None:
@@ -718,8 +706,8 @@ def test_a_shard_added_to_the_folder_is_not_restored_over(smollm2_2layer_3shards
     with set_current_vllm_config(VllmConfig(model_config=config)):
         monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
         loaded = Consumer()
-        make_loader().load_weights(loaded, config)
-        assert [f.name for f in last_outcome().capture.recovery.model.files] == [
+        captured = make_loader().load_weights(loaded, config)
+        assert [f.name for f in captured.capture.recovery.model.files] == [
             f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)
         ]
         monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
@@ -728,14 +716,14 @@ def test_a_shard_added_to_the_folder_is_not_restored_over(smollm2_2layer_3shards
         with pytest.raises(ModelIdentityMismatchError, match=re.escape("not recorded: ['model-extra.safetensors']")):
             make_loader().load_weights(Consumer(), config)
         monkeypatch.setenv("COLDSNAP_RESTORE", "auto")
-        make_loader().load_weights(Consumer(), config)
-        assert last_outcome().kind == "checkpoint" and last_outcome().fallback.rule == "model-identity"
+        fell_back = make_loader().load_weights(Consumer(), config)
+        assert fell_back.kind == "checkpoint" and fell_back.fallback.rule == "model-identity"
 
         index.write_bytes(saved_index)  # the index does not list the extra shard: vLLM skips it
         monkeypatch.setenv("COLDSNAP_RESTORE", "native")
         fresh = Consumer()
-        make_loader().load_weights(fresh, config)
-        assert last_outcome().kind == "restored" and fresh.snapshot() == loaded.snapshot()
+        restored = make_loader().load_weights(fresh, config)
+        assert restored.kind == "restored" and fresh.snapshot() == loaded.snapshot()
 
         # QA pass 3, defects 2 and 3: an index vLLM cannot use (it names a missing shard; it has no
         # weight_map) turned the check off (restored) or crashed with KeyError. Now the identity
@@ -769,9 +757,9 @@ def test_dtype_converting_load_is_shared_by_default(
         caplog.clear()
         consumer = Consumer()
         with caplog.at_level(logging.WARNING):
-            make_loader(**extra).load_weights(consumer, config)
+            captured = make_loader(**extra).load_weights(consumer, config)
         warnings = {r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("coldsnap")}
-        manifest = last_outcome().capture.manifest
+        manifest = captured.capture.manifest
         if name == "residual":
             assert manifest.model_bytes == 0
             (warning,) = warnings
@@ -795,8 +783,8 @@ def test_dtype_converting_load_is_shared_by_default(
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
     monkeypatch.setenv("COLDSNAP_RESTORE", "native")
     fresh = Consumer()
-    make_loader().load_weights(fresh, config)
-    assert last_outcome().kind == "restored" and fresh.snapshot() == loaded.snapshot()
+    restored = make_loader().load_weights(fresh, config)
+    assert restored.kind == "restored" and fresh.snapshot() == loaded.snapshot()
 
 
 COMMIT_A = "0123456789abcdef0123456789abcdef01234567"
@@ -846,15 +834,14 @@ def test_a_moved_main_is_not_restored(smollm2_2layer: Path, tmp_path: Path, monk
     monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
 
-    def load(config: ModelConfig, consumer: Consumer) -> None:
+    def load(config: ModelConfig, consumer: Consumer) -> LoadOutcome:
         loader = ColdsnapModelLoader(LoadConfig(load_format="coldsnap", download_dir=str(cache)))
         with set_current_vllm_config(VllmConfig(model_config=config)):
-            loader.load_weights(consumer, config)
+            return loader.load_weights(consumer, config)
 
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
     captured = Consumer()
-    load(ModelConfig(model="org/name", dtype="bfloat16"), captured)
-    identity = last_outcome().capture.recovery.model
+    identity = load(ModelConfig(model="org/name", dtype="bfloat16"), captured).capture.recovery.model
     assert (identity.source, identity.revision) == ("org/name", COMMIT_A)
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
 
@@ -867,16 +854,15 @@ def test_a_moved_main_is_not_restored(smollm2_2layer: Path, tmp_path: Path, monk
     monkeypatch.setenv("COLDSNAP_RESTORE", "auto")
     fallback = Consumer()
     with caplog.at_level(logging.WARNING):
-        load(moved, fallback)
-    outcome = last_outcome()
+        outcome = load(moved, fallback)
     assert outcome.kind == "checkpoint" and outcome.fallback.rule == "model-identity" and outcome.checkpoint_copies == 3
     warnings = {r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("coldsnap")}
     assert len(warnings) == 1 and COMMIT_B in warnings.pop()
 
     pinned = Consumer()
     monkeypatch.setenv("COLDSNAP_RESTORE", "native")
-    load(ModelConfig(model="org/name", revision=COMMIT_A, dtype="bfloat16"), pinned)
-    assert last_outcome().kind == "restored" and pinned.snapshot() == captured.snapshot()
+    restored = load(ModelConfig(model="org/name", revision=COMMIT_A, dtype="bfloat16"), pinned)
+    assert restored.kind == "restored" and pinned.snapshot() == captured.snapshot()
 
 
 @pytest.mark.parametrize("second", ["rebound-storage", "unobserved"])
@@ -897,7 +883,7 @@ def test_a_later_load_publishes_its_own_state_or_none(smollm2_2layer: Path, tmp_
         make_loader().load_weights(Consumer(), config)
         assert state.current() is not None
         if second == "rebound-storage":
-            make_loader().load_weights(Consumer(rebind=True), config)
+            later = make_loader().load_weights(Consumer(rebind=True), config)
         else:
             import coldsnap_core.load_policy as loader_module  # the policy enumerates the allocations
 
@@ -905,6 +891,6 @@ def test_a_later_load_publishes_its_own_state_or_none(smollm2_2layer: Path, tmp_
                 raise ObserverError("allocations cannot be enumerated here")
 
             monkeypatch.setattr(loader_module, "enumerate_allocations", refuse)
-            make_loader().load_weights(Consumer(), config)
-    assert last_outcome().kind == "checkpoint"
+            later = make_loader().load_weights(Consumer(), config)
+    assert later.kind == "checkpoint"
     assert state.current() is None

@@ -38,7 +38,6 @@ from coldsnap_core.artifact.overlay import OVERLAY_FILENAME, OVERLAYS_DIRNAME, a
 from coldsnap_core.cli.main import main as coldsnap_main
 from coldsnap_core.errors import OverlayError, TargetMismatchError
 from coldsnap_core.format.target import INFORMATIONAL_FIELDS, QUALIFYING_FIELDS
-from coldsnap_vllm.loader import last_outcome
 from tests.support.files import flip_byte, permissions_enforced
 
 pytestmark = pytest.mark.vllm
@@ -72,8 +71,8 @@ def exported(model_config, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pa
     with pytest.MonkeyPatch.context() as mp, set_current_vllm_config(VllmConfig(model_config=model_config)):
         for k, v in {**env, "COLDSNAP_EXPORT_MODEL_PAYLOAD": "1"}.items():
             mp.setenv(k, v)
-        make_loader().load_weights(loaded, model_config)
-    assert last_outcome().kind == "captured"
+        outcome = make_loader().load_weights(loaded, model_config)
+    assert outcome.kind == "captured"
     return root / "artifact", root / "state", loaded.snapshot()
 
 
@@ -166,10 +165,10 @@ def test_each_qualifying_field_stops_replay(field: str, exported, model_config, 
     monkeypatch.setenv("COLDSNAP_RESTORE", "auto")
     consumer = Consumer()
     with caplog.at_level(logging.INFO):
-        make_loader().load_weights(consumer, model_config)
+        fell_back = make_loader().load_weights(consumer, model_config)
     (warning,) = _coldsnap_warnings(caplog)
     assert "loading the checkpoint instead" in warning and field in warning
-    assert last_outcome().kind == "checkpoint" and last_outcome().fallback.rule == "target-qualification"
+    assert fell_back.kind == "checkpoint" and fell_back.fallback.rule == "target-qualification"
     assert consumer.snapshot() == exported[2]
 
 
@@ -182,8 +181,8 @@ def test_an_informational_field_is_replayed(field: str, exported, model_config, 
     _edit_target(artifact, **{field: _other_value(field, recorded[field])})
     _env(monkeypatch, artifact, exported[1])
     fresh = Consumer()
-    make_loader().load_weights(fresh, model_config)
-    assert (last_outcome().kind, last_outcome().capsule_source) == ("restored", "portable")
+    restored = make_loader().load_weights(fresh, model_config)
+    assert (restored.kind, restored.capsule_source) == ("restored", "portable")
     assert fresh.snapshot() == exported[2]
 
 
@@ -202,8 +201,8 @@ def test_another_engine_is_named_before_the_layout(exported, tmp_path: Path, mon
         with pytest.raises(TargetMismatchError, match=r"captured by sglang 0\.5\.23; this engine is vllm 0\.3\d"):
             make_loader().load_weights(Consumer(dtype=torch.float16), config)
         monkeypatch.setenv("COLDSNAP_RESTORE", "auto")
-        make_loader().load_weights(Consumer(dtype=torch.float16), config)
-    assert last_outcome().fallback.rule == "target-qualification" and last_outcome().overlay is None
+        fell_back = make_loader().load_weights(Consumer(dtype=torch.float16), config)
+    assert fell_back.fallback.rule == "target-qualification" and fell_back.overlay is None
     assert not (tmp_path / "state" / OVERLAYS_DIRNAME).exists()
 
 
@@ -224,8 +223,7 @@ def test_identical_capture_is_discarded_and_the_target_recorded_qualified(
     state = tmp_path / "state"
     shutil.copytree(exported[1], state)
     _env(monkeypatch, artifact, state, restore="auto")
-    make_loader().load_weights(Consumer(), model_config)
-    outcome = last_outcome()
+    outcome = make_loader().load_weights(Consumer(), model_config)
     assert outcome.kind == "checkpoint" and outcome.fallback.rule == "target-qualification"
     assert outcome.overlay is not None and outcome.overlay.kind == "qualified"
     assert sorted(p.name for p in outcome.overlay.path.iterdir()) == [OVERLAY_FILENAME]
@@ -233,8 +231,8 @@ def test_identical_capture_is_discarded_and_the_target_recorded_qualified(
 
     monkeypatch.setenv("COLDSNAP_RESTORE", "native")
     fresh = Consumer()
-    make_loader().load_weights(fresh, model_config)
-    assert (last_outcome().kind, last_outcome().capsule_source) == ("restored", "qualified")
+    restored = make_loader().load_weights(fresh, model_config)
+    assert (restored.kind, restored.capsule_source) == ("restored", "qualified")
     assert fresh.snapshot() == exported[2]
     assert len(_pack_objects(state)) == 1
 
@@ -256,9 +254,9 @@ def overlaid(exported, model_config, tmp_path: Path, monkeypatch):
     state = tmp_path / "state"
     shutil.copytree(exported[1], state)
     _env(monkeypatch, artifact, state, restore="auto")
-    make_loader().load_weights(Consumer(), model_config)
-    overlay = last_outcome().overlay
-    assert last_outcome().fallback.rule == "target-qualification" and overlay.kind == "overlay"
+    fell_back = make_loader().load_weights(Consumer(), model_config)
+    overlay = fell_back.overlay
+    assert fell_back.fallback.rule == "target-qualification" and overlay.kind == "overlay"
     return artifact, state, overlay.path
 
 
@@ -272,8 +270,8 @@ def test_overlay_is_used_on_this_target(overlaid, exported, model_config, monkey
     )
     monkeypatch.setenv("COLDSNAP_RESTORE", "native")
     fresh = Consumer()
-    make_loader().load_weights(fresh, model_config)
-    assert (last_outcome().kind, last_outcome().capsule_source) == ("restored", "overlay")
+    restored = make_loader().load_weights(fresh, model_config)
+    assert (restored.kind, restored.capsule_source) == ("restored", "overlay")
     assert fresh.snapshot() == exported[2]
     assert len(_pack_objects(state)) == 1
     descriptor = json.loads((path / OVERLAY_FILENAME).read_text())
@@ -407,8 +405,8 @@ def test_explicit_overlay_capture(exported, model_config, tmp_path: Path, monkey
     state = tmp_path / "state"
     shutil.copytree(exported[1], state)
     _env(monkeypatch, artifact, state, overlay="capture")
-    make_loader().load_weights(Consumer(), model_config)
-    assert last_outcome().kind == "checkpoint" and last_outcome().overlay.kind == "qualified"
+    outcome = make_loader().load_weights(Consumer(), model_config)
+    assert outcome.kind == "checkpoint" and outcome.overlay.kind == "qualified"
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
     with pytest.raises(ConfigurationError, match="COLDSNAP_OVERLAY=capture"):
         make_loader()
@@ -479,11 +477,11 @@ def _overlay_with_seed(exported, model_config, tmp_path: Path, monkeypatch, *, p
     state = tmp_path / "state"
     shutil.copytree(exported[1], state)
     _env(monkeypatch, artifact, state, restore="auto")
-    make_loader().load_weights(Consumer(), model_config)
-    capture = last_outcome().overlay
-    assert last_outcome().fallback.rule == "target-qualification" and capture is not None
+    fell_back = make_loader().load_weights(Consumer(), model_config)
+    capture = fell_back.overlay
+    assert fell_back.fallback.rule == "target-qualification" and capture is not None
     # the portable seed was recorded for 0.31.0: this start skips it on qualification
-    assert last_outcome().derived_cache.status == "skipped" and "engine_version" in last_outcome().derived_cache.reason
+    assert fell_back.derived_cache.status == "skipped" and "engine_version" in fell_back.derived_cache.reason
     attach_overlay_seed(capture, _current_qualification(), _seed_files(tmp_path / "this-node-cache", "overlay"))
     return artifact, state, capture
 
@@ -508,8 +506,7 @@ def test_an_overlay_carries_its_own_seed_and_a_restore_through_it_places_that_se
     assert [o.status for o in list_overlays(state)] == ["current"]
 
     monkeypatch.setenv("COLDSNAP_RESTORE", "native")
-    make_loader().load_weights(Consumer(), model_config)
-    outcome = last_outcome()
+    outcome = make_loader().load_weights(Consumer(), model_config)
     assert (outcome.kind, outcome.capsule_source, outcome.capsule_dir) == ("restored", kind, capture.path)
     assert (outcome.derived_cache.status, outcome.derived_cache.placed_files) == ("used", 1)
     placed = sorted(p.relative_to(placing_seeds).as_posix() for p in placing_seeds.rglob("*") if p.is_file())
@@ -521,8 +518,7 @@ def test_an_overlay_carries_its_own_seed_and_a_restore_through_it_places_that_se
     flip_byte(archive, 700)
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        make_loader().load_weights(Consumer(), model_config)
-    outcome = last_outcome()
+        outcome = make_loader().load_weights(Consumer(), model_config)
     assert (outcome.kind, outcome.capsule_source, outcome.derived_cache.status) == ("restored", kind, "skipped")
     assert f"{SEED_ARCHIVE_FILENAME} is" in outcome.derived_cache.reason and str(archive) in outcome.derived_cache.reason
     assert not placing_seeds.exists()
@@ -650,8 +646,7 @@ def test_register_places_the_overlays_modelinfos_after_an_engine_upgrade(
     assert skipped.status == "skipped" and "engine_version: captured 0.31.0" in skipped.reason and not cache.exists()
 
     _env(monkeypatch, artifact, state, restore="auto")
-    make_loader().load_weights(Consumer(), model_config)
-    capture = last_outcome().overlay
+    capture = make_loader().load_weights(Consumer(), model_config).overlay
     assert TargetIdentity.read(capture.path / "target.json") == capture.descriptor.target
     attach_overlay_seed(capture, _current_qualification(), _seed_with_modelinfo(tmp_path / "new"))
     import coldsnap_vllm.early_seed as early_seed
