@@ -27,6 +27,7 @@ import pytest
 from tests.support.background_setup import wait_for_setup
 from tests.support.engine_host import EngineHost
 from tests.support.engine_marker import require_engine_marker
+from tests.support.outcome_lines import appended_lines, outcome_log_of
 
 REPO = Path(__file__).resolve().parents[2]
 SGLANG_RUN = Path(__file__).resolve().parent / "sglang_run.py"
@@ -97,6 +98,7 @@ class SGLangResult:
         checksums: per tensor parallel rank, SGLang's weights checker: parameter or persistent buffer name ->
             the first 8 bytes of the SHA-256 of its bytes, hexadecimal.
         log: the process's stdout and stderr.
+        outcome_lines: the load outcome log lines the engine appended (``tests/support/outcome_lines.py``).
     """
 
     returncode: int
@@ -104,6 +106,7 @@ class SGLangResult:
     output_ids: list
     checksums: list[dict[str, str]]
     log: str
+    outcome_lines: tuple[dict, ...] = ()
 
     @property
     def started(self) -> bool:
@@ -151,10 +154,12 @@ def run_sglang(
     log_path = workdir / f"{name}.log"
     result_path.unlink(missing_ok=True)
     run_env = sglang_env(workdir / f"{name}.tmp", env)
-    returncode = _engine_host(python).run(spec_path, result_path, log_path, workdir, run_env, ENGINE_TIMEOUT_SECONDS)
+    with appended_lines(outcome_log_of(env or {})) as lines:
+        returncode = _engine_host(python).run(spec_path, result_path, log_path, workdir, run_env, ENGINE_TIMEOUT_SECONDS)
     log = log_path.read_text()
     data = json.loads(result_path.read_text()) if returncode == 0 and result_path.exists() else {}
-    return SGLangResult(returncode, data.get("outputs", []), data.get("output_ids", []), data.get("checksums", []), log)
+    outputs, output_ids, checksums = data.get("outputs", []), data.get("output_ids", []), data.get("checksums", [])
+    return SGLangResult(returncode, outputs, output_ids, checksums, log, tuple(lines))
 
 
 def check_sglang_loader(workdir: Path, name: str, extra_config: dict) -> dict:

@@ -13,6 +13,9 @@ the flipped byte under ``auto``; target: vLLM's artifact under ``native`` and ``
 ``COLDSNAP_MATERIALIZE=async``); their other cases are asserted in process (``tests/sglang/test_sglang_plugin.py``,
 ``tests/restore``). The 3-shard and untied checkpoints get their own capture and
 restore, and so does tensor parallel size 3 (one worker and pack per rank).
+
+The engine contract's conformance cases (``tests/conformance/suite.py``) run on this module's runs
+(``TestSglangConformance``): the runs some tests make are module fixtures for that, so no engine starts twice.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ from coldsnap_core.artifact.capsules import read_capsule, read_descriptor
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.stores.local import LocalFolderStore
 from coldsnap_core.stores.publish import publish_native
+from tests.conformance.suite import EngineConformance, EngineRuns, Start
 from tests.support.engine_marker import require_engine_marker
+from tests.support.outcome_lines import appended_lines, outcome_log_of
 from tests.support.servers import free_port, stop_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.sglang]
@@ -91,31 +96,32 @@ def _serve_restore(work: Path, model: Path, env: dict[str, str]) -> SGLangResult
     ]
     log_path = work / "server.log"
     answer, checksums = None, None
-    with open(log_path, "w") as log:
+    with open(log_path, "w") as log, appended_lines(outcome_log_of(env)) as lines:
         server = subprocess.Popen(
             command, env=sglang_env(work / "server.tmp", env), stdout=log, stderr=subprocess.STDOUT, cwd=work
         )
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
-        while _http(f"http://127.0.0.1:{port}/health")[0] != 200:
-            if server.poll() is not None or time.monotonic() > deadline:
-                break
-            time.sleep(1)
-        else:
-            body = {"text": PROMPTS, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
-            _, answer = _http(f"http://127.0.0.1:{port}/generate", body, timeout=300)
-            _, checksums = _http(f"http://127.0.0.1:{port}/weights_checker", {"action": "checksum"}, timeout=300)
-    finally:
-        stop_server(server)
+        try:
+            deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
+            while _http(f"http://127.0.0.1:{port}/health")[0] != 200:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(1)
+            else:
+                body = {"text": PROMPTS, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
+                _, answer = _http(f"http://127.0.0.1:{port}/generate", body, timeout=300)
+                _, checksums = _http(f"http://127.0.0.1:{port}/weights_checker", {"action": "checksum"}, timeout=300)
+        finally:
+            stop_server(server)
     log_text = log_path.read_text()
     if not isinstance(answer, list) or not isinstance(checksums, dict):
-        return SGLangResult(server.returncode or 1, [], [], [], log_text)
+        return SGLangResult(server.returncode or 1, [], [], [], log_text, tuple(lines))
     return SGLangResult(
         0,
         [a["text"] for a in answer],
         [a["output_ids"] for a in answer],
         [r["checksums"] for r in sorted(checksums["ranks"], key=lambda r: r["parallelism_info"][0]["tp_rank"])],
         log_text,
+        tuple(lines),
     )
 
 
@@ -190,28 +196,32 @@ def test_sglang_and_vllm_captures_name_the_same_pack(two_layer: dict, vllm_two_l
     assert published.action == "uploaded" and published.pack == sglang_pack and len(published.owners) == 2
 
 
-def test_a_vllm_artifact_is_refused_by_sglang_naming_vllm(two_layer: dict, vllm_two_layer: dict) -> None:
+@pytest.fixture(scope="module")
+def vllm_artifact(two_layer: dict, vllm_two_layer: dict) -> dict[str, SGLangResult]:
+    """SGLang given vLLM's artifact of the same checkpoint (a copy of vLLM's state root): ``native`` and ``auto``."""
+    artifact = vllm_two_layer["artifact"]
+    state = Path(shutil.copytree(vllm_two_layer["state"], two_layer["work"] / "vllm-state", symlinks=True))
+    runs = {}
+    for mode in ("native", "auto"):
+        env = coldsnap_env(artifact, state, **({"COLDSNAP_RESTORE": "native"} if mode == "native" else {}))
+        runs[mode] = run_sglang(two_layer["work"], f"vllm-artifact-{mode}", two_layer["model"], "coldsnap", env=env)
+    return runs
+
+
+def test_a_vllm_artifact_is_refused_by_sglang_naming_vllm(two_layer: dict, vllm_artifact: dict) -> None:
     """vLLM's artifact of the very checkpoint SGLang loads (same pack): ``native`` stops the SGLang engine
     with the target qualification error (``TargetMismatchError``, rule ``target-qualification``) that names vLLM as the
     capturing engine and SGLang as this one, not a layout count; ``auto`` logs exactly one coldsnap
     WARNING saying the same and then serves SGLang's checkpoint load, equal to a plain load. Fails if
     SGLang replays another engine's capsule, or refuses it for a reason that does not name the engine
     (the allocation layout, 303 against 183 allocations, or the configuration digest)."""
-    artifact = vllm_two_layer["artifact"]
-    state = Path(shutil.copytree(vllm_two_layer["state"], two_layer["work"] / "vllm-state", symlinks=True))
     why = "the capsule was captured by vllm 0."
-    native = run_sglang(
-        two_layer["work"],
-        "vllm-artifact-native",
-        two_layer["model"],
-        "coldsnap",
-        env=coldsnap_env(artifact, state, COLDSNAP_RESTORE="native"),
-    )
+    native = vllm_artifact["native"]
     assert not native.started and native.outputs == []
     refusals = [line for line in native.log.splitlines() if "TargetMismatchError: rule target-qualification failed" in line]
     assert refusals and all(why in line and "this engine is sglang 0.5.23" in line for line in refusals), native.log[-5000:]
     assert "could not restore" not in native.log  # native never falls back
-    auto = run_sglang(two_layer["work"], "vllm-artifact-auto", two_layer["model"], "coldsnap", env=coldsnap_env(artifact, state))
+    auto = vllm_artifact["auto"]
     _assert_same_load(auto, two_layer["plain"])
     (warning,) = [line for line in auto.coldsnap_lines() if "could not restore" in line]
     assert f"could not restore {WORKER}" in warning and why in warning and "this engine is sglang 0.5.23" in warning
@@ -244,14 +254,19 @@ def _flipped_state(two_layer: dict, name: str) -> tuple[Path, tuple[int, int]]:
     return state, (extent.allocation_index, extent.offset_bytes)
 
 
-def test_flipped_pack_byte_auto_warns_once_and_serves_correctly(two_layer: dict) -> None:
+@pytest.fixture(scope="module")
+def flipped_auto(two_layer: dict) -> SGLangResult:
+    """An ``auto`` start on a copy of the capture's state root with one flipped pack byte."""
+    state, _ = _flipped_state(two_layer, "state-flipped-auto")
+    env = coldsnap_env(two_layer["artifact"], state)
+    return run_sglang(two_layer["work"], "flipped-auto", two_layer["model"], "coldsnap", env=env)
+
+
+def test_flipped_pack_byte_auto_warns_once_and_serves_correctly(two_layer: dict, flipped_auto: SGLangResult) -> None:
     """``auto`` with one flipped pack byte: exactly one coldsnap WARNING carrying the verifier's rule
     (``extent-sha256``), then SGLang's checkpoint load, which serves the plain load's bytes and tokens.
     Fails if SGLang would serve the corrupt pack or fall back silently."""
-    state, _ = _flipped_state(two_layer, "state-flipped-auto")
-    result = run_sglang(
-        two_layer["work"], "flipped-auto", two_layer["model"], "coldsnap", env=coldsnap_env(two_layer["artifact"], state)
-    )
+    result = flipped_auto
     _assert_same_load(result, two_layer["plain"])
     (warning,) = [line for line in result.coldsnap_lines() if "could not restore" in line]  # SGLang logs no level name
     assert f"could not restore {WORKER}" in warning and "rule extent-sha256 failed" in warning
@@ -276,13 +291,19 @@ def test_a_tensor_stored_in_two_shards_names_the_single_file_pack(
     assert result.output_ids == two_layer["plain"].output_ids
 
 
-def test_materialize_async_and_required_are_refused_under_sglang(two_layer: dict) -> None:
+@pytest.fixture(scope="module")
+def materialize_async(two_layer: dict) -> SGLangResult:
+    """A start with ``COLDSNAP_MATERIALIZE=async``, which SGLang's adapter cannot honour."""
+    env = coldsnap_env(two_layer["artifact"], two_layer["state"], COLDSNAP_MATERIALIZE="async")
+    return run_sglang(two_layer["work"], "materialize-async", two_layer["model"], "coldsnap", env=env)
+
+
+def test_materialize_async_and_required_are_refused_under_sglang(two_layer: dict, materialize_async: SGLangResult) -> None:
     """``COLDSNAP_MATERIALIZE=async`` stops a real SGLang engine before it loads anything, the error naming
     the setting; ``required`` is refused the same way by SGLang's own ``LoadConfig`` and
     ``get_model_loader`` (no engine start needed to reach the loader's constructor). Fails if SGLang
     silently ignores a materialization mode it does not implement."""
-    env = coldsnap_env(two_layer["artifact"], two_layer["state"], COLDSNAP_MATERIALIZE="async")
-    result = run_sglang(two_layer["work"], "materialize-async", two_layer["model"], "coldsnap", env=env)
+    result = materialize_async
     assert not result.started
     assert "ConfigurationError: rule configuration failed: COLDSNAP_MATERIALIZE=async is not supported with SGLang" in result.log
     answer = check_sglang_loader(two_layer["work"], "materialize-required", {"materialize": "required"})
@@ -304,28 +325,40 @@ def _edit_target(artifact: Path, **fields) -> None:
     (artifact / "artifact.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
+@pytest.fixture(scope="module")
+def another_version(two_layer: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A copy of the module's capture whose ``target.json`` records SGLang 0.5.22: two ``auto`` starts on it (``first``,
+    ``second``), appending to the outcome log ``log``; ``state``: their state root, whose overlays after the first
+    start are ``overlays-after-first``."""
+    from coldsnap_core.artifact.overlay import list_overlays
+
+    work = tmp_path_factory.mktemp("sglang-another-version")
+    artifact, state, log = work / "artifact", work / "state", work / "outcomes.jsonl"
+    shutil.copytree(two_layer["artifact"], artifact)
+    shutil.copytree(two_layer["state"], state)
+    _edit_target(artifact, engine_version="0.5.22")
+    env = coldsnap_env(artifact, state, COLDSNAP_OUTCOME_LOG=str(log))
+    first = run_sglang(work, "other-version", two_layer["model"], "coldsnap", env=env)
+    overlays = list_overlays(state)
+    second = run_sglang(work, "through-overlay", two_layer["model"], "coldsnap", env=env)
+    return {"first": first, "overlays-after-first": overlays, "second": second, "state": state, "log": log}
+
+
 def test_a_capsule_of_another_sglang_version_falls_back_once_then_restores_through_an_overlay(
-    two_layer: dict, tmp_path: Path
+    two_layer: dict, another_version: dict
 ) -> None:
     """A copy of the module's capture whose ``target.json`` records another SGLang version: under ``auto``
     the first start falls back once (rule target-qualification) and, after its checkpoint load, captures this
     target's overlay (here a qualification record: SGLang's residual is the same on this runtime); the next
     start restores from the pack through that overlay without falling back. Both serve a plain load's
     bytes and tokens. Fails if every SGLang start after an upgrade falls back (no overlay was captured)."""
-    from coldsnap_core.artifact.overlay import list_overlays
-
-    artifact, state, log = tmp_path / "artifact", tmp_path / "state", tmp_path / "outcomes.jsonl"
-    shutil.copytree(two_layer["artifact"], artifact)
-    shutil.copytree(two_layer["state"], state)
-    _edit_target(artifact, engine_version="0.5.22")
-    env = coldsnap_env(artifact, state, COLDSNAP_OUTCOME_LOG=str(log))
-    first = run_sglang(tmp_path, "other-version", two_layer["model"], "coldsnap", env=env)
+    first, log = another_version["first"], another_version["log"]
     _assert_same_load(first, two_layer["plain"])
     (warning,) = [line for line in first.coldsnap_lines() if "could not restore" in line]
     assert "rule target-qualification failed" in warning and "0.5.22" in warning
-    (overlay,) = list_overlays(state)
+    (overlay,) = another_version["overlays-after-first"]
     assert overlay.descriptor.kind in ("overlay", "qualified")
-    second = run_sglang(tmp_path, "through-overlay", two_layer["model"], "coldsnap", env=env)
+    second = another_version["second"]
     _assert_same_load(second, two_layer["plain"])
     assert [line for line in second.coldsnap_lines() if "could not restore" in line] == []
     assert [line for line in second.coldsnap_lines() if f"restored {WORKER} from pack" in line]
@@ -396,3 +429,32 @@ def test_tensor_parallel_3_each_rank_captures_and_restores_its_own_worker(smollm
     for worker, digest in zip(workers, packs, strict=True):
         assert [line for line in restore.coldsnap_lines() if f"restored {worker} from pack {digest[:12]}" in line], worker
     assert [line for line in restore.coldsnap_lines() if "could not restore" in line] == []
+
+
+def _start(result: SGLangResult) -> Start:
+    return Start(result.started, result.outcome_lines, result.log, result.checksums[0] if result.checksums else {})
+
+
+@pytest.fixture(scope="module")
+def runs(
+    two_layer: dict, flipped_auto: SGLangResult, vllm_artifact: dict, another_version: dict, materialize_async
+) -> EngineRuns:
+    """This module's SGLang runs as the conformance cases read them (the refusal under ``native``: vLLM's artifact)."""
+    return EngineRuns(
+        engine="sglang",
+        plain=_start(two_layer["plain"]),
+        capture=_start(two_layer["capture"]),
+        artifact=two_layer["artifact"],
+        restore=_start(two_layer["restore"]),
+        fallback=_start(flipped_auto),
+        refusal=_start(vllm_artifact["native"]),
+        upgraded=_start(another_version["first"]),
+        through_overlay=_start(another_version["second"]),
+        overlay_state=another_version["state"],
+        unhonoured=_start(materialize_async),
+        unhonoured_setting="COLDSNAP_MATERIALIZE=async",
+    )
+
+
+class TestSglangConformance(EngineConformance):
+    """The engine contract's cases (``tests/conformance/suite.py``) on SGLang (:func:`runs`)."""

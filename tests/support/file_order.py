@@ -12,13 +12,12 @@ from __future__ import annotations
 # other file takes a few seconds; they run last, filling in while the other worker ends its file.
 FILE_SECONDS = {
     "tests/sglang/test_sglang_engine.py": 480,
-    "tests/vllm/test_vllm_engine.py": 235,
+    "tests/vllm/test_vllm_engine.py": 330,
     "tests/vllm/test_vllm_data_parallel.py": 221,
     "tests/vllm/test_vllm_tensor_parallel.py": 169,
     "tests/vllm/test_vllm_architectures.py": 150,
     "tests/vllm/test_vllm_derived_cache.py": 112,
     "tests/vllm/test_vllm_serve.py": 99,
-    "tests/vllm/test_vllm_engine_target.py": 93,
     "tests/sglang/test_sglang_architectures.py": 70,
     "tests/cache/test_cache_crash.py": 35,
     "tests/core/test_install.py": 35,  # not in that run: measured alone (a wheel, a fresh environment, its install)

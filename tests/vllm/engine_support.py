@@ -25,6 +25,7 @@ from pathlib import Path
 from tests.support.engine_host import EngineHost
 from tests.support.engine_marker import require_engine_marker
 from tests.support.files import flip_byte as flip_byte  # re-exported for the engine tests
+from tests.support.outcome_lines import appended_lines, outcome_log_of
 from tests.support.servers import free_port, stop_server
 
 ENGINE_RUN = Path(__file__).resolve().parent / "engine_run.py"
@@ -73,6 +74,7 @@ class EngineResult:
         compile_cache_counters: torch's counters of its compile caches in the engine process after it
             generated, ``<group>.<counter>`` (``aot_autograd.autograd_cache_miss``, ...; empty when nothing compiled).
         init_seconds: wall time of ``LLM(...)`` (the time to ready), seconds; ``None`` if it failed.
+        outcome_lines: the load outcome log lines the process appended (``tests/support/outcome_lines.py``).
     """
 
     digests: dict[str, list]
@@ -85,6 +87,7 @@ class EngineResult:
     outputs_after_reload: list = field(default_factory=list)
     compile_cache_counters: dict = field(default_factory=dict)
     init_seconds: float | None = None
+    outcome_lines: tuple[dict, ...] = ()
 
     def coldsnap_lines(self, level: str) -> list[str]:
         """Log lines of ``level`` (``WARNING``, ``INFO``) written by coldsnap."""
@@ -130,7 +133,8 @@ def run_engine(
     spec_path.write_text(json.dumps(spec))
     log_path = workdir / f"{name}.log"
     result_path.unlink(missing_ok=True)
-    returncode = _engine_host().run(spec_path, result_path, log_path, workdir, _engine_env(), ENGINE_TIMEOUT_SECONDS)
+    with appended_lines(outcome_log_of(env or {})) as outcome_lines:
+        returncode = _engine_host().run(spec_path, result_path, log_path, workdir, _engine_env(), ENGINE_TIMEOUT_SECONDS)
     log = log_path.read_text()
     if returncode != 0 or not result_path.exists():
         raise AssertionError(f"engine {name} exited with {returncode}:\n{log[-6000:]}")
@@ -146,7 +150,23 @@ def run_engine(
         outputs_after_reload=data.get("outputs_after_reload", []),
         compile_cache_counters=data.get("compile_cache_counters", {}),
         init_seconds=data.get("init_seconds"),
+        outcome_lines=tuple(outcome_lines),
     )
+
+
+def check_vllm_loader(workdir: Path, name: str, extra_config: dict) -> dict:
+    """vLLM's ``get_model_loader(LoadConfig(load_format="coldsnap", model_loader_extra_config=extra_config))``, where
+    a vLLM worker builds its loader, in a process forked from the engine host (``engine_run.py``'s ``loader_check``;
+    no engine is started): ``{"refused": "ConfigurationError: ..."}`` or ``{"accepted": class name}``. Raises
+    AssertionError with the log if the process failed."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path, result_path, log_path = (workdir / f"{name}.{suffix}" for suffix in ("spec.json", "result.json", "log"))
+    spec_path.write_text(json.dumps({"loader_check": extra_config}))
+    result_path.unlink(missing_ok=True)
+    returncode = _engine_host().run(spec_path, result_path, log_path, workdir, _engine_env(), ENGINE_TIMEOUT_SECONDS)
+    if returncode != 0 or not result_path.exists():
+        raise AssertionError(f"the vLLM loader check {name} exited with {returncode}:\n{log_path.read_text()[-6000:]}")
+    return json.loads(result_path.read_text())
 
 
 def plain_capture_restore(work: Path, build, **engine_options) -> dict:

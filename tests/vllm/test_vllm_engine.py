@@ -9,16 +9,30 @@ The 2-layer runs that tests only read are shared by the whole session (``vllm_tw
 ``tests/conftest.py``; the serve, target, data parallel and cross-engine tests use them too). Each
 refusal rule family keeps one end-to-end case here; its other cases are asserted in process
 (``tests/restore/test_worker_restore.py``, ``tests/vllm/test_vllm_loader_unit.py``).
+
+Target qualification and a target-local overlay end to end: three engine processes after the session's export
+capture, with the capsule's ``target.json`` recording another vLLM version (edited and re-pinned, as a capsule
+captured before an engine upgrade would look) and a residual that differs from what this vLLM computes: an ``auto``
+start that falls back once and captures an overlay, a ``native`` start that restores from the overlay, and a start
+on a second node (another state root, no overlay) that falls back again (docs/format.md §15).
+
+The engine contract's conformance cases (``tests/conformance/suite.py``) run on this module's and the session's runs
+(``TestVllmConformance``): the runs some tests make are module fixtures for that, so no engine starts twice.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
-from engine_support import coldsnap_env, copy_state, flip_byte, only_pack, run_engine
+from engine_support import EngineResult, check_vllm_loader, coldsnap_env, copy_state, flip_byte, only_pack, run_engine
+from test_vllm_target import _edit_target, _perturb_residual
 
 from coldsnap_core.artifact.capsules import read_capsule, read_descriptor
+from coldsnap_core.artifact.derived_cache import SEED_ARCHIVE_FILENAME, SEED_DOCUMENT_FILENAME
+from coldsnap_core.artifact.overlay import list_overlays
+from tests.conformance.suite import EngineConformance, EngineRuns, Start
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
@@ -124,13 +138,20 @@ def _flipped_state(two_layer: dict, name: str) -> tuple[Path, tuple[int, int]]:
     return state, owners.pop()
 
 
-def test_flipped_pack_byte_auto_falls_back_and_serves_correctly(two_layer: dict) -> None:
+@pytest.fixture(scope="module")
+def flipped_auto(vllm_two_layer: dict) -> tuple[Path, EngineResult]:
+    """An ``auto`` start (``COLDSNAP_MATERIALIZE=required``) on a copy of capture A's state root with one flipped pack
+    byte: that state root and the run."""
+    state, _ = _flipped_state(vllm_two_layer, "state-flipped-auto")
+    env = coldsnap_env(vllm_two_layer["work"] / "artifact-a", state, COLDSNAP_MATERIALIZE="required")
+    return state, run_engine(vllm_two_layer["work"], "flipped-auto", vllm_two_layer["model"], "coldsnap", env=env)
+
+
+def test_flipped_pack_byte_auto_falls_back_and_serves_correctly(two_layer: dict, flipped_auto) -> None:
     """``auto`` with one flipped pack byte: exactly one coldsnap WARNING, carrying the verifier's
     error (rule ``extent-sha256``) and the quarantine, a plain checkpoint load that serves the same
     generations and bytes, and the pack materialized again with its original digest."""
-    state, _ = _flipped_state(two_layer, "state-flipped-auto")
-    env = coldsnap_env(two_layer["work"] / "artifact-a", state, COLDSNAP_MATERIALIZE="required")
-    result = run_engine(two_layer["work"], "flipped-auto", two_layer["model"], "coldsnap", env=env)
+    state, result = flipped_auto
     _assert_same_load(result, two_layer["plain"])
     (warning,) = result.coldsnap_lines("WARNING")
     assert "could not restore worker-0-of-1" in warning and "rule extent-sha256 failed" in warning
@@ -140,14 +161,21 @@ def test_flipped_pack_byte_auto_falls_back_and_serves_correctly(two_layer: dict)
     assert only_pack(state).read_bytes() == only_pack(two_layer["work"] / "state-a").read_bytes()
 
 
-def test_layout_check_refuses_another_dtype(two_layer: dict) -> None:
+@pytest.fixture(scope="module")
+def layout_dtype(vllm_two_layer: dict) -> EngineResult:
+    """A ``native`` restore of capture A's artifact into the same checkpoint served at float32."""
+    work = vllm_two_layer["work"]
+    env = coldsnap_env(work / "artifact-a", work / "state-a", COLDSNAP_RESTORE="native")
+    return run_engine(work, "layout-dtype", vllm_two_layer["model"], "coldsnap", env=env, dtype="float32")
+
+
+def test_layout_check_refuses_another_dtype(layout_dtype: EngineResult) -> None:
     """The 2-layer bf16 payload restored into the same checkpoint served at float32 (every allocation twice
     the size): ``native`` refuses it with the layout fingerprint rule, before anything is staged, and the
     engine does not start. (Another layer count and another allocation set are refused by the same rule in
     process: ``tests/restore/test_worker_restore.py::test_layout_check_refuses_another_layout``; another
     rotary base by the configuration digest: ``tests/vllm/test_vllm_loader_unit.py``.)"""
-    env = coldsnap_env(two_layer["work"] / "artifact-a", two_layer["work"] / "state-a", COLDSNAP_RESTORE="native")
-    result = run_engine(two_layer["work"], "layout-dtype", two_layer["model"], "coldsnap", env=env, dtype="float32")
+    result = layout_dtype
     assert result.error is not None and result.outputs == []
     assert "LayoutMismatchError: rule layout-fingerprint failed" in result.error
     assert "could not restore" not in result.log  # native never falls back
@@ -161,7 +189,6 @@ def test_a_blue_green_flip_to_a_same_shaped_checkpoint_is_not_restored(two_layer
     own weights (not A's) and leaves a ``fell-back`` line in the outcome log. Main restored A's
     weights into both."""
     import json
-    import shutil
 
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
@@ -267,3 +294,106 @@ def test_an_fp32_checkpoint_served_as_bf16_is_one_shared_pack(smollm2_2layer_fp3
     assert only_pack(tmp_path / "state-a").read_bytes() == only_pack(tmp_path / "state-b").read_bytes()
     _assert_same_load(restore, plain)
     assert restore.outcome["kind"] == "restored"
+
+
+def _packs(state: Path) -> list[str]:
+    return sorted(p.name for p in (state / "model-payloads" / "sha256").glob("*.pack"))
+
+
+@pytest.fixture(scope="module")
+def upgrade(vllm_two_layer: dict, smollm2_2layer: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """After the session's export capture, copied, with a perturbed residual and ``target.json`` recording vLLM
+    0.31.0: an ``auto`` start (``first``) and a ``native`` one (``second``) on this node (state root ``state``), both
+    compiling with empty compile caches, and an ``auto`` start on a second node (``other``, state root ``node2``)."""
+    work = tmp_path_factory.mktemp("vllm-upgrade")
+    artifact = Path(shutil.copytree(vllm_two_layer["artifact"], work / "artifact", symlinks=True))
+    state = copy_state(vllm_two_layer["state"], work / "state")
+    node2 = copy_state(state, work / "node2")
+    _perturb_residual(artifact)
+    _edit_target(artifact, engine_version="0.31.0")
+
+    def caches(name: str) -> dict[str, str]:
+        return {"VLLM_CACHE_ROOT": str(work / name / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(work / name / "inductor")}
+
+    runs = {"work": work, "artifact": artifact, "state": state, "node2": node2}
+    env = coldsnap_env(artifact, state, **caches("first"))
+    runs["first"] = run_engine(work, "first", smollm2_2layer, "coldsnap", env=env, enforce_eager=False)
+    runs["overlays-after-first"] = list_overlays(state)
+    runs["packs-after-first"] = _packs(state)
+    env = coldsnap_env(artifact, state, COLDSNAP_RESTORE="native", **caches("second"))
+    runs["second"] = run_engine(work, "second", smollm2_2layer, "coldsnap", env=env, enforce_eager=False)
+    runs["other"] = run_engine(work, "node2", smollm2_2layer, "coldsnap", env=coldsnap_env(artifact, node2))
+    return runs
+
+
+def test_engine_upgrade_falls_back_once_then_restores_from_the_overlay(vllm_two_layer: dict, upgrade: dict) -> None:
+    """Catches a residual replayed on another engine version, an overlay not captured after the fallback
+    or not used on the next start, an overlay that leaks to another node, and a copied pack: the first
+    start falls back with one WARNING naming engine_version and captures an overlay; the next start on
+    this node restores from it (no WARNING) with greedy outputs and per-tensor bytes equal to a plain
+    load, although the portable residual differs; a second node falls back again; one pack object per
+    state root throughout. Both starts on this node compile (each with empty compile caches): the first
+    pins a derived-cache seed of this target in the overlay, the second places that seed (its model-class
+    inspection cache from the overlay folder when vLLM loads the plugin, the rest before vLLM compiles)
+    (docs/format.md §15.3, §17)."""
+    capture = vllm_two_layer["capture"]
+    assert capture.error is None and capture.outcome["kind"] == "captured"
+    state, node2 = upgrade["state"], upgrade["node2"]
+    first = upgrade["first"]
+    assert first.error is None
+    assert (first.outcome["kind"], first.outcome["fallback_rule"], first.outcome["overlay"]) == (
+        "checkpoint",
+        "target-qualification",
+        "overlay",
+    )
+    (warning,) = first.coldsnap_lines("WARNING")
+    assert "engine_version: '0.31.0' -> '0.32" in warning
+    assert first.outputs == capture.outputs
+    (overlay,) = upgrade["overlays-after-first"]
+    assert overlay.status == "current" and len(upgrade["packs-after-first"]) == 1
+    assert {SEED_DOCUMENT_FILENAME, SEED_ARCHIVE_FILENAME} <= {p.name for p in overlay.descriptor.capsule_files}
+
+    second = upgrade["second"]
+    assert second.error is None, second.error
+    assert (second.outcome["kind"], second.outcome["capsule_source"]) == ("restored", "overlay")
+    assert (second.outcome["derived_cache"], second.outcome["derived_cache_reason"]) == ("used", None)
+    assert any(str(overlay.path) in line and "inspection cache placed" in line for line in second.coldsnap_lines("INFO"))
+    assert second.coldsnap_lines("WARNING") == []
+    assert second.outputs == capture.outputs
+    assert second.digests == capture.digests
+    assert len(_packs(state)) == 1
+
+    other = upgrade["other"]
+    assert (other.outcome["kind"], other.outcome["fallback_rule"]) == ("checkpoint", "target-qualification")
+    assert "this node has no overlay for this target" in other.outcome["fallback"] and other.outputs == capture.outputs
+    assert _packs(node2) == _packs(state)
+
+
+def _start(result: EngineResult) -> Start:
+    return Start(result.error is None, result.outcome_lines, result.log + (result.error or ""), result.digests)
+
+
+@pytest.fixture(scope="module")
+def runs(vllm_two_layer: dict, flipped_auto, layout_dtype: EngineResult, upgrade: dict) -> EngineRuns:
+    """This module's and the session's vLLM runs as the conformance cases read them; the setting vLLM cannot honour is
+    an inner load format whose loader is not vLLM's ``DefaultModelLoader`` (``gguf``), refused where a vLLM worker
+    builds its loader (:func:`engine_support.check_vllm_loader`: no engine start)."""
+    refused = check_vllm_loader(vllm_two_layer["work"], "inner-gguf", {"inner_load_format": "gguf"})
+    return EngineRuns(
+        engine="vllm",
+        plain=_start(vllm_two_layer["plain"]),
+        capture=_start(vllm_two_layer["capture-a"]),
+        artifact=vllm_two_layer["artifact"],
+        restore=_start(vllm_two_layer["restore"]),
+        fallback=_start(flipped_auto[1]),
+        refusal=_start(layout_dtype),
+        upgraded=_start(upgrade["first"]),
+        through_overlay=_start(upgrade["second"]),
+        overlay_state=upgrade["state"],
+        unhonoured=Start(False, (), refused.get("refused", str(refused))),
+        unhonoured_setting="'inner_load_format'='gguf'",
+    )
+
+
+class TestVllmConformance(EngineConformance):
+    """The engine contract's cases (``tests/conformance/suite.py``) on vLLM (:func:`runs`)."""
