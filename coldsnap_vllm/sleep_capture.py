@@ -43,7 +43,7 @@ from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.capture.pack_writer import write_pack
 from coldsnap_core.capture.payload_plan import ModelRange, PayloadPlan, plan_payload
 from coldsnap_core.capture.worker import hash_ranges
-from coldsnap_core.copy.base import CopyBackend
+from coldsnap_core.copy.base import CopyBackend, LiveAllocation
 from coldsnap_core.errors import ColdsnapError, IntegrityError, MissingObjectError
 from coldsnap_core.format.descriptor import WORKERS_DIRNAME
 from coldsnap_core.format.extents import ExtentProvenance
@@ -252,23 +252,7 @@ def capture_for_sleep(
     """
     started = time.perf_counter()
     allocations = live_allocations(segments)
-    mapped = map_writes(state.writes, segments)
-    live = hash_ranges(mapped.ranges, allocations, backend)
-    valid: list[tuple[ModelRange, str]] = []
-    rewritten: list[ModelRange] = []
-    for r, digest in zip(mapped.ranges, live, strict=True):
-        if references.expected(r.provenance, r.size_bytes) == digest:
-            valid.append((r, digest))
-        else:
-            rewritten.append(r)
-    if rewritten:
-        logger.info(
-            "coldsnap: %d of %d model writes (%d bytes) no longer hold their loaded bytes; they are residual",
-            len(rewritten),
-            len(mapped.ranges),
-            sum(r.size_bytes for r in rewritten),
-        )
-
+    valid, rewritten = _still_loaded(map_writes(state.writes, segments).ranges, allocations, backend, references)
     plan = plan_payload(allocations, [r for r, _ in valid], [d for _, d in valid])
     cache = PayloadCache(state.state_root, lock_timeout_seconds=state.lock_timeout_s)
     pack, pack_written = _ensure_pack(plan, backend, cache, references.manifest)
@@ -313,6 +297,28 @@ def capture_for_sleep(
         capture.seconds,
     )
     return capture
+
+
+def _still_loaded(
+    ranges: Sequence[ModelRange], allocations: Sequence[LiveAllocation], backend: CopyBackend, references: ReferenceDigests
+) -> tuple[list[tuple[ModelRange, str]], list[ModelRange]]:
+    """``(range, live digest)`` of each of the loader's model writes that still holds its loaded bytes (its live
+    SHA-256 is the reference's), and the ranges rewritten since, which are residual (one INFO line says how many)."""
+    valid: list[tuple[ModelRange, str]] = []
+    rewritten: list[ModelRange] = []
+    for r, digest in zip(ranges, hash_ranges(ranges, allocations, backend), strict=True):
+        if references.expected(r.provenance, r.size_bytes) == digest:
+            valid.append((r, digest))
+        else:
+            rewritten.append(r)
+    if rewritten:
+        logger.info(
+            "coldsnap: %d of %d model writes (%d bytes) no longer hold their loaded bytes; they are residual",
+            len(rewritten),
+            len(ranges),
+            sum(r.size_bytes for r in rewritten),
+        )
+    return valid, rewritten
 
 
 def _ensure_pack(

@@ -1,5 +1,6 @@
-"""No function in ``coldsnap_core`` is longer than :data:`MAX_LINES` lines (its ``def`` line to its last line,
-docstring included) unless it is listed in :data:`LONG_FUNCTIONS` and its docstring says why it is long.
+"""No function of the product (``coldsnap_core``, ``coldsnap_vllm``, ``coldsnap_sglang``) is longer than
+:data:`MAX_LINES` lines (its ``def`` line to its last line, docstring included) unless it is listed in
+:data:`LONG_FUNCTIONS` and its docstring says why it is long.
 
 A long function usually holds several jobs; splitting it is the fix. The few listed here keep one job whose
 steps read best in one place, and say so in a docstring paragraph that starts with ``Long:``.
@@ -13,6 +14,8 @@ from pathlib import Path
 import coldsnap_core
 
 PACKAGE_DIR = Path(coldsnap_core.__file__).parent
+PACKAGES = (PACKAGE_DIR, PACKAGE_DIR.parent / "coldsnap_vllm", PACKAGE_DIR.parent / "coldsnap_sglang")
+"""The product's packages (the engine plugins are read from their source: neither engine is imported)."""
 MAX_LINES = 80
 
 LONG_FUNCTIONS: frozenset[str] = frozenset(
@@ -20,14 +23,17 @@ LONG_FUNCTIONS: frozenset[str] = frozenset(
         "capture.worker.capture_worker",
     }
 )
-"""``module.qualified_name`` (module relative to ``coldsnap_core``) of each function allowed over :data:`MAX_LINES`."""
+"""``module.qualified_name`` (module relative to ``coldsnap_core``; ``coldsnap_vllm.`` or ``coldsnap_sglang.`` and the
+module in an engine plugin) of each function allowed over :data:`MAX_LINES`."""
 
 
 def _functions() -> dict[str, tuple[int, str | None]]:
-    """``module.qualified_name`` -> (lines, docstring) of every function and method in ``coldsnap_core``."""
+    """``module.qualified_name`` -> (lines, docstring) of every function and method in :data:`PACKAGES`."""
     found: dict[str, tuple[int, str | None]] = {}
-    for path in sorted(PACKAGE_DIR.rglob("*.py")):
-        parts = path.relative_to(PACKAGE_DIR).with_suffix("").parts
+    paths = [(path, PACKAGE_DIR) for path in sorted(PACKAGE_DIR.rglob("*.py"))]
+    paths += [(path, package.parent) for package in PACKAGES[1:] for path in sorted(package.rglob("*.py"))]
+    for path, base in paths:
+        parts = path.relative_to(base).with_suffix("").parts
         module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
         def visit(node: ast.AST, prefix: str) -> None:

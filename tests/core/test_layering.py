@@ -22,7 +22,7 @@ rank  modules
 7     ``restore.staging``, ``restore.hydrate``, ``restore.audit``, ``capture.worker``, ``capture.materialize``,
       ``stores.publish``, ``artifact.overlay`` (target-local overlays)
 8     ``restore.pipeline``, ``capture.observer``, ``capture.load_session``
-9     ``load_policy`` (the load policy both engine plugins run), ``cli``
+9     ``load_policy`` (the engine contract, the load policy every plugin runs), ``cli``
 10    the package (``coldsnap_core/__init__.py``: the public API re-exports)
 ====  ======================================================================================
 
