@@ -8,18 +8,14 @@ import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from coldsnap_core.outcomes import OUTCOME_LOG_FILENAME
-from coldsnap_core.settings import OUTCOME_LOG_ENV, STATE_ROOT_ENV
+from coldsnap_core.settings import OUTCOME_LOG_ENV, ColdsnapSettings
 
 
 def outcome_log_of(env: Mapping[str, str]) -> Path | None:
-    """The outcome log a start with the ``COLDSNAP_*`` variables of ``env`` appends to; ``None`` when ``env`` names
-    no state root and no log (then no test reads one: the default is in the home folder)."""
-    if env.get(OUTCOME_LOG_ENV, "").strip():
-        return Path(env[OUTCOME_LOG_ENV])
-    if env.get(STATE_ROOT_ENV, "").strip():
-        return Path(env[STATE_ROOT_ENV]) / OUTCOME_LOG_FILENAME
-    return None
+    """The outcome log a start with the ``COLDSNAP_*`` variables of ``env`` appends to (the settings' own rule);
+    ``None`` when ``env`` names no state root and no log (no test reads the default one, in the home folder)."""
+    chosen = {name: env[name] for name in (OUTCOME_LOG_ENV, "COLDSNAP_STATE_ROOT") if env.get(name, "").strip()}
+    return ColdsnapSettings.resolve(chosen)[0].outcome_log_path if chosen else None
 
 
 @contextlib.contextmanager
