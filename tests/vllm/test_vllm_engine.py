@@ -330,8 +330,8 @@ def test_engine_upgrade_falls_back_once_then_restores_from_the_overlay(vllm_two_
     """Catches a residual replayed on another engine version, an overlay not captured after the fallback
     or not used on the next start, an overlay that leaks to another node, and a copied pack: the first
     start falls back with one WARNING naming engine_version and captures an overlay; the next start on
-    this node restores from it (no WARNING) with greedy outputs and per-tensor bytes equal to a plain
-    load, although the portable residual differs; a second node falls back again; one pack object per
+    this node restores from it (no WARNING) with per-tensor bytes equal to the capture's and greedy outputs
+    equal to the first (compiled) start's, although the portable residual differs; a second node falls back again; one pack object per
     state root throughout. Both starts on this node compile (each with empty compile caches): the first
     pins a derived-cache seed of this target in the overlay, the second places that seed (its model-class
     inspection cache from the overlay folder when vLLM loads the plugin, the rest before vLLM compiles)
@@ -348,7 +348,9 @@ def test_engine_upgrade_falls_back_once_then_restores_from_the_overlay(vllm_two_
     )
     (warning,) = first.coldsnap_lines("WARNING")
     assert "engine_version: '0.31.0' -> '0.32" in warning
-    assert first.outputs == capture.outputs
+    # ``first`` and ``second`` compile, the capture ran eager: generations are compared between the two compiled
+    # starts, weights with the capture (inductor's CPU kernels may round bf16 differently from eager mode)
+    assert first.digests == capture.digests
     (overlay,) = upgrade["overlays-after-first"]
     assert overlay.status == "current" and len(upgrade["packs-after-first"]) == 1
     assert {SEED_DOCUMENT_FILENAME, SEED_ARCHIVE_FILENAME} <= {p.name for p in overlay.descriptor.capsule_files}
@@ -359,7 +361,7 @@ def test_engine_upgrade_falls_back_once_then_restores_from_the_overlay(vllm_two_
     assert (second.outcome["derived_cache"], second.outcome["derived_cache_reason"]) == ("used", None)
     assert any(str(overlay.path) in line and "inspection cache placed" in line for line in second.coldsnap_lines("INFO"))
     assert second.coldsnap_lines("WARNING") == []
-    assert second.outputs == capture.outputs
+    assert second.outputs == first.outputs
     assert second.digests == capture.digests
     assert len(_packs(state)) == 1
 
