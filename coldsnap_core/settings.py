@@ -49,7 +49,12 @@ OUTCOME_LOG_ENV = "COLDSNAP_OUTCOME_LOG"
 STORE_CONNECT_TIMEOUT_ENV = "COLDSNAP_STORE_CONNECT_TIMEOUT"
 STORE_READ_TIMEOUT_ENV = "COLDSNAP_STORE_READ_TIMEOUT"
 STORE_RETRIES_ENV = "COLDSNAP_STORE_RETRIES"
+STORE_MIN_RATE_ENV = "COLDSNAP_STORE_MIN_RATE"
+STORE_RANGE_DEADLINE_ENV = "COLDSNAP_STORE_RANGE_DEADLINE"
 OCI_MOUNT_FROM_ENV = "COLDSNAP_OCI_MOUNT_FROM"
+STORE_TIMEOUT_MIN_S = 0.1
+"""The shortest store timeout or deadline accepted: a shorter one (``1e-7``) fails every request, so it is refused
+rather than floored."""
 STORE_TIMEOUT_MAX_S = 86400.0
 """The longest store timeout ``COLDSNAP_STORE_CONNECT_TIMEOUT`` / ``COLDSNAP_STORE_READ_TIMEOUT`` accept (1 day): a
 longer one overflows the clients' clocks (``OverflowError: timestamp out of range``) and only hides a dead store."""
@@ -160,11 +165,24 @@ def _lock_seconds(where: str, value: object) -> float:
 
 
 def _store_seconds(where: str, value: object) -> float:
-    """A store timeout: a number of seconds > 0 and at most :data:`STORE_TIMEOUT_MAX_S`."""
+    """A store timeout: a number of seconds from :data:`STORE_TIMEOUT_MIN_S` to :data:`STORE_TIMEOUT_MAX_S`."""
     seconds = _seconds(value)
     if not 0 < seconds <= STORE_TIMEOUT_MAX_S:
         raise ConfigurationError(f"{where}={value!r} is not a number of seconds > 0 and at most {STORE_TIMEOUT_MAX_S:g} (1 day)")
+    if seconds < STORE_TIMEOUT_MIN_S:
+        raise ConfigurationError(
+            f"{where}={value!r} is under the minimum of {STORE_TIMEOUT_MIN_S:g} s: refused, not floored (a timeout that"
+            " short fails every request)"
+        )
     return seconds
+
+
+def _byte_rate(where: str, value: object) -> float:
+    """A rate: a finite number of bytes per second >= 0 (``0`` turns the rule off)."""
+    rate = _seconds(value)  # the same spelling as seconds: ASCII decimals or a JSON number
+    if not 0 <= rate < math.inf:
+        raise ConfigurationError(f"{where}={value!r} is not a number of bytes per second >= 0")
+    return rate
 
 
 def _retry_count(where: str, value: object) -> int:
@@ -187,6 +205,9 @@ class StoreClientSettings:
         connect_timeout_s: seconds to wait for a TCP connection (``COLDSNAP_STORE_CONNECT_TIMEOUT``).
         read_timeout_s: seconds a request may go without receiving a byte (``COLDSNAP_STORE_READ_TIMEOUT``).
         retries: retries of a failed request, so ``retries + 1`` attempts at most (``COLDSNAP_STORE_RETRIES``).
+        min_rate_bytes_per_s: bytes per second a ranged read must make over every ``read_timeout_s`` window
+            (``COLDSNAP_STORE_MIN_RATE``; 0: no floor).
+        range_deadline_s: seconds one ranged read of 64 MiB may take in all (``COLDSNAP_STORE_RANGE_DEADLINE``).
         oci_plain_http: an OCI registry not on loopback is spoken to over plain HTTP (``COLDSNAP_OCI_PLAIN_HTTP``).
         oci_mount_from: repositories of the same OCI registry to mount a blob from before uploading it
             (``COLDSNAP_OCI_MOUNT_FROM``).
@@ -195,6 +216,8 @@ class StoreClientSettings:
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 20.0
     retries: int = 2
+    min_rate_bytes_per_s: float = 65536.0
+    range_deadline_s: float = 600.0
     oci_plain_http: bool = False
     oci_mount_from: tuple[str, ...] = ()
 
@@ -395,14 +418,14 @@ SETTINGS: tuple[Setting, ...] = (
         STORE_CONNECT_TIMEOUT_ENV,
         "store.client.connect_timeout_s",
         _store_seconds,
-        "seconds a remote payload store's client (S3, OCI, GCS, Azure) waits for a connection (> 0, at most 86400)",
+        "seconds a remote payload store's client (S3, OCI, GCS, Azure) waits for a connection (at least 0.1, at most 86400)",
     ),
     Setting(
         "store_read_timeout",
         STORE_READ_TIMEOUT_ENV,
         "store.client.read_timeout_s",
         _store_seconds,
-        "seconds a remote payload store request may go without receiving a byte before it fails (> 0, at most 86400); a stalled"
+        "seconds a remote payload store request may go without receiving a byte before it fails (at least 0.1, at most 86400); a stalled"
         " store fails as `payload-store` naming the store and this timeout",
     ),
     Setting(
@@ -412,6 +435,22 @@ SETTINGS: tuple[Setting, ...] = (
         _retry_count,
         "retries of a failed remote payload store request (0-20), with back-off capped at a few seconds; S3 takes"
         " `AWS_MAX_ATTEMPTS` instead when it is set",
+    ),
+    Setting(
+        "store_min_rate",
+        STORE_MIN_RATE_ENV,
+        "store.client.min_rate_bytes_per_s",
+        _byte_rate,
+        "bytes per second a ranged read of a remote payload store must make over every read-timeout window (`0`: no"
+        " floor); a slower (dripping) store fails as `payload-store` naming the store, the range and the rate",
+    ),
+    Setting(
+        "store_range_deadline",
+        STORE_RANGE_DEADLINE_ENV,
+        "store.client.range_deadline_s",
+        _store_seconds,
+        "seconds one ranged read (64 MiB) of a remote payload store may take in all (at least 0.1, at most 86400); a"
+        " range past it fails as `payload-store` naming the store, the range and the rate",
     ),
     Setting(
         "oci_plain_http",

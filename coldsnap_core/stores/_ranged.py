@@ -1,38 +1,99 @@
-"""Parallel ranged reads of one remote object into a file descriptor, shared by the object-store clients
-(S3, OCI registry, GCS, Azure Blob), and the message of a failed request (:func:`request_failure`).
+"""The one ranged-fetch core of the object stores (S3, OCI registry, GCS, Azure Blob): :class:`RangedStore`.
 
-A store gives :func:`fetch_ranges` a function that returns the bytes ``[start, end)`` of the object; the
-ranges are read ``concurrency`` at a time and written with ``pwrite`` at their offsets. Nothing here judges
-content: the cache verifies the whole file (:func:`coldsnap_core.format.verify.verify_pack_file`) before admitting it.
+A backend gives :meth:`RangedStore.stat` (size and version of the object, or ``None``), :meth:`RangedStore.open_range`
+(one ranged GET whose body arrives as chunks) and :meth:`RangedStore.create` (one conditional create); ``has``,
+``fetch`` and ``upload`` are written here once, with the rules every store keeps (``docs/format.md`` §12):
+
+* a range is streamed into its destination as its bytes arrive, never buffered whole: the first byte past the
+  range's length, or a range that ends short, is :class:`~coldsnap_core.errors.PackSizeMismatchError`;
+* a range must make ``COLDSNAP_STORE_MIN_RATE`` bytes per second over every ``COLDSNAP_STORE_READ_TIMEOUT`` window
+  and end within ``COLDSNAP_STORE_RANGE_DEADLINE`` (per 64 MiB), else it fails as ``payload-store`` naming the store,
+  the range and the rate (a dripping store slows a node down, never holds it);
+* a server that ignores ``Range`` (``200`` with the whole object) is read once, in one stream;
+* anything else a store raises (a client's exception, ``MemoryError``) is a :class:`~coldsnap_core.errors.StoreError`,
+  so ``COLDSNAP_RESTORE=auto`` falls back.
+
+Nothing here judges content: the cache verifies the whole file (:func:`coldsnap_core.format.verify.verify_pack_file`)
+before admitting it. Each range's chunks go to a ``sink(offset_bytes, chunk)`` as they land, in parallel across
+ranges and in order within one, so a caller can act on a range as soon as its bytes are there.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import hashlib
+import logging
 import os
 import threading
-from collections.abc import Callable
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from coldsnap_core._io import SPACE_ERRNOS
-from coldsnap_core.errors import InsufficientSpaceError, PackDigestMismatchError, PackSizeMismatchError, StoreError
+from coldsnap_core.digests import check_digest, pack_relpath
+from coldsnap_core.errors import (
+    ColdsnapError,
+    ConfigurationError,
+    InsufficientSpaceError,
+    PackDigestMismatchError,
+    PackSizeMismatchError,
+    PayloadUnavailableError,
+    StoreError,
+    redact_store_spec,
+    size_mismatch,
+)
 from coldsnap_core.settings import (
     STORE_CONNECT_TIMEOUT_ENV,
+    STORE_MIN_RATE_ENV,
+    STORE_RANGE_DEADLINE_ENV,
     STORE_READ_TIMEOUT_ENV,
     STORE_RETRIES_ENV,
     StoreClientSettings,
 )
+from coldsnap_core.stores.base import ProgressCallback
+
+logger = logging.getLogger(__name__)
 
 RANGE_SIZE_BYTES = 64 << 20
-"""Bytes per ranged GET (64 MiB)."""
+"""Bytes per ranged GET (64 MiB); ``COLDSNAP_STORE_RANGE_DEADLINE`` is per this many bytes."""
 DEFAULT_CONCURRENCY = 8
 """Ranges in flight at once (threads)."""
+READ_CHUNK_BYTES = 1 << 20
+"""The most bytes one socket read of a range body asks for; it returns what has arrived."""
+PROGRESS_STEP_BYTES = 4 << 20
+"""Bytes a range reports to the progress callback at once (and at its end)."""
+ANSWER_MAX_BYTES = 64 << 10
+"""The most bytes of an error answer read (its message is all a store's error needs)."""
 
-ReadRange = Callable[[int, int], bytes]
-"""``(start, end) -> bytes [start, end)`` of the object."""
+Sink = Callable[[int, bytes], object]
+"""``sink(offset_bytes, chunk)``: the bytes ``[offset_bytes, offset_bytes + len(chunk))`` of the object have landed."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectStat:
+    """What a store says of one object before it is read.
+
+    Attributes:
+        size_bytes: the object's size.
+        version: what pins every ranged read to this object (S3 and Azure: the ``ETag``; GCS: the generation;
+            ``None`` for an OCI blob, whose digest pins it).
+    """
+
+    size_bytes: int
+    version: str | int | None = None
+
+
+class _RangeIgnored(Exception):
+    """A ranged GET was answered with the whole object (``200``)."""
+
+
+class _Stopped(Exception):
+    """Another range of the same transfer failed: this one stops at its next chunk."""
 
 
 def timed_out(exc: BaseException) -> str | None:
@@ -85,57 +146,78 @@ def byte_ranges(size_bytes: int, step_bytes: int) -> list[tuple[int, int]]:
     return [(start, min(start + step_bytes, size_bytes)) for start in range(0, size_bytes, step_bytes)]
 
 
-def run_all(function: Callable[[Any], object], items: list[Any], concurrency: int) -> None:
-    """Run ``function(item)`` for every item on ``concurrency`` threads; the first error is raised once the
-    items not yet started are cancelled (those in flight finish)."""
-    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        futures = [pool.submit(function, item) for item in items]
-        try:
-            for future in concurrent.futures.as_completed(futures):
-                future.result()
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
+def read1_chunks(raw: Any) -> Iterator[bytes]:
+    """The body of a urllib3 response (boto3's, requests') as it arrives: each ``read1`` returns what one socket
+    read brought, so a dripping body hands back every drip (and a silent one ends at the read timeout)."""
+    return iter(lambda: raw.read1(READ_CHUNK_BYTES, decode_content=False), b"")
 
 
-def checked_range(data: bytes, start: int, end: int, *, where: str) -> bytes:
-    """``data`` when it has ``end - start`` bytes.
+class _Pace:
+    """The pace one body (``what``, ``length_bytes`` long) must keep: ``min_rate_bytes_per_s`` over every
+    ``read_timeout_s`` window from its first byte on, and its end within ``range_deadline_s`` per 64 MiB from the
+    request on."""
 
-    Raises:
-        PackSizeMismatchError: a short or long range (the object changed size), naming ``where`` and ``start``.
-    """
-    if len(data) != end - start:
-        raise PackSizeMismatchError(
-            f"ranged read of bytes {start}-{end - 1} returned {len(data)} bytes (the object changed size)",
-            file=where,
-            offset_bytes=start,
+    def __init__(self, store: RangedStore, where: str, what: str, length_bytes: int) -> None:
+        self._store, self._where, self._what, self._length = store, where, what, length_bytes
+        self.started_s = time.monotonic()
+        self._deadline_s = store.client_settings.range_deadline_s * max(1.0, length_bytes / RANGE_SIZE_BYTES)
+        self._window_start_s: float | None = None
+        self._window_bytes = self.done_bytes = 0
+
+    def add(self, n: int) -> None:
+        """``n`` more bytes arrived.
+
+        Raises:
+            StoreError: the body is past its deadline, or made less than the minimum rate over the last window.
+        """
+        limits, now = self._store.client_settings, time.monotonic()
+        self.done_bytes += n
+        self._window_bytes += n
+        if self._window_start_s is None:
+            self._window_start_s, self._window_bytes = now, 0
+        if now - self.started_s > self._deadline_s:
+            rate = self.done_bytes / (now - self.started_s)
+            self._fail(f"{rate:,.0f} bytes/s, not all within {self._deadline_s:g} s ({STORE_RANGE_DEADLINE_ENV})")
+        window_s = now - self._window_start_s
+        if window_s >= limits.read_timeout_s:
+            rate = self._window_bytes / window_s
+            if rate < limits.min_rate_bytes_per_s:
+                self._fail(
+                    f"{rate:,.0f} bytes/s over the last {window_s:.1f} s, under the minimum of"
+                    f" {limits.min_rate_bytes_per_s:g} bytes/s ({STORE_MIN_RATE_ENV})"
+                )
+            self._window_start_s, self._window_bytes = now, 0
+
+    def _fail(self, why: str) -> None:
+        raise StoreError(
+            f"{self._store.name}: {self._what} came at {why}; {self.done_bytes} of {self._length} bytes arrived",
+            file=self._where,
         )
-    return data
 
 
-def fetch_ranges(
-    read: ReadRange,
-    size_bytes: int,
-    fd: int,
-    *,
-    file: Path,
-    range_size_bytes: int = RANGE_SIZE_BYTES,
-    concurrency: int = DEFAULT_CONCURRENCY,
-    progress: Callable[[int], object] | None = None,
-) -> None:
-    """Write ``[0, size_bytes)`` of an object to ``fd`` (``file``): ``read`` per range, in parallel, ``pwrite`` each.
+def read_answer(store: RangedStore, where: str, chunks: Iterable[bytes], max_bytes: int = ANSWER_MAX_BYTES) -> bytes:
+    """At most ``max_bytes + 1`` bytes of a small answer (an error's message, a manifest, a token) about ``where``,
+    read at the pace a range keeps: a longer answer is cut there (the caller refuses it if it needed all of it), never
+    held whole."""
+    pace, body = _Pace(store, where, "an answer", max_bytes), bytearray()
+    for chunk in chunks:
+        body += chunk[: max_bytes + 1 - len(body)]
+        if len(body) > max_bytes:
+            break
+        pace.add(len(chunk))
+    return bytes(body)
 
-    Raises:
+
+def pwrite_sink(fd: int, file: Path) -> Sink:
+    """A sink writing each chunk at its offset of ``fd`` (``file``).
+
+    Raises (from the sink):
         InsufficientSpaceError: the cache's file system filled up.
-        StoreError: writing into ``file`` failed otherwise.
-        whatever ``read`` raises (the first error; the other ranges stop being started).
+        StoreError: another write error.
     """
-    lock = threading.Lock()
 
-    def one(r: tuple[int, int]) -> None:
-        view = memoryview(read(r[0], r[1]))
-        offset = r[0]
+    def write(offset: int, chunk: bytes) -> None:
+        view = memoryview(chunk)
         while view:
             try:
                 n = os.pwrite(fd, view, offset)
@@ -143,30 +225,357 @@ def fetch_ranges(
                 if exc.errno in SPACE_ERRNOS:
                     raise InsufficientSpaceError(f"fetch failed at byte {offset}: {os.strerror(exc.errno)}", file=file) from exc
                 raise StoreError(f"writing the fetched bytes at {offset} failed: {exc}", file=file) from exc
-            view = view[n:]
-            offset += n
-        if progress is not None:
-            with lock:
-                progress(r[1] - r[0])
+            view, offset = view[n:], offset + n
 
-    run_all(one, byte_ranges(size_bytes, range_size_bytes), concurrency)
+    return write
 
 
-def hash_ranges(
-    read: ReadRange, size_bytes: int, *, range_size_bytes: int = RANGE_SIZE_BYTES, concurrency: int = DEFAULT_CONCURRENCY
-) -> str:
-    """The SHA-256 (lowercase hex) of ``[0, size_bytes)`` of an object, read in parallel ranges (in order,
-    at most ``concurrency`` ranges ahead of the hash)."""
-    h = hashlib.sha256()
-    pending: collections.deque[concurrent.futures.Future[bytes]] = collections.deque()
+def run_all(function: Callable[[Any, threading.Event], object], items: list[Any], concurrency: int) -> None:
+    """Run ``function(item, stop)`` for every item on ``concurrency`` threads. The first error sets ``stop`` (items
+    not started are skipped; a function in flight sees it and raises :class:`_Stopped`) and is raised once every
+    thread is done."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def one(item: Any) -> None:
+        if stop.is_set():
+            return
+        try:
+            function(item, stop)
+        except BaseException as exc:
+            if not isinstance(exc, _Stopped):
+                errors.append(exc)
+            stop.set()
+
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        for start, end in byte_ranges(size_bytes, range_size_bytes):
-            pending.append(pool.submit(read, start, end))
-            if len(pending) >= concurrency:
-                h.update(pending.popleft().result())
-        while pending:
-            h.update(pending.popleft().result())
-    return h.hexdigest()
+        list(pool.map(one, items))
+    if errors:
+        raise errors[0]
+
+
+class RangedStore(ABC):
+    """The template of an object store that serves byte ranges (see the module docstring).
+
+    Args:
+        name: the store's name for logs and errors (``s3 bucket/prefix``).
+        range_size_bytes: bytes per ranged GET.
+        concurrency: ranged GETs in flight at once.
+        client_settings: timeouts, retries, the minimum rate and the range deadline.
+
+    Class attributes a backend sets:
+        conditional_create: the store can create an object only if absent (S3, GCS, Azure); without it (an OCI
+            registry) presence is checked before creating.
+        hash_before_sending: hash the file before the first byte is sent (the store cannot take bytes back).
+        replacement_refused: set when the store never replaces an object it holds: the advice a refusal gives.
+
+    Raises:
+        ConfigurationError: ``range_size_bytes`` or ``concurrency`` is not positive.
+    """
+
+    conditional_create = True
+    hash_before_sending = False
+    replacement_refused: str | None = None
+
+    def __init__(
+        self, name: str, *, range_size_bytes: int, concurrency: int, client_settings: StoreClientSettings | None
+    ) -> None:
+        if range_size_bytes <= 0 or concurrency <= 0:
+            raise ConfigurationError(f"{name}: the chunk size ({range_size_bytes}) and concurrency ({concurrency}) must be > 0")
+        self.name = name
+        self.range_size_bytes = range_size_bytes
+        self.concurrency = concurrency
+        self.client_settings = client_settings or StoreClientSettings()
+        redact_client_logs()
+
+    # -- what a backend gives ----------------------------------------------------------------------
+
+    @abstractmethod
+    def location(self, digest: str) -> str:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.location`."""
+
+    @abstractmethod
+    def stat(self, digest: str) -> ObjectStat | None:
+        """The object's size and version, or ``None`` when the store does not hold it.
+
+        Raises:
+            StoreError: the store failed, or the bucket or container does not exist.
+        """
+
+    @abstractmethod
+    def open_range(
+        self, digest: str, stat: ObjectStat, start: int, end: int
+    ) -> contextlib.AbstractContextManager[tuple[Iterable[bytes], bool]]:
+        """One GET of bytes ``[start, end)`` pinned to ``stat.version``: a context yielding ``(chunks, whole)``, the
+        body as it arrives and whether the server ignored the range and sends the whole object (``200``).
+
+        Raises:
+            PayloadUnavailableError: the object is gone.
+            StoreError: the object changed, or the store refused or failed.
+        """
+
+    @abstractmethod
+    def create(
+        self, path: Path, digest: str, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
+    ) -> bool:
+        """Write ``path`` as the object: only if absent (``replacing`` ``None``), else only if it is still
+        ``replacing``; ``False`` when that condition failed. Bytes that do not hash to ``digest`` are never committed.
+
+        Raises:
+            PackDigestMismatchError, PackSizeMismatchError: the file changed after verification.
+            StoreError: the store refused or failed.
+        """
+
+    def failure(self, action: str, digest: str, exc: BaseException) -> StoreError:
+        """The :class:`StoreError` of ``exc``, raised by the store's client while ``action``."""
+        return request_failure(self.name, action, exc, self.client_settings, where=self.location(digest))
+
+    # -- the template --------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def typed(self, action: str, digest: str) -> Iterator[None]:
+        """Anything but a :class:`~coldsnap_core.errors.ColdsnapError` raised in the block (a client's exception,
+        ``MemoryError``) becomes :meth:`failure`'s :class:`StoreError`."""
+        try:
+            yield
+        except (ColdsnapError, _RangeIgnored, _Stopped):
+            raise
+        except Exception as exc:
+            raise self.failure(action, digest, exc) from exc
+
+    def has(self, digest: str, size_bytes: int | None = None, *, verify: bool = False) -> bool:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.has`: :meth:`stat`, by size; with ``verify`` the object
+        is read (parallel ranged GETs, as a fetch) and hashed in full (no store keeps a SHA-256 of every object:
+        S3's is composite for a multipart object, a registry does not re-hash what it serves)."""
+        check_digest(digest)
+        with self.typed("looking up the pack", digest):
+            stat = self.stat(digest)
+        if stat is None:
+            return False
+        where = self.location(digest)
+        mismatch = (
+            None
+            if size_bytes is None
+            else size_mismatch(PackSizeMismatchError, "stored pack", stat.size_bytes, size_bytes, file=where)
+        )
+        if mismatch is not None:
+            logger.warning("coldsnap: %s; treating it as absent", mismatch)
+            return False
+        if verify and (hashed := self._hash(digest, stat)) != digest:
+            logger.warning("coldsnap: %s hashes to %s, not its name; treating it as absent", where, hashed)
+            return False
+        return True
+
+    def fetch(self, digest: str, size_bytes: int, fd: int, *, file: Path, progress: ProgressCallback | None = None) -> None:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch`: :meth:`stat`, then parallel ranged GETs streamed
+        into ``fd`` with ``pwrite``.
+
+        Raises:
+            PayloadUnavailableError: the store does not hold the object (or it went away).
+            PackSizeMismatchError: the object is truncated or extended (nothing is read), or a range came back
+                short or long.
+            InsufficientSpaceError: the cache's file system filled up.
+            StoreError: the store failed or refused, a range was too slow or past its deadline, or the object
+                changed during the fetch.
+        """
+        check_digest(digest)
+        with self.typed("looking up the pack", digest):
+            stat = self.stat(digest)
+        where = self.location(digest)
+        if stat is None:
+            raise PayloadUnavailableError(f"{self.name} does not hold the pack", file=where)
+        mismatch = size_mismatch(PackSizeMismatchError, "stored pack", stat.size_bytes, size_bytes, file=where)
+        if mismatch is not None:
+            raise mismatch
+        started = time.monotonic()
+        self.transfer(digest, stat, pwrite_sink(fd, file), progress)
+        seconds = max(time.monotonic() - started, 1e-9)
+        logger.info(
+            "coldsnap: fetched %d bytes of %s from %s in %.2f s (%.3f GB/s; ranges of %d MiB, %d in flight)",
+            size_bytes,
+            digest,
+            self.name,
+            seconds,
+            size_bytes / seconds / 1e9,
+            self.range_size_bytes >> 20,
+            self.concurrency,
+        )
+
+    def transfer(self, digest: str, stat: ObjectStat, sink: Sink, progress: ProgressCallback | None = None) -> None:
+        """Every byte of the object to ``sink`` as it lands: the ranges in parallel, or (a server that ignores
+        ``Range``) the whole object once, in one stream. ``progress`` gets byte counts (from one thread at a time).
+
+        Raises:
+            as :meth:`fetch`, and whatever ``sink`` raises.
+        """
+        lock = threading.Lock()
+
+        def tick(n: int) -> None:
+            if progress is not None:
+                with lock:
+                    progress(n)
+
+        def one(r: tuple[int, int], stop: threading.Event) -> None:
+            self._read_range(digest, stat, r[0], r[1], sink, tick, stop)
+
+        try:
+            run_all(one, byte_ranges(stat.size_bytes, self.range_size_bytes), self.concurrency)
+        except _RangeIgnored:
+            logger.warning(
+                "coldsnap: %s ignores Range (a ranged GET was answered with the whole object); reading %s once, in one stream",
+                self.name,
+                self.location(digest),
+            )
+            self._read_range(digest, stat, 0, stat.size_bytes, sink, tick)
+
+    def _read_range(
+        self,
+        digest: str,
+        stat: ObjectStat,
+        start: int,
+        end: int,
+        sink: Sink,
+        progress: Callable[[int], object],
+        stop: threading.Event | None = None,
+    ) -> None:
+        """Stream bytes ``[start, end)`` into ``sink`` at the pace :class:`_Pace` keeps.
+
+        Raises:
+            PackSizeMismatchError: the body is longer or shorter than the range (the object changed size).
+            StoreError: the store failed, or the body was too slow or past its deadline.
+            _RangeIgnored: the server sent the whole object for a part of it.
+        """
+        where, length, unreported = self.location(digest), end - start, 0
+        pace = _Pace(self, where, f"bytes {start}-{end - 1}", length)
+        with self.typed(f"reading bytes {start}-{end - 1}", digest), self.open_range(digest, stat, start, end) as (chunks, whole):
+            if whole and (start, end) != (0, stat.size_bytes):
+                raise _RangeIgnored
+            for chunk in chunks:
+                if pace.done_bytes + len(chunk) > length:
+                    raise PackSizeMismatchError(
+                        f"ranged read of bytes {start}-{end - 1} returned more than {length} bytes (the object changed size)",
+                        file=where,
+                        offset_bytes=start,
+                    )
+                if stop is not None and stop.is_set():
+                    raise _Stopped
+                sink(start + pace.done_bytes, chunk)
+                pace.add(len(chunk))
+                unreported += len(chunk)
+                if unreported >= PROGRESS_STEP_BYTES:
+                    progress(unreported)
+                    unreported = 0
+        if pace.done_bytes != length:
+            raise PackSizeMismatchError(
+                f"ranged read of bytes {start}-{end - 1} returned {pace.done_bytes} bytes (the object changed size)",
+                file=where,
+                offset_bytes=start,
+            )
+        if unreported:
+            progress(unreported)
+
+    def _hash(self, digest: str, stat: ObjectStat) -> str:
+        """The SHA-256 (lowercase hex) of the object, read in parallel ranges hashed in order (at most
+        ``concurrency`` ranges ahead of the hash), or once in one stream when the server ignores ``Range``."""
+        h = hashlib.sha256()
+
+        def read(start: int, end: int) -> bytearray:
+            data = bytearray(end - start)
+
+            def land(offset: int, chunk: bytes) -> None:
+                data[offset - start : offset - start + len(chunk)] = chunk
+
+            self._read_range(digest, stat, start, end, land, lambda n: None)
+            return data
+
+        try:
+            pending: collections.deque[concurrent.futures.Future[bytearray]] = collections.deque()
+            with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
+                for start, end in byte_ranges(stat.size_bytes, self.range_size_bytes):
+                    pending.append(pool.submit(read, start, end))
+                    if len(pending) >= self.concurrency:
+                        h.update(pending.popleft().result())
+                while pending:
+                    h.update(pending.popleft().result())
+        except _RangeIgnored:
+            h = hashlib.sha256()
+            self._read_range(digest, stat, 0, stat.size_bytes, lambda _offset, chunk: h.update(chunk), lambda n: None)
+        return h.hexdigest()
+
+    def _intact(self, digest: str, size_bytes: int, stat: ObjectStat | None) -> bool:
+        return stat is not None and stat.size_bytes == size_bytes and self._hash(digest, stat) == digest
+
+    def upload(self, path: Path, digest: str, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.upload`: a conditional create.
+
+        Where the store has no conditional create, presence is checked first (the digest's bytes: ``False``).
+        When the create's condition fails (another writer created the object), the object is hashed in full: the
+        digest's bytes are kept (``False``); anything else is replaced, conditionally on its version, so a
+        concurrent good replacement is never overwritten; a store that never replaces an object refuses instead.
+
+        Raises:
+            PackSizeMismatchError: ``path`` does not have ``size_bytes`` bytes (nothing uploaded).
+            PackDigestMismatchError: the file's bytes do not hash to ``digest`` (nothing published).
+            StoreError: the store refused or failed, it holds other bytes it never replaces, or the object kept
+                changing under a replacement.
+        """
+        check_digest(digest)
+        mismatch = size_mismatch(PackSizeMismatchError, "the file to upload", os.path.getsize(path), size_bytes, file=path)
+        if mismatch is not None:
+            raise mismatch
+        where = self.location(digest)
+        with self.typed("uploading the pack", digest):
+            existing = None if self.conditional_create else self.stat(digest)
+            if existing is None:
+                if self.hash_before_sending:  # what is sent cannot be taken back: check before the first byte
+                    check_file_digest(path, digest, size_bytes)
+                if self.create(path, digest, size_bytes, progress, None):
+                    logger.info("coldsnap: uploaded %s to %s", digest, self.name)
+                    return True
+                existing = self.stat(digest)
+            if self._intact(digest, size_bytes, existing):
+                logger.info("coldsnap: %s is already in %s; not uploaded again", where, self.name)
+                return False
+            if self.replacement_refused is not None:
+                raise StoreError(
+                    f"{self.name} holds other bytes under sha256:{digest} ({existing.size_bytes if existing else 0} bytes):"
+                    f" {self.replacement_refused}",
+                    file=where,
+                )
+            logger.warning("coldsnap: %s exists but is not the digest's bytes; replacing it", where)
+            if not self.create(path, digest, size_bytes, progress, existing):
+                # another publisher replaced it first: the digest's bytes there now are present (docs/format.md §12.4)
+                if self._intact(digest, size_bytes, self.stat(digest)):
+                    logger.info("coldsnap: %s was repaired by another publisher; not uploaded again", where)
+                    return False
+                raise StoreError(f"{self.name}: the object changed while a corrupt copy was replaced", file=where)
+        logger.info("coldsnap: replaced %s in %s", digest, self.name)
+        return True
+
+
+def object_key(prefix: str, digest: str) -> str:
+    """``<prefix>/model-payloads/sha256/<digest>.pack`` (no prefix: ``model-payloads/...``); the digest is validated."""
+    relpath = pack_relpath(digest)
+    return f"{prefix}/{relpath}" if prefix else relpath
+
+
+class _RedactedRecords(logging.Filter):
+    """Rewrites a record's message with :func:`redact_store_spec`: a client logging a URL (httpx at INFO, a redirect
+    to a presigned URL with its ``X-Amz-Signature``; urllib3 at DEBUG, an Azure SAS) never logs the secret."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = redact_store_spec(record.getMessage()), None
+        return True
+
+
+_REDACTED_RECORDS = _RedactedRecords()
+CLIENT_LOGGERS = ("httpx", "httpcore.http11", "httpcore.connection", "urllib3.connectionpool")
+"""The loggers of the store clients' HTTP layers that write URLs or response headers."""
+
+
+def redact_client_logs() -> None:
+    """Install the redacting filter on :data:`CLIENT_LOGGERS` (once; adding the same filter again is a no-op)."""
+    for name in CLIENT_LOGGERS:
+        logging.getLogger(name).addFilter(_REDACTED_RECORDS)
 
 
 def check_file_digest(path: Path, digest: str, size_bytes: int) -> None:

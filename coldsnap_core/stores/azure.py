@@ -18,36 +18,38 @@ replaced under ``If-Match: <its ETag>``. The file is hashed while the client rea
 byte raises when the SHA-256 is not the digest, so the ``Put Blob`` or ``Put Block List`` that would create the
 blob is never sent (staged blocks that are never committed expire).
 
-Fetch: the blob's properties (size, ETag), then parallel ranged downloads pinned to that ETag (64 MiB, 8 in
-flight) written with ``pwrite``; the cache verifies the whole file.
+Fetch (:class:`~coldsnap_core.stores._ranged.RangedStore`): the blob's properties (size, ETag), then parallel ranged
+``Get Blob`` requests pinned to that ETag (64 MiB, 8 in flight) streamed into the cache's temporary file; the cache
+verifies the whole file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import urllib.parse
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from coldsnap_core.digests import check_digest, pack_relpath
 from coldsnap_core.errors import (
     ConfigurationError,
     PackDigestMismatchError,
     PackSizeMismatchError,
     PayloadUnavailableError,
     StoreError,
-    size_mismatch,
 )
 from coldsnap_core.settings import StoreClientSettings
 from coldsnap_core.stores._ranged import (
     DEFAULT_CONCURRENCY,
     RANGE_SIZE_BYTES,
     HashingReader,
-    check_file_digest,
-    checked_range,
-    fetch_ranges,
-    hash_ranges,
-    request_failure,
+    ObjectStat,
+    RangedStore,
+    object_key,
+    read1_chunks,
+    read_answer,
 )
 from coldsnap_core.stores.base import ProgressCallback, checked_prefix
 
@@ -74,9 +76,10 @@ def _split_container(value: str, spec_for_errors: str) -> tuple[str, str]:
     return container, checked_prefix(prefix, spec=spec_for_errors, what="blob prefix")
 
 
-def parse_azure_spec(spec: str) -> tuple[str | None, str | None, str, str]:
+def parse_azure_spec(spec: str) -> tuple[str, str | None, str, str]:
     """``az://account/container[/prefix]`` -> ``(account, None, container, prefix)``; a connection string with
-    ``;Container=NAME[/prefix]`` -> ``(account or None, connection string without Container, container, prefix)``.
+    ``;Container=NAME[/prefix]`` -> ``(account, connection string without Container, container, prefix)``, the
+    account being ``AccountName=``, else the emulator's, else the ``BlobEndpoint=``'s ``host[:port]/path``.
 
     Raises:
         ConfigurationError: no account, an invalid container name (3-63 of ``a-z 0-9 -``), a prefix with an
@@ -98,11 +101,15 @@ def parse_azure_spec(spec: str) -> tuple[str | None, str | None, str, str]:
         )
     container, prefix = _split_container(container_parts[0].split("=", 1)[1], "the Azure connection string")
     rest = ";".join(p for p in parts if p not in container_parts)
-    account = next((p.split("=", 1)[1].strip() for p in parts if p.split("=", 1)[0].strip().lower() == "accountname"), None)
-    if account is None and "usedevelopmentstorage=true" in rest.lower().replace(" ", ""):
+    values = {p.split("=", 1)[0].strip().lower(): p.split("=", 1)[1].strip() for p in parts if "=" in p}
+    account = values.get("accountname")
+    if account is None and values.get("usedevelopmentstorage", "").lower() == "true":
         account = "devstoreaccount1"
-    keys = {p.split("=", 1)[0].strip().lower() for p in parts if "=" in p}
-    if account is None and "blobendpoint" not in keys:
+    if account is None and values.get("blobendpoint"):
+        # named by its endpoint (host[:port][/path], never a user or query): no account is not "azure ?/container"
+        endpoint = urllib.parse.urlsplit(values["blobendpoint"])
+        account = f"{endpoint.netloc.rpartition('@')[2]}{endpoint.path}".strip("/") or None
+    if account is None:
         raise ConfigurationError(
             "the Azure connection string names no account: it needs AccountName=, BlobEndpoint= or"
             " UseDevelopmentStorage=true (the key is not shown)"
@@ -131,7 +138,7 @@ def _retry_policy(retries: int) -> Any:
 
 
 def _service_client(
-    account: str | None,
+    account: str,
     connection_string: str | None,
     *,
     chunk_size_bytes: int,
@@ -181,13 +188,15 @@ def _is(exc: BaseException, *names: str) -> bool:
     return any(cls.__name__ in names for cls in type(exc).__mro__)
 
 
-class AzurePayloadStore:
-    """Block blobs at ``<container>/<prefix>/model-payloads/sha256/<digest>.pack`` of one storage account.
+class AzurePayloadStore(RangedStore):
+    """Block blobs at ``<container>/<prefix>/model-payloads/sha256/<digest>.pack`` of one storage account; ``has``,
+    ``fetch`` and ``upload`` are :class:`~coldsnap_core.stores._ranged.RangedStore`'s.
 
     Args:
         container: the container (it must exist; coldsnap never creates containers).
         prefix: blob-name prefix, without leading or trailing ``/`` (may be empty).
-        account: the storage account (for the name and the default endpoint).
+        account: the storage account (for the name and the default endpoint; with a connection string, what names
+            it: :func:`parse_azure_spec`).
         connection_string: a connection string without ``Container=`` (instead of ``account``'s endpoint).
         service: a ``BlobServiceClient`` (default: one from the arguments and the environment).
         chunk_size_bytes: bytes per ranged download and per staged block.
@@ -198,32 +207,28 @@ class AzurePayloadStore:
         ConfigurationError: ``chunk_size_bytes`` or ``concurrency`` is not positive.
     """
 
+    hash_before_sending = True  # staged blocks cannot be taken back
+
     def __init__(
         self,
         container: str,
         prefix: str = "",
         *,
-        account: str | None = None,
+        account: str,
         connection_string: str | None = None,
         service: Any = None,
         chunk_size_bytes: int = RANGE_SIZE_BYTES,
         concurrency: int = DEFAULT_CONCURRENCY,
         client_settings: StoreClientSettings | None = None,
     ) -> None:
-        if chunk_size_bytes <= 0 or concurrency <= 0:
-            raise ConfigurationError(
-                f"Azure store: chunk_size_bytes ({chunk_size_bytes}) and concurrency ({concurrency}) must be > 0"
-            )
         self.container = container
         self.prefix = prefix.strip("/")
         self.account = account
         self.chunk_size_bytes = chunk_size_bytes
-        self.concurrency = concurrency
-        self.client_settings = client_settings or StoreClientSettings()
         self._connection_string = connection_string
         self._service = service
-        where = f"{account or '?'}/{container}"
-        self.name = f"azure {where}/{self.prefix}" if self.prefix else f"azure {where}"
+        name = f"azure {account}/{container}/{self.prefix}" if self.prefix else f"azure {account}/{container}"
+        super().__init__(name, range_size_bytes=chunk_size_bytes, concurrency=concurrency, client_settings=client_settings)
 
     @classmethod
     def from_url(cls, spec: str, **kwargs: Any) -> AzurePayloadStore:
@@ -248,25 +253,27 @@ class AzurePayloadStore:
 
     def key(self, digest: str) -> str:
         """``<prefix>/model-payloads/sha256/<digest>.pack``; the digest is validated first."""
-        relpath = pack_relpath(digest)
-        return f"{self.prefix}/{relpath}" if self.prefix else relpath
+        return object_key(self.prefix, digest)
 
     def location(self, digest: str) -> str:
         """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: ``az://account/container/<key>``."""
-        return f"{AZURE_SCHEME}{self.account or '?'}/{self.container}/{self.key(digest)}"
+        return f"{AZURE_SCHEME}{self.account}/{self.container}/{self.key(digest)}"
 
     def _blob(self, digest: str) -> Any:
         return self.service.get_blob_client(self.container, self.key(digest))
 
-    def _fail(self, action: str, digest: str, exc: BaseException) -> StoreError:
+    def _refused(self, action: str, digest: str, code: object) -> StoreError:
+        return StoreError(
+            f"{self.name}: {action} failed: the storage account refused the credential ({code}); check {KEY_ENV}, "
+            f"{SAS_ENV}, the connection string's AccountKey or the identity's role",
+            file=self.location(digest),
+        )
+
+    def failure(self, action: str, digest: str, exc: BaseException) -> StoreError:
         if _is(exc, "ClientAuthenticationError") or getattr(exc, "status_code", None) in (401, 403):
             code = getattr(exc, "error_code", None) or getattr(getattr(exc, "response", None), "status_code", "")
-            return StoreError(
-                f"{self.name}: {action} failed: the storage account refused the credential ({code}); check {KEY_ENV}, "
-                f"{SAS_ENV}, the connection string's AccountKey or the identity's role",
-                file=self.location(digest),
-            )
-        return request_failure(self.name, action, exc, self.client_settings, where=self.location(digest))
+            return self._refused(action, digest, code)
+        return super().failure(action, digest, exc)
 
     def _check_container(self, digest: str, error_code: object) -> None:
         """After a "not found": nothing when the blob is what is missing.
@@ -281,15 +288,15 @@ class AzurePayloadStore:
                 if self.service.get_container_client(self.container).exists():
                     return
             except Exception as exc:
-                raise self._fail("looking up the container", digest, exc) from exc
+                raise self.failure("looking up the container", digest, exc) from exc
         raise StoreError(
-            f"{self.name}: the container {self.container!r} does not exist in storage account {self.account or '?'}"
+            f"{self.name}: the container {self.container!r} does not exist in storage account {self.account}"
             " (coldsnap never creates containers; check the payload store setting)",
             file=self.location(digest),
         )
 
-    def _properties(self, digest: str) -> tuple[int, str] | None:
-        """``(size_bytes, etag)`` of the blob, or ``None`` when there is none."""
+    def stat(self, digest: str) -> ObjectStat | None:
+        """The blob's size and ETag, or ``None`` when there is none."""
         blob = self._blob(digest)  # outside the try: a missing library is a ConfigurationError
         try:
             props = blob.get_blob_properties()
@@ -297,124 +304,49 @@ class AzurePayloadStore:
             if _is(exc, "ResourceNotFoundError"):
                 self._check_container(digest, getattr(exc, "error_code", None))
                 return None
-            raise self._fail("looking up the pack", digest, exc) from exc
-        return int(props.size), str(props.etag)
+            raise self.failure("looking up the pack", digest, exc) from exc
+        return ObjectStat(int(props.size), str(props.etag))
 
-    def has(self, digest: str, size_bytes: int | None = None, *, verify: bool = False) -> bool:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.has` (the blob's properties, by size; with ``verify``
-        the blob is read and hashed in full)."""
-        check_digest(digest)
-        props = self._properties(digest)
-        if props is None:
-            return False
-        where = self.location(digest)
-        if size_bytes is not None:
-            mismatch = size_mismatch(PackSizeMismatchError, "stored pack", props[0], size_bytes, file=where)
-            if mismatch is not None:
-                logger.warning("coldsnap: %s; treating it as absent", mismatch)
-                return False
-        if verify:
-            hashed = self._hash_blob(digest, *props)
-            if hashed != digest:
-                logger.warning("coldsnap: %s hashes to %s, not its name; treating it as absent", where, hashed)
-                return False
-        return True
+    @contextlib.contextmanager
+    def open_range(self, digest: str, stat: ObjectStat, start: int, end: int) -> Iterator[tuple[Iterable[bytes], bool]]:
+        """One ``Get Blob`` of the range pinned to the ETag (``If-Match``), sent through the client's own pipeline
+        (credential, retries) and read as it arrives (``download_blob`` would hold each response whole)."""
+        from azure.core.rest import HttpRequest
 
-    def _get_range(self, digest: str, etag: str, start: int, end: int) -> bytes:
-        from azure.core import MatchConditions
+        blob = self._blob(digest)
+        headers = {"x-ms-range": f"bytes={start}-{end - 1}", "If-Match": str(stat.version), "x-ms-version": blob.api_version}
+        response = blob._client._send_request(HttpRequest("GET", blob.url, headers=headers), stream=True)
+        with contextlib.closing(response):
+            raw = response.internal_response.raw
+            if response.status_code not in (200, 206):
+                self._refuse_range(digest, stat, start, end, response.status_code, response.headers, read1_chunks(raw))
+            yield read1_chunks(raw), response.status_code == 200
 
-        where = self.location(digest)
-        try:
-            data = (
-                self._blob(digest)
-                .download_blob(
-                    offset=start, length=end - start, etag=etag, match_condition=MatchConditions.IfNotModified, max_concurrency=1
-                )
-                .readall()
+    def _refuse_range(
+        self, digest: str, stat: ObjectStat, start: int, end: int, status: int, headers: Any, body: Iterable[bytes]
+    ) -> None:
+        """Raise the error of a ranged read the service refused.
+
+        Raises:
+            PayloadUnavailableError: 404 (the blob is gone).
+            StoreError: 412 (the blob changed), 401/403 (the credential), any other status (with the service's message).
+        """
+        code, where = headers.get("x-ms-error-code", ""), self.location(digest)
+        if status == 404:
+            raise PayloadUnavailableError(f"{self.name} no longer holds the pack", file=where)
+        if status == 412:
+            raise StoreError(
+                f"{self.name}: the blob changed while it was read (ETag {stat.version} no longer matches)", file=where
             )
-        except Exception as exc:
-            if _is(exc, "ResourceNotFoundError"):
-                raise PayloadUnavailableError(f"{self.name} no longer holds the pack", file=where) from exc
-            if _is(exc, "ResourceModifiedError"):
-                raise StoreError(
-                    f"{self.name}: the blob changed while it was read (ETag {etag} no longer matches)", file=where
-                ) from exc
-            raise self._fail(f"reading bytes {start}-{end - 1}", digest, exc) from exc
-        return checked_range(data, start, end, where=where)
+        if status in (401, 403):
+            raise self._refused(f"reading bytes {start}-{end - 1}", digest, code or status)
+        message = read_answer(self, self.location(digest), body).decode(errors="replace").splitlines()
+        raise StoreError(f"{self.name}: reading bytes {start}-{end - 1} failed: HTTP {status} {code} {message[:1]}", file=where)
 
-    def _hash_blob(self, digest: str, size_bytes: int, etag: str) -> str:
-        return hash_ranges(
-            lambda a, b: self._get_range(digest, etag, a, b),
-            size_bytes,
-            range_size_bytes=self.chunk_size_bytes,
-            concurrency=self.concurrency,
-        )
-
-    def fetch(self, digest: str, size_bytes: int, fd: int, *, file: Path, progress: ProgressCallback | None = None) -> None:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch`: parallel ranged downloads pinned to the ETag.
-
-        Raises:
-            PayloadUnavailableError: no blob at the digest's name.
-            PackSizeMismatchError: the blob is truncated or extended (nothing is read), or a range came back short.
-            InsufficientSpaceError: the cache's file system filled up.
-            StoreError: the service failed, refused the credential, or the blob changed during the fetch.
-        """
-        check_digest(digest)
-        where = self.location(digest)
-        props = self._properties(digest)
-        if props is None:
-            raise PayloadUnavailableError(f"{self.name} does not hold the pack", file=where)
-        mismatch = size_mismatch(PackSizeMismatchError, "stored pack", props[0], size_bytes, file=where)
-        if mismatch is not None:
-            raise mismatch
-        etag = props[1]
-        fetch_ranges(
-            lambda a, b: self._get_range(digest, etag, a, b),
-            size_bytes,
-            fd,
-            file=file,
-            range_size_bytes=self.chunk_size_bytes,
-            concurrency=self.concurrency,
-            progress=progress,
-        )
-
-    def upload(self, path: Path, digest: str, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.upload`: a conditional create (``If-None-Match: *``).
-
-        Returns:
-            ``True`` when this call created (or replaced a corrupt) blob, ``False`` when another publisher had
-            created it.
-
-        Raises:
-            PackSizeMismatchError: ``path`` does not have ``size_bytes`` bytes (nothing uploaded).
-            PackDigestMismatchError: the file's bytes do not hash to ``digest`` (nothing committed).
-            StoreError: the service refused or failed, or the blob kept changing under a replacement.
-        """
-        check_digest(digest)
-        mismatch = size_mismatch(PackSizeMismatchError, "the file to upload", os.path.getsize(path), size_bytes, file=path)
-        if mismatch is not None:
-            raise mismatch
-        where = self.location(digest)
-        check_file_digest(path, digest, size_bytes)  # staged blocks cannot be taken back: check before sending any
-        if self._create(path, digest, size_bytes, progress, None):
-            logger.info("coldsnap: uploaded %s to %s", digest, self.name)
-            return True
-        props = self._properties(digest)
-        if props is not None and props[0] == size_bytes and self._hash_blob(digest, *props) == digest:
-            logger.info("coldsnap: %s was created by another publisher; not uploaded again", where)
-            return False
-        logger.warning("coldsnap: %s exists but is not the digest's bytes; replacing it", where)
-        if not self._create(path, digest, size_bytes, progress, None if props is None else props[1]):
-            props = self._properties(digest)
-            if props is not None and props[0] == size_bytes and self._hash_blob(digest, *props) == digest:
-                logger.info("coldsnap: %s was repaired by another publisher; not uploaded again", where)
-                return False
-            raise StoreError(f"{self.name}: the blob changed while a corrupt copy was replaced", file=where)
-        logger.info("coldsnap: replaced %s in %s", digest, self.name)
-        return True
-
-    def _create(self, path: Path, digest: str, size_bytes: int, progress: ProgressCallback | None, etag: str | None) -> bool:
-        """Create the blob (``etag`` ``None``: only if absent; else only if its ETag is still ``etag``);
+    def create(
+        self, path: Path, digest: str, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
+    ) -> bool:
+        """Create the blob (``replacing`` ``None``: only if absent; else only if its ETag is still ``replacing``'s);
         ``False`` when the condition failed."""
         from azure.core import MatchConditions
         from azure.storage.blob import ContentSettings
@@ -422,8 +354,8 @@ class AzurePayloadStore:
         blob = self._blob(digest)
         condition: dict[str, Any] = (
             {"overwrite": False}
-            if etag is None
-            else {"overwrite": True, "etag": etag, "match_condition": MatchConditions.IfNotModified}
+            if replacing is None
+            else {"overwrite": True, "etag": replacing.version, "match_condition": MatchConditions.IfNotModified}
         )
         reader = HashingReader(path, digest, size_bytes, progress)
         try:
@@ -442,7 +374,7 @@ class AzurePayloadStore:
                 raise cause from exc
             if _is(exc, "ResourceExistsError", "ResourceModifiedError"):
                 return False
-            raise self._fail("uploading the pack", digest, exc) from exc
+            raise
         finally:
             reader.close()
         return True

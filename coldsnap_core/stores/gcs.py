@@ -12,35 +12,38 @@ and counts the digest as present after hashing the existing object in full; a co
 byte raises when the SHA-256 is not the digest, so the request (or the resumable upload's final chunk) that would
 create the object is never sent; MD5 checksums (``checksum="md5"``) guard the bytes on the wire.
 
-Fetch: the object's metadata (size, generation), then parallel ranged reads of that generation (64 MiB, 8 in
-flight) written with ``pwrite`` into the cache's temporary file; the cache verifies the whole file.
+Fetch (:class:`~coldsnap_core.stores._ranged.RangedStore`): the object's metadata (size, generation), then parallel
+ranged reads of that generation (64 MiB, 8 in flight) streamed into the cache's temporary file; the cache verifies
+the whole file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import urllib.parse
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from coldsnap_core.digests import check_digest, pack_relpath
 from coldsnap_core.errors import (
     ConfigurationError,
     PackDigestMismatchError,
     PackSizeMismatchError,
     PayloadUnavailableError,
     StoreError,
-    size_mismatch,
 )
 from coldsnap_core.settings import StoreClientSettings
 from coldsnap_core.stores._ranged import (
     DEFAULT_CONCURRENCY,
     RANGE_SIZE_BYTES,
     HashingReader,
-    checked_range,
-    fetch_ranges,
-    hash_ranges,
-    request_failure,
+    ObjectStat,
+    RangedStore,
+    object_key,
+    read1_chunks,
+    read_answer,
 )
 from coldsnap_core.stores.base import ProgressCallback, checked_prefix
 
@@ -92,8 +95,9 @@ def _is(exc: BaseException, name: str) -> bool:
     return any(cls.__name__ == name for cls in type(exc).__mro__)
 
 
-class GcsPayloadStore:
-    """Objects in ``gs://<bucket>/<prefix>/model-payloads/sha256/<digest>.pack``.
+class GcsPayloadStore(RangedStore):
+    """Objects in ``gs://<bucket>/<prefix>/model-payloads/sha256/<digest>.pack``; ``has``, ``fetch`` and ``upload``
+    are :class:`~coldsnap_core.stores._ranged.RangedStore`'s.
 
     Args:
         bucket: the bucket (it must exist; coldsnap never creates buckets).
@@ -119,18 +123,15 @@ class GcsPayloadStore:
         concurrency: int = DEFAULT_CONCURRENCY,
         client_settings: StoreClientSettings | None = None,
     ) -> None:
-        if chunk_size_bytes <= 0 or chunk_size_bytes % (256 << 10) or concurrency <= 0:
-            raise ConfigurationError(
-                f"GCS store: chunk_size_bytes ({chunk_size_bytes}) must be a positive multiple of 256 KiB and concurrency ({concurrency}) > 0"
-            )
+        if chunk_size_bytes % (256 << 10):
+            raise ConfigurationError(f"GCS store: chunk_size_bytes ({chunk_size_bytes}) must be a multiple of 256 KiB")
         self.bucket_name = bucket
         self.prefix = prefix.strip("/")
         self.chunk_size_bytes = chunk_size_bytes
-        self.concurrency = concurrency
-        self.client_settings = client_settings or StoreClientSettings()
-        self._timeout_s = (self.client_settings.connect_timeout_s, self.client_settings.read_timeout_s)
         self._client = client
-        self.name = f"gcs {bucket}/{self.prefix}" if self.prefix else f"gcs {bucket}"
+        name = f"gcs {bucket}/{self.prefix}" if self.prefix else f"gcs {bucket}"
+        super().__init__(name, range_size_bytes=chunk_size_bytes, concurrency=concurrency, client_settings=client_settings)
+        self._timeout_s = (self.client_settings.connect_timeout_s, self.client_settings.read_timeout_s)
 
     @classmethod
     def from_url(cls, spec: str, **kwargs: Any) -> GcsPayloadStore:
@@ -174,165 +175,80 @@ class GcsPayloadStore:
 
     def key(self, digest: str) -> str:
         """``<prefix>/model-payloads/sha256/<digest>.pack``; the digest is validated first."""
-        relpath = pack_relpath(digest)
-        return f"{self.prefix}/{relpath}" if self.prefix else relpath
+        return object_key(self.prefix, digest)
 
     def location(self, digest: str) -> str:
         """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: ``gs://bucket/<key>``."""
         return f"{GCS_SCHEME}{self.bucket_name}/{self.key(digest)}"
 
-    def _fail(self, action: str, digest: str, exc: BaseException) -> StoreError:
-        return request_failure(self.name, action, exc, self.client_settings, where=self.location(digest))
-
-    def _blob(self, digest: str, generation: int | None = None) -> Any:
-        blob = self.client.bucket(self.bucket_name).blob(
-            self.key(digest), generation=generation, chunk_size=self.chunk_size_bytes
-        )
-        return blob
-
-    def _metadata(self, digest: str) -> tuple[int, int] | None:
-        """``(size_bytes, generation)`` of the live object, or ``None`` when there is none.
+    def stat(self, digest: str) -> ObjectStat | None:
+        """The live object's size and generation, or ``None`` when there is none.
 
         Raises:
             StoreError: the request failed, or the bucket does not exist (a misconfiguration, not a missing
                 pack: ``get_blob`` answers ``None`` for both), naming the bucket.
         """
-        client = self.client  # outside the try: a missing library is a ConfigurationError
+        bucket = self.client.bucket(self.bucket_name)  # outside the try: a missing library is a ConfigurationError
         try:
-            bucket = client.bucket(self.bucket_name)
             blob = bucket.get_blob(self.key(digest), timeout=self._timeout_s, retry=self._retry)
             bucket_exists = blob is not None or bucket.exists(timeout=self._timeout_s, retry=self._retry)
         except Exception as exc:
-            raise self._fail("looking up the pack", digest, exc) from exc
+            raise self.failure("looking up the pack", digest, exc) from exc
         if not bucket_exists:
             raise StoreError(
                 f"{self.name}: the bucket {self.bucket_name!r} does not exist (coldsnap never creates buckets;"
                 " check the payload store setting)",
                 file=self.location(digest),
             )
-        return None if blob is None else (int(blob.size), int(blob.generation))
+        return None if blob is None else ObjectStat(int(blob.size), int(blob.generation))
 
-    def has(self, digest: str, size_bytes: int | None = None, *, verify: bool = False) -> bool:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.has` (the object's metadata, by size; with
-        ``verify`` the object is read and hashed in full)."""
-        check_digest(digest)
-        meta = self._metadata(digest)
-        if meta is None:
-            return False
-        where = self.location(digest)
-        if size_bytes is not None:
-            mismatch = size_mismatch(PackSizeMismatchError, "stored pack", meta[0], size_bytes, file=where)
-            if mismatch is not None:
-                logger.warning("coldsnap: %s; treating it as absent", mismatch)
-                return False
-        if verify:
-            hashed = self._hash_object(digest, *meta)
-            if hashed != digest:
-                logger.warning("coldsnap: %s hashes to %s, not its name; treating it as absent", where, hashed)
-                return False
-        return True
+    @contextlib.contextmanager
+    def open_range(self, digest: str, stat: ObjectStat, start: int, end: int) -> Iterator[tuple[Iterable[bytes], bool]]:
+        """One ranged media download of the generation, through the client's own authorized session and retry
+        policy (its ``download_as_bytes`` would hold the whole body), read as it arrives."""
+        url = f"{self.client.api_endpoint}/download/storage/v1/b/{self.bucket_name}/o/{urllib.parse.quote(self.key(digest), safe='')}"
+        params = {"alt": "media", "generation": str(stat.version)}
+        with self._retry(self._get)(digest, url, params, {"Range": f"bytes={start}-{end - 1}"}) as response:
+            yield read1_chunks(response.raw), response.status_code == 200
 
-    def _get_range(self, digest: str, generation: int, start: int, end: int) -> bytes:
-        where = self.location(digest)
-        try:
-            data = self._blob(digest, generation).download_as_bytes(
-                start=start, end=end - 1, raw_download=True, checksum=None, timeout=self._timeout_s, retry=self._retry
+    def _get(self, digest: str, url: str, params: dict[str, str], headers: dict[str, str]) -> Any:
+        """The streamed response of one GET; a refusal raises google-api-core's exception for its status (which the
+        retry policy retries for 429 and 5xx), with at most 64 KiB of its message read.
+
+        Raises:
+            PayloadUnavailableError: 404 (the generation is gone).
+        """
+        from google.api_core.exceptions import from_http_status
+
+        response = self.client._http.request("GET", url, params=params, headers=headers, stream=True, timeout=self._timeout_s)
+        if response.status_code in (200, 206):
+            return response
+        with response:
+            message = read_answer(self, self.location(digest), read1_chunks(response.raw)).decode(errors="replace")
+        if response.status_code == 404:
+            raise PayloadUnavailableError(
+                f"{self.name} no longer holds generation {params['generation']} of the pack", file=self.location(digest)
             )
-        except Exception as exc:
-            if _is(exc, "NotFound"):
-                raise PayloadUnavailableError(
-                    f"{self.name} no longer holds generation {generation} of the pack", file=where
-                ) from exc
-            raise self._fail(f"reading bytes {start}-{end - 1}", digest, exc) from exc
-        return checked_range(data, start, end, where=where)
+        raise from_http_status(response.status_code, message)
 
-    def _hash_object(self, digest: str, size_bytes: int, generation: int) -> str:
-        return hash_ranges(
-            lambda a, b: self._get_range(digest, generation, a, b),
-            size_bytes,
-            range_size_bytes=self.chunk_size_bytes,
-            concurrency=self.concurrency,
-        )
-
-    def fetch(self, digest: str, size_bytes: int, fd: int, *, file: Path, progress: ProgressCallback | None = None) -> None:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch`: parallel ranged reads of one generation.
-
-        Raises:
-            PayloadUnavailableError: no object at the digest's name (or that generation went away).
-            PackSizeMismatchError: the object is truncated or extended (nothing is read), or a range came back short.
-            InsufficientSpaceError: the cache's file system filled up.
-            StoreError: the server failed.
-        """
-        check_digest(digest)
-        where = self.location(digest)
-        meta = self._metadata(digest)
-        if meta is None:
-            raise PayloadUnavailableError(f"{self.name} does not hold the pack", file=where)
-        mismatch = size_mismatch(PackSizeMismatchError, "stored pack", meta[0], size_bytes, file=where)
-        if mismatch is not None:
-            raise mismatch
-        generation = meta[1]
-        fetch_ranges(
-            lambda a, b: self._get_range(digest, generation, a, b),
-            size_bytes,
-            fd,
-            file=file,
-            range_size_bytes=self.chunk_size_bytes,
-            concurrency=self.concurrency,
-            progress=progress,
-        )
-
-    def upload(self, path: Path, digest: str, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.upload`: a conditional create (``if_generation_match=0``).
-
-        Returns:
-            ``True`` when this call created (or replaced a corrupt) object, ``False`` when another publisher had
-            created it.
-
-        Raises:
-            PackSizeMismatchError: ``path`` does not have ``size_bytes`` bytes (nothing uploaded).
-            PackDigestMismatchError: the file's bytes do not hash to ``digest`` (nothing created).
-            StoreError: the server refused or failed, or the object kept changing under a replacement.
-        """
-        check_digest(digest)
-        mismatch = size_mismatch(PackSizeMismatchError, "the file to upload", os.path.getsize(path), size_bytes, file=path)
-        if mismatch is not None:
-            raise mismatch
-        self.client  # noqa: B018 (a missing library is a ConfigurationError, not a store failure)
-        where = self.location(digest)
-        if self._create(path, digest, size_bytes, progress, 0):
-            logger.info("coldsnap: uploaded %s to %s", digest, self.name)
-            return True
-        meta = self._metadata(digest)
-        if meta is not None and meta[0] == size_bytes and self._hash_object(digest, *meta) == digest:
-            logger.info("coldsnap: %s was created by another publisher; not uploaded again", where)
-            return False
-        logger.warning("coldsnap: %s exists but is not the digest's bytes; replacing it", where)
-        if not self._create(path, digest, size_bytes, progress, 0 if meta is None else meta[1]):
-            meta = self._metadata(digest)
-            if meta is not None and meta[0] == size_bytes and self._hash_object(digest, *meta) == digest:
-                logger.info("coldsnap: %s was repaired by another publisher; not uploaded again", where)
-                return False
-            raise StoreError(f"{self.name}: the object changed while a corrupt copy was replaced", file=where)
-        logger.info("coldsnap: replaced %s in %s", digest, self.name)
-        return True
-
-    def _create(self, path: Path, digest: str, size_bytes: int, progress: ProgressCallback | None, generation: int) -> bool:
-        """Write the object if its live generation is ``generation`` (0: none); ``False`` when that failed."""
+    def create(
+        self, path: Path, digest: str, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
+    ) -> bool:
+        """Write the object if its live generation is ``replacing``'s (``None``: no live object,
+        ``if_generation_match=0``); ``False`` when that failed."""
         reader = HashingReader(path, digest, size_bytes, progress)
+        blob = self.client.bucket(self.bucket_name).blob(self.key(digest), chunk_size=self.chunk_size_bytes)
         try:
-            self._blob(digest).upload_from_file(
+            blob.upload_from_file(
                 reader,
                 size=size_bytes,
                 content_type="application/octet-stream",
-                if_generation_match=generation,
+                if_generation_match=0 if replacing is None else replacing.version,
                 checksum="md5",
                 timeout=self._timeout_s,
                 retry=self._retry,  # a create under if_generation_match is idempotent
             )
-        except PackDigestMismatchError:
-            raise
-        except PackSizeMismatchError:
+        except (PackDigestMismatchError, PackSizeMismatchError):
             raise
         except Exception as exc:
             cause = exc.__cause__ or exc.__context__
@@ -340,7 +256,7 @@ class GcsPayloadStore:
                 raise cause from exc
             if _is(exc, "PreconditionFailed") or getattr(exc, "code", None) == 412:
                 return False
-            raise self._fail("uploading the pack", digest, exc) from exc
+            raise
         finally:
             reader.close()
         return True

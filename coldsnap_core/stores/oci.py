@@ -37,6 +37,7 @@ be repaired by publication: the upload refuses with :class:`~coldsnap_core.error
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import ipaddress
 import json
@@ -46,6 +47,7 @@ import re
 import threading
 import time
 import urllib.parse
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,20 +58,19 @@ from coldsnap_core.errors import (
     ConfigurationError,
     MissingObjectError,
     PackDigestMismatchError,
-    PackSizeMismatchError,
     PayloadUnavailableError,
     StoreError,
-    size_mismatch,
 )
 from coldsnap_core.format._strict import read_document_bytes
 from coldsnap_core.settings import OCI_MOUNT_FROM_ENV, StoreClientSettings
 from coldsnap_core.stores._ranged import (
+    ANSWER_MAX_BYTES,
     DEFAULT_CONCURRENCY,
-    check_file_digest,
-    checked_range,
-    fetch_ranges,
-    hash_ranges,
-    read_file_checked,
+    HashingReader,
+    ObjectStat,
+    RangedStore,
+    byte_ranges,
+    read_answer,
     request_failure,
 )
 from coldsnap_core.stores.base import ArtifactListing, ProgressCallback
@@ -89,6 +90,8 @@ ANNOTATION_PREFIX = "dev.coldsnap."
 DOCKER_CONFIG_ENV = "DOCKER_CONFIG"
 CHUNK_SIZE_BYTES = 64 << 20
 """Bytes per upload request (one ``PUT`` up to this size, ``PATCH`` chunks of this size beyond)."""
+MANIFEST_MAX_BYTES = 4 << 20
+"""The largest manifest read (4 MiB: the limit the OCI distribution spec lets registries put on manifests)."""
 DOCKER_CONFIG_MAX_BYTES = 4 << 20
 """The largest Docker config file read (4 MiB: a config holds one short entry per registry)."""
 REFERENCE_NAME_MAX_CHARS = 255
@@ -244,14 +247,21 @@ def load_credentials(registry: str, config_path: Path | None = None) -> Registry
     return None
 
 
+def _origin(url: str) -> tuple[str, str, int]:
+    """``(scheme, host, port)`` of ``url`` (RFC 6454's origin), the default port filled in."""
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme, (parts.hostname or "").lower(), parts.port or (443 if parts.scheme == "https" else 80)
+
+
 def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
     """``Bearer realm="...",service="...",scope="..."`` -> ``("bearer", {...})``."""
     scheme, _, params = header.strip().partition(" ")
     return scheme.lower(), {k.lower(): v for k, v in re.findall(r'([A-Za-z]+)="([^"]*)"', params)}
 
 
-class OciPayloadStore:
-    """Packs as blobs of one repository of an OCI registry.
+class OciPayloadStore(RangedStore):
+    """Packs as blobs of one repository of an OCI registry; ``has``, ``fetch`` and ``upload`` are
+    :class:`~coldsnap_core.stores._ranged.RangedStore`'s.
 
     Args:
         registry: ``HOST[:PORT]``.
@@ -271,6 +281,13 @@ class OciPayloadStore:
             ``oci_mount_from`` entry is not a repository name.
     """
 
+    conditional_create = False  # the distribution API has none: presence is checked first
+    hash_before_sending = True  # a cancelled upload session can leave its folder in the registry's storage
+    replacement_refused = (
+        "a registry never replaces a blob it holds: delete it (DELETE /v2/<name>/blobs/<digest>) and run the"
+        " registry's garbage collection"
+    )
+
     def __init__(
         self,
         registry: str,
@@ -283,11 +300,8 @@ class OciPayloadStore:
         concurrency: int = DEFAULT_CONCURRENCY,
         client_settings: StoreClientSettings | None = None,
     ) -> None:
-        if chunk_size_bytes <= 0 or concurrency <= 0:
-            raise ConfigurationError(
-                f"OCI store: chunk_size_bytes ({chunk_size_bytes}) and concurrency ({concurrency}) must be > 0"
-            )
-        self.client_settings = client_settings or StoreClientSettings()
+        name = f"oci {registry}/{repository}"
+        super().__init__(name, range_size_bytes=chunk_size_bytes, concurrency=concurrency, client_settings=client_settings)
         for other in self.client_settings.oci_mount_from:
             if not _REPOSITORY_RE.match(other):
                 raise ConfigurationError(
@@ -299,14 +313,12 @@ class OciPayloadStore:
         self.base_url = f"{'http' if _is_loopback(registry) or self.client_settings.oci_plain_http else 'https'}://{registry}"
         self.mount_from = tuple(r for r in self.client_settings.oci_mount_from if r != repository)
         self.chunk_size_bytes = chunk_size_bytes
-        self.concurrency = concurrency
         self._client = client
         self._credentials = credentials
         self._credentials_loaded = credentials is not None
         self._authorization: dict[str, str] = {}  # scope -> Authorization header value
         self._tagged: dict[str, str] = {}  # tag -> the artifact this store pushed under it
         self._lock = threading.Lock()
-        self.name = f"oci {registry}/{repository}"
 
     @classmethod
     def from_url(cls, spec: str, **kwargs: Any) -> OciPayloadStore:
@@ -358,69 +370,125 @@ class OciPayloadStore:
             self._credentials_loaded = True
         return self._credentials
 
-    def _request(self, method: str, url: str, *, where: str, scope_key: str = "", **kwargs: Any) -> Any:
-        """One request, answering a ``401`` challenge once (Basic, or a Bearer token from the realm).
+    def _send(self, method: str, url: str, where: str, **kwargs: Any) -> Any:
+        """One request, its answer not read yet (the caller reads or closes it).
 
         Raises:
-            StoreError: the registry cannot be reached, or it refused the credentials (401/403 after the
-                challenge was answered), naming the store, ``where`` and where the credentials came from.
+            StoreError: no answer (unreachable, a timeout, a URL httpx cannot send).
         """
         import httpx
 
+        try:
+            return self.client.send(self.client.build_request(method, url, **kwargs), stream=True)
+        except (httpx.HTTPError, httpx.InvalidURL, OverflowError) as exc:  # OverflowError: a deadline past the clock's range
+            raise request_failure(self.name, f"{method} {url}", exc, self.client_settings, where=where) from exc
+
+    def _read(self, response: Any, where: str, max_bytes: int = ANSWER_MAX_BYTES) -> Any:
+        """``response`` with at most ``max_bytes`` of its body read (:func:`read_answer`), then closed.
+
+        Raises:
+            StoreError: a successful answer longer than ``max_bytes``, or the body failed or dripped.
+        """
+        import httpx
+
+        with contextlib.closing(response):
+            try:
+                body = read_answer(self, where, response.iter_raw(), max_bytes)
+            except httpx.HTTPError as exc:
+                raise request_failure(
+                    self.name, f"reading the answer of {response.request.url}", exc, self.client_settings, where=where
+                ) from exc
+        if len(body) > max_bytes and response.status_code < 300:
+            raise StoreError(f"{self.name}: the answer to {response.request.url} is over {max_bytes} bytes", file=where)
+        kept = [(k, v) for k, v in response.headers.multi_items() if k.lower() != "content-encoding"]  # the body is raw
+        return httpx.Response(response.status_code, headers=kept, content=body[:max_bytes], request=response.request)
+
+    def _request(
+        self,
+        method: str,
+        url: str,
+        *,
+        where: str,
+        scope_key: str = "",
+        stream: bool = False,
+        max_bytes: int = ANSWER_MAX_BYTES,
+        **kwargs: Any,
+    ) -> Any:
+        """One request, answering the registry's ``401`` challenge once (Basic, or a Bearer token from the realm).
+        The registry's credentials go to its own origin only: an upload location on another origin or a redirect
+        target (a presigned URL) gets none, and its ``401`` is not answered. Returns the answer with at most
+        ``max_bytes`` of its body read, or (``stream``) unread, for the caller to read and close.
+
+        Raises:
+            StoreError: the registry cannot be reached, or it refused the credentials (401/403 after the
+                challenge was answered), naming the store, ``where`` and where the credentials came from; or
+                another origin refused (naming it, not the credentials).
+        """
         self._credentials_for_registry()  # a broken Docker config entry is refused before any request, not at a 401
         headers = dict(kwargs.pop("headers", {}))
         for attempt in range(2):
-            authorization = self._authorization.get(scope_key)
+            authorization = self._authorization.get(scope_key) if _origin(url) == _origin(self.base_url) else None
             if authorization:
                 headers["Authorization"] = authorization
-            try:
-                response = self.client.request(method, url, headers=headers, **kwargs)
-            except (httpx.HTTPError, OverflowError) as exc:  # OverflowError: a deadline past the clock's range
-                raise request_failure(self.name, f"{method} {url}", exc, self.client_settings, where=where) from exc
-            if response.status_code not in (401, 403) or attempt == 1:
-                break
+            response = self._send(method, url, where, headers=headers, **kwargs)
+            from_registry = _origin(str(response.url)) == _origin(self.base_url)
             challenge = response.headers.get("WWW-Authenticate", "")
-            if response.status_code == 403 or not challenge:
+            if response.status_code != 401 or attempt or not challenge or not from_registry:
                 break
+            response.close()
             self._answer_challenge(challenge, scope_key, where=where)
         if response.status_code in (401, 403):
-            creds = self._credentials_for_registry()
-            source = (
-                f"credentials from {creds.source}" if creds else f"no credentials for {self.registry} in {docker_config_path()}"
-            )
-            raise StoreError(
-                f"{self.name}: the registry refused access ({response.status_code} {_error_text(response)}) to {method} {url} ({source})",
+            raise self._refusal(method, url, self._read(response, where), from_registry, where)
+        return response if stream else self._read(response, where, max_bytes)
+
+    def _refusal(self, method: str, url: str, response: Any, from_registry: bool, where: str) -> StoreError:
+        answer = f"{response.status_code} {_error_text(response)}"
+        if not from_registry:  # a redirect target or an upload location elsewhere: never sent the credentials
+            target = "{}://{}".format(*urllib.parse.urlsplit(str(response.url))[:2])
+            return StoreError(
+                f"{self.name}: {target}, where {method} {url} led, refused it ({answer}); coldsnap never sends it the"
+                " registry's credentials, so they are not the cause (an expired presigned URL, the storage's own policy)",
                 file=where,
             )
-        return response
+        creds = self._credentials_for_registry()
+        source = f"credentials from {creds.source}" if creds else f"no credentials for {self.registry} in {docker_config_path()}"
+        return StoreError(f"{self.name}: the registry refused access ({answer}) to {method} {url} ({source})", file=where)
 
     def _answer_challenge(self, challenge: str, scope_key: str, *, where: str) -> None:
-        import httpx
+        """Keep the ``Authorization`` the registry's challenge asks for: Basic with the credentials, or a Bearer token
+        from the realm. The credentials go to a realm over HTTPS, or to the registry's own host when the registry
+        itself speaks plain HTTP; never over plain HTTP to another host, nor from HTTPS down to HTTP.
 
+        Raises:
+            StoreError: an unsupported challenge, a realm the credentials may not go to, or the token service refused.
+        """
         scheme, params = _parse_challenge(challenge)
         creds = self._credentials_for_registry()
         basic = None
         if creds is not None and creds.username is not None:
             basic = "Basic " + base64.b64encode(f"{creds.username}:{creds.password or ''}".encode()).decode()
         if scheme == "basic":
-            if basic is None:
-                return  # the retry gets the same 401, reported with "no credentials"
-            with self._lock:
-                self._authorization[scope_key] = basic
+            if basic is not None:  # else the retry gets the same 401, reported with "no credentials"
+                with self._lock:
+                    self._authorization[scope_key] = basic
             return
         if scheme != "bearer" or "realm" not in params:
             raise StoreError(f"{self.name}: the registry asks for an unsupported authentication: {challenge!r}", file=where)
+        realm, registry = urllib.parse.urlsplit(params["realm"]), urllib.parse.urlsplit(self.base_url)
+        safe = realm.scheme == "https" or (realm.scheme == registry.scheme == "http" and realm.hostname == registry.hostname)
+        if creds is not None and (basic or creds.identity_token) and not safe:
+            raise StoreError(
+                f"{self.name}: the registry's token realm {params['realm']} is plain HTTP on another host, or a"
+                f" downgrade from HTTPS: the credentials from {creds.source} go only over HTTPS or to the registry's own host",
+                file=where,
+            )
         query = {k: v for k, v in (("service", params.get("service")), ("scope", params.get("scope"))) if v}
-        try:
-            if creds is not None and creds.identity_token:
-                response = self.client.post(
-                    params["realm"],
-                    data={**query, "grant_type": "refresh_token", "refresh_token": creds.identity_token, "client_id": "coldsnap"},
-                )
-            else:
-                response = self.client.get(params["realm"], params=query, headers={"Authorization": basic} if basic else {})
-        except (httpx.HTTPError, OverflowError) as exc:
-            raise StoreError(f"{self.name}: the token request to {params['realm']} failed: {exc}", file=where) from exc
+        if creds is not None and creds.identity_token:
+            form = {**query, "grant_type": "refresh_token", "refresh_token": creds.identity_token, "client_id": "coldsnap"}
+            response = self._read(self._send("POST", params["realm"], where, data=form), where)
+        else:
+            headers = {"Authorization": basic} if basic else {}
+            response = self._read(self._send("GET", params["realm"], where, params=query, headers=headers), where)
         if response.status_code != 200:
             source = f"credentials from {creds.source}" if creds else "anonymous"
             raise StoreError(
@@ -430,7 +498,7 @@ class OciPayloadStore:
         try:
             body = response.json()
             token = body.get("token") or body.get("access_token")
-        except ValueError:
+        except (ValueError, AttributeError):
             token = None
         if not token:
             raise StoreError(f"{self.name}: the token service {params['realm']} answered without a token", file=where)
@@ -440,9 +508,9 @@ class OciPayloadStore:
     def _fail(self, action: str, response: Any, where: str) -> StoreError:
         return StoreError(f"{self.name}: {action} failed: HTTP {response.status_code} {_error_text(response)}", file=where)
 
-    # -- presence ------------------------------------------------------------------------------------
+    # -- the ranged-store backend (RangedStore writes has, fetch and upload) --------------------------
 
-    def _head(self, digest: str) -> int | None:
+    def stat(self, digest: str) -> ObjectStat | None:
         """The blob's size from ``HEAD``, or ``None`` when the repository does not hold it."""
         where = self.location(digest)
         response = self._request("HEAD", self.blob_url(digest), where=where, scope_key="pull")
@@ -451,131 +519,35 @@ class OciPayloadStore:
         if response.status_code != 200:
             raise self._fail("looking up the blob", response, where)
         try:
-            return int(response.headers["Content-Length"])
+            return ObjectStat(int(response.headers["Content-Length"]))
         except (KeyError, ValueError) as exc:
             raise StoreError(f"{self.name}: HEAD of the blob gave no Content-Length", file=where) from exc
 
-    def has(self, digest: str, size_bytes: int | None = None, *, verify: bool = False) -> bool:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.has` (``HEAD``, by size).
-
-        With ``verify`` the blob is read (parallel ranged GETs) and hashed in full: a registry names a blob by
-        the digest it computed when the blob was pushed, and does not re-hash what it serves.
-        """
-        check_digest(digest)
-        actual = self._head(digest)
-        if actual is None:
-            return False
+    @contextlib.contextmanager
+    def open_range(self, digest: str, stat: ObjectStat, start: int, end: int) -> Iterator[tuple[Iterable[bytes], bool]]:
+        """One ranged ``GET`` of the blob (redirects followed without the credentials), read as it arrives."""
         where = self.location(digest)
-        mismatch = (
-            None if size_bytes is None else size_mismatch(PackSizeMismatchError, "stored blob", actual, size_bytes, file=where)
-        )
-        if mismatch is not None:
-            logger.warning("coldsnap: %s; treating it as absent", mismatch)
-            return False
-        if verify:
-            hashed = self._hash_blob(digest, actual)
-            if hashed != digest:
-                logger.warning("coldsnap: %s hashes to %s, not its digest; treating it as absent", where, hashed)
-                return False
-        return True
+        headers = {"Range": f"bytes={start}-{end - 1}"}
+        response = self._request("GET", self.blob_url(digest), where=where, scope_key="pull", stream=True, headers=headers)
+        with contextlib.closing(response):
+            if response.status_code == 404:
+                raise PayloadUnavailableError(f"{self.name} no longer holds the blob", file=where)
+            if response.status_code not in (200, 206):
+                raise self._fail(f"reading bytes {start}-{end - 1}", self._read(response, where), where)
+            yield response.iter_raw(), response.status_code == 200
 
-    # -- fetch ---------------------------------------------------------------------------------------
-
-    def _get_range(self, digest: str, start: int, end: int, size_bytes: int) -> bytes:
+    def create(
+        self, path: Path, digest: str, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
+    ) -> bool:
+        """A mount from a ``mount_from`` repository (no byte sent), else an upload session (the template looked
+        first: ``replacing`` is always ``None``)."""
         where = self.location(digest)
-        response = self._request(
-            "GET", self.blob_url(digest), where=where, scope_key="pull", headers={"Range": f"bytes={start}-{end - 1}"}
-        )
-        if response.status_code == 404:
-            raise PayloadUnavailableError(f"{self.name} no longer holds the blob", file=where)
-        if response.status_code == 200 and len(response.content) == size_bytes:
-            return response.content[start:end]  # a registry (or proxy) that ignores Range sent the whole blob
-        if response.status_code != 206:
-            raise self._fail(f"reading bytes {start}-{end - 1}", response, where)
-        return checked_range(response.content, start, end, where=where)
-
-    def _hash_blob(self, digest: str, size_bytes: int) -> str:
-        return hash_ranges(
-            lambda a, b: self._get_range(digest, a, b, size_bytes),
-            size_bytes,
-            range_size_bytes=self.chunk_size_bytes,
-            concurrency=self.concurrency,
-        )
-
-    def fetch(self, digest: str, size_bytes: int, fd: int, *, file: Path, progress: ProgressCallback | None = None) -> None:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch`: parallel ranged GETs into ``fd``.
-
-        Raises:
-            PayloadUnavailableError: the repository does not hold the blob (HEAD 404).
-            PackSizeMismatchError: the blob is truncated or extended (nothing is read), or a range came back short.
-            InsufficientSpaceError: the cache's file system filled up.
-            StoreError: the registry failed, cannot be reached, or refused the credentials.
-        """
-        check_digest(digest)
-        where = self.location(digest)
-        actual = self._head(digest)
-        if actual is None:
-            raise PayloadUnavailableError(f"{self.name} does not hold the blob", file=where)
-        mismatch = size_mismatch(PackSizeMismatchError, "stored blob", actual, size_bytes, file=where)
-        if mismatch is not None:
-            raise mismatch
-        fetch_ranges(
-            lambda a, b: self._get_range(digest, a, b, size_bytes),
-            size_bytes,
-            fd,
-            file=file,
-            range_size_bytes=self.chunk_size_bytes,
-            concurrency=self.concurrency,
-            progress=progress,
-        )
-
-    # -- upload --------------------------------------------------------------------------------------
-
-    def upload(self, path: Path, digest: str, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.upload`: HEAD, mount, else the upload flow.
-
-        Returns:
-            ``True`` when this call mounted or uploaded the blob; ``False`` when the repository already held
-            the digest's bytes (another publisher pushed them).
-
-        Raises:
-            PackSizeMismatchError: ``path`` does not have ``size_bytes`` bytes (nothing uploaded).
-            PackDigestMismatchError: the file's bytes do not hash to ``digest`` (the upload is cancelled; the
-                registry refuses such a blob as well).
-            StoreError: the registry refused or failed (the upload session is cancelled), or it holds other bytes
-                under the digest (it never replaces a blob; delete it and garbage-collect the registry).
-        """
-        check_digest(digest)
-        where = self.location(digest)
-        actual = os.path.getsize(path)
-        mismatch = size_mismatch(PackSizeMismatchError, "the file to upload", actual, size_bytes, file=path)
-        if mismatch is not None:
-            raise mismatch
-        if self._present_or_refused(digest, size_bytes, where):
-            logger.info("coldsnap: %s is already in the registry; not uploaded again", where)
-            return False
-        # before a session is opened: a cancelled session can leave its folder in the registry's storage
-        check_file_digest(path, digest, size_bytes)
         location = self._start_upload(digest, where)
         if location is None:
-            logger.info("coldsnap: mounted %s into %s", digest, self.name)
-            return True
-        self._send(location, path, digest, size_bytes, where, progress)
-        logger.info("coldsnap: uploaded %s to %s", digest, self.name)
+            logger.info("coldsnap: mounted %s into %s (no byte sent)", digest, self.name)
+        else:
+            self._push(location, path, digest, size_bytes, where, progress)
         return True
-
-    def _present_or_refused(self, digest: str, size_bytes: int, where: str) -> bool:
-        """Whether the repository holds the digest's bytes; a blob of other bytes under it is refused."""
-        actual = self._head(digest)
-        if actual is None:
-            return False
-        if actual == size_bytes and self._hash_blob(digest, actual) == digest:
-            return True
-        raise StoreError(
-            f"{self.name} holds a blob of other bytes under sha256:{digest} ({actual} bytes); a registry never replaces "
-            "a blob it holds: delete it (DELETE /v2/<name>/blobs/<digest>) and run the registry's garbage collection",
-            file=where,
-        )
 
     def _absolute(self, location: str) -> str:
         return urllib.parse.urljoin(self.base_url + "/", location)
@@ -603,61 +575,34 @@ class OciPayloadStore:
         except StoreError as exc:  # the original error matters more; the registry expires stale sessions
             logger.warning("coldsnap: cancelling the upload session %s failed: %s", location, exc)
 
-    def _send(
+    def _push(
         self, location: str, path: Path, digest: str, size_bytes: int, where: str, progress: ProgressCallback | None
     ) -> None:
-        finished = False
+        """The upload session: one ``PUT`` with the bytes up to ``chunk_size_bytes``, else ``PATCH`` chunks and a closing
+        ``PUT``. The file is hashed as it is read, and the read of its last byte raises when it is not the digest, so
+        the request completing the upload is never sent; a failed session is cancelled."""
+        reader = HashingReader(path, digest, size_bytes, progress)
         try:
             if size_bytes <= self.chunk_size_bytes:
-                data = read_file_checked(path, digest, size_bytes)
-                response = self._put(location, digest, data, where)
-                if progress is not None:
-                    progress(size_bytes)
+                response = self._put(location, digest, reader.read(), where)
             else:
-                whole = hashlib.sha256()
-                with open(path, "rb") as f:
-                    offset = 0
-                    while offset < size_bytes:
-                        data = f.read(min(self.chunk_size_bytes, size_bytes - offset))
-                        if not data:
-                            raise PackSizeMismatchError(
-                                f"the file ended at byte {offset} of {size_bytes} during the upload", file=path
-                            )
-                        whole.update(data)
-                        response = self._request(
-                            "PATCH",
-                            location,
-                            where=where,
-                            scope_key="push",
-                            content=data,
-                            headers={
-                                "Content-Type": "application/octet-stream",
-                                "Content-Range": f"{offset}-{offset + len(data) - 1}",
-                                "Content-Length": str(len(data)),
-                            },
-                        )
-                        if response.status_code != 202 or not response.headers.get("Location"):
-                            raise self._fail(f"uploading bytes {offset}-{offset + len(data) - 1}", response, where)
-                        location = self._absolute(response.headers["Location"])
-                        offset += len(data)
-                        if progress is not None:
-                            progress(len(data))
-                    if f.read(1):
-                        raise PackSizeMismatchError(f"the file grew past {size_bytes} bytes during the upload", file=path)
-                if whole.hexdigest() != digest:
-                    raise PackDigestMismatchError(
-                        f"the bytes read for upload hash to {whole.hexdigest()}, not {digest}; the file changed after verification",
-                        file=path,
-                    )
+                for offset, end in byte_ranges(size_bytes, self.chunk_size_bytes):
+                    headers = {"Content-Type": "application/octet-stream", "Content-Range": f"{offset}-{end - 1}"}
+                    data = reader.read(end - offset)
+                    response = self._request("PATCH", location, where=where, scope_key="push", content=data, headers=headers)
+                    if response.status_code != 202 or not response.headers.get("Location"):
+                        raise self._fail(f"uploading bytes {offset}-{end - 1}", response, where)
+                    location = self._absolute(response.headers["Location"])
                 response = self._put(location, digest, b"", where)
             if response.status_code == 400 and "DIGEST_INVALID" in response.text:
                 raise PackDigestMismatchError(f"{self.name} refused the bytes: they do not hash to sha256:{digest}", file=path)
             if response.status_code != 201:
                 raise self._fail("completing the blob upload", response, where)
-            finished = True
+        except BaseException:
+            self._cancel(location, where)
+            raise
         finally:
-            if not finished:
-                self._cancel(location, where)
+            reader.close()
 
     def _put(self, location: str, digest: str, data: bytes, where: str) -> Any:
         separator = "&" if "?" in location else "?"
@@ -667,7 +612,7 @@ class OciPayloadStore:
             where=where,
             scope_key="push",
             content=data,
-            headers={"Content-Type": "application/octet-stream", "Content-Length": str(len(data))},
+            headers={"Content-Type": "application/octet-stream"},
         )
 
     # -- the artifact's manifest -----------------------------------------------------------------------
@@ -725,7 +670,9 @@ class OciPayloadStore:
             ConfigurationError: the tag names another artifact, or a manifest that is not a coldsnap artifact's.
             StoreError: the current manifest cannot be read.
         """
-        response = self._request("GET", url, where=where, scope_key="pull", headers={"Accept": MANIFEST_MEDIA_TYPE})
+        response = self._request(
+            "GET", url, where=where, scope_key="pull", headers={"Accept": MANIFEST_MEDIA_TYPE}, max_bytes=MANIFEST_MAX_BYTES
+        )
         if response.status_code != 200:
             raise self._fail("reading the manifest the tag names", response, where)
         try:
@@ -807,7 +754,7 @@ class OciPayloadStore:
             return reference
         if head.status_code == 200:
             self._check_tag_move(url, where, listing.name, head.headers.get("Docker-Content-Digest"), manifest_digest)
-        if self._head(EMPTY_DIGEST) is None:
+        if self.stat(EMPTY_DIGEST) is None:
             location = self._start_upload(EMPTY_DIGEST, where)
             if location is not None:
                 response = self._put(location, EMPTY_DIGEST, EMPTY_CONFIG, where)

@@ -18,34 +18,43 @@ digest itself as ``x-amz-checksum-sha256`` (the server refuses the body if it ha
 multipart upload carries each part's SHA-256 (``ChecksumAlgorithm=SHA256``), and the whole file is
 hashed while its parts are read, so a file that changed after verification is never completed.
 
-Fetch: ``HeadObject`` (size and ``ETag``), then
-parallel ranged ``GetObject`` calls (``Range: bytes=a-b``, ``If-Match: <ETag>`` so a replaced
-object cannot be mixed in) written with ``pwrite`` into the cache's temporary file; the cache then
-verifies the whole file (:func:`coldsnap_core.format.verify.verify_pack_file`) before admitting it.
+Fetch (:class:`~coldsnap_core.stores._ranged.RangedStore`): ``HeadObject`` (size and ``ETag``), then parallel
+ranged ``GetObject`` calls (``Range: bytes=a-b``, ``If-Match: <ETag>`` so a replaced object cannot be mixed in)
+streamed into the cache's temporary file; the cache then verifies the whole file.
 """
 
 from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import hashlib
 import logging
 import os
 import threading
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from coldsnap_core.digests import check_digest, pack_relpath
 from coldsnap_core.errors import (
     ConfigurationError,
     PackDigestMismatchError,
     PackSizeMismatchError,
     PayloadUnavailableError,
     StoreError,
-    size_mismatch,
+    redact_store_spec,
 )
 from coldsnap_core.settings import StoreClientSettings
-from coldsnap_core.stores._ranged import byte_ranges, checked_range, fetch_ranges, request_failure
+from coldsnap_core.stores._ranged import (
+    DEFAULT_CONCURRENCY,
+    ObjectStat,
+    RangedStore,
+    byte_ranges,
+    object_key,
+    read1_chunks,
+    read_file_checked,
+    request_failure,
+)
 from coldsnap_core.stores.base import ProgressCallback, checked_prefix
 
 logger = logging.getLogger(__name__)
@@ -54,8 +63,6 @@ S3_SCHEME = "s3://"
 PART_SIZE_BYTES = 64 << 20
 """Bytes per multipart part and per ranged GET (64 MiB; S3 parts are 5 MiB to 5 GiB, at most 10,000)."""
 MAX_PARTS = 10_000
-DEFAULT_CONCURRENCY = 8
-"""Parts or ranges in flight at once (threads; boto3 clients are thread-safe)."""
 _NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
 _CONDITION_FAILED_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
 
@@ -139,7 +146,10 @@ def _default_client(client_settings: StoreClientSettings | None = None) -> Any:
         return boto3.client("s3", config=config)
     except (ValueError, BotoCoreError) as exc:
         given = ", ".join(f"{v}={os.environ[v]!r}" for v in S3_CLIENT_VARIABLES if v in os.environ) or "no AWS_* variable set"
-        raise ConfigurationError(f"the S3 client cannot be built from the environment ({given}): {exc}") from exc
+        # an endpoint's user:password@ (and botocore's message quoting it) never reaches a message, a log or an outcome
+        raise ConfigurationError(
+            redact_store_spec(f"the S3 client cannot be built from the environment ({given}): {exc}")
+        ) from None
 
 
 def _aws_max_attempts() -> tuple[int, str] | None:
@@ -154,8 +164,9 @@ def _aws_max_attempts() -> tuple[int, str] | None:
         return None
 
 
-class S3PayloadStore:
-    """Objects in ``s3://<bucket>/<prefix>/model-payloads/sha256/<digest>.pack``.
+class S3PayloadStore(RangedStore):
+    """Objects in ``s3://<bucket>/<prefix>/model-payloads/sha256/<digest>.pack``; ``has``, ``fetch`` and ``upload``
+    are :class:`~coldsnap_core.stores._ranged.RangedStore`'s.
 
     Args:
         bucket: the bucket (it must exist; coldsnap never creates buckets).
@@ -167,7 +178,7 @@ class S3PayloadStore:
         client_settings: timeouts and retries of a client made here (and named in a timeout's message).
 
     Raises:
-        ConfigurationError: boto3 is missing, or ``concurrency``/``part_size_bytes`` is not positive.
+        ConfigurationError: ``concurrency``/``part_size_bytes`` is not positive.
     """
 
     def __init__(
@@ -180,15 +191,12 @@ class S3PayloadStore:
         concurrency: int = DEFAULT_CONCURRENCY,
         client_settings: StoreClientSettings | None = None,
     ) -> None:
-        if part_size_bytes <= 0 or concurrency <= 0:
-            raise ConfigurationError(f"S3 store: part_size_bytes ({part_size_bytes}) and concurrency ({concurrency}) must be > 0")
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.part_size_bytes = part_size_bytes
-        self.concurrency = concurrency
         self._client = client
-        self.client_settings = client_settings or StoreClientSettings()
-        self.name = f"s3 {bucket}/{self.prefix}" if self.prefix else f"s3 {bucket}"
+        name = f"s3 {bucket}/{self.prefix}" if self.prefix else f"s3 {bucket}"
+        super().__init__(name, range_size_bytes=part_size_bytes, concurrency=concurrency, client_settings=client_settings)
 
     @classmethod
     def from_url(cls, spec: str, **kwargs: Any) -> S3PayloadStore:
@@ -208,30 +216,30 @@ class S3PayloadStore:
 
     def key(self, digest: str) -> str:
         """``<prefix>/model-payloads/sha256/<digest>.pack``; the digest is validated first."""
-        relpath = pack_relpath(digest)
-        return f"{self.prefix}/{relpath}" if self.prefix else relpath
+        return object_key(self.prefix, digest)
 
     def location(self, digest: str) -> str:
         """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: ``s3://bucket/<key>``."""
         return f"{S3_SCHEME}{self.bucket}/{self.key(digest)}"
 
-    def _fail(self, action: str, digest: str, exc: Exception) -> StoreError:
+    def failure(self, action: str, digest: str, exc: BaseException) -> StoreError:
         return request_failure(
             self.name, action, exc, self.client_settings, where=self.location(digest), attempts_from=_aws_max_attempts()
         )
 
-    def _head(self, digest: str) -> dict[str, Any] | None:
-        """``HeadObject`` with checksums, or ``None`` when the object does not exist.
+    def stat(self, digest: str) -> ObjectStat | None:
+        """``HeadObject``: size and ``ETag``, or ``None`` when the object does not exist.
 
         Raises:
             StoreError: the request failed, or the bucket does not exist (naming it).
         """
         client = self.client  # outside the try: a missing boto3 is a ConfigurationError, not a store failure
         try:
-            return client.head_object(Bucket=self.bucket, Key=self.key(digest), ChecksumMode="ENABLED")
+            head = client.head_object(Bucket=self.bucket, Key=self.key(digest))
+            return ObjectStat(int(head["ContentLength"]), head.get("ETag"))
         except Exception as exc:
             if _error_code(exc) not in _NOT_FOUND_CODES:
-                raise self._fail("looking up the pack", digest, exc) from exc
+                raise self.failure("looking up the pack", digest, exc) from exc
         # a HEAD's 404 has no body, so a missing bucket looks like a missing object: ask for the bucket
         try:
             client.head_bucket(Bucket=self.bucket)
@@ -246,168 +254,45 @@ class S3PayloadStore:
             logger.debug("coldsnap: HeadBucket of %s after a 404: %s", self.bucket, exc)
         return None
 
-    def has(self, digest: str, size_bytes: int | None = None, *, verify: bool = False) -> bool:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.has` (``HeadObject``, by size).
-
-        With ``verify`` the object is read (parallel ranged GETs, as a fetch) and hashed in full: the
-        checksum S3 keeps is the digest only for a single-part object and composite (a hash of the
-        parts' hashes) for a multipart one, and S3-compatible servers do not all say which.
-        """
-        check_digest(digest)
-        head = self._head(digest)
-        if head is None:
-            return False
-        where = self.location(digest)
-        actual = int(head["ContentLength"])
-        mismatch = (
-            None if size_bytes is None else size_mismatch(PackSizeMismatchError, "stored pack", actual, size_bytes, file=where)
-        )
-        if mismatch is not None:
-            logger.warning("coldsnap: %s; treating it as absent", mismatch)
-            return False
-        if verify:
-            hashed = self._hash_object(digest, actual, head.get("ETag"))
-            if hashed != digest:
-                logger.warning("coldsnap: %s hashes to %s, not its name; treating it as absent", where, hashed)
-                return False
-        return True
-
-    # -- fetch -----------------------------------------------------------------------------------
-
-    def _ranges(self, size_bytes: int) -> list[tuple[int, int]]:
-        return byte_ranges(size_bytes, self.part_size_bytes)
-
-    def _get_range(self, digest: str, start: int, end: int, etag: str | None) -> bytes:
-        """Bytes ``[start, end)`` of the object (one ranged GET, pinned to ``etag``)."""
+    @contextlib.contextmanager
+    def open_range(self, digest: str, stat: ObjectStat, start: int, end: int) -> Iterator[tuple[Iterable[bytes], bool]]:
+        """One ranged ``GetObject`` pinned to the ``ETag`` (``If-Match``), its body read as it arrives."""
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(digest), "Range": f"bytes={start}-{end - 1}"}
-        if etag:
-            kwargs["IfMatch"] = etag
+        if stat.version:
+            kwargs["IfMatch"] = stat.version
         try:
             response = self.client.get_object(**kwargs)
-            data = response["Body"].read()
         except Exception as exc:
             if _error_code(exc) in _NOT_FOUND_CODES:
                 raise PayloadUnavailableError(f"{self.name} no longer holds the pack", file=self.location(digest)) from exc
             if _error_code(exc) in _CONDITION_FAILED_CODES:
                 raise StoreError(
-                    f"{self.name}: the object changed while it was read (ETag {etag} no longer matches)",
+                    f"{self.name}: the object changed while it was read (ETag {stat.version} no longer matches)",
                     file=self.location(digest),
                 ) from exc
-            raise self._fail(f"reading bytes {start}-{end - 1}", digest, exc) from exc
-        return checked_range(data, start, end, where=self.location(digest))
-
-    def _hash_object(self, digest: str, size_bytes: int, etag: str | None) -> str:
-        h = hashlib.sha256()
-        with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
-            # map keeps order; at most `concurrency` ranges are read ahead of the hash
-            for data in pool.map(lambda r: self._get_range(digest, r[0], r[1], etag), self._ranges(size_bytes)):
-                h.update(data)
-        return h.hexdigest()
-
-    def fetch(self, digest: str, size_bytes: int, fd: int, *, file: Path, progress: ProgressCallback | None = None) -> None:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch`: parallel ranged GETs into ``fd``.
-
-        Raises:
-            PayloadUnavailableError: no object at the digest's key.
-            PackSizeMismatchError: the object is truncated or extended (nothing is read), or a range
-                came back short.
-            InsufficientSpaceError: the cache's file system filled up.
-            StoreError: the server failed, or the object changed during the fetch.
-        """
-        check_digest(digest)
-        head = self._head(digest)
-        where = self.location(digest)
-        if head is None:
-            raise PayloadUnavailableError(f"{self.name} does not hold the pack", file=where)
-        mismatch = size_mismatch(PackSizeMismatchError, "stored pack", int(head["ContentLength"]), size_bytes, file=where)
-        if mismatch is not None:
-            raise mismatch
-        etag = head.get("ETag")
-        fetch_ranges(
-            lambda start, end: self._get_range(digest, start, end, etag),
-            size_bytes,
-            fd,
-            file=file,
-            range_size_bytes=self.part_size_bytes,
-            concurrency=self.concurrency,
-            progress=progress,
-        )
+            raise
+        with response["Body"] as raw:  # the urllib3 response itself (botocore's StreamingBody reads until full)
+            yield read1_chunks(raw), response["ResponseMetadata"]["HTTPStatusCode"] == 200
 
     # -- upload ----------------------------------------------------------------------------------
 
-    def upload(self, path: Path, digest: str, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.upload`: a conditional create.
-
-        Up to one part (``part_size_bytes``): one ``PutObject`` with ``If-None-Match: *`` and the
-        digest as ``x-amz-checksum-sha256``. Larger: a multipart upload with per-part SHA-256, the
-        parts read in order (whole-file SHA-256 computed on the way) and sent ``concurrency`` at a
-        time, completed with ``If-None-Match: *`` only if the whole file hashed to ``digest``
-        (otherwise aborted).
-
-        When the condition fails (another writer created the key first), the existing object is
-        hashed in full: if it is the digest's bytes, another publisher won and this call returns
-        ``False`` (nothing replaced); if not (a corrupt object), it is replaced, conditionally on its
-        ``ETag`` (``If-Match``) so a concurrent good replacement is never overwritten.
-
-        Returns:
-            ``True`` when this call created (or replaced) the object, ``False`` when another
-            publisher had created it.
-
-        Raises:
-            PackSizeMismatchError: ``path`` does not have ``size_bytes`` bytes (nothing uploaded).
-            PackDigestMismatchError: the file's bytes do not hash to ``digest`` (nothing published).
-            StoreError: the server refused or failed (a multipart upload is aborted), or the key kept
-                changing under a replacement.
-        """
-        check_digest(digest)
-        actual = os.path.getsize(path)
-        mismatch = size_mismatch(PackSizeMismatchError, "the file to upload", actual, size_bytes, file=path)
-        if mismatch is not None:
-            raise mismatch
-        self.client  # noqa: B018 (made here: a missing boto3 is a ConfigurationError, not a store failure)
-        if self._create(path, digest, size_bytes, progress, {"IfNoneMatch": "*"}):
-            logger.info("coldsnap: uploaded %s to %s", digest, self.name)
-            return True
-        present, head = self._holds_digest(digest, size_bytes)
-        if present:
-            logger.info("coldsnap: %s was created by another publisher; not uploaded again", self.location(digest))
-            return False
-        logger.warning("coldsnap: %s exists but is not the digest's bytes; replacing it", self.location(digest))
-        condition = {"IfNoneMatch": "*"} if head is None else {"IfMatch": head["ETag"]}
-        if not self._create(path, digest, size_bytes, progress, condition):
-            # Another publisher replaced the object first (its If-Match won): if the store now holds the
-            # digest's bytes, the digest is present (docs/format.md §12.4), not a failure.
-            if self._holds_digest(digest, size_bytes)[0]:
-                logger.info("coldsnap: %s was repaired by another publisher; not uploaded again", self.location(digest))
-                return False
-            raise StoreError(f"{self.name}: the object changed while a corrupt copy was replaced", file=self.location(digest))
-        logger.info("coldsnap: replaced %s in %s", digest, self.name)
-        return True
-
-    def _holds_digest(self, digest: str, size_bytes: int) -> tuple[bool, dict[str, Any] | None]:
-        """Whether the object at the digest's key is the digest's bytes (its size, then its SHA-256 in
-        full), and its ``HeadObject`` answer (``None``: no object)."""
-        head = self._head(digest)
-        intact = head is not None and int(head["ContentLength"]) == size_bytes
-        return intact and self._hash_object(digest, size_bytes, head.get("ETag")) == digest, head
-
-    def _create(
-        self, path: Path, digest: str, size_bytes: int, progress: ProgressCallback | None, condition: dict[str, str]
+    def create(
+        self, path: Path, digest: str, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
     ) -> bool:
-        """Write the object under ``condition``; ``False`` when the server says the condition failed."""
-        if size_bytes <= self.part_size_bytes:
-            created = self._put_once(path, digest, size_bytes, condition)
-            if created and progress is not None:
-                progress(size_bytes)
-            return created
-        return self._multipart(path, digest, size_bytes, progress, condition)
+        """Up to one part: one ``PutObject`` with the digest as ``x-amz-checksum-sha256``; larger: a multipart
+        upload with per-part SHA-256, the parts read in order (whole-file SHA-256 computed on the way) and sent
+        ``concurrency`` at a time, completed only if the whole file hashed to ``digest`` (otherwise aborted).
+        The condition: ``If-None-Match: *``, or ``If-Match`` on ``replacing``'s ``ETag``."""
+        condition = {"IfNoneMatch": "*"} if replacing is None else {"IfMatch": str(replacing.version)}
+        if size_bytes > self.part_size_bytes:
+            return self._multipart(path, digest, size_bytes, progress, condition)
+        created = self._put_once(path, digest, size_bytes, condition)
+        if created and progress is not None:
+            progress(size_bytes)
+        return created
 
     def _put_once(self, path: Path, digest: str, size_bytes: int, condition: dict[str, str]) -> bool:
-        data = path.read_bytes()
-        if len(data) != size_bytes or hashlib.sha256(data).hexdigest() != digest:
-            raise PackDigestMismatchError(
-                "the file to upload does not hash to its digest; it changed after verification", file=path
-            )
+        data = read_file_checked(path, digest, size_bytes)
         try:
             self.client.put_object(
                 Bucket=self.bucket,
@@ -420,13 +305,13 @@ class S3PayloadStore:
         except Exception as exc:
             if _error_code(exc) in _CONDITION_FAILED_CODES:
                 return False
-            raise self._fail("uploading the pack", digest, exc) from exc
+            raise
         return True
 
     def _multipart(
         self, path: Path, digest: str, size_bytes: int, progress: ProgressCallback | None, condition: dict[str, str]
     ) -> bool:
-        ranges = self._ranges(size_bytes)
+        ranges = byte_ranges(size_bytes, self.part_size_bytes)
         if len(ranges) > MAX_PARTS:
             raise StoreError(
                 f"{self.name}: {size_bytes} bytes need {len(ranges)} parts of {self.part_size_bytes} bytes (S3 allows {MAX_PARTS})",
@@ -438,7 +323,7 @@ class S3PayloadStore:
                 Bucket=self.bucket, Key=key, ChecksumAlgorithm="SHA256", ContentType="application/octet-stream"
             )["UploadId"]
         except Exception as exc:
-            raise self._fail("starting a multipart upload", digest, exc) from exc
+            raise self.failure("starting a multipart upload", digest, exc) from exc
         completed = False
         try:
             whole = hashlib.sha256()
@@ -458,7 +343,7 @@ class S3PayloadStore:
                         ChecksumSHA256=checksum,
                     )
                 except Exception as exc:
-                    raise self._fail(f"uploading part {number}", digest, exc) from exc
+                    raise self.failure(f"uploading part {number}", digest, exc) from exc
                 with lock:
                     parts[number] = {"PartNumber": number, "ETag": response["ETag"], "ChecksumSHA256": checksum}
                     if progress is not None:
@@ -495,7 +380,7 @@ class S3PayloadStore:
             except Exception as exc:
                 if _error_code(exc) in _CONDITION_FAILED_CODES:
                     return False
-                raise self._fail("completing the multipart upload", digest, exc) from exc
+                raise self.failure("completing the multipart upload", digest, exc) from exc
         finally:
             if not completed:
                 try:

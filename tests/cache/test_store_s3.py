@@ -135,11 +135,11 @@ def test_the_loser_of_two_repairs_of_a_corrupt_object_reports_it_present(s3_env,
             super().__init__(*args, **kwargs)
             self.other_bytes, self.creates = other_bytes, 0
 
-        def _create(self, path, digest, size_bytes, progress, condition):
+        def create(self, path, digest, size_bytes, progress, replacing):
             self.creates += 1
-            if "IfMatch" in condition:  # the other publisher's repair lands first
+            if replacing is not None:  # the other publisher's repair (If-Match on the same ETag) lands first
                 client.put_object(Bucket=bucket, Key=self.key(digest), Body=self.other_bytes)
-            return super()._create(path, digest, size_bytes, progress, condition)
+            return super().create(path, digest, size_bytes, progress, replacing)
 
     corrupt = bytes(b ^ 0x01 for b in good)
     client.put_object(Bucket=bucket, Key=S3PayloadStore(bucket, "p").key(digest), Body=corrupt)
