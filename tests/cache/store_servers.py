@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -349,6 +350,177 @@ class StallingEndpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def client_environment(kind: str, url: str, tmp_path: Path) -> tuple[str, dict[str, str]]:
+    """The ``COLDSNAP_PAYLOAD_REPO`` value and the client variables that point ``kind``'s real client at the HTTP
+    server ``url`` (``http://127.0.0.1:PORT``): S3 path-style under bucket ``payloads``, the OCI repository
+    ``coldsnap/payloads`` (a loopback registry is spoken to over plain HTTP), GCS bucket ``payloads``, Azure
+    container ``payloads`` of the account ``devstoreaccount1``; every prefix ``fleet``."""
+    if kind == "s3":
+        return "s3://payloads/fleet", {**S3_ENV, "AWS_ENDPOINT_URL": url}
+    if kind == "oci":
+        return f"oci://{url.removeprefix('http://')}/coldsnap/payloads", {"DOCKER_CONFIG": str(tmp_path / "docker-config")}
+    if kind == "gcs":
+        return "gs://payloads/fleet", {"STORAGE_EMULATOR_HOST": url}
+    return "az://devstoreaccount1/payloads/fleet", {
+        "AZURE_STORAGE_BLOB_ENDPOINT": f"{url}/devstoreaccount1",
+        "AZURE_STORAGE_KEY": AZURITE_KEY,
+    }
+
+
+class ScriptedServer:
+    """A real HTTP/1.1 server on 127.0.0.1, in threads, that answers every request with ``answer(handler)`` (the
+    test's script: a misbehaving store, a registry, a redirect target). :attr:`requests` records each request's
+    method, path and headers; :attr:`sent_bytes` counts what :meth:`write` sent; :attr:`stop` is set by
+    :meth:`close`, so an endless or dripping answer ends with the test."""
+
+    def __init__(self, answer: Callable[[Any], None]) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        owner = self
+        self.requests: list[tuple[str, str, dict[str, str]]] = []
+        self.sent_bytes = 0
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def handle_one(self) -> None:
+                with owner._lock:
+                    owner.requests.append((self.command, self.path, dict(self.headers)))
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                try:
+                    answer(self)
+                except (BrokenPipeError, ConnectionResetError):  # the client stopped reading: what a test wants
+                    self.close_connection = True
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_PATCH = do_DELETE = handle_one
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def write(self, handler: Any, data: bytes) -> None:
+        """Send ``data`` on ``handler``'s connection, counted in :attr:`sent_bytes`."""
+        handler.wfile.write(data)
+        handler.wfile.flush()
+        with self._lock:
+            self.sent_bytes += len(data)
+
+    def close(self) -> None:
+        self.stop.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> ScriptedServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def answer(handler: Any, status: int, headers: dict[str, str] | None = None, body: bytes = b"") -> None:
+    """A whole answer: ``status``, ``headers`` (``Content-Length`` added), ``body`` (not sent for ``HEAD``)."""
+    handler.send_response(status)
+    for name, value in {"Content-Length": str(len(body)), **(headers or {})}.items():
+        handler.send_header(name, value)
+    handler.end_headers()
+    if handler.command != "HEAD":
+        handler.wfile.write(body)
+
+
+ENDLESS_CAP_BYTES = 1 << 30
+"""Where an "endless" answer of :func:`object_store_script` stops at the latest (a client that reads it all has
+buffered 1 GiB: what a test watching for an unbounded read detects in :attr:`ScriptedServer.sent_bytes`)."""
+
+
+def object_store_script(server_box: list[ScriptedServer], data: bytes, body: str, *, drip_interval_s: float = 0.05):
+    """An ``answer`` for :class:`ScriptedServer` that speaks enough of S3 (path-style), the OCI distribution API,
+    GCS's JSON API and Azure Blob for one object holding ``data``, as :func:`client_environment` points a client
+    at it: every ``HEAD`` gives the object's size and version headers, a GCS metadata ``GET`` its JSON (size,
+    generation 1), and a ranged ``GET`` is answered as ``body`` says:
+
+    * ``ok``: ``206`` with the range;
+    * ``drip``: ``206`` with the range's ``Content-Length``, then one byte every ``drip_interval_s``;
+    * ``endless``: ``206`` with a chunked body that never ends (up to :data:`ENDLESS_CAP_BYTES`);
+    * ``huge-length``: ``206`` with ``Content-Length: 8 GiB`` and bytes until the cap;
+    * ``error-endless``: ``500`` with a chunked error body that never ends;
+    * ``ignore-range``: ``200`` with the whole object;
+    * ``bad-size``: the object's size is ``many`` (``HEAD``'s ``Content-Length``, GCS's ``size``).
+
+    ``server_box`` holds the server once it exists (the script counts through it)."""
+    import json
+    import urllib.parse
+
+    def endless(handler: Any, status: int, headers: dict[str, str], chunked: bool) -> None:
+        handler.send_response(status)
+        for name, value in headers.items():
+            handler.send_header(name, value)
+        handler.end_headers()
+        block, sent = b"\0" * (64 << 10), 0
+        while sent < ENDLESS_CAP_BYTES and not server_box[0].stop.is_set():
+            server_box[0].write(handler, b"%x\r\n%s\r\n" % (len(block), block) if chunked else block)
+            sent += len(block)
+
+    def script(handler: Any) -> None:
+        path = urllib.parse.urlsplit(handler.path).path
+        if handler.command == "HEAD":
+            headers = {"ETag": '"v1"', "Last-Modified": "Wed, 02 Dec 2026 00:00:00 GMT", "x-ms-blob-type": "BlockBlob"}
+            handler.send_response(200)
+            size = "many" if body == "bad-size" else str(len(data))
+            for name, value in {"Content-Length": size, "Content-Type": "application/octet-stream", **headers}.items():
+                handler.send_header(name, value)
+            handler.end_headers()
+            return
+        if "/storage/v1/b/" in path and not path.startswith("/download/"):  # GCS: the object's metadata
+            bucket, _, name = path.split("/storage/v1/b/", 1)[1].partition("/o/")
+            size = "many" if body == "bad-size" else str(len(data))
+            meta = {"kind": "storage#object", "bucket": bucket, "name": urllib.parse.unquote(name), "size": size}
+            answer(
+                handler,
+                200,
+                {"Content-Type": "application/json"},
+                json.dumps({**meta, "generation": "1", "metageneration": "1"}).encode(),
+            )
+            return
+        first, _, last = (
+            (handler.headers.get("Range") or handler.headers.get("x-ms-range") or "bytes=0-")
+            .removeprefix("bytes=")
+            .partition("-")
+        )
+        start, end = int(first), int(last or len(data) - 1) + 1
+        if body == "ignore-range":
+            handler.send_response(200)
+            handler.send_header("Content-Length", str(len(data)))
+            handler.end_headers()
+            server_box[0].write(handler, data)
+        elif body in ("ok", "drip"):
+            handler.send_response(206)
+            handler.send_header("Content-Length", str(end - start))
+            handler.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+            handler.end_headers()
+            if body == "ok":
+                server_box[0].write(handler, data[start:end])
+            for offset in range(start, end) if body == "drip" else ():
+                if server_box[0].stop.wait(drip_interval_s):
+                    return
+                server_box[0].write(handler, data[offset : offset + 1])
+        elif body == "huge-length":
+            endless(
+                handler, 206, {"Content-Length": str(8 << 30), "Content-Range": f"bytes {start}-{end - 1}/{len(data)}"}, False
+            )
+        else:
+            status = 500 if body == "error-endless" else 206
+            endless(handler, status, {"Transfer-Encoding": "chunked", "Content-Type": "application/xml"}, True)
+
+    return script
 
 
 def node_command(start_file: Path, *cli_args: str) -> list[str]:

@@ -9,27 +9,13 @@ from pathlib import Path
 
 import pytest
 from store_processes import AZURITE_KEY
-from store_servers import S3_ENV, StallingEndpoint
+from store_servers import StallingEndpoint, client_environment
 
 from coldsnap_core.errors import ConfigurationError, StoreError
 from coldsnap_core.settings import COMMAND_SETTINGS, ColdsnapSettings, StoreClientSettings, StoreSettings
 from coldsnap_core.stores import from_env, from_settings
 
 DIGEST = "ab" * 32
-
-
-def _environment(kind: str, endpoint: StallingEndpoint, tmp_path: Path) -> tuple[str, dict[str, str]]:
-    """The ``COLDSNAP_PAYLOAD_REPO`` value and the client variables that point ``kind``'s client at ``endpoint``."""
-    if kind == "s3":
-        return "s3://payloads/fleet", {**S3_ENV, "AWS_ENDPOINT_URL": endpoint.url}
-    if kind == "oci":  # a loopback registry is spoken to over plain HTTP
-        return f"oci://{endpoint.host}/coldsnap/payloads", {"DOCKER_CONFIG": str(tmp_path / "docker-config")}
-    if kind == "gcs":
-        return "gs://payloads/fleet", {"STORAGE_EMULATOR_HOST": endpoint.url}
-    return "az://devstoreaccount1/payloads/fleet", {
-        "AZURE_STORAGE_BLOB_ENDPOINT": f"{endpoint.url}/devstoreaccount1",
-        "AZURE_STORAGE_KEY": AZURITE_KEY,
-    }
 
 
 ATTEMPTS_WITH_ONE_RETRY = {"s3": 2, "oci": 1, "gcs": 2, "azure": 2}
@@ -47,7 +33,7 @@ def test_a_stalled_store_fails_after_the_configured_read_timeout_and_retries(
     client's default attempt count), if a retry policy ignores the setting (Azure's default made 4 attempts with
     15-24 s back-off in between), or if a timeout is reported without what expired."""
     with StallingEndpoint() as endpoint:
-        spec, client_env = _environment(kind, endpoint, tmp_path)
+        spec, client_env = client_environment(kind, endpoint.url, tmp_path)
         for name, value in {
             **client_env,
             "COLDSNAP_PAYLOAD_REPO": spec,
@@ -200,7 +186,7 @@ def test_an_s3_timeout_names_aws_max_attempts_when_it_decided_the_attempts(
     """With ``AWS_MAX_ATTEMPTS`` set, botocore makes that many attempts, and the timeout error says so and names the
     variable. Fails if it names ``COLDSNAP_STORE_RETRIES``' attempts that were not the ones made."""
     with StallingEndpoint() as endpoint:
-        spec, client_env = _environment("s3", endpoint, tmp_path)
+        spec, client_env = client_environment("s3", endpoint.url, tmp_path)
         for name, value in {
             **client_env,
             "COLDSNAP_PAYLOAD_REPO": spec,
