@@ -5,6 +5,7 @@ test runs Debian's ``docker-registry`` on 127.0.0.1 (``store_processes.Registry`
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -340,3 +341,130 @@ def test_only_a_manifest_refused_for_an_unknown_blob_or_a_5xx_is_pushed_again(st
 
     response = httpx.Response(status, json=body)
     assert _transient_manifest_refusal(response) is again
+
+
+def _login(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, registry: str, password: str = "s3cret-pw") -> None:
+    """A Docker config with ``fleet:<password>`` for ``registry``, as ``DOCKER_CONFIG``."""
+    config = tmp_path / "docker-config"
+    config.mkdir(exist_ok=True)
+    auth = base64.b64encode(f"fleet:{password}".encode()).decode()
+    (config / "config.json").write_text(json.dumps({"auths": {registry: {"auth": auth}}}))
+    monkeypatch.setenv("DOCKER_CONFIG", str(config))
+
+
+def _authorizations(server) -> list[str]:
+    return [h.get("Authorization", "") for _m, _p, h in server.requests if "Authorization" in h]
+
+
+def test_an_upload_location_on_another_origin_gets_no_credentials(tmp_path, monkeypatch, captured) -> None:
+    """A registry with Basic authentication that answers the upload ``POST`` with a ``Location`` on another origin (a
+    second server on 127.0.0.1): the blob goes there without the registry's credentials, and the registry itself
+    gets them. Fails if the store adds the registry's ``Authorization`` to whatever URL a ``Location`` names (it
+    sent ``user:password`` to any origin, over plain HTTP too)."""
+    from store_servers import ScriptedServer, answer
+
+    digest = captured.pack.sha256
+    with ScriptedServer(lambda h: answer(h, 201, {"Docker-Content-Digest": f"sha256:{digest}"})) as elsewhere:
+
+        def registry_script(h) -> None:
+            if "Authorization" not in h.headers:
+                answer(h, 401, {"WWW-Authenticate": 'Basic realm="coldsnap-test"'})
+            elif h.command == "HEAD":
+                answer(h, 404)
+            else:  # the upload POST
+                answer(h, 202, {"Location": f"{elsewhere.url}/uploads/1?_state=abc"})
+
+        with ScriptedServer(registry_script) as registry:
+            host = registry.url.removeprefix("http://")
+            _login(tmp_path, monkeypatch, host)
+            store = OciPayloadStore.from_url(f"oci://{host}/coldsnap/payloads")
+            assert store.upload(captured.pack_path, digest, captured.pack.size_bytes) is True
+            assert any(m == "POST" for m, _p, _h in registry.requests) and _authorizations(registry)
+        assert [m for m, _p, _h in elsewhere.requests] == ["PUT"]
+        assert _authorizations(elsewhere) == []
+
+
+def test_a_bearer_realm_over_plain_http_on_another_host_gets_no_credentials(tmp_path, monkeypatch) -> None:
+    """A registry whose ``Bearer`` challenge names a realm over plain HTTP on another host (``localhost``, not the
+    registry's ``127.0.0.1``): the store refuses (a StoreError naming the realm and the rule) and the realm gets no
+    request carrying the credentials. Fails if the Docker config's ``user:password`` go to any realm the registry
+    names."""
+    from store_servers import ScriptedServer, answer
+
+    with ScriptedServer(lambda h: answer(h, 200, {"Content-Type": "application/json"}, b'{"token": "t"}')) as tokens:
+        realm = tokens.url.replace("127.0.0.1", "localhost") + "/token"
+        challenge = f'Bearer realm="{realm}",service="registry",scope="repository:coldsnap/payloads:pull"'
+        with ScriptedServer(lambda h: answer(h, 401, {"WWW-Authenticate": challenge})) as registry:
+            host = registry.url.removeprefix("http://")
+            _login(tmp_path, monkeypatch, host)
+            with pytest.raises(StoreError, match="plain HTTP on another host") as raised:
+                OciPayloadStore.from_url(f"oci://{host}/coldsnap/payloads").has("ab" * 32)
+        assert realm in str(raised.value) and "s3cret-pw" not in str(raised.value)
+        assert _authorizations(tokens) == []
+
+
+SIGNATURE = "5ec7e75ec7e7" * 5
+
+
+@contextlib.contextmanager
+def _presigned_registry(data: bytes, storage_script=None):
+    """A registry on 127.0.0.1 that answers a blob ``GET`` with a ``307`` to a presigned URL (``X-Amz-Signature``) on
+    a second server, which serves the blob's ranges (or answers with ``storage_script``); yields both servers."""
+    from store_servers import ScriptedServer, answer, object_store_script
+
+    box: list = []
+    box.append(ScriptedServer(storage_script or object_store_script(box, data, "ok")))
+    storage = box[0]
+
+    def registry_script(h) -> None:
+        if h.command == "HEAD":
+            answer(h, 200, {"Content-Length": str(len(data))})
+        else:
+            answer(h, 307, {"Location": f"{storage.url}/blob?X-Amz-Credential=AKIAEXAMPLE&X-Amz-Signature={SIGNATURE}"})
+
+    with storage, ScriptedServer(registry_script) as registry:
+        yield registry, storage
+
+
+def _fetch(store: OciPayloadStore, data: bytes, target: Path) -> None:
+    import hashlib
+
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        store.fetch(hashlib.sha256(data).hexdigest(), len(data), fd, file=target)
+    finally:
+        os.close(fd)
+
+
+def test_a_presigned_redirect_is_followed_and_its_signature_never_logged(tmp_path, monkeypatch, caplog) -> None:
+    """A blob ``GET`` redirected to a presigned URL is followed and the blob fetched byte-identical, and no log
+    record, at any level of any logger (httpx logs every request's URL at INFO, which ``-v`` shows; httpcore the
+    ``Location`` at DEBUG), holds the signature. Fails if a client's log keeps a presigned URL's query."""
+    import logging
+
+    data = os.urandom(1 << 20)
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker-config"))
+    with _presigned_registry(data) as (registry, _storage), caplog.at_level(logging.DEBUG):
+        store = OciPayloadStore.from_url(f"oci://{registry.url.removeprefix('http://')}/coldsnap/payloads")
+        _fetch(store, data, tmp_path / "fetched")
+    assert (tmp_path / "fetched").read_bytes() == data
+    assert any("HTTP Request" in r.getMessage() for r in caplog.records)  # httpx did log the requests
+    assert SIGNATURE not in caplog.text and not any(SIGNATURE in r.getMessage() for r in caplog.records)
+
+
+def test_a_403_from_a_redirect_target_is_not_blamed_on_the_registry_credentials(tmp_path, monkeypatch) -> None:
+    """The redirect target refuses (``403``, a presigned URL that expired): the StoreError names the target's origin
+    and says the registry's credentials were not sent there, never quotes the signature, and does not send the user
+    to the Docker config. Fails if the target's ``403`` reads as the registry refusing its credentials."""
+    from store_servers import answer
+
+    data = os.urandom(1 << 20)
+    expired = b"<Error><Code>AccessDenied</Code><Message>Request has expired</Message></Error>"
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker-config"))
+    with _presigned_registry(data, lambda h: answer(h, 403, {"Content-Type": "application/xml"}, expired)) as (registry, storage):
+        store = OciPayloadStore.from_url(f"oci://{registry.url.removeprefix('http://')}/coldsnap/payloads")
+        with pytest.raises(StoreError) as raised:
+            _fetch(store, data, tmp_path / "fetched")
+    message = str(raised.value)
+    assert storage.url in message and "not the cause" in message, message
+    assert "credentials for" not in message and "refused access" not in message and SIGNATURE not in message, message

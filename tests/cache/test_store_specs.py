@@ -342,3 +342,33 @@ def test_a_docker_config_that_is_a_pipe_a_device_or_huge_is_refused_naming_it(tm
     for line, folder in zip(out, cases.values(), strict=True):
         assert line.startswith(f"{folder / 'config.json'} | the Docker config file cannot be read"), line
     assert "not a regular file" in out[0] and "not a regular file" in out[1] and "more than" in out[2]
+
+
+def test_a_connection_string_store_without_an_account_name_is_named_by_its_endpoint() -> None:
+    """A connection string with ``BlobEndpoint=`` and a SAS but no ``AccountName=`` names its store and locations by
+    the endpoint's ``host:port/path``, never ``?`` and never the signature. Fails if the name is ``azure ?/cont``
+    (a log or an outcome line then says nothing of which account failed)."""
+    spec = "BlobEndpoint=http://127.0.0.1:10000/devstoreaccount1;SharedAccessSignature=sv=2024&sig=SeCrEtSiG;Container=cont/fleet"
+    store = parse_store_spec(spec)
+    assert store.name == "azure 127.0.0.1:10000/devstoreaccount1/cont/fleet"
+    assert store.location("a" * 64).startswith("az://127.0.0.1:10000/devstoreaccount1/cont/fleet/model-payloads/")
+    assert "?" not in store.name + store.location("a" * 64) and "SeCrEtSiG" not in store.name + repr(store)
+
+
+def test_an_s3_endpoint_password_never_appears_in_the_configuration_error(monkeypatch, captured, tmp_path, capsys) -> None:
+    """``AWS_ENDPOINT_URL`` with ``user:password@`` in an environment no S3 client can be built from (an invalid
+    addressing style): the ConfigurationError names the variables, the password masked, from the store and from
+    ``coldsnap stage`` (whose text ``auto`` puts in its fallback WARNING and the outcome line). Fails if the message
+    quotes the endpoint as set."""
+    from coldsnap_core.cli.main import main
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://fleet:hunter2pw@127.0.0.1:9")
+    monkeypatch.setenv("AWS_S3_ADDRESSING_STYLE", "sideways")
+    with pytest.raises(ConfigurationError) as raised:
+        parse_store_spec("s3://payloads/x").has("a" * 64)
+    assert "AWS_ENDPOINT_URL=" in str(raised.value) and "AWS_S3_ADDRESSING_STYLE" in str(raised.value)
+    assert "hunter2pw" not in str(raised.value)
+    args = ["stage", str(captured.artifact_dir), "--repo", "s3://payloads/x", "--state-root", str(tmp_path / "node")]
+    assert main(args) == 4
+    err = capsys.readouterr().err
+    assert "AWS_ENDPOINT_URL=" in err and "hunter2pw" not in err

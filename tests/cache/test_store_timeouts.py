@@ -200,3 +200,35 @@ def test_an_s3_timeout_names_aws_max_attempts_when_it_decided_the_attempts(
         attempts = endpoint.requests_naming(DIGEST)
     assert "at most 1 attempt(s), AWS_MAX_ATTEMPTS=1)" in str(raised.value), str(raised.value)
     assert len(attempts) == 1
+
+
+@pytest.mark.parametrize(
+    "variable", ["COLDSNAP_STORE_READ_TIMEOUT", "COLDSNAP_STORE_CONNECT_TIMEOUT", "COLDSNAP_STORE_RANGE_DEADLINE"]
+)
+def test_a_store_timeout_under_the_minimum_is_refused_not_floored(variable: str) -> None:
+    """``0.0000001`` s (a timeout every request misses) is a ConfigurationError naming the variable, the value, the
+    minimum (0.1 s) and that it is refused, not floored, from the engine settings and the CLI's store settings; 0.1
+    itself is taken. Fails if any positive number is accepted."""
+    for value in ("0.0000001", "0.09"):
+        with pytest.raises(
+            ConfigurationError, match=rf"{variable}='{value}' is under the minimum of 0.1 s: refused, not floored"
+        ):
+            ColdsnapSettings.resolve({variable: value})
+        with pytest.raises(ConfigurationError, match=variable):
+            StoreSettings.from_environ({variable: value})
+    field = {"COLDSNAP_STORE_READ_TIMEOUT": "read_timeout_s", "COLDSNAP_STORE_CONNECT_TIMEOUT": "connect_timeout_s"}.get(
+        variable, "range_deadline_s"
+    )
+    assert getattr(ColdsnapSettings.resolve({variable: "0.1"})[0].store.client, field) == 0.1
+
+
+@pytest.mark.parametrize("value", ["-1", "inf", "nan", "1e6", "fast", "\u0661"])
+def test_a_store_minimum_rate_that_is_not_a_number_of_bytes_per_second_is_refused(value: str) -> None:
+    """``COLDSNAP_STORE_MIN_RATE`` takes bytes per second >= 0 in ASCII decimals (0 turns the floor off); anything else
+    is a ConfigurationError naming the variable and the value. The rate and the range deadline resolve into the store
+    client settings (extra-config keys ``store_min_rate``, ``store_range_deadline``)."""
+    with pytest.raises(ConfigurationError, match=f"COLDSNAP_STORE_MIN_RATE={value!r} is not a number of bytes per second"):
+        ColdsnapSettings.resolve({"COLDSNAP_STORE_MIN_RATE": value})
+    settings, _ = ColdsnapSettings.resolve({"COLDSNAP_STORE_MIN_RATE": "0"}, {"store_range_deadline": 30})
+    assert (settings.store.client.min_rate_bytes_per_s, settings.store.client.range_deadline_s) == (0, 30)
+    assert StoreClientSettings.from_environ({"COLDSNAP_STORE_MIN_RATE": "1000.5"}).min_rate_bytes_per_s == 1000.5
