@@ -93,7 +93,7 @@ class _RangeIgnored(Exception):
 
 
 class _Stopped(Exception):
-    """Another range of the same transfer failed: this one stops at its next chunk."""
+    """Another range of the same transfer failed: this one stops at its next chunk (its error is not the one raised)."""
 
 
 def timed_out(exc: BaseException) -> str | None:
@@ -230,29 +230,6 @@ def pwrite_sink(fd: int, file: Path) -> Sink:
     return write
 
 
-def run_all(function: Callable[[Any, threading.Event], object], items: list[Any], concurrency: int) -> None:
-    """Run ``function(item, stop)`` for every item on ``concurrency`` threads. The first error sets ``stop`` (items
-    not started are skipped; a function in flight sees it and raises :class:`_Stopped`) and is raised once every
-    thread is done."""
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def one(item: Any) -> None:
-        if stop.is_set():
-            return
-        try:
-            function(item, stop)
-        except BaseException as exc:
-            if not isinstance(exc, _Stopped):
-                errors.append(exc)
-            stop.set()
-
-    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(one, items))
-    if errors:
-        raise errors[0]
-
-
 class RangedStore(ABC):
     """The template of an object store that serves byte ranges (see the module docstring).
 
@@ -329,6 +306,14 @@ class RangedStore(ABC):
         """The :class:`StoreError` of ``exc``, raised by the store's client while ``action``."""
         return request_failure(self.name, action, exc, self.client_settings, where=self.location(digest))
 
+    def missing(self, what: str, digest: str) -> StoreError:
+        """The :class:`StoreError` of a bucket or container (``what``) that does not exist: a misconfiguration, not a
+        missing pack (``payload-available`` would advise publishing it)."""
+        return StoreError(
+            f"{self.name}: the {what} does not exist (coldsnap never creates one; check the payload store setting)",
+            file=self.location(digest),
+        )
+
     # -- the template --------------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -352,12 +337,9 @@ class RangedStore(ABC):
         if stat is None:
             return False
         where = self.location(digest)
-        mismatch = (
-            None
-            if size_bytes is None
-            else size_mismatch(PackSizeMismatchError, "stored pack", stat.size_bytes, size_bytes, file=where)
-        )
-        if mismatch is not None:
+        if size_bytes is not None and (
+            mismatch := size_mismatch(PackSizeMismatchError, "stored pack", stat.size_bytes, size_bytes, file=where)
+        ):
             logger.warning("coldsnap: %s; treating it as absent", mismatch)
             return False
         if verify and (hashed := self._hash(digest, stat)) != digest:
@@ -383,8 +365,7 @@ class RangedStore(ABC):
         where = self.location(digest)
         if stat is None:
             raise PayloadUnavailableError(f"{self.name} does not hold the pack", file=where)
-        mismatch = size_mismatch(PackSizeMismatchError, "stored pack", stat.size_bytes, size_bytes, file=where)
-        if mismatch is not None:
+        if mismatch := size_mismatch(PackSizeMismatchError, "stored pack", stat.size_bytes, size_bytes, file=where):
             raise mismatch
         started = time.monotonic()
         self.transfer(digest, stat, pwrite_sink(fd, file), progress)
@@ -414,12 +395,21 @@ class RangedStore(ABC):
                 with lock:
                     progress(n)
 
-        def one(r: tuple[int, int], stop: threading.Event) -> None:
-            self._read_range(digest, stat, r[0], r[1], sink, tick, stop)
+        stop, errors = threading.Event(), []  # the first error stops the other ranges at their next chunk
 
-        try:
-            run_all(one, byte_ranges(stat.size_bytes, self.range_size_bytes), self.concurrency)
-        except _RangeIgnored:
+        def one(r: tuple[int, int]) -> None:
+            try:
+                if not stop.is_set():
+                    self._read_range(digest, stat, r[0], r[1], sink, tick, stop)
+            except BaseException as exc:
+                errors.extend([] if isinstance(exc, _Stopped) else [exc])
+                stop.set()
+
+        with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
+            list(pool.map(one, byte_ranges(stat.size_bytes, self.range_size_bytes)))
+        if errors and not isinstance(errors[0], _RangeIgnored):
+            raise errors[0]
+        if errors:
             logger.warning(
                 "coldsnap: %s ignores Range (a ranged GET was answered with the whole object); reading %s once, in one stream",
                 self.name,
@@ -519,15 +509,16 @@ class RangedStore(ABC):
                 changing under a replacement.
         """
         check_digest(digest)
-        mismatch = size_mismatch(PackSizeMismatchError, "the file to upload", os.path.getsize(path), size_bytes, file=path)
-        if mismatch is not None:
+        if mismatch := size_mismatch(PackSizeMismatchError, "the file to upload", os.path.getsize(path), size_bytes, file=path):
             raise mismatch
         where = self.location(digest)
         with self.typed("uploading the pack", digest):
             existing = None if self.conditional_create else self.stat(digest)
             if existing is None:
-                if self.hash_before_sending:  # what is sent cannot be taken back: check before the first byte
-                    check_file_digest(path, digest, size_bytes)
+                if self.hash_before_sending:  # what is sent cannot be taken back: hash the file before the first byte
+                    with hashing_reader(path, digest, size_bytes, None) as reader:
+                        while reader.read(8 << 20):
+                            pass
                 if self.create(path, digest, size_bytes, progress, None):
                     logger.info("coldsnap: uploaded %s to %s", digest, self.name)
                     return True
@@ -578,36 +569,20 @@ def redact_client_logs() -> None:
         logging.getLogger(name).addFilter(_REDACTED_RECORDS)
 
 
-def check_file_digest(path: Path, digest: str, size_bytes: int) -> None:
-    """Hash ``path`` (sequentially, 8 MiB reads) before any byte of it is sent to a store that cannot take back
-    what it was sent (an OCI upload session, Azure's staged blocks).
-
-    Raises:
-        PackDigestMismatchError: the file does not have ``size_bytes`` bytes hashing to ``digest`` (it changed
-            after verification).
-    """
-    h = hashlib.sha256()
-    done = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-            done += len(chunk)
-    if done != size_bytes or h.hexdigest() != digest:
-        raise PackDigestMismatchError(
-            f"the file to upload ({done} bytes) does not hash to its digest; it changed after verification", file=path
-        )
-
-
-def read_file_checked(path: Path, digest: str, size_bytes: int) -> bytes:
-    """The whole of ``path`` when it has ``size_bytes`` bytes hashing to ``digest`` (a single-request upload).
-
-    Raises:
-        PackDigestMismatchError: the file changed after verification (other size or other bytes).
-    """
-    data = path.read_bytes()
-    if len(data) != size_bytes or hashlib.sha256(data).hexdigest() != digest:
-        raise PackDigestMismatchError("the file to upload does not hash to its digest; it changed after verification", file=path)
-    return data
+@contextlib.contextmanager
+def hashing_reader(path: Path, digest: str, size_bytes: int, progress: Callable[[int], object] | None) -> Iterator[HashingReader]:
+    """A :class:`HashingReader` for a client's upload; its refusal (the file changed after verification) is raised
+    as itself, not as the client's exception wrapping it."""
+    reader = HashingReader(path, digest, size_bytes, progress)
+    try:
+        yield reader
+    except Exception as exc:
+        cause = exc.__cause__ or exc.__context__
+        if not isinstance(exc, ColdsnapError) and isinstance(cause, PackDigestMismatchError | PackSizeMismatchError):
+            raise cause from exc
+        raise
+    finally:
+        reader.close()
 
 
 class HashingReader:

@@ -35,8 +35,6 @@ from typing import Any
 
 from coldsnap_core.errors import (
     ConfigurationError,
-    PackDigestMismatchError,
-    PackSizeMismatchError,
     PayloadUnavailableError,
     StoreError,
 )
@@ -44,9 +42,9 @@ from coldsnap_core.settings import StoreClientSettings
 from coldsnap_core.stores._ranged import (
     DEFAULT_CONCURRENCY,
     RANGE_SIZE_BYTES,
-    HashingReader,
     ObjectStat,
     RangedStore,
+    hashing_reader,
     object_key,
     read1_chunks,
     read_answer,
@@ -289,11 +287,7 @@ class AzurePayloadStore(RangedStore):
                     return
             except Exception as exc:
                 raise self.failure("looking up the container", digest, exc) from exc
-        raise StoreError(
-            f"{self.name}: the container {self.container!r} does not exist in storage account {self.account}"
-            " (coldsnap never creates containers; check the payload store setting)",
-            file=self.location(digest),
-        )
+        raise self.missing(f"container {self.container!r}", digest)
 
     def stat(self, digest: str) -> ObjectStat | None:
         """The blob's size and ETag, or ``None`` when there is none."""
@@ -357,24 +351,17 @@ class AzurePayloadStore(RangedStore):
             if replacing is None
             else {"overwrite": True, "etag": replacing.version, "match_condition": MatchConditions.IfNotModified}
         )
-        reader = HashingReader(path, digest, size_bytes, progress)
         try:
-            blob.upload_blob(
-                reader,
-                length=size_bytes,
-                max_concurrency=1,  # the reader is sequential: it hashes in order and refuses the last read on a mismatch
-                content_settings=ContentSettings(content_type="application/octet-stream"),
-                **condition,
-            )
-        except (PackDigestMismatchError, PackSizeMismatchError):
-            raise
+            with hashing_reader(path, digest, size_bytes, progress) as reader:
+                blob.upload_blob(
+                    reader,
+                    length=size_bytes,
+                    max_concurrency=1,  # the reader is sequential: it hashes in order and refuses the last read on a mismatch
+                    content_settings=ContentSettings(content_type="application/octet-stream"),
+                    **condition,
+                )
         except Exception as exc:
-            cause = exc.__cause__ or exc.__context__
-            if isinstance(cause, PackDigestMismatchError | PackSizeMismatchError):
-                raise cause from exc
             if _is(exc, "ResourceExistsError", "ResourceModifiedError"):
                 return False
             raise
-        finally:
-            reader.close()
         return True

@@ -29,18 +29,15 @@ from typing import Any
 
 from coldsnap_core.errors import (
     ConfigurationError,
-    PackDigestMismatchError,
-    PackSizeMismatchError,
     PayloadUnavailableError,
-    StoreError,
 )
 from coldsnap_core.settings import StoreClientSettings
 from coldsnap_core.stores._ranged import (
     DEFAULT_CONCURRENCY,
     RANGE_SIZE_BYTES,
-    HashingReader,
     ObjectStat,
     RangedStore,
+    hashing_reader,
     object_key,
     read1_chunks,
     read_answer,
@@ -185,21 +182,13 @@ class GcsPayloadStore(RangedStore):
         """The live object's size and generation, or ``None`` when there is none.
 
         Raises:
-            StoreError: the request failed, or the bucket does not exist (a misconfiguration, not a missing
-                pack: ``get_blob`` answers ``None`` for both), naming the bucket.
+            StoreError: the bucket does not exist (``get_blob`` answers ``None`` for a missing bucket too).
+            Exception: the client's, for the template to type.
         """
-        bucket = self.client.bucket(self.bucket_name)  # outside the try: a missing library is a ConfigurationError
-        try:
-            blob = bucket.get_blob(self.key(digest), timeout=self._timeout_s, retry=self._retry)
-            bucket_exists = blob is not None or bucket.exists(timeout=self._timeout_s, retry=self._retry)
-        except Exception as exc:
-            raise self.failure("looking up the pack", digest, exc) from exc
-        if not bucket_exists:
-            raise StoreError(
-                f"{self.name}: the bucket {self.bucket_name!r} does not exist (coldsnap never creates buckets;"
-                " check the payload store setting)",
-                file=self.location(digest),
-            )
+        bucket = self.client.bucket(self.bucket_name)
+        blob = bucket.get_blob(self.key(digest), timeout=self._timeout_s, retry=self._retry)
+        if blob is None and not bucket.exists(timeout=self._timeout_s, retry=self._retry):
+            raise self.missing(f"bucket {self.bucket_name!r}", digest)
         return None if blob is None else ObjectStat(int(blob.size), int(blob.generation))
 
     @contextlib.contextmanager
@@ -236,27 +225,20 @@ class GcsPayloadStore(RangedStore):
     ) -> bool:
         """Write the object if its live generation is ``replacing``'s (``None``: no live object,
         ``if_generation_match=0``); ``False`` when that failed."""
-        reader = HashingReader(path, digest, size_bytes, progress)
         blob = self.client.bucket(self.bucket_name).blob(self.key(digest), chunk_size=self.chunk_size_bytes)
         try:
-            blob.upload_from_file(
-                reader,
-                size=size_bytes,
-                content_type="application/octet-stream",
-                if_generation_match=0 if replacing is None else replacing.version,
-                checksum="md5",
-                timeout=self._timeout_s,
-                retry=self._retry,  # a create under if_generation_match is idempotent
-            )
-        except (PackDigestMismatchError, PackSizeMismatchError):
-            raise
+            with hashing_reader(path, digest, size_bytes, progress) as reader:
+                blob.upload_from_file(
+                    reader,
+                    size=size_bytes,
+                    content_type="application/octet-stream",
+                    if_generation_match=0 if replacing is None else replacing.version,
+                    checksum="md5",
+                    timeout=self._timeout_s,
+                    retry=self._retry,  # a create under if_generation_match is idempotent
+                )
         except Exception as exc:
-            cause = exc.__cause__ or exc.__context__
-            if isinstance(cause, PackDigestMismatchError | PackSizeMismatchError):
-                raise cause from exc
             if _is(exc, "PreconditionFailed") or getattr(exc, "code", None) == 412:
                 return False
             raise
-        finally:
-            reader.close()
         return True

@@ -66,10 +66,10 @@ from coldsnap_core.settings import OCI_MOUNT_FROM_ENV, StoreClientSettings
 from coldsnap_core.stores._ranged import (
     ANSWER_MAX_BYTES,
     DEFAULT_CONCURRENCY,
-    HashingReader,
     ObjectStat,
     RangedStore,
     byte_ranges,
+    hashing_reader,
     read_answer,
     request_failure,
 )
@@ -581,19 +581,19 @@ class OciPayloadStore(RangedStore):
         """The upload session: one ``PUT`` with the bytes up to ``chunk_size_bytes``, else ``PATCH`` chunks and a closing
         ``PUT``. The file is hashed as it is read, and the read of its last byte raises when it is not the digest, so
         the request completing the upload is never sent; a failed session is cancelled."""
-        reader = HashingReader(path, digest, size_bytes, progress)
         try:
-            if size_bytes <= self.chunk_size_bytes:
-                response = self._put(location, digest, reader.read(), where)
-            else:
-                for offset, end in byte_ranges(size_bytes, self.chunk_size_bytes):
-                    headers = {"Content-Type": "application/octet-stream", "Content-Range": f"{offset}-{end - 1}"}
-                    data = reader.read(end - offset)
-                    response = self._request("PATCH", location, where=where, scope_key="push", content=data, headers=headers)
-                    if response.status_code != 202 or not response.headers.get("Location"):
-                        raise self._fail(f"uploading bytes {offset}-{end - 1}", response, where)
-                    location = self._absolute(response.headers["Location"])
-                response = self._put(location, digest, b"", where)
+            with hashing_reader(path, digest, size_bytes, progress) as reader:
+                if size_bytes <= self.chunk_size_bytes:
+                    response = self._put(location, digest, reader.read(), where)
+                else:
+                    for offset, end in byte_ranges(size_bytes, self.chunk_size_bytes):
+                        headers = {"Content-Type": "application/octet-stream", "Content-Range": f"{offset}-{end - 1}"}
+                        data = reader.read(end - offset)
+                        response = self._request("PATCH", location, where=where, scope_key="push", content=data, headers=headers)
+                        if response.status_code != 202 or not response.headers.get("Location"):
+                            raise self._fail(f"uploading bytes {offset}-{end - 1}", response, where)
+                        location = self._absolute(response.headers["Location"])
+                    response = self._put(location, digest, b"", where)
             if response.status_code == 400 and "DIGEST_INVALID" in response.text:
                 raise PackDigestMismatchError(f"{self.name} refused the bytes: they do not hash to sha256:{digest}", file=path)
             if response.status_code != 201:
@@ -601,8 +601,6 @@ class OciPayloadStore(RangedStore):
         except BaseException:
             self._cancel(location, where)
             raise
-        finally:
-            reader.close()
 
     def _put(self, location: str, digest: str, data: bytes, where: str) -> Any:
         separator = "&" if "?" in location else "?"
@@ -701,16 +699,16 @@ class OciPayloadStore(RangedStore):
             name,
         )
 
-    def check_artifact(self, listing: ArtifactListing) -> None:
-        """Refuse now what :meth:`publish_artifact` would refuse for ``listing``'s tag, before any blob is uploaded
-        (and for a dry run): the tag already named another artifact of this publication, or names another artifact
-        or a manifest that is not coldsnap's in the registry. Reads only (``HEAD``/``GET`` of the tag).
+    def _check_tag(self, listing: ArtifactListing, *, warn: bool) -> tuple[bytes, str, str, str, bool]:
+        """The tag rules of :meth:`publish_artifact` for ``listing`` (reading only: ``HEAD``/``GET`` of the tag);
+        returns ``(manifest, its digest, the tag's URL, where, whether the tag already names that manifest)``.
 
         Raises:
             ConfigurationError: as :meth:`publish_artifact`.
             StoreError: the registry failed.
         """
-        manifest_digest = hashlib.sha256(self.manifest_for(listing)).hexdigest()
+        manifest = self.manifest_for(listing)
+        manifest_digest = hashlib.sha256(manifest).hexdigest()
         tag = self.tag_for(listing)
         if self._tagged.setdefault(tag, listing.name) != listing.name:
             raise ConfigurationError(
@@ -722,7 +720,19 @@ class OciPayloadStore(RangedStore):
         head = self._request("HEAD", url, where=where, scope_key="pull", headers={"Accept": MANIFEST_MEDIA_TYPE})
         current = head.headers.get("Docker-Content-Digest")
         if head.status_code == 200 and current != f"sha256:{manifest_digest}":
-            self._check_tag_move(url, where, listing.name, current, manifest_digest, warn=False)
+            self._check_tag_move(url, where, listing.name, current, manifest_digest, warn=warn)
+        return manifest, manifest_digest, url, where, head.status_code == 200 and current == f"sha256:{manifest_digest}"
+
+    def check_artifact(self, listing: ArtifactListing) -> None:
+        """Refuse now what :meth:`publish_artifact` would refuse for ``listing``'s tag, before any blob is uploaded
+        (and for a dry run): the tag already named another artifact of this publication, or names another artifact
+        or a manifest that is not coldsnap's in the registry. Reads only (``HEAD``/``GET`` of the tag).
+
+        Raises:
+            ConfigurationError: as :meth:`publish_artifact`.
+            StoreError: the registry failed.
+        """
+        self._check_tag(listing, warn=False)
 
     def publish_artifact(self, listing: ArtifactListing) -> str:
         """Push the manifest of one artifact whose packs are in the repository; returns its reference
@@ -737,23 +747,11 @@ class OciPayloadStore(RangedStore):
             StoreError: the registry refused the manifest (e.g. a pack blob is missing) or failed, or it
                 answered with another manifest digest.
         """
-        manifest = self.manifest_for(listing)
-        manifest_digest = hashlib.sha256(manifest).hexdigest()
-        tag = self.tag_for(listing)
-        if self._tagged.setdefault(tag, listing.name) != listing.name:
-            raise ConfigurationError(
-                f"{self.name}: the tag {tag!r} would name both {self._tagged[tag]!r} and {listing.name!r}; "
-                "publish one artifact per tag, or leave the tag out of the URL (each artifact is then tagged by its folder name)"
-            )
-        url = f"{self.base_url}/v2/{self.repository}/manifests/{tag}"
-        where = f"{OCI_SCHEME}{self.registry}/{self.repository}:{tag}"
+        manifest, manifest_digest, url, where, named = self._check_tag(listing, warn=True)
         reference = f"{where}@sha256:{manifest_digest}"
-        head = self._request("HEAD", url, where=where, scope_key="pull", headers={"Accept": MANIFEST_MEDIA_TYPE})
-        if head.status_code == 200 and head.headers.get("Docker-Content-Digest") == f"sha256:{manifest_digest}":
+        if named:
             logger.info("coldsnap: %s already names this manifest", where)
             return reference
-        if head.status_code == 200:
-            self._check_tag_move(url, where, listing.name, head.headers.get("Docker-Content-Digest"), manifest_digest)
         if self.stat(EMPTY_DIGEST) is None:
             location = self._start_upload(EMPTY_DIGEST, where)
             if location is not None:

@@ -38,8 +38,6 @@ from typing import Any
 
 from coldsnap_core.errors import (
     ConfigurationError,
-    PackDigestMismatchError,
-    PackSizeMismatchError,
     PayloadUnavailableError,
     StoreError,
     redact_store_spec,
@@ -50,9 +48,9 @@ from coldsnap_core.stores._ranged import (
     ObjectStat,
     RangedStore,
     byte_ranges,
+    hashing_reader,
     object_key,
     read1_chunks,
-    read_file_checked,
     request_failure,
 )
 from coldsnap_core.stores.base import ProgressCallback, checked_prefix
@@ -245,11 +243,7 @@ class S3PayloadStore(RangedStore):
             client.head_bucket(Bucket=self.bucket)
         except Exception as exc:
             if _error_code(exc) in _NOT_FOUND_CODES | {"NoSuchBucket"}:
-                raise StoreError(
-                    f"{self.name}: the bucket {self.bucket!r} does not exist (coldsnap never creates buckets;"
-                    " check the payload store setting)",
-                    file=self.location(digest),
-                ) from exc
+                raise self.missing(f"bucket {self.bucket!r}", digest) from exc
             # HeadBucket needs s3:ListBucket; without it the object's 404 stands (the behaviour before this check)
             logger.debug("coldsnap: HeadBucket of %s after a 404: %s", self.bucket, exc)
         return None
@@ -292,7 +286,8 @@ class S3PayloadStore(RangedStore):
         return created
 
     def _put_once(self, path: Path, digest: str, size_bytes: int, condition: dict[str, str]) -> bool:
-        data = read_file_checked(path, digest, size_bytes)
+        with hashing_reader(path, digest, size_bytes, None) as reader:
+            data = reader.read()
         try:
             self.client.put_object(
                 Bucket=self.bucket,
@@ -326,7 +321,6 @@ class S3PayloadStore(RangedStore):
             raise self.failure("starting a multipart upload", digest, exc) from exc
         completed = False
         try:
-            whole = hashlib.sha256()
             parts: dict[int, dict[str, Any]] = {}
             lock = threading.Lock()
 
@@ -349,25 +343,20 @@ class S3PayloadStore(RangedStore):
                     if progress is not None:
                         progress(len(data))
 
-            with open(path, "rb") as f, concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
+            # the reader hashes the file in order and refuses its last part when the whole is not the digest
+            with (
+                hashing_reader(path, digest, size_bytes, None) as f,
+                concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool,
+            ):
                 pending: set[concurrent.futures.Future[None]] = set()
                 for number, (start, end) in enumerate(ranges, start=1):
-                    data = f.read(end - start)
-                    whole.update(data)
-                    pending.add(pool.submit(send, number, data))
+                    pending.add(pool.submit(send, number, f.read(end - start)))
                     if len(pending) >= self.concurrency:  # bounded read-ahead: at most `concurrency` parts in memory
                         done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
                         for future in done:
                             future.result()
                 for future in concurrent.futures.as_completed(pending):
                     future.result()
-                if f.read(1):
-                    raise PackSizeMismatchError(f"the file grew past {size_bytes} bytes during the upload", file=path)
-            if whole.hexdigest() != digest:
-                raise PackDigestMismatchError(
-                    f"the bytes read for upload hash to {whole.hexdigest()}, not {digest}; the file changed after verification",
-                    file=path,
-                )
             try:
                 self.client.complete_multipart_upload(
                     Bucket=self.bucket,
