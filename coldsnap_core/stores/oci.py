@@ -7,8 +7,9 @@ an OCI blob digest, so the registry's ``Docker-Content-Digest`` is the pack's ow
 Calls (OCI Distribution Specification v1.1, "Pulling blobs", "Pushing blobs", "Pushing manifests"):
 
 * ``HEAD /v2/<name>/blobs/<digest>``: presence and size;
-* fetch: ranged ``GET /v2/<name>/blobs/<digest>`` (``Range: bytes=a-b``, 206), 64 MiB each, 8 in flight,
-  written with ``pwrite`` into the cache's temporary file (the cache then verifies the whole file);
+* fetch (:class:`~coldsnap_core.stores._ranged.RangedStore`): ranged ``GET /v2/<name>/blobs/<digest>``
+  (``Range: bytes=a-b``, 206), 64 MiB each, 8 in flight, streamed into the cache's temporary file (the cache then
+  verifies the whole file);
 * upload: ``HEAD`` first; ``POST /v2/<name>/blobs/uploads/?mount=<digest>[&from=<repo>]`` (a cross-repository
   mount from each repository of the ``oci_mount_from`` setting; 201 = mounted, no byte sent), else the upload
   session it opened: one ``PUT <location>?digest=<digest>`` with the body up to 64 MiB, else ``PATCH`` chunks
@@ -24,8 +25,10 @@ Credentials: the Docker config file (``$DOCKER_CONFIG/config.json``, else ``~/.d
 ``identitytoken``); on ``401`` the registry's challenge is answered: ``WWW-Authenticate: Basic`` with those
 credentials, ``WWW-Authenticate: Bearer realm=...,service=...,scope=...`` with a token fetched from the realm
 (the Docker registry token protocol; the credentials as Basic authentication, an ``identitytoken`` as an
-OAuth2 refresh token). Plain HTTP only for a loopback registry (``127.0.0.0/8``, ``::1``, ``localhost``) or
-with the ``oci_plain_http`` setting (``COLDSNAP_OCI_PLAIN_HTTP=1``); HTTPS otherwise.
+OAuth2 refresh token). The credentials go only to the registry's own origin and to a realm over HTTPS (or on the
+registry's own host when the registry is plain HTTP); an upload location or redirect elsewhere gets none. Plain HTTP
+only for a loopback registry (``127.0.0.0/8``, ``::1``, ``localhost``) or with the ``oci_plain_http`` setting
+(``COLDSNAP_OCI_PLAIN_HTTP=1``); HTTPS otherwise.
 
 Consistency: a registry stores a blob by its digest after hashing it, so two publishers of one digest leave
 one blob. A registry never replaces a blob it already holds (an upload of the same digest is accepted and

@@ -295,6 +295,8 @@ def test_a_blank_extra_config_key_lets_its_variable_apply_for_every_setting(blan
         "store_connect_timeout": "5",
         "store_read_timeout": "5",
         "store_retries": "3",
+        "store_min_rate": "1000",
+        "store_range_deadline": "30",
         "derived_cache": "off",
         "oci_plain_http": "1",
         "oci_mount_from": "models/base",
