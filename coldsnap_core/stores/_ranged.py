@@ -442,7 +442,8 @@ class RangedStore(ABC):
             for chunk in chunks:
                 if pace.done_bytes + len(chunk) > length:
                     raise PackSizeMismatchError(
-                        f"ranged read of bytes {start}-{end - 1} returned more than {length} bytes (the object changed size)",
+                        f"ranged read of bytes {start}-{end - 1} returned more than {length} bytes (a store or proxy that"
+                        " does not keep to the range, or the object changed size)",
                         file=where,
                         offset_bytes=start,
                     )

@@ -29,10 +29,11 @@ import base64
 import concurrent.futures
 import contextlib
 import hashlib
+import itertools
 import logging
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from coldsnap_core.errors import (
 )
 from coldsnap_core.settings import StoreClientSettings
 from coldsnap_core.stores._ranged import (
+    ANSWER_MAX_BYTES,
     DEFAULT_CONCURRENCY,
     ObjectStat,
     RangedStore,
@@ -141,13 +143,33 @@ def _default_client(client_settings: StoreClientSettings | None = None) -> Any:
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        return boto3.client("s3", config=config)
+        client = boto3.client("s3", config=config)
     except (ValueError, BotoCoreError) as exc:
         given = ", ".join(f"{v}={os.environ[v]!r}" for v in S3_CLIENT_VARIABLES if v in os.environ) or "no AWS_* variable set"
         # an endpoint's user:password@ (and botocore's message quoting it) never reaches a message, a log or an outcome
         raise ConfigurationError(
             redact_store_spec(f"the S3 client cannot be built from the environment ({given}): {exc}")
         ) from None
+    client.meta.events.register("before-send.s3", _capped_answers(client))
+    return client
+
+
+def _capped_answers(client: Any) -> Callable[..., Any]:
+    """A ``before-send`` handler that sends the request itself (botocore's own HTTP session) and reads at most
+    :data:`~coldsnap_core.stores._ranged.ANSWER_MAX_BYTES` of an answer botocore would read whole: an error's (any
+    operation's) and every answer but a ``GetObject``'s body, which the ranged fetch streams. A proxy's endless error
+    body then costs 64 KiB, not the process."""
+
+    def send(request: Any, **_: Any) -> Any:
+        streaming, request.stream_output = request.stream_output, True  # botocore then leaves the body unread
+        response = client._endpoint.http_session.send(request)
+        if response.status_code >= 300 or not streaming:
+            body = b"".join(itertools.islice(read1_chunks(response.raw), 64))  # 64 socket reads at most: no drip holds it
+            response.raw.close()
+            response._content = body[:ANSWER_MAX_BYTES]  # what AWSResponse.content returns from now on
+        return response
+
+    return send
 
 
 def _aws_max_attempts() -> tuple[int, str] | None:

@@ -122,14 +122,14 @@ def test_a_body_longer_than_its_range_is_refused_past_the_range_and_never_buffer
     assert sent < 64 << 20, f"the server sent {sent} bytes for a 1 MiB range"
 
 
-@pytest.mark.parametrize("kind", ["oci", "gcs", "azure"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_an_endless_error_body_is_cut_and_the_failure_is_a_store_error(
     kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A ``500`` whose error body never ends: the store reads at most 64 KiB of it for the message and fails as a
     StoreError naming the store (``auto`` falls back). Fails if an error body is read whole (OCI's client read
-    every answer whole: the process grew until killed, or ``MemoryError`` escaped untyped). S3's error bodies are
-    read by botocore itself (not covered here)."""
+    every answer whole, and botocore every error's: the process grew until killed, or ``MemoryError`` escaped
+    untyped)."""
     data = os.urandom(1 << 20)
     client = StoreClientSettings(connect_timeout_s=2, read_timeout_s=5, retries=0)
     with _serve(data, "error-endless") as server:

@@ -23,6 +23,7 @@ The engine contract's conformance cases (``tests/conformance/suite.py``) run on 
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -399,3 +400,40 @@ def runs(vllm_two_layer: dict, flipped_auto, layout_dtype: EngineResult, upgrade
 
 class TestVllmConformance(EngineConformance):
     """The engine contract's cases (``tests/conformance/suite.py``) on vLLM (:func:`runs`)."""
+
+
+def test_a_store_that_sends_an_endless_body_falls_back_within_the_deadline_without_growing_memory(
+    two_layer: dict, tmp_path: Path
+) -> None:
+    """``auto`` on a fresh node whose OCI registry answers the pack's ranged GET with a body that never ends (a small
+    server on 127.0.0.1 started here, ``store_servers.object_store_script``): the fetch stops at the first byte past
+    the range, the load falls back with one WARNING naming the store's object, within the range deadline, and serves
+    what a plain load serves; the engine's peak resident memory during the load stays under the plain load's plus
+    256 MiB. Fails if a store reads a response whole (the old OCI store read the endless body until the server's
+    1 GiB cap, in the engine process)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cache"))  # the store servers of the cache tests
+    from store_servers import ScriptedServer, object_store_script
+
+    pack = only_pack(two_layer["work"] / "state-a")
+    box: list = []
+    box.append(ScriptedServer(object_store_script(box, pack.read_bytes(), "endless")))
+    deadline_s = 30
+    with box[0] as server:
+        repo = f"oci://{server.url.removeprefix('http://')}/coldsnap/payloads"
+        env = coldsnap_env(
+            two_layer["work"] / "artifact-a",
+            tmp_path / "node",
+            COLDSNAP_PAYLOAD_REPO=repo,
+            COLDSNAP_MATERIALIZE="off",
+            COLDSNAP_STORE_RANGE_DEADLINE=str(deadline_s),
+            DOCKER_CONFIG=str(tmp_path / "docker-config"),
+        )
+        result = run_engine(tmp_path, "endless-store", two_layer["model"], "coldsnap", env=env)
+    _assert_same_load(result, two_layer["plain"])
+    (warning,) = result.coldsnap_lines("WARNING")
+    assert f"oci://{server.url.removeprefix('http://')}/coldsnap/payloads@sha256:{pack.name[:-5]}" in warning, warning
+    assert "returned more than" in warning, warning
+    assert result.outcome["kind"] == "checkpoint" and result.outcome["fallback_rule"] == "pack-size"
+    assert result.load_weights_seconds[0] < deadline_s + 120  # the deadline plus slack for the checkpoint load
+    peak, plain_peak = result.load_weights_rss_bytes[0][1], two_layer["plain"].load_weights_rss_bytes[0][1]
+    assert peak < plain_peak + (256 << 20), (peak, plain_peak)
