@@ -215,7 +215,7 @@ def test_a_store_timeout_under_the_minimum_is_refused_not_floored(variable: str)
         ):
             ColdsnapSettings.resolve({variable: value})
         with pytest.raises(ConfigurationError, match=variable):
-            StoreSettings.from_environ({variable: value})
+            ColdsnapSettings.resolve({variable: value}, rows=COMMAND_SETTINGS)
     field = {"COLDSNAP_STORE_READ_TIMEOUT": "read_timeout_s", "COLDSNAP_STORE_CONNECT_TIMEOUT": "connect_timeout_s"}.get(
         variable, "range_deadline_s"
     )
@@ -231,4 +231,5 @@ def test_a_store_minimum_rate_that_is_not_a_number_of_bytes_per_second_is_refuse
         ColdsnapSettings.resolve({"COLDSNAP_STORE_MIN_RATE": value})
     settings, _ = ColdsnapSettings.resolve({"COLDSNAP_STORE_MIN_RATE": "0"}, {"store_range_deadline": 30})
     assert (settings.store.client.min_rate_bytes_per_s, settings.store.client.range_deadline_s) == (0, 30)
-    assert StoreClientSettings.from_environ({"COLDSNAP_STORE_MIN_RATE": "1000.5"}).min_rate_bytes_per_s == 1000.5
+    command, _ = ColdsnapSettings.resolve({"COLDSNAP_STORE_MIN_RATE": "1000.5"}, rows=COMMAND_SETTINGS)
+    assert command.store.client.min_rate_bytes_per_s == 1000.5
