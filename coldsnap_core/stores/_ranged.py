@@ -88,11 +88,15 @@ class ObjectStat:
     version: str | int | None = None
 
 
-class _RangeIgnored(Exception):
+class _Signal(Exception):
+    """Between the ranges of one transfer, never out of :class:`RangedStore`."""
+
+
+class _RangeIgnored(_Signal):
     """A ranged GET was answered with the whole object (``200``)."""
 
 
-class _Stopped(Exception):
+class _Stopped(_Signal):
     """Another range of the same transfer failed: this one stops at its next chunk (its error is not the one raised)."""
 
 
@@ -252,6 +256,8 @@ class RangedStore(ABC):
     conditional_create = True
     hash_before_sending = False
     replacement_refused: str | None = None
+    prefix = ""
+    """The key prefix under the bucket or container (S3, GCS, Azure), without leading or trailing ``/``."""
 
     def __init__(
         self, name: str, *, range_size_bytes: int, concurrency: int, client_settings: StoreClientSettings | None
@@ -263,6 +269,11 @@ class RangedStore(ABC):
         self.concurrency = concurrency
         self.client_settings = client_settings or StoreClientSettings()
         redact_client_logs()
+
+    def key(self, digest: str) -> str:
+        """``<prefix>/model-payloads/sha256/<digest>.pack`` (no prefix: ``model-payloads/...``); the digest is
+        validated first."""
+        return f"{self.prefix}/{pack_relpath(digest)}" if self.prefix else pack_relpath(digest)
 
     # -- what a backend gives ----------------------------------------------------------------------
 
@@ -322,7 +333,7 @@ class RangedStore(ABC):
         ``MemoryError``) becomes :meth:`failure`'s :class:`StoreError`."""
         try:
             yield
-        except (ColdsnapError, _RangeIgnored, _Stopped):
+        except (ColdsnapError, _Signal):
             raise
         except Exception as exc:
             raise self.failure(action, digest, exc) from exc
@@ -348,17 +359,9 @@ class RangedStore(ABC):
         return True
 
     def fetch(self, digest: str, size_bytes: int, fd: int, *, file: Path, progress: ProgressCallback | None = None) -> None:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch`: :meth:`stat`, then parallel ranged GETs streamed
-        into ``fd`` with ``pwrite``.
-
-        Raises:
-            PayloadUnavailableError: the store does not hold the object (or it went away).
-            PackSizeMismatchError: the object is truncated or extended (nothing is read), or a range came back
-                short or long.
-            InsufficientSpaceError: the cache's file system filled up.
-            StoreError: the store failed or refused, a range was too slow or past its deadline, or the object
-                changed during the fetch.
-        """
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch`: :meth:`stat`, then :meth:`transfer` into ``fd``;
+        a truncated or extended object is ``PackSizeMismatchError`` before a byte is read, and so is a range that
+        came back short or long; a range too slow or past its deadline, or an object that changed, ``StoreError``."""
         check_digest(digest)
         with self.typed("looking up the pack", digest):
             stat = self.stat(digest)
@@ -370,16 +373,7 @@ class RangedStore(ABC):
         started = time.monotonic()
         self.transfer(digest, stat, pwrite_sink(fd, file), progress)
         seconds = max(time.monotonic() - started, 1e-9)
-        logger.info(
-            "coldsnap: fetched %d bytes of %s from %s in %.2f s (%.3f GB/s; ranges of %d MiB, %d in flight)",
-            size_bytes,
-            digest,
-            self.name,
-            seconds,
-            size_bytes / seconds / 1e9,
-            self.range_size_bytes >> 20,
-            self.concurrency,
-        )
+        logger.info("coldsnap: fetched %s: %d bytes in %.2f s, %.3f GB/s", where, size_bytes, seconds, size_bytes / seconds / 1e9)
 
     def transfer(self, digest: str, stat: ObjectStat, sink: Sink, progress: ProgressCallback | None = None) -> None:
         """Every byte of the object to ``sink`` as it lands: the ranges in parallel, or (a server that ignores
@@ -542,12 +536,6 @@ class RangedStore(ABC):
                 raise StoreError(f"{self.name}: the object changed while a corrupt copy was replaced", file=where)
         logger.info("coldsnap: replaced %s in %s", digest, self.name)
         return True
-
-
-def object_key(prefix: str, digest: str) -> str:
-    """``<prefix>/model-payloads/sha256/<digest>.pack`` (no prefix: ``model-payloads/...``); the digest is validated."""
-    relpath = pack_relpath(digest)
-    return f"{prefix}/{relpath}" if prefix else relpath
 
 
 class _RedactedRecords(logging.Filter):

@@ -45,7 +45,6 @@ from coldsnap_core.stores._ranged import (
     ObjectStat,
     RangedStore,
     hashing_reader,
-    object_key,
     read1_chunks,
     read_answer,
 )
@@ -248,10 +247,6 @@ class AzurePayloadStore(RangedStore):
                 client_settings=self.client_settings,
             )
         return self._service
-
-    def key(self, digest: str) -> str:
-        """``<prefix>/model-payloads/sha256/<digest>.pack``; the digest is validated first."""
-        return object_key(self.prefix, digest)
 
     def location(self, digest: str) -> str:
         """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: ``az://account/container/<key>``."""

@@ -38,7 +38,6 @@ from coldsnap_core.stores._ranged import (
     ObjectStat,
     RangedStore,
     hashing_reader,
-    object_key,
     read1_chunks,
     read_answer,
 )
@@ -169,10 +168,6 @@ class GcsPayloadStore(RangedStore):
         if self._client is None:
             self._client = _default_client(self.name)
         return self._client
-
-    def key(self, digest: str) -> str:
-        """``<prefix>/model-payloads/sha256/<digest>.pack``; the digest is validated first."""
-        return object_key(self.prefix, digest)
 
     def location(self, digest: str) -> str:
         """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: ``gs://bucket/<key>``."""

@@ -51,7 +51,6 @@ from coldsnap_core.stores._ranged import (
     RangedStore,
     byte_ranges,
     hashing_reader,
-    object_key,
     read1_chunks,
     request_failure,
 )
@@ -233,10 +232,6 @@ class S3PayloadStore(RangedStore):
         if self._client is None:
             self._client = _default_client(self.client_settings)
         return self._client
-
-    def key(self, digest: str) -> str:
-        """``<prefix>/model-payloads/sha256/<digest>.pack``; the digest is validated first."""
-        return object_key(self.prefix, digest)
 
     def location(self, digest: str) -> str:
         """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: ``s3://bucket/<key>``."""
