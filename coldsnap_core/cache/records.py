@@ -37,6 +37,7 @@ from typing import Literal, Protocol
 from coldsnap_core._io import os_errno, refuse_symlink, replace_file_durably
 from coldsnap_core.errors import (
     CacheError,
+    ColdsnapError,
     ManifestError,
     MissingObjectError,
     UnsafePathError,
@@ -216,6 +217,16 @@ def record_state(cache: RecordHost, digest: str) -> str:
     except (ValidationRecordError, MissingObjectError, UnsafePathError) as exc:
         return f"untrusted: {exc.detail}"
     return "trusted"
+
+
+def last_full_verification(cache: RecordHost, digest: str) -> datetime.datetime | None:
+    """When the object ``digest`` was last hashed in full (UTC; its trusted record's ``verified_at``,
+    ``docs/format.md`` §11), or ``None`` without a trusted record or with a time that does not parse."""
+    try:
+        when = datetime.datetime.fromisoformat(read_trusted_record(cache, digest).verified_at)
+    except (ColdsnapError, ValueError):
+        return None
+    return when if when.tzinfo is not None else when.replace(tzinfo=datetime.UTC)
 
 
 def write_record(cache: RecordHost, digest: str, verified: os.stat_result) -> ValidationRecord:

@@ -22,7 +22,7 @@ from coldsnap_core.artifact.overlay import OverlayListing, gc_overlays, list_ove
 from coldsnap_core.artifact.sleep_capsules import list_sleep_capsules, sweep_sleep_capsules
 from coldsnap_core.cache.garbage import DEFAULT_GC_AGE_SECONDS
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.cache.records import read_trusted_record, record_state
+from coldsnap_core.cache.records import last_full_verification, record_state
 from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.digests import check_digest
 from coldsnap_core.errors import EXIT_INTEGRITY, EXIT_OTHER, ColdsnapError, IntegrityError
@@ -39,16 +39,12 @@ def _seconds(text: str) -> float:
 
 
 def _last_full_verification(cache: PayloadCache, digest: str) -> tuple[str | None, int | None]:
-    """``(verified_at, age in whole seconds)`` of the object's trusted validation record: when it was
-    last hashed in full (``docs/format.md`` §11); ``(None, None)`` without a trusted record."""
-    try:
-        verified_at = read_trusted_record(cache, digest).verified_at
-        when = datetime.datetime.fromisoformat(verified_at)
-    except (ColdsnapError, ValueError):
+    """``(verified_at, age in whole seconds)`` of the object's last full verification
+    (:func:`~coldsnap_core.cache.records.last_full_verification`); ``(None, None)`` without a trusted record."""
+    when = last_full_verification(cache, digest)
+    if when is None:
         return None, None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=datetime.UTC)
-    return verified_at, int((datetime.datetime.now(datetime.UTC) - when).total_seconds())
+    return when.isoformat(), int((datetime.datetime.now(datetime.UTC) - when).total_seconds())
 
 
 def _age(seconds: int) -> str:
