@@ -37,7 +37,8 @@ default loader class (the iterator boundary, watched) and supplies only what nee
    overlay's own seed, else the portable capsule's): :meth:`~LoadPolicy.place_derived_cache` places it where
    the engine's compiler looks;
 4. one **outcome line** (:mod:`coldsnap_core.outcomes`, ``docs/format.md`` §10.3): ``restored``,
-   ``captured``, ``fell-back``, ``checkpoint``, or ``refused`` when an error is raised;
+   ``captured``, ``fell-back``, ``checkpoint``, or ``refused`` when an error is raised, and the same load
+   counted in the process's Prometheus metrics (:func:`coldsnap_core.metrics.record_load`);
 5. after a capture or an overlay this load wrote (``COLDSNAP_DERIVED_CACHE=auto``): the **derived-cache
    capture** (:meth:`~LoadPolicy.capture_derived_cache`), which attaches the engine's compile cache to that
    capsule once the engine has compiled.
@@ -77,6 +78,7 @@ from coldsnap_core.format.manifest import ModelIdentity, PackRef, WorkerIdentity
 from coldsnap_core.identity.hub_commit import resolve_hub_commit
 from coldsnap_core.identity.model_identity import LoadedModel
 from coldsnap_core.identity.target import engine_version as installed_engine_version
+from coldsnap_core.metrics import record_load
 from coldsnap_core.outcomes import LoadOutcomeLine, Outcome, append_outcome
 from coldsnap_core.restore.hydrate import HydrationReport
 from coldsnap_core.restore.pipeline import WorkerRestore, capture_loaded_worker, restore_or_fall_back
@@ -180,6 +182,9 @@ class LoadOutcome:
             ``None`` when no capsule was read.
         capsule_files: that capsule's pins (``artifact.json``'s entry, or the overlay's ``overlay.json``).
         derived_cache: what became of its seed (:meth:`LoadPolicy.place_derived_cache`), or ``None``.
+        stage_seconds: wall time of staging the pack from the payload store during this load (the cache lacked
+            it; also when staging failed), seconds; ``None`` when the store was not contacted.
+        fetched_bytes: bytes fetched from the payload store during this load.
     """
 
     kind: Literal["restored", "captured", "checkpoint"]
@@ -201,6 +206,8 @@ class LoadOutcome:
     capsule_dir: Path | None = None
     capsule_files: tuple[CapsuleFile, ...] = ()
     derived_cache: SeedPlacement | None = None
+    stage_seconds: float | None = None
+    fetched_bytes: int = 0
 
     @property
     def line_kind(self) -> Outcome:
@@ -292,11 +299,11 @@ class LoadPolicy(abc.ABC):
             with collector_paused():
                 outcome = self._load(call, worker, started)
         except ColdsnapError as exc:
-            self._append_line("refused", worker, time.perf_counter() - started, error=exc)
+            self._report(self._line("refused", worker, time.perf_counter() - started, error=exc))
             raise
         if outcome.capsule_dir is not None:
             outcome = dataclasses.replace(outcome, derived_cache=self.place_derived_cache(call, outcome))
-        self._append_line(
+        line = self._line(
             outcome.line_kind,
             worker,
             outcome.total_seconds,
@@ -305,6 +312,7 @@ class LoadPolicy(abc.ABC):
             pack_sha256=None if outcome.kind == "checkpoint" or outcome.pack is None else outcome.pack.sha256,
             derived_cache=outcome.derived_cache,
         )
+        self._report(line, outcome)
         if self.settings.derived_cache == "auto" and (outcome.capture is not None or outcome.overlay is not None):
             self.capture_derived_cache(call, outcome)
         return outcome
@@ -335,10 +343,15 @@ class LoadPolicy(abc.ABC):
             log=self.log,
             store=self.store,
         )
+        attempt = result.attempt
         if result.restored:
-            assert result.attempt is not None and result.allocations is not None and result.report is not None
-            return self._restored(result.attempt, result.allocations, result.report, started)
-        return self._load_checkpoint(call, worker, cache, result.attempt, result.fallback, result.allocations, started)
+            assert attempt is not None and result.allocations is not None and result.report is not None
+            outcome = self._restored(attempt, result.allocations, result.report, started)
+        else:
+            outcome = self._load_checkpoint(call, worker, cache, attempt, result.fallback, result.allocations, started)
+        if attempt is None or attempt.stage_seconds is None:
+            return outcome
+        return dataclasses.replace(outcome, stage_seconds=attempt.stage_seconds, fetched_bytes=attempt.fetched_bytes)
 
     def _loaded_model(self, call: LoadCall) -> LoadedModel | None:
         source = call.source
@@ -600,7 +613,7 @@ class LoadPolicy(abc.ABC):
             self.log.warning("coldsnap: %s: no target-local overlay captured: %s", attempt.worker.capsule_name, exc)
             return None
 
-    def _append_line(
+    def _line(
         self,
         outcome: Outcome,
         worker: WorkerIdentity,
@@ -610,22 +623,34 @@ class LoadPolicy(abc.ABC):
         materialization_started: bool = False,
         pack_sha256: str | None = None,
         derived_cache: SeedPlacement | None = None,
-    ) -> None:
-        settings = self.settings
-        append_outcome(
-            settings.outcome_log_path,
-            LoadOutcomeLine(
-                outcome,
-                self.engine,
-                worker.capsule_name,
-                None if settings.artifact_dir is None else str(settings.artifact_dir),
-                seconds,
-                materialization_started=materialization_started,
-                error=error,
-                pack_sha256=pack_sha256,
-                derived_cache=None if derived_cache is None else derived_cache.status,
-                derived_cache_reason=None if derived_cache is None else derived_cache.reason,
-            ),
+    ) -> LoadOutcomeLine:
+        artifact_dir = self.settings.artifact_dir
+        return LoadOutcomeLine(
+            outcome,
+            self.engine,
+            worker.capsule_name,
+            None if artifact_dir is None else str(artifact_dir),
+            seconds,
+            materialization_started=materialization_started,
+            error=error,
+            pack_sha256=pack_sha256,
+            derived_cache=None if derived_cache is None else derived_cache.status,
+            derived_cache_reason=None if derived_cache is None else derived_cache.reason,
+        )
+
+    def _report(self, line: LoadOutcomeLine, outcome: LoadOutcome | None = None) -> None:
+        """The one report of a load: its outcome line in the outcome log, and its metrics (``outcome``: what it
+        did, ``None`` for a refusal)."""
+        append_outcome(self.settings.outcome_log_path, line)
+        if outcome is None:
+            record_load(line)
+            return
+        hydration = outcome.hydration
+        record_load(
+            line,
+            stage_seconds=outcome.stage_seconds,
+            hydrated_bytes=0 if hydration is None else hydration.model_bytes + hydration.residual_bytes,
+            fetched_bytes=outcome.fetched_bytes,
         )
 
 

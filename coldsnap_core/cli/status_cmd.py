@@ -6,7 +6,9 @@ last ``--last`` loads ended in each outcome, the latest one and the latest fallb
 its rule and file. Exit codes: 0 (also for a missing or empty log, which the output says), 4 when the log cannot
 be read; with ``--fail-on-fallback``, 1 when the latest load of any artifact fell back or was refused (for
 alerting) and 4 when the log does not exist or holds only malformed lines (an alert that cannot see a load must not
-pass). A log that is a symbolic link is not followed (exit 4, saying so).
+pass). A log that is a symbolic link is not followed (exit 4, saying so). ``--format prometheus`` prints the node's
+view for a node exporter's textfile collector instead (:func:`coldsnap_core.metrics.node_exposition`): the loads of
+every line in the log (``--last`` only when given), and the node-local cache.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ import argparse
 import errno
 import json
 import os
+import sys
 
 from coldsnap_core._io import os_error
+from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.errors import EXIT_INTEGRITY, FileAccessError, UnsafePathError
+from coldsnap_core.metrics import node_exposition
 from coldsnap_core.outcomes import OUTCOMES, read_outcomes, summarize
 from coldsnap_core.settings import OUTCOME_LOG_ENV
 
@@ -50,8 +55,9 @@ def _raw_line(doc: dict[str, object]) -> str:
 
 def _status(args: argparse.Namespace) -> int:
     path = args.settings.outcome_log_path
+    last = args.last or (sys.maxsize if args.format == "prometheus" else DEFAULT_LAST_LINES)
     try:
-        lines, skipped = read_outcomes(path, args.last)
+        lines, skipped = read_outcomes(path, last)
     except OSError as exc:
         if exc.errno == errno.ELOOP and path.is_symlink():  # O_NOFOLLOW: "Too many levels of symbolic links"
             raise UnsafePathError(
@@ -72,11 +78,13 @@ def _status(args: argparse.Namespace) -> int:
         # an alert that cannot read any load must not pass: a log of only malformed lines says nothing
         raise FileAccessError(
             f"the load outcome log holds no readable load outcome ({skipped} malformed line(s) in the last"
-            f" {args.last} read): --fail-on-fallback cannot tell whether a load fell back",
+            f" {last} read): --fail-on-fallback cannot tell whether a load fell back",
             file=path,
         )
     summaries = summarize(lines)
-    if args.json:
+    if args.format == "prometheus":
+        sys.stdout.write(node_exposition(lines, PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)))
+    elif args.format == "json":
         doc = {
             "outcome_log": str(path),
             "exists": exists,
@@ -131,11 +139,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--last",
         type=_positive_count,
-        default=DEFAULT_LAST_LINES,
+        default=None,
         metavar="N",
-        help=f"read the last N loads, N >= 1 (default {DEFAULT_LAST_LINES})",
+        help=f"read the last N loads, N >= 1 (default {DEFAULT_LAST_LINES}; --format prometheus: every load in the log)",
     )
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument(
+        "--format",
+        choices=("text", "json", "prometheus"),
+        default="text",
+        help="text (default), json, or prometheus: the node's view (loads per artifact, outcome and rule; cache objects,"
+        " bytes and the age of each one's last full verification) for a node exporter's textfile collector",
+    )
+    p.add_argument("--json", dest="format", action="store_const", const="json", help="print JSON (--format json)")
     p.add_argument(
         "--fail-on-fallback",
         action="store_true",

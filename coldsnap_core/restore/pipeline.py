@@ -42,6 +42,7 @@ Only this worker's payload is staged (``docs/format.md``: each worker's capsule 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,6 +129,9 @@ class WorkerRestore:
         pack_unavailable: whether the attempt failed because the pack cannot be served: no source
             has it, or the cached object proved corrupt and was quarantined. After a recovery load
             the loader then materializes it.
+        stage_seconds: wall time of staging the pack from :attr:`store` (the cache lacked it), seconds, also
+            when staging failed; ``None`` when the store was not contacted.
+        fetched_bytes: bytes the store wrote into the cache's temporary file while staging.
     """
 
     artifact_dir: Path
@@ -148,6 +152,8 @@ class WorkerRestore:
     target_mismatch: TargetMismatchError | None = None
     layout_matches: bool = False
     pack_unavailable: bool = False
+    stage_seconds: float | None = None
+    fetched_bytes: int = 0
     _recorded_model: ModelIdentity | None = None
     _entry: WorkerEntry | None = None
 
@@ -340,7 +346,7 @@ class WorkerRestore:
                     log_quarantine=False,
                 )
             except MissingObjectError:
-                return stage_payload(pack, cache=self.cache, store=self.store)
+                return self._stage(manifest)
         except (PayloadUnavailableError, StoreError):
             self.pack_unavailable = True
             raise
@@ -350,6 +356,18 @@ class WorkerRestore:
         except IntegrityError:
             self.pack_unavailable = not self.cache.object_path(pack.sha256).exists()
             raise
+
+    def _stage(self, manifest: NativeManifest) -> Path:
+        """:func:`~coldsnap_core.restore.staging.stage_payload` of the pack, timed (:attr:`stage_seconds`) and its
+        fetched bytes counted (:attr:`fetched_bytes`)."""
+        started = time.perf_counter()
+        try:
+            return stage_payload(manifest.pack, cache=self.cache, store=self.store, fetched=self._count_fetched)
+        finally:
+            self.stage_seconds = time.perf_counter() - started
+
+    def _count_fetched(self, size_bytes: int) -> None:
+        self.fetched_bytes += size_bytes
 
 
 class _FromSettings:

@@ -72,6 +72,7 @@ def stage_payload(
     cache: PayloadCache,
     store: PayloadStore | None = None,
     progress: Callable[[int], object] | None = None,
+    fetched: Callable[[int], object] | None = None,
 ) -> Path:
     """Return the admitted object path of ``pack`` in ``cache``, fetching it from ``store`` if needed.
 
@@ -81,6 +82,8 @@ def stage_payload(
         store: where to fetch a missing (or quarantined) pack from; ``None``: the cache only.
         progress: called with a number of bytes after each chunk copied or hashed (a fetch reports
             each byte twice: once copied, once verified).
+        fetched: called with a number of bytes after each chunk the store wrote (fetched bytes only; one call
+            at a time).
 
     Returns:
         ``<state-root>/model-payloads/sha256/<sha256>.pack``, verified (record or full hash).
@@ -119,15 +122,15 @@ def stage_payload(
             return cache.admit_locked(digest, pack.size_bytes, progress=progress)
         except (MissingObjectError, IntegrityError):
             pass  # absent, or corrupt and now quarantined: fetch it
-        return _fetch(pack, cache, store, progress)
+        return _fetch(pack, cache, store, progress, fetched)
 
 
 @contextmanager
 def _fetch_watch(
-    pack: PackRef, store: PayloadStore, progress: Callable[[int], object] | None
+    pack: PackRef, store: PayloadStore, progress: Callable[[int], object] | None, fetched: Callable[[int], object] | None
 ) -> Iterator[Callable[[int], object]]:
     """A progress callback for ``store.fetch`` that counts the bytes written (and passes them on to
-    ``progress``), and, while the fetch runs, one INFO line after every :data:`FETCH_NOTICE_INTERVAL_S`
+    ``progress`` and ``fetched``), and, while the fetch runs, one INFO line after every :data:`FETCH_NOTICE_INTERVAL_S`
     without a byte written: the pack, the store, the bytes so far and how long nothing arrived."""
     written = [0, time.monotonic()]  # bytes so far, monotonic time of the last bytes
     lock = threading.Lock()
@@ -138,6 +141,8 @@ def _fetch_watch(
         with lock:
             written[0] += n
             written[1] = time.monotonic()
+            if fetched is not None:  # under the lock: a ranged fetch reports from several threads
+                fetched(n)
         if progress is not None:
             progress(n)
 
@@ -167,12 +172,18 @@ def _fetch_watch(
         watcher.join()
 
 
-def _fetch(pack: PackRef, cache: PayloadCache, store: PayloadStore, progress: Callable[[int], object] | None) -> Path:
+def _fetch(
+    pack: PackRef,
+    cache: PayloadCache,
+    store: PayloadStore,
+    progress: Callable[[int], object] | None,
+    fetched: Callable[[int], object] | None,
+) -> Path:
     digest = pack.sha256
     logger.info("coldsnap: fetching pack %s (%d bytes) from %s", digest, pack.size_bytes, store.name)
     with cache.temporary(digest) as (fd, temp):
         try:
-            with _fetch_watch(pack, store, progress) as counted:
+            with _fetch_watch(pack, store, progress, fetched) as counted:
                 store.fetch(digest, pack.size_bytes, fd, file=temp, progress=counted)
         except StoreError as exc:
             raise StoreError(

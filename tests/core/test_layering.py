@@ -18,7 +18,7 @@ rank  modules
 4     ``cache.records``, ``cache.locks``, ``cache.partials``, ``cache.garbage``, ``identity.checkpoint_records``,
       ``identity.model_identity`` (produced and checked)
 5     ``cache.payload_cache`` (admission and quarantine), ``artifact.*`` but overlays, ``outcomes``
-6     ``stores.*``, ``capture.pack_writer``, ``capture.payload_plan``
+6     ``stores.*``, ``capture.pack_writer``, ``capture.payload_plan``, ``metrics`` (Prometheus metrics)
 7     ``restore.staging``, ``restore.hydrate``, ``restore.audit``, ``capture.worker``, ``capture.materialize``,
       ``stores.publish``, ``artifact.overlay`` (target-local overlays)
 8     ``restore.pipeline``, ``capture.observer``, ``capture.load_session``
@@ -97,6 +97,7 @@ LAYERS: dict[str, int] = {
     "capture.pack_writer": 6,
     "capture.payload_plan": 6,
     "artifact.derived_cache": 6,
+    "metrics": 6,
     "restore": 7,
     "restore.staging": 7,
     "restore.hydrate": 7,
