@@ -99,6 +99,7 @@ class SGLangResult:
             the first 8 bytes of the SHA-256 of its bytes, hexadecimal.
         log: the process's stdout and stderr.
         outcome_lines: the load outcome log lines the engine appended (``tests/support/outcome_lines.py``).
+        metrics: the server's ``/metrics`` text (``sglang.launch_server --enable-metrics``), else empty.
     """
 
     returncode: int
@@ -107,6 +108,7 @@ class SGLangResult:
     checksums: list[dict[str, str]]
     log: str
     outcome_lines: tuple[dict, ...] = ()
+    metrics: str = ""
 
     @property
     def started(self) -> bool:

@@ -40,7 +40,7 @@ from coldsnap_core.stores.publish import publish_native
 from tests.conformance.suite import EngineConformance, EngineRuns, Start
 from tests.support.engine_marker import require_engine_marker
 from tests.support.outcome_lines import appended_lines, outcome_log_of
-from tests.support.servers import free_port, stop_server
+from tests.support.servers import free_port, scraped, stop_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.sglang]
 
@@ -75,9 +75,10 @@ def _http(url: str, body: dict | None = None, timeout: float = 5) -> tuple[int, 
 
 
 def _serve_restore(work: Path, model: Path, env: dict[str, str]) -> SGLangResult:
-    """``python -m sglang.launch_server ... --load-format coldsnap`` with ``env``: wait for ``/health``, send
-    one ``/generate`` request with both prompts, read ``/weights_checker`` (``action=checksum``), stop the
-    server with SIGINT; the result in :class:`SGLangResult` form (``output_ids`` from ``/generate``)."""
+    """``python -m sglang.launch_server ... --load-format coldsnap --enable-metrics`` with ``env``: wait for
+    ``/health``, send one ``/generate`` request with both prompts, read ``/weights_checker`` (``action=checksum``)
+    and ``/metrics``, stop the server with SIGINT; the result in :class:`SGLangResult` form (``output_ids`` from
+    ``/generate``)."""
     require_engine_marker("sglang.launch_server")
     port = free_port()
     command = [str(sglang_python()), "-m", "sglang.launch_server", "--model-path", str(model)]
@@ -93,9 +94,10 @@ def _serve_restore(work: Path, model: Path, env: dict[str, str]) -> SGLangResult
         "coldsnap",
         "--random-seed",
         "0",
+        "--enable-metrics",
     ]
     log_path = work / "server.log"
-    answer, checksums = None, None
+    answer, checksums, metrics = None, None, ""
     with open(log_path, "w") as log, appended_lines(outcome_log_of(env)) as lines:
         server = subprocess.Popen(
             command, env=sglang_env(work / "server.tmp", env), stdout=log, stderr=subprocess.STDOUT, cwd=work
@@ -110,6 +112,8 @@ def _serve_restore(work: Path, model: Path, env: dict[str, str]) -> SGLangResult
                 body = {"text": PROMPTS, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
                 _, answer = _http(f"http://127.0.0.1:{port}/generate", body, timeout=300)
                 _, checksums = _http(f"http://127.0.0.1:{port}/weights_checker", {"action": "checksum"}, timeout=300)
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as response:
+                    metrics = response.read().decode()
         finally:
             stop_server(server)
     log_text = log_path.read_text()
@@ -122,6 +126,7 @@ def _serve_restore(work: Path, model: Path, env: dict[str, str]) -> SGLangResult
         [r["checksums"] for r in sorted(checksums["ranks"], key=lambda r: r["parallelism_info"][0]["tp_rank"])],
         log_text,
         tuple(lines),
+        metrics,
     )
 
 
@@ -154,9 +159,11 @@ def test_capture_then_restore_equals_a_plain_sglang_load(two_layer: dict, smollm
     ``sglang.srt.plugins`` entry point): every parameter's bytes (SGLang's ``/weights_checker``) and the
     greedy tokens of one ``/generate`` request equal a plain SGLang load; the capture run (the observed load)
     changed nothing either. The capsule holds every checkpoint byte as model bytes (the tied ``lm_head``
-    once), its pack is the 2-layer golden digest, and the restore read no checkpoint. Fails if SGLang's
+    once), its pack is the 2-layer golden digest, and the restore read no checkpoint; SGLang's own ``/metrics``
+    (``--enable-metrics``) counts the restore with its seconds and hydrated bytes. Fails if SGLang's
     capture misclassifies a write, if restore hydrates other bytes, if the entry point does not register in
-    the scheduler, or if the loader falls back to the checkpoint."""
+    the scheduler, if the loader falls back to the checkpoint, or if the scheduler's load does not reach SGLang's
+    multiprocess registry."""
     from coldsnap_core.format.safetensors_header import read_header
 
     plain, capture, restore = two_layer["plain"], two_layer["capture"], two_layer["restore"]
@@ -171,6 +178,10 @@ def test_capture_then_restore_equals_a_plain_sglang_load(two_layer: dict, smollm
     assert {e.provenance.tensor_name for e in native.model_extents} == set(header)
     assert native.capture_point == "portable"
     assert native.pack.sha256 == SMOLLM2_2LAYER_PACK_SHA256
+    sglang = {"engine": "sglang"}
+    assert scraped(restore.metrics, "coldsnap_load_total", **sglang, outcome="restored", rule="") == 1, restore.metrics
+    assert scraped(restore.metrics, "coldsnap_load_seconds_count", **sglang, outcome="restored") == 1
+    assert scraped(restore.metrics, "coldsnap_hydrated_bytes_total", **sglang) == native.model_bytes + native.residual_bytes
 
 
 def test_sglang_and_vllm_captures_name_the_same_pack(two_layer: dict, vllm_two_layer: dict, tmp_path: Path) -> None:

@@ -24,8 +24,9 @@ extra config for :func:`_loader_check`, whose answer is then RESULT). RESULT get
 ``digests`` (name -> sha256), ``outputs`` (greedy texts or token ids), ``compile_cache_counters`` (torch's
 compile-cache counters, ``<group>.<counter>``), ``init_seconds`` (wall time of ``LLM(...)``: the time to ready), ``model_load_seconds`` (wall time of each model runner ``get_model`` call:
 build, ``load_weights``, ``process_weights_after_loading``), ``outcome`` (the coldsnap
-loader's :class:`~coldsnap_core.load_policy.LoadOutcome` summary, as its ``load_weights`` returned it), ``load_weights_seconds``, ``load_weights_rss_bytes`` (RSS before and peak RSS during each call) and ``error``
-(the exception chain's text when the engine failed to start).
+loader's :class:`~coldsnap_core.load_policy.LoadOutcome` summary, as its ``load_weights`` returned it), ``load_weights_seconds``, ``load_weights_rss_bytes`` (RSS before and peak RSS during each call), ``metrics``
+(the ``coldsnap_*`` samples of this process's Prometheus registry, text format) and ``error`` (the exception chain's text
+when the engine failed to start).
 """
 
 from __future__ import annotations
@@ -92,6 +93,14 @@ def _time_get_model(result: dict) -> None:
             timings.append(time.perf_counter() - started)
 
     cpu_model_runner.get_model = get_model
+
+
+def _coldsnap_metrics() -> str:
+    """The ``coldsnap_*`` samples of this process's Prometheus registry, in the text format a ``/metrics`` serves:
+    with one worker the engine core and its worker run in this process, so its loads are recorded here."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    return "".join(f"{line}\n" for line in generate_latest(REGISTRY).decode().splitlines() if "coldsnap_" in line)
 
 
 def preload() -> None:
@@ -290,6 +299,7 @@ def main(spec_path: str, result_path: str) -> int:
             )
     result["load_weights_seconds"] = timings
     result["load_weights_rss_bytes"] = rss
+    result["metrics"] = _coldsnap_metrics()
     with open(result_path, "w") as f:
         json.dump(result, f)
     return 0

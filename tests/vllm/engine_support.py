@@ -77,6 +77,8 @@ class EngineResult:
         outcome_lines: the load outcome log lines the process appended (``tests/support/outcome_lines.py``).
         model_load_seconds: wall time of each model runner ``get_model`` call (the model's build, its load
             format's ``load_weights`` and ``process_weights_after_loading``), seconds.
+        metrics: the ``coldsnap_*`` samples of the process's Prometheus registry (text format), where its one
+            worker recorded its loads.
     """
 
     digests: dict[str, list]
@@ -91,6 +93,7 @@ class EngineResult:
     init_seconds: float | None = None
     outcome_lines: tuple[dict, ...] = ()
     model_load_seconds: list[float] = field(default_factory=list)
+    metrics: str = ""
 
     def coldsnap_lines(self, level: str) -> list[str]:
         """Log lines of ``level`` (``WARNING``, ``INFO``) written by coldsnap."""
@@ -166,6 +169,7 @@ def run_engine(
         init_seconds=data.get("init_seconds"),
         outcome_lines=tuple(outcome_lines),
         model_load_seconds=data.get("model_load_seconds", []),
+        metrics=data.get("metrics", ""),
     )
 
 
@@ -226,11 +230,12 @@ def _http_status(url: str) -> int:
 
 def serve_completion(
     model: Path, workdir: Path, name: str, env: dict[str, str], *, prompt: str, extra_args: tuple[str, ...] = ()
-) -> tuple[str, str]:
+) -> tuple[str, str, str]:
     """``vllm serve MODEL --load-format coldsnap`` (plus ``extra_args``) with ``env`` over this environment
     without its ``COLDSNAP_*`` variables: wait for ``/health`` (asserting the server is alive and healthy
     within :data:`SERVE_STARTUP_TIMEOUT_SECONDS`), return the greedy completion of ``prompt`` (8 tokens,
-    temperature 0) and the server's log (``<name>.log``), after stopping it with SIGINT."""
+    temperature 0), the server's log (``<name>.log``) and its ``/metrics`` read after the completion, after
+    stopping it with SIGINT."""
     require_engine_marker("vllm serve")
     port = free_port()
     server_env = {k: v for k, v in os.environ.items() if not k.startswith("COLDSNAP_")}
@@ -253,6 +258,8 @@ def serve_completion(
         )
         with urllib.request.urlopen(request, timeout=120) as response:
             text = json.loads(response.read())["choices"][0]["text"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as response:
+            metrics = response.read().decode()
     finally:
         stop_server(server)
-    return text, log_path.read_text()
+    return text, log_path.read_text(), metrics

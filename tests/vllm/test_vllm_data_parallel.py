@@ -21,6 +21,7 @@ import pytest
 from engine_support import PROMPTS, coldsnap_env, serve_completion
 
 from coldsnap_core.artifact.capsules import read_descriptor
+from tests.support.servers import scraped
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
@@ -28,11 +29,11 @@ PROMPT = PROMPTS[0]  # "The capital of France is"
 REPLICAS = ["worker-0-of-1-dp-0-of-2", "worker-0-of-1-dp-1-of-2"]
 
 
-def _serve_dp2(model: Path, workdir: Path, name: str, env: dict[str, str]) -> str:
-    """``vllm serve --data-parallel-size 2`` with ``env``: the greedy completion of :data:`PROMPT`; the log is
-    ``<name>.log``."""
-    text, _ = serve_completion(model, workdir, name, env, prompt=PROMPT, extra_args=("--data-parallel-size", "2"))
-    return text
+def _serve_dp2(model: Path, workdir: Path, name: str, env: dict[str, str]) -> tuple[str, str]:
+    """``vllm serve --data-parallel-size 2`` with ``env``: the greedy completion of :data:`PROMPT` and the server's
+    ``/metrics``; the log is ``<name>.log``."""
+    text, _, metrics = serve_completion(model, workdir, name, env, prompt=PROMPT, extra_args=("--data-parallel-size", "2"))
+    return text, metrics
 
 
 def _outcomes(state: Path) -> list[dict]:
@@ -57,8 +58,9 @@ def test_data_parallel_serve_captures_two_capsules_one_pack_and_restores_both(
     rank), one pack digest, one cached object; ``publish-native`` uploads that pack once (a second
     publication uploads nothing); a second ``--data-parallel-size 2`` server restores both replicas, each
     from its own capsule (two ``restored`` outcome lines, one per replica), and answers what a plain load
-    answers. Fails if the replicas share a capsule name (they would race on one capsule folder and leave
-    one capsule), if a replica restores another replica's capsule or none, or if the pack is stored twice."""
+    answers; its own ``/metrics`` counts both restores. Fails if the replicas share a capsule name (they would
+    race on one capsule folder and leave one capsule), if a replica restores another replica's capsule or none,
+    if the pack is stored twice, or if a replica's load does not reach vLLM's multiprocess registry."""
     artifact, state, store = tmp_path / "artifact", tmp_path / "state", tmp_path / "store"
     env = coldsnap_env(artifact, state)
 
@@ -80,7 +82,7 @@ def test_data_parallel_serve_captures_two_capsules_one_pack_and_restores_both(
     assert again.returncode == 0 and "uploaded " not in again.stdout, again.stdout
 
     restore_state = tmp_path / "restore-state"  # another node: its cache is empty, the store has the pack
-    restored_text = _serve_dp2(
+    restored_text, metrics = _serve_dp2(
         smollm2_2layer,
         tmp_path,
         "restore",
@@ -95,3 +97,8 @@ def test_data_parallel_serve_captures_two_capsules_one_pack_and_restores_both(
 
     plain = vllm_two_layer["plain"]  # the session's plain load: PROMPT is its first prompt, 8 greedy tokens
     assert plain.outputs and restored_text == plain.outputs[0]
+    # More than one API server: vLLM itself collects its processes' samples from PROMETHEUS_MULTIPROC_DIR, so its
+    # /metrics counts both replicas' restores with no setting of ours (the test's environment has no such variable).
+    assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+    assert scraped(metrics, "coldsnap_load_total", engine="vllm", outcome="restored", rule="") == 2
+    assert scraped(metrics, "coldsnap_load_seconds_count", engine="vllm", outcome="restored") == 2

@@ -34,6 +34,7 @@ from coldsnap_core.artifact.capsules import read_capsule, read_descriptor
 from coldsnap_core.artifact.derived_cache import SEED_ARCHIVE_FILENAME, SEED_DOCUMENT_FILENAME
 from coldsnap_core.artifact.overlay import list_overlays
 from tests.conformance.suite import EngineConformance, EngineRuns, Start
+from tests.support.servers import scraped
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
@@ -160,6 +161,20 @@ def test_flipped_pack_byte_auto_falls_back_and_serves_correctly(two_layer: dict,
     assert result.outcome["kind"] == "checkpoint" and result.outcome["fallback_rule"] == "extent-sha256"
     assert result.outcome["materialized"] == two_layer["capture-a"].outcome["pack"]
     assert only_pack(state).read_bytes() == only_pack(two_layer["work"] / "state-a").read_bytes()
+
+
+def test_a_fallback_is_counted_in_the_engine_process_metrics(flipped_auto) -> None:
+    """The same ``auto`` fallback in the metrics of the process whose worker loaded (the registry vLLM's
+    ``/metrics`` collects in its multiprocess mode: ``tests/vllm/test_vllm_serve.py`` scrapes a restore there; no
+    ``vllm serve`` run of the suite falls back): one ``fell-back`` load with its rule and its seconds, nothing
+    restored or hydrated. Fails if a fallback is counted as a restore, without its rule, or not at all."""
+    metrics = flipped_auto[1].metrics
+    vllm = {"engine": "vllm"}
+    assert scraped(metrics, "coldsnap_load_total", **vllm, outcome="fell-back", rule="extent-sha256") == 1, metrics
+    assert scraped(metrics, "coldsnap_load_total", **vllm) == 1  # no other outcome
+    assert scraped(metrics, "coldsnap_load_seconds_count", **vllm, outcome="fell-back") == 1
+    assert scraped(metrics, "coldsnap_load_seconds_sum", **vllm, outcome="fell-back") > 0
+    assert scraped(metrics, "coldsnap_hydrated_bytes_total", **vllm) == 0
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 from engine_support import PROMPTS, coldsnap_env, copy_state, only_pack, serve_completion
 
+from coldsnap_core.artifact.capsules import read_capsule
+from tests.support.servers import scraped
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cache"))  # the store servers of the cache tests
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
@@ -28,7 +31,10 @@ def test_vllm_serve_restores_and_answers(vllm_two_layer: dict, smollm2_2layer: P
     to an OCI registry (``coldsnap publish-native --repo oci://...``, Debian's ``docker-registry`` on 127.0.0.1); then, on a second node (a fresh state root that holds no pack),
     ``vllm serve --load-format coldsnap`` with ``COLDSNAP_PAYLOAD_REPO=oci://...`` and ``COLDSNAP_RESTORE=native``:
     the worker stages the pack from the registry by digest, restores from pack + residual (its log says so, with no
-    fallback WARNING) and ``/v1/completions`` returns the same greedy text as the captured engine (a plain load)."""
+    fallback WARNING) and ``/v1/completions`` returns the same greedy text as the captured engine (a plain load);
+    with ``PROMETHEUS_MULTIPROC_DIR`` set, vLLM's own ``/metrics`` shows the restore (outcome, seconds, stage seconds,
+    bytes fetched and hydrated) beside vLLM's metrics. Fails if a load's metrics do not reach vLLM's multiprocess
+    registry from the engine core process, or if staging is not counted."""
     from store_processes import Registry
 
     prompt = PROMPTS[0]  # "The capital of France is": the captured engine's first completion is the reference
@@ -55,7 +61,10 @@ def test_vllm_serve_restores_and_answers(vllm_two_layer: dict, smollm2_2layer: P
         assert f"uploaded {pack.name[:-5]}" in publish.stdout and f"manifest {repo}:artifact@sha256:" in publish.stdout
 
         node = coldsnap_env(tmp_path / "artifact", tmp_path / "node-2", COLDSNAP_PAYLOAD_REPO=repo, COLDSNAP_RESTORE="native")
-        text, log_text = serve_completion(smollm2_2layer, tmp_path, "serve", {**node, **docker_config}, prompt=prompt)
+        # One API server: vLLM collects its processes' samples only in its multiprocess mode (README "Metrics").
+        (tmp_path / "prometheus").mkdir()
+        node["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path / "prometheus")
+        text, log_text, metrics = serve_completion(smollm2_2layer, tmp_path, "serve", {**node, **docker_config}, prompt=prompt)
     finally:
         registry.stop()
     assert text == captured.outputs[0]
@@ -63,6 +72,17 @@ def test_vllm_serve_restores_and_answers(vllm_two_layer: dict, smollm2_2layer: P
     assert "could not restore" not in log_text
     assert only_pack(tmp_path / "node-2").read_bytes() == pack.read_bytes()  # staged from the registry, verified
     assert f"GET /v2/models/smollm2/blobs/sha256:{pack.name[:-5]}" in registry.log_text()
+    # vLLM's own /metrics: the restore, its seconds, the stage from the registry and the bytes it fetched and
+    # hydrated (the engine core process loaded the weights), beside vLLM's own metrics (the completion).
+    vllm = {"engine": "vllm"}
+    assert scraped(metrics, "coldsnap_load_total", **vllm, outcome="restored", rule="") == 1, metrics
+    assert scraped(metrics, "coldsnap_load_seconds_count", **vllm, outcome="restored") == 1
+    assert scraped(metrics, "coldsnap_load_seconds_sum", **vllm, outcome="restored") > 0
+    assert scraped(metrics, "coldsnap_stage_seconds_count", **vllm) == 1
+    assert scraped(metrics, "coldsnap_fetched_bytes_total", **vllm) == pack.stat().st_size
+    native = read_capsule(tmp_path / "artifact" / "workers" / "worker-0-of-1").native
+    assert scraped(metrics, "coldsnap_hydrated_bytes_total", **vllm) == native.model_bytes + native.residual_bytes
+    assert scraped(metrics, "vllm:request_success_total") == 1
 
 
 def _env_without_coldsnap() -> dict[str, str]:
