@@ -2,22 +2,9 @@
 
 **Loads.** :func:`record_load` counts one worker load in ``prometheus_client``'s default registry of the process
 that loaded the weights; :meth:`coldsnap_core.load_policy.LoadPolicy.load` calls it once per load, with the outcome
-line (``docs/format.md`` §10.3), so both engine plugins record the same families:
-
-==============================================  ===========  =============================================
-family (as exposed)                             labels       what
-==============================================  ===========  =============================================
-``coldsnap_load_total``                         engine,      loads by outcome (``restored``, ``captured``,
-                                                outcome,     ``fell-back``, ``refused``, ``checkpoint``) and
-                                                rule         the rule of a fallback or refusal (``""``: none)
-``coldsnap_load_seconds`` (histogram)           engine,      wall time of the worker's weight load: a
-                                                outcome      restore, or a checkpoint load with what
-                                                             preceded it (the failed restore of a fallback)
-``coldsnap_stage_seconds`` (histogram)          engine       staging a pack the cache lacked from the
-                                                             payload store (fetch, verify, commit)
-``coldsnap_hydrated_bytes_total``               engine       bytes restores copied from packs and residuals
-``coldsnap_fetched_bytes_total``                engine       bytes fetched from the payload store
-==============================================  ===========  =============================================
+line (``docs/format.md`` §10.3), so both engine plugins record the same families: ``coldsnap_load_total{engine,
+outcome, rule}``, the histograms ``coldsnap_load_seconds{engine, outcome}`` and ``coldsnap_stage_seconds{engine}``,
+``coldsnap_hydrated_bytes_total{engine}`` and ``coldsnap_fetched_bytes_total{engine}`` (their help texts below).
 
 An engine's ``/metrics`` shows them when it collects the loading process's samples, which the engines do through
 ``prometheus_client``'s multiprocess mode: every process started with ``PROMETHEUS_MULTIPROC_DIR`` set writes its

@@ -364,7 +364,8 @@ class WorkerRestore:
         try:
             return stage_payload(manifest.pack, cache=self.cache, store=self.store, fetched=self._count_fetched)
         finally:
-            self.stage_seconds = time.perf_counter() - started
+            if self.store is not None:  # without a store the missing pack fails at once: nothing was staged
+                self.stage_seconds = time.perf_counter() - started
 
     def _count_fetched(self, size_bytes: int) -> None:
         self.fetched_bytes += size_bytes

@@ -113,20 +113,24 @@ def test_each_load_records_its_outcome_rule_seconds_and_hydrated_bytes(captured:
 def test_a_restore_that_stages_its_pack_records_the_stage_seconds_and_the_fetched_bytes(captured: dict, tmp_path: Path) -> None:
     """A restore on a node whose cache lacks the pack stages it from a folder store: ``coldsnap_stage_seconds``
     gets one observation and ``coldsnap_fetched_bytes_total`` the pack's size; the next restore there (the pack is
-    cached) contacts no store and records neither. Fails if staging is not timed, if fetched bytes are miscounted
-    (a fetch reports each byte once as fetched), or if a cached pack is counted as fetched."""
+    cached) contacts no store and records neither, nor does a fallback on a node without a store. Fails if staging is
+    not timed, if fetched bytes are miscounted (a fetch reports each byte once as fetched), or if a cached pack or a
+    missing store is counted as a stage."""
     store = tmp_path / "store"
     publish_native([captured["artifact"]], LocalFolderStore(store), PayloadCache(captured["state"]))
     keys = {"artifact_dir": str(captured["artifact"]), "payload_dir": str(store), "restore": "native"}
     node = tmp_path / "node"
     first = _recorded(lambda: _start(captured["model"], node, **keys))
     again = _recorded(lambda: _start(captured["model"], node, **keys))
+    storeless = _recorded(lambda: _start(captured["model"], tmp_path / "bare", artifact_dir=str(captured["artifact"])))
 
     engine = (("engine", ENGINE),)
     assert first[("coldsnap_stage_seconds_count", engine)] == 1 and first[("coldsnap_stage_seconds_sum", engine)] > 0
     assert first[("coldsnap_fetched_bytes_total", engine)] == captured["entry"].payload.size_bytes
     assert again[("coldsnap_load_total", (*engine, ("outcome", "restored"), ("rule", "")))] == 1
-    assert not [key for key in again if key[0].startswith(("coldsnap_stage_seconds", "coldsnap_fetched_bytes"))], again
+    for nothing_staged in (again, storeless):  # the pack cached; no store configured (a fallback)
+        assert not [k for k in nothing_staged if k[0].startswith(("coldsnap_stage_seconds", "coldsnap_fetched_bytes"))]
+    assert storeless[("coldsnap_load_total", (*engine, ("outcome", "fell-back"), ("rule", "payload-available")))] == 1
 
 
 def test_a_metrics_file_that_cannot_be_written_is_one_warning(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
