@@ -1,4 +1,6 @@
-"""tqdm byte progress bars for the CLI (quiet when stderr is not a terminal: ``disable=None``)."""
+"""Byte progress for the CLI, on stderr: tqdm's bar on a terminal, else plain lines (bytes, GB/s, ETA) at least
+every 10 s (:class:`coldsnap_core._progress.ProgressLines`), so a long stage in a Kubernetes log or a pipe shows
+how far it got."""
 
 from __future__ import annotations
 
@@ -8,11 +10,21 @@ from collections.abc import Callable, Iterator
 
 from tqdm import tqdm
 
+from coldsnap_core._progress import ProgressLines
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)  # sys.stderr at the time of the line (a test may have replaced it)
+
 
 @contextlib.contextmanager
 def byte_bar(desc: str, total_bytes: int | None) -> Iterator[Callable[[int], object]]:
-    """A progress bar over ``total_bytes`` bytes (``None``: unknown); yields its ``update``."""
-    with tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False, disable=None) as bar:
+    """A progress over ``total_bytes`` bytes (``None``: unknown) on stderr; yields its ``update``."""
+    if sys.stderr.isatty():
+        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False, file=sys.stderr)
+    else:
+        bar = ProgressLines(desc, total_bytes, _to_stderr)
+    with bar:
         yield bar.update
 
 
@@ -30,8 +42,8 @@ class BarFactory:
 
 
 def quiet_hub_bars() -> None:
-    """Silence ``huggingface_hub``'s own upload and download bars unless stderr is a terminal (its bars,
-    unlike ours, print into logs and pipes too)."""
+    """Silence ``huggingface_hub``'s own upload and download bars unless stderr is a terminal (its bars redraw
+    with carriage returns, which a log or a pipe keeps as one ever longer line)."""
     if not sys.stderr.isatty():
         from huggingface_hub.utils import disable_progress_bars
 

@@ -1,4 +1,4 @@
-"""Resolve a CLI ``ARTIFACT`` argument to the capsules it names."""
+"""Resolve a CLI ``ARTIFACT`` argument to the capsules it names, and which capsule a restore here would use."""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ from pathlib import Path
 
 from coldsnap_core._io import os_error
 from coldsnap_core.artifact.capsules import Capsule, read_capsule, read_descriptor, read_worker_capsule
-from coldsnap_core.errors import ArtifactError, MissingObjectError
+from coldsnap_core.artifact.overlay import portable_descriptor_sha256, select_capsule
+from coldsnap_core.cli._extras import missing_dependency
+from coldsnap_core.errors import ArtifactError, ColdsnapError, MissingObjectError
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WORKERS_DIRNAME, ArtifactDescriptor
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME
+from coldsnap_core.identity.target import ENGINE_NONE, collect_target, engine_version
 
 
 def _present(path: Path) -> bool:
@@ -69,3 +72,40 @@ def resolve(target: str) -> tuple[ArtifactDescriptor | None, list[Capsule]]:
             return None, [read_worker_capsule(artifact_dir, entry)]
         return None, [read_capsule(path)]
     raise MissingObjectError(f"no {DESCRIPTOR_FILENAME} or {NATIVE_MANIFEST_FILENAME} here", file=path)
+
+
+def restore_here(artifact_dir: Path, descriptor: ArtifactDescriptor, capsule: Capsule, state_root: Path) -> dict[str, object]:
+    """Which capsule a restore of this worker by its capturing engine (the installed version of it)
+    would use on this node, and why (``docs/format.md`` §15.4): ``capsule`` is ``portable``,
+    ``qualified``, ``overlay`` or ``None`` (not qualified: ``auto`` loads the checkpoint, ``native``
+    refuses; also without torch here, ``pip install coldsnap``: no engine can load a model on this node)."""
+    recorded = capsule.target
+    if recorded is None:
+        return {"engine": None, "capsule": None, "overlay": None, "reason": "the capsule records no target.json"}
+    try:
+        import torch  # only here: every other command starts without torch (about 2 s of import time)
+    except ModuleNotFoundError as exc:
+        return {
+            "engine": recorded.engine,
+            "capsule": None,
+            "overlay": None,
+            "reason": f"no engine can run here: {missing_dependency(exc).detail}",
+        }
+
+    device = "cuda" if recorded.device_type == "cuda" and torch.cuda.is_available() else "cpu"
+    version = engine_version(recorded.engine) if recorded.engine != ENGINE_NONE else None
+    current = collect_target(recorded.engine, version, device=device)
+    entry = next(e for e in descriptor.workers if e.worker == capsule.native.worker)
+    try:
+        selection = select_capsule(
+            artifact_dir=artifact_dir,
+            entry=entry,
+            portable=capsule,
+            current=current,
+            state_root=state_root,
+            descriptor_sha256=portable_descriptor_sha256(artifact_dir),
+        )
+    except ColdsnapError as exc:
+        return {"engine": recorded.engine, "capsule": None, "overlay": None, "reason": exc.detail}
+    overlay = str(selection.overlay_path) if selection.overlay_path is not None else None
+    return {"engine": recorded.engine, "capsule": selection.source, "overlay": overlay, "reason": selection.reason}

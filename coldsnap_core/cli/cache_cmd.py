@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 
 from coldsnap_core._io import refuse_symlink
@@ -23,6 +22,7 @@ from coldsnap_core.artifact.sleep_capsules import list_sleep_capsules, sweep_sle
 from coldsnap_core.cache.garbage import DEFAULT_GC_AGE_SECONDS
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import last_full_verification, record_state
+from coldsnap_core.cli._output import add_json_option, error_json, print_json
 from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.digests import check_digest
 from coldsnap_core.errors import EXIT_INTEGRITY, EXIT_OTHER, ColdsnapError, IntegrityError
@@ -89,7 +89,7 @@ def _ls(args: argparse.Namespace) -> int:
         ],
     }
     if args.json:
-        print(json.dumps(doc, indent=2, sort_keys=True))
+        print_json(doc)
         return 0
     print(f"state root: {cache.state_root}")
     for o in objects:
@@ -133,6 +133,7 @@ def _verify(args: argparse.Namespace) -> int:
     cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
     digests = [check_digest(d) for d in args.digest] if args.digest else cache.digests()
     failures: list[ColdsnapError] = []
+    objects: list[dict[str, object]] = []
     for digest in digests:
         try:
             before = record_state(cache, digest) if not args.full else "ignored"
@@ -143,16 +144,22 @@ def _verify(args: argparse.Namespace) -> int:
                 else:
                     cache.admit(digest, progress=update)
             how = "trusted validation record" if before == "trusted" else "full SHA-256"
-            print(f"ok {digest} ({how})")
+            objects.append({"digest": digest, "verified": True, "how": how})
+            if not args.json:
+                print(f"ok {digest} ({how})")
         except ColdsnapError as exc:
-            print(f"coldsnap cache verify: {digest}: {exc}", file=sys.stderr)
+            objects.append({"digest": digest, "verified": False, "error": error_json(exc)})
+            if not args.json:
+                print(f"coldsnap cache verify: {digest}: {exc}", file=sys.stderr)
             failures.append(exc)
-    if not failures:
+    code = 0
+    if failures:
+        code = EXIT_INTEGRITY if any(isinstance(exc, IntegrityError) for exc in failures) else failures[0].exit_code
+    if args.json:
+        print_json({"state_root": str(cache.state_root), "objects": objects, "exit_code": code})
+    elif not failures:
         print(f"ok: {len(digests)} object(s) verified", file=sys.stderr)
-        return 0
-    if any(isinstance(exc, IntegrityError) for exc in failures):
-        return EXIT_INTEGRITY
-    return failures[0].exit_code
+    return code
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -160,6 +167,29 @@ def _gc(args: argparse.Namespace) -> int:
     report = cache.gc(older_than_seconds=args.older_than, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     sleep_capsules = sweep_sleep_capsules(cache.state_root, dry_run=args.dry_run)
+    overlays, unreadable = gc_overlays(cache.state_root, dry_run=args.dry_run)
+    freed = report.bytes_freed + sum(e.size_bytes for e in sleep_capsules) + sum(o.size_bytes for o in overlays)
+    code = EXIT_OTHER if unreadable else 0
+    if args.json:
+        removed = {
+            "sleep_capsules": [str(e.path) for e in sleep_capsules],
+            "temporaries": [str(p) for p in report.temporaries],
+            "quarantined": [str(p) for p in report.quarantined],
+            "orphan_records": [str(p) for p in report.orphan_records],
+            "overlays": [_overlay_json(o) for o in overlays],
+        }
+        print_json(
+            {
+                "state_root": str(cache.state_root),
+                "dry_run": args.dry_run,
+                "removed": removed,
+                "bytes_freed": freed,
+                "kept_live": [str(p) for p in report.kept_live],
+                "kept_overlays": [_overlay_json(o) for o in unreadable],
+                "exit_code": code,
+            }
+        )
+        return code
     for entry in sleep_capsules:
         print(f"{verb} sleep capsule {entry.path} (its process is gone)")
     for kind, paths in (
@@ -171,10 +201,8 @@ def _gc(args: argparse.Namespace) -> int:
             print(f"{verb} {kind} {path}")
     for path in report.kept_live:
         print(f"kept {path} (writer alive or younger than {args.older_than:g} s)")
-    overlays, unreadable = gc_overlays(cache.state_root, dry_run=args.dry_run)
     for o in overlays:
         print(f"{verb} overlay {o.path} ({o.status}: {o.reason})")
-    freed = report.bytes_freed + sum(e.size_bytes for e in sleep_capsules) + sum(o.size_bytes for o in overlays)
     print(
         f"{verb} {len(report.temporaries)} temporary, {len(report.quarantined)} quarantined, "
         f"{len(report.orphan_records)} orphan record(s), {len(sleep_capsules)} sleep capsule(s), {len(overlays)} stale or"
@@ -183,7 +211,7 @@ def _gc(args: argparse.Namespace) -> int:
     )
     for o in unreadable:
         print(f"kept overlay {o.path} ({o.status}: {o.reason})", file=sys.stderr)
-    return EXIT_OTHER if unreadable else 0
+    return code
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -198,11 +226,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     state_root.add_argument(
         "--state-root", default=None, help="the cache's state root (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)"
     )
+    add_json_option(state_root)
 
     ls = sub.add_parser(
         "ls", parents=[state_root], help="list objects, record states, last full verification, temporaries, quarantine"
     )
-    ls.add_argument("--json", action="store_true", help="print JSON")
     ls.set_defaults(func=_ls)
 
     verify = sub.add_parser(

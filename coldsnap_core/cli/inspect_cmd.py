@@ -4,19 +4,15 @@ payloads, and which capsule a restore on this node would use (``docs/format.md``
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
-from pathlib import Path
 
 from coldsnap_core.artifact.capsules import Capsule, find_worker
 from coldsnap_core.artifact.derived_cache import verify_seed
-from coldsnap_core.artifact.overlay import portable_descriptor_sha256, select_capsule
-from coldsnap_core.cli._extras import missing_dependency
-from coldsnap_core.cli._targets import artifact_folder, resolve
+from coldsnap_core.cli._output import add_json_option, print_json
+from coldsnap_core.cli._targets import artifact_folder, resolve, restore_here
 from coldsnap_core.errors import ColdsnapError
 from coldsnap_core.format.descriptor import ArtifactDescriptor
 from coldsnap_core.format.manifest import NativeManifest
-from coldsnap_core.identity.target import ENGINE_NONE, collect_target, engine_version
 
 
 def summarize(manifest: NativeManifest) -> dict[str, object]:
@@ -52,43 +48,6 @@ def summarize(manifest: NativeManifest) -> dict[str, object]:
         "residual": manifest.residual.to_json(),
         "provenance": dict(sorted(per_file.items())),
     }
-
-
-def restore_here(artifact_dir: Path, descriptor: ArtifactDescriptor, capsule: Capsule, state_root: Path) -> dict[str, object]:
-    """Which capsule a restore of this worker by its capturing engine (the installed version of it)
-    would use on this node, and why (``docs/format.md`` §15.4): ``capsule`` is ``portable``,
-    ``qualified``, ``overlay`` or ``None`` (not qualified: ``auto`` loads the checkpoint, ``native``
-    refuses; also without torch here, ``pip install coldsnap``: no engine can load a model on this node)."""
-    recorded = capsule.target
-    if recorded is None:
-        return {"engine": None, "capsule": None, "overlay": None, "reason": "the capsule records no target.json"}
-    try:
-        import torch  # only here: every other command starts without torch (about 2 s of import time)
-    except ModuleNotFoundError as exc:
-        return {
-            "engine": recorded.engine,
-            "capsule": None,
-            "overlay": None,
-            "reason": f"no engine can run here: {missing_dependency(exc).detail}",
-        }
-
-    device = "cuda" if recorded.device_type == "cuda" and torch.cuda.is_available() else "cpu"
-    version = engine_version(recorded.engine) if recorded.engine != ENGINE_NONE else None
-    current = collect_target(recorded.engine, version, device=device)
-    entry = next(e for e in descriptor.workers if e.worker == capsule.native.worker)
-    try:
-        selection = select_capsule(
-            artifact_dir=artifact_dir,
-            entry=entry,
-            portable=capsule,
-            current=current,
-            state_root=state_root,
-            descriptor_sha256=portable_descriptor_sha256(artifact_dir),
-        )
-    except ColdsnapError as exc:
-        return {"engine": recorded.engine, "capsule": None, "overlay": None, "reason": exc.detail}
-    overlay = str(selection.overlay_path) if selection.overlay_path is not None else None
-    return {"engine": recorded.engine, "capsule": selection.source, "overlay": overlay, "reason": selection.reason}
 
 
 def seed_summary(descriptor: ArtifactDescriptor, capsule: Capsule) -> dict[str, object]:
@@ -156,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             "distinct_payloads": sorted({s["pack"]["sha256"] for s in summaries}),
             "workers": summaries,
         }
-        print(json.dumps(doc, indent=2, sort_keys=True))
+        print_json(doc)
         return 0
     model = descriptor.model if descriptor else capsules[0].recovery.model
     print(f"model: {model.source}" + (f" @ {model.revision}" if model.revision else ""))
@@ -202,7 +161,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Summarize an artifact folder, a capsule folder or a native-manifest.json. Reads manifests only.",
     )
     p.add_argument("artifact", metavar="ARTIFACT", help="artifact folder, capsule folder or native-manifest.json")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_json_option(p)
     p.add_argument(
         "--state-root",
         default=None,

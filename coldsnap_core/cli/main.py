@@ -9,6 +9,10 @@ layer turned into a typed error is reported the same way, as rule ``io``
 (:class:`~coldsnap_core.errors.FileAccessError`, naming the file), with exit code 4. A command that needs a module
 ``pip install coldsnap`` leaves out (torch, an engine) stops with a ``ConfigurationError`` naming the extra that
 installs it (:mod:`coldsnap_core.cli._extras`), exit code 4.
+
+Every command takes ``--json`` (:mod:`coldsnap_core.cli._output`): stdout then holds one JSON document, the
+result or the error (its rule, message and exit code; a usage error is rule ``usage``), and the exit code is the same
+as without it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import NoReturn
 from coldsnap_core._io import unexpected_os_error
 from coldsnap_core._version import __version__
 from coldsnap_core.cli._extras import missing_dependency
+from coldsnap_core.cli._output import command_name, error_json, print_json, wants_json
 from coldsnap_core.errors import EXIT_OTHER, ColdsnapError
 from coldsnap_core.format._strict import FORMAT_VERSION
 from coldsnap_core.settings import COMMAND_SETTINGS, KEYS, ColdsnapSettings
@@ -38,13 +43,18 @@ COMMAND_MODULES = (
 )
 
 
+class _UsageError(Exception):
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose usage errors exit 4 ("other error"), not argparse's 2, which means
-    "malformed or unsupported manifest" here."""
+    "malformed or unsupported manifest" here; :func:`main` reports them (as a JSON document under ``--json``)."""
 
     def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_OTHER, f"{self.prog}: error: {message}\n")
+        raise _UsageError(self, message)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="coldsnap",
         description="Inspect, verify, stage and publish coldsnap artifacts (format 9).",
         epilog="Exit codes: 0 verified/ok, 1 content mismatch or corruption, 2 malformed or unsupported manifest, "
-        "3 missing object, 4 other error, 5 capsule not qualified for this target (a native restore).",
+        "3 missing object, 4 other error, 5 capsule not qualified for this target (a native restore). "
+        "Every command takes --json (one JSON document on stdout, an error too).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
     parser.add_argument("--version", action="version", version=f"coldsnap {__version__} (artifact format {FORMAT_VERSION})")
@@ -76,27 +87,64 @@ def _resolve_environment(args: argparse.Namespace) -> None:
     args.state_root, args.lock_timeout_s = args.settings.state_root, args.settings.lock_timeout_s
 
 
+def _command_named(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str | None:
+    """The (sub)command ``argv`` names (``cache verify``), as far as its words name one; ``None`` when none."""
+    names: list[str] = []
+    for word in (w for w in argv if not w.startswith("-")):
+        choices = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
+        if word not in choices:
+            break
+        names.append(word)
+        parser = choices[word]
+    return " ".join(names) or None
+
+
+def _usage_error(error: _UsageError, argv: Sequence[str], parser: argparse.ArgumentParser) -> int:
+    """Under ``--json`` the usage error as a document (returns 4); else argparse's usage and message (exits 4)."""
+    if "--json" in argv:
+        command = _command_named(parser, argv)
+        print_json({"command": command, "error": {"rule": "usage", "message": str(error), "exit_code": EXIT_OTHER}})
+        return EXIT_OTHER
+    error.parser.print_usage(sys.stderr)
+    error.parser.exit(EXIT_OTHER, f"{error.parser.prog}: error: {error}\n")
+
+
+def _failed(args: argparse.Namespace, error: ColdsnapError) -> int:
+    if wants_json(args):
+        print_json({"command": command_name(args), "error": error_json(error)})
+    else:
+        print(f"coldsnap {args.command}: {error}", file=sys.stderr)
+    return error.exit_code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as exc:
+        return _usage_error(exc, argv, parser)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         _resolve_environment(args)
         return int(args.func(args))
     except ColdsnapError as exc:
-        print(f"coldsnap {args.command}: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return _failed(args, exc)
     except ModuleNotFoundError as exc:
-        error = missing_dependency(exc)
-        print(f"coldsnap {args.command}: {error}", file=sys.stderr)
-        return error.exit_code
+        return _failed(args, missing_dependency(exc))
     except KeyboardInterrupt:
-        print(f"coldsnap {args.command}: interrupted", file=sys.stderr)
+        if wants_json(args):
+            print_json(
+                {
+                    "command": command_name(args),
+                    "error": {"rule": "interrupted", "message": "interrupted", "exit_code": EXIT_OTHER},
+                }
+            )
+        else:
+            print(f"coldsnap {args.command}: interrupted", file=sys.stderr)
         return EXIT_OTHER
     except OSError as exc:
-        error = unexpected_os_error(exc)
-        print(f"coldsnap {args.command}: {error}", file=sys.stderr)
-        return error.exit_code
+        return _failed(args, unexpected_os_error(exc))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import argparse
 import sys
 
 from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.cli._output import add_json_option, print_json
 from coldsnap_core.cli._progress import BarFactory, quiet_hub_bars
 from coldsnap_core.cli._targets import artifact_folder
 from coldsnap_core.stores import parse_store_spec
@@ -46,10 +47,17 @@ def run(args: argparse.Namespace) -> int:
     quiet_hub_bars()
     cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
     bars = BarFactory()
+    manifests: list[str] = []
 
     def report(item: PublishedPayload) -> None:
         bars.close()
-        print(f"{item.action} {item.pack.sha256} ({item.pack.size_bytes} bytes) <- {', '.join(item.owners)}")
+        if not args.json:
+            print(f"{item.action} {item.pack.sha256} ({item.pack.size_bytes} bytes) <- {', '.join(item.owners)}")
+
+    def report_manifest(reference: str) -> None:
+        manifests.append(reference)
+        if not args.json:
+            print(f"manifest {reference}")
 
     try:
         results = publish_native(
@@ -59,11 +67,18 @@ def run(args: argparse.Namespace) -> int:
             dry_run=args.dry_run,
             progress=bars,
             on_payload=report,
-            on_artifact=lambda reference: print(f"manifest {reference}"),
+            on_artifact=report_manifest,
         )
     finally:
         bars.close()
     counts = {action: sum(r.action == action for r in results) for action in ("uploaded", "present", "would-upload")}
+    if args.json:
+        payloads = [
+            {"action": r.action, "sha256": r.pack.sha256, "size_bytes": r.pack.size_bytes, "owners": list(r.owners)}
+            for r in results
+        ]
+        print_json({"store": store.name, "dry_run": args.dry_run, "payloads": payloads, "manifests": manifests, "counts": counts})
+        return 0
     print(
         f"ok: {len(results)} distinct payload(s) -> {store.name}: {counts['uploaded']} uploaded, "
         f"{counts['present']} already present" + (f", {counts['would-upload']} would be uploaded" if args.dry_run else ""),
@@ -99,4 +114,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--state-root", default=None, help="the cache's state root (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)"
     )
+    add_json_option(p)
     p.set_defaults(func=run)

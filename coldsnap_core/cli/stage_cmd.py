@@ -23,14 +23,19 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from coldsnap_core._io import lstat_or_none
 from coldsnap_core.artifact.capsules import read_descriptor
 from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.cache.records import record_state
+from coldsnap_core.cli._output import add_json_option, print_json
 from coldsnap_core.cli._progress import byte_bar, quiet_hub_bars
 from coldsnap_core.cli._targets import artifact_folder
-from coldsnap_core.errors import ConfigurationError, MissingObjectError
-from coldsnap_core.format.manifest import WorkerIdentity
+from coldsnap_core.errors import ColdsnapError, ConfigurationError, MissingObjectError
+from coldsnap_core.format.descriptor import WorkerEntry
+from coldsnap_core.format.manifest import PackRef, WorkerIdentity
 from coldsnap_core.restore.staging import stage_payload, worker_entries
 from coldsnap_core.stores import from_settings, parse_store_spec
+from coldsnap_core.stores.base import PayloadStore
 
 
 def _env_int(environ: Mapping[str, str], *names: str) -> tuple[str, int] | None:
@@ -91,12 +96,9 @@ def host_workers(
     return mine
 
 
-def run(args: argparse.Namespace) -> int:
-    artifact_dir = artifact_folder(args.artifact)
-    cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
-    store_settings = args.settings.store
-    store = parse_store_spec(args.repo, client=store_settings.client) if args.repo else from_settings(store_settings)
-    quiet_hub_bars()
+def this_host_entries(args: argparse.Namespace, artifact_dir: Path) -> list[WorkerEntry]:
+    """The ``artifact.json`` entries of this host's workers (:func:`host_workers` of the options
+    :func:`add_host_options` added), each capsule's manifest checked to name its entry's pack."""
     descriptor = read_descriptor(artifact_dir)
     workers = host_workers(
         [entry.worker for entry in descriptor.workers],
@@ -105,16 +107,84 @@ def run(args: argparse.Namespace) -> int:
         workers_per_node=args.workers_per_node,
         descriptor_file=artifact_dir / "artifact.json",
     )
-    entries = worker_entries(artifact_dir, workers)
+    return worker_entries(artifact_dir, workers)
+
+
+def add_host_options(p: argparse.ArgumentParser, verb: str) -> None:
+    """``--rank``, ``--node-rank``, ``--workers-per-node``: which workers run on this host (:func:`host_workers`)."""
+    p.add_argument(
+        "--rank",
+        type=int,
+        action="append",
+        metavar="N",
+        help=f"{verb} only the worker with this rank (repeatable; default: this host's workers, see above)",
+    )
+    p.add_argument(
+        "--node-rank", type=int, default=None, metavar="K", help="this host's node rank (default: $NODE_RANK/$GROUP_RANK)"
+    )
+    p.add_argument(
+        "--workers-per-node", type=int, default=None, metavar="W", help="workers per host (default: $LOCAL_WORLD_SIZE)"
+    )
+
+
+def _stage_one(pack: PackRef, cache: PayloadCache, store: PayloadStore | None) -> Path:
+    """Stage ``pack`` with a progress over the bytes it will read: none on a trusted validation record, the pack once
+    when it is cached (hashed), twice when it must be fetched (copied, then verified)."""
+    try:
+        trusted = record_state(cache, pack.sha256) == "trusted"
+        cached = lstat_or_none(cache.object_path(pack.sha256)) is not None
+    except ColdsnapError:  # a cache path that cannot be examined: stage_payload raises what is wrong with it
+        trusted = cached = False
+    if trusted:
+        return stage_payload(pack, cache=cache, store=store)
+    desc = f"stage {pack.sha256[:12]}" + ("" if cached else " (fetch, then verify)")
+    with byte_bar(desc, pack.size_bytes * (1 if cached else 2)) as update:
+        return stage_payload(pack, cache=cache, store=store, progress=update)
+
+
+def add_repo_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--repo",
+        default=None,
+        help="payload store: a folder path, s3://bucket/prefix, oci://host/ns/name, gs://bucket/prefix, "
+        "az://account/container/prefix (or an Azure connection string) or a Hugging Face repo id org/name[@revision] "
+        "(default: $COLDSNAP_PAYLOAD_DIR or $COLDSNAP_PAYLOAD_REPO)",
+    )
+
+
+def store_of(args: argparse.Namespace) -> PayloadStore | None:
+    """The store ``--repo`` names, else the one the settings configure (``None``: none)."""
+    client = args.settings.store.client
+    return parse_store_spec(args.repo, client=client) if args.repo else from_settings(args.settings.store)
+
+
+def run(args: argparse.Namespace) -> int:
+    artifact_dir = artifact_folder(args.artifact)
+    cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
+    store = store_of(args)
+    quiet_hub_bars()
+    entries = this_host_entries(args, artifact_dir)
     staged: dict[str, Path] = {}
     for entry in entries:
         pack = entry.payload
         if pack.sha256 not in staged:
-            # each fetched byte is reported twice (copied, then verified); a cached one once (hashed) or never (record)
-            with byte_bar(f"stage {pack.sha256[:12]}", None) as update:
-                staged[pack.sha256] = stage_payload(pack, cache=cache, store=store, progress=update)
-        print(f"{entry.worker.capsule_name}: {staged[pack.sha256]}")
+            staged[pack.sha256] = _stage_one(pack, cache, store)
+        if not args.json:
+            print(f"{entry.worker.capsule_name}: {staged[pack.sha256]}")
     source = store.name if store is not None else "the node-local cache only"
+    if args.json:
+        workers = [
+            {"capsule": e.worker.capsule_name, "pack": e.payload.sha256, "path": str(staged[e.payload.sha256])} for e in entries
+        ]
+        print_json(
+            {
+                "staged": True,
+                "store": store.name if store is not None else None,
+                "workers": workers,
+                "distinct_packs": len(staged),
+            }
+        )
+        return 0
     print(f"ok: {len(entries)} worker(s), {len(staged)} distinct pack(s) staged (store: {source})", file=sys.stderr)
     return 0
 
@@ -133,27 +203,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("artifact", metavar="ARTIFACT", help="artifact folder (with artifact.json), or its artifact.json")
-    p.add_argument(
-        "--rank",
-        type=int,
-        action="append",
-        metavar="N",
-        help="stage only the worker with this rank (repeatable; default: this host's workers, see above)",
-    )
-    p.add_argument(
-        "--node-rank", type=int, default=None, metavar="K", help="this host's node rank (default: $NODE_RANK/$GROUP_RANK)"
-    )
-    p.add_argument(
-        "--workers-per-node", type=int, default=None, metavar="W", help="workers per host (default: $LOCAL_WORLD_SIZE)"
-    )
-    p.add_argument(
-        "--repo",
-        default=None,
-        help="payload store: a folder path, s3://bucket/prefix, oci://host/ns/name, gs://bucket/prefix, "
-        "az://account/container/prefix (or an Azure connection string) or a Hugging Face repo id org/name[@revision] "
-        "(default: $COLDSNAP_PAYLOAD_DIR or $COLDSNAP_PAYLOAD_REPO)",
-    )
+    add_host_options(p, "stage")
+    add_repo_option(p)
     p.add_argument(
         "--state-root", default=None, help="the cache's state root (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)"
     )
+    add_json_option(p)
     p.set_defaults(func=run)

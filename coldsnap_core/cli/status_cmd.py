@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import os
 import sys
 
 from coldsnap_core._io import os_error
 from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.cli._output import print_json
 from coldsnap_core.errors import EXIT_INTEGRITY, FileAccessError, UnsafePathError
 from coldsnap_core.metrics import node_exposition
 from coldsnap_core.outcomes import OUTCOMES, read_outcomes, summarize
@@ -92,7 +92,7 @@ def _status(args: argparse.Namespace) -> int:
             "skipped": skipped,
             "artifacts": [s.to_json() for s in summaries],
         }
-        print(json.dumps(doc, indent=2, sort_keys=True))
+        print_json(doc)
     else:
         shown = path if exists else f"{path} (does not exist{'' if path.parent.is_dir() else ', nor its folder'})"
         print(

@@ -13,31 +13,38 @@ Exit codes: 0 verified, 1 content mismatch or corruption, 2 malformed or unsuppo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-from collections.abc import Callable, Iterator
-
-from tqdm import tqdm
 
 from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.cli._output import add_json_option, print_json
+from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.cli._targets import artifact_folder, resolve
-from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.restore.audit import verify_capsules
-
-
-@contextlib.contextmanager
-def _bar(pack: PackRef) -> Iterator[Callable[[int], object]]:
-    with tqdm(
-        total=pack.size_bytes, unit="B", unit_scale=True, desc=f"verify {pack.sha256[:12]}", leave=False, disable=None
-    ) as bar:
-        yield bar.update
 
 
 def run(args: argparse.Namespace) -> int:
     cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
     descriptor, capsules = resolve(args.artifact)
     artifact_dir = artifact_folder(args.artifact) if descriptor is not None else None
-    verified = verify_capsules(descriptor, capsules, cache=cache, artifact_dir=artifact_dir, progress_for=_bar)
+    verified = verify_capsules(
+        descriptor,
+        capsules,
+        cache=cache,
+        artifact_dir=artifact_dir,
+        progress_for=lambda pack: byte_bar(f"verify {pack.sha256[:12]}", pack.size_bytes),
+    )
+    if args.json:
+        workers = [
+            {
+                "capsule": w.worker.capsule_name,
+                "pack": w.pack.to_json(),
+                "model_extents": w.model_extents,
+                "residual_bytes": w.residual_bytes,
+            }
+            for w in verified
+        ]
+        print_json({"verified": True, "workers": workers, "distinct_payloads": sorted({w.pack.sha256 for w in verified})})
+        return 0
     for worker in verified:
         print(
             f"{worker.worker.capsule_name}: verified pack {worker.pack.sha256} ({worker.pack.size_bytes} bytes, "
@@ -60,4 +67,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("artifact", metavar="ARTIFACT", help="artifact folder, capsule folder or native-manifest.json")
     p.add_argument("--state-root", default=None, help="where packs live (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)")
+    add_json_option(p)
     p.set_defaults(func=run)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from coldsnap_core._progress import ProgressLines
 from coldsnap_core.artifact.capsules import find_worker, read_descriptor, read_worker_capsule
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.digests import check_digest, pack_relpath
@@ -130,21 +131,25 @@ def _fetch_watch(
     pack: PackRef, store: PayloadStore, progress: Callable[[int], object] | None, fetched: Callable[[int], object] | None
 ) -> Iterator[Callable[[int], object]]:
     """A progress callback for ``store.fetch`` that counts the bytes written (and passes them on to
-    ``progress`` and ``fetched``), and, while the fetch runs, one INFO line after every :data:`FETCH_NOTICE_INTERVAL_S`
-    without a byte written: the pack, the store, the bytes so far and how long nothing arrived."""
+    ``progress`` and ``fetched``) and, while the fetch runs, logs at INFO: a progress line (bytes, GB/s, ETA;
+    :class:`coldsnap_core._progress.ProgressLines`) when it starts, at least every 10 s while bytes arrive and when
+    it ends, and one line after every :data:`FETCH_NOTICE_INTERVAL_S` without a byte written: the pack, the store,
+    the bytes so far and how long nothing arrived."""
     written = [0, time.monotonic()]  # bytes so far, monotonic time of the last bytes
     lock = threading.Lock()
     done = threading.Event()
     started = time.monotonic()
+    lines = ProgressLines(f"coldsnap: fetching pack {pack.sha256} from {store.name}", pack.size_bytes, logger.info)
 
     def counted(n: int) -> None:
-        with lock:
+        with lock:  # a ranged store reports from several threads; the counts and the progress line are updated once each
             written[0] += n
             written[1] = time.monotonic()
-            if fetched is not None:  # under the lock: a ranged fetch reports from several threads
+            lines.update(n)
+            if fetched is not None:
                 fetched(n)
-        if progress is not None:
-            progress(n)
+            if progress is not None:
+                progress(n)
 
     def watch() -> None:
         while not done.wait(FETCH_NOTICE_INTERVAL_S):
@@ -170,6 +175,7 @@ def _fetch_watch(
     finally:
         done.set()
         watcher.join()
+        lines.close()
 
 
 def _fetch(
@@ -180,7 +186,6 @@ def _fetch(
     fetched: Callable[[int], object] | None,
 ) -> Path:
     digest = pack.sha256
-    logger.info("coldsnap: fetching pack %s (%d bytes) from %s", digest, pack.size_bytes, store.name)
     with cache.temporary(digest) as (fd, temp):
         try:
             with _fetch_watch(pack, store, progress, fetched) as counted:

@@ -189,16 +189,19 @@ def test_a_missing_bucket_or_container_is_a_store_error_naming_it(
     assert eligible_objects(node) == {}
 
 
-def test_cli_progress_is_quiet_off_a_terminal_and_drawn_on_one(any_store, captured_once, tmp_path, capsys, monkeypatch) -> None:
-    """tqdm bars (coldsnap's and huggingface_hub's) stay out of a pipe or log; on a terminal the stage
-    bar is drawn. Fails if a bar is forced on (``disable=False``) or never shown."""
+def test_cli_progress_is_lines_off_a_terminal_and_a_bar_on_one(any_store, captured_once, tmp_path, capsys, monkeypatch) -> None:
+    """Off a terminal (a pipe, a log) ``stage`` writes plain progress lines (bytes, GB/s, ETA) and no bar: no
+    carriage return from coldsnap's or huggingface_hub's bars; on a terminal the stage bar is drawn. Fails if a bar
+    is forced into a log, or progress is left out of either."""
     from coldsnap_core.cli.main import main
 
     publish_native([captured_once.artifact_dir], any_store.store, PayloadCache(captured_once.capture_root))
     capsys.readouterr()  # huggingface_hub's upload bar above ran outside the CLI
     args = ["stage", str(captured_once.artifact_dir), "--repo", any_store.spec]
-    assert main([*args, "--state-root", str(tmp_path / "quiet")]) == 0
-    assert "B/s" not in capsys.readouterr().err
+    assert main([*args, "--state-root", str(tmp_path / "lines")]) == 0
+    err = capsys.readouterr().err
+    desc = f"stage {captured_once.pack.sha256[:12]} (fetch, then verify): "
+    assert "\r" not in err and any(line.startswith(desc) and " GB/s, done in " in line for line in err.splitlines()), err
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -207,7 +210,7 @@ def test_cli_progress_is_quiet_off_a_terminal_and_drawn_on_one(any_store, captur
     terminal = Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
     assert main([*args, "--state-root", str(tmp_path / "drawn")]) == 0
-    assert f"stage {captured_once.pack.sha256[:12]}" in terminal.getvalue()
+    assert f"stage {captured_once.pack.sha256[:12]}" in terminal.getvalue() and "\r" in terminal.getvalue()
 
 
 def test_two_uploads_of_one_digest_at_once_create_it_once(any_store, captured_once) -> None:

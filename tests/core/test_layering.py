@@ -9,7 +9,7 @@ so an import hidden inside a function to dodge a cycle is found as well. Layers,
 rank  modules
 ====  ======================================================================================
 0     ``errors``
-1     ``settings``, ``digests``, ``_io`` (the one durable-I/O and ``OSError`` module), ``collector``, the two
+1     ``settings``, ``digests``, ``_io`` (the one durable-I/O and ``OSError`` module), ``collector``, ``_progress``, the two
       Protocols, ``identity.hub_commit``, ``identity.config_digest``
 2     ``format.*`` (the byte-level documents, the safetensors header)
 3     ``format.verify``, the copy backends, ``copy.torch_allocations``, ``identity.target`` (this worker's target
@@ -46,6 +46,7 @@ LAYERS: dict[str, int] = {
     "digests": 1,
     "_io": 1,
     "collector": 1,
+    "_progress": 1,
     "copy.base": 1,
     "stores.base": 1,
     "identity": 1,
