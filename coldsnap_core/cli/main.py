@@ -40,6 +40,7 @@ COMMAND_MODULES = (
     "coldsnap_core.cli.publish_cmd",
     "coldsnap_core.cli.cache_cmd",
     "coldsnap_core.cli.status_cmd",
+    "coldsnap_core.cli.doctor_cmd",
 )
 
 
@@ -62,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="coldsnap",
         description="Inspect, verify, stage and publish coldsnap artifacts (format 9).",
         epilog="Exit codes: 0 verified/ok, 1 content mismatch or corruption, 2 malformed or unsupported manifest, "
-        "3 missing object, 4 other error, 5 capsule not qualified for this target (a native restore). "
-        "Every command takes --json (one JSON document on stdout, an error too).",
+        "3 missing object, 4 other error, 5 capsule not qualified for this target (a native restore); doctor: 10-15, the "
+        "first failed check. Every command takes --json (one JSON document on stdout, an error too).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
     parser.add_argument("--version", action="version", version=f"coldsnap {__version__} (artifact format {FORMAT_VERSION})")

@@ -76,8 +76,10 @@ def capture(
     world_size: int = 1,
     reverse: bool = False,
     slab_count: int = 2,
+    target=None,
 ):
-    """Capture ``checkpoint`` (staged into slabs) as one worker of ``artifact_dir``; return the CaptureResult."""
+    """Capture ``checkpoint`` (staged into slabs) as one worker of ``artifact_dir``; return the CaptureResult.
+    ``target`` is the ``TargetIdentity`` its ``target.json`` records (default: this node's, without an engine)."""
     from slabs import checkpoint_files, stage_checkpoint
 
     from coldsnap_core.cache.payload_cache import PayloadCache
@@ -98,6 +100,7 @@ def capture(
         cache=PayloadCache(state_root),
         artifact_dir=artifact_dir,
         backend=HostCopyBackend(threads=1),
+        target=target,
     )
 
 

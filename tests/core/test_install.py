@@ -129,9 +129,10 @@ def test_the_installed_command_stages_verifies_and_inspects_without_torch(
     slim_venv: Path, captured_2layer: Captured, tmp_path: Path
 ) -> None:
     """The installed ``coldsnap`` (no torch) publishes a real capture to a folder store, and on a fresh node
-    stages it, verifies it, lists the cache, reports the (empty) outcome log and inspects the artifact. Fails on a
-    command that imports torch on its way (``inspect`` did, for which capsule a restore here would use: now it
-    says that no engine can run here and which extra installs one) or that the slim installation lacks."""
+    stages it, verifies it, lists the cache, reports the (empty) outcome log, inspects the artifact and runs the
+    preflight (``doctor``: the target check, which needs torch, is a warning naming the extra). Fails on a command
+    that imports torch on its way (``inspect`` did, for which capsule a restore here would use: now it says that no
+    engine can run here and which extra installs one) or that the slim installation lacks."""
     captured = copy_capture(captured_2layer, tmp_path / "capture", copy_pack=False)
     store, node = tmp_path / "store", tmp_path / "node"
     digest = captured.result.manifest.pack.sha256
@@ -159,6 +160,10 @@ def test_the_installed_command_stages_verifies_and_inspects_without_torch(
     assert worker["pack"]["sha256"] == digest and worker["restore_on_this_node"]["capsule"] is None
     assert "torch is not installed" in worker["restore_on_this_node"]["reason"]
     assert "coldsnap[vllm]" in worker["restore_on_this_node"]["reason"]
+    doctor = json.loads(coldsnap("doctor", "--json", captured.artifact_dir).stdout)  # exit 0: warnings do not fail
+    checks = {c["check"]: c for c in doctor["checks"]}
+    assert checks["target"]["status"] == "warning" and "cannot tell without torch" in checks["target"]["message"]
+    assert checks["packs"]["status"] == "ok" and doctor["ready"] is True
 
 
 @pytest.mark.slow

@@ -1,0 +1,505 @@
+"""``coldsnap doctor ARTIFACT``: will this node restore ARTIFACT? One preflight, one line per check with a remedy.
+
+The checks, in the order an operator fixes them, each with the exit code of its failure (the first failed check's
+code is the command's; ``--json`` lists them all):
+
+====  ==============  ============================================================================================
+code  check           what it asks
+====  ==============  ============================================================================================
+10    ``plugin``      coldsnap's entry point is registered for the engine that captured the artifact (vLLM's
+                      ``vllm.general_plugins``, SGLang's ``sglang.srt.plugins``), ``VLLM_PLUGINS`` /
+                      ``SGLANG_PLUGINS`` do not leave it out, and the installed engine's version is in the range
+                      the coldsnap distribution declares for that engine's extra
+11    ``state-root``  the state root and its cache folders belong to the engine's user (``--user``, default: this
+                      one), are no symbolic links, and let their owner write
+12    ``store``       the configured payload store (``--repo``, ``COLDSNAP_PAYLOAD_DIR``, ``COLDSNAP_PAYLOAD_REPO``)
+                      answers and holds every pack this node would have to fetch
+13    ``target``      each of this host's capsules qualifies for this target, or this node holds an overlay or a
+                      qualification record for it (what a restore selects: ``docs/format.md`` §15.4)
+14    ``model``       the checkpoint (``--model``, default the source the artifact records) matches the artifact's
+                      model identity as a restore checks it (``docs/format.md`` §10.1): present, the recorded files
+                      with their sizes, their SHA-256 by checkpoint record or their content fingerprint
+15    ``packs``       each pack is in the node-local cache with a trusted validation record, or can be fetched
+====  ==============  ============================================================================================
+
+A check that needs what this installation lacks (torch for the target, the engine for its version: ``pip install
+coldsnap`` is the command without them) is a warning saying so, as is a restore that works but slower (a pack
+hashed in full or fetched at start). Warnings do not fail: exit 0 means no check failed. ``ARTIFACT`` that cannot
+be read exits 2, 3 or 4 as for every command.
+
+With ``--user`` (a name or uid) and run as root, every check runs with that user's effective uid, gid and groups (as
+the engine would: its validation records, its permissions); run as another user it must be that user. Nothing is
+written, but a checkpoint file whose checkpoint record is stale is hashed again and recorded, as a start would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import os
+import pwd
+import stat
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from coldsnap_core._io import lstat_or_none, unexpected_os_error
+from coldsnap_core.artifact.capsules import Capsule, read_descriptor, read_worker_capsule
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.cache.records import record_state
+from coldsnap_core.cli._extras import EXTRA_OF_MODULE, missing_dependency
+from coldsnap_core.cli._output import add_json_option, print_json
+from coldsnap_core.cli._targets import artifact_folder, restore_here
+from coldsnap_core.cli.stage_cmd import add_host_options, add_repo_option, store_of, this_host_entries
+from coldsnap_core.errors import ColdsnapError, ConfigurationError
+from coldsnap_core.format.descriptor import ArtifactDescriptor
+from coldsnap_core.format.manifest import ModelIdentity, PackRef
+from coldsnap_core.identity.checkpoint_records import CheckpointRecords
+from coldsnap_core.identity.model_identity import LoadedModel, check_model_identity
+from coldsnap_core.identity.target import ENGINE_NONE, engine_version
+from coldsnap_core.settings import SETTINGS, ColdsnapSettings
+from coldsnap_core.stores.base import PayloadStore
+
+CHECK_EXIT_CODES = {"plugin": 10, "state-root": 11, "store": 12, "target": 13, "model": 14, "packs": 15}
+"""Each check's exit code when it fails (the first failed check's, in this order)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePlugin:
+    """How an engine finds coldsnap: the entry-point group it loads plugins from and the variable that restricts them
+    (vLLM ``vllm/plugins/__init__.py``: ``VLLM_PLUGINS`` split on ``,``, set means only those; SGLang
+    ``sglang/srt/plugins/__init__.py``: ``SGLANG_PLUGINS`` split on ``,`` and stripped, empty means all)."""
+
+    label: str
+    group: str
+    allow_list: str
+    strips: bool
+
+    def allowed(self, value: str | None) -> set[str] | None:
+        """The plugin names ``value`` of :attr:`allow_list` lets the engine load (``None``: all of them)."""
+        if value is None or (self.strips and not value.strip()):
+            return None
+        return {n.strip() for n in value.split(",")} if self.strips else set(value.split(","))
+
+
+ENGINE_PLUGINS = {
+    "vllm": EnginePlugin("vLLM", "vllm.general_plugins", "VLLM_PLUGINS", strips=False),
+    "sglang": EnginePlugin("SGLang", "sglang.srt.plugins", "SGLANG_PLUGINS", strips=True),
+}
+PLUGIN_NAME = "coldsnap"
+"""The name of coldsnap's entry point in each engine's group (``pyproject.toml``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One line of the report: ``check`` (a key of :data:`CHECK_EXIT_CODES`), ``status`` and what to do."""
+
+    check: str
+    status: Literal["ok", "warning", "failed"]
+    message: str
+    remedy: str | None = None
+
+    def line(self) -> str:
+        head = {"ok": "ok     ", "warning": "warning", "failed": "FAILED "}[self.status]
+        return f"{head} {self.check}: {self.message}" + (f"; remedy: {self.remedy}" if self.remedy else "")
+
+    def to_json(self) -> dict[str, object]:
+        return {"check": self.check, "status": self.status, "message": self.message, "remedy": self.remedy}
+
+
+def _cannot_tell(check: str, module: str, what: str) -> Check:
+    label = {"torch": "torch", **{e: p.label for e, p in ENGINE_PLUGINS.items()}}[module]
+    return Check(check, "warning", f"cannot tell without {label} ({what})", EXTRA_OF_MODULE[module])
+
+
+# -- plugin --------------------------------------------------------------------------------------------------
+
+
+def plugin_check(engine: str) -> Check:
+    """Whether ``engine`` (a capsule's ``target.json`` engine) will load coldsnap and is a version it supports."""
+    if engine == ENGINE_NONE:
+        return Check("plugin", "ok", "captured without an engine (the Python API restores it): no engine plugin is needed")
+    plugin = ENGINE_PLUGINS.get(engine)
+    if plugin is None:
+        return Check(
+            "plugin", "failed", f"captured by {engine!r}, an engine coldsnap has no plugin for", "capture with vLLM or SGLang"
+        )
+    version = engine_version(engine)
+    if version is None:
+        return _cannot_tell("plugin", engine, f"{plugin.label} is not installed in this environment, {sys.prefix}")
+    found = [ep for ep in importlib.metadata.entry_points(group=plugin.group) if ep.name == PLUGIN_NAME]
+    if not found:
+        return Check(
+            "plugin",
+            "failed",
+            f"no {PLUGIN_NAME!r} entry point in {plugin.group} in this environment ({sys.prefix}): {plugin.label}"
+            f" {version} will not load coldsnap, and --load-format coldsnap is unknown to it",
+            f"install coldsnap into the environment that runs {plugin.label}: {EXTRA_OF_MODULE[engine]}",
+        )
+    allowed = plugin.allowed(os.environ.get(plugin.allow_list))
+    if allowed is not None and PLUGIN_NAME not in allowed:
+        return Check(
+            "plugin",
+            "failed",
+            f"{plugin.allow_list}={os.environ[plugin.allow_list]!r} leaves {PLUGIN_NAME!r} out: {plugin.label} loads only"
+            " the plugins it names",
+            f"add {PLUGIN_NAME} to {plugin.allow_list}, or unset it",
+        )
+    supported = _supported_versions(found[0], engine)
+    if supported is not None and not _within(version, supported):
+        return Check(
+            "plugin",
+            "failed",
+            f"{plugin.label} {version} is outside the versions this coldsnap supports ({supported})",
+            f"install {plugin.label} {supported}, or a coldsnap release that supports {plugin.label} {version}",
+        )
+    return Check(
+        "plugin",
+        "ok",
+        f"{plugin.label} {version} (supported: {supported or 'no range declared'}) loads {found[0].value} from"
+        f" {plugin.group}" + (f" ({plugin.allow_list} names it)" if allowed is not None else ""),
+    )
+
+
+def _supported_versions(entry_point: importlib.metadata.EntryPoint, engine: str) -> str | None:
+    """The version range the distribution that registered ``entry_point`` requires of ``engine`` for its extra of
+    that name (coldsnap's ``pyproject.toml``: ``vllm = ["vllm>=0.32,<0.34"]``), or ``None`` when it declares none."""
+    for text in (entry_point.dist.requires if entry_point.dist else None) or []:
+        requirement = Requirement(text)
+        if requirement.name == engine and requirement.marker is not None and requirement.marker.evaluate({"extra": engine}):
+            return str(requirement.specifier)
+    return None
+
+
+def _within(version: str, supported: str) -> bool:
+    try:
+        return SpecifierSet(supported).contains(Version(version), prereleases=True)
+    except InvalidVersion:
+        return False
+
+
+# -- state root ----------------------------------------------------------------------------------------------
+
+
+def state_root_check(cache: PayloadCache, uid: int) -> Check:
+    """The state root and the cache folders that exist below it: folders, no symbolic links, owned by ``uid``, and
+    writable by their owner (a restore writes validation records, overlays and checkpoint records there)."""
+    folders = (cache.state_root, cache.payloads_dir, cache.objects_dir, cache.locks_dir, cache.tmp_dir, cache.quarantine_dir)
+    try:
+        cache.check_dirs()  # a symbolic link or a file where a cache folder belongs
+        present = [(folder, st) for folder in folders if (st := lstat_or_none(folder)) is not None]
+    except ColdsnapError as exc:
+        return Check("state-root", "failed", str(exc), "replace the link or file by a real folder owned by the engine's user")
+    if not present:
+        parent = next(p for p in cache.state_root.parents if lstat_or_none(p) is not None)
+        return Check(
+            "state-root",
+            "warning",
+            f"{cache.state_root} does not exist (nothing is staged here; a restore creates it below {parent})",
+            "check --state-root / $COLDSNAP_STATE_ROOT, then coldsnap stage ARTIFACT",
+        )
+    for folder, st in present:
+        if st.st_uid != uid:
+            return Check(
+                "state-root",
+                "failed",
+                f"{folder} belongs to uid {st.st_uid}, the engine runs as uid {uid} ({_user_name(uid)}): it trusts no"
+                " validation record written by another user and may not write there",
+                f"chown -R {uid} {cache.state_root}, or run the engine (and coldsnap doctor --user) as uid {st.st_uid}",
+            )
+        if st.st_mode & stat.S_IRWXU != stat.S_IRWXU:
+            return Check(
+                "state-root",
+                "failed",
+                f"{folder} has mode {stat.filemode(st.st_mode)}: its owner cannot read, write and enter it",
+                f"chmod u+rwx {folder}",
+            )
+    return Check("state-root", "ok", f"{cache.state_root} belongs to uid {uid} ({_user_name(uid)}) and is writable by it")
+
+
+def _user_name(uid: int) -> str:
+    with contextlib.suppress(KeyError):
+        return pwd.getpwuid(uid).pw_name
+    return "no passwd entry"
+
+
+# -- packs and store ---------------------------------------------------------------------------------------------
+
+
+def pack_states(cache: PayloadCache, packs: Sequence[PackRef]) -> dict[str, str]:
+    """Each pack's state in the cache: ``trusted`` (a trusted validation record), ``untrusted: why`` (present, hashed
+    in full by the restore) or ``absent``; an error examining it is its state too."""
+    states = {}
+    for pack in packs:
+        try:
+            present = lstat_or_none(cache.object_path(pack.sha256)) is not None
+            states[pack.sha256] = record_state(cache, pack.sha256) if present else "absent"
+        except ColdsnapError as exc:
+            states[pack.sha256] = f"unusable: {exc}"
+    return states
+
+
+def store_check(
+    store: PayloadStore | ColdsnapError | None, packs: Sequence[PackRef], states: dict[str, str]
+) -> tuple[Check, set[str]]:
+    """Whether the store (or the error its setting raised) answers and holds the packs; returns the check and the
+    digests it holds."""
+    if isinstance(store, ColdsnapError):
+        return Check("store", "failed", str(store), "correct --repo, COLDSNAP_PAYLOAD_REPO or COLDSNAP_PAYLOAD_DIR"), set()
+    if store is None:
+        return Check(
+            "store",
+            "ok",
+            "no payload store configured (--repo, COLDSNAP_PAYLOAD_DIR, COLDSNAP_PAYLOAD_REPO): packs come from"
+            " the node-local cache only",
+        ), set()
+    try:
+        held = {p.sha256 for p in packs if store.has(p.sha256, p.size_bytes)}
+    except ColdsnapError as exc:
+        return Check(
+            "store",
+            "failed",
+            f"{store.name} did not answer: {exc}",
+            "check the store's address, credentials and network from this node (--repo, COLDSNAP_PAYLOAD_REPO,"
+            " COLDSNAP_PAYLOAD_DIR)",
+        ), set()
+    missing = [p.sha256 for p in packs if p.sha256 not in held]
+    if not missing:
+        return Check("store", "ok", f"{store.name} answers and holds the {len(packs)} pack(s)"), held
+    needed = [d for d in missing if states[d] != "trusted"]
+    return Check(
+        "store",
+        "failed" if needed else "warning",
+        f"{store.name} answers but does not hold pack(s) {', '.join(missing)}"
+        + ("" if needed else " (staged here, so this node restores without it)"),
+        "check the store's prefix, or publish the artifact to it: coldsnap publish-native ARTIFACT --repo STORE",
+    ), held
+
+
+def pack_check(pack: PackRef, state: str, store: PayloadStore | None, held: set[str]) -> Check:
+    """One distinct pack (its :func:`pack_states` ``state``): staged and trusted, staged but to be hashed, to be
+    fetched, or unavailable."""
+    subject = f"pack {pack.sha256} ({pack.size_bytes} bytes)"
+    if state == "trusted":
+        return Check("packs", "ok", f"{subject} is staged, with a trusted validation record")
+    if state.startswith("untrusted"):
+        return Check(
+            "packs",
+            "warning",
+            f"{subject} is staged but its validation record is {state}: a restore hashes it in full first",
+            "coldsnap stage ARTIFACT as the engine's user (it writes the record)",
+        )
+    if store is not None and pack.sha256 in held:
+        return Check(
+            "packs", "warning", f"{subject} is not staged: a restore fetches it from {store.name}", "coldsnap stage ARTIFACT"
+        )
+    where = "no payload store is configured" if store is None else f"{store.name} cannot provide it"
+    return Check(
+        "packs",
+        "failed",
+        f"{subject} is {state} in the node-local cache and {where}",
+        "coldsnap stage ARTIFACT --repo STORE (a store that holds it), or publish it there first",
+    )
+
+
+# -- target and model -----------------------------------------------------------------------------------------------
+
+
+def target_checks(
+    artifact_dir: Path, descriptor: ArtifactDescriptor, capsules: Sequence[Capsule], state_root: Path
+) -> list[Check]:
+    """Which capsule a restore of each worker here would use (:func:`coldsnap_core.cli._targets.restore_here`)."""
+    try:
+        import torch  # noqa: F401  the target identity names torch's version and device
+    except ModuleNotFoundError as exc:
+        return [Check("target", "warning", f"cannot tell without torch: {missing_dependency(exc).detail}")]
+    checks = []
+    for capsule in capsules:
+        name = capsule.native.worker.capsule_name
+        engine = capsule.target.engine if capsule.target is not None else ENGINE_NONE
+        if engine != ENGINE_NONE and engine_version(engine) is None:
+            checks.append(_cannot_tell("target", engine, f"{name} was captured by {engine}"))
+            continue
+        here = restore_here(artifact_dir, descriptor, capsule, state_root)
+        if here["capsule"] is None:
+            checks.append(
+                Check(
+                    "target",
+                    "failed",
+                    f"{name}: {here['reason']}",
+                    "capture the artifact on this target, or start once with COLDSNAP_RESTORE=auto: its checkpoint load"
+                    " captures this node's overlay (docs/format.md §15)",
+                )
+            )
+        else:
+            checks.append(Check("target", "ok", f"{name}: restores from the {here['capsule']} capsule: {here['reason']}"))
+    return checks
+
+
+def model_check(recorded: ModelIdentity, args: argparse.Namespace, records: CheckpointRecords | None, file: Path) -> Check:
+    """The checkpoint the engine would load (``--model``, else the recorded source) against the artifact's model
+    identity, as a restore checks it (without the engine: its configuration digest and file list are checked when it
+    starts)."""
+    source = os.path.expanduser(args.model) if args.model else recorded.source
+    remedy = "start the engine with the checkpoint the artifact was captured from (--model PATH here), or capture anew"
+    if os.path.isabs(source) and not os.path.isdir(source):
+        return Check(
+            "model",
+            "failed",
+            f"the checkpoint folder {source} does not exist on this node (the artifact was captured from {recorded.source})",
+            "mount the checkpoint there, or pass --model PATH where it is (the engine's --model)",
+        )
+    try:
+        loaded = LoadedModel.from_config(source, args.revision)
+        verify = ColdsnapSettings.resolve(rows=tuple(s for s in SETTINGS if s.key == "verify_checkpoint"))[0].verify_checkpoint
+        check_model_identity(recorded, loaded, file=str(file), records=records, verify_checkpoint=verify)
+    except ColdsnapError as exc:
+        return Check("model", "failed", str(exc), remedy)
+    except OSError as exc:  # a checkpoint file the engine's user cannot read, as the engine would fail on it
+        return Check("model", "failed", str(unexpected_os_error(exc)), "let the engine's user read the checkpoint")
+    what = f"{len(recorded.files)} checkpoint file(s)" if loaded.folder is not None else f"commit {loaded.revision}"
+    return Check(
+        "model",
+        "ok",
+        f"{source}: {what} match the artifact's model identity (the engine's configuration digest and file list are"
+        " checked when it starts)",
+    )
+
+
+# -- the command ---------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def as_user(user: str | None) -> Iterator[int]:
+    """Run the block with ``user``'s effective uid, gid and groups (root only) and yield its uid; without ``user``,
+    or when it is the current one, as the current user.
+
+    Raises:
+        ConfigurationError: an unknown user name, or another user while not root.
+    """
+    uid = os.geteuid() if user is None else _uid_of(user)
+    if uid == os.geteuid():
+        yield uid
+        return
+    if os.geteuid() != 0:
+        raise ConfigurationError(f"--user {user}: only root checks as another user; run coldsnap doctor as uid {uid} or as root")
+    saved = (os.getegid(), os.getgroups())
+    try:
+        entry = pwd.getpwuid(uid)
+        gid, groups = entry.pw_gid, os.getgrouplist(entry.pw_name, entry.pw_gid)
+    except KeyError:  # a uid without a passwd entry (a container's arbitrary uid): its gid is taken to be the uid
+        gid, groups = uid, [uid]
+    os.setgroups(groups)
+    os.setegid(gid)
+    os.seteuid(uid)
+    try:
+        yield uid
+    finally:
+        os.seteuid(0)
+        os.setegid(saved[0])
+        os.setgroups(saved[1])
+
+
+def _uid_of(user: str) -> int:
+    if user.isascii() and user.isdigit():
+        return int(user)
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        raise ConfigurationError(f"--user {user!r}: no such user") from None
+
+
+def diagnose(args: argparse.Namespace, uid: int, store: PayloadStore | ColdsnapError | None) -> list[Check]:
+    """Every check, in :data:`CHECK_EXIT_CODES` order, of the ``store`` :func:`run` made (or the error making it)."""
+    artifact_dir = artifact_folder(args.artifact)
+    descriptor = read_descriptor(artifact_dir)
+    entries = this_host_entries(args, artifact_dir)
+    capsules = [read_worker_capsule(artifact_dir, e) for e in entries]
+    packs = list({e.payload.sha256: e.payload for e in entries}.values())
+    cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
+    plugins = [plugin_check(e) for e in sorted({c.target.engine if c.target else ENGINE_NONE for c in capsules})]
+    state_root = state_root_check(cache, uid)
+    states = pack_states(cache, packs)
+    store_line, held = store_check(store, packs, states)
+    # a checkpoint record is written (after hashing a changed file) only into a state root the engine's user owns
+    records = CheckpointRecords(cache.state_root) if state_root.status == "ok" else None
+    return [
+        *plugins,
+        state_root,
+        store_line,
+        *target_checks(artifact_dir, descriptor, capsules, cache.state_root),
+        model_check(descriptor.model, args, records, artifact_dir / "artifact.json"),
+        *(pack_check(p, states[p.sha256], None if isinstance(store, ColdsnapError) else store, held) for p in packs),
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    # what the checks import, imported as this user: another user may not read this Python's files (a root-only
+    # installation), although the engine's own Python would be readable by it
+    with contextlib.suppress(ModuleNotFoundError):
+        import torch  # noqa: F401
+    try:
+        store: PayloadStore | ColdsnapError | None = store_of(args)
+    except ColdsnapError as exc:
+        store = exc
+    with as_user(args.user) as uid:
+        checks = diagnose(args, uid, store)
+    failed = [c for c in checks if c.status == "failed"]
+    code = min((CHECK_EXIT_CODES[c.check] for c in failed), default=0)
+    if args.json:
+        print_json(
+            {
+                "artifact": str(artifact_folder(args.artifact)),
+                "uid": uid,
+                "checks": [c.to_json() for c in checks],
+                "ready": not failed,
+                "exit_code": code,
+            }
+        )
+        return code
+    for check in checks:
+        print(check.line())
+    warnings = sum(c.status == "warning" for c in checks)
+    if failed:
+        names = ", ".join(dict.fromkeys(c.check for c in failed))
+        print(f"not ready: {names} failed (exit {code})")
+    else:
+        print(f"ready: this node will restore {args.artifact}" + (f" ({warnings} warning(s))" if warnings else ""))
+    return code
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "doctor",
+        help="will this node restore ARTIFACT? one line per check (plugin, state root, store, target, model, packs)",
+        description=(
+            "Check, as a start would, whether this node restores ARTIFACT: the engine plugin and its version, the state "
+            "root's owner and permissions, the payload store, the target qualification of this host's capsules, the "
+            "checkpoint against the artifact's model identity, and the staged packs. One line per check with a remedy. "
+            "Exit codes: 0 no check failed (warnings allowed), 10 plugin, 11 state root, 12 store, 13 target, 14 model, "
+            "15 packs (the first failed check), 2/3/4 ARTIFACT cannot be read."
+        ),
+    )
+    p.add_argument("artifact", metavar="ARTIFACT", help="artifact folder (with artifact.json), or its artifact.json")
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="the checkpoint the engine loads: its --model, a folder or a repository id (default: the artifact's source)",
+    )
+    p.add_argument("--revision", default=None, help="the engine's --revision of a repository id (default: main)")
+    p.add_argument("--user", default=None, help="the engine's user, a name or uid (default: this one; another needs root)")
+    add_host_options(p, "check")
+    add_repo_option(p)
+    p.add_argument(
+        "--state-root", default=None, help="the engine's state root (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)"
+    )
+    add_json_option(p)
+    p.set_defaults(func=run)
