@@ -4,8 +4,8 @@ A terminal gets tqdm's bar (``coldsnap_core.cli._progress``); anything else gets
 itself (its counting, its smoothed rate, its ``mininterval``), with :meth:`tqdm.tqdm.display` overridden to hand one
 line to ``emit`` (``print`` to stderr, ``logger.info``) instead of redrawing a bar with carriage returns::
 
-    stage 3f2a9c0e1b2d: 1.31 GB of 2.62 GB (50%), 0.854 GB/s, ETA 00:02
-    stage 3f2a9c0e1b2d: 2.62 GB of 2.62 GB (100%), 0.861 GB/s, done in 00:03
+    stage 3f2a9c0e1b2d: 1.31GB of 2.62GB (50%), 0.854 GB/s, ETA 00:02
+    stage 3f2a9c0e1b2d: 2.62GB of 2.62GB (100%), 0.861 GB/s, done in 00:03
 
 A line is written when the progress starts, at the first update at least :data:`LINE_INTERVAL_SECONDS` after the
 previous line, and when it ends (tqdm's ``close``, with the overall average rate).
