@@ -281,7 +281,9 @@ def _doctor_process(node: Node, shadow: Path) -> subprocess.CompletedProcess[str
     before the installed ones of the same name, as ``importlib.metadata`` searches ``sys.path`` in order)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow), str(REPO)]), "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "coldsnap_core.cli.main", *node.args(), "--json"]
-    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    # Not cwd=REPO: ``-m`` puts the working folder first on sys.path, and an editable install leaves
+    # ``coldsnap.egg-info`` (with its entry points) there, which would be found before the shadow.
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=shadow.parent, timeout=300)
 
 
 @pytest.mark.vllm

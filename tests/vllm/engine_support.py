@@ -135,7 +135,7 @@ def run_engine(
         "env": env or {},
         "extra_config": extra_config or {},
         "hf_overrides": hf_overrides or {},
-        "prompts": prompts or PROMPTS,
+        "prompts": PROMPTS if prompts is None else prompts,
         "max_tokens": max_tokens,
         "tensor_parallel_size": tensor_parallel_size,
         "skip_tokenizer_init": skip_tokenizer_init,
