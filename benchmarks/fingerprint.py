@@ -38,8 +38,8 @@ from slabs import checkpoint_files, stage_checkpoint
 
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.capture.worker import capture_worker
-from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.copy.host import HostCopyBackend
+from coldsnap_core.format.allocation import LiveAllocation
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.identity.fingerprint import checkpoint_fingerprint
 from coldsnap_core.identity.model_identity import LoadedModel, check_model_identity, identify_checkpoint

@@ -70,9 +70,8 @@ from synthetic_llama import PRESETS, write_checkpoint
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.capture.payload_plan import ModelRange
 from coldsnap_core.capture.worker import capture_worker
-from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.copy.cuda import CudaCopyBackend, CupyDeviceOps, DeviceOps, cuda_unavailable_reason
-from coldsnap_core.format.allocation import Allocation, AllocationMap
+from coldsnap_core.format.allocation import Allocation, AllocationMap, LiveAllocation
 from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.format.safetensors_header import read_header

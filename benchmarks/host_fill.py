@@ -56,8 +56,9 @@ from _common import (
 )
 
 import coldsnap_core.copy.host as host
-from coldsnap_core.copy.base import CopyOp, LiveAllocation
+from coldsnap_core.copy.base import CopyOp
 from coldsnap_core.copy.host import HostCopyBackend, host_view
+from coldsnap_core.format.allocation import LiveAllocation
 
 
 def timed(run: Callable[[int, int], object], size_bytes: int) -> float:

@@ -40,8 +40,8 @@ from slabs import checkpoint_files, stage_checkpoint
 
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.capture.worker import capture_worker
-from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.copy.host import HostCopyBackend, host_view
+from coldsnap_core.format.allocation import LiveAllocation
 from coldsnap_core.format.manifest import NativeManifest, WorkerIdentity
 from coldsnap_core.identity.model_identity import identify_checkpoint
 from coldsnap_core.restore.hydrate import hydrate

@@ -41,8 +41,8 @@ from _common import MiB, machine_line, median_seconds, print_table, warm_page_ca
 from coldsnap_core._io import HASH_CHUNK_BYTES
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.capture.pack_writer import write_pack
-from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.copy.host import HostCopyBackend
+from coldsnap_core.format.allocation import LiveAllocation
 from coldsnap_core.format.pack_layout import PackLayout
 
 EXTENT_BYTES = 4 * MiB - 123

@@ -23,9 +23,8 @@ from typing import Any
 
 from coldsnap_core.capture.payload_plan import ModelRange
 from coldsnap_core.capture.worker import check_model_ranges
-from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.errors import ObserverError
-from coldsnap_core.format.allocation import Allocation, AllocationMap
+from coldsnap_core.format.allocation import Allocation, AllocationMap, LiveAllocation
 from coldsnap_vllm.state import ObservedModelWrite
 
 logger = logging.getLogger(__name__)

@@ -36,8 +36,9 @@ from typing import Any, Literal
 
 from coldsnap_core.artifact.sleep_capsules import SleepCapsuleClaim, sleep_dir, sweep_sleep_capsules
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.copy.base import CopyBackend, LiveAllocation
+from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.errors import ColdsnapError, ConfigurationError, WakeError
+from coldsnap_core.format.allocation import LiveAllocation
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME
 from coldsnap_core.restore.hydrate import HydrationReport, hydrate
 from coldsnap_core.settings import LOCK_TIMEOUT_SECONDS

@@ -61,7 +61,7 @@ from coldsnap_core.artifact.residual import write_residual
 from coldsnap_core.cache.records import read_private_record
 from coldsnap_core.capture.payload_plan import ModelRange, PayloadPlan, plan_payload
 from coldsnap_core.capture.worker import check_model_ranges, hash_ranges
-from coldsnap_core.copy.base import CopyBackend, LiveAllocation
+from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.errors import (
     ColdsnapError,
     ManifestValueError,
@@ -71,7 +71,7 @@ from coldsnap_core.errors import (
     UnsafePathError,
 )
 from coldsnap_core.format._strict import Document, Sha256, Text, read_document_bytes
-from coldsnap_core.format.allocation import AllocationMap
+from coldsnap_core.format.allocation import AllocationMap, LiveAllocation
 from coldsnap_core.format.descriptor import (
     DESCRIPTOR_FILENAME,
     SEED_FILENAMES,

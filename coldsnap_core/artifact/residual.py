@@ -12,8 +12,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from coldsnap_core._io import fsync_fd, write_hashed
-from coldsnap_core.copy.base import CopyBackend, LiveAllocation, stable_chunks
+from coldsnap_core.copy.base import CopyBackend, stable_chunks
 from coldsnap_core.errors import ResidualSizeMismatchError
+from coldsnap_core.format.allocation import LiveAllocation
 from coldsnap_core.format.extents import ResidualExtent
 from coldsnap_core.format.manifest import ResidualRef
 

@@ -33,8 +33,9 @@ from pathlib import Path
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.capture.pack_writer import write_pack
 from coldsnap_core.capture.payload_plan import PayloadPlan, plan_manifest_payload
-from coldsnap_core.copy.base import CopyBackend, LiveAllocation
+from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.errors import ConfigurationError, IntegrityError, MissingObjectError, PackSizeMismatchError
+from coldsnap_core.format.allocation import LiveAllocation
 from coldsnap_core.format.manifest import NativeManifest, PackRef
 from coldsnap_core.format.verify import check_live_layout, check_manifest
 from coldsnap_core.settings import MATERIALIZE_ENV, MATERIALIZE_MODES, MaterializeMode

@@ -26,7 +26,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 from coldsnap_core._io import write_hashed, zero_chunks
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.copy.base import CopyBackend, LiveAllocation, stable_chunks
+from coldsnap_core.copy.base import CopyBackend, stable_chunks
+from coldsnap_core.format.allocation import LiveAllocation
 from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.format.pack_layout import PackLayout
 

@@ -20,8 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from coldsnap_core.artifact.residual import residual_extents
-from coldsnap_core.copy.base import LiveAllocation
-from coldsnap_core.format.allocation import AllocationMap
+from coldsnap_core.format.allocation import AllocationMap, LiveAllocation
 from coldsnap_core.format.extents import ExtentProvenance, ModelExtent, ResidualExtent
 from coldsnap_core.format.manifest import (
     CapturePoint,

@@ -29,9 +29,9 @@ from coldsnap_core.artifact.residual import write_residual
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.capture.pack_writer import write_pack
 from coldsnap_core.capture.payload_plan import ModelRange, plan_payload
-from coldsnap_core.copy.base import CopyBackend, LiveAllocation
+from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.errors import ObserverError
-from coldsnap_core.format.allocation import AllocationMap
+from coldsnap_core.format.allocation import AllocationMap, LiveAllocation
 from coldsnap_core.format.descriptor import WORKERS_DIRNAME, CapsuleFile, WorkerEntry
 from coldsnap_core.format.manifest import (
     RESIDUAL_FILENAME,

@@ -26,22 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
+from coldsnap_core.format.allocation import LiveAllocation
+
 SourceName = Literal["pack", "blob"]
-
-
-@dataclass(frozen=True, slots=True)
-class LiveAllocation:
-    """A weight allocation of the running process, as a backend sees it.
-
-    Attributes:
-        index: the allocation's index in the allocation map.
-        address: the allocation's base address (host pointer or CUDA virtual address).
-        size_bytes: the allocation's size in bytes.
-    """
-
-    index: int
-    address: int
-    size_bytes: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,9 +49,10 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from coldsnap_core._io import advise_sequential
-from coldsnap_core.copy.base import CopyOp, LiveAllocation, SourceName
+from coldsnap_core.copy.base import CopyOp, SourceName
 from coldsnap_core.copy.host import host_view
 from coldsnap_core.errors import ConfigurationError, CopyBackendError, ExtentDigestMismatchError
+from coldsnap_core.format.allocation import LiveAllocation
 
 logger = logging.getLogger(__name__)
 

@@ -49,8 +49,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coldsnap_core._io import advise_sequential
-from coldsnap_core.copy.base import CopyOp, LiveAllocation, SourceName
+from coldsnap_core.copy.base import CopyOp, SourceName
 from coldsnap_core.errors import CopyBackendError, ExtentDigestMismatchError
+from coldsnap_core.format.allocation import LiveAllocation
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Bytes per ``preadv`` call (4 MiB): large enough for throughput, small enough to hash cache-hot."""

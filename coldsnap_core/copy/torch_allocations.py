@@ -23,9 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.errors import ObserverError
-from coldsnap_core.format.allocation import DTYPE_ITEMSIZE_BYTES, Allocation, AllocationMap, TensorPlacement
+from coldsnap_core.format.allocation import DTYPE_ITEMSIZE_BYTES, Allocation, AllocationMap, LiveAllocation, TensorPlacement
 
 PARAMETER_TAG = "parameter"
 """Tag of an allocation first reached through ``named_parameters``."""

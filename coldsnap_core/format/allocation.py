@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from dataclasses import dataclass
 
 from coldsnap_core.errors import ManifestValueError
 from coldsnap_core.format._strict import Offset, Record, Text, matching
@@ -182,3 +183,19 @@ class AllocationMap(tuple[Allocation, ...]):
     def _fingerprint(self) -> str:
         text = canonical_layout_json(self).encode()
         return hashlib.sha256(_LAYOUT_FINGERPRINT_DOMAIN + text).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class LiveAllocation:
+    """A weight allocation of the running process, as a copy backend sees it
+    (:mod:`coldsnap_core.copy.base`): where allocation ``index`` of the allocation map lives now.
+
+    Attributes:
+        index: the allocation's index in the allocation map.
+        address: the allocation's base address (host pointer or CUDA virtual address).
+        size_bytes: the allocation's size in bytes.
+    """
+
+    index: int
+    address: int
+    size_bytes: int

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from coldsnap_core._io import HASH_CHUNK_BYTES, os_error, sha256_file
-from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.digests import pack_relpath
 from coldsnap_core.errors import (
     AllocationSizeMismatchError,
@@ -53,7 +52,7 @@ from coldsnap_core.errors import (
     ResidualSizeMismatchError,
     size_mismatch,
 )
-from coldsnap_core.format.allocation import AllocationMap
+from coldsnap_core.format.allocation import AllocationMap, LiveAllocation
 from coldsnap_core.format.manifest import NativeManifest, PackRef, ResidualRef
 from coldsnap_core.format.pack_layout import PackEntry, PackLayout
 

@@ -42,7 +42,7 @@ from typing import NoReturn
 
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import identity, read_trusted_record
-from coldsnap_core.copy.base import CopyBackend, CopyOp, LiveAllocation
+from coldsnap_core.copy.base import CopyBackend, CopyOp
 from coldsnap_core.errors import (
     CacheError,
     ColdsnapError,
@@ -52,7 +52,7 @@ from coldsnap_core.errors import (
     ManifestError,
     NonZeroPaddingError,
 )
-from coldsnap_core.format.allocation import AllocationMap
+from coldsnap_core.format.allocation import AllocationMap, LiveAllocation
 from coldsnap_core.format.manifest import NativeManifest
 from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.format.verify import (

@@ -118,8 +118,8 @@ def hydrate_captured(
     from slabs import allocate
 
     from coldsnap_core.artifact.capsules import read_capsule
-    from coldsnap_core.copy.base import LiveAllocation
     from coldsnap_core.copy.host import HostCopyBackend
+    from coldsnap_core.format.allocation import LiveAllocation
     from coldsnap_core.restore.hydrate import hydrate
 
     capsule = read_capsule(captured.artifact_dir / "workers" / "worker-0-of-1")

@@ -14,9 +14,9 @@ from slabs import stage_checkpoint
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import record_state
 from coldsnap_core.capture.materialize import MaterializationHandle, materialize_payload
-from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.errors import AllocationSizeMismatchError, ConfigurationError, LayoutMismatchError, PackDigestMismatchError
+from coldsnap_core.format.allocation import LiveAllocation
 from coldsnap_core.settings import ColdsnapSettings
 
 TINY_PACK_SHA256 = "8deec00a23db33cd96d64728a18b63bdbf0d87336a8b8199a7b9733767c577fa"

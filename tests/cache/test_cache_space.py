@@ -160,8 +160,8 @@ def test_read_only_cache_restore_sequence_hashes_once_and_hydrates(captured, tmp
 
     from coldsnap_core.artifact.capsules import read_capsule
     from coldsnap_core.cache.records import record_verified
-    from coldsnap_core.copy.base import LiveAllocation
     from coldsnap_core.copy.host import host_view
+    from coldsnap_core.format.allocation import LiveAllocation
     from coldsnap_core.format.verify import check_manifest, extent_owner_map, verify_pack_file
     from coldsnap_core.restore.hydrate import hydrate
 

@@ -20,9 +20,8 @@ import numpy as np
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.capture.payload_plan import ModelRange
 from coldsnap_core.capture.worker import CaptureResult, capture_worker
-from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.copy.host import HostCopyBackend
-from coldsnap_core.format.allocation import AllocationMap
+from coldsnap_core.format.allocation import AllocationMap, LiveAllocation
 from coldsnap_core.format.manifest import (
     NATIVE_MANIFEST_FILENAME,
     RECOVERY_MANIFEST_FILENAME,

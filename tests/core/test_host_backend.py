@@ -21,7 +21,7 @@ from coldsnap_core._io import HashingWriter, write_hashed
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.capture.payload_plan import ModelRange
 from coldsnap_core.capture.worker import capture_worker, check_model_ranges
-from coldsnap_core.copy.base import CopyOp, LiveAllocation, stable_chunks
+from coldsnap_core.copy.base import CopyOp, stable_chunks
 from coldsnap_core.copy.host import (
     PAGE_BYTES,
     HostCopyBackend,
@@ -32,7 +32,7 @@ from coldsnap_core.copy.host import (
     split_even,
 )
 from coldsnap_core.errors import CopyBackendError, ExtentDigestMismatchError, ObserverError
-from coldsnap_core.format.allocation import Allocation, AllocationMap
+from coldsnap_core.format.allocation import Allocation, AllocationMap, LiveAllocation
 from coldsnap_core.format.extents import ExtentProvenance
 
 SOURCE_BYTES = 1 << 20

@@ -27,7 +27,7 @@ import numpy as np
 import torch  # loaded in every engine process: its import is not capture's memory (the CLI imports it lazily)
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.capture.worker import capture_worker
-from coldsnap_core.copy.base import LiveAllocation
+from coldsnap_core.format.allocation import LiveAllocation
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity, WorkerIdentity
 from coldsnap_core.restore.hydrate import hydrate

@@ -9,12 +9,12 @@ so an import hidden inside a function to dodge a cycle is found as well. Layers,
 rank  modules
 ====  ======================================================================================
 0     ``errors``
-1     ``settings``, ``digests``, ``_io`` (the one durable-I/O and ``OSError`` module), ``collector``, ``_progress``, the two
-      Protocols, ``identity.hub_commit``, ``identity.config_digest``
+1     ``settings``, ``digests``, ``_io`` (the one durable-I/O and ``OSError`` module), ``collector``, ``_progress``, the
+      ``PayloadStore`` Protocol, ``identity.hub_commit``, ``identity.config_digest``
 2     ``format.*`` (the byte-level documents, the safetensors header)
-3     ``format.verify``, the copy backends, ``copy.torch_allocations``, ``identity.target`` (this worker's target
-      identity; the qualification rule), ``identity.fingerprint``, ``capture.checkpoint_sources``,
-      ``capture.model_records``
+3     ``format.verify``, the ``CopyBackend`` Protocol and the copy backends, ``copy.torch_allocations``,
+      ``identity.target`` (this worker's target identity; the qualification rule), ``identity.fingerprint``,
+      ``capture.checkpoint_sources``, ``capture.model_records``
 4     ``cache.records``, ``cache.locks``, ``cache.partials``, ``cache.garbage``, ``identity.checkpoint_records``,
       ``identity.model_identity`` (produced and checked)
 5     ``cache.payload_cache`` (admission and quarantine), ``artifact.*`` but overlays, ``outcomes``
@@ -47,7 +47,6 @@ LAYERS: dict[str, int] = {
     "_io": 1,
     "collector": 1,
     "_progress": 1,
-    "copy.base": 1,
     "stores.base": 1,
     "identity": 1,
     "identity.hub_commit": 1,
@@ -64,6 +63,7 @@ LAYERS: dict[str, int] = {
     "format.safetensors_header": 2,
     "format.verify": 3,
     "copy": 3,
+    "copy.base": 3,
     "copy.host": 3,
     "copy.cuda": 3,
     "copy.select": 3,

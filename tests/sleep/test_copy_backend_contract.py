@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from sleep_fakes import FakeDeviceOps
 
-from coldsnap_core.copy.base import CopyBackend, LiveAllocation
+from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.copy.cuda import CudaCopyBackend
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.errors import CopyBackendError
+from coldsnap_core.format.allocation import LiveAllocation
 
 CHUNK_BYTES = 4096  # the CUDA backend reads in multiples of 4096 bytes
 SIZE_BYTES = 4 * CHUNK_BYTES

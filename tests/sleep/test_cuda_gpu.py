@@ -14,9 +14,9 @@ from slabs import stage_checkpoint
 
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.capture.worker import capture_worker
-from coldsnap_core.copy.base import LiveAllocation
 from coldsnap_core.copy.cuda import CudaCopyBackend, CupyDeviceOps, cuda_unavailable_reason
 from coldsnap_core.copy.host import HostCopyBackend
+from coldsnap_core.format.allocation import LiveAllocation
 from coldsnap_core.format.manifest import ModelIdentity, WorkerIdentity
 from coldsnap_core.restore.hydrate import hydrate
 

@@ -16,10 +16,11 @@ import pytest
 from sleep_fakes import FakeCuMemAllocator, FakeDeviceOps, LoadedModel, load_state
 
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.copy.base import CopyOp, LiveAllocation
+from coldsnap_core.copy.base import CopyOp
 from coldsnap_core.copy.cuda import CudaCopyBackend, cuda_unavailable_reason, plan_chunks
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.errors import ConfigurationError, CopyBackendError, ExtentDigestMismatchError, WakeError
+from coldsnap_core.format.allocation import LiveAllocation
 from coldsnap_core.format.manifest import ModelIdentity
 from coldsnap_core.restore.hydrate import hydrate, plan_hydration
 from coldsnap_vllm.cumem import live_allocations, weights_segments
