@@ -50,10 +50,14 @@ def _stored_location(
     the header's offset: the ``seen``-th candidate (in prepared file order) when its bytes are the
     tensor's (identical copies: any is right), else the first whose bytes are; ``None`` when none is
     (the copies from it are then residual). Reads each candidate's ``size_bytes`` at most once.
+
+    A tensor in device memory (an iterator that loads onto the GPU) is copied to host memory once to be
+    compared: without its provenance the name's bytes would go to the residual, and the pack digest would
+    differ from a host load's.
     """
-    if not dense(tensor) or not tensor.is_contiguous() or tensor.device.type != "cpu":
+    if not dense(tensor) or not tensor.is_contiguous():
         return None
-    data = tensor.detach().reshape(-1).view(torch.uint8).numpy().tobytes()
+    data = tensor.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
     order = [seen] if seen < len(candidates) else []
     order += [i for i in range(len(candidates)) if i != seen]
     for i in order:

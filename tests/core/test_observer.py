@@ -24,7 +24,15 @@ from coldsnap_core.capture.observer import WriteObserver, map_to_allocations
 from coldsnap_core.copy.torch_allocations import enumerate_allocations
 from coldsnap_core.errors import ObserverError
 from coldsnap_core.format.safetensors_header import read_header
-from tests.support.observer_support import WrapperTensor, file_bytes, open_checkpoint, pattern, tensor_bytes, write_checkpoint
+from tests.support.observer_support import (
+    DeviceTensor,
+    WrapperTensor,
+    file_bytes,
+    open_checkpoint,
+    pattern,
+    tensor_bytes,
+    write_checkpoint,
+)
 
 
 def _param(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Parameter:
@@ -457,13 +465,16 @@ def test_observed_bytes_round_trip_through_capture_and_hydration(checkpoint: Pat
     assert [tensor_bytes(x) for x in (m.qkv, m.o, m.cache)] == before
 
 
-def _load_shards(shards: list[Path], tmp_path: Path, label: str, *, iteration_order: list[Path] | None = None):
+def _load_shards(
+    shards: list[Path], tmp_path: Path, label: str, *, iteration_order: list[Path] | None = None, on_device: bool = False
+):
     """A generic loader over real safetensors shards through :class:`LoadSession` (what both engine
     plugins use): the shards are the prepared file list, the iterator walks ``iteration_order`` (default:
     the same order; vLLM sorts the files its own way) and yields every name of each file, and each
     yielded tensor is copied with ``copy_`` into its parameter (vLLM's default loader calls the weight
     loader once per ``(name, tensor)`` its iterator yields, so a name stored in two shards is copied
-    twice). Captured through the observer and the canonical writer; returns the capture and its ranges."""
+    twice); ``on_device``: it yields each tensor as a :class:`DeviceTensor` (an iterator that loads onto the
+    GPU). Captured through the observer and the canonical writer; returns the capture and its ranges."""
     from coldsnap_core.cache.payload_cache import PayloadCache
     from coldsnap_core.capture.worker import capture_worker
     from coldsnap_core.copy.host import HostCopyBackend
@@ -488,7 +499,8 @@ def _load_shards(shards: list[Path], tmp_path: Path, label: str, *, iteration_or
 
     def iterator():
         for shard in iteration_order or shards:
-            yield from _safetensors_iterator(shard)
+            for name, tensor in _safetensors_iterator(shard):
+                yield name, tensor.as_subclass(DeviceTensor) if on_device else tensor
 
     with WriteObserver(session.sources) as observer:
         for name, tensor in session.observe("", iterator()):
@@ -539,6 +551,31 @@ def test_a_tensor_stored_in_two_shards_with_identical_bytes_keeps_its_sharing(
     # Identical copies: either file is the truth; in file-list order the yield count picks the later one.
     assert provenance == {order[-1].name} if iteration_order == "file-list" else len(provenance) == 1
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_tensor_stored_in_two_shards_keeps_its_sharing_when_the_iterator_yields_device_tensors(
+    smollm2_2layer: Path, tmp_path: Path
+) -> None:
+    """The two-shard SmolLM2 of the test above, its iterator yielding device tensors (:class:`DeviceTensor`:
+    ``device`` is ``cuda:0``, ``numpy()`` refused as on a GPU): the name stored in both shards still gets the
+    provenance of a file that stores its bytes, so the pack digest and residual size equal the single-file
+    host load's. Fails if the stored bytes are compared only for host tensors (on a GPU the embedding then
+    has no provenance, goes to the residual blob and changes the pack digest)."""
+    from safetensors.torch import load_file, save_file
+
+    single, _ = _load_shards([smollm2_2layer / "model.safetensors"], tmp_path, "single")
+    embed = "model.embed_tokens.weight"
+    tensors = load_file(str(smollm2_2layer / "model.safetensors"))
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    save_file(tensors, str(shards / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+    save_file({embed: tensors[embed]}, str(shards / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(TypeError, match="cuda:0"):
+        tensors[embed].as_subclass(DeviceTensor).numpy()
+    on_device, ranges = _load_shards(sorted(shards.glob("*.safetensors")), tmp_path, "device", on_device=True)
+    assert on_device.manifest.pack.sha256 == single.manifest.pack.sha256
+    assert on_device.manifest.residual.size_bytes == single.manifest.residual.size_bytes
+    assert {r.provenance.tensor_name for r in ranges} >= {embed}
 
 
 def test_a_name_in_two_files_with_other_bytes_takes_the_file_it_was_read_from(tmp_path: Path) -> None:

@@ -89,3 +89,25 @@ class WrapperTensor(torch.Tensor):
         inner_args = [unwrap(a) for a in args]
         result = func(*inner_args, **{k: unwrap(v) for k, v in (kwargs or {}).items()})
         return args[0] if inner_args and result is inner_args[0] else result  # in place: the wrapper itself
+
+
+class DeviceTensor(torch.Tensor):
+    """A checkpoint tensor as an iterator that loads onto the GPU yields it, held in host memory: ``device``
+    says ``cuda:0`` and ``numpy()`` is refused with CUDA's own message, while ``cpu()`` and ``to("cpu")``
+    give a host copy (the device-to-host copy a real CUDA tensor makes). Its storage is real (it registers
+    as a checkpoint source and ``copy_`` reads it); views and ``detach`` keep the subclass
+    (``torch.Tensor.__torch_function__``)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func == torch.Tensor.device.__get__:  # a new method-wrapper per access: compared, not identical
+            return torch.device("cuda", 0)
+        if func is torch.Tensor.numpy:
+            raise TypeError(
+                "can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to host memory first."
+            )
+        if func is torch.Tensor.cpu or (func is torch.Tensor.to and [str(a) for a in args[1:]] == ["cpu"] and not kwargs):
+            with torch._C.DisableTorchFunctionSubclass():
+                return args[0].clone()
+        return super().__torch_function__(func, types, args, kwargs)
