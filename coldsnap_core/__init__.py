@@ -40,7 +40,7 @@ _EXPORTS: dict[str, str] = {
     "LoadOutcome": "coldsnap_core.load_policy",
     "LoadPolicy": "coldsnap_core.load_policy",
     "LoadedModel": "coldsnap_core.identity.model_identity",
-    "ModelRange": "coldsnap_core.capture.payload_plan",
+    "ModelRange": "coldsnap_core.capture.payload",
     "ModelSource": "coldsnap_core.load_policy",
     "ObservedLoader": "coldsnap_core.load_policy",
     "PayloadCache": "coldsnap_core.cache.payload_cache",
@@ -94,7 +94,7 @@ if TYPE_CHECKING:
     from coldsnap_core.cache.payload_cache import PayloadCache
     from coldsnap_core.capture.checkpoint_sources import CheckpointSources
     from coldsnap_core.capture.observer import WriteObserver, map_to_allocations
-    from coldsnap_core.capture.payload_plan import ModelRange
+    from coldsnap_core.capture.payload import ModelRange
     from coldsnap_core.capture.worker import CaptureResult, capture_worker
     from coldsnap_core.copy.base import CopyBackend
     from coldsnap_core.copy.select import copy_backend_for

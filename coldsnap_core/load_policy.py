@@ -26,12 +26,12 @@ default loader class (the iterator boundary, watched) and supplies only what nee
    (:mod:`coldsnap_core.capture.observer`), then
 
    * with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1`` the portable **capture**
-     (:func:`coldsnap_core.restore.pipeline.capture_loaded_worker`);
+     (:func:`coldsnap_core.capture.worker.capture_loaded_worker`);
    * after a fallback whose cause was the pack (no source has it, or the cached object was corrupt and
      is now quarantined) while the capsule and the live layout matched: **materialization** of the pack
      from the resident bytes (``COLDSNAP_MATERIALIZE``; ``docs/format.md`` §13);
    * on ``COLDSNAP_OVERLAY=capture``, or under ``auto`` after a fallback caused by target qualification
-     of a capsule this engine captured: a target-local **overlay** (:func:`coldsnap_core.artifact.overlay.capture_overlay`,
+     of a capsule this engine captured: a target-local **overlay** (:func:`coldsnap_core.capture.overlay.capture_overlay`,
      ``docs/format.md`` §15);
 3. the capsule's **derived-cache seed** (``docs/format.md`` §17), when a capsule was read (a selected
    overlay's own seed, else the portable capsule's): :meth:`~LoadPolicy.place_derived_cache` places it where
@@ -60,14 +60,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from coldsnap_core.artifact.derived_cache import SeedPlacement
-from coldsnap_core.artifact.overlay import OverlayCapture, capture_overlay
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.capture.load_session import LoadSession, PreparedWeights
 from coldsnap_core.capture.materialize import MaterializationHandle, materialize_payload
 from coldsnap_core.capture.model_records import ModelRecord
 from coldsnap_core.capture.observer import WriteObserver, map_to_allocations
-from coldsnap_core.capture.worker import CaptureResult
+from coldsnap_core.capture.overlay import OverlayCapture, capture_overlay
+from coldsnap_core.capture.worker import CaptureResult, capture_loaded_worker
 from coldsnap_core.collector import collector_paused
 from coldsnap_core.copy.select import copy_backend_for
 from coldsnap_core.copy.torch_allocations import TorchAllocations, enumerate_allocations
@@ -80,8 +79,9 @@ from coldsnap_core.identity.model_identity import LoadedModel
 from coldsnap_core.identity.target import engine_version as installed_engine_version
 from coldsnap_core.metrics import record_load
 from coldsnap_core.outcomes import LoadOutcomeLine, Outcome, append_outcome
+from coldsnap_core.restore.derived_cache import SeedPlacement
 from coldsnap_core.restore.hydrate import HydrationReport
-from coldsnap_core.restore.pipeline import WorkerRestore, capture_loaded_worker, restore_or_fall_back
+from coldsnap_core.restore.pipeline import WorkerRestore, restore_or_fall_back
 from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_core.stores import from_settings as store_from_settings
 
@@ -166,7 +166,7 @@ class LoadOutcome:
         capture: the capture result (``captured``).
         materialization: the materialization handle, when one was started after a fallback.
         capsule_source: ``restored``: which capsule (``portable``, ``overlay``, ``qualified``:
-            :class:`coldsnap_core.artifact.overlay.Selection`).
+            :class:`coldsnap_core.restore.overlay.Selection`).
         overlay: the target-local overlay captured after this checkpoint load, if any.
         model_bytes: destination bytes classified as model bytes (restored: the manifest's).
         checkpoint_copies: ``copy_`` calls recorded as model bytes by the observer.
@@ -269,13 +269,13 @@ class LoadPolicy(abc.ABC):
 
     def place_derived_cache(self, call: LoadCall, outcome: LoadOutcome) -> SeedPlacement | None:
         """Place the derived-cache seed of ``outcome.capsule_dir`` (a capsule was read) before the engine
-        compiles (:func:`coldsnap_core.artifact.derived_cache.place_seed`); ``None``: the engine keeps no
+        compiles (:func:`coldsnap_core.restore.derived_cache.place_seed`); ``None``: the engine keeps no
         compile cache (the default). Must not raise: a seed only makes a start faster."""
         return None
 
     def capture_derived_cache(self, call: LoadCall, outcome: LoadOutcome) -> None:
         """Attach the engine's compile cache to the capsule this load wrote (``outcome.capture`` or
-        ``outcome.overlay``) once the engine has compiled (:func:`coldsnap_core.artifact.derived_cache.attach_seed`);
+        ``outcome.overlay``) once the engine has compiled (:func:`coldsnap_core.capture.derived_cache.attach_seed`);
         the default does nothing (the engine keeps no compile cache). Must not raise: the capsule stands
         without a seed."""
         return None
@@ -586,7 +586,7 @@ class LoadPolicy(abc.ABC):
         )
 
     def _capture_overlay(self, attempt: WorkerRestore | None, after: TorchAllocations, ranges) -> OverlayCapture | None:
-        """:func:`coldsnap_core.artifact.overlay.capture_overlay` of the loaded model, after the model identity
+        """:func:`coldsnap_core.capture.overlay.capture_overlay` of the loaded model, after the model identity
         check restore would have run. ``auto``: a failure is one WARNING (the load stands);
         ``capture``: it raises."""
         settings = self.settings

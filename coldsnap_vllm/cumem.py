@@ -21,8 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from coldsnap_core.capture.payload_plan import ModelRange
-from coldsnap_core.capture.worker import check_model_ranges
+from coldsnap_core.capture.payload import ModelRange, check_model_ranges
 from coldsnap_core.errors import ObserverError
 from coldsnap_core.format.allocation import Allocation, AllocationMap, LiveAllocation
 from coldsnap_vllm.state import ObservedModelWrite

@@ -10,8 +10,8 @@ first forward is the warm-up of ``CPUModelRunner.warming_up_model``; on GPU the 
 * **Capture** (an export, or a target-local overlay this start stored): :class:`SeedCapture` registers a forward hook on the model ``load_weights``
   filled; when a forward has returned and vLLM's ``compilation_config.local_cache_dir`` names a
   folder, the worker's files are collected and attached to its capsule
-  (:func:`coldsnap_core.artifact.derived_cache.attach_seed`, or the overlay's
-  :func:`coldsnap_core.artifact.overlay.attach_overlay_seed`), and the hook removes itself. With AOT compile
+  (:func:`coldsnap_core.capture.derived_cache.attach_seed`, or the overlay's
+  :func:`coldsnap_core.capture.overlay.attach_overlay_seed`), and the hook removes itself. With AOT compile
   that folder is ``VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/<hash>/``: the rank's
   ``rank_<rank>_<dp>/model`` and ``inductor_cache/`` (vLLM points ``TORCHINDUCTOR_CACHE_DIR`` there),
   both under ``VLLM_CACHE_ROOT``. Without it, the rank's ``torch_compile_cache/<hash>/rank_<rank>_<dp>/``
@@ -34,20 +34,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from coldsnap_core.artifact.derived_cache import (
-    SeedPlacement,
-    SeedQualification,
-    attach_seed,
-    collect_files,
-    compilation_digest,
-    place_seed,
-)
-from coldsnap_core.artifact.overlay import OverlayCapture, attach_overlay_seed
+from coldsnap_core.artifact.derived_cache import SeedQualification, compilation_digest
+from coldsnap_core.capture.derived_cache import attach_seed, collect_files
+from coldsnap_core.capture.overlay import OverlayCapture, attach_overlay_seed
 from coldsnap_core.errors import ColdsnapError
 from coldsnap_core.format.descriptor import SEED_FILENAMES, CapsuleFile
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.identity.target import collect_target
 from coldsnap_core.load_policy import LoadOutcome
+from coldsnap_core.restore.derived_cache import SeedPlacement, place_seed
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +111,7 @@ def place(
 ) -> SeedPlacement:
     """Place the seed of the capsule at ``capsule_dir`` for this start (never raises): ``absent`` when it
     has none; ``skipped`` when ``COLDSNAP_DERIVED_CACHE=off``, when vLLM compiles nothing or keeps no
-    cache, or when :func:`coldsnap_core.artifact.derived_cache.place_seed` skips it; else ``used``."""
+    cache, or when :func:`coldsnap_core.restore.derived_cache.place_seed` skips it; else ``used``."""
     if not any(p.name in SEED_FILENAMES for p in capsule_files):
         return SeedPlacement("absent")
     reason = "COLDSNAP_DERIVED_CACHE=off" if not enabled else None

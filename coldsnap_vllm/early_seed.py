@@ -31,18 +31,14 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from coldsnap_core.artifact.derived_cache import MAX_REASON_CHARS, SeedPlacement, SeedQualification, place_seed
-from coldsnap_core.artifact.overlay import (
-    OVERLAY_FILENAME,
-    OVERLAYS_DIRNAME,
-    OverlayDescriptor,
-    artifact_key,
-    find_overlay,
-)
+from coldsnap_core.artifact.derived_cache import SeedQualification
+from coldsnap_core.artifact.overlay import OVERLAY_FILENAME, OVERLAYS_DIRNAME, OverlayDescriptor, artifact_key
 from coldsnap_core.cache.records import read_private_record
 from coldsnap_core.format._strict import read_document_bytes
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, ArtifactDescriptor, CapsuleFile
 from coldsnap_core.identity.target import engine_version
+from coldsnap_core.restore.derived_cache import MAX_REASON_CHARS, SeedPlacement, place_seed
+from coldsnap_core.restore.overlay import find_overlay
 from coldsnap_vllm import compat
 
 logger = logging.getLogger(__name__)
@@ -153,7 +149,7 @@ def _early_qualification() -> SeedQualification:
 
 def _candidates(artifact_dir: Path, state_root: Path, overlays: bool) -> Iterator[tuple[Path, tuple[CapsuleFile, ...]]]:
     """``(folder, pins)`` of each seed to try: every portable capsule of the artifact, then this node's
-    valid overlays of them (:func:`coldsnap_core.artifact.overlay.find_overlay`, for the target each is
+    valid overlays of them (:func:`coldsnap_core.restore.overlay.find_overlay`, for the target each is
     bound to)."""
     data = read_document_bytes(artifact_dir / DESCRIPTOR_FILENAME)
     descriptor = ArtifactDescriptor.loads(data, file=str(artifact_dir / DESCRIPTOR_FILENAME))

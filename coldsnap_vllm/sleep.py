@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 from coldsnap_core.artifact.sleep_capsules import SleepCapsuleClaim, sleep_dir, sweep_sleep_capsules
 from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.sleep import ReferenceDigests
 from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.errors import ColdsnapError, ConfigurationError, WakeError
 from coldsnap_core.format.allocation import LiveAllocation
@@ -44,7 +45,7 @@ from coldsnap_core.restore.hydrate import HydrationReport, hydrate
 from coldsnap_core.settings import LOCK_TIMEOUT_SECONDS
 from coldsnap_vllm import state as load_state
 from coldsnap_vllm.cumem import WEIGHTS_TAG, weights_segments
-from coldsnap_vllm.sleep_capture import ReferenceDigests, SleepCapture, capture_for_sleep
+from coldsnap_vllm.sleep_capture import SleepCapture, capture_for_sleep
 from coldsnap_vllm.state import WorkerLoadState
 
 logger = logging.getLogger(__name__)

@@ -513,24 +513,21 @@ def _require_present(path: Path, what: str) -> None:
 
 
 def write_manifests(
-    staging: Path, native: NativeManifest, recovery: RecoveryManifest, target: TargetIdentity
+    staging: Path, native: NativeManifest, recovery: RecoveryManifest | None, target: TargetIdentity | None
 ) -> tuple[CapsuleFile, ...]:
-    """Write both manifests and ``target.json`` into a capsule staging folder (each fsynced).
+    """Write the native manifest, the recovery manifest and ``target.json`` (each that is given) into a
+    capsule staging folder (each fsynced).
 
     Returns:
-        The pins of the capsule's four files (both manifests, ``target.json``, and the residual blob
-        as the native manifest names it), sorted by name, for its ``artifact.json`` entry.
+        The pins of the files written and of the residual blob as the native manifest names it, sorted by
+        name: an artifact capsule's four, for its ``artifact.json`` entry.
     """
-    native_bytes, recovery_bytes, target_bytes = native.dumps(), recovery.dumps(), target.dumps()
-    write_file_durably(staging / NATIVE_MANIFEST_FILENAME, native_bytes)
-    write_file_durably(staging / RECOVERY_MANIFEST_FILENAME, recovery_bytes)
-    write_file_durably(staging / TARGET_FILENAME, target_bytes)
-    pins = [
-        pin_file(NATIVE_MANIFEST_FILENAME, native_bytes),
-        pin_file(RECOVERY_MANIFEST_FILENAME, recovery_bytes),
-        pin_file(TARGET_FILENAME, target_bytes),
-    ]
-    pins.append(CapsuleFile.of(native.residual))
+    pins = [CapsuleFile.of(native.residual)]
+    for name, document in ((NATIVE_MANIFEST_FILENAME, native), (RECOVERY_MANIFEST_FILENAME, recovery), (TARGET_FILENAME, target)):
+        if document is not None:
+            data = document.dumps()
+            write_file_durably(staging / name, data)
+            pins.append(pin_file(name, data))
     return tuple(sorted(pins, key=lambda p: p.name))
 
 

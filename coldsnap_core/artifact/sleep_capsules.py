@@ -36,7 +36,7 @@ from typing import Literal
 
 from coldsnap_core._io import remove_tree
 from coldsnap_core.errors import CacheError, UnsafePathError
-from coldsnap_core.format.manifest import CAPSULE_NAME_RE
+from coldsnap_core.format.manifest import CAPSULE_NAME_RE, WorkerIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,13 @@ Owner = Literal["alive", "gone"]
 def sleep_dir(state_root: Path) -> Path:
     """``<state_root>/sleep``."""
     return Path(state_root) / SLEEP_DIRNAME
+
+
+def sleep_capsule_dir(state_root: Path, worker: WorkerIdentity) -> Path:
+    """A fresh, unclaimed sleep capsule path ``<state_root>/sleep/<capsule_name>-pid<pid>-<hex16>``. Nobody
+    holds its lock, so a sweep may remove it: a sleep backend captures into the folder of a
+    :class:`SleepCapsuleClaim`."""
+    return sleep_dir(state_root) / f"{worker.capsule_name}-pid{os.getpid()}-{secrets.token_hex(8)}"
 
 
 def _lock_is_held(lock_path: Path) -> bool:

@@ -1,9 +1,9 @@
 """Materialization: rebuild a worker's pack from its resident model bytes after a recovery load.
 
 After a safetensors (recovery) load the model extents of the worker's native manifest hold exactly
-the bytes they held at capture, so the canonical writer (:func:`coldsnap_core.capture.pack_writer.write_pack`,
-the one capture uses) rebuilds the byte-identical pack from memory, without reading the checkpoint
-again (``docs/format.md`` §13). Modes (``COLDSNAP_MATERIALIZE``):
+the bytes they held at capture, so the capture core (:mod:`coldsnap_core.capture.payload`, the one capture
+uses) re-plans the manifest and rebuilds the byte-identical pack from memory, without reading the
+checkpoint again (``docs/format.md`` §13). Modes (``COLDSNAP_MATERIALIZE``):
 
 * ``async`` (vLLM default): a background thread (at a lower CPU priority) writes the pack while the
   engine serves; the first token is not delayed. It never raises into the caller: a failure is
@@ -31,13 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.capture.pack_writer import write_pack
-from coldsnap_core.capture.payload_plan import PayloadPlan, plan_manifest_payload
+from coldsnap_core.capture.payload import plan_manifest_payload
 from coldsnap_core.copy.base import CopyBackend
-from coldsnap_core.errors import ConfigurationError, IntegrityError, MissingObjectError, PackSizeMismatchError
+from coldsnap_core.errors import ConfigurationError
 from coldsnap_core.format.allocation import LiveAllocation
 from coldsnap_core.format.manifest import NativeManifest, PackRef
-from coldsnap_core.format.verify import check_live_layout, check_manifest
 from coldsnap_core.settings import MATERIALIZE_ENV, MATERIALIZE_MODES, MaterializeMode
 
 logger = logging.getLogger(__name__)
@@ -118,38 +116,15 @@ class MaterializationHandle:
         return f"MaterializationHandle({self.pack.sha256[:12]}, mode={self.mode}, {state})"
 
 
-def _plan(manifest: NativeManifest, allocations: Sequence[LiveAllocation]) -> PayloadPlan:
-    check_manifest(manifest)
-    check_live_layout(manifest.allocations, None, allocations)
-    return plan_manifest_payload(manifest, allocations)
-
-
 def _materialize(
     manifest: NativeManifest, allocations: Sequence[LiveAllocation], backend: CopyBackend, cache: PayloadCache
 ) -> MaterializationResult:
     started = time.perf_counter()
-    pack = manifest.pack
-    plan = _plan(manifest, allocations)
-    with cache.lock(pack.sha256):
-        try:
-            path = cache.admit_locked(pack.sha256, pack.size_bytes)
-        except MissingObjectError:
-            pass
-        except IntegrityError as exc:
-            if isinstance(exc, PackSizeMismatchError) and cache.object_path(pack.sha256).exists():
-                raise  # a verified object of another size: the manifest is wrong, not the cache
-            logger.warning("coldsnap: cached pack %s was corrupt (%s); rewriting it", pack.sha256, exc.detail)
-        else:
-            return MaterializationResult(pack, path, False, time.perf_counter() - started)
-        written = write_pack(plan.layout, plan.locate, backend, cache, expected_sha256=pack.sha256)
-    if written.size_bytes != pack.size_bytes:
-        raise PackSizeMismatchError(
-            f"materialized pack is {written.size_bytes} bytes, the manifest records {pack.size_bytes}",
-            file=cache.object_path(pack.sha256),
-        )
+    pack, written = plan_manifest_payload(manifest, allocations, backend).ensure_pack(cache, manifest.pack)
     seconds = time.perf_counter() - started
-    logger.info("coldsnap: materialized pack %s (%d bytes) in %.2f s", pack.sha256, pack.size_bytes, seconds)
-    return MaterializationResult(pack, cache.object_path(pack.sha256), True, seconds)
+    if written:
+        logger.info("coldsnap: materialized pack %s (%d bytes) in %.2f s", pack.sha256, pack.size_bytes, seconds)
+    return MaterializationResult(pack, cache.object_path(pack.sha256), written, seconds)
 
 
 def materialize_payload(

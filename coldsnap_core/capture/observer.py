@@ -72,7 +72,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from coldsnap_core.capture.checkpoint_sources import CheckpointSources, data_address, dense, storage_extent_bytes
 from coldsnap_core.capture.model_records import IntervalSet, ModelRecord, RecordMap
-from coldsnap_core.capture.payload_plan import ModelRange
+from coldsnap_core.capture.payload import ModelRange
 from coldsnap_core.copy.torch_allocations import TorchAllocations
 from coldsnap_core.errors import ObserverError
 

@@ -1,46 +1,32 @@
-"""Capture: turn live allocations plus the observed model ranges into pack + residual + manifests.
+"""The capture of a worker into an artifact: its pack in the node-local cache, its unit capsule (residual
+blob, both manifests, ``target.json``) in the artifact folder, its entry in ``artifact.json``.
 
-Engine integrations (the vLLM loader's write observer, the level-1 sleep backend) decide *which*
-bytes are model bytes; this module only needs the result:
-
-* the allocation map (what the allocations are and which tensors live in them),
-* the live allocations (addresses and sizes, read through a copy backend),
-* the model ranges: disjoint byte ranges that still hold bytes the loader copied from the checkpoint,
-  each with its provenance.
-
-Everything else in the allocations is residual. The pack goes to the node-local cache through the
-canonical writer; the blob and both manifests go to the worker's unit capsule; the worker is
-registered in ``artifact.json``.
+Engine integrations (the loaders' write observer) decide *which* bytes are model bytes; the capture core
+(:mod:`coldsnap_core.capture.payload`) checks, hashes and plans them, writes the pack through the canonical
+writer and the capsule's files. Here: the capsule is renamed into place as a whole under its lock
+(:func:`coldsnap_core.artifact.capsules.write_capsule`) and the worker is registered in ``artifact.json``
+with the pins of its files.
 """
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import logging
-import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from coldsnap_core.artifact.capsules import check_artifact_paths, register_worker, write_capsule, write_manifests
-from coldsnap_core.artifact.residual import write_residual
+from coldsnap_core.artifact.capsules import check_artifact_paths, register_worker, write_capsule
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.capture.pack_writer import write_pack
-from coldsnap_core.capture.payload_plan import ModelRange, plan_payload
+from coldsnap_core.capture.payload import ModelRange, plan_payload
 from coldsnap_core.copy.base import CopyBackend
+from coldsnap_core.copy.select import copy_backend_for
+from coldsnap_core.copy.torch_allocations import TorchAllocations
 from coldsnap_core.errors import ObserverError
 from coldsnap_core.format.allocation import AllocationMap, LiveAllocation
-from coldsnap_core.format.descriptor import WORKERS_DIRNAME, CapsuleFile, WorkerEntry
-from coldsnap_core.format.manifest import (
-    RESIDUAL_FILENAME,
-    CapturePoint,
-    ModelIdentity,
-    NativeManifest,
-    RecoveryManifest,
-    WorkerIdentity,
-)
+from coldsnap_core.format.descriptor import WORKERS_DIRNAME, WorkerEntry
+from coldsnap_core.format.manifest import CapturePoint, ModelIdentity, NativeManifest, RecoveryManifest, WorkerIdentity
 from coldsnap_core.format.target import TargetIdentity
 from coldsnap_core.identity.target import collect_target
 
@@ -71,65 +57,6 @@ class CaptureResult:
     phase_seconds: tuple[tuple[str, float], ...] = ()
 
 
-def check_model_ranges(ranges: Sequence[ModelRange], allocations: Sequence[LiveAllocation]) -> None:
-    """Model ranges must be non-empty, in bounds, sorted by (allocation, offset) and disjoint.
-
-    Anything else is an observer bug, refused before a byte is written.
-
-    Raises:
-        ObserverError: names the offending range's allocation and offset.
-    """
-    previous = (0, 0)
-    for i, r in enumerate(ranges):
-        if r.size_bytes <= 0 or r.offset_bytes < 0:
-            raise ObserverError(
-                f"model range {i} has offset {r.offset_bytes} and size {r.size_bytes} bytes; ranges are non-empty and start at >= 0",
-                allocation=r.allocation_index,
-                offset_bytes=r.offset_bytes,
-            )
-        if not 0 <= r.allocation_index < len(allocations):
-            raise ObserverError(
-                f"model range {i} names allocation {r.allocation_index}, but there are {len(allocations)}",
-                allocation=r.allocation_index,
-                offset_bytes=r.offset_bytes,
-            )
-        if r.offset_bytes + r.size_bytes > allocations[r.allocation_index].size_bytes:
-            raise ObserverError(
-                f"model range {i} ends at byte {r.offset_bytes + r.size_bytes}, beyond its allocation's"
-                f" {allocations[r.allocation_index].size_bytes} bytes",
-                allocation=r.allocation_index,
-                offset_bytes=r.offset_bytes,
-            )
-        if (r.allocation_index, r.offset_bytes) < previous:
-            raise ObserverError(
-                f"model range {i} starts before the end of model range {i - 1}; ranges must be sorted and disjoint",
-                allocation=r.allocation_index,
-                offset_bytes=r.offset_bytes,
-            )
-        previous = (r.allocation_index, r.offset_bytes + r.size_bytes)
-
-
-def hash_ranges(
-    ranges: Sequence[ModelRange], allocations: Sequence[LiveAllocation], backend: CopyBackend, *, threads: int | None = None
-) -> list[str]:
-    """SHA-256 of each range's bytes, computed on ``threads`` threads (default: usable CPUs)."""
-
-    def digest(r: ModelRange) -> str:
-        h = hashlib.sha256()
-        for chunk in backend.read_chunks(allocations[r.allocation_index], r.offset_bytes, r.size_bytes):
-            h.update(chunk)
-        return h.hexdigest()
-
-    workers = threads or max(1, len(os.sched_getaffinity(0)))
-    if workers == 1:
-        return [digest(r) for r in ranges]
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="coldsnap-digest") as pool:
-        # Largest first for balance, results back in input order.
-        order = sorted(range(len(ranges)), key=lambda i: -ranges[i].size_bytes)
-        futures = {i: pool.submit(digest, ranges[i]) for i in order}
-        return [futures[i].result() for i in range(len(ranges))]
-
-
 def capture_worker(
     *,
     allocation_map: AllocationMap,
@@ -145,59 +72,68 @@ def capture_worker(
 ) -> CaptureResult:
     """Capture one worker: write its pack (shared), residual blob and manifests (its capsule).
 
-    Order: every model range's SHA-256 (on all usable CPUs; the pack order needs them all), then the
-    canonical pack into ``cache`` (:func:`coldsnap_core.capture.pack_writer.write_pack`), then the capsule
-    (blob and both manifests, each fsynced, renamed into place as a whole), then ``artifact.json``
-    with the pins (size and SHA-256) of the capsule's four files (both manifests, ``target.json``, the blob).
-    The allocations must not change while this runs (the model is quiescent): their bytes are read
-    more than once (extent digests, pack, blob).
-
-    Long: the checks that must all pass before anything is written (the allocation map against the live
-    allocations, the capture point's address rule, the model ranges, the artifact paths), then the steps in
-    their one order, timed as the phases the outcome line reports (extent digests, pack, capsule, descriptor).
+    In order: every check (the capture point's address rule, the artifact paths, then
+    :func:`coldsnap_core.capture.payload.plan_payload`'s), every model range's SHA-256, the canonical pack
+    into ``cache``, the capsule (blob, both manifests and ``target.json``, renamed into place as a whole),
+    then ``artifact.json`` with the pins of the capsule's four files; each step is a phase of
+    :attr:`CaptureResult.phase_seconds`. A capture whose model bytes are less than half the allocation
+    bytes logs a WARNING naming the likely cause (:func:`warn_if_few_model_bytes`).
 
     Args:
-        allocation_map: the allocations' layout; ``allocation_map[i].size_bytes`` must equal
-            ``allocations[i].size_bytes``.
-        allocations: the live allocations, by index.
-        model_ranges: the observed model ranges, sorted by (allocation, offset) and disjoint.
+        allocation_map, allocations, model_ranges, backend: the quiescent model, as
+            :func:`~coldsnap_core.capture.payload.plan_payload` takes it.
         worker: the worker identity (names the capsule).
-        capture_point: ``portable`` or ``native``.
+        capture_point: ``portable`` (no allocation has an address) or ``native`` (every one has).
         model: the pinned model identity (recovery manifest and descriptor).
         cache: where the pack object goes.
         artifact_dir: the artifact folder (capsule and ``artifact.json``).
-        backend: reads the allocations.
-        target: the target the capture runs on, recorded as the capsule's ``target.json``
-            (the engine plugins pass theirs); default: :func:`coldsnap_core.identity.target.collect_target`
-            without an engine, on the CPU.
-
-    Returns:
-        The manifests written, the capsule folder, the pack's object path, and the wall time of the
-        capture and of each phase.
+        target: the target the capture runs on, recorded as the capsule's ``target.json`` (the engine
+            plugins pass theirs); default: :func:`coldsnap_core.identity.target.collect_target` without an
+            engine, on the CPU.
 
     Raises:
-        ObserverError: the model ranges are not sorted, disjoint, non-empty and in bounds, the
-            allocation map disagrees with the live allocations (count, index or size), or its
-            addresses do not fit the capture point (``native``: every allocation has one;
-            ``portable``: none has); raised before anything is written.
+        ObserverError: the allocation map's addresses do not fit the capture point, or see
+            :func:`~coldsnap_core.capture.payload.plan_payload`; raised before anything is written.
         UnsafePathError: a symbolic link at the artifact's descriptor lock, ``workers/`` or the
             capsule's lock (rule ``no-symlinks``); raised before anything is written.
-
-    A capture whose model bytes are less than half the allocation bytes logs a WARNING naming the
-    likely cause (:func:`warn_if_few_model_bytes`).
         InsufficientSpaceError / CacheError: writing failed (nothing half-written remains: the pack
             is committed only once complete, the capsule only as a whole).
     """
     started = time.perf_counter()
-    if len(allocation_map) != len(allocations):
-        raise ObserverError(f"the allocation map has {len(allocation_map)} allocations, the live model {len(allocations)}")
-    for recorded, live in zip(allocation_map.allocations, allocations, strict=True):
-        if live.index != recorded.index or live.size_bytes != recorded.size_bytes:
-            raise ObserverError(
-                f"live allocation {live.index} ({live.size_bytes} bytes) is not allocation {recorded.index}"
-                f" of the allocation map ({recorded.size_bytes} bytes)",
-                allocation=recorded.index,
-            )
+    _check_addresses(allocation_map, capture_point)
+    check_artifact_paths(artifact_dir, worker)  # a link at a lock path is refused before anything is written
+    target = target if target is not None else collect_target()
+    plan = plan_payload(allocation_map, allocations, backend, model_ranges)
+    hashed = time.perf_counter()
+    pack, _ = plan.ensure_pack(cache)
+    packed = time.perf_counter()
+    fill = functools.partial(
+        plan.write_capsule_files, capture_point=capture_point, worker=worker, pack=pack, model=model, target=target
+    )
+    capsule_dir, staged = write_capsule(artifact_dir, worker, fill)
+    written = time.perf_counter()
+    entry = WorkerEntry(worker, f"{WORKERS_DIRNAME}/{worker.capsule_name}", pack, staged.pins)
+    register_worker(artifact_dir, model, entry)
+    finished = time.perf_counter()
+    phases = (  # each step's wall time: the outcome line's phases
+        ("extent_digests", hashed - started),
+        ("pack", packed - hashed),
+        ("capsule", written - packed),
+        ("descriptor", finished - written),
+    )
+    result = CaptureResult(
+        staged.native, staged.recovery, capsule_dir, cache.object_path(pack.sha256), finished - started, phases
+    )
+    _log_captured(result, worker)
+    return result
+
+
+def _check_addresses(allocation_map: AllocationMap, capture_point: CapturePoint) -> None:
+    """The native capture point records the address of every allocation, the portable one none.
+
+    Raises:
+        ObserverError: names the first allocation that breaks the rule.
+    """
     for recorded in allocation_map.allocations:
         if (recorded.address is None) == (capture_point == "native"):
             rule = "the address of every allocation" if capture_point == "native" else "no addresses (null)"
@@ -205,49 +141,57 @@ def capture_worker(
                 f"allocation {recorded.index} has address {recorded.address}; the {capture_point} capture point records {rule}",
                 allocation=recorded.index,
             )
-    check_model_ranges(model_ranges, allocations)
-    check_artifact_paths(artifact_dir, worker)  # a link at a lock path is refused before anything is written
-    target = target if target is not None else collect_target()
 
-    digests = hash_ranges(model_ranges, allocations, backend)
-    hashed = time.perf_counter()
-    plan = plan_payload(allocations, model_ranges, digests)
 
-    pack = write_pack(plan.layout, plan.locate, backend, cache)
-    packed = time.perf_counter()
+def capture_loaded_worker(
+    allocations: TorchAllocations,
+    model_ranges: Sequence[ModelRange],
+    worker: WorkerIdentity,
+    model: ModelIdentity,
+    *,
+    cache: PayloadCache,
+    artifact_dir: Path,
+    engine: str,
+    engine_version: str | None,
+) -> CaptureResult:
+    """The portable capture of a worker an engine plugin just loaded under the write observer (every plugin,
+    on ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``): :func:`capture_worker` of ``allocations`` (after the checkpoint
+    load, before any post-processing) with the copy backend of their device and the target identity of
+    this worker with ``engine`` (``vllm``, ``sglang``) and ``engine_version`` as its engine (``target.json``,
+    ``docs/format.md`` §15.1: a restore by another engine refuses the capsule by name, one by the same engine
+    qualifies it).
 
-    def fill(staging: Path) -> tuple[NativeManifest, RecoveryManifest, tuple[CapsuleFile, ...]]:
-        residual = write_residual(plan.residual_extents, allocations, backend, staging / RESIDUAL_FILENAME)
-        native = plan.native_manifest(
-            capture_point=capture_point, worker=worker, allocations=allocation_map, pack=pack, residual=residual
-        )
-        recovery = plan.recovery_manifest(worker=worker, allocations=allocation_map, model=model, residual=residual)
-        pins = write_manifests(staging, native, recovery, target)
-        return native, recovery, pins
-
-    capsule_dir, (native, recovery, pins) = write_capsule(artifact_dir, worker, fill)
-    written = time.perf_counter()
-    register_worker(artifact_dir, model, WorkerEntry(worker, f"{WORKERS_DIRNAME}/{worker.capsule_name}", pack, pins))
-    finished = time.perf_counter()
-    seconds = finished - started
-    phases = (
-        ("extent_digests", hashed - started),
-        ("pack", packed - hashed),
-        ("capsule", written - packed),
-        ("descriptor", finished - written),
+    Raises:
+        ColdsnapError: see :func:`capture_worker`.
+    """
+    return capture_worker(
+        allocation_map=allocations.allocation_map,
+        allocations=allocations.live,
+        model_ranges=model_ranges,
+        worker=worker,
+        capture_point="portable",
+        model=model,
+        cache=cache,
+        artifact_dir=artifact_dir,
+        backend=copy_backend_for(allocations.device),
+        target=collect_target(engine, engine_version, device=allocations.device),
     )
+
+
+def _log_captured(result: CaptureResult, worker: WorkerIdentity) -> None:
+    """The capture's INFO line, and the WARNING of :func:`warn_if_few_model_bytes`."""
+    native = result.manifest
     logger.info(
         "coldsnap: captured %s: %d model bytes in %d extents (pack %s, %d bytes), %d residual bytes, %.2f s",
         worker.capsule_name,
         native.model_bytes,
-        len(plan.model_extents),
-        pack.sha256,
-        pack.size_bytes,
+        len(native.model_extents),
+        native.pack.sha256,
+        native.pack.size_bytes,
         native.residual_bytes,
-        seconds,
+        result.seconds,
     )
     warn_if_few_model_bytes(native, worker)
-    return CaptureResult(native, recovery, capsule_dir, cache.object_path(pack.sha256), seconds, phases)
 
 
 LOW_MODEL_BYTES_FRACTION = 0.5

@@ -17,9 +17,9 @@ import datetime
 import sys
 
 from coldsnap_core._io import refuse_symlink
-from coldsnap_core.artifact.overlay import OverlayListing, gc_overlays, list_overlays
 from coldsnap_core.artifact.sleep_capsules import list_sleep_capsules, sweep_sleep_capsules
 from coldsnap_core.cache.garbage import DEFAULT_GC_AGE_SECONDS
+from coldsnap_core.cache.overlays import OverlayListing, gc_overlays, list_overlays
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import last_full_verification, record_state
 from coldsnap_core.cli._output import add_json_option, error_json, print_json

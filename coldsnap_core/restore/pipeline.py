@@ -15,7 +15,7 @@ is written into the model before step 7:
    ``artifact.json`` names and was taken at the portable capture point; every model extent comes from
    a checkpoint file of the model identity;
 2. **qualify**: the capsule's residual qualifies for this target (:meth:`WorkerRestore.qualify`,
-   :func:`coldsnap_core.artifact.overlay.select_capsule`: engine, engine version, torch and its CUDA version,
+   :func:`coldsnap_core.restore.overlay.select_capsule`: engine, engine version, torch and its CUDA version,
    device type, accelerator model and NVIDIA driver equal to the ones ``target.json`` records, else
    this node's target-local overlay for exactly this target): a capsule captured by another engine or
    another runtime stops here, before its layout is compared (``docs/format.md`` §15); the pack is
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,10 +55,7 @@ from coldsnap_core.artifact.capsules import (
     read_descriptor_bytes,
     read_worker_capsule,
 )
-from coldsnap_core.artifact.overlay import Selection, select_capsule
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.capture.payload_plan import ModelRange
-from coldsnap_core.capture.worker import CaptureResult, capture_worker
 from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.copy.select import copy_backend_for
 from coldsnap_core.copy.torch_allocations import TorchAllocations, enumerate_allocations
@@ -81,6 +78,7 @@ from coldsnap_core.identity.checkpoint_records import CheckpointRecords
 from coldsnap_core.identity.model_identity import LoadedModel, check_model_identity
 from coldsnap_core.identity.target import ENGINE_NONE, collect_target
 from coldsnap_core.restore.hydrate import AdmittedPack, HydrationReport, hydrate_admitted
+from coldsnap_core.restore.overlay import Selection, select_capsule
 from coldsnap_core.restore.staging import stage_payload
 from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_core.stores import from_settings as store_from_settings
@@ -91,7 +89,6 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "RestoreResult",
     "WorkerRestore",
-    "capture_loaded_worker",
     "restore_or_fall_back",
 ]
 
@@ -121,7 +118,7 @@ class WorkerRestore:
         capsule: the capsule restored from: the portable one once read (step 1), this node's overlay
             once step 2 selected it; ``None`` before.
         portable_capsule: the artifact's capsule of this worker, once read.
-        selection: which capsule step 2 chose and why (:class:`coldsnap_core.artifact.overlay.Selection`).
+        selection: which capsule step 2 chose and why (:class:`coldsnap_core.restore.overlay.Selection`).
         descriptor_sha256: SHA-256 of the ``artifact.json`` bytes step 1 parsed (overlays bind to it).
         target_mismatch: the qualification error when step 2 refused the capsule (the loader then
             captures a target-local overlay after its checkpoint load), else ``None``.
@@ -233,7 +230,7 @@ class WorkerRestore:
 
     def qualify(self, capsule: Capsule, allocations: TorchAllocations) -> Capsule:
         """Step 2: choose the capsule whose residual qualifies for this target, before any byte is
-        written (:func:`coldsnap_core.artifact.overlay.select_capsule`): the portable capsule when its
+        written (:func:`coldsnap_core.restore.overlay.select_capsule`): the portable capsule when its
         ``target.json`` qualifies, else this node's target-local overlay or qualification record for
         exactly this target. Sets :attr:`selection` and :attr:`capsule`.
 
@@ -481,51 +478,3 @@ def restore_or_fall_back(
         )
         return RestoreResult(attempt, allocations, None, exc)
     return RestoreResult(attempt, allocations, report, None)
-
-
-def capture_loaded_worker(
-    allocations: TorchAllocations,
-    model_ranges: Sequence[ModelRange],
-    worker: WorkerIdentity,
-    model: ModelIdentity,
-    *,
-    cache: PayloadCache,
-    artifact_dir: Path,
-    engine: str,
-    engine_version: str | None,
-    backend_for: Callable[[object], CopyBackend] = copy_backend_for,  # type: ignore[assignment]
-) -> CaptureResult:
-    """The portable capture of a worker an engine plugin just loaded under the write observer: the
-    capture both engine plugins run on ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``, in one place.
-
-    :func:`coldsnap_core.capture.worker.capture_worker` at capture point ``portable``, with the copy backend
-    for the allocations' device and the target identity of this worker with ``engine`` as its engine
-    (``target.json``, ``docs/format.md`` §15.1: a restore by another engine refuses the capsule by name,
-    one by the same engine qualifies it).
-
-    Args:
-        allocations: the model's allocations after the checkpoint load (before any post-processing).
-        model_ranges: the model-owned byte ranges the observer mapped onto ``allocations``.
-        worker: this worker's identity.
-        model: the model identity (:meth:`coldsnap_core.capture.load_session.LoadSession.identify`).
-        cache: the node-local cache the pack is committed to.
-        artifact_dir: the artifact folder the capsule and ``artifact.json`` entry go to.
-        engine: the engine's name as its target identity records it (``vllm``, ``sglang``).
-        engine_version: the engine's version string, likewise.
-        backend_for: the copy backend for the allocations' device.
-
-    Raises:
-        ColdsnapError: see :func:`coldsnap_core.capture.worker.capture_worker`.
-    """
-    return capture_worker(
-        allocation_map=allocations.allocation_map,
-        allocations=allocations.live,
-        model_ranges=model_ranges,
-        worker=worker,
-        capture_point="portable",
-        model=model,
-        cache=cache,
-        artifact_dir=artifact_dir,
-        backend=backend_for(allocations.device),
-        target=collect_target(engine, engine_version, device=allocations.device),
-    )

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coldsnap_core.artifact.capsules import read_capsule, read_descriptor
-from coldsnap_core.artifact.overlay import list_overlays
+from coldsnap_core.cache.overlays import list_overlays
 
 FALLBACK_WARNING = "coldsnap: could not restore "
 """The start of the one WARNING an ``auto`` fallback logs (:func:`coldsnap_core.restore.pipeline.restore_or_fall_back`)."""

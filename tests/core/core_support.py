@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.capture.payload_plan import ModelRange
+from coldsnap_core.capture.payload import ModelRange
 from coldsnap_core.capture.worker import CaptureResult, capture_worker
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.format.allocation import AllocationMap, LiveAllocation

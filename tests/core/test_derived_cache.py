@@ -17,17 +17,12 @@ import msgspec
 import pytest
 from core_support import WORKER, Captured, copy_capture, edit_json, flip_byte, run_cli
 
-from coldsnap_core.artifact.derived_cache import (
-    SEED_ARCHIVE_FILENAME,
-    SEED_DOCUMENT_FILENAME,
-    SeedQualification,
-    attach_seed,
-    collect_files,
-    place_seed,
-)
+from coldsnap_core.artifact.derived_cache import SEED_ARCHIVE_FILENAME, SEED_DOCUMENT_FILENAME, SeedQualification
+from coldsnap_core.capture.derived_cache import attach_seed, collect_files
 from coldsnap_core.errors import ManifestMismatchError, ManifestValueError
 from coldsnap_core.format.descriptor import ArtifactDescriptor
 from coldsnap_core.identity.target import collect_target
+from coldsnap_core.restore.derived_cache import place_seed
 
 FLAGS = ("avx", "avx2", "fma", "sse4_2")
 CACHE_FILES = {
@@ -111,7 +106,7 @@ def test_a_flipped_byte_in_the_archive_skips_the_seed(captured_2layer: Captured,
     c = seeded(captured_2layer, tmp_path)
     flip_byte(c.capsule_dir / SEED_ARCHIVE_FILENAME, 1500)
     cache = tmp_path / "cache"
-    with caplog.at_level(logging.INFO, logger="coldsnap_core.artifact.derived_cache"):
+    with caplog.at_level(logging.INFO, logger="coldsnap_core.restore.derived_cache"):
         placement = place(c, cache)
     assert placement.status == "skipped"
     assert "derived-cache.tar" in placement.reason and "artifact.json pins" in placement.reason

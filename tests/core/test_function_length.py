@@ -18,11 +18,7 @@ PACKAGES = (PACKAGE_DIR, PACKAGE_DIR.parent / "coldsnap_vllm", PACKAGE_DIR.paren
 """The product's packages (the engine plugins are read from their source: neither engine is imported)."""
 MAX_LINES = 80
 
-LONG_FUNCTIONS: frozenset[str] = frozenset(
-    {
-        "capture.worker.capture_worker",
-    }
-)
+LONG_FUNCTIONS: frozenset[str] = frozenset()
 """``module.qualified_name`` (module relative to ``coldsnap_core``; ``coldsnap_vllm.`` or ``coldsnap_sglang.`` and the
 module in an engine plugin) of each function allowed over :data:`MAX_LINES`."""
 

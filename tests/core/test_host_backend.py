@@ -19,8 +19,8 @@ from core_support import SYNTHETIC_MODEL, WORKER, live_allocations
 
 from coldsnap_core._io import HashingWriter, write_hashed
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.capture.payload_plan import ModelRange
-from coldsnap_core.capture.worker import capture_worker, check_model_ranges
+from coldsnap_core.capture.payload import ModelRange, check_model_ranges
+from coldsnap_core.capture.worker import capture_worker
 from coldsnap_core.copy.base import CopyOp, stable_chunks
 from coldsnap_core.copy.host import (
     PAGE_BYTES,

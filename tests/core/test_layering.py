@@ -17,11 +17,15 @@ rank  modules
       ``capture.checkpoint_sources``, ``capture.model_records``
 4     ``cache.records``, ``cache.locks``, ``cache.partials``, ``cache.garbage``, ``identity.checkpoint_records``,
       ``identity.model_identity`` (produced and checked)
-5     ``cache.payload_cache`` (admission and quarantine), ``artifact.*`` but overlays, ``outcomes``
-6     ``stores.*``, ``capture.pack_writer``, ``capture.payload_plan``, ``metrics`` (Prometheus metrics)
-7     ``restore.staging``, ``restore.hydrate``, ``restore.audit``, ``capture.worker``, ``capture.materialize``,
-      ``stores.publish``, ``artifact.overlay`` (target-local overlays)
-8     ``restore.pipeline``, ``capture.observer``, ``capture.load_session``
+5     ``cache.payload_cache`` (admission and quarantine), ``artifact.*`` (the documents of capsules, overlays and
+      derived-cache seeds), ``outcomes``
+6     ``stores.*``, ``cache.overlays`` (list and gc), ``capture.pack_writer``, ``capture.derived_cache``,
+      ``restore.overlay`` (which capsule a restore uses), ``restore.derived_cache`` (seed placement),
+      ``metrics`` (Prometheus metrics)
+7     ``capture.payload`` (the capture core), ``restore.staging``, ``restore.hydrate``, ``restore.audit``,
+      ``stores.publish``
+8     ``capture.worker``, ``capture.materialize``, ``capture.overlay``, ``capture.sleep`` (every capture, on the
+      core), ``restore.pipeline``, ``capture.observer``, ``capture.load_session``
 9     ``load_policy`` (the engine contract, the load policy every plugin runs), ``cli``
 10    the package (``coldsnap_core/__init__.py``: the public API re-exports)
 ====  ======================================================================================
@@ -85,6 +89,8 @@ LAYERS: dict[str, int] = {
     "artifact.capsules": 5,
     "artifact.residual": 5,
     "artifact.sleep_capsules": 5,
+    "artifact.overlay": 5,
+    "artifact.derived_cache": 5,
     "outcomes": 5,
     "stores": 6,
     "stores._copy": 6,
@@ -95,18 +101,22 @@ LAYERS: dict[str, int] = {
     "stores.oci": 6,
     "stores.gcs": 6,
     "stores.azure": 6,
+    "cache.overlays": 6,
     "capture.pack_writer": 6,
-    "capture.payload_plan": 6,
-    "artifact.derived_cache": 6,
+    "capture.derived_cache": 6,
     "metrics": 6,
-    "restore": 7,
+    "restore": 6,
+    "restore.overlay": 6,
+    "restore.derived_cache": 6,
+    "capture.payload": 7,
     "restore.staging": 7,
     "restore.hydrate": 7,
-    "capture.worker": 7,
-    "capture.materialize": 7,
     "stores.publish": 7,
     "restore.audit": 7,
-    "artifact.overlay": 7,
+    "capture.worker": 8,
+    "capture.materialize": 8,
+    "capture.overlay": 8,
+    "capture.sleep": 8,
     "restore.pipeline": 8,
     "capture.observer": 8,
     "capture.load_session": 8,

@@ -16,7 +16,7 @@ from core_support import Captured, capture, live_allocations
 from slabs import allocate
 
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.capture.payload_plan import ModelRange, plan_manifest_payload
+from coldsnap_core.capture.payload import ModelRange, plan_manifest_payload
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.errors import ExtentDigestMismatchError, NonZeroPaddingError, PackDigestMismatchError
 from coldsnap_core.format.allocation import Allocation, AllocationMap
@@ -255,7 +255,7 @@ def test_replanning_a_captured_manifest_gives_its_own_maps(synthetic) -> None:
     the first destination holding it (A from allocation 0, not its duplicate C in allocation 3)."""
     captured, arrays = synthetic
     manifest = captured.manifest
-    plan = plan_manifest_payload(manifest, live_allocations(arrays))
+    plan = plan_manifest_payload(manifest, live_allocations(arrays), HostCopyBackend())
     assert plan.layout == check_manifest(manifest)
     assert plan.model_extents == manifest.model_extents
     assert plan.residual_extents == manifest.residual_extents

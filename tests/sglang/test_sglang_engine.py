@@ -341,7 +341,7 @@ def another_version(two_layer: dict, tmp_path_factory: pytest.TempPathFactory) -
     """A copy of the module's capture whose ``target.json`` records SGLang 0.5.22: two ``auto`` starts on it (``first``,
     ``second``), appending to the outcome log ``log``; ``state``: their state root, whose overlays after the first
     start are ``overlays-after-first``."""
-    from coldsnap_core.artifact.overlay import list_overlays
+    from coldsnap_core.cache.overlays import list_overlays
 
     work = tmp_path_factory.mktemp("sglang-another-version")
     artifact, state, log = work / "artifact", work / "state", work / "outcomes.jsonl"

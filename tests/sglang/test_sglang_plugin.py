@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.capture.payload_plan import ModelRange
+from coldsnap_core.capture.payload import ModelRange
 from coldsnap_core.capture.worker import capture_worker
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.copy.torch_allocations import enumerate_allocations
@@ -525,7 +525,7 @@ def test_overlay_capture_on_sglang_captures_a_target_local_overlay(fake_sglang, 
     observer and captures this target's overlay under the state root (outcome ``checkpoint``, no fallback),
     here for a capsule recorded under another SGLang version, which the next load restores through that
     overlay without falling back. Fails if SGLang treats ``capture`` as ``auto`` (it restored, and no overlay was written)."""
-    from coldsnap_core.artifact.overlay import list_overlays
+    from coldsnap_core.cache.overlays import list_overlays
 
     load(fake_sglang, tmp_path, smollm2_2layer, config=_observed(smollm2_2layer), export_model_payload=1)
     _edit_target(tmp_path / "artifact", engine_version="0.0.1")

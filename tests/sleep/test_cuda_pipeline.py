@@ -16,6 +16,7 @@ import pytest
 from sleep_fakes import FakeCuMemAllocator, FakeDeviceOps, LoadedModel, load_state
 
 from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.sleep import ReferenceDigests
 from coldsnap_core.copy.base import CopyOp
 from coldsnap_core.copy.cuda import CudaCopyBackend, cuda_unavailable_reason, plan_chunks
 from coldsnap_core.copy.host import HostCopyBackend
@@ -25,7 +26,7 @@ from coldsnap_core.format.manifest import ModelIdentity
 from coldsnap_core.restore.hydrate import hydrate, plan_hydration
 from coldsnap_vllm.cumem import live_allocations, weights_segments
 from coldsnap_vllm.sleep import ColdsnapSleepBackend
-from coldsnap_vllm.sleep_capture import ReferenceDigests, SleepCapture, capture_for_sleep
+from coldsnap_vllm.sleep_capture import SleepCapture, capture_for_sleep
 
 KiB, MiB = 1 << 10, 1 << 20
 

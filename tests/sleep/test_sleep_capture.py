@@ -14,13 +14,14 @@ from sleep_fakes import FakeCuMemAllocator, LoadedModel, load_state
 
 from coldsnap_core.artifact.capsules import replace_dir_atomically
 from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.sleep import ReferenceDigests
 from coldsnap_core.capture.worker import capture_worker
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.errors import ObserverError
 from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity, WorkerIdentity
 from coldsnap_vllm.cumem import weights_segments
 from coldsnap_vllm.sleep import ColdsnapSleepBackend
-from coldsnap_vllm.sleep_capture import ReferenceDigests, capture_for_sleep
+from coldsnap_vllm.sleep_capture import capture_for_sleep
 from coldsnap_vllm.state import ObservedModelWrite, WorkerLoadState
 
 WORKER = WorkerIdentity("worker", 0, 1, 0, 1)

@@ -13,13 +13,13 @@ from slabs import stage_checkpoint
 from sleep_fakes import FakeCuMemAllocator, LoadedModel, load_state
 
 from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.sleep import ReferenceDigests
 from coldsnap_core.capture.worker import capture_worker
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.errors import ConfigurationError, PackDigestMismatchError, WakeError
 from coldsnap_core.format.descriptor import WORKERS_DIRNAME
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME, ModelIdentity, WorkerIdentity
 from coldsnap_vllm.sleep import ColdsnapSleepBackend
-from coldsnap_vllm.sleep_capture import ReferenceDigests
 from coldsnap_vllm.state import WorkerLoadState
 
 WORKER = WorkerIdentity("worker", 0, 1, 0, 1)

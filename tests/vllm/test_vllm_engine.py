@@ -32,7 +32,7 @@ from test_vllm_target import _edit_target, _perturb_residual
 
 from coldsnap_core.artifact.capsules import read_capsule, read_descriptor
 from coldsnap_core.artifact.derived_cache import SEED_ARCHIVE_FILENAME, SEED_DOCUMENT_FILENAME
-from coldsnap_core.artifact.overlay import list_overlays
+from coldsnap_core.cache.overlays import list_overlays
 from tests.conformance.suite import EngineConformance, EngineRuns, Start
 from tests.support.servers import scraped
 

@@ -28,13 +28,11 @@ pytest.importorskip("vllm")
 from test_vllm_loader_unit import Consumer, make_loader
 from vllm.config import ModelConfig
 
-from coldsnap_core.artifact.derived_cache import (
-    SEED_ARCHIVE_FILENAME,
-    SEED_DOCUMENT_FILENAME,
-    SeedQualification,
-    attach_seed,
-)
-from coldsnap_core.artifact.overlay import OVERLAY_FILENAME, OVERLAYS_DIRNAME, attach_overlay_seed, list_overlays
+from coldsnap_core.artifact.derived_cache import SEED_ARCHIVE_FILENAME, SEED_DOCUMENT_FILENAME, SeedQualification
+from coldsnap_core.artifact.overlay import OVERLAY_FILENAME, OVERLAYS_DIRNAME
+from coldsnap_core.cache.overlays import list_overlays
+from coldsnap_core.capture.derived_cache import attach_seed
+from coldsnap_core.capture.overlay import attach_overlay_seed
 from coldsnap_core.cli.main import main as coldsnap_main
 from coldsnap_core.errors import OverlayError, TargetMismatchError
 from coldsnap_core.format.target import INFORMATIONAL_FIELDS, QUALIFYING_FIELDS

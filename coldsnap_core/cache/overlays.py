@@ -1,0 +1,115 @@
+"""``coldsnap cache ls`` and ``gc`` of the target-local overlays under a state root (``docs/format.md`` §15.3;
+the documents: :mod:`coldsnap_core.artifact.overlay`): an overlay whose portable ``artifact.json`` is gone or
+changed, or whose ``overlay.json`` is not trusted, is removed; one whose portable descriptor cannot be read
+now is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from coldsnap_core.artifact.overlay import (
+    OVERLAY_FILENAME,
+    OVERLAYS_DIRNAME,
+    OverlayDescriptor,
+    overlay_lock_path,
+    portable_descriptor_sha256,
+    refuse_linked_folders,
+)
+from coldsnap_core.cache.records import read_private_record
+from coldsnap_core.errors import ColdsnapError, MissingObjectError, UnsafePathError
+from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME
+
+__all__ = ["OverlayListing", "gc_overlays", "list_overlays"]
+
+
+@dataclass(frozen=True, slots=True)
+class OverlayListing:
+    """One overlay folder of the state root, for ``coldsnap cache ls`` and ``gc``.
+
+    Attributes:
+        path: the overlay folder.
+        status: ``current`` (its portable ``artifact.json`` exists with the bound SHA-256), ``stale``
+            (that descriptor is gone or changed), ``invalid`` (its ``overlay.json`` is not trusted) or
+            ``unreadable`` (that descriptor exists or may exist but cannot be read now: kept by ``gc``).
+        reason: why, in words.
+        descriptor: the parsed descriptor (``None`` when invalid).
+        size_bytes: the bytes of its files.
+    """
+
+    path: Path
+    status: Literal["current", "stale", "invalid", "unreadable"]
+    reason: str
+    descriptor: OverlayDescriptor | None
+    size_bytes: int
+
+
+def list_overlays(state_root: Path) -> list[OverlayListing]:
+    """Every overlay folder (``overlays/<artifact>/<target>/<capsule>``) of ``state_root``, sorted by path.
+
+    Raises:
+        UnsafePathError: ``<state_root>/overlays`` is a symbolic link.
+    """
+    top = state_root / OVERLAYS_DIRNAME
+    try:
+        st = os.lstat(top)
+    except FileNotFoundError:
+        return []
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError("refusing a symbolic link or file where the overlays folder belongs", file=top)
+    listings = []
+    for path in sorted(p for p in top.glob("*/*/*") if not p.name.startswith(".")):
+        size = sum(f.lstat().st_size for f in path.iterdir()) if path.is_dir() and not path.is_symlink() else 0
+        try:
+            if not refuse_linked_folders(state_root, path):
+                continue
+            descriptor = read_private_record(path / OVERLAY_FILENAME, OverlayDescriptor)
+        except (ColdsnapError, OSError) as exc:
+            listings.append(OverlayListing(path, "invalid", str(exc), None, size))
+            continue
+        try:
+            now = portable_descriptor_sha256(Path(descriptor.artifact_dir))
+        except MissingObjectError as exc:
+            listings.append(
+                OverlayListing(path, "stale", f"its portable {DESCRIPTOR_FILENAME} is gone ({exc.detail})", descriptor, size)
+            )
+            continue
+        except ColdsnapError as exc:
+            # Only a missing descriptor is gone: one that cannot be read now (EACCES, an NFS outage, EIO) may
+            # still be there, and removing its overlay would wipe every overlay of a node on a transient error.
+            listings.append(
+                OverlayListing(path, "unreadable", f"its portable {DESCRIPTOR_FILENAME} cannot be read ({exc})", descriptor, size)
+            )
+            continue
+        if now != descriptor.portable_descriptor_sha256:
+            listings.append(OverlayListing(path, "stale", f"its portable {DESCRIPTOR_FILENAME} changed", descriptor, size))
+        else:
+            listings.append(OverlayListing(path, "current", "bound to the portable artifact as it is", descriptor, size))
+    return listings
+
+
+def gc_overlays(state_root: Path, *, dry_run: bool = False) -> tuple[list[OverlayListing], list[OverlayListing]]:
+    """Remove every stale or invalid overlay folder (:func:`list_overlays`), then empty parent folders.
+
+    Returns what was (or, with ``dry_run``, would be) removed, and the unreadable overlays that were kept
+    (their portable descriptor could not be read: ``coldsnap cache gc`` then exits 4). Current overlays
+    are kept too."""
+    listings = list_overlays(state_root)
+    removed = [o for o in listings if o.status in ("stale", "invalid")]
+    unreadable = [o for o in listings if o.status == "unreadable"]
+    if dry_run:
+        return removed, unreadable
+    for o in removed:
+        shutil.rmtree(o.path, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.unlink(overlay_lock_path(o.path))
+        for parent in (o.path.parent, o.path.parent.parent):
+            with contextlib.suppress(OSError):
+                parent.rmdir()  # only when empty
+    return removed, unreadable

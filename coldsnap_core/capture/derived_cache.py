@@ -1,0 +1,184 @@
+"""The capture of a derived-cache seed (``docs/format.md`` §17; the documents:
+:mod:`coldsnap_core.artifact.derived_cache`): the files of the engine's compile cache that belong to a worker
+(:func:`collect_files`), written as ``derived-cache.tar`` and ``derived-cache.json`` into its captured
+capsule and pinned in its ``artifact.json`` entry (:func:`attach_seed`; the engine compiles after
+``load_weights``, so this runs after the capture), or into a target-local overlay
+(:func:`coldsnap_core.capture.overlay.attach_overlay_seed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import logging
+import os
+import secrets
+import stat
+import tarfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import msgspec
+
+from coldsnap_core._io import fsync_fd
+from coldsnap_core.artifact.capsules import _artifact_lock, _capsule_lock_path, descriptor_lock_path, replace_file_durably
+from coldsnap_core.artifact.derived_cache import (
+    MEMBER_RE,
+    SEED_ARCHIVE_FILENAME,
+    SEED_DOCUMENT_FILENAME,
+    SeedDocument,
+    SeedMember,
+    SeedQualification,
+)
+from coldsnap_core.errors import ManifestMismatchError, MissingObjectError
+from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, SEED_FILENAMES, WORKERS_DIRNAME, ArtifactDescriptor, CapsuleFile
+from coldsnap_core.format.manifest import WorkerIdentity
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["attach_seed", "collect_files", "log_captured", "with_seed_pins", "write_seed_files"]
+
+
+def collect_files(
+    roots: Mapping[str, Path], folders: Iterable[tuple[str, str]], *, since_ns: int | None = None
+) -> list[tuple[str, Path]]:
+    """The regular files to capture: every file below each ``(root name, folder below the root)`` of
+    ``folders`` (with ``since_ns``: only those modified at or after it, in nanoseconds since the epoch),
+    as ``(member path, file path)`` sorted by member path. Lock files (``*.lock``, a ``locks`` folder)
+    and hidden temporaries (``.*``) are left out: they carry no compiled code. Symbolic links are not
+    followed."""
+    found: dict[str, Path] = {}
+    for root_name, folder in folders:
+        base = roots[root_name]
+        start = base / folder
+        if not start.is_dir():
+            continue
+        for dirpath, dirnames, filenames in os.walk(start, followlinks=False):
+            dirnames[:] = sorted(d for d in dirnames if d != "locks" and not d.startswith("."))
+            for name in sorted(filenames):
+                if name.startswith(".") or name.endswith(".lock") or name.endswith(".tmp"):
+                    continue
+                path = Path(dirpath) / name
+                st = os.lstat(path)
+                if not stat.S_ISREG(st.st_mode) or (since_ns is not None and st.st_mtime_ns < since_ns):
+                    continue
+                member = f"{root_name}/{path.relative_to(base).as_posix()}"
+                if MEMBER_RE.fullmatch(member):
+                    found[member] = path
+    return sorted(found.items())
+
+
+def _write_archive(path: Path, files: list[tuple[str, Path]]) -> tuple[CapsuleFile, tuple[SeedMember, ...]]:
+    """Write ``files`` into a new uncompressed tar at ``path`` (ustar/pax, owner and times zeroed so the
+    archive depends only on the bytes) and return its pin and the members' pins."""
+    members = []
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for member_path, source in files:
+            data = source.read_bytes()
+            info = tarfile.TarInfo(member_path)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+            members.append(SeedMember(member_path, len(data), hashlib.sha256(data).hexdigest()))
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fsync_fd(fd, file=path)
+    finally:
+        os.close(fd)
+    return CapsuleFile(SEED_ARCHIVE_FILENAME, path.stat().st_size, digest.hexdigest()), tuple(members)
+
+
+def attach_seed(
+    artifact_dir: Path,
+    worker: WorkerIdentity,
+    pack_sha256: str,
+    qualification: SeedQualification,
+    files: list[tuple[str, Path]],
+) -> SeedDocument | None:
+    """Write a seed of ``files`` (:func:`collect_files`) into ``worker``'s capsule and pin it in ``artifact.json``.
+
+    The capsule must still be the one this process captured (its entry names pack ``pack_sha256``);
+    under the capsule's lock both files are written (temporary name, fsync, rename), then under the
+    descriptor's lock the entry's ``capsule_files`` gets their two pins (replacing an older seed's). A
+    crash in between leaves unpinned files that restore ignores and the next capture replaces.
+
+    Returns:
+        The seed document, or ``None`` when ``files`` is empty (nothing was compiled).
+
+    Raises:
+        MissingObjectError: the artifact has no entry for ``worker``.
+        ManifestMismatchError: the entry names another pack (the capsule was replaced meanwhile).
+        UnsafePathError, FileAccessError, InsufficientSpaceError: writing failed.
+    """
+    if not files:
+        return None
+    capsule_dir = artifact_dir / WORKERS_DIRNAME / worker.capsule_name
+    descriptor_path = artifact_dir / DESCRIPTOR_FILENAME
+    with _artifact_lock(_capsule_lock_path(artifact_dir / WORKERS_DIRNAME, worker.capsule_name)):
+        _require_entry(ArtifactDescriptor.read(descriptor_path), worker, pack_sha256, descriptor_path)
+        document, pins = write_seed_files(capsule_dir, worker, qualification, files)
+        with _artifact_lock(descriptor_lock_path(artifact_dir)):
+            descriptor = ArtifactDescriptor.read(descriptor_path)
+            entry = _require_entry(descriptor, worker, pack_sha256, descriptor_path)
+            entry = msgspec.structs.replace(entry, capsule_files=with_seed_pins(entry.capsule_files, pins))
+            replace_file_durably(descriptor_path, descriptor.with_worker(entry).dumps())
+    log_captured(capsule_dir.name, document)
+    return document
+
+
+def write_seed_files(
+    folder: Path, worker: WorkerIdentity, qualification: SeedQualification, files: list[tuple[str, Path]]
+) -> tuple[SeedDocument, tuple[CapsuleFile, CapsuleFile]]:
+    """Write ``derived-cache.tar`` and ``derived-cache.json`` of ``files`` into ``folder`` (each by a
+    temporary name, fsync and rename; the caller holds the folder's lock) and return the document and
+    the two pins, sorted by name.
+
+    Raises:
+        UnsafePathError, FileAccessError, InsufficientSpaceError: writing failed.
+    """
+    temp = folder / f".{SEED_ARCHIVE_FILENAME}.{secrets.token_hex(8)}.partial"
+    try:
+        archive, members = _write_archive(temp, files)
+        document = SeedDocument(worker, qualification, archive, members)
+        os.rename(temp, folder / SEED_ARCHIVE_FILENAME)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+    data = document.dumps()
+    replace_file_durably(folder / SEED_DOCUMENT_FILENAME, data)
+    return document, (CapsuleFile(SEED_DOCUMENT_FILENAME, len(data), hashlib.sha256(data).hexdigest()), archive)
+
+
+def with_seed_pins(capsule_files: Iterable[CapsuleFile], pins: Iterable[CapsuleFile]) -> tuple[CapsuleFile, ...]:
+    """``capsule_files`` without any seed pin, plus ``pins``, sorted by name."""
+    kept = [p for p in capsule_files if p.name not in SEED_FILENAMES]
+    return tuple(sorted([*kept, *pins], key=lambda p: p.name))
+
+
+def log_captured(capsule_name: str, document: SeedDocument, where: str = "") -> None:
+    """The one INFO line of a captured seed (``where``: e.g. `` into the target-local overlay``)."""
+    logger.info(
+        "coldsnap: %s: derived-cache seed captured%s: %d files, %d bytes (archive %s)",
+        capsule_name,
+        where,
+        len(document.members),
+        document.size_bytes,
+        document.archive.sha256[:12],
+    )
+
+
+def _require_entry(descriptor: ArtifactDescriptor, worker: WorkerIdentity, pack_sha256: str, file: Path):
+    entry = next((e for e in descriptor.workers if e.worker == worker), None)
+    if entry is None:
+        raise MissingObjectError(f"the artifact lists no capsule for {worker.capsule_name} to attach a seed to", file=file)
+    if entry.payload.sha256 != pack_sha256:
+        raise ManifestMismatchError(
+            f"{worker.capsule_name} now names pack {entry.payload.sha256}, this capture wrote {pack_sha256}: the capsule"
+            " was replaced meanwhile; its seed is not attached",
+            file=file,
+        )
+    return entry

@@ -1,0 +1,221 @@
+"""The capture of a target-local overlay (``docs/format.md`` §15.3; the documents:
+:mod:`coldsnap_core.artifact.overlay`): this worker's residual and manifests for this target, referencing the
+portable pack, or a record that this target is qualified for the portable capsule; and the overlay's own
+derived-cache seed (``docs/format.md`` §17.3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from coldsnap_core._io import replace_file_durably, write_file_durably
+from coldsnap_core.artifact.capsules import Capsule, _artifact_lock, replace_dir_atomically
+from coldsnap_core.artifact.derived_cache import TARGET_QUALIFICATION_FIELDS, SeedDocument, SeedQualification
+from coldsnap_core.artifact.overlay import (
+    OVERLAY_FILENAME,
+    OVERLAYS_DIRNAME,
+    OverlayDescriptor,
+    OverlayKind,
+    overlay_dir,
+    overlay_lock_path,
+    refuse_linked_folders,
+)
+from coldsnap_core.cache.records import read_private_record
+from coldsnap_core.capture.derived_cache import log_captured, with_seed_pins, write_seed_files
+from coldsnap_core.capture.payload import ModelRange, PayloadPlan, plan_payload
+from coldsnap_core.copy.base import CopyBackend
+from coldsnap_core.errors import OverlayError, UnsafePathError
+from coldsnap_core.format.allocation import AllocationMap, LiveAllocation
+from coldsnap_core.format.descriptor import SEED_FILENAMES, WorkerEntry
+from coldsnap_core.format.manifest import ModelIdentity
+from coldsnap_core.format.target import TargetIdentity
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OverlayCapture", "attach_overlay_seed", "capture_overlay"]
+
+
+@dataclass(frozen=True, slots=True)
+class OverlayCapture:
+    """What :func:`capture_overlay` stored.
+
+    Attributes:
+        kind: ``overlay`` (a capsule was stored) or ``qualified`` (the capture was identical and discarded).
+        path: the overlay folder.
+        descriptor: its ``overlay.json``.
+    """
+
+    kind: OverlayKind
+    path: Path
+    descriptor: OverlayDescriptor
+
+
+def capture_overlay(
+    *,
+    state_root: Path,
+    artifact_dir: Path,
+    entry: WorkerEntry,
+    portable: Capsule,
+    descriptor_sha256: str,
+    model: ModelIdentity,
+    target: TargetIdentity,
+    allocation_map: AllocationMap,
+    allocations: Sequence[LiveAllocation],
+    model_ranges: Sequence[ModelRange],
+    backend: CopyBackend,
+) -> OverlayCapture:
+    """Capture this worker's residual and manifests for ``target`` and store them as an overlay of
+    the portable capsule ``portable`` (``docs/format.md`` §15.3).
+
+    Call right after a checkpoint load, with the allocations quiescent, and only after the model
+    identity was checked against the portable artifact's (the caller's job: the loaders check it the
+    way restore does). The model ranges are hashed (on all usable CPUs) and must hold exactly the
+    portable manifest's extent contents, so the pack is the portable one: it is referenced, never
+    written or copied.
+
+    Args:
+        state_root: the node-local state root.
+        artifact_dir: the portable artifact folder.
+        entry: this worker's portable ``artifact.json`` entry.
+        portable: its portable capsule.
+        descriptor_sha256: :func:`portable_descriptor_sha256` when the capsule was read.
+        model: the portable artifact's model identity (the overlay's recovery manifest names it).
+        target: the current target identity (the overlay is bound to it).
+        allocation_map, allocations, model_ranges, backend: as for
+            :func:`coldsnap_core.capture.payload.plan_payload`.
+
+    Returns:
+        What was stored: ``qualified`` when the residual and both manifests are byte-identical to
+        the portable capsule's (the capture is discarded), else ``overlay``.
+
+    Raises:
+        OverlayError: the worker differs from the entry's, or the model payload does not (other extent
+            contents: not the same model); nothing is stored.
+        ObserverError: the model ranges are malformed (:func:`coldsnap_core.capture.payload.plan_payload`).
+        InsufficientSpaceError, FileAccessError: writing failed (nothing half-written is left).
+    """
+    worker = entry.worker
+    plan = plan_payload(allocation_map, allocations, backend, model_ranges)
+    _require_portable_payload(plan, entry, portable)
+    path = overlay_dir(state_root, artifact_dir, worker, target)
+    created_at = datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat()
+
+    def fill(staging: Path) -> OverlayDescriptor:
+        pins = plan.write_capsule_files(
+            staging, capture_point="portable", worker=worker, pack=entry.payload, model=model, target=target
+        ).pins
+        # the portable capsule's seed pins (docs/format.md §17) are no capsule bytes to compare
+        same = {p.name: p for p in pins if p.name != "target.json"} == {
+            p.name: p for p in entry.capsule_files if p.name != "target.json" and p.name not in SEED_FILENAMES
+        }
+        if same:
+            for child in staging.iterdir():
+                os.unlink(child)
+        kind: OverlayKind = "qualified" if same else "overlay"
+        pinned = () if same else pins
+        descriptor = OverlayDescriptor(
+            kind, os.path.realpath(artifact_dir), descriptor_sha256, worker, entry.payload, target, pinned, created_at
+        )
+        write_file_durably(staging / OVERLAY_FILENAME, descriptor.dumps(), mode=0o444)
+        return descriptor
+
+    _make_private_dirs(state_root, path.parent)
+    with _artifact_lock(overlay_lock_path(path)):
+        descriptor = replace_dir_atomically(path, fill)
+        os.chmod(path, 0o700)
+    _log_stored(descriptor, path)
+    return OverlayCapture(descriptor.kind, path, descriptor)
+
+
+def attach_overlay_seed(
+    capture: OverlayCapture, qualification: SeedQualification, files: list[tuple[str, Path]]
+) -> SeedDocument | None:
+    """Write a derived-cache seed of ``files`` into the overlay ``capture`` stored and pin it in its
+    ``overlay.json`` (``docs/format.md`` §15.3, §17.3): the overlay's own seed, for exactly its target.
+
+    Under the overlay's lock, its ``overlay.json`` must still be the one ``capture`` wrote (a later
+    capture replaced it otherwise); both seed files are written (temporary name, fsync, rename), then
+    ``overlay.json`` is replaced (mode 0444) with their two pins added to ``capsule_files``.
+
+    Returns:
+        The seed document, or ``None`` when ``files`` is empty.
+
+    Raises:
+        OverlayError: the overlay was replaced meanwhile, or ``qualification`` is not for the overlay's target.
+        UnsafePathError, FileAccessError, InsufficientSpaceError, ManifestError: reading or writing failed.
+    """
+    if not files:
+        return None
+    descriptor, path = capture.descriptor, capture.path
+    target = descriptor.target
+    here = {name: getattr(qualification, name) for name in TARGET_QUALIFICATION_FIELDS}
+    if here != {name: getattr(target, name) for name in TARGET_QUALIFICATION_FIELDS}:
+        raise OverlayError("the seed's qualification is not for the overlay's target; it is not attached", file=path)
+    with _artifact_lock(overlay_lock_path(path)):
+        if not refuse_linked_folders(path.parents[3], path):
+            raise OverlayError("the overlay folder is gone; its seed is not attached", file=path)
+        current = read_private_record(path / OVERLAY_FILENAME, OverlayDescriptor)
+        if current != descriptor:
+            raise OverlayError("the overlay was replaced since this start captured it; its seed is not attached", file=path)
+        document, pins = write_seed_files(path, descriptor.worker, qualification, files)
+        updated = msgspec.structs.replace(descriptor, capsule_files=with_seed_pins(descriptor.capsule_files, pins))
+        replace_file_durably(path / OVERLAY_FILENAME, updated.dumps(), read_only=True)
+    log_captured(descriptor.worker.capsule_name, document, f" into the target-local overlay {path}")
+    return document
+
+
+def _require_portable_payload(plan: PayloadPlan, entry: WorkerEntry, portable: Capsule) -> None:
+    """The planned payload must be the portable capsule's: the same distinct extent contents and the
+    same pack size (so the overlay references the portable pack, never writes one).
+
+    Raises:
+        OverlayError: other contents (not the same model), naming the portable native manifest.
+    """
+    contents = set(plan.locate)
+    portable_contents = {(e.sha256, e.size_bytes) for e in portable.native.model_extents}
+    if contents != portable_contents or plan.layout.size_bytes != entry.payload.size_bytes:
+        raise OverlayError(
+            f"the loaded model bytes are {len(contents)} distinct contents, the portable capsule's pack"
+            f" {entry.payload.sha256} holds {len(portable_contents)} ({len(contents - portable_contents)} not in it):"
+            " not the same model; no overlay is stored",
+            file=portable.native_manifest_path,
+        )
+
+
+def _log_stored(descriptor: OverlayDescriptor, path: Path) -> None:
+    """One INFO line: the target recorded as qualified, or the overlay stored at ``path``."""
+    if descriptor.kind == "qualified":
+        logger.info(
+            "coldsnap: %s: the capture on this target is identical to the portable capsule; discarded it and recorded"
+            " this target as qualified (%s)",
+            descriptor.worker.capsule_name,
+            path,
+        )
+    else:
+        logger.info(
+            "coldsnap: %s: stored a target-local overlay at %s (pack %s stays shared)",
+            descriptor.worker.capsule_name,
+            path,
+            descriptor.payload.sha256[:12],
+        )
+
+
+def _make_private_dirs(state_root: Path, folder: Path) -> None:
+    """Create ``folder`` and the folders above it up to ``<state_root>/overlays`` with mode 0700,
+    refusing a symbolic link on the way."""
+    state_root.mkdir(parents=True, exist_ok=True)
+    top = state_root / OVERLAYS_DIRNAME
+    for p in [top, *reversed([p for p in folder.parents if top in p.parents]), folder]:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(p, 0o700)
+        if not stat.S_ISDIR(os.lstat(p).st_mode):
+            raise UnsafePathError("refusing a symbolic link or file where an overlay folder belongs", file=p)

@@ -1,0 +1,312 @@
+"""The native capture at a level-1 sleep: which observed model writes still hold their loaded bytes,
+and the capture of the live allocations into a process-local sleep capsule.
+
+While an engine sleeps at level 1 its weights memory still holds the live model, but the engine's
+post-processing may have rewritten what the loader wrote (vLLM ``model_executor/model_loader/utils.py``:
+``process_weights_after_loading``). So each observed write's live bytes are hashed and compared with the
+digest the write had when the loader wrote it (:class:`ReferenceDigests`: the worker's manifest in the
+artifact, else the pinned checkpoint file's bytes). A write that still matches is a model extent; one that
+post-processing rewrote (or whose original digest cannot be established) is residual. The capture core
+(:mod:`coldsnap_core.capture.payload`) then makes sure the pack exists in the node-local cache (when the
+artifact's manifest has exactly the same extent contents, its pack is that pack: admitted, or rebuilt from
+the live bytes with its digest as the expected one; otherwise a new one) and writes the residual of every
+allocation and the native manifest (capture point ``native``: the allocations' addresses) into a sleep
+capsule, ``<state_root>/sleep/<capsule_name>-pid<pid>-<hex16>/`` (unique to the process instance, held
+under its owner's lock: :mod:`coldsnap_core.artifact.sleep_capsules`), replaced as a whole.
+
+Facts: ``docs/format.md`` §6.2 (the native capture point: hydration first remaps the captured allocations
+at their addresses).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from coldsnap_core.artifact.capsules import replace_dir_atomically
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.payload import ModelRange, hash_ranges, plan_payload
+from coldsnap_core.copy.base import CopyBackend
+from coldsnap_core.errors import ColdsnapError
+from coldsnap_core.format.allocation import AllocationMap, LiveAllocation
+from coldsnap_core.format.descriptor import WORKERS_DIRNAME
+from coldsnap_core.format.extents import ExtentProvenance
+from coldsnap_core.format.manifest import (
+    NATIVE_MANIFEST_FILENAME,
+    RESIDUAL_FILENAME,
+    ModelIdentity,
+    NativeManifest,
+    PackRef,
+    WorkerIdentity,
+)
+
+logger = logging.getLogger(__name__)
+
+_READ_BYTES = 8 << 20
+
+
+class LoadedWorker(Protocol):
+    """What a loader published about the model it loaded, as :class:`ReferenceDigests` reads it
+    (``coldsnap_vllm.state.WorkerLoadState`` is one)."""
+
+    @property
+    def worker(self) -> WorkerIdentity:
+        """The worker's identity."""
+
+    @property
+    def model(self) -> ModelIdentity | None:
+        """The pinned model identity, or ``None`` when it could not be determined."""
+
+    @property
+    def pack(self) -> PackRef | None:
+        """The worker's pack, when the load captured, restored or materialized one."""
+
+    @property
+    def artifact_dir(self) -> Path | None:
+        """The artifact folder in use, or ``None``."""
+
+    @property
+    def hf_cache_dir(self) -> Path | None:
+        """The Hugging Face cache the engine downloads into, or ``None`` for ``HF_HUB_CACHE``."""
+
+
+class ReferenceDigests:
+    """The SHA-256 each observed model write had right after ``load_weights``.
+
+    Sources, in order:
+
+    1. the worker's native manifest in the artifact (``<artifact_dir>/workers/<capsule_name>/``),
+       written by the loader's capture or restore: its model extents are keyed by provenance. It is
+       used only when it names the pack the loader published (when one is published);
+    2. the pinned checkpoint file (``ModelIdentity``: a local folder, or the Hugging Face cache vLLM
+       downloads into, ``--download-dir`` else ``HF_HUB_CACHE``, via
+       ``huggingface_hub.try_to_load_from_cache``) with the size the identity records: the write's
+       source runs are read and hashed. A dtype-converting copy has no byte-equal source, so it has
+       no reference from this source.
+
+    A write with no reference is treated as rewritten (residual): that keeps non-checkpoint bytes out
+    of the shared pack. Digests from checkpoint files are computed once and cached.
+
+    Args:
+        state: what the loader published about the model it loaded (:class:`LoadedWorker`).
+    """
+
+    def __init__(self, state: LoadedWorker) -> None:
+        self.state = state
+        self.manifest: NativeManifest | None = None
+        self._by_source: dict[tuple[ExtentProvenance, int], str] = {}
+        self._checkpoint_cache: dict[tuple[ExtentProvenance, int], str | None] = {}
+        self._files: dict[str, Path | None] = {}
+        self._load_manifest()
+
+    def _load_manifest(self) -> None:
+        if self.state.artifact_dir is None:
+            return
+        path = self.state.artifact_dir / WORKERS_DIRNAME / self.state.worker.capsule_name / NATIVE_MANIFEST_FILENAME
+        if not path.is_file():
+            return
+        try:
+            manifest = NativeManifest.read(path)
+        except ColdsnapError as exc:
+            logger.warning("coldsnap: ignoring the artifact manifest as a sleep reference: %s", exc)
+            return
+        if manifest.worker != self.state.worker:
+            logger.warning("coldsnap: %s belongs to %s, not %s; ignored", path, manifest.worker, self.state.worker)
+            return
+        if self.state.pack is not None and manifest.pack.sha256 != self.state.pack.sha256:
+            logger.warning(
+                "coldsnap: %s names pack %s, the loader published %s; ignored", path, manifest.pack.sha256, self.state.pack.sha256
+            )
+            return
+        self.manifest = manifest
+        for extent in manifest.model_extents:
+            self._by_source[(extent.provenance, extent.size_bytes)] = extent.sha256
+
+    def expected(self, provenance: ExtentProvenance, size_bytes: int) -> str | None:
+        """The digest the write of ``provenance`` (``size_bytes`` destination bytes) had, or ``None``."""
+        found = self._by_source.get((provenance, size_bytes))
+        if found is not None:
+            return found
+        key = (provenance, size_bytes)
+        if key not in self._checkpoint_cache:
+            self._checkpoint_cache[key] = self._from_checkpoint(provenance, size_bytes)
+        return self._checkpoint_cache[key]
+
+    def _checkpoint_file(self, name: str) -> Path | None:
+        if name in self._files:
+            return self._files[name]
+        path = None
+        model: ModelIdentity | None = self.state.model
+        entry = next((f for f in model.files if f.name == name), None) if model is not None else None
+        if model is not None and entry is not None:
+            root = Path(model.source)
+            if root.is_dir():
+                path = root / name
+            else:
+                try:
+                    import huggingface_hub
+
+                    cached = huggingface_hub.try_to_load_from_cache(
+                        model.source, name, cache_dir=self.state.hf_cache_dir, revision=model.revision
+                    )
+                    path = Path(cached) if isinstance(cached, str) else None
+                except Exception as exc:  # an unusable repo id or cache layout: no reference
+                    logger.debug("coldsnap: no cached %s of %s: %s", name, model.source, exc)
+            if path is not None and (not path.is_file() or path.stat().st_size != entry.size_bytes):
+                logger.warning(
+                    "coldsnap: checkpoint file %s is missing or not %d bytes; no reference digests from it",
+                    path,
+                    entry.size_bytes,
+                )
+                path = None
+        self._files[name] = path
+        return path
+
+    def _from_checkpoint(self, provenance: ExtentProvenance, size_bytes: int) -> str | None:
+        if provenance.dtype_converted or provenance.source_size_bytes != size_bytes or provenance.source_run_bytes <= 0:
+            return None
+        path = self._checkpoint_file(provenance.checkpoint_file)
+        if path is None:
+            return None
+        digest = hashlib.sha256()
+        remaining = size_bytes
+        run_start = provenance.source_offset_bytes
+        with open(path, "rb", buffering=0) as f:
+            while remaining > 0:
+                run = min(provenance.source_run_bytes, remaining)
+                position = run_start
+                while position < run_start + run:
+                    data = os.pread(f.fileno(), min(_READ_BYTES, run_start + run - position), position)
+                    if not data:
+                        return None
+                    digest.update(data)
+                    position += len(data)
+                remaining -= run
+                run_start += provenance.source_run_stride_bytes
+        return digest.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class NativeCapture:
+    """What a native capture at a level-1 sleep wrote.
+
+    Attributes:
+        capsule_dir: the process-local sleep capsule.
+        state_root: the state root whose node-local cache holds the pack.
+        manifest: the native manifest (capture point ``native``).
+        pack_path: the pack in the node-local cache.
+        pack_written: whether this capture wrote the pack (``False``: an existing one was admitted).
+        rewritten: observed writes whose live bytes no longer match their reference (residual now).
+        seconds: wall time of the capture.
+    """
+
+    capsule_dir: Path
+    state_root: Path
+    manifest: NativeManifest
+    pack_path: Path
+    pack_written: bool
+    rewritten: tuple[ModelRange, ...]
+    seconds: float
+
+    @property
+    def blob_path(self) -> Path:
+        """The residual blob in the capsule."""
+        return self.capsule_dir / RESIDUAL_FILENAME
+
+
+def capture_native(
+    allocation_map: AllocationMap,
+    allocations: Sequence[LiveAllocation],
+    backend: CopyBackend,
+    writes: Sequence[ModelRange],
+    references: ReferenceDigests,
+    *,
+    worker: WorkerIdentity,
+    model: ModelIdentity | None,
+    cache: PayloadCache,
+    capsule_dir: Path,
+    log: logging.Logger = logger,
+) -> NativeCapture:
+    """Capture the live allocations into pack + sleep capsule at ``capsule_dir`` (see the module docstring).
+
+    Args:
+        allocation_map: the allocations with their addresses (capture point ``native``).
+        allocations: the live allocations, by index.
+        backend: reads them (device-to-host on CUDA).
+        writes: the loader's observed model writes located in the allocations, sorted and disjoint.
+        references: the writes' reference digests (keep one per loaded model; it caches).
+        worker: names the capsule; model: the recovery manifest's model identity (``None``: no recovery
+            manifest is written).
+        cache: the node-local cache the pack goes to.
+        capsule_dir: the capsule folder (the caller's claimed one).
+        log: the logger of the capture's INFO lines (an engine plugin's own).
+
+    Raises:
+        ObserverError: the writes are not sorted, disjoint and in bounds (nothing written).
+        PackDigestMismatchError: rebuilding the artifact's pack from live bytes gave other bytes.
+        ManifestError: the manifest this capture built fails the verifier (a bug; nothing committed).
+        InsufficientSpaceError / CacheError: writing failed (no half-written capsule remains).
+    """
+    started = time.perf_counter()
+    valid, rewritten = _still_loaded(writes, allocations, backend, references, log)
+    plan = plan_payload(allocation_map, allocations, backend, [r for r, _ in valid], [d for _, d in valid])
+    reference, expected = references.manifest, None
+    if reference is not None and set(plan.locate) == {(e.sha256, e.size_bytes) for e in reference.model_extents}:
+        expected = reference.pack  # the artifact's pack: admitted, or rebuilt with its digest
+    pack, pack_written = plan.ensure_pack(cache, expected)
+    fill = functools.partial(plan.write_capsule_files, capture_point="native", worker=worker, pack=pack, model=model, target=None)
+    manifest = replace_dir_atomically(capsule_dir, fill).native
+    capture = NativeCapture(
+        capsule_dir,
+        cache.state_root,
+        manifest,
+        cache.object_path(pack.sha256),
+        pack_written,
+        tuple(rewritten),
+        time.perf_counter() - started,
+    )
+    log.info(
+        "coldsnap: native capture of %s: %d allocations, %d model bytes in %d extents (pack %s, %s), %d residual bytes, %.2f s",
+        worker.capsule_name,
+        len(allocations),
+        manifest.model_bytes,
+        len(manifest.model_extents),
+        pack.sha256[:12],
+        "written" if pack_written else "already cached",
+        manifest.residual_bytes,
+        capture.seconds,
+    )
+    return capture
+
+
+def _still_loaded(
+    writes: Sequence[ModelRange],
+    allocations: Sequence[LiveAllocation],
+    backend: CopyBackend,
+    references: ReferenceDigests,
+    log: logging.Logger,
+) -> tuple[list[tuple[ModelRange, str]], list[ModelRange]]:
+    """``(range, live digest)`` of each of the loader's model writes that still holds its loaded bytes (its live
+    SHA-256 is the reference's), and the writes rewritten since, which are residual (one INFO line says how many)."""
+    valid: list[tuple[ModelRange, str]] = []
+    rewritten: list[ModelRange] = []
+    for r, digest in zip(writes, hash_ranges(writes, allocations, backend), strict=True):
+        if references.expected(r.provenance, r.size_bytes) == digest:
+            valid.append((r, digest))
+        else:
+            rewritten.append(r)
+    if rewritten:
+        log.info(
+            "coldsnap: %d of %d model writes (%d bytes) no longer hold their loaded bytes; they are residual",
+            len(rewritten),
+            len(writes),
+            sum(r.size_bytes for r in rewritten),
+        )
+    return valid, rewritten

@@ -1,0 +1,184 @@
+"""The placement of a derived-cache seed before the engine compiles (``docs/format.md`` §17.4; the documents:
+:mod:`coldsnap_core.artifact.derived_cache`): the pins, then the qualification (the exact target, the CPU's
+instruction-set flags or the GPU's compute capability, the model configuration and compilation settings),
+then each file is written where the engine looks for it, never over a file already there. It never raises:
+a seed that is absent, unqualified or corrupt is skipped with the reason (:class:`SeedPlacement`), and the
+engine compiles as it would without one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import secrets
+import tarfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from coldsnap_core._io import fsync_dir, fsync_fd, write_all
+from coldsnap_core.artifact.derived_cache import (
+    SEED_ARCHIVE_FILENAME,
+    SeedDocument,
+    SeedQualification,
+    archive_members,
+    read_seed,
+    verified_archive,
+)
+from coldsnap_core.errors import CapsulePinMismatchError, ColdsnapError, UnsafePathError
+from coldsnap_core.format.descriptor import SEED_FILENAMES, CapsuleFile
+
+logger = logging.getLogger(__name__)
+
+MAX_REASON_CHARS = 2000
+"""The longest skip reason logged for an unexpected error."""
+
+DerivedCacheStatus = Literal["used", "skipped", "absent"]
+
+__all__ = ["MAX_REASON_CHARS", "DerivedCacheStatus", "SeedPlacement", "place_seed"]
+
+
+@dataclass(frozen=True, slots=True)
+class SeedPlacement:
+    """What :func:`place_seed` did.
+
+    Attributes:
+        status: ``used`` (verified, qualified and placed where the engine looks), ``skipped``
+            (present but not placed: :attr:`reason`), ``absent`` (the capsule has none).
+        reason: why it was skipped, in words; ``None`` otherwise.
+        placed_files: files written.
+        present_files: files already there (never overwritten).
+        size_bytes: the seed's bytes.
+    """
+
+    status: DerivedCacheStatus
+    reason: str | None = None
+    placed_files: int = 0
+    present_files: int = 0
+    size_bytes: int = 0
+
+
+def place_seed(
+    capsule_dir: Path,
+    capsule_files: Iterable[CapsuleFile],
+    current: SeedQualification,
+    roots: Mapping[str, Path],
+    *,
+    log: logging.Logger = logger,
+    only: str | None = None,
+    fields: tuple[str, ...] | None = None,
+    what: str = "derived-cache seed",
+) -> SeedPlacement:
+    """Verify the seed of the capsule at ``capsule_dir`` and place its files under ``roots``.
+
+    In order: both seed files pinned in ``capsule_files`` (else ``absent``); the document's bytes and
+    the archive's match their pins (size and SHA-256) and the document parses; its qualification equals
+    ``current`` field by field; then each member is read from the archive, checked against its size and
+    SHA-256, and written to ``roots[<root>]/<path>`` by a temporary file and a hard link, so a file
+    already there is never replaced (nor is one another process writes meanwhile).
+
+    With ``only`` (a member path prefix, e.g. ``vllm-cache/modelinfos/``) just those members are placed,
+    compared on the qualification's ``fields`` alone (those an early placement can know, ``docs/format.md``
+    §17.4); the other members are still checked by the archive's SHA-256. When every such member is
+    already there, nothing more is read (``used``, all present). ``what`` names the placement in the log.
+
+    Never raises: anything else is ``skipped`` with the reason, logged as one INFO line on ``log``.
+    Files placed before a member failed its check stay (each was verified); the engine compiles
+    what is missing.
+    """
+    pins = {p.name: p for p in capsule_files if p.name in SEED_FILENAMES}
+    if not pins:
+        return SeedPlacement("absent")
+    try:
+        document = read_seed(capsule_dir, pins)
+        differences = document.qualification.differences(current, fields)
+        if differences:
+            raise _Unqualified("captured for another target or configuration (" + "; ".join(differences) + ")")
+        selected = [m for m in document.members if only is None or m.name.startswith(only)]
+        if only is not None and not selected:
+            return SeedPlacement("absent")
+        size = sum(m.size_bytes for m in selected)
+        if only is not None and all(os.path.lexists(_member_target(m.name, roots)) for m in selected):
+            return SeedPlacement("used", None, 0, len(selected), size)
+        with verified_archive(capsule_dir / SEED_ARCHIVE_FILENAME, pins[SEED_ARCHIVE_FILENAME]) as archive:
+            placed, present = _place_members(archive, capsule_dir / SEED_ARCHIVE_FILENAME, document, roots, only)
+    except Exception as exc:  # the contract: a seed never fails a start (docs/format.md §17)
+        reason = exc.detail if isinstance(exc, ColdsnapError) else f"{type(exc).__name__}: {exc}"[:MAX_REASON_CHARS]
+        if isinstance(exc, ColdsnapError) and exc.file is not None:
+            reason = f"{reason} ({exc.file})"
+        log.info("coldsnap: %s: %s skipped: %r", capsule_dir.name, what, reason)  # %r: one line, escaped
+        return SeedPlacement("skipped", reason)
+    log.info(
+        "coldsnap: %s: %s placed: %d files written, %d already present (%d bytes)",
+        capsule_dir.name,
+        what,
+        placed,
+        present,
+        size,
+    )
+    return SeedPlacement("used", None, placed, present, size)
+
+
+def _member_target(member: str, roots: Mapping[str, Path]) -> Path:
+    root_name, _, relative = member.partition("/")
+    return roots[root_name] / relative
+
+
+class _Unqualified(Exception):
+    """The seed does not qualify for this start (the message says why)."""
+
+
+def _place_members(
+    archive, archive_path: Path, document: SeedDocument, roots: Mapping[str, Path], only: str | None = None
+) -> tuple[int, int]:
+    placed = present = 0
+    with tarfile.open(fileobj=archive, mode="r:") as tar:
+        for info, member in archive_members(tar, document, archive_path):
+            if only is not None and not member.name.startswith(only):
+                continue
+            root_name = member.name.partition("/")[0]
+            target = _member_target(member.name, roots)
+            if os.path.lexists(target):
+                present += 1
+                continue
+            extracted = tar.extractfile(info)
+            assert extracted is not None
+            data = extracted.read()
+            if hashlib.sha256(data).hexdigest() != member.sha256:
+                raise CapsulePinMismatchError(f"archive member {info.name} does not match its SHA-256", file=archive_path)
+            placed += _install(target, data, roots[root_name])
+    return placed, present
+
+
+def _install(target: Path, data: bytes, root: Path) -> int:
+    """Write ``data`` to ``target`` unless something is there (1 if written, else 0). Every folder on the
+    way below ``root`` must be a real folder (no symbolic link leads the file elsewhere)."""
+    parent = target.parent
+    folder = root
+    root.mkdir(parents=True, exist_ok=True)
+    for part in parent.relative_to(root).parts:
+        folder = folder / part
+        if os.path.islink(folder):
+            raise UnsafePathError("refusing a symbolic link in the compile cache", file=folder)
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir()
+    temp = parent / f".{target.name}.{secrets.token_hex(8)}.partial"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            write_all(fd, data, file=temp)
+            fsync_fd(fd, file=temp)
+        finally:
+            os.close(fd)
+        try:
+            os.link(temp, target)  # fails if anything is there: never replaces an entry
+        except FileExistsError:
+            return 0
+        fsync_dir(parent)
+        return 1
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
