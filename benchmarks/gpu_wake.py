@@ -65,10 +65,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import checkpoint as fixture_checkpoint
 from _common import drop_file_from_page_cache, machine_line, print_table
-from coldsnap_core.capture.payload_plan import ModelRange
 from synthetic_llama import PRESETS, write_checkpoint
 
 from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.capture.payload import ModelRange
 from coldsnap_core.capture.worker import capture_worker
 from coldsnap_core.copy.cuda import CudaCopyBackend, CupyDeviceOps, DeviceOps, cuda_unavailable_reason
 from coldsnap_core.format.allocation import Allocation, AllocationMap, LiveAllocation

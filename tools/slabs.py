@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from coldsnap_core.capture.payload_plan import ModelRange
 
+from coldsnap_core.capture.payload import ModelRange
 from coldsnap_core.format.allocation import DTYPE_ITEMSIZE_BYTES, Allocation, AllocationMap, LiveAllocation, TensorPlacement
 from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.safetensors_header import TensorLocation, read_header
