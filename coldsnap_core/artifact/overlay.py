@@ -28,6 +28,7 @@ cache gc`` removes the stale ones (:mod:`coldsnap_core.cache.overlays`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -134,16 +135,20 @@ class OverlayDescriptor(Document, tag=OVERLAY_KIND):
         return WorkerEntry(self.worker, f"{WORKERS_DIRNAME}/{self.worker.capsule_name}", self.payload, self.capsule_files)
 
 
-def refuse_linked_folders(state_root: Path, path: Path) -> bool:
+def refuse_linked_folders(state_root: Path, path: Path, *, create: bool = False) -> bool:
     """Each folder from ``<state_root>/overlays`` down to ``path`` must be a real folder (no symbolic
-    link). Returns ``False`` when one is absent.
+    link); with ``create``, each absent one is made (mode 0700). Returns ``False`` when one is absent.
 
     Raises:
         UnsafePathError: a symbolic link, or something else than a folder, on the way.
     """
     top = state_root / OVERLAYS_DIRNAME
-    chain = [top, *reversed([p for p in path.parents if p != top and top in p.parents]), path]
-    for folder in chain:
+    if create:
+        state_root.mkdir(parents=True, exist_ok=True)
+    for folder in [top, *reversed([p for p in path.parents if p != top and top in p.parents]), path]:
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(folder, 0o700)
         try:
             st = os.lstat(folder)
         except (FileNotFoundError, NotADirectoryError):

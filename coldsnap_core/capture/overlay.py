@@ -6,11 +6,9 @@ derived-cache seed (``docs/format.md`` §17.3).
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +20,6 @@ from coldsnap_core.artifact.capsules import Capsule, _artifact_lock, replace_dir
 from coldsnap_core.artifact.derived_cache import TARGET_QUALIFICATION_FIELDS, SeedDocument, SeedQualification
 from coldsnap_core.artifact.overlay import (
     OVERLAY_FILENAME,
-    OVERLAYS_DIRNAME,
     OverlayDescriptor,
     OverlayKind,
     overlay_dir,
@@ -33,7 +30,7 @@ from coldsnap_core.cache.records import read_private_record
 from coldsnap_core.capture.derived_cache import log_captured, with_seed_pins, write_seed_files
 from coldsnap_core.capture.payload import ModelRange, PayloadPlan, plan_payload
 from coldsnap_core.copy.base import CopyBackend
-from coldsnap_core.errors import OverlayError, UnsafePathError
+from coldsnap_core.errors import OverlayError
 from coldsnap_core.format.allocation import AllocationMap, LiveAllocation
 from coldsnap_core.format.descriptor import SEED_FILENAMES, WorkerEntry
 from coldsnap_core.format.manifest import ModelIdentity
@@ -77,17 +74,14 @@ def capture_overlay(
     the portable capsule ``portable`` (``docs/format.md`` §15.3).
 
     Call right after a checkpoint load, with the allocations quiescent, and only after the model
-    identity was checked against the portable artifact's (the caller's job: the loaders check it the
-    way restore does). The model ranges are hashed (on all usable CPUs) and must hold exactly the
-    portable manifest's extent contents, so the pack is the portable one: it is referenced, never
-    written or copied.
+    identity was checked against the portable artifact's (the loaders check it the way restore does).
+    The model ranges must hold exactly the portable manifest's extent contents: the pack is the portable
+    one, referenced, never written or copied.
 
     Args:
         state_root: the node-local state root.
-        artifact_dir: the portable artifact folder.
-        entry: this worker's portable ``artifact.json`` entry.
-        portable: its portable capsule.
-        descriptor_sha256: :func:`portable_descriptor_sha256` when the capsule was read.
+        artifact_dir, entry, portable: the portable artifact folder, this worker's entry and its capsule.
+        descriptor_sha256: the SHA-256 of that ``artifact.json`` when the capsule was read.
         model: the portable artifact's model identity (the overlay's recovery manifest names it).
         target: the current target identity (the overlay is bound to it).
         allocation_map, allocations, model_ranges, backend: as for
@@ -98,9 +92,9 @@ def capture_overlay(
         the portable capsule's (the capture is discarded), else ``overlay``.
 
     Raises:
-        OverlayError: the worker differs from the entry's, or the model payload does not (other extent
-            contents: not the same model); nothing is stored.
-        ObserverError: the model ranges are malformed (:func:`coldsnap_core.capture.payload.plan_payload`).
+        OverlayError: the model payload is not the portable one (other extent contents: not the same
+            model); nothing is stored.
+        ObserverError: the model ranges are malformed (:func:`~coldsnap_core.capture.payload.plan_payload`).
         InsufficientSpaceError, FileAccessError: writing failed (nothing half-written is left).
     """
     worker = entry.worker
@@ -128,7 +122,7 @@ def capture_overlay(
         write_file_durably(staging / OVERLAY_FILENAME, descriptor.dumps(), mode=0o444)
         return descriptor
 
-    _make_private_dirs(state_root, path.parent)
+    refuse_linked_folders(state_root, path.parent, create=True)
     with _artifact_lock(overlay_lock_path(path)):
         descriptor = replace_dir_atomically(path, fill)
         os.chmod(path, 0o700)
@@ -194,28 +188,12 @@ def _require_portable_payload(plan: PayloadPlan, entry: WorkerEntry, portable: C
 def _log_stored(descriptor: OverlayDescriptor, path: Path) -> None:
     """One INFO line: the target recorded as qualified, or the overlay stored at ``path``."""
     if descriptor.kind == "qualified":
-        logger.info(
-            "coldsnap: %s: the capture on this target is identical to the portable capsule; discarded it and recorded"
-            " this target as qualified (%s)",
-            descriptor.worker.capsule_name,
-            path,
+        what = (
+            "the capture on this target is identical to the portable capsule; discarded it and recorded this target as qualified"
         )
+        logger.info("coldsnap: %s: %s (%s)", descriptor.worker.capsule_name, what, path)
     else:
+        pack = descriptor.payload.sha256[:12]
         logger.info(
-            "coldsnap: %s: stored a target-local overlay at %s (pack %s stays shared)",
-            descriptor.worker.capsule_name,
-            path,
-            descriptor.payload.sha256[:12],
+            "coldsnap: %s: stored a target-local overlay at %s (pack %s stays shared)", descriptor.worker.capsule_name, path, pack
         )
-
-
-def _make_private_dirs(state_root: Path, folder: Path) -> None:
-    """Create ``folder`` and the folders above it up to ``<state_root>/overlays`` with mode 0700,
-    refusing a symbolic link on the way."""
-    state_root.mkdir(parents=True, exist_ok=True)
-    top = state_root / OVERLAYS_DIRNAME
-    for p in [top, *reversed([p for p in folder.parents if top in p.parents]), folder]:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(p, 0o700)
-        if not stat.S_ISDIR(os.lstat(p).st_mode):
-            raise UnsafePathError("refusing a symbolic link or file where an overlay folder belongs", file=p)

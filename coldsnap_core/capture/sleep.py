@@ -54,27 +54,15 @@ _READ_BYTES = 8 << 20
 
 class LoadedWorker(Protocol):
     """What a loader published about the model it loaded, as :class:`ReferenceDigests` reads it
-    (``coldsnap_vllm.state.WorkerLoadState`` is one)."""
+    (``coldsnap_vllm.state.WorkerLoadState`` is one): the worker, its pinned model identity (``None`` when
+    unknown), the pack its load captured, restored or materialized, the artifact folder in use and the
+    Hugging Face cache the engine downloads into (``None``: ``HF_HUB_CACHE``)."""
 
-    @property
-    def worker(self) -> WorkerIdentity:
-        """The worker's identity."""
-
-    @property
-    def model(self) -> ModelIdentity | None:
-        """The pinned model identity, or ``None`` when it could not be determined."""
-
-    @property
-    def pack(self) -> PackRef | None:
-        """The worker's pack, when the load captured, restored or materialized one."""
-
-    @property
-    def artifact_dir(self) -> Path | None:
-        """The artifact folder in use, or ``None``."""
-
-    @property
-    def hf_cache_dir(self) -> Path | None:
-        """The Hugging Face cache the engine downloads into, or ``None`` for ``HF_HUB_CACHE``."""
+    worker: WorkerIdentity
+    model: ModelIdentity | None
+    pack: PackRef | None
+    artifact_dir: Path | None
+    hf_cache_dir: Path | None
 
 
 class ReferenceDigests:
@@ -85,8 +73,8 @@ class ReferenceDigests:
     1. the worker's native manifest in the artifact (``<artifact_dir>/workers/<capsule_name>/``),
        written by the loader's capture or restore: its model extents are keyed by provenance. It is
        used only when it names the pack the loader published (when one is published);
-    2. the pinned checkpoint file (``ModelIdentity``: a local folder, or the Hugging Face cache vLLM
-       downloads into, ``--download-dir`` else ``HF_HUB_CACHE``, via
+    2. the pinned checkpoint file (``ModelIdentity``: a local folder, or the Hugging Face cache the engine
+       downloads into, vLLM's ``--download-dir`` else ``HF_HUB_CACHE``, via
        ``huggingface_hub.try_to_load_from_cache``) with the size the identity records: the write's
        source runs are read and hashed. A dtype-converting copy has no byte-equal source, so it has
        no reference from this source.

@@ -170,24 +170,11 @@ def select_capsule(
     if recorded.engine != current.engine or not use_overlays:
         raise TargetMismatchError(detail, differences=differences, file=file)
     lookup = find_overlay(state_root, artifact_dir, entry, current, descriptor_sha256)
-    if lookup.status == "valid":
-        assert lookup.descriptor is not None
-        if lookup.descriptor.kind == "qualified":
-            return Selection(
-                "qualified",
-                portable,
-                f"{lookup.reason} ({describe_differences(differences)})",
-                lookup.path,
-                lookup.descriptor.seed_files,
-            )
-        assert lookup.capsule is not None
-        return Selection(
-            "overlay",
-            lookup.capsule,
-            f"{lookup.reason} ({describe_differences(differences)})",
-            lookup.path,
-            lookup.descriptor.seed_files,
-        )
+    if lookup.status == "valid" and lookup.descriptor is not None:
+        reason = f"{lookup.reason} ({describe_differences(differences)})"
+        # a qualification record has no capsule of its own: the portable one is replayed
+        capsule = lookup.capsule or portable
+        return Selection(lookup.descriptor.kind, capsule, reason, lookup.path, lookup.descriptor.seed_files)
     if lookup.status == "invalid":
         logger.warning(
             "coldsnap: ignoring the target-local overlay at %s (%s); using the portable artifact", lookup.path, lookup.reason
