@@ -21,8 +21,14 @@ from pathlib import Path
 
 import msgspec
 
-from coldsnap_core._io import fsync_fd
-from coldsnap_core.artifact.capsules import _artifact_lock, _capsule_lock_path, descriptor_lock_path, replace_file_durably
+from coldsnap_core._io import fsync_fd, sha256_file
+from coldsnap_core.artifact.capsules import (
+    _artifact_lock,
+    _capsule_lock_path,
+    descriptor_lock_path,
+    pin_file,
+    replace_file_durably,
+)
 from coldsnap_core.artifact.derived_cache import (
     MEMBER_RE,
     SEED_ARCHIVE_FILENAME,
@@ -73,23 +79,18 @@ def _write_archive(path: Path, files: list[tuple[str, Path]]) -> tuple[CapsuleFi
     """Write ``files`` into a new uncompressed tar at ``path`` (ustar/pax, owner and times zeroed so the
     archive depends only on the bytes) and return its pin and the members' pins."""
     members = []
-    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
-        for member_path, source in files:
-            data = source.read_bytes()
-            info = tarfile.TarInfo(member_path)
-            info.size, info.mode, info.mtime = len(data), 0o644, 0
-            tar.addfile(info, io.BytesIO(data))
-            members.append(SeedMember(member_path, len(data), hashlib.sha256(data).hexdigest()))
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        fsync_fd(fd, file=path)
-    finally:
-        os.close(fd)
-    return CapsuleFile(SEED_ARCHIVE_FILENAME, path.stat().st_size, digest.hexdigest()), tuple(members)
+    with open(path, "xb") as f:
+        with tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for member_path, source in files:
+                data = source.read_bytes()
+                info = tarfile.TarInfo(member_path)
+                info.size, info.mode, info.mtime = len(data), 0o644, 0
+                tar.addfile(info, io.BytesIO(data))
+                members.append(SeedMember(member_path, len(data), hashlib.sha256(data).hexdigest()))
+        f.flush()
+        fsync_fd(f.fileno(), file=path)
+    digest, size = sha256_file(path)
+    return CapsuleFile(SEED_ARCHIVE_FILENAME, size, digest), tuple(members)
 
 
 def attach_seed(
@@ -150,7 +151,7 @@ def write_seed_files(
             os.unlink(temp)
     data = document.dumps()
     replace_file_durably(folder / SEED_DOCUMENT_FILENAME, data)
-    return document, (CapsuleFile(SEED_DOCUMENT_FILENAME, len(data), hashlib.sha256(data).hexdigest()), archive)
+    return document, (pin_file(SEED_DOCUMENT_FILENAME, data), archive)
 
 
 def with_seed_pins(capsule_files: Iterable[CapsuleFile], pins: Iterable[CapsuleFile]) -> tuple[CapsuleFile, ...]:
