@@ -521,6 +521,21 @@ def _load_shards(
     ), ranges
 
 
+EMBED = "model.embed_tokens.weight"
+
+
+def _embedding_in_two_shards(checkpoint: Path, tmp_path: Path) -> list[Path]:
+    """``checkpoint``'s tensors in a first shard and its embedding stored again, byte for byte, in a second."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    save_file(tensors, str(shards / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+    save_file({EMBED: tensors[EMBED]}, str(shards / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    return sorted(shards.glob("*.safetensors"))
+
+
 @pytest.mark.parametrize("iteration_order", ["file-list", "reversed"])
 def test_a_tensor_stored_in_two_shards_with_identical_bytes_keeps_its_sharing(
     smollm2_2layer: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, iteration_order: str
@@ -532,22 +547,14 @@ def test_a_tensor_stored_in_two_shards_with_identical_bytes_keeps_its_sharing(
     first, so the bytes stay model bytes and the pack digest equals the single-file checkpoint's, with
     the same residual size and no WARNING. Fails if a name found in two files gets no provenance (the
     embedding then goes to the residual blob, another pack digest) or the wrong file's."""
-    from safetensors.torch import load_file, save_file
-
     single, _ = _load_shards([smollm2_2layer / "model.safetensors"], tmp_path, "single")
-    embed = "model.embed_tokens.weight"
-    tensors = load_file(str(smollm2_2layer / "model.safetensors"))
-    shards = tmp_path / "shards"
-    shards.mkdir()
-    save_file(tensors, str(shards / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
-    save_file({embed: tensors[embed]}, str(shards / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
-    files = sorted(shards.glob("*.safetensors"))
+    files = _embedding_in_two_shards(smollm2_2layer, tmp_path)
     order = files if iteration_order == "file-list" else files[::-1]
     with caplog.at_level("WARNING", logger="coldsnap_core.capture.observer"):
         duplicated, ranges = _load_shards(files, tmp_path, "duplicated", iteration_order=order)
     assert duplicated.manifest.pack.sha256 == single.manifest.pack.sha256
     assert duplicated.manifest.residual.size_bytes == single.manifest.residual.size_bytes
-    provenance = {r.provenance.checkpoint_file for r in ranges if r.provenance.tensor_name == embed}
+    provenance = {r.provenance.checkpoint_file for r in ranges if r.provenance.tensor_name == EMBED}
     # Identical copies: either file is the truth; in file-list order the yield count picks the later one.
     assert provenance == {order[-1].name} if iteration_order == "file-list" else len(provenance) == 1
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
@@ -561,21 +568,13 @@ def test_a_tensor_stored_in_two_shards_keeps_its_sharing_when_the_iterator_yield
     provenance of a file that stores its bytes, so the pack digest and residual size equal the single-file
     host load's. Fails if the stored bytes are compared only for host tensors (on a GPU the embedding then
     has no provenance, goes to the residual blob and changes the pack digest)."""
-    from safetensors.torch import load_file, save_file
-
     single, _ = _load_shards([smollm2_2layer / "model.safetensors"], tmp_path, "single")
-    embed = "model.embed_tokens.weight"
-    tensors = load_file(str(smollm2_2layer / "model.safetensors"))
-    shards = tmp_path / "shards"
-    shards.mkdir()
-    save_file(tensors, str(shards / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
-    save_file({embed: tensors[embed]}, str(shards / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
     with pytest.raises(TypeError, match="cuda:0"):
-        tensors[embed].as_subclass(DeviceTensor).numpy()
-    on_device, ranges = _load_shards(sorted(shards.glob("*.safetensors")), tmp_path, "device", on_device=True)
+        torch.zeros(2).as_subclass(DeviceTensor).numpy()
+    on_device, ranges = _load_shards(_embedding_in_two_shards(smollm2_2layer, tmp_path), tmp_path, "device", on_device=True)
     assert on_device.manifest.pack.sha256 == single.manifest.pack.sha256
     assert on_device.manifest.residual.size_bytes == single.manifest.residual.size_bytes
-    assert {r.provenance.tensor_name for r in ranges} >= {embed}
+    assert {r.provenance.tensor_name for r in ranges} >= {EMBED}
 
 
 def test_a_name_in_two_files_with_other_bytes_takes_the_file_it_was_read_from(tmp_path: Path) -> None:
