@@ -175,6 +175,49 @@ def refuse_symlink(path: Path) -> os.stat_result | None:
     return st
 
 
+@contextlib.contextmanager
+def open_regular(
+    path: str | os.PathLike[str],
+    what: str,
+    *,
+    follow_links: bool = False,
+    missing: type[ColdsnapError] = MissingObjectError,
+) -> Iterator[tuple[int, os.stat_result]]:
+    """Open ``path`` for reading and yield ``(fd, fstat of fd)`` of a regular file; the descriptor is
+    closed on exit. The one open of every private file (records, overlay descriptors) and capsule file.
+
+    ``O_NONBLOCK``: the open of a named pipe returns at once instead of waiting for a writer (fifo(7));
+    ``O_NOCTTY``: a terminal does not become the controlling one; ``O_NOFOLLOW`` unless ``follow_links``
+    (capsule files may be links; the node-local state root's files may not). The type is checked with
+    ``fstat`` on the descriptor, so what is checked is what is read. Reads of a regular file ignore
+    ``O_NONBLOCK``.
+
+    Raises:
+        ``missing`` (:class:`~coldsnap_core.errors.MissingObjectError` by default): nothing at ``path``.
+        UnsafePathError: a symbolic link at ``path`` and not ``follow_links`` (rule ``no-symlinks``).
+        NotRegularFileError: a folder, named pipe, device or socket at ``path`` (rule ``regular-file``).
+        FileAccessError: any other failure (:func:`os_error`).
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_links:
+            raise UnsafePathError(f"the {what} is a symbolic link, which is not followed", file=path) from exc
+        if exc.errno == errno.ENXIO:  # a socket (or a device without its driver) cannot be opened as a file
+            raise NotRegularFileError(f"the {what} is not a regular file (a socket or device)", file=path) from exc
+        if exc.errno == errno.ENOENT:
+            raise missing(f"the {what} does not exist", file=path) from exc
+        raise os_error(f"cannot open the {what}", exc, path, missing=missing) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFileError(f"the {what} is not a regular file ({stat.filemode(st.st_mode)})", file=path)
+        yield fd, st
+    finally:
+        os.close(fd)
+
+
 def unexpected_os_error(exc: OSError) -> FileAccessError:
     """An ``OSError`` that no coldsnap layer turned into a typed error, as a rule-style error (rule
     ``io``, exit code 4) naming its file(s); the ``OSError`` is its ``__cause__``. The last line of

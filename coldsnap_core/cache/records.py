@@ -34,7 +34,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Literal, Protocol
 
-from coldsnap_core._io import os_errno, refuse_symlink, replace_file_durably
+from coldsnap_core._io import open_regular, os_errno, os_error, refuse_symlink, replace_file_durably
 from coldsnap_core.errors import (
     CacheError,
     ColdsnapError,
@@ -148,27 +148,26 @@ def read_private_record(path: Path, kind: type[D]) -> D:
     The trust rules shared by validation records and checkpoint records
     (:class:`coldsnap_core.identity.checkpoint_records.CheckpointRecords`; ``docs/format.md`` §10.1 and §11): a
     regular file, not a symbolic link, owned by the current user, not group- or world-writable, at
-    most :data:`RECORD_MAX_BYTES` (larger files are refused unread), opened with ``O_NOFOLLOW``.
+    most :data:`RECORD_MAX_BYTES` (larger files are refused unread), opened by
+    :func:`coldsnap_core._io.open_regular` (no link followed, never blocking) and checked on the descriptor.
 
     Raises:
         ValidationRecordError: absent, another owner, a loose mode, too large, or malformed (names why).
         UnsafePathError: ``path`` is a symbolic link, or a path component is not a folder.
-        NotRegularFileError: ``path`` is a folder, device or other non-regular file.
+        NotRegularFileError: ``path`` is a folder, named pipe, device or other non-regular file.
+        FileAccessError: ``path`` cannot be opened or read (``EACCES``, ``EIO``, ...).
     """
-    st = _refuse(path)
-    if st is None:
-        raise ValidationRecordError("no record", file=path)
-    if st.st_uid != os.geteuid():
-        raise ValidationRecordError(f"record belongs to uid {st.st_uid}, not {os.geteuid()}", file=path)
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ValidationRecordError(f"record mode {stat.filemode(st.st_mode)} is group- or world-writable", file=path)
-    if st.st_size > RECORD_MAX_BYTES:
-        raise ValidationRecordError(f"record is {st.st_size} bytes, more than {RECORD_MAX_BYTES}", file=path)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        data = os.read(fd, RECORD_MAX_BYTES + 1)
-    finally:
-        os.close(fd)
+    with open_regular(path, "record", missing=ValidationRecordError) as (fd, st):
+        if st.st_uid != os.geteuid():
+            raise ValidationRecordError(f"record belongs to uid {st.st_uid}, not {os.geteuid()}", file=path)
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise ValidationRecordError(f"record mode {stat.filemode(st.st_mode)} is group- or world-writable", file=path)
+        if st.st_size > RECORD_MAX_BYTES:
+            raise ValidationRecordError(f"record is {st.st_size} bytes, more than {RECORD_MAX_BYTES}", file=path)
+        try:
+            data = os.read(fd, RECORD_MAX_BYTES + 1)
+        except OSError as exc:
+            raise os_error("cannot read the record", exc, path) from exc
     try:
         return load_document(kind, data, file=str(path))
     except ManifestError as exc:

@@ -35,22 +35,19 @@ import functools
 import json
 import os
 import re
-import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgspec
 
-from coldsnap_core._io import os_error
+from coldsnap_core._io import open_regular, os_error
 from coldsnap_core.digests import SHA256_HEX_RE
 from coldsnap_core.errors import (
     ManifestError,
     ManifestParseError,
     ManifestSchemaError,
     ManifestValueError,
-    MissingObjectError,
-    NotRegularFileError,
     UnsupportedFormatVersionError,
 )
 
@@ -353,10 +350,10 @@ def _refuse_lone_surrogates(value: Any, file: str | None) -> None:
 def read_document_bytes(path: Path, *, check_size: Callable[[int], None] | None = None, max_bytes: int | None = None) -> bytes:
     """The bytes of a document file, read through one descriptor that is checked before any read.
 
-    Anything but a regular file (``stat``, following links) is refused before it is opened; the file
-    is opened with ``O_NONBLOCK`` (so a named pipe swapped in cannot block the open) and refused unless
-    ``fstat`` says it is a regular file, and its size is checked (``check_size``, then
-    :data:`MAX_DOCUMENT_BYTES`) before anything is read; at most that many bytes plus one are read.
+    The file is opened by :func:`coldsnap_core._io.open_regular` (following a symbolic link, never
+    blocking: a named pipe, device or socket is refused on the opened descriptor), and its size is
+    checked (``check_size``, then :data:`MAX_DOCUMENT_BYTES`) before anything is read; at most that many
+    bytes plus one are read.
 
     Args:
         path: the document.
@@ -369,20 +366,7 @@ def read_document_bytes(path: Path, *, check_size: Callable[[int], None] | None 
         FileAccessError: it cannot be opened or read (:func:`coldsnap_core._io.os_error`).
         ManifestParseError: it is larger than :data:`MAX_DOCUMENT_BYTES`.
     """
-    try:
-        # stat first: opening a socket fails with ENXIO and a terminal may block or take control.
-        mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotRegularFileError(f"document is not a regular file ({stat.filemode(mode)})", file=path)
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
-    except FileNotFoundError as exc:
-        raise MissingObjectError("document does not exist", file=path) from exc
-    except OSError as exc:
-        raise os_error("document cannot be read", exc, path) from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NotRegularFileError(f"document is not a regular file ({stat.filemode(st.st_mode)})", file=path)
+    with open_regular(path, "document", follow_links=True) as (fd, st):
         if check_size is not None:
             check_size(st.st_size)
         cap = MAX_DOCUMENT_BYTES if max_bytes is None else min(max_bytes, MAX_DOCUMENT_BYTES)
@@ -393,14 +377,13 @@ def read_document_bytes(path: Path, *, check_size: Callable[[int], None] | None 
             )
         limit = st.st_size + 1
         chunks = []
-        while limit > 0:
-            chunk = os.read(fd, min(limit, 8 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            limit -= len(chunk)
+        try:
+            while limit > 0:
+                chunk = os.read(fd, min(limit, 8 << 20))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                limit -= len(chunk)
+        except OSError as exc:
+            raise os_error("document cannot be read", exc, path) from exc
         return b"".join(chunks)
-    except OSError as exc:
-        raise os_error("document cannot be read", exc, path) from exc
-    finally:
-        os.close(fd)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from coldsnap_core._io import HASH_CHUNK_BYTES, os_error, sha256_file
+from coldsnap_core._io import HASH_CHUNK_BYTES, open_regular, os_error, sha256_file
 from coldsnap_core.digests import pack_relpath
 from coldsnap_core.errors import (
     AllocationSizeMismatchError,
@@ -586,20 +586,17 @@ def pinned_file(path: str | os.PathLike[str], what: str) -> Iterator[str]:
     flags of its own such as ``O_DIRECT``) opens the same inode whatever is renamed onto ``path`` meanwhile,
     so what is verified through it is what is copied through it (proc(5), ``/proc/pid/fd``).
 
+    Opened by :func:`coldsnap_core._io.open_regular`, following a symbolic link (a capsule file may be one;
+    the pack was refused as one when it was admitted): a named pipe there, or at a link's end, is refused
+    at once instead of blocking the restore.
+
     Raises:
         MissingObjectError: nothing at ``path``.
+        NotRegularFileError: a folder, named pipe, device or socket at ``path``.
         FileAccessError: it cannot be opened.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError as exc:
-        raise MissingObjectError(f"{what} does not exist", file=path) from exc
-    except OSError as exc:
-        raise os_error(f"cannot open the {what}", exc, path) from exc
-    try:
+    with open_regular(path, what, follow_links=True) as (fd, _):
         yield f"/proc/self/fd/{fd}"
-    finally:
-        os.close(fd)
 
 
 def extent_owner_map(manifest: NativeManifest) -> Callable[[PackEntry], tuple[int | None, int | None]]:

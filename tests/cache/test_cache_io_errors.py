@@ -27,6 +27,7 @@ from coldsnap_core.errors import (
 from coldsnap_core.format.verify import verify_blob_file, verify_pack_file
 from coldsnap_core.restore.staging import stage_payload
 from coldsnap_core.settings import COMMAND_SETTINGS, ColdsnapSettings
+from tests.support.files import raised_without_blocking
 
 
 def coldsnap(*args: object) -> int:
@@ -133,6 +134,22 @@ def test_folder_at_the_blob_path_is_not_reported_as_truncated(captured) -> None:
         verify_blob_file(blob, residual)
     with pytest.raises(NotRegularFileError):
         hydrate_captured(captured, PayloadCache(captured.capture_root))
+
+
+@pytest.mark.parametrize("link", [False, True], ids=["fifo", "link-to-fifo"])
+def test_a_named_pipe_at_the_blob_path_is_refused_without_blocking_the_restore(captured, tmp_path: Path, link: bool) -> None:
+    """A named pipe at ``weights.blob``, or a symbolic link to one: hydration refuses it at once as not a regular
+    file (rule regular-file, exit 4, naming the blob), so ``auto`` falls back. Fails if the blob is opened blocking
+    before its type is checked (the restore waited for a writer for ever and wrote no outcome line)."""
+    blob = captured.artifact_dir / "workers" / "worker-0-of-1" / "weights.blob"
+    fifo = tmp_path / "pipe" if link else blob
+    blob.unlink()
+    os.mkfifo(fifo)
+    if link:
+        blob.symlink_to(fifo)
+    error = raised_without_blocking(lambda: hydrate_captured(captured, PayloadCache(captured.capture_root)), fifo)
+    assert isinstance(error, NotRegularFileError), error
+    assert (error.rule, error.exit_code, error.file) == ("regular-file", 4, str(blob))
 
 
 def test_cli_verify_folder_at_the_blob_path_exits_4(captured, capsys) -> None:

@@ -10,6 +10,9 @@ import json
 import logging
 import os
 import stat
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ from coldsnap_core.errors import (
     ExtentDigestMismatchError,
     InvalidDigestError,
     MissingObjectError,
+    NotRegularFileError,
     PackDigestMismatchError,
     PackSizeMismatchError,
     UnsafePathError,
@@ -29,6 +33,7 @@ from coldsnap_core.errors import (
 )
 from coldsnap_core.restore.staging import stage_payload
 from coldsnap_core.stores.local import LocalFolderStore
+from tests.support.files import raised_without_blocking
 
 BAD_DIGESTS = [
     "../x",
@@ -223,6 +228,53 @@ def test_record_of_another_user_is_not_trusted(captured) -> None:
     os.chown(cache.record_path(captured.pack.sha256), 12345, 12345)
     with pytest.raises(ValidationRecordError, match="uid 12345"):
         read_trusted_record(cache, captured.pack.sha256)
+
+
+SWAPPER = """
+import os, sys
+path, regular, fifo = sys.argv[1:4]
+swap = path + ".swap"
+while True:
+    for source in (fifo, regular):
+        os.link(source, swap)
+        os.replace(swap, path)
+"""
+"""Swaps ``path`` between two inodes for ever: hard links to ``regular`` and to ``fifo``, renamed in."""
+
+
+def test_a_named_pipe_swapped_in_for_a_record_never_blocks_its_reader(captured, tmp_path: Path) -> None:
+    """A same-user process swaps a validation record's path between the record and a named pipe while the
+    record is read 2,000 times: each read trusts the record or refuses the pipe as not a regular file, and
+    none waits for a writer. Fails if the reader examines the path (``lstat``) and then opens it blocking:
+    a pipe renamed in between is opened, and the restore waits for ever holding the digest's lock."""
+    cache = PayloadCache(captured.capture_root)
+    digest = captured.pack.sha256
+    path = cache.record_path(digest)
+    regular, fifo = tmp_path / "record", tmp_path / "pipe"
+    os.link(path, regular)
+    os.mkfifo(fifo)
+    seen: dict[str, int] = {}
+    stop = threading.Event()
+
+    def read_many() -> None:
+        for _ in range(2000):
+            if stop.is_set():
+                return
+            try:
+                read_trusted_record(cache, digest)
+                outcome = "trusted"
+            except NotRegularFileError:
+                outcome = "refused"
+            seen[outcome] = seen.get(outcome, 0) + 1
+
+    swapper = subprocess.Popen([sys.executable, "-c", SWAPPER, str(path), str(regular), str(fifo)])
+    try:
+        error = raised_without_blocking(read_many, fifo, stop=stop)
+    finally:
+        swapper.kill()
+        swapper.wait()
+    assert error is None, error
+    assert sum(seen.values()) == 2000 and seen.get("refused", 0) > 0, seen
 
 
 def test_malformed_and_oversized_records_are_not_trusted(captured) -> None:

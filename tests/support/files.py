@@ -1,10 +1,14 @@
-"""File edits the tests use to produce corruption (one flipped byte of a read-only pack or blob), and a
-command prefix under which file modes are enforced even for root."""
+"""File edits the tests use to produce corruption (one flipped byte of a read-only pack or blob), a
+command prefix under which file modes are enforced even for root, and a check that a call does not
+block on a named pipe."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -31,3 +35,35 @@ def permissions_enforced(command: list[str]) -> list[str]:
     assert setpriv, "setpriv (util-linux) is needed to drop CAP_DAC_OVERRIDE for this check"
     drop = "-dac_override,-dac_read_search"
     return [setpriv, f"--bounding-set={drop}", f"--inh-caps={drop}", *command]
+
+
+def raised_without_blocking(
+    call: Callable[[], object], fifo: Path, *, stop: threading.Event | None = None
+) -> BaseException | None:
+    """Run ``call`` on a thread and return what it raised (``None`` if nothing).
+
+    If it still runs after 60 s it is taken as blocked opening the named pipe ``fifo`` (waiting for a
+    writer, fifo(7)): ``stop`` is set, and a writer end of ``fifo`` is opened and closed until the call
+    returns, so the test fails saying so (``AssertionError``) instead of hanging."""
+    raised: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            raised.append(exc)
+        else:
+            raised.append(None)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    blocked = thread.is_alive()
+    if stop is not None and blocked:
+        stop.set()
+    while thread.is_alive():
+        with contextlib.suppress(OSError):  # ENXIO: nobody has it open for reading at this moment
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(0.5)
+    assert not blocked, f"blocked opening the named pipe {fifo}"
+    return raised[0]
