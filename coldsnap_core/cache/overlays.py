@@ -1,7 +1,7 @@
 """``coldsnap cache ls`` and ``gc`` of the target-local overlays under a state root (``docs/format.md`` §15.3;
 the documents: :mod:`coldsnap_core.artifact.overlay`): an overlay whose portable ``artifact.json`` is gone or
 changed, or whose ``overlay.json`` is not trusted, is removed; one whose portable descriptor cannot be read
-now is kept.
+now, or another user's, is kept.
 """
 
 from __future__ import annotations
@@ -36,15 +36,17 @@ class OverlayListing:
     Attributes:
         path: the overlay folder.
         status: ``current`` (its portable ``artifact.json`` exists with the bound SHA-256), ``stale``
-            (that descriptor is gone or changed), ``invalid`` (its ``overlay.json`` is not trusted) or
-            ``unreadable`` (that descriptor exists or may exist but cannot be read now: kept by ``gc``).
+            (that descriptor is gone or changed), ``invalid`` (its ``overlay.json`` is not trusted),
+            ``unreadable`` (that descriptor exists or may exist but cannot be read now: kept by ``gc``) or
+            ``foreign`` (the folder or its ``overlay.json`` belongs to another user: kept by ``gc``, which
+            must not remove another user's overlays, e.g. when root's cron runs it).
         reason: why, in words.
         descriptor: the parsed descriptor (``None`` when invalid).
         size_bytes: the bytes of its files.
     """
 
     path: Path
-    status: Literal["current", "stale", "invalid", "unreadable"]
+    status: Literal["current", "stale", "invalid", "unreadable", "foreign"]
     reason: str
     descriptor: OverlayDescriptor | None
     size_bytes: int
@@ -65,9 +67,13 @@ def list_overlays(state_root: Path) -> list[OverlayListing]:
         raise UnsafePathError("refusing a symbolic link or file where the overlays folder belongs", file=top)
     listings = []
     for path in sorted(p for p in top.glob("*/*/*") if not p.name.startswith(".")):
-        size = sum(f.lstat().st_size for f in path.iterdir()) if path.is_dir() and not path.is_symlink() else 0
+        size = _folder_size(path)
         try:
             if not refuse_linked_folders(state_root, path):
+                continue
+            if (uid := _other_owner(path)) is not None:
+                reason = f"it belongs to uid {uid}, not {os.geteuid()}: only that user's coldsnap cache gc removes it"
+                listings.append(OverlayListing(path, "foreign", reason, None, size))
                 continue
             descriptor = read_private_record(path / OVERLAY_FILENAME, OverlayDescriptor)
         except (ColdsnapError, OSError) as exc:
@@ -97,14 +103,14 @@ def list_overlays(state_root: Path) -> list[OverlayListing]:
 def gc_overlays(state_root: Path, *, dry_run: bool = False) -> tuple[list[OverlayListing], list[OverlayListing]]:
     """Remove every stale or invalid overlay folder (:func:`list_overlays`), then empty parent folders.
 
-    Returns what was (or, with ``dry_run``, would be) removed, and the unreadable overlays that were kept
-    (their portable descriptor could not be read: ``coldsnap cache gc`` then exits 4). Current overlays
-    are kept too."""
+    Returns what was (or, with ``dry_run``, would be) removed, and the overlays kept that ``coldsnap cache
+    gc`` then names and exits 4 for: ``unreadable`` (their portable descriptor could not be read) and
+    ``foreign`` (another user's). Current overlays are kept too."""
     listings = list_overlays(state_root)
     removed = [o for o in listings if o.status in ("stale", "invalid")]
-    unreadable = [o for o in listings if o.status == "unreadable"]
+    kept = [o for o in listings if o.status in ("unreadable", "foreign")]
     if dry_run:
-        return removed, unreadable
+        return removed, kept
     for o in removed:
         shutil.rmtree(o.path, ignore_errors=True)
         with contextlib.suppress(OSError):
@@ -112,4 +118,21 @@ def gc_overlays(state_root: Path, *, dry_run: bool = False) -> tuple[list[Overla
         for parent in (o.path.parent, o.path.parent.parent):
             with contextlib.suppress(OSError):
                 parent.rmdir()  # only when empty
-    return removed, unreadable
+    return removed, kept
+
+
+def _folder_size(path: Path) -> int:
+    """The bytes of the files in the overlay folder ``path`` (0 when it cannot be listed)."""
+    try:
+        return sum(f.lstat().st_size for f in path.iterdir()) if path.is_dir() and not path.is_symlink() else 0
+    except OSError:  # another user's folder (mode 0700), or gone meanwhile
+        return 0
+
+
+def _other_owner(path: Path) -> int | None:
+    """The uid of another user that owns the overlay folder ``path`` or its ``overlay.json``, else ``None``."""
+    for p in (path, path / OVERLAY_FILENAME):
+        with contextlib.suppress(OSError):
+            if (uid := os.lstat(p).st_uid) != os.geteuid():
+                return uid
+    return None

@@ -8,15 +8,22 @@ Exit codes (``docs/format.md``, "Exit codes"): ``ls`` and ``gc`` exit 0, or 4 wh
 symbolic link; ``verify`` exits 0 when every object verified, 1 when any object was corrupt (each is
 quarantined; the others are still checked), 3 when a named digest is not in the cache, 4 for an
 invalid digest (checked before any file is touched), a symbolic link, or another error.
+
+``gc`` removes and ``verify`` rewrites validation records, so neither touches what belongs to another
+user (root's cron or ``sudo`` run over a user's state root): a state root owned by another uid is
+refused before anything is read (exit 4); within one, another user's overlay (``gc``) or object or
+record (``verify``) is kept as it is, named, and the command exits 4.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import os
 import sys
 
-from coldsnap_core._io import refuse_symlink
+from coldsnap_core._io import lstat_or_none, refuse_symlink
 from coldsnap_core.artifact.sleep_capsules import list_sleep_capsules, sweep_sleep_capsules
 from coldsnap_core.cache.garbage import DEFAULT_GC_AGE_SECONDS
 from coldsnap_core.cache.overlays import OverlayListing, gc_overlays, list_overlays
@@ -25,7 +32,7 @@ from coldsnap_core.cache.records import last_full_verification, record_state
 from coldsnap_core.cli._output import add_json_option, error_json, print_json
 from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.digests import check_digest
-from coldsnap_core.errors import EXIT_INTEGRITY, EXIT_OTHER, ColdsnapError, IntegrityError
+from coldsnap_core.errors import EXIT_INTEGRITY, EXIT_OTHER, CacheError, ColdsnapError, IntegrityError
 
 
 def _seconds(text: str) -> float:
@@ -129,13 +136,45 @@ def _overlay_json(o: OverlayListing) -> dict[str, object]:
     }
 
 
+def _refuse_another_users_state_root(cache: PayloadCache, command: str) -> None:
+    """Refuse ``cache gc`` / ``cache verify`` over a state root another uid owns: they would remove or re-own
+    (as this user's records, which that user then distrusts) what is that user's.
+
+    Raises:
+        CacheError: the state root (its link followed) belongs to another uid (exit 4).
+    """
+    with contextlib.suppress(FileNotFoundError):  # no state root: nothing to remove or rewrite
+        if (uid := os.stat(cache.state_root).st_uid) != os.geteuid():
+            raise CacheError(
+                f"the state root belongs to uid {uid}, not {os.geteuid()}: coldsnap cache {command} changes only a"
+                " state root of its own user; run it as that user",
+                file=cache.state_root,
+            )
+
+
+def _another_users(cache: PayloadCache, digest: str) -> CacheError | None:
+    """Why ``verify`` leaves ``digest`` alone: its object or record belongs to another uid, else ``None``."""
+    for path in (cache.object_path(digest), cache.record_path(digest)):
+        st = lstat_or_none(path)
+        if st is not None and st.st_uid != os.geteuid():
+            return CacheError(
+                f"it belongs to uid {st.st_uid}, not {os.geteuid()}: left unverified, so that its validation record stays"
+                " that user's",
+                file=path,
+            )
+    return None
+
+
 def _verify(args: argparse.Namespace) -> int:
     cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
     digests = [check_digest(d) for d in args.digest] if args.digest else cache.digests()
+    _refuse_another_users_state_root(cache, "verify")
     failures: list[ColdsnapError] = []
     objects: list[dict[str, object]] = []
     for digest in digests:
         try:
+            if (foreign := _another_users(cache, digest)) is not None:
+                raise foreign
             before = record_state(cache, digest) if not args.full else "ignored"
             st = refuse_symlink(cache.object_path(digest))
             with byte_bar(f"verify {digest[:12]}", st.st_size if st else None) as update:
@@ -164,12 +203,13 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _gc(args: argparse.Namespace) -> int:
     cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
+    _refuse_another_users_state_root(cache, "gc")
     report = cache.gc(older_than_seconds=args.older_than, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     sleep_capsules = sweep_sleep_capsules(cache.state_root, dry_run=args.dry_run)
-    overlays, unreadable = gc_overlays(cache.state_root, dry_run=args.dry_run)
+    overlays, kept = gc_overlays(cache.state_root, dry_run=args.dry_run)
     freed = report.bytes_freed + sum(e.size_bytes for e in sleep_capsules) + sum(o.size_bytes for o in overlays)
-    code = EXIT_OTHER if unreadable else 0
+    code = EXIT_OTHER if kept else 0
     if args.json:
         removed = {
             "sleep_capsules": [str(e.path) for e in sleep_capsules],
@@ -185,7 +225,7 @@ def _gc(args: argparse.Namespace) -> int:
                 "removed": removed,
                 "bytes_freed": freed,
                 "kept_live": [str(p) for p in report.kept_live],
-                "kept_overlays": [_overlay_json(o) for o in unreadable],
+                "kept_overlays": [_overlay_json(o) for o in kept],
                 "exit_code": code,
             }
         )
@@ -209,8 +249,10 @@ def _gc(args: argparse.Namespace) -> int:
         f" invalid overlay(s); {freed} bytes",
         file=sys.stderr,
     )
-    for o in unreadable:
+    for o in kept:
         print(f"kept overlay {o.path} ({o.status}: {o.reason})", file=sys.stderr)
+    if kept:
+        print(f"kept {len(kept)} overlay(s) that are another user's or whose artifact.json cannot be read", file=sys.stderr)
     return code
 
 
