@@ -138,7 +138,8 @@ def append_outcome(path: str | os.PathLike[str], line: LoadOutcomeLine) -> bool:
     """Append ``line`` to the outcome log at ``path``; return whether it was written.
 
     Never raises for the log itself: a folder that cannot be created, a symbolic link at ``path``
-    (refused, ``O_NOFOLLOW``), no space, or a permission error is one WARNING per path and process.
+    (refused, ``O_NOFOLLOW``), no space, a permission error, or a path no system call takes (a NUL
+    character: ``ValueError``) is one WARNING per path and process.
     """
     path = Path(path)
     data = (json.dumps(line.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n").encode("ascii")
@@ -156,7 +157,7 @@ def append_outcome(path: str | os.PathLike[str], line: LoadOutcomeLine) -> bool:
                 raise OSError(f"short write ({written} of {len(data)} bytes)")
         finally:
             os.close(fd)
-    except (OSError, filelock.Timeout) as exc:
+    except (OSError, ValueError, filelock.Timeout) as exc:
         _warn_once(path, exc)
         return False
     return True

@@ -11,8 +11,8 @@ an extra-config key (``--model-loader-extra-config``), the variable; else the de
 (whitespace-only) value is as unset in every layer (a blank key lets its variable apply; ``VAR=`` is how a shell
 unsets a variable for one command). Values are read leniently in form only: choices are case-insensitive and
 trimmed, booleans are ``1``/``0``, ``true``/``false``, ``yes``/``no``, ``on``/``off`` (or JSON
-``true``/``false``/``1``/``0`` in the extra config), paths are trimmed, ``~``-expanded and made absolute.
-Anything else is a :class:`~coldsnap_core.errors.ConfigurationError` naming the option, key or variable and the
+``true``/``false``/``1``/``0`` in the extra config), paths are trimmed, ``~``-expanded and made absolute (a
+NUL, which no system call takes, is refused). Anything else is a :class:`~coldsnap_core.errors.ConfigurationError` naming the option, key or variable and the
 value.
 
 Nothing here names an engine: an engine's adapter passes its own default for ``materialize`` and the inner load
@@ -84,9 +84,12 @@ def expand_path(value: str | os.PathLike[str], where: str) -> Path:
     """``value`` as an absolute path with ``~`` and ``~user`` expanded.
 
     Raises:
-        ConfigurationError: ``~user`` names no user here (pathlib's ``RuntimeError``), naming ``where``
-            (the variable, extra-config key or option the path came from) and the value.
+        ConfigurationError: ``~user`` names no user here, or ``~`` has no home folder (pathlib's
+            ``RuntimeError``), or the path holds a NUL character (no system call takes one), naming
+            ``where`` (the variable, extra-config key or option the path came from) and the value.
     """
+    if "\0" in os.fspath(value):
+        raise ConfigurationError(f"{where}={os.fspath(value)!r} holds a NUL character, which no path can")
     try:
         return Path(value).expanduser().absolute()
     except RuntimeError as exc:
@@ -157,9 +160,9 @@ def _seconds(value: object) -> float:
 
 
 def _lock_seconds(where: str, value: object) -> float:
-    """The lock timeout: a finite number of seconds >= 0."""
+    """The lock timeout: a finite number of seconds >= 0 (not ``-0.0``, which compares equal to 0)."""
     seconds = _seconds(value)
-    if not 0 <= seconds < math.inf:
+    if not 0 <= seconds < math.inf or math.copysign(1.0, seconds) < 0:
         raise ConfigurationError(f"{where}={value!r} is not a number of seconds >= 0")
     return seconds
 

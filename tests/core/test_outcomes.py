@@ -71,6 +71,17 @@ def test_an_unwritable_log_is_one_warning_and_never_fatal(tmp_path: Path, caplog
     assert not target.exists()
 
 
+def test_a_log_path_with_a_nul_is_one_warning_and_never_fatal(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A NUL in the log's path (no system call takes one): ``append_outcome`` returns False with one WARNING.
+    Fails if ``ValueError: embedded null byte`` escapes it (its contract is never to raise for the log)."""
+    log = tmp_path / "a\0b.jsonl"
+    with caplog.at_level(logging.WARNING, logger="coldsnap_core.outcomes"):
+        for _ in range(2):
+            assert not append_outcome(log, _line())
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "cannot append to the load outcome log" in warning
+
+
 def test_a_large_log_is_rotated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Above the rotation size the log moves to ``<path>.1`` before the next line is appended."""
     monkeypatch.setattr(outcomes, "OUTCOME_LOG_ROTATE_BYTES", 600)

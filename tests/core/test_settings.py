@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -170,6 +172,64 @@ def test_the_lock_timeout_takes_only_plain_ascii_seconds(value: str) -> None:
         _command({"COLDSNAP_LOCK_TIMEOUT": value})
     assert _command({"COLDSNAP_LOCK_TIMEOUT": " 2.5 "}).lock_timeout_s == 2.5
     assert _command({"COLDSNAP_LOCK_TIMEOUT": "0"}).lock_timeout_s == 0.0
+
+
+def test_a_negative_zero_lock_timeout_is_refused() -> None:
+    """``lock_timeout: -0.0`` in a JSON extra config compares equal to 0 but is no time to wait: a
+    ConfigurationError naming the key. Fails if it is accepted (``0 <= -0.0`` is true)."""
+    with pytest.raises(ConfigurationError, match=r"extra-config key 'lock_timeout'=-0\.0 is not a number of seconds"):
+        ColdsnapSettings.resolve({}, {"lock_timeout": -0.0})
+    assert ColdsnapSettings.resolve({}, {"lock_timeout": 0.0})[0].lock_timeout_s == 0.0
+
+
+@pytest.mark.parametrize("key", ["artifact_dir", "state_root", "outcome_log"])
+def test_a_nul_in_a_path_key_is_a_configuration_error_naming_the_key(key: str, tmp_path: Path) -> None:
+    """A NUL in an extra-config path (no system call takes one) is refused when the settings resolve, naming the
+    key. Fails if it is accepted and ``ValueError: embedded null byte`` later escapes the restore."""
+    with pytest.raises(ConfigurationError, match=rf"extra-config key '{key}'=.* holds a NUL character"):
+        ColdsnapSettings.resolve({}, {key: f"{tmp_path}/a\0b"})
+
+
+OTHER_UID = 54321
+"""A uid without a passwd entry (the tests run as root, which may switch to it)."""
+
+
+def _resolve_as_a_user_without_a_home(environments: list[dict[str, str]]) -> list[str]:
+    """``ColdsnapSettings.resolve(env)`` for each environment in a forked child that switched to
+    :data:`OTHER_UID` with no ``HOME``: the state root, or the error's type and message."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no HOME and no passwd entry, as a container run under an arbitrary uid
+        try:
+            os.close(read)
+            os.setuid(OTHER_UID)
+            os.environ.pop("HOME", None)
+            results = []
+            for env in environments:
+                try:
+                    results.append(str(ColdsnapSettings.resolve(env)[0].state_root))
+                except Exception as exc:
+                    results.append(f"{type(exc).__name__}: {exc}")
+            os.write(write, json.dumps(results).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+def test_without_a_home_folder_the_state_root_variable_is_enough(tmp_path: Path) -> None:
+    """A process with no ``HOME`` and no passwd entry: with ``COLDSNAP_STATE_ROOT`` set the settings resolve;
+    without it the default ``~/.cache/coldsnap`` cannot be expanded, a ConfigurationError naming the variable.
+    Fails if the default is expanded even when the variable is set (pathlib's ``RuntimeError`` escaped, untyped)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to switch to a uid without a passwd entry")
+    state = tmp_path / "state"
+    with_variable, without = _resolve_as_a_user_without_a_home([{"COLDSNAP_STATE_ROOT": str(state)}, {}])
+    assert with_variable == str(state)
+    assert without.startswith("ConfigurationError: ") and "COLDSNAP_STATE_ROOT" in without, without
 
 
 NO_SUCH_USER = "~coldsnap-no-such-user-zz/folder"
