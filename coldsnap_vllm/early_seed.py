@@ -23,19 +23,18 @@ waits on a lock: any error skips it with one INFO line, and vLLM inspects the cl
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
+import sys
 import threading
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from coldsnap_core.artifact.capsules import read_descriptor_bytes
 from coldsnap_core.artifact.derived_cache import SeedQualification
 from coldsnap_core.artifact.overlay import OVERLAY_FILENAME, OVERLAYS_DIRNAME, OverlayDescriptor, artifact_key
 from coldsnap_core.cache.records import read_private_record
-from coldsnap_core.format._strict import read_document_bytes
-from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, ArtifactDescriptor, CapsuleFile
+from coldsnap_core.format.descriptor import CapsuleFile
 from coldsnap_core.identity.target import engine_version
 from coldsnap_core.restore.derived_cache import MAX_REASON_CHARS, SeedPlacement, place_seed
 from coldsnap_core.restore.overlay import find_overlay
@@ -54,29 +53,27 @@ _candidates_log.propagate = False  # one line per process: each candidate's own 
 
 _lock = threading.Lock()
 _done = False
-_pending: list[tuple[float, str, tuple[object, ...]]] = []
-"""Lines made before vLLM configured its logging (``LLM(...)`` configures it after ``EngineArgs`` called the
-plugins): handed to the logger by :func:`flush_log`, with their original time."""
+
+_EARLY_FORMAT = "(pid=%(process)d) %(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
+"""vLLM's text log format (``vllm/logger.py``), for the lines said before vLLM configured its logging."""
 
 
 def _info(msg: str, *args: object) -> None:
-    """One INFO line now, or, while vLLM's ``vllm`` logger has no handler yet, when :func:`flush_log` runs."""
+    """One INFO line, said now: through vLLM's logger once vLLM has configured it; before that (``LLM(...)``
+    configures logging after ``EngineArgs`` called the plugins, and a start whose load format is not
+    coldsnap never runs coldsnap's loader) written at once to vLLM's log stream (``VLLM_LOGGING_STREAM``)
+    in vLLM's text format, unless ``VLLM_LOGGING_LEVEL`` is above INFO."""
     import vllm.envs as envs
 
     if not envs.VLLM_CONFIGURE_LOGGING or logging.getLogger("vllm").handlers:
         logger.info(msg, *args)
-    elif logger.isEnabledFor(logging.INFO):
-        _pending.append((time.time(), msg, args))
-
-
-def flush_log() -> None:
-    """Emit the lines :func:`place_early` made before vLLM configured its logging (the loader calls it)."""
-    while _pending:
-        created, msg, args = _pending.pop(0)
-        # made now, so that vLLM's record factory adds the fields its formatter needs; dated when it happened
-        record = logger.makeRecord(logger.name, logging.INFO, __file__, 0, msg, args, None)
-        record.created, record.msecs = created, (created % 1) * 1000
-        logger.handle(record)
+        return
+    level = logging.getLevelName(str(envs.VLLM_LOGGING_LEVEL).upper())
+    if isinstance(level, int) and level > logging.INFO:
+        return
+    handler = logging.StreamHandler(sys.stderr if envs.VLLM_LOGGING_STREAM == "ext://sys.stderr" else sys.stdout)
+    handler.setFormatter(logging.Formatter(_EARLY_FORMAT, "%m-%d %H:%M:%S"))
+    handler.handle(logger.makeRecord(logger.name, logging.INFO, __file__, 0, msg, args, None))
 
 
 def place_early(environ: Mapping[str, str] | None = None) -> SeedPlacement | None:
@@ -114,7 +111,9 @@ def _place(environ: Mapping[str, str]) -> SeedPlacement | None:
         placement = place_seed(folder, pins, current, roots, log=_candidates_log, only=EARLY_PREFIX, fields=EARLY_FIELDS)
         if placement.status == "used":
             _info(
-                "coldsnap: %s: vLLM's model-class inspection cache placed from the seed: %d files written, %d already present",
+                "coldsnap: %s: vLLM's model-class inspection cache placed from the seed: %d files written, %d already"
+                " present (placed for every start of this process, whatever its load format, because"
+                " COLDSNAP_ARTIFACT_DIR is set; COLDSNAP_DERIVED_CACHE=off turns seeds off)",
                 folder,
                 placement.placed_files,
                 placement.present_files,
@@ -151,13 +150,12 @@ def _candidates(artifact_dir: Path, state_root: Path, overlays: bool) -> Iterato
     """``(folder, pins)`` of each seed to try: every portable capsule of the artifact, then this node's
     valid overlays of them (:func:`coldsnap_core.restore.overlay.find_overlay`, for the target each is
     bound to)."""
-    data = read_document_bytes(artifact_dir / DESCRIPTOR_FILENAME)
-    descriptor = ArtifactDescriptor.loads(data, file=str(artifact_dir / DESCRIPTOR_FILENAME))
+    # artifact.json within its 8 MiB cap (MAX_DESCRIPTOR_BYTES): this runs in every vLLM process, any load format
+    descriptor, descriptor_sha256 = read_descriptor_bytes(artifact_dir)
     for entry in descriptor.workers:
         yield artifact_dir / entry.capsule, entry.capsule_files
     if not overlays:
         return
-    descriptor_sha256 = hashlib.sha256(data).hexdigest()
     base = state_root / OVERLAYS_DIRNAME / artifact_key(artifact_dir)
     for entry in descriptor.workers:
         for path in sorted(base.glob(f"*/{entry.worker.capsule_name}/{OVERLAY_FILENAME}")):
@@ -170,4 +168,4 @@ def _candidates(artifact_dir: Path, state_root: Path, overlays: bool) -> Iterato
                 yield lookup.path, lookup.descriptor.seed_files
 
 
-__all__ = ["EARLY_FIELDS", "EARLY_PREFIX", "flush_log", "place_early"]
+__all__ = ["EARLY_FIELDS", "EARLY_PREFIX", "place_early"]

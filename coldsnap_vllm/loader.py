@@ -43,7 +43,7 @@ from coldsnap_core.identity.config_digest import engine_config_sha256
 from coldsnap_core.identity.model_identity import engine_checkpoint_files
 from coldsnap_core.load_policy import LoadCall, LoadOutcome, LoadPolicy, ModelSource, ObservedLoader
 from coldsnap_core.settings import ColdsnapSettings
-from coldsnap_vllm import compat, early_seed
+from coldsnap_vllm import compat
 from coldsnap_vllm import derived_cache as seeds
 from coldsnap_vllm import state as load_state
 
@@ -177,7 +177,6 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
         # A later load in this process (vLLM's reload_weights, a second load_weights) replaces the weights:
         # what the sleep backend works from is this load's state or none, never the previous load's.
         load_state.clear()
-        early_seed.flush_log()  # register()'s line, if vLLM's logging was not configured yet then
         config_sha256 = engine_config_sha256(model_config)
         source = ModelSource(str(model_config.model), model_config.revision, config_sha256, self.load_config.download_dir)
         outcome = self.policy.load(LoadCall(model, source, _Inputs(model_config, self._vllm_config)))
