@@ -22,18 +22,18 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import fnmatch
 import hashlib
 import os
 import re
-import stat
 import tarfile
 from collections.abc import Iterable
 from pathlib import Path
 
 import msgspec
 
-from coldsnap_core._io import os_error
-from coldsnap_core.errors import CapsulePinMismatchError, ManifestValueError, MissingObjectError, UnsafePathError
+from coldsnap_core._io import open_regular
+from coldsnap_core.errors import CapsulePinMismatchError, ManifestValueError
 from coldsnap_core.format._strict import Document, Record, Sha256, Text, matching, read_document_bytes
 from coldsnap_core.format.content_ref import ContentRef
 from coldsnap_core.format.descriptor import SEED_FILENAMES, CapsuleFile
@@ -51,6 +51,19 @@ _MEMBER = r"(?:vllm-cache|inductor-cache)(?:/(?!\.\.?(?:/|\Z))[A-Za-z0-9._+=-]+)
 MEMBER_RE = re.compile(_MEMBER)
 MemberPath = matching(_MEMBER)
 """A member path: a root name, then one or more components of safe characters, none ``.`` or ``..``."""
+
+SHARED_FOLDERS = (
+    "vllm-cache/modelinfos",
+    "vllm-cache/torch_compile_cache",
+    "vllm-cache/torch_compile_cache/torch_aot_compile",
+    "inductor-cache/*",
+)
+"""Paths (``*``: any one component) that vLLM's and torch inductor's caches use as folders for every model's
+start: a seed member there is a file in a folder's place, which would make each later compiling start on
+the node fail, so a seed listing one is malformed (``docs/format.md`` §17.1). vLLM names the first three
+(``vllm/model_executor/models/registry.py``, ``vllm/compilation/backends.py``, ``vllm/compilation/caching.py``);
+inductor writes files only into folders below its cache root (``torch/_inductor/codecache.py``: ``fxgraph/``,
+``aotautograd/``, the two-character folders of generated code, ``locks/``)."""
 
 TARGET_QUALIFICATION_FIELDS = QUALIFYING_FIELDS
 """The qualification's fields that are the target identity's: the ones a residual qualifies on
@@ -171,10 +184,18 @@ class SeedDocument(Document, tag=SEED_KIND):
             below = bisect.bisect_left(paths, path + "/")
             if below < len(paths) and paths[below].startswith(path + "/"):
                 raise ManifestValueError(f"member {paths[below]!r} lies inside member {path!r}, which is a file")
+            if any(_occupies(path, folder) for folder in SHARED_FOLDERS):
+                raise ManifestValueError(f"member {path!r} is a file where every start's compile cache keeps a folder")
 
     @property
     def size_bytes(self) -> int:
         return sum(m.size_bytes for m in self.members)
+
+
+def _occupies(path: str, folder: str) -> bool:
+    """Whether the member ``path`` is at ``folder`` (a :data:`SHARED_FOLDERS` pattern), component by component."""
+    parts, pattern = path.split("/"), folder.split("/")
+    return len(parts) == len(pattern) and all(map(fnmatch.fnmatchcase, parts, pattern))
 
 
 def read_cpu_isa_flags(cpuinfo: Path = CPUINFO) -> tuple[str, ...]:
@@ -211,15 +232,7 @@ def read_seed(capsule_dir: Path, pins: dict[str, CapsuleFile]) -> SeedDocument:
 def verified_archive(path: Path, pin: CapsuleFile):
     """The seed archive opened once (no symbolic link followed, never blocking on a pipe, regular files only),
     hashed in full against ``pin``, and yielded at offset 0: the bytes read as a tar are the bytes hashed."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError as exc:
-        raise MissingObjectError("the seed archive does not exist", file=path) from exc
-    except OSError as exc:
-        raise os_error("the seed archive cannot be opened", exc, path) from exc
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UnsafePathError("the seed archive is not a regular file", file=path)
+    with open_regular(path, "seed archive") as (fd, _), os.fdopen(fd, "rb", closefd=False) as f:
         digest, size = hashlib.sha256(), 0
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)

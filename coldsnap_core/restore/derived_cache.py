@@ -9,6 +9,7 @@ engine compiles as it would without one.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from coldsnap_core._io import fsync_dir, fsync_fd, write_all
+from coldsnap_core._io import fsync_fd, write_all
 from coldsnap_core.artifact.derived_cache import (
     SEED_ARCHIVE_FILENAME,
     SeedDocument,
@@ -139,7 +140,7 @@ def _place_members(
         for info, member in archive_members(tar, document, archive_path):
             if only is not None and not member.name.startswith(only):
                 continue
-            root_name = member.name.partition("/")[0]
+            root_name, _, relative = member.name.partition("/")
             target = _member_target(member.name, roots)
             if os.path.lexists(target):
                 present += 1
@@ -149,36 +150,61 @@ def _place_members(
             data = extracted.read()
             if hashlib.sha256(data).hexdigest() != member.sha256:
                 raise CapsulePinMismatchError(f"archive member {info.name} does not match its SHA-256", file=archive_path)
-            placed += _install(target, data, roots[root_name])
+            placed += _install(roots[root_name], relative, data)
     return placed, present
 
 
-def _install(target: Path, data: bytes, root: Path) -> int:
-    """Write ``data`` to ``target`` unless something is there (1 if written, else 0). Every folder on the
-    way below ``root`` must be a real folder (no symbolic link leads the file elsewhere)."""
-    parent = target.parent
-    folder = root
+def _install(root: Path, relative: str, data: bytes) -> int:
+    """Write ``data`` to ``root/relative`` unless something is there (1 if written, else 0).
+
+    The folders below ``root`` are walked by descriptor, each opened ``O_DIRECTORY | O_NOFOLLOW`` relative
+    to the one above (``openat``), and the file is created and linked relative to the last: a folder
+    swapped for a symbolic link by a racer at any moment cannot lead the file out of ``root`` (checking
+    each path, then writing by path, could). ``root`` itself may be a link (``VLLM_CACHE_ROOT`` may name one).
+
+    Raises:
+        UnsafePathError: a symbolic link or a file where a folder below ``root`` belongs.
+        OSError / InsufficientSpaceError / CacheError: a folder cannot be made or the file written.
+    """
+    *folders, name = relative.split("/")
     root.mkdir(parents=True, exist_ok=True)
-    for part in parent.relative_to(root).parts:
-        folder = folder / part
-        if os.path.islink(folder):
-            raise UnsafePathError("refusing a symbolic link in the compile cache", file=folder)
-        with contextlib.suppress(FileExistsError):
-            folder.mkdir()
-    temp = parent / f".{target.name}.{secrets.token_hex(8)}.partial"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for depth, part in enumerate(folders, 1):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, dir_fd=fd)
+            try:
+                below = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    where = root.joinpath(*folders[:depth])
+                    raise UnsafePathError("refusing a symbolic link or file in the compile cache", file=where) from exc
+                raise
+            os.close(fd)
+            fd = below
+        return _link_new(fd, name, data, file=root / relative)
+    finally:
+        os.close(fd)
+
+
+def _link_new(folder_fd: int, name: str, data: bytes, *, file: Path) -> int:
+    """Create ``name`` in the open folder ``folder_fd`` with ``data`` by a temporary file and a hard link,
+    never over an entry already there (1 if created, else 0)."""
+    temp = f".{name}.{secrets.token_hex(8)}.partial"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder_fd)
     try:
         try:
-            write_all(fd, data, file=temp)
-            fsync_fd(fd, file=temp)
+            write_all(fd, data, file=file)
+            fsync_fd(fd, file=file)
         finally:
             os.close(fd)
         try:
-            os.link(temp, target)  # fails if anything is there: never replaces an entry
+            # fails if anything is there: never replaces an entry
+            os.link(temp, name, src_dir_fd=folder_fd, dst_dir_fd=folder_fd, follow_symlinks=False)
         except FileExistsError:
             return 0
-        fsync_dir(parent)
+        os.fsync(folder_fd)
         return 1
     finally:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
+            os.unlink(temp, dir_fd=folder_fd)

@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -246,6 +247,17 @@ def test_a_seed_archive_that_is_a_named_pipe_is_skipped_without_blocking(capture
     assert placement.status == "skipped" and "not a regular file" in placement.reason
 
 
+def test_a_named_pipe_seed_archive_is_reported_as_not_a_regular_file(captured_2layer: Captured, tmp_path: Path) -> None:
+    """A FIFO in place of derived-cache.tar: ``coldsnap verify`` exits 4 under rule ``regular-file`` naming the
+    archive. Fails if it is reported under rule ``no-symlinks`` (it is no symbolic link)."""
+    c = seeded(captured_2layer, tmp_path)
+    (c.capsule_dir / SEED_ARCHIVE_FILENAME).unlink()
+    os.mkfifo(c.capsule_dir / SEED_ARCHIVE_FILENAME)
+    result = run_cli("verify", c.artifact_dir, "--state-root", c.state_root)
+    assert result.returncode == 4 and "rule regular-file failed" in result.stderr, result.stderr
+    assert str(c.capsule_dir / SEED_ARCHIVE_FILENAME) in result.stderr
+
+
 def test_coldsnap_inspect_shows_the_seed_and_whether_a_start_would_skip_it(captured_2layer: Captured, tmp_path: Path) -> None:
     """``coldsnap inspect`` names each capsule's seed: its file count and what it was compiled for, ``none``
     without one, and ``refused`` with the rule when a flipped archive byte means a start would skip it; the
@@ -315,3 +327,93 @@ def test_a_deep_member_path_does_not_hold_up_the_read(captured_2layer: Captured,
     result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert int(result.stdout) == len(deep)
+
+
+def _seed_of(c: Captured, tmp_path: Path, files: dict[str, bytes]) -> None:
+    """Make ``files`` (member path -> bytes) the capsule's whole seed, every pin matching."""
+    import io
+    import tarfile
+
+    archive = tmp_path / "replaced.tar"
+    with tarfile.open(archive, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in sorted(files.items()):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    members = [{"path": n, "size_bytes": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in sorted(files.items())]
+    _replace_archive(c, archive, members)
+
+
+@pytest.mark.parametrize(
+    "member",
+    [
+        "vllm-cache/torch_compile_cache",
+        "vllm-cache/torch_compile_cache/torch_aot_compile",
+        "vllm-cache/modelinfos",
+        "inductor-cache/fxgraph",
+    ],
+)
+def test_a_member_in_the_place_of_a_shared_cache_folder_is_refused(
+    captured_2layer: Captured, tmp_path: Path, member: str
+) -> None:
+    """A seed whose member is a file where vLLM's or inductor's cache keeps a folder every compiling start uses,
+    every pin matching: ``coldsnap verify`` refuses it (exit 2, naming the member) and placement skips it, writing
+    nothing. Fails if such a seed verifies and is placed: the file would break every later compiled start of any
+    model on the node (vLLM could not create its cache folder)."""
+    c = seeded(captured_2layer, tmp_path)
+    _seed_of(c, tmp_path, {member: b"not a folder"})
+    result = run_cli("verify", c.artifact_dir, "--state-root", c.state_root)
+    assert result.returncode == 2 and f"member {member!r} is a file where" in result.stderr, result.stderr
+    cache = tmp_path / "cache"
+    placement = place(c, cache)
+    assert placement.status == "skipped" and f"member {member!r}" in placement.reason
+    assert not (tmp_path / "inductor").exists() and not cache.exists()
+
+
+EXCHANGER = """
+import ctypes, os, sys
+renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+a, b = (os.fsencode(p) for p in sys.argv[1:3])
+print("exchanging", flush=True)
+while True:
+    if renameat2(-100, a, -100, b, 2) != 0:  # AT_FDCWD, RENAME_EXCHANGE: both names always exist
+        raise OSError(ctypes.get_errno(), "renameat2")
+"""
+"""Exchanges two paths for ever, atomically (``renameat2(RENAME_EXCHANGE)``, Linux 3.15)."""
+
+
+def test_a_folder_swapped_for_a_link_never_leads_a_placement_out_of_the_cache(captured_2layer: Captured, tmp_path: Path) -> None:
+    """A same-user process exchanges a cache folder (``torch_compile_cache/torch_aot_compile``) with a symbolic
+    link to a folder outside the cache, atomically and without pause, while the seed is placed 300 times
+    (the exchanger paused after each, to look and clean up): nothing is ever created outside the cache. Fails if
+    placement checks each folder for a link and then writes by path: a folder that was real when checked is the
+    link when written through (the old code created folders and files outside)."""
+    import signal
+
+    c = seeded(captured_2layer, tmp_path)
+    cache, outside = tmp_path / "cache", tmp_path / "outside"
+    folder = cache / "torch_compile_cache" / "torch_aot_compile"
+    folder.mkdir(parents=True)
+    outside.mkdir()
+    link = cache / "torch_compile_cache" / "elsewhere"
+    link.symlink_to(outside)
+    exchanger = subprocess.Popen([sys.executable, "-c", EXCHANGER, str(folder), str(link)], stdout=subprocess.PIPE, text=True)
+    statuses: dict[str, int] = {}
+    try:
+        assert exchanger.stdout.readline() == "exchanging\n"
+        for _ in range(300):
+            status = place(c, cache).status
+            statuses[status] = statuses.get(status, 0) + 1
+            os.kill(exchanger.pid, signal.SIGSTOP)
+            os.waitpid(exchanger.pid, os.WUNTRACED)
+            escaped = sorted(p.relative_to(outside).as_posix() for p in outside.rglob("*"))
+            assert escaped == [], f"placed outside the cache: {escaped} ({statuses})"
+            for name in (folder, link):
+                if not name.is_symlink():
+                    shutil.rmtree(name / "0123abcd", ignore_errors=True)
+            os.kill(exchanger.pid, signal.SIGCONT)
+        assert exchanger.poll() is None, "the exchanger stopped: renameat2 failed"
+    finally:
+        exchanger.kill()
+        exchanger.wait()
+    assert statuses.get("used", 0) + statuses.get("skipped", 0) == 300, statuses
