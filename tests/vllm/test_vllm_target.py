@@ -393,6 +393,55 @@ def test_cache_ls_gc_and_inspect_show_overlays(overlaid, capsys) -> None:
     assert not path.exists() and list_overlays(state) == []
 
 
+OTHER_UID = 54321
+"""A uid with no passwd entry: another user, for ``chown`` (the tests run as root)."""
+
+
+def _owners(root: Path) -> set[int]:
+    return {p.lstat().st_uid for p in [root, *root.rglob("*")]}
+
+
+def _records(state: Path) -> dict[Path, tuple[int, bytes]]:
+    return {p: (p.lstat().st_uid, p.read_bytes()) for p in state.rglob("*.pack.record")}
+
+
+def test_another_users_cache_gc_and_verify_remove_and_re_own_nothing(overlaid, capsys) -> None:
+    """Catches ``coldsnap cache gc`` run by another user (root's cron, ``sudo``) removing the engine user's current
+    overlays (another uid's ``overlay.json`` is untrusted, so it was listed ``invalid`` and removed) and ``cache
+    verify --full`` rewriting that user's validation records as its own (that user's next restore then hashes in
+    full): over a state root another uid owns both refuse before touching anything (exit 4, naming the uid); in a
+    state root of their own, another user's overlay is kept and named (``foreign``) and another user's object and
+    record are left unverified and named, exit 4, bytes and owners unchanged."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give files to another uid")
+    _, state, path = overlaid
+    records = _records(state)
+    assert records
+    shutil.chown(state, OTHER_UID, OTHER_UID)
+    for p in state.rglob("*"):
+        os.chown(p, OTHER_UID, OTHER_UID, follow_symlinks=False)
+    for command in (["cache", "gc"], ["cache", "verify", "--full"]):
+        assert coldsnap_main([*command, "--state-root", str(state)]) == 4, command
+        assert f"the state root belongs to uid {OTHER_UID}" in capsys.readouterr().err
+    assert path.is_dir() and _owners(state) == {OTHER_UID} and _records(state).keys() == records.keys()
+
+    # a state root of this user's own, holding another user's overlay, object and record
+    for p in [state, *state.rglob("*")]:
+        os.chown(p, 0, 0, follow_symlinks=False)
+    for p in [path, *path.iterdir(), *records]:
+        os.chown(p, OTHER_UID, OTHER_UID, follow_symlinks=False)
+    object_path = next(iter(records)).with_name(next(iter(records)).name.removesuffix(".record"))
+    os.chown(object_path, OTHER_UID, OTHER_UID)
+    records = _records(state)
+    assert coldsnap_main(["cache", "gc", "--state-root", str(state)]) == 4
+    err = capsys.readouterr().err
+    assert f"kept overlay {path} (foreign: it belongs to uid {OTHER_UID}" in err and "kept 1 overlay(s)" in err
+    assert path.is_dir() and [o.status for o in list_overlays(state)] == ["foreign"]
+    assert coldsnap_main(["cache", "verify", "--full", "--state-root", str(state)]) == 4
+    assert f"it belongs to uid {OTHER_UID}, not 0: left unverified" in capsys.readouterr().err
+    assert _records(state) == records and object_path.lstat().st_uid == OTHER_UID
+
+
 def test_explicit_overlay_capture(exported, model_config, tmp_path: Path, monkeypatch) -> None:
     """Catches ``COLDSNAP_OVERLAY=capture`` restoring instead of capturing: on a qualified target it loads
     the checkpoint and records the target qualified (the capture is identical), and it refuses to run
@@ -558,12 +607,13 @@ def _seed_with_modelinfo(folder: Path) -> list[tuple[str, Path]]:
 @pytest.fixture
 def early(monkeypatch, tmp_path: Path):
     """:func:`coldsnap_vllm.early_seed.place_early` as a fresh process runs it: its once-per-process flag
-    reset, ``VLLM_CACHE_ROOT`` an empty folder (returned with the function)."""
+    reset, ``VLLM_CACHE_ROOT`` an empty folder (returned with the function), vLLM's logging not configured."""
     import coldsnap_vllm.early_seed as early_seed
 
     cache = tmp_path / "fresh-node-cache"
     monkeypatch.setattr(early_seed, "_done", False)
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(cache))
+    monkeypatch.setattr(logging.getLogger("vllm"), "handlers", [])  # as when vLLM calls register(): not configured yet
     return early_seed.place_early, cache
 
 
@@ -571,27 +621,26 @@ def _early_env(artifact: Path, state: Path, **more: str) -> dict[str, str]:
     return {"COLDSNAP_ARTIFACT_DIR": str(artifact), "COLDSNAP_STATE_ROOT": str(state), **more}
 
 
-def test_register_places_the_seeds_modelinfos_once_and_only_them(exported, tmp_path: Path, early, caplog) -> None:
+def test_register_places_the_seeds_modelinfos_once_and_only_them(exported, tmp_path: Path, early, capsys) -> None:
     """Catches a seed whose model-class inspection cache is placed only in ``load_weights`` (after vLLM read
     it), compiled files placed before their full qualification is known, a second placement in one process,
     an existing entry replaced, and a corrupt seed placed: the first call places exactly the modelinfos entry
     (one INFO line), a second does nothing; an entry already there is kept; a flipped archive byte skips
-    with one INFO line naming the archive; ``COLDSNAP_DERIVED_CACHE=off`` and export place nothing."""
+    with one INFO line naming the archive; ``COLDSNAP_DERIVED_CACHE=off`` and export place nothing. vLLM's logging
+    is not configured yet here, as when vLLM calls ``register()``: each line is written at once to its stream."""
     place_early, cache = early
     artifact = _copy_artifact(exported, tmp_path)
     from coldsnap_core.artifact.capsules import read_descriptor
-    from coldsnap_vllm.early_seed import flush_log
 
     (entry,) = read_descriptor(artifact).workers
     attach_seed(artifact, entry.worker, entry.payload.sha256, _current_qualification(), _seed_with_modelinfo(tmp_path / "c"))
     env = _early_env(artifact, tmp_path / "state")
-    with caplog.at_level(logging.INFO, logger="coldsnap_vllm"):
-        placement = place_early(env)
-        assert place_early(env) is None
-        flush_log()  # a line made before vLLM configured its logging comes out when the loader runs
+    capsys.readouterr()
+    placement = place_early(env)
+    assert place_early(env) is None
     assert (placement.status, placement.placed_files, placement.present_files) == ("used", 1, 0)
     assert [p.relative_to(cache).as_posix() for p in cache.rglob("*") if p.is_file()] == [MODELINFO.split("/", 1)[1]]
-    lines = [r.getMessage() for r in caplog.records if "inspection cache" in r.getMessage()]
+    lines = [line for line in capsys.readouterr().out.splitlines() if "inspection cache" in line]
     assert len(lines) == 1 and "placed from the seed: 1 files written" in lines[0]
 
     import coldsnap_vllm.early_seed as early_seed
@@ -604,12 +653,10 @@ def test_register_places_the_seeds_modelinfos_once_and_only_them(exported, tmp_p
     placed.unlink()
     flip_byte(artifact / CAPSULE / SEED_ARCHIVE_FILENAME, 700)
     early_seed._done = False
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="coldsnap_vllm"):
-        skipped = place_early(env)
-        flush_log()
+    capsys.readouterr()
+    skipped = place_early(env)
     assert skipped.status == "skipped" and f"{SEED_ARCHIVE_FILENAME} is" in skipped.reason and not placed.exists()
-    (line,) = [r.getMessage() for r in caplog.records if "inspection cache" in r.getMessage()]
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if "inspection cache" in line]
     assert "not placed from the seed" in line
     flip_byte(artifact / CAPSULE / SEED_ARCHIVE_FILENAME, 700)  # intact again
     for more in ({"COLDSNAP_DERIVED_CACHE": "off"}, {"COLDSNAP_EXPORT_MODEL_PAYLOAD": "1"}):
@@ -656,3 +703,53 @@ def test_register_places_the_overlays_modelinfos_after_an_engine_upgrade(
     early_seed._done = False
     assert place_early({**env, "COLDSNAP_OVERLAY": "off"}).status == "skipped"
     assert not (cache / MODELINFO.split("/", 1)[1]).exists()
+
+
+PLAIN_START = "import sys; from vllm.engine.arg_utils import EngineArgs; EngineArgs(model=sys.argv[1], load_format='safetensors')"
+"""What a plain ``--load-format safetensors`` start does before vLLM configures its logging: ``EngineArgs`` calls the
+general plugins, coldsnap's ``register()`` among them (``vllm/engine/arg_utils.py``)."""
+
+
+def _plain_start(model: Path, artifact: Path, tmp_path: Path) -> list[str]:
+    """Run :data:`PLAIN_START` in a fresh process with ``COLDSNAP_ARTIFACT_DIR`` set; its lines about the seed."""
+    env = {
+        **os.environ,
+        "COLDSNAP_ARTIFACT_DIR": str(artifact),
+        "COLDSNAP_STATE_ROOT": str(tmp_path / "state"),
+        "VLLM_CACHE_ROOT": str(tmp_path / "fresh-node-cache"),
+    }
+    done = subprocess.run([sys.executable, "-c", PLAIN_START, str(model)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [line for line in (done.stdout + done.stderr).splitlines() if "inspection cache" in line]
+
+
+@pytest.mark.slow  # about 45 s: a fresh interpreter imports vLLM's EngineArgs
+def test_register_reads_artifact_json_within_its_cap_and_says_itself_that_it_skipped(
+    smollm2_2layer: Path, tmp_path: Path
+) -> None:
+    """A 9 MiB ``artifact.json`` (over the 8 MiB cap of an artifact descriptor) named by ``COLDSNAP_ARTIFACT_DIR``, in a
+    plain ``safetensors`` start: ``register()`` refuses it unparsed and says so itself, one INFO line naming the cap.
+    Fails if the document is parsed without the cap (a 150 MiB one took a plain start to 4.66 GB and 21 s), or if the
+    line waits for a flush that only coldsnap's loader makes (a start of another load format said nothing)."""
+    artifact = tmp_path / "artifact"
+    artifact.mkdir()
+    (artifact / "artifact.json").write_bytes(b"{" + b" " * (9 << 20) + b"}")
+    (line,) = _plain_start(smollm2_2layer, artifact, tmp_path)
+    assert "INFO" in line and "not placed from the seed" in line and f"more than the {8 << 20} bytes" in line, line
+
+
+@pytest.mark.slow  # about 45 s: a fresh interpreter imports vLLM's EngineArgs
+def test_register_says_it_placed_a_seed_for_a_start_of_any_load_format(exported, smollm2_2layer: Path, tmp_path: Path) -> None:
+    """A seeded artifact named by ``COLDSNAP_ARTIFACT_DIR``, in a plain ``safetensors`` start (not coldsnap's load
+    format): ``register()`` places the seed's model-class inspection cache and says so in one INFO line, naming why
+    (the variable, whatever the load format) and how to turn seeds off. Fails if a placement for a start of
+    another load format goes unsaid (a seed's files are the artifact author's, docs/format.md §17)."""
+    artifact = _copy_artifact(exported, tmp_path)
+    from coldsnap_core.artifact.capsules import read_descriptor
+
+    (entry,) = read_descriptor(artifact).workers
+    attach_seed(artifact, entry.worker, entry.payload.sha256, _current_qualification(), _seed_with_modelinfo(tmp_path / "c"))
+    (line,) = _plain_start(smollm2_2layer, artifact, tmp_path)
+    assert "INFO" in line and "placed from the seed: 1 files written" in line, line
+    assert "whatever its load format" in line and "COLDSNAP_DERIVED_CACHE=off" in line, line
+    assert (tmp_path / "fresh-node-cache" / MODELINFO.split("/", 1)[1]).is_file()
