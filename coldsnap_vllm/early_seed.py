@@ -110,14 +110,15 @@ def _place(environ: Mapping[str, str]) -> SeedPlacement | None:
     for folder, pins in _candidates(settings.artifact_dir, settings.state_root, settings.overlay != "off"):
         placement = place_seed(folder, pins, current, roots, log=_candidates_log, only=EARLY_PREFIX, fields=EARLY_FIELDS)
         if placement.status == "used":
-            _info(
-                "coldsnap: %s: vLLM's model-class inspection cache placed from the seed: %d files written, %d already"
-                " present (placed for every start of this process, whatever its load format, because"
-                " COLDSNAP_ARTIFACT_DIR is set; COLDSNAP_DERIVED_CACHE=off turns seeds off)",
-                folder,
-                placement.placed_files,
-                placement.present_files,
-            )
+            if placement.placed_files:  # all already there (another process of this start placed them): nothing done
+                _info(
+                    "coldsnap: %s: vLLM's model-class inspection cache placed from the seed: %d files written, %d already"
+                    " present (register() places it in every start with COLDSNAP_ARTIFACT_DIR set, whatever its load"
+                    " format; COLDSNAP_DERIVED_CACHE=off turns seeds off)",
+                    folder,
+                    placement.placed_files,
+                    placement.present_files,
+                )
             return placement
         if placement.status == "skipped" and skipped is None:
             skipped = (folder, placement)
