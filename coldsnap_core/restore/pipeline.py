@@ -343,7 +343,7 @@ class WorkerRestore:
                     log_quarantine=False,
                 )
             except MissingObjectError:
-                return self._stage(manifest)
+                return self._stage(manifest, layout)
         except (PayloadUnavailableError, StoreError):
             self.pack_unavailable = True
             raise
@@ -354,12 +354,20 @@ class WorkerRestore:
             self.pack_unavailable = not self.cache.object_path(pack.sha256).exists()
             raise
 
-    def _stage(self, manifest: NativeManifest) -> Path:
+    def _stage(self, manifest: NativeManifest, layout: PackLayout) -> Path:
         """:func:`~coldsnap_core.restore.staging.stage_payload` of the pack, timed (:attr:`stage_seconds`) and its
-        fetched bytes counted (:attr:`fetched_bytes`)."""
+        fetched bytes counted (:attr:`fetched_bytes`); a store's corrupt copy is refused naming its first bad extent
+        or padding byte (``layout``)."""
         started = time.perf_counter()
         try:
-            return stage_payload(manifest.pack, cache=self.cache, store=self.store, fetched=self._count_fetched)
+            return stage_payload(
+                manifest.pack,
+                cache=self.cache,
+                store=self.store,
+                fetched=self._count_fetched,
+                layout=layout,
+                extent_owner=extent_owner_map(manifest),
+            )
         finally:
             if self.store is not None:  # without a store the missing pack fails at once: nothing was staged
                 self.stage_seconds = time.perf_counter() - started

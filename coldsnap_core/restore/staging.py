@@ -6,15 +6,20 @@ Only the payload assigned to each worker is staged, on the host that owns that w
 1. the node-local cache: a trusted validation record (a few ``stat`` calls), else a full SHA-256 by
    the one verifier under the digest's lock; a corrupt object is quarantined;
 2. the configured payload store (:mod:`coldsnap_core.stores`): fetched under the digest's lock into a
-   unique temporary file, verified by :func:`coldsnap_core.format.verify.verify_pack_file` (size, then
-   SHA-256), committed by :meth:`PayloadCache.commit` (fsync, rename, folder fsync, record);
+   unique temporary file whose SHA-256 is computed in one pass as the bytes land (:class:`LandedHash`: in pack
+   order, right behind the prefix that has landed, from the page cache the writes just filled), so the hash is
+   ready when the last byte lands and the file is never read again to verify it; committed by
+   :meth:`PayloadCache.commit` (fsync, rename, folder fsync, the validation record of that hash) only when that
+   SHA-256 is the pack's name;
 3. otherwise :class:`~coldsnap_core.errors.PayloadUnavailableError` (no source holds the pack) or
    :class:`~coldsnap_core.errors.StoreError` (the store did not answer or failed); on either,
    ``COLDSNAP_RESTORE=auto`` falls back to the safetensors recovery load (it falls back on every
    coldsnap error).
 
 A store object that does not verify is reported as the store's: the error names the object in the
-store (:meth:`PayloadStore.location`), not the cache temporary it was fetched into.
+store (:meth:`PayloadStore.location`), not the cache temporary it was fetched into, and, given the manifest's
+layout, the first bad stored extent or padding byte by its pack offset (the one verifier,
+:func:`coldsnap_core.format.verify.verify_pack_file`, reads the refused temporary once more to find it).
 
 Every path is derived from the digest alone; a :class:`PackRef` whose ``path`` is not
 ``model-payloads/sha256/<sha256>.pack`` is refused before anything is read.
@@ -22,6 +27,8 @@ Every path is derived from the digest alone; a :class:`PackRef` whose ``path`` i
 
 from __future__ import annotations
 
+import hashlib
+import heapq
 import logging
 import os
 import threading
@@ -30,19 +37,23 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from coldsnap_core._io import HASH_CHUNK_BYTES, os_error
 from coldsnap_core._progress import ProgressLines
 from coldsnap_core.artifact.capsules import find_worker, read_descriptor, read_worker_capsule
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.digests import check_digest, pack_relpath
 from coldsnap_core.errors import (
+    CacheError,
     IntegrityError,
     MissingObjectError,
+    PackDigestMismatchError,
     PackPathMismatchError,
     PayloadUnavailableError,
     StoreError,
 )
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WorkerEntry
 from coldsnap_core.format.manifest import PackRef, WorkerIdentity
+from coldsnap_core.format.pack_layout import PackEntry, PackLayout
 from coldsnap_core.format.verify import verify_pack_file
 from coldsnap_core.stores.base import PayloadStore
 
@@ -74,6 +85,8 @@ def stage_payload(
     store: PayloadStore | None = None,
     progress: Callable[[int], object] | None = None,
     fetched: Callable[[int], object] | None = None,
+    layout: PackLayout | None = None,
+    extent_owner: Callable[[PackEntry], tuple[int | None, int | None]] | None = None,
 ) -> Path:
     """Return the admitted object path of ``pack`` in ``cache``, fetching it from ``store`` if needed.
 
@@ -85,6 +98,10 @@ def stage_payload(
             each byte twice: once copied, once verified).
         fetched: called with a number of bytes after each chunk the store wrote (fetched bytes only; one call
             at a time).
+        layout, extent_owner: the pinned manifest's canonical layout and its map of a stored extent to one
+            destination (:func:`coldsnap_core.format.verify.verify_pack_file`): a fetched object that does not
+            hash to its name is then refused naming its first bad extent or padding byte; without them, naming
+            the object only.
 
     Returns:
         ``<state-root>/model-payloads/sha256/<sha256>.pack``, verified (record or full hash).
@@ -123,15 +140,16 @@ def stage_payload(
             return cache.admit_locked(digest, pack.size_bytes, progress=progress)
         except (MissingObjectError, IntegrityError):
             pass  # absent, or corrupt and now quarantined: fetch it
-        return _fetch(pack, cache, store, progress, fetched)
+        return _fetch(pack, cache, store, progress, fetched, layout, extent_owner)
 
 
 @contextmanager
 def _fetch_watch(
     pack: PackRef, store: PayloadStore, progress: Callable[[int], object] | None, fetched: Callable[[int], object] | None
-) -> Iterator[Callable[[int], object]]:
-    """A progress callback for ``store.fetch`` that counts the bytes written (and passes them on to
-    ``progress`` and ``fetched``) and, while the fetch runs, logs at INFO: a progress line (bytes, GB/s, ETA;
+) -> Iterator[tuple[Callable[[int], object], Callable[[int], object]]]:
+    """Two progress callbacks, ``(counted, hashed)``: ``counted`` for ``store.fetch`` counts the bytes written (and
+    passes them on to ``progress`` and ``fetched``), ``hashed`` passes the bytes hashed on to ``progress``, one call
+    at a time across both. While the fetch runs it logs at INFO: a progress line (bytes, GB/s, ETA;
     :class:`coldsnap_core._progress.ProgressLines`) when it starts, at least every 10 s while bytes arrive and when
     it ends, and one line after every :data:`FETCH_NOTICE_INTERVAL_S` without a byte written: the pack, the store,
     the bytes so far and how long nothing arrived."""
@@ -149,6 +167,11 @@ def _fetch_watch(
             if fetched is not None:
                 fetched(n)
             if progress is not None:
+                progress(n)
+
+    def hashed(n: int) -> None:
+        if progress is not None:
+            with lock:
                 progress(n)
 
     def watch() -> None:
@@ -171,11 +194,99 @@ def _fetch_watch(
     watcher = threading.Thread(target=watch, name=f"coldsnap-fetch-watch-{pack.sha256[:12]}", daemon=True)
     watcher.start()
     try:
-        yield counted
+        yield counted, hashed
     finally:
         done.set()
         watcher.join()
         lines.close()
+
+
+class LandedHash:
+    """The SHA-256 of a file being fetched (``path``, ``size_bytes`` long), computed on its own thread in file
+    order as the landed prefix grows.
+
+    A store lands its bytes in parallel ranges, out of order across ranges and in order within one
+    (:meth:`coldsnap_core.stores.base.PayloadStore.fetch`); :meth:`landed` is told of each written span. The
+    thread reads each byte once, right after the prefix ``[0, n)`` that has fully landed reaches it, from the page
+    cache its write just filled (no disk read while memory holds it), so the hash is ready as the last byte lands and
+    the file is never read again to verify it. ``progress`` gets the bytes hashed.
+    """
+
+    def __init__(self, path: Path, size_bytes: int, progress: Callable[[int], object]) -> None:
+        self._path, self._size_bytes, self._progress = path, size_bytes, progress
+        self._changed = threading.Condition()
+        self._prefix_bytes = 0
+        self._beyond: list[tuple[int, int]] = []  # a heap of landed (start, end) spans past the prefix
+        self._closed = self._abandoned = False
+        self._result: str | BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"coldsnap-sha256-{path.name[:12]}", daemon=True)
+        self._thread.start()
+
+    def landed(self, offset_bytes: int, size_bytes: int) -> None:
+        """Bytes ``[offset_bytes, offset_bytes + size_bytes)`` are written (spans may overlap: a server that ignores
+        ``Range`` is read again from byte 0)."""
+        with self._changed:
+            heapq.heappush(self._beyond, (offset_bytes, offset_bytes + size_bytes))
+            prefix = self._prefix_bytes
+            while self._beyond and self._beyond[0][0] <= prefix:
+                prefix = max(prefix, heapq.heappop(self._beyond)[1])
+            if prefix != self._prefix_bytes:
+                self._prefix_bytes = prefix
+                self._changed.notify()
+
+    def close(self, *, abandon: bool = False) -> None:
+        """The fetch is over: wait until the thread has hashed what landed; ``abandon`` (the fetch failed): stop it at
+        its next read instead (a failed fetch of a large pack then falls back without hashing what it wrote)."""
+        with self._changed:
+            self._closed, self._abandoned = True, abandon
+            self._changed.notify()
+        self._thread.join()
+
+    def result(self) -> str:
+        """After :meth:`close`: the file's SHA-256 (lowercase hex).
+
+        Raises:
+            FileAccessError: reading the file failed.
+            CacheError: the file ended, or the fetch stopped, before ``size_bytes`` bytes were hashed.
+        """
+        self.close()
+        if isinstance(self._result, BaseException):
+            raise self._result
+        if self._result is None:
+            raise CacheError(f"only {self._prefix_bytes} of {self._size_bytes} bytes landed", file=self._path)
+        return self._result
+
+    def _run(self) -> None:
+        digest, done = hashlib.sha256(), 0
+        buffer = memoryview(bytearray(HASH_CHUNK_BYTES))
+        try:
+            fd = os.open(self._path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                while done < self._size_bytes:
+                    with self._changed:
+                        while self._prefix_bytes <= done and not self._closed:
+                            self._changed.wait()
+                        prefix = self._prefix_bytes
+                    if prefix <= done:
+                        return  # closed before every byte landed: the fetch failed, no hash
+                    while done < prefix:
+                        if self._abandoned:
+                            return
+                        n = os.preadv(fd, [buffer[: min(len(buffer), prefix - done)]], done)
+                        if n == 0:
+                            raise CacheError(f"the file ends at byte {done}, {prefix} bytes landed", file=self._path)
+                        digest.update(buffer[:n])
+                        done += n
+                        self._progress(n)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self._result = os_error(f"hashing the fetched pack at offset {done} failed", exc, self._path)
+            return
+        except CacheError as exc:
+            self._result = exc
+            return
+        self._result = digest.hexdigest()
 
 
 def _fetch(
@@ -184,28 +295,42 @@ def _fetch(
     store: PayloadStore,
     progress: Callable[[int], object] | None,
     fetched: Callable[[int], object] | None,
+    layout: PackLayout | None,
+    extent_owner: Callable[[PackEntry], tuple[int | None, int | None]] | None,
 ) -> Path:
+    """Under the digest's lock: fetch ``pack`` into a temporary, hashed as it lands (:class:`LandedHash`), and
+    commit it with the validation record of that hash when it is the pack's name (else raise, keeping nothing)."""
     digest = pack.sha256
     with cache.temporary(digest) as (fd, temp):
         try:
-            with _fetch_watch(pack, store, progress, fetched) as counted:
-                store.fetch(digest, pack.size_bytes, fd, file=temp, progress=counted)
+            with _fetch_watch(pack, store, progress, fetched) as (counted, hashed):
+                hasher = LandedHash(temp, pack.size_bytes, hashed)
+                try:
+                    store.fetch(digest, pack.size_bytes, fd, file=temp, progress=counted, landed=hasher.landed)
+                except BaseException:
+                    hasher.close(abandon=True)
+                    raise
+                hasher.close()
         except StoreError as exc:
             raise StoreError(
                 f"the pack is not in the node-local cache and cannot be fetched: {exc.detail}", file=exc.file
             ) from exc
-        try:
-            verify_pack_file(temp, pack, progress=progress)
-        except IntegrityError as exc:
-            raise type(exc)(
-                f"{store.name} holds a corrupt copy of the pack: {exc.detail} (checked in the cache temporary {temp};"
-                " nothing was kept)",
-                file=store.location(digest),
-                allocation=exc.allocation,
-                offset_bytes=exc.offset_bytes,
-            ) from exc
-        path = cache.commit(fd, temp, sha256=digest, size_bytes=pack.size_bytes, expected_sha256=digest)
-    logger.info("coldsnap: staged pack %s from %s", digest, store.name)
+        sha256 = hasher.result()
+        if sha256 != digest:
+            try:
+                # the refused bytes are read once more, only to name the first bad extent or padding byte
+                verify_pack_file(temp, pack, layout, extent_owner=extent_owner)
+                raise PackDigestMismatchError(f"the fetched pack's SHA-256 is {sha256}, not its name", file=temp)
+            except IntegrityError as exc:
+                raise type(exc)(
+                    f"{store.name} holds a corrupt copy of the pack: {exc.detail} (checked in the cache temporary"
+                    f" {temp}; nothing was kept)",
+                    file=store.location(digest),
+                    allocation=exc.allocation,
+                    offset_bytes=exc.offset_bytes,
+                ) from exc
+        path = cache.commit(fd, temp, sha256=sha256, size_bytes=pack.size_bytes, expected_sha256=digest)
+    logger.info("coldsnap: staged pack %s from %s (hashed as it landed)", digest, store.name)
     return path
 
 

@@ -4,8 +4,8 @@
 file systems with reflinks); where the kernel refuses it (``EXDEV`` on old kernels, ``ENOSYS``,
 ``EINVAL`` on some file systems) the copy falls back to ``os.sendfile``, then to ``read``/``write``.
 Space errors (``ENOSPC``, ``EDQUOT``, ``EFBIG`` from ``RLIMIT_FSIZE``) become
-:class:`~coldsnap_core.errors.InsufficientSpaceError`. This module never judges content: the one
-verifier (:func:`coldsnap_core.format.verify.verify_pack_file`) does that after the copy.
+:class:`~coldsnap_core.errors.InsufficientSpaceError`. This module never judges content: staging
+hashes what it fetched before committing it.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ def copy_fd(
     source: str | os.PathLike[str],
     target: str | os.PathLike[str],
     progress: Callable[[int], object] | None = None,
+    landed: Callable[[int, int], object] | None = None,
 ) -> None:
-    """Copy ``size_bytes`` bytes from offset 0 of ``source_fd`` to offset 0 of ``target_fd``.
+    """Copy ``size_bytes`` bytes from offset 0 of ``source_fd`` to offset 0 of ``target_fd``; ``landed(offset_bytes,
+    size_bytes)`` after each copy call, with the bytes it wrote.
 
     Raises:
         InsufficientSpaceError: the target file system is full, a quota or ``RLIMIT_FSIZE`` was hit.
@@ -64,17 +66,25 @@ def copy_fd(
             raise CacheError(f"copying {source} failed at byte {done}: {exc}", file=target) from exc
         if n == 0:
             raise CacheError(f"{source} ended after {done} of {size_bytes} bytes", file=target)
+        if landed is not None:
+            landed(done, n)
         done += n
         if progress is not None:
             progress(n)
 
 
 def copy_file(
-    source: Path, target_fd: int, size_bytes: int, *, target: Path, progress: Callable[[int], object] | None = None
+    source: Path,
+    target_fd: int,
+    size_bytes: int,
+    *,
+    target: Path,
+    progress: Callable[[int], object] | None = None,
+    landed: Callable[[int, int], object] | None = None,
 ) -> None:
-    """Open ``source`` (``O_NOFOLLOW``) and copy its first ``size_bytes`` bytes to ``target_fd``."""
+    """Open ``source`` (``O_NOFOLLOW``) and copy its first ``size_bytes`` bytes to ``target_fd`` (:func:`copy_fd`)."""
     source_fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        copy_fd(source_fd, target_fd, size_bytes, source=source, target=target, progress=progress)
+        copy_fd(source_fd, target_fd, size_bytes, source=source, target=target, progress=progress, landed=landed)
     finally:
         os.close(source_fd)

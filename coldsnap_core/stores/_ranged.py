@@ -13,9 +13,11 @@ A backend gives :meth:`RangedStore.stat` (size and version of the object, or ``N
 * anything else a store raises (a client's exception, ``MemoryError``) is a :class:`~coldsnap_core.errors.StoreError`,
   so ``COLDSNAP_RESTORE=auto`` falls back.
 
-Nothing here judges content: the cache verifies the whole file (:func:`coldsnap_core.format.verify.verify_pack_file`)
-before admitting it. Each range's chunks go to a ``sink(offset_bytes, chunk)`` as they land, in parallel across
-ranges and in order within one, so a caller can act on a range as soon as its bytes are there.
+Nothing here judges content: staging hashes the fetched bytes as they land and commits only an object whose
+SHA-256 is its name (:func:`coldsnap_core.restore.staging.stage_payload`). Each range's chunks go to a
+``sink(offset_bytes, chunk)`` as they land, in parallel across ranges and in order within one; :meth:`RangedStore.fetch`
+writes them into the cache's temporary and then tells its ``landed`` callback, so a caller can act on bytes as soon
+as they are there.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from coldsnap_core.settings import (
     STORE_RETRIES_ENV,
     StoreClientSettings,
 )
-from coldsnap_core.stores.base import ProgressCallback
+from coldsnap_core.stores.base import LandedCallback, ProgressCallback
 
 logger = logging.getLogger(__name__)
 
@@ -212,16 +214,17 @@ def read_answer(store: RangedStore, where: str, chunks: Iterable[bytes], max_byt
     return bytes(body)
 
 
-def pwrite_sink(fd: int, file: Path) -> Sink:
-    """A sink writing each chunk at its offset of ``fd`` (``file``).
+def pwrite_sink(fd: int, file: Path, landed: LandedCallback | None = None) -> Sink:
+    """A sink writing each chunk at its offset of ``fd`` (``file``), then calling ``landed(offset_bytes, size_bytes)``.
 
     Raises (from the sink):
         InsufficientSpaceError: the cache's file system filled up.
         StoreError: another write error.
+        whatever ``landed`` raises.
     """
 
     def write(offset: int, chunk: bytes) -> None:
-        view = memoryview(chunk)
+        view, start = memoryview(chunk), offset
         while view:
             try:
                 n = os.pwrite(fd, view, offset)
@@ -230,6 +233,8 @@ def pwrite_sink(fd: int, file: Path) -> Sink:
                     raise InsufficientSpaceError(f"fetch failed at byte {offset}: {os.strerror(exc.errno)}", file=file) from exc
                 raise StoreError(f"writing the fetched bytes at {offset} failed: {exc}", file=file) from exc
             view, offset = view[n:], offset + n
+        if landed is not None:
+            landed(start, len(chunk))
 
     return write
 
@@ -358,10 +363,20 @@ class RangedStore(ABC):
             return False
         return True
 
-    def fetch(self, digest: str, size_bytes: int, fd: int, *, file: Path, progress: ProgressCallback | None = None) -> None:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch`: :meth:`stat`, then :meth:`transfer` into ``fd``;
-        a truncated or extended object is ``PackSizeMismatchError`` before a byte is read, and so is a range that
-        came back short or long; a range too slow or past its deadline, or an object that changed, ``StoreError``."""
+    def fetch(
+        self,
+        digest: str,
+        size_bytes: int,
+        fd: int,
+        *,
+        file: Path,
+        progress: ProgressCallback | None = None,
+        landed: LandedCallback | None = None,
+    ) -> None:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch`: :meth:`stat`, then :meth:`transfer` into ``fd``
+        (each chunk written, then ``landed``); a truncated or extended object is ``PackSizeMismatchError`` before a
+        byte is read, and so is a range that came back short or long; a range too slow or past its deadline, or an
+        object that changed, ``StoreError``."""
         check_digest(digest)
         with self.typed("looking up the pack", digest):
             stat = self.stat(digest)
@@ -371,7 +386,7 @@ class RangedStore(ABC):
         if mismatch := size_mismatch(PackSizeMismatchError, "stored pack", stat.size_bytes, size_bytes, file=where):
             raise mismatch
         started = time.monotonic()
-        self.transfer(digest, stat, pwrite_sink(fd, file), progress)
+        self.transfer(digest, stat, pwrite_sink(fd, file, landed), progress)
         seconds = max(time.monotonic() - started, 1e-9)
         logger.info("coldsnap: fetched %s: %d bytes in %.2f s, %.3f GB/s", where, size_bytes, seconds, size_bytes / seconds / 1e9)
 

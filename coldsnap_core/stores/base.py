@@ -11,9 +11,9 @@ Implementations: :class:`coldsnap_core.stores.local.LocalFolderStore` (a local o
 :class:`coldsnap_core.stores.oci.OciPayloadStore` (an OCI registry: the blob ``sha256:<digest>`` of a
 repository, no path; it is also an :class:`ArtifactIndex`).
 
-A store moves bytes; it never decides whether they are right. Staging runs the one verifier
-(:func:`coldsnap_core.format.verify.verify_pack_file`) on every fetched object before the cache commits it,
-and publication runs it on every local object before upload.
+A store moves bytes; it never decides whether they are right. Staging hashes every fetched object in full, as its
+bytes land, before the cache commits it, and publication runs the one verifier
+(:func:`coldsnap_core.format.verify.verify_pack_file`) on every local object before upload.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from coldsnap_core.errors import ConfigurationError
 
 ProgressCallback = Callable[[int], object]
 """Called with a number of bytes moved since the previous call."""
+LandedCallback = Callable[[int, int], object]
+"""``landed(offset_bytes, size_bytes)``: those bytes of the fetched object are now written to the target file."""
 
 
 @runtime_checkable
@@ -66,11 +68,23 @@ class PayloadStore(Protocol):
         """
         ...
 
-    def fetch(self, digest: str, size_bytes: int, fd: int, *, file: Path, progress: ProgressCallback | None = None) -> None:
+    def fetch(
+        self,
+        digest: str,
+        size_bytes: int,
+        fd: int,
+        *,
+        file: Path,
+        progress: ProgressCallback | None = None,
+        landed: LandedCallback | None = None,
+    ) -> None:
         """Write the object's bytes to ``fd`` (open for writing, at offset 0) of the file ``file``.
 
         ``file`` is a unique temporary file in the node-local cache's ``tmp/``; a store that needs
-        scratch space uses the folder ``<file>.d`` (removed by the cache with the temporary).
+        scratch space uses the folder ``<file>.d`` (removed by the cache with the temporary). ``landed`` is
+        called with ``(offset_bytes, size_bytes)`` once those bytes are written to ``fd``, from any of the fetch's
+        threads, in any order across ranges and in order within one; whatever it raises stops the fetch and is
+        raised (staging hashes the bytes in order right behind the landed prefix).
 
         Raises:
             InvalidDigestError: bad digest.

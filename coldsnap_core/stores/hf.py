@@ -52,7 +52,7 @@ from coldsnap_core.errors import (
     size_mismatch,
 )
 from coldsnap_core.stores._copy import copy_file
-from coldsnap_core.stores.base import ProgressCallback
+from coldsnap_core.stores.base import LandedCallback, ProgressCallback
 
 logger = logging.getLogger(__name__)
 
@@ -157,8 +157,18 @@ class HfPayloadStore:
             return False
         return True
 
-    def fetch(self, digest: str, size_bytes: int, fd: int, *, file: Path, progress: ProgressCallback | None = None) -> None:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch` (``HfApi.hf_hub_download``)."""
+    def fetch(
+        self,
+        digest: str,
+        size_bytes: int,
+        fd: int,
+        *,
+        file: Path,
+        progress: ProgressCallback | None = None,
+        landed: LandedCallback | None = None,
+    ) -> None:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch` (``HfApi.hf_hub_download`` into ``<file>.d``, then
+        one kernel copy into ``fd``: the bytes land as that copy writes them)."""
         relpath = pack_relpath(digest)
         scratch = file.with_name(file.name + ".d")
         scratch.mkdir(mode=0o700)
@@ -182,7 +192,7 @@ class HfPayloadStore:
             mismatch = size_mismatch(PackSizeMismatchError, "stored pack", st.st_size, size_bytes, file=self._where(digest))
             if mismatch is not None:
                 raise mismatch
-            copy_file(local, fd, size_bytes, target=file, progress=progress)
+            copy_file(local, fd, size_bytes, target=file, progress=progress, landed=landed)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 

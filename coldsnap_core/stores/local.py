@@ -40,7 +40,7 @@ from coldsnap_core.errors import (
 )
 from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.stores._copy import copy_fd, copy_file
-from coldsnap_core.stores.base import ProgressCallback
+from coldsnap_core.stores.base import LandedCallback, ProgressCallback
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +98,17 @@ class LocalFolderStore:
                 return False
         return True
 
-    def fetch(self, digest: str, size_bytes: int, fd: int, *, file: Path, progress: ProgressCallback | None = None) -> None:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch`."""
+    def fetch(
+        self,
+        digest: str,
+        size_bytes: int,
+        fd: int,
+        *,
+        file: Path,
+        progress: ProgressCallback | None = None,
+        landed: LandedCallback | None = None,
+    ) -> None:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch` (one kernel copy, 64 MiB at a time, in order)."""
         path = self.object_path(digest)
         try:
             source_fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -116,7 +125,7 @@ class LocalFolderStore:
             mismatch = size_mismatch(PackSizeMismatchError, "stored pack", st.st_size, size_bytes, file=path)
             if mismatch is not None:
                 raise mismatch
-            copy_fd(source_fd, fd, size_bytes, source=path, target=file, progress=progress)
+            copy_fd(source_fd, fd, size_bytes, source=path, target=file, progress=progress, landed=landed)
         finally:
             os.close(source_fd)
 
