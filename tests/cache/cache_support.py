@@ -184,9 +184,14 @@ def child_command(
     return cmd + list(extra)
 
 
-def run_child(cmd: list[str], *, timeout_seconds: float = 120.0) -> tuple[int, dict | None, str]:
-    """Run a child to completion; return ``(returncode, parsed JSON line or None, stderr)``."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_seconds, cwd=REPO)
+def run_child(
+    cmd: list[str], *, timeout_seconds: float = 120.0, env: dict[str, str] | None = None
+) -> tuple[int, dict | None, str]:
+    """Run a child to completion (with ``env`` added to this process's environment); return ``(returncode, parsed
+    JSON line or None, stderr)``."""
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout_seconds, cwd=REPO, env={**os.environ, **(env or {})}
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     return proc.returncode, (json.loads(lines[-1]) if lines else None), proc.stderr
 
