@@ -129,7 +129,7 @@ def add_host_options(p: argparse.ArgumentParser, verb: str) -> None:
 
 def _stage_one(pack: PackRef, cache: PayloadCache, store: PayloadStore | None) -> Path:
     """Stage ``pack`` with a progress over the bytes it will read: none on a trusted validation record, the pack once
-    when it is cached (hashed), twice when it must be fetched (copied, then verified)."""
+    when it is cached (hashed), twice when it must be fetched (written, and hashed as it lands)."""
     try:
         trusted = record_state(cache, pack.sha256) == "trusted"
         cached = lstat_or_none(cache.object_path(pack.sha256)) is not None
@@ -137,7 +137,7 @@ def _stage_one(pack: PackRef, cache: PayloadCache, store: PayloadStore | None) -
         trusted = cached = False
     if trusted:
         return stage_payload(pack, cache=cache, store=store)
-    desc = f"stage {pack.sha256[:12]}" + ("" if cached else " (fetch, then verify)")
+    desc = f"stage {pack.sha256[:12]}" + ("" if cached else " (fetch and hash)")
     with byte_bar(desc, pack.size_bytes * (1 if cached else 2)) as update:
         return stage_payload(pack, cache=cache, store=store, progress=update)
 

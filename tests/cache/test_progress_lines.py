@@ -68,7 +68,7 @@ def test_commands_print_progress_lines_off_a_terminal(captured, tmp_path: Path, 
             {f"verify {digest}", f"upload {digest}"},
             ["publish-native", artifact, "--repo", store, "--state-root", captured.capture_root],
         ),
-        ({f"stage {digest} (fetch, then verify)"}, ["stage", artifact, "--repo", store, "--state-root", node]),
+        ({f"stage {digest} (fetch and hash)"}, ["stage", artifact, "--repo", store, "--state-root", node]),
         ({f"verify {digest}"}, ["verify", artifact, "--state-root", node]),
     ]
     for descs, args in runs:

@@ -200,7 +200,7 @@ def test_cli_progress_is_lines_off_a_terminal_and_a_bar_on_one(any_store, captur
     args = ["stage", str(captured_once.artifact_dir), "--repo", any_store.spec]
     assert main([*args, "--state-root", str(tmp_path / "lines")]) == 0
     err = capsys.readouterr().err
-    desc = f"stage {captured_once.pack.sha256[:12]} (fetch, then verify): "
+    desc = f"stage {captured_once.pack.sha256[:12]} (fetch and hash): "
     assert "\r" not in err and any(line.startswith(desc) and " GB/s, done in " in line for line in err.splitlines()), err
 
     class Terminal(io.StringIO):
