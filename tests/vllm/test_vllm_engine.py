@@ -452,3 +452,56 @@ def test_a_store_that_sends_an_endless_body_falls_back_within_the_deadline_witho
     assert result.load_weights_seconds[0] < deadline_s + 120  # the deadline plus slack for the checkpoint load
     peak, plain_peak = result.load_weights_rss_bytes[0][1], two_layer["plain"].load_weights_rss_bytes[0][1]
     assert peak < plain_peak + (256 << 20), (peak, plain_peak)
+
+
+def test_a_fresh_node_restores_from_s3_hashing_the_pack_as_it_lands(two_layer: dict, tmp_path: Path) -> None:
+    """``native`` on a fresh node (a state root that holds no pack) whose payload store is S3 (moto in server mode on
+    127.0.0.1, started here, with the captured pack uploaded): the worker fetches the pack by ranged GETs, hashed as
+    its bytes land, commits it with a trusted validation record and restores the bytes and greedy text of a plain
+    load; its INFO line says the pack was hashed as it landed, and the load's metrics count the pack's bytes
+    fetched once. Fails if a fresh node's restore does not go through the fetch that hashes as bytes land, or if
+    that fetch commits an object other than the pack or leaves it without a record."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from coldsnap_core.cache.payload_cache import PayloadCache
+    from coldsnap_core.cache.records import record_state
+    from coldsnap_core.digests import pack_relpath
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cache"))  # the store servers of the cache tests
+    from store_servers import S3_ENV
+
+    pack = only_pack(two_layer["work"] / "state-a")
+    digest = pack.name.removesuffix(".pack")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        endpoint = "http://{}:{}".format(*server.get_host_and_port())
+        client = boto3.client("s3", endpoint_url=endpoint, region_name=S3_ENV["AWS_DEFAULT_REGION"], **_keys(S3_ENV))
+        client.create_bucket(Bucket="payloads")
+        client.upload_file(str(pack), "payloads", f"fleet/{pack_relpath(digest)}")
+        env = coldsnap_env(
+            two_layer["work"] / "artifact-a",
+            tmp_path / "node",
+            COLDSNAP_PAYLOAD_REPO="s3://payloads/fleet",
+            COLDSNAP_RESTORE="native",
+            AWS_ENDPOINT_URL=endpoint,
+            **S3_ENV,
+        )
+        result = run_engine(tmp_path, "fresh-s3", two_layer["model"], "coldsnap", env=env)
+    finally:
+        server.stop()
+    _assert_same_load(result, two_layer["plain"])
+    assert result.outcome["kind"] == "restored"
+    assert [
+        line
+        for line in result.coldsnap_lines("INFO")
+        if f"staged pack {digest} from s3" in line and "hashed as it landed" in line
+    ]
+    assert only_pack(tmp_path / "node").read_bytes() == pack.read_bytes()
+    assert record_state(PayloadCache(tmp_path / "node"), digest) == "trusted"
+    assert scraped(result.metrics, "coldsnap_fetched_bytes_total", engine="vllm") == pack.stat().st_size
+
+
+def _keys(env: dict[str, str]) -> dict[str, str]:
+    return {"aws_access_key_id": env["AWS_ACCESS_KEY_ID"], "aws_secret_access_key": env["AWS_SECRET_ACCESS_KEY"]}
