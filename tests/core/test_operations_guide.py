@@ -57,7 +57,7 @@ def command_problems(text: str, parser: argparse.ArgumentParser) -> tuple[list[s
     ``"<line>: <what>"``, and how many command lines were checked. A line is one whose first word (after
     ``VAR=value`` assignments) is ``coldsnap``; an option before the command is the top-level parser's
     (``-v``), after it the (sub)command's; ``--opt=value`` is ``--opt``; ``...``, ``[``, ``]`` and ``|`` inside
-    brackets are synopsis punctuation."""
+    brackets are synopsis punctuation; after a bare ``--`` the words are another program's."""
     problems, checked = [], 0
     for code in _code(text):
         for words in _segments(code):
@@ -67,6 +67,8 @@ def command_problems(text: str, parser: argparse.ArgumentParser) -> tuple[list[s
             line, current, named = " ".join(words), parser, False
             for word in words[1:]:
                 word = word.strip("[]")
+                if word == "--":  # what follows is another program's command line (an engine's start command)
+                    break
                 if word.startswith("-"):
                     option = word.split("=")[0]
                     if option not in _options(current):
@@ -117,11 +119,16 @@ def test_the_check_sees_a_misspelled_command_or_option(line: str, wanted: str) -
     assert checked == 1 and any(wanted in p for p in problems), problems
 
 
-def test_the_check_passes_synopses_and_pipelines() -> None:
-    """A synopsis (``[--json | --format F]``) and a pipeline into another program are not misread as options of
-    coldsnap (fails if a pipe inside brackets cut the line, or jq's options were charged to coldsnap)."""
+def test_the_check_passes_synopses_pipelines_and_engine_commands() -> None:
+    """A synopsis (``[--json | --format F]``), a pipeline into another program and an engine command after ``--``
+    (``coldsnap export ... -- vllm serve ...``) are not misread as options of coldsnap (fails if a pipe inside
+    brackets cut the line, or jq's or vLLM's options were charged to coldsnap)."""
     text = "`coldsnap status [--json | --format prometheus] --last 10` `coldsnap cache ls --json | jq -r .x --raw`"
     assert command_problems(text, build_parser()) == ([], 2)
+    # after a bare --, an engine's own options: yet the options before it are still checked
+    text = "`coldsnap status --last 3 -- vllm serve M --load-format coldsnap` `coldsnap status --lats 3 -- x`"
+    problems, checked = command_problems(text, build_parser())
+    assert checked == 2 and len(problems) == 1 and "has no option --lats" in problems[0], problems
 
 
 def test_every_setting_named_in_the_guide_is_in_the_settings_table() -> None:
