@@ -119,6 +119,10 @@ def _path(where: str, value: object) -> Path:
     return expand_path(_string(where, value).strip(), where)
 
 
+HF_REF_SCHEME = "hf://"
+"""A Hugging Face repository in a REF: ``hf://org/name[@revision]/NAME``."""
+
+
 def _choice(*allowed: str) -> Callable[[str, object], str]:
     """A choice: case-insensitive and trimmed."""
 

@@ -35,7 +35,14 @@ from typing import TypeVar
 import filelock
 import msgspec
 
-from coldsnap_core._io import fsync_dir, os_error, remove_tree, replace_file_durably, write_file_durably
+from coldsnap_core._io import (
+    fsync_dir,
+    os_error,
+    remove_tree,
+    replace_file_durably,
+    sha256_file,
+    write_file_durably,
+)
 from coldsnap_core.errors import (
     ArtifactError,
     CapsulePinMismatchError,
@@ -46,6 +53,7 @@ from coldsnap_core.errors import (
     UnsafePathError,
 )
 from coldsnap_core.format._strict import MAX_DESCRIPTOR_BYTES, read_document_bytes
+from coldsnap_core.format.content_ref import ContentRef
 from coldsnap_core.format.descriptor import (
     DESCRIPTOR_FILENAME,
     WORKERS_DIRNAME,
@@ -319,11 +327,11 @@ def _require_pin(path: Path, pin: CapsuleFile | None) -> CapsuleFile:
     return pin
 
 
-def _check_pinned_size(path: Path, pin: CapsuleFile, size_bytes: int) -> None:
-    """Before a pinned manifest is read: its size must be the pinned one (so a huge file is never read)."""
+def _check_pinned_size(path: Path, pin: ContentRef, size_bytes: int, pinned_by: str = DESCRIPTOR_FILENAME) -> None:
+    """Before a pinned file is read: its size must be the pinned one (so a huge file is never read)."""
     if size_bytes != pin.size_bytes:
         raise CapsulePinMismatchError(
-            f"{path.name} is {size_bytes} bytes; artifact.json pins {pin.size_bytes} bytes with SHA-256 {pin.sha256}",
+            f"{path.name} is {size_bytes} bytes; {pinned_by} pins {pin.size_bytes} bytes with SHA-256 {pin.sha256}",
             file=path,
         )
 
@@ -333,6 +341,33 @@ def _check_pin(path: Path, data: bytes, pin: CapsuleFile) -> None:
     if (len(data), digest) != (pin.size_bytes, pin.sha256):
         raise CapsulePinMismatchError(
             f"{path.name} is {len(data)} bytes with SHA-256 {digest}; artifact.json pins {pin.size_bytes} bytes with"
+            f" SHA-256 {pin.sha256}",
+            file=path,
+        )
+
+
+def check_pinned_file(path: Path, pin: ContentRef, *, pinned_by: str = DESCRIPTOR_FILENAME) -> None:
+    """The regular file at ``path`` has the size and SHA-256 ``pin`` records (the size first: a file of another size
+    is never read). ``pinned_by`` says where the pin comes from, for the message.
+
+    Raises:
+        MissingObjectError: nothing at ``path``.
+        NotRegularFileError: not a regular file (after links).
+        FileAccessError: it cannot be examined or read.
+        CapsulePinMismatchError: another size or SHA-256 (names the file, both sizes and digests).
+    """
+    _require_present(path, f"a file {pinned_by} pins")
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFileError(f"a pinned file is not a regular file ({stat.filemode(st.st_mode)})", file=path)
+    _check_pinned_size(path, pin, st.st_size, pinned_by)
+    try:
+        digest, size_bytes = sha256_file(path)
+    except OSError as exc:
+        raise os_error("cannot read a pinned file", exc, path) from exc
+    if (size_bytes, digest) != (pin.size_bytes, pin.sha256):
+        raise CapsulePinMismatchError(
+            f"{path.name} is {size_bytes} bytes with SHA-256 {digest}; {pinned_by} pins {pin.size_bytes} bytes with"
             f" SHA-256 {pin.sha256}",
             file=path,
         )

@@ -142,6 +142,15 @@ def _stage_one(pack: PackRef, cache: PayloadCache, store: PayloadStore | None) -
         return stage_payload(pack, cache=cache, store=store, progress=update)
 
 
+def stage_entries(entries: Sequence[WorkerEntry], cache: PayloadCache, store: PayloadStore | None) -> dict[str, Path]:
+    """Stage each distinct pack of ``entries`` once (:func:`_stage_one`); returns its staged path by digest."""
+    staged: dict[str, Path] = {}
+    for entry in entries:
+        if entry.payload.sha256 not in staged:
+            staged[entry.payload.sha256] = _stage_one(entry.payload, cache, store)
+    return staged
+
+
 def add_repo_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--repo",
@@ -164,13 +173,10 @@ def run(args: argparse.Namespace) -> int:
     store = store_of(args)
     quiet_hub_bars()
     entries = this_host_entries(args, artifact_dir)
-    staged: dict[str, Path] = {}
-    for entry in entries:
-        pack = entry.payload
-        if pack.sha256 not in staged:
-            staged[pack.sha256] = _stage_one(pack, cache, store)
-        if not args.json:
-            print(f"{entry.worker.capsule_name}: {staged[pack.sha256]}")
+    staged = stage_entries(entries, cache, store)
+    if not args.json:
+        for entry in entries:
+            print(f"{entry.worker.capsule_name}: {staged[entry.payload.sha256]}")
     source = store.name if store is not None else "the node-local cache only"
     if args.json:
         workers = [

@@ -7,6 +7,9 @@ An artifact folder looks like::
     workers/worker-1-of-2/             unit capsule of rank 1
     workers/worker-0-of-1-dp-1-of-2/   (data parallel) the capsule of replica 1's rank 0
 
+    model/                             the model's non-weight files (config.json, tokenizer files, ...), pinned in
+                                       artifact.json's ``model_files``
+
 The packs themselves are not in the artifact: each worker entry names its payload by digest, and
 the object lives at ``<state-root>/model-payloads/sha256/<digest>.pack`` (or in a payload store).
 Several workers may name the same digest; publication uploads it once (``docs/format.md`` §5 and §12).
@@ -19,8 +22,12 @@ configuration; signing it is out of scope.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import msgspec
+
 from coldsnap_core.errors import ManifestValueError
-from coldsnap_core.format._strict import MAX_DESCRIPTOR_BYTES, Document, Record, matching
+from coldsnap_core.format._strict import MAX_DESCRIPTOR_BYTES, Count, Document, Record, Sha256, matching
 from coldsnap_core.format.content_ref import ContentRef
 from coldsnap_core.format.manifest import (
     CAPSULE_NAME_RE,
@@ -38,6 +45,8 @@ SEED_FILENAMES = ("derived-cache.json", "derived-cache.tar")
 """A derived-cache seed's two capsule files (``docs/format.md`` §17), pinned together or not at all."""
 DESCRIPTOR_FILENAME = "artifact.json"
 WORKERS_DIRNAME = "workers"
+MODEL_DIRNAME = "model"
+"""The artifact's folder of the model's non-weight files (``docs/format.md`` §5 ``model_files``)."""
 
 CapsuleFolder = matching(rf"workers/{CAPSULE_NAME_RE.pattern}")
 
@@ -113,17 +122,29 @@ class ArtifactDescriptor(Document, tag=ARTIFACT_KIND):
     Attributes:
         model: the pinned model identity shared by every worker.
         workers: one entry per worker that has captured, at least one.
+        model_files: the pins of the model's non-weight files the capture copied to ``model/<name>`` (the engine's
+            ``config.json``, tokenizer files, ...; ``docs/format.md`` §5), sorted by name; written only when there is
+            at least one (``msgspec.UNSET``: absent, and the document's bytes are those of one without the field).
 
     Raises:
-        ManifestValueError: no worker, two entries of one worker, entries out of order, or of several worlds.
+        ManifestValueError: no worker, two entries of one worker, entries out of order, or of several worlds;
+            ``model_files`` empty, unsorted or naming a file twice.
     """
 
     MAX_BYTES = MAX_DESCRIPTOR_BYTES
 
     model: ModelIdentity
     workers: tuple[WorkerEntry, ...]
+    model_files: tuple[CapsuleFile, ...] | msgspec.UnsetType = msgspec.UNSET
 
     def __post_init__(self) -> None:
+        if self.model_files is not msgspec.UNSET:
+            names = [f.name for f in self.model_files]
+            if not names or names != sorted(set(names)):
+                raise ManifestValueError(
+                    f"model_files names {names}; expected at least one file, each once, sorted by name (an artifact"
+                    " without model files leaves the field out)"
+                )
         if not self.workers:
             raise ManifestValueError("workers is empty; an artifact lists at least one captured worker")
         keys = [w.worker.sort_key for w in self.workers]
@@ -146,8 +167,40 @@ class ArtifactDescriptor(Document, tag=ARTIFACT_KIND):
         key = entry.worker.sort_key
         kept = [w for w in self.workers if w.worker.sort_key != key and w.worker.world == entry.worker.world]
         workers = sorted([*kept, entry], key=lambda w: w.worker.sort_key)
-        return ArtifactDescriptor(self.model, tuple(workers))
+        return msgspec.structs.replace(self, workers=tuple(workers))
+
+    @property
+    def pinned_model_files(self) -> tuple[CapsuleFile, ...]:
+        """:attr:`model_files`, empty when the field is absent."""
+        return () if self.model_files is msgspec.UNSET else self.model_files
+
+    def pinned_files(self) -> Iterator[tuple[str, ContentRef]]:
+        """Every file ``artifact.json`` pins, as ``(path in the artifact folder, pin)``: each worker's capsule files
+        (``workers/<capsule>/<name>``), in worker order, then ``model/<name>``."""
+        for entry in self.workers:
+            for pin in entry.capsule_files:
+                yield f"{entry.capsule}/{pin.name}", pin
+        for pin in self.pinned_model_files:
+            yield f"{MODEL_DIRNAME}/{pin.name}", pin
 
     def distinct_payloads(self) -> tuple[PackRef, ...]:
         """Each payload digest once, in digest order."""
         return tuple(sorted({w.payload.sha256: w.payload for w in self.workers}.values(), key=lambda p: p.sha256))
+
+
+ARTIFACT_REF_KIND = "coldsnap.artifact-ref"
+
+
+class ArtifactReference(Document, tag=ARTIFACT_REF_KIND):
+    """``refs/<name>.json`` in a payload store: the artifact a name designates, written after every file it names
+    (``docs/format.md`` §12.9).
+
+    Attributes:
+        artifact_sha256: the SHA-256 of the artifact's ``artifact.json``.
+        size_bytes: the size of that ``artifact.json``.
+    """
+
+    MAX_BYTES = 4096
+
+    artifact_sha256: Sha256
+    size_bytes: Count

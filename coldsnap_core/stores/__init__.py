@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from coldsnap_core.errors import ColdsnapError, ConfigurationError, redact_store_spec
 from coldsnap_core.settings import (
     COMMAND_SETTINGS,
+    HF_REF_SCHEME,
     PAYLOAD_DIR_ENV,
     PAYLOAD_REPO_ENV,
     PAYLOAD_REPO_TYPE_ENV,
@@ -47,8 +48,10 @@ __all__ = [
     "PAYLOAD_REPO_TYPE_ENV",
     "LocalFolderStore",
     "PayloadStore",
+    "artifact_ref",
     "from_env",
     "from_settings",
+    "parse_artifact_ref",
     "parse_store_spec",
 ]
 
@@ -189,6 +192,45 @@ def _parse_store_spec(spec: str, *, repo_type: str, client: StoreClientSettings)
     if at and not revision:
         raise ConfigurationError(f"payload repository {spec!r} has an empty revision after '@'")
     return HfPayloadStore(repo_id, revision=revision or None, repo_type=repo_type)
+
+
+def parse_artifact_ref(ref: str, *, client: StoreClientSettings | None = None) -> tuple[PayloadStore, str]:
+    """The store and the artifact name a REF designates (``docs/format.md`` §12.9): ``oci://HOST/NS/REPO:TAG`` (the
+    tag is the name), else ``STORE/NAME`` where STORE is any ``--repo`` value (``s3://bucket/prefix``, ``gs://...``,
+    ``az://...``, a folder path, ``hf://org/name[@revision]`` or the bare Hub form) and NAME its last ``/`` segment.
+
+    Raises:
+        ConfigurationError: an OCI REF without a tag, a REF without a name, or a store part :func:`parse_store_spec`
+            refuses (redacted).
+    """
+    from coldsnap_core.stores.base import check_artifact_name
+
+    ref = ref.strip()
+    if ref.startswith("oci://"):
+        store = parse_store_spec(ref, client=client)
+        tag = getattr(store, "tag", None)
+        if tag is None:
+            raise ConfigurationError(f"{redact_store_spec(ref)!r} names no artifact: an OCI REF ends in :TAG")
+        return store, tag
+    spec, slash, name = ref.removeprefix(HF_REF_SCHEME).rstrip("/").rpartition("/")
+    if not slash or not name:
+        raise ConfigurationError(f"{redact_store_spec(ref)!r} names no artifact: a REF is STORE/NAME (or oci://HOST/NS/REPO:TAG)")
+    return parse_store_spec(spec or "/", client=client), check_artifact_name(name)
+
+
+def artifact_ref(spec: str, store: PayloadStore, name: str) -> str:
+    """The REF that :func:`parse_artifact_ref` reads back for the artifact published as ``name`` to ``store`` (given
+    as ``spec``): ``oci://HOST/NS/REPO:TAG`` (the store's tag, else ``name``), ``hf://org/name[@revision]/NAME``, or
+    ``SPEC/NAME``."""
+    spec = spec.strip().rstrip("/")
+    if spec.startswith("oci://"):
+        from coldsnap_core.stores.oci import OciPayloadStore
+
+        assert isinstance(store, OciPayloadStore)
+        return f"oci://{store.registry}/{store.repository}:{store.tag or name}"
+    hub = not (_looks_like_path(spec) or spec.startswith((*_URL_SCHEMES, HF_REF_SCHEME)))
+    hub = hub and not _looks_like_azure_connection_string(spec)
+    return f"{HF_REF_SCHEME if hub else ''}{spec}/{name}"
 
 
 def from_settings(settings: StoreSettings) -> PayloadStore | None:

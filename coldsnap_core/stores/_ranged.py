@@ -28,6 +28,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -37,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 from coldsnap_core._io import SPACE_ERRNOS
-from coldsnap_core.digests import check_digest, pack_relpath
 from coldsnap_core.errors import (
     ColdsnapError,
     ConfigurationError,
@@ -57,7 +57,8 @@ from coldsnap_core.settings import (
     STORE_RETRIES_ENV,
     StoreClientSettings,
 )
-from coldsnap_core.stores.base import LandedCallback, ProgressCallback
+from coldsnap_core.stores._references import ReferenceIndex
+from coldsnap_core.stores.base import LandedCallback, ProgressCallback, StoreObject, as_object
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ PROGRESS_STEP_BYTES = 4 << 20
 """Bytes a range reports to the progress callback at once (and at its end)."""
 ANSWER_MAX_BYTES = 64 << 10
 """The most bytes of an error answer read (its message is all a store's error needs)."""
+_REFERENCE_WRITE_ATTEMPTS = 3
+"""Conditional writes of a name tried while other writers keep changing it."""
 
 Sink = Callable[[int, bytes], object]
 """``sink(offset_bytes, chunk)``: the bytes ``[offset_bytes, offset_bytes + len(chunk))`` of the object have landed."""
@@ -239,7 +242,7 @@ def pwrite_sink(fd: int, file: Path, landed: LandedCallback | None = None) -> Si
     return write
 
 
-class RangedStore(ABC):
+class RangedStore(ReferenceIndex, ABC):
     """The template of an object store that serves byte ranges (see the module docstring).
 
     Args:
@@ -275,19 +278,20 @@ class RangedStore(ABC):
         self.client_settings = client_settings or StoreClientSettings()
         redact_client_logs()
 
-    def key(self, digest: str) -> str:
-        """``<prefix>/model-payloads/sha256/<digest>.pack`` (no prefix: ``model-payloads/...``); the digest is
-        validated first."""
-        return f"{self.prefix}/{pack_relpath(digest)}" if self.prefix else pack_relpath(digest)
+    def key(self, obj: str | StoreObject) -> str:
+        """``<prefix>/<relpath>`` of ``obj`` (a pack's digest: ``<prefix>/model-payloads/sha256/<digest>.pack``; no
+        prefix: the path alone); a digest is validated first."""
+        relpath = as_object(obj).relpath
+        return f"{self.prefix}/{relpath}" if self.prefix else relpath
 
     # -- what a backend gives ----------------------------------------------------------------------
 
     @abstractmethod
-    def location(self, digest: str) -> str:
+    def location(self, obj: str | StoreObject) -> str:
         """See :meth:`coldsnap_core.stores.base.PayloadStore.location`."""
 
     @abstractmethod
-    def stat(self, digest: str) -> ObjectStat | None:
+    def stat(self, obj: StoreObject) -> ObjectStat | None:
         """The object's size and version, or ``None`` when the store does not hold it.
 
         Raises:
@@ -296,7 +300,7 @@ class RangedStore(ABC):
 
     @abstractmethod
     def open_range(
-        self, digest: str, stat: ObjectStat, start: int, end: int
+        self, obj: StoreObject, stat: ObjectStat, start: int, end: int
     ) -> contextlib.AbstractContextManager[tuple[Iterable[bytes], bool]]:
         """One GET of bytes ``[start, end)`` pinned to ``stat.version``: a context yielding ``(chunks, whole)``, the
         body as it arrives and whether the server ignored the range and sends the whole object (``200``).
@@ -308,32 +312,33 @@ class RangedStore(ABC):
 
     @abstractmethod
     def create(
-        self, path: Path, digest: str, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
+        self, path: Path, obj: StoreObject, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
     ) -> bool:
         """Write ``path`` as the object: only if absent (``replacing`` ``None``), else only if it is still
-        ``replacing``; ``False`` when that condition failed. Bytes that do not hash to ``digest`` are never committed.
+        ``replacing``; ``False`` when that condition failed. Bytes that do not hash to ``obj.sha256`` are never
+        committed.
 
         Raises:
             PackDigestMismatchError, PackSizeMismatchError: the file changed after verification.
             StoreError: the store refused or failed.
         """
 
-    def failure(self, action: str, digest: str, exc: BaseException) -> StoreError:
+    def failure(self, action: str, obj: str | StoreObject, exc: BaseException) -> StoreError:
         """The :class:`StoreError` of ``exc``, raised by the store's client while ``action``."""
-        return request_failure(self.name, action, exc, self.client_settings, where=self.location(digest))
+        return request_failure(self.name, action, exc, self.client_settings, where=self.location(obj))
 
-    def missing(self, what: str, digest: str) -> StoreError:
+    def missing(self, what: str, obj: str | StoreObject) -> StoreError:
         """The :class:`StoreError` of a bucket or container (``what``) that does not exist: a misconfiguration, not a
         missing pack (``payload-available`` would advise publishing it)."""
         return StoreError(
             f"{self.name}: the {what} does not exist (coldsnap never creates one; check the payload store setting)",
-            file=self.location(digest),
+            file=self.location(obj),
         )
 
     # -- the template --------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def typed(self, action: str, digest: str) -> Iterator[None]:
+    def typed(self, action: str, obj: str | StoreObject) -> Iterator[None]:
         """Anything but a :class:`~coldsnap_core.errors.ColdsnapError` raised in the block (a client's exception,
         ``MemoryError``) becomes :meth:`failure`'s :class:`StoreError`."""
         try:
@@ -341,31 +346,31 @@ class RangedStore(ABC):
         except (ColdsnapError, _Signal):
             raise
         except Exception as exc:
-            raise self.failure(action, digest, exc) from exc
+            raise self.failure(action, obj, exc) from exc
 
-    def has(self, digest: str, size_bytes: int | None = None, *, verify: bool = False) -> bool:
+    def has(self, obj: str | StoreObject, size_bytes: int | None = None, *, verify: bool = False) -> bool:
         """See :meth:`coldsnap_core.stores.base.PayloadStore.has`: :meth:`stat`, by size; with ``verify`` the object
         is read (parallel ranged GETs, as a fetch) and hashed in full (no store keeps a SHA-256 of every object:
         S3's is composite for a multipart object, a registry does not re-hash what it serves)."""
-        check_digest(digest)
-        with self.typed("looking up the pack", digest):
-            stat = self.stat(digest)
+        obj = as_object(obj)
+        with self.typed(f"looking up the {obj.what}", obj):
+            stat = self.stat(obj)
         if stat is None:
             return False
-        where = self.location(digest)
+        where = self.location(obj)
         if size_bytes is not None and (
-            mismatch := size_mismatch(PackSizeMismatchError, "stored pack", stat.size_bytes, size_bytes, file=where)
+            mismatch := size_mismatch(PackSizeMismatchError, f"stored {obj.what}", stat.size_bytes, size_bytes, file=where)
         ):
             logger.warning("coldsnap: %s; treating it as absent", mismatch)
             return False
-        if verify and (hashed := self._hash(digest, stat)) != digest:
+        if verify and (hashed := self._hash(obj, stat)) != obj.sha256:
             logger.warning("coldsnap: %s hashes to %s, not its name; treating it as absent", where, hashed)
             return False
         return True
 
     def fetch(
         self,
-        digest: str,
+        obj: str | StoreObject,
         size_bytes: int,
         fd: int,
         *,
@@ -377,20 +382,20 @@ class RangedStore(ABC):
         (each chunk written, then ``landed``); a truncated or extended object is ``PackSizeMismatchError`` before a
         byte is read, and so is a range that came back short or long; a range too slow or past its deadline, or an
         object that changed, ``StoreError``."""
-        check_digest(digest)
-        with self.typed("looking up the pack", digest):
-            stat = self.stat(digest)
-        where = self.location(digest)
+        obj = as_object(obj)
+        with self.typed(f"looking up the {obj.what}", obj):
+            stat = self.stat(obj)
+        where = self.location(obj)
         if stat is None:
-            raise PayloadUnavailableError(f"{self.name} does not hold the pack", file=where)
-        if mismatch := size_mismatch(PackSizeMismatchError, "stored pack", stat.size_bytes, size_bytes, file=where):
+            raise PayloadUnavailableError(f"{self.name} does not hold the {obj.what}", file=where)
+        if mismatch := size_mismatch(PackSizeMismatchError, f"stored {obj.what}", stat.size_bytes, size_bytes, file=where):
             raise mismatch
         started = time.monotonic()
-        self.transfer(digest, stat, pwrite_sink(fd, file, landed), progress)
+        self.transfer(obj, stat, pwrite_sink(fd, file, landed), progress)
         seconds = max(time.monotonic() - started, 1e-9)
         logger.info("coldsnap: fetched %s: %d bytes in %.2f s, %.3f GB/s", where, size_bytes, seconds, size_bytes / seconds / 1e9)
 
-    def transfer(self, digest: str, stat: ObjectStat, sink: Sink, progress: ProgressCallback | None = None) -> None:
+    def transfer(self, obj: StoreObject, stat: ObjectStat, sink: Sink, progress: ProgressCallback | None = None) -> None:
         """Every byte of the object to ``sink`` as it lands: the ranges in parallel, or (a server that ignores
         ``Range``) the whole object once, in one stream. ``progress`` gets byte counts (from one thread at a time).
 
@@ -409,7 +414,7 @@ class RangedStore(ABC):
         def one(r: tuple[int, int]) -> None:
             try:
                 if not stop.is_set():
-                    self._read_range(digest, stat, r[0], r[1], sink, tick, stop)
+                    self._read_range(obj, stat, r[0], r[1], sink, tick, stop)
             except BaseException as exc:
                 errors.extend([] if isinstance(exc, _Stopped) else [exc])
                 stop.set()
@@ -422,13 +427,13 @@ class RangedStore(ABC):
             logger.warning(
                 "coldsnap: %s ignores Range (a ranged GET was answered with the whole object); reading %s once, in one stream",
                 self.name,
-                self.location(digest),
+                self.location(obj),
             )
-            self._read_range(digest, stat, 0, stat.size_bytes, sink, tick)
+            self._read_range(obj, stat, 0, stat.size_bytes, sink, tick)
 
     def _read_range(
         self,
-        digest: str,
+        obj: StoreObject,
         stat: ObjectStat,
         start: int,
         end: int,
@@ -443,9 +448,9 @@ class RangedStore(ABC):
             StoreError: the store failed, or the body was too slow or past its deadline.
             _RangeIgnored: the server sent the whole object for a part of it.
         """
-        where, length, unreported = self.location(digest), end - start, 0
+        where, length, unreported = self.location(obj), end - start, 0
         pace = _Pace(self, where, f"bytes {start}-{end - 1}", length)
-        with self.typed(f"reading bytes {start}-{end - 1}", digest), self.open_range(digest, stat, start, end) as (chunks, whole):
+        with self.typed(f"reading bytes {start}-{end - 1}", obj), self.open_range(obj, stat, start, end) as (chunks, whole):
             if whole and (start, end) != (0, stat.size_bytes):
                 raise _RangeIgnored
             for chunk in chunks:
@@ -473,7 +478,7 @@ class RangedStore(ABC):
         if unreported:
             progress(unreported)
 
-    def _hash(self, digest: str, stat: ObjectStat) -> str:
+    def _hash(self, obj: StoreObject, stat: ObjectStat) -> str:
         """The SHA-256 (lowercase hex) of the object, read in parallel ranges hashed in order (at most
         ``concurrency`` ranges ahead of the hash), or once in one stream when the server ignores ``Range``."""
         h = hashlib.sha256()
@@ -484,7 +489,7 @@ class RangedStore(ABC):
             def land(offset: int, chunk: bytes) -> None:
                 data[offset - start : offset - start + len(chunk)] = chunk
 
-            self._read_range(digest, stat, start, end, land, lambda n: None)
+            self._read_range(obj, stat, start, end, land, lambda n: None)
             return data
 
         try:
@@ -498,13 +503,13 @@ class RangedStore(ABC):
                     h.update(pending.popleft().result())
         except _RangeIgnored:
             h = hashlib.sha256()
-            self._read_range(digest, stat, 0, stat.size_bytes, lambda _offset, chunk: h.update(chunk), lambda n: None)
+            self._read_range(obj, stat, 0, stat.size_bytes, lambda _offset, chunk: h.update(chunk), lambda n: None)
         return h.hexdigest()
 
-    def _intact(self, digest: str, size_bytes: int, stat: ObjectStat | None) -> bool:
-        return stat is not None and stat.size_bytes == size_bytes and self._hash(digest, stat) == digest
+    def _intact(self, obj: StoreObject, size_bytes: int, stat: ObjectStat | None) -> bool:
+        return stat is not None and stat.size_bytes == size_bytes and self._hash(obj, stat) == obj.sha256
 
-    def upload(self, path: Path, digest: str, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
+    def upload(self, path: Path, obj: str | StoreObject, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
         """See :meth:`coldsnap_core.stores.base.PayloadStore.upload`: a conditional create.
 
         Where the store has no conditional create, presence is checked first (the digest's bytes: ``False``).
@@ -514,26 +519,26 @@ class RangedStore(ABC):
 
         Raises:
             PackSizeMismatchError: ``path`` does not have ``size_bytes`` bytes (nothing uploaded).
-            PackDigestMismatchError: the file's bytes do not hash to ``digest`` (nothing published).
+            PackDigestMismatchError: the file's bytes do not hash to the digest (nothing published).
             StoreError: the store refused or failed, it holds other bytes it never replaces, or the object kept
                 changing under a replacement.
         """
-        check_digest(digest)
+        obj = as_object(obj)
         if mismatch := size_mismatch(PackSizeMismatchError, "the file to upload", os.path.getsize(path), size_bytes, file=path):
             raise mismatch
-        where = self.location(digest)
-        with self.typed("uploading the pack", digest):
-            existing = None if self.conditional_create else self.stat(digest)
+        where, digest = self.location(obj), obj.sha256
+        with self.typed(f"uploading the {obj.what}", obj):
+            existing = None if self.conditional_create else self.stat(obj)
             if existing is None:
                 if self.hash_before_sending:  # what is sent cannot be taken back: hash the file before the first byte
                     with hashing_reader(path, digest, size_bytes, None) as reader:
                         while reader.read(8 << 20):
                             pass
-                if self.create(path, digest, size_bytes, progress, None):
-                    logger.info("coldsnap: uploaded %s to %s", digest, self.name)
+                if self.create(path, obj, size_bytes, progress, None):
+                    logger.info("coldsnap: uploaded %s to %s", where, self.name)
                     return True
-                existing = self.stat(digest)
-            if self._intact(digest, size_bytes, existing):
+                existing = self.stat(obj)
+            if self._intact(obj, size_bytes, existing):
                 logger.info("coldsnap: %s is already in %s; not uploaded again", where, self.name)
                 return False
             if self.replacement_refused is not None:
@@ -543,14 +548,59 @@ class RangedStore(ABC):
                     file=where,
                 )
             logger.warning("coldsnap: %s exists but is not the digest's bytes; replacing it", where)
-            if not self.create(path, digest, size_bytes, progress, existing):
+            if not self.create(path, obj, size_bytes, progress, existing):
                 # another publisher replaced it first: the digest's bytes there now are present (docs/format.md §12.4)
-                if self._intact(digest, size_bytes, self.stat(digest)):
+                if self._intact(obj, size_bytes, self.stat(obj)):
                     logger.info("coldsnap: %s was repaired by another publisher; not uploaded again", where)
                     return False
                 raise StoreError(f"{self.name}: the object changed while a corrupt copy was replaced", file=where)
-        logger.info("coldsnap: replaced %s in %s", digest, self.name)
+        logger.info("coldsnap: replaced %s in %s", where, self.name)
         return True
+
+    # -- the small objects behind names (refs/<name>.json) ------------------------------------------
+
+    def put_reference(self, relpath: str, data: bytes) -> None:
+        """Make the object ``relpath`` hold ``data``, replacing what it held (a name moved to another artifact): a
+        create if absent, else a replacement conditional on the version read, tried again while another writer
+        keeps changing it.
+
+        Raises:
+            StoreError: the store refused or failed, or the object kept changing.
+        """
+        obj = StoreObject(relpath, hashlib.sha256(data).hexdigest())
+        with tempfile.TemporaryDirectory(prefix="coldsnap-ref-") as scratch, self.typed("writing the name", obj):
+            path = Path(scratch) / "ref.json"
+            path.write_bytes(data)
+            existing: ObjectStat | None = None
+            for _ in range(_REFERENCE_WRITE_ATTEMPTS):
+                if existing is not None and self._intact(obj, len(data), existing):
+                    return
+                if self.create(path, obj, len(data), None, existing):
+                    return
+                existing = self.stat(obj)
+        raise StoreError(f"{self.name}: the name kept changing while it was written", file=self.location(obj))
+
+    def get_reference(self, relpath: str, max_bytes: int) -> bytes | None:
+        """The bytes of the small object ``relpath`` (at most ``max_bytes``), or ``None`` when there is none.
+
+        Raises:
+            StoreError: the store failed, or the object is over ``max_bytes``.
+        """
+        obj = StoreObject(relpath, "")
+        with self.typed("reading the name", obj):
+            stat = self.stat(obj)
+        if stat is None:
+            return None
+        if stat.size_bytes > max_bytes:
+            raise StoreError(f"{self.name}: the name is {stat.size_bytes} bytes, over {max_bytes}", file=self.location(obj))
+        data = bytearray(stat.size_bytes)
+
+        def land(offset: int, chunk: bytes) -> None:
+            data[offset : offset + len(chunk)] = chunk
+
+        if stat.size_bytes:
+            self._read_range(obj, stat, 0, stat.size_bytes, land, lambda n: None)
+        return bytes(data)
 
 
 class _RedactedRecords(logging.Filter):

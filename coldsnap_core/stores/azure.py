@@ -48,7 +48,7 @@ from coldsnap_core.stores._ranged import (
     read1_chunks,
     read_answer,
 )
-from coldsnap_core.stores.base import ProgressCallback, checked_prefix
+from coldsnap_core.stores.base import ProgressCallback, StoreObject, checked_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -248,27 +248,27 @@ class AzurePayloadStore(RangedStore):
             )
         return self._service
 
-    def location(self, digest: str) -> str:
+    def location(self, obj: str | StoreObject) -> str:
         """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: ``az://account/container/<key>``."""
-        return f"{AZURE_SCHEME}{self.account}/{self.container}/{self.key(digest)}"
+        return f"{AZURE_SCHEME}{self.account}/{self.container}/{self.key(obj)}"
 
-    def _blob(self, digest: str) -> Any:
-        return self.service.get_blob_client(self.container, self.key(digest))
+    def _blob(self, obj: str | StoreObject) -> Any:
+        return self.service.get_blob_client(self.container, self.key(obj))
 
-    def _refused(self, action: str, digest: str, code: object) -> StoreError:
+    def _refused(self, action: str, obj: str | StoreObject, code: object) -> StoreError:
         return StoreError(
             f"{self.name}: {action} failed: the storage account refused the credential ({code}); check {KEY_ENV}, "
             f"{SAS_ENV}, the connection string's AccountKey or the identity's role",
-            file=self.location(digest),
+            file=self.location(obj),
         )
 
-    def failure(self, action: str, digest: str, exc: BaseException) -> StoreError:
+    def failure(self, action: str, obj: str | StoreObject, exc: BaseException) -> StoreError:
         if _is(exc, "ClientAuthenticationError") or getattr(exc, "status_code", None) in (401, 403):
             code = getattr(exc, "error_code", None) or getattr(getattr(exc, "response", None), "status_code", "")
-            return self._refused(action, digest, code)
-        return super().failure(action, digest, exc)
+            return self._refused(action, obj, code)
+        return super().failure(action, obj, exc)
 
-    def _check_container(self, digest: str, error_code: object) -> None:
+    def _check_container(self, obj: str | StoreObject, error_code: object) -> None:
         """After a "not found": nothing when the blob is what is missing.
 
         Raises:
@@ -281,38 +281,38 @@ class AzurePayloadStore(RangedStore):
                 if self.service.get_container_client(self.container).exists():
                     return
             except Exception as exc:
-                raise self.failure("looking up the container", digest, exc) from exc
-        raise self.missing(f"container {self.container!r}", digest)
+                raise self.failure("looking up the container", obj, exc) from exc
+        raise self.missing(f"container {self.container!r}", obj)
 
-    def stat(self, digest: str) -> ObjectStat | None:
+    def stat(self, obj: StoreObject) -> ObjectStat | None:
         """The blob's size and ETag, or ``None`` when there is none."""
-        blob = self._blob(digest)  # outside the try: a missing library is a ConfigurationError
+        blob = self._blob(obj)  # outside the try: a missing library is a ConfigurationError
         try:
             props = blob.get_blob_properties()
         except Exception as exc:
             if _is(exc, "ResourceNotFoundError"):
-                self._check_container(digest, getattr(exc, "error_code", None))
+                self._check_container(obj, getattr(exc, "error_code", None))
                 return None
-            raise self.failure("looking up the pack", digest, exc) from exc
+            raise self.failure(f"looking up the {obj.what}", obj, exc) from exc
         return ObjectStat(int(props.size), str(props.etag))
 
     @contextlib.contextmanager
-    def open_range(self, digest: str, stat: ObjectStat, start: int, end: int) -> Iterator[tuple[Iterable[bytes], bool]]:
+    def open_range(self, obj: StoreObject, stat: ObjectStat, start: int, end: int) -> Iterator[tuple[Iterable[bytes], bool]]:
         """One ``Get Blob`` of the range pinned to the ETag (``If-Match``), sent through the client's own pipeline
         (credential, retries) and read as it arrives (``download_blob`` would hold each response whole)."""
         from azure.core.rest import HttpRequest
 
-        blob = self._blob(digest)
+        blob = self._blob(obj)
         headers = {"x-ms-range": f"bytes={start}-{end - 1}", "If-Match": str(stat.version), "x-ms-version": blob.api_version}
         response = blob._client._send_request(HttpRequest("GET", blob.url, headers=headers), stream=True)
         with contextlib.closing(response):
             raw = response.internal_response.raw
             if response.status_code not in (200, 206):
-                self._refuse_range(digest, stat, start, end, response.status_code, response.headers, read1_chunks(raw))
+                self._refuse_range(obj, stat, start, end, response.status_code, response.headers, read1_chunks(raw))
             yield read1_chunks(raw), response.status_code == 200
 
     def _refuse_range(
-        self, digest: str, stat: ObjectStat, start: int, end: int, status: int, headers: Any, body: Iterable[bytes]
+        self, obj: StoreObject, stat: ObjectStat, start: int, end: int, status: int, headers: Any, body: Iterable[bytes]
     ) -> None:
         """Raise the error of a ranged read the service refused.
 
@@ -320,34 +320,34 @@ class AzurePayloadStore(RangedStore):
             PayloadUnavailableError: 404 (the blob is gone).
             StoreError: 412 (the blob changed), 401/403 (the credential), any other status (with the service's message).
         """
-        code, where = headers.get("x-ms-error-code", ""), self.location(digest)
+        code, where = headers.get("x-ms-error-code", ""), self.location(obj)
         if status == 404:
-            raise PayloadUnavailableError(f"{self.name} no longer holds the pack", file=where)
+            raise PayloadUnavailableError(f"{self.name} no longer holds the {obj.what}", file=where)
         if status == 412:
             raise StoreError(
                 f"{self.name}: the blob changed while it was read (ETag {stat.version} no longer matches)", file=where
             )
         if status in (401, 403):
-            raise self._refused(f"reading bytes {start}-{end - 1}", digest, code or status)
-        message = read_answer(self, self.location(digest), body).decode(errors="replace").splitlines()
+            raise self._refused(f"reading bytes {start}-{end - 1}", obj, code or status)
+        message = read_answer(self, self.location(obj), body).decode(errors="replace").splitlines()
         raise StoreError(f"{self.name}: reading bytes {start}-{end - 1} failed: HTTP {status} {code} {message[:1]}", file=where)
 
     def create(
-        self, path: Path, digest: str, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
+        self, path: Path, obj: StoreObject, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
     ) -> bool:
         """Create the blob (``replacing`` ``None``: only if absent; else only if its ETag is still ``replacing``'s);
         ``False`` when the condition failed."""
         from azure.core import MatchConditions
         from azure.storage.blob import ContentSettings
 
-        blob = self._blob(digest)
+        blob = self._blob(obj)
         condition: dict[str, Any] = (
             {"overwrite": False}
             if replacing is None
             else {"overwrite": True, "etag": replacing.version, "match_condition": MatchConditions.IfNotModified}
         )
         try:
-            with hashing_reader(path, digest, size_bytes, progress) as reader:
+            with hashing_reader(path, obj.sha256, size_bytes, progress) as reader:
                 blob.upload_blob(
                     reader,
                     length=size_bytes,

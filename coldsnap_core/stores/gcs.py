@@ -41,7 +41,7 @@ from coldsnap_core.stores._ranged import (
     read1_chunks,
     read_answer,
 )
-from coldsnap_core.stores.base import ProgressCallback, checked_prefix
+from coldsnap_core.stores.base import ProgressCallback, StoreObject, checked_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -169,11 +169,11 @@ class GcsPayloadStore(RangedStore):
             self._client = _default_client(self.name)
         return self._client
 
-    def location(self, digest: str) -> str:
+    def location(self, obj: str | StoreObject) -> str:
         """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: ``gs://bucket/<key>``."""
-        return f"{GCS_SCHEME}{self.bucket_name}/{self.key(digest)}"
+        return f"{GCS_SCHEME}{self.bucket_name}/{self.key(obj)}"
 
-    def stat(self, digest: str) -> ObjectStat | None:
+    def stat(self, obj: StoreObject) -> ObjectStat | None:
         """The live object's size and generation, or ``None`` when there is none.
 
         Raises:
@@ -181,21 +181,23 @@ class GcsPayloadStore(RangedStore):
             Exception: the client's, for the template to type.
         """
         bucket = self.client.bucket(self.bucket_name)
-        blob = bucket.get_blob(self.key(digest), timeout=self._timeout_s, retry=self._retry)
+        blob = bucket.get_blob(self.key(obj), timeout=self._timeout_s, retry=self._retry)
         if blob is None and not bucket.exists(timeout=self._timeout_s, retry=self._retry):
-            raise self.missing(f"bucket {self.bucket_name!r}", digest)
+            raise self.missing(f"bucket {self.bucket_name!r}", obj)
         return None if blob is None else ObjectStat(int(blob.size), int(blob.generation))
 
     @contextlib.contextmanager
-    def open_range(self, digest: str, stat: ObjectStat, start: int, end: int) -> Iterator[tuple[Iterable[bytes], bool]]:
+    def open_range(self, obj: StoreObject, stat: ObjectStat, start: int, end: int) -> Iterator[tuple[Iterable[bytes], bool]]:
         """One ranged media download of the generation, through the client's own authorized session and retry
         policy (its ``download_as_bytes`` would hold the whole body), read as it arrives."""
-        url = f"{self.client.api_endpoint}/download/storage/v1/b/{self.bucket_name}/o/{urllib.parse.quote(self.key(digest), safe='')}"
+        url = (
+            f"{self.client.api_endpoint}/download/storage/v1/b/{self.bucket_name}/o/{urllib.parse.quote(self.key(obj), safe='')}"
+        )
         params = {"alt": "media", "generation": str(stat.version)}
-        with self._retry(self._get)(digest, url, params, {"Range": f"bytes={start}-{end - 1}"}) as response:
+        with self._retry(self._get)(obj, url, params, {"Range": f"bytes={start}-{end - 1}"}) as response:
             yield read1_chunks(response.raw), response.status_code == 200
 
-    def _get(self, digest: str, url: str, params: dict[str, str], headers: dict[str, str]) -> Any:
+    def _get(self, obj: StoreObject, url: str, params: dict[str, str], headers: dict[str, str]) -> Any:
         """The streamed response of one GET; a refusal raises google-api-core's exception for its status (which the
         retry policy retries for 429 and 5xx), with at most 64 KiB of its message read.
 
@@ -208,21 +210,21 @@ class GcsPayloadStore(RangedStore):
         if response.status_code in (200, 206):
             return response
         with response:
-            message = read_answer(self, self.location(digest), read1_chunks(response.raw)).decode(errors="replace")
+            message = read_answer(self, self.location(obj), read1_chunks(response.raw)).decode(errors="replace")
         if response.status_code == 404:
             raise PayloadUnavailableError(
-                f"{self.name} no longer holds generation {params['generation']} of the pack", file=self.location(digest)
+                f"{self.name} no longer holds generation {params['generation']} of the {obj.what}", file=self.location(obj)
             )
         raise from_http_status(response.status_code, message)
 
     def create(
-        self, path: Path, digest: str, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
+        self, path: Path, obj: StoreObject, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
     ) -> bool:
         """Write the object if its live generation is ``replacing``'s (``None``: no live object,
         ``if_generation_match=0``); ``False`` when that failed."""
-        blob = self.client.bucket(self.bucket_name).blob(self.key(digest), chunk_size=self.chunk_size_bytes)
+        blob = self.client.bucket(self.bucket_name).blob(self.key(obj), chunk_size=self.chunk_size_bytes)
         try:
-            with hashing_reader(path, digest, size_bytes, progress) as reader:
+            with hashing_reader(path, obj.sha256, size_bytes, progress) as reader:
                 blob.upload_from_file(
                     reader,
                     size=size_bytes,

@@ -4,6 +4,8 @@ Layout under the store root (the same relative paths as the node-local cache)::
 
     model-payloads/sha256/<digest>.pack        objects, mode 0444
     model-payloads/tmp/<digest>.<random>.partial   uploads in progress; never eligible
+    artifacts/sha256/<digest>/...              the published artifacts' files, mode 0444 (``docs/format.md`` §12.9)
+    refs/<name>.json                           the artifacts' names, replaced atomically
 
 An upload is atomic: unique temporary name (``O_EXCL``), kernel copy, fsync, the one verifier over the
 copy (size, then SHA-256), read-only, then a no-replace ``link`` to the object path (``rename`` where
@@ -25,9 +27,9 @@ import secrets
 import stat
 from pathlib import Path
 
-from coldsnap_core._io import fsync_dir, fsync_fd, refuse_symlink
+from coldsnap_core._io import fsync_dir, fsync_fd, refuse_symlink, replace_file_durably
 from coldsnap_core.cache.partials import create_locked_partial, sweep_dead_partials
-from coldsnap_core.digests import PAYLOADS_DIRNAME, check_digest, pack_relpath
+from coldsnap_core.digests import PAYLOADS_DIRNAME, check_digest
 from coldsnap_core.errors import (
     IntegrityError,
     MissingObjectError,
@@ -38,15 +40,17 @@ from coldsnap_core.errors import (
     UnsafePathError,
     size_mismatch,
 )
+from coldsnap_core.format._strict import read_document_bytes
 from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.stores._copy import copy_fd, copy_file
-from coldsnap_core.stores.base import LandedCallback, ProgressCallback
+from coldsnap_core.stores._references import ReferenceIndex
+from coldsnap_core.stores.base import LandedCallback, ProgressCallback, StoreObject, as_object
 
 logger = logging.getLogger(__name__)
 
 
-class LocalFolderStore:
-    """Objects in ``<root>/model-payloads/sha256/<digest>.pack``.
+class LocalFolderStore(ReferenceIndex):
+    """Objects in ``<root>/model-payloads/sha256/<digest>.pack`` (and ``<root>/<relpath>`` of every other object).
 
     Args:
         root: the store root (created on the first upload).
@@ -59,15 +63,16 @@ class LocalFolderStore:
     def __repr__(self) -> str:
         return f"LocalFolderStore({str(self.root)!r})"
 
-    def object_path(self, digest: str) -> Path:
-        """``<root>/model-payloads/sha256/<digest>.pack``; the digest is validated first."""
-        return self.root / pack_relpath(digest)
+    def object_path(self, obj: str | StoreObject) -> Path:
+        """``<root>/<relpath>`` (a pack's digest: ``<root>/model-payloads/sha256/<digest>.pack``); a digest is
+        validated first."""
+        return self.root / as_object(obj).relpath
 
-    def location(self, digest: str) -> str:
+    def location(self, obj: str | StoreObject) -> str:
         """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: the object path."""
-        return str(self.object_path(digest))
+        return str(self.object_path(obj))
 
-    def has(self, digest: str, size_bytes: int | None = None, *, verify: bool = False) -> bool:
+    def has(self, obj: str | StoreObject, size_bytes: int | None = None, *, verify: bool = False) -> bool:
         """See :meth:`coldsnap_core.stores.base.PayloadStore.has`; ``verify`` hashes the object in
         full with the one verifier (:func:`coldsnap_core.format.verify.verify_pack_file`: size, SHA-256).
 
@@ -78,19 +83,22 @@ class LocalFolderStore:
         """
         from coldsnap_core.format.verify import verify_pack_file
 
-        path = self.object_path(digest)
+        obj = as_object(obj)
+        path = self.object_path(obj)
         st = refuse_symlink(path)
         if st is None:
             return False
         mismatch = (
-            None if size_bytes is None else size_mismatch(PackSizeMismatchError, "stored pack", st.st_size, size_bytes, file=path)
+            None
+            if size_bytes is None
+            else size_mismatch(PackSizeMismatchError, f"stored {obj.what}", st.st_size, size_bytes, file=path)
         )
         if mismatch is not None:
             logger.warning("coldsnap: %s; treating it as absent", mismatch)
             return False
         if verify:
             try:
-                verify_pack_file(path, PackRef.for_digest(digest, st.st_size))
+                verify_pack_file(path, PackRef.for_digest(obj.sha256, st.st_size))
             except MissingObjectError:
                 return False
             except IntegrityError as exc:
@@ -100,7 +108,7 @@ class LocalFolderStore:
 
     def fetch(
         self,
-        digest: str,
+        obj: str | StoreObject,
         size_bytes: int,
         fd: int,
         *,
@@ -109,11 +117,12 @@ class LocalFolderStore:
         landed: LandedCallback | None = None,
     ) -> None:
         """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch` (one kernel copy, 64 MiB at a time, in order)."""
-        path = self.object_path(digest)
+        obj = as_object(obj)
+        path = self.object_path(obj)
         try:
             source_fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError as exc:
-            raise PayloadUnavailableError(f"{self.name} does not hold the pack", file=path) from exc
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise PayloadUnavailableError(f"{self.name} does not hold the {obj.what}", file=path) from exc
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise UnsafePathError("refusing a symbolic link in the payload store", file=path) from exc
@@ -121,15 +130,15 @@ class LocalFolderStore:
         try:
             st = os.fstat(source_fd)
             if not stat.S_ISREG(st.st_mode):
-                raise NotRegularFileError(f"the stored pack is not a regular file ({stat.filemode(st.st_mode)})", file=path)
-            mismatch = size_mismatch(PackSizeMismatchError, "stored pack", st.st_size, size_bytes, file=path)
+                raise NotRegularFileError(f"the stored {obj.what} is not a regular file ({stat.filemode(st.st_mode)})", file=path)
+            mismatch = size_mismatch(PackSizeMismatchError, f"stored {obj.what}", st.st_size, size_bytes, file=path)
             if mismatch is not None:
                 raise mismatch
             copy_fd(source_fd, fd, size_bytes, source=path, target=file, progress=progress, landed=landed)
         finally:
             os.close(source_fd)
 
-    def upload(self, path: Path, digest: str, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
+    def upload(self, path: Path, obj: str | StoreObject, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
         """See :meth:`coldsnap_core.stores.base.PayloadStore.upload` (``False``: another publisher's
         verified object was already there and is kept).
 
@@ -140,7 +149,8 @@ class LocalFolderStore:
         """
         from coldsnap_core.format.verify import verify_pack_file
 
-        final = self.object_path(digest)
+        obj = as_object(obj)
+        digest, final = obj.sha256, self.object_path(obj)
         tmp_dir = self.root / PAYLOADS_DIRNAME / "tmp"
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
@@ -159,22 +169,22 @@ class LocalFolderStore:
             verify_pack_file(temp, PackRef.for_digest(digest, size_bytes))
             os.fchmod(fd, 0o444)
             refuse_symlink(final)
-            created = self._link_or_keep(temp, final, digest, size_bytes)
+            created = self._link_or_keep(temp, final, obj, size_bytes)
             fsync_dir(final.parent)
         finally:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temp)
-        logger.info("coldsnap: %s %s to %s", "uploaded" if created else "kept another publisher's", digest, self.name)
+        logger.info("coldsnap: %s %s to %s", "uploaded" if created else "kept another publisher's", final, self.name)
         return created
 
-    def _link_or_keep(self, temp: Path, final: Path, digest: str, size_bytes: int) -> bool:
+    def _link_or_keep(self, temp: Path, final: Path, obj: StoreObject, size_bytes: int) -> bool:
         """Publish ``temp`` at ``final`` without replacing a good object; ``False`` when one was kept."""
         try:
             os.link(temp, final)
             return True
         except FileExistsError:
-            if self.has(digest, size_bytes, verify=True):
+            if self.has(obj, size_bytes, verify=True):
                 return False
             logger.warning("coldsnap: replacing the corrupt store object %s", final)
         except OSError as exc:
@@ -182,3 +192,28 @@ class LocalFolderStore:
                 raise StoreError(f"cannot publish the object: {exc.strerror or exc}", file=final) from exc
         os.rename(temp, final)
         return True
+
+    def put_reference(self, relpath: str, data: bytes) -> None:
+        """Replace ``<root>/<relpath>`` with ``data`` (temporary file, fsync, rename, folder fsync).
+
+        Raises:
+            StoreError: the store folder cannot be written.
+        """
+        path = self.root / relpath
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            replace_file_durably(path, data, before_rename=refuse_symlink)
+        except OSError as exc:
+            raise StoreError(f"cannot write the name: {exc.strerror or exc}", file=path) from exc
+
+    def get_reference(self, relpath: str, max_bytes: int) -> bytes | None:
+        """The bytes of ``<root>/<relpath>`` (at most ``max_bytes``), or ``None`` when it does not exist.
+
+        Raises:
+            UnsafePathError, NotRegularFileError, FileAccessError: a link or not a regular file, or unreadable.
+            ManifestError: over ``max_bytes``.
+        """
+        try:
+            return read_document_bytes(self.root / relpath, max_bytes=max_bytes)
+        except MissingObjectError:
+            return None

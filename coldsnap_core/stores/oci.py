@@ -65,6 +65,7 @@ from coldsnap_core.errors import (
     StoreError,
 )
 from coldsnap_core.format._strict import read_document_bytes
+from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME
 from coldsnap_core.settings import OCI_MOUNT_FROM_ENV, StoreClientSettings
 from coldsnap_core.stores._ranged import (
     ANSWER_MAX_BYTES,
@@ -76,13 +77,24 @@ from coldsnap_core.stores._ranged import (
     read_answer,
     request_failure,
 )
-from coldsnap_core.stores.base import ArtifactListing, ProgressCallback
+from coldsnap_core.stores.base import (
+    ArtifactListing,
+    ProgressCallback,
+    PublishedArtifact,
+    StoreObject,
+    as_object,
+    check_artifact_name,
+)
 
 logger = logging.getLogger(__name__)
 
 OCI_SCHEME = "oci://"
 PACK_MEDIA_TYPE = "application/vnd.coldsnap.pack.v1"
 """The media type of a pack layer (uncompressed bytes; the layer digest is the pack's SHA-256)."""
+FILE_MEDIA_TYPE = "application/vnd.coldsnap.artifact.file.v1"
+"""The media type of a layer holding one file of the artifact folder (``artifact.json``, a capsule's file, a model
+file), titled (``org.opencontainers.image.title``) with its path in the folder."""
+TITLE_ANNOTATION = "org.opencontainers.image.title"
 ARTIFACT_TYPE = "application/vnd.coldsnap.artifact.v1"
 """The ``artifactType`` of a coldsnap artifact's manifest."""
 MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"
@@ -284,6 +296,7 @@ class OciPayloadStore(RangedStore):
             ``oci_mount_from`` entry is not a repository name.
     """
 
+    record_kind = "manifest"
     conditional_create = False  # the distribution API has none: presence is checked first
     hash_before_sending = True  # a cancelled upload session can leave its folder in the registry's storage
     replacement_refused = (
@@ -360,9 +373,10 @@ class OciPayloadStore(RangedStore):
         check_digest(digest)
         return f"{self.base_url}/v2/{self.repository}/blobs/sha256:{digest}"
 
-    def location(self, digest: str) -> str:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: ``oci://HOST/NAME@sha256:<digest>``."""
-        check_digest(digest)
+    def location(self, obj: str | StoreObject) -> str:
+        """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: ``oci://HOST/NAME@sha256:<digest>`` (a pack and
+        an artifact's file alike are the blob of their SHA-256)."""
+        digest = check_digest(as_object(obj).sha256)
         return f"{OCI_SCHEME}{self.registry}/{self.repository}@sha256:{digest}"
 
     # -- HTTP with the registry's authentication -------------------------------------------------
@@ -513,10 +527,10 @@ class OciPayloadStore(RangedStore):
 
     # -- the ranged-store backend (RangedStore writes has, fetch and upload) --------------------------
 
-    def stat(self, digest: str) -> ObjectStat | None:
+    def stat(self, obj: StoreObject) -> ObjectStat | None:
         """The blob's size from ``HEAD``, or ``None`` when the repository does not hold it."""
-        where = self.location(digest)
-        response = self._request("HEAD", self.blob_url(digest), where=where, scope_key="pull")
+        where = self.location(obj)
+        response = self._request("HEAD", self.blob_url(obj.sha256), where=where, scope_key="pull")
         if response.status_code == 404:
             return None
         if response.status_code != 200:
@@ -527,11 +541,11 @@ class OciPayloadStore(RangedStore):
             raise StoreError(f"{self.name}: HEAD of the blob gave no Content-Length", file=where) from exc
 
     @contextlib.contextmanager
-    def open_range(self, digest: str, stat: ObjectStat, start: int, end: int) -> Iterator[tuple[Iterable[bytes], bool]]:
+    def open_range(self, obj: StoreObject, stat: ObjectStat, start: int, end: int) -> Iterator[tuple[Iterable[bytes], bool]]:
         """One ranged ``GET`` of the blob (redirects followed without the credentials), read as it arrives."""
-        where = self.location(digest)
+        where = self.location(obj)
         headers = {"Range": f"bytes={start}-{end - 1}"}
-        response = self._request("GET", self.blob_url(digest), where=where, scope_key="pull", stream=True, headers=headers)
+        response = self._request("GET", self.blob_url(obj.sha256), where=where, scope_key="pull", stream=True, headers=headers)
         with contextlib.closing(response):
             if response.status_code == 404:
                 raise PayloadUnavailableError(f"{self.name} no longer holds the blob", file=where)
@@ -540,16 +554,16 @@ class OciPayloadStore(RangedStore):
             yield response.iter_raw(), response.status_code == 200
 
     def create(
-        self, path: Path, digest: str, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
+        self, path: Path, obj: StoreObject, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
     ) -> bool:
         """A mount from a ``mount_from`` repository (no byte sent), else an upload session (the template looked
         first: ``replacing`` is always ``None``)."""
-        where = self.location(digest)
-        location = self._start_upload(digest, where)
+        where = self.location(obj)
+        location = self._start_upload(obj.sha256, where)
         if location is None:
-            logger.info("coldsnap: mounted %s into %s (no byte sent)", digest, self.name)
+            logger.info("coldsnap: mounted %s into %s (no byte sent)", obj.sha256, self.name)
         else:
-            self._push(location, path, digest, size_bytes, where, progress)
+            self._push(location, path, obj.sha256, size_bytes, where, progress)
         return True
 
     def _absolute(self, location: str) -> str:
@@ -621,23 +635,34 @@ class OciPayloadStore(RangedStore):
     def manifest_for(self, listing: ArtifactListing) -> bytes:
         """The OCI image manifest of ``listing`` (UTF-8 JSON, keys sorted): ``artifactType``
         :data:`ARTIFACT_TYPE`, the empty config, one :data:`PACK_MEDIA_TYPE` layer per pack (in digest order,
-        annotated with its file name and the workers that name it), the model identity and format version as
-        annotations (``docs/format.md`` §12.6)."""
+        annotated with its file name and the workers that name it), then one :data:`FILE_MEDIA_TYPE` layer per file
+        of the artifact (``artifact.json`` first, each titled with its path in the artifact folder, so ``oras pull``
+        writes the artifact folder), the model identity and format version as annotations (``docs/format.md``
+        §12.6)."""
+        files = [
+            {
+                "mediaType": FILE_MEDIA_TYPE,
+                "digest": f"sha256:{file.sha256}",
+                "size": file.size_bytes,
+                "annotations": {TITLE_ANNOTATION: file.path},
+            }
+            for file in listing.files
+        ]
         layers = [
             {
                 "mediaType": PACK_MEDIA_TYPE,
                 "digest": f"sha256:{pack.sha256}",
                 "size": pack.size_bytes,
                 "annotations": {
-                    "org.opencontainers.image.title": f"{pack.sha256}.pack",
+                    TITLE_ANNOTATION: f"{pack.sha256}.pack",
                     f"{ANNOTATION_PREFIX}workers": ",".join(pack.workers),
                 },
             }
             for pack in sorted(listing.packs, key=lambda p: p.sha256)
-        ]
+        ] + files
         annotations = {f"{ANNOTATION_PREFIX}{key}": value for key, value in listing.annotations}
         annotations[f"{ANNOTATION_PREFIX}format-version"] = str(listing.format_version)
-        annotations["org.opencontainers.image.title"] = listing.name
+        annotations[TITLE_ANNOTATION] = listing.name
         manifest = {
             "schemaVersion": 2,
             "mediaType": MANIFEST_MEDIA_TYPE,
@@ -654,12 +679,8 @@ class OciPayloadStore(RangedStore):
         return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
 
     def tag_for(self, listing: ArtifactListing) -> str:
-        """The store's tag, else the artifact's folder name made a tag (characters outside ``A-Za-z0-9._-``
-        become ``-``; at most 128)."""
-        if self.tag is not None:
-            return self.tag
-        tag = re.sub(r"[^A-Za-z0-9._-]", "-", listing.name).lstrip(".-")[:128]
-        return tag or "latest"
+        """The store's tag, else the artifact's name (an artifact name is a tag)."""
+        return self.tag if self.tag is not None else listing.name
 
     def _check_tag_move(
         self, url: str, where: str, name: str, current: str | None, manifest_digest: str, *, warn: bool = True
@@ -678,7 +699,7 @@ class OciPayloadStore(RangedStore):
             raise self._fail("reading the manifest the tag names", response, where)
         try:
             document = response.json()
-            title = (document.get("annotations") or {}).get("org.opencontainers.image.title")
+            title = (document.get("annotations") or {}).get(TITLE_ANNOTATION)
             artifact_type = document.get("artifactType")
         except (ValueError, AttributeError):
             title = artifact_type = None
@@ -755,7 +776,7 @@ class OciPayloadStore(RangedStore):
         if named:
             logger.info("coldsnap: %s already names this manifest", where)
             return reference
-        if self.stat(EMPTY_DIGEST) is None:
+        if self.stat(as_object(EMPTY_DIGEST)) is None:
             location = self._start_upload(EMPTY_DIGEST, where)
             if location is not None:
                 response = self._put(location, EMPTY_DIGEST, EMPTY_CONFIG, where)
@@ -780,6 +801,47 @@ class OciPayloadStore(RangedStore):
             )
         logger.info("coldsnap: pushed the manifest of %s as %s", listing.name, reference)
         return reference
+
+    def resolve_artifact(self, name: str) -> PublishedArtifact:
+        """The artifact the tag ``name`` names: its manifest's :data:`FILE_MEDIA_TYPE` layer titled ``artifact.json``
+        (``GET /v2/<name>/manifests/<tag>``).
+
+        Raises:
+            ConfigurationError: ``name`` is not a tag.
+            PayloadUnavailableError: the repository has no such tag.
+            MissingObjectError: the tag names a manifest that is not a coldsnap artifact's, or one without its files
+                (pushed by a coldsnap release that published packs only: publish it again).
+            StoreError: the registry failed.
+        """
+        tag = check_artifact_name(name)
+        url = f"{self.base_url}/v2/{self.repository}/manifests/{tag}"
+        where = f"{OCI_SCHEME}{self.registry}/{self.repository}:{tag}"
+        headers = {"Accept": MANIFEST_MEDIA_TYPE}
+        response = self._request("GET", url, where=where, scope_key="pull", headers=headers, max_bytes=MANIFEST_MAX_BYTES)
+        if response.status_code == 404:
+            raise PayloadUnavailableError(f"{self.name} has no tag {tag!r}", file=where)
+        if response.status_code != 200:
+            raise self._fail("reading the artifact's manifest", response, where)
+        try:
+            document = response.json()
+            descriptors = [
+                layer
+                for layer in document["layers"]
+                if layer.get("mediaType") == FILE_MEDIA_TYPE
+                and (layer.get("annotations") or {}).get(TITLE_ANNOTATION) == DESCRIPTOR_FILENAME
+            ]
+            artifact = document.get("artifactType") == ARTIFACT_TYPE and len(descriptors) == 1
+            if artifact:
+                digest, size = descriptors[0]["digest"].removeprefix("sha256:"), int(descriptors[0]["size"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            artifact = False
+        if not artifact:
+            raise MissingObjectError(
+                f"{self.name}: the tag {tag!r} names no coldsnap artifact with its files (no {FILE_MEDIA_TYPE} layer titled"
+                f" {DESCRIPTOR_FILENAME}); publish the artifact again with this release",
+                file=where,
+            )
+        return PublishedArtifact(check_digest(digest), size)
 
 
 _MANIFEST_PUSH_ATTEMPTS = 3

@@ -16,12 +16,16 @@ workers, in digest order:
    quarantined and publication stops with the verifier's error;
 3. then uploaded (:meth:`PayloadStore.upload`, atomic in the store).
 
-A store that also indexes artifacts (:class:`~coldsnap_core.stores.base.ArtifactIndex`: an OCI registry, one
-manifest per artifact) then records each artifact: its name, the model identity and every pack it names
-(``docs/format.md`` §12.6). ``on_artifact`` is called with each record's reference.
+Then each artifact's own files (``artifact.json``, every capsule file and ``model/`` file it pins) go beside the
+packs, immutable under the SHA-256 of ``artifact.json`` (:func:`coldsnap_core.stores.base.artifact_object`; on an
+OCI registry, blobs): a file the store holds (checked as a pack is) is skipped, any other is checked against its pin
+and uploaded. Last, the store's artifact index (:class:`~coldsnap_core.stores.base.ArtifactIndex`) records each
+artifact under its name: ``refs/<name>.json``, or an OCI manifest naming every pack and file under its tag
+(``docs/format.md`` §12.6, §12.9), so a reader that finds the name finds everything it names. ``on_artifact`` is
+called with each record's reference. Publishing an artifact again uploads nothing.
 
 ``dry_run`` performs step 1 by size (and the Hub's LFS SHA-256) only, and checks that each local
-object exists with the right size, but neither hashes nor uploads.
+object exists with the right size, but neither hashes nor uploads, and records no name.
 """
 
 from __future__ import annotations
@@ -29,20 +33,39 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from coldsnap_core._io import refuse_symlink
-from coldsnap_core.artifact.capsules import read_capsule, read_descriptor
+from coldsnap_core._io import file_size, refuse_symlink
+from coldsnap_core.artifact.capsules import check_pinned_file, read_capsule, read_descriptor, read_descriptor_bytes
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.errors import ArtifactError, IntegrityError, MissingObjectError, PackSizeMismatchError, size_mismatch
+from coldsnap_core.errors import (
+    ArtifactError,
+    ConfigurationError,
+    IntegrityError,
+    MissingObjectError,
+    PackSizeMismatchError,
+    size_mismatch,
+)
 from coldsnap_core.format._strict import FORMAT_VERSION
+from coldsnap_core.format.content_ref import ContentRef
+from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME
 from coldsnap_core.format.manifest import NativeManifest, PackRef
 from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.format.verify import check_manifest, extent_owner_map, verify_pack_file
-from coldsnap_core.stores.base import ArtifactIndex, ArtifactListing, ListedPack, PayloadStore
+from coldsnap_core.stores.base import (
+    ArtifactListing,
+    ListedFile,
+    ListedPack,
+    PayloadStore,
+    PublishedArtifact,
+    artifact_name,
+    artifact_object,
+    check_artifact_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +73,14 @@ PublishAction = Literal["uploaded", "present", "would-upload"]
 ProgressFactory = Callable[[str, int], Callable[[int], object]]
 """``(description, total_bytes) -> progress callback``; the CLI passes tqdm bars."""
 
-__all__ = ["PayloadToPublish", "PublishedPayload", "artifact_listing", "collect_payloads", "publish_native"]
+__all__ = [
+    "PayloadToPublish",
+    "PublishedFile",
+    "PublishedPayload",
+    "artifact_listing",
+    "collect_payloads",
+    "publish_native",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +113,21 @@ class PublishedPayload:
     pack: PackRef
     action: PublishAction
     owners: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedFile:
+    """What publication did with one file of an artifact.
+
+    Attributes:
+        artifact: the artifact's name.
+        file: the file (its path in the artifact folder, SHA-256 and size).
+        action: ``uploaded``, ``present`` or ``would-upload``.
+    """
+
+    artifact: str
+    file: ListedFile
+    action: PublishAction
 
 
 def collect_payloads(artifact_dirs: Sequence[Path]) -> list[PayloadToPublish]:
@@ -128,86 +173,127 @@ def publish_native(
     store: PayloadStore,
     cache: PayloadCache,
     *,
+    name: str | None = None,
     dry_run: bool = False,
     progress: ProgressFactory | None = None,
     on_payload: Callable[[PublishedPayload], object] | None = None,
+    on_file: Callable[[PublishedFile], object] | None = None,
     on_artifact: Callable[[str], object] | None = None,
 ) -> list[PublishedPayload]:
-    """Upload each distinct payload of ``artifact_dirs`` to ``store`` once (see the module docstring).
+    """Upload each distinct payload of ``artifact_dirs`` to ``store`` once, then each artifact's files and its name
+    (see the module docstring).
 
     Args:
         artifact_dirs: artifact folders.
         store: the destination store.
         cache: the node-local cache holding the local objects.
-        dry_run: check presence (by size) and local objects, hash and upload nothing.
+        name: the artifact's name (one artifact only; default: each artifact folder's name, :func:`artifact_name`).
+        dry_run: check presence (by size) and local objects; hash, upload and record nothing.
         progress: makes a progress callback for each verification and upload.
         on_payload: called after each payload is handled (the CLI prints a line).
-        on_artifact: called with the reference of each artifact record an :class:`ArtifactIndex` store made.
+        on_file: called after each file of an artifact is handled.
+        on_artifact: called with the reference of each artifact record the store's index made.
 
     Returns:
         One entry per distinct payload, in digest order.
 
     Raises:
-        MissingObjectError: a local object to upload is absent.
+        MissingObjectError: a local object or a pinned file to upload is absent.
         IntegrityError: a local object does not verify (it is quarantined; nothing more is uploaded).
+        CapsulePinMismatchError: a file of an artifact does not match its pin (nothing more is uploaded).
         ManifestExtentDigestError / ManifestPaddingError: the local object is intact but the
             manifest's extent digests or layout are wrong (the object is kept; nothing more is uploaded).
         StoreError: the store failed.
         UnsafePathError: a symbolic link at a local object path.
         ManifestError, ArtifactError: as :func:`collect_payloads`.
-        ConfigurationError: an :class:`ArtifactIndex` store would refuse an artifact's record (before any upload,
-            and in a dry run).
+        ConfigurationError: ``name`` with several artifacts or not an artifact name, or the store's index would refuse
+            an artifact's record (before any upload, and in a dry run).
     """
+    if name is not None and len(artifact_dirs) != 1:
+        raise ConfigurationError(f"one name names one artifact: {name!r} was given for {len(artifact_dirs)} artifacts")
     payloads = collect_payloads(artifact_dirs)
-    if isinstance(store, ArtifactIndex):
-        # an artifact record the store would refuse (an OCI tag naming another artifact) is refused before any pack
-        # is uploaded (no wasted upload, no orphan blob), and a dry run reports it as the real run would
-        for artifact_dir in artifact_dirs:
-            store.check_artifact(artifact_listing(Path(artifact_dir)))
+    listings = [artifact_listing(Path(d), name) for d in artifact_dirs]
+    # a record the store would refuse (an OCI tag naming another artifact) is refused before any pack is uploaded (no
+    # wasted upload, no orphan blob), and a dry run reports it as the real run would
+    for listing in listings:
+        store.check_artifact(listing)
     results = []
     for item in payloads:
-        pack = item.pack
-        if store.has(pack.sha256, pack.size_bytes, verify=not dry_run):
-            action: PublishAction = "present"
-        else:
-            path = cache.object_path(pack.sha256)
-            st = refuse_symlink(path)
-            if st is None:
-                raise MissingObjectError(
-                    f"pack is not in the node-local cache, so it cannot be published (named by {', '.join(item.owners)})",
-                    file=path,
-                )
-            if dry_run:
-                mismatch = size_mismatch(PackSizeMismatchError, "local pack", st.st_size, pack.size_bytes, file=path)
-                if mismatch is not None:
-                    raise mismatch
-                action = "would-upload"
-            else:
-                _verify_local(path, pack, item.manifest, item.manifest_file, cache, progress)
-                upload_progress = progress(f"upload {pack.sha256[:12]}", pack.size_bytes) if progress else None
-                created = store.upload(path, pack.sha256, pack.size_bytes, progress=upload_progress)
-                # False: another publisher created this digest while we verified and sent it (kept as is)
-                action = "present" if created is False else "uploaded"
-        published = PublishedPayload(pack, action, item.owners)
-        logger.info("coldsnap: %s %s (%d bytes) -> %s", action, pack.sha256, pack.size_bytes, store.name)
+        published = PublishedPayload(item.pack, _publish_payload(item, store, cache, dry_run, progress), item.owners)
+        logger.info("coldsnap: %s %s (%d bytes) -> %s", published.action, item.pack.sha256, item.pack.size_bytes, store.name)
         if on_payload is not None:
             on_payload(published)
         results.append(published)
-    if isinstance(store, ArtifactIndex) and not dry_run:
-        for artifact_dir in artifact_dirs:
-            reference = store.publish_artifact(artifact_listing(Path(artifact_dir)))
+    for artifact_dir, listing in zip(artifact_dirs, listings, strict=True):
+        for file in listing.files:
+            done = PublishedFile(listing.name, file, _publish_file(Path(artifact_dir), listing, file, store, dry_run))
+            if on_file is not None:
+                on_file(done)
+        if not dry_run:
+            reference = store.publish_artifact(listing)  # the name last: everything it names is in the store
             if on_artifact is not None:
                 on_artifact(reference)
     return results
 
 
-def artifact_listing(artifact_dir: Path) -> ArtifactListing:
-    """What an :class:`ArtifactIndex` records of ``artifact_dir``: its name, the model identity and its packs.
+def _publish_payload(
+    item: PayloadToPublish, store: PayloadStore, cache: PayloadCache, dry_run: bool, progress: ProgressFactory | None
+) -> PublishAction:
+    """Steps 1-3 of the module docstring for one payload."""
+    pack = item.pack
+    if store.has(pack.sha256, pack.size_bytes, verify=not dry_run):
+        return "present"
+    path = cache.object_path(pack.sha256)
+    st = refuse_symlink(path)
+    if st is None:
+        raise MissingObjectError(
+            f"pack is not in the node-local cache, so it cannot be published (named by {', '.join(item.owners)})",
+            file=path,
+        )
+    if dry_run:
+        mismatch = size_mismatch(PackSizeMismatchError, "local pack", st.st_size, pack.size_bytes, file=path)
+        if mismatch is not None:
+            raise mismatch
+        return "would-upload"
+    _verify_local(path, pack, item.manifest, item.manifest_file, cache, progress)
+    upload_progress = progress(f"upload {pack.sha256[:12]}", pack.size_bytes) if progress else None
+    created = store.upload(path, pack.sha256, pack.size_bytes, progress=upload_progress)
+    # False: another publisher created this digest while we verified and sent it (kept as is)
+    return "present" if created is False else "uploaded"
+
+
+def _publish_file(
+    artifact_dir: Path, listing: ArtifactListing, file: ListedFile, store: PayloadStore, dry_run: bool
+) -> PublishAction:
+    """One file of an artifact: present in the store (checked as a pack is), else checked against its pin and
+    uploaded to :func:`~coldsnap_core.stores.base.artifact_object`'s place."""
+    obj = artifact_object(listing.artifact.sha256, file.path, file.sha256)
+    if store.has(obj, file.size_bytes, verify=not dry_run):
+        return "present"
+    local = artifact_dir / file.path
+    if dry_run:
+        size_bytes = file_size(local)
+        if size_bytes is None:
+            raise MissingObjectError(f"{DESCRIPTOR_FILENAME} pins this file and it does not exist", file=local)
+        if mismatch := size_mismatch(PackSizeMismatchError, "local file", size_bytes, file.size_bytes, file=local):
+            raise mismatch
+        return "would-upload"
+    pin = ContentRef(file.path, file.size_bytes, file.sha256)
+    # the bytes sent are the pinned ones: a file changed since artifact.json was read is refused, naming it
+    check_pinned_file(local, pin, pinned_by=f"{artifact_dir / DESCRIPTOR_FILENAME} (read for this publication)")
+    created = store.upload(local, obj, file.size_bytes)
+    return "present" if created is False else "uploaded"
+
+
+def artifact_listing(artifact_dir: Path, name: str | None = None) -> ArtifactListing:
+    """What a store's artifact index records of ``artifact_dir``: its name (``name``, else the folder's,
+    :func:`~coldsnap_core.stores.base.artifact_name`), the model identity, its packs and its files.
 
     Raises:
-        MissingObjectError, ManifestError: as :func:`coldsnap_core.artifact.capsules.read_descriptor`.
+        ConfigurationError: ``name`` is not an artifact name.
+        MissingObjectError, ManifestError: as :func:`coldsnap_core.artifact.capsules.read_descriptor_bytes`.
     """
-    descriptor = read_descriptor(artifact_dir)
+    descriptor, artifact_sha256 = read_descriptor_bytes(artifact_dir)
     model = descriptor.model
     identity = json.dumps(model.to_json(), sort_keys=True, separators=(",", ":")).encode()
     annotations = [("model.source", model.source), ("model.sha256", hashlib.sha256(identity).hexdigest())]
@@ -219,7 +305,12 @@ def artifact_listing(artifact_dir: Path) -> ArtifactListing:
     for entry in descriptor.workers:
         workers.setdefault(entry.payload.sha256, (entry.payload, []))[1].append(entry.worker.capsule_name)
     packs = tuple(ListedPack(pack.sha256, pack.size_bytes, tuple(names)) for _, (pack, names) in sorted(workers.items()))
-    return ArtifactListing(Path(artifact_dir).resolve().name, FORMAT_VERSION, tuple(sorted(annotations)), packs)
+    artifact = PublishedArtifact(artifact_sha256, os.path.getsize(artifact_dir / DESCRIPTOR_FILENAME))
+    files = [ListedFile(DESCRIPTOR_FILENAME, artifact.sha256, artifact.size_bytes)]
+    files += [ListedFile(path, pin.sha256, pin.size_bytes) for path, pin in descriptor.pinned_files()]
+    folder_name = Path(artifact_dir).resolve().name
+    label = check_artifact_name(name) if name is not None else artifact_name(folder_name)
+    return ArtifactListing(label, FORMAT_VERSION, tuple(sorted(annotations)), packs, artifact, tuple(files))
 
 
 def _verify_local(

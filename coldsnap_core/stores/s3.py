@@ -54,7 +54,7 @@ from coldsnap_core.stores._ranged import (
     read1_chunks,
     request_failure,
 )
-from coldsnap_core.stores.base import ProgressCallback, checked_prefix
+from coldsnap_core.stores.base import ProgressCallback, StoreObject, checked_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -233,16 +233,16 @@ class S3PayloadStore(RangedStore):
             self._client = _default_client(self.client_settings)
         return self._client
 
-    def location(self, digest: str) -> str:
+    def location(self, obj: str | StoreObject) -> str:
         """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: ``s3://bucket/<key>``."""
-        return f"{S3_SCHEME}{self.bucket}/{self.key(digest)}"
+        return f"{S3_SCHEME}{self.bucket}/{self.key(obj)}"
 
-    def failure(self, action: str, digest: str, exc: BaseException) -> StoreError:
+    def failure(self, action: str, obj: str | StoreObject, exc: BaseException) -> StoreError:
         return request_failure(
-            self.name, action, exc, self.client_settings, where=self.location(digest), attempts_from=_aws_max_attempts()
+            self.name, action, exc, self.client_settings, where=self.location(obj), attempts_from=_aws_max_attempts()
         )
 
-    def stat(self, digest: str) -> ObjectStat | None:
+    def stat(self, obj: StoreObject) -> ObjectStat | None:
         """``HeadObject``: size and ``ETag``, or ``None`` when the object does not exist.
 
         Raises:
@@ -250,36 +250,36 @@ class S3PayloadStore(RangedStore):
         """
         client = self.client  # outside the try: a missing boto3 is a ConfigurationError, not a store failure
         try:
-            head = client.head_object(Bucket=self.bucket, Key=self.key(digest))
+            head = client.head_object(Bucket=self.bucket, Key=self.key(obj))
             return ObjectStat(int(head["ContentLength"]), head.get("ETag"))
         except Exception as exc:
             if _error_code(exc) not in _NOT_FOUND_CODES:
-                raise self.failure("looking up the pack", digest, exc) from exc
+                raise self.failure(f"looking up the {obj.what}", obj, exc) from exc
         # a HEAD's 404 has no body, so a missing bucket looks like a missing object: ask for the bucket
         try:
             client.head_bucket(Bucket=self.bucket)
         except Exception as exc:
             if _error_code(exc) in _NOT_FOUND_CODES | {"NoSuchBucket"}:
-                raise self.missing(f"bucket {self.bucket!r}", digest) from exc
+                raise self.missing(f"bucket {self.bucket!r}", obj) from exc
             # HeadBucket needs s3:ListBucket; without it the object's 404 stands (the behaviour before this check)
             logger.debug("coldsnap: HeadBucket of %s after a 404: %s", self.bucket, exc)
         return None
 
     @contextlib.contextmanager
-    def open_range(self, digest: str, stat: ObjectStat, start: int, end: int) -> Iterator[tuple[Iterable[bytes], bool]]:
+    def open_range(self, obj: StoreObject, stat: ObjectStat, start: int, end: int) -> Iterator[tuple[Iterable[bytes], bool]]:
         """One ranged ``GetObject`` pinned to the ``ETag`` (``If-Match``), its body read as it arrives."""
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(digest), "Range": f"bytes={start}-{end - 1}"}
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(obj), "Range": f"bytes={start}-{end - 1}"}
         if stat.version:
             kwargs["IfMatch"] = stat.version
         try:
             response = self.client.get_object(**kwargs)
         except Exception as exc:
             if _error_code(exc) in _NOT_FOUND_CODES:
-                raise PayloadUnavailableError(f"{self.name} no longer holds the pack", file=self.location(digest)) from exc
+                raise PayloadUnavailableError(f"{self.name} no longer holds the {obj.what}", file=self.location(obj)) from exc
             if _error_code(exc) in _CONDITION_FAILED_CODES:
                 raise StoreError(
                     f"{self.name}: the object changed while it was read (ETag {stat.version} no longer matches)",
-                    file=self.location(digest),
+                    file=self.location(obj),
                 ) from exc
             raise
         with response["Body"] as raw:  # the urllib3 response itself (botocore's StreamingBody reads until full)
@@ -288,7 +288,7 @@ class S3PayloadStore(RangedStore):
     # -- upload ----------------------------------------------------------------------------------
 
     def create(
-        self, path: Path, digest: str, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
+        self, path: Path, obj: StoreObject, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
     ) -> bool:
         """Up to one part: one ``PutObject`` with the digest as ``x-amz-checksum-sha256``; larger: a multipart
         upload with per-part SHA-256, the parts read in order (whole-file SHA-256 computed on the way) and sent
@@ -296,22 +296,22 @@ class S3PayloadStore(RangedStore):
         The condition: ``If-None-Match: *``, or ``If-Match`` on ``replacing``'s ``ETag``."""
         condition = {"IfNoneMatch": "*"} if replacing is None else {"IfMatch": str(replacing.version)}
         if size_bytes > self.part_size_bytes:
-            return self._multipart(path, digest, size_bytes, progress, condition)
-        created = self._put_once(path, digest, size_bytes, condition)
+            return self._multipart(path, obj, size_bytes, progress, condition)
+        created = self._put_once(path, obj, size_bytes, condition)
         if created and progress is not None:
             progress(size_bytes)
         return created
 
-    def _put_once(self, path: Path, digest: str, size_bytes: int, condition: dict[str, str]) -> bool:
-        with hashing_reader(path, digest, size_bytes, None) as reader:
+    def _put_once(self, path: Path, obj: StoreObject, size_bytes: int, condition: dict[str, str]) -> bool:
+        with hashing_reader(path, obj.sha256, size_bytes, None) as reader:
             data = reader.read()
         try:
             self.client.put_object(
                 Bucket=self.bucket,
-                Key=self.key(digest),
+                Key=self.key(obj),
                 Body=data,
                 **condition,
-                ChecksumSHA256=base64.b64encode(bytes.fromhex(digest)).decode(),
+                ChecksumSHA256=base64.b64encode(bytes.fromhex(obj.sha256)).decode(),
                 ContentType="application/octet-stream",
             )
         except Exception as exc:
@@ -321,7 +321,7 @@ class S3PayloadStore(RangedStore):
         return True
 
     def _multipart(
-        self, path: Path, digest: str, size_bytes: int, progress: ProgressCallback | None, condition: dict[str, str]
+        self, path: Path, obj: StoreObject, size_bytes: int, progress: ProgressCallback | None, condition: dict[str, str]
     ) -> bool:
         ranges = byte_ranges(size_bytes, self.part_size_bytes)
         if len(ranges) > MAX_PARTS:
@@ -329,13 +329,13 @@ class S3PayloadStore(RangedStore):
                 f"{self.name}: {size_bytes} bytes need {len(ranges)} parts of {self.part_size_bytes} bytes (S3 allows {MAX_PARTS})",
                 file=path,
             )
-        key = self.key(digest)
+        key = self.key(obj)
         try:
             upload_id = self.client.create_multipart_upload(
                 Bucket=self.bucket, Key=key, ChecksumAlgorithm="SHA256", ContentType="application/octet-stream"
             )["UploadId"]
         except Exception as exc:
-            raise self.failure("starting a multipart upload", digest, exc) from exc
+            raise self.failure("starting a multipart upload", obj, exc) from exc
         completed = False
         try:
             parts: dict[int, dict[str, Any]] = {}
@@ -354,7 +354,7 @@ class S3PayloadStore(RangedStore):
                         ChecksumSHA256=checksum,
                     )
                 except Exception as exc:
-                    raise self.failure(f"uploading part {number}", digest, exc) from exc
+                    raise self.failure(f"uploading part {number}", obj, exc) from exc
                 with lock:
                     parts[number] = {"PartNumber": number, "ETag": response["ETag"], "ChecksumSHA256": checksum}
                     if progress is not None:
@@ -362,7 +362,7 @@ class S3PayloadStore(RangedStore):
 
             # the reader hashes the file in order and refuses its last part when the whole is not the digest
             with (
-                hashing_reader(path, digest, size_bytes, None) as f,
+                hashing_reader(path, obj.sha256, size_bytes, None) as f,
                 concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool,
             ):
                 pending: set[concurrent.futures.Future[None]] = set()
@@ -386,7 +386,7 @@ class S3PayloadStore(RangedStore):
             except Exception as exc:
                 if _error_code(exc) in _CONDITION_FAILED_CODES:
                     return False
-                raise self.failure("completing the multipart upload", digest, exc) from exc
+                raise self.failure("completing the multipart upload", obj, exc) from exc
         finally:
             if not completed:
                 try:

@@ -22,7 +22,7 @@ with ``HF_HUB_DISABLE_XET=1`` (with ``hf_xet`` importable it asks for ``/xet-wri
 
 Test hooks: :meth:`LocalHub.tamper` replaces the bytes served for a path while the tree keeps its
 LFS metadata (a corrupt or truncated object on the server); :attr:`LocalHub.lfs_uploads` counts the
-bytes-carrying PUTs; :attr:`LocalHub.commits` counts commits. LFS objects live in files under
+bytes-carrying PUTs (:attr:`LocalHub.lfs_uploaded_oids` names their oids); :attr:`LocalHub.commits` counts commits. LFS objects live in files under
 ``root`` (``lfs/<oid>``), so large packs do not sit in memory.
 """
 
@@ -72,6 +72,7 @@ class LocalHub:
         self.repos: dict[tuple[str, str], Repo] = {}
         self.lock = threading.Lock()
         self.lfs_uploads = 0
+        self.lfs_uploaded_oids: list[str] = []  # the oid of each bytes-carrying PUT, in order
         self.commits = 0
         self.created: list[tuple[str, str, bool]] = []  # (type, repo_id, private)
         self.refuse_commits: int | None = None  # an HTTP status every commit gets (403: a read-only token)
@@ -278,6 +279,7 @@ def _handler(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
             os.replace(temp, hub.root / "lfs" / oid)
             with hub.lock:
                 hub.lfs_uploads += 1
+                hub.lfs_uploaded_oids.append(oid)
             self._send(200)
 
         def do_HEAD(self) -> None:

@@ -311,6 +311,13 @@ class Registry(ServerProcess):
         folder = self.repository_dir(repository) / "_layers" / "sha256"
         return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
 
+    def manifests(self, repository: str) -> list[dict]:
+        """Every manifest pushed to ``repository``, parsed."""
+        import json
+
+        folder = self.repository_dir(repository) / "_manifests" / "revisions" / "sha256"
+        return [json.loads(self.blob_data(p.name).read_bytes()) for p in sorted(folder.iterdir())] if folder.is_dir() else []
+
     def uploads_in_progress(self, repository: str) -> list[str]:
         folder = self.repository_dir(repository) / "_uploads"
         return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []

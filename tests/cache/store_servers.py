@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from store_processes import AZURITE_KEY
 
 from coldsnap_core.digests import pack_relpath
-from coldsnap_core.stores.base import PayloadStore
+from coldsnap_core.stores.base import PayloadStore, StoreObject, as_object
 
 if TYPE_CHECKING:
     import pytest
@@ -102,46 +102,67 @@ class StoreUnderTest:
             return self.new_store_with(chunk_size_bytes=self.extra["chunk_size_bytes"])
         return parse_store_spec(self.spec)
 
-    def put_raw(self, digest: str, data: bytes) -> None:
-        """Make the store's object for ``digest`` hold ``data`` (as a broken writer or bit rot would)."""
+    def put_raw(self, digest: str | StoreObject, data: bytes) -> None:
+        """Make the store's object for ``digest`` (a pack's, or any :class:`StoreObject`) hold ``data`` (as a broken
+        writer or bit rot would)."""
+        obj = as_object(digest)
         if self.kind == "folder":
-            path = self.backend / pack_relpath(digest)
+            path = self.backend / obj.relpath
             path.parent.mkdir(parents=True, exist_ok=True)
             if path.exists():
                 os.chmod(path, 0o644)
             path.write_bytes(data)
         elif self.kind == "hf":
-            # a commit of other bytes at the digest's path: paths-info reports their real SHA-256
-            self.backend.plant(HF_REPO, pack_relpath(digest), data)
+            # a commit of other bytes at the object's path: paths-info reports their real SHA-256
+            self.backend.plant(HF_REPO, obj.relpath, data)
         elif self.kind == "oci":
             # a registry hashes every blob pushed to it, so other bytes under a digest come from its storage
-            self.backend.plant(self.bucket, digest, data)
+            self.backend.plant(self.bucket, obj.sha256, data)
         elif self.kind == "gcs":
-            self.extra["client"].bucket(self.bucket).blob(self.store.key(digest)).upload_from_string(data)
+            self.extra["client"].bucket(self.bucket).blob(self.store.key(obj)).upload_from_string(data)
         elif self.kind == "azure":
-            self.extra["service"].get_blob_client(self.bucket, self.store.key(digest)).upload_blob(data, overwrite=True)
+            self.extra["service"].get_blob_client(self.bucket, self.store.key(obj)).upload_blob(data, overwrite=True)
         else:
-            self.backend.put_object(Bucket=self.bucket, Key=self.store.key(digest), Body=data)
+            self.backend.put_object(Bucket=self.bucket, Key=self.store.key(obj), Body=data)
+
+    def _keys(self) -> list[str]:
+        """Every object path the store holds, relative to its root or prefix (not OCI)."""
+        if self.kind == "folder":
+            return sorted(str(p.relative_to(self.backend)) for p in self.backend.rglob("*") if p.is_file())
+        if self.kind == "hf":
+            return sorted(self.backend.objects(HF_REPO)) if ("model", HF_REPO) in self.backend.repos else []
+        prefix = f"{self.store.prefix}/" if self.store.prefix else ""
+        if self.kind == "gcs":
+            names = [b.name for b in self.extra["client"].list_blobs(self.bucket)]
+        elif self.kind == "azure":
+            names = [b.name for b in self.extra["service"].get_container_client(self.bucket).list_blobs()]
+        else:
+            names = [o["Key"] for o in self.backend.list_objects_v2(Bucket=self.bucket).get("Contents", [])]
+        return sorted(n.removeprefix(prefix) for n in names)
 
     def objects(self) -> list[str]:
-        """The object names (``<digest>.pack``) the store holds."""
-        if self.kind == "folder":
-            folder = self.backend / "model-payloads" / "sha256"
-            return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
-        if self.kind == "hf":
-            if (("model", HF_REPO)) not in self.backend.repos:
-                return []
-            return sorted(Path(p).name for p in self.backend.objects(HF_REPO) if p.startswith("model-payloads/sha256/"))
+        """The object names (``<digest>.pack``) of the packs the store holds."""
         if self.kind == "oci":
             from coldsnap_core.stores.oci import EMPTY_DIGEST
 
-            return [f"{d}.pack" for d in self.backend.layers(self.bucket) if d != EMPTY_DIGEST]
-        if self.kind == "gcs":
-            return sorted(Path(b.name).name for b in self.extra["client"].list_blobs(self.bucket))
-        if self.kind == "azure":
-            return sorted(Path(b.name).name for b in self.extra["service"].get_container_client(self.bucket).list_blobs())
-        listing = self.backend.list_objects_v2(Bucket=self.bucket)
-        return sorted(Path(o["Key"]).name for o in listing.get("Contents", []))
+            files = {digest for _, digest in self.files()}
+            return [f"{d}.pack" for d in self.backend.layers(self.bucket) if d != EMPTY_DIGEST and d not in files]
+        return sorted(Path(k).name for k in self._keys() if k.startswith("model-payloads/sha256/"))
+
+    def files(self) -> list[tuple[str, str]]:
+        """``(path, where)`` of every published artifact's file the store holds: ``artifacts/sha256/<d>/<path>`` and
+        ``refs/<name>.json`` with ``where`` the path itself; on OCI, ``(title, digest)`` of every file layer of every
+        manifest."""
+        if self.kind == "oci":
+            from coldsnap_core.stores.oci import FILE_MEDIA_TYPE, TITLE_ANNOTATION
+
+            return sorted(
+                (layer["annotations"][TITLE_ANNOTATION], layer["digest"].removeprefix("sha256:"))
+                for manifest in self.backend.manifests(self.bucket)
+                for layer in manifest["layers"]
+                if layer["mediaType"] == FILE_MEDIA_TYPE
+            )
+        return [(k, k) for k in self._keys() if k.startswith(("artifacts/", "refs/"))]
 
     def writes(self, digest: str) -> int:
         """How many times bytes were stored for ``digest``: object versions (S3), LFS uploads (Hub),
@@ -150,7 +171,7 @@ class StoreUnderTest:
             versions = self.backend.list_object_versions(Bucket=self.bucket, Prefix=self.store.key(digest))
             return len(versions.get("Versions", []))
         if self.kind == "hf":
-            return self.backend.lfs_uploads
+            return self.backend.lfs_uploaded_oids.count(as_object(digest).sha256)
         if self.kind == "oci":
             return self.backend.completed_uploads(self.bucket, digest)
         if self.kind in ("gcs", "azure"):

@@ -11,17 +11,29 @@ from __future__ import annotations
 
 import concurrent.futures
 import io
+import json
+import re
 import threading
+from pathlib import Path
 
 import pytest
 from cache_support import eligible_objects, sha256_of
 
 from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.cli.main import main
 from coldsnap_core.digests import pack_relpath
-from coldsnap_core.errors import PackDigestMismatchError, PackSizeMismatchError, PayloadUnavailableError, StoreError
+from coldsnap_core.errors import (
+    CapsulePinMismatchError,
+    PackDigestMismatchError,
+    PackSizeMismatchError,
+    PayloadUnavailableError,
+    StoreError,
+)
 from coldsnap_core.restore.staging import stage_payload
-from coldsnap_core.stores.base import PayloadStore
-from coldsnap_core.stores.publish import publish_native
+from coldsnap_core.stores import artifact_ref, parse_artifact_ref
+from coldsnap_core.stores.base import PayloadStore, artifact_object
+from coldsnap_core.stores.publish import PublishedFile, artifact_listing, publish_native
+from coldsnap_core.stores.pull import pull_artifact
 
 
 def _flipped(data: bytes, offset: int) -> bytes:
@@ -333,3 +345,85 @@ def test_a_wrong_credential_is_an_error_naming_the_store(kind, captured_once, tm
     assert target.store.name in str(info.value)
     with pytest.raises(expected):
         stage_payload(pack, cache=PayloadCache(tmp_path / "node"), store=store)
+
+
+def _publish_named(any_store, captured_once, name: str = "tiny", on_file=None) -> str:
+    """Publish the captured artifact as ``name``; returns the REF ``coldsnap pull`` takes."""
+    cache = PayloadCache(captured_once.capture_root)
+    publish_native([captured_once.artifact_dir], any_store.store, cache, name=name, on_file=on_file)
+    return artifact_ref(any_store.spec, any_store.store, name)
+
+
+def _folder_files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_publish_then_pull_the_whole_artifact_on_another_node(any_store, captured_once, tmp_path, capsys) -> None:
+    """publish-native pushes the artifact's own files beside the pack, under the SHA-256 of artifact.json, and its
+    name last; ``coldsnap pull REF DIR`` on another node (another state root, another client) writes the artifact
+    folder byte-identical (artifact.json and every file it pins, nothing else) and stages the pack, verified; a second
+    publication uploads no file and a second pull fetches none. Fails if a file is not published, lands at another
+    path, the name is missing or written before the files, or a pull loses, adds or alters a file."""
+    listing = artifact_listing(captured_once.artifact_dir, "tiny")
+    published: list[PublishedFile] = []
+    ref = _publish_named(any_store, captured_once, on_file=published.append)
+    assert [(f.file.path, f.action) for f in published] == [(f.path, "uploaded") for f in listing.files]
+    if any_store.kind == "oci":
+        assert [title for title, _ in any_store.files()] == sorted(f.path for f in listing.files)
+    else:
+        prefix = f"artifacts/sha256/{listing.artifact.sha256}/"
+        assert [path for path, _ in any_store.files()] == sorted([*(prefix + f.path for f in listing.files), "refs/tiny.json"])
+    again: list[PublishedFile] = []
+    _publish_named(any_store, captured_once, on_file=again.append)
+    assert {f.action for f in again} == {"present"}
+    dest, node = tmp_path / "node-2" / "artifact", tmp_path / "node-2" / "state"
+    assert main(["pull", ref, str(dest), "--state-root", str(node), "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert (document["artifact_sha256"], document["fetched_files"]) == (listing.artifact.sha256, len(listing.files))
+    assert _folder_files(dest) == {
+        p: data for p, data in _folder_files(captured_once.artifact_dir).items() if p in {f.path for f in listing.files}
+    }
+    assert sorted(_folder_files(dest)) == sorted(f.path for f in listing.files)
+    assert list(eligible_objects(node)) == [captured_once.pack.sha256]
+    assert sorted(p.name for p in dest.parent.iterdir()) == [".artifact.lock", "artifact", "state"]
+    assert main(["pull", ref, str(dest), "--state-root", str(node), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fetched_files"] == 0
+    assert any_store.leftovers() == []
+
+
+def test_a_changed_byte_in_any_pulled_file_is_refused_naming_it(any_store, captured_once, tmp_path) -> None:
+    """Each file of a published artifact in turn holds one flipped byte in the store: the pull stops with
+    CapsulePinMismatchError naming that file (artifact.json: against the name's SHA-256; any other: against its pin)
+    and nothing is at DIR, not even a temporary. Then, pulled intact, each pinned file flipped in DIR is refused by
+    the next pull the same way. Fails if a file is put in place unchecked, or a refusal leaves a partial folder."""
+    ref = _publish_named(any_store, captured_once)
+    store, name = parse_artifact_ref(ref)
+    listing = artifact_listing(captured_once.artifact_dir, "tiny")
+    for i, file in enumerate(listing.files):
+        obj = artifact_object(listing.artifact.sha256, file.path, file.sha256)
+        original = (captured_once.artifact_dir / file.path).read_bytes()
+        any_store.put_raw(obj, _flipped(original, len(original) // 2))
+        dest = tmp_path / f"pull-{i}"
+        with pytest.raises(CapsulePinMismatchError, match=re.escape(file.path)):
+            pull_artifact(store, name, dest)
+        assert not dest.exists() and list(tmp_path.glob(f".pull-{i}.pull-*")) == []
+        any_store.put_raw(obj, original)
+    dest = tmp_path / "intact"
+    assert pull_artifact(store, name, dest).fetched_files == len(listing.files)
+    for file in listing.files[1:]:
+        original = (dest / file.path).read_bytes()
+        (dest / file.path).write_bytes(_flipped(original, 0))
+        with pytest.raises(CapsulePinMismatchError, match=re.escape(Path(file.path).name)):
+            pull_artifact(store, name, dest)
+        (dest / file.path).write_bytes(original)
+    assert pull_artifact(store, name, dest).fetched_files == 0
+
+
+def test_a_name_the_store_does_not_record_is_unavailable(any_store, captured_once, tmp_path) -> None:
+    """Pulling a name nobody published: PayloadUnavailableError (exit 3) naming the name, nothing written. Fails if
+    a missing reference is read as an empty or default artifact."""
+    _publish_named(any_store, captured_once)
+    store, _ = parse_artifact_ref(artifact_ref(any_store.spec, any_store.store, "tiny"))
+    with pytest.raises(PayloadUnavailableError, match="other"):
+        pull_artifact(store, "other", tmp_path / "dest")
+    assert not (tmp_path / "dest").exists()

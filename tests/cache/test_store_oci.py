@@ -19,12 +19,14 @@ from coldsnap_core.restore.staging import stage_payload
 from coldsnap_core.stores import from_env, parse_store_spec
 from coldsnap_core.stores.oci import (
     ARTIFACT_TYPE,
+    FILE_MEDIA_TYPE,
     PACK_MEDIA_TYPE,
+    TITLE_ANNOTATION,
     OciPayloadStore,
     load_credentials,
     parse_oci_url,
 )
-from coldsnap_core.stores.publish import publish_native
+from coldsnap_core.stores.publish import artifact_listing, publish_native
 
 
 @pytest.fixture
@@ -71,15 +73,24 @@ def test_oras_pulls_the_packs_coldsnap_pushed_byte_identical(registry, two_worke
     client = oras.client.OrasClient(hostname=registry.registry, insecure=True)
     manifest = client.get_manifest(reference)
     assert manifest["artifactType"] == ARTIFACT_TYPE
-    assert {layer["mediaType"] for layer in manifest["layers"]} == {PACK_MEDIA_TYPE}
-    assert sorted((layer["digest"], layer["size"]) for layer in manifest["layers"]) == sorted(
+    pack_layers = [layer for layer in manifest["layers"] if layer["mediaType"] == PACK_MEDIA_TYPE]
+    file_layers = [layer for layer in manifest["layers"] if layer["mediaType"] != PACK_MEDIA_TYPE]
+    assert sorted((layer["digest"], layer["size"]) for layer in pack_layers) == sorted(
         (f"sha256:{p.sha256}", p.size_bytes) for p in packs
     )
+    # the artifact's own files follow the packs, one layer each, titled with their path in the artifact folder
+    listing = artifact_listing(artifact)
+    assert {layer["mediaType"] for layer in file_layers} == {FILE_MEDIA_TYPE}
+    assert [(layer["annotations"][TITLE_ANNOTATION], layer["digest"]) for layer in file_layers] == [
+        (f.path, f"sha256:{f.sha256}") for f in listing.files
+    ]
     annotations = manifest["annotations"]
     assert annotations["dev.coldsnap.format-version"] == "9"
     assert annotations["dev.coldsnap.model.source"] and len(annotations["dev.coldsnap.model.sha256"]) == 64
     pulled = client.pull(target=reference, outdir=str(tmp_path / "pulled"))
-    assert sorted(sha256_of(Path(f)) for f in pulled) == sorted(p.sha256 for p in packs)
+    assert sorted(sha256_of(Path(f)) for f in pulled) == sorted([*(p.sha256 for p in packs), *(f.sha256 for f in listing.files)])
+    for file in listing.files:  # oras writes each file at its title: the artifact folder itself
+        assert (tmp_path / "pulled" / file.path).read_bytes() == (artifact / file.path).read_bytes()
     for pack in packs:
         assert (tmp_path / "pulled" / f"{pack.sha256}.pack").read_bytes() == PayloadCache(root).object_path(
             pack.sha256
@@ -126,7 +137,8 @@ def test_a_blob_in_another_repository_is_mounted_not_sent(registry, two_worker_a
         progress=lambda what, _t: sent.append if what.startswith("upload") else (lambda _n: None),
     )
     assert [r.action for r in results] == ["uploaded", "uploaded"] and sent == []
-    assert registry.layers("team-b/smollm2") == sorted([*[p.sha256 for p in packs], _empty_digest()])
+    files = [f.sha256 for f in artifact_listing(artifact).files]  # the artifact's own files are sent: small, new
+    assert registry.layers("team-b/smollm2") == sorted({*[p.sha256 for p in packs], _empty_digest(), *files})
     log = registry.log_text()
     assert all(f"mount=sha256%3A{p.sha256}&from=models%2Fsmollm2" in log for p in packs)
     staged = stage_payload(packs[1], cache=PayloadCache(tmp_path / "node"), store=target)

@@ -102,6 +102,8 @@ LAYERS: dict[str, int] = {
     "stores.gcs": 6,
     "stores.azure": 6,
     "cache.overlays": 6,
+    "stores.pull": 6,
+    "stores._references": 6,
     "capture.pack_writer": 6,
     "capture.derived_cache": 6,
     "metrics": 6,

@@ -1,0 +1,51 @@
+"""Artifact names as small reference documents: ``refs/<name>.json`` in a store (``docs/format.md`` §12.9).
+
+Every store but an OCI registry (whose tag is the name) records a published artifact's name as an
+:class:`~coldsnap_core.format.descriptor.ArtifactReference` at ``refs/<name>.json``: the SHA-256 and size of the
+artifact's ``artifact.json``. Publication writes it after every pack and file of the artifact is in the store, so a
+reader that finds the name finds everything the artifact pins; a later publication under the same name replaces it.
+A store gives :meth:`ReferenceIndex.put_reference` and :meth:`ReferenceIndex.get_reference`; the
+:class:`~coldsnap_core.stores.base.ArtifactIndex` methods are written here once.
+"""
+
+from __future__ import annotations
+
+from coldsnap_core.errors import PayloadUnavailableError
+from coldsnap_core.format.descriptor import ArtifactReference
+from coldsnap_core.stores.base import ArtifactListing, PublishedArtifact, StoreObject, reference_relpath
+
+
+class ReferenceIndex:
+    """The :class:`~coldsnap_core.stores.base.ArtifactIndex` of a store that keeps names as ``refs/<name>.json``. The
+    store class mixing it in gives ``name``, ``location(obj)``, ``put_reference(relpath, data)`` (replace the object,
+    atomically for a reader) and ``get_reference(relpath, max_bytes)`` (its bytes, or ``None``)."""
+
+    record_kind = "name"
+
+    def check_artifact(self, listing: ArtifactListing) -> None:
+        """Nothing to refuse: a name may move to another artifact (a new capture published under it)."""
+        reference_relpath(listing.name)
+
+    def publish_artifact(self, listing: ArtifactListing) -> str:
+        """Write ``refs/<name>.json`` naming ``listing``'s ``artifact.json``; returns where it is."""
+        relpath = reference_relpath(listing.name)
+        document = ArtifactReference(artifact_sha256=listing.artifact.sha256, size_bytes=listing.artifact.size_bytes)
+        self.put_reference(relpath, document.dumps())  # type: ignore[attr-defined]
+        return self.location(StoreObject(relpath, ""))  # type: ignore[attr-defined]
+
+    def resolve_artifact(self, name: str) -> PublishedArtifact:
+        """The artifact ``refs/<name>.json`` names.
+
+        Raises:
+            ConfigurationError: ``name`` is not an artifact name.
+            PayloadUnavailableError: the store records no artifact under ``name``.
+            ManifestError: the reference document is malformed.
+            StoreError: the store failed.
+        """
+        relpath = reference_relpath(name)
+        where = self.location(StoreObject(relpath, ""))  # type: ignore[attr-defined]
+        data = self.get_reference(relpath, ArtifactReference.MAX_BYTES)  # type: ignore[attr-defined]
+        if data is None:
+            raise PayloadUnavailableError(f"{self.name} records no artifact named {name!r}", file=where)  # type: ignore[attr-defined]
+        reference = ArtifactReference.loads(data, file=where)
+        return PublishedArtifact(reference.artifact_sha256, reference.size_bytes)
