@@ -84,6 +84,8 @@ from coldsnap_core.restore.hydrate import HydrationReport
 from coldsnap_core.restore.pipeline import WorkerRestore, restore_or_fall_back
 from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_core.stores import from_settings as store_from_settings
+from coldsnap_core.stores import parse_artifact_ref
+from coldsnap_core.stores.pull import pull_into_state_root
 
 __all__ = ["LoadCall", "LoadOutcome", "LoadPolicy", "ModelSource", "ModelWrite", "ObservedLoader"]
 
@@ -318,8 +320,16 @@ class LoadPolicy(abc.ABC):
         return outcome
 
     def _load(self, call: LoadCall, worker: WorkerIdentity, started: float) -> LoadOutcome:
+        cache = PayloadCache(self.settings.state_root, lock_timeout_seconds=self.settings.lock_timeout_s)
+        if self.settings.artifact_ref is not None:
+            try:
+                self._pull_artifact()
+            except ColdsnapError as exc:
+                if self.settings.restore == "native":
+                    raise
+                self.log.warning("coldsnap: could not pull %s: %s; loading the checkpoint", self.settings.artifact_ref, exc)
+                return self._load_checkpoint(call, worker, cache, None, exc, None, started)
         settings = self.settings
-        cache = PayloadCache(settings.state_root, lock_timeout_seconds=settings.lock_timeout_s)
         if settings.artifact_dir is None or settings.export_model_payload:
             return self._load_checkpoint(call, worker, cache, None, None, None, started)
         loaded = self._loaded_model(call)
@@ -352,6 +362,23 @@ class LoadPolicy(abc.ABC):
         if attempt is None or attempt.stage_seconds is None:
             return outcome
         return dataclasses.replace(outcome, stage_seconds=attempt.stage_seconds, fetched_bytes=attempt.fetched_bytes)
+
+    def _pull_artifact(self) -> None:
+        """``COLDSNAP_ARTIFACT_DIR`` is a REF: pull it into ``<state-root>/artifacts/sha256/<digest>/``
+        (:func:`coldsnap_core.stores.pull.pull_into_state_root`; every worker of a start pulls, the first one fetches)
+        and restore from there; without a configured payload store the packs are staged from the REF's store.
+
+        Raises:
+            ColdsnapError: as :func:`~coldsnap_core.stores.parse_artifact_ref` and
+                :func:`~coldsnap_core.stores.pull.pull_artifact`.
+        """
+        ref = self.settings.artifact_ref
+        assert ref is not None
+        store, name = parse_artifact_ref(ref, client=self.settings.store.client)
+        pulled = pull_into_state_root(store, name, self.settings.state_root, lock_timeout_seconds=self.settings.lock_timeout_s)
+        self.log.info("coldsnap: %s is artifact %s, pulled into %s", ref, pulled.sha256, pulled.path)
+        self.settings = dataclasses.replace(self.settings, artifact_dir=pulled.path, artifact_ref=None)
+        self.store = self.store if self.store is not None else store
 
     def _loaded_model(self, call: LoadCall) -> LoadedModel | None:
         source = call.source

@@ -121,6 +121,16 @@ def _path(where: str, value: object) -> Path:
 
 HF_REF_SCHEME = "hf://"
 """A Hugging Face repository in a REF: ``hf://org/name[@revision]/NAME``."""
+ARTIFACT_REF_SCHEMES = ("oci://", "s3://", "gs://", "az://", HF_REF_SCHEME)
+"""How a REF of a published artifact starts (``docs/format.md`` §12.9): ``COLDSNAP_ARTIFACT_DIR`` given one is
+pulled (:attr:`ColdsnapSettings.artifact_ref`), any other value is a folder."""
+
+
+def _artifact_location(where: str, value: object) -> Path | str:
+    """An artifact folder (:func:`_path`), or a REF as given (trimmed) when it starts with one of
+    :data:`ARTIFACT_REF_SCHEMES`."""
+    text = _string(where, value).strip()
+    return text if text.startswith(ARTIFACT_REF_SCHEMES) else expand_path(text, where)
 
 
 def _choice(*allowed: str) -> Callable[[str, object], str]:
@@ -306,8 +316,10 @@ SETTINGS: tuple[Setting, ...] = (
         "artifact_dir",
         "COLDSNAP_ARTIFACT_DIR",
         "artifact_dir",
-        _path,
-        "the artifact folder (`artifact.json`, one capsule per worker); without it nothing is captured or restored",
+        _artifact_location,
+        "the artifact folder (`artifact.json`, one capsule per worker), or the REF of a published one (`oci://`,"
+        " `s3://`, `gs://`, `az://`, `hf://`: pulled into `<state-root>/artifacts/sha256/<digest>/` before the restore);"
+        " without it nothing is captured or restored",
     ),
     Setting(
         "state_root",
@@ -523,6 +535,9 @@ class ColdsnapSettings:
     Attributes:
         export_model_payload: capture this worker after loading from the checkpoint.
         artifact_dir: the artifact folder (absolute), or ``None``.
+        artifact_ref: ``COLDSNAP_ARTIFACT_DIR`` given as a REF (``docs/format.md`` §12.9), or ``None``: the load pulls
+            it into ``<state_root>/artifacts/sha256/<digest>/`` and restores from there (``artifact_dir`` is ``None``
+            until then).
         state_root: the node-local cache root (absolute after :meth:`resolve`).
         restore: ``auto`` or ``native``.
         materialize: ``async``, ``required`` or ``off`` (the default when the engine passes none).
@@ -540,6 +555,7 @@ class ColdsnapSettings:
 
     export_model_payload: bool = False
     artifact_dir: Path | None = None
+    artifact_ref: str | None = None
     state_root: Path = DEFAULT_STATE_ROOT
     restore: RestoreMode = "auto"
     materialize: MaterializeMode = "off"
@@ -618,6 +634,8 @@ class ColdsnapSettings:
             found.get("store.payload_repo", (PAYLOAD_REPO_ENV,))[0],
             StoreClientSettings(**client),  # type: ignore[arg-type]
         )
+        if isinstance(values.get("artifact_dir"), str):  # a REF: pulled by the load, never read as a folder
+            values["artifact_ref"] = values.pop("artifact_dir")
         if "state_root" not in values:  # expanded only when used: a missing HOME does not matter when it is set
             values["state_root"] = expand_path(DEFAULT_STATE_ROOT, "the state root (COLDSNAP_STATE_ROOT unset)")
         settings = cls(**{"materialize": materialize_default, **values, "store": store})  # type: ignore[arg-type]
@@ -632,17 +650,24 @@ def _check_combination(settings: ColdsnapSettings) -> None:
     Raises:
         ConfigurationError: a rule is broken (names the settings).
     """
-    if settings.artifact_dir is None and settings.export_model_payload:
+    if settings.artifact_ref is not None and settings.export_model_payload:
+        raise ConfigurationError(
+            f"COLDSNAP_EXPORT_MODEL_PAYLOAD=1 writes an artifact folder; COLDSNAP_ARTIFACT_DIR={settings.artifact_ref!r}"
+            " is the REF of a published one: export into a folder, then publish it (coldsnap publish-native)"
+        )
+    if settings.artifact_dir is None and settings.artifact_ref is None and settings.export_model_payload:
         raise ConfigurationError(
             "COLDSNAP_EXPORT_MODEL_PAYLOAD=1 needs an artifact folder: set COLDSNAP_ARTIFACT_DIR"
             " (or the extra-config key 'artifact_dir')"
         )
-    if settings.overlay == "capture" and (settings.artifact_dir is None or settings.export_model_payload):
+    if settings.overlay == "capture" and (
+        (settings.artifact_dir is None and settings.artifact_ref is None) or settings.export_model_payload
+    ):
         raise ConfigurationError(
             "COLDSNAP_OVERLAY=capture captures a target-local overlay of an existing artifact: it needs"
             " COLDSNAP_ARTIFACT_DIR and excludes COLDSNAP_EXPORT_MODEL_PAYLOAD=1 (which captures the portable artifact)"
         )
-    if settings.artifact_dir is None and settings.restore == "native":
+    if settings.artifact_dir is None and settings.artifact_ref is None and settings.restore == "native":
         raise ConfigurationError(
             "COLDSNAP_RESTORE=native needs an artifact folder to restore from: set COLDSNAP_ARTIFACT_DIR"
             " (or the extra-config key 'artifact_dir')"

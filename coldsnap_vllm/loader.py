@@ -185,7 +185,7 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
         return outcome
 
     def _publish(self, outcome: LoadOutcome) -> None:
-        settings = self.coldsnap_settings
+        settings = self.policy.settings  # after a pull of COLDSNAP_ARTIFACT_DIR=REF: the folder it pulled
         download_dir = self.load_config.download_dir
         load_state.publish(
             load_state.WorkerLoadState(
