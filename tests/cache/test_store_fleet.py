@@ -135,11 +135,11 @@ def test_a_killed_pull_never_leaves_an_accepted_artifact(any_store, captured_onc
     def temps() -> list[Path]:
         return list(tmp_path.glob(".artifact.pull-*"))
 
-    def files_in_temp(n: int):
-        return lambda: any(sum(p.is_file() for p in t.rglob("*")) >= n for t in temps())
+    def fetched() -> int:  # files landed so far, in a temporary or (a pull that wrote in place) at DIR
+        return sum(p.is_file() for folder in [*temps(), dest] for p in folder.rglob("*"))
 
     points = [lambda: (tmp_path / ".artifact.lock").exists(), lambda: bool(temps())]
-    points += [files_in_temp(n) for n in range(1, len(listing.files) + 1)]
+    points += [lambda n=n: fetched() >= n for n in range(1, len(listing.files) + 1)]
     killed_mid_pull = 0
     for ready in points:
         for leftover in [*temps(), tmp_path / ".artifact.lock"]:  # each kill point is judged on this pull's own files
@@ -151,7 +151,7 @@ def test_a_killed_pull_never_leaves_an_accepted_artifact(any_store, captured_onc
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
         if not _kill_when(proc, ready):
             continue
-        killed_mid_pull += bool(temps()) and not dest.exists()
+        killed_mid_pull += 0 < fetched() < len(listing.files)
         if dest.exists():  # killed after the rename: DIR must be the whole artifact, every pin intact
             assert pull_artifact(store, name, dest).fetched_files == 0
             shutil.rmtree(dest)
