@@ -62,8 +62,6 @@ def run(args: argparse.Namespace) -> int:
 
     def report_file(item: PublishedFile) -> None:
         files.append(item)
-        if not args.json:
-            print(f"{item.action} {item.artifact}/{item.file.path} ({item.file.size_bytes} bytes)")
 
     def report_manifest(reference: str) -> None:
         manifests.append(reference)
@@ -113,6 +111,10 @@ def run(args: argparse.Namespace) -> int:
             }
         )
         return 0
+    for name in dict.fromkeys(f.artifact for f in files):  # one line per artifact: its files are small and many
+        mine = [f for f in files if f.artifact == name]
+        done = ", ".join(f"{sum(f.action == a for f in mine)} {a}" for a in ("uploaded", "present", "would-upload"))
+        print(f"files {name}: {len(mine)} ({done})")
     for ref in refs:
         print(f"ref {ref}")
     print(

@@ -121,7 +121,7 @@ class LocalFolderStore(ReferenceIndex):
         path = self.object_path(obj)
         try:
             source_fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError) as exc:
+        except FileNotFoundError as exc:
             raise PayloadUnavailableError(f"{self.name} does not hold the {obj.what}", file=path) from exc
         except OSError as exc:
             if exc.errno == errno.ELOOP:

@@ -461,12 +461,17 @@ def test_explicit_overlay_capture(exported, model_config, tmp_path: Path, monkey
 
 def test_publish_native_never_uploads_overlays(overlaid, tmp_path: Path) -> None:
     """Catches an overlay (a target-local acceleration cache) reaching a payload store: publishing the
-    artifact while this node holds an overlay uploads the one pack object and nothing else."""
+    artifact while this node holds an overlay uploads the one pack object, the artifact's own files (what
+    ``artifact.json`` pins, docs/format.md §12.9) and its name, and nothing else."""
+    from coldsnap_core.stores.publish import artifact_listing
+
     artifact, state, _ = overlaid
     store = tmp_path / "store"
     assert coldsnap_main(["publish-native", str(artifact), "--repo", str(store), "--state-root", str(state)]) == 0
     uploaded = sorted(str(p.relative_to(store)) for p in store.rglob("*") if p.is_file())
-    assert uploaded == [f"model-payloads/sha256/{_pack_objects(state)[0]}"]
+    listing = artifact_listing(artifact)
+    files = [f"artifacts/sha256/{listing.artifact.sha256}/{f.path}" for f in listing.files]
+    assert uploaded == sorted([f"model-payloads/sha256/{_pack_objects(state)[0]}", *files, f"refs/{listing.name}.json"])
 
 
 # -- an overlay's own derived-cache seed (docs/format.md §15.3, §17) -----------------------------------
