@@ -62,6 +62,7 @@ __all__ = [
     "ObserverError",
     "OverlayError",
     "PackDigestMismatchError",
+    "PackInUseError",
     "PackLayoutError",
     "PackPathMismatchError",
     "PackSizeMismatchError",
@@ -385,6 +386,12 @@ class LockTimeoutError(CacheError):
     """A reader waited the lock timeout (``COLDSNAP_LOCK_TIMEOUT``) for a lock that a live process holds."""
 
     rule = "lock-timeout"
+
+
+class PackInUseError(CacheError):
+    """A pack a running load holds (its use file's shared ``flock``, ``docs/format.md`` §10) was not removed."""
+
+    rule = "pack-in-use"
 
 
 class ValidationRecordError(CacheError):

@@ -33,7 +33,7 @@ def list_folder(folder: Path) -> list[Path]:
         return []
 
 
-def _lock_is_free(path: Path) -> bool:
+def lock_is_free(path: Path) -> bool:
     """Whether a fresh open of ``path`` can take ``flock`` on it now (taken and released at once):
     ``False`` when another open file description holds it.
 
@@ -57,7 +57,7 @@ def writer_gone(path: Path) -> bool:
     """True if nobody holds ``flock`` on ``path`` (its writer exited or was killed); ``False`` if the
     file is gone already. Other ``OSError`` propagates."""
     try:
-        return _lock_is_free(path)
+        return lock_is_free(path)
     except FileNotFoundError:
         return False
 
@@ -90,7 +90,7 @@ def _flock_works(path: Path) -> bool:
     must fail to lock it (on Lustre, GPFS and some NFS mounts ``flock`` is a no-op that always succeeds).
     Any ``OSError`` means it cannot be shown to work: ``False``."""
     try:
-        return not _lock_is_free(path)
+        return not lock_is_free(path)
     except OSError:
         return False
 

@@ -5,6 +5,7 @@ Layout under a state root (``COLDSNAP_STATE_ROOT``, default ``~/.cache/coldsnap`
     model-payloads/sha256/<digest>.pack          the object, mode 0444
     model-payloads/sha256/<digest>.pack.record   its validation record (see coldsnap_core.cache.records), mode 0444
     model-payloads/locks/<digest>.lock           per-digest filelock (duplicate-work prevention only)
+    model-payloads/used/<digest>.use             last use (its mtime) and the loads holding the pack (coldsnap_core.cache.pack_use)
     model-payloads/tmp/<label>.<random>.partial  writes in progress (flock-held by their writer); never eligible
     model-payloads/tmp/<...>.partial.d/          a store download in progress (belongs to the .partial beside it)
     model-payloads/quarantine/<digest>.<random>.pack   objects that failed verification
@@ -148,6 +149,7 @@ class PayloadCache:
         self.locks_dir = self.payloads_dir / "locks"
         self.tmp_dir = self.payloads_dir / "tmp"
         self.quarantine_dir = self.payloads_dir / "quarantine"
+        self.used_dir = self.payloads_dir / "used"
         self.lock_timeout_seconds = LOCK_TIMEOUT_SECONDS if lock_timeout_seconds is None else float(lock_timeout_seconds)
         self._verified_here: dict[str, tuple[int, int, int, int, int]] = {}
         self._verified_here_lock = threading.Lock()
@@ -196,7 +198,7 @@ class PayloadCache:
         self._check_state_root()
         try:
             self.state_root.mkdir(parents=True, exist_ok=True)
-            for folder in (self.payloads_dir, self.objects_dir, self.locks_dir, self.tmp_dir, self.quarantine_dir):
+            for folder in self._folders():
                 if not _refuse_non_directory(folder):
                     with contextlib.suppress(FileExistsError):
                         folder.mkdir(mode=0o700)
@@ -213,11 +215,11 @@ class PayloadCache:
         """
         if not self._check_state_root():
             return False
-        present = [
-            _refuse_non_directory(folder)
-            for folder in (self.payloads_dir, self.objects_dir, self.locks_dir, self.tmp_dir, self.quarantine_dir)
-        ]
+        present = [_refuse_non_directory(folder) for folder in self._folders()]
         return present[0] and present[1]
+
+    def _folders(self) -> tuple[Path, ...]:
+        return (self.payloads_dir, self.objects_dir, self.locks_dir, self.tmp_dir, self.quarantine_dir, self.used_dir)
 
     def object_path(self, digest: str) -> Path:
         """``<state-root>/model-payloads/sha256/<digest>.pack``; the digest is validated first."""
@@ -230,6 +232,48 @@ class PayloadCache:
     def lock_path(self, digest: str) -> Path:
         """``<state-root>/model-payloads/locks/<digest>.lock``; the digest is validated first."""
         return self.locks_dir / f"{check_digest(digest)}.lock"
+
+    def use_path(self, digest: str) -> Path:
+        """``<state-root>/model-payloads/used/<digest>.use``; the digest is validated first."""
+        return self.used_dir / f"{check_digest(digest)}.use"
+
+    def open_use_file(self, digest: str) -> int:
+        """Open (create, mode 0600) ``used/<digest>.use`` for reading and writing (``O_NOFOLLOW``); the
+        caller closes the descriptor.
+
+        Raises:
+            UnsafePathError: the use path or a cache folder is a symbolic link.
+            CacheError / InsufficientSpaceError: it cannot be created or opened (read-only file system, permissions).
+        """
+        self.ensure_dirs()
+        path = self.use_path(digest)
+        refuse_symlink(path)
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+        except OSError as exc:
+            raise _os_error("cannot open the pack's use file", exc, path) from exc
+
+    def mark_used(self, digest: str, fd: int | None = None) -> bool:
+        """Set the pack's last use to now: the mtime of ``used/<digest>.use`` (``fd``: already open), set with
+        ``os.utime`` from ``time.time_ns()``; the object itself is never touched (its record binds its mtime
+        and ctime). Best effort: a use file that cannot be written is logged at INFO and ``False`` returned.
+
+        Raises:
+            UnsafePathError: the use path or a cache folder is a symbolic link.
+        """
+        try:
+            own = fd is None
+            fd = self.open_use_file(digest) if fd is None else fd
+            try:
+                now = time.time_ns()
+                os.utime(fd, ns=(now, now))
+            finally:
+                if own:
+                    os.close(fd)
+        except (OSError, CacheError) as exc:
+            logger.info("coldsnap: cannot record the last use of %s (%s)", self.use_path(digest), exc)
+            return False
+        return True
 
     # -- locking and temporaries -------------------------------------------------------------------
 
@@ -385,6 +429,7 @@ class PayloadCache:
             except OSError as exc:
                 raise _os_error("cannot commit the pack", exc, final) from exc
             record_verified(self, sha256, os.fstat(fd))
+            self.mark_used(sha256)
         return final
 
     # -- what the last admission accepted ------------------------------------------------------------

@@ -1,15 +1,20 @@
-"""``coldsnap cache ls|verify|gc``: look after the node-local payload cache.
+"""``coldsnap cache ls|verify|rm|gc``: look after the node-local payload cache.
 
-``ls`` shows, for each object with a trusted validation record, when it was last hashed in full
-(``verified_at``; the record fast path never refreshes it); ``verify --full`` is the scrub that hashes
-every object again, refreshes that time and quarantines a corrupt object.
+``ls`` shows, for each pack, its size, its last use, whether a running load holds it, the artifacts on this node
+that use it (:func:`_artifacts_by_pack`) and, with a trusted validation record, when it was last hashed in full
+(``verified_at``; the record fast path never refreshes it); ``verify --full`` is the scrub that hashes every object
+again, refreshes that time and quarantines a corrupt object. ``rm`` removes one pack; ``gc --unused-for`` and
+``--max-bytes`` evict packs least recently used first (:mod:`coldsnap_core.cache.pack_use`), never one a running load
+holds.
 
-Exit codes (``docs/format.md``, "Exit codes"): ``ls`` and ``gc`` exit 0, or 4 when a cache folder is a
-symbolic link; ``verify`` exits 0 when every object verified, 1 when any object was corrupt (each is
-quarantined; the others are still checked), 3 when a named digest is not in the cache, 4 for an
-invalid digest (checked before any file is touched), a symbolic link, or another error.
+Exit codes (``docs/format.md``, "Exit codes"): ``ls`` exits 0, or 4 when a cache folder is a symbolic link; ``gc``
+too, and 4 when ``--max-bytes`` cannot be met because packs are in use; ``rm`` exits 0, 3 when the digest is not in
+the cache, 4 for an invalid digest, a pack in use (without ``--force``) or another error; ``verify`` exits 0 when
+every object verified, 1 when any object was corrupt (each is quarantined; the others are still checked), 3 when a
+named digest is not in the cache, 4 for an invalid digest (checked before any file is touched), a symbolic link, or
+another error.
 
-``gc`` removes and ``verify`` rewrites validation records, so neither touches what belongs to another
+``gc`` and ``rm`` remove and ``verify`` rewrites validation records, so none touches what belongs to another
 user (root's cron or ``sudo`` run over a user's state root): a state root owned by another uid is
 refused before anything is read (exit 4); within one, another user's overlay (``gc``) or object or
 record (``verify``) is kept as it is, named, and the command exits 4.
@@ -21,18 +26,24 @@ import argparse
 import contextlib
 import datetime
 import os
+import re
 import sys
+import time
+from pathlib import Path
 
 from coldsnap_core._io import lstat_or_none, refuse_symlink
+from coldsnap_core.artifact.capsules import read_descriptor
 from coldsnap_core.artifact.sleep_capsules import list_sleep_capsules, sweep_sleep_capsules
 from coldsnap_core.cache.garbage import DEFAULT_GC_AGE_SECONDS
 from coldsnap_core.cache.overlays import OverlayListing, gc_overlays, list_overlays
+from coldsnap_core.cache.pack_use import Eviction, PackUsage, evict, list_packs, remove_pack
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import last_full_verification, record_state
 from coldsnap_core.cli._output import add_json_option, error_json, print_json
 from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.digests import check_digest
 from coldsnap_core.errors import EXIT_INTEGRITY, EXIT_OTHER, CacheError, ColdsnapError, IntegrityError
+from coldsnap_core.outcomes import read_outcomes
 
 
 def _seconds(text: str) -> float:
@@ -43,6 +54,63 @@ def _seconds(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
     return value
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(s|m|h|d|w)?")
+_DURATION_SECONDS = {None: 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)([KMGT]i?)?B?")
+_SIZE_POWERS = {"K": 1, "M": 2, "G": 3, "T": 4}
+
+
+def _duration(text: str) -> float:
+    """``--unused-for``: a number of seconds, or with a unit ``s``, ``m``, ``h``, ``d``, ``w`` (``7d``, ``12h``)."""
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (a number with s, m, h, d or w: 7d, 12h, 90m)")
+    return float(match.group(1)) * _DURATION_SECONDS[match.group(2)]
+
+
+def _size(text: str) -> int:
+    """``--max-bytes``: bytes, or with a suffix ``K``, ``M``, ``G``, ``T`` (powers of 1000) or ``Ki``, ``Mi``,
+    ``Gi``, ``Ti`` (powers of 1024), as Kubernetes quantities are written (``50G``, ``500Mi``); a trailing ``B``
+    is allowed."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or a number with K, M, G, T, Ki, Mi, Gi, Ti)")
+    unit = match.group(2) or ""
+    base = 1024 if unit.endswith("i") else 1000
+    return int(float(match.group(1)) * base ** _SIZE_POWERS.get(unit[:1], 0))
+
+
+def _artifacts_by_pack(args: argparse.Namespace, cache: PayloadCache) -> dict[str, list[str]]:
+    """Digest -> the artifact folders on this node whose ``artifact.json`` names that pack. The folders come from
+    the load outcome log (every artifact a load on this node used, ``docs/format.md`` §10.3), the overlays'
+    portable artifacts (§15.3) and ``--artifact``; each is read, so a folder gone or changed since names nothing.
+    An outcome log or a folder that cannot be read adds none (``cache ls`` lists what it can)."""
+    folders = set(args.artifact or ())
+    try:
+        lines, _ = read_outcomes(args.settings.outcome_log_path, sys.maxsize)
+    except OSError:
+        lines = []
+    folders.update(str(line["artifact_dir"]) for line in lines if isinstance(line.get("artifact_dir"), str))
+    folders.update(o.descriptor.artifact_dir for o in list_overlays(cache.state_root) if o.descriptor is not None)
+    users: dict[str, list[str]] = {}
+    for folder in sorted(folders):
+        try:
+            payloads = read_descriptor(Path(folder)).distinct_payloads()
+        except (ColdsnapError, OSError):
+            continue
+        for pack in payloads:
+            users.setdefault(pack.sha256, []).append(folder)
+    return users
+
+
+def _iso(ns: int) -> str:
+    return datetime.datetime.fromtimestamp(ns / 1e9, datetime.UTC).isoformat(timespec="seconds")
+
+
+def _pack_json(pack: PackUsage) -> dict[str, object]:
+    return {"digest": pack.digest, "size_bytes": pack.size_bytes, "last_used_at": _iso(pack.last_used_ns)}
 
 
 def _last_full_verification(cache: PayloadCache, digest: str) -> tuple[str | None, int | None]:
@@ -61,20 +129,45 @@ def _age(seconds: int) -> str:
     return f"{max(seconds, 0)} s"
 
 
-def _ls(args: argparse.Namespace) -> int:
-    cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
+def _objects(args: argparse.Namespace, cache: PayloadCache) -> list[dict[str, object]]:
+    """``cache ls``'s objects in ``--sort`` order: ``name`` (digest), ``size`` (largest first) or ``used`` (least
+    recently used first: the order ``gc`` evicts in)."""
+    usage = {p.digest: p for p in list_packs(cache)}
+    artifacts = _artifacts_by_pack(args, cache)
+    now_ns = time.time_ns()
     objects = []
     for digest in cache.digests():
+        pack = usage.get(digest)
         try:
-            st = refuse_symlink(cache.object_path(digest))
-            size = st.st_size if st else None
+            refuse_symlink(cache.object_path(digest))
             state = record_state(cache, digest)
             verified_at, age_s = _last_full_verification(cache, digest)
         except ColdsnapError as exc:
-            size, state, verified_at, age_s = None, f"unsafe: {exc.detail}", None, None
+            state, verified_at, age_s = f"unsafe: {exc.detail}", None, None
         objects.append(
-            {"digest": digest, "size_bytes": size, "record": state, "verified_at": verified_at, "verified_age_s": age_s}
+            {
+                "digest": digest,
+                "size_bytes": None if pack is None else pack.size_bytes,
+                "record": state,
+                "verified_at": verified_at,
+                "verified_age_s": age_s,
+                "last_used_at": None if pack is None else _iso(pack.last_used_ns),
+                "last_used_age_s": None if pack is None else max(now_ns - pack.last_used_ns, 0) // 10**9,
+                "in_use": None if pack is None else pack.in_use,
+                "artifacts": artifacts.get(digest, []),
+            }
         )
+    keys = {
+        "name": lambda o: (o["digest"],),
+        "size": lambda o: (-(o["size_bytes"] or 0), o["digest"]),
+        "used": lambda o: (usage[o["digest"]].last_used_ns if o["digest"] in usage else -1, o["digest"]),
+    }
+    return sorted(objects, key=keys[args.sort])
+
+
+def _ls(args: argparse.Namespace) -> int:
+    cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
+    objects = _objects(args, cache)
     overlays = [_overlay_json(o) for o in list_overlays(cache.state_root)]
     doc = {
         "overlays": overlays,
@@ -100,11 +193,7 @@ def _ls(args: argparse.Namespace) -> int:
         return 0
     print(f"state root: {cache.state_root}")
     for o in objects:
-        size = "?" if o["size_bytes"] is None else str(o["size_bytes"])
-        verified = (
-            "" if o["verified_at"] is None else f", last fully verified {o['verified_at']} ({_age(o['verified_age_s'])} ago)"
-        )
-        print(f"{o['digest']}  {size:>14} bytes  {o['record']}{verified}")
+        print(_object_line(o))
     for o in overlays:
         print(f"overlay {o['path']}  {o['kind'] or '?'}  {o['status']}: {o['reason']}")
     for d in doc["debris"]:
@@ -119,6 +208,17 @@ def _ls(args: argparse.Namespace) -> int:
         f"{len(doc['sleep_capsules'])} sleep capsule(s), {len(overlays)} overlay(s)"
     )
     return 0
+
+
+def _object_line(o: dict[str, object]) -> str:
+    """One object of ``cache ls``: digest, size, last use (and held by a load), record, last full verification,
+    then the artifacts on this node that use it."""
+    size = "?" if o["size_bytes"] is None else str(o["size_bytes"])
+    used = "last used ?" if o["last_used_at"] is None else f"last used {o['last_used_at']} ({_age(o['last_used_age_s'])} ago)"
+    held = ", in use by a running load" if o["in_use"] else ""
+    verified = "" if o["verified_at"] is None else f", last fully verified {o['verified_at']} ({_age(o['verified_age_s'])} ago)"
+    users = ", ".join(o["artifacts"]) or "none known"
+    return f"{o['digest']}  {size:>14} bytes  {used}{held}  {o['record']}{verified}  artifacts: {users}"
 
 
 def _overlay_json(o: OverlayListing) -> dict[str, object]:
@@ -201,17 +301,55 @@ def _verify(args: argparse.Namespace) -> int:
     return code
 
 
+def _rm(args: argparse.Namespace) -> int:
+    cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
+    _refuse_another_users_state_root(cache, "rm")
+    pack = remove_pack(cache, args.digest, force=args.force)
+    if args.json:
+        removed = {**_pack_json(pack), "was_in_use": pack.in_use}
+        print_json({"state_root": str(cache.state_root), "removed": removed, "bytes_freed": pack.size_bytes})
+        return 0
+    forced = "; a running load held it (--force)" if pack.in_use else ""
+    print(f"removed pack {pack.digest} ({pack.size_bytes} bytes, last used {_iso(pack.last_used_ns)}){forced}")
+    return 0
+
+
+def _evict(args: argparse.Namespace, cache: PayloadCache) -> tuple[Eviction, bool]:
+    """``gc --unused-for / --max-bytes``: the eviction (none without either option) and whether the packs left
+    still exceed ``--max-bytes`` (only packs in use can keep them over)."""
+    if args.unused_for is None and args.max_bytes is None:
+        return Eviction((), (), 0, sum(p.size_bytes for p in list_packs(cache))), False
+    eviction = evict(cache, unused_for_seconds=args.unused_for, max_bytes=args.max_bytes, dry_run=args.dry_run)
+    return eviction, args.max_bytes is not None and eviction.remaining_bytes > args.max_bytes
+
+
+def _print_eviction(args: argparse.Namespace, eviction: Eviction, over: bool) -> None:
+    verb = "would remove" if args.dry_run else "removed"
+    for pack in eviction.removed:
+        print(f"{verb} pack {pack.digest} ({pack.size_bytes} bytes, last used {_iso(pack.last_used_ns)})")
+    for digest in eviction.kept_in_use:
+        print(f"kept pack {digest} (in use by a running load)")
+    if over:
+        print(
+            f"the packs left total {eviction.remaining_bytes} bytes, over --max-bytes {args.max_bytes}: the rest are in use",
+            file=sys.stderr,
+        )
+
+
 def _gc(args: argparse.Namespace) -> int:
     cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
     _refuse_another_users_state_root(cache, "gc")
     report = cache.gc(older_than_seconds=args.older_than, dry_run=args.dry_run)
+    eviction, over = _evict(args, cache)
     verb = "would remove" if args.dry_run else "removed"
     sleep_capsules = sweep_sleep_capsules(cache.state_root, dry_run=args.dry_run)
     overlays, kept = gc_overlays(cache.state_root, dry_run=args.dry_run)
     freed = report.bytes_freed + sum(e.size_bytes for e in sleep_capsules) + sum(o.size_bytes for o in overlays)
-    code = EXIT_OTHER if kept else 0
+    freed += eviction.bytes_freed
+    code = EXIT_OTHER if kept or over else 0
     if args.json:
         removed = {
+            "packs": [_pack_json(p) for p in eviction.removed],
             "sleep_capsules": [str(e.path) for e in sleep_capsules],
             "temporaries": [str(p) for p in report.temporaries],
             "quarantined": [str(p) for p in report.quarantined],
@@ -225,11 +363,14 @@ def _gc(args: argparse.Namespace) -> int:
                 "removed": removed,
                 "bytes_freed": freed,
                 "kept_live": [str(p) for p in report.kept_live],
+                "kept_in_use": list(eviction.kept_in_use),
                 "kept_overlays": [_overlay_json(o) for o in kept],
+                "pack_bytes": eviction.remaining_bytes,
                 "exit_code": code,
             }
         )
         return code
+    _print_eviction(args, eviction, over)
     for entry in sleep_capsules:
         print(f"{verb} sleep capsule {entry.path} (its process is gone)")
     for kind, paths in (
@@ -244,7 +385,7 @@ def _gc(args: argparse.Namespace) -> int:
     for o in overlays:
         print(f"{verb} overlay {o.path} ({o.status}: {o.reason})")
     print(
-        f"{verb} {len(report.temporaries)} temporary, {len(report.quarantined)} quarantined, "
+        f"{verb} {len(eviction.removed)} pack(s), {len(report.temporaries)} temporary, {len(report.quarantined)} quarantined, "
         f"{len(report.orphan_records)} orphan record(s), {len(sleep_capsules)} sleep capsule(s), {len(overlays)} stale or"
         f" invalid overlay(s); {freed} bytes",
         file=sys.stderr,
@@ -260,8 +401,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "cache",
         help="list, verify and clean the node-local payload cache",
-        description="Look after <state-root>/model-payloads: list objects and their validation records, verify them, "
-        "remove stale temporary files, quarantined objects, orphan records and the sleep capsules of processes that are gone.",
+        description="Look after <state-root>/model-payloads: list packs, their last use and the artifacts that use them,"
+        " verify them, remove one, evict the least recently used, and remove stale temporary files, quarantined objects,"
+        " orphan records and the sleep capsules of processes that are gone.",
     )
     sub = p.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
     state_root = argparse.ArgumentParser(add_help=False)
@@ -271,9 +413,47 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_json_option(state_root)
 
     ls = sub.add_parser(
-        "ls", parents=[state_root], help="list objects, record states, last full verification, temporaries, quarantine"
+        "ls",
+        parents=[state_root],
+        help="list packs (size, last use, in use, the artifacts on this node that use them, record state, last full"
+        " verification), temporaries, quarantine",
+    )
+    ls.add_argument(
+        "--sort",
+        choices=("name", "size", "used"),
+        default="name",
+        help="order of the packs: name (digest, default), size (largest first), used (least recently used first: gc's"
+        " eviction order)",
+    )
+    ls.add_argument(
+        "--artifact",
+        action="append",
+        metavar="DIR",
+        help="also name the packs this artifact folder uses (repeatable; the load outcome log and the overlays name the others)",
+    )
+    ls.add_argument(
+        "--outcome-log",
+        default=None,
+        metavar="PATH",
+        help="the load outcome log whose artifacts are listed (default: $COLDSNAP_OUTCOME_LOG or"
+        " <state-root>/load-outcomes.jsonl)",
     )
     ls.set_defaults(func=_ls)
+
+    rm = sub.add_parser(
+        "rm",
+        parents=[state_root],
+        help="remove one pack (its record and use file too); refuses a pack a running load holds",
+        description="Exit codes: 0 removed, 3 the digest is not in the cache, 4 invalid digest, the pack is in use"
+        " (rule pack-in-use; --force removes it anyway), symlink or other error.",
+    )
+    rm.add_argument("digest", metavar="DIGEST", help="the pack's SHA-256")
+    rm.add_argument(
+        "--force",
+        action="store_true",
+        help="remove it even while a running load holds it (that load keeps its open copy; the next load fetches it again)",
+    )
+    rm.set_defaults(func=_rm)
 
     verify = sub.add_parser(
         "verify",
@@ -294,7 +474,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "gc",
         parents=[state_root],
         help="remove stale temporaries, quarantined objects, orphan records, and overlays whose portable artifact.json"
-        " is gone or changed",
+        " is gone or changed; with --unused-for or --max-bytes, packs least recently used first",
     )
     gc.add_argument(
         "--older-than",
@@ -302,6 +482,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULT_GC_AGE_SECONDS,
         metavar="SECONDS",
         help=f"only remove temporaries and quarantined objects older than this (default {DEFAULT_GC_AGE_SECONDS:g})",
+    )
+    gc.add_argument(
+        "--unused-for",
+        type=_duration,
+        default=None,
+        metavar="DURATION",
+        help="also remove every pack last used longer ago than this (7d, 12h, 90m, 30s; a number is seconds), never one"
+        " a running load holds",
+    )
+    gc.add_argument(
+        "--max-bytes",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="then remove packs, least recently used first, until they total at most SIZE (50G, 500Mi; K M G T are"
+        " powers of 1000, Ki Mi Gi Ti of 1024), never one a running load holds (exit 4 when those keep it over)",
     )
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
     gc.set_defaults(func=_gc)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from coldsnap_core.cache.pack_use import hold_pack
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import identity, read_trusted_record
 from coldsnap_core.copy.base import CopyBackend, CopyOp
@@ -170,18 +171,19 @@ def hydrate(
     check_live_layout(
         manifest.allocations, live_layout, allocations, file=manifest_file, manifest_fingerprint=manifest.layout_fingerprint
     )
-    return _verify_and_fill(
-        manifest,
-        layout,
-        lambda: cache.admit(manifest.pack.sha256, manifest.pack.size_bytes),
-        blob_path=blob_path,
-        cache=cache,
-        allocations=allocations,
-        backend=backend,
-        verify_extents=verify_extents,
-        manifest_file=manifest_file,
-        started=started,
-    )
+    with hold_pack(cache, manifest.pack.sha256):  # `coldsnap cache rm` and gc leave a pack a load holds
+        return _verify_and_fill(
+            manifest,
+            layout,
+            lambda: cache.admit(manifest.pack.sha256, manifest.pack.size_bytes),
+            blob_path=blob_path,
+            cache=cache,
+            allocations=allocations,
+            backend=backend,
+            verify_extents=verify_extents,
+            manifest_file=manifest_file,
+            started=started,
+        )
 
 
 def hydrate_admitted(

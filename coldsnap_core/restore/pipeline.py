@@ -55,6 +55,7 @@ from coldsnap_core.artifact.capsules import (
     read_descriptor_bytes,
     read_worker_capsule,
 )
+from coldsnap_core.cache.pack_use import hold_pack
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.copy.select import copy_backend_for
@@ -308,24 +309,26 @@ class WorkerRestore:
         self.layout_matches = True
         self.check_identity()
         layout = check_manifest(manifest, file=manifest_file)
-        pack_path = self._admit(manifest, layout, manifest_file)
-        try:
-            return hydrate_admitted(
-                manifest,
-                AdmittedPack(pack_path, layout),
-                blob_path=capsule.blob_path,
-                cache=self.cache,
-                allocations=allocations.live,
-                backend=backend,
-                verify_extents=self.verify_extents,
-                manifest_file=manifest_file,
-            )
-        except IntegrityError as exc:
-            # hydrate re-verifies an admitted pack whose padding or extent disagreed and quarantines
-            # it when it is proven corrupt (an edit in place that a validation record cannot see).
-            if getattr(exc, "quarantined_to", None) is not None:
-                self.pack_unavailable = True
-            raise
+        # held from admission (or staging) until the copy ends: `coldsnap cache rm` and gc leave the pack
+        with hold_pack(self.cache, manifest.pack.sha256):
+            pack_path = self._admit(manifest, layout, manifest_file)
+            try:
+                return hydrate_admitted(
+                    manifest,
+                    AdmittedPack(pack_path, layout),
+                    blob_path=capsule.blob_path,
+                    cache=self.cache,
+                    allocations=allocations.live,
+                    backend=backend,
+                    verify_extents=self.verify_extents,
+                    manifest_file=manifest_file,
+                )
+            except IntegrityError as exc:
+                # hydrate re-verifies an admitted pack whose padding or extent disagreed and quarantines
+                # it when it is proven corrupt (an edit in place that a validation record cannot see).
+                if getattr(exc, "quarantined_to", None) is not None:
+                    self.pack_unavailable = True
+                raise
 
     def _admit(self, manifest: NativeManifest, layout: PackLayout, manifest_file: str) -> Path:
         """Step 6: the cache admits the pack once (record or full verification with the layout;

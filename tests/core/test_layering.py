@@ -85,6 +85,7 @@ LAYERS: dict[str, int] = {
     "identity.checkpoint_records": 4,
     "identity.model_identity": 4,
     "cache.payload_cache": 5,
+    "cache.pack_use": 5,
     "artifact": 5,
     "artifact.capsules": 5,
     "artifact.residual": 5,

@@ -24,6 +24,7 @@ import torch
 
 from coldsnap_core._io import replace_file_durably
 from coldsnap_core.artifact.capsules import read_capsule, read_descriptor
+from coldsnap_core.cache.pack_use import remove_pack
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import write_record
 from coldsnap_core.capture.observer import WriteObserver, map_to_allocations
@@ -38,6 +39,7 @@ from coldsnap_core.errors import (
     ManifestMismatchError,
     MissingObjectError,
     ModelIdentityMismatchError,
+    PackInUseError,
     PayloadUnavailableError,
 )
 from coldsnap_core.format.allocation import AllocationMap
@@ -143,6 +145,36 @@ def test_restore_fills_every_byte(tmp_path: Path, checkpoint: Path, captured) ->
     assert fresh.snapshot() == loaded.snapshot()
     assert report.model_bytes == result.manifest.model_bytes > 0
     assert report.residual_bytes == result.manifest.residual_bytes > 0
+
+
+class _ProbingBackend(HostCopyBackend):
+    """The host backend, which first tries, while the restore copies, what ``coldsnap cache rm`` and gc do."""
+
+    def __init__(self, cache: PayloadCache, digest: str) -> None:
+        super().__init__()
+        self.cache, self.digest, self.refused = cache, digest, None
+
+    def fill(self, ops, sources, allocations, **kwargs):
+        with pytest.raises(PackInUseError) as info:
+            remove_pack(self.cache, self.digest)
+        self.refused = info.value
+        return super().fill(ops, sources, allocations, **kwargs)
+
+
+def test_a_restore_holds_its_pack_while_it_copies_and_records_its_last_use(tmp_path: Path, checkpoint: Path, captured) -> None:
+    """While the restore copies, removing its pack is refused (rule pack-in-use), and the restore sets the pack's
+    last use (catches a restore that does not hold the pack, or holds it only around admission)."""
+    loaded, result = captured
+    cache = PayloadCache(tmp_path / "state")
+    digest = result.manifest.pack.sha256
+    os.utime(cache.use_path(digest), ns=(10**9, 10**9))  # last used in 1970
+    backend = _ProbingBackend(cache, digest)
+    fresh = TinyModel()
+    restorer(checkpoint, tmp_path / "artifact", tmp_path / "state").run(enumerate_allocations(fresh), backend)
+    assert fresh.snapshot() == loaded.snapshot()
+    assert backend.refused is not None and backend.refused.file == str(cache.use_path(digest))
+    assert os.stat(cache.use_path(digest)).st_mtime_ns > 10**9
+    assert remove_pack(cache, digest).digest == digest  # released at the end of the restore
 
 
 def test_the_verify_extents_setting_reaches_hydration(tmp_path: Path, checkpoint: Path, captured) -> None:

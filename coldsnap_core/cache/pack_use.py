@@ -1,0 +1,275 @@
+"""The packs' life cycle in the node-local cache: the hold of a running load, the last use, removal and
+least-recently-used eviction (``coldsnap cache rm`` and ``gc --unused-for / --max-bytes``; ``docs/format.md`` §10).
+
+``model-payloads/used/<digest>.use`` (empty, mode 0600) serves two purposes:
+
+* **A running load holds the pack.** A restore (and a level-1 wake's hydration) holds a shared ``flock`` on
+  it from before the pack's admission until its bytes are copied (:func:`hold_pack`); the kernel drops it
+  when the process exits or is killed. A remover takes an exclusive ``flock`` without waiting and leaves a
+  pack it cannot get (:class:`~coldsnap_core.errors.PackInUseError`), unless forced.
+* **Its mtime is the pack's last use**, set to now by the hold and by the commit that put the pack in the
+  cache (:meth:`~coldsnap_core.cache.payload_cache.PayloadCache.mark_used`). The object is never touched (its
+  validation record binds its mtime and ctime, §11) and no access time is read (``noatime`` mounts keep
+  none). A pack without a use file (committed by an older release) counts from its object's mtime.
+
+Removal, under the digest's lock (so removers take turns, and no admission or commit of the digest runs
+meanwhile) and the exclusive ``flock``: unlink the record, unlink the object, fsync ``sha256/``, unlink the
+use file. A crash in between leaves an object without a record (valid, hashed in full at its next use) or
+nothing; never a record without its object being checked (§11 binds the inode). A holder whose use file was
+unlinked between its ``open`` and its ``flock`` sees that (its descriptor's inode is no longer at the path)
+and opens the file again, so a hold is always on the file a remover tries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from coldsnap_core._io import fsync_dir, lstat_or_none, os_error, refuse_symlink
+from coldsnap_core.cache.locks import describe_holder
+from coldsnap_core.cache.partials import lock_is_free
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.digests import check_digest
+from coldsnap_core.errors import CacheError, ColdsnapError, LockTimeoutError, MissingObjectError, PackInUseError
+from coldsnap_core.settings import LOCK_TIMEOUT_ENV
+
+logger = logging.getLogger(__name__)
+
+HOLD_POLL_SECONDS = 0.05
+"""How often a load retries the shared ``flock`` while a remover holds the exclusive one."""
+
+
+@dataclass(frozen=True, slots=True)
+class PackUsage:
+    """One cached pack as the life cycle sees it.
+
+    Attributes:
+        digest: the pack's SHA-256 (lowercase hex).
+        size_bytes: the object's size, in bytes.
+        last_used_ns: its last use (the use file's mtime, else the object's), nanoseconds since the epoch.
+        in_use: whether a running load held it when it was looked at.
+    """
+
+    digest: str
+    size_bytes: int
+    last_used_ns: int
+    in_use: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    """What :func:`evict` removed (or, with ``dry_run``, would remove), least recently used first.
+
+    Attributes:
+        removed: the packs removed.
+        kept_in_use: digests of packs that were due but held by a running load.
+        bytes_freed: their sizes, in bytes.
+        remaining_bytes: the total size of the packs left, in bytes.
+    """
+
+    removed: tuple[PackUsage, ...]
+    kept_in_use: tuple[str, ...]
+    bytes_freed: int
+    remaining_bytes: int
+
+
+def _lock_use_file(cache: PayloadCache, digest: str, operation: int) -> int | None:
+    """Open the pack's use file and take ``flock(operation | LOCK_NB)`` on the inode at its path; the descriptor,
+    or ``None`` when another process holds a conflicting ``flock``. Opens again when a remover unlinked the
+    file between the ``open`` and the ``flock``.
+
+    Raises:
+        as :meth:`PayloadCache.open_use_file`.
+    """
+    path = cache.use_path(digest)
+    while True:
+        fd = cache.open_use_file(digest)
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            opened, current = os.fstat(fd), lstat_or_none(path)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        if current is not None and (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
+            return fd
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def hold_pack(cache: PayloadCache, digest: str) -> Iterator[bool]:
+    """Hold ``digest`` as in use by this load (a shared ``flock`` on its use file) and set its last use to now.
+
+    Yields whether it is held. Best effort like the digest's lock: a use file that cannot be created or
+    written (a read-only file system, where nothing can remove the pack either) is logged at INFO and the
+    load goes on without the hold.
+
+    Raises:
+        InvalidDigestError: bad digest.
+        UnsafePathError: the use path or a cache folder is a symbolic link.
+        LockTimeoutError: a remover held the pack's exclusive ``flock`` for longer than the lock timeout.
+    """
+    check_digest(digest)
+    deadline = time.monotonic() + cache.lock_timeout_seconds
+    fd = None
+    try:
+        while (fd := _lock_use_file(cache, digest, fcntl.LOCK_SH)) is None:
+            if time.monotonic() >= deadline:
+                path = cache.use_path(digest)
+                raise LockTimeoutError(
+                    f"waited {cache.lock_timeout_seconds:g} s while a remover held the pack (holder:"
+                    f" {describe_holder(path)}); set {LOCK_TIMEOUT_ENV} to wait longer, or stop the holder",
+                    file=path,
+                )
+            time.sleep(HOLD_POLL_SECONDS)
+    except LockTimeoutError:
+        raise
+    except (OSError, CacheError) as exc:
+        logger.info("coldsnap: %s: cannot hold the pack as in use (%s); loading without the hold", cache.use_path(digest), exc)
+    if fd is None:
+        yield False
+        return
+    try:
+        cache.mark_used(digest, fd)
+        yield True
+    finally:
+        os.close(fd)
+
+
+def pack_in_use(cache: PayloadCache, digest: str) -> bool:
+    """Whether a running load (or a remover) holds ``digest``'s use file now (``False`` without one)."""
+    try:
+        return not lock_is_free(cache.use_path(digest))
+    except FileNotFoundError:
+        return False
+
+
+def last_used_ns(cache: PayloadCache, digest: str, object_st: os.stat_result) -> int:
+    """The pack's last use, nanoseconds since the epoch: its use file's mtime, else (no use file, or not a
+    regular file) the object's mtime ``object_st.st_mtime_ns``."""
+    used = lstat_or_none(cache.use_path(digest))
+    return used.st_mtime_ns if used is not None and stat.S_ISREG(used.st_mode) else object_st.st_mtime_ns
+
+
+def list_packs(cache: PayloadCache) -> list[PackUsage]:
+    """Every cached pack that is a regular file (sorted by digest); an object that is a symbolic link or
+    cannot be examined is left out (``coldsnap cache ls`` shows it as unsafe; nothing removes it)."""
+    packs = []
+    for digest in cache.digests():
+        try:
+            st = refuse_symlink(cache.object_path(digest))
+        except ColdsnapError:
+            continue
+        if st is not None:
+            packs.append(PackUsage(digest, st.st_size, last_used_ns(cache, digest, st), pack_in_use(cache, digest)))
+    return packs
+
+
+def remove_pack(cache: PayloadCache, digest: str, *, force: bool = False) -> PackUsage:
+    """Remove one pack, its validation record and its use file (see the module docstring for the order).
+
+    Args:
+        digest: the pack's SHA-256.
+        force: remove it even while a running load holds it (that load keeps reading its open descriptor; the
+            next load fetches the pack again).
+
+    Raises:
+        InvalidDigestError: bad digest (no file touched).
+        MissingObjectError: the pack is not in the cache (or another remover took it first).
+        PackInUseError: a running load holds it and ``force`` is false; nothing was removed.
+        LockTimeoutError: the digest's lock was not had within the lock timeout.
+        UnsafePathError / CacheError: a link in the way, or a file that cannot be removed.
+    """
+    removed = _remove_if_present(cache, check_digest(digest), force=force)
+    if removed is None:
+        raise MissingObjectError(
+            "pack is not in the node-local cache (coldsnap cache ls lists the packs)", file=cache.object_path(digest)
+        )
+    return removed
+
+
+def _remove_if_present(cache: PayloadCache, digest: str, *, force: bool) -> PackUsage | None:
+    """:func:`remove_pack`, returning ``None`` where the pack is not (or no longer) there."""
+    path = cache.object_path(digest)
+    if not cache.check_dirs() or refuse_symlink(path) is None:
+        return None
+    with cache.lock(digest, required=True):
+        fd = _lock_use_file(cache, digest, fcntl.LOCK_EX)
+        try:
+            if fd is None and not force:
+                use = cache.use_path(digest)
+                raise PackInUseError(
+                    f"a running load holds the pack (holder: {describe_holder(use)}); not removed, --force removes it anyway",
+                    file=use,
+                )
+            st = refuse_symlink(path)
+            if st is None:
+                return None
+            usage = PackUsage(digest, st.st_size, last_used_ns(cache, digest, st), fd is None)
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(cache.record_path(digest))
+                os.unlink(path)
+                fsync_dir(cache.objects_dir)
+                if fd is not None:
+                    os.unlink(cache.use_path(digest))
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                raise os_error("cannot remove the pack", exc, path, missing=CacheError, other=CacheError) from exc
+            return usage
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+
+def evict(
+    cache: PayloadCache, *, unused_for_seconds: float | None = None, max_bytes: int | None = None, dry_run: bool = False
+) -> Eviction:
+    """Remove packs least recently used first: every pack last used more than ``unused_for_seconds`` ago, then
+    more until the packs left total at most ``max_bytes``; never a pack a running load holds. The total is
+    measured again before each removal, so a concurrent ``gc`` (which takes each pack's lock in turn and finds
+    it gone) does not make this one remove more than needed. With ``dry_run`` nothing is removed.
+
+    Raises:
+        as :func:`remove_pack`, but for a pack gone or in use, which is skipped.
+    """
+    now_ns = time.time_ns()
+    removed: list[PackUsage] = []
+    in_use: list[str] = []
+    gone: set[str] = set()
+
+    def remaining_bytes() -> int:
+        return sum(p.size_bytes for p in list_packs(cache) if p.digest not in gone)
+
+    for pack in sorted(list_packs(cache), key=lambda p: (p.last_used_ns, p.digest)):
+        stale = unused_for_seconds is not None and now_ns - pack.last_used_ns > unused_for_seconds * 1e9
+        if not stale and (max_bytes is None or remaining_bytes() <= max_bytes):
+            break  # least recently used first: every later pack is fresher, and the total already fits
+        if dry_run and pack.in_use:
+            in_use.append(pack.digest)
+            continue
+        if dry_run:
+            removed.append(pack)
+            gone.add(pack.digest)
+            continue
+        try:
+            usage = _remove_if_present(cache, pack.digest, force=False)
+        except PackInUseError:
+            in_use.append(pack.digest)
+            continue
+        if usage is not None:
+            removed.append(usage)
+        gone.add(pack.digest)
+    return Eviction(tuple(removed), tuple(in_use), sum(p.size_bytes for p in removed), remaining_bytes())
+
+
+__all__ = ["Eviction", "PackUsage", "evict", "hold_pack", "last_used_ns", "list_packs", "pack_in_use", "remove_pack"]
