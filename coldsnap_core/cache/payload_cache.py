@@ -198,7 +198,7 @@ class PayloadCache:
         self._check_state_root()
         try:
             self.state_root.mkdir(parents=True, exist_ok=True)
-            for folder in self._folders():
+            for folder in self.folders():
                 if not _refuse_non_directory(folder):
                     with contextlib.suppress(FileExistsError):
                         folder.mkdir(mode=0o700)
@@ -215,10 +215,11 @@ class PayloadCache:
         """
         if not self._check_state_root():
             return False
-        present = [_refuse_non_directory(folder) for folder in self._folders()]
+        present = [_refuse_non_directory(folder) for folder in self.folders()]
         return present[0] and present[1]
 
-    def _folders(self) -> tuple[Path, ...]:
+    def folders(self) -> tuple[Path, ...]:
+        """The cache's folders below the state root, ``model-payloads`` first."""
         return (self.payloads_dir, self.objects_dir, self.locks_dir, self.tmp_dir, self.quarantine_dir, self.used_dir)
 
     def object_path(self, digest: str) -> Path:

@@ -191,7 +191,7 @@ def _within(version: str, supported: str) -> bool:
 def state_root_check(cache: PayloadCache, uid: int) -> Check:
     """The state root and the cache folders that exist below it: folders, no symbolic links, owned by ``uid``, and
     writable by their owner (a restore writes validation records, overlays and checkpoint records there)."""
-    folders = (cache.state_root, cache.payloads_dir, cache.objects_dir, cache.locks_dir, cache.tmp_dir, cache.quarantine_dir)
+    folders = (cache.state_root, *cache.folders())
     try:
         cache.check_dirs()  # a symbolic link or a file where a cache folder belongs
         present = [(folder, st) for folder in folders if (st := lstat_or_none(folder)) is not None]
