@@ -412,33 +412,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_json_option(state_root)
 
-    ls = sub.add_parser(
-        "ls",
-        parents=[state_root],
-        help="list packs (size, last use, in use, the artifacts on this node that use them, record state, last full"
-        " verification), temporaries, quarantine",
-    )
-    ls.add_argument(
-        "--sort",
-        choices=("name", "size", "used"),
-        default="name",
-        help="order of the packs: name (digest, default), size (largest first), used (least recently used first: gc's"
-        " eviction order)",
-    )
-    ls.add_argument(
-        "--artifact",
-        action="append",
-        metavar="DIR",
-        help="also name the packs this artifact folder uses (repeatable; the load outcome log and the overlays name the others)",
-    )
-    ls.add_argument(
-        "--outcome-log",
-        default=None,
-        metavar="PATH",
-        help="the load outcome log whose artifacts are listed (default: $COLDSNAP_OUTCOME_LOG or"
-        " <state-root>/load-outcomes.jsonl)",
-    )
-    ls.set_defaults(func=_ls)
+    _add_ls(sub, state_root)
 
     rm = sub.add_parser(
         "rm",
@@ -470,6 +444,40 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     verify.set_defaults(func=_verify)
 
+    _add_gc(sub, state_root)
+
+
+def _add_ls(sub: argparse._SubParsersAction, state_root: argparse.ArgumentParser) -> None:
+    ls = sub.add_parser(
+        "ls",
+        parents=[state_root],
+        help="list packs (size, last use, in use, the artifacts on this node that use them, record state, last full"
+        " verification), temporaries, quarantine",
+    )
+    ls.add_argument(
+        "--sort",
+        choices=("name", "size", "used"),
+        default="name",
+        help="order of the packs: name (digest, default), size (largest first), used (least recently used first: gc's"
+        " eviction order)",
+    )
+    ls.add_argument(
+        "--artifact",
+        action="append",
+        metavar="DIR",
+        help="also name the packs this artifact folder uses (repeatable; the load outcome log and the overlays name the others)",
+    )
+    ls.add_argument(
+        "--outcome-log",
+        default=None,
+        metavar="PATH",
+        help="the load outcome log whose artifacts are listed (default: $COLDSNAP_OUTCOME_LOG or"
+        " <state-root>/load-outcomes.jsonl)",
+    )
+    ls.set_defaults(func=_ls)
+
+
+def _add_gc(sub: argparse._SubParsersAction, state_root: argparse.ArgumentParser) -> None:
     gc = sub.add_parser(
         "gc",
         parents=[state_root],

@@ -36,6 +36,8 @@ def test_cache_ls(captured, capsys) -> None:
     doc = json.loads(capsys.readouterr().out)
     (listed,) = doc["objects"]
     assert listed.pop("verified_at") is not None and 0 <= listed.pop("verified_age_s") < 3600
+    assert listed.pop("last_used_at") is not None and 0 <= listed.pop("last_used_age_s") < 3600  # committed just now
+    assert listed.pop("in_use") is False and listed.pop("artifacts") == []  # no load, no outcome log
     assert listed == {"digest": captured.pack.sha256, "size_bytes": captured.pack.size_bytes, "record": "trusted"}
     assert doc["temporaries"] == doc["quarantined"] == doc["foreign"] == []
 
