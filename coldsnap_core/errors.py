@@ -33,6 +33,7 @@ __all__ = [
     "ArtifactError",
     "CacheError",
     "CapsulePinMismatchError",
+    "CheckpointAbsentError",
     "ColdsnapError",
     "ConfigurationError",
     "CopyBackendError",
@@ -553,3 +554,12 @@ class OverlayError(ArtifactError):
 
     rule = "overlay"
     exit_code = EXIT_MANIFEST
+
+
+class CheckpointAbsentError(ColdsnapError):
+    """A restore failed where the engine loads a model folder without the checkpoint's weights (the model's
+    non-weight files only, ``docs/format.md`` §10.1): there is no checkpoint on this node to load instead, so the
+    start stops (under ``COLDSNAP_RESTORE=auto`` too) rather than serve a model whose weights nothing filled. The
+    message names the rule that failed and its message."""
+
+    rule = "checkpoint-absent"

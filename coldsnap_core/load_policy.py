@@ -26,7 +26,8 @@ default loader class (the iterator boundary, watched) and supplies only what nee
    (:mod:`coldsnap_core.capture.observer`), then
 
    * with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1`` the portable **capture**
-     (:func:`coldsnap_core.capture.worker.capture_loaded_worker`);
+     (:func:`coldsnap_core.capture.worker.capture_loaded_worker`), and the model's non-weight files copied into
+     the artifact (:func:`coldsnap_core.artifact.model_files.attach_model_files`);
    * after a fallback whose cause was the pack (no source has it, or the cached object was corrupt and
      is now quarantined) while the capsule and the live layout matched: **materialization** of the pack
      from the resident bytes (``COLDSNAP_MATERIALIZE``; ``docs/format.md`` §13);
@@ -60,6 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from coldsnap_core.artifact.model_files import attach_model_files
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.capture.load_session import LoadSession, PreparedWeights
 from coldsnap_core.capture.materialize import MaterializationHandle, materialize_payload
@@ -70,7 +72,7 @@ from coldsnap_core.capture.worker import CaptureResult, capture_loaded_worker
 from coldsnap_core.collector import collector_paused
 from coldsnap_core.copy.select import copy_backend_for
 from coldsnap_core.copy.torch_allocations import TorchAllocations, enumerate_allocations
-from coldsnap_core.errors import ColdsnapError, ObserverError
+from coldsnap_core.errors import CheckpointAbsentError, ColdsnapError, ObserverError
 from coldsnap_core.format.descriptor import CapsuleFile
 from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import ModelIdentity, PackRef, WorkerIdentity
@@ -187,6 +189,8 @@ class LoadOutcome:
         stage_seconds: wall time of staging the pack from the payload store during this load (the cache lacked
             it; also when staging failed), seconds; ``None`` when the store was not contacted.
         fetched_bytes: bytes fetched from the payload store during this load.
+        checkpoint_absent: restored into a model folder without the checkpoint's weights (every model byte from the
+            pack; :attr:`coldsnap_core.identity.model_identity.LoadedModel.checkpoint_absent`).
     """
 
     kind: Literal["restored", "captured", "checkpoint"]
@@ -210,6 +214,7 @@ class LoadOutcome:
     derived_cache: SeedPlacement | None = None
     stage_seconds: float | None = None
     fetched_bytes: int = 0
+    checkpoint_absent: bool = False
 
     @property
     def line_kind(self) -> Outcome:
@@ -301,7 +306,8 @@ class LoadPolicy(abc.ABC):
             with collector_paused():
                 outcome = self._load(call, worker, started)
         except ColdsnapError as exc:
-            self._report(self._line("refused", worker, time.perf_counter() - started, error=exc))
+            absent = isinstance(exc, CheckpointAbsentError)
+            self._report(self._line("refused", worker, time.perf_counter() - started, error=exc, checkpoint_absent=absent))
             raise
         if outcome.capsule_dir is not None:
             outcome = dataclasses.replace(outcome, derived_cache=self.place_derived_cache(call, outcome))
@@ -313,6 +319,7 @@ class LoadPolicy(abc.ABC):
             materialization_started=outcome.materialization is not None,
             pack_sha256=None if outcome.kind == "checkpoint" or outcome.pack is None else outcome.pack.sha256,
             derived_cache=outcome.derived_cache,
+            checkpoint_absent=outcome.checkpoint_absent,
         )
         self._report(line, outcome)
         if self.settings.derived_cache == "auto" and (outcome.capture is not None or outcome.overlay is not None):
@@ -434,6 +441,7 @@ class LoadPolicy(abc.ABC):
             model=attempt.capsule.recovery.model,
             writes=tuple(writes),
             pack=manifest.pack,
+            checkpoint_absent=attempt.loaded.checkpoint_absent,
             **_seed_source(attempt),
         )
 
@@ -482,6 +490,9 @@ class LoadPolicy(abc.ABC):
                 engine=self.engine,
                 engine_version=self.engine_version(),
             )
+            primary = session.primary(call.source.path)  # type: ignore[union-attr]
+            assert primary is not None  # _identify pinned its files
+            attach_model_files(settings.artifact_dir, primary.folder)
             pack = capture.manifest.pack
         elif fallback is not None and attempt is not None and attempt.pack_unavailable and attempt.layout_matches:
             handle = self._materialize(attempt, after, cache)
@@ -650,6 +661,7 @@ class LoadPolicy(abc.ABC):
         materialization_started: bool = False,
         pack_sha256: str | None = None,
         derived_cache: SeedPlacement | None = None,
+        checkpoint_absent: bool = False,
     ) -> LoadOutcomeLine:
         artifact_dir = self.settings.artifact_dir
         return LoadOutcomeLine(
@@ -663,6 +675,7 @@ class LoadPolicy(abc.ABC):
             pack_sha256=pack_sha256,
             derived_cache=None if derived_cache is None else derived_cache.status,
             derived_cache_reason=None if derived_cache is None else derived_cache.reason,
+            checkpoint_absent=checkpoint_absent,
         )
 
     def _report(self, line: LoadOutcomeLine, outcome: LoadOutcome | None = None) -> None:

@@ -76,6 +76,8 @@ class LoadOutcomeLine:
             :attr:`derived_cache_reason`), ``absent`` (the capsule has none), or ``None`` (no capsule was
             read, or the engine has no seeds).
         derived_cache_reason: why the seed was skipped, else ``None``.
+        checkpoint_absent: the model folder held no checkpoint weights (``docs/format.md`` §10.1): written as
+            ``"checkpoint": "absent"``, a key the line has only then.
     """
 
     outcome: Outcome
@@ -88,11 +90,14 @@ class LoadOutcomeLine:
     pack_sha256: str | None = None
     derived_cache: str | None = None
     derived_cache_reason: str | None = None
+    checkpoint_absent: bool = False
 
     def to_json(self, *, now: datetime.datetime | None = None) -> dict[str, object]:
         now = now or datetime.datetime.now(datetime.UTC)
         detail = None if self.error is None else _capped(self.error.detail)
+        absent = {"checkpoint": "absent"} if self.checkpoint_absent else {}
         return {
+            **absent,
             "format": OUTCOME_KIND,
             "format_version": OUTCOME_VERSION,
             "time": now.isoformat(timespec="milliseconds"),

@@ -60,8 +60,9 @@ from coldsnap_core.cli._targets import artifact_folder, restore_here
 from coldsnap_core.cli.stage_cmd import add_host_options, add_repo_option, store_of, this_host_entries
 from coldsnap_core.errors import ColdsnapError, ConfigurationError
 from coldsnap_core.format.descriptor import ArtifactDescriptor
-from coldsnap_core.format.manifest import ModelIdentity, PackRef
+from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.identity.checkpoint_records import CheckpointRecords
+from coldsnap_core.identity.model_folder import holds_weight_files
 from coldsnap_core.identity.model_identity import LoadedModel, check_model_identity
 from coldsnap_core.identity.target import ENGINE_NONE, engine_version
 from coldsnap_core.settings import SETTINGS, ColdsnapSettings
@@ -343,10 +344,11 @@ def target_checks(
     return checks
 
 
-def model_check(recorded: ModelIdentity, args: argparse.Namespace, records: CheckpointRecords | None, file: Path) -> Check:
+def model_check(descriptor: ArtifactDescriptor, args: argparse.Namespace, records: CheckpointRecords | None, file: Path) -> Check:
     """The checkpoint the engine would load (``--model``, else the recorded source) against the artifact's model
     identity, as a restore checks it (without the engine: its configuration digest and file list are checked when it
-    starts)."""
+    starts); a folder without weight files by the artifact's pinned model files."""
+    recorded = descriptor.model
     source = os.path.expanduser(args.model) if args.model else recorded.source
     remedy = "start the engine with the checkpoint the artifact was captured from (--model PATH here), or capture anew"
     if os.path.isabs(source) and not os.path.isdir(source):
@@ -357,14 +359,19 @@ def model_check(recorded: ModelIdentity, args: argparse.Namespace, records: Chec
             "mount the checkpoint there, or pass --model PATH where it is (the engine's --model)",
         )
     try:
-        loaded = LoadedModel.from_config(source, args.revision)
+        absent = os.path.isdir(source) and not holds_weight_files(Path(source))
+        loaded = LoadedModel.from_config(source, args.revision, checkpoint_files=[] if absent else None)
         verify = ColdsnapSettings.resolve(rows=tuple(s for s in SETTINGS if s.key == "verify_checkpoint"))[0].verify_checkpoint
-        check_model_identity(recorded, loaded, file=str(file), records=records, verify_checkpoint=verify)
+        check_model_identity(
+            recorded, loaded, file=str(file), records=records, verify_checkpoint=verify, model_files=descriptor.pinned_model_files
+        )
     except ColdsnapError as exc:
         return Check("model", "failed", str(exc), remedy)
     except OSError as exc:  # a checkpoint file the engine's user cannot read, as the engine would fail on it
         return Check("model", "failed", str(unexpected_os_error(exc)), "let the engine's user read the checkpoint")
     what = f"{len(recorded.files)} checkpoint file(s)" if loaded.folder is not None else f"commit {loaded.revision}"
+    if loaded.checkpoint_absent:
+        what = f"no checkpoint weights (every model byte from the pack); {len(descriptor.pinned_model_files)} model file(s)"
     return Check(
         "model",
         "ok",
@@ -435,7 +442,7 @@ def diagnose(args: argparse.Namespace, uid: int, store: PayloadStore | ColdsnapE
         state_root,
         store_line,
         *target_checks(artifact_dir, descriptor, capsules, cache.state_root),
-        model_check(descriptor.model, args, records, artifact_dir / "artifact.json"),
+        model_check(descriptor, args, records, artifact_dir / "artifact.json"),
         *(pack_check(p, states[p.sha256], None if isinstance(store, ColdsnapError) else store, held) for p in packs),
     ]
 

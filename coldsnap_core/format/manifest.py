@@ -32,8 +32,10 @@ RESIDUAL_FILENAME = "weights.blob"
 
 CapturePoint = Literal["portable", "native"]
 Role = matching("[a-z][a-z0-9_]*")
-CapsuleFileName = matching(r"(?!\.\.?\Z)[A-Za-z0-9._-]+")
-"""A file name inside a capsule folder: ``[A-Za-z0-9._-]+``, not ``.`` or ``..``."""
+CAPSULE_FILE_NAME_RE = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9._-]+")
+"""A file name inside a capsule folder (or the artifact's ``model/`` folder): ``[A-Za-z0-9._-]+``, not ``.`` or
+``..``."""
+CapsuleFileName = matching(CAPSULE_FILE_NAME_RE.pattern)
 DataParallelSize = Annotated[int, msgspec.Meta(ge=2, le=MAX_OFFSET_BYTES)]
 """A data parallel size as written: at least 2 (a size of 1 is written by omitting both fields)."""
 CAPSULE_NAME_RE = re.compile(

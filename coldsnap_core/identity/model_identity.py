@@ -42,10 +42,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coldsnap_core.errors import ModelIdentityMismatchError
+from coldsnap_core.format.descriptor import CapsuleFile
 from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity
 from coldsnap_core.identity.checkpoint_records import CheckpointRecords, RecordState, hash_checkpoint_file
 from coldsnap_core.identity.fingerprint import checkpoint_fingerprint
 from coldsnap_core.identity.hub_commit import COMMIT_HASH, resolve_hub_commit
+from coldsnap_core.identity.model_folder import check_pinned_file, holds_weight_files
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +108,7 @@ class LoadedModel:
         checkpoint_files: for a local folder, the names (relative to ``folder``, ``/``-separated) of
             every checkpoint file the engine's own loader would read now (vLLM
             ``DefaultModelLoader._prepare_weights``: its glob and its index filter), or ``None`` when
-            the caller cannot tell.
+            the caller cannot tell; empty when the folder holds no weight file (:attr:`checkpoint_absent`).
         checkpoint_files_error: why the engine could not list those files (a safetensors index
             naming a missing shard, malformed JSON, ...); the identity check then fails closed.
     """
@@ -118,6 +120,13 @@ class LoadedModel:
     requested_revision: str | None = None
     checkpoint_files: tuple[str, ...] | None = None
     checkpoint_files_error: str | None = None
+
+    @property
+    def checkpoint_absent(self) -> bool:
+        """Whether the engine loads a local folder that holds no weight file (the model's non-weight files only:
+        what ``coldsnap pull`` writes), so every model byte must come from the pack: the identity is then the
+        artifact's pinned model files and the configuration digest (:func:`check_model_identity`)."""
+        return self.folder is not None and self.checkpoint_files == ()
 
     @classmethod
     def from_config(
@@ -167,16 +176,23 @@ def engine_checkpoint_files(
             read), which returns ``(folder, files, ...)`` with ``files`` as paths in ``folder``.
 
     Returns:
-        ``(names relative to the folder, "/"-separated, None)``; ``(None, None)`` for a repository id
+        ``(names relative to the folder, "/"-separated, None)``; ``([], None)`` when the engine finds no weights and
+        the folder holds no weight file of any format (:func:`~coldsnap_core.identity.model_folder.holds_weight_files`:
+        the checkpoint is absent, :attr:`LoadedModel.checkpoint_absent`); ``(None, None)`` for a repository id
         (its commit is checked instead); ``(None, why)`` when the engine cannot list them (an index
-        naming a missing shard, a malformed index, no weights): the identity check then fails
-        closed, as a plain load would.
+        naming a missing shard, a malformed index, weights of a format it does not read): the identity check then
+        fails closed, as a plain load would.
+
+    Raises:
+        FileAccessError: the folder cannot be listed.
     """
     if not os.path.isdir(source):
         return None, None
     try:
         folder, files = prepare_weights()[:2]
     except Exception as exc:  # whatever the engine raises, restore must not go ahead
+        if not holds_weight_files(Path(source)):
+            return [], None
         return None, f"{engine}'s _prepare_weights raised {type(exc).__name__}: {exc}"
     return [Path(os.path.relpath(f, folder)).as_posix() for f in files], None
 
@@ -188,8 +204,15 @@ def check_model_identity(
     file: str | None = None,
     records: CheckpointRecords | None = None,
     verify_checkpoint: bool = False,
+    model_files: tuple[CapsuleFile, ...] = (),
 ) -> None:
     """The artifact's pinned model must be the one being loaded.
+
+    * A local folder without the checkpoint (:attr:`LoadedModel.checkpoint_absent`): every model file the artifact
+      pins (``model_files``, ``artifact.json``'s, ``docs/format.md`` §5) is in the folder with its size and SHA-256
+      (hashed: they are small), and the engine's model configuration digest, when it gives one, equals the recorded
+      one; an artifact that pins no model file is refused. The source (repository or folder) is not compared: every
+      model byte comes from the verified pack.
 
     * A Hugging Face repository (``loaded.folder is None``): the same id and the same commit. Capture
       records the commit the revision (``main`` when none is given) resolved to in the local Hugging
@@ -218,9 +241,13 @@ def check_model_identity(
 
     Raises:
         ModelIdentityMismatchError: names what differs (source, commit, configuration, a missing,
-            resized or rewritten checkpoint file).
+            resized or rewritten checkpoint file; without the checkpoint a missing or other model file, or an artifact
+            that pins none).
         UnsafePathError: the checkpoint records folder or a record is a symbolic link.
     """
+    if loaded.checkpoint_absent:
+        _check_model_files(recorded, loaded, model_files, file)
+        return
     recorded_from_folder = os.path.isabs(recorded.source)  # a local folder is recorded by its real path
     if loaded.folder is None and (
         (recorded.source, recorded.revision) != (loaded.source, loaded.revision)
@@ -235,18 +262,48 @@ def check_model_identity(
             " checked against a repository commit (load the repository id, or capture from the folder)",
             file=file,
         )
-    if loaded.config_sha256 is not None and recorded.config_sha256 != loaded.config_sha256:
+    if loaded.config_sha256 is not None:
+        _check_config(recorded, loaded, file)
+    if loaded.folder is None:
+        return
+    _check_file_list(recorded, loaded, file)
+    for checkpoint in recorded.files:
+        _check_checkpoint_file(checkpoint, loaded.folder / checkpoint.name, records, verify_checkpoint)
+
+
+def _check_config(recorded: ModelIdentity, loaded: LoadedModel, file: str | None) -> None:
+    if recorded.config_sha256 != loaded.config_sha256:
         raise ModelIdentityMismatchError(
             f"the engine's model configuration (Hugging Face config after overrides, dtype, quantization) has digest"
             f" {loaded.config_sha256}, the artifact recorded {recorded.config_sha256} (a changed config.json,"
             " --hf-overrides or --dtype; buffers such as the rotary cache would come back with the captured values)",
             file=file,
         )
-    if loaded.folder is None:
-        return
-    _check_file_list(recorded, loaded, file)
-    for checkpoint in recorded.files:
-        _check_checkpoint_file(checkpoint, loaded.folder / checkpoint.name, records, verify_checkpoint)
+
+
+def _check_model_files(
+    recorded: ModelIdentity, loaded: LoadedModel, model_files: tuple[CapsuleFile, ...], file: str | None
+) -> None:
+    """The identity of a folder without the checkpoint (see :func:`check_model_identity`).
+
+    Raises:
+        ModelIdentityMismatchError: the artifact pins no model files, a pinned model file is missing or differs
+            (naming it), or the engine's configuration digest differs (``--hf-overrides``, ``--dtype``).
+    """
+    assert loaded.folder is not None
+    if not model_files:
+        raise ModelIdentityMismatchError(
+            f"{loaded.folder} holds no checkpoint weights, and the artifact pins no model files to check it by"
+            " (artifact.json has no model_files: its capture copied none); serve from the checkpoint folder",
+            file=file,
+        )
+    for pin in model_files:  # before the configuration digest: a changed config.json is named as such
+        where = f"the artifact ({file})" if file else "the artifact"
+        check_pinned_file(
+            loaded.folder / pin.name, pin, missing=ModelIdentityMismatchError, mismatch=ModelIdentityMismatchError, where=where
+        )
+    if loaded.config_sha256 is not None:
+        _check_config(recorded, loaded, file)
 
 
 def _check_file_list(recorded: ModelIdentity, loaded: LoadedModel, file: str | None) -> None:

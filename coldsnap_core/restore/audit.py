@@ -2,7 +2,9 @@
 
 Order (each step raises the first failure it finds; ``docs/format.md``, "Verification rules"):
 
-1. for an artifact folder, every capsule folder is listed in ``artifact.json`` and every capsule's
+1. for an artifact folder, every capsule folder is listed in ``artifact.json``, its ``model/`` folder holds
+   exactly the pinned model files, each of its pinned size and SHA-256
+   (:func:`coldsnap_core.artifact.model_files.verify_model_files`), and every capsule's
    recovery manifest names the descriptor's model identity; every model extent comes from a checkpoint
    file of the model identity;
 2. per worker, every manifest rule (:func:`coldsnap_core.format.verify.check_manifest`);
@@ -35,6 +37,7 @@ from coldsnap_core.artifact.capsules import (
     read_worker_capsule,
 )
 from coldsnap_core.artifact.derived_cache import verify_seed
+from coldsnap_core.artifact.model_files import verify_model_files
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.errors import ManifestMismatchError
 from coldsnap_core.format.descriptor import ArtifactDescriptor
@@ -98,6 +101,7 @@ def verify_capsules(
     if descriptor is not None:
         if artifact_dir is not None:
             check_artifact_layout(artifact_dir)
+            verify_model_files(artifact_dir, descriptor.pinned_model_files)
         for capsule in capsules:
             if descriptor.model != capsule.recovery.model:
                 raise ManifestMismatchError(

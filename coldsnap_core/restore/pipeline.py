@@ -62,6 +62,7 @@ from coldsnap_core.copy.select import copy_backend_for
 from coldsnap_core.copy.torch_allocations import TorchAllocations, enumerate_allocations
 from coldsnap_core.errors import (
     ArtifactError,
+    CheckpointAbsentError,
     ColdsnapError,
     IntegrityError,
     MissingObjectError,
@@ -70,7 +71,7 @@ from coldsnap_core.errors import (
     StoreError,
     TargetMismatchError,
 )
-from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WorkerEntry
+from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, CapsuleFile, WorkerEntry
 from coldsnap_core.format.manifest import ModelIdentity, NativeManifest, WorkerIdentity
 from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.format.target import TargetIdentity
@@ -153,6 +154,7 @@ class WorkerRestore:
     stage_seconds: float | None = None
     fetched_bytes: int = 0
     _recorded_model: ModelIdentity | None = None
+    _model_files: tuple[CapsuleFile, ...] = ()
     _entry: WorkerEntry | None = None
 
     @classmethod
@@ -220,6 +222,7 @@ class WorkerRestore:
             )
         self.capsule = self.portable_capsule = capsule
         self._recorded_model = descriptor.model
+        self._model_files = descriptor.pinned_model_files
         self._entry = entry
         return capsule
 
@@ -280,6 +283,7 @@ class WorkerRestore:
             file=str(self.artifact_dir / DESCRIPTOR_FILENAME),
             records=CheckpointRecords(self.cache.state_root),
             verify_checkpoint=self.verify_checkpoint,
+            model_files=self._model_files,
         )
 
     def run(self, allocations: TorchAllocations, backend: CopyBackend) -> HydrationReport:
@@ -456,7 +460,7 @@ def restore_or_fall_back(
     Raises:
         ConfigurationError: the store ``settings`` configure is malformed (under ``auto`` too: it is
             parsed before the attempt, never a reason to fall back).
-        ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed.
+        ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed; either mode: :func:`_no_fallback`'s.
     """
     if settings.artifact_dir is None or settings.export_model_payload:
         return RestoreResult()
@@ -477,6 +481,7 @@ def restore_or_fall_back(
         allocations = enumerate_allocations(model)  # type: ignore[arg-type]
         report = attempt.run(allocations, backend_for(allocations.device))
     except ColdsnapError as exc:
+        _no_fallback(settings, loaded, exc)
         if settings.restore == "native":
             raise
         quarantined = getattr(exc, "quarantined_to", None)
@@ -489,3 +494,20 @@ def restore_or_fall_back(
         )
         return RestoreResult(attempt, allocations, None, exc)
     return RestoreResult(attempt, allocations, report, None)
+
+
+def _no_fallback(settings: ColdsnapSettings, loaded: LoadedModel | None, exc: ColdsnapError) -> None:
+    """Where the engine loads a model folder without weight files
+    (:attr:`~coldsnap_core.identity.model_identity.LoadedModel.checkpoint_absent`, ``docs/format.md`` §10.1) a failed
+    restore has no checkpoint to fall back to, under ``auto`` too.
+
+    Raises:
+        CheckpointAbsentError: there, naming ``exc`` (its rule, file and message) and the folder.
+    """
+    if loaded is not None and loaded.checkpoint_absent:
+        raise CheckpointAbsentError(
+            f"the restore from {settings.artifact_dir} failed ({exc}), and no checkpoint is on this node to load"
+            f" instead: {loaded.folder} holds the model's non-weight files and no weight file, so"
+            f" COLDSNAP_RESTORE={settings.restore} stops the start rather than serve unfilled weights",
+            file=exc.file,
+        ) from exc

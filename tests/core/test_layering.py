@@ -14,7 +14,8 @@ rank  modules
 2     ``format.*`` (the byte-level documents, the safetensors header)
 3     ``format.verify``, the ``CopyBackend`` Protocol and the copy backends, ``copy.torch_allocations``,
       ``identity.target`` (this worker's target identity; the qualification rule), ``identity.fingerprint``,
-      ``capture.checkpoint_sources``, ``capture.model_records``
+      ``identity.model_folder`` (a model folder's non-weight files), ``capture.checkpoint_sources``,
+      ``capture.model_records``
 4     ``cache.records``, ``cache.locks``, ``cache.partials``, ``cache.garbage``, ``identity.checkpoint_records``,
       ``identity.model_identity`` (produced and checked)
 5     ``cache.payload_cache`` (admission and quarantine), ``artifact.*`` (the documents of capsules, overlays and
@@ -74,6 +75,7 @@ LAYERS: dict[str, int] = {
     "copy.torch_allocations": 3,
     "identity.target": 3,
     "identity.fingerprint": 3,
+    "identity.model_folder": 3,
     "capture": 3,
     "capture.checkpoint_sources": 3,
     "capture.model_records": 3,
@@ -92,6 +94,7 @@ LAYERS: dict[str, int] = {
     "artifact.sleep_capsules": 5,
     "artifact.overlay": 5,
     "artifact.derived_cache": 5,
+    "artifact.model_files": 5,
     "outcomes": 5,
     "stores": 6,
     "stores._copy": 6,

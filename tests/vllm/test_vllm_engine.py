@@ -70,6 +70,29 @@ def test_restore_equals_a_plain_safetensors_load(two_layer: dict) -> None:
     assert restore.coldsnap_lines("WARNING") == []
 
 
+def test_vllm_serves_from_the_weight_free_model_folder(two_layer: dict, tmp_path: Path) -> None:
+    """The session's capture copied the checkpoint's non-weight files into the artifact's ``model/`` and pinned them;
+    vLLM started on a copy of that folder (no weight file, as ``coldsnap pull`` writes it) under ``auto`` restores
+    every byte a plain load holds, generates the same, and its outcome line says the checkpoint was absent. With the
+    pack gone from this node (no store), the same start stops with the typed error instead of falling back. Fails if
+    the capture copies other files, the identity check asks for the checkpoint's files there, or ``auto`` falls back
+    to a checkpoint the node does not have (vLLM would raise its own error, or serve unfilled weights)."""
+    artifact = two_layer["artifact"]
+    pinned = [pin.name for pin in read_descriptor(artifact).pinned_model_files]
+    assert pinned == sorted(p.name for p in two_layer["model"].iterdir() if p.name != "model.safetensors")
+    folder = shutil.copytree(artifact / "model", tmp_path / "model")
+    state = copy_state(two_layer["state"], tmp_path / "state")
+    restored = run_engine(tmp_path, "weight-free", folder, "coldsnap", env=coldsnap_env(artifact, state))
+    _assert_same_load(restored, two_layer["plain"])
+    (line,) = restored.outcome_lines
+    assert (line["outcome"], line.get("checkpoint")) == ("restored", "absent")
+    shutil.rmtree(state / "model-payloads")
+    stopped = run_engine(tmp_path, "weight-free-without-pack", folder, "coldsnap", env=coldsnap_env(artifact, state))
+    assert stopped.error is not None and stopped.outputs == []
+    assert "CheckpointAbsentError: rule checkpoint-absent failed" in stopped.error
+    assert "rule payload-available" in stopped.error and "no checkpoint is on this node" in stopped.error
+
+
 def test_an_in_place_reload_after_a_restore_serves_the_same_weights(two_layer: dict) -> None:
     """After a native restore, vLLM's in-place ``collective_rpc("reload_weights")`` (which reads the checkpoint
     again through the ``coldsnap`` loader's ``get_all_weights``) leaves the engine serving the plain load's

@@ -1,0 +1,107 @@
+"""The artifact's copy of the model's non-weight files: ``<artifact>/model/<name>``, pinned in ``artifact.json``.
+
+A capture copies the model files of the folder the engine read its weights from
+(:func:`coldsnap_core.identity.model_folder.read_model_files`: ``config.json``, tokenizer files, ...) into the
+artifact's ``model/`` folder and pins each in ``artifact.json``'s ``model_files`` (``docs/format.md`` §5), so the
+artifact carries what an engine needs to build the model besides its weights, and a node can serve from that folder
+with every model byte restored from the pack.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import msgspec
+
+from coldsnap_core._io import os_error, remove_tree, replace_file_durably, write_file_durably
+from coldsnap_core.artifact.capsules import _artifact_lock, descriptor_lock_path, replace_dir_atomically, sweep_capsule_debris
+from coldsnap_core.errors import ArtifactError, CapsulePinMismatchError, ColdsnapError, MissingObjectError
+from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, MODEL_DIRNAME, ArtifactDescriptor, CapsuleFile
+from coldsnap_core.identity.model_folder import check_pinned_file, read_model_files
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["attach_model_files", "verify_model_files"]
+
+
+def attach_model_files(artifact_dir: Path, folder: Path) -> tuple[CapsuleFile, ...]:
+    """Copy the model files of ``folder`` into ``<artifact_dir>/model/`` and pin them in ``artifact.json``, after a
+    worker's capture registered it.
+
+    Under the descriptor's lock: when ``artifact.json`` already pins exactly these files and ``model/`` holds them
+    intact (another worker of the capture copied them first), nothing is written; else the staging and moved-aside
+    folders a killed writer left (``.model.<hex16>.partial``, ``.old``) are removed, ``model/`` is written whole (a
+    hidden staging folder, every file fsynced, renamed into place; removed when ``folder`` holds no model file) and
+    then ``artifact.json`` with the pins, with one WARNING when it pinned other model files before (the model folder
+    changed since that capture).
+
+    Returns:
+        The pins, sorted by name (empty: ``folder`` holds no model file).
+
+    Raises:
+        MissingObjectError, ManifestError: ``artifact.json`` is missing or malformed.
+        FileAccessError, InsufficientSpaceError, UnsafePathError: reading ``folder`` or writing failed.
+    """
+    files = read_model_files(folder)
+    pins = tuple(pin for pin, _ in files)
+    path = artifact_dir / DESCRIPTOR_FILENAME
+    with _artifact_lock(descriptor_lock_path(artifact_dir)):
+        descriptor = ArtifactDescriptor.read(path)
+        if descriptor.pinned_model_files == pins and _intact(artifact_dir, pins):
+            return pins
+        if descriptor.pinned_model_files not in ((), pins):
+            changed = sorted({p.name for p in set(descriptor.pinned_model_files) ^ set(pins)})
+            logger.warning(
+                "coldsnap: %s: the model files %s differ from those artifact.json pinned; pinning those of %s",
+                artifact_dir,
+                ", ".join(changed),
+                folder,
+            )
+        sweep_capsule_debris(artifact_dir, MODEL_DIRNAME)
+
+        def fill(staging: Path) -> None:
+            for pin, data in files:
+                write_file_durably(staging / pin.name, data)
+
+        if pins:
+            replace_dir_atomically(artifact_dir / MODEL_DIRNAME, fill)
+        else:
+            remove_tree(artifact_dir / MODEL_DIRNAME)
+        replace_file_durably(path, msgspec.structs.replace(descriptor, model_files=pins or msgspec.UNSET).dumps())
+    return pins
+
+
+def _intact(artifact_dir: Path, pins: tuple[CapsuleFile, ...]) -> bool:
+    try:
+        verify_model_files(artifact_dir, pins)
+    except ColdsnapError:
+        return False
+    return True
+
+
+def verify_model_files(artifact_dir: Path, pins: tuple[CapsuleFile, ...]) -> None:
+    """``<artifact_dir>/model/`` holds exactly the pinned model files (``artifact.json``'s ``model_files``), each of
+    its pinned size and SHA-256 (hidden entries are ignored); no ``model/`` folder when nothing is pinned.
+
+    Raises:
+        MissingObjectError: a pinned file is missing (rule ``object-present``).
+        CapsulePinMismatchError: a file has another size or SHA-256 (rule ``capsule-pin``, naming the file).
+        ArtifactError: ``model/`` holds a file ``artifact.json`` does not pin (rule ``artifact``).
+        FileAccessError: a file cannot be read.
+    """
+    model_dir = artifact_dir / MODEL_DIRNAME
+    for pin in pins:
+        check_pinned_file(
+            model_dir / pin.name, pin, missing=MissingObjectError, mismatch=CapsulePinMismatchError, where=DESCRIPTOR_FILENAME
+        )
+    try:
+        present = sorted(name for name in os.listdir(model_dir) if not name.startswith("."))
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise os_error("cannot list the artifact's model folder", exc, model_dir) from exc
+    unpinned = sorted(set(present) - {p.name for p in pins})
+    if unpinned:
+        raise ArtifactError(f"the artifact's model folder holds files artifact.json does not pin: {unpinned}", file=model_dir)

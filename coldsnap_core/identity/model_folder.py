@@ -1,0 +1,129 @@
+"""What a model folder holds besides its weights: the model's non-weight files, read and checked by their pins.
+
+An engine builds a model from more than its weights: ``config.json``, ``generation_config.json``, the tokenizer's
+files, a chat template, a processor's configuration. A capture copies these **model files** into the artifact
+(``<artifact>/model/<name>``, pinned in ``artifact.json``'s ``model_files``; ``docs/format.md`` §5), so a node can
+build the model from a folder that holds them and no weight file, and restore every model byte from the pack.
+
+The rule (:func:`model_file_paths`): every regular file at the top level of the folder (a symbolic link is followed:
+a Hugging Face snapshot links its files to the cache's blobs) whose name is not hidden, matches the capsule-file
+name form ``[A-Za-z0-9._-]+``, is no weight file (:data:`WEIGHT_SUFFIXES`) and no weight index (``*.index.json``),
+and is at most :data:`MAX_MODEL_FILE_BYTES`. Files in subfolders are not model files (an engine that needs one
+cannot start from a folder without the checkpoint).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+from coldsnap_core._io import os_error, sha256_file
+from coldsnap_core.errors import ColdsnapError
+from coldsnap_core.format.descriptor import CapsuleFile
+from coldsnap_core.format.manifest import CAPSULE_FILE_NAME_RE
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt")
+"""File name endings of weight files (safetensors, PyTorch pickles, GGUF, Flax, Keras, checkpoints): never model
+files, and what makes a folder hold weights (:func:`holds_weight_files`)."""
+
+WEIGHT_INDEX_SUFFIX = ".index.json"
+"""A weight index (``model.safetensors.index.json``): it names the weight shards, so it goes with the weights."""
+
+MAX_MODEL_FILE_BYTES = 64 << 20
+"""The largest model file a capture copies (64 MiB; a large tokenizer is a few tens of MiB); a larger one is left
+out with an INFO line."""
+
+
+def is_weight_file(name: str) -> bool:
+    """Whether the file name ``name`` is a weight file or a weight index."""
+    return name.endswith(WEIGHT_SUFFIXES) or name.endswith(WEIGHT_INDEX_SUFFIX)
+
+
+def holds_weight_files(folder: Path) -> bool:
+    """Whether ``folder`` holds a weight file at its top level (where vLLM's and SGLang's ``_prepare_weights``
+    look: ``glob(os.path.join(folder, pattern))``), whatever its format.
+
+    Raises:
+        FileAccessError: the folder cannot be listed.
+    """
+    try:
+        with os.scandir(folder) as entries:
+            return any(entry.name.endswith(WEIGHT_SUFFIXES) for entry in entries)
+    except OSError as exc:
+        raise os_error("cannot list the model folder", exc, folder) from exc
+
+
+def model_file_paths(folder: Path) -> list[Path]:
+    """The model files of ``folder`` (the module docstring's rule), sorted by name; a file the rule leaves out for its
+    name or size is named in one INFO line.
+
+    Raises:
+        FileAccessError: the folder cannot be listed or a file examined.
+    """
+    chosen, left_out = [], []
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.name.startswith(".") or is_weight_file(entry.name) or not entry.is_file():  # follows links
+                    continue
+                if CAPSULE_FILE_NAME_RE.fullmatch(entry.name) is None:
+                    left_out.append(f"{entry.name!r} (name outside [A-Za-z0-9._-]+)")
+                elif entry.stat().st_size > MAX_MODEL_FILE_BYTES:
+                    left_out.append(f"{entry.name} ({entry.stat().st_size} bytes, over {MAX_MODEL_FILE_BYTES})")
+                else:
+                    chosen.append(Path(entry.path))
+    except OSError as exc:
+        raise os_error("cannot list the model folder", exc, folder) from exc
+    if left_out:
+        logger.info("coldsnap: model files of %s left out of the artifact: %s", folder, ", ".join(sorted(left_out)))
+    return sorted(chosen, key=lambda p: p.name)
+
+
+def read_model_files(folder: Path) -> list[tuple[CapsuleFile, bytes]]:
+    """Every model file of ``folder`` (:func:`model_file_paths`) with its pin, read once (so what is written is
+    what is pinned), sorted by name.
+
+    Raises:
+        FileAccessError: the folder or a file cannot be read.
+    """
+    files = []
+    for path in model_file_paths(folder):
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise os_error("cannot read a model file", exc, path) from exc
+        files.append((CapsuleFile(path.name, len(data), hashlib.sha256(data).hexdigest()), data))
+    return files
+
+
+def check_pinned_file(
+    path: Path, pin: CapsuleFile, *, missing: type[ColdsnapError], mismatch: type[ColdsnapError], where: str
+) -> None:
+    """The file at ``path`` is a regular file (a symbolic link is followed) of the size and SHA-256 ``pin`` records;
+    its size is compared before it is read. ``where`` says what pinned it, for the messages.
+
+    Raises:
+        ``missing``: nothing (or no regular file) at ``path``.
+        ``mismatch``: another size or SHA-256 (both values named).
+        FileAccessError: it cannot be examined or read.
+    """
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise missing(f"model file {pin.name} pinned by {where} is missing", file=path) from None
+    except OSError as exc:
+        raise os_error("cannot examine a model file", exc, path) from exc
+    if not os.path.isfile(path):
+        raise missing(f"model file {pin.name} pinned by {where} is not a regular file", file=path)
+    if st.st_size != pin.size_bytes:
+        raise mismatch(f"model file {pin.name} is {st.st_size} bytes; {where} pins {pin.size_bytes} bytes", file=path)
+    try:
+        digest, _ = sha256_file(path)
+    except OSError as exc:
+        raise os_error("cannot read a model file", exc, path) from exc
+    if digest != pin.sha256:
+        raise mismatch(f"model file {pin.name} has SHA-256 {digest}; {where} pins {pin.sha256}", file=path)
