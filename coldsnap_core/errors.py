@@ -39,6 +39,7 @@ __all__ = [
     "CopyBackendError",
     "CoverageGapError",
     "EngineVersionError",
+    "ExportError",
     "ExtentBoundsError",
     "ExtentDigestMismatchError",
     "ExtentOrderError",
@@ -563,3 +564,11 @@ class CheckpointAbsentError(ColdsnapError):
     message names the rule that failed and its message."""
 
     rule = "checkpoint-absent"
+
+
+class ExportError(ColdsnapError):
+    """``coldsnap export`` could not capture every worker: the engine exited, a worker refused (its outcome line's
+    rule and detail), or the capture did not come within the timeout; the message names what happened and ends
+    with the engine's last lines of output."""
+
+    rule = "export"

@@ -36,6 +36,7 @@ from coldsnap_core.settings import COMMAND_SETTINGS, KEYS, ColdsnapSettings
 COMMAND_MODULES = (
     "coldsnap_core.cli.inspect_cmd",
     "coldsnap_core.cli.verify_cmd",
+    "coldsnap_core.cli.export_cmd",
     "coldsnap_core.cli.stage_cmd",
     "coldsnap_core.cli.publish_cmd",
     "coldsnap_core.cli.pull_cmd",
@@ -62,7 +63,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="coldsnap",
-        description="Inspect, verify, stage, publish and pull coldsnap artifacts (format 9).",
+        description="Export, inspect, verify, stage, publish and pull coldsnap artifacts (format 9).",
         epilog="Exit codes: 0 verified/ok, 1 content mismatch or corruption, 2 malformed or unsupported manifest, "
         "3 missing object, 4 other error, 5 capsule not qualified for this target (a native restore); doctor: 10-15, the "
         "first failed check. Every command takes --json (one JSON document on stdout, an error too).",

@@ -1,0 +1,379 @@
+"""``coldsnap export -- COMMAND...``: a one-shot export that exits, for a CI or Kubernetes Job.
+
+``COMMAND`` is the engine's own start command (``vllm serve MODEL --load-format coldsnap ...``, ``python -m
+sglang.launch_server --model-path MODEL --load-format coldsnap ...``). It is started in a process group of its own
+with this environment plus ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1`` and the artifact folder, state root and outcome log
+this command resolved (its options over the ``COLDSNAP_*`` variables; an engine's ``--model-loader-extra-config``
+keys must not name others), its output passed through to stderr. Then:
+
+1. **wait** for the capture of every worker: the load outcome lines (``docs/format.md`` §10.3) appended since the
+   start for this artifact folder, ``captured`` for every worker of the world the first one names (its capsule
+   name: ``worker-<rank>-of-<world_size>[-dp-<d>-of-<D>]``); with ``--ready-url``, then until that URL answers 200
+   (vLLM attaches its derived-cache seed, ``docs/format.md`` §17, once it compiled, before it reports ready). A
+   ``refused`` line, any other outcome of this artifact, the engine exiting, or ``--timeout`` stops the wait with an
+   :class:`~coldsnap_core.errors.ExportError` naming what happened and the engine's last lines of output; a wait
+   says every 10 s what it waits for;
+2. **stop** the engine: SIGTERM to its process group, SIGKILL after ``--grace`` seconds (also when this command is
+   interrupted or terminated);
+3. **verify** the artifact as ``coldsnap verify`` does (:func:`coldsnap_core.restore.audit.verify_artifact`), and that
+   it names the packs the outcome lines say were captured.
+
+Exit 0 with the artifact folder and the packs written; else the failed step's exit code (4 for ``export``, the
+verifier's otherwise). The workers must all write to the outcome log this node reads (one node; a multi-node engine
+needs a shared ``COLDSNAP_OUTCOME_LOG``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from coldsnap_core.artifact.capsules import read_descriptor
+from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.cli._output import add_json_option, print_json
+from coldsnap_core.cli._progress import byte_bar
+from coldsnap_core.errors import ConfigurationError, ExportError, ManifestMismatchError
+from coldsnap_core.format.manifest import CAPSULE_NAME_RE
+from coldsnap_core.outcomes import OUTCOME_KIND
+from coldsnap_core.restore.audit import verify_artifact
+from coldsnap_core.settings import SETTINGS, ColdsnapSettings
+
+PROGRESS_INTERVAL_SECONDS = 10.0
+"""How often a wait says what it waits for."""
+POLL_SECONDS = 0.2
+OUTPUT_LINES_KEPT = 20
+"""The engine's last lines of output an :class:`ExportError` quotes."""
+
+
+class _OutcomeTail:
+    """The lines appended to the outcome log at ``path`` since this object was made (a rotation to ``<path>.1``
+    included: the rest of the old file is read first)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._inode, self._offset = self._stat()
+        self._partial = b""
+
+    def _stat(self) -> tuple[int | None, int]:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None, 0
+        return st.st_ino, st.st_size
+
+    def _read(self, path: Path, offset: int) -> tuple[bytes, int]:
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except FileNotFoundError:
+            return b"", offset
+        return data, offset + len(data)
+
+    def new_lines(self) -> Iterator[dict]:
+        inode, _ = self._stat()
+        if inode != self._inode:  # rotated (or created): the old file's rest, then the new file from its start
+            if self._inode is not None:
+                rest, _ = self._read(Path(f"{self.path}.1"), self._offset)
+                self._partial += rest
+            self._inode, self._offset = inode, 0
+        data, self._offset = self._read(self.path, self._offset)
+        *complete, self._partial = (self._partial + data).split(b"\n")
+        for raw in complete:
+            try:
+                doc = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(doc, dict) and doc.get("format") == OUTCOME_KIND:
+                yield doc
+
+
+class _Engine:
+    """The engine's process group: started with ``env``, its output passed to stderr and its last lines kept."""
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        self.command = command
+        self.last_lines: collections.deque[str] = collections.deque(maxlen=OUTPUT_LINES_KEPT)
+        try:
+            self.process = subprocess.Popen(
+                command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise ExportError(f"cannot start the engine command {command}: {exc}") from exc
+        self._pump = threading.Thread(target=self._pass_output, daemon=True)
+        self._pump.start()
+
+    def _pass_output(self) -> None:
+        assert self.process.stdout is not None
+        for raw in self.process.stdout:
+            line = raw.decode("utf-8", "replace")
+            self.last_lines.append(line.rstrip("\n"))
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+    def exited(self) -> int | None:
+        """The engine's exit status once it exited (its output read to the end, as far as it comes within 5 s), else
+        ``None``."""
+        returncode = self.process.poll()
+        if returncode is not None:
+            self._pump.join(timeout=5)
+        return returncode
+
+    def output_tail(self) -> str:
+        lines = "\n".join(f"  {line}" for line in self.last_lines)
+        return f"; the engine's last lines of output:\n{lines}" if lines else "; the engine wrote no output"
+
+    def stop(self, grace_seconds: float) -> int:
+        """SIGTERM to the group, SIGKILL to what is left of it after ``grace_seconds``; the engine's exit status."""
+        group = self.process.pid
+        deadline = time.monotonic() + grace_seconds
+        self._signal(group, signal.SIGTERM)
+        while self._alive(group) and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS)
+        if self._alive(group):
+            print(f"coldsnap export: the engine did not stop within {grace_seconds:g} s of SIGTERM; killing it", file=sys.stderr)
+            self._signal(group, signal.SIGKILL)
+        returncode = self.process.wait()
+        self._pump.join(timeout=5)
+        return returncode
+
+    def _alive(self, group: int) -> bool:
+        self.process.poll()  # reaps the leader: a zombie would keep the group alive
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    @staticmethod
+    def _signal(group: int, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signum)
+
+
+def _world(capsule_name: str) -> tuple[str, ...] | None:
+    """Every capsule name of the world ``capsule_name`` belongs to, or ``None`` for a name of no world."""
+    match = CAPSULE_NAME_RE.fullmatch(capsule_name)
+    if match is None:
+        return None
+    role, world_size, replicas = match["role"], int(match["world_size"]), int(match["data_parallel_size"] or 1)
+    suffixes = [f"-dp-{d}-of-{replicas}" for d in range(replicas)] if replicas > 1 else [""]
+    return tuple(f"{role}-{rank}-of-{world_size}{suffix}" for suffix in suffixes for rank in range(world_size))
+
+
+class _Wait:
+    """The wait for every worker's ``captured`` line (see the module docstring)."""
+
+    def __init__(self, engine: _Engine, tail: _OutcomeTail, artifact_dir: Path, timeout_seconds: float) -> None:
+        self.engine, self.tail, self.artifact_dir = engine, tail, str(artifact_dir)
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout_seconds
+        self.timeout_seconds = timeout_seconds
+        self.captured: dict[str, str] = {}  # capsule name -> pack digest
+        self.world: tuple[str, ...] | None = None
+        self._said = self.started
+
+    def waiting_for(self) -> str:
+        if self.world is None:
+            return f"the first worker's capture into {self.artifact_dir}"
+        missing = [name for name in self.world if name not in self.captured]
+        return f"the capture of {', '.join(missing)} ({len(self.captured)} of {len(self.world)} captured)"
+
+    def tick(self, what: str, exited: int | None) -> None:
+        """Between polls: fail when the engine had exited before the last read of the log (``exited``) or the time is
+        up; say what is awaited every 10 s."""
+        if exited is not None:
+            raise ExportError(f"the engine exited with {exited} before {what}{self.engine.output_tail()}")
+        now = time.monotonic()
+        if now > self.deadline:
+            raise ExportError(
+                f"timed out after --timeout {self.timeout_seconds:g} s waiting for {what}{self.engine.output_tail()}"
+            )
+        if now - self._said >= PROGRESS_INTERVAL_SECONDS:
+            self._said = now
+            print(
+                f"coldsnap export: waiting for {what}; {now - self.started:.0f} s of --timeout {self.timeout_seconds:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
+        time.sleep(POLL_SECONDS)
+
+    def complete(self) -> bool:
+        return self.world is not None and set(self.world) <= set(self.captured)
+
+    def captures(self) -> dict[str, str]:
+        while not self.complete():
+            exited = self.engine.exited()  # before the read: a line written before the exit is still read
+            for line in self.tail.new_lines():
+                if line.get("artifact_dir") == self.artifact_dir:
+                    self._take(line)
+            if not self.complete():
+                self.tick(self.waiting_for(), exited)
+        return self.captured
+
+    def _take(self, line: dict) -> None:
+        worker, outcome = str(line.get("worker")), line.get("outcome")
+        if outcome != "captured":
+            rule = f" (rule {line.get('rule')}: {line.get('detail')})" if line.get("rule") else ""
+            raise ExportError(f"{worker}'s load was {outcome}, not captured{rule}{self.engine.output_tail()}")
+        world = _world(worker)
+        if world is None or (self.world is not None and world != self.world):
+            raise ExportError(f"{worker} is not a worker of the world {self.world or 'of a capsule name'}")
+        self.world = world
+        self.captured[worker] = str(line.get("pack_sha256"))
+
+    def ready(self, url: str) -> None:
+        while not _answers_200(url):
+            self.tick(f"{url} to answer 200 (the engine ready)", self.engine.exited())
+
+
+def _answers_200(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _artifact_dir(args: argparse.Namespace) -> Path:
+    row = tuple(s for s in SETTINGS if s.key == "artifact_dir")
+    artifact_dir = ColdsnapSettings.resolve(flags={"artifact_dir": args.artifact_dir}, rows=row)[0].artifact_dir
+    if artifact_dir is None:
+        raise ConfigurationError("coldsnap export needs the artifact folder: set COLDSNAP_ARTIFACT_DIR or pass --artifact-dir")
+    return artifact_dir
+
+
+def _engine_env(settings: ColdsnapSettings, artifact_dir: Path) -> dict[str, str]:
+    env = {**os.environ, "COLDSNAP_EXPORT_MODEL_PAYLOAD": "1", "COLDSNAP_ARTIFACT_DIR": str(artifact_dir)}
+    env["COLDSNAP_STATE_ROOT"] = str(settings.state_root)
+    if settings.outcome_log is not None:
+        env["COLDSNAP_OUTCOME_LOG"] = str(settings.outcome_log)
+    return env
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM to this command: stop the engine, then exit as interrupted."""
+
+
+def _terminate(signum, frame) -> None:
+    raise _Terminated
+
+
+def _capture(args: argparse.Namespace, command: list[str], artifact_dir: Path) -> tuple[dict[str, str], int]:
+    """Steps 1 and 2: ``(capsule name -> captured pack digest, the engine's exit status)``."""
+    settings: ColdsnapSettings = args.settings
+    tail = _OutcomeTail(settings.outcome_log_path)
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    engine = _Engine(command, _engine_env(settings, artifact_dir))
+    try:
+        wait = _Wait(engine, tail, artifact_dir, args.timeout)
+        captured = wait.captures()
+        if args.ready_url:
+            wait.ready(args.ready_url)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the stop short
+        returncode = engine.stop(args.grace)
+        signal.signal(signal.SIGTERM, previous)
+    return captured, returncode
+
+
+def run(args: argparse.Namespace) -> int:
+    command = args.engine_command[1:] if args.engine_command[:1] == ["--"] else args.engine_command
+    if not command:
+        raise ConfigurationError("coldsnap export needs the engine's command after --: coldsnap export -- vllm serve MODEL ...")
+    artifact_dir = _artifact_dir(args)
+    captured, returncode = _capture(args, command, artifact_dir)
+    cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
+    verified = verify_artifact(
+        artifact_dir, cache=cache, progress_for=lambda pack: byte_bar(f"verify {pack.sha256[:12]}", pack.size_bytes)
+    )
+    named = {w.worker.capsule_name: w.pack.sha256 for w in verified}
+    if named != captured:
+        raise ManifestMismatchError(
+            f"artifact.json names the packs {named}, the engine's outcome lines say it captured {captured}: another"
+            " capture wrote the artifact meanwhile",
+            file=artifact_dir / "artifact.json",
+        )
+    model_files = read_descriptor(artifact_dir).pinned_model_files
+    if args.json:
+        workers = [
+            {
+                "capsule": w.worker.capsule_name,
+                "pack": w.pack.to_json(),
+                "model_extents": w.model_extents,
+                "residual_bytes": w.residual_bytes,
+            }
+            for w in verified
+        ]
+        print_json(
+            {
+                "artifact_dir": str(artifact_dir),
+                "workers": workers,
+                "distinct_payloads": sorted(set(named.values())),
+                "model_files": [pin.to_json() for pin in model_files],
+                "engine_returncode": returncode,
+            }
+        )
+        return 0
+    for worker in verified:
+        print(f"{worker.worker.capsule_name}: captured and verified pack {worker.pack.sha256} ({worker.pack.size_bytes} bytes)")
+    print(
+        f"ok: exported {artifact_dir}: {len(verified)} worker(s), {len(model_files)} model file(s); the engine stopped"
+        f" with {returncode}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "export",
+        help="one-shot export: start the engine with the export on, wait for every worker's capture, stop it, verify",
+        description=(
+            "Start COMMAND (the engine's start command, e.g. vllm serve MODEL --load-format coldsnap) with"
+            " COLDSNAP_EXPORT_MODEL_PAYLOAD=1, wait for the capture of every worker (its load outcome lines), stop the"
+            " engine (SIGTERM to its process group, SIGKILL after --grace), verify the artifact as coldsnap verify does."
+            " Exit 0 when the artifact and its packs are written and verified; 4 (rule export) when the engine exited,"
+            " a worker refused or --timeout passed, naming it with the engine's last lines of output."
+        ),
+    )
+    p.add_argument("engine_command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the engine's start command")
+    p.add_argument("--artifact-dir", default=None, help="the artifact folder (default: $COLDSNAP_ARTIFACT_DIR)")
+    p.add_argument("--state-root", default=None, help="where packs go (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)")
+    p.add_argument("--outcome-log", default=None, help="the load outcome log the engine appends to (default: the state root's)")
+    p.add_argument("--timeout", type=_seconds, default=3600.0, help="seconds to wait for every capture (default 3600)")
+    p.add_argument(
+        "--grace", type=_seconds, default=30.0, help="seconds from SIGTERM to SIGKILL when stopping the engine (default 30)"
+    )
+    p.add_argument(
+        "--ready-url",
+        default=None,
+        help="after the captures, wait until this URL answers 200 (the engine's /health: vLLM attaches its compile cache"
+        " as a derived-cache seed before it is ready)",
+    )
+    add_json_option(p)
+    p.set_defaults(func=run)
