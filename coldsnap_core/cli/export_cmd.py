@@ -44,6 +44,7 @@ from coldsnap_core.artifact.capsules import read_descriptor
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cli._output import add_json_option, print_json
 from coldsnap_core.cli._progress import byte_bar
+from coldsnap_core.cli.verify_cmd import workers_json
 from coldsnap_core.errors import ConfigurationError, ExportError, ManifestMismatchError
 from coldsnap_core.format.manifest import CAPSULE_NAME_RE
 from coldsnap_core.outcomes import OUTCOME_KIND
@@ -313,19 +314,10 @@ def run(args: argparse.Namespace) -> int:
         )
     model_files = read_descriptor(artifact_dir).pinned_model_files
     if args.json:
-        workers = [
-            {
-                "capsule": w.worker.capsule_name,
-                "pack": w.pack.to_json(),
-                "model_extents": w.model_extents,
-                "residual_bytes": w.residual_bytes,
-            }
-            for w in verified
-        ]
         print_json(
             {
                 "artifact_dir": str(artifact_dir),
-                "workers": workers,
+                "workers": workers_json(verified),
                 "distinct_payloads": sorted(set(named.values())),
                 "model_files": [pin.to_json() for pin in model_files],
                 "engine_returncode": returncode,

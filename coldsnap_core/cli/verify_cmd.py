@@ -19,7 +19,20 @@ from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cli._output import add_json_option, print_json
 from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.cli._targets import artifact_folder, resolve
-from coldsnap_core.restore.audit import verify_capsules
+from coldsnap_core.restore.audit import VerifiedWorker, verify_capsules
+
+
+def workers_json(verified: list[VerifiedWorker]) -> list[dict]:
+    """``--json``'s ``workers``: per verified worker its capsule name, pack, model extent count and residual bytes."""
+    return [
+        {
+            "capsule": w.worker.capsule_name,
+            "pack": w.pack.to_json(),
+            "model_extents": w.model_extents,
+            "residual_bytes": w.residual_bytes,
+        }
+        for w in verified
+    ]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,15 +47,7 @@ def run(args: argparse.Namespace) -> int:
         progress_for=lambda pack: byte_bar(f"verify {pack.sha256[:12]}", pack.size_bytes),
     )
     if args.json:
-        workers = [
-            {
-                "capsule": w.worker.capsule_name,
-                "pack": w.pack.to_json(),
-                "model_extents": w.model_extents,
-                "residual_bytes": w.residual_bytes,
-            }
-            for w in verified
-        ]
+        workers = workers_json(verified)
         print_json({"verified": True, "workers": workers, "distinct_payloads": sorted({w.pack.sha256 for w in verified})})
         return 0
     for worker in verified:
