@@ -16,10 +16,16 @@ from pathlib import Path
 import msgspec
 
 from coldsnap_core._io import os_error, remove_tree, replace_file_durably, write_file_durably
-from coldsnap_core.artifact.capsules import _artifact_lock, descriptor_lock_path, replace_dir_atomically, sweep_capsule_debris
-from coldsnap_core.errors import ArtifactError, CapsulePinMismatchError, ColdsnapError, MissingObjectError
+from coldsnap_core.artifact.capsules import (
+    _artifact_lock,
+    check_pinned_file,
+    descriptor_lock_path,
+    replace_dir_atomically,
+    sweep_capsule_debris,
+)
+from coldsnap_core.errors import ArtifactError, ColdsnapError
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, MODEL_DIRNAME, ArtifactDescriptor, CapsuleFile
-from coldsnap_core.identity.model_folder import check_pinned_file, read_model_files
+from coldsnap_core.identity.model_folder import read_model_files
 
 logger = logging.getLogger(__name__)
 
@@ -87,15 +93,14 @@ def verify_model_files(artifact_dir: Path, pins: tuple[CapsuleFile, ...]) -> Non
 
     Raises:
         MissingObjectError: a pinned file is missing (rule ``object-present``).
+        NotRegularFileError: a pinned file is not a regular file.
         CapsulePinMismatchError: a file has another size or SHA-256 (rule ``capsule-pin``, naming the file).
         ArtifactError: ``model/`` holds a file ``artifact.json`` does not pin (rule ``artifact``).
         FileAccessError: a file cannot be read.
     """
     model_dir = artifact_dir / MODEL_DIRNAME
     for pin in pins:
-        check_pinned_file(
-            model_dir / pin.name, pin, missing=MissingObjectError, mismatch=CapsulePinMismatchError, where=DESCRIPTOR_FILENAME
-        )
+        check_pinned_file(model_dir / pin.name, pin)
     try:
         present = sorted(name for name in os.listdir(model_dir) if not name.startswith("."))
     except FileNotFoundError:

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from coldsnap_core._io import os_error, sha256_file
-from coldsnap_core.errors import ColdsnapError
+from coldsnap_core.errors import ModelIdentityMismatchError
 from coldsnap_core.format.descriptor import CapsuleFile
 from coldsnap_core.format.manifest import CAPSULE_FILE_NAME_RE
 
@@ -100,30 +100,29 @@ def read_model_files(folder: Path) -> list[tuple[CapsuleFile, bytes]]:
     return files
 
 
-def check_pinned_file(
-    path: Path, pin: CapsuleFile, *, missing: type[ColdsnapError], mismatch: type[ColdsnapError], where: str
-) -> None:
-    """The file at ``path`` is a regular file (a symbolic link is followed) of the size and SHA-256 ``pin`` records;
-    its size is compared before it is read. ``where`` says what pinned it, for the messages.
+def check_model_file(path: Path, pin: CapsuleFile, *, where: str) -> None:
+    """The model file at ``path`` in the folder the engine loads is a regular file (a symbolic link is followed) of
+    the size and SHA-256 ``pin`` records; its size is compared before it is read. ``where`` says what pinned it.
 
     Raises:
-        ``missing``: nothing (or no regular file) at ``path``.
-        ``mismatch``: another size or SHA-256 (both values named).
+        ModelIdentityMismatchError: nothing (or no regular file) at ``path``, or another size or SHA-256 (both named).
         FileAccessError: it cannot be examined or read.
     """
     try:
         st = os.stat(path)
     except (FileNotFoundError, NotADirectoryError):
-        raise missing(f"model file {pin.name} pinned by {where} is missing", file=path) from None
+        raise ModelIdentityMismatchError(f"model file {pin.name} pinned by {where} is missing", file=path) from None
     except OSError as exc:
         raise os_error("cannot examine a model file", exc, path) from exc
     if not os.path.isfile(path):
-        raise missing(f"model file {pin.name} pinned by {where} is not a regular file", file=path)
+        raise ModelIdentityMismatchError(f"model file {pin.name} pinned by {where} is not a regular file", file=path)
     if st.st_size != pin.size_bytes:
-        raise mismatch(f"model file {pin.name} is {st.st_size} bytes; {where} pins {pin.size_bytes} bytes", file=path)
+        raise ModelIdentityMismatchError(
+            f"model file {pin.name} is {st.st_size} bytes; {where} pins {pin.size_bytes} bytes", file=path
+        )
     try:
         digest, _ = sha256_file(path)
     except OSError as exc:
         raise os_error("cannot read a model file", exc, path) from exc
     if digest != pin.sha256:
-        raise mismatch(f"model file {pin.name} has SHA-256 {digest}; {where} pins {pin.sha256}", file=path)
+        raise ModelIdentityMismatchError(f"model file {pin.name} has SHA-256 {digest}; {where} pins {pin.sha256}", file=path)

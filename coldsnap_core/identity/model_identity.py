@@ -47,7 +47,7 @@ from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity
 from coldsnap_core.identity.checkpoint_records import CheckpointRecords, RecordState, hash_checkpoint_file
 from coldsnap_core.identity.fingerprint import checkpoint_fingerprint
 from coldsnap_core.identity.hub_commit import COMMIT_HASH, resolve_hub_commit
-from coldsnap_core.identity.model_folder import check_pinned_file, holds_weight_files
+from coldsnap_core.identity.model_folder import check_model_file, holds_weight_files
 
 logger = logging.getLogger(__name__)
 
@@ -299,9 +299,7 @@ def _check_model_files(
         )
     for pin in model_files:  # before the configuration digest: a changed config.json is named as such
         where = f"the artifact ({file})" if file else "the artifact"
-        check_pinned_file(
-            loaded.folder / pin.name, pin, missing=ModelIdentityMismatchError, mismatch=ModelIdentityMismatchError, where=where
-        )
+        check_model_file(loaded.folder / pin.name, pin, where=where)
     if loaded.config_sha256 is not None:
         _check_config(recorded, loaded, file)
 
