@@ -22,7 +22,12 @@ The engine contract's conformance cases (``tests/conformance/suite.py``) run on 
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -528,3 +533,63 @@ def test_a_fresh_node_restores_from_s3_hashing_the_pack_as_it_lands(two_layer: d
 
 def _keys(env: dict[str, str]) -> dict[str, str]:
     return {"aws_access_key_id": env["AWS_ACCESS_KEY_ID"], "aws_secret_access_key": env["AWS_SECRET_ACCESS_KEY"]}
+
+
+def test_export_publish_to_oci_pull_and_serve_on_a_fresh_node_without_the_checkpoint(
+    smollm2_2layer: Path, tmp_path: Path
+) -> None:
+    """The fleet flow on real vLLM, in its four commands: ``coldsnap export -- vllm serve MODEL ...`` (the one-shot
+    export) exits 0; ``publish-native`` pushes the artifact to an OCI registry (Debian's ``docker-registry`` on
+    127.0.0.1) and prints its REF; a fresh node (another state root, no checkpoint file anywhere) runs ``coldsnap pull
+    REF DIR``, which fetches the artifact's files and stages the pack, and vLLM serves ``DIR/model``: every byte and
+    generation equals a plain load of the checkpoint, the outcome line says restored with the checkpoint absent, and
+    no weight file reached the node. Fails if the export does not exit, publication leaves a file of the artifact
+    out, the pull writes a weight file or misses a pinned one, or the restore needs the checkpoint."""
+    from tests.support.servers import free_port
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "cache"))  # the store servers of the cache tests
+    from store_processes import Registry
+
+    from coldsnap_core.cli.main import main as coldsnap_main
+
+    artifact, export_state, port = tmp_path / "artifact", tmp_path / "export-state", free_port()
+    serve = [str(Path(sys.executable).with_name("vllm")), "serve", str(smollm2_2layer), "--load-format", "coldsnap"]
+    serve += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager"]
+    export = [str(Path(sys.executable).with_name("coldsnap")), "export", "--artifact-dir", str(artifact)]
+    export += ["--state-root", str(export_state), "--ready-url", f"http://127.0.0.1:{port}/health", "--timeout", "900"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLDSNAP_")}
+    env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run([*export, "--", *serve], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-6000:]
+    registry = Registry(tmp_path / "registry")
+    registry.start()
+    try:
+        repo = f"oci://{registry.registry}/fleet/smollm2"
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            args = [
+                "publish-native",
+                str(artifact),
+                "--repo",
+                repo,
+                "--name",
+                "smollm2-2layer",
+                "--state-root",
+                str(export_state),
+            ]
+            assert coldsnap_main([*args, "--json"]) == 0
+        (ref,) = json.loads(out.getvalue())["refs"]
+        assert ref == f"oci://{registry.registry}/fleet/smollm2:smollm2-2layer"
+        node, pulled = tmp_path / "node-b", tmp_path / "node-b" / "artifact"
+        assert coldsnap_main(["pull", ref, str(pulled), "--state-root", str(node / "state")]) == 0
+    finally:
+        registry.stop()
+    weights = [p.name for p in pulled.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt")]
+    assert weights == [] and sorted(p.name for p in (pulled / "model").iterdir()) == [
+        pin.name for pin in read_descriptor(pulled).pinned_model_files
+    ]
+    result = run_engine(tmp_path, "node-b", pulled / "model", "coldsnap", env=coldsnap_env(pulled, node / "state"))
+    _assert_same_load(result, run_engine(tmp_path, "plain", smollm2_2layer, "safetensors"))
+    (line,) = result.outcome_lines
+    assert (line["outcome"], line.get("checkpoint")) == ("restored", "absent")
+    bytes_moved = sum(p.stat().st_size for p in pulled.rglob("*") if p.is_file())
+    print(f"fresh node: 0 weight bytes, {bytes_moved} artifact bytes, {only_pack(node / 'state').stat().st_size} pack bytes")
