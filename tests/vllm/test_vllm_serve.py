@@ -85,5 +85,27 @@ def test_vllm_serve_restores_and_answers(vllm_two_layer: dict, smollm2_2layer: P
     assert scraped(metrics, "vllm:request_success_total") == 1
 
 
+def test_vllm_serve_counts_a_fallback_on_its_metrics(vllm_two_layer: dict, smollm2_2layer: Path, tmp_path: Path) -> None:
+    """``vllm serve`` under ``auto`` on a node whose state root holds no pack and that names no payload store: the
+    worker falls back to the checkpoint with one WARNING (rule ``payload-available``), the completion equals the
+    captured engine's, and vLLM's own ``/metrics`` (``PROMETHEUS_MULTIPROC_DIR``) counts one ``fell-back`` load with
+    that rule and its seconds, nothing restored and nothing hydrated. Fails if a fallback does not reach vLLM's
+    ``/metrics``, is counted as a restore or without its rule."""
+    captured = vllm_two_layer["capture"]
+    shutil.copytree(vllm_two_layer["artifact"], tmp_path / "artifact", symlinks=True)
+    node = coldsnap_env(tmp_path / "artifact", tmp_path / "empty-node", COLDSNAP_MATERIALIZE="off")
+    (tmp_path / "prometheus").mkdir()
+    node["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path / "prometheus")
+    text, log_text, metrics = serve_completion(smollm2_2layer, tmp_path, "serve-fallback", node, prompt=PROMPTS[0])
+    assert text == captured.outputs[0]
+    assert "could not restore worker-0-of-1" in log_text and "rule payload-available failed" in log_text, log_text[-4000:]
+    vllm = {"engine": "vllm"}
+    assert scraped(metrics, "coldsnap_load_total", **vllm, outcome="fell-back", rule="payload-available") == 1, metrics
+    assert scraped(metrics, "coldsnap_load_total", **vllm) == 1  # no other outcome
+    assert scraped(metrics, "coldsnap_load_seconds_count", **vllm, outcome="fell-back") == 1
+    assert scraped(metrics, "coldsnap_load_seconds_sum", **vllm, outcome="fell-back") > 0
+    assert scraped(metrics, "coldsnap_hydrated_bytes_total", **vllm) == 0
+
+
 def _env_without_coldsnap() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("COLDSNAP_")}
