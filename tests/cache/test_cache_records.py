@@ -244,7 +244,7 @@ while True:
 
 def test_a_named_pipe_swapped_in_for_a_record_never_blocks_its_reader(captured, tmp_path: Path) -> None:
     """A same-user process swaps a validation record's path between the record and a named pipe while the
-    record is read 2,000 times: each read trusts the record or refuses the pipe as not a regular file, and
+    record is read at least 2,000 times: each read trusts the record or refuses the pipe as not a regular file, and
     none waits for a writer. Fails if the reader examines the path (``lstat``) and then opens it blocking:
     a pipe renamed in between is opened, and the restore waits for ever holding the digest's lock."""
     cache = PayloadCache(captured.capture_root)
@@ -257,8 +257,10 @@ def test_a_named_pipe_swapped_in_for_a_record_never_blocks_its_reader(captured, 
     stop = threading.Event()
 
     def read_many() -> None:
-        for _ in range(2000):
-            if stop.is_set():
+        # At least 2,000 reads, and on until the swapper (a process that may start late on a busy machine) has
+        # put the pipe in place at least once.
+        for count in range(200_000):
+            if stop.is_set() or (count >= 2000 and seen.get("refused", 0) > 0):
                 return
             try:
                 read_trusted_record(cache, digest)
@@ -274,7 +276,7 @@ def test_a_named_pipe_swapped_in_for_a_record_never_blocks_its_reader(captured, 
         swapper.kill()
         swapper.wait()
     assert error is None, error
-    assert sum(seen.values()) == 2000 and seen.get("refused", 0) > 0, seen
+    assert sum(seen.values()) >= 2000 and seen.get("refused", 0) > 0, seen
 
 
 def test_malformed_and_oversized_records_are_not_trusted(captured) -> None:
