@@ -99,14 +99,18 @@ class ColdsnapError(Exception):
         allocation: the allocation index the failure concerns, if any.
         offset_bytes: the byte offset (within the allocation, or within ``file`` when no allocation
             is named) where the failure was detected, if any.
+        remedy: the one thing an operator should do about it, in their terms (an engine flag, a command), if
+            this raise site knows better than the class's own ``remedy``.
 
     Attributes:
         rule: stable identifier of the violated rule (see ``docs/format.md``).
         exit_code: the CLI exit code for this error.
+        remedy: what to do, or ``None``; the message ends with ``; remedy: <remedy>`` when there is one.
     """
 
     rule: str = "coldsnap"
     exit_code: int = EXIT_OTHER
+    remedy: str | None = None
 
     def __init__(
         self,
@@ -115,11 +119,14 @@ class ColdsnapError(Exception):
         file: str | PathLike[str] | None = None,
         allocation: int | None = None,
         offset_bytes: int | None = None,
+        remedy: str | None = None,
     ) -> None:
         self.detail = detail
         self.file = None if file is None else str(file)
         self.allocation = allocation
         self.offset_bytes = offset_bytes
+        if remedy is not None:
+            self.remedy = remedy
         super().__init__(self._compose())
 
     def renaming_file(self, names: dict[str, str]) -> ColdsnapError:
@@ -144,7 +151,8 @@ class ColdsnapError(Exception):
         if self.offset_bytes is not None:
             context.append(f"offset_bytes={self.offset_bytes}")
         suffix = f" [{', '.join(context)}]" if context else ""
-        return f"rule {self.rule} failed: {self.detail}{suffix}"
+        remedy = f"; remedy: {self.remedy}" if self.remedy else ""
+        return f"rule {self.rule} failed: {self.detail}{suffix}{remedy}"
 
 
 _SECRET_VALUE = re.compile(r"(?i)\b(AccountKey|SharedAccessSignature|sig|X-Amz-Signature|X-Goog-Signature)=([^;&\s'\"]*)")
@@ -169,7 +177,7 @@ class _RedactedMessage(ColdsnapError):
     """An error whose detail and file may quote a store's name or an object's location: both go through
     :func:`redact_store_spec` (a store built from a setting with a secret never shows it in an error)."""
 
-    def __init__(self, detail: str, *, file: str | PathLike[str] | None = None, **kwargs: int | None) -> None:
+    def __init__(self, detail: str, *, file: str | PathLike[str] | None = None, **kwargs: int | str | None) -> None:
         super().__init__(redact_store_spec(detail), file=None if file is None else redact_store_spec(str(file)), **kwargs)
 
 

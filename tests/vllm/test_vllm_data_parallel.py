@@ -21,6 +21,7 @@ import pytest
 from engine_support import PROMPTS, coldsnap_env, serve_completion
 
 from coldsnap_core.artifact.capsules import read_descriptor
+from coldsnap_core.stores.publish import artifact_listing
 from tests.support.servers import scraped
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
@@ -55,7 +56,7 @@ def test_data_parallel_serve_captures_two_capsules_one_pack_and_restores_both(
     vllm_two_layer: dict, smollm2_2layer: Path, tmp_path: Path
 ) -> None:
     """Export with ``--data-parallel-size 2``: two capsules (one per replica, each naming its data parallel
-    rank), one pack digest, one cached object; ``publish-native`` uploads that pack once (a second
+    rank), one pack digest, one cached object; ``publish-native`` uploads that pack once beside the artifact's own files (a second
     publication uploads nothing); a second ``--data-parallel-size 2`` server restores both replicas, each
     from its own capsule (two ``restored`` outcome lines, one per replica), and answers what a plain load
     answers; its own ``/metrics`` counts both restores. Fails if the replicas share a capsule name (they would
@@ -76,8 +77,13 @@ def test_data_parallel_serve_captures_two_capsules_one_pack_and_restores_both(
     first = _publish(artifact, state, store)
     assert first.returncode == 0, first.stderr
     assert first.stdout.count("uploaded ") == 1 and pack.sha256 in first.stdout, first.stdout
+    # The store holds the one pack object, the artifact's own files (both replicas' capsules, docs/format.md
+    # §12.9) and its name: one pack for two replicas.
+    listing = artifact_listing(artifact)
     stored = sorted(p.relative_to(store).as_posix() for p in store.rglob("*") if p.is_file())
-    assert stored == [f"model-payloads/sha256/{pack.sha256}.pack"]
+    files = [f"artifacts/sha256/{listing.artifact.sha256}/{f.path}" for f in listing.files]
+    assert stored == sorted([f"model-payloads/sha256/{pack.sha256}.pack", *files, f"refs/{listing.name}.json"])
+    assert {f.path.split("/")[1] for f in listing.files if f.path.startswith("workers/")} == set(REPLICAS)
     again = _publish(artifact, state, store)
     assert again.returncode == 0 and "uploaded " not in again.stdout, again.stdout
 
