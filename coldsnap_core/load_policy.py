@@ -118,12 +118,16 @@ class ModelSource:
             model configuration, or ``None`` when the engine has none.
         download_dir: the Hugging Face cache the engine downloads into (``--download-dir``), or ``None``
             for ``HF_HUB_CACHE``.
+        config_json: the canonical configuration whose digest is ``config_sha256``
+            (:func:`coldsnap_core.identity.config_digest.engine_model_config`): recorded by a capture, compared key
+            by key by a restore whose digest differs.
     """
 
     path: str
     revision: str | None
     config_sha256: str | None
     download_dir: str | None = None
+    config_json: str | None = None
 
     def identity_revision(self) -> str | None:
         """The revision the model identity records: for a local folder the revision as given; for a
@@ -399,6 +403,7 @@ class LoadPolicy(abc.ABC):
             cache_dir=source.download_dir,
             checkpoint_files=files,
             checkpoint_files_error=files_error,
+            config_json=source.config_json,
         )
 
     def _require_loaded(self, loaded: LoadedModel | None) -> LoadedModel:
@@ -585,6 +590,7 @@ class LoadPolicy(abc.ABC):
             revision=source.identity_revision(),
             config_sha256=source.config_sha256,
             state_root=self.settings.state_root,
+            config_json=source.config_json,
         )
 
     def _materialize(

@@ -39,7 +39,7 @@ from sglang.srt.model_loader.loader import DefaultModelLoader
 
 from coldsnap_core.errors import EngineVersionError
 from coldsnap_core.format.manifest import WorkerIdentity
-from coldsnap_core.identity.config_digest import engine_config_sha256
+from coldsnap_core.identity.config_digest import config_json_sha256, engine_model_config
 from coldsnap_core.identity.model_identity import engine_checkpoint_files
 from coldsnap_core.load_policy import LoadCall, LoadOutcome, LoadPolicy, ModelSource, ObservedLoader
 from coldsnap_core.settings import ColdsnapSettings
@@ -148,7 +148,10 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
         source = None
         if config is not None:
             path, revision = str(config.model_path), getattr(config, "revision", None)
-            source = ModelSource(path, revision, engine_config_sha256(config), getattr(self.load_config, "download_dir", None))
+            config_json = engine_model_config(config)
+            config_sha256 = None if config_json is None else config_json_sha256(config_json)
+            download_dir = getattr(self.load_config, "download_dir", None)
+            source = ModelSource(path, revision, config_sha256, download_dir, config_json)
         outcome: LoadOutcome = self.policy.load(LoadCall(model, source, (weights, target_device)))
         DefaultModelLoader.postprocess_weights(model, target_device)
         return outcome

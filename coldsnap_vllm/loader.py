@@ -39,7 +39,7 @@ from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from coldsnap_core.format.manifest import WorkerIdentity
-from coldsnap_core.identity.config_digest import engine_config_sha256
+from coldsnap_core.identity.config_digest import config_json_sha256, engine_model_config
 from coldsnap_core.identity.model_identity import engine_checkpoint_files
 from coldsnap_core.load_policy import LoadCall, LoadOutcome, LoadPolicy, ModelSource, ObservedLoader
 from coldsnap_core.settings import ColdsnapSettings
@@ -177,8 +177,11 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
         # A later load in this process (vLLM's reload_weights, a second load_weights) replaces the weights:
         # what the sleep backend works from is this load's state or none, never the previous load's.
         load_state.clear()
-        config_sha256 = engine_config_sha256(model_config)
-        source = ModelSource(str(model_config.model), model_config.revision, config_sha256, self.load_config.download_dir)
+        config_json = engine_model_config(model_config)
+        config_sha256 = None if config_json is None else config_json_sha256(config_json)
+        source = ModelSource(
+            str(model_config.model), model_config.revision, config_sha256, self.load_config.download_dir, config_json
+        )
         outcome = self.policy.load(LoadCall(model, source, _Inputs(model_config, self._vllm_config)))
         if outcome.observed:
             self._publish(outcome)

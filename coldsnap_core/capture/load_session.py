@@ -146,11 +146,20 @@ class LoadSession:
         found = next((p for p in self.prepared if p.model_or_path == str(model_or_path)), None)
         return found if found is not None else (self.prepared[0] if self.prepared else None)
 
-    def identify(self, source: str, *, revision: str | None, config_sha256: str | None, state_root: Path) -> ModelIdentity:
+    def identify(
+        self,
+        source: str,
+        *,
+        revision: str | None,
+        config_sha256: str | None,
+        state_root: Path,
+        config_json: str | None = None,
+    ) -> ModelIdentity:
         """The model identity of this load: the checkpoint files of the :meth:`primary` source of
         ``source`` (hashed, and recorded in ``state_root``'s checkpoint records,
         :func:`coldsnap_core.identity.model_identity.identify_checkpoint`), ``revision`` (a resolved Hugging Face
-        commit, or the revision as given) and the engine's model configuration digest.
+        commit, or the revision as given) and the engine's model configuration digest, with its canonical
+        ``config_json`` when given.
 
         Raises:
             ObserverError: no weights were prepared (the engine's iterator was never entered).
@@ -166,6 +175,7 @@ class LoadSession:
             root=primary.folder,
             config_sha256=config_sha256,
             records=CheckpointRecords(state_root),
+            config_json=config_json,
         )
 
     @staticmethod

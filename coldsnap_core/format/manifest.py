@@ -23,6 +23,7 @@ from coldsnap_core.format._strict import MAX_OFFSET_BYTES, Count, Document, Offs
 from coldsnap_core.format.allocation import Allocation, AllocationMap
 from coldsnap_core.format.content_ref import ContentRef
 from coldsnap_core.format.extents import ModelExtent, ResidualExtent
+from coldsnap_core.identity.config_digest import config_json_sha256
 
 NATIVE_MANIFEST_KIND = "coldsnap.native-manifest"
 RECOVERY_MANIFEST_KIND = "coldsnap.recovery-manifest"
@@ -226,19 +227,29 @@ class ModelIdentity(Record):
             overrides, the dtype and the quantization method), or ``None`` when the capture ran
             without an engine. It covers what changes buffer values but not shapes (a rotary base,
             a rope scaling), which the layout fingerprint cannot see.
+        config: the canonical configuration JSON whose digest is ``config_sha256``
+            (:func:`coldsnap_core.identity.config_digest.canonical_model_config`), so a restore names the keys that
+            differ with both values; absent (:data:`msgspec.UNSET`, not written) in an artifact captured before it
+            was recorded or without an engine.
 
     Raises:
-        ManifestValueError: ``files`` is empty, unsorted or names a file twice.
+        ManifestValueError: ``files`` is empty, unsorted or names a file twice; ``config`` is not ASCII or its digest
+            is not ``config_sha256``.
     """
 
     source: Text
     revision: Text | None
     files: tuple[CheckpointFile, ...]
     config_sha256: Sha256 | None = None
+    config: Text | msgspec.UnsetType = msgspec.UNSET
 
     def __post_init__(self) -> None:
         if not self.files:
             raise ManifestValueError("files is empty; a model identity names at least one checkpoint file")
+        if self.config is not msgspec.UNSET and (
+            not self.config.isascii() or config_json_sha256(self.config) != self.config_sha256
+        ):
+            raise ManifestValueError("config is not the canonical configuration whose digest is config_sha256")
         for i, (a, b) in enumerate(itertools.pairwise(c.name for c in self.files)):
             if a >= b:
                 what = "repeats" if a == b else "is not sorted by name at"

@@ -2,7 +2,8 @@
 
 :func:`model_config_sha256`: the Hugging Face config after overrides, the dtype and the quantization
 method, as canonical JSON without the keys that vary with the path or the library version
-(``docs/format.md`` §10.2); :func:`engine_config_sha256`: the same of an engine's ``ModelConfig``.
+(``docs/format.md`` §4.8); :func:`engine_config_sha256`: the same of an engine's ``ModelConfig``;
+:func:`config_differences`: the keys in which two such configurations differ, with both values.
 """
 
 from __future__ import annotations
@@ -56,6 +57,16 @@ def canonical_model_config(hf_config: object, *, dtype: object, quantization: ob
     return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
+def config_json_sha256(config_json: str) -> str:
+    """The configuration digest of a canonical configuration JSON (:func:`canonical_model_config`'s text):
+    ``sha256(b"coldsnap-model-config-v1\\n" + config_json)``.
+
+    Raises:
+        UnicodeEncodeError: ``config_json`` is not ASCII (canonical JSON always is).
+    """
+    return hashlib.sha256(CONFIG_DIGEST_DOMAIN + config_json.encode("ascii")).hexdigest()
+
+
 def model_config_sha256(hf_config: object, *, dtype: object, quantization: object = None) -> str:
     """SHA-256 (lowercase hex) of an engine's effective model configuration.
 
@@ -71,18 +82,49 @@ def model_config_sha256(hf_config: object, *, dtype: object, quantization: objec
         dtype: the engine's model dtype (a ``torch.dtype`` or its name).
         quantization: the engine's quantization method, or ``None``.
     """
-    text = canonical_model_config(hf_config, dtype=dtype, quantization=quantization).encode("ascii")
-    return hashlib.sha256(CONFIG_DIGEST_DOMAIN + text).hexdigest()
+    return config_json_sha256(canonical_model_config(hf_config, dtype=dtype, quantization=quantization))
 
 
-def engine_config_sha256(model_config: object) -> str | None:
-    """:func:`model_config_sha256` of an engine's effective model configuration object: its ``hf_config``
+def engine_model_config(model_config: object) -> str | None:
+    """:func:`canonical_model_config` of an engine's effective model configuration object: its ``hf_config``
     (vLLM applies ``--hf-overrides`` to it in ``ModelConfig.__post_init__``, SGLang
     ``--json-model-override-args``), ``dtype`` and ``quantization``, which vLLM's and SGLang's ``ModelConfig``
-    name alike; ``None`` when it has no ``hf_config``."""
+    name alike; ``None`` when it has no ``hf_config``. Its :func:`config_json_sha256` is the configuration digest."""
     hf_config = getattr(model_config, "hf_config", None)
     if hf_config is None:
         return None
-    return model_config_sha256(
+    return canonical_model_config(
         hf_config, dtype=getattr(model_config, "dtype", None), quantization=getattr(model_config, "quantization", None)
     )
+
+
+def engine_config_sha256(model_config: object) -> str | None:
+    """:func:`model_config_sha256` of an engine's effective model configuration object (:func:`engine_model_config`);
+    ``None`` when it has no ``hf_config``."""
+    config_json = engine_model_config(model_config)
+    return None if config_json is None else config_json_sha256(config_json)
+
+
+def config_differences(recorded_json: str, loaded_json: str, *, limit: int = 5) -> list[str]:
+    """The keys in which two canonical configurations differ, each as ``key: <loaded> (engine) vs <recorded>
+    (artifact)`` with its dotted path (``hf_config.num_hidden_layers``, ``dtype``) and both values as JSON (``absent``
+    where a side lacks the key); at most ``limit`` of them, then ``... and N more``. Empty when they are equal."""
+
+    def flat(value: object, path: str, into: dict[str, object]) -> dict[str, object]:
+        if isinstance(value, dict) and value:
+            for key, item in value.items():
+                flat(item, f"{path}.{key}" if path else str(key), into)
+        else:
+            into[path] = value
+        return into
+
+    recorded, loaded = flat(json.loads(recorded_json), "", {}), flat(json.loads(loaded_json), "", {})
+
+    def shown(side: dict[str, object], key: str) -> str:
+        return json.dumps(side[key], sort_keys=True) if key in side else "absent"
+
+    differing = sorted(k for k in recorded.keys() | loaded.keys() if recorded.get(k, ...) != loaded.get(k, ...))
+    lines = [f"{k}: {shown(loaded, k)} (engine) vs {shown(recorded, k)} (artifact)" for k in differing[:limit]]
+    if len(differing) > limit:
+        lines.append(f"... and {len(differing) - limit} more")
+    return lines

@@ -41,10 +41,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from coldsnap_core.errors import ModelIdentityMismatchError
 from coldsnap_core.format.descriptor import CapsuleFile
 from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity
 from coldsnap_core.identity.checkpoint_records import CheckpointRecords, RecordState, hash_checkpoint_file
+from coldsnap_core.identity.config_digest import config_differences, config_json_sha256
 from coldsnap_core.identity.fingerprint import checkpoint_fingerprint
 from coldsnap_core.identity.hub_commit import COMMIT_HASH, resolve_hub_commit
 from coldsnap_core.identity.model_folder import check_model_file, holds_weight_files
@@ -63,6 +66,7 @@ def identify_checkpoint(
     root: Path | None = None,
     config_sha256: str | None = None,
     records: CheckpointRecords | None = None,
+    config_json: str | None = None,
 ) -> ModelIdentity:
     """Hash every checkpoint file (SHA-256, one pass each, and its :func:`checkpoint_fingerprint`)
     into a :class:`ModelIdentity`.
@@ -76,6 +80,9 @@ def identify_checkpoint(
         root: names are recorded relative to this folder (default: each file's own folder).
         config_sha256: :func:`model_config_sha256` of the engine's model configuration, if known.
         records: write a checkpoint record for each file hashed (see :class:`CheckpointRecords`).
+        config_json: the canonical configuration whose digest is ``config_sha256``
+            (:func:`~coldsnap_core.identity.config_digest.engine_model_config`), recorded so that a restore names the
+            keys that differ; ``config_sha256`` is derived from it when not given.
     """
     entries = []
     for path in files:
@@ -85,7 +92,10 @@ def identify_checkpoint(
         entries.append(CheckpointFile(name, size, digest, checkpoint_fingerprint(path)))
     if os.path.isdir(source):
         source = os.path.realpath(source)
-    return ModelIdentity(source, revision, tuple(sorted(entries, key=lambda c: c.name)), config_sha256)
+    if config_json is not None and config_sha256 is None:
+        config_sha256 = config_json_sha256(config_json)
+    config = msgspec.UNSET if config_json is None else config_json
+    return ModelIdentity(source, revision, tuple(sorted(entries, key=lambda c: c.name)), config_sha256, config)
 
 
 # -- checked at restore: the model being loaded against the recorded identity ---------------------------
@@ -111,6 +121,8 @@ class LoadedModel:
             the caller cannot tell; empty when the folder holds no weight file (:attr:`checkpoint_absent`).
         checkpoint_files_error: why the engine could not list those files (a safetensors index
             naming a missing shard, malformed JSON, ...); the identity check then fails closed.
+        config_json: the canonical configuration whose digest is ``config_sha256``, or ``None``; with the artifact's
+            own (``ModelIdentity.config``) a configuration mismatch names the keys that differ.
     """
 
     source: str
@@ -120,6 +132,7 @@ class LoadedModel:
     requested_revision: str | None = None
     checkpoint_files: tuple[str, ...] | None = None
     checkpoint_files_error: str | None = None
+    config_json: str | None = None
 
     @property
     def checkpoint_absent(self) -> bool:
@@ -138,6 +151,7 @@ class LoadedModel:
         cache_dir: str | os.PathLike[str] | None = None,
         checkpoint_files: Iterable[str] | None = None,
         checkpoint_files_error: str | None = None,
+        config_json: str | None = None,
     ) -> LoadedModel:
         """The model an engine loads from ``source`` at ``revision``.
 
@@ -151,14 +165,15 @@ class LoadedModel:
             checkpoint_files: for a local folder, the checkpoint files the engine would read (see
                 ``checkpoint_files``); ignored for a repository id.
             checkpoint_files_error: why the engine could not list them, if it failed.
+            config_json: the engine's canonical configuration (``config_sha256``'s text), if known.
         """
         requested = None if revision is None else str(revision)
         if os.path.isdir(source):
             files = None if checkpoint_files is None else tuple(sorted(checkpoint_files))
             folder = Path(os.path.realpath(source))
-            return cls(source, requested, folder, config_sha256, requested, files, checkpoint_files_error)
+            return cls(source, requested, folder, config_sha256, requested, files, checkpoint_files_error, config_json)
         commit = resolve_hub_commit(source, revision, cache_dir=cache_dir)
-        return cls(source, commit if commit is not None else requested, None, config_sha256, requested)
+        return cls(source, commit if commit is not None else requested, None, config_sha256, requested, None, None, config_json)
 
 
 def engine_checkpoint_files(
@@ -271,14 +286,37 @@ def check_model_identity(
         _check_checkpoint_file(checkpoint, loaded.folder / checkpoint.name, records, verify_checkpoint)
 
 
+CONFIG_REMEDY = (
+    "start the engine with the model and flags the artifact was exported with (--hf-overrides, --dtype), or export"
+    " the artifact again from this configuration"
+)
+
+
 def _check_config(recorded: ModelIdentity, loaded: LoadedModel, file: str | None) -> None:
-    if recorded.config_sha256 != loaded.config_sha256:
-        raise ModelIdentityMismatchError(
-            f"the engine's model configuration (Hugging Face config after overrides, dtype, quantization) has digest"
-            f" {loaded.config_sha256}, the artifact recorded {recorded.config_sha256} (a changed config.json,"
-            " --hf-overrides or --dtype; buffers such as the rotary cache would come back with the captured values)",
-            file=file,
-        )
+    """The engine's configuration digest equals the recorded one; the message names both models, and the keys that
+    differ with both values when both sides have their configuration (``ModelIdentity.config``)."""
+    if recorded.config_sha256 == loaded.config_sha256:
+        return
+    differences = (
+        config_differences(recorded.config, loaded.config_json)
+        if recorded.config is not msgspec.UNSET and loaded.config_json is not None
+        else []
+    )
+    if differences:
+        what = "; ".join(differences)
+    elif recorded.config_sha256 is None:
+        what = "the artifact was captured without an engine configuration, so this engine's cannot be checked"
+    else:
+        what = "a changed config.json, --hf-overrides or --dtype (the artifact records no configuration keys to name)"
+    raise ModelIdentityMismatchError(
+        f"the engine is loading another model configuration than the artifact's: {what}. The engine loads"
+        f" {loaded.source} (configuration digest {loaded.config_sha256}), the artifact was captured from"
+        f" {recorded.source} (configuration digest {recorded.config_sha256}); Hugging Face config after overrides,"
+        " dtype and quantization must be equal (buffers such as the rotary cache would come back with the captured"
+        " values)",
+        file=file,
+        remedy=CONFIG_REMEDY,
+    )
 
 
 def _check_model_files(

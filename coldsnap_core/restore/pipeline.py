@@ -20,12 +20,13 @@ is written into the model before step 7:
    this node's target-local overlay for exactly this target): a capsule captured by another engine or
    another runtime stops here, before its layout is compared (``docs/format.md`` §15); the pack is
    never refused for this (model bytes are target independent);
-3. **layout**: the live model's allocations have the captured layout (fingerprint, then every size):
-   a payload captured from another architecture, dtype, layer count or tensor parallel size stops here
-   (:func:`coldsnap_core.format.verify.check_live_layout`);
-4. **identity**: the model being loaded is the captured one
+3. **identity**: the model being loaded is the captured one
    (:func:`coldsnap_core.identity.model_identity.check_model_identity`: a Hugging Face repository by id and
-   resolved commit, a local folder by content; the engine's model configuration by digest);
+   resolved commit, a local folder by content; the engine's model configuration by digest), before the layout,
+   so another model (another layer count, another fine-tune) is named by both models' sources and configuration;
+4. **layout**: the live model's allocations have the captured layout (fingerprint, then every size):
+   the same model built another way (dtype, tensor parallel size) stops here
+   (:func:`coldsnap_core.format.verify.check_live_layout`);
 5. **manifest**: every manifest rule holds (:func:`coldsnap_core.format.verify.check_manifest`), which
    gives the pack's canonical layout;
 6. **admit**: the cache's one door (:meth:`coldsnap_core.cache.payload_cache.PayloadCache.admit`) accepts the pack on
@@ -124,7 +125,7 @@ class WorkerRestore:
         descriptor_sha256: SHA-256 of the ``artifact.json`` bytes step 1 parsed (overlays bind to it).
         target_mismatch: the qualification error when step 2 refused the capsule (the loader then
             captures a target-local overlay after its checkpoint load), else ``None``.
-        layout_matches: whether the live layout matched the manifest (step 3 passed).
+        layout_matches: whether the live layout matched the manifest (step 4 passed).
         pack_unavailable: whether the attempt failed because the pack cannot be served: no source
             has it, or the cached object proved corrupt and was quarantined. After a recovery load
             the loader then materializes it.
@@ -271,7 +272,7 @@ class WorkerRestore:
         return selection.capsule
 
     def check_identity(self) -> None:
-        """Step 4: the model being loaded is the one the artifact pins (:func:`check_model_identity`).
+        """Step 3: the model being loaded is the one the artifact pins (:func:`check_model_identity`).
 
         Raises:
             ModelIdentityMismatchError: see :func:`check_model_identity`.
@@ -303,6 +304,9 @@ class WorkerRestore:
         capsule = self.qualify(self.portable_capsule or self.read(), allocations)
         manifest = capsule.native
         manifest_file = str(capsule.native_manifest_path)
+        # the model before its layout: another model (30 layers against 2) is named as such, by its sources and
+        # configuration, not by the first allocation whose size happens to differ
+        self.check_identity()
         check_live_layout(
             manifest.allocations,
             allocations.allocation_map,
@@ -311,7 +315,6 @@ class WorkerRestore:
             manifest_fingerprint=manifest.layout_fingerprint,
         )
         self.layout_matches = True
-        self.check_identity()
         layout = check_manifest(manifest, file=manifest_file)
         # held from admission (or staging) until the copy ends: `coldsnap cache rm` and gc leave the pack
         with hold_pack(self.cache, manifest.pack.sha256):

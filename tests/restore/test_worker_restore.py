@@ -37,6 +37,7 @@ from coldsnap_core.errors import (
     ExtentDigestMismatchError,
     LayoutMismatchError,
     ManifestMismatchError,
+    ManifestValueError,
     MissingObjectError,
     ModelIdentityMismatchError,
     PackInUseError,
@@ -47,6 +48,7 @@ from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, CapsuleFile
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, PackRef, WorkerIdentity
 from coldsnap_core.format.verify import check_manifest
 from coldsnap_core.identity.checkpoint_records import CheckpointRecords, RecordState
+from coldsnap_core.identity.config_digest import canonical_model_config, config_json_sha256
 from coldsnap_core.identity.model_identity import LoadedModel, check_model_identity, identify_checkpoint
 from coldsnap_core.restore.pipeline import WorkerRestore
 from tests.support.files import flip_byte
@@ -236,7 +238,7 @@ def test_layout_check_refuses_another_layout(tmp_path: Path, checkpoint: Path, c
 
 def test_model_identity_is_checked(tmp_path: Path, checkpoint: Path, captured) -> None:
     """Another repository or revision, a missing or resized checkpoint file: refused with
-    ModelIdentityMismatchError (after the layout check passed) before anything is staged."""
+    ModelIdentityMismatchError (before the layout is compared) before anything is staged."""
     recorded = read_descriptor(tmp_path / "artifact").model
     folder = checkpoint.parent
     check_model_identity(recorded, LoadedModel.from_config(str(folder), None))
@@ -383,12 +385,85 @@ def test_model_configuration_digest_is_compared(tmp_path: Path, checkpoint: Path
     recorded = read_descriptor(artifact).model
     assert recorded.config_sha256 is None  # this capture ran without an engine configuration
     folder = str(checkpoint.parent)
-    with pytest.raises(ModelIdentityMismatchError, match="the artifact recorded None"):
+    with pytest.raises(ModelIdentityMismatchError, match="captured without an engine configuration"):
         check_model_identity(recorded, LoadedModel.from_config(folder, None, "a" * 64))
     pinned = msgspec.structs.replace(recorded, config_sha256="a" * 64)
     check_model_identity(pinned, LoadedModel.from_config(folder, None, "a" * 64))
-    with pytest.raises(ModelIdentityMismatchError, match=r"model configuration .* has digest b{64}"):
+    with pytest.raises(ModelIdentityMismatchError, match=r"model configuration .*configuration digest b{64}"):
         check_model_identity(pinned, LoadedModel.from_config(folder, None, "b" * 64))
+
+
+def _capture_with_config(checkpoint: Path, tmp_path: Path, layers: int, *, record_config: bool = True) -> str:
+    """A capture of a ``layers``-layer TinyModel from ``checkpoint`` whose engine configuration says ``layers``
+    (recorded as the artifact's configuration keys unless ``record_config`` is false); returns that configuration."""
+    config_json = canonical_model_config({"num_hidden_layers": layers, "rope_theta": 10000.0}, dtype="bfloat16")
+    model = TinyModel(layers=layers)
+    observer = model.load(checkpoint)
+    allocations = enumerate_allocations(model)
+    ranges, _ = map_to_allocations(observer.model_records(), allocations)
+    identity = identify_checkpoint(
+        [checkpoint],
+        source=str(checkpoint.parent),
+        root=checkpoint.parent,
+        config_sha256=config_json_sha256(config_json),
+        config_json=config_json if record_config else None,
+    )
+    capture_worker(
+        allocation_map=allocations.allocation_map,
+        allocations=allocations.live,
+        model_ranges=ranges,
+        worker=RANK0,
+        capture_point="portable",
+        model=identity,
+        cache=PayloadCache(tmp_path / "state"),
+        artifact_dir=tmp_path / "artifact",
+        backend=HostCopyBackend(),
+    )
+    return config_json
+
+
+@pytest.mark.parametrize("record_config", [True, False], ids=["config-recorded", "config-not-recorded"])
+def test_another_model_is_named_by_both_models_before_the_layout(tmp_path: Path, record_config: bool) -> None:
+    """Catches the layout rule running before the model identity: the 30-layer model started against a 2-layer
+    artifact was refused as ``layout differs at allocation 13`` (a tensor of the same size in both). The identity
+    comes first and names both models (their sources and configuration digests) and, where the artifact records
+    its configuration keys, the key that differs with both values (an artifact from before they were recorded says
+    so); the remedy is named; nothing is written."""
+    small, large = tmp_path / "small", tmp_path / "large"
+    small.mkdir(), large.mkdir()
+    recorded_json = _capture_with_config(write_checkpoint(small), tmp_path, 2, record_config=record_config)
+    loaded_json = canonical_model_config({"num_hidden_layers": 3, "rope_theta": 10000.0}, dtype="bfloat16")
+    write_checkpoint(large)
+    fresh = TinyModel(layers=3)
+    before = fresh.snapshot()
+    loaded = LoadedModel.from_config(str(large), None, config_json_sha256(loaded_json), config_json=loaded_json)
+    attempt = WorkerRestore(tmp_path / "artifact", RANK0, loaded, PayloadCache(tmp_path / "state"))
+    with pytest.raises(ModelIdentityMismatchError) as raised:
+        attempt.run(enumerate_allocations(fresh), HostCopyBackend())
+    message = str(raised.value)
+    assert f"engine loads {large}" in message and f"captured from {small}" in message
+    assert config_json_sha256(loaded_json) in message and config_json_sha256(recorded_json) in message
+    if record_config:
+        assert "hf_config.num_hidden_layers: 3 (engine) vs 2 (artifact)" in message
+        assert "rope_theta" not in message  # only the keys that differ
+    else:
+        assert "records no configuration keys" in message
+    assert "remedy: start the engine with the model and flags the artifact was exported with" in message
+    assert "layout" not in message and fresh.snapshot() == before
+
+
+def test_recorded_configuration_must_match_its_digest(tmp_path: Path, checkpoint: Path) -> None:
+    """Catches a configuration record that is not bound to the digest it explains: ``model.config`` is the canonical
+    configuration whose digest is ``config_sha256``, so an edited one (or one without a digest) cannot be written
+    or read, and an artifact captured without it reads as before."""
+    _capture_with_config(checkpoint, tmp_path, 2)
+    recorded = read_descriptor(tmp_path / "artifact").model
+    assert config_json_sha256(recorded.config) == recorded.config_sha256
+    with pytest.raises(ManifestValueError, match="config is not the canonical configuration"):
+        msgspec.structs.replace(recorded, config=recorded.config.replace('"num_hidden_layers":2', '"num_hidden_layers":3'))
+    with pytest.raises(ManifestValueError, match="config is not the canonical configuration"):
+        msgspec.structs.replace(recorded, config_sha256=None)
+    assert "config" not in msgspec.structs.replace(recorded, config=msgspec.UNSET).to_json()
 
 
 def test_unavailable_pack(tmp_path: Path, checkpoint: Path, captured) -> None:

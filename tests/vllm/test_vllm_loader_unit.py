@@ -40,7 +40,7 @@ from coldsnap_core.errors import (
 )
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.format.safetensors_header import read_header
-from coldsnap_core.identity.config_digest import engine_config_sha256
+from coldsnap_core.identity.config_digest import engine_config_sha256, engine_model_config
 from coldsnap_core.load_policy import LoadOutcome
 from coldsnap_vllm import state
 from coldsnap_vllm.loader import ColdsnapModelLoader, register_loader
@@ -654,7 +654,8 @@ def test_restore_refuses_another_model_configuration(
 ) -> None:
     """QA defect 2 through the loader: a payload captured with the checkpoint's config, restored into an
     engine whose ``--hf-overrides`` change the rotary base (same layout), is refused with
-    ModelIdentityMismatchError under ``native``; ``auto`` loads the checkpoint with one WARNING naming
+    ModelIdentityMismatchError under ``native`` naming the overridden key with both values (the capture records
+    the configuration it digests) and the remedy; ``auto`` loads the checkpoint with one WARNING naming
     the configuration. Restoring with the captured configuration (path spelled ``$M/``) works."""
     from vllm.config import VllmConfig, set_current_vllm_config
 
@@ -664,13 +665,16 @@ def test_restore_refuses_another_model_configuration(
     loaded = Consumer()
     captured = make_loader().load_weights(loaded, model_config)
     assert captured.capture.recovery.model.config_sha256 == engine_config_sha256(model_config)
+    assert captured.capture.recovery.model.config == engine_model_config(model_config)
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
 
     overridden = ModelConfig(model=str(smollm2_2layer), dtype="bfloat16", hf_overrides={"rope_theta": 5000.0})
     with set_current_vllm_config(VllmConfig(model_config=overridden)):
         monkeypatch.setenv("COLDSNAP_RESTORE", "native")
-        with pytest.raises(ModelIdentityMismatchError, match="model configuration"):
+        with pytest.raises(ModelIdentityMismatchError, match="model configuration") as refused:
             make_loader().load_weights(Consumer(), overridden)
+        assert re.search(r"hf_config\.rope_theta: 5000\.0 \(engine\) vs [0-9.]+ \(artifact\)", str(refused.value))
+        assert "remedy: start the engine with the model and flags the artifact was exported with" in str(refused.value)
         monkeypatch.setenv("COLDSNAP_RESTORE", "auto")
         with caplog.at_level(logging.WARNING):
             fell_back = make_loader().load_weights(Consumer(), overridden)
