@@ -25,6 +25,7 @@ means "no store" (staging then uses the node-local cache only).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 
 from coldsnap_core.errors import ColdsnapError, ConfigurationError, redact_store_spec
@@ -72,6 +73,40 @@ _AZURE_CONNECTION_KEYS = frozenset(
     }
 )
 _URL_SCHEMES = ("s3://", "oci://", "gs://", "az://")
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+ACCEPTED_STORE_FORMS = (
+    "s3://bucket[/prefix], gs://bucket[/prefix], az://account/container[/prefix], oci://HOST[:PORT]/NAMESPACE/NAME,"
+    " hf://org/name[@revision] or org/name[@revision] (Hugging Face), a folder (/abs, ./rel, ~/p, file:///abs)"
+)
+"""Every spelling of a payload store, for the messages that refuse one (``docs/format.md`` §12)."""
+_SPELL_THE_STORE = f"spell the store as one of: {ACCEPTED_STORE_FORMS}"
+
+
+def _refuse_unknown_form(spec: str) -> None:
+    """A value that starts like a URL with a scheme coldsnap does not read (``s3:/bucket``, ``S3://bucket``,
+    ``oci:/x``, ``http://...``) or a bare word is refused here, before it could be taken for a Hugging Face
+    repository id and sent to the Hub.
+
+    Raises:
+        ConfigurationError: names the scheme (and the scheme it resembles) or the bare word, and the accepted forms.
+    """
+    scheme = _SCHEME.match(spec)
+    if scheme is not None:
+        name = scheme.group(1)
+        known = next((s for s in (*_URL_SCHEMES, HF_REF_SCHEME, "file://") if s[:-3] == name.lower()), None)
+        if known is not None and name != known[:-3]:
+            why = f"the scheme {name!r} is spelled {known!r} (lower case)"
+        elif known is not None:
+            why = f"the scheme {name!r} must be followed by '//' ({known}...)"
+        else:
+            why = f"the scheme {name!r} is not one coldsnap reads"
+        raise ConfigurationError(f"payload store {spec!r}: {why}", remedy=_SPELL_THE_STORE)
+    if "/" not in spec.partition("@")[0]:
+        raise ConfigurationError(
+            f"payload store {spec!r} is neither a URL, a folder nor a Hugging Face repository (org/name): coldsnap"
+            " does not send a bare word to the Hub (a Hub repository without an organization is hf://name)",
+            remedy=_SPELL_THE_STORE,
+        )
 
 
 def _looks_like_azure_connection_string(spec: str) -> bool:
@@ -149,20 +184,30 @@ def _parse_store_spec(spec: str, *, repo_type: str, client: StoreClientSettings)
     * ``gs://bucket[/prefix]``: a Google Cloud Storage bucket (``google-cloud-storage``, the ``gcs`` extra);
     * ``az://account/container[/prefix]``, or an Azure Storage connection string ending in
       ``;Container=NAME[/prefix]``: an Azure Blob container (``azure-storage-blob``, the ``azure`` extra);
-    * ``org/name`` or ``org/name@revision`` (revision: branch, tag or commit; it may contain ``/``):
-      a Hugging Face repository of type ``repo_type``.
+    * ``hf://org/name[@revision]``, or ``org/name`` or ``org/name@revision`` (revision: branch, tag or commit; it may
+      contain ``/``): a Hugging Face repository of type ``repo_type`` (``hf://name`` for one without an
+      organization).
+
+    Anything else that starts ``word:`` (``s3:/bucket``, ``S3://bucket``, ``http://...``) and a bare word are refused
+    naming the scheme or the word and the accepted forms, so a typo never becomes a Hub repository id.
 
     ``client`` (timeouts, retries) goes to the S3, OCI, GCS and Azure stores; the Hugging Face store's client is
     ``huggingface_hub``'s, configured by its own variables (``HF_HUB_ETAG_TIMEOUT``, ``HF_HUB_DOWNLOAD_TIMEOUT``).
 
     Raises:
-        ConfigurationError: empty value, empty revision, or an invalid repository id or type.
+        ConfigurationError: empty value, empty revision, an invalid repository id or type, an unknown or mis-cased
+            scheme, or a bare word.
     """
     spec = spec.strip()
     if not spec:
         raise ConfigurationError("the payload store is empty; give a folder path or a Hugging Face repository id")
     if _looks_like_path(spec):
         return LocalFolderStore(expand_path(_file_url_path(spec), "the payload store"))
+    explicit_hub = spec.startswith(HF_REF_SCHEME)
+    if explicit_hub:
+        spec = spec[len(HF_REF_SCHEME) :]
+    elif not _looks_like_azure_connection_string(spec) and not spec.startswith(_URL_SCHEMES):
+        _refuse_unknown_form(spec)
     if spec.startswith(_URL_SCHEMES):
         _check_url(spec)
     if spec.startswith("s3://"):
@@ -247,7 +292,8 @@ def from_settings(settings: StoreSettings) -> PayloadStore | None:
         except ConfigurationError as exc:
             shown = redact_store_spec(repr(settings.payload_repo))
             raise ConfigurationError(
-                f"{settings.repo_where}={shown} (repository type {settings.repo_type!r}): {exc.detail}"
+                f"{settings.repo_where}={shown} (repository type {settings.repo_type!r}): {exc.detail}",
+                remedy=exc.remedy,
             ) from None  # the cause would quote the unredacted value again
     return None
 

@@ -372,3 +372,38 @@ def test_an_s3_endpoint_password_never_appears_in_the_configuration_error(monkey
     assert main(args) == 4
     err = capsys.readouterr().err
     assert "AWS_ENDPOINT_URL=" in err and "hunter2pw" not in err
+
+
+@pytest.mark.parametrize(
+    ("spec", "named"),
+    [
+        ("s3:/bucket/p", "the scheme 's3' must be followed by '//'"),
+        ("S3://bucket/p", "the scheme 'S3' is spelled 's3://' (lower case)"),
+        ("oci:/x", "the scheme 'oci' must be followed by '//'"),
+        ("Gs://bucket", "the scheme 'Gs' is spelled 'gs://'"),
+        ("HF://org/name", "the scheme 'HF' is spelled 'hf://'"),
+        ("https://example.com/payloads", "the scheme 'https' is not one coldsnap reads"),
+        ("WRONG", "does not send a bare word to the Hub"),
+        ("WRONG@main", "does not send a bare word to the Hub"),
+    ],
+)
+def test_a_wrong_scheme_or_a_bare_word_is_refused_naming_it(spec: str, named: str, monkeypatch) -> None:
+    """Catches a mistyped store taken for a Hugging Face repository id: ``s3:/bucket/p`` and ``S3://bucket/p`` were
+    refused as bad Hub ids, and a bare word became a Hub id that left the network. Each is refused before any store
+    is built, naming the scheme (and its right spelling) or the bare word, with the accepted forms as the remedy;
+    ``COLDSNAP_PAYLOAD_REPO`` keeps the remedy."""
+    with pytest.raises(ConfigurationError) as refused:
+        parse_store_spec(spec)
+    assert named in str(refused.value) and "Hugging Face repository id" not in str(refused.value)
+    assert "remedy: spell the store as one of: s3://bucket[/prefix]" in str(refused.value)
+    monkeypatch.setenv("COLDSNAP_PAYLOAD_REPO", spec)
+    with pytest.raises(ConfigurationError, match=r"COLDSNAP_PAYLOAD_REPO.*remedy: spell the store"):
+        from_env()
+
+
+def test_the_explicit_hub_form_names_a_repository_with_or_without_an_organization() -> None:
+    """Catches the explicit Hugging Face form not being a store: ``hf://org/name[@revision]`` (what a REF spells) and
+    ``hf://name`` (a repository without an organization, which the bare form refuses) select the Hub store."""
+    pinned = parse_store_spec("hf://org/name@" + "a" * 40)
+    assert type(pinned).__name__ == "HfPayloadStore" and (pinned.repo_id, pinned.revision) == ("org/name", "a" * 40)
+    assert parse_store_spec("hf://gpt2").repo_id == "gpt2"
