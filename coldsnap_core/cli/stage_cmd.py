@@ -127,28 +127,44 @@ def add_host_options(p: argparse.ArgumentParser, verb: str) -> None:
     )
 
 
-def _stage_one(pack: PackRef, cache: PayloadCache, store: PayloadStore | None) -> Path:
+def _stage_one(pack: PackRef, cache: PayloadCache, store: PayloadStore | None, fetched: set[str]) -> Path:
     """Stage ``pack`` with a progress over the bytes it will read: none on a trusted validation record, the pack once
-    when it is cached (hashed), twice when it must be fetched (written, and hashed as it lands)."""
+    when it is cached (hashed), twice when it must be fetched (written, and hashed as it lands). Adds its digest to
+    ``fetched`` when the store was asked for it (the cache lacked it, or held a corrupt copy)."""
     try:
         trusted = record_state(cache, pack.sha256) == "trusted"
         cached = lstat_or_none(cache.object_path(pack.sha256)) is not None
     except ColdsnapError:  # a cache path that cannot be examined: stage_payload raises what is wrong with it
         trusted = cached = False
+    contacted = lambda _: fetched.add(pack.sha256)  # noqa: E731
     if trusted:
-        return stage_payload(pack, cache=cache, store=store)
+        return stage_payload(pack, cache=cache, store=store, fetched=contacted)
     desc = f"stage {pack.sha256[:12]}" + ("" if cached else " (fetch and hash)")
     with byte_bar(desc, pack.size_bytes * (1 if cached else 2)) as update:
-        return stage_payload(pack, cache=cache, store=store, progress=update)
+        return stage_payload(pack, cache=cache, store=store, progress=update, fetched=contacted)
 
 
-def stage_entries(entries: Sequence[WorkerEntry], cache: PayloadCache, store: PayloadStore | None) -> dict[str, Path]:
-    """Stage each distinct pack of ``entries`` once (:func:`_stage_one`); returns its staged path by digest."""
+def stage_entries(
+    entries: Sequence[WorkerEntry], cache: PayloadCache, store: PayloadStore | None, fetched: set[str] | None = None
+) -> dict[str, Path]:
+    """Stage each distinct pack of ``entries`` once (:func:`_stage_one`); returns its staged path by digest, and adds
+    the digest of each pack the store sent to ``fetched``."""
     staged: dict[str, Path] = {}
     for entry in entries:
         if entry.payload.sha256 not in staged:
-            staged[entry.payload.sha256] = _stage_one(entry.payload, cache, store)
+            staged[entry.payload.sha256] = _stage_one(entry.payload, cache, store, set() if fetched is None else fetched)
     return staged
+
+
+def staged_from(store: PayloadStore | None, staged: int, fetched: int) -> str:
+    """Where ``staged`` distinct packs came from, ``fetched`` of them from ``store``: the store is named as their
+    source only when it sent one; packs the cache already held say the store was not contacted."""
+    if store is None:
+        return f"{staged} distinct pack(s) staged from the node-local cache (no payload store configured)"
+    if fetched == 0:
+        return f"{staged} distinct pack(s) already cached, store not contacted ({store.name})"
+    cached = f", {staged - fetched} already cached" if staged > fetched else ""
+    return f"{staged} distinct pack(s) staged: {fetched} fetched from {store.name}{cached}"
 
 
 def add_repo_option(p: argparse.ArgumentParser) -> None:
@@ -173,11 +189,11 @@ def run(args: argparse.Namespace) -> int:
     store = store_of(args)
     quiet_hub_bars()
     entries = this_host_entries(args, artifact_dir)
-    staged = stage_entries(entries, cache, store)
+    fetched: set[str] = set()
+    staged = stage_entries(entries, cache, store, fetched)
     if not args.json:
         for entry in entries:
             print(f"{entry.worker.capsule_name}: {staged[entry.payload.sha256]}")
-    source = store.name if store is not None else "the node-local cache only"
     if args.json:
         workers = [
             {"capsule": e.worker.capsule_name, "pack": e.payload.sha256, "path": str(staged[e.payload.sha256])} for e in entries
@@ -188,10 +204,11 @@ def run(args: argparse.Namespace) -> int:
                 "store": store.name if store is not None else None,
                 "workers": workers,
                 "distinct_packs": len(staged),
+                "fetched_packs": len(fetched),
             }
         )
         return 0
-    print(f"ok: {len(entries)} worker(s), {len(staged)} distinct pack(s) staged (store: {source})", file=sys.stderr)
+    print(f"ok: {len(entries)} worker(s), {staged_from(store, len(staged), len(fetched))}", file=sys.stderr)
     return 0
 
 

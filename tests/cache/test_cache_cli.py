@@ -206,6 +206,23 @@ def test_stage_exit_codes(captured, tmp_path: Path, capsys) -> None:
     assert coldsnap("stage", captured.artifact_dir, "--state-root", state, "--repo", "org/") == 4
 
 
+def test_stage_names_the_store_only_when_it_sent_a_pack(captured, tmp_path: Path, capsys) -> None:
+    """Catches ``staged (store: WRONG)`` for a pack the cache already held: the store a pack came from is named only
+    when it sent one; staging again with a wrong store (one that does not even exist) says the pack was already
+    cached and the store not contacted, and ``--json`` counts the fetched packs."""
+    store = tmp_path / "store"
+    LocalFolderStore(store).upload(captured.pack_path, captured.pack.sha256, captured.pack.size_bytes)
+    state = tmp_path / "state"
+    assert coldsnap("stage", captured.artifact_dir, "--state-root", state, "--repo", store) == 0
+    assert f"1 distinct pack(s) staged: 1 fetched from folder {store}" in capsys.readouterr().err
+    wrong = tmp_path / "wrong-store"
+    assert coldsnap("stage", captured.artifact_dir, "--state-root", state, "--repo", wrong) == 0
+    err = capsys.readouterr().err
+    assert f"1 distinct pack(s) already cached, store not contacted (folder {wrong})" in err and "staged (store" not in err
+    assert coldsnap("stage", captured.artifact_dir, "--state-root", state, "--repo", wrong, "--json") == 0
+    assert json.loads(capsys.readouterr().out)["fetched_packs"] == 0
+
+
 def test_stage_uses_the_environment(captured, tmp_path: Path, monkeypatch) -> None:
     store = tmp_path / "store"
     LocalFolderStore(store).upload(captured.pack_path, captured.pack.sha256, captured.pack.size_bytes)
