@@ -42,7 +42,7 @@ from coldsnap_core.cache.records import last_full_verification, record_state
 from coldsnap_core.cli._output import add_json_option, error_json, print_json
 from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.digests import check_digest
-from coldsnap_core.errors import EXIT_INTEGRITY, EXIT_OTHER, CacheError, ColdsnapError, IntegrityError
+from coldsnap_core.errors import EXIT_INTEGRITY, EXIT_OTHER, CacheError, ColdsnapError, IntegrityError, MissingObjectError
 from coldsnap_core.outcomes import read_outcomes
 
 
@@ -166,7 +166,7 @@ def _objects(args: argparse.Namespace, cache: PayloadCache) -> list[dict[str, ob
 
 
 def _ls(args: argparse.Namespace) -> int:
-    cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
+    cache = _existing_cache(args)
     objects = _objects(args, cache)
     overlays = [_overlay_json(o) for o in list_overlays(cache.state_root)]
     doc = {
@@ -236,6 +236,23 @@ def _overlay_json(o: OverlayListing) -> dict[str, object]:
     }
 
 
+def _existing_cache(args: argparse.Namespace) -> PayloadCache:
+    """The cache of ``args.state_root``, which must exist: a mistyped ``--state-root`` or ``COLDSNAP_STATE_ROOT`` is
+    named as missing, not listed as an empty cache.
+
+    Raises:
+        MissingObjectError: the state root does not exist (exit 3).
+    """
+    cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
+    if not os.path.lexists(cache.state_root):
+        raise MissingObjectError(
+            f"the state root {cache.state_root} does not exist: nothing was ever cached there",
+            file=cache.state_root,
+            remedy="check --state-root or COLDSNAP_STATE_ROOT (the engines' state root; default ~/.cache/coldsnap)",
+        )
+    return cache
+
+
 def _refuse_another_users_state_root(cache: PayloadCache, command: str) -> None:
     """Refuse ``cache gc`` / ``cache verify`` over a state root another uid owns: they would remove or re-own
     (as this user's records, which that user then distrusts) what is that user's.
@@ -266,8 +283,9 @@ def _another_users(cache: PayloadCache, digest: str) -> CacheError | None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
-    digests = [check_digest(d) for d in args.digest] if args.digest else cache.digests()
+    given = [check_digest(d) for d in args.digest] if args.digest else None
+    cache = _existing_cache(args)
+    digests = given if given is not None else cache.digests()
     _refuse_another_users_state_root(cache, "verify")
     failures: list[ColdsnapError] = []
     objects: list[dict[str, object]] = []
@@ -302,7 +320,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _rm(args: argparse.Namespace) -> int:
-    cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
+    cache = _existing_cache(args)
     _refuse_another_users_state_root(cache, "rm")
     pack = remove_pack(cache, args.digest, force=args.force)
     if args.json:
@@ -337,7 +355,7 @@ def _print_eviction(args: argparse.Namespace, eviction: Eviction, over: bool) ->
 
 
 def _gc(args: argparse.Namespace) -> int:
-    cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
+    cache = _existing_cache(args)
     _refuse_another_users_state_root(cache, "gc")
     report = cache.gc(older_than_seconds=args.older_than, dry_run=args.dry_run)
     eviction, over = _evict(args, cache)

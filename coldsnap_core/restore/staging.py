@@ -313,7 +313,9 @@ def _fetch(
                 hasher.close()
         except StoreError as exc:
             raise StoreError(
-                f"the pack is not in the node-local cache and cannot be fetched: {exc.detail}", file=exc.file
+                f"the pack is not in the node-local cache and cannot be fetched: {exc.detail}",
+                file=exc.file,
+                remedy=exc.remedy,
             ) from exc
         sha256 = hasher.result()
         if sha256 != digest:

@@ -63,6 +63,20 @@ class LocalFolderStore(ReferenceIndex):
     def __repr__(self) -> str:
         return f"LocalFolderStore({str(self.root)!r})"
 
+    def _require_root(self) -> None:
+        """The store folder exists (a mistyped path is named as one, not as a store that lacks an object).
+
+        Raises:
+            StoreError: the store folder does not exist (rule ``payload-store``; ``auto`` falls back).
+        """
+        if not os.path.lexists(self.root):
+            raise StoreError(
+                f"the payload store folder {self.root} does not exist",
+                file=self.root,
+                remedy="check the store path (--repo, COLDSNAP_PAYLOAD_DIR or COLDSNAP_PAYLOAD_REPO); a folder store is"
+                " created by its first coldsnap publish-native",
+            )
+
     def object_path(self, obj: str | StoreObject) -> Path:
         """``<root>/<relpath>`` (a pack's digest: ``<root>/model-payloads/sha256/<digest>.pack``); a digest is
         validated first."""
@@ -122,7 +136,12 @@ class LocalFolderStore(ReferenceIndex):
         try:
             source_fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError as exc:
-            raise PayloadUnavailableError(f"{self.name} does not hold the {obj.what}", file=path) from exc
+            self._require_root()
+            raise PayloadUnavailableError(
+                f"{self.name} does not hold the {obj.what}",
+                file=path,
+                remedy="publish it there (coldsnap publish-native), or check the store path",
+            ) from exc
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise UnsafePathError("refusing a symbolic link in the payload store", file=path) from exc
@@ -212,8 +231,10 @@ class LocalFolderStore(ReferenceIndex):
         Raises:
             UnsafePathError, NotRegularFileError, FileAccessError: a link or not a regular file, or unreadable.
             ManifestError: over ``max_bytes``.
+            StoreError: the store folder does not exist.
         """
         try:
             return read_document_bytes(self.root / relpath, max_bytes=max_bytes)
         except MissingObjectError:
+            self._require_root()
             return None

@@ -259,6 +259,7 @@ def make_store(
         from coldsnap_core.stores.local import LocalFolderStore
 
         root = tmp_path / "folder-store"
+        root.mkdir()  # the store exists, as a bucket does; a missing folder is a store error of its own
         return StoreUnderTest(kind, LocalFolderStore(root), str(root), {}, root)
     if kind == "hf":
         from huggingface_hub import HfApi

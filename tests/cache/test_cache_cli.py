@@ -63,10 +63,19 @@ def test_cache_ls_refuses_a_symlinked_folder(captured, tmp_path: Path, capsys) -
     assert "rule no-symlinks" in capsys.readouterr().err
 
 
-def test_cache_ls_of_an_empty_state_root(tmp_path: Path, capsys) -> None:
-    assert coldsnap("cache", "ls", "--state-root", tmp_path / "none") == 0
-    assert "0 object(s)" in capsys.readouterr().out
+@pytest.mark.parametrize("action", [("ls",), ("verify",), ("gc",), ("rm", "0" * 64)])
+def test_a_cache_action_on_a_missing_state_root_says_it_is_missing(tmp_path: Path, capsys, action) -> None:
+    """Catches ``cache ls`` on a mistyped state root printing "0 objects" (and the other actions acting on nothing):
+    a state root that does not exist is named as missing, exit 3, with the settings to check; nothing is created.
+    An existing empty state root lists 0 objects."""
+    assert coldsnap("cache", *action, "--state-root", tmp_path / "none") == 3
+    err = capsys.readouterr().err
+    assert f"the state root {tmp_path / 'none'} does not exist" in err and "remedy: check --state-root" in err
     assert not (tmp_path / "none").exists()
+    (tmp_path / "empty").mkdir()
+    if action == ("ls",):
+        assert coldsnap("cache", "ls", "--state-root", tmp_path / "empty") == 0
+        assert "0 object(s)" in capsys.readouterr().out
 
 
 # --- cache verify --------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from coldsnap_core.errors import (
     PackPathMismatchError,
     PackSizeMismatchError,
     PayloadUnavailableError,
+    StoreError,
     UnsafePathError,
 )
 from coldsnap_core.format.manifest import PackRef, WorkerIdentity
@@ -59,8 +60,21 @@ def test_stage_without_any_source(captured, cache: PayloadCache, tmp_path: Path)
     with pytest.raises(PayloadUnavailableError, match="no payload store is configured") as info:
         stage_payload(captured.pack, cache=cache)
     assert info.value.file == str(cache.object_path(captured.pack.sha256))
+    (tmp_path / "empty-store").mkdir()
     with pytest.raises(PayloadUnavailableError, match="does not hold the pack"):
         stage_payload(captured.pack, cache=cache, store=LocalFolderStore(tmp_path / "empty-store"))
+    assert cache.digests() == []
+
+
+def test_a_missing_store_folder_is_named_as_missing(captured, cache: PayloadCache, tmp_path: Path) -> None:
+    """Catches a mistyped folder store reported as a store that "does not hold the pack": a store folder that does not
+    exist is ``payload-store`` (``auto`` falls back) saying so, with the settings to check; a pull from it too."""
+    missing = LocalFolderStore(tmp_path / "no-such-store")
+    with pytest.raises(StoreError, match=r"payload store folder .*no-such-store does not exist") as info:
+        stage_payload(captured.pack, cache=cache, store=missing)
+    assert "does not hold" not in str(info.value) and "remedy: check the store path" in str(info.value)
+    with pytest.raises(StoreError, match="does not exist"):
+        missing.resolve_artifact("llama")
     assert cache.digests() == []
 
 
