@@ -450,3 +450,35 @@ def test_an_artifact_json_over_its_cap_is_refused_before_it_is_parsed(captured_2
     assert done.returncode == 2, done.stderr[-2000:]
     assert "manifest-json" in done.stderr and f"more than the {MAX_DESCRIPTOR_BYTES} bytes" in done.stderr
     assert "artifact.json" in done.stderr
+
+
+def test_inspect_without_torch_says_what_it_cannot_tell(captured_2layer: Captured) -> None:
+    """Catches ``inspect`` on the slim install (no torch) ending in a raw ``ModuleNotFoundError``: with torch not
+    importable it still prints the artifact (workers, digests, byte split), exit 0, and says which part it cannot
+    tell (the capsule a restore on this node would use: no engine can run here) and what to install, instead of
+    guessing; ``--json`` likewise."""
+    import subprocess
+    import sys
+
+    script = (
+        "import builtins, sys\n"
+        "real = builtins.__import__\n"
+        "def no_torch(name, *args, **kwargs):\n"
+        "    if name == 'torch' or name.startswith('torch.'):\n"
+        "        raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n"
+        "    return real(name, *args, **kwargs)\n"
+        "builtins.__import__ = no_torch\n"
+        "from coldsnap_core.cli.main import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    for extra in ([], ["--json"]):
+        done = subprocess.run(
+            [sys.executable, "-c", script, "inspect", str(captured_2layer.artifact_dir), *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "ModuleNotFoundError" not in done.stdout + done.stderr
+        assert captured_2layer.result.manifest.pack.sha256 in done.stdout
+        assert "no engine can run here" in done.stdout and "coldsnap[torch]" in done.stdout, done.stdout
