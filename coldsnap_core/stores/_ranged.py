@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -105,20 +106,30 @@ class _Stopped(_Signal):
     """Another range of the same transfer failed: this one stops at its next chunk (its error is not the one raised)."""
 
 
-def timed_out(exc: BaseException) -> str | None:
-    """``"connect"`` or ``"read"`` when ``exc`` (or an exception in its chain) is a client's timeout (botocore's
-    ``ConnectTimeoutError``/``ReadTimeoutError``, httpx's and requests' ``ConnectTimeout``/``ReadTimeout``, an
-    ``OSError`` "timed out" as azure-core and urllib3 report it), else ``None``."""
-    seen: set[int] = set()
+def failure_kind(exc: BaseException) -> str | None:
+    """``"refused"`` when ``exc`` (or an exception in its chain) is a connection the store's host refused at once
+    (``ECONNREFUSED``: nothing listens there; urllib3's ``NewConnectionError`` for it is a subclass of its
+    ``ConnectTimeoutError``, so this is asked first); else ``"connect"`` or ``"read"`` when it is a client's timeout
+    (botocore's ``ConnectTimeoutError``/``ReadTimeoutError``, httpx's and requests' ``ConnectTimeout``/``ReadTimeout``,
+    an ``OSError`` "timed out" as azure-core and urllib3 report it), else ``None``."""
+    chain: list[BaseException] = []
     current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    if any(
+        isinstance(e, ConnectionRefusedError)
+        or getattr(e, "errno", None) == errno.ECONNREFUSED
+        or "connection refused" in str(e).lower()
+        for e in chain
+    ):
+        return "refused"
+    for current in chain:
         names = [cls.__name__ for cls in type(current).__mro__]
         if any("ConnectTimeout" in n for n in names):
             return "connect"
         if any("Timeout" in n for n in names) or "timed out" in str(current).lower():
             return "read"
-        current = current.__cause__ or current.__context__
     return None
 
 
@@ -137,7 +148,13 @@ def request_failure(
     client took them from elsewhere than ``COLDSNAP_STORE_RETRIES``."""
     message = str(exc).splitlines()[0] if str(exc) else ""
     text = f"{name}: {action} failed: {type(exc).__name__}: {message}"
-    kind = timed_out(exc)
+    kind = failure_kind(exc)
+    if kind == "refused":
+        return StoreError(
+            f"{text} (the connection was refused at once: nothing listens at the store's address)",
+            file=where,
+            remedy="check the store's endpoint and port, and that the store is running",
+        )
     if kind == "connect":
         text += f" (no connection within the connect timeout of {client.connect_timeout_s:g} s, {STORE_CONNECT_TIMEOUT_ENV}"
     elif kind == "read":

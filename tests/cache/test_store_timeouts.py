@@ -53,6 +53,28 @@ def test_a_stalled_store_fails_after_the_configured_read_timeout_and_retries(
     assert len(attempts) == ATTEMPTS_WITH_ONE_RETRY[kind], attempts
 
 
+@pytest.mark.parametrize("kind", ["s3", "oci", "gcs", "azure"])
+def test_a_refused_connection_is_not_called_a_timeout(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store whose host refuses the connection at once (a closed port on 127.0.0.1) fails the lookup naming the
+    refusal and the remedy (check the endpoint and that the store runs). Fails if it is blamed on the connect timeout
+    (urllib3 reports a refused connection as a subclass of its connect timeout error, so S3 and GCS said "no
+    connection within the connect timeout of 10 s")."""
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on: bound, then closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    spec, client_env = client_environment(kind, f"http://127.0.0.1:{port}", tmp_path)
+    for name, value in {**client_env, "COLDSNAP_PAYLOAD_REPO": spec, "COLDSNAP_STORE_RETRIES": "0"}.items():
+        monkeypatch.setenv(name, value)
+    store = from_env()
+    with pytest.raises(StoreError) as raised:
+        store.has(DIGEST)
+    message = str(raised.value)
+    assert store.name in message and "the connection was refused at once" in message, message
+    assert "timeout" not in message and "remedy: check the store's endpoint and port" in message, message
+
+
 def test_azure_retries_wait_at_most_the_capped_back_off_between_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Azure client's retry policy takes ``COLDSNAP_STORE_RETRIES`` for every kind of retry and waits at most
     ``RETRY_BACKOFF_MAX_S`` between attempts, so a hanging account fails after ``retries + 1`` read timeouts plus
