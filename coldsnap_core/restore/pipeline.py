@@ -359,7 +359,7 @@ class WorkerRestore:
             raise
         except MissingObjectError as exc:
             self.pack_unavailable = True
-            raise PayloadUnavailableError(exc.detail, file=exc.file) from exc
+            raise PayloadUnavailableError(exc.detail, file=exc.file, remedy=exc.remedy) from exc
         except IntegrityError:
             self.pack_unavailable = not self.cache.object_path(pack.sha256).exists()
             raise

@@ -59,7 +59,7 @@ from coldsnap_core.settings import (
     StoreClientSettings,
 )
 from coldsnap_core.stores._references import ReferenceIndex
-from coldsnap_core.stores.base import LandedCallback, ProgressCallback, StoreObject, as_object
+from coldsnap_core.stores.base import NOT_IN_STORE_REMEDY, LandedCallback, ProgressCallback, StoreObject, as_object
 
 logger = logging.getLogger(__name__)
 
@@ -404,7 +404,7 @@ class RangedStore(ReferenceIndex, ABC):
             stat = self.stat(obj)
         where = self.location(obj)
         if stat is None:
-            raise PayloadUnavailableError(f"{self.name} does not hold the {obj.what}", file=where)
+            raise PayloadUnavailableError(f"{self.name} does not hold the {obj.what}", file=where, remedy=NOT_IN_STORE_REMEDY)
         if mismatch := size_mismatch(PackSizeMismatchError, f"stored {obj.what}", stat.size_bytes, size_bytes, file=where):
             raise mismatch
         started = time.monotonic()

@@ -42,6 +42,13 @@ LandedCallback = Callable[[int, int], object]
 ARTIFACTS_DIRNAME = "artifacts"
 """Top folder of the published artifacts' files in a store: ``artifacts/sha256/<digest>/...``."""
 REFS_DIRNAME = "refs"
+
+NOT_IN_STORE_REMEDY = (
+    "check the store and its prefix (the object is looked up at the location named here), or publish the artifact"
+    " there (coldsnap publish-native)"
+)
+"""The remedy of a store that does not hold an object (``payload-available``): a wrong prefix or store is the usual
+cause, an artifact never published the other one."""
 """Top folder of the artifacts' names in a store: ``refs/<name>.json``."""
 _ARTIFACT_PATH_RE = re.compile(r"(?:workers/[A-Za-z0-9._-]+/|model/)?[A-Za-z0-9._-]+")
 ARTIFACT_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")

@@ -53,7 +53,7 @@ from coldsnap_core.errors import (
 )
 from coldsnap_core.stores._copy import copy_file
 from coldsnap_core.stores._references import ReferenceIndex
-from coldsnap_core.stores.base import LandedCallback, ProgressCallback, StoreObject, as_object
+from coldsnap_core.stores.base import NOT_IN_STORE_REMEDY, LandedCallback, ProgressCallback, StoreObject, as_object
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +183,9 @@ class HfPayloadStore(ReferenceIndex):
             except LocalEntryNotFoundError as exc:  # a subclass of EntryNotFoundError: the Hub did not answer
                 raise self._no_answer(obj, exc) from exc
             except EntryNotFoundError as exc:
-                raise PayloadUnavailableError(f"{self.name} does not hold the {obj.what}", file=self._where(obj)) from exc
+                raise PayloadUnavailableError(
+                    f"{self.name} does not hold the {obj.what}", file=self._where(obj), remedy=NOT_IN_STORE_REMEDY
+                ) from exc
             except ColdsnapError:
                 raise
             except Exception as exc:

@@ -44,7 +44,7 @@ from coldsnap_core.format._strict import read_document_bytes
 from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.stores._copy import copy_fd, copy_file
 from coldsnap_core.stores._references import ReferenceIndex
-from coldsnap_core.stores.base import LandedCallback, ProgressCallback, StoreObject, as_object
+from coldsnap_core.stores.base import NOT_IN_STORE_REMEDY, LandedCallback, ProgressCallback, StoreObject, as_object
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class LocalFolderStore(ReferenceIndex):
             raise PayloadUnavailableError(
                 f"{self.name} does not hold the {obj.what}",
                 file=path,
-                remedy="publish it there (coldsnap publish-native), or check the store path",
+                remedy=NOT_IN_STORE_REMEDY,
             ) from exc
         except OSError as exc:
             if exc.errno == errno.ELOOP:

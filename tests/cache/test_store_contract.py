@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import io
 import json
+import os
 import re
 import threading
 from pathlib import Path
@@ -170,6 +171,35 @@ def test_cli_stage_exit_codes(any_store, captured_once, tmp_path, capsys, damage
     err = capsys.readouterr().err
     assert ("payload-available" if damage == "missing" else "pack-sha256") in err
     assert eligible_objects(node) == {}
+
+
+@pytest.mark.parametrize("kind", ["s3", "gcs", "azure", "folder"])
+def test_a_pack_deleted_from_the_cache_and_a_wrong_store_prefix_name_where_it_was_looked_up(
+    kind, captured_once, tmp_path, request, monkeypatch, capsys
+) -> None:
+    """The pack is published under one prefix, deleted from the node's cache, and staged with another prefix: exit 3
+    (``payload-available``), naming the object where it was looked up (under the wrong prefix) and the remedy to
+    check the store and its prefix. Fails if a wrong prefix reads as a corrupt cache, a store failure, or a bare
+    "unavailable" with no place and no remedy."""
+    from store_servers import store_under_test
+
+    from coldsnap_core.cli.main import main
+    from coldsnap_core.stores import parse_store_spec
+
+    target = store_under_test(kind, request, tmp_path, monkeypatch)
+    pack = captured_once.pack
+    target.store.upload(captured_once.pack_path, pack.sha256, pack.size_bytes)
+    node = tmp_path / "node"
+    assert main(["stage", str(captured_once.artifact_dir), "--repo", target.spec, "--state-root", str(node)]) == 0
+    assert main(["cache", "rm", pack.sha256, "--state-root", str(node)]) == 0
+    wrong = f"{target.spec}-old"
+    if kind == "folder":
+        os.mkdir(wrong)
+    capsys.readouterr()
+    assert main(["stage", str(captured_once.artifact_dir), "--repo", wrong, "--state-root", str(node)]) == 3
+    err = capsys.readouterr().err
+    assert "payload-available" in err and parse_store_spec(wrong).location(pack.sha256) in err, err
+    assert "remedy: check the store and its prefix" in err, err
 
 
 @pytest.mark.parametrize("kind", ["s3", "gcs", "azure"])
