@@ -465,6 +465,7 @@ class ModelIdentityMismatchError(ManifestError):
     """
 
     rule = "model-identity"
+    remedy = "serve the model (checkpoint, revision, engine flags) the artifact was exported from, or export it again"
 
 
 class ManifestMismatchError(ArtifactError):
@@ -534,6 +535,10 @@ class CapsulePinMismatchError(ManifestError):
 
     rule = "capsule-pin"
     exit_code = EXIT_MANIFEST
+    remedy = (
+        "the artifact was changed after its export: pull it again (coldsnap pull REF DIR) or copy it again from where"
+        " it was published, or export it again"
+    )
 
 
 class TargetMismatchError(ColdsnapError):

@@ -129,6 +129,12 @@ def check_label(label: str) -> str:
     return label
 
 
+QUARANTINED_REMEDY = (
+    "stage the pack again from the payload store (coldsnap stage ARTIFACT --repo STORE); the corrupt copy was quarantined"
+)
+"""The remedy of a cached pack that failed verification (it is moved to ``quarantine/`` and no longer used)."""
+
+
 class PayloadCache:
     """One state root's ``model-payloads`` cache.
 
@@ -617,6 +623,9 @@ class PayloadCache:
                 )
             except IntegrityError as exc:
                 exc.quarantined_to = self.quarantine(digest, log=log_quarantine)  # type: ignore[attr-defined]
+                if exc.remedy is None:
+                    exc.remedy = QUARANTINED_REMEDY
+                    exc.args = (exc._compose(),)
                 raise
             after = refuse_symlink(path)
             if after is not None and identity(after) == identity(st):

@@ -161,9 +161,21 @@ def capture_loaded_worker(
     ``docs/format.md`` §15.1: a restore by another engine refuses the capsule by name, one by the same engine
     qualifies it).
 
+    An artifact that already holds this worker's capsule is captured again, with a WARNING naming the export flag:
+    left on, it makes every start load the checkpoint and capture instead of restoring.
+
     Raises:
         ColdsnapError: see :func:`capture_worker`.
     """
+    existing = artifact_dir / WORKERS_DIRNAME / worker.capsule_name
+    if existing.is_dir():
+        logger.warning(
+            "coldsnap: COLDSNAP_EXPORT_MODEL_PAYLOAD=1 and %s already holds %s: this start loaded the checkpoint and"
+            " captures it again instead of restoring from the artifact; remedy: unset COLDSNAP_EXPORT_MODEL_PAYLOAD"
+            " after the export (left on, every start exports)",
+            artifact_dir,
+            worker.capsule_name,
+        )
     return capture_worker(
         allocation_map=allocations.allocation_map,
         allocations=allocations.live,

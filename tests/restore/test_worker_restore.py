@@ -28,7 +28,7 @@ from coldsnap_core.cache.pack_use import remove_pack
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import write_record
 from coldsnap_core.capture.observer import WriteObserver, map_to_allocations
-from coldsnap_core.capture.worker import CaptureResult, capture_worker
+from coldsnap_core.capture.worker import CaptureResult, capture_loaded_worker, capture_worker
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.copy.torch_allocations import enumerate_allocations
 from coldsnap_core.errors import (
@@ -308,8 +308,10 @@ def test_checkpoint_replaced_with_same_size_content_is_refused(tmp_path: Path, c
     fresh = TinyModel()
     before = fresh.snapshot()
     attempt = restorer(checkpoint, tmp_path / "artifact", tmp_path / "state")
-    with pytest.raises(ModelIdentityMismatchError, match="hashed again: it changed since its checkpoint record"):
+    with pytest.raises(ModelIdentityMismatchError, match="hashed again: it changed since its checkpoint record") as refused:
         attempt.run(enumerate_allocations(fresh), HostCopyBackend())
+    assert "replaced with other content of the same size" in str(refused.value)
+    assert "remedy: serve the model" in str(refused.value)
     assert fresh.snapshot() == before and not attempt.pack_unavailable
     with pytest.raises(ModelIdentityMismatchError, match="from this node's checkpoint record"):
         restorer(checkpoint, tmp_path / "artifact", tmp_path / "state").run(enumerate_allocations(TinyModel()), HostCopyBackend())
@@ -354,8 +356,10 @@ def test_a_different_checkpoint_with_the_same_file_names_and_sizes_is_served_the
         fresh = TinyModel()
         before = fresh.snapshot()
         attempt = WorkerRestore(tmp_path / "artifact", RANK0, LoadedModel.from_config(str(current), None), PayloadCache(state))
-        with pytest.raises(ModelIdentityMismatchError, match=r"content fingerprint .*no checkpoint record"):
+        with pytest.raises(ModelIdentityMismatchError, match=r"content fingerprint .*no checkpoint record") as refused:
             attempt.run(enumerate_allocations(fresh), HostCopyBackend())
+        assert "a swapped fine-tune" in str(refused.value)
+        assert "remedy: serve the model (checkpoint, revision, engine flags) the artifact was exported from" in str(refused.value)
         assert fresh.snapshot() == before and not attempt.pack_unavailable
     # with COLDSNAP_VERIFY_CHECKPOINT=1 the full SHA-256 still decides (and is recorded)
     attempt = WorkerRestore(
@@ -466,6 +470,33 @@ def test_recorded_configuration_must_match_its_digest(tmp_path: Path, checkpoint
     assert "config" not in msgspec.structs.replace(recorded, config=msgspec.UNSET).to_json()
 
 
+def test_an_export_flag_left_on_over_an_existing_artifact_is_named(tmp_path: Path, checkpoint: Path, caplog) -> None:
+    """Catches an export flag left on going unnoticed: every start then loads the checkpoint and captures again
+    instead of restoring. The export capture of a worker whose capsule the artifact already holds logs one WARNING
+    naming COLDSNAP_EXPORT_MODEL_PAYLOAD, the artifact and the capsule, with the remedy; the first export does not."""
+    for _ in range(2):
+        model = TinyModel()
+        observer = model.load(checkpoint)
+        allocations = enumerate_allocations(model)
+        ranges, _ = map_to_allocations(observer.model_records(), allocations)
+        identity = identify_checkpoint([checkpoint], source=str(checkpoint.parent), root=checkpoint.parent)
+        with caplog.at_level(logging.WARNING, logger="coldsnap_core"):
+            capture_loaded_worker(
+                allocations,
+                ranges,
+                RANK0,
+                identity,
+                cache=PayloadCache(tmp_path / "state"),
+                artifact_dir=tmp_path / "artifact",
+                engine="none",
+                engine_version=None,
+            )
+    flagged = [r.getMessage() for r in caplog.records if "COLDSNAP_EXPORT_MODEL_PAYLOAD=1" in r.getMessage()]
+    assert len(flagged) == 1, flagged
+    assert str(tmp_path / "artifact") in flagged[0] and "worker-0-of-1" in flagged[0]
+    assert "remedy: unset COLDSNAP_EXPORT_MODEL_PAYLOAD" in flagged[0]
+
+
 def test_unavailable_pack(tmp_path: Path, checkpoint: Path, captured) -> None:
     """The pack is in neither the cache nor a store: PayloadUnavailableError (``auto`` falls back and
     then materializes: the layout matched and the pack is what is missing). Nothing is written."""
@@ -517,6 +548,7 @@ def test_flipped_pack_byte_is_named_by_extent_and_quarantined(tmp_path: Path, ch
     owners = {(e.allocation_index, e.offset_bytes) for e in result.manifest.model_extents if e.sha256 == extent.sha256}
     assert (raised.value.allocation, raised.value.offset_bytes) in owners
     assert "rule extent-sha256 failed" in str(raised.value)
+    assert "remedy: stage the pack again from the payload store" in str(raised.value)
     assert not result.pack_path.exists() and attempt.pack_unavailable
     assert raised.value.quarantined_to.parent.name == "quarantine"
     assert fresh.snapshot() == before
@@ -598,6 +630,9 @@ def test_self_consistent_manifest_edit_is_refused_by_its_pin(tmp_path: Path, che
     with pytest.raises(CapsulePinMismatchError, match=r"artifact\.json pins") as raised:
         restorer(checkpoint, tmp_path / "artifact", tmp_path / "state").run(enumerate_allocations(fresh), HostCopyBackend())
     assert (raised.value.rule, raised.value.exit_code) == ("capsule-pin", 2)
+    assert NATIVE_MANIFEST_FILENAME in str(raised.value) and "remedy: the artifact was changed after its export" in str(
+        raised.value
+    )
     assert fresh.snapshot() == before
 
 
