@@ -673,7 +673,7 @@ def test_restore_refuses_another_model_configuration(
         monkeypatch.setenv("COLDSNAP_RESTORE", "native")
         with pytest.raises(ModelIdentityMismatchError, match="model configuration") as refused:
             make_loader().load_weights(Consumer(), overridden)
-        assert re.search(r"hf_config\.rope_theta: 5000\.0 \(engine\) vs [0-9.]+ \(artifact\)", str(refused.value))
+        assert re.search(r"hf_config\.rope_theta: 5000\.0 \(engine\) vs (?:[0-9.]+|absent) \(artifact\)", str(refused.value))
         assert "remedy: start the engine with the model and flags the artifact was exported with" in str(refused.value)
         monkeypatch.setenv("COLDSNAP_RESTORE", "auto")
         with caplog.at_level(logging.WARNING):
@@ -688,6 +688,31 @@ def test_restore_refuses_another_model_configuration(
     with set_current_vllm_config(VllmConfig(model_config=spelled)):
         restored = make_loader().load_weights(fresh, spelled)
     assert restored.kind == "restored" and fresh.snapshot() == loaded.snapshot()
+
+
+def test_the_full_model_against_a_two_layer_artifact_is_named_by_both_models(
+    model_config: ModelConfig, smollm2_2layer: Path, smollm2_full: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """The 30-layer SmolLM2 started against an artifact exported from its 2-layer cut was refused as ``layout differs
+    at allocation 13 (model.norm.weight)``, a tensor of the same size in both. On vLLM's real ``ModelConfig`` the
+    model identity now comes first and names both models: their folders, configuration digests and
+    ``num_hidden_layers`` 30 against 2, with the remedy."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
+    make_loader().load_weights(Consumer(), model_config)
+    monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "0")
+    monkeypatch.setenv("COLDSNAP_RESTORE", "native")
+    full = ModelConfig(model=str(smollm2_full), dtype="bfloat16")
+    with set_current_vllm_config(VllmConfig(model_config=full)), pytest.raises(ModelIdentityMismatchError) as refused:
+        make_loader().load_weights(Consumer(), full)
+    message = str(refused.value)
+    assert "hf_config.num_hidden_layers: 30 (engine) vs 2 (artifact)" in message, message
+    assert f"engine loads {smollm2_full}" in message and f"captured from {os.path.realpath(smollm2_2layer)}" in message
+    assert engine_config_sha256(full) in message and engine_config_sha256(model_config) in message
+    assert "layout differs" not in message and "remedy: start the engine with the model and flags" in message
 
 
 def test_a_shard_added_to_the_folder_is_not_restored_over(smollm2_2layer_3shards: Path, tmp_path: Path, monkeypatch) -> None:
