@@ -35,6 +35,7 @@ that restores size, mtime and ctime (the same limit as the payload cache's recor
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -308,6 +309,11 @@ def _check_config(recorded: ModelIdentity, loaded: LoadedModel, file: str | None
         what = "the artifact was captured without an engine configuration, so this engine's cannot be checked"
     else:
         what = "a changed config.json, --hf-overrides or --dtype (the artifact records no configuration keys to name)"
+    remedy = CONFIG_REMEDY
+    if recorded.config is not msgspec.UNSET and loaded.config_json is not None:
+        dtypes = (json.loads(loaded.config_json).get("dtype"), json.loads(recorded.config).get("dtype"))
+        if dtypes[0] != dtypes[1]:  # the commonest cause, named as the engine flag that fixes it
+            remedy = f"start the engine with --dtype {dtypes[1]} (the exported dtype), or export again with --dtype {dtypes[0]}"
     raise ModelIdentityMismatchError(
         f"the engine is loading another model configuration than the artifact's: {what}. The engine loads"
         f" {loaded.source} (configuration digest {loaded.config_sha256}), the artifact was captured from"
@@ -315,7 +321,7 @@ def _check_config(recorded: ModelIdentity, loaded: LoadedModel, file: str | None
         " dtype and quantization must be equal (buffers such as the rotary cache would come back with the captured"
         " values)",
         file=file,
-        remedy=CONFIG_REMEDY,
+        remedy=remedy,
     )
 
 

@@ -456,6 +456,20 @@ def test_another_model_is_named_by_both_models_before_the_layout(tmp_path: Path,
     assert "layout" not in message and fresh.snapshot() == before
 
 
+def test_another_dtype_names_both_dtypes_and_the_flag(tmp_path: Path, checkpoint: Path) -> None:
+    """Catches a dtype mismatch refused without the engine flag that fixes it: the configuration difference names
+    both dtypes and the remedy is ``--dtype`` of the export (or an export at the engine's dtype)."""
+    recorded_json = _capture_with_config(checkpoint, tmp_path, 2)
+    recorded = read_descriptor(tmp_path / "artifact").model
+    loaded_json = recorded_json.replace('"dtype":"bfloat16"', '"dtype":"float16"')
+    loaded = LoadedModel.from_config(str(checkpoint.parent), None, config_json_sha256(loaded_json), config_json=loaded_json)
+    with pytest.raises(ModelIdentityMismatchError) as refused:
+        check_model_identity(recorded, loaded)
+    message = str(refused.value)
+    assert 'dtype: "float16" (engine) vs "bfloat16" (artifact)' in message
+    assert "remedy: start the engine with --dtype bfloat16 (the exported dtype), or export again with --dtype float16" in message
+
+
 def test_recorded_configuration_must_match_its_digest(tmp_path: Path, checkpoint: Path) -> None:
     """Catches a configuration record that is not bound to the digest it explains: ``model.config`` is the canonical
     configuration whose digest is ``config_sha256``, so an edited one (or one without a digest) cannot be written

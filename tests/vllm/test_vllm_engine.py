@@ -213,15 +213,18 @@ def layout_dtype(vllm_two_layer: dict) -> EngineResult:
     return run_engine(work, "layout-dtype", vllm_two_layer["model"], "coldsnap", env=env, dtype="float32")
 
 
-def test_layout_check_refuses_another_dtype(layout_dtype: EngineResult) -> None:
+def test_another_dtype_is_refused_naming_both_dtypes_and_the_flag(layout_dtype: EngineResult) -> None:
     """The 2-layer bf16 payload restored into the same checkpoint served at float32 (every allocation twice
-    the size): ``native`` refuses it with the layout fingerprint rule, before anything is staged, and the
-    engine does not start. (Another layer count and another allocation set are refused by the same rule in
-    process: ``tests/restore/test_worker_restore.py::test_layout_check_refuses_another_layout``; another
-    rotary base by the configuration digest: ``tests/vllm/test_vllm_loader_unit.py``.)"""
+    the size): ``native`` refuses it by the model identity, which is checked before the layout, naming both dtypes
+    and the ``--dtype`` that restores, before anything is staged, and the engine does not start. Fails if the
+    refusal is the layout rule's allocation sizes. (The same model built with another allocation set is refused by
+    the layout rule in process: ``tests/restore/test_worker_restore.py::test_layout_check_refuses_another_layout``;
+    another rotary base by the configuration digest: ``tests/vllm/test_vllm_loader_unit.py``.)"""
     result = layout_dtype
     assert result.error is not None and result.outputs == []
-    assert "LayoutMismatchError: rule layout-fingerprint failed" in result.error
+    assert "ModelIdentityMismatchError: rule model-identity failed" in result.error
+    assert 'dtype: "float32" (engine) vs "bfloat16" (artifact)' in result.error
+    assert "remedy: start the engine with --dtype bfloat16" in result.error
     assert "could not restore" not in result.log  # native never falls back
 
 
