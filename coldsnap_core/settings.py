@@ -123,14 +123,24 @@ HF_REF_SCHEME = "hf://"
 """A Hugging Face repository in a REF: ``hf://org/name[@revision]/NAME``."""
 ARTIFACT_REF_SCHEMES = ("oci://", "s3://", "gs://", "az://", HF_REF_SCHEME)
 """How a REF of a published artifact starts (``docs/format.md`` §12.9): ``COLDSNAP_ARTIFACT_DIR`` given one is
-pulled (:attr:`ColdsnapSettings.artifact_ref`), any other value is a folder."""
+pulled (:attr:`ColdsnapSettings.artifact_ref`), one of these schemes in another case or without its ``//``
+(``S3://b/x``, ``oci:/x``) is refused, any other value is a folder."""
 
 
 def _artifact_location(where: str, value: object) -> Path | str:
     """An artifact folder (:func:`_path`), or a REF as given (trimmed) when it starts with one of
     :data:`ARTIFACT_REF_SCHEMES`."""
     text = _string(where, value).strip()
-    return text if text.startswith(ARTIFACT_REF_SCHEMES) else expand_path(text, where)
+    if text.startswith(ARTIFACT_REF_SCHEMES):
+        return text
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):", text)
+    if scheme is not None and f"{scheme.group(1).lower()}://" in ARTIFACT_REF_SCHEMES:
+        raise ConfigurationError(
+            f"{where}={redact_store_spec(text)!r} starts with the scheme {scheme.group(1)!r} misspelled (a REF starts"
+            " oci://, s3://, gs://, az:// or hf://, in lower case), so it would be read as a folder",
+            remedy="spell the REF's scheme as publish-native printed it, or give the artifact folder's path",
+        )
+    return expand_path(text, where)
 
 
 def _choice(*allowed: str) -> Callable[[str, object], str]:

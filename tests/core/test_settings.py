@@ -78,6 +78,18 @@ def test_relative_artifact_dir_is_made_absolute(tmp_path: Path, monkeypatch: pyt
     assert settings.artifact_dir == tmp_path / "art"
 
 
+@pytest.mark.parametrize("value", ["S3://models/llama", "s3:/models/llama", "OCI://registry/ns/repo:v1", "hf:/org/name/a"])
+def test_an_artifact_ref_with_a_misspelled_scheme_is_refused_not_read_as_a_folder(value: str) -> None:
+    """Catches ``COLDSNAP_ARTIFACT_DIR=S3://...`` (or ``s3:/...``) read as a relative folder named ``S3:`` and then
+    reported as a missing artifact: a REF scheme in another case or without its ``//`` is refused naming it, with
+    the remedy; a folder whose name merely holds a colon is still a folder."""
+    with pytest.raises(ConfigurationError, match="misspelled") as refused:
+        ColdsnapSettings.resolve({"COLDSNAP_ARTIFACT_DIR": value}, None)
+    assert value.partition(":")[0] in str(refused.value) and "remedy: spell the REF's scheme" in str(refused.value)
+    settings, _ = ColdsnapSettings.resolve({"COLDSNAP_ARTIFACT_DIR": "/models/llama:v1"}, None)
+    assert settings.artifact_dir == Path("/models/llama:v1")
+
+
 @pytest.mark.parametrize(
     ("env", "extra", "names"),
     [
