@@ -89,6 +89,12 @@ EXIT_MISSING = 3
 EXIT_OTHER = 4
 EXIT_TARGET = 5
 
+_REPULL = "pull the artifact again (`coldsnap pull REF DIR`) or export it again; an artifact file was damaged or edited"
+_SERVE_AS_CAPTURED = (
+    "serve the model the artifact was captured from with the flags it was captured with (--model, --dtype,"
+    " --tensor-parallel-size), or export an artifact for this one (`coldsnap export`)"
+)
+
 
 class ColdsnapError(Exception):
     """Base class of every error coldsnap raises.
@@ -142,6 +148,13 @@ class ColdsnapError(Exception):
         self.args = (self._compose(),)
         return self
 
+    def with_remedy(self, remedy: str) -> ColdsnapError:
+        """Set this error's remedy to ``remedy`` (a raise site that knows the operator's values: the artifact, the
+        store); returns ``self``."""
+        self.remedy = remedy
+        self.args = (self._compose(),)
+        return self
+
     def _compose(self) -> str:
         context = []
         if self.file is not None:
@@ -189,6 +202,7 @@ class ManifestError(ColdsnapError):
 
     rule = "manifest"
     exit_code = EXIT_MANIFEST
+    remedy = _REPULL
 
 
 class ManifestParseError(ManifestError):
@@ -268,12 +282,14 @@ class LayoutMismatchError(ManifestError):
     """
 
     rule = "layout-fingerprint"
+    remedy = _SERVE_AS_CAPTURED
 
 
 class AllocationSizeMismatchError(ManifestError):
     """A live allocation's size differs from the size recorded in the allocation map."""
 
     rule = "allocation-size"
+    remedy = _SERVE_AS_CAPTURED
 
 
 # --- 1: content mismatch or corruption -----------------------------------------------------------
@@ -320,6 +336,7 @@ class ResidualSizeMismatchError(IntegrityError):
     """The residual blob's size differs from the manifest's (a truncated or extended blob)."""
 
     rule = "residual-size"
+    remedy = _REPULL
 
 
 def size_mismatch(
@@ -344,6 +361,7 @@ class ResidualDigestMismatchError(IntegrityError):
     """The residual blob's SHA-256 differs from the manifest's."""
 
     rule = "residual-sha256"
+    remedy = _REPULL
 
 
 # --- 3: missing objects ----------------------------------------------------------------------------
@@ -363,6 +381,10 @@ class PayloadUnavailableError(MissingObjectError, _RedactedMessage):
     """
 
     rule = "payload-available"
+    remedy = (
+        "stage the pack on this node (`coldsnap stage ARTIFACT --repo STORE`), or set COLDSNAP_PAYLOAD_REPO to the store"
+        " that holds it"
+    )
 
 
 # --- 4: everything else ----------------------------------------------------------------------------
@@ -396,6 +418,7 @@ class LockTimeoutError(CacheError):
     """A reader waited the lock timeout (``COLDSNAP_LOCK_TIMEOUT``) for a lock that a live process holds."""
 
     rule = "lock-timeout"
+    remedy = "wait for the process named above to release the lock, or raise COLDSNAP_LOCK_TIMEOUT"
 
 
 class PackInUseError(CacheError):
@@ -414,6 +437,7 @@ class StoreError(_RedactedMessage):
     """A payload store (local folder, Hugging Face repository) failed."""
 
     rule = "payload-store"
+    remedy = "check the store reference (its scheme, bucket and prefix) and that this node reaches the store"
 
 
 class ArtifactError(ColdsnapError):
@@ -432,6 +456,7 @@ class EngineVersionError(ConfigurationError):
     """The installed inference engine (vLLM, SGLang) is a version coldsnap does not support."""
 
     rule = "engine-version"
+    remedy = 'install an engine version this coldsnap supports (README, "Install"), or a coldsnap release that supports this one'
 
 
 class CopyBackendError(ColdsnapError):
@@ -555,6 +580,10 @@ class TargetMismatchError(ColdsnapError):
 
     rule = "target-qualification"
     exit_code = EXIT_TARGET
+    remedy = (
+        "export the artifact on this target (`coldsnap export`), or capture a target-local overlay on this node"
+        " (COLDSNAP_OVERLAY=capture: one checkpoint load)"
+    )
 
     def __init__(self, detail: str, *, differences: tuple[tuple[str, object, object], ...] = (), **kwargs) -> None:
         self.differences = differences

@@ -16,12 +16,16 @@ default loader class (the iterator boundary, watched) and supplies only what nee
 * for an engine with a compile cache, :meth:`~LoadPolicy.place_derived_cache` and
   :meth:`~LoadPolicy.capture_derived_cache` (an engine without one does not supply them).
 
-:meth:`LoadPolicy.load` then does, for one ``load_weights`` call:
+:meth:`LoadPolicy.load` then does, for one ``load_weights`` call (the first of a process logs the banner,
+:func:`coldsnap_core.operator_log.banner`):
 
 1. **restore** when an artifact folder is set and export is off
    (:func:`coldsnap_core.restore.pipeline.restore_or_fall_back`: ``COLDSNAP_RESTORE=auto`` falls back with one
    WARNING, ``native`` raises); with ``COLDSNAP_OVERLAY=capture`` the portable capsule is read and the
    checkpoint is loaded to capture an overlay instead;
+   without an artifact folder (and no export, nor the engine's need of the load without one,
+   :meth:`~LoadPolicy.wants_model_identity`) the load format is misconfigured: one WARNING, and the checkpoint load
+   is a fallback of rule ``configuration``;
 2. otherwise, or as the fallback, the **checkpoint load** under the write observer
    (:mod:`coldsnap_core.capture.observer`), then
 
@@ -38,7 +42,8 @@ default loader class (the iterator boundary, watched) and supplies only what nee
    overlay's own seed, else the portable capsule's): :meth:`~LoadPolicy.place_derived_cache` places it where
    the engine's compiler looks;
 4. one **outcome line** (:mod:`coldsnap_core.outcomes`, ``docs/format.md`` §10.3): ``restored``,
-   ``captured``, ``fell-back``, ``checkpoint``, or ``refused`` when an error is raised, and the same load
+   ``captured``, ``fell-back``, ``checkpoint``, or ``refused`` when an error is raised (then also the one
+   ``coldsnap:`` ERROR line of the refused start, :func:`coldsnap_core.operator_log.refuse`), and the same load
    counted in the process's Prometheus metrics (:func:`coldsnap_core.metrics.record_load`);
 5. after a capture or an overlay this load wrote (``COLDSNAP_DERIVED_CACHE=auto``): the **derived-cache
    capture** (:meth:`~LoadPolicy.capture_derived_cache`), which attaches the engine's compile cache to that
@@ -72,7 +77,7 @@ from coldsnap_core.capture.worker import CaptureResult, capture_loaded_worker
 from coldsnap_core.collector import collector_paused
 from coldsnap_core.copy.select import copy_backend_for
 from coldsnap_core.copy.torch_allocations import TorchAllocations, enumerate_allocations
-from coldsnap_core.errors import CheckpointAbsentError, ColdsnapError, ObserverError
+from coldsnap_core.errors import CheckpointAbsentError, ColdsnapError, ConfigurationError, ObserverError
 from coldsnap_core.format.descriptor import CapsuleFile
 from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import ModelIdentity, PackRef, WorkerIdentity
@@ -80,6 +85,7 @@ from coldsnap_core.identity.hub_commit import resolve_hub_commit
 from coldsnap_core.identity.model_identity import LoadedModel
 from coldsnap_core.identity.target import engine_version as installed_engine_version
 from coldsnap_core.metrics import record_load
+from coldsnap_core.operator_log import banner, refuse
 from coldsnap_core.outcomes import LoadOutcomeLine, Outcome, append_outcome
 from coldsnap_core.restore.derived_cache import SeedPlacement
 from coldsnap_core.restore.hydrate import HydrationReport
@@ -243,6 +249,10 @@ class LoadPolicy(abc.ABC):
     """The engine name a capsule's ``target.json`` records (``vllm``, ``sglang``; ``docs/format.md`` §15.1)."""
     engine_label: ClassVar[str]
     """The engine's name in messages (``vLLM``, ``SGLang``)."""
+    weights_line: ClassVar[str | None] = None
+    """The engine loader's own line after it loaded the weights, as a format of the seconds and the GB/s, logged
+    after a restore too (the engine's loader, which would log it, does not run); ``None``: the engine logs its own
+    line after the loader returns."""
     weights_call: ClassVar[str] = "load_weights"
     """The engine's loader method that runs :meth:`load`, for the message when it runs outside ``load_model``."""
 
@@ -305,6 +315,7 @@ class LoadPolicy(abc.ABC):
                 ``refused``.
         """
         started = time.perf_counter()
+        banner(self.settings, self.engine_label, self.log)
         worker = self.worker_identity()
         try:
             with collector_paused():
@@ -312,6 +323,7 @@ class LoadPolicy(abc.ABC):
         except ColdsnapError as exc:
             absent = isinstance(exc, CheckpointAbsentError)
             self._report(self._line("refused", worker, time.perf_counter() - started, error=exc, checkpoint_absent=absent))
+            refuse(self._refusal(worker, exc), self.settings, self.log)
             raise
         if outcome.capsule_dir is not None:
             outcome = dataclasses.replace(outcome, derived_cache=self.place_derived_cache(call, outcome))
@@ -330,6 +342,19 @@ class LoadPolicy(abc.ABC):
             self.capture_derived_cache(call, outcome)
         return outcome
 
+    def _refusal(self, worker: WorkerIdentity, exc: ColdsnapError) -> str:
+        """The one line of a refused start: the engine, the worker, why coldsnap refuses (the setting), the error
+        (its rule, cause and remedy)."""
+        settings = self.settings
+        if settings.export_model_payload:
+            why = "COLDSNAP_EXPORT_MODEL_PAYLOAD=1: the capture failed"
+        elif settings.overlay == "capture":
+            why = "COLDSNAP_OVERLAY=capture: the overlay capture failed"
+        else:
+            artifact = settings.artifact_ref or settings.artifact_dir
+            why = f"COLDSNAP_RESTORE={settings.restore}: not restored from {artifact}"
+        return f"coldsnap: {self.engine_label} start refused for {worker.capsule_name} ({why}): {exc}"
+
     def _load(self, call: LoadCall, worker: WorkerIdentity, started: float) -> LoadOutcome:
         cache = PayloadCache(self.settings.state_root, lock_timeout_seconds=self.settings.lock_timeout_s)
         if self.settings.artifact_ref is not None:
@@ -341,6 +366,8 @@ class LoadPolicy(abc.ABC):
                 self.log.warning("coldsnap: could not pull %s: %s; loading the checkpoint", self.settings.artifact_ref, exc)
                 return self._load_checkpoint(call, worker, cache, None, exc, None, started)
         settings = self.settings
+        if settings.artifact_dir is None and not settings.export_model_payload and not self.wants_model_identity(call):
+            return self._load_checkpoint(call, worker, cache, None, self._no_artifact(), None, started)
         if settings.artifact_dir is None or settings.export_model_payload:
             return self._load_checkpoint(call, worker, cache, None, None, None, started)
         loaded = self._loaded_model(call)
@@ -373,6 +400,18 @@ class LoadPolicy(abc.ABC):
         if attempt is None or attempt.stage_seconds is None:
             return outcome
         return dataclasses.replace(outcome, stage_seconds=attempt.stage_seconds, fetched_bytes=attempt.fetched_bytes)
+
+    def _no_artifact(self) -> ConfigurationError:
+        """The load format is coldsnap but no artifact is configured: one WARNING, and the checkpoint load counts as
+        a fallback (rule ``configuration``: ``coldsnap status --fail-on-fallback`` flags it)."""
+        error = ConfigurationError(
+            f"{self.engine_label} runs the coldsnap load format without an artifact (COLDSNAP_ARTIFACT_DIR is not set),"
+            " so it loads the checkpoint and restores nothing",
+            remedy="set COLDSNAP_ARTIFACT_DIR (or the extra-config key artifact_dir) to the artifact folder or REF, or"
+            " COLDSNAP_EXPORT_MODEL_PAYLOAD=1 to capture one",
+        )
+        self.log.warning("coldsnap: loading the checkpoint (COLDSNAP_RESTORE=%s): %s", self.settings.restore, error)
+        return error
 
     def _pull_artifact(self) -> None:
         """``COLDSNAP_ARTIFACT_DIR`` is a REF: pull it into ``<state-root>/artifacts/sha256/<digest>/``
@@ -427,14 +466,18 @@ class LoadPolicy(abc.ABC):
             key=lambda w: w.address,
         )
         total = time.perf_counter() - started
+        gb_per_s = (report.model_bytes + report.residual_bytes) / max(total, 1e-9) / 1e9
         self.log.info(
-            "coldsnap: restored %s from pack %s in %.2f s (%d model bytes, %d residual bytes; no checkpoint read)",
+            "coldsnap: restored %s from pack %s in %.2f s, %.2f GB/s (%d model bytes, %d residual bytes; no checkpoint read)",
             attempt.worker.capsule_name,
             manifest.pack.sha256[:12],
             total,
+            gb_per_s,
             report.model_bytes,
             report.residual_bytes,
         )
+        if self.weights_line is not None:
+            self.log.info(self.weights_line, total, gb_per_s)
         return LoadOutcome(
             "restored",
             attempt.worker,

@@ -46,6 +46,9 @@ PAYLOAD_REPO_TYPE_ENV = "COLDSNAP_PAYLOAD_REPO_TYPE"
 MATERIALIZE_ENV = "COLDSNAP_MATERIALIZE"
 LOCK_TIMEOUT_ENV = "COLDSNAP_LOCK_TIMEOUT"
 OUTCOME_LOG_ENV = "COLDSNAP_OUTCOME_LOG"
+TERMINATION_LOG_ENV = "COLDSNAP_TERMINATION_LOG"
+DEFAULT_TERMINATION_LOG = Path("/dev/termination-log")
+"""Kubernetes' default ``terminationMessagePath``: the file a container's last words go to."""
 STORE_CONNECT_TIMEOUT_ENV = "COLDSNAP_STORE_CONNECT_TIMEOUT"
 STORE_READ_TIMEOUT_ENV = "COLDSNAP_STORE_READ_TIMEOUT"
 STORE_RETRIES_ENV = "COLDSNAP_STORE_RETRIES"
@@ -387,6 +390,14 @@ SETTINGS: tuple[Setting, ...] = (
         "`<state-root>/load-outcomes.jsonl`",
     ),
     Setting(
+        "termination_log",
+        TERMINATION_LOG_ENV,
+        "termination_log",
+        _path,
+        "where a refused start (`COLDSNAP_RESTORE=native`) also writes its one `coldsnap:` line, when that file exists"
+        " (Kubernetes' `terminationMessagePath`, shown by `kubectl describe pod`)",
+    ),
+    Setting(
         "inner_load_format",
         "COLDSNAP_INNER_LOAD_FORMAT",
         "inner_load_format",
@@ -560,6 +571,8 @@ class ColdsnapSettings:
         lock_timeout_s: seconds to wait for a pack's lock (:meth:`coldsnap_core.cache.payload_cache.PayloadCache.lock`).
         outcome_log: the load outcome log (absolute), or ``None`` for
             ``<state_root>/load-outcomes.jsonl`` (:attr:`outcome_log_path`).
+        termination_log: the file a refused start also writes its ``coldsnap:`` line to, when it exists
+            (:func:`coldsnap_core.operator_log.refuse`).
         store: the payload store settings (``COLDSNAP_PAYLOAD_DIR`` / ``COLDSNAP_PAYLOAD_REPO``).
     """
 
@@ -577,6 +590,7 @@ class ColdsnapSettings:
     derived_cache: DerivedCacheMode = "auto"
     lock_timeout_s: float = LOCK_TIMEOUT_SECONDS
     outcome_log: Path | None = None
+    termination_log: Path = DEFAULT_TERMINATION_LOG
     store: StoreSettings = StoreSettings()
 
     @property

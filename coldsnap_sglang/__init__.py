@@ -8,7 +8,9 @@ system, ``python/sglang/srt/plugins``). It is idempotent and initialises no devi
 * registers a BEFORE hook on ``LoadConfig._verify_load_format`` that swaps the string ``"coldsnap"`` for
   the loader class :class:`coldsnap_sglang.loader.ColdsnapModelLoader` (SGLang passes a class
   ``load_format`` straight to ``get_model_loader``; ``ServerArgs.load_format`` stays the string, so the
-  HTTP info endpoints keep working).
+  HTTP info endpoints keep working),
+* makes the launcher repeat a scheduler's refusal line at its exit
+  (:func:`coldsnap_core.operator_log.install_last_words`).
 
 The Python API needs no plugin: ``sgl.Engine(model_path=..., load_format=ColdsnapModelLoader)``.
 
@@ -63,4 +65,7 @@ def register() -> None:
         if choices is None or LOAD_FORMAT not in choices:
             add_load_format_choices([LOAD_FORMAT])
         HookRegistry.register("sglang.srt.configs.load_config.LoadConfig._verify_load_format", swap_load_format, HookType.BEFORE)
+        from coldsnap_core.operator_log import install_last_words
+
+        install_last_words()
         _registered = True

@@ -71,6 +71,8 @@ class _VllmLoad(LoadPolicy):
 
     engine: ClassVar[str] = ENGINE
     engine_label: ClassVar[str] = "vLLM"
+    weights_line: ClassVar[str | None] = "Loading weights took %.2f seconds (%.2f GB/s, restored by coldsnap)"
+    """``DefaultModelLoader.load_weights``' line (dashboards key on it), with the restore's rate."""
 
     def __init__(self, loader: ColdsnapModelLoader, settings: ColdsnapSettings) -> None:
         super().__init__(settings, log=logger)

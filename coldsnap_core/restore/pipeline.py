@@ -354,15 +354,29 @@ class WorkerRestore:
                 )
             except MissingObjectError:
                 return self._stage(manifest, layout)
-        except (PayloadUnavailableError, StoreError):
+        except PayloadUnavailableError as exc:
+            self.pack_unavailable = True
+            if "remedy" not in vars(exc):  # the raise site knew none better than the class's: name this artifact
+                exc.with_remedy(self._stage_remedy())
+            raise
+        except StoreError:
             self.pack_unavailable = True
             raise
         except MissingObjectError as exc:
             self.pack_unavailable = True
-            raise PayloadUnavailableError(exc.detail, file=exc.file, remedy=exc.remedy) from exc
+            raise PayloadUnavailableError(exc.detail, file=exc.file, remedy=exc.remedy or self._stage_remedy()) from exc
         except IntegrityError:
             self.pack_unavailable = not self.cache.object_path(pack.sha256).exists()
             raise
+
+    def _stage_remedy(self) -> str:
+        """The remedy of a pack no source has: stage it, naming this artifact."""
+        where = (
+            "or set COLDSNAP_PAYLOAD_REPO to the store that holds it"
+            if self.store is None
+            else "or check that COLDSNAP_PAYLOAD_REPO / COLDSNAP_PAYLOAD_DIR names the store (and prefix) it was published to"
+        )
+        return f"stage the pack on this node: `coldsnap stage {self.artifact_dir} --repo STORE`, {where}"
 
     def _stage(self, manifest: NativeManifest, layout: PackLayout) -> Path:
         """:func:`~coldsnap_core.restore.staging.stage_payload` of the pack, timed (:attr:`stage_seconds`) and its
@@ -509,8 +523,9 @@ def _no_fallback(settings: ColdsnapSettings, loaded: LoadedModel | None, exc: Co
     """
     if loaded is not None and loaded.checkpoint_absent:
         raise CheckpointAbsentError(
-            f"the restore from {settings.artifact_dir} failed ({exc}), and no checkpoint is on this node to load"
-            f" instead: {loaded.folder} holds the model's non-weight files and no weight file, so"
+            f"the restore from {settings.artifact_dir} failed (rule {exc.rule} failed: {exc.detail}), and no checkpoint is"
+            f" on this node to load instead: {loaded.folder} holds the model's non-weight files and no weight file, so"
             f" COLDSNAP_RESTORE={settings.restore} stops the start rather than serve unfilled weights",
             file=exc.file,
+            remedy=exc.remedy,
         ) from exc

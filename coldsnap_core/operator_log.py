@@ -1,0 +1,128 @@
+"""What an operator sees of a start in the engine's log: one banner per worker, one ``coldsnap:`` line per refusal
+(and where Kubernetes looks for a container's last words), the engine's weight-loading line on a restore.
+
+* :func:`banner`: once per process, at its first load: the coldsnap version, the artifact, the state root, the
+  restore mode and the payload store (its secrets redacted, :func:`~coldsnap_core.errors.redact_store_spec`).
+* :func:`refuse`: a refused start is one ERROR line, ``coldsnap: <engine> start refused ...: rule R failed: <cause>;
+  remedy: <remedy>``, logged where it happened and written to the termination log
+  (``COLDSNAP_TERMINATION_LOG``, default ``/dev/termination-log``) when that file exists. An engine prints its own
+  tracebacks after it (vLLM: the worker's, then the API server's "Engine core initialization failed"), so the line
+  is said again last: :func:`install_last_words` (an engine plugin calls it when its process registers it) makes
+  the first process of a start, the one whose output ends last, repeat at its exit every line its child processes
+  refused with.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from coldsnap_core._version import __version__
+from coldsnap_core.errors import redact_store_spec
+from coldsnap_core.settings import ColdsnapSettings
+
+__all__ = ["LAST_WORDS_ENV", "banner", "install_last_words", "refuse"]
+
+logger = logging.getLogger(__name__)
+
+LAST_WORDS_ENV = "COLDSNAP_LAST_WORDS"
+"""``<pid>:<file>``: the first process of a start (``pid``) repeats at its exit the refusal lines its child processes
+append to ``file``. Set by :func:`install_last_words` for the processes it starts; not a setting."""
+
+_bannered = False
+
+
+def banner(settings: ColdsnapSettings, engine_label: str, log: logging.Logger) -> None:
+    """Log the INFO banner of this worker process once: coldsnap's version, the artifact, the state root, the
+    restore mode and the payload store (secrets redacted)."""
+    global _bannered
+    if _bannered:
+        return
+    _bannered = True
+    store = settings.store.payload_repo or settings.store.payload_dir
+    artifact = settings.artifact_ref or settings.artifact_dir
+    mode = "export (COLDSNAP_EXPORT_MODEL_PAYLOAD=1)" if settings.export_model_payload else settings.restore
+    log.info(
+        "coldsnap %s active in %s: artifact %s, state root %s, restore mode %s, store %s",
+        __version__,
+        engine_label,
+        "none (COLDSNAP_ARTIFACT_DIR is not set)" if artifact is None else artifact,
+        settings.state_root,
+        mode,
+        "none" if store is None else redact_store_spec(store),
+    )
+
+
+def refuse(line: str, settings: ColdsnapSettings, log: logging.Logger) -> None:
+    """The one report of a refused start: ``line`` (it starts with ``coldsnap:``) at ERROR in ``log``, in the
+    termination log when that file exists, and for the start's first process to repeat at its exit
+    (:func:`install_last_words`). Never raises."""
+    log.error("%s", line)
+    path = settings.termination_log
+    if path.exists():
+        try:
+            with open(path, "w", encoding="utf-8") as f:  # Kubernetes shows the last 4096 bytes
+                f.write(line + "\n")
+        except OSError as exc:
+            log.debug("coldsnap: cannot write the termination log %s: %s", path, exc)
+    owner, words = _last_words()
+    if words and owner != os.getpid() and _is_ancestor(owner):
+        with contextlib.suppress(OSError), open(words, "a", encoding="utf-8") as f:
+            f.write(line.replace("\n", " ") + "\n")
+
+
+def install_last_words() -> None:
+    """In the first process of a start that registers a coldsnap plugin: make its child processes' refusals its own
+    last lines (see the module docstring). Idempotent; a child process (the variable is set) does nothing."""
+    owner, words = _last_words()
+    if words and (owner == os.getpid() or _is_ancestor(owner)):
+        return
+    try:
+        fd, path = tempfile.mkstemp(prefix="coldsnap-last-words-", suffix=".log")
+    except OSError:
+        return
+    os.close(fd)
+    os.environ[LAST_WORDS_ENV] = f"{os.getpid()}:{path}"
+    atexit.register(_say_last_words, os.getpid(), Path(path))
+
+
+def _last_words() -> tuple[int, str]:
+    """:data:`LAST_WORDS_ENV` as ``(owner pid, file)``; ``(0, "")`` when unset or malformed."""
+    owner, _, words = os.environ.get(LAST_WORDS_ENV, "").partition(":")
+    return (int(owner), words) if owner.isdigit() and words else (0, "")
+
+
+def _is_ancestor(pid: int) -> bool:
+    """Whether ``pid`` started this process (directly or not), by the parent links of ``/proc``: a variable that a
+    process passed to an unrelated one (a test runner to an engine it starts) is not its start's."""
+    current = os.getppid()
+    for _ in range(64):
+        if current == pid:
+            return True
+        if current <= 1:
+            return False
+        try:
+            current = int(Path(f"/proc/{current}/stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+
+
+def _say_last_words(owner: int, path: Path) -> None:
+    """At the exit of the process that installed it: the refusal lines its children appended, at ERROR (then on
+    stderr, as the engine's own last lines are), and the file removed."""
+    if os.getpid() != owner:  # a forked child inherited the hook
+        return
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        path.unlink()
+    except OSError:
+        return
+    for line in dict.fromkeys(lines):  # each worker of a start may refuse with the same line
+        logger.error("%s", line)
+    sys.stderr.flush()
