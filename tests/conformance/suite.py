@@ -26,6 +26,9 @@ from coldsnap_core.cache.overlays import list_overlays
 
 FALLBACK_WARNING = "coldsnap: could not restore "
 """The start of the one WARNING an ``auto`` fallback logs (:func:`coldsnap_core.restore.pipeline.restore_or_fall_back`)."""
+REFUSAL = "coldsnap: "
+"""How the one ERROR line of a refused start begins (``coldsnap: <engine> start refused for <worker> (...)``,
+:func:`coldsnap_core.operator_log.refuse`)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,10 @@ class Start:
     def fallback_warnings(self) -> list[str]:
         return [text for text in self.log.splitlines() if FALLBACK_WARNING in text]
 
+    def refusal_lines(self) -> list[str]:
+        """The ``coldsnap:`` refusal lines of this start's log, from ``coldsnap:`` on (an engine's log prefix cut)."""
+        return [text[text.index(REFUSAL) :] for text in self.log.splitlines() if REFUSAL in text and " start refused " in text]
+
 
 @dataclass(frozen=True)
 class EngineRuns:
@@ -61,6 +68,7 @@ class EngineRuns:
 
     Attributes:
         engine: the engine name its capsules' ``target.json`` and its outcome lines record.
+        engine_label: its name in coldsnap's messages (:attr:`coldsnap_core.load_policy.LoadPolicy.engine_label`).
         plain: the engine's own load of the checkpoint, without coldsnap (the reference weights).
         capture: a start with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1`` into :attr:`artifact`.
         artifact: the artifact folder the capture wrote.
@@ -76,6 +84,7 @@ class EngineRuns:
     """
 
     engine: str
+    engine_label: str
     plain: Start
     capture: Start
     artifact: Path
@@ -117,17 +126,21 @@ class EngineConformance:
         line = runs.fallback.line
         assert line["outcome"] == "fell-back" and line["rule"] is not None
         (warning,) = runs.fallback.fallback_warnings()
-        assert f"rule {line['rule']} failed" in warning
+        assert f"rule {line['rule']} failed" in warning and "; remedy: " in warning
         assert runs.fallback.weights == runs.plain.weights
 
     def test_native_refuses_without_falling_back(self, runs: EngineRuns) -> None:
-        """Fails if ``native`` serves after a failed restore, falls back, or leaves no ``refused`` line naming the
-        rule its error names."""
+        """Fails if ``native`` serves after a failed restore, falls back, leaves no ``refused`` line naming the
+        rule its error names, or does not say so in one ``coldsnap:`` line of its own (the same text wherever the
+        engine repeats it) naming the engine, the worker, the rule and one remedy."""
         assert not runs.refusal.served
         line = runs.refusal.line
         assert line["outcome"] == "refused" and line["rule"] is not None
         assert f"rule {line['rule']} failed" in runs.refusal.log
         assert runs.refusal.fallback_warnings() == []
+        (refusal,) = set(runs.refusal.refusal_lines())
+        assert refusal.startswith(f"coldsnap: {runs.engine_label} start refused for worker-0-of-1 (COLDSNAP_RESTORE=native")
+        assert f"rule {line['rule']} failed" in refusal and refusal.count("; remedy: ") == 1
 
     def test_a_target_change_falls_back_once_then_restores_through_an_overlay(self, runs: EngineRuns) -> None:
         """Fails if an adapter gets no target-local overlay after a fallback caused by the target (every later start

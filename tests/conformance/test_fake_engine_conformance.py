@@ -76,6 +76,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> EngineRuns:
     unhonoured = _start(model, "coldsnap", work / "unhonoured", **keys, inner_load_format="pt")
     return EngineRuns(
         engine=fake_adapter.ENGINE,
+        engine_label="FakeEngine",
         plain=plain,
         capture=capture,
         artifact=artifact,

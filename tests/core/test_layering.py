@@ -51,6 +51,7 @@ LAYERS: dict[str, int] = {
     "digests": 1,
     "_io": 1,
     "collector": 1,
+    "operator_log": 1,
     "_progress": 1,
     "stores.base": 1,
     "identity": 1,

@@ -359,6 +359,7 @@ def test_a_blank_extra_config_key_lets_its_variable_apply_for_every_setting(blan
         "verify_checkpoint": "1",
         "lock_timeout": "5",
         "outcome_log": str(tmp_path / "outcomes.jsonl"),
+        "termination_log": str(tmp_path / "termination-log"),
         "inner_load_format": "safetensors",
         "overlay": "off",
         "payload_dir": str(tmp_path / "payloads"),

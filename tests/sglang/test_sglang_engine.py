@@ -453,6 +453,7 @@ def runs(
     """This module's SGLang runs as the conformance cases read them (the refusal under ``native``: vLLM's artifact)."""
     return EngineRuns(
         engine="sglang",
+        engine_label="SGLang",
         plain=_start(two_layer["plain"]),
         capture=_start(two_layer["capture"]),
         artifact=two_layer["artifact"],

@@ -228,6 +228,34 @@ def _http_status(url: str) -> int:
         return 0
 
 
+def _serve_command(model: Path, port: int, env: dict[str, str], extra_args: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
+    """The ``vllm serve`` command line (``extra_args`` last, so they override its defaults) and its environment:
+    this one without its ``COLDSNAP_*`` variables, with ``env``."""
+    require_engine_marker("vllm serve")
+    server_env = {k: v for k, v in os.environ.items() if not k.startswith("COLDSNAP_")}
+    server_env.update(env, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    command = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--load-format", "coldsnap"]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
+    command += ["--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager", "--seed", "0"]
+    return [*command, *extra_args], server_env
+
+
+def serve_until_exit(
+    model: Path, workdir: Path, name: str, env: dict[str, str], *, extra_args: tuple[str, ...] = ()
+) -> tuple[int, str]:
+    """``vllm serve`` as :func:`serve_completion` starts it, for a start that must fail: its exit code and its
+    whole output (stdout and stderr, as a terminal or ``kubectl logs`` shows them) once it exited."""
+    command, server_env = _serve_command(model, free_port(), env, extra_args)
+    log_path = workdir / f"{name}.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, env=server_env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+    try:
+        returncode = server.wait(timeout=SERVE_STARTUP_TIMEOUT_SECONDS)
+    finally:
+        stop_server(server)
+    return returncode, log_path.read_text()
+
+
 def serve_completion(
     model: Path, workdir: Path, name: str, env: dict[str, str], *, prompt: str, extra_args: tuple[str, ...] = ()
 ) -> tuple[str, str, str]:
@@ -236,13 +264,8 @@ def serve_completion(
     within :data:`SERVE_STARTUP_TIMEOUT_SECONDS`), return the greedy completion of ``prompt`` (8 tokens,
     temperature 0), the server's log (``<name>.log``) and its ``/metrics`` read after the completion, after
     stopping it with SIGINT."""
-    require_engine_marker("vllm serve")
     port = free_port()
-    server_env = {k: v for k, v in os.environ.items() if not k.startswith("COLDSNAP_")}
-    server_env.update(env, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
-    command = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--load-format", "coldsnap", *extra_args]
-    command += ["--host", "127.0.0.1", "--port", str(port)]
-    command += ["--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager", "--seed", "0"]
+    command, server_env = _serve_command(model, port, env, extra_args)
     log_path = workdir / f"{name}.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen(command, env=server_env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)

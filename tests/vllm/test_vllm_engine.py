@@ -430,6 +430,7 @@ def runs(vllm_two_layer: dict, flipped_auto, layout_dtype: EngineResult, upgrade
     refused = check_vllm_loader(vllm_two_layer["work"], "inner-gguf", {"inner_load_format": "gguf"})
     return EngineRuns(
         engine="vllm",
+        engine_label="vLLM",
         plain=_start(vllm_two_layer["plain"]),
         capture=_start(vllm_two_layer["capture-a"]),
         artifact=vllm_two_layer["artifact"],

@@ -286,10 +286,13 @@ def test_copy_backend_selection() -> None:
         copy_backend_for(torch.device("meta"))
 
 
-def test_observed_load_capture_and_restore(model_config: ModelConfig, smollm2_2layer: Path, tmp_path: Path, monkeypatch) -> None:
+def test_observed_load_capture_and_restore(
+    model_config: ModelConfig, smollm2_2layer: Path, tmp_path: Path, monkeypatch, caplog
+) -> None:
     """Export: the loader reads the real checkpoint under the observer, captures the consumer (model
     bytes = the three copies, provenance from the header), and publishes the writes. Restore into a
-    fresh consumer: identical bytes, no checkpoint read (the iterator is never built)."""
+    fresh consumer: identical bytes, no checkpoint read (the iterator is never built), and vLLM's own "Loading weights
+    took X seconds" line logged once with the rate (it is gone if only coldsnap's line is logged)."""
     monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
     monkeypatch.setenv("COLDSNAP_EXPORT_MODEL_PAYLOAD", "1")
@@ -316,8 +319,12 @@ def test_observed_load_capture_and_restore(model_config: ModelConfig, smollm2_2l
         raise AssertionError("restore read the checkpoint")
 
     monkeypatch.setattr(loader, "_get_weights_iterator", no_checkpoint)
-    restored = loader.load_weights(fresh, model_config)
+    with caplog.at_level(logging.INFO):
+        restored = loader.load_weights(fresh, model_config)
     assert restored.kind == "restored"
+    # vLLM's own weight-loading line (dashboards key on it), which its loader would have logged, with the rate
+    line = re.compile(r"Loading weights took \d+\.\d\d seconds \(\d+\.\d\d GB/s, restored by coldsnap\)")
+    assert len({r.getMessage() for r in caplog.records if line.fullmatch(r.getMessage())}) == 1
     assert fresh.snapshot() == loaded.snapshot()
     assert state.current().pack == outcome.capture.manifest.pack
 
@@ -329,7 +336,8 @@ def test_writes_are_published_without_an_artifact_folder(
     """No ``COLDSNAP_ARTIFACT_DIR`` (plain ``--load-format coldsnap --sleep-mode-backend coldsnap``): the
     observed writes are still published for the sleep backend (regression: nothing was published, so
     a level-1 sleep failed). The pinned model identity, which the sleep backend needs to find the
-    checkpoint files, is computed only when the ``coldsnap`` sleep backend is enabled."""
+    checkpoint files, is computed only when the ``coldsnap`` sleep backend is enabled. Without it, the load counts as
+    a fallback (rule ``configuration``): the load format is coldsnap, and nothing can be restored."""
     from vllm.config import VllmConfig, set_current_vllm_config
 
     monkeypatch.delenv("COLDSNAP_ARTIFACT_DIR", raising=False)
@@ -353,7 +361,11 @@ def test_writes_are_published_without_an_artifact_folder(
         assert published.model is None
         # nothing captured, nothing cached: the load's outcome line only
         assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["load-outcomes.jsonl"]
-    assert json.loads((tmp_path / "state" / "load-outcomes.jsonl").read_text())["outcome"] == "checkpoint"
+    line = json.loads((tmp_path / "state" / "load-outcomes.jsonl").read_text())
+    # only the coldsnap sleep backend uses the load format without an artifact; else it counts as a fallback
+    assert (line["outcome"], line["rule"]) == (
+        ("checkpoint", None) if sleep_backend == "coldsnap" else ("fell-back", "configuration")
+    )
 
 
 def test_auto_falls_back_with_one_warning(model_config: ModelConfig, tmp_path: Path, monkeypatch, caplog) -> None:
@@ -365,7 +377,7 @@ def test_auto_falls_back_with_one_warning(model_config: ModelConfig, tmp_path: P
     with caplog.at_level(logging.INFO):
         outcome = make_loader().load_weights(consumer, model_config)
     # One record may reach pytest's capture twice (through vLLM's logger and directly), so count records.
-    warnings = list({id(r): r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("coldsnap")}.values())
+    warnings = list({id(r): r for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("coldsnap")}.values())
     assert len(warnings) == 1
     assert "loading the checkpoint instead" in warnings[0].getMessage()
     assert "artifact descriptor does not exist" in warnings[0].getMessage()
@@ -679,7 +691,7 @@ def test_restore_refuses_another_model_configuration(
         with caplog.at_level(logging.WARNING):
             fell_back = make_loader().load_weights(Consumer(), overridden)
     assert fell_back.kind == "checkpoint" and fell_back.fallback.rule == "model-identity"
-    warnings = {r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("coldsnap")}
+    warnings = {r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("coldsnap")}
     assert len(warnings) == 1 and "model configuration" in warnings.pop()
 
     spelled = ModelConfig(model=f"{smollm2_2layer}/", dtype="bfloat16")
@@ -787,7 +799,7 @@ def test_dtype_converting_load_is_shared_by_default(
         consumer = Consumer()
         with caplog.at_level(logging.WARNING):
             captured = make_loader(**extra).load_weights(consumer, config)
-        warnings = {r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("coldsnap")}
+        warnings = {r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("coldsnap")}
         manifest = captured.capture.manifest
         if name == "residual":
             assert manifest.model_bytes == 0
@@ -885,7 +897,7 @@ def test_a_moved_main_is_not_restored(smollm2_2layer: Path, tmp_path: Path, monk
     with caplog.at_level(logging.WARNING):
         outcome = load(moved, fallback)
     assert outcome.kind == "checkpoint" and outcome.fallback.rule == "model-identity" and outcome.checkpoint_copies == 3
-    warnings = {r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("coldsnap")}
+    warnings = {r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("coldsnap")}
     assert len(warnings) == 1 and COMMIT_B in warnings.pop()
 
     pinned = Consumer()

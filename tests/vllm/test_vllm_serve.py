@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_support import PROMPTS, coldsnap_env, copy_state, only_pack, serve_completion
+from engine_support import PROMPTS, coldsnap_env, copy_state, only_pack, serve_completion, serve_until_exit
 
 from coldsnap_core.artifact.capsules import read_capsule
 from tests.support.servers import scraped
@@ -105,6 +105,35 @@ def test_vllm_serve_counts_a_fallback_on_its_metrics(vllm_two_layer: dict, smoll
     assert scraped(metrics, "coldsnap_load_seconds_count", **vllm, outcome="fell-back") == 1
     assert scraped(metrics, "coldsnap_load_seconds_sum", **vllm, outcome="fell-back") > 0
     assert scraped(metrics, "coldsnap_hydrated_bytes_total", **vllm) == 0
+
+
+def test_vllm_serve_ends_a_native_refusal_with_its_coldsnap_line(
+    vllm_two_layer: dict, smollm2_2layer: Path, tmp_path: Path
+) -> None:
+    """``vllm serve --dtype float32`` under ``native`` against the session's bf16 capture: the start fails (exit
+    non-zero), and within the last 20 lines of its output (what ``kubectl logs --tail 20`` shows, after vLLM's
+    worker traceback and "Engine core initialization failed") is the one ``coldsnap:`` refusal line, naming the rule,
+    both dtypes and the remedy ``--dtype bfloat16``; the termination log
+    (``COLDSNAP_TERMINATION_LOG``, here a file of the test) holds the same line. Fails if the refusal is only inside
+    a traceback (the line no longer comes last), if it lacks the dtypes or the remedy, or if the termination log is
+    not written."""
+    shutil.copytree(vllm_two_layer["artifact"], tmp_path / "artifact", symlinks=True)
+    copy_state(vllm_two_layer["state"], tmp_path / "state")
+    termination = tmp_path / "termination-log"
+    termination.touch()  # Kubernetes creates the file; coldsnap writes it only where it exists
+    env = coldsnap_env(
+        tmp_path / "artifact", tmp_path / "state", COLDSNAP_RESTORE="native", COLDSNAP_TERMINATION_LOG=str(termination)
+    )
+    returncode, output = serve_until_exit(smollm2_2layer, tmp_path, "serve-refused", env, extra_args=("--dtype", "float32"))
+    assert returncode != 0
+    tail = output.splitlines()[-20:]
+    refusals = [line for line in tail if "coldsnap: vLLM start refused for worker-0-of-1" in line]
+    assert refusals, "\n".join(tail)
+    line = refusals[-1]
+    assert "rule model-identity failed" in line and 'dtype: "float32" (engine) vs "bfloat16" (artifact)' in line, line
+    assert line.count("; remedy: ") == 1 and "; remedy: start the engine with --dtype bfloat16" in line
+    written = termination.read_text()
+    assert written.startswith("coldsnap: vLLM start refused for worker-0-of-1") and written.strip() in line
 
 
 def _env_without_coldsnap() -> dict[str, str]:

@@ -134,8 +134,9 @@ def _env(monkeypatch, artifact: Path, state: Path, restore: str = "native", over
 
 
 def _coldsnap_warnings(caplog) -> list[str]:
-    # One record may reach pytest's capture twice (through vLLM's logger and directly), so count records.
-    records = {id(r): r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("coldsnap")}
+    # One record may reach pytest's capture twice (through vLLM's logger and directly), so count records; a refusal
+    # is an ERROR, not a WARNING.
+    records = {id(r): r for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("coldsnap")}
     return [r.getMessage() for r in records.values()]
 
 
