@@ -270,7 +270,11 @@ def check_model_identity(
         or recorded.revision is None
         or COMMIT_HASH.fullmatch(recorded.revision) is None
     ):
-        raise ModelIdentityMismatchError(_repository_mismatch(recorded, loaded), file=file)
+        raise ModelIdentityMismatchError(
+            _repository_mismatch(recorded, loaded),
+            file=file,
+            remedy=f"serve {recorded.source!r} at the captured commit (--revision {recorded.revision}), or export the artifact again",
+        )
     if loaded.folder is not None and not recorded_from_folder:
         raise ModelIdentityMismatchError(
             f"the artifact was captured from the Hugging Face repository {recorded.source!r} at revision"
@@ -426,8 +430,7 @@ def _repository_mismatch(recorded: ModelIdentity, loaded: LoadedModel) -> str:
         return (
             f"{captured}, but the engine's {loaded.source!r} revision {requested} resolved to another commit,"
             f" {loaded.revision}, in the local Hugging Face cache: the repository moved (its weights may differ"
-            " with the same layout and configuration); capture the artifact again or pin the captured commit"
-            " with --revision"
+            " with the same layout and configuration)"
         )
     if recorded_commit:
         return (

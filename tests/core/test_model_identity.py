@@ -201,6 +201,8 @@ def test_a_moved_main_is_refused(hub_cache: Path, tmp_path: Path) -> None:
     with pytest.raises(ModelIdentityMismatchError, match="resolved to another commit") as raised:
         check_model_identity(recorded, moved, file="artifact.json")
     assert COMMIT_A in str(raised.value) and COMMIT_B in str(raised.value) and raised.value.rule == "model-identity"
+    # one remedy, naming the flag and the commit to pin (not a second one inline in the cause)
+    assert str(raised.value).count("remedy:") == 1 and raised.value.remedy.count(f"--revision {COMMIT_A}") == 1
     check_model_identity(recorded, LoadedModel.from_config(REPO_ID, COMMIT_A, cache_dir=hub_cache))
 
 
