@@ -323,7 +323,7 @@ class LoadPolicy(abc.ABC):
         except ColdsnapError as exc:
             absent = isinstance(exc, CheckpointAbsentError)
             self._report(self._line("refused", worker, time.perf_counter() - started, error=exc, checkpoint_absent=absent))
-            refuse(self._refusal(worker, exc), self.settings, self.log)
+            refuse(self._refusal(worker, exc), self.settings, self.log, cause=str(exc))
             raise
         if outcome.capsule_dir is not None:
             outcome = dataclasses.replace(outcome, derived_cache=self.place_derived_cache(call, outcome))

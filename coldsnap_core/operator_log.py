@@ -58,7 +58,7 @@ def banner(settings: ColdsnapSettings, engine_label: str, log: logging.Logger) -
     )
 
 
-def refuse(line: str, settings: ColdsnapSettings, log: logging.Logger) -> None:
+def refuse(line: str, settings: ColdsnapSettings, log: logging.Logger, *, cause: str | None = None) -> None:
     """The one report of a refused start: ``line`` (it starts with ``coldsnap:``) at ERROR in ``log``, in the
     termination log when that file exists, and for the start's first process to repeat at its exit
     (:func:`install_last_words`). Never raises."""
@@ -74,6 +74,30 @@ def refuse(line: str, settings: ColdsnapSettings, log: logging.Logger) -> None:
     if words and owner != os.getpid() and _is_ancestor(owner):
         with contextlib.suppress(OSError), open(words, "a", encoding="utf-8") as f:
             f.write(line.replace("\n", " ") + "\n")
+    if cause:
+        logging.getLogger().addHandler(_RepeatAfterEngineError(line, cause, log))
+
+
+class _RepeatAfterEngineError(logging.Handler):
+    """Says a refusal once more right after the engine's own ERROR record of its exception (the traceback), in the
+    process that refused: SGLang's scheduler logs "Scheduler hit an exception: <traceback>" and its launcher then
+    kills the whole process tree with SIGKILL (``kill_process_tree`` in ``sglang/srt/utils``), so no exit hook runs
+    there and this is the last chance to be near the end of the output. One shot, and only for a record that quotes
+    ``cause`` (the refusal's exception message) in its message or exception: added last to the root logger, it runs
+    after the engine's own handlers have written that record."""
+
+    def __init__(self, line: str, cause: str, log: logging.Logger) -> None:
+        super().__init__(logging.ERROR)
+        self.line, self.cause, self.log = line, cause, log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if self.line in message:
+            return  # the refusal line itself (or its repeat), not the engine's record
+        quoted = record.exc_info is not None and record.exc_info[1] is not None and self.cause in str(record.exc_info[1])
+        if quoted or self.cause in message:
+            logging.getLogger().removeHandler(self)
+            self.log.error("%s", self.line)
 
 
 def install_last_words() -> None:

@@ -537,12 +537,20 @@ def read_descriptor_bytes(artifact_dir: Path) -> tuple[ArtifactDescriptor, str]:
     return ArtifactDescriptor.loads(data, file=str(path)), hashlib.sha256(data).hexdigest()
 
 
+_NO_ARTIFACT_REMEDY = (
+    "check COLDSNAP_ARTIFACT_DIR (the artifact folder, or a REF), or write the artifact there:"
+    " coldsnap pull REF DIR, or coldsnap export -- ENGINE COMMAND"
+)
+
+
 def _require_present(path: Path, what: str) -> None:
-    """``MissingObjectError`` if nothing is at ``path``; the typed error if it cannot be examined."""
+    """``MissingObjectError`` if nothing is at ``path``; the typed error if it cannot be examined. A missing
+    ``artifact.json`` names where an artifact comes from as its remedy."""
     try:
         os.stat(path)
     except (FileNotFoundError, NotADirectoryError) as exc:
-        raise MissingObjectError(f"{what} does not exist", file=path) from exc
+        remedy = _NO_ARTIFACT_REMEDY if path.name == DESCRIPTOR_FILENAME else None
+        raise MissingObjectError(f"{what} does not exist", file=path, remedy=remedy) from exc
     except OSError as exc:
         raise os_error(f"{what} cannot be examined", exc, path) from exc
 

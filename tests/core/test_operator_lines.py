@@ -175,6 +175,34 @@ def test_the_first_process_of_a_start_repeats_a_childs_refusal_last(tmp_path: Pa
     assert not Path(result.stdout.strip()).exists()
 
 
+def test_a_refusal_is_said_again_right_after_the_engines_own_traceback_of_it(tmp_path: Path) -> None:
+    """SGLang's scheduler logs "Scheduler hit an exception: <traceback>" after the refusal, then its launcher kills
+    the process tree (no exit hook runs): the refusing process says the line once more right after the engine's
+    ERROR record that quotes the refusal's exception, once, and not after an unrelated ERROR. Fails if the line
+    stays only above the traceback, is repeated on any ERROR record, or more than once."""
+    line = "coldsnap: X start refused for worker-0-of-1: rule r failed: why it failed; remedy: do"
+    script = (
+        "import logging; from pathlib import Path; from coldsnap_core.operator_log import refuse;"
+        " from coldsnap_core.settings import ColdsnapSettings;"
+        " logging.basicConfig(format='%(name)s|%(message)s', level=logging.INFO);"
+        f" s = ColdsnapSettings(termination_log=Path({str(tmp_path / 'none')!r}));"
+        f" refuse({line!r}, s, logging.getLogger('coldsnap.policy'), cause='rule r failed: why it failed');"
+        " engine = logging.getLogger('sglang.srt.managers.scheduler');"
+        " engine.error('a detokenizer warning unrelated to it');"
+        " engine.error('Scheduler hit an exception: Traceback ... ColdsnapError: rule r failed: why it failed');"
+        " engine.error('Received sigquit from a child process.'); engine.error('rule r failed: why it failed')"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stderr.splitlines() == [
+        f"coldsnap.policy|{line}",
+        "sglang.srt.managers.scheduler|a detokenizer warning unrelated to it",
+        "sglang.srt.managers.scheduler|Scheduler hit an exception: Traceback ... ColdsnapError: rule r failed: why it failed",
+        f"coldsnap.policy|{line}",
+        "sglang.srt.managers.scheduler|Received sigquit from a child process.",
+        "sglang.srt.managers.scheduler|rule r failed: why it failed",
+    ]
+
+
 @pytest.mark.parametrize(
     ("error", "remedy"),
     [

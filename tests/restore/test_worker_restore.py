@@ -206,10 +206,14 @@ def test_the_verify_extents_setting_reaches_hydration(tmp_path: Path, checkpoint
 
 
 def test_missing_artifact_and_missing_worker(tmp_path: Path, checkpoint: Path, captured) -> None:
-    """No ``artifact.json`` -> MissingObjectError; an artifact without this worker (rank 1 of 2)
-    -> MissingObjectError naming the capsule."""
-    with pytest.raises(MissingObjectError, match="artifact descriptor does not exist"):
+    """No ``artifact.json`` -> MissingObjectError whose remedy says where an artifact comes from (the setting,
+    pull, export); an artifact without this worker (rank 1 of 2) -> MissingObjectError naming the capsule."""
+    with pytest.raises(MissingObjectError, match="artifact descriptor does not exist") as missing:
         restorer(checkpoint, tmp_path / "elsewhere", tmp_path / "state").read()
+    assert str(missing.value).endswith(
+        "; remedy: check COLDSNAP_ARTIFACT_DIR (the artifact folder, or a REF), or write the artifact there:"
+        " coldsnap pull REF DIR, or coldsnap export -- ENGINE COMMAND"
+    )
     with pytest.raises(MissingObjectError, match="worker-1-of-2"):
         restorer(checkpoint, tmp_path / "artifact", tmp_path / "state", WorkerIdentity("worker", 1, 2, 1, 2)).read()
 
