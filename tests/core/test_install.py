@@ -125,11 +125,11 @@ def test_the_wheel_installs_no_engine_and_declares_its_entry_points(slim_venv: P
 
 
 @pytest.mark.slow
-def test_the_installed_command_stages_verifies_and_inspects_without_torch(
+def test_the_installed_command_stages_pulls_verifies_and_inspects_without_torch(
     slim_venv: Path, captured_2layer: Captured, tmp_path: Path
 ) -> None:
     """The installed ``coldsnap`` (no torch) publishes a real capture to a folder store, and on a fresh node
-    stages it, verifies it, lists the cache, reports the (empty) outcome log, inspects the artifact and runs the
+    stages it, pulls it by its REF on another, verifies it, lists the cache, reports the (empty) outcome log, inspects the artifact and runs the
     preflight (``doctor``: the target check, which needs torch, is a warning naming the extra). Fails on a command
     that imports torch on its way (``inspect`` did, for which capsule a restore here would use: now it says that no
     engine can run here and which extra installs one) or that the slim installation lacks."""
@@ -150,8 +150,13 @@ def test_the_installed_command_stages_verifies_and_inspects_without_torch(
     staged = node / "model-payloads" / "sha256" / f"{digest}.pack"
     assert coldsnap("stage", captured.artifact_dir, "--repo", store).stdout == f"worker-0-of-1: {staged}\n"
     assert staged.read_bytes() == (captured.state_root / "model-payloads" / "sha256" / f"{digest}.pack").read_bytes()
-    # PLACE FOR `coldsnap pull` (not a command yet): pull the same artifact from `store` into a second fresh node
-    # here, and check its pack as above.
+    # a second fresh node pulls the published artifact by its REF: the folder with every pin checked, and its pack
+    (ref,) = [line.removeprefix("ref ") for line in published.stdout.splitlines() if line.startswith("ref ")]
+    node_b = tmp_path / "node-b"
+    coldsnap("pull", ref, tmp_path / "pulled", "--state-root", node_b)
+    pulled = node_b / "model-payloads" / "sha256" / f"{digest}.pack"
+    assert pulled.read_bytes() == staged.read_bytes()
+    assert (tmp_path / "pulled" / "artifact.json").read_bytes() == (captured.artifact_dir / "artifact.json").read_bytes()
     assert "verified pack" in coldsnap("verify", captured.artifact_dir).stdout
     assert digest in coldsnap("cache", "ls").stdout
     assert "no load outcomes recorded" in coldsnap("status").stdout
