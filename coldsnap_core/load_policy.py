@@ -322,8 +322,11 @@ class LoadPolicy(abc.ABC):
                 outcome = self._load(call, worker, started)
         except ColdsnapError as exc:
             absent = isinstance(exc, CheckpointAbsentError)
-            self._report(self._line("refused", worker, time.perf_counter() - started, error=exc, checkpoint_absent=absent))
-            refuse(self._refusal(worker, exc), self.settings, self.log, cause=str(exc))
+            # Where no checkpoint is on the node, the rule that failed is the cause's (model-identity, extent-sha256,
+            # ...): the outcome line, the metrics and the refusal line name it, and say the checkpoint was absent.
+            cause = exc.__cause__ if absent and isinstance(exc.__cause__, ColdsnapError) else exc
+            self._report(self._line("refused", worker, time.perf_counter() - started, error=cause, checkpoint_absent=absent))
+            refuse(self._refusal(worker, cause, checkpoint_absent=absent), self.settings, self.log, cause=str(exc))
             raise
         if outcome.capsule_dir is not None:
             outcome = dataclasses.replace(outcome, derived_cache=self.place_derived_cache(call, outcome))
@@ -342,9 +345,9 @@ class LoadPolicy(abc.ABC):
             self.capture_derived_cache(call, outcome)
         return outcome
 
-    def _refusal(self, worker: WorkerIdentity, exc: ColdsnapError) -> str:
-        """The one line of a refused start: the engine, the worker, why coldsnap refuses (the setting), the error
-        (its rule, cause and remedy)."""
+    def _refusal(self, worker: WorkerIdentity, exc: ColdsnapError, *, checkpoint_absent: bool = False) -> str:
+        """The one line of a refused start: the engine, the worker, why coldsnap refuses (the setting, or no
+        checkpoint on this node to fall back to), the error (its rule, cause and remedy)."""
         settings = self.settings
         if settings.export_model_payload:
             why = "COLDSNAP_EXPORT_MODEL_PAYLOAD=1: the capture failed"
@@ -353,6 +356,8 @@ class LoadPolicy(abc.ABC):
         else:
             artifact = settings.artifact_ref or settings.artifact_dir
             why = f"COLDSNAP_RESTORE={settings.restore}: not restored from {artifact}"
+            if checkpoint_absent:
+                why += ", and no checkpoint on this node to load instead"
         return f"coldsnap: {self.engine_label} start refused for {worker.capsule_name} ({why}): {exc}"
 
     def _load(self, call: LoadCall, worker: WorkerIdentity, started: float) -> LoadOutcome:
