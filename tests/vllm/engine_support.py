@@ -220,7 +220,8 @@ def only_pack(state: Path) -> Path:
     return pack
 
 
-def _http_status(url: str) -> int:
+def http_status(url: str) -> int:
+    """The HTTP status ``url`` answers with, 0 while nothing answers (a server still starting)."""
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
             return response.status
@@ -271,7 +272,7 @@ def serve_completion(
         server = subprocess.Popen(command, env=server_env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
     try:
         deadline = time.monotonic() + SERVE_STARTUP_TIMEOUT_SECONDS
-        while _http_status(f"http://127.0.0.1:{port}/health") != 200:
+        while http_status(f"http://127.0.0.1:{port}/health") != 200:
             assert server.poll() is None, f"vllm serve exited with {server.returncode}:\n{log_path.read_text()[-6000:]}"
             assert time.monotonic() < deadline, "vllm serve did not become healthy"
             time.sleep(1)

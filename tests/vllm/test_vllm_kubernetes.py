@@ -11,25 +11,17 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+from engine_support import http_status
 
 from tests.support.kubernetes import Cluster, find, pod_spec
 from tests.support.servers import free_port, stop_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 READY_TIMEOUT_S = 900
-
-
-def _status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return 0
 
 
 def test_export_job_prestage_daemonset_and_deployment_serve_on_real_vllm(
@@ -104,7 +96,7 @@ def _serve(cluster: Cluster, deployment: dict) -> str:
         server = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=cluster.root)
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while _status(base + probe["path"]) != 200:
+        while http_status(base + probe["path"]) != 200:
             assert server.poll() is None, f"{argv} exited with {server.returncode}:\n{log.read_text()[-6000:]}"
             assert time.monotonic() < deadline, f"not ready:\n{log.read_text()[-6000:]}"
             time.sleep(1)
