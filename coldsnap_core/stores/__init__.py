@@ -102,10 +102,13 @@ def _refuse_unknown_form(spec: str) -> None:
             why = f"the scheme {name!r} is not one coldsnap reads"
         raise ConfigurationError(f"payload store {spec!r}: {why}", remedy=_SPELL_THE_STORE)
     if "/" not in spec.partition("@")[0]:
+        # a folder of that name here is what the operator most likely meant (a folder store is /abs, ./rel or ~/x)
+        here = os.path.isdir(spec)
         raise ConfigurationError(
             f"payload store {spec!r} is neither a URL, a folder nor a Hugging Face repository (org/name): coldsnap"
-            " does not send a bare word to the Hub (a Hub repository without an organization is hf://name)",
-            remedy=_SPELL_THE_STORE,
+            " does not send a bare word to the Hub (a Hub repository without an organization is hf://name)"
+            + (f"; a folder {spec!r} exists here" if here else ""),
+            remedy=f"write the folder as ./{spec}" if here else _SPELL_THE_STORE,
         )
 
 

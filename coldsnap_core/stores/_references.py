@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from coldsnap_core.errors import PayloadUnavailableError
 from coldsnap_core.format.descriptor import ArtifactReference
-from coldsnap_core.stores.base import ArtifactListing, PublishedArtifact, StoreObject, reference_relpath
+from coldsnap_core.stores.base import NO_SUCH_NAME_REMEDY, ArtifactListing, PublishedArtifact, StoreObject, reference_relpath
 
 
 class ReferenceIndex:
@@ -46,6 +46,10 @@ class ReferenceIndex:
         where = self.location(StoreObject(relpath, ""))  # type: ignore[attr-defined]
         data = self.get_reference(relpath, ArtifactReference.MAX_BYTES)  # type: ignore[attr-defined]
         if data is None:
-            raise PayloadUnavailableError(f"{self.name} records no artifact named {name!r}", file=where)  # type: ignore[attr-defined]
+            raise PayloadUnavailableError(
+                f"{self.name} records no artifact named {name!r}",  # type: ignore[attr-defined]
+                file=where,
+                remedy=NO_SUCH_NAME_REMEDY,
+            )
         reference = ArtifactReference.loads(data, file=where)
         return PublishedArtifact(reference.artifact_sha256, reference.size_bytes)

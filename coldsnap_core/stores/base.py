@@ -39,6 +39,13 @@ LandedCallback = Callable[[int, int], object]
 """``landed(offset_bytes, size_bytes)``: those bytes of the fetched object are now written to the target file."""
 
 
+NO_SUCH_NAME_REMEDY = (
+    "check the name in REF (what publish-native printed: STORE/NAME), or publish the artifact under it:"
+    " coldsnap publish-native ARTIFACT --repo STORE --name NAME"
+)
+"""The remedy of a name (or OCI tag) the store records no artifact under: the missing-pack remedy would send the
+operator to stage a pack the name does not lead to."""
+
 ARTIFACTS_DIRNAME = "artifacts"
 """Top folder of the published artifacts' files in a store: ``artifacts/sha256/<digest>/...``."""
 REFS_DIRNAME = "refs"

@@ -78,6 +78,7 @@ from coldsnap_core.stores._ranged import (
     request_failure,
 )
 from coldsnap_core.stores.base import (
+    NO_SUCH_NAME_REMEDY,
     ArtifactListing,
     ProgressCallback,
     PublishedArtifact,
@@ -819,7 +820,7 @@ class OciPayloadStore(RangedStore):
         headers = {"Accept": MANIFEST_MEDIA_TYPE}
         response = self._request("GET", url, where=where, scope_key="pull", headers=headers, max_bytes=MANIFEST_MAX_BYTES)
         if response.status_code == 404:
-            raise PayloadUnavailableError(f"{self.name} has no tag {tag!r}", file=where)
+            raise PayloadUnavailableError(f"{self.name} has no tag {tag!r}", file=where, remedy=NO_SUCH_NAME_REMEDY)
         if response.status_code != 200:
             raise self._fail("reading the artifact's manifest", response, where)
         try:

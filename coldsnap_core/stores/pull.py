@@ -29,7 +29,7 @@ import filelock
 from coldsnap_core._io import fsync_dir, os_error, remove_tree, sha256_file
 from coldsnap_core.artifact.capsules import check_pinned_file, read_descriptor_bytes
 from coldsnap_core.cache.locks import acquire_logged
-from coldsnap_core.errors import ArtifactError, CapsulePinMismatchError, LockTimeoutError
+from coldsnap_core.errors import ArtifactError, CapsulePinMismatchError, ConfigurationError, LockTimeoutError
 from coldsnap_core.format.content_ref import ContentRef
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, ArtifactDescriptor
 from coldsnap_core.stores.base import ARTIFACTS_DIRNAME, PayloadStore, PublishedArtifact, artifact_object
@@ -94,6 +94,9 @@ def pull_artifact(
         LockTimeoutError: another pull of ``dest`` held the lock past ``lock_timeout_seconds``.
         StoreError, FileAccessError, InsufficientSpaceError: the store or the local file system failed.
     """
+    if not str(dest).strip():
+        # Path("") is the current folder: an empty DIR (an unset variable in a script) would pull into it
+        raise ConfigurationError("the artifact folder to pull into is empty", remedy="name the folder: coldsnap pull REF DIR")
     published = published or store.resolve_artifact(name)
     dest = Path(dest).absolute()
     try:
@@ -129,17 +132,36 @@ def pull_artifact(
     return PulledArtifact(dest, published.sha256, descriptor, *pulled)
 
 
+_NEVER_REPLACED = "pull into a new folder, or remove this one first (a pull never writes into an existing folder)"
+
+
 def _kept(dest: Path, artifact_sha256: str) -> PulledArtifact:
-    """``dest`` as it is, when it holds the artifact ``artifact_sha256`` with every pinned file intact."""
+    """``dest`` as it is, when it holds the artifact ``artifact_sha256`` with every pinned file intact.
+
+    Raises:
+        ArtifactError: ``dest`` is not a folder holding an ``artifact.json``, or holds another artifact.
+        CapsulePinMismatchError: a file ``artifact.json`` pins was changed in ``dest``.
+    """
+    if not (dest / DESCRIPTOR_FILENAME).is_file():
+        raise ArtifactError(
+            "the destination exists and is not an artifact folder (no artifact.json in it)", file=dest, remedy=_NEVER_REPLACED
+        )
     descriptor, sha256 = read_descriptor_bytes(dest)
     if sha256 != artifact_sha256:
         raise ArtifactError(
             f"the folder holds another artifact (artifact.json SHA-256 {sha256}, the name designates {artifact_sha256});"
-            " it is never replaced: pull into another folder, or remove this one",
+            " it is never replaced",
             file=dest / DESCRIPTOR_FILENAME,
+            remedy=_NEVER_REPLACED,
         )
     for path, pin in descriptor.pinned_files():
-        check_pinned_file(dest / path, pin)
+        try:
+            check_pinned_file(dest / path, pin)
+        except CapsulePinMismatchError as exc:
+            # the class remedy says "pull it again", which would find this same folder and refuse again
+            exc.remedy = f"remove {dest} and pull again (a pull never replaces the files of an existing folder)"
+            exc.args = (exc._compose(),)
+            raise
     logger.info("coldsnap: %s already holds artifact %s; nothing fetched", dest, artifact_sha256)
     return PulledArtifact(dest, artifact_sha256, descriptor, 0, 0)
 
