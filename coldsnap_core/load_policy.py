@@ -52,16 +52,26 @@ default loader class (the iterator boundary, watched) and supplies only what nee
 It returns what it did (:class:`LoadOutcome`). The payload store is built from the resolved settings when
 the policy is constructed (an engine plugin does so when its loader is built), so a malformed
 ``COLDSNAP_PAYLOAD_REPO`` stops the engine's start with a :class:`~coldsnap_core.errors.ConfigurationError`
-under ``auto`` too.
+under ``auto`` too; an engine plugin resolves its settings and builds its policy within
+:meth:`LoadPolicy.refusing_settings`, so such a start is refused as any other is (its ``coldsnap:`` line, the
+termination log, an outcome line ``refused``).
+
+Without an artifact (none configured, or its REF could not be pulled under ``auto``) the checkpoint load is the only
+load; a model folder without weight files (what ``coldsnap pull`` writes) then has none, and the start is refused
+with :class:`~coldsnap_core.errors.CheckpointAbsentError` (its outcome line records the rule of its cause,
+``configuration`` or the pull's, and ``"checkpoint": "absent"``).
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
+import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -82,6 +92,7 @@ from coldsnap_core.format.descriptor import CapsuleFile
 from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import ModelIdentity, PackRef, WorkerIdentity
 from coldsnap_core.identity.hub_commit import resolve_hub_commit
+from coldsnap_core.identity.model_folder import holds_weight_files
 from coldsnap_core.identity.model_identity import LoadedModel
 from coldsnap_core.identity.target import engine_version as installed_engine_version
 from coldsnap_core.metrics import record_load
@@ -90,7 +101,7 @@ from coldsnap_core.outcomes import LoadOutcomeLine, Outcome, append_outcome
 from coldsnap_core.restore.derived_cache import SeedPlacement
 from coldsnap_core.restore.hydrate import HydrationReport
 from coldsnap_core.restore.pipeline import WorkerRestore, restore_or_fall_back
-from coldsnap_core.settings import ColdsnapSettings
+from coldsnap_core.settings import SETTINGS, ColdsnapSettings
 from coldsnap_core.stores import from_settings as store_from_settings
 from coldsnap_core.stores import parse_artifact_ref
 from coldsnap_core.stores.pull import pull_into_state_root
@@ -301,6 +312,40 @@ class LoadPolicy(abc.ABC):
         without a seed."""
         return None
 
+    # -- the settings -------------------------------------------------------------------------------
+
+    @classmethod
+    @contextlib.contextmanager
+    def refusing_settings(
+        cls,
+        environ: Mapping[str, str],
+        extra_config: Mapping[str, object] | str | None,
+        worker: Callable[[], WorkerIdentity],
+        log: logging.Logger,
+    ) -> Iterator[None]:
+        """Around an engine plugin's resolution of its settings and construction of its policy (its loader's
+        ``__init__``, before any :meth:`load`): a :class:`~coldsnap_core.errors.ConfigurationError` there (an invalid
+        value, ``COLDSNAP_RESTORE=native`` without an artifact, a malformed payload store) is reported as every refused
+        start is: its one ``coldsnap:`` ERROR line (:func:`coldsnap_core.operator_log.refuse`: the termination log, said
+        again last; no banner, whose settings did not resolve), an outcome line ``refused`` with the error's rule and
+        the same load counted in the metrics; then it is raised. ``environ`` and ``extra_config`` (SGLang's may be its
+        JSON text) give the outcome log and the termination log where they are valid (else their defaults);
+        ``worker()`` the worker's identity (rank 0 of 1 when it cannot tell)."""
+        try:
+            yield
+        except ConfigurationError as exc:
+            settings = _report_settings(environ, extra_config)
+            try:
+                name = worker().capsule_name
+            except Exception:  # the refusal is reported whatever the engine's state
+                name = WorkerIdentity("worker", 0, 1, 0, 1).capsule_name
+            line = LoadOutcomeLine("refused", cls.engine, name, None, 0.0, error=exc)
+            append_outcome(settings.outcome_log_path, line)
+            record_load(line)
+            why = "its coldsnap settings are invalid"
+            refuse(f"coldsnap: {cls.engine_label} start refused for {name} ({why}): {exc}", settings, log, cause=str(exc))
+            raise
+
     # -- the template method -----------------------------------------------------------------------
 
     def load(self, call: LoadCall) -> LoadOutcome:
@@ -355,7 +400,9 @@ class LoadPolicy(abc.ABC):
             why = "COLDSNAP_OVERLAY=capture: the overlay capture failed"
         else:
             artifact = settings.artifact_ref or settings.artifact_dir
-            why = f"COLDSNAP_RESTORE={settings.restore}: not restored from {artifact}"
+            why = f"COLDSNAP_RESTORE={settings.restore}: " + (
+                "no artifact configured" if artifact is None else f"not restored from {artifact}"
+            )
             if checkpoint_absent:
                 why += ", and no checkpoint on this node to load instead"
         return f"coldsnap: {self.engine_label} start refused for {worker.capsule_name} ({why}): {exc}"
@@ -368,11 +415,16 @@ class LoadPolicy(abc.ABC):
             except ColdsnapError as exc:
                 if self.settings.restore == "native":
                     raise
+                self._require_checkpoint(call, exc)
                 self.log.warning("coldsnap: could not pull %s: %s; loading the checkpoint", self.settings.artifact_ref, exc)
                 return self._load_checkpoint(call, worker, cache, None, exc, None, started)
         settings = self.settings
-        if settings.artifact_dir is None and not settings.export_model_payload and not self.wants_model_identity(call):
-            return self._load_checkpoint(call, worker, cache, None, self._no_artifact(), None, started)
+        if settings.artifact_dir is None and not settings.export_model_payload:
+            no_artifact = self._no_artifact()
+            self._require_checkpoint(call, no_artifact)
+            if not self.wants_model_identity(call):
+                self.log.warning("coldsnap: loading the checkpoint (COLDSNAP_RESTORE=%s): %s", settings.restore, no_artifact)
+                return self._load_checkpoint(call, worker, cache, None, no_artifact, None, started)
         if settings.artifact_dir is None or settings.export_model_payload:
             return self._load_checkpoint(call, worker, cache, None, None, None, started)
         loaded = self._loaded_model(call)
@@ -407,16 +459,41 @@ class LoadPolicy(abc.ABC):
         return dataclasses.replace(outcome, stage_seconds=attempt.stage_seconds, fetched_bytes=attempt.fetched_bytes)
 
     def _no_artifact(self) -> ConfigurationError:
-        """The load format is coldsnap but no artifact is configured: one WARNING, and the checkpoint load counts as
-        a fallback (rule ``configuration``: ``coldsnap status --fail-on-fallback`` flags it)."""
-        error = ConfigurationError(
+        """The load format is coldsnap but no artifact is configured: :meth:`_load` logs it as one WARNING, and the
+        checkpoint load counts as a fallback (rule ``configuration``: ``coldsnap status --fail-on-fallback`` flags
+        it)."""
+        return ConfigurationError(
             f"{self.engine_label} runs the coldsnap load format without an artifact (COLDSNAP_ARTIFACT_DIR is not set),"
             " so it loads the checkpoint and restores nothing",
             remedy="set COLDSNAP_ARTIFACT_DIR (or the extra-config key artifact_dir) to the artifact folder or REF, or"
             " COLDSNAP_EXPORT_MODEL_PAYLOAD=1 to capture one",
         )
-        self.log.warning("coldsnap: loading the checkpoint (COLDSNAP_RESTORE=%s): %s", self.settings.restore, error)
-        return error
+
+    def _require_checkpoint(self, call: LoadCall, cause: ColdsnapError) -> None:
+        """Before a checkpoint load that ``cause`` (no artifact configured, or its pull failed) makes the only load:
+        a model folder without weight files (what ``coldsnap pull`` writes, ``docs/format.md`` §10.1) has no checkpoint
+        to load, so the start is refused here, with the one remedy, rather than by the engine's own "no model
+        weights" error after a WARNING and without an outcome line.
+
+        Raises:
+            CheckpointAbsentError: ``call`` loads a local folder that holds no weight file; its cause is ``cause``,
+                whose rule the outcome line records (:meth:`load`).
+        """
+        source = call.source
+        if source is None or not os.path.isdir(source.path) or holds_weight_files(Path(source.path)):
+            return
+        if isinstance(cause, ConfigurationError) and self.settings.artifact_ref is None:
+            cause = ConfigurationError(
+                f"{self.engine_label} runs the coldsnap load format without an artifact (COLDSNAP_ARTIFACT_DIR is not set)",
+                remedy=f"set COLDSNAP_ARTIFACT_DIR to the pulled artifact folder (the one that holds {source.path})",
+            )
+        raise CheckpointAbsentError(
+            f"{cause.detail} (rule {cause.rule} failed), and no checkpoint is on this node to load instead: {source.path}"
+            " holds the model's non-weight files and no weight file, so the start stops rather than serve unfilled"
+            " weights",
+            file=source.path,
+            remedy=cause.remedy,
+        ) from cause
 
     def _pull_artifact(self) -> None:
         """``COLDSNAP_ARTIFACT_DIR`` is a REF: pull it into ``<state-root>/artifacts/sha256/<digest>/``
@@ -777,6 +854,24 @@ class ObservedLoader:
         iterator = super()._get_weights_iterator(source, *args, **kwargs)  # type: ignore[misc]
         session = self.policy.session
         return iterator if session is None else session.observe(getattr(source, "prefix", "") or "", iterator)
+
+
+def _report_settings(environ: Mapping[str, str], extra_config: Mapping[str, object] | str | None) -> ColdsnapSettings:
+    """The settings a refusal of invalid settings is reported with (:meth:`LoadPolicy.refusing_settings`): the state
+    root, the outcome log and the termination log, each resolved alone from ``environ`` and ``extra_config`` (its JSON
+    text too), or its default where its own value is invalid."""
+    if isinstance(extra_config, str):
+        try:
+            extra_config = json.loads(extra_config or "{}")
+        except ValueError:
+            extra_config = None
+    extra = extra_config if isinstance(extra_config, Mapping) else None
+    values: dict[str, object] = {}
+    for row in SETTINGS:
+        if row.field in ("state_root", "outcome_log", "termination_log"):
+            with contextlib.suppress(ColdsnapError):
+                values[row.field] = getattr(ColdsnapSettings.resolve(environ, extra, rows=(row,))[0], row.field)
+    return ColdsnapSettings(**values)  # type: ignore[arg-type]
 
 
 def _seed_source(attempt: WorkerRestore | None) -> dict[str, object]:

@@ -693,6 +693,6 @@ def _check_combination(settings: ColdsnapSettings) -> None:
         )
     if settings.artifact_dir is None and settings.artifact_ref is None and settings.restore == "native":
         raise ConfigurationError(
-            "COLDSNAP_RESTORE=native needs an artifact folder to restore from: set COLDSNAP_ARTIFACT_DIR"
-            " (or the extra-config key 'artifact_dir')"
+            "COLDSNAP_RESTORE=native needs an artifact folder to restore from, and COLDSNAP_ARTIFACT_DIR is not set",
+            remedy="set COLDSNAP_ARTIFACT_DIR (or the extra-config key 'artifact_dir') to the artifact folder or its REF",
         )

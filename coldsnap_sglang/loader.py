@@ -113,16 +113,19 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
     Raises:
         ConfigurationError: a coldsnap setting is invalid, asks for materialization ``async`` or
             ``required`` (:func:`coldsnap_sglang.settings.resolve_sglang_settings`), or names a malformed
-            payload store.
+            payload store: a refused start, reported as one
+            (:meth:`coldsnap_core.load_policy.LoadPolicy.refusing_settings`).
     """
 
     def __init__(self, load_config) -> None:
-        self.coldsnap_settings, rest = resolve_sglang_settings(os.environ, load_config.model_loader_extra_config)
-        # The parent sees the inner format (SGLang's DefaultModelLoader dispatches its file patterns
-        # and iterator on it) and only the extra-config keys it knows (it rejects the others).
-        inner = LoadFormat(self.coldsnap_settings.inner_load_format or "auto")
-        super().__init__(dataclasses.replace(load_config, load_format=inner, model_loader_extra_config=rest))
-        self.policy = _SglangLoad(self, self.coldsnap_settings)
+        extra = load_config.model_loader_extra_config
+        with _SglangLoad.refusing_settings(os.environ, extra, lambda: worker_identity(load_config), logger):
+            self.coldsnap_settings, rest = resolve_sglang_settings(os.environ, extra)
+            # The parent sees the inner format (SGLang's DefaultModelLoader dispatches its file patterns
+            # and iterator on it) and only the extra-config keys it knows (it rejects the others).
+            inner = LoadFormat(self.coldsnap_settings.inner_load_format or "auto")
+            super().__init__(dataclasses.replace(load_config, load_format=inner, model_loader_extra_config=rest))
+            self.policy = _SglangLoad(self, self.coldsnap_settings)
         self._model_config = None
 
     def load_model(self, *, model_config, device_config, **kwargs):

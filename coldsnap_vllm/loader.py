@@ -147,16 +147,19 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
     Raises:
         EngineVersionError: this vLLM is not 0.32 or 0.33, or its private loader API moved.
         ConfigurationError: a coldsnap setting is invalid (:meth:`ColdsnapSettings.resolve`), or the
-            payload store it names is malformed.
+            payload store it names is malformed: a refused start, reported as one
+            (:meth:`coldsnap_core.load_policy.LoadPolicy.refusing_settings`).
     """
 
     def __init__(self, load_config: LoadConfig) -> None:
         compat.require_supported_vllm()
-        settings, rest = compat.resolve_settings(os.environ, load_config.model_loader_extra_config)
-        inner_format = settings.inner_load_format or compat.default_inner_load_format()
-        super().__init__(dataclasses.replace(load_config, load_format=inner_format, model_loader_extra_config=rest))
-        self.coldsnap_settings = settings
-        self.policy = _VllmLoad(self, settings)
+        extra = load_config.model_loader_extra_config
+        with _VllmLoad.refusing_settings(os.environ, extra, compat.worker_identity, logger):
+            settings, rest = compat.resolve_settings(os.environ, extra)
+            inner_format = settings.inner_load_format or compat.default_inner_load_format()
+            super().__init__(dataclasses.replace(load_config, load_format=inner_format, model_loader_extra_config=rest))
+            self.coldsnap_settings = settings
+            self.policy = _VllmLoad(self, settings)
         self._vllm_config = None
 
     def load_model(self, vllm_config, model_config, prefix: str = ""):  # type: ignore[override]

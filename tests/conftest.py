@@ -232,6 +232,21 @@ def _environment_as_at_the_start_of_the_run():
 
 
 @pytest.fixture(autouse=True)
+def _no_refusal_repeated_after_its_test():
+    """After every test, remove the handlers its refusals added to the root logger
+    (``coldsnap_core.operator_log.refuse``: say the refusal line again after the engine's own ERROR record that quotes
+    its cause, for the rest of the process). A process is one engine start; this one runs many, and a later test's
+    refusal with the same cause would otherwise be followed by an earlier test's line."""
+    import logging
+
+    yield
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if type(handler).__name__ == "_RepeatAfterEngineError":
+            root.removeHandler(handler)
+
+
+@pytest.fixture(autouse=True)
 def _coldsnap_loggers_as_configured_by_python():
     """Give every test the ``coldsnap_core`` / ``coldsnap_vllm`` loggers as Python configures them.
 

@@ -56,13 +56,16 @@ class ColdsnapLoader(ObservedLoader, fake_engine.DefaultLoader):
     """The fake engine's default loader with coldsnap capture and restore.
 
     Raises:
-        ConfigurationError: a coldsnap setting is invalid or names an inner load format the engine lacks.
+        ConfigurationError: a coldsnap setting is invalid or names an inner load format the engine lacks (a refused
+            start, reported as one: :meth:`LoadPolicy.refusing_settings`).
     """
 
     def __init__(self, load_config: fake_engine.LoadConfig) -> None:
-        settings, rest = ColdsnapSettings.resolve(os.environ, load_config.extra_config, inner_load_formats=INNER_LOAD_FORMATS)
-        super().__init__(dataclasses.replace(load_config, load_format="safetensors", extra_config=rest))
-        self.policy = _FakeLoad(self, settings)
+        extra = load_config.extra_config
+        with _FakeLoad.refusing_settings(os.environ, extra, lambda: WorkerIdentity("worker", 0, 1, 0, 1), logger):
+            settings, rest = ColdsnapSettings.resolve(os.environ, extra, inner_load_formats=INNER_LOAD_FORMATS)
+            super().__init__(dataclasses.replace(load_config, load_format="safetensors", extra_config=rest))
+            self.policy = _FakeLoad(self, settings)
 
     def load_weights(self, model: fake_engine.TinyModel, model_config: fake_engine.ModelConfig) -> LoadOutcome:
         source = ModelSource(model_config.path, None, engine_config_sha256(model_config))

@@ -156,10 +156,13 @@ class EngineConformance:
 
     def test_one_outcome_line_per_load(self, runs: EngineRuns) -> None:
         """Fails if a load of this engine appends no line or several (a fleet then miscounts its fallbacks), or a
-        line names another engine or worker; a start stopped before any load appends none."""
+        line names another engine or worker; a start stopped before any load by its settings appends one ``refused``
+        line of rule ``configuration`` (its adapter builds the loader within ``LoadPolicy.refusing_settings``)."""
         starts = (runs.capture, runs.restore, runs.fallback, runs.refusal, runs.upgraded, runs.through_overlay)
         assert [[(d["engine"], d["worker"]) for d in s.lines] for s in starts] == [[(runs.engine, "worker-0-of-1")]] * 6
-        assert runs.unhonoured.lines == ()
+        assert [(d["engine"], d["outcome"], d["rule"]) for d in runs.unhonoured.lines] == [
+            (runs.engine, "refused", "configuration")
+        ]
 
     def test_a_setting_the_engine_cannot_honour_is_refused_at_start(self, runs: EngineRuns) -> None:
         """Fails if an engine starts (or loads anything) with a setting its adapter cannot honour, or the error does

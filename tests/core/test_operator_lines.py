@@ -5,6 +5,7 @@ the coldsnap load format without an artifact."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import subprocess
@@ -147,6 +148,80 @@ def test_the_coldsnap_load_format_without_an_artifact_warns_and_counts_as_a_fall
     log = state / "load-outcomes.jsonl"
     assert main(["status", "--outcome-log", str(log), "--fail-on-fallback"]) == 1
     assert main(["status", "--outcome-log", str(log)]) == 0
+
+
+def _outcome_lines(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_invalid_settings_are_a_refused_start_with_its_line_termination_log_and_outcome(
+    captured: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``COLDSNAP_RESTORE=native`` without ``COLDSNAP_ARTIFACT_DIR``: the error raised where the loader resolves its
+    settings (before any load) is a refused start like the others: no banner, one ERROR ``coldsnap:`` line naming
+    the engine, the worker, rule ``configuration`` and one remedy, the same line in the termination log, and one
+    outcome line ``refused`` with that rule. Fails if a settings error stays a bare exception (no line, no
+    termination log, no outcome line: the start's failure invisible to ``coldsnap status`` and Kubernetes)."""
+    monkeypatch.setattr(operator_log, "_bannered", False)
+    termination = tmp_path / "termination-log"
+    termination.touch()
+    state = tmp_path / "state"
+    keys = {"state_root": str(state), "restore": "native", "termination_log": str(termination)}
+    with caplog.at_level(logging.INFO), pytest.raises(errors.ConfigurationError) as raised:
+        fake_engine.start(captured["model"], "coldsnap", keys)
+    line = f"coldsnap: FakeEngine start refused for worker-0-of-1 (its coldsnap settings are invalid): {raised.value}"
+    assert _coldsnap_records(caplog, logging.ERROR) == [line]
+    assert "rule configuration failed: COLDSNAP_RESTORE=native needs an artifact folder" in line
+    assert line.count("; remedy: ") == 1 and "; remedy: set COLDSNAP_ARTIFACT_DIR" in line
+    assert " active in FakeEngine" not in caplog.text  # no banner: its settings did not resolve
+    assert termination.read_text() == line + "\n"
+    (outcome,) = _outcome_lines(state / "load-outcomes.jsonl")
+    assert (outcome["engine"], outcome["worker"], outcome["outcome"]) == ("fake-engine", "worker-0-of-1", "refused")
+    assert (outcome["error"], outcome["rule"]) == ("ConfigurationError", "configuration")
+
+
+def test_an_invalid_state_root_is_refused_with_the_default_outcome_log(
+    captured: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The setting that is invalid is the one that says where the outcome log goes (a state root with a NUL): the
+    refusal still has its line, and its outcome line goes where the valid settings say (``COLDSNAP_OUTCOME_LOG``).
+    Fails if reporting a refusal of invalid settings needs every setting to be valid (it then raised inside the
+    report, or reported nothing)."""
+    log = tmp_path / "outcomes.jsonl"
+    keys = {"state_root": "/bad\0root", "outcome_log": str(log)}
+    with caplog.at_level(logging.INFO), pytest.raises(errors.ConfigurationError, match="NUL"):
+        fake_engine.start(captured["model"], "coldsnap", keys)
+    (line,) = _coldsnap_records(caplog, logging.ERROR)
+    assert line.startswith("coldsnap: FakeEngine start refused for worker-0-of-1 (its coldsnap settings are invalid)")
+    assert [o["rule"] for o in _outcome_lines(log)] == ["configuration"]
+
+
+def test_a_weight_free_model_folder_without_an_artifact_is_refused_with_one_remedy(
+    captured: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``auto`` (the default) without ``COLDSNAP_ARTIFACT_DIR`` on a model folder without weight files (what
+    ``coldsnap pull`` writes): the start is refused before the engine's checkpoint load, with
+    ``CheckpointAbsentError``, one ERROR ``coldsnap:`` line whose one remedy is to set ``COLDSNAP_ARTIFACT_DIR`` to
+    the pulled artifact folder, no WARNING, and an outcome line ``refused``, rule ``configuration``, checkpoint
+    absent. Fails if such a start warns and lets the engine fail with its own "no model weights" error (no outcome
+    line, a remedy buried in a WARNING above a traceback)."""
+    model = tmp_path / "pulled" / "model"
+    model.mkdir(parents=True)
+    shutil.copy(captured["model"] / "config.json", model)
+    state = tmp_path / "state"
+    with caplog.at_level(logging.INFO), pytest.raises(errors.CheckpointAbsentError) as raised:
+        fake_engine.start(model, "coldsnap", {"state_root": str(state)})
+    assert isinstance(raised.value.__cause__, errors.ConfigurationError)
+    (line,) = _coldsnap_records(caplog, logging.ERROR)
+    assert line.startswith(
+        "coldsnap: FakeEngine start refused for worker-0-of-1 (COLDSNAP_RESTORE=auto: no artifact configured, and no"
+        " checkpoint on this node to load instead): rule configuration failed: "
+    )
+    assert line.count("; remedy: ") == 1
+    assert line.endswith(f"; remedy: set COLDSNAP_ARTIFACT_DIR to the pulled artifact folder (the one that holds {model})")
+    assert _coldsnap_records(caplog, logging.WARNING) == []
+    (outcome,) = _outcome_lines(state / "load-outcomes.jsonl")
+    assert (outcome["outcome"], outcome["rule"], outcome["checkpoint"]) == ("refused", "configuration", "absent")
 
 
 def test_the_first_process_of_a_start_repeats_a_childs_refusal_last(tmp_path: Path) -> None:

@@ -231,6 +231,28 @@ def test_refused_settings(fake_sglang, smollm2_2layer, tmp_path, options, messag
         load(fake_sglang, tmp_path, smollm2_2layer, **options)
 
 
+def test_native_without_an_artifact_is_a_refused_start_said_again_after_sglangs_error(
+    fake_sglang, smollm2_2layer, tmp_path, caplog
+) -> None:
+    """``COLDSNAP_RESTORE=native`` without ``COLDSNAP_ARTIFACT_DIR``, raised where SGLang builds the loader: one ERROR
+    ``coldsnap: SGLang start refused`` line with rule ``configuration`` and one remedy, said once more right after
+    SGLang's own ERROR record of the exception (its scheduler's "Scheduler hit an exception"), the termination log,
+    and one outcome line ``refused`` of engine ``sglang``. Fails if the SGLang plugin resolves its settings outside
+    :meth:`LoadPolicy.refusing_settings` (a bare exception: no line, no termination log, no outcome line)."""
+    termination = tmp_path / "termination-log"
+    termination.touch()
+    with caplog.at_level(logging.INFO), pytest.raises(ConfigurationError) as raised:
+        load(fake_sglang, tmp_path, smollm2_2layer, artifact_dir="", restore="native", termination_log=str(termination))
+    logging.getLogger("sglang.srt.managers.scheduler").error("Scheduler hit an exception: %s", raised.value)
+    line = f"coldsnap: SGLang start refused for worker-0-of-1 (its coldsnap settings are invalid): {raised.value}"
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [line, f"Scheduler hit an exception: {raised.value}", line]
+    assert "rule configuration failed" in line and line.count("; remedy: ") == 1
+    assert termination.read_text() == line + "\n"
+    (outcome,) = [json.loads(t) for t in (tmp_path / "state" / "load-outcomes.jsonl").read_text().splitlines()]
+    assert (outcome["engine"], outcome["outcome"], outcome["rule"]) == ("sglang", "refused", "configuration")
+
+
 def test_materialize_defaults_to_off_and_other_keys_reach_sglang(fake_sglang, smollm2_2layer, tmp_path) -> None:
     """The SGLang default is ``off``; coldsnap's keys are removed and the others reach SGLang's loader,
     which rejects the unknown ones. Fails if coldsnap's keys leak into SGLang's validation."""

@@ -427,7 +427,10 @@ def runs(vllm_two_layer: dict, flipped_auto, layout_dtype: EngineResult, upgrade
     """This module's and the session's vLLM runs as the conformance cases read them; the setting vLLM cannot honour is
     an inner load format whose loader is not vLLM's ``DefaultModelLoader`` (``gguf``), refused where a vLLM worker
     builds its loader (:func:`engine_support.check_vllm_loader`: no engine start)."""
-    refused = check_vllm_loader(vllm_two_layer["work"], "inner-gguf", {"inner_load_format": "gguf"})
+    outcomes = vllm_two_layer["work"] / "inner-gguf-outcomes.jsonl"
+    outcomes.unlink(missing_ok=True)
+    refused = check_vllm_loader(vllm_two_layer["work"], "inner-gguf", {"inner_load_format": "gguf", "outcome_log": str(outcomes)})
+    lines = tuple(json.loads(t) for t in outcomes.read_text().splitlines()) if outcomes.exists() else ()
     return EngineRuns(
         engine="vllm",
         engine_label="vLLM",
@@ -440,7 +443,7 @@ def runs(vllm_two_layer: dict, flipped_auto, layout_dtype: EngineResult, upgrade
         upgraded=_start(upgrade["first"]),
         through_overlay=_start(upgrade["second"]),
         overlay_state=upgrade["state"],
-        unhonoured=Start(False, (), refused.get("refused", str(refused))),
+        unhonoured=Start(False, lines, refused.get("refused", str(refused))),
         unhonoured_setting="'inner_load_format'='gguf'",
     )
 

@@ -162,14 +162,37 @@ def test_an_invalid_setting_stops_the_start_under_auto(
 ) -> None:
     """Under ``COLDSNAP_RESTORE=auto`` an invalid value, the payload store's included, stops the engine
     where the loader is built with a ConfigurationError naming the variable and the value, before any
-    load: no fallback, no outcome line. Fails if the store is parsed inside the restore's ``try`` (a
+    load: no fallback, its one outcome line ``refused``. Fails if the store is parsed inside the restore's ``try`` (a
     malformed ``COLDSNAP_PAYLOAD_REPO`` then gave one WARNING and a checkpoint load at every start)."""
     monkeypatch.setenv("COLDSNAP_ARTIFACT_DIR", str(tmp_path / "artifact"))
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "state"))
     monkeypatch.setenv(variable, value)
     with pytest.raises(ConfigurationError, match=re.escape(f"{variable}={value!r}")):
         make_loader().load_weights(Consumer(), model_config)
-    assert not (tmp_path / "state").exists()
+    (line,) = [json.loads(t) for t in (tmp_path / "state" / "load-outcomes.jsonl").read_text().splitlines()]
+    assert (line["outcome"], line["rule"]) == ("refused", "configuration")
+
+
+def test_native_without_an_artifact_is_a_refused_start_with_its_line_termination_log_and_outcome(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``COLDSNAP_RESTORE=native`` without ``COLDSNAP_ARTIFACT_DIR``, raised where vLLM builds the loader (before the
+    load template): one ERROR ``coldsnap: vLLM start refused`` line with rule ``configuration`` and one remedy, the
+    same line in the termination log, and one outcome line ``refused`` of engine ``vllm``. Fails if the vLLM plugin
+    resolves its settings outside :meth:`LoadPolicy.refusing_settings` (the start then failed with a bare
+    exception: no refusal line for the API server to repeat last, no termination log, no outcome line)."""
+    monkeypatch.delenv("COLDSNAP_ARTIFACT_DIR", raising=False)
+    termination = tmp_path / "termination-log"
+    termination.touch()
+    with caplog.at_level(logging.INFO), pytest.raises(ConfigurationError) as raised:
+        make_loader(restore="native", state_root=str(tmp_path / "state"), termination_log=str(termination))
+    line = f"coldsnap: vLLM start refused for worker-0-of-1 (its coldsnap settings are invalid): {raised.value}"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [line]
+    assert "rule configuration failed" in line and line.count("; remedy: ") == 1
+    assert "; remedy: set COLDSNAP_ARTIFACT_DIR" in line
+    assert termination.read_text() == line + "\n"
+    (outcome,) = [json.loads(t) for t in (tmp_path / "state" / "load-outcomes.jsonl").read_text().splitlines()]
+    assert (outcome["engine"], outcome["outcome"], outcome["rule"]) == ("vllm", "refused", "configuration")
 
 
 def test_verify_extents_from_the_extra_config_is_published_for_the_sleep_backend(
