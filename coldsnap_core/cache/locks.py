@@ -41,9 +41,17 @@ def held_locks() -> set[tuple[int, str]]:
 def acquire_logged(lock: filelock.BaseFileLock, path: Path, timeout: float) -> None:
     """``lock.acquire(timeout)``, logging at INFO while the wait is long (see :meth:`PayloadCache.lock`).
 
+    The lock file is created first when it does not exist (as ``filelock`` would, with the lock's mode): ``filelock``
+    takes a create that fails with ``ENOENT`` in an existing folder (``/proc``, a file system that takes no new file)
+    for a holder that just removed its file and retries it until the timeout, so such a lock failed only after the
+    whole timeout, blamed on a holder that does not exist.
+
     Raises:
-        filelock.Timeout: not had within ``timeout`` seconds (``timeout < 0``: wait for ever).
+        filelock.Timeout: not had within ``timeout`` seconds (``timeout < 0``: wait for ever): another process holds it.
+        OSError: the lock file cannot be created or opened (``ENOENT``, ``EACCES``, ``EROFS``, ...), at once.
     """
+    if not os.path.lexists(path):
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, getattr(lock, "mode", 0o644)))
     started = time.monotonic()
     notice = LOCK_NOTICE_SECONDS
     while True:

@@ -18,6 +18,7 @@ by digest (``coldsnap pull`` stages this node's after the folder is in place).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -29,7 +30,13 @@ import filelock
 from coldsnap_core._io import fsync_dir, os_error, remove_tree, sha256_file
 from coldsnap_core.artifact.capsules import check_pinned_file, read_descriptor_bytes
 from coldsnap_core.cache.locks import acquire_logged
-from coldsnap_core.errors import ArtifactError, CapsulePinMismatchError, ConfigurationError, LockTimeoutError
+from coldsnap_core.errors import (
+    ArtifactError,
+    CapsulePinMismatchError,
+    ConfigurationError,
+    FileAccessError,
+    LockTimeoutError,
+)
 from coldsnap_core.format.content_ref import ContentRef
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, ArtifactDescriptor
 from coldsnap_core.stores.base import ARTIFACTS_DIRNAME, PayloadStore, PublishedArtifact, artifact_object
@@ -92,6 +99,7 @@ def pull_artifact(
         ArtifactError: ``dest`` holds another artifact (another ``artifact.json``): it is never replaced.
         ManifestError: the fetched ``artifact.json`` is malformed.
         LockTimeoutError: another pull of ``dest`` held the lock past ``lock_timeout_seconds``.
+        FileAccessError: the lock file beside ``dest`` cannot be created (names it and the errno), at once.
         StoreError, FileAccessError, InsufficientSpaceError: the store or the local file system failed.
     """
     if not str(dest).strip():
@@ -111,6 +119,14 @@ def pull_artifact(
         except filelock.Timeout as exc:
             raise LockTimeoutError(
                 f"another pull of this folder held its lock for {lock_timeout_seconds:g} s", file=lock_path
+            ) from exc
+        except OSError as exc:
+            name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+            raise FileAccessError(
+                f"cannot create the lock file of this pull beside {dest.name} ({name}: {exc.strerror or exc})",
+                file=lock_path,
+                remedy="pull into a folder this user can create files in (DIR of `coldsnap pull REF DIR`; for"
+                " COLDSNAP_ARTIFACT_DIR=REF, COLDSNAP_STATE_ROOT)",
             ) from exc
         held.callback(lock.release)
         with contextlib.suppress(OSError):

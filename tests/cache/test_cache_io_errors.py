@@ -27,6 +27,9 @@ from coldsnap_core.errors import (
 from coldsnap_core.format.verify import verify_blob_file, verify_pack_file
 from coldsnap_core.restore.staging import stage_payload
 from coldsnap_core.settings import COMMAND_SETTINGS, ColdsnapSettings
+from coldsnap_core.stores import artifact_ref
+from coldsnap_core.stores.local import LocalFolderStore
+from coldsnap_core.stores.publish import publish_native
 from tests.support.files import raised_without_blocking
 
 
@@ -204,3 +207,26 @@ def test_unexpected_os_error_names_both_files_and_keeps_the_cause() -> None:
     assert isinstance(error, FileAccessError) and error.__cause__ is cause
     assert error.file == "/a/x.partial" and "second file: /b/x.pack" in error.detail
     assert str(error).startswith("rule io failed: unexpected I/O error: Invalid cross-device link")
+
+
+# --- locks ---------------------------------------------------------------------------------------------
+
+
+def test_a_pull_whose_lock_file_cannot_be_created_fails_at_once_naming_it(
+    captured, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``coldsnap pull REF /proc/x``: the lock file beside DIR cannot be created (``/proc`` takes no new file:
+    ``ENOENT`` in an existing folder, which ``filelock`` retries as a holder's removed file): exit 4 at once with
+    rule ``io`` naming the lock file, the errno and one remedy. Fails if such a pull waits out
+    ``COLDSNAP_LOCK_TIMEOUT`` and then blames "another pull" (rule ``lock-timeout``, which the 30 s here would
+    give)."""
+    if not Path("/proc/self").is_dir():
+        pytest.skip("needs /proc")
+    store = LocalFolderStore(tmp_path / "store")
+    publish_native([captured.artifact_dir], store, PayloadCache(captured.capture_root), name="tiny")
+    monkeypatch.setenv("COLDSNAP_LOCK_TIMEOUT", "30")
+    dest = Path("/proc") / f"coldsnap-pull-{os.getpid()}"
+    assert coldsnap("pull", artifact_ref(str(tmp_path / "store"), store, "tiny"), dest, "--state-root", tmp_path / "s") == 4
+    err = capsys.readouterr().err
+    assert f"rule io failed: cannot create the lock file of this pull beside {dest.name} (ENOENT: " in err, err
+    assert f"[file=/proc/.{dest.name}.lock]" in err and err.count("; remedy: ") == 1 and "lock-timeout" not in err
