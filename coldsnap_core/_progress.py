@@ -7,8 +7,10 @@ line to ``emit`` (``print`` to stderr, ``logger.info``) instead of redrawing a b
     stage 3f2a9c0e1b2d: 1.31GB of 2.62GB (50%), 0.854 GB/s, ETA 00:02
     stage 3f2a9c0e1b2d: 2.62GB of 2.62GB (100%), 0.861 GB/s, done in 00:03
 
-A line is written when the progress starts, at the first update at least :data:`LINE_INTERVAL_SECONDS` after the
-previous line, and when it ends (tqdm's ``close``, with the overall average rate).
+A line is written when the progress starts (at its first ``update``, before counting it), at the first update at
+least :data:`LINE_INTERVAL_SECONDS` after the previous line, and when it ends (tqdm's ``close``, with the overall
+average rate). A progress that is never updated (the work found nothing to do: a trusted validation record, a pack
+already cached) writes no line at all, not a ``0%`` line followed by a ``stopped after`` one.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class ProgressLines(tqdm):
         self, desc: str, total_bytes: int | None, emit: Callable[[str], object], *, interval_s: float | None = None
     ) -> None:
         self._emit = emit
+        self._started = False  # no line until the first update
         super().__init__(
             desc=desc,
             total=total_bytes,
@@ -73,8 +76,14 @@ class ProgressLines(tqdm):
             disable=False,
         )
 
+    def update(self, n: float | None = 1) -> bool | None:
+        if not self._started:  # the first line, with what was done before this update (nothing)
+            self._started = True
+            self.display()
+        return super().update(n)
+
     def display(self, msg: str | None = None, pos: int | None = None) -> bool:
-        if msg == "":  # tqdm clearing its bar: nothing to clear in a log
+        if msg == "" or not self._started:  # tqdm clearing its bar (nothing to clear in a log), or nothing done yet
             return True
         d = self.format_dict
         final = self.disable  # close() disables the progress before its last display

@@ -42,7 +42,15 @@ from coldsnap_core.cache.records import last_full_verification, record_state
 from coldsnap_core.cli._output import add_json_option, error_json, print_json
 from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.digests import check_digest
-from coldsnap_core.errors import EXIT_INTEGRITY, EXIT_OTHER, CacheError, ColdsnapError, IntegrityError, MissingObjectError
+from coldsnap_core.errors import (
+    EXIT_INTEGRITY,
+    EXIT_OTHER,
+    CacheError,
+    ColdsnapError,
+    IntegrityError,
+    InvalidDigestError,
+    MissingObjectError,
+)
 from coldsnap_core.outcomes import read_outcomes
 
 
@@ -319,10 +327,38 @@ def _verify(args: argparse.Namespace) -> int:
     return code
 
 
+SHORT_DIGEST_MIN_CHARS = 12
+"""The fewest leading hex characters of a digest ``cache rm`` takes for it (the logs print 12)."""
+
+
+def _digest_named(cache: PayloadCache, given: str) -> str:
+    """The digest ``given`` names: itself, or the one cached pack's digest it starts (at least
+    :data:`SHORT_DIGEST_MIN_CHARS` lowercase hex characters, as the logs and ``cache ls`` print it).
+
+    Raises:
+        InvalidDigestError: ``given`` is neither (no file touched), or it starts more than one cached digest (named).
+        MissingObjectError: it starts no cached digest.
+    """
+    if len(given) >= 64 or not re.fullmatch(f"[0-9a-f]{{{SHORT_DIGEST_MIN_CHARS},}}", given):
+        return check_digest(given)
+    matches = [d for d in cache.digests() if d.startswith(given)]
+    if len(matches) > 1:
+        raise InvalidDigestError(
+            f"{given} starts {len(matches)} cached packs' digests: {', '.join(matches)}",
+            remedy="give more of the digest, enough to name one pack",
+        )
+    if not matches:
+        raise MissingObjectError(
+            f"no pack in the node-local cache has a digest starting {given} (coldsnap cache ls lists the packs)",
+            file=cache.objects_dir,
+        )
+    return matches[0]
+
+
 def _rm(args: argparse.Namespace) -> int:
     cache = _existing_cache(args)
     _refuse_another_users_state_root(cache, "rm")
-    pack = remove_pack(cache, args.digest, force=args.force)
+    pack = remove_pack(cache, _digest_named(cache, args.digest), force=args.force)
     if args.json:
         removed = {**_pack_json(pack), "was_in_use": pack.in_use}
         print_json({"state_root": str(cache.state_root), "removed": removed, "bytes_freed": pack.size_bytes})
@@ -436,10 +472,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "rm",
         parents=[state_root],
         help="remove one pack (its record and use file too); refuses a pack a running load holds",
-        description="Exit codes: 0 removed, 3 the digest is not in the cache, 4 invalid digest, the pack is in use"
+        description="Exit codes: 0 removed, 3 the digest is not in the cache, 4 invalid digest (or a short one that"
+        " starts several cached digests, named), the pack is in use"
         " (rule pack-in-use; --force removes it anyway), symlink or other error.",
     )
-    rm.add_argument("digest", metavar="DIGEST", help="the pack's SHA-256")
+    rm.add_argument(
+        "digest",
+        metavar="DIGEST",
+        help="the pack's SHA-256, or its first 12 or more hex characters (as the logs print it) when no other pack's starts so",
+    )
     rm.add_argument(
         "--force",
         action="store_true",

@@ -128,8 +128,8 @@ def add_host_options(p: argparse.ArgumentParser, verb: str) -> None:
 
 
 def _stage_one(pack: PackRef, cache: PayloadCache, store: PayloadStore | None, fetched: set[str]) -> Path:
-    """Stage ``pack`` with a progress over the bytes it will read: none on a trusted validation record, the pack once
-    when it is cached (hashed), twice when it must be fetched (written, and hashed as it lands). Adds its digest to
+    """Stage ``pack`` with a progress over the bytes it verifies: none on a trusted validation record, else the pack
+    once (hashed where it is cached, or as it lands when it must be fetched). Adds its digest to
     ``fetched`` when the store was asked for it (the cache lacked it, or held a corrupt copy)."""
     try:
         trusted = record_state(cache, pack.sha256) == "trusted"
@@ -140,7 +140,7 @@ def _stage_one(pack: PackRef, cache: PayloadCache, store: PayloadStore | None, f
     if trusted:
         return stage_payload(pack, cache=cache, store=store, fetched=contacted)
     desc = f"stage {pack.sha256[:12]}" + ("" if cached else " (fetch and hash)")
-    with byte_bar(desc, pack.size_bytes * (1 if cached else 2)) as update:
+    with byte_bar(desc, pack.size_bytes) as update:
         return stage_payload(pack, cache=cache, store=store, progress=update, fetched=contacted)
 
 

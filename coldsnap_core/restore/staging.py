@@ -94,8 +94,8 @@ def stage_payload(
         pack: digest, size (bytes) and derived path of the pack.
         cache: the node-local cache.
         store: where to fetch a missing (or quarantined) pack from; ``None``: the cache only.
-        progress: called with a number of bytes after each chunk copied or hashed (a fetch reports
-            each byte twice: once copied, once verified).
+        progress: called with a number of bytes after each chunk verified (hashed; a fetch reports each byte once,
+            as it is hashed while it lands).
         fetched: called with a number of bytes after each chunk the store wrote (fetched bytes only; one call
             at a time).
         layout, extent_owner: the pinned manifest's canonical layout and its map of a stored extent to one
@@ -148,8 +148,9 @@ def _fetch_watch(
     pack: PackRef, store: PayloadStore, progress: Callable[[int], object] | None, fetched: Callable[[int], object] | None
 ) -> Iterator[tuple[Callable[[int], object], Callable[[int], object]]]:
     """Two progress callbacks, ``(counted, hashed)``: ``counted`` for ``store.fetch`` counts the bytes written (and
-    passes them on to ``progress`` and ``fetched``), ``hashed`` passes the bytes hashed on to ``progress``, one call
-    at a time across both. While the fetch runs it logs at INFO: a progress line (bytes, GB/s, ETA;
+    passes them on to ``fetched``), ``hashed`` passes the bytes hashed on to ``progress`` (so each byte counts once
+    there, and its rate is the pack's), one call at a time across both. While the fetch runs it logs at INFO: a
+    progress line (bytes, GB/s, ETA;
     :class:`coldsnap_core._progress.ProgressLines`) when it starts, at least every 10 s while bytes arrive and when
     it ends, and one line after every :data:`FETCH_NOTICE_INTERVAL_S` without a byte written: the pack, the store,
     the bytes so far and how long nothing arrived."""
@@ -158,6 +159,7 @@ def _fetch_watch(
     done = threading.Event()
     started = time.monotonic()
     lines = ProgressLines(f"coldsnap: fetching pack {pack.sha256} from {store.name}", pack.size_bytes, logger.info)
+    lines.update(0)  # its first line now: the fetch starts, whenever its first bytes come
 
     def counted(n: int) -> None:
         with lock:  # a ranged store reports from several threads; the counts and the progress line are updated once each
@@ -166,8 +168,6 @@ def _fetch_watch(
             lines.update(n)
             if fetched is not None:
                 fetched(n)
-            if progress is not None:
-                progress(n)
 
     def hashed(n: int) -> None:
         if progress is not None:

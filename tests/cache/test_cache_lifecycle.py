@@ -201,3 +201,28 @@ def test_ls_names_the_artifacts_that_use_each_pack(captured, tmp_path: Path) -> 
     }
     code, doc = cli("cache", "ls", "--state-root", str(cache.state_root), "--artifact", str(captured.artifact_dir))
     assert {o["digest"]: o["artifacts"] for o in doc["objects"]}[captured.pack.sha256] == [str(captured.artifact_dir)]
+
+
+def test_rm_takes_a_unique_short_digest_as_the_logs_print_it_and_names_the_packs_of_an_ambiguous_one(
+    tmp_path: Path, capsys
+) -> None:
+    """``cache rm`` with the first 12 (or more) hex characters of a digest, as the logs and ``cache ls`` print it,
+    removes the one pack whose digest starts so; a prefix that starts two cached digests is refused naming both (exit
+    4, nothing removed), one that starts none is not in the cache (exit 3), and fewer than 12 characters are no
+    digest (exit 4). Fails if a short digest is refused (an operator then has to find the full one), or an ambiguous
+    one removes a pack."""
+    cache = PayloadCache(tmp_path / "state")
+    a = commit_pack(cache, 100, 1)
+    twin = a[:12] + ("1" if a[12] == "0" else "0") + a[13:]  # another cached name that starts with the same 12
+    (cache.objects_dir / f"{twin}.pack").write_bytes(b"")
+    state = ["--state-root", str(cache.state_root)]
+    assert main(["cache", "rm", a[:12], *state]) == 4
+    err = capsys.readouterr().err
+    assert f"rule digest-form failed: {a[:12]} starts 2 cached packs' digests: {min(a, twin)}, {max(a, twin)}" in err
+    assert err.count("; remedy: ") == 1 and sorted(cache.digests()) == sorted([a, twin])
+    assert main(["cache", "rm", a[:11], *state]) == 4
+    assert main(["cache", "rm", ("0" if a[0] != "0" else "1") * 12, *state]) == 3
+    capsys.readouterr()
+    assert main(["cache", "rm", a[:13], *state, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"]["digest"] == a
+    assert cache.digests() == [twin]

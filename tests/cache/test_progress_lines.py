@@ -94,3 +94,39 @@ def test_a_fetch_logs_progress_lines_at_info(captured, tmp_path: Path, caplog: p
     desc = f"coldsnap: fetching pack {pack.sha256} from {store.name}"
     assert len(lines) >= 2 and all(line.startswith(desc) for line in lines), lines
     assert lines[0].startswith(f"{desc}: 0.00B of") and " GB/s, done in " in lines[-1]
+
+
+def test_a_progress_never_updated_writes_no_line(captured, tmp_path: Path, capsys) -> None:
+    """Work that finds nothing to do (``cache verify`` of a pack with a trusted validation record) shows no progress:
+    no ``0%`` line then a ``stopped after`` one before its ``ok``. A progress updated once writes its first line
+    (0 bytes) then its last. Fails if a progress writes its first line when it is made rather than when work starts."""
+    lines: list[str] = []
+    with ProgressLines("hash", 100, lines.append, interval_s=3600.0):
+        pass
+    assert lines == []
+    with ProgressLines("hash", 100, lines.append, interval_s=3600.0) as progress:
+        progress.update(100)
+    assert [line.split(": ")[1].split(",")[0] for line in lines] == ["0.00B of 100B (0%)", "100B of 100B (100%)"]
+    pack = captured.pack
+    assert main(["cache", "verify", "--state-root", str(captured.capture_root)]) == 0
+    err = capsys.readouterr()
+    assert f"ok {pack.sha256} (trusted validation record)" in err.out
+    assert _stderr_lines(err.err) == []
+
+
+def test_a_fetch_counts_each_byte_once(captured, tmp_path: Path, capsys) -> None:
+    """A pack fetched from a store and hashed as it lands reports each byte once to the progress, so ``stage``'s last
+    line says the pack's size of the pack's size (100%) and its GB/s is the pack's rate. Fails if the bytes written
+    and the bytes hashed are both counted (the rate shown doubled, over a total of twice the pack)."""
+    store = LocalFolderStore(tmp_path / "store")
+    pack = captured.pack
+    store.upload(captured.pack_path, pack.sha256, pack.size_bytes)
+    reported: list[int] = []
+    stage_payload(pack, cache=PayloadCache(tmp_path / "node"), store=store, progress=reported.append)
+    assert sum(reported) == pack.size_bytes
+    assert (
+        main(["stage", str(captured.artifact_dir), "--repo", str(tmp_path / "store"), "--state-root", str(tmp_path / "b")]) == 0
+    )
+    last = _stderr_lines(capsys.readouterr().err)[-1]
+    size = f"{pack.size_bytes / 1e6:.2f}MB"
+    assert last.startswith(f"stage {pack.sha256[:12]} (fetch and hash): {size} of {size} (100%), "), last
