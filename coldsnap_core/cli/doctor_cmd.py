@@ -16,15 +16,21 @@ code  check           what it asks
                       answers and holds every pack this node would have to fetch
 13    ``target``      each of this host's capsules qualifies for this target, or this node holds an overlay or a
                       qualification record for it (what a restore selects: ``docs/format.md`` §15.4)
-14    ``model``       the checkpoint (``--model``, default the source the artifact records) matches the artifact's
-                      model identity as a restore checks it (``docs/format.md`` §10.1): present, the recorded files
-                      with their sizes, their SHA-256 by checkpoint record or their content fingerprint
-15    ``packs``       each pack is in the node-local cache with a trusted validation record, or can be fetched
+14    ``model``       the checkpoint (``--model``; default the folder the artifact records when it is on this node,
+                      else the artifact's ``model/`` folder, what ``coldsnap pull`` writes, else the recorded source)
+                      matches the artifact's model identity as a restore checks it (``docs/format.md`` §10.1):
+                      present, the recorded files with their sizes, their SHA-256 by checkpoint record or their
+                      content fingerprint
+15    ``packs``       each pack is in the node-local cache with a trusted validation record, or can be fetched; a
+                      staged pack whose record is not trusted is hashed now (a progress line on stderr), as the
+                      restore will: intact is a warning (the restore hashes it again), corrupt fails unless the
+                      store holds it (the restore then quarantines it and fetches it again: a warning)
 ====  ==============  ============================================================================================
 
 A check that needs what this installation lacks (torch for the target, the engine for its version: ``pip install
 coldsnap`` is the command without them) is a warning saying so, as is a restore that works but slower (a pack
-hashed in full or fetched at start). Warnings do not fail: exit 0 means no check failed. ``ARTIFACT`` that cannot
+hashed in full or fetched at start). Warnings do not fail: exit 0 means no check failed. Each line says one remedy:
+the check's own, in the place of the remedy of an error it quotes. ``ARTIFACT`` that cannot
 be read exits 2, 3 or 4 as for every command.
 
 With ``--user`` (a name or uid) and run as root, every check runs with that user's effective uid, gid and groups (as
@@ -56,11 +62,13 @@ from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import record_state
 from coldsnap_core.cli._extras import EXTRA_OF_MODULE, missing_dependency
 from coldsnap_core.cli._output import add_json_option, print_json
+from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.cli._targets import artifact_folder, restore_here
 from coldsnap_core.cli.stage_cmd import add_host_options, add_repo_option, store_of, this_host_entries
-from coldsnap_core.errors import ColdsnapError, ConfigurationError
-from coldsnap_core.format.descriptor import ArtifactDescriptor
+from coldsnap_core.errors import ColdsnapError, ConfigurationError, IntegrityError
+from coldsnap_core.format.descriptor import MODEL_DIRNAME, ArtifactDescriptor
 from coldsnap_core.format.manifest import PackRef
+from coldsnap_core.format.verify import verify_pack_file
 from coldsnap_core.identity.checkpoint_records import CheckpointRecords
 from coldsnap_core.identity.model_folder import holds_weight_files
 from coldsnap_core.identity.model_identity import LoadedModel, check_model_identity
@@ -113,6 +121,11 @@ class Check:
 
     def to_json(self) -> dict[str, object]:
         return {"check": self.check, "status": self.status, "message": self.message, "remedy": self.remedy}
+
+
+def _without_remedy(exc: ColdsnapError) -> str:
+    """``exc``'s message without its ``; remedy: ...``: a check's line quotes it and says its own one remedy."""
+    return str(exc).removesuffix(f"; remedy: {exc.remedy}") if exc.remedy else str(exc)
 
 
 def _cannot_tell(check: str, module: str, what: str) -> Check:
@@ -197,7 +210,9 @@ def state_root_check(cache: PayloadCache, uid: int) -> Check:
         cache.check_dirs()  # a symbolic link or a file where a cache folder belongs
         present = [(folder, st) for folder in folders if (st := lstat_or_none(folder)) is not None]
     except ColdsnapError as exc:
-        return Check("state-root", "failed", str(exc), "replace the link or file by a real folder owned by the engine's user")
+        return Check(
+            "state-root", "failed", _without_remedy(exc), "replace the link or file by a real folder owned by the engine's user"
+        )
     if not present:
         parent = next(p for p in cache.state_root.parents if lstat_or_none(p) is not None)
         return Check(
@@ -243,7 +258,7 @@ def pack_states(cache: PayloadCache, packs: Sequence[PackRef]) -> dict[str, str]
             present = lstat_or_none(cache.object_path(pack.sha256)) is not None
             states[pack.sha256] = record_state(cache, pack.sha256) if present else "absent"
         except ColdsnapError as exc:
-            states[pack.sha256] = f"unusable: {exc}"
+            states[pack.sha256] = f"unusable: {_without_remedy(exc)}"
     return states
 
 
@@ -253,7 +268,9 @@ def store_check(
     """Whether the store (or the error its setting raised) answers and holds the packs; returns the check and the
     digests it holds."""
     if isinstance(store, ColdsnapError):
-        return Check("store", "failed", str(store), "correct --repo, COLDSNAP_PAYLOAD_REPO or COLDSNAP_PAYLOAD_DIR"), set()
+        return Check(
+            "store", "failed", _without_remedy(store), "correct --repo, COLDSNAP_PAYLOAD_REPO or COLDSNAP_PAYLOAD_DIR"
+        ), set()
     if store is None:
         return Check(
             "store",
@@ -267,7 +284,7 @@ def store_check(
         return Check(
             "store",
             "failed",
-            f"{store.name} did not answer: {exc}",
+            f"{store.name} did not answer: {_without_remedy(exc)}",
             "check the store's address, credentials and network from this node (--repo, COLDSNAP_PAYLOAD_REPO,"
             " COLDSNAP_PAYLOAD_DIR)",
         ), set()
@@ -284,19 +301,14 @@ def store_check(
     ), held
 
 
-def pack_check(pack: PackRef, state: str, store: PayloadStore | None, held: set[str]) -> Check:
-    """One distinct pack (its :func:`pack_states` ``state``): staged and trusted, staged but to be hashed, to be
-    fetched, or unavailable."""
+def pack_check(pack: PackRef, state: str, store: PayloadStore | None, held: set[str], cache: PayloadCache) -> Check:
+    """One distinct pack (its :func:`pack_states` ``state``): staged and trusted, staged without a trusted record
+    (:func:`untrusted_pack_check`), to be fetched, or unavailable."""
     subject = f"pack {pack.sha256} ({pack.size_bytes} bytes)"
     if state == "trusted":
         return Check("packs", "ok", f"{subject} is staged, with a trusted validation record")
     if state.startswith("untrusted"):
-        return Check(
-            "packs",
-            "warning",
-            f"{subject} is staged but its validation record is {state}: a restore hashes it in full first",
-            "coldsnap stage ARTIFACT as the engine's user (it writes the record)",
-        )
+        return untrusted_pack_check(pack, state, store if store is not None and pack.sha256 in held else None, cache)
     if store is not None and pack.sha256 in held:
         return Check(
             "packs", "warning", f"{subject} is not staged: a restore fetches it from {store.name}", "coldsnap stage ARTIFACT"
@@ -307,6 +319,35 @@ def pack_check(pack: PackRef, state: str, store: PayloadStore | None, held: set[
         "failed",
         f"{subject} is {state} in the node-local cache and {where}",
         "coldsnap stage ARTIFACT --repo STORE (a store that holds it), or publish it there first",
+    )
+
+
+def untrusted_pack_check(pack: PackRef, state: str, store: PayloadStore | None, cache: PayloadCache) -> Check:
+    """A staged pack whose validation record is not trusted (``state`` says why): hashed in full now, as the restore
+    will (with a progress line on stderr; nothing is written), and reported intact (a warning: the restore hashes it
+    again), or corrupt: a warning when ``store`` (one that holds it) lets the restore quarantine it and fetch it
+    again, else failed."""
+    subject = f"pack {pack.sha256} ({pack.size_bytes} bytes)"
+    try:
+        with byte_bar(f"verify {pack.sha256[:12]}", pack.size_bytes) as update:
+            verify_pack_file(cache.object_path(pack.sha256), pack, progress=update)
+    except IntegrityError as exc:
+        found = f"{subject} is staged but corrupt ({_without_remedy(exc)}): a restore quarantines it"
+        restage = "coldsnap stage ARTIFACT" + ("" if store is not None else " --repo STORE (a store that holds it)")
+        remedy = f"{restage}: it quarantines the corrupt copy and fetches the pack again"
+        if store is not None:
+            return Check("packs", "warning", f"{found} and fetches it again from {store.name}", remedy)
+        return Check("packs", "failed", f"{found} and no payload store provides it again", remedy)
+    except ColdsnapError as exc:
+        return Check(
+            "packs", "failed", f"{subject} is staged but cannot be read: {_without_remedy(exc)}", "let the engine's user read it"
+        )
+    return Check(
+        "packs",
+        "warning",
+        f"{subject} is staged and intact (hashed in full now), but its validation record is {state}: a restore hashes"
+        " it in full first",
+        "coldsnap stage ARTIFACT as the engine's user (it writes the record)",
     )
 
 
@@ -344,12 +385,27 @@ def target_checks(
     return checks
 
 
-def model_check(descriptor: ArtifactDescriptor, args: argparse.Namespace, records: CheckpointRecords | None, file: Path) -> Check:
-    """The checkpoint the engine would load (``--model``, else the recorded source) against the artifact's model
-    identity, as a restore checks it (without the engine: its configuration digest and file list are checked when it
-    starts); a folder without weight files by the artifact's pinned model files."""
+def model_source(descriptor: ArtifactDescriptor, artifact_dir: Path, given: str | None) -> str:
+    """The checkpoint the engine would load: ``--model`` (``given``); else the folder the artifact records when it is
+    a folder on this node (the export host, or a node that mounts the checkpoint there); else the artifact's
+    ``model/`` folder when it has one (a pulled node: ``coldsnap pull`` writes it, and the engine serves it); else the
+    recorded source."""
+    if given:
+        return os.path.expanduser(given)
+    recorded = descriptor.model.source
+    pulled = artifact_dir / MODEL_DIRNAME
+    if not os.path.isdir(recorded) and pulled.is_dir():
+        return str(pulled)
+    return recorded
+
+
+def model_check(
+    descriptor: ArtifactDescriptor, source: str, revision: str | None, records: CheckpointRecords | None, file: Path
+) -> Check:
+    """The checkpoint the engine would load (``source``: :func:`model_source`) against the artifact's model identity,
+    as a restore checks it (without the engine: its configuration digest and file list are checked when it starts); a
+    folder without weight files by the artifact's pinned model files."""
     recorded = descriptor.model
-    source = os.path.expanduser(args.model) if args.model else recorded.source
     remedy = "start the engine with the checkpoint the artifact was captured from (--model PATH here), or capture anew"
     if os.path.isabs(source) and not os.path.isdir(source):
         return Check(
@@ -360,15 +416,15 @@ def model_check(descriptor: ArtifactDescriptor, args: argparse.Namespace, record
         )
     try:
         absent = os.path.isdir(source) and not holds_weight_files(Path(source))
-        loaded = LoadedModel.from_config(source, args.revision, checkpoint_files=[] if absent else None)
+        loaded = LoadedModel.from_config(source, revision, checkpoint_files=[] if absent else None)
         verify = ColdsnapSettings.resolve(rows=tuple(s for s in SETTINGS if s.key == "verify_checkpoint"))[0].verify_checkpoint
         check_model_identity(
             recorded, loaded, file=str(file), records=records, verify_checkpoint=verify, model_files=descriptor.pinned_model_files
         )
     except ColdsnapError as exc:
-        return Check("model", "failed", str(exc), remedy)
+        return Check("model", "failed", _without_remedy(exc), remedy)
     except OSError as exc:  # a checkpoint file the engine's user cannot read, as the engine would fail on it
-        return Check("model", "failed", str(unexpected_os_error(exc)), "let the engine's user read the checkpoint")
+        return Check("model", "failed", _without_remedy(unexpected_os_error(exc)), "let the engine's user read the checkpoint")
     what = f"{len(recorded.files)} checkpoint file(s)" if loaded.folder is not None else f"commit {loaded.revision}"
     if loaded.checkpoint_absent:
         what = f"no checkpoint weights (every model byte from the pack); {len(descriptor.pinned_model_files)} model file(s)"
@@ -442,8 +498,10 @@ def diagnose(args: argparse.Namespace, uid: int, store: PayloadStore | ColdsnapE
         state_root,
         store_line,
         *target_checks(artifact_dir, descriptor, capsules, cache.state_root),
-        model_check(descriptor, args, records, artifact_dir / "artifact.json"),
-        *(pack_check(p, states[p.sha256], None if isinstance(store, ColdsnapError) else store, held) for p in packs),
+        model_check(
+            descriptor, model_source(descriptor, artifact_dir, args.model), args.revision, records, artifact_dir / "artifact.json"
+        ),
+        *(pack_check(p, states[p.sha256], None if isinstance(store, ColdsnapError) else store, held, cache) for p in packs),
     ]
 
 
@@ -499,7 +557,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--model",
         default=None,
         metavar="PATH",
-        help="the checkpoint the engine loads: its --model, a folder or a repository id (default: the artifact's source)",
+        help="the checkpoint the engine loads: its --model, a folder or a repository id (default: the artifact's source"
+        " folder when it is on this node, else the artifact's model/ folder, else its source)",
     )
     p.add_argument("--revision", default=None, help="the engine's --revision of a repository id (default: main)")
     p.add_argument("--user", default=None, help="the engine's user, a name or uid (default: this one; another needs root)")

@@ -223,13 +223,19 @@ def test_a_capsule_captured_on_another_target_exits_13(tmp_path: Path, tiny_chec
 @pytest.mark.vllm
 def test_a_changed_checkpoint_exits_14(node: Node, other_checkpoint: Path, capsys) -> None:
     """The checkpoint file was replaced by another fine-tune's (same name, same size, other bytes): exit 14 naming the
-    file; the other checkpoint given as ``--model`` likewise; a folder that is gone says so. Fails if doctor does not
-    run the restore's model identity check."""
+    file, with one remedy (the error's own is left out of the message); the other checkpoint given as ``--model``
+    likewise; a folder that is gone says so. Fails if doctor does not run the restore's model identity check, or its
+    line says two remedies."""
     shutil.copyfile(other_checkpoint / "model.safetensors", node.checkpoint / "model.safetensors")
     code, doc = doctor(capsys, node.args())
     assert code == CHECK_EXIT_CODES["model"] == 14, doc
     (model,) = failed(doc)
     assert model["check"] == "model" and "model-identity" in model["message"] and "model.safetensors" in model["message"]
+    # one remedy, the check's own (the message quotes the error without the error's remedy)
+    assert "remedy" not in model["message"] and model["remedy"].startswith("start the engine with the checkpoint")
+    assert main(node.args()) == 14
+    (line,) = [t for t in capsys.readouterr().out.splitlines() if t.startswith("FAILED  model:")]
+    assert line.count("remedy:") == 1, line
     code, doc = doctor(capsys, node.args("--model", other_checkpoint))
     assert code == 14 and "content fingerprint" in failed(doc)[0]["message"], doc
     shutil.rmtree(node.checkpoint)
@@ -342,3 +348,68 @@ def test_an_invalid_store_reference_fails_the_store_check(tmp_path: Path, tiny_c
     (store,) = failed(doc)
     assert store["check"] == "store" and "is not an S3 bucket name" in store["message"]
     assert statuses(doc)["packs"] == {"ok"}
+
+
+@pytest.mark.vllm
+def test_a_pulled_node_checks_the_artifacts_model_folder_by_default(node: Node, capsys) -> None:
+    """A pulled node: the artifact holds ``model/`` (the model's non-weight files, pinned) and the folder the
+    artifact was captured from is not on this node. Without ``--model`` the model check is the artifact's ``model/``
+    folder (what the engine serves there): ok, every model byte from the pack. Fails if doctor checks the export
+    host's checkpoint path by default (exit 14: "does not exist on this node")."""
+    from coldsnap_core.artifact.model_files import attach_model_files
+
+    (node.checkpoint / "config.json").write_text('{"model_type": "llama"}')  # a non-weight file of the model
+    assert attach_model_files(node.artifact, node.checkpoint)
+    shutil.rmtree(node.checkpoint)
+    code, doc = doctor(capsys, node.args())
+    assert code == 0, failed(doc)
+    (model,) = [c for c in doc["checks"] if c["check"] == "model"]
+    assert model["status"] == "ok" and model["message"].startswith(f"{node.artifact / 'model'}: no checkpoint weights")
+
+
+def _untrusted(node: Node, *, corrupt: bool) -> None:
+    """Remove the pack's validation record (a restore then hashes the pack in full); with ``corrupt``, flip a byte."""
+    objects = node.state_root / "model-payloads" / "sha256"
+    (objects / f"{node.pack_sha256}.pack.record").unlink()
+    if corrupt:
+        pack = objects / f"{node.pack_sha256}.pack"
+        pack.chmod(0o644)
+        data = bytearray(pack.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        pack.write_bytes(bytes(data))
+
+
+@pytest.mark.vllm
+def test_a_staged_pack_without_a_trusted_record_is_hashed_and_reported_intact(node: Node, capsys) -> None:
+    """A staged pack whose validation record is gone: doctor hashes it now (a progress line on stderr), says it is
+    intact and that a restore hashes it again (a warning, exit 0), and writes no record. Fails if doctor reports such
+    a pack ready without reading it (a corrupt one was then found only by the start)."""
+    _untrusted(node, corrupt=False)
+    code, doc = doctor(capsys, node.args())
+    assert code == 0, doc
+    (packs,) = [c for c in doc["checks"] if c["check"] == "packs"]
+    assert packs["status"] == "warning" and "is staged and intact (hashed in full now)" in packs["message"], packs
+    assert main(node.args()) == 0
+    err = capsys.readouterr().err
+    assert f"verify {node.pack_sha256[:12]}: " in err and "done in" in err
+    assert not (node.state_root / "model-payloads" / "sha256" / f"{node.pack_sha256}.pack.record").exists()
+
+
+@pytest.mark.vllm
+def test_a_corrupt_staged_pack_fails_without_a_store_and_warns_with_one(node: Node, capsys) -> None:
+    """A staged pack without a trusted record and with a flipped byte: with no payload store doctor fails the packs
+    check (exit 15, "not ready") naming the corruption and the rule; with a store that holds the pack it is a warning
+    (the restore quarantines it and fetches it again). Each line says one remedy. Fails if doctor says "ready" for a
+    pack the start would refuse."""
+    _untrusted(node, corrupt=True)
+    args = ["doctor", str(node.artifact), "--state-root", str(node.state_root)]
+    code, doc = doctor(capsys, args)
+    assert code == CHECK_EXIT_CODES["packs"] == 15, doc
+    (packs,) = failed(doc)
+    assert packs["check"] == "packs" and "is staged but corrupt (rule pack-sha256 failed" in packs["message"], packs
+    assert "remedy" not in packs["message"] and "--repo STORE" in packs["remedy"]
+    assert main(args) == 15 and capsys.readouterr().out.splitlines()[-1].startswith("not ready: packs failed")
+    code, doc = doctor(capsys, node.args())
+    assert code == 0, doc
+    (packs,) = [c for c in doc["checks"] if c["check"] == "packs"]
+    assert packs["status"] == "warning" and "fetches it again from" in packs["message"], packs
