@@ -22,7 +22,7 @@ import contextlib
 import hashlib
 import os
 import stat
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -512,10 +512,11 @@ def _raise_wrong_manifest(
         )
 
 
-def check_pack_padding(path: str | os.PathLike[str], layout: PackLayout) -> None:
+def check_pack_padding(path: str | os.PathLike[str], layout: PackLayout, runs: Iterable[tuple[int, int]] | None = None) -> None:
     """Read only the padding runs of an (already admitted) pack and require zeros.
 
-    The padding is less than 4096 bytes per stored extent, so this reads a few KiB per extent.
+    The padding is less than 4096 bytes per stored extent, so this reads a few KiB per extent. ``runs``: only these
+    ``(offset_bytes, size_bytes)`` runs (default: every one of ``layout``; a fetch checks each as it lands).
 
     Raises:
         MissingObjectError: no file at ``path``.
@@ -529,7 +530,7 @@ def check_pack_padding(path: str | os.PathLike[str], layout: PackLayout) -> None
     except OSError as exc:
         raise os_error("cannot open the pack", exc, path) from exc
     try:
-        for start, size in layout.padding_ranges():
+        for start, size in layout.padding_ranges() if runs is None else runs:
             try:
                 data = os.pread(fd, size, start)
             except OSError as exc:

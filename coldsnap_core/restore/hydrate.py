@@ -219,6 +219,48 @@ def hydrate_admitted(
     )
 
 
+def hydrate_residual(
+    manifest: NativeManifest,
+    *,
+    blob_path: Path,
+    allocations: Sequence[LiveAllocation],
+    backend: CopyBackend,
+    pack_seconds: float,
+) -> HydrationReport:
+    """After a one-pass fetch (:class:`coldsnap_core.restore.staging.LandedFill`) copied and verified every model
+    extent and committed the pack in ``pack_seconds``: verify the residual blob (size, SHA-256) and copy its extents.
+
+    Raises:
+        ResidualSizeMismatchError, ResidualDigestMismatchError, MissingObjectError, NotRegularFileError,
+        FileAccessError: the blob is corrupt, missing or unreadable (the allocations hold the pack's extents only).
+        CopyBackendError: a read of the blob failed during the copy.
+    """
+    started = time.perf_counter()
+    with pinned_file(blob_path, "residual blob") as opened:
+        verify_blob_file(blob_path, manifest.residual, opened=opened)
+        checked = time.perf_counter()
+        try:
+            residual = [op for op in plan_hydration(manifest) if op.source == "blob"]
+            backend.fill(residual, {"blob": Path(opened)}, allocations, verify_extents=False)
+        except ColdsnapError as exc:
+            exc.renaming_file({opened: str(blob_path)})
+            raise
+    report = HydrationReport(
+        manifest.model_bytes, manifest.residual_bytes, checked - started, pack_seconds + time.perf_counter() - checked
+    )
+    logger.info(
+        "coldsnap: hydrated %s: %d bytes from pack %s as it was fetched, %d from the residual blob (checks %.3f s,"
+        " fetch and copy %.3f s)",
+        manifest.worker.capsule_name,
+        report.model_bytes,
+        manifest.pack.sha256[:12],
+        report.residual_bytes,
+        report.check_seconds,
+        report.copy_seconds,
+    )
+    return report
+
+
 def _verify_and_fill(
     manifest: NativeManifest,
     layout: PackLayout,

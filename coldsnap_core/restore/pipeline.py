@@ -80,9 +80,9 @@ from coldsnap_core.format.verify import check_live_layout, check_manifest, exten
 from coldsnap_core.identity.checkpoint_records import CheckpointRecords
 from coldsnap_core.identity.model_identity import LoadedModel, check_model_identity
 from coldsnap_core.identity.target import ENGINE_NONE, collect_target
-from coldsnap_core.restore.hydrate import AdmittedPack, HydrationReport, hydrate_admitted
+from coldsnap_core.restore.hydrate import AdmittedPack, HydrationReport, hydrate_admitted, hydrate_residual, plan_hydration
 from coldsnap_core.restore.overlay import Selection, select_capsule
-from coldsnap_core.restore.staging import stage_payload
+from coldsnap_core.restore.staging import FillAsLanded, stage_payload
 from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_core.stores import from_settings as store_from_settings
 from coldsnap_core.stores.base import PayloadStore
@@ -318,7 +318,20 @@ class WorkerRestore:
         layout = check_manifest(manifest, file=manifest_file)
         # held from admission (or staging) until the copy ends: `coldsnap cache rm` and gc leave the pack
         with hold_pack(self.cache, manifest.pack.sha256):
-            pack_path = self._admit(manifest, layout, manifest_file)
+            ops = [op for op in plan_hydration(manifest) if op.source == "pack"]
+            onepass = FillAsLanded(
+                ops, lambda ops, pack: backend.fill(ops, {"pack": pack}, allocations.live, verify_extents=True)
+            )
+            pack_path = self._admit(manifest, layout, manifest_file, onepass)
+            if onepass.filled:
+                assert self.stage_seconds is not None
+                return hydrate_residual(
+                    manifest,
+                    blob_path=capsule.blob_path,
+                    allocations=allocations.live,
+                    backend=backend,
+                    pack_seconds=self.stage_seconds,
+                )
             try:
                 return hydrate_admitted(
                     manifest,
@@ -337,10 +350,11 @@ class WorkerRestore:
                     self.pack_unavailable = True
                 raise
 
-    def _admit(self, manifest: NativeManifest, layout: PackLayout, manifest_file: str) -> Path:
+    def _admit(self, manifest: NativeManifest, layout: PackLayout, manifest_file: str, onepass: FillAsLanded) -> Path:
         """Step 6: the cache admits the pack once (record or full verification with the layout;
         quarantine on failure, reported in the loader's fallback line rather than a second WARNING);
-        only a pack the cache lacks goes to the payload store."""
+        only a pack the cache lacks goes to the payload store, whose fetch fills the allocations as it lands
+        (``onepass``)."""
         pack = manifest.pack
         try:
             try:
@@ -353,7 +367,7 @@ class WorkerRestore:
                     log_quarantine=False,
                 )
             except MissingObjectError:
-                return self._stage(manifest, layout)
+                return self._stage(manifest, layout, onepass)
         except PayloadUnavailableError as exc:
             self.pack_unavailable = True
             if "remedy" not in vars(exc):  # the raise site knew none better than the class's: name this artifact
@@ -378,10 +392,11 @@ class WorkerRestore:
         )
         return f"stage the pack on this node: `coldsnap stage {self.artifact_dir} --repo STORE`, {where}"
 
-    def _stage(self, manifest: NativeManifest, layout: PackLayout) -> Path:
+    def _stage(self, manifest: NativeManifest, layout: PackLayout, onepass: FillAsLanded) -> Path:
         """:func:`~coldsnap_core.restore.staging.stage_payload` of the pack, timed (:attr:`stage_seconds`) and its
-        fetched bytes counted (:attr:`fetched_bytes`); a store's corrupt copy is refused naming its first bad extent
-        or padding byte (``layout``)."""
+        fetched bytes counted (:attr:`fetched_bytes`): a fetch checks each extent and padding run of ``layout`` and
+        copies the extents into the allocations as they land (``onepass``), and refuses a store's corrupt copy
+        naming its first bad extent or padding byte."""
         started = time.perf_counter()
         try:
             return stage_payload(
@@ -391,6 +406,7 @@ class WorkerRestore:
                 fetched=self._count_fetched,
                 layout=layout,
                 extent_owner=extent_owner_map(manifest),
+                fill=onepass,
             )
         finally:
             if self.store is not None:  # without a store the missing pack fails at once: nothing was staged

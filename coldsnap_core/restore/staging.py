@@ -27,6 +27,7 @@ Every path is derived from the digest alone; a :class:`PackRef` whose ``path`` i
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
 import logging
@@ -35,15 +36,18 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from coldsnap_core._io import HASH_CHUNK_BYTES, os_error
 from coldsnap_core._progress import ProgressLines
 from coldsnap_core.artifact.capsules import find_worker, read_descriptor, read_worker_capsule
 from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.copy.base import CopyOp
 from coldsnap_core.digests import check_digest, pack_relpath
 from coldsnap_core.errors import (
     CacheError,
+    ExtentDigestMismatchError,
     IntegrityError,
     MissingObjectError,
     PackDigestMismatchError,
@@ -54,12 +58,12 @@ from coldsnap_core.errors import (
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WorkerEntry
 from coldsnap_core.format.manifest import PackRef, WorkerIdentity
 from coldsnap_core.format.pack_layout import PackEntry, PackLayout
-from coldsnap_core.format.verify import verify_pack_file
+from coldsnap_core.format.verify import check_pack_padding, verify_pack_file
 from coldsnap_core.stores.base import PayloadStore
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["stage_artifact", "stage_payload", "worker_entries"]
+__all__ = ["FillAsLanded", "stage_artifact", "stage_payload", "worker_entries"]
 
 FETCH_NOTICE_INTERVAL_S = 10.0
 """Seconds a fetch may go without writing a byte before an INFO line says what it waits for (and again
@@ -87,6 +91,7 @@ def stage_payload(
     fetched: Callable[[int], object] | None = None,
     layout: PackLayout | None = None,
     extent_owner: Callable[[PackEntry], tuple[int | None, int | None]] | None = None,
+    fill: FillAsLanded | None = None,
 ) -> Path:
     """Return the admitted object path of ``pack`` in ``cache``, fetching it from ``store`` if needed.
 
@@ -102,6 +107,9 @@ def stage_payload(
             destination (:func:`coldsnap_core.format.verify.verify_pack_file`): a fetched object that does not
             hash to its name is then refused naming its first bad extent or padding byte; without them, naming
             the object only.
+        fill: with ``layout``, a fetch fills the allocations as the pack lands (:class:`LandedFill`): each stored
+            extent is copied into its allocations and its SHA-256 checked there once its bytes have all landed, each
+            padding run checked zero; ``fill.filled`` is then set. A cache hit leaves it unset (nothing copied).
 
     Returns:
         ``<state-root>/model-payloads/sha256/<sha256>.pack``, verified (record or full hash).
@@ -115,7 +123,7 @@ def stage_payload(
             failed; ``auto`` restore falls back on this too.
         IntegrityError: the cached object is corrupt and no store is configured (it is
             quarantined), or the store's object does not verify (nothing is kept; the error names
-            the store object).
+            the store object; with ``fill``, the allocations it was copied into are partly written).
         InsufficientSpaceError: the cache's file system filled up during a fetch (nothing is kept).
         UnsafePathError: a symbolic link at an object, record or lock path or a cache folder.
     """
@@ -140,7 +148,7 @@ def stage_payload(
             return cache.admit_locked(digest, pack.size_bytes, progress=progress)
         except (MissingObjectError, IntegrityError):
             pass  # absent, or corrupt and now quarantined: fetch it
-        return _fetch(pack, cache, store, progress, fetched, layout, extent_owner)
+        return _fetch(pack, cache, store, progress, fetched, layout, extent_owner, fill)
 
 
 @contextmanager
@@ -289,6 +297,129 @@ class LandedHash:
         self._result = digest.hexdigest()
 
 
+@dataclass
+class FillAsLanded:
+    """What a one-pass fetch fills while the pack lands (:class:`LandedFill`): the pack's copy ops (model extents,
+    :func:`coldsnap_core.restore.hydrate.plan_hydration`) and ``fill(ops, pack_path)``, which copies them out of the
+    file being fetched into the live allocations and checks each one's SHA-256 right after copying it (a copy
+    backend's ``fill`` with ``verify_extents=True``). ``filled`` turns true once the fetch committed the pack with
+    every op copied and verified; it stays false when the cache (another restorer) already held the pack."""
+
+    ops: Sequence[CopyOp]
+    fill: Callable[[Sequence[CopyOp], Path], object]
+    filled: bool = False
+
+
+class LandedFill:
+    """Checks and copies a pack as it is fetched into ``path``: once every byte of a stored extent (``layout``) has
+    landed, ``fill`` copies it into the allocations holding it and checks its SHA-256 there (all ops ready at that
+    moment go in one call, on the copy backend's threads); once a padding run has landed, its bytes are read and
+    required to be zero. Runs on its own thread; the first failure stops it, and every later :meth:`landed` raises
+    it, which stops the fetch."""
+
+    def __init__(self, path: Path, layout: PackLayout, fill: FillAsLanded) -> None:
+        by_offset: dict[int, list[CopyOp]] = {}
+        for op in fill.ops:
+            by_offset.setdefault(op.source_offset_bytes, []).append(op)
+        # (start, end, ops of the stored extent there; None: a padding run), in pack order
+        self._pending: list[tuple[int, int, list[CopyOp] | None]] = sorted(
+            [(e.offset_bytes, e.end_bytes, by_offset.get(e.offset_bytes, [])) for e in layout.entries]
+            + [(start, start + size, None) for start, size in layout.padding_ranges()]
+        )
+        self._path, self._layout, self._fill = path, layout, fill.fill
+        self._spans: list[tuple[int, int]] = []  # landed, merged, sorted
+        self._new: list[tuple[int, int]] = []
+        self._changed = threading.Condition()
+        self._closed = self._abandoned = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"coldsnap-fill-{path.name[:12]}", daemon=True)
+        self._thread.start()
+
+    def landed(self, offset_bytes: int, size_bytes: int) -> None:
+        """Bytes ``[offset_bytes, offset_bytes + size_bytes)`` are written. Raises the first failure found so far."""
+        with self._changed:
+            if self.error is not None:
+                raise self.error
+            self._new.append((offset_bytes, offset_bytes + size_bytes))
+            self._changed.notify()
+
+    def close(self, *, abandon: bool = False) -> None:
+        """The fetch is over: wait until every extent and padding run that landed is checked and copied (``abandon``:
+        stop before the next batch instead).
+
+        Raises:
+            IntegrityError: an extent's SHA-256 (:class:`~coldsnap_core.errors.ExtentDigestMismatchError`, naming the
+                allocation and offset) or a padding byte (:class:`~coldsnap_core.errors.NonZeroPaddingError`, naming
+                its pack offset) does not match (not with ``abandon``).
+            CacheError: the fetch ended before every extent landed.
+            CopyBackendError: a copy failed.
+        """
+        with self._changed:
+            self._closed, self._abandoned = True, abandon
+            self._changed.notify()
+        self._thread.join()
+        if abandon:
+            return
+        if self.error is not None:
+            raise self.error
+        if self._pending:
+            raise CacheError(f"the fetch ended with the pack range from offset {self._pending[0][0]} not landed", file=self._path)
+
+    def _run(self) -> None:
+        try:
+            while self._pending:
+                with self._changed:
+                    while not self._new and not self._closed:
+                        self._changed.wait()
+                    new, self._new = self._new, []
+                    if self._abandoned or not new:
+                        return
+                spans = self._spans = _merged(self._spans + new)
+                starts = [start for start, _ in spans]
+                ready, waiting = [], []
+                for item in self._pending:
+                    (ready if _covered(spans, starts, item[0], item[1]) else waiting).append(item)
+                self._pending = waiting
+                padding = [(start, end - start) for start, end, ops in ready if ops is None]
+                if padding:
+                    check_pack_padding(self._path, self._layout, padding)
+                ops = [op for _, _, extent_ops in ready if extent_ops for op in extent_ops]
+                if ops:
+                    try:
+                        self._fill(ops, self._path)
+                    except ExtentDigestMismatchError as exc:
+                        op = next(
+                            op for op in ops if (op.allocation_index, op.offset_bytes) == (exc.allocation, exc.offset_bytes)
+                        )
+                        raise ExtentDigestMismatchError(
+                            f"the extent stored at pack offset {op.source_offset_bytes} ({op.size_bytes} bytes) does not"
+                            f" match the manifest: {exc.detail}",
+                            file=exc.file,
+                            allocation=exc.allocation,
+                            offset_bytes=exc.offset_bytes,
+                        ) from exc
+        except BaseException as exc:  # handed to the fetch's threads by landed() and close()
+            with self._changed:
+                self.error = exc
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` as sorted, disjoint, non-touching spans."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _covered(spans: list[tuple[int, int]], starts: list[int], start: int, end: int) -> bool:
+    """Whether ``[start, end)`` lies within one of the merged ``spans`` (whose starts are ``starts``)."""
+    i = bisect.bisect_right(starts, start) - 1
+    return i >= 0 and spans[i][1] >= end
+
+
 def _fetch(
     pack: PackRef,
     cache: PayloadCache,
@@ -297,18 +428,35 @@ def _fetch(
     fetched: Callable[[int], object] | None,
     layout: PackLayout | None,
     extent_owner: Callable[[PackEntry], tuple[int | None, int | None]] | None,
+    fill: FillAsLanded | None = None,
 ) -> Path:
-    """Under the digest's lock: fetch ``pack`` into a temporary, hashed as it lands (:class:`LandedHash`), and
-    commit it with the validation record of that hash when it is the pack's name (else raise, keeping nothing)."""
+    """Under the digest's lock: fetch ``pack`` into a temporary, hashed as it lands (:class:`LandedHash`) and, with
+    ``fill`` (and ``layout``), checked and copied into the allocations extent by extent as it lands
+    (:class:`LandedFill`); commit it with the validation record of that hash when it is the pack's name (else raise,
+    keeping nothing)."""
     digest = pack.sha256
+    started = time.monotonic()
     with cache.temporary(digest) as (fd, temp):
         try:
             with _fetch_watch(pack, store, progress, fetched) as (counted, hashed):
                 hasher = LandedHash(temp, pack.size_bytes, hashed)
+                filler = LandedFill(temp, layout, fill) if fill is not None and layout is not None else None
+
+                def landed(offset_bytes: int, size_bytes: int) -> None:
+                    hasher.landed(offset_bytes, size_bytes)
+                    if filler is not None:
+                        filler.landed(offset_bytes, size_bytes)
+
                 try:
-                    store.fetch(digest, pack.size_bytes, fd, file=temp, progress=counted, landed=hasher.landed)
-                except BaseException:
+                    store.fetch(digest, pack.size_bytes, fd, file=temp, progress=counted, landed=landed)
+                    if filler is not None:
+                        filler.close()
+                except BaseException as exc:
                     hasher.close(abandon=True)
+                    if filler is not None:
+                        filler.close(abandon=True)
+                        if filler.error is not None and filler.error is not exc:
+                            raise filler.error from exc  # the store stopped on it: report the check that failed
                     raise
                 hasher.close()
         except StoreError as exc:
@@ -317,7 +465,24 @@ def _fetch(
                 file=exc.file,
                 remedy=exc.remedy,
             ) from exc
+        except IntegrityError as exc:
+            if exc.file != str(temp):
+                raise  # the store's own check (a truncated or extended object) names its object already
+            raise type(exc)(
+                f"{store.name} holds a corrupt copy of the pack: {exc.detail} (checked as it landed in the cache"
+                f" temporary {temp}; nothing was kept, and the allocations it was copied into are not restored)",
+                file=store.location(digest),
+                allocation=exc.allocation,
+                offset_bytes=exc.offset_bytes,
+            ) from exc
         sha256 = hasher.result()
+        if sha256 != digest and filler is not None:
+            raise PackDigestMismatchError(
+                f"every extent of {store.name}'s copy of the pack matched its SHA-256 in the manifest, its padding is"
+                f" zero and its size exact, but its SHA-256 is {sha256}, not the manifest's pack digest: the manifest's"
+                " pack digest disagrees with its own extents (or the object changed while it landed); nothing was kept",
+                file=store.location(digest),
+            )
         if sha256 != digest:
             try:
                 # the refused bytes are read once more, only to name the first bad extent or padding byte
@@ -332,7 +497,21 @@ def _fetch(
                     offset_bytes=exc.offset_bytes,
                 ) from exc
         path = cache.commit(fd, temp, sha256=sha256, size_bytes=pack.size_bytes, expected_sha256=digest)
-    logger.info("coldsnap: staged pack %s from %s (hashed as it landed)", digest, store.name)
+    seconds = max(time.monotonic() - started, 1e-9)
+    if filler is None:
+        logger.info("coldsnap: staged pack %s from %s (hashed as it landed)", digest, store.name)
+        return path
+    assert fill is not None
+    fill.filled = True
+    logger.info(
+        "coldsnap: restored pack %s from %s in one pass: %d bytes fetched, every extent checked and copied into the"
+        " allocations as it landed, in %.2f s, %.3f GB/s",
+        digest,
+        store.name,
+        pack.size_bytes,
+        seconds,
+        pack.size_bytes / seconds / 1e9,
+    )
     return path
 
 

@@ -1,6 +1,8 @@
-"""A fresh node's restore from a payload store: the pack is hashed as its bytes land in the cache's temporary
-(``coldsnap_core.restore.staging.LandedHash``) and committed with the validation record of that hash, on every
-store kind and its real server (``any_store``), with the engine-free tiny torch model of ``tests/restore``.
+"""A fresh node's restore from a payload store in one verified pass: as the pack's bytes land in the cache's temporary
+each stored extent is checked against the manifest and copied into its allocations and each padding run checked zero
+(``coldsnap_core.restore.staging.LandedFill``), the whole file is hashed in order (``LandedHash``) and committed with
+the validation record of that hash, on every store kind and its real server (``any_store``), with the engine-free
+tiny torch model of ``tests/restore``.
 
 Each test says which regression it catches; the kill and two-node tests run real processes (``onepass_child.py``).
 """
@@ -13,6 +15,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,10 +23,10 @@ from cache_support import assert_no_wrong_eligible_object, eligible_objects, run
 
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import record_state
-from coldsnap_core.copy.host import HostCopyBackend
+from coldsnap_core.copy.host import HostCopyBackend, host_view
 from coldsnap_core.copy.torch_allocations import enumerate_allocations
 from coldsnap_core.errors import ExtentDigestMismatchError, NonZeroPaddingError, PackDigestMismatchError, PackSizeMismatchError
-from coldsnap_core.format.manifest import PackRef
+from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME, PackRef
 from coldsnap_core.format.verify import check_manifest
 from coldsnap_core.restore import staging
 from coldsnap_core.restore.pipeline import restore_or_fall_back
@@ -58,14 +61,26 @@ def _restore(checkpoint: Path, tmp_path: Path, store, node: str = "node"):
     return restorer(checkpoint, tmp_path / "artifact", tmp_path / node, store=store), TinyModel()
 
 
+def _no_second_read(monkeypatch) -> None:
+    """Make the whole-file verifier of a fetched object fail the test if it runs: a one-pass fetch finds a bad extent
+    or padding byte as it lands."""
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the fetched pack was verified by a second whole-file read")
+
+    monkeypatch.setattr(staging, "verify_pack_file", refused)
+
+
 @pytest.mark.parametrize("which", ["first", "largest", "last"])
-def test_a_flipped_extent_byte_in_the_store_is_refused_naming_the_extent(any_store, tiny, tmp_path, which) -> None:
+def test_a_flipped_extent_byte_in_the_store_is_refused_naming_the_extent(any_store, tiny, tmp_path, which, monkeypatch) -> None:
     """One flipped byte of a stored extent in the store's object: the fetch refuses it with
     ExtentDigestMismatchError naming the store's object, the extent's pack offset and a destination allocation and
     offset; the node keeps nothing (no object, no temporary, no record) and the attempt says the pack is unavailable.
-    Fails if a fetched pack is only checked whole (PackDigestMismatchError, no extent named), or if anything of a
-    refused fetch stays in the cache."""
+    Fails if a fetched pack is only checked whole (PackDigestMismatchError, no extent named), if the extent is found
+    only by reading the fetched file again after it landed (the two-pass fetch), or if anything of a refused fetch
+    stays in the cache."""
     checkpoint, _, result, data = tiny
+    _no_second_read(monkeypatch)
     entries = check_manifest(result.manifest).entries
     entry = {"first": entries[0], "largest": max(entries, key=lambda e: e.size_bytes), "last": entries[-1]}[which]
     corrupt = bytearray(data)
@@ -76,17 +91,19 @@ def test_a_flipped_extent_byte_in_the_store_is_refused_naming_the_extent(any_sto
         attempt.run(enumerate_allocations(fresh), HostCopyBackend())
     assert info.value.file == any_store.store.location(result.manifest.pack.sha256)
     assert f"pack offset {entry.offset_bytes} ({entry.size_bytes} bytes)" in str(info.value)
+    assert "as it landed" in str(info.value)
     owners = {(e.allocation_index, e.offset_bytes) for e in result.manifest.model_extents if e.sha256 == entry.sha256}
     assert (info.value.allocation, info.value.offset_bytes) in owners
     assert attempt.pack_unavailable
     _nothing_kept(attempt.cache)
 
 
-def test_a_flipped_padding_byte_in_the_store_is_refused_naming_its_offset(any_store, tiny, tmp_path) -> None:
-    """A non-zero padding byte in the store's object is refused (NonZeroPaddingError naming its pack offset and the
-    store's object); nothing is kept. Fails if a fetched pack that does not hash to its name is refused without the
-    offset of its bad byte."""
+def test_a_flipped_padding_byte_in_the_store_is_refused_naming_its_offset(any_store, tiny, tmp_path, monkeypatch) -> None:
+    """A non-zero padding byte in the store's object is refused as it lands (NonZeroPaddingError naming its pack offset
+    and the store's object); nothing is kept. Fails if a fetched pack that does not hash to its name is refused
+    without the offset of its bad byte, or only by reading the fetched file again after it landed."""
     checkpoint, _, result, data = tiny
+    _no_second_read(monkeypatch)
     start, size = next(iter(check_manifest(result.manifest).padding_ranges()))
     corrupt = bytearray(data)
     corrupt[start + size - 1] = 0x7F
@@ -96,6 +113,7 @@ def test_a_flipped_padding_byte_in_the_store_is_refused_naming_its_offset(any_st
         attempt.run(enumerate_allocations(fresh), HostCopyBackend())
     assert info.value.offset_bytes == start + size - 1
     assert info.value.file == any_store.store.location(result.manifest.pack.sha256)
+    assert "as it landed" in str(info.value)
     _nothing_kept(attempt.cache)
 
 
@@ -115,24 +133,31 @@ def test_a_truncated_or_extended_store_object_is_refused(any_store, tiny, tmp_pa
     _nothing_kept(attempt.cache)
 
 
-def test_under_auto_a_refused_fetch_reports_no_allocation_restored(tiny, tmp_path) -> None:
-    """``restore_or_fall_back`` under ``auto`` with a store whose copy has a bad extent: the attempt is not reported
-    restored (no hydration report), the fallback is the extent's error, and the node keeps nothing. Fails if a load
-    from a corrupt store copy is reported restored, or its refusal names no extent."""
+@pytest.mark.parametrize("where", ["extent", "padding"])
+def test_under_auto_a_refused_fetch_reports_no_allocation_restored(tiny, tmp_path, where, monkeypatch) -> None:
+    """``restore_or_fall_back`` under ``auto`` with a store whose copy has a bad extent (or padding byte), found as it
+    lands while the allocations are being filled: the attempt is not reported restored (no hydration report), the
+    fallback is the extent's (padding's) error, and the node keeps nothing. Fails if a load from a corrupt store copy
+    is reported restored once its other extents were copied, or its refusal names no extent or offset."""
     checkpoint, _, result, data = tiny
-    entry = check_manifest(result.manifest).entries[0]
+    _no_second_read(monkeypatch)
+    layout = check_manifest(result.manifest)
     store = tmp_path / "store"
     path = store / result.manifest.pack.path
     path.parent.mkdir(parents=True)
     corrupt = bytearray(data)
-    corrupt[entry.offset_bytes] ^= 0x01
+    if where == "extent":
+        corrupt[layout.entries[-1].offset_bytes] ^= 0x01
+    else:
+        corrupt[next(iter(layout.padding_ranges()))[0]] = 0x01
     path.write_bytes(bytes(corrupt))
     extra = {"artifact_dir": str(tmp_path / "artifact"), "state_root": str(tmp_path / "node"), "payload_dir": str(store)}
     settings = ColdsnapSettings.resolve({}, {**extra, "restore": "auto"})[0]
     source = restorer(checkpoint, tmp_path / "artifact", tmp_path / "node").loaded
     outcome = restore_or_fall_back(TinyModel(), settings, RANK0, source)
     assert not outcome.restored and outcome.report is None
-    assert isinstance(outcome.fallback, ExtentDigestMismatchError)
+    assert isinstance(outcome.fallback, ExtentDigestMismatchError if where == "extent" else NonZeroPaddingError)
+    assert outcome.fallback.allocation is not None if where == "extent" else outcome.fallback.offset_bytes is not None
     _nothing_kept(PayloadCache(tmp_path / "node"))
 
 
@@ -161,33 +186,126 @@ def test_many_small_ranges_restore_every_byte_and_commit(ranged_store, tiny, tmp
     assert record_state(attempt.cache, digest) == "trusted" and attempt.cache.temporaries() == []
 
 
-def test_a_fetch_reads_each_byte_once_to_hash_it_and_never_again(ranged_store, tiny, tmp_path, monkeypatch) -> None:
-    """A fetched pack is hashed as it lands: the temporary is read exactly once, byte for byte (each span right after
-    the landed prefix reached it), the whole-file verifier never runs on a good copy, and the record is written from
-    that hash. Fails if staging verifies the fetched file with a second full read (the three-pass fetch: write, hash,
-    hydrate) or hashes a span twice."""
+def test_a_fetch_fills_from_the_temporary_and_never_reads_the_pack_again(ranged_store, tiny, tmp_path, monkeypatch) -> None:
+    """A fetched pack is hashed and copied as it lands: the temporary is read exactly once in full for the hash and
+    each stored extent once per destination for the copy (from the page cache its write just filled), the committed
+    object is never read, the whole-file verifier never runs on a good copy, and the record is written from that
+    hash. Fails if staging verifies the fetched file with a second full read, hashes a span twice, or if the
+    allocations are filled from the committed pack after the fetch (the two-pass fetch: land and hash, then read
+    again to copy)."""
     checkpoint, loaded, result, data = tiny
     digest = result.manifest.pack.sha256
     ranged_store.put_raw(digest, data)
-    reads: list[int] = []
+    reads: dict[str, int] = {"temporary": 0, "object": 0}
     real_preadv = os.preadv
 
     def counted(fd: int, buffers, offset: int, *flags) -> int:
         n = real_preadv(fd, buffers, offset, *flags)
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(".partial"):
-            reads.append(n)
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if name.endswith(".partial"):
+            reads["temporary"] += n
+        elif name.endswith(".pack"):
+            reads["object"] += n
         return n
 
-    def refused(*args, **kwargs):
-        raise AssertionError("the fetched pack was verified by a second whole-file read")
-
     monkeypatch.setattr(os, "preadv", counted)
-    monkeypatch.setattr(staging, "verify_pack_file", refused)
+    _no_second_read(monkeypatch)
     attempt, fresh = _restore(checkpoint, tmp_path, _small_ranges(ranged_store, 4096))
     attempt.run(enumerate_allocations(fresh), HostCopyBackend())
     assert fresh.snapshot() == loaded.snapshot()
-    assert sum(reads) == len(data), (sum(reads), len(data))
+    assert reads == {"temporary": len(data) + result.manifest.model_bytes, "object": 0}, reads
     assert record_state(attempt.cache, digest) == "trusted"
+
+
+def test_allocations_hold_an_extent_before_the_fetch_ends(ranged_store, tiny, tmp_path) -> None:
+    """A store whose fetch, once the first stored extent's range has landed, waits until that extent's bytes are in
+    its allocation: they arrive there while the fetch still runs (no object committed yet), and the restore then
+    completes with every byte. Fails if the allocations are filled only after the whole pack landed (the fetch then
+    waits in vain and the check fails), or if an early copy leaves a wrong byte."""
+    checkpoint, loaded, result, data = tiny
+    digest = result.manifest.pack.sha256
+    ranged_store.put_raw(digest, data)
+    first = check_manifest(result.manifest).entries[0]
+    extent = next(e for e in result.manifest.model_extents if e.pack_offset_bytes == first.offset_bytes)
+    store = _small_ranges(ranged_store, 4096)
+    attempt, fresh = _restore(checkpoint, tmp_path, store)
+    allocations = enumerate_allocations(fresh)
+    destination = allocations.live[extent.allocation_index]
+    copied = threading.Event()
+
+    class Watched(HostCopyBackend):
+        def fill(self, ops, sources, allocations, *, verify_extents):
+            super().fill(ops, sources, allocations, verify_extents=verify_extents)
+            if any(op.source == "pack" and op.source_offset_bytes == first.offset_bytes for op in ops):
+                copied.set()
+
+    landed_bytes = bytearray(len(data))
+    seen: list[tuple[bool, bytes, bool]] = []
+    lock = threading.Lock()
+    real_fetch = store.fetch
+
+    def fetch(obj, size_bytes, fd, *, file, progress=None, landed=None):
+        def hooked(offset_bytes: int, size: int) -> None:
+            landed(offset_bytes, size)
+            with lock:
+                landed_bytes[offset_bytes : offset_bytes + size] = b"\1" * size
+                due = not seen and all(landed_bytes[first.offset_bytes : first.end_bytes])
+                if due:
+                    seen.append((False, b"", False))
+            if due:  # this range's thread holds the fetch open until the extent is in its allocation
+                arrived = copied.wait(timeout=60)
+                view = bytes(host_view(destination.address + extent.offset_bytes, extent.size_bytes))
+                seen[0] = (arrived, view, attempt.cache.object_path(digest).exists())
+
+        return real_fetch(obj, size_bytes, fd, file=file, progress=progress, landed=hooked)
+
+    store.fetch = fetch
+    attempt.run(allocations, Watched())
+    assert seen == [(True, data[first.offset_bytes : first.end_bytes], False)]
+    assert fresh.snapshot() == loaded.snapshot()
+    assert record_state(attempt.cache, digest) == "trusted"
+
+
+def _rename_pack(artifact: Path, digest: str, other: str) -> None:
+    """Make the artifact's manifest (and ``artifact.json``) name the pack ``other`` instead of ``digest``, its extents
+    unchanged, and re-pin the manifest in ``artifact.json`` (same size, the new SHA-256)."""
+    manifest = artifact / "workers" / "worker-0-of-1" / NATIVE_MANIFEST_FILENAME
+    before = manifest.read_bytes()
+    after = before.replace(digest.encode(), other.encode())
+    os.chmod(manifest, 0o644)
+    manifest.write_bytes(after)
+    descriptor = artifact / "artifact.json"
+    text = descriptor.read_text().replace(digest, other)
+    os.chmod(descriptor, 0o644)
+    descriptor.write_text(text.replace(hashlib.sha256(before).hexdigest(), hashlib.sha256(after).hexdigest()))
+
+
+def test_a_manifest_whose_pack_digest_disagrees_with_its_extents_keeps_nothing(tiny, tmp_path, monkeypatch) -> None:
+    """The artifact's manifest names the pack by a digest its extents do not hash to (the store holds the canonical
+    pack of those extents under that name): every extent verifies and is copied as it lands, but the whole-file
+    SHA-256 run before the validation record differs, so the restore is refused (PackDigestMismatchError naming the
+    store's object and the SHA-256 the bytes have); no object, no record, no temporary, and under ``auto`` nothing is
+    reported restored. Fails if a fetch whose extents all verified is committed or given a record without its
+    whole-file SHA-256 equal to its name."""
+    checkpoint, _, result, data = tiny
+    digest = result.manifest.pack.sha256
+    other = hashlib.sha256(b"another pack").hexdigest()
+    _rename_pack(tmp_path / "artifact", digest, other)
+    store = tmp_path / "store"
+    (store / PackRef.for_digest(other, len(data)).path).parent.mkdir(parents=True)
+    (store / PackRef.for_digest(other, len(data)).path).write_bytes(data)
+    _no_second_read(monkeypatch)
+    attempt, fresh = _restore(checkpoint, tmp_path, LocalFolderStore(store))
+    with pytest.raises(PackDigestMismatchError) as info:
+        attempt.run(enumerate_allocations(fresh), HostCopyBackend())
+    assert info.value.file == LocalFolderStore(store).location(other)
+    assert digest in str(info.value) and "disagrees with its own extents" in str(info.value)
+    _nothing_kept(attempt.cache)
+    extra = {"artifact_dir": str(tmp_path / "artifact"), "state_root": str(tmp_path / "auto"), "payload_dir": str(store)}
+    settings = ColdsnapSettings.resolve({}, {**extra, "restore": "auto"})[0]
+    outcome = restore_or_fall_back(TinyModel(), settings, RANK0, attempt.loaded)
+    assert not outcome.restored and isinstance(outcome.fallback, PackDigestMismatchError)
+    _nothing_kept(PayloadCache(tmp_path / "auto"))
 
 
 def test_a_fetched_pack_is_committed_only_on_its_whole_file_sha256(tiny, tmp_path) -> None:
