@@ -7,7 +7,7 @@ after the engine built the model and before its post-processing (vLLM
 ``DefaultModelLoader.load_weights_and_postprocess``), so the engine's own post-processing then runs as
 usual. :class:`WorkerRestore` is one linear pipeline; every check runs once and hands its result to
 the next step, each step raises a :class:`~coldsnap_core.errors.ColdsnapError` subclass, and nothing
-is written into the model before step 7:
+is written into the model before step 7 (or the fetch of step 6, which fills the model as the pack lands):
 
 1. **read**: ``artifact.json`` lists this worker (role, rank, world size, tensor parallel rank and
    size); its unit capsule's manifests match their pins in ``artifact.json`` (size and SHA-256), parse
@@ -35,7 +35,13 @@ is written into the model before step 7:
    fetched from the configured payload store (:func:`coldsnap_core.restore.staging.stage_payload`), else
    :class:`~coldsnap_core.errors.PayloadUnavailableError`;
 7. **hydrate**: :func:`coldsnap_core.restore.hydrate.hydrate` checks the residual blob and the pack's padding
-   and fills every allocation from the admitted pack (no second manifest, layout or record check).
+   and fills every allocation from the admitted pack (no second manifest, layout or record check). A pack
+   fetched in step 6 is hydrated in the same pass instead: the fetch copies each stored extent into its
+   allocations and checks its SHA-256 as soon as its bytes have landed, and each padding run as it lands
+   (:class:`coldsnap_core.restore.staging.FillAsLanded`, ``docs/format.md`` §12.4), then commits the pack on its
+   whole-file SHA-256; :func:`coldsnap_core.restore.hydrate.hydrate_residual` then checks and copies the blob. A
+   refused fetch leaves the allocations partly written and raises, so the attempt is never reported restored
+   (``auto`` falls back to a load that overwrites every byte).
 
 Only this worker's payload is staged (``docs/format.md``: each worker's capsule names its own pack).
 """

@@ -10,7 +10,12 @@ Only the payload assigned to each worker is staged, on the host that owns that w
    order, right behind the prefix that has landed, from the page cache the writes just filled), so the hash is
    ready when the last byte lands and the file is never read again to verify it; committed by
    :meth:`PayloadCache.commit` (fsync, rename, folder fsync, the validation record of that hash) only when that
-   SHA-256 is the pack's name;
+   SHA-256 is the pack's name. A restore passes the manifest's layout and a :class:`FillAsLanded`: then, in the
+   same pass (:class:`LandedFill`), each stored extent is copied into its allocations and its SHA-256 checked there
+   as soon as its bytes have all landed, and each padding run checked zero as it lands, so the allocations are
+   filled when the last byte lands and the pack is not read again to hydrate (``docs/format.md`` §12.4: a file of
+   the exact size whose extents and padding verified is the canonical pack of the pinned manifest; the whole-file
+   SHA-256 still decides the commit);
 3. otherwise :class:`~coldsnap_core.errors.PayloadUnavailableError` (no source holds the pack) or
    :class:`~coldsnap_core.errors.StoreError` (the store did not answer or failed); on either,
    ``COLDSNAP_RESTORE=auto`` falls back to the safetensors recovery load (it falls back on every
@@ -18,8 +23,10 @@ Only the payload assigned to each worker is staged, on the host that owns that w
 
 A store object that does not verify is reported as the store's: the error names the object in the
 store (:meth:`PayloadStore.location`), not the cache temporary it was fetched into, and, given the manifest's
-layout, the first bad stored extent or padding byte by its pack offset (the one verifier,
-:func:`coldsnap_core.format.verify.verify_pack_file`, reads the refused temporary once more to find it).
+layout, the first bad stored extent or padding byte by its pack offset (with a :class:`FillAsLanded`, found as it
+lands, and the fetch stops; else the one verifier, :func:`coldsnap_core.format.verify.verify_pack_file`, reads the
+refused temporary once more to find it). Every extent and padding byte verified but the whole file not hashing to
+its name means the manifest's pack digest disagrees with its own extents: refused the same way, nothing kept.
 
 Every path is derived from the digest alone; a :class:`PackRef` whose ``path`` is not
 ``model-payloads/sha256/<sha256>.pack`` is refused before anything is read.
@@ -38,6 +45,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from coldsnap_core._io import HASH_CHUNK_BYTES, os_error
 from coldsnap_core._progress import ProgressLines
@@ -388,9 +396,10 @@ class LandedFill:
                     try:
                         self._fill(ops, self._path)
                     except ExtentDigestMismatchError as exc:
-                        op = next(
-                            op for op in ops if (op.allocation_index, op.offset_bytes) == (exc.allocation, exc.offset_bytes)
-                        )
+                        where = (exc.allocation, exc.offset_bytes)
+                        op = next((op for op in ops if (op.allocation_index, op.offset_bytes) == where), None)
+                        if op is None:
+                            raise
                         raise ExtentDigestMismatchError(
                             f"the extent stored at pack offset {op.source_offset_bytes} ({op.size_bytes} bytes) does not"
                             f" match the manifest: {exc.detail}",
@@ -476,32 +485,13 @@ def _fetch(
                 offset_bytes=exc.offset_bytes,
             ) from exc
         sha256 = hasher.result()
-        if sha256 != digest and filler is not None:
-            raise PackDigestMismatchError(
-                f"every extent of {store.name}'s copy of the pack matched its SHA-256 in the manifest, its padding is"
-                f" zero and its size exact, but its SHA-256 is {sha256}, not the manifest's pack digest: the manifest's"
-                " pack digest disagrees with its own extents (or the object changed while it landed); nothing was kept",
-                file=store.location(digest),
-            )
         if sha256 != digest:
-            try:
-                # the refused bytes are read once more, only to name the first bad extent or padding byte
-                verify_pack_file(temp, pack, layout, extent_owner=extent_owner)
-                raise PackDigestMismatchError(f"the fetched pack's SHA-256 is {sha256}, not its name", file=temp)
-            except IntegrityError as exc:
-                raise type(exc)(
-                    f"{store.name} holds a corrupt copy of the pack: {exc.detail} (checked in the cache temporary"
-                    f" {temp}; nothing was kept)",
-                    file=store.location(digest),
-                    allocation=exc.allocation,
-                    offset_bytes=exc.offset_bytes,
-                ) from exc
+            _refuse_fetched(pack, store, temp, sha256, layout, extent_owner, every_extent_verified=filler is not None)
         path = cache.commit(fd, temp, sha256=sha256, size_bytes=pack.size_bytes, expected_sha256=digest)
     seconds = max(time.monotonic() - started, 1e-9)
-    if filler is None:
+    if fill is None or filler is None:
         logger.info("coldsnap: staged pack %s from %s (hashed as it landed)", digest, store.name)
         return path
-    assert fill is not None
     fill.filled = True
     logger.info(
         "coldsnap: restored pack %s from %s in one pass: %d bytes fetched, every extent checked and copied into the"
@@ -513,6 +503,40 @@ def _fetch(
         pack.size_bytes / seconds / 1e9,
     )
     return path
+
+
+def _refuse_fetched(
+    pack: PackRef,
+    store: PayloadStore,
+    temp: Path,
+    sha256: str,
+    layout: PackLayout | None,
+    extent_owner: Callable[[PackEntry], tuple[int | None, int | None]] | None,
+    *,
+    every_extent_verified: bool,
+) -> NoReturn:
+    """Refuse a fetched temporary whose SHA-256 is ``sha256``, not its name, naming the store's object: after a
+    one-pass fetch verified every extent and padding byte, the manifest's pack digest disagrees with its own extents;
+    otherwise the refused bytes are read once more, only to name the first bad extent or padding byte."""
+    where = store.location(pack.sha256)
+    if every_extent_verified:
+        raise PackDigestMismatchError(
+            f"every extent of {store.name}'s copy of the pack matched its SHA-256 in the manifest, its padding is zero"
+            f" and its size exact, but its SHA-256 is {sha256}, not the manifest's pack digest: the manifest's pack"
+            " digest disagrees with its own extents (or the object changed while it landed); nothing was kept",
+            file=where,
+        )
+    try:
+        verify_pack_file(temp, pack, layout, extent_owner=extent_owner)
+        raise PackDigestMismatchError(f"the fetched pack's SHA-256 is {sha256}, not its name", file=temp)
+    except IntegrityError as exc:
+        raise type(exc)(
+            f"{store.name} holds a corrupt copy of the pack: {exc.detail} (checked in the cache temporary {temp};"
+            " nothing was kept)",
+            file=where,
+            allocation=exc.allocation,
+            offset_bytes=exc.offset_bytes,
+        ) from exc
 
 
 def worker_entries(artifact_dir: Path, workers: Sequence[WorkerIdentity]) -> list[WorkerEntry]:
