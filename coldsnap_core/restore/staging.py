@@ -494,8 +494,8 @@ def _fetch(
         return path
     fill.filled = True
     logger.info(
-        "coldsnap: restored pack %s from %s in one pass: %d bytes fetched, every extent checked and copied into the"
-        " allocations as it landed, in %.2f s, %.3f GB/s",
+        "coldsnap: staged pack %s from %s in one pass (hashed as it landed; every extent checked and copied into the"
+        " allocations as it landed): %d bytes in %.2f s, %.3f GB/s",
         digest,
         store.name,
         pack.size_bytes,

@@ -492,10 +492,11 @@ def test_a_store_that_sends_an_endless_body_falls_back_within_the_deadline_witho
 def test_a_fresh_node_restores_from_s3_hashing_the_pack_as_it_lands(two_layer: dict, tmp_path: Path) -> None:
     """``native`` on a fresh node (a state root that holds no pack) whose payload store is S3 (moto in server mode on
     127.0.0.1, started here, with the captured pack uploaded): the worker fetches the pack by ranged GETs, hashed as
-    its bytes land, commits it with a trusted validation record and restores the bytes and greedy text of a plain
-    load; its INFO line says the pack was hashed as it landed, and the load's metrics count the pack's bytes
-    fetched once. Fails if a fresh node's restore does not go through the fetch that hashes as bytes land, or if
-    that fetch commits an object other than the pack or leaves it without a record."""
+    its bytes land and each extent checked and copied into the model as it lands (one pass), commits it with a
+    trusted validation record and restores the bytes and greedy text of a plain load; its INFO line says the pack was
+    hashed and copied as it landed, and the load's metrics count the pack's bytes fetched once. Fails if a fresh
+    node's restore does not go through the one-pass fetch (hashed and copied as bytes land), or if that fetch commits
+    an object other than the pack or leaves it without a record."""
     import boto3
     from moto.server import ThreadedMotoServer
 
@@ -531,7 +532,7 @@ def test_a_fresh_node_restores_from_s3_hashing_the_pack_as_it_lands(two_layer: d
     assert [
         line
         for line in result.coldsnap_lines("INFO")
-        if f"staged pack {digest} from s3" in line and "hashed as it landed" in line
+        if f"staged pack {digest} from s3" in line and "in one pass (hashed as it landed" in line
     ]
     assert only_pack(tmp_path / "node").read_bytes() == pack.read_bytes()
     assert record_state(PayloadCache(tmp_path / "node"), digest) == "trusted"
