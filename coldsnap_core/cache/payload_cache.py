@@ -26,6 +26,11 @@ Internal logic worth knowing (``docs/format.md`` §10 and §11):
 * **Records are best effort.** A record that cannot be written (read-only file system, no space)
   leaves a valid object without a record; the :class:`PayloadCache` object that verified it
   remembers that in memory, so one process hashes it once, and other processes hash it in full.
+* **First use with a layout** (a restore): every stored extent and padding byte is checked against the
+  manifest on a pool of threads (:func:`~coldsnap_core.format.verify.pack_matches_layout`) and the
+  object is admitted for that layout in this process; the whole-file SHA-256 that a record needs runs
+  later, on a daemon thread (:meth:`PayloadCache.record_in_background`), and the record is written only
+  if it equals the name.
 * **Typed failures.** A state root that is a file, link loops, folders where files belong and other
   ``OSError`` s become :class:`~coldsnap_core.errors.ConfigurationError`,
   :class:`~coldsnap_core.errors.UnsafePathError`, :class:`~coldsnap_core.errors.NotRegularFileError`,
@@ -62,7 +67,17 @@ from pathlib import Path
 
 import filelock
 
-from coldsnap_core._io import close_and_remove, fsync_dir, fsync_fd, lstat_or_none, os_errno, os_error, refuse_symlink
+from coldsnap_core._io import (
+    close_and_remove,
+    fsync_dir,
+    fsync_fd,
+    lstat_or_none,
+    open_regular,
+    os_errno,
+    os_error,
+    refuse_symlink,
+    sha256_file,
+)
 from coldsnap_core.cache.garbage import DEFAULT_GC_AGE_SECONDS, GcBuilder, GcReport, sweep_quarantine, sweep_temporaries
 from coldsnap_core.cache.locks import acquire_logged, describe_holder, held_locks
 from coldsnap_core.cache.partials import TEMP_SUFFIX, create_locked_partial, list_folder, sweep_dead_partials, writer_gone
@@ -83,7 +98,7 @@ from coldsnap_core.errors import (
 )
 from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.format.pack_layout import PackEntry, PackLayout
-from coldsnap_core.format.verify import verify_pack_file
+from coldsnap_core.format.verify import admission_threads, pack_matches_layout, verify_pack_file
 from coldsnap_core.settings import DEFAULT_STATE_ROOT, LOCK_TIMEOUT_ENV, LOCK_TIMEOUT_SECONDS, expand_path
 
 logger = logging.getLogger(__name__)
@@ -161,6 +176,8 @@ class PayloadCache:
         self._verified_here_lock = threading.Lock()
         self._admitted: dict[str, tuple[int, int, int, int, int]] = {}
         self._verified_layouts: dict[str, tuple[tuple[int, int, int, int, int], PackLayout]] = {}
+        self._pending_records: dict[str, os.stat_result] = {}
+        self._record_threads: list[threading.Thread] = []
 
     def __repr__(self) -> str:
         return f"PayloadCache({str(self.state_root)!r})"
@@ -477,13 +494,76 @@ class PayloadCache:
         with self._verified_here_lock:
             self._verified_here[check_digest(digest)] = identity(st)
 
-    def verified_here(self, digest: str, st: os.stat_result) -> bool:
+    def verified_here(self, digest: str, st: os.stat_result, layout: PackLayout | None = None) -> bool:
         """Whether :meth:`remember_verified` vouches for ``digest`` at exactly the identity of ``st``
-        (a fresh ``lstat`` of the object), whose mode is not group- or world-writable."""
+        (a fresh ``lstat`` of the object), whose mode is not group- or world-writable; or, given
+        ``layout``, whether an admission by this object checked that inode against ``layout``."""
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             return False
         with self._verified_here_lock:
-            return self._verified_here.get(digest) == identity(st)
+            if self._verified_here.get(digest) == identity(st):
+                return True
+            return layout is not None and self._verified_layouts.get(digest) == (identity(st), layout)
+
+    # -- the validation record of a pack admitted by its extents ------------------------------------
+
+    def record_in_background(self) -> list[threading.Thread]:
+        """Start hashing, each on a daemon thread, the objects this cache admitted by their extents since
+        the last call (:meth:`admit_locked` with a layout), and write each one's validation record if its
+        SHA-256 equals its name and its inode is unchanged; return the threads started.
+
+        A restore calls this once its bytes are copied, so the hash is not on the load's critical path. A
+        thread cut short (the interpreter exits) leaves no record: the next start checks the extents again.
+        """
+        with self._verified_here_lock:
+            pending, self._pending_records = self._pending_records, {}
+        threads = [
+            threading.Thread(target=self._record_after_hash, args=item, name=f"coldsnap-record-{item[0][:12]}", daemon=True)
+            for item in pending.items()
+        ]
+        for thread in threads:
+            thread.start()
+        self._record_threads.extend(threads)
+        return threads
+
+    def wait_for_records(self, timeout_seconds: float | None = None) -> bool:
+        """Wait for the threads of :meth:`record_in_background` (at most ``timeout_seconds`` in all);
+        return whether every one has finished. For tests, benchmarks and commands that exit next."""
+        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+        for thread in self._record_threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._record_threads = [t for t in self._record_threads if t.is_alive()]
+        return not self._record_threads
+
+    def _record_after_hash(self, digest: str, verified: os.stat_result) -> None:
+        """Hash the object (admitted by its extents at ``verified``) in full; write its record if the SHA-256 is its
+        name, else log an ERROR and quarantine it. Never raises (a daemon thread's body)."""
+        path = self.object_path(digest)
+        try:
+            with open_regular(path, "pack") as (fd, opened):
+                if identity(opened) != identity(verified):
+                    logger.info("coldsnap: %s changed after its extents were verified; no validation record written", path)
+                    return
+                actual, _ = sha256_file(f"/proc/self/fd/{fd}")
+            with self.lock(digest):
+                current = lstat_or_none(path)
+                if current is None or identity(current) != identity(verified):
+                    logger.info("coldsnap: %s changed while it was hashed; no validation record written", path)
+                    return
+                if actual == digest:
+                    record_verified(self, digest, verified)
+                    return
+                with self._verified_here_lock:
+                    self._verified_layouts.pop(digest, None)
+                error = PackDigestMismatchError(
+                    f"the pack's SHA-256 is {actual}, its name says {digest}: its stored extents and padding match"
+                    " the manifest, whose pack digest does not describe them; no validation record written",
+                    file=path,
+                )
+                logger.error("coldsnap: %s", error)
+                self.quarantine(digest)
+        except Exception as exc:  # a daemon thread: no record, and say why
+            logger.warning("coldsnap: no validation record written for %s (%s)", path, exc)
 
     # -- admission: the one door (first-use verification, validation records, quarantine) ----------
 
@@ -503,16 +583,18 @@ class PayloadCache:
         Accepts the object on a trusted validation record (no lock, a few ``stat`` calls: the record
         is read once); otherwise takes the digest's lock (so same-host callers hash it once), hashes
         it in full with :func:`coldsnap_core.format.verify.verify_pack_file`, rewrites the record on success
-        and quarantines the object on failure. Every consumer of a cached pack (restore, staging,
+        and quarantines the object on failure. With ``layout`` the object is instead admitted once every
+        stored extent and padding byte matches the layout (:meth:`admit_locked`), and its record waits
+        for :meth:`record_in_background`. Every consumer of a cached pack (restore, staging,
         materialization, ``coldsnap cache verify``) comes through here or :meth:`admit_locked`.
 
         Args:
             digest: the pack's SHA-256.
             size_bytes: the size the pack must have (``None``: whatever size it has).
             progress: called with bytes hashed, during a full verification.
-            layout: the manifest's canonical layout (:func:`coldsnap_core.format.verify.check_manifest`);
-                a full verification then also checks padding and every stored extent, in the
-                same pass, and names the extent of a corrupt byte.
+            layout: the manifest's canonical layout (:func:`coldsnap_core.format.verify.check_manifest`):
+                the object is checked extent by extent on a pool of threads; a failure is judged by a
+                full verification that names the extent of a corrupt byte.
             extent_owner: with ``layout``, maps a stored entry to a destination for error messages
                 (:func:`coldsnap_core.format.verify.extent_owner_map`).
             manifest_file: the manifest that gave ``layout``, named by a
@@ -543,10 +625,10 @@ class PayloadCache:
         try:
             read_trusted_record(self, digest, st)
         except ValidationRecordError as exc:
-            if self.verified_here(digest, st):
+            if self.verified_here(digest, st, layout):
                 _require_caller_size(path, st.st_size, size_bytes)
                 return self._admitted_at(digest, st)
-            logger.info("coldsnap: verifying %s in full (%s)", path, exc.detail)
+            logger.info("coldsnap: verifying %s (%s)", path, exc.detail)
         else:
             _require_caller_size(path, st.st_size, size_bytes)
             return self._admitted_at(digest, st)
@@ -579,9 +661,15 @@ class PayloadCache:
         vouches for it at its current size (then only the caller's expectation is wrong). The one
         verifier (:func:`coldsnap_core.format.verify.verify_pack_file`) judges the bytes; on an
         :class:`~coldsnap_core.errors.IntegrityError` the object is quarantined and the error
-        re-raised with ``quarantined_to``. With ``layout`` the same single pass also checks the zero
-        padding and every stored extent's SHA-256. The check starts over when the object changes while it
-        is hashed.
+        re-raised with ``quarantined_to``. The check starts over when the object changes while it is hashed.
+
+        With ``layout`` (and ``trust_record``) the object is first checked against the layout: every stored
+        extent's SHA-256 and every padding byte, on :func:`~coldsnap_core.format.verify.admission_threads`
+        threads (:func:`~coldsnap_core.format.verify.pack_matches_layout`). Those bytes are then the canonical
+        pack of the manifest, so the object is admitted for ``layout`` in this :class:`PayloadCache` (a later
+        admission with an equal layout accepts the same inode without reading it) and queued for
+        :meth:`record_in_background`: no record is written until the whole-file SHA-256 equals the name. A
+        disagreement is judged by the full verification below (same errors, same quarantine).
 
         Args:
             trust_record: ``False`` hashes in full whatever the record says (``cache verify --full``).
@@ -600,7 +688,7 @@ class PayloadCache:
             if st is None:
                 raise MissingObjectError("pack is not in the node-local cache", file=path)
             # the record again under the lock: another same-host caller may have verified it meanwhile
-            if trust_record and self._trusted(digest, st):
+            if trust_record and self._trusted(digest, st, layout):
                 _require_caller_size(path, st.st_size, size_bytes)
                 return self._admitted_at(digest, st)
             if size_bytes is not None and (
@@ -611,6 +699,15 @@ class PayloadCache:
                 error.quarantined_to = self.quarantine(digest, log=log_quarantine)  # type: ignore[attr-defined]
                 raise error
             st = _make_read_only(path, st)
+            if trust_record and layout is not None and self._extents_match(path, st, layout, progress):
+                after = refuse_symlink(path)
+                if after is not None and identity(after) == identity(st):
+                    with self._verified_here_lock:
+                        self._verified_layouts[digest] = (identity(after), layout)
+                        self._pending_records[digest] = after
+                    return self._admitted_at(digest, after)
+                logger.info("coldsnap: %s changed while it was being verified (attempt %d)", path, attempt)
+                continue
             try:
                 verify_pack_file(
                     path,
@@ -641,14 +738,27 @@ class PayloadCache:
             f"the pack changed while it was being verified, {ADMIT_ATTEMPTS} times in a row; not admitted", file=path
         )
 
-    def _trusted(self, digest: str, st: os.stat_result) -> bool:
-        """Whether a trusted validation record, or this object's verification by this process, vouches for the object
-        at ``st``."""
+    def _trusted(self, digest: str, st: os.stat_result, layout: PackLayout | None = None) -> bool:
+        """Whether a trusted validation record, or this object's verification by this process (against ``layout``),
+        vouches for the object at ``st``."""
         try:
             read_trusted_record(self, digest, st)
         except ValidationRecordError:
-            return self.verified_here(digest, st)
+            return self.verified_here(digest, st, layout)
         return True
+
+    def _extents_match(self, path: Path, st: os.stat_result, layout: PackLayout, progress: ProgressCallback | None) -> bool:
+        """Whether the regular file ``path`` (of the identity ``st``) is exactly the canonical pack of ``layout``
+        (:func:`~coldsnap_core.format.verify.pack_matches_layout`); ``False`` for anything else, which the full
+        verification then names."""
+        if not stat.S_ISREG(st.st_mode) or st.st_size != layout.size_bytes:
+            return False
+        with open_regular(path, "pack") as (fd, opened):
+            if identity(opened) != identity(st):
+                return False
+            return pack_matches_layout(
+                fd, layout, file=path, threads=admission_threads(), chunk_bytes=ADMIT_CHUNK_BYTES, progress=progress
+            )
 
     def reverify(self, digest: str, size_bytes: int | None = None, *, progress: ProgressCallback | None = None) -> Path:
         """Like :meth:`admit`, but always hash in full (ignoring any record); used by ``coldsnap cache verify --full``."""

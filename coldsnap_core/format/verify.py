@@ -10,6 +10,9 @@ cache's first-use admission and publication (``docs/format.md`` §7, "Verificati
   file's SHA-256, checks the zero padding and, given a layout, each stored extent's SHA-256 (on a
   second thread). The file's SHA-256 decides who is wrong: a pack that hashes to its name is intact,
   and a layout or extent digest that does not describe it is a manifest error (exit code 2).
+* :func:`pack_matches_layout`: whether an open pack is exactly the canonical pack of a layout (every
+  stored extent's SHA-256 and every padding byte, on a pool of threads): the first-use admission of
+  a restore; its failures are judged by :func:`verify_pack_file`.
 * :func:`verify_blob_file`: the residual blob: size, then SHA-256.
 * :func:`check_pack_padding`: the padding of an already admitted pack (a few KiB of reads).
 
@@ -22,6 +25,7 @@ import contextlib
 import hashlib
 import os
 import stat
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -364,6 +368,92 @@ def verify_pack_file(
     if read.sha256 != pack.sha256:
         _raise_corrupt_pack(path, pack, read, bad_extent, where)
     _raise_wrong_manifest(path, read.bad_padding, bad_extent, where, path if manifest_file is None else manifest_file)
+
+
+ADMIT_MAX_THREADS = 8
+"""At most this many threads check a pack's extents (:func:`admission_threads`)."""
+
+
+def admission_threads() -> int:
+    """Threads of :func:`pack_matches_layout`: the usable cores (``os.sched_getaffinity``), at most
+    :data:`ADMIT_MAX_THREADS`."""
+    return max(1, min(ADMIT_MAX_THREADS, len(os.sched_getaffinity(0))))
+
+
+def pack_matches_layout(
+    fd: int,
+    layout: PackLayout,
+    *,
+    file: str | os.PathLike[str],
+    threads: int,
+    chunk_bytes: int = HASH_CHUNK_BYTES,
+    progress: Callable[[int], object] | None = None,
+) -> bool:
+    """Whether the file open at ``fd`` holds exactly the canonical pack of ``layout``.
+
+    Each stored extent is read with ``os.preadv`` in ``chunk_bytes`` chunks together with the padding
+    after it (up to the next extent, or the end of the pack) and hashed, on ``threads`` threads that take
+    the extents largest first (``hashlib`` and ``preadv`` release the GIL). Extents and padding runs tile
+    ``[0, layout.size_bytes)``, so when each extent's SHA-256 matches, every padding byte is zero and the
+    file ends where the layout does, the file's bytes are the canonical pack of the layout's contents
+    (``docs/format.md`` §10, "Admission"). Whether they also hash to the pack's name is not checked here.
+
+    Returns ``False`` at the first disagreement without saying which: a caller judges a failure with
+    :func:`verify_pack_file`, which names the extent or padding offset and decides who is wrong.
+
+    Args:
+        fd: the pack, open for reading; the caller checked its size.
+        file: the pack's path, for error messages.
+        layout: the canonical layout (from :func:`check_manifest`).
+        threads: worker threads (:func:`admission_threads`), > 0.
+        chunk_bytes: bytes per read (default 8 MiB), > 0.
+        progress: called on the calling thread with the bytes of each extent and its padding once checked.
+
+    Raises:
+        FileAccessError: a read fails (``EIO``, ...).
+    """
+    entries = layout.entries
+    if not entries or entries[0].offset_bytes != 0:
+        return not entries and layout.size_bytes == 0
+    ends = [*(e.offset_bytes for e in entries[1:]), layout.size_bytes]
+    order = sorted(range(len(entries)), key=lambda i: -entries[i].size_bytes)
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="coldsnap-admit")
+    try:
+        checked = pool.map(lambda i: _stored_extent_matches(fd, entries[i], ends[i], chunk_bytes, file), order)
+        for i, matches in zip(order, checked, strict=True):
+            if not matches:
+                return False
+            if progress is not None:
+                progress(ends[i] - entries[i].offset_bytes)
+    finally:
+        pool.shutdown(cancel_futures=True)
+    return True
+
+
+_read_buffers = threading.local()
+
+
+def _stored_extent_matches(fd: int, entry: PackEntry, end_bytes: int, chunk_bytes: int, file: str | os.PathLike[str]) -> bool:
+    """Whether the pack bytes ``[entry.offset_bytes, end_bytes)`` are the extent's content (its SHA-256) followed
+    by zeros (one task of :func:`pack_matches_layout`, on a pool thread; one reused buffer per thread)."""
+    buffer = getattr(_read_buffers, "buffer", None)
+    if buffer is None or len(buffer) != chunk_bytes:
+        buffer = _read_buffers.buffer = memoryview(bytearray(chunk_bytes))
+    digest = hashlib.sha256()
+    position = entry.offset_bytes
+    while position < end_bytes:
+        try:
+            n = os.preadv(fd, [buffer[: min(chunk_bytes, end_bytes - position)]], position)
+        except OSError as exc:
+            raise os_error(f"reading the pack at offset {position} failed", exc, file) from exc
+        if not n:
+            return False  # the file ends early
+        content = max(0, min(n, entry.end_bytes - position))
+        digest.update(buffer[:content])
+        if buffer[content:n].tobytes().lstrip(b"\0"):  # padding: under 4096 bytes per extent
+            return False
+        position += n
+    return digest.hexdigest() == entry.sha256
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,8 +30,10 @@ is written into the model before step 7 (or the fetch of step 6, which fills the
 5. **manifest**: every manifest rule holds (:func:`coldsnap_core.format.verify.check_manifest`), which
    gives the pack's canonical layout;
 6. **admit**: the cache's one door (:meth:`coldsnap_core.cache.payload_cache.PayloadCache.admit`) accepts the pack on
-   a trusted validation record, or verifies it in full *with the manifest's layout* (so a corrupt
-   extent is named by allocation and offset) and quarantines it on failure; a pack the cache lacks is
+   a trusted validation record, or checks every stored extent and padding byte against *the manifest's
+   layout* on a pool of threads (a failure is judged by the full verification, which names a corrupt
+   extent by allocation and offset and quarantines the pack; the whole-file SHA-256 and the record
+   follow after the copy, on a daemon thread: :meth:`~coldsnap_core.cache.payload_cache.PayloadCache.record_in_background`); a pack the cache lacks is
    fetched from the configured payload store (:func:`coldsnap_core.restore.staging.stage_payload`), else
    :class:`~coldsnap_core.errors.PayloadUnavailableError`;
 7. **hydrate**: :func:`coldsnap_core.restore.hydrate.hydrate` checks the residual blob and the pack's padding
@@ -323,38 +325,42 @@ class WorkerRestore:
         self.layout_matches = True
         layout = check_manifest(manifest, file=manifest_file)
         # held from admission (or staging) until the copy ends: `coldsnap cache rm` and gc leave the pack
-        with hold_pack(self.cache, manifest.pack.sha256):
-            ops = [op for op in plan_hydration(manifest) if op.source == "pack"]
-            onepass = FillAsLanded(
-                ops, lambda ops, pack: backend.fill(ops, {"pack": pack}, allocations.live, verify_extents=True)
-            )
-            pack_path = self._admit(manifest, layout, manifest_file, onepass)
-            if onepass.filled:
-                assert self.stage_seconds is not None
-                return hydrate_residual(
-                    manifest,
-                    blob_path=capsule.blob_path,
-                    allocations=allocations.live,
-                    backend=backend,
-                    pack_seconds=self.stage_seconds,
+        try:
+            with hold_pack(self.cache, manifest.pack.sha256):
+                ops = [op for op in plan_hydration(manifest) if op.source == "pack"]
+                onepass = FillAsLanded(
+                    ops, lambda ops, pack: backend.fill(ops, {"pack": pack}, allocations.live, verify_extents=True)
                 )
-            try:
-                return hydrate_admitted(
-                    manifest,
-                    AdmittedPack(pack_path, layout),
-                    blob_path=capsule.blob_path,
-                    cache=self.cache,
-                    allocations=allocations.live,
-                    backend=backend,
-                    verify_extents=self.verify_extents,
-                    manifest_file=manifest_file,
-                )
-            except IntegrityError as exc:
-                # hydrate re-verifies an admitted pack whose padding or extent disagreed and quarantines
-                # it when it is proven corrupt (an edit in place that a validation record cannot see).
-                if getattr(exc, "quarantined_to", None) is not None:
-                    self.pack_unavailable = True
-                raise
+                pack_path = self._admit(manifest, layout, manifest_file, onepass)
+                if onepass.filled:
+                    assert self.stage_seconds is not None
+                    return hydrate_residual(
+                        manifest,
+                        blob_path=capsule.blob_path,
+                        allocations=allocations.live,
+                        backend=backend,
+                        pack_seconds=self.stage_seconds,
+                    )
+                try:
+                    return hydrate_admitted(
+                        manifest,
+                        AdmittedPack(pack_path, layout),
+                        blob_path=capsule.blob_path,
+                        cache=self.cache,
+                        allocations=allocations.live,
+                        backend=backend,
+                        verify_extents=self.verify_extents,
+                        manifest_file=manifest_file,
+                    )
+                except IntegrityError as exc:
+                    # hydrate re-verifies an admitted pack whose padding or extent disagreed and quarantines
+                    # it when it is proven corrupt (an edit in place that a validation record cannot see).
+                    if getattr(exc, "quarantined_to", None) is not None:
+                        self.pack_unavailable = True
+                    raise
+        finally:
+            # a pack admitted by its extents gets its whole-file hash and record now, off the load's path
+            self.cache.record_in_background()
 
     def _admit(self, manifest: NativeManifest, layout: PackLayout, manifest_file: str, onepass: FillAsLanded) -> Path:
         """Step 6: the cache admits the pack once (record or full verification with the layout;
