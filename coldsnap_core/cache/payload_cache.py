@@ -115,6 +115,10 @@ _LABEL_RE = re.compile(r"[0-9a-z][0-9a-z.-]{0,99}")
 _OBJECT_NAME_RE = re.compile(r"([0-9a-f]{64})\.pack")
 _RECORD_NAME_RE = re.compile(r"([0-9a-f]{64})\.pack\.record")
 
+_record_threads: list[threading.Thread] = []
+"""The threads :meth:`PayloadCache.record_in_background` started that :meth:`PayloadCache.wait_for_records` has
+not seen finish."""
+
 ProgressCallback = Callable[[int], object]
 """Called with a number of bytes processed since the previous call."""
 ExtentOwner = Callable[[PackEntry], tuple[int | None, int | None]]
@@ -177,7 +181,6 @@ class PayloadCache:
         self._admitted: dict[str, tuple[int, int, int, int, int]] = {}
         self._verified_layouts: dict[str, tuple[tuple[int, int, int, int, int], PackLayout]] = {}
         self._pending_records: dict[str, os.stat_result] = {}
-        self._record_threads: list[threading.Thread] = []
 
     def __repr__(self) -> str:
         return f"PayloadCache({str(self.state_root)!r})"
@@ -465,9 +468,10 @@ class PayloadCache:
         return self.object_path(digest)
 
     def verified_against(self, digest: str, st: os.stat_result, layout: PackLayout) -> bool:
-        """Whether an admission by this object verified the inode ``st`` of ``digest`` in full against
-        ``layout`` (size, digest, every padding byte and stored extent in one pass), so that a reader of
-        that inode need not read its padding again. ``False`` for a pack admitted on its record.
+        """Whether an admission by this object checked the inode ``st`` of ``digest`` against ``layout``
+        (its size, every padding byte and every stored extent: by extents, or in one pass with the digest),
+        so that a reader of that inode need not read its padding again. ``False`` for a pack admitted on
+        its record.
         """
         with self._verified_here_lock:
             seen = self._verified_layouts.get(digest)
@@ -523,17 +527,21 @@ class PayloadCache:
         ]
         for thread in threads:
             thread.start()
-        self._record_threads.extend(threads)
+        _record_threads.extend(threads)
         return threads
 
-    def wait_for_records(self, timeout_seconds: float | None = None) -> bool:
-        """Wait for the threads of :meth:`record_in_background` (at most ``timeout_seconds`` in all);
-        return whether every one has finished. For tests, benchmarks and commands that exit next."""
+    @staticmethod
+    def wait_for_records(timeout_seconds: float | None = None) -> bool:
+        """Wait for the threads of :meth:`record_in_background`, of every cache of this process (at most
+        ``timeout_seconds`` in all); return whether every one has finished. For tests and benchmarks, and a
+        caller that wants the record before it exits."""
         deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
-        for thread in self._record_threads:
+        for thread in list(_record_threads):
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        self._record_threads = [t for t in self._record_threads if t.is_alive()]
-        return not self._record_threads
+            if not thread.is_alive():
+                with contextlib.suppress(ValueError):
+                    _record_threads.remove(thread)
+        return not _record_threads
 
     def _record_after_hash(self, digest: str, verified: os.stat_result) -> None:
         """Hash the object (admitted by its extents at ``verified``) in full; write its record if the SHA-256 is its

@@ -12,7 +12,9 @@ and the time. A later restore accepts the object without re-hashing only while (
 
 Anything else means a full re-hash under the digest's lock (so same-host callers hash once; the lock
 is not what makes it safe; :meth:`coldsnap_core.cache.payload_cache.PayloadCache.admit` does that): success rewrites
-the record, failure quarantines the object and the caller gets the verifier's error. This module only
+the record, failure quarantines the object and the caller gets the verifier's error. (A restore checks
+every stored extent against its manifest instead, and the record follows once a whole-file hash on a
+background thread equals the name: ``docs/format.md`` §10, "First use by a restore".) This module only
 reads and writes records; it never admits, locks or quarantines.
 
 **Limit.** A record cannot see an in-place edit that keeps the inode and restores the size, the

@@ -200,8 +200,8 @@ def hydrate_admitted(
     """:func:`hydrate` of a pack the caller already admitted, after checking every manifest rule and the
     live layout (:class:`coldsnap_core.restore.pipeline.WorkerRestore` does, once each): steps 1, 2 and the
     admission are not repeated; the blob, the padding and the copy run as in :func:`hydrate`. The
-    padding is not read again when the admission just verified the pack in full against
-    ``admitted.layout`` (that pass checked every padding byte of the same inode).
+    padding is not read again when the admission just checked the pack against ``admitted.layout``
+    (that check read every padding byte of the same inode).
 
     Returns and raises: as :func:`hydrate`, but for the manifest and live layout errors of steps 1 and 2.
     """

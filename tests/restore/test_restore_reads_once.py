@@ -17,8 +17,9 @@ from tests.support.observer_support import write_checkpoint
 
 
 def test_a_first_use_admission_scans_the_padding_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A restore of a pack without a validation record admits it by a full verification against the manifest's
-    layout, which reads every padding byte; hydration then does not read the padding again. A restore whose
+    """A restore of a pack without a validation record admits it by checking it against the manifest's layout,
+    which reads every padding byte; hydration then does not read the padding again (the record follows on a
+    background thread). A restore whose
     admission trusted the record (a new cache object, the record the first restore wrote) reads it once, in
     hydration. Fails if a first-use restore scans the padding twice (once in admission, once in hydration),
     or if a trusted admission skips the padding check."""
@@ -39,10 +40,12 @@ def test_a_first_use_admission_scans_the_padding_once(tmp_path: Path, monkeypatc
 
     monkeypatch.setattr(hydrate_module, "check_pack_padding", counted)
     first = TinyModel()
-    restorer(checkpoint, tmp_path / "artifact", tmp_path / "state").run(enumerate_allocations(first), HostCopyBackend())
+    attempt = restorer(checkpoint, tmp_path / "artifact", tmp_path / "state")
+    attempt.run(enumerate_allocations(first), HostCopyBackend())
     assert first.snapshot() == loaded.snapshot()
     assert scans == [], "the first-use admission read the padding already"
-    assert os.path.exists(record), "the full verification wrote no validation record"
+    assert attempt.cache.wait_for_records(30.0)
+    assert os.path.exists(record), "the whole-file hash after the first use wrote no validation record"
 
     second = TinyModel()
     restorer(checkpoint, tmp_path / "artifact", tmp_path / "state").run(enumerate_allocations(second), HostCopyBackend())

@@ -512,6 +512,7 @@ def test_sglang_honours_lock_timeout_and_verify_extents_from_extra_config(
     assert (line["outcome"], line["rule"]) == ("fell-back", "lock-timeout")
 
     load(fake_sglang, tmp_path, smollm2_2layer, outcome_log=str(log), lock_timeout="1")  # admits it again, with a record
+    assert PayloadCache.wait_for_records(30.0)  # the record follows the load
     pack = cache.object_path(digest)
     native = json.loads((tmp_path / "artifact" / entry["capsule"] / "native-manifest.json").read_text())
     flip_byte(pack, native["model_extents"][0]["pack_offset_bytes"])
