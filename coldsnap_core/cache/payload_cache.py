@@ -663,21 +663,14 @@ class PayloadCache:
         manifest_file: str | None = None,
         log_quarantine: bool = True,
     ) -> Path:
-        """Admission with the digest's lock held (or given up on): re-check the record, else hash in full.
+        """Admission with the digest's lock held (or given up on): re-check the record, else check the bytes.
 
         An object whose size differs from ``size_bytes`` is quarantined unless a trusted record
-        vouches for it at its current size (then only the caller's expectation is wrong). The one
-        verifier (:func:`coldsnap_core.format.verify.verify_pack_file`) judges the bytes; on an
-        :class:`~coldsnap_core.errors.IntegrityError` the object is quarantined and the error
+        vouches for it at its current size (then only the caller's expectation is wrong). With ``layout``
+        (and ``trust_record``) the object may be admitted by its extents (:meth:`_admit_by_extents`); else,
+        or when they disagree, the one verifier (:func:`coldsnap_core.format.verify.verify_pack_file`) judges
+        the bytes; on an :class:`~coldsnap_core.errors.IntegrityError` the object is quarantined and the error
         re-raised with ``quarantined_to``. The check starts over when the object changes while it is hashed.
-
-        With ``layout`` (and ``trust_record``) the object is first checked against the layout: every stored
-        extent's SHA-256 and every padding byte, on :func:`~coldsnap_core.format.verify.admission_threads`
-        threads (:func:`~coldsnap_core.format.verify.pack_matches_layout`). Those bytes are then the canonical
-        pack of the manifest, so the object is admitted for ``layout`` in this :class:`PayloadCache` (a later
-        admission with an equal layout accepts the same inode without reading it) and queued for
-        :meth:`record_in_background`: no record is written until the whole-file SHA-256 equals the name. A
-        disagreement is judged by the full verification below (same errors, same quarantine).
 
         Args:
             trust_record: ``False`` hashes in full whatever the record says (``cache verify --full``).
@@ -707,15 +700,8 @@ class PayloadCache:
                 error.quarantined_to = self.quarantine(digest, log=log_quarantine)  # type: ignore[attr-defined]
                 raise error
             st = _make_read_only(path, st)
-            if trust_record and layout is not None and self._extents_match(path, st, layout, progress):
-                after = refuse_symlink(path)
-                if after is not None and identity(after) == identity(st):
-                    with self._verified_here_lock:
-                        self._verified_layouts[digest] = (identity(after), layout)
-                        self._pending_records[digest] = after
-                    return self._admitted_at(digest, after)
-                logger.info("coldsnap: %s changed while it was being verified (attempt %d)", path, attempt)
-                continue
+            if trust_record and layout is not None and (admitted := self._admit_by_extents(digest, st, layout, progress)):
+                return admitted
             try:
                 verify_pack_file(
                     path,
@@ -755,18 +741,31 @@ class PayloadCache:
             return self.verified_here(digest, st, layout)
         return True
 
-    def _extents_match(self, path: Path, st: os.stat_result, layout: PackLayout, progress: ProgressCallback | None) -> bool:
-        """Whether the regular file ``path`` (of the identity ``st``) is exactly the canonical pack of ``layout``
-        (:func:`~coldsnap_core.format.verify.pack_matches_layout`); ``False`` for anything else, which the full
-        verification then names."""
+    def _admit_by_extents(
+        self, digest: str, st: os.stat_result, layout: PackLayout, progress: ProgressCallback | None
+    ) -> Path | None:
+        """Admit the object (of the identity ``st``) if it is exactly the canonical pack of ``layout``: every stored
+        extent's SHA-256 and every padding byte, on :func:`~coldsnap_core.format.verify.admission_threads` threads
+        (:func:`~coldsnap_core.format.verify.pack_matches_layout`), and its size. Those bytes are then the pack of the
+        manifest, so the object is admitted for ``layout`` in this :class:`PayloadCache` (a later admission with an
+        equal layout accepts the same inode without reading it) and queued for :meth:`record_in_background`: no
+        record is written until the whole-file SHA-256 equals the name. ``None`` when anything disagrees or the
+        object changed meanwhile: the full verification then judges it."""
+        path = self.object_path(digest)
         if not stat.S_ISREG(st.st_mode) or st.st_size != layout.size_bytes:
-            return False
+            return None
         with open_regular(path, "pack") as (fd, opened):
-            if identity(opened) != identity(st):
-                return False
-            return pack_matches_layout(
+            if identity(opened) != identity(st) or not pack_matches_layout(
                 fd, layout, file=path, threads=admission_threads(), chunk_bytes=ADMIT_CHUNK_BYTES, progress=progress
-            )
+            ):
+                return None
+        after = refuse_symlink(path)
+        if after is None or identity(after) != identity(st):
+            return None
+        with self._verified_here_lock:
+            self._verified_layouts[digest] = (identity(after), layout)
+            self._pending_records[digest] = after
+        return self._admitted_at(digest, after)
 
     def reverify(self, digest: str, size_bytes: int | None = None, *, progress: ProgressCallback | None = None) -> Path:
         """Like :meth:`admit`, but always hash in full (ignoring any record); used by ``coldsnap cache verify --full``."""
