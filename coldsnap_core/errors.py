@@ -450,6 +450,7 @@ class ConfigurationError(ColdsnapError):
     """An environment variable, extra-config key or CLI option has an unsupported value."""
 
     rule = "configuration"
+    remedy = 'correct or unset the setting named here (README, "Using it with vLLM": every setting and its values)'
 
 
 class EngineVersionError(ConfigurationError):

@@ -345,8 +345,8 @@ def untrusted_pack_check(pack: PackRef, state: str, store: PayloadStore | None, 
     return Check(
         "packs",
         "warning",
-        f"{subject} is staged and intact (hashed in full now), but its validation record is {state}: a restore hashes"
-        " it in full first",
+        f"{subject} is staged and intact (hashed in full now), but its validation record is {state}: a restore checks"
+        " it again first (every extent, on a pool of threads) and writes the record after its load",
         "coldsnap stage ARTIFACT as the engine's user (it writes the record)",
     )
 

@@ -30,7 +30,8 @@ from coldsnap_core.stores.pull import pull_artifact
 def run(args: argparse.Namespace) -> int:
     store, name = parse_artifact_ref(args.ref, client=args.settings.store.client)
     quiet_hub_bars()
-    pulled = pull_artifact(store, name, Path(args.dir).expanduser(), lock_timeout_seconds=args.lock_timeout_s)
+    dest = Path(args.dir).expanduser() if args.dir.strip() else args.dir  # Path("") is ".": pull_artifact refuses ""
+    pulled = pull_artifact(store, name, dest, lock_timeout_seconds=args.lock_timeout_s)
     entries = this_host_entries(args, pulled.path)
     staged = stage_entries(entries, PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s), store)
     if args.json:

@@ -33,8 +33,8 @@ is written into the model before step 7 (or the fetch of step 6, which fills the
    a trusted validation record, or checks every stored extent and padding byte against *the manifest's
    layout* on a pool of threads (a failure is judged by the full verification, which names a corrupt
    extent by allocation and offset and quarantines the pack; the whole-file SHA-256 and the record
-   follow after the copy, on a daemon thread: :meth:`~coldsnap_core.cache.payload_cache.PayloadCache.record_in_background`); a pack the cache lacks is
-   fetched from the configured payload store (:func:`coldsnap_core.restore.staging.stage_payload`), else
+   follow after the copy, on a daemon thread: :meth:`~coldsnap_core.cache.payload_cache.PayloadCache.record_in_background`); a pack the cache lacks, or
+   one it just quarantined, is fetched from the configured payload store (:func:`coldsnap_core.restore.staging.stage_payload`), else
    :class:`~coldsnap_core.errors.PayloadUnavailableError`;
 7. **hydrate**: :func:`coldsnap_core.restore.hydrate.hydrate` checks the residual blob and the pack's padding
    and fills every allocation from the admitted pack (no second manifest, layout or record check). A pack
@@ -365,8 +365,8 @@ class WorkerRestore:
     def _admit(self, manifest: NativeManifest, layout: PackLayout, manifest_file: str, onepass: FillAsLanded) -> Path:
         """Step 6: the cache admits the pack once (record or full verification with the layout;
         quarantine on failure, reported in the loader's fallback line rather than a second WARNING);
-        only a pack the cache lacks goes to the payload store, whose fetch fills the allocations as it lands
-        (``onepass``)."""
+        a pack the cache lacks, or one it just quarantined while a payload store is configured, goes to the store,
+        whose fetch fills the allocations as it lands (``onepass``)."""
         pack = manifest.pack
         try:
             try:
@@ -379,6 +379,18 @@ class WorkerRestore:
                     log_quarantine=False,
                 )
             except MissingObjectError:
+                return self._stage(manifest, layout, onepass)
+            except IntegrityError as exc:
+                if self.store is None or self.cache.object_path(pack.sha256).exists():
+                    raise
+                # quarantined: the store's copy replaces it in this start, as `coldsnap stage` does
+                logger.warning(
+                    "coldsnap: cached pack %s is corrupt (%s; quarantined as %s); fetching it again from %s",
+                    pack.sha256,
+                    exc.detail,
+                    getattr(exc, "quarantined_to", None),
+                    self.store.name,
+                )
                 return self._stage(manifest, layout, onepass)
         except PayloadUnavailableError as exc:
             self.pack_unavailable = True

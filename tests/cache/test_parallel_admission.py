@@ -204,3 +204,29 @@ def test_cache_verify_without_a_layout_hashes_the_whole_file(tiny, monkeypatch: 
     assert main(["cache", "verify", "--state-root", str(cache.state_root)]) == 0
     assert "full SHA-256" in capsys.readouterr().out
     assert record_state(cache, result.manifest.pack.sha256) == "trusted"
+
+
+def test_a_damaged_copy_is_fetched_again_from_the_store_in_the_same_start(tiny, tmp_path: Path, caplog) -> None:
+    """A record-less copy with a flipped extent byte, on a node whose payload store holds the pack: the copy is
+    quarantined and the pack fetched again from the store in the same start, which restores every byte (catches a
+    restore that refuses, or falls back to the checkpoint, although ``coldsnap doctor`` and ``coldsnap stage`` both
+    say the store replaces a corrupt cached pack)."""
+    from coldsnap_core.stores.local import LocalFolderStore
+
+    checkpoint, loaded, result, cache = tiny
+    digest = result.manifest.pack.sha256
+    store_root = tmp_path / "store"
+    (store_root / "model-payloads" / "sha256").mkdir(parents=True)
+    shutil.copyfile(result.pack_path, store_root / "model-payloads" / "sha256" / f"{digest}.pack")
+    extent = max(result.manifest.model_extents, key=lambda e: e.size_bytes)
+    flip_byte(cache.object_path(digest), extent.pack_offset_bytes + 3)
+    fresh = TinyModel()
+    attempt = restorer(checkpoint, tmp_path / "artifact", tmp_path / "node", store=LocalFolderStore(store_root))
+    with caplog.at_level(logging.WARNING):
+        attempt.run(enumerate_allocations(fresh), HostCopyBackend())
+    assert fresh.snapshot() == loaded.snapshot()
+    assert [r for r in caplog.records if "is corrupt" in r.getMessage() and "fetching it again" in r.getMessage()]
+    assert len(list(cache.quarantine_dir.iterdir())) == 1
+    assert cache.object_path(digest).read_bytes() == result.pack_path.read_bytes()
+    assert attempt.cache.wait_for_records(WAIT_SECONDS)
+    assert record_state(cache, digest) == "trusted"

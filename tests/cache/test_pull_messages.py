@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.cli.main import main
 from coldsnap_core.errors import ArtifactError, CapsulePinMismatchError, ConfigurationError, PayloadUnavailableError
 from coldsnap_core.stores import artifact_ref, parse_artifact_ref, parse_store_spec
 from coldsnap_core.stores.publish import publish_native
@@ -59,13 +60,18 @@ def test_a_changed_file_in_a_pulled_folder_says_to_remove_it_not_to_pull_again(p
 
 
 @pytest.mark.parametrize("any_store", ["folder"], indirect=True)
-def test_an_empty_destination_is_refused_not_read_as_the_current_folder(published, tmp_path, monkeypatch) -> None:
-    """Catches ``coldsnap pull REF ""`` (an unset variable in a script) pulling into the current folder."""
-    store, _ = published
+def test_an_empty_destination_is_refused_not_read_as_the_current_folder(published, tmp_path, monkeypatch, capsys) -> None:
+    """Catches ``coldsnap pull REF ""`` (an unset variable in a script) pulling into the current folder, through the
+    API and the CLI."""
+    store, ref = published
     monkeypatch.chdir(tmp_path)
     before = sorted(p.name for p in tmp_path.iterdir())
     with pytest.raises(ConfigurationError, match="folder to pull into is empty"):
         pull_artifact(store, "fake", "")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    # the CLI too (it turned "" into Path(""), the current folder, before the check could see it)
+    assert main(["pull", ref, ""]) == ConfigurationError.exit_code
+    assert "folder to pull into is empty" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
