@@ -471,8 +471,9 @@ def object_store_script(server_box: list[ScriptedServer], data: bytes, body: str
 
     * ``ok``: ``206`` with the range;
     * ``drip``: ``206`` with the range's ``Content-Length``, then one byte every ``drip_interval_s``;
-    * ``endless``: ``206`` with a chunked body that never ends (up to :data:`ENDLESS_CAP_BYTES`);
-    * ``huge-length``: ``206`` with ``Content-Length: 8 GiB`` and bytes until the cap;
+    * ``endless``: ``206`` with a chunked body of the range's bytes and then zeros that never end (up to
+      :data:`ENDLESS_CAP_BYTES`);
+    * ``huge-length``: ``206`` with ``Content-Length: 8 GiB``, the range's bytes and zeros until the cap;
     * ``error-endless``: ``500`` with a chunked error body that never ends;
     * ``ignore-range``: ``200`` with the whole object;
     * ``bad-size``: the object's size is ``many`` (``HEAD``'s ``Content-Length``, GCS's ``size``).
@@ -481,12 +482,16 @@ def object_store_script(server_box: list[ScriptedServer], data: bytes, body: str
     import json
     import urllib.parse
 
-    def endless(handler: Any, status: int, headers: dict[str, str], chunked: bool) -> None:
+    def endless(handler: Any, status: int, headers: dict[str, str], chunked: bool, prefix: bytes = b"") -> None:
+        """Answer ``prefix`` (the range's own bytes: a client that checks bytes as they land finds nothing wrong in
+        them), then zeros that never end."""
         handler.send_response(status)
         for name, value in headers.items():
             handler.send_header(name, value)
         handler.end_headers()
         block, sent = b"\0" * (64 << 10), 0
+        for piece in (prefix,) if prefix else ():
+            server_box[0].write(handler, b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
         while sent < ENDLESS_CAP_BYTES and not server_box[0].stop.is_set():
             server_box[0].write(handler, b"%x\r\n%s\r\n" % (len(block), block) if chunked else block)
             sent += len(block)
@@ -536,11 +541,17 @@ def object_store_script(server_box: list[ScriptedServer], data: bytes, body: str
                 server_box[0].write(handler, data[offset : offset + 1])
         elif body == "huge-length":
             endless(
-                handler, 206, {"Content-Length": str(8 << 30), "Content-Range": f"bytes {start}-{end - 1}/{len(data)}"}, False
+                handler,
+                206,
+                {"Content-Length": str(8 << 30), "Content-Range": f"bytes {start}-{end - 1}/{len(data)}"},
+                False,
+                data[start:end],
             )
+        elif body == "error-endless":
+            endless(handler, 500, {"Transfer-Encoding": "chunked", "Content-Type": "application/xml"}, True)
         else:
-            status = 500 if body == "error-endless" else 206
-            endless(handler, status, {"Transfer-Encoding": "chunked", "Content-Type": "application/xml"}, True)
+            headers = {"Transfer-Encoding": "chunked", "Content-Type": "application/xml"}
+            endless(handler, 206, headers, True, data[start:end])
 
     return script
 
