@@ -1,11 +1,5 @@
-"""Digest validation and the one rule that turns a digest into an object path.
-
-A pack is addressed only by its SHA-256: ``model-payloads/sha256/<digest>.pack``, the same relative
-path in the node-local cache and in every payload store (``docs/format.md`` §1). Recipes and
-capture IDs cannot choose it. A digest is validated as exactly 64 lowercase hexadecimal characters
-*before* it is used to build any path, so ``../x``, uppercase hex or a short string never touch the
-file system.
-"""
+"""Digest validation (before any path is built) and the one rule that turns a digest into an object path
+(``model-payloads/sha256/<digest>.pack``, in the cache and in every store: ``docs/format.md`` §1)."""
 
 from __future__ import annotations
 
@@ -21,20 +15,12 @@ PAYLOADS_DIRNAME = "model-payloads"
 
 
 def check_digest(digest: object) -> str:
-    """Return ``digest`` unchanged if it is 64 lowercase hex characters.
-
-    Raises:
-        InvalidDigestError: anything else (wrong type, length, case, or characters).
-    """
+    """Return ``digest`` unchanged if it is 64 lowercase hex characters, else raise InvalidDigestError."""
     if not isinstance(digest, str) or not SHA256_HEX_RE.fullmatch(digest):
         raise InvalidDigestError(f"{digest!r} is not a SHA-256 digest (64 lowercase hexadecimal characters)")
     return digest
 
 
 def pack_relpath(digest: str) -> str:
-    """The object path of a pack, relative to a state root or store root.
-
-    Raises:
-        InvalidDigestError: ``digest`` is not a valid SHA-256 digest.
-    """
+    """The object path of a pack, relative to a state root or store root (InvalidDigestError: not a digest)."""
     return f"{PAYLOADS_DIRNAME}/sha256/{check_digest(digest)}.pack"

@@ -1,65 +1,13 @@
 """The engine contract: the load policy every engine plugin runs, and what an engine adapter supplies.
 
-:class:`LoadPolicy` is a small base class with one template method, :meth:`LoadPolicy.load`, in the
-shape of vLLM's ``BaseModelLoader.load_model`` (``vllm/model_executor/model_loader/base_loader.py``:
-the template fixes the order, subclasses supply the engine-specific steps). An engine adapter
-(``coldsnap_vllm.loader``, ``coldsnap_sglang.loader``) lists :class:`ObservedLoader` before its engine's
-default loader class (the iterator boundary, watched) and supplies only what needs its engine:
-
-* :attr:`~LoadPolicy.engine` / :attr:`~LoadPolicy.engine_label`: the engine name its target identity
-  records (``docs/format.md`` §15.1) and the one its messages use; :meth:`~LoadPolicy.engine_version`;
-* :meth:`~LoadPolicy.worker_identity`: this worker's identity;
-* per load, one :class:`LoadCall`: the model the engine built, what it is loading (:class:`ModelSource`,
-  resolved once) and the adapter's own inputs of the call;
-* :meth:`~LoadPolicy.checkpoint_files`: the files its own ``_prepare_weights`` would read now;
-* :meth:`~LoadPolicy.load_checkpoint`: how to run the engine's checkpoint load;
-* for an engine with a compile cache, :meth:`~LoadPolicy.place_derived_cache` and
-  :meth:`~LoadPolicy.capture_derived_cache` (an engine without one does not supply them).
-
-:meth:`LoadPolicy.load` then does, for one ``load_weights`` call (the first of a process logs the banner,
-:func:`coldsnap_core.operator_log.banner`):
-
-1. **restore** when an artifact folder is set and export is off
-   (:func:`coldsnap_core.restore.pipeline.restore_or_fall_back`: ``COLDSNAP_RESTORE=auto`` falls back with one
-   WARNING, ``native`` raises); with ``COLDSNAP_OVERLAY=capture`` the portable capsule is read and the
-   checkpoint is loaded to capture an overlay instead;
-   without an artifact folder (and no export, nor the engine's need of the load without one,
-   :meth:`~LoadPolicy.wants_model_identity`) the load format is misconfigured: one WARNING, and the checkpoint load
-   is a fallback of rule ``configuration``;
-2. otherwise, or as the fallback, the **checkpoint load** under the write observer
-   (:mod:`coldsnap_core.capture.observer`), then
-
-   * with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1`` the portable **capture**
-     (:func:`coldsnap_core.capture.worker.capture_loaded_worker`), and the model's non-weight files copied into
-     the artifact (:func:`coldsnap_core.artifact.model_files.attach_model_files`);
-   * after a fallback whose cause was the pack (no source has it, or the cached object was corrupt and
-     is now quarantined) while the capsule and the live layout matched: **materialization** of the pack
-     from the resident bytes (``COLDSNAP_MATERIALIZE``; ``docs/format.md`` §13);
-   * on ``COLDSNAP_OVERLAY=capture``, or under ``auto`` after a fallback caused by target qualification
-     of a capsule this engine captured: a target-local **overlay** (:func:`coldsnap_core.capture.overlay.capture_overlay`,
-     ``docs/format.md`` §15);
-3. the capsule's **derived-cache seed** (``docs/format.md`` §17), when a capsule was read (a selected
-   overlay's own seed, else the portable capsule's): :meth:`~LoadPolicy.place_derived_cache` places it where
-   the engine's compiler looks;
-4. one **outcome line** (:mod:`coldsnap_core.outcomes`, ``docs/format.md`` §10.3): ``restored``,
-   ``captured``, ``fell-back``, ``checkpoint``, or ``refused`` when an error is raised (then also the one
-   ``coldsnap:`` ERROR line of the refused start, :func:`coldsnap_core.operator_log.refuse`), and the same load
-   counted in the process's Prometheus metrics (:func:`coldsnap_core.metrics.record_load`);
-5. after a capture or an overlay this load wrote (``COLDSNAP_DERIVED_CACHE=auto``): the **derived-cache
-   capture** (:meth:`~LoadPolicy.capture_derived_cache`), which attaches the engine's compile cache to that
-   capsule once the engine has compiled.
-
-It returns what it did (:class:`LoadOutcome`). The payload store is built from the resolved settings when
-the policy is constructed (an engine plugin does so when its loader is built), so a malformed
-``COLDSNAP_PAYLOAD_REPO`` stops the engine's start with a :class:`~coldsnap_core.errors.ConfigurationError`
-under ``auto`` too; an engine plugin resolves its settings and builds its policy within
-:meth:`LoadPolicy.refusing_settings`, so such a start is refused as any other is (its ``coldsnap:`` line, the
-termination log, an outcome line ``refused``).
-
-Without an artifact (none configured, or its REF could not be pulled under ``auto``) the checkpoint load is the only
-load; a model folder without weight files (what ``coldsnap pull`` writes) then has none, and the start is refused
-with :class:`~coldsnap_core.errors.CheckpointAbsentError` (its outcome line records the rule of its cause,
-``configuration`` or the pull's, and ``"checkpoint": "absent"``).
+:class:`LoadPolicy` has one template method, :meth:`LoadPolicy.load`, in the shape of vLLM's
+``BaseModelLoader.load_model`` (``vllm/model_executor/model_loader/base_loader.py``); an engine adapter
+(``coldsnap_vllm.loader``, ``coldsnap_sglang.loader``) lists :class:`ObservedLoader` before its engine's default
+loader class and supplies the abstract steps. One load: **restore** (:func:`coldsnap_core.restore.pipeline.restore_or_fall_back`)
+when an artifact is set and export is off, else or as the fallback the observed **checkpoint load**, then the
+**capture** (export), **materialization** (``docs/format.md`` §13) or an **overlay** (§15); the capsule's
+**derived-cache seed** placed (§17); one **outcome line** (§10.3) and the load counted in the metrics; a refused
+start also logs its one ``coldsnap:`` line (:func:`coldsnap_core.operator_log.refuse`).
 """
 
 from __future__ import annotations
@@ -111,13 +59,8 @@ __all__ = ["LoadCall", "LoadOutcome", "LoadPolicy", "ModelSource", "ModelWrite",
 
 @dataclass(frozen=True, slots=True)
 class ModelWrite:
-    """A destination byte range the load filled with checkpoint bytes that nothing rewrote before its end.
-
-    Attributes:
-        address: absolute address of the first destination byte (host pointer or CUDA virtual address).
-        size_bytes: length of the range in bytes.
-        provenance: the checkpoint source of the bytes.
-    """
+    """A destination byte range (``address``: host pointer or CUDA virtual address) the load filled with checkpoint
+    bytes that nothing rewrote before its end."""
 
     address: int
     size_bytes: int
@@ -131,13 +74,10 @@ class ModelSource:
     Attributes:
         path: the model: a local folder or a Hugging Face repository id.
         revision: the revision as the engine was given it (``None``: the default branch).
-        config_sha256: :func:`coldsnap_core.identity.config_digest.model_config_sha256` of the engine's effective
-            model configuration, or ``None`` when the engine has none.
-        download_dir: the Hugging Face cache the engine downloads into (``--download-dir``), or ``None``
-            for ``HF_HUB_CACHE``.
-        config_json: the canonical configuration whose digest is ``config_sha256``
-            (:func:`coldsnap_core.identity.config_digest.engine_model_config`): recorded by a capture, compared key
-            by key by a restore whose digest differs.
+        config_sha256: :func:`coldsnap_core.identity.config_digest.model_config_sha256` of the engine's model
+            configuration, or ``None``.
+        download_dir: the Hugging Face cache the engine downloads into, or ``None`` for ``HF_HUB_CACHE``.
+        config_json: the canonical configuration whose digest is ``config_sha256``.
     """
 
     path: str
@@ -147,10 +87,8 @@ class ModelSource:
     config_json: str | None = None
 
     def identity_revision(self) -> str | None:
-        """The revision the model identity records: for a local folder the revision as given; for a
-        repository id the commit it resolves to in the Hugging Face cache
-        (:func:`coldsnap_core.identity.hub_commit.resolve_hub_commit`), or the revision as given when the cache
-        cannot resolve it (a restore then refuses the artifact: fail closed)."""
+        """The revision the model identity records: as given for a local folder, else the commit it resolves to
+        in the Hugging Face cache (as given when the cache cannot resolve it)."""
         requested = None if self.revision is None else str(self.revision)
         if os.path.isdir(self.path):
             return requested
@@ -160,15 +98,8 @@ class ModelSource:
 
 @dataclass(frozen=True, slots=True)
 class LoadCall:
-    """The inputs of one :meth:`LoadPolicy.load`: one engine call that asks its loader for the weights.
-
-    Attributes:
-        model: the ``torch.nn.Module`` the engine built (parameters and buffers allocated, not loaded).
-        source: what the engine is loading into it, resolved once per load; ``None`` when the loader cannot
-            tell (the engine asked for the weights outside its ``load_model``).
-        engine: the adapter's own inputs of this call, handed back to its steps unread (vLLM: its model
-            configuration and ``VllmConfig``; SGLang: the weights iterator and the target device).
-    """
+    """The inputs of one :meth:`LoadPolicy.load`: the ``torch.nn.Module`` the engine built, what it is loading
+    (``None`` when called outside the loader's ``load_model``) and the adapter's own inputs, handed back unread."""
 
     model: object
     source: ModelSource | None
@@ -180,38 +111,23 @@ class LoadOutcome:
     """What one :meth:`LoadPolicy.load` did (for logs, tests, benchmarks and the vLLM sleep backend).
 
     Attributes:
-        kind: ``restored`` (from pack + residual), ``captured`` (checkpoint load + capture) or
-            ``checkpoint`` (checkpoint load only, possibly after a fallback).
-        worker: the worker's identity.
-        load_seconds: wall time of the weight loading proper (hydration, or the checkpoint load
-            under the observer), in seconds.
-        total_seconds: wall time of the whole load, in seconds.
+        kind: ``restored``, ``captured`` or ``checkpoint`` (possibly after a fallback).
+        load_seconds: wall time of the weight loading proper (hydration, or the observed checkpoint load), seconds.
+        total_seconds: wall time of the whole load, seconds.
         fallback: the error that made ``auto`` fall back to the checkpoint, if any.
-        hydration: the hydration report (``restored``).
-        capture: the capture result (``captured``).
-        materialization: the materialization handle, when one was started after a fallback.
-        capsule_source: ``restored``: which capsule (``portable``, ``overlay``, ``qualified``:
-            :class:`coldsnap_core.restore.overlay.Selection`).
-        overlay: the target-local overlay captured after this checkpoint load, if any.
+        capsule_source: ``restored``: which capsule (:class:`coldsnap_core.restore.overlay.Selection`).
         model_bytes: destination bytes classified as model bytes (restored: the manifest's).
         checkpoint_copies: ``copy_`` calls recorded as model bytes by the observer.
-        model: the pinned model identity when it is known (restored, captured, after a fallback, or
-            when :meth:`LoadPolicy.wants_model_identity`), else ``None``.
-        writes: the model writes by absolute address, sorted and disjoint (empty when the load was
-            not observed).
-        pack: the worker's pack, when one was restored, captured or materialized.
-        observed: whether :attr:`writes` says where the model bytes are (restored, or a checkpoint load
-            whose writes the observer classified); ``False``: nothing may be published about them.
-        capsule_dir: where the derived-cache seed of the capsule chosen for this load is (restored, or a
-            fallback after a capsule was read): the selected overlay's folder, else the portable capsule's;
-            ``None`` when no capsule was read.
-        capsule_files: that capsule's pins (``artifact.json``'s entry, or the overlay's ``overlay.json``).
-        derived_cache: what became of its seed (:meth:`LoadPolicy.place_derived_cache`), or ``None``.
-        stage_seconds: wall time of staging the pack from the payload store during this load (the cache lacked
-            it; also when staging failed), seconds; ``None`` when the store was not contacted.
+        model: the pinned model identity when it is known, else ``None``.
+        writes: the model writes by absolute address, sorted and disjoint (empty when not observed).
+        observed: whether :attr:`writes` says where the model bytes are; ``False``: nothing may be published.
+        capsule_dir: where the derived-cache seed of the capsule chosen for this load is (the selected overlay's
+            folder, else the portable capsule's); ``None`` when no capsule was read.
+        capsule_files: that capsule's pins.
+        stage_seconds: wall time of staging the pack from the payload store during this load, seconds; ``None``
+            when the store was not contacted.
         fetched_bytes: bytes fetched from the payload store during this load.
-        checkpoint_absent: restored into a model folder without the checkpoint's weights (every model byte from the
-            pack; :attr:`coldsnap_core.identity.model_identity.LoadedModel.checkpoint_absent`).
+        checkpoint_absent: restored into a model folder without the checkpoint's weights.
     """
 
     kind: Literal["restored", "captured", "checkpoint"]
@@ -247,13 +163,11 @@ class LoadPolicy(abc.ABC):
     """The engine-neutral load policy (see the module docstring); an engine adapter subclasses it.
 
     Args:
-        settings: the resolved settings (:meth:`coldsnap_core.settings.ColdsnapSettings.resolve`).
-        log: the logger of the policy's lines (the engine plugin's own, whose records reach the
-            engine's log).
+        settings: the resolved settings.
+        log: the logger of the policy's lines (the engine plugin's own).
 
     Raises:
-        ConfigurationError: the payload store the settings name is malformed (names the variable or
-            key and the value).
+        ConfigurationError: the payload store the settings name is malformed.
     """
 
     engine: ClassVar[str]
@@ -261,19 +175,16 @@ class LoadPolicy(abc.ABC):
     engine_label: ClassVar[str]
     """The engine's name in messages (``vLLM``, ``SGLang``)."""
     weights_line: ClassVar[str | None] = None
-    """The engine loader's own line after it loaded the weights, as a format of the seconds and the GB/s, logged
-    after a restore too (the engine's loader, which would log it, does not run); ``None``: the engine logs its own
-    line after the loader returns."""
+    """The engine loader's own line after the weights (a format of the seconds and GB/s), logged after a restore."""
     weights_call: ClassVar[str] = "load_weights"
-    """The engine's loader method that runs :meth:`load`, for the message when it runs outside ``load_model``."""
+    """The engine's loader method that runs :meth:`load`, for messages."""
 
     def __init__(self, settings: ColdsnapSettings, *, log: logging.Logger) -> None:
         self.settings = settings
         self.log = log
         self.store = store_from_settings(settings.store)
         self.session: LoadSession | None = None
-        """The observed load in progress: set only while :meth:`load_checkpoint` runs under the observer
-        (:class:`ObservedLoader` reports to it)."""
+        """The observed load in progress, while :meth:`load_checkpoint` runs under the observer."""
 
     # -- what the engine adapter supplies ----------------------------------------------------------
 
@@ -283,13 +194,11 @@ class LoadPolicy(abc.ABC):
 
     @abc.abstractmethod
     def checkpoint_files(self, call: LoadCall) -> tuple[list[str] | None, str | None]:
-        """:func:`coldsnap_core.identity.model_identity.engine_checkpoint_files` of ``call.source`` (never
-        ``None`` here) through the engine's own ``_prepare_weights`` (no tensor is read)."""
+        """:func:`coldsnap_core.identity.model_identity.engine_checkpoint_files` of ``call.source`` (not ``None``)."""
 
     @abc.abstractmethod
     def load_checkpoint(self, call: LoadCall) -> None:
-        """Run the engine's checkpoint load into ``call.model`` (its iterator hooks, :class:`ObservedLoader`,
-        report to :attr:`session`)."""
+        """Run the engine's checkpoint load into ``call.model``."""
 
     def engine_version(self) -> str | None:
         """The engine's installed version (:func:`coldsnap_core.identity.target.engine_version`)."""
@@ -300,16 +209,13 @@ class LoadPolicy(abc.ABC):
         return False
 
     def place_derived_cache(self, call: LoadCall, outcome: LoadOutcome) -> SeedPlacement | None:
-        """Place the derived-cache seed of ``outcome.capsule_dir`` (a capsule was read) before the engine
-        compiles (:func:`coldsnap_core.restore.derived_cache.place_seed`); ``None``: the engine keeps no
-        compile cache (the default). Must not raise: a seed only makes a start faster."""
+        """Place the derived-cache seed of ``outcome.capsule_dir`` before the engine compiles; ``None``: the
+        engine keeps no compile cache. Must not raise."""
         return None
 
     def capture_derived_cache(self, call: LoadCall, outcome: LoadOutcome) -> None:
-        """Attach the engine's compile cache to the capsule this load wrote (``outcome.capture`` or
-        ``outcome.overlay``) once the engine has compiled (:func:`coldsnap_core.capture.derived_cache.attach_seed`);
-        the default does nothing (the engine keeps no compile cache). Must not raise: the capsule stands
-        without a seed."""
+        """Attach the engine's compile cache to the capsule this load wrote once the engine has compiled; the
+        default does nothing. Must not raise."""
         return None
 
     # -- the settings -------------------------------------------------------------------------------
@@ -323,14 +229,10 @@ class LoadPolicy(abc.ABC):
         worker: Callable[[], WorkerIdentity],
         log: logging.Logger,
     ) -> Iterator[None]:
-        """Around an engine plugin's resolution of its settings and construction of its policy (its loader's
-        ``__init__``, before any :meth:`load`): a :class:`~coldsnap_core.errors.ConfigurationError` there (an invalid
-        value, ``COLDSNAP_RESTORE=native`` without an artifact, a malformed payload store) is reported as every refused
-        start is: its one ``coldsnap:`` ERROR line (:func:`coldsnap_core.operator_log.refuse`: the termination log, said
-        again last; no banner, whose settings did not resolve), an outcome line ``refused`` with the error's rule and
-        the same load counted in the metrics; then it is raised. ``environ`` and ``extra_config`` (SGLang's may be its
-        JSON text) give the outcome log and the termination log where they are valid (else their defaults);
-        ``worker()`` the worker's identity (rank 0 of 1 when it cannot tell)."""
+        """Around an engine plugin's resolution of its settings and construction of its policy: a
+        :class:`~coldsnap_core.errors.ConfigurationError` there is reported as every refused start is (its
+        ``coldsnap:`` line, an outcome line ``refused``, the metrics), then raised. ``environ`` and ``extra_config``
+        (or its JSON text) give the outcome and termination logs (:func:`_report_settings`)."""
         try:
             yield
         except ConfigurationError as exc:
@@ -351,13 +253,9 @@ class LoadPolicy(abc.ABC):
     def load(self, call: LoadCall) -> LoadOutcome:
         """Restore or load ``call.model``, then append one outcome line (see the module docstring).
 
-        Returns:
-            What the load did.
-
         Raises:
-            ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed (the verifier's error),
-                the export capture or an explicit overlay capture failed; the outcome line says
-                ``refused``.
+            ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed, or the export capture or an
+                explicit overlay capture failed; the outcome line says ``refused``.
         """
         started = time.perf_counter()
         banner(self.settings, self.engine_label, self.log)
@@ -367,8 +265,7 @@ class LoadPolicy(abc.ABC):
                 outcome = self._load(call, worker, started)
         except ColdsnapError as exc:
             absent = isinstance(exc, CheckpointAbsentError)
-            # Where no checkpoint is on the node, the rule that failed is the cause's (model-identity, extent-sha256,
-            # ...): the outcome line, the metrics and the refusal line name it, and say the checkpoint was absent.
+            # no checkpoint on the node: the outcome line, the metrics and the refusal line name the cause's rule
             cause = exc.__cause__ if absent and isinstance(exc.__cause__, ColdsnapError) else exc
             self._report(self._line("refused", worker, time.perf_counter() - started, error=cause, checkpoint_absent=absent))
             refuse(self._refusal(worker, cause, checkpoint_absent=absent), self.settings, self.log, cause=str(exc))
@@ -391,8 +288,7 @@ class LoadPolicy(abc.ABC):
         return outcome
 
     def _refusal(self, worker: WorkerIdentity, exc: ColdsnapError, *, checkpoint_absent: bool = False) -> str:
-        """The one line of a refused start: the engine, the worker, why coldsnap refuses (the setting, or no
-        checkpoint on this node to fall back to), the error (its rule, cause and remedy)."""
+        """The one line of a refused start: the engine, the worker, why coldsnap refuses, the error."""
         settings = self.settings
         if settings.export_model_payload:
             why = "COLDSNAP_EXPORT_MODEL_PAYLOAD=1: the capture failed"
@@ -429,8 +325,7 @@ class LoadPolicy(abc.ABC):
             return self._load_checkpoint(call, worker, cache, None, None, None, started)
         loaded = self._loaded_model(call)
         if settings.overlay == "capture":
-            # An operator's explicit overlay capture: read the portable capsule, load the checkpoint,
-            # capture; a capsule that cannot be read (or a model the loader cannot tell) stops here.
+            # an explicit overlay capture: a capsule that cannot be read (or an unknown model) stops here
             attempt = WorkerRestore.for_settings(
                 settings, worker, self._require_loaded(loaded), cache, self.engine, self.engine_version(), self.store
             )
@@ -459,9 +354,7 @@ class LoadPolicy(abc.ABC):
         return dataclasses.replace(outcome, stage_seconds=attempt.stage_seconds, fetched_bytes=attempt.fetched_bytes)
 
     def _no_artifact(self) -> ConfigurationError:
-        """The load format is coldsnap but no artifact is configured: :meth:`_load` logs it as one WARNING, and the
-        checkpoint load counts as a fallback (rule ``configuration``: ``coldsnap status --fail-on-fallback`` flags
-        it)."""
+        """The load format is coldsnap but no artifact is configured: a fallback of rule ``configuration``."""
         return ConfigurationError(
             f"{self.engine_label} runs the coldsnap load format without an artifact (COLDSNAP_ARTIFACT_DIR is not set),"
             " so it loads the checkpoint and restores nothing",
@@ -470,14 +363,11 @@ class LoadPolicy(abc.ABC):
         )
 
     def _require_checkpoint(self, call: LoadCall, cause: ColdsnapError) -> None:
-        """Before a checkpoint load that ``cause`` (no artifact configured, or its pull failed) makes the only load:
-        a model folder without weight files (what ``coldsnap pull`` writes, ``docs/format.md`` §10.1) has no checkpoint
-        to load, so the start is refused here, with the one remedy, rather than by the engine's own "no model
-        weights" error after a WARNING and without an outcome line.
+        """Before a checkpoint load that ``cause`` makes the only load: refuse a model folder without weight files
+        (what ``coldsnap pull`` writes, ``docs/format.md`` §10.1) here, rather than by the engine's own error.
 
         Raises:
-            CheckpointAbsentError: ``call`` loads a local folder that holds no weight file; its cause is ``cause``,
-                whose rule the outcome line records (:meth:`load`).
+            CheckpointAbsentError: ``call`` loads a local folder that holds no weight file (from ``cause``).
         """
         source = call.source
         if source is None or not os.path.isdir(source.path) or holds_weight_files(Path(source.path)):
@@ -496,9 +386,8 @@ class LoadPolicy(abc.ABC):
         ) from cause
 
     def _pull_artifact(self) -> None:
-        """``COLDSNAP_ARTIFACT_DIR`` is a REF: pull it into ``<state-root>/artifacts/sha256/<digest>/``
-        (:func:`coldsnap_core.stores.pull.pull_into_state_root`; every worker of a start pulls, the first one fetches)
-        and restore from there; without a configured payload store the packs are staged from the REF's store.
+        """``COLDSNAP_ARTIFACT_DIR`` is a REF: pull it into the state root and restore from there (the packs staged
+        from the REF's store when no payload store is configured).
 
         Raises:
             ColdsnapError: as :func:`~coldsnap_core.stores.parse_artifact_ref` and
@@ -585,8 +474,7 @@ class LoadPolicy(abc.ABC):
         before: TorchAllocations | None,
         started: float,
     ) -> LoadOutcome:
-        """The observed checkpoint load (:meth:`_observe_checkpoint_load`) and what follows it: capture,
-        materialization, overlay."""
+        """The observed checkpoint load and what follows it: capture, materialization, overlay."""
         settings = self.settings
         observed = self._observe_checkpoint_load(call, worker, fallback, before, started)
         if isinstance(observed, LoadOutcome):
@@ -658,10 +546,7 @@ class LoadPolicy(abc.ABC):
     ) -> tuple[LoadSession, WriteObserver, TorchAllocations, list[ModelRecord], float] | LoadOutcome:
         """The engine's checkpoint load under the write observer: ``(session, observer, allocations after,
         model records, load seconds)``, or the outcome of a load that could not be observed or classified
-        (the engine serves it; nothing is captured or published).
-
-        ``before`` is the restore attempt's enumeration of the allocations, reused as the observer's
-        "before" (the storages are the ones the checkpoint load fills).
+        (``before``: the restore attempt's enumeration of the allocations, reused).
 
         Raises:
             ObserverError: with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``, the load cannot be observed or
@@ -696,8 +581,6 @@ class LoadPolicy(abc.ABC):
             after = enumerate_allocations(call.model)  # type: ignore[arg-type]
             records = observer.loaded_records(before, after)
         except ObserverError as problem:
-            # The weights are loaded; only their classification is unknown, so the engine serves them
-            # and nothing is captured or published (an export asked for a capture: it fails loudly).
             if export:
                 raise
             self.log.info("coldsnap: %s; nothing is published for the sleep backend", problem.detail)
@@ -705,9 +588,7 @@ class LoadPolicy(abc.ABC):
         return session, observer, after, records, load_seconds
 
     def _identify(self, session: LoadSession, call: LoadCall) -> ModelIdentity:
-        """The model identity of this load: the checkpoint files just loaded (hashed, and recorded in the
-        state root's checkpoint records), the engine's model configuration digest and the revision
-        :meth:`ModelSource.identity_revision` gives."""
+        """The model identity of this load (the checkpoint files just loaded, hashed and recorded)."""
         source = call.source
         assert source is not None
         return session.identify(
@@ -730,16 +611,14 @@ class LoadPolicy(abc.ABC):
             attempt.manifest.pack.sha256[:12],
             mode,
         )
-        # ``allocations`` holds the storages: vLLM's CPU post-processing replaces every linear weight,
-        # and the background writer must still read the loaded bytes.
+        # keepalive: vLLM's CPU post-processing replaces every linear weight; the writer reads the loaded bytes
         return materialize_payload(
             attempt.manifest, allocations.live, copy_backend_for(allocations.device), cache, mode=mode, keepalive=allocations
         )
 
     def _wants_overlay(self, attempt: WorkerRestore | None, fallback: ColdsnapError | None) -> bool:
-        """Capture a target-local overlay after this checkpoint load: on ``COLDSNAP_OVERLAY=capture``,
-        or (``auto``) after a fallback caused by target qualification of a capsule this engine captured
-        (a capsule of another engine gets no overlay: that engine's artifact is captured with it)."""
+        """Capture a target-local overlay after this checkpoint load: on ``COLDSNAP_OVERLAY=capture``, or
+        (``auto``) after a fallback caused by target qualification of a capsule this engine captured."""
         if attempt is None or attempt.portable_capsule is None:
             return False
         mode = self.settings.overlay
@@ -756,8 +635,7 @@ class LoadPolicy(abc.ABC):
 
     def _capture_overlay(self, attempt: WorkerRestore | None, after: TorchAllocations, ranges) -> OverlayCapture | None:
         """:func:`coldsnap_core.capture.overlay.capture_overlay` of the loaded model, after the model identity
-        check restore would have run. ``auto``: a failure is one WARNING (the load stands);
-        ``capture``: it raises."""
+        check; a failure is one WARNING under ``auto``, raised under ``capture``."""
         settings = self.settings
         assert attempt is not None and settings.artifact_dir is not None
         assert attempt.portable_capsule is not None and attempt.entry is not None
@@ -810,8 +688,7 @@ class LoadPolicy(abc.ABC):
         )
 
     def _report(self, line: LoadOutcomeLine, outcome: LoadOutcome | None = None) -> None:
-        """The one report of a load: its outcome line in the outcome log, and its metrics (``outcome``: what it
-        did, ``None`` for a refusal)."""
+        """The one report of a load: its outcome line and its metrics (``outcome``: ``None`` for a refusal)."""
         append_outcome(self.settings.outcome_log_path, line)
         if outcome is None:
             record_load(line)
@@ -826,16 +703,10 @@ class LoadPolicy(abc.ABC):
 
 
 class ObservedLoader:
-    """The iterator boundary of an engine's default loader, watched: a mixin an engine adapter lists before
-    that loader class (``class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader)``) and whose
-    :attr:`policy` it sets.
-
-    vLLM's and SGLang's ``DefaultModelLoader`` both list a weight source's files with
-    ``_prepare_weights(model_name_or_path, ...)``, which returns ``(folder, files, use_safetensors, ...)``,
-    and read it through ``_get_weights_iterator(source, ...)`` (a source with a name ``prefix`` in vLLM);
-    while :attr:`LoadPolicy.session` is set (the observed checkpoint load), each prepared source is recorded
-    and each yielded tensor registered with its place in the file (:meth:`LoadSession.observe`). Outside it
-    (vLLM's ``reload_weights``, SGLang's ``update_weights_from_disk``) both pass through unchanged.
+    """The iterator boundary of an engine's default loader, watched: a mixin an engine adapter lists before that
+    loader class, and whose :attr:`policy` it sets. While :attr:`LoadPolicy.session` is set, each source
+    ``_prepare_weights`` returns is recorded and each tensor ``_get_weights_iterator`` yields is registered
+    (vLLM's and SGLang's ``DefaultModelLoader`` share both); else both pass through unchanged.
     """
 
     policy: LoadPolicy
@@ -857,9 +728,8 @@ class ObservedLoader:
 
 
 def _report_settings(environ: Mapping[str, str], extra_config: Mapping[str, object] | str | None) -> ColdsnapSettings:
-    """The settings a refusal of invalid settings is reported with (:meth:`LoadPolicy.refusing_settings`): the state
-    root, the outcome log and the termination log, each resolved alone from ``environ`` and ``extra_config`` (its JSON
-    text too), or its default where its own value is invalid."""
+    """The settings a refusal of invalid settings is reported with: the state root, the outcome log and the
+    termination log, each resolved alone, or its default where its own value is invalid."""
     if isinstance(extra_config, str):
         try:
             extra_config = json.loads(extra_config or "{}")
@@ -875,10 +745,8 @@ def _report_settings(environ: Mapping[str, str], extra_config: Mapping[str, obje
 
 
 def _seed_source(attempt: WorkerRestore | None) -> dict[str, object]:
-    """``capsule_dir`` and ``capsule_files`` of the derived-cache seed for the capsule ``attempt`` chose: the
-    target-local overlay's own seed when it selected an overlay or qualification record (``docs/format.md``
-    §15.4, §17.4: the portable seed was captured for another target), else the portable capsule's; nothing
-    when it read no capsule."""
+    """``capsule_dir`` and ``capsule_files`` of the derived-cache seed for the capsule ``attempt`` chose: a selected
+    overlay's own (``docs/format.md`` §15.4, §17.4), else the portable capsule's; nothing when it read none."""
     if attempt is None or attempt.portable_capsule is None or attempt.entry is None:
         return {}
     overlay_seed = attempt.selection.seed_source if attempt.selection is not None else None

@@ -1,25 +1,10 @@
 """Prometheus metrics of coldsnap: what each load did (in the loading process) and the node's view (from its files).
 
-**Loads.** :func:`record_load` counts one worker load in ``prometheus_client``'s default registry of the process
-that loaded the weights; :meth:`coldsnap_core.load_policy.LoadPolicy.load` calls it once per load, with the outcome
-line (``docs/format.md`` §10.3), so both engine plugins record the same families: ``coldsnap_load_total{engine,
-outcome, rule}``, the histograms ``coldsnap_load_seconds{engine, outcome}`` and ``coldsnap_stage_seconds{engine}``,
-``coldsnap_hydrated_bytes_total{engine}`` and ``coldsnap_fetched_bytes_total{engine}`` (their help texts below).
-
-An engine's ``/metrics`` shows them when it collects the loading process's samples, which the engines do through
-``prometheus_client``'s multiprocess mode: every process started with ``PROMETHEUS_MULTIPROC_DIR`` set writes its
-samples to files in that folder, which the server's ``MultiProcessCollector`` reads. vLLM 0.32
-(``vllm/v1/metrics/prometheus.py``) collects that folder when the variable is set: by the operator, or by
-``vllm serve`` itself with more than one API server (``vllm/entrypoints/cli/serve.py``, ``run_multi_api_server``;
-data parallel starts one per replica). With one API server and no variable, vLLM's ``/metrics`` is the API
-server's own registry, which no engine-core or worker process reaches (vLLM's own engine statistics travel to it
-over its engine-client socket, which takes no plugin's samples). SGLang 0.5 sets the variable before it spawns its
-scheduler processes, which load the model, when started with ``--enable-metrics``
-(``sglang/srt/entrypoints/engine.py``, ``sglang/srt/utils/common.py`` ``add_prometheus_middleware``).
-
-**The node.** :func:`node_exposition` (``coldsnap status --format prometheus``) writes, for a node exporter's
-textfile collector, the loads the outcome log holds by artifact, engine, outcome and rule, and the node-local
-cache's objects, bytes and the age of each object's last full verification (its validation record, §11).
+:func:`record_load` counts one worker load in ``prometheus_client``'s default registry of the loading process; an
+engine's ``/metrics`` shows it through ``prometheus_client``'s multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``:
+set by the operator, by ``vllm serve`` with more than one API server, ``vllm/entrypoints/cli/serve.py``, or by
+SGLang with ``--enable-metrics``, ``sglang/srt/utils/common.py``). :func:`node_exposition` (``coldsnap status
+--format prometheus``) writes the outcome log's loads and the node-local cache's objects for a node exporter.
 """
 
 from __future__ import annotations
@@ -41,8 +26,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["node_exposition", "record_load"]
 
 SECONDS_BUCKETS = (0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
-"""Histogram buckets (seconds): a restore of a small model takes well under a second, a stage of a large pack
-over a slow link tens of minutes."""
+"""Histogram buckets (seconds)."""
 
 
 class _LoadMetrics(NamedTuple):
@@ -55,10 +39,8 @@ class _LoadMetrics(NamedTuple):
 
 @functools.cache
 def _load_metrics() -> _LoadMetrics:
-    """The load families in the default registry, made at the first load of the process. ``prometheus_client`` is
-    imported only then: it picks its multiprocess mode from ``PROMETHEUS_MULTIPROC_DIR`` when first imported, and
-    SGLang's launcher sets that variable after it loads its plugins (``sglang/srt/utils/common.py``,
-    ``set_prometheus_multiproc_dir``: "we need to set this before importing prometheus_client")."""
+    """The load families in the default registry, made at the first load; ``prometheus_client`` is imported only
+    then (SGLang sets ``PROMETHEUS_MULTIPROC_DIR`` after it loads its plugins: ``set_prometheus_multiproc_dir``)."""
     from prometheus_client import Counter, Histogram
 
     return _LoadMetrics(
@@ -90,18 +72,8 @@ _warned = False
 def record_load(
     line: LoadOutcomeLine, *, stage_seconds: float | None = None, hydrated_bytes: int = 0, fetched_bytes: int = 0
 ) -> None:
-    """Count the load ``line`` describes (its engine, outcome, rule and seconds) in this process's registry.
-
-    Args:
-        line: the load's outcome line.
-        stage_seconds: seconds spent staging its pack from the payload store, ``None`` when the store was not
-            contacted.
-        hydrated_bytes: bytes the restore copied from the pack and the residual blob.
-        fetched_bytes: bytes fetched from the payload store.
-
-    Never raises for the metrics themselves (a metric never fails a load): in multiprocess mode each sample is
-    written to a file in ``PROMETHEUS_MULTIPROC_DIR``, and a file that cannot be written, or a ``prometheus_client``
-    that cannot be imported, is one WARNING per process.
+    """Count the load ``line`` describes in this process's registry (``stage_seconds``: ``None`` when the store was
+    not contacted). Never raises for the metrics: a failure is one WARNING per process.
     """
     global _warned
     engine = line.engine
@@ -157,9 +129,8 @@ class _NodeView:
 
 
 def node_exposition(lines: Iterable[dict[str, object]], cache: PayloadCache, *, now: datetime.datetime | None = None) -> str:
-    """The node's view in the Prometheus text format (version 0.0.4): ``coldsnap_outcome_log_loads_total`` of the
-    outcome ``lines`` (:func:`coldsnap_core.outcomes.read_outcomes`), ``coldsnap_cache_objects``,
-    ``coldsnap_cache_bytes`` and ``coldsnap_cache_full_verification_age_seconds`` of ``cache`` at ``now`` (UTC).
+    """The node's view in the Prometheus text format (version 0.0.4): the loads of the outcome ``lines`` and the
+    objects of ``cache`` at ``now`` (UTC).
 
     Raises:
         UnsafePathError, NotRegularFileError: a cache object path is a symbolic link or not a regular file.

@@ -1,15 +1,7 @@
-"""What an operator sees of a start in the engine's log: one banner per worker, one ``coldsnap:`` line per refusal
-(and where Kubernetes looks for a container's last words), the engine's weight-loading line on a restore.
-
-* :func:`banner`: once per process, at its first load: the coldsnap version, the artifact, the state root, the
-  restore mode and the payload store (its secrets redacted, :func:`~coldsnap_core.errors.redact_store_spec`).
-* :func:`refuse`: a refused start is one ERROR line, ``coldsnap: <engine> start refused ...: rule R failed: <cause>;
-  remedy: <remedy>``, logged where it happened and written to the termination log
-  (``COLDSNAP_TERMINATION_LOG``, default ``/dev/termination-log``) when that file exists. An engine prints its own
-  tracebacks after it (vLLM: the worker's, then the API server's "Engine core initialization failed"), so the line
-  is said again last: :func:`install_last_words` (an engine plugin calls it when its process registers it) makes
-  the first process of a start, the one whose output ends last, repeat at its exit every line its child processes
-  refused with.
+"""What an operator sees of a start in the engine's log: one banner per worker process (:func:`banner`), and one
+``coldsnap:`` ERROR line per refusal (:func:`refuse`), also written to the termination log and said again last,
+after the engine's own tracebacks: :func:`install_last_words` makes the first process of a start repeat at its exit
+every line its child processes refused with.
 """
 
 from __future__ import annotations
@@ -31,15 +23,14 @@ __all__ = ["LAST_WORDS_ENV", "banner", "install_last_words", "refuse"]
 logger = logging.getLogger(__name__)
 
 LAST_WORDS_ENV = "COLDSNAP_LAST_WORDS"
-"""``<pid>:<file>``: the first process of a start (``pid``) repeats at its exit the refusal lines its child processes
-append to ``file``. Set by :func:`install_last_words` for the processes it starts; not a setting."""
+"""``<pid>:<file>``: the first process of a start repeats at its exit the refusal lines its children append to
+``file`` (set by :func:`install_last_words`; not a setting)."""
 
 _bannered = False
 
 
 def banner(settings: ColdsnapSettings, engine_label: str, log: logging.Logger) -> None:
-    """Log the INFO banner of this worker process once: coldsnap's version, the artifact, the state root, the
-    restore mode and the payload store (secrets redacted)."""
+    """Log the INFO banner of this worker process once (the payload store's secrets redacted)."""
     global _bannered
     if _bannered:
         return
@@ -59,9 +50,8 @@ def banner(settings: ColdsnapSettings, engine_label: str, log: logging.Logger) -
 
 
 def refuse(line: str, settings: ColdsnapSettings, log: logging.Logger, *, cause: str | None = None) -> None:
-    """The one report of a refused start: ``line`` (it starts with ``coldsnap:``) at ERROR in ``log``, in the
-    termination log when that file exists, and for the start's first process to repeat at its exit
-    (:func:`install_last_words`). Never raises."""
+    """The one report of a refused start: ``line`` at ERROR in ``log``, in the termination log when that file exists,
+    and for the start's first process to repeat at its exit. Never raises."""
     log.error("%s", line)
     path = settings.termination_log
     if path.exists():
@@ -79,12 +69,9 @@ def refuse(line: str, settings: ColdsnapSettings, log: logging.Logger, *, cause:
 
 
 class _RepeatAfterEngineError(logging.Handler):
-    """Says a refusal once more right after the engine's own ERROR record of its exception (the traceback), in the
-    process that refused: SGLang's scheduler logs "Scheduler hit an exception: <traceback>" and its launcher then
-    kills the whole process tree with SIGKILL (``kill_process_tree`` in ``sglang/srt/utils``), so no exit hook runs
-    there and this is the last chance to be near the end of the output. One shot, and only for a record that quotes
-    ``cause`` (the refusal's exception message) in its message or exception: added last to the root logger, it runs
-    after the engine's own handlers have written that record."""
+    """Says a refusal once more right after the engine's own ERROR record that quotes ``cause``, once: SGLang's
+    launcher then kills the process tree with SIGKILL (``kill_process_tree`` in ``sglang/srt/utils``), so no exit
+    hook runs there."""
 
     def __init__(self, line: str, cause: str, log: logging.Logger) -> None:
         super().__init__(logging.ERROR)
@@ -101,8 +88,8 @@ class _RepeatAfterEngineError(logging.Handler):
 
 
 def install_last_words() -> None:
-    """In the first process of a start that registers a coldsnap plugin: make its child processes' refusals its own
-    last lines (see the module docstring). Idempotent; a child process (the variable is set) does nothing."""
+    """In the first process of a start: make its child processes' refusals its own last lines. Idempotent; a child
+    process does nothing."""
     owner, words = _last_words()
     if words and (owner == os.getpid() or _is_ancestor(owner)):
         return
@@ -122,8 +109,7 @@ def _last_words() -> tuple[int, str]:
 
 
 def _is_ancestor(pid: int) -> bool:
-    """Whether ``pid`` started this process (directly or not), by the parent links of ``/proc``: a variable that a
-    process passed to an unrelated one (a test runner to an engine it starts) is not its start's."""
+    """Whether ``pid`` started this process (directly or not), by the parent links of ``/proc``."""
     current = os.getppid()
     for _ in range(64):
         if current == pid:
@@ -138,8 +124,7 @@ def _is_ancestor(pid: int) -> bool:
 
 
 def _say_last_words(owner: int, path: Path) -> None:
-    """At the exit of the process that installed it: the refusal lines its children appended, at ERROR (then on
-    stderr, as the engine's own last lines are), and the file removed."""
+    """At the exit of the process that installed it: the refusal lines its children appended, at ERROR."""
     if os.getpid() != owner:  # a forked child inherited the hook
         return
     try:

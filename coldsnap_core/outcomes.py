@@ -1,17 +1,7 @@
-"""The load outcome log: one JSON line per worker load, so a fleet sees its fallbacks.
+"""The load outcome log: one JSON line per worker load, so a fleet sees its fallbacks (``docs/format.md`` §10.3).
 
-Under ``COLDSNAP_RESTORE=auto`` a failed restore becomes one WARNING in the engine's log and a
-checkpoint load; without a machine-readable trace a fleet can lose every restore to a fallback and
-never notice. Every coldsnap worker load (vLLM and SGLang loaders) therefore appends one line to
-``<state-root>/load-outcomes.jsonl`` (``COLDSNAP_OUTCOME_LOG`` or the extra-config key
-``outcome_log`` sets another path), and ``coldsnap status`` summarizes the recent lines per
-artifact. The line format is ``docs/format.md`` §10.3.
-
-Appending never fails a load: a log that cannot be written is reported once per process as a
-WARNING. Each line is written with one ``write`` on an ``O_APPEND`` descriptor (concurrent workers'
-lines do not interleave on a local file system); the file is created 0600 and never followed through
-a symbolic link. When it exceeds :data:`OUTCOME_LOG_ROTATE_BYTES` it is renamed to ``<path>.1``
-(replacing an older one) under ``<path>.lock`` before the next line is appended.
+Appending never fails a load (a log that cannot be written is one WARNING per process); each line is one ``write``
+on an ``O_APPEND`` descriptor, and a log over :data:`OUTCOME_LOG_ROTATE_BYTES` is renamed to ``<path>.1`` first.
 """
 
 from __future__ import annotations
@@ -38,10 +28,9 @@ logger = logging.getLogger(__name__)
 OUTCOME_KIND = "coldsnap.load-outcome"
 OUTCOME_VERSION = 1
 OUTCOME_LOG_ROTATE_BYTES = 16 * 2**20
-OUTCOME_LOG_READ_BYTES = 2 * OUTCOME_LOG_ROTATE_BYTES
-"""The most ``read_outcomes`` reads, from the end of the log: twice the rotation size (a log larger than that
-was written by something else)."""
 """A log larger than this (bytes) is renamed to ``<path>.1`` before the next line is appended."""
+OUTCOME_LOG_READ_BYTES = 2 * OUTCOME_LOG_ROTATE_BYTES
+"""The most ``read_outcomes`` reads, from the end of the log."""
 MAX_DETAIL_CHARS = 2000
 """An error's detail is cut to this many characters (``…`` appended), so a line stays small."""
 
@@ -56,29 +45,9 @@ _warned: set[str] = set()
 
 @dataclass(frozen=True, slots=True)
 class LoadOutcomeLine:
-    """One line of the outcome log (``docs/format.md`` §10.3).
-
-    Attributes:
-        outcome: ``restored`` (filled from pack and residual), ``captured`` (checkpoint load, then
-            captured), ``fell-back`` (the restore failed under ``auto``; the checkpoint was loaded),
-            ``refused`` (the restore or the capture failed and the load failed with it: ``native``, or an
-            export error), ``checkpoint`` (no restore was attempted: no artifact folder).
-        engine: ``vllm`` or ``sglang``.
-        worker: the worker's capsule name (``worker-0-of-3``).
-        artifact_dir: the artifact folder, or ``None``.
-        seconds: wall time of the worker's weight load, seconds.
-        materialization_started: whether the missing pack is being (or was) written after a fallback.
-        error: for ``fell-back`` and ``refused``, the error: its class name, ``rule``, ``file`` and
-            ``detail``; else ``None``.
-        pack_sha256: the pack restored from or captured, when known.
-        derived_cache: what became of the capsule's derived-cache seed (``docs/format.md`` §17):
-            ``used`` (placed where the engine looks before it compiles), ``skipped`` (with
-            :attr:`derived_cache_reason`), ``absent`` (the capsule has none), or ``None`` (no capsule was
-            read, or the engine has no seeds).
-        derived_cache_reason: why the seed was skipped, else ``None``.
-        checkpoint_absent: the model folder held no checkpoint weights (``docs/format.md`` §10.1): written as
-            ``"checkpoint": "absent"``, a key the line has only then.
-    """
+    """One line of the outcome log; the fields are ``docs/format.md`` §10.3's (``error``: for ``fell-back`` and
+    ``refused``, written as its class name, ``rule``, ``file`` and ``detail``; ``checkpoint_absent``: written as
+    ``"checkpoint": "absent"``, a key the line has only then)."""
 
     outcome: Outcome
     engine: str
@@ -140,12 +109,8 @@ def _rotate_if_large(path: Path) -> None:
 
 
 def append_outcome(path: str | os.PathLike[str], line: LoadOutcomeLine) -> bool:
-    """Append ``line`` to the outcome log at ``path``; return whether it was written.
-
-    Never raises for the log itself: a folder that cannot be created, a symbolic link at ``path``
-    (refused, ``O_NOFOLLOW``), no space, a permission error, or a path no system call takes (a NUL
-    character: ``ValueError``) is one WARNING per path and process.
-    """
+    """Append ``line`` to the outcome log at ``path``; return whether it was written. Never raises for the log
+    itself (a link at ``path`` is refused): a failure is one WARNING per path and process."""
     path = Path(path)
     data = (json.dumps(line.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n").encode("ascii")
     try:
@@ -170,16 +135,8 @@ def append_outcome(path: str | os.PathLike[str], line: LoadOutcomeLine) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class ArtifactSummary:
-    """The recent outcomes of one artifact folder (``None``: loads without an artifact).
-
-    Attributes:
-        artifact_dir: the artifact folder.
-        counts: lines per outcome, every outcome of :data:`OUTCOMES` present.
-        last: the most recent line.
-        last_failure: the most recent ``fell-back`` or ``refused`` line, or ``None``.
-        derived_cache: lines per ``derived_cache`` value (``used``, ``skipped``, ``absent``; lines
-            without one are not counted).
-    """
+    """The recent outcomes of one artifact folder (``None``: loads without an artifact): ``counts`` per outcome,
+    the ``last`` line and ``last_failure`` (``fell-back`` or ``refused``), and lines per ``derived_cache`` value."""
 
     artifact_dir: str | None
     counts: dict[str, int]
@@ -198,13 +155,9 @@ class ArtifactSummary:
 
 
 def read_outcomes(path: str | os.PathLike[str], last: int) -> tuple[list[dict[str, object]], int]:
-    """The last ``last`` well-formed lines of the outcome log (oldest first) and how many lines were
-    skipped as malformed (not JSON, not a load outcome of version 1). A missing log has no lines.
-
-    The log is opened as documents are (no following of a symbolic link, non-blocking, regular files only)
-    and at most :data:`OUTCOME_LOG_READ_BYTES` from its end are read (a log rotates at
-    :data:`OUTCOME_LOG_ROTATE_BYTES`), so a named pipe or a device at the path cannot block or exhaust
-    the reader.
+    """The last ``last`` well-formed lines of the outcome log (oldest first) and how many lines were skipped as
+    malformed; a missing log has none. At most :data:`OUTCOME_LOG_READ_BYTES` from its end are read, of a regular
+    file only (no link followed, non-blocking).
 
     Raises:
         OSError: the log exists but cannot be read, or is not a regular file.

@@ -1,29 +1,13 @@
 """Every coldsnap setting, in one table: each ``COLDSNAP_*`` variable, its extra-config key and its parser.
 
-Each setting is declared once, in :data:`SETTINGS` (extra-config key, variable, the field it sets, parser and a
-one-line meaning); its default is the default of that field of :class:`ColdsnapSettings` (or of
-:class:`StoreSettings` / :class:`StoreClientSettings` under it). :meth:`ColdsnapSettings.resolve` follows the
-table, and README's settings table is made from it, row by row (:func:`settings_table_markdown`,
-``tests/core/test_settings.py``).
-
-Three layers, the first given wins: a ``coldsnap`` option named as the key (``--state-root``, ``--outcome-log``),
-an extra-config key (``--model-loader-extra-config``), the variable; else the default. An empty or blank
-(whitespace-only) value is as unset in every layer (a blank key lets its variable apply; ``VAR=`` is how a shell
-unsets a variable for one command). Values are read leniently in form only: choices are case-insensitive and
-trimmed, booleans are ``1``/``0``, ``true``/``false``, ``yes``/``no``, ``on``/``off`` (or JSON
-``true``/``false``/``1``/``0`` in the extra config), paths are trimmed, ``~``-expanded and made absolute (a
-NUL, which no system call takes, is refused). Anything else is a :class:`~coldsnap_core.errors.ConfigurationError` naming the option, key or variable and the
-value.
-
-Nothing here names an engine: an engine's adapter passes its own default for ``materialize`` and the inner load
-formats its default loader serves. The keys are removed from the extra config before the engine's default loader
-sees it (it rejects keys it does not know: vLLM ``DefaultModelLoader.__init__`` raises on unexpected extra-config
-keys). Nothing here names a pack: a pack's path is always derived from its SHA-256.
-
-The environment is read only where a plugin or the CLI starts: an engine plugin resolves every row when its
-loader is built and hands the resolved settings down (the cache, the payload store, the restore, the sleep
-backend's extent verification through the published load state); the ``coldsnap`` command resolves the rows of
-:data:`COMMAND_SETTINGS` when it starts. This module imports no implementation module, so every layer can use it.
+Each setting is declared once, in :data:`SETTINGS`; its default is the default of the field it sets
+(:class:`ColdsnapSettings`, :class:`StoreSettings`, :class:`StoreClientSettings`), and README's settings table is
+made from it (:func:`settings_table_markdown`). Three layers, the first given wins: a ``coldsnap`` option, an
+extra-config key, the variable; a blank value is as unset. Anything malformed is a
+:class:`~coldsnap_core.errors.ConfigurationError` naming the option, key or variable and the value. The keys are
+removed from the extra config before the engine's default loader sees it (vLLM ``DefaultModelLoader.__init__``
+raises on unexpected keys). The environment is read only where a plugin or the CLI starts; this module imports no
+implementation module, so every layer can use it.
 """
 
 from __future__ import annotations
@@ -46,9 +30,6 @@ PAYLOAD_REPO_TYPE_ENV = "COLDSNAP_PAYLOAD_REPO_TYPE"
 MATERIALIZE_ENV = "COLDSNAP_MATERIALIZE"
 LOCK_TIMEOUT_ENV = "COLDSNAP_LOCK_TIMEOUT"
 OUTCOME_LOG_ENV = "COLDSNAP_OUTCOME_LOG"
-TERMINATION_LOG_ENV = "COLDSNAP_TERMINATION_LOG"
-DEFAULT_TERMINATION_LOG = Path("/dev/termination-log")
-"""Kubernetes' default ``terminationMessagePath``: the file a container's last words go to."""
 STORE_CONNECT_TIMEOUT_ENV = "COLDSNAP_STORE_CONNECT_TIMEOUT"
 STORE_READ_TIMEOUT_ENV = "COLDSNAP_STORE_READ_TIMEOUT"
 STORE_RETRIES_ENV = "COLDSNAP_STORE_RETRIES"
@@ -56,17 +37,13 @@ STORE_MIN_RATE_ENV = "COLDSNAP_STORE_MIN_RATE"
 STORE_RANGE_DEADLINE_ENV = "COLDSNAP_STORE_RANGE_DEADLINE"
 OCI_MOUNT_FROM_ENV = "COLDSNAP_OCI_MOUNT_FROM"
 STORE_TIMEOUT_MIN_S = 0.1
-"""The shortest store timeout or deadline accepted: a shorter one (``1e-7``) fails every request, so it is refused
-rather than floored."""
+"""The shortest store timeout or deadline accepted (a shorter one fails every request: refused, not floored)."""
 STORE_TIMEOUT_MAX_S = 86400.0
-"""The longest store timeout ``COLDSNAP_STORE_CONNECT_TIMEOUT`` / ``COLDSNAP_STORE_READ_TIMEOUT`` accept (1 day): a
-longer one overflows the clients' clocks (``OverflowError: timestamp out of range``) and only hides a dead store."""
+"""The longest store timeout accepted (1 day; a longer one overflows the clients' clocks)."""
 STORE_RETRIES_MAX = 20
-"""The most retries ``COLDSNAP_STORE_RETRIES`` accepts (more only multiplies how long a dead store holds a lock)."""
+"""The most retries ``COLDSNAP_STORE_RETRIES`` accepts."""
 LOCK_TIMEOUT_SECONDS = 600.0
-"""Default wait for a digest's lock (``COLDSNAP_LOCK_TIMEOUT`` overrides it): a writer then proceeds
-without the lock, a reader (admission, staging, ``cache verify``) fails with
-:class:`~coldsnap_core.errors.LockTimeoutError`."""
+"""Default wait for a digest's lock (``COLDSNAP_LOCK_TIMEOUT``), seconds."""
 
 MaterializeMode = Literal["async", "required", "off"]
 MATERIALIZE_MODES: tuple[str, ...] = get_args(MaterializeMode)
@@ -78,8 +55,7 @@ ConvertedCopies = Literal["residual", "model"]
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 _SECONDS = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", re.ASCII)
-"""A number of seconds as text: ASCII decimal digits, an optional fraction (``float()`` also takes ``1_000``, ``١٠``
-(any Unicode digit), ``1e3``, ``inf`` and ``nan``: none of them is seconds here)."""
+"""A number of seconds as text: ASCII decimals (``float()`` also takes ``1_000``, any Unicode digit, ``1e3``, ``inf``)."""
 _WHOLE = re.compile(r"[0-9]+", re.ASCII)
 
 
@@ -87,9 +63,8 @@ def expand_path(value: str | os.PathLike[str], where: str) -> Path:
     """``value`` as an absolute path with ``~`` and ``~user`` expanded.
 
     Raises:
-        ConfigurationError: ``~user`` names no user here, or ``~`` has no home folder (pathlib's
-            ``RuntimeError``), or the path holds a NUL character (no system call takes one), naming
-            ``where`` (the variable, extra-config key or option the path came from) and the value.
+        ConfigurationError: ``~user`` names no user here, ``~`` has no home folder, or the path holds a NUL
+            character, naming ``where`` (the variable, key or option) and the value.
     """
     if "\0" in os.fspath(value):
         raise ConfigurationError(f"{where}={os.fspath(value)!r} holds a NUL character, which no path can")
@@ -106,8 +81,7 @@ def _string(where: str, value: object) -> str:
 
 
 def _flag(where: str, value: object) -> bool:
-    """A boolean: ``1``/``0``, ``true``/``false``, ``yes``/``no``, ``on``/``off`` (case-insensitive, trimmed), or a
-    JSON ``true``/``false``/``1``/``0`` from an extra config."""
+    """A boolean: ``1``/``0``, ``true``/``false``, ``yes``/``no``, ``on``/``off`` (case-insensitive), or a JSON one."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):  # JSON extra config: {"export_model_payload": 1}
@@ -125,14 +99,11 @@ def _path(where: str, value: object) -> Path:
 HF_REF_SCHEME = "hf://"
 """A Hugging Face repository in a REF: ``hf://org/name[@revision]/NAME``."""
 ARTIFACT_REF_SCHEMES = ("oci://", "s3://", "gs://", "az://", HF_REF_SCHEME)
-"""How a REF of a published artifact starts (``docs/format.md`` §12.9): ``COLDSNAP_ARTIFACT_DIR`` given one is
-pulled (:attr:`ColdsnapSettings.artifact_ref`), one of these schemes in another case or without its ``//``
-(``S3://b/x``, ``oci:/x``) is refused, any other value is a folder."""
+"""How a REF of a published artifact starts (``docs/format.md`` §12.9)."""
 
 
 def _artifact_location(where: str, value: object) -> Path | str:
-    """An artifact folder (:func:`_path`), or a REF as given (trimmed) when it starts with one of
-    :data:`ARTIFACT_REF_SCHEMES`."""
+    """An artifact folder (:func:`_path`), or a REF (trimmed); a REF scheme misspelled is refused."""
     text = _string(where, value).strip()
     if text.startswith(ARTIFACT_REF_SCHEMES):
         return text
@@ -159,14 +130,8 @@ def _choice(*allowed: str) -> Callable[[str, object], str]:
 
 
 def _word(where: str, value: object) -> str:
-    """A trimmed, lower-cased word (the inner load format, checked against the engine's list by
-    :meth:`ColdsnapSettings.resolve`)."""
+    """A trimmed, lower-cased word (the inner load format, checked by :meth:`ColdsnapSettings.resolve`)."""
     return _string(where, value).strip().lower()
-
-
-def _text(where: str, value: object) -> str:
-    """Text kept as given (a payload store; trimmed by :class:`StoreSettings`)."""
-    return _string(where, value)
 
 
 def _repositories(where: str, value: object) -> tuple[str, ...]:
@@ -216,7 +181,7 @@ def _byte_rate(where: str, value: object) -> float:
 
 
 def _retry_count(where: str, value: object) -> int:
-    """A store retry count: a whole number 0-:data:`STORE_RETRIES_MAX` in ASCII digits (trimmed), or a JSON integer."""
+    """A store retry count: a whole number 0-:data:`STORE_RETRIES_MAX` (ASCII digits, or a JSON integer)."""
     count = -1
     if isinstance(value, str) and _WHOLE.fullmatch(value.strip()):
         count = int(value.strip())
@@ -229,19 +194,8 @@ def _retry_count(where: str, value: object) -> int:
 
 @dataclass(frozen=True, slots=True)
 class StoreClientSettings:
-    """How a payload store's client talks to its server (``docs/format.md`` §12: every remote store).
-
-    Attributes:
-        connect_timeout_s: seconds to wait for a TCP connection (``COLDSNAP_STORE_CONNECT_TIMEOUT``).
-        read_timeout_s: seconds a request may go without receiving a byte (``COLDSNAP_STORE_READ_TIMEOUT``).
-        retries: retries of a failed request, so ``retries + 1`` attempts at most (``COLDSNAP_STORE_RETRIES``).
-        min_rate_bytes_per_s: bytes per second a ranged read must make over every ``read_timeout_s`` window
-            (``COLDSNAP_STORE_MIN_RATE``; 0: no floor).
-        range_deadline_s: seconds one ranged read of 64 MiB may take in all (``COLDSNAP_STORE_RANGE_DEADLINE``).
-        oci_plain_http: an OCI registry not on loopback is spoken to over plain HTTP (``COLDSNAP_OCI_PLAIN_HTTP``).
-        oci_mount_from: repositories of the same OCI registry to mount a blob from before uploading it
-            (``COLDSNAP_OCI_MOUNT_FROM``).
-    """
+    """How a remote payload store's client talks to its server (``docs/format.md`` §12); each field is a row of
+    :data:`SETTINGS`, which says what it means."""
 
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 20.0
@@ -254,16 +208,8 @@ class StoreClientSettings:
 
 @dataclass(frozen=True, slots=True)
 class StoreSettings:
-    """Where packs come from when the node-local cache lacks them (see :mod:`coldsnap_core.stores`).
-
-    Attributes:
-        payload_dir: a folder store (``COLDSNAP_PAYLOAD_DIR``), as given but trimmed, or ``None``.
-        payload_repo: a Hugging Face repository ``org/name[@revision]``, or a path (a folder store)
-            (``COLDSNAP_PAYLOAD_REPO``), trimmed, or ``None``.
-        repo_type: ``COLDSNAP_PAYLOAD_REPO_TYPE`` (``model`` when unset or empty), trimmed.
-        repo_where: where ``payload_repo`` came from (the variable or the extra-config key), for messages.
-        client: timeouts and retries of a remote store's client.
-    """
+    """Where packs come from when the node-local cache lacks them (:mod:`coldsnap_core.stores`); the fields are rows
+    of :data:`SETTINGS` (trimmed; ``None`` when unset), but ``repo_where``: where ``payload_repo`` came from."""
 
     payload_dir: str | None = None
     payload_repo: str | None = None
@@ -294,16 +240,12 @@ class Setting:
     """One coldsnap setting, declared once (a row of :data:`SETTINGS`).
 
     Attributes:
-        key: the ``--model-loader-extra-config`` key (and the ``coldsnap`` option ``--<key with dashes>``, where
-            a command has one).
+        key: the extra-config key (and the ``coldsnap`` option ``--<key with dashes>``, where a command has one).
         variable: the environment variable, or ``None`` (extra-config key only).
-        field: the dotted path of the :class:`ColdsnapSettings` attribute it sets (``store.client.retries``);
-            that attribute's default is the setting's default.
-        parse: ``parse(where, value)``: the value of a non-blank input; raises
-            :class:`~coldsnap_core.errors.ConfigurationError` naming ``where`` and the value.
+        field: the dotted path of the :class:`ColdsnapSettings` attribute it sets; its default is the setting's.
+        parse: ``parse(where, value)``: the value of a non-blank input, or a ConfigurationError naming ``where``.
         meaning: one line, as README's table shows it (Markdown).
-        shown_default: README's default cell where the default value cannot say it (one derived from another
-            setting, or the engine's); ``None``: the value, shown by :func:`settings_table_markdown`.
+        shown_default: README's default cell where the default value cannot say it; ``None``: the value.
     """
 
     key: str
@@ -391,7 +333,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "termination_log",
-        TERMINATION_LOG_ENV,
+        "COLDSNAP_TERMINATION_LOG",
         "termination_log",
         _path,
         "where a refused start (`COLDSNAP_RESTORE=native`) also writes its one `coldsnap:` line, when that file exists"
@@ -433,14 +375,14 @@ SETTINGS: tuple[Setting, ...] = (
         "payload_dir",
         PAYLOAD_DIR_ENV,
         "store.payload_dir",
-        _text,
+        _string,
         "a local or shared folder payload store (staging falls back to it when the cache misses); not with `payload_repo`",
     ),
     Setting(
         "payload_repo",
         PAYLOAD_REPO_ENV,
         "store.payload_repo",
-        _text,
+        _string,
         "a payload store: `s3://bucket[/prefix]` (AWS variables), `oci://HOST/NAMESPACE/NAME[:TAG]` (Docker config),"
         " `gs://bucket[/prefix]` (Google credentials), `az://account/container[/prefix]` or an Azure connection"
         ' string, a Hugging Face repository `org/name[@revision]` (`HF_*` variables) or a folder path; see "Payload'
@@ -450,7 +392,7 @@ SETTINGS: tuple[Setting, ...] = (
         "payload_repo_type",
         PAYLOAD_REPO_TYPE_ENV,
         "store.repo_type",
-        _text,
+        _string,
         "the Hugging Face repository type of `payload_repo`: `model` or `dataset`",
     ),
     Setting(
@@ -515,13 +457,11 @@ KEYS: dict[str, str | None] = {s.key: s.variable for s in SETTINGS}
 COMMAND_SETTINGS: tuple[Setting, ...] = tuple(
     s for s in SETTINGS if s.field.split(".")[0] in ("state_root", "lock_timeout_s", "outcome_log", "store")
 )
-"""The rows the ``coldsnap`` command reads (the cache, the outcome log and the payload store); the others are the
-engine plugins' alone, so a value only a plugin reads never stops a command."""
+"""The rows the ``coldsnap`` command reads; a value only a plugin reads never stops a command."""
 
 
 def settings_table_markdown() -> list[str]:
-    """README's settings table rows (``| variable | extra-config key | default | meaning |``), from :data:`SETTINGS`:
-    the default is the field's (``0``/``1`` for a boolean, ``none`` for no value) unless the row shows another."""
+    """README's settings table rows (``| variable | extra-config key | default | meaning |``), from :data:`SETTINGS`."""
     defaults, rows = ColdsnapSettings(), []
     for s in SETTINGS:
         value = reduce(getattr, s.field.split("."), defaults)
@@ -539,8 +479,7 @@ def _blank(value: object) -> bool:
 def _given(
     setting: Setting, environ: Mapping[str, str], extra: Mapping[str, object], flags: Mapping[str, object]
 ) -> tuple[str, object] | None:
-    """Where ``setting`` is given and its value: its option, else its extra-config key, else its variable; a blank
-    option or key is as if absent, a blank variable as unset (``None``: the default)."""
+    """Where ``setting`` is given and its value: its option, else its key, else its variable (``None``: not given)."""
     for where, layer in ((f"--{setting.key.replace('_', '-')}", flags), (f"extra-config key {setting.key!r}", extra)):
         if setting.key in layer and not _blank(layer[setting.key]):
             return where, layer[setting.key]
@@ -551,30 +490,9 @@ def _given(
 
 @dataclass(frozen=True, slots=True)
 class ColdsnapSettings:
-    """The resolved settings of one coldsnap loader or command; each field's default is its setting's default.
-
-    Attributes:
-        export_model_payload: capture this worker after loading from the checkpoint.
-        artifact_dir: the artifact folder (absolute), or ``None``.
-        artifact_ref: ``COLDSNAP_ARTIFACT_DIR`` given as a REF (``docs/format.md`` §12.9), or ``None``: the load pulls
-            it into ``<state_root>/artifacts/sha256/<digest>/`` and restores from there (``artifact_dir`` is ``None``
-            until then).
-        state_root: the node-local cache root (absolute after :meth:`resolve`).
-        restore: ``auto`` or ``native``.
-        materialize: ``async``, ``required`` or ``off`` (the default when the engine passes none).
-        verify_extents: hash every model extent while hydrating.
-        verify_checkpoint: at restore, hash local checkpoint files without a checkpoint record.
-        inner_load_format: the engine's load format to keep, or ``None`` for the engine's default.
-        converted_copies: ``model`` (converted copies are model extents, the default) or ``residual``.
-        overlay: ``auto``, ``capture`` or ``off`` (target-local overlays).
-        derived_cache: ``auto`` or ``off`` (derived-cache seeds, ``docs/format.md`` §17).
-        lock_timeout_s: seconds to wait for a pack's lock (:meth:`coldsnap_core.cache.payload_cache.PayloadCache.lock`).
-        outcome_log: the load outcome log (absolute), or ``None`` for
-            ``<state_root>/load-outcomes.jsonl`` (:attr:`outcome_log_path`).
-        termination_log: the file a refused start also writes its ``coldsnap:`` line to, when it exists
-            (:func:`coldsnap_core.operator_log.refuse`).
-        store: the payload store settings (``COLDSNAP_PAYLOAD_DIR`` / ``COLDSNAP_PAYLOAD_REPO``).
-    """
+    """The resolved settings of one coldsnap loader or command; each field is a row of :data:`SETTINGS` (its meaning
+    there), but ``artifact_ref``: ``COLDSNAP_ARTIFACT_DIR`` given as a REF, which the load pulls (``artifact_dir``
+    is ``None`` until then)."""
 
     export_model_payload: bool = False
     artifact_dir: Path | None = None
@@ -590,7 +508,7 @@ class ColdsnapSettings:
     derived_cache: DerivedCacheMode = "auto"
     lock_timeout_s: float = LOCK_TIMEOUT_SECONDS
     outcome_log: Path | None = None
-    termination_log: Path = DEFAULT_TERMINATION_LOG
+    termination_log: Path = Path("/dev/termination-log")
     store: StoreSettings = StoreSettings()
 
     @property
@@ -609,29 +527,20 @@ class ColdsnapSettings:
         materialize_default: MaterializeMode = "off",
         inner_load_formats: tuple[str, ...] = (),
     ) -> tuple[ColdsnapSettings, dict[str, object]]:
-        """Resolve ``rows`` from the ``coldsnap`` options, the loader's extra config and the environment.
+        """Resolve ``rows`` from the ``coldsnap`` options, the loader's extra config and the environment; return
+        ``(settings, the extra config without coldsnap's keys)``.
 
         Args:
             environ: the environment (default ``os.environ``).
             extra_config: ``LoadConfig.model_loader_extra_config``.
-            flags: a command's options by key (``{"state_root": "/x"}`` is ``--state-root /x``; ``None`` values
-                are options not given).
-            rows: the settings to read (default every one; the ``coldsnap`` command: :data:`COMMAND_SETTINGS`).
+            flags: a command's options by key (``{"state_root": "/x"}`` is ``--state-root /x``; ``None``: not given).
+            rows: the settings to read (default every one).
             materialize_default: the engine's default materialization mode.
-            inner_load_formats: the load formats the engine's default loader serves (none by default).
-
-        Each row is looked up once: its option, else its extra-config key, else its variable (a blank option or
-        key is as if absent), parsed by its parser; a blank variable, or none given, means the default.
-
-        Returns:
-            ``(settings, rest)``: the settings, and the extra config without coldsnap's keys (for
-            the engine's ``DefaultModelLoader``).
+            inner_load_formats: the load formats the engine's default loader serves.
 
         Raises:
-            ConfigurationError: a value is not one of the allowed ones (the message names the option, key or
-                variable, the value and what is allowed), ``export_model_payload`` or ``restore=native`` is set
-                without an artifact folder, or ``inner_load_format`` names a format the engine's default loader
-                does not serve.
+            ConfigurationError: a value is malformed, settings do not combine (:func:`_check_combination`), or
+                ``inner_load_format`` names a format the engine's default loader does not serve.
         """
         environ = os.environ if environ is None else environ
         extra = dict(extra_config or {})

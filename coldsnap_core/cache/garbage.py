@@ -24,15 +24,8 @@ DEFAULT_GC_AGE_SECONDS = 3600.0
 
 @dataclass(frozen=True, slots=True)
 class GcReport:
-    """What :meth:`PayloadCache.gc` removed (or would remove, with ``dry_run``).
-
-    Attributes:
-        temporaries: stale ``*.partial`` files and ``*.partial.d`` download folders.
-        quarantined: quarantined objects.
-        orphan_records: records whose object is gone.
-        kept_live: temporaries left in place: younger than the threshold, or their writer still holds them.
-        bytes_freed: total size of the removed files, in bytes.
-    """
+    """What :meth:`PayloadCache.gc` removed (or would remove, with ``dry_run``); ``kept_live``: temporaries left in
+    place (younger than the threshold, or their writer still holds them)."""
 
     temporaries: tuple[Path, ...] = ()
     quarantined: tuple[Path, ...] = ()
@@ -56,9 +49,7 @@ class GcBuilder:
 
 
 def sweep_temporaries(tmp_dir: Path, report: GcBuilder, *, now: float, older_than_seconds: float, dry_run: bool) -> None:
-    """Remove (or, with ``dry_run``, list in ``report``) each ``tmp_dir/*.partial`` file older than
-    ``older_than_seconds`` (by mtime, against ``now``) whose writer is gone (its ``flock`` can be
-    taken), and each ``*.partial.d`` download folder whose ``*.partial`` goes, or that is alone and old."""
+    """Remove (or, with ``dry_run``, list in ``report``) the stale temporaries of ``tmp_dir`` (``docs/format.md`` §10, gc)."""
     entries = {p.name: p for p in list_folder(tmp_dir)}
     stale_partials: set[str] = set()
     for name, path in sorted(entries.items()):
@@ -99,8 +90,7 @@ def sweep_temporaries(tmp_dir: Path, report: GcBuilder, *, now: float, older_tha
 
 
 def sweep_quarantine(quarantine_dir: Path, report: GcBuilder, *, now: float, older_than_seconds: float, dry_run: bool) -> None:
-    """Remove (or, with ``dry_run``, list in ``report``) each ``quarantine_dir`` entry quarantined
-    longer than ``older_than_seconds`` ago (by ctime, against ``now``)."""
+    """Remove (or, with ``dry_run``, list in ``report``) each entry quarantined (by ctime) before the threshold."""
     for path in list_folder(quarantine_dir):
         try:
             st = os.lstat(path)

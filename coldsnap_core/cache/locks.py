@@ -1,9 +1,5 @@
-"""The payload cache's per-digest lock plumbing: re-entrancy per thread, logged waits, the holder.
-
-A wait longer than :data:`LOCK_NOTICE_SECONDS` is logged at INFO with the lock's path and its holder
-(:func:`describe_holder`: pid and host from the kernel's lock table, ``/proc/locks``), and again every
-:data:`LOCK_NOTICE_REPEAT_SECONDS` (``docs/format.md`` §11, locks prevent duplicate work only).
-"""
+"""The payload cache's per-digest lock plumbing: re-entrancy per thread, logged waits, the holder
+(``docs/format.md`` §10, "Lock waits")."""
 
 from __future__ import annotations
 
@@ -21,12 +17,8 @@ logger = logging.getLogger(__name__)
 
 
 LOCK_NOTICE_SECONDS = 5.0
-"""A wait for a lock longer than this is logged at INFO (lock path, holder), and again every
-:data:`LOCK_NOTICE_REPEAT_SECONDS`."""
-
-
+"""A wait for a lock longer than this is logged at INFO, and again every :data:`LOCK_NOTICE_REPEAT_SECONDS`."""
 LOCK_NOTICE_REPEAT_SECONDS = 30.0
-
 
 _held = threading.local()
 
@@ -39,12 +31,8 @@ def held_locks() -> set[tuple[int, str]]:
 
 
 def acquire_logged(lock: filelock.BaseFileLock, path: Path, timeout: float) -> None:
-    """``lock.acquire(timeout)``, logging at INFO while the wait is long (see :meth:`PayloadCache.lock`).
-
-    The lock file is created first when it does not exist (as ``filelock`` would, with the lock's mode): ``filelock``
-    takes a create that fails with ``ENOENT`` in an existing folder (``/proc``, a file system that takes no new file)
-    for a holder that just removed its file and retries it until the timeout, so such a lock failed only after the
-    whole timeout, blamed on a holder that does not exist.
+    """``lock.acquire(timeout)``, logging at INFO while the wait is long. The lock file is created first (with the
+    lock's mode): ``filelock`` retries a create that fails with ``ENOENT`` until the timeout.
 
     Raises:
         filelock.Timeout: not had within ``timeout`` seconds (``timeout < 0``: wait for ever): another process holds it.
@@ -78,10 +66,8 @@ def acquire_logged(lock: filelock.BaseFileLock, path: Path, timeout: float) -> N
 
 
 def describe_holder(lock_path: Path) -> str:
-    """``pid N on host H`` of the process holding ``flock`` on ``lock_path``, from the kernel's lock
-    table (``/proc/locks``, matched by device and inode; the pid as this process's PID namespace sees
-    it), or ``unknown`` (no ``/proc``, a holder in a PID namespace this process cannot see, or a lock
-    held on another host of a network file system)."""
+    """``pid N on host H`` of the process holding ``flock`` on ``lock_path``, from the kernel's lock table
+    (``/proc/locks``, by device and inode), or ``unknown`` (no ``/proc``, another PID namespace or host)."""
     import socket
 
     try:

@@ -34,15 +34,11 @@ class OverlayListing:
     """One overlay folder of the state root, for ``coldsnap cache ls`` and ``gc``.
 
     Attributes:
-        path: the overlay folder.
-        status: ``current`` (its portable ``artifact.json`` exists with the bound SHA-256), ``stale``
-            (that descriptor is gone or changed), ``invalid`` (its ``overlay.json`` is not trusted),
-            ``unreadable`` (that descriptor exists or may exist but cannot be read now: kept by ``gc``) or
-            ``foreign`` (the folder or its ``overlay.json`` belongs to another user: kept by ``gc``, which
-            must not remove another user's overlays, e.g. when root's cron runs it).
+        status: ``current`` (its portable ``artifact.json`` has the bound SHA-256), ``stale`` (that descriptor is
+            gone or changed), ``invalid`` (its ``overlay.json`` is not trusted), ``unreadable`` (that descriptor
+            cannot be read now) or ``foreign`` (another user's); ``gc`` keeps the last two.
         reason: why, in words.
         descriptor: the parsed descriptor (``None`` when invalid).
-        size_bytes: the bytes of its files.
     """
 
     path: Path
@@ -101,11 +97,8 @@ def list_overlays(state_root: Path) -> list[OverlayListing]:
 
 
 def gc_overlays(state_root: Path, *, dry_run: bool = False) -> tuple[list[OverlayListing], list[OverlayListing]]:
-    """Remove every stale or invalid overlay folder (:func:`list_overlays`), then empty parent folders.
-
-    Returns what was (or, with ``dry_run``, would be) removed, and the overlays kept that ``coldsnap cache
-    gc`` then names and exits 4 for: ``unreadable`` (their portable descriptor could not be read) and
-    ``foreign`` (another user's). Current overlays are kept too."""
+    """Remove every stale or invalid overlay folder (:func:`list_overlays`), then empty parent folders; return what
+    was (or, with ``dry_run``, would be) removed, and the ``unreadable`` and ``foreign`` overlays kept."""
     listings = list_overlays(state_root)
     removed = [o for o in listings if o.status in ("stale", "invalid")]
     kept = [o for o in listings if o.status in ("unreadable", "foreign")]

@@ -1,23 +1,7 @@
-"""The packs' life cycle in the node-local cache: the hold of a running load, the last use, removal and
-least-recently-used eviction (``coldsnap cache rm`` and ``gc --unused-for / --max-bytes``; ``docs/format.md`` §10).
-
-``model-payloads/used/<digest>.use`` (empty, mode 0600) serves two purposes:
-
-* **A running load holds the pack.** A restore (and a level-1 wake's hydration) holds a shared ``flock`` on
-  it from before the pack's admission until its bytes are copied (:func:`hold_pack`); the kernel drops it
-  when the process exits or is killed. A remover takes an exclusive ``flock`` without waiting and leaves a
-  pack it cannot get (:class:`~coldsnap_core.errors.PackInUseError`), unless forced.
-* **Its mtime is the pack's last use**, set to now by the hold and by the commit that put the pack in the
-  cache (:meth:`~coldsnap_core.cache.payload_cache.PayloadCache.mark_used`). The object is never touched (its
-  validation record binds its mtime and ctime, §11) and no access time is read (``noatime`` mounts keep
-  none). A pack without a use file (committed by an older release) counts from its object's mtime.
-
-Removal, under the digest's lock (so removers take turns, and no admission or commit of the digest runs
-meanwhile) and the exclusive ``flock``: unlink the record, unlink the object, fsync ``sha256/``, unlink the
-use file. A crash in between leaves an object without a record (valid, hashed in full at its next use) or
-nothing; never a record without its object being checked (§11 binds the inode). A holder whose use file was
-unlinked between its ``open`` and its ``flock`` sees that (its descriptor's inode is no longer at the path)
-and opens the file again, so a hold is always on the file a remover tries.
+"""The packs' life cycle in the node-local cache: the hold of a running load (a shared ``flock`` on
+``used/<digest>.use``), the last use (its mtime), removal and least-recently-used eviction (``coldsnap cache rm``
+and ``gc --unused-for / --max-bytes``). The rules and their order are ``docs/format.md`` §10 ("Last use and loads
+in use", "Removal", "Eviction").
 """
 
 from __future__ import annotations
@@ -47,14 +31,8 @@ HOLD_POLL_SECONDS = 0.05
 
 @dataclass(frozen=True, slots=True)
 class PackUsage:
-    """One cached pack as the life cycle sees it.
-
-    Attributes:
-        digest: the pack's SHA-256 (lowercase hex).
-        size_bytes: the object's size, in bytes.
-        last_used_ns: its last use (the use file's mtime, else the object's), nanoseconds since the epoch.
-        in_use: whether a running load held it when it was looked at.
-    """
+    """One cached pack as the life cycle sees it (``last_used_ns``: :func:`last_used_ns`; ``in_use``: a running
+    load held it when it was looked at)."""
 
     digest: str
     size_bytes: int
@@ -64,14 +42,8 @@ class PackUsage:
 
 @dataclass(frozen=True, slots=True)
 class Eviction:
-    """What :func:`evict` removed (or, with ``dry_run``, would remove), least recently used first.
-
-    Attributes:
-        removed: the packs removed.
-        kept_in_use: digests of packs that were due but held by a running load.
-        bytes_freed: their sizes, in bytes.
-        remaining_bytes: the total size of the packs left, in bytes.
-    """
+    """What :func:`evict` removed (or, with ``dry_run``, would remove), least recently used first
+    (``kept_in_use``: digests due but held by a running load; ``remaining_bytes``: the packs left)."""
 
     removed: tuple[PackUsage, ...]
     kept_in_use: tuple[str, ...]
@@ -80,13 +52,8 @@ class Eviction:
 
 
 def _lock_use_file(cache: PayloadCache, digest: str, operation: int) -> int | None:
-    """Open the pack's use file and take ``flock(operation | LOCK_NB)`` on the inode at its path; the descriptor,
-    or ``None`` when another process holds a conflicting ``flock``. Opens again when a remover unlinked the
-    file between the ``open`` and the ``flock``.
-
-    Raises:
-        as :meth:`PayloadCache.open_use_file`.
-    """
+    """Take ``flock(operation | LOCK_NB)`` on the use file at its path (opened again when a remover unlinked it
+    meanwhile); the descriptor, or ``None`` when another process holds a conflicting ``flock``."""
     path = cache.use_path(digest)
     while True:
         fd = cache.open_use_file(digest)
@@ -106,11 +73,8 @@ def _lock_use_file(cache: PayloadCache, digest: str, operation: int) -> int | No
 
 @contextlib.contextmanager
 def hold_pack(cache: PayloadCache, digest: str) -> Iterator[bool]:
-    """Hold ``digest`` as in use by this load (a shared ``flock`` on its use file) and set its last use to now.
-
-    Yields whether it is held. Best effort like the digest's lock: a use file that cannot be created or
-    written (a read-only file system, where nothing can remove the pack either) is logged at INFO and the
-    load goes on without the hold.
+    """Hold ``digest`` as in use by this load and set its last use to now; yield whether it is held (a use file
+    that cannot be created or written is logged at INFO and the load goes on without the hold).
 
     Raises:
         InvalidDigestError: bad digest.
@@ -153,15 +117,14 @@ def pack_in_use(cache: PayloadCache, digest: str) -> bool:
 
 
 def last_used_ns(cache: PayloadCache, digest: str, object_st: os.stat_result) -> int:
-    """The pack's last use, nanoseconds since the epoch: its use file's mtime, else (no use file, or not a
-    regular file) the object's mtime ``object_st.st_mtime_ns``."""
+    """The pack's last use, nanoseconds since the epoch: its use file's mtime, else the object's."""
     used = lstat_or_none(cache.use_path(digest))
     return used.st_mtime_ns if used is not None and stat.S_ISREG(used.st_mode) else object_st.st_mtime_ns
 
 
 def list_packs(cache: PayloadCache) -> list[PackUsage]:
-    """Every cached pack that is a regular file (sorted by digest); an object that is a symbolic link or
-    cannot be examined is left out (``coldsnap cache ls`` shows it as unsafe; nothing removes it)."""
+    """Every cached pack that is a regular file (sorted by digest); a link or an object that cannot be examined
+    is left out."""
     packs = []
     for digest in cache.digests():
         try:
@@ -174,12 +137,7 @@ def list_packs(cache: PayloadCache) -> list[PackUsage]:
 
 
 def remove_pack(cache: PayloadCache, digest: str, *, force: bool = False) -> PackUsage:
-    """Remove one pack, its validation record and its use file (see the module docstring for the order).
-
-    Args:
-        digest: the pack's SHA-256.
-        force: remove it even while a running load holds it (that load keeps reading its open descriptor; the
-            next load fetches the pack again).
+    """Remove one pack, its validation record and its use file (``force``: even while a running load holds it).
 
     Raises:
         InvalidDigestError: bad digest (no file touched).
@@ -235,9 +193,8 @@ def evict(
     cache: PayloadCache, *, unused_for_seconds: float | None = None, max_bytes: int | None = None, dry_run: bool = False
 ) -> Eviction:
     """Remove packs least recently used first: every pack last used more than ``unused_for_seconds`` ago, then
-    more until the packs left total at most ``max_bytes``; never a pack a running load holds. The total is
-    measured again before each removal, so a concurrent ``gc`` (which takes each pack's lock in turn and finds
-    it gone) does not make this one remove more than needed. With ``dry_run`` nothing is removed.
+    more until the packs left total at most ``max_bytes`` (measured again before each removal); never a pack a
+    running load holds. With ``dry_run`` nothing is removed.
 
     Raises:
         as :func:`remove_pack`, but for a pack gone or in use, which is skipped.

@@ -1,10 +1,5 @@
-"""Writes in progress in a cache's ``tmp/`` folder: creating a ``flock``-held ``.partial`` file, and
-telling and sweeping the ones whose writer is gone.
-
-A writer holds ``flock`` on its own temporary file for its whole life; the kernel drops it when the
-writer dies (``kill -9`` included), which is how a stale temporary is told from a live one (plus an
-age threshold, for file systems whose ``flock`` is a no-op; ``docs/format.md`` §11).
-"""
+"""Writes in progress in a cache's ``tmp/`` folder: creating a ``flock``-held ``.partial`` file, and telling and
+sweeping the ones whose writer is gone (its ``flock`` is free; ``docs/format.md`` §10, "Temporaries")."""
 
 from __future__ import annotations
 
@@ -21,8 +16,6 @@ logger = logging.getLogger(__name__)
 
 
 TEMP_SUFFIX = ".partial"
-
-
 DOWNLOAD_DIR_SUFFIX = ".partial.d"
 
 
@@ -34,14 +27,11 @@ def list_folder(folder: Path) -> list[Path]:
 
 
 def lock_is_free(path: Path) -> bool:
-    """Whether a fresh open of ``path`` can take ``flock`` on it now (taken and released at once):
-    ``False`` when another open file description holds it.
-
-    The open is ``O_RDONLY | O_NOFOLLOW | O_NONBLOCK`` (a link is refused; a FIFO swapped in cannot block).
+    """Whether a fresh open of ``path`` (no link followed, non-blocking) can take ``flock`` on it now.
 
     Raises:
         OSError: ``path`` cannot be opened (``FileNotFoundError`` included) or ``flock`` fails other
-            than by being held; the callers decide what that means.
+            than by being held.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
@@ -54,8 +44,7 @@ def lock_is_free(path: Path) -> bool:
 
 
 def writer_gone(path: Path) -> bool:
-    """True if nobody holds ``flock`` on ``path`` (its writer exited or was killed); ``False`` if the
-    file is gone already. Other ``OSError`` propagates."""
+    """True if nobody holds ``flock`` on ``path``; ``False`` if the file is gone already."""
     try:
         return lock_is_free(path)
     except FileNotFoundError:
@@ -63,17 +52,12 @@ def writer_gone(path: Path) -> bool:
 
 
 SWEEP_GRACE_SECONDS = 10.0
-"""A writer's sweep (:func:`sweep_dead_partials`) leaves a ``.partial`` modified less than this long ago:
-a new writer creates its file, then takes its ``flock``, and is not mistaken for a dead one in between."""
+"""A writer's sweep leaves a ``.partial`` modified less recently (a new writer creates its file, then locks it)."""
 
 
 def create_locked_partial(path: Path) -> int:
-    """Create ``path`` (``O_EXCL | O_NOFOLLOW``, mode 0600, open for writing) and hold ``flock`` on it.
-    Returns the descriptor.
-
-    Raises:
-        OSError: the file cannot be created (the caller types it).
-    """
+    """Create ``path`` (``O_EXCL | O_NOFOLLOW``, mode 0600, open for writing) and hold ``flock`` on it; return the
+    descriptor (``OSError``: it cannot be created)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file (O_EXCL): nobody else holds it
@@ -86,9 +70,8 @@ def create_locked_partial(path: Path) -> int:
 
 
 def _flock_works(path: Path) -> bool:
-    """Whether ``flock`` excludes here: a second open of ``path``, which this process holds locked,
-    must fail to lock it (on Lustre, GPFS and some NFS mounts ``flock`` is a no-op that always succeeds).
-    Any ``OSError`` means it cannot be shown to work: ``False``."""
+    """Whether ``flock`` excludes here (a second open of ``path``, which this process holds locked, cannot lock it;
+    on Lustre, GPFS and some NFS mounts it is a no-op)."""
     try:
         return not lock_is_free(path)
     except OSError:
@@ -96,14 +79,9 @@ def _flock_works(path: Path) -> bool:
 
 
 def sweep_dead_partials(tmp_dir: Path, own_path: Path) -> list[Path]:
-    """Remove every ``*.partial`` in ``tmp_dir`` whose writer is gone (its ``flock`` is free) and that
-    was last modified more than :data:`SWEEP_GRACE_SECONDS` ago, with its ``.partial.d`` download
-    folder; called by each new writer, which holds ``own_path`` locked.
-
-    Nothing is removed unless ``flock`` is seen to exclude on this file system (``own_path`` cannot
-    be locked a second time): where it is a no-op a live writer's partial would look abandoned, and
-    ``coldsnap cache gc``'s age threshold is the only safe rule. Best effort: failures are ignored.
-    Returns the removed paths.
+    """Remove every ``*.partial`` in ``tmp_dir`` (and its ``.partial.d``) whose writer is gone and that was last
+    modified more than :data:`SWEEP_GRACE_SECONDS` ago, provided ``flock`` excludes here; called by each new writer,
+    which holds ``own_path`` locked. Best effort; returns the removed paths.
     """
     if not _flock_works(own_path):
         return []

@@ -1,53 +1,11 @@
-"""The node-local, content-addressed payload cache.
+"""The node-local, content-addressed payload cache under ``<state-root>/model-payloads/``.
 
-Layout under a state root (``COLDSNAP_STATE_ROOT``, default ``~/.cache/coldsnap``)::
-
-    model-payloads/sha256/<digest>.pack          the object, mode 0444
-    model-payloads/sha256/<digest>.pack.record   its validation record (see coldsnap_core.cache.records), mode 0444
-    model-payloads/locks/<digest>.lock           per-digest filelock (duplicate-work prevention only)
-    model-payloads/used/<digest>.use             last use (its mtime) and the loads holding the pack (coldsnap_core.cache.pack_use)
-    model-payloads/tmp/<label>.<random>.partial  writes in progress (flock-held by their writer); never eligible
-    model-payloads/tmp/<...>.partial.d/          a store download in progress (belongs to the .partial beside it)
-    model-payloads/quarantine/<digest>.<random>.pack   objects that failed verification
-
-Internal logic worth knowing (``docs/format.md`` §10 and §11):
-
-* **Digests before paths.** Every path is built by :meth:`PayloadCache.object_path` and friends,
-  which validate the digest (64 lowercase hex characters) first; ``../x`` never reaches the file
-  system. Temporary-file labels are validated the same way.
-* **No symbolic links.** The folders below the state root and the object, record and lock paths
-  are ``lstat``-ed and refused (:class:`~coldsnap_core.errors.UnsafePathError`) when they are links
-  or of the wrong type; files are opened with ``O_NOFOLLOW``. The state root itself may be a link
-  (e.g. ``~/.cache/coldsnap -> /nvme/coldsnap``).
-* **Commit order** (containerd ``writer.Commit`` plus the folder fsync it lacks): fsync the file,
-  check its size, check its SHA-256 (streamed by the writer or computed by the verifier), make it
-  read-only, rename it into place (over an existing object, which is never kept on its record's
-  word), fsync the folder, write the validation record bound to the renamed inode.
-* **Records are best effort.** A record that cannot be written (read-only file system, no space)
-  leaves a valid object without a record; the :class:`PayloadCache` object that verified it
-  remembers that in memory, so one process hashes it once, and other processes hash it in full.
-* **First use with a layout** (a restore): every stored extent and padding byte is checked against the
-  manifest on a pool of threads (:func:`~coldsnap_core.format.verify.pack_matches_layout`) and the
-  object is admitted for that layout in this process; the whole-file SHA-256 that a record needs runs
-  later, on a daemon thread (:meth:`PayloadCache.record_in_background`), and the record is written only
-  if it equals the name.
-* **Typed failures.** A state root that is a file, link loops, folders where files belong and other
-  ``OSError`` s become :class:`~coldsnap_core.errors.ConfigurationError`,
-  :class:`~coldsnap_core.errors.UnsafePathError`, :class:`~coldsnap_core.errors.NotRegularFileError`,
-  :class:`~coldsnap_core.errors.CacheError` or :class:`~coldsnap_core.errors.FileAccessError`, so a
-  loader's ``auto`` mode can fall back.
-* **Locks prevent duplicate work only.** One ``filelock`` lock per digest makes same-host writers
-  converge on one object; it is re-entrant per thread. A wait longer than a few seconds is logged at
-  INFO with the lock and its holder; the wait is bounded by ``COLDSNAP_LOCK_TIMEOUT``. A reader
-  (admission, staging) that times out raises :class:`~coldsnap_core.errors.LockTimeoutError`, so a
-  hung holder is seen and ``auto`` falls back. A writer that times out proceeds without the lock
-  (with a WARNING): correctness never depends on it, because every
-  writer uses a process-unique temporary name (huggingface_hub PR #4306), hashes before the rename,
-  and the rename is atomic. The tests prove this with ``flock`` patched into a no-op (the Lustre case).
-* **Writer liveness.** A writer holds ``flock`` on its own temporary file for its whole life; the
-  kernel drops it when the writer dies (``kill -9`` included), which is how :meth:`PayloadCache.gc`
-  tells a stale temporary from a live one (plus an age threshold, for file systems whose ``flock``
-  is a no-op).
+The layout, the commit order, admission (a trusted record, a first use checked by extents, or a full hash),
+quarantine, lock waits and temporaries are ``docs/format.md`` §10 and §11. Every path is built from a validated
+digest; folders below the state root and object, record and lock paths are refused when they are symbolic links;
+``OSError`` s become typed errors, so a loader's ``auto`` mode can fall back. The per-digest lock prevents duplicate
+work only: a writer that cannot have it proceeds (each writer uses a process-unique temporary name, hashes before
+the rename, and the rename is atomic); a reader that times out raises :class:`~coldsnap_core.errors.LockTimeoutError`.
 """
 
 from __future__ import annotations
@@ -106,9 +64,7 @@ logger = logging.getLogger(__name__)
 ADMIT_ATTEMPTS = 3
 """How often admission starts over when the object is replaced while it is being hashed."""
 ADMIT_CHUNK_BYTES = 1 << 20
-"""Read size of a first-use verification (1 MiB): each chunk is still in the CPU cache when it is
-hashed; with the verifier's default 8 MiB double buffer the same pass measured about 10 % slower
-(``benchmarks/verify.py``)."""
+"""Read size of a first-use verification (1 MiB: each chunk is still in the CPU cache when it is hashed)."""
 
 
 _LABEL_RE = re.compile(r"[0-9a-z][0-9a-z.-]{0,99}")
@@ -116,8 +72,7 @@ _OBJECT_NAME_RE = re.compile(r"([0-9a-f]{64})\.pack")
 _RECORD_NAME_RE = re.compile(r"([0-9a-f]{64})\.pack\.record")
 
 _record_threads: list[threading.Thread] = []
-"""The threads :meth:`PayloadCache.record_in_background` started that :meth:`PayloadCache.wait_for_records` has
-not seen finish."""
+"""The threads of :meth:`PayloadCache.record_in_background` not yet seen finished."""
 
 ProgressCallback = Callable[[int], object]
 """Called with a number of bytes processed since the previous call."""
@@ -137,33 +92,20 @@ def _refuse_non_directory(path: Path) -> bool:
     return True
 
 
-def check_label(label: str) -> str:
-    """Temporary-file labels are a digest or a short lowercase word; anything else never reaches a path.
-
-    Raises:
-        InvalidDigestError: ``label`` contains anything but ``[0-9a-z.-]`` or starts with ``.``/``-``.
-    """
-    if not isinstance(label, str) or not _LABEL_RE.fullmatch(label):
-        raise InvalidDigestError(f"{label!r} is not a valid temporary-file label ([0-9a-z][0-9a-z.-]{{0,99}})")
-    return label
-
-
 QUARANTINED_REMEDY = (
     "stage the pack again from the payload store (coldsnap stage ARTIFACT --repo STORE); the corrupt copy was quarantined"
 )
-"""The remedy of a cached pack that failed verification (it is moved to ``quarantine/`` and no longer used)."""
+"""The remedy of a cached pack that failed verification."""
 
 
 class PayloadCache:
     """One state root's ``model-payloads`` cache.
 
     Args:
-        state_root: the state root, made absolute with ``~`` expanded; ``None`` or blank:
-            ``~/.cache/coldsnap``. The environment is not read here: an engine plugin passes its resolved
-            ``state_root``, the CLI resolves ``--state-root`` / ``COLDSNAP_STATE_ROOT`` when it starts.
-        lock_timeout_seconds: how long to wait for a digest's lock, in seconds (the resolved
-            ``lock_timeout`` setting; ``None``: :data:`coldsnap_core.settings.LOCK_TIMEOUT_SECONDS`); see
-            :meth:`lock`.
+        state_root: the state root (``~`` expanded, made absolute); ``None`` or blank: ``~/.cache/coldsnap``.
+            The environment is not read here.
+        lock_timeout_seconds: the wait for a digest's lock, seconds (``None``:
+            :data:`coldsnap_core.settings.LOCK_TIMEOUT_SECONDS`).
     """
 
     def __init__(self, state_root: str | os.PathLike[str] | None = None, *, lock_timeout_seconds: float | None = None) -> None:
@@ -188,7 +130,7 @@ class PayloadCache:
     # -- folders and paths -------------------------------------------------------------------------
 
     def _check_state_root(self) -> bool:
-        """Whether the state root exists; it may be a symbolic link, but must lead to a folder.
+        """Whether the state root exists; it may be a symbolic link to a folder.
 
         Raises:
             ConfigurationError: the state root (or a component of it) is a file, or a link loop.
@@ -218,8 +160,7 @@ class PayloadCache:
         Raises:
             ConfigurationError: the state root is a file (or a component of it is).
             UnsafePathError: ``model-payloads`` or one of its folders is a link or not a folder.
-            InsufficientSpaceError / CacheError: a folder could not be created (no space, read-only
-                file system, permissions).
+            InsufficientSpaceError / CacheError: a folder could not be created.
         """
         self._check_state_root()
         try:
@@ -265,12 +206,11 @@ class PayloadCache:
         return self.used_dir / f"{check_digest(digest)}.use"
 
     def open_use_file(self, digest: str) -> int:
-        """Open (create, mode 0600) ``used/<digest>.use`` for reading and writing (``O_NOFOLLOW``); the
-        caller closes the descriptor.
+        """Open (create, mode 0600, ``O_NOFOLLOW``) ``used/<digest>.use``; the caller closes the descriptor.
 
         Raises:
             UnsafePathError: the use path or a cache folder is a symbolic link.
-            CacheError / InsufficientSpaceError: it cannot be created or opened (read-only file system, permissions).
+            CacheError / InsufficientSpaceError: it cannot be created or opened.
         """
         self.ensure_dirs()
         path = self.use_path(digest)
@@ -281,9 +221,8 @@ class PayloadCache:
             raise _os_error("cannot open the pack's use file", exc, path) from exc
 
     def mark_used(self, digest: str, fd: int | None = None) -> bool:
-        """Set the pack's last use to now: the mtime of ``used/<digest>.use`` (``fd``: already open), set with
-        ``os.utime`` from ``time.time_ns()``; the object itself is never touched (its record binds its mtime
-        and ctime). Best effort: a use file that cannot be written is logged at INFO and ``False`` returned.
+        """Set the pack's last use (the mtime of ``used/<digest>.use``; ``fd``: already open) to now
+        (``docs/format.md`` §10). Best effort: a use file that cannot be written is logged at INFO, ``False``.
 
         Raises:
             UnsafePathError: the use path or a cache folder is a symbolic link.
@@ -306,23 +245,15 @@ class PayloadCache:
 
     @contextlib.contextmanager
     def lock(self, digest: str, *, timeout_seconds: float | None = None, required: bool = False) -> Iterator[bool]:
-        """Hold the per-digest lock (``filelock.FileLock``, >= 3.20.3); re-entrant per thread.
+        """Hold the per-digest lock (``filelock.FileLock``); re-entrant per thread; long waits are logged
+        (:func:`~coldsnap_core.cache.locks.acquire_logged`).
 
-        A wait longer than :data:`~coldsnap_core.cache.locks.LOCK_NOTICE_SECONDS` is logged at INFO with the lock's path and its
-        holder (pid and host from the kernel's lock table, where this process can see it), and again
-        every :data:`~coldsnap_core.cache.locks.LOCK_NOTICE_REPEAT_SECONDS`.
-
-        Yields ``True`` when the lock is held, ``False`` when the wait timed out (writers, ``required``
-        false) or the lock file cannot be created, and the caller proceeds without it (safe: only
-        duplicate work may follow). That is logged as a WARNING, except on a read-only file system
-        (``EROFS``), where no other writer can exist and the cache is only read: INFO.
+        Yields ``True`` when held, ``False`` when the wait timed out (``required`` false) or the lock file cannot
+        be created: the caller proceeds without it (a WARNING; INFO on a read-only file system).
 
         Args:
-            digest: the pack's SHA-256.
             timeout_seconds: the wait (default: :attr:`lock_timeout_seconds`).
-            required: a reader (admission, staging, ``cache verify``) that waits on a live holder:
-                a timeout raises instead of proceeding (a hung holder must be seen, not waited out
-                by every restore).
+            required: a reader (admission, staging, ``cache verify``): a timeout raises instead.
 
         Raises:
             InvalidDigestError: bad digest (before any path is built).
@@ -369,19 +300,16 @@ class PayloadCache:
 
     @contextlib.contextmanager
     def temporary(self, label: str) -> Iterator[tuple[int, Path]]:
-        """Create ``tmp/<label>.<random>.partial`` (``O_EXCL | O_NOFOLLOW``, mode 0600), flock-held.
-
-        Yields ``(fd, path)``; ``fd`` is open for writing. The file is closed and unlinked on exit
-        unless the caller renamed it (see :meth:`commit`); a partial file therefore never survives
-        a failure in this process, and one left by a killed process is never eligible (it is not at
-        an object path). This writer removes such leftovers at once (:func:`sweep_dead_partials`:
-        their ``flock`` is free); :meth:`gc` removes them too.
+        """Create ``tmp/<label>.<random>.partial`` (``O_EXCL | O_NOFOLLOW``, mode 0600), flock-held; yield
+        ``(fd, path)``. The file (and its ``.partial.d``) is removed on exit unless the caller renamed it
+        (:meth:`commit`); dead writers' leftovers are swept first (:func:`sweep_dead_partials`).
 
         Raises:
             InvalidDigestError: ``label`` is not ``[0-9a-z][0-9a-z.-]*``.
             InsufficientSpaceError / CacheError: the file could not be created.
         """
-        check_label(label)
+        if not isinstance(label, str) or not _LABEL_RE.fullmatch(label):
+            raise InvalidDigestError(f"{label!r} is not a valid temporary-file label ([0-9a-z][0-9a-z.-]{{0,99}})")
         self.ensure_dirs()
         path = self.tmp_dir / f"{label}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
         try:
@@ -400,26 +328,11 @@ class PayloadCache:
     # -- commit ------------------------------------------------------------------------------------
 
     def commit(self, fd: int, temp_path: Path, *, sha256: str, size_bytes: int, expected_sha256: str | None = None) -> Path:
-        """Publish a fully written temporary file (from :meth:`temporary`) as the object for ``sha256``.
+        """Publish a fully written temporary file (from :meth:`temporary`) as the object for ``sha256``, in the
+        commit order of ``docs/format.md`` §10 (an object already at the path is replaced, not kept).
 
-        ``sha256`` and ``size_bytes`` are what the writer streamed (or what the verifier just
-        confirmed); ``expected_sha256``, when given, is the digest the caller must produce. In
-        order: fsync the file; check its size (OCI: size before digest); check the digest; take the
-        digest's lock; make the file read-only, rename it into place (over any object already
-        there), fsync the folder, and write the validation record bound to the renamed inode. A
-        failed record write is logged and leaves a valid object without a record (see
-        :func:`coldsnap_core.cache.records.record_verified`).
-
-        An object already at the path is replaced, not kept: this file's SHA-256 was computed from
-        the very bytes written and equals the name, while the existing object is at best vouched
-        for by a validation record, which cannot see an in-place edit that restores size, mtime and
-        ctime (``docs/format.md`` §11). So a re-capture repairs such an object instead of keeping
-        it, and no full hash of the existing object is needed. The rename is atomic; a reader
-        holding the old file keeps reading it. (Callers that can avoid the write check first:
-        materialization and store fetches admit the existing object under the lock before writing.)
-
-        Returns:
-            The object path.
+        ``sha256`` and ``size_bytes`` are what the writer streamed; ``expected_sha256``, when given, is the digest
+        the caller must produce. Returns the object path.
 
         Raises:
             InvalidDigestError: ``sha256`` or ``expected_sha256`` is not a digest.
@@ -459,8 +372,6 @@ class PayloadCache:
             self.mark_used(sha256)
         return final
 
-    # -- what the last admission accepted ------------------------------------------------------------
-
     def _admitted_at(self, digest: str, st: os.stat_result) -> Path:
         """Remember the identity of the object an admission of ``digest`` just accepted; return its path."""
         with self._verified_here_lock:
@@ -468,40 +379,27 @@ class PayloadCache:
         return self.object_path(digest)
 
     def verified_against(self, digest: str, st: os.stat_result, layout: PackLayout) -> bool:
-        """Whether an admission by this object checked the inode ``st`` of ``digest`` against ``layout``
-        (its size, every padding byte and every stored extent: by extents, or in one pass with the digest),
-        so that a reader of that inode need not read its padding again. ``False`` for a pack admitted on
-        its record.
-        """
+        """Whether an admission by this object checked the inode ``st`` of ``digest`` against ``layout`` (so a
+        reader need not read its padding again); ``False`` for a pack admitted on its record."""
         with self._verified_here_lock:
             seen = self._verified_layouts.get(digest)
         return seen is not None and seen[0] == identity(st) and seen[1] == layout
 
     def admitted_identity(self, digest: str) -> tuple[int, int, int, int, int] | None:
-        """``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)`` of the object the latest :meth:`admit`
-        of ``digest`` by this object accepted, or ``None``: what a reader that opens the path afterwards
-        compares its open file with, since another process may rename other bytes onto the path."""
+        """:func:`~coldsnap_core.cache.records.identity` of the object the latest :meth:`admit` of ``digest``
+        accepted, or ``None``: what a reader that opens the path afterwards compares its open file with."""
         with self._verified_here_lock:
             return self._admitted.get(digest)
 
-    # -- verified in this process (when no validation record can be written) -----------------------
-
     def remember_verified(self, digest: str, st: os.stat_result) -> None:
-        """Remember, for this :class:`PayloadCache` object only, that the object ``digest`` with the
-        identity of ``st`` (device, inode, size, mtime, ctime) was just verified in full.
-
-        Used when the validation record cannot be written (read-only file system, no space): the
-        admissions that follow in this process (staging, then hydration) then accept the object on
-        the same binding a record would give, instead of hashing it again each time. Nothing is
-        written; another process (or another ``PayloadCache``) hashes the object in full.
-        """
+        """Remember, in this object only, that ``digest`` at the identity of ``st`` was just verified in full
+        (its validation record could not be written; ``docs/format.md`` §10)."""
         with self._verified_here_lock:
             self._verified_here[check_digest(digest)] = identity(st)
 
     def verified_here(self, digest: str, st: os.stat_result, layout: PackLayout | None = None) -> bool:
-        """Whether :meth:`remember_verified` vouches for ``digest`` at exactly the identity of ``st``
-        (a fresh ``lstat`` of the object), whose mode is not group- or world-writable; or, given
-        ``layout``, whether an admission by this object checked that inode against ``layout``."""
+        """Whether :meth:`remember_verified` (or, given ``layout``, :meth:`verified_against`) vouches for
+        ``digest`` at the identity of ``st``, whose mode is not group- or world-writable."""
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             return False
         with self._verified_here_lock:
@@ -509,16 +407,9 @@ class PayloadCache:
                 return True
             return layout is not None and self._verified_layouts.get(digest) == (identity(st), layout)
 
-    # -- the validation record of a pack admitted by its extents ------------------------------------
-
     def record_in_background(self) -> list[threading.Thread]:
-        """Start hashing, each on a daemon thread, the objects this cache admitted by their extents since
-        the last call (:meth:`admit_locked` with a layout), and write each one's validation record if its
-        SHA-256 equals its name and its inode is unchanged; return the threads started.
-
-        A restore calls this once its bytes are copied, so the hash is not on the load's critical path. A
-        thread cut short (the interpreter exits) leaves no record: the next start checks the extents again.
-        """
+        """Hash, each on a daemon thread, the objects admitted by their extents since the last call, and write
+        each one's record if its SHA-256 is its name (``docs/format.md`` §10, first use); return the threads."""
         with self._verified_here_lock:
             pending, self._pending_records = self._pending_records, {}
         threads = [
@@ -532,9 +423,8 @@ class PayloadCache:
 
     @staticmethod
     def wait_for_records(timeout_seconds: float | None = None) -> bool:
-        """Wait for the threads of :meth:`record_in_background`, of every cache of this process (at most
-        ``timeout_seconds`` in all); return whether every one has finished. For tests and benchmarks, and a
-        caller that wants the record before it exits."""
+        """Wait for the threads of :meth:`record_in_background` of every cache of this process (at most
+        ``timeout_seconds`` in all); return whether every one has finished."""
         deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
         for thread in list(_record_threads):
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -544,8 +434,8 @@ class PayloadCache:
         return not _record_threads
 
     def _record_after_hash(self, digest: str, verified: os.stat_result) -> None:
-        """Hash the object (admitted by its extents at ``verified``) in full; write its record if the SHA-256 is its
-        name, else log an ERROR and quarantine it. Never raises (a daemon thread's body)."""
+        """Hash the object in full; write its record if the SHA-256 is its name, else log an ERROR and quarantine
+        it. Never raises."""
         path = self.object_path(digest)
         try:
             with open_regular(path, "pack") as (fd, opened):
@@ -573,7 +463,7 @@ class PayloadCache:
         except Exception as exc:  # a daemon thread: no record, and say why
             logger.warning("coldsnap: no validation record written for %s (%s)", path, exc)
 
-    # -- admission: the one door (first-use verification, validation records, quarantine) ----------
+    # -- admission: the one door for every consumer of a cached pack ---------------------------------
 
     def admit(
         self,
@@ -586,31 +476,16 @@ class PayloadCache:
         manifest_file: str | None = None,
         log_quarantine: bool = True,
     ) -> Path:
-        """Return the object path of ``digest`` once it is verified for use.
-
-        Accepts the object on a trusted validation record (no lock, a few ``stat`` calls: the record
-        is read once); otherwise takes the digest's lock (so same-host callers hash it once), hashes
-        it in full with :func:`coldsnap_core.format.verify.verify_pack_file`, rewrites the record on success
-        and quarantines the object on failure. With ``layout`` the object is instead admitted once every
-        stored extent and padding byte matches the layout (:meth:`admit_locked`), and its record waits
-        for :meth:`record_in_background`. Every consumer of a cached pack (restore, staging,
-        materialization, ``coldsnap cache verify``) comes through here or :meth:`admit_locked`.
+        """Return the object path of ``digest`` once it is verified for use (``docs/format.md`` §10, admission):
+        on a trusted record without the lock, else under it (:meth:`admit_locked`).
 
         Args:
-            digest: the pack's SHA-256.
             size_bytes: the size the pack must have (``None``: whatever size it has).
             progress: called with bytes hashed, during a full verification.
-            layout: the manifest's canonical layout (:func:`coldsnap_core.format.verify.check_manifest`):
-                the object is checked extent by extent on a pool of threads; a failure is judged by a
-                full verification that names the extent of a corrupt byte.
-            extent_owner: with ``layout``, maps a stored entry to a destination for error messages
-                (:func:`coldsnap_core.format.verify.extent_owner_map`).
-            manifest_file: the manifest that gave ``layout``, named by a
-                :class:`~coldsnap_core.errors.ManifestPaddingError` or
-                :class:`~coldsnap_core.errors.ManifestExtentDigestError` (the object is intact and
-                the manifest is wrong about it; the object stays).
-            log_quarantine: log a quarantine as a WARNING (``False``: at INFO, for a caller that
-                reports it in its own message; a quarantine that fails is a WARNING either way).
+            layout: the manifest's canonical layout: the object is checked extent by extent first.
+            extent_owner: with ``layout``, maps a stored entry to a destination for error messages.
+            manifest_file: the manifest that gave ``layout``, named by a manifest error (the object stays).
+            log_quarantine: as :meth:`quarantine`'s ``log``.
 
         Raises:
             InvalidDigestError: bad digest (no file touched).
@@ -633,23 +508,20 @@ class PayloadCache:
         try:
             read_trusted_record(self, digest, st)
         except ValidationRecordError as exc:
-            if self.verified_here(digest, st, layout):
-                _require_caller_size(path, st.st_size, size_bytes)
-                return self._admitted_at(digest, st)
-            logger.info("coldsnap: verifying %s (%s)", path, exc.detail)
-        else:
-            _require_caller_size(path, st.st_size, size_bytes)
-            return self._admitted_at(digest, st)
-        with self.lock(digest, required=True):
-            return self.admit_locked(
-                digest,
-                size_bytes,
-                progress=progress,
-                layout=layout,
-                extent_owner=extent_owner,
-                manifest_file=manifest_file,
-                log_quarantine=log_quarantine,
-            )
+            if not self.verified_here(digest, st, layout):
+                logger.info("coldsnap: verifying %s (%s)", path, exc.detail)
+                with self.lock(digest, required=True):
+                    return self.admit_locked(
+                        digest,
+                        size_bytes,
+                        progress=progress,
+                        layout=layout,
+                        extent_owner=extent_owner,
+                        manifest_file=manifest_file,
+                        log_quarantine=log_quarantine,
+                    )
+        _require_caller_size(path, st.st_size, size_bytes)
+        return self._admitted_at(digest, st)
 
     def admit_locked(
         self,
@@ -663,14 +535,8 @@ class PayloadCache:
         manifest_file: str | None = None,
         log_quarantine: bool = True,
     ) -> Path:
-        """Admission with the digest's lock held (or given up on): re-check the record, else check the bytes.
-
-        An object whose size differs from ``size_bytes`` is quarantined unless a trusted record
-        vouches for it at its current size (then only the caller's expectation is wrong). With ``layout``
-        (and ``trust_record``) the object may be admitted by its extents (:meth:`_admit_by_extents`); else,
-        or when they disagree, the one verifier (:func:`coldsnap_core.format.verify.verify_pack_file`) judges
-        the bytes; on an :class:`~coldsnap_core.errors.IntegrityError` the object is quarantined and the error
-        re-raised with ``quarantined_to``. The check starts over when the object changes while it is hashed.
+        """Admission with the digest's lock held (or given up on): re-check the record, else check the bytes
+        (by extents with ``layout``, else or on a disagreement :func:`~coldsnap_core.format.verify.verify_pack_file`).
 
         Args:
             trust_record: ``False`` hashes in full whatever the record says (``cache verify --full``).
@@ -678,7 +544,7 @@ class PayloadCache:
 
         Raises:
             as :meth:`admit`; CacheError also when the object changed while it was being hashed,
-            :data:`ADMIT_ATTEMPTS` times in a row (each change starts the check over).
+            :data:`ADMIT_ATTEMPTS` times in a row.
         """
         path = self.object_path(digest)
         if size_bytes is None and layout is not None:
@@ -733,8 +599,7 @@ class PayloadCache:
         )
 
     def _trusted(self, digest: str, st: os.stat_result, layout: PackLayout | None = None) -> bool:
-        """Whether a trusted validation record, or this object's verification by this process (against ``layout``),
-        vouches for the object at ``st``."""
+        """Whether a trusted record, or this object's own verification (:meth:`verified_here`), vouches for ``st``."""
         try:
             read_trusted_record(self, digest, st)
         except ValidationRecordError:
@@ -744,13 +609,9 @@ class PayloadCache:
     def _admit_by_extents(
         self, digest: str, st: os.stat_result, layout: PackLayout, progress: ProgressCallback | None
     ) -> Path | None:
-        """Admit the object (of the identity ``st``) if it is exactly the canonical pack of ``layout``: every stored
-        extent's SHA-256 and every padding byte, on :func:`~coldsnap_core.format.verify.admission_threads` threads
-        (:func:`~coldsnap_core.format.verify.pack_matches_layout`), and its size. Those bytes are then the pack of the
-        manifest, so the object is admitted for ``layout`` in this :class:`PayloadCache` (a later admission with an
-        equal layout accepts the same inode without reading it) and queued for :meth:`record_in_background`: no
-        record is written until the whole-file SHA-256 equals the name. ``None`` when anything disagrees or the
-        object changed meanwhile: the full verification then judges it."""
+        """Admit the object at ``st`` if it is exactly the canonical pack of ``layout`` (every extent and padding
+        byte, and its size; ``docs/format.md`` §10, first use) and queue its record; ``None`` when anything
+        disagrees or it changed meanwhile."""
         path = self.object_path(digest)
         if not stat.S_ISREG(st.st_mode) or st.st_size != layout.size_bytes:
             return None
@@ -774,16 +635,11 @@ class PayloadCache:
             return self.admit_locked(digest, size_bytes, progress=progress, trust_record=False)
 
     def quarantine(self, digest: str, *, log: bool = True) -> Path | None:
-        """Move ``<digest>.pack`` into ``quarantine/`` (unique name) and delete its record first.
-
-        Returns where the object went, or ``None`` when there was nothing to move or it cannot be
-        moved (e.g. a read-only file system: then it stays at its path, always logged as a WARNING
-        naming the path, and every later admission verifies it again and fails again; nothing
-        serves it).
+        """Move ``<digest>.pack`` into ``quarantine/`` (unique name), its record deleted first; return where it
+        went, or ``None`` (nothing to move, or it cannot be moved: it stays, with a WARNING).
 
         Args:
-            log: log a quarantine as a WARNING (``False``: at INFO, for a caller that reports it in
-                its own message). A quarantine that fails is a WARNING either way.
+            log: log a quarantine as a WARNING (``False``: at INFO, for a caller that reports it itself).
         """
         check_digest(digest)
         source = self.object_path(digest)
@@ -827,8 +683,7 @@ class PayloadCache:
         return list_folder(self.tmp_dir)
 
     def abandoned_temporaries(self) -> list[Path]:
-        """The ``tmp/*.partial`` files whose writer is gone (their ``flock`` is free): debris that the
-        next writer (where ``flock`` works) or :meth:`gc` removes."""
+        """The ``tmp/*.partial`` files whose writer is gone (their ``flock`` is free)."""
         return [
             p for p in self.temporaries() if p.name.endswith(TEMP_SUFFIX) and stat.S_ISREG(p.lstat().st_mode) and writer_gone(p)
         ]
@@ -839,16 +694,8 @@ class PayloadCache:
         return list_folder(self.quarantine_dir)
 
     def gc(self, *, older_than_seconds: float = DEFAULT_GC_AGE_SECONDS, dry_run: bool = False) -> GcReport:
-        """Remove what no reader can use: stale temporaries, quarantined objects, orphan records.
-
-        * a ``tmp/*.partial`` file is removed when it is older than ``older_than_seconds`` (by
-          mtime) **and** its writer is gone (its ``flock`` can be taken); a ``*.partial.d``
-          download folder goes with its ``*.partial`` file, or alone once it is old;
-        * ``quarantine/*`` entries older than ``older_than_seconds`` (by ctime, i.e. quarantine time);
-        * ``sha256/<digest>.pack.record`` whose ``<digest>.pack`` is absent (checked under the lock).
-
-        Objects and lock files are never removed: unlinking a lock file that another process is
-        about to lock would let two holders in.
+        """Remove what no reader can use: stale temporaries, quarantined objects, orphan records (``docs/format.md``
+        §10, gc). Objects and lock files are never removed.
 
         Raises:
             UnsafePathError: a cache folder is a symbolic link.
@@ -865,8 +712,7 @@ class PayloadCache:
         return report.freeze()
 
     def _sweep_orphan_records(self, report: GcBuilder, *, dry_run: bool) -> None:
-        """Remove (or, with ``dry_run``, list) every ``<digest>.pack.record`` whose object is absent,
-        checked again under the digest's lock (an admission may be writing both)."""
+        """Remove (or list) every record whose object is absent, checked again under the digest's lock."""
         for name in sorted(os.listdir(self.objects_dir)):
             match = _RECORD_NAME_RE.fullmatch(name)
             if match is None:
@@ -885,9 +731,7 @@ class PayloadCache:
 
 
 def _os_error(what: str, exc: OSError, path: Path) -> CacheError:
-    """:func:`coldsnap_core._io.os_error` (the one ``OSError`` table) for the cache's own folders and
-    files: space errors (``EFBIG`` included) are :class:`~coldsnap_core.errors.InsufficientSpaceError`,
-    anything else a :class:`~coldsnap_core.errors.CacheError`."""
+    """:func:`coldsnap_core._io.os_error` for the cache's own files: a space error, else a CacheError."""
     return os_error(what, exc, path, missing=CacheError, other=CacheError)  # type: ignore[return-value]
 
 
@@ -899,7 +743,7 @@ def _require_caller_size(path: Path, actual: int, expected: int | None) -> None:
 
 
 def _make_read_only(path: Path, st: os.stat_result) -> os.stat_result:
-    """Make this process's own writable object read-only before it is verified; return its ``stat`` after."""
+    """Make this process's own writable object read-only; return its ``stat`` after."""
     if st.st_mode & 0o222 and st.st_uid == os.geteuid():
         try:
             os.chmod(path, 0o444)

@@ -1,28 +1,8 @@
-"""Validation records: evidence that a cached pack was fully verified, bound to its inode.
+"""Validation records: evidence that a cached pack was fully verified, bound to its inode (``docs/format.md`` §11:
+the fields, when a record is trusted, and its limit).
 
-A record (``<digest>.pack.record``, JSON, mode 0444) binds the digest to the object's device, inode,
-size, mtime and ctime (ns) as seen right after a full SHA-256 verification, plus the verifier version
-and the time. A later restore accepts the object without re-hashing only while (``docs/format.md`` §11):
-
-* the record is a regular file (not a symlink) owned by the current user and not group- or
-  world-writable,
-* it parses strictly, names this digest and this verifier version,
-* the object is a regular file (not a symlink) that is not group- or world-writable,
-* and every bound field equals a fresh ``lstat`` of the object.
-
-Anything else means a full re-hash under the digest's lock (so same-host callers hash once; the lock
-is not what makes it safe; :meth:`coldsnap_core.cache.payload_cache.PayloadCache.admit` does that): success rewrites
-the record, failure quarantines the object and the caller gets the verifier's error. (A restore checks
-every stored extent against its manifest instead, and the record follows once a whole-file hash on a
-background thread equals the name: ``docs/format.md`` §10, "First use by a restore".) This module only
-reads and writes records; it never admits, locks or quarantines.
-
-**Limit.** A record cannot see an in-place edit that keeps the inode and restores the size, the
-mtime and the ctime. Restoring the mtime (``touch -d``, ``os.utime``) moves the ctime, so the ctime
-binding catches that; what remains is an edit by someone who can also set the system clock (root),
-or on a file system that does not maintain ctime. Per-extent SHA-256 verification during hydration
-(``hydrate(..., verify_extents=True)``) is the answer to that: every model extent is hashed as it
-is copied, and a mismatch stops the restore.
+This module only reads and writes records; it never admits, locks or quarantines
+(:meth:`coldsnap_core.cache.payload_cache.PayloadCache.admit` does).
 """
 
 from __future__ import annotations
@@ -66,17 +46,8 @@ STAT_FIELDS = ("device", "inode", "size_bytes", "mtime_ns", "ctime_ns")
 
 
 class StatBound(Document, kw_only=True):
-    """The one stat-bound record shape: the ``stat`` fields of the file a node-local record vouches for
-    (validation records and checkpoint records, ``docs/format.md`` §10.1 and §11). A record holds while
-    every field equals a fresh ``stat`` of the file.
-
-    Attributes:
-        device: ``st_dev``.
-        inode: ``st_ino``.
-        size_bytes: ``st_size``, in bytes.
-        mtime_ns: ``st_mtime_ns``, nanoseconds since the epoch.
-        ctime_ns: ``st_ctime_ns``, nanoseconds since the epoch (any ``utime`` moves it).
-    """
+    """The ``stat`` fields (:data:`STAT_FIELDS`: ``st_dev``, ``st_ino``, ``st_size``, ``st_mtime_ns``, ``st_ctime_ns``)
+    of the file a node-local record vouches for (``docs/format.md`` §10.1 and §11)."""
 
     device: Offset
     inode: Offset
@@ -103,14 +74,7 @@ class StatBound(Document, kw_only=True):
 
 
 class ValidationRecord(StatBound, kw_only=True, tag=RECORD_KIND):
-    """Evidence that the object at a given inode was fully verified (its ``stat`` fields:
-    :class:`StatBound`).
-
-    Attributes:
-        digest: the object's SHA-256 (lowercase hex).
-        verifier_version: :data:`coldsnap_core.format.verify.VERIFIER_VERSION` of the verifying release.
-        verified_at: UTC time of the verification, ISO 8601 with seconds.
-    """
+    """Evidence that the object at a given inode was fully verified (``docs/format.md`` §11)."""
 
     format_version: Literal[1] = RECORD_VERSION
     digest: Sha256
@@ -128,9 +92,7 @@ class ValidationRecord(StatBound, kw_only=True, tag=RECORD_KIND):
 
 
 class RecordHost(Protocol):
-    """What the record functions need of a cache (:class:`coldsnap_core.cache.payload_cache.PayloadCache` is one):
-    the paths of an object and its record, a private temporary file, and the in-process memory of a
-    verification whose record could not be written. Records never admit, quarantine or lock."""
+    """What the record functions need of a cache (:class:`coldsnap_core.cache.payload_cache.PayloadCache` is one)."""
 
     def object_path(self, digest: str) -> Path: ...
 
@@ -141,17 +103,9 @@ class RecordHost(Protocol):
     def remember_verified(self, digest: str, st: os.stat_result) -> None: ...
 
 
-_refuse = refuse_symlink
-
-
 def read_private_record(path: Path, kind: type[D]) -> D:
-    """Read and strictly parse a node-local record that this user alone could have written.
-
-    The trust rules shared by validation records and checkpoint records
-    (:class:`coldsnap_core.identity.checkpoint_records.CheckpointRecords`; ``docs/format.md`` §10.1 and §11): a
-    regular file, not a symbolic link, owned by the current user, not group- or world-writable, at
-    most :data:`RECORD_MAX_BYTES` (larger files are refused unread), opened by
-    :func:`coldsnap_core._io.open_regular` (no link followed, never blocking) and checked on the descriptor.
+    """Read and strictly parse a node-local record that this user alone could have written (the trust rules of
+    ``docs/format.md`` §11, checked on the descriptor).
 
     Raises:
         ValidationRecordError: absent, another owner, a loose mode, too large, or malformed (names why).
@@ -177,12 +131,7 @@ def read_private_record(path: Path, kind: type[D]) -> D:
 
 
 def read_trusted_record(cache: RecordHost, digest: str, object_st: os.stat_result | None = None) -> ValidationRecord:
-    """Return the record of ``digest`` if it may be trusted right now.
-
-    Args:
-        cache: the cache.
-        digest: the object's digest.
-        object_st: a fresh ``lstat`` of the object, if the caller has one.
+    """Return the record of ``digest`` if it may be trusted right now (``object_st``: a fresh ``lstat`` of the object).
 
     Raises:
         ValidationRecordError: absent, loose mode, other owner, unparsable, another digest or
@@ -200,7 +149,7 @@ def read_trusted_record(cache: RecordHost, digest: str, object_st: os.stat_resul
         )
     object_path = cache.object_path(digest)
     if object_st is None:
-        object_st = _refuse(object_path)
+        object_st = refuse_symlink(object_path)
     if object_st is None:
         raise MissingObjectError("object does not exist", file=object_path)
     if object_st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
@@ -231,13 +180,8 @@ def last_full_verification(cache: RecordHost, digest: str) -> datetime.datetime 
 
 
 def write_record(cache: RecordHost, digest: str, verified: os.stat_result) -> ValidationRecord:
-    """Write (replace) the read-only record of a just-verified object.
-
-    Args:
-        cache: the cache.
-        digest: the object's digest.
-        verified: the ``stat`` of the inode that was verified; the record is written only if the
-            object path still holds exactly that inode, size, mtime and ctime.
+    """Write (replace) the read-only record of a just-verified object, if the object path still holds exactly
+    the inode ``verified`` describes.
 
     Raises:
         CacheError: the object changed since it was verified (no record written).
@@ -245,7 +189,7 @@ def write_record(cache: RecordHost, digest: str, verified: os.stat_result) -> Va
         UnsafePathError: the object or record path is a symbolic link.
     """
     object_path = cache.object_path(digest)
-    current = _refuse(object_path)
+    current = refuse_symlink(object_path)
     if current is None or identity(current) != identity(verified):
         raise CacheError("the object changed after it was verified; no validation record written", file=object_path)
     record = ValidationRecord.for_stat(digest, current)
@@ -255,34 +199,20 @@ def write_record(cache: RecordHost, digest: str, verified: os.stat_result) -> Va
         record.dumps(),
         read_only=True,
         temporary=lambda: cache.temporary(f"{digest}.record"),
-        before_rename=_refuse,
+        before_rename=refuse_symlink,
     )
     return record
 
 
 def record_verified(cache: RecordHost, digest: str, verified: os.stat_result) -> bool:
-    """After a full verification: write the record, or if that is impossible, say so once and go on.
-
-    The object stays valid and admitted either way (``docs/format.md`` §10: "A record that cannot be
-    written leaves a valid object without a record"). When the object still has the identity that
-    was verified but the record cannot be written (read-only file system, no space, ...), the
-    verification is remembered by ``cache`` (:meth:`~coldsnap_core.cache.payload_cache.PayloadCache.remember_verified`),
-    so this process does not hash the object again; other processes hash it in full. Logged at
-    INFO on a read-only file system (expected for a shared, pre-filled cache), else as a WARNING.
-
-    Args:
-        cache: the cache.
-        digest: the object's digest.
-        verified: the ``stat`` of the inode that was verified.
-
-    Returns:
-        Whether a record was written.
+    """After a full verification of the inode ``verified``: write the record and return ``True``; where it cannot
+    be written, ``cache`` remembers the verification (``docs/format.md`` §10, commit), it is logged, ``False``.
 
     Raises:
         UnsafePathError: the object or record path is a symbolic link.
     """
     object_path = cache.object_path(digest)
-    current = _refuse(object_path)
+    current = refuse_symlink(object_path)
     if current is None or identity(current) != identity(verified):
         logger.info("coldsnap: %s changed after it was verified; no validation record written", object_path)
         return False
