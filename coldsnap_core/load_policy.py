@@ -272,6 +272,7 @@ class LoadPolicy(abc.ABC):
             raise
         if outcome.capsule_dir is not None:
             outcome = dataclasses.replace(outcome, derived_cache=self.place_derived_cache(call, outcome))
+        seed = outcome.derived_cache
         line = self._line(
             outcome.line_kind,
             worker,
@@ -279,7 +280,8 @@ class LoadPolicy(abc.ABC):
             error=outcome.fallback,
             materialization_started=outcome.materialization is not None,
             pack_sha256=None if outcome.kind == "checkpoint" or outcome.pack is None else outcome.pack.sha256,
-            derived_cache=outcome.derived_cache,
+            derived_cache=None if seed is None else seed.status,
+            derived_cache_reason=None if seed is None else seed.reason,
             checkpoint_absent=outcome.checkpoint_absent,
         )
         self._report(line, outcome)
@@ -326,9 +328,12 @@ class LoadPolicy(abc.ABC):
         loaded = self._loaded_model(call)
         if settings.overlay == "capture":
             # an explicit overlay capture: a capsule that cannot be read (or an unknown model) stops here
-            attempt = WorkerRestore.for_settings(
-                settings, worker, self._require_loaded(loaded), cache, self.engine, self.engine_version(), self.store
-            )
+            if loaded is None:
+                raise ObserverError(
+                    f"the loader cannot tell which model {self.engine_label} is loading: {self.weights_call} was called"
+                    " outside its load_model"
+                )
+            attempt = WorkerRestore.for_settings(settings, worker, loaded, cache, self.engine, self.engine_version(), self.store)
             attempt.read()
             return self._load_checkpoint(call, worker, cache, attempt, None, None, started)
         result = restore_or_fall_back(
@@ -415,14 +420,6 @@ class LoadPolicy(abc.ABC):
             checkpoint_files_error=files_error,
             config_json=source.config_json,
         )
-
-    def _require_loaded(self, loaded: LoadedModel | None) -> LoadedModel:
-        if loaded is None:
-            raise ObserverError(
-                f"the loader cannot tell which model {self.engine_label} is loading: {self.weights_call} was called"
-                " outside its load_model"
-            )
-        return loaded
 
     def _restored(
         self, attempt: WorkerRestore, allocations: TorchAllocations, report: HydrationReport, started: float
@@ -660,32 +657,10 @@ class LoadPolicy(abc.ABC):
             self.log.warning("coldsnap: %s: no target-local overlay captured: %s", attempt.worker.capsule_name, exc)
             return None
 
-    def _line(
-        self,
-        outcome: Outcome,
-        worker: WorkerIdentity,
-        seconds: float,
-        *,
-        error: ColdsnapError | None = None,
-        materialization_started: bool = False,
-        pack_sha256: str | None = None,
-        derived_cache: SeedPlacement | None = None,
-        checkpoint_absent: bool = False,
-    ) -> LoadOutcomeLine:
-        artifact_dir = self.settings.artifact_dir
-        return LoadOutcomeLine(
-            outcome,
-            self.engine,
-            worker.capsule_name,
-            None if artifact_dir is None else str(artifact_dir),
-            seconds,
-            materialization_started=materialization_started,
-            error=error,
-            pack_sha256=pack_sha256,
-            derived_cache=None if derived_cache is None else derived_cache.status,
-            derived_cache_reason=None if derived_cache is None else derived_cache.reason,
-            checkpoint_absent=checkpoint_absent,
-        )
+    def _line(self, outcome: Outcome, worker: WorkerIdentity, seconds: float, **fields: Any) -> LoadOutcomeLine:
+        """This load's outcome line (``fields``: the optional ones of :class:`LoadOutcomeLine`)."""
+        artifact_dir = None if self.settings.artifact_dir is None else str(self.settings.artifact_dir)
+        return LoadOutcomeLine(outcome, self.engine, worker.capsule_name, artifact_dir, seconds, **fields)
 
     def _report(self, line: LoadOutcomeLine, outcome: LoadOutcome | None = None) -> None:
         """The one report of a load: its outcome line and its metrics (``outcome``: ``None`` for a refusal)."""

@@ -88,14 +88,6 @@ class LoadOutcomeLine:
         }
 
 
-def _warn_once(path: Path, why: object) -> None:
-    if str(path) not in _warned:
-        _warned.add(str(path))
-        logger.warning(
-            "coldsnap: cannot append to the load outcome log %s (%s); outcomes of this process go unrecorded", path, why
-        )
-
-
 def _rotate_if_large(path: Path) -> None:
     try:
         if os.lstat(path).st_size <= OUTCOME_LOG_ROTATE_BYTES:
@@ -128,7 +120,11 @@ def append_outcome(path: str | os.PathLike[str], line: LoadOutcomeLine) -> bool:
         finally:
             os.close(fd)
     except (OSError, ValueError, filelock.Timeout) as exc:
-        _warn_once(path, exc)
+        if str(path) not in _warned:
+            _warned.add(str(path))
+            logger.warning(
+                "coldsnap: cannot append to the load outcome log %s (%s); outcomes of this process go unrecorded", path, exc
+            )
         return False
     return True
 
@@ -206,13 +202,12 @@ def summarize(lines: Iterable[dict[str, object]]) -> list[ArtifactSummary]:
     summaries = []
     for artifact, docs in groups.items():
         counts = dict.fromkeys(OUTCOMES, 0)
-        for doc in docs:
-            counts[str(doc["outcome"])] += 1
-        failures = [d for d in docs if d["outcome"] in ("fell-back", "refused")]
         seeds = dict.fromkeys(DERIVED_CACHE_VALUES, 0)
         for doc in docs:
+            counts[str(doc["outcome"])] += 1
             if isinstance(doc.get("derived_cache"), str) and doc["derived_cache"] in seeds:  # any other JSON value: not counted
                 seeds[str(doc["derived_cache"])] += 1
+        failures = [d for d in docs if d["outcome"] in ("fell-back", "refused")]
         summaries.append(ArtifactSummary(artifact, counts, docs[-1], failures[-1] if failures else None, seeds))
     summaries.sort(key=lambda s: str(s.last.get("time", "")), reverse=True)
     return summaries

@@ -583,24 +583,23 @@ def _check_combination(settings: ColdsnapSettings) -> None:
     Raises:
         ConfigurationError: a rule is broken (names the settings).
     """
+    no_artifact = settings.artifact_dir is None and settings.artifact_ref is None
     if settings.artifact_ref is not None and settings.export_model_payload:
         raise ConfigurationError(
             f"COLDSNAP_EXPORT_MODEL_PAYLOAD=1 writes an artifact folder; COLDSNAP_ARTIFACT_DIR={settings.artifact_ref!r}"
             " is the REF of a published one: export into a folder, then publish it (coldsnap publish-native)"
         )
-    if settings.artifact_dir is None and settings.artifact_ref is None and settings.export_model_payload:
+    if no_artifact and settings.export_model_payload:
         raise ConfigurationError(
             "COLDSNAP_EXPORT_MODEL_PAYLOAD=1 needs an artifact folder: set COLDSNAP_ARTIFACT_DIR"
             " (or the extra-config key 'artifact_dir')"
         )
-    if settings.overlay == "capture" and (
-        (settings.artifact_dir is None and settings.artifact_ref is None) or settings.export_model_payload
-    ):
+    if settings.overlay == "capture" and (no_artifact or settings.export_model_payload):
         raise ConfigurationError(
             "COLDSNAP_OVERLAY=capture captures a target-local overlay of an existing artifact: it needs"
             " COLDSNAP_ARTIFACT_DIR and excludes COLDSNAP_EXPORT_MODEL_PAYLOAD=1 (which captures the portable artifact)"
         )
-    if settings.artifact_dir is None and settings.artifact_ref is None and settings.restore == "native":
+    if no_artifact and settings.restore == "native":
         raise ConfigurationError(
             "COLDSNAP_RESTORE=native needs an artifact folder to restore from, and COLDSNAP_ARTIFACT_DIR is not set",
             remedy="set COLDSNAP_ARTIFACT_DIR (or the extra-config key 'artifact_dir') to the artifact folder or its REF",

@@ -9,11 +9,11 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coldsnap_core._io import remove_tree
 from coldsnap_core.cache.partials import (
     DOWNLOAD_DIR_SUFFIX,
     TEMP_SUFFIX,
     list_folder,
-    remove_tree_or_file,
     tree_size,
     writer_gone,
 )
@@ -59,10 +59,7 @@ def sweep_temporaries(tmp_dir: Path, report: GcBuilder, *, now: float, older_tha
             st = os.lstat(path)
         except FileNotFoundError:
             continue
-        if now - st.st_mtime < older_than_seconds:
-            report.kept_live.append(path)
-            continue
-        if stat.S_ISREG(st.st_mode) and not writer_gone(path):
+        if now - st.st_mtime < older_than_seconds or (stat.S_ISREG(st.st_mode) and not writer_gone(path)):
             report.kept_live.append(path)
             continue
         stale_partials.add(name)
@@ -86,7 +83,7 @@ def sweep_temporaries(tmp_dir: Path, report: GcBuilder, *, now: float, older_tha
         report.temporaries.append(path)
         report.bytes_freed += tree_size(path)
         if not dry_run:
-            remove_tree_or_file(path)
+            remove_tree(path)
 
 
 def sweep_quarantine(quarantine_dir: Path, report: GcBuilder, *, now: float, older_than_seconds: float, dry_run: bool) -> None:
@@ -101,4 +98,4 @@ def sweep_quarantine(quarantine_dir: Path, report: GcBuilder, *, now: float, old
         report.quarantined.append(path)
         report.bytes_freed += st.st_size if stat.S_ISREG(st.st_mode) else 0
         if not dry_run:
-            remove_tree_or_file(path)
+            remove_tree(path)

@@ -7,10 +7,11 @@ import contextlib
 import fcntl
 import logging
 import os
-import shutil
 import stat
 import time
 from pathlib import Path
+
+from coldsnap_core._io import remove_tree
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +99,7 @@ def sweep_dead_partials(tmp_dir: Path, own_path: Path) -> list[Path]:
         except OSError:
             continue
         removed.append(path)
-        download_dir = path.with_name(path.name + ".d")
-        if os.path.lexists(download_dir):
-            remove_tree_or_file(download_dir)
+        remove_tree(path.with_name(path.name + ".d"))
     if removed:
         logger.info("coldsnap: removed %d temporary file(s) whose writer is gone: %s", len(removed), ", ".join(map(str, removed)))
     return removed
@@ -110,12 +109,3 @@ def tree_size(path: Path) -> int:
     if path.is_symlink() or not path.is_dir():
         return 0
     return sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
-
-
-def remove_tree_or_file(path: Path) -> None:
-    st = os.lstat(path)
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)

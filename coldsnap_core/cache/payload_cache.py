@@ -16,7 +16,6 @@ import logging
 import os
 import re
 import secrets
-import shutil
 import stat
 import threading
 import time
@@ -34,6 +33,7 @@ from coldsnap_core._io import (
     os_errno,
     os_error,
     refuse_symlink,
+    remove_tree,
     sha256_file,
 )
 from coldsnap_core.cache.garbage import DEFAULT_GC_AGE_SECONDS, GcBuilder, GcReport, sweep_quarantine, sweep_temporaries
@@ -321,9 +321,7 @@ class PayloadCache:
             yield fd, path
         finally:
             close_and_remove(fd, path)
-            download_dir = path.with_name(path.name + ".d")
-            if download_dir.exists():
-                shutil.rmtree(download_dir, ignore_errors=True)
+            remove_tree(path.with_name(path.name + ".d"))
 
     # -- commit ------------------------------------------------------------------------------------
 
@@ -382,8 +380,7 @@ class PayloadCache:
         """Whether an admission by this object checked the inode ``st`` of ``digest`` against ``layout`` (so a
         reader need not read its padding again); ``False`` for a pack admitted on its record."""
         with self._verified_here_lock:
-            seen = self._verified_layouts.get(digest)
-        return seen is not None and seen[0] == identity(st) and seen[1] == layout
+            return self._verified_layouts.get(digest) == (identity(st), layout)
 
     def admitted_identity(self, digest: str) -> tuple[int, int, int, int, int] | None:
         """:func:`~coldsnap_core.cache.records.identity` of the object the latest :meth:`admit` of ``digest``
@@ -405,7 +402,7 @@ class PayloadCache:
         with self._verified_here_lock:
             if self._verified_here.get(digest) == identity(st):
                 return True
-            return layout is not None and self._verified_layouts.get(digest) == (identity(st), layout)
+        return layout is not None and self.verified_against(digest, st, layout)
 
     def record_in_background(self) -> list[threading.Thread]:
         """Hash, each on a daemon thread, the objects admitted by their extents since the last call, and write
@@ -591,8 +588,7 @@ class PayloadCache:
                         self._verified_layouts[digest] = (identity(after), layout)
                 record_verified(self, digest, after)
                 return self._admitted_at(digest, after)
-            # Replaced or touched while being hashed: another writer that did not (or could not) take
-            # the lock. What was hashed may not be what is there now, so start over.
+            # replaced or touched while being hashed (a writer without the lock): start over
             logger.info("coldsnap: %s changed while it was being verified (attempt %d)", path, attempt)
         raise CacheError(
             f"the pack changed while it was being verified, {ADMIT_ATTEMPTS} times in a row; not admitted", file=path
@@ -715,11 +711,9 @@ class PayloadCache:
         """Remove (or list) every record whose object is absent, checked again under the digest's lock."""
         for name in sorted(os.listdir(self.objects_dir)):
             match = _RECORD_NAME_RE.fullmatch(name)
-            if match is None:
+            if match is None or os.path.lexists(self.object_path(match.group(1))):
                 continue
             digest = match.group(1)
-            if os.path.lexists(self.object_path(digest)):
-                continue
             with self.lock(digest, timeout_seconds=5.0):
                 if os.path.lexists(self.object_path(digest)):
                     continue

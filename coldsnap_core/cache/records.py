@@ -81,15 +81,6 @@ class ValidationRecord(StatBound, kw_only=True, tag=RECORD_KIND):
     verifier_version: Text
     verified_at: Text
 
-    @classmethod
-    def for_stat(cls, digest: str, st: os.stat_result) -> ValidationRecord:
-        return cls(
-            digest=digest,
-            **StatBound.bound(st),
-            verifier_version=VERIFIER_VERSION,
-            verified_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        )
-
 
 class RecordHost(Protocol):
     """What the record functions need of a cache (:class:`coldsnap_core.cache.payload_cache.PayloadCache` is one)."""
@@ -192,7 +183,12 @@ def write_record(cache: RecordHost, digest: str, verified: os.stat_result) -> Va
     current = refuse_symlink(object_path)
     if current is None or identity(current) != identity(verified):
         raise CacheError("the object changed after it was verified; no validation record written", file=object_path)
-    record = ValidationRecord.for_stat(digest, current)
+    record = ValidationRecord(
+        digest=digest,
+        **StatBound.bound(current),
+        verifier_version=VERIFIER_VERSION,
+        verified_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    )
     path = cache.record_path(digest)
     replace_file_durably(
         path,
