@@ -69,16 +69,9 @@ class ModelWrite:
 
 @dataclass(frozen=True, slots=True)
 class ModelSource:
-    """What the engine is loading, as its model configuration says.
-
-    Attributes:
-        path: the model: a local folder or a Hugging Face repository id.
-        revision: the revision as the engine was given it (``None``: the default branch).
-        config_sha256: :func:`coldsnap_core.identity.config_digest.model_config_sha256` of the engine's model
-            configuration, or ``None``.
-        download_dir: the Hugging Face cache the engine downloads into, or ``None`` for ``HF_HUB_CACHE``.
-        config_json: the canonical configuration whose digest is ``config_sha256``.
-    """
+    """What the engine is loading, as its model configuration says: a local folder or a Hugging Face repository id,
+    its revision as given, :func:`coldsnap_core.identity.config_digest.model_config_sha256` and the canonical
+    configuration, and the Hugging Face cache it downloads into (``None``: ``HF_HUB_CACHE``)."""
 
     path: str
     revision: str | None
@@ -111,23 +104,14 @@ class LoadOutcome:
     """What one :meth:`LoadPolicy.load` did (for logs, tests, benchmarks and the vLLM sleep backend).
 
     Attributes:
-        kind: ``restored``, ``captured`` or ``checkpoint`` (possibly after a fallback).
         load_seconds: wall time of the weight loading proper (hydration, or the observed checkpoint load), seconds.
         total_seconds: wall time of the whole load, seconds.
         fallback: the error that made ``auto`` fall back to the checkpoint, if any.
-        capsule_source: ``restored``: which capsule (:class:`coldsnap_core.restore.overlay.Selection`).
-        model_bytes: destination bytes classified as model bytes (restored: the manifest's).
         checkpoint_copies: ``copy_`` calls recorded as model bytes by the observer.
-        model: the pinned model identity when it is known, else ``None``.
         writes: the model writes by absolute address, sorted and disjoint (empty when not observed).
         observed: whether :attr:`writes` says where the model bytes are; ``False``: nothing may be published.
-        capsule_dir: where the derived-cache seed of the capsule chosen for this load is (the selected overlay's
-            folder, else the portable capsule's); ``None`` when no capsule was read.
-        capsule_files: that capsule's pins.
-        stage_seconds: wall time of staging the pack from the payload store during this load, seconds; ``None``
-            when the store was not contacted.
-        fetched_bytes: bytes fetched from the payload store during this load.
-        checkpoint_absent: restored into a model folder without the checkpoint's weights.
+        capsule_dir: where the derived-cache seed of the capsule chosen for this load is (:func:`_seed_source`).
+        stage_seconds: wall time of staging the pack during this load, seconds; ``None``: the store was not contacted.
     """
 
     kind: Literal["restored", "captured", "checkpoint"]
@@ -160,15 +144,8 @@ class LoadOutcome:
 
 
 class LoadPolicy(abc.ABC):
-    """The engine-neutral load policy (see the module docstring); an engine adapter subclasses it.
-
-    Args:
-        settings: the resolved settings.
-        log: the logger of the policy's lines (the engine plugin's own).
-
-    Raises:
-        ConfigurationError: the payload store the settings name is malformed.
-    """
+    """The engine-neutral load policy (see the module docstring); an engine adapter subclasses it and passes the
+    resolved settings and its own logger. A malformed payload store is a ConfigurationError."""
 
     engine: ClassVar[str]
     """The engine name a capsule's ``target.json`` records (``vllm``, ``sglang``; ``docs/format.md`` §15.1)."""
@@ -251,12 +228,8 @@ class LoadPolicy(abc.ABC):
     # -- the template method -----------------------------------------------------------------------
 
     def load(self, call: LoadCall) -> LoadOutcome:
-        """Restore or load ``call.model``, then append one outcome line (see the module docstring).
-
-        Raises:
-            ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed, or the export capture or an
-                explicit overlay capture failed; the outcome line says ``refused``.
-        """
+        """Restore or load ``call.model``, then append one outcome line (see the module docstring). A ColdsnapError
+        (``COLDSNAP_RESTORE=native`` and the restore failed, or a capture failed) is reported as refused, raised."""
         started = time.perf_counter()
         banner(self.settings, self.engine_label, self.log)
         worker = self.worker_identity()
@@ -368,12 +341,8 @@ class LoadPolicy(abc.ABC):
         )
 
     def _require_checkpoint(self, call: LoadCall, cause: ColdsnapError) -> None:
-        """Before a checkpoint load that ``cause`` makes the only load: refuse a model folder without weight files
-        (what ``coldsnap pull`` writes, ``docs/format.md`` §10.1) here, rather than by the engine's own error.
-
-        Raises:
-            CheckpointAbsentError: ``call`` loads a local folder that holds no weight file (from ``cause``).
-        """
+        """Before a checkpoint load that ``cause`` makes the only load: a model folder without weight files (what
+        ``coldsnap pull`` writes, ``docs/format.md`` §10.1) is a CheckpointAbsentError from ``cause``."""
         source = call.source
         if source is None or not os.path.isdir(source.path) or holds_weight_files(Path(source.path)):
             return
@@ -392,12 +361,7 @@ class LoadPolicy(abc.ABC):
 
     def _pull_artifact(self) -> None:
         """``COLDSNAP_ARTIFACT_DIR`` is a REF: pull it into the state root and restore from there (the packs staged
-        from the REF's store when no payload store is configured).
-
-        Raises:
-            ColdsnapError: as :func:`~coldsnap_core.stores.parse_artifact_ref` and
-                :func:`~coldsnap_core.stores.pull.pull_artifact`.
-        """
+        from the REF's store when no payload store is configured); raises as the pull does."""
         ref = self.settings.artifact_ref
         assert ref is not None
         store, name = parse_artifact_ref(ref, client=self.settings.store.client)

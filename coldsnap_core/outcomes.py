@@ -153,10 +153,7 @@ class ArtifactSummary:
 def read_outcomes(path: str | os.PathLike[str], last: int) -> tuple[list[dict[str, object]], int]:
     """The last ``last`` well-formed lines of the outcome log (oldest first) and how many lines were skipped as
     malformed; a missing log has none. At most :data:`OUTCOME_LOG_READ_BYTES` from its end are read, of a regular
-    file only (no link followed, non-blocking).
-
-    Raises:
-        OSError: the log exists but cannot be read, or is not a regular file.
+    file only (no link followed, non-blocking); ``OSError`` when the log exists but cannot be read.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)

@@ -532,10 +532,7 @@ class ColdsnapSettings:
 
         Args:
             environ: the environment (default ``os.environ``).
-            extra_config: ``LoadConfig.model_loader_extra_config``.
             flags: a command's options by key (``{"state_root": "/x"}`` is ``--state-root /x``; ``None``: not given).
-            rows: the settings to read (default every one).
-            materialize_default: the engine's default materialization mode.
             inner_load_formats: the load formats the engine's default loader serves.
 
         Raises:
@@ -577,12 +574,8 @@ class ColdsnapSettings:
 
 
 def _check_combination(settings: ColdsnapSettings) -> None:
-    """The rules between settings: export and ``restore=native`` need an artifact folder;
-    ``overlay=capture`` needs one and excludes export.
-
-    Raises:
-        ConfigurationError: a rule is broken (names the settings).
-    """
+    """The rules between settings (export and ``restore=native`` need an artifact folder; ``overlay=capture`` needs
+    one and excludes export): a ConfigurationError names the broken one."""
     no_artifact = settings.artifact_dir is None and settings.artifact_ref is None
     if settings.artifact_ref is not None and settings.export_model_payload:
         raise ConfigurationError(

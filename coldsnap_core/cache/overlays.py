@@ -49,11 +49,8 @@ class OverlayListing:
 
 
 def list_overlays(state_root: Path) -> list[OverlayListing]:
-    """Every overlay folder (``overlays/<artifact>/<target>/<capsule>``) of ``state_root``, sorted by path.
-
-    Raises:
-        UnsafePathError: ``<state_root>/overlays`` is a symbolic link.
-    """
+    """Every overlay folder (``overlays/<artifact>/<target>/<capsule>``) of ``state_root``, sorted by path; a
+    linked ``overlays`` folder is an UnsafePathError."""
     top = state_root / OVERLAYS_DIRNAME
     try:
         st = os.lstat(top)

@@ -194,10 +194,8 @@ def evict(
 ) -> Eviction:
     """Remove packs least recently used first: every pack last used more than ``unused_for_seconds`` ago, then
     more until the packs left total at most ``max_bytes`` (measured again before each removal); never a pack a
-    running load holds. With ``dry_run`` nothing is removed.
-
-    Raises:
-        as :func:`remove_pack`, but for a pack gone or in use, which is skipped.
+    running load holds. With ``dry_run`` nothing is removed. Raises as :func:`remove_pack`, but for a pack gone or
+    in use, which is skipped.
     """
     now_ns = time.time_ns()
     removed: list[PackUsage] = []

@@ -174,12 +174,8 @@ class PayloadCache:
             raise _os_error("cannot create the cache folders", exc, self.payloads_dir) from exc
 
     def check_dirs(self) -> bool:
-        """Refuse linked cache folders without creating anything; return whether ``sha256/`` exists.
-
-        Raises:
-            ConfigurationError: the state root is a file (or a component of it is).
-            UnsafePathError: a cache folder below the state root is a link or not a folder.
-        """
+        """Refuse linked cache folders without creating anything (as :meth:`ensure_dirs`); return whether
+        ``sha256/`` exists."""
         if not self._check_state_root():
             return False
         present = [_refuse_non_directory(folder) for folder in self.folders()]
@@ -221,12 +217,8 @@ class PayloadCache:
             raise _os_error("cannot open the pack's use file", exc, path) from exc
 
     def mark_used(self, digest: str, fd: int | None = None) -> bool:
-        """Set the pack's last use (the mtime of ``used/<digest>.use``; ``fd``: already open) to now
-        (``docs/format.md`` §10). Best effort: a use file that cannot be written is logged at INFO, ``False``.
-
-        Raises:
-            UnsafePathError: the use path or a cache folder is a symbolic link.
-        """
+        """Set the pack's last use (the mtime of ``used/<digest>.use``; ``fd``: already open) to now. Best effort: a
+        use file that cannot be written is logged at INFO, ``False``; a symbolic link is an UnsafePathError."""
         try:
             own = fd is None
             fd = self.open_use_file(digest) if fd is None else fd
@@ -245,21 +237,14 @@ class PayloadCache:
 
     @contextlib.contextmanager
     def lock(self, digest: str, *, timeout_seconds: float | None = None, required: bool = False) -> Iterator[bool]:
-        """Hold the per-digest lock (``filelock.FileLock``); re-entrant per thread; long waits are logged
-        (:func:`~coldsnap_core.cache.locks.acquire_logged`).
-
-        Yields ``True`` when held, ``False`` when the wait timed out (``required`` false) or the lock file cannot
-        be created: the caller proceeds without it (a WARNING; INFO on a read-only file system).
-
-        Args:
-            timeout_seconds: the wait (default: :attr:`lock_timeout_seconds`).
-            required: a reader (admission, staging, ``cache verify``): a timeout raises instead.
+        """Hold the per-digest lock (``filelock.FileLock``), re-entrant per thread, for at most ``timeout_seconds``
+        (default :attr:`lock_timeout_seconds`); yield ``True`` when held, ``False`` when the wait timed out or the
+        lock file cannot be created: the caller proceeds without it (a WARNING; INFO on a read-only file system).
 
         Raises:
             InvalidDigestError: bad digest (before any path is built).
             UnsafePathError: the lock path or a cache folder is a symbolic link.
-            LockTimeoutError: ``required`` and the lock was not had within the timeout; the message
-                names the lock, its holder and ``COLDSNAP_LOCK_TIMEOUT``.
+            LockTimeoutError: ``required`` (a reader) and the lock was not had within the timeout.
         """
         path = self.lock_path(digest)
         key = (os.getpid(), str(path))
@@ -326,11 +311,8 @@ class PayloadCache:
     # -- commit ------------------------------------------------------------------------------------
 
     def commit(self, fd: int, temp_path: Path, *, sha256: str, size_bytes: int, expected_sha256: str | None = None) -> Path:
-        """Publish a fully written temporary file (from :meth:`temporary`) as the object for ``sha256``, in the
-        commit order of ``docs/format.md`` §10 (an object already at the path is replaced, not kept).
-
-        ``sha256`` and ``size_bytes`` are what the writer streamed; ``expected_sha256``, when given, is the digest
-        the caller must produce. Returns the object path.
+        """Publish a fully written temporary file (from :meth:`temporary`) as the object for ``sha256`` (what the
+        writer streamed), in the commit order of ``docs/format.md`` §10; return the object path.
 
         Raises:
             InvalidDigestError: ``sha256`` or ``expected_sha256`` is not a digest.
@@ -487,9 +469,8 @@ class PayloadCache:
         Raises:
             InvalidDigestError: bad digest (no file touched).
             MissingObjectError: no object.
-            PackSizeMismatchError / PackDigestMismatchError / NonZeroPaddingError /
-                ExtentDigestMismatchError: the object is corrupt; it is quarantined and the error's
-                ``quarantined_to`` says where it went (``None``: it could not be moved).
+            IntegrityError: the object is corrupt (size, digest, padding, extent); it is quarantined, the error's
+                ``quarantined_to`` says where (``None``: it could not be moved).
             ManifestPaddingError / ManifestExtentDigestError: as ``manifest_file``.
             UnsafePathError: the object, record or lock path, or a cache folder, is a symbolic link.
             CacheError: the object changed while it was being verified (not admitted).
@@ -535,13 +516,8 @@ class PayloadCache:
         """Admission with the digest's lock held (or given up on): re-check the record, else check the bytes
         (by extents with ``layout``, else or on a disagreement :func:`~coldsnap_core.format.verify.verify_pack_file`).
 
-        Args:
-            trust_record: ``False`` hashes in full whatever the record says (``cache verify --full``).
-            others: as :meth:`admit`.
-
-        Raises:
-            as :meth:`admit`; CacheError also when the object changed while it was being hashed,
-            :data:`ADMIT_ATTEMPTS` times in a row.
+        ``trust_record=False`` hashes in full whatever the record says (``cache verify --full``); the other arguments
+        and errors are :meth:`admit`'s.
         """
         path = self.object_path(digest)
         if size_bytes is None and layout is not None:
@@ -632,11 +608,8 @@ class PayloadCache:
 
     def quarantine(self, digest: str, *, log: bool = True) -> Path | None:
         """Move ``<digest>.pack`` into ``quarantine/`` (unique name), its record deleted first; return where it
-        went, or ``None`` (nothing to move, or it cannot be moved: it stays, with a WARNING).
-
-        Args:
-            log: log a quarantine as a WARNING (``False``: at INFO, for a caller that reports it itself).
-        """
+        went, or ``None`` (nothing to move, or it cannot be moved: it stays, with a WARNING). ``log``: a quarantine
+        is a WARNING (``False``: INFO, for a caller that reports it itself)."""
         check_digest(digest)
         source = self.object_path(digest)
         try:
@@ -691,11 +664,7 @@ class PayloadCache:
 
     def gc(self, *, older_than_seconds: float = DEFAULT_GC_AGE_SECONDS, dry_run: bool = False) -> GcReport:
         """Remove what no reader can use: stale temporaries, quarantined objects, orphan records (``docs/format.md``
-        §10, gc). Objects and lock files are never removed.
-
-        Raises:
-            UnsafePathError: a cache folder is a symbolic link.
-        """
+        §10, gc); a linked cache folder is an UnsafePathError."""
         report = GcBuilder()
         if not self.check_dirs():
             return report.freeze()

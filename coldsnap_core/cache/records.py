@@ -202,10 +202,8 @@ def write_record(cache: RecordHost, digest: str, verified: os.stat_result) -> Va
 
 def record_verified(cache: RecordHost, digest: str, verified: os.stat_result) -> bool:
     """After a full verification of the inode ``verified``: write the record and return ``True``; where it cannot
-    be written, ``cache`` remembers the verification (``docs/format.md`` §10, commit), it is logged, ``False``.
-
-    Raises:
-        UnsafePathError: the object or record path is a symbolic link.
+    be written, ``cache`` remembers the verification (``docs/format.md`` §10, commit), it is logged, ``False``. A
+    linked object or record path is an UnsafePathError.
     """
     object_path = cache.object_path(digest)
     current = refuse_symlink(object_path)
