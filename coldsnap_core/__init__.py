@@ -1,26 +1,10 @@
 """coldsnap_core: capture a model's weights into a content-addressed payload and restore them, engine neutral.
 
-The public API is :data:`__all__`; everything else is internal and may change. It imports neither vLLM nor
-SGLang (torch only), and each name is imported on first use, so ``import coldsnap_core`` stays cheap (the
-``coldsnap`` command does not load torch until it needs it).
-
-* Plug an engine in: :class:`LoadPolicy` is the engine contract both engine plugins run (restore or fall
-  back, capture, materialize, overlay, one outcome line per load); an adapter subclasses it, lists
-  :class:`ObservedLoader` before its engine's loader class and hands each load a :class:`LoadCall` (with a
-  :class:`ModelSource`), getting a :class:`LoadOutcome` back (README "Adding an engine").
-* Restore a worker: :func:`restore_or_fall_back` (the policy's restore step: ``COLDSNAP_RESTORE`` ``auto``
-  falls back, ``native`` raises) or :class:`WorkerRestore` (one attempt, raising), with :class:`LoadedModel`
-  (what is being loaded), :class:`WorkerIdentity` and :class:`ColdsnapSettings`.
-* Capture a worker: :class:`WriteObserver` and :class:`CheckpointSources` watch a checkpoint load (each
-  tensor registered with its place in the file, :func:`read_header`),
-  :func:`enumerate_allocations` lists the model's storages, :func:`map_to_allocations` turns the observed
-  writes into :class:`ModelRange` s, :func:`identify_checkpoint` pins the model, :func:`capture_worker`
-  writes the pack, the residual blob and the capsule.
-* Verify: :func:`verify_artifact` checks every rule over every byte of an artifact (``coldsnap verify``).
-* Extension points: :class:`CopyBackend` (how bytes reach the allocations) and :class:`PayloadStore` (where
-  packs come from); :class:`PayloadCache` is the node-local cache; :class:`ColdsnapError` is the root of every
-  error (each subclass names its rule, file, allocation and offset).
-
+The public API is :data:`__all__` (README "Using it from Python"); everything else is internal and may change.
+It imports neither vLLM nor SGLang, and each name is imported on first use, so ``import coldsnap_core`` stays
+cheap. :class:`LoadPolicy` is the engine contract both engine plugins run (README "Adding an engine");
+:func:`restore_or_fall_back` and :class:`WorkerRestore` restore a worker; :class:`WriteObserver`,
+:func:`map_to_allocations` and :func:`capture_worker` capture one; :func:`verify_artifact` checks an artifact.
 ``examples/restore_without_engine.py`` runs the whole round trip on a small torch model.
 """
 

@@ -1,25 +1,11 @@
 """Low-level file I/O shared by the writers, the cache and the verifier.
 
-Internal logic worth knowing:
-
-* Writes go through :func:`write_all`, which maps "no space" (``ENOSPC``, ``EDQUOT``) and "file too
-  large" (``EFBIG``, what ``RLIMIT_FSIZE`` produces; CPython ignores ``SIGXFSZ``) to
-  :class:`~coldsnap_core.errors.InsufficientSpaceError`, so a caller can delete its temporary file and
-  report one clear error.
-* :func:`os_error` turns an ``OSError`` met while opening or reading a file into the typed error a
-  caller reports (missing, not a regular file, no space, anything else ``io``), so no bare ``OSError``
-  reaches a loader's ``auto`` fallback or the CLI.
-* :func:`write_hashed` writes a stream of chunks while computing its SHA-256 on a helper thread,
-  overlapped with the ``write`` system calls (both release the GIL), so writing a pack costs one hash
-  pass, not a hash pass plus a write pass. When the chunks are *stable* (views of memory that does
-  not change, such as host allocations) the helper walks its own copy of the stream and never waits
-  for the writer; otherwise (:class:`HashingWriter`) the two go in lockstep, one chunk at a time,
-  because the chunk's buffer is reused for the next one.
-* Both also start the device write of what they wrote every :data:`WRITEBACK_WINDOW_BYTES`
-  (:class:`Writeback`, Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so the disk writes while
-  the rest is still being hashed and written, and the final ``fsync`` waits only for the last window
-  instead of for every byte (the kernel otherwise starts writeback only once the dirty pages pass
-  ``dirty_background_ratio`` of memory, or after 30 s).
+* :func:`os_error` is the one ``OSError`` table: an ``OSError`` becomes the typed error a caller reports, so no
+  bare ``OSError`` reaches a loader's ``auto`` fallback or the CLI; a write or fsync out of space (``ENOSPC``,
+  ``EDQUOT``, ``EFBIG``) is :class:`~coldsnap_core.errors.InsufficientSpaceError`.
+* :func:`write_hashed` hashes on a helper thread overlapped with the writes (one pass over the bytes), and starts
+  the device write every :data:`WRITEBACK_WINDOW_BYTES` (:class:`Writeback`), so the final ``fsync`` waits only
+  for the last window.
 """
 
 from __future__ import annotations
@@ -64,35 +50,39 @@ except (OSError, AttributeError):  # not Linux (or no glibc symbol): writeback s
 
 
 def start_writeback(fd: int, offset_bytes: int, size_bytes: int) -> bool:
-    """Ask the kernel to start writing ``[offset_bytes, offset_bytes + size_bytes)`` of ``fd`` to its
-    device, without waiting (``sync_file_range(SYNC_FILE_RANGE_WRITE)``). It guarantees nothing about
-    durability (the caller still fsyncs); it only moves the device's work earlier. Returns ``False``
-    where the call is unavailable or refused (tmpfs and pipes accept it as a no-op or refuse it)."""
+    """Start writing ``[offset_bytes, offset_bytes + size_bytes)`` of ``fd`` to its device without waiting (no
+    durability: the caller still fsyncs); ``False`` where the call is unavailable or refused."""
     if _sync_file_range is None or size_bytes <= 0:
         return False
     return _sync_file_range(fd, offset_bytes, size_bytes, SYNC_FILE_RANGE_WRITE) == 0
 
 
 class Writeback:
-    """Starts writeback of ``fd`` every :data:`WRITEBACK_WINDOW_BYTES` bytes written from its current offset."""
+    """Writes chunks to ``fd`` (:func:`write_all`), starting writeback every :data:`WRITEBACK_WINDOW_BYTES` bytes
+    from its current offset; ``size_bytes`` counts what was written, ``progress`` gets each chunk's size."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, *, file: str | os.PathLike[str], progress: Callable[[int], object] | None = None) -> None:
         self._fd = fd
+        self._file = file
+        self._progress = progress
+        self.size_bytes = 0
         try:
             self._mark = os.lseek(fd, 0, os.SEEK_CUR)
         except OSError:  # a pipe or socket: nothing to write back
             self._mark = -1
         self._pending = 0
 
-    def advance(self, size_bytes: int) -> None:
-        """``size_bytes`` more bytes were written."""
-        if self._mark < 0:
-            return
-        self._pending += size_bytes
-        if self._pending >= WRITEBACK_WINDOW_BYTES:
-            start_writeback(self._fd, self._mark, self._pending)
-            self._mark += self._pending
-            self._pending = 0
+    def write(self, chunk: memoryview | bytes) -> None:
+        write_all(self._fd, chunk, file=self._file)
+        self.size_bytes += len(chunk)
+        if self._mark >= 0:
+            self._pending += len(chunk)
+            if self._pending >= WRITEBACK_WINDOW_BYTES:
+                start_writeback(self._fd, self._mark, self._pending)
+                self._mark += self._pending
+                self._pending = 0
+        if self._progress is not None:
+            self._progress(len(chunk))
 
 
 _ZEROS = bytes(1 << 20)
@@ -108,18 +98,9 @@ def os_error(
     missing: type[ColdsnapError] = MissingObjectError,
     other: type[ColdsnapError] = FileAccessError,
 ) -> ColdsnapError:
-    """The typed error for an ``OSError`` met while accessing ``path`` (raise it ``from exc``): the one
-    ``OSError`` table of the package.
-
-    ``ENOSPC``/``EDQUOT``/``EFBIG`` (no space, a quota, ``RLIMIT_FSIZE``):
-    :class:`~coldsnap_core.errors.InsufficientSpaceError`, whoever calls; ``ENOENT``/``ENOTDIR``
-    (nothing there, or a path component is a file): ``missing``
-    (:class:`~coldsnap_core.errors.MissingObjectError` by default); ``EISDIR``:
-    :class:`~coldsnap_core.errors.NotRegularFileError`; anything else (``EACCES``, ``ELOOP``,
-    ``EIO``, ``EROFS``, ...): ``other`` (:class:`~coldsnap_core.errors.FileAccessError`, rule ``io``,
-    by default; the cache passes :class:`~coldsnap_core.errors.CacheError` for its own folders). The
-    message is ``"<what>: <the operating system's reason>"`` and names ``path``.
-    """
+    """The typed error, ``"<what>: <the operating system's reason>"`` naming ``path``, for an ``OSError`` met while
+    accessing ``path`` (raise it ``from exc``): :data:`SPACE_ERRNOS`: ``InsufficientSpaceError``;
+    ``ENOENT``/``ENOTDIR``: ``missing``; ``EISDIR``: ``NotRegularFileError``; anything else: ``other``."""
     reason = exc.strerror or str(exc)
     if exc.errno in SPACE_ERRNOS:
         return InsufficientSpaceError(f"{what}: {reason}", file=path)
@@ -184,13 +165,8 @@ def open_regular(
     missing: type[ColdsnapError] = MissingObjectError,
 ) -> Iterator[tuple[int, os.stat_result]]:
     """Open ``path`` for reading and yield ``(fd, fstat of fd)`` of a regular file; the descriptor is
-    closed on exit. The one open of every private file (records, overlay descriptors) and capsule file.
-
-    ``O_NONBLOCK``: the open of a named pipe returns at once instead of waiting for a writer (fifo(7));
-    ``O_NOCTTY``: a terminal does not become the controlling one; ``O_NOFOLLOW`` unless ``follow_links``
-    (capsule files may be links; the node-local state root's files may not). The type is checked with
-    ``fstat`` on the descriptor, so what is checked is what is read. Reads of a regular file ignore
-    ``O_NONBLOCK``.
+    closed on exit. ``O_NONBLOCK``: opening a named pipe does not wait for a writer (fifo(7)); the type is
+    checked on the descriptor, so what is checked is what is read.
 
     Raises:
         ``missing`` (:class:`~coldsnap_core.errors.MissingObjectError` by default): nothing at ``path``.
@@ -219,9 +195,8 @@ def open_regular(
 
 
 def unexpected_os_error(exc: OSError) -> FileAccessError:
-    """An ``OSError`` that no coldsnap layer turned into a typed error, as a rule-style error (rule
-    ``io``, exit code 4) naming its file(s); the ``OSError`` is its ``__cause__``. The last line of
-    defence of the CLI and of the loaders' ``COLDSNAP_RESTORE=auto`` fallback."""
+    """An ``OSError`` that no coldsnap layer turned into a typed error, as a ``FileAccessError`` naming its
+    file(s), caused by it: the last line of defence of the CLI and of the loaders' ``auto`` fallback."""
 
     def name(value: object) -> str | None:
         return os.fsdecode(value) if isinstance(value, (str, bytes, os.PathLike)) else None
@@ -246,23 +221,24 @@ def write_all(fd: int, data: memoryview | bytes, *, file: str | os.PathLike[str]
         try:
             written = os.write(fd, view)
         except OSError as exc:
-            if exc.errno in SPACE_ERRNOS:
-                raise InsufficientSpaceError(f"write failed: {os.strerror(exc.errno)}", file=file) from exc
-            raise CacheError(f"write failed: {exc}", file=file) from exc
+            raise _write_error("write", exc, file) from exc
         view = view[written:]
 
 
+def _write_error(what: str, exc: OSError, file: str | os.PathLike[str]) -> CacheError:
+    if exc.errno in SPACE_ERRNOS:
+        return InsufficientSpaceError(f"{what} failed: {os.strerror(exc.errno)}", file=file)
+    return CacheError(f"{what} failed: {exc}", file=file)
+
+
 def advise_sequential(fd: int) -> None:
-    """Tell the kernel a file is about to be read front to back (``POSIX_FADV_SEQUENTIAL``: a larger
-    readahead window). Measured on this project's 2-core machine with the 269 MB SmolLM2 pack evicted
-    from the page cache: one reading thread went from 0.5-0.7 GB/s to 2.0 GB/s. Advice only: errors
-    (a file system without ``fadvise``) are ignored."""
+    """Tell the kernel a file is about to be read front to back (``POSIX_FADV_SEQUENTIAL``); errors are ignored."""
     with contextlib.suppress(AttributeError, OSError):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """fsync a folder so that a rename into it is durable (POSIX ``rename``: the new name is durable only once its folder is synced)."""
+    """fsync a folder so that a rename into it is durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -274,14 +250,11 @@ def fsync_fd(fd: int, *, file: str | os.PathLike[str]) -> None:
     try:
         os.fsync(fd)
     except OSError as exc:
-        if exc.errno in SPACE_ERRNOS:
-            raise InsufficientSpaceError(f"fsync failed: {os.strerror(exc.errno)}", file=file) from exc
-        raise CacheError(f"fsync failed: {exc}", file=file) from exc
+        raise _write_error("fsync", exc, file) from exc
 
 
 def write_file_durably(path: Path, data: bytes, *, mode: int = 0o644) -> None:
-    """Write a new small file (``O_EXCL | O_NOFOLLOW``, created with ``mode``) and fsync it. The caller
-    fsyncs the folder.
+    """Write a new small file (``O_EXCL | O_NOFOLLOW``, created with ``mode``) and fsync it (not its folder).
 
     Raises:
         OSError: ``path`` exists (``FileExistsError``) or cannot be created.
@@ -296,8 +269,7 @@ def write_file_durably(path: Path, data: bytes, *, mode: int = 0o644) -> None:
 
 
 def close_and_remove(fd: int, path: Path) -> None:
-    """Close ``fd`` and remove the temporary file ``path``: the end of a temporary file's life, whether it
-    was renamed into place (nothing left to remove), closed already, or abandoned after a failure."""
+    """Close ``fd`` and remove the temporary file ``path`` if it is still there."""
     with contextlib.suppress(OSError):
         os.close(fd)
     with contextlib.suppress(FileNotFoundError):
@@ -330,14 +302,10 @@ def replace_file_durably(
     temporary: Callable[[], contextlib.AbstractContextManager[tuple[int, Path]]] | None = None,
     before_rename: Callable[[Path], object] | None = None,
 ) -> None:
-    """Atomically and durably replace the small file ``path`` with ``data``: the one replace of
-    ``artifact.json``, validation records and checkpoint records.
-
-    Writes a temporary file (``temporary()``, a context manager yielding ``(fd, path)`` open for writing
-    that removes the file on exit unless renamed; default :func:`sibling_temporary` with ``mode``), makes
-    it mode 0444 when ``read_only``, fsyncs it, calls ``before_rename(path)`` (a last check of the
-    target, e.g. refusing a symbolic link), renames it onto ``path`` and fsyncs the folder. A reader sees
-    the old file or the new one, never a part.
+    """Atomically and durably replace the small file ``path`` with ``data``: write a temporary file
+    (``temporary()``, yielding ``(fd, path)`` and removing it on exit unless renamed; default
+    :func:`sibling_temporary`), fsync it, call ``before_rename(path)`` (a last check of the target), rename it onto
+    ``path``, fsync the folder.
 
     Raises:
         OSError: the temporary file cannot be created or renamed.
@@ -357,27 +325,14 @@ def replace_file_durably(
 
 
 class HashingWriter:
-    """Write chunks to a file descriptor while hashing them (SHA-256) on a helper thread.
-
-    The hash of chunk ``k`` runs while chunk ``k`` is written; the writer waits for it before
-    hashing chunk ``k + 1``, so the digest covers the bytes in order. Chunks must stay unchanged
-    until the next call.
-
-    Args:
-        fd: an open, writable file descriptor positioned where writing starts.
-        file: the file's path, for error messages.
-        progress: called with the number of bytes written after each chunk.
-    """
+    """Write chunks to ``fd`` while hashing them (SHA-256) on a helper thread: the hash of chunk ``k`` runs while
+    chunk ``k`` is written, so a chunk must stay unchanged until the next call. ``progress`` gets the bytes written."""
 
     def __init__(self, fd: int, *, file: str | os.PathLike[str], progress: Callable[[int], object] | None = None) -> None:
-        self._fd = fd
-        self._file = file
         self._hash = hashlib.sha256()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coldsnap-hash")
         self._pending: Future[None] | None = None
-        self._progress = progress
-        self._writeback = Writeback(fd)
-        self.size_bytes = 0
+        self._out = Writeback(fd, file=file, progress=progress)
 
     def write(self, chunk: memoryview | bytes) -> None:
         view = memoryview(chunk).cast("B")
@@ -385,24 +340,20 @@ class HashingWriter:
             piece = view[start : start + HASH_CHUNK_BYTES]
             self._wait()
             self._pending = self._pool.submit(self._hash.update, piece)
-            write_all(self._fd, piece, file=self._file)
-            self._writeback.advance(len(piece))
-            self.size_bytes += len(piece)
-            if self._progress is not None:
-                self._progress(len(piece))
+            self._out.write(piece)
 
     def _wait(self) -> None:
         if self._pending is not None:
             self._pending.result()
             self._pending = None
 
-    def finish(self) -> str:
-        """Wait for the last hash update and return the SHA-256 (lowercase hex) of all bytes written."""
+    def finish(self) -> tuple[str, int]:
+        """Wait for the last hash update; return ``(sha256 hex, size_bytes)`` of all bytes written."""
         try:
             self._wait()
         finally:
             self._pool.shutdown(wait=True)
-        return self._hash.hexdigest()
+        return self._hash.hexdigest(), self._out.size_bytes
 
     def abort(self) -> None:
         with contextlib.suppress(Exception):
@@ -430,13 +381,10 @@ def write_hashed(
     """Write every chunk of ``chunks()`` to ``fd``; return ``(sha256 hex, size_bytes)`` of what was written.
 
     Args:
-        fd: an open, writable file descriptor positioned where writing starts.
         chunks: returns a fresh iterator over the bytes to write, in order.
-        file: the file's path, for error messages.
-        stable: ``chunks()`` may be iterated twice at once (on two threads) and every chunk stays
-            valid and unchanged until both iterations end. Then a helper thread hashes its own
-            iteration while this thread writes (no per-chunk hand-off). Otherwise
-            :class:`HashingWriter` is used (hash of chunk ``k`` overlapped with its write).
+        stable: ``chunks()`` may be iterated twice at once (on two threads) and every chunk stays valid and
+            unchanged until both end: a helper thread then hashes its own iteration; otherwise
+            :class:`HashingWriter`.
         progress: called with the number of bytes written after each chunk.
 
     Raises:
@@ -452,7 +400,7 @@ def write_hashed(
         except BaseException:
             writer.abort()
             raise
-        return writer.finish(), writer.size_bytes
+        return writer.finish()
 
     stop = threading.Event()
 
@@ -466,24 +414,19 @@ def write_hashed(
             hashed += len(chunk)
         return digest.hexdigest(), hashed
 
-    written = 0
-    writeback = Writeback(fd)
+    out = Writeback(fd, file=file, progress=progress)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="coldsnap-hash") as pool:
         hashing = pool.submit(hash_stream)
         try:
             for chunk in chunks():
-                write_all(fd, chunk, file=file)
-                writeback.advance(len(chunk))
-                written += len(chunk)
-                if progress is not None:
-                    progress(len(chunk))
+                out.write(chunk)
         except BaseException:
             stop.set()
             raise
         digest, hashed = hashing.result()
-    if hashed != written:
-        raise CacheError(f"wrote {written} bytes but hashed {hashed}: the chunk stream is not stable", file=file)
-    return digest, written
+    if hashed != out.size_bytes:
+        raise CacheError(f"wrote {out.size_bytes} bytes but hashed {hashed}: the chunk stream is not stable", file=file)
+    return digest, out.size_bytes
 
 
 def sha256_file(
@@ -492,16 +435,8 @@ def sha256_file(
     progress: Callable[[int], object] | None = None,
     observe: Callable[[int, memoryview], object] | None = None,
 ) -> tuple[str, int]:
-    """Hash a whole file; return ``(sha256 hex, size_bytes)``.
-
-    Args:
-        path: the file.
-        progress: called with the number of bytes hashed after each chunk.
-        observe: called with ``(file_offset_bytes, chunk)`` for each chunk, before it is hashed
-            (the chunk's buffer is reused for the next one).
-
-    Memory: one buffer of ``min(8 MiB, file size + 1)`` bytes.
-    """
+    """Hash a whole file; return ``(sha256 hex, size_bytes)``. ``progress`` gets the bytes hashed after each
+    chunk; ``observe`` gets ``(file_offset_bytes, chunk)`` before it is hashed (the buffer is reused)."""
     digest = hashlib.sha256()
     size = 0
     with open(path, "rb", buffering=0) as f:
