@@ -83,21 +83,14 @@ _SERVE_AS_CAPTURED = (
 
 
 class ColdsnapError(Exception):
-    """Base class of every error coldsnap raises.
+    """Base class of every error coldsnap raises: ``rule <rule> failed: <detail> [<context>]; remedy: <remedy>``.
 
     Args:
-        detail: what was found, in words (the rule is prepended automatically).
-        file: the file (pack, blob, manifest, record, lock) the failure concerns, if any.
-        allocation: the allocation index the failure concerns, if any.
-        offset_bytes: the byte offset (within the allocation, or within ``file`` when no allocation
-            is named) where the failure was detected, if any.
-        remedy: the one thing an operator should do about it, in their terms (an engine flag, a command), if
-            this raise site knows better than the class's own ``remedy``.
-
-    Attributes:
-        rule: stable identifier of the violated rule (see ``docs/format.md``).
-        exit_code: the CLI exit code for this error.
-        remedy: what to do, or ``None``; the message ends with ``; remedy: <remedy>`` when there is one.
+        detail: what was found, in words.
+        file, allocation, offset_bytes: where it was found, if known (``offset_bytes`` within the allocation, else
+            within ``file``).
+        remedy: the one thing an operator should do about it (an engine flag, a command), where this raise site
+            knows better than the class's own ``remedy`` (``None``: no ``; remedy:`` part).
     """
 
     rule: str = "coldsnap"

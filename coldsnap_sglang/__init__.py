@@ -1,22 +1,9 @@
 """coldsnap_sglang: the SGLang plugin (``--load-format coldsnap``: capture and restore of model payloads).
 
-``register()`` is the ``sglang.srt.plugins`` entry point (``pyproject.toml``). SGLang calls it in the
-launcher and in every scheduler (tensor parallel) process before arguments are parsed (SGLang's plugin
-system, ``python/sglang/srt/plugins``). It is idempotent and initialises no device. It
-
-* adds ``coldsnap`` to the ``--load-format`` choices (``sglang.srt.server_args.add_load_format_choices``),
-* registers a BEFORE hook on ``LoadConfig._verify_load_format`` that swaps the string ``"coldsnap"`` for
-  the loader class :class:`coldsnap_sglang.loader.ColdsnapModelLoader` (SGLang passes a class
-  ``load_format`` straight to ``get_model_loader``; ``ServerArgs.load_format`` stays the string, so the
-  HTTP info endpoints keep working),
-* makes the launcher repeat a scheduler's refusal line at its exit
-  (:func:`coldsnap_core.operator_log.install_last_words`).
-
-The Python API needs no plugin: ``sgl.Engine(model_path=..., load_format=ColdsnapModelLoader)``.
-
-Scope: the loader captures (``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``) and restores; materialization is
-``off`` only (``COLDSNAP_MATERIALIZE=async|required`` is refused with a
-:class:`~coldsnap_core.errors.ConfigurationError` naming the setting).
+``register()`` is the ``sglang.srt.plugins`` entry point (``pyproject.toml``), called in the launcher and every
+scheduler process before arguments are parsed; it is idempotent and initialises no device. The Python API needs
+no plugin: ``sgl.Engine(model_path=..., load_format=ColdsnapModelLoader)``. Materialization is ``off`` only
+(:mod:`coldsnap_sglang.settings`).
 """
 
 from __future__ import annotations
@@ -40,7 +27,10 @@ def swap_load_format(load_config: object, *args: object, **kwargs: object) -> No
 
 
 def register() -> None:
-    """Register ``--load-format coldsnap`` with SGLang (idempotent; needs SGLang >= 0.5.11's plugins).
+    """Register ``--load-format coldsnap`` with SGLang (idempotent; needs SGLang >= 0.5.11's plugins): add it to the
+    choices, swap it for the loader class in ``LoadConfig._verify_load_format`` (SGLang passes a class
+    ``load_format`` straight to ``get_model_loader``; ``ServerArgs.load_format`` stays the string), and make the
+    launcher repeat a scheduler's refusal line at its exit (:func:`coldsnap_core.operator_log.install_last_words`).
 
     Raises:
         EngineVersionError: SGLang's plugin API (``add_load_format_choices``, ``HookRegistry``) is missing.

@@ -1,27 +1,11 @@
 """The SGLang loader: ``DefaultModelLoader`` with coldsnap capture and restore, then SGLang's own
 post-processing.
 
-SGLang's ``DefaultModelLoader.load_model`` builds the model, then calls
-``self.load_weights_and_postprocess(model, self._get_all_weights(model_config, model), target_device)``
-(SGLang 0.5.23 ``python/sglang/srt/model_loader/loader.py``; an instance override is honoured). This
-loader overrides it with :meth:`coldsnap_core.load_policy.LoadPolicy.load` (restore or fall back, then
-capture / overlay, then one outcome line), then runs SGLang's ``postprocess_weights`` in every case. This
-module supplies only what needs SGLang:
-
-* the worker identity (:func:`worker_identity`: the tensor parallel rank of ``LoadConfig.tp_rank``);
-* the model source: ``model_config.model_path`` and ``revision``, the digest of SGLang's model
-  configuration, ``--download-dir``; for a local folder the files SGLang's own ``_prepare_weights`` would
-  read now (which must be exactly the recorded ones);
-* the checkpoint load: ``DefaultModelLoader.load_weights_only`` (``model.load_weights`` on the checkpoint
-  iterator, whose boundary :class:`coldsnap_core.load_policy.ObservedLoader` watches), so a capture
-  (``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``) or a target-local overlay (after a fallback caused by the target, or
-  on ``COLDSNAP_OVERLAY=capture``) is taken before SGLang's post-processing. The model bytes of a checkpoint
-  are the same in SGLang and vLLM, so both engines' captures of one checkpoint name the same pack.
-
-SGLang keeps no compile cache, so it supplies no derived-cache steps. Settings are those of
-:mod:`coldsnap_core.settings` (environment variables or ``--model-loader-extra-config`` keys, removed before
-SGLang's loader validates the rest), with materialization ``off`` by default and the only accepted value
-(:mod:`coldsnap_sglang.settings`).
+SGLang's ``DefaultModelLoader.load_model`` builds the model, then calls ``self.load_weights_and_postprocess``
+(SGLang 0.5.23 ``python/sglang/srt/model_loader/loader.py``). This loader overrides it with
+:meth:`coldsnap_core.load_policy.LoadPolicy.load`, whose checkpoint load is ``load_weights_only`` (so a capture is
+taken before SGLang's post-processing), then runs SGLang's ``postprocess_weights`` in every case. SGLang keeps no
+compile cache, so it supplies no derived-cache steps.
 """
 
 from __future__ import annotations
@@ -136,12 +120,8 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
             self._model_config = None
 
     def load_weights_and_postprocess(self, model: torch.nn.Module, weights: Iterable, target_device: torch.device):  # type: ignore[override]
-        """Restore from the artifact or load the checkpoint (observed; captured on export, an overlay
-        where the target asks for one), with one line in the load outcome log
-        (:meth:`coldsnap_core.load_policy.LoadPolicy.load`); then SGLang's post-processing.
-
-        Returns:
-            What the load did (SGLang ignores it).
+        """:meth:`coldsnap_core.load_policy.LoadPolicy.load` (SGLang ignores what it returns), then SGLang's
+        post-processing.
 
         Raises:
             ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed (the verifier's error), or

@@ -1,10 +1,5 @@
-"""SGLang's view of the coldsnap settings: :mod:`coldsnap_core.settings` with materialization ``off``.
-
-SGLang's integration captures on an explicit export (``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``) and restores;
-it never materializes a missing pack from the weights it loaded after a fallback (``docs/format.md``,
-section 13), so ``COLDSNAP_MATERIALIZE`` must be ``off``, the default here; ``async`` and
-``required`` are refused naming the setting.
-"""
+"""SGLang's view of the coldsnap settings: :mod:`coldsnap_core.settings` with materialization ``off``, the only
+accepted value (SGLang's loader never materializes a missing pack, ``docs/format.md`` §13)."""
 
 from __future__ import annotations
 
@@ -23,8 +18,7 @@ def resolve_sglang_settings(
     """Resolve the settings for SGLang; return them and the extra config without coldsnap's keys.
 
     Raises:
-        ConfigurationError: any :meth:`ColdsnapSettings.resolve` error; ``materialize`` other than
-            ``off``.
+        ConfigurationError: any :meth:`ColdsnapSettings.resolve` error; ``materialize`` other than ``off``.
     """
     if isinstance(extra_config, str):  # SGLang parses the JSON in LoadConfig.__post_init__, but be lenient
         import json

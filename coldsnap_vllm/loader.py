@@ -1,27 +1,11 @@
 """The ``coldsnap`` load format: vLLM's default loader, observed, with capture and restore.
 
-:class:`ColdsnapModelLoader` is a subclass of vLLM's ``DefaultModelLoader`` registered with
-``register_model_loader("coldsnap")`` (vLLM ``model_executor/model_loader/__init__.py``). It keeps the
-configured inner loader's I/O: its own ``load_config`` is vLLM's with ``load_format`` replaced by the
-inner format (``instanttensor`` on CUDA, ``safetensors`` elsewhere, or ``COLDSNAP_INNER_LOAD_FORMAT``)
-and coldsnap's extra-config keys removed (``DefaultModelLoader`` rejects ``coldsnap`` as a format and
-unknown keys). ``vllm_config.load_config.load_format`` stays ``coldsnap``, which is harmless.
-``__init__`` only parses settings (and the payload store they name): vLLM builds loaders several times
-per worker.
-
-``load_weights(model, model_config)`` (vLLM calls it after building the model and before
-``process_weights_after_loading``) runs :meth:`coldsnap_core.load_policy.LoadPolicy.load` and returns its
-outcome. This module supplies only what needs vLLM: the worker identity
-(:func:`coldsnap_vllm.compat.worker_identity`), the model source (``model_config.model``, ``revision``, the
-digest of vLLM's model configuration, ``--download-dir``), the files vLLM's
-``DefaultModelLoader._prepare_weights`` would read, the checkpoint load itself
-(``DefaultModelLoader.load_weights``; its iterator boundary is watched by
-:class:`coldsnap_core.load_policy.ObservedLoader`), the engine name and the compile cache as a derived-cache
-seed (:mod:`coldsnap_vllm.derived_cache`).
-
-After each load the loader publishes a :class:`coldsnap_vllm.state.WorkerLoadState` for the level-1 sleep
-backend: the model writes by absolute address, the pinned model identity when it is known (always
-when ``--sleep-mode-backend coldsnap`` is enabled) and the resolved ``verify_extents``.
+:class:`ColdsnapModelLoader` subclasses vLLM's ``DefaultModelLoader`` (registered with
+``register_model_loader("coldsnap")``, vLLM ``model_executor/model_loader/__init__.py``) and keeps the inner
+loader's I/O: its own ``load_config`` has the inner ``load_format`` and no coldsnap extra-config keys (which
+``DefaultModelLoader`` rejects). ``load_weights`` runs :meth:`coldsnap_core.load_policy.LoadPolicy.load`; this
+module supplies only what needs vLLM, and publishes a :class:`coldsnap_vllm.state.WorkerLoadState` for the
+level-1 sleep backend after each load.
 """
 
 from __future__ import annotations
@@ -139,10 +123,8 @@ class _VllmLoad(LoadPolicy):
 
 
 class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
-    """vLLM's default loader with coldsnap capture and restore (see the module docstring).
-
-    Args:
-        load_config: vLLM's load config (``load_format="coldsnap"``).
+    """vLLM's default loader with coldsnap capture and restore (see the module docstring); ``__init__`` only
+    parses settings (vLLM builds loaders several times per worker).
 
     Raises:
         EngineVersionError: this vLLM is not 0.32 or 0.33, or its private loader API moved.
@@ -169,15 +151,10 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
         return super().load_model(vllm_config, model_config, prefix)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> LoadOutcome:  # type: ignore[override]
-        """Restore from the artifact, or load from the checkpoint (observed; captured on export), with
-        one line in the load outcome log (:meth:`coldsnap_core.load_policy.LoadPolicy.load`).
-
-        Returns:
-            What the load did (vLLM ignores it).
+        """:meth:`coldsnap_core.load_policy.LoadPolicy.load` (vLLM ignores what it returns).
 
         Raises:
-            ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed (the verifier's error),
-                or the export capture failed.
+            ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed, or the export capture failed.
         """
         # A later load in this process (vLLM's reload_weights, a second load_weights) replaces the weights:
         # what the sleep backend works from is this load's state or none, never the previous load's.
@@ -214,12 +191,8 @@ _registration_lock = threading.Lock()
 
 
 def register_loader() -> None:
-    """Register :class:`ColdsnapModelLoader` as load format ``coldsnap`` (idempotent; no CUDA init).
-
-    Also sends coldsnap's log lines to vLLM's handlers (:func:`coldsnap_vllm.compat.attach_logging`).
-    The vLLM version is checked when the loader is built, so a process that never selects
-    ``coldsnap`` is not affected by an unsupported vLLM.
-    """
+    """Register :class:`ColdsnapModelLoader` as load format ``coldsnap`` and attach coldsnap's logging to vLLM's
+    (idempotent; no CUDA init). The vLLM version is checked only when the loader is built."""
     from vllm.model_executor import model_loader
 
     with _registration_lock:

@@ -1,28 +1,11 @@
 """The ``coldsnap`` sleep-mode backend: a level-1 sleep that keeps no host copy of the weights.
 
-vLLM's own level-1 sleep (``CuMemBackend``) copies every "weights" segment into pinned host memory
-and back, one allocation at a time. This backend instead
-
-* at ``suspend(1)``: captures the live weights segments (pack in the node-local cache, residual blob
-  and native manifest in a process-local sleep capsule; :mod:`coldsnap_vllm.sleep_capture`), then
-  calls ``allocator.sleep(offload_tags=("runtime", "cudagraph"))``: the weights are released with
-  no backup, runtime and CUDA-graph pools are still offloaded as vLLM does;
-* at ``resume(tags)`` (weights included): records the asleep weights segments, lets the allocator map
-  new physical memory at the same virtual addresses (``allocator.wake_up(tags)``), then hydrates every
-  weights segment from pack + residual (:func:`coldsnap_core.restore.hydrate.hydrate`: every check runs
-  before the first byte is written) through the CUDA copy backend.
-
-Level 2 keeps vLLM's semantics (weights discarded, the caller reloads them; no capture, no hydration).
-
-States (``state()``): ``RUNNING`` (weights resident); ``SUSPENDED`` (weights released, or a wake
-failed: the segments are marked as needing hydration and the next wake starts over); ``RESUMING``
-(during a wake). A second sleep releases whatever else is awake and leaves the weights alone; a wake
-with nothing asleep does nothing.
-
-vLLM constructs the backend with no arguments (``SleepModeBackendFactory.create_backend``), so the
-model knowledge comes from :mod:`coldsnap_vllm.state` (published by the coldsnap loader in the same
-worker process). Facts: ``docs/format.md`` §6.2; ``vllm/device_allocator/
-sleep_mode_backend.py`` and ``cumem.py``; ``vllm/v1/worker/gpu_worker.py`` (``sleep``/``wake_up``).
+Where vLLM's ``CuMemBackend`` copies every "weights" segment to pinned host memory and back, ``suspend(1)``
+captures them (:mod:`coldsnap_vllm.sleep_capture`) and releases them with no backup (``runtime`` and
+``cudagraph`` are still offloaded), and ``resume`` maps new memory at the same addresses and hydrates every weights
+segment from pack + residual (:func:`coldsnap_core.restore.hydrate.hydrate`). Level 2 keeps vLLM's semantics.
+vLLM builds the backend with no arguments, so the model comes from :mod:`coldsnap_vllm.state`. Facts:
+``docs/format.md`` §6.2; ``vllm/device_allocator/sleep_mode_backend.py`` and ``cumem.py``.
 """
 
 from __future__ import annotations
@@ -43,10 +26,10 @@ from coldsnap_core.format.allocation import LiveAllocation
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME
 from coldsnap_core.restore.hydrate import HydrationReport, hydrate
 from coldsnap_core.settings import LOCK_TIMEOUT_SECONDS
-from coldsnap_vllm import state as load_state
-from coldsnap_vllm.cumem import WEIGHTS_TAG, weights_segments
+from coldsnap_vllm.cumem import WEIGHTS_TAG, live_allocations, weights_segments
 from coldsnap_vllm.sleep_capture import SleepCapture, capture_for_sleep
 from coldsnap_vllm.state import WorkerLoadState
+from coldsnap_vllm.state import current as published_state
 
 logger = logging.getLogger(__name__)
 
@@ -66,26 +49,13 @@ except ImportError:  # vLLM absent or without the factory: the class still works
 _Weights = Literal["resident", "captured", "discarded", "needs_hydration"]
 
 
-def _default_allocator() -> Any:
-    from vllm.device_allocator import get_mem_allocator_instance
-
-    return get_mem_allocator_instance()
-
-
 class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-type]
     """vLLM ``SleepModeBackend`` named ``coldsnap`` (see the module docstring).
 
-    All arguments exist for tests and tools; vLLM passes none.
-
-    Args:
-        allocator: the sleep-mode allocator (``pointer_to_data``, ``sleep``, ``wake_up``, ``discard``);
-            default ``vllm.device_allocator.get_mem_allocator_instance()`` (the CuMem singleton).
-        backend_factory: builds the copy backend from the weights segments' CUDA device; default a
-            :class:`coldsnap_core.copy.cuda.CudaCopyBackend` (cupy).
-        load_state: returns the loader's published state; default :func:`coldsnap_vllm.state.current`.
-        verify_extents: hash every model extent while waking; default ``None``: the loader's resolved
-            ``verify_extents`` setting (``COLDSNAP_VERIFY_EXTENTS`` or the extra-config key), published with
-            its load state (:attr:`coldsnap_vllm.state.WorkerLoadState.verify_extents`).
+    States: ``RUNNING`` (weights resident), ``SUSPENDED`` (released, or a wake failed: the next wake starts over),
+    ``RESUMING`` (during a wake). The arguments exist for tests and tools (vLLM passes none): the CuMem allocator,
+    the copy backend for a CUDA device (default :class:`coldsnap_core.copy.cuda.CudaCopyBackend`), the loader's
+    published state, and ``verify_extents`` (default ``None``: the loader's setting).
     """
 
     def __init__(
@@ -100,7 +70,7 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
             super().__init__()
         self._allocator = allocator
         self._backend_factory = backend_factory
-        self._load_state = load_state or load_state_current
+        self._load_state = load_state or published_state
         self.verify_extents = verify_extents
         self._wake_verify_extents = bool(verify_extents)
         self._wake_lock_timeout_s = LOCK_TIMEOUT_SECONDS
@@ -146,9 +116,8 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
         return frozenset(self._needs_hydration)
 
     def suspend(self, level: int = 1) -> None:
-        """Release GPU state. Level 1 captures first; level 2 discards the weights as vLLM does.
-
-        Nothing is released if the capture fails.
+        """Release GPU state. Level 1 captures first (nothing is released if that fails); level 2 discards the
+        weights as vLLM does.
 
         Raises:
             ConfigurationError: ``level`` is not 1 or 2, the coldsnap loader published no state in
@@ -187,10 +156,9 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
         with self._lock:
             allocator = self._get_allocator()
             wake_weights = tags is None or WEIGHTS_TAG in tags
-            anything_asleep = any(d.is_asleep for d in allocator.pointer_to_data.values())
             if wake_weights and self._weights in ("captured", "needs_hydration"):
                 self._wake_and_hydrate(allocator, tags)
-            elif anything_asleep:
+            elif self._any_asleep(allocator):
                 self._state = "RESUMING"
                 try:
                     allocator.wake_up(tags)
@@ -233,7 +201,9 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
 
     def _get_allocator(self) -> Any:
         if self._allocator is None:
-            self._allocator = _default_allocator()
+            from vllm.device_allocator import get_mem_allocator_instance
+
+            self._allocator = get_mem_allocator_instance()
         return self._allocator
 
     @staticmethod
@@ -341,11 +311,10 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
     def _check_segments(self, allocator: Any, capture: SleepCapture) -> Sequence[LiveAllocation]:
         """Every captured segment is mapped again at its address with its size, and every weights
         segment that was asleep is one the capture knows."""
-        captured = {s.address: s for s in capture.segments}
+        captured = {s.address for s in capture.segments}
         for address in sorted(self._needs_hydration):
             if address not in captured:
                 raise WakeError(f"weights segment at {address:#x} was not captured at the last sleep; cannot hydrate it")
-        allocations = []
         for segment in capture.segments:
             data = allocator.pointer_to_data.get(segment.address)
             if data is None or data.tag != WEIGHTS_TAG:
@@ -359,13 +328,7 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
                     f"weights segment at {segment.address:#x} is {int(data.handle[1])} bytes, it was {segment.size_bytes} at the sleep",
                     allocation=segment.index,
                 )
-            allocations.append(LiveAllocation(segment.index, segment.address, segment.size_bytes))
-        return allocations
-
-
-def load_state_current() -> WorkerLoadState | None:
-    """The coldsnap loader's published state in this process (:func:`coldsnap_vllm.state.current`)."""
-    return load_state.current()
+        return live_allocations(capture.segments)
 
 
 # --- registration ------------------------------------------------------------------------------------
@@ -374,15 +337,8 @@ _registration_lock = threading.Lock()
 
 
 def register_sleep_backend() -> bool:
-    """Register ``coldsnap`` with vLLM's ``SleepModeBackendFactory`` (idempotent, no CUDA init).
-
-    Feature-detects ``vllm.device_allocator.sleep_mode_backend``; registration is lazy (vLLM imports
-    this module only when ``--sleep-mode-backend coldsnap`` is selected).
-
-    Returns:
-        ``True`` when the backend is registered (now or before), ``False`` when this vLLM has no
-        pluggable sleep backends.
-    """
+    """Register ``coldsnap`` with vLLM's ``SleepModeBackendFactory`` (idempotent, no CUDA init; vLLM imports this
+    module only when it is selected); ``False`` when this vLLM has no pluggable sleep backends."""
     try:
         from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
     except ImportError:

@@ -1,10 +1,5 @@
-"""The native capture at a level-1 sleep, over vLLM's CuMem weights segments.
-
-The segments are the allocations (vLLM ``device_allocator/cumem.py``: buffers and post-processed weights
-live in the "weights" segments too, so the residual is mandatory at level 1), and the loader's observed
-model writes are located in them (:func:`coldsnap_vllm.cumem.map_writes`); the engine-neutral capture
-(:func:`coldsnap_core.capture.sleep.capture_native`) does the rest.
-"""
+"""The native capture at a level-1 sleep, over vLLM's CuMem weights segments: the segments are the allocations
+(buffers and post-processed weights live there too, so the residual is mandatory at level 1)."""
 
 from __future__ import annotations
 
@@ -42,19 +37,10 @@ def capture_for_sleep(
     *,
     capsule_dir: Path | None = None,
 ) -> SleepCapture:
-    """Capture the live weights segments into pack + sleep capsule.
+    """Capture the live weights segments (sorted by address) into pack + sleep capsule; nothing is released.
 
-    Args:
-        state: the loader's published state (worker, writes, model identity, state root).
-        segments: the awake weights segments, sorted by address.
-        backend: reads the segments (device-to-host on CUDA).
-        references: the writes' reference digests (keep one per loaded model; it caches).
-        capsule_dir: where the capsule goes: the folder of the caller's
-            :class:`~coldsnap_core.artifact.sleep_capsules.SleepCapsuleClaim` (default
-            :func:`~coldsnap_core.artifact.sleep_capsules.sleep_capsule_dir`, an unclaimed name, for tools and tests).
-
-    Returns:
-        The :class:`SleepCapture`; nothing has been released yet.
+    ``references`` caches (keep one per loaded model); ``capsule_dir`` defaults to an unclaimed
+    :func:`~coldsnap_core.artifact.sleep_capsules.sleep_capsule_dir` (for tools and tests).
 
     Raises:
         ObserverError: a write straddles a segment end or writes overlap (nothing written); else see
