@@ -278,13 +278,8 @@ def close_and_remove(fd: int, path: Path) -> None:
 
 @contextlib.contextmanager
 def sibling_temporary(path: Path, *, mode: int = 0o644) -> Iterator[tuple[int, Path]]:
-    """Create ``.<name>.<random>.partial`` beside ``path`` (``O_EXCL | O_NOFOLLOW``, ``mode``); yield
-    ``(fd, temporary path)``, open for writing. On exit the descriptor is closed and the file removed
-    unless it was renamed.
-
-    Raises:
-        OSError: the temporary file cannot be created.
-    """
+    """Create ``.<name>.<random>.partial`` beside ``path`` (``O_EXCL | O_NOFOLLOW``, ``mode``; ``OSError`` if it
+    cannot be); yield ``(fd, temporary path)`` open for writing; on exit close it and remove it unless renamed."""
     temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.partial")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
