@@ -232,6 +232,17 @@ def _environment_as_at_the_start_of_the_run():
 
 
 @pytest.fixture(autouse=True)
+def _no_validation_record_written_after_its_test():
+    """After every test, wait for the validation records its restores hash in the background
+    (``PayloadCache.record_in_background``): a record thread that outlives its test logs into the next test's
+    ``caplog`` (a WARNING about the removed temporary folder), so whether that test passed would depend on timing."""
+    yield
+    from coldsnap_core.cache.payload_cache import PayloadCache
+
+    assert PayloadCache.wait_for_records(60.0), "a validation record thread ran on for 60 s after its test"
+
+
+@pytest.fixture(autouse=True)
 def _no_refusal_repeated_after_its_test():
     """After every test, remove the handlers its refusals added to the root logger
     (``coldsnap_core.operator_log.refuse``: say the refusal line again after the engine's own ERROR record that quotes
