@@ -166,8 +166,7 @@ def _parse_store_spec(spec: str, *, repo_type: str, client: StoreClientSettings)
         raise ConfigurationError("the payload store is empty; give a folder path or a Hugging Face repository id")
     if _looks_like_path(spec):
         return LocalFolderStore(expand_path(_file_url_path(spec), "the payload store"))
-    explicit_hub = spec.startswith(HF_REF_SCHEME)
-    if explicit_hub:
+    if spec.startswith(HF_REF_SCHEME):
         spec = spec[len(HF_REF_SCHEME) :]
     elif not _looks_like_azure_connection_string(spec) and not spec.startswith(_URL_SCHEMES):
         _refuse_unknown_form(spec)
@@ -195,7 +194,6 @@ def _parse_store_spec(spec: str, *, repo_type: str, client: StoreClientSettings)
         raise ConfigurationError(
             f"HF_ENDPOINT={os.environ.get('HF_ENDPOINT', '')!r} is not a URL huggingface_hub accepts: {exc}"
         ) from exc
-
     repo_id, at, revision = spec.partition("@")
     if at and not revision:
         raise ConfigurationError(f"payload repository {spec!r} has an empty revision after '@'")

@@ -240,12 +240,14 @@ class RangedStore(ReferenceIndex, ABC):
         hash_before_sending: hash the file before the first byte is sent (the store cannot take bytes back).
         replacement_refused: the advice of a store that never replaces an object it holds.
         prefix: the key prefix under the bucket or container, without leading or trailing ``/``.
+        url: what :meth:`location` puts before an object's key (``s3://bucket``).
     """
 
     conditional_create = True
     hash_before_sending = False
     replacement_refused: str | None = None
     prefix = ""
+    url = ""
 
     def __init__(
         self, name: str, *, range_size_bytes: int, concurrency: int, client_settings: StoreClientSettings | None
@@ -265,9 +267,9 @@ class RangedStore(ReferenceIndex, ABC):
 
     # -- what a backend gives ----------------------------------------------------------------------
 
-    @abstractmethod
     def location(self, obj: str | StoreObject) -> str:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.location`."""
+        """``<url>/<key>``."""
+        return f"{self.url}/{self.key(obj)}"
 
     @abstractmethod
     def stat(self, obj: StoreObject) -> ObjectStat | None:

@@ -164,8 +164,7 @@ def _service_client(
 class AzurePayloadStore(RangedStore):
     """Block blobs at ``<container>/<prefix>/<relpath>`` of one storage account (coldsnap never creates the
     container); ``account`` names it (:func:`parse_azure_spec`), ``connection_string`` (without ``Container=``)
-    replaces its endpoint; ``chunk_size_bytes``: per ranged download and per staged block.
-    """
+    replaces its endpoint; ``chunk_size_bytes``: per ranged download and per staged block."""
 
     hash_before_sending = True  # staged blocks cannot be taken back
 
@@ -184,6 +183,7 @@ class AzurePayloadStore(RangedStore):
         self.container = container
         self.prefix = prefix.strip("/")
         self.account = account
+        self.url = f"{AZURE_SCHEME}{account}/{container}"
         self.chunk_size_bytes = chunk_size_bytes
         self._connection_string = connection_string
         self._service = service
@@ -210,10 +210,6 @@ class AzurePayloadStore(RangedStore):
                 client_settings=self.client_settings,
             )
         return self._service
-
-    def location(self, obj: str | StoreObject) -> str:
-        """``az://account/container/<key>``."""
-        return f"{AZURE_SCHEME}{self.account}/{self.container}/{self.key(obj)}"
 
     def _blob(self, obj: str | StoreObject) -> Any:
         return self.service.get_blob_client(self.container, self.key(obj))

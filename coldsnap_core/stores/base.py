@@ -60,11 +60,7 @@ class StoreObject:
 
     @classmethod
     def pack(cls, digest: str) -> StoreObject:
-        """The pack ``digest``.
-
-        Raises:
-            InvalidDigestError: bad digest (before any path is built).
-        """
+        """The pack ``digest`` (``InvalidDigestError`` for a bad one, before any path is built)."""
         return cls(pack_relpath(digest), digest)
 
     @property

@@ -75,8 +75,7 @@ def _default_client(name: str) -> Any:
 
 class GcsPayloadStore(RangedStore):
     """Objects at ``gs://<bucket>/<prefix>/<relpath>`` (coldsnap never creates the bucket); ``chunk_size_bytes``: per
-    ranged read and resumable-upload chunk, a positive multiple of 256 KiB (else ``ConfigurationError``).
-    """
+    ranged read and resumable-upload chunk, a positive multiple of 256 KiB (else ``ConfigurationError``)."""
 
     def __init__(
         self,
@@ -91,6 +90,7 @@ class GcsPayloadStore(RangedStore):
         if chunk_size_bytes % (256 << 10):
             raise ConfigurationError(f"GCS store: chunk_size_bytes ({chunk_size_bytes}) must be a multiple of 256 KiB")
         self.bucket_name = bucket
+        self.url = f"{GCS_SCHEME}{bucket}"
         self.prefix = prefix.strip("/")
         self.chunk_size_bytes = chunk_size_bytes
         self._client = client
@@ -136,10 +136,6 @@ class GcsPayloadStore(RangedStore):
         if self._client is None:
             self._client = _default_client(self.name)
         return self._client
-
-    def location(self, obj: str | StoreObject) -> str:
-        """``gs://bucket/<key>``."""
-        return f"{GCS_SCHEME}{self.bucket_name}/{self.key(obj)}"
 
     def stat(self, obj: StoreObject) -> ObjectStat | None:
         """The live object's size and generation, or ``None``; ``StoreError`` when the bucket does not exist."""

@@ -43,8 +43,7 @@ REPO_TYPES = ("model", "dataset")
 
 class HfPayloadStore(ReferenceIndex):
     """Objects in the Hugging Face repository ``repo_id`` at ``revision`` (``None``: the default branch); ``private``:
-    the visibility of a repository an upload creates. Raises ``ConfigurationError`` for an invalid id or type.
-    """
+    the visibility of a repository an upload creates. Raises ``ConfigurationError`` for an invalid id or type."""
 
     def __init__(
         self,

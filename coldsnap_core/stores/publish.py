@@ -38,7 +38,6 @@ from coldsnap_core.format._strict import FORMAT_VERSION
 from coldsnap_core.format.content_ref import ContentRef
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME
 from coldsnap_core.format.manifest import NativeManifest, PackRef
-from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.format.verify import check_manifest, extent_owner_map, verify_pack_file
 from coldsnap_core.stores.base import (
     ArtifactListing,
@@ -216,7 +215,15 @@ def _publish_payload(
         if mismatch is not None:
             raise mismatch
         return "would-upload"
-    _verify_local(path, pack, item.manifest, item.manifest_file, cache, progress)
+    layout = check_manifest(item.manifest, file=item.manifest_file)
+    callback = progress(f"verify {pack.sha256[:12]}", pack.size_bytes) if progress else None
+    try:
+        verify_pack_file(
+            path, pack, layout, progress=callback, extent_owner=extent_owner_map(item.manifest), manifest_file=item.manifest_file
+        )
+    except IntegrityError:  # a ManifestError (the manifest is wrong, the pack intact) keeps the pack
+        cache.quarantine(pack.sha256)
+        raise
     upload_progress = progress(f"upload {pack.sha256[:12]}", pack.size_bytes) if progress else None
     created = store.upload(path, pack.sha256, pack.size_bytes, progress=upload_progress)
     # False: another publisher created this digest while we verified and sent it (kept as is)
@@ -271,22 +278,3 @@ def artifact_listing(artifact_dir: Path, name: str | None = None) -> ArtifactLis
     folder_name = Path(artifact_dir).resolve().name
     label = check_artifact_name(name) if name is not None else artifact_name(folder_name)
     return ArtifactListing(label, FORMAT_VERSION, tuple(sorted(annotations)), packs, artifact, tuple(files))
-
-
-def _verify_local(
-    path: Path,
-    pack: PackRef,
-    manifest: NativeManifest,
-    manifest_file: str | None,
-    cache: PayloadCache,
-    progress: ProgressFactory | None,
-) -> None:
-    layout: PackLayout = check_manifest(manifest, file=manifest_file)
-    callback = progress(f"verify {pack.sha256[:12]}", pack.size_bytes) if progress else None
-    try:
-        verify_pack_file(
-            path, pack, layout, progress=callback, extent_owner=extent_owner_map(manifest), manifest_file=manifest_file
-        )
-    except IntegrityError:  # a ManifestError (the manifest is wrong, the pack intact) keeps the pack
-        cache.quarantine(pack.sha256)
-        raise

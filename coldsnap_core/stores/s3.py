@@ -160,8 +160,7 @@ def _aws_max_attempts() -> tuple[int, str] | None:
 
 class S3PayloadStore(RangedStore):
     """Objects at ``s3://<bucket>/<prefix>/<relpath>`` (coldsnap never creates the bucket); ``client``: a boto3 S3
-    client (default: one from the environment); ``part_size_bytes``: per multipart part and per ranged GET.
-    """
+    client (default: one from the environment); ``part_size_bytes``: per multipart part and per ranged GET."""
 
     def __init__(
         self,
@@ -174,6 +173,7 @@ class S3PayloadStore(RangedStore):
         client_settings: StoreClientSettings | None = None,
     ) -> None:
         self.bucket = bucket
+        self.url = f"{S3_SCHEME}{bucket}"
         self.prefix = prefix.strip("/")
         self.part_size_bytes = part_size_bytes
         self._client = client
@@ -195,10 +195,6 @@ class S3PayloadStore(RangedStore):
         if self._client is None:
             self._client = _default_client(self.client_settings)
         return self._client
-
-    def location(self, obj: str | StoreObject) -> str:
-        """``s3://bucket/<key>``."""
-        return f"{S3_SCHEME}{self.bucket}/{self.key(obj)}"
 
     def failure(self, action: str, obj: str | StoreObject, exc: BaseException) -> StoreError:
         return request_failure(
