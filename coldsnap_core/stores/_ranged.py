@@ -363,9 +363,8 @@ class RangedStore(ReferenceIndex, ABC):
         logger.info("coldsnap: fetched %s: %d bytes in %.2f s, %.3f GB/s", where, size_bytes, seconds, size_bytes / seconds / 1e9)
 
     def transfer(self, obj: StoreObject, stat: ObjectStat, sink: Sink, progress: ProgressCallback | None = None) -> None:
-        """Every byte of the object to ``sink``: the ranges in parallel, or (a server that ignores ``Range``) the
-        whole object once; ``progress`` is called from one thread at a time. Raises as :meth:`fetch`, and what ``sink``
-        raises."""
+        """Every byte of the object to ``sink``: the ranges in parallel, or the whole object once (a server that ignores
+        ``Range``); raises as :meth:`fetch`, and what ``sink`` raises."""
         lock = threading.Lock()
 
         def tick(n: int) -> None:
@@ -521,12 +520,8 @@ class RangedStore(ReferenceIndex, ABC):
     # -- the small objects behind names (refs/<name>.json) ------------------------------------------
 
     def put_reference(self, relpath: str, data: bytes) -> None:
-        """Make the object ``relpath`` hold ``data``: a create if absent, else a replacement conditional on the
-        version read, tried again while another writer keeps changing it.
-
-        Raises:
-            StoreError: the store refused or failed, or the object kept changing.
-        """
+        """Make ``relpath`` hold ``data`` (a conditional create or replacement, tried again while another writer keeps
+        changing it); ``StoreError`` when the store failed or it kept changing."""
         obj = StoreObject(relpath, hashlib.sha256(data).hexdigest())
         with tempfile.TemporaryDirectory(prefix="coldsnap-ref-") as scratch, self.typed("writing the name", obj):
             path = Path(scratch) / "ref.json"
@@ -541,11 +536,8 @@ class RangedStore(ReferenceIndex, ABC):
         raise StoreError(f"{self.name}: the name kept changing while it was written", file=self.location(obj))
 
     def get_reference(self, relpath: str, max_bytes: int) -> bytes | None:
-        """The bytes of the small object ``relpath`` (at most ``max_bytes``), or ``None`` when there is none.
-
-        Raises:
-            StoreError: the store failed, or the object is over ``max_bytes``.
-        """
+        """The bytes of ``relpath`` (at most ``max_bytes``), or ``None``; ``StoreError`` when the store failed or it is
+        longer."""
         obj = StoreObject(relpath, "")
         with self.typed("reading the name", obj):
             stat = self.stat(obj)

@@ -164,8 +164,7 @@ class ArtifactListing:
 
 @runtime_checkable
 class ArtifactIndex(Protocol):
-    """A store's names of the artifacts published to it: ``refs/<name>.json`` or an OCI tag (``docs/format.md``
-    §12.9, §12.6). ``record_kind``: what a record is called in the command's output (``manifest``, ``name``)."""
+    """A store's names of its published artifacts (``docs/format.md`` §12.9); ``record_kind``: ``manifest`` or ``name``."""
 
     record_kind: str
 
@@ -227,9 +226,8 @@ class PayloadStore(ArtifactIndex, Protocol):
         progress: ProgressCallback | None = None,
         landed: LandedCallback | None = None,
     ) -> None:
-        """Write the bytes of ``obj`` to ``fd`` (at offset 0) of the unique temporary file ``file``; scratch space
-        goes in ``<file>.d`` (the caller removes it). ``landed(offset_bytes, size_bytes)`` follows each write, from
-        any thread, in order within a range; what it raises stops the fetch and is raised.
+        """Write the bytes of ``obj`` to ``fd`` of the temporary ``file`` (scratch space: ``<file>.d``); ``landed(offset_bytes,
+        size_bytes)`` follows each write, from any thread; what it raises stops the fetch.
 
         Raises:
             InvalidDigestError: bad digest.

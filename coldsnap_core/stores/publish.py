@@ -68,13 +68,8 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class PayloadToPublish:
-    """One distinct payload of the artifacts being published.
-
-    Attributes:
-        manifest: one native manifest naming it (gives the canonical layout for verification).
-        owners: ``<artifact folder>:<capsule name>`` of every worker that names it.
-        manifest_file: the path of ``manifest`` (named by manifest errors).
-    """
+    """One distinct payload, with one native manifest naming it (its layout verifies it) and the
+    ``<artifact folder>:<capsule name>`` of every worker that names it."""
 
     pack: PackRef
     manifest: NativeManifest
