@@ -1,25 +1,9 @@
 """Payload stores: where packs come from when the node-local cache lacks them, and go on publication.
 
-Configuration (:func:`from_settings`, :func:`from_env`; parsed by :class:`coldsnap_core.settings.StoreSettings`,
-also settable by the engine plugins' extra-config keys ``payload_dir``, ``payload_repo``, ``payload_repo_type``):
-
-* ``COLDSNAP_PAYLOAD_DIR=/path``: a local or shared folder (:class:`LocalFolderStore`);
-* ``COLDSNAP_PAYLOAD_REPO=s3://bucket[/prefix]``: an S3-compatible bucket
-  (:class:`coldsnap_core.stores.s3.S3PayloadStore`; endpoint and credentials from the AWS variables);
-* ``COLDSNAP_PAYLOAD_REPO=oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]``: an OCI registry
-  (:class:`coldsnap_core.stores.oci.OciPayloadStore`; credentials from the Docker config file);
-* ``COLDSNAP_PAYLOAD_REPO=gs://bucket[/prefix]``: Google Cloud Storage
-  (:class:`coldsnap_core.stores.gcs.GcsPayloadStore`; credentials as ``google-cloud-storage`` finds them);
-* ``COLDSNAP_PAYLOAD_REPO=az://account/container[/prefix]`` or a connection string: Azure Blob
-  (:class:`coldsnap_core.stores.azure.AzurePayloadStore`);
-* ``COLDSNAP_PAYLOAD_REPO=org/name[@revision]``: a Hugging Face repository
-  (:class:`coldsnap_core.stores.hf.HfPayloadStore`), with ``COLDSNAP_PAYLOAD_REPO_TYPE=model|dataset``
-  (default ``model``); token and endpoint from ``HF_TOKEN``/``HF_ENDPOINT`` as ``huggingface_hub``
-  reads them. A value that looks like a path (see :func:`parse_store_spec`) is a folder store, so
-  ``COLDSNAP_PAYLOAD_REPO`` and ``coldsnap publish-native --repo`` accept the same syntax.
-
-Setting both variables is a :class:`~coldsnap_core.errors.ConfigurationError`; setting neither
-means "no store" (staging then uses the node-local cache only).
+Configured by ``COLDSNAP_PAYLOAD_DIR=/path`` (a folder, :class:`LocalFolderStore`) or ``COLDSNAP_PAYLOAD_REPO=<spec>``
+(:func:`parse_store_spec`: a folder, ``s3://``, ``oci://``, ``gs://``, ``az://`` or a connection string, or a Hugging
+Face repository), parsed by :class:`coldsnap_core.settings.StoreSettings` (``docs/format.md`` §12). Setting both is a
+:class:`~coldsnap_core.errors.ConfigurationError`; setting neither means "no store" (the node-local cache only).
 """
 
 from __future__ import annotations
@@ -40,7 +24,7 @@ from coldsnap_core.settings import (
     StoreSettings,
     expand_path,
 )
-from coldsnap_core.stores.base import PayloadStore, refused_character_message
+from coldsnap_core.stores.base import PayloadStore, check_artifact_name, refused_character_message
 from coldsnap_core.stores.local import LocalFolderStore
 
 __all__ = [
@@ -83,9 +67,8 @@ _SPELL_THE_STORE = f"spell the store as one of: {ACCEPTED_STORE_FORMS}"
 
 
 def _refuse_unknown_form(spec: str) -> None:
-    """A value that starts like a URL with a scheme coldsnap does not read (``s3:/bucket``, ``S3://bucket``,
-    ``oci:/x``, ``http://...``) or a bare word is refused here, before it could be taken for a Hugging Face
-    repository id and sent to the Hub.
+    """Refuse an unknown or mis-spelled scheme (``s3:/b``, ``S3://b``, ``http://``) or a bare word before it could be
+    sent to the Hub as a repository id (``docs/format.md`` §12).
 
     Raises:
         ConfigurationError: names the scheme (and the scheme it resembles) or the bare word, and the accepted forms.
@@ -113,10 +96,8 @@ def _refuse_unknown_form(spec: str) -> None:
 
 
 def _looks_like_azure_connection_string(spec: str) -> bool:
-    """An Azure Storage connection string (``DefaultEndpointsProtocol=...;AccountName=...;AccountKey=...``), with
-    the container (and prefix) after a final ``;container=NAME[/prefix]``; see :mod:`coldsnap_core.stores.azure`.
-    Any ``key=value`` list naming one of its keys counts, so a string that lacks ``Container=`` or is otherwise
-    wrong is refused by the Azure parser (which never shows the key), not echoed by another one."""
+    """Any ``key=value`` list naming an Azure connection string's key: the Azure parser (which never shows the key)
+    refuses a wrong one."""
     keys = {part.split("=", 1)[0].strip().lower() for part in spec.split(";") if "=" in part}
     return bool(keys & _AZURE_CONNECTION_KEYS)
 
@@ -129,8 +110,7 @@ def _redacted(exc: ColdsnapError) -> ColdsnapError:
 
 
 def parse_store_spec(spec: str, *, repo_type: str = "model", client: StoreClientSettings | None = None) -> PayloadStore:
-    """See :func:`_parse_store_spec`; every error it raises has the setting's secrets redacted
-    (:func:`redact_store_spec`)."""
+    """:func:`_parse_store_spec`, every error redacted (:func:`redact_store_spec`)."""
     try:
         return _parse_store_spec(spec, repo_type=repo_type, client=client or StoreClientSettings())
     except ColdsnapError as exc:
@@ -138,13 +118,11 @@ def parse_store_spec(spec: str, *, repo_type: str = "model", client: StoreClient
 
 
 def _file_url_path(spec: str) -> str:
-    """The path of a folder spec: ``file:///abs/path`` and ``file://localhost/abs/path`` name ``/abs/path``
-    (RFC 8089); any other spec is already a path.
+    """The path of a folder spec: ``file:///abs`` and ``file://localhost/abs`` name ``/abs`` (RFC 8089).
 
     Raises:
-        ConfigurationError: a ``file://`` URL with another host (``file://nas/exports`` is a remote host, not the
-            relative folder ``./nas/exports``), with a ``user:password@``, or without an absolute path
-            (``file://`` alone); the message never quotes the host part.
+        ConfigurationError: a ``file://`` URL with another host, a ``user:password@`` or no absolute path (the message
+            never quotes the host part).
     """
     if not spec.startswith("file://"):
         return spec
@@ -158,13 +136,10 @@ def _file_url_path(spec: str) -> str:
 
 
 def _check_url(spec: str) -> None:
-    """The rules every ``s3://``, ``gs://``, ``az://`` and ``oci://`` URL follows before its own parser runs:
-    no ``user:password@`` (credentials come from the store's own variables or files, never the URL) and none of
-    the characters of :data:`coldsnap_core.stores.base.URL_REFUSED_CHARACTERS`. Messages quote the URL, redacted by
-    :func:`parse_store_spec` (user information, query string and fragment masked).
+    """The rules of every ``s3://``, ``gs://``, ``az://`` and ``oci://`` URL before its own parser runs.
 
     Raises:
-        ConfigurationError: ``user:password@`` (rule: no credentials in a store URL), or a refused character
+        ConfigurationError: a ``user:password@``, or a character of :data:`~coldsnap_core.stores.base.URL_REFUSED_CHARACTERS`
             (names it and its position).
     """
     scheme, _, rest = spec.partition("://")
@@ -179,23 +154,8 @@ def _check_url(spec: str) -> None:
 
 
 def _parse_store_spec(spec: str, *, repo_type: str, client: StoreClientSettings) -> PayloadStore:
-    """A store from a ``--repo`` / ``COLDSNAP_PAYLOAD_REPO`` value.
-
-    * ``file:///abs/path``, ``/abs/path``, ``./rel``, ``../rel``, ``~/path``, ``.``: a folder store;
-    * ``s3://bucket`` or ``s3://bucket/prefix``: an S3-compatible bucket (boto3, the ``s3`` extra);
-    * ``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]``: a repository of an OCI registry (httpx, the ``oci`` extra);
-    * ``gs://bucket[/prefix]``: a Google Cloud Storage bucket (``google-cloud-storage``, the ``gcs`` extra);
-    * ``az://account/container[/prefix]``, or an Azure Storage connection string ending in
-      ``;Container=NAME[/prefix]``: an Azure Blob container (``azure-storage-blob``, the ``azure`` extra);
-    * ``hf://org/name[@revision]``, or ``org/name`` or ``org/name@revision`` (revision: branch, tag or commit; it may
-      contain ``/``): a Hugging Face repository of type ``repo_type`` (``hf://name`` for one without an
-      organization).
-
-    Anything else that starts ``word:`` (``s3:/bucket``, ``S3://bucket``, ``http://...``) and a bare word are refused
-    naming the scheme or the word and the accepted forms, so a typo never becomes a Hub repository id.
-
-    ``client`` (timeouts, retries) goes to the S3, OCI, GCS and Azure stores; the Hugging Face store's client is
-    ``huggingface_hub``'s, configured by its own variables (``HF_HUB_ETAG_TIMEOUT``, ``HF_HUB_DOWNLOAD_TIMEOUT``).
+    """A store from a ``--repo`` / ``COLDSNAP_PAYLOAD_REPO`` value (the table of ``docs/format.md`` §12); ``client``
+    goes to the S3, OCI, GCS and Azure stores (the Hugging Face store's client is ``huggingface_hub``'s).
 
     Raises:
         ConfigurationError: empty value, empty revision, an invalid repository id or type, an unknown or mis-cased
@@ -206,8 +166,7 @@ def _parse_store_spec(spec: str, *, repo_type: str, client: StoreClientSettings)
         raise ConfigurationError("the payload store is empty; give a folder path or a Hugging Face repository id")
     if _looks_like_path(spec):
         return LocalFolderStore(expand_path(_file_url_path(spec), "the payload store"))
-    explicit_hub = spec.startswith(HF_REF_SCHEME)
-    if explicit_hub:
+    if spec.startswith(HF_REF_SCHEME):
         spec = spec[len(HF_REF_SCHEME) :]
     elif not _looks_like_azure_connection_string(spec) and not spec.startswith(_URL_SCHEMES):
         _refuse_unknown_form(spec)
@@ -235,7 +194,6 @@ def _parse_store_spec(spec: str, *, repo_type: str, client: StoreClientSettings)
         raise ConfigurationError(
             f"HF_ENDPOINT={os.environ.get('HF_ENDPOINT', '')!r} is not a URL huggingface_hub accepts: {exc}"
         ) from exc
-
     repo_id, at, revision = spec.partition("@")
     if at and not revision:
         raise ConfigurationError(f"payload repository {spec!r} has an empty revision after '@'")
@@ -243,16 +201,13 @@ def _parse_store_spec(spec: str, *, repo_type: str, client: StoreClientSettings)
 
 
 def parse_artifact_ref(ref: str, *, client: StoreClientSettings | None = None) -> tuple[PayloadStore, str]:
-    """The store and the artifact name a REF designates (``docs/format.md`` §12.9): ``oci://HOST/NS/REPO:TAG`` (the
-    tag is the name), else ``STORE/NAME`` where STORE is any ``--repo`` value (``s3://bucket/prefix``, ``gs://...``,
-    ``az://...``, a folder path, ``hf://org/name[@revision]`` or the bare Hub form) and NAME its last ``/`` segment.
+    """The store and the artifact name a REF designates: ``oci://HOST/NS/REPO:TAG`` (the tag is the name), else
+    ``STORE/NAME``, STORE any ``--repo`` value (``docs/format.md`` §12.9).
 
     Raises:
         ConfigurationError: an OCI REF without a tag, a REF without a name, or a store part :func:`parse_store_spec`
             refuses (redacted).
     """
-    from coldsnap_core.stores.base import check_artifact_name
-
     ref = ref.strip()
     if ref.startswith("oci://"):
         store = parse_store_spec(ref, client=client)
@@ -267,9 +222,7 @@ def parse_artifact_ref(ref: str, *, client: StoreClientSettings | None = None) -
 
 
 def artifact_ref(spec: str, store: PayloadStore, name: str) -> str:
-    """The REF that :func:`parse_artifact_ref` reads back for the artifact published as ``name`` to ``store`` (given
-    as ``spec``): ``oci://HOST/NS/REPO:TAG`` (the store's tag, else ``name``), ``hf://org/name[@revision]/NAME``, or
-    ``SPEC/NAME``."""
+    """The REF :func:`parse_artifact_ref` reads back for ``name`` published to ``store`` (given as ``spec``)."""
     spec = spec.strip().rstrip("/")
     if spec.startswith("oci://"):
         from coldsnap_core.stores.oci import OciPayloadStore
@@ -302,8 +255,7 @@ def from_settings(settings: StoreSettings) -> PayloadStore | None:
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> PayloadStore | None:
-    """The payload store configured by ``COLDSNAP_PAYLOAD_DIR`` or ``COLDSNAP_PAYLOAD_REPO`` (and the store client
-    variables), or ``None``: the environment resolved as the ``coldsnap`` command resolves it.
+    """The payload store the environment configures (as the ``coldsnap`` command resolves it), or ``None``.
 
     Raises:
         ConfigurationError: both are set, or a value is invalid (names the variable).

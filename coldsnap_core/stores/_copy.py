@@ -1,11 +1,7 @@
 """Copy a whole file into a file descriptor in the kernel, for store fetches and uploads.
 
-``os.copy_file_range`` moves the bytes without a trip through user space (and may share extents on
-file systems with reflinks); where the kernel refuses it (``EXDEV`` on old kernels, ``ENOSYS``,
-``EINVAL`` on some file systems) the copy falls back to ``os.sendfile``, then to ``read``/``write``.
-Space errors (``ENOSPC``, ``EDQUOT``, ``EFBIG`` from ``RLIMIT_FSIZE``) become
-:class:`~coldsnap_core.errors.InsufficientSpaceError`. This module never judges content: staging
-hashes what it fetched before committing it.
+``os.copy_file_range``, falling back to ``os.sendfile``, then ``read``/``write``, where the kernel refuses it; space
+errors become :class:`~coldsnap_core.errors.InsufficientSpaceError`. This module never judges content.
 """
 
 from __future__ import annotations
@@ -36,10 +32,10 @@ def copy_fd(
     landed: Callable[[int, int], object] | None = None,
 ) -> None:
     """Copy ``size_bytes`` bytes from offset 0 of ``source_fd`` to offset 0 of ``target_fd``; ``landed(offset_bytes,
-    size_bytes)`` after each copy call, with the bytes it wrote.
+    size_bytes)`` after each copy call.
 
     Raises:
-        InsufficientSpaceError: the target file system is full, a quota or ``RLIMIT_FSIZE`` was hit.
+        InsufficientSpaceError: the file system is full, a quota or ``RLIMIT_FSIZE`` was hit.
         CacheError: the source ended early, or another I/O error.
     """
     done = 0

@@ -1,23 +1,11 @@
 """The one ranged-fetch core of the object stores (S3, OCI registry, GCS, Azure Blob): :class:`RangedStore`.
 
-A backend gives :meth:`RangedStore.stat` (size and version of the object, or ``None``), :meth:`RangedStore.open_range`
-(one ranged GET whose body arrives as chunks) and :meth:`RangedStore.create` (one conditional create); ``has``,
-``fetch`` and ``upload`` are written here once, with the rules every store keeps (``docs/format.md`` §12):
-
-* a range is streamed into its destination as its bytes arrive, never buffered whole: the first byte past the
-  range's length, or a range that ends short, is :class:`~coldsnap_core.errors.PackSizeMismatchError`;
-* a range must make ``COLDSNAP_STORE_MIN_RATE`` bytes per second over every ``COLDSNAP_STORE_READ_TIMEOUT`` window
-  and end within ``COLDSNAP_STORE_RANGE_DEADLINE`` (per 64 MiB), else it fails as ``payload-store`` naming the store,
-  the range and the rate (a dripping store slows a node down, never holds it);
-* a server that ignores ``Range`` (``200`` with the whole object) is read once, in one stream;
-* anything else a store raises (a client's exception, ``MemoryError``) is a :class:`~coldsnap_core.errors.StoreError`,
-  so ``COLDSNAP_RESTORE=auto`` falls back.
-
-Nothing here judges content: staging hashes the fetched bytes as they land and commits only an object whose
-SHA-256 is its name (:func:`coldsnap_core.restore.staging.stage_payload`). Each range's chunks go to a
-``sink(offset_bytes, chunk)`` as they land, in parallel across ranges and in order within one; :meth:`RangedStore.fetch`
-writes them into the cache's temporary and then tells its ``landed`` callback, so a caller can act on bytes as soon
-as they are there.
+A backend gives :meth:`RangedStore.stat` (size and version, or ``None``), :meth:`RangedStore.open_range` (one ranged
+GET whose body arrives as chunks) and :meth:`RangedStore.create` (one conditional create); ``has``, ``fetch`` and
+``upload`` are written here once, with the rules of ``docs/format.md`` §12 ("The ranged fetch"): each range streamed
+as it arrives, never held whole, at a minimum rate and within a deadline; a server that ignores ``Range`` read once;
+anything a client raises typed as :class:`~coldsnap_core.errors.StoreError`. Nothing here judges content: staging
+hashes the bytes as they land (``sink(offset_bytes, chunk)``, in parallel across ranges, in order within one).
 """
 
 from __future__ import annotations
@@ -59,7 +47,7 @@ from coldsnap_core.settings import (
     StoreClientSettings,
 )
 from coldsnap_core.stores._references import ReferenceIndex
-from coldsnap_core.stores.base import NOT_IN_STORE_REMEDY, LandedCallback, ProgressCallback, StoreObject, as_object
+from coldsnap_core.stores.base import NOT_IN_STORE_REMEDY, LandedCallback, ProgressCallback, StoreObject, as_object, wrong_size
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +70,8 @@ Sink = Callable[[int, bytes], object]
 
 @dataclass(frozen=True, slots=True)
 class ObjectStat:
-    """What a store says of one object before it is read.
-
-    Attributes:
-        size_bytes: the object's size.
-        version: what pins every ranged read to this object (S3 and Azure: the ``ETag``; GCS: the generation;
-            ``None`` for an OCI blob, whose digest pins it).
-    """
+    """What a store says of one object before it is read: its size and what pins every ranged read to it (S3 and
+    Azure: the ``ETag``; GCS: the generation; ``None`` for an OCI blob, whose digest pins it)."""
 
     size_bytes: int
     version: str | int | None = None
@@ -107,11 +90,9 @@ class _Stopped(_Signal):
 
 
 def failure_kind(exc: BaseException) -> str | None:
-    """``"refused"`` when ``exc`` (or an exception in its chain) is a connection the store's host refused at once
-    (``ECONNREFUSED``: nothing listens there; urllib3's ``NewConnectionError`` for it is a subclass of its
-    ``ConnectTimeoutError``, so this is asked first); else ``"connect"`` or ``"read"`` when it is a client's timeout
-    (botocore's ``ConnectTimeoutError``/``ReadTimeoutError``, httpx's and requests' ``ConnectTimeout``/``ReadTimeout``,
-    an ``OSError`` "timed out" as azure-core and urllib3 report it), else ``None``."""
+    """``"refused"`` when ``exc``'s chain holds a connection refused at once (asked first: urllib3's
+    ``NewConnectionError`` subclasses its ``ConnectTimeoutError``), else ``"connect"`` or ``"read"`` for a client's
+    timeout (by class name, or an ``OSError`` "timed out"), else ``None``."""
     chain: list[BaseException] = []
     current: BaseException | None = exc
     while current is not None and all(current is not seen for seen in chain):
@@ -133,6 +114,11 @@ def failure_kind(exc: BaseException) -> str | None:
     return None
 
 
+def class_named(exc: BaseException, *names: str) -> bool:
+    """Whether the class of ``exc`` or a base of it is named one of ``names`` (a client's exception, not imported)."""
+    return any(cls.__name__ in names for cls in type(exc).__mro__)
+
+
 def request_failure(
     name: str,
     action: str,
@@ -142,10 +128,8 @@ def request_failure(
     where: str,
     attempts_from: tuple[int, str] | None = None,
 ) -> StoreError:
-    """The :class:`StoreError` of a failed request of store ``name``: ``"<name>: <action> failed: <class>:
-    <first line>"``, and for a timeout the timeout that expired, its variable and the attempts made, so a
-    stalled store says what ended the wait. ``attempts_from``: ``(attempts, where they came from)`` when the
-    client took them from elsewhere than ``COLDSNAP_STORE_RETRIES``."""
+    """The :class:`StoreError` of a failed request of store ``name``, naming for a timeout the timeout, its variable
+    and the attempts (``attempts_from``: ``(attempts, their source)`` other than ``COLDSNAP_STORE_RETRIES``)."""
     message = str(exc).splitlines()[0] if str(exc) else ""
     text = f"{name}: {action} failed: {type(exc).__name__}: {message}"
     kind = failure_kind(exc)
@@ -173,15 +157,13 @@ def byte_ranges(size_bytes: int, step_bytes: int) -> list[tuple[int, int]]:
 
 
 def read1_chunks(raw: Any) -> Iterator[bytes]:
-    """The body of a urllib3 response (boto3's, requests') as it arrives: each ``read1`` returns what one socket
-    read brought, so a dripping body hands back every drip (and a silent one ends at the read timeout)."""
+    """The body of a urllib3 response (boto3's, requests') as it arrives: what each socket read brought."""
     return iter(lambda: raw.read1(READ_CHUNK_BYTES, decode_content=False), b"")
 
 
 class _Pace:
-    """The pace one body (``what``, ``length_bytes`` long) must keep: ``min_rate_bytes_per_s`` over every
-    ``read_timeout_s`` window from its first byte on, and its end within ``range_deadline_s`` per 64 MiB from the
-    request on."""
+    """The pace one body (``what``, ``length_bytes`` long) must keep: the minimum rate over every read-timeout
+    window from its first byte on, its end within the range deadline per 64 MiB from the request on."""
 
     def __init__(self, store: RangedStore, where: str, what: str, length_bytes: int) -> None:
         self._store, self._where, self._what, self._length = store, where, what, length_bytes
@@ -191,11 +173,7 @@ class _Pace:
         self._window_bytes = self.done_bytes = 0
 
     def add(self, n: int) -> None:
-        """``n`` more bytes arrived.
-
-        Raises:
-            StoreError: the body is past its deadline, or made less than the minimum rate over the last window.
-        """
+        """``n`` more bytes arrived; ``StoreError`` past the deadline or under the minimum rate."""
         limits, now = self._store.client_settings, time.monotonic()
         self.done_bytes += n
         self._window_bytes += n
@@ -223,8 +201,7 @@ class _Pace:
 
 def read_answer(store: RangedStore, where: str, chunks: Iterable[bytes], max_bytes: int = ANSWER_MAX_BYTES) -> bytes:
     """At most ``max_bytes + 1`` bytes of a small answer (an error's message, a manifest, a token) about ``where``,
-    read at the pace a range keeps: a longer answer is cut there (the caller refuses it if it needed all of it), never
-    held whole."""
+    read at the pace a range keeps; the caller refuses a longer one if it needed all of it."""
     pace, body = _Pace(store, where, "an answer", max_bytes), bytearray()
     for chunk in chunks:
         body += chunk[: max_bytes + 1 - len(body)]
@@ -235,13 +212,8 @@ def read_answer(store: RangedStore, where: str, chunks: Iterable[bytes], max_byt
 
 
 def pwrite_sink(fd: int, file: Path, landed: LandedCallback | None = None) -> Sink:
-    """A sink writing each chunk at its offset of ``fd`` (``file``), then calling ``landed(offset_bytes, size_bytes)``.
-
-    Raises (from the sink):
-        InsufficientSpaceError: the cache's file system filled up.
-        StoreError: another write error.
-        whatever ``landed`` raises.
-    """
+    """A sink writing each chunk at its offset of ``fd`` (``file``), then calling ``landed(offset_bytes, size_bytes)``;
+    it raises ``InsufficientSpaceError`` (the file system filled up), ``StoreError`` or what ``landed`` raises."""
 
     def write(offset: int, chunk: bytes) -> None:
         view, start = memoryview(chunk), offset
@@ -260,29 +232,22 @@ def pwrite_sink(fd: int, file: Path, landed: LandedCallback | None = None) -> Si
 
 
 class RangedStore(ReferenceIndex, ABC):
-    """The template of an object store that serves byte ranges (see the module docstring).
-
-    Args:
-        name: the store's name for logs and errors (``s3 bucket/prefix``).
-        range_size_bytes: bytes per ranged GET.
-        concurrency: ranged GETs in flight at once.
-        client_settings: timeouts, retries, the minimum rate and the range deadline.
+    """The template of an object store that serves byte ranges (see the module docstring); ``name`` is the store's
+    for logs and errors (``s3 bucket/prefix``). Raises ``ConfigurationError`` for a size or concurrency under 1.
 
     Class attributes a backend sets:
-        conditional_create: the store can create an object only if absent (S3, GCS, Azure); without it (an OCI
-            registry) presence is checked before creating.
+        conditional_create: the store can create an object only if absent; else presence is checked first.
         hash_before_sending: hash the file before the first byte is sent (the store cannot take bytes back).
-        replacement_refused: set when the store never replaces an object it holds: the advice a refusal gives.
-
-    Raises:
-        ConfigurationError: ``range_size_bytes`` or ``concurrency`` is not positive.
+        replacement_refused: the advice of a store that never replaces an object it holds.
+        prefix: the key prefix under the bucket or container, without leading or trailing ``/``.
+        url: what :meth:`location` puts before an object's key (``s3://bucket``).
     """
 
     conditional_create = True
     hash_before_sending = False
     replacement_refused: str | None = None
     prefix = ""
-    """The key prefix under the bucket or container (S3, GCS, Azure), without leading or trailing ``/``."""
+    url = ""
 
     def __init__(
         self, name: str, *, range_size_bytes: int, concurrency: int, client_settings: StoreClientSettings | None
@@ -296,31 +261,26 @@ class RangedStore(ReferenceIndex, ABC):
         redact_client_logs()
 
     def key(self, obj: str | StoreObject) -> str:
-        """``<prefix>/<relpath>`` of ``obj`` (a pack's digest: ``<prefix>/model-payloads/sha256/<digest>.pack``; no
-        prefix: the path alone); a digest is validated first."""
+        """``<prefix>/<relpath>`` of ``obj`` (the path alone without a prefix); a digest is validated first."""
         relpath = as_object(obj).relpath
         return f"{self.prefix}/{relpath}" if self.prefix else relpath
 
     # -- what a backend gives ----------------------------------------------------------------------
 
-    @abstractmethod
     def location(self, obj: str | StoreObject) -> str:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.location`."""
+        """``<url>/<key>``."""
+        return f"{self.url}/{self.key(obj)}"
 
     @abstractmethod
     def stat(self, obj: StoreObject) -> ObjectStat | None:
-        """The object's size and version, or ``None`` when the store does not hold it.
-
-        Raises:
-            StoreError: the store failed, or the bucket or container does not exist.
-        """
+        """The object's size and version, or ``None``; ``StoreError`` when the bucket or container does not exist."""
 
     @abstractmethod
     def open_range(
         self, obj: StoreObject, stat: ObjectStat, start: int, end: int
     ) -> contextlib.AbstractContextManager[tuple[Iterable[bytes], bool]]:
-        """One GET of bytes ``[start, end)`` pinned to ``stat.version``: a context yielding ``(chunks, whole)``, the
-        body as it arrives and whether the server ignored the range and sends the whole object (``200``).
+        """One GET of bytes ``[start, end)`` pinned to ``stat.version``: a context yielding ``(chunks, whole)``,
+        ``whole`` when the server ignored the range (``200``).
 
         Raises:
             PayloadUnavailableError: the object is gone.
@@ -331,9 +291,8 @@ class RangedStore(ReferenceIndex, ABC):
     def create(
         self, path: Path, obj: StoreObject, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
     ) -> bool:
-        """Write ``path`` as the object: only if absent (``replacing`` ``None``), else only if it is still
-        ``replacing``; ``False`` when that condition failed. Bytes that do not hash to ``obj.sha256`` are never
-        committed.
+        """Write ``path`` as the object only if absent (``replacing`` ``None``), else only if it is still
+        ``replacing``; ``False`` when that failed. Bytes that do not hash to ``obj.sha256`` are never committed.
 
         Raises:
             PackDigestMismatchError, PackSizeMismatchError: the file changed after verification.
@@ -345,8 +304,7 @@ class RangedStore(ReferenceIndex, ABC):
         return request_failure(self.name, action, exc, self.client_settings, where=self.location(obj))
 
     def missing(self, what: str, obj: str | StoreObject) -> StoreError:
-        """The :class:`StoreError` of a bucket or container (``what``) that does not exist: a misconfiguration, not a
-        missing pack (``payload-available`` would advise publishing it)."""
+        """The :class:`StoreError` of a bucket or container (``what``) that does not exist (not a missing pack)."""
         return StoreError(
             f"{self.name}: the {what} does not exist (coldsnap never creates one; check the payload store setting)",
             file=self.location(obj),
@@ -356,8 +314,7 @@ class RangedStore(ReferenceIndex, ABC):
 
     @contextlib.contextmanager
     def typed(self, action: str, obj: str | StoreObject) -> Iterator[None]:
-        """Anything but a :class:`~coldsnap_core.errors.ColdsnapError` raised in the block (a client's exception,
-        ``MemoryError``) becomes :meth:`failure`'s :class:`StoreError`."""
+        """Anything but a :class:`~coldsnap_core.errors.ColdsnapError` raised in the block becomes :meth:`failure`."""
         try:
             yield
         except (ColdsnapError, _Signal):
@@ -366,19 +323,15 @@ class RangedStore(ReferenceIndex, ABC):
             raise self.failure(action, obj, exc) from exc
 
     def has(self, obj: str | StoreObject, size_bytes: int | None = None, *, verify: bool = False) -> bool:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.has`: :meth:`stat`, by size; with ``verify`` the object
-        is read (parallel ranged GETs, as a fetch) and hashed in full (no store keeps a SHA-256 of every object:
-        S3's is composite for a multipart object, a registry does not re-hash what it serves)."""
+        """:meth:`stat`, by size; ``verify`` reads and hashes the object in full (no store keeps a plain SHA-256 of
+        every object: S3's is composite for a multipart object, a registry does not re-hash what it serves)."""
         obj = as_object(obj)
         with self.typed(f"looking up the {obj.what}", obj):
             stat = self.stat(obj)
         if stat is None:
             return False
         where = self.location(obj)
-        if size_bytes is not None and (
-            mismatch := size_mismatch(PackSizeMismatchError, f"stored {obj.what}", stat.size_bytes, size_bytes, file=where)
-        ):
-            logger.warning("coldsnap: %s; treating it as absent", mismatch)
+        if wrong_size(obj, stat.size_bytes, size_bytes, file=where):
             return False
         if verify and (hashed := self._hash(obj, stat)) != obj.sha256:
             logger.warning("coldsnap: %s hashes to %s, not its name; treating it as absent", where, hashed)
@@ -395,10 +348,7 @@ class RangedStore(ReferenceIndex, ABC):
         progress: ProgressCallback | None = None,
         landed: LandedCallback | None = None,
     ) -> None:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch`: :meth:`stat`, then :meth:`transfer` into ``fd``
-        (each chunk written, then ``landed``); a truncated or extended object is ``PackSizeMismatchError`` before a
-        byte is read, and so is a range that came back short or long; a range too slow or past its deadline, or an
-        object that changed, ``StoreError``."""
+        """:meth:`stat` (a wrong size is ``PackSizeMismatchError`` before a byte is read), then :meth:`transfer`."""
         obj = as_object(obj)
         with self.typed(f"looking up the {obj.what}", obj):
             stat = self.stat(obj)
@@ -413,12 +363,8 @@ class RangedStore(ReferenceIndex, ABC):
         logger.info("coldsnap: fetched %s: %d bytes in %.2f s, %.3f GB/s", where, size_bytes, seconds, size_bytes / seconds / 1e9)
 
     def transfer(self, obj: StoreObject, stat: ObjectStat, sink: Sink, progress: ProgressCallback | None = None) -> None:
-        """Every byte of the object to ``sink`` as it lands: the ranges in parallel, or (a server that ignores
-        ``Range``) the whole object once, in one stream. ``progress`` gets byte counts (from one thread at a time).
-
-        Raises:
-            as :meth:`fetch`, and whatever ``sink`` raises.
-        """
+        """Every byte of the object to ``sink``: the ranges in parallel, or the whole object once (a server that ignores
+        ``Range``); raises as :meth:`fetch`, and what ``sink`` raises."""
         lock = threading.Lock()
 
         def tick(n: int) -> None:
@@ -461,7 +407,7 @@ class RangedStore(ReferenceIndex, ABC):
         """Stream bytes ``[start, end)`` into ``sink`` at the pace :class:`_Pace` keeps.
 
         Raises:
-            PackSizeMismatchError: the body is longer or shorter than the range (the object changed size).
+            PackSizeMismatchError: the body is longer or shorter than the range.
             StoreError: the store failed, or the body was too slow or past its deadline.
             _RangeIgnored: the server sent the whole object for a part of it.
         """
@@ -495,25 +441,25 @@ class RangedStore(ReferenceIndex, ABC):
         if unreported:
             progress(unreported)
 
+    def _read_bytes(self, obj: StoreObject, stat: ObjectStat, start: int, end: int) -> bytearray:
+        """Bytes ``[start, end)`` of the object, in memory."""
+        data = bytearray(end - start)
+
+        def land(offset: int, chunk: bytes) -> None:
+            data[offset - start : offset - start + len(chunk)] = chunk
+
+        self._read_range(obj, stat, start, end, land, lambda n: None)
+        return data
+
     def _hash(self, obj: StoreObject, stat: ObjectStat) -> str:
         """The SHA-256 (lowercase hex) of the object, read in parallel ranges hashed in order (at most
-        ``concurrency`` ranges ahead of the hash), or once in one stream when the server ignores ``Range``."""
+        ``concurrency`` ranges ahead), or once in one stream when the server ignores ``Range``."""
         h = hashlib.sha256()
-
-        def read(start: int, end: int) -> bytearray:
-            data = bytearray(end - start)
-
-            def land(offset: int, chunk: bytes) -> None:
-                data[offset - start : offset - start + len(chunk)] = chunk
-
-            self._read_range(obj, stat, start, end, land, lambda n: None)
-            return data
-
         try:
             pending: collections.deque[concurrent.futures.Future[bytearray]] = collections.deque()
             with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
                 for start, end in byte_ranges(stat.size_bytes, self.range_size_bytes):
-                    pending.append(pool.submit(read, start, end))
+                    pending.append(pool.submit(self._read_bytes, obj, stat, start, end))
                     if len(pending) >= self.concurrency:
                         h.update(pending.popleft().result())
                 while pending:
@@ -527,12 +473,9 @@ class RangedStore(ReferenceIndex, ABC):
         return stat is not None and stat.size_bytes == size_bytes and self._hash(obj, stat) == obj.sha256
 
     def upload(self, path: Path, obj: str | StoreObject, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.upload`: a conditional create.
-
-        Where the store has no conditional create, presence is checked first (the digest's bytes: ``False``).
-        When the create's condition fails (another writer created the object), the object is hashed in full: the
-        digest's bytes are kept (``False``); anything else is replaced, conditionally on its version, so a
-        concurrent good replacement is never overwritten; a store that never replaces an object refuses instead.
+        """A conditional create (``docs/format.md`` §12.4): when its condition fails (or, without one, the object is
+        there), the object is hashed in full: the digest's bytes are kept (``False``), anything else replaced
+        conditionally on its version (or refused by a store that never replaces one).
 
         Raises:
             PackSizeMismatchError: ``path`` does not have ``size_bytes`` bytes (nothing uploaded).
@@ -577,13 +520,8 @@ class RangedStore(ReferenceIndex, ABC):
     # -- the small objects behind names (refs/<name>.json) ------------------------------------------
 
     def put_reference(self, relpath: str, data: bytes) -> None:
-        """Make the object ``relpath`` hold ``data``, replacing what it held (a name moved to another artifact): a
-        create if absent, else a replacement conditional on the version read, tried again while another writer
-        keeps changing it.
-
-        Raises:
-            StoreError: the store refused or failed, or the object kept changing.
-        """
+        """Make ``relpath`` hold ``data`` (a conditional create or replacement, tried again while another writer keeps
+        changing it); ``StoreError`` when the store failed or it kept changing."""
         obj = StoreObject(relpath, hashlib.sha256(data).hexdigest())
         with tempfile.TemporaryDirectory(prefix="coldsnap-ref-") as scratch, self.typed("writing the name", obj):
             path = Path(scratch) / "ref.json"
@@ -598,11 +536,8 @@ class RangedStore(ReferenceIndex, ABC):
         raise StoreError(f"{self.name}: the name kept changing while it was written", file=self.location(obj))
 
     def get_reference(self, relpath: str, max_bytes: int) -> bytes | None:
-        """The bytes of the small object ``relpath`` (at most ``max_bytes``), or ``None`` when there is none.
-
-        Raises:
-            StoreError: the store failed, or the object is over ``max_bytes``.
-        """
+        """The bytes of ``relpath`` (at most ``max_bytes``), or ``None``; ``StoreError`` when the store failed or it is
+        longer."""
         obj = StoreObject(relpath, "")
         with self.typed("reading the name", obj):
             stat = self.stat(obj)
@@ -610,19 +545,13 @@ class RangedStore(ReferenceIndex, ABC):
             return None
         if stat.size_bytes > max_bytes:
             raise StoreError(f"{self.name}: the name is {stat.size_bytes} bytes, over {max_bytes}", file=self.location(obj))
-        data = bytearray(stat.size_bytes)
-
-        def land(offset: int, chunk: bytes) -> None:
-            data[offset : offset + len(chunk)] = chunk
-
-        if stat.size_bytes:
-            self._read_range(obj, stat, 0, stat.size_bytes, land, lambda n: None)
-        return bytes(data)
+        if not stat.size_bytes:
+            return b""
+        return bytes(self._read_bytes(obj, stat, 0, stat.size_bytes))
 
 
 class _RedactedRecords(logging.Filter):
-    """Rewrites a record's message with :func:`redact_store_spec`: a client logging a URL (httpx at INFO, a redirect
-    to a presigned URL with its ``X-Amz-Signature``; urllib3 at DEBUG, an Azure SAS) never logs the secret."""
+    """Rewrites a record's message with :func:`redact_store_spec` (a client logging a presigned URL or a SAS)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.msg, record.args = redact_store_spec(record.getMessage()), None
@@ -642,8 +571,7 @@ def redact_client_logs() -> None:
 
 @contextlib.contextmanager
 def hashing_reader(path: Path, digest: str, size_bytes: int, progress: Callable[[int], object] | None) -> Iterator[HashingReader]:
-    """A :class:`HashingReader` for a client's upload; its refusal (the file changed after verification) is raised
-    as itself, not as the client's exception wrapping it."""
+    """A :class:`HashingReader` for a client's upload; its refusal is raised as itself, not as the client's wrapping."""
     reader = HashingReader(path, digest, size_bytes, progress)
     try:
         yield reader
@@ -657,8 +585,8 @@ def hashing_reader(path: Path, digest: str, size_bytes: int, progress: Callable[
 
 
 class HashingReader:
-    """A file object over the first ``size_bytes`` of ``path`` that hashes what is read and raises on the read
-    that reaches the end when the SHA-256 is not ``digest`` (so the request completing the upload is never sent)."""
+    """A file object over the first ``size_bytes`` of ``path`` whose read reaching the end raises when the SHA-256 is
+    not ``digest`` (so the request completing the upload is never sent)."""
 
     def __init__(self, path: Path, digest: str, size_bytes: int, progress: Callable[[int], object] | None) -> None:
         self._file = open(path, "rb")  # noqa: SIM115 (closed by close())

@@ -1,11 +1,8 @@
-"""Artifact names as small reference documents: ``refs/<name>.json`` in a store (``docs/format.md`` §12.9).
+"""Artifact names as small reference documents ``refs/<name>.json`` in a store (``docs/format.md`` §12.9).
 
 Every store but an OCI registry (whose tag is the name) records a published artifact's name as an
-:class:`~coldsnap_core.format.descriptor.ArtifactReference` at ``refs/<name>.json``: the SHA-256 and size of the
-artifact's ``artifact.json``. Publication writes it after every pack and file of the artifact is in the store, so a
-reader that finds the name finds everything the artifact pins; a later publication under the same name replaces it.
-A store gives :meth:`ReferenceIndex.put_reference` and :meth:`ReferenceIndex.get_reference`; the
-:class:`~coldsnap_core.stores.base.ArtifactIndex` methods are written here once.
+:class:`~coldsnap_core.format.descriptor.ArtifactReference` (the SHA-256 and size of its ``artifact.json``), written
+after everything the artifact pins is in the store.
 """
 
 from __future__ import annotations
@@ -16,14 +13,14 @@ from coldsnap_core.stores.base import NO_SUCH_NAME_REMEDY, ArtifactListing, Publ
 
 
 class ReferenceIndex:
-    """The :class:`~coldsnap_core.stores.base.ArtifactIndex` of a store that keeps names as ``refs/<name>.json``. The
-    store class mixing it in gives ``name``, ``location(obj)``, ``put_reference(relpath, data)`` (replace the object,
-    atomically for a reader) and ``get_reference(relpath, max_bytes)`` (its bytes, or ``None``)."""
+    """The :class:`~coldsnap_core.stores.base.ArtifactIndex` of ``refs/<name>.json``; the store mixing it in gives
+    ``name``, ``location(obj)``, ``put_reference(relpath, data)`` (atomic for a reader) and ``get_reference(relpath,
+    max_bytes)`` (its bytes, or ``None``)."""
 
     record_kind = "name"
 
     def check_artifact(self, listing: ArtifactListing) -> None:
-        """Nothing to refuse: a name may move to another artifact (a new capture published under it)."""
+        """Nothing to refuse but a bad name: a name may move to another artifact."""
         reference_relpath(listing.name)
 
     def publish_artifact(self, listing: ArtifactListing) -> str:

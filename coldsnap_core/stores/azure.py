@@ -1,26 +1,12 @@
 """A payload store in an Azure Blob Storage container, through ``azure-storage-blob`` (the extra ``coldsnap[azure]``).
 
-Two spellings (``--repo`` and ``COLDSNAP_PAYLOAD_REPO``):
-
-* ``az://account/container[/prefix]``: the account's endpoint is ``https://<account>.blob.core.windows.net``
-  unless ``AZURE_STORAGE_BLOB_ENDPOINT`` names another (an emulator, a sovereign cloud); the credential is
-  ``AZURE_STORAGE_KEY`` (the account key), else ``AZURE_STORAGE_SAS_TOKEN``, else
-  ``azure.identity.DefaultAzureCredential`` when ``azure-identity`` is installed, else none (a public container);
-* the connection string users already have, with the container (and prefix) appended as
-  ``;Container=NAME[/prefix]``: ``DefaultEndpointsProtocol=https;AccountName=...;AccountKey=...;Container=payloads/fleet``.
-  The store's name and every message name the account, container and prefix only, never the key.
-
-Objects live at ``<prefix>/model-payloads/sha256/<digest>.pack`` (block blobs). Consistency rule: created once,
-``upload_blob(overwrite=False)`` sends ``If-None-Match: *`` (Azure Storage REST API, "Specifying conditional
-headers for Blob service operations"): of two publishers exactly one creates the blob, the other gets
-``409 BlobAlreadyExists`` and counts the digest as present after hashing the blob in full; a corrupt blob is
-replaced under ``If-Match: <its ETag>``. The file is hashed while the client reads it and the read of its last
-byte raises when the SHA-256 is not the digest, so the ``Put Blob`` or ``Put Block List`` that would create the
-blob is never sent (staged blocks that are never committed expire).
-
-Fetch (:class:`~coldsnap_core.stores._ranged.RangedStore`): the blob's properties (size, ETag), then parallel ranged
-``Get Blob`` requests pinned to that ETag (64 MiB, 8 in flight) streamed into the cache's temporary file; the cache
-verifies the whole file.
+``az://account/container[/prefix]`` (endpoint ``https://<account>.blob.core.windows.net`` unless
+``AZURE_STORAGE_BLOB_ENDPOINT``; credential ``AZURE_STORAGE_KEY``, else ``AZURE_STORAGE_SAS_TOKEN``, else
+``DefaultAzureCredential`` when ``azure-identity`` is installed, else none), or a connection string ending
+``;Container=NAME[/prefix]``, whose key no name or message shows (``docs/format.md`` §12.8). A blob is created once
+(``If-None-Match: *``), a corrupt one replaced under ``If-Match: <its ETag>``; the file is hashed as the client reads
+it, so the request creating a changed file is never sent. Fetch: :class:`~coldsnap_core.stores._ranged.RangedStore`,
+each range pinned to the ETag.
 """
 
 from __future__ import annotations
@@ -44,6 +30,7 @@ from coldsnap_core.stores._ranged import (
     RANGE_SIZE_BYTES,
     ObjectStat,
     RangedStore,
+    class_named,
     hashing_reader,
     read1_chunks,
     read_answer,
@@ -59,8 +46,7 @@ SAS_ENV = "AZURE_STORAGE_SAS_TOKEN"
 RETRY_BACKOFF_S = 1.0
 """Seconds before the first retry (azure-storage-blob's ``ExponentialRetry`` waits 15 s, then 18 s, 24 s, ...)."""
 RETRY_BACKOFF_MAX_S = 4.0
-"""The longest wait between two attempts: a hanging account fails after ``retries + 1`` read timeouts and at
-most ``retries`` times this, not after minutes of back-off."""
+"""The longest wait between two attempts (a hanging account fails within seconds of back-off, not minutes)."""
 
 
 def _split_container(value: str, spec_for_errors: str) -> tuple[str, str]:
@@ -74,15 +60,13 @@ def _split_container(value: str, spec_for_errors: str) -> tuple[str, str]:
 
 
 def parse_azure_spec(spec: str) -> tuple[str, str | None, str, str]:
-    """``az://account/container[/prefix]`` -> ``(account, None, container, prefix)``; a connection string with
-    ``;Container=NAME[/prefix]`` -> ``(account, connection string without Container, container, prefix)``, the
-    account being ``AccountName=``, else the emulator's, else the ``BlobEndpoint=``'s ``host[:port]/path``.
+    """``az://account/container[/prefix]`` -> ``(account, None, container, prefix)``; a connection string ->
+    ``(account, the string without Container=, container, prefix)``, the account ``AccountName=``, else the
+    emulator's, else the ``BlobEndpoint=``'s ``host[:port]/path``.
 
     Raises:
-        ConfigurationError: no account, an invalid container name (3-63 of ``a-z 0-9 -``), a prefix with an
-            empty, ``.`` or ``..`` segment, or a connection string without ``Container=`` or without any of
-            ``AccountName=``, ``BlobEndpoint=``, ``UseDevelopmentStorage=true``. Messages never
-            repeat a connection string (it holds the key).
+        ConfigurationError: no account, an invalid container name (3-63 of ``a-z 0-9 -``) or prefix, or a connection
+            string without one ``Container=`` (messages never repeat a connection string: it holds the key).
     """
     if spec.startswith(AZURE_SCHEME):
         account, _, rest = spec[len(AZURE_SCHEME) :].partition("/")
@@ -115,8 +99,8 @@ def parse_azure_spec(spec: str) -> tuple[str, str | None, str, str]:
 
 
 def _retry_policy(retries: int) -> Any:
-    """azure-storage-blob's ``ExponentialRetry`` with ``retries`` retries of every kind (connect, read, status)
-    and its back-off capped at :data:`RETRY_BACKOFF_MAX_S` (the policy has no cap of its own)."""
+    """azure-storage-blob's ``ExponentialRetry`` with ``retries`` retries of every kind, its back-off capped at
+    :data:`RETRY_BACKOFF_MAX_S` (the policy has no cap of its own)."""
     from azure.storage.blob import ExponentialRetry
 
     class CappedExponentialRetry(ExponentialRetry):
@@ -142,12 +126,8 @@ def _service_client(
     client_settings: StoreClientSettings,
     credential: Any = None,
 ) -> Any:
-    """A ``BlobServiceClient`` for the spec (see the module docstring), with the timeouts of ``client_settings``
-    and :func:`_retry_policy`.
-
-    Raises:
-        ConfigurationError: azure-storage-blob is missing, or the connection string or endpoint is invalid.
-    """
+    """A ``BlobServiceClient`` for the spec (see the module docstring), with the timeouts of ``client_settings``;
+    ``ConfigurationError`` when the library is missing, or the connection string or endpoint is invalid."""
     try:
         from azure.storage.blob import BlobServiceClient
     except ImportError as exc:
@@ -181,28 +161,10 @@ def _service_client(
         raise ConfigurationError(f"the Azure Blob client cannot be built from {where}: {type(exc).__name__}") from exc
 
 
-def _is(exc: BaseException, *names: str) -> bool:
-    return any(cls.__name__ in names for cls in type(exc).__mro__)
-
-
 class AzurePayloadStore(RangedStore):
-    """Block blobs at ``<container>/<prefix>/model-payloads/sha256/<digest>.pack`` of one storage account; ``has``,
-    ``fetch`` and ``upload`` are :class:`~coldsnap_core.stores._ranged.RangedStore`'s.
-
-    Args:
-        container: the container (it must exist; coldsnap never creates containers).
-        prefix: blob-name prefix, without leading or trailing ``/`` (may be empty).
-        account: the storage account (for the name and the default endpoint; with a connection string, what names
-            it: :func:`parse_azure_spec`).
-        connection_string: a connection string without ``Container=`` (instead of ``account``'s endpoint).
-        service: a ``BlobServiceClient`` (default: one from the arguments and the environment).
-        chunk_size_bytes: bytes per ranged download and per staged block.
-        concurrency: ranges or blocks in flight at once.
-        client_settings: timeouts and retries of a client made here (and named in a timeout's message).
-
-    Raises:
-        ConfigurationError: ``chunk_size_bytes`` or ``concurrency`` is not positive.
-    """
+    """Block blobs at ``<container>/<prefix>/<relpath>`` of one storage account (coldsnap never creates the
+    container); ``account`` names it (:func:`parse_azure_spec`), ``connection_string`` (without ``Container=``)
+    replaces its endpoint; ``chunk_size_bytes``: per ranged download and per staged block."""
 
     hash_before_sending = True  # staged blocks cannot be taken back
 
@@ -221,6 +183,7 @@ class AzurePayloadStore(RangedStore):
         self.container = container
         self.prefix = prefix.strip("/")
         self.account = account
+        self.url = f"{AZURE_SCHEME}{account}/{container}"
         self.chunk_size_bytes = chunk_size_bytes
         self._connection_string = connection_string
         self._service = service
@@ -229,7 +192,7 @@ class AzurePayloadStore(RangedStore):
 
     @classmethod
     def from_url(cls, spec: str, **kwargs: Any) -> AzurePayloadStore:
-        """A store for ``az://account/container[/prefix]`` or a connection string (see :func:`parse_azure_spec`)."""
+        """A store for ``az://account/container[/prefix]`` or a connection string (:func:`parse_azure_spec`)."""
         account, connection_string, container, prefix = parse_azure_spec(spec)
         return cls(container, prefix, account=account, connection_string=connection_string, **kwargs)
 
@@ -248,10 +211,6 @@ class AzurePayloadStore(RangedStore):
             )
         return self._service
 
-    def location(self, obj: str | StoreObject) -> str:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: ``az://account/container/<key>``."""
-        return f"{AZURE_SCHEME}{self.account}/{self.container}/{self.key(obj)}"
-
     def _blob(self, obj: str | StoreObject) -> Any:
         return self.service.get_blob_client(self.container, self.key(obj))
 
@@ -263,17 +222,13 @@ class AzurePayloadStore(RangedStore):
         )
 
     def failure(self, action: str, obj: str | StoreObject, exc: BaseException) -> StoreError:
-        if _is(exc, "ClientAuthenticationError") or getattr(exc, "status_code", None) in (401, 403):
+        if class_named(exc, "ClientAuthenticationError") or getattr(exc, "status_code", None) in (401, 403):
             code = getattr(exc, "error_code", None) or getattr(getattr(exc, "response", None), "status_code", "")
             return self._refused(action, obj, code)
         return super().failure(action, obj, exc)
 
     def _check_container(self, obj: str | StoreObject, error_code: object) -> None:
-        """After a "not found": nothing when the blob is what is missing.
-
-        Raises:
-            StoreError: the container does not exist (a misconfiguration, not a missing pack), naming it.
-        """
+        """After a "not found": ``StoreError`` naming the container when it is what does not exist."""
         if error_code == "BlobNotFound":
             return
         if error_code != "ContainerNotFound":  # a HEAD's answer may carry no error code: ask for the container
@@ -290,7 +245,7 @@ class AzurePayloadStore(RangedStore):
         try:
             props = blob.get_blob_properties()
         except Exception as exc:
-            if _is(exc, "ResourceNotFoundError"):
+            if class_named(exc, "ResourceNotFoundError"):
                 self._check_container(obj, getattr(exc, "error_code", None))
                 return None
             raise self.failure(f"looking up the {obj.what}", obj, exc) from exc
@@ -298,8 +253,8 @@ class AzurePayloadStore(RangedStore):
 
     @contextlib.contextmanager
     def open_range(self, obj: StoreObject, stat: ObjectStat, start: int, end: int) -> Iterator[tuple[Iterable[bytes], bool]]:
-        """One ``Get Blob`` of the range pinned to the ETag (``If-Match``), sent through the client's own pipeline
-        (credential, retries) and read as it arrives (``download_blob`` would hold each response whole)."""
+        """One ``Get Blob`` of the range pinned to the ETag through the client's pipeline, read as it arrives
+        (``download_blob`` would hold each response whole)."""
         from azure.core.rest import HttpRequest
 
         blob = self._blob(obj)
@@ -314,12 +269,8 @@ class AzurePayloadStore(RangedStore):
     def _refuse_range(
         self, obj: StoreObject, stat: ObjectStat, start: int, end: int, status: int, headers: Any, body: Iterable[bytes]
     ) -> None:
-        """Raise the error of a ranged read the service refused.
-
-        Raises:
-            PayloadUnavailableError: 404 (the blob is gone).
-            StoreError: 412 (the blob changed), 401/403 (the credential), any other status (with the service's message).
-        """
+        """Raise the error of a refused ranged read: ``PayloadUnavailableError`` for 404 (the blob is gone), else
+        ``StoreError`` (412: the blob changed; 401/403: the credential; else the service's message)."""
         code, where = headers.get("x-ms-error-code", ""), self.location(obj)
         if status == 404:
             raise PayloadUnavailableError(f"{self.name} no longer holds the {obj.what}", file=where)
@@ -335,8 +286,8 @@ class AzurePayloadStore(RangedStore):
     def create(
         self, path: Path, obj: StoreObject, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
     ) -> bool:
-        """Create the blob (``replacing`` ``None``: only if absent; else only if its ETag is still ``replacing``'s);
-        ``False`` when the condition failed."""
+        """Create the blob only if absent (``replacing`` ``None``) or its ETag is still ``replacing``'s; ``False`` when
+        that failed."""
         from azure.core import MatchConditions
         from azure.storage.blob import ContentSettings
 
@@ -356,7 +307,7 @@ class AzurePayloadStore(RangedStore):
                     **condition,
                 )
         except Exception as exc:
-            if _is(exc, "ResourceExistsError", "ResourceModifiedError"):
+            if class_named(exc, "ResourceExistsError", "ResourceModifiedError"):
                 return False
             raise
         return True

@@ -1,20 +1,10 @@
 """A payload store in a Google Cloud Storage bucket, through ``google-cloud-storage`` (the extra ``coldsnap[gcs]``).
 
-URL form: ``gs://bucket`` or ``gs://bucket/prefix``. Objects live at ``<prefix>/model-payloads/sha256/<digest>.pack``.
-Credentials and endpoint come from the environment as ``google-cloud-storage`` reads it (Application Default
-Credentials: ``GOOGLE_APPLICATION_CREDENTIALS``, the metadata server, ``gcloud auth application-default login``;
-``GOOGLE_CLOUD_PROJECT``; ``STORAGE_EMULATOR_HOST`` for an emulator, which uses anonymous credentials).
-
-Consistency rule: an object is created once (``if_generation_match=0``, the precondition "no live object"; Cloud
-Storage documentation, "Request preconditions"). Of two publishers exactly one creates it, the other gets ``412``
-and counts the digest as present after hashing the existing object in full; a corrupt object is replaced under
-``if_generation_match=<its generation>``. The file is hashed while it is read for upload and the read of its last
-byte raises when the SHA-256 is not the digest, so the request (or the resumable upload's final chunk) that would
-create the object is never sent; MD5 checksums (``checksum="md5"``) guard the bytes on the wire.
-
-Fetch (:class:`~coldsnap_core.stores._ranged.RangedStore`): the object's metadata (size, generation), then parallel
-ranged reads of that generation (64 MiB, 8 in flight) streamed into the cache's temporary file; the cache verifies
-the whole file.
+``gs://bucket[/prefix]`` (``docs/format.md`` §12.7); credentials and endpoint as ``google-cloud-storage`` reads them
+(Application Default Credentials, ``STORAGE_EMULATOR_HOST``). An object is created once (``if_generation_match=0``;
+Cloud Storage documentation, "Request preconditions"), a corrupt one replaced under ``if_generation_match=<its
+generation>``; the file is hashed as it is read for upload, so the request creating a changed file is never sent,
+and MD5 checksums guard the wire. Fetch: :class:`~coldsnap_core.stores._ranged.RangedStore`, pinned to the generation.
 """
 
 from __future__ import annotations
@@ -37,6 +27,7 @@ from coldsnap_core.stores._ranged import (
     RANGE_SIZE_BYTES,
     ObjectStat,
     RangedStore,
+    class_named,
     hashing_reader,
     read1_chunks,
     read_answer,
@@ -55,9 +46,8 @@ def parse_gs_url(spec: str) -> tuple[str, str]:
     """``gs://bucket[/prefix]`` -> ``(bucket, prefix)``.
 
     Raises:
-        ConfigurationError: not a ``gs://`` URL, a bucket name outside 3-63 characters of ``a-z 0-9 . - _``
-            (starting and ending with a letter or digit), or a prefix with an empty, ``.`` or ``..`` segment or too
-            long for Cloud Storage's 1024-byte object names (:func:`coldsnap_core.stores.base.checked_prefix`).
+        ConfigurationError: not a ``gs://`` URL, a bucket name outside 3-63 characters of ``a-z 0-9 . - _`` (starting
+            and ending with a letter or digit), or a prefix :func:`~coldsnap_core.stores.base.checked_prefix` refuses.
     """
     if not spec.startswith(GCS_SCHEME):
         raise ConfigurationError(f"{spec!r} is not a gs://bucket/prefix URL")
@@ -69,12 +59,8 @@ def parse_gs_url(spec: str) -> tuple[str, str]:
 
 
 def _default_client(name: str) -> Any:
-    """A ``google.cloud.storage.Client`` from the environment.
-
-    Raises:
-        ConfigurationError: google-cloud-storage is missing, or no client can be built (no or unreadable
-            credentials), naming the variables that are set.
-    """
+    """A ``google.cloud.storage.Client`` from the environment; ``ConfigurationError`` when the library is missing or
+    no client can be built (naming the variables that are set)."""
     try:
         import google.auth.exceptions
         from google.cloud import storage
@@ -87,27 +73,9 @@ def _default_client(name: str) -> Any:
         raise ConfigurationError(f"{name}: the GCS client cannot be built from the environment ({given}): {exc}") from exc
 
 
-def _is(exc: BaseException, name: str) -> bool:
-    return any(cls.__name__ == name for cls in type(exc).__mro__)
-
-
 class GcsPayloadStore(RangedStore):
-    """Objects in ``gs://<bucket>/<prefix>/model-payloads/sha256/<digest>.pack``; ``has``, ``fetch`` and ``upload``
-    are :class:`~coldsnap_core.stores._ranged.RangedStore`'s.
-
-    Args:
-        bucket: the bucket (it must exist; coldsnap never creates buckets).
-        prefix: object-name prefix, without leading or trailing ``/`` (may be empty).
-        client: a ``google.cloud.storage.Client`` (default: one from the environment).
-        chunk_size_bytes: bytes per ranged read and per resumable-upload chunk (a multiple of 256 KiB).
-        concurrency: ranged reads in flight at once.
-        client_settings: the ``(connect, read)`` timeouts of every request and how often a failed request is
-            retried (google-cloud-storage's retry on 429, 5xx and connection errors, back-off capped at
-            :data:`RETRY_BACKOFF_MAX_S`); named in a timeout's message.
-
-    Raises:
-        ConfigurationError: ``chunk_size_bytes`` is not a positive multiple of 256 KiB, or ``concurrency`` < 1.
-    """
+    """Objects at ``gs://<bucket>/<prefix>/<relpath>`` (coldsnap never creates the bucket); ``chunk_size_bytes``: per
+    ranged read and resumable-upload chunk, a positive multiple of 256 KiB (else ``ConfigurationError``)."""
 
     def __init__(
         self,
@@ -122,6 +90,7 @@ class GcsPayloadStore(RangedStore):
         if chunk_size_bytes % (256 << 10):
             raise ConfigurationError(f"GCS store: chunk_size_bytes ({chunk_size_bytes}) must be a multiple of 256 KiB")
         self.bucket_name = bucket
+        self.url = f"{GCS_SCHEME}{bucket}"
         self.prefix = prefix.strip("/")
         self.chunk_size_bytes = chunk_size_bytes
         self._client = client
@@ -131,7 +100,7 @@ class GcsPayloadStore(RangedStore):
 
     @classmethod
     def from_url(cls, spec: str, **kwargs: Any) -> GcsPayloadStore:
-        """A store for ``gs://bucket[/prefix]`` (see :func:`parse_gs_url`)."""
+        """A store for ``gs://bucket[/prefix]`` (:func:`parse_gs_url`)."""
         bucket, prefix = parse_gs_url(spec)
         return cls(bucket, prefix, **kwargs)
 
@@ -140,9 +109,8 @@ class GcsPayloadStore(RangedStore):
 
     @property
     def _retry(self) -> Any:
-        """A fresh retry policy for one request: google-cloud-storage's predicate for at most
-        ``client_settings.retries`` retries (its ``Retry`` counts time, not attempts), back-off 1 s doubling up to
-        :data:`RETRY_BACKOFF_MAX_S`."""
+        """A fresh retry policy for one request: google-cloud-storage's predicate for at most ``retries`` retries (its
+        ``Retry`` counts time, not attempts), back-off 1 s doubling up to :data:`RETRY_BACKOFF_MAX_S`."""
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         retryable = DEFAULT_RETRY._predicate  # google-cloud-storage's own choice of what to retry
@@ -169,17 +137,8 @@ class GcsPayloadStore(RangedStore):
             self._client = _default_client(self.name)
         return self._client
 
-    def location(self, obj: str | StoreObject) -> str:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: ``gs://bucket/<key>``."""
-        return f"{GCS_SCHEME}{self.bucket_name}/{self.key(obj)}"
-
     def stat(self, obj: StoreObject) -> ObjectStat | None:
-        """The live object's size and generation, or ``None`` when there is none.
-
-        Raises:
-            StoreError: the bucket does not exist (``get_blob`` answers ``None`` for a missing bucket too).
-            Exception: the client's, for the template to type.
-        """
+        """The live object's size and generation, or ``None``; ``StoreError`` when the bucket does not exist."""
         bucket = self.client.bucket(self.bucket_name)
         blob = bucket.get_blob(self.key(obj), timeout=self._timeout_s, retry=self._retry)
         if blob is None and not bucket.exists(timeout=self._timeout_s, retry=self._retry):
@@ -188,8 +147,8 @@ class GcsPayloadStore(RangedStore):
 
     @contextlib.contextmanager
     def open_range(self, obj: StoreObject, stat: ObjectStat, start: int, end: int) -> Iterator[tuple[Iterable[bytes], bool]]:
-        """One ranged media download of the generation, through the client's own authorized session and retry
-        policy (its ``download_as_bytes`` would hold the whole body), read as it arrives."""
+        """One ranged media download of the generation through the client's session and retry policy, read as it
+        arrives (``download_as_bytes`` would hold the whole body)."""
         url = (
             f"{self.client.api_endpoint}/download/storage/v1/b/{self.bucket_name}/o/{urllib.parse.quote(self.key(obj), safe='')}"
         )
@@ -198,12 +157,8 @@ class GcsPayloadStore(RangedStore):
             yield read1_chunks(response.raw), response.status_code == 200
 
     def _get(self, obj: StoreObject, url: str, params: dict[str, str], headers: dict[str, str]) -> Any:
-        """The streamed response of one GET; a refusal raises google-api-core's exception for its status (which the
-        retry policy retries for 429 and 5xx), with at most 64 KiB of its message read.
-
-        Raises:
-            PayloadUnavailableError: 404 (the generation is gone).
-        """
+        """The streamed response of one GET; a refusal raises google-api-core's exception for its status (retried for
+        429 and 5xx), or ``PayloadUnavailableError`` for 404 (the generation is gone)."""
         from google.api_core.exceptions import from_http_status
 
         response = self.client._http.request("GET", url, params=params, headers=headers, stream=True, timeout=self._timeout_s)
@@ -220,8 +175,7 @@ class GcsPayloadStore(RangedStore):
     def create(
         self, path: Path, obj: StoreObject, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
     ) -> bool:
-        """Write the object if its live generation is ``replacing``'s (``None``: no live object,
-        ``if_generation_match=0``); ``False`` when that failed."""
+        """Write the object if its live generation is ``replacing``'s (``None``: none); ``False`` when that failed."""
         blob = self.client.bucket(self.bucket_name).blob(self.key(obj), chunk_size=self.chunk_size_bytes)
         try:
             with hashing_reader(path, obj.sha256, size_bytes, progress) as reader:
@@ -235,7 +189,7 @@ class GcsPayloadStore(RangedStore):
                     retry=self._retry,  # a create under if_generation_match is idempotent
                 )
         except Exception as exc:
-            if _is(exc, "PreconditionFailed") or getattr(exc, "code", None) == 412:
+            if class_named(exc, "PreconditionFailed") or getattr(exc, "code", None) == 412:
                 return False
             raise
         return True

@@ -1,20 +1,10 @@
-"""A payload store in a local or shared folder (NFS, a mounted bucket, a second disk).
+"""A payload store in a local or shared folder (NFS, a mounted bucket, a second disk; ``docs/format.md`` §12.1).
 
-Layout under the store root (the same relative paths as the node-local cache)::
-
-    model-payloads/sha256/<digest>.pack        objects, mode 0444
-    model-payloads/tmp/<digest>.<random>.partial   uploads in progress; never eligible
-    artifacts/sha256/<digest>/...              the published artifacts' files, mode 0444 (``docs/format.md`` §12.9)
-    refs/<name>.json                           the artifacts' names, replaced atomically
-
-An upload is atomic: unique temporary name (``O_EXCL``), kernel copy, fsync, the one verifier over the
-copy (size, then SHA-256), read-only, then a no-replace ``link`` to the object path (``rename`` where
-the file system has no hard links, e.g. some FUSE mounts of buckets), folder fsync. A reader therefore
-sees either no object or a complete, verified one; a killed uploader leaves only a ``.partial`` file,
-which the next upload removes (every uploader holds ``flock`` on its ``.partial``; the kernel drops it
-when the uploader dies).
-Of two publishers of one digest, the second's ``link`` fails with ``EEXIST``: it keeps the first's
-object when that verifies (and replaces it with ``rename`` when it does not).
+The layout under the store root is the node-local cache's (objects 0444, ``refs/<name>.json`` replaced atomically).
+An upload is atomic: a unique ``model-payloads/tmp/<digest>.<random>.partial`` (``O_EXCL``, ``flock`` held while
+the uploader lives, swept by the next upload once free), kernel copy, fsync, the one verifier, read-only, then a
+no-replace ``link`` to the object path (``rename`` where the file system has no hard links), folder fsync. Of two
+publishers of one digest the second keeps the first's object when it verifies, and replaces it when it does not.
 """
 
 from __future__ import annotations
@@ -44,17 +34,13 @@ from coldsnap_core.format._strict import read_document_bytes
 from coldsnap_core.format.manifest import PackRef
 from coldsnap_core.stores._copy import copy_fd, copy_file
 from coldsnap_core.stores._references import ReferenceIndex
-from coldsnap_core.stores.base import NOT_IN_STORE_REMEDY, LandedCallback, ProgressCallback, StoreObject, as_object
+from coldsnap_core.stores.base import NOT_IN_STORE_REMEDY, LandedCallback, ProgressCallback, StoreObject, as_object, wrong_size
 
 logger = logging.getLogger(__name__)
 
 
 class LocalFolderStore(ReferenceIndex):
-    """Objects in ``<root>/model-payloads/sha256/<digest>.pack`` (and ``<root>/<relpath>`` of every other object).
-
-    Args:
-        root: the store root (created on the first upload).
-    """
+    """Objects at ``<root>/<relpath>`` (``root`` is created by the first upload)."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).expanduser().absolute()
@@ -64,11 +50,7 @@ class LocalFolderStore(ReferenceIndex):
         return f"LocalFolderStore({str(self.root)!r})"
 
     def _require_root(self) -> None:
-        """The store folder exists (a mistyped path is named as one, not as a store that lacks an object).
-
-        Raises:
-            StoreError: the store folder does not exist (rule ``payload-store``; ``auto`` falls back).
-        """
+        """``StoreError`` when the store folder does not exist (a mistyped path, not a store that lacks an object)."""
         if not os.path.lexists(self.root):
             raise StoreError(
                 f"the payload store folder {self.root} does not exist",
@@ -78,17 +60,15 @@ class LocalFolderStore(ReferenceIndex):
             )
 
     def object_path(self, obj: str | StoreObject) -> Path:
-        """``<root>/<relpath>`` (a pack's digest: ``<root>/model-payloads/sha256/<digest>.pack``); a digest is
-        validated first."""
+        """``<root>/<relpath>``; a digest is validated first."""
         return self.root / as_object(obj).relpath
 
     def location(self, obj: str | StoreObject) -> str:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: the object path."""
+        """The object path."""
         return str(self.object_path(obj))
 
     def has(self, obj: str | StoreObject, size_bytes: int | None = None, *, verify: bool = False) -> bool:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.has`; ``verify`` hashes the object in
-        full with the one verifier (:func:`coldsnap_core.format.verify.verify_pack_file`: size, SHA-256).
+        """``verify`` hashes the object in full (:func:`coldsnap_core.format.verify.verify_pack_file`).
 
         Raises:
             UnsafePathError: the object path is a symbolic link, or a component of it is not a folder.
@@ -102,13 +82,7 @@ class LocalFolderStore(ReferenceIndex):
         st = refuse_symlink(path)
         if st is None:
             return False
-        mismatch = (
-            None
-            if size_bytes is None
-            else size_mismatch(PackSizeMismatchError, f"stored {obj.what}", st.st_size, size_bytes, file=path)
-        )
-        if mismatch is not None:
-            logger.warning("coldsnap: %s; treating it as absent", mismatch)
+        if wrong_size(obj, st.st_size, size_bytes, file=path):
             return False
         if verify:
             try:
@@ -130,7 +104,7 @@ class LocalFolderStore(ReferenceIndex):
         progress: ProgressCallback | None = None,
         landed: LandedCallback | None = None,
     ) -> None:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.fetch` (one kernel copy, 64 MiB at a time, in order)."""
+        """One kernel copy, 64 MiB at a time, in order."""
         obj = as_object(obj)
         path = self.object_path(obj)
         try:
@@ -158,8 +132,7 @@ class LocalFolderStore(ReferenceIndex):
             os.close(source_fd)
 
     def upload(self, path: Path, obj: str | StoreObject, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.upload` (``False``: another publisher's
-        verified object was already there and is kept).
+        """The atomic upload of the module docstring (``False``: another publisher's verified object was kept).
 
         Raises:
             IntegrityError: the copy does not verify (nothing is published).
@@ -213,11 +186,7 @@ class LocalFolderStore(ReferenceIndex):
         return True
 
     def put_reference(self, relpath: str, data: bytes) -> None:
-        """Replace ``<root>/<relpath>`` with ``data`` (temporary file, fsync, rename, folder fsync).
-
-        Raises:
-            StoreError: the store folder cannot be written.
-        """
+        """Replace ``<root>/<relpath>`` with ``data`` durably; ``StoreError`` when the folder cannot be written."""
         path = self.root / relpath
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,40 +1,13 @@
 """A payload store in an OCI registry (the OCI distribution API over HTTP, through ``httpx``; the extra
-``coldsnap[oci]``).
+``coldsnap[oci]``; ``docs/format.md`` §12.6).
 
-URL form: ``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]`` (``--repo`` and ``COLDSNAP_PAYLOAD_REPO``). A pack is the
-blob ``sha256:<digest>`` of the repository ``NAMESPACE/NAME``: a pack's name is its SHA-256, which is exactly
-an OCI blob digest, so the registry's ``Docker-Content-Digest`` is the pack's own (``docs/format.md`` §12.6).
-Calls (OCI Distribution Specification v1.1, "Pulling blobs", "Pushing blobs", "Pushing manifests"):
-
-* ``HEAD /v2/<name>/blobs/<digest>``: presence and size;
-* fetch (:class:`~coldsnap_core.stores._ranged.RangedStore`): ranged ``GET /v2/<name>/blobs/<digest>``
-  (``Range: bytes=a-b``, 206), 64 MiB each, 8 in flight, streamed into the cache's temporary file (the cache then
-  verifies the whole file);
-* upload: ``HEAD`` first; ``POST /v2/<name>/blobs/uploads/?mount=<digest>[&from=<repo>]`` (a cross-repository
-  mount from each repository of the ``oci_mount_from`` setting; 201 = mounted, no byte sent), else the upload
-  session it opened: one ``PUT <location>?digest=<digest>`` with the body up to 64 MiB, else ``PATCH`` chunks
-  of 64 MiB (``Content-Range``) and a closing ``PUT ?digest=``. The registry hashes what it received and
-  refuses another digest (``DIGEST_INVALID``); the file is hashed on the way too, and a failed session is
-  cancelled (``DELETE <location>``);
-* one OCI image manifest per artifact (:meth:`OciPayloadStore.publish_artifact`): ``artifactType``
-  :data:`ARTIFACT_TYPE`, the empty config, one layer of media type :data:`PACK_MEDIA_TYPE` per pack,
-  annotations naming the model identity and the format version, ``PUT /v2/<name>/manifests/<tag>``.
-
-Credentials: the Docker config file (``$DOCKER_CONFIG/config.json``, else ``~/.docker/config.json``), its
-``auths`` entry for the registry (``auth`` = base64 ``user:password``, or ``username``/``password``, or
-``identitytoken``); on ``401`` the registry's challenge is answered: ``WWW-Authenticate: Basic`` with those
-credentials, ``WWW-Authenticate: Bearer realm=...,service=...,scope=...`` with a token fetched from the realm
-(the Docker registry token protocol; the credentials as Basic authentication, an ``identitytoken`` as an
-OAuth2 refresh token). The credentials go only to the registry's own origin and to a realm over HTTPS (or on the
-registry's own host when the registry is plain HTTP); an upload location or redirect elsewhere gets none. Plain HTTP
-only for a loopback registry (``127.0.0.0/8``, ``::1``, ``localhost``) or with the ``oci_plain_http`` setting
-(``COLDSNAP_OCI_PLAIN_HTTP=1``); HTTPS otherwise.
-
-Consistency: a registry stores a blob by its digest after hashing it, so two publishers of one digest leave
-one blob. A registry never replaces a blob it already holds (an upload of the same digest is accepted and
-the stored bytes kept), so a stored blob whose bytes are not its digest (damage on the registry's disk) cannot
-be repaired by publication: the upload refuses with :class:`~coldsnap_core.errors.StoreError` naming the blob
-(delete it and run the registry's garbage collection).
+``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]``: a pack (and an artifact's file) is the blob ``sha256:<digest>`` of the
+repository, fetched by :class:`~coldsnap_core.stores._ranged.RangedStore`'s ranged ``GET``, uploaded after a mount
+try (``oci_mount_from``) through an upload session the registry checks by digest, and named by one OCI image
+manifest per artifact under its tag (OCI Distribution Specification v1.1). Credentials: the Docker config file's
+``auths`` entry, answering the registry's ``Basic`` or ``Bearer`` challenge, sent only to its own origin and a safe
+realm. Plain HTTP only for a loopback registry or with ``oci_plain_http``. A registry never replaces a blob it holds,
+so a corrupt stored blob is refused by publication, naming it.
 """
 
 from __future__ import annotations
@@ -78,6 +51,7 @@ from coldsnap_core.stores._ranged import (
     request_failure,
 )
 from coldsnap_core.stores.base import (
+    ARTIFACT_NAME_RE,
     NO_SUCH_NAME_REMEDY,
     ArtifactListing,
     ProgressCallback,
@@ -93,8 +67,7 @@ OCI_SCHEME = "oci://"
 PACK_MEDIA_TYPE = "application/vnd.coldsnap.pack.v1"
 """The media type of a pack layer (uncompressed bytes; the layer digest is the pack's SHA-256)."""
 FILE_MEDIA_TYPE = "application/vnd.coldsnap.artifact.file.v1"
-"""The media type of a layer holding one file of the artifact folder (``artifact.json``, a capsule's file, a model
-file), titled (``org.opencontainers.image.title``) with its path in the folder."""
+"""The media type of a layer holding one file of the artifact folder, titled with its path in the folder."""
 TITLE_ANNOTATION = "org.opencontainers.image.title"
 ARTIFACT_TYPE = "application/vnd.coldsnap.artifact.v1"
 """The ``artifactType`` of a coldsnap artifact's manifest."""
@@ -107,28 +80,20 @@ DOCKER_CONFIG_ENV = "DOCKER_CONFIG"
 CHUNK_SIZE_BYTES = 64 << 20
 """Bytes per upload request (one ``PUT`` up to this size, ``PATCH`` chunks of this size beyond)."""
 MANIFEST_MAX_BYTES = 4 << 20
-"""The largest manifest read (4 MiB: the limit the OCI distribution spec lets registries put on manifests)."""
+"""The largest manifest read (the limit the OCI distribution spec lets registries put on manifests)."""
 DOCKER_CONFIG_MAX_BYTES = 4 << 20
-"""The largest Docker config file read (4 MiB: a config holds one short entry per registry)."""
+"""The largest Docker config file read (it holds one short entry per registry)."""
 REFERENCE_NAME_MAX_CHARS = 255
-"""The longest ``HOST[:PORT]/NAME`` (OCI Distribution Specification, "Pulling manifests": many clients impose this
-limit, so a longer one could be pushed but not pulled by them)."""
+"""The longest ``HOST[:PORT]/NAME`` (OCI Distribution Specification, "Pulling manifests": a limit clients impose)."""
 
 _NAME_COMPONENT = r"[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*"
 _REPOSITORY_RE = re.compile(rf"^{_NAME_COMPONENT}(?:/{_NAME_COMPONENT})*$")
-_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _HOST_RE = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)(?::[0-9]{1,5})?$")
 
 
 @dataclass(frozen=True, slots=True)
 class OciReference:
-    """A parsed ``oci://`` URL.
-
-    Attributes:
-        registry: ``HOST[:PORT]``.
-        repository: ``NAMESPACE/NAME`` (the distribution spec's ``<name>``).
-        tag: the manifest tag, or ``None`` (then each artifact is tagged by its folder name).
-    """
+    """A parsed ``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]`` (``tag`` ``None``: each artifact is tagged by its name)."""
 
     registry: str
     repository: str
@@ -139,11 +104,9 @@ def parse_oci_url(spec: str) -> OciReference:
     """``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]`` -> :class:`OciReference`.
 
     Raises:
-        ConfigurationError: not an ``oci://`` URL, no repository, a repository or tag outside the distribution
-            spec's grammar (lowercase ``a-z 0-9`` components separated by ``. _ __ -``, joined by ``/``; a tag
-            of at most 128 characters of ``A-Za-z0-9._-``), ``HOST[:PORT]/NAME`` over
-            :data:`REFERENCE_NAME_MAX_CHARS` characters, a port outside 1-65535, credentials in the URL
-            (``user:password@``: they come from the Docker config), or a digest reference (``@sha256:``).
+        ConfigurationError: not an ``oci://`` URL, a repository or tag outside the distribution spec's grammar,
+            ``HOST[:PORT]/NAME`` over :data:`REFERENCE_NAME_MAX_CHARS` characters, a port outside 1-65535, a
+            ``user:password@`` or a digest reference (``docs/format.md`` §12.6).
     """
     if not spec.startswith(OCI_SCHEME):
         raise ConfigurationError(f"{spec!r} is not an oci://HOST/NAMESPACE/NAME[:TAG] URL")
@@ -166,7 +129,7 @@ def parse_oci_url(spec: str) -> OciReference:
     last = path.rsplit("/", 1)[-1]
     if ":" in last:
         path, _, tag = path.rpartition(":")
-        if not _TAG_RE.match(tag):
+        if not ARTIFACT_NAME_RE.fullmatch(tag):
             raise ConfigurationError(
                 f"{spec!r}: {tag!r} is not an OCI tag (1-128 characters of A-Za-z0-9._-, not starting with . or -)"
             )
@@ -200,14 +163,8 @@ def docker_config_path() -> Path:
 
 @dataclass(frozen=True, slots=True)
 class RegistryCredentials:
-    """Credentials for one registry from a Docker config file's ``auths`` entry.
-
-    Attributes:
-        username, password: for Basic authentication and the token request (``None``: none given).
-        identity_token: an OAuth2 refresh token (``identitytoken``), used instead of the password at a
-            Bearer realm.
-        source: the config file they came from (named by errors).
-    """
+    """Credentials for one registry from a Docker config file's ``auths`` entry (``source``: that file);
+    ``identity_token``: an OAuth2 refresh token used instead of the password at a Bearer realm."""
 
     username: str | None
     password: str | None
@@ -216,19 +173,16 @@ class RegistryCredentials:
 
 
 def load_credentials(registry: str, config_path: Path | None = None) -> RegistryCredentials | None:
-    """The ``auths`` entry for ``registry`` in the Docker config file (keys ``HOST[:PORT]``, with or without
-    ``https://`` / ``http://`` and a path), or ``None`` when the file or the entry is absent.
+    """The ``auths`` entry for ``registry`` (``HOST[:PORT]``, also with a scheme or a path) in the Docker config
+    file, or ``None`` when the file or the entry is absent.
 
     Raises:
-        ConfigurationError: the file is not a regular file (a named pipe, a device), is larger than
-            :data:`DOCKER_CONFIG_MAX_BYTES` or cannot be read, is not a JSON object, its ``auths`` is not an object, or the entry for
-            ``registry`` is not an object, has a field that is not a string, or an ``auth`` that is not base64
-            ``user:password`` (with the ``:``); entries for other registries are not judged.
+        ConfigurationError: the file is not a regular file of at most :data:`DOCKER_CONFIG_MAX_BYTES` or cannot be
+            read, is not a JSON object with an ``auths`` object, or the entry for ``registry`` is not an object of
+            strings with an ``auth`` of base64 ``user:password`` (entries for other registries are not judged).
     """
     path = config_path or docker_config_path()
     try:
-        # read as documents are: a named pipe, a device (a link to /dev/zero) or a huge file never blocks the
-        # stage or makes it read without bound; only a regular file of at most DOCKER_CONFIG_MAX_BYTES is read
         data = read_document_bytes(path, max_bytes=DOCKER_CONFIG_MAX_BYTES)
     except MissingObjectError:
         return None
@@ -276,26 +230,9 @@ def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
 
 
 class OciPayloadStore(RangedStore):
-    """Packs as blobs of one repository of an OCI registry; ``has``, ``fetch`` and ``upload`` are
-    :class:`~coldsnap_core.stores._ranged.RangedStore`'s.
-
-    Args:
-        registry: ``HOST[:PORT]``.
-        repository: ``NAMESPACE/NAME``.
-        tag: the manifest tag for :meth:`publish_artifact` (``None``: each artifact's folder name).
-        client: an ``httpx.Client`` (default: one with the timeouts and retries of ``client_settings``).
-        credentials: default: the Docker config file's entry for ``registry``.
-        chunk_size_bytes: bytes per upload request and per ranged GET.
-        concurrency: ranged GETs in flight at once.
-        client_settings: connect and read timeouts, and retries of a connection that failed (httpx's transport
-            retries connecting, never a request the registry received); ``http://`` instead of ``https://`` for a
-            loopback registry or with ``oci_plain_http``; the repositories of ``oci_mount_from`` to mount a blob
-            from before uploading it.
-
-    Raises:
-        ConfigurationError: httpx is missing, ``chunk_size_bytes``/``concurrency`` is not positive, or an
-            ``oci_mount_from`` entry is not a repository name.
-    """
+    """Packs as blobs of the repository ``repository`` (``NAMESPACE/NAME``) of ``registry`` (``HOST[:PORT]``);
+    ``tag``: the manifest tag (``None``: each artifact's name); ``credentials`` default to the Docker config's.
+    Raises ``ConfigurationError`` for an ``oci_mount_from`` entry that is not a repository name."""
 
     record_kind = "manifest"
     conditional_create = False  # the distribution API has none: presence is checked first
@@ -339,7 +276,7 @@ class OciPayloadStore(RangedStore):
 
     @classmethod
     def from_url(cls, spec: str, **kwargs: Any) -> OciPayloadStore:
-        """A store for ``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]`` (see :func:`parse_oci_url`)."""
+        """A store for ``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]`` (:func:`parse_oci_url`)."""
         ref = parse_oci_url(spec)
         return cls(ref.registry, ref.repository, tag=ref.tag, **kwargs)
 
@@ -348,12 +285,8 @@ class OciPayloadStore(RangedStore):
 
     @property
     def client(self) -> Any:
-        """The ``httpx.Client``, made on first use (it honours ``HTTPS_PROXY``/``HTTP_PROXY``/``NO_PROXY``, so a
-        distributor's node-local proxy can sit in front of the registry).
-
-        Raises:
-            ConfigurationError: httpx is missing.
-        """
+        """The ``httpx.Client`` (honouring ``HTTPS_PROXY``/``NO_PROXY``), made on first use; ``ConfigurationError``
+        when httpx is missing."""
         if self._client is None:
             try:
                 import httpx
@@ -375,8 +308,7 @@ class OciPayloadStore(RangedStore):
         return f"{self.base_url}/v2/{self.repository}/blobs/sha256:{digest}"
 
     def location(self, obj: str | StoreObject) -> str:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: ``oci://HOST/NAME@sha256:<digest>`` (a pack and
-        an artifact's file alike are the blob of their SHA-256)."""
+        """``oci://HOST/NAME@sha256:<digest>`` (a pack and an artifact's file alike are the blob of their SHA-256)."""
         digest = check_digest(as_object(obj).sha256)
         return f"{OCI_SCHEME}{self.registry}/{self.repository}@sha256:{digest}"
 
@@ -389,11 +321,7 @@ class OciPayloadStore(RangedStore):
         return self._credentials
 
     def _send(self, method: str, url: str, where: str, **kwargs: Any) -> Any:
-        """One request, its answer not read yet (the caller reads or closes it).
-
-        Raises:
-            StoreError: no answer (unreachable, a timeout, a URL httpx cannot send).
-        """
+        """One request, its answer unread; ``StoreError`` when there is no answer (unreachable, a timeout, a bad URL)."""
         import httpx
 
         try:
@@ -402,11 +330,8 @@ class OciPayloadStore(RangedStore):
             raise request_failure(self.name, f"{method} {url}", exc, self.client_settings, where=where) from exc
 
     def _read(self, response: Any, where: str, max_bytes: int = ANSWER_MAX_BYTES) -> Any:
-        """``response`` with at most ``max_bytes`` of its body read (:func:`read_answer`), then closed.
-
-        Raises:
-            StoreError: a successful answer longer than ``max_bytes``, or the body failed or dripped.
-        """
+        """``response`` with at most ``max_bytes`` of its body read, then closed; ``StoreError`` when the body failed,
+        dripped, or (a success) is longer."""
         import httpx
 
         with contextlib.closing(response):
@@ -432,15 +357,12 @@ class OciPayloadStore(RangedStore):
         max_bytes: int = ANSWER_MAX_BYTES,
         **kwargs: Any,
     ) -> Any:
-        """One request, answering the registry's ``401`` challenge once (Basic, or a Bearer token from the realm).
-        The registry's credentials go to its own origin only: an upload location on another origin or a redirect
-        target (a presigned URL) gets none, and its ``401`` is not answered. Returns the answer with at most
-        ``max_bytes`` of its body read, or (``stream``) unread, for the caller to read and close.
+        """One request, answering the registry's ``401`` challenge once; the credentials go to its own origin only.
+        Returns the answer with at most ``max_bytes`` of its body read, or (``stream``) unread.
 
         Raises:
-            StoreError: the registry cannot be reached, or it refused the credentials (401/403 after the
-                challenge was answered), naming the store, ``where`` and where the credentials came from; or
-                another origin refused (naming it, not the credentials).
+            StoreError: the registry cannot be reached, or a 401/403 after the challenge was answered (naming where
+                the credentials came from, or the other origin that refused).
         """
         self._credentials_for_registry()  # a broken Docker config entry is refused before any request, not at a 401
         headers = dict(kwargs.pop("headers", {}))
@@ -473,9 +395,8 @@ class OciPayloadStore(RangedStore):
         return StoreError(f"{self.name}: the registry refused access ({answer}) to {method} {url} ({source})", file=where)
 
     def _answer_challenge(self, challenge: str, scope_key: str, *, where: str) -> None:
-        """Keep the ``Authorization`` the registry's challenge asks for: Basic with the credentials, or a Bearer token
-        from the realm. The credentials go to a realm over HTTPS, or to the registry's own host when the registry
-        itself speaks plain HTTP; never over plain HTTP to another host, nor from HTTPS down to HTTP.
+        """Keep the ``Authorization`` the challenge asks for: Basic, or a Bearer token from a realm over HTTPS (or on
+        the plain-HTTP registry's own host).
 
         Raises:
             StoreError: an unsupported challenge, a realm the credentials may not go to, or the token service refused.
@@ -529,7 +450,7 @@ class OciPayloadStore(RangedStore):
     # -- the ranged-store backend (RangedStore writes has, fetch and upload) --------------------------
 
     def stat(self, obj: StoreObject) -> ObjectStat | None:
-        """The blob's size from ``HEAD``, or ``None`` when the repository does not hold it."""
+        """The blob's size from ``HEAD``, or ``None``."""
         where = self.location(obj)
         response = self._request("HEAD", self.blob_url(obj.sha256), where=where, scope_key="pull")
         if response.status_code == 404:
@@ -557,8 +478,7 @@ class OciPayloadStore(RangedStore):
     def create(
         self, path: Path, obj: StoreObject, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
     ) -> bool:
-        """A mount from a ``mount_from`` repository (no byte sent), else an upload session (the template looked
-        first: ``replacing`` is always ``None``)."""
+        """A mount from a ``mount_from`` repository, else an upload session (``replacing`` is always ``None``)."""
         where = self.location(obj)
         location = self._start_upload(obj.sha256, where)
         if location is None:
@@ -571,8 +491,7 @@ class OciPayloadStore(RangedStore):
         return urllib.parse.urljoin(self.base_url + "/", location)
 
     def _start_upload(self, digest: str, where: str) -> str | None:
-        """Open an upload session (``POST .../blobs/uploads/``), trying a mount from each ``mount_from``
-        repository first; the session's absolute location, or ``None`` when the blob was mounted."""
+        """The absolute location of a new upload session, or ``None`` when a mount from ``mount_from`` did it."""
         url = f"{self.base_url}/v2/{self.repository}/blobs/uploads/"
         for other in self.mount_from:
             response = self._request(
@@ -596,9 +515,8 @@ class OciPayloadStore(RangedStore):
     def _push(
         self, location: str, path: Path, digest: str, size_bytes: int, where: str, progress: ProgressCallback | None
     ) -> None:
-        """The upload session: one ``PUT`` with the bytes up to ``chunk_size_bytes``, else ``PATCH`` chunks and a closing
-        ``PUT``. The file is hashed as it is read, and the read of its last byte raises when it is not the digest, so
-        the request completing the upload is never sent; a failed session is cancelled."""
+        """One ``PUT`` up to ``chunk_size_bytes``, else ``PATCH`` chunks and a closing ``PUT``, the file hashed as it is
+        read (the request completing a changed file is never sent); a failed session is cancelled."""
         try:
             with hashing_reader(path, digest, size_bytes, progress) as reader:
                 if size_bytes <= self.chunk_size_bytes:
@@ -634,12 +552,8 @@ class OciPayloadStore(RangedStore):
     # -- the artifact's manifest -----------------------------------------------------------------------
 
     def manifest_for(self, listing: ArtifactListing) -> bytes:
-        """The OCI image manifest of ``listing`` (UTF-8 JSON, keys sorted): ``artifactType``
-        :data:`ARTIFACT_TYPE`, the empty config, one :data:`PACK_MEDIA_TYPE` layer per pack (in digest order,
-        annotated with its file name and the workers that name it), then one :data:`FILE_MEDIA_TYPE` layer per file
-        of the artifact (``artifact.json`` first, each titled with its path in the artifact folder, so ``oras pull``
-        writes the artifact folder), the model identity and format version as annotations (``docs/format.md``
-        §12.6)."""
+        """The OCI image manifest of ``listing`` (UTF-8 JSON, keys sorted; ``docs/format.md`` §12.6): one
+        :data:`PACK_MEDIA_TYPE` layer per pack in digest order, then one :data:`FILE_MEDIA_TYPE` layer per file."""
         files = [
             {
                 "mediaType": FILE_MEDIA_TYPE,
@@ -679,15 +593,10 @@ class OciPayloadStore(RangedStore):
         }
         return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
 
-    def tag_for(self, listing: ArtifactListing) -> str:
-        """The store's tag, else the artifact's name (an artifact name is a tag)."""
-        return self.tag if self.tag is not None else listing.name
-
     def _check_tag_move(
         self, url: str, where: str, name: str, current: str | None, manifest_digest: str, *, warn: bool = True
     ) -> None:
-        """The tag names another manifest: allowed, with a WARNING, only when that manifest is coldsnap's for the
-        same artifact folder name (a re-capture); one tag names one artifact across publications too.
+        """The tag names another manifest: allowed (with a WARNING) only for coldsnap's of the same artifact name.
 
         Raises:
             ConfigurationError: the tag names another artifact, or a manifest that is not a coldsnap artifact's.
@@ -725,16 +634,11 @@ class OciPayloadStore(RangedStore):
         )
 
     def _check_tag(self, listing: ArtifactListing, *, warn: bool) -> tuple[bytes, str, str, str, bool]:
-        """The tag rules of :meth:`publish_artifact` for ``listing`` (reading only: ``HEAD``/``GET`` of the tag);
-        returns ``(manifest, its digest, the tag's URL, where, whether the tag already names that manifest)``.
-
-        Raises:
-            ConfigurationError: as :meth:`publish_artifact`.
-            StoreError: the registry failed.
-        """
+        """The tag rules of :meth:`publish_artifact` for ``listing``, reading only; returns ``(manifest, its digest, the
+        tag's URL, where, whether the tag already names that manifest)``. Raises as :meth:`publish_artifact`."""
         manifest = self.manifest_for(listing)
         manifest_digest = hashlib.sha256(manifest).hexdigest()
-        tag = self.tag_for(listing)
+        tag = self.tag if self.tag is not None else listing.name
         if self._tagged.setdefault(tag, listing.name) != listing.name:
             raise ConfigurationError(
                 f"{self.name}: the tag {tag!r} would name both {self._tagged[tag]!r} and {listing.name!r}; "
@@ -749,28 +653,18 @@ class OciPayloadStore(RangedStore):
         return manifest, manifest_digest, url, where, head.status_code == 200 and current == f"sha256:{manifest_digest}"
 
     def check_artifact(self, listing: ArtifactListing) -> None:
-        """Refuse now what :meth:`publish_artifact` would refuse for ``listing``'s tag, before any blob is uploaded
-        (and for a dry run): the tag already named another artifact of this publication, or names another artifact
-        or a manifest that is not coldsnap's in the registry. Reads only (``HEAD``/``GET`` of the tag).
-
-        Raises:
-            ConfigurationError: as :meth:`publish_artifact`.
-            StoreError: the registry failed.
-        """
+        """Refuse now, reading only, what :meth:`publish_artifact` would refuse for ``listing``'s tag."""
         self._check_tag(listing, warn=False)
 
     def publish_artifact(self, listing: ArtifactListing) -> str:
-        """Push the manifest of one artifact whose packs are in the repository; returns its reference
-        ``oci://HOST/NAME:TAG@sha256:<manifest digest>``. A tag already naming the same manifest is left as is.
-
-        A tag naming another manifest of the same artifact folder name (a re-capture) is moved, with a WARNING.
+        """Push the manifest of one artifact whose blobs are in the repository; returns
+        ``oci://HOST/NAME:TAG@sha256:<manifest digest>``. A tag naming another manifest of the same artifact name is
+        moved, with a WARNING.
 
         Raises:
-            ConfigurationError: the store's tag already named another artifact of this publication, or names
-                another artifact (another folder name) or a manifest that is not coldsnap's in the registry (one
-                tag, one artifact: publish several artifacts without a tag in the URL).
-            StoreError: the registry refused the manifest (e.g. a pack blob is missing) or failed, or it
-                answered with another manifest digest.
+            ConfigurationError: the tag already named another artifact of this publication, or names another artifact
+                or a manifest that is not coldsnap's in the registry (one tag, one artifact).
+            StoreError: the registry refused the manifest or failed, or answered with another manifest digest.
         """
         manifest, manifest_digest, url, where, named = self._check_tag(listing, warn=True)
         reference = f"{where}@sha256:{manifest_digest}"
@@ -804,14 +698,12 @@ class OciPayloadStore(RangedStore):
         return reference
 
     def resolve_artifact(self, name: str) -> PublishedArtifact:
-        """The artifact the tag ``name`` names: its manifest's :data:`FILE_MEDIA_TYPE` layer titled ``artifact.json``
-        (``GET /v2/<name>/manifests/<tag>``).
+        """The artifact the tag ``name`` names: its manifest's :data:`FILE_MEDIA_TYPE` layer titled ``artifact.json``.
 
         Raises:
             ConfigurationError: ``name`` is not a tag.
             PayloadUnavailableError: the repository has no such tag.
-            MissingObjectError: the tag names a manifest that is not a coldsnap artifact's, or one without its files
-                (pushed by a coldsnap release that published packs only: publish it again).
+            MissingObjectError: the tag names no coldsnap artifact with its files.
             StoreError: the registry failed.
         """
         tag = check_artifact_name(name)
@@ -850,8 +742,7 @@ _MANIFEST_PUSH_ATTEMPTS = 3
 
 
 def _transient_manifest_refusal(response: Any) -> bool:
-    """Whether a refused manifest push may succeed when tried again: a 5xx status, or a 400 whose error codes name
-    an unknown blob (``MANIFEST_BLOB_UNKNOWN``, ``BLOB_UNKNOWN``: the OCI distribution spec's codes)."""
+    """Whether a refused manifest push may succeed when tried again: a 5xx, or a 400 naming an unknown blob."""
     if response.status_code >= 500:
         return True
     return response.status_code == 400 and "BLOB_UNKNOWN" in _error_text(response)

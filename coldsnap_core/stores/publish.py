@@ -1,31 +1,15 @@
-"""Publication (``coldsnap publish-native``): upload each distinct model payload of artifacts once.
+"""Publication (``coldsnap publish-native``): upload each distinct pack of artifacts once (``docs/format.md`` §12.4).
 
-The object path is derived from the digest alone, and when several workers have identical payloads the
-artifact references the same object from each of them and publication uploads it once (``docs/format.md``
-§5 and §12). For every distinct digest named by the artifacts'
-workers, in digest order:
+For every distinct digest the artifacts' workers name, in digest order:
 
-1. the store already holds it, checked as far as the store can (``PayloadStore.has(verify=True)``: a
-   folder store hashes its object in full; the Hugging Face store compares the LFS SHA-256 the Hub
-   reports): skipped. A store object of the wrong size or content counts as absent (WARNING) and
-   is replaced by steps 2-3;
-2. otherwise the local object (``<state-root>/model-payloads/sha256/<digest>.pack``) is verified in
-   full by the one verifier (:func:`coldsnap_core.format.verify.verify_pack_file`: size, SHA-256, zero
-   padding and every stored extent's SHA-256 against the manifest's layout) — never on a validation
-   record's word, because a published object serves the whole fleet; a corrupt local object is
-   quarantined and publication stops with the verifier's error;
+1. the store already holds it, checked as far as the store can (``PayloadStore.has(verify=True)``): skipped; an
+   object of the wrong size or content counts as absent (WARNING) and is replaced;
+2. otherwise the local object is verified in full by the one verifier (never on a validation record's word: a
+   published object serves the whole fleet); a corrupt one is quarantined and publication stops with its error;
 3. then uploaded (:meth:`PayloadStore.upload`, atomic in the store).
 
-Then each artifact's own files (``artifact.json``, every capsule file and ``model/`` file it pins) go beside the
-packs, immutable under the SHA-256 of ``artifact.json`` (:func:`coldsnap_core.stores.base.artifact_object`; on an
-OCI registry, blobs): a file the store holds (checked as a pack is) is skipped, any other is checked against its pin
-and uploaded. Last, the store's artifact index (:class:`~coldsnap_core.stores.base.ArtifactIndex`) records each
-artifact under its name: ``refs/<name>.json``, or an OCI manifest naming every pack and file under its tag
-(``docs/format.md`` §12.6, §12.9), so a reader that finds the name finds everything it names. ``on_artifact`` is
-called with each record's reference. Publishing an artifact again uploads nothing.
-
-``dry_run`` performs step 1 by size (and the Hub's LFS SHA-256) only, and checks that each local
-object exists with the right size, but neither hashes nor uploads, and records no name.
+Then each artifact's own files go beside the packs, and last its name (``docs/format.md`` §12.9). ``dry_run`` checks
+presence by size and the local objects' sizes only: it hashes, uploads and records nothing.
 """
 
 from __future__ import annotations
@@ -54,7 +38,6 @@ from coldsnap_core.format._strict import FORMAT_VERSION
 from coldsnap_core.format.content_ref import ContentRef
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME
 from coldsnap_core.format.manifest import NativeManifest, PackRef
-from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.format.verify import check_manifest, extent_owner_map, verify_pack_file
 from coldsnap_core.stores.base import (
     ArtifactListing,
@@ -85,14 +68,8 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class PayloadToPublish:
-    """One distinct payload of the artifacts being published.
-
-    Attributes:
-        pack: digest, size in bytes, derived path.
-        manifest: one native manifest naming it (gives the canonical layout for verification).
-        owners: ``<artifact folder>:<capsule name>`` of every worker that names it.
-        manifest_file: the path of ``manifest`` (named by manifest errors).
-    """
+    """One distinct payload, with one native manifest naming it (its layout verifies it) and the
+    ``<artifact folder>:<capsule name>`` of every worker that names it."""
 
     pack: PackRef
     manifest: NativeManifest
@@ -102,13 +79,7 @@ class PayloadToPublish:
 
 @dataclass(frozen=True, slots=True)
 class PublishedPayload:
-    """What publication did with one payload.
-
-    Attributes:
-        pack: the payload.
-        action: ``uploaded``, ``present`` (already in the store, skipped) or ``would-upload`` (dry run).
-        owners: the workers that name it.
-    """
+    """What publication did with one payload (``present``: already in the store; ``would-upload``: a dry run)."""
 
     pack: PackRef
     action: PublishAction
@@ -117,13 +88,7 @@ class PublishedPayload:
 
 @dataclass(frozen=True, slots=True)
 class PublishedFile:
-    """What publication did with one file of an artifact.
-
-    Attributes:
-        artifact: the artifact's name.
-        file: the file (its path in the artifact folder, SHA-256 and size).
-        action: ``uploaded``, ``present`` or ``would-upload``.
-    """
+    """What publication did with one file of the artifact named ``artifact``."""
 
     artifact: str
     file: ListedFile
@@ -136,8 +101,7 @@ def collect_payloads(artifact_dirs: Sequence[Path]) -> list[PayloadToPublish]:
     Raises:
         MissingObjectError: an artifact folder has no ``artifact.json`` or a capsule is missing.
         ManifestError: a manifest breaks a format rule (including a pack path not derived from its digest).
-        ArtifactError: a capsule names another pack than ``artifact.json``, or one digest appears
-            with two sizes.
+        ArtifactError: a capsule names another pack than ``artifact.json``, or one digest appears with two sizes.
     """
     found: dict[str, tuple[PackRef, NativeManifest, list[str], str]] = {}
     for artifact_dir in artifact_dirs:
@@ -181,28 +145,19 @@ def publish_native(
     on_artifact: Callable[[str], object] | None = None,
 ) -> list[PublishedPayload]:
     """Upload each distinct payload of ``artifact_dirs`` to ``store`` once, then each artifact's files and its name
-    (see the module docstring).
+    (see the module docstring); returns one entry per distinct payload, in digest order.
 
     Args:
-        artifact_dirs: artifact folders.
-        store: the destination store.
-        cache: the node-local cache holding the local objects.
         name: the artifact's name (one artifact only; default: each artifact folder's name, :func:`artifact_name`).
-        dry_run: check presence (by size) and local objects; hash, upload and record nothing.
         progress: makes a progress callback for each verification and upload.
-        on_payload: called after each payload is handled (the CLI prints a line).
-        on_file: called after each file of an artifact is handled.
-        on_artifact: called with the reference of each artifact record the store's index made.
-
-    Returns:
-        One entry per distinct payload, in digest order.
+        on_payload, on_file, on_artifact: called after each payload, each file, and with each name's reference.
 
     Raises:
         MissingObjectError: a local object or a pinned file to upload is absent.
         IntegrityError: a local object does not verify (it is quarantined; nothing more is uploaded).
         CapsulePinMismatchError: a file of an artifact does not match its pin (nothing more is uploaded).
-        ManifestExtentDigestError / ManifestPaddingError: the local object is intact but the
-            manifest's extent digests or layout are wrong (the object is kept; nothing more is uploaded).
+        ManifestExtentDigestError / ManifestPaddingError: the manifest's extents or layout are wrong (the object is
+            kept; nothing more is uploaded).
         StoreError: the store failed.
         UnsafePathError: a symbolic link at a local object path.
         ManifestError, ArtifactError: as :func:`collect_payloads`.
@@ -255,7 +210,15 @@ def _publish_payload(
         if mismatch is not None:
             raise mismatch
         return "would-upload"
-    _verify_local(path, pack, item.manifest, item.manifest_file, cache, progress)
+    layout = check_manifest(item.manifest, file=item.manifest_file)
+    callback = progress(f"verify {pack.sha256[:12]}", pack.size_bytes) if progress else None
+    try:
+        verify_pack_file(
+            path, pack, layout, progress=callback, extent_owner=extent_owner_map(item.manifest), manifest_file=item.manifest_file
+        )
+    except IntegrityError:  # a ManifestError (the manifest is wrong, the pack intact) keeps the pack
+        cache.quarantine(pack.sha256)
+        raise
     upload_progress = progress(f"upload {pack.sha256[:12]}", pack.size_bytes) if progress else None
     created = store.upload(path, pack.sha256, pack.size_bytes, progress=upload_progress)
     # False: another publisher created this digest while we verified and sent it (kept as is)
@@ -266,7 +229,7 @@ def _publish_file(
     artifact_dir: Path, listing: ArtifactListing, file: ListedFile, store: PayloadStore, dry_run: bool
 ) -> PublishAction:
     """One file of an artifact: present in the store (checked as a pack is), else checked against its pin and
-    uploaded to :func:`~coldsnap_core.stores.base.artifact_object`'s place."""
+    uploaded."""
     obj = artifact_object(listing.artifact.sha256, file.path, file.sha256)
     if store.has(obj, file.size_bytes, verify=not dry_run):
         return "present"
@@ -286,8 +249,7 @@ def _publish_file(
 
 
 def artifact_listing(artifact_dir: Path, name: str | None = None) -> ArtifactListing:
-    """What a store's artifact index records of ``artifact_dir``: its name (``name``, else the folder's,
-    :func:`~coldsnap_core.stores.base.artifact_name`), the model identity, its packs and its files.
+    """What a store's artifact index records of ``artifact_dir`` (named ``name``, else after the folder).
 
     Raises:
         ConfigurationError: ``name`` is not an artifact name.
@@ -311,22 +273,3 @@ def artifact_listing(artifact_dir: Path, name: str | None = None) -> ArtifactLis
     folder_name = Path(artifact_dir).resolve().name
     label = check_artifact_name(name) if name is not None else artifact_name(folder_name)
     return ArtifactListing(label, FORMAT_VERSION, tuple(sorted(annotations)), packs, artifact, tuple(files))
-
-
-def _verify_local(
-    path: Path,
-    pack: PackRef,
-    manifest: NativeManifest,
-    manifest_file: str | None,
-    cache: PayloadCache,
-    progress: ProgressFactory | None,
-) -> None:
-    layout: PackLayout = check_manifest(manifest, file=manifest_file)
-    callback = progress(f"verify {pack.sha256[:12]}", pack.size_bytes) if progress else None
-    try:
-        verify_pack_file(
-            path, pack, layout, progress=callback, extent_owner=extent_owner_map(manifest), manifest_file=manifest_file
-        )
-    except IntegrityError:  # a ManifestError (the manifest is wrong, the pack intact) keeps the pack
-        cache.quarantine(pack.sha256)
-        raise

@@ -1,18 +1,9 @@
 """Pull a published artifact by its name: the artifact folder, every file it pins checked (``docs/format.md`` §12.9).
 
-:func:`pull_artifact` resolves the name in the store's artifact index (``refs/<name>.json``, or an OCI tag) to the
-SHA-256 of ``artifact.json``, then, holding a file lock beside the destination (``.<DIR>.lock``: two pulls of one
-folder at once give one artifact, the second finds it in place):
-
-1. a destination that already holds that ``artifact.json`` is checked (every pinned file's size and SHA-256) and
-   kept: nothing is fetched;
-2. otherwise every file is fetched into a temporary sibling ``.<DIR>.pull-<random>`` (``artifact.json`` first, its
-   SHA-256 checked against the name's; then each capsule file and ``model/`` file it pins, each checked against its
-   pin), fsynced, and the folder renamed into place, then its parent fsynced.
-
-A pull killed at any point leaves at most the temporary sibling, which no restore reads (it is not the folder) and
-the next pull removes; the destination is absent or complete. Packs are not part of the folder: staging fetches them
-by digest (``coldsnap pull`` stages this node's after the folder is in place).
+:func:`pull_artifact` resolves the name to the SHA-256 of ``artifact.json`` and, holding the file lock
+``.<DIR>.lock`` beside the destination, keeps a destination that holds that artifact intact, else fetches every file
+into a temporary sibling ``.<DIR>.pull-<random>`` (each checked against its pin), fsyncs it and renames it into place.
+The destination is absent or complete at any point; packs are staged separately, by digest.
 """
 
 from __future__ import annotations
@@ -51,15 +42,8 @@ PULL_LOCK_TIMEOUT_SECONDS = 600.0
 
 @dataclass(frozen=True, slots=True)
 class PulledArtifact:
-    """What :func:`pull_artifact` left at the destination.
-
-    Attributes:
-        path: the artifact folder.
-        sha256: the SHA-256 of its ``artifact.json`` (what the name designates).
-        descriptor: its parsed ``artifact.json``.
-        fetched_files: how many files were fetched (0: the folder already held the artifact).
-        fetched_bytes: their bytes.
-    """
+    """What :func:`pull_artifact` left at ``path``: the artifact ``sha256`` (of its ``artifact.json``), and how many
+    files and bytes were fetched (0: the folder already held it)."""
 
     path: Path
     sha256: str
@@ -71,9 +55,8 @@ class PulledArtifact:
 def pull_into_state_root(
     store: PayloadStore, name: str, state_root: Path, *, lock_timeout_seconds: float = PULL_LOCK_TIMEOUT_SECONDS
 ) -> PulledArtifact:
-    """:func:`pull_artifact` into ``<state_root>/artifacts/sha256/<SHA-256 of artifact.json>/``: where a loader given
-    ``COLDSNAP_ARTIFACT_DIR=REF`` restores from (one folder per artifact, so a name moved to another artifact never
-    touches the folder a running engine read). Raises as :func:`pull_artifact`."""
+    """:func:`pull_artifact` into ``<state_root>/artifacts/sha256/<SHA-256 of artifact.json>/``, where a loader given
+    ``COLDSNAP_ARTIFACT_DIR=REF`` restores from. Raises as :func:`pull_artifact`."""
     published = store.resolve_artifact(name)
     dest = Path(state_root) / ARTIFACTS_DIRNAME / "sha256" / published.sha256
     return pull_artifact(store, name, dest, lock_timeout_seconds=lock_timeout_seconds, published=published)
@@ -93,9 +76,8 @@ def pull_artifact(
     Raises:
         ConfigurationError: ``name`` is not an artifact name.
         PayloadUnavailableError: the store records no artifact under ``name``, or lacks one of its files.
-        CapsulePinMismatchError: a fetched file (or one already at ``dest``) is not the size and SHA-256 its pin
-            records (``artifact.json``: the name's); names the file and where it came from. Nothing is renamed into
-            place.
+        CapsulePinMismatchError: a fetched file (or one already at ``dest``) does not match its pin (nothing is put in
+            place).
         ArtifactError: ``dest`` holds another artifact (another ``artifact.json``): it is never replaced.
         ManifestError: the fetched ``artifact.json`` is malformed.
         LockTimeoutError: another pull of ``dest`` held the lock past ``lock_timeout_seconds``.
@@ -175,8 +157,7 @@ def _kept(dest: Path, artifact_sha256: str) -> PulledArtifact:
             check_pinned_file(dest / path, pin)
         except CapsulePinMismatchError as exc:
             # the class remedy says "pull it again", which would find this same folder and refuse again
-            exc.remedy = f"remove {dest} and pull again (a pull never replaces the files of an existing folder)"
-            exc.args = (exc._compose(),)
+            exc.with_remedy(f"remove {dest} and pull again (a pull never replaces the files of an existing folder)")
             raise
     logger.info("coldsnap: %s already holds artifact %s; nothing fetched", dest, artifact_sha256)
     return PulledArtifact(dest, artifact_sha256, descriptor, 0, 0)

@@ -1,26 +1,12 @@
-"""A payload store in an S3-compatible bucket, through ``boto3`` (the optional extra ``coldsnap[s3]``).
+"""A payload store in an S3-compatible bucket, through ``boto3`` (the extra ``coldsnap[s3]``; ``docs/format.md`` §12.2).
 
-URL form: ``s3://bucket`` or ``s3://bucket/prefix`` (``--repo`` and ``COLDSNAP_PAYLOAD_REPO``). Objects
-live at ``<prefix>/model-payloads/sha256/<digest>.pack`` (``model-payloads/...`` at the bucket's root
-without a prefix). The endpoint, region and credentials come from the usual AWS variables, which
-boto3 reads itself (``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``/``AWS_DEFAULT_REGION``,
-``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, ...); path-style
-addressing is used (S3-compatible servers on one host name, MinIO, moto) unless
-``AWS_S3_ADDRESSING_STYLE`` says otherwise.
-
-Consistency rule: an object is created once, never overwritten. Publication creates it with a
-conditional write (``If-None-Match: *`` on ``PutObject`` and on ``CompleteMultipartUpload``; S3 User
-Guide, "Add preconditions to S3 operations with conditional requests"): of two publishers of one
-digest exactly one creates the object, the other gets ``412 PreconditionFailed`` (or ``409
-ConditionalRequestConflict`` while the first is completing) and counts the digest as present; neither
-fails. The server checks the SHA-256 of every byte it receives: a single ``PutObject`` carries the
-digest itself as ``x-amz-checksum-sha256`` (the server refuses the body if it hashes otherwise), a
-multipart upload carries each part's SHA-256 (``ChecksumAlgorithm=SHA256``), and the whole file is
-hashed while its parts are read, so a file that changed after verification is never completed.
-
-Fetch (:class:`~coldsnap_core.stores._ranged.RangedStore`): ``HeadObject`` (size and ``ETag``), then parallel
-ranged ``GetObject`` calls (``Range: bytes=a-b``, ``If-Match: <ETag>`` so a replaced object cannot be mixed in)
-streamed into the cache's temporary file; the cache then verifies the whole file.
+``s3://bucket[/prefix]``; the endpoint, region and credentials come from the AWS variables boto3 reads itself,
+path-style addressing unless ``AWS_S3_ADDRESSING_STYLE`` says otherwise. An object is created once, never
+overwritten: ``If-None-Match: *`` on ``PutObject`` and ``CompleteMultipartUpload`` (S3 User Guide, "Add
+preconditions to S3 operations with conditional requests"); the loser gets ``412`` (or ``409`` while the first
+completes) and counts the digest as present. The server checks the SHA-256 of what it receives
+(``x-amz-checksum-sha256``, or each part's), and a multipart upload whose file does not hash to the digest is never
+completed. Fetch: :class:`~coldsnap_core.stores._ranged.RangedStore`, each range pinned with ``If-Match: <ETag>``.
 """
 
 from __future__ import annotations
@@ -66,10 +52,6 @@ _NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
 _CONDITION_FAILED_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
 
 
-def _b64_sha256(data: bytes | bytearray | memoryview) -> str:
-    return base64.b64encode(hashlib.sha256(data).digest()).decode()
-
-
 def _error_code(exc: Exception) -> str | None:
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
@@ -82,12 +64,11 @@ def _error_code(exc: Exception) -> str | None:
 
 
 def parse_s3_url(spec: str) -> tuple[str, str]:
-    """``s3://bucket[/prefix]`` -> ``(bucket, prefix)`` (prefix without leading or trailing ``/``).
+    """``s3://bucket[/prefix]`` -> ``(bucket, prefix)``.
 
     Raises:
-        ConfigurationError: not an ``s3://`` URL, an empty or invalid bucket name (S3 bucket naming
-            rules: 3 to 63 characters of ``a-z 0-9 . -``), or a prefix with an empty, ``.`` or
-            ``..`` segment (a single trailing ``/`` is allowed), or too long for S3's 1024-byte keys.
+        ConfigurationError: not an ``s3://`` URL, a bucket name outside 3-63 characters of ``a-z 0-9 . -``, or a
+            prefix :func:`~coldsnap_core.stores.base.checked_prefix` refuses.
     """
     if not spec.startswith(S3_SCHEME):
         raise ConfigurationError(f"{spec!r} is not an s3://bucket/prefix URL")
@@ -105,20 +86,16 @@ S3_CLIENT_VARIABLES = (
     "AWS_RETRY_MODE",
     "AWS_MAX_ATTEMPTS",
 )
-"""The environment variables that shape the client: named in the error when it cannot be built."""
+"""The variables that shape the client: named in the error when it cannot be built."""
 
 
 def _default_client(client_settings: StoreClientSettings | None = None) -> Any:
-    """A boto3 S3 client from the environment: path-style addressing unless ``AWS_S3_ADDRESSING_STYLE``
-    says otherwise, the connect and read timeouts of ``client_settings`` (``COLDSNAP_STORE_CONNECT_TIMEOUT``,
-    ``COLDSNAP_STORE_READ_TIMEOUT``), ``standard`` retries (``client_settings.retries`` retries) unless
-    ``AWS_RETRY_MODE`` / ``AWS_MAX_ATTEMPTS`` (boto3's own variables) say otherwise. botocore retries a request
-    that failed, not a body read that timed out, so a stalled ranged GET ends after one read timeout.
+    """A boto3 S3 client from the environment with the timeouts and retries of ``client_settings`` (unless
+    ``AWS_RETRY_MODE`` / ``AWS_MAX_ATTEMPTS`` say otherwise).
 
     Raises:
-        ConfigurationError: boto3 is missing, or the client cannot be built from the environment (an
-            invalid endpoint URL, a missing profile, an invalid addressing style, retry mode or attempt
-            count), naming the variables that are set.
+        ConfigurationError: boto3 is missing, or the client cannot be built from the environment, naming the
+            variables that are set.
     """
     try:
         import boto3
@@ -154,10 +131,9 @@ def _default_client(client_settings: StoreClientSettings | None = None) -> Any:
 
 
 def _capped_answers(client: Any) -> Callable[..., Any]:
-    """A ``before-send`` handler that sends the request itself (botocore's own HTTP session) and reads at most
-    :data:`~coldsnap_core.stores._ranged.ANSWER_MAX_BYTES` of an answer botocore would read whole: an error's (any
-    operation's) and every answer but a ``GetObject``'s body, which the ranged fetch streams. A proxy's endless error
-    body then costs 64 KiB, not the process."""
+    """A ``before-send`` handler that sends the request itself and reads at most
+    :data:`~coldsnap_core.stores._ranged.ANSWER_MAX_BYTES` of every answer botocore would read whole (all but a
+    ``GetObject``'s body): a proxy's endless error body costs 64 KiB, not the process."""
 
     def send(request: Any, **_: Any) -> Any:
         streaming, request.stream_output = request.stream_output, True  # botocore then leaves the body unread
@@ -172,8 +148,7 @@ def _capped_answers(client: Any) -> Callable[..., Any]:
 
 
 def _aws_max_attempts() -> tuple[int, str] | None:
-    """``(attempts, "AWS_MAX_ATTEMPTS")`` when botocore takes its attempts from ``AWS_MAX_ATTEMPTS`` (it wins over
-    ``COLDSNAP_STORE_RETRIES``, :func:`_default_client`), so a timeout names the attempts that were made."""
+    """``(attempts, "AWS_MAX_ATTEMPTS=N")`` when botocore takes its attempts from that variable, else ``None``."""
     value = os.environ.get("AWS_MAX_ATTEMPTS")
     if value is None:
         return None
@@ -184,21 +159,8 @@ def _aws_max_attempts() -> tuple[int, str] | None:
 
 
 class S3PayloadStore(RangedStore):
-    """Objects in ``s3://<bucket>/<prefix>/model-payloads/sha256/<digest>.pack``; ``has``, ``fetch`` and ``upload``
-    are :class:`~coldsnap_core.stores._ranged.RangedStore`'s.
-
-    Args:
-        bucket: the bucket (it must exist; coldsnap never creates buckets).
-        prefix: key prefix, without leading or trailing ``/`` (may be empty).
-        client: a boto3 S3 client (default: one from the environment, see the module docstring).
-        part_size_bytes: bytes per multipart part and per ranged GET (default 64 MiB; at least 5 MiB
-            for S3's multipart rules, except in tests against servers that allow less).
-        concurrency: parts or ranges in flight at once.
-        client_settings: timeouts and retries of a client made here (and named in a timeout's message).
-
-    Raises:
-        ConfigurationError: ``concurrency``/``part_size_bytes`` is not positive.
-    """
+    """Objects at ``s3://<bucket>/<prefix>/<relpath>`` (coldsnap never creates the bucket); ``client``: a boto3 S3
+    client (default: one from the environment); ``part_size_bytes``: per multipart part and per ranged GET."""
 
     def __init__(
         self,
@@ -211,6 +173,7 @@ class S3PayloadStore(RangedStore):
         client_settings: StoreClientSettings | None = None,
     ) -> None:
         self.bucket = bucket
+        self.url = f"{S3_SCHEME}{bucket}"
         self.prefix = prefix.strip("/")
         self.part_size_bytes = part_size_bytes
         self._client = client
@@ -219,7 +182,7 @@ class S3PayloadStore(RangedStore):
 
     @classmethod
     def from_url(cls, spec: str, **kwargs: Any) -> S3PayloadStore:
-        """A store for ``s3://bucket[/prefix]`` (see :func:`parse_s3_url`)."""
+        """A store for ``s3://bucket[/prefix]`` (:func:`parse_s3_url`)."""
         bucket, prefix = parse_s3_url(spec)
         return cls(bucket, prefix, **kwargs)
 
@@ -233,21 +196,13 @@ class S3PayloadStore(RangedStore):
             self._client = _default_client(self.client_settings)
         return self._client
 
-    def location(self, obj: str | StoreObject) -> str:
-        """See :meth:`coldsnap_core.stores.base.PayloadStore.location`: ``s3://bucket/<key>``."""
-        return f"{S3_SCHEME}{self.bucket}/{self.key(obj)}"
-
     def failure(self, action: str, obj: str | StoreObject, exc: BaseException) -> StoreError:
         return request_failure(
             self.name, action, exc, self.client_settings, where=self.location(obj), attempts_from=_aws_max_attempts()
         )
 
     def stat(self, obj: StoreObject) -> ObjectStat | None:
-        """``HeadObject``: size and ``ETag``, or ``None`` when the object does not exist.
-
-        Raises:
-            StoreError: the request failed, or the bucket does not exist (naming it).
-        """
+        """``HeadObject``: size and ``ETag``, or ``None``; ``StoreError`` naming a bucket that does not exist."""
         client = self.client  # outside the try: a missing boto3 is a ConfigurationError, not a store failure
         try:
             head = client.head_object(Bucket=self.bucket, Key=self.key(obj))
@@ -290,10 +245,9 @@ class S3PayloadStore(RangedStore):
     def create(
         self, path: Path, obj: StoreObject, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
     ) -> bool:
-        """Up to one part: one ``PutObject`` with the digest as ``x-amz-checksum-sha256``; larger: a multipart
-        upload with per-part SHA-256, the parts read in order (whole-file SHA-256 computed on the way) and sent
-        ``concurrency`` at a time, completed only if the whole file hashed to ``digest`` (otherwise aborted).
-        The condition: ``If-None-Match: *``, or ``If-Match`` on ``replacing``'s ``ETag``."""
+        """One ``PutObject`` up to a part, else a multipart upload (parts read and hashed in order, sent
+        ``concurrency`` at a time, aborted unless the file hashed to the digest); ``If-None-Match: *``, or
+        ``If-Match`` on ``replacing``'s ``ETag``."""
         condition = {"IfNoneMatch": "*"} if replacing is None else {"IfMatch": str(replacing.version)}
         if size_bytes > self.part_size_bytes:
             return self._multipart(path, obj, size_bytes, progress, condition)
@@ -342,7 +296,7 @@ class S3PayloadStore(RangedStore):
             lock = threading.Lock()
 
             def send(number: int, data: bytes) -> None:
-                checksum = _b64_sha256(data)
+                checksum = base64.b64encode(hashlib.sha256(data).digest()).decode()
                 try:
                     response = self.client.upload_part(
                         Bucket=self.bucket,
