@@ -1,22 +1,12 @@
 """The copy-backend extension point: how bytes move between files and live allocations.
 
-A backend knows one kind of memory (host memory, CUDA device memory). It does two things:
-
-* :meth:`CopyBackend.fill`: execute a hydration plan, i.e. copy byte ranges of source files (the
-  pack, the residual blob) into live allocations, optionally checking each model extent's SHA-256
-  on the way;
-* :meth:`CopyBackend.read_chunks`: read a byte range of a live allocation back to host memory, in
-  chunks, for capture and materialization.
-
-The shared code (planning, verification, the canonical writers) never touches memory directly.
-
-Optional capability: a backend whose class sets ``stable_chunks = True`` promises that the views
-:meth:`CopyBackend.read_chunks` yields stay valid and unchanged after the next one is requested and
-that several ``read_chunks`` iterations may run at once on different threads (true of zero-copy
-views of host memory). The canonical writers then hash and write the stream on two threads without
-a per-chunk hand-off (:func:`coldsnap_core._io.write_hashed`). Backends that reuse a staging buffer
-(device-to-host copies) leave it unset. It is read with :func:`stable_chunks`, not part of the
-Protocol, so existing backends need not declare it.
+A backend knows one kind of memory (host, CUDA device). :meth:`CopyBackend.fill` runs a hydration plan (byte
+ranges of the pack and the residual blob into live allocations, optionally checking each model extent's SHA-256);
+:meth:`CopyBackend.read_chunks` reads an allocation back to host memory, in chunks, for capture and
+materialization. Optional capability: ``stable_chunks = True`` on the class (read with :func:`stable_chunks`)
+promises that the yielded views stay valid after the next one is requested and that several iterations may run at
+once on different threads (zero-copy host views), so the writers hash and write on two threads
+(``docs/format.md`` §9).
 """
 
 from __future__ import annotations
@@ -33,18 +23,9 @@ SourceName = Literal["pack", "blob"]
 
 @dataclass(frozen=True, slots=True)
 class CopyOp:
-    """Copy ``size_bytes`` bytes from ``source`` at ``source_offset_bytes`` into an allocation.
-
-    Attributes:
-        source: ``pack`` or ``blob``.
-        source_offset_bytes: where the bytes start in the source file.
-        allocation_index: destination allocation.
-        offset_bytes: destination offset within the allocation.
-        size_bytes: number of bytes, > 0.
-        sha256: for a model extent, its SHA-256 (checked when the plan is run with
-            ``verify_extents``); ``None`` for residual extents (the blob is hashed whole beforehand).
-        extent_index: position of the extent in its map, for error messages.
-    """
+    """Copy ``size_bytes`` (> 0) bytes of ``source`` at ``source_offset_bytes`` to ``offset_bytes`` of allocation
+    ``allocation_index``. ``sha256``: a model extent's digest (checked under ``verify_extents``), ``None`` for a
+    residual extent; ``extent_index``: its position in its map, for error messages."""
 
     source: SourceName
     source_offset_bytes: int
@@ -69,14 +50,8 @@ class CopyBackend(Protocol):
         *,
         verify_extents: bool,
     ) -> None:
-        """Copy every op's source bytes into its allocation.
-
-        Args:
-            ops: the plan, sorted by (source, source_offset_bytes); already verified to be in bounds
-                and disjoint.
-            sources: the file behind each source name.
-            allocations: the live allocations, ``allocations[i].index == i``.
-            verify_extents: hash each op that has a ``sha256`` while copying and compare.
+        """Copy every op's source bytes into its allocation (``ops`` sorted by source and offset, in bounds and
+        disjoint; ``allocations[i].index == i``; ``verify_extents``: hash each op with a ``sha256`` and compare).
 
         Raises:
             ExtentDigestMismatchError: ``verify_extents`` and a copied extent's SHA-256 differs.
@@ -85,10 +60,8 @@ class CopyBackend(Protocol):
         ...
 
     def read_chunks(self, allocation: LiveAllocation, offset_bytes: int, size_bytes: int) -> Iterator[memoryview]:
-        """Yield the allocation's bytes ``[offset_bytes, offset_bytes + size_bytes)`` as host memory.
-
-        Each chunk is valid until the next one is requested.
-        """
+        """Yield the allocation's bytes ``[offset_bytes, offset_bytes + size_bytes)`` as host memory (each chunk
+        valid until the next one is requested)."""
         ...
 
 

@@ -1,37 +1,15 @@
-"""The CUDA copy backend: allocations are device memory (CUDA virtual addresses), files reach them
-through pinned host staging buffers.
+"""The CUDA copy backend: allocations are device memory (CUDA virtual addresses), reached from files through
+pinned host staging buffers.
 
-Hydration (:meth:`CudaCopyBackend.fill`) is one pipeline:
-
-1. The plan's ops (sorted by source file and file offset) are cut into *chunks*: runs of one source
-   file up to ``chunk_bytes`` long (64 MiB by default). Consecutive ops whose bytes are close in the
-   file share a chunk, so one large read serves many extents of many allocations (the pack's
-   4 KiB padding is read along; a gap over ``max_gap_bytes`` starts a new chunk). An op larger than
-   a chunk is split over several chunks.
-2. ``staging_buffers`` pinned host buffers (2: double buffering) take turns. For chunk ``k`` the
-   pipeline waits on the event of the buffer's previous use (its copies to the device are done),
-   reads the chunk into it (``read_threads`` parallel ``preadv`` calls, GIL released), enqueues one
-   asynchronous host-to-device copy per piece on one stream (destinations in any allocation) and
-   records the buffer's event. Chunk ``k + 1`` is read while the DMA engine copies chunk ``k``.
-3. At the end the stream is synchronized; only then does :meth:`fill` return.
-
-Capture and materialization read device bytes back with :meth:`CudaCopyBackend.read_chunks`:
-device-to-host copies into three pinned buffers in turn, the next chunk copied while the caller
-hashes or writes the current one.
-
-The device is reached through :class:`DeviceOps`, a small Protocol with CUDA runtime semantics
-(pinned allocation, stream, event, asynchronous copies). :class:`CupyDeviceOps` implements it with
-cupy's runtime bindings (``cupy.cuda.runtime``; imported lazily, so this module imports without
-cupy). The CPU tests drive the same pipeline code through a host-memory implementation that keeps
-the asynchronous contract (copies happen at synchronization, a staging buffer overwritten while a
-copy from it is pending is detected).
-
-Sources of the facts used here: CUDA runtime API (``cudaMemcpyAsync``, ``cudaHostAlloc``,
-``cudaEventRecord``/``cudaEventSynchronize``; enum values ``cudaMemcpyHostToDevice = 1``,
-``cudaMemcpyDeviceToHost = 2``, ``cudaHostAllocPortable = 1``, ``cudaStreamNonBlocking = 1``,
-``cudaEventDisableTiming = 2``); cupy ``cupy_backends/cuda/api/runtime.pyx`` (the functions take and
-return plain integers); with unified virtual addressing a device address from vLLM's
-``CuMemAllocator`` can be filled through any host pointer (``docs/format.md`` §6.2).
+:meth:`CudaCopyBackend.fill` cuts the plan into chunks of one source file (:func:`plan_chunks`) and pipelines them
+through ``staging_buffers`` pinned buffers, one event each: chunk ``k + 1`` is read (``read_threads`` parallel
+``preadv`` calls) while the DMA engine copies chunk ``k``; it returns once the stream is synchronized.
+:meth:`CudaCopyBackend.read_chunks` copies device bytes back through :data:`READ_BUFFERS` pinned buffers in turn.
+The device is reached through :class:`DeviceOps` (CUDA runtime semantics): :class:`CupyDeviceOps` with
+``cupy.cuda.runtime`` (imported lazily), the CPU tests with a host-memory fake that keeps the asynchronous contract.
+Sources: the CUDA runtime API (``cudaMemcpyAsync``, ``cudaHostAlloc``, ``cudaEventRecord``; enum values in
+``driver_types.h``), cupy ``cupy_backends/cuda/api/runtime.pyx``; with unified virtual addressing a device address
+from vLLM's ``CuMemAllocator`` can be filled through any host pointer (``docs/format.md`` §6.2).
 """
 
 from __future__ import annotations
@@ -42,7 +20,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,8 +44,7 @@ DEFAULT_MAX_GAP_BYTES = 1 << 20
 """Two ops of one source share a chunk when the bytes between them are at most this many (1 MiB)."""
 
 READ_BUFFERS = 3
-"""Pinned buffers per :meth:`CudaCopyBackend.read_chunks` lane (the caller's chunk, the previous
-one it may still be finishing, and the one being copied)."""
+"""Pinned buffers per :meth:`CudaCopyBackend.read_chunks` lane (the caller's chunk, the previous one, the next)."""
 
 IO_ALIGNMENT_BYTES = 4096
 """File offset, length and buffer alignment of ``O_DIRECT`` reads (the pack's extent alignment)."""
@@ -84,11 +61,9 @@ CUDA_EVENT_DISABLE_TIMING = 2
 class DeviceOps(Protocol):
     """The device operations the copy pipeline needs, with CUDA runtime semantics.
 
-    Addresses are plain integers: host pointers for pinned buffers, CUDA virtual addresses for device
-    memory (unified addressing). Streams and events are opaque handles. Asynchronous copies are
-    ordered on their stream and may run at any time until the stream (or an event recorded after
-    them) is synchronized; their source must not change and their destination must not be read
-    until then. Every method raises (any exception) on failure.
+    Addresses are integers (host pointers, CUDA virtual addresses); streams and events are opaque handles. An
+    asynchronous copy may run at any time until its stream (or a later event) is synchronized: its source must not
+    change nor its destination be read until then. Every method raises (any exception) on failure.
     """
 
     device: int
@@ -129,17 +104,10 @@ class DeviceOps(Protocol):
 
 
 class CupyDeviceOps:
-    """:class:`DeviceOps` through ``cupy.cuda.runtime`` on one CUDA device.
-
-    Every call runs with ``device`` current (``cupy.cuda.Device``), so worker threads whose current
-    device is another one still record events on the right device.
-
-    Args:
-        device: the CUDA device ordinal (default: the calling thread's current device).
+    """:class:`DeviceOps` through ``cupy.cuda.runtime`` on CUDA device ``device`` (default: the current one).
 
     Raises:
-        ConfigurationError: cupy is not installed, or no CUDA device is usable (the driver or the
-            device is missing); the message says which.
+        ConfigurationError: cupy is not installed, or no CUDA device is usable; the message says which.
     """
 
     def __init__(self, device: int | None = None) -> None:
@@ -160,52 +128,42 @@ class CupyDeviceOps:
         if not 0 <= self.device < count:
             raise ConfigurationError(f"CUDA device {self.device} does not exist ({count} devices)")
 
-    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
-        return self._cupy.cuda.Device(self.device)
+    def _call(self, function: Callable[..., Any], *args: Any) -> Any:
+        with self._cupy.cuda.Device(self.device):  # so that a thread whose current device is another one is right
+            return function(*args)
 
     def alloc_pinned(self, size_bytes: int) -> int:
-        with self._on_device():
-            return int(self._rt.hostAlloc(size_bytes, CUDA_HOST_ALLOC_PORTABLE))
+        return int(self._call(self._rt.hostAlloc, size_bytes, CUDA_HOST_ALLOC_PORTABLE))
 
     def free_pinned(self, address: int) -> None:
-        with self._on_device():
-            self._rt.freeHost(address)
+        self._call(self._rt.freeHost, address)
 
     def create_stream(self) -> int:
-        with self._on_device():
-            return int(self._rt.streamCreateWithFlags(CUDA_STREAM_NON_BLOCKING))
+        return int(self._call(self._rt.streamCreateWithFlags, CUDA_STREAM_NON_BLOCKING))
 
     def destroy_stream(self, stream: int) -> None:
-        with self._on_device():
-            self._rt.streamDestroy(stream)
+        self._call(self._rt.streamDestroy, stream)
 
     def create_event(self) -> int:
-        with self._on_device():
-            return int(self._rt.eventCreateWithFlags(CUDA_EVENT_DISABLE_TIMING))
+        return int(self._call(self._rt.eventCreateWithFlags, CUDA_EVENT_DISABLE_TIMING))
 
     def destroy_event(self, event: int) -> None:
-        with self._on_device():
-            self._rt.eventDestroy(event)
+        self._call(self._rt.eventDestroy, event)
 
     def memcpy_htod_async(self, device_address: int, host_address: int, size_bytes: int, stream: int) -> None:
-        with self._on_device():
-            self._rt.memcpyAsync(device_address, host_address, size_bytes, CUDA_MEMCPY_HOST_TO_DEVICE, stream)
+        self._call(self._rt.memcpyAsync, device_address, host_address, size_bytes, CUDA_MEMCPY_HOST_TO_DEVICE, stream)
 
     def memcpy_dtoh_async(self, host_address: int, device_address: int, size_bytes: int, stream: int) -> None:
-        with self._on_device():
-            self._rt.memcpyAsync(host_address, device_address, size_bytes, CUDA_MEMCPY_DEVICE_TO_HOST, stream)
+        self._call(self._rt.memcpyAsync, host_address, device_address, size_bytes, CUDA_MEMCPY_DEVICE_TO_HOST, stream)
 
     def record_event(self, event: int, stream: int) -> None:
-        with self._on_device():
-            self._rt.eventRecord(event, stream)
+        self._call(self._rt.eventRecord, event, stream)
 
     def synchronize_event(self, event: int) -> None:
-        with self._on_device():
-            self._rt.eventSynchronize(event)
+        self._call(self._rt.eventSynchronize, event)
 
     def synchronize_stream(self, stream: int) -> None:
-        with self._on_device():
-            self._rt.streamSynchronize(stream)
+        self._call(self._rt.streamSynchronize, stream)
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -217,19 +175,9 @@ def cuda_unavailable_reason() -> str | None:
     return None
 
 
-# --- the plan: chunks of one source file -----------------------------------------------------------
-
-
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """The part of one op that one chunk carries.
-
-    Attributes:
-        op: the op.
-        op_offset_bytes: where the piece starts within the op.
-        chunk_offset_bytes: where the piece's bytes start within the chunk.
-        size_bytes: length.
-    """
+    """The ``size_bytes`` of ``op`` from ``op_offset_bytes`` that one chunk carries at ``chunk_offset_bytes``."""
 
     op: CopyOp
     op_offset_bytes: int
@@ -249,12 +197,8 @@ class Chunk:
 
 
 def plan_chunks(ops: Sequence[CopyOp], chunk_bytes: int, max_gap_bytes: int = DEFAULT_MAX_GAP_BYTES) -> list[Chunk]:
-    """Cut ``ops`` into chunks of at most ``chunk_bytes`` bytes of one source file.
-
-    The ops are taken in (source, source offset) order; identical pack extents (same offset) and
-    ops that are at most ``max_gap_bytes`` apart share a chunk. Every op byte is in exactly one
-    piece; the pieces of one op appear in op order.
-    """
+    """Cut ``ops`` into chunks of at most ``chunk_bytes`` bytes of one source file, in (source, offset) order: ops
+    at the same offset or at most ``max_gap_bytes`` apart share a chunk; each op byte is in one piece, in op order."""
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, not {chunk_bytes}")
     chunks: list[Chunk] = []
@@ -281,13 +225,23 @@ def plan_chunks(ops: Sequence[CopyOp], chunk_bytes: int, max_gap_bytes: int = DE
     return chunks
 
 
+def _release(ops: DeviceOps, stream: Any, buffers: list[int], events: list[Any]) -> None:
+    """Destroy ``events``, free ``buffers`` and destroy ``stream`` (unless ``None``), ignoring failures."""
+    for event in events:
+        with contextlib.suppress(Exception):
+            ops.destroy_event(event)
+    for address in buffers:
+        with contextlib.suppress(Exception):
+            ops.free_pinned(address)
+    if stream is not None:
+        with contextlib.suppress(Exception):
+            ops.destroy_stream(stream)
+
+
 def describe_op(op: CopyOp) -> str:
     """``model extent 3`` / ``residual extent 7``: how errors name an op."""
     kind = "model" if op.source == "pack" else "residual"
     return f"{kind} extent {op.extent_index}"
-
-
-# --- staging buffers and lanes ---------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -297,7 +251,6 @@ class _Lane:
     stream: Any
     buffers: list[int]
     events: list[Any]
-    buffer_bytes: int
     pending: list[bool]
 
 
@@ -309,14 +262,10 @@ class CudaCopyBackend:
         device: the CUDA device ordinal for the default ``ops``.
         chunk_bytes: bytes per hydration chunk (staging buffer size).
         staging_buffers: number of hydration staging buffers (2: double buffering).
-        read_threads: parallel ``preadv`` calls per chunk (default: usable CPUs, at most 8; reading
-            the page cache into pinned memory is a CPU copy that has to keep up with the DMA).
+        read_threads: parallel ``preadv`` calls per chunk (default: usable CPUs, at most 8).
         read_chunk_bytes: bytes per device-to-host copy in :meth:`read_chunks`.
-        max_read_lanes: concurrent :meth:`read_chunks` generators (each holds a stream and
-            :data:`READ_BUFFERS` pinned buffers of ``read_chunk_bytes``; default: usable CPUs, at
-            most 8, as capture hashes on every CPU); more callers wait.
-        direct_io: open sources with ``O_DIRECT`` (page cache bypass; falls back to buffered reads
-            where the file system refuses it).
+        max_read_lanes: concurrent :meth:`read_chunks` generators (default: usable CPUs, at most 8); more wait.
+        direct_io: open sources with ``O_DIRECT`` (buffered reads where the file system refuses it).
         max_gap_bytes: see :func:`plan_chunks`.
 
     The pinned buffers and streams are created on first use and kept until :meth:`close`.
@@ -364,8 +313,6 @@ class CudaCopyBackend:
             self._ops = CupyDeviceOps(self._device)
         return self._ops
 
-    # -- lanes --------------------------------------------------------------------------------------
-
     def _new_lane(self, count: int, buffer_bytes: int) -> _Lane:
         ops = self.ops
         buffers: list[int] = []
@@ -377,17 +324,9 @@ class CudaCopyBackend:
                 buffers.append(ops.alloc_pinned(buffer_bytes))
                 events.append(ops.create_event())
         except Exception as exc:
-            for address in buffers:
-                with contextlib.suppress(Exception):
-                    ops.free_pinned(address)
-            for event in events:
-                with contextlib.suppress(Exception):
-                    ops.destroy_event(event)
-            if stream is not None:
-                with contextlib.suppress(Exception):
-                    ops.destroy_stream(stream)
+            _release(ops, stream, buffers, events)
             raise CopyBackendError(f"allocating {count} pinned staging buffers of {buffer_bytes} bytes failed: {exc}") from exc
-        lane = _Lane(stream, buffers, events, buffer_bytes, [False] * count)
+        lane = _Lane(stream, buffers, events, [False] * count)
         self._all_lanes.append(lane)
         return lane
 
@@ -414,18 +353,10 @@ class CudaCopyBackend:
             self._read_lanes_created = 0
         if not lanes:
             return
-        ops = self.ops
         for lane in lanes:
             with contextlib.suppress(Exception):
-                ops.synchronize_stream(lane.stream)
-            for event in lane.events:
-                with contextlib.suppress(Exception):
-                    ops.destroy_event(event)
-            for address in lane.buffers:
-                with contextlib.suppress(Exception):
-                    ops.free_pinned(address)
-            with contextlib.suppress(Exception):
-                ops.destroy_stream(lane.stream)
+                self.ops.synchronize_stream(lane.stream)
+            _release(self.ops, lane.stream, lane.buffers, lane.events)
 
     def __enter__(self) -> CudaCopyBackend:
         return self
@@ -434,18 +365,20 @@ class CudaCopyBackend:
         self.close()
 
     def prepare(self) -> None:
-        """Allocate the hydration staging buffers and stream now (a sleep does this, so that the
-        wake does not pay for pinned allocation).
+        """Allocate the hydration staging buffers and stream now (a sleep does, so that the wake does not pay for it).
 
         Raises:
             ConfigurationError: the device operations cannot be created (cupy or the GPU missing).
             CopyBackendError: pinned allocation failed.
         """
-        with self._fill_lock, self._lock:
+        with self._fill_lock:
+            self._prepared_fill_lane()
+
+    def _prepared_fill_lane(self) -> _Lane:
+        with self._lock:
             if self._fill_lane is None:
                 self._fill_lane = self._new_lane(self.staging_buffers, self.chunk_bytes + 2 * IO_ALIGNMENT_BYTES)
-
-    # -- hydration ----------------------------------------------------------------------------------
+            return self._fill_lane
 
     def fill(
         self,
@@ -455,14 +388,12 @@ class CudaCopyBackend:
         *,
         verify_extents: bool,
     ) -> None:
-        """See :meth:`coldsnap_core.copy.base.CopyBackend.fill`.
+        """See :meth:`coldsnap_core.copy.base.CopyBackend.fill`; outstanding copies are drained before a raise.
 
         Raises:
-            CopyBackendError: a read failed or ended early, or a device copy failed; the message
-                names the extent (``model extent k`` / ``residual extent k``), and the error the
-                allocation and the offset within it. Outstanding copies are drained first.
-            ExtentDigestMismatchError: ``verify_extents`` and a model extent's staged bytes do not
-                have its SHA-256.
+            CopyBackendError: a read failed or ended early, or a device copy failed (names the extent, the
+                allocation and the offset).
+            ExtentDigestMismatchError: ``verify_extents`` and a model extent's staged bytes lack its SHA-256.
         """
         if not ops:
             return
@@ -472,10 +403,7 @@ class CudaCopyBackend:
     def _fill(
         self, chunks: list[Chunk], sources: Mapping[SourceName, Path], allocations: Sequence[LiveAllocation], verify_extents: bool
     ) -> None:
-        with self._lock:
-            if self._fill_lane is None:
-                self._fill_lane = self._new_lane(self.staging_buffers, self.chunk_bytes + 2 * IO_ALIGNMENT_BYTES)
-            lane = self._fill_lane
+        lane = self._prepared_fill_lane()
         device = self.ops
         hashes: dict[int, Any] = {}
         fds: dict[SourceName, tuple[int, bool]] = {}
@@ -635,18 +563,13 @@ class CudaCopyBackend:
             self.ops.synchronize_stream(lane.stream)
         lane.pending = [False] * len(lane.buffers)
 
-    # -- capture ------------------------------------------------------------------------------------
-
     def read_chunks(self, allocation: LiveAllocation, offset_bytes: int, size_bytes: int) -> Iterator[memoryview]:
         """Yield the allocation's bytes ``[offset_bytes, offset_bytes + size_bytes)`` in host memory,
-        ``read_chunk_bytes`` at a time.
+        ``read_chunk_bytes`` at a time, chunk ``k + 1`` copied while the caller uses chunk ``k``.
 
-        Device-to-host copies go into :data:`READ_BUFFERS` pinned buffers in turn; chunk ``k + 1`` is
-        copied while the caller uses chunk ``k``. A chunk stays valid until two further chunks have
-        been requested from the same generator, and the last chunk is a private copy that stays
-        valid: a consumer may keep using chunk ``k`` while it requests chunk ``k + 1`` (as
-        :class:`coldsnap_core._io.HashingWriter` does, hashing on a helper thread). Safe to call from
-        several threads (each active generator holds its own lane; at most ``max_read_lanes``).
+        A chunk stays valid until two further chunks are requested (the last one is a private copy), so a consumer
+        may hash chunk ``k`` on a helper thread while it requests ``k + 1``. Safe on several threads (each
+        generator holds one of at most ``max_read_lanes`` lanes).
 
         Raises:
             CopyBackendError: the range lies outside the allocation, or a device-to-host copy failed

@@ -1,39 +1,12 @@
 """The host-memory copy backend: allocations are plain process memory (CPU tensors' storages).
 
-Hydration reads each source range straight into its destination with ``os.preadv`` (one copy, from
-the page cache or the disk into the allocation; no staging buffer, no whole-pack read). The plan is
-cut into one *batch* per worker thread (``preadv`` and ``hashlib`` release the GIL), each batch read
-in source order:
-
-* without verification, the plan's bytes (model extents in pack order, then residual extents in blob
-  order) are split into ``threads`` contiguous runs of nearly equal size, cut at
-  ``chunk_bytes`` boundaries, so a single large extent (an embedding) is shared by every thread;
-* with ``verify_extents``, an extent's SHA-256 is a serial computation, so whole extents are dealt
-  to the threads largest first (each to the least loaded thread) and each is hashed right after its
-  bytes land, ``chunk_bytes`` at a time, while they are still in the CPU cache.
-
-Fresh destination memory is the main cost of a warm copy, so each chunk's destination is faulted
-in with one ``madvise(MADV_POPULATE_WRITE)`` right before it is read into (:func:`prefault_for_write`):
-the faults and the zeroing of fresh pages run on every worker thread, and one thread's faults overlap
-the other threads' copies. Faulting a thread's whole range first and then copying it made the 3.4 GB
-fill about 1.8 x slower here (2 cores), because the threads then all fault at once and all copy at
-once (``benchmarks/host_fill.py``). Before the threads start, the destination allocations' whole
-2 MiB pages are advised ``MADV_HUGEPAGE`` (:func:`advise_huge_pages`, one fault per 2 MiB page
-instead of per 4 KiB page) *only when that pays* (:func:`huge_pages_pay`):
-
-* the kernel must have free 2 MiB blocks for twice the destination bytes (:func:`free_huge_block_bytes`):
-  with transparent huge pages in ``madvise`` defrag mode an advised fault that finds no free 2 MiB
-  block compacts memory synchronously, and on a node whose memory is full of page cache that made a
-  3.4 GB fill 1.2 x slower than with 4 KiB pages;
-* the free blocks must still be backed by the host (:func:`free_page_reporting`): in a virtual
-  machine whose balloon device reports free pages (``VIRTIO_BALLOON_F_REPORTING``), the kernel hands
-  every free 2 MiB block back to the hypervisor, and an advised fault then pays 512 host faults in one
-  guest fault: a 3.4 GB fill took 2.5-3 x as long as with 4 KiB pages on such a machine.
-
-Where it pays (bare metal, free memory) the advice halves the fault cost at 269 MB. The bytes are
-still copied once, from the page cache into the allocation.
-
-A failure in one batch stops the others at their next chunk; the first error is raised.
+Hydration reads each source range straight into its destination with ``os.preadv`` (one copy; no staging buffer),
+on one batch per worker thread: without verification the plan's bytes are split evenly (:func:`split_even`), so a
+large extent is shared by every thread; with ``verify_extents`` whole extents are dealt largest first
+(:func:`deal_largest_first`) and each is hashed ``chunk_bytes`` at a time right after its bytes land. Each chunk's
+destination is faulted in just before it is read into (:func:`prefault_for_write`), so one thread's faults overlap
+the others' copies; huge pages are advised only when :func:`huge_pages_pay` (measurements: benchmarks/README.md,
+``host_fill.py``). A failure in one batch stops the others at their next chunk; the first error is raised.
 """
 
 from __future__ import annotations
@@ -74,14 +47,8 @@ _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 def advise_huge_pages(address: int, size_bytes: int) -> bool:
     """Advise ``MADV_HUGEPAGE`` on the whole 2 MiB pages inside ``[address, address + size_bytes)``.
 
-    Only the huge-page-aligned interior is advised: a huge page that straddled the range's ends
-    would also cover neighbouring memory that the caller does not own. Must run before the range is
-    first faulted (a page already mapped with 4 KiB pages stays so until ``khugepaged`` collapses
-    it). Faulting fresh memory in 2 MiB pages takes one fault and one zeroing per 512 base pages:
-    about 31 ms instead of about 58 ms for 269 MB here (``benchmarks/host_fill.py``). With
-    transparent huge pages in ``never`` mode, or for anonymous memory the kernel cannot back with
-    them, the advice changes nothing. Returns ``False`` when the range has no whole huge page or the
-    kernel refuses the advice (the copy then uses base pages as usual).
+    Only the aligned interior (a straddling huge page would cover memory the caller does not own), before the range
+    is first faulted. Returns ``False`` when the range has no whole huge page or the kernel refuses the advice.
     """
     start = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     end = (address + size_bytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
@@ -97,14 +64,8 @@ BUDDYINFO = Path("/proc/buddyinfo")
 def free_huge_block_bytes(buddyinfo: str | None = None) -> int | None:
     """Bytes of free memory the kernel holds in blocks of at least one huge page (2 MiB), all zones.
 
-    Args:
-        buddyinfo: the text of ``/proc/buddyinfo`` (read when ``None``): one line per zone,
-            ``Node N, zone NAME c0 c1 ... c10``, where ``ck`` counts free blocks of ``2**k`` base pages.
-
-    Returns:
-        The sum over zones and orders ``k`` with ``PAGE_BYTES << k >= 2 MiB`` of ``ck * (PAGE_BYTES << k)``,
-        or ``None`` when the file cannot be read or parsed (another kernel, a sandbox): the caller
-        then does not advise huge pages.
+    ``buddyinfo``: the text of ``/proc/buddyinfo`` (read when ``None``), lines ``Node N, zone NAME c0 ... c10`` where
+    ``ck`` counts free blocks of ``2**k`` base pages. ``None`` when it cannot be read or parsed.
     """
     try:
         text = BUDDYINFO.read_text() if buddyinfo is None else buddyinfo
@@ -123,8 +84,7 @@ def free_huge_block_bytes(buddyinfo: str | None = None) -> int | None:
 
 
 VIRTIO_DEVICES = Path("/sys/bus/virtio/devices")
-"""The virtio devices of this machine, one folder each with ``device`` and ``features`` files
-(``drivers/virtio/virtio.c``)."""
+"""The virtio devices, one folder each with ``device`` and ``features`` files (``drivers/virtio/virtio.c``)."""
 VIRTIO_ID_BALLOON = 5
 """The virtio device id of a memory balloon (``include/uapi/linux/virtio_ids.h``)."""
 VIRTIO_BALLOON_F_REPORTING = 5
@@ -134,13 +94,9 @@ VIRTIO_BALLOON_F_REPORTING = 5
 def free_page_reporting(devices: Path = VIRTIO_DEVICES) -> bool:
     """Whether a virtio balloon of this (virtual) machine reports free pages to the hypervisor.
 
-    With free page reporting (``mm/page_reporting.c``, order 9 = 2 MiB blocks by default), the guest
-    kernel tells the host about its free 2 MiB blocks a few seconds after they become free, and the
-    host discards their memory: the next fault into such a block is also a host page fault, 512 of
-    them per 2 MiB huge page. Reads ``devices/*/device`` (``0x0005`` for a balloon) and
-    ``devices/*/features`` (one ``0``/``1`` character per feature bit, bit 0 first, as
-    ``drivers/virtio/virtio.c`` prints it). Returns ``False`` where there is no such device or the
-    files cannot be read (bare metal, another hypervisor, a sandbox).
+    Then the host discards free 2 MiB blocks (``mm/page_reporting.c``) and a huge-page fault costs 512 host faults.
+    Reads ``devices/*/device`` (``0x0005``: a balloon) and ``devices/*/features`` (one ``0``/``1`` per feature bit,
+    bit 0 first); ``False`` where there is no such device or the files cannot be read.
     """
     try:
         folders = sorted(devices.iterdir())
@@ -158,14 +114,8 @@ def free_page_reporting(devices: Path = VIRTIO_DEVICES) -> bool:
 
 
 def huge_pages_pay(destination_bytes: int, free_block_bytes: int | None, *, page_reporting: bool = False) -> bool:
-    """Whether advising huge pages on ``destination_bytes`` of fresh memory is expected to pay.
-
-    True when the kernel's free 2 MiB blocks (:func:`free_huge_block_bytes`) cover at least twice
-    the destination (the faults then take free blocks instead of compacting memory synchronously;
-    the factor leaves the kernel its watermarks and the blocks other processes take meanwhile) and
-    the free blocks are not handed back to a hypervisor (``page_reporting``, :func:`free_page_reporting`),
-    where a huge-page fault costs 512 host faults at once.
-    """
+    """Whether advising huge pages on ``destination_bytes`` of fresh memory is expected to pay: the free 2 MiB
+    blocks cover twice the destination (no synchronous compaction) and are not reported to a hypervisor."""
     if page_reporting:
         return False
     return free_block_bytes is not None and destination_bytes > 0 and 2 * destination_bytes <= free_block_bytes
@@ -174,11 +124,8 @@ def huge_pages_pay(destination_bytes: int, free_block_bytes: int | None, *, page
 def prefault_for_write(address: int, size_bytes: int) -> bool:
     """Fault in the pages under ``[address, address + size_bytes)`` for writing, in one system call.
 
-    A fresh allocation's first write takes one page fault per 4 KiB page; ``MADV_POPULATE_WRITE``
-    maps the whole range in one call, which made a copy into fresh memory about 20 % faster
-    (``benchmarks/vllm_load.py``). It never changes the bytes already there, so the partial pages at
-    either end (shared with neighbouring memory) are safe to include. Returns ``False`` where the
-    kernel does not support it (older than 5.14) or refuses the range; the copy then faults as usual.
+    It never changes the bytes there, so the partial pages at either end are safe to include. ``False`` where the
+    kernel lacks it (older than 5.14) or refuses the range; the copy then faults as usual.
     """
     if size_bytes <= 0:
         return True
@@ -188,10 +135,7 @@ def prefault_for_write(address: int, size_bytes: int) -> bool:
 
 
 def host_view(address: int, size_bytes: int) -> memoryview:
-    """A writable byte view of ``size_bytes`` bytes of this process's memory at ``address``.
-
-    The caller keeps the memory alive and in bounds; ``address`` is a raw pointer (no checks).
-    """
+    """A writable byte view of ``size_bytes`` bytes of this process's memory at ``address`` (a raw pointer)."""
     if size_bytes == 0:
         return memoryview(bytearray(0))
     return memoryview((ctypes.c_char * size_bytes).from_address(address)).cast("B")
@@ -207,12 +151,8 @@ class _Piece:
 
 
 def split_even(ops: Sequence[CopyOp], parts: int, align_bytes: int) -> list[list[_Piece]]:
-    """Cut the concatenation of ``ops`` into at most ``parts`` contiguous runs of nearly equal size.
-
-    A cut inside an op falls ``k * align_bytes`` bytes after the op's start, so every read starts on
-    an aligned source offset when the op does (pack extents start on 4096-byte boundaries). Runs
-    differ in size by at most about ``align_bytes``; empty runs are dropped.
-    """
+    """Cut the concatenation of ``ops`` into at most ``parts`` contiguous runs of nearly equal size, each cut
+    inside an op ``k * align_bytes`` after its start (aligned reads); empty runs are dropped."""
     total = sum(op.size_bytes for op in ops)
     target = max(1, -(-total // max(1, parts)))
     batches: list[list[_Piece]] = [[]]
@@ -248,16 +188,13 @@ class HostCopyBackend:
     """Copy backend for allocations in host memory.
 
     Args:
-        threads: worker threads for :meth:`fill` (default: the number of usable CPUs, at most
-            :data:`MAX_DEFAULT_THREADS`).
-        chunk_bytes: bytes per read call and per hash update, > 0 (default 4 MiB).
-        huge_pages: advise ``MADV_HUGEPAGE`` on the destinations before faulting them: ``None``
-            (default) when :func:`huge_pages_pay` says so for this fill, ``True`` always, ``False`` never.
+        threads: worker threads for :meth:`fill` (default: the usable CPUs, at most :data:`MAX_DEFAULT_THREADS`).
+        chunk_bytes: bytes per read call and per hash update, > 0.
+        huge_pages: advise ``MADV_HUGEPAGE`` on the destinations: ``None`` when :func:`huge_pages_pay`, else always/never.
     """
 
     name = "host"
     stable_chunks = True
-    """:meth:`read_chunks` yields zero-copy views of the allocations (``coldsnap_core.copy.base``)."""
 
     def __init__(
         self, *, threads: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, huge_pages: bool | None = None
@@ -330,64 +267,48 @@ class HostCopyBackend:
         stop: threading.Event,
     ) -> None:
         for piece in batch:
-            if stop.is_set():
-                return
-            self._copy_piece(piece, fds, sources, allocations, verify, stop)
-
-    def _copy_piece(
-        self,
-        piece: _Piece,
-        fds: Mapping[SourceName, int],
-        sources: Mapping[SourceName, Path],
-        allocations: Sequence[LiveAllocation],
-        verify: bool,
-        stop: threading.Event,
-    ) -> None:
-        op = piece.op
-        allocation = allocations[op.allocation_index]
-        destination_address = allocation.address + op.offset_bytes + piece.skip_bytes
-        destination = host_view(destination_address, piece.size_bytes)
-        digest = hashlib.sha256() if verify and op.sha256 is not None else None
-        fd = fds[op.source]
-        source_offset = op.source_offset_bytes + piece.skip_bytes
-        done = 0
-        while done < piece.size_bytes:
-            if stop.is_set():
-                return
-            view = destination[done : done + self.chunk_bytes]
-            # Fault this chunk in now, not the whole piece up front: the other threads copy while
-            # this one faults (see the module docstring).
-            prefault_for_write(destination_address + done, len(view))
-            try:
-                n = os.preadv(fd, [view], source_offset + done)
-            except OSError as exc:
-                raise CopyBackendError(
-                    f"reading the {op.source} at offset {source_offset + done} failed: {exc}",
+            op = piece.op
+            destination_address = allocations[op.allocation_index].address + op.offset_bytes + piece.skip_bytes
+            destination = host_view(destination_address, piece.size_bytes)
+            digest = hashlib.sha256() if verify and op.sha256 is not None else None
+            source_offset = op.source_offset_bytes + piece.skip_bytes
+            done = 0
+            while done < piece.size_bytes:
+                if stop.is_set():
+                    return
+                view = destination[done : done + self.chunk_bytes]
+                # Fault this chunk in now, not the whole piece up front: the other threads copy while
+                # this one faults (see the module docstring).
+                prefault_for_write(destination_address + done, len(view))
+                try:
+                    n = os.preadv(fds[op.source], [view], source_offset + done)
+                except OSError as exc:
+                    raise CopyBackendError(
+                        f"reading the {op.source} at offset {source_offset + done} failed: {exc}",
+                        file=sources[op.source],
+                        allocation=op.allocation_index,
+                        offset_bytes=op.offset_bytes + piece.skip_bytes + done,
+                    ) from exc
+                if n == 0:
+                    raise CopyBackendError(
+                        f"the {op.source} ends at offset {source_offset + done}, inside {op.source} extent {op.extent_index}",
+                        file=sources[op.source],
+                        allocation=op.allocation_index,
+                        offset_bytes=op.offset_bytes + piece.skip_bytes + done,
+                    )
+                if digest is not None:
+                    digest.update(view[:n])
+                done += n
+            if digest is not None and digest.hexdigest() != op.sha256:
+                raise ExtentDigestMismatchError(
+                    f"model extent {op.extent_index} has SHA-256 {digest.hexdigest()} after copying, the manifest records {op.sha256}",
                     file=sources[op.source],
                     allocation=op.allocation_index,
-                    offset_bytes=op.offset_bytes + piece.skip_bytes + done,
-                ) from exc
-            if n == 0:
-                raise CopyBackendError(
-                    f"the {op.source} ends at offset {source_offset + done}, inside {op.source} extent {op.extent_index}",
-                    file=sources[op.source],
-                    allocation=op.allocation_index,
-                    offset_bytes=op.offset_bytes + piece.skip_bytes + done,
+                    offset_bytes=op.offset_bytes,
                 )
-            if digest is not None:
-                digest.update(view[:n])
-            done += n
-        if digest is not None and digest.hexdigest() != op.sha256:
-            raise ExtentDigestMismatchError(
-                f"model extent {op.extent_index} has SHA-256 {digest.hexdigest()} after copying, the manifest records {op.sha256}",
-                file=sources[op.source],
-                allocation=op.allocation_index,
-                offset_bytes=op.offset_bytes,
-            )
 
     def read_chunks(self, allocation: LiveAllocation, offset_bytes: int, size_bytes: int) -> Iterator[memoryview]:
-        """Zero-copy views of the allocation's bytes ``[offset_bytes, offset_bytes + size_bytes)``,
-        ``chunk_bytes`` at a time (each valid while the allocation lives).
+        """Zero-copy views of the allocation's bytes ``[offset_bytes, offset_bytes + size_bytes)``, ``chunk_bytes`` each.
 
         Raises:
             CopyBackendError: the range is not within the allocation.
