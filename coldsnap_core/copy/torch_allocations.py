@@ -1,16 +1,9 @@
 """Portable allocations: a torch module's parameter and buffer storages, in a deterministic order.
 
-At the portable capture point (``docs/format.md`` §6.1) an *allocation* is one
-``torch.UntypedStorage`` that hosts at least one of the module's parameters or buffers. The order is
-the order in which :meth:`torch.nn.Module.named_parameters` and then
-:meth:`torch.nn.Module.named_buffers` (both with ``remove_duplicate=False``) first reach a storage, so
-the same model built the same way enumerates the same allocations in the same order in any process
-on any node, and its :meth:`~coldsnap_core.format.allocation.AllocationMap.layout_fingerprint` is
-the same. A tensor that shares a storage with an earlier one (a tied weight such as ``lm_head.weight``
-and ``embed_tokens.weight``, a view, an alias) is listed as a further tensor of that allocation.
-
-Engine neutral: the vLLM loader and the SGLang loader both enumerate their models with
-:func:`enumerate_allocations`; nothing here knows what a weight means.
+At the portable capture point (``docs/format.md`` §6.1) an *allocation* is one ``torch.UntypedStorage`` hosting
+at least one parameter or buffer, in the order ``named_parameters`` and then ``named_buffers`` (both with
+``remove_duplicate=False``) first reach it, so the same model built the same way has the same allocations and
+layout fingerprint anywhere. A tensor sharing an earlier storage (a tied weight, a view) is a further tensor of it.
 """
 
 from __future__ import annotations
@@ -42,13 +35,11 @@ class TorchAllocations:
     """A module's parameter and buffer storages as allocations.
 
     Attributes:
-        allocation_map: the layout (index, size, tag, hosted tensors); ``address`` is ``None``
-            (host and device addresses mean nothing in another process).
+        allocation_map: the layout (index, size, tag, hosted tensors); ``address`` is ``None``.
         live: the allocations' current addresses (``UntypedStorage.data_ptr()``) and sizes, by index.
         device: the device every allocation lives on.
-        storages: the storages themselves, by index. Holding this object keeps them alive, so the
-            addresses in ``live`` stay valid even if the engine drops the tensors (vLLM's CPU
-            post-processing replaces every linear weight).
+        storages: the storages, by index, kept alive so the addresses in ``live`` stay valid even if the engine
+            drops the tensors (vLLM's CPU post-processing replaces every linear weight).
     """
 
     allocation_map: AllocationMap
@@ -70,13 +61,8 @@ class TorchAllocations:
         return self.live == other.live and self.allocation_map == other.allocation_map
 
     def locate(self, address: int, size_bytes: int) -> Iterator[tuple[int, int, int]]:
-        """Split the absolute byte range ``[address, address + size_bytes)`` over the allocations.
-
-        Yields:
-            ``(allocation index, offset_bytes within it, size_bytes)`` for every part of the range
-            that lies inside an allocation, in address order; parts outside every allocation
-            (memory that is not a model allocation) are skipped.
-        """
+        """Split the absolute byte range ``[address, address + size_bytes)`` over the allocations: yield
+        ``(allocation index, offset_bytes, size_bytes)`` per part inside one, in address order (the rest is skipped)."""
         end = address + size_bytes
         order, starts = self._by_address
         position = max(0, bisect.bisect_right(starts, address) - 1)
@@ -105,30 +91,22 @@ def _placement(name: str, tensor: torch.Tensor) -> TensorPlacement:
 _DTYPE_NAMES: dict[torch.dtype, str] = {
     dtype: dtype_name(dtype) for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)
 }
-"""Each torch dtype's name, computed once (``str(dtype)`` for every tensor was a tenth of an enumeration)."""
+"""Each torch dtype's name, computed once."""
 
 
 def enumerate_allocations(module: torch.nn.Module) -> TorchAllocations:
-    """Enumerate ``module``'s parameter and buffer storages (see the module docstring for the order).
+    """Enumerate ``module``'s parameter and buffer storages (order: the module docstring).
 
-    Args:
-        module: any ``torch.nn.Module`` whose parameters and buffers are dense tensors on one device.
-
-    Returns:
-        The allocations; allocation ``i`` is the ``i``-th distinct storage reached. Its tag is
-        ``parameter`` or ``buffer`` after the first tensor that reached it; its tensors are every
-        parameter and buffer name hosted by it, in enumeration order, with dtype, shape, stride (in
-        elements) and byte offset within the storage.
+    Allocation ``i`` is the ``i``-th distinct storage reached, tagged ``parameter`` or ``buffer`` by its first
+    tensor, hosting every tensor name on it in enumeration order (dtype, shape, stride in elements, byte offset).
 
     Raises:
-        ObserverError: a tensor is on the meta device or has no storage (a tensor subclass without
-            data), tensors live on more than one device, a dtype has no entry in
-            :data:`~coldsnap_core.format.allocation.DTYPE_ITEMSIZE_BYTES`, or two distinct storages
-            overlap in memory (hydrating one would write into the other).
+        ObserverError: a tensor is on the meta device or has no storage (a tensor subclass without data), tensors
+            live on more than one device, a dtype has no entry in
+            :data:`~coldsnap_core.format.allocation.DTYPE_ITEMSIZE_BYTES`, or two storages overlap in memory.
     """
-    # vLLM's parameters (BasevLLMParameter, vllm/model_executor/parameter.py) override
-    # __torch_function__, so every shape, stride and storage query below would run Python code of
-    # theirs; none changes what these queries return. Measured in a SmolLM2-135M engine: 15 ms -> 6 ms.
+    # vLLM's parameters (vllm/model_executor/parameter.py) override __torch_function__, which would run their
+    # Python code on every query below without changing what it returns.
     with torch._C.DisableTorchFunctionSubclass():
         return _enumerate(module)
 
@@ -184,12 +162,10 @@ def _enumerate(module: torch.nn.Module) -> TorchAllocations:
 
 
 def _named_tensors(module: torch.nn.Module) -> list[tuple[str, str, torch.Tensor]]:
-    """``(tag, name, tensor)`` for ``module.named_parameters(remove_duplicate=False)``, then
-    ``module.named_buffers(remove_duplicate=False)``, in their order.
+    """``(tag, name, tensor)`` of ``named_parameters`` then ``named_buffers`` (``remove_duplicate=False``), in order.
 
-    Each of those walks ``named_modules`` (``torch/nn/modules/module.py``, ``Module._named_members``); one walk
-    collecting both gives the same names in the same order at half the cost (a 30-layer model: about 2 ms
-    less). A module that overrides either method, or ``_named_members``, is asked through the methods.
+    Both walk ``named_modules`` (``torch/nn/modules/module.py``, ``Module._named_members``): one walk collects both.
+    A module that overrides either method, or ``_named_members``, is asked through the methods.
     """
     base = torch.nn.Module
     cls = type(module)

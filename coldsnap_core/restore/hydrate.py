@@ -1,33 +1,11 @@
 """Two-source hydration: fill live allocations from the shared pack and the worker's residual blob.
 
-Order of work (``docs/format.md`` §7, the ``hydrate`` entries):
-
-1. every manifest rule (:func:`coldsnap_core.format.verify.check_manifest`): disjoint maps that cover every
-   byte, canonical pack and blob layout, the pack path derived from the digest;
-2. the live layout: fingerprint and every allocation's size (:func:`check_live_layout`);
-3. the residual blob: size, then SHA-256 (usually small, so a bad blob is found before a long pack
-   verification);
-4. the pack: admitted by the node-local cache (size, then the validation record or a full SHA-256;
-   a corrupt object is quarantined), and its padding read and required to be zero;
-5. only then the copy plan runs through the copy backend (large reads straight into the
-   destinations; never the whole pack in memory), optionally re-hashing every model extent.
-
-If any check fails nothing is written. If the copy itself fails, the allocations hold a mixture and
-the caller must not report the restore as done (vLLM ``auto`` falls back to the normal load, which
-overwrites every byte).
-
-**Who is wrong when bytes disagree after admission.** The pack is content addressed, so its file
-SHA-256 decides. When the padding check (step 4) or a per-extent SHA-256 (``verify_extents``, step 5)
-fails on an admitted pack, the pack is verified once more in full, ignoring its validation record:
-
-* its file SHA-256 differs from its name: the object was corrupted in a way the record cannot see;
-  it is quarantined (``quarantined_to`` on the error) and the original error is raised;
-* it matches, but the manifest's layout or an extent digest does not: the manifest is wrong
-  (:class:`~coldsnap_core.errors.ManifestPaddingError`,
-  :class:`~coldsnap_core.errors.ManifestExtentDigestError`, exit code 2); the pack stays;
-* everything matches: the bytes changed while they were copied or in the destination
-  (:class:`~coldsnap_core.errors.CopyBackendError`), or the pack changed while its padding was read
-  (the padding error is raised as found); the pack stays.
+Order of work (``docs/format.md`` §7, "Order of checks", the ``hydrate`` entries): every manifest rule, the live
+layout, the residual blob (size, then SHA-256), the pack's admission by the node-local cache and its padding; only
+then the copy plan runs through the copy backend, optionally re-hashing every model extent. If a check fails nothing
+is written; if the copy fails the allocations hold a mixture and must not be reported restored. A padding or
+extent that disagrees on an admitted pack is judged by verifying the pack in full (§7: a wrong file SHA-256
+quarantines it; else the manifest is wrong, or the copy is to blame).
 """
 
 from __future__ import annotations
@@ -71,14 +49,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class AdmittedPack:
-    """A pack the caller already admitted, with the layout it checked: proof that steps 1, 2 and the
-    admission of step 4 (see the module docstring) are done, so :func:`hydrate_admitted` does not repeat them.
-
-    Attributes:
-        path: the admitted object path (:meth:`coldsnap_core.cache.payload_cache.PayloadCache.admit`).
-        layout: the pack's canonical layout (:func:`coldsnap_core.format.verify.check_manifest`), with the
-            live layout checked against the manifest (:func:`coldsnap_core.format.verify.check_live_layout`).
-    """
+    """A pack the caller already admitted at ``path`` (:meth:`~coldsnap_core.cache.payload_cache.PayloadCache.admit`),
+    with its canonical ``layout``: the manifest rules, the live layout and the admission are done."""
 
     path: Path
     layout: PackLayout
@@ -86,14 +58,8 @@ class AdmittedPack:
 
 @dataclass(frozen=True, slots=True)
 class HydrationReport:
-    """What a hydration did.
-
-    Attributes:
-        model_bytes: bytes copied from the pack (counting every destination).
-        residual_bytes: bytes copied from the blob.
-        check_seconds: time spent on checks before the first byte was written.
-        copy_seconds: time spent copying.
-    """
+    """What a hydration did: bytes copied from the pack (every destination counted) and the blob, seconds spent on
+    checks before the first byte was written and copying."""
 
     model_bytes: int
     residual_bytes: int
@@ -128,43 +94,23 @@ def hydrate(
 ) -> HydrationReport:
     """Verify everything, then fill ``allocations`` from the pack and the blob.
 
-    Args:
-        manifest: the worker's native manifest.
-        blob_path: the worker's ``weights.blob``.
-        cache: the node-local cache holding the pack (already staged there).
-        allocations: the live allocations, ``allocations[i].index == i``.
-        backend: the copy backend for the allocations' memory.
-        live_layout: the live model's allocation map, to compare fingerprints (``None`` compares
-            sizes only).
-        verify_extents: also hash every model extent right after its bytes land (on the backend's
-            threads; catches bytes that changed under a still-valid validation record, e.g. bit rot
-            on the device, which no inode field shows).
-        manifest_file: the manifest's path, for error messages.
-
-    Returns:
-        What was copied (bytes from each source, counting every destination of a deduplicated
-        extent) and how long the checks and the copy took.
+    ``allocations[i].index == i``; ``live_layout``: the live allocation map, to compare fingerprints (``None``:
+    sizes only); ``verify_extents``: hash every model extent right after its bytes land (bytes that changed under a
+    still-valid validation record); ``manifest_file``: the manifest's path, for error messages.
 
     Raises:
-        ManifestError: a manifest rule or the live layout check failed (nothing written):
-            :class:`~coldsnap_core.errors.LayoutMismatchError`,
-            :class:`~coldsnap_core.errors.AllocationSizeMismatchError`,
-            :class:`~coldsnap_core.errors.ExtentOrderError`, ``ExtentBoundsError``,
-            ``ExtentOverlapError``, ``CoverageGapError``, ``PackLayoutError``, ``ResidualLayoutError``.
+        ManifestError: a manifest rule or the live layout check failed (nothing written): ``LayoutMismatchError``,
+            ``AllocationSizeMismatchError``, ``ExtentOrderError``, ``ExtentBoundsError``, ``ExtentOverlapError``,
+            ``CoverageGapError``, ``PackLayoutError``, ``ResidualLayoutError``.
         IntegrityError: the pack or blob is corrupt (nothing written): ``PackPathMismatchError``,
-            ``PackSizeMismatchError``, ``PackDigestMismatchError`` (the object is quarantined),
-            ``NonZeroPaddingError`` (the object is quarantined), ``ResidualSizeMismatchError``,
-            ``ResidualDigestMismatchError``; or ``ExtentDigestMismatchError`` from
-            ``verify_extents`` (the object is quarantined; the allocations are then partly written
-            and must not be reported as restored). A quarantine sets ``quarantined_to`` on the error.
-        ManifestPaddingError / ManifestExtentDigestError: the pack is intact but the manifest's
-            layout or an extent digest is wrong (the pack is kept; after ``verify_extents`` the
-            allocations are partly written).
-        MissingObjectError: the pack or blob is missing (nothing written).
-        NotRegularFileError / FileAccessError: the blob or pack is not a regular file, or cannot be
-            read (nothing written).
-        CopyBackendError: a read failed during the copy, or a copied extent changed on its way
-            while the pack verifies in full (partly written).
+            ``PackSizeMismatchError``, ``PackDigestMismatchError`` and ``NonZeroPaddingError`` (quarantined),
+            ``ResidualSizeMismatchError``, ``ResidualDigestMismatchError``; or ``ExtentDigestMismatchError`` from
+            ``verify_extents`` (quarantined; partly written). A quarantine sets ``quarantined_to`` on the error.
+        ManifestPaddingError / ManifestExtentDigestError: the pack is intact but the manifest is wrong (kept).
+        MissingObjectError, NotRegularFileError, FileAccessError: the blob or pack is missing, not a regular
+            file or unreadable (nothing written).
+        CopyBackendError: a read failed during the copy, or a copied extent changed on its way while the pack
+            verifies in full (partly written).
     """
     started = time.perf_counter()
     layout = check_manifest(manifest, file=manifest_file)
@@ -197,14 +143,8 @@ def hydrate_admitted(
     verify_extents: bool = False,
     manifest_file: str | None = None,
 ) -> HydrationReport:
-    """:func:`hydrate` of a pack the caller already admitted, after checking every manifest rule and the
-    live layout (:class:`coldsnap_core.restore.pipeline.WorkerRestore` does, once each): steps 1, 2 and the
-    admission are not repeated; the blob, the padding and the copy run as in :func:`hydrate`. The
-    padding is not read again when the admission just checked the pack against ``admitted.layout``
-    (that check read every padding byte of the same inode).
-
-    Returns and raises: as :func:`hydrate`, but for the manifest and live layout errors of steps 1 and 2.
-    """
+    """:func:`hydrate` of a pack the caller admitted after checking the manifest rules and the live layout: the
+    blob, the padding (not when the admission just read it on this inode) and the copy; raises as :func:`hydrate`."""
     return _verify_and_fill(
         manifest,
         admitted.layout,
@@ -227,8 +167,8 @@ def hydrate_residual(
     backend: CopyBackend,
     pack_seconds: float,
 ) -> HydrationReport:
-    """After a one-pass fetch (:class:`coldsnap_core.restore.staging.LandedFill`) copied and verified every model
-    extent and committed the pack in ``pack_seconds``: verify the residual blob (size, SHA-256) and copy its extents.
+    """After a one-pass fetch (:class:`~coldsnap_core.restore.staging.LandedFill`) filled every model extent in
+    ``pack_seconds``: verify the residual blob (size, SHA-256) and copy its extents.
 
     Raises:
         ResidualSizeMismatchError, ResidualDigestMismatchError, MissingObjectError, NotRegularFileError,
@@ -245,17 +185,21 @@ def hydrate_residual(
         except ColdsnapError as exc:
             exc.renaming_file({opened: str(blob_path)})
             raise
-    report = HydrationReport(
-        manifest.model_bytes, manifest.residual_bytes, checked - started, pack_seconds + time.perf_counter() - checked
-    )
+    return _reported(manifest, checked - started, pack_seconds + time.perf_counter() - checked, fetched=True)
+
+
+def _reported(manifest: NativeManifest, check_seconds: float, copy_seconds: float, *, fetched: bool) -> HydrationReport:
+    """The report of a finished hydration of ``manifest``, logged at INFO (``fetched``: in one pass with the fetch)."""
+    report = HydrationReport(manifest.model_bytes, manifest.residual_bytes, check_seconds, copy_seconds)
     logger.info(
-        "coldsnap: hydrated %s: %d bytes from pack %s as it was fetched, %d from the residual blob (checks %.3f s,"
-        " fetch and copy %.3f s)",
+        "coldsnap: hydrated %s: %d bytes from pack %s%s, %d from the residual blob (checks %.3f s, %s %.3f s)",
         manifest.worker.capsule_name,
         report.model_bytes,
         manifest.pack.sha256[:12],
+        " as it was fetched" if fetched else "",
         report.residual_bytes,
         report.check_seconds,
+        "fetch and copy" if fetched else "copy",
         report.copy_seconds,
     )
     return report
@@ -274,9 +218,8 @@ def _verify_and_fill(
     manifest_file: str | None,
     started: float,
 ) -> HydrationReport:
-    """Steps 3 to 5 of the module docstring: verify the blob, take the admitted pack (``admit()``, called
-    with the blob open), check its padding unless the admission verified this inode against ``layout``,
-    then copy. Raises as :func:`hydrate`."""
+    """Verify the blob, take the admitted pack (``admit()``, with the blob open), check its padding unless the
+    admission verified this inode against ``layout``, then copy. Raises as :func:`hydrate`."""
     # The blob and the pack are each opened once: what is verified below is what the backend copies,
     # through /proc/self/fd/<n>, even if another process renames other bytes onto either path meanwhile.
     with pinned_file(blob_path, "residual blob") as blob_opened:
@@ -299,23 +242,11 @@ def _verify_and_fill(
                 if not isinstance(exc, ExtentDigestMismatchError):
                     raise
                 _raise_judged(exc, cache, manifest, layout, pack_path, manifest_file)
-    done = time.perf_counter()
-    report = HydrationReport(manifest.model_bytes, manifest.residual_bytes, checked - started, done - checked)
-    logger.info(
-        "coldsnap: hydrated %s: %d bytes from pack %s, %d from the residual blob (checks %.3f s, copy %.3f s)",
-        manifest.worker.capsule_name,
-        report.model_bytes,
-        manifest.pack.sha256[:12],
-        report.residual_bytes,
-        report.check_seconds,
-        report.copy_seconds,
-    )
-    return report
+    return _reported(manifest, checked - started, time.perf_counter() - checked, fetched=False)
 
 
 def _require_admitted_inode(cache: PayloadCache, digest: str, pack_path: Path, opened: str) -> None:
-    """The pack held open at ``opened`` must be the inode that admission accepted (verified or trusted),
-    not another file renamed onto ``pack_path`` since.
+    """The pack held open at ``opened`` must be the inode admission accepted, not one renamed onto ``pack_path`` since.
 
     Raises:
         CacheError: the open file is not the admitted one (nothing is copied).
@@ -336,8 +267,7 @@ def _raise_judged(
     pack_path: Path,
     manifest_file: str | None,
 ) -> NoReturn:
-    """Raise what :func:`_judge_admitted_pack` makes of ``found``: ``found`` itself, or the judged error
-    chained to it."""
+    """Raise what :func:`_judge_admitted_pack` makes of ``found``: itself, or the judged error chained to it."""
     judged = _judge_admitted_pack(found, cache, manifest, layout, pack_path, manifest_file)
     if judged is found:
         raise found
@@ -352,8 +282,7 @@ def _judge_admitted_pack(
     pack_path: Path,
     manifest_file: str | None,
 ) -> ColdsnapError:
-    """After an admitted pack's padding or a copied extent disagreed with the manifest: verify the
-    pack in full (no record) and return the error to raise (see the module docstring)."""
+    """After an admitted pack's padding or a copied extent disagreed: verify the pack in full, return the error."""
     digest = manifest.pack.sha256
     try:
         verify_pack_file(pack_path, manifest.pack, layout, extent_owner=extent_owner_map(manifest), manifest_file=manifest_file)

@@ -1,51 +1,13 @@
 """Restore one worker's weights from its pack and residual blob (the portable capture point).
 
-Engine neutral: the vLLM loader (``coldsnap_vllm.loader``) and the SGLang loader
-(``coldsnap_sglang.loader``) both call :func:`restore_or_fall_back` instead of reading the checkpoint,
-after the engine built the model and before its post-processing (vLLM
-``DefaultModelLoader.load_weights`` runs before ``process_weights_after_loading``; SGLang
-``DefaultModelLoader.load_weights_and_postprocess``), so the engine's own post-processing then runs as
-usual. :class:`WorkerRestore` is one linear pipeline; every check runs once and hands its result to
-the next step, each step raises a :class:`~coldsnap_core.errors.ColdsnapError` subclass, and nothing
-is written into the model before step 7 (or the fetch of step 6, which fills the model as the pack lands):
-
-1. **read**: ``artifact.json`` lists this worker (role, rank, world size, tensor parallel rank and
-   size); its unit capsule's manifests match their pins in ``artifact.json`` (size and SHA-256), parse
-   and agree; the folder, the manifests and the entry name this worker; it names the pack
-   ``artifact.json`` names and was taken at the portable capture point; every model extent comes from
-   a checkpoint file of the model identity;
-2. **qualify**: the capsule's residual qualifies for this target (:meth:`WorkerRestore.qualify`,
-   :func:`coldsnap_core.restore.overlay.select_capsule`: engine, engine version, torch and its CUDA version,
-   device type, accelerator model and NVIDIA driver equal to the ones ``target.json`` records, else
-   this node's target-local overlay for exactly this target): a capsule captured by another engine or
-   another runtime stops here, before its layout is compared (``docs/format.md`` §15); the pack is
-   never refused for this (model bytes are target independent);
-3. **identity**: the model being loaded is the captured one
-   (:func:`coldsnap_core.identity.model_identity.check_model_identity`: a Hugging Face repository by id and
-   resolved commit, a local folder by content; the engine's model configuration by digest), before the layout,
-   so another model (another layer count, another fine-tune) is named by both models' sources and configuration;
-4. **layout**: the live model's allocations have the captured layout (fingerprint, then every size):
-   the same model built another way (dtype, tensor parallel size) stops here
-   (:func:`coldsnap_core.format.verify.check_live_layout`);
-5. **manifest**: every manifest rule holds (:func:`coldsnap_core.format.verify.check_manifest`), which
-   gives the pack's canonical layout;
-6. **admit**: the cache's one door (:meth:`coldsnap_core.cache.payload_cache.PayloadCache.admit`) accepts the pack on
-   a trusted validation record, or checks every stored extent and padding byte against *the manifest's
-   layout* on a pool of threads (a failure is judged by the full verification, which names a corrupt
-   extent by allocation and offset and quarantines the pack; the whole-file SHA-256 and the record
-   follow after the copy, on a daemon thread: :meth:`~coldsnap_core.cache.payload_cache.PayloadCache.record_in_background`); a pack the cache lacks, or
-   one it just quarantined, is fetched from the configured payload store (:func:`coldsnap_core.restore.staging.stage_payload`), else
-   :class:`~coldsnap_core.errors.PayloadUnavailableError`;
-7. **hydrate**: :func:`coldsnap_core.restore.hydrate.hydrate` checks the residual blob and the pack's padding
-   and fills every allocation from the admitted pack (no second manifest, layout or record check). A pack
-   fetched in step 6 is hydrated in the same pass instead: the fetch copies each stored extent into its
-   allocations and checks its SHA-256 as soon as its bytes have landed, and each padding run as it lands
-   (:class:`coldsnap_core.restore.staging.FillAsLanded`, ``docs/format.md`` §12.4), then commits the pack on its
-   whole-file SHA-256; :func:`coldsnap_core.restore.hydrate.hydrate_residual` then checks and copies the blob. A
-   refused fetch leaves the allocations partly written and raises, so the attempt is never reported restored
-   (``auto`` falls back to a load that overwrites every byte).
-
-Only this worker's payload is staged (``docs/format.md``: each worker's capsule names its own pack).
+Engine neutral: the vLLM and SGLang loaders call :func:`restore_or_fall_back` after the engine built the model and
+before its post-processing (vLLM ``DefaultModelLoader.load_weights``, SGLang
+``DefaultModelLoader.load_weights_and_postprocess``). :class:`WorkerRestore` is one linear pipeline, each check run
+once (``docs/format.md`` §7, "Order of checks", **Restore**): 1. **read** the capsule; 2. **qualify** its target
+(§15.4); 3. the model **identity** (§10.1), before 4. the live **layout**; 5. the **manifest** rules; 6. **admit**
+the pack (the cache, else a fetch from the store that fills the model as the pack lands, §12.4); 7. **hydrate**.
+Each step raises a :class:`~coldsnap_core.errors.ColdsnapError`; nothing is written into the model before step 7
+(or the fetch of step 6), and a refused fetch raises, so a partly written model is never reported restored.
 """
 
 from __future__ import annotations
@@ -109,36 +71,27 @@ class WorkerRestore:
     """One restore attempt of one worker (see the module docstring for the steps).
 
     Args:
-        artifact_dir: the artifact folder.
-        worker: this worker's identity.
-        loaded: the model being loaded.
         cache: the node-local cache (its state root also holds the checkpoint records).
         verify_extents: hash every model extent while hydrating.
-        verify_checkpoint: hash local checkpoint files this node has no checkpoint record of
-            (``COLDSNAP_VERIFY_CHECKPOINT=1``).
-        engine: the engine restoring (``vllm``, ``sglang``; :data:`~coldsnap_core.identity.target.ENGINE_NONE`
-            without one), for the target identity.
-        engine_version: its version string.
-        target: the current target identity; default: :func:`coldsnap_core.identity.target.collect_target`
-            of ``engine`` on the allocations' device, collected in :meth:`run`.
+        verify_checkpoint: hash local checkpoint files this node has no record of (``COLDSNAP_VERIFY_CHECKPOINT=1``).
+        engine, engine_version: the engine restoring (``vllm``, ``sglang``, or
+            :data:`~coldsnap_core.identity.target.ENGINE_NONE`) and its version, for the target identity.
+        target: the current target identity; default: collected in :meth:`run` for the allocations' device.
         use_overlays: select this node's target-local overlays (``COLDSNAP_OVERLAY`` is not ``off``).
-        store: where a pack missing from the cache is fetched from (the store the resolved settings
-            configure, :func:`coldsnap_core.stores.from_settings`); ``None`` (the default): nowhere.
+        store: where a pack missing from the cache is fetched from; ``None``: nowhere.
 
     Attributes:
-        capsule: the capsule restored from: the portable one once read (step 1), this node's overlay
-            once step 2 selected it; ``None`` before.
-        portable_capsule: the artifact's capsule of this worker, once read.
-        selection: which capsule step 2 chose and why (:class:`coldsnap_core.restore.overlay.Selection`).
+        capsule: the capsule restored from: the portable one once read, this node's overlay once selected.
+        portable_capsule, entry, recorded_model: the artifact's capsule, ``artifact.json`` entry and pinned model
+            identity of this worker, once read.
+        selection: which capsule step 2 chose and why.
         descriptor_sha256: SHA-256 of the ``artifact.json`` bytes step 1 parsed (overlays bind to it).
-        target_mismatch: the qualification error when step 2 refused the capsule (the loader then
-            captures a target-local overlay after its checkpoint load), else ``None``.
+        target_mismatch: the qualification error when step 2 refused the capsule, else ``None``.
         layout_matches: whether the live layout matched the manifest (step 4 passed).
-        pack_unavailable: whether the attempt failed because the pack cannot be served: no source
-            has it, or the cached object proved corrupt and was quarantined. After a recovery load
-            the loader then materializes it.
-        stage_seconds: wall time of staging the pack from :attr:`store` (the cache lacked it), seconds, also
-            when staging failed; ``None`` when the store was not contacted.
+        pack_unavailable: whether the attempt failed because no source has the pack, or the cached object proved
+            corrupt and was quarantined (the loader then materializes it after a recovery load).
+        stage_seconds: seconds spent staging the pack from :attr:`store`, also when it failed; ``None`` when the
+            store was not contacted.
         fetched_bytes: bytes the store wrote into the cache's temporary file while staging.
     """
 
@@ -162,9 +115,9 @@ class WorkerRestore:
     pack_unavailable: bool = False
     stage_seconds: float | None = None
     fetched_bytes: int = 0
-    _recorded_model: ModelIdentity | None = None
+    recorded_model: ModelIdentity | None = None
+    entry: WorkerEntry | None = None
     _model_files: tuple[CapsuleFile, ...] = ()
-    _entry: WorkerEntry | None = None
 
     @classmethod
     def for_settings(
@@ -177,8 +130,7 @@ class WorkerRestore:
         engine_version: str | None,
         store: PayloadStore | None,
     ) -> WorkerRestore:
-        """The attempt the resolved ``settings`` ask for (artifact folder, verification flags, overlay
-        use), by ``engine`` at ``engine_version``, fetching a missing pack from ``store``."""
+        """The attempt the resolved ``settings`` ask for, by ``engine`` at ``engine_version``, fetching from ``store``."""
         assert settings.artifact_dir is not None
         return cls(
             settings.artifact_dir,
@@ -192,16 +144,6 @@ class WorkerRestore:
             use_overlays=settings.overlay != "off",
             store=store,
         )
-
-    @property
-    def entry(self) -> WorkerEntry | None:
-        """This worker's ``artifact.json`` entry, once read."""
-        return self._entry
-
-    @property
-    def recorded_model(self) -> ModelIdentity | None:
-        """The artifact's pinned model identity, once read."""
-        return self._recorded_model
 
     @property
     def manifest(self) -> NativeManifest | None:
@@ -230,9 +172,9 @@ class WorkerRestore:
                 file=manifest_file,
             )
         self.capsule = self.portable_capsule = capsule
-        self._recorded_model = descriptor.model
+        self.recorded_model = descriptor.model
         self._model_files = descriptor.pinned_model_files
-        self._entry = entry
+        self.entry = entry
         return capsule
 
     def current_target(self, allocations: TorchAllocations) -> TargetIdentity:
@@ -242,22 +184,19 @@ class WorkerRestore:
         return self.target
 
     def qualify(self, capsule: Capsule, allocations: TorchAllocations) -> Capsule:
-        """Step 2: choose the capsule whose residual qualifies for this target, before any byte is
-        written (:func:`coldsnap_core.restore.overlay.select_capsule`): the portable capsule when its
-        ``target.json`` qualifies, else this node's target-local overlay or qualification record for
-        exactly this target. Sets :attr:`selection` and :attr:`capsule`.
+        """Step 2: choose the capsule whose residual qualifies for this target
+        (:func:`coldsnap_core.restore.overlay.select_capsule`); sets :attr:`selection` and :attr:`capsule`.
 
         Raises:
-            TargetMismatchError: no capsule qualifies (the differing fields are named with both
-                values; another engine first); also kept in :attr:`target_mismatch`.
+            TargetMismatchError: no capsule qualifies (names the differing fields); also kept in :attr:`target_mismatch`.
             ManifestMismatchError: an overlay's model extent names a file the model identity lacks.
         """
         current = self.current_target(allocations)
-        assert self._entry is not None and self._recorded_model is not None
+        assert self.entry is not None and self.recorded_model is not None
         try:
             selection = select_capsule(
                 artifact_dir=self.artifact_dir,
-                entry=self._entry,
+                entry=self.entry,
                 portable=capsule,
                 current=current,
                 state_root=self.cache.state_root,
@@ -269,7 +208,7 @@ class WorkerRestore:
             raise
         if selection.source == "overlay":
             check_provenance_in_identity(
-                selection.capsule.native, self._recorded_model, file=str(selection.capsule.native_manifest_path)
+                selection.capsule.native, self.recorded_model, file=str(selection.capsule.native_manifest_path)
             )
         if selection.source != "portable":
             logger.info(
@@ -285,9 +224,9 @@ class WorkerRestore:
         Raises:
             ModelIdentityMismatchError: see :func:`check_model_identity`.
         """
-        assert self._recorded_model is not None
+        assert self.recorded_model is not None
         check_model_identity(
-            self._recorded_model,
+            self.recorded_model,
             self.loaded,
             file=str(self.artifact_dir / DESCRIPTOR_FILENAME),
             records=CheckpointRecords(self.cache.state_root),
@@ -299,9 +238,7 @@ class WorkerRestore:
         """Steps 1-7. On return every byte of every allocation holds the captured bytes.
 
         Raises:
-            ColdsnapError: the subclass of the first failed check (see the module docstring); an
-                ``OSError`` no layer typed is raised as ``FileAccessError`` (rule ``io``), so the
-                loaders' ``COLDSNAP_RESTORE=auto`` fallback sees only typed errors.
+            ColdsnapError: the first failed check's; an untyped ``OSError`` as ``FileAccessError`` (rule ``io``).
         """
         try:
             return self._run(allocations, backend)
@@ -363,10 +300,8 @@ class WorkerRestore:
             self.cache.record_in_background()
 
     def _admit(self, manifest: NativeManifest, layout: PackLayout, manifest_file: str, onepass: FillAsLanded) -> Path:
-        """Step 6: the cache admits the pack once (record or full verification with the layout;
-        quarantine on failure, reported in the loader's fallback line rather than a second WARNING);
-        a pack the cache lacks, or one it just quarantined while a payload store is configured, goes to the store,
-        whose fetch fills the allocations as it lands (``onepass``)."""
+        """Step 6: the cache admits the pack once (a quarantine is reported in the loader's fallback line); a pack it
+        lacks, or just quarantined while a store is configured, is fetched, filling the allocations (``onepass``)."""
         pack = manifest.pack
         try:
             try:
@@ -418,9 +353,7 @@ class WorkerRestore:
 
     def _stage(self, manifest: NativeManifest, layout: PackLayout, onepass: FillAsLanded) -> Path:
         """:func:`~coldsnap_core.restore.staging.stage_payload` of the pack, timed (:attr:`stage_seconds`) and its
-        fetched bytes counted (:attr:`fetched_bytes`): a fetch checks each extent and padding run of ``layout`` and
-        copies the extents into the allocations as they land (``onepass``), and refuses a store's corrupt copy
-        naming its first bad extent or padding byte."""
+        fetched bytes counted (:attr:`fetched_bytes`)."""
         started = time.perf_counter()
         try:
             return stage_payload(
@@ -449,16 +382,9 @@ _FROM_SETTINGS = _FromSettings()
 
 @dataclass(frozen=True, slots=True)
 class RestoreResult:
-    """What :func:`restore_or_fall_back` did.
-
-    Attributes:
-        attempt: the restore attempt (``None``: none was made: no artifact folder, or export is on).
-        allocations: the model's allocations as enumerated for the attempt (``None`` when the
-            enumeration itself failed or no attempt was made).
-        report: the hydration report when the model was restored, else ``None``.
-        fallback: under ``COLDSNAP_RESTORE=auto``, the error that made the attempt fail (the caller
-            then loads the checkpoint), else ``None``.
-    """
+    """What :func:`restore_or_fall_back` did: the ``attempt`` (``None``: none was made), the ``allocations`` it
+    enumerated (``None`` if it failed or none was made), the hydration ``report`` when restored, and under
+    ``COLDSNAP_RESTORE=auto`` the error that made the attempt fail (``fallback``: the caller loads the checkpoint)."""
 
     attempt: WorkerRestore | None = None
     allocations: TorchAllocations | None = None
@@ -488,31 +414,20 @@ def restore_or_fall_back(
     """Restore ``model`` (a ``torch.nn.Module``) from ``settings.artifact_dir``, or say why not: the
     ``COLDSNAP_RESTORE`` policy of both engine plugins, in one place.
 
-    No attempt is made without an artifact folder, or with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1`` (the
-    load captures instead). Otherwise the allocations are enumerated
-    (:func:`coldsnap_core.copy.torch_allocations.enumerate_allocations`) and :meth:`WorkerRestore.run` fills
-    them with the copy backend for their device. On a :class:`~coldsnap_core.errors.ColdsnapError`,
-    ``native`` raises it; ``auto`` logs one WARNING naming the worker, the artifact folder, the error
-    (its rule, file, allocation and offset) and where a corrupt pack was quarantined, and returns the
-    error as :attr:`RestoreResult.fallback` so the caller loads the checkpoint.
+    No attempt is made without an artifact folder, or with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``. On a
+    :class:`~coldsnap_core.errors.ColdsnapError`, ``native`` raises it; ``auto`` logs one WARNING naming the worker,
+    the artifact folder, the error and where a corrupt pack was quarantined, and returns it as
+    :attr:`RestoreResult.fallback`.
 
     Args:
-        model: the model the engine built (parameters and buffers allocated, not loaded).
-        settings: the resolved settings (artifact folder, restore mode, verification flags, store).
-        worker: this worker's identity.
-        loaded: what the engine is loading; ``None`` when the loader cannot tell (the identity check
-            then fails, rule ``model-identity``).
+        loaded: what the engine is loading; ``None`` when the loader cannot tell (rule ``model-identity`` fails).
         cache: the node-local cache (default: the one at ``settings.state_root``).
         engine: the engine's name, for messages.
-        target_engine: the engine name its target identity records (``vllm``, ``sglang``,
-            ``docs/format.md`` §15.1), compared with the capsule's ``target.json`` (step 2).
-        engine_version: the engine's version string, likewise.
-        log: the logger of the fallback WARNING (the engine plugin's own, whose records reach the
-            engine's log; default this module's).
-        backend_for: the copy backend for the allocations' device
-            (:func:`coldsnap_core.copy.select.copy_backend_for`).
-        store: where a missing pack is fetched from (``None``: nowhere); default: the store
-            ``settings.store`` configures, built before the attempt.
+        target_engine, engine_version: what the target identity records (``docs/format.md`` §15.1).
+        log: the logger of the fallback WARNING (default this module's).
+        backend_for: the copy backend for the allocations' device.
+        store: where a missing pack is fetched from (``None``: nowhere); default: the one ``settings.store``
+            configures, built before the attempt.
 
     Raises:
         ConfigurationError: the store ``settings`` configure is malformed (under ``auto`` too: it is
@@ -554,9 +469,8 @@ def restore_or_fall_back(
 
 
 def _no_fallback(settings: ColdsnapSettings, loaded: LoadedModel | None, exc: ColdsnapError) -> None:
-    """Where the engine loads a model folder without weight files
-    (:attr:`~coldsnap_core.identity.model_identity.LoadedModel.checkpoint_absent`, ``docs/format.md`` §10.1) a failed
-    restore has no checkpoint to fall back to, under ``auto`` too.
+    """Where the engine loads a model folder without weight files (``docs/format.md`` §10.1) a failed restore has no
+    checkpoint to fall back to, under ``auto`` too.
 
     Raises:
         CheckpointAbsentError: there, naming ``exc`` (its rule, file and message) and the folder.
