@@ -1,22 +1,9 @@
 """Verify an artifact: every rule over every byte of every worker's payloads (what ``coldsnap verify`` runs).
 
-Order (each step raises the first failure it finds; ``docs/format.md``, "Verification rules"):
-
-1. for an artifact folder, every capsule folder is listed in ``artifact.json``, its ``model/`` folder holds
-   exactly the pinned model files, each of its pinned size and SHA-256
-   (:func:`coldsnap_core.artifact.model_files.verify_model_files`), and every capsule's
-   recovery manifest names the descriptor's model identity; every model extent comes from a checkpoint
-   file of the model identity;
-2. per worker, every manifest rule (:func:`coldsnap_core.format.verify.check_manifest`);
-3. the cache folders are checked as the cache commands check them (no symbolic link at
-   ``model-payloads/`` or below, :meth:`coldsnap_core.cache.payload_cache.PayloadCache.check_dirs`); per distinct pack,
-   one full read (:func:`coldsnap_core.format.verify.verify_pack_file`): size, zero padding, every stored
-   extent's SHA-256, the file's SHA-256; a symbolic link or non-regular file at the object path is refused;
-4. per worker, the residual blob: size, then SHA-256; for a capsule of an artifact with a derived-cache
-   seed, its two files against their pins and each archived file against its size and SHA-256
-   (:func:`coldsnap_core.artifact.derived_cache.verify_seed`, ``docs/format.md`` §17).
-
-Nothing is written (no validation record either): this is a read-only audit.
+Order (``docs/format.md`` §7, "Order of checks", **coldsnap verify**; each step raises its first failure): the
+artifact folder, its ``model/`` files and the model identity of every capsule; per worker every manifest rule; the
+cache folders, then one full read per distinct pack (:func:`coldsnap_core.format.verify.verify_pack_file`); per
+worker the residual blob and a derived-cache seed's files (§17). Nothing is written (no validation record either).
 """
 
 from __future__ import annotations
@@ -52,14 +39,7 @@ __all__ = ["VerifiedWorker", "verify_artifact", "verify_capsules"]
 
 @dataclass(frozen=True, slots=True)
 class VerifiedWorker:
-    """One worker whose pack and residual blob verified.
-
-    Attributes:
-        worker: the worker.
-        pack: its pack (digest, size in bytes, derived path).
-        model_extents: the number of model extents of its native manifest.
-        residual_bytes: the size of its residual blob, in bytes.
-    """
+    """One worker whose pack and residual blob verified: its pack, number of model extents and residual bytes."""
 
     worker: WorkerIdentity
     pack: PackRef
@@ -80,19 +60,9 @@ def verify_capsules(
     artifact_dir: Path | None = None,
     progress_for: ProgressFor | None = None,
 ) -> list[VerifiedWorker]:
-    """Verify ``capsules`` (read with their pins by :func:`coldsnap_core.artifact.capsules.read_worker_capsule`,
-    or one capsule read on its own) against ``descriptor`` and the packs in ``cache``; see the module
-    docstring for the order. Each distinct pack is read once.
-
-    Args:
-        descriptor: the artifact's ``artifact.json`` (``None``: capsules outside an artifact).
-        capsules: the capsules, in order.
-        cache: where the packs live.
-        artifact_dir: the artifact folder (checked for capsule folders ``artifact.json`` does not list).
-        progress_for: progress callbacks per pack read.
-
-    Returns:
-        One :class:`VerifiedWorker` per capsule, in order.
+    """Verify ``capsules`` against ``descriptor`` (``None``: capsules outside an artifact) and the packs in ``cache``,
+    each distinct pack read once; ``artifact_dir`` is checked for capsule folders ``artifact.json`` does not list.
+    Returns one :class:`VerifiedWorker` per capsule, in order.
 
     Raises:
         ColdsnapError: the first failed rule (names rule, file, allocation and offset).
@@ -139,17 +109,9 @@ def verify_capsules(
 def verify_artifact(
     artifact_dir: str | Path, *, cache: PayloadCache | None = None, progress_for: ProgressFor | None = None
 ) -> list[VerifiedWorker]:
-    """Verify every worker of the artifact folder ``artifact_dir`` (its ``artifact.json``, every capsule
-    and its pins, every pack in ``cache`` and every residual blob); read only.
-
-    Args:
-        artifact_dir: the artifact folder.
-        cache: where the packs live (default: ``~/.cache/coldsnap``; the environment is read only where a
-            plugin or the CLI starts, so a caller with another state root passes its ``PayloadCache``).
-        progress_for: progress callbacks per pack read.
-
-    Returns:
-        One :class:`VerifiedWorker` per worker listed in ``artifact.json``, in its order.
+    """Verify every worker of the artifact folder ``artifact_dir``, read only, with the packs in ``cache`` (default:
+    ``~/.cache/coldsnap``; the environment is not read here). Returns one :class:`VerifiedWorker` per worker listed in
+    ``artifact.json``, in its order.
 
     Raises:
         MissingObjectError: no ``artifact.json``, a missing capsule file or pack.

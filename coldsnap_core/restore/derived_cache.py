@@ -1,9 +1,7 @@
 """The placement of a derived-cache seed before the engine compiles (``docs/format.md`` §17.4; the documents:
-:mod:`coldsnap_core.artifact.derived_cache`): the pins, then the qualification (the exact target, the CPU's
-instruction-set flags or the GPU's compute capability, the model configuration and compilation settings),
-then each file is written where the engine looks for it, never over a file already there. It never raises:
-a seed that is absent, unqualified or corrupt is skipped with the reason (:class:`SeedPlacement`), and the
-engine compiles as it would without one.
+:mod:`coldsnap_core.artifact.derived_cache`): the pins, then the qualification, then each file written where the
+engine looks for it, never over a file already there. A seed that is absent, unqualified or corrupt is skipped with
+the reason (:class:`SeedPlacement`), never raised.
 """
 
 from __future__ import annotations
@@ -44,16 +42,8 @@ __all__ = ["MAX_REASON_CHARS", "DerivedCacheStatus", "SeedPlacement", "place_see
 
 @dataclass(frozen=True, slots=True)
 class SeedPlacement:
-    """What :func:`place_seed` did.
-
-    Attributes:
-        status: ``used`` (verified, qualified and placed where the engine looks), ``skipped``
-            (present but not placed: :attr:`reason`), ``absent`` (the capsule has none).
-        reason: why it was skipped, in words; ``None`` otherwise.
-        placed_files: files written.
-        present_files: files already there (never overwritten).
-        size_bytes: the seed's bytes.
-    """
+    """What :func:`place_seed` did: ``used`` (verified, qualified and placed), ``skipped`` (present but not placed,
+    for ``reason``) or ``absent``; files written, files already there (never overwritten) and the seed's bytes."""
 
     status: DerivedCacheStatus
     reason: str | None = None
@@ -73,22 +63,15 @@ def place_seed(
     fields: tuple[str, ...] | None = None,
     what: str = "derived-cache seed",
 ) -> SeedPlacement:
-    """Verify the seed of the capsule at ``capsule_dir`` and place its files under ``roots``.
+    """Verify the seed of the capsule at ``capsule_dir`` and place its files under ``roots`` (``docs/format.md`` §17.4).
 
-    In order: both seed files pinned in ``capsule_files`` (else ``absent``); the document's bytes and
-    the archive's match their pins (size and SHA-256) and the document parses; its qualification equals
-    ``current`` field by field; then each member is read from the archive, checked against its size and
-    SHA-256, and written to ``roots[<root>]/<path>`` by a temporary file and a hard link, so a file
-    already there is never replaced (nor is one another process writes meanwhile).
+    Both seed files pinned in ``capsule_files`` (else ``absent``), their pins, the qualification against ``current``,
+    then each member checked and written to ``roots[<root>]/<path>`` by a temporary file and a hard link (never over
+    a file already there). With ``only`` (a member path prefix) just those members are placed, compared on the
+    qualification's ``fields`` alone, and nothing is read when all are there. ``what`` names the placement in the log.
 
-    With ``only`` (a member path prefix, e.g. ``vllm-cache/modelinfos/``) just those members are placed,
-    compared on the qualification's ``fields`` alone (those an early placement can know, ``docs/format.md``
-    §17.4); the other members are still checked by the archive's SHA-256. When every such member is
-    already there, nothing more is read (``used``, all present). ``what`` names the placement in the log.
-
-    Never raises: anything else is ``skipped`` with the reason, logged as one INFO line on ``log``.
-    Files placed before a member failed its check stay (each was verified); the engine compiles
-    what is missing.
+    Never raises: anything else is ``skipped`` with the reason, logged as one INFO line on ``log``; files placed
+    before a member failed its check stay.
     """
     pins = {p.name: p for p in capsule_files if p.name in SEED_FILENAMES}
     if not pins:
@@ -157,10 +140,8 @@ def _place_members(
 def _install(root: Path, relative: str, data: bytes) -> int:
     """Write ``data`` to ``root/relative`` unless something is there (1 if written, else 0).
 
-    The folders below ``root`` are walked by descriptor, each opened ``O_DIRECTORY | O_NOFOLLOW`` relative
-    to the one above (``openat``), and the file is created and linked relative to the last: a folder
-    swapped for a symbolic link by a racer at any moment cannot lead the file out of ``root`` (checking
-    each path, then writing by path, could). ``root`` itself may be a link (``VLLM_CACHE_ROOT`` may name one).
+    The folders below ``root`` (which may itself be a link) are walked by descriptor, each opened ``O_NOFOLLOW``
+    relative to the one above, so a folder swapped for a symbolic link cannot lead the file out of ``root``.
 
     Raises:
         UnsafePathError: a symbolic link or a file where a folder below ``root`` belongs.

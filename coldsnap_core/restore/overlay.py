@@ -38,14 +38,11 @@ class Selection:
     """Which capsule a restore on this node uses, and why.
 
     Attributes:
-        source: ``portable`` (its target qualifies), ``qualified`` (this node recorded the portable
-            capsule qualified for its target) or ``overlay`` (this node's target-local capsule).
-        capsule: the capsule to restore from (the portable one unless ``overlay``).
+        source: ``portable`` (its target qualifies), ``qualified`` (this node recorded the portable capsule
+            qualified for its target) or ``overlay`` (this node's target-local capsule).
         reason: why, in words (logged, and shown by ``coldsnap inspect``).
-        overlay_path: the overlay folder for ``qualified`` and ``overlay``, else ``None``.
-        seed_files: for ``qualified`` and ``overlay``, the pins of the overlay's own derived-cache seed in
-            :attr:`overlay_path` (``()`` when it has none); the portable capsule's seed was captured for
-            another target and is not used.
+        overlay_path, seed_files: for ``qualified`` and ``overlay``, the overlay folder and the pins of its own
+            derived-cache seed (the portable capsule's was captured for another target).
     """
 
     source: Literal["portable", "qualified", "overlay"]
@@ -56,8 +53,7 @@ class Selection:
 
     @property
     def seed_source(self) -> tuple[Path, tuple[CapsuleFile, ...]] | None:
-        """``(folder, pins)`` of the derived-cache seed a restore with this selection places: the overlay's
-        for ``qualified`` and ``overlay``, ``None`` for ``portable`` (the portable entry's pins apply)."""
+        """``(folder, pins)`` of the overlay's derived-cache seed; ``None`` for ``portable`` (the entry's pins apply)."""
         if self.source == "portable" or self.overlay_path is None:
             return None
         return self.overlay_path, self.seed_files
@@ -65,16 +61,9 @@ class Selection:
 
 @dataclass(frozen=True, slots=True)
 class Lookup:
-    """What this node holds for one (artifact, worker, target).
-
-    Attributes:
-        status: ``absent``, ``stale`` (bound to another ``artifact.json``) , ``invalid`` (unreadable,
-            a symbolic link, a loose mode, a bad pin, ...) or ``valid``.
-        reason: why, in words.
-        path: the overlay folder looked at.
-        descriptor: the descriptor when ``valid``.
-        capsule: the overlay capsule when ``valid`` and of kind ``overlay``.
-    """
+    """What this node holds for one (artifact, worker, target) at ``path``: ``status`` ``absent``, ``stale`` (bound to
+    another ``artifact.json``), ``invalid`` (unreadable, a link, a loose mode, a bad pin, ...) or ``valid`` (with the
+    ``descriptor``, and the ``capsule`` of kind ``overlay``), and the ``reason`` in words."""
 
     status: Literal["absent", "stale", "invalid", "valid"]
     reason: str
@@ -90,11 +79,8 @@ def find_overlay(
     current: TargetIdentity,
     descriptor_sha256: str,
 ) -> Lookup:
-    """Look up and validate this node's overlay for ``entry``'s worker on the target ``current``
-    (its capsule read by :func:`coldsnap_core.artifact.capsules.read_pinned_capsule`).
-
-    Never raises for what it finds: every problem is a ``stale`` or ``invalid`` :class:`Lookup`.
-    """
+    """Look up and validate this node's overlay for ``entry``'s worker on the target ``current``; every problem
+    found is a ``stale`` or ``invalid`` :class:`Lookup`, never raised."""
     path = overlay_dir(state_root, artifact_dir, entry.worker, current)
     try:
         if not refuse_linked_folders(state_root, path):
@@ -149,11 +135,9 @@ def select_capsule(
     descriptor_sha256: str,
     use_overlays: bool = True,
 ) -> Selection:
-    """Which capsule restores ``entry``'s worker on the target ``current`` (``docs/format.md`` §15.4).
-
-    The portable capsule when its recorded target qualifies; else this node's valid overlay or
-    qualification record for exactly ``current`` (never for another engine: a capsule of another
-    engine is refused as such); else nothing. Invalid overlay metadata is logged as a WARNING.
+    """Which capsule restores ``entry``'s worker on the target ``current`` (``docs/format.md`` §15.4): the portable
+    one when its target qualifies, else this node's valid overlay or qualification record for exactly ``current``
+    (never for another engine). Invalid overlay metadata is logged as a WARNING.
 
     Raises:
         TargetMismatchError: no capsule qualifies; the message names the differing fields (captured

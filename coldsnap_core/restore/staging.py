@@ -1,35 +1,12 @@
 """Staging: make each local worker's pack available, verified, in the node-local cache.
 
-Only the payload assigned to each worker is staged, on the host that owns that worker
-(``docs/format.md`` §1 and §12). Order of sources:
-
-1. the node-local cache: a trusted validation record (a few ``stat`` calls), else a full SHA-256 by
-   the one verifier under the digest's lock; a corrupt object is quarantined;
-2. the configured payload store (:mod:`coldsnap_core.stores`): fetched under the digest's lock into a
-   unique temporary file whose SHA-256 is computed in one pass as the bytes land (:class:`LandedHash`: in pack
-   order, right behind the prefix that has landed, from the page cache the writes just filled), so the hash is
-   ready when the last byte lands and the file is never read again to verify it; committed by
-   :meth:`PayloadCache.commit` (fsync, rename, folder fsync, the validation record of that hash) only when that
-   SHA-256 is the pack's name. A restore passes the manifest's layout and a :class:`FillAsLanded`: then, in the
-   same pass (:class:`LandedFill`), each stored extent is copied into its allocations and its SHA-256 checked there
-   as soon as its bytes have all landed, and each padding run checked zero as it lands, so the allocations are
-   filled when the last byte lands and the pack is not read again to hydrate (``docs/format.md`` §12.4: a file of
-   the exact size whose extents and padding verified is the canonical pack of the pinned manifest; the whole-file
-   SHA-256 still decides the commit);
-3. otherwise :class:`~coldsnap_core.errors.PayloadUnavailableError` (no source holds the pack) or
-   :class:`~coldsnap_core.errors.StoreError` (the store did not answer or failed); on either,
-   ``COLDSNAP_RESTORE=auto`` falls back to the safetensors recovery load (it falls back on every
-   coldsnap error).
-
-A store object that does not verify is reported as the store's: the error names the object in the
-store (:meth:`PayloadStore.location`), not the cache temporary it was fetched into, and, given the manifest's
-layout, the first bad stored extent or padding byte by its pack offset (with a :class:`FillAsLanded`, found as it
-lands, and the fetch stops; else the one verifier, :func:`coldsnap_core.format.verify.verify_pack_file`, reads the
-refused temporary once more to find it). Every extent and padding byte verified but the whole file not hashing to
-its name means the manifest's pack digest disagrees with its own extents: refused the same way, nothing kept.
-
-Every path is derived from the digest alone; a :class:`PackRef` whose ``path`` is not
-``model-payloads/sha256/<sha256>.pack`` is refused before anything is read.
+Only the payload assigned to each worker is staged, on the host that owns that worker (``docs/format.md`` §1, §12).
+Order (§12.4): the node-local cache (a trusted validation record, else a full SHA-256; a corrupt object is
+quarantined); else the payload store, fetched under the digest's lock into a temporary hashed as it lands
+(:class:`LandedHash`) and, in a restore, checked and copied into the allocations extent by extent
+(:class:`LandedFill`), committed only when its SHA-256 is its name; else ``PayloadUnavailableError`` or
+``StoreError``. A store object that does not verify is reported as the store's (:meth:`PayloadStore.location`).
+Every path is derived from the digest alone.
 """
 
 from __future__ import annotations
@@ -74,14 +51,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["FillAsLanded", "stage_artifact", "stage_payload", "worker_entries"]
 
 FETCH_NOTICE_INTERVAL_S = 10.0
-"""Seconds a fetch may go without writing a byte before an INFO line says what it waits for (and again
-after each further interval): a stalled store is otherwise silent until its client's read timeout and
-retries end it, while every other restorer of the digest waits on its lock."""
+"""Seconds a fetch may go without writing a byte before an INFO line says what it waits for (and again after each)."""
 
 
 def _check_pack_ref(pack: PackRef, *, file: str | os.PathLike[str] | None = None) -> None:
-    """The digest's form (rule 22), then the pack path derived from it (rule 13); ``file`` is the
-    document that names ``pack`` (default: the pack path itself)."""
+    """The digest's form (rule 22), then the pack path derived from it (rule 13); ``file`` names ``pack``."""
     check_digest(pack.sha256)
     if pack.path != pack_relpath(pack.sha256):
         raise PackPathMismatchError(
@@ -104,20 +78,14 @@ def stage_payload(
     """Return the admitted object path of ``pack`` in ``cache``, fetching it from ``store`` if needed.
 
     Args:
-        pack: digest, size (bytes) and derived path of the pack.
-        cache: the node-local cache.
         store: where to fetch a missing (or quarantined) pack from; ``None``: the cache only.
-        progress: called with a number of bytes after each chunk verified (hashed; a fetch reports each byte once,
-            as it is hashed while it lands).
-        fetched: called with a number of bytes after each chunk the store wrote (fetched bytes only; one call
-            at a time).
+        progress: called with the bytes of each chunk hashed (a fetched byte once, as it lands).
+        fetched: called with the bytes of each chunk the store wrote (one call at a time).
         layout, extent_owner: the pinned manifest's canonical layout and its map of a stored extent to one
-            destination (:func:`coldsnap_core.format.verify.verify_pack_file`): a fetched object that does not
-            hash to its name is then refused naming its first bad extent or padding byte; without them, naming
-            the object only.
-        fill: with ``layout``, a fetch fills the allocations as the pack lands (:class:`LandedFill`): each stored
-            extent is copied into its allocations and its SHA-256 checked there once its bytes have all landed, each
-            padding run checked zero; ``fill.filled`` is then set. A cache hit leaves it unset (nothing copied).
+            destination: a fetched object that does not hash to its name is refused naming its first bad extent
+            or padding byte (without them, naming the object only).
+        fill: with ``layout``, a fetch fills the allocations as the pack lands (:class:`LandedFill`) and sets
+            ``fill.filled``; a cache hit leaves it unset.
 
     Returns:
         ``<state-root>/model-payloads/sha256/<sha256>.pack``, verified (record or full hash).
@@ -163,13 +131,10 @@ def stage_payload(
 def _fetch_watch(
     pack: PackRef, store: PayloadStore, progress: Callable[[int], object] | None, fetched: Callable[[int], object] | None
 ) -> Iterator[tuple[Callable[[int], object], Callable[[int], object]]]:
-    """Two progress callbacks, ``(counted, hashed)``: ``counted`` for ``store.fetch`` counts the bytes written (and
-    passes them on to ``fetched``), ``hashed`` passes the bytes hashed on to ``progress`` (so each byte counts once
-    there, and its rate is the pack's), one call at a time across both. While the fetch runs it logs at INFO: a
-    progress line (bytes, GB/s, ETA;
-    :class:`coldsnap_core._progress.ProgressLines`) when it starts, at least every 10 s while bytes arrive and when
-    it ends, and one line after every :data:`FETCH_NOTICE_INTERVAL_S` without a byte written: the pack, the store,
-    the bytes so far and how long nothing arrived."""
+    """Two progress callbacks, ``(counted, hashed)``, one call at a time across both: ``counted`` (for
+    ``store.fetch``) counts the bytes written and passes them to ``fetched``, ``hashed`` passes the bytes hashed to
+    ``progress``. Meanwhile it logs progress lines (:class:`coldsnap_core._progress.ProgressLines`) and one line
+    after every :data:`FETCH_NOTICE_INTERVAL_S` without a byte written."""
     written = [0, time.monotonic()]  # bytes so far, monotonic time of the last bytes
     lock = threading.Lock()
     done = threading.Event()
@@ -219,14 +184,8 @@ def _fetch_watch(
 
 class LandedHash:
     """The SHA-256 of a file being fetched (``path``, ``size_bytes`` long), computed on its own thread in file
-    order as the landed prefix grows.
-
-    A store lands its bytes in parallel ranges, out of order across ranges and in order within one
-    (:meth:`coldsnap_core.stores.base.PayloadStore.fetch`); :meth:`landed` is told of each written span. The
-    thread reads each byte once, right after the prefix ``[0, n)`` that has fully landed reaches it, from the page
-    cache its write just filled (no disk read while memory holds it), so the hash is ready as the last byte lands and
-    the file is never read again to verify it. ``progress`` gets the bytes hashed.
-    """
+    order as the landed prefix grows (``docs/format.md`` §12.4); :meth:`landed` is told of each written span,
+    ``progress`` gets the bytes hashed."""
 
     def __init__(self, path: Path, size_bytes: int, progress: Callable[[int], object]) -> None:
         self._path, self._size_bytes, self._progress = path, size_bytes, progress
@@ -251,8 +210,7 @@ class LandedHash:
                 self._changed.notify()
 
     def close(self, *, abandon: bool = False) -> None:
-        """The fetch is over: wait until the thread has hashed what landed; ``abandon`` (the fetch failed): stop it at
-        its next read instead (a failed fetch of a large pack then falls back without hashing what it wrote)."""
+        """The fetch is over: wait until the thread has hashed what landed (``abandon``: stop it at its next read)."""
         with self._changed:
             self._closed, self._abandoned = True, abandon
             self._changed.notify()
@@ -307,11 +265,9 @@ class LandedHash:
 
 @dataclass
 class FillAsLanded:
-    """What a one-pass fetch fills while the pack lands (:class:`LandedFill`): the pack's copy ops (model extents,
-    :func:`coldsnap_core.restore.hydrate.plan_hydration`) and ``fill(ops, pack_path)``, which copies them out of the
-    file being fetched into the live allocations and checks each one's SHA-256 right after copying it (a copy
-    backend's ``fill`` with ``verify_extents=True``). ``filled`` turns true once the fetch committed the pack with
-    every op copied and verified; it stays false when the cache (another restorer) already held the pack."""
+    """What a one-pass fetch fills while the pack lands (:class:`LandedFill`): the model extents' copy ops and
+    ``fill(ops, pack_path)``, which copies them into the live allocations checking each SHA-256 (a copy backend's
+    ``fill`` with ``verify_extents=True``). ``filled``: the fetch committed the pack with every op copied."""
 
     ops: Sequence[CopyOp]
     fill: Callable[[Sequence[CopyOp], Path], object]
@@ -319,11 +275,9 @@ class FillAsLanded:
 
 
 class LandedFill:
-    """Checks and copies a pack as it is fetched into ``path``: once every byte of a stored extent (``layout``) has
-    landed, ``fill`` copies it into the allocations holding it and checks its SHA-256 there (all ops ready at that
-    moment go in one call, on the copy backend's threads); once a padding run has landed, its bytes are read and
-    required to be zero. Runs on its own thread; the first failure stops it, and every later :meth:`landed` raises
-    it, which stops the fetch."""
+    """Checks and copies a pack as it is fetched into ``path`` (``docs/format.md`` §12.4): each stored extent of
+    ``layout`` once it has landed (the ops ready together in one ``fill`` call), each padding run checked zero. Runs on
+    its own thread; the first failure stops it, and every later :meth:`landed` raises it, which stops the fetch."""
 
     def __init__(self, path: Path, layout: PackLayout, fill: FillAsLanded) -> None:
         by_offset: dict[int, list[CopyOp]] = {}
@@ -352,13 +306,11 @@ class LandedFill:
             self._changed.notify()
 
     def close(self, *, abandon: bool = False) -> None:
-        """The fetch is over: wait until every extent and padding run that landed is checked and copied (``abandon``:
-        stop before the next batch instead).
+        """The fetch is over: wait until what landed is checked and copied (``abandon``: stop before the next batch).
 
         Raises:
-            IntegrityError: an extent's SHA-256 (:class:`~coldsnap_core.errors.ExtentDigestMismatchError`, naming the
-                allocation and offset) or a padding byte (:class:`~coldsnap_core.errors.NonZeroPaddingError`, naming
-                its pack offset) does not match (not with ``abandon``).
+            IntegrityError: an extent's SHA-256 (``ExtentDigestMismatchError``) or a padding byte
+                (``NonZeroPaddingError``) does not match (not with ``abandon``).
             CacheError: the fetch ended before every extent landed.
             CopyBackendError: a copy failed.
         """
@@ -439,10 +391,8 @@ def _fetch(
     extent_owner: Callable[[PackEntry], tuple[int | None, int | None]] | None,
     fill: FillAsLanded | None = None,
 ) -> Path:
-    """Under the digest's lock: fetch ``pack`` into a temporary, hashed as it lands (:class:`LandedHash`) and, with
-    ``fill`` (and ``layout``), checked and copied into the allocations extent by extent as it lands
-    (:class:`LandedFill`); commit it with the validation record of that hash when it is the pack's name (else raise,
-    keeping nothing)."""
+    """Under the digest's lock: fetch ``pack`` into a temporary, hashed (and with ``fill`` and ``layout``, filled) as it
+    lands; commit it with the validation record of that hash when it is the pack's name, else raise keeping nothing."""
     digest = pack.sha256
     started = time.monotonic()
     with cache.temporary(digest) as (fd, temp):
@@ -477,12 +427,9 @@ def _fetch(
         except IntegrityError as exc:
             if exc.file != str(temp):
                 raise  # the store's own check (a truncated or extended object) names its object already
-            raise type(exc)(
-                f"{store.name} holds a corrupt copy of the pack: {exc.detail} (checked as it landed in the cache"
-                f" temporary {temp}; nothing was kept, and the allocations it was copied into are not restored)",
-                file=store.location(digest),
-                allocation=exc.allocation,
-                offset_bytes=exc.offset_bytes,
+            where = f"checked as it landed in the cache temporary {temp}"
+            raise _store_copy_error(
+                exc, store, digest, f"{where}; nothing was kept, and the allocations it was copied into are not restored"
             ) from exc
         sha256 = hasher.result()
         if sha256 != digest:
@@ -515,28 +462,30 @@ def _refuse_fetched(
     *,
     every_extent_verified: bool,
 ) -> NoReturn:
-    """Refuse a fetched temporary whose SHA-256 is ``sha256``, not its name, naming the store's object: after a
-    one-pass fetch verified every extent and padding byte, the manifest's pack digest disagrees with its own extents;
-    otherwise the refused bytes are read once more, only to name the first bad extent or padding byte."""
-    where = store.location(pack.sha256)
+    """Refuse a fetched temporary whose SHA-256 is ``sha256``, not its name, naming the store's object (after a one-pass
+    fetch: the manifest's pack digest is wrong; otherwise read once more to name the first bad extent or padding)."""
     if every_extent_verified:
         raise PackDigestMismatchError(
             f"every extent of {store.name}'s copy of the pack matched its SHA-256 in the manifest, its padding is zero"
             f" and its size exact, but its SHA-256 is {sha256}, not the manifest's pack digest: the manifest's pack"
             " digest disagrees with its own extents (or the object changed while it landed); nothing was kept",
-            file=where,
+            file=store.location(pack.sha256),
         )
     try:
         verify_pack_file(temp, pack, layout, extent_owner=extent_owner)
         raise PackDigestMismatchError(f"the fetched pack's SHA-256 is {sha256}, not its name", file=temp)
     except IntegrityError as exc:
-        raise type(exc)(
-            f"{store.name} holds a corrupt copy of the pack: {exc.detail} (checked in the cache temporary {temp};"
-            " nothing was kept)",
-            file=where,
-            allocation=exc.allocation,
-            offset_bytes=exc.offset_bytes,
-        ) from exc
+        raise _store_copy_error(exc, store, pack.sha256, f"checked in the cache temporary {temp}; nothing was kept") from exc
+
+
+def _store_copy_error(exc: IntegrityError, store: PayloadStore, digest: str, how: str) -> IntegrityError:
+    """``exc``, found in a fetched temporary, as the store's: naming its object and ``how`` it was found."""
+    return type(exc)(
+        f"{store.name} holds a corrupt copy of the pack: {exc.detail} ({how})",
+        file=store.location(digest),
+        allocation=exc.allocation,
+        offset_bytes=exc.offset_bytes,
+    )
 
 
 def worker_entries(artifact_dir: Path, workers: Sequence[WorkerIdentity]) -> list[WorkerEntry]:
@@ -569,15 +518,8 @@ def stage_artifact(
 ) -> dict[WorkerIdentity, Path]:
     """Stage the packs of ``workers`` (the workers on this host) from ``artifact_dir``; each digest once.
 
-    Args:
-        artifact_dir: the artifact folder (``artifact.json``, ``workers/``).
-        workers: the workers whose packs this host needs; other workers' packs are not touched.
-        cache: the node-local cache.
-        store: the payload store, or ``None``.
-
     Returns:
-        For each worker, the admitted object path of its pack (workers that share a digest share
-        the path).
+        For each worker, the admitted object path of its pack (workers that share a digest share the path).
 
     Raises:
         MissingObjectError: the artifact has no descriptor, or lists no capsule for a worker.
