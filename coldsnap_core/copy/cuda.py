@@ -70,7 +70,6 @@ class DeviceOps(Protocol):
 
     def alloc_pinned(self, size_bytes: int) -> int:
         """Allocate page-locked host memory (page aligned); return its address."""
-        ...
 
     def free_pinned(self, address: int) -> None: ...
 
@@ -84,23 +83,18 @@ class DeviceOps(Protocol):
 
     def memcpy_htod_async(self, device_address: int, host_address: int, size_bytes: int, stream: Any) -> None:
         """Enqueue a copy of ``size_bytes`` bytes from pinned host memory to device memory."""
-        ...
 
     def memcpy_dtoh_async(self, host_address: int, device_address: int, size_bytes: int, stream: Any) -> None:
         """Enqueue a copy of ``size_bytes`` bytes from device memory to pinned host memory."""
-        ...
 
     def record_event(self, event: Any, stream: Any) -> None:
         """Record ``event`` after the work enqueued so far on ``stream``."""
-        ...
 
     def synchronize_event(self, event: Any) -> None:
         """Block until the work before the event's last record is done."""
-        ...
 
     def synchronize_stream(self, stream: Any) -> None:
         """Block until all work enqueued on ``stream`` is done."""
-        ...
 
 
 class CupyDeviceOps:
@@ -351,8 +345,6 @@ class CudaCopyBackend:
             self._fill_lane = None
             self._read_lanes = queue.LifoQueue()
             self._read_lanes_created = 0
-        if not lanes:
-            return
         for lane in lanes:
             with contextlib.suppress(Exception):
                 self.ops.synchronize_stream(lane.stream)

@@ -9,7 +9,7 @@ worker the residual blob and a derived-cache seed's files (§17). Nothing is wri
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,11 +47,6 @@ class VerifiedWorker:
     residual_bytes: int
 
 
-@contextlib.contextmanager
-def _no_progress(pack: PackRef) -> Iterator[None]:
-    yield None
-
-
 def verify_capsules(
     descriptor: ArtifactDescriptor | None,
     capsules: Sequence[Capsule],
@@ -67,7 +62,7 @@ def verify_capsules(
     Raises:
         ColdsnapError: the first failed rule (names rule, file, allocation and offset).
     """
-    progress_for = progress_for or _no_progress
+    progress_for = progress_for or (lambda pack: contextlib.nullcontext())
     if descriptor is not None:
         if artifact_dir is not None:
             check_artifact_layout(artifact_dir)

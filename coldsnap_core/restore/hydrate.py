@@ -48,15 +48,6 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class AdmittedPack:
-    """A pack the caller already admitted at ``path`` (:meth:`~coldsnap_core.cache.payload_cache.PayloadCache.admit`),
-    with its canonical ``layout``: the manifest rules, the live layout and the admission are done."""
-
-    path: Path
-    layout: PackLayout
-
-
-@dataclass(frozen=True, slots=True)
 class HydrationReport:
     """What a hydration did: bytes copied from the pack (every destination counted) and the blob, seconds spent on
     checks before the first byte was written and copying."""
@@ -134,7 +125,8 @@ def hydrate(
 
 def hydrate_admitted(
     manifest: NativeManifest,
-    admitted: AdmittedPack,
+    pack_path: Path,
+    layout: PackLayout,
     *,
     blob_path: Path,
     cache: PayloadCache,
@@ -143,12 +135,13 @@ def hydrate_admitted(
     verify_extents: bool = False,
     manifest_file: str | None = None,
 ) -> HydrationReport:
-    """:func:`hydrate` of a pack the caller admitted after checking the manifest rules and the live layout: the
-    blob, the padding (not when the admission just read it on this inode) and the copy; raises as :func:`hydrate`."""
+    """:func:`hydrate` of a pack the caller admitted at ``pack_path`` after checking the manifest rules (``layout``)
+    and the live layout: the blob, the padding (not when the admission just read it on this inode) and the copy;
+    raises as :func:`hydrate`."""
     return _verify_and_fill(
         manifest,
-        admitted.layout,
-        lambda: admitted.path,
+        layout,
+        lambda: pack_path,
         blob_path=blob_path,
         cache=cache,
         allocations=allocations,
@@ -267,43 +260,28 @@ def _raise_judged(
     pack_path: Path,
     manifest_file: str | None,
 ) -> NoReturn:
-    """Raise what :func:`_judge_admitted_pack` makes of ``found``: itself, or the judged error chained to it."""
-    judged = _judge_admitted_pack(found, cache, manifest, layout, pack_path, manifest_file)
-    if judged is found:
-        raise found
-    raise judged from found
-
-
-def _judge_admitted_pack(
-    found: IntegrityError,
-    cache: PayloadCache,
-    manifest: NativeManifest,
-    layout: PackLayout,
-    pack_path: Path,
-    manifest_file: str | None,
-) -> ColdsnapError:
-    """After an admitted pack's padding or a copied extent disagreed: verify the pack in full, return the error."""
+    """After an admitted pack's padding or a copied extent disagreed (``found``): verify the pack in full and raise
+    ``found`` (the pack is corrupt and quarantined, or it changed meanwhile) or the judged error chained to it."""
     digest = manifest.pack.sha256
     try:
         verify_pack_file(pack_path, manifest.pack, layout, extent_owner=extent_owner_map(manifest), manifest_file=manifest_file)
     except IntegrityError as corrupt:
         found.quarantined_to = cache.quarantine(digest, log=False)  # type: ignore[attr-defined]
-        found.__cause__ = corrupt
         logger.info(
             "coldsnap: pack %s is corrupt although it was admitted (%s); quarantined as %s",
             digest,
             corrupt.detail,
             found.quarantined_to,  # type: ignore[attr-defined]
         )
-        return found
+        raise found from corrupt
     except ManifestError as wrong:
-        return wrong
+        raise wrong from found
     if isinstance(found, ExtentDigestMismatchError):
-        return CopyBackendError(
+        raise CopyBackendError(
             f"{found.detail}; the pack verifies in full, so the bytes changed while they were copied or in the"
             " destination memory",
             file=found.file,
             allocation=found.allocation,
             offset_bytes=found.offset_bytes,
-        )
-    return found  # the padding read non-zero, the full read zero: the file changed in between; not restored
+        ) from found
+    raise found  # the padding read non-zero, the full read zero: the file changed in between; not restored

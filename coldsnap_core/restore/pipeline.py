@@ -50,7 +50,7 @@ from coldsnap_core.format.verify import check_live_layout, check_manifest, exten
 from coldsnap_core.identity.checkpoint_records import CheckpointRecords
 from coldsnap_core.identity.model_identity import LoadedModel, check_model_identity
 from coldsnap_core.identity.target import ENGINE_NONE, collect_target
-from coldsnap_core.restore.hydrate import AdmittedPack, HydrationReport, hydrate_admitted, hydrate_residual, plan_hydration
+from coldsnap_core.restore.hydrate import HydrationReport, hydrate_admitted, hydrate_residual, plan_hydration
 from coldsnap_core.restore.overlay import Selection, select_capsule
 from coldsnap_core.restore.staging import FillAsLanded, stage_payload
 from coldsnap_core.settings import ColdsnapSettings
@@ -59,11 +59,7 @@ from coldsnap_core.stores.base import PayloadStore
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "RestoreResult",
-    "WorkerRestore",
-    "restore_or_fall_back",
-]
+__all__ = ["RestoreResult", "WorkerRestore", "restore_or_fall_back"]
 
 
 @dataclass
@@ -155,8 +151,8 @@ class WorkerRestore:
         Raises:
             MissingObjectError: no ``artifact.json``, no entry for this worker, or a missing capsule file.
             CapsulePinMismatchError: a manifest does not match its pin in ``artifact.json``.
-            ManifestMismatchError: the capsule disagrees with itself, its folder name or its entry
-                (worker, payload), or a model extent names a file the model identity does not list.
+            ManifestMismatchError: the capsule disagrees with itself, its folder or its entry, or a model extent
+                names a file the model identity does not list.
             ArtifactError: the capsule was captured at the native capture point.
             ManifestError: a document is malformed.
         """
@@ -281,7 +277,8 @@ class WorkerRestore:
                 try:
                     return hydrate_admitted(
                         manifest,
-                        AdmittedPack(pack_path, layout),
+                        pack_path,
+                        layout,
                         blob_path=capsule.blob_path,
                         cache=self.cache,
                         allocations=allocations.live,

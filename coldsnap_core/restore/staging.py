@@ -27,7 +27,7 @@ from typing import NoReturn
 from coldsnap_core._io import HASH_CHUNK_BYTES, os_error
 from coldsnap_core._progress import ProgressLines
 from coldsnap_core.artifact.capsules import find_worker, read_descriptor, read_worker_capsule
-from coldsnap_core.cache.payload_cache import PayloadCache
+from coldsnap_core.cache.payload_cache import ExtentOwner, PayloadCache
 from coldsnap_core.copy.base import CopyOp
 from coldsnap_core.digests import check_digest, pack_relpath
 from coldsnap_core.errors import (
@@ -42,7 +42,7 @@ from coldsnap_core.errors import (
 )
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WorkerEntry
 from coldsnap_core.format.manifest import PackRef, WorkerIdentity
-from coldsnap_core.format.pack_layout import PackEntry, PackLayout
+from coldsnap_core.format.pack_layout import PackLayout
 from coldsnap_core.format.verify import check_pack_padding, verify_pack_file
 from coldsnap_core.stores.base import PayloadStore
 
@@ -72,7 +72,7 @@ def stage_payload(
     progress: Callable[[int], object] | None = None,
     fetched: Callable[[int], object] | None = None,
     layout: PackLayout | None = None,
-    extent_owner: Callable[[PackEntry], tuple[int | None, int | None]] | None = None,
+    extent_owner: ExtentOwner | None = None,
     fill: FillAsLanded | None = None,
 ) -> Path:
     """Return the admitted object path of ``pack`` in ``cache``, fetching it from ``store`` if needed.
@@ -91,15 +91,11 @@ def stage_payload(
         ``<state-root>/model-payloads/sha256/<sha256>.pack``, verified (record or full hash).
 
     Raises:
-        InvalidDigestError: ``pack.sha256`` is not 64 lowercase hex characters (nothing touched).
-        PackPathMismatchError: ``pack.path`` is not derived from the digest (nothing touched).
-        PayloadUnavailableError: neither the cache nor the store has the pack; ``auto`` restore
-            falls back on this.
-        StoreError: the pack is not cached and the store did not answer (unreachable, offline) or
-            failed; ``auto`` restore falls back on this too.
-        IntegrityError: the cached object is corrupt and no store is configured (it is
-            quarantined), or the store's object does not verify (nothing is kept; the error names
-            the store object; with ``fill``, the allocations it was copied into are partly written).
+        InvalidDigestError, PackPathMismatchError: a malformed digest, or a path not derived from it (nothing touched).
+        PayloadUnavailableError: neither the cache nor the store has the pack.
+        StoreError: the pack is not cached and the store did not answer or failed.
+        IntegrityError: the cached object is corrupt and no store is configured (quarantined), or the store's object
+            does not verify (naming it; nothing is kept; with ``fill``, the allocations are partly written).
         InsufficientSpaceError: the cache's file system filled up during a fetch (nothing is kept).
         UnsafePathError: a symbolic link at an object, record or lock path or a cache folder.
     """
@@ -220,8 +216,7 @@ class LandedHash:
         """After :meth:`close`: the file's SHA-256 (lowercase hex).
 
         Raises:
-            FileAccessError: reading the file failed.
-            CacheError: the file ended, or the fetch stopped, before ``size_bytes`` bytes were hashed.
+            FileAccessError, CacheError: reading failed, or the file ended or the fetch stopped before its end.
         """
         self.close()
         if isinstance(self._result, BaseException):
@@ -388,7 +383,7 @@ def _fetch(
     progress: Callable[[int], object] | None,
     fetched: Callable[[int], object] | None,
     layout: PackLayout | None,
-    extent_owner: Callable[[PackEntry], tuple[int | None, int | None]] | None,
+    extent_owner: ExtentOwner | None,
     fill: FillAsLanded | None = None,
 ) -> Path:
     """Under the digest's lock: fetch ``pack`` into a temporary, hashed (and with ``fill`` and ``layout``, filled) as it
@@ -458,7 +453,7 @@ def _refuse_fetched(
     temp: Path,
     sha256: str,
     layout: PackLayout | None,
-    extent_owner: Callable[[PackEntry], tuple[int | None, int | None]] | None,
+    extent_owner: ExtentOwner | None,
     *,
     every_extent_verified: bool,
 ) -> NoReturn:
@@ -494,11 +489,9 @@ def worker_entries(artifact_dir: Path, workers: Sequence[WorkerIdentity]) -> lis
     Raises:
         MissingObjectError: no descriptor, or no capsule for a worker.
         ManifestError: a capsule's manifest is malformed.
-        InvalidDigestError, PackPathMismatchError: ``artifact.json`` names a pack by a malformed
-            digest or by a path that is not derived from its digest.
+        InvalidDigestError, PackPathMismatchError: ``artifact.json`` names a pack by a malformed digest or path.
         CapsulePinMismatchError: a capsule's manifest does not match its pin in ``artifact.json``.
-        ManifestMismatchError: a capsule names another worker or pack than ``artifact.json`` (an
-            ``ArtifactError``, exit code 2).
+        ManifestMismatchError: a capsule names another worker or pack than ``artifact.json``.
     """
     artifact_dir = Path(artifact_dir)
     descriptor = read_descriptor(artifact_dir)
@@ -516,16 +509,8 @@ def stage_artifact(
     cache: PayloadCache,
     store: PayloadStore | None = None,
 ) -> dict[WorkerIdentity, Path]:
-    """Stage the packs of ``workers`` (the workers on this host) from ``artifact_dir``; each digest once.
-
-    Returns:
-        For each worker, the admitted object path of its pack (workers that share a digest share the path).
-
-    Raises:
-        MissingObjectError: the artifact has no descriptor, or lists no capsule for a worker.
-        CapsulePinMismatchError, ManifestMismatchError: as :func:`worker_entries`.
-        PayloadUnavailableError, IntegrityError, ...: as :func:`stage_payload`.
-    """
+    """Stage the packs of ``workers`` (the workers on this host) from ``artifact_dir``, each digest once; return each
+    worker's admitted object path. Raises as :func:`worker_entries` and :func:`stage_payload`."""
     entries = worker_entries(artifact_dir, workers)
     staged: dict[str, Path] = {}
     result: dict[WorkerIdentity, Path] = {}
