@@ -350,12 +350,6 @@ class CudaCopyBackend:
                 self.ops.synchronize_stream(lane.stream)
             _release(self.ops, lane.stream, lane.buffers, lane.events)
 
-    def __enter__(self) -> CudaCopyBackend:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def prepare(self) -> None:
         """Allocate the hydration staging buffers and stream now (a sleep does, so that the wake does not pay for it).
 
