@@ -134,10 +134,13 @@ def hydrate_admitted(
     backend: CopyBackend,
     verify_extents: bool = False,
     manifest_file: str | None = None,
+    filled_seconds: float | None = None,
 ) -> HydrationReport:
     """:func:`hydrate` of a pack the caller admitted at ``pack_path`` after checking the manifest rules (``layout``)
     and the live layout: the blob, the padding (not when the admission just read it on this inode) and the copy;
-    raises as :func:`hydrate`."""
+    raises as :func:`hydrate`. ``filled_seconds``: a one-pass fetch
+    (:class:`~coldsnap_core.restore.staging.LandedFill`) already filled every model extent in that many seconds
+    (``pack_path`` is not read): only the residual blob is verified and copied."""
     return _verify_and_fill(
         manifest,
         layout,
@@ -149,36 +152,8 @@ def hydrate_admitted(
         verify_extents=verify_extents,
         manifest_file=manifest_file,
         started=time.perf_counter(),
+        filled_seconds=filled_seconds,
     )
-
-
-def hydrate_residual(
-    manifest: NativeManifest,
-    *,
-    blob_path: Path,
-    allocations: Sequence[LiveAllocation],
-    backend: CopyBackend,
-    pack_seconds: float,
-) -> HydrationReport:
-    """After a one-pass fetch (:class:`~coldsnap_core.restore.staging.LandedFill`) filled every model extent in
-    ``pack_seconds``: verify the residual blob (size, SHA-256) and copy its extents.
-
-    Raises:
-        ResidualSizeMismatchError, ResidualDigestMismatchError, MissingObjectError, NotRegularFileError,
-        FileAccessError: the blob is corrupt, missing or unreadable (the allocations hold the pack's extents only).
-        CopyBackendError: a read of the blob failed during the copy.
-    """
-    started = time.perf_counter()
-    with pinned_file(blob_path, "residual blob") as opened:
-        verify_blob_file(blob_path, manifest.residual, opened=opened)
-        checked = time.perf_counter()
-        try:
-            residual = [op for op in plan_hydration(manifest) if op.source == "blob"]
-            backend.fill(residual, {"blob": Path(opened)}, allocations, verify_extents=False)
-        except ColdsnapError as exc:
-            exc.renaming_file({opened: str(blob_path)})
-            raise
-    return _reported(manifest, checked - started, pack_seconds + time.perf_counter() - checked, fetched=True)
 
 
 def _reported(manifest: NativeManifest, check_seconds: float, copy_seconds: float, *, fetched: bool) -> HydrationReport:
@@ -210,13 +185,24 @@ def _verify_and_fill(
     verify_extents: bool,
     manifest_file: str | None,
     started: float,
+    filled_seconds: float | None = None,
 ) -> HydrationReport:
     """Verify the blob, take the admitted pack (``admit()``, with the blob open), check its padding unless the
-    admission verified this inode against ``layout``, then copy. Raises as :func:`hydrate`."""
+    admission verified this inode against ``layout``, then copy; with ``filled_seconds`` the model extents are in
+    place already and only the blob is copied. Raises as :func:`hydrate`."""
     # The blob and the pack are each opened once: what is verified below is what the backend copies,
     # through /proc/self/fd/<n>, even if another process renames other bytes onto either path meanwhile.
     with pinned_file(blob_path, "residual blob") as blob_opened:
         verify_blob_file(blob_path, manifest.residual, opened=blob_opened)
+        if filled_seconds is not None:
+            checked = time.perf_counter()
+            residual = [op for op in plan_hydration(manifest) if op.source == "blob"]
+            try:
+                backend.fill(residual, {"blob": Path(blob_opened)}, allocations, verify_extents=False)
+            except ColdsnapError as exc:
+                exc.renaming_file({blob_opened: str(blob_path)})
+                raise
+            return _reported(manifest, checked - started, filled_seconds + time.perf_counter() - checked, fetched=True)
         pack_path = admit()
         with pinned_file(pack_path, "pack") as pack_opened:
             _require_admitted_inode(cache, manifest.pack.sha256, pack_path, pack_opened)

@@ -50,7 +50,7 @@ from coldsnap_core.format.verify import check_live_layout, check_manifest, exten
 from coldsnap_core.identity.checkpoint_records import CheckpointRecords
 from coldsnap_core.identity.model_identity import LoadedModel, check_model_identity
 from coldsnap_core.identity.target import ENGINE_NONE, collect_target
-from coldsnap_core.restore.hydrate import HydrationReport, hydrate_admitted, hydrate_residual, plan_hydration
+from coldsnap_core.restore.hydrate import HydrationReport, hydrate_admitted, plan_hydration
 from coldsnap_core.restore.overlay import Selection, select_capsule
 from coldsnap_core.restore.staging import FillAsLanded, stage_payload
 from coldsnap_core.settings import ColdsnapSettings
@@ -265,15 +265,6 @@ class WorkerRestore:
                     ops, lambda ops, pack: backend.fill(ops, {"pack": pack}, allocations.live, verify_extents=True)
                 )
                 pack_path = self._admit(manifest, layout, manifest_file, onepass)
-                if onepass.filled:
-                    assert self.stage_seconds is not None
-                    return hydrate_residual(
-                        manifest,
-                        blob_path=capsule.blob_path,
-                        allocations=allocations.live,
-                        backend=backend,
-                        pack_seconds=self.stage_seconds,
-                    )
                 try:
                     return hydrate_admitted(
                         manifest,
@@ -285,6 +276,7 @@ class WorkerRestore:
                         backend=backend,
                         verify_extents=self.verify_extents,
                         manifest_file=manifest_file,
+                        filled_seconds=self.stage_seconds if onepass.filled else None,
                     )
                 except IntegrityError as exc:
                     # hydrate re-verifies an admitted pack whose padding or extent disagreed and quarantines

@@ -49,9 +49,8 @@ def test_golden_digest_of_the_tiny_pack(captured, tmp_path: Path) -> None:
     """The tiny checkpoint's pack has a fixed digest, captured or materialized."""
     assert captured.pack.sha256 == TINY_PACK_SHA256
     cache = PayloadCache(tmp_path / "state")
-    materialize_payload(
-        captured.manifest, recovery_load(captured.checkpoint).allocations, HostCopyBackend(), cache, mode="required"
-    )
+    slabs = recovery_load(captured.checkpoint)  # held: the live allocations are raw addresses into its memory
+    materialize_payload(captured.manifest, slabs.allocations, HostCopyBackend(), cache, mode="required")
     assert sha256_of(cache.object_path(TINY_PACK_SHA256)) == TINY_PACK_SHA256
 
 
