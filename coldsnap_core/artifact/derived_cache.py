@@ -97,13 +97,7 @@ class SeedQualification(Record):
         if cpu_isa_flags is None:
             cpu_isa_flags = read_cpu_isa_flags() if target.device_type == "cpu" else ()
         return cls(
-            engine=target.engine,
-            engine_version=target.engine_version,
-            torch_version=target.torch_version,
-            torch_cuda_version=target.torch_cuda_version,
-            device_type=target.device_type,
-            accelerator_model=target.accelerator_model,
-            nvidia_driver_version=target.nvidia_driver_version,
+            **{name: getattr(target, name) for name in TARGET_QUALIFICATION_FIELDS},
             cpu_isa_flags=tuple(sorted(set(cpu_isa_flags))),
             compute_capability=compute_capability,
             model_config_sha256=model_config_sha256,
