@@ -248,20 +248,3 @@ def verify_seed(capsule_dir: Path, capsule_files: Iterable[CapsuleFile]) -> Seed
 def compilation_digest(parts: Iterable[str]) -> str:
     """SHA-256 of the engine's compilation factors (strings, in the engine's order)."""
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
-
-
-__all__ = [
-    "MEMBER_RE",
-    "SEED_ARCHIVE_FILENAME",
-    "SEED_DOCUMENT_FILENAME",
-    "TARGET_QUALIFICATION_FIELDS",
-    "SeedDocument",
-    "SeedMember",
-    "SeedQualification",
-    "archive_members",
-    "compilation_digest",
-    "read_cpu_isa_flags",
-    "read_seed",
-    "verified_archive",
-    "verify_seed",
-]

@@ -23,8 +23,6 @@ from coldsnap_core.identity.model_folder import read_model_files
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attach_model_files", "verify_model_files"]
-
 
 def attach_model_files(artifact_dir: Path, folder: Path) -> tuple[CapsuleFile, ...]:
     """Copy the model files of ``folder`` into ``<artifact_dir>/model/`` (replaced whole) and pin them in ``artifact.json``,

@@ -124,17 +124,3 @@ def refuse_linked_folders(state_root: Path, path: Path, *, create: bool = False)
 def overlay_lock_path(path: Path) -> Path:
     """``<target folder>/.<capsule>.lock``: serializes an overlay's capture and the attachment of its seed."""
     return path.parent / f".{path.name}.lock"
-
-
-__all__ = [
-    "OVERLAYS_DIRNAME",
-    "OVERLAY_FILENAME",
-    "OverlayDescriptor",
-    "OverlayKind",
-    "artifact_key",
-    "overlay_dir",
-    "overlay_lock_path",
-    "portable_descriptor_sha256",
-    "refuse_linked_folders",
-    "target_key",
-]

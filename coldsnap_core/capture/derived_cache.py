@@ -38,8 +38,6 @@ from coldsnap_core.format.manifest import WorkerIdentity
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attach_seed", "collect_files", "log_captured", "with_seed_pins", "write_seed_files"]
-
 
 def collect_files(
     roots: Mapping[str, Path], folders: Iterable[tuple[str, str]], *, since_ns: int | None = None

@@ -23,21 +23,12 @@ from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.errors import ConfigurationError
 from coldsnap_core.format.allocation import LiveAllocation
 from coldsnap_core.format.manifest import NativeManifest, PackRef
-from coldsnap_core.settings import MATERIALIZE_ENV, MATERIALIZE_MODES, MaterializeMode
+from coldsnap_core.settings import MATERIALIZE_MODES, MaterializeMode
 
 logger = logging.getLogger(__name__)
 
 BACKGROUND_NICE_INCREMENT = 10
 """The ``async`` writer thread lowers its own scheduling priority by this much (best effort)."""
-
-__all__ = [
-    "MATERIALIZE_ENV",
-    "MATERIALIZE_MODES",
-    "MaterializationHandle",
-    "MaterializationResult",
-    "MaterializeMode",
-    "materialize_payload",
-]
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ bypass the dispatcher are invisible; a write into a tensor without a data pointe
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal
@@ -111,6 +112,17 @@ def _hull(tensor: torch.Tensor) -> tuple[int, int] | None:
     return base + lo, base + hi
 
 
+@functools.cache
+def _written_spec(func) -> tuple[tuple[int, str], ...]:
+    """``(position, name)`` of each argument ``func``'s schema marks as written (none for a metadata-only operator)."""
+    if func in _METADATA_ONLY_OPS or torch.Tag.inplace_view in getattr(func, "tags", ()):
+        return ()
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return ()
+    return tuple((i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+
+
 class WriteObserver(TorchDispatchMode):
     """Observe every tensor write while active (see the module docstring).
 
@@ -125,7 +137,6 @@ class WriteObserver(TorchDispatchMode):
         self.converted_copies = converted_copies
         self._records = RecordMap()
         self._copied = IntervalSet()
-        self._written_args: dict[object, tuple[tuple[int, str], ...]] = {}
         self.checkpoint_copies = 0
         self.other_writes = 0
         self.unattributed_writes: list[str] = []
@@ -145,25 +156,12 @@ class WriteObserver(TorchDispatchMode):
         return result
 
     def _written_tensors(self, func, args, kwargs) -> Iterator[torch.Tensor]:
-        spec = self._written_args.get(func)
-        if spec is None:
-            spec = self._written_spec(func)
-            self._written_args[func] = spec
-        for position, name in spec:
+        for position, name in _written_spec(func):
             value = args[position] if position < len(args) else kwargs.get(name)
             if isinstance(value, torch.Tensor):
                 yield value
             elif isinstance(value, list | tuple):
                 yield from (v for v in value if isinstance(v, torch.Tensor))
-
-    @staticmethod
-    def _written_spec(func) -> tuple[tuple[int, str], ...]:
-        if func in _METADATA_ONLY_OPS or torch.Tag.inplace_view in getattr(func, "tags", ()):
-            return ()
-        schema = getattr(func, "_schema", None)
-        if schema is None:
-            return ()
-        return tuple((i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
 
     def _on_write(self, tensor: torch.Tensor, func: object) -> None:
         try:

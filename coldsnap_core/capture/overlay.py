@@ -38,8 +38,6 @@ from coldsnap_core.format.target import TargetIdentity
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OverlayCapture", "attach_overlay_seed", "capture_overlay"]
-
 
 @dataclass(frozen=True, slots=True)
 class OverlayCapture:

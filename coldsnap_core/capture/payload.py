@@ -42,16 +42,6 @@ from coldsnap_core.format.verify import check_live_layout, check_manifest
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "ModelRange",
-    "PayloadPlan",
-    "StagedCapsule",
-    "check_model_ranges",
-    "hash_ranges",
-    "plan_manifest_payload",
-    "plan_payload",
-]
-
 
 @dataclass(frozen=True, slots=True)
 class ModelRange:
