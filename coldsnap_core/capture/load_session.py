@@ -1,10 +1,4 @@
-"""One observed checkpoint load: the prepared weight sources, the iterator boundary, the identity.
-
-:class:`LoadSession` registers every tensor the engine's checkpoint iterator yields in its
-:class:`~coldsnap_core.capture.checkpoint_sources.CheckpointSources` (running the iterator itself with the
-:class:`~coldsnap_core.capture.observer.WriteObserver` set aside) and pins the model identity of the load
-(:meth:`LoadSession.identify`).
-"""
+"""One observed checkpoint load (:class:`LoadSession`): the prepared weight sources, the iterator boundary, the identity."""
 
 from __future__ import annotations
 
