@@ -93,10 +93,8 @@ class LoadSession:
                     self.sources.register(tensor, found[1], found[0])
                 yield name, tensor
         finally:
-            # Closed here rather than by garbage collection under the observer: an iterator that holds
-            # a dispatch mode of its own across its yields sits below the observer (pushed back on top
-            # of it after each next), and its exit pops the innermost mode, which must then be its own.
-            # (At interpreter exit torch's module globals may be gone; garbage collection closes it then.)
+            # Closed here, not by garbage collection under the observer: an iterator holding a dispatch mode of its own
+            # pops the innermost mode on exit, which must be its own (at interpreter exit, garbage collection closes it).
             close = getattr(iterator, "close", None)
             if close is not None and not sys.is_finalizing():
                 self._unobserved(close)

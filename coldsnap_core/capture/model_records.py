@@ -36,12 +36,8 @@ class ModelRecord:
         return self.address + self.size_bytes
 
     def slice(self, start_bytes: int, end_bytes: int) -> list[ModelRecord]:
-        """The parts of this record inside destination bytes ``[start_bytes, end_bytes)`` (offsets
-        relative to ``address``), each with a source describable as uniform runs.
-
-        For a converted copy, a cut inside a destination element drops that element (its bytes were
-        written by something else, so the element is no longer the converted source element).
-        """
+        """The parts of this record inside ``[start_bytes, end_bytes)`` (relative to ``address``), each as uniform source
+        runs; a cut inside a converted copy's destination element drops that element."""
         unit = self.unit_destination_bytes
         ua = -(-max(0, start_bytes) // unit)
         ub = min(self.size_bytes, end_bytes) // unit
