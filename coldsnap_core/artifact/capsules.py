@@ -1,18 +1,9 @@
-"""Reading and writing artifact folders: unit capsules and the ``artifact.json`` descriptor.
+"""Reading and writing artifact folders: unit capsules and the ``artifact.json`` descriptor (``docs/format.md`` §5).
 
-Nothing on disk is ever half-valid:
-
-* a capsule is written into a hidden staging folder (``workers/.<name>.<random>.partial``), every file
-  fsynced, then renamed into place as a whole (a previous capsule of the same worker is moved
-  aside first and deleted after); a crash leaves either the old capsule, the new one, or none
-  (then restore falls back), never a mixture;
-* ``artifact.json`` is rewritten under a ``filelock`` lock by temporary file, fsync, rename and
-  folder fsync, so concurrent tensor parallel ranks all land in one descriptor.
-
-``artifact.json`` is the root of trust of an artifact: each worker entry pins the SHA-256 and size of
-its capsule's files (:class:`~coldsnap_core.format.descriptor.CapsuleFile`), and
-:func:`read_worker_capsule` checks the pins, then that descriptor entry, folder name and manifests
-name one worker and one payload, before anything in the capsule is used.
+A capsule is built in a hidden staging folder (``workers/.<name>.<hex16>.partial``), every file fsynced, and
+renamed into place as a whole; ``artifact.json`` is replaced under a ``filelock`` lock, so concurrent tensor
+parallel ranks land in one descriptor. ``artifact.json`` is the root of trust: each worker entry pins its
+capsule's files, checked by :func:`read_pinned_capsule` before anything in the capsule is used.
 """
 
 from __future__ import annotations
@@ -78,12 +69,9 @@ T = TypeVar("T")
 
 
 def replace_dir_atomically(final: Path, fill: Callable[[Path], T]) -> T:
-    """Build a folder in a hidden staging folder next to ``final``, fsync it, and swap it in.
-
-    ``fill`` is called with the staging folder and writes the files (each fsynced). A previous
-    ``final`` is moved aside first and deleted after; a failure leaves the previous ``final`` (if
-    any) untouched and no staging folder behind. Returns ``fill``'s result.
-    """
+    """Fill a hidden staging folder next to ``final`` (``fill(staging)`` fsyncs each file) and swap it in; a previous
+    ``final`` is moved aside and deleted after. A failure leaves the previous ``final`` and no staging folder.
+    Returns ``fill``'s result."""
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(8)
@@ -112,15 +100,13 @@ def descriptor_lock_path(artifact_dir: Path) -> Path:
 
 
 def check_artifact_paths(artifact_dir: Path, worker: WorkerIdentity) -> None:
-    """Refuse, before a capture writes anything, the paths of ``artifact_dir`` it would lock or write
-    through: the descriptor lock, ``workers/`` and the worker's capsule lock. The artifact folder
-    itself may be a symbolic link (a blue/green ``current -> a``); absent paths are fine.
+    """Refuse, before a capture writes anything, a link at the descriptor lock, ``workers/`` or the worker's
+    capsule lock (the artifact folder itself may be a link: a blue/green ``current -> a``).
 
     Raises:
-        UnsafePathError: one of them is a symbolic link (rule ``no-symlinks``, naming it), or a
-            path component is not a folder.
+        UnsafePathError: one of them is a symbolic link (rule ``no-symlinks``), or a path component is not a folder.
         NotRegularFileError: a lock path holds a folder or another non-regular file.
-        FileAccessError: one cannot be examined (``EACCES``, ``EIO``, ...).
+        FileAccessError: one cannot be examined.
     """
     workers_dir = artifact_dir / WORKERS_DIRNAME
     _refuse_link(descriptor_lock_path(artifact_dir), regular=True)
@@ -147,12 +133,7 @@ def _refuse_link(path: Path, *, regular: bool) -> None:
 
 @contextlib.contextmanager
 def _artifact_lock(path: Path) -> Iterator[None]:
-    """Hold the ``filelock`` lock at ``path``, refusing a symbolic link there (typed, not ``ELOOP``).
-
-    Raises:
-        UnsafePathError: ``path`` is a symbolic link.
-        FileAccessError / InsufficientSpaceError: the lock file cannot be created or locked.
-    """
+    """Hold the ``filelock`` lock at ``path``; a symbolic link there is an ``UnsafePathError``, not ``ELOOP``."""
     _refuse_link(path, regular=True)
     lock = filelock.FileLock(path)
     try:
@@ -168,16 +149,8 @@ def _artifact_lock(path: Path) -> Iterator[None]:
 
 
 def write_capsule(artifact_dir: Path, worker: WorkerIdentity, fill: Callable[[Path], T]) -> tuple[Path, T]:
-    """Create (or replace) the unit capsule of ``worker`` as one atomic step, under the capsule's lock.
-
-    Args:
-        artifact_dir: the artifact folder.
-        worker: whose capsule (``workers/<worker.capsule_name>``).
-        fill: called with the staging folder; writes the capsule's files there (each fsynced).
-
-    Returns:
-        ``(capsule path, fill's result)``.
-    """
+    """Create (or replace) ``workers/<worker.capsule_name>`` by :func:`replace_dir_atomically` under the capsule's
+    lock; returns ``(capsule path, fill's result)``."""
     check_artifact_paths(artifact_dir, worker)
     workers_dir = artifact_dir / WORKERS_DIRNAME
     workers_dir.mkdir(parents=True, exist_ok=True)
@@ -193,9 +166,8 @@ def _capsule_lock_path(workers_dir: Path, capsule_name: str) -> Path:
 
 
 def sweep_capsule_debris(workers_dir: Path, capsule_name: str) -> list[Path]:
-    """Remove the staging (``.<name>.<hex16>.partial``) and moved-aside (``.<name>.<hex16>.old``)
-    folders of one capsule that a killed writer left behind. Call with the capsule's lock held: no
-    live writer of this capsule (on this host) can own them then. Returns what was removed."""
+    """Remove the ``.<name>.<hex16>.partial`` and ``.old`` folders a killed writer of one capsule left behind
+    (call with the capsule's lock held). Returns what was removed."""
     pattern = re.compile(rf"\.{re.escape(capsule_name)}\.[0-9a-f]{{16}}\.(partial|old)")
     removed = []
     for child in sorted(workers_dir.iterdir()):
@@ -208,13 +180,8 @@ def sweep_capsule_debris(workers_dir: Path, capsule_name: str) -> list[Path]:
 
 
 def remove_other_worlds(artifact_dir: Path, world_size: int, data_parallel_size: int = 1) -> list[Path]:
-    """Remove every capsule folder ``workers/<role>-<rank>-of-<W>[-dp-<d>-of-<D>]`` of another world:
-    ``W != world_size`` or ``D != data_parallel_size`` (a name without the ``-dp-`` part has ``D = 1``).
-
-    Each is removed under its own capsule lock (so never while a writer swaps it in), by renaming it
-    to a hidden ``.<name>.<hex16>.old`` sibling first (so a crash leaves only hidden debris, swept
-    by the next capture of that capsule) and then deleting it. Returns the removed capsule folders.
-    """
+    """Remove every capsule folder of another world size or data parallel size (no ``-dp-`` part: 1), each under
+    its capsule lock and renamed to a hidden ``.old`` sibling first. Returns the removed capsule folders."""
     workers_dir = artifact_dir / WORKERS_DIRNAME
     if not workers_dir.is_dir():
         return []
@@ -244,14 +211,8 @@ def remove_other_worlds(artifact_dir: Path, world_size: int, data_parallel_size:
 
 
 def register_worker(artifact_dir: Path, model: ModelIdentity, entry: WorkerEntry) -> ArtifactDescriptor:
-    """Add (or replace) ``entry`` in ``artifact.json``, under the descriptor's lock.
-
-    A descriptor that names another model identity, or that cannot be read (malformed, or written
-    by another release), is started afresh (its workers are stale), with a WARNING. Entries of
-    another world (world size or data parallel size) are dropped (:meth:`ArtifactDescriptor.with_worker`) and their capsule folders
-    removed (:func:`remove_other_worlds`), so a fresh capture never leaves an artifact that fails
-    ``coldsnap verify``.
-    """
+    """Add (or replace) ``entry`` in ``artifact.json`` under the descriptor's lock. A descriptor of another model,
+    or one that cannot be read, is started afresh with a WARNING; entries and capsules of another world go."""
     artifact_dir.mkdir(parents=True, exist_ok=True)
     path = artifact_dir / DESCRIPTOR_FILENAME
     with _artifact_lock(descriptor_lock_path(artifact_dir)):
@@ -279,16 +240,8 @@ def pin_file(name: str, data: bytes) -> CapsuleFile:
 
 @dataclass(frozen=True, slots=True)
 class Capsule:
-    """A worker's unit capsule as read from disk.
-
-    Attributes:
-        path: the capsule folder.
-        native: its native manifest.
-        recovery: its recovery manifest.
-        target: its ``target.json`` (the target the residual was captured on); always present in a
-            capsule of an artifact (pinned); ``None`` for a capsule read on its own without one (a
-            level-1 sleep capsule).
-    """
+    """A worker's unit capsule as read from disk; ``target`` is ``None`` only for a capsule read on its own
+    without a ``target.json`` (a level-1 sleep capsule)."""
 
     path: Path
     native: NativeManifest
@@ -305,26 +258,15 @@ class Capsule:
 
 
 def read_capsule(path: Path) -> Capsule:
-    """Read and strictly parse a capsule's two manifests and check that they agree with each other and
-    with the capsule folder's name.
-
-    This reads a capsule on its own (``coldsnap verify CAPSULE``); a capsule of an artifact is read
-    with :func:`read_worker_capsule`, which also checks its pins in ``artifact.json``.
+    """Read a capsule on its own (``coldsnap verify CAPSULE``): both manifests parse, agree with each other and
+    with the folder's name (unpinned; :func:`read_pinned_capsule` also checks the pins).
 
     Raises:
         MissingObjectError: the capsule or a manifest is missing.
         ManifestError: a manifest is malformed or unsupported.
-        ManifestMismatchError: the two manifests disagree (worker, layout fingerprint, allocation map,
-            residual blob or residual map), or the folder is not named after the manifests' worker;
-            an :class:`ArtifactError` with exit code 2.
+        ManifestMismatchError: the manifests disagree, or the folder is not named after their worker (exit code 2).
     """
     return _read_capsule(path, {})
-
-
-def _require_pin(path: Path, pin: CapsuleFile | None) -> CapsuleFile:
-    if pin is None:
-        raise CapsulePinMismatchError(f"artifact.json pins no {path.name} for this capsule", file=path)
-    return pin
 
 
 def _check_pinned_size(path: Path, pin: ContentRef, size_bytes: int, pinned_by: str = DESCRIPTOR_FILENAME) -> None:
@@ -336,19 +278,18 @@ def _check_pinned_size(path: Path, pin: ContentRef, size_bytes: int, pinned_by: 
         )
 
 
-def _check_pin(path: Path, data: bytes, pin: CapsuleFile) -> None:
-    digest = hashlib.sha256(data).hexdigest()
-    if (len(data), digest) != (pin.size_bytes, pin.sha256):
+def check_pin(path: Path, size_bytes: int, sha256: str, pin: ContentRef, pinned_by: str = DESCRIPTOR_FILENAME) -> None:
+    """Raise ``CapsulePinMismatchError`` (naming both sizes and digests) unless ``size_bytes`` and ``sha256`` are ``pin``'s."""
+    if (size_bytes, sha256) != (pin.size_bytes, pin.sha256):
         raise CapsulePinMismatchError(
-            f"{path.name} is {len(data)} bytes with SHA-256 {digest}; artifact.json pins {pin.size_bytes} bytes with"
+            f"{path.name} is {size_bytes} bytes with SHA-256 {sha256}; {pinned_by} pins {pin.size_bytes} bytes with"
             f" SHA-256 {pin.sha256}",
             file=path,
         )
 
 
 def check_pinned_file(path: Path, pin: ContentRef, *, pinned_by: str = DESCRIPTOR_FILENAME) -> None:
-    """The regular file at ``path`` has the size and SHA-256 ``pin`` records (the size first: a file of another size
-    is never read). ``pinned_by`` says where the pin comes from, for the message.
+    """The regular file at ``path`` has ``pin``'s size (checked first) and SHA-256; ``pinned_by`` names the pin's source.
 
     Raises:
         MissingObjectError: nothing at ``path``.
@@ -365,16 +306,10 @@ def check_pinned_file(path: Path, pin: ContentRef, *, pinned_by: str = DESCRIPTO
         digest, size_bytes = sha256_file(path)
     except OSError as exc:
         raise os_error("cannot read a pinned file", exc, path) from exc
-    if (size_bytes, digest) != (pin.size_bytes, pin.sha256):
-        raise CapsulePinMismatchError(
-            f"{path.name} is {size_bytes} bytes with SHA-256 {digest}; {pinned_by} pins {pin.size_bytes} bytes with"
-            f" SHA-256 {pin.sha256}",
-            file=path,
-        )
+    check_pin(path, size_bytes, digest, pin, pinned_by)
 
 
 _DOCUMENTS = (NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, TARGET_FILENAME)
-"""A capsule's documents, in the order they are read."""
 
 
 def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None]) -> Capsule:
@@ -406,44 +341,35 @@ def _read_capsule(path: Path, pins: dict[str, CapsuleFile | None]) -> Capsule:
 
 
 def _read_document_bytes(path: Path, pins: dict[str, CapsuleFile | None]) -> bytes | None:
-    """A capsule document's bytes, checked against its pin when the capsule is read with pins (it must then be
-    pinned and present); else as they are (``target.json``: ``None`` when absent)."""
+    """A capsule document's bytes, checked against its pin when read with pins; unpinned ``target.json``: ``None`` when absent."""
     if path.name not in pins:
         return None if path.name == TARGET_FILENAME and not os.path.lexists(path) else read_document_bytes(path)
-    pin = _require_pin(path, pins[path.name])
+    pin = pins[path.name]
+    if pin is None:
+        raise CapsulePinMismatchError(f"artifact.json pins no {path.name} for this capsule", file=path)
     if path.name == TARGET_FILENAME:
         _require_present(path, "target identity")
     data = read_document_bytes(path, check_size=functools.partial(_check_pinned_size, path, pin))
-    _check_pin(path, data, pin)
+    check_pin(path, len(data), hashlib.sha256(data).hexdigest(), pin)
     return data
 
 
 def read_worker_capsule(artifact_dir: Path, entry: WorkerEntry) -> Capsule:
-    """Read the capsule of one ``artifact.json`` entry and check it against the entry.
-
-    In order: the capsule folder exists; each manifest's bytes have the size and SHA-256 that
-    ``entry.capsule_files`` pins (before they are parsed); both parse and agree; the folder, the
-    manifests and the entry name the same worker; the pinned residual blob is the one the native
-    manifest names; the native manifest names the entry's payload.
-
-    Args:
-        artifact_dir: the artifact folder.
-        entry: the capsule's ``artifact.json`` entry.
-
-    Raises:
-        MissingObjectError: the capsule folder or a manifest is missing.
-        CapsulePinMismatchError: a manifest does not match its pin, or the residual pin differs from
-            the native manifest's ``residual`` (exit code 2).
-        ManifestError: a manifest is malformed or unsupported.
-        ManifestMismatchError: the manifests disagree with each other, with the folder name or with
-            the entry (worker, payload) (exit code 2).
-    """
+    """:func:`read_pinned_capsule` of one ``artifact.json`` entry's capsule."""
     return read_pinned_capsule(artifact_dir / entry.capsule, entry)
 
 
 def read_pinned_capsule(path: Path, entry: WorkerEntry) -> Capsule:
-    """:func:`read_worker_capsule` for a capsule folder at ``path`` (named after ``entry.worker``)
-    pinned by ``entry``: a worker of an artifact, or a target-local overlay (its descriptor's pins)."""
+    """Read the capsule at ``path`` pinned by ``entry`` (an artifact's, or a target-local overlay's): each manifest
+    matches its pin before it is parsed, both agree, and folder, manifests and entry name one worker, residual
+    blob and payload.
+
+    Raises:
+        MissingObjectError: the capsule folder or a manifest is missing.
+        CapsulePinMismatchError: a manifest or the residual blob's pin does not match (exit code 2).
+        ManifestError: a manifest is malformed or unsupported.
+        ManifestMismatchError: the manifests disagree with each other, the folder name or the entry (exit code 2).
+    """
     pins = {name: entry.pin(name) for name in _DOCUMENTS}
     capsule = _read_capsule(path, pins)
     native = capsule.native
@@ -479,11 +405,7 @@ def _describe_pack(pack: PackRef) -> str:
 
 
 def check_provenance_in_identity(manifest: NativeManifest, model: ModelIdentity, *, file: str | None = None) -> None:
-    """Every model extent's provenance names a checkpoint file of the model identity.
-
-    Raises:
-        ManifestMismatchError: names the first extent whose ``checkpoint_file`` the identity does not list.
-    """
+    """Raise ``ManifestMismatchError`` for the first model extent whose ``checkpoint_file`` the identity does not list."""
     names = {f.name for f in model.files}
     for i, extent in enumerate(manifest.model_extents):
         if extent.provenance.checkpoint_file not in names:
@@ -497,9 +419,7 @@ def check_provenance_in_identity(manifest: NativeManifest, model: ModelIdentity,
 
 
 def find_worker(descriptor: ArtifactDescriptor, worker: WorkerIdentity) -> WorkerEntry:
-    """The descriptor's entry for ``worker``: the same identity in every field (role, rank, world size,
-    tensor parallel rank and size, data parallel rank and size), so each data parallel replica gets
-    its own replica's capsule and a worker of another world gets none.
+    """The descriptor's entry for ``worker`` (equal in every identity field, data parallel ones included).
 
     Raises:
         MissingObjectError: the artifact has no capsule for this worker.
@@ -515,22 +435,14 @@ def read_descriptor(artifact_dir: Path) -> ArtifactDescriptor:
 
     Raises:
         MissingObjectError: it does not exist.
-        NotRegularFileError, FileAccessError: not a regular file, or it cannot be examined (a
-            symbolic link loop is rule ``io``, not "missing").
+        NotRegularFileError, FileAccessError: not a regular file, or it cannot be examined (a link loop: rule ``io``).
         ManifestError: it is malformed.
     """
-    path = artifact_dir / DESCRIPTOR_FILENAME
-    _require_present(path, "artifact descriptor")
-    return ArtifactDescriptor.read(path)
+    return read_descriptor_bytes(artifact_dir)[0]
 
 
 def read_descriptor_bytes(artifact_dir: Path) -> tuple[ArtifactDescriptor, str]:
-    """:func:`read_descriptor`, with the SHA-256 of the very bytes parsed (what a target-local overlay
-    binds to, ``docs/format.md`` §15.3): one read, so the digest cannot describe another version.
-
-    Raises:
-        MissingObjectError, NotRegularFileError, FileAccessError, ManifestError: as :func:`read_descriptor`.
-    """
+    """:func:`read_descriptor` and the SHA-256 of the very bytes parsed (what an overlay binds to, ``docs/format.md`` §15.3)."""
     path = artifact_dir / DESCRIPTOR_FILENAME
     _require_present(path, "artifact descriptor")
     data = read_document_bytes(path, max_bytes=MAX_DESCRIPTOR_BYTES)
@@ -544,8 +456,7 @@ _NO_ARTIFACT_REMEDY = (
 
 
 def _require_present(path: Path, what: str) -> None:
-    """``MissingObjectError`` if nothing is at ``path``; the typed error if it cannot be examined. A missing
-    ``artifact.json`` names where an artifact comes from as its remedy."""
+    """``MissingObjectError`` if nothing is at ``path`` (``artifact.json``: with a remedy); typed if it cannot be examined."""
     try:
         os.stat(path)
     except (FileNotFoundError, NotADirectoryError) as exc:
@@ -558,13 +469,8 @@ def _require_present(path: Path, what: str) -> None:
 def write_manifests(
     staging: Path, native: NativeManifest, recovery: RecoveryManifest | None, target: TargetIdentity | None
 ) -> tuple[CapsuleFile, ...]:
-    """Write the native manifest, the recovery manifest and ``target.json`` (each that is given) into a
-    capsule staging folder (each fsynced).
-
-    Returns:
-        The pins of the files written and of the residual blob as the native manifest names it, sorted by
-        name: an artifact capsule's four, for its ``artifact.json`` entry.
-    """
+    """Write each given document into a capsule staging folder (fsynced); returns the pins of those and of the
+    residual blob, sorted by name."""
     pins = [CapsuleFile.of(native.residual)]
     for name, document in ((NATIVE_MANIFEST_FILENAME, native), (RECOVERY_MANIFEST_FILENAME, recovery), (TARGET_FILENAME, target)):
         if document is not None:
@@ -575,9 +481,7 @@ def write_manifests(
 
 
 def check_artifact_layout(artifact_dir: Path) -> None:
-    """Every capsule folder in ``workers/`` is listed in the descriptor (stale capsules are an error).
-
-    Hidden entries (staging folders ``.<name>.<random>.partial``, locks) are ignored.
+    """Every non-hidden capsule folder in ``workers/`` is listed in the descriptor.
 
     Raises:
         MissingObjectError: no ``artifact.json``.

@@ -1,21 +1,10 @@
-"""Derived-cache seeds: the documents of an engine's compile cache captured into a capsule (``docs/format.md`` §17).
+"""Derived-cache seeds: an engine's compile cache files captured into a capsule (``docs/format.md`` §17).
 
-A start with compilation on spends most of its time compiling once the weights restore fast (vLLM on
-CPU: inductor builds and loads a shared object per graph). A *seed* is what the engine's compile cache
-held for one worker after its start compiled: the files themselves in one uncompressed tar archive
-(``derived-cache.tar``), described by ``derived-cache.json`` (:class:`SeedDocument`: each file's path,
-size and SHA-256, and the :class:`SeedQualification` it was captured under). Both are files of the
-worker's capsule, pinned in ``artifact.json`` like its other files.
-
-Here: the documents, reading a seed against its pins (:func:`read_seed`, :func:`verified_archive`,
-:func:`archive_members`) and checking it without placing it (:func:`verify_seed`, ``coldsnap verify``).
-A seed is captured into a capsule by :mod:`coldsnap_core.capture.derived_cache` (the engine compiles after
-``load_weights``, so after the capture) and placed where the engine looks, before it compiles, by
-:mod:`coldsnap_core.restore.derived_cache`.
-
-Engine-neutral: the engine plugin names the cache roots (``vllm-cache``: ``VLLM_CACHE_ROOT``;
-``inductor-cache``: ``TORCHINDUCTOR_CACHE_DIR``), which files of them belong to the worker, and its
-compilation digest.
+A seed is ``derived-cache.tar`` (the files, uncompressed) described by ``derived-cache.json``
+(:class:`SeedDocument`), both pinned in ``artifact.json``. Here: the documents, reading a seed against its pins
+and checking it without placing it (:func:`verify_seed`). Captured by :mod:`coldsnap_core.capture.derived_cache`,
+placed by :mod:`coldsnap_core.restore.derived_cache`; the engine plugin names the cache roots (``vllm-cache``:
+``VLLM_CACHE_ROOT``; ``inductor-cache``: ``TORCHINDUCTOR_CACHE_DIR``) and its compilation digest.
 """
 
 from __future__ import annotations
@@ -33,6 +22,7 @@ from pathlib import Path
 import msgspec
 
 from coldsnap_core._io import open_regular
+from coldsnap_core.artifact.capsules import check_pin
 from coldsnap_core.errors import CapsulePinMismatchError, ManifestValueError
 from coldsnap_core.format._strict import Document, Record, Sha256, Text, matching, read_document_bytes
 from coldsnap_core.format.content_ref import ContentRef
@@ -45,8 +35,6 @@ SEED_DOCUMENT_FILENAME, SEED_ARCHIVE_FILENAME = SEED_FILENAMES
 MAX_SEED_DOCUMENT_BYTES = 16 * 2**20
 CPUINFO = Path("/proc/cpuinfo")
 
-ROOT_NAMES = ("vllm-cache", "inductor-cache")
-"""The cache roots a seed's paths start with (``docs/format.md`` §17.1)."""
 _MEMBER = r"(?:vllm-cache|inductor-cache)(?:/(?!\.\.?(?:/|\Z))[A-Za-z0-9._+=-]+)+"
 MEMBER_RE = re.compile(_MEMBER)
 MemberPath = matching(_MEMBER)
@@ -58,16 +46,12 @@ SHARED_FOLDERS = (
     "vllm-cache/torch_compile_cache/torch_aot_compile",
     "inductor-cache/*",
 )
-"""Paths (``*``: any one component) that vLLM's and torch inductor's caches use as folders for every model's
-start: a seed member there is a file in a folder's place, which would make each later compiling start on
-the node fail, so a seed listing one is malformed (``docs/format.md`` §17.1). vLLM names the first three
-(``vllm/model_executor/models/registry.py``, ``vllm/compilation/backends.py``, ``vllm/compilation/caching.py``);
-inductor writes files only into folders below its cache root (``torch/_inductor/codecache.py``: ``fxgraph/``,
-``aotautograd/``, the two-character folders of generated code, ``locks/``)."""
+"""Folders (``*``: any one component) every start's compile cache uses: a seed member there is malformed
+(``docs/format.md`` §17.1; ``vllm/model_executor/models/registry.py``, ``vllm/compilation/backends.py``,
+``vllm/compilation/caching.py``, ``torch/_inductor/codecache.py``)."""
 
 TARGET_QUALIFICATION_FIELDS = QUALIFYING_FIELDS
-"""The qualification's fields that are the target identity's: the ones a residual qualifies on
-(``docs/format.md`` §15.1, §17.2)."""
+"""The qualification's fields that are the target identity's (``docs/format.md`` §15.1, §17.2)."""
 
 
 class SeedMember(ContentRef):
@@ -77,17 +61,7 @@ class SeedMember(ContentRef):
 
 
 class SeedQualification(Record):
-    """What a seed's compiled code depends on; a seed is placed only where every field is equal.
-
-    Attributes:
-        engine, engine_version, torch_version, torch_cuda_version, device_type, accelerator_model,
-            nvidia_driver_version: the capsule's target identity's fields (``docs/format.md`` §15.1).
-        cpu_isa_flags: on CPU, the instruction-set flags of ``/proc/cpuinfo`` (sorted; inductor's C++
-            code is built for this machine's vector extensions); ``()`` elsewhere.
-        compute_capability: on CUDA, ``major.minor`` of the device; else ``None``.
-        model_config_sha256: the digest of the engine's effective model configuration.
-        compilation_sha256: the engine's digest of its compilation settings (vLLM: the configuration
-            hash and compile-relevant environment that name its cache folder).
+    """What a seed's compiled code depends on; a seed is placed only where every field is equal (``docs/format.md`` §17.2).
 
     Raises:
         ManifestValueError: ``cpu_isa_flags`` is not sorted and unique.
@@ -123,13 +97,7 @@ class SeedQualification(Record):
         if cpu_isa_flags is None:
             cpu_isa_flags = read_cpu_isa_flags() if target.device_type == "cpu" else ()
         return cls(
-            engine=target.engine,
-            engine_version=target.engine_version,
-            torch_version=target.torch_version,
-            torch_cuda_version=target.torch_cuda_version,
-            device_type=target.device_type,
-            accelerator_model=target.accelerator_model,
-            nvidia_driver_version=target.nvidia_driver_version,
+            **{name: getattr(target, name) for name in TARGET_QUALIFICATION_FIELDS},
             cpu_isa_flags=tuple(sorted(set(cpu_isa_flags))),
             compute_capability=compute_capability,
             model_config_sha256=model_config_sha256,
@@ -155,12 +123,6 @@ class SeedQualification(Record):
 
 class SeedDocument(Document, tag=SEED_KIND):
     """``derived-cache.json`` (``docs/format.md`` §17.2).
-
-    Attributes:
-        worker: the worker whose start compiled these files.
-        qualification: what they were compiled for.
-        archive: the pin of ``derived-cache.tar``.
-        members: the archive's files, in archive order (sorted by path, unique, none inside another).
 
     Raises:
         ManifestValueError: the archive is not named ``derived-cache.tar``, or the members break their order rule.
@@ -199,8 +161,7 @@ def _occupies(path: str, folder: str) -> bool:
 
 
 def read_cpu_isa_flags(cpuinfo: Path = CPUINFO) -> tuple[str, ...]:
-    """The ``flags`` of the first processor in ``cpuinfo`` (sorted), or ``()`` when there is none
-    (not Linux x86; ARM's ``Features`` line is read the same way)."""
+    """The ``flags`` (ARM: ``Features``) of the first processor in ``cpuinfo``, sorted; ``()`` when there is none."""
     try:
         text = cpuinfo.read_text(encoding="ascii", errors="replace")
     except OSError:
@@ -219,7 +180,7 @@ def read_seed(capsule_dir: Path, pins: dict[str, CapsuleFile]) -> SeedDocument:
     document_path = capsule_dir / SEED_DOCUMENT_FILENAME
     document_pin = pins[SEED_DOCUMENT_FILENAME]
     data = read_document_bytes(document_path, max_bytes=MAX_SEED_DOCUMENT_BYTES)
-    _check_digest(document_path, len(data), hashlib.sha256(data).hexdigest(), document_pin)
+    check_pin(document_path, len(data), hashlib.sha256(data).hexdigest(), document_pin)
     document = SeedDocument.loads(data, file=str(document_path))
     archive_path = capsule_dir / SEED_ARCHIVE_FILENAME
     archive_pin = pins[SEED_ARCHIVE_FILENAME]
@@ -233,11 +194,8 @@ def verified_archive(path: Path, pin: CapsuleFile):
     """The seed archive opened once (no symbolic link followed, never blocking on a pipe, regular files only),
     hashed in full against ``pin``, and yielded at offset 0: the bytes read as a tar are the bytes hashed."""
     with open_regular(path, "seed archive") as (fd, _), os.fdopen(fd, "rb", closefd=False) as f:
-        digest, size = hashlib.sha256(), 0
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-            size += len(chunk)
-        _check_digest(path, size, digest.hexdigest(), pin)
+        digest = hashlib.file_digest(f, "sha256")
+        check_pin(path, f.tell(), digest.hexdigest(), pin)
         f.seek(0)
         yield f
 
@@ -259,19 +217,9 @@ def archive_members(tar: tarfile.TarFile, document: SeedDocument, archive_path: 
         yield info, member
 
 
-def _check_digest(path: Path, size_bytes: int, sha256: str, pin: CapsuleFile) -> None:
-    if (size_bytes, sha256) != (pin.size_bytes, pin.sha256):
-        raise CapsulePinMismatchError(
-            f"{path.name} is {size_bytes} bytes with SHA-256 {sha256}; artifact.json pins {pin.size_bytes} bytes with"
-            f" SHA-256 {pin.sha256}",
-            file=path,
-        )
-
-
 def verify_seed(capsule_dir: Path, capsule_files: Iterable[CapsuleFile]) -> SeedDocument | None:
-    """Check the seed of the capsule at ``capsule_dir`` without placing it (``coldsnap verify``): both files
-    match their pins, the document parses and names the pinned archive, and the archive holds exactly the
-    listed regular files with their sizes and SHA-256. Returns the document, or ``None`` without a seed.
+    """Check the seed of the capsule at ``capsule_dir`` without placing it (``coldsnap verify``): both files, the
+    document and every archive member against their pins. Returns the document, or ``None`` without a seed.
 
     Raises:
         CapsulePinMismatchError: a file does not match its pin, one seed file is pinned without the other,
@@ -298,24 +246,5 @@ def verify_seed(capsule_dir: Path, capsule_files: Iterable[CapsuleFile]) -> Seed
 
 
 def compilation_digest(parts: Iterable[str]) -> str:
-    """SHA-256 of the engine's compilation factors (strings, in the engine's order), for
-    :attr:`SeedQualification.compilation_sha256`."""
+    """SHA-256 of the engine's compilation factors (strings, in the engine's order)."""
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
-
-
-__all__ = [
-    "MEMBER_RE",
-    "ROOT_NAMES",
-    "SEED_ARCHIVE_FILENAME",
-    "SEED_DOCUMENT_FILENAME",
-    "TARGET_QUALIFICATION_FIELDS",
-    "SeedDocument",
-    "SeedMember",
-    "SeedQualification",
-    "archive_members",
-    "compilation_digest",
-    "read_cpu_isa_flags",
-    "read_seed",
-    "verified_archive",
-    "verify_seed",
-]

@@ -1,11 +1,5 @@
-"""The artifact's copy of the model's non-weight files: ``<artifact>/model/<name>``, pinned in ``artifact.json``.
-
-A capture copies the model files of the folder the engine read its weights from
-(:func:`coldsnap_core.identity.model_folder.read_model_files`: ``config.json``, tokenizer files, ...) into the
-artifact's ``model/`` folder and pins each in ``artifact.json``'s ``model_files`` (``docs/format.md`` §5), so the
-artifact carries what an engine needs to build the model besides its weights, and a node can serve from that folder
-with every model byte restored from the pack.
-"""
+"""The artifact's copy of the model's non-weight files (``config.json``, tokenizer files, ...): ``<artifact>/model/<name>``,
+pinned in ``artifact.json``'s ``model_files`` (``docs/format.md`` §5)."""
 
 from __future__ import annotations
 
@@ -29,19 +23,11 @@ from coldsnap_core.identity.model_folder import read_model_files
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attach_model_files", "verify_model_files"]
-
 
 def attach_model_files(artifact_dir: Path, folder: Path) -> tuple[CapsuleFile, ...]:
-    """Copy the model files of ``folder`` into ``<artifact_dir>/model/`` and pin them in ``artifact.json``, after a
-    worker's capture registered it.
-
-    Under the descriptor's lock: when ``artifact.json`` already pins exactly these files and ``model/`` holds them
-    intact (another worker of the capture copied them first), nothing is written; else the staging and moved-aside
-    folders a killed writer left (``.model.<hex16>.partial``, ``.old``) are removed, ``model/`` is written whole (a
-    hidden staging folder, every file fsynced, renamed into place; removed when ``folder`` holds no model file) and
-    then ``artifact.json`` with the pins, with one WARNING when it pinned other model files before (the model folder
-    changed since that capture).
+    """Copy the model files of ``folder`` into ``<artifact_dir>/model/`` (replaced whole) and pin them in ``artifact.json``,
+    under the descriptor's lock; nothing is written when they are pinned and intact already, and a WARNING names files
+    that differ from earlier pins.
 
     Returns:
         The pins, sorted by name (empty: ``folder`` holds no model file).
@@ -88,8 +74,7 @@ def _intact(artifact_dir: Path, pins: tuple[CapsuleFile, ...]) -> bool:
 
 
 def verify_model_files(artifact_dir: Path, pins: tuple[CapsuleFile, ...]) -> None:
-    """``<artifact_dir>/model/`` holds exactly the pinned model files (``artifact.json``'s ``model_files``), each of
-    its pinned size and SHA-256 (hidden entries are ignored); no ``model/`` folder when nothing is pinned.
+    """``<artifact_dir>/model/`` holds exactly the pinned model files (hidden entries aside), each matching its pin.
 
     Raises:
         MissingObjectError: a pinned file is missing (rule ``object-present``).

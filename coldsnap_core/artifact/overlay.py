@@ -1,29 +1,10 @@
 """Target-local residual overlays: the documents and paths of a node's own capsule for a portable capsule it
 may not replay (``docs/format.md`` §15.3).
 
-A portable capsule's residual is replayed only on a target that qualifies (``docs/format.md``
-§15.2). When one does not (an engine or driver upgrade), the loader falls back to the checkpoint load
-and then captures this worker's residual and manifests for *this* target
-(:func:`coldsnap_core.capture.overlay.capture_overlay`). The model payload objects must be the portable
-capsule's (same owner, role, size and SHA-256): the pack stays shared and is never copied. If the residual
-and both manifests are also byte-identical to the portable capsule's, the capture is discarded and the node
-records that its target is qualified for the portable capsule (kind ``qualified``); otherwise it stores the
-capture (kind ``overlay``). Either way an **overlay descriptor** (``overlay.json``) binds it to the portable
-``artifact.json`` by SHA-256, to the exact target identity and to the pins of its files, in the
-node-local state root::
-
-    <state-root>/overlays/<artifact-key>/<target-key>/<capsule name>/
-        overlay.json            OverlayDescriptor, mode 0444
-        native-manifest.json    (kind "overlay" only) the overlay capsule, pinned by overlay.json
-        recovery-manifest.json
-        target.json
-        weights.blob
-
-An ordinary restore selects an overlay (:func:`coldsnap_core.restore.overlay.select_capsule`) only on the
-exact target it is bound to and only while the portable ``artifact.json`` is the one it was bound to.
-Missing, stale or invalid overlay metadata falls back to the portable artifact (a WARNING for invalid
-metadata). Overlays are an acceleration cache, never published (``docs/format.md`` §15.3-16.5); ``coldsnap
-cache gc`` removes the stale ones (:mod:`coldsnap_core.cache.overlays`).
+An overlay folder ``<state-root>/overlays/<artifact-key>/<target-key>/<capsule name>/`` holds ``overlay.json``
+(:class:`OverlayDescriptor`, mode 0444), and for kind ``overlay`` the capsule's four files it pins. Captured by
+:mod:`coldsnap_core.capture.overlay`, selected by :mod:`coldsnap_core.restore.overlay`, removed by
+:mod:`coldsnap_core.cache.overlays`.
 """
 
 from __future__ import annotations
@@ -62,8 +43,7 @@ def artifact_key(artifact_dir: Path) -> str:
 
 
 def target_key(target: TargetIdentity) -> str:
-    """The folder name of one target's overlays: ``sha256(b"coldsnap-target-v1\\n" + canonical JSON)``
-    of every field of the target identity (keys sorted, separators ``,`` ``:``, ASCII)."""
+    """``sha256(b"coldsnap-target-v1\\n" + canonical JSON of the target identity)``: the folder name of one target's overlays."""
     canonical = json.dumps(target.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(b"coldsnap-target-v1\n" + canonical.encode("ascii")).hexdigest()
 
@@ -74,30 +54,13 @@ def overlay_dir(state_root: Path, artifact_dir: Path, worker: WorkerIdentity, ta
 
 
 def portable_descriptor_sha256(artifact_dir: Path) -> str:
-    """SHA-256 of the portable artifact's ``artifact.json`` bytes as they are now.
-
-    Raises:
-        MissingObjectError, NotRegularFileError, FileAccessError, ManifestParseError: see
-            :func:`coldsnap_core.format._strict.read_document_bytes`.
-    """
+    """SHA-256 of the portable artifact's ``artifact.json`` bytes as they are now (raises as ``read_document_bytes``)."""
     return hashlib.sha256(read_document_bytes(artifact_dir / DESCRIPTOR_FILENAME)).hexdigest()
 
 
 class OverlayDescriptor(Document, tag=OVERLAY_KIND):
-    """``overlay.json`` (``docs/format.md`` §15.3).
-
-    Attributes:
-        kind: ``overlay`` (the folder holds this target's capsule) or ``qualified`` (the capture was
-            identical to the portable capsule: the portable capsule is replayed on this target).
-        artifact_dir: the portable artifact folder's real path when the overlay was captured.
-        portable_descriptor_sha256: SHA-256 of that ``artifact.json``'s bytes.
-        worker: the worker (the model payload's owner and role).
-        payload: the model payload, equal to the portable entry's ``payload``.
-        target: the exact target identity the overlay is bound to.
-        capsule_files: the pins of the overlay capsule's four files, and of its derived-cache seed's two
-            when one was captured (:func:`coldsnap_core.capture.overlay.attach_overlay_seed`), sorted by name; ``qualified``: the seed's
-            two or nothing.
-        created_at: UTC time of the capture, ISO 8601 with seconds.
+    """``overlay.json`` (``docs/format.md`` §15.3): kind ``overlay`` (the folder holds this target's capsule) or
+    ``qualified`` (the portable capsule is replayed on this target), bound to the portable ``artifact.json``'s bytes.
 
     Raises:
         ManifestValueError: the pins do not fit the kind (``overlay``: the capsule's four files, its blob
@@ -136,8 +99,8 @@ class OverlayDescriptor(Document, tag=OVERLAY_KIND):
 
 
 def refuse_linked_folders(state_root: Path, path: Path, *, create: bool = False) -> bool:
-    """Each folder from ``<state_root>/overlays`` down to ``path`` must be a real folder (no symbolic
-    link); with ``create``, each absent one is made (mode 0700). Returns ``False`` when one is absent.
+    """Each folder from ``<state_root>/overlays`` down to ``path`` must be a real folder; with ``create``, each absent one
+    is made (mode 0700). Returns ``False`` when one is absent.
 
     Raises:
         UnsafePathError: a symbolic link, or something else than a folder, on the way.
@@ -161,17 +124,3 @@ def refuse_linked_folders(state_root: Path, path: Path, *, create: bool = False)
 def overlay_lock_path(path: Path) -> Path:
     """``<target folder>/.<capsule>.lock``: serializes an overlay's capture and the attachment of its seed."""
     return path.parent / f".{path.name}.lock"
-
-
-__all__ = [
-    "OVERLAYS_DIRNAME",
-    "OVERLAY_FILENAME",
-    "OverlayDescriptor",
-    "OverlayKind",
-    "artifact_key",
-    "overlay_dir",
-    "overlay_lock_path",
-    "portable_descriptor_sha256",
-    "refuse_linked_folders",
-    "target_key",
-]

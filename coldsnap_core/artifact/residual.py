@@ -1,9 +1,4 @@
-"""The residual blob writer (``weights.blob``) and the residual map it follows.
-
-The residual map is the complement of the model map within every preserved allocation: each maximal
-run of bytes not covered by a model extent becomes one residual extent. Residual extents are stored
-back to back in map order, from blob offset 0, without padding (``docs/format.md``, "Residual blob").
-"""
+"""The residual blob writer (``weights.blob``) and the residual map it follows (``docs/format.md`` §3)."""
 
 from __future__ import annotations
 
@@ -20,13 +15,8 @@ from coldsnap_core.format.manifest import ResidualRef
 
 
 def residual_extents(allocation_sizes: Sequence[int], model_ranges: Iterable[tuple[int, int, int]]) -> tuple[ResidualExtent, ...]:
-    """The complement of ``model_ranges`` over the allocations, with blob offsets.
-
-    Args:
-        allocation_sizes: ``size_bytes`` of each allocation, by index.
-        model_ranges: ``(allocation_index, offset_bytes, size_bytes)`` of every model extent, sorted
-            and disjoint.
-    """
+    """The complement of ``model_ranges`` (``(allocation_index, offset_bytes, size_bytes)``, sorted and disjoint) over
+    allocations of ``allocation_sizes``, stored back to back from blob offset 0."""
     by_allocation: list[list[tuple[int, int]]] = [[] for _ in allocation_sizes]
     for index, offset, size in model_ranges:
         by_allocation[index].append((offset, offset + size))
@@ -48,10 +38,7 @@ def write_residual(
     backend: CopyBackend,
     path: Path,
 ) -> ResidualRef:
-    """Write the residual bytes to a new file ``path`` (which must not exist) and fsync it.
-
-    Returns:
-        The blob's :class:`ResidualRef` (file name, SHA-256, size).
+    """Write the residual bytes to a new file ``path`` and fsync it; returns the blob's :class:`ResidualRef`.
 
     Raises:
         ResidualSizeMismatchError: the file does not hold the bytes written.

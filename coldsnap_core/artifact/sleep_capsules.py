@@ -1,23 +1,10 @@
 """Process-local sleep capsules under ``<state_root>/sleep/``: names, ownership locks, listing, removal.
 
-A level-1 sleep keeps its residual blob and manifests in a *sleep capsule*, a folder that is valid
-only in the process that wrote it (the manifest records that process's virtual addresses). Several
-processes may share one state root: tensor parallel ranks, and engines in containers that mount the
-same node-local folder, where every engine may be PID 1 of its own PID namespace. So (``docs/format.md``
-§6.2 and §10):
-
-* a capsule is named ``<worker capsule name>-pid<pid>-<hex16>`` (``docs/format.md`` §4.3), where ``<hex16>`` is drawn
-  from ``secrets`` once per claim: unique to its process instance even when two processes have the
-  same pid;
-* its owner holds ``flock`` on ``<capsule name>.lock`` beside it for as long as the capsule is in use.
-  The kernel drops the lock when the owner exits or is killed, on every PID namespace of the host,
-  so a capsule whose lock can be taken has no owner: it is debris, which the next sleep capture on
-  the state root and ``coldsnap cache gc`` remove, and ``coldsnap cache ls`` lists;
-* the hidden staging folders of a capsule being replaced (``.<capsule name>.<hex16>.partial`` and
-  ``.old``, :func:`coldsnap_core.artifact.capsules.replace_dir_atomically`) belong to that capsule's owner.
-
-An entry with no lock file (a capsule from before this scheme, or one whose lock file was removed)
-has no owner that can prove it is alive and counts as debris.
+A level-1 sleep capsule is valid only in the process that wrote it (its manifest records that process's
+addresses; ``docs/format.md`` §6.2, §10). It is named ``<worker capsule name>-pid<pid>-<hex16>`` (§4.3; the
+``<hex16>`` makes it unique even across PID namespaces), and its owner holds ``flock`` on ``<capsule name>.lock``
+beside it while it is in use. A capsule whose lock can be taken, or that has no lock file, is debris; so are
+its hidden ``.partial`` / ``.old`` staging folders.
 """
 
 from __future__ import annotations
@@ -57,9 +44,7 @@ def sleep_dir(state_root: Path) -> Path:
 
 
 def sleep_capsule_dir(state_root: Path, worker: WorkerIdentity) -> Path:
-    """A fresh, unclaimed sleep capsule path ``<state_root>/sleep/<capsule_name>-pid<pid>-<hex16>``. Nobody
-    holds its lock, so a sweep may remove it: a sleep backend captures into the folder of a
-    :class:`SleepCapsuleClaim`."""
+    """A fresh, unclaimed sleep capsule path (a sweep may remove it; a sleep backend uses a :class:`SleepCapsuleClaim`)."""
     return sleep_dir(state_root) / f"{worker.capsule_name}-pid{os.getpid()}-{secrets.token_hex(8)}"
 
 
@@ -83,13 +68,7 @@ def _lock_is_held(lock_path: Path) -> bool:
 
 
 class SleepCapsuleClaim:
-    """This process's claim on one sleep capsule: a unique folder name and the ``flock`` that proves
-    its owner is alive (see the module docstring).
-
-    Args:
-        state_root: the state root.
-        capsule_name: the worker's capsule name (``<role>-<rank>-of-<world_size>``, with
-            ``-dp-<data_parallel_rank>-of-<data_parallel_size>`` for a data parallel replica).
+    """This process's claim on one sleep capsule: a unique folder name and the ``flock`` that proves its owner alive.
 
     Raises:
         UnsafePathError: ``sleep/`` or the lock path is a symbolic link.
@@ -143,13 +122,7 @@ class SleepCapsuleClaim:
 
 @dataclass(frozen=True, slots=True)
 class SleepCapsuleEntry:
-    """One entry of ``sleep/`` (a capsule, or a capsule's hidden staging folder).
-
-    Attributes:
-        path: the folder.
-        owner: ``alive`` while some process holds its lock, else ``gone``.
-        size_bytes: the bytes of its files.
-    """
+    """One entry of ``sleep/`` (a capsule, or a capsule's hidden staging folder) and its owner's state."""
 
     path: Path
     owner: Owner
@@ -183,10 +156,8 @@ def list_sleep_capsules(state_root: Path) -> list[SleepCapsuleEntry]:
 
 
 def sweep_sleep_capsules(state_root: Path, *, dry_run: bool = False) -> list[SleepCapsuleEntry]:
-    """Remove every sleep capsule (and staging folder) whose owner is gone, and lock files that no
-    process holds and no capsule uses. Returns the removed capsule entries.
-
-    A lock is re-checked while holding it, so a capsule claimed meanwhile is never removed.
+    """Remove every sleep capsule (and staging folder) whose owner is gone, re-checked under its lock, and lock files
+    nobody holds and no capsule uses. Returns the removed capsule entries.
 
     Raises:
         UnsafePathError: ``sleep/`` is a symbolic link or not a folder.

@@ -1,11 +1,6 @@
-"""The source side of the write observer: the checkpoint tensors the engine's iterator yielded.
-
-:class:`CheckpointSources` registers every ``(name, tensor)`` the engine's checkpoint iterator yields
-with the file, tensor name and file offset the safetensors header gives for it, keyed by the
-tensor's storage (a weak reference, so a freed source whose address is reused is never mistaken for
-checkpoint bytes; ``docs/format.md`` §6.1). The storage helpers (:func:`dense`, :func:`data_address`,
-:func:`storage_extent_bytes`) are the observer's too.
-"""
+"""The source side of the write observer: the checkpoint tensors the engine's iterator yielded (``docs/format.md`` §6.1),
+keyed by storage through a weak reference (a freed source whose address is reused is never mistaken for checkpoint
+bytes); and the storage helpers the observer shares."""
 
 from __future__ import annotations
 
@@ -21,16 +16,7 @@ from coldsnap_core.format.safetensors_header import TensorLocation
 
 @dataclass(frozen=True, slots=True)
 class SourceSpan:
-    """A checkpoint tensor as the engine's iterator yielded it.
-
-    Attributes:
-        checkpoint_file: the file's name relative to the checkpoint folder.
-        tensor_name: the tensor's name in the file's header.
-        file_offset_bytes: absolute file offset of the tensor's first byte.
-        size_bytes: the tensor's size in bytes.
-        dtype: the tensor's dtype.
-        storage_offset_bytes: where the tensor starts in its storage.
-    """
+    """A checkpoint tensor as the engine's iterator yielded it (``checkpoint_file`` relative to the checkpoint folder)."""
 
     checkpoint_file: str
     tensor_name: str
@@ -58,19 +44,13 @@ def storage_extent_bytes(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 def dense(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is strided with sizes and strides: not sparse, mkldnn or jagged, and not a
-    strided nested tensor (``NestedTensorImpl``: its ``shape`` and ``stride()`` raise ``RuntimeError``)."""
+    """Whether ``tensor`` is strided with sizes and strides (not sparse, mkldnn, jagged or a strided nested tensor)."""
     return tensor.layout == torch.strided and not tensor.is_nested
 
 
 def data_address(tensor: torch.Tensor) -> tuple[torch.UntypedStorage, int] | None:
-    """``tensor``'s storage and the address of the storage's first byte, or ``None`` when it has no data.
-
-    A wrapper subclass (DTensor, torchao's quantized tensors; made with
-    ``torch.Tensor._make_wrapper_subclass``) has a storage object whose ``data_ptr()`` raises
-    ``RuntimeError`` ("invalid python storage"): its bytes live in inner tensors that its own
-    ``__torch_dispatch__`` writes, below this mode, where the observer does not see them.
-    """
+    """``tensor``'s storage and its first byte's address, or ``None`` when it has no data (a wrapper subclass made with
+    ``torch.Tensor._make_wrapper_subclass``, whose ``data_ptr()`` raises ``RuntimeError``)."""
     try:
         storage = tensor.untyped_storage()
         return storage, storage.data_ptr()
@@ -88,13 +68,8 @@ class CheckpointSources:
         self.unknown: list[str] = []
 
     def register(self, tensor: torch.Tensor, location: TensorLocation | None, checkpoint_file: str | None) -> bool:
-        """Register a yielded checkpoint tensor; return whether it was accepted as a source.
-
-        A tensor is accepted when ``location`` describes it exactly: same dtype, shape and byte size,
-        dense and contiguous, with its own data. Anything else (a ``.bin`` checkpoint, a converted or
-        reconstructed tensor, a wrapper subclass, a nested tensor) is not a source, so copies from it are
-        residual.
-        """
+        """Register a yielded checkpoint tensor; return whether it was accepted as a source (``location`` describes it
+        exactly: dtype, shape, byte size; dense and contiguous, with its own data)."""
         if (
             location is None
             or checkpoint_file is None

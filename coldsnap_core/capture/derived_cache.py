@@ -1,19 +1,14 @@
-"""The capture of a derived-cache seed (``docs/format.md`` §17; the documents:
-:mod:`coldsnap_core.artifact.derived_cache`): the files of the engine's compile cache that belong to a worker
-(:func:`collect_files`), written as ``derived-cache.tar`` and ``derived-cache.json`` into its captured
-capsule and pinned in its ``artifact.json`` entry (:func:`attach_seed`; the engine compiles after
-``load_weights``, so this runs after the capture), or into a target-local overlay
-(:func:`coldsnap_core.capture.overlay.attach_overlay_seed`).
+"""The capture of a derived-cache seed (``docs/format.md`` §17.3): a worker's compile cache files (:func:`collect_files`)
+written into its captured capsule and pinned in ``artifact.json`` (:func:`attach_seed`, after the engine compiled),
+or into a target-local overlay (:func:`coldsnap_core.capture.overlay.attach_overlay_seed`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import logging
 import os
-import secrets
 import stat
 import tarfile
 from collections.abc import Iterable, Mapping
@@ -21,7 +16,7 @@ from pathlib import Path
 
 import msgspec
 
-from coldsnap_core._io import fsync_fd, sha256_file
+from coldsnap_core._io import fsync_fd, sha256_file, sibling_temporary
 from coldsnap_core.artifact.capsules import (
     _artifact_lock,
     _capsule_lock_path,
@@ -43,17 +38,12 @@ from coldsnap_core.format.manifest import WorkerIdentity
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attach_seed", "collect_files", "log_captured", "with_seed_pins", "write_seed_files"]
-
 
 def collect_files(
     roots: Mapping[str, Path], folders: Iterable[tuple[str, str]], *, since_ns: int | None = None
 ) -> list[tuple[str, Path]]:
-    """The regular files to capture: every file below each ``(root name, folder below the root)`` of
-    ``folders`` (with ``since_ns``: only those modified at or after it, in nanoseconds since the epoch),
-    as ``(member path, file path)`` sorted by member path. Lock files (``*.lock``, a ``locks`` folder)
-    and hidden temporaries (``.*``) are left out: they carry no compiled code. Symbolic links are not
-    followed."""
+    """``(member path, file path)`` of every regular file below each ``(root name, folder below the root)`` (with
+    ``since_ns``: modified at or after it), sorted; no lock files, temporaries or hidden files, no links followed."""
     found: dict[str, Path] = {}
     for root_name, folder in folders:
         base = roots[root_name]
@@ -75,11 +65,11 @@ def collect_files(
     return sorted(found.items())
 
 
-def _write_archive(path: Path, files: list[tuple[str, Path]]) -> tuple[CapsuleFile, tuple[SeedMember, ...]]:
-    """Write ``files`` into a new uncompressed tar at ``path`` (ustar/pax, owner and times zeroed so the
-    archive depends only on the bytes) and return its pin and the members' pins."""
+def _write_archive(fd: int, path: Path, files: list[tuple[str, Path]]) -> tuple[CapsuleFile, tuple[SeedMember, ...]]:
+    """Write ``files`` as an uncompressed tar (owner and times zeroed: it depends only on the bytes) to ``fd`` (the new
+    file ``path``) and fsync it; returns its pin and the members' pins."""
     members = []
-    with open(path, "xb") as f:
+    with os.fdopen(fd, "wb", closefd=False) as f:
         with tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
             for member_path, source in files:
                 data = source.read_bytes()
@@ -100,15 +90,9 @@ def attach_seed(
     qualification: SeedQualification,
     files: list[tuple[str, Path]],
 ) -> SeedDocument | None:
-    """Write a seed of ``files`` (:func:`collect_files`) into ``worker``'s capsule and pin it in ``artifact.json``.
-
-    The capsule must still be the one this process captured (its entry names pack ``pack_sha256``);
-    under the capsule's lock both files are written (temporary name, fsync, rename), then under the
-    descriptor's lock the entry's ``capsule_files`` gets their two pins (replacing an older seed's). A
-    crash in between leaves unpinned files that restore ignores and the next capture replaces.
-
-    Returns:
-        The seed document, or ``None`` when ``files`` is empty (nothing was compiled).
+    """Write a seed of ``files`` into ``worker``'s capsule (still the one that names pack ``pack_sha256``) under its
+    lock, then pin it in its ``artifact.json`` entry under the descriptor's lock. Returns the document, or ``None``
+    without files.
 
     Raises:
         MissingObjectError: the artifact has no entry for ``worker``.
@@ -134,21 +118,16 @@ def attach_seed(
 def write_seed_files(
     folder: Path, worker: WorkerIdentity, qualification: SeedQualification, files: list[tuple[str, Path]]
 ) -> tuple[SeedDocument, tuple[CapsuleFile, CapsuleFile]]:
-    """Write ``derived-cache.tar`` and ``derived-cache.json`` of ``files`` into ``folder`` (each by a
-    temporary name, fsync and rename; the caller holds the folder's lock) and return the document and
-    the two pins, sorted by name.
+    """Write ``derived-cache.tar`` and ``derived-cache.json`` into ``folder`` (temporary name, fsync, rename; the caller
+    holds its lock); returns the document and the two pins, sorted by name.
 
     Raises:
         UnsafePathError, FileAccessError, InsufficientSpaceError: writing failed.
     """
-    temp = folder / f".{SEED_ARCHIVE_FILENAME}.{secrets.token_hex(8)}.partial"
-    try:
-        archive, members = _write_archive(temp, files)
+    with sibling_temporary(folder / SEED_ARCHIVE_FILENAME) as (fd, temp):
+        archive, members = _write_archive(fd, temp, files)
         document = SeedDocument(worker, qualification, archive, members)
         os.rename(temp, folder / SEED_ARCHIVE_FILENAME)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
     data = document.dumps()
     replace_file_durably(folder / SEED_DOCUMENT_FILENAME, data)
     return document, (pin_file(SEED_DOCUMENT_FILENAME, data), archive)

@@ -1,10 +1,4 @@
-"""One observed checkpoint load: the prepared weight sources, the iterator boundary, the identity.
-
-:class:`LoadSession` registers every tensor the engine's checkpoint iterator yields in its
-:class:`~coldsnap_core.capture.checkpoint_sources.CheckpointSources` (running the iterator itself with the
-:class:`~coldsnap_core.capture.observer.WriteObserver` set aside) and pins the model identity of the load
-(:meth:`LoadSession.identify`).
-"""
+"""One observed checkpoint load (:class:`LoadSession`): the prepared weight sources, the iterator boundary, the identity."""
 
 from __future__ import annotations
 
@@ -42,18 +36,11 @@ class PreparedWeights:
 def _stored_location(
     tensor: torch.Tensor, candidates: list[tuple[str, TensorLocation]], seen: int
 ) -> tuple[str, TensorLocation] | None:
-    """Which of the files that store a tensor's name holds the bytes of this yielded ``tensor``.
+    """Which of the files that store a tensor's name holds this yielded ``tensor``'s bytes (``None``: none).
 
-    A name stored in several files (a tied or shared weight saved again in another shard) is yielded
-    once per file, and the engines walk the files in orders of their own (vLLM sorts them naturally,
-    ``model_executor/model_loader/weight_utils.py``). So the stored bytes decide, read from each file at
-    the header's offset: the ``seen``-th candidate (in prepared file order) when its bytes are the
-    tensor's (identical copies: any is right), else the first whose bytes are; ``None`` when none is
-    (the copies from it are then residual). Reads each candidate's ``size_bytes`` at most once.
-
-    A tensor in device memory (an iterator that loads onto the GPU) is copied to host memory once to be
-    compared: without its provenance the name's bytes would go to the residual, and the pack digest would
-    differ from a host load's.
+    A name stored in several files is yielded once per file, in an engine's own file order (vLLM:
+    ``model_executor/model_loader/weight_utils.py``), so the stored bytes decide: the ``seen``-th candidate
+    when its bytes are the tensor's, else the first whose bytes are. A device tensor is copied to host once.
     """
     if not dense(tensor) or not tensor.is_contiguous():
         return None
@@ -73,8 +60,7 @@ def _stored_location(
 
 @dataclass
 class LoadSession:
-    """Bookkeeping of one observed checkpoint load: the prepared weight sources, in order, and the
-    checkpoint tensors the engine's iterator yielded (:class:`CheckpointSources`)."""
+    """One observed checkpoint load: the prepared weight sources, in order, and the checkpoint tensors yielded."""
 
     sources: CheckpointSources = field(default_factory=CheckpointSources)
     prepared: list[PreparedWeights] = field(default_factory=list)
@@ -82,13 +68,8 @@ class LoadSession:
     def observe(
         self, prefix: str, iterator: Iterator[tuple[str, torch.Tensor]]
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
-        """Register every yielded tensor with its header location (in the last prepared source, names
-        without ``prefix``), then pass it on unchanged.
-
-        The iterator's own code runs with this session's observer set aside (:meth:`_unobserved`):
-        each ``next`` and, when the consumer stops early (``close``, an exception thrown in), the
-        iterator's ``close``.
-        """
+        """Register every yielded tensor with its header location (in the last prepared source, names without
+        ``prefix``), then pass it on; the iterator's ``next`` and ``close`` run unobserved (:meth:`_unobserved`)."""
         index = self._header_index(self.prepared[-1]) if self.prepared else {}
         yielded: dict[str, int] = {}  # how often each header name was yielded so far
         iterator = iter(iterator)
@@ -112,25 +93,17 @@ class LoadSession:
                     self.sources.register(tensor, found[1], found[0])
                 yield name, tensor
         finally:
-            # Closed here rather than by garbage collection under the observer: an iterator that holds
-            # a dispatch mode of its own across its yields sits below the observer (pushed back on top
-            # of it after each next), and its exit pops the innermost mode, which must then be its own.
-            # (At interpreter exit torch's module globals may be gone; garbage collection closes it then.)
+            # Closed here, not by garbage collection under the observer: an iterator holding a dispatch mode of its own
+            # pops the innermost mode on exit, which must be its own (at interpreter exit, garbage collection closes it).
             close = getattr(iterator, "close", None)
             if close is not None and not sys.is_finalizing():
                 self._unobserved(close)
 
     def _unobserved(self, call: Callable[..., _T], *args: object) -> _T:
-        """``call(*args)`` (the iterator's ``next`` or ``close``) with this session's
-        :class:`WriteObserver` set aside when it is the innermost dispatch mode (else under whatever
-        modes are active); the observer is back in place when it returns or raises.
+        """``call(*args)`` with this session's :class:`WriteObserver` set aside when it is the innermost dispatch mode.
 
-        Producing a checkpoint tensor writes no model allocation: safetensors' ``get_tensor`` runs
-        eight operators per tensor (``empty``, ``set_``, ``select``, ``_local_scalar_dense``,
-        ``lift_fresh``, a dtype ``view``, ``detach``, ``view``), two thirds of a load's dispatch calls
-        (SmolLM2-135M on vLLM: 2,176 of about 3,200), each about 20 us through a Python mode. A yielded
-        tensor is trusted to hold its file bytes as it is registered, so nothing the observer decides
-        depends on seeing them.
+        Producing a checkpoint tensor writes no model allocation, and a yielded tensor is trusted to hold its file
+        bytes, so its operators (most of a load's dispatch calls) need not be seen.
 
         Raises:
             StopIteration: ``next`` on an exhausted iterator (the observer is back in place).
@@ -155,11 +128,8 @@ class LoadSession:
         state_root: Path,
         config_json: str | None = None,
     ) -> ModelIdentity:
-        """The model identity of this load: the checkpoint files of the :meth:`primary` source of
-        ``source`` (hashed, and recorded in ``state_root``'s checkpoint records,
-        :func:`coldsnap_core.identity.model_identity.identify_checkpoint`), ``revision`` (a resolved Hugging Face
-        commit, or the revision as given) and the engine's model configuration digest, with its canonical
-        ``config_json`` when given.
+        """The model identity of this load (:func:`identify_checkpoint` of the :meth:`primary` source's files, recorded
+        in ``state_root``'s checkpoint records).
 
         Raises:
             ObserverError: no weights were prepared (the engine's iterator was never entered).
@@ -180,8 +150,7 @@ class LoadSession:
 
     @staticmethod
     def _header_index(prepared: PreparedWeights) -> dict[str, list[tuple[str, TensorLocation]]]:
-        """Every header name of the prepared safetensors files with its locations, one per file that
-        holds it, in the prepared file order (the relative file name and the location)."""
+        """Every header name of the prepared safetensors files with ``(relative file name, location)`` per file, in order."""
         index: dict[str, list[tuple[str, TensorLocation]]] = {}
         if not prepared.use_safetensors:
             return index

@@ -1,22 +1,9 @@
-"""Materialization: rebuild a worker's pack from its resident model bytes after a recovery load.
+"""Materialization: rebuild a worker's pack from its resident model bytes after a recovery load (``docs/format.md`` §13).
 
-After a safetensors (recovery) load the model extents of the worker's native manifest hold exactly
-the bytes they held at capture, so the capture core (:mod:`coldsnap_core.capture.payload`, the one capture
-uses) re-plans the manifest and rebuilds the byte-identical pack from memory, without reading the
-checkpoint again (``docs/format.md`` §13). Modes (``COLDSNAP_MATERIALIZE``):
-
-* ``async`` (vLLM default): a background thread (at a lower CPU priority) writes the pack while the
-  engine serves; the first token is not delayed. It never raises into the caller: a failure is
-  logged as a WARNING and kept on the handle.
-* ``required``: the same work before the call returns; failures raise.
-* ``off``: nothing.
-
-Only the worker that owns the payload writes it: the function writes only the pack named by the
-given manifest, from the given live allocations (the caller passes its own capsule's manifest).
-Same-host duplicates (data-parallel workers sharing a digest) converge on one object through the
-digest's lock: the first writes, the others find a valid object and skip. The lock prevents
-duplicate work only; a writer that proceeds without it still cannot publish a wrong or partial file
-(unique temporary names, SHA-256 checked against the manifest before the rename).
+The capture core re-plans the worker's native manifest and rebuilds the byte-identical pack from memory, without
+reading the checkpoint again. Modes (``COLDSNAP_MATERIALIZE``): ``async`` (a lower-priority background thread while
+the engine serves; a failure is a WARNING kept on the handle), ``required`` (before the call returns; failures
+raise), ``off``. Same-host duplicates converge on one object through the digest's lock.
 """
 
 from __future__ import annotations
@@ -36,33 +23,17 @@ from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.errors import ConfigurationError
 from coldsnap_core.format.allocation import LiveAllocation
 from coldsnap_core.format.manifest import NativeManifest, PackRef
-from coldsnap_core.settings import MATERIALIZE_ENV, MATERIALIZE_MODES, MaterializeMode
+from coldsnap_core.settings import MATERIALIZE_MODES, MaterializeMode
 
 logger = logging.getLogger(__name__)
 
 BACKGROUND_NICE_INCREMENT = 10
-"""The ``async`` writer thread lowers its own scheduling priority by this much (Linux, best effort)."""
-
-__all__ = [
-    "MATERIALIZE_ENV",
-    "MATERIALIZE_MODES",
-    "MaterializationHandle",
-    "MaterializationResult",
-    "MaterializeMode",
-    "materialize_payload",
-]
+"""The ``async`` writer thread lowers its own scheduling priority by this much (best effort)."""
 
 
 @dataclass(frozen=True, slots=True)
 class MaterializationResult:
-    """What a finished materialization produced.
-
-    Attributes:
-        pack: the pack (digest, size in bytes, derived path).
-        path: the admitted object in the node-local cache.
-        written: ``True`` if this call wrote the object, ``False`` if a valid one was already there.
-        seconds: wall time of the work, in seconds.
-    """
+    """What a finished materialization produced; ``written``: ``False`` when a valid object was already there."""
 
     pack: PackRef
     path: Path
@@ -71,48 +42,30 @@ class MaterializationResult:
 
 
 class MaterializationHandle:
-    """A materialization in progress (``async``) or done (``required``).
-
-    Attributes:
-        pack: the pack being materialized.
-        mode: ``async`` or ``required``.
-    """
+    """A materialization in progress (``async``) or done (``required``); ``result`` or ``error`` once finished."""
 
     def __init__(self, pack: PackRef, mode: MaterializeMode) -> None:
         self.pack = pack
         self.mode = mode
         self._done = threading.Event()
-        self._result: MaterializationResult | None = None
-        self._error: BaseException | None = None
+        self.result: MaterializationResult | None = None
+        self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
     def wait(self, timeout_seconds: float | None = None) -> bool:
-        """Block until the work is finished (or ``timeout_seconds`` passed); return whether it is finished.
-
-        Never raises the work's error; read :attr:`error`.
-        """
+        """Block until the work is finished (or ``timeout_seconds`` passed); return whether it is (never raises its error)."""
         return self._done.wait(timeout_seconds)
 
     @property
     def done(self) -> bool:
         return self._done.is_set()
 
-    @property
-    def result(self) -> MaterializationResult | None:
-        """The result once finished successfully, else ``None``."""
-        return self._result
-
-    @property
-    def error(self) -> BaseException | None:
-        """The error once finished unsuccessfully, else ``None``."""
-        return self._error
-
     def _finish(self, result: MaterializationResult | None, error: BaseException | None) -> None:
-        self._result, self._error = result, error
+        self.result, self.error = result, error
         self._done.set()
 
     def __repr__(self) -> str:
-        state = "running" if not self.done else ("failed" if self._error is not None else "done")
+        state = "running" if not self.done else ("failed" if self.error is not None else "done")
         return f"MaterializationHandle({self.pack.sha256[:12]}, mode={self.mode}, {state})"
 
 
@@ -136,27 +89,14 @@ def materialize_payload(
     mode: MaterializeMode,
     keepalive: object = None,
 ) -> MaterializationHandle | None:
-    """Write ``manifest``'s pack into ``cache`` from the resident model bytes, unless a valid one exists.
-
-    Args:
-        manifest: this worker's native manifest (its model extents say where each stored content
-            is resident; its ``pack`` is the digest the result must have).
-        allocations: the live allocations, ``allocations[i].index == i``, sizes as in the manifest.
-        backend: reads the allocations (host memory, or device-to-host copies).
-        cache: the node-local cache.
-        mode: ``async``, ``required`` or ``off``.
-        keepalive: any object (tensors, a model) the background thread holds until it is done, so
-            the memory behind ``allocations`` stays valid; released when the work finishes.
-
-    Returns:
-        ``None`` for ``off``; otherwise a handle (finished, for ``required``).
+    """Write ``manifest``'s pack into ``cache`` from the resident model bytes, unless a valid one exists. ``keepalive``
+    (tensors, a model) is held by the background thread until it is done. Returns ``None`` for ``off``, else a handle.
 
     Raises:
         ConfigurationError: ``mode`` is not one of the three.
         ``required`` only, and nothing half-written is left behind:
         ManifestError: a manifest rule or the live layout check failed.
-        PackDigestMismatchError: the resident bytes do not produce the manifest's digest (they were
-            changed after loading, or the manifest belongs to another model); nothing is kept.
+        PackDigestMismatchError: the resident bytes do not produce the manifest's digest; nothing is kept.
         InsufficientSpaceError: the cache's file system filled up.
         UnsafePathError: a symbolic link in the cache.
     """

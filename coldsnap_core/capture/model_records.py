@@ -1,9 +1,4 @@
-"""Model records and the interval maps the write observer keeps them in.
-
-A :class:`ModelRecord` is a contiguous destination byte range that holds checkpoint bytes, with its
-source described in units (``docs/format.md`` §6.1, extent provenance); :class:`RecordMap` keeps the
-records disjoint and sorted, :class:`IntervalSet` the union of bytes copied from the checkpoint.
-"""
+"""Model records (``docs/format.md`` §6.1) and the interval maps the write observer keeps them in."""
 
 from __future__ import annotations
 
@@ -23,16 +18,7 @@ class ModelRecord:
     Destination unit ``k`` came from source unit ``source_first + (k // run) * stride + k % run``,
     counted from the checkpoint tensor's first byte.
 
-    Attributes:
-        address: absolute address of the first destination byte.
-        size_bytes: destination bytes, a multiple of ``unit_destination_bytes``.
-        source: the checkpoint tensor.
-        source_first: first source unit.
-        run: source units per contiguous run.
-        stride: source units between the starts of consecutive runs (``== run`` when contiguous).
-        unit_source_bytes: bytes per source unit.
-        unit_destination_bytes: bytes per destination unit.
-        dtype_converted: whether the copy converted the dtype.
+    ``address`` is absolute; ``size_bytes`` a multiple of ``unit_destination_bytes``; ``stride == run`` when contiguous.
     """
 
     address: int
@@ -50,12 +36,8 @@ class ModelRecord:
         return self.address + self.size_bytes
 
     def slice(self, start_bytes: int, end_bytes: int) -> list[ModelRecord]:
-        """The parts of this record inside destination bytes ``[start_bytes, end_bytes)`` (offsets
-        relative to ``address``), each with a source describable as uniform runs.
-
-        For a converted copy, a cut inside a destination element drops that element (its bytes were
-        written by something else, so the element is no longer the converted source element).
-        """
+        """The parts of this record inside ``[start_bytes, end_bytes)`` (relative to ``address``), each as uniform source
+        runs; a cut inside a converted copy's destination element drops that element."""
         unit = self.unit_destination_bytes
         ua = -(-max(0, start_bytes) // unit)
         ub = min(self.size_bytes, end_bytes) // unit

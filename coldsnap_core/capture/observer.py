@@ -1,68 +1,18 @@
-"""The checkpoint-to-destination write observer: which destination bytes hold checkpoint bytes.
+"""The checkpoint-to-destination write observer: which destination bytes hold checkpoint bytes (``docs/format.md`` §6.1).
 
-Classification comes from observed loader behaviour, never from parameter names (``docs/format.md``
-§6.1; vLLM ``model_executor/model_loader/default_loader.py`` yields each checkpoint tensor from its
-weights iterator, and the model's ``weight_loader`` functions copy them into parameter views). Two
-boundaries are watched:
-
-1. **The iterator boundary** (source side). Every ``(name, tensor)`` the engine's checkpoint iterator
-   yields is registered in :class:`~coldsnap_core.capture.checkpoint_sources.CheckpointSources` with the file, tensor name and file offset
-   that the safetensors header gives for it (:func:`coldsnap_core.format.safetensors_header.read_header`),
-   keyed by the tensor's storage. An entry lives exactly as long as that storage (a weak reference
-   to the storage object, which torch keeps unique per storage), so a freed source whose address is
-   reused by another tensor is never mistaken for checkpoint bytes.
-2. **The write boundary** (destination side). :class:`WriteObserver` is a ``TorchDispatchMode``
-   around the engine's ``load_weights``. It sees every aten operator and classifies every byte
-   range it writes:
-
-   * ``aten.copy_`` whose source is (a view of) a registered checkpoint tensor, with the same
-     shape, no broadcasting and the same dtype, records *model* bytes: one record per contiguous
-     destination run, each with its provenance (file, tensor, source offset, and for a strided
-     source such as a row-parallel ``narrow(1, ...)`` shard, the run length and run stride).
-     Stacked parameters (``qkv_proj``, ``gate_up_proj``) get one record per shard copy; a tied
-     embedding is one storage, so its bytes are recorded once.
-   * any other write into memory makes the written bytes *residual*: ``fill_``, ``zero_``,
-     ``index_put_``, ``index_copy_``, a copy from a non-checkpoint tensor, and generally every
-     operator whose schema marks an argument as written (``Tensor(a!)``, ``out=`` tensors),
-     except metadata-only in-place views (tag ``inplace_view``) and ``set_``. The whole byte hull
-     of the written tensor becomes residual, also when the operator writes only some of its
-     elements (which ones ``index_put_`` touches depends on the index values); for a strided
-     nested tensor, which has no strides to bound its elements by, its whole storage.
-   * a dtype-converting ``copy_`` from a checkpoint tensor is, by default
-     (``converted_copies="model"``), a model extent whose provenance says ``dtype_converted: true``:
-     the destination bytes are a deterministic function of the source bytes (IEEE round to nearest
-     even), so every worker that converts the same checkpoint the same way writes the same bytes,
-     which the pack stores as they are and shares. ``converted_copies="residual"`` opts out
-     (the converted bytes then go into each worker's own residual blob).
-   * a later checkpoint copy that fully overwrites earlier checkpoint copies (every byte an earlier
-     copy wrote inside its range is still a model byte of a record that lies wholly inside it: a
-     tensor stored in two shards, which the engine's iterator yields twice) leaves model bytes with
-     the later copy's provenance, since the destination now holds exactly that source; when the
-     overwritten bytes differ from the later ones, one WARNING names both files. A checkpoint copy
-     that overlaps an earlier one only partly makes the overlap residual; a write that lands
-     *before* a checkpoint copy is simply overwritten by it.
-   * a write into a registered checkpoint tensor removes it from the sources (its bytes are no
-     longer the file's).
-
-A byte is therefore *model* exactly when a checkpoint copy wrote it last, and no earlier write to it
-was a partly overlapping checkpoint copy or another write after a checkpoint copy, until :meth:`WriteObserver.model_records` is read at the end of ``load_weights``.
-Addresses are absolute; :func:`map_to_allocations` maps them onto the portable allocations and drops
-writes into memory that is not a model allocation.
-
-Limits: writes that bypass the torch dispatcher (raw pointers, ``Tensor.numpy()`` views, a custom
-operator registered without alias annotations) are invisible; the loaders the project supports
-(vLLM's default loader with the safetensors or InstantTensor iterator) write through ``copy_``.
-The checkpoint iterator itself runs outside the observer (:meth:`~coldsnap_core.capture.load_session.LoadSession.observe`), so an
-iterator that rewrites a tensor it yielded earlier is not noticed; a dispatch mode is per thread,
-so an iterator's worker threads were never observed either. A wrapper tensor subclass of any
-layout (DTensor, torchao, a jagged nested tensor) writes its inner tensors below this mode, as a
-sparse tensor's kernels write its values: a write into one is counted in
-:attr:`WriteObserver.unattributed_writes`, and then :meth:`WriteObserver.model_records` refuses to
-classify anything (``docs/format.md`` §6.1, "Unclassifiable loads").
+Classification comes from observed loader behaviour, never from parameter names. The source side is
+:class:`~coldsnap_core.capture.checkpoint_sources.CheckpointSources` (what the engine's iterator yielded); the
+write side is :class:`WriteObserver`, a ``TorchDispatchMode`` around ``load_weights``: a same-shape ``aten.copy_``
+from a checkpoint tensor records model bytes (one record per contiguous destination run, with its provenance;
+dtype-converting: ``converted_copies``), and every other write (an operator whose schema marks an argument written,
+except in-place views and ``set_``) makes its byte hull residual. A byte is model exactly when a checkpoint copy
+wrote it last (a later copy that fully overwrites earlier ones wins; a partial overlap is residual). Writes that
+bypass the dispatcher are invisible; a write into a tensor without a data pointer makes the load unclassifiable.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal
@@ -89,15 +39,6 @@ _METADATA_ONLY_OPS = frozenset(
         _aten.resize_.default,
     }
 )
-
-
-# --- the source side ---------------------------------------------------------------------------
-
-
-# --- model records -------------------------------------------------------------------------------
-
-
-# --- decomposing a copy into runs ----------------------------------------------------------------
 
 
 def _copy_runs(
@@ -154,15 +95,10 @@ class _NoData(Exception):
 
 
 def _hull(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """Absolute ``[lo, hi)`` of the bytes ``tensor`` can touch, or ``None`` if it has none.
-
-    A strided nested tensor has a data pointer but no strides to bound its elements by: its hull is
-    its whole storage.
+    """Absolute ``[lo, hi)`` of the bytes ``tensor`` can touch (a strided nested tensor: its whole storage), or ``None``.
 
     Raises:
-        _NoData: ``tensor`` has elements but its storage has no data pointer (:func:`data_address`):
-            a wrapper subclass of any layout (DTensor, torchao, a jagged nested tensor), a sparse or
-            mkldnn tensor.
+        _NoData: ``tensor`` has elements but its storage has no data pointer (a wrapper subclass, a sparse tensor).
     """
     if tensor.numel() == 0 or tensor.device.type == "meta":
         return None
@@ -176,21 +112,23 @@ def _hull(tensor: torch.Tensor) -> tuple[int, int] | None:
     return base + lo, base + hi
 
 
-# --- the dispatch mode ---------------------------------------------------------------------------
+@functools.cache
+def _written_spec(func) -> tuple[tuple[int, str], ...]:
+    """``(position, name)`` of each argument ``func``'s schema marks as written (none for a metadata-only operator)."""
+    if func in _METADATA_ONLY_OPS or torch.Tag.inplace_view in getattr(func, "tags", ()):
+        return ()
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return ()
+    return tuple((i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
 
 
 class WriteObserver(TorchDispatchMode):
     """Observe every tensor write while active (see the module docstring).
 
-    Args:
-        sources: the checkpoint tensors registered at the iterator boundary.
-        converted_copies: ``model`` (default) or ``residual`` for dtype-converting checkpoint copies.
-
     Attributes:
-        checkpoint_copies: number of ``copy_`` calls recorded as model bytes (for logs and tests).
-        other_writes: number of other byte-writing operator calls seen.
-        unattributed_writes: one line (operator, tensor type) per write into a tensor without a data
-            pointer (:func:`_hull`); any makes :meth:`model_records` raise.
+        checkpoint_copies, other_writes: counts of ``copy_`` calls recorded as model bytes, and of other writes.
+        unattributed_writes: one line per write into a tensor without a data pointer; any makes :meth:`model_records` raise.
     """
 
     def __init__(self, sources: CheckpointSources, *, converted_copies: ConvertedCopies = "model") -> None:
@@ -199,12 +137,9 @@ class WriteObserver(TorchDispatchMode):
         self.converted_copies = converted_copies
         self._records = RecordMap()
         self._copied = IntervalSet()
-        self._written_args: dict[object, tuple[tuple[int, str], ...]] = {}
         self.checkpoint_copies = 0
         self.other_writes = 0
         self.unattributed_writes: list[str] = []
-
-    # -- dispatch ----------------------------------------------------------------------------------
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -221,27 +156,12 @@ class WriteObserver(TorchDispatchMode):
         return result
 
     def _written_tensors(self, func, args, kwargs) -> Iterator[torch.Tensor]:
-        spec = self._written_args.get(func)
-        if spec is None:
-            spec = self._written_spec(func)
-            self._written_args[func] = spec
-        for position, name in spec:
+        for position, name in _written_spec(func):
             value = args[position] if position < len(args) else kwargs.get(name)
             if isinstance(value, torch.Tensor):
                 yield value
             elif isinstance(value, list | tuple):
                 yield from (v for v in value if isinstance(v, torch.Tensor))
-
-    @staticmethod
-    def _written_spec(func) -> tuple[tuple[int, str], ...]:
-        if func in _METADATA_ONLY_OPS or torch.Tag.inplace_view in getattr(func, "tags", ()):
-            return ()
-        schema = getattr(func, "_schema", None)
-        if schema is None:
-            return ()
-        return tuple((i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
-
-    # -- classification ----------------------------------------------------------------------------
 
     def _on_write(self, tensor: torch.Tensor, func: object) -> None:
         try:
@@ -258,10 +178,8 @@ class WriteObserver(TorchDispatchMode):
         self._records.remove(*hull)
 
     def _overwritten_bytes(self, dest: torch.Tensor, records: list[ModelRecord]) -> list[tuple[ModelRecord, torch.Tensor]]:
-        """Before a checkpoint ``copy_`` runs: each earlier record it will fully overwrite, with a
-        ``uint8`` copy of that record's destination bytes (to tell afterwards whether the bytes
-        changed). Empty unless an earlier checkpoint copy wrote into the range (rare: a tensor name
-        stored in two shards), so a plain load copies nothing here."""
+        """Before a checkpoint ``copy_``: each earlier record it will fully overwrite, with a copy of its bytes (to tell
+        afterwards whether they changed); empty unless an earlier checkpoint copy wrote into the range."""
         saved = []
         for record in records:
             lo, hi = record.address, record.end
@@ -357,16 +275,11 @@ class WriteObserver(TorchDispatchMode):
             )
         return records
 
-    # -- results -----------------------------------------------------------------------------------
-
     def model_records(self) -> tuple[ModelRecord, ...]:
         """The model records, sorted by address and disjoint (absolute addresses).
 
         Raises:
-            ObserverError: an operator wrote into a tensor whose storage has no data pointer (a
-                wrapper subclass such as DTensor or a jagged nested tensor, a sparse tensor): the bytes
-                it changed are unknown, so no byte is classified (the message names the first such
-                operator and tensor type, and the count).
+            ObserverError: an operator wrote into a tensor without a data pointer (names the first and the count).
         """
         if self.unattributed_writes:
             raise ObserverError(
@@ -377,13 +290,10 @@ class WriteObserver(TorchDispatchMode):
         return tuple(self._records.records)
 
     def loaded_records(self, before: TorchAllocations, after: TorchAllocations) -> tuple[ModelRecord, ...]:
-        """:meth:`model_records` of a whole ``load_weights``, whose allocations were ``before`` as it
-        started and are ``after`` now (:func:`coldsnap_core.copy.torch_allocations.enumerate_allocations`).
+        """:meth:`model_records` of a whole ``load_weights`` whose allocations were ``before`` and are ``after`` now.
 
         Raises:
-            ObserverError: a weight loader rebound a parameter's or buffer's storage (the records'
-                addresses may then lie in freed memory that another tensor reuses), or see
-                :meth:`model_records`.
+            ObserverError: a weight loader rebound a parameter's or buffer's storage, or see :meth:`model_records`.
         """
         if not after.same_storages(before):
             raise ObserverError(
@@ -396,14 +306,8 @@ class WriteObserver(TorchDispatchMode):
 def map_to_allocations(
     records: Iterable[ModelRecord], allocations: TorchAllocations
 ) -> tuple[list[ModelRange], list[ModelRecord]]:
-    """Map absolute model records onto the portable allocations.
-
-    Returns:
-        ``(ranges, kept)``: the model ranges sorted by (allocation index, offset) for
-        :func:`coldsnap_core.capture.worker.capture_worker`, and the records (or parts of records) that lie
-        inside an allocation, sorted by address. Records in memory that is not a model allocation
-        (a temporary, a cache outside the model) are dropped.
-    """
+    """Map absolute model records onto the portable allocations: ``(ranges, kept)``, the model ranges sorted by
+    (allocation, offset) and the records (or parts) inside an allocation, by address; the rest is dropped."""
     ranges = []
     kept = []
     for record in records:
@@ -417,6 +321,3 @@ def map_to_allocations(
     ranges.sort(key=lambda r: (r.allocation_index, r.offset_bytes))
     kept.sort(key=lambda r: r.address)
     return ranges, kept
-
-
-# --- one observed load: the iterator boundary's bookkeeping --------------------------------------

@@ -38,18 +38,10 @@ from coldsnap_core.format.target import TargetIdentity
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OverlayCapture", "attach_overlay_seed", "capture_overlay"]
-
 
 @dataclass(frozen=True, slots=True)
 class OverlayCapture:
-    """What :func:`capture_overlay` stored.
-
-    Attributes:
-        kind: ``overlay`` (a capsule was stored) or ``qualified`` (the capture was identical and discarded).
-        path: the overlay folder.
-        descriptor: its ``overlay.json``.
-    """
+    """What :func:`capture_overlay` stored: the overlay folder and its ``overlay.json``."""
 
     kind: OverlayKind
     path: Path
@@ -70,31 +62,13 @@ def capture_overlay(
     model_ranges: Sequence[ModelRange],
     backend: CopyBackend,
 ) -> OverlayCapture:
-    """Capture this worker's residual and manifests for ``target`` and store them as an overlay of
-    the portable capsule ``portable`` (``docs/format.md`` §15.3).
-
-    Call right after a checkpoint load, with the allocations quiescent, and only after the model
-    identity was checked against the portable artifact's (the loaders check it the way restore does).
-    The model ranges must hold exactly the portable manifest's extent contents: the pack is the portable
-    one, referenced, never written or copied.
-
-    Args:
-        state_root: the node-local state root.
-        artifact_dir, entry, portable: the portable artifact folder, this worker's entry and its capsule.
-        descriptor_sha256: the SHA-256 of that ``artifact.json`` when the capsule was read.
-        model: the portable artifact's model identity (the overlay's recovery manifest names it).
-        target: the current target identity (the overlay is bound to it).
-        allocation_map, allocations, model_ranges, backend: as for
-            :func:`coldsnap_core.capture.payload.plan_payload`.
-
-    Returns:
-        What was stored: ``qualified`` when the residual and both manifests are byte-identical to
-        the portable capsule's (the capture is discarded), else ``overlay``.
+    """Capture this worker's residual and manifests for ``target`` as an overlay of the portable capsule, right after a
+    checkpoint load whose model identity was checked (``docs/format.md`` §15.3). The pack is the portable one,
+    referenced, never written; a capture byte-identical to the portable capsule is discarded (kind ``qualified``).
 
     Raises:
-        OverlayError: the model payload is not the portable one (other extent contents: not the same
-            model); nothing is stored.
-        ObserverError: the model ranges are malformed (:func:`~coldsnap_core.capture.payload.plan_payload`).
+        OverlayError: the model payload is not the portable one (not the same model); nothing is stored.
+        ObserverError: the model ranges are malformed (:func:`plan_payload`).
         InsufficientSpaceError, FileAccessError: writing failed (nothing half-written is left).
     """
     worker = entry.worker
@@ -133,15 +107,8 @@ def capture_overlay(
 def attach_overlay_seed(
     capture: OverlayCapture, qualification: SeedQualification, files: list[tuple[str, Path]]
 ) -> SeedDocument | None:
-    """Write a derived-cache seed of ``files`` into the overlay ``capture`` stored and pin it in its
-    ``overlay.json`` (``docs/format.md`` §15.3, §17.3): the overlay's own seed, for exactly its target.
-
-    Under the overlay's lock, its ``overlay.json`` must still be the one ``capture`` wrote (a later
-    capture replaced it otherwise); both seed files are written (temporary name, fsync, rename), then
-    ``overlay.json`` is replaced (mode 0444) with their two pins added to ``capsule_files``.
-
-    Returns:
-        The seed document, or ``None`` when ``files`` is empty.
+    """Write a derived-cache seed of ``files`` into the overlay ``capture`` stored and pin it in its ``overlay.json``,
+    under the overlay's lock (``docs/format.md`` §15.3, §17.3). Returns the seed document, or ``None`` without files.
 
     Raises:
         OverlayError: the overlay was replaced meanwhile, or ``qualification`` is not for the overlay's target.
@@ -168,12 +135,7 @@ def attach_overlay_seed(
 
 
 def _require_portable_payload(plan: PayloadPlan, entry: WorkerEntry, portable: Capsule) -> None:
-    """The planned payload must be the portable capsule's: the same distinct extent contents and the
-    same pack size (so the overlay references the portable pack, never writes one).
-
-    Raises:
-        OverlayError: other contents (not the same model), naming the portable native manifest.
-    """
+    """Raise ``OverlayError`` unless the plan has the portable capsule's distinct extent contents and pack size."""
     contents = set(plan.locate)
     portable_contents = {(e.sha256, e.size_bytes) for e in portable.native.model_extents}
     if contents != portable_contents or plan.layout.size_bytes != entry.payload.size_bytes:
@@ -186,7 +148,7 @@ def _require_portable_payload(plan: PayloadPlan, entry: WorkerEntry, portable: C
 
 
 def _log_stored(descriptor: OverlayDescriptor, path: Path) -> None:
-    """One INFO line: the target recorded as qualified, or the overlay stored at ``path``."""
+    """One INFO line: the target recorded as qualified, or the overlay stored."""
     if descriptor.kind == "qualified":
         what = (
             "the capture on this target is identical to the portable capsule; discarded it and recorded this target as qualified"

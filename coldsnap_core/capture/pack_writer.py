@@ -1,23 +1,9 @@
-"""The canonical pack writer: the only code that ever produces a ``model-weights.pack``.
+"""The canonical pack writer: the only code that ever produces a ``model-weights.pack`` (``docs/format.md`` §2, §13).
 
-Capture and materialization both call :func:`write_pack`, so a pack built from a capture and a pack
-rebuilt after a recovery load are byte-identical whenever their model extents hold the same bytes
-(``docs/format.md`` §2 and §13: materialization uses the exact canonical writer used during capture).
-
-Internal logic:
-
-* the layout comes from :meth:`PackLayout.plan` (sorted by (SHA-256, size), 4096-byte aligned, each
-  distinct content once, zero padding, size rounded up to 4096);
-* the bytes stream from the live allocations through the copy backend, chunk by chunk (each
-  distinct content read from the first destination holding it, zero chunks for the padding), into a
-  uniquely named temporary file; the file's SHA-256 is computed on a helper thread while it is
-  written (:func:`coldsnap_core._io.write_hashed`: the helper walks its own copy of the stream when
-  the backend's chunks are stable host views, and goes in lockstep with the writer otherwise).
-  Memory: the backend's chunks (zero-copy for host memory) and a 1 MiB zero buffer; never a
-  whole-model or whole-extent buffer;
-* :meth:`PayloadCache.commit` then fsyncs, checks size, checks the digest (against the expected one
-  when materializing), renames to ``model-payloads/sha256/<digest>.pack``, fsyncs the folder and
-  writes the validation record.
+The bytes stream from the live allocations through the copy backend (each distinct content from the first
+destination holding it, zero chunks for the padding) into a temporary file of the cache, hashed while written
+(:func:`coldsnap_core._io.write_hashed`), then committed by :meth:`PayloadCache.commit`. Memory: the backend's
+chunks and a 1 MiB zero buffer, never a whole-model buffer.
 """
 
 from __future__ import annotations
@@ -41,20 +27,7 @@ def write_pack(
     expected_sha256: str | None = None,
     progress: Callable[[int], object] | None = None,
 ) -> PackRef:
-    """Write the pack described by ``layout`` into ``cache`` and return its reference.
-
-    Args:
-        layout: the canonical layout of the distinct extent contents.
-        locate: for each ``(sha256, size_bytes)`` of the layout, one live allocation and the byte
-            offset within it where that content is resident.
-        backend: reads the allocation bytes (host views, or device-to-host copies).
-        cache: the node-local cache the object is committed to.
-        expected_sha256: when materializing, the digest the pack must have; a different result is
-            discarded and raises.
-        progress: called with the number of bytes written after each chunk.
-
-    Returns:
-        The pack's :class:`PackRef` (digest, size, derived path).
+    """Write the pack of ``layout`` into ``cache`` (each content read where ``locate`` says) and return its reference.
 
     Raises:
         PackDigestMismatchError: ``expected_sha256`` given and not produced (nothing is kept).

@@ -1,29 +1,10 @@
 """The capture core: from a quiescent model's live bytes to its pack, residual blob and manifests.
 
-Every capture runs these steps, written once here, in this order:
-
-1. **check** (:func:`plan_payload`): the allocation map describes the live allocations (count, index,
-   size) and the model ranges are non-empty, in bounds, sorted by (allocation, offset) and disjoint;
-2. **hash**: the SHA-256 of each model range, on all usable CPUs (:func:`hash_ranges`), unless the
-   caller already has them;
-3. **plan**: the canonical pack layout of the distinct ``(sha256, size_bytes)`` contents
-   (``docs/format.md``, "Pack layout": sorted, each content once, 4096-byte aligned, zero padded); where
-   the pack writer reads each content (the first model range holding it, in (allocation, offset) order);
-   the model extents; the residual extents (the complement of the model ranges over every allocation,
-   back to back in the blob: ``docs/format.md``, "Residual blob");
-4. **pack** (:meth:`PayloadPlan.ensure_pack`): written by the canonical writer
-   (:func:`coldsnap_core.capture.pack_writer.write_pack`), or, when the caller expects a known pack, admitted
-   from the cache or rebuilt from the live bytes with its digest as the one it must have;
-5. **residual and manifests** (:meth:`PayloadPlan.write_capsule_files`): the blob and the manifests,
-   each fsynced, into a staging folder that the caller's atomic folder swap puts in place as a whole.
-
-Its callers: the capture of a worker into an artifact (:mod:`coldsnap_core.capture.worker`); the
-target-local overlay, which references the portable pack and writes none
-(:mod:`coldsnap_core.capture.overlay`); the native capture at a level-1 sleep
-(:mod:`coldsnap_core.capture.sleep`); materialization, which re-plans a native manifest after a recovery
-load (:mod:`coldsnap_core.capture.materialize`). So a pack is byte-identical whichever of them wrote it
-(``docs/format.md`` §13). The allocations must not change while the steps run: their bytes are read
-more than once (digests, pack, blob).
+Every capture (:mod:`~coldsnap_core.capture.worker`, :mod:`~coldsnap_core.capture.overlay`,
+:mod:`~coldsnap_core.capture.sleep`, :mod:`~coldsnap_core.capture.materialize`) runs these steps, so a pack is
+byte-identical whichever wrote it (``docs/format.md`` §2, §3, §13): check and hash the model ranges and plan the
+payload (:func:`plan_payload`), write or admit the pack (:meth:`PayloadPlan.ensure_pack`), write the residual and
+manifests into a staging folder (:meth:`PayloadPlan.write_capsule_files`). The allocations must not change meanwhile.
 """
 
 from __future__ import annotations
@@ -61,27 +42,10 @@ from coldsnap_core.format.verify import check_live_layout, check_manifest
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "ModelRange",
-    "PayloadPlan",
-    "StagedCapsule",
-    "check_model_ranges",
-    "hash_ranges",
-    "plan_manifest_payload",
-    "plan_payload",
-]
-
 
 @dataclass(frozen=True, slots=True)
 class ModelRange:
-    """A destination byte range that holds checkpoint bytes at capture time.
-
-    Attributes:
-        allocation_index: the allocation the range lies in.
-        offset_bytes: start within the allocation.
-        size_bytes: length, > 0.
-        provenance: where the bytes came from.
-    """
+    """A destination byte range (``size_bytes > 0`` at ``offset_bytes`` of an allocation) that holds checkpoint bytes."""
 
     allocation_index: int
     offset_bytes: int
@@ -90,49 +54,32 @@ class ModelRange:
 
 
 def check_model_ranges(ranges: Sequence[ModelRange], allocations: Sequence[LiveAllocation]) -> None:
-    """Model ranges must be non-empty, in bounds, sorted by (allocation, offset) and disjoint.
-
-    Anything else is an observer bug, refused before a byte is written.
+    """Model ranges must be non-empty, in bounds, sorted by (allocation, offset) and disjoint (else an observer bug).
 
     Raises:
         ObserverError: names the offending range's allocation and offset.
     """
     previous = (0, 0)
     for i, r in enumerate(ranges):
+        problem = None
         if r.size_bytes <= 0 or r.offset_bytes < 0:
-            raise ObserverError(
-                f"model range {i} has offset {r.offset_bytes} and size {r.size_bytes} bytes; ranges are non-empty and start at >= 0",
-                allocation=r.allocation_index,
-                offset_bytes=r.offset_bytes,
+            problem = f"has offset {r.offset_bytes} and size {r.size_bytes} bytes; ranges are non-empty and start at >= 0"
+        elif not 0 <= r.allocation_index < len(allocations):
+            problem = f"names allocation {r.allocation_index}, but there are {len(allocations)}"
+        elif r.offset_bytes + r.size_bytes > allocations[r.allocation_index].size_bytes:
+            problem = (
+                f"ends at byte {r.offset_bytes + r.size_bytes}, beyond its allocation's"
+                f" {allocations[r.allocation_index].size_bytes} bytes"
             )
-        if not 0 <= r.allocation_index < len(allocations):
-            raise ObserverError(
-                f"model range {i} names allocation {r.allocation_index}, but there are {len(allocations)}",
-                allocation=r.allocation_index,
-                offset_bytes=r.offset_bytes,
-            )
-        if r.offset_bytes + r.size_bytes > allocations[r.allocation_index].size_bytes:
-            raise ObserverError(
-                f"model range {i} ends at byte {r.offset_bytes + r.size_bytes}, beyond its allocation's"
-                f" {allocations[r.allocation_index].size_bytes} bytes",
-                allocation=r.allocation_index,
-                offset_bytes=r.offset_bytes,
-            )
-        if (r.allocation_index, r.offset_bytes) < previous:
-            raise ObserverError(
-                f"model range {i} starts before the end of model range {i - 1}; ranges must be sorted and disjoint",
-                allocation=r.allocation_index,
-                offset_bytes=r.offset_bytes,
-            )
+        elif (r.allocation_index, r.offset_bytes) < previous:
+            problem = f"starts before the end of model range {i - 1}; ranges must be sorted and disjoint"
+        if problem is not None:
+            raise ObserverError(f"model range {i} {problem}", allocation=r.allocation_index, offset_bytes=r.offset_bytes)
         previous = (r.allocation_index, r.offset_bytes + r.size_bytes)
 
 
 def _check_allocations(allocation_map: AllocationMap, allocations: Sequence[LiveAllocation]) -> None:
-    """The allocation map describes the live allocations: the same count, and each the same index and size.
-
-    Raises:
-        ObserverError: names the first allocation that differs.
-    """
+    """Raise ``ObserverError`` for the first live allocation whose index or size the allocation map does not record."""
     if len(allocation_map) != len(allocations):
         raise ObserverError(f"the allocation map has {len(allocation_map)} allocations, the live model {len(allocations)}")
     for recorded, live in zip(allocation_map.allocations, allocations, strict=True):
@@ -167,14 +114,8 @@ def hash_ranges(
 
 @dataclass(frozen=True, slots=True)
 class StagedCapsule:
-    """What :meth:`PayloadPlan.write_capsule_files` wrote into a staging folder.
-
-    Attributes:
-        native: the native manifest.
-        recovery: the recovery manifest, or ``None`` when none was written (no model identity).
-        pins: the pins of the files written, sorted by name (both manifests, ``target.json`` when
-            written, and the residual blob), for an ``artifact.json`` entry or an ``overlay.json``.
-    """
+    """What :meth:`PayloadPlan.write_capsule_files` wrote (``recovery``: ``None`` without a model identity), with the
+    pins of its files sorted by name."""
 
     native: NativeManifest
     recovery: RecoveryManifest | None
@@ -183,18 +124,12 @@ class StagedCapsule:
 
 @dataclass(frozen=True, slots=True)
 class PayloadPlan:
-    """Everything about a worker's payload that follows from its live allocations, its model ranges and
-    their digests, with what reads the allocations.
+    """A worker's payload planned from its live allocations, model ranges and their digests.
 
     Attributes:
-        allocation_map: the allocations' layout, as the manifests record it.
-        allocations: the live allocations, ``allocations[i].index == i``.
-        backend: reads them (host views, or device-to-host copies).
-        layout: the canonical pack layout of the distinct contents.
-        locate: ``(sha256, size_bytes) -> (allocation, offset_bytes)``: where the pack writer reads
-            each stored content (the first range holding it).
+        locate: ``(sha256, size_bytes) -> (allocation, offset_bytes)``: where the pack writer reads each stored
+            content (the first range holding it).
         model_extents: one per model range, in range order, with its pack offset.
-        residual_extents: the complement of the model ranges over the allocations, with blob offsets.
     """
 
     allocation_map: AllocationMap
@@ -206,18 +141,14 @@ class PayloadPlan:
     residual_extents: tuple[ResidualExtent, ...]
 
     def ensure_pack(self, cache: PayloadCache, expected: PackRef | None = None) -> tuple[PackRef, bool]:
-        """This plan's pack in ``cache``, and whether this call wrote it.
-
-        Without ``expected``, the canonical writer writes it from the live bytes. With ``expected`` (the pack
-        a native manifest names, whose extents this plan holds), under that digest's lock: a valid cached
-        object is admitted; a missing one, or a corrupt one (with a WARNING), is written from the live bytes
-        with ``expected``'s digest as the one it must have.
+        """This plan's pack in ``cache``, and whether this call wrote it. With ``expected``, under its digest's lock, a
+        valid cached object is admitted, else (a corrupt one with a WARNING) written with that digest expected.
 
         Raises:
             PackDigestMismatchError: the live bytes do not produce ``expected``'s digest (nothing is kept).
             PackSizeMismatchError: a verified cached object of that digest, or the pack written, is not
                 ``expected``'s size.
-            InsufficientSpaceError / CacheError / UnsafePathError: writing failed (the temporary is removed).
+            InsufficientSpaceError / CacheError / UnsafePathError: writing failed.
         """
         if expected is None:
             return write_pack(self.layout, self.locate, self.backend, cache), True
@@ -249,10 +180,8 @@ class PayloadPlan:
         model: ModelIdentity | None,
         target: TargetIdentity | None,
     ) -> StagedCapsule:
-        """Write this plan's residual blob (``weights.blob``), its native manifest, its recovery manifest
-        when ``model`` is given and ``target.json`` when ``target`` is, into the staging folder ``staging``
-        (each fsynced; ``docs/format.md``, "Native manifest", "Recovery manifest"). The native manifest must
-        pass the verifier before it is written.
+        """Write the residual blob, the native manifest (checked by the verifier first), the recovery manifest when
+        ``model`` is given and ``target.json`` when ``target`` is, into ``staging`` (each fsynced; ``docs/format.md`` §4).
 
         Raises:
             ManifestError: the native manifest breaks a manifest rule (a bug; nothing is committed).
@@ -279,16 +208,8 @@ def plan_payload(
     model_ranges: Sequence[ModelRange],
     digests: Sequence[str] | None = None,
 ) -> PayloadPlan:
-    """Check, hash and plan the payload of ``model_ranges`` in ``allocations`` (steps 1 to 3 of the module
-    docstring).
-
-    Args:
-        allocation_map: the allocations' layout; ``allocation_map[i].size_bytes`` must equal
-            ``allocations[i].size_bytes``.
-        allocations: the live allocations, ``allocations[i].index == i``.
-        backend: reads them.
-        model_ranges: the model ranges, sorted by (allocation, offset) and disjoint.
-        digests: hex SHA-256 of each range's bytes, when the caller has them; default: hashed here.
+    """Check, hash (unless ``digests`` are given) and plan the payload of ``model_ranges`` in ``allocations``
+    (``allocations[i].index == i``, sizes as ``allocation_map``'s).
 
     Raises:
         ObserverError: the allocation map does not describe the live allocations, or the model ranges
@@ -314,11 +235,7 @@ def plan_payload(
 
 
 def plan_manifest_payload(manifest: NativeManifest, allocations: Sequence[LiveAllocation], backend: CopyBackend) -> PayloadPlan:
-    """Re-plan the payload a native manifest describes, reading from ``allocations`` (materialization).
-
-    The manifest is checked first (:func:`coldsnap_core.format.verify.check_manifest`, and its allocations
-    against the live ones: :func:`coldsnap_core.format.verify.check_live_layout`); the plan then equals
-    the manifest's own layout and maps.
+    """Re-plan the payload a native manifest describes (checked, and against the live allocations first), for materialization.
 
     Raises:
         ManifestError: a manifest rule or the live layout check failed.

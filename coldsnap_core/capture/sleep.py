@@ -1,21 +1,7 @@
-"""The native capture at a level-1 sleep: which observed model writes still hold their loaded bytes,
-and the capture of the live allocations into a process-local sleep capsule.
-
-While an engine sleeps at level 1 its weights memory still holds the live model, but the engine's
-post-processing may have rewritten what the loader wrote (vLLM ``model_executor/model_loader/utils.py``:
-``process_weights_after_loading``). So each observed write's live bytes are hashed and compared with the
-digest the write had when the loader wrote it (:class:`ReferenceDigests`: the worker's manifest in the
-artifact, else the pinned checkpoint file's bytes). A write that still matches is a model extent; one that
-post-processing rewrote (or whose original digest cannot be established) is residual. The capture core
-(:mod:`coldsnap_core.capture.payload`) then makes sure the pack exists in the node-local cache (when the
-artifact's manifest has exactly the same extent contents, its pack is that pack: admitted, or rebuilt from
-the live bytes with its digest as the expected one; otherwise a new one) and writes the residual of every
-allocation and the native manifest (capture point ``native``: the allocations' addresses) into a sleep
-capsule, ``<state_root>/sleep/<capsule_name>-pid<pid>-<hex16>/`` (unique to the process instance, held
-under its owner's lock: :mod:`coldsnap_core.artifact.sleep_capsules`), replaced as a whole.
-
-Facts: ``docs/format.md`` §6.2 (the native capture point: hydration first remaps the captured allocations
-at their addresses).
+"""The native capture at a level-1 sleep (``docs/format.md`` §6.2): which observed model writes still hold their
+loaded bytes (post-processing, vLLM ``model_executor/model_loader/utils.py``: ``process_weights_after_loading``,
+may have rewritten them: those are residual), and the capture of the live allocations through the capture core
+(:mod:`coldsnap_core.capture.payload`) into a process-local sleep capsule (:mod:`coldsnap_core.artifact.sleep_capsules`).
 """
 
 from __future__ import annotations
@@ -53,10 +39,8 @@ _READ_BYTES = 8 << 20
 
 
 class LoadedWorker(Protocol):
-    """What a loader published about the model it loaded, as :class:`ReferenceDigests` reads it
-    (``coldsnap_vllm.state.WorkerLoadState`` is one): the worker, its pinned model identity (``None`` when
-    unknown), the pack its load captured, restored or materialized, the artifact folder in use and the
-    Hugging Face cache the engine downloads into (``None``: ``HF_HUB_CACHE``)."""
+    """What a loader published about the model it loaded (``coldsnap_vllm.state.WorkerLoadState`` is one);
+    ``hf_cache_dir`` ``None``: ``HF_HUB_CACHE``."""
 
     worker: WorkerIdentity
     model: ModelIdentity | None
@@ -66,25 +50,9 @@ class LoadedWorker(Protocol):
 
 
 class ReferenceDigests:
-    """The SHA-256 each observed model write had right after ``load_weights``.
-
-    Sources, in order:
-
-    1. the worker's native manifest in the artifact (``<artifact_dir>/workers/<capsule_name>/``),
-       written by the loader's capture or restore: its model extents are keyed by provenance. It is
-       used only when it names the pack the loader published (when one is published);
-    2. the pinned checkpoint file (``ModelIdentity``: a local folder, or the Hugging Face cache the engine
-       downloads into, vLLM's ``--download-dir`` else ``HF_HUB_CACHE``, via
-       ``huggingface_hub.try_to_load_from_cache``) with the size the identity records: the write's
-       source runs are read and hashed. A dtype-converting copy has no byte-equal source, so it has
-       no reference from this source.
-
-    A write with no reference is treated as rewritten (residual): that keeps non-checkpoint bytes out
-    of the shared pack. Digests from checkpoint files are computed once and cached.
-
-    Args:
-        state: what the loader published about the model it loaded (:class:`LoadedWorker`).
-    """
+    """The SHA-256 each observed model write had right after ``load_weights`` (``docs/format.md`` §6.2): from the
+    worker's native manifest in the artifact when it names the loader's pack, else from the pinned checkpoint file
+    (local, or in the Hugging Face cache via ``huggingface_hub.try_to_load_from_cache``), hashed once and cached."""
 
     def __init__(self, state: LoadedWorker) -> None:
         self.state = state
@@ -119,10 +87,9 @@ class ReferenceDigests:
 
     def expected(self, provenance: ExtentProvenance, size_bytes: int) -> str | None:
         """The digest the write of ``provenance`` (``size_bytes`` destination bytes) had, or ``None``."""
-        found = self._by_source.get((provenance, size_bytes))
-        if found is not None:
-            return found
         key = (provenance, size_bytes)
+        if key in self._by_source:
+            return self._by_source[key]
         if key not in self._checkpoint_cache:
             self._checkpoint_cache[key] = self._from_checkpoint(provenance, size_bytes)
         return self._checkpoint_cache[key]
@@ -183,17 +150,7 @@ class ReferenceDigests:
 
 @dataclass(frozen=True, slots=True)
 class NativeCapture:
-    """What a native capture at a level-1 sleep wrote.
-
-    Attributes:
-        capsule_dir: the process-local sleep capsule.
-        state_root: the state root whose node-local cache holds the pack.
-        manifest: the native manifest (capture point ``native``).
-        pack_path: the pack in the node-local cache.
-        pack_written: whether this capture wrote the pack (``False``: an existing one was admitted).
-        rewritten: observed writes whose live bytes no longer match their reference (residual now).
-        seconds: wall time of the capture.
-    """
+    """What a native capture at a level-1 sleep wrote; ``rewritten``: the observed writes that are residual now."""
 
     capsule_dir: Path
     state_root: Path
@@ -205,7 +162,6 @@ class NativeCapture:
 
     @property
     def blob_path(self) -> Path:
-        """The residual blob in the capsule."""
         return self.capsule_dir / RESIDUAL_FILENAME
 
 
@@ -222,19 +178,8 @@ def capture_native(
     capsule_dir: Path,
     log: logging.Logger = logger,
 ) -> NativeCapture:
-    """Capture the live allocations into pack + sleep capsule at ``capsule_dir`` (see the module docstring).
-
-    Args:
-        allocation_map: the allocations with their addresses (capture point ``native``).
-        allocations: the live allocations, by index.
-        backend: reads them (device-to-host on CUDA).
-        writes: the loader's observed model writes located in the allocations, sorted and disjoint.
-        references: the writes' reference digests (keep one per loaded model; it caches).
-        worker: names the capsule; model: the recovery manifest's model identity (``None``: no recovery
-            manifest is written).
-        cache: the node-local cache the pack goes to.
-        capsule_dir: the capsule folder (the caller's claimed one).
-        log: the logger of the capture's INFO lines (an engine plugin's own).
+    """Capture the live allocations into the pack (the artifact's when the extent contents are its) and the sleep
+    capsule at ``capsule_dir``; ``model`` ``None``: no recovery manifest. ``log``: the engine plugin's logger.
 
     Raises:
         ObserverError: the writes are not sorted, disjoint and in bounds (nothing written).
@@ -281,8 +226,7 @@ def _still_loaded(
     references: ReferenceDigests,
     log: logging.Logger,
 ) -> tuple[list[tuple[ModelRange, str]], list[ModelRange]]:
-    """``(range, live digest)`` of each of the loader's model writes that still holds its loaded bytes (its live
-    SHA-256 is the reference's), and the writes rewritten since, which are residual (one INFO line says how many)."""
+    """``(range, live digest)`` of each write that still holds its loaded bytes, and the writes rewritten since (logged)."""
     valid: list[tuple[ModelRange, str]] = []
     rewritten: list[ModelRange] = []
     for r, digest in zip(writes, hash_ranges(writes, allocations, backend), strict=True):

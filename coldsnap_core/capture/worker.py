@@ -1,11 +1,6 @@
-"""The capture of a worker into an artifact: its pack in the node-local cache, its unit capsule (residual
-blob, both manifests, ``target.json``) in the artifact folder, its entry in ``artifact.json``.
-
-Engine integrations (the loaders' write observer) decide *which* bytes are model bytes; the capture core
-(:mod:`coldsnap_core.capture.payload`) checks, hashes and plans them, writes the pack through the canonical
-writer and the capsule's files. Here: the capsule is renamed into place as a whole under its lock
-(:func:`coldsnap_core.artifact.capsules.write_capsule`) and the worker is registered in ``artifact.json``
-with the pins of its files.
+"""The capture of a worker into an artifact: its pack in the node-local cache, its unit capsule (residual blob,
+both manifests, ``target.json``) renamed into place as a whole, and its entry in ``artifact.json`` with the pins
+of its files; the bytes are planned and written by the capture core (:mod:`coldsnap_core.capture.payload`).
 """
 
 from __future__ import annotations
@@ -32,22 +27,14 @@ from coldsnap_core.identity.target import collect_target
 
 logger = logging.getLogger(__name__)
 
+LOW_MODEL_BYTES_FRACTION = 0.5
+"""Below this fraction of model bytes among the allocation bytes, capture logs a WARNING."""
+
 
 @dataclass(frozen=True, slots=True)
 class CaptureResult:
-    """What one worker's capture produced.
-
-    Attributes:
-        manifest: the native manifest written to the capsule.
-        recovery: the recovery manifest written to the capsule.
-        capsule_dir: the unit capsule folder.
-        pack_path: the pack object in the node-local cache.
-        seconds: wall time of the capture (hashing, pack, blob, manifests, descriptor).
-        phase_seconds: wall time of each phase, in order: ``extent_digests`` (SHA-256 of every
-            model range, on all usable CPUs), ``pack`` (stream, hash and commit the pack: fsync,
-            rename, folder fsync, validation record), ``capsule`` (residual blob and manifests, each
-            fsynced) and ``descriptor`` (``artifact.json`` under its lock).
-    """
+    """What one worker's capture produced; ``phase_seconds``: the wall time of ``extent_digests``, ``pack``,
+    ``capsule`` and ``descriptor``, in order."""
 
     manifest: NativeManifest
     recovery: RecoveryManifest
@@ -70,34 +57,13 @@ def capture_worker(
     backend: CopyBackend,
     target: TargetIdentity | None = None,
 ) -> CaptureResult:
-    """Capture one worker: write its pack (shared), residual blob and manifests (its capsule).
-
-    In order: every check (the capture point's address rule, the artifact paths, then
-    :func:`coldsnap_core.capture.payload.plan_payload`'s), every model range's SHA-256, the canonical pack
-    into ``cache``, the capsule (blob, both manifests and ``target.json``, renamed into place as a whole),
-    then ``artifact.json`` with the pins of the capsule's four files; each step is a phase of
-    :attr:`CaptureResult.phase_seconds`. A capture whose model bytes are less than half the allocation
-    bytes logs a WARNING naming the likely cause (:func:`warn_if_few_model_bytes`).
-
-    Args:
-        allocation_map, allocations, model_ranges, backend: the quiescent model, as
-            :func:`~coldsnap_core.capture.payload.plan_payload` takes it.
-        worker: the worker identity (names the capsule).
-        capture_point: ``portable`` (no allocation has an address) or ``native`` (every one has).
-        model: the pinned model identity (recovery manifest and descriptor).
-        cache: where the pack object goes.
-        artifact_dir: the artifact folder (capsule and ``artifact.json``).
-        target: the target the capture runs on, recorded as the capsule's ``target.json`` (the engine
-            plugins pass theirs); default: :func:`coldsnap_core.identity.target.collect_target` without an
-            engine, on the CPU.
+    """Capture one worker (all checks first): its pack into ``cache``, its capsule and ``artifact.json`` entry into
+    ``artifact_dir``. ``target`` (the capsule's ``target.json``) defaults to :func:`collect_target` without an engine.
 
     Raises:
-        ObserverError: the allocation map's addresses do not fit the capture point, or see
-            :func:`~coldsnap_core.capture.payload.plan_payload`; raised before anything is written.
-        UnsafePathError: a symbolic link at the artifact's descriptor lock, ``workers/`` or the
-            capsule's lock (rule ``no-symlinks``); raised before anything is written.
-        InsufficientSpaceError / CacheError: writing failed (nothing half-written remains: the pack
-            is committed only once complete, the capsule only as a whole).
+        ObserverError: the addresses do not fit ``capture_point``, or see :func:`plan_payload` (nothing written).
+        UnsafePathError: a symbolic link at an artifact lock path or ``workers/`` (rule ``no-symlinks``; nothing written).
+        InsufficientSpaceError / CacheError: writing failed (nothing half-written remains).
     """
     started = time.perf_counter()
     _check_addresses(allocation_map, capture_point)
@@ -129,11 +95,7 @@ def capture_worker(
 
 
 def _check_addresses(allocation_map: AllocationMap, capture_point: CapturePoint) -> None:
-    """The native capture point records the address of every allocation, the portable one none.
-
-    Raises:
-        ObserverError: names the first allocation that breaks the rule.
-    """
+    """Raise ``ObserverError`` for the first allocation with an address at the portable capture point, or none at the native."""
     for recorded in allocation_map.allocations:
         if (recorded.address is None) == (capture_point == "native"):
             rule = "the address of every allocation" if capture_point == "native" else "no addresses (null)"
@@ -154,19 +116,8 @@ def capture_loaded_worker(
     engine: str,
     engine_version: str | None,
 ) -> CaptureResult:
-    """The portable capture of a worker an engine plugin just loaded under the write observer (every plugin,
-    on ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``): :func:`capture_worker` of ``allocations`` (after the checkpoint
-    load, before any post-processing) with the copy backend of their device and the target identity of
-    this worker with ``engine`` (``vllm``, ``sglang``) and ``engine_version`` as its engine (``target.json``,
-    ``docs/format.md`` §15.1: a restore by another engine refuses the capsule by name, one by the same engine
-    qualifies it).
-
-    An artifact that already holds this worker's capsule is captured again, with a WARNING naming the export flag:
-    left on, it makes every start load the checkpoint and capture instead of restoring.
-
-    Raises:
-        ColdsnapError: see :func:`capture_worker`.
-    """
+    """The portable :func:`capture_worker` of a worker an engine plugin just loaded (``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``),
+    with its device's copy backend and target (``engine``: ``docs/format.md`` §15.1); a WARNING when it replaces a capsule."""
     existing = artifact_dir / WORKERS_DIRNAME / worker.capsule_name
     if existing.is_dir():
         logger.warning(
@@ -191,7 +142,8 @@ def capture_loaded_worker(
 
 
 def _log_captured(result: CaptureResult, worker: WorkerIdentity) -> None:
-    """The capture's INFO line, and the WARNING of :func:`warn_if_few_model_bytes`."""
+    """The capture's INFO line, and a WARNING naming the likely cause when the model bytes are less than
+    :data:`LOW_MODEL_BYTES_FRACTION` of the allocation bytes."""
     native = result.manifest
     logger.info(
         "coldsnap: captured %s: %d model bytes in %d extents (pack %s, %d bytes), %d residual bytes, %.2f s",
@@ -203,20 +155,9 @@ def _log_captured(result: CaptureResult, worker: WorkerIdentity) -> None:
         native.residual_bytes,
         result.seconds,
     )
-    warn_if_few_model_bytes(native, worker)
-
-
-LOW_MODEL_BYTES_FRACTION = 0.5
-"""Below this fraction of model bytes among the allocation bytes, capture logs a WARNING: most of the
-weights then live in the worker's residual blob, which is neither shared nor content addressed."""
-
-
-def warn_if_few_model_bytes(manifest: NativeManifest, worker: WorkerIdentity) -> bool:
-    """Log a WARNING (and return ``True``) when the model bytes are less than
-    :data:`LOW_MODEL_BYTES_FRACTION` of the allocation bytes, naming the likely cause."""
-    total = manifest.allocations.total_bytes
-    if total == 0 or manifest.model_bytes >= LOW_MODEL_BYTES_FRACTION * total:
-        return False
+    total = native.allocations.total_bytes
+    if total == 0 or native.model_bytes >= LOW_MODEL_BYTES_FRACTION * total:
+        return
     logger.warning(
         "coldsnap: %s: only %d of %d allocation bytes (%.1f%%) are model bytes; the rest (%d bytes) went into the"
         " residual blob, which is this worker's own and not shared. Likely cause: the engine converted the"
@@ -224,9 +165,8 @@ def warn_if_few_model_bytes(manifest: NativeManifest, worker: WorkerIdentity) ->
         " extra-config key converted_copies=residual set (remove it to share converted copies), or the model"
         " rewrites its weights after copying them",
         worker.capsule_name,
-        manifest.model_bytes,
+        native.model_bytes,
         total,
-        100 * manifest.model_bytes / total,
-        total - manifest.model_bytes,
+        100 * native.model_bytes / total,
+        total - native.model_bytes,
     )
-    return True
