@@ -1,6 +1,5 @@
-"""Byte progress for the CLI, on stderr: tqdm's bar on a terminal, else plain lines (bytes, GB/s, ETA) at least
-every 10 s (:class:`coldsnap_core._progress.ProgressLines`), so a long stage in a Kubernetes log or a pipe shows
-how far it got."""
+"""Byte progress for the CLI, on stderr: tqdm's bar on a terminal, else plain lines
+(:class:`coldsnap_core._progress.ProgressLines`)."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ class BarFactory:
 
 
 def quiet_hub_bars() -> None:
-    """Silence ``huggingface_hub``'s own upload and download bars unless stderr is a terminal (its bars redraw
-    with carriage returns, which a log or a pipe keeps as one ever longer line)."""
+    """Silence ``huggingface_hub``'s own bars unless stderr is a terminal (a log keeps their redraws as one line)."""
     if not sys.stderr.isatty():
         from huggingface_hub.utils import disable_progress_bars
 

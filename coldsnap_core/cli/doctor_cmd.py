@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.metadata
 import os
 import pwd
 import stat
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -52,7 +52,7 @@ CHECK_EXIT_CODES = {"plugin": 10, "state-root": 11, "store": 12, "target": 13, "
 """Each check's exit code when it fails (the first failed check's, in this order)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class EnginePlugin:
     """How an engine finds coldsnap: the entry-point group it loads plugins from and the variable that restricts them
     (vLLM ``vllm/plugins/__init__.py``: ``VLLM_PLUGINS`` split on ``,``, set means only those; SGLang
@@ -78,7 +78,7 @@ PLUGIN_NAME = "coldsnap"
 """The name of coldsnap's entry point in each engine's group (``pyproject.toml``)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Check:
     """One line of the report: ``check`` (a key of :data:`CHECK_EXIT_CODES`), ``status`` and what to do."""
 
@@ -91,21 +91,15 @@ class Check:
         head = {"ok": "ok     ", "warning": "warning", "failed": "FAILED "}[self.status]
         return f"{head} {self.check}: {self.message}" + (f"; remedy: {self.remedy}" if self.remedy else "")
 
-    def to_json(self) -> dict[str, object]:
-        return {"check": self.check, "status": self.status, "message": self.message, "remedy": self.remedy}
-
 
 def _without_remedy(exc: ColdsnapError) -> str:
-    """``exc``'s message without its ``; remedy: ...``: a check's line quotes it and says its own one remedy."""
+    """``exc``'s message without its ``; remedy: ...`` (a check says its own)."""
     return str(exc).removesuffix(f"; remedy: {exc.remedy}") if exc.remedy else str(exc)
 
 
 def _cannot_tell(check: str, module: str, what: str) -> Check:
     label = {"torch": "torch", **{e: p.label for e, p in ENGINE_PLUGINS.items()}}[module]
     return Check(check, "warning", f"cannot tell without {label} ({what})", EXTRA_OF_MODULE[module])
-
-
-# -- plugin --------------------------------------------------------------------------------------------------
 
 
 def plugin_check(engine: str) -> Check:
@@ -155,8 +149,7 @@ def plugin_check(engine: str) -> Check:
 
 
 def _supported_versions(entry_point: importlib.metadata.EntryPoint, engine: str) -> str | None:
-    """The version range the distribution that registered ``entry_point`` requires of ``engine`` for its extra of
-    that name (coldsnap's ``pyproject.toml``: ``vllm = ["vllm>=0.32,<0.34"]``), or ``None`` when it declares none."""
+    """The range ``entry_point``'s distribution requires of ``engine`` in its extra of that name (``pyproject.toml``)."""
     for text in (entry_point.dist.requires if entry_point.dist else None) or []:
         requirement = Requirement(text)
         if requirement.name == engine and requirement.marker is not None and requirement.marker.evaluate({"extra": engine}):
@@ -169,9 +162,6 @@ def _within(version: str, supported: str) -> bool:
         return SpecifierSet(supported).contains(Version(version), prereleases=True)
     except InvalidVersion:
         return False
-
-
-# -- state root ----------------------------------------------------------------------------------------------
 
 
 def state_root_check(cache: PayloadCache, uid: int) -> Check:
@@ -215,9 +205,6 @@ def _user_name(uid: int) -> str:
     with contextlib.suppress(KeyError):
         return pwd.getpwuid(uid).pw_name
     return "no passwd entry"
-
-
-# -- packs and store ---------------------------------------------------------------------------------------------
 
 
 def pack_states(cache: PayloadCache, packs: Sequence[PackRef]) -> dict[str, str]:
@@ -317,9 +304,6 @@ def untrusted_pack_check(pack: PackRef, state: str, store: PayloadStore | None, 
     )
 
 
-# -- target and model -----------------------------------------------------------------------------------------------
-
-
 def target_checks(
     artifact_dir: Path, descriptor: ArtifactDescriptor, capsules: Sequence[Capsule], state_root: Path
 ) -> list[Check]:
@@ -397,9 +381,6 @@ def model_check(
         f"{source}: {what} match the artifact's model identity (the engine's configuration digest and file list are"
         " checked when it starts)",
     )
-
-
-# -- the command ---------------------------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -480,7 +461,7 @@ def run(args: argparse.Namespace) -> int:
         checks = diagnose(args, uid, store)
     failed = [c for c in checks if c.status == "failed"]
     code = min((CHECK_EXIT_CODES[c.check] for c in failed), default=0)
-    doc = {"artifact": str(artifact_folder(args.artifact)), "uid": uid, "checks": [c.to_json() for c in checks]}
+    doc = {"artifact": str(artifact_folder(args.artifact)), "uid": uid, "checks": [dataclasses.asdict(c) for c in checks]}
     lines = [c.line() for c in checks]
     warnings = sum(c.status == "warning" for c in checks)
     if failed:

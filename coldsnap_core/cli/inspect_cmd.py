@@ -51,10 +51,8 @@ def summarize(manifest: NativeManifest) -> dict[str, object]:
 
 
 def seed_summary(descriptor: ArtifactDescriptor, capsule: Capsule) -> dict[str, object]:
-    """The capsule's derived-cache seed (``docs/format.md`` §17) as ``inspect`` shows it: ``present``
-    (pinned in ``artifact.json``), and when present ``files`` and ``size_bytes`` (the archive's members)
-    and ``qualification`` (what it was compiled for), or ``error`` (why :func:`verify_seed` refused it: a
-    start would skip it). Reads and hashes the seed's two files; never raises a ``ColdsnapError``."""
+    """The capsule's derived-cache seed (``docs/format.md`` §17): ``present``, then ``files``, ``size_bytes`` and
+    ``qualification``, or the ``error`` :func:`verify_seed` refused it with (never raised)."""
     try:
         files = find_worker(descriptor, capsule.native.worker).capsule_files
         document = verify_seed(capsule.path, files)
@@ -93,12 +91,12 @@ def _restore_line(here: dict[str, object]) -> str:
     return f"  restore on this node ({here['engine']}): {where}: {here['reason']}"
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    raise AssertionError
+    return f"{n:.1f} TiB"
 
 
 def run(args: argparse.Namespace) -> int:
