@@ -67,9 +67,7 @@ def _duration(text: str) -> float:
 
 
 def _size(text: str) -> int:
-    """``--max-bytes``: bytes, or with a suffix ``K``, ``M``, ``G``, ``T`` (powers of 1000) or ``Ki``, ``Mi``,
-    ``Gi``, ``Ti`` (powers of 1024), as Kubernetes quantities are written (``50G``, ``500Mi``); a trailing ``B``
-    is allowed."""
+    """``--max-bytes``: bytes, with ``K``-``T`` (powers of 1000) or ``Ki``-``Ti`` (of 1024) as Kubernetes writes them."""
     match = _SIZE.fullmatch(text.strip())
     if match is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or a number with K, M, G, T, Ki, Mi, Gi, Ti)")
@@ -118,7 +116,8 @@ def _objects(args: argparse.Namespace, cache: PayloadCache) -> list[dict[str, ob
     """``cache ls``'s objects in ``--sort`` order."""
     usage = {p.digest: p for p in list_packs(cache)}
     artifacts = _artifacts_by_pack(args, cache)
-    now_ns, now = time.time_ns(), datetime.datetime.now(datetime.UTC)
+    now_ns = time.time_ns()
+    now = datetime.datetime.now(datetime.UTC)
     objects = []
     for digest in cache.digests():
         pack = usage.get(digest)
@@ -213,11 +212,13 @@ def _overlay_json(o: OverlayListing) -> dict[str, object]:
     }
 
 
-def _existing_cache(args: argparse.Namespace) -> PayloadCache:
-    """The cache of ``args.state_root``, which must exist (a mistyped one is not an empty cache).
+def _existing_cache(args: argparse.Namespace, command: str | None = None) -> PayloadCache:
+    """The cache of ``args.state_root``, which must exist (a mistyped one is not an empty cache); for ``cache
+    COMMAND``, which removes or re-owns what is there, one of this user's.
 
     Raises:
         MissingObjectError: the state root does not exist (exit 3).
+        CacheError: with ``command``, the state root (its link followed) belongs to another uid (exit 4).
     """
     cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
     if not os.path.lexists(cache.state_root):
@@ -226,48 +227,41 @@ def _existing_cache(args: argparse.Namespace) -> PayloadCache:
             file=cache.state_root,
             remedy="check --state-root or COLDSNAP_STATE_ROOT (the engines' state root; default ~/.cache/coldsnap)",
         )
-    return cache
-
-
-def _refuse_another_users_state_root(cache: PayloadCache, command: str) -> None:
-    """Refuse ``cache COMMAND`` over a state root another uid owns (it would remove or re-own what is that user's).
-
-    Raises:
-        CacheError: the state root (its link followed) belongs to another uid (exit 4).
-    """
-    with contextlib.suppress(FileNotFoundError):  # no state root: nothing to remove or rewrite
-        if (uid := os.stat(cache.state_root).st_uid) != os.geteuid():
+    with contextlib.suppress(FileNotFoundError):  # a dangling link: nothing to remove or rewrite
+        if command is not None and (uid := os.stat(cache.state_root).st_uid) != os.geteuid():
             raise CacheError(
                 f"the state root belongs to uid {uid}, not {os.geteuid()}: coldsnap cache {command} changes only a"
                 " state root of its own user; run it as that user",
                 file=cache.state_root,
             )
+    return cache
 
 
-def _another_users(cache: PayloadCache, digest: str) -> CacheError | None:
-    """Why ``verify`` leaves ``digest`` alone: its object or record belongs to another uid, else ``None``."""
+def _refuse_another_users(cache: PayloadCache, digest: str) -> None:
+    """Leave ``digest`` unverified when its object or record belongs to another uid.
+
+    Raises:
+        CacheError: naming the file.
+    """
     for path in (cache.object_path(digest), cache.record_path(digest)):
         st = lstat_or_none(path)
         if st is not None and st.st_uid != os.geteuid():
-            return CacheError(
+            raise CacheError(
                 f"it belongs to uid {st.st_uid}, not {os.geteuid()}: left unverified, so that its validation record stays"
                 " that user's",
                 file=path,
             )
-    return None
 
 
 def _verify(args: argparse.Namespace) -> int:
     given = [check_digest(d) for d in args.digest] if args.digest else None
-    cache = _existing_cache(args)
+    cache = _existing_cache(args, "verify")
     digests = given if given is not None else cache.digests()
-    _refuse_another_users_state_root(cache, "verify")
     failures: list[ColdsnapError] = []
     objects: list[dict[str, object]] = []
     for digest in digests:
         try:
-            if (foreign := _another_users(cache, digest)) is not None:
-                raise foreign
+            _refuse_another_users(cache, digest)
             before = record_state(cache, digest) if not args.full else "ignored"
             st = refuse_symlink(cache.object_path(digest))
             with byte_bar(f"verify {digest[:12]}", st.st_size if st else None) as update:
@@ -296,8 +290,7 @@ SHORT_DIGEST_MIN_CHARS = 12
 
 
 def _digest_named(cache: PayloadCache, given: str) -> str:
-    """The digest ``given`` names: itself, or the one cached pack's digest it starts (at least
-    :data:`SHORT_DIGEST_MIN_CHARS` lowercase hex characters, as the logs and ``cache ls`` print it).
+    """The digest ``given`` names: itself, or the one cached digest it starts (:data:`SHORT_DIGEST_MIN_CHARS` or more).
 
     Raises:
         InvalidDigestError: ``given`` is neither (no file touched), or it starts more than one cached digest (named).
@@ -320,8 +313,7 @@ def _digest_named(cache: PayloadCache, given: str) -> str:
 
 
 def _rm(args: argparse.Namespace) -> int:
-    cache = _existing_cache(args)
-    _refuse_another_users_state_root(cache, "rm")
+    cache = _existing_cache(args, "rm")
     pack = remove_pack(cache, _digest_named(cache, args.digest), force=args.force)
     removed = {**_pack_json(pack), "was_in_use": pack.in_use}
     forced = "; a running load held it (--force)" if pack.in_use else ""
@@ -351,8 +343,7 @@ def _print_eviction(args: argparse.Namespace, eviction: Eviction, over: bool) ->
 
 
 def _gc(args: argparse.Namespace) -> int:
-    cache = _existing_cache(args)
-    _refuse_another_users_state_root(cache, "gc")
+    cache = _existing_cache(args, "gc")
     report = cache.gc(older_than_seconds=args.older_than, dry_run=args.dry_run)
     eviction, over = _evict(args, cache)
     verb = "would remove" if args.dry_run else "removed"

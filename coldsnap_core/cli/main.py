@@ -25,16 +25,9 @@ from coldsnap_core.format._strict import FORMAT_VERSION
 from coldsnap_core.settings import COMMAND_SETTINGS, KEYS, ColdsnapSettings
 
 #: Subcommand modules, in ``--help`` order.
-COMMAND_MODULES = (
-    "coldsnap_core.cli.inspect_cmd",
-    "coldsnap_core.cli.verify_cmd",
-    "coldsnap_core.cli.export_cmd",
-    "coldsnap_core.cli.stage_cmd",
-    "coldsnap_core.cli.publish_cmd",
-    "coldsnap_core.cli.pull_cmd",
-    "coldsnap_core.cli.cache_cmd",
-    "coldsnap_core.cli.status_cmd",
-    "coldsnap_core.cli.doctor_cmd",
+COMMAND_MODULES = tuple(
+    f"coldsnap_core.cli.{name}_cmd"
+    for name in ("inspect", "verify", "export", "stage", "publish", "pull", "cache", "status", "doctor")
 )
 
 

@@ -17,21 +17,16 @@ from coldsnap_core.cli._output import add_command_options, report
 from coldsnap_core.cli._progress import BarFactory, quiet_hub_bars
 from coldsnap_core.cli._targets import artifact_folder
 from coldsnap_core.stores import artifact_ref, parse_store_spec
-from coldsnap_core.stores.base import PayloadStore
 from coldsnap_core.stores.publish import PublishedFile, PublishedPayload, artifact_listing, publish_native
-
-
-def _set_visibility(store: PayloadStore, public: bool) -> None:
-    from coldsnap_core.stores.hf import HfPayloadStore
-
-    if isinstance(store, HfPayloadStore):
-        store.private = not public
 
 
 def run(args: argparse.Namespace) -> int:
     store = parse_store_spec(args.repo, client=args.settings.store.client)
     if args.public:
-        _set_visibility(store, True)
+        from coldsnap_core.stores.hf import HfPayloadStore  # only here: huggingface_hub is imported with it
+
+        if isinstance(store, HfPayloadStore):
+            store.private = False
     quiet_hub_bars()
     cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
     bars = BarFactory()

@@ -54,15 +54,12 @@ def _status(args: argparse.Namespace) -> int:
         raise os_error("cannot read the load outcome log", exc, path) from exc
     exists = bool(lines) or skipped > 0 or os.path.lexists(path)  # read_outcomes reads a missing log as empty
     if not exists and args.fail_on_fallback:
-        # an alert that cannot see the log must not pass: a path into a folder that does not exist (a typo in
-        # COLDSNAP_OUTCOME_LOG) would otherwise report "no fallback" for ever
         raise FileAccessError(
             f"the load outcome log does not exist ({'nor its folder' if not path.parent.is_dir() else 'no load recorded yet'}):"
             f" --fail-on-fallback cannot tell whether a load fell back; check --outcome-log, ${OUTCOME_LOG_ENV} and the state root",
             file=path,
         )
     if args.fail_on_fallback and not lines and skipped:
-        # an alert that cannot read any load must not pass: a log of only malformed lines says nothing
         raise FileAccessError(
             f"the load outcome log holds no readable load outcome ({skipped} malformed line(s) in the last"
             f" {last} read): --fail-on-fallback cannot tell whether a load fell back",
