@@ -107,20 +107,16 @@ def run(args: argparse.Namespace) -> int:
         if descriptor is not None:
             summary["restore_on_this_node"] = restore_here(artifact_folder(args.artifact), descriptor, capsule, args.state_root)
             summary["derived_cache"] = seed_summary(descriptor, capsule)
-    if args.json:
-        doc = {
-            "model": descriptor.model.to_json() if descriptor else capsules[0].recovery.model.to_json(),
-            "distinct_payloads": sorted({s["pack"]["sha256"] for s in summaries}),
-            "workers": summaries,
-        }
-        print_json(doc)
-        return 0
     model = descriptor.model if descriptor else capsules[0].recovery.model
+    payloads = sorted({s["pack"]["sha256"] for s in summaries})
+    if args.json:
+        print_json({"model": model.to_json(), "distinct_payloads": payloads, "workers": summaries})
+        return 0
     print(f"model: {model.source}" + (f" @ {model.revision}" if model.revision else ""))
     print(f"  configuration sha256 {model.config_sha256 or '(none: captured without an engine)'}")
     for f in model.files:
         print(f"  checkpoint {f.name}: {_human(f.size_bytes)} sha256 {f.sha256}")
-    print(f"workers: {len(summaries)}, distinct payloads: {len({s['pack']['sha256'] for s in summaries})}")
+    print(f"workers: {len(summaries)}, distinct payloads: {len(payloads)}")
     for s in summaries:
         pack = s["pack"]
         total = s["allocation_bytes"]
