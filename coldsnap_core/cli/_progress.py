@@ -27,19 +27,6 @@ def byte_bar(desc: str, total_bytes: int | None) -> Iterator[Callable[[int], obj
         yield bar.update
 
 
-class BarFactory:
-    """Makes bars on demand (``(description, total_bytes) -> update``) and closes them all at once."""
-
-    def __init__(self) -> None:
-        self._stack = contextlib.ExitStack()
-
-    def __call__(self, desc: str, total_bytes: int) -> Callable[[int], object]:
-        return self._stack.enter_context(byte_bar(desc, total_bytes))
-
-    def close(self) -> None:
-        self._stack.close()
-
-
 def quiet_hub_bars() -> None:
     """Silence ``huggingface_hub``'s own bars unless stderr is a terminal (a log keeps their redraws as one line)."""
     if not sys.stderr.isatty():

@@ -11,10 +11,11 @@ Exit codes: ``docs/format.md`` §8.
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cli._output import add_command_options, report
-from coldsnap_core.cli._progress import BarFactory, quiet_hub_bars
+from coldsnap_core.cli._progress import byte_bar, quiet_hub_bars
 from coldsnap_core.cli._targets import artifact_folder
 from coldsnap_core.stores import artifact_ref, parse_store_spec
 from coldsnap_core.stores.publish import PublishedFile, PublishedPayload, artifact_listing, publish_native
@@ -29,7 +30,6 @@ def run(args: argparse.Namespace) -> int:
             store.private = False
     quiet_hub_bars()
     cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
-    bars = BarFactory()
     manifests: list[str] = []
     files: list[PublishedFile] = []
     folders = [artifact_folder(a) for a in args.artifact]
@@ -44,20 +44,18 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"{store.record_kind} {reference}")
 
-    try:
+    with contextlib.ExitStack() as bars:  # each payload's bars, closed as it is reported
         results = publish_native(
             folders,
             store,
             cache,
             name=args.name,
             dry_run=args.dry_run,
-            progress=bars,
+            progress=lambda desc, total_bytes: bars.enter_context(byte_bar(desc, total_bytes)),
             on_payload=report_payload,
             on_file=files.append,
             on_artifact=report_manifest,
         )
-    finally:
-        bars.close()
     refs = [] if args.dry_run else [artifact_ref(args.repo, store, artifact_listing(f, args.name).name) for f in folders]
     counts = {action: sum(r.action == action for r in results) for action in ("uploaded", "present", "would-upload")}
     payloads = [
