@@ -94,7 +94,6 @@ class _Engine:
     """The engine's process group: started with ``env``, its output passed to stderr and its last lines kept."""
 
     def __init__(self, command: list[str], env: dict[str, str]) -> None:
-        self.command = command
         self.last_lines: collections.deque[str] = collections.deque(maxlen=OUTPUT_LINES_KEPT)
         try:
             self.process = subprocess.Popen(
