@@ -1,15 +1,13 @@
-"""What a command prints on stdout: lines for people, or with ``--json`` one JSON document (``docs/format.md`` §8).
-
-Every command takes ``--json`` (:func:`add_json_option`). With it, stdout holds exactly one document: the command's
-result, or, when the command stops on an error, ``{"command": ..., "error": {...}}`` (:func:`error_json`: the rule,
-the message, the file, allocation and offset, and the exit code, which is the command's exit code either way).
-Progress and warnings stay on stderr.
-"""
+"""What every command shares: its last options and what it prints on stdout, lines for people or with ``--json``
+one JSON document (``docs/format.md`` §8): the result, or ``{"command": ..., "error": {...}}`` (:func:`error_json`).
+Progress and warnings stay on stderr."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from collections.abc import Callable, Iterable
 
 from coldsnap_core.errors import ColdsnapError
 
@@ -18,6 +16,18 @@ def add_json_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print one JSON document on stdout (an error too, with its rule and exit code)"
     )
+
+
+def add_command_options(
+    parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int], state_root: str | None = "the cache's state root"
+) -> None:
+    """``--state-root`` (``state_root`` says what it is; ``None``: no such option), ``--json``, and ``run`` as the command."""
+    if state_root is not None:
+        parser.add_argument(
+            "--state-root", default=None, help=f"{state_root} (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)"
+        )
+    add_json_option(parser)
+    parser.set_defaults(func=run)
 
 
 def wants_json(args: argparse.Namespace) -> bool:
@@ -29,9 +39,20 @@ def print_json(doc: object) -> None:
     print(json.dumps(doc, indent=2, sort_keys=True))
 
 
+def report(args: argparse.Namespace, doc: object, lines: Iterable[str] = (), done: str | None = None, code: int = 0) -> int:
+    """The command's result: ``doc`` under ``--json``, else ``lines`` on stdout and ``done`` on stderr; returns ``code``."""
+    if wants_json(args):
+        print_json(doc)
+        return code
+    for line in lines:
+        print(line)
+    if done is not None:
+        print(done, file=sys.stderr)
+    return code
+
+
 def error_json(exc: ColdsnapError) -> dict[str, object]:
-    """``exc`` as a JSON object: ``rule``, ``message`` (the whole text, as the command prints it), ``detail``,
-    ``file``, ``allocation``, ``offset_bytes`` (``None`` when the error names none) and ``exit_code``."""
+    """``exc`` as a JSON object (``None`` for what it does not name), with its ``exit_code``."""
     return {
         "rule": exc.rule,
         "message": str(exc),

@@ -1,6 +1,5 @@
-"""Byte progress for the CLI, on stderr: tqdm's bar on a terminal, else plain lines (bytes, GB/s, ETA) at least
-every 10 s (:class:`coldsnap_core._progress.ProgressLines`), so a long stage in a Kubernetes log or a pipe shows
-how far it got."""
+"""Byte progress for the CLI, on stderr: tqdm's bar on a terminal, else plain lines
+(:class:`coldsnap_core._progress.ProgressLines`)."""
 
 from __future__ import annotations
 
@@ -28,22 +27,8 @@ def byte_bar(desc: str, total_bytes: int | None) -> Iterator[Callable[[int], obj
         yield bar.update
 
 
-class BarFactory:
-    """Makes bars on demand (``(description, total_bytes) -> update``) and closes them all at once."""
-
-    def __init__(self) -> None:
-        self._stack = contextlib.ExitStack()
-
-    def __call__(self, desc: str, total_bytes: int) -> Callable[[int], object]:
-        return self._stack.enter_context(byte_bar(desc, total_bytes))
-
-    def close(self) -> None:
-        self._stack.close()
-
-
 def quiet_hub_bars() -> None:
-    """Silence ``huggingface_hub``'s own upload and download bars unless stderr is a terminal (its bars redraw
-    with carriage returns, which a log or a pipe keeps as one ever longer line)."""
+    """Silence ``huggingface_hub``'s own bars unless stderr is a terminal (a log keeps their redraws as one line)."""
     if not sys.stderr.isatty():
         from huggingface_hub.utils import disable_progress_bars
 

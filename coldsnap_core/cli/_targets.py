@@ -17,7 +17,7 @@ from coldsnap_core.restore.overlay import select_capsule
 
 
 def _present(path: Path) -> bool:
-    """Whether something is at ``path`` (``lstat``). A path that cannot be examined is not "absent":
+    """Whether something is at ``path`` (``lstat``).
 
     Raises:
         FileAccessError: permission denied (or another error) examining ``path``; names it.
@@ -32,8 +32,7 @@ def _present(path: Path) -> bool:
 
 
 def artifact_folder(target: str) -> Path:
-    """``target`` itself, or its folder when it names an ``artifact.json`` or ``native-manifest.json``
-    (so an artifact folder may be named by its ``artifact.json``)."""
+    """``target`` itself, or its folder when it names an ``artifact.json`` or ``native-manifest.json``."""
     path = Path(target)
     if path.name in (DESCRIPTOR_FILENAME, NATIVE_MANIFEST_FILENAME) and _present(path) and not path.is_dir():
         return path.parent
@@ -41,16 +40,9 @@ def artifact_folder(target: str) -> Path:
 
 
 def resolve(target: str) -> tuple[ArtifactDescriptor | None, list[Capsule]]:
-    """``target`` may be an artifact folder (``artifact.json`` inside) or its ``artifact.json``, a
-    capsule folder, or a ``native-manifest.json`` file. Whatever is at a document's path is read (a
-    named pipe or folder there is ``regular-file``, not "nothing here"). Returns the descriptor (for an artifact folder) and the capsules,
-    in order.
-
-    Every capsule of an artifact is read with :func:`coldsnap_core.artifact.capsules.read_worker_capsule`
-    (pins, worker, payload). So is a capsule folder named directly when it lies in an artifact
-    (``<artifact>/workers/<name>/`` next to an ``artifact.json``): its pins are checked too, and a
-    capsule the descriptor does not list is refused. A capsule folder outside any artifact is read
-    on its own (:func:`coldsnap_core.artifact.capsules.read_capsule`).
+    """The descriptor (for an artifact folder, else ``None``) and the capsules of ``target``: an artifact folder or its
+    ``artifact.json``, a capsule folder or a ``native-manifest.json``. A capsule inside an artifact is read with its
+    pins (:func:`~coldsnap_core.artifact.capsules.read_worker_capsule`), one outside any on its own.
 
     Raises:
         MissingObjectError: nothing usable at ``target``.
@@ -76,10 +68,9 @@ def resolve(target: str) -> tuple[ArtifactDescriptor | None, list[Capsule]]:
 
 
 def restore_here(artifact_dir: Path, descriptor: ArtifactDescriptor, capsule: Capsule, state_root: Path) -> dict[str, object]:
-    """Which capsule a restore of this worker by its capturing engine (the installed version of it)
-    would use on this node, and why (``docs/format.md`` §15.4): ``capsule`` is ``portable``,
-    ``qualified``, ``overlay`` or ``None`` (not qualified: ``auto`` loads the checkpoint, ``native``
-    refuses; also without torch here, ``pip install coldsnap``: no engine can load a model on this node)."""
+    """Which capsule a restore of this worker by its installed capturing engine would use here, and why
+    (``docs/format.md`` §15.4): ``capsule`` is ``portable``, ``qualified``, ``overlay`` or ``None`` (not qualified, or
+    no torch here)."""
     recorded = capsule.target
     if recorded is None:
         return {"engine": None, "capsule": None, "overlay": None, "reason": "the capsule records no target.json"}

@@ -1,23 +1,11 @@
 """``coldsnap cache ls|verify|rm|gc``: look after the node-local payload cache.
 
-``ls`` shows, for each pack, its size, its last use, whether a running load holds it, the artifacts on this node
-that use it (:func:`_artifacts_by_pack`) and, with a trusted validation record, when it was last hashed in full
-(``verified_at``; the record fast path never refreshes it); ``verify --full`` is the scrub that hashes every object
-again, refreshes that time and quarantines a corrupt object. ``rm`` removes one pack; ``gc --unused-for`` and
-``--max-bytes`` evict packs least recently used first (:mod:`coldsnap_core.cache.pack_use`), never one a running load
-holds.
-
-Exit codes (``docs/format.md``, "Exit codes"): ``ls`` exits 0, or 4 when a cache folder is a symbolic link; ``gc``
-too, and 4 when ``--max-bytes`` cannot be met because packs are in use; ``rm`` exits 0, 3 when the digest is not in
-the cache, 4 for an invalid digest, a pack in use (without ``--force``) or another error; ``verify`` exits 0 when
-every object verified, 1 when any object was corrupt (each is quarantined; the others are still checked), 3 when a
-named digest is not in the cache, 4 for an invalid digest (checked before any file is touched), a symbolic link, or
-another error.
-
-``gc`` and ``rm`` remove and ``verify`` rewrites validation records, so none touches what belongs to another
-user (root's cron or ``sudo`` run over a user's state root): a state root owned by another uid is
-refused before anything is read (exit 4); within one, another user's overlay (``gc``) or object or
-record (``verify``) is kept as it is, named, and the command exits 4.
+``ls`` shows each pack's size, last use, whether a running load holds it, the artifacts on this node that use it and
+when it was last hashed in full (``verified_at``, with a trusted validation record); ``verify --full`` is the scrub
+that hashes every object again. ``rm`` removes one pack; ``gc --unused-for`` and ``--max-bytes`` evict packs least
+recently used first (:mod:`coldsnap_core.cache.pack_use`), never one a running load holds. ``gc``, ``rm`` and
+``verify`` touch nothing of another user's: a state root another uid owns is refused, and within one another user's
+overlay, object or record is kept and named. Exit codes: ``docs/format.md`` §8.
 """
 
 from __future__ import annotations
@@ -39,7 +27,7 @@ from coldsnap_core.cache.overlays import OverlayListing, gc_overlays, list_overl
 from coldsnap_core.cache.pack_use import Eviction, PackUsage, evict, list_packs, remove_pack
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import last_full_verification, record_state
-from coldsnap_core.cli._output import add_json_option, error_json, print_json
+from coldsnap_core.cli._output import add_command_options, error_json, print_json, report
 from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.digests import check_digest
 from coldsnap_core.errors import (
@@ -79,9 +67,7 @@ def _duration(text: str) -> float:
 
 
 def _size(text: str) -> int:
-    """``--max-bytes``: bytes, or with a suffix ``K``, ``M``, ``G``, ``T`` (powers of 1000) or ``Ki``, ``Mi``,
-    ``Gi``, ``Ti`` (powers of 1024), as Kubernetes quantities are written (``50G``, ``500Mi``); a trailing ``B``
-    is allowed."""
+    """``--max-bytes``: bytes, with ``K``-``T`` (powers of 1000) or ``Ki``-``Ti`` (of 1024) as Kubernetes writes them."""
     match = _SIZE.fullmatch(text.strip())
     if match is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or a number with K, M, G, T, Ki, Mi, Gi, Ti)")
@@ -91,10 +77,8 @@ def _size(text: str) -> int:
 
 
 def _artifacts_by_pack(args: argparse.Namespace, cache: PayloadCache) -> dict[str, list[str]]:
-    """Digest -> the artifact folders on this node whose ``artifact.json`` names that pack. The folders come from
-    the load outcome log (every artifact a load on this node used, ``docs/format.md`` §10.3), the overlays'
-    portable artifacts (§15.3) and ``--artifact``; each is read, so a folder gone or changed since names nothing.
-    An outcome log or a folder that cannot be read adds none (``cache ls`` lists what it can)."""
+    """Digest -> the artifact folders on this node whose ``artifact.json`` names that pack: those of the load outcome
+    log (``docs/format.md`` §10.3), the overlays (§15.3) and ``--artifact``, as far as they can be read."""
     folders = set(args.artifact or ())
     try:
         lines, _ = read_outcomes(args.settings.outcome_log_path, sys.maxsize)
@@ -121,15 +105,6 @@ def _pack_json(pack: PackUsage) -> dict[str, object]:
     return {"digest": pack.digest, "size_bytes": pack.size_bytes, "last_used_at": _iso(pack.last_used_ns)}
 
 
-def _last_full_verification(cache: PayloadCache, digest: str) -> tuple[str | None, int | None]:
-    """``(verified_at, age in whole seconds)`` of the object's last full verification
-    (:func:`~coldsnap_core.cache.records.last_full_verification`); ``(None, None)`` without a trusted record."""
-    when = last_full_verification(cache, digest)
-    if when is None:
-        return None, None
-    return when.isoformat(), int((datetime.datetime.now(datetime.UTC) - when).total_seconds())
-
-
 def _age(seconds: int) -> str:
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= size:
@@ -138,27 +113,27 @@ def _age(seconds: int) -> str:
 
 
 def _objects(args: argparse.Namespace, cache: PayloadCache) -> list[dict[str, object]]:
-    """``cache ls``'s objects in ``--sort`` order: ``name`` (digest), ``size`` (largest first) or ``used`` (least
-    recently used first: the order ``gc`` evicts in)."""
+    """``cache ls``'s objects in ``--sort`` order."""
     usage = {p.digest: p for p in list_packs(cache)}
     artifacts = _artifacts_by_pack(args, cache)
     now_ns = time.time_ns()
+    now = datetime.datetime.now(datetime.UTC)
     objects = []
     for digest in cache.digests():
         pack = usage.get(digest)
         try:
             refuse_symlink(cache.object_path(digest))
             state = record_state(cache, digest)
-            verified_at, age_s = _last_full_verification(cache, digest)
+            verified = last_full_verification(cache, digest)
         except ColdsnapError as exc:
-            state, verified_at, age_s = f"unsafe: {exc.detail}", None, None
+            state, verified = f"unsafe: {exc.detail}", None
         objects.append(
             {
                 "digest": digest,
                 "size_bytes": None if pack is None else pack.size_bytes,
                 "record": state,
-                "verified_at": verified_at,
-                "verified_age_s": age_s,
+                "verified_at": None if verified is None else verified.isoformat(),
+                "verified_age_s": None if verified is None else int((now - verified).total_seconds()),
                 "last_used_at": None if pack is None else _iso(pack.last_used_ns),
                 "last_used_age_s": None if pack is None else max(now_ns - pack.last_used_ns, 0) // 10**9,
                 "in_use": None if pack is None else pack.in_use,
@@ -177,6 +152,7 @@ def _ls(args: argparse.Namespace) -> int:
     cache = _existing_cache(args)
     objects = _objects(args, cache)
     overlays = [_overlay_json(o) for o in list_overlays(cache.state_root)]
+    capsules = list_sleep_capsules(cache.state_root)
     doc = {
         "overlays": overlays,
         "state_root": str(cache.state_root),
@@ -186,15 +162,9 @@ def _ls(args: argparse.Namespace) -> int:
         "foreign": cache.foreign_names(),
         "debris": [
             *({"path": str(p), "kind": "temporary", "owner": "gone"} for p in cache.abandoned_temporaries()),
-            *(
-                {"path": str(e.path), "kind": "sleep-capsule", "owner": "gone"}
-                for e in list_sleep_capsules(cache.state_root)
-                if e.owner == "gone"
-            ),
+            *({"path": str(e.path), "kind": "sleep-capsule", "owner": "gone"} for e in capsules if e.owner == "gone"),
         ],
-        "sleep_capsules": [
-            {"path": str(e.path), "owner": e.owner, "size_bytes": e.size_bytes} for e in list_sleep_capsules(cache.state_root)
-        ],
+        "sleep_capsules": [{"path": str(e.path), "owner": e.owner, "size_bytes": e.size_bytes} for e in capsules],
     }
     if args.json:
         print_json(doc)
@@ -219,8 +189,6 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _object_line(o: dict[str, object]) -> str:
-    """One object of ``cache ls``: digest, size, last use (and held by a load), record, last full verification,
-    then the artifacts on this node that use it."""
     size = "?" if o["size_bytes"] is None else str(o["size_bytes"])
     used = "last used ?" if o["last_used_at"] is None else f"last used {o['last_used_at']} ({_age(o['last_used_age_s'])} ago)"
     held = ", in use by a running load" if o["in_use"] else ""
@@ -244,12 +212,13 @@ def _overlay_json(o: OverlayListing) -> dict[str, object]:
     }
 
 
-def _existing_cache(args: argparse.Namespace) -> PayloadCache:
-    """The cache of ``args.state_root``, which must exist: a mistyped ``--state-root`` or ``COLDSNAP_STATE_ROOT`` is
-    named as missing, not listed as an empty cache.
+def _existing_cache(args: argparse.Namespace, command: str | None = None) -> PayloadCache:
+    """The cache of ``args.state_root``, which must exist (a mistyped one is not an empty cache); for ``cache
+    COMMAND``, which removes or re-owns what is there, one of this user's.
 
     Raises:
         MissingObjectError: the state root does not exist (exit 3).
+        CacheError: with ``command``, the state root (its link followed) belongs to another uid (exit 4).
     """
     cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
     if not os.path.lexists(cache.state_root):
@@ -258,49 +227,41 @@ def _existing_cache(args: argparse.Namespace) -> PayloadCache:
             file=cache.state_root,
             remedy="check --state-root or COLDSNAP_STATE_ROOT (the engines' state root; default ~/.cache/coldsnap)",
         )
-    return cache
-
-
-def _refuse_another_users_state_root(cache: PayloadCache, command: str) -> None:
-    """Refuse ``cache gc`` / ``cache verify`` over a state root another uid owns: they would remove or re-own
-    (as this user's records, which that user then distrusts) what is that user's.
-
-    Raises:
-        CacheError: the state root (its link followed) belongs to another uid (exit 4).
-    """
-    with contextlib.suppress(FileNotFoundError):  # no state root: nothing to remove or rewrite
-        if (uid := os.stat(cache.state_root).st_uid) != os.geteuid():
+    with contextlib.suppress(FileNotFoundError):  # a dangling link: nothing to remove or rewrite
+        if command is not None and (uid := os.stat(cache.state_root).st_uid) != os.geteuid():
             raise CacheError(
                 f"the state root belongs to uid {uid}, not {os.geteuid()}: coldsnap cache {command} changes only a"
                 " state root of its own user; run it as that user",
                 file=cache.state_root,
             )
+    return cache
 
 
-def _another_users(cache: PayloadCache, digest: str) -> CacheError | None:
-    """Why ``verify`` leaves ``digest`` alone: its object or record belongs to another uid, else ``None``."""
+def _refuse_another_users(cache: PayloadCache, digest: str) -> None:
+    """Leave ``digest`` unverified when its object or record belongs to another uid.
+
+    Raises:
+        CacheError: naming the file.
+    """
     for path in (cache.object_path(digest), cache.record_path(digest)):
         st = lstat_or_none(path)
         if st is not None and st.st_uid != os.geteuid():
-            return CacheError(
+            raise CacheError(
                 f"it belongs to uid {st.st_uid}, not {os.geteuid()}: left unverified, so that its validation record stays"
                 " that user's",
                 file=path,
             )
-    return None
 
 
 def _verify(args: argparse.Namespace) -> int:
     given = [check_digest(d) for d in args.digest] if args.digest else None
-    cache = _existing_cache(args)
+    cache = _existing_cache(args, "verify")
     digests = given if given is not None else cache.digests()
-    _refuse_another_users_state_root(cache, "verify")
     failures: list[ColdsnapError] = []
     objects: list[dict[str, object]] = []
     for digest in digests:
         try:
-            if (foreign := _another_users(cache, digest)) is not None:
-                raise foreign
+            _refuse_another_users(cache, digest)
             before = record_state(cache, digest) if not args.full else "ignored"
             st = refuse_symlink(cache.object_path(digest))
             with byte_bar(f"verify {digest[:12]}", st.st_size if st else None) as update:
@@ -320,11 +281,8 @@ def _verify(args: argparse.Namespace) -> int:
     code = 0
     if failures:
         code = EXIT_INTEGRITY if any(isinstance(exc, IntegrityError) for exc in failures) else failures[0].exit_code
-    if args.json:
-        print_json({"state_root": str(cache.state_root), "objects": objects, "exit_code": code})
-    elif not failures:
-        print(f"ok: {len(digests)} object(s) verified", file=sys.stderr)
-    return code
+    done = None if failures else f"ok: {len(digests)} object(s) verified"
+    return report(args, {"state_root": str(cache.state_root), "objects": objects, "exit_code": code}, done=done, code=code)
 
 
 SHORT_DIGEST_MIN_CHARS = 12
@@ -332,8 +290,7 @@ SHORT_DIGEST_MIN_CHARS = 12
 
 
 def _digest_named(cache: PayloadCache, given: str) -> str:
-    """The digest ``given`` names: itself, or the one cached pack's digest it starts (at least
-    :data:`SHORT_DIGEST_MIN_CHARS` lowercase hex characters, as the logs and ``cache ls`` print it).
+    """The digest ``given`` names: itself, or the one cached digest it starts (:data:`SHORT_DIGEST_MIN_CHARS` or more).
 
     Raises:
         InvalidDigestError: ``given`` is neither (no file touched), or it starts more than one cached digest (named).
@@ -356,21 +313,16 @@ def _digest_named(cache: PayloadCache, given: str) -> str:
 
 
 def _rm(args: argparse.Namespace) -> int:
-    cache = _existing_cache(args)
-    _refuse_another_users_state_root(cache, "rm")
+    cache = _existing_cache(args, "rm")
     pack = remove_pack(cache, _digest_named(cache, args.digest), force=args.force)
-    if args.json:
-        removed = {**_pack_json(pack), "was_in_use": pack.in_use}
-        print_json({"state_root": str(cache.state_root), "removed": removed, "bytes_freed": pack.size_bytes})
-        return 0
+    removed = {**_pack_json(pack), "was_in_use": pack.in_use}
     forced = "; a running load held it (--force)" if pack.in_use else ""
-    print(f"removed pack {pack.digest} ({pack.size_bytes} bytes, last used {_iso(pack.last_used_ns)}){forced}")
-    return 0
+    line = f"removed pack {pack.digest} ({pack.size_bytes} bytes, last used {_iso(pack.last_used_ns)}){forced}"
+    return report(args, {"state_root": str(cache.state_root), "removed": removed, "bytes_freed": pack.size_bytes}, [line])
 
 
 def _evict(args: argparse.Namespace, cache: PayloadCache) -> tuple[Eviction, bool]:
-    """``gc --unused-for / --max-bytes``: the eviction (none without either option) and whether the packs left
-    still exceed ``--max-bytes`` (only packs in use can keep them over)."""
+    """``gc --unused-for / --max-bytes``: the eviction (none without either) and whether the packs left exceed ``--max-bytes``."""
     if args.unused_for is None and args.max_bytes is None:
         return Eviction((), (), 0, sum(p.size_bytes for p in list_packs(cache))), False
     eviction = evict(cache, unused_for_seconds=args.unused_for, max_bytes=args.max_bytes, dry_run=args.dry_run)
@@ -391,8 +343,7 @@ def _print_eviction(args: argparse.Namespace, eviction: Eviction, over: bool) ->
 
 
 def _gc(args: argparse.Namespace) -> int:
-    cache = _existing_cache(args)
-    _refuse_another_users_state_root(cache, "gc")
+    cache = _existing_cache(args, "gc")
     report = cache.gc(older_than_seconds=args.older_than, dry_run=args.dry_run)
     eviction, over = _evict(args, cache)
     verb = "would remove" if args.dry_run else "removed"
@@ -460,22 +411,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         " orphan records and the sleep capsules of processes that are gone.",
     )
     sub = p.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
-    state_root = argparse.ArgumentParser(add_help=False)
-    state_root.add_argument(
-        "--state-root", default=None, help="the cache's state root (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)"
-    )
-    add_json_option(state_root)
-
-    _add_ls(sub, state_root)
+    _add_ls(sub)
 
     rm = sub.add_parser(
         "rm",
-        parents=[state_root],
         help="remove one pack (its record and use file too); refuses a pack a running load holds",
         description="Exit codes: 0 removed, 3 the digest is not in the cache, 4 invalid digest (or a short one that"
         " starts several cached digests, named), the pack is in use"
         " (rule pack-in-use; --force removes it anyway), symlink or other error.",
     )
+    add_command_options(rm, _rm)
     rm.add_argument(
         "digest",
         metavar="DIGEST",
@@ -486,33 +431,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="remove it even while a running load holds it (that load keeps its open copy; the next load fetches it again)",
     )
-    rm.set_defaults(func=_rm)
 
     verify = sub.add_parser(
         "verify",
-        parents=[state_root],
         help="verify objects (record fast path, else full SHA-256); quarantine corrupt ones",
         description="Exit codes: 0 verified, 1 an object was corrupt (quarantined), 3 a named digest is missing, "
         "4 invalid digest, symbolic link or other error.",
     )
+    add_command_options(verify, _verify)
     verify.add_argument("digest", nargs="*", metavar="DIGEST", help="digests to verify (default: every object)")
     verify.add_argument(
         "--full",
         action="store_true",
         help="hash in full even where a trusted record exists (the scrub: refreshes each object's last full verification)",
     )
-    verify.set_defaults(func=_verify)
-
-    _add_gc(sub, state_root)
+    _add_gc(sub)
 
 
-def _add_ls(sub: argparse._SubParsersAction, state_root: argparse.ArgumentParser) -> None:
+def _add_ls(sub: argparse._SubParsersAction) -> None:
     ls = sub.add_parser(
         "ls",
-        parents=[state_root],
         help="list packs (size, last use, in use, the artifacts on this node that use them, record state, last full"
         " verification), temporaries, quarantine",
     )
+    add_command_options(ls, _ls)
     ls.add_argument(
         "--sort",
         choices=("name", "size", "used"),
@@ -533,16 +475,15 @@ def _add_ls(sub: argparse._SubParsersAction, state_root: argparse.ArgumentParser
         help="the load outcome log whose artifacts are listed (default: $COLDSNAP_OUTCOME_LOG or"
         " <state-root>/load-outcomes.jsonl)",
     )
-    ls.set_defaults(func=_ls)
 
 
-def _add_gc(sub: argparse._SubParsersAction, state_root: argparse.ArgumentParser) -> None:
+def _add_gc(sub: argparse._SubParsersAction) -> None:
     gc = sub.add_parser(
         "gc",
-        parents=[state_root],
         help="remove stale temporaries, quarantined objects, orphan records, and overlays whose portable artifact.json"
         " is gone or changed; with --unused-for or --max-bytes, packs least recently used first",
     )
+    add_command_options(gc, _gc)
     gc.add_argument(
         "--older-than",
         type=_seconds,
@@ -567,4 +508,3 @@ def _add_gc(sub: argparse._SubParsersAction, state_root: argparse.ArgumentParser
         " powers of 1000, Ki Mi Gi Ti of 1024), never one a running load holds (exit 4 when those keep it over)",
     )
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
-    gc.set_defaults(func=_gc)

@@ -1,54 +1,26 @@
 """``coldsnap doctor ARTIFACT``: will this node restore ARTIFACT? One preflight, one line per check with a remedy.
 
-The checks, in the order an operator fixes them, each with the exit code of its failure (the first failed check's
-code is the command's; ``--json`` lists them all):
+The checks (``plugin``, ``state-root``, ``store``, ``target``, ``model``, ``packs``), what each asks and its exit code
+(the first failed check's is the command's; ``--json`` lists them all): ``docs/format.md`` §8. A check that needs what
+this installation lacks (torch, the engine) is a warning saying so, as is a restore that works but slower. Each line
+says one remedy: the check's own, in the place of the remedy of an error it quotes.
 
-====  ==============  ============================================================================================
-code  check           what it asks
-====  ==============  ============================================================================================
-10    ``plugin``      coldsnap's entry point is registered for the engine that captured the artifact (vLLM's
-                      ``vllm.general_plugins``, SGLang's ``sglang.srt.plugins``), ``VLLM_PLUGINS`` /
-                      ``SGLANG_PLUGINS`` do not leave it out, and the installed engine's version is in the range
-                      the coldsnap distribution declares for that engine's extra
-11    ``state-root``  the state root and its cache folders belong to the engine's user (``--user``, default: this
-                      one), are no symbolic links, and let their owner write
-12    ``store``       the configured payload store (``--repo``, ``COLDSNAP_PAYLOAD_DIR``, ``COLDSNAP_PAYLOAD_REPO``)
-                      answers and holds every pack this node would have to fetch
-13    ``target``      each of this host's capsules qualifies for this target, or this node holds an overlay or a
-                      qualification record for it (what a restore selects: ``docs/format.md`` §15.4)
-14    ``model``       the checkpoint (``--model``; default the folder the artifact records when it is on this node,
-                      else the artifact's ``model/`` folder, what ``coldsnap pull`` writes, else the recorded source)
-                      matches the artifact's model identity as a restore checks it (``docs/format.md`` §10.1):
-                      present, the recorded files with their sizes, their SHA-256 by checkpoint record or their
-                      content fingerprint
-15    ``packs``       each pack is in the node-local cache with a trusted validation record, or can be fetched; a
-                      staged pack whose record is not trusted is hashed now (a progress line on stderr), as the
-                      restore will: intact is a warning (the restore hashes it again), corrupt fails unless the
-                      store holds it (the restore then quarantines it and fetches it again: a warning)
-====  ==============  ============================================================================================
-
-A check that needs what this installation lacks (torch for the target, the engine for its version: ``pip install
-coldsnap`` is the command without them) is a warning saying so, as is a restore that works but slower (a pack
-hashed in full or fetched at start). Warnings do not fail: exit 0 means no check failed. Each line says one remedy:
-the check's own, in the place of the remedy of an error it quotes. ``ARTIFACT`` that cannot
-be read exits 2, 3 or 4 as for every command.
-
-With ``--user`` (a name or uid) and run as root, every check runs with that user's effective uid, gid and groups (as
-the engine would: its validation records, its permissions); run as another user it must be that user. Nothing is
-written, but a checkpoint file whose checkpoint record is stale is hashed again and recorded, as a start would.
+With ``--user`` (a name or uid) and run as root, every check runs with that user's effective uid, gid and groups.
+Nothing is written, but a checkpoint file whose checkpoint record is stale is hashed again and recorded, as a start
+would.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.metadata
 import os
 import pwd
 import stat
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -61,7 +33,7 @@ from coldsnap_core.artifact.capsules import Capsule, read_descriptor, read_worke
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import record_state
 from coldsnap_core.cli._extras import EXTRA_OF_MODULE, missing_dependency
-from coldsnap_core.cli._output import add_json_option, print_json
+from coldsnap_core.cli._output import add_command_options, report
 from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.cli._targets import artifact_folder, restore_here
 from coldsnap_core.cli.stage_cmd import add_host_options, add_repo_option, store_of, this_host_entries
@@ -80,7 +52,7 @@ CHECK_EXIT_CODES = {"plugin": 10, "state-root": 11, "store": 12, "target": 13, "
 """Each check's exit code when it fails (the first failed check's, in this order)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class EnginePlugin:
     """How an engine finds coldsnap: the entry-point group it loads plugins from and the variable that restricts them
     (vLLM ``vllm/plugins/__init__.py``: ``VLLM_PLUGINS`` split on ``,``, set means only those; SGLang
@@ -106,7 +78,7 @@ PLUGIN_NAME = "coldsnap"
 """The name of coldsnap's entry point in each engine's group (``pyproject.toml``)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Check:
     """One line of the report: ``check`` (a key of :data:`CHECK_EXIT_CODES`), ``status`` and what to do."""
 
@@ -119,21 +91,15 @@ class Check:
         head = {"ok": "ok     ", "warning": "warning", "failed": "FAILED "}[self.status]
         return f"{head} {self.check}: {self.message}" + (f"; remedy: {self.remedy}" if self.remedy else "")
 
-    def to_json(self) -> dict[str, object]:
-        return {"check": self.check, "status": self.status, "message": self.message, "remedy": self.remedy}
-
 
 def _without_remedy(exc: ColdsnapError) -> str:
-    """``exc``'s message without its ``; remedy: ...``: a check's line quotes it and says its own one remedy."""
+    """``exc``'s message without its ``; remedy: ...`` (a check says its own)."""
     return str(exc).removesuffix(f"; remedy: {exc.remedy}") if exc.remedy else str(exc)
 
 
 def _cannot_tell(check: str, module: str, what: str) -> Check:
     label = {"torch": "torch", **{e: p.label for e, p in ENGINE_PLUGINS.items()}}[module]
     return Check(check, "warning", f"cannot tell without {label} ({what})", EXTRA_OF_MODULE[module])
-
-
-# -- plugin --------------------------------------------------------------------------------------------------
 
 
 def plugin_check(engine: str) -> Check:
@@ -183,8 +149,7 @@ def plugin_check(engine: str) -> Check:
 
 
 def _supported_versions(entry_point: importlib.metadata.EntryPoint, engine: str) -> str | None:
-    """The version range the distribution that registered ``entry_point`` requires of ``engine`` for its extra of
-    that name (coldsnap's ``pyproject.toml``: ``vllm = ["vllm>=0.32,<0.34"]``), or ``None`` when it declares none."""
+    """The range ``entry_point``'s distribution requires of ``engine`` in its extra of that name (``pyproject.toml``)."""
     for text in (entry_point.dist.requires if entry_point.dist else None) or []:
         requirement = Requirement(text)
         if requirement.name == engine and requirement.marker is not None and requirement.marker.evaluate({"extra": engine}):
@@ -199,12 +164,8 @@ def _within(version: str, supported: str) -> bool:
         return False
 
 
-# -- state root ----------------------------------------------------------------------------------------------
-
-
 def state_root_check(cache: PayloadCache, uid: int) -> Check:
-    """The state root and the cache folders that exist below it: folders, no symbolic links, owned by ``uid``, and
-    writable by their owner (a restore writes validation records, overlays and checkpoint records there)."""
+    """The state root and the cache folders below it: folders, no symbolic links, owned by ``uid``, writable by it."""
     folders = (cache.state_root, *cache.folders())
     try:
         cache.check_dirs()  # a symbolic link or a file where a cache folder belongs
@@ -246,12 +207,8 @@ def _user_name(uid: int) -> str:
     return "no passwd entry"
 
 
-# -- packs and store ---------------------------------------------------------------------------------------------
-
-
 def pack_states(cache: PayloadCache, packs: Sequence[PackRef]) -> dict[str, str]:
-    """Each pack's state in the cache: ``trusted`` (a trusted validation record), ``untrusted: why`` (present, hashed
-    in full by the restore) or ``absent``; an error examining it is its state too."""
+    """Each pack's state in the cache: ``trusted``, ``untrusted: why``, ``absent`` or ``unusable: why``."""
     states = {}
     for pack in packs:
         try:
@@ -265,8 +222,7 @@ def pack_states(cache: PayloadCache, packs: Sequence[PackRef]) -> dict[str, str]
 def store_check(
     store: PayloadStore | ColdsnapError | None, packs: Sequence[PackRef], states: dict[str, str]
 ) -> tuple[Check, set[str]]:
-    """Whether the store (or the error its setting raised) answers and holds the packs; returns the check and the
-    digests it holds."""
+    """Whether the store (or the error its setting raised) answers and holds the packs; also the digests it holds."""
     if isinstance(store, ColdsnapError):
         return Check(
             "store", "failed", _without_remedy(store), "correct --repo, COLDSNAP_PAYLOAD_REPO or COLDSNAP_PAYLOAD_DIR"
@@ -302,8 +258,7 @@ def store_check(
 
 
 def pack_check(pack: PackRef, state: str, store: PayloadStore | None, held: set[str], cache: PayloadCache) -> Check:
-    """One distinct pack (its :func:`pack_states` ``state``): staged and trusted, staged without a trusted record
-    (:func:`untrusted_pack_check`), to be fetched, or unavailable."""
+    """One distinct pack (its :func:`pack_states` ``state``): staged and trusted, untrusted, to be fetched, or unavailable."""
     subject = f"pack {pack.sha256} ({pack.size_bytes} bytes)"
     if state == "trusted":
         return Check("packs", "ok", f"{subject} is staged, with a trusted validation record")
@@ -323,10 +278,8 @@ def pack_check(pack: PackRef, state: str, store: PayloadStore | None, held: set[
 
 
 def untrusted_pack_check(pack: PackRef, state: str, store: PayloadStore | None, cache: PayloadCache) -> Check:
-    """A staged pack whose validation record is not trusted (``state`` says why): hashed in full now, as the restore
-    will (with a progress line on stderr; nothing is written), and reported intact (a warning: the restore hashes it
-    again), or corrupt: a warning when ``store`` (one that holds it) lets the restore quarantine it and fetch it
-    again, else failed."""
+    """A staged pack without a trusted validation record, hashed in full now as the restore will (nothing is written):
+    intact is a warning; corrupt is a warning when ``store`` (one that holds it) provides it again, else failed."""
     subject = f"pack {pack.sha256} ({pack.size_bytes} bytes)"
     try:
         with byte_bar(f"verify {pack.sha256[:12]}", pack.size_bytes) as update:
@@ -349,9 +302,6 @@ def untrusted_pack_check(pack: PackRef, state: str, store: PayloadStore | None, 
         " it again first (every extent, on a pool of threads) and writes the record after its load",
         "coldsnap stage ARTIFACT as the engine's user (it writes the record)",
     )
-
-
-# -- target and model -----------------------------------------------------------------------------------------------
 
 
 def target_checks(
@@ -386,10 +336,8 @@ def target_checks(
 
 
 def model_source(descriptor: ArtifactDescriptor, artifact_dir: Path, given: str | None) -> str:
-    """The checkpoint the engine would load: ``--model`` (``given``); else the folder the artifact records when it is
-    a folder on this node (the export host, or a node that mounts the checkpoint there); else the artifact's
-    ``model/`` folder when it has one (a pulled node: ``coldsnap pull`` writes it, and the engine serves it); else the
-    recorded source."""
+    """The checkpoint the engine would load: ``given`` (``--model``); else the recorded folder when it is on this node;
+    else the artifact's ``model/`` folder (what ``coldsnap pull`` writes); else the recorded source."""
     if given:
         return os.path.expanduser(given)
     recorded = descriptor.model.source
@@ -402,9 +350,8 @@ def model_source(descriptor: ArtifactDescriptor, artifact_dir: Path, given: str 
 def model_check(
     descriptor: ArtifactDescriptor, source: str, revision: str | None, records: CheckpointRecords | None, file: Path
 ) -> Check:
-    """The checkpoint the engine would load (``source``: :func:`model_source`) against the artifact's model identity,
-    as a restore checks it (without the engine: its configuration digest and file list are checked when it starts); a
-    folder without weight files by the artifact's pinned model files."""
+    """``source`` against the artifact's model identity as a restore checks it (``docs/format.md`` §10.1), less what
+    only the engine can check when it starts."""
     recorded = descriptor.model
     remedy = "start the engine with the checkpoint the artifact was captured from (--model PATH here), or capture anew"
     if os.path.isabs(source) and not os.path.isdir(source):
@@ -436,13 +383,9 @@ def model_check(
     )
 
 
-# -- the command ---------------------------------------------------------------------------------------------------
-
-
 @contextlib.contextmanager
 def as_user(user: str | None) -> Iterator[int]:
-    """Run the block with ``user``'s effective uid, gid and groups (root only) and yield its uid; without ``user``,
-    or when it is the current one, as the current user.
+    """Run the block with ``user``'s effective uid, gid and groups (root only; ``None``: this user); yields its uid.
 
     Raises:
         ConfigurationError: an unknown user name, or another user while not root.
@@ -480,7 +423,7 @@ def _uid_of(user: str) -> int:
 
 
 def diagnose(args: argparse.Namespace, uid: int, store: PayloadStore | ColdsnapError | None) -> list[Check]:
-    """Every check, in :data:`CHECK_EXIT_CODES` order, of the ``store`` :func:`run` made (or the error making it)."""
+    """Every check, in :data:`CHECK_EXIT_CODES` order (``store``: the one :func:`run` made, or the error making it)."""
     artifact_dir = artifact_folder(args.artifact)
     descriptor = read_descriptor(artifact_dir)
     entries = this_host_entries(args, artifact_dir)
@@ -518,26 +461,14 @@ def run(args: argparse.Namespace) -> int:
         checks = diagnose(args, uid, store)
     failed = [c for c in checks if c.status == "failed"]
     code = min((CHECK_EXIT_CODES[c.check] for c in failed), default=0)
-    if args.json:
-        print_json(
-            {
-                "artifact": str(artifact_folder(args.artifact)),
-                "uid": uid,
-                "checks": [c.to_json() for c in checks],
-                "ready": not failed,
-                "exit_code": code,
-            }
-        )
-        return code
-    for check in checks:
-        print(check.line())
+    doc = {"artifact": str(artifact_folder(args.artifact)), "uid": uid, "checks": [dataclasses.asdict(c) for c in checks]}
+    lines = [c.line() for c in checks]
     warnings = sum(c.status == "warning" for c in checks)
     if failed:
-        names = ", ".join(dict.fromkeys(c.check for c in failed))
-        print(f"not ready: {names} failed (exit {code})")
+        lines.append(f"not ready: {', '.join(dict.fromkeys(c.check for c in failed))} failed (exit {code})")
     else:
-        print(f"ready: this node will restore {args.artifact}" + (f" ({warnings} warning(s))" if warnings else ""))
-    return code
+        lines.append(f"ready: this node will restore {args.artifact}" + (f" ({warnings} warning(s))" if warnings else ""))
+    return report(args, {**doc, "ready": not failed, "exit_code": code}, lines, code=code)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -564,8 +495,4 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--user", default=None, help="the engine's user, a name or uid (default: this one; another needs root)")
     add_host_options(p, "check")
     add_repo_option(p)
-    p.add_argument(
-        "--state-root", default=None, help="the engine's state root (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)"
-    )
-    add_json_option(p)
-    p.set_defaults(func=run)
+    add_command_options(p, run, "the engine's state root")

@@ -1,26 +1,16 @@
 """``coldsnap export -- COMMAND...``: a one-shot export that exits, for a CI or Kubernetes Job.
 
-``COMMAND`` is the engine's own start command (``vllm serve MODEL --load-format coldsnap ...``, ``python -m
-sglang.launch_server --model-path MODEL --load-format coldsnap ...``). It is started in a process group of its own
-with this environment plus ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1`` and the artifact folder, state root and outcome log
-this command resolved (its options over the ``COLDSNAP_*`` variables; an engine's ``--model-loader-extra-config``
-keys must not name others), its output passed through to stderr. Then:
+``COMMAND`` (the engine's own start command, ``--load-format coldsnap``) runs in a process group of its own with
+``COLDSNAP_EXPORT_MODEL_PAYLOAD=1`` and the artifact folder, state root and outcome log this command resolved. Then:
 
-1. **wait** for the capture of every worker: the load outcome lines (``docs/format.md`` §10.3) appended since the
-   start for this artifact folder, ``captured`` for every worker of the world the first one names (its capsule
-   name: ``worker-<rank>-of-<world_size>[-dp-<d>-of-<D>]``); with ``--ready-url``, then until that URL answers 200
-   (vLLM attaches its derived-cache seed, ``docs/format.md`` §17, once it compiled, before it reports ready). A
-   ``refused`` line, any other outcome of this artifact, the engine exiting, or ``--timeout`` stops the wait with an
-   :class:`~coldsnap_core.errors.ExportError` naming what happened and the engine's last lines of output; a wait
-   says every 10 s what it waits for;
-2. **stop** the engine: SIGTERM to its process group, SIGKILL after ``--grace`` seconds (also when this command is
-   interrupted or terminated);
-3. **verify** the artifact as ``coldsnap verify`` does (:func:`coldsnap_core.restore.audit.verify_artifact`), and that
-   it names the packs the outcome lines say were captured.
+1. **wait** for a ``captured`` outcome line (``docs/format.md`` §10.3) of every worker of the world the first one names,
+   then, with ``--ready-url``, for that URL to answer 200 (vLLM attaches its derived-cache seed, §17, before it is
+   ready); a ``refused`` line, another outcome, the engine exiting or ``--timeout`` is an
+   :class:`~coldsnap_core.errors.ExportError` quoting the engine's last lines of output;
+2. **stop** the engine: SIGTERM to its process group, SIGKILL after ``--grace`` seconds (also when interrupted);
+3. **verify** the artifact as ``coldsnap verify`` does, and that it names the packs the outcome lines captured.
 
-Exit 0 with the artifact folder and the packs written; else the failed step's exit code (4 for ``export``, the
-verifier's otherwise). The workers must all write to the outcome log this node reads (one node; a multi-node engine
-needs a shared ``COLDSNAP_OUTCOME_LOG``).
+The workers must all write to the outcome log this node reads. Exit codes: ``docs/format.md`` §8.
 """
 
 from __future__ import annotations
@@ -42,7 +32,7 @@ from pathlib import Path
 
 from coldsnap_core.artifact.capsules import read_descriptor
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.cli._output import add_json_option, print_json
+from coldsnap_core.cli._output import add_command_options, report
 from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.cli.verify_cmd import workers_json
 from coldsnap_core.errors import ConfigurationError, ExportError, ManifestMismatchError
@@ -59,8 +49,7 @@ OUTPUT_LINES_KEPT = 20
 
 
 class _OutcomeTail:
-    """The lines appended to the outcome log at ``path`` since this object was made (a rotation to ``<path>.1``
-    included: the rest of the old file is read first)."""
+    """The lines appended to the outcome log at ``path`` since this object was made (across a rotation to ``<path>.1``)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -105,7 +94,6 @@ class _Engine:
     """The engine's process group: started with ``env``, its output passed to stderr and its last lines kept."""
 
     def __init__(self, command: list[str], env: dict[str, str]) -> None:
-        self.command = command
         self.last_lines: collections.deque[str] = collections.deque(maxlen=OUTPUT_LINES_KEPT)
         try:
             self.process = subprocess.Popen(
@@ -130,8 +118,7 @@ class _Engine:
             sys.stderr.flush()
 
     def exited(self) -> int | None:
-        """The engine's exit status once it exited (its output read to the end, as far as it comes within 5 s), else
-        ``None``."""
+        """The engine's exit status once it exited (its output read within 5 s), else ``None``."""
         returncode = self.process.poll()
         if returncode is not None:
             self._pump.join(timeout=5)
@@ -198,8 +185,7 @@ class _Wait:
         return f"the capture of {', '.join(missing)} ({len(self.captured)} of {len(self.world)} captured)"
 
     def tick(self, what: str, exited: int | None) -> None:
-        """Between polls: fail when the engine had exited before the last read of the log (``exited``) or the time is
-        up; say what is awaited every 10 s."""
+        """Between polls: fail when the engine had ``exited`` before the last read or the time is up; say what is awaited."""
         if exited is not None:
             raise ExportError(f"the engine exited with {exited} before {what}{self.engine.output_tail()}")
         now = time.monotonic()
@@ -313,25 +299,16 @@ def run(args: argparse.Namespace) -> int:
             file=artifact_dir / "artifact.json",
         )
     model_files = read_descriptor(artifact_dir).pinned_model_files
-    if args.json:
-        print_json(
-            {
-                "artifact_dir": str(artifact_dir),
-                "workers": workers_json(verified),
-                "distinct_payloads": sorted(set(named.values())),
-                "model_files": [pin.to_json() for pin in model_files],
-                "engine_returncode": returncode,
-            }
-        )
-        return 0
-    for worker in verified:
-        print(f"{worker.worker.capsule_name}: captured and verified pack {worker.pack.sha256} ({worker.pack.size_bytes} bytes)")
-    print(
-        f"ok: exported {artifact_dir}: {len(verified)} worker(s), {len(model_files)} model file(s); the engine stopped"
-        f" with {returncode}",
-        file=sys.stderr,
-    )
-    return 0
+    doc = {
+        "artifact_dir": str(artifact_dir),
+        "workers": workers_json(verified),
+        "distinct_payloads": sorted(set(named.values())),
+        "model_files": [pin.to_json() for pin in model_files],
+        "engine_returncode": returncode,
+    }
+    lines = [f"{w.worker.capsule_name}: captured and verified pack {w.pack.sha256} ({w.pack.size_bytes} bytes)" for w in verified]
+    done = f"ok: exported {artifact_dir}: {len(verified)} worker(s), {len(model_files)} model file(s); the engine stopped"
+    return report(args, doc, lines, f"{done} with {returncode}")
 
 
 def _seconds(text: str) -> float:
@@ -367,5 +344,4 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="after the captures, wait until this URL answers 200 (the engine's /health: vLLM attaches its compile cache"
         " as a derived-cache seed before it is ready)",
     )
-    add_json_option(p)
-    p.set_defaults(func=run)
+    add_command_options(p, run, state_root=None)

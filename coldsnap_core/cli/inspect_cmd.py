@@ -51,10 +51,8 @@ def summarize(manifest: NativeManifest) -> dict[str, object]:
 
 
 def seed_summary(descriptor: ArtifactDescriptor, capsule: Capsule) -> dict[str, object]:
-    """The capsule's derived-cache seed (``docs/format.md`` §17) as ``inspect`` shows it: ``present``
-    (pinned in ``artifact.json``), and when present ``files`` and ``size_bytes`` (the archive's members)
-    and ``qualification`` (what it was compiled for), or ``error`` (why :func:`verify_seed` refused it: a
-    start would skip it). Reads and hashes the seed's two files; never raises a ``ColdsnapError``."""
+    """The capsule's derived-cache seed (``docs/format.md`` §17): ``present``, then ``files``, ``size_bytes`` and
+    ``qualification``, or the ``error`` :func:`verify_seed` refused it with (never raised)."""
     try:
         files = find_worker(descriptor, capsule.native.worker).capsule_files
         document = verify_seed(capsule.path, files)
@@ -93,12 +91,12 @@ def _restore_line(here: dict[str, object]) -> str:
     return f"  restore on this node ({here['engine']}): {where}: {here['reason']}"
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    raise AssertionError
+    return f"{n:.1f} TiB"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,20 +107,16 @@ def run(args: argparse.Namespace) -> int:
         if descriptor is not None:
             summary["restore_on_this_node"] = restore_here(artifact_folder(args.artifact), descriptor, capsule, args.state_root)
             summary["derived_cache"] = seed_summary(descriptor, capsule)
-    if args.json:
-        doc = {
-            "model": descriptor.model.to_json() if descriptor else capsules[0].recovery.model.to_json(),
-            "distinct_payloads": sorted({s["pack"]["sha256"] for s in summaries}),
-            "workers": summaries,
-        }
-        print_json(doc)
-        return 0
     model = descriptor.model if descriptor else capsules[0].recovery.model
+    payloads = sorted({s["pack"]["sha256"] for s in summaries})
+    if args.json:
+        print_json({"model": model.to_json(), "distinct_payloads": payloads, "workers": summaries})
+        return 0
     print(f"model: {model.source}" + (f" @ {model.revision}" if model.revision else ""))
     print(f"  configuration sha256 {model.config_sha256 or '(none: captured without an engine)'}")
     for f in model.files:
         print(f"  checkpoint {f.name}: {_human(f.size_bytes)} sha256 {f.sha256}")
-    print(f"workers: {len(summaries)}, distinct payloads: {len({s['pack']['sha256'] for s in summaries})}")
+    print(f"workers: {len(summaries)}, distinct payloads: {len(payloads)}")
     for s in summaries:
         pack = s["pack"]
         total = s["allocation_bytes"]

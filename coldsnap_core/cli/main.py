@@ -1,18 +1,10 @@
-"""The ``coldsnap`` command line.
+"""The ``coldsnap`` command line: one module per subcommand under :mod:`coldsnap_core.cli`, each with
+``add_parser(subparsers)``, whose ``func`` returns the exit code (``docs/format.md`` §8).
 
-Every subcommand lives in its own module under :mod:`coldsnap_core.cli` and exposes
-``add_parser(subparsers)``; the parser's ``func`` returns the exit code. A
-:class:`~coldsnap_core.errors.ColdsnapError` stops the command with its message on stderr and its
-``exit_code`` (0 verified, 1 content mismatch or corruption, 2 malformed or unsupported manifest,
-3 missing object, 4 other error; ``docs/format.md``, "Exit codes"). An ``OSError`` that no coldsnap
-layer turned into a typed error is reported the same way, as rule ``io``
-(:class:`~coldsnap_core.errors.FileAccessError`, naming the file), with exit code 4. A command that needs a module
-``pip install coldsnap`` leaves out (torch, an engine) stops with a ``ConfigurationError`` naming the extra that
-installs it (:mod:`coldsnap_core.cli._extras`), exit code 4.
-
-Every command takes ``--json`` (:mod:`coldsnap_core.cli._output`): stdout then holds one JSON document, the
-result or the error (its rule, message and exit code; a usage error is rule ``usage``), and the exit code is the same
-as without it.
+A :class:`~coldsnap_core.errors.ColdsnapError` stops the command with its message on stderr and its ``exit_code``; an
+``OSError`` no layer typed is rule ``io`` (naming the file) and a module ``pip install coldsnap`` leaves out is a
+``ConfigurationError`` naming its extra (:mod:`coldsnap_core.cli._extras`), both exit 4. Under ``--json`` the error is
+a JSON document on stdout instead (:mod:`coldsnap_core.cli._output`; a usage error is rule ``usage``).
 """
 
 from __future__ import annotations
@@ -33,16 +25,9 @@ from coldsnap_core.format._strict import FORMAT_VERSION
 from coldsnap_core.settings import COMMAND_SETTINGS, KEYS, ColdsnapSettings
 
 #: Subcommand modules, in ``--help`` order.
-COMMAND_MODULES = (
-    "coldsnap_core.cli.inspect_cmd",
-    "coldsnap_core.cli.verify_cmd",
-    "coldsnap_core.cli.export_cmd",
-    "coldsnap_core.cli.stage_cmd",
-    "coldsnap_core.cli.publish_cmd",
-    "coldsnap_core.cli.pull_cmd",
-    "coldsnap_core.cli.cache_cmd",
-    "coldsnap_core.cli.status_cmd",
-    "coldsnap_core.cli.doctor_cmd",
+COMMAND_MODULES = tuple(
+    f"coldsnap_core.cli.{name}_cmd"
+    for name in ("inspect", "verify", "export", "stage", "publish", "pull", "cache", "status", "doctor")
 )
 
 
@@ -53,8 +38,7 @@ class _UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """An argument parser whose usage errors exit 4 ("other error"), not argparse's 2, which means
-    "malformed or unsupported manifest" here; :func:`main` reports them (as a JSON document under ``--json``)."""
+    """An argument parser whose usage errors exit 4, not argparse's 2 (a malformed manifest here): :func:`main` reports them."""
 
     def error(self, message: str) -> NoReturn:
         raise _UsageError(self, message)
@@ -77,10 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resolve_environment(args: argparse.Namespace) -> None:
-    """Where the CLI reads the environment, once, as it starts: the settings table's rows the command reads
-    (:data:`~coldsnap_core.settings.COMMAND_SETTINGS`), with the options named as their keys (``--state-root``,
-    ``--outcome-log``) over the variables, become ``args.settings``; ``args.state_root`` and
-    ``args.lock_timeout_s`` are the cache's.
+    """``args.settings``: the :data:`~coldsnap_core.settings.COMMAND_SETTINGS` rows, the options named as their keys
+    (``--state-root``, ``--outcome-log``) over the variables; ``args.state_root`` and ``args.lock_timeout_s`` too.
 
     Raises:
         ConfigurationError: a value is invalid (names the option or variable and the value).
@@ -112,12 +94,13 @@ def _usage_error(error: _UsageError, argv: Sequence[str], parser: argparse.Argum
     error.parser.exit(EXIT_OTHER, f"{error.parser.prog}: error: {error}\n")
 
 
-def _failed(args: argparse.Namespace, error: ColdsnapError) -> int:
+def _failed(args: argparse.Namespace, error: dict[str, object]) -> int:
+    """Report ``error`` (:func:`~coldsnap_core.cli._output.error_json`'s shape): a JSON document, or its message on stderr."""
     if wants_json(args):
-        print_json({"command": command_name(args), "error": error_json(error)})
+        print_json({"command": command_name(args), "error": error})
     else:
-        print(f"coldsnap {args.command}: {error}", file=sys.stderr)
-    return error.exit_code
+        print(f"coldsnap {args.command}: {error['message']}", file=sys.stderr)
+    return int(error["exit_code"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -132,22 +115,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         _resolve_environment(args)
         return int(args.func(args))
     except ColdsnapError as exc:
-        return _failed(args, exc)
+        return _failed(args, error_json(exc))
     except ModuleNotFoundError as exc:
-        return _failed(args, missing_dependency(exc))
+        return _failed(args, error_json(missing_dependency(exc)))
     except KeyboardInterrupt:
-        if wants_json(args):
-            print_json(
-                {
-                    "command": command_name(args),
-                    "error": {"rule": "interrupted", "message": "interrupted", "exit_code": EXIT_OTHER},
-                }
-            )
-        else:
-            print(f"coldsnap {args.command}: interrupted", file=sys.stderr)
-        return EXIT_OTHER
+        return _failed(args, {"rule": "interrupted", "message": "interrupted", "exit_code": EXIT_OTHER})
     except OSError as exc:
-        return _failed(args, unexpected_os_error(exc))
+        return _failed(args, error_json(unexpected_os_error(exc)))
 
 
 if __name__ == "__main__":

@@ -4,22 +4,16 @@ Which workers are this host's (:func:`host_workers`), first rule that applies:
 
 1. ``--rank N`` (repeatable): exactly those ranks;
 2. ``--node-rank K`` with ``--workers-per-node W`` (defaults: torchrun's ``NODE_RANK`` (or ``GROUP_RANK``)
-   and ``LOCAL_WORLD_SIZE``): ranks ``K*W`` to ``K*W+W-1`` (``torch.distributed`` numbers ranks node by
-   node, as torchrun and vLLM's multi-node launch do);
+   and ``LOCAL_WORLD_SIZE``): ranks ``K*W`` to ``K*W+W-1`` (``torch.distributed`` numbers ranks node by node);
 3. otherwise every worker in ``artifact.json`` (a single-host deployment: all its workers run here).
 
-Exit codes: 0 every requested pack is staged and verified; 1 a pack is corrupt (a cached one with no
-store to repair it from, now quarantined, or the store's copy, named by its place in the store;
-nothing is kept); 2 a malformed manifest or descriptor; 3 a pack is unavailable (not cached and not
-in the store) or a rank is not in the artifact; 4 any other error (the store did not answer or
-failed, configuration, symbolic link, artifact inconsistency).
+Exit codes: ``docs/format.md`` §8.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -27,7 +21,7 @@ from coldsnap_core._io import lstat_or_none
 from coldsnap_core.artifact.capsules import read_descriptor
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import record_state
-from coldsnap_core.cli._output import add_json_option, print_json
+from coldsnap_core.cli._output import add_command_options, report
 from coldsnap_core.cli._progress import byte_bar, quiet_hub_bars
 from coldsnap_core.cli._targets import artifact_folder
 from coldsnap_core.errors import ColdsnapError, ConfigurationError, MissingObjectError
@@ -97,8 +91,7 @@ def host_workers(
 
 
 def this_host_entries(args: argparse.Namespace, artifact_dir: Path) -> list[WorkerEntry]:
-    """The ``artifact.json`` entries of this host's workers (:func:`host_workers` of the options
-    :func:`add_host_options` added), each capsule's manifest checked to name its entry's pack."""
+    """The ``artifact.json`` entries of this host's workers (:func:`host_workers` of :func:`add_host_options`)."""
     descriptor = read_descriptor(artifact_dir)
     workers = host_workers(
         [entry.worker for entry in descriptor.workers],
@@ -128,9 +121,8 @@ def add_host_options(p: argparse.ArgumentParser, verb: str) -> None:
 
 
 def _stage_one(pack: PackRef, cache: PayloadCache, store: PayloadStore | None, fetched: set[str]) -> Path:
-    """Stage ``pack`` with a progress over the bytes it verifies: none on a trusted validation record, else the pack
-    once (hashed where it is cached, or as it lands when it must be fetched). Adds its digest to
-    ``fetched`` when the store was asked for it (the cache lacked it, or held a corrupt copy)."""
+    """Stage ``pack``, with a progress unless its validation record is trusted; adds its digest to ``fetched`` when
+    the store was asked for it."""
     try:
         trusted = record_state(cache, pack.sha256) == "trusted"
         cached = lstat_or_none(cache.object_path(pack.sha256)) is not None
@@ -147,8 +139,7 @@ def _stage_one(pack: PackRef, cache: PayloadCache, store: PayloadStore | None, f
 def stage_entries(
     entries: Sequence[WorkerEntry], cache: PayloadCache, store: PayloadStore | None, fetched: set[str] | None = None
 ) -> dict[str, Path]:
-    """Stage each distinct pack of ``entries`` once (:func:`_stage_one`); returns its staged path by digest, and adds
-    the digest of each pack the store sent to ``fetched``."""
+    """Stage each distinct pack of ``entries`` once; returns its staged path by digest."""
     staged: dict[str, Path] = {}
     for entry in entries:
         if entry.payload.sha256 not in staged:
@@ -157,8 +148,7 @@ def stage_entries(
 
 
 def staged_from(store: PayloadStore | None, staged: int, fetched: int) -> str:
-    """Where ``staged`` distinct packs came from, ``fetched`` of them from ``store``: the store is named as their
-    source only when it sent one; packs the cache already held say the store was not contacted."""
+    """Where ``staged`` distinct packs came from, ``fetched`` of them from ``store`` (named only when it sent one)."""
     if store is None:
         return f"{staged} distinct pack(s) staged from the node-local cache (no payload store configured)"
     if fetched == 0:
@@ -183,6 +173,11 @@ def store_of(args: argparse.Namespace) -> PayloadStore | None:
     return parse_store_spec(args.repo, client=client) if args.repo else from_settings(args.settings.store)
 
 
+def staged_workers(entries: Sequence[WorkerEntry], staged: Mapping[str, Path]) -> list[dict[str, str]]:
+    """``--json``'s ``workers``: each entry's capsule name, pack digest and staged path."""
+    return [{"capsule": e.worker.capsule_name, "pack": e.payload.sha256, "path": str(staged[e.payload.sha256])} for e in entries]
+
+
 def run(args: argparse.Namespace) -> int:
     artifact_dir = artifact_folder(args.artifact)
     cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
@@ -191,25 +186,16 @@ def run(args: argparse.Namespace) -> int:
     entries = this_host_entries(args, artifact_dir)
     fetched: set[str] = set()
     staged = stage_entries(entries, cache, store, fetched)
-    if not args.json:
-        for entry in entries:
-            print(f"{entry.worker.capsule_name}: {staged[entry.payload.sha256]}")
-    if args.json:
-        workers = [
-            {"capsule": e.worker.capsule_name, "pack": e.payload.sha256, "path": str(staged[e.payload.sha256])} for e in entries
-        ]
-        print_json(
-            {
-                "staged": True,
-                "store": store.name if store is not None else None,
-                "workers": workers,
-                "distinct_packs": len(staged),
-                "fetched_packs": len(fetched),
-            }
-        )
-        return 0
-    print(f"ok: {len(entries)} worker(s), {staged_from(store, len(staged), len(fetched))}", file=sys.stderr)
-    return 0
+    workers = staged_workers(entries, staged)
+    doc = {
+        "staged": True,
+        "store": store.name if store is not None else None,
+        "workers": workers,
+        "distinct_packs": len(staged),
+        "fetched_packs": len(fetched),
+    }
+    done = f"ok: {len(entries)} worker(s), {staged_from(store, len(staged), len(fetched))}"
+    return report(args, doc, [f"{w['capsule']}: {w['path']}" for w in workers], done)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -228,8 +214,4 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("artifact", metavar="ARTIFACT", help="artifact folder (with artifact.json), or its artifact.json")
     add_host_options(p, "stage")
     add_repo_option(p)
-    p.add_argument(
-        "--state-root", default=None, help="the cache's state root (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)"
-    )
-    add_json_option(p)
-    p.set_defaults(func=run)
+    add_command_options(p, run)

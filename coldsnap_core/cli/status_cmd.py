@@ -1,14 +1,10 @@
 """``coldsnap status``: what the recent worker loads did, per artifact (restored, captured, fell back).
 
-Reads the load outcome log (``docs/format.md`` §10.3: ``<state-root>/load-outcomes.jsonl``, or
-``--outcome-log`` / ``$COLDSNAP_OUTCOME_LOG``) and prints, for each artifact folder, how many of the
-last ``--last`` loads ended in each outcome, the latest one and the latest fallback or refusal with
-its rule and file. Exit codes: 0 (also for a missing or empty log, which the output says), 4 when the log cannot
-be read; with ``--fail-on-fallback``, 1 when the latest load of any artifact fell back or was refused (for
-alerting) and 4 when the log does not exist or holds only malformed lines (an alert that cannot see a load must not
-pass). A log that is a symbolic link is not followed (exit 4, saying so). ``--format prometheus`` prints the node's
-view for a node exporter's textfile collector instead (:func:`coldsnap_core.metrics.node_exposition`): the loads of
-every line in the log (``--last`` only when given), and the node-local cache.
+Reads the load outcome log (``docs/format.md`` §10.3) and prints, for each artifact folder, how many of the last
+``--last`` loads ended in each outcome, the latest one and the latest fallback or refusal with its rule and file;
+``--format prometheus`` prints the node's view for a node exporter's textfile collector instead
+(:func:`coldsnap_core.metrics.node_exposition`). Exit codes: ``docs/format.md`` §8 (``--fail-on-fallback`` is for
+alerting: an alert that cannot see a load must not pass).
 """
 
 from __future__ import annotations
@@ -29,17 +25,8 @@ from coldsnap_core.settings import OUTCOME_LOG_ENV
 DEFAULT_LAST_LINES = 1000
 
 
-def _printable(value: object) -> str:
-    """``value`` as text with control characters escaped: a line's fields come from the log, and a reason
-    quotes fields an artifact author wrote, so no escape sequence or newline reaches the terminal raw."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(value))
-
-
 def _line(doc: dict[str, object]) -> str:
-    return _printable(_raw_line(doc))
-
-
-def _raw_line(doc: dict[str, object]) -> str:
+    """One load of the log, with control characters escaped (its fields come from the log and an artifact's author)."""
     text = f"{doc.get('outcome')} {doc.get('time')} {doc.get('engine')} {doc.get('worker')} on {doc.get('host')} ({doc.get('seconds')} s"
     if doc.get("materialization_started"):
         text += ", materialization started"
@@ -50,7 +37,7 @@ def _raw_line(doc: dict[str, object]) -> str:
             text += f" ({doc.get('derived_cache_reason')})"
     if doc.get("rule") is not None:
         text += f": rule {doc.get('rule')}, file {doc.get('file')}: {doc.get('detail')}"
-    return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -67,15 +54,12 @@ def _status(args: argparse.Namespace) -> int:
         raise os_error("cannot read the load outcome log", exc, path) from exc
     exists = bool(lines) or skipped > 0 or os.path.lexists(path)  # read_outcomes reads a missing log as empty
     if not exists and args.fail_on_fallback:
-        # an alert that cannot see the log must not pass: a path into a folder that does not exist (a typo in
-        # COLDSNAP_OUTCOME_LOG) would otherwise report "no fallback" for ever
         raise FileAccessError(
             f"the load outcome log does not exist ({'nor its folder' if not path.parent.is_dir() else 'no load recorded yet'}):"
             f" --fail-on-fallback cannot tell whether a load fell back; check --outcome-log, ${OUTCOME_LOG_ENV} and the state root",
             file=path,
         )
     if args.fail_on_fallback and not lines and skipped:
-        # an alert that cannot read any load must not pass: a log of only malformed lines says nothing
         raise FileAccessError(
             f"the load outcome log holds no readable load outcome ({skipped} malformed line(s) in the last"
             f" {last} read): --fail-on-fallback cannot tell whether a load fell back",
@@ -115,7 +99,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _positive_count(text: str) -> int:
-    """``--last``: a whole number >= 1 in ASCII digits (the parser reports the ``ArgumentTypeError`` as a usage error, exit 4)."""
+    """``--last``: a whole number >= 1 in ASCII digits."""
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of loads >= 1")
     return int(text)

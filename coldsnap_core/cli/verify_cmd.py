@@ -1,22 +1,13 @@
-"""``coldsnap verify ARTIFACT``: check every rule over every byte of every worker's payloads.
-
-``ARTIFACT`` (artifact folder, capsule folder or ``native-manifest.json``) is resolved and every document
-parsed strictly (each capsule of an artifact matches its pins in ``artifact.json`` and names the worker
-and payload of its entry; a capsule's folder is named after its manifests' worker); then
-:func:`coldsnap_core.restore.audit.verify_capsules` runs every rule (see there for the order).
-
-Nothing is written (no validation record either): ``verify`` is a read-only audit.
-Exit codes: 0 verified, 1 content mismatch or corruption, 2 malformed or unsupported manifest,
-3 missing object, 4 other error.
-"""
+"""``coldsnap verify ARTIFACT``: check every rule over every byte of every worker's payloads
+(:func:`coldsnap_core.restore.audit.verify_capsules`). Read only: no validation record is written either.
+Exit codes: ``docs/format.md`` §8."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.cli._output import add_json_option, print_json
+from coldsnap_core.cli._output import add_command_options, report
 from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.cli._targets import artifact_folder, resolve
 from coldsnap_core.restore.audit import VerifiedWorker, verify_capsules
@@ -46,17 +37,13 @@ def run(args: argparse.Namespace) -> int:
         artifact_dir=artifact_dir,
         progress_for=lambda pack: byte_bar(f"verify {pack.sha256[:12]}", pack.size_bytes),
     )
-    if args.json:
-        workers = workers_json(verified)
-        print_json({"verified": True, "workers": workers, "distinct_payloads": sorted({w.pack.sha256 for w in verified})})
-        return 0
-    for worker in verified:
-        print(
-            f"{worker.worker.capsule_name}: verified pack {worker.pack.sha256} ({worker.pack.size_bytes} bytes, "
-            f"{worker.model_extents} model extents) and residual blob ({worker.residual_bytes} bytes)"
-        )
-    print(f"ok: {len(verified)} worker(s), {len({w.pack.sha256 for w in verified})} distinct payload(s)", file=sys.stderr)
-    return 0
+    doc = {"verified": True, "workers": workers_json(verified), "distinct_payloads": sorted({w.pack.sha256 for w in verified})}
+    lines = [
+        f"{w.worker.capsule_name}: verified pack {w.pack.sha256} ({w.pack.size_bytes} bytes, {w.model_extents} model"
+        f" extents) and residual blob ({w.residual_bytes} bytes)"
+        for w in verified
+    ]
+    return report(args, doc, lines, f"ok: {len(verified)} worker(s), {len(doc['distinct_payloads'])} distinct payload(s)")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -71,6 +58,4 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("artifact", metavar="ARTIFACT", help="artifact folder, capsule folder or native-manifest.json")
-    p.add_argument("--state-root", default=None, help="where packs live (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)")
-    add_json_option(p)
-    p.set_defaults(func=run)
+    add_command_options(p, run, "where packs live")
