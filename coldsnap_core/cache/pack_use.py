@@ -26,6 +26,9 @@ from coldsnap_core.settings import LOCK_TIMEOUT_ENV
 logger = logging.getLogger(__name__)
 
 HOLD_POLL_SECONDS = 0.05
+PROBE_GRACE_SECONDS = 0.5
+"""How long a remover asks again for a use file another process's :func:`pack_in_use` probe holds for an instant
+(a load holds it for the whole load)."""
 """How often a load retries the shared ``flock`` while a remover holds the exclusive one."""
 
 
@@ -161,6 +164,10 @@ def _remove_if_present(cache: PayloadCache, digest: str, *, force: bool) -> Pack
         return None
     with cache.lock(digest, required=True):
         fd = _lock_use_file(cache, digest, fcntl.LOCK_EX)
+        deadline = time.monotonic() + PROBE_GRACE_SECONDS
+        while fd is None and not force and time.monotonic() < deadline:
+            time.sleep(HOLD_POLL_SECONDS / 5)  # another gc's probe, not a load, if it lets go within the grace
+            fd = _lock_use_file(cache, digest, fcntl.LOCK_EX)
         try:
             if fd is None and not force:
                 use = cache.use_path(digest)

@@ -166,6 +166,28 @@ def test_two_gc_at_once_remove_each_pack_once(tmp_path: Path) -> None:
     assert cache.digests() == [] and sum(doc["bytes_freed"] for doc in docs) == 100 * 4096
 
 
+def test_a_use_file_probed_by_another_gc_for_an_instant_is_not_a_running_load(tmp_path: Path) -> None:
+    """Another process's in-use probe (an exclusive ``flock`` on the use file for an instant, as every gc takes while
+    it lists the packs) does not make a removal report the pack as held by a running load (catches the second of two
+    gc processes started together keeping a pack "in use" that no load held)."""
+    import fcntl
+    import threading
+
+    cache = PayloadCache(tmp_path / "state")
+    digest = commit_pack(cache, 4096, 1)
+    with hold_pack(cache, digest):
+        pass  # the use file exists, as after any load
+    probe = os.open(cache.use_path(digest), os.O_RDONLY)
+    fcntl.flock(probe, fcntl.LOCK_EX)
+    releaser = threading.Timer(0.05, os.close, (probe,))
+    releaser.start()
+    try:
+        assert remove_pack(cache, digest).digest == digest
+    finally:
+        releaser.join()
+    assert cache.digests() == []
+
+
 def test_rm_of_an_unknown_or_invalid_digest_is_a_typed_error(tmp_path: Path, capsys) -> None:
     """An unknown digest is rule object-present naming the object path (exit 3); a malformed one is digest-form
     (exit 4) before any file is touched."""
