@@ -136,20 +136,24 @@ def lstat_or_none(path: Path) -> os.stat_result | None:
         raise FileAccessError(f"cannot examine the path: {exc.strerror or exc}", file=path) from exc
 
 
-def refuse_symlink(path: Path) -> os.stat_result | None:
-    """``lstat`` ``path``; return ``None`` if absent, its stat if a regular file.
+def refuse_symlink(path: Path, *, folder: bool = False) -> os.stat_result | None:
+    """``lstat`` ``path``; return ``None`` if absent, its stat if a regular file (``folder``: a payload cache folder).
 
     Raises:
-        UnsafePathError: ``path`` is a symbolic link, or a path component is not a folder.
-        NotRegularFileError: ``path`` is a folder, device or other non-regular file.
+        UnsafePathError: ``path`` is a symbolic link, a path component is not a folder, or (``folder``) it is not
+            a folder.
+        NotRegularFileError: ``path`` is a folder, device or other non-regular file (not ``folder``).
         FileAccessError: ``path`` cannot be examined (``EACCES``, ``EIO``, ...).
     """
     st = lstat_or_none(path)
     if st is None:
         return None
     if stat.S_ISLNK(st.st_mode):
-        raise UnsafePathError("refusing a symbolic link in the node-local state root", file=path)
-    if not stat.S_ISREG(st.st_mode):
+        where = "as a payload cache folder" if folder else "in the node-local state root"
+        raise UnsafePathError(f"refusing a symbolic link {where}", file=path)
+    if folder and not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError("a payload cache folder path is not a folder", file=path)
+    if not folder and not stat.S_ISREG(st.st_mode):
         raise NotRegularFileError(
             f"refusing a non-regular file ({stat.filemode(st.st_mode)}) in the node-local state root", file=path
         )

@@ -416,7 +416,6 @@ class FileAccessError(ColdsnapError, rule="io"):
 class CapsulePinMismatchError(ManifestError, rule="capsule-pin"):
     """A capsule file does not match its pin in ``artifact.json`` (``docs/format.md`` §5, §7 rule 40)."""
 
-    exit_code = EXIT_MANIFEST
     remedy = (
         "the artifact was changed after its export: pull it again (coldsnap pull REF DIR) or copy it again from where"
         " it was published, or export it again"

@@ -39,6 +39,7 @@ from coldsnap_core.errors import CheckpointAbsentError, ColdsnapError, Configura
 from coldsnap_core.format.descriptor import CapsuleFile
 from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import ModelIdentity, PackRef, WorkerIdentity
+from coldsnap_core.identity.config_digest import config_json_sha256, engine_model_config
 from coldsnap_core.identity.hub_commit import resolve_hub_commit
 from coldsnap_core.identity.model_folder import holds_weight_files
 from coldsnap_core.identity.model_identity import LoadedModel
@@ -78,6 +79,14 @@ class ModelSource:
     config_sha256: str | None
     download_dir: str | None = None
     config_json: str | None = None
+
+    @classmethod
+    def of_engine(cls, model_config: object, path: str, revision: str | None, download_dir: str | None) -> ModelSource:
+        """The source an engine's model configuration object names, its configuration digested
+        (:func:`~coldsnap_core.identity.config_digest.engine_model_config`)."""
+        config_json = engine_model_config(model_config)
+        config_sha256 = None if config_json is None else config_json_sha256(config_json)
+        return cls(path, revision, config_sha256, download_dir, config_json)
 
     def identity_revision(self) -> str | None:
         """The revision the model identity records: as given for a local folder, else the commit it resolves to
@@ -156,9 +165,10 @@ class LoadPolicy(abc.ABC):
     weights_call: ClassVar[str] = "load_weights"
     """The engine's loader method that runs :meth:`load`, for messages."""
 
-    def __init__(self, settings: ColdsnapSettings, *, log: logging.Logger) -> None:
+    def __init__(self, settings: ColdsnapSettings, *, log: logging.Logger, loader: Any = None) -> None:
         self.settings = settings
         self.log = log
+        self.loader = loader  # the engine's loader object whose methods the adapter's steps call
         self.store = store_from_settings(settings.store)
         self.session: LoadSession | None = None
         """The observed load in progress, while :meth:`load_checkpoint` runs under the observer."""

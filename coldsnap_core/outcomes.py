@@ -7,6 +7,7 @@ on an ``O_APPEND`` descriptor, and a log over :data:`OUTCOME_LOG_ROTATE_BYTES` i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import errno
 import json
@@ -141,13 +142,7 @@ class ArtifactSummary:
     derived_cache: dict[str, int] | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "artifact_dir": self.artifact_dir,
-            "counts": self.counts,
-            "last": self.last,
-            "last_failure": self.last_failure,
-            "derived_cache": self.derived_cache,
-        }
+        return dataclasses.asdict(self)
 
 
 def read_outcomes(path: str | os.PathLike[str], last: int) -> tuple[list[dict[str, object]], int]:

@@ -23,10 +23,8 @@ from sglang.srt.model_loader.loader import DefaultModelLoader
 
 from coldsnap_core.errors import EngineVersionError
 from coldsnap_core.format.manifest import WorkerIdentity
-from coldsnap_core.identity.config_digest import config_json_sha256, engine_model_config
 from coldsnap_core.identity.model_identity import engine_checkpoint_files
 from coldsnap_core.load_policy import LoadCall, LoadOutcome, LoadPolicy, ModelSource, ObservedLoader
-from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_sglang.settings import resolve_sglang_settings
 
 logger = logging.getLogger(__name__)
@@ -67,10 +65,6 @@ class _SglangLoad(LoadPolicy):
     engine_label: ClassVar[str] = "SGLang"
     weights_call: ClassVar[str] = "load_weights_and_postprocess"
 
-    def __init__(self, loader: ColdsnapModelLoader, settings: ColdsnapSettings) -> None:
-        super().__init__(settings, log=logger)
-        self.loader = loader
-
     def worker_identity(self) -> WorkerIdentity:
         return worker_identity(self.loader.load_config)
 
@@ -109,7 +103,7 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
             # and iterator on it) and only the extra-config keys it knows (it rejects the others).
             inner = LoadFormat(self.coldsnap_settings.inner_load_format or "auto")
             super().__init__(dataclasses.replace(load_config, load_format=inner, model_loader_extra_config=rest))
-            self.policy = _SglangLoad(self, self.coldsnap_settings)
+            self.policy = _SglangLoad(self.coldsnap_settings, log=logger, loader=self)
         self._model_config = None
 
     def load_model(self, *, model_config, device_config, **kwargs):
@@ -130,11 +124,8 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
         config = self._model_config  # None: called outside load_model, so the loader cannot tell the model
         source = None
         if config is not None:
-            path, revision = str(config.model_path), getattr(config, "revision", None)
-            config_json = engine_model_config(config)
-            config_sha256 = None if config_json is None else config_json_sha256(config_json)
             download_dir = getattr(self.load_config, "download_dir", None)
-            source = ModelSource(path, revision, config_sha256, download_dir, config_json)
+            source = ModelSource.of_engine(config, str(config.model_path), getattr(config, "revision", None), download_dir)
         outcome: LoadOutcome = self.policy.load(LoadCall(model, source, (weights, target_device)))
         DefaultModelLoader.postprocess_weights(model, target_device)
         return outcome

@@ -223,11 +223,4 @@ def capture_after_compilation(
     return SeedCapture(model, vllm_config, worker, recorded, attach)
 
 
-__all__ = [
-    "SeedCapture",
-    "cache_roots",
-    "capture_after_compilation",
-    "compile_skip_reason",
-    "place",
-    "qualification",
-]
+__all__ = ["SeedCapture", "cache_roots", "capture_after_compilation", "compile_skip_reason", "place", "qualification"]

@@ -23,10 +23,8 @@ from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from coldsnap_core.format.manifest import WorkerIdentity
-from coldsnap_core.identity.config_digest import config_json_sha256, engine_model_config
 from coldsnap_core.identity.model_identity import engine_checkpoint_files
 from coldsnap_core.load_policy import LoadCall, LoadOutcome, LoadPolicy, ModelSource, ObservedLoader
-from coldsnap_core.settings import ColdsnapSettings
 from coldsnap_vllm import compat
 from coldsnap_vllm import derived_cache as seeds
 from coldsnap_vllm import state as load_state
@@ -57,10 +55,6 @@ class _VllmLoad(LoadPolicy):
     engine_label: ClassVar[str] = "vLLM"
     weights_line: ClassVar[str | None] = "Loading weights took %.2f seconds (%.2f GB/s, restored by coldsnap)"
     """``DefaultModelLoader.load_weights``' line (dashboards key on it), with the restore's rate."""
-
-    def __init__(self, loader: ColdsnapModelLoader, settings: ColdsnapSettings) -> None:
-        super().__init__(settings, log=logger)
-        self.loader = loader
 
     def worker_identity(self) -> WorkerIdentity:
         return compat.worker_identity()
@@ -141,7 +135,7 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
             inner_format = settings.inner_load_format or compat.default_inner_load_format()
             super().__init__(dataclasses.replace(load_config, load_format=inner_format, model_loader_extra_config=rest))
             self.coldsnap_settings = settings
-            self.policy = _VllmLoad(self, settings)
+            self.policy = _VllmLoad(settings, log=logger, loader=self)
         self._vllm_config = None
 
     def load_model(self, vllm_config, model_config, prefix: str = ""):  # type: ignore[override]
@@ -159,10 +153,8 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
         # A later load in this process (vLLM's reload_weights, a second load_weights) replaces the weights:
         # what the sleep backend works from is this load's state or none, never the previous load's.
         load_state.clear()
-        config_json = engine_model_config(model_config)
-        config_sha256 = None if config_json is None else config_json_sha256(config_json)
-        source = ModelSource(
-            str(model_config.model), model_config.revision, config_sha256, self.load_config.download_dir, config_json
+        source = ModelSource.of_engine(
+            model_config, str(model_config.model), model_config.revision, self.load_config.download_dir
         )
         outcome = self.policy.load(LoadCall(model, source, _Inputs(model_config, self._vllm_config)))
         if outcome.observed:

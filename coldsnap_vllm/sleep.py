@@ -1,7 +1,7 @@
 """The ``coldsnap`` sleep-mode backend: a level-1 sleep that keeps no host copy of the weights.
 
 Where vLLM's ``CuMemBackend`` copies every "weights" segment to pinned host memory and back, ``suspend(1)``
-captures them (:mod:`coldsnap_vllm.sleep_capture`) and releases them with no backup (``runtime`` and
+captures them (:func:`capture_for_sleep`) and releases them with no backup (``runtime`` and
 ``cudagraph`` are still offloaded), and ``resume`` maps new memory at the same addresses and hydrates every weights
 segment from pack + residual (:func:`coldsnap_core.restore.hydrate.hydrate`). Level 2 keeps vLLM's semantics.
 vLLM builds the backend with no arguments, so the model comes from :mod:`coldsnap_vllm.state`. Facts:
@@ -11,23 +11,25 @@ vLLM builds the backend with no arguments, so the model comes from :mod:`coldsna
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
-from coldsnap_core.artifact.sleep_capsules import SleepCapsuleClaim, sleep_dir, sweep_sleep_capsules
+from coldsnap_core.artifact.sleep_capsules import SleepCapsuleClaim, sleep_capsule_dir, sleep_dir, sweep_sleep_capsules
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.capture.sleep import ReferenceDigests
+from coldsnap_core.capture.sleep import NativeCapture, ReferenceDigests, capture_native
 from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.errors import ColdsnapError, ConfigurationError, WakeError
 from coldsnap_core.format.allocation import LiveAllocation
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME
 from coldsnap_core.restore.hydrate import HydrationReport, hydrate
 from coldsnap_core.settings import LOCK_TIMEOUT_SECONDS
-from coldsnap_vllm.cumem import WEIGHTS_TAG, live_allocations, weights_segments
-from coldsnap_vllm.sleep_capture import SleepCapture, capture_for_sleep
+from coldsnap_vllm.cumem import WEIGHTS_TAG, WeightsSegment, live_allocations, map_writes, native_allocation_map, weights_segments
 from coldsnap_vllm.state import WorkerLoadState
 from coldsnap_vllm.state import current as published_state
 
@@ -47,6 +49,47 @@ except ImportError:  # vLLM absent or without the factory: the class still works
     _SleepModeBackendBase = object  # type: ignore[assignment,misc]
 
 _Weights = Literal["resident", "captured", "discarded", "needs_hydration"]
+
+
+@dataclass(frozen=True, slots=True)
+class SleepCapture(NativeCapture):
+    """What a level-1 sleep captured (:class:`~coldsnap_core.capture.sleep.NativeCapture`), with the weights
+    segments, by allocation index, that a wake maps again and fills."""
+
+    segments: tuple[WeightsSegment, ...] = ()
+
+
+def capture_for_sleep(
+    state: WorkerLoadState,
+    segments: Sequence[WeightsSegment],
+    backend: CopyBackend,
+    references: ReferenceDigests,
+    *,
+    capsule_dir: Path | None = None,
+) -> SleepCapture:
+    """Capture the live weights segments (sorted by address) into pack + sleep capsule; nothing is released.
+
+    ``references`` caches (keep one per loaded model); ``capsule_dir`` defaults to an unclaimed
+    :func:`~coldsnap_core.artifact.sleep_capsules.sleep_capsule_dir` (for tools and tests).
+
+    Raises:
+        ObserverError: a write straddles a segment end or writes overlap (nothing written); else see
+            :func:`~coldsnap_core.capture.sleep.capture_native`.
+    """
+    captured = capture_native(
+        native_allocation_map(segments),
+        live_allocations(segments),
+        backend,
+        map_writes(state.writes, segments).ranges,
+        references,
+        worker=state.worker,
+        model=state.model,
+        cache=PayloadCache(state.state_root, lock_timeout_seconds=state.lock_timeout_s),
+        capsule_dir=capsule_dir or sleep_capsule_dir(state.state_root, state.worker),
+        log=logger,
+    )
+    fields = {f.name: getattr(captured, f.name) for f in dataclasses.fields(captured)}
+    return SleepCapture(**fields, segments=tuple(segments))
 
 
 class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-type]

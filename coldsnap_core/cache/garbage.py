@@ -10,13 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coldsnap_core._io import remove_tree
-from coldsnap_core.cache.partials import (
-    DOWNLOAD_DIR_SUFFIX,
-    TEMP_SUFFIX,
-    list_folder,
-    tree_size,
-    writer_gone,
-)
+from coldsnap_core.cache.partials import DOWNLOAD_DIR_SUFFIX, TEMP_SUFFIX, list_folder, tree_size, writer_gone
 
 DEFAULT_GC_AGE_SECONDS = 3600.0
 """``coldsnap cache gc`` removes temporaries and quarantined objects older than this (1 hour)."""

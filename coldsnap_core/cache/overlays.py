@@ -58,39 +58,33 @@ def list_overlays(state_root: Path) -> list[OverlayListing]:
         return []
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafePathError("refusing a symbolic link or file where the overlays folder belongs", file=top)
-    listings = []
-    for path in sorted(p for p in top.glob("*/*/*") if not p.name.startswith(".")):
-        size = _folder_size(path)
-        try:
-            if not refuse_linked_folders(state_root, path):
-                continue
-            if (uid := _other_owner(path)) is not None:
-                reason = f"it belongs to uid {uid}, not {os.geteuid()}: only that user's coldsnap cache gc removes it"
-                listings.append(OverlayListing(path, "foreign", reason, None, size))
-                continue
-            descriptor = read_private_record(path / OVERLAY_FILENAME, OverlayDescriptor)
-        except (ColdsnapError, OSError) as exc:
-            listings.append(OverlayListing(path, "invalid", str(exc), None, size))
-            continue
-        try:
-            now = portable_descriptor_sha256(Path(descriptor.artifact_dir))
-        except MissingObjectError as exc:
-            listings.append(
-                OverlayListing(path, "stale", f"its portable {DESCRIPTOR_FILENAME} is gone ({exc.detail})", descriptor, size)
-            )
-            continue
-        except ColdsnapError as exc:
-            # Only a missing descriptor is gone: one that cannot be read now (EACCES, an NFS outage, EIO) may
-            # still be there, and removing its overlay would wipe every overlay of a node on a transient error.
-            listings.append(
-                OverlayListing(path, "unreadable", f"its portable {DESCRIPTOR_FILENAME} cannot be read ({exc})", descriptor, size)
-            )
-            continue
-        if now != descriptor.portable_descriptor_sha256:
-            listings.append(OverlayListing(path, "stale", f"its portable {DESCRIPTOR_FILENAME} changed", descriptor, size))
-        else:
-            listings.append(OverlayListing(path, "current", "bound to the portable artifact as it is", descriptor, size))
-    return listings
+    overlays = sorted(p for p in top.glob("*/*/*") if not p.name.startswith("."))
+    return [listing for path in overlays if (listing := _listing(state_root, path)) is not None]
+
+
+def _listing(state_root: Path, path: Path) -> OverlayListing | None:
+    """The listing of one overlay folder, or ``None`` where :func:`refuse_linked_folders` skips it."""
+    size = _folder_size(path)
+    try:
+        if not refuse_linked_folders(state_root, path):
+            return None
+        if (uid := _other_owner(path)) is not None:
+            reason = f"it belongs to uid {uid}, not {os.geteuid()}: only that user's coldsnap cache gc removes it"
+            return OverlayListing(path, "foreign", reason, None, size)
+        descriptor = read_private_record(path / OVERLAY_FILENAME, OverlayDescriptor)
+    except (ColdsnapError, OSError) as exc:
+        return OverlayListing(path, "invalid", str(exc), None, size)
+    try:
+        now = portable_descriptor_sha256(Path(descriptor.artifact_dir))
+    except MissingObjectError as exc:
+        return OverlayListing(path, "stale", f"its portable {DESCRIPTOR_FILENAME} is gone ({exc.detail})", descriptor, size)
+    except ColdsnapError as exc:
+        # Only a missing descriptor is gone: one that cannot be read now (EACCES, an NFS outage, EIO) may
+        # still be there, and removing its overlay would wipe every overlay of a node on a transient error.
+        return OverlayListing(path, "unreadable", f"its portable {DESCRIPTOR_FILENAME} cannot be read ({exc})", descriptor, size)
+    if now != descriptor.portable_descriptor_sha256:
+        return OverlayListing(path, "stale", f"its portable {DESCRIPTOR_FILENAME} changed", descriptor, size)
+    return OverlayListing(path, "current", "bound to the portable artifact as it is", descriptor, size)
 
 
 def gc_overlays(state_root: Path, *, dry_run: bool = False) -> tuple[list[OverlayListing], list[OverlayListing]]:

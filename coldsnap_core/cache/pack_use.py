@@ -219,12 +219,8 @@ def evict(
         if dry_run and pack.in_use:
             in_use.append(pack.digest)
             continue
-        if dry_run:
-            removed.append(pack)
-            gone.add(pack.digest)
-            continue
         try:
-            usage = _remove_if_present(cache, pack.digest, force=False)
+            usage = pack if dry_run else _remove_if_present(cache, pack.digest, force=False)
         except PackInUseError:
             in_use.append(pack.digest)
             continue

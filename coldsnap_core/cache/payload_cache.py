@@ -50,7 +50,6 @@ from coldsnap_core.errors import (
     MissingObjectError,
     PackDigestMismatchError,
     PackSizeMismatchError,
-    UnsafePathError,
     ValidationRecordError,
     size_mismatch,
 )
@@ -78,18 +77,6 @@ ProgressCallback = Callable[[int], object]
 """Called with a number of bytes processed since the previous call."""
 ExtentOwner = Callable[[PackEntry], tuple[int | None, int | None]]
 """Maps a stored pack entry to its destination (allocation index, offset in bytes) for messages."""
-
-
-def _refuse_non_directory(path: Path) -> bool:
-    """True if ``path`` is a real folder, False if absent; raises if it is a link or another type."""
-    st = lstat_or_none(path)
-    if st is None:
-        return False
-    if stat.S_ISLNK(st.st_mode):
-        raise UnsafePathError("refusing a symbolic link as a payload cache folder", file=path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise UnsafePathError("a payload cache folder path is not a folder", file=path)
-    return True
 
 
 QUARANTINED_REMEDY = (
@@ -166,10 +153,10 @@ class PayloadCache:
         try:
             self.state_root.mkdir(parents=True, exist_ok=True)
             for folder in self.folders():
-                if not _refuse_non_directory(folder):
+                if refuse_symlink(folder, folder=True) is None:
                     with contextlib.suppress(FileExistsError):
                         folder.mkdir(mode=0o700)
-                    _refuse_non_directory(folder)
+                    refuse_symlink(folder, folder=True)
         except OSError as exc:
             raise _os_error("cannot create the cache folders", exc, self.payloads_dir) from exc
 
@@ -178,7 +165,7 @@ class PayloadCache:
         ``sha256/`` exists."""
         if not self._check_state_root():
             return False
-        present = [_refuse_non_directory(folder) for folder in self.folders()]
+        present = [refuse_symlink(folder, folder=True) is not None for folder in self.folders()]
         return present[0] and present[1]
 
     def folders(self) -> tuple[Path, ...]:

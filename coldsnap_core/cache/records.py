@@ -226,12 +226,4 @@ def record_verified(cache: RecordHost, digest: str, verified: os.stat_result) ->
     return True
 
 
-__all__ = [
-    "RecordHost",
-    "ValidationRecord",
-    "identity",
-    "read_trusted_record",
-    "record_state",
-    "record_verified",
-    "write_record",
-]
+__all__ = ["RecordHost", "ValidationRecord", "identity", "read_trusted_record", "record_state", "record_verified", "write_record"]

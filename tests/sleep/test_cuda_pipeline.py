@@ -25,8 +25,7 @@ from coldsnap_core.format.allocation import LiveAllocation
 from coldsnap_core.format.manifest import ModelIdentity
 from coldsnap_core.restore.hydrate import hydrate, plan_hydration
 from coldsnap_vllm.cumem import live_allocations, weights_segments
-from coldsnap_vllm.sleep import ColdsnapSleepBackend
-from coldsnap_vllm.sleep_capture import SleepCapture, capture_for_sleep
+from coldsnap_vllm.sleep import ColdsnapSleepBackend, SleepCapture, capture_for_sleep
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -20,8 +20,7 @@ from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.errors import ObserverError
 from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity, WorkerIdentity
 from coldsnap_vllm.cumem import weights_segments
-from coldsnap_vllm.sleep import ColdsnapSleepBackend
-from coldsnap_vllm.sleep_capture import capture_for_sleep
+from coldsnap_vllm.sleep import ColdsnapSleepBackend, capture_for_sleep
 from coldsnap_vllm.state import ObservedModelWrite, WorkerLoadState
 
 WORKER = WorkerIdentity("worker", 0, 1, 0, 1)
