@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
 from coldsnap_core._io import HASH_CHUNK_BYTES, open_regular, os_error, sha256_file
 from coldsnap_core.digests import pack_relpath
@@ -302,9 +301,7 @@ def verify_pack_file(
     entries = layout.entries if layout is not None else ()
     bad_extent = next(((e, d) for e, d in zip(entries, read.extent_sha256, strict=True) if d != e.sha256), None)
     where = extent_owner(bad_extent[0]) if bad_extent is not None and extent_owner else (None, None)
-    if read.sha256 != pack.sha256:
-        _raise_corrupt_pack(path, pack, read, bad_extent, where)
-    _raise_wrong_manifest(path, read.bad_padding, bad_extent, where, path if manifest_file is None else manifest_file)
+    _raise_pack_error(path, pack, read, bad_extent, where, path if manifest_file is None else manifest_file)
 
 
 ADMIT_MAX_THREADS = 8
@@ -454,22 +451,33 @@ def _read_pack(path: Path, layout: PackLayout | None, chunk_bytes: int, progress
     return _PackRead(offset, file_hash.hexdigest(), first_bad, [h.hexdigest() for h in extent_hashes])
 
 
-def _raise_corrupt_pack(
+def _raise_pack_error(
     path: Path,
     pack: PackRef,
     read: _PackRead,
     bad_extent: tuple[PackEntry, str] | None,
     where: tuple[int | None, int | None],
-) -> NoReturn:
-    """The object is corrupt (its SHA-256 is not its name): raise the most precise error (:func:`verify_pack_file`)."""
-    if read.bad_padding is not None:
+    blame: str | os.PathLike[str],
+) -> None:
+    """The most precise error (:func:`verify_pack_file`): the object's when its SHA-256 is not its name, else the
+    manifest's (named by ``blame``), or none."""
+    corrupt = read.sha256 != pack.sha256
+    if read.bad_padding is not None and corrupt:
         raise NonZeroPaddingError(
             f"padding byte at pack offset {read.bad_padding} is not zero (padding runs from each extent's end to the next"
             " 4096-byte boundary)",
             file=path,
             offset_bytes=read.bad_padding,
         )
-    if bad_extent is not None:
+    if read.bad_padding is not None:
+        raise ManifestPaddingError(
+            f"the manifest's layout puts padding at pack offset {read.bad_padding}, but the pack {path} (whose SHA-256"
+            f" matches its name) holds a non-zero byte there: the manifest's extent sizes do not describe this pack;"
+            " the pack is intact and kept",
+            file=blame,
+            offset_bytes=read.bad_padding,
+        )
+    if bad_extent is not None and corrupt:
         entry, digest = bad_extent
         raise ExtentDigestMismatchError(
             f"the extent stored at pack offset {entry.offset_bytes} ({entry.size_bytes} bytes) has SHA-256 {digest},"
@@ -477,25 +485,6 @@ def _raise_corrupt_pack(
             file=path,
             allocation=where[0],
             offset_bytes=where[1],
-        )
-    raise PackDigestMismatchError(f"the pack's SHA-256 is {read.sha256}, its digest and path say {pack.sha256}", file=path)
-
-
-def _raise_wrong_manifest(
-    path: Path,
-    bad_padding: int | None,
-    bad_extent: tuple[PackEntry, str] | None,
-    where: tuple[int | None, int | None],
-    blame: str | os.PathLike[str],
-) -> None:
-    """The object holds exactly the bytes its name promises: any disagreement is the manifest's (``blame``)."""
-    if bad_padding is not None:
-        raise ManifestPaddingError(
-            f"the manifest's layout puts padding at pack offset {bad_padding}, but the pack {path} (whose SHA-256"
-            f" matches its name) holds a non-zero byte there: the manifest's extent sizes do not describe this pack;"
-            " the pack is intact and kept",
-            file=blame,
-            offset_bytes=bad_padding,
         )
     if bad_extent is not None:
         entry, digest = bad_extent
@@ -507,6 +496,8 @@ def _raise_wrong_manifest(
             allocation=where[0],
             offset_bytes=where[1],
         )
+    if corrupt:
+        raise PackDigestMismatchError(f"the pack's SHA-256 is {read.sha256}, its digest and path say {pack.sha256}", file=path)
 
 
 def check_pack_padding(path: str | os.PathLike[str], layout: PackLayout, runs: Iterable[tuple[int, int]] | None = None) -> None:
