@@ -195,11 +195,8 @@ def _check_config(recorded: ModelIdentity, loaded: LoadedModel, file: str | None
     differ with both values when both sides have their configuration (``ModelIdentity.config``)."""
     if recorded.config_sha256 == loaded.config_sha256:
         return
-    differences = (
-        config_differences(recorded.config, loaded.config_json)
-        if recorded.config is not msgspec.UNSET and loaded.config_json is not None
-        else []
-    )
+    both_known = recorded.config is not msgspec.UNSET and loaded.config_json is not None
+    differences = config_differences(recorded.config, loaded.config_json) if both_known else []
     if differences:
         what = "; ".join(differences)
     elif recorded.config_sha256 is None:
@@ -210,7 +207,7 @@ def _check_config(recorded: ModelIdentity, loaded: LoadedModel, file: str | None
         "start the engine with the model and flags the artifact was exported with (--hf-overrides, --dtype), or export"
         " the artifact again from this configuration"
     )
-    if recorded.config is not msgspec.UNSET and loaded.config_json is not None:
+    if both_known:
         dtypes = (json.loads(loaded.config_json).get("dtype"), json.loads(recorded.config).get("dtype"))
         if dtypes[0] != dtypes[1]:  # the commonest cause, named as the engine flag that fixes it
             remedy = f"start the engine with --dtype {dtypes[1]} (the exported dtype), or export again with --dtype {dtypes[0]}"
