@@ -18,16 +18,6 @@ COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
 _CACHE_PROBE_FILENAME = "config.json"
 
 
-def _resolved_by_api(repo_id: str, revision: str | None, cache_dir: str | os.PathLike[str] | None, repo_type: str) -> str:
-    """``HfApi.resolve_revision(..., local_files_only=True)`` (vLLM's ``ResolvedRevision`` as is); raises without one."""
-    import huggingface_hub
-
-    resolved = huggingface_hub.HfApi().resolve_revision(
-        repo_id, repo_type=repo_type, revision=revision, cache_dir=cache_dir, local_files_only=True
-    )
-    return resolved.resolved
-
-
 def _resolved_by_snapshot(
     repo_id: str, revision: str | None, cache_dir: str | os.PathLike[str] | None, repo_type: str
 ) -> str | None:
@@ -61,7 +51,12 @@ def resolve_hub_commit(
     resolution_error = getattr(hf_errors, "RevisionResolutionError", ValueError)
     try:
         if hasattr(huggingface_hub.HfApi, "resolve_revision"):
-            commit = _resolved_by_api(repo_id, revision, cache_dir, repo_type)
+            # the cache's refs/<revision> entry; vLLM's ResolvedRevision is returned as is
+            commit = (
+                huggingface_hub.HfApi()
+                .resolve_revision(repo_id, repo_type=repo_type, revision=revision, cache_dir=cache_dir, local_files_only=True)
+                .resolved
+            )
         else:
             commit = _resolved_by_snapshot(repo_id, revision, cache_dir, repo_type)
     except (resolution_error, ValueError, FileNotFoundError, NotADirectoryError) as exc:

@@ -53,11 +53,8 @@ def model_file_paths(folder: Path) -> list[Path]:
     try:
         with os.scandir(folder) as entries:
             for entry in entries:
-                if (
-                    entry.name.startswith(".")
-                    or entry.name.endswith((*WEIGHT_SUFFIXES, WEIGHT_INDEX_SUFFIX))
-                    or not entry.is_file()
-                ):  # follows links
+                weights = entry.name.endswith((*WEIGHT_SUFFIXES, WEIGHT_INDEX_SUFFIX))
+                if entry.name.startswith(".") or weights or not entry.is_file():  # is_file follows links
                     continue
                 if CAPSULE_FILE_NAME_RE.fullmatch(entry.name) is None:
                     left_out.append(f"{entry.name!r} (name outside [A-Za-z0-9._-]+)")
