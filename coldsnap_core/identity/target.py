@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from coldsnap_core._io import os_error
 from coldsnap_core._version import __version__
-from coldsnap_core.format.target import QUALIFYING_FIELDS, TargetIdentity, describe_differences
+from coldsnap_core.format.target import TargetIdentity, describe_differences
 
 if TYPE_CHECKING:
     import torch
@@ -115,13 +115,3 @@ def mismatch_detail(recorded: TargetIdentity, current: TargetIdentity) -> str | 
         f"the capsule's residual was captured on another target ({describe_differences(differences)}); its buffers"
         " were computed by that runtime and are not replayed here"
     )
-
-
-__all__ = [
-    "ENGINE_NONE",
-    "QUALIFYING_FIELDS",
-    "collect_target",
-    "engine_version",
-    "mismatch_detail",
-    "nvidia_driver_version",
-]
