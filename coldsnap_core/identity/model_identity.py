@@ -285,8 +285,6 @@ def _check_checkpoint_file(
             file=path,
         )
     if digest is None and checkpoint.fingerprint_sha256 is not None:
-        # No full hash known on this node: the sampled fingerprint (docs/format.md §10.2) is what
-        # tells two checkpoints with the same names and sizes apart (two fine-tunes of one base).
         fingerprint = checkpoint_fingerprint(path)
         if fingerprint != checkpoint.fingerprint_sha256:
             raise ModelIdentityMismatchError(
