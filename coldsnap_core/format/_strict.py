@@ -1,39 +1,20 @@
 """The one codec of coldsnap's JSON documents: each is declared once, and its bytes and its strict reading follow.
 
-A document type is a frozen :class:`msgspec.Struct` (:class:`Document`; its objects :class:`Record`): the field
-types and :class:`msgspec.Meta` constraints (:data:`Offset`, :data:`Count`, :data:`Text`, :data:`Sha256`,
-:func:`matching`) say what each value may be, and each type's ``__post_init__`` holds its rules across fields
-(sorted unique names, ranks below sizes, the capture point's addresses, ...); a ``__post_init__`` runs when
-a document is read and when one is built, so the writer cannot build what the reader refuses.
-
-**Writing** (:func:`dump_document`): the bytes are exactly ``json.dumps(document, indent=2, sort_keys=True,
-ensure_ascii=False) + "\\n"`` (``docs/format.md`` §4), written by msgspec's encoder with sorted fields and
-reformatted with a two-space indent (``msgspec.json.format``).
-
-**Reading** (:func:`load_document`): msgspec decodes the bytes into the declared type, refusing what is not
-JSON (``NaN``/``Infinity`` and lone surrogates included), unknown and missing fields, wrong types (``true``/
-``false`` and ``1.0`` are not integers), values outside their constraints and the ``__post_init__`` rules. Two
-things msgspec lets through: an object that repeats a key (it keeps the last; JSON leaves the meaning open, so two
-readers could disagree) and an absent field that has a default in Python. Both are excluded by one comparison: a
-document is accepted at once only when it is byte for byte what :func:`dump_document` writes for what was read,
-which every document coldsnap writes is (SmolLM2-135M's two manifests: about 1.5 ms for the comparison). Anything
-else (another spelling of valid JSON, or a refusal) is read again with Python's ``json`` module, which refuses a
-repeated key, invalid UTF-8, a byte-order mark, a lone surrogate escape and nesting deeper than its recursion
-limit; then the header is checked, then msgspec's refusal is raised as the class below, naming the JSON path
-(``model_extents[3].offset_bytes``) and the file; a valid document is then refused only if it lacks a key the
-writer writes or holds one the writer leaves out (the data parallel fields of a worker without data parallel).
-
-Error classes (``coldsnap_core.errors``, all exit code 2): :class:`ManifestParseError` (not JSON),
-:class:`ManifestSchemaError` (missing, unknown, repeated or mistyped key; wrong document kind),
-:class:`UnsupportedFormatVersionError` (``format_version`` is not the document's version, checked before any
-other field), :class:`ManifestValueError` (a value out of range or of the wrong form; a rule across fields).
+A document type is a frozen :class:`msgspec.Struct` (:class:`Document`; its objects :class:`Record`): field types and
+:class:`msgspec.Meta` constraints say what each value may be, and each ``__post_init__`` holds the rules across fields
+(it runs on read and on build, so the writer cannot build what the reader refuses). Bytes: ``docs/format.md`` §4.
+Reading (:func:`load_document`): msgspec decodes; a document is accepted at once only when it is byte for byte what
+:func:`dump_document` writes for it. Anything else is read again with Python's ``json`` (refusing repeated keys, invalid
+UTF-8, a byte-order mark, lone surrogates, deep nesting), the header is checked, msgspec's refusal is raised naming the
+JSON path and the file, and a valid document is refused only if it lacks a key the writer writes or holds one it leaves
+out. Error classes and rules: ``docs/format.md`` §4 (``ManifestParseError``, ``ManifestSchemaError``,
+``UnsupportedFormatVersionError``, ``ManifestValueError``).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -76,23 +57,17 @@ Sha256 = matching(SHA256_HEX_RE.pattern)
 """A SHA-256 digest: 64 lowercase hexadecimal characters."""
 
 MAX_DESCRIPTOR_BYTES = 8 << 20
-"""The largest ``artifact.json`` coldsnap reads (8 MiB; ``docs/format.md`` §4). It is the one document no
-pin bounds (manifests are read only at the size ``artifact.json`` pins), and Python's JSON parser needs about
-30 times a document's size in memory, so the cap bounds what a hostile descriptor costs each reader and rank
-(about 250 MiB). A descriptor takes under 1 KiB per worker: 8 MiB fits about 10,000 workers."""
+"""The largest ``artifact.json`` coldsnap reads (8 MiB, about 10,000 workers; ``docs/format.md`` §4)."""
 
 MAX_DOCUMENT_BYTES = 256 << 20
-"""The largest JSON document coldsnap reads (256 MiB; ``docs/format.md`` §4). A manifest takes a few
-hundred bytes per tensor and extent (SmolLM2-135M: about 200 KiB), so this leaves room for models with
-hundreds of thousands of tensors while bounding what a hostile file can make a reader allocate."""
+"""The largest JSON document coldsnap reads (256 MiB; ``docs/format.md`` §4)."""
 
 
 _ENCODER = msgspec.json.Encoder(order="sorted")
 
 
 class Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A JSON object of a document: frozen, every field required in the JSON (a Python default is never an
-    omission there), no other key accepted."""
+    """A JSON object of a document: frozen, every field required in the JSON, no other key accepted."""
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object this record is written as (keys as written, lists for tuples)."""
@@ -100,8 +75,7 @@ class Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Document(Record, kw_only=True, tag_field="format"):
-    """A document: a :class:`Record` whose ``format`` key is its kind (the class's ``tag``) and whose
-    ``format_version`` is its version (:data:`FORMAT_VERSION` unless a subclass declares another)."""
+    """A :class:`Record` whose ``format`` key is its kind (the class's ``tag``) and ``format_version`` its version."""
 
     format_version: Literal[9] = FORMAT_VERSION
 
@@ -126,8 +100,7 @@ D = TypeVar("D", bound=Record)
 
 
 def dump_document(document: Any) -> bytes:
-    """The bytes of a document: exactly ``json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False) + "\\n"``
-    (``docs/format.md`` §4) for a :class:`Record` or plain JSON without floats."""
+    """The bytes of a :class:`Record` or plain JSON without floats (``docs/format.md`` §4)."""
     return msgspec.json.format(_ENCODER.encode(document), indent=2) + b"\n"
 
 
@@ -140,10 +113,7 @@ def load_document(kind: type[D], data: str | bytes, *, file: str | None = None) 
     """Parse one document of type ``kind`` strictly (the module docstring says how).
 
     Raises:
-        ManifestParseError: not UTF-8 JSON (``NaN``, ``Infinity`` and lone surrogates included), or nested too deeply.
-        ManifestSchemaError: a repeated, missing, unknown or mistyped key, or another document kind.
-        UnsupportedFormatVersionError: another ``format_version``.
-        ManifestValueError: a value out of its range or form, or a rule across fields.
+        ManifestError: its four subclasses, as ``docs/format.md`` §4 lists them.
     """
     data = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
     try:
@@ -165,25 +135,13 @@ def load_document(kind: type[D], data: str | bytes, *, file: str | None = None) 
 
 
 def read_document(path: str | Path, kind: type[D], *, max_bytes: int | None = None) -> D:
-    """Read and strictly parse the document of type ``kind`` at ``path``.
-
-    Raises:
-        MissingObjectError: the file does not exist.
-        NotRegularFileError / FileAccessError: a folder at ``path``, or it cannot be read.
-        ManifestError: any parse or schema failure (:func:`load_document`).
-    """
+    """Read (:func:`read_document_bytes`) and strictly parse (:func:`load_document`) the document at ``path``."""
     path = Path(path)
     return load_document(kind, read_document_bytes(path, max_bytes=max_bytes), file=str(path))
 
 
 def _parse_plain(data: bytes, file: str | None) -> Any:
-    """``data`` parsed by Python's ``json`` module, refusing what msgspec does not (or names less well).
-
-    Raises:
-        ManifestParseError: a byte-order mark, invalid UTF-8, not JSON, ``NaN``/``Infinity``, nesting deeper
-            than the recursion limit, or a lone surrogate escape.
-        ManifestSchemaError: an object repeats a key.
-    """
+    """``data`` parsed by Python's ``json`` module, refusing what msgspec does not (or names less well)."""
     if data.startswith(b"\xef\xbb\xbf"):
         raise ManifestParseError("not UTF-8 JSON: it starts with a byte-order mark", file=file)
     try:
@@ -192,9 +150,9 @@ def _parse_plain(data: bytes, file: str | None) -> Any:
     except UnicodeDecodeError as exc:
         raise ManifestParseError(f"not UTF-8 JSON: {exc}", file=file) from None
     try:
-        raw = json.loads(text, object_pairs_hook=_refuse_duplicate_keys, parse_constant=_refuse_constant)
-    except _DuplicateKey as exc:
-        raise ManifestSchemaError(f"an object repeats the key {exc.key!r}", file=file) from exc
+        raw = json.loads(
+            text, object_pairs_hook=functools.partial(_refuse_duplicate_keys, file=file), parse_constant=_refuse_constant
+        )
     except (ValueError, RecursionError) as exc:
         raise ManifestParseError(f"not valid JSON: {exc}", file=file) from exc
     if _SURROGATE_ESCAPE.search(text):  # only then can a string hold a lone surrogate (not Unicode, not UTF-8)
@@ -279,9 +237,8 @@ def _value_at(raw: Any, path: str) -> Any:
 
 
 def _spelling_error(written: Any, raw: Any, path: str, file: str | None) -> ManifestSchemaError | None:
-    """Where the JSON value ``raw`` of a valid document differs from what :func:`dump_document` writes for it
-    (``written``): a key it writes that ``raw`` lacks (a field with a Python default), or a key ``raw`` holds that
-    it leaves out (``docs/format.md`` §4.3's data parallel fields); ``None`` when there is neither."""
+    """A key :func:`dump_document` writes (``written``) that ``raw`` lacks, or one ``raw`` holds that it leaves out
+    (``docs/format.md`` §4.3's data parallel fields); ``None`` when there is neither."""
     if isinstance(written, dict):
         at = f"{path}." if path else ""
         missing = [key for key in written if key not in raw]
@@ -302,19 +259,13 @@ def _spelling_error(written: Any, raw: Any, path: str, file: str | None) -> Mani
     return None
 
 
-class _DuplicateKey(ValueError):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]], file: str | None) -> dict[str, Any]:
     obj = dict(pairs)  # built in C; a repeated key is the only way the dict ends up shorter than the pairs
     if len(obj) != len(pairs):
         seen: set[str] = set()
         for key, _ in pairs:  # only on the error path: name the first key that repeats
             if key in seen:
-                raise _DuplicateKey(key)
+                raise ManifestSchemaError(f"an object repeats the key {key!r}", file=file)
             seen.add(key)
     return obj
 
@@ -328,8 +279,7 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def _refuse_lone_surrogates(value: Any, file: str | None) -> None:
-    """Raise ``ManifestParseError`` when a key or string of ``value`` holds a lone surrogate, which no UTF-8
-    writer can write back (``inspect`` crashed on one with ``UnicodeEncodeError``)."""
+    """Raise ``ManifestParseError`` when a key or string of ``value`` holds a lone surrogate (not writable as UTF-8)."""
     stack = [value]
     while stack:
         item = stack.pop()
@@ -348,23 +298,12 @@ def _refuse_lone_surrogates(value: Any, file: str | None) -> None:
 
 
 def read_document_bytes(path: Path, *, check_size: Callable[[int], None] | None = None, max_bytes: int | None = None) -> bytes:
-    """The bytes of a document file, read through one descriptor that is checked before any read.
-
-    The file is opened by :func:`coldsnap_core._io.open_regular` (following a symbolic link, never
-    blocking: a named pipe, device or socket is refused on the opened descriptor), and its size is
-    checked (``check_size``, then :data:`MAX_DOCUMENT_BYTES`) before anything is read; at most that many
-    bytes plus one are read.
-
-    Args:
-        path: the document.
-        check_size: called with the file's size in bytes before it is read (for a pinned manifest:
-            raise if it is not the pinned size).
+    """The bytes of a document file, through one descriptor (:func:`coldsnap_core._io.open_regular`, links followed)
+    whose size is checked before any read: ``check_size(size)`` (a pinned manifest's), then ``max_bytes``.
 
     Raises:
-        MissingObjectError: the file does not exist.
-        NotRegularFileError: a folder, named pipe, device or socket at ``path`` (rule ``regular-file``).
-        FileAccessError: it cannot be opened or read (:func:`coldsnap_core._io.os_error`).
-        ManifestParseError: it is larger than :data:`MAX_DOCUMENT_BYTES`.
+        MissingObjectError, NotRegularFileError, FileAccessError: as :func:`~coldsnap_core._io.open_regular` says.
+        ManifestParseError: it is larger than ``max_bytes`` or :data:`MAX_DOCUMENT_BYTES`.
     """
     with open_regular(path, "document", follow_links=True) as (fd, st):
         if check_size is not None:
@@ -375,15 +314,8 @@ def read_document_bytes(path: Path, *, check_size: Callable[[int], None] | None 
                 f"document is {st.st_size} bytes, more than the {cap} bytes a coldsnap document of its kind may have",
                 file=path,
             )
-        limit = st.st_size + 1
-        chunks = []
         try:
-            while limit > 0:
-                chunk = os.read(fd, min(limit, 8 << 20))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                limit -= len(chunk)
+            with open(fd, "rb", closefd=False) as f:
+                return f.read(st.st_size + 1)
         except OSError as exc:
             raise os_error("document cannot be read", exc, path) from exc
-        return b"".join(chunks)

@@ -1,16 +1,8 @@
 """The allocation map: which weight allocations a capture preserved and what tensors live in them.
 
-An *allocation* is one contiguous byte range that a worker owns for its weights:
-
-* portable capture point: one parameter or buffer storage (``torch.UntypedStorage``) of the model,
-  enumerated in a deterministic order (``docs/format.md`` §6.1);
-* native capture point: one CuMem "weights" segment at its captured virtual address
-  (vLLM ``device_allocator/cumem.py``, ``CuMemAllocator.pointer_to_data``; ``docs/format.md`` §6.2).
-
-Every byte of every allocation is covered by exactly one model extent or one residual extent
-(:mod:`coldsnap_core.format.extents`). The *layout fingerprint* identifies the layout without the
-addresses, so the same model built again (in another process, on another node) has the same
-fingerprint, and a different model, dtype or layer count has another one.
+An *allocation* is one parameter or buffer storage (portable capture point, ``docs/format.md`` §6.1) or one CuMem
+"weights" segment at its captured virtual address (native, §6.2; vLLM ``device_allocator/cumem.py``). Fields: §4.5;
+the layout fingerprint: §4.4.
 """
 
 from __future__ import annotations
@@ -55,14 +47,7 @@ _LAYOUT_FINGERPRINT_DOMAIN = b"coldsnap-layout-v1\n"
 
 
 class TensorPlacement(Record):
-    """One tensor (a parameter, a buffer, or an alias of one) hosted by an allocation.
-
-    Attributes:
-        name: the tensor's qualified name in the model (``model.layers.0.mlp.down_proj.weight``).
-        dtype: torch dtype name without the ``torch.`` prefix (a key of :data:`DTYPE_ITEMSIZE_BYTES`).
-        shape: the tensor's shape, in elements.
-        stride: the tensor's strides, in elements (as ``torch.Tensor.stride()``), as many as ``shape``.
-        offset_bytes: byte offset of element 0 within the allocation.
+    """One tensor hosted by an allocation: ``shape`` and ``stride`` in elements, ``offset_bytes`` of element 0.
 
     Raises:
         ManifestValueError: an unknown dtype, or a stride of another rank than the shape.
@@ -92,16 +77,7 @@ class TensorPlacement(Record):
 
 
 class Allocation(Record):
-    """One preserved weight allocation.
-
-    Attributes:
-        index: position in the allocation map (0, 1, 2, ... in enumeration order).
-        size_bytes: size of the allocation in bytes (the storage's ``nbytes``, or the CuMem
-            segment's aligned size ``handle[1]``).
-        tag: ``parameter`` or ``buffer`` (portable) or the CuMem tag, ``weights`` (native).
-        address: the captured virtual address (native capture point), or ``None`` (portable: host
-            addresses are meaningless across processes).
-        tensors: the tensors whose storage is this allocation, in enumeration order.
+    """One preserved weight allocation (``docs/format.md`` §4.5; ``address`` is ``None`` at the portable capture point).
 
     Raises:
         ManifestValueError: a tensor reaches beyond ``size_bytes``.
@@ -123,11 +99,8 @@ class Allocation(Record):
 
 
 def canonical_layout_json(allocations: tuple[Allocation, ...]) -> str:
-    """The text the layout fingerprint hashes (``docs/format.md`` §4.4): exactly
-    ``json.dumps(canonical, sort_keys=True, separators=(",", ":"))`` (ASCII, escapes as ``json`` writes
-    them) of ``[{"index", "size_bytes", "tag", "tensors": [TensorPlacement.to_json(), ...]}, ...]``,
-    written directly (half the time of building the dictionaries and sorting their keys). Every number
-    is a Python ``int``, as the strict parser and the enumeration make them."""
+    """The text the layout fingerprint hashes (``docs/format.md`` §4.4), written directly: exactly what ``json.dumps``
+    with sorted keys, ``(",", ":")`` separators and ASCII escapes writes for it."""
     quote = json.encoder.encode_basestring_ascii  # what json.dumps uses with ensure_ascii=True
     parts = []
     for allocation in allocations:
@@ -147,8 +120,6 @@ def canonical_layout_json(allocations: tuple[Allocation, ...]) -> str:
 
 class AllocationMap(tuple[Allocation, ...]):
     """The ordered allocations of one worker: a tuple whose item ``i`` has index ``i``.
-
-    A manifest's ``allocations`` field is read as a tuple and held as this type (its ``__post_init__``).
 
     Raises:
         ManifestValueError: an allocation's index is not its position.
@@ -171,12 +142,8 @@ class AllocationMap(tuple[Allocation, ...]):
         return sum(a.size_bytes for a in self)
 
     def layout_fingerprint(self) -> str:
-        """SHA-256 (hex) of the canonical layout: every field except the addresses.
-
-        Two captures of the same model built the same way have the same fingerprint in any process
-        or on any node; a different dtype, shape, tensor name, tensor order, allocation size or
-        tag changes it. Computed once per map (a map is immutable).
-        """
+        """SHA-256 (hex) of the canonical layout, every field except the addresses (``docs/format.md`` §4.4); computed
+        once per map."""
         return self._fingerprint
 
     @functools.cached_property
@@ -187,14 +154,8 @@ class AllocationMap(tuple[Allocation, ...]):
 
 @dataclass(frozen=True, slots=True)
 class LiveAllocation:
-    """A weight allocation of the running process, as a copy backend sees it
-    (:mod:`coldsnap_core.copy.base`): where allocation ``index`` of the allocation map lives now.
-
-    Attributes:
-        index: the allocation's index in the allocation map.
-        address: the allocation's base address (host pointer or CUDA virtual address).
-        size_bytes: the allocation's size in bytes.
-    """
+    """Where allocation ``index`` of the allocation map lives now (host pointer or CUDA virtual address), as a copy
+    backend sees it."""
 
     index: int
     address: int

@@ -1,22 +1,7 @@
 """The one (name, size, SHA-256) reference type of the format documents.
 
-Five format types name a file by its name (or relative path), its size in bytes and the SHA-256 of
-its whole content; each is a :class:`ContentRef` that differs only in the JSON key of the name, the
-form the name must have and, for :class:`~coldsnap_core.format.manifest.CheckpointFile`, one extra
-field:
-
-==========================================================  ==========  ==========================  =====================
-type                                                        name key    where (``docs/format.md``)  name form
-==========================================================  ==========  ==========================  =====================
-:class:`~coldsnap_core.format.manifest.PackRef`             ``path``    §4 ``pack``                 any non-empty string
-:class:`~coldsnap_core.format.manifest.ResidualRef`         ``file``    §4 ``residual``             a capsule file name
-:class:`~coldsnap_core.format.descriptor.CapsuleFile`       ``name``    §5 ``capsule_files``        a capsule file name
-:class:`~coldsnap_core.format.manifest.CheckpointFile`      ``name``    §4 ``model.files``          a relative path
-:class:`~coldsnap_core.artifact.derived_cache.SeedMember`   ``path``    §17.2 ``members``           a seed member path
-==========================================================  ==========  ==========================  =====================
-
-A subclass declares its name field again: its JSON key (``msgspec.field(name=...)``) and its form. A file's
-size is compared with a reference's through :func:`coldsnap_core.errors.size_mismatch`.
+``PackRef``, ``ResidualRef``, ``CheckpointFile``, ``CapsuleFile`` and ``SeedMember`` are :class:`ContentRef`
+subclasses that declare the name field again: its JSON key (``msgspec.field(name=...)``) and its form.
 """
 
 from __future__ import annotations
@@ -29,13 +14,7 @@ R = TypeVar("R", bound="ContentRef")
 
 
 class ContentRef(Record):
-    """A file named by name, size and content.
-
-    Attributes:
-        name: the file's name or path relative to its folder (JSON key ``name`` unless a subclass renames it).
-        size_bytes: the file's size in bytes (0 to 2**63 - 1).
-        sha256: SHA-256 (64 lowercase hexadecimal characters) of the whole file.
-    """
+    """A file named by its name or path relative to its folder, its size in bytes and the SHA-256 of its content."""
 
     name: Text
     size_bytes: Offset

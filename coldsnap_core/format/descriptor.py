@@ -1,23 +1,5 @@
-"""The artifact descriptor (``artifact.json``): every worker of an artifact and its payload digest.
-
-An artifact folder looks like::
-
-    artifact.json                      ArtifactDescriptor
-    workers/worker-0-of-2/             unit capsule of rank 0 (see coldsnap_core.format.manifest)
-    workers/worker-1-of-2/             unit capsule of rank 1
-    workers/worker-0-of-1-dp-1-of-2/   (data parallel) the capsule of replica 1's rank 0
-
-    model/                             the model's non-weight files (config.json, tokenizer files, ...), pinned in
-                                       artifact.json's ``model_files``
-
-The packs themselves are not in the artifact: each worker entry names its payload by digest, and
-the object lives at ``<state-root>/model-payloads/sha256/<digest>.pack`` (or in a payload store).
-Several workers may name the same digest; publication uploads it once (``docs/format.md`` §5 and §12).
-
-``artifact.json`` is the root of trust of an artifact: each worker entry pins the SHA-256 and size
-of every file of its capsule (both manifests and the residual blob), so a capsule edited in any
-byte, even consistently with itself, is refused before it is used. It is distributed like any other
-configuration; signing it is out of scope.
+"""The artifact descriptor (``artifact.json``): every worker of an artifact, its payload digest and the pins of its
+capsule files, the artifact's root of trust (``docs/format.md`` §5); and a store's artifact reference (§12.9).
 """
 
 from __future__ import annotations
@@ -52,23 +34,13 @@ CapsuleFolder = matching(rf"workers/{CAPSULE_NAME_RE.pattern}")
 
 
 class CapsuleFile(ContentRef):
-    """The pin of one file of a unit capsule, recorded in ``artifact.json`` (a
-    :class:`~coldsnap_core.format.content_ref.ContentRef`; JSON keys ``name``, ``size_bytes``, ``sha256``).
-
-    Attributes:
-        name: the file name within the capsule folder (``native-manifest.json``,
-            ``recovery-manifest.json``, ``target.json``, or the residual blob's ``residual.file``,
-            ``weights.blob``).
-        size_bytes: the file's size in bytes.
-        sha256: SHA-256 (lowercase hex) of the whole file.
-    """
+    """The pin of one capsule file (or model file) in ``artifact.json``, by its file name."""
 
     name: CapsuleFileName
 
 
 def check_capsule_file_names(pins: tuple[CapsuleFile, ...]) -> None:
-    """The pins of a capsule are its four files (both manifests, ``target.json`` and the residual
-    blob), each once, sorted by name (``docs/format.md`` §5 and §15.3).
+    """The pins of a capsule are its four files, and a seed's two or none, each once, sorted (``docs/format.md`` §5, §17).
 
     Raises:
         ManifestValueError: any other list.
@@ -86,15 +58,7 @@ def check_capsule_file_names(pins: tuple[CapsuleFile, ...]) -> None:
 
 
 class WorkerEntry(Record):
-    """One worker of an artifact.
-
-    Attributes:
-        worker: the worker's identity.
-        capsule: the capsule folder, relative to the artifact folder (``workers/<capsule_name>``).
-        payload: the worker's pack (digest, size, derived path).
-        capsule_files: the pins of the capsule's four files, sorted by name: both manifests,
-            ``target.json`` and the residual blob (its ``sha256`` and ``size_bytes`` equal the native
-            manifest's ``residual``).
+    """One worker of an artifact (``docs/format.md`` §5).
 
     Raises:
         ManifestValueError: ``capsule`` is not the worker's capsule folder, or the pins are not the capsule's files
@@ -117,14 +81,7 @@ class WorkerEntry(Record):
 
 
 class ArtifactDescriptor(Document, tag=ARTIFACT_KIND):
-    """``artifact.json``: the model identity and the worker list, sorted by (role, data parallel rank, rank).
-
-    Attributes:
-        model: the pinned model identity shared by every worker.
-        workers: one entry per worker that has captured, at least one.
-        model_files: the pins of the model's non-weight files the capture copied to ``model/<name>`` (the engine's
-            ``config.json``, tokenizer files, ...; ``docs/format.md`` §5), sorted by name; written only when there is
-            at least one (``msgspec.UNSET``: absent, and the document's bytes are those of one without the field).
+    """``artifact.json`` (``docs/format.md`` §5); ``model_files`` is ``msgspec.UNSET`` (not written) when there is none.
 
     Raises:
         ManifestValueError: no worker, two entries of one worker, entries out of order, or of several worlds;
@@ -160,10 +117,8 @@ class ArtifactDescriptor(Document, tag=ARTIFACT_KIND):
             )
 
     def with_worker(self, entry: WorkerEntry) -> ArtifactDescriptor:
-        """A copy with ``entry`` added, replacing any entry of the same worker (role, data parallel rank,
-        rank) and dropping every entry of another world (world size or data parallel size: a capture of
-        another world starts another world; the old world's capsules cannot be restored next to the
-        new one's)."""
+        """A copy with ``entry`` added, replacing any entry of the same worker and dropping every entry of another
+        world (world size or data parallel size: the old world's capsules cannot be restored next to the new one's)."""
         key = entry.worker.sort_key
         kept = [w for w in self.workers if w.worker.sort_key != key and w.worker.world == entry.worker.world]
         workers = sorted([*kept, entry], key=lambda w: w.worker.sort_key)
@@ -192,13 +147,7 @@ ARTIFACT_REF_KIND = "coldsnap.artifact-ref"
 
 
 class ArtifactReference(Document, tag=ARTIFACT_REF_KIND):
-    """``refs/<name>.json`` in a payload store: the artifact a name designates, written after every file it names
-    (``docs/format.md`` §12.9).
-
-    Attributes:
-        artifact_sha256: the SHA-256 of the artifact's ``artifact.json``.
-        size_bytes: the size of that ``artifact.json``.
-    """
+    """``refs/<name>.json`` in a payload store: the SHA-256 and size of an ``artifact.json`` (``docs/format.md`` §12.9)."""
 
     MAX_BYTES = 4096
 

@@ -1,13 +1,6 @@
-"""The two extent maps that together cover every preserved allocation byte exactly once.
-
-* :class:`ModelExtent`: a byte range that the loader wrote from the checkpoint and that still held
-  those bytes when the capture was taken. Its bytes are stored in ``model-weights.pack`` at
-  ``pack_offset_bytes`` (shared, content addressed).
-* :class:`ResidualExtent`: every other byte (buffers, vocabulary padding, bytes rewritten after
-  loading, allocator slack). Its bytes are stored in ``weights.blob`` at ``blob_offset_bytes``
-  (target specific, never shared).
-
-Source: ``docs/format.md`` §4.6 and §4.7.
+"""The two extent maps that together cover every preserved allocation byte exactly once: model extents (bytes the
+loader wrote from the checkpoint, stored in the pack) and residual extents (every other byte, stored in the worker's
+blob). Fields: ``docs/format.md`` §4.6 and §4.7.
 """
 
 from __future__ import annotations
@@ -17,24 +10,8 @@ from coldsnap_core.format._strict import MAX_OFFSET_BYTES, Count, Offset, Record
 
 
 class ExtentProvenance(Record):
-    """Where a model extent's bytes came from in the checkpoint (informational, never trusted).
-
-    The source is described as ``source_size_bytes`` bytes read from ``checkpoint_file`` in runs of
-    ``source_run_bytes`` bytes, the first starting at file offset ``source_offset_bytes`` and each
-    next one ``source_run_stride_bytes`` further. A contiguous source has
-    ``source_run_bytes == source_run_stride_bytes == source_size_bytes``; a row-parallel shard
-    (``narrow`` on dim 1) has one run per row.
-
-    Attributes:
-        checkpoint_file: the safetensors file name, relative to the checkpoint folder.
-        tensor_name: the tensor's name in that file's header (before any engine renaming).
-        source_offset_bytes: absolute file offset of the first source byte (header included).
-        source_size_bytes: number of source bytes the copy read.
-        source_run_bytes: length of each contiguous source run.
-        source_run_stride_bytes: distance between the starts of consecutive runs.
-        dtype_converted: whether the copy converted the dtype (then the destination bytes are a
-            function of the source bytes, not equal to them).
-    """
+    """Where a model extent's bytes came from in the checkpoint (informational, never trusted; ``docs/format.md``
+    §4.6): a row-parallel shard (``narrow`` on dim 1) is read in one run per row."""
 
     checkpoint_file: Text
     tensor_name: Text
@@ -46,17 +23,7 @@ class ExtentProvenance(Record):
 
 
 class ModelExtent(Record):
-    """A destination byte range filled from ``model-weights.pack``.
-
-    Attributes:
-        allocation_index: the allocation (index in the allocation map) the range lies in.
-        offset_bytes: start of the range within the allocation.
-        size_bytes: length of the range, > 0.
-        pack_offset_bytes: where the range's bytes start in the pack; a multiple of 4096.
-            Identical extents (same SHA-256 and size) share one ``pack_offset_bytes``.
-        sha256: SHA-256 (lowercase hex) of the range's bytes.
-        provenance: the checkpoint source of the bytes.
-    """
+    """A destination byte range filled from ``model-weights.pack`` at ``pack_offset_bytes``."""
 
     allocation_index: Offset
     offset_bytes: Offset
@@ -75,15 +42,7 @@ class ModelExtent(Record):
 
 
 class ResidualExtent(Record):
-    """A destination byte range filled from the worker's ``weights.blob``.
-
-    Attributes:
-        allocation_index: the allocation (index in the allocation map) the range lies in.
-        offset_bytes: start of the range within the allocation.
-        size_bytes: length of the range, > 0.
-        blob_offset_bytes: where the range's bytes start in the blob. Residual extents are stored
-            back to back, in map order, without padding.
-    """
+    """A destination byte range filled from the worker's ``weights.blob`` at ``blob_offset_bytes``."""
 
     allocation_index: Offset
     offset_bytes: Offset
@@ -100,6 +59,6 @@ class ResidualExtent(Record):
 
 
 def _check_end(start: int, size: int, what: str) -> None:
-    """Raises ValueError when a range's end does not fit a signed 64-bit offset."""
+    """Raises ManifestValueError when a range's end does not fit a signed 64-bit offset."""
     if start + size > MAX_OFFSET_BYTES:
         raise ManifestValueError(f"{what} = {start + size} overflows a signed 64-bit offset")

@@ -1,12 +1,6 @@
-"""Worker manifests: the native manifest and the recovery manifest of one unit capsule.
+"""Worker manifests: the native and the recovery manifest of one unit capsule (``workers/<capsule_name>/``).
 
-A worker's *unit capsule* is a folder in the artifact (``workers/<capsule_name>/``) holding::
-
-    weights.blob               residual bytes (ResidualRef)
-    native-manifest.json       NativeManifest: allocation map + model map + residual map
-    recovery-manifest.json     RecoveryManifest: residual map + pinned model identity
-
-Source: ``docs/format.md`` §4, which gives every field.
+``docs/format.md`` §4 gives every field of every type here.
 """
 
 from __future__ import annotations
@@ -34,18 +28,15 @@ RESIDUAL_FILENAME = "weights.blob"
 CapturePoint = Literal["portable", "native"]
 Role = matching("[a-z][a-z0-9_]*")
 CAPSULE_FILE_NAME_RE = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9._-]+")
-"""A file name inside a capsule folder (or the artifact's ``model/`` folder): ``[A-Za-z0-9._-]+``, not ``.`` or
-``..``."""
+"""A file name inside a capsule folder (or the artifact's ``model/`` folder)."""
 CapsuleFileName = matching(CAPSULE_FILE_NAME_RE.pattern)
 DataParallelSize = Annotated[int, msgspec.Meta(ge=2, le=MAX_OFFSET_BYTES)]
-"""A data parallel size as written: at least 2 (a size of 1 is written by omitting both fields)."""
+"""A data parallel size as written: at least 2 (a size of 1 is written by omitting both fields, §4.3)."""
 CAPSULE_NAME_RE = re.compile(
     r"(?P<role>[a-z][a-z0-9_]*)-(?P<rank>[0-9]+)-of-(?P<world_size>[0-9]+)"
     r"(?:-dp-(?P<data_parallel_rank>[0-9]+)-of-(?P<data_parallel_size>[0-9]+))?"
 )
-"""A capsule folder name (:attr:`WorkerIdentity.capsule_name`, ``docs/format.md`` §4.3):
-``<role>-<rank>-of-<world_size>``, with ``-dp-<data_parallel_rank>-of-<data_parallel_size>`` appended
-for a data parallel replica (size > 1)."""
+"""A capsule folder name (:attr:`WorkerIdentity.capsule_name`, ``docs/format.md`` §4.3)."""
 
 
 class _NoDataParallel(int):
@@ -59,19 +50,8 @@ _NO_DATA_PARALLEL = _NoDataParallel(0)
 
 
 class WorkerIdentity(Record, omit_defaults=True):
-    """Which execution worker a capsule belongs to (``docs/format.md`` §4.3).
-
-    Attributes:
-        role: ``worker`` for a vLLM/SGLang model worker (``driver`` and others are reserved).
-        rank: rank of the worker within its data parallel replica (``torch.distributed`` rank of
-            the tensor x pipeline parallel world; 0 when not distributed).
-        world_size: number of workers of one replica (tensor parallel x pipeline parallel).
-        tensor_parallel_rank: the worker's tensor parallel rank.
-        tensor_parallel_size: the tensor parallel size.
-        data_parallel_rank: which data parallel replica the worker serves (0 without data parallel).
-        data_parallel_size: the number of data parallel replicas (1 without data parallel). Both are
-            written to the documents only when this is greater than 1 (then both, rank 0 included), so an
-            artifact without data parallel has the same bytes it had before these fields existed.
+    """Which execution worker a capsule belongs to (``docs/format.md`` §4.3; the data parallel fields are written
+    only when ``data_parallel_size`` > 1).
 
     Raises:
         ManifestValueError: a rank is not below its size.
@@ -105,9 +85,7 @@ class WorkerIdentity(Record, omit_defaults=True):
 
     @property
     def capsule_name(self) -> str:
-        """The capsule folder name: ``<role>-<rank>-of-<world_size>`` (``worker-0-of-2``) without data
-        parallel, ``<role>-<rank>-of-<world_size>-dp-<data_parallel_rank>-of-<data_parallel_size>``
-        (``worker-0-of-1-dp-1-of-2``) for a replica of a data parallel deployment."""
+        """The capsule folder name (``worker-0-of-2``, ``worker-0-of-1-dp-1-of-2``; ``docs/format.md`` §4.3)."""
         name = f"{self.role}-{self.rank}-of-{self.world_size}"
         if self.data_parallel_size > 1:
             name += f"-dp-{self.data_parallel_rank}-of-{self.data_parallel_size}"
@@ -132,16 +110,7 @@ class WorkerIdentity(Record, omit_defaults=True):
 
 
 class PackRef(ContentRef):
-    """The worker's model payload: a content-addressed ``model-weights.pack`` (JSON keys ``sha256``,
-    ``size_bytes``, ``path``; a :class:`~coldsnap_core.format.content_ref.ContentRef` named by ``path``).
-
-    Attributes:
-        name: ``model-payloads/sha256/<sha256>.pack``, relative to a state root or store root (also
-            :attr:`path`). Always derived from ``sha256``; a manifest whose path disagrees is refused
-            before anything is read (:mod:`coldsnap_core.restore.staging`).
-        size_bytes: size of the pack file; a multiple of 4096 (0 for an empty pack).
-        sha256: SHA-256 (lowercase hex) of the whole pack file, padding included.
-    """
+    """The worker's model payload, named by ``path`` (``model-payloads/sha256/<sha256>.pack``, derived from ``sha256``)."""
 
     name: Text = msgspec.field(name="path")
 
@@ -156,14 +125,7 @@ class PackRef(ContentRef):
 
 
 class ResidualRef(ContentRef):
-    """The worker's residual blob, stored in its capsule (JSON keys ``file``, ``sha256``, ``size_bytes``;
-    a :class:`~coldsnap_core.format.content_ref.ContentRef` named by ``file``).
-
-    Attributes:
-        name: file name within the capsule folder (``weights.blob``; also :attr:`file`).
-        size_bytes: size of the blob; equal to the sum of the residual extents' sizes.
-        sha256: SHA-256 (lowercase hex) of the whole blob.
-    """
+    """The worker's residual blob, named by ``file`` within its capsule folder (``weights.blob``)."""
 
     name: CapsuleFileName = msgspec.field(name="file")
 
@@ -174,16 +136,8 @@ class ResidualRef(ContentRef):
 
 
 class CheckpointFile(ContentRef):
-    """One pinned checkpoint file of the recovery model identity (a
-    :class:`~coldsnap_core.format.content_ref.ContentRef` with a fingerprint).
-
-    Attributes:
-        name: file name relative to the checkpoint folder (``model-00001-of-00003.safetensors``).
-        size_bytes: the file's size.
-        sha256: SHA-256 (lowercase hex) of the whole file.
-        fingerprint_sha256: the file's content fingerprint (``docs/format.md`` §10.2: SHA-256 over its
-            size, its safetensors header and 16 sampled 128 KiB blocks), or ``None`` (JSON ``null``)
-            when the capture did not compute one (restore then accepts the file on name and size).
+    """One pinned checkpoint file of the model identity, with its content fingerprint (``docs/format.md`` §10.2) or
+    ``None`` (restore then accepts the file on name and size).
 
     Raises:
         ManifestValueError: the name is not relative to the checkpoint folder (:func:`checkpoint_name_problem`).
@@ -198,11 +152,7 @@ class CheckpointFile(ContentRef):
 
 
 def checkpoint_name_problem(name: str) -> str | None:
-    """Why ``name`` is not a checkpoint file name relative to its folder, or ``None`` if it is one.
-
-    A name is ``/``-separated components, none empty, ``.`` or ``..``; no leading ``/``, no
-    backslash and no NUL (so ``folder / name`` never leaves the folder on any reader).
-    """
+    """Why ``name`` is not a checkpoint file name relative to its folder (``docs/format.md`` §4), or ``None``."""
     if "\\" in name or "\x00" in name:
         return "contains a backslash or NUL"
     if name.startswith("/"):
@@ -213,24 +163,8 @@ def checkpoint_name_problem(name: str) -> str | None:
 
 
 class ModelIdentity(Record):
-    """The pinned model: what restore compares with the model the engine is loading, and what the
-    recovery loader falls back to.
-
-    Attributes:
-        source: Hugging Face repository id, or the local checkpoint folder's real path
-            (``os.path.realpath``; informational for a local folder: restore compares its content).
-        revision: the repository revision (commit), or ``None`` for a local folder.
-        files: every checkpoint file with its size and SHA-256, sorted by name, at least one, names
-            unique and relative to the checkpoint folder.
-        config_sha256: SHA-256 (lowercase hex) of the engine's effective model configuration
-            (:func:`coldsnap_core.identity.config_digest.model_config_sha256`: the Hugging Face config after
-            overrides, the dtype and the quantization method), or ``None`` when the capture ran
-            without an engine. It covers what changes buffer values but not shapes (a rotary base,
-            a rope scaling), which the layout fingerprint cannot see.
-        config: the canonical configuration JSON whose digest is ``config_sha256``
-            (:func:`coldsnap_core.identity.config_digest.canonical_model_config`), so a restore names the keys that
-            differ with both values; absent (:data:`msgspec.UNSET`, not written) in an artifact captured before it
-            was recorded or without an engine.
+    """The pinned model restore compares with the engine's and the recovery loader falls back to (``docs/format.md``
+    §4.2 ``model``; ``config`` is :data:`msgspec.UNSET` when not recorded).
 
     Raises:
         ManifestValueError: ``files`` is empty, unsorted or names a file twice; ``config`` is not ASCII or its digest
@@ -257,21 +191,7 @@ class ModelIdentity(Record):
 
 
 class NativeManifest(Document, tag=NATIVE_MANIFEST_KIND):
-    """The allocation map plus the independent model and residual extent maps of one worker.
-
-    It binds every pack offset and blob offset to an allocation byte range (and, at the native
-    capture point, to the captured virtual address of the allocation).
-
-    Attributes:
-        capture_point: ``portable`` (parameter storages at the end of ``load_weights``) or
-            ``native`` (CuMem "weights" segments at the first level-1 sleep).
-        worker: the worker this capsule belongs to.
-        layout_fingerprint: :meth:`AllocationMap.layout_fingerprint` of ``allocations``.
-        pack: the shared model payload.
-        residual: this worker's residual blob.
-        allocations: the preserved allocations (an :class:`AllocationMap`; read as a tuple).
-        model_extents: ranges filled from the pack, sorted by (allocation_index, offset_bytes).
-        residual_extents: ranges filled from the blob, sorted by (allocation_index, offset_bytes).
+    """The allocation map plus the model and residual extent maps of one worker (``docs/format.md`` §4.1).
 
     Raises:
         ManifestValueError: an allocation's index is not its position, or an address does not fit the capture point
@@ -307,16 +227,7 @@ class NativeManifest(Document, tag=NATIVE_MANIFEST_KIND):
 
 
 class RecoveryManifest(Document, tag=RECOVERY_MANIFEST_KIND):
-    """The residual map plus the pinned model identity used by the recovery-loader fallback.
-
-    Attributes:
-        worker: the worker this capsule belongs to.
-        layout_fingerprint: fingerprint of ``allocations`` (equal to the native manifest's).
-        model: the pinned checkpoint the recovery loader reads model bytes from.
-        residual: this worker's residual blob (the same blob as the native manifest's).
-        allocations: the preserved allocations (an :class:`AllocationMap`; read as a tuple).
-        residual_extents: the same residual map as the native manifest's.
-    """
+    """The residual map plus the pinned model identity the recovery loader falls back to (``docs/format.md`` §4.2)."""
 
     worker: WorkerIdentity
     layout_fingerprint: Sha256

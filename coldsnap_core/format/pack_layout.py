@@ -1,18 +1,5 @@
-"""The canonical byte layout of ``model-weights.pack``.
-
-Rules (``docs/format.md`` §2, "The pack"):
-
-1. The pack stores each distinct extent content once. Two extents are the same content when their
-   SHA-256 and size are equal; every destination holding that content references one stored copy.
-2. Stored contents are ordered by ``(sha256 hex string, size_bytes)`` ascending, so neither the
-   allocation order nor the addresses can change the pack.
-3. The first stored content starts at offset 0; each next one starts at the first multiple of
-   :data:`PACK_ALIGNMENT_BYTES` (4096) at or after the end of the previous one.
-4. Every byte between stored contents is zero (padding).
-5. End-of-file rule: the file ends at the end of the last stored content rounded up to a multiple of
-   4096, the tail padded with zeros; an empty pack (no model extents) is a 0-byte file.
-
-So the pack's SHA-256 is a function of the *set* of model extent contents alone.
+"""The canonical byte layout of ``model-weights.pack`` (``docs/format.md`` §2, rules 1-5): each distinct
+``(sha256, size_bytes)`` content once, in that order, 4096-aligned, zero-padded to a 4096 multiple.
 """
 
 from __future__ import annotations
@@ -31,13 +18,7 @@ def align_up(value: int, alignment: int = PACK_ALIGNMENT_BYTES) -> int:
 
 @dataclass(frozen=True, slots=True, order=True)
 class PackEntry:
-    """One stored content of a pack.
-
-    Attributes:
-        sha256: SHA-256 (lowercase hex) of the content.
-        size_bytes: length of the content, > 0.
-        offset_bytes: where it starts in the pack; a multiple of 4096.
-    """
+    """One stored content of a pack: its SHA-256, its size (> 0) and its offset (a multiple of 4096)."""
 
     sha256: str
     size_bytes: int
@@ -50,11 +31,7 @@ class PackEntry:
 
 @dataclass(frozen=True, slots=True)
 class PackLayout:
-    """Where every distinct content goes in a pack, and the pack's size.
-
-    Build one with :meth:`plan` (from contents) and compare with what a manifest claims with
-    :meth:`entry_for`.
-    """
+    """Where every distinct content goes in a pack, and the pack's size (build one with :meth:`plan`)."""
 
     entries: tuple[PackEntry, ...]
     size_bytes: int

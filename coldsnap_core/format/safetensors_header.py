@@ -1,10 +1,7 @@
-"""Where each tensor's bytes sit in a safetensors file (the library does not expose offsets).
+"""Where each tensor's bytes sit in a safetensors file, for extent provenance (the library does not expose offsets).
 
-A safetensors file is an 8-byte little-endian header length ``N``, ``N`` bytes of JSON
-``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, then the data;
-a tensor's bytes are at file offsets ``[8 + N + begin, 8 + N + end)``
-(huggingface/safetensors ``README.md``, "Format"). Used for extent provenance only:
-the tensor bytes themselves are always read by the safetensors library or the engine's loader.
+A tensor's bytes are at file offsets ``[8 + N + begin, 8 + N + end)``, ``N`` the little-endian ``u64`` header length
+(huggingface/safetensors ``README.md``, "Format").
 """
 
 from __future__ import annotations
@@ -46,16 +43,7 @@ SAFETENSORS_DTYPES = {
 
 @dataclass(frozen=True, slots=True)
 class TensorLocation:
-    """One tensor of a safetensors file.
-
-    Attributes:
-        file: the file's path.
-        name: the tensor's name in the header.
-        dtype: torch dtype name (``bfloat16``).
-        shape: shape in elements.
-        offset_bytes: absolute file offset of the first data byte.
-        size_bytes: number of data bytes.
-    """
+    """One tensor of a safetensors file: torch dtype name, shape in elements, absolute file offset and size in bytes."""
 
     file: Path
     name: str
@@ -70,10 +58,8 @@ def read_header(path: str | Path) -> dict[str, TensorLocation]:
 
     Raises:
         MissingObjectError: no file at ``path``.
-        ManifestParseError: the header is truncated, too large, not a JSON object, or an entry is
-            malformed (dtype not a string, bad shape, ``data_offsets`` not ``[begin, end]`` with
-            ``0 <= begin <= end``, data beyond the end of the file, or, for a dtype of
-            :data:`SAFETENSORS_DTYPES`, a size that disagrees with ``dtype`` and ``shape``).
+        ManifestParseError: the header is truncated, too large, not a JSON object, or an entry is malformed
+            (its dtype, shape, ``data_offsets``, data beyond the file, or a size that disagrees with dtype and shape).
     """
     path = Path(path)
     try:

@@ -1,12 +1,5 @@
-"""The target identity document (``target.json``): the runtime a capsule's residual was captured on.
-
-A unit capsule holds, besides its manifests and residual blob, ``target.json``: which engine (name
-and version), coldsnap, torch (and the CUDA version torch was built with), device type, accelerator
-model and count, NVIDIA driver and host produced the residual. ``artifact.json`` pins it like every
-capsule file. Restore compares the *qualifying* fields (:data:`QUALIFYING_FIELDS`) with the current
-worker's target before any byte is written (``docs/format.md`` §15); the others are informational.
-
-The values are collected by :func:`coldsnap_core.identity.target.collect_target`.
+"""The target identity document (``target.json``): the runtime a capsule's residual was captured on (``docs/format.md``
+§15; collected by :func:`coldsnap_core.identity.target.collect_target`).
 """
 
 from __future__ import annotations
@@ -49,21 +42,7 @@ INFORMATIONAL_FIELDS: tuple[str, ...] = ("coldsnap_version", "accelerator_count"
 
 
 class TargetIdentity(Record):
-    """The runtime one worker ran on (``docs/format.md`` §15.1 gives every field).
-
-    Attributes:
-        engine: ``vllm``, ``sglang``, or ``none`` (captured or restored without an engine).
-        engine_version: the engine's version string (``vllm.__version__``, ``sglang.__version__``), or
-            ``None`` without an engine.
-        coldsnap_version: the installed coldsnap distribution's version.
-        torch_version: ``torch.__version__``.
-        torch_cuda_version: ``torch.version.cuda`` (the CUDA toolkit torch was built with), or ``None``.
-        device_type: the type of the device the weights live on (``cpu``, ``cuda``).
-        accelerator_model: ``torch.cuda.get_device_name`` of this worker's device, or ``None`` on CPU.
-        accelerator_count: the number of accelerators of ``device_type`` this worker sees (0 on CPU).
-        nvidia_driver_version: the installed NVIDIA kernel driver version, or ``None`` where there is none.
-        host: this host's name (``socket.gethostname()``).
-    """
+    """The runtime one worker ran on (``docs/format.md`` §15.1 gives every field)."""
 
     engine: Engine
     engine_version: Text | None
@@ -101,8 +80,7 @@ class TargetIdentity(Record):
 
 
 class _TargetDocument(TargetIdentity, kw_only=True, tag_field="format", tag=TARGET_KIND):
-    """``target.json``: a :class:`TargetIdentity` with the document header (an overlay descriptor holds the
-    identity without it)."""
+    """``target.json``: a :class:`TargetIdentity` with the document header (an overlay descriptor holds it without)."""
 
     format_version: Literal[9] = FORMAT_VERSION
 

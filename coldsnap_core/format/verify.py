@@ -1,22 +1,10 @@
-"""The verifier: every rule a payload must pass before a single byte of it is served.
+"""The verifier: every rule a payload must pass before a single byte of it is served (``docs/format.md`` §7).
 
-One set of functions serves the CLI (``coldsnap verify``), the loaders (hydration), staging, the
-cache's first-use admission and publication (``docs/format.md`` §7, "Verification rules and errors").
-
-* :func:`check_manifest`: the manifest alone (no files): fingerprint, pack path, extent bounds,
-  order, disjointness, coverage, canonical pack and blob layout.
-* :func:`check_live_layout`: the manifest against the live allocations (layout fingerprint, sizes).
-* :func:`verify_pack_file`: the pack object: size first, then one streaming pass that computes the
-  file's SHA-256, checks the zero padding and, given a layout, each stored extent's SHA-256 (on a
-  second thread). The file's SHA-256 decides who is wrong: a pack that hashes to its name is intact,
-  and a layout or extent digest that does not describe it is a manifest error (exit code 2).
-* :func:`pack_matches_layout`: whether an open pack is exactly the canonical pack of a layout (every
-  stored extent's SHA-256 and every padding byte, on a pool of threads): the first-use admission of
-  a restore; its failures are judged by :func:`verify_pack_file`.
-* :func:`verify_blob_file`: the residual blob: size, then SHA-256.
-* :func:`check_pack_padding`: the padding of an already admitted pack (a few KiB of reads).
-
-Each failure raises its own :mod:`coldsnap_core.errors` class naming file, allocation, offset, rule.
+The manifest alone (:func:`check_manifest`), against the live allocations (:func:`check_live_layout`), the pack
+object in one streaming pass (:func:`verify_pack_file`, whose file SHA-256 decides whether the object or the manifest
+is wrong), the first-use admission of a pack on a pool of threads (:func:`pack_matches_layout`), the residual blob
+(:func:`verify_blob_file`) and the padding of an admitted pack (:func:`check_pack_padding`). Each failure raises its
+own :mod:`coldsnap_core.errors` class naming file, allocation, offset and rule.
 """
 
 from __future__ import annotations
@@ -30,7 +18,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
 
 from coldsnap_core._io import HASH_CHUNK_BYTES, open_regular, os_error, sha256_file
 from coldsnap_core.digests import pack_relpath
@@ -64,20 +51,13 @@ VERIFIER_VERSION = "coldsnap-verifier/1"
 """Recorded in validation records; a record written by another verifier version is not trusted."""
 
 
-# --- the manifest alone ---------------------------------------------------------------------------
-
-
 def check_manifest(manifest: NativeManifest, *, file: str | None = None) -> PackLayout:
     """Check every rule that needs no file besides the manifest; return the pack layout it implies.
 
     Raises:
-        LayoutMismatchError: ``layout_fingerprint`` is not the fingerprint of ``allocations``
-            (e.g. an allocation's ``size_bytes`` was edited).
+        LayoutMismatchError: ``layout_fingerprint`` is not the fingerprint of ``allocations``.
         PackPathMismatchError: ``pack.path`` is not ``model-payloads/sha256/<pack.sha256>.pack``.
-        ExtentBoundsError: an extent names a missing allocation or ends beyond its allocation.
-        ExtentOrderError: an extent map is not sorted by (allocation_index, offset_bytes).
-        ExtentOverlapError: two extents cover the same byte.
-        CoverageGapError: a byte is covered by no extent.
+        ExtentBoundsError, ExtentOrderError, ExtentOverlapError, CoverageGapError: :func:`check_coverage`.
         PackLayoutError: the model extents do not describe the canonical pack of ``pack.size_bytes``.
         ResidualLayoutError: the residual extents do not describe the blob.
     """
@@ -133,9 +113,9 @@ def check_coverage(manifest: NativeManifest, *, file: str | None = None) -> None
                 )
             per_allocation[extent.allocation_index].append((extent.offset_bytes, extent.end_bytes, f"{kind} extent {i}"))
     for allocation, intervals in zip(allocations.allocations, per_allocation, strict=True):
-        intervals.sort()
         position, last = 0, None
-        for start, end, name in intervals:
+        end_of_allocation = (allocation.size_bytes, allocation.size_bytes, "")  # a gap before it is a gap at the end
+        for start, end, name in [*sorted(intervals), end_of_allocation]:
             if start < position:
                 raise ExtentOverlapError(
                     f"{name} starts at byte {start}, inside {last} which ends at byte {position}",
@@ -151,13 +131,6 @@ def check_coverage(manifest: NativeManifest, *, file: str | None = None) -> None
                     offset_bytes=position,
                 )
             position, last = end, name
-        if position < allocation.size_bytes:
-            raise CoverageGapError(
-                f"bytes [{position}, {allocation.size_bytes}) are in neither map",
-                file=file,
-                allocation=allocation.index,
-                offset_bytes=position,
-            )
 
 
 def check_pack_layout(manifest: NativeManifest, *, file: str | None = None) -> PackLayout:
@@ -199,9 +172,6 @@ def check_residual_layout(extents: Sequence, residual: ResidualRef, *, file: str
         )
 
 
-# --- the manifest against the live allocations ----------------------------------------------------
-
-
 def check_live_layout(
     manifest_allocations: AllocationMap,
     live: AllocationMap | None,
@@ -213,13 +183,9 @@ def check_live_layout(
     """The live model must have the captured layout, allocation for allocation.
 
     Args:
-        manifest_allocations: the manifest's allocation map.
-        live: the live model's allocation map (names, dtypes, shapes, ...), or ``None`` when only
-            sizes are known (the native capture point compares segments by size).
+        live: the live model's allocation map, or ``None`` when only sizes are known (native capture point).
         allocations: the live allocations' addresses and sizes, ``allocations[i].index == i``.
-        file: the manifest's path, for error messages.
-        manifest_fingerprint: the manifest's layout fingerprint when the caller already checked it
-            (:func:`check_manifest`); computed from ``manifest_allocations`` otherwise.
+        manifest_fingerprint: the manifest's layout fingerprint when the caller already checked it.
 
     Raises:
         LayoutMismatchError: the fingerprints differ (names the first differing allocation/tensor),
@@ -228,7 +194,6 @@ def check_live_layout(
     """
     if live is not None:
         expected = manifest_fingerprint or manifest_allocations.layout_fingerprint()
-        # Equal maps have equal fingerprints: the manifest's, computed once and kept for check_manifest.
         same = live.allocations == manifest_allocations.allocations
         actual = manifest_allocations.layout_fingerprint() if same else live.layout_fingerprint()
         if actual != expected:
@@ -270,19 +235,9 @@ def _first_layout_difference(expected: AllocationMap, actual: AllocationMap) -> 
     return f"the manifest has {len(expected)} allocations, the live model {len(actual)}"
 
 
-# --- files ----------------------------------------------------------------------------------------
-
-
 def _require_size(path: Path, expected: int, error: type[Exception], what: str, *, opened: str | None = None) -> None:
-    """``path`` must be a regular file (symbolic links followed) of ``expected`` bytes.
-
-    Raises:
-        MissingObjectError: nothing at ``path``.
-        NotRegularFileError: a folder, device, socket or FIFO at ``path`` (its ``st_size`` says
-            nothing about content, so it must not be reported as truncated or extended).
-        FileAccessError: ``path`` cannot be examined (``EACCES``, ``ELOOP``, ``EIO``, ...).
-        ``error``: the size differs.
-    """
+    """``path`` (or ``opened``) must be a regular file (symbolic links followed) of ``expected`` bytes, else
+    MissingObjectError, NotRegularFileError, FileAccessError or ``error``."""
     try:
         st = os.stat(opened if opened is not None else path)
     except FileNotFoundError as exc:
@@ -308,49 +263,23 @@ def verify_pack_file(
 ) -> None:
     """Verify a pack object in full: size, SHA-256, and with ``layout`` its padding and extents.
 
-    One sequential read in ``chunk_bytes`` chunks (two buffers, so at most ``2 * chunk_bytes`` of
-    the pack is in memory): the main thread hashes the file and compares the padding bytes with zero
-    as they stream past, while a helper thread feeds each stored extent's bytes into that extent's
-    own SHA-256 (an extent may span any number of chunks).
-
-    Checks, and the error raised first, in this order: the file exists and is a regular file, its
-    size; then, after the one read, who is wrong is decided by the file's SHA-256, because the pack
-    is content addressed (its name is the SHA-256 of its bytes):
-
-    * the file's SHA-256 differs from ``pack.sha256``: the **object is corrupt** (exit code 1) and
-      the most precise error is raised: its padding (:class:`NonZeroPaddingError`), else the first
-      bad stored extent in pack order (:class:`ExtentDigestMismatchError`), else
-      :class:`PackDigestMismatchError`;
-    * the file's SHA-256 matches but a padding run or a stored extent does not match ``layout``:
-      the object holds exactly the bytes its name promises and **the manifest is wrong** about them
-      (exit code 2, :class:`ManifestPaddingError` / :class:`ManifestExtentDigestError`); callers do
-      not quarantine the object for that, so other artifacts naming the same digest keep it.
+    One sequential read (:func:`_read_pack`). The file's SHA-256 decides who is wrong: when it is not
+    ``pack.sha256`` the **object is corrupt** (exit code 1) and the most precise error is raised (padding, else the
+    first bad stored extent in pack order, else the digest); when it matches, the object holds the bytes its name
+    promises and a padding run or extent the layout gets wrong is **the manifest's** error (exit code 2), named by
+    ``manifest_file`` (default: the pack), and callers keep the object.
 
     Args:
-        path: the pack file.
-        pack: digest and size the file must have.
-        layout: the canonical layout (from :func:`check_manifest`), or ``None`` for a bare object
-            check (cache admission, publication).
+        layout: the canonical layout (from :func:`check_manifest`), or ``None`` for a bare object check.
         progress: called with the number of bytes read after each chunk.
-        extent_owner: maps a stored entry to ``(allocation_index, offset_bytes)`` of one
-            destination holding it, for error messages.
+        extent_owner: maps a stored entry to ``(allocation_index, offset_bytes)`` of one destination, for messages.
         chunk_bytes: bytes per read (default 8 MiB), > 0.
-        manifest_file: the manifest ``layout`` comes from, named by the manifest errors (default:
-            they name the pack).
 
     Raises:
-        MissingObjectError: no file at ``path``.
-        NotRegularFileError: ``path`` is a folder or another non-regular file.
-        FileAccessError: ``path`` cannot be opened or read (``EACCES``, ``ELOOP``, ``EIO``, ...).
+        MissingObjectError, NotRegularFileError, FileAccessError: the file is absent, not regular, or unreadable.
         PackSizeMismatchError: truncated or extended (checked before any hashing).
-        NonZeroPaddingError: the object is corrupt and a padding byte is not zero (names its pack offset).
-        ExtentDigestMismatchError: the object is corrupt and a stored extent's bytes do not match its
-            SHA-256 (names the destination allocation and offset from ``extent_owner``).
-        PackDigestMismatchError: the file's SHA-256 is not ``pack.sha256``.
-        ManifestPaddingError: the object is intact, but the manifest's layout puts padding on a
-            non-zero byte.
-        ManifestExtentDigestError: the object is intact, but a stored extent's bytes do not match
-            the SHA-256 the manifest records for it.
+        NonZeroPaddingError, ExtentDigestMismatchError, PackDigestMismatchError: the object is corrupt.
+        ManifestPaddingError, ManifestExtentDigestError: the object is intact and the manifest's layout is wrong.
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -365,18 +294,15 @@ def verify_pack_file(
     entries = layout.entries if layout is not None else ()
     bad_extent = next(((e, d) for e, d in zip(entries, read.extent_sha256, strict=True) if d != e.sha256), None)
     where = extent_owner(bad_extent[0]) if bad_extent is not None and extent_owner else (None, None)
-    if read.sha256 != pack.sha256:
-        _raise_corrupt_pack(path, pack, read, bad_extent, where)
-    _raise_wrong_manifest(path, read.bad_padding, bad_extent, where, path if manifest_file is None else manifest_file)
+    _raise_pack_error(path, pack, read, bad_extent, where, path if manifest_file is None else manifest_file)
 
 
 ADMIT_MAX_THREADS = 8
-"""At most this many threads check a pack's extents (:func:`admission_threads`)."""
+"""At most this many threads check a pack's extents."""
 
 
 def admission_threads() -> int:
-    """Threads of :func:`pack_matches_layout`: the usable cores (``os.sched_getaffinity``), at most
-    :data:`ADMIT_MAX_THREADS`."""
+    """Threads of :func:`pack_matches_layout`: the usable cores, at most :data:`ADMIT_MAX_THREADS`."""
     return max(1, min(ADMIT_MAX_THREADS, len(os.sched_getaffinity(0))))
 
 
@@ -389,25 +315,12 @@ def pack_matches_layout(
     chunk_bytes: int = HASH_CHUNK_BYTES,
     progress: Callable[[int], object] | None = None,
 ) -> bool:
-    """Whether the file open at ``fd`` holds exactly the canonical pack of ``layout``.
+    """Whether the file open at ``fd`` holds exactly the canonical pack of ``layout`` (``docs/format.md`` §10).
 
-    Each stored extent is read with ``os.preadv`` in ``chunk_bytes`` chunks together with the padding
-    after it (up to the next extent, or the end of the pack) and hashed, on ``threads`` threads that take
-    the extents largest first (``hashlib`` and ``preadv`` release the GIL). Extents and padding runs tile
-    ``[0, layout.size_bytes)``, so when each extent's SHA-256 matches, every padding byte is zero and the
-    file ends where the layout does, the file's bytes are the canonical pack of the layout's contents
-    (``docs/format.md`` §10, "Admission"). Whether they also hash to the pack's name is not checked here.
-
-    Returns ``False`` at the first disagreement without saying which: a caller judges a failure with
-    :func:`verify_pack_file`, which names the extent or padding offset and decides who is wrong.
-
-    Args:
-        fd: the pack, open for reading; the caller checked its size.
-        file: the pack's path, for error messages.
-        layout: the canonical layout (from :func:`check_manifest`).
-        threads: worker threads (:func:`admission_threads`), > 0.
-        chunk_bytes: bytes per read (default 8 MiB), > 0.
-        progress: called on the calling thread with the bytes of each extent and its padding once checked.
+    Each stored extent is read with the padding after it and hashed (:func:`_stored_extent_matches`) on ``threads``
+    threads, largest first; extents and padding tile the layout, so all matching means the file is the canonical pack
+    (whether it hashes to its name is not checked). ``False`` at the first disagreement, without saying which: a
+    caller judges it with :func:`verify_pack_file`. ``progress`` gets the bytes of each extent and its padding.
 
     Raises:
         FileAccessError: a read fails (``EIO``, ...).
@@ -434,8 +347,8 @@ _read_buffers = threading.local()
 
 
 def _stored_extent_matches(fd: int, entry: PackEntry, end_bytes: int, chunk_bytes: int, file: str | os.PathLike[str]) -> bool:
-    """Whether the pack bytes ``[entry.offset_bytes, end_bytes)`` are the extent's content (its SHA-256) followed
-    by zeros (one task of :func:`pack_matches_layout`, on a pool thread; one reused buffer per thread)."""
+    """Whether the pack bytes ``[entry.offset_bytes, end_bytes)`` are the extent's content followed by zeros (one
+    reused buffer per thread)."""
     buffer = getattr(_read_buffers, "buffer", None)
     if buffer is None or len(buffer) != chunk_bytes:
         buffer = _read_buffers.buffer = memoryview(bytearray(chunk_bytes))
@@ -458,8 +371,7 @@ def _stored_extent_matches(fd: int, entry: PackEntry, end_bytes: int, chunk_byte
 
 @dataclass(frozen=True, slots=True)
 class _PackRead:
-    """What one pass over a pack found: bytes read, the file's SHA-256, the pack offset of the first non-zero padding
-    byte (``None``: all zero) and the SHA-256 of each stored extent, in layout order."""
+    """What one pass over a pack found: bytes read, SHA-256s, the first non-zero padding offset (``None``: all zero)."""
 
     size_bytes: int
     sha256: str
@@ -467,53 +379,39 @@ class _PackRead:
     extent_sha256: list[str]
 
 
-def _hash_extents(entries: Sequence[PackEntry], hashes: list[Any], chunk_offset: int, chunk: memoryview, first: int) -> int:
-    """Feed the chunk's part of each stored extent into that extent's hash; return the index of the first extent not
-    finished by this chunk (run on the helper thread)."""
-    chunk_end = chunk_offset + len(chunk)
+def _walk_runs(
+    runs: Sequence[tuple[int, int]], first: int, chunk: memoryview, offset: int, visit: Callable[[int, int, memoryview], object]
+) -> int:
+    """Pass the chunk's part of each ``(start, end)`` run from ``runs[first]`` on to ``visit(index, start, piece)``;
+    return the index of the first run this chunk does not finish."""
+    end = offset + len(chunk)
     i = first
-    while i < len(entries) and entries[i].offset_bytes < chunk_end:
-        entry = entries[i]
-        lo, hi = max(entry.offset_bytes, chunk_offset), min(entry.end_bytes, chunk_end)
+    while i < len(runs) and runs[i][0] < end:
+        lo, hi = max(runs[i][0], offset), min(runs[i][1], end)
         if lo < hi:
-            hashes[i].update(chunk[lo - chunk_offset : hi - chunk_offset])
-        if entry.end_bytes > chunk_end:
+            visit(i, lo, chunk[lo - offset : hi - offset])
+        if runs[i][1] > end:
             break
         i += 1
     return i
 
 
-def _nonzero_padding(padding: list[tuple[int, int]], index: int, chunk: memoryview, offset: int) -> tuple[int, int | None]:
-    """Compare the chunk's part of each padding run from ``padding[index]`` on with zero; return the index of the first
-    run not finished by this chunk and the pack offset of the first non-zero byte (``None``: all zero)."""
-    end, bad = offset + len(chunk), None
-    while index < len(padding) and padding[index][0] < end:
-        pad_start, pad_size = padding[index]
-        lo, hi = max(pad_start, offset), min(pad_start + pad_size, end)
-        piece = chunk[lo - offset : hi - offset].tobytes()  # a run is shorter than the 4096-byte alignment
-        rest = piece.lstrip(b"\0")
-        if rest and bad is None:
-            bad = lo + len(piece) - len(rest)
-        if pad_start + pad_size > end:
-            break
-        index += 1
-    return index, bad
-
-
 def _read_pack(path: Path, layout: PackLayout | None, chunk_bytes: int, progress: Callable[[int], object] | None) -> _PackRead:
-    """One sequential read of the pack in ``chunk_bytes`` chunks, double-buffered: the calling thread hashes the file
-    and checks the padding as it streams past while a helper thread hashes the stored extents (an extent may span any
-    number of chunks), so at most ``2 * chunk_bytes`` of the pack is in memory.
-
-    Raises:
-        FileAccessError: the pack cannot be opened or read.
-    """
+    """One sequential read of the pack in two ``chunk_bytes`` buffers: this thread hashes the file and checks the
+    padding while a helper thread hashes the stored extents. Raises FileAccessError when it cannot be read."""
     entries = layout.entries if layout is not None else ()
-    padding = list(layout.padding_ranges()) if layout is not None else []
+    extents = [(e.offset_bytes, e.end_bytes) for e in entries]
+    padding = [(start, start + size) for start, size in layout.padding_ranges()] if layout is not None else []
     file_hash, extent_hashes = hashlib.sha256(), [hashlib.sha256() for _ in entries]
     buffers = [bytearray(chunk_bytes), bytearray(chunk_bytes)]
     next_entry = pad_index = offset = turn = 0
-    bad_padding: int | None = None
+    bad_padding: list[int] = []
+
+    def check_zero(_: int, start: int, piece: memoryview) -> None:
+        rest = piece.tobytes().lstrip(b"\0")  # a run is shorter than the 4096-byte alignment
+        if rest:
+            bad_padding.append(start + len(piece) - len(rest))
+
     try:
         f = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by the with statement below)
     except OSError as exc:
@@ -521,8 +419,7 @@ def _read_pack(path: Path, layout: PackLayout | None, chunk_bytes: int, progress
     with f, ThreadPoolExecutor(max_workers=1, thread_name_prefix="coldsnap-verify") as pool:
         pending = None
         while True:
-            # The helper may still hash buffers[turn ^ 1]; buffers[turn] was released by the
-            # ``pending.result()`` of the previous round.
+            # the helper may still hash buffers[turn ^ 1]; buffers[turn] was released by the last pending.result()
             view = memoryview(buffers[turn])
             try:
                 n = f.readinto(view)
@@ -534,9 +431,8 @@ def _read_pack(path: Path, layout: PackLayout | None, chunk_bytes: int, progress
             if entries:
                 if pending is not None:
                     next_entry = pending.result()
-                pending = pool.submit(_hash_extents, entries, extent_hashes, offset, chunk, next_entry)
-            pad_index, bad = _nonzero_padding(padding, pad_index, chunk, offset)
-            bad_padding = bad if bad_padding is None else bad_padding
+                pending = pool.submit(_walk_runs, extents, next_entry, chunk, offset, lambda i, _, p: extent_hashes[i].update(p))
+            pad_index = _walk_runs(padding, pad_index, chunk, offset, check_zero)
             file_hash.update(chunk)
             if progress is not None:
                 progress(n)
@@ -544,25 +440,37 @@ def _read_pack(path: Path, layout: PackLayout | None, chunk_bytes: int, progress
             turn ^= 1
         if pending is not None:
             pending.result()
-    return _PackRead(offset, file_hash.hexdigest(), bad_padding, [h.hexdigest() for h in extent_hashes])
+    first_bad = bad_padding[0] if bad_padding else None
+    return _PackRead(offset, file_hash.hexdigest(), first_bad, [h.hexdigest() for h in extent_hashes])
 
 
-def _raise_corrupt_pack(
+def _raise_pack_error(
     path: Path,
     pack: PackRef,
     read: _PackRead,
     bad_extent: tuple[PackEntry, str] | None,
     where: tuple[int | None, int | None],
-) -> NoReturn:
-    """The object is corrupt (its SHA-256 is not its name): raise the most precise error (:func:`verify_pack_file`)."""
-    if read.bad_padding is not None:
+    blame: str | os.PathLike[str],
+) -> None:
+    """The most precise error (:func:`verify_pack_file`): the object's when its SHA-256 is not its name, else the
+    manifest's (named by ``blame``), or none."""
+    corrupt = read.sha256 != pack.sha256
+    if read.bad_padding is not None and corrupt:
         raise NonZeroPaddingError(
             f"padding byte at pack offset {read.bad_padding} is not zero (padding runs from each extent's end to the next"
             " 4096-byte boundary)",
             file=path,
             offset_bytes=read.bad_padding,
         )
-    if bad_extent is not None:
+    if read.bad_padding is not None:
+        raise ManifestPaddingError(
+            f"the manifest's layout puts padding at pack offset {read.bad_padding}, but the pack {path} (whose SHA-256"
+            f" matches its name) holds a non-zero byte there: the manifest's extent sizes do not describe this pack;"
+            " the pack is intact and kept",
+            file=blame,
+            offset_bytes=read.bad_padding,
+        )
+    if bad_extent is not None and corrupt:
         entry, digest = bad_extent
         raise ExtentDigestMismatchError(
             f"the extent stored at pack offset {entry.offset_bytes} ({entry.size_bytes} bytes) has SHA-256 {digest},"
@@ -570,25 +478,6 @@ def _raise_corrupt_pack(
             file=path,
             allocation=where[0],
             offset_bytes=where[1],
-        )
-    raise PackDigestMismatchError(f"the pack's SHA-256 is {read.sha256}, its digest and path say {pack.sha256}", file=path)
-
-
-def _raise_wrong_manifest(
-    path: Path,
-    bad_padding: int | None,
-    bad_extent: tuple[PackEntry, str] | None,
-    where: tuple[int | None, int | None],
-    blame: str | os.PathLike[str],
-) -> None:
-    """The object holds exactly the bytes its name promises: any disagreement is the manifest's (``blame``)."""
-    if bad_padding is not None:
-        raise ManifestPaddingError(
-            f"the manifest's layout puts padding at pack offset {bad_padding}, but the pack {path} (whose SHA-256"
-            f" matches its name) holds a non-zero byte there: the manifest's extent sizes do not describe this pack;"
-            " the pack is intact and kept",
-            file=blame,
-            offset_bytes=bad_padding,
         )
     if bad_extent is not None:
         entry, digest = bad_extent
@@ -600,13 +489,12 @@ def _raise_wrong_manifest(
             allocation=where[0],
             offset_bytes=where[1],
         )
+    if corrupt:
+        raise PackDigestMismatchError(f"the pack's SHA-256 is {read.sha256}, its digest and path say {pack.sha256}", file=path)
 
 
 def check_pack_padding(path: str | os.PathLike[str], layout: PackLayout, runs: Iterable[tuple[int, int]] | None = None) -> None:
-    """Read only the padding runs of an (already admitted) pack and require zeros.
-
-    The padding is less than 4096 bytes per stored extent, so this reads a few KiB per extent. ``runs``: only these
-    ``(offset_bytes, size_bytes)`` runs (default: every one of ``layout``; a fetch checks each as it lands).
+    """Read only the padding runs of an admitted pack (or only ``runs``, ``(offset_bytes, size_bytes)``) and require zeros.
 
     Raises:
         MissingObjectError: no file at ``path``.
@@ -644,18 +532,10 @@ def check_pack_padding(path: str | os.PathLike[str], layout: PackLayout, runs: I
 
 
 def verify_blob_file(path: str | os.PathLike[str], residual: ResidualRef, *, opened: str | None = None) -> None:
-    """Verify a residual blob: size first, then SHA-256.
-
-    Args:
-        path: the blob (named in every error).
-        residual: what the manifest records of it.
-        opened: where to read it instead, when the caller holds it open: the ``/proc/self/fd/<n>`` of
-            :func:`pinned_file`, so the bytes verified are the bytes a copy through that name reads.
+    """Verify a residual blob (named ``path``; read at ``opened``, a :func:`pinned_file` name, when given): size, SHA-256.
 
     Raises:
-        MissingObjectError: no file at ``path``.
-        NotRegularFileError: ``path`` is a folder or another non-regular file.
-        FileAccessError: ``path`` cannot be examined or read (``EACCES``, ``ELOOP``, ``EIO``, ...).
+        MissingObjectError, NotRegularFileError, FileAccessError: the file is absent, not regular, or unreadable.
         ResidualSizeMismatchError: truncated or extended.
         ResidualDigestMismatchError: the SHA-256 differs from the manifest's.
     """
@@ -673,19 +553,9 @@ def verify_blob_file(path: str | os.PathLike[str], residual: ResidualRef, *, ope
 
 @contextlib.contextmanager
 def pinned_file(path: str | os.PathLike[str], what: str) -> Iterator[str]:
-    """Open ``path`` once and yield ``/proc/self/fd/<n>``: opening that name again (a copy backend does, with
-    flags of its own such as ``O_DIRECT``) opens the same inode whatever is renamed onto ``path`` meanwhile,
-    so what is verified through it is what is copied through it (proc(5), ``/proc/pid/fd``).
-
-    Opened by :func:`coldsnap_core._io.open_regular`, following a symbolic link (a capsule file may be one;
-    the pack was refused as one when it was admitted): a named pipe there, or at a link's end, is refused
-    at once instead of blocking the restore.
-
-    Raises:
-        MissingObjectError: nothing at ``path``.
-        NotRegularFileError: a folder, named pipe, device or socket at ``path``.
-        FileAccessError: it cannot be opened.
-    """
+    """Open ``path`` once (:func:`coldsnap_core._io.open_regular`, links followed) and yield ``/proc/self/fd/<n>``:
+    opening that name again opens the same inode whatever is renamed onto ``path`` (proc(5)), so what is verified
+    through it is what is copied through it. Raises as :func:`~coldsnap_core._io.open_regular`."""
     with open_regular(path, what, follow_links=True) as (fd, _):
         yield f"/proc/self/fd/{fd}"
 

@@ -1,10 +1,4 @@
-"""Checkpoint records: node-local evidence that a checkpoint file was hashed.
-
-A record is bound to the file's real path, device, inode, size, mtime and ctime, like the payload
-cache's validation records (``docs/format.md`` §11). It is written whenever coldsnap hashes a
-checkpoint file (:func:`hash_checkpoint_file`: capture; a restore that had to hash one); a file whose
-record still matches a fresh ``stat`` has the recorded SHA-256.
-"""
+"""Checkpoint records: node-local evidence that a checkpoint file was hashed (``docs/format.md`` §10.1)."""
 
 from __future__ import annotations
 
@@ -27,25 +21,14 @@ from coldsnap_core.format._strict import Sha256, Text
 
 logger = logging.getLogger(__name__)
 
-
 CHECKPOINT_RECORDS_DIRNAME = "checkpoint-records"
-
-
 CHECKPOINT_RECORD_KIND = "coldsnap.checkpoint-record"
-
-
 CHECKPOINT_RECORD_VERSION = 1
 
 
 class CheckpointRecord(StatBound, kw_only=True, tag=CHECKPOINT_RECORD_KIND):
-    """Evidence that the checkpoint file at ``path`` had ``sha256`` while it had these ``stat`` fields
-    (:class:`~coldsnap_core.cache.records.StatBound`).
-
-    Attributes:
-        path: the file's real path (``os.path.realpath``).
-        sha256: SHA-256 (lowercase hex) of the whole file.
-        hashed_at: UTC time of the hash, ISO 8601 with seconds.
-    """
+    """Evidence that the file at the real path ``path`` had ``sha256`` while it had these ``stat`` fields (UTC
+    ``hashed_at``)."""
 
     format_version: Literal[1] = CHECKPOINT_RECORD_VERSION
     path: Text
@@ -72,16 +55,8 @@ class RecordLookup:
 
 
 class CheckpointRecords:
-    """The node-local checkpoint records of one state root: ``<state_root>/checkpoint-records/``.
-
-    Each record is ``<sha256 of the file's real path>.record`` (JSON, mode 0444), trusted only while
-    it is a regular file of at most 64 KiB owned by the current user and not group- or
-    world-writable, parses strictly and names the file's real path. The folder is created 0700 and
-    refused if it is a symbolic link (rule ``no-symlinks``).
-
-    Args:
-        state_root: the state root (``COLDSNAP_STATE_ROOT``).
-    """
+    """The node-local checkpoint records of one state root: ``<state_root>/checkpoint-records/`` (``docs/format.md``
+    §10.1 says where each is and when it is trusted)."""
 
     def __init__(self, state_root: str | os.PathLike[str]) -> None:
         self.state_root = Path(state_root)
@@ -101,11 +76,7 @@ class CheckpointRecords:
         return True
 
     def lookup(self, path: str | os.PathLike[str], st: os.stat_result | None = None) -> RecordLookup:
-        """The record state of the checkpoint file ``path`` (its real path is used).
-
-        Args:
-            path: the checkpoint file (a symbolic link is resolved, as the engine's open does).
-            st: a fresh ``os.stat`` of the file, if the caller has one.
+        """The record state of the checkpoint file ``path`` (its real path; ``st``: a fresh ``os.stat`` of it, if known).
 
         Raises:
             UnsafePathError: the records folder or the record is a symbolic link.
@@ -129,10 +100,7 @@ class CheckpointRecords:
         return RecordLookup(RecordState.TRUSTED, record.sha256)
 
     def write(self, path: str | os.PathLike[str], sha256: str, hashed: os.stat_result) -> CheckpointRecord:
-        """Record that ``path`` (real path) had ``sha256`` while it had the ``stat`` ``hashed``.
-
-        Written only if the file still has exactly that device, inode, size, mtime and ctime:
-        temporary file (``O_EXCL | O_NOFOLLOW``), fsync, mode 0444, rename, folder fsync.
+        """Record, durably, that ``path`` (real path) had ``sha256`` while it had the ``stat`` ``hashed`` (and still has).
 
         Raises:
             CacheError: the file changed since it was hashed (nothing written), or the write failed.
@@ -166,11 +134,7 @@ class CheckpointRecords:
 
 
 def hash_checkpoint_file(path: str | os.PathLike[str], records: CheckpointRecords | None = None) -> tuple[str, int]:
-    """SHA-256 and size of a checkpoint file (one read); with ``records``, record the result.
-
-    A record that cannot be written is logged as a WARNING (the hash is still returned): without it,
-    a later restore on this node checks the file by its content fingerprint only.
-    """
+    """SHA-256 and size of a checkpoint file (one read); with ``records``, record the result (a WARNING if it fails)."""
     real = os.path.realpath(path)
     before = os.stat(real)
     digest, size = sha256_file(real)

@@ -1,9 +1,5 @@
-"""The digest of the engine's effective model configuration.
-
-:func:`model_config_sha256`: the Hugging Face config after overrides, the dtype and the quantization
-method, as canonical JSON without the keys that vary with the path or the library version
-(``docs/format.md`` §4.8); :func:`engine_config_sha256`: the same of an engine's ``ModelConfig``;
-:func:`config_differences`: the keys in which two such configurations differ, with both values.
+"""The digest of the engine's effective model configuration (``docs/format.md`` §4.8), and the keys in which two
+configurations differ (:func:`config_differences`).
 """
 
 from __future__ import annotations
@@ -15,12 +11,8 @@ import math
 from collections.abc import Mapping
 
 CONFIG_DIGEST_DOMAIN = b"coldsnap-model-config-v1\n"
-
-
 VOLATILE_CONFIG_KEYS = frozenset({"transformers_version"})
-"""Keys left out of the configuration digest besides every key that starts with ``_`` (such as
-``_name_or_path``, ``_commit_hash``, ``_attn_implementation_internal``): they name the path the
-config was read from or the library version, not the model."""
+"""Keys left out of the configuration digest besides every key that starts with ``_``."""
 
 
 def _canonical(value: object) -> object:
@@ -68,28 +60,14 @@ def config_json_sha256(config_json: str) -> str:
 
 
 def model_config_sha256(hf_config: object, *, dtype: object, quantization: object = None) -> str:
-    """SHA-256 (lowercase hex) of an engine's effective model configuration.
-
-    ``sha256(b"coldsnap-model-config-v1\\n" + canonical_json)`` where ``canonical_json`` is
-    ``{"hf_config": ..., "dtype": ..., "quantization": ...}`` with sorted keys: ``hf_config`` is every
-    public attribute of the Hugging Face config object (nested configs likewise) or the mapping given,
-    without :data:`VOLATILE_CONFIG_KEYS` and ``_``-prefixed keys; torch dtypes are written by name
-    (``bfloat16``).
-
-    Args:
-        hf_config: the engine's Hugging Face config after overrides (vLLM ``model_config.hf_config``,
-            which has ``--hf-overrides`` applied; SGLang ``model_config.hf_config``), or a mapping.
-        dtype: the engine's model dtype (a ``torch.dtype`` or its name).
-        quantization: the engine's quantization method, or ``None``.
-    """
+    """SHA-256 (lowercase hex) of an engine's effective model configuration (``docs/format.md`` §4.8): its Hugging
+    Face config after overrides (or a mapping), its dtype (a ``torch.dtype`` or its name) and quantization method."""
     return config_json_sha256(canonical_model_config(hf_config, dtype=dtype, quantization=quantization))
 
 
 def engine_model_config(model_config: object) -> str | None:
-    """:func:`canonical_model_config` of an engine's effective model configuration object: its ``hf_config``
-    (vLLM applies ``--hf-overrides`` to it in ``ModelConfig.__post_init__``, SGLang
-    ``--json-model-override-args``), ``dtype`` and ``quantization``, which vLLM's and SGLang's ``ModelConfig``
-    name alike; ``None`` when it has no ``hf_config``. Its :func:`config_json_sha256` is the configuration digest."""
+    """:func:`canonical_model_config` of a vLLM or SGLang ``ModelConfig`` (``hf_config`` with overrides applied,
+    ``dtype``, ``quantization``); ``None`` when it has no ``hf_config``."""
     hf_config = getattr(model_config, "hf_config", None)
     if hf_config is None:
         return None
@@ -99,16 +77,14 @@ def engine_model_config(model_config: object) -> str | None:
 
 
 def engine_config_sha256(model_config: object) -> str | None:
-    """:func:`model_config_sha256` of an engine's effective model configuration object (:func:`engine_model_config`);
-    ``None`` when it has no ``hf_config``."""
+    """:func:`model_config_sha256` of an engine's ``ModelConfig``; ``None`` when it has no ``hf_config``."""
     config_json = engine_model_config(model_config)
     return None if config_json is None else config_json_sha256(config_json)
 
 
 def config_differences(recorded_json: str, loaded_json: str, *, limit: int = 5) -> list[str]:
-    """The keys in which two canonical configurations differ, each as ``key: <loaded> (engine) vs <recorded>
-    (artifact)`` with its dotted path (``hf_config.num_hidden_layers``, ``dtype``) and both values as JSON (``absent``
-    where a side lacks the key); at most ``limit`` of them, then ``... and N more``. Empty when they are equal."""
+    """The dotted keys in which two canonical configurations differ, as ``key: <loaded> (engine) vs <recorded>
+    (artifact)`` (``docs/format.md`` §4.8); at most ``limit``, then ``... and N more``."""
 
     def flat(value: object, path: str, into: dict[str, object]) -> dict[str, object]:
         if isinstance(value, dict) and value:

@@ -7,42 +7,22 @@ import contextlib
 import hashlib
 import os
 
+from coldsnap_core.format.safetensors_header import MAX_HEADER_BYTES
+
 FINGERPRINT_DOMAIN = b"coldsnap-checkpoint-fingerprint-v1\n"
-
-
 FINGERPRINT_BLOCK_BYTES = 128 * 1024
-
-
 FINGERPRINT_BLOCK_COUNT = 16
-"""The fingerprint samples ``FINGERPRINT_BLOCK_COUNT`` blocks of ``FINGERPRINT_BLOCK_BYTES`` (2 MiB in
-all) from the data region of each checkpoint file (``docs/format.md`` §10.2)."""
-
-
+"""The fingerprint samples 16 blocks of 128 KiB (2 MiB in all) from each checkpoint file's data."""
 _HEADER_LENGTH_BYTES = 8
 
 
-_MAX_SAFETENSORS_HEADER_BYTES = 100_000_000  # safetensors' own cap (huggingface/safetensors README)
-
-
 def fingerprint_ranges(size_bytes: int, header_length_bytes: int | None) -> list[tuple[int, int]]:
-    """The ``(offset_bytes, size_bytes)`` ranges of a file that :func:`checkpoint_fingerprint` hashes, in order.
-
-    Args:
-        size_bytes: the file's size.
-        header_length_bytes: the little-endian ``u64`` at offset 0 of a safetensors file (its JSON
-            header's length ``N``), or ``None`` for a file too short to hold one.
-
-    The header region is ``[0, 8 + N)`` when ``8 + N <= size_bytes`` and ``N <= 100,000,000``, else
-    empty (not a safetensors file: a ``.bin`` or ``.pt`` checkpoint). The data region is the rest: hashed
-    whole when it is at most ``FINGERPRINT_BLOCK_COUNT * FINGERPRINT_BLOCK_BYTES`` (2 MiB), else as
-    ``FINGERPRINT_BLOCK_COUNT`` blocks of ``FINGERPRINT_BLOCK_BYTES`` at
-    ``data_start + (i * (data_size - FINGERPRINT_BLOCK_BYTES)) // (FINGERPRINT_BLOCK_COUNT - 1)`` for
-    ``i`` in ``0..FINGERPRINT_BLOCK_COUNT - 1`` (the first block starts the data, the last one ends the file).
-    """
+    """The ``(offset_bytes, size_bytes)`` ranges of a file that :func:`checkpoint_fingerprint` hashes, in order
+    (``docs/format.md`` §10.2); ``header_length_bytes``: the ``u64`` at offset 0, ``None`` for a shorter file."""
     header_end = 0
     if (
         header_length_bytes is not None
-        and header_length_bytes <= _MAX_SAFETENSORS_HEADER_BYTES
+        and header_length_bytes <= MAX_HEADER_BYTES
         and _HEADER_LENGTH_BYTES + header_length_bytes <= size_bytes
     ):
         header_end = _HEADER_LENGTH_BYTES + header_length_bytes
@@ -57,15 +37,7 @@ def fingerprint_ranges(size_bytes: int, header_length_bytes: int | None) -> list
 
 
 def checkpoint_fingerprint(path: str | os.PathLike[str]) -> str:
-    """The content fingerprint of a checkpoint file (``docs/format.md`` §10.2), lowercase hex.
-
-    ``sha256(b"coldsnap-checkpoint-fingerprint-v1\\n" + u64le(size_bytes) + bytes of each range of
-    fingerprint_ranges(size_bytes, N))``: the safetensors header (every tensor's name, dtype, shape and
-    offsets, and the metadata) and 16 blocks of 128 KiB spread evenly over the data, or the whole file
-    when it is small. It reads at most the header plus 2 MiB with ``os.pread``, so restore can check it on
-    every start; it sees any change of the header or the size and any change that touches a sampled
-    block, which a different fine-tune of the same base does (every tensor differs), but not an edit
-    confined to bytes between the blocks (the full SHA-256 sees that).
+    """The content fingerprint of a checkpoint file (``docs/format.md`` §10.2: what it sees and what not), lowercase hex.
 
     Raises:
         OSError: the file cannot be opened or read (``FileNotFoundError`` when it is missing).

@@ -1,8 +1,5 @@
-"""The repository commit of a model loaded from a Hugging Face repository id.
-
-:func:`resolve_hub_commit` pins the commit its revision (``main`` when none is given) resolves to in
-the local Hugging Face cache, so an artifact captured from ``org/name`` is refused once ``main``
-moves (``docs/format.md`` §10.2).
+"""The repository commit a Hugging Face repository id's revision resolves to in the local cache (``docs/format.md``
+§10.1), so an artifact captured from ``org/name`` is refused once ``main`` moves.
 """
 
 from __future__ import annotations
@@ -16,31 +13,15 @@ from coldsnap_core._io import os_error
 
 logger = logging.getLogger(__name__)
 
-
 COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
 """A Hugging Face commit hash: 40 lowercase hex digits (``huggingface_hub``'s ``REGEX_COMMIT_HASH``)."""
-
-
 _CACHE_PROBE_FILENAME = "config.json"
-
-
-def _resolved_by_api(repo_id: str, revision: str | None, cache_dir: str | os.PathLike[str] | None, repo_type: str) -> str:
-    """``HfApi.resolve_revision(..., local_files_only=True)``: the ``refs/<revision>`` entry of the
-    repository's cache folder; a ``ResolvedRevision`` already resolved for this repository (vLLM's
-    ``model_config.revision``) is returned as is. Raises when the cache has no such entry."""
-    import huggingface_hub
-
-    resolved = huggingface_hub.HfApi().resolve_revision(
-        repo_id, repo_type=repo_type, revision=revision, cache_dir=cache_dir, local_files_only=True
-    )
-    return resolved.resolved
 
 
 def _resolved_by_snapshot(
     repo_id: str, revision: str | None, cache_dir: str | os.PathLike[str] | None, repo_type: str
 ) -> str | None:
-    """For a ``huggingface_hub`` without ``HfApi.resolve_revision``: the ``snapshots/<commit>/`` folder
-    of the cached ``config.json`` that ``try_to_load_from_cache`` returns for ``revision``."""
+    """Without ``HfApi.resolve_revision``: the ``snapshots/<commit>/`` folder of the cached ``config.json``."""
     import huggingface_hub
 
     cached = huggingface_hub.try_to_load_from_cache(
@@ -55,27 +36,9 @@ def _resolved_by_snapshot(
 def resolve_hub_commit(
     repo_id: str, revision: str | None, *, cache_dir: str | os.PathLike[str] | None = None, repo_type: str = "model"
 ) -> str | None:
-    """The commit hash the local Hugging Face cache resolves ``revision or "main"`` of ``repo_id`` to.
-
-    No network call: the cache's ``refs/<revision>`` entry is read through ``huggingface_hub``
-    (``HfApi.resolve_revision(..., local_files_only=True)``; with an older ``huggingface_hub``, the
-    ``snapshots/<commit>/`` folder of ``try_to_load_from_cache(repo_id, "config.json")``, the cache
-    layout documented in huggingface_hub's "Understand caching" guide). The engine has already
-    fetched the model's ``config.json`` when this is called (online that updates ``refs/main`` to the
-    current upstream commit), and vLLM 0.32 resolves ``model_config.revision`` to a
-    ``huggingface_hub.ResolvedRevision`` whose commit is returned as is.
-
-    Args:
-        repo_id: the repository id (``org/name``).
-        revision: a branch, tag or commit; ``None`` means ``main``. A 40-hex commit is returned as is.
-        cache_dir: the Hugging Face cache folder (vLLM's ``--download-dir``); ``None`` means
-            ``HF_HUB_CACHE``.
-        repo_type: ``"model"``, ``"dataset"`` or ``"space"``.
-
-    Returns:
-        The commit hash (40 lowercase hex digits), or ``None`` when the cache cannot resolve the
-        revision (no cache folder for the repository, no ``refs`` entry, an invalid repository id, a
-        ``refs`` entry that is not a commit hash).
+    """The commit hash the local Hugging Face cache resolves ``revision or "main"`` of ``repo_id`` to, without a
+    network call (a 40-hex ``revision`` as is); ``None`` when the cache cannot resolve it. ``cache_dir``: vLLM's
+    ``--download-dir`` (``None``: ``HF_HUB_CACHE``).
 
     Raises:
         FileAccessError: the cache exists but cannot be read (anything but "no such file"), naming the file.
@@ -88,15 +51,19 @@ def resolve_hub_commit(
     resolution_error = getattr(hf_errors, "RevisionResolutionError", ValueError)
     try:
         if hasattr(huggingface_hub.HfApi, "resolve_revision"):
-            commit = _resolved_by_api(repo_id, revision, cache_dir, repo_type)
+            # the cache's refs/<revision> entry; vLLM's ResolvedRevision is returned as is
+            commit = (
+                huggingface_hub.HfApi()
+                .resolve_revision(repo_id, repo_type=repo_type, revision=revision, cache_dir=cache_dir, local_files_only=True)
+                .resolved
+            )
         else:
             commit = _resolved_by_snapshot(repo_id, revision, cache_dir, repo_type)
     except (resolution_error, ValueError, FileNotFoundError, NotADirectoryError) as exc:
         logger.debug("coldsnap: the Hugging Face cache does not resolve %s@%s: %s", repo_id, revision or "main", exc)
         return None
     except OSError as exc:
-        # Only an absent cache entry means "no commit": a cache that cannot be read (EACCES, EIO) is named,
-        # instead of the misleading "does not resolve to a commit" later.
+        # only an absent cache entry means "no commit": a cache that cannot be read (EACCES, EIO) is named
         raise os_error(
             f"the Hugging Face cache entry of {repo_id}@{revision or 'main'} cannot be read", exc, exc.filename or cache_dir
         ) from exc

@@ -1,15 +1,8 @@
-"""What a model folder holds besides its weights: the model's non-weight files, read and checked by their pins.
+"""The model's non-weight files (``config.json``, tokenizer files, ...): chosen, read and checked by their pins.
 
-An engine builds a model from more than its weights: ``config.json``, ``generation_config.json``, the tokenizer's
-files, a chat template, a processor's configuration. A capture copies these **model files** into the artifact
-(``<artifact>/model/<name>``, pinned in ``artifact.json``'s ``model_files``; ``docs/format.md`` §5), so a node can
-build the model from a folder that holds them and no weight file, and restore every model byte from the pack.
-
-The rule (:func:`model_file_paths`): every regular file at the top level of the folder (a symbolic link is followed:
-a Hugging Face snapshot links its files to the cache's blobs) whose name is not hidden, matches the capsule-file
-name form ``[A-Za-z0-9._-]+``, is no weight file (:data:`WEIGHT_SUFFIXES`) and no weight index (``*.index.json``),
-and is at most :data:`MAX_MODEL_FILE_BYTES`. Files in subfolders are not model files (an engine that needs one
-cannot start from a folder without the checkpoint).
+The rule (``docs/format.md`` §5, :func:`model_file_paths`): every regular file at the top level of the folder (links
+followed) whose name is not hidden, is a capsule file name, is no weight file or weight index, and is at most
+:data:`MAX_MODEL_FILE_BYTES`.
 """
 
 from __future__ import annotations
@@ -27,25 +20,17 @@ from coldsnap_core.format.manifest import CAPSULE_FILE_NAME_RE
 logger = logging.getLogger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt")
-"""File name endings of weight files (safetensors, PyTorch pickles, GGUF, Flax, Keras, checkpoints): never model
-files, and what makes a folder hold weights (:func:`holds_weight_files`)."""
+"""File name endings of weight files: never model files, and what makes a folder hold weights."""
 
 WEIGHT_INDEX_SUFFIX = ".index.json"
 """A weight index (``model.safetensors.index.json``): it names the weight shards, so it goes with the weights."""
 
 MAX_MODEL_FILE_BYTES = 64 << 20
-"""The largest model file a capture copies (64 MiB; a large tokenizer is a few tens of MiB); a larger one is left
-out with an INFO line."""
-
-
-def is_weight_file(name: str) -> bool:
-    """Whether the file name ``name`` is a weight file or a weight index."""
-    return name.endswith(WEIGHT_SUFFIXES) or name.endswith(WEIGHT_INDEX_SUFFIX)
+"""The largest model file a capture copies (64 MiB); a larger one is left out with an INFO line."""
 
 
 def holds_weight_files(folder: Path) -> bool:
-    """Whether ``folder`` holds a weight file at its top level (where vLLM's and SGLang's ``_prepare_weights``
-    look: ``glob(os.path.join(folder, pattern))``), whatever its format.
+    """Whether ``folder`` holds a weight file of any format at its top level (where ``_prepare_weights`` looks).
 
     Raises:
         FileAccessError: the folder cannot be listed.
@@ -58,8 +43,8 @@ def holds_weight_files(folder: Path) -> bool:
 
 
 def model_file_paths(folder: Path) -> list[Path]:
-    """The model files of ``folder`` (the module docstring's rule), sorted by name; a file the rule leaves out for its
-    name or size is named in one INFO line.
+    """The model files of ``folder`` (the module docstring's rule), sorted by name; those left out for their name or
+    size are named in one INFO line.
 
     Raises:
         FileAccessError: the folder cannot be listed or a file examined.
@@ -68,7 +53,8 @@ def model_file_paths(folder: Path) -> list[Path]:
     try:
         with os.scandir(folder) as entries:
             for entry in entries:
-                if entry.name.startswith(".") or is_weight_file(entry.name) or not entry.is_file():  # follows links
+                weights = entry.name.endswith((*WEIGHT_SUFFIXES, WEIGHT_INDEX_SUFFIX))
+                if entry.name.startswith(".") or weights or not entry.is_file():  # is_file follows links
                     continue
                 if CAPSULE_FILE_NAME_RE.fullmatch(entry.name) is None:
                     left_out.append(f"{entry.name!r} (name outside [A-Za-z0-9._-]+)")
@@ -84,8 +70,7 @@ def model_file_paths(folder: Path) -> list[Path]:
 
 
 def read_model_files(folder: Path) -> list[tuple[CapsuleFile, bytes]]:
-    """Every model file of ``folder`` (:func:`model_file_paths`) with its pin, read once (so what is written is
-    what is pinned), sorted by name.
+    """Every model file of ``folder`` with its pin, read once (so what is written is what is pinned).
 
     Raises:
         FileAccessError: the folder or a file cannot be read.
@@ -101,8 +86,8 @@ def read_model_files(folder: Path) -> list[tuple[CapsuleFile, bytes]]:
 
 
 def check_model_file(path: Path, pin: CapsuleFile, *, where: str) -> None:
-    """The model file at ``path`` in the folder the engine loads is a regular file (a symbolic link is followed) of
-    the size and SHA-256 ``pin`` records; its size is compared before it is read. ``where`` says what pinned it.
+    """The model file at ``path`` is a regular file (links followed) of ``pin``'s size, then SHA-256 (``where``: what
+    pinned it).
 
     Raises:
         ModelIdentityMismatchError: nothing (or no regular file) at ``path``, or another size or SHA-256 (both named).

@@ -1,36 +1,11 @@
-"""The pinned model identity: checkpoint files, the engine's model configuration, checkpoint records.
+"""The pinned model identity: produced at capture (:func:`identify_checkpoint`) and checked at restore
+(:func:`check_model_identity`, before any payload byte is read) against :class:`LoadedModel`, what the engine loads.
 
-A :class:`~coldsnap_core.format.manifest.ModelIdentity` says which model an artifact was captured
-from; this module produces it (capture) and checks it (:func:`check_model_identity`, which restore
-runs before any payload byte is read, against :class:`LoadedModel`, what the engine is loading), because the layout fingerprint only sees
-shapes, dtypes and names: another fine-tune, a replaced checkpoint file of the same size, or another
-rotary base (``rope_theta``, a buffer computed at build time and restored from the residual blob)
-all have the same layout.
-
-Four parts, each in a module of its own, which this module combines:
-
-* **Repository commit** (:func:`coldsnap_core.identity.hub_commit.resolve_hub_commit`): a model loaded from a Hugging Face repository
-  id is pinned by the commit its revision (``main`` when none is given) resolves to in the local
-  Hugging Face cache, so an artifact captured from ``org/name`` is refused once ``main`` moves.
-* **Checkpoint files** (:func:`identify_checkpoint`): every file's name, size and SHA-256, hashed
-  once at capture, and its content fingerprint (:func:`coldsnap_core.identity.fingerprint.checkpoint_fingerprint`: a few MiB sampled
-  from the file, ``docs/format.md`` §10.2), cheap enough to re-check on every restore.
-* **Model configuration** (:func:`coldsnap_core.identity.config_digest.model_config_sha256`): a digest of the engine's effective model
-  configuration (the Hugging Face config after overrides, the dtype, the quantization method), as
-  canonical JSON without the keys that vary with the path or the library version.
-* **Checkpoint records** (:class:`coldsnap_core.identity.checkpoint_records.CheckpointRecords`): node-local evidence that a checkpoint file was
-  hashed, bound to its real path, device, inode, size, mtime and ctime, like the payload cache's
-  validation records (``docs/format.md`` §11). Written whenever coldsnap hashes a checkpoint file
-  (capture; a restore that had to hash one). Restore does not read the checkpoint (that is what it
-  exists to avoid): a file whose record still matches a fresh ``stat`` has the recorded SHA-256; a
-  file whose record no longer matches is hashed again (and re-recorded); a file without a record
-  (another node) is compared by its content fingerprint, or hashed in full with
-  ``COLDSNAP_VERIFY_CHECKPOINT=1``.
-
-**Limit.** Without a record, a checkpoint file whose content differs only outside the fingerprint's
-sampled blocks (an edit of a few tensors) is not seen unless ``COLDSNAP_VERIFY_CHECKPOINT=1`` (one
-SHA-256 pass over the checkpoint per restore, then recorded). A record cannot see an in-place edit
-that restores size, mtime and ctime (the same limit as the payload cache's records).
+The layout fingerprint sees only shapes, dtypes and names; this sees another fine-tune, a replaced file of the same
+size or another rotary base. It combines the repository commit (:mod:`~coldsnap_core.identity.hub_commit`), the
+checkpoint files with their fingerprints (:mod:`~coldsnap_core.identity.fingerprint`) and records
+(:mod:`~coldsnap_core.identity.checkpoint_records`), and the model configuration digest
+(:mod:`~coldsnap_core.identity.config_digest`). Rules and limits: ``docs/format.md`` §4.8, §10.1 and §10.2.
 """
 
 from __future__ import annotations
@@ -56,9 +31,6 @@ from coldsnap_core.identity.model_folder import check_model_file, holds_weight_f
 logger = logging.getLogger(__name__)
 
 
-# -- produced at capture: the identity of the checkpoint files ---------------------------------------
-
-
 def identify_checkpoint(
     files: Iterable[Path],
     *,
@@ -69,21 +41,14 @@ def identify_checkpoint(
     records: CheckpointRecords | None = None,
     config_json: str | None = None,
 ) -> ModelIdentity:
-    """Hash every checkpoint file (SHA-256, one pass each, and its :func:`checkpoint_fingerprint`)
-    into a :class:`ModelIdentity`.
+    """Hash every checkpoint file (SHA-256 and :func:`checkpoint_fingerprint`) into a :class:`ModelIdentity`.
 
     Args:
-        files: the checkpoint files.
-        source: the Hugging Face repository id or the local folder the model was loaded from; a local
-            folder is recorded by its real path (a trailing ``/`` or a symbolic link does not matter).
-        revision: the repository revision, if any: for a repository id the commit hash it resolved
-            to (:func:`resolve_hub_commit`), ``None`` for a local folder.
+        source: the repository id, or the local folder (recorded by its real path) the model was loaded from.
+        revision: for a repository id the commit hash it resolved to (:func:`resolve_hub_commit`), else ``None``.
         root: names are recorded relative to this folder (default: each file's own folder).
-        config_sha256: :func:`model_config_sha256` of the engine's model configuration, if known.
-        records: write a checkpoint record for each file hashed (see :class:`CheckpointRecords`).
-        config_json: the canonical configuration whose digest is ``config_sha256``
-            (:func:`~coldsnap_core.identity.config_digest.engine_model_config`), recorded so that a restore names the
-            keys that differ; ``config_sha256`` is derived from it when not given.
+        records: write a checkpoint record for each file hashed.
+        config_json: the canonical configuration (``config_sha256`` is derived from it when not given).
     """
     entries = []
     for path in files:
@@ -99,31 +64,18 @@ def identify_checkpoint(
     return ModelIdentity(source, revision, tuple(sorted(entries, key=lambda c: c.name)), config_sha256, config)
 
 
-# -- checked at restore: the model being loaded against the recorded identity ---------------------------
-
-
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
-    """What the engine is loading, for the model identity check.
+    """What the engine is loading, for the model identity check (build it with :meth:`from_config`).
 
     Attributes:
-        source: the engine's model (vLLM ``model_config.model``, SGLang ``model_config.model_path``):
-            a repository id or a local folder.
-        revision: for a repository id, the commit hash the engine's revision resolves to in the local
-            Hugging Face cache (:func:`~coldsnap_core.identity.hub_commit.resolve_hub_commit`), else the
-            engine's revision as given (``None`` when none; always the given value for a local folder).
+        source: the engine's model (vLLM ``model_config.model``, SGLang ``model_config.model_path``).
+        revision: for a repository id, the commit its revision resolves to in the local cache, else as given.
         folder: the local checkpoint folder's real path when ``source`` is one, else ``None``.
-        config_sha256: :func:`coldsnap_core.identity.config_digest.model_config_sha256` of the engine's
-            effective model configuration, or ``None`` when the caller has no engine configuration.
         requested_revision: the engine's revision as given (``None``: the default branch), for messages.
-        checkpoint_files: for a local folder, the names (relative to ``folder``, ``/``-separated) of
-            every checkpoint file the engine's own loader would read now (vLLM
-            ``DefaultModelLoader._prepare_weights``: its glob and its index filter), or ``None`` when
-            the caller cannot tell; empty when the folder holds no weight file (:attr:`checkpoint_absent`).
-        checkpoint_files_error: why the engine could not list those files (a safetensors index
-            naming a missing shard, malformed JSON, ...); the identity check then fails closed.
-        config_json: the canonical configuration whose digest is ``config_sha256``, or ``None``; with the artifact's
-            own (``ModelIdentity.config``) a configuration mismatch names the keys that differ.
+        checkpoint_files: for a local folder, the files (relative, ``/``-separated) the engine's loader would read
+            now (:func:`engine_checkpoint_files`), or ``None`` when unknown; empty when it holds no weight file.
+        checkpoint_files_error: why the engine could not list them; the identity check then fails closed.
     """
 
     source: str
@@ -137,9 +89,8 @@ class LoadedModel:
 
     @property
     def checkpoint_absent(self) -> bool:
-        """Whether the engine loads a local folder that holds no weight file (the model's non-weight files only:
-        what ``coldsnap pull`` writes), so every model byte must come from the pack: the identity is then the
-        artifact's pinned model files and the configuration digest (:func:`check_model_identity`)."""
+        """Whether the engine loads a local folder that holds no weight file (``docs/format.md`` §10.1, "Without the
+        checkpoint's weights")."""
         return self.folder is not None and self.checkpoint_files == ()
 
     @classmethod
@@ -154,20 +105,8 @@ class LoadedModel:
         checkpoint_files_error: str | None = None,
         config_json: str | None = None,
     ) -> LoadedModel:
-        """The model an engine loads from ``source`` at ``revision``.
-
-        Args:
-            source: a local folder or a Hugging Face repository id.
-            revision: the engine's revision (vLLM ``model_config.revision``, a
-                ``huggingface_hub.ResolvedRevision`` in vLLM 0.32; SGLang ``model_config.revision``).
-            config_sha256: the engine's model configuration digest, if known.
-            cache_dir: the Hugging Face cache the engine downloads into (vLLM/SGLang
-                ``load_config.download_dir``); ``None`` means ``HF_HUB_CACHE``.
-            checkpoint_files: for a local folder, the checkpoint files the engine would read (see
-                ``checkpoint_files``); ignored for a repository id.
-            checkpoint_files_error: why the engine could not list them, if it failed.
-            config_json: the engine's canonical configuration (``config_sha256``'s text), if known.
-        """
+        """The model an engine loads from ``source`` (a folder or a repository id) at ``revision`` (vLLM's may be a
+        ``huggingface_hub.ResolvedRevision``); ``cache_dir`` is the engine's ``load_config.download_dir``."""
         requested = None if revision is None else str(revision)
         if os.path.isdir(source):
             files = None if checkpoint_files is None else tuple(sorted(checkpoint_files))
@@ -180,24 +119,13 @@ class LoadedModel:
 def engine_checkpoint_files(
     source: str, engine: str, prepare_weights: Callable[[], Sequence[object]]
 ) -> tuple[list[str] | None, str | None]:
-    """For a local checkpoint folder: the files the engine's own loader would read now, for
-    :meth:`LoadedModel.from_config` (``checkpoint_files``, ``checkpoint_files_error``), so restore
-    refuses a folder that gained or lost a shard.
-
-    Args:
-        source: the engine's model (a local folder or a repository id).
-        engine: the engine's name, for the error text (``"vLLM"``, ``"SGLang"``).
-        prepare_weights: calls the engine's ``DefaultModelLoader._prepare_weights`` (vLLM and SGLang:
-            a glob of the folder for the load format and the safetensors index filter; no tensor is
-            read), which returns ``(folder, files, ...)`` with ``files`` as paths in ``folder``.
+    """For a local checkpoint folder: ``(checkpoint_files, checkpoint_files_error)`` for :meth:`LoadedModel.from_config`,
+    from ``prepare_weights`` (calls the engine's ``DefaultModelLoader._prepare_weights``, which returns ``(folder,
+    files, ...)``; ``docs/format.md`` §10.1).
 
     Returns:
-        ``(names relative to the folder, "/"-separated, None)``; ``([], None)`` when the engine finds no weights and
-        the folder holds no weight file of any format (:func:`~coldsnap_core.identity.model_folder.holds_weight_files`:
-        the checkpoint is absent, :attr:`LoadedModel.checkpoint_absent`); ``(None, None)`` for a repository id
-        (its commit is checked instead); ``(None, why)`` when the engine cannot list them (an index
-        naming a missing shard, a malformed index, weights of a format it does not read): the identity check then
-        fails closed, as a plain load would.
+        ``(names, None)``; ``([], None)`` when the engine finds no weights and the folder holds no weight file;
+        ``(None, None)`` for a repository id; ``(None, why)`` when the engine cannot list them (``engine`` names it).
 
     Raises:
         FileAccessError: the folder cannot be listed.
@@ -222,43 +150,14 @@ def check_model_identity(
     verify_checkpoint: bool = False,
     model_files: tuple[CapsuleFile, ...] = (),
 ) -> None:
-    """The artifact's pinned model must be the one being loaded.
-
-    * A local folder without the checkpoint (:attr:`LoadedModel.checkpoint_absent`): every model file the artifact
-      pins (``model_files``, ``artifact.json``'s, ``docs/format.md`` §5) is in the folder with its size and SHA-256
-      (hashed: they are small), and the engine's model configuration digest, when it gives one, equals the recorded
-      one; an artifact that pins no model file is refused. The source (repository or folder) is not compared: every
-      model byte comes from the verified pack.
-
-    * A Hugging Face repository (``loaded.folder is None``): the same id and the same commit. Capture
-      records the commit the revision (``main`` when none is given) resolved to in the local Hugging
-      Face cache, and :meth:`LoadedModel.from_config` resolves the engine's revision the same way, so
-      a repository whose ``main`` moved to another commit (same layout and config, other weights) is
-      refused, and so is an engine whose cache cannot resolve a commit, or an artifact that recorded
-      no commit (fail closed).
-    * A local folder, by content and not by path (another node may mount it elsewhere; ``$M`` and
-      ``$M/`` are one folder): every recorded checkpoint file exists with its size, and its SHA-256,
-      where this node knows it, is the recorded one. It is known from a checkpoint record
-      (:class:`~coldsnap_core.identity.checkpoint_records.CheckpointRecords`) that still matches the file's
-      ``stat``; a file that changed since its record was written is hashed again (one read of that
-      file, then recorded); a file without a record is hashed only with ``verify_checkpoint``
-      (``COLDSNAP_VERIFY_CHECKPOINT=1``), else compared by its content fingerprint
-      (:func:`~coldsnap_core.identity.fingerprint.checkpoint_fingerprint`: header plus 2 MiB sampled; an
-      artifact that recorded none is accepted on name and size). When the engine says
-      which files it would read (``loaded.checkpoint_files``), they must be exactly the recorded ones:
-      a shard added to the folder (which a plain load would read too) or one the engine would no
-      longer read is refused, and so is a folder whose files the engine cannot list. An artifact
-      captured from a repository id is never restored into a local folder.
-    * The engine's model configuration digest, when the engine gives one, equals the recorded one (an
-      artifact captured without one is refused then).
-
-    The rules are checked in the order a user fixes them: source, revision, configuration, the file list, then
-    each checkpoint file by record, fingerprint or full hash.
+    """The artifact's pinned model must be the one being loaded (``docs/format.md`` §10.1): a folder without the
+    checkpoint by the pinned ``model_files``; a repository by id and commit; a local folder by content (file list,
+    then each file by checkpoint record, content fingerprint or, with ``verify_checkpoint``, a full hash); and the
+    configuration digest when the engine gives one. Checked in the order a user fixes them.
 
     Raises:
-        ModelIdentityMismatchError: names what differs (source, commit, configuration, a missing,
-            resized or rewritten checkpoint file; without the checkpoint a missing or other model file, or an artifact
-            that pins none).
+        ModelIdentityMismatchError: names what differs (source, commit, configuration, file list, a missing, resized or
+            rewritten checkpoint file, a missing or other model file, or an artifact that pins none).
         UnsafePathError: the checkpoint records folder or a record is a symbolic link.
     """
     if loaded.checkpoint_absent:
@@ -291,30 +190,24 @@ def check_model_identity(
         _check_checkpoint_file(checkpoint, loaded.folder / checkpoint.name, records, verify_checkpoint)
 
 
-CONFIG_REMEDY = (
-    "start the engine with the model and flags the artifact was exported with (--hf-overrides, --dtype), or export"
-    " the artifact again from this configuration"
-)
-
-
 def _check_config(recorded: ModelIdentity, loaded: LoadedModel, file: str | None) -> None:
     """The engine's configuration digest equals the recorded one; the message names both models, and the keys that
     differ with both values when both sides have their configuration (``ModelIdentity.config``)."""
     if recorded.config_sha256 == loaded.config_sha256:
         return
-    differences = (
-        config_differences(recorded.config, loaded.config_json)
-        if recorded.config is not msgspec.UNSET and loaded.config_json is not None
-        else []
-    )
+    both_known = recorded.config is not msgspec.UNSET and loaded.config_json is not None
+    differences = config_differences(recorded.config, loaded.config_json) if both_known else []
     if differences:
         what = "; ".join(differences)
     elif recorded.config_sha256 is None:
         what = "the artifact was captured without an engine configuration, so this engine's cannot be checked"
     else:
         what = "a changed config.json, --hf-overrides or --dtype (the artifact records no configuration keys to name)"
-    remedy = CONFIG_REMEDY
-    if recorded.config is not msgspec.UNSET and loaded.config_json is not None:
+    remedy = (
+        "start the engine with the model and flags the artifact was exported with (--hf-overrides, --dtype), or export"
+        " the artifact again from this configuration"
+    )
+    if both_known:
         dtypes = (json.loads(loaded.config_json).get("dtype"), json.loads(recorded.config).get("dtype"))
         if dtypes[0] != dtypes[1]:  # the commonest cause, named as the engine flag that fixes it
             remedy = f"start the engine with --dtype {dtypes[1]} (the exported dtype), or export again with --dtype {dtypes[0]}"
@@ -332,12 +225,7 @@ def _check_config(recorded: ModelIdentity, loaded: LoadedModel, file: str | None
 def _check_model_files(
     recorded: ModelIdentity, loaded: LoadedModel, model_files: tuple[CapsuleFile, ...], file: str | None
 ) -> None:
-    """The identity of a folder without the checkpoint (see :func:`check_model_identity`).
-
-    Raises:
-        ModelIdentityMismatchError: the artifact pins no model files, a pinned model file is missing or differs
-            (naming it), or the engine's configuration digest differs (``--hf-overrides``, ``--dtype``).
-    """
+    """The identity of a folder without the checkpoint: its pinned model files, then the configuration digest."""
     assert loaded.folder is not None
     if not model_files:
         raise ModelIdentityMismatchError(
@@ -353,11 +241,7 @@ def _check_model_files(
 
 
 def _check_file_list(recorded: ModelIdentity, loaded: LoadedModel, file: str | None) -> None:
-    """The checkpoint files the engine would read from a local folder, when it says, are exactly the recorded ones.
-
-    Raises:
-        ModelIdentityMismatchError: the engine cannot list them, or names a file not recorded or misses a recorded one.
-    """
+    """The checkpoint files the engine would read from a local folder, when it says, are exactly the recorded ones."""
     if loaded.checkpoint_files_error is not None:
         raise ModelIdentityMismatchError(
             f"the engine cannot say which checkpoint files of {loaded.folder} it would read"
@@ -381,12 +265,7 @@ def _check_file_list(recorded: ModelIdentity, loaded: LoadedModel, file: str | N
 def _check_checkpoint_file(
     checkpoint: CheckpointFile, path: Path, records: CheckpointRecords | None, verify_checkpoint: bool
 ) -> None:
-    """One recorded checkpoint file at ``path``: present, its size, then its SHA-256 where this node knows it
-    (:func:`_checkpoint_digest`), else its content fingerprint (see :func:`check_model_identity`).
-
-    Raises:
-        ModelIdentityMismatchError: the file is missing, resized, or holds other content.
-    """
+    """One recorded checkpoint file at ``path``: present, its size, then its SHA-256 where known, else its fingerprint."""
     try:
         st = os.stat(path)
     except (FileNotFoundError, NotADirectoryError):
@@ -406,8 +285,6 @@ def _check_checkpoint_file(
             file=path,
         )
     if digest is None and checkpoint.fingerprint_sha256 is not None:
-        # No full hash known on this node: the sampled fingerprint (docs/format.md §10.2) is what
-        # tells two checkpoints with the same names and sizes apart (two fine-tunes of one base).
         fingerprint = checkpoint_fingerprint(path)
         if fingerprint != checkpoint.fingerprint_sha256:
             raise ModelIdentityMismatchError(

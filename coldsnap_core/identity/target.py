@@ -1,10 +1,5 @@
-"""The current worker's target identity, and whether a capsule's residual qualifies for replay on it.
-
-A residual blob holds bytes computed by the runtime that captured it (rotary caches, attention
-scales, padding: ``docs/format.md`` §3), so a capsule records its target in ``target.json``
-(:class:`~coldsnap_core.format.target.TargetIdentity`) and restore replays it only on a target whose
-qualifying fields are equal (§15). The pack is never judged here: model bytes are checkpoint bytes,
-target independent.
+"""The current worker's target identity, and whether a capsule's residual qualifies for replay on it
+(``docs/format.md`` §15; the pack is target independent and never judged here).
 """
 
 from __future__ import annotations
@@ -19,8 +14,7 @@ from typing import TYPE_CHECKING
 
 from coldsnap_core._io import os_error
 from coldsnap_core._version import __version__
-from coldsnap_core.errors import TargetMismatchError
-from coldsnap_core.format.target import QUALIFYING_FIELDS, TargetIdentity, describe_differences
+from coldsnap_core.format.target import TargetIdentity, describe_differences
 
 if TYPE_CHECKING:
     import torch
@@ -37,22 +31,14 @@ _DRIVER_RE = re.compile(r"Kernel Module(?: for [A-Za-z0-9_]+)?\s+([0-9][0-9.]*)"
 
 
 def coldsnap_version() -> str:
-    """coldsnap's release version (:data:`coldsnap_core._version.__version__`, which the installed
-    distribution's metadata also says; read from the module rather than the metadata, whose first read
-    in a process scans ``sys.path`` and parses a mail header: 1-2 ms of every restore)."""
+    """coldsnap's release version (:data:`coldsnap_core._version.__version__`, not the slower distribution metadata)."""
     return __version__
 
 
 @functools.cache
 def engine_version(engine: str) -> str | None:
-    """The installed version of the engine's distribution (``importlib.metadata.version``: ``vllm``
-    ``0.32.0+cpu``, ``sglang`` ``0.5.23``), read without importing the engine; ``None`` when no
-    distribution of that name is installed. The local version label (``+cpu``) is kept: a CPU and a
-    CUDA build of one release are different runtimes.
-
-    Read once per process (a metadata scan of ``sys.path`` costs about 1 ms per call, and a restore
-    asks several times): an engine upgraded on disk while a process runs does not change the code that
-    process runs."""
+    """The installed version of the engine's distribution (``0.32.0+cpu``: a CPU and a CUDA build are different
+    runtimes), read once per process without importing the engine; ``None`` when not installed."""
     try:
         return importlib.metadata.version(engine)
     except importlib.metadata.PackageNotFoundError:
@@ -61,14 +47,12 @@ def engine_version(engine: str) -> str | None:
 
 @functools.cache
 def nvidia_driver_version(version_file: Path = NVIDIA_DRIVER_VERSION_FILE) -> str | None:
-    """The installed NVIDIA kernel driver's version (``550.54.15``), read from ``version_file``;
-    ``None`` when there is no NVIDIA driver (no file) or the file names no version.
+    """The installed NVIDIA kernel driver's version (``550.54.15``); ``None`` when there is no driver (no file) or the
+    file names no version.
 
     Raises:
-        FileAccessError, NotRegularFileError: the file exists (or may) but cannot be read (``EACCES``,
-            ``EIO``; a folder there): "no driver" would change the target identity, so a node would fall back and capture
-            an overlay for a target that does not exist. Not cached (``functools.cache`` keeps no
-            exception), so a later call reads the file again.
+        FileAccessError, NotRegularFileError: the file may exist but cannot be read ("no driver" would be another
+            target); not cached, so a later call reads it again.
     """
     try:
         text = version_file.read_text(encoding="utf-8", errors="replace")
@@ -83,19 +67,8 @@ def nvidia_driver_version(version_file: Path = NVIDIA_DRIVER_VERSION_FILE) -> st
 def collect_target(
     engine: str = ENGINE_NONE, engine_version: str | None = None, *, device: torch.device | str | None = None
 ) -> TargetIdentity:
-    """The current worker's target identity.
-
-    Args:
-        engine: ``vllm``, ``sglang``, or :data:`ENGINE_NONE`.
-        engine_version: the engine's version string (``vllm.__version__``, ``sglang.__version__``).
-        device: the device the worker's weights live on (default: CPU). For a CUDA device, the
-            accelerator model is ``torch.cuda.get_device_name`` of that device (its index, else the
-            current one) and the count ``torch.cuda.device_count()``.
-
-    Returns:
-        The identity; the driver version is that of the NVIDIA kernel module when one is loaded
-        (:func:`nvidia_driver_version`), whatever the device.
-    """
+    """The current worker's target identity (``docs/format.md`` §15.1) for the device its weights live on (default:
+    CPU; a CUDA device without an index: the current one)."""
     import torch  # here, not at module top: the CLI's commands import this module and most never need torch
 
     device = torch.device(device if device is not None else "cpu")
@@ -126,11 +99,8 @@ def _engine_text(target: TargetIdentity) -> str:
 
 
 def mismatch_detail(recorded: TargetIdentity, current: TargetIdentity) -> str | None:
-    """Why a residual captured on ``recorded`` is not replayed on ``current``, or ``None`` if it qualifies.
-
-    Another engine is named first, as such ("captured by vllm 0.32.0; this engine is sglang
-    0.5.23"): its capsule has another allocation layout too, and the engine is the reason.
-    """
+    """Why a residual captured on ``recorded`` is not replayed on ``current`` (another engine named first, as the
+    reason), or ``None`` if it qualifies."""
     differences = recorded.differences(current)
     if not differences:
         return None
@@ -145,27 +115,3 @@ def mismatch_detail(recorded: TargetIdentity, current: TargetIdentity) -> str | 
         f"the capsule's residual was captured on another target ({describe_differences(differences)}); its buffers"
         " were computed by that runtime and are not replayed here"
     )
-
-
-def check_qualified(recorded: TargetIdentity, current: TargetIdentity, *, file: str | None = None) -> None:
-    """A capsule's recorded target must qualify for the current one (every field of
-    :data:`~coldsnap_core.format.target.QUALIFYING_FIELDS` equal).
-
-    Raises:
-        TargetMismatchError: names each differing field with its captured and current value, the
-            capturing and the current engine first when they differ.
-    """
-    detail = mismatch_detail(recorded, current)
-    if detail is not None:
-        raise TargetMismatchError(detail, differences=recorded.differences(current), file=file)
-
-
-__all__ = [
-    "ENGINE_NONE",
-    "QUALIFYING_FIELDS",
-    "check_qualified",
-    "collect_target",
-    "engine_version",
-    "mismatch_detail",
-    "nvidia_driver_version",
-]
