@@ -8,6 +8,7 @@ Face repository), parsed by :class:`coldsnap_core.settings.StoreSettings` (``doc
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from collections.abc import Mapping
@@ -56,7 +57,14 @@ _AZURE_CONNECTION_KEYS = frozenset(
         "usedevelopmentstorage",
     }
 )
-_URL_SCHEMES = ("s3://", "oci://", "gs://", "az://")
+_URL_STORES = {
+    "s3://": ("s3", "S3PayloadStore"),
+    "oci://": ("oci", "OciPayloadStore"),
+    "gs://": ("gcs", "GcsPayloadStore"),
+    "az://": ("azure", "AzurePayloadStore"),
+}
+"""The store class of each URL scheme (imported when used: each needs its own client library)."""
+_URL_SCHEMES = tuple(_URL_STORES)
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
 ACCEPTED_STORE_FORMS = (
     "s3://bucket[/prefix], gs://bucket[/prefix], az://account/container[/prefix], oci://HOST[:PORT]/NAMESPACE/NAME,"
@@ -102,19 +110,14 @@ def _looks_like_azure_connection_string(spec: str) -> bool:
     return bool(keys & _AZURE_CONNECTION_KEYS)
 
 
-def _redacted(exc: ColdsnapError) -> ColdsnapError:
-    """``exc`` with :func:`redact_store_spec` applied to its detail (same type, file and position)."""
-    exc.detail = redact_store_spec(exc.detail)
-    exc.args = (exc._compose(),)
-    return exc
-
-
 def parse_store_spec(spec: str, *, repo_type: str = "model", client: StoreClientSettings | None = None) -> PayloadStore:
-    """:func:`_parse_store_spec`, every error redacted (:func:`redact_store_spec`)."""
+    """:func:`_parse_store_spec`, every error's detail redacted (:func:`redact_store_spec`; same type, file and position)."""
     try:
         return _parse_store_spec(spec, repo_type=repo_type, client=client or StoreClientSettings())
     except ColdsnapError as exc:
-        raise _redacted(exc) from None
+        exc.detail = redact_store_spec(exc.detail)
+        exc.args = (exc._compose(),)
+        raise exc from None
 
 
 def _file_url_path(spec: str) -> str:
@@ -172,22 +175,11 @@ def _parse_store_spec(spec: str, *, repo_type: str, client: StoreClientSettings)
         _refuse_unknown_form(spec)
     if spec.startswith(_URL_SCHEMES):
         _check_url(spec)
-    if spec.startswith("s3://"):
-        from coldsnap_core.stores.s3 import S3PayloadStore
-
-        return S3PayloadStore.from_url(spec, client_settings=client)
-    if spec.startswith("oci://"):
-        from coldsnap_core.stores.oci import OciPayloadStore
-
-        return OciPayloadStore.from_url(spec, client_settings=client)
-    if spec.startswith("gs://"):
-        from coldsnap_core.stores.gcs import GcsPayloadStore
-
-        return GcsPayloadStore.from_url(spec, client_settings=client)
-    if spec.startswith("az://") or _looks_like_azure_connection_string(spec):
-        from coldsnap_core.stores.azure import AzurePayloadStore
-
-        return AzurePayloadStore.from_url(spec, client_settings=client)
+    scheme = next((s for s in _URL_SCHEMES if spec.startswith(s)), None)
+    if scheme is not None or _looks_like_azure_connection_string(spec):
+        module, cls = _URL_STORES[scheme or "az://"]
+        store_class = getattr(importlib.import_module(f"coldsnap_core.stores.{module}"), cls)
+        return store_class.from_url(spec, client_settings=client)
     try:
         from coldsnap_core.stores.hf import HfPayloadStore
     except ValueError as exc:  # huggingface_hub parses HF_ENDPOINT when it is imported
