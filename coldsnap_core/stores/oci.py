@@ -229,6 +229,12 @@ def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
     return scheme.lower(), {k.lower(): v for k, v in re.findall(r'([A-Za-z]+)="([^"]*)"', params)}
 
 
+def _layer(media_type: str, digest: str, size_bytes: int, title: str, **annotations: str) -> dict[str, Any]:
+    """A manifest layer titled ``title``, with ``annotations`` under :data:`ANNOTATION_PREFIX`."""
+    named = {TITLE_ANNOTATION: title, **{f"{ANNOTATION_PREFIX}{k}": v for k, v in annotations.items()}}
+    return {"mediaType": media_type, "digest": f"sha256:{digest}", "size": size_bytes, "annotations": named}
+
+
 class OciPayloadStore(RangedStore):
     """Packs as blobs of the repository ``repository`` (``NAMESPACE/NAME``) of ``registry`` (``HOST[:PORT]``);
     ``tag``: the manifest tag (``None``: each artifact's name); ``credentials`` default to the Docker config's.
@@ -554,27 +560,11 @@ class OciPayloadStore(RangedStore):
     def manifest_for(self, listing: ArtifactListing) -> bytes:
         """The OCI image manifest of ``listing`` (UTF-8 JSON, keys sorted; ``docs/format.md`` §12.6): one
         :data:`PACK_MEDIA_TYPE` layer per pack in digest order, then one :data:`FILE_MEDIA_TYPE` layer per file."""
-        files = [
-            {
-                "mediaType": FILE_MEDIA_TYPE,
-                "digest": f"sha256:{file.sha256}",
-                "size": file.size_bytes,
-                "annotations": {TITLE_ANNOTATION: file.path},
-            }
-            for file in listing.files
-        ]
         layers = [
-            {
-                "mediaType": PACK_MEDIA_TYPE,
-                "digest": f"sha256:{pack.sha256}",
-                "size": pack.size_bytes,
-                "annotations": {
-                    TITLE_ANNOTATION: f"{pack.sha256}.pack",
-                    f"{ANNOTATION_PREFIX}workers": ",".join(pack.workers),
-                },
-            }
+            _layer(PACK_MEDIA_TYPE, pack.sha256, pack.size_bytes, f"{pack.sha256}.pack", workers=",".join(pack.workers))
             for pack in sorted(listing.packs, key=lambda p: p.sha256)
-        ] + files
+        ]
+        layers += [_layer(FILE_MEDIA_TYPE, file.sha256, file.size_bytes, file.path) for file in listing.files]
         annotations = {f"{ANNOTATION_PREFIX}{key}": value for key, value in listing.annotations}
         annotations[f"{ANNOTATION_PREFIX}format-version"] = str(listing.format_version)
         annotations[TITLE_ANNOTATION] = listing.name
@@ -623,15 +613,14 @@ class OciPayloadStore(RangedStore):
                 f"{self.name}: the tag {where} names {what} ({current}); one tag names one artifact: publish {name!r}"
                 " under another tag (or none: each artifact is then tagged by its folder name), or delete the tag first"
             )
-        if not warn:  # a check before the upload: the move is logged once, when it happens
-            return
-        logger.warning(
-            "coldsnap: moving %s from %s to sha256:%s (a new capture of %r; pulls of the tag get the new one)",
-            where,
-            current,
-            manifest_digest,
-            name,
-        )
+        if warn:  # not in a check before the upload: the move is logged once, when it happens
+            logger.warning(
+                "coldsnap: moving %s from %s to sha256:%s (a new capture of %r; pulls of the tag get the new one)",
+                where,
+                current,
+                manifest_digest,
+                name,
+            )
 
     def _check_tag(self, listing: ArtifactListing, *, warn: bool) -> tuple[bytes, str, str, str, bool]:
         """The tag rules of :meth:`publish_artifact` for ``listing``, reading only; returns ``(manifest, its digest, the
