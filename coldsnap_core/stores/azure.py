@@ -19,11 +19,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from coldsnap_core.errors import (
-    ConfigurationError,
-    PayloadUnavailableError,
-    StoreError,
-)
+from coldsnap_core.errors import ConfigurationError, PayloadUnavailableError, StoreError
 from coldsnap_core.settings import StoreClientSettings
 from coldsnap_core.stores._ranged import (
     DEFAULT_CONCURRENCY,
@@ -254,34 +250,30 @@ class AzurePayloadStore(RangedStore):
     @contextlib.contextmanager
     def open_range(self, obj: StoreObject, stat: ObjectStat, start: int, end: int) -> Iterator[tuple[Iterable[bytes], bool]]:
         """One ``Get Blob`` of the range pinned to the ETag through the client's pipeline, read as it arrives
-        (``download_blob`` would hold each response whole)."""
+        (``download_blob`` would hold each response whole). A refusal raises ``PayloadUnavailableError`` for 404 (the
+        blob is gone), else ``StoreError`` (412: the blob changed; 401/403: the credential; else the service's message)."""
         from azure.core.rest import HttpRequest
 
-        blob = self._blob(obj)
+        blob, where = self._blob(obj), self.location(obj)
         headers = {"x-ms-range": f"bytes={start}-{end - 1}", "If-Match": str(stat.version), "x-ms-version": blob.api_version}
         response = blob._client._send_request(HttpRequest("GET", blob.url, headers=headers), stream=True)
         with contextlib.closing(response):
-            raw = response.internal_response.raw
-            if response.status_code not in (200, 206):
-                self._refuse_range(obj, stat, start, end, response.status_code, response.headers, read1_chunks(raw))
-            yield read1_chunks(raw), response.status_code == 200
-
-    def _refuse_range(
-        self, obj: StoreObject, stat: ObjectStat, start: int, end: int, status: int, headers: Any, body: Iterable[bytes]
-    ) -> None:
-        """Raise the error of a refused ranged read: ``PayloadUnavailableError`` for 404 (the blob is gone), else
-        ``StoreError`` (412: the blob changed; 401/403: the credential; else the service's message)."""
-        code, where = headers.get("x-ms-error-code", ""), self.location(obj)
-        if status == 404:
-            raise PayloadUnavailableError(f"{self.name} no longer holds the {obj.what}", file=where)
-        if status == 412:
-            raise StoreError(
-                f"{self.name}: the blob changed while it was read (ETag {stat.version} no longer matches)", file=where
-            )
-        if status in (401, 403):
-            raise self._refused(f"reading bytes {start}-{end - 1}", obj, code or status)
-        message = read_answer(self, self.location(obj), body).decode(errors="replace").splitlines()
-        raise StoreError(f"{self.name}: reading bytes {start}-{end - 1} failed: HTTP {status} {code} {message[:1]}", file=where)
+            raw, status = response.internal_response.raw, response.status_code
+            code = response.headers.get("x-ms-error-code", "")
+            if status == 404:
+                raise PayloadUnavailableError(f"{self.name} no longer holds the {obj.what}", file=where)
+            if status == 412:
+                raise StoreError(
+                    f"{self.name}: the blob changed while it was read (ETag {stat.version} no longer matches)", file=where
+                )
+            if status in (401, 403):
+                raise self._refused(f"reading bytes {start}-{end - 1}", obj, code or status)
+            if status not in (200, 206):
+                message = read_answer(self, where, read1_chunks(raw)).decode(errors="replace").splitlines()
+                raise StoreError(
+                    f"{self.name}: reading bytes {start}-{end - 1} failed: HTTP {status} {code} {message[:1]}", file=where
+                )
+            yield read1_chunks(raw), status == 200
 
     def create(
         self, path: Path, obj: StoreObject, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
