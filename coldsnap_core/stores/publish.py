@@ -206,8 +206,7 @@ def _publish_payload(
             file=path,
         )
     if dry_run:
-        mismatch = size_mismatch(PackSizeMismatchError, "local pack", st.st_size, pack.size_bytes, file=path)
-        if mismatch is not None:
+        if mismatch := size_mismatch(PackSizeMismatchError, "local pack", st.st_size, pack.size_bytes, file=path):
             raise mismatch
         return "would-upload"
     layout = check_manifest(item.manifest, file=item.manifest_file)
@@ -220,9 +219,8 @@ def _publish_payload(
         cache.quarantine(pack.sha256)
         raise
     upload_progress = progress(f"upload {pack.sha256[:12]}", pack.size_bytes) if progress else None
-    created = store.upload(path, pack.sha256, pack.size_bytes, progress=upload_progress)
     # False: another publisher created this digest while we verified and sent it (kept as is)
-    return "present" if created is False else "uploaded"
+    return "uploaded" if store.upload(path, pack.sha256, pack.size_bytes, progress=upload_progress) else "present"
 
 
 def _publish_file(
@@ -244,8 +242,7 @@ def _publish_file(
     pin = ContentRef(file.path, file.size_bytes, file.sha256)
     # the bytes sent are the pinned ones: a file changed since artifact.json was read is refused, naming it
     check_pinned_file(local, pin, pinned_by=f"{artifact_dir / DESCRIPTOR_FILENAME} (read for this publication)")
-    created = store.upload(local, obj, file.size_bytes)
-    return "present" if created is False else "uploaded"
+    return "uploaded" if store.upload(local, obj, file.size_bytes) else "present"
 
 
 def artifact_listing(artifact_dir: Path, name: str | None = None) -> ArtifactListing:
