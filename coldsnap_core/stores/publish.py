@@ -117,15 +117,13 @@ def collect_payloads(artifact_dirs: Sequence[Path]) -> list[PayloadToPublish]:
             check_manifest(capsule.native, file=str(capsule.native_manifest_path))
             owner = f"{artifact_dir}:{entry.worker.capsule_name}"
             digest = entry.payload.sha256
-            if digest in found:
-                if found[digest][0].size_bytes != entry.payload.size_bytes:
-                    raise ArtifactError(
-                        f"pack {digest} is {entry.payload.size_bytes} bytes here and {found[digest][0].size_bytes} bytes in {found[digest][2][0]}",
-                        file=capsule.native_manifest_path,
-                    )
-                found[digest][2].append(owner)
-            else:
-                found[digest] = (entry.payload, capsule.native, [owner], str(capsule.native_manifest_path))
+            first = found.setdefault(digest, (entry.payload, capsule.native, [], str(capsule.native_manifest_path)))
+            if first[0].size_bytes != entry.payload.size_bytes:
+                raise ArtifactError(
+                    f"pack {digest} is {entry.payload.size_bytes} bytes here and {first[0].size_bytes} bytes in {first[2][0]}",
+                    file=capsule.native_manifest_path,
+                )
+            first[2].append(owner)
     return [
         PayloadToPublish(pack, manifest, tuple(owners), manifest_file)
         for _, (pack, manifest, owners, manifest_file) in sorted(found.items())

@@ -246,12 +246,6 @@ class S3PayloadStore(RangedStore):
         condition = {"IfNoneMatch": "*"} if replacing is None else {"IfMatch": str(replacing.version)}
         if size_bytes > self.part_size_bytes:
             return self._multipart(path, obj, size_bytes, progress, condition)
-        created = self._put_once(path, obj, size_bytes, condition)
-        if created and progress is not None:
-            progress(size_bytes)
-        return created
-
-    def _put_once(self, path: Path, obj: StoreObject, size_bytes: int, condition: dict[str, str]) -> bool:
         with hashing_reader(path, obj.sha256, size_bytes, None) as reader:
             data = reader.read()
         try:
@@ -267,6 +261,8 @@ class S3PayloadStore(RangedStore):
             if _error_code(exc) in _CONDITION_FAILED_CODES:
                 return False
             raise
+        if progress is not None:
+            progress(size_bytes)
         return True
 
     def _multipart(
