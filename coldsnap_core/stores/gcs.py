@@ -17,7 +17,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from coldsnap_core.errors import ConfigurationError, PayloadUnavailableError
+from coldsnap_core.errors import (
+    ConfigurationError,
+    PayloadUnavailableError,
+)
 from coldsnap_core.settings import StoreClientSettings
 from coldsnap_core.stores._ranged import (
     DEFAULT_CONCURRENCY,

@@ -124,7 +124,8 @@ class LocalFolderStore(ReferenceIndex):
             st = os.fstat(source_fd)
             if not stat.S_ISREG(st.st_mode):
                 raise NotRegularFileError(f"the stored {obj.what} is not a regular file ({stat.filemode(st.st_mode)})", file=path)
-            if mismatch := size_mismatch(PackSizeMismatchError, f"stored {obj.what}", st.st_size, size_bytes, file=path):
+            mismatch = size_mismatch(PackSizeMismatchError, f"stored {obj.what}", st.st_size, size_bytes, file=path)
+            if mismatch is not None:
                 raise mismatch
             copy_fd(source_fd, fd, size_bytes, source=path, target=file, progress=progress, landed=landed)
         finally:

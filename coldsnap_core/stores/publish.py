@@ -204,7 +204,8 @@ def _publish_payload(
             file=path,
         )
     if dry_run:
-        if mismatch := size_mismatch(PackSizeMismatchError, "local pack", st.st_size, pack.size_bytes, file=path):
+        mismatch = size_mismatch(PackSizeMismatchError, "local pack", st.st_size, pack.size_bytes, file=path)
+        if mismatch is not None:
             raise mismatch
         return "would-upload"
     layout = check_manifest(item.manifest, file=item.manifest_file)
@@ -217,8 +218,9 @@ def _publish_payload(
         cache.quarantine(pack.sha256)
         raise
     upload_progress = progress(f"upload {pack.sha256[:12]}", pack.size_bytes) if progress else None
+    created = store.upload(path, pack.sha256, pack.size_bytes, progress=upload_progress)
     # False: another publisher created this digest while we verified and sent it (kept as is)
-    return "uploaded" if store.upload(path, pack.sha256, pack.size_bytes, progress=upload_progress) else "present"
+    return "present" if created is False else "uploaded"
 
 
 def _publish_file(
@@ -240,7 +242,8 @@ def _publish_file(
     pin = ContentRef(file.path, file.size_bytes, file.sha256)
     # the bytes sent are the pinned ones: a file changed since artifact.json was read is refused, naming it
     check_pinned_file(local, pin, pinned_by=f"{artifact_dir / DESCRIPTOR_FILENAME} (read for this publication)")
-    return "uploaded" if store.upload(local, obj, file.size_bytes) else "present"
+    created = store.upload(local, obj, file.size_bytes)
+    return "present" if created is False else "uploaded"
 
 
 def artifact_listing(artifact_dir: Path, name: str | None = None) -> ArtifactListing:

@@ -21,7 +21,13 @@ import filelock
 from coldsnap_core._io import fsync_dir, os_error, remove_tree, sha256_file
 from coldsnap_core.artifact.capsules import check_pinned_file, read_descriptor_bytes
 from coldsnap_core.cache.locks import acquire_logged
-from coldsnap_core.errors import ArtifactError, CapsulePinMismatchError, ConfigurationError, FileAccessError, LockTimeoutError
+from coldsnap_core.errors import (
+    ArtifactError,
+    CapsulePinMismatchError,
+    ConfigurationError,
+    FileAccessError,
+    LockTimeoutError,
+)
 from coldsnap_core.format.content_ref import ContentRef
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, ArtifactDescriptor
 from coldsnap_core.stores.base import ARTIFACTS_DIRNAME, PayloadStore, PublishedArtifact, artifact_object

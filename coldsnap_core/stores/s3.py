@@ -23,7 +23,12 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from coldsnap_core.errors import ConfigurationError, PayloadUnavailableError, StoreError, redact_store_spec
+from coldsnap_core.errors import (
+    ConfigurationError,
+    PayloadUnavailableError,
+    StoreError,
+    redact_store_spec,
+)
 from coldsnap_core.settings import StoreClientSettings
 from coldsnap_core.stores._ranged import (
     ANSWER_MAX_BYTES,
