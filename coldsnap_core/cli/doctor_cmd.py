@@ -40,7 +40,7 @@ from coldsnap_core.cli.stage_cmd import add_host_options, add_repo_option, store
 from coldsnap_core.errors import ColdsnapError, ConfigurationError, IntegrityError
 from coldsnap_core.format.descriptor import MODEL_DIRNAME, ArtifactDescriptor
 from coldsnap_core.format.manifest import PackRef
-from coldsnap_core.format.verify import verify_pack_file
+from coldsnap_core.format.verify import verify_blob_file, verify_pack_file
 from coldsnap_core.identity.checkpoint_records import CheckpointRecords
 from coldsnap_core.identity.model_folder import holds_weight_files
 from coldsnap_core.identity.model_identity import LoadedModel, check_model_identity
@@ -331,8 +331,21 @@ def target_checks(
                 )
             )
         else:
-            checks.append(Check("target", "ok", f"{name}: restores from the {here['capsule']} capsule: {here['reason']}"))
+            # an overlay restores from its own blob, which the overlay's selection checked
+            blob = None if here["capsule"] == "overlay" else _blob_check(name, capsule)
+            checks.append(blob or Check("target", "ok", f"{name}: restores from the {here['capsule']} capsule: {here['reason']}"))
     return checks
+
+
+def _blob_check(name: str, capsule: Capsule) -> Check | None:
+    """The residual blob a restore from ``capsule`` verifies first (size, SHA-256: ``verify_blob_file``): the failed
+    check naming the blob and the rule, or ``None`` when it matches its manifest."""
+    try:
+        verify_blob_file(capsule.blob_path, capsule.native.residual)
+    except ColdsnapError as exc:
+        remedy = exc.remedy or "pull the artifact again (coldsnap pull REF DIR) or capture it again"
+        return Check("target", "failed", f"{name}: {_without_remedy(exc)}", remedy)
+    return None
 
 
 def model_source(descriptor: ArtifactDescriptor, artifact_dir: Path, given: str | None) -> str:

@@ -221,6 +221,30 @@ def test_a_capsule_captured_on_another_target_exits_13(tmp_path: Path, tiny_chec
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize(
+    ("damage", "rule"), [("flip", "residual-sha256"), ("truncate", "residual-size"), ("remove", "object-present")]
+)
+def test_a_damaged_residual_blob_exits_13_naming_it(node: Node, damage: str, rule: str, capsys) -> None:
+    """The worker's ``weights.blob`` with one byte flipped, truncated or removed: the target check fails (exit 13, not
+    ready) naming the blob and the rule a restore would refuse it by, with one remedy. Fails if doctor says "ready"
+    for a node whose restore verifies the blob first and refuses it."""
+    blob = next(node.artifact.rglob("weights.blob"))
+    if damage == "flip":
+        data = bytearray(blob.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        blob.write_bytes(bytes(data))
+    elif damage == "truncate":
+        blob.write_bytes(blob.read_bytes()[:-1])
+    else:
+        blob.unlink()
+    code, doc = doctor(capsys, node.args())
+    assert code == CHECK_EXIT_CODES["target"] and doc["ready"] is False, doc
+    [target] = failed(doc)
+    assert target["check"] == "target" and str(blob) in target["message"] and rule in target["message"], target
+    assert target["remedy"]
+
+
+@pytest.mark.vllm
 def test_a_changed_checkpoint_exits_14(node: Node, other_checkpoint: Path, capsys) -> None:
     """The checkpoint file was replaced by another fine-tune's (same name, same size, other bytes): exit 14 naming the
     file, with one remedy (the error's own is left out of the message); the other checkpoint given as ``--model``
