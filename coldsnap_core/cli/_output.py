@@ -12,21 +12,14 @@ from collections.abc import Callable, Iterable
 from coldsnap_core.errors import ColdsnapError
 
 
-def add_json_option(parser: argparse.ArgumentParser) -> None:
+def add_command_options(
+    parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int], state_root: str = "the cache's state root"
+) -> None:
+    """``--state-root`` (``state_root`` says what it is), ``--json``, and ``run`` as the command."""
+    parser.add_argument("--state-root", help=f"{state_root} (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)")
     parser.add_argument(
         "--json", action="store_true", help="print one JSON document on stdout (an error too, with its rule and exit code)"
     )
-
-
-def add_command_options(
-    parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int], state_root: str | None = "the cache's state root"
-) -> None:
-    """``--state-root`` (``state_root`` says what it is; ``None``: no such option), ``--json``, and ``run`` as the command."""
-    if state_root is not None:
-        parser.add_argument(
-            "--state-root", default=None, help=f"{state_root} (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)"
-        )
-    add_json_option(parser)
     parser.set_defaults(func=run)
 
 

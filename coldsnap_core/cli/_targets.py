@@ -17,11 +17,7 @@ from coldsnap_core.restore.overlay import select_capsule
 
 
 def _present(path: Path) -> bool:
-    """Whether something is at ``path`` (``lstat``).
-
-    Raises:
-        FileAccessError: permission denied (or another error) examining ``path``; names it.
-    """
+    """Whether something is at ``path`` (``lstat``); a ``FileAccessError`` names it when it cannot be examined."""
     try:
         os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):
@@ -41,13 +37,11 @@ def artifact_folder(target: str) -> Path:
 
 def resolve(target: str) -> tuple[ArtifactDescriptor | None, list[Capsule]]:
     """The descriptor (for an artifact folder, else ``None``) and the capsules of ``target``: an artifact folder or its
-    ``artifact.json``, a capsule folder or a ``native-manifest.json``. A capsule inside an artifact is read with its
-    pins (:func:`~coldsnap_core.artifact.capsules.read_worker_capsule`), one outside any on its own.
+    ``artifact.json``, a capsule folder or a ``native-manifest.json`` (inside an artifact: read with its pins).
 
     Raises:
         MissingObjectError: nothing usable at ``target``.
-        FileAccessError: ``target`` (or a document in it) cannot be examined, e.g. permission
-            denied (rule ``io``, exit code 4): never reported as missing.
+        FileAccessError: ``target`` (or a document in it) cannot be examined: never reported as missing.
         ArtifactError: a capsule folder inside an artifact that ``artifact.json`` does not list.
         CapsulePinMismatchError, ManifestMismatchError, ManifestError: see ``read_worker_capsule``.
     """

@@ -1,11 +1,7 @@
-"""``coldsnap cache ls|verify|rm|gc``: look after the node-local payload cache.
+"""``coldsnap cache ls|verify|rm|gc``: look after the node-local payload cache (each action: its ``--help``).
 
-``ls`` shows each pack's size, last use, whether a running load holds it, the artifacts on this node that use it and
-when it was last hashed in full (``verified_at``, with a trusted validation record); ``verify --full`` is the scrub
-that hashes every object again. ``rm`` removes one pack; ``gc --unused-for`` and ``--max-bytes`` evict packs least
-recently used first (:mod:`coldsnap_core.cache.pack_use`), never one a running load holds. ``gc``, ``rm`` and
-``verify`` touch nothing of another user's: a state root another uid owns is refused, and within one another user's
-overlay, object or record is kept and named. Exit codes: ``docs/format.md`` §8.
+``gc``, ``rm`` and ``verify`` touch nothing of another user's: a state root another uid owns is refused, and within one
+another user's overlay, object or record is kept and named. Exit codes: ``docs/format.md`` §8.
 """
 
 from __future__ import annotations
@@ -166,26 +162,22 @@ def _ls(args: argparse.Namespace) -> int:
         ],
         "sleep_capsules": [{"path": str(e.path), "owner": e.owner, "size_bytes": e.size_bytes} for e in capsules],
     }
-    if args.json:
-        print_json(doc)
-        return 0
-    print(f"state root: {cache.state_root}")
-    for o in objects:
-        print(_object_line(o))
-    for o in overlays:
-        print(f"overlay {o['path']}  {o['kind'] or '?'}  {o['status']}: {o['reason']}")
+    lines = [f"state root: {cache.state_root}", *map(_object_line, objects)]
+    lines += [f"overlay {o['path']}  {o['kind'] or '?'}  {o['status']}: {o['reason']}" for o in overlays]
     for d in doc["debris"]:
         if d["kind"] == "temporary":
-            print(f"debris {d['path']}  temporary file whose writer is gone; the next writer or coldsnap cache gc removes it")
+            lines.append(
+                f"debris {d['path']}  temporary file whose writer is gone; the next writer or coldsnap cache gc removes it"
+            )
     for c in doc["sleep_capsules"]:
         note = "process alive" if c["owner"] == "alive" else "process gone; coldsnap cache gc removes it"
-        print(f"sleep capsule {c['path']}  {c['size_bytes']:>14} bytes  {note}")
-    print(
+        lines.append(f"sleep capsule {c['path']}  {c['size_bytes']:>14} bytes  {note}")
+    lines.append(
         f"{len(objects)} object(s), {len(doc['temporaries'])} temporary file(s), "
         f"{len(doc['quarantined'])} quarantined, {len(doc['foreign'])} foreign name(s), "
         f"{len(doc['sleep_capsules'])} sleep capsule(s), {len(overlays)} overlay(s)"
     )
-    return 0
+    return report(args, doc, lines)
 
 
 def _object_line(o: dict[str, object]) -> str:
@@ -238,11 +230,7 @@ def _existing_cache(args: argparse.Namespace, command: str | None = None) -> Pay
 
 
 def _refuse_another_users(cache: PayloadCache, digest: str) -> None:
-    """Leave ``digest`` unverified when its object or record belongs to another uid.
-
-    Raises:
-        CacheError: naming the file.
-    """
+    """Leave ``digest`` unverified (``CacheError`` naming the file) when its object or record belongs to another uid."""
     for path in (cache.object_path(digest), cache.record_path(digest)):
         st = lstat_or_none(path)
         if st is not None and st.st_uid != os.geteuid():
@@ -329,8 +317,39 @@ def _evict(args: argparse.Namespace, cache: PayloadCache) -> tuple[Eviction, boo
     return eviction, args.max_bytes is not None and eviction.remaining_bytes > args.max_bytes
 
 
-def _print_eviction(args: argparse.Namespace, eviction: Eviction, over: bool) -> None:
+def _gc(args: argparse.Namespace) -> int:
+    cache = _existing_cache(args, "gc")
+    swept = cache.gc(older_than_seconds=args.older_than, dry_run=args.dry_run)
+    eviction, over = _evict(args, cache)
     verb = "would remove" if args.dry_run else "removed"
+    sleep_capsules = sweep_sleep_capsules(cache.state_root, dry_run=args.dry_run)
+    overlays, kept = gc_overlays(cache.state_root, dry_run=args.dry_run)
+    freed = swept.bytes_freed + sum(e.size_bytes for e in sleep_capsules) + sum(o.size_bytes for o in overlays)
+    freed += eviction.bytes_freed
+    code = EXIT_OTHER if kept or over else 0
+    if args.json:
+        removed = {
+            "packs": [_pack_json(p) for p in eviction.removed],
+            "sleep_capsules": [str(e.path) for e in sleep_capsules],
+            "temporaries": [str(p) for p in swept.temporaries],
+            "quarantined": [str(p) for p in swept.quarantined],
+            "orphan_records": [str(p) for p in swept.orphan_records],
+            "overlays": [_overlay_json(o) for o in overlays],
+        }
+        print_json(
+            {
+                "state_root": str(cache.state_root),
+                "dry_run": args.dry_run,
+                "removed": removed,
+                "bytes_freed": freed,
+                "kept_live": [str(p) for p in swept.kept_live],
+                "kept_in_use": list(eviction.kept_in_use),
+                "kept_overlays": [_overlay_json(o) for o in kept],
+                "pack_bytes": eviction.remaining_bytes,
+                "exit_code": code,
+            }
+        )
+        return code
     for pack in eviction.removed:
         print(f"{verb} pack {pack.digest} ({pack.size_bytes} bytes, last used {_iso(pack.last_used_ns)})")
     for digest in eviction.kept_in_use:
@@ -340,58 +359,22 @@ def _print_eviction(args: argparse.Namespace, eviction: Eviction, over: bool) ->
             f"the packs left total {eviction.remaining_bytes} bytes, over --max-bytes {args.max_bytes}: the rest are in use",
             file=sys.stderr,
         )
-
-
-def _gc(args: argparse.Namespace) -> int:
-    cache = _existing_cache(args, "gc")
-    report = cache.gc(older_than_seconds=args.older_than, dry_run=args.dry_run)
-    eviction, over = _evict(args, cache)
-    verb = "would remove" if args.dry_run else "removed"
-    sleep_capsules = sweep_sleep_capsules(cache.state_root, dry_run=args.dry_run)
-    overlays, kept = gc_overlays(cache.state_root, dry_run=args.dry_run)
-    freed = report.bytes_freed + sum(e.size_bytes for e in sleep_capsules) + sum(o.size_bytes for o in overlays)
-    freed += eviction.bytes_freed
-    code = EXIT_OTHER if kept or over else 0
-    if args.json:
-        removed = {
-            "packs": [_pack_json(p) for p in eviction.removed],
-            "sleep_capsules": [str(e.path) for e in sleep_capsules],
-            "temporaries": [str(p) for p in report.temporaries],
-            "quarantined": [str(p) for p in report.quarantined],
-            "orphan_records": [str(p) for p in report.orphan_records],
-            "overlays": [_overlay_json(o) for o in overlays],
-        }
-        print_json(
-            {
-                "state_root": str(cache.state_root),
-                "dry_run": args.dry_run,
-                "removed": removed,
-                "bytes_freed": freed,
-                "kept_live": [str(p) for p in report.kept_live],
-                "kept_in_use": list(eviction.kept_in_use),
-                "kept_overlays": [_overlay_json(o) for o in kept],
-                "pack_bytes": eviction.remaining_bytes,
-                "exit_code": code,
-            }
-        )
-        return code
-    _print_eviction(args, eviction, over)
     for entry in sleep_capsules:
         print(f"{verb} sleep capsule {entry.path} (its process is gone)")
     for kind, paths in (
-        ("temporary", report.temporaries),
-        ("quarantined", report.quarantined),
-        ("orphan record", report.orphan_records),
+        ("temporary", swept.temporaries),
+        ("quarantined", swept.quarantined),
+        ("orphan record", swept.orphan_records),
     ):
         for path in paths:
             print(f"{verb} {kind} {path}")
-    for path in report.kept_live:
+    for path in swept.kept_live:
         print(f"kept {path} (writer alive or younger than {args.older_than:g} s)")
     for o in overlays:
         print(f"{verb} overlay {o.path} ({o.status}: {o.reason})")
     print(
-        f"{verb} {len(eviction.removed)} pack(s), {len(report.temporaries)} temporary, {len(report.quarantined)} quarantined, "
-        f"{len(report.orphan_records)} orphan record(s), {len(sleep_capsules)} sleep capsule(s), {len(overlays)} stale or"
+        f"{verb} {len(eviction.removed)} pack(s), {len(swept.temporaries)} temporary, {len(swept.quarantined)} quarantined, "
+        f"{len(swept.orphan_records)} orphan record(s), {len(sleep_capsules)} sleep capsule(s), {len(overlays)} stale or"
         f" invalid overlay(s); {freed} bytes",
         file=sys.stderr,
     )
@@ -470,7 +453,6 @@ def _add_ls(sub: argparse._SubParsersAction) -> None:
     )
     ls.add_argument(
         "--outcome-log",
-        default=None,
         metavar="PATH",
         help="the load outcome log whose artifacts are listed (default: $COLDSNAP_OUTCOME_LOG or"
         " <state-root>/load-outcomes.jsonl)",
@@ -494,7 +476,6 @@ def _add_gc(sub: argparse._SubParsersAction) -> None:
     gc.add_argument(
         "--unused-for",
         type=_duration,
-        default=None,
         metavar="DURATION",
         help="also remove every pack last used longer ago than this (7d, 12h, 90m, 30s; a number is seconds), never one"
         " a running load holds",
@@ -502,7 +483,6 @@ def _add_gc(sub: argparse._SubParsersAction) -> None:
     gc.add_argument(
         "--max-bytes",
         type=_size,
-        default=None,
         metavar="SIZE",
         help="then remove packs, least recently used first, until they total at most SIZE (50G, 500Mi; K M G T are"
         " powers of 1000, Ki Mi Gi Ti of 1024), never one a running load holds (exit 4 when those keep it over)",

@@ -1,13 +1,9 @@
 """``coldsnap doctor ARTIFACT``: will this node restore ARTIFACT? One preflight, one line per check with a remedy.
 
-The checks (``plugin``, ``state-root``, ``store``, ``target``, ``model``, ``packs``), what each asks and its exit code
-(the first failed check's is the command's; ``--json`` lists them all): ``docs/format.md`` §8. A check that needs what
-this installation lacks (torch, the engine) is a warning saying so, as is a restore that works but slower. Each line
-says one remedy: the check's own, in the place of the remedy of an error it quotes.
-
-With ``--user`` (a name or uid) and run as root, every check runs with that user's effective uid, gid and groups.
-Nothing is written, but a checkpoint file whose checkpoint record is stale is hashed again and recorded, as a start
-would.
+The checks, what each asks and its exit code: ``docs/format.md`` §8. A check that needs what this installation lacks
+(torch, the engine) is a warning saying so, as is a restore that works but slower; a check that quotes an error says
+its own remedy instead of the error's. With ``--user``, run as root, every check runs as that user. Nothing is
+written, but a checkpoint file whose checkpoint record is stale is hashed again and recorded, as a start would.
 """
 
 from __future__ import annotations
@@ -499,13 +495,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("artifact", metavar="ARTIFACT", help="artifact folder (with artifact.json), or its artifact.json")
     p.add_argument(
         "--model",
-        default=None,
         metavar="PATH",
         help="the checkpoint the engine loads: its --model, a folder or a repository id (default: the artifact's source"
         " folder when it is on this node, else the artifact's model/ folder, else its source)",
     )
-    p.add_argument("--revision", default=None, help="the engine's --revision of a repository id (default: main)")
-    p.add_argument("--user", default=None, help="the engine's user, a name or uid (default: this one; another needs root)")
+    p.add_argument("--revision", help="the engine's --revision of a repository id (default: main)")
+    p.add_argument("--user", help="the engine's user, a name or uid (default: this one; another needs root)")
     add_host_options(p, "check")
     add_repo_option(p)
     add_command_options(p, run, "the engine's state root")

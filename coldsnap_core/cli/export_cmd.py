@@ -1,16 +1,10 @@
 """``coldsnap export -- COMMAND...``: a one-shot export that exits, for a CI or Kubernetes Job.
 
-``COMMAND`` (the engine's own start command, ``--load-format coldsnap``) runs in a process group of its own with
-``COLDSNAP_EXPORT_MODEL_PAYLOAD=1`` and the artifact folder, state root and outcome log this command resolved. Then:
-
-1. **wait** for a ``captured`` outcome line (``docs/format.md`` §10.3) of every worker of the world the first one names,
-   then, with ``--ready-url``, for that URL to answer 200 (vLLM attaches its derived-cache seed, §17, before it is
-   ready); a ``refused`` line, another outcome, the engine exiting or ``--timeout`` is an
-   :class:`~coldsnap_core.errors.ExportError` quoting the engine's last lines of output;
-2. **stop** the engine: SIGTERM to its process group, SIGKILL after ``--grace`` seconds (also when interrupted);
-3. **verify** the artifact as ``coldsnap verify`` does, and that it names the packs the outcome lines captured.
-
-The workers must all write to the outcome log this node reads. Exit codes: ``docs/format.md`` §8.
+COMMAND runs in a process group of its own with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1`` and the artifact folder, state
+root and outcome log this command resolved. It waits for a ``captured`` outcome line (``docs/format.md`` §10.3) of
+every worker of the world the first one names, then, with ``--ready-url``, for that URL to answer 200 (vLLM attaches
+its derived-cache seed, §17, before it is ready); then stops the engine and verifies the artifact. The workers must all
+write to the outcome log this node reads. Exit codes: ``docs/format.md`` §8.
 """
 
 from __future__ import annotations
@@ -167,7 +161,7 @@ def _world(capsule_name: str) -> tuple[str, ...] | None:
 
 
 class _Wait:
-    """The wait for every worker's ``captured`` line (see the module docstring)."""
+    """The wait for every worker's ``captured`` line, then for ``--ready-url``."""
 
     def __init__(self, engine: _Engine, tail: _OutcomeTail, artifact_dir: Path, timeout_seconds: float) -> None:
         self.engine, self.tail, self.artifact_dir = engine, tail, str(artifact_dir)
@@ -255,19 +249,11 @@ def _engine_env(settings: ColdsnapSettings, artifact_dir: Path) -> dict[str, str
     return env
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM to this command: stop the engine, then exit as interrupted."""
-
-
-def _terminate(signum, frame) -> None:
-    raise _Terminated
-
-
 def _capture(args: argparse.Namespace, command: list[str], artifact_dir: Path) -> tuple[dict[str, str], int]:
     """Steps 1 and 2: ``(capsule name -> captured pack digest, the engine's exit status)``."""
     settings: ColdsnapSettings = args.settings
     tail = _OutcomeTail(settings.outcome_log_path)
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM: stop the engine, exit as interrupted
     engine = _Engine(command, _engine_env(settings, artifact_dir))
     try:
         wait = _Wait(engine, tail, artifact_dir, args.timeout)
@@ -331,17 +317,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("engine_command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the engine's start command")
-    p.add_argument("--artifact-dir", default=None, help="the artifact folder (default: $COLDSNAP_ARTIFACT_DIR)")
-    p.add_argument("--state-root", default=None, help="where packs go (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)")
-    p.add_argument("--outcome-log", default=None, help="the load outcome log the engine appends to (default: the state root's)")
+    p.add_argument("--artifact-dir", help="the artifact folder (default: $COLDSNAP_ARTIFACT_DIR)")
+    p.add_argument("--outcome-log", help="the load outcome log the engine appends to (default: the state root's)")
     p.add_argument("--timeout", type=_seconds, default=3600.0, help="seconds to wait for every capture (default 3600)")
     p.add_argument(
         "--grace", type=_seconds, default=30.0, help="seconds from SIGTERM to SIGKILL when stopping the engine (default 30)"
     )
     p.add_argument(
         "--ready-url",
-        default=None,
         help="after the captures, wait until this URL answers 200 (the engine's /health: vLLM attaches its compile cache"
         " as a derived-cache seed before it is ready)",
     )
-    add_command_options(p, run, state_root=None)
+    add_command_options(p, run, "where packs go")

@@ -8,7 +8,7 @@ from collections import defaultdict
 
 from coldsnap_core.artifact.capsules import Capsule, find_worker
 from coldsnap_core.artifact.derived_cache import verify_seed
-from coldsnap_core.cli._output import add_json_option, print_json
+from coldsnap_core.cli._output import add_command_options, print_json
 from coldsnap_core.cli._targets import artifact_folder, resolve, restore_here
 from coldsnap_core.errors import ColdsnapError
 from coldsnap_core.format.descriptor import ArtifactDescriptor
@@ -155,10 +155,4 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Summarize an artifact folder, a capsule folder or a native-manifest.json. Reads manifests only.",
     )
     p.add_argument("artifact", metavar="ARTIFACT", help="artifact folder, capsule folder or native-manifest.json")
-    add_json_option(p)
-    p.add_argument(
-        "--state-root",
-        default=None,
-        help="the node-local state root whose overlays a restore would use (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)",
-    )
-    p.set_defaults(func=run)
+    add_command_options(p, run, "the node-local state root whose overlays a restore would use")

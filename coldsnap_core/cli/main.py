@@ -1,10 +1,7 @@
-"""The ``coldsnap`` command line: one module per subcommand under :mod:`coldsnap_core.cli`, each with
-``add_parser(subparsers)``, whose ``func`` returns the exit code (``docs/format.md`` §8).
-
-A :class:`~coldsnap_core.errors.ColdsnapError` stops the command with its message on stderr and its ``exit_code``; an
-``OSError`` no layer typed is rule ``io`` (naming the file) and a module ``pip install coldsnap`` leaves out is a
-``ConfigurationError`` naming its extra (:mod:`coldsnap_core.cli._extras`), both exit 4. Under ``--json`` the error is
-a JSON document on stdout instead (:mod:`coldsnap_core.cli._output`; a usage error is rule ``usage``).
+"""The ``coldsnap`` command line: one module per subcommand, each with ``add_parser(subparsers)``, whose ``func``
+returns the exit code (``docs/format.md`` §8). A ``ColdsnapError`` stops the command with its message on stderr (under
+``--json``, a JSON document on stdout) and its ``exit_code``; an untyped ``OSError`` is rule ``io`` and a module
+``pip install coldsnap`` leaves out names its extra (:mod:`coldsnap_core.cli._extras`), both exit 4.
 """
 
 from __future__ import annotations
@@ -61,12 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resolve_environment(args: argparse.Namespace) -> None:
-    """``args.settings``: the :data:`~coldsnap_core.settings.COMMAND_SETTINGS` rows, the options named as their keys
-    (``--state-root``, ``--outcome-log``) over the variables; ``args.state_root`` and ``args.lock_timeout_s`` too.
-
-    Raises:
-        ConfigurationError: a value is invalid (names the option or variable and the value).
-    """
+    """``args.settings`` (:data:`~coldsnap_core.settings.COMMAND_SETTINGS`, options over variables), ``args.state_root``
+    and ``args.lock_timeout_s``; a ``ConfigurationError`` names an invalid option or variable and its value."""
     flags = {key: value for key, value in vars(args).items() if key in KEYS}
     args.settings = ColdsnapSettings.resolve(flags=flags, rows=COMMAND_SETTINGS)[0]
     args.state_root, args.lock_timeout_s = args.settings.state_root, args.settings.lock_timeout_s

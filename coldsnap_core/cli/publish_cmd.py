@@ -1,17 +1,14 @@
-"""``coldsnap publish-native ARTIFACT... --repo REPO [--name NAME] [--dry-run]``: upload each distinct model payload
-once, then each artifact's own files and its name, and print the REF that ``coldsnap pull`` takes.
-
-Where each goes in REPO (a Hugging Face repository, S3, OCI, GCS, Azure Blob or a folder; ``docs/format.md`` §12):
-``model-payloads/sha256/<digest>.pack``, ``artifacts/sha256/<SHA-256 of artifact.json>/`` and, last, the name
-(``refs/<NAME>.json`` or the OCI tag, §12.9). A payload counts as present only if the store's object verifies as far
-as the store can tell (a corrupt one is replaced); ``--dry-run`` checks by size (and the Hub's LFS SHA-256) only.
-Exit codes: ``docs/format.md`` §8.
+"""``coldsnap publish-native ARTIFACT... --repo REPO``: upload each distinct model payload once, then each artifact's
+own files and its name, and print the REF that ``coldsnap pull`` takes (the layout in REPO: ``docs/format.md`` §12).
+A payload counts as present only if the store's object verifies as far as the store can tell (a corrupt one is
+replaced); ``--dry-run`` checks by size (and the Hub's LFS SHA-256) only. Exit codes: ``docs/format.md`` §8.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cli._output import add_command_options, report
@@ -61,16 +58,7 @@ def run(args: argparse.Namespace) -> int:
     payloads = [
         {"action": r.action, "sha256": r.pack.sha256, "size_bytes": r.pack.size_bytes, "owners": list(r.owners)} for r in results
     ]
-    published = [
-        {
-            "artifact": f.artifact,
-            "path": f.file.path,
-            "sha256": f.file.sha256,
-            "size_bytes": f.file.size_bytes,
-            "action": f.action,
-        }
-        for f in files
-    ]
+    published = [{"artifact": f.artifact, **dataclasses.asdict(f.file), "action": f.action} for f in files]
     doc = {
         "store": store.name,
         "dry_run": args.dry_run,
@@ -115,7 +103,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--name",
-        default=None,
         help="the artifact's name in the store (one ARTIFACT only; default: its folder's name): refs/NAME.json, or the OCI"
         " tag when REPO has none",
     )

@@ -1,9 +1,5 @@
-"""``coldsnap pull REF DIR [--rank N | --node-rank K --workers-per-node W]``: an artifact by its name, then this host's
-packs.
-
-REF names a published artifact (what ``publish-native`` printed; ``docs/format.md`` §12.9). The artifact folder is
-written at DIR, every file checked against its pin (nothing fetched when DIR already holds it), then this host's packs
-are staged from the same store as ``coldsnap stage`` does. Exit codes: ``docs/format.md`` §8.
+"""``coldsnap pull REF DIR``: write the artifact REF names (``docs/format.md`` §12.9) at DIR, every file checked
+against its pin, then stage this host's packs from the same store as ``coldsnap stage`` does. Exit codes: §8.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
 """``coldsnap stage ARTIFACT [--rank N ...]``: put this host's packs into the node-local cache, verified.
 
-Which workers are this host's (:func:`host_workers`), first rule that applies:
-
-1. ``--rank N`` (repeatable): exactly those ranks;
-2. ``--node-rank K`` with ``--workers-per-node W`` (defaults: torchrun's ``NODE_RANK`` (or ``GROUP_RANK``)
-   and ``LOCAL_WORLD_SIZE``): ranks ``K*W`` to ``K*W+W-1`` (``torch.distributed`` numbers ranks node by node);
-3. otherwise every worker in ``artifact.json`` (a single-host deployment: all its workers run here).
-
 Exit codes: ``docs/format.md`` §8.
 """
 
@@ -52,7 +45,9 @@ def host_workers(
     environ: Mapping[str, str] | None = None,
     descriptor_file: str | os.PathLike[str] | None = None,
 ) -> list[WorkerIdentity]:
-    """The workers of ``workers`` (an artifact's, in its order) that run on this host (module docstring rule).
+    """The workers of ``workers`` (an artifact's, in its order) that run on this host: the ``ranks``; else, with a node
+    rank K and W workers per node (arguments, else torchrun's ``NODE_RANK`` (or ``GROUP_RANK``) and
+    ``LOCAL_WORLD_SIZE``), ranks ``K*W`` to ``K*W+W-1`` (``torch.distributed`` numbers ranks node by node); else all.
 
     Raises:
         MissingObjectError: a requested rank is not in the artifact, or node ``K`` has no worker.
@@ -112,12 +107,8 @@ def add_host_options(p: argparse.ArgumentParser, verb: str) -> None:
         metavar="N",
         help=f"{verb} only the worker with this rank (repeatable; default: this host's workers, see above)",
     )
-    p.add_argument(
-        "--node-rank", type=int, default=None, metavar="K", help="this host's node rank (default: $NODE_RANK/$GROUP_RANK)"
-    )
-    p.add_argument(
-        "--workers-per-node", type=int, default=None, metavar="W", help="workers per host (default: $LOCAL_WORLD_SIZE)"
-    )
+    p.add_argument("--node-rank", type=int, metavar="K", help="this host's node rank (default: $NODE_RANK/$GROUP_RANK)")
+    p.add_argument("--workers-per-node", type=int, metavar="W", help="workers per host (default: $LOCAL_WORLD_SIZE)")
 
 
 def _stage_one(pack: PackRef, cache: PayloadCache, store: PayloadStore | None, fetched: set[str]) -> Path:
@@ -160,7 +151,6 @@ def staged_from(store: PayloadStore | None, staged: int, fetched: int) -> str:
 def add_repo_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--repo",
-        default=None,
         help="payload store: a folder path, s3://bucket/prefix, oci://host/ns/name, gs://bucket/prefix, "
         "az://account/container/prefix (or an Azure connection string) or a Hugging Face repo id org/name[@revision] "
         "(default: $COLDSNAP_PAYLOAD_DIR or $COLDSNAP_PAYLOAD_REPO)",

@@ -1,10 +1,6 @@
-"""``coldsnap status``: what the recent worker loads did, per artifact (restored, captured, fell back).
-
-Reads the load outcome log (``docs/format.md`` §10.3) and prints, for each artifact folder, how many of the last
-``--last`` loads ended in each outcome, the latest one and the latest fallback or refusal with its rule and file;
-``--format prometheus`` prints the node's view for a node exporter's textfile collector instead
-(:func:`coldsnap_core.metrics.node_exposition`). Exit codes: ``docs/format.md`` §8 (``--fail-on-fallback`` is for
-alerting: an alert that cannot see a load must not pass).
+"""``coldsnap status``: what the recent worker loads did, per artifact, from the load outcome log
+(``docs/format.md`` §10.3); ``--format prometheus``: :func:`coldsnap_core.metrics.node_exposition`. Exit codes:
+``docs/format.md`` §8 (``--fail-on-fallback`` is for alerting: an alert that cannot see a load must not pass).
 """
 
 from __future__ import annotations
@@ -113,17 +109,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "when the latest load of an artifact fell back or was refused, 4 the log cannot be read (with "
         "--fail-on-fallback: also when it does not exist or holds only malformed lines).",
     )
-    p.add_argument("--state-root", default=None, help="the state root (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)")
+    p.add_argument("--state-root", help="the state root (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)")
     p.add_argument(
         "--outcome-log",
-        default=None,
         metavar="PATH",
         help=f"the outcome log (default: ${OUTCOME_LOG_ENV} or <state-root>/load-outcomes.jsonl)",
     )
     p.add_argument(
         "--last",
         type=_positive_count,
-        default=None,
         metavar="N",
         help=f"read the last N loads, N >= 1 (default {DEFAULT_LAST_LINES}; --format prometheus: every load in the log)",
     )
