@@ -205,13 +205,8 @@ def _overlay_json(o: OverlayListing) -> dict[str, object]:
 
 
 def _existing_cache(args: argparse.Namespace, command: str | None = None) -> PayloadCache:
-    """The cache of ``args.state_root``, which must exist (a mistyped one is not an empty cache); for ``cache
-    COMMAND``, which removes or re-owns what is there, one of this user's.
-
-    Raises:
-        MissingObjectError: the state root does not exist (exit 3).
-        CacheError: with ``command``, the state root (its link followed) belongs to another uid (exit 4).
-    """
+    """The cache of ``args.state_root``, which must exist (a mistyped one is not an empty cache: ``MissingObjectError``);
+    for ``cache COMMAND``, which removes or re-owns what is there, one of this user's (else ``CacheError``)."""
     cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
     if not os.path.lexists(cache.state_root):
         raise MissingObjectError(

@@ -93,9 +93,8 @@ def _without_remedy(exc: ColdsnapError) -> str:
     return str(exc).removesuffix(f"; remedy: {exc.remedy}") if exc.remedy else str(exc)
 
 
-def _cannot_tell(check: str, module: str, what: str) -> Check:
-    label = {"torch": "torch", **{e: p.label for e, p in ENGINE_PLUGINS.items()}}[module]
-    return Check(check, "warning", f"cannot tell without {label} ({what})", EXTRA_OF_MODULE[module])
+def _cannot_tell(check: str, engine: str, what: str) -> Check:
+    return Check(check, "warning", f"cannot tell without {ENGINE_PLUGINS[engine].label} ({what})", EXTRA_OF_MODULE[engine])
 
 
 def plugin_check(engine: str) -> Check:
@@ -395,10 +394,7 @@ def model_check(
 @contextlib.contextmanager
 def as_user(user: str | None) -> Iterator[int]:
     """Run the block with ``user``'s effective uid, gid and groups (root only; ``None``: this user); yields its uid.
-
-    Raises:
-        ConfigurationError: an unknown user name, or another user while not root.
-    """
+    A ``ConfigurationError`` refuses an unknown user name, or another user while not root."""
     uid = os.geteuid() if user is None else _uid_of(user)
     if uid == os.geteuid():
         yield uid

@@ -196,18 +196,15 @@ class _Wait:
             )
         time.sleep(POLL_SECONDS)
 
-    def complete(self) -> bool:
-        return self.world is not None and set(self.world) <= set(self.captured)
-
     def captures(self) -> dict[str, str]:
-        while not self.complete():
+        while True:
             exited = self.engine.exited()  # before the read: a line written before the exit is still read
             for line in self.tail.new_lines():
                 if line.get("artifact_dir") == self.artifact_dir:
                     self._take(line)
-            if not self.complete():
-                self.tick(self.waiting_for(), exited)
-        return self.captured
+            if self.world is not None and set(self.world) <= set(self.captured):
+                return self.captured
+            self.tick(self.waiting_for(), exited)
 
     def _take(self, line: dict) -> None:
         worker, outcome = str(line.get("worker")), line.get("outcome")
