@@ -23,6 +23,12 @@ def add_command_options(
     parser.set_defaults(func=run)
 
 
+def add_outcome_log_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--outcome-log", metavar="PATH", help=f"{what} (default: $COLDSNAP_OUTCOME_LOG or <state-root>/load-outcomes.jsonl)"
+    )
+
+
 def wants_json(args: argparse.Namespace) -> bool:
     """Whether the command was asked for JSON: ``--json``, or ``status --format json`` (which its ``--json`` sets)."""
     return bool(getattr(args, "json", False)) or getattr(args, "format", None) == "json"

@@ -68,16 +68,11 @@ def restore_here(artifact_dir: Path, descriptor: ArtifactDescriptor, capsule: Ca
     recorded = capsule.target
     if recorded is None:
         return {"engine": None, "capsule": None, "overlay": None, "reason": "the capsule records no target.json"}
+    unqualified = {"engine": recorded.engine, "capsule": None, "overlay": None}
     try:
         import torch  # only here: every other command starts without torch (about 2 s of import time)
     except ModuleNotFoundError as exc:
-        return {
-            "engine": recorded.engine,
-            "capsule": None,
-            "overlay": None,
-            "reason": f"no engine can run here: {missing_dependency(exc).detail}",
-        }
-
+        return {**unqualified, "reason": f"no engine can run here: {missing_dependency(exc).detail}"}
     device = "cuda" if recorded.device_type == "cuda" and torch.cuda.is_available() else "cpu"
     version = engine_version(recorded.engine) if recorded.engine != ENGINE_NONE else None
     current = collect_target(recorded.engine, version, device=device)
@@ -92,6 +87,6 @@ def restore_here(artifact_dir: Path, descriptor: ArtifactDescriptor, capsule: Ca
             descriptor_sha256=portable_descriptor_sha256(artifact_dir),
         )
     except ColdsnapError as exc:
-        return {"engine": recorded.engine, "capsule": None, "overlay": None, "reason": exc.detail}
+        return {**unqualified, "reason": exc.detail}
     overlay = str(selection.overlay_path) if selection.overlay_path is not None else None
     return {"engine": recorded.engine, "capsule": selection.source, "overlay": overlay, "reason": selection.reason}

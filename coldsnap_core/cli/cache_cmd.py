@@ -23,7 +23,7 @@ from coldsnap_core.cache.overlays import OverlayListing, gc_overlays, list_overl
 from coldsnap_core.cache.pack_use import Eviction, PackUsage, evict, list_packs, remove_pack
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import last_full_verification, record_state
-from coldsnap_core.cli._output import add_command_options, error_json, print_json, report
+from coldsnap_core.cli._output import add_command_options, add_outcome_log_option, error_json, report
 from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.digests import check_digest
 from coldsnap_core.errors import (
@@ -322,62 +322,50 @@ def _gc(args: argparse.Namespace) -> int:
     freed = swept.bytes_freed + sum(e.size_bytes for e in sleep_capsules) + sum(o.size_bytes for o in overlays)
     freed += eviction.bytes_freed
     code = EXIT_OTHER if kept or over else 0
-    if args.json:
-        removed = {
-            "packs": [_pack_json(p) for p in eviction.removed],
-            "sleep_capsules": [str(e.path) for e in sleep_capsules],
-            "temporaries": [str(p) for p in swept.temporaries],
-            "quarantined": [str(p) for p in swept.quarantined],
-            "orphan_records": [str(p) for p in swept.orphan_records],
-            "overlays": [_overlay_json(o) for o in overlays],
-        }
-        print_json(
-            {
-                "state_root": str(cache.state_root),
-                "dry_run": args.dry_run,
-                "removed": removed,
-                "bytes_freed": freed,
-                "kept_live": [str(p) for p in swept.kept_live],
-                "kept_in_use": list(eviction.kept_in_use),
-                "kept_overlays": [_overlay_json(o) for o in kept],
-                "pack_bytes": eviction.remaining_bytes,
-                "exit_code": code,
-            }
-        )
-        return code
-    for pack in eviction.removed:
-        print(f"{verb} pack {pack.digest} ({pack.size_bytes} bytes, last used {_iso(pack.last_used_ns)})")
-    for digest in eviction.kept_in_use:
-        print(f"kept pack {digest} (in use by a running load)")
-    if over:
-        print(
-            f"the packs left total {eviction.remaining_bytes} bytes, over --max-bytes {args.max_bytes}: the rest are in use",
-            file=sys.stderr,
-        )
-    for entry in sleep_capsules:
-        print(f"{verb} sleep capsule {entry.path} (its process is gone)")
+    removed = {
+        "packs": [_pack_json(p) for p in eviction.removed],
+        "sleep_capsules": [str(e.path) for e in sleep_capsules],
+        "temporaries": [str(p) for p in swept.temporaries],
+        "quarantined": [str(p) for p in swept.quarantined],
+        "orphan_records": [str(p) for p in swept.orphan_records],
+        "overlays": [_overlay_json(o) for o in overlays],
+    }
+    doc = {
+        "state_root": str(cache.state_root),
+        "dry_run": args.dry_run,
+        "removed": removed,
+        "bytes_freed": freed,
+        "kept_live": [str(p) for p in swept.kept_live],
+        "kept_in_use": list(eviction.kept_in_use),
+        "kept_overlays": [_overlay_json(o) for o in kept],
+        "pack_bytes": eviction.remaining_bytes,
+        "exit_code": code,
+    }
+    lines = [f"{verb} pack {p.digest} ({p.size_bytes} bytes, last used {_iso(p.last_used_ns)})" for p in eviction.removed]
+    lines += [f"kept pack {digest} (in use by a running load)" for digest in eviction.kept_in_use]
+    lines += [f"{verb} sleep capsule {e.path} (its process is gone)" for e in sleep_capsules]
     for kind, paths in (
         ("temporary", swept.temporaries),
         ("quarantined", swept.quarantined),
         ("orphan record", swept.orphan_records),
     ):
-        for path in paths:
-            print(f"{verb} {kind} {path}")
-    for path in swept.kept_live:
-        print(f"kept {path} (writer alive or younger than {args.older_than:g} s)")
-    for o in overlays:
-        print(f"{verb} overlay {o.path} ({o.status}: {o.reason})")
-    print(
+        lines += [f"{verb} {kind} {path}" for path in paths]
+    lines += [f"kept {path} (writer alive or younger than {args.older_than:g} s)" for path in swept.kept_live]
+    lines += [f"{verb} overlay {o.path} ({o.status}: {o.reason})" for o in overlays]
+    notes = []  # on stderr
+    if over:
+        notes.append(
+            f"the packs left total {eviction.remaining_bytes} bytes, over --max-bytes {args.max_bytes}: the rest are in use"
+        )
+    notes.append(
         f"{verb} {len(eviction.removed)} pack(s), {len(swept.temporaries)} temporary, {len(swept.quarantined)} quarantined, "
         f"{len(swept.orphan_records)} orphan record(s), {len(sleep_capsules)} sleep capsule(s), {len(overlays)} stale or"
-        f" invalid overlay(s); {freed} bytes",
-        file=sys.stderr,
+        f" invalid overlay(s); {freed} bytes"
     )
-    for o in kept:
-        print(f"kept overlay {o.path} ({o.status}: {o.reason})", file=sys.stderr)
+    notes += [f"kept overlay {o.path} ({o.status}: {o.reason})" for o in kept]
     if kept:
-        print(f"kept {len(kept)} overlay(s) that are another user's or whose artifact.json cannot be read", file=sys.stderr)
-    return code
+        notes.append(f"kept {len(kept)} overlay(s) that are another user's or whose artifact.json cannot be read")
+    return report(args, doc, lines, "\n".join(notes), code)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -446,12 +434,7 @@ def _add_ls(sub: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="also name the packs this artifact folder uses (repeatable; the load outcome log and the overlays name the others)",
     )
-    ls.add_argument(
-        "--outcome-log",
-        metavar="PATH",
-        help="the load outcome log whose artifacts are listed (default: $COLDSNAP_OUTCOME_LOG or"
-        " <state-root>/load-outcomes.jsonl)",
-    )
+    add_outcome_log_option(ls, "the load outcome log whose artifacts are listed")
 
 
 def _add_gc(sub: argparse._SubParsersAction) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from coldsnap_core.artifact.capsules import read_descriptor
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.cli._output import add_command_options, report
+from coldsnap_core.cli._output import add_command_options, add_outcome_log_option, report
 from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.cli.verify_cmd import workers_json
 from coldsnap_core.errors import ConfigurationError, ExportError, ManifestMismatchError
@@ -315,7 +315,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("engine_command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the engine's start command")
     p.add_argument("--artifact-dir", help="the artifact folder (default: $COLDSNAP_ARTIFACT_DIR)")
-    p.add_argument("--outcome-log", help="the load outcome log the engine appends to (default: the state root's)")
+    add_outcome_log_option(p, "the load outcome log the engine appends to")
     p.add_argument("--timeout", type=_seconds, default=3600.0, help="seconds to wait for every capture (default 3600)")
     p.add_argument(
         "--grace", type=_seconds, default=30.0, help="seconds from SIGTERM to SIGKILL when stopping the engine (default 30)"

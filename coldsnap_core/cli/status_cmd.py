@@ -12,7 +12,7 @@ import sys
 
 from coldsnap_core._io import os_error
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.cli._output import print_json
+from coldsnap_core.cli._output import add_outcome_log_option, print_json
 from coldsnap_core.errors import EXIT_INTEGRITY, FileAccessError, UnsafePathError
 from coldsnap_core.metrics import node_exposition
 from coldsnap_core.outcomes import OUTCOMES, read_outcomes, summarize
@@ -110,11 +110,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--fail-on-fallback: also when it does not exist or holds only malformed lines).",
     )
     p.add_argument("--state-root", help="the state root (default: $COLDSNAP_STATE_ROOT or ~/.cache/coldsnap)")
-    p.add_argument(
-        "--outcome-log",
-        metavar="PATH",
-        help=f"the outcome log (default: ${OUTCOME_LOG_ENV} or <state-root>/load-outcomes.jsonl)",
-    )
+    add_outcome_log_option(p, "the outcome log")
     p.add_argument(
         "--last",
         type=_positive_count,
