@@ -372,9 +372,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "cache",
         help="list, verify and clean the node-local payload cache",
-        description="Look after <state-root>/model-payloads: list packs, their last use and the artifacts that use them,"
-        " verify them, remove one, evict the least recently used, and remove stale temporary files, quarantined objects,"
-        " orphan records and the sleep capsules of processes that are gone.",
+        description="Look after <state-root>/model-payloads, the node-local payload cache: each ACTION below (gc also removes"
+        " the sleep capsules of processes that are gone).",
     )
     sub = p.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
     _add_ls(sub)

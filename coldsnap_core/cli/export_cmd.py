@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import os
 import signal
@@ -124,30 +123,28 @@ class _Engine:
 
     def stop(self, grace_seconds: float) -> int:
         """SIGTERM to the group, SIGKILL to what is left of it after ``grace_seconds``; the engine's exit status."""
-        group = self.process.pid
         deadline = time.monotonic() + grace_seconds
-        self._signal(group, signal.SIGTERM)
-        while self._alive(group) and time.monotonic() < deadline:
+        self._signal(signal.SIGTERM)
+        while self._alive() and time.monotonic() < deadline:
             time.sleep(POLL_SECONDS)
-        if self._alive(group):
+        if self._alive():
             print(f"coldsnap export: the engine did not stop within {grace_seconds:g} s of SIGTERM; killing it", file=sys.stderr)
-            self._signal(group, signal.SIGKILL)
+            self._signal(signal.SIGKILL)
         returncode = self.process.wait()
         self._pump.join(timeout=5)
         return returncode
 
-    def _alive(self, group: int) -> bool:
+    def _alive(self) -> bool:
         self.process.poll()  # reaps the leader: a zombie would keep the group alive
+        return self._signal(0)
+
+    def _signal(self, signum: int) -> bool:
+        """Send ``signum`` to the engine's process group; whether the group still exists."""
         try:
-            os.killpg(group, 0)
+            os.killpg(self.process.pid, signum)
         except ProcessLookupError:
             return False
         return True
-
-    @staticmethod
-    def _signal(group: int, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(group, signum)
 
 
 def _world(capsule_name: str) -> tuple[str, ...] | None:
