@@ -8,7 +8,7 @@ from collections import defaultdict
 
 from coldsnap_core.artifact.capsules import Capsule, find_worker
 from coldsnap_core.artifact.derived_cache import verify_seed
-from coldsnap_core.cli._output import add_command_options, print_json
+from coldsnap_core.cli._output import add_command_options, report
 from coldsnap_core.cli._targets import artifact_folder, resolve, restore_here
 from coldsnap_core.errors import ColdsnapError
 from coldsnap_core.format.descriptor import ArtifactDescriptor
@@ -109,29 +109,28 @@ def run(args: argparse.Namespace) -> int:
             summary["derived_cache"] = seed_summary(descriptor, capsule)
     model = descriptor.model if descriptor else capsules[0].recovery.model
     payloads = sorted({s["pack"]["sha256"] for s in summaries})
-    if args.json:
-        print_json({"model": model.to_json(), "distinct_payloads": payloads, "workers": summaries})
-        return 0
-    print(f"model: {model.source}" + (f" @ {model.revision}" if model.revision else ""))
-    print(f"  configuration sha256 {model.config_sha256 or '(none: captured without an engine)'}")
-    for f in model.files:
-        print(f"  checkpoint {f.name}: {_human(f.size_bytes)} sha256 {f.sha256}")
-    print(f"workers: {len(summaries)}, distinct payloads: {len(payloads)}")
+    doc = {"model": model.to_json(), "distinct_payloads": payloads, "workers": summaries}
+    lines = [
+        f"model: {model.source}" + (f" @ {model.revision}" if model.revision else ""),
+        f"  configuration sha256 {model.config_sha256 or '(none: captured without an engine)'}",
+        *(f"  checkpoint {f.name}: {_human(f.size_bytes)} sha256 {f.sha256}" for f in model.files),
+        f"workers: {len(summaries)}, distinct payloads: {len(payloads)}",
+    ]
     for s in summaries:
         pack = s["pack"]
         total = s["allocation_bytes"]
-        print(f"\n{s['capsule']} ({s['capture_point']} capture point, layout {s['layout_fingerprint'][:16]})")
-        print(f"  allocations: {s['allocations']} ({_human(total)}), tensors: {s['tensors']}")
-        print(
-            f"  model bytes:    {_human(s['model_bytes'])} in {s['model_extents']} extents ({100 * s['model_bytes'] / max(total, 1):.2f}%)"
-        )
-        print(f"  residual bytes: {_human(s['residual_bytes'])} in {s['residual_extents']} extents")
-        print(f"  pack: sha256 {pack['sha256']}")
-        print(f"        {_human(pack['size_bytes'])}, {pack['stored_extents']} stored extents, path {pack['path']}")
-        print(f"  residual blob: {s['residual']['file']} {_human(s['residual']['size_bytes'])} sha256 {s['residual']['sha256']}")
+        lines += [
+            f"\n{s['capsule']} ({s['capture_point']} capture point, layout {s['layout_fingerprint'][:16]})",
+            f"  allocations: {s['allocations']} ({_human(total)}), tensors: {s['tensors']}",
+            f"  model bytes:    {_human(s['model_bytes'])} in {s['model_extents']} extents ({100 * s['model_bytes'] / max(total, 1):.2f}%)",
+            f"  residual bytes: {_human(s['residual_bytes'])} in {s['residual_extents']} extents",
+            f"  pack: sha256 {pack['sha256']}",
+            f"        {_human(pack['size_bytes'])}, {pack['stored_extents']} stored extents, path {pack['path']}",
+            f"  residual blob: {s['residual']['file']} {_human(s['residual']['size_bytes'])} sha256 {s['residual']['sha256']}",
+        ]
         target = s["target"]
         if target is not None:
-            print(
+            lines.append(
                 f"  target: {target['engine']} {target['engine_version']}, torch {target['torch_version']}"
                 f" (CUDA {target['torch_cuda_version']}), {target['device_type']}"
                 + (f" {target['accelerator_model']}" if target["accelerator_model"] else "")
@@ -139,13 +138,13 @@ def run(args: argparse.Namespace) -> int:
                 + f", host {target['host']}"
             )
         if "restore_on_this_node" in s:
-            print(_restore_line(s["restore_on_this_node"]))
+            lines.append(_restore_line(s["restore_on_this_node"]))
         if "derived_cache" in s:
-            print(_seed_line(s["derived_cache"]))
+            lines.append(_seed_line(s["derived_cache"]))
         for name, p in s["provenance"].items():
             converted = f", {p['dtype_converted']} dtype-converted" if p["dtype_converted"] else ""
-            print(f"  provenance {name}: {p['extents']} extents, {_human(p['bytes'])}{converted}")
-    return 0
+            lines.append(f"  provenance {name}: {p['extents']} extents, {_human(p['bytes'])}{converted}")
+    return report(args, doc, lines)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
