@@ -29,6 +29,26 @@ def add_outcome_log_option(parser: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def _number_of_seconds(text: str, *, above_zero: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (value > 0 if above_zero else value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds {'>' if above_zero else '>='} 0")
+    return value
+
+
+def seconds(text: str) -> float:
+    """An argparse ``type``: a number of seconds >= 0; ArgumentTypeError naming the text otherwise."""
+    return _number_of_seconds(text, above_zero=False)
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse ``type``: a number of seconds > 0; ArgumentTypeError naming the text otherwise."""
+    return _number_of_seconds(text, above_zero=True)
+
+
 def wants_json(args: argparse.Namespace) -> bool:
     """Whether the command was asked for JSON: ``--json``, or ``status --format json`` (which its ``--json`` sets)."""
     return bool(getattr(args, "json", False)) or getattr(args, "format", None) == "json"

@@ -23,7 +23,7 @@ from coldsnap_core.cache.overlays import OverlayListing, gc_overlays, list_overl
 from coldsnap_core.cache.pack_use import Eviction, PackUsage, evict, list_packs, remove_pack
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import last_full_verification, record_state
-from coldsnap_core.cli._output import add_command_options, add_outcome_log_option, error_json, report
+from coldsnap_core.cli._output import add_command_options, add_outcome_log_option, error_json, report, seconds
 from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.digests import check_digest
 from coldsnap_core.errors import (
@@ -36,17 +36,6 @@ from coldsnap_core.errors import (
     MissingObjectError,
 )
 from coldsnap_core.outcomes import read_outcomes
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
-    return value
-
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(s|m|h|d|w)?")
 _DURATION_SECONDS = {None: 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -445,7 +434,7 @@ def _add_gc(sub: argparse._SubParsersAction) -> None:
     add_command_options(gc, _gc)
     gc.add_argument(
         "--older-than",
-        type=_seconds,
+        type=seconds,
         default=DEFAULT_GC_AGE_SECONDS,
         metavar="SECONDS",
         help=f"only remove temporaries and quarantined objects older than this (default {DEFAULT_GC_AGE_SECONDS:g})",

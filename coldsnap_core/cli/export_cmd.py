@@ -25,7 +25,7 @@ from pathlib import Path
 
 from coldsnap_core.artifact.capsules import read_descriptor
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.cli._output import add_command_options, add_outcome_log_option, report
+from coldsnap_core.cli._output import add_command_options, add_outcome_log_option, positive_seconds, report
 from coldsnap_core.cli._progress import byte_bar
 from coldsnap_core.cli.verify_cmd import workers_json
 from coldsnap_core.errors import ConfigurationError, ExportError, ManifestMismatchError
@@ -291,13 +291,6 @@ def run(args: argparse.Namespace) -> int:
     return report(args, doc, lines, f"{done} with {returncode}")
 
 
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
-    return value
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "export",
@@ -313,9 +306,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("engine_command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the engine's start command")
     p.add_argument("--artifact-dir", help="the artifact folder (default: $COLDSNAP_ARTIFACT_DIR)")
     add_outcome_log_option(p, "the load outcome log the engine appends to")
-    p.add_argument("--timeout", type=_seconds, default=3600.0, help="seconds to wait for every capture (default 3600)")
+    p.add_argument("--timeout", type=positive_seconds, default=3600.0, help="seconds to wait for every capture (default 3600)")
     p.add_argument(
-        "--grace", type=_seconds, default=30.0, help="seconds from SIGTERM to SIGKILL when stopping the engine (default 30)"
+        "--grace",
+        type=positive_seconds,
+        default=30.0,
+        help="seconds from SIGTERM to SIGKILL when stopping the engine (default 30)",
     )
     p.add_argument(
         "--ready-url",

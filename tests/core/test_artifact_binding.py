@@ -380,11 +380,17 @@ def test_mismatch_messages_say_what_differs(captured_2layer: Captured, tmp_path:
 
 def test_version_and_usage_messages() -> None:
     """Catches a missing ``--version`` (exit 4, "COMMAND required") and an internal function name in a
-    usage error (``invalid _seconds value``)."""
+    usage error (``invalid _seconds value``) of cache gc's ``--older-than`` and export's ``--timeout``/``--grace``,
+    and an export timeout of 0 s taken."""
     done = run_cli("--version")
     assert done.returncode == 0 and done.stdout.startswith("coldsnap ") and "artifact format 9" in done.stdout
     done = run_cli("cache", "gc", "--older-than", "abc")
     assert done.returncode == 4 and "'abc' is not a number of seconds" in done.stderr and "_seconds" not in done.stderr
+    for option in ("--timeout", "--grace"):
+        done = run_cli("export", option, "abc", "--", "true")
+        assert done.returncode == 4 and "'abc' is not a number of seconds" in done.stderr and "_seconds" not in done.stderr
+    done = run_cli("export", "--timeout", "0", "--", "true")
+    assert done.returncode == 4 and "'0' is not a number of seconds > 0" in done.stderr
 
 
 @pytest.mark.parametrize("where", ["artifact.json", "capsule folder"])
