@@ -1,2 +1,1 @@
-"""Capture: the write observer and its bookkeeping, the payload planner, the canonical pack writer,
-capturing a worker, and rebuilding a pack from resident bytes (materialize)."""
+"""Capture: the write observer, the payload planner and pack writer, and every capture built on them."""

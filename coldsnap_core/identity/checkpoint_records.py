@@ -113,10 +113,9 @@ class CheckpointRecords:
             raise CacheError("the checkpoint file changed while it was hashed; no checkpoint record written", file=real)
         try:
             self.state_root.mkdir(parents=True, exist_ok=True)
-            if not self._folder_present():
-                with contextlib.suppress(FileExistsError):
-                    self.folder.mkdir(mode=0o700)
-                self._folder_present()
+            with contextlib.suppress(FileExistsError):
+                self.folder.mkdir(mode=0o700)
+            self._folder_present()
         except OSError as exc:
             raise CacheError(f"cannot create the checkpoint records folder: {exc}", file=self.folder) from exc
         record = CheckpointRecord(

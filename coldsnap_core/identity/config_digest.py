@@ -1,6 +1,4 @@
-"""The digest of the engine's effective model configuration (``docs/format.md`` §4.8), and the keys in which two
-configurations differ (:func:`config_differences`).
-"""
+"""The digest of the engine's effective model configuration, and the keys in which two differ (``docs/format.md`` §4.8)."""
 
 from __future__ import annotations
 
@@ -50,8 +48,7 @@ def canonical_model_config(hf_config: object, *, dtype: object, quantization: ob
 
 
 def config_json_sha256(config_json: str) -> str:
-    """The configuration digest of a canonical configuration JSON (:func:`canonical_model_config`'s text):
-    ``sha256(b"coldsnap-model-config-v1\\n" + config_json)``.
+    """The configuration digest (``docs/format.md`` §4.8) of a canonical configuration JSON.
 
     Raises:
         UnicodeEncodeError: ``config_json`` is not ASCII (canonical JSON always is).
@@ -60,14 +57,12 @@ def config_json_sha256(config_json: str) -> str:
 
 
 def model_config_sha256(hf_config: object, *, dtype: object, quantization: object = None) -> str:
-    """SHA-256 (lowercase hex) of an engine's effective model configuration (``docs/format.md`` §4.8): its Hugging
-    Face config after overrides (or a mapping), its dtype (a ``torch.dtype`` or its name) and quantization method."""
+    """:func:`config_json_sha256` of :func:`canonical_model_config`."""
     return config_json_sha256(canonical_model_config(hf_config, dtype=dtype, quantization=quantization))
 
 
 def engine_model_config(model_config: object) -> str | None:
-    """:func:`canonical_model_config` of a vLLM or SGLang ``ModelConfig`` (``hf_config`` with overrides applied,
-    ``dtype``, ``quantization``); ``None`` when it has no ``hf_config``."""
+    """:func:`canonical_model_config` of a vLLM or SGLang ``ModelConfig``; ``None`` when it has no ``hf_config``."""
     hf_config = getattr(model_config, "hf_config", None)
     if hf_config is None:
         return None

@@ -1,5 +1,4 @@
-"""The content fingerprint of a checkpoint file: a few MiB sampled from it (``docs/format.md`` §10.2),
-cheap enough to re-check on every restore."""
+"""The content fingerprint of a checkpoint file: a few MiB sampled from it (``docs/format.md`` §10.2)."""
 
 from __future__ import annotations
 
@@ -50,8 +49,7 @@ def checkpoint_fingerprint(path: str | os.PathLike[str]) -> str:
         digest = hashlib.sha256(FINGERPRINT_DOMAIN + size.to_bytes(8, "little"))
         ranges = fingerprint_ranges(size, header_length)
         for offset, length in ranges:
-            # Start every read at once: on a cold file the blocks then come in one round of
-            # parallel disk reads instead of one seek after another.
+            # every read started at once: a cold file's blocks come in one round of parallel disk reads
             with contextlib.suppress(OSError, AttributeError):
                 os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
         for offset, length in ranges:

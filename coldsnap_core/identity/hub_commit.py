@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-from pathlib import Path
 
 from coldsnap_core._io import os_error
 
@@ -15,22 +14,6 @@ logger = logging.getLogger(__name__)
 
 COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
 """A Hugging Face commit hash: 40 lowercase hex digits (``huggingface_hub``'s ``REGEX_COMMIT_HASH``)."""
-_CACHE_PROBE_FILENAME = "config.json"
-
-
-def _resolved_by_snapshot(
-    repo_id: str, revision: str | None, cache_dir: str | os.PathLike[str] | None, repo_type: str
-) -> str | None:
-    """Without ``HfApi.resolve_revision``: the ``snapshots/<commit>/`` folder of the cached ``config.json``."""
-    import huggingface_hub
-
-    cached = huggingface_hub.try_to_load_from_cache(
-        repo_id, _CACHE_PROBE_FILENAME, cache_dir=cache_dir, revision=revision, repo_type=repo_type
-    )
-    if not isinstance(cached, str):
-        return None
-    snapshot = Path(cached).parent
-    return snapshot.name if snapshot.parent.name == "snapshots" else None
 
 
 def resolve_hub_commit(
@@ -46,20 +29,16 @@ def resolve_hub_commit(
     if revision is not None and not hasattr(revision, "resolved") and COMMIT_HASH.fullmatch(str(revision)):
         return str(revision)  # a ResolvedRevision goes through huggingface_hub, which reads its .resolved
     import huggingface_hub
-    from huggingface_hub import errors as hf_errors
+    from huggingface_hub.errors import RevisionResolutionError
 
-    resolution_error = getattr(hf_errors, "RevisionResolutionError", ValueError)
     try:
-        if hasattr(huggingface_hub.HfApi, "resolve_revision"):
-            # the cache's refs/<revision> entry; vLLM's ResolvedRevision is returned as is
-            commit = (
-                huggingface_hub.HfApi()
-                .resolve_revision(repo_id, repo_type=repo_type, revision=revision, cache_dir=cache_dir, local_files_only=True)
-                .resolved
-            )
-        else:
-            commit = _resolved_by_snapshot(repo_id, revision, cache_dir, repo_type)
-    except (resolution_error, ValueError, FileNotFoundError, NotADirectoryError) as exc:
+        # the cache's refs/<revision> entry; vLLM's ResolvedRevision is returned as is
+        commit = (
+            huggingface_hub.HfApi()
+            .resolve_revision(repo_id, repo_type=repo_type, revision=revision, cache_dir=cache_dir, local_files_only=True)
+            .resolved
+        )
+    except (RevisionResolutionError, ValueError, FileNotFoundError, NotADirectoryError) as exc:
         logger.debug("coldsnap: the Hugging Face cache does not resolve %s@%s: %s", repo_id, revision or "main", exc)
         return None
     except OSError as exc:

@@ -1,9 +1,5 @@
-"""The model's non-weight files (``config.json``, tokenizer files, ...): chosen, read and checked by their pins.
-
-The rule (``docs/format.md`` §5, :func:`model_file_paths`): every regular file at the top level of the folder (links
-followed) whose name is not hidden, is a capsule file name, is no weight file or weight index, and is at most
-:data:`MAX_MODEL_FILE_BYTES`.
-"""
+"""The model's non-weight files (``config.json``, tokenizer files, ...): chosen (``docs/format.md`` §5), read and
+checked by their pins."""
 
 from __future__ import annotations
 
@@ -43,8 +39,8 @@ def holds_weight_files(folder: Path) -> bool:
 
 
 def model_file_paths(folder: Path) -> list[Path]:
-    """The model files of ``folder`` (the module docstring's rule), sorted by name; those left out for their name or
-    size are named in one INFO line.
+    """The model files of ``folder`` (``docs/format.md`` §5), sorted by name; those left out for their name or size are
+    named in one INFO line.
 
     Raises:
         FileAccessError: the folder cannot be listed or a file examined.
@@ -86,8 +82,7 @@ def read_model_files(folder: Path) -> list[tuple[CapsuleFile, bytes]]:
 
 
 def check_model_file(path: Path, pin: CapsuleFile, *, where: str) -> None:
-    """The model file at ``path`` is a regular file (links followed) of ``pin``'s size, then SHA-256 (``where``: what
-    pinned it).
+    """The model file at ``path`` is a regular file (links followed) of ``pin``'s size and SHA-256 (``where`` pinned it).
 
     Raises:
         ModelIdentityMismatchError: nothing (or no regular file) at ``path``, or another size or SHA-256 (both named).

@@ -1,11 +1,6 @@
 """The pinned model identity: produced at capture (:func:`identify_checkpoint`) and checked at restore
-(:func:`check_model_identity`, before any payload byte is read) against :class:`LoadedModel`, what the engine loads.
-
-The layout fingerprint sees only shapes, dtypes and names; this sees another fine-tune, a replaced file of the same
-size or another rotary base. It combines the repository commit (:mod:`~coldsnap_core.identity.hub_commit`), the
-checkpoint files with their fingerprints (:mod:`~coldsnap_core.identity.fingerprint`) and records
-(:mod:`~coldsnap_core.identity.checkpoint_records`), and the model configuration digest
-(:mod:`~coldsnap_core.identity.config_digest`). Rules and limits: ``docs/format.md`` §4.8, §10.1 and §10.2.
+(:func:`check_model_identity`, before any payload byte is read) against :class:`LoadedModel`, what the engine loads:
+repository commit, checkpoint files (fingerprints, records) and configuration digest (``docs/format.md`` §4.8, §10).
 """
 
 from __future__ import annotations
@@ -47,7 +42,6 @@ def identify_checkpoint(
         source: the repository id, or the local folder (recorded by its real path) the model was loaded from.
         revision: for a repository id the commit hash it resolved to (:func:`resolve_hub_commit`), else ``None``.
         root: names are recorded relative to this folder (default: each file's own folder).
-        records: write a checkpoint record for each file hashed.
         config_json: the canonical configuration (``config_sha256`` is derived from it when not given).
     """
     entries = []
@@ -69,10 +63,8 @@ class LoadedModel:
     """What the engine is loading, for the model identity check (build it with :meth:`from_config`).
 
     Attributes:
-        source: the engine's model (vLLM ``model_config.model``, SGLang ``model_config.model_path``).
         revision: for a repository id, the commit its revision resolves to in the local cache, else as given.
         folder: the local checkpoint folder's real path when ``source`` is one, else ``None``.
-        requested_revision: the engine's revision as given (``None``: the default branch), for messages.
         checkpoint_files: for a local folder, the files (relative, ``/``-separated) the engine's loader would read
             now (:func:`engine_checkpoint_files`), or ``None`` when unknown; empty when it holds no weight file.
         checkpoint_files_error: why the engine could not list them; the identity check then fails closed.
@@ -89,8 +81,7 @@ class LoadedModel:
 
     @property
     def checkpoint_absent(self) -> bool:
-        """Whether the engine loads a local folder that holds no weight file (``docs/format.md`` §10.1, "Without the
-        checkpoint's weights")."""
+        """Whether the engine loads a local folder that holds no weight file (``docs/format.md`` §10.1)."""
         return self.folder is not None and self.checkpoint_files == ()
 
     @classmethod
@@ -119,13 +110,9 @@ class LoadedModel:
 def engine_checkpoint_files(
     source: str, engine: str, prepare_weights: Callable[[], Sequence[object]]
 ) -> tuple[list[str] | None, str | None]:
-    """For a local checkpoint folder: ``(checkpoint_files, checkpoint_files_error)`` for :meth:`LoadedModel.from_config`,
-    from ``prepare_weights`` (calls the engine's ``DefaultModelLoader._prepare_weights``, which returns ``(folder,
-    files, ...)``; ``docs/format.md`` §10.1).
-
-    Returns:
-        ``(names, None)``; ``([], None)`` when the engine finds no weights and the folder holds no weight file;
-        ``(None, None)`` for a repository id; ``(None, why)`` when the engine cannot list them (``engine`` names it).
+    """``(checkpoint_files, checkpoint_files_error)`` for :meth:`LoadedModel.from_config` from ``prepare_weights``
+    (the engine's ``DefaultModelLoader._prepare_weights``; ``docs/format.md`` §10.1): ``([], None)`` when it finds no
+    weights in a folder without weight files, ``(None, None)`` for a repository id, ``(None, why)`` when it raises.
 
     Raises:
         FileAccessError: the folder cannot be listed.
@@ -150,20 +137,16 @@ def check_model_identity(
     verify_checkpoint: bool = False,
     model_files: tuple[CapsuleFile, ...] = (),
 ) -> None:
-    """The artifact's pinned model must be the one being loaded (``docs/format.md`` §10.1): a folder without the
-    checkpoint by the pinned ``model_files``; a repository by id and commit; a local folder by content (file list,
-    then each file by checkpoint record, content fingerprint or, with ``verify_checkpoint``, a full hash); and the
-    configuration digest when the engine gives one. Checked in the order a user fixes them.
+    """The artifact's pinned model must be the one being loaded (``docs/format.md`` rule 32, §10.1: how each kind of
+    source is checked), in the order a user fixes them; ``verify_checkpoint``: hash files without a checkpoint record.
 
     Raises:
-        ModelIdentityMismatchError: names what differs (source, commit, configuration, file list, a missing, resized or
-            rewritten checkpoint file, a missing or other model file, or an artifact that pins none).
+        ModelIdentityMismatchError: names what differs.
         UnsafePathError: the checkpoint records folder or a record is a symbolic link.
     """
     if loaded.checkpoint_absent:
         _check_model_files(recorded, loaded, model_files, file)
         return
-    recorded_from_folder = os.path.isabs(recorded.source)  # a local folder is recorded by its real path
     if loaded.folder is None and (
         (recorded.source, recorded.revision) != (loaded.source, loaded.revision)
         or recorded.revision is None
@@ -174,15 +157,14 @@ def check_model_identity(
             file=file,
             remedy=f"serve {recorded.source!r} at the captured commit (--revision {recorded.revision}), or export the artifact again",
         )
-    if loaded.folder is not None and not recorded_from_folder:
+    if loaded.folder is not None and not os.path.isabs(recorded.source):  # a local folder is recorded by its real path
         raise ModelIdentityMismatchError(
             f"the artifact was captured from the Hugging Face repository {recorded.source!r} at revision"
             f" {recorded.revision}, the engine is loading the local folder {loaded.folder}; a folder is not"
             " checked against a repository commit (load the repository id, or capture from the folder)",
             file=file,
         )
-    if loaded.config_sha256 is not None:
-        _check_config(recorded, loaded, file)
+    _check_config(recorded, loaded, file)
     if loaded.folder is None:
         return
     _check_file_list(recorded, loaded, file)
@@ -191,9 +173,8 @@ def check_model_identity(
 
 
 def _check_config(recorded: ModelIdentity, loaded: LoadedModel, file: str | None) -> None:
-    """The engine's configuration digest equals the recorded one; the message names both models, and the keys that
-    differ with both values when both sides have their configuration (``ModelIdentity.config``)."""
-    if recorded.config_sha256 == loaded.config_sha256:
+    """The engine's configuration digest, when it gives one, equals the recorded one (naming the keys that differ)."""
+    if loaded.config_sha256 is None or recorded.config_sha256 == loaded.config_sha256:
         return
     both_known = recorded.config is not msgspec.UNSET and loaded.config_json is not None
     differences = config_differences(recorded.config, loaded.config_json) if both_known else []
@@ -226,7 +207,6 @@ def _check_model_files(
     recorded: ModelIdentity, loaded: LoadedModel, model_files: tuple[CapsuleFile, ...], file: str | None
 ) -> None:
     """The identity of a folder without the checkpoint: its pinned model files, then the configuration digest."""
-    assert loaded.folder is not None
     if not model_files:
         raise ModelIdentityMismatchError(
             f"{loaded.folder} holds no checkpoint weights, and the artifact pins no model files to check it by"
@@ -236,8 +216,7 @@ def _check_model_files(
     for pin in model_files:  # before the configuration digest: a changed config.json is named as such
         where = f"the artifact ({file})" if file else "the artifact"
         check_model_file(loaded.folder / pin.name, pin, where=where)
-    if loaded.config_sha256 is not None:
-        _check_config(recorded, loaded, file)
+    _check_config(recorded, loaded, file)
 
 
 def _check_file_list(recorded: ModelIdentity, loaded: LoadedModel, file: str | None) -> None:
@@ -265,7 +244,7 @@ def _check_file_list(recorded: ModelIdentity, loaded: LoadedModel, file: str | N
 def _check_checkpoint_file(
     checkpoint: CheckpointFile, path: Path, records: CheckpointRecords | None, verify_checkpoint: bool
 ) -> None:
-    """One recorded checkpoint file at ``path``: present, its size, then its SHA-256 where known, else its fingerprint."""
+    """One recorded checkpoint file: present, its size, then its SHA-256 where known, else its fingerprint."""
     try:
         st = os.stat(path)
     except (FileNotFoundError, NotADirectoryError):

@@ -1,6 +1,5 @@
-"""The current worker's target identity, and whether a capsule's residual qualifies for replay on it
-(``docs/format.md`` §15; the pack is target independent and never judged here).
-"""
+"""The current worker's target identity, and whether a capsule's residual qualifies for replay on it (``docs/format.md``
+§15)."""
 
 from __future__ import annotations
 
@@ -47,12 +46,10 @@ def engine_version(engine: str) -> str | None:
 
 @functools.cache
 def nvidia_driver_version(version_file: Path = NVIDIA_DRIVER_VERSION_FILE) -> str | None:
-    """The installed NVIDIA kernel driver's version (``550.54.15``); ``None`` when there is no driver (no file) or the
-    file names no version.
+    """The installed NVIDIA kernel driver's version (``550.54.15``); ``None`` when there is no file or it names none.
 
     Raises:
-        FileAccessError, NotRegularFileError: the file may exist but cannot be read ("no driver" would be another
-            target); not cached, so a later call reads it again.
+        FileAccessError, NotRegularFileError: the file cannot be read (not cached: a later call reads it again).
     """
     try:
         text = version_file.read_text(encoding="utf-8", errors="replace")

@@ -21,7 +21,7 @@ import transformers
 from coldsnap_core.errors import ModelIdentityMismatchError, UnsafePathError
 from coldsnap_core.identity.checkpoint_records import CheckpointRecords, RecordState
 from coldsnap_core.identity.config_digest import canonical_model_config, model_config_sha256
-from coldsnap_core.identity.hub_commit import _resolved_by_snapshot, resolve_hub_commit
+from coldsnap_core.identity.hub_commit import resolve_hub_commit
 from coldsnap_core.identity.model_identity import LoadedModel, check_model_identity, identify_checkpoint
 
 REPO_ID = "org/name"
@@ -164,21 +164,6 @@ def test_resolve_hub_commit_reads_the_cache(hub_cache: Path, tmp_path: Path) -> 
     assert resolve_hub_commit(REPO_ID, engine, cache_dir=hub_cache) == COMMIT_B
     (hub_cache / "models--org--name" / "refs" / "broken").write_text("not a commit")
     assert resolve_hub_commit(REPO_ID, "broken", cache_dir=hub_cache) is None
-
-
-def test_snapshot_resolution_agrees_with_the_api(hub_cache: Path, tmp_path: Path) -> None:
-    """The path for a ``huggingface_hub`` without ``HfApi.resolve_revision`` (``try_to_load_from_cache``
-    and its ``snapshots/<commit>/``): catches a fallback that reads another commit than the API for the
-    same cache (``main`` moved to COMMIT_B), or that names a folder outside ``snapshots/``."""
-    assert _resolved_by_snapshot(REPO_ID, None, hub_cache, "model") == COMMIT_A
-    hub_snapshot(hub_cache, REPO_ID, COMMIT_B, {"config.json": b"{}"})
-    assert (
-        _resolved_by_snapshot(REPO_ID, None, hub_cache, "model")
-        == COMMIT_B
-        == resolve_hub_commit(REPO_ID, None, cache_dir=hub_cache)
-    )
-    assert _resolved_by_snapshot(REPO_ID, COMMIT_A, hub_cache, "model") == COMMIT_A
-    assert _resolved_by_snapshot("org/unknown", None, hub_cache, "model") is None
 
 
 def test_a_moved_main_is_refused(hub_cache: Path, tmp_path: Path) -> None:
