@@ -26,12 +26,10 @@ class SourceSpan:
     storage_offset_bytes: int
 
 
+@dataclass(slots=True)
 class _StorageEntry:
-    __slots__ = ("ref", "spans")
-
-    def __init__(self, ref: weakref.ref, spans: list[SourceSpan]) -> None:
-        self.ref = ref
-        self.spans = spans
+    ref: weakref.ref
+    spans: list[SourceSpan]
 
 
 def storage_extent_bytes(tensor: torch.Tensor) -> tuple[int, int]:
@@ -88,7 +86,7 @@ class CheckpointSources:
         with self._lock:
             entry = self._entries.get(base)
             if entry is not None and entry.ref() is storage:
-                entry.spans = [s for s in entry.spans if not _overlaps(s, span)]
+                entry.spans = _outside(entry.spans, start, start + span.size_bytes)
                 entry.spans.append(span)
                 entry.spans.sort(key=lambda s: s.storage_offset_bytes)
             else:
@@ -143,11 +141,9 @@ class CheckpointSources:
                 return
             # A strided nested tensor has no strides to bound its elements by: all of its storage.
             lo, hi = storage_extent_bytes(tensor) if dense(tensor) else (0, tensor.untyped_storage().nbytes())
-            entry.spans = [s for s in entry.spans if s.storage_offset_bytes + s.size_bytes <= lo or hi <= s.storage_offset_bytes]
+            entry.spans = _outside(entry.spans, lo, hi)
 
 
-def _overlaps(a: SourceSpan, b: SourceSpan) -> bool:
-    return (
-        a.storage_offset_bytes < b.storage_offset_bytes + b.size_bytes
-        and b.storage_offset_bytes < a.storage_offset_bytes + a.size_bytes
-    )
+def _outside(spans: list[SourceSpan], lo: int, hi: int) -> list[SourceSpan]:
+    """The spans that share no byte with the storage bytes ``[lo, hi)``."""
+    return [s for s in spans if s.storage_offset_bytes + s.size_bytes <= lo or hi <= s.storage_offset_bytes]

@@ -24,8 +24,8 @@ _T = TypeVar("_T")
 
 @dataclass
 class PreparedWeights:
-    """One ``_prepare_weights`` result of an engine's default loader: the folder and the exact file list of
-    one weight source (vLLM and SGLang both return ``(folder, files, use_safetensors)``)."""
+    """One ``_prepare_weights`` result of an engine's default loader (vLLM's and SGLang's: ``(folder, files,
+    use_safetensors)``)."""
 
     model_or_path: str
     folder: Path
@@ -36,12 +36,9 @@ class PreparedWeights:
 def _stored_location(
     tensor: torch.Tensor, candidates: list[tuple[str, TensorLocation]], seen: int
 ) -> tuple[str, TensorLocation] | None:
-    """Which of the files that store a tensor's name holds this yielded ``tensor``'s bytes (``None``: none).
-
-    A name stored in several files is yielded once per file, in an engine's own file order (vLLM:
-    ``model_executor/model_loader/weight_utils.py``), so the stored bytes decide: the ``seen``-th candidate
-    when its bytes are the tensor's, else the first whose bytes are. A device tensor is copied to host once.
-    """
+    """Which of the files that store a tensor's name holds this yielded ``tensor``'s bytes (``None``: none): the
+    ``seen``-th candidate when its bytes are the tensor's, else the first whose bytes are (a name stored in several
+    files is yielded once per file in the engine's own order, vLLM ``model_executor/model_loader/weight_utils.py``)."""
     if not dense(tensor) or not tensor.is_contiguous():
         return None
     data = tensor.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
@@ -87,10 +84,8 @@ class LoadSession:
                     found = self._unobserved(_stored_location, tensor, candidates, seen)
                 else:
                     found = candidates[0] if candidates else None
-                if found is None:
-                    self.sources.register(tensor, None, None)
-                else:
-                    self.sources.register(tensor, found[1], found[0])
+                checkpoint_file, location = found if found is not None else (None, None)
+                self.sources.register(tensor, location, checkpoint_file)
                 yield name, tensor
         finally:
             # Closed here, not by garbage collection under the observer: an iterator holding a dispatch mode of its own
@@ -100,14 +95,8 @@ class LoadSession:
                 self._unobserved(close)
 
     def _unobserved(self, call: Callable[..., _T], *args: object) -> _T:
-        """``call(*args)`` with this session's :class:`WriteObserver` set aside when it is the innermost dispatch mode.
-
-        Producing a checkpoint tensor writes no model allocation, and a yielded tensor is trusted to hold its file
-        bytes, so its operators (most of a load's dispatch calls) need not be seen.
-
-        Raises:
-            StopIteration: ``next`` on an exhausted iterator (the observer is back in place).
-        """
+        """``call(*args)`` with this session's :class:`WriteObserver` set aside when it is the innermost dispatch mode
+        (producing a checkpoint tensor writes no model allocation; ``docs/format.md`` §6.1)."""
         mode = _get_current_dispatch_mode()
         if isinstance(mode, WriteObserver) and mode.sources is self.sources:
             with _pop_mode_temporarily():
@@ -128,8 +117,7 @@ class LoadSession:
         state_root: Path,
         config_json: str | None = None,
     ) -> ModelIdentity:
-        """The model identity of this load (:func:`identify_checkpoint` of the :meth:`primary` source's files, recorded
-        in ``state_root``'s checkpoint records).
+        """The model identity of this load (:func:`identify_checkpoint` of the :meth:`primary` source's files).
 
         Raises:
             ObserverError: no weights were prepared (the engine's iterator was never entered).
@@ -150,7 +138,7 @@ class LoadSession:
 
     @staticmethod
     def _header_index(prepared: PreparedWeights) -> dict[str, list[tuple[str, TensorLocation]]]:
-        """Every header name of the prepared safetensors files with ``(relative file name, location)`` per file, in order."""
+        """Header name -> ``(relative file name, location)`` in each prepared safetensors file storing it, in order."""
         index: dict[str, list[tuple[str, TensorLocation]]] = {}
         if not prepared.use_safetensors:
             return index

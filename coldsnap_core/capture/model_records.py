@@ -94,9 +94,7 @@ class RecordMap:
     def remove(self, lo: int, hi: int) -> bool:
         """Cut ``[lo, hi)`` out of every record; return whether anything was cut."""
         i = max(0, bisect.bisect_right(self.starts, lo) - 1)
-        j = i
-        while j < len(self.records) and self.records[j].address < hi:
-            j += 1
+        j = max(i, bisect.bisect_left(self.starts, hi))
         touched = [r for r in self.records[i:j] if r.address < hi and lo < r.end]
         if not touched:
             return False
@@ -109,10 +107,9 @@ class RecordMap:
         return True
 
     def fully_overwritten(self, lo: int, hi: int, copied_bytes: int) -> list[ModelRecord] | None:
-        """The records inside ``[lo, hi)`` when a copy over that range fully overwrites earlier
-        copies: some earlier copy wrote there (``copied_bytes > 0``, the bytes of the range earlier
-        copies wrote), every record touching the range lies wholly inside it, and together they
-        cover all ``copied_bytes`` (no copied byte became residual since). Else ``None``."""
+        """The records inside ``[lo, hi)`` when a copy over that range fully overwrites earlier copies: some earlier copy
+        wrote there (``copied_bytes > 0`` of the range), every record touching the range lies wholly inside it, and
+        together they cover all ``copied_bytes`` (no copied byte became residual since). Else ``None``."""
         if copied_bytes <= 0:
             return None
         i = max(0, bisect.bisect_right(self.starts, lo) - 1)

@@ -1,13 +1,9 @@
-"""The checkpoint-to-destination write observer: which destination bytes hold checkpoint bytes (``docs/format.md`` §6.1).
+"""The checkpoint-to-destination write observer: which destination bytes hold checkpoint bytes, from observed loader
+behaviour, never from parameter names (the rules: ``docs/format.md`` §6.1).
 
-Classification comes from observed loader behaviour, never from parameter names. The source side is
-:class:`~coldsnap_core.capture.checkpoint_sources.CheckpointSources` (what the engine's iterator yielded); the
-write side is :class:`WriteObserver`, a ``TorchDispatchMode`` around ``load_weights``: a same-shape ``aten.copy_``
-from a checkpoint tensor records model bytes (one record per contiguous destination run, with its provenance;
-dtype-converting: ``converted_copies``), and every other write (an operator whose schema marks an argument written,
-except in-place views and ``set_``) makes its byte hull residual. A byte is model exactly when a checkpoint copy
-wrote it last (a later copy that fully overwrites earlier ones wins; a partial overlap is residual). Writes that
-bypass the dispatcher are invisible; a write into a tensor without a data pointer makes the load unclassifiable.
+:class:`WriteObserver` is a ``TorchDispatchMode`` around ``load_weights``: a same-shape ``aten.copy_`` from a
+checkpoint tensor (:class:`~coldsnap_core.capture.checkpoint_sources.CheckpointSources`) records model bytes, every
+other write makes its byte hull residual. Writes that bypass the dispatcher are invisible.
 """
 
 from __future__ import annotations
@@ -44,12 +40,9 @@ _METADATA_ONLY_OPS = frozenset(
 def _copy_runs(
     shape: Sequence[int], source_stride: Sequence[int], dest_stride: Sequence[int]
 ) -> Iterator[tuple[int, int, int, int, int]]:
-    """Split an elementwise copy of ``shape`` into destination-contiguous pieces.
-
-    Yields ``(dest_offset, source_offset, units, run, stride)`` in elements: the piece's
-    destination elements ``[dest_offset, dest_offset + units)`` are contiguous and come from
-    source runs of ``run`` elements starting ``stride`` apart from ``source_offset``.
-    """
+    """Split an elementwise copy of ``shape`` into destination-contiguous pieces: ``(dest_offset, source_offset, units,
+    run, stride)`` in elements, the destination elements ``[dest_offset, dest_offset + units)`` from source runs of
+    ``run`` elements starting ``stride`` apart from ``source_offset``."""
     dims = [(int(n), int(s), int(d)) for n, s, d in zip(shape, source_stride, dest_stride, strict=True) if n != 1]
     merged: list[tuple[int, int, int]] = []
     for n, s, d in reversed(dims):  # innermost first
@@ -95,11 +88,8 @@ class _NoData(Exception):
 
 
 def _hull(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """Absolute ``[lo, hi)`` of the bytes ``tensor`` can touch (a strided nested tensor: its whole storage), or ``None``.
-
-    Raises:
-        _NoData: ``tensor`` has elements but its storage has no data pointer (a wrapper subclass, a sparse tensor).
-    """
+    """Absolute ``[lo, hi)`` of the bytes ``tensor`` can touch (a strided nested tensor: its whole storage), or ``None``
+    without elements; :class:`_NoData` when its storage has no data pointer."""
     if tensor.numel() == 0 or tensor.device.type == "meta":
         return None
     addressed = data_address(tensor)
@@ -124,12 +114,8 @@ def _written_spec(func) -> tuple[tuple[int, str], ...]:
 
 
 class WriteObserver(TorchDispatchMode):
-    """Observe every tensor write while active (see the module docstring).
-
-    Attributes:
-        checkpoint_copies, other_writes: counts of ``copy_`` calls recorded as model bytes, and of other writes.
-        unattributed_writes: one line per write into a tensor without a data pointer; any makes :meth:`model_records` raise.
-    """
+    """Observe every tensor write while active; ``unattributed_writes``: one line per write into a tensor without a data
+    pointer (any makes :meth:`model_records` raise)."""
 
     def __init__(self, sources: CheckpointSources, *, converted_copies: ConvertedCopies = "model") -> None:
         super().__init__()
@@ -167,8 +153,7 @@ class WriteObserver(TorchDispatchMode):
         try:
             hull = _hull(tensor)
         except _NoData:
-            # Its bytes go to inner tensors this mode never sees, possibly over model bytes
-            # recorded earlier: model_records then refuses to classify anything.
+            # its bytes go to inner tensors this mode never sees: model_records then refuses to classify anything
             self.unattributed_writes.append(f"{func} into a {type(tensor).__module__}.{type(tensor).__qualname__}")
             return
         if hull is None:
@@ -177,16 +162,19 @@ class WriteObserver(TorchDispatchMode):
         self.sources.taint(tensor)
         self._records.remove(*hull)
 
+    def _overwrite(self, record: ModelRecord) -> tuple[list[tuple[int, int]], list[ModelRecord] | None]:
+        """The parts of ``record``'s range no earlier checkpoint copy wrote, and the earlier records it fully overwrites
+        (:meth:`RecordMap.fully_overwritten`)."""
+        fresh = self._copied.uncovered(record.address, record.end)
+        copied = record.size_bytes - sum(b - a for a, b in fresh)
+        return fresh, self._records.fully_overwritten(record.address, record.end, copied)
+
     def _overwritten_bytes(self, dest: torch.Tensor, records: list[ModelRecord]) -> list[tuple[ModelRecord, torch.Tensor]]:
         """Before a checkpoint ``copy_``: each earlier record it will fully overwrite, with a copy of its bytes (to tell
-        afterwards whether they changed); empty unless an earlier checkpoint copy wrote into the range."""
+        afterwards whether they changed)."""
         saved = []
         for record in records:
-            lo, hi = record.address, record.end
-            fresh = self._copied.uncovered(lo, hi)
-            if fresh == [(lo, hi)]:
-                continue
-            for earlier in self._records.fully_overwritten(lo, hi, hi - lo - sum(b - a for a, b in fresh)) or ():
+            for earlier in self._overwrite(record)[1] or ():
                 saved.append((earlier, _storage_bytes(dest, earlier).clone()))
         return saved
 
@@ -204,12 +192,9 @@ class WriteObserver(TorchDispatchMode):
         self.checkpoint_copies += 1
         for record in records:
             lo, hi = record.address, record.end
-            fresh = self._copied.uncovered(lo, hi)
-            overwritten = self._records.fully_overwritten(lo, hi, hi - lo - sum(b - a for a, b in fresh))
+            fresh, overwritten = self._overwrite(record)
             self._records.remove(lo, hi)
-            if overwritten is not None:
-                # Every byte earlier copies wrote here is replaced by this copy: the destination
-                # holds exactly this source, so the whole range is model bytes of this record.
+            if overwritten is not None:  # the destination holds exactly this source: all of it is this record's
                 self._records.add(record)
             else:
                 for a, b in fresh:
@@ -234,10 +219,8 @@ class WriteObserver(TorchDispatchMode):
             return None
         if tuple(source.shape) != tuple(dest.shape):
             return None  # broadcasting: not a verbatim copy
-        if any(s <= 0 for n, s in zip(dest.shape, dest.stride(), strict=True) if n > 1):
-            return None  # overlapping destination elements
-        if any(s <= 0 for n, s in zip(source.shape, source.stride(), strict=True) if n > 1):
-            return None
+        if any(s <= 0 for t in (dest, source) for n, s in zip(t.shape, t.stride(), strict=True) if n > 1):
+            return None  # overlapping elements
         found = self.sources.find(source)
         if found is None:
             return None
@@ -250,30 +233,23 @@ class WriteObserver(TorchDispatchMode):
             return None  # a wrapper destination: an unattributed write (_on_write)
         s_item, d_item = source.element_size(), dest.element_size()
         dest_base = addressed[1] + int(dest.storage_offset()) * d_item
-        # Units: elements for a converted copy, bytes for a byte-exact one.
-        if converted:
-            unit_s, unit_d, scale_s = s_item, d_item, 1
-            first0 = offset_in_tensor // s_item
-        else:
-            unit_s = unit_d = 1
-            scale_s = s_item
-            first0 = offset_in_tensor
-        records = []
-        for d_off, s_off, units, run, stride in _copy_runs(dest.shape, source.stride(), dest.stride()):
-            records.append(
-                ModelRecord(
-                    address=dest_base + d_off * d_item,
-                    size_bytes=units * d_item,
-                    source=span,
-                    source_first=first0 + s_off * scale_s,
-                    run=run * scale_s,
-                    stride=stride * scale_s,
-                    unit_source_bytes=unit_s,
-                    unit_destination_bytes=unit_d,
-                    dtype_converted=converted,
-                )
+        # units: elements for a converted copy, bytes for a byte-exact one
+        unit_s, unit_d, scale_s = (s_item, d_item, 1) if converted else (1, 1, s_item)
+        first0 = offset_in_tensor // unit_s
+        return [
+            ModelRecord(
+                address=dest_base + d_off * d_item,
+                size_bytes=units * d_item,
+                source=span,
+                source_first=first0 + s_off * scale_s,
+                run=run * scale_s,
+                stride=stride * scale_s,
+                unit_source_bytes=unit_s,
+                unit_destination_bytes=unit_d,
+                dtype_converted=converted,
             )
-        return records
+            for d_off, s_off, units, run, stride in _copy_runs(dest.shape, source.stride(), dest.stride())
+        ]
 
     def model_records(self) -> tuple[ModelRecord, ...]:
         """The model records, sorted by address and disjoint (absolute addresses).
@@ -307,7 +283,7 @@ def map_to_allocations(
     records: Iterable[ModelRecord], allocations: TorchAllocations
 ) -> tuple[list[ModelRange], list[ModelRecord]]:
     """Map absolute model records onto the portable allocations: ``(ranges, kept)``, the model ranges sorted by
-    (allocation, offset) and the records (or parts) inside an allocation, by address; the rest is dropped."""
+    (allocation, offset) and the records (or parts) inside an allocation by address; the rest is dropped."""
     ranges = []
     kept = []
     for record in records:
