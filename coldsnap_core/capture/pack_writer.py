@@ -1,10 +1,5 @@
-"""The canonical pack writer: the only code that ever produces a ``model-weights.pack`` (``docs/format.md`` §2, §13).
-
-The bytes stream from the live allocations through the copy backend (each distinct content from the first
-destination holding it, zero chunks for the padding) into a temporary file of the cache, hashed while written
-(:func:`coldsnap_core._io.write_hashed`), then committed by :meth:`PayloadCache.commit`. Memory: the backend's
-chunks and a 1 MiB zero buffer, never a whole-model buffer.
-"""
+"""The canonical pack writer: the only code that ever produces a ``model-weights.pack`` (``docs/format.md`` §2, §13),
+streamed from the live allocations through the copy backend, never through a whole-model buffer."""
 
 from __future__ import annotations
 
@@ -43,8 +38,7 @@ def write_pack(
             position = entry.end_bytes
         yield from zero_chunks(layout.size_bytes - position)
 
-    label = expected_sha256 or "capture"
-    with cache.temporary(label) as (fd, temp_path):
+    with cache.temporary(expected_sha256 or "capture") as (fd, temp_path):
         digest, _ = write_hashed(fd, stream, file=temp_path, stable=stable_chunks(backend), progress=progress)
         cache.commit(fd, temp_path, sha256=digest, size_bytes=layout.size_bytes, expected_sha256=expected_sha256)
     return PackRef.for_digest(digest, layout.size_bytes)

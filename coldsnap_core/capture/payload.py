@@ -1,10 +1,6 @@
-"""The capture core: from a quiescent model's live bytes to its pack, residual blob and manifests.
-
-Every capture (:mod:`~coldsnap_core.capture.worker`, :mod:`~coldsnap_core.capture.overlay`,
-:mod:`~coldsnap_core.capture.sleep`, :mod:`~coldsnap_core.capture.materialize`) runs these steps, so a pack is
-byte-identical whichever wrote it (``docs/format.md`` §2, §3, §13): check and hash the model ranges and plan the
-payload (:func:`plan_payload`), write or admit the pack (:meth:`PayloadPlan.ensure_pack`), write the residual and
-manifests into a staging folder (:meth:`PayloadPlan.write_capsule_files`). The allocations must not change meanwhile.
+"""The capture core, which every capture runs so that a pack is byte-identical whichever wrote it (``docs/format.md``
+§2, §3, §13): plan the payload of a quiescent model's live bytes (:func:`plan_payload`), write or admit the pack
+(:meth:`PayloadPlan.ensure_pack`), write the residual and manifests (:meth:`PayloadPlan.write_capsule_files`).
 """
 
 from __future__ import annotations
@@ -94,7 +90,7 @@ def _check_allocations(allocation_map: AllocationMap, allocations: Sequence[Live
 def hash_ranges(
     ranges: Sequence[ModelRange], allocations: Sequence[LiveAllocation], backend: CopyBackend, *, threads: int | None = None
 ) -> list[str]:
-    """SHA-256 of each range's bytes, computed on ``threads`` threads (default: usable CPUs)."""
+    """SHA-256 of each range's bytes, on ``threads`` threads (default: usable CPUs), largest first."""
 
     def digest(r: ModelRange) -> str:
         h = hashlib.sha256()
@@ -106,7 +102,6 @@ def hash_ranges(
     if workers == 1:
         return [digest(r) for r in ranges]
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="coldsnap-digest") as pool:
-        # Largest first for balance, results back in input order.
         order = sorted(range(len(ranges)), key=lambda i: -ranges[i].size_bytes)
         futures = {i: pool.submit(digest, ranges[i]) for i in order}
         return [futures[i].result() for i in range(len(ranges))]
@@ -114,8 +109,7 @@ def hash_ranges(
 
 @dataclass(frozen=True, slots=True)
 class StagedCapsule:
-    """What :meth:`PayloadPlan.write_capsule_files` wrote (``recovery``: ``None`` without a model identity), with the
-    pins of its files sorted by name."""
+    """What :meth:`PayloadPlan.write_capsule_files` wrote, with the pins of its files sorted by name."""
 
     native: NativeManifest
     recovery: RecoveryManifest | None
@@ -124,13 +118,8 @@ class StagedCapsule:
 
 @dataclass(frozen=True, slots=True)
 class PayloadPlan:
-    """A worker's payload planned from its live allocations, model ranges and their digests.
-
-    Attributes:
-        locate: ``(sha256, size_bytes) -> (allocation, offset_bytes)``: where the pack writer reads each stored
-            content (the first range holding it).
-        model_extents: one per model range, in range order, with its pack offset.
-    """
+    """A worker's payload planned from its live allocations, model ranges and their digests; ``locate``: where the pack
+    writer reads each stored ``(sha256, size_bytes)`` (the first range holding it)."""
 
     allocation_map: AllocationMap
     allocations: Sequence[LiveAllocation]
@@ -141,13 +130,12 @@ class PayloadPlan:
     residual_extents: tuple[ResidualExtent, ...]
 
     def ensure_pack(self, cache: PayloadCache, expected: PackRef | None = None) -> tuple[PackRef, bool]:
-        """This plan's pack in ``cache``, and whether this call wrote it. With ``expected``, under its digest's lock, a
-        valid cached object is admitted, else (a corrupt one with a WARNING) written with that digest expected.
+        """This plan's pack in ``cache``, and whether this call wrote it; with ``expected``, a valid cached object is
+        admitted under its digest's lock, else (a corrupt one with a WARNING) written with that digest expected.
 
         Raises:
             PackDigestMismatchError: the live bytes do not produce ``expected``'s digest (nothing is kept).
-            PackSizeMismatchError: a verified cached object of that digest, or the pack written, is not
-                ``expected``'s size.
+            PackSizeMismatchError: a verified cached object, or the pack written, is not ``expected``'s size.
             InsufficientSpaceError / CacheError / UnsafePathError: writing failed.
         """
         if expected is None:
@@ -180,8 +168,8 @@ class PayloadPlan:
         model: ModelIdentity | None,
         target: TargetIdentity | None,
     ) -> StagedCapsule:
-        """Write the residual blob, the native manifest (checked by the verifier first), the recovery manifest when
-        ``model`` is given and ``target.json`` when ``target`` is, into ``staging`` (each fsynced; ``docs/format.md`` §4).
+        """Write the residual blob, the native manifest (verified first), the recovery manifest when ``model`` is given
+        and ``target.json`` when ``target`` is, into ``staging`` (``docs/format.md`` §4).
 
         Raises:
             ManifestError: the native manifest breaks a manifest rule (a bug; nothing is committed).
@@ -208,12 +196,11 @@ def plan_payload(
     model_ranges: Sequence[ModelRange],
     digests: Sequence[str] | None = None,
 ) -> PayloadPlan:
-    """Check, hash (unless ``digests`` are given) and plan the payload of ``model_ranges`` in ``allocations``
-    (``allocations[i].index == i``, sizes as ``allocation_map``'s).
+    """Check, hash (unless ``digests`` are given) and plan the payload of ``model_ranges`` in ``allocations``.
 
     Raises:
-        ObserverError: the allocation map does not describe the live allocations, or the model ranges
-            are not sorted, disjoint, non-empty and in bounds (nothing is read).
+        ObserverError: the allocation map does not describe the live allocations, or the model ranges are not sorted,
+            disjoint, non-empty and in bounds (nothing is read).
         ValueError: ``digests`` and ``model_ranges`` differ in length.
     """
     _check_allocations(allocation_map, allocations)
@@ -235,7 +222,7 @@ def plan_payload(
 
 
 def plan_manifest_payload(manifest: NativeManifest, allocations: Sequence[LiveAllocation], backend: CopyBackend) -> PayloadPlan:
-    """Re-plan the payload a native manifest describes (checked, and against the live allocations first), for materialization.
+    """Re-plan the payload a native manifest describes (checked, also against the live allocations, first).
 
     Raises:
         ManifestError: a manifest rule or the live layout check failed.

@@ -1,7 +1,6 @@
 """The native capture at a level-1 sleep (``docs/format.md`` §6.2): which observed model writes still hold their
-loaded bytes (post-processing, vLLM ``model_executor/model_loader/utils.py``: ``process_weights_after_loading``,
-may have rewritten them: those are residual), and the capture of the live allocations through the capture core
-(:mod:`coldsnap_core.capture.payload`) into a process-local sleep capsule (:mod:`coldsnap_core.artifact.sleep_capsules`).
+loaded bytes (vLLM's ``process_weights_after_loading`` may have rewritten them), and the capture of the live
+allocations through the capture core into a process-local sleep capsule.
 """
 
 from __future__ import annotations
@@ -50,15 +49,13 @@ class LoadedWorker(Protocol):
 
 
 class ReferenceDigests:
-    """The SHA-256 each observed model write had right after ``load_weights`` (``docs/format.md`` §6.2): from the
-    worker's native manifest in the artifact when it names the loader's pack, else from the pinned checkpoint file
-    (local, or in the Hugging Face cache via ``huggingface_hub.try_to_load_from_cache``), hashed once and cached."""
+    """The SHA-256 each observed model write had right after ``load_weights`` (``docs/format.md`` §6.2: from the
+    artifact's native manifest, else the pinned checkpoint file via ``huggingface_hub.try_to_load_from_cache``)."""
 
     def __init__(self, state: LoadedWorker) -> None:
         self.state = state
         self.manifest: NativeManifest | None = None
-        self._by_source: dict[tuple[ExtentProvenance, int], str] = {}
-        self._checkpoint_cache: dict[tuple[ExtentProvenance, int], str | None] = {}
+        self._digests: dict[tuple[ExtentProvenance, int], str | None] = {}
         self._files: dict[str, Path | None] = {}
         self._load_manifest()
 
@@ -83,16 +80,14 @@ class ReferenceDigests:
             return
         self.manifest = manifest
         for extent in manifest.model_extents:
-            self._by_source[(extent.provenance, extent.size_bytes)] = extent.sha256
+            self._digests[(extent.provenance, extent.size_bytes)] = extent.sha256
 
     def expected(self, provenance: ExtentProvenance, size_bytes: int) -> str | None:
         """The digest the write of ``provenance`` (``size_bytes`` destination bytes) had, or ``None``."""
         key = (provenance, size_bytes)
-        if key in self._by_source:
-            return self._by_source[key]
-        if key not in self._checkpoint_cache:
-            self._checkpoint_cache[key] = self._from_checkpoint(provenance, size_bytes)
-        return self._checkpoint_cache[key]
+        if key not in self._digests:
+            self._digests[key] = self._from_checkpoint(provenance, size_bytes)
+        return self._digests[key]
 
     def _checkpoint_file(self, name: str) -> Path | None:
         if name in self._files:
@@ -131,19 +126,17 @@ class ReferenceDigests:
         if path is None:
             return None
         digest = hashlib.sha256()
-        remaining = size_bytes
         run_start = provenance.source_offset_bytes
         with open(path, "rb", buffering=0) as f:
-            while remaining > 0:
-                run = min(provenance.source_run_bytes, remaining)
+            for done in range(0, size_bytes, provenance.source_run_bytes):
                 position = run_start
-                while position < run_start + run:
-                    data = os.pread(f.fileno(), min(_READ_BYTES, run_start + run - position), position)
+                end = run_start + min(provenance.source_run_bytes, size_bytes - done)
+                while position < end:
+                    data = os.pread(f.fileno(), min(_READ_BYTES, end - position), position)
                     if not data:
                         return None
                     digest.update(data)
                     position += len(data)
-                remaining -= run
                 run_start += provenance.source_run_stride_bytes
         return digest.hexdigest()
 
@@ -179,7 +172,7 @@ def capture_native(
     log: logging.Logger = logger,
 ) -> NativeCapture:
     """Capture the live allocations into the pack (the artifact's when the extent contents are its) and the sleep
-    capsule at ``capsule_dir``; ``model`` ``None``: no recovery manifest. ``log``: the engine plugin's logger.
+    capsule at ``capsule_dir`` (``model`` ``None``: no recovery manifest); ``log``: the engine plugin's logger.
 
     Raises:
         ObserverError: the writes are not sorted, disjoint and in bounds (nothing written).
