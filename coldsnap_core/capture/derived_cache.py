@@ -1,6 +1,5 @@
 """The capture of a derived-cache seed (``docs/format.md`` §17.3): a worker's compile cache files (:func:`collect_files`)
-written into its captured capsule and pinned in ``artifact.json`` (:func:`attach_seed`, after the engine compiled),
-or into a target-local overlay (:func:`coldsnap_core.capture.overlay.attach_overlay_seed`).
+written into its captured capsule and pinned in ``artifact.json`` (:func:`attach_seed`), or into an overlay.
 """
 
 from __future__ import annotations
@@ -65,24 +64,6 @@ def collect_files(
     return sorted(found.items())
 
 
-def _write_archive(fd: int, path: Path, files: list[tuple[str, Path]]) -> tuple[CapsuleFile, tuple[SeedMember, ...]]:
-    """Write ``files`` as an uncompressed tar (owner and times zeroed: it depends only on the bytes) to ``fd`` (the new
-    file ``path``) and fsync it; returns its pin and the members' pins."""
-    members = []
-    with os.fdopen(fd, "wb", closefd=False) as f:
-        with tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            for member_path, source in files:
-                data = source.read_bytes()
-                info = tarfile.TarInfo(member_path)
-                info.size, info.mode, info.mtime = len(data), 0o644, 0
-                tar.addfile(info, io.BytesIO(data))
-                members.append(SeedMember(member_path, len(data), hashlib.sha256(data).hexdigest()))
-        f.flush()
-        fsync_fd(f.fileno(), file=path)
-    digest, size = sha256_file(path)
-    return CapsuleFile(SEED_ARCHIVE_FILENAME, size, digest), tuple(members)
-
-
 def attach_seed(
     artifact_dir: Path,
     worker: WorkerIdentity,
@@ -118,15 +99,27 @@ def attach_seed(
 def write_seed_files(
     folder: Path, worker: WorkerIdentity, qualification: SeedQualification, files: list[tuple[str, Path]]
 ) -> tuple[SeedDocument, tuple[CapsuleFile, CapsuleFile]]:
-    """Write ``derived-cache.tar`` and ``derived-cache.json`` into ``folder`` (temporary name, fsync, rename; the caller
-    holds its lock); returns the document and the two pins, sorted by name.
+    """Write ``derived-cache.tar`` (an uncompressed tar, owner and times zeroed) and ``derived-cache.json`` into
+    ``folder`` (temporary name, fsync, rename; the caller holds its lock); returns the document and the two pins.
 
     Raises:
         UnsafePathError, FileAccessError, InsufficientSpaceError: writing failed.
     """
+    members = []
     with sibling_temporary(folder / SEED_ARCHIVE_FILENAME) as (fd, temp):
-        archive, members = _write_archive(fd, temp, files)
-        document = SeedDocument(worker, qualification, archive, members)
+        with os.fdopen(fd, "wb", closefd=False) as f:
+            with tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
+                for member_path, source in files:
+                    data = source.read_bytes()
+                    info = tarfile.TarInfo(member_path)
+                    info.size, info.mode, info.mtime = len(data), 0o644, 0
+                    tar.addfile(info, io.BytesIO(data))
+                    members.append(SeedMember(member_path, len(data), hashlib.sha256(data).hexdigest()))
+            f.flush()
+            fsync_fd(f.fileno(), file=temp)
+        digest, size = sha256_file(temp)
+        archive = CapsuleFile(SEED_ARCHIVE_FILENAME, size, digest)
+        document = SeedDocument(worker, qualification, archive, tuple(members))
         os.rename(temp, folder / SEED_ARCHIVE_FILENAME)
     data = document.dumps()
     replace_file_durably(folder / SEED_DOCUMENT_FILENAME, data)

@@ -1,9 +1,5 @@
-"""Materialization: rebuild a worker's pack from its resident model bytes after a recovery load (``docs/format.md`` §13).
-
-The capture core re-plans the worker's native manifest and rebuilds the byte-identical pack from memory, without
-reading the checkpoint again. Modes (``COLDSNAP_MATERIALIZE``): ``async`` (a lower-priority background thread while
-the engine serves; a failure is a WARNING kept on the handle), ``required`` (before the call returns; failures
-raise), ``off``. Same-host duplicates converge on one object through the digest's lock.
+"""Materialization: rebuild a worker's pack from its resident model bytes after a recovery load, without reading the
+checkpoint again (``docs/format.md`` §13: the modes ``async``, ``required``, ``off``).
 """
 
 from __future__ import annotations
@@ -89,16 +85,13 @@ def materialize_payload(
     mode: MaterializeMode,
     keepalive: object = None,
 ) -> MaterializationHandle | None:
-    """Write ``manifest``'s pack into ``cache`` from the resident model bytes, unless a valid one exists. ``keepalive``
+    """Write ``manifest``'s pack into ``cache`` from the resident model bytes, unless a valid one exists; ``keepalive``
     (tensors, a model) is held by the background thread until it is done. Returns ``None`` for ``off``, else a handle.
 
     Raises:
         ConfigurationError: ``mode`` is not one of the three.
-        ``required`` only, and nothing half-written is left behind:
-        ManifestError: a manifest rule or the live layout check failed.
-        PackDigestMismatchError: the resident bytes do not produce the manifest's digest; nothing is kept.
-        InsufficientSpaceError: the cache's file system filled up.
-        UnsafePathError: a symbolic link in the cache.
+        ``required`` only, and nothing half-written is left behind: ManifestError (a manifest rule or the live layout
+        check), PackDigestMismatchError, InsufficientSpaceError, UnsafePathError (a symbolic link in the cache).
     """
     if mode not in MATERIALIZE_MODES:
         raise ConfigurationError(f"mode={mode!r} is not one of {', '.join(MATERIALIZE_MODES)}")
@@ -106,12 +99,7 @@ def materialize_payload(
         return None
     handle = MaterializationHandle(manifest.pack, mode)
     if mode == "required":
-        try:
-            result = _materialize(manifest, allocations, backend, cache)
-        except BaseException as exc:
-            handle._finish(None, exc)
-            raise
-        handle._finish(result, None)
+        handle._finish(_materialize(manifest, allocations, backend, cache), None)
         return handle
 
     def run() -> None:

@@ -1,7 +1,5 @@
-"""The capture of a target-local overlay (``docs/format.md`` §15.3; the documents:
-:mod:`coldsnap_core.artifact.overlay`): this worker's residual and manifests for this target, referencing the
-portable pack, or a record that this target is qualified for the portable capsule; and the overlay's own
-derived-cache seed (``docs/format.md`` §17.3).
+"""The capture of a target-local overlay (``docs/format.md`` §15.3), or of a record that this target is qualified for the
+portable capsule, and of the overlay's own derived-cache seed (§17.3).
 """
 
 from __future__ import annotations
@@ -62,9 +60,9 @@ def capture_overlay(
     model_ranges: Sequence[ModelRange],
     backend: CopyBackend,
 ) -> OverlayCapture:
-    """Capture this worker's residual and manifests for ``target`` as an overlay of the portable capsule, right after a
-    checkpoint load whose model identity was checked (``docs/format.md`` §15.3). The pack is the portable one,
-    referenced, never written; a capture byte-identical to the portable capsule is discarded (kind ``qualified``).
+    """Capture this worker's residual and manifests for ``target`` as an overlay of the portable capsule (its pack
+    referenced, never written), right after a checkpoint load whose model identity was checked; a capture
+    byte-identical to the portable capsule is discarded (kind ``qualified``).
 
     Raises:
         OverlayError: the model payload is not the portable one (not the same model); nothing is stored.
@@ -100,7 +98,14 @@ def capture_overlay(
     with _artifact_lock(overlay_lock_path(path)):
         descriptor = replace_dir_atomically(path, fill)
         os.chmod(path, 0o700)
-    _log_stored(descriptor, path)
+    if descriptor.kind == "qualified":
+        what = (
+            "the capture on this target is identical to the portable capsule; discarded it and recorded this target as qualified"
+        )
+        logger.info("coldsnap: %s: %s (%s)", worker.capsule_name, what, path)
+    else:
+        pack = descriptor.payload.sha256[:12]
+        logger.info("coldsnap: %s: stored a target-local overlay at %s (pack %s stays shared)", worker.capsule_name, path, pack)
     return OverlayCapture(descriptor.kind, path, descriptor)
 
 
@@ -108,7 +113,7 @@ def attach_overlay_seed(
     capture: OverlayCapture, qualification: SeedQualification, files: list[tuple[str, Path]]
 ) -> SeedDocument | None:
     """Write a derived-cache seed of ``files`` into the overlay ``capture`` stored and pin it in its ``overlay.json``,
-    under the overlay's lock (``docs/format.md`` §15.3, §17.3). Returns the seed document, or ``None`` without files.
+    under the overlay's lock. Returns the seed document, or ``None`` without files.
 
     Raises:
         OverlayError: the overlay was replaced meanwhile, or ``qualification`` is not for the overlay's target.
@@ -117,9 +122,7 @@ def attach_overlay_seed(
     if not files:
         return None
     descriptor, path = capture.descriptor, capture.path
-    target = descriptor.target
-    here = {name: getattr(qualification, name) for name in TARGET_QUALIFICATION_FIELDS}
-    if here != {name: getattr(target, name) for name in TARGET_QUALIFICATION_FIELDS}:
+    if any(getattr(qualification, name) != getattr(descriptor.target, name) for name in TARGET_QUALIFICATION_FIELDS):
         raise OverlayError("the seed's qualification is not for the overlay's target; it is not attached", file=path)
     with _artifact_lock(overlay_lock_path(path)):
         if not refuse_linked_folders(path.parents[3], path):
@@ -144,18 +147,4 @@ def _require_portable_payload(plan: PayloadPlan, entry: WorkerEntry, portable: C
             f" {entry.payload.sha256} holds {len(portable_contents)} ({len(contents - portable_contents)} not in it):"
             " not the same model; no overlay is stored",
             file=portable.native_manifest_path,
-        )
-
-
-def _log_stored(descriptor: OverlayDescriptor, path: Path) -> None:
-    """One INFO line: the target recorded as qualified, or the overlay stored."""
-    if descriptor.kind == "qualified":
-        what = (
-            "the capture on this target is identical to the portable capsule; discarded it and recorded this target as qualified"
-        )
-        logger.info("coldsnap: %s: %s (%s)", descriptor.worker.capsule_name, what, path)
-    else:
-        pack = descriptor.payload.sha256[:12]
-        logger.info(
-            "coldsnap: %s: stored a target-local overlay at %s (pack %s stays shared)", descriptor.worker.capsule_name, path, pack
         )

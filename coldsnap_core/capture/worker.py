@@ -1,7 +1,5 @@
-"""The capture of a worker into an artifact: its pack in the node-local cache, its unit capsule (residual blob,
-both manifests, ``target.json``) renamed into place as a whole, and its entry in ``artifact.json`` with the pins
-of its files; the bytes are planned and written by the capture core (:mod:`coldsnap_core.capture.payload`).
-"""
+"""The capture of a worker into an artifact: its pack in the node-local cache, its capsule renamed into place as a
+whole, and its entry in ``artifact.json`` with the pins of its files (``docs/format.md`` §4, §5)."""
 
 from __future__ import annotations
 
@@ -33,8 +31,7 @@ LOW_MODEL_BYTES_FRACTION = 0.5
 
 @dataclass(frozen=True, slots=True)
 class CaptureResult:
-    """What one worker's capture produced; ``phase_seconds``: the wall time of ``extent_digests``, ``pack``,
-    ``capsule`` and ``descriptor``, in order."""
+    """What one worker's capture produced; ``phase_seconds``: the wall time of each step, in order."""
 
     manifest: NativeManifest
     recovery: RecoveryManifest
@@ -81,7 +78,7 @@ def capture_worker(
     entry = WorkerEntry(worker, f"{WORKERS_DIRNAME}/{worker.capsule_name}", pack, staged.pins)
     register_worker(artifact_dir, model, entry)
     finished = time.perf_counter()
-    phases = (  # each step's wall time: the outcome line's phases
+    phases = (
         ("extent_digests", hashed - started),
         ("pack", packed - hashed),
         ("capsule", written - packed),
@@ -116,8 +113,8 @@ def capture_loaded_worker(
     engine: str,
     engine_version: str | None,
 ) -> CaptureResult:
-    """The portable :func:`capture_worker` of a worker an engine plugin just loaded (``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``),
-    with its device's copy backend and target (``engine``: ``docs/format.md`` §15.1); a WARNING when it replaces a capsule."""
+    """The portable :func:`capture_worker` of a worker an engine plugin just loaded (``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``)
+    with its device's copy backend and target; a WARNING when it replaces a capsule."""
     existing = artifact_dir / WORKERS_DIRNAME / worker.capsule_name
     if existing.is_dir():
         logger.warning(
@@ -142,8 +139,7 @@ def capture_loaded_worker(
 
 
 def _log_captured(result: CaptureResult, worker: WorkerIdentity) -> None:
-    """The capture's INFO line, and a WARNING naming the likely cause when the model bytes are less than
-    :data:`LOW_MODEL_BYTES_FRACTION` of the allocation bytes."""
+    """The capture's INFO line, and a WARNING naming the likely cause when the model bytes are few."""
     native = result.manifest
     logger.info(
         "coldsnap: captured %s: %d model bytes in %d extents (pack %s, %d bytes), %d residual bytes, %.2f s",
