@@ -53,7 +53,7 @@ from _common import MiB, machine_line, median_seconds, print_table, warm_page_ca
 
 from coldsnap_core._io import HASH_CHUNK_BYTES
 from coldsnap_core.cache.payload_cache import ADMIT_CHUNK_BYTES, PayloadCache
-from coldsnap_core.capture.pack_writer import write_pack
+from coldsnap_core.capture.payload import write_pack
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.format.allocation import LiveAllocation
 from coldsnap_core.format.manifest import PackRef

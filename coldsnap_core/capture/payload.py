@@ -1,6 +1,7 @@
 """The capture core, which every capture runs so that a pack is byte-identical whichever wrote it (``docs/format.md``
 §2, §3, §13): plan the payload of a quiescent model's live bytes (:func:`plan_payload`), write or admit the pack
-(:meth:`PayloadPlan.ensure_pack`), write the residual and manifests (:meth:`PayloadPlan.write_capsule_files`).
+(:meth:`PayloadPlan.ensure_pack`, :func:`write_pack`), write the residual and manifests
+(:meth:`PayloadPlan.write_capsule_files`).
 """
 
 from __future__ import annotations
@@ -8,16 +9,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from coldsnap_core._io import write_hashed, zero_chunks
 from coldsnap_core.artifact.capsules import write_manifests
 from coldsnap_core.artifact.residual import residual_extents, write_residual
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.capture.pack_writer import write_pack
-from coldsnap_core.copy.base import CopyBackend
+from coldsnap_core.copy.base import CopyBackend, stable_chunks
 from coldsnap_core.errors import IntegrityError, MissingObjectError, ObserverError, PackSizeMismatchError
 from coldsnap_core.format.allocation import AllocationMap, LiveAllocation
 from coldsnap_core.format.descriptor import CapsuleFile
@@ -87,10 +88,8 @@ def _check_allocations(allocation_map: AllocationMap, allocations: Sequence[Live
             )
 
 
-def hash_ranges(
-    ranges: Sequence[ModelRange], allocations: Sequence[LiveAllocation], backend: CopyBackend, *, threads: int | None = None
-) -> list[str]:
-    """SHA-256 of each range's bytes, on ``threads`` threads (default: usable CPUs), largest first."""
+def hash_ranges(ranges: Sequence[ModelRange], allocations: Sequence[LiveAllocation], backend: CopyBackend) -> list[str]:
+    """SHA-256 of each range's bytes, on one thread per usable CPU, largest first."""
 
     def digest(r: ModelRange) -> str:
         h = hashlib.sha256()
@@ -98,13 +97,44 @@ def hash_ranges(
             h.update(chunk)
         return h.hexdigest()
 
-    workers = threads or max(1, len(os.sched_getaffinity(0)))
+    workers = max(1, len(os.sched_getaffinity(0)))
     if workers == 1:
         return [digest(r) for r in ranges]
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="coldsnap-digest") as pool:
         order = sorted(range(len(ranges)), key=lambda i: -ranges[i].size_bytes)
         futures = {i: pool.submit(digest, ranges[i]) for i in order}
         return [futures[i].result() for i in range(len(ranges))]
+
+
+def write_pack(
+    layout: PackLayout,
+    locate: Mapping[tuple[str, int], tuple[LiveAllocation, int]],
+    backend: CopyBackend,
+    cache: PayloadCache,
+    *,
+    expected_sha256: str | None = None,
+) -> PackRef:
+    """The canonical pack writer, the only code that produces a ``model-weights.pack``: the pack of ``layout`` streamed
+    into ``cache`` from where ``locate`` says, never through a whole-model buffer; returns its reference.
+
+    Raises:
+        PackDigestMismatchError: ``expected_sha256`` given and not produced (nothing is kept).
+        InsufficientSpaceError: the file system filled up (the temporary file is removed).
+    """
+
+    def stream() -> Iterator[memoryview]:
+        position = 0
+        for entry in layout.entries:
+            yield from zero_chunks(entry.offset_bytes - position)
+            allocation, offset_bytes = locate[(entry.sha256, entry.size_bytes)]
+            yield from backend.read_chunks(allocation, offset_bytes, entry.size_bytes)
+            position = entry.end_bytes
+        yield from zero_chunks(layout.size_bytes - position)
+
+    with cache.temporary(expected_sha256 or "capture") as (fd, temp_path):
+        digest, _ = write_hashed(fd, stream, file=temp_path, stable=stable_chunks(backend))
+        cache.commit(fd, temp_path, sha256=digest, size_bytes=layout.size_bytes, expected_sha256=expected_sha256)
+    return PackRef.for_digest(digest, layout.size_bytes)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,15 +22,13 @@ from coldsnap_core.format._strict import Sha256, Text
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_RECORDS_DIRNAME = "checkpoint-records"
-CHECKPOINT_RECORD_KIND = "coldsnap.checkpoint-record"
-CHECKPOINT_RECORD_VERSION = 1
 
 
-class CheckpointRecord(StatBound, kw_only=True, tag=CHECKPOINT_RECORD_KIND):
+class CheckpointRecord(StatBound, kw_only=True, tag="coldsnap.checkpoint-record"):
     """Evidence that the file at the real path ``path`` had ``sha256`` while it had these ``stat`` fields (UTC
     ``hashed_at``)."""
 
-    format_version: Literal[1] = CHECKPOINT_RECORD_VERSION
+    format_version: Literal[1] = 1
     path: Text
     sha256: Sha256
     hashed_at: Text

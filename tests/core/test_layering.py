@@ -20,7 +20,7 @@ rank  modules
       ``identity.model_identity`` (produced and checked)
 5     ``cache.payload_cache`` (admission and quarantine), ``artifact.*`` (the documents of capsules, overlays and
       derived-cache seeds), ``outcomes``
-6     ``stores.*``, ``cache.overlays`` (list and gc), ``capture.pack_writer``, ``capture.derived_cache``,
+6     ``stores.*``, ``cache.overlays`` (list and gc), ``capture.derived_cache``,
       ``restore.overlay`` (which capsule a restore uses), ``restore.derived_cache`` (seed placement),
       ``metrics`` (Prometheus metrics)
 7     ``capture.payload`` (the capture core), ``restore.staging``, ``restore.hydrate``, ``restore.audit``,
@@ -109,7 +109,6 @@ LAYERS: dict[str, int] = {
     "cache.overlays": 6,
     "stores.pull": 6,
     "stores._references": 6,
-    "capture.pack_writer": 6,
     "capture.derived_cache": 6,
     "metrics": 6,
     "restore": 6,
