@@ -1,6 +1,5 @@
 """The source side of the write observer: the checkpoint tensors the engine's iterator yielded (``docs/format.md`` §6.1),
-keyed by storage through a weak reference (a freed source whose address is reused is never mistaken for checkpoint
-bytes); and the storage helpers the observer shares."""
+keyed by storage through a weak reference (a freed source whose address is reused is never taken for checkpoint bytes)."""
 
 from __future__ import annotations
 
@@ -119,8 +118,7 @@ class CheckpointSources:
         return entry
 
     def find(self, tensor: torch.Tensor) -> tuple[SourceSpan, int] | None:
-        """The checkpoint tensor ``tensor`` is a view of, and the byte offset of ``tensor``'s first
-        element within it; ``None`` if ``tensor`` is not (entirely) inside one registered source."""
+        """The registered source all of ``tensor`` lies in, with the byte offset of its first element there, or ``None``."""
         if not dense(tensor):
             return None
         with self._lock:

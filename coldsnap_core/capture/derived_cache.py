@@ -71,9 +71,8 @@ def attach_seed(
     qualification: SeedQualification,
     files: list[tuple[str, Path]],
 ) -> SeedDocument | None:
-    """Write a seed of ``files`` into ``worker``'s capsule (still the one that names pack ``pack_sha256``) under its
-    lock, then pin it in its ``artifact.json`` entry under the descriptor's lock. Returns the document, or ``None``
-    without files.
+    """Write a seed of ``files`` into ``worker``'s capsule (still the one that names pack ``pack_sha256``) and pin it in
+    its ``artifact.json`` entry, each under its lock. Returns the document, or ``None`` without files.
 
     Raises:
         MissingObjectError: the artifact has no entry for ``worker``.

@@ -24,8 +24,7 @@ _T = TypeVar("_T")
 
 @dataclass
 class PreparedWeights:
-    """One ``_prepare_weights`` result of an engine's default loader (vLLM's and SGLang's: ``(folder, files,
-    use_safetensors)``)."""
+    """One ``_prepare_weights`` result of an engine's default loader: ``(folder, files, use_safetensors)``."""
 
     model_or_path: str
     folder: Path

@@ -11,14 +11,11 @@ from coldsnap_core.format.extents import ExtentProvenance
 
 @dataclass(frozen=True, slots=True)
 class ModelRecord:
-    """A contiguous destination byte range that holds checkpoint bytes.
+    """A contiguous destination byte range (absolute ``address``) that holds checkpoint bytes.
 
-    The source is described in *units*: a unit is one byte for a byte-exact copy, and one element
-    for a dtype-converting copy (``unit_source_bytes`` and ``unit_destination_bytes`` then differ).
-    Destination unit ``k`` came from source unit ``source_first + (k // run) * stride + k % run``,
-    counted from the checkpoint tensor's first byte.
-
-    ``address`` is absolute; ``size_bytes`` a multiple of ``unit_destination_bytes``; ``stride == run`` when contiguous.
+    The source is described in *units*: one byte for a byte-exact copy, one element for a dtype-converting copy.
+    Destination unit ``k`` came from source unit ``source_first + (k // run) * stride + k % run``, counted from the
+    checkpoint tensor's first byte; ``stride == run`` when contiguous; ``size_bytes`` is whole destination units.
     """
 
     address: int

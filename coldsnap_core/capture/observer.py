@@ -1,14 +1,12 @@
-"""The checkpoint-to-destination write observer: which destination bytes hold checkpoint bytes, from observed loader
-behaviour, never from parameter names (the rules: ``docs/format.md`` §6.1).
-
-:class:`WriteObserver` is a ``TorchDispatchMode`` around ``load_weights``: a same-shape ``aten.copy_`` from a
-checkpoint tensor (:class:`~coldsnap_core.capture.checkpoint_sources.CheckpointSources`) records model bytes, every
-other write makes its byte hull residual. Writes that bypass the dispatcher are invisible.
+"""The checkpoint-to-destination write observer (``docs/format.md`` §6.1), a ``TorchDispatchMode`` around
+``load_weights``: a same-shape ``aten.copy_`` from a checkpoint tensor records model bytes, every other write makes
+its byte hull residual. Writes that bypass the dispatcher are invisible.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal
@@ -57,17 +55,9 @@ def _copy_runs(
         yield 0, 0, run, run, run
         return
     rows_n, rows_s, rows_d = merged.pop()
-    outer = merged
-
-    def combos(k: int, s0: int, d0: int) -> Iterator[tuple[int, int]]:
-        if k == len(outer):
-            yield s0, d0
-            return
-        n, s, d = outer[k]
-        for i in range(n):
-            yield from combos(k + 1, s0 + i * s, d0 + i * d)
-
-    for s0, d0 in combos(0, 0, 0):
+    for index in itertools.product(*(range(n) for n, _, _ in merged)):  # the outer dimensions, outermost first
+        s0 = sum(i * s for i, (_, s, _) in zip(index, merged, strict=True))
+        d0 = sum(i * d for i, (_, _, d) in zip(index, merged, strict=True))
         if rows_d == run:
             yield d0, s0, rows_n * run, run, rows_s
         else:
@@ -163,15 +153,13 @@ class WriteObserver(TorchDispatchMode):
         self._records.remove(*hull)
 
     def _overwrite(self, record: ModelRecord) -> tuple[list[tuple[int, int]], list[ModelRecord] | None]:
-        """The parts of ``record``'s range no earlier checkpoint copy wrote, and the earlier records it fully overwrites
-        (:meth:`RecordMap.fully_overwritten`)."""
+        """The parts of ``record``'s range no earlier checkpoint copy wrote, and the earlier records it fully overwrites."""
         fresh = self._copied.uncovered(record.address, record.end)
         copied = record.size_bytes - sum(b - a for a, b in fresh)
         return fresh, self._records.fully_overwritten(record.address, record.end, copied)
 
     def _overwritten_bytes(self, dest: torch.Tensor, records: list[ModelRecord]) -> list[tuple[ModelRecord, torch.Tensor]]:
-        """Before a checkpoint ``copy_``: each earlier record it will fully overwrite, with a copy of its bytes (to tell
-        afterwards whether they changed)."""
+        """Before a checkpoint ``copy_``: each earlier record it will fully overwrite, with a copy of its bytes."""
         saved = []
         for record in records:
             for earlier in self._overwrite(record)[1] or ():

@@ -51,11 +51,7 @@ class ModelRange:
 
 
 def check_model_ranges(ranges: Sequence[ModelRange], allocations: Sequence[LiveAllocation]) -> None:
-    """Model ranges must be non-empty, in bounds, sorted by (allocation, offset) and disjoint (else an observer bug).
-
-    Raises:
-        ObserverError: names the offending range's allocation and offset.
-    """
+    """Model ranges must be non-empty, in bounds, sorted by (allocation, offset) and disjoint (else ``ObserverError``)."""
     previous = (0, 0)
     for i, r in enumerate(ranges):
         problem = None
@@ -252,11 +248,7 @@ def plan_payload(
 
 
 def plan_manifest_payload(manifest: NativeManifest, allocations: Sequence[LiveAllocation], backend: CopyBackend) -> PayloadPlan:
-    """Re-plan the payload a native manifest describes (checked, also against the live allocations, first).
-
-    Raises:
-        ManifestError: a manifest rule or the live layout check failed.
-    """
+    """Re-plan the payload a native manifest describes; ``ManifestError`` when a manifest rule or the live layout fails."""
     check_manifest(manifest)
     check_live_layout(manifest.allocations, None, allocations)
     ranges = [ModelRange(e.allocation_index, e.offset_bytes, e.size_bytes, e.provenance) for e in manifest.model_extents]

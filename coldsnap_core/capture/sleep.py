@@ -38,8 +38,7 @@ _READ_BYTES = 8 << 20
 
 
 class LoadedWorker(Protocol):
-    """What a loader published about the model it loaded (``coldsnap_vllm.state.WorkerLoadState`` is one);
-    ``hf_cache_dir`` ``None``: ``HF_HUB_CACHE``."""
+    """What a loader published about the model it loaded (``coldsnap_vllm.state.WorkerLoadState`` is one)."""
 
     worker: WorkerIdentity
     model: ModelIdentity | None

@@ -55,7 +55,7 @@ def capture_worker(
     target: TargetIdentity | None = None,
 ) -> CaptureResult:
     """Capture one worker (all checks first): its pack into ``cache``, its capsule and ``artifact.json`` entry into
-    ``artifact_dir``. ``target`` (the capsule's ``target.json``) defaults to :func:`collect_target` without an engine.
+    ``artifact_dir``; ``target`` defaults to :func:`collect_target` without an engine.
 
     Raises:
         ObserverError: the addresses do not fit ``capture_point``, or see :func:`plan_payload` (nothing written).
