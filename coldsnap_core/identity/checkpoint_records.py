@@ -53,8 +53,7 @@ class RecordLookup:
 
 
 class CheckpointRecords:
-    """The node-local checkpoint records of one state root: ``<state_root>/checkpoint-records/`` (``docs/format.md``
-    §10.1 says where each is and when it is trusted)."""
+    """The node-local checkpoint records of one state root (``docs/format.md`` §10.1: where, and when trusted)."""
 
     def __init__(self, state_root: str | os.PathLike[str]) -> None:
         self.state_root = Path(state_root)

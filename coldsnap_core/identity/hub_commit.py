@@ -1,6 +1,4 @@
-"""The repository commit a Hugging Face repository id's revision resolves to in the local cache (``docs/format.md``
-§10.1), so an artifact captured from ``org/name`` is refused once ``main`` moves.
-"""
+"""The commit a Hugging Face repository id's revision resolves to in the local cache (``docs/format.md`` §10.1)."""
 
 from __future__ import annotations
 

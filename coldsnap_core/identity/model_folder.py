@@ -38,12 +38,12 @@ def holds_weight_files(folder: Path) -> bool:
         raise os_error("cannot list the model folder", exc, folder) from exc
 
 
-def model_file_paths(folder: Path) -> list[Path]:
-    """The model files of ``folder`` (``docs/format.md`` §5), sorted by name; those left out for their name or size are
-    named in one INFO line.
+def read_model_files(folder: Path) -> list[tuple[CapsuleFile, bytes]]:
+    """Every model file of ``folder`` (``docs/format.md`` §5) with its pin, sorted by name and read once (so what is
+    written is what is pinned); those left out for their name or size are named in one INFO line.
 
     Raises:
-        FileAccessError: the folder cannot be listed or a file examined.
+        FileAccessError: the folder cannot be listed, or a file examined or read.
     """
     chosen, left_out = [], []
     try:
@@ -62,17 +62,8 @@ def model_file_paths(folder: Path) -> list[Path]:
         raise os_error("cannot list the model folder", exc, folder) from exc
     if left_out:
         logger.info("coldsnap: model files of %s left out of the artifact: %s", folder, ", ".join(sorted(left_out)))
-    return sorted(chosen, key=lambda p: p.name)
-
-
-def read_model_files(folder: Path) -> list[tuple[CapsuleFile, bytes]]:
-    """Every model file of ``folder`` with its pin, read once (so what is written is what is pinned).
-
-    Raises:
-        FileAccessError: the folder or a file cannot be read.
-    """
     files = []
-    for path in model_file_paths(folder):
+    for path in sorted(chosen, key=lambda p: p.name):
         try:
             data = path.read_bytes()
         except OSError as exc:

@@ -1,7 +1,5 @@
-"""The pinned model identity: produced at capture (:func:`identify_checkpoint`) and checked at restore
-(:func:`check_model_identity`, before any payload byte is read) against :class:`LoadedModel`, what the engine loads:
-repository commit, checkpoint files (fingerprints, records) and configuration digest (``docs/format.md`` §4.8, §10).
-"""
+"""The pinned model identity (``docs/format.md`` §4.8, §10): produced at capture (:func:`identify_checkpoint`), checked
+at restore (:func:`check_model_identity`, before any payload byte is read) against :class:`LoadedModel`."""
 
 from __future__ import annotations
 

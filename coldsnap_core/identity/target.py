@@ -1,5 +1,4 @@
-"""The current worker's target identity, and whether a capsule's residual qualifies for replay on it (``docs/format.md``
-§15)."""
+"""The current worker's target identity, and whether a capsule's residual qualifies for replay on it (``docs/format.md`` §15)."""
 
 from __future__ import annotations
 
