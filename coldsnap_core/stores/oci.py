@@ -1,13 +1,10 @@
-"""A payload store in an OCI registry (the OCI distribution API over HTTP, through ``httpx``; the extra
-``coldsnap[oci]``; ``docs/format.md`` §12.6).
+"""A payload store in an OCI registry: the OCI Distribution Specification v1.1 through ``httpx`` (the extra
+``coldsnap[oci]``), as ``docs/format.md`` §12.6 describes it.
 
-``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]``: a pack (and an artifact's file) is the blob ``sha256:<digest>`` of the
-repository, fetched by :class:`~coldsnap_core.stores._ranged.RangedStore`'s ranged ``GET``, uploaded after a mount
-try (``oci_mount_from``) through an upload session the registry checks by digest, and named by one OCI image
-manifest per artifact under its tag (OCI Distribution Specification v1.1). Credentials: the Docker config file's
-``auths`` entry, answering the registry's ``Basic`` or ``Bearer`` challenge, sent only to its own origin and a safe
-realm. Plain HTTP only for a loopback registry or with ``oci_plain_http``. A registry never replaces a blob it holds,
-so a corrupt stored blob is refused by publication, naming it.
+``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]``: a pack or an artifact's file is the blob ``sha256:<digest>``, fetched by
+:class:`~coldsnap_core.stores._ranged.RangedStore`, uploaded after a mount try through an upload session; an artifact
+is one image manifest under its tag. Credentials: the Docker config's ``auths`` entry, sent only to the registry's
+origin and a safe token realm.
 """
 
 from __future__ import annotations
@@ -101,13 +98,8 @@ class OciReference:
 
 
 def parse_oci_url(spec: str) -> OciReference:
-    """``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]`` -> :class:`OciReference`.
-
-    Raises:
-        ConfigurationError: not an ``oci://`` URL, a repository or tag outside the distribution spec's grammar,
-            ``HOST[:PORT]/NAME`` over :data:`REFERENCE_NAME_MAX_CHARS` characters, a port outside 1-65535, a
-            ``user:password@`` or a digest reference (``docs/format.md`` §12.6).
-    """
+    """``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]`` -> :class:`OciReference`; ``ConfigurationError`` for what
+    ``docs/format.md`` §12.6 refuses (the grammar, the length, the port, ``user:password@``, a digest reference)."""
     if not spec.startswith(OCI_SCHEME):
         raise ConfigurationError(f"{spec!r} is not an oci://HOST/NAMESPACE/NAME[:TAG] URL")
     rest = spec[len(OCI_SCHEME) :]
@@ -174,13 +166,8 @@ class RegistryCredentials:
 
 def load_credentials(registry: str, config_path: Path | None = None) -> RegistryCredentials | None:
     """The ``auths`` entry for ``registry`` (``HOST[:PORT]``, also with a scheme or a path) in the Docker config
-    file, or ``None`` when the file or the entry is absent.
-
-    Raises:
-        ConfigurationError: the file is not a regular file of at most :data:`DOCKER_CONFIG_MAX_BYTES` or cannot be
-            read, is not a JSON object with an ``auths`` object, or the entry for ``registry`` is not an object of
-            strings with an ``auth`` of base64 ``user:password`` (entries for other registries are not judged).
-    """
+    file, or ``None`` when the file or the entry is absent; ``ConfigurationError`` for a file or an entry that
+    ``docs/format.md`` §12.6 refuses (entries for other registries are not judged)."""
     path = config_path or docker_config_path()
     try:
         data = read_document_bytes(path, max_bytes=DOCKER_CONFIG_MAX_BYTES)
@@ -236,9 +223,9 @@ def _layer(media_type: str, digest: str, size_bytes: int, title: str, **annotati
 
 
 class OciPayloadStore(RangedStore):
-    """Packs as blobs of the repository ``repository`` (``NAMESPACE/NAME``) of ``registry`` (``HOST[:PORT]``);
-    ``tag``: the manifest tag (``None``: each artifact's name); ``credentials`` default to the Docker config's.
-    Raises ``ConfigurationError`` for an ``oci_mount_from`` entry that is not a repository name."""
+    """Blobs of the repository ``repository`` (``NAMESPACE/NAME``) of ``registry`` (``HOST[:PORT]``); ``tag``: the
+    manifest tag (``None``: each artifact's name); ``credentials`` default to the Docker config's. Raises
+    ``ConfigurationError`` for an ``oci_mount_from`` entry that is not a repository name."""
 
     record_kind = "manifest"
     conditional_create = False  # the distribution API has none: presence is checked first
@@ -291,8 +278,7 @@ class OciPayloadStore(RangedStore):
 
     @property
     def client(self) -> Any:
-        """The ``httpx.Client`` (honouring ``HTTPS_PROXY``/``NO_PROXY``), made on first use; ``ConfigurationError``
-        when httpx is missing."""
+        """The ``httpx.Client``, made on first use; ``ConfigurationError`` when httpx is missing."""
         if self._client is None:
             try:
                 import httpx
@@ -302,8 +288,7 @@ class OciPayloadStore(RangedStore):
             limits = httpx.Limits(max_connections=self.concurrency * 2, max_keepalive_connections=self.concurrency * 2)
             self._client = httpx.Client(
                 timeout=httpx.Timeout(timeouts.read_timeout_s, connect=timeouts.connect_timeout_s),
-                # a transport given here takes the limits (the client's own are for its default transport)
-                transport=httpx.HTTPTransport(retries=timeouts.retries, limits=limits),
+                transport=httpx.HTTPTransport(retries=timeouts.retries, limits=limits),  # the transport takes the limits
                 follow_redirects=True,  # blob GETs are often redirected to object storage; httpx drops Authorization across origins
             )
         return self._client
@@ -314,7 +299,7 @@ class OciPayloadStore(RangedStore):
         return f"{self.base_url}/v2/{self.repository}/blobs/sha256:{digest}"
 
     def location(self, obj: str | StoreObject) -> str:
-        """``oci://HOST/NAME@sha256:<digest>`` (a pack and an artifact's file alike are the blob of their SHA-256)."""
+        """``oci://HOST/NAME@sha256:<digest>`` (a pack and an artifact's file alike)."""
         digest = check_digest(as_object(obj).sha256)
         return f"{OCI_SCHEME}{self.registry}/{self.repository}@sha256:{digest}"
 
@@ -363,13 +348,8 @@ class OciPayloadStore(RangedStore):
         max_bytes: int = ANSWER_MAX_BYTES,
         **kwargs: Any,
     ) -> Any:
-        """One request, answering the registry's ``401`` challenge once; the credentials go to its own origin only.
-        Returns the answer with at most ``max_bytes`` of its body read, or (``stream``) unread.
-
-        Raises:
-            StoreError: the registry cannot be reached, or a 401/403 after the challenge was answered (naming where
-                the credentials came from, or the other origin that refused).
-        """
+        """One request, answering the registry's ``401`` challenge once (credentials only to its own origin); the answer
+        with at most ``max_bytes`` of its body read, or (``stream``) unread. ``StoreError``: no answer, or a 401/403."""
         self._credentials_for_registry()  # a broken Docker config entry is refused before any request, not at a 401
         headers = dict(kwargs.pop("headers", {}))
         for attempt in range(2):
@@ -401,12 +381,8 @@ class OciPayloadStore(RangedStore):
         return StoreError(f"{self.name}: the registry refused access ({answer}) to {method} {url} ({source})", file=where)
 
     def _answer_challenge(self, challenge: str, scope_key: str, *, where: str) -> None:
-        """Keep the ``Authorization`` the challenge asks for: Basic, or a Bearer token from a realm over HTTPS (or on
-        the plain-HTTP registry's own host).
-
-        Raises:
-            StoreError: an unsupported challenge, a realm the credentials may not go to, or the token service refused.
-        """
+        """Keep the ``Authorization`` the challenge asks for (``docs/format.md`` §12.6); ``StoreError`` for an unsupported
+        challenge, a realm the credentials may not go to, or a refusal by the token service."""
         scheme, params = _parse_challenge(challenge)
         creds = self._credentials_for_registry()
         basic = None
@@ -583,48 +559,9 @@ class OciPayloadStore(RangedStore):
         }
         return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
 
-    def _check_tag_move(
-        self, url: str, where: str, name: str, current: str | None, manifest_digest: str, *, warn: bool = True
-    ) -> None:
-        """The tag names another manifest: allowed (with a WARNING) only for coldsnap's of the same artifact name.
-
-        Raises:
-            ConfigurationError: the tag names another artifact, or a manifest that is not a coldsnap artifact's.
-            StoreError: the current manifest cannot be read.
-        """
-        response = self._request(
-            "GET", url, where=where, scope_key="pull", headers={"Accept": MANIFEST_MEDIA_TYPE}, max_bytes=MANIFEST_MAX_BYTES
-        )
-        if response.status_code != 200:
-            raise self._fail("reading the manifest the tag names", response, where)
-        try:
-            document = response.json()
-            title = (document.get("annotations") or {}).get(TITLE_ANNOTATION)
-            artifact_type = document.get("artifactType")
-        except (ValueError, AttributeError):
-            title = artifact_type = None
-        if artifact_type != ARTIFACT_TYPE or title != name:
-            what = (
-                f"the coldsnap artifact {title!r}"
-                if artifact_type == ARTIFACT_TYPE
-                else "a manifest that is not a coldsnap artifact's"
-            )
-            raise ConfigurationError(
-                f"{self.name}: the tag {where} names {what} ({current}); one tag names one artifact: publish {name!r}"
-                " under another tag (or none: each artifact is then tagged by its folder name), or delete the tag first"
-            )
-        if warn:  # not in a check before the upload: the move is logged once, when it happens
-            logger.warning(
-                "coldsnap: moving %s from %s to sha256:%s (a new capture of %r; pulls of the tag get the new one)",
-                where,
-                current,
-                manifest_digest,
-                name,
-            )
-
     def _check_tag(self, listing: ArtifactListing, *, warn: bool) -> tuple[bytes, str, str, str, bool]:
-        """The tag rules of :meth:`publish_artifact` for ``listing``, reading only; returns ``(manifest, its digest, the
-        tag's URL, where, whether the tag already names that manifest)``. Raises as :meth:`publish_artifact`."""
+        """The tag rules of :meth:`publish_artifact` for ``listing``, reading only (``warn``: log a move of the tag);
+        returns ``(manifest, its digest, the tag's URL, where, whether the tag already names that manifest)``."""
         manifest = self.manifest_for(listing)
         manifest_digest = hashlib.sha256(manifest).hexdigest()
         tag = self.tag if self.tag is not None else listing.name
@@ -637,9 +574,39 @@ class OciPayloadStore(RangedStore):
         where = f"{OCI_SCHEME}{self.registry}/{self.repository}:{tag}"
         head = self._request("HEAD", url, where=where, scope_key="pull", headers={"Accept": MANIFEST_MEDIA_TYPE})
         current = head.headers.get("Docker-Content-Digest")
-        if head.status_code == 200 and current != f"sha256:{manifest_digest}":
-            self._check_tag_move(url, where, listing.name, current, manifest_digest, warn=warn)
-        return manifest, manifest_digest, url, where, head.status_code == 200 and current == f"sha256:{manifest_digest}"
+        if head.status_code != 200 or current == f"sha256:{manifest_digest}":
+            return manifest, manifest_digest, url, where, head.status_code == 200
+        # the tag names another manifest: it may move only between coldsnap's manifests of the same artifact name
+        response = self._request(
+            "GET", url, where=where, scope_key="pull", headers={"Accept": MANIFEST_MEDIA_TYPE}, max_bytes=MANIFEST_MAX_BYTES
+        )
+        if response.status_code != 200:
+            raise self._fail("reading the manifest the tag names", response, where)
+        try:
+            document = response.json()
+            title = (document.get("annotations") or {}).get(TITLE_ANNOTATION)
+            artifact_type = document.get("artifactType")
+        except (ValueError, AttributeError):
+            title = artifact_type = None
+        if artifact_type != ARTIFACT_TYPE or title != listing.name:
+            what = (
+                f"the coldsnap artifact {title!r}"
+                if artifact_type == ARTIFACT_TYPE
+                else "a manifest that is not a coldsnap artifact's"
+            )
+            raise ConfigurationError(
+                f"{self.name}: the tag {where} names {what} ({current}); one tag names one artifact: publish {listing.name!r}"
+                " under another tag (or none: each artifact is then tagged by its folder name), or delete the tag first"
+            )
+        if warn:  # not in a check before the upload: the move is logged once, when it happens
+            logger.warning(
+                "coldsnap: moving %s from %s to sha256:%s (a new capture of %r; pulls of the tag get the new one)",
+                where,
+                current,
+                manifest_digest,
+                listing.name,
+            )
+        return manifest, manifest_digest, url, where, False
 
     def check_artifact(self, listing: ArtifactListing) -> None:
         """Refuse now, reading only, what :meth:`publish_artifact` would refuse for ``listing``'s tag."""
@@ -732,9 +699,7 @@ _MANIFEST_PUSH_ATTEMPTS = 3
 
 def _transient_manifest_refusal(response: Any) -> bool:
     """Whether a refused manifest push may succeed when tried again: a 5xx, or a 400 naming an unknown blob."""
-    if response.status_code >= 500:
-        return True
-    return response.status_code == 400 and "BLOB_UNKNOWN" in _error_text(response)
+    return response.status_code >= 500 or (response.status_code == 400 and "BLOB_UNKNOWN" in _error_text(response))
 
 
 def _error_text(response: Any) -> str:
