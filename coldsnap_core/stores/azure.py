@@ -1,12 +1,8 @@
 """A payload store in an Azure Blob Storage container, through ``azure-storage-blob`` (the extra ``coldsnap[azure]``).
 
-``az://account/container[/prefix]`` (endpoint ``https://<account>.blob.core.windows.net`` unless
-``AZURE_STORAGE_BLOB_ENDPOINT``; credential ``AZURE_STORAGE_KEY``, else ``AZURE_STORAGE_SAS_TOKEN``, else
-``DefaultAzureCredential`` when ``azure-identity`` is installed, else none), or a connection string ending
-``;Container=NAME[/prefix]``, whose key no name or message shows (``docs/format.md`` §12.8). A blob is created once
-(``If-None-Match: *``), a corrupt one replaced under ``If-Match: <its ETag>``; the file is hashed as the client reads
-it, so the request creating a changed file is never sent. Fetch: :class:`~coldsnap_core.stores._ranged.RangedStore`,
-each range pinned to the ETag.
+``az://account/container[/prefix]``, or a connection string ending ``;Container=NAME[/prefix]`` whose key no name or
+message shows; endpoint and credential as ``docs/format.md`` §12.8 says. A blob is created once (``If-None-Match:
+*``), a corrupt one replaced under ``If-Match: <its ETag>``. Fetch: :class:`~coldsnap_core.stores._ranged.RangedStore`.
 """
 
 from __future__ import annotations
@@ -57,13 +53,8 @@ def _split_container(value: str, spec_for_errors: str) -> tuple[str, str]:
 
 def parse_azure_spec(spec: str) -> tuple[str, str | None, str, str]:
     """``az://account/container[/prefix]`` -> ``(account, None, container, prefix)``; a connection string ->
-    ``(account, the string without Container=, container, prefix)``, the account ``AccountName=``, else the
-    emulator's, else the ``BlobEndpoint=``'s ``host[:port]/path``.
-
-    Raises:
-        ConfigurationError: no account, an invalid container name (3-63 of ``a-z 0-9 -``) or prefix, or a connection
-            string without one ``Container=`` (messages never repeat a connection string: it holds the key).
-    """
+    ``(account, the string without Container=, container, prefix)`` (the account as ``docs/format.md`` §12.8 says).
+    ``ConfigurationError``: no account, a bad container name or prefix, not one ``Container=`` (never naming the key)."""
     if spec.startswith(AZURE_SCHEME):
         account, _, rest = spec[len(AZURE_SCHEME) :].partition("/")
         if not account or not all(c.isascii() and (c.islower() or c.isdigit()) for c in account):
@@ -120,10 +111,9 @@ def _service_client(
     *,
     chunk_size_bytes: int,
     client_settings: StoreClientSettings,
-    credential: Any = None,
 ) -> Any:
-    """A ``BlobServiceClient`` for the spec (see the module docstring), with the timeouts of ``client_settings``;
-    ``ConfigurationError`` when the library is missing, or the connection string or endpoint is invalid."""
+    """A ``BlobServiceClient`` for the spec, with the timeouts of ``client_settings``; ``ConfigurationError`` when the
+    library is missing, or the connection string or endpoint is invalid."""
     try:
         from azure.storage.blob import BlobServiceClient
     except ImportError as exc:
@@ -137,20 +127,20 @@ def _service_client(
     }
     try:
         if connection_string is not None:
-            return BlobServiceClient.from_connection_string(connection_string, credential=credential, **timeouts)
+            return BlobServiceClient.from_connection_string(connection_string, **timeouts)
         url = os.environ.get(ENDPOINT_ENV) or f"https://{account}.blob.core.windows.net"
-        if credential is None:
-            if os.environ.get(KEY_ENV):
-                credential = {"account_name": account, "account_key": os.environ[KEY_ENV]}
-            elif os.environ.get(SAS_ENV):
-                credential = os.environ[SAS_ENV]
+        credential: Any
+        if os.environ.get(KEY_ENV):
+            credential = {"account_name": account, "account_key": os.environ[KEY_ENV]}
+        elif os.environ.get(SAS_ENV):
+            credential = os.environ[SAS_ENV]
+        else:
+            try:
+                from azure.identity import DefaultAzureCredential
+            except ImportError:
+                credential = None
             else:
-                try:
-                    from azure.identity import DefaultAzureCredential
-                except ImportError:
-                    credential = None
-                else:
-                    credential = DefaultAzureCredential()
+                credential = DefaultAzureCredential()
         return BlobServiceClient(url, credential=credential, **timeouts)
     except (ValueError, TypeError) as exc:
         where = "the connection string" if connection_string is not None else f"{ENDPOINT_ENV}={os.environ.get(ENDPOINT_ENV)!r}"
@@ -250,8 +240,7 @@ class AzurePayloadStore(RangedStore):
     @contextlib.contextmanager
     def open_range(self, obj: StoreObject, stat: ObjectStat, start: int, end: int) -> Iterator[tuple[Iterable[bytes], bool]]:
         """One ``Get Blob`` of the range pinned to the ETag through the client's pipeline, read as it arrives
-        (``download_blob`` would hold each response whole). A refusal raises ``PayloadUnavailableError`` for 404 (the
-        blob is gone), else ``StoreError`` (412: the blob changed; 401/403: the credential; else the service's message)."""
+        (``download_blob`` would hold each response whole)."""
         from azure.core.rest import HttpRequest
 
         blob, where = self._blob(obj), self.location(obj)

@@ -1,15 +1,14 @@
 """A payload store in a Google Cloud Storage bucket, through ``google-cloud-storage`` (the extra ``coldsnap[gcs]``).
 
-``gs://bucket[/prefix]`` (``docs/format.md`` §12.7); credentials and endpoint as ``google-cloud-storage`` reads them
-(Application Default Credentials, ``STORAGE_EMULATOR_HOST``). An object is created once (``if_generation_match=0``;
-Cloud Storage documentation, "Request preconditions"), a corrupt one replaced under ``if_generation_match=<its
-generation>``; the file is hashed as it is read for upload, so the request creating a changed file is never sent,
-and MD5 checksums guard the wire. Fetch: :class:`~coldsnap_core.stores._ranged.RangedStore`, pinned to the generation.
+``gs://bucket[/prefix]`` (``docs/format.md`` §12.7); credentials and endpoint as ``google-cloud-storage`` reads them.
+An object is created once (``if_generation_match=0``; Cloud Storage documentation, "Request preconditions"), a
+corrupt one replaced under ``if_generation_match=<its generation>``. Fetch: :class:`~coldsnap_core.stores._ranged.RangedStore`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import urllib.parse
@@ -43,12 +42,8 @@ GCS_CLIENT_VARIABLES = ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT"
 
 
 def parse_gs_url(spec: str) -> tuple[str, str]:
-    """``gs://bucket[/prefix]`` -> ``(bucket, prefix)``.
-
-    Raises:
-        ConfigurationError: not a ``gs://`` URL, a bucket name outside 3-63 characters of ``a-z 0-9 . - _`` (starting
-            and ending with a letter or digit), or a prefix :func:`~coldsnap_core.stores.base.checked_prefix` refuses.
-    """
+    """``gs://bucket[/prefix]`` -> ``(bucket, prefix)``; ``ConfigurationError`` for another URL, a bucket name that
+    ``docs/format.md`` §12.7 refuses or a prefix :func:`~coldsnap_core.stores.base.checked_prefix` refuses."""
     if not spec.startswith(GCS_SCHEME):
         raise ConfigurationError(f"{spec!r} is not a gs://bucket/prefix URL")
     bucket, _, prefix = spec[len(GCS_SCHEME) :].partition("/")
@@ -101,8 +96,7 @@ class GcsPayloadStore(RangedStore):
     @classmethod
     def from_url(cls, spec: str, **kwargs: Any) -> GcsPayloadStore:
         """A store for ``gs://bucket[/prefix]`` (:func:`parse_gs_url`)."""
-        bucket, prefix = parse_gs_url(spec)
-        return cls(bucket, prefix, **kwargs)
+        return cls(*parse_gs_url(spec), **kwargs)
 
     def __repr__(self) -> str:
         return f"GcsPayloadStore({self.bucket_name!r}, {self.prefix!r})"
@@ -113,16 +107,13 @@ class GcsPayloadStore(RangedStore):
         ``Retry`` counts time, not attempts), back-off 1 s doubling up to :data:`RETRY_BACKOFF_MAX_S`."""
         from google.cloud.storage.retry import DEFAULT_RETRY
 
+        settings = self.client_settings
         retryable = DEFAULT_RETRY._predicate  # google-cloud-storage's own choice of what to retry
-        left = [self.client_settings.retries]
+        retry_number = itertools.count(1)
 
         def predicate(exc: Exception) -> bool:
-            if left[0] <= 0 or not retryable(exc):
-                return False
-            left[0] -= 1
-            return True
+            return retryable(exc) and next(retry_number) <= settings.retries
 
-        settings = self.client_settings
         deadline_s = (settings.retries + 1) * (settings.connect_timeout_s + settings.read_timeout_s + RETRY_BACKOFF_MAX_S)
         return (
             DEFAULT_RETRY.with_predicate(predicate)

@@ -1,11 +1,8 @@
 """A payload store in a Hugging Face repository, through ``huggingface_hub`` (``docs/format.md`` §12.3).
 
-Objects live at their relative path in the repository (LFS/Xet files); the token, endpoint and offline mode come
-from the usual Hugging Face variables, which ``huggingface_hub`` reads itself. Presence: ``HfApi.get_paths_info``
-(size and LFS SHA-256); fetch: ``hf_hub_download`` into a scratch folder, then a kernel copy; upload:
-``create_repo(exist_ok=True)`` then ``create_commit``. Xet is ``huggingface_hub``'s choice (``HF_HUB_DISABLE_XET=1``
-for a Hub without it). A Hub that did not answer (``LocalEntryNotFoundError``, a subclass of ``EntryNotFoundError``)
-is a :class:`~coldsnap_core.errors.StoreError`, a missing object :class:`~coldsnap_core.errors.PayloadUnavailableError`.
+Objects live at their relative path in the repository (LFS/Xet files); token, endpoint and offline mode as
+``huggingface_hub`` reads them. Presence: ``HfApi.get_paths_info``; fetch: ``hf_hub_download`` into a scratch folder,
+then a kernel copy; upload: ``create_repo(exist_ok=True)`` then ``create_commit``.
 """
 
 from __future__ import annotations
@@ -102,11 +99,8 @@ class HfPayloadStore(ReferenceIndex):
             return False
         except Exception as exc:
             raise self._fail(f"looking up the {obj.what}", obj, exc) from exc
-        found = [info for info in infos if isinstance(info, RepoFile) and info.path == relpath]
-        if not found:
-            return False
-        info = found[0]
-        if wrong_size(obj, info.size, size_bytes, file=self.location(obj)):
+        info = next((info for info in infos if isinstance(info, RepoFile) and info.path == relpath), None)
+        if info is None or wrong_size(obj, info.size, size_bytes, file=self.location(obj)):
             return False
         if info.lfs is not None and info.lfs.sha256 != obj.sha256:
             logger.warning(
@@ -127,13 +121,12 @@ class HfPayloadStore(ReferenceIndex):
     ) -> None:
         """``HfApi.hf_hub_download`` into ``<file>.d``, then one kernel copy into ``fd``."""
         obj = as_object(obj)
-        relpath = obj.relpath
         scratch = file.with_name(file.name + ".d")
         scratch.mkdir(mode=0o700)
         try:
             try:
                 downloaded = self.api.hf_hub_download(
-                    self.repo_id, relpath, repo_type=self.repo_type, revision=self.revision, local_dir=scratch
+                    self.repo_id, obj.relpath, repo_type=self.repo_type, revision=self.revision, local_dir=scratch
                 )
             except LocalEntryNotFoundError as exc:  # a subclass of EntryNotFoundError: the Hub did not answer
                 raise self._no_answer(obj, exc) from exc

@@ -118,8 +118,7 @@ def parse_oci_url(spec: str) -> OciReference:
         raise ConfigurationError(f"{spec!r}: port {port} of {registry!r} is outside 1-65535")
     path = path.strip("/")
     tag = None
-    last = path.rsplit("/", 1)[-1]
-    if ":" in last:
+    if ":" in path.rsplit("/", 1)[-1]:
         path, _, tag = path.rpartition(":")
         if not ARTIFACT_NAME_RE.fullmatch(tag):
             raise ConfigurationError(
@@ -139,10 +138,8 @@ def parse_oci_url(spec: str) -> OciReference:
 
 def _is_loopback(registry: str) -> bool:
     host = registry.rsplit(":", 1)[0] if not registry.startswith("[") else registry[1:].split("]", 1)[0]
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 

@@ -1,12 +1,9 @@
 """A payload store in an S3-compatible bucket, through ``boto3`` (the extra ``coldsnap[s3]``; ``docs/format.md`` §12.2).
 
-``s3://bucket[/prefix]``; the endpoint, region and credentials come from the AWS variables boto3 reads itself,
-path-style addressing unless ``AWS_S3_ADDRESSING_STYLE`` says otherwise. An object is created once, never
-overwritten: ``If-None-Match: *`` on ``PutObject`` and ``CompleteMultipartUpload`` (S3 User Guide, "Add
-preconditions to S3 operations with conditional requests"); the loser gets ``412`` (or ``409`` while the first
-completes) and counts the digest as present. The server checks the SHA-256 of what it receives
-(``x-amz-checksum-sha256``, or each part's), and a multipart upload whose file does not hash to the digest is never
-completed. Fetch: :class:`~coldsnap_core.stores._ranged.RangedStore`, each range pinned with ``If-Match: <ETag>``.
+``s3://bucket[/prefix]``; endpoint, region and credentials as boto3 reads them. An object is created once:
+``If-None-Match: *`` on ``PutObject`` and ``CompleteMultipartUpload`` (S3 User Guide, "Add preconditions to S3
+operations with conditional requests"); the server checks the SHA-256 of what it receives, and a multipart upload whose
+file does not hash to the digest is never completed. Fetch: :class:`~coldsnap_core.stores._ranged.RangedStore`.
 """
 
 from __future__ import annotations
@@ -54,22 +51,15 @@ _CONDITION_FAILED_CODES = {"PreconditionFailed", "412", "ConditionalRequestConfl
 
 def _error_code(exc: Exception) -> str | None:
     response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        code = response.get("Error", {}).get("Code")
-        if code:
-            return str(code)
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return None if status is None else str(status)
-    return None
+    if not isinstance(response, dict):
+        return None
+    code = response.get("Error", {}).get("Code") or response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return None if code is None else str(code)
 
 
 def parse_s3_url(spec: str) -> tuple[str, str]:
-    """``s3://bucket[/prefix]`` -> ``(bucket, prefix)``.
-
-    Raises:
-        ConfigurationError: not an ``s3://`` URL, a bucket name outside 3-63 characters of ``a-z 0-9 . -``, or a
-            prefix :func:`~coldsnap_core.stores.base.checked_prefix` refuses.
-    """
+    """``s3://bucket[/prefix]`` -> ``(bucket, prefix)``; ``ConfigurationError`` for another URL, a bucket name
+    outside 3-63 characters of ``a-z 0-9 . -`` or a prefix :func:`~coldsnap_core.stores.base.checked_prefix` refuses."""
     if not spec.startswith(S3_SCHEME):
         raise ConfigurationError(f"{spec!r} is not an s3://bucket/prefix URL")
     bucket, _, prefix = spec[len(S3_SCHEME) :].partition("/")
@@ -91,12 +81,8 @@ S3_CLIENT_VARIABLES = (
 
 def _default_client(client_settings: StoreClientSettings | None = None) -> Any:
     """A boto3 S3 client from the environment with the timeouts and retries of ``client_settings`` (unless
-    ``AWS_RETRY_MODE`` / ``AWS_MAX_ATTEMPTS`` say otherwise).
-
-    Raises:
-        ConfigurationError: boto3 is missing, or the client cannot be built from the environment, naming the
-            variables that are set.
-    """
+    ``AWS_RETRY_MODE`` / ``AWS_MAX_ATTEMPTS`` say otherwise); ``ConfigurationError`` when boto3 is missing or the
+    client cannot be built, naming the variables that are set."""
     try:
         import boto3
         from botocore.config import Config
@@ -149,12 +135,10 @@ def _capped_answers(client: Any) -> Callable[..., Any]:
 
 def _aws_max_attempts() -> tuple[int, str] | None:
     """``(attempts, "AWS_MAX_ATTEMPTS=N")`` when botocore takes its attempts from that variable, else ``None``."""
-    value = os.environ.get("AWS_MAX_ATTEMPTS")
-    if value is None:
-        return None
+    value = os.environ.get("AWS_MAX_ATTEMPTS", "")
     try:
         return int(value), f"AWS_MAX_ATTEMPTS={value.strip()}"
-    except ValueError:  # botocore refused it when the client was built
+    except ValueError:  # unset, or refused by botocore when the client was built
         return None
 
 
@@ -183,8 +167,7 @@ class S3PayloadStore(RangedStore):
     @classmethod
     def from_url(cls, spec: str, **kwargs: Any) -> S3PayloadStore:
         """A store for ``s3://bucket[/prefix]`` (:func:`parse_s3_url`)."""
-        bucket, prefix = parse_s3_url(spec)
-        return cls(bucket, prefix, **kwargs)
+        return cls(*parse_s3_url(spec), **kwargs)
 
     def __repr__(self) -> str:
         return f"S3PayloadStore({self.bucket!r}, {self.prefix!r})"
@@ -288,10 +271,10 @@ class S3PayloadStore(RangedStore):
             raise self.failure("starting a multipart upload", obj, exc) from exc
         completed = False
         try:
-            parts: dict[int, dict[str, Any]] = {}
+            parts: list[dict[str, Any]] = []
             lock = threading.Lock()
 
-            def send(number: int, data: bytes) -> None:
+            def send(number: int, data: bytes) -> dict[str, Any]:
                 checksum = base64.b64encode(hashlib.sha256(data).digest()).decode()
                 try:
                     response = self.client.upload_part(
@@ -305,31 +288,29 @@ class S3PayloadStore(RangedStore):
                     )
                 except Exception as exc:
                     raise self.failure(f"uploading part {number}", obj, exc) from exc
-                with lock:
-                    parts[number] = {"PartNumber": number, "ETag": response["ETag"], "ChecksumSHA256": checksum}
-                    if progress is not None:
+                if progress is not None:
+                    with lock:
                         progress(len(data))
+                return {"PartNumber": number, "ETag": response["ETag"], "ChecksumSHA256": checksum}
 
             # the reader hashes the file in order and refuses its last part when the whole is not the digest
             with (
                 hashing_reader(path, obj.sha256, size_bytes, None) as f,
                 concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool,
             ):
-                pending: set[concurrent.futures.Future[None]] = set()
+                pending: set[concurrent.futures.Future[dict[str, Any]]] = set()
                 for number, (start, end) in enumerate(ranges, start=1):
                     pending.add(pool.submit(send, number, f.read(end - start)))
                     if len(pending) >= self.concurrency:  # bounded read-ahead: at most `concurrency` parts in memory
                         done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-                        for future in done:
-                            future.result()
-                for future in concurrent.futures.as_completed(pending):
-                    future.result()
+                        parts += [future.result() for future in done]
+                parts += [future.result() for future in concurrent.futures.as_completed(pending)]
             try:
                 self.client.complete_multipart_upload(
                     Bucket=self.bucket,
                     Key=key,
                     UploadId=upload_id,
-                    MultipartUpload={"Parts": [parts[n] for n in sorted(parts)]},
+                    MultipartUpload={"Parts": sorted(parts, key=lambda part: part["PartNumber"])},
                     **condition,
                 )
                 completed = True
