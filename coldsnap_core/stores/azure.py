@@ -8,6 +8,7 @@ message shows; endpoint and credential as ``docs/format.md`` §12.8 says. A blob
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import urllib.parse
@@ -105,48 +106,6 @@ def _retry_policy(retries: int) -> Any:
     )
 
 
-def _service_client(
-    account: str,
-    connection_string: str | None,
-    *,
-    chunk_size_bytes: int,
-    client_settings: StoreClientSettings,
-) -> Any:
-    """A ``BlobServiceClient`` for the spec, with the timeouts of ``client_settings``; ``ConfigurationError`` when the
-    library is missing, or the connection string or endpoint is invalid."""
-    try:
-        from azure.storage.blob import BlobServiceClient
-    except ImportError as exc:
-        raise ConfigurationError("an az:// payload store needs azure-storage-blob: pip install 'coldsnap[azure]'") from exc
-    timeouts = {
-        "connection_timeout": client_settings.connect_timeout_s,
-        "read_timeout": client_settings.read_timeout_s,
-        "max_block_size": chunk_size_bytes,  # bytes per staged block
-        "max_single_put_size": chunk_size_bytes,  # up to this, one Put Blob; beyond, blocks and Put Block List
-        "retry_policy": _retry_policy(client_settings.retries),
-    }
-    try:
-        if connection_string is not None:
-            return BlobServiceClient.from_connection_string(connection_string, **timeouts)
-        url = os.environ.get(ENDPOINT_ENV) or f"https://{account}.blob.core.windows.net"
-        credential: Any
-        if os.environ.get(KEY_ENV):
-            credential = {"account_name": account, "account_key": os.environ[KEY_ENV]}
-        elif os.environ.get(SAS_ENV):
-            credential = os.environ[SAS_ENV]
-        else:
-            try:
-                from azure.identity import DefaultAzureCredential
-            except ImportError:
-                credential = None
-            else:
-                credential = DefaultAzureCredential()
-        return BlobServiceClient(url, credential=credential, **timeouts)
-    except (ValueError, TypeError) as exc:
-        where = "the connection string" if connection_string is not None else f"{ENDPOINT_ENV}={os.environ.get(ENDPOINT_ENV)!r}"
-        raise ConfigurationError(f"the Azure Blob client cannot be built from {where}: {type(exc).__name__}") from exc
-
-
 class AzurePayloadStore(RangedStore):
     """Block blobs at ``<container>/<prefix>/<relpath>`` of one storage account (coldsnap never creates the
     container); ``account`` names it (:func:`parse_azure_spec`), ``connection_string`` (without ``Container=``)
@@ -172,7 +131,8 @@ class AzurePayloadStore(RangedStore):
         self.url = f"{AZURE_SCHEME}{account}/{container}"
         self.chunk_size_bytes = chunk_size_bytes
         self._connection_string = connection_string
-        self._service = service
+        if service is not None:
+            self.service = service
         name = f"azure {account}/{container}/{self.prefix}" if self.prefix else f"azure {account}/{container}"
         super().__init__(name, range_size_bytes=chunk_size_bytes, concurrency=concurrency, client_settings=client_settings)
 
@@ -185,17 +145,44 @@ class AzurePayloadStore(RangedStore):
     def __repr__(self) -> str:
         return f"AzurePayloadStore({self.account!r}, {self.container!r}, {self.prefix!r})"
 
-    @property
+    @functools.cached_property
     def service(self) -> Any:
-        """The ``BlobServiceClient``, made on first use."""
-        if self._service is None:
-            self._service = _service_client(
-                self.account,
-                self._connection_string,
-                chunk_size_bytes=self.chunk_size_bytes,
-                client_settings=self.client_settings,
+        """The ``BlobServiceClient`` (made on first use unless given) with the timeouts of ``client_settings``;
+        ``ConfigurationError`` when the library is missing, or the connection string or endpoint is invalid."""
+        try:
+            from azure.storage.blob import BlobServiceClient
+        except ImportError as exc:
+            raise ConfigurationError("an az:// payload store needs azure-storage-blob: pip install 'coldsnap[azure]'") from exc
+        timeouts = {
+            "connection_timeout": self.client_settings.connect_timeout_s,
+            "read_timeout": self.client_settings.read_timeout_s,
+            "max_block_size": self.chunk_size_bytes,  # bytes per staged block
+            "max_single_put_size": self.chunk_size_bytes,  # up to this, one Put Blob; beyond, blocks and Put Block List
+            "retry_policy": _retry_policy(self.client_settings.retries),
+        }
+        connection_string = self._connection_string
+        try:
+            if connection_string is not None:
+                return BlobServiceClient.from_connection_string(connection_string, **timeouts)
+            url = os.environ.get(ENDPOINT_ENV) or f"https://{self.account}.blob.core.windows.net"
+            credential: Any
+            if os.environ.get(KEY_ENV):
+                credential = {"account_name": self.account, "account_key": os.environ[KEY_ENV]}
+            elif os.environ.get(SAS_ENV):
+                credential = os.environ[SAS_ENV]
+            else:
+                try:
+                    from azure.identity import DefaultAzureCredential
+                except ImportError:
+                    credential = None
+                else:
+                    credential = DefaultAzureCredential()
+            return BlobServiceClient(url, credential=credential, **timeouts)
+        except (ValueError, TypeError) as exc:
+            where = (
+                "the connection string" if connection_string is not None else f"{ENDPOINT_ENV}={os.environ.get(ENDPOINT_ENV)!r}"
             )
-        return self._service
+            raise ConfigurationError(f"the Azure Blob client cannot be built from {where}: {type(exc).__name__}") from exc
 
     def _blob(self, obj: str | StoreObject) -> Any:
         return self.service.get_blob_client(self.container, self.key(obj))

@@ -8,6 +8,7 @@ corrupt one replaced under ``if_generation_match=<its generation>``. Fetch: :cla
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -53,21 +54,6 @@ def parse_gs_url(spec: str) -> tuple[str, str]:
     return bucket, checked_prefix(prefix, spec=repr(spec), what="object prefix")
 
 
-def _default_client(name: str) -> Any:
-    """A ``google.cloud.storage.Client`` from the environment; ``ConfigurationError`` when the library is missing or
-    no client can be built (naming the variables that are set)."""
-    try:
-        import google.auth.exceptions
-        from google.cloud import storage
-    except ImportError as exc:
-        raise ConfigurationError("a gs:// payload store needs google-cloud-storage: pip install 'coldsnap[gcs]'") from exc
-    try:
-        return storage.Client()
-    except (google.auth.exceptions.GoogleAuthError, ValueError, OSError) as exc:
-        given = ", ".join(f"{v}={os.environ[v]!r}" for v in GCS_CLIENT_VARIABLES if v in os.environ) or "none of GOOGLE_* set"
-        raise ConfigurationError(f"{name}: the GCS client cannot be built from the environment ({given}): {exc}") from exc
-
-
 class GcsPayloadStore(RangedStore):
     """Objects at ``gs://<bucket>/<prefix>/<relpath>`` (coldsnap never creates the bucket); ``chunk_size_bytes``: per
     ranged read and resumable-upload chunk, a positive multiple of 256 KiB (else ``ConfigurationError``)."""
@@ -88,7 +74,8 @@ class GcsPayloadStore(RangedStore):
         self.url = f"{GCS_SCHEME}{bucket}"
         self.prefix = prefix.strip("/")
         self.chunk_size_bytes = chunk_size_bytes
-        self._client = client
+        if client is not None:
+            self.client = client
         name = f"gcs {bucket}/{self.prefix}" if self.prefix else f"gcs {bucket}"
         super().__init__(name, range_size_bytes=chunk_size_bytes, concurrency=concurrency, client_settings=client_settings)
         self._timeout_s = (self.client_settings.connect_timeout_s, self.client_settings.read_timeout_s)
@@ -121,12 +108,22 @@ class GcsPayloadStore(RangedStore):
             .with_timeout(deadline_s)
         )
 
-    @property
+    @functools.cached_property
     def client(self) -> Any:
-        """The storage client, made on first use (parsing a URL needs no google import)."""
-        if self._client is None:
-            self._client = _default_client(self.name)
-        return self._client
+        """The ``google.cloud.storage.Client`` (made on first use unless given: parsing a URL needs no google import);
+        ``ConfigurationError`` when the library is missing or no client can be built (naming the variables set)."""
+        try:
+            import google.auth.exceptions
+            from google.cloud import storage
+        except ImportError as exc:
+            raise ConfigurationError("a gs:// payload store needs google-cloud-storage: pip install 'coldsnap[gcs]'") from exc
+        try:
+            return storage.Client()
+        except (google.auth.exceptions.GoogleAuthError, ValueError, OSError) as exc:
+            given = ", ".join(f"{v}={os.environ[v]!r}" for v in GCS_CLIENT_VARIABLES if v in os.environ) or "none of GOOGLE_* set"
+            raise ConfigurationError(
+                f"{self.name}: the GCS client cannot be built from the environment ({given}): {exc}"
+            ) from exc
 
     def stat(self, obj: StoreObject) -> ObjectStat | None:
         """The live object's size and generation, or ``None``; ``StoreError`` when the bucket does not exist."""

@@ -151,14 +151,9 @@ class HfPayloadStore(ReferenceIndex):
 
     def upload(self, path: Path, obj: str | StoreObject, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
         """``HfApi.create_commit``, after comparing the SHA-256 ``huggingface_hub`` computed of the file with the
-        object's. The Hub has no conditional create (two publishers both commit; it keeps one LFS object): ``True``.
-
-        Raises:
-            PackSizeMismatchError: ``path`` does not have ``size_bytes`` bytes (nothing uploaded).
-            PackDigestMismatchError: the file does not hash to the object's SHA-256 (it changed after it was
-                verified; nothing uploaded).
-            StoreError: the Hub refused or failed.
-        """
+        object's; ``True`` (the Hub has no conditional create). Raises ``PackSizeMismatchError`` or
+        ``PackDigestMismatchError`` (the file changed after it was verified; nothing uploaded), ``StoreError`` (the Hub
+        refused or failed)."""
         obj = as_object(obj)
         relpath = obj.relpath
         operation = CommitOperationAdd(path_in_repo=relpath, path_or_fileobj=str(path))
@@ -176,16 +171,7 @@ class HfPayloadStore(ReferenceIndex):
             self.api.create_repo(self.repo_id, repo_type=self.repo_type, private=self.private, exist_ok=True)
         except Exception as exc:
             raise self._fail(f"creating the repository {self.repo_id}", obj, exc) from exc
-        try:
-            self.api.create_commit(
-                self.repo_id,
-                [operation],
-                commit_message=f"coldsnap: add {relpath}",
-                repo_type=self.repo_type,
-                revision=self.revision,
-            )
-        except Exception as exc:
-            raise self._fail(f"uploading the {obj.what}", obj, exc) from exc
+        self._commit(operation, f"coldsnap: add {relpath}", f"uploading the {obj.what}", obj)
         if progress is not None:
             progress(size_bytes)
         logger.info("coldsnap: uploaded %s to %s", relpath, self.name)
@@ -193,16 +179,17 @@ class HfPayloadStore(ReferenceIndex):
 
     def put_reference(self, relpath: str, data: bytes) -> None:
         """Commit ``data`` at ``relpath`` (atomic for a reader of the revision); ``StoreError`` when the Hub failed."""
+        operation = CommitOperationAdd(path_in_repo=relpath, path_or_fileobj=data)
+        self._commit(operation, f"coldsnap: name {relpath}", "writing the name", StoreObject(relpath, ""))
+
+    def _commit(self, operation: CommitOperationAdd, message: str, action: str, obj: StoreObject) -> None:
+        """Commit ``operation`` to the revision; ``StoreError`` naming ``action`` when the Hub failed."""
         try:
             self.api.create_commit(
-                self.repo_id,
-                [CommitOperationAdd(path_in_repo=relpath, path_or_fileobj=data)],
-                commit_message=f"coldsnap: name {relpath}",
-                repo_type=self.repo_type,
-                revision=self.revision,
+                self.repo_id, [operation], commit_message=message, repo_type=self.repo_type, revision=self.revision
             )
         except Exception as exc:
-            raise self._fail("writing the name", StoreObject(relpath, ""), exc) from exc
+            raise self._fail(action, obj, exc) from exc
 
     def get_reference(self, relpath: str, max_bytes: int) -> bytes | None:
         """The bytes of ``relpath`` (at most ``max_bytes``), or ``None``; ``StoreError`` when the Hub failed or it is

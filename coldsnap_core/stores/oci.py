@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import ipaddress
 import json
@@ -257,7 +258,8 @@ class OciPayloadStore(RangedStore):
         self.base_url = f"{'http' if _is_loopback(registry) or self.client_settings.oci_plain_http else 'https'}://{registry}"
         self.mount_from = tuple(r for r in self.client_settings.oci_mount_from if r != repository)
         self.chunk_size_bytes = chunk_size_bytes
-        self._client = client
+        if client is not None:
+            self.client = client
         self._credentials = credentials
         self._credentials_loaded = credentials is not None
         self._authorization: dict[str, str] = {}  # scope -> Authorization header value
@@ -273,27 +275,24 @@ class OciPayloadStore(RangedStore):
     def __repr__(self) -> str:
         return f"OciPayloadStore({self.registry!r}, {self.repository!r})"
 
-    @property
+    @functools.cached_property
     def client(self) -> Any:
-        """The ``httpx.Client``, made on first use; ``ConfigurationError`` when httpx is missing."""
-        if self._client is None:
-            try:
-                import httpx
-            except ImportError as exc:
-                raise ConfigurationError("an oci:// payload store needs httpx: pip install 'coldsnap[oci]'") from exc
-            timeouts = self.client_settings
-            limits = httpx.Limits(max_connections=self.concurrency * 2, max_keepalive_connections=self.concurrency * 2)
-            self._client = httpx.Client(
-                timeout=httpx.Timeout(timeouts.read_timeout_s, connect=timeouts.connect_timeout_s),
-                transport=httpx.HTTPTransport(retries=timeouts.retries, limits=limits),  # the transport takes the limits
-                follow_redirects=True,  # blob GETs are often redirected to object storage; httpx drops Authorization across origins
-            )
-        return self._client
+        """The ``httpx.Client``, made on first use unless given; ``ConfigurationError`` when httpx is missing."""
+        try:
+            import httpx
+        except ImportError as exc:
+            raise ConfigurationError("an oci:// payload store needs httpx: pip install 'coldsnap[oci]'") from exc
+        timeouts = self.client_settings
+        limits = httpx.Limits(max_connections=self.concurrency * 2, max_keepalive_connections=self.concurrency * 2)
+        return httpx.Client(
+            timeout=httpx.Timeout(timeouts.read_timeout_s, connect=timeouts.connect_timeout_s),
+            transport=httpx.HTTPTransport(retries=timeouts.retries, limits=limits),  # the transport takes the limits
+            follow_redirects=True,  # blob GETs are often redirected to object storage; httpx drops Authorization across origins
+        )
 
     def blob_url(self, digest: str) -> str:
         """``<base>/v2/<name>/blobs/sha256:<digest>``; the digest is validated first."""
-        check_digest(digest)
-        return f"{self.base_url}/v2/{self.repository}/blobs/sha256:{digest}"
+        return f"{self.base_url}/v2/{self.repository}/blobs/sha256:{check_digest(digest)}"
 
     def location(self, obj: str | StoreObject) -> str:
         """``oci://HOST/NAME@sha256:<digest>`` (a pack and an artifact's file alike)."""
@@ -611,14 +610,9 @@ class OciPayloadStore(RangedStore):
 
     def publish_artifact(self, listing: ArtifactListing) -> str:
         """Push the manifest of one artifact whose blobs are in the repository; returns
-        ``oci://HOST/NAME:TAG@sha256:<manifest digest>``. A tag naming another manifest of the same artifact name is
-        moved, with a WARNING.
-
-        Raises:
-            ConfigurationError: the tag already named another artifact of this publication, or names another artifact
-                or a manifest that is not coldsnap's in the registry (one tag, one artifact).
-            StoreError: the registry refused the manifest or failed, or answered with another manifest digest.
-        """
+        ``oci://HOST/NAME:TAG@sha256:<manifest digest>``. Raises ``ConfigurationError`` for a tag naming another artifact
+        or a manifest that is not coldsnap's (one tag, one artifact: ``docs/format.md`` §12.6), ``StoreError`` when the
+        registry refused or failed, or answered with another manifest digest."""
         manifest, manifest_digest, url, where, named = self._check_tag(listing, warn=True)
         reference = f"{where}@sha256:{manifest_digest}"
         if named:
@@ -652,13 +646,8 @@ class OciPayloadStore(RangedStore):
 
     def resolve_artifact(self, name: str) -> PublishedArtifact:
         """The artifact the tag ``name`` names: its manifest's :data:`FILE_MEDIA_TYPE` layer titled ``artifact.json``.
-
-        Raises:
-            ConfigurationError: ``name`` is not a tag.
-            PayloadUnavailableError: the repository has no such tag.
-            MissingObjectError: the tag names no coldsnap artifact with its files.
-            StoreError: the registry failed.
-        """
+        Raises ``ConfigurationError`` (not a tag), ``PayloadUnavailableError`` (no such tag), ``MissingObjectError`` (no
+        coldsnap artifact with its files) or ``StoreError`` (the registry failed)."""
         tag = check_artifact_name(name)
         url = f"{self.base_url}/v2/{self.repository}/manifests/{tag}"
         where = f"{OCI_SCHEME}{self.registry}/{self.repository}:{tag}"

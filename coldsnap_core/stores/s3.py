@@ -223,8 +223,6 @@ class S3PayloadStore(RangedStore):
         with response["Body"] as raw:  # the urllib3 response itself (botocore's StreamingBody reads until full)
             yield read1_chunks(raw), response["ResponseMetadata"]["HTTPStatusCode"] == 200
 
-    # -- upload ----------------------------------------------------------------------------------
-
     def create(
         self, path: Path, obj: StoreObject, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
     ) -> bool:
@@ -276,7 +274,7 @@ class S3PayloadStore(RangedStore):
 
             def send(number: int, data: bytes) -> dict[str, Any]:
                 checksum = base64.b64encode(hashlib.sha256(data).digest()).decode()
-                try:
+                with self.typed(f"uploading part {number}", obj):
                     response = self.client.upload_part(
                         Bucket=self.bucket,
                         Key=key,
@@ -286,8 +284,6 @@ class S3PayloadStore(RangedStore):
                         ChecksumAlgorithm="SHA256",
                         ChecksumSHA256=checksum,
                     )
-                except Exception as exc:
-                    raise self.failure(f"uploading part {number}", obj, exc) from exc
                 if progress is not None:
                     with lock:
                         progress(len(data))
