@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import re
-import threading
 import time
 import urllib.parse
 from collections.abc import Iterable, Iterator
@@ -262,9 +261,8 @@ class OciPayloadStore(RangedStore):
             self.client = client
         self._credentials = credentials
         self._credentials_loaded = credentials is not None
-        self._authorization: dict[str, str] = {}  # scope -> Authorization header value
+        self._authorization: dict[str, str] = {}  # scope -> Authorization header value (one item set at a time: no lock)
         self._tagged: dict[str, str] = {}  # tag -> the artifact this store pushed under it
-        self._lock = threading.Lock()
 
     @classmethod
     def from_url(cls, spec: str, **kwargs: Any) -> OciPayloadStore:
@@ -386,8 +384,7 @@ class OciPayloadStore(RangedStore):
             basic = "Basic " + base64.b64encode(f"{creds.username}:{creds.password or ''}".encode()).decode()
         if scheme == "basic":
             if basic is not None:  # else the retry gets the same 401, reported with "no credentials"
-                with self._lock:
-                    self._authorization[scope_key] = basic
+                self._authorization[scope_key] = basic
             return
         if scheme != "bearer" or "realm" not in params:
             raise StoreError(f"{self.name}: the registry asks for an unsupported authentication: {challenge!r}", file=where)
@@ -419,8 +416,7 @@ class OciPayloadStore(RangedStore):
             token = None
         if not token:
             raise StoreError(f"{self.name}: the token service {params['realm']} answered without a token", file=where)
-        with self._lock:
-            self._authorization[scope_key] = f"Bearer {token}"
+        self._authorization[scope_key] = f"Bearer {token}"
 
     def _fail(self, action: str, response: Any, where: str) -> StoreError:
         return StoreError(f"{self.name}: {action} failed: HTTP {response.status_code} {_error_text(response)}", file=where)

@@ -199,7 +199,7 @@ class S3PayloadStore(RangedStore):
         except Exception as exc:
             if _error_code(exc) in _NOT_FOUND_CODES | {"NoSuchBucket"}:
                 raise self.missing(f"bucket {self.bucket!r}", obj) from exc
-            # HeadBucket needs s3:ListBucket; without it the object's 404 stands (the behaviour before this check)
+            # HeadBucket needs s3:ListBucket; without it the object's 404 stands
             logger.debug("coldsnap: HeadBucket of %s after a 404: %s", self.bucket, exc)
         return None
 
