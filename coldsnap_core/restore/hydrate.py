@@ -1,11 +1,8 @@
 """Two-source hydration: fill live allocations from the shared pack and the worker's residual blob.
 
-Order of work (``docs/format.md`` §7, "Order of checks", the ``hydrate`` entries): every manifest rule, the live
-layout, the residual blob (size, then SHA-256), the pack's admission by the node-local cache and its padding; only
-then the copy plan runs through the copy backend, optionally re-hashing every model extent. If a check fails nothing
-is written; if the copy fails the allocations hold a mixture and must not be reported restored. A padding or
-extent that disagrees on an admitted pack is judged by verifying the pack in full (§7: a wrong file SHA-256
-quarantines it; else the manifest is wrong, or the copy is to blame).
+Every check but ``verify_extents``' runs before the first byte is written (``docs/format.md`` §7, "Order of checks",
+the ``hydrate`` entries); a padding or extent that disagrees on an admitted pack is judged by verifying the pack in
+full. If the copy fails the allocations hold a mixture and must not be reported restored.
 """
 
 from __future__ import annotations
@@ -86,20 +83,13 @@ def hydrate(
     """Verify everything, then fill ``allocations`` from the pack and the blob.
 
     ``allocations[i].index == i``; ``live_layout``: the live allocation map, to compare fingerprints (``None``:
-    sizes only); ``verify_extents``: hash every model extent right after its bytes land (bytes that changed under a
-    still-valid validation record); ``manifest_file``: the manifest's path, for error messages.
+    sizes only); ``verify_extents``: hash every model extent right after its bytes land; ``manifest_file``: the
+    manifest's path, for error messages.
 
     Raises:
-        ManifestError: a manifest rule or the live layout check failed (nothing written): ``LayoutMismatchError``,
-            ``AllocationSizeMismatchError``, ``ExtentOrderError``, ``ExtentBoundsError``, ``ExtentOverlapError``,
-            ``CoverageGapError``, ``PackLayoutError``, ``ResidualLayoutError``.
-        IntegrityError: the pack or blob is corrupt (nothing written): ``PackPathMismatchError``,
-            ``PackSizeMismatchError``, ``PackDigestMismatchError`` and ``NonZeroPaddingError`` (quarantined),
-            ``ResidualSizeMismatchError``, ``ResidualDigestMismatchError``; or ``ExtentDigestMismatchError`` from
-            ``verify_extents`` (quarantined; partly written). A quarantine sets ``quarantined_to`` on the error.
-        ManifestPaddingError / ManifestExtentDigestError: the pack is intact but the manifest is wrong (kept).
-        MissingObjectError, NotRegularFileError, FileAccessError: the blob or pack is missing, not a regular
-            file or unreadable (nothing written).
+        ManifestError, IntegrityError, MissingObjectError, NotRegularFileError, FileAccessError: a check of
+            ``docs/format.md`` §7 failed: nothing is written, but for an ``ExtentDigestMismatchError`` of
+            ``verify_extents`` (partly written). A quarantine sets ``quarantined_to`` on the error.
         CopyBackendError: a read failed during the copy, or a copied extent changed on its way while the pack
             verifies in full (partly written).
     """
@@ -137,10 +127,9 @@ def hydrate_admitted(
     filled_seconds: float | None = None,
 ) -> HydrationReport:
     """:func:`hydrate` of a pack the caller admitted at ``pack_path`` after checking the manifest rules (``layout``)
-    and the live layout: the blob, the padding (not when the admission just read it on this inode) and the copy;
-    raises as :func:`hydrate`. ``filled_seconds``: a one-pass fetch
-    (:class:`~coldsnap_core.restore.staging.LandedFill`) already filled every model extent in that many seconds
-    (``pack_path`` is not read): only the residual blob is verified and copied."""
+    and the live layout; raises as :func:`hydrate`. ``filled_seconds``: a one-pass fetch
+    (:class:`~coldsnap_core.restore.staging.LandedFill`) filled every model extent in that many seconds: only the
+    residual blob is verified and copied."""
     return _verify_and_fill(
         manifest,
         layout,

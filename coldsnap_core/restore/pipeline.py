@@ -1,13 +1,11 @@
 """Restore one worker's weights from its pack and residual blob (the portable capture point).
 
 Engine neutral: the vLLM and SGLang loaders call :func:`restore_or_fall_back` after the engine built the model and
-before its post-processing (vLLM ``DefaultModelLoader.load_weights``, SGLang
-``DefaultModelLoader.load_weights_and_postprocess``). :class:`WorkerRestore` is one linear pipeline, each check run
-once (``docs/format.md`` §7, "Order of checks", **Restore**): 1. **read** the capsule; 2. **qualify** its target
-(§15.4); 3. the model **identity** (§10.1), before 4. the live **layout**; 5. the **manifest** rules; 6. **admit**
-the pack (the cache, else a fetch from the store that fills the model as the pack lands, §12.4); 7. **hydrate**.
-Each step raises a :class:`~coldsnap_core.errors.ColdsnapError`; nothing is written into the model before step 7
-(or the fetch of step 6), and a refused fetch raises, so a partly written model is never reported restored.
+before its post-processing. :class:`WorkerRestore` runs each check once (``docs/format.md`` §7, "Order of checks",
+**Restore**): 1. **read** the capsule; 2. **qualify** its target (§15.4); 3. the model **identity** (§10.1); 4. the
+live **layout**; 5. the **manifest** rules; 6. **admit** the pack (the cache, else a fetch that fills the model as
+the pack lands, §12.4); 7. **hydrate**. Each step raises a :class:`~coldsnap_core.errors.ColdsnapError`; nothing is
+written into the model before step 7 (or the fetch of step 6), so a partly written model is never reported restored.
 """
 
 from __future__ import annotations
@@ -68,27 +66,22 @@ class WorkerRestore:
 
     Args:
         cache: the node-local cache (its state root also holds the checkpoint records).
-        verify_extents: hash every model extent while hydrating.
-        verify_checkpoint: hash local checkpoint files this node has no record of (``COLDSNAP_VERIFY_CHECKPOINT=1``).
-        engine, engine_version: the engine restoring (``vllm``, ``sglang``, or
-            :data:`~coldsnap_core.identity.target.ENGINE_NONE`) and its version, for the target identity.
+        verify_extents, verify_checkpoint: hash every model extent while hydrating; hash the local checkpoint files
+            this node has no record of.
+        engine, engine_version: the engine restoring and its version, for the target identity.
         target: the current target identity; default: collected in :meth:`run` for the allocations' device.
-        use_overlays: select this node's target-local overlays (``COLDSNAP_OVERLAY`` is not ``off``).
+        use_overlays: select this node's target-local overlays.
         store: where a pack missing from the cache is fetched from; ``None``: nowhere.
 
-    Attributes:
-        capsule: the capsule restored from: the portable one once read, this node's overlay once selected.
-        portable_capsule, entry, recorded_model: the artifact's capsule, ``artifact.json`` entry and pinned model
-            identity of this worker, once read.
-        selection: which capsule step 2 chose and why.
-        descriptor_sha256: SHA-256 of the ``artifact.json`` bytes step 1 parsed (overlays bind to it).
-        target_mismatch: the qualification error when step 2 refused the capsule, else ``None``.
-        layout_matches: whether the live layout matched the manifest (step 4 passed).
-        pack_unavailable: whether the attempt failed because no source has the pack, or the cached object proved
-            corrupt and was quarantined (the loader then materializes it after a recovery load).
-        stage_seconds: seconds spent staging the pack from :attr:`store`, also when it failed; ``None`` when the
-            store was not contacted.
-        fetched_bytes: bytes the store wrote into the cache's temporary file while staging.
+    Attributes (set by the steps):
+        capsule: the portable capsule once read, this node's overlay once selected.
+        portable_capsule, entry, recorded_model, descriptor_sha256: this worker's capsule, ``artifact.json`` entry
+            and pinned model identity, and the SHA-256 of the ``artifact.json`` bytes parsed (overlays bind to it).
+        selection, target_mismatch: which capsule step 2 chose and why, or its error.
+        layout_matches: step 4 passed.
+        pack_unavailable: no source has the pack, or the cached object was quarantined as corrupt.
+        stage_seconds, fetched_bytes: seconds staging from :attr:`store` took (also when it failed; ``None``: the
+            store was not contacted), and the bytes it wrote.
     """
 
     artifact_dir: Path
@@ -149,12 +142,10 @@ class WorkerRestore:
         """Step 1: find and read this worker's capsule.
 
         Raises:
-            MissingObjectError: no ``artifact.json``, no entry for this worker, or a missing capsule file.
-            CapsulePinMismatchError: a manifest does not match its pin in ``artifact.json``.
-            ManifestMismatchError: the capsule disagrees with itself, its folder or its entry, or a model extent
-                names a file the model identity does not list.
+            MissingObjectError, CapsulePinMismatchError, ManifestMismatchError, ManifestError: see
+                :func:`~coldsnap_core.artifact.capsules.read_worker_capsule`; or a model extent names a file the
+                model identity does not list (``ManifestMismatchError``).
             ArtifactError: the capsule was captured at the native capture point.
-            ManifestError: a document is malformed.
         """
         descriptor, self.descriptor_sha256 = read_descriptor_bytes(self.artifact_dir)
         entry = find_worker(descriptor, self.worker)
@@ -215,11 +206,7 @@ class WorkerRestore:
         return selection.capsule
 
     def check_identity(self) -> None:
-        """Step 3: the model being loaded is the one the artifact pins (:func:`check_model_identity`).
-
-        Raises:
-            ModelIdentityMismatchError: see :func:`check_model_identity`.
-        """
+        """Step 3: the model being loaded is the one the artifact pins (raises as :func:`check_model_identity`)."""
         assert self.recorded_model is not None
         check_model_identity(
             self.recorded_model,
@@ -341,8 +328,7 @@ class WorkerRestore:
         return f"stage the pack on this node: `coldsnap stage {self.artifact_dir} --repo STORE`, {where}"
 
     def _stage(self, manifest: NativeManifest, layout: PackLayout, onepass: FillAsLanded) -> Path:
-        """:func:`~coldsnap_core.restore.staging.stage_payload` of the pack, timed (:attr:`stage_seconds`) and its
-        fetched bytes counted (:attr:`fetched_bytes`)."""
+        """:func:`~coldsnap_core.restore.staging.stage_payload` of the pack, timed and its fetched bytes counted."""
         started = time.perf_counter()
         try:
             return stage_payload(
@@ -404,23 +390,14 @@ def restore_or_fall_back(
     ``COLDSNAP_RESTORE`` policy of both engine plugins, in one place.
 
     No attempt is made without an artifact folder, or with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``. On a
-    :class:`~coldsnap_core.errors.ColdsnapError`, ``native`` raises it; ``auto`` logs one WARNING naming the worker,
-    the artifact folder, the error and where a corrupt pack was quarantined, and returns it as
-    :attr:`RestoreResult.fallback`.
-
-    Args:
-        loaded: what the engine is loading; ``None`` when the loader cannot tell (rule ``model-identity`` fails).
-        cache: the node-local cache (default: the one at ``settings.state_root``).
-        engine: the engine's name, for messages.
-        target_engine, engine_version: what the target identity records (``docs/format.md`` §15.1).
-        log: the logger of the fallback WARNING (default this module's).
-        backend_for: the copy backend for the allocations' device.
-        store: where a missing pack is fetched from (``None``: nowhere); default: the one ``settings.store``
-            configures, built before the attempt.
+    :class:`~coldsnap_core.errors.ColdsnapError`, ``native`` raises it; ``auto`` logs one WARNING (on ``log``) and
+    returns it as :attr:`RestoreResult.fallback`. ``loaded``: ``None`` when the loader cannot tell what the engine
+    is loading (rule ``model-identity`` fails); ``engine``: its name, for messages; ``target_engine``,
+    ``engine_version``: what the target identity records (``docs/format.md`` §15.1); ``store``: where a missing
+    pack is fetched from (default: the one ``settings.store`` configures).
 
     Raises:
-        ConfigurationError: the store ``settings`` configure is malformed (under ``auto`` too: it is
-            parsed before the attempt, never a reason to fall back).
+        ConfigurationError: the store ``settings`` configure is malformed (under ``auto`` too).
         ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed; either mode: :func:`_no_fallback`'s.
     """
     if settings.artifact_dir is None or settings.export_model_payload:
