@@ -1,12 +1,9 @@
-"""Staging: make each local worker's pack available, verified, in the node-local cache.
+"""Staging: make a worker's pack available, verified, in the node-local cache (``docs/format.md`` §12.4).
 
-Only the payload assigned to each worker is staged, on the host that owns that worker (``docs/format.md`` §1, §12).
-Order (§12.4): the node-local cache (a trusted validation record, else a full SHA-256; a corrupt object is
-quarantined); else the payload store, fetched under the digest's lock into a temporary hashed as it lands
-(:class:`LandedHash`) and, in a restore, checked and copied into the allocations extent by extent
-(:class:`LandedFill`), committed only when its SHA-256 is its name; else ``PayloadUnavailableError`` or
-``StoreError``. A store object that does not verify is reported as the store's (:meth:`PayloadStore.location`).
-Every path is derived from the digest alone.
+The cache first; else the payload store, fetched under the digest's lock into a temporary hashed as it lands
+(:class:`LandedHash`) and, in a restore, checked and copied into the allocations as it lands (:class:`LandedFill`),
+committed only when its SHA-256 is its name. A store object that does not verify is reported as the store's
+(:meth:`PayloadStore.location`). Every path is derived from the digest alone.
 """
 
 from __future__ import annotations
@@ -48,7 +45,7 @@ from coldsnap_core.stores.base import PayloadStore
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FillAsLanded", "stage_artifact", "stage_payload", "worker_entries"]
+__all__ = ["FillAsLanded", "stage_payload", "worker_entries"]
 
 FETCH_NOTICE_INTERVAL_S = 10.0
 """Seconds a fetch may go without writing a byte before an INFO line says what it waits for (and again after each)."""
@@ -75,20 +72,15 @@ def stage_payload(
     extent_owner: ExtentOwner | None = None,
     fill: FillAsLanded | None = None,
 ) -> Path:
-    """Return the admitted object path of ``pack`` in ``cache``, fetching it from ``store`` if needed.
+    """Return the admitted object path of ``pack`` in ``cache`` (verified by its record or a full hash), fetching it
+    from ``store`` (``None``: nowhere) when it is missing or corrupt (quarantined).
 
     Args:
-        store: where to fetch a missing (or quarantined) pack from; ``None``: the cache only.
-        progress: called with the bytes of each chunk hashed (a fetched byte once, as it lands).
-        fetched: called with the bytes of each chunk the store wrote (one call at a time).
-        layout, extent_owner: the pinned manifest's canonical layout and its map of a stored extent to one
-            destination: a fetched object that does not hash to its name is refused naming its first bad extent
-            or padding byte (without them, naming the object only).
-        fill: with ``layout``, a fetch fills the allocations as the pack lands (:class:`LandedFill`) and sets
-            ``fill.filled``; a cache hit leaves it unset.
-
-    Returns:
-        ``<state-root>/model-payloads/sha256/<sha256>.pack``, verified (record or full hash).
+        progress, fetched: called with the bytes of each chunk hashed (a fetched byte once, as it lands), and of each
+            chunk the store wrote (one call at a time).
+        layout, extent_owner: the manifest's layout and its map of a stored extent to one destination: a fetched
+            object that does not hash to its name is refused naming its first bad extent or padding byte.
+        fill: with ``layout``, a fetch fills the allocations as the pack lands and sets ``fill.filled``.
 
     Raises:
         InvalidDigestError, PackPathMismatchError: a malformed digest, or a path not derived from it (nothing touched).
@@ -96,8 +88,8 @@ def stage_payload(
         StoreError: the pack is not cached and the store did not answer or failed.
         IntegrityError: the cached object is corrupt and no store is configured (quarantined), or the store's object
             does not verify (naming it; nothing is kept; with ``fill``, the allocations are partly written).
-        InsufficientSpaceError: the cache's file system filled up during a fetch (nothing is kept).
-        UnsafePathError: a symbolic link at an object, record or lock path or a cache folder.
+        InsufficientSpaceError, UnsafePathError: the cache's file system filled up during a fetch (nothing is
+            kept); a symbolic link at an object, record or lock path or a cache folder.
     """
     _check_pack_ref(pack)
     digest = pack.sha256
@@ -127,10 +119,9 @@ def stage_payload(
 def _fetch_watch(
     pack: PackRef, store: PayloadStore, progress: Callable[[int], object] | None, fetched: Callable[[int], object] | None
 ) -> Iterator[tuple[Callable[[int], object], Callable[[int], object]]]:
-    """Two progress callbacks, ``(counted, hashed)``, one call at a time across both: ``counted`` (for
-    ``store.fetch``) counts the bytes written and passes them to ``fetched``, ``hashed`` passes the bytes hashed to
-    ``progress``. Meanwhile it logs progress lines (:class:`coldsnap_core._progress.ProgressLines`) and one line
-    after every :data:`FETCH_NOTICE_INTERVAL_S` without a byte written."""
+    """Two progress callbacks, ``(counted, hashed)`` (for bytes written, passed on to ``fetched``, and hashed, to
+    ``progress``), one call at a time across both; meanwhile progress lines, and one line after every
+    :data:`FETCH_NOTICE_INTERVAL_S` without a byte written."""
     written = [0, time.monotonic()]  # bytes so far, monotonic time of the last bytes
     lock = threading.Lock()
     done = threading.Event()
@@ -500,23 +491,3 @@ def worker_entries(artifact_dir: Path, workers: Sequence[WorkerIdentity]) -> lis
         read_worker_capsule(artifact_dir, entry)  # pins, worker and payload (ManifestMismatchError)
         _check_pack_ref(entry.payload, file=artifact_dir / DESCRIPTOR_FILENAME)
     return entries
-
-
-def stage_artifact(
-    artifact_dir: Path,
-    workers: Sequence[WorkerIdentity],
-    *,
-    cache: PayloadCache,
-    store: PayloadStore | None = None,
-) -> dict[WorkerIdentity, Path]:
-    """Stage the packs of ``workers`` (the workers on this host) from ``artifact_dir``, each digest once; return each
-    worker's admitted object path. Raises as :func:`worker_entries` and :func:`stage_payload`."""
-    entries = worker_entries(artifact_dir, workers)
-    staged: dict[str, Path] = {}
-    result: dict[WorkerIdentity, Path] = {}
-    for worker, entry in zip(workers, entries, strict=True):
-        digest = entry.payload.sha256
-        if digest not in staged:
-            staged[digest] = stage_payload(entry.payload, cache=cache, store=store)
-        result[worker] = staged[digest]
-    return result

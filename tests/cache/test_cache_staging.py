@@ -8,7 +8,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from cache_support import capture, flip_byte, sha256_of
+from cache_support import flip_byte, sha256_of
 
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import record_state
@@ -23,7 +23,7 @@ from coldsnap_core.errors import (
     UnsafePathError,
 )
 from coldsnap_core.format.manifest import PackRef, WorkerIdentity
-from coldsnap_core.restore.staging import stage_artifact, stage_payload
+from coldsnap_core.restore.staging import stage_payload, worker_entries
 from coldsnap_core.stores.local import LocalFolderStore
 
 
@@ -136,61 +136,16 @@ def test_symlinked_store_object_is_refused(captured, store: LocalFolderStore, ca
     assert cache.digests() == []
 
 
-# --- stage_artifact -----------------------------------------------------------------------------------
+# --- worker_entries ------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def two_worker_artifact(tmp_path: Path, tiny_checkpoint: Path, other_checkpoint: Path):
-    """An artifact whose worker 0 and worker 1 hold different packs (different checkpoints)."""
-    artifact = tmp_path / "two"
-    root = tmp_path / "two-root"
-    r0 = capture(tiny_checkpoint, artifact, root, rank=0, world_size=2)
-    # The descriptor pins one model identity; give rank 1 the same identity but other bytes by
-    # capturing from the other checkpoint into a scratch artifact and grafting its capsule in.
-    scratch = tmp_path / "scratch"
-    r1 = capture(other_checkpoint, scratch, root, rank=1, world_size=2)
-    os.rename(scratch / "workers" / "worker-1-of-2", artifact / "workers" / "worker-1-of-2")
-    descriptor = json.loads((artifact / "artifact.json").read_text())
-    other = json.loads((scratch / "artifact.json").read_text())
-    descriptor["workers"].append(other["workers"][0])
-    (artifact / "artifact.json").write_text(json.dumps(descriptor))
-    return artifact, root, r0, r1
-
-
-def test_stage_artifact_stages_only_this_hosts_workers(two_worker_artifact, tmp_path: Path) -> None:
-    """Given only worker 1, only worker 1's pack enters the cache (catches staging every worker)."""
-    artifact, _root, r0, r1 = two_worker_artifact
-    store = LocalFolderStore(tmp_path / "store")
-    for r in (r0, r1):
-        store.upload(r.pack_path, r.manifest.pack.sha256, r.manifest.pack.size_bytes)
-    cache = PayloadCache(tmp_path / "host-b")
-    worker1 = r1.manifest.worker
-    staged = stage_artifact(artifact, [worker1], cache=cache, store=store)
-    assert list(staged) == [worker1]
-    assert cache.digests() == [r1.manifest.pack.sha256]
-
-
-def test_stage_artifact_stages_a_shared_digest_once(tmp_path: Path, tiny_checkpoint: Path) -> None:
-    """Two data-parallel workers with one digest: one fetch, one object, both map to it."""
-    artifact = tmp_path / "dp"
-    root = tmp_path / "dp-root"
-    r0 = capture(tiny_checkpoint, artifact, root, rank=0, world_size=2)
-    r1 = capture(tiny_checkpoint, artifact, root, rank=1, world_size=2, reverse=True)
-    assert r0.manifest.pack == r1.manifest.pack
-    store = LocalFolderStore(tmp_path / "store")
-    store.upload(r0.pack_path, r0.manifest.pack.sha256, r0.manifest.pack.size_bytes)
-    cache = PayloadCache(tmp_path / "host")
-    staged = stage_artifact(artifact, [r0.manifest.worker, r1.manifest.worker], cache=cache, store=store)
-    assert len(set(staged.values())) == 1 and cache.digests() == [r0.manifest.pack.sha256]
-
-
-def test_stage_artifact_unknown_worker(captured, cache: PayloadCache) -> None:
+def test_worker_entries_unknown_worker(captured, cache: PayloadCache) -> None:
     """A worker the artifact does not list: MissingObjectError naming its capsule."""
     with pytest.raises(MissingObjectError, match="worker-3-of-4"):
-        stage_artifact(captured.artifact_dir, [WorkerIdentity("worker", 3, 4, 3, 4)], cache=cache)
+        worker_entries(captured.artifact_dir, [WorkerIdentity("worker", 3, 4, 3, 4)])
 
 
-def test_stage_artifact_descriptor_and_manifest_disagree(captured, cache: PayloadCache) -> None:
+def test_worker_entries_descriptor_and_manifest_disagree(captured, cache: PayloadCache) -> None:
     """artifact.json naming another pack than the capsule's manifest is an ArtifactError; nothing staged."""
     path = captured.artifact_dir / "artifact.json"
     doc = json.loads(path.read_text())
@@ -198,5 +153,5 @@ def test_stage_artifact_descriptor_and_manifest_disagree(captured, cache: Payloa
     doc["workers"][0]["payload"] = PackRef.for_digest(other, captured.pack.size_bytes).to_json()
     path.write_text(json.dumps(doc))
     with pytest.raises(ArtifactError):
-        stage_artifact(captured.artifact_dir, [captured.manifest.worker], cache=cache)
+        worker_entries(captured.artifact_dir, [captured.manifest.worker])
     assert not cache.state_root.exists()
