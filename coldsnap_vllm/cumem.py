@@ -45,8 +45,7 @@ def weights_segments(pointer_to_data: Mapping[int, Any], *, tag: str = WEIGHTS_T
     """The segments of ``CuMemAllocator.pointer_to_data`` with ``tag``, sorted by address (asleep or not).
 
     Raises:
-        ObserverError: a handle disagrees with its key, a size is not positive, or two segments
-            overlap (the dictionary is not what vLLM's allocator produces).
+        ObserverError: a handle disagrees with its key, a size is not positive, or two segments overlap.
     """
     found = []
     for address, data in pointer_to_data.items():
@@ -90,11 +89,10 @@ class MappedWrites:
 
 
 def map_writes(writes: Iterable[ObservedModelWrite], segments: Sequence[WeightsSegment]) -> MappedWrites:
-    """Locate each write in the segment that contains its first byte (bisection on base addresses).
+    """Locate each write in the segment that contains its first byte.
 
     Raises:
-        ObserverError: a write is empty, starts in a segment and ends beyond it (names the segment
-            and the offset), or two writes overlap.
+        ObserverError: a write is empty, starts in a segment and ends beyond it, or two writes overlap.
     """
     starts = [s.address for s in segments]
     ranges: list[ModelRange] = []

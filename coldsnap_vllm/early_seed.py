@@ -1,10 +1,8 @@
 """A seed's copy of vLLM's model-class inspection cache, placed before vLLM builds its configuration
-(``docs/format.md`` §17.4).
-
-vLLM inspects the model's class when it builds its ``ModelConfig``, before any loader runs
-(``vllm/model_executor/models/registry.py``, ``_LazyRegisteredModel.inspect_model_cls``), but after it calls the
-general plugins' ``register()`` (``EngineArgs.__post_init__``), so :func:`place_early` runs there, from the
-artifact ``COLDSNAP_ARTIFACT_DIR`` names. It never raises and never waits on a lock.
+(``docs/format.md`` §17.4): vLLM inspects the model's class when it builds its ``ModelConfig``, before any loader
+runs (``vllm/model_executor/models/registry.py``, ``_LazyRegisteredModel.inspect_model_cls``), but after it calls
+the general plugins' ``register()`` (``EngineArgs.__post_init__``), so :func:`place_early` runs there. It never
+raises and never waits on a lock.
 """
 
 from __future__ import annotations
@@ -63,13 +61,9 @@ def _info(msg: str, *args: object) -> None:
 
 
 def place_early(environ: Mapping[str, str] | None = None) -> SeedPlacement | None:
-    """Place the model-class inspection cache of the artifact's seed, the first time this process calls it.
-
-    Returns:
-        What was done: ``None`` when nothing was to do (called before in this process, no
-        ``COLDSNAP_ARTIFACT_DIR``, an export, ``COLDSNAP_DERIVED_CACHE=off``, no seed with such entries);
-        ``used`` (placed, or all already there) or ``skipped`` (one INFO line says why). Never raises.
-    """
+    """Place the model-class inspection cache of the artifact's seed, the first time this process calls it: ``None``
+    when there was nothing to do (called before, no artifact, an export, seeds off, no such entries), ``used`` or
+    ``skipped`` (one INFO line says why). Never raises."""
     global _done
     with _lock:
         if _done:

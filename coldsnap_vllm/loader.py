@@ -1,11 +1,10 @@
 """The ``coldsnap`` load format: vLLM's default loader, observed, with capture and restore.
 
-:class:`ColdsnapModelLoader` subclasses vLLM's ``DefaultModelLoader`` (registered with
-``register_model_loader("coldsnap")``, vLLM ``model_executor/model_loader/__init__.py``) and keeps the inner
-loader's I/O: its own ``load_config`` has the inner ``load_format`` and no coldsnap extra-config keys (which
-``DefaultModelLoader`` rejects). ``load_weights`` runs :meth:`coldsnap_core.load_policy.LoadPolicy.load`; this
-module supplies only what needs vLLM, and publishes a :class:`coldsnap_vllm.state.WorkerLoadState` for the
-level-1 sleep backend after each load.
+:class:`ColdsnapModelLoader` subclasses vLLM's ``DefaultModelLoader`` (``register_model_loader("coldsnap")``,
+vLLM ``model_executor/model_loader/__init__.py``) and keeps the inner loader's I/O: its own ``load_config`` has the
+inner ``load_format`` and no coldsnap extra-config keys (which ``DefaultModelLoader`` rejects). ``load_weights`` runs
+:meth:`coldsnap_core.load_policy.LoadPolicy.load` and publishes a :class:`coldsnap_vllm.state.WorkerLoadState` for
+the level-1 sleep backend.
 """
 
 from __future__ import annotations
@@ -41,11 +40,10 @@ __all__ = ["LOAD_FORMAT", "ColdsnapModelLoader", "register_loader"]
 
 
 class _Inputs(NamedTuple):
-    """vLLM's inputs of one ``load_weights`` call (:attr:`coldsnap_core.load_policy.LoadCall.engine`)."""
+    """vLLM's inputs of one ``load_weights`` call: ``vllm_config`` as ``load_model`` was given it, or ``None``."""
 
     model_config: ModelConfig
     vllm_config: object | None
-    """vLLM's configuration of this worker as ``load_model`` was given it (its compile settings), or ``None``."""
 
 
 class _VllmLoad(LoadPolicy):
@@ -82,8 +80,7 @@ class _VllmLoad(LoadPolicy):
         DefaultModelLoader.load_weights(self.loader, call.model, call.engine.model_config)  # type: ignore[arg-type]
 
     def place_derived_cache(self, call: LoadCall, outcome: LoadOutcome):
-        """The capsule's seed of vLLM's compile cache, placed before vLLM compiles
-        (:func:`coldsnap_vllm.derived_cache.place`; ``docs/format.md`` §17)."""
+        """The capsule's seed of vLLM's compile cache, placed before vLLM compiles (``docs/format.md`` §17)."""
         assert outcome.capsule_dir is not None and call.source is not None
         return seeds.place(
             call.engine.vllm_config,
@@ -96,8 +93,7 @@ class _VllmLoad(LoadPolicy):
         )
 
     def capture_derived_cache(self, call: LoadCall, outcome: LoadOutcome) -> None:
-        """vLLM's compile cache into the capsule this load wrote, once vLLM has compiled
-        (:func:`coldsnap_vllm.derived_cache.capture_after_compilation`)."""
+        """vLLM's compile cache into the capsule this load wrote, once vLLM has compiled."""
         assert call.source is not None and self.settings.artifact_dir is not None
         seeds.capture_after_compilation(
             call.model,
@@ -117,14 +113,13 @@ class _VllmLoad(LoadPolicy):
 
 
 class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
-    """vLLM's default loader with coldsnap capture and restore (see the module docstring); ``__init__`` only
-    parses settings (vLLM builds loaders several times per worker).
+    """vLLM's default loader with coldsnap capture and restore; ``__init__`` only parses settings (vLLM builds
+    loaders several times per worker).
 
     Raises:
         EngineVersionError: this vLLM is not 0.32 or 0.33, or its private loader API moved.
-        ConfigurationError: a coldsnap setting is invalid (:meth:`ColdsnapSettings.resolve`), or the
-            payload store it names is malformed: a refused start, reported as one
-            (:meth:`coldsnap_core.load_policy.LoadPolicy.refusing_settings`).
+        ConfigurationError: a coldsnap setting is invalid, or the payload store it names is malformed (a refused
+            start, :meth:`coldsnap_core.load_policy.LoadPolicy.refusing_settings`).
     """
 
     def __init__(self, load_config: LoadConfig) -> None:
@@ -145,11 +140,8 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
         return super().load_model(vllm_config, model_config, prefix)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> LoadOutcome:  # type: ignore[override]
-        """:meth:`coldsnap_core.load_policy.LoadPolicy.load` (vLLM ignores what it returns).
-
-        Raises:
-            ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed, or the export capture failed.
-        """
+        """:meth:`coldsnap_core.load_policy.LoadPolicy.load` (vLLM ignores what it returns); raises its
+        :class:`~coldsnap_core.errors.ColdsnapError` (``COLDSNAP_RESTORE=native``, or a failed export capture)."""
         # A later load in this process (vLLM's reload_weights, a second load_weights) replaces the weights:
         # what the sleep backend works from is this load's state or none, never the previous load's.
         load_state.clear()

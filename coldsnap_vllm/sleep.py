@@ -1,11 +1,9 @@
 """The ``coldsnap`` sleep-mode backend: a level-1 sleep that keeps no host copy of the weights.
 
-Where vLLM's ``CuMemBackend`` copies every "weights" segment to pinned host memory and back, ``suspend(1)``
-captures them (:func:`capture_for_sleep`) and releases them with no backup (``runtime`` and
-``cudagraph`` are still offloaded), and ``resume`` maps new memory at the same addresses and hydrates every weights
-segment from pack + residual (:func:`coldsnap_core.restore.hydrate.hydrate`). Level 2 keeps vLLM's semantics.
-vLLM builds the backend with no arguments, so the model comes from :mod:`coldsnap_vllm.state`. Facts:
-``docs/format.md`` §6.2; ``vllm/device_allocator/sleep_mode_backend.py`` and ``cumem.py``.
+Where vLLM's ``CuMemBackend`` copies every "weights" segment to pinned host memory and back, ``suspend(1)`` captures
+them and releases them with no backup, and ``resume`` maps new memory at the same addresses and hydrates them from
+pack + residual. Level 2 keeps vLLM's semantics. vLLM builds the backend with no arguments, so the model comes from
+:mod:`coldsnap_vllm.state` (``docs/format.md`` §6.2; ``vllm/device_allocator/sleep_mode_backend.py``, ``cumem.py``).
 """
 
 from __future__ import annotations
@@ -68,12 +66,10 @@ def capture_for_sleep(
     capsule_dir: Path | None = None,
 ) -> SleepCapture:
     """Capture the live weights segments (sorted by address) into pack + sleep capsule; nothing is released.
-
-    ``references`` caches (keep one per loaded model); ``capsule_dir`` defaults to an unclaimed
-    :func:`~coldsnap_core.artifact.sleep_capsules.sleep_capsule_dir` (for tools and tests).
+    ``capsule_dir`` defaults to an unclaimed :func:`~coldsnap_core.artifact.sleep_capsules.sleep_capsule_dir`.
 
     Raises:
-        ObserverError: a write straddles a segment end or writes overlap (nothing written); else see
+        ObserverError: a write straddles a segment end or writes overlap (nothing written); else as
             :func:`~coldsnap_core.capture.sleep.capture_native`.
     """
     captured = capture_native(
@@ -93,13 +89,8 @@ def capture_for_sleep(
 
 
 class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-type]
-    """vLLM ``SleepModeBackend`` named ``coldsnap`` (see the module docstring).
-
-    States: ``RUNNING`` (weights resident), ``SUSPENDED`` (released, or a wake failed: the next wake starts over),
-    ``RESUMING`` (during a wake). The arguments exist for tests and tools (vLLM passes none): the CuMem allocator,
-    the copy backend for a CUDA device (default :class:`coldsnap_core.copy.cuda.CudaCopyBackend`), the loader's
-    published state, and ``verify_extents`` (default ``None``: the loader's setting).
-    """
+    """vLLM ``SleepModeBackend`` named ``coldsnap`` (see the module docstring). The arguments are for tests and tools
+    (vLLM passes none); ``verify_extents`` ``None``: the loader's setting."""
 
     def __init__(
         self,
@@ -127,8 +118,6 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
         self._claim: SleepCapsuleClaim | None = None
         self._finalizer: weakref.finalize | None = None
         self.last_report: HydrationReport | None = None
-
-    # -- vLLM's interface ---------------------------------------------------------------------------
 
     @classmethod
     def is_supported(cls) -> bool:
@@ -163,8 +152,8 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
         weights as vLLM does.
 
         Raises:
-            ConfigurationError: ``level`` is not 1 or 2, the coldsnap loader published no state in
-                this process, or the copy backend cannot run (e.g. cupy missing).
+            ConfigurationError: ``level`` is not 1 or 2, the coldsnap loader published no state in this process, or
+                the copy backend cannot run.
             ObserverError / CacheError / ManifestError: the capture failed (the model stays awake).
         """
         if level not in (1, 2):
@@ -188,13 +177,11 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
             allocator.sleep(offload_tags=OFFLOAD_TAGS)
 
     def resume(self, tags: list[str] | None = None) -> None:
-        """Wake ``tags`` (``None``: everything). Weights from a level-1 sleep are hydrated from pack +
-        residual; the backend reports ``RUNNING`` only once every weights segment is filled.
+        """Wake ``tags`` (``None``: everything); ``RUNNING`` only once every weights segment is filled.
 
         Raises:
-            WakeError: the allocator could not map a segment, a segment changed, or hydration failed
-                (its message carries the cause: rule, file, allocation, offset). The segments stay
-                marked as needing hydration and the state ``SUSPENDED``; the next wake starts over.
+            WakeError: the allocator could not map a segment, a segment changed, or hydration failed (naming the
+                cause's rule, file, allocation and offset); the state stays ``SUSPENDED``, the next wake starts over.
         """
         with self._lock:
             allocator = self._get_allocator()
@@ -215,8 +202,8 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
             self._state = "RUNNING" if self._weights == "resident" and not self._any_asleep(allocator) else "SUSPENDED"
 
     def discard(self, tags: tuple[str, ...]) -> None:
-        """Discard tagged allocations without backup (vLLM ``discard``). Discarding the weights makes
-        the next wake a plain re-map (the caller reloads them), as with vLLM's backend."""
+        """Discard tagged allocations without backup (vLLM ``discard``); the next wake of the weights is a plain
+        re-map."""
         with self._lock:
             allocator = self._get_allocator()
             if WEIGHTS_TAG in tags and self._weights != "discarded":
@@ -233,8 +220,6 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
             if close is not None:
                 close()
             self._copy_backend = None
-
-    # -- internals ----------------------------------------------------------------------------------
 
     def _release_claim(self) -> None:
         if self._finalizer is not None:
@@ -352,8 +337,8 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
         self._weights = "resident"
 
     def _check_segments(self, allocator: Any, capture: SleepCapture) -> Sequence[LiveAllocation]:
-        """Every captured segment is mapped again at its address with its size, and every weights
-        segment that was asleep is one the capture knows."""
+        """Every captured segment is mapped again at its address with its size, and the capture knows every weights
+        segment that was asleep."""
         captured = {s.address for s in capture.segments}
         for address in sorted(self._needs_hydration):
             if address not in captured:
@@ -373,8 +358,6 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
                 )
         return live_allocations(capture.segments)
 
-
-# --- registration ------------------------------------------------------------------------------------
 
 _registration_lock = threading.Lock()
 

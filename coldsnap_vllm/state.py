@@ -16,17 +16,9 @@ ObservedModelWrite = ModelWrite
 
 @dataclass(frozen=True, slots=True)
 class WorkerLoadState:
-    """What the coldsnap loader knows about this worker's model after ``load_weights``.
-
-    Attributes:
-        model: the pinned model identity (``None`` if it could not be determined).
-        writes: the observed model writes, sorted by address, disjoint.
-        pack: the worker's pack, when one was captured, restored or materialized.
-        artifact_dir: the artifact folder in use; ``None``: the sleep backend takes its reference digests from the
-            checkpoint files.
-        hf_cache_dir: ``--download-dir``, or ``None`` for ``HF_HUB_CACHE``.
-        verify_extents, lock_timeout_s: the loader's resolved settings of those names.
-    """
+    """What the coldsnap loader knows about this worker's model after ``load_weights``: ``writes`` sorted by address
+    and disjoint; ``pack`` when one was captured, restored or materialized; ``artifact_dir`` ``None``: the sleep
+    backend takes its reference digests from the checkpoint files; ``hf_cache_dir``: ``--download-dir``."""
 
     worker: WorkerIdentity
     model: ModelIdentity | None
