@@ -1,9 +1,8 @@
 """coldsnap_sglang: the SGLang plugin (``--load-format coldsnap``: capture and restore of model payloads).
 
 ``register()`` is the ``sglang.srt.plugins`` entry point (``pyproject.toml``), called in the launcher and every
-scheduler process before arguments are parsed; it is idempotent and initialises no device. The Python API needs
-no plugin: ``sgl.Engine(model_path=..., load_format=ColdsnapModelLoader)``. Materialization is ``off`` only
-(:mod:`coldsnap_sglang.settings`).
+scheduler process before arguments are parsed. The Python API needs no plugin:
+``sgl.Engine(model_path=..., load_format=ColdsnapModelLoader)``.
 """
 
 from __future__ import annotations
@@ -27,10 +26,9 @@ def swap_load_format(load_config: object, *args: object, **kwargs: object) -> No
 
 
 def register() -> None:
-    """Register ``--load-format coldsnap`` with SGLang (idempotent; needs SGLang >= 0.5.11's plugins): add it to the
-    choices, swap it for the loader class in ``LoadConfig._verify_load_format`` (SGLang passes a class
-    ``load_format`` straight to ``get_model_loader``; ``ServerArgs.load_format`` stays the string), and make the
-    launcher repeat a scheduler's refusal line at its exit (:func:`coldsnap_core.operator_log.install_last_words`).
+    """Register ``--load-format coldsnap`` with SGLang (idempotent; initialises no device): add it to the choices,
+    swap it for the loader class in ``LoadConfig._verify_load_format`` (SGLang passes a class ``load_format`` straight
+    to ``get_model_loader``), and make the launcher repeat a scheduler's refusal line at its exit.
 
     Raises:
         EngineVersionError: SGLang's plugin API (``add_load_format_choices``, ``HookRegistry``) is missing.

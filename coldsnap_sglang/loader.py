@@ -1,11 +1,8 @@
-"""The SGLang loader: ``DefaultModelLoader`` with coldsnap capture and restore, then SGLang's own
-post-processing.
+"""The SGLang loader: ``DefaultModelLoader`` with coldsnap capture and restore, then SGLang's own post-processing.
 
 SGLang's ``DefaultModelLoader.load_model`` builds the model, then calls ``self.load_weights_and_postprocess``
-(SGLang 0.5.23 ``python/sglang/srt/model_loader/loader.py``). This loader overrides it with
-:meth:`coldsnap_core.load_policy.LoadPolicy.load`, whose checkpoint load is ``load_weights_only`` (so a capture is
-taken before SGLang's post-processing), then runs SGLang's ``postprocess_weights`` in every case. SGLang keeps no
-compile cache, so it supplies no derived-cache steps.
+(SGLang 0.5.23 ``python/sglang/srt/model_loader/loader.py``), which this loader overrides: its checkpoint load is
+``load_weights_only``, so a capture is taken before SGLang's ``postprocess_weights``. SGLang keeps no compile cache.
 """
 
 from __future__ import annotations
@@ -42,8 +39,8 @@ if not all(
 
 
 def worker_identity(load_config: object) -> WorkerIdentity:
-    """This scheduler process's worker identity: the tensor parallel rank from ``LoadConfig.tp_rank``,
-    the global rank and world size from ``torch.distributed`` (rank 0 of 1 when not initialised)."""
+    """This scheduler process's worker identity: the tensor parallel rank from ``LoadConfig.tp_rank``, the global
+    rank and world size from ``torch.distributed`` (rank 0 of 1 when not initialised)."""
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     rank = torch.distributed.get_rank() if distributed else 0
     world = torch.distributed.get_world_size() if distributed else 1
@@ -58,8 +55,7 @@ def worker_identity(load_config: object) -> WorkerIdentity:
 
 
 class _SglangLoad(LoadPolicy):
-    """The load policy with SGLang's parts: one per :class:`ColdsnapModelLoader`; a call's
-    :attr:`~coldsnap_core.load_policy.LoadCall.engine` is ``(weights, target_device)``."""
+    """The load policy with SGLang's parts; a call's ``engine`` is ``(weights, target_device)``."""
 
     engine: ClassVar[str] = ENGINE
     engine_label: ClassVar[str] = "SGLang"
@@ -86,13 +82,11 @@ class _SglangLoad(LoadPolicy):
 
 
 class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
-    """SGLang ``DefaultModelLoader`` with coldsnap capture and restore (see the module docstring).
+    """SGLang ``DefaultModelLoader`` with coldsnap capture and restore.
 
     Raises:
-        ConfigurationError: a coldsnap setting is invalid, asks for materialization ``async`` or
-            ``required`` (:func:`coldsnap_sglang.settings.resolve_sglang_settings`), or names a malformed
-            payload store: a refused start, reported as one
-            (:meth:`coldsnap_core.load_policy.LoadPolicy.refusing_settings`).
+        ConfigurationError: a coldsnap setting is invalid (:func:`coldsnap_sglang.settings.resolve_sglang_settings`)
+            or names a malformed payload store: a refused start (:meth:`LoadPolicy.refusing_settings`).
     """
 
     def __init__(self, load_config) -> None:
@@ -115,12 +109,8 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
 
     def load_weights_and_postprocess(self, model: torch.nn.Module, weights: Iterable, target_device: torch.device):  # type: ignore[override]
         """:meth:`coldsnap_core.load_policy.LoadPolicy.load` (SGLang ignores what it returns), then SGLang's
-        post-processing.
-
-        Raises:
-            ColdsnapError: ``COLDSNAP_RESTORE=native`` and the restore failed (the verifier's error), or
-                the export capture or an explicit overlay capture failed.
-        """
+        post-processing; raises its :class:`~coldsnap_core.errors.ColdsnapError` (``COLDSNAP_RESTORE=native``, or a
+        failed export or overlay capture)."""
         config = self._model_config  # None: called outside load_model, so the loader cannot tell the model
         source = None
         if config is not None:

@@ -15,11 +15,8 @@ SGLANG_INNER_LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "pt", "npca
 def resolve_sglang_settings(
     environ: Mapping[str, str], extra_config: Mapping[str, object] | str | None
 ) -> tuple[ColdsnapSettings, dict[str, object]]:
-    """Resolve the settings for SGLang; return them and the extra config without coldsnap's keys.
-
-    Raises:
-        ConfigurationError: any :meth:`ColdsnapSettings.resolve` error; ``materialize`` other than ``off``.
-    """
+    """Resolve the settings for SGLang; return them and the extra config without coldsnap's keys. Raises
+    ``ConfigurationError`` as :meth:`ColdsnapSettings.resolve`, and for ``materialize`` other than ``off``."""
     if isinstance(extra_config, str):  # SGLang parses the JSON in LoadConfig.__post_init__, but be lenient
         import json
 

@@ -20,7 +20,7 @@ from coldsnap_core.artifact.derived_cache import SeedQualification
 from coldsnap_core.artifact.overlay import OVERLAY_FILENAME, OVERLAYS_DIRNAME, OverlayDescriptor, artifact_key
 from coldsnap_core.cache.records import read_private_record
 from coldsnap_core.format.descriptor import CapsuleFile
-from coldsnap_core.identity.target import engine_version
+from coldsnap_core.identity.target import collect_target, engine_version
 from coldsnap_core.restore.derived_cache import MAX_REASON_CHARS, SeedPlacement, place_seed
 from coldsnap_core.restore.overlay import find_overlay
 from coldsnap_vllm import compat
@@ -85,7 +85,9 @@ def _place(environ: Mapping[str, str]) -> SeedPlacement | None:
     import vllm.envs as envs
 
     roots = {"vllm-cache": Path(envs.VLLM_CACHE_ROOT)}
-    current = _early_qualification()
+    # this process's target on the CPU (no CUDA yet): only EARLY_FIELDS are compared
+    target = collect_target("vllm", engine_version("vllm"))
+    current = SeedQualification.for_target(target, model_config_sha256=None, compilation_sha256="", cpu_isa_flags=())
     skipped: tuple[Path, SeedPlacement] | None = None
     for folder, pins in _candidates(settings.artifact_dir, settings.state_root, settings.overlay != "off"):
         placement = place_seed(folder, pins, current, roots, log=_candidates_log, only=EARLY_PREFIX, fields=EARLY_FIELDS)
@@ -106,25 +108,6 @@ def _place(environ: Mapping[str, str]) -> SeedPlacement | None:
         _info("coldsnap: %s: vLLM's model-class inspection cache not placed from the seed: %r", skipped[0], skipped[1].reason)
         return skipped[1]
     return None
-
-
-def _early_qualification() -> SeedQualification:
-    """This process's values of :data:`EARLY_FIELDS` (the others are never compared here)."""
-    import torch
-
-    return SeedQualification(
-        engine="vllm",
-        engine_version=engine_version("vllm"),
-        torch_version=str(torch.__version__),
-        torch_cuda_version=torch.version.cuda,
-        device_type="",
-        accelerator_model=None,
-        nvidia_driver_version=None,
-        cpu_isa_flags=(),
-        compute_capability=None,
-        model_config_sha256=None,
-        compilation_sha256="",
-    )
 
 
 def _candidates(artifact_dir: Path, state_root: Path, overlays: bool) -> Iterator[tuple[Path, tuple[CapsuleFile, ...]]]:

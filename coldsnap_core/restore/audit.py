@@ -1,9 +1,6 @@
-"""Verify an artifact: every rule over every byte of every worker's payloads (what ``coldsnap verify`` runs).
-
-Order (``docs/format.md`` §7, "Order of checks", **coldsnap verify**; each step raises its first failure): the
-artifact folder, its ``model/`` files and the model identity of every capsule; per worker every manifest rule; the
-cache folders, then one full read per distinct pack (:func:`coldsnap_core.format.verify.verify_pack_file`); per
-worker the residual blob and a derived-cache seed's files (§17). Nothing is written (no validation record either).
+"""Verify an artifact: every rule over every byte of every worker's payloads (what ``coldsnap verify`` runs), in the
+order of ``docs/format.md`` §7 ("Order of checks", **coldsnap verify**), each pack read once. Nothing is written (no
+validation record either).
 """
 
 from __future__ import annotations
@@ -55,13 +52,9 @@ def verify_capsules(
     artifact_dir: Path | None = None,
     progress_for: ProgressFor | None = None,
 ) -> list[VerifiedWorker]:
-    """Verify ``capsules`` against ``descriptor`` (``None``: capsules outside an artifact) and the packs in ``cache``,
-    each distinct pack read once; ``artifact_dir`` is checked for capsule folders ``artifact.json`` does not list.
-    Returns one :class:`VerifiedWorker` per capsule, in order.
-
-    Raises:
-        ColdsnapError: the first failed rule (names rule, file, allocation and offset).
-    """
+    """Verify ``capsules`` against ``descriptor`` (``None``: capsules outside an artifact) and the packs in ``cache``;
+    ``artifact_dir`` is checked for capsule folders ``artifact.json`` does not list. Raises the first failed rule's
+    :class:`~coldsnap_core.errors.ColdsnapError`."""
     progress_for = progress_for or (lambda pack: contextlib.nullcontext())
     if descriptor is not None:
         if artifact_dir is not None:
@@ -104,14 +97,9 @@ def verify_capsules(
 def verify_artifact(
     artifact_dir: str | Path, *, cache: PayloadCache | None = None, progress_for: ProgressFor | None = None
 ) -> list[VerifiedWorker]:
-    """Verify every worker of the artifact folder ``artifact_dir``, read only, with the packs in ``cache`` (default:
-    ``~/.cache/coldsnap``; the environment is not read here). Returns one :class:`VerifiedWorker` per worker listed in
-    ``artifact.json``, in its order.
-
-    Raises:
-        MissingObjectError: no ``artifact.json``, a missing capsule file or pack.
-        ColdsnapError: the first failed rule (see :func:`verify_capsules`).
-    """
+    """Verify every worker ``artifact.json`` lists, in its order, with the packs in ``cache`` (default:
+    ``~/.cache/coldsnap``; the environment is not read here); raises as :func:`verify_capsules` (``MissingObjectError``:
+    no ``artifact.json``, a missing capsule file or pack)."""
     artifact_dir = Path(artifact_dir)
     descriptor = read_descriptor(artifact_dir)
     capsules = [read_worker_capsule(artifact_dir, entry) for entry in descriptor.workers]

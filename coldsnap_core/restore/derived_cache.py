@@ -1,8 +1,5 @@
 """The placement of a derived-cache seed before the engine compiles (``docs/format.md`` §17.4; the documents:
-:mod:`coldsnap_core.artifact.derived_cache`): the pins, then the qualification, then each file written where the
-engine looks for it, never over a file already there. A seed that is absent, unqualified or corrupt is skipped with
-the reason (:class:`SeedPlacement`), never raised.
-"""
+:mod:`coldsnap_core.artifact.derived_cache`)."""
 
 from __future__ import annotations
 
@@ -63,15 +60,11 @@ def place_seed(
     fields: tuple[str, ...] | None = None,
     what: str = "derived-cache seed",
 ) -> SeedPlacement:
-    """Verify the seed of the capsule at ``capsule_dir`` and place its files under ``roots`` (``docs/format.md`` §17.4).
-
-    Both seed files pinned in ``capsule_files`` (else ``absent``), their pins, the qualification against ``current``,
-    then each member checked and written to ``roots[<root>]/<path>`` by a temporary file and a hard link (never over
-    a file already there). With ``only`` (a member path prefix) just those members are placed, compared on the
-    qualification's ``fields`` alone, and nothing is read when all are there. ``what`` names the placement in the log.
-
-    Never raises: anything else is ``skipped`` with the reason, logged as one INFO line on ``log``; files placed
-    before a member failed its check stay.
+    """Verify the seed of the capsule at ``capsule_dir`` and place its files under ``roots`` (``docs/format.md`` §17.4):
+    each member to ``roots[<root>]/<path>``, never over a file already there. With ``only`` (a member path prefix)
+    just those members are placed, compared on the qualification's ``fields`` alone, and nothing is read when all
+    are there. Never raises: a failure is ``skipped`` with the reason, one INFO line on ``log`` (files placed before
+    it stay).
     """
     pins = {p.name: p for p in capsule_files if p.name in SEED_FILENAMES}
     if not pins:
@@ -138,10 +131,8 @@ def _place_members(
 
 
 def _install(root: Path, relative: str, data: bytes) -> int:
-    """Write ``data`` to ``root/relative`` unless something is there (1 if written, else 0).
-
-    The folders below ``root`` (which may itself be a link) are walked by descriptor, each opened ``O_NOFOLLOW``
-    relative to the one above, so a folder swapped for a symbolic link cannot lead the file out of ``root``.
+    """Write ``data`` to ``root/relative`` unless something is there (1 if written, else 0); the folders below
+    ``root`` are opened ``O_NOFOLLOW``, each relative to the one above, so a swapped-in link cannot lead out of it.
 
     Raises:
         UnsafePathError: a symbolic link or a file where a folder below ``root`` belongs.

@@ -214,11 +214,8 @@ def _verify_and_fill(
 
 
 def _require_admitted_inode(cache: PayloadCache, digest: str, pack_path: Path, opened: str) -> None:
-    """The pack held open at ``opened`` must be the inode admission accepted, not one renamed onto ``pack_path`` since.
-
-    Raises:
-        CacheError: the open file is not the admitted one (nothing is copied).
-    """
+    """The pack held open at ``opened`` must be the inode admission accepted, not one renamed onto ``pack_path`` since
+    (else ``CacheError``; nothing is copied)."""
     admitted = cache.admitted_identity(digest)
     if admitted is None:  # admitted by another cache object: its validation record must bind the open file
         read_trusted_record(cache, digest, os.stat(opened))

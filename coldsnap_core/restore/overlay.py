@@ -35,15 +35,9 @@ __all__ = ["Lookup", "Selection", "find_overlay", "select_capsule"]
 
 @dataclass(frozen=True, slots=True)
 class Selection:
-    """Which capsule a restore on this node uses, and why.
-
-    Attributes:
-        source: ``portable`` (its target qualifies), ``qualified`` (this node recorded the portable capsule
-            qualified for its target) or ``overlay`` (this node's target-local capsule).
-        reason: why, in words (logged, and shown by ``coldsnap inspect``).
-        overlay_path, seed_files: for ``qualified`` and ``overlay``, the overlay folder and the pins of its own
-            derived-cache seed (the portable capsule's was captured for another target).
-    """
+    """Which capsule a restore on this node uses (``source``: ``portable``, its target qualifies; ``qualified``, this
+    node recorded it qualified for its target; ``overlay``, this node's target-local capsule), and the ``reason`` in
+    words; for the latter two, the overlay folder and the pins of its own derived-cache seed."""
 
     source: Literal["portable", "qualified", "overlay"]
     capsule: Capsule
@@ -135,13 +129,11 @@ def select_capsule(
     descriptor_sha256: str,
     use_overlays: bool = True,
 ) -> Selection:
-    """Which capsule restores ``entry``'s worker on the target ``current`` (``docs/format.md`` §15.4): the portable
-    one when its target qualifies, else this node's valid overlay or qualification record for exactly ``current``
-    (never for another engine). Invalid overlay metadata is logged as a WARNING.
+    """Which capsule restores ``entry``'s worker on the target ``current`` (``docs/format.md`` §15.4; never an
+    overlay for another engine). Invalid overlay metadata is logged as a WARNING.
 
     Raises:
-        TargetMismatchError: no capsule qualifies; the message names the differing fields (captured
-            and current values) and what this node's overlays hold.
+        TargetMismatchError: no capsule qualifies (naming the differing fields and what this node's overlays hold).
     """
     file = str(portable.path / "target.json")
     recorded = portable.target

@@ -62,26 +62,14 @@ __all__ = ["RestoreResult", "WorkerRestore", "restore_or_fall_back"]
 
 @dataclass
 class WorkerRestore:
-    """One restore attempt of one worker (see the module docstring for the steps).
+    """One restore attempt of one worker (see the module docstring for the steps): ``store`` is where a pack missing
+    from the ``cache`` is fetched from (``None``: nowhere); ``target`` defaults to the one of the allocations' device.
 
-    Args:
-        cache: the node-local cache (its state root also holds the checkpoint records).
-        verify_extents, verify_checkpoint: hash every model extent while hydrating; hash the local checkpoint files
-            this node has no record of.
-        engine, engine_version: the engine restoring and its version, for the target identity.
-        target: the current target identity; default: collected in :meth:`run` for the allocations' device.
-        use_overlays: select this node's target-local overlays.
-        store: where a pack missing from the cache is fetched from; ``None``: nowhere.
-
-    Attributes (set by the steps):
-        capsule: the portable capsule once read, this node's overlay once selected.
-        portable_capsule, entry, recorded_model, descriptor_sha256: this worker's capsule, ``artifact.json`` entry
-            and pinned model identity, and the SHA-256 of the ``artifact.json`` bytes parsed (overlays bind to it).
-        selection, target_mismatch: which capsule step 2 chose and why, or its error.
-        layout_matches: step 4 passed.
-        pack_unavailable: no source has the pack, or the cached object was quarantined as corrupt.
-        stage_seconds, fetched_bytes: seconds staging from :attr:`store` took (also when it failed; ``None``: the
-            store was not contacted), and the bytes it wrote.
+    The steps set ``capsule`` (the portable one once read, this node's overlay once selected), ``descriptor_sha256``
+    (of the ``artifact.json`` bytes parsed; overlays bind to it), ``target_mismatch`` (step 2's error),
+    ``layout_matches`` (step 4 passed), ``pack_unavailable`` (no source has the pack, or the cached one was
+    quarantined as corrupt), ``stage_seconds`` (staging from ``store``, also when it failed; ``None``: not contacted)
+    and ``fetched_bytes``.
     """
 
     artifact_dir: Path
@@ -171,8 +159,7 @@ class WorkerRestore:
         return self.target
 
     def qualify(self, capsule: Capsule, allocations: TorchAllocations) -> Capsule:
-        """Step 2: choose the capsule whose residual qualifies for this target
-        (:func:`coldsnap_core.restore.overlay.select_capsule`); sets :attr:`selection` and :attr:`capsule`.
+        """Step 2: choose the capsule whose residual qualifies for this target (:func:`select_capsule`).
 
         Raises:
             TargetMismatchError: no capsule qualifies (names the differing fields); also kept in :attr:`target_mismatch`.
@@ -218,11 +205,8 @@ class WorkerRestore:
         )
 
     def run(self, allocations: TorchAllocations, backend: CopyBackend) -> HydrationReport:
-        """Steps 1-7. On return every byte of every allocation holds the captured bytes.
-
-        Raises:
-            ColdsnapError: the first failed check's; an untyped ``OSError`` as ``FileAccessError`` (rule ``io``).
-        """
+        """Steps 1-7: on return every byte of every allocation holds the captured bytes. Raises the first failed
+        check's :class:`~coldsnap_core.errors.ColdsnapError`; an untyped ``OSError`` as ``FileAccessError``."""
         try:
             return self._run(allocations, backend)
         except OSError as exc:
@@ -392,9 +376,8 @@ def restore_or_fall_back(
     No attempt is made without an artifact folder, or with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``. On a
     :class:`~coldsnap_core.errors.ColdsnapError`, ``native`` raises it; ``auto`` logs one WARNING (on ``log``) and
     returns it as :attr:`RestoreResult.fallback`. ``loaded``: ``None`` when the loader cannot tell what the engine
-    is loading (rule ``model-identity`` fails); ``engine``: its name, for messages; ``target_engine``,
-    ``engine_version``: what the target identity records (``docs/format.md`` §15.1); ``store``: where a missing
-    pack is fetched from (default: the one ``settings.store`` configures).
+    is loading (rule ``model-identity`` fails); ``target_engine``, ``engine_version``: what the target identity
+    records (``docs/format.md`` §15.1); ``store``: default the one ``settings.store`` configures.
 
     Raises:
         ConfigurationError: the store ``settings`` configure is malformed (under ``auto`` too).
@@ -435,12 +418,8 @@ def restore_or_fall_back(
 
 
 def _no_fallback(settings: ColdsnapSettings, loaded: LoadedModel | None, exc: ColdsnapError) -> None:
-    """Where the engine loads a model folder without weight files (``docs/format.md`` §10.1) a failed restore has no
-    checkpoint to fall back to, under ``auto`` too.
-
-    Raises:
-        CheckpointAbsentError: there, naming ``exc`` (its rule, file and message) and the folder.
-    """
+    """Raise ``CheckpointAbsentError`` naming ``exc`` and the folder where the engine loads a model folder without
+    weight files (``docs/format.md`` §10.1): a failed restore has no checkpoint to fall back to, under ``auto`` too."""
     if loaded is not None and loaded.checkpoint_absent:
         raise CheckpointAbsentError(
             f"the restore from {settings.artifact_dir} failed (rule {exc.rule} failed: {exc.detail}), and no checkpoint is"

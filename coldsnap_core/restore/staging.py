@@ -73,14 +73,10 @@ def stage_payload(
     fill: FillAsLanded | None = None,
 ) -> Path:
     """Return the admitted object path of ``pack`` in ``cache`` (verified by its record or a full hash), fetching it
-    from ``store`` (``None``: nowhere) when it is missing or corrupt (quarantined).
-
-    Args:
-        progress, fetched: called with the bytes of each chunk hashed (a fetched byte once, as it lands), and of each
-            chunk the store wrote (one call at a time).
-        layout, extent_owner: the manifest's layout and its map of a stored extent to one destination: a fetched
-            object that does not hash to its name is refused naming its first bad extent or padding byte.
-        fill: with ``layout``, a fetch fills the allocations as the pack lands and sets ``fill.filled``.
+    from ``store`` (``None``: nowhere) when it is missing or corrupt (quarantined). ``progress``, ``fetched``: called
+    with the bytes of each chunk hashed, and of each chunk the store wrote (one call at a time); ``layout``,
+    ``extent_owner``: a fetched object that does not hash to its name is refused naming its first bad extent or
+    padding byte; ``fill``: with ``layout``, a fetch fills the allocations as the pack lands (sets ``fill.filled``).
 
     Raises:
         InvalidDigestError, PackPathMismatchError: a malformed digest, or a path not derived from it (nothing touched).
@@ -204,11 +200,8 @@ class LandedHash:
         self._thread.join()
 
     def result(self) -> str:
-        """After :meth:`close`: the file's SHA-256 (lowercase hex).
-
-        Raises:
-            FileAccessError, CacheError: reading failed, or the file ended or the fetch stopped before its end.
-        """
+        """The file's SHA-256 (lowercase hex), once closed; raises ``FileAccessError`` (reading failed) or
+        ``CacheError`` (the file ended or the fetch stopped before its end)."""
         self.close()
         if isinstance(self._result, BaseException):
             raise self._result
@@ -294,11 +287,9 @@ class LandedFill:
     def close(self, *, abandon: bool = False) -> None:
         """The fetch is over: wait until what landed is checked and copied (``abandon``: stop before the next batch).
 
-        Raises:
-            IntegrityError: an extent's SHA-256 (``ExtentDigestMismatchError``) or a padding byte
-                (``NonZeroPaddingError``) does not match (not with ``abandon``).
-            CacheError: the fetch ended before every extent landed.
-            CopyBackendError: a copy failed.
+        Raises (not with ``abandon``):
+            ExtentDigestMismatchError, NonZeroPaddingError: an extent's SHA-256 or a padding byte does not match.
+            CacheError, CopyBackendError: the fetch ended before every extent landed; a copy failed.
         """
         with self._changed:
             self._closed, self._abandoned = True, abandon
@@ -478,11 +469,9 @@ def worker_entries(artifact_dir: Path, workers: Sequence[WorkerIdentity]) -> lis
     """The descriptor entries of ``workers``, after checking that each capsule's manifest names the same pack.
 
     Raises:
-        MissingObjectError: no descriptor, or no capsule for a worker.
-        ManifestError: a capsule's manifest is malformed.
+        MissingObjectError, ManifestError, CapsulePinMismatchError, ManifestMismatchError: as
+            :func:`~coldsnap_core.artifact.capsules.read_worker_capsule` (a capsule names another pack: the latter).
         InvalidDigestError, PackPathMismatchError: ``artifact.json`` names a pack by a malformed digest or path.
-        CapsulePinMismatchError: a capsule's manifest does not match its pin in ``artifact.json``.
-        ManifestMismatchError: a capsule names another worker or pack than ``artifact.json``.
     """
     artifact_dir = Path(artifact_dir)
     descriptor = read_descriptor(artifact_dir)
