@@ -1,8 +1,5 @@
-"""coldsnap_vllm: the vLLM plugin.
-
-``register()`` is the ``vllm.general_plugins`` entry point (``pyproject.toml``). vLLM calls it once per process
-(API server, engine core, every worker; vLLM ``plugins/__init__.py``), so it is idempotent, cheap, and never
-initialises CUDA.
+"""coldsnap_vllm: the vLLM plugin. ``register()`` is the ``vllm.general_plugins`` entry point, which vLLM calls once
+per process (API server, engine core, every worker; vLLM ``plugins/__init__.py``): idempotent, cheap, no CUDA init.
 """
 
 from __future__ import annotations

@@ -42,11 +42,8 @@ class WeightsSegment:
 
 
 def weights_segments(pointer_to_data: Mapping[int, Any], *, tag: str = WEIGHTS_TAG) -> tuple[WeightsSegment, ...]:
-    """The segments of ``CuMemAllocator.pointer_to_data`` with ``tag``, sorted by address (asleep or not).
-
-    Raises:
-        ObserverError: a handle disagrees with its key, a size is not positive, or two segments overlap.
-    """
+    """The segments of ``CuMemAllocator.pointer_to_data`` with ``tag``, sorted by address (asleep or not); raises
+    ``ObserverError`` where a handle disagrees with its key, a size is not positive, or two segments overlap."""
     found = []
     for address, data in pointer_to_data.items():
         if data.tag != tag:
@@ -89,11 +86,8 @@ class MappedWrites:
 
 
 def map_writes(writes: Iterable[ObservedModelWrite], segments: Sequence[WeightsSegment]) -> MappedWrites:
-    """Locate each write in the segment that contains its first byte.
-
-    Raises:
-        ObserverError: a write is empty, starts in a segment and ends beyond it, or two writes overlap.
-    """
+    """Locate each write in the segment that contains its first byte; raises ``ObserverError`` where a write is
+    empty, starts in a segment and ends beyond it, or two writes overlap."""
     starts = [s.address for s in segments]
     ranges: list[ModelRange] = []
     dropped: list[ObservedModelWrite] = []

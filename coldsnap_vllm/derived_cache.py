@@ -121,7 +121,13 @@ class SeedCapture:
     ``compilation_config.local_cache_dir`` names a folder; ``attach`` writes the collected ``(member path, file)``
     list into the capsule and pins it."""
 
-    def __init__(self, model, vllm_config, worker: WorkerIdentity, attach: Callable[[list[tuple[str, Path]]], object]) -> None:
+    def __init__(
+        self,
+        model,
+        vllm_config,
+        worker: WorkerIdentity,
+        attach: Callable[[list[tuple[str, Path]]], object],
+    ) -> None:
         self.vllm_config = vllm_config
         self.worker = worker
         self.attach = attach

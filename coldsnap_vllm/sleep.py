@@ -65,13 +65,9 @@ def capture_for_sleep(
     *,
     capsule_dir: Path | None = None,
 ) -> SleepCapture:
-    """Capture the live weights segments (sorted by address) into pack + sleep capsule; nothing is released.
-    ``capsule_dir`` defaults to an unclaimed :func:`~coldsnap_core.artifact.sleep_capsules.sleep_capsule_dir`.
-
-    Raises:
-        ObserverError: a write straddles a segment end or writes overlap (nothing written); else as
-            :func:`~coldsnap_core.capture.sleep.capture_native`.
-    """
+    """Capture the live weights segments (sorted by address) into pack + sleep capsule (default: an unclaimed
+    :func:`~coldsnap_core.artifact.sleep_capsules.sleep_capsule_dir`); nothing is released. Raises as
+    :func:`~coldsnap_core.capture.sleep.capture_native`, and ``ObserverError`` for writes that straddle or overlap."""
     captured = capture_native(
         native_allocation_map(segments),
         live_allocations(segments),

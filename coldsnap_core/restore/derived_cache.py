@@ -32,9 +32,7 @@ logger = logging.getLogger(__name__)
 MAX_REASON_CHARS = 2000
 """The longest skip reason logged for an unexpected error."""
 
-DerivedCacheStatus = Literal["used", "skipped", "absent"]
-
-__all__ = ["MAX_REASON_CHARS", "DerivedCacheStatus", "SeedPlacement", "place_seed"]
+__all__ = ["MAX_REASON_CHARS", "SeedPlacement", "place_seed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +40,7 @@ class SeedPlacement:
     """What :func:`place_seed` did: ``used`` (verified, qualified and placed), ``skipped`` (present but not placed,
     for ``reason``) or ``absent``; files written, files already there (never overwritten) and the seed's bytes."""
 
-    status: DerivedCacheStatus
+    status: Literal["used", "skipped", "absent"]
     reason: str | None = None
     placed_files: int = 0
     present_files: int = 0

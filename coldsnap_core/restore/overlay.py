@@ -130,11 +130,8 @@ def select_capsule(
     use_overlays: bool = True,
 ) -> Selection:
     """Which capsule restores ``entry``'s worker on the target ``current`` (``docs/format.md`` §15.4; never an
-    overlay for another engine). Invalid overlay metadata is logged as a WARNING.
-
-    Raises:
-        TargetMismatchError: no capsule qualifies (naming the differing fields and what this node's overlays hold).
-    """
+    overlay for another engine; invalid overlay metadata is a WARNING). Raises ``TargetMismatchError`` when none
+    qualifies, naming the differing fields and what this node's overlays hold."""
     file = str(portable.path / "target.json")
     recorded = portable.target
     if recorded is None:

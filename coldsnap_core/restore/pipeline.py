@@ -127,14 +127,9 @@ class WorkerRestore:
         return self.capsule.native if self.capsule is not None else None
 
     def read(self) -> Capsule:
-        """Step 1: find and read this worker's capsule.
-
-        Raises:
-            MissingObjectError, CapsulePinMismatchError, ManifestMismatchError, ManifestError: see
-                :func:`~coldsnap_core.artifact.capsules.read_worker_capsule`; or a model extent names a file the
-                model identity does not list (``ManifestMismatchError``).
-            ArtifactError: the capsule was captured at the native capture point.
-        """
+        """Step 1: find and read this worker's capsule. Raises as
+        :func:`~coldsnap_core.artifact.capsules.read_worker_capsule`, ``ManifestMismatchError`` for a model extent
+        naming a file the model identity does not list, ``ArtifactError`` for a native capture."""
         descriptor, self.descriptor_sha256 = read_descriptor_bytes(self.artifact_dir)
         entry = find_worker(descriptor, self.worker)
         capsule = read_worker_capsule(self.artifact_dir, entry)
