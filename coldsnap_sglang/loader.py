@@ -93,8 +93,7 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
         extra = load_config.model_loader_extra_config
         with _SglangLoad.refusing_settings(os.environ, extra, lambda: worker_identity(load_config), logger):
             self.coldsnap_settings, rest = resolve_sglang_settings(os.environ, extra)
-            # The parent sees the inner format (SGLang's DefaultModelLoader dispatches its file patterns
-            # and iterator on it) and only the extra-config keys it knows (it rejects the others).
+            # the parent sees the inner format (it picks file patterns and iterator by it) and only its own keys
             inner = LoadFormat(self.coldsnap_settings.inner_load_format or "auto")
             super().__init__(dataclasses.replace(load_config, load_format=inner, model_loader_extra_config=rest))
             self.policy = _SglangLoad(self.coldsnap_settings, log=logger, loader=self)

@@ -142,8 +142,7 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> LoadOutcome:  # type: ignore[override]
         """:meth:`coldsnap_core.load_policy.LoadPolicy.load` (vLLM ignores what it returns); raises its
         :class:`~coldsnap_core.errors.ColdsnapError` (``COLDSNAP_RESTORE=native``, or a failed export capture)."""
-        # A later load in this process (vLLM's reload_weights, a second load_weights) replaces the weights:
-        # what the sleep backend works from is this load's state or none, never the previous load's.
+        # a later load (vLLM's reload_weights) replaces the weights: the sleep backend never sees the previous state
         load_state.clear()
         source = ModelSource.of_engine(
             model_config, str(model_config.model), model_config.revision, self.load_config.download_dir

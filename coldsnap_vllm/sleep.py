@@ -270,8 +270,7 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
             self._release_claim()  # a reloaded model with another identity or state root: drop the old capsule
             claim = None
         if claim is None:
-            # Unique to this process instance (pid plus a random token: two engines in two PID
-            # namespaces may both be PID 1) and locked while in use; see coldsnap_core.artifact.sleep_capsules.
+            # unique to this process instance and locked while in use (coldsnap_core.artifact.sleep_capsules)
             claim = SleepCapsuleClaim(state.state_root, state.worker.capsule_name)
             self._claim = claim
             self._finalizer = weakref.finalize(self, claim.release)

@@ -211,8 +211,7 @@ class WorkerRestore:
         capsule = self.qualify(self.portable_capsule or self.read(), allocations)
         manifest = capsule.native
         manifest_file = str(capsule.native_manifest_path)
-        # the model before its layout: another model (30 layers against 2) is named as such, by its sources and
-        # configuration, not by the first allocation whose size happens to differ
+        # the model before its layout (docs/format.md §7): another model is named as such, not by an allocation size
         self.check_identity()
         check_live_layout(
             manifest.allocations,
@@ -245,8 +244,7 @@ class WorkerRestore:
                         filled_seconds=self.stage_seconds if onepass.filled else None,
                     )
                 except IntegrityError as exc:
-                    # hydrate re-verifies an admitted pack whose padding or extent disagreed and quarantines
-                    # it when it is proven corrupt (an edit in place that a validation record cannot see).
+                    # hydrate quarantined an admitted pack proven corrupt (an edit in place a record cannot see)
                     if getattr(exc, "quarantined_to", None) is not None:
                         self.pack_unavailable = True
                     raise
