@@ -203,7 +203,8 @@ def capture_after_compilation(
     config_sha256: str | None,
 ) -> SeedCapture | None:
     """A :class:`SeedCapture` into the export's capsule in ``artifact_dir`` or the target-local overlay this start
-    stored (``docs/format.md`` §15.3), unless vLLM keeps no compile cache for this start (one INFO line says why)."""
+    stored (``docs/format.md`` §15.3), unless vLLM keeps no compile cache for this start (one INFO line says why).
+    Never raises: the export stands without a seed."""
     reason, recorded = _this_start(vllm_config, engine, engine_version, config_sha256)
     if recorded is None:
         logger.info("coldsnap: %s: no derived-cache seed captured: %s", outcome.worker.capsule_name, reason)
