@@ -8,10 +8,11 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from cache_support import flip_byte, sha256_of
+from cache_support import capture, flip_byte, sha256_of
 
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import record_state
+from coldsnap_core.cli.stage_cmd import stage_entries
 from coldsnap_core.errors import (
     ArtifactError,
     MissingObjectError,
@@ -134,6 +135,24 @@ def test_symlinked_store_object_is_refused(captured, store: LocalFolderStore, ca
     with pytest.raises(UnsafePathError):
         stage_payload(captured.pack, cache=cache, store=store)
     assert cache.digests() == []
+
+
+def test_two_workers_sharing_a_digest_stage_it_once(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    """Two data-parallel workers with one digest (``coldsnap stage``'s ``stage_entries``): one staged path, the store
+    asked for it, one object in the cache (catches the second worker's entry refused as a duplicate, or its pack
+    staged under a second path)."""
+    artifact = tmp_path / "dp"
+    r0 = capture(tiny_checkpoint, artifact, tmp_path / "dp-root", rank=0, world_size=2)
+    r1 = capture(tiny_checkpoint, artifact, tmp_path / "dp-root", rank=1, world_size=2, reverse=True)
+    assert r0.manifest.pack == r1.manifest.pack
+    store = LocalFolderStore(tmp_path / "store")
+    store.upload(r0.pack_path, r0.manifest.pack.sha256, r0.manifest.pack.size_bytes)
+    cache = PayloadCache(tmp_path / "host")
+    fetched: set[str] = set()
+    entries = worker_entries(artifact, [r0.manifest.worker, r1.manifest.worker])
+    staged = stage_entries(entries, cache, store, fetched)
+    assert list(staged) == [r0.manifest.pack.sha256] and fetched == {r0.manifest.pack.sha256}
+    assert cache.digests() == [r0.manifest.pack.sha256]
 
 
 # --- worker_entries ------------------------------------------------------------------------------------
