@@ -1,13 +1,9 @@
 """The engine contract: the load policy every engine plugin runs, and what an engine adapter supplies.
 
-:class:`LoadPolicy` has one template method, :meth:`LoadPolicy.load`, in the shape of vLLM's
-``BaseModelLoader.load_model`` (``vllm/model_executor/model_loader/base_loader.py``); an engine adapter
-(``coldsnap_vllm.loader``, ``coldsnap_sglang.loader``) lists :class:`ObservedLoader` before its engine's default
-loader class and supplies the abstract steps. One load: **restore** (:func:`coldsnap_core.restore.pipeline.restore_or_fall_back`)
-when an artifact is set and export is off, else or as the fallback the observed **checkpoint load**, then the
-**capture** (export), **materialization** (``docs/format.md`` §13) or an **overlay** (§15); the capsule's
-**derived-cache seed** placed (§17); one **outcome line** (§10.3) and the load counted in the metrics; a refused
-start also logs its one ``coldsnap:`` line (:func:`coldsnap_core.operator_log.refuse`).
+:meth:`LoadPolicy.load` has the shape of vLLM's ``BaseModelLoader.load_model``
+(``vllm/model_executor/model_loader/base_loader.py``): a **restore** when an artifact is set and export is off, else
+(or as its fallback) the observed **checkpoint load** and its **capture**, **materialization** (``docs/format.md``
+§13) or **overlay** (§15); the **derived-cache seed** placed (§17); one **outcome line** (§10.3).
 """
 
 from __future__ import annotations
@@ -70,9 +66,8 @@ class ModelWrite:
 
 @dataclass(frozen=True, slots=True)
 class ModelSource:
-    """What the engine is loading, as its model configuration says: a local folder or a Hugging Face repository id,
-    its revision as given, :func:`coldsnap_core.identity.config_digest.model_config_sha256` and the canonical
-    configuration, and the Hugging Face cache it downloads into (``None``: ``HF_HUB_CACHE``)."""
+    """What the engine is loading: a local folder or a Hugging Face repository id, its revision as given, its
+    configuration's digest and canonical JSON, and the Hugging Face cache it downloads into (``None``: ``HF_HUB_CACHE``)."""
 
     path: str
     revision: str | None
@@ -82,8 +77,7 @@ class ModelSource:
 
     @classmethod
     def of_engine(cls, model_config: object, path: str, revision: str | None, download_dir: str | None) -> ModelSource:
-        """The source an engine's model configuration object names, its configuration digested
-        (:func:`~coldsnap_core.identity.config_digest.engine_model_config`)."""
+        """The source an engine's model configuration object names, its configuration digested."""
         config_json = engine_model_config(model_config)
         config_sha256 = None if config_json is None else config_json_sha256(config_json)
         return cls(path, revision, config_sha256, download_dir, config_json)
@@ -110,7 +104,7 @@ class LoadCall:
 
 @dataclass(frozen=True)
 class LoadOutcome:
-    """What one :meth:`LoadPolicy.load` did (for logs, tests, benchmarks and the vLLM sleep backend).
+    """What one :meth:`LoadPolicy.load` did.
 
     Attributes:
         load_seconds: wall time of the weight loading proper (hydration, or the observed checkpoint load), seconds.
@@ -170,8 +164,7 @@ class LoadPolicy(abc.ABC):
         self.log = log
         self.loader = loader  # the engine's loader object whose methods the adapter's steps call
         self.store = store_from_settings(settings.store)
-        self.session: LoadSession | None = None
-        """The observed load in progress, while :meth:`load_checkpoint` runs under the observer."""
+        self.session: LoadSession | None = None  # the observed load, while load_checkpoint runs under the observer
 
     # -- what the engine adapter supplies ----------------------------------------------------------
 
@@ -216,10 +209,8 @@ class LoadPolicy(abc.ABC):
         worker: Callable[[], WorkerIdentity],
         log: logging.Logger,
     ) -> Iterator[None]:
-        """Around an engine plugin's resolution of its settings and construction of its policy: a
-        :class:`~coldsnap_core.errors.ConfigurationError` there is reported as every refused start is (its
-        ``coldsnap:`` line, an outcome line ``refused``, the metrics), then raised. ``environ`` and ``extra_config``
-        (or its JSON text) give the outcome and termination logs (:func:`_report_settings`)."""
+        """Around an engine plugin's resolution of its settings and construction of its policy: a ConfigurationError
+        there is reported as every refused start is, then raised (``extra_config``: a mapping or its JSON text)."""
         try:
             yield
         except ConfigurationError as exc:
@@ -228,9 +219,7 @@ class LoadPolicy(abc.ABC):
                 name = worker().capsule_name
             except Exception:  # the refusal is reported whatever the engine's state
                 name = WorkerIdentity("worker", 0, 1, 0, 1).capsule_name
-            line = LoadOutcomeLine("refused", cls.engine, name, None, 0.0, error=exc)
-            append_outcome(settings.outcome_log_path, line)
-            record_load(line)
+            _report(settings, LoadOutcomeLine("refused", cls.engine, name, None, 0.0, error=exc))
             why = "its coldsnap settings are invalid"
             refuse(f"coldsnap: {cls.engine_label} start refused for {name} ({why}): {exc}", settings, log, cause=str(exc))
             raise
@@ -238,8 +227,7 @@ class LoadPolicy(abc.ABC):
     # -- the template method -----------------------------------------------------------------------
 
     def load(self, call: LoadCall) -> LoadOutcome:
-        """Restore or load ``call.model``, then append one outcome line (see the module docstring). A ColdsnapError
-        (``COLDSNAP_RESTORE=native`` and the restore failed, or a capture failed) is reported as refused, raised."""
+        """Restore or load ``call.model``, then append one outcome line; a ColdsnapError is reported as refused, raised."""
         started = time.perf_counter()
         banner(self.settings, self.engine_label, self.log)
         worker = self.worker_identity()
@@ -250,7 +238,8 @@ class LoadPolicy(abc.ABC):
             absent = isinstance(exc, CheckpointAbsentError)
             # no checkpoint on the node: the outcome line, the metrics and the refusal line name the cause's rule
             cause = exc.__cause__ if absent and isinstance(exc.__cause__, ColdsnapError) else exc
-            self._report(self._line("refused", worker, time.perf_counter() - started, error=cause, checkpoint_absent=absent))
+            line = self._line("refused", worker, time.perf_counter() - started, error=cause, checkpoint_absent=absent)
+            _report(self.settings, line)
             refuse(self._refusal(worker, cause, checkpoint_absent=absent), self.settings, self.log, cause=str(exc))
             raise
         if outcome.capsule_dir is not None:
@@ -267,7 +256,7 @@ class LoadPolicy(abc.ABC):
             derived_cache_reason=None if seed is None else seed.reason,
             checkpoint_absent=outcome.checkpoint_absent,
         )
-        self._report(line, outcome)
+        _report(self.settings, line, outcome)
         if self.settings.derived_cache == "auto" and (outcome.capture is not None or outcome.overlay is not None):
             self.capture_derived_cache(call, outcome)
         return outcome
@@ -636,20 +625,6 @@ class LoadPolicy(abc.ABC):
         artifact_dir = None if self.settings.artifact_dir is None else str(self.settings.artifact_dir)
         return LoadOutcomeLine(outcome, self.engine, worker.capsule_name, artifact_dir, seconds, **fields)
 
-    def _report(self, line: LoadOutcomeLine, outcome: LoadOutcome | None = None) -> None:
-        """The one report of a load: its outcome line and its metrics (``outcome``: ``None`` for a refusal)."""
-        append_outcome(self.settings.outcome_log_path, line)
-        if outcome is None:
-            record_load(line)
-            return
-        hydration = outcome.hydration
-        record_load(
-            line,
-            stage_seconds=outcome.stage_seconds,
-            hydrated_bytes=0 if hydration is None else hydration.model_bytes + hydration.residual_bytes,
-            fetched_bytes=outcome.fetched_bytes,
-        )
-
 
 class ObservedLoader:
     """The iterator boundary of an engine's default loader, watched: a mixin an engine adapter lists before that
@@ -674,6 +649,21 @@ class ObservedLoader:
         iterator = super()._get_weights_iterator(source, *args, **kwargs)  # type: ignore[misc]
         session = self.policy.session
         return iterator if session is None else session.observe(getattr(source, "prefix", "") or "", iterator)
+
+
+def _report(settings: ColdsnapSettings, line: LoadOutcomeLine, outcome: LoadOutcome | None = None) -> None:
+    """The one report of a load: its outcome line and its metrics (``outcome``: ``None`` for a refusal)."""
+    append_outcome(settings.outcome_log_path, line)
+    if outcome is None:
+        record_load(line)
+        return
+    hydration = outcome.hydration
+    record_load(
+        line,
+        stage_seconds=outcome.stage_seconds,
+        hydrated_bytes=0 if hydration is None else hydration.model_bytes + hydration.residual_bytes,
+        fetched_bytes=outcome.fetched_bytes,
+    )
 
 
 def _report_settings(environ: Mapping[str, str], extra_config: Mapping[str, object] | str | None) -> ColdsnapSettings:
