@@ -359,8 +359,8 @@ class LoadPolicy(abc.ABC):
         ) from cause
 
     def _pull_artifact(self) -> None:
-        """``COLDSNAP_ARTIFACT_DIR`` is a REF: pull it into the state root and restore from there (the packs staged
-        from the REF's store when no payload store is configured); raises as the pull does."""
+        """Pull the REF ``COLDSNAP_ARTIFACT_DIR`` names into the state root (its store stages the packs when no payload
+        store is configured)."""
         ref = self.settings.artifact_ref
         assert ref is not None
         store, name = parse_artifact_ref(ref, client=self.settings.store.client)
@@ -504,14 +504,9 @@ class LoadPolicy(abc.ABC):
         before: TorchAllocations | None,
         started: float,
     ) -> tuple[LoadSession, WriteObserver, TorchAllocations, list[ModelRecord], float] | LoadOutcome:
-        """The engine's checkpoint load under the write observer: ``(session, observer, allocations after,
-        model records, load seconds)``, or the outcome of a load that could not be observed or classified
-        (``before``: the restore attempt's enumeration of the allocations, reused).
-
-        Raises:
-            ObserverError: with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``, the load cannot be observed or
-                classified, or runs outside the engine's ``load_model``.
-        """
+        """The engine's checkpoint load under the write observer: ``(session, observer, allocations after, model
+        records, load seconds)``, or the outcome of a load that could not be observed or classified (``before``: the
+        restore attempt's allocations, reused); under export that is an ObserverError instead."""
         export = self.settings.export_model_payload
         if export and call.source is None:
             raise ObserverError(
@@ -594,8 +589,8 @@ class LoadPolicy(abc.ABC):
         )
 
     def _capture_overlay(self, attempt: WorkerRestore | None, after: TorchAllocations, ranges) -> OverlayCapture | None:
-        """:func:`coldsnap_core.capture.overlay.capture_overlay` of the loaded model, after the model identity
-        check; a failure is one WARNING under ``auto``, raised under ``capture``."""
+        """The overlay of the loaded model, after the model identity check; a failure is raised under ``capture``, else
+        one WARNING."""
         settings = self.settings
         assert attempt is not None and settings.artifact_dir is not None
         assert attempt.portable_capsule is not None and attempt.entry is not None
@@ -627,11 +622,8 @@ class LoadPolicy(abc.ABC):
 
 
 class ObservedLoader:
-    """The iterator boundary of an engine's default loader, watched: a mixin an engine adapter lists before that
-    loader class, and whose :attr:`policy` it sets. While :attr:`LoadPolicy.session` is set, each source
-    ``_prepare_weights`` returns is recorded and each tensor ``_get_weights_iterator`` yields is registered
-    (vLLM's and SGLang's ``DefaultModelLoader`` share both); else both pass through unchanged.
-    """
+    """A mixin an engine adapter lists before its engine's ``DefaultModelLoader`` (vLLM's and SGLang's share both
+    methods): while :attr:`LoadPolicy.session` is set, each prepared source and each yielded tensor is recorded."""
 
     policy: LoadPolicy
 
@@ -668,7 +660,7 @@ def _report(settings: ColdsnapSettings, line: LoadOutcomeLine, outcome: LoadOutc
 
 def _report_settings(environ: Mapping[str, str], extra_config: Mapping[str, object] | str | None) -> ColdsnapSettings:
     """The settings a refusal of invalid settings is reported with: the state root, the outcome log and the
-    termination log, each resolved alone, or its default where its own value is invalid."""
+    termination log, each resolved alone (its default where its own value is invalid)."""
     if isinstance(extra_config, str):
         try:
             extra_config = json.loads(extra_config or "{}")
