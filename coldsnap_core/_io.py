@@ -155,12 +155,8 @@ def open_regular(
     missing: type[ColdsnapError] = MissingObjectError,
 ) -> Iterator[tuple[int, os.stat_result]]:
     """Open ``path`` for reading and yield ``(fd, fstat of fd)`` of a regular file, closed on exit (``O_NONBLOCK``:
-    a named pipe does not wait for a writer, fifo(7); the type is checked on the descriptor that is read).
-
-    Raises:
-        ``missing``: nothing at ``path``; UnsafePathError: a symbolic link and not ``follow_links``;
-        NotRegularFileError: a folder, named pipe, device or socket; FileAccessError: any other failure.
-    """
+    a named pipe does not wait for a writer, fifo(7)). Raises ``missing``: nothing there; UnsafePathError: a symbolic
+    link and not ``follow_links``; NotRegularFileError: not a regular file; FileAccessError: any other failure."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
     try:
         fd = os.open(path, flags)
@@ -346,11 +342,8 @@ def write_hashed(
     progress: Callable[[int], object] | None = None,
 ) -> tuple[str, int]:
     """Write every chunk of ``chunks()`` (a fresh iterator per call) to ``fd``; return ``(sha256 hex, size_bytes)``.
-
     ``stable``: ``chunks()`` may be iterated twice at once, each chunk unchanged until both end, so a helper thread
-    hashes its own iteration; otherwise :class:`HashingWriter`. Raises as :func:`write_all`, and CacheError when
-    the two iterations differ in size.
-    """
+    hashes its own iteration (else :class:`HashingWriter`). Raises as :func:`write_all`, or CacheError: sizes differ."""
     if not stable:
         writer = HashingWriter(fd, file=file, progress=progress)
         try:

@@ -1,8 +1,5 @@
-"""The one exception hierarchy of coldsnap.
-
-Every failure coldsnap detects is a subclass of :class:`ColdsnapError` that names the *rule* it enforces (a
-short stable identifier, ``docs/format.md``) and the context that failed (file, allocation, byte offset), so a
-log line alone says what was refused and why::
+"""The one exception hierarchy of coldsnap: each class names the *rule* it enforces (``docs/format.md``), and each
+error the context that failed, so a log line alone says what was refused and why::
 
     coldsnap: rule extent-sha256 failed: model extent 17 does not match its SHA-256 (expected 3f2a..., got 9be1...)
         [file=/cache/model-payloads/sha256/ab..cd.pack, allocation=12, offset_bytes=4096]

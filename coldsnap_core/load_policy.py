@@ -290,7 +290,13 @@ class LoadPolicy(abc.ABC):
                 return self._load_checkpoint(call, worker, cache, None, exc, None, started)
         settings = self.settings
         if settings.artifact_dir is None and not settings.export_model_payload:
-            no_artifact = self._no_artifact()
+            # the load format is coldsnap but no artifact is configured: a fallback of rule configuration
+            no_artifact = ConfigurationError(
+                f"{self.engine_label} runs the coldsnap load format without an artifact (COLDSNAP_ARTIFACT_DIR is not set),"
+                " so it loads the checkpoint and restores nothing",
+                remedy="set COLDSNAP_ARTIFACT_DIR (or the extra-config key artifact_dir) to the artifact folder or REF, or"
+                " COLDSNAP_EXPORT_MODEL_PAYLOAD=1 to capture one",
+            )
             self._require_checkpoint(call, no_artifact)
             if not self.wants_model_identity(call):
                 self.log.warning("coldsnap: loading the checkpoint (COLDSNAP_RESTORE=%s): %s", settings.restore, no_artifact)
@@ -329,15 +335,6 @@ class LoadPolicy(abc.ABC):
         if attempt is None or attempt.stage_seconds is None:
             return outcome
         return dataclasses.replace(outcome, stage_seconds=attempt.stage_seconds, fetched_bytes=attempt.fetched_bytes)
-
-    def _no_artifact(self) -> ConfigurationError:
-        """The load format is coldsnap but no artifact is configured: a fallback of rule ``configuration``."""
-        return ConfigurationError(
-            f"{self.engine_label} runs the coldsnap load format without an artifact (COLDSNAP_ARTIFACT_DIR is not set),"
-            " so it loads the checkpoint and restores nothing",
-            remedy="set COLDSNAP_ARTIFACT_DIR (or the extra-config key artifact_dir) to the artifact folder or REF, or"
-            " COLDSNAP_EXPORT_MODEL_PAYLOAD=1 to capture one",
-        )
 
     def _require_checkpoint(self, call: LoadCall, cause: ColdsnapError) -> None:
         """Before a checkpoint load that ``cause`` makes the only load: a model folder without weight files (what

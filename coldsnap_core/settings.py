@@ -224,8 +224,7 @@ class Setting:
         parse: ``parse(where, value)``: the value of a non-blank input, or a ConfigurationError naming ``where``.
         meaning: one line, as README's table shows it (Markdown).
         shown_default: README's default cell where the default value cannot say it; ``None``: the value.
-        field: the dotted path of the :class:`ColdsnapSettings` attribute it sets (default: ``key``); its default is
-            the setting's.
+        field: the dotted :class:`ColdsnapSettings` attribute it sets (default ``key``); its default is the setting's.
     """
 
     key: str
