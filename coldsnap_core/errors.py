@@ -79,14 +79,9 @@ class ColdsnapError(Exception):
         return self
 
     def _compose(self) -> str:
-        context = []
-        if self.file is not None:
-            context.append(f"file={self.file}")
-        if self.allocation is not None:
-            context.append(f"allocation={self.allocation}")
-        if self.offset_bytes is not None:
-            context.append(f"offset_bytes={self.offset_bytes}")
-        suffix = f" [{', '.join(context)}]" if context else ""
+        where = {"file": self.file, "allocation": self.allocation, "offset_bytes": self.offset_bytes}
+        context = ", ".join(f"{name}={value}" for name, value in where.items() if value is not None)
+        suffix = f" [{context}]" if context else ""
         remedy = f"; remedy: {self.remedy}" if self.remedy else ""
         return f"rule {self.rule} failed: {self.detail}{suffix}{remedy}"
 
