@@ -1,10 +1,7 @@
 """coldsnap_core: capture a model's weights into a content-addressed payload and restore them, engine neutral.
 
 The public API is :data:`__all__` (README "Using it from Python"); everything else is internal and may change.
-It imports neither vLLM nor SGLang, and each name is imported on first use, so ``import coldsnap_core`` stays
-cheap. :class:`LoadPolicy` is the engine contract both engine plugins run (README "Adding an engine");
-:func:`restore_or_fall_back` and :class:`WorkerRestore` restore a worker; :class:`WriteObserver`,
-:func:`map_to_allocations` and :func:`capture_worker` capture one; :func:`verify_artifact` checks an artifact.
+Each name is imported on first use, so ``import coldsnap_core`` stays cheap (no vLLM, SGLang or torch).
 ``examples/restore_without_engine.py`` runs the whole round trip on a small torch model.
 """
 

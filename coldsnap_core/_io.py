@@ -1,11 +1,8 @@
 """Low-level file I/O shared by the writers, the cache and the verifier.
 
-* :func:`os_error` is the one ``OSError`` table: an ``OSError`` becomes the typed error a caller reports, so no
-  bare ``OSError`` reaches a loader's ``auto`` fallback or the CLI; a write or fsync out of space (``ENOSPC``,
-  ``EDQUOT``, ``EFBIG``) is :class:`~coldsnap_core.errors.InsufficientSpaceError`.
-* :func:`write_hashed` hashes on a helper thread overlapped with the writes (one pass over the bytes), and starts
-  the device write every :data:`WRITEBACK_WINDOW_BYTES` (:class:`Writeback`), so the final ``fsync`` waits only
-  for the last window.
+:func:`os_error` is the one ``OSError`` table (an ``OSError`` becomes a typed error, so none reaches a loader's
+``auto`` fallback or the CLI bare); :func:`write_hashed` hashes beside the writes and starts writeback every
+:data:`WRITEBACK_WINDOW_BYTES`, so the final ``fsync`` waits only for the last window.
 """
 
 from __future__ import annotations
@@ -120,12 +117,7 @@ def os_errno(exc: BaseException) -> int | None:
 
 
 def lstat_or_none(path: Path) -> os.stat_result | None:
-    """``os.lstat``; ``None`` when nothing is there; other failures as typed errors.
-
-    Raises:
-        UnsafePathError: a path component is not a folder (``ENOTDIR``) or a link loop (``ELOOP``).
-        FileAccessError: any other failure (``EACCES``, ``EIO``, ...).
-    """
+    """``os.lstat``; ``None`` when nothing is there; UnsafePathError on ``ENOTDIR``/``ELOOP``, else FileAccessError."""
     try:
         return os.lstat(path)
     except FileNotFoundError:
@@ -137,14 +129,8 @@ def lstat_or_none(path: Path) -> os.stat_result | None:
 
 
 def refuse_symlink(path: Path, *, folder: bool = False) -> os.stat_result | None:
-    """``lstat`` ``path``; return ``None`` if absent, its stat if a regular file (``folder``: a payload cache folder).
-
-    Raises:
-        UnsafePathError: ``path`` is a symbolic link, a path component is not a folder, or (``folder``) it is not
-            a folder.
-        NotRegularFileError: ``path`` is a folder, device or other non-regular file (not ``folder``).
-        FileAccessError: ``path`` cannot be examined (``EACCES``, ``EIO``, ...).
-    """
+    """:func:`lstat_or_none` of a regular file (``folder``: a payload cache folder); UnsafePathError on a symbolic
+    link (or, ``folder``, not a folder), NotRegularFileError on a non-regular file."""
     st = lstat_or_none(path)
     if st is None:
         return None
@@ -168,16 +154,9 @@ def open_regular(
     follow_links: bool = False,
     missing: type[ColdsnapError] = MissingObjectError,
 ) -> Iterator[tuple[int, os.stat_result]]:
-    """Open ``path`` for reading and yield ``(fd, fstat of fd)`` of a regular file; the descriptor is
-    closed on exit. ``O_NONBLOCK``: opening a named pipe does not wait for a writer (fifo(7)); the type is
-    checked on the descriptor, so what is checked is what is read.
-
-    Raises:
-        ``missing`` (:class:`~coldsnap_core.errors.MissingObjectError` by default): nothing at ``path``.
-        UnsafePathError: a symbolic link at ``path`` and not ``follow_links`` (rule ``no-symlinks``).
-        NotRegularFileError: a folder, named pipe, device or socket at ``path`` (rule ``regular-file``).
-        FileAccessError: any other failure (:func:`os_error`).
-    """
+    """Open ``path`` for reading and yield ``(fd, fstat of fd)`` of a regular file, closed on exit (``O_NONBLOCK``:
+    a named pipe does not wait for a writer, fifo(7)). Raises ``missing``: nothing there; UnsafePathError: a symbolic
+    link and not ``follow_links``; NotRegularFileError: not a regular file; FileAccessError: any other failure."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
     try:
         fd = os.open(path, flags)
@@ -214,12 +193,7 @@ def unexpected_os_error(exc: OSError) -> FileAccessError:
 
 
 def write_all(fd: int, data: memoryview | bytes, *, file: str | os.PathLike[str]) -> None:
-    """Write every byte of ``data`` to ``fd``.
-
-    Raises:
-        InsufficientSpaceError: the file system is full, a quota or ``RLIMIT_FSIZE`` was hit.
-        CacheError: any other write error.
-    """
+    """Write every byte of ``data`` to ``fd``; InsufficientSpaceError (:data:`SPACE_ERRNOS`) or CacheError."""
     view = memoryview(data).cast("B")
     while view:
         try:
@@ -258,12 +232,8 @@ def fsync_fd(fd: int, *, file: str | os.PathLike[str]) -> None:
 
 
 def write_file_durably(path: Path, data: bytes, *, mode: int = 0o644) -> None:
-    """Write a new small file (``O_EXCL | O_NOFOLLOW``, created with ``mode``) and fsync it (not its folder).
-
-    Raises:
-        OSError: ``path`` exists (``FileExistsError``) or cannot be created.
-        InsufficientSpaceError / CacheError: the write or the fsync failed.
-    """
+    """Write a new small file (``O_EXCL | O_NOFOLLOW``, ``mode``) and fsync it (not its folder); ``OSError`` when it
+    cannot be created, InsufficientSpaceError / CacheError when the write or fsync fails."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         write_all(fd, data, file=path)
@@ -301,15 +271,9 @@ def replace_file_durably(
     temporary: Callable[[], contextlib.AbstractContextManager[tuple[int, Path]]] | None = None,
     before_rename: Callable[[Path], object] | None = None,
 ) -> None:
-    """Atomically and durably replace the small file ``path`` with ``data``: write a temporary file
-    (``temporary()``, yielding ``(fd, path)`` and removing it on exit unless renamed; default
-    :func:`sibling_temporary`), fsync it, call ``before_rename(path)`` (a last check of the target), rename it onto
-    ``path``, fsync the folder.
-
-    Raises:
-        OSError: the temporary file cannot be created or renamed.
-        InsufficientSpaceError / CacheError: the write or an fsync failed.
-        whatever ``before_rename`` raises (nothing renamed).
+    """Atomically and durably replace the small file ``path`` with ``data``: write ``temporary()`` (default
+    :func:`sibling_temporary`), fsync it, call ``before_rename(path)``, rename it onto ``path``, fsync the folder.
+    Raises ``OSError`` (create, rename), InsufficientSpaceError / CacheError (write, fsync), or what ``before_rename`` does.
     """
     opened = temporary() if temporary is not None else sibling_temporary(path, mode=mode)
     with opened as (fd, temp):
@@ -377,20 +341,9 @@ def write_hashed(
     stable: bool,
     progress: Callable[[int], object] | None = None,
 ) -> tuple[str, int]:
-    """Write every chunk of ``chunks()`` to ``fd``; return ``(sha256 hex, size_bytes)`` of what was written.
-
-    Args:
-        chunks: returns a fresh iterator over the bytes to write, in order.
-        stable: ``chunks()`` may be iterated twice at once (on two threads) and every chunk stays valid and
-            unchanged until both end: a helper thread then hashes its own iteration; otherwise
-            :class:`HashingWriter`.
-        progress: called with the number of bytes written after each chunk.
-
-    Raises:
-        InsufficientSpaceError: the file system is full, a quota or ``RLIMIT_FSIZE`` was hit.
-        CacheError: any other write error, or the two iterations did not yield the same number of
-            bytes.
-    """
+    """Write every chunk of ``chunks()`` (a fresh iterator per call) to ``fd``; return ``(sha256 hex, size_bytes)``.
+    ``stable``: ``chunks()`` may be iterated twice at once, each chunk unchanged until both end, so a helper thread
+    hashes its own iteration (else :class:`HashingWriter`). Raises as :func:`write_all`, or CacheError: sizes differ."""
     if not stable:
         writer = HashingWriter(fd, file=file, progress=progress)
         try:

@@ -37,9 +37,8 @@ def progress_line(
 
 
 class ProgressLines(tqdm):
-    """A tqdm progress over bytes whose every display is one :func:`progress_line` handed to ``emit``; like tqdm's,
-    its ``update`` is not thread-safe (``total_bytes``: ``None`` when unknown; ``interval_s``: default
-    :data:`LINE_INTERVAL_SECONDS`)."""
+    """A tqdm progress over bytes whose every display is one :func:`progress_line` handed to ``emit`` (``update`` is
+    not thread-safe, like tqdm's)."""
 
     monitor_interval = 0  # no tqdm monitor thread: with miniters=1 every update checks the interval itself
 

@@ -9,9 +9,8 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector (restoring its previous state after): in an engine process each
-    generation-2 collection is slow. vLLM runs ``gc.collect()`` right after ``load_weights``
-    (``vllm/model_executor/model_loader/base_loader.py``), so nothing accumulates."""
+    """Pause Python's cyclic garbage collector (slow in an engine process); vLLM runs ``gc.collect()`` right after
+    ``load_weights`` (``vllm/model_executor/model_loader/base_loader.py``), so nothing accumulates."""
     enabled = gc.isenabled()
     gc.disable()
     try:

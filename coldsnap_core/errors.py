@@ -1,8 +1,5 @@
-"""The one exception hierarchy of coldsnap.
-
-Every failure coldsnap detects is a subclass of :class:`ColdsnapError` that names the *rule* it enforces (a
-short stable identifier, ``docs/format.md``) and the context that failed (file, allocation, byte offset), so a
-log line alone says what was refused and why::
+"""The one exception hierarchy of coldsnap: each class names the *rule* it enforces (``docs/format.md``), and each
+error the context that failed, so a log line alone says what was refused and why::
 
     coldsnap: rule extent-sha256 failed: model extent 17 does not match its SHA-256 (expected 3f2a..., got 9be1...)
         [file=/cache/model-payloads/sha256/ab..cd.pack, allocation=12, offset_bytes=4096]
@@ -14,60 +11,6 @@ from __future__ import annotations
 
 import re
 from os import PathLike
-
-__all__ = [
-    "AllocationSizeMismatchError",
-    "ArtifactError",
-    "CacheError",
-    "CapsulePinMismatchError",
-    "CheckpointAbsentError",
-    "ColdsnapError",
-    "ConfigurationError",
-    "CopyBackendError",
-    "CoverageGapError",
-    "EngineVersionError",
-    "ExportError",
-    "ExtentBoundsError",
-    "ExtentDigestMismatchError",
-    "ExtentOrderError",
-    "ExtentOverlapError",
-    "FileAccessError",
-    "InsufficientSpaceError",
-    "IntegrityError",
-    "InvalidDigestError",
-    "LayoutMismatchError",
-    "LockTimeoutError",
-    "ManifestError",
-    "ManifestExtentDigestError",
-    "ManifestMismatchError",
-    "ManifestPaddingError",
-    "ManifestParseError",
-    "ManifestSchemaError",
-    "ManifestValueError",
-    "MissingObjectError",
-    "ModelIdentityMismatchError",
-    "NonZeroPaddingError",
-    "NotRegularFileError",
-    "ObserverError",
-    "OverlayError",
-    "PackDigestMismatchError",
-    "PackInUseError",
-    "PackLayoutError",
-    "PackPathMismatchError",
-    "PackSizeMismatchError",
-    "PayloadUnavailableError",
-    "ResidualDigestMismatchError",
-    "ResidualLayoutError",
-    "ResidualSizeMismatchError",
-    "StoreError",
-    "TargetMismatchError",
-    "UnsafePathError",
-    "UnsupportedFormatVersionError",
-    "ValidationRecordError",
-    "WakeError",
-    "redact_store_spec",
-    "size_mismatch",
-]
 
 EXIT_INTEGRITY = 1
 EXIT_MANIFEST = 2
@@ -89,8 +32,7 @@ class ColdsnapError(Exception):
         detail: what was found, in words.
         file, allocation, offset_bytes: where it was found, if known (``offset_bytes`` within the allocation, else
             within ``file``).
-        remedy: the one thing an operator should do about it (an engine flag, a command), where this raise site
-            knows better than the class's own ``remedy`` (``None``: no ``; remedy:`` part).
+        remedy: the one thing an operator should do, where the raise site knows better than the class's ``remedy``.
     """
 
     rule: str = "coldsnap"
@@ -137,14 +79,9 @@ class ColdsnapError(Exception):
         return self
 
     def _compose(self) -> str:
-        context = []
-        if self.file is not None:
-            context.append(f"file={self.file}")
-        if self.allocation is not None:
-            context.append(f"allocation={self.allocation}")
-        if self.offset_bytes is not None:
-            context.append(f"offset_bytes={self.offset_bytes}")
-        suffix = f" [{', '.join(context)}]" if context else ""
+        where = {"file": self.file, "allocation": self.allocation, "offset_bytes": self.offset_bytes}
+        context = ", ".join(f"{name}={value}" for name, value in where.items() if value is not None)
+        suffix = f" [{context}]" if context else ""
         remedy = f"; remedy: {self.remedy}" if self.remedy else ""
         return f"rule {self.rule} failed: {self.detail}{suffix}{remedy}"
 
@@ -156,9 +93,8 @@ _URL_QUERY = re.compile(r"(://[^?#\s'\"]*)[?#][^\s'\"]*")
 
 
 def redact_store_spec(text: str) -> str:
-    """``text`` (a store setting, or a message quoting one) with its secrets replaced by ``***``: the values of
-    ``AccountKey``, ``SharedAccessSignature``, ``sig``, ``X-Amz-Signature`` and ``X-Goog-Signature``, a URL's
-    ``user:password@``, and a URL's query string or fragment."""
+    """``text`` (a store setting, or a message quoting one) with its secrets (:data:`_SECRET_VALUE`, a URL's
+    ``user:password@``, query string or fragment) replaced by ``***``."""
     text = _SECRET_VALUE.sub(r"\1=***", text)
     text = _URL_USERINFO.sub(r"\1***@", text)
     return _URL_QUERY.sub(r"\1?***", text)
@@ -169,9 +105,6 @@ class _RedactedMessage(ColdsnapError):
 
     def __init__(self, detail: str, *, file: str | PathLike[str] | None = None, **kwargs: int | str | None) -> None:
         super().__init__(redact_store_spec(detail), file=None if file is None else redact_store_spec(str(file)), **kwargs)
-
-
-# --- 2: malformed or unsupported manifests --------------------------------------------------------
 
 
 class ManifestError(ColdsnapError, rule="manifest"):
@@ -194,9 +127,8 @@ class UnsupportedFormatVersionError(ManifestError, rule="format-version"):
 
 
 class ManifestValueError(ManifestError, ValueError, rule="manifest-value"):
-    """A numeric field is negative, overflows a signed 64-bit offset, a string has a bad form, or a rule across a
-    document's fields fails. Also a ``ValueError``: a format type's ``__post_init__`` raises it, which refuses to build
-    such a document and lets msgspec name the object's JSON path when one is read."""
+    """A field's value is out of range or malformed, or a rule across fields fails; a ``ValueError`` so that msgspec
+    names the JSON path when a format type's ``__post_init__`` raises it."""
 
 
 class ExtentBoundsError(ManifestError, rule="extent-within-allocation"):
@@ -216,8 +148,7 @@ class PackLayoutError(ManifestError, rule="pack-canonical-layout"):
 
 
 class ResidualLayoutError(ManifestError, rule="residual-canonical-layout"):
-    """The residual extent map does not describe the blob: extents must be stored back to back, in
-    map order, from offset 0, and their sizes must add up to the blob's ``size_bytes``."""
+    """The residual extent map does not describe the blob (back to back, in map order, from offset 0)."""
 
 
 class ExtentOrderError(ManifestError, rule="extent-order"):
@@ -225,8 +156,7 @@ class ExtentOrderError(ManifestError, rule="extent-order"):
 
 
 class LayoutMismatchError(ManifestError, rule="layout-fingerprint"):
-    """The live allocations, or an allocation map, do not have the layout fingerprint the manifest records
-    (``docs/format.md`` §4.4)."""
+    """The live allocations do not have the layout fingerprint the manifest records (``docs/format.md`` §4.4)."""
 
     remedy = _SERVE_AS_CAPTURED
 
@@ -235,9 +165,6 @@ class AllocationSizeMismatchError(ManifestError, rule="allocation-size"):
     """A live allocation's size differs from the size recorded in the allocation map."""
 
     remedy = _SERVE_AS_CAPTURED
-
-
-# --- 1: content mismatch or corruption -----------------------------------------------------------
 
 
 class IntegrityError(ColdsnapError, rule="integrity"):
@@ -295,9 +222,6 @@ class ResidualDigestMismatchError(IntegrityError, rule="residual-sha256"):
     remedy = _REPULL
 
 
-# --- 3: missing objects ----------------------------------------------------------------------------
-
-
 class MissingObjectError(ColdsnapError, rule="object-present"):
     """A pack, residual blob, manifest or descriptor that should exist does not."""
 
@@ -311,9 +235,6 @@ class PayloadUnavailableError(MissingObjectError, _RedactedMessage, rule="payloa
         "stage the pack on this node (`coldsnap stage ARTIFACT --repo STORE`), or set COLDSNAP_PAYLOAD_REPO to the store"
         " that holds it"
     )
-
-
-# --- 4: everything else ----------------------------------------------------------------------------
 
 
 class InvalidDigestError(ColdsnapError, rule="digest-form"):
@@ -381,15 +302,13 @@ class WakeError(ColdsnapError, rule="wake"):
 
 
 class ModelIdentityMismatchError(ManifestError, rule="model-identity"):
-    """The engine is loading another model than the one the artifact was captured from (``docs/format.md`` §7
-    rule 32, §10.1; :func:`coldsnap_core.identity.model_identity.check_model_identity`)."""
+    """The engine is loading another model than the artifact was captured from (``docs/format.md`` §10.1)."""
 
     remedy = "serve the model (checkpoint, revision, engine flags) the artifact was exported from, or export it again"
 
 
 class ManifestMismatchError(ArtifactError, rule="manifests-agree"):
-    """Two documents of one artifact disagree (``docs/format.md`` §7 rule 28). An :class:`ArtifactError` that
-    exits 2, like any inconsistent manifest."""
+    """Two documents of one artifact disagree (``docs/format.md`` §7 rule 28)."""
 
     exit_code = EXIT_MANIFEST
 
@@ -409,8 +328,7 @@ class NotRegularFileError(UnsafePathError, rule="regular-file"):
 
 
 class FileAccessError(ColdsnapError, rule="io"):
-    """A file or folder could not be opened, read, listed or written for a reason that says nothing about its
-    content (``EACCES``, ``ELOOP``, ``EIO``, ``EROFS``, ...); the message carries the operating system's reason."""
+    """A file or folder could not be opened, read, listed or written (``EACCES``, ``EIO``, ``EROFS``, ...)."""
 
 
 class CapsulePinMismatchError(ManifestError, rule="capsule-pin"):
@@ -423,12 +341,8 @@ class CapsulePinMismatchError(ManifestError, rule="capsule-pin"):
 
 
 class TargetMismatchError(ColdsnapError, rule="target-qualification"):
-    """The capsule's residual was captured on another target and nothing of this node qualifies it for the
-    current one (``docs/format.md`` §15.2); the capsule itself is intact.
-
-    Attributes:
-        differences: ``(field, captured value, current value)`` for each differing qualifying field.
-    """
+    """The capsule's residual was captured on another target and nothing of this node qualifies it
+    (``docs/format.md`` §15.2); ``differences``: ``(field, captured, current)`` per differing qualifying field."""
 
     exit_code = EXIT_TARGET
     remedy = (
@@ -442,16 +356,20 @@ class TargetMismatchError(ColdsnapError, rule="target-qualification"):
 
 
 class OverlayError(ArtifactError, rule="overlay"):
-    """A target-local overlay capture does not belong to its portable capsule (``docs/format.md`` §15.3);
-    nothing is stored."""
+    """A target-local overlay capture does not belong to its portable capsule (``docs/format.md`` §15.3)."""
 
     exit_code = EXIT_MANIFEST
 
 
 class CheckpointAbsentError(ColdsnapError, rule="checkpoint-absent"):
-    """A restore failed where the engine loads a model folder without the checkpoint's weights (``docs/format.md``
-    §10.1): nothing to fall back to, so the start stops, under ``COLDSNAP_RESTORE=auto`` too."""
+    """A restore failed and the model folder holds no checkpoint weights to fall back to (``docs/format.md`` §10.1)."""
 
 
 class ExportError(ColdsnapError, rule="export"):
     """``coldsnap export`` could not capture every worker (the engine exited, a worker refused, a timeout)."""
+
+
+__all__ = sorted(
+    [name for name, value in globals().items() if isinstance(value, type) and issubclass(value, ColdsnapError) and name[0] != "_"]
+    + ["redact_store_spec", "size_mismatch"]
+)

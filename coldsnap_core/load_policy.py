@@ -1,13 +1,9 @@
 """The engine contract: the load policy every engine plugin runs, and what an engine adapter supplies.
 
-:class:`LoadPolicy` has one template method, :meth:`LoadPolicy.load`, in the shape of vLLM's
-``BaseModelLoader.load_model`` (``vllm/model_executor/model_loader/base_loader.py``); an engine adapter
-(``coldsnap_vllm.loader``, ``coldsnap_sglang.loader``) lists :class:`ObservedLoader` before its engine's default
-loader class and supplies the abstract steps. One load: **restore** (:func:`coldsnap_core.restore.pipeline.restore_or_fall_back`)
-when an artifact is set and export is off, else or as the fallback the observed **checkpoint load**, then the
-**capture** (export), **materialization** (``docs/format.md`` §13) or an **overlay** (§15); the capsule's
-**derived-cache seed** placed (§17); one **outcome line** (§10.3) and the load counted in the metrics; a refused
-start also logs its one ``coldsnap:`` line (:func:`coldsnap_core.operator_log.refuse`).
+:meth:`LoadPolicy.load` has the shape of vLLM's ``BaseModelLoader.load_model``
+(``vllm/model_executor/model_loader/base_loader.py``): a **restore** when an artifact is set and export is off, else
+(or as its fallback) the observed **checkpoint load** and its **capture**, **materialization** (``docs/format.md``
+§13) or **overlay** (§15); the **derived-cache seed** placed (§17); one **outcome line** (§10.3).
 """
 
 from __future__ import annotations
@@ -70,9 +66,8 @@ class ModelWrite:
 
 @dataclass(frozen=True, slots=True)
 class ModelSource:
-    """What the engine is loading, as its model configuration says: a local folder or a Hugging Face repository id,
-    its revision as given, :func:`coldsnap_core.identity.config_digest.model_config_sha256` and the canonical
-    configuration, and the Hugging Face cache it downloads into (``None``: ``HF_HUB_CACHE``)."""
+    """What the engine is loading: a local folder or a Hugging Face repository id, its revision as given, its
+    configuration's digest and canonical JSON, and the Hugging Face cache it downloads into (``None``: ``HF_HUB_CACHE``)."""
 
     path: str
     revision: str | None
@@ -82,8 +77,7 @@ class ModelSource:
 
     @classmethod
     def of_engine(cls, model_config: object, path: str, revision: str | None, download_dir: str | None) -> ModelSource:
-        """The source an engine's model configuration object names, its configuration digested
-        (:func:`~coldsnap_core.identity.config_digest.engine_model_config`)."""
+        """The source an engine's model configuration object names, its configuration digested."""
         config_json = engine_model_config(model_config)
         config_sha256 = None if config_json is None else config_json_sha256(config_json)
         return cls(path, revision, config_sha256, download_dir, config_json)
@@ -110,17 +104,16 @@ class LoadCall:
 
 @dataclass(frozen=True)
 class LoadOutcome:
-    """What one :meth:`LoadPolicy.load` did (for logs, tests, benchmarks and the vLLM sleep backend).
+    """What one :meth:`LoadPolicy.load` did.
 
     Attributes:
-        load_seconds: wall time of the weight loading proper (hydration, or the observed checkpoint load), seconds.
-        total_seconds: wall time of the whole load, seconds.
+        load_seconds: wall time of the weight loading proper (hydration, or the observed checkpoint load).
         fallback: the error that made ``auto`` fall back to the checkpoint, if any.
         checkpoint_copies: ``copy_`` calls recorded as model bytes by the observer.
         writes: the model writes by absolute address, sorted and disjoint (empty when not observed).
         observed: whether :attr:`writes` says where the model bytes are; ``False``: nothing may be published.
         capsule_dir: where the derived-cache seed of the capsule chosen for this load is (:func:`_seed_source`).
-        stage_seconds: wall time of staging the pack during this load, seconds; ``None``: the store was not contacted.
+        stage_seconds: wall time of staging the pack during this load; ``None``: the store was not contacted.
     """
 
     kind: Literal["restored", "captured", "checkpoint"]
@@ -170,8 +163,7 @@ class LoadPolicy(abc.ABC):
         self.log = log
         self.loader = loader  # the engine's loader object whose methods the adapter's steps call
         self.store = store_from_settings(settings.store)
-        self.session: LoadSession | None = None
-        """The observed load in progress, while :meth:`load_checkpoint` runs under the observer."""
+        self.session: LoadSession | None = None  # the observed load, while load_checkpoint runs under the observer
 
     # -- what the engine adapter supplies ----------------------------------------------------------
 
@@ -216,10 +208,8 @@ class LoadPolicy(abc.ABC):
         worker: Callable[[], WorkerIdentity],
         log: logging.Logger,
     ) -> Iterator[None]:
-        """Around an engine plugin's resolution of its settings and construction of its policy: a
-        :class:`~coldsnap_core.errors.ConfigurationError` there is reported as every refused start is (its
-        ``coldsnap:`` line, an outcome line ``refused``, the metrics), then raised. ``environ`` and ``extra_config``
-        (or its JSON text) give the outcome and termination logs (:func:`_report_settings`)."""
+        """Around an engine plugin's resolution of its settings and construction of its policy: a ConfigurationError
+        there is reported as every refused start is, then raised (``extra_config``: a mapping or its JSON text)."""
         try:
             yield
         except ConfigurationError as exc:
@@ -228,9 +218,7 @@ class LoadPolicy(abc.ABC):
                 name = worker().capsule_name
             except Exception:  # the refusal is reported whatever the engine's state
                 name = WorkerIdentity("worker", 0, 1, 0, 1).capsule_name
-            line = LoadOutcomeLine("refused", cls.engine, name, None, 0.0, error=exc)
-            append_outcome(settings.outcome_log_path, line)
-            record_load(line)
+            _report(settings, LoadOutcomeLine("refused", cls.engine, name, None, 0.0, error=exc))
             why = "its coldsnap settings are invalid"
             refuse(f"coldsnap: {cls.engine_label} start refused for {name} ({why}): {exc}", settings, log, cause=str(exc))
             raise
@@ -238,8 +226,7 @@ class LoadPolicy(abc.ABC):
     # -- the template method -----------------------------------------------------------------------
 
     def load(self, call: LoadCall) -> LoadOutcome:
-        """Restore or load ``call.model``, then append one outcome line (see the module docstring). A ColdsnapError
-        (``COLDSNAP_RESTORE=native`` and the restore failed, or a capture failed) is reported as refused, raised."""
+        """Restore or load ``call.model``, then append one outcome line; a ColdsnapError is reported as refused, raised."""
         started = time.perf_counter()
         banner(self.settings, self.engine_label, self.log)
         worker = self.worker_identity()
@@ -250,7 +237,8 @@ class LoadPolicy(abc.ABC):
             absent = isinstance(exc, CheckpointAbsentError)
             # no checkpoint on the node: the outcome line, the metrics and the refusal line name the cause's rule
             cause = exc.__cause__ if absent and isinstance(exc.__cause__, ColdsnapError) else exc
-            self._report(self._line("refused", worker, time.perf_counter() - started, error=cause, checkpoint_absent=absent))
+            line = self._line("refused", worker, time.perf_counter() - started, error=cause, checkpoint_absent=absent)
+            _report(self.settings, line)
             refuse(self._refusal(worker, cause, checkpoint_absent=absent), self.settings, self.log, cause=str(exc))
             raise
         if outcome.capsule_dir is not None:
@@ -267,7 +255,7 @@ class LoadPolicy(abc.ABC):
             derived_cache_reason=None if seed is None else seed.reason,
             checkpoint_absent=outcome.checkpoint_absent,
         )
-        self._report(line, outcome)
+        _report(self.settings, line, outcome)
         if self.settings.derived_cache == "auto" and (outcome.capture is not None or outcome.overlay is not None):
             self.capture_derived_cache(call, outcome)
         return outcome
@@ -301,7 +289,13 @@ class LoadPolicy(abc.ABC):
                 return self._load_checkpoint(call, worker, cache, None, exc, None, started)
         settings = self.settings
         if settings.artifact_dir is None and not settings.export_model_payload:
-            no_artifact = self._no_artifact()
+            # the load format is coldsnap but no artifact is configured: a fallback of rule configuration
+            no_artifact = ConfigurationError(
+                f"{self.engine_label} runs the coldsnap load format without an artifact (COLDSNAP_ARTIFACT_DIR is not set),"
+                " so it loads the checkpoint and restores nothing",
+                remedy="set COLDSNAP_ARTIFACT_DIR (or the extra-config key artifact_dir) to the artifact folder or REF, or"
+                " COLDSNAP_EXPORT_MODEL_PAYLOAD=1 to capture one",
+            )
             self._require_checkpoint(call, no_artifact)
             if not self.wants_model_identity(call):
                 self.log.warning("coldsnap: loading the checkpoint (COLDSNAP_RESTORE=%s): %s", settings.restore, no_artifact)
@@ -341,15 +335,6 @@ class LoadPolicy(abc.ABC):
             return outcome
         return dataclasses.replace(outcome, stage_seconds=attempt.stage_seconds, fetched_bytes=attempt.fetched_bytes)
 
-    def _no_artifact(self) -> ConfigurationError:
-        """The load format is coldsnap but no artifact is configured: a fallback of rule ``configuration``."""
-        return ConfigurationError(
-            f"{self.engine_label} runs the coldsnap load format without an artifact (COLDSNAP_ARTIFACT_DIR is not set),"
-            " so it loads the checkpoint and restores nothing",
-            remedy="set COLDSNAP_ARTIFACT_DIR (or the extra-config key artifact_dir) to the artifact folder or REF, or"
-            " COLDSNAP_EXPORT_MODEL_PAYLOAD=1 to capture one",
-        )
-
     def _require_checkpoint(self, call: LoadCall, cause: ColdsnapError) -> None:
         """Before a checkpoint load that ``cause`` makes the only load: a model folder without weight files (what
         ``coldsnap pull`` writes, ``docs/format.md`` §10.1) is a CheckpointAbsentError from ``cause``."""
@@ -370,8 +355,8 @@ class LoadPolicy(abc.ABC):
         ) from cause
 
     def _pull_artifact(self) -> None:
-        """``COLDSNAP_ARTIFACT_DIR`` is a REF: pull it into the state root and restore from there (the packs staged
-        from the REF's store when no payload store is configured); raises as the pull does."""
+        """Pull the REF ``COLDSNAP_ARTIFACT_DIR`` names into the state root (its store stages the packs when no payload
+        store is configured)."""
         ref = self.settings.artifact_ref
         assert ref is not None
         store, name = parse_artifact_ref(ref, client=self.settings.store.client)
@@ -515,14 +500,9 @@ class LoadPolicy(abc.ABC):
         before: TorchAllocations | None,
         started: float,
     ) -> tuple[LoadSession, WriteObserver, TorchAllocations, list[ModelRecord], float] | LoadOutcome:
-        """The engine's checkpoint load under the write observer: ``(session, observer, allocations after,
-        model records, load seconds)``, or the outcome of a load that could not be observed or classified
-        (``before``: the restore attempt's enumeration of the allocations, reused).
-
-        Raises:
-            ObserverError: with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``, the load cannot be observed or
-                classified, or runs outside the engine's ``load_model``.
-        """
+        """The engine's checkpoint load under the write observer: ``(session, observer, allocations after, model
+        records, load seconds)``, or the outcome of a load that could not be observed or classified (``before``: the
+        restore attempt's allocations, reused); under export that is an ObserverError instead."""
         export = self.settings.export_model_payload
         if export and call.source is None:
             raise ObserverError(
@@ -605,8 +585,8 @@ class LoadPolicy(abc.ABC):
         )
 
     def _capture_overlay(self, attempt: WorkerRestore | None, after: TorchAllocations, ranges) -> OverlayCapture | None:
-        """:func:`coldsnap_core.capture.overlay.capture_overlay` of the loaded model, after the model identity
-        check; a failure is one WARNING under ``auto``, raised under ``capture``."""
+        """The overlay of the loaded model, after the model identity check; a failure is raised under ``capture``, else
+        one WARNING."""
         settings = self.settings
         assert attempt is not None and settings.artifact_dir is not None
         assert attempt.portable_capsule is not None and attempt.entry is not None
@@ -636,27 +616,10 @@ class LoadPolicy(abc.ABC):
         artifact_dir = None if self.settings.artifact_dir is None else str(self.settings.artifact_dir)
         return LoadOutcomeLine(outcome, self.engine, worker.capsule_name, artifact_dir, seconds, **fields)
 
-    def _report(self, line: LoadOutcomeLine, outcome: LoadOutcome | None = None) -> None:
-        """The one report of a load: its outcome line and its metrics (``outcome``: ``None`` for a refusal)."""
-        append_outcome(self.settings.outcome_log_path, line)
-        if outcome is None:
-            record_load(line)
-            return
-        hydration = outcome.hydration
-        record_load(
-            line,
-            stage_seconds=outcome.stage_seconds,
-            hydrated_bytes=0 if hydration is None else hydration.model_bytes + hydration.residual_bytes,
-            fetched_bytes=outcome.fetched_bytes,
-        )
-
 
 class ObservedLoader:
-    """The iterator boundary of an engine's default loader, watched: a mixin an engine adapter lists before that
-    loader class, and whose :attr:`policy` it sets. While :attr:`LoadPolicy.session` is set, each source
-    ``_prepare_weights`` returns is recorded and each tensor ``_get_weights_iterator`` yields is registered
-    (vLLM's and SGLang's ``DefaultModelLoader`` share both); else both pass through unchanged.
-    """
+    """A mixin an engine adapter lists before its engine's ``DefaultModelLoader`` (vLLM's and SGLang's share both
+    methods): while :attr:`LoadPolicy.session` is set, each prepared source and each yielded tensor is recorded."""
 
     policy: LoadPolicy
 
@@ -676,9 +639,24 @@ class ObservedLoader:
         return iterator if session is None else session.observe(getattr(source, "prefix", "") or "", iterator)
 
 
+def _report(settings: ColdsnapSettings, line: LoadOutcomeLine, outcome: LoadOutcome | None = None) -> None:
+    """The one report of a load: its outcome line and its metrics (``outcome``: ``None`` for a refusal)."""
+    append_outcome(settings.outcome_log_path, line)
+    if outcome is None:
+        record_load(line)
+        return
+    hydration = outcome.hydration
+    record_load(
+        line,
+        stage_seconds=outcome.stage_seconds,
+        hydrated_bytes=0 if hydration is None else hydration.model_bytes + hydration.residual_bytes,
+        fetched_bytes=outcome.fetched_bytes,
+    )
+
+
 def _report_settings(environ: Mapping[str, str], extra_config: Mapping[str, object] | str | None) -> ColdsnapSettings:
     """The settings a refusal of invalid settings is reported with: the state root, the outcome log and the
-    termination log, each resolved alone, or its default where its own value is invalid."""
+    termination log, each resolved alone (its default where its own value is invalid)."""
     if isinstance(extra_config, str):
         try:
             extra_config = json.loads(extra_config or "{}")

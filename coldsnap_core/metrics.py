@@ -1,10 +1,8 @@
 """Prometheus metrics of coldsnap: what each load did (in the loading process) and the node's view (from its files).
 
-:func:`record_load` counts one worker load in ``prometheus_client``'s default registry of the loading process; an
-engine's ``/metrics`` shows it through ``prometheus_client``'s multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``:
-set by the operator, by ``vllm serve`` with more than one API server, ``vllm/entrypoints/cli/serve.py``, or by
-SGLang with ``--enable-metrics``, ``sglang/srt/utils/common.py``). :func:`node_exposition` (``coldsnap status
---format prometheus``) writes the outcome log's loads and the node-local cache's objects for a node exporter.
+:func:`record_load` counts a load in the loading process's default registry, which an engine's ``/metrics`` shows in
+``prometheus_client``'s multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``: set by ``vllm serve`` with more than one API
+server, ``vllm/entrypoints/cli/serve.py``, or SGLang's ``--enable-metrics``, ``sglang/srt/utils/common.py``).
 """
 
 from __future__ import annotations
@@ -73,8 +71,7 @@ def record_load(
     line: LoadOutcomeLine, *, stage_seconds: float | None = None, hydrated_bytes: int = 0, fetched_bytes: int = 0
 ) -> None:
     """Count the load ``line`` describes in this process's registry (``stage_seconds``: ``None`` when the store was
-    not contacted). Never raises for the metrics: a failure is one WARNING per process.
-    """
+    not contacted). Never raises for the metrics: a failure is one WARNING per process."""
     global _warned
     engine = line.engine
     try:
@@ -129,13 +126,8 @@ class _NodeView:
 
 
 def node_exposition(lines: Iterable[dict[str, object]], cache: PayloadCache, *, now: datetime.datetime | None = None) -> str:
-    """The node's view in the Prometheus text format (version 0.0.4): the loads of the outcome ``lines`` and the
-    objects of ``cache`` at ``now`` (UTC).
-
-    Raises:
-        UnsafePathError, NotRegularFileError: a cache object path is a symbolic link or not a regular file.
-        FileAccessError: a cache object cannot be examined.
-    """
+    """The node's view in the Prometheus text format (version 0.0.4), for ``coldsnap status --format prometheus``:
+    the loads of the outcome ``lines`` and the objects of ``cache`` at ``now`` (UTC); raises as :func:`refuse_symlink`."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)

@@ -1,8 +1,5 @@
-"""What an operator sees of a start in the engine's log: one banner per worker process (:func:`banner`), and one
-``coldsnap:`` ERROR line per refusal (:func:`refuse`), also written to the termination log and said again last,
-after the engine's own tracebacks: :func:`install_last_words` makes the first process of a start repeat at its exit
-every line its child processes refused with.
-"""
+"""What an operator sees of a start in the engine's log: one banner per worker process, and one ``coldsnap:`` ERROR
+line per refusal, also written to the termination log and said again last, after the engine's own tracebacks."""
 
 from __future__ import annotations
 
@@ -23,8 +20,7 @@ __all__ = ["LAST_WORDS_ENV", "banner", "install_last_words", "refuse"]
 logger = logging.getLogger(__name__)
 
 LAST_WORDS_ENV = "COLDSNAP_LAST_WORDS"
-"""``<pid>:<file>``: the first process of a start repeats at its exit the refusal lines its children append to
-``file`` (set by :func:`install_last_words`; not a setting)."""
+"""``<pid>:<file>``: where the children of the first process of a start append their refusal lines (not a setting)."""
 
 _bannered = False
 
@@ -51,7 +47,7 @@ def banner(settings: ColdsnapSettings, engine_label: str, log: logging.Logger) -
 
 def refuse(line: str, settings: ColdsnapSettings, log: logging.Logger, *, cause: str | None = None) -> None:
     """The one report of a refused start: ``line`` at ERROR in ``log``, in the termination log when that file exists,
-    and for the start's first process to repeat at its exit. Never raises."""
+    and again at the start's first process's exit and after the engine's ERROR quoting ``cause``. Never raises."""
     log.error("%s", line)
     path = settings.termination_log
     if path.exists():
@@ -69,9 +65,8 @@ def refuse(line: str, settings: ColdsnapSettings, log: logging.Logger, *, cause:
 
 
 class _RepeatAfterEngineError(logging.Handler):
-    """Says a refusal once more right after the engine's own ERROR record that quotes ``cause``, once: SGLang's
-    launcher then kills the process tree with SIGKILL (``kill_process_tree`` in ``sglang/srt/utils``), so no exit
-    hook runs there."""
+    """Says a refusal once more right after the engine's ERROR record that quotes ``cause``: SGLang's launcher then
+    kills the process tree (``kill_process_tree`` in ``sglang/srt/utils``), so no exit hook runs."""
 
     def __init__(self, line: str, cause: str, log: logging.Logger) -> None:
         super().__init__(logging.ERROR)
@@ -88,8 +83,7 @@ class _RepeatAfterEngineError(logging.Handler):
 
 
 def install_last_words() -> None:
-    """In the first process of a start: make its child processes' refusals its own last lines. Idempotent; a child
-    process does nothing."""
+    """In the first process of a start: repeat its child processes' refusals at its exit; a child does nothing."""
     owner, words = _last_words()
     if words and (owner == os.getpid() or _is_ancestor(owner)):
         return

@@ -146,10 +146,8 @@ class ArtifactSummary:
 
 
 def read_outcomes(path: str | os.PathLike[str], last: int) -> tuple[list[dict[str, object]], int]:
-    """The last ``last`` well-formed lines of the outcome log (oldest first) and how many lines were skipped as
-    malformed; a missing log has none. At most :data:`OUTCOME_LOG_READ_BYTES` from its end are read, of a regular
-    file only (no link followed, non-blocking); ``OSError`` when the log exists but cannot be read.
-    """
+    """The last ``last`` well-formed lines of the outcome log (oldest first) and how many were skipped as malformed,
+    of at most :data:`OUTCOME_LOG_READ_BYTES` from its end; ``OSError`` when it exists but is no readable regular file."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -168,15 +166,12 @@ def read_outcomes(path: str | os.PathLike[str], last: int) -> tuple[list[dict[st
         try:
             doc = json.loads(text)
         except ValueError:
+            doc = None
+        well_formed = isinstance(doc, dict) and doc.get("format") == OUTCOME_KIND and doc.get("format_version") == OUTCOME_VERSION
+        if well_formed and doc.get("outcome") in OUTCOMES:
+            lines.append(doc)
+        else:
             skipped += 1
-            continue
-        if not isinstance(doc, dict) or doc.get("format") != OUTCOME_KIND or doc.get("format_version") != OUTCOME_VERSION:
-            skipped += 1
-            continue
-        if doc.get("outcome") not in OUTCOMES:
-            skipped += 1
-            continue
-        lines.append(doc)
     return lines, skipped
 
 

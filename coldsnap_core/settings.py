@@ -1,13 +1,9 @@
-"""Every coldsnap setting, in one table: each ``COLDSNAP_*`` variable, its extra-config key and its parser.
+"""Every coldsnap setting, in one table (:data:`SETTINGS`): each ``COLDSNAP_*`` variable, its extra-config key and
+its parser; its default is the field's it sets, and README's settings table is made from it.
 
-Each setting is declared once, in :data:`SETTINGS`; its default is the default of the field it sets
-(:class:`ColdsnapSettings`, :class:`StoreSettings`, :class:`StoreClientSettings`), and README's settings table is
-made from it (:func:`settings_table_markdown`). Three layers, the first given wins: a ``coldsnap`` option, an
-extra-config key, the variable; a blank value is as unset. Anything malformed is a
-:class:`~coldsnap_core.errors.ConfigurationError` naming the option, key or variable and the value. The keys are
-removed from the extra config before the engine's default loader sees it (vLLM ``DefaultModelLoader.__init__``
-raises on unexpected keys). The environment is read only where a plugin or the CLI starts; this module imports no
-implementation module, so every layer can use it.
+Three layers, the first given wins: a ``coldsnap`` option, an extra-config key, the variable; a blank value is as
+unset; anything malformed is a ConfigurationError naming where and the value. The keys are removed from the extra
+config before the engine's default loader sees it (vLLM ``DefaultModelLoader.__init__`` raises on unexpected keys).
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ DEFAULT_STATE_ROOT = Path("~/.cache/coldsnap")
 PAYLOAD_DIR_ENV = "COLDSNAP_PAYLOAD_DIR"
 PAYLOAD_REPO_ENV = "COLDSNAP_PAYLOAD_REPO"
 PAYLOAD_REPO_TYPE_ENV = "COLDSNAP_PAYLOAD_REPO_TYPE"
-MATERIALIZE_ENV = "COLDSNAP_MATERIALIZE"
 LOCK_TIMEOUT_ENV = "COLDSNAP_LOCK_TIMEOUT"
 OUTCOME_LOG_ENV = "COLDSNAP_OUTCOME_LOG"
 STORE_CONNECT_TIMEOUT_ENV = "COLDSNAP_STORE_CONNECT_TIMEOUT"
@@ -60,12 +55,8 @@ _WHOLE = re.compile(r"[0-9]+", re.ASCII)
 
 
 def expand_path(value: str | os.PathLike[str], where: str) -> Path:
-    """``value`` as an absolute path with ``~`` and ``~user`` expanded.
-
-    Raises:
-        ConfigurationError: ``~user`` names no user here, ``~`` has no home folder, or the path holds a NUL
-            character, naming ``where`` (the variable, key or option) and the value.
-    """
+    """``value`` as an absolute path with ``~`` and ``~user`` expanded; a ConfigurationError naming ``where`` when
+    the home folder cannot be expanded or the path holds a NUL character."""
     if "\0" in os.fspath(value):
         raise ConfigurationError(f"{where}={os.fspath(value)!r} holds a NUL character, which no path can")
     try:
@@ -217,18 +208,6 @@ class StoreSettings:
     repo_where: str = field(default=PAYLOAD_REPO_ENV, compare=False)
     client: StoreClientSettings = StoreClientSettings()
 
-    @classmethod
-    def _checked(
-        cls, directory: str, repo: str, repo_type: str, dir_where: str, repo_where: str, client: StoreClientSettings
-    ) -> StoreSettings:
-        directory, repo = directory.strip(), repo.strip()
-        if directory and repo:
-            # the repository may be a connection string or URL with a secret: quoted redacted, as every store message
-            raise ConfigurationError(
-                f"set only one of {dir_where} ({directory!r}) and {repo_where} ({redact_store_spec(repr(repo))})"
-            )
-        return cls(directory or None, repo or None, repo_type.strip() or "model", repo_where, client)
-
     @property
     def configured(self) -> bool:
         """Whether a store is configured at all."""
@@ -242,18 +221,22 @@ class Setting:
     Attributes:
         key: the extra-config key (and the ``coldsnap`` option ``--<key with dashes>``, where a command has one).
         variable: the environment variable, or ``None`` (extra-config key only).
-        field: the dotted path of the :class:`ColdsnapSettings` attribute it sets; its default is the setting's.
         parse: ``parse(where, value)``: the value of a non-blank input, or a ConfigurationError naming ``where``.
         meaning: one line, as README's table shows it (Markdown).
         shown_default: README's default cell where the default value cannot say it; ``None``: the value.
+        field: the dotted :class:`ColdsnapSettings` attribute it sets (default ``key``); its default is the setting's.
     """
 
     key: str
     variable: str | None
-    field: str
     parse: Callable[[str, object], object]
     meaning: str
     shown_default: str | None = None
+    field: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.field:
+            object.__setattr__(self, "field", self.key)
 
 
 ENGINE_DEFAULT = "the engine's"
@@ -263,14 +246,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "export_model_payload",
         "COLDSNAP_EXPORT_MODEL_PAYLOAD",
-        "export_model_payload",
         _flag,
         "`1`: load from the checkpoint and capture this worker at the end of `load_weights`",
     ),
     Setting(
         "artifact_dir",
         "COLDSNAP_ARTIFACT_DIR",
-        "artifact_dir",
         _artifact_location,
         "the artifact folder (`artifact.json`, one capsule per worker), or the REF of a published one (`oci://`,"
         " `s3://`, `gs://`, `az://`, `hf://`: pulled into `<state-root>/artifacts/sha256/<digest>/` before the restore);"
@@ -279,21 +260,18 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "state_root",
         "COLDSNAP_STATE_ROOT",
-        "state_root",
         _path,
         "node-local cache; packs at `model-payloads/sha256/<digest>.pack`",
     ),
     Setting(
         "restore",
         "COLDSNAP_RESTORE",
-        "restore",
         _choice(*get_args(RestoreMode)),
         "`auto`: restore when the payload stages and verifies, else load the checkpoint with one WARNING; `native`: fail closed",
     ),
     Setting(
         "materialize",
-        MATERIALIZE_ENV,
-        "materialize",
+        "COLDSNAP_MATERIALIZE",
         _choice(*MATERIALIZE_MODES),
         "after a fallback caused by a missing pack: rebuild it from the loaded bytes in the background (`async`),"
         " before the load reports success (`required`), or not (`off`); an engine refuses a mode it cannot run",
@@ -302,14 +280,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "verify_extents",
         "COLDSNAP_VERIFY_EXTENTS",
-        "verify_extents",
         _flag,
         "`1`: also hash every model extent while hydrating (restore and the level-1 wake)",
     ),
     Setting(
         "verify_checkpoint",
         "COLDSNAP_VERIFY_CHECKPOINT",
-        "verify_checkpoint",
         _flag,
         "`1`: at restore, hash each local checkpoint file this node has no checkpoint record of in full (else its"
         " content fingerprint, a few MiB sampled, is compared; `docs/format.md` §10.1-§10.2)",
@@ -317,15 +293,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "lock_timeout",
         LOCK_TIMEOUT_ENV,
-        "lock_timeout_s",
         _lock_seconds,
         "seconds to wait for a pack's lock held by another process (a wait over 5 s is logged at INFO with the"
         " lock and its holder's pid); restore then fails with rule `lock-timeout` and `auto` falls back",
+        field="lock_timeout_s",
     ),
     Setting(
         "outcome_log",
         OUTCOME_LOG_ENV,
-        "outcome_log",
         _path,
         "where every worker load appends one JSON line: restored / captured / fell-back / refused / checkpoint,"
         " with the rule and file (`docs/format.md` §10.3); `coldsnap status` summarizes it",
@@ -334,7 +309,6 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "termination_log",
         "COLDSNAP_TERMINATION_LOG",
-        "termination_log",
         _path,
         "where a refused start (`COLDSNAP_RESTORE=native`) also writes its one `coldsnap:` line, when that file exists"
         " (Kubernetes' `terminationMessagePath`, shown by `kubectl describe pod`)",
@@ -342,7 +316,6 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "inner_load_format",
         "COLDSNAP_INNER_LOAD_FORMAT",
-        "inner_load_format",
         _word,
         "the engine's load format whose I/O the loader keeps",
         ENGINE_DEFAULT,
@@ -350,7 +323,6 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "overlay",
         "COLDSNAP_OVERLAY",
-        "overlay",
         _choice(*get_args(OverlayMode)),
         "target-local overlays: `auto` selects this node's overlay for its target and captures one after a"
         " fallback caused by the target; `capture` loads the checkpoint and captures one now; `off` neither",
@@ -358,7 +330,6 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "derived_cache",
         "COLDSNAP_DERIVED_CACHE",
-        "derived_cache",
         _choice(*get_args(DerivedCacheMode)),
         "derived-cache seeds (an engine's compile cache; `docs/format.md` §17): `auto` captures one into the capsule"
         " after an export's start compiled and places a qualified one before a restore's start compiles; `off` neither",
@@ -366,7 +337,6 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "converted_copies",
         None,
-        "converted_copies",
         _choice(*get_args(ConvertedCopies)),
         "dtype-converting checkpoint copies (an fp32 checkpoint served as bf16) are model extents"
         " (`dtype_converted: true`, shared in the pack); `residual`: keep them in each worker's own residual blob",
@@ -374,79 +344,79 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "payload_dir",
         PAYLOAD_DIR_ENV,
-        "store.payload_dir",
         _string,
         "a local or shared folder payload store (staging falls back to it when the cache misses); not with `payload_repo`",
+        field="store.payload_dir",
     ),
     Setting(
         "payload_repo",
         PAYLOAD_REPO_ENV,
-        "store.payload_repo",
         _string,
         "a payload store: `s3://bucket[/prefix]` (AWS variables), `oci://HOST/NAMESPACE/NAME[:TAG]` (Docker config),"
         " `gs://bucket[/prefix]` (Google credentials), `az://account/container[/prefix]` or an Azure connection"
         ' string, a Hugging Face repository `org/name[@revision]` (`HF_*` variables) or a folder path; see "Payload'
         ' stores"',
+        field="store.payload_repo",
     ),
     Setting(
         "payload_repo_type",
         PAYLOAD_REPO_TYPE_ENV,
-        "store.repo_type",
         _string,
         "the Hugging Face repository type of `payload_repo`: `model` or `dataset`",
+        field="store.repo_type",
     ),
     Setting(
         "store_connect_timeout",
         STORE_CONNECT_TIMEOUT_ENV,
-        "store.client.connect_timeout_s",
         _store_seconds,
         "seconds a remote payload store's client (S3, OCI, GCS, Azure) waits for a connection (at least 0.1, at most 86400)",
+        field="store.client.connect_timeout_s",
     ),
     Setting(
         "store_read_timeout",
         STORE_READ_TIMEOUT_ENV,
-        "store.client.read_timeout_s",
         _store_seconds,
         "seconds a remote payload store request may go without receiving a byte before it fails (at least 0.1, at most 86400); a stalled"
         " store fails as `payload-store` naming the store and this timeout",
+        field="store.client.read_timeout_s",
     ),
     Setting(
         "store_retries",
         STORE_RETRIES_ENV,
-        "store.client.retries",
         _retry_count,
         "retries of a failed remote payload store request (0-20), with back-off capped at a few seconds; S3 takes"
         " `AWS_MAX_ATTEMPTS` instead when it is set",
+        field="store.client.retries",
     ),
     Setting(
         "store_min_rate",
         STORE_MIN_RATE_ENV,
-        "store.client.min_rate_bytes_per_s",
         _byte_rate,
         "bytes per second a ranged read of a remote payload store must make over every read-timeout window (`0`: no"
         " floor); a slower (dripping) store fails as `payload-store` naming the store, the range and the rate",
+        field="store.client.min_rate_bytes_per_s",
     ),
     Setting(
         "store_range_deadline",
         STORE_RANGE_DEADLINE_ENV,
-        "store.client.range_deadline_s",
         _store_seconds,
         "seconds one ranged read (64 MiB) of a remote payload store may take in all (at least 0.1, at most 86400); a"
         " range past it fails as `payload-store` naming the store, the range and the rate",
+        field="store.client.range_deadline_s",
     ),
     Setting(
         "oci_plain_http",
         "COLDSNAP_OCI_PLAIN_HTTP",
-        "store.client.oci_plain_http",
         _flag,
         "`1`: speak plain HTTP to an OCI registry that is not on loopback (loopback always uses HTTP)",
+        field="store.client.oci_plain_http",
     ),
     Setting(
         "oci_mount_from",
         OCI_MOUNT_FROM_ENV,
-        "store.client.oci_mount_from",
         _repositories,
         "repositories of the same OCI registry, comma-separated, to mount a blob from before uploading it",
+        field="store.client.oci_mount_from",
     ),
 )
 """Every coldsnap setting, in README's order."""
@@ -527,17 +497,12 @@ class ColdsnapSettings:
         materialize_default: MaterializeMode = "off",
         inner_load_formats: tuple[str, ...] = (),
     ) -> tuple[ColdsnapSettings, dict[str, object]]:
-        """Resolve ``rows`` from the ``coldsnap`` options, the loader's extra config and the environment; return
-        ``(settings, the extra config without coldsnap's keys)``.
-
-        Args:
-            environ: the environment (default ``os.environ``).
-            flags: a command's options by key (``{"state_root": "/x"}`` is ``--state-root /x``; ``None``: not given).
-            inner_load_formats: the load formats the engine's default loader serves.
+        """Resolve ``rows`` from a command's options (``flags``, by key), the loader's extra config and the environment
+        (default ``os.environ``); return ``(settings, the extra config without coldsnap's keys)``.
 
         Raises:
             ConfigurationError: a value is malformed, settings do not combine (:func:`_check_combination`), or
-                ``inner_load_format`` names a format the engine's default loader does not serve.
+                ``inner_load_format`` is not one of ``inner_load_formats`` (the engine's default loader serves).
         """
         environ = os.environ if environ is None else environ
         extra = dict(extra_config or {})
@@ -556,14 +521,18 @@ class ColdsnapSettings:
                 f" ({', '.join(inner_load_formats) or 'none'})"
             )
         client = {k.removeprefix("store.client."): values.pop(k) for k in list(values) if k.startswith("store.client.")}
-        store = StoreSettings._checked(
-            str(values.pop("store.payload_dir", "")),
-            str(values.pop("store.payload_repo", "")),
-            str(values.pop("store.repo_type", "")),
-            found.get("store.payload_dir", (PAYLOAD_DIR_ENV,))[0],
-            found.get("store.payload_repo", (PAYLOAD_REPO_ENV,))[0],
-            StoreClientSettings(**client),  # type: ignore[arg-type]
-        )
+        directory = str(values.pop("store.payload_dir", "")).strip()
+        repo = str(values.pop("store.payload_repo", "")).strip()
+        repo_where = found.get("store.payload_repo", (PAYLOAD_REPO_ENV,))[0]
+        if directory and repo:
+            # the repository may be a connection string or URL with a secret: quoted redacted, as every store message
+            dir_where = found["store.payload_dir"][0]
+            raise ConfigurationError(
+                f"set only one of {dir_where} ({directory!r}) and {repo_where} ({redact_store_spec(repr(repo))})"
+            )
+        repo_type = str(values.pop("store.repo_type", "")).strip() or "model"
+        client_settings = StoreClientSettings(**client)  # type: ignore[arg-type]
+        store = StoreSettings(directory or None, repo or None, repo_type, repo_where, client_settings)
         if isinstance(values.get("artifact_dir"), str):  # a REF: pulled by the load, never read as a folder
             values["artifact_ref"] = values.pop("artifact_dir")
         if "state_root" not in values:  # expanded only when used: a missing HOME does not matter when it is set
