@@ -1,9 +1,5 @@
-"""Artifact names as small reference documents ``refs/<name>.json`` in a store (``docs/format.md`` §12.9).
-
-Every store but an OCI registry (whose tag is the name) records a published artifact's name as an
-:class:`~coldsnap_core.format.descriptor.ArtifactReference` (the SHA-256 and size of its ``artifact.json``), written
-after everything the artifact pins is in the store.
-"""
+"""Artifact names as small reference documents ``refs/<name>.json`` in every store but an OCI registry
+(``docs/format.md`` §12.9)."""
 
 from __future__ import annotations
 
