@@ -86,9 +86,8 @@ class _Stopped(_Signal):
 
 
 def failure_kind(exc: BaseException) -> str | None:
-    """``"refused"`` when ``exc``'s chain holds a connection refused at once (asked first: urllib3's
-    ``NewConnectionError`` subclasses its ``ConnectTimeoutError``), else ``"connect"`` or ``"read"`` for a client's
-    timeout (by class name, or an ``OSError`` "timed out"), else ``None``."""
+    """``"refused"`` for a connection refused in ``exc``'s chain (asked first: urllib3's ``NewConnectionError``
+    subclasses its ``ConnectTimeoutError``), else ``"connect"`` or ``"read"`` for a client's timeout, else ``None``."""
     chain: list[BaseException] = []
     current: BaseException | None = exc
     while current is not None and all(current is not seen for seen in chain):
@@ -396,13 +395,8 @@ class RangedStore(ReferenceIndex, ABC):
         progress: Callable[[int], object],
         stop: threading.Event | None = None,
     ) -> None:
-        """Stream bytes ``[start, end)`` into ``sink`` at the pace :class:`_Pace` keeps.
-
-        Raises:
-            PackSizeMismatchError: the body is longer or shorter than the range.
-            StoreError: the store failed, or the body was too slow or past its deadline.
-            _RangeIgnored: the server sent the whole object for a part of it.
-        """
+        """Stream bytes ``[start, end)`` into ``sink`` at the pace :class:`_Pace` keeps; ``PackSizeMismatchError`` for a
+        body longer or shorter than the range, ``_RangeIgnored`` for the whole object sent for a part."""
         where, length, unreported = self.location(obj), end - start, 0
         pace = _Pace(self, where, f"bytes {start}-{end - 1}", length)
         with self.typed(f"reading bytes {start}-{end - 1}", obj), self.open_range(obj, stat, start, end) as (chunks, whole):

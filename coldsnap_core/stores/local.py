@@ -26,6 +26,7 @@ from coldsnap_core.errors import (
 )
 from coldsnap_core.format._strict import read_document_bytes
 from coldsnap_core.format.manifest import PackRef
+from coldsnap_core.format.verify import verify_pack_file
 from coldsnap_core.stores._copy import copy_fd, copy_file
 from coldsnap_core.stores._references import ReferenceIndex
 from coldsnap_core.stores.base import NOT_IN_STORE_REMEDY, LandedCallback, ProgressCallback, StoreObject, as_object, wrong_size
@@ -61,15 +62,8 @@ class LocalFolderStore(ReferenceIndex):
         return str(self.object_path(obj))
 
     def has(self, obj: str | StoreObject, size_bytes: int | None = None, *, verify: bool = False) -> bool:
-        """``verify`` hashes the object in full.
-
-        Raises:
-            UnsafePathError: the object path is a symbolic link, or a component of it is not a folder.
-            NotRegularFileError: the object path holds a folder or another non-regular file.
-            FileAccessError: the object cannot be examined or read.
-        """
-        from coldsnap_core.format.verify import verify_pack_file
-
+        """``verify`` hashes the object in full; ``UnsafePathError``, ``NotRegularFileError`` or ``FileAccessError``
+        for a symbolic link, a non-regular file or one that cannot be read."""
         obj = as_object(obj)
         path = self.object_path(obj)
         st = refuse_symlink(path)
@@ -131,8 +125,6 @@ class LocalFolderStore(ReferenceIndex):
             InsufficientSpaceError: the store's file system filled up (nothing is left behind).
             StoreError: the store folder cannot be written.
         """
-        from coldsnap_core.format.verify import verify_pack_file
-
         obj = as_object(obj)
         digest, final = obj.sha256, self.object_path(obj)
         tmp_dir = self.root / PAYLOADS_DIRNAME / "tmp"

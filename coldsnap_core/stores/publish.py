@@ -49,15 +49,6 @@ PublishAction = Literal["uploaded", "present", "would-upload"]
 ProgressFactory = Callable[[str, int], Callable[[int], object]]
 """``(description, total_bytes) -> progress callback``; the CLI passes tqdm bars."""
 
-__all__ = [
-    "PayloadToPublish",
-    "PublishedFile",
-    "PublishedPayload",
-    "artifact_listing",
-    "collect_payloads",
-    "publish_native",
-]
-
 
 @dataclass(frozen=True, slots=True)
 class PayloadToPublish:

@@ -32,8 +32,6 @@ from coldsnap_core.stores.base import ARTIFACTS_DIRNAME, PayloadStore, Published
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PulledArtifact", "pull_artifact", "pull_into_state_root"]
-
 PULL_LOCK_TIMEOUT_SECONDS = 600.0
 """How long a pull waits for another pull of the same folder (which fetches the same files) before it gives up."""
 
