@@ -142,12 +142,8 @@ def _check_url(spec: str) -> None:
 
 
 def _parse_store_spec(spec: str, *, repo_type: str, client: StoreClientSettings) -> PayloadStore:
-    """A store from a ``--repo`` / ``COLDSNAP_PAYLOAD_REPO`` value (the table of ``docs/format.md`` §12).
-
-    Raises:
-        ConfigurationError: empty value, empty revision, an invalid repository id or type, an unknown or mis-cased
-            scheme, or a bare word.
-    """
+    """A store from a ``--repo`` / ``COLDSNAP_PAYLOAD_REPO`` value (the table of ``docs/format.md`` §12); raises
+    ``ConfigurationError`` for an empty value or revision, a bad repository id or type, scheme, or a bare word."""
     spec = spec.strip()
     if not spec:
         raise ConfigurationError("the payload store is empty; give a folder path or a Hugging Face repository id")

@@ -27,13 +27,8 @@ def copy_fd(
     progress: Callable[[int], object] | None = None,
     landed: Callable[[int, int], object] | None = None,
 ) -> None:
-    """Copy the first ``size_bytes`` bytes of ``source_fd`` to ``target_fd``; ``landed(offset_bytes, size_bytes)``
-    after each copy call.
-
-    Raises:
-        InsufficientSpaceError: the file system is full, a quota or ``RLIMIT_FSIZE`` was hit.
-        CacheError: the source ended early, or another I/O error.
-    """
+    """Copy the first ``size_bytes`` bytes of ``source_fd`` to ``target_fd``, ``landed(offset_bytes, size_bytes)``
+    after each copy call; ``InsufficientSpaceError`` (no space), or ``CacheError`` (a short source, another error)."""
     done = 0
     method = "copy_file_range"
     while done < size_bytes:

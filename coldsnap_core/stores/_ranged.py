@@ -273,24 +273,16 @@ class RangedStore(ReferenceIndex, ABC):
     def open_range(
         self, obj: StoreObject, stat: ObjectStat, start: int, end: int
     ) -> contextlib.AbstractContextManager[tuple[Iterable[bytes], bool]]:
-        """One GET of bytes ``[start, end)`` pinned to ``stat.version``, yielding ``(chunks, whole)`` (``200``: whole).
-
-        Raises:
-            PayloadUnavailableError: the object is gone.
-            StoreError: the object changed, or the store refused or failed.
-        """
+        """One GET of bytes ``[start, end)`` pinned to ``stat.version``, yielding ``(chunks, whole)`` (``200``: whole);
+        ``PayloadUnavailableError``: the object is gone; ``StoreError``: it changed, or the store refused or failed."""
 
     @abstractmethod
     def create(
         self, path: Path, obj: StoreObject, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
     ) -> bool:
         """Write ``path`` as the object only if absent (``replacing`` ``None``), else only if it is still
-        ``replacing``; ``False`` when that failed. Bytes not hashing to ``obj.sha256`` are never committed.
-
-        Raises:
-            PackDigestMismatchError, PackSizeMismatchError: the file changed after verification.
-            StoreError: the store refused or failed.
-        """
+        ``replacing``; ``False`` when that failed. Raises ``PackDigestMismatchError``/``PackSizeMismatchError`` (the
+        file changed after verification: nothing committed) or ``StoreError``."""
 
     def failure(self, action: str, obj: str | StoreObject, exc: BaseException) -> StoreError:
         """The :class:`StoreError` of ``exc``, raised by the client while ``action``."""
@@ -460,13 +452,8 @@ class RangedStore(ReferenceIndex, ABC):
 
     def upload(self, path: Path, obj: str | StoreObject, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
         """A conditional create (``docs/format.md`` §12.4): an object already there is hashed in full: the digest's
-        bytes are kept (``False``), anything else replaced conditionally on its version or refused.
-
-        Raises:
-            PackSizeMismatchError: ``path`` does not have ``size_bytes`` bytes (nothing uploaded).
-            PackDigestMismatchError: the file's bytes do not hash to the digest (nothing published).
-            StoreError: the store refused or failed, it holds other bytes it never replaces, or the object kept
-                changing under a replacement.
+        bytes are kept (``False``), anything else replaced conditionally on its version or refused (``StoreError``).
+        ``PackSizeMismatchError``/``PackDigestMismatchError``: ``path`` is not the digest's bytes (nothing published).
         """
         obj = as_object(obj)
         if mismatch := size_mismatch(PackSizeMismatchError, "the file to upload", os.path.getsize(path), size_bytes, file=path):

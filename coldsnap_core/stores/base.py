@@ -45,12 +45,8 @@ path segment."""
 
 @dataclass(frozen=True, slots=True)
 class StoreObject:
-    """One object of a store: a pack (:meth:`pack`) or a file of a published artifact (:func:`artifact_object`).
-
-    Attributes:
-        relpath: the path relative to the store root (``/``-separated, no ``.`` or ``..``).
-        sha256: the SHA-256 (lowercase hex) of its bytes; empty when unknown (a name's reference document).
-    """
+    """A pack (:meth:`pack`) or a published artifact's file (:func:`artifact_object`) at ``relpath`` under the store
+    root; ``sha256`` of its bytes is empty when unknown (a name's reference document)."""
 
     relpath: str
     sha256: str
@@ -81,13 +77,8 @@ def wrong_size(obj: StoreObject, stored_bytes: int, size_bytes: int | None, *, f
 
 
 def artifact_object(artifact_sha256: str, path: str, sha256: str) -> StoreObject:
-    """The file ``path`` (content ``sha256``) of the artifact whose ``artifact.json`` hashes to ``artifact_sha256``:
-    ``artifacts/sha256/<artifact_sha256>/<path>``.
-
-    Raises:
-        InvalidDigestError: a digest that is not 64 lowercase hex characters.
-        UnsafePathError: ``path`` is not ``artifact.json``, ``workers/<capsule>/<file>`` or ``model/<file>``.
-    """
+    """``artifacts/sha256/<artifact_sha256>/<path>``, the file ``path`` of the artifact whose ``artifact.json`` hashes
+    to ``artifact_sha256``; ``InvalidDigestError`` for a bad digest, ``UnsafePathError`` for a bad ``path``."""
     check_digest(artifact_sha256)
     check_digest(sha256)
     if not _ARTIFACT_PATH_RE.fullmatch(path) or any(part in (".", "..") for part in path.split("/")):
@@ -247,12 +238,8 @@ def refused_character_message(what: str, text: str) -> str | None:
 
 
 def checked_prefix(prefix: str, *, spec: str, what: str) -> str:
-    """A store URL's key prefix (after the bucket or container) without its optional trailing ``/``.
-
-    Raises:
-        ConfigurationError: a character of :data:`URL_REFUSED_CHARACTERS`, an empty, ``.`` or ``..`` segment
-            (``gs://b//p`` is not ``p``), or too long for :data:`OBJECT_NAME_MAX_BYTES` with a pack's name.
-    """
+    """A store URL's key prefix without its optional trailing ``/``; ``ConfigurationError`` for a refused character,
+    an empty, ``.`` or ``..`` segment (``gs://b//p`` is not ``p``), or one too long with a pack's name."""
     refused = refused_character_message(f"the {what}", prefix)
     if refused:
         raise ConfigurationError(refused)

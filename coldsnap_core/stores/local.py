@@ -118,13 +118,8 @@ class LocalFolderStore(ReferenceIndex):
             os.close(source_fd)
 
     def upload(self, path: Path, obj: str | StoreObject, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
-        """The atomic upload of ``docs/format.md`` §12.1 (``False``: another publisher's verified object was kept).
-
-        Raises:
-            IntegrityError: the copy does not verify (nothing is published).
-            InsufficientSpaceError: the store's file system filled up (nothing is left behind).
-            StoreError: the store folder cannot be written.
-        """
+        """The atomic upload of ``docs/format.md`` §12.1 (``False``: another publisher's verified object was kept);
+        ``IntegrityError``, ``InsufficientSpaceError`` or ``StoreError`` leave nothing published or behind."""
         obj = as_object(obj)
         digest, final = obj.sha256, self.object_path(obj)
         tmp_dir = self.root / PAYLOADS_DIRNAME / "tmp"
@@ -179,13 +174,8 @@ class LocalFolderStore(ReferenceIndex):
             raise StoreError(f"cannot write the name: {exc.strerror or exc}", file=path) from exc
 
     def get_reference(self, relpath: str, max_bytes: int) -> bytes | None:
-        """The bytes of ``<root>/<relpath>``, or ``None`` when it does not exist.
-
-        Raises:
-            UnsafePathError, NotRegularFileError, FileAccessError: a link or not a regular file, or unreadable.
-            ManifestError: over ``max_bytes``.
-            StoreError: the store folder does not exist.
-        """
+        """The bytes of ``<root>/<relpath>``, or ``None`` when it does not exist; ``ManifestError`` over ``max_bytes``,
+        ``StoreError`` without a store folder, else as :func:`~coldsnap_core.format._strict.read_document_bytes`."""
         try:
             return read_document_bytes(self.root / relpath, max_bytes=max_bytes)
         except MissingObjectError:

@@ -79,13 +79,8 @@ class PublishedFile:
 
 
 def collect_payloads(artifact_dirs: Sequence[Path]) -> list[PayloadToPublish]:
-    """The distinct payloads named by the workers of ``artifact_dirs``, in digest order.
-
-    Raises:
-        MissingObjectError: an artifact folder has no ``artifact.json`` or a capsule is missing.
-        ManifestError: a manifest breaks a format rule (including a pack path not derived from its digest).
-        ArtifactError: a capsule names another pack than ``artifact.json``, or one digest appears with two sizes.
-    """
+    """The distinct payloads named by the workers of ``artifact_dirs``, in digest order; ``MissingObjectError``,
+    ``ManifestError`` for a bad document, ``ArtifactError`` when capsules and ``artifact.json`` disagree on a pack."""
     found: dict[str, tuple[PackRef, NativeManifest, list[str], str]] = {}
     for artifact_dir in artifact_dirs:
         artifact_dir = Path(artifact_dir)

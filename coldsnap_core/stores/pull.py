@@ -71,13 +71,11 @@ def pull_artifact(
     Raises:
         ConfigurationError: ``name`` is not an artifact name.
         PayloadUnavailableError: the store records no artifact under ``name``, or lacks one of its files.
-        CapsulePinMismatchError: a fetched file (or one already at ``dest``) does not match its pin (nothing is put in
-            place).
+        CapsulePinMismatchError: a fetched file (or one at ``dest``) does not match its pin (nothing is put in place).
         ArtifactError: ``dest`` holds another artifact (another ``artifact.json``): it is never replaced.
         ManifestError: the fetched ``artifact.json`` is malformed.
         LockTimeoutError: another pull of ``dest`` held the lock past ``lock_timeout_seconds``.
-        FileAccessError: the lock file beside ``dest`` cannot be created (names it and the errno), at once.
-        StoreError, FileAccessError, InsufficientSpaceError: the store or the local file system failed.
+        StoreError, FileAccessError, InsufficientSpaceError: the store or the local file system (the lock file) failed.
     """
     if not str(dest).strip():
         # Path("") is the current folder: an empty DIR (an unset variable in a script) would pull into it
