@@ -128,8 +128,7 @@ def _file_url_path(spec: str) -> str:
 
 
 def _check_url(spec: str) -> None:
-    """``ConfigurationError`` for a URL store spec with a ``user:password@`` or a refused character, before the
-    store's own parser runs."""
+    """``ConfigurationError`` for a URL with a ``user:password@`` or a refused character (before the store's parser)."""
     scheme, _, rest = spec.partition("://")
     if "@" in rest.partition("/")[0] and scheme != "oci":  # oci's own parser refuses it with its own words
         raise ConfigurationError(
@@ -202,8 +201,7 @@ def artifact_ref(spec: str, store: PayloadStore, name: str) -> str:
 
 
 def from_settings(settings: StoreSettings) -> PayloadStore | None:
-    """The payload store ``settings`` configure, or ``None``; ``ConfigurationError`` naming the variable for an
-    invalid repository value."""
+    """The payload store ``settings`` configure, or ``None``; ``ConfigurationError`` naming the variable."""
     if settings.payload_dir is not None:
         return LocalFolderStore(expand_path(settings.payload_dir, PAYLOAD_DIR_ENV))
     if settings.payload_repo is not None:
@@ -219,6 +217,5 @@ def from_settings(settings: StoreSettings) -> PayloadStore | None:
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> PayloadStore | None:
-    """The payload store the environment configures (as the ``coldsnap`` command resolves it), or ``None``;
-    ``ConfigurationError``: both variables are set, or a value is invalid."""
+    """The payload store the environment configures (as ``coldsnap`` resolves it), or ``None`` (``ConfigurationError``)."""
     return from_settings(ColdsnapSettings.resolve(environ, rows=COMMAND_SETTINGS)[0].store)

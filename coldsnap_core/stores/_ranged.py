@@ -195,8 +195,7 @@ class _Pace:
 
 
 def read_answer(store: RangedStore, where: str, chunks: Iterable[bytes], max_bytes: int = ANSWER_MAX_BYTES) -> bytes:
-    """At most ``max_bytes + 1`` bytes of a small answer (an error's message, a manifest, a token), read at the pace a
-    range keeps."""
+    """At most ``max_bytes + 1`` bytes of a small answer (an error's message, a manifest, a token), at a range's pace."""
     pace, body = _Pace(store, where, "an answer", max_bytes), bytearray()
     for chunk in chunks:
         body += chunk[: max_bytes + 1 - len(body)]
@@ -254,7 +253,7 @@ class RangedStore(ReferenceIndex, ABC):
         self.concurrency = concurrency
         self.client_settings = client_settings or StoreClientSettings()
         for logger_name in CLIENT_LOGGERS:  # adding the same filter again is a no-op
-            logging.getLogger(logger_name).addFilter(_REDACTED_RECORDS)
+            logging.getLogger(logger_name).addFilter(_redact_record)
 
     def key(self, obj: str | StoreObject) -> str:
         """``<prefix>/<relpath>`` of ``obj``; a digest is validated first."""
@@ -346,8 +345,7 @@ class RangedStore(ReferenceIndex, ABC):
         logger.info("coldsnap: fetched %s: %d bytes in %.2f s, %.3f GB/s", where, size_bytes, seconds, size_bytes / seconds / 1e9)
 
     def transfer(self, obj: StoreObject, stat: ObjectStat, sink: Sink, progress: ProgressCallback | None = None) -> None:
-        """Every byte of the object to ``sink``: the ranges in parallel, or the whole object once (a server that ignores
-        ``Range``); raises as :meth:`fetch` and ``sink``."""
+        """Every byte of the object to ``sink``: the ranges in parallel, or the whole object once (``Range`` ignored)."""
         lock = threading.Lock()
 
         def tick(n: int) -> None:
@@ -430,8 +428,7 @@ class RangedStore(ReferenceIndex, ABC):
         return data
 
     def _hash(self, obj: StoreObject, stat: ObjectStat) -> str:
-        """The SHA-256 (lowercase hex) of the object, read in parallel ranges hashed in order (at most ``concurrency``
-        ahead), or in one stream when the server ignores ``Range``."""
+        """The object's SHA-256: ranges read in parallel, hashed in order (or one stream where ``Range`` is ignored)."""
         h = hashlib.sha256()
         try:
             pending: collections.deque[concurrent.futures.Future[bytearray]] = collections.deque()
@@ -490,8 +487,7 @@ class RangedStore(ReferenceIndex, ABC):
         return True
 
     def put_reference(self, relpath: str, data: bytes) -> None:
-        """Make ``relpath`` hold ``data`` (conditionally, tried again while another writer changes it); ``StoreError``
-        when the store failed or it kept changing."""
+        """Make ``relpath`` hold ``data`` (conditionally, retried while others change it); ``StoreError`` if it kept changing."""
         obj = StoreObject(relpath, hashlib.sha256(data).hexdigest())
         with tempfile.TemporaryDirectory(prefix="coldsnap-ref-") as scratch, self.typed("writing the name", obj):
             path = Path(scratch) / "ref.json"
@@ -519,15 +515,12 @@ class RangedStore(ReferenceIndex, ABC):
         return bytes(self._read_bytes(obj, stat, 0, stat.size_bytes))
 
 
-class _RedactedRecords(logging.Filter):
-    """Rewrites a record's message with :func:`redact_store_spec` (a client logging a presigned URL or a SAS)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.msg, record.args = redact_store_spec(record.getMessage()), None
-        return True
+def _redact_record(record: logging.LogRecord) -> bool:
+    """A log filter rewriting a record's message with :func:`redact_store_spec` (a presigned URL or a SAS)."""
+    record.msg, record.args = redact_store_spec(record.getMessage()), None
+    return True
 
 
-_REDACTED_RECORDS = _RedactedRecords()
 CLIENT_LOGGERS = ("httpx", "httpcore.http11", "httpcore.connection", "urllib3.connectionpool")
 """The loggers of the store clients' HTTP layers that write URLs or response headers."""
 

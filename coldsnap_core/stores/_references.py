@@ -26,8 +26,7 @@ class ReferenceIndex:
         return self.location(StoreObject(relpath, ""))  # type: ignore[attr-defined]
 
     def resolve_artifact(self, name: str) -> PublishedArtifact:
-        """The artifact ``refs/<name>.json`` names; raises as :meth:`ArtifactIndex.resolve_artifact`, and
-        ``ConfigurationError`` for a bad name."""
+        """The artifact ``refs/<name>.json`` names; raises as :meth:`ArtifactIndex.resolve_artifact` (and for a bad name)."""
         relpath = reference_relpath(name)
         where = self.location(StoreObject(relpath, ""))  # type: ignore[attr-defined]
         data = self.get_reference(relpath, ArtifactReference.MAX_BYTES)  # type: ignore[attr-defined]

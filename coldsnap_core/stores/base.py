@@ -151,38 +151,26 @@ class ArtifactIndex(Protocol):
     record_kind: str
 
     def check_artifact(self, listing: ArtifactListing) -> None:
-        """``ConfigurationError`` now, reading only, where :meth:`publish_artifact` would refuse ``listing``;
-        ``StoreError``: the store failed."""
+        """``ConfigurationError`` now, reading only, where :meth:`publish_artifact` would refuse ``listing``."""
 
     def publish_artifact(self, listing: ArtifactListing) -> str:
         """Record ``listing`` under its name; returns a reference to the record (``StoreError``: refused or failed)."""
 
     def resolve_artifact(self, name: str) -> PublishedArtifact:
-        """The artifact recorded under ``name``.
-
-        Raises:
-            PayloadUnavailableError: nothing is recorded under ``name``.
-            ManifestError: the record is malformed.
-            StoreError: the store failed.
-        """
+        """The artifact recorded under ``name``; ``PayloadUnavailableError`` when none is, ``ManifestError`` for a
+        malformed record, ``StoreError``."""
 
 
 @runtime_checkable
 class PayloadStore(ArtifactIndex, Protocol):
-    """Where packs and published artifacts' files are fetched from and uploaded to; ``name`` is for logs
-    (``folder /mnt/payloads``, ``hf org/name@main``)."""
+    """Where packs and published artifacts' files are fetched from and uploaded to; ``name`` is for logs."""
 
     name: str
 
     def has(self, obj: str | StoreObject, size_bytes: int | None = None, *, verify: bool = False) -> bool:
         """Whether the store holds ``obj`` (of ``size_bytes``, when given); another size or (``verify``) content is
-        absent, with a WARNING, so publication replaces it.
-
-        Raises:
-            InvalidDigestError: bad digest (before any path or URL is built).
-            UnsafePathError: the object path is a symbolic link or not a regular file.
-            StoreError: the store cannot be queried.
-        """
+        absent, with a WARNING, so publication replaces it. Raises ``InvalidDigestError`` (before any path or URL is
+        built), ``UnsafePathError`` (a symbolic link or non-regular file), ``StoreError``."""
 
     def location(self, obj: str | StoreObject) -> str:
         """Where ``obj`` lives in this store, for messages (raises ``InvalidDigestError`` for a bad digest)."""
@@ -210,12 +198,7 @@ class PayloadStore(ArtifactIndex, Protocol):
 
     def upload(self, path: Path, obj: str | StoreObject, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
         """Store the verified local file ``path`` as ``obj``, atomically; ``False`` when another publisher's was kept.
-
-        Raises:
-            InvalidDigestError: bad digest.
-            IntegrityError: the bytes that reached the store do not hash to ``digest``.
-            StoreError: the store refused or failed.
-        """
+        Raises ``InvalidDigestError``, ``IntegrityError`` (the bytes sent do not hash to the digest), ``StoreError``."""
 
 
 PACK_NAME_BYTES = len("/model-payloads/sha256/") + 64 + len(".pack")

@@ -38,8 +38,7 @@ PULL_LOCK_TIMEOUT_SECONDS = 600.0
 
 @dataclass(frozen=True, slots=True)
 class PulledArtifact:
-    """What :func:`pull_artifact` left at ``path``: the artifact (SHA-256 of ``artifact.json``), and the files and
-    bytes fetched (0: the folder already held it)."""
+    """What :func:`pull_artifact` left at ``path``, with the files and bytes fetched (0: the folder held it)."""
 
     path: Path
     sha256: str
@@ -51,8 +50,7 @@ class PulledArtifact:
 def pull_into_state_root(
     store: PayloadStore, name: str, state_root: Path, *, lock_timeout_seconds: float = PULL_LOCK_TIMEOUT_SECONDS
 ) -> PulledArtifact:
-    """:func:`pull_artifact` into ``<state_root>/artifacts/sha256/<SHA-256 of artifact.json>/`` (where
-    ``COLDSNAP_ARTIFACT_DIR=REF`` restores from)."""
+    """:func:`pull_artifact` into ``<state_root>/artifacts/sha256/<artifact SHA-256>/`` (``COLDSNAP_ARTIFACT_DIR=REF``)."""
     published = store.resolve_artifact(name)
     dest = Path(state_root) / ARTIFACTS_DIRNAME / "sha256" / published.sha256
     return pull_artifact(store, name, dest, lock_timeout_seconds=lock_timeout_seconds, published=published)
