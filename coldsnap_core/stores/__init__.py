@@ -1,9 +1,7 @@
 """Payload stores: where packs come from when the node-local cache lacks them, and go on publication.
 
-Configured by ``COLDSNAP_PAYLOAD_DIR=/path`` (a folder, :class:`LocalFolderStore`) or ``COLDSNAP_PAYLOAD_REPO=<spec>``
-(:func:`parse_store_spec`: a folder, ``s3://``, ``oci://``, ``gs://``, ``az://`` or a connection string, or a Hugging
-Face repository), parsed by :class:`coldsnap_core.settings.StoreSettings` (``docs/format.md`` §12). Setting both is a
-:class:`~coldsnap_core.errors.ConfigurationError`; setting neither means "no store" (the node-local cache only).
+Configured by ``COLDSNAP_PAYLOAD_DIR=/path`` (:class:`LocalFolderStore`) or ``COLDSNAP_PAYLOAD_REPO=<spec>``
+(:func:`parse_store_spec`), ``docs/format.md`` §12; neither means the node-local cache only.
 """
 
 from __future__ import annotations
@@ -75,12 +73,8 @@ _SPELL_THE_STORE = f"spell the store as one of: {ACCEPTED_STORE_FORMS}"
 
 
 def _refuse_unknown_form(spec: str) -> None:
-    """Refuse an unknown or mis-spelled scheme (``s3:/b``, ``S3://b``, ``http://``) or a bare word before it could be
-    sent to the Hub as a repository id (``docs/format.md`` §12).
-
-    Raises:
-        ConfigurationError: names the scheme (and the scheme it resembles) or the bare word, and the accepted forms.
-    """
+    """``ConfigurationError`` for an unknown or mis-spelled scheme (``s3:/b``, ``S3://b``, ``http://``) or a bare
+    word, before it could be sent to the Hub as a repository id."""
     scheme = _SCHEME.match(spec)
     if scheme is not None:
         name = scheme.group(1)
@@ -104,14 +98,13 @@ def _refuse_unknown_form(spec: str) -> None:
 
 
 def _looks_like_azure_connection_string(spec: str) -> bool:
-    """Any ``key=value`` list naming an Azure connection string's key: the Azure parser (which never shows the key)
-    refuses a wrong one."""
+    """Any ``key=value`` list naming an Azure connection string's key (the Azure parser refuses a wrong one)."""
     keys = {part.split("=", 1)[0].strip().lower() for part in spec.split(";") if "=" in part}
     return bool(keys & _AZURE_CONNECTION_KEYS)
 
 
 def parse_store_spec(spec: str, *, repo_type: str = "model", client: StoreClientSettings | None = None) -> PayloadStore:
-    """:func:`_parse_store_spec`, every error's detail redacted (:func:`redact_store_spec`; same type, file and position)."""
+    """:func:`_parse_store_spec`, every error's detail redacted (:func:`redact_store_spec`)."""
     try:
         return _parse_store_spec(spec, repo_type=repo_type, client=client or StoreClientSettings())
     except ColdsnapError as exc:
@@ -121,12 +114,8 @@ def parse_store_spec(spec: str, *, repo_type: str = "model", client: StoreClient
 
 
 def _file_url_path(spec: str) -> str:
-    """The path of a folder spec: ``file:///abs`` and ``file://localhost/abs`` name ``/abs`` (RFC 8089).
-
-    Raises:
-        ConfigurationError: a ``file://`` URL with another host, a ``user:password@`` or no absolute path (the message
-            never quotes the host part).
-    """
+    """The path of a folder spec: ``file:///abs`` and ``file://localhost/abs`` name ``/abs`` (RFC 8089);
+    ``ConfigurationError`` for another host, a ``user:password@`` or no absolute path (never quoting the host)."""
     if not spec.startswith("file://"):
         return spec
     host, slash, path = spec[len("file://") :].partition("/")
@@ -139,12 +128,7 @@ def _file_url_path(spec: str) -> str:
 
 
 def _check_url(spec: str) -> None:
-    """The rules of every ``s3://``, ``gs://``, ``az://`` and ``oci://`` URL before its own parser runs.
-
-    Raises:
-        ConfigurationError: a ``user:password@``, or a character of :data:`~coldsnap_core.stores.base.URL_REFUSED_CHARACTERS`
-            (names it and its position).
-    """
+    """``ConfigurationError`` for a URL with a ``user:password@`` or a refused character (before the store's parser)."""
     scheme, _, rest = spec.partition("://")
     if "@" in rest.partition("/")[0] and scheme != "oci":  # oci's own parser refuses it with its own words
         raise ConfigurationError(
@@ -157,13 +141,8 @@ def _check_url(spec: str) -> None:
 
 
 def _parse_store_spec(spec: str, *, repo_type: str, client: StoreClientSettings) -> PayloadStore:
-    """A store from a ``--repo`` / ``COLDSNAP_PAYLOAD_REPO`` value (the table of ``docs/format.md`` §12); ``client``
-    goes to the S3, OCI, GCS and Azure stores (the Hugging Face store's client is ``huggingface_hub``'s).
-
-    Raises:
-        ConfigurationError: empty value, empty revision, an invalid repository id or type, an unknown or mis-cased
-            scheme, or a bare word.
-    """
+    """A store from a ``--repo`` / ``COLDSNAP_PAYLOAD_REPO`` value (the table of ``docs/format.md`` §12); raises
+    ``ConfigurationError`` for an empty value or revision, a bad repository id or type, scheme, or a bare word."""
     spec = spec.strip()
     if not spec:
         raise ConfigurationError("the payload store is empty; give a folder path or a Hugging Face repository id")
@@ -193,13 +172,8 @@ def _parse_store_spec(spec: str, *, repo_type: str, client: StoreClientSettings)
 
 
 def parse_artifact_ref(ref: str, *, client: StoreClientSettings | None = None) -> tuple[PayloadStore, str]:
-    """The store and the artifact name a REF designates: ``oci://HOST/NS/REPO:TAG`` (the tag is the name), else
-    ``STORE/NAME``, STORE any ``--repo`` value (``docs/format.md`` §12.9).
-
-    Raises:
-        ConfigurationError: an OCI REF without a tag, a REF without a name, or a store part :func:`parse_store_spec`
-            refuses (redacted).
-    """
+    """The store and the artifact name a REF designates: ``oci://HOST/NS/REPO:TAG``, else ``STORE/NAME``
+    (``docs/format.md`` §12.9); ``ConfigurationError`` for a REF without a tag or name, or a refused store part."""
     ref = ref.strip()
     if ref.startswith("oci://"):
         store = parse_store_spec(ref, client=client)
@@ -227,11 +201,7 @@ def artifact_ref(spec: str, store: PayloadStore, name: str) -> str:
 
 
 def from_settings(settings: StoreSettings) -> PayloadStore | None:
-    """The payload store ``settings`` configure, or ``None``.
-
-    Raises:
-        ConfigurationError: a repository value is invalid (names the variables).
-    """
+    """The payload store ``settings`` configure, or ``None``; ``ConfigurationError`` naming the variable."""
     if settings.payload_dir is not None:
         return LocalFolderStore(expand_path(settings.payload_dir, PAYLOAD_DIR_ENV))
     if settings.payload_repo is not None:
@@ -247,9 +217,5 @@ def from_settings(settings: StoreSettings) -> PayloadStore | None:
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> PayloadStore | None:
-    """The payload store the environment configures (as the ``coldsnap`` command resolves it), or ``None``.
-
-    Raises:
-        ConfigurationError: both are set, or a value is invalid (names the variable).
-    """
+    """The payload store the environment configures (as ``coldsnap`` resolves it), or ``None`` (``ConfigurationError``)."""
     return from_settings(ColdsnapSettings.resolve(environ, rows=COMMAND_SETTINGS)[0].store)

@@ -1,8 +1,5 @@
-"""Copy a whole file into a file descriptor in the kernel, for store fetches and uploads.
-
-``os.copy_file_range``, falling back to ``os.sendfile``, then ``read``/``write``, where the kernel refuses it; space
-errors become :class:`~coldsnap_core.errors.InsufficientSpaceError`. This module never judges content.
-"""
+"""Copy a whole file into a file descriptor in the kernel (``copy_file_range``, else ``sendfile``, else
+``read``/``write``), for store fetches and uploads."""
 
 from __future__ import annotations
 
@@ -11,8 +8,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from coldsnap_core._io import SPACE_ERRNOS as _SPACE_ERRNOS
-from coldsnap_core._io import write_all
+from coldsnap_core._io import SPACE_ERRNOS, write_all
 from coldsnap_core.errors import CacheError, InsufficientSpaceError
 
 COPY_CHUNK_BYTES = 64 << 20
@@ -31,13 +27,8 @@ def copy_fd(
     progress: Callable[[int], object] | None = None,
     landed: Callable[[int, int], object] | None = None,
 ) -> None:
-    """Copy ``size_bytes`` bytes from offset 0 of ``source_fd`` to offset 0 of ``target_fd``; ``landed(offset_bytes,
-    size_bytes)`` after each copy call.
-
-    Raises:
-        InsufficientSpaceError: the file system is full, a quota or ``RLIMIT_FSIZE`` was hit.
-        CacheError: the source ended early, or another I/O error.
-    """
+    """Copy the first ``size_bytes`` bytes of ``source_fd`` to ``target_fd``, ``landed(offset_bytes, size_bytes)``
+    after each copy call; ``InsufficientSpaceError`` (no space), or ``CacheError`` (a short source, another error)."""
     done = 0
     method = "copy_file_range"
     while done < size_bytes:
@@ -54,7 +45,7 @@ def copy_fd(
                 write_all(target_fd, data, file=target)
                 n = len(data)
         except OSError as exc:
-            if exc.errno in _SPACE_ERRNOS:
+            if exc.errno in SPACE_ERRNOS:
                 raise InsufficientSpaceError(f"copy failed at byte {done}: {os.strerror(exc.errno)}", file=target) from exc
             if exc.errno in _FALLBACK_ERRNOS and method != "readwrite":
                 method = "sendfile" if method == "copy_file_range" else "readwrite"

@@ -1,11 +1,8 @@
 """The one ranged-fetch core of the object stores (S3, OCI registry, GCS, Azure Blob): :class:`RangedStore`.
 
-A backend gives :meth:`RangedStore.stat` (size and version, or ``None``), :meth:`RangedStore.open_range` (one ranged
-GET whose body arrives as chunks) and :meth:`RangedStore.create` (one conditional create); ``has``, ``fetch`` and
-``upload`` are written here once, with the rules of ``docs/format.md`` §12 ("The ranged fetch"): each range streamed
-as it arrives, never held whole, at a minimum rate and within a deadline; a server that ignores ``Range`` read once;
-anything a client raises typed as :class:`~coldsnap_core.errors.StoreError`. Nothing here judges content: staging
-hashes the bytes as they land (``sink(offset_bytes, chunk)``, in parallel across ranges, in order within one).
+A backend gives ``stat``, ``open_range`` and ``create``; ``has``, ``fetch`` and ``upload`` are written here once, with
+the rules of ``docs/format.md`` §12 ("The ranged fetch"). Nothing here judges content: staging hashes the bytes as
+they land (``sink(offset_bytes, chunk)``, in parallel across ranges, in order within one).
 """
 
 from __future__ import annotations
@@ -70,8 +67,7 @@ Sink = Callable[[int, bytes], object]
 
 @dataclass(frozen=True, slots=True)
 class ObjectStat:
-    """What a store says of one object before it is read: its size and what pins every ranged read to it (S3 and
-    Azure: the ``ETag``; GCS: the generation; ``None`` for an OCI blob, whose digest pins it)."""
+    """An object's size and what pins every ranged read to it (S3, Azure: ``ETag``; GCS: generation; OCI: ``None``)."""
 
     size_bytes: int
     version: str | int | None = None
@@ -86,13 +82,12 @@ class _RangeIgnored(_Signal):
 
 
 class _Stopped(_Signal):
-    """Another range of the same transfer failed: this one stops at its next chunk (its error is not the one raised)."""
+    """Another range of the same transfer failed: this one stops at its next chunk."""
 
 
 def failure_kind(exc: BaseException) -> str | None:
-    """``"refused"`` when ``exc``'s chain holds a connection refused at once (asked first: urllib3's
-    ``NewConnectionError`` subclasses its ``ConnectTimeoutError``), else ``"connect"`` or ``"read"`` for a client's
-    timeout (by class name, or an ``OSError`` "timed out"), else ``None``."""
+    """``"refused"`` for a connection refused in ``exc``'s chain (asked first: urllib3's ``NewConnectionError``
+    subclasses its ``ConnectTimeoutError``), else ``"connect"`` or ``"read"`` for a client's timeout, else ``None``."""
     chain: list[BaseException] = []
     current: BaseException | None = exc
     while current is not None and all(current is not seen for seen in chain):
@@ -152,7 +147,7 @@ def request_failure(
 
 
 def byte_ranges(size_bytes: int, step_bytes: int) -> list[tuple[int, int]]:
-    """``[(start, end), ...]`` covering ``[0, size_bytes)`` in steps of ``step_bytes`` (end exclusive)."""
+    """``[(start, end), ...]`` covering ``[0, size_bytes)`` (end exclusive)."""
     return [(start, min(start + step_bytes, size_bytes)) for start in range(0, size_bytes, step_bytes)]
 
 
@@ -162,8 +157,8 @@ def read1_chunks(raw: Any) -> Iterator[bytes]:
 
 
 class _Pace:
-    """The pace one body (``what``, ``length_bytes`` long) must keep: the minimum rate over every read-timeout
-    window from its first byte on, its end within the range deadline per 64 MiB from the request on."""
+    """The pace one body must keep: the minimum rate over every read-timeout window from its first byte on, its end
+    within the range deadline per 64 MiB from the request on."""
 
     def __init__(self, store: RangedStore, where: str, what: str, length_bytes: int) -> None:
         self._store, self._where, self._what, self._length = store, where, what, length_bytes
@@ -200,8 +195,7 @@ class _Pace:
 
 
 def read_answer(store: RangedStore, where: str, chunks: Iterable[bytes], max_bytes: int = ANSWER_MAX_BYTES) -> bytes:
-    """At most ``max_bytes + 1`` bytes of a small answer (an error's message, a manifest, a token) about ``where``,
-    read at the pace a range keeps; the caller refuses a longer one if it needed all of it."""
+    """At most ``max_bytes + 1`` bytes of a small answer (an error's message, a manifest, a token), at a range's pace."""
     pace, body = _Pace(store, where, "an answer", max_bytes), bytearray()
     for chunk in chunks:
         body += chunk[: max_bytes + 1 - len(body)]
@@ -213,7 +207,7 @@ def read_answer(store: RangedStore, where: str, chunks: Iterable[bytes], max_byt
 
 def pwrite_sink(fd: int, file: Path, landed: LandedCallback | None = None) -> Sink:
     """A sink writing each chunk at its offset of ``fd`` (``file``), then calling ``landed(offset_bytes, size_bytes)``;
-    it raises ``InsufficientSpaceError`` (the file system filled up), ``StoreError`` or what ``landed`` raises."""
+    raises ``InsufficientSpaceError`` (the file system filled up), ``StoreError`` or what ``landed`` raises."""
 
     def write(offset: int, chunk: bytes) -> None:
         view, start = memoryview(chunk), offset
@@ -232,8 +226,8 @@ def pwrite_sink(fd: int, file: Path, landed: LandedCallback | None = None) -> Si
 
 
 class RangedStore(ReferenceIndex, ABC):
-    """The template of an object store that serves byte ranges (see the module docstring); ``name`` is the store's
-    for logs and errors (``s3 bucket/prefix``). Raises ``ConfigurationError`` for a size or concurrency under 1.
+    """An object store that serves byte ranges; ``name`` is for logs and errors (``s3 bucket/prefix``). Raises
+    ``ConfigurationError`` for a size or concurrency under 1.
 
     Class attributes a backend sets:
         conditional_create: the store can create an object only if absent; else presence is checked first.
@@ -258,14 +252,13 @@ class RangedStore(ReferenceIndex, ABC):
         self.range_size_bytes = range_size_bytes
         self.concurrency = concurrency
         self.client_settings = client_settings or StoreClientSettings()
-        redact_client_logs()
+        for logger_name in CLIENT_LOGGERS:  # adding the same filter again is a no-op
+            logging.getLogger(logger_name).addFilter(_redact_record)
 
     def key(self, obj: str | StoreObject) -> str:
-        """``<prefix>/<relpath>`` of ``obj`` (the path alone without a prefix); a digest is validated first."""
+        """``<prefix>/<relpath>`` of ``obj``; a digest is validated first."""
         relpath = as_object(obj).relpath
         return f"{self.prefix}/{relpath}" if self.prefix else relpath
-
-    # -- what a backend gives ----------------------------------------------------------------------
 
     def location(self, obj: str | StoreObject) -> str:
         """``<url>/<key>``."""
@@ -279,42 +272,31 @@ class RangedStore(ReferenceIndex, ABC):
     def open_range(
         self, obj: StoreObject, stat: ObjectStat, start: int, end: int
     ) -> contextlib.AbstractContextManager[tuple[Iterable[bytes], bool]]:
-        """One GET of bytes ``[start, end)`` pinned to ``stat.version``: a context yielding ``(chunks, whole)``,
-        ``whole`` when the server ignored the range (``200``).
-
-        Raises:
-            PayloadUnavailableError: the object is gone.
-            StoreError: the object changed, or the store refused or failed.
-        """
+        """One GET of bytes ``[start, end)`` pinned to ``stat.version``, yielding ``(chunks, whole)`` (``200``: whole);
+        ``PayloadUnavailableError``: the object is gone; ``StoreError``: it changed, or the store refused or failed."""
 
     @abstractmethod
     def create(
         self, path: Path, obj: StoreObject, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
     ) -> bool:
         """Write ``path`` as the object only if absent (``replacing`` ``None``), else only if it is still
-        ``replacing``; ``False`` when that failed. Bytes that do not hash to ``obj.sha256`` are never committed.
-
-        Raises:
-            PackDigestMismatchError, PackSizeMismatchError: the file changed after verification.
-            StoreError: the store refused or failed.
-        """
+        ``replacing``; ``False`` when that failed. Raises ``PackDigestMismatchError``/``PackSizeMismatchError`` (the
+        file changed after verification: nothing committed) or ``StoreError``."""
 
     def failure(self, action: str, obj: str | StoreObject, exc: BaseException) -> StoreError:
-        """The :class:`StoreError` of ``exc``, raised by the store's client while ``action``."""
+        """The :class:`StoreError` of ``exc``, raised by the client while ``action``."""
         return request_failure(self.name, action, exc, self.client_settings, where=self.location(obj))
 
     def missing(self, what: str, obj: str | StoreObject) -> StoreError:
-        """The :class:`StoreError` of a bucket or container (``what``) that does not exist (not a missing pack)."""
+        """The :class:`StoreError` of a bucket or container (``what``) that does not exist."""
         return StoreError(
             f"{self.name}: the {what} does not exist (coldsnap never creates one; check the payload store setting)",
             file=self.location(obj),
         )
 
-    # -- the template --------------------------------------------------------------------------------
-
     @contextlib.contextmanager
     def typed(self, action: str, obj: str | StoreObject) -> Iterator[None]:
-        """Anything but a :class:`~coldsnap_core.errors.ColdsnapError` raised in the block becomes :meth:`failure`."""
+        """Anything but a ``ColdsnapError`` raised in the block becomes :meth:`failure`."""
         try:
             yield
         except (ColdsnapError, _Signal):
@@ -323,8 +305,8 @@ class RangedStore(ReferenceIndex, ABC):
             raise self.failure(action, obj, exc) from exc
 
     def has(self, obj: str | StoreObject, size_bytes: int | None = None, *, verify: bool = False) -> bool:
-        """:meth:`stat`, by size; ``verify`` reads and hashes the object in full (no store keeps a plain SHA-256 of
-        every object: S3's is composite for a multipart object, a registry does not re-hash what it serves)."""
+        """:meth:`stat`, by size; ``verify`` hashes the object in full (S3's checksum is composite for a multipart
+        object, a registry does not re-hash what it serves)."""
         obj = as_object(obj)
         with self.typed(f"looking up the {obj.what}", obj):
             stat = self.stat(obj)
@@ -363,8 +345,7 @@ class RangedStore(ReferenceIndex, ABC):
         logger.info("coldsnap: fetched %s: %d bytes in %.2f s, %.3f GB/s", where, size_bytes, seconds, size_bytes / seconds / 1e9)
 
     def transfer(self, obj: StoreObject, stat: ObjectStat, sink: Sink, progress: ProgressCallback | None = None) -> None:
-        """Every byte of the object to ``sink``: the ranges in parallel, or the whole object once (a server that ignores
-        ``Range``); raises as :meth:`fetch`, and what ``sink`` raises."""
+        """Every byte of the object to ``sink``: the ranges in parallel, or the whole object once (``Range`` ignored)."""
         lock = threading.Lock()
 
         def tick(n: int) -> None:
@@ -404,13 +385,8 @@ class RangedStore(ReferenceIndex, ABC):
         progress: Callable[[int], object],
         stop: threading.Event | None = None,
     ) -> None:
-        """Stream bytes ``[start, end)`` into ``sink`` at the pace :class:`_Pace` keeps.
-
-        Raises:
-            PackSizeMismatchError: the body is longer or shorter than the range.
-            StoreError: the store failed, or the body was too slow or past its deadline.
-            _RangeIgnored: the server sent the whole object for a part of it.
-        """
+        """Stream bytes ``[start, end)`` into ``sink`` at the pace :class:`_Pace` keeps; ``PackSizeMismatchError`` for a
+        body longer or shorter than the range, ``_RangeIgnored`` for the whole object sent for a part."""
         where, length, unreported = self.location(obj), end - start, 0
         pace = _Pace(self, where, f"bytes {start}-{end - 1}", length)
         with self.typed(f"reading bytes {start}-{end - 1}", obj), self.open_range(obj, stat, start, end) as (chunks, whole):
@@ -452,8 +428,7 @@ class RangedStore(ReferenceIndex, ABC):
         return data
 
     def _hash(self, obj: StoreObject, stat: ObjectStat) -> str:
-        """The SHA-256 (lowercase hex) of the object, read in parallel ranges hashed in order (at most
-        ``concurrency`` ranges ahead), or once in one stream when the server ignores ``Range``."""
+        """The object's SHA-256: ranges read in parallel, hashed in order (or one stream where ``Range`` is ignored)."""
         h = hashlib.sha256()
         try:
             pending: collections.deque[concurrent.futures.Future[bytearray]] = collections.deque()
@@ -473,15 +448,9 @@ class RangedStore(ReferenceIndex, ABC):
         return stat is not None and stat.size_bytes == size_bytes and self._hash(obj, stat) == obj.sha256
 
     def upload(self, path: Path, obj: str | StoreObject, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
-        """A conditional create (``docs/format.md`` §12.4): when its condition fails (or, without one, the object is
-        there), the object is hashed in full: the digest's bytes are kept (``False``), anything else replaced
-        conditionally on its version (or refused by a store that never replaces one).
-
-        Raises:
-            PackSizeMismatchError: ``path`` does not have ``size_bytes`` bytes (nothing uploaded).
-            PackDigestMismatchError: the file's bytes do not hash to the digest (nothing published).
-            StoreError: the store refused or failed, it holds other bytes it never replaces, or the object kept
-                changing under a replacement.
+        """A conditional create (``docs/format.md`` §12.4): an object already there is hashed in full: the digest's
+        bytes are kept (``False``), anything else replaced conditionally on its version or refused (``StoreError``).
+        ``PackSizeMismatchError``/``PackDigestMismatchError``: ``path`` is not the digest's bytes (nothing published).
         """
         obj = as_object(obj)
         if mismatch := size_mismatch(PackSizeMismatchError, "the file to upload", os.path.getsize(path), size_bytes, file=path):
@@ -517,11 +486,8 @@ class RangedStore(ReferenceIndex, ABC):
         logger.info("coldsnap: replaced %s in %s", where, self.name)
         return True
 
-    # -- the small objects behind names (refs/<name>.json) ------------------------------------------
-
     def put_reference(self, relpath: str, data: bytes) -> None:
-        """Make ``relpath`` hold ``data`` (a conditional create or replacement, tried again while another writer keeps
-        changing it); ``StoreError`` when the store failed or it kept changing."""
+        """Make ``relpath`` hold ``data`` (conditionally, retried while others change it); ``StoreError`` if it kept changing."""
         obj = StoreObject(relpath, hashlib.sha256(data).hexdigest())
         with tempfile.TemporaryDirectory(prefix="coldsnap-ref-") as scratch, self.typed("writing the name", obj):
             path = Path(scratch) / "ref.json"
@@ -536,8 +502,7 @@ class RangedStore(ReferenceIndex, ABC):
         raise StoreError(f"{self.name}: the name kept changing while it was written", file=self.location(obj))
 
     def get_reference(self, relpath: str, max_bytes: int) -> bytes | None:
-        """The bytes of ``relpath`` (at most ``max_bytes``), or ``None``; ``StoreError`` when the store failed or it is
-        longer."""
+        """The bytes of ``relpath``, or ``None``; ``StoreError`` when the store failed or it is over ``max_bytes``."""
         obj = StoreObject(relpath, "")
         with self.typed("reading the name", obj):
             stat = self.stat(obj)
@@ -550,28 +515,19 @@ class RangedStore(ReferenceIndex, ABC):
         return bytes(self._read_bytes(obj, stat, 0, stat.size_bytes))
 
 
-class _RedactedRecords(logging.Filter):
-    """Rewrites a record's message with :func:`redact_store_spec` (a client logging a presigned URL or a SAS)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.msg, record.args = redact_store_spec(record.getMessage()), None
-        return True
+def _redact_record(record: logging.LogRecord) -> bool:
+    """A log filter rewriting a record's message with :func:`redact_store_spec` (a presigned URL or a SAS)."""
+    record.msg, record.args = redact_store_spec(record.getMessage()), None
+    return True
 
 
-_REDACTED_RECORDS = _RedactedRecords()
 CLIENT_LOGGERS = ("httpx", "httpcore.http11", "httpcore.connection", "urllib3.connectionpool")
 """The loggers of the store clients' HTTP layers that write URLs or response headers."""
 
 
-def redact_client_logs() -> None:
-    """Install the redacting filter on :data:`CLIENT_LOGGERS` (once; adding the same filter again is a no-op)."""
-    for name in CLIENT_LOGGERS:
-        logging.getLogger(name).addFilter(_REDACTED_RECORDS)
-
-
 @contextlib.contextmanager
 def hashing_reader(path: Path, digest: str, size_bytes: int, progress: Callable[[int], object] | None) -> Iterator[HashingReader]:
-    """A :class:`HashingReader` for a client's upload; its refusal is raised as itself, not as the client's wrapping."""
+    """A :class:`HashingReader` whose refusal is raised as itself, not as the client's wrapping."""
     reader = HashingReader(path, digest, size_bytes, progress)
     try:
         yield reader

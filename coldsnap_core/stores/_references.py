@@ -1,9 +1,5 @@
-"""Artifact names as small reference documents ``refs/<name>.json`` in a store (``docs/format.md`` §12.9).
-
-Every store but an OCI registry (whose tag is the name) records a published artifact's name as an
-:class:`~coldsnap_core.format.descriptor.ArtifactReference` (the SHA-256 and size of its ``artifact.json``), written
-after everything the artifact pins is in the store.
-"""
+"""Artifact names as small reference documents ``refs/<name>.json`` in every store but an OCI registry
+(``docs/format.md`` §12.9)."""
 
 from __future__ import annotations
 
@@ -14,8 +10,7 @@ from coldsnap_core.stores.base import NO_SUCH_NAME_REMEDY, ArtifactListing, Publ
 
 class ReferenceIndex:
     """The :class:`~coldsnap_core.stores.base.ArtifactIndex` of ``refs/<name>.json``; the store mixing it in gives
-    ``name``, ``location(obj)``, ``put_reference(relpath, data)`` (atomic for a reader) and ``get_reference(relpath,
-    max_bytes)`` (its bytes, or ``None``)."""
+    ``name``, ``location``, ``put_reference`` (atomic for a reader) and ``get_reference`` (its bytes, or ``None``)."""
 
     record_kind = "name"
 
@@ -31,14 +26,7 @@ class ReferenceIndex:
         return self.location(StoreObject(relpath, ""))  # type: ignore[attr-defined]
 
     def resolve_artifact(self, name: str) -> PublishedArtifact:
-        """The artifact ``refs/<name>.json`` names.
-
-        Raises:
-            ConfigurationError: ``name`` is not an artifact name.
-            PayloadUnavailableError: the store records no artifact under ``name``.
-            ManifestError: the reference document is malformed.
-            StoreError: the store failed.
-        """
+        """The artifact ``refs/<name>.json`` names; raises as :meth:`ArtifactIndex.resolve_artifact` (and for a bad name)."""
         relpath = reference_relpath(name)
         where = self.location(StoreObject(relpath, ""))  # type: ignore[attr-defined]
         data = self.get_reference(relpath, ArtifactReference.MAX_BYTES)  # type: ignore[attr-defined]

@@ -1,10 +1,7 @@
 """The payload-store extension point: where packs live beyond the node-local cache (``docs/format.md`` §12).
 
-A store holds each pack at ``model-payloads/sha256/<digest>.pack`` (:func:`coldsnap_core.digests.pack_relpath`; an
-OCI registry: the blob ``sha256:<digest>``), the files of every published artifact (:func:`artifact_object`) and one
-name per artifact, written last (:class:`ArtifactIndex`, §12.9). Implementations: ``local``, ``hf``, ``s3``, ``gcs``,
-``azure`` and ``oci`` in this package. A store moves bytes; it never decides whether they are right: staging hashes
-every fetched object, publication verifies every local object before upload, a pull checks every file's pin.
+A store holds the packs, the files of every published artifact (:func:`artifact_object`) and one name per artifact,
+written last (:class:`ArtifactIndex`, §12.9). A store moves bytes; it never decides whether they are right.
 """
 
 from __future__ import annotations
@@ -48,12 +45,8 @@ path segment."""
 
 @dataclass(frozen=True, slots=True)
 class StoreObject:
-    """One object of a store: a pack (:meth:`pack`) or a file of a published artifact (:func:`artifact_object`).
-
-    Attributes:
-        relpath: the object's path relative to the store root (``/``-separated, no ``.`` or ``..``).
-        sha256: the SHA-256 (lowercase hex) of its bytes; empty when unknown (a name's reference document).
-    """
+    """A pack (:meth:`pack`) or a published artifact's file (:func:`artifact_object`) at ``relpath`` under the store
+    root; ``sha256`` of its bytes is empty when unknown (a name's reference document)."""
 
     relpath: str
     sha256: str
@@ -78,20 +71,14 @@ def wrong_size(obj: StoreObject, stored_bytes: int, size_bytes: int | None, *, f
     """Whether the stored ``obj`` is not ``size_bytes`` long (``None``: any size), with a WARNING: it counts as absent."""
     if size_bytes is None:
         return False
-    mismatch = size_mismatch(PackSizeMismatchError, f"stored {obj.what}", stored_bytes, size_bytes, file=file)
-    if mismatch is not None:
+    if mismatch := size_mismatch(PackSizeMismatchError, f"stored {obj.what}", stored_bytes, size_bytes, file=file):
         logger.warning("coldsnap: %s; treating it as absent", mismatch)
     return mismatch is not None
 
 
 def artifact_object(artifact_sha256: str, path: str, sha256: str) -> StoreObject:
-    """The file ``path`` (content ``sha256``) of the artifact whose ``artifact.json`` hashes to ``artifact_sha256``:
-    ``artifacts/sha256/<artifact_sha256>/<path>``.
-
-    Raises:
-        InvalidDigestError: a digest that is not 64 lowercase hex characters.
-        UnsafePathError: ``path`` is not ``artifact.json``, ``workers/<capsule>/<file>`` or ``model/<file>``.
-    """
+    """``artifacts/sha256/<artifact_sha256>/<path>``, the file ``path`` of the artifact whose ``artifact.json`` hashes
+    to ``artifact_sha256``; ``InvalidDigestError`` for a bad digest, ``UnsafePathError`` for a bad ``path``."""
     check_digest(artifact_sha256)
     check_digest(sha256)
     if not _ARTIFACT_PATH_RE.fullmatch(path) or any(part in (".", "..") for part in path.split("/")):
@@ -146,13 +133,8 @@ class PublishedArtifact:
 
 @dataclass(frozen=True, slots=True)
 class ArtifactListing:
-    """What a store's artifact index records of one published artifact.
-
-    Attributes:
-        annotations: ``(key, value)`` pairs naming the model identity (``model.source``, ``model.sha256``, ...).
-        artifact: what the name designates: the SHA-256 and size of the artifact's ``artifact.json``.
-        files: ``artifact.json`` first, then every file it pins.
-    """
+    """What a store's artifact index records of one published artifact (``annotations``: the model identity's
+    ``(key, value)`` pairs; ``files``: ``artifact.json`` first, then every file it pins)."""
 
     name: str
     format_version: int
@@ -169,49 +151,26 @@ class ArtifactIndex(Protocol):
     record_kind: str
 
     def check_artifact(self, listing: ArtifactListing) -> None:
-        """Refuse now, reading only, what :meth:`publish_artifact` would refuse for ``listing`` (before any upload).
-
-        Raises:
-            ConfigurationError: the record would be refused.
-            StoreError: the store failed.
-        """
+        """``ConfigurationError`` now, reading only, where :meth:`publish_artifact` would refuse ``listing``."""
 
     def publish_artifact(self, listing: ArtifactListing) -> str:
-        """Record ``listing`` under its name; returns a reference to the record.
-
-        Raises:
-            StoreError: the store refused or failed.
-        """
+        """Record ``listing`` under its name; returns a reference to the record (``StoreError``: refused or failed)."""
 
     def resolve_artifact(self, name: str) -> PublishedArtifact:
-        """The artifact recorded under ``name``.
-
-        Raises:
-            PayloadUnavailableError: nothing is recorded under ``name``.
-            ManifestError: the record is malformed.
-            StoreError: the store failed.
-        """
+        """The artifact recorded under ``name``; ``PayloadUnavailableError`` when none is, ``ManifestError`` for a
+        malformed record, ``StoreError``."""
 
 
 @runtime_checkable
 class PayloadStore(ArtifactIndex, Protocol):
-    """A place packs and the published artifacts' files are fetched from and uploaded to.
-
-    Attributes:
-        name: a short description for logs (``folder /mnt/payloads``, ``hf org/name@main``).
-    """
+    """Where packs and published artifacts' files are fetched from and uploaded to; ``name`` is for logs."""
 
     name: str
 
     def has(self, obj: str | StoreObject, size_bytes: int | None = None, *, verify: bool = False) -> bool:
-        """Whether the store holds ``obj`` (with ``size_bytes`` bytes, when given); an object of another size or
-        (``verify``: checked as far as the store can) content is absent, with a WARNING, so publication replaces it.
-
-        Raises:
-            InvalidDigestError: bad digest (before any path or URL is built).
-            UnsafePathError: the object path is a symbolic link or not a regular file.
-            StoreError: the store cannot be queried.
-        """
+        """Whether the store holds ``obj`` (of ``size_bytes``, when given); another size or (``verify``) content is
+        absent, with a WARNING, so publication replaces it. Raises ``InvalidDigestError`` (before any path or URL is
+        built), ``UnsafePathError`` (a symbolic link or non-regular file), ``StoreError``."""
 
     def location(self, obj: str | StoreObject) -> str:
         """Where ``obj`` lives in this store, for messages (raises ``InvalidDigestError`` for a bad digest)."""
@@ -226,8 +185,8 @@ class PayloadStore(ArtifactIndex, Protocol):
         progress: ProgressCallback | None = None,
         landed: LandedCallback | None = None,
     ) -> None:
-        """Write the bytes of ``obj`` to ``fd`` of the temporary ``file`` (scratch space: ``<file>.d``); ``landed(offset_bytes,
-        size_bytes)`` follows each write, from any thread; what it raises stops the fetch.
+        """Write the bytes of ``obj`` to ``fd`` of the temporary ``file`` (scratch space: ``<file>.d``); ``landed``
+        follows each write, from any thread; what it raises stops the fetch.
 
         Raises:
             InvalidDigestError: bad digest.
@@ -238,14 +197,8 @@ class PayloadStore(ArtifactIndex, Protocol):
         """
 
     def upload(self, path: Path, obj: str | StoreObject, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
-        """Store the (already verified) local file ``path`` as ``obj``, atomically; ``False`` when another publisher
-        created it meanwhile and it was kept.
-
-        Raises:
-            InvalidDigestError: bad digest.
-            IntegrityError: the bytes that reached the store do not hash to ``digest``.
-            StoreError: the store refused or failed.
-        """
+        """Store the verified local file ``path`` as ``obj``, atomically; ``False`` when another publisher's was kept.
+        Raises ``InvalidDigestError``, ``IntegrityError`` (the bytes sent do not hash to the digest), ``StoreError``."""
 
 
 PACK_NAME_BYTES = len("/model-payloads/sha256/") + 64 + len(".pack")
@@ -268,12 +221,8 @@ def refused_character_message(what: str, text: str) -> str | None:
 
 
 def checked_prefix(prefix: str, *, spec: str, what: str) -> str:
-    """A store URL's key prefix (after the bucket or container and its ``/``) without its optional trailing ``/``.
-
-    Raises:
-        ConfigurationError: a character of :data:`URL_REFUSED_CHARACTERS`, an empty, ``.`` or ``..`` segment
-            (``gs://b//p`` is not ``p``), or too long for :data:`OBJECT_NAME_MAX_BYTES` with a pack's name.
-    """
+    """A store URL's key prefix without its optional trailing ``/``; ``ConfigurationError`` for a refused character,
+    an empty, ``.`` or ``..`` segment (``gs://b//p`` is not ``p``), or one too long with a pack's name."""
     refused = refused_character_message(f"the {what}", prefix)
     if refused:
         raise ConfigurationError(refused)

@@ -1,11 +1,5 @@
-"""A payload store in a local or shared folder (NFS, a mounted bucket, a second disk; ``docs/format.md`` §12.1).
-
-The layout under the store root is the node-local cache's (objects 0444, ``refs/<name>.json`` replaced atomically).
-An upload is atomic: a unique ``model-payloads/tmp/<digest>.<random>.partial`` (``O_EXCL``, ``flock`` held while
-the uploader lives, swept by the next upload once free), kernel copy, fsync, the one verifier, read-only, then a
-no-replace ``link`` to the object path (``rename`` where the file system has no hard links), folder fsync. Of two
-publishers of one digest the second keeps the first's object when it verifies, and replaces it when it does not.
-"""
+"""A payload store in a local or shared folder (NFS, a mounted bucket, a second disk): layout, atomic upload and
+consistency in ``docs/format.md`` §12.1."""
 
 from __future__ import annotations
 
@@ -32,6 +26,7 @@ from coldsnap_core.errors import (
 )
 from coldsnap_core.format._strict import read_document_bytes
 from coldsnap_core.format.manifest import PackRef
+from coldsnap_core.format.verify import verify_pack_file
 from coldsnap_core.stores._copy import copy_fd, copy_file
 from coldsnap_core.stores._references import ReferenceIndex
 from coldsnap_core.stores.base import NOT_IN_STORE_REMEDY, LandedCallback, ProgressCallback, StoreObject, as_object, wrong_size
@@ -50,7 +45,7 @@ class LocalFolderStore(ReferenceIndex):
         return f"LocalFolderStore({str(self.root)!r})"
 
     def _require_root(self) -> None:
-        """``StoreError`` when the store folder does not exist (a mistyped path, not a store that lacks an object)."""
+        """``StoreError`` when the store folder does not exist (a mistyped path)."""
         if not os.path.lexists(self.root):
             raise StoreError(
                 f"the payload store folder {self.root} does not exist",
@@ -64,19 +59,11 @@ class LocalFolderStore(ReferenceIndex):
         return self.root / as_object(obj).relpath
 
     def location(self, obj: str | StoreObject) -> str:
-        """The object path."""
         return str(self.object_path(obj))
 
     def has(self, obj: str | StoreObject, size_bytes: int | None = None, *, verify: bool = False) -> bool:
-        """``verify`` hashes the object in full (:func:`coldsnap_core.format.verify.verify_pack_file`).
-
-        Raises:
-            UnsafePathError: the object path is a symbolic link, or a component of it is not a folder.
-            NotRegularFileError: the object path holds a folder or another non-regular file.
-            FileAccessError: the object cannot be examined or read.
-        """
-        from coldsnap_core.format.verify import verify_pack_file
-
+        """``verify`` hashes the object in full; ``UnsafePathError``, ``NotRegularFileError`` or ``FileAccessError``
+        for a symbolic link, a non-regular file or one that cannot be read."""
         obj = as_object(obj)
         path = self.object_path(obj)
         st = refuse_symlink(path)
@@ -124,23 +111,15 @@ class LocalFolderStore(ReferenceIndex):
             st = os.fstat(source_fd)
             if not stat.S_ISREG(st.st_mode):
                 raise NotRegularFileError(f"the stored {obj.what} is not a regular file ({stat.filemode(st.st_mode)})", file=path)
-            mismatch = size_mismatch(PackSizeMismatchError, f"stored {obj.what}", st.st_size, size_bytes, file=path)
-            if mismatch is not None:
+            if mismatch := size_mismatch(PackSizeMismatchError, f"stored {obj.what}", st.st_size, size_bytes, file=path):
                 raise mismatch
             copy_fd(source_fd, fd, size_bytes, source=path, target=file, progress=progress, landed=landed)
         finally:
             os.close(source_fd)
 
     def upload(self, path: Path, obj: str | StoreObject, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
-        """The atomic upload of the module docstring (``False``: another publisher's verified object was kept).
-
-        Raises:
-            IntegrityError: the copy does not verify (nothing is published).
-            InsufficientSpaceError: the store's file system filled up (nothing is left behind).
-            StoreError: the store folder cannot be written.
-        """
-        from coldsnap_core.format.verify import verify_pack_file
-
+        """The atomic upload of ``docs/format.md`` §12.1 (``False``: another publisher's verified object was kept);
+        ``IntegrityError``, ``InsufficientSpaceError`` or ``StoreError`` leave nothing published or behind."""
         obj = as_object(obj)
         digest, final = obj.sha256, self.object_path(obj)
         tmp_dir = self.root / PAYLOADS_DIRNAME / "tmp"
@@ -195,13 +174,8 @@ class LocalFolderStore(ReferenceIndex):
             raise StoreError(f"cannot write the name: {exc.strerror or exc}", file=path) from exc
 
     def get_reference(self, relpath: str, max_bytes: int) -> bytes | None:
-        """The bytes of ``<root>/<relpath>`` (at most ``max_bytes``), or ``None`` when it does not exist.
-
-        Raises:
-            UnsafePathError, NotRegularFileError, FileAccessError: a link or not a regular file, or unreadable.
-            ManifestError: over ``max_bytes``.
-            StoreError: the store folder does not exist.
-        """
+        """The bytes of ``<root>/<relpath>``, or ``None`` when it does not exist; ``ManifestError`` over ``max_bytes``,
+        ``StoreError`` without a store folder, else as :func:`~coldsnap_core.format._strict.read_document_bytes`."""
         try:
             return read_document_bytes(self.root / relpath, max_bytes=max_bytes)
         except MissingObjectError:

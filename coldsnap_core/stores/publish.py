@@ -1,15 +1,8 @@
 """Publication (``coldsnap publish-native``): upload each distinct pack of artifacts once (``docs/format.md`` §12.4).
 
-For every distinct digest the artifacts' workers name, in digest order:
-
-1. the store already holds it, checked as far as the store can (``PayloadStore.has(verify=True)``): skipped; an
-   object of the wrong size or content counts as absent (WARNING) and is replaced;
-2. otherwise the local object is verified in full by the one verifier (never on a validation record's word: a
-   published object serves the whole fleet); a corrupt one is quarantined and publication stops with its error;
-3. then uploaded (:meth:`PayloadStore.upload`, atomic in the store).
-
-Then each artifact's own files go beside the packs, and last its name (``docs/format.md`` §12.9). ``dry_run`` checks
-presence by size and the local objects' sizes only: it hashes, uploads and records nothing.
+Each distinct digest, in digest order, is skipped when the store holds it (``has(verify=True)``), else verified in
+full locally (a corrupt one is quarantined and stops publication) and uploaded. Then each artifact's own files go
+beside the packs, and last its name (§12.9). ``dry_run`` checks sizes only: it hashes, uploads and records nothing.
 """
 
 from __future__ import annotations
@@ -56,20 +49,10 @@ PublishAction = Literal["uploaded", "present", "would-upload"]
 ProgressFactory = Callable[[str, int], Callable[[int], object]]
 """``(description, total_bytes) -> progress callback``; the CLI passes tqdm bars."""
 
-__all__ = [
-    "PayloadToPublish",
-    "PublishedFile",
-    "PublishedPayload",
-    "artifact_listing",
-    "collect_payloads",
-    "publish_native",
-]
-
 
 @dataclass(frozen=True, slots=True)
 class PayloadToPublish:
-    """One distinct payload, with one native manifest naming it (its layout verifies it) and the
-    ``<artifact folder>:<capsule name>`` of every worker that names it."""
+    """One distinct payload, a native manifest naming it and the ``<artifact folder>:<capsule name>`` of its workers."""
 
     pack: PackRef
     manifest: NativeManifest
@@ -96,13 +79,8 @@ class PublishedFile:
 
 
 def collect_payloads(artifact_dirs: Sequence[Path]) -> list[PayloadToPublish]:
-    """The distinct payloads named by the workers of ``artifact_dirs``, in digest order.
-
-    Raises:
-        MissingObjectError: an artifact folder has no ``artifact.json`` or a capsule is missing.
-        ManifestError: a manifest breaks a format rule (including a pack path not derived from its digest).
-        ArtifactError: a capsule names another pack than ``artifact.json``, or one digest appears with two sizes.
-    """
+    """The distinct payloads named by the workers of ``artifact_dirs``, in digest order; ``MissingObjectError``,
+    ``ManifestError`` for a bad document, ``ArtifactError`` when capsules and ``artifact.json`` disagree on a pack."""
     found: dict[str, tuple[PackRef, NativeManifest, list[str], str]] = {}
     for artifact_dir in artifact_dirs:
         artifact_dir = Path(artifact_dir)
@@ -143,12 +121,7 @@ def publish_native(
     on_artifact: Callable[[str], object] | None = None,
 ) -> list[PublishedPayload]:
     """Upload each distinct payload of ``artifact_dirs`` to ``store`` once, then each artifact's files and its name
-    (see the module docstring); returns one entry per distinct payload, in digest order.
-
-    Args:
-        name: the artifact's name (one artifact only; default: each artifact folder's name, :func:`artifact_name`).
-        progress: makes a progress callback for each verification and upload.
-        on_payload, on_file, on_artifact: called after each payload, each file, and with each name's reference.
+    (``name``: one artifact only; default: each folder's name); returns one entry per payload, in digest order.
 
     Raises:
         MissingObjectError: a local object or a pinned file to upload is absent.
@@ -192,7 +165,7 @@ def publish_native(
 def _publish_payload(
     item: PayloadToPublish, store: PayloadStore, cache: PayloadCache, dry_run: bool, progress: ProgressFactory | None
 ) -> PublishAction:
-    """Steps 1-3 of the module docstring for one payload."""
+    """Publish one payload (the module docstring)."""
     pack = item.pack
     if store.has(pack.sha256, pack.size_bytes, verify=not dry_run):
         return "present"
@@ -204,8 +177,7 @@ def _publish_payload(
             file=path,
         )
     if dry_run:
-        mismatch = size_mismatch(PackSizeMismatchError, "local pack", st.st_size, pack.size_bytes, file=path)
-        if mismatch is not None:
+        if mismatch := size_mismatch(PackSizeMismatchError, "local pack", st.st_size, pack.size_bytes, file=path):
             raise mismatch
         return "would-upload"
     layout = check_manifest(item.manifest, file=item.manifest_file)
@@ -226,8 +198,7 @@ def _publish_payload(
 def _publish_file(
     artifact_dir: Path, listing: ArtifactListing, file: ListedFile, store: PayloadStore, dry_run: bool
 ) -> PublishAction:
-    """One file of an artifact: present in the store (checked as a pack is), else checked against its pin and
-    uploaded."""
+    """One file of an artifact: present in the store, else checked against its pin and uploaded."""
     obj = artifact_object(listing.artifact.sha256, file.path, file.sha256)
     if store.has(obj, file.size_bytes, verify=not dry_run):
         return "present"
@@ -247,12 +218,8 @@ def _publish_file(
 
 
 def artifact_listing(artifact_dir: Path, name: str | None = None) -> ArtifactListing:
-    """What a store's artifact index records of ``artifact_dir`` (named ``name``, else after the folder).
-
-    Raises:
-        ConfigurationError: ``name`` is not an artifact name.
-        MissingObjectError, ManifestError: as :func:`coldsnap_core.artifact.capsules.read_descriptor_bytes`.
-    """
+    """What a store's artifact index records of ``artifact_dir`` (named ``name``, else after the folder); raises
+    ``ConfigurationError`` for a bad ``name``, else as :func:`~coldsnap_core.artifact.capsules.read_descriptor_bytes`."""
     descriptor, artifact_sha256 = read_descriptor_bytes(artifact_dir)
     model = descriptor.model
     identity = json.dumps(model.to_json(), sort_keys=True, separators=(",", ":")).encode()

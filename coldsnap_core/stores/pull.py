@@ -1,9 +1,7 @@
 """Pull a published artifact by its name: the artifact folder, every file it pins checked (``docs/format.md`` §12.9).
 
-:func:`pull_artifact` resolves the name to the SHA-256 of ``artifact.json`` and, holding the file lock
-``.<DIR>.lock`` beside the destination, keeps a destination that holds that artifact intact, else fetches every file
-into a temporary sibling ``.<DIR>.pull-<random>`` (each checked against its pin), fsyncs it and renames it into place.
-The destination is absent or complete at any point; packs are staged separately, by digest.
+Under the lock ``.<DIR>.lock``, a destination holding that artifact intact is kept, else every file is fetched into
+a temporary sibling ``.<DIR>.pull-<random>``, fsynced and renamed into place; packs are staged separately.
 """
 
 from __future__ import annotations
@@ -34,16 +32,13 @@ from coldsnap_core.stores.base import ARTIFACTS_DIRNAME, PayloadStore, Published
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PulledArtifact", "pull_artifact", "pull_into_state_root"]
-
 PULL_LOCK_TIMEOUT_SECONDS = 600.0
 """How long a pull waits for another pull of the same folder (which fetches the same files) before it gives up."""
 
 
 @dataclass(frozen=True, slots=True)
 class PulledArtifact:
-    """What :func:`pull_artifact` left at ``path``: the artifact ``sha256`` (of its ``artifact.json``), and how many
-    files and bytes were fetched (0: the folder already held it)."""
+    """What :func:`pull_artifact` left at ``path``, with the files and bytes fetched (0: the folder held it)."""
 
     path: Path
     sha256: str
@@ -55,8 +50,7 @@ class PulledArtifact:
 def pull_into_state_root(
     store: PayloadStore, name: str, state_root: Path, *, lock_timeout_seconds: float = PULL_LOCK_TIMEOUT_SECONDS
 ) -> PulledArtifact:
-    """:func:`pull_artifact` into ``<state_root>/artifacts/sha256/<SHA-256 of artifact.json>/``, where a loader given
-    ``COLDSNAP_ARTIFACT_DIR=REF`` restores from. Raises as :func:`pull_artifact`."""
+    """:func:`pull_artifact` into ``<state_root>/artifacts/sha256/<artifact SHA-256>/`` (``COLDSNAP_ARTIFACT_DIR=REF``)."""
     published = store.resolve_artifact(name)
     dest = Path(state_root) / ARTIFACTS_DIRNAME / "sha256" / published.sha256
     return pull_artifact(store, name, dest, lock_timeout_seconds=lock_timeout_seconds, published=published)
@@ -70,19 +64,16 @@ def pull_artifact(
     lock_timeout_seconds: float = PULL_LOCK_TIMEOUT_SECONDS,
     published: PublishedArtifact | None = None,
 ) -> PulledArtifact:
-    """Make ``dest`` the artifact ``store`` names ``name`` (see the module docstring); ``published``: what the name
-    was already resolved to.
+    """Make ``dest`` the artifact ``store`` names ``name``; ``published``: what the name was already resolved to.
 
     Raises:
         ConfigurationError: ``name`` is not an artifact name.
         PayloadUnavailableError: the store records no artifact under ``name``, or lacks one of its files.
-        CapsulePinMismatchError: a fetched file (or one already at ``dest``) does not match its pin (nothing is put in
-            place).
+        CapsulePinMismatchError: a fetched file (or one at ``dest``) does not match its pin (nothing is put in place).
         ArtifactError: ``dest`` holds another artifact (another ``artifact.json``): it is never replaced.
         ManifestError: the fetched ``artifact.json`` is malformed.
         LockTimeoutError: another pull of ``dest`` held the lock past ``lock_timeout_seconds``.
-        FileAccessError: the lock file beside ``dest`` cannot be created (names it and the errno), at once.
-        StoreError, FileAccessError, InsufficientSpaceError: the store or the local file system failed.
+        StoreError, FileAccessError, InsufficientSpaceError: the store or the local file system (the lock file) failed.
     """
     if not str(dest).strip():
         # Path("") is the current folder: an empty DIR (an unset variable in a script) would pull into it
@@ -134,12 +125,8 @@ _NEVER_REPLACED = "pull into a new folder, or remove this one first (a pull neve
 
 
 def _kept(dest: Path, artifact_sha256: str) -> PulledArtifact:
-    """``dest`` as it is, when it holds the artifact ``artifact_sha256`` with every pinned file intact.
-
-    Raises:
-        ArtifactError: ``dest`` is not a folder holding an ``artifact.json``, or holds another artifact.
-        CapsulePinMismatchError: a file ``artifact.json`` pins was changed in ``dest``.
-    """
+    """``dest`` as it is, when it holds the artifact ``artifact_sha256`` intact; else ``ArtifactError`` (another
+    artifact, or none) or ``CapsulePinMismatchError`` (a pinned file changed)."""
     if not (dest / DESCRIPTOR_FILENAME).is_file():
         raise ArtifactError(
             "the destination exists and is not an artifact folder (no artifact.json in it)", file=dest, remedy=_NEVER_REPLACED
@@ -164,8 +151,7 @@ def _kept(dest: Path, artifact_sha256: str) -> PulledArtifact:
 
 
 def _fetch_all(store: PayloadStore, artifact_sha256: str, size_bytes: int, temp: Path) -> tuple[int, int]:
-    """Fetch ``artifact.json`` and every file it pins into the new folder ``temp``, each checked; returns
-    ``(files, bytes)`` fetched."""
+    """Fetch ``artifact.json`` and every file it pins into the new folder ``temp``, each checked; ``(files, bytes)``."""
     try:
         temp.mkdir(mode=0o755)
     except OSError as exc:
@@ -182,8 +168,7 @@ def _fetch_all(store: PayloadStore, artifact_sha256: str, size_bytes: int, temp:
 
 
 def _fetch_file(store: PayloadStore, temp: Path, pin: ContentRef, artifact_sha256: str, pinned_by: str) -> None:
-    """Fetch the artifact's file ``pin.name`` (its path in the folder) into ``temp``, fsynced, and check it against
-    ``pin`` (which ``pinned_by`` records)."""
+    """Fetch the artifact's file ``pin.name`` into ``temp``, fsynced, and check it against ``pin`` (from ``pinned_by``)."""
     obj = artifact_object(artifact_sha256, pin.name, pin.sha256)
     path = temp / pin.name
     try:
