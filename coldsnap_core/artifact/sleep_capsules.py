@@ -1,11 +1,6 @@
-"""Process-local sleep capsules under ``<state_root>/sleep/``: names, ownership locks, listing, removal.
-
-A level-1 sleep capsule is valid only in the process that wrote it (its manifest records that process's
-addresses; ``docs/format.md`` §6.2, §10). It is named ``<worker capsule name>-pid<pid>-<hex16>`` (§4.3; the
-``<hex16>`` makes it unique even across PID namespaces), and its owner holds ``flock`` on ``<capsule name>.lock``
-beside it while it is in use. A capsule whose lock can be taken, or that has no lock file, is debris; so are
-its hidden ``.partial`` / ``.old`` staging folders.
-"""
+"""Process-local sleep capsules under ``<state_root>/sleep/``: names, ownership locks, listing, removal
+(``docs/format.md`` §6.2, "Sleep capsule": the name, the owner's ``flock`` on ``<capsule name>.lock``, and what is
+debris)."""
 
 from __future__ import annotations
 
@@ -22,6 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from coldsnap_core._io import remove_tree
+from coldsnap_core.cache.partials import lock_is_free, tree_size
 from coldsnap_core.errors import CacheError, UnsafePathError
 from coldsnap_core.format.manifest import CAPSULE_NAME_RE, WorkerIdentity
 
@@ -51,20 +47,13 @@ def sleep_capsule_dir(state_root: Path, worker: WorkerIdentity) -> Path:
 def _lock_is_held(lock_path: Path) -> bool:
     """Whether some process holds ``flock`` on ``lock_path`` (``False`` when it is absent)."""
     try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        return not lock_is_free(lock_path, fcntl.LOCK_SH)
     except FileNotFoundError:
         return False
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             return False  # a link is no owner's lock file
         raise CacheError(f"cannot examine a sleep capsule lock: {exc.strerror or exc}", file=lock_path) from exc
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 class SleepCapsuleClaim:
@@ -151,7 +140,7 @@ def list_sleep_capsules(state_root: Path) -> list[SleepCapsuleEntry]:
         if _CAPSULE_RE.fullmatch(capsule) is None:
             continue  # not ours: never touched
         alive = _lock_is_held(folder / f"{capsule}{LOCK_SUFFIX}")
-        entries.append(SleepCapsuleEntry(child, "alive" if alive else "gone", _tree_size(child)))
+        entries.append(SleepCapsuleEntry(child, "alive" if alive else "gone", tree_size(child)))
     return entries
 
 
@@ -215,9 +204,3 @@ def _held_if_free(lock_path: Path):
         yield True
     finally:
         os.close(fd)
-
-
-def _tree_size(path: Path) -> int:
-    if path.is_symlink() or not path.is_dir():
-        return 0
-    return sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())

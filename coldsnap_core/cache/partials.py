@@ -27,8 +27,8 @@ def list_folder(folder: Path) -> list[Path]:
         return []
 
 
-def lock_is_free(path: Path) -> bool:
-    """Whether a fresh open of ``path`` (no link followed, non-blocking) can take ``flock`` on it now.
+def lock_is_free(path: Path, operation: int = fcntl.LOCK_EX) -> bool:
+    """Whether a fresh open of ``path`` (no link followed, non-blocking) can take ``flock(operation)`` on it now.
 
     Raises:
         OSError: ``path`` cannot be opened (``FileNotFoundError`` included) or ``flock`` fails other
@@ -36,7 +36,7 @@ def lock_is_free(path: Path) -> bool:
     """
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
     finally:
