@@ -1,10 +1,6 @@
-"""Reading and writing artifact folders: unit capsules and the ``artifact.json`` descriptor (``docs/format.md`` §5).
-
-A capsule is built in a hidden staging folder (``workers/.<name>.<hex16>.partial``), every file fsynced, and
-renamed into place as a whole; ``artifact.json`` is replaced under a ``filelock`` lock, so concurrent tensor
-parallel ranks land in one descriptor. ``artifact.json`` is the root of trust: each worker entry pins its
-capsule's files, checked by :func:`read_pinned_capsule` before anything in the capsule is used.
-"""
+"""Reading and writing artifact folders: unit capsules and the ``artifact.json`` descriptor (``docs/format.md`` §5:
+atomic capsule writes, the descriptor lock, and ``artifact.json`` as the root of trust, whose pins
+:func:`read_pinned_capsule` checks before anything in a capsule is used)."""
 
 from __future__ import annotations
 
@@ -28,6 +24,7 @@ import msgspec
 
 from coldsnap_core._io import (
     fsync_dir,
+    lstat_or_none,
     os_error,
     remove_tree,
     replace_file_durably,
@@ -101,13 +98,8 @@ def descriptor_lock_path(artifact_dir: Path) -> Path:
 
 def check_artifact_paths(artifact_dir: Path, worker: WorkerIdentity) -> None:
     """Refuse, before a capture writes anything, a link at the descriptor lock, ``workers/`` or the worker's
-    capsule lock (the artifact folder itself may be a link: a blue/green ``current -> a``).
-
-    Raises:
-        UnsafePathError: one of them is a symbolic link (rule ``no-symlinks``), or a path component is not a folder.
-        NotRegularFileError: a lock path holds a folder or another non-regular file.
-        FileAccessError: one cannot be examined.
-    """
+    capsule lock (the artifact folder itself may be a link: a blue/green ``current -> a``): UnsafePathError (rule
+    ``no-symlinks``, or a component that is not a folder), NotRegularFileError (a lock path), FileAccessError."""
     workers_dir = artifact_dir / WORKERS_DIRNAME
     _refuse_link(descriptor_lock_path(artifact_dir), regular=True)
     _refuse_link(workers_dir, regular=False)
@@ -115,14 +107,9 @@ def check_artifact_paths(artifact_dir: Path, worker: WorkerIdentity) -> None:
 
 
 def _refuse_link(path: Path, *, regular: bool) -> None:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
+    st = lstat_or_none(path)
+    if st is None:
         return
-    except OSError as exc:
-        if exc.errno in (errno.ENOTDIR, errno.ELOOP):
-            raise UnsafePathError(f"a component of the path is not a usable folder: {exc.strerror or exc}", file=path) from exc
-        raise os_error("cannot examine an artifact path", exc, path) from exc
     if stat.S_ISLNK(st.st_mode):
         raise UnsafePathError("refusing a symbolic link in the artifact folder", file=path)
     if regular and not stat.S_ISREG(st.st_mode):
@@ -259,13 +246,9 @@ class Capsule:
 
 def read_capsule(path: Path) -> Capsule:
     """Read a capsule on its own (``coldsnap verify CAPSULE``): both manifests parse, agree with each other and
-    with the folder's name (unpinned; :func:`read_pinned_capsule` also checks the pins).
-
-    Raises:
-        MissingObjectError: the capsule or a manifest is missing.
-        ManifestError: a manifest is malformed or unsupported.
-        ManifestMismatchError: the manifests disagree, or the folder is not named after their worker (exit code 2).
-    """
+    with the folder's name (unpinned; :func:`read_pinned_capsule` also checks the pins). MissingObjectError (the
+    capsule or a manifest is missing), ManifestError (malformed or unsupported), ManifestMismatchError (the manifests
+    disagree with each other, the folder's name or, pinned, the entry; exit code 2)."""
     return _read_capsule(path, {})
 
 
@@ -290,13 +273,8 @@ def check_pin(path: Path, size_bytes: int, sha256: str, pin: ContentRef, pinned_
 
 def check_pinned_file(path: Path, pin: ContentRef, *, pinned_by: str = DESCRIPTOR_FILENAME) -> None:
     """The regular file at ``path`` has ``pin``'s size (checked first) and SHA-256; ``pinned_by`` names the pin's source.
-
-    Raises:
-        MissingObjectError: nothing at ``path``.
-        NotRegularFileError: not a regular file (after links).
-        FileAccessError: it cannot be examined or read.
-        CapsulePinMismatchError: another size or SHA-256 (names the file, both sizes and digests).
-    """
+    MissingObjectError (nothing there), NotRegularFileError (after links), FileAccessError (unreadable), or
+    CapsulePinMismatchError (another size or SHA-256, naming both)."""
     _require_present(path, f"a file {pinned_by} pins")
     st = path.stat()
     if not stat.S_ISREG(st.st_mode):
@@ -362,14 +340,8 @@ def read_worker_capsule(artifact_dir: Path, entry: WorkerEntry) -> Capsule:
 def read_pinned_capsule(path: Path, entry: WorkerEntry) -> Capsule:
     """Read the capsule at ``path`` pinned by ``entry`` (an artifact's, or a target-local overlay's): each manifest
     matches its pin before it is parsed, both agree, and folder, manifests and entry name one worker, residual
-    blob and payload.
-
-    Raises:
-        MissingObjectError: the capsule folder or a manifest is missing.
-        CapsulePinMismatchError: a manifest or the residual blob's pin does not match (exit code 2).
-        ManifestError: a manifest is malformed or unsupported.
-        ManifestMismatchError: the manifests disagree with each other, the folder name or the entry (exit code 2).
-    """
+    blob and payload. Raises as :func:`read_capsule`, and CapsulePinMismatchError when a manifest or the residual
+    blob's pin does not match (exit code 2)."""
     pins = {name: entry.pin(name) for name in _DOCUMENTS}
     capsule = _read_capsule(path, pins)
     native = capsule.native
@@ -419,11 +391,8 @@ def check_provenance_in_identity(manifest: NativeManifest, model: ModelIdentity,
 
 
 def find_worker(descriptor: ArtifactDescriptor, worker: WorkerIdentity) -> WorkerEntry:
-    """The descriptor's entry for ``worker`` (equal in every identity field, data parallel ones included).
-
-    Raises:
-        MissingObjectError: the artifact has no capsule for this worker.
-    """
+    """The descriptor's entry for ``worker`` (equal in every identity field, data parallel ones included);
+    MissingObjectError when the artifact has none."""
     for entry in descriptor.workers:
         if entry.worker == worker:
             return entry
@@ -431,13 +400,8 @@ def find_worker(descriptor: ArtifactDescriptor, worker: WorkerIdentity) -> Worke
 
 
 def read_descriptor(artifact_dir: Path) -> ArtifactDescriptor:
-    """Read and strictly parse ``<artifact_dir>/artifact.json``.
-
-    Raises:
-        MissingObjectError: it does not exist.
-        NotRegularFileError, FileAccessError: not a regular file, or it cannot be examined (a link loop: rule ``io``).
-        ManifestError: it is malformed.
-    """
+    """Read and strictly parse ``<artifact_dir>/artifact.json``: MissingObjectError when absent, NotRegularFileError
+    or FileAccessError (a link loop: rule ``io``) when it cannot be read, ManifestError when malformed."""
     return read_descriptor_bytes(artifact_dir)[0]
 
 
@@ -481,12 +445,8 @@ def write_manifests(
 
 
 def check_artifact_layout(artifact_dir: Path) -> None:
-    """Every non-hidden capsule folder in ``workers/`` is listed in the descriptor.
-
-    Raises:
-        MissingObjectError: no ``artifact.json``.
-        ArtifactError: a capsule folder is not listed (names the folder).
-    """
+    """Every non-hidden capsule folder in ``workers/`` is listed in the descriptor (else ArtifactError naming the
+    folder; no ``artifact.json``: MissingObjectError)."""
     descriptor = read_descriptor(artifact_dir)
     listed = {entry.capsule for entry in descriptor.workers}
     workers_dir = artifact_dir / WORKERS_DIRNAME

@@ -1,11 +1,5 @@
-"""Derived-cache seeds: an engine's compile cache files captured into a capsule (``docs/format.md`` §17).
-
-A seed is ``derived-cache.tar`` (the files, uncompressed) described by ``derived-cache.json``
-(:class:`SeedDocument`), both pinned in ``artifact.json``. Here: the documents, reading a seed against its pins
-and checking it without placing it (:func:`verify_seed`). Captured by :mod:`coldsnap_core.capture.derived_cache`,
-placed by :mod:`coldsnap_core.restore.derived_cache`; the engine plugin names the cache roots (``vllm-cache``:
-``VLLM_CACHE_ROOT``; ``inductor-cache``: ``TORCHINDUCTOR_CACHE_DIR``) and its compilation digest.
-"""
+"""Derived-cache seeds, an engine's compile cache files captured into a capsule (``docs/format.md`` §17): the
+documents, reading a seed against its pins, and checking it without placing it (:func:`verify_seed`)."""
 
 from __future__ import annotations
 
@@ -62,10 +56,7 @@ class SeedMember(ContentRef):
 
 class SeedQualification(Record):
     """What a seed's compiled code depends on; a seed is placed only where every field is equal (``docs/format.md`` §17.2).
-
-    Raises:
-        ManifestValueError: ``cpu_isa_flags`` is not sorted and unique.
-    """
+    ManifestValueError when ``cpu_isa_flags`` is not sorted and unique."""
 
     engine: Text
     engine_version: Text | None
@@ -122,11 +113,8 @@ class SeedQualification(Record):
 
 
 class SeedDocument(Document, tag=SEED_KIND):
-    """``derived-cache.json`` (``docs/format.md`` §17.2).
-
-    Raises:
-        ManifestValueError: the archive is not named ``derived-cache.tar``, or the members break their order rule.
-    """
+    """``derived-cache.json`` (``docs/format.md`` §17.2); ManifestValueError when the archive is not named
+    ``derived-cache.tar``, or the members break their order rule."""
 
     MAX_BYTES = MAX_SEED_DOCUMENT_BYTES
 

@@ -25,12 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 def attach_model_files(artifact_dir: Path, folder: Path) -> tuple[CapsuleFile, ...]:
-    """Copy the model files of ``folder`` into ``<artifact_dir>/model/`` (replaced whole) and pin them in ``artifact.json``,
-    under the descriptor's lock; nothing is written when they are pinned and intact already, and a WARNING names files
-    that differ from earlier pins.
-
-    Returns:
-        The pins, sorted by name (empty: ``folder`` holds no model file).
+    """Copy the model files of ``folder`` into ``<artifact_dir>/model/`` and pin them in ``artifact.json``
+    (``docs/format.md`` §5, "The model's non-weight files"); return the pins, sorted by name.
 
     Raises:
         MissingObjectError, ManifestError: ``artifact.json`` is missing or malformed.

@@ -58,11 +58,7 @@ def _lock_is_held(lock_path: Path) -> bool:
 
 class SleepCapsuleClaim:
     """This process's claim on one sleep capsule: a unique folder name and the ``flock`` that proves its owner alive.
-
-    Raises:
-        UnsafePathError: ``sleep/`` or the lock path is a symbolic link.
-        CacheError / InsufficientSpaceError: the folder or the lock file cannot be created.
-    """
+    UnsafePathError when ``sleep/`` or the lock path is a link; CacheError when either cannot be created."""
 
     def __init__(self, state_root: Path, capsule_name: str) -> None:
         self.folder = sleep_dir(state_root)
@@ -119,11 +115,8 @@ class SleepCapsuleEntry:
 
 
 def list_sleep_capsules(state_root: Path) -> list[SleepCapsuleEntry]:
-    """Every capsule folder (and hidden staging folder) under ``sleep/``, with its owner's state.
-
-    Raises:
-        UnsafePathError: ``sleep/`` is a symbolic link or not a folder.
-    """
+    """Every capsule folder (and hidden staging folder) under ``sleep/``, with its owner's state; UnsafePathError when
+    ``sleep/`` is a symbolic link or not a folder."""
     folder = sleep_dir(state_root)
     try:
         st = os.lstat(folder)
@@ -146,11 +139,7 @@ def list_sleep_capsules(state_root: Path) -> list[SleepCapsuleEntry]:
 
 def sweep_sleep_capsules(state_root: Path, *, dry_run: bool = False) -> list[SleepCapsuleEntry]:
     """Remove every sleep capsule (and staging folder) whose owner is gone, re-checked under its lock, and lock files
-    nobody holds and no capsule uses. Returns the removed capsule entries.
-
-    Raises:
-        UnsafePathError: ``sleep/`` is a symbolic link or not a folder.
-    """
+    nobody holds and no capsule uses. Returns the removed capsule entries; raises as :func:`list_sleep_capsules`."""
     folder = sleep_dir(state_root)
     removed = []
     for entry in list_sleep_capsules(state_root):

@@ -1,8 +1,5 @@
 """``coldsnap cache ls`` and ``gc`` of the target-local overlays under a state root (``docs/format.md`` §15.3;
-the documents: :mod:`coldsnap_core.artifact.overlay`): an overlay whose portable ``artifact.json`` is gone or
-changed, or whose ``overlay.json`` is not trusted, is removed; one whose portable descriptor cannot be read
-now, or another user's, is kept.
-"""
+the documents: :mod:`coldsnap_core.artifact.overlay`)."""
 
 from __future__ import annotations
 
@@ -25,8 +22,6 @@ from coldsnap_core.artifact.overlay import (
 from coldsnap_core.cache.records import read_private_record
 from coldsnap_core.errors import ColdsnapError, MissingObjectError, UnsafePathError
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME
-
-__all__ = ["OverlayListing", "gc_overlays", "list_overlays"]
 
 
 @dataclass(frozen=True, slots=True)

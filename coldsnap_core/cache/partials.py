@@ -28,12 +28,8 @@ def list_folder(folder: Path) -> list[Path]:
 
 
 def lock_is_free(path: Path, operation: int = fcntl.LOCK_EX) -> bool:
-    """Whether a fresh open of ``path`` (no link followed, non-blocking) can take ``flock(operation)`` on it now.
-
-    Raises:
-        OSError: ``path`` cannot be opened (``FileNotFoundError`` included) or ``flock`` fails other
-            than by being held.
-    """
+    """Whether a fresh open of ``path`` (no link followed, non-blocking) can take ``flock(operation)`` on it now;
+    ``OSError`` (``FileNotFoundError`` included) when it cannot be opened, or ``flock`` fails other than by being held."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         fcntl.flock(fd, operation | fcntl.LOCK_NB)
@@ -80,10 +76,8 @@ def _flock_works(path: Path) -> bool:
 
 
 def sweep_dead_partials(tmp_dir: Path, own_path: Path) -> list[Path]:
-    """Remove every ``*.partial`` in ``tmp_dir`` (and its ``.partial.d``) whose writer is gone and that was last
-    modified more than :data:`SWEEP_GRACE_SECONDS` ago, provided ``flock`` excludes here; called by each new writer,
-    which holds ``own_path`` locked. Best effort; returns the removed paths.
-    """
+    """Remove the dead writers' ``*.partial`` of ``tmp_dir`` (``docs/format.md`` §10, "Temporaries"); called by each
+    new writer, which holds ``own_path`` locked. Best effort; returns the removed paths."""
     if not _flock_works(own_path):
         return []
     removed = []

@@ -1,12 +1,6 @@
-"""The node-local, content-addressed payload cache under ``<state-root>/model-payloads/``.
-
-The layout, the commit order, admission (a trusted record, a first use checked by extents, or a full hash),
-quarantine, lock waits and temporaries are ``docs/format.md`` §10 and §11. Every path is built from a validated
-digest; folders below the state root and object, record and lock paths are refused when they are symbolic links;
-``OSError`` s become typed errors, so a loader's ``auto`` mode can fall back. The per-digest lock prevents duplicate
-work only: a writer that cannot have it proceeds (each writer uses a process-unique temporary name, hashes before
-the rename, and the rename is atomic); a reader that times out raises :class:`~coldsnap_core.errors.LockTimeoutError`.
-"""
+"""The node-local, content-addressed payload cache under ``<state-root>/model-payloads/``: layout, commit order,
+admission, quarantine, lock waits, temporaries and refused links are ``docs/format.md`` §10 and §11. ``OSError`` s
+become typed errors, so a loader's ``auto`` mode can fall back."""
 
 from __future__ import annotations
 
@@ -86,14 +80,9 @@ QUARANTINED_REMEDY = (
 
 
 class PayloadCache:
-    """One state root's ``model-payloads`` cache.
-
-    Args:
-        state_root: the state root (``~`` expanded, made absolute); ``None`` or blank: ``~/.cache/coldsnap``.
-            The environment is not read here.
-        lock_timeout_seconds: the wait for a digest's lock, seconds (``None``:
-            :data:`coldsnap_core.settings.LOCK_TIMEOUT_SECONDS`).
-    """
+    """One state root's ``model-payloads`` cache (``state_root``: ``~`` expanded, made absolute; ``None`` or blank:
+    ``~/.cache/coldsnap``, the environment is not read here; ``lock_timeout_seconds``: ``None`` is
+    :data:`coldsnap_core.settings.LOCK_TIMEOUT_SECONDS`)."""
 
     def __init__(self, state_root: str | os.PathLike[str] | None = None, *, lock_timeout_seconds: float | None = None) -> None:
         given = state_root is not None and str(state_root).strip()
@@ -114,15 +103,9 @@ class PayloadCache:
     def __repr__(self) -> str:
         return f"PayloadCache({str(self.state_root)!r})"
 
-    # -- folders and paths -------------------------------------------------------------------------
-
     def _check_state_root(self) -> bool:
-        """Whether the state root exists; it may be a symbolic link to a folder.
-
-        Raises:
-            ConfigurationError: the state root (or a component of it) is a file, or a link loop.
-            CacheError: the state root cannot be examined (``EACCES``, ``EIO``, ...).
-        """
+        """Whether the state root exists (it may be a link to a folder); ConfigurationError when it or a component of it
+        is a file, or a link loop; CacheError when it cannot be examined (``EACCES``, ``EIO``, ...)."""
         try:
             st = os.stat(self.state_root)
         except FileNotFoundError:
@@ -142,13 +125,8 @@ class PayloadCache:
         return True
 
     def ensure_dirs(self) -> None:
-        """Create the cache folders (mode 0700 where new) and refuse any that is a symbolic link.
-
-        Raises:
-            ConfigurationError: the state root is a file (or a component of it is).
-            UnsafePathError: ``model-payloads`` or one of its folders is a link or not a folder.
-            InsufficientSpaceError / CacheError: a folder could not be created.
-        """
+        """Create the cache folders (mode 0700 where new): ConfigurationError as :meth:`_check_state_root`,
+        UnsafePathError when one is a link or not a folder, InsufficientSpaceError / CacheError when one cannot be made."""
         self._check_state_root()
         try:
             self.state_root.mkdir(parents=True, exist_ok=True)
@@ -190,11 +168,7 @@ class PayloadCache:
 
     def open_use_file(self, digest: str) -> int:
         """Open (create, mode 0600, ``O_NOFOLLOW``) ``used/<digest>.use``; the caller closes the descriptor.
-
-        Raises:
-            UnsafePathError: the use path or a cache folder is a symbolic link.
-            CacheError / InsufficientSpaceError: it cannot be created or opened.
-        """
+        UnsafePathError when it or a cache folder is a link; CacheError / InsufficientSpaceError when it cannot be opened."""
         self.ensure_dirs()
         path = self.use_path(digest)
         refuse_symlink(path)
@@ -220,19 +194,13 @@ class PayloadCache:
             return False
         return True
 
-    # -- locking and temporaries -------------------------------------------------------------------
-
     @contextlib.contextmanager
     def lock(self, digest: str, *, timeout_seconds: float | None = None, required: bool = False) -> Iterator[bool]:
         """Hold the per-digest lock (``filelock.FileLock``), re-entrant per thread, for at most ``timeout_seconds``
         (default :attr:`lock_timeout_seconds`); yield ``True`` when held, ``False`` when the wait timed out or the
         lock file cannot be created: the caller proceeds without it (a WARNING; INFO on a read-only file system).
-
-        Raises:
-            InvalidDigestError: bad digest (before any path is built).
-            UnsafePathError: the lock path or a cache folder is a symbolic link.
-            LockTimeoutError: ``required`` (a reader) and the lock was not had within the timeout.
-        """
+        InvalidDigestError for a bad digest, UnsafePathError for a linked lock path or cache folder, LockTimeoutError
+        when ``required`` (a reader) and the lock was not had within the timeout."""
         path = self.lock_path(digest)
         key = (os.getpid(), str(path))
         held = held_locks()
@@ -272,14 +240,9 @@ class PayloadCache:
 
     @contextlib.contextmanager
     def temporary(self, label: str) -> Iterator[tuple[int, Path]]:
-        """Create ``tmp/<label>.<random>.partial`` (``O_EXCL | O_NOFOLLOW``, mode 0600), flock-held; yield
-        ``(fd, path)``. The file (and its ``.partial.d``) is removed on exit unless the caller renamed it
-        (:meth:`commit`); dead writers' leftovers are swept first (:func:`sweep_dead_partials`).
-
-        Raises:
-            InvalidDigestError: ``label`` is not ``[0-9a-z][0-9a-z.-]*``.
-            InsufficientSpaceError / CacheError: the file could not be created.
-        """
+        """Create ``tmp/<label>.<random>.partial`` (``O_EXCL | O_NOFOLLOW``, mode 0600), flock-held, and yield
+        ``(fd, path)``, removed on exit (with its ``.partial.d``) unless :meth:`commit` renamed it. InvalidDigestError
+        when ``label`` is not ``[0-9a-z][0-9a-z.-]*``; InsufficientSpaceError / CacheError when it cannot be created."""
         if not isinstance(label, str) or not _LABEL_RE.fullmatch(label):
             raise InvalidDigestError(f"{label!r} is not a valid temporary-file label ([0-9a-z][0-9a-z.-]{{0,99}})")
         self.ensure_dirs()
@@ -294,8 +257,6 @@ class PayloadCache:
         finally:
             close_and_remove(fd, path)
             remove_tree(path.with_name(path.name + ".d"))
-
-    # -- commit ------------------------------------------------------------------------------------
 
     def commit(self, fd: int, temp_path: Path, *, sha256: str, size_bytes: int, expected_sha256: str | None = None) -> Path:
         """Publish a fully written temporary file (from :meth:`temporary`) as the object for ``sha256`` (what the
@@ -346,20 +307,17 @@ class PayloadCache:
         return self.object_path(digest)
 
     def verified_against(self, digest: str, st: os.stat_result, layout: PackLayout) -> bool:
-        """Whether an admission by this object checked the inode ``st`` of ``digest`` against ``layout`` (so a
-        reader need not read its padding again); ``False`` for a pack admitted on its record."""
+        """Whether an admission by this object checked the inode ``st`` of ``digest`` against ``layout`` (not on its record)."""
         with self._verified_here_lock:
             return self._verified_layouts.get(digest) == (identity(st), layout)
 
     def admitted_identity(self, digest: str) -> tuple[int, int, int, int, int] | None:
-        """:func:`~coldsnap_core.cache.records.identity` of the object the latest :meth:`admit` of ``digest``
-        accepted, or ``None``: what a reader that opens the path afterwards compares its open file with."""
+        """:func:`~coldsnap_core.cache.records.identity` of the object the latest :meth:`admit` of ``digest`` accepted."""
         with self._verified_here_lock:
             return self._admitted.get(digest)
 
     def remember_verified(self, digest: str, st: os.stat_result) -> None:
-        """Remember, in this object only, that ``digest`` at the identity of ``st`` was just verified in full
-        (its validation record could not be written; ``docs/format.md`` §10)."""
+        """Trust, in this object only, ``digest`` at the identity of ``st`` (its record could not be written, §10)."""
         with self._verified_here_lock:
             self._verified_here[check_digest(digest)] = identity(st)
 
@@ -429,8 +387,6 @@ class PayloadCache:
         except Exception as exc:  # a daemon thread: no record, and say why
             logger.warning("coldsnap: no validation record written for %s (%s)", path, exc)
 
-    # -- admission: the one door for every consumer of a cached pack ---------------------------------
-
     def admit(
         self,
         digest: str,
@@ -449,9 +405,7 @@ class PayloadCache:
             size_bytes: the size the pack must have (``None``: whatever size it has).
             progress: called with bytes hashed, during a full verification.
             layout: the manifest's canonical layout: the object is checked extent by extent first.
-            extent_owner: with ``layout``, maps a stored entry to a destination for error messages.
             manifest_file: the manifest that gave ``layout``, named by a manifest error (the object stays).
-            log_quarantine: as :meth:`quarantine`'s ``log``.
 
         Raises:
             InvalidDigestError: bad digest (no file touched).
@@ -614,8 +568,6 @@ class PayloadCache:
             return None
         logger.log(logging.WARNING if log else logging.INFO, "coldsnap: quarantined %s as %s", source, target)
         return target
-
-    # -- listing and garbage collection ------------------------------------------------------------
 
     def digests(self) -> list[str]:
         """Digests of every ``<digest>.pack`` name in ``sha256/`` (sorted; links included, to be refused on use)."""

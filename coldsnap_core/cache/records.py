@@ -1,9 +1,5 @@
-"""Validation records: evidence that a cached pack was fully verified, bound to its inode (``docs/format.md`` §11:
-the fields, when a record is trusted, and its limit).
-
-This module only reads and writes records; it never admits, locks or quarantines
-(:meth:`coldsnap_core.cache.payload_cache.PayloadCache.admit` does).
-"""
+"""Validation records: evidence that a cached pack was fully verified, bound to its inode (``docs/format.md`` §11);
+read and written here, never admitting, locking or quarantining."""
 
 from __future__ import annotations
 
@@ -46,8 +42,7 @@ STAT_FIELDS = ("device", "inode", "size_bytes", "mtime_ns", "ctime_ns")
 
 
 class StatBound(Document, kw_only=True):
-    """The ``stat`` fields (:data:`STAT_FIELDS`: ``st_dev``, ``st_ino``, ``st_size``, ``st_mtime_ns``, ``st_ctime_ns``)
-    of the file a node-local record vouches for (``docs/format.md`` §10.1 and §11)."""
+    """The :data:`STAT_FIELDS` of the file a node-local record vouches for (``docs/format.md`` §10.1 and §11)."""
 
     device: Offset
     inode: Offset
@@ -171,14 +166,9 @@ def last_full_verification(cache: RecordHost, digest: str) -> datetime.datetime 
 
 
 def write_record(cache: RecordHost, digest: str, verified: os.stat_result) -> ValidationRecord:
-    """Write (replace) the read-only record of a just-verified object, if the object path still holds exactly
-    the inode ``verified`` describes.
-
-    Raises:
-        CacheError: the object changed since it was verified (no record written).
-        InsufficientSpaceError: no space for the record (no record written).
-        UnsafePathError: the object or record path is a symbolic link.
-    """
+    """Write (replace) the read-only record of a just-verified object still at the inode ``verified`` describes;
+    CacheError when it changed since, InsufficientSpaceError without space (neither writes a record), UnsafePathError
+    when the object or record path is a symbolic link."""
     object_path = cache.object_path(digest)
     current = refuse_symlink(object_path)
     if current is None or identity(current) != identity(verified):
@@ -201,10 +191,8 @@ def write_record(cache: RecordHost, digest: str, verified: os.stat_result) -> Va
 
 
 def record_verified(cache: RecordHost, digest: str, verified: os.stat_result) -> bool:
-    """After a full verification of the inode ``verified``: write the record and return ``True``; where it cannot
-    be written, ``cache`` remembers the verification (``docs/format.md`` §10, commit), it is logged, ``False``. A
-    linked object or record path is an UnsafePathError.
-    """
+    """After a full verification of the inode ``verified``: write the record (``True``), else ``cache`` remembers
+    the verification and it is logged (``False``; ``docs/format.md`` §10, commit); a link is an UnsafePathError."""
     object_path = cache.object_path(digest)
     current = refuse_symlink(object_path)
     if current is None or identity(current) != identity(verified):
@@ -224,6 +212,3 @@ def record_verified(cache: RecordHost, digest: str, verified: os.stat_result) ->
         )
         return False
     return True
-
-
-__all__ = ["RecordHost", "ValidationRecord", "identity", "read_trusted_record", "record_state", "record_verified", "write_record"]
