@@ -1,6 +1,5 @@
-"""Reading and writing artifact folders: unit capsules and the ``artifact.json`` descriptor (``docs/format.md`` §5:
-atomic capsule writes, the descriptor lock, and ``artifact.json`` as the root of trust, whose pins
-:func:`read_pinned_capsule` checks before anything in a capsule is used)."""
+"""Reading and writing artifact folders: unit capsules and ``artifact.json``, the root of trust whose pins
+:func:`read_pinned_capsule` checks before anything in a capsule is used (``docs/format.md`` §5)."""
 
 from __future__ import annotations
 
@@ -66,9 +65,8 @@ T = TypeVar("T")
 
 
 def replace_dir_atomically(final: Path, fill: Callable[[Path], T]) -> T:
-    """Fill a hidden staging folder next to ``final`` (``fill(staging)`` fsyncs each file) and swap it in; a previous
-    ``final`` is moved aside and deleted after. A failure leaves the previous ``final`` and no staging folder.
-    Returns ``fill``'s result."""
+    """Fill a hidden staging folder next to ``final`` (``fill(staging)`` fsyncs each file), swap it in and return
+    ``fill``'s result; a previous ``final`` is moved aside, then deleted (a failure leaves it, and no staging folder)."""
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(8)
@@ -97,9 +95,8 @@ def descriptor_lock_path(artifact_dir: Path) -> Path:
 
 
 def check_artifact_paths(artifact_dir: Path, worker: WorkerIdentity) -> None:
-    """Refuse, before a capture writes anything, a link at the descriptor lock, ``workers/`` or the worker's
-    capsule lock (the artifact folder itself may be a link: a blue/green ``current -> a``): UnsafePathError (rule
-    ``no-symlinks``, or a component that is not a folder), NotRegularFileError (a lock path), FileAccessError."""
+    """Refuse, before a capture writes, a link at the descriptor lock, ``workers/`` or the capsule lock (the artifact
+    folder may be one: ``current -> a``): UnsafePathError (rule ``no-symlinks``), NotRegularFileError, FileAccessError."""
     workers_dir = artifact_dir / WORKERS_DIRNAME
     _refuse_link(descriptor_lock_path(artifact_dir), regular=True)
     _refuse_link(workers_dir, regular=False)
@@ -136,8 +133,7 @@ def _artifact_lock(path: Path) -> Iterator[None]:
 
 
 def write_capsule(artifact_dir: Path, worker: WorkerIdentity, fill: Callable[[Path], T]) -> tuple[Path, T]:
-    """Create (or replace) ``workers/<worker.capsule_name>`` by :func:`replace_dir_atomically` under the capsule's
-    lock; returns ``(capsule path, fill's result)``."""
+    """Create (or replace) ``workers/<capsule name>`` by :func:`replace_dir_atomically` under its lock; ``(path, result)``."""
     check_artifact_paths(artifact_dir, worker)
     workers_dir = artifact_dir / WORKERS_DIRNAME
     workers_dir.mkdir(parents=True, exist_ok=True)
@@ -153,8 +149,7 @@ def _capsule_lock_path(workers_dir: Path, capsule_name: str) -> Path:
 
 
 def sweep_capsule_debris(workers_dir: Path, capsule_name: str) -> list[Path]:
-    """Remove the ``.<name>.<hex16>.partial`` and ``.old`` folders a killed writer of one capsule left behind
-    (call with the capsule's lock held). Returns what was removed."""
+    """Remove (and return) the ``.<name>.<hex16>.partial`` / ``.old`` folders a killed writer left; hold its lock."""
     pattern = re.compile(rf"\.{re.escape(capsule_name)}\.[0-9a-f]{{16}}\.(partial|old)")
     removed = []
     for child in sorted(workers_dir.iterdir()):
@@ -167,8 +162,7 @@ def sweep_capsule_debris(workers_dir: Path, capsule_name: str) -> list[Path]:
 
 
 def remove_other_worlds(artifact_dir: Path, world_size: int, data_parallel_size: int = 1) -> list[Path]:
-    """Remove every capsule folder of another world size or data parallel size (no ``-dp-`` part: 1), each under
-    its capsule lock and renamed to a hidden ``.old`` sibling first. Returns the removed capsule folders."""
+    """Remove (and return) every capsule folder of another world size or data parallel size (``docs/format.md`` §5)."""
     workers_dir = artifact_dir / WORKERS_DIRNAME
     if not workers_dir.is_dir():
         return []
@@ -198,8 +192,8 @@ def remove_other_worlds(artifact_dir: Path, world_size: int, data_parallel_size:
 
 
 def register_worker(artifact_dir: Path, model: ModelIdentity, entry: WorkerEntry) -> ArtifactDescriptor:
-    """Add (or replace) ``entry`` in ``artifact.json`` under the descriptor's lock. A descriptor of another model,
-    or one that cannot be read, is started afresh with a WARNING; entries and capsules of another world go."""
+    """Add (or replace) ``entry`` in ``artifact.json`` under the descriptor's lock (``docs/format.md`` §5: another
+    model's or an unreadable descriptor is started afresh, another world's capsules go)."""
     artifact_dir.mkdir(parents=True, exist_ok=True)
     path = artifact_dir / DESCRIPTOR_FILENAME
     with _artifact_lock(descriptor_lock_path(artifact_dir)):
@@ -227,8 +221,7 @@ def pin_file(name: str, data: bytes) -> CapsuleFile:
 
 @dataclass(frozen=True, slots=True)
 class Capsule:
-    """A worker's unit capsule as read from disk; ``target`` is ``None`` only for a capsule read on its own
-    without a ``target.json`` (a level-1 sleep capsule)."""
+    """A worker's unit capsule as read from disk (``target``: ``None`` for one without ``target.json``, read on its own)."""
 
     path: Path
     native: NativeManifest
@@ -245,10 +238,9 @@ class Capsule:
 
 
 def read_capsule(path: Path) -> Capsule:
-    """Read a capsule on its own (``coldsnap verify CAPSULE``): both manifests parse, agree with each other and
-    with the folder's name (unpinned; :func:`read_pinned_capsule` also checks the pins). MissingObjectError (the
-    capsule or a manifest is missing), ManifestError (malformed or unsupported), ManifestMismatchError (the manifests
-    disagree with each other, the folder's name or, pinned, the entry; exit code 2)."""
+    """Read a capsule on its own, unpinned (``coldsnap verify CAPSULE``): both manifests parse and agree with each other
+    and with the folder's name. MissingObjectError (the capsule or a manifest is missing), ManifestError (malformed or
+    unsupported), ManifestMismatchError (a disagreement: with each other, the folder or, pinned, the entry; exit 2)."""
     return _read_capsule(path, {})
 
 
@@ -338,10 +330,9 @@ def read_worker_capsule(artifact_dir: Path, entry: WorkerEntry) -> Capsule:
 
 
 def read_pinned_capsule(path: Path, entry: WorkerEntry) -> Capsule:
-    """Read the capsule at ``path`` pinned by ``entry`` (an artifact's, or a target-local overlay's): each manifest
-    matches its pin before it is parsed, both agree, and folder, manifests and entry name one worker, residual
-    blob and payload. Raises as :func:`read_capsule`, and CapsulePinMismatchError when a manifest or the residual
-    blob's pin does not match (exit code 2)."""
+    """Read the capsule at ``path`` pinned by ``entry`` (an artifact's or an overlay's): each manifest matches its pin
+    before it is parsed, and folder, manifests and entry name one worker, residual blob and payload. Raises as
+    :func:`read_capsule`, and CapsulePinMismatchError when a manifest's or the blob's pin does not match (exit 2)."""
     pins = {name: entry.pin(name) for name in _DOCUMENTS}
     capsule = _read_capsule(path, pins)
     native = capsule.native
@@ -391,8 +382,7 @@ def check_provenance_in_identity(manifest: NativeManifest, model: ModelIdentity,
 
 
 def find_worker(descriptor: ArtifactDescriptor, worker: WorkerIdentity) -> WorkerEntry:
-    """The descriptor's entry for ``worker`` (equal in every identity field, data parallel ones included);
-    MissingObjectError when the artifact has none."""
+    """The descriptor's entry for ``worker`` (equal in every identity field); MissingObjectError when it has none."""
     for entry in descriptor.workers:
         if entry.worker == worker:
             return entry
@@ -433,8 +423,7 @@ def _require_present(path: Path, what: str) -> None:
 def write_manifests(
     staging: Path, native: NativeManifest, recovery: RecoveryManifest | None, target: TargetIdentity | None
 ) -> tuple[CapsuleFile, ...]:
-    """Write each given document into a capsule staging folder (fsynced); returns the pins of those and of the
-    residual blob, sorted by name."""
+    """Write each given document into a capsule staging folder (fsynced); return their and the blob's pins, by name."""
     pins = [CapsuleFile.of(native.residual)]
     for name, document in ((NATIVE_MANIFEST_FILENAME, native), (RECOVERY_MANIFEST_FILENAME, recovery), (TARGET_FILENAME, target)):
         if document is not None:
@@ -445,8 +434,7 @@ def write_manifests(
 
 
 def check_artifact_layout(artifact_dir: Path) -> None:
-    """Every non-hidden capsule folder in ``workers/`` is listed in the descriptor (else ArtifactError naming the
-    folder; no ``artifact.json``: MissingObjectError)."""
+    """Every non-hidden folder of ``workers/`` is listed in ``artifact.json`` (else ArtifactError; none: MissingObjectError)."""
     descriptor = read_descriptor(artifact_dir)
     listed = {entry.capsule for entry in descriptor.workers}
     workers_dir = artifact_dir / WORKERS_DIRNAME

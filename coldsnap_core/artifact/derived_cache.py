@@ -96,8 +96,7 @@ class SeedQualification(Record):
         )
 
     def differences(self, current: SeedQualification, fields: Iterable[str] | None = None) -> list[str]:
-        """Each differing field as ``name: captured X, here Y`` (flags: only those that differ); only
-        ``fields`` when given (default: every field)."""
+        """Each differing field (of ``fields``, default all) as ``name: captured X, here Y`` (flags: those that differ)."""
         out = []
         for name in self.__struct_fields__ if fields is None else fields:
             mine, theirs = getattr(self, name), getattr(current, name)
@@ -166,9 +165,8 @@ def read_seed(capsule_dir: Path, pins: dict[str, CapsuleFile]) -> SeedDocument:
     if missing:
         raise CapsulePinMismatchError(f"artifact.json pins one seed file without {missing[0]}", file=capsule_dir)
     document_path = capsule_dir / SEED_DOCUMENT_FILENAME
-    document_pin = pins[SEED_DOCUMENT_FILENAME]
     data = read_document_bytes(document_path, max_bytes=MAX_SEED_DOCUMENT_BYTES)
-    check_pin(document_path, len(data), hashlib.sha256(data).hexdigest(), document_pin)
+    check_pin(document_path, len(data), hashlib.sha256(data).hexdigest(), pins[SEED_DOCUMENT_FILENAME])
     document = SeedDocument.loads(data, file=str(document_path))
     archive_path = capsule_dir / SEED_ARCHIVE_FILENAME
     archive_pin = pins[SEED_ARCHIVE_FILENAME]
@@ -207,13 +205,8 @@ def archive_members(tar: tarfile.TarFile, document: SeedDocument, archive_path: 
 
 def verify_seed(capsule_dir: Path, capsule_files: Iterable[CapsuleFile]) -> SeedDocument | None:
     """Check the seed of the capsule at ``capsule_dir`` without placing it (``coldsnap verify``): both files, the
-    document and every archive member against their pins. Returns the document, or ``None`` without a seed.
-
-    Raises:
-        CapsulePinMismatchError: a file does not match its pin, one seed file is pinned without the other,
-            or the archive's files are not the listed ones (rule ``capsule-pin``).
-        MissingObjectError, ManifestError, FileAccessError: a file is missing, malformed or unreadable.
-    """
+    document and every archive member against their pins; the document, or ``None`` without a seed. Raises
+    CapsulePinMismatchError (rule ``capsule-pin``), MissingObjectError, ManifestError or FileAccessError."""
     pins = {p.name: p for p in capsule_files if p.name in SEED_FILENAMES}
     if not pins:
         return None

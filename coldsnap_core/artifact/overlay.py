@@ -1,5 +1,4 @@
-"""Target-local residual overlays: the documents and paths of a node's own capsule for a portable capsule it
-may not replay (``docs/format.md`` §15.3)."""
+"""Target-local residual overlays: the documents and paths of a node's own capsule (``docs/format.md`` §15.3)."""
 
 from __future__ import annotations
 
@@ -54,12 +53,8 @@ def portable_descriptor_sha256(artifact_dir: Path) -> str:
 
 class OverlayDescriptor(Document, tag=OVERLAY_KIND):
     """``overlay.json`` (``docs/format.md`` §15.3): kind ``overlay`` (the folder holds this target's capsule) or
-    ``qualified`` (the portable capsule is replayed on this target), bound to the portable ``artifact.json``'s bytes.
-
-    Raises:
-        ManifestValueError: the pins do not fit the kind (``overlay``: the capsule's four files, its blob
-            ``weights.blob``, and optionally a seed's two; ``qualified``: a seed's two or nothing).
-    """
+    ``qualified`` (the portable capsule is replayed on this target), bound to the portable ``artifact.json``'s bytes;
+    ManifestValueError when the pins do not fit the kind."""
 
     kind: OverlayKind
     artifact_dir: Text

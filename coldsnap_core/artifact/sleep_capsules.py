@@ -1,6 +1,5 @@
 """Process-local sleep capsules under ``<state_root>/sleep/``: names, ownership locks, listing, removal
-(``docs/format.md`` §6.2, "Sleep capsule": the name, the owner's ``flock`` on ``<capsule name>.lock``, and what is
-debris)."""
+(``docs/format.md`` §6.2, "Sleep capsule": the owner's ``flock`` on ``<capsule name>.lock``, and what is debris)."""
 
 from __future__ import annotations
 
@@ -73,8 +72,7 @@ class SleepCapsuleClaim:
             raise CacheError(f"cannot create the sleep capsule folder: {exc.strerror or exc}", file=self.folder) from exc
         if not stat.S_ISDIR(st.st_mode):
             raise UnsafePathError("refusing a symbolic link or non-folder as the sleep capsule folder", file=self.folder)
-        # The lock file appears under its name already locked (flock first, then rename): a sweeper
-        # never sees it free while its owner lives.
+        # flock first, then rename: a sweeper never sees the lock file free while its owner lives
         staging = self.folder / f".{self.name}.lock-{secrets.token_hex(8)}.tmp"
         try:
             fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -115,8 +113,7 @@ class SleepCapsuleEntry:
 
 
 def list_sleep_capsules(state_root: Path) -> list[SleepCapsuleEntry]:
-    """Every capsule folder (and hidden staging folder) under ``sleep/``, with its owner's state; UnsafePathError when
-    ``sleep/`` is a symbolic link or not a folder."""
+    """Every capsule (and staging) folder under ``sleep/`` with its owner's state; UnsafePathError for a linked ``sleep/``."""
     folder = sleep_dir(state_root)
     try:
         st = os.lstat(folder)
@@ -178,11 +175,8 @@ def _held_if_free(lock_path: Path):
     """Hold ``flock`` on ``lock_path`` if nobody does; yields whether it is held (or absent: ``True``)."""
     try:
         fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except FileNotFoundError:
-        yield True
-        return
-    except OSError:
-        yield False
+    except OSError as exc:
+        yield isinstance(exc, FileNotFoundError)
         return
     try:
         try:

@@ -17,8 +17,7 @@ DEFAULT_GC_AGE_SECONDS = 3600.0
 
 @dataclass(frozen=True, slots=True)
 class GcReport:
-    """What :meth:`PayloadCache.gc` removed (or would remove, with ``dry_run``); ``kept_live``: temporaries left in
-    place (younger than the threshold, or their writer still holds them)."""
+    """What :meth:`PayloadCache.gc` removed (``dry_run``: would remove); ``kept_live``: temporaries it left in place."""
 
     temporaries: tuple[Path, ...] = ()
     quarantined: tuple[Path, ...] = ()

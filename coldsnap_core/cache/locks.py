@@ -1,5 +1,4 @@
-"""The payload cache's per-digest lock plumbing: re-entrancy per thread, logged waits, the holder
-(``docs/format.md`` §10, "Lock waits")."""
+"""The payload cache's per-digest lock plumbing: re-entrancy, logged waits, the holder (``docs/format.md`` §10, "Lock waits")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The packs' life cycle in the node-local cache: a running load's hold (a shared ``flock`` on ``used/<digest>.use``),
-the last use (its mtime), removal and least-recently-used eviction (``docs/format.md`` §10, "Last use and loads in
-use", "Removal", "Eviction")."""
+"""The packs' life cycle in the node-local cache: a load's hold and the last use (``used/<digest>.use``), removal
+and least-recently-used eviction (``docs/format.md`` §10, "Last use and loads in use", "Removal", "Eviction")."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ PROBE_GRACE_SECONDS = 0.5
 
 @dataclass(frozen=True, slots=True)
 class PackUsage:
-    """One cached pack as the life cycle sees it (``last_used_ns``: :func:`last_used_ns`; ``in_use``: a running
-    load held it when it was looked at)."""
+    """One cached pack (``last_used_ns``: :func:`last_used_ns`; ``in_use``: a load held it when it was looked at)."""
 
     digest: str
     size_bytes: int
@@ -73,10 +71,9 @@ def _lock_use_file(cache: PayloadCache, digest: str, operation: int) -> int | No
 
 @contextlib.contextmanager
 def hold_pack(cache: PayloadCache, digest: str) -> Iterator[bool]:
-    """Hold ``digest`` as in use by this load and set its last use to now; yield whether it is held (a use file
-    that cannot be created or written is logged at INFO and the load goes on without the hold). InvalidDigestError
-    for a bad digest, UnsafePathError for a linked use path or cache folder, LockTimeoutError when a remover held the
-    pack's exclusive ``flock`` for longer than the lock timeout."""
+    """Hold ``digest`` as in use by this load and set its last use to now; yield whether it is held (``docs/format.md``
+    §10, "Last use and loads in use"). InvalidDigestError, UnsafePathError (a link), LockTimeoutError when a remover
+    held the pack's exclusive ``flock`` for longer than the lock timeout."""
     check_digest(digest)
     deadline = time.monotonic() + cache.lock_timeout_seconds
     fd = None
@@ -119,8 +116,7 @@ def last_used_ns(cache: PayloadCache, digest: str, object_st: os.stat_result) ->
 
 
 def list_packs(cache: PayloadCache) -> list[PackUsage]:
-    """Every cached pack that is a regular file (sorted by digest); a link or an object that cannot be examined
-    is left out."""
+    """Every cached pack that is a regular file, by digest (a link or an object that cannot be examined is left out)."""
     packs = []
     for digest in cache.digests():
         try:
@@ -133,15 +129,9 @@ def list_packs(cache: PayloadCache) -> list[PackUsage]:
 
 
 def remove_pack(cache: PayloadCache, digest: str, *, force: bool = False) -> PackUsage:
-    """Remove one pack, its validation record and its use file (``force``: even while a running load holds it).
-
-    Raises:
-        InvalidDigestError: bad digest (no file touched).
-        MissingObjectError: the pack is not in the cache (or another remover took it first).
-        PackInUseError: a running load holds it and ``force`` is false; nothing was removed.
-        LockTimeoutError: the digest's lock was not had within the lock timeout.
-        UnsafePathError / CacheError: a link in the way, or a file that cannot be removed.
-    """
+    """Remove one pack, its validation record and its use file (``force``: even while a running load holds it;
+    ``docs/format.md`` §10, "Removal"). InvalidDigestError, MissingObjectError (not in the cache), PackInUseError
+    (held by a load, no ``force``: nothing removed), LockTimeoutError, UnsafePathError / CacheError."""
     removed = _remove_if_present(cache, check_digest(digest), force=force)
     if removed is None:
         raise MissingObjectError(

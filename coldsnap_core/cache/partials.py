@@ -1,5 +1,4 @@
-"""Writes in progress in a cache's ``tmp/`` folder: creating a ``flock``-held ``.partial`` file, and telling and
-sweeping the ones whose writer is gone (its ``flock`` is free; ``docs/format.md`` §10, "Temporaries")."""
+"""Writes in progress in ``tmp/``: ``flock``-held ``.partial`` files; dead writers' swept (``docs/format.md`` §10)."""
 
 from __future__ import annotations
 
@@ -53,8 +52,7 @@ SWEEP_GRACE_SECONDS = 10.0
 
 
 def create_locked_partial(path: Path) -> int:
-    """Create ``path`` (``O_EXCL | O_NOFOLLOW``, mode 0600, open for writing) and hold ``flock`` on it; return the
-    descriptor (``OSError``: it cannot be created)."""
+    """Create ``path`` (``O_EXCL | O_NOFOLLOW``, mode 0600, for writing), hold ``flock`` on it, return the fd (or OSError)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file (O_EXCL): nobody else holds it

@@ -1,5 +1,4 @@
-"""Validation records: evidence that a cached pack was fully verified, bound to its inode (``docs/format.md`` §11);
-read and written here, never admitting, locking or quarantining."""
+"""Validation records, evidence that a cached pack was fully verified, bound to its inode (``docs/format.md`` §11)."""
 
 from __future__ import annotations
 
@@ -81,24 +80,15 @@ class RecordHost(Protocol):
     """What the record functions need of a cache (:class:`coldsnap_core.cache.payload_cache.PayloadCache` is one)."""
 
     def object_path(self, digest: str) -> Path: ...
-
     def record_path(self, digest: str) -> Path: ...
-
     def temporary(self, label: str) -> AbstractContextManager[tuple[int, Path]]: ...
-
     def remember_verified(self, digest: str, st: os.stat_result) -> None: ...
 
 
 def read_private_record(path: Path, kind: type[D]) -> D:
     """Read and strictly parse a node-local record that this user alone could have written (the trust rules of
-    ``docs/format.md`` §11, checked on the descriptor).
-
-    Raises:
-        ValidationRecordError: absent, another owner, a loose mode, too large, or malformed (names why).
-        UnsafePathError: ``path`` is a symbolic link, or a path component is not a folder.
-        NotRegularFileError: ``path`` is a folder, named pipe, device or other non-regular file.
-        FileAccessError: ``path`` cannot be opened or read (``EACCES``, ``EIO``, ...).
-    """
+    ``docs/format.md`` §11, checked on the descriptor): ValidationRecordError names why not; UnsafePathError,
+    NotRegularFileError and FileAccessError as :func:`~coldsnap_core._io.open_regular`."""
     with open_regular(path, "record", missing=ValidationRecordError) as (fd, st):
         if st.st_uid != os.geteuid():
             raise ValidationRecordError(f"record belongs to uid {st.st_uid}, not {os.geteuid()}", file=path)
@@ -117,14 +107,8 @@ def read_private_record(path: Path, kind: type[D]) -> D:
 
 
 def read_trusted_record(cache: RecordHost, digest: str, object_st: os.stat_result | None = None) -> ValidationRecord:
-    """Return the record of ``digest`` if it may be trusted right now (``object_st``: a fresh ``lstat`` of the object).
-
-    Raises:
-        ValidationRecordError: absent, loose mode, other owner, unparsable, another digest or
-            verifier version, a loose object mode, or a bound field differs from the object.
-        MissingObjectError: the object does not exist.
-        UnsafePathError: the record or object path is a symbolic link or not a regular file.
-    """
+    """Return the record of ``digest`` if it may be trusted right now (``object_st``: a fresh ``lstat`` of the object,
+    ``docs/format.md`` §11); else ValidationRecordError, MissingObjectError (no object) or UnsafePathError (a link)."""
     path = cache.record_path(digest)
     record = read_private_record(path, ValidationRecord)
     if record.digest != digest:
@@ -156,8 +140,7 @@ def record_state(cache: RecordHost, digest: str) -> str:
 
 
 def last_full_verification(cache: RecordHost, digest: str) -> datetime.datetime | None:
-    """When the object ``digest`` was last hashed in full (UTC; its trusted record's ``verified_at``,
-    ``docs/format.md`` §11), or ``None`` without a trusted record or with a time that does not parse."""
+    """When ``digest`` was last hashed in full (its trusted record's ``verified_at``, UTC), else ``None``."""
     try:
         when = datetime.datetime.fromisoformat(read_trusted_record(cache, digest).verified_at)
     except (ColdsnapError, ValueError):
