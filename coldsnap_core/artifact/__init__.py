@@ -1,2 +1,1 @@
-"""The artifact on disk: capsules and ``artifact.json``, residual blobs, target-local overlays, level-1
-sleep capsules."""
+"""The artifact on disk: capsules, ``artifact.json``, residual blobs, overlays, seeds, level-1 sleep capsules."""

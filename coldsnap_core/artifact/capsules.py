@@ -1,10 +1,5 @@
-"""Reading and writing artifact folders: unit capsules and the ``artifact.json`` descriptor (``docs/format.md`` §5).
-
-A capsule is built in a hidden staging folder (``workers/.<name>.<hex16>.partial``), every file fsynced, and
-renamed into place as a whole; ``artifact.json`` is replaced under a ``filelock`` lock, so concurrent tensor
-parallel ranks land in one descriptor. ``artifact.json`` is the root of trust: each worker entry pins its
-capsule's files, checked by :func:`read_pinned_capsule` before anything in the capsule is used.
-"""
+"""Reading and writing artifact folders: unit capsules and ``artifact.json``, the root of trust whose pins
+:func:`read_pinned_capsule` checks before anything in a capsule is used (``docs/format.md`` §5)."""
 
 from __future__ import annotations
 
@@ -28,6 +23,7 @@ import msgspec
 
 from coldsnap_core._io import (
     fsync_dir,
+    lstat_or_none,
     os_error,
     remove_tree,
     replace_file_durably,
@@ -69,9 +65,8 @@ T = TypeVar("T")
 
 
 def replace_dir_atomically(final: Path, fill: Callable[[Path], T]) -> T:
-    """Fill a hidden staging folder next to ``final`` (``fill(staging)`` fsyncs each file) and swap it in; a previous
-    ``final`` is moved aside and deleted after. A failure leaves the previous ``final`` and no staging folder.
-    Returns ``fill``'s result."""
+    """Fill a hidden staging folder next to ``final`` (``fill(staging)`` fsyncs each file), swap it in and return
+    ``fill``'s result; a previous ``final`` is moved aside, then deleted (a failure leaves it, and no staging folder)."""
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(8)
@@ -100,14 +95,8 @@ def descriptor_lock_path(artifact_dir: Path) -> Path:
 
 
 def check_artifact_paths(artifact_dir: Path, worker: WorkerIdentity) -> None:
-    """Refuse, before a capture writes anything, a link at the descriptor lock, ``workers/`` or the worker's
-    capsule lock (the artifact folder itself may be a link: a blue/green ``current -> a``).
-
-    Raises:
-        UnsafePathError: one of them is a symbolic link (rule ``no-symlinks``), or a path component is not a folder.
-        NotRegularFileError: a lock path holds a folder or another non-regular file.
-        FileAccessError: one cannot be examined.
-    """
+    """Refuse, before a capture writes, a link at the descriptor lock, ``workers/`` or the capsule lock (the artifact
+    folder may be one: ``current -> a``): UnsafePathError (rule ``no-symlinks``), NotRegularFileError, FileAccessError."""
     workers_dir = artifact_dir / WORKERS_DIRNAME
     _refuse_link(descriptor_lock_path(artifact_dir), regular=True)
     _refuse_link(workers_dir, regular=False)
@@ -115,14 +104,9 @@ def check_artifact_paths(artifact_dir: Path, worker: WorkerIdentity) -> None:
 
 
 def _refuse_link(path: Path, *, regular: bool) -> None:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
+    st = lstat_or_none(path)
+    if st is None:
         return
-    except OSError as exc:
-        if exc.errno in (errno.ENOTDIR, errno.ELOOP):
-            raise UnsafePathError(f"a component of the path is not a usable folder: {exc.strerror or exc}", file=path) from exc
-        raise os_error("cannot examine an artifact path", exc, path) from exc
     if stat.S_ISLNK(st.st_mode):
         raise UnsafePathError("refusing a symbolic link in the artifact folder", file=path)
     if regular and not stat.S_ISREG(st.st_mode):
@@ -149,8 +133,7 @@ def _artifact_lock(path: Path) -> Iterator[None]:
 
 
 def write_capsule(artifact_dir: Path, worker: WorkerIdentity, fill: Callable[[Path], T]) -> tuple[Path, T]:
-    """Create (or replace) ``workers/<worker.capsule_name>`` by :func:`replace_dir_atomically` under the capsule's
-    lock; returns ``(capsule path, fill's result)``."""
+    """Create (or replace) ``workers/<capsule name>`` by :func:`replace_dir_atomically` under its lock; ``(path, result)``."""
     check_artifact_paths(artifact_dir, worker)
     workers_dir = artifact_dir / WORKERS_DIRNAME
     workers_dir.mkdir(parents=True, exist_ok=True)
@@ -166,8 +149,7 @@ def _capsule_lock_path(workers_dir: Path, capsule_name: str) -> Path:
 
 
 def sweep_capsule_debris(workers_dir: Path, capsule_name: str) -> list[Path]:
-    """Remove the ``.<name>.<hex16>.partial`` and ``.old`` folders a killed writer of one capsule left behind
-    (call with the capsule's lock held). Returns what was removed."""
+    """Remove (and return) the ``.<name>.<hex16>.partial`` / ``.old`` folders a killed writer left; hold its lock."""
     pattern = re.compile(rf"\.{re.escape(capsule_name)}\.[0-9a-f]{{16}}\.(partial|old)")
     removed = []
     for child in sorted(workers_dir.iterdir()):
@@ -180,8 +162,7 @@ def sweep_capsule_debris(workers_dir: Path, capsule_name: str) -> list[Path]:
 
 
 def remove_other_worlds(artifact_dir: Path, world_size: int, data_parallel_size: int = 1) -> list[Path]:
-    """Remove every capsule folder of another world size or data parallel size (no ``-dp-`` part: 1), each under
-    its capsule lock and renamed to a hidden ``.old`` sibling first. Returns the removed capsule folders."""
+    """Remove (and return) every capsule folder of another world size or data parallel size (``docs/format.md`` §5)."""
     workers_dir = artifact_dir / WORKERS_DIRNAME
     if not workers_dir.is_dir():
         return []
@@ -211,8 +192,8 @@ def remove_other_worlds(artifact_dir: Path, world_size: int, data_parallel_size:
 
 
 def register_worker(artifact_dir: Path, model: ModelIdentity, entry: WorkerEntry) -> ArtifactDescriptor:
-    """Add (or replace) ``entry`` in ``artifact.json`` under the descriptor's lock. A descriptor of another model,
-    or one that cannot be read, is started afresh with a WARNING; entries and capsules of another world go."""
+    """Add (or replace) ``entry`` in ``artifact.json`` under the descriptor's lock (``docs/format.md`` §5: another
+    model's or an unreadable descriptor is started afresh, another world's capsules go)."""
     artifact_dir.mkdir(parents=True, exist_ok=True)
     path = artifact_dir / DESCRIPTOR_FILENAME
     with _artifact_lock(descriptor_lock_path(artifact_dir)):
@@ -240,8 +221,7 @@ def pin_file(name: str, data: bytes) -> CapsuleFile:
 
 @dataclass(frozen=True, slots=True)
 class Capsule:
-    """A worker's unit capsule as read from disk; ``target`` is ``None`` only for a capsule read on its own
-    without a ``target.json`` (a level-1 sleep capsule)."""
+    """A worker's unit capsule as read from disk (``target``: ``None`` for one without ``target.json``, read on its own)."""
 
     path: Path
     native: NativeManifest
@@ -258,14 +238,9 @@ class Capsule:
 
 
 def read_capsule(path: Path) -> Capsule:
-    """Read a capsule on its own (``coldsnap verify CAPSULE``): both manifests parse, agree with each other and
-    with the folder's name (unpinned; :func:`read_pinned_capsule` also checks the pins).
-
-    Raises:
-        MissingObjectError: the capsule or a manifest is missing.
-        ManifestError: a manifest is malformed or unsupported.
-        ManifestMismatchError: the manifests disagree, or the folder is not named after their worker (exit code 2).
-    """
+    """Read a capsule on its own, unpinned (``coldsnap verify CAPSULE``): both manifests parse and agree with each other
+    and with the folder's name. MissingObjectError (the capsule or a manifest is missing), ManifestError (malformed or
+    unsupported), ManifestMismatchError (a disagreement: with each other, the folder or, pinned, the entry; exit 2)."""
     return _read_capsule(path, {})
 
 
@@ -290,13 +265,8 @@ def check_pin(path: Path, size_bytes: int, sha256: str, pin: ContentRef, pinned_
 
 def check_pinned_file(path: Path, pin: ContentRef, *, pinned_by: str = DESCRIPTOR_FILENAME) -> None:
     """The regular file at ``path`` has ``pin``'s size (checked first) and SHA-256; ``pinned_by`` names the pin's source.
-
-    Raises:
-        MissingObjectError: nothing at ``path``.
-        NotRegularFileError: not a regular file (after links).
-        FileAccessError: it cannot be examined or read.
-        CapsulePinMismatchError: another size or SHA-256 (names the file, both sizes and digests).
-    """
+    MissingObjectError (nothing there), NotRegularFileError (after links), FileAccessError (unreadable), or
+    CapsulePinMismatchError (another size or SHA-256, naming both)."""
     _require_present(path, f"a file {pinned_by} pins")
     st = path.stat()
     if not stat.S_ISREG(st.st_mode):
@@ -360,16 +330,9 @@ def read_worker_capsule(artifact_dir: Path, entry: WorkerEntry) -> Capsule:
 
 
 def read_pinned_capsule(path: Path, entry: WorkerEntry) -> Capsule:
-    """Read the capsule at ``path`` pinned by ``entry`` (an artifact's, or a target-local overlay's): each manifest
-    matches its pin before it is parsed, both agree, and folder, manifests and entry name one worker, residual
-    blob and payload.
-
-    Raises:
-        MissingObjectError: the capsule folder or a manifest is missing.
-        CapsulePinMismatchError: a manifest or the residual blob's pin does not match (exit code 2).
-        ManifestError: a manifest is malformed or unsupported.
-        ManifestMismatchError: the manifests disagree with each other, the folder name or the entry (exit code 2).
-    """
+    """Read the capsule at ``path`` pinned by ``entry`` (an artifact's or an overlay's): each manifest matches its pin
+    before it is parsed, and folder, manifests and entry name one worker, residual blob and payload. Raises as
+    :func:`read_capsule`, and CapsulePinMismatchError when a manifest's or the blob's pin does not match (exit 2)."""
     pins = {name: entry.pin(name) for name in _DOCUMENTS}
     capsule = _read_capsule(path, pins)
     native = capsule.native
@@ -419,11 +382,7 @@ def check_provenance_in_identity(manifest: NativeManifest, model: ModelIdentity,
 
 
 def find_worker(descriptor: ArtifactDescriptor, worker: WorkerIdentity) -> WorkerEntry:
-    """The descriptor's entry for ``worker`` (equal in every identity field, data parallel ones included).
-
-    Raises:
-        MissingObjectError: the artifact has no capsule for this worker.
-    """
+    """The descriptor's entry for ``worker`` (equal in every identity field); MissingObjectError when it has none."""
     for entry in descriptor.workers:
         if entry.worker == worker:
             return entry
@@ -431,13 +390,8 @@ def find_worker(descriptor: ArtifactDescriptor, worker: WorkerIdentity) -> Worke
 
 
 def read_descriptor(artifact_dir: Path) -> ArtifactDescriptor:
-    """Read and strictly parse ``<artifact_dir>/artifact.json``.
-
-    Raises:
-        MissingObjectError: it does not exist.
-        NotRegularFileError, FileAccessError: not a regular file, or it cannot be examined (a link loop: rule ``io``).
-        ManifestError: it is malformed.
-    """
+    """Read and strictly parse ``<artifact_dir>/artifact.json``: MissingObjectError when absent, NotRegularFileError
+    or FileAccessError (a link loop: rule ``io``) when it cannot be read, ManifestError when malformed."""
     return read_descriptor_bytes(artifact_dir)[0]
 
 
@@ -469,8 +423,7 @@ def _require_present(path: Path, what: str) -> None:
 def write_manifests(
     staging: Path, native: NativeManifest, recovery: RecoveryManifest | None, target: TargetIdentity | None
 ) -> tuple[CapsuleFile, ...]:
-    """Write each given document into a capsule staging folder (fsynced); returns the pins of those and of the
-    residual blob, sorted by name."""
+    """Write each given document into a capsule staging folder (fsynced); return their and the blob's pins, by name."""
     pins = [CapsuleFile.of(native.residual)]
     for name, document in ((NATIVE_MANIFEST_FILENAME, native), (RECOVERY_MANIFEST_FILENAME, recovery), (TARGET_FILENAME, target)):
         if document is not None:
@@ -481,12 +434,7 @@ def write_manifests(
 
 
 def check_artifact_layout(artifact_dir: Path) -> None:
-    """Every non-hidden capsule folder in ``workers/`` is listed in the descriptor.
-
-    Raises:
-        MissingObjectError: no ``artifact.json``.
-        ArtifactError: a capsule folder is not listed (names the folder).
-    """
+    """Every non-hidden folder of ``workers/`` is listed in ``artifact.json`` (else ArtifactError; none: MissingObjectError)."""
     descriptor = read_descriptor(artifact_dir)
     listed = {entry.capsule for entry in descriptor.workers}
     workers_dir = artifact_dir / WORKERS_DIRNAME

@@ -1,11 +1,5 @@
-"""Derived-cache seeds: an engine's compile cache files captured into a capsule (``docs/format.md`` §17).
-
-A seed is ``derived-cache.tar`` (the files, uncompressed) described by ``derived-cache.json``
-(:class:`SeedDocument`), both pinned in ``artifact.json``. Here: the documents, reading a seed against its pins
-and checking it without placing it (:func:`verify_seed`). Captured by :mod:`coldsnap_core.capture.derived_cache`,
-placed by :mod:`coldsnap_core.restore.derived_cache`; the engine plugin names the cache roots (``vllm-cache``:
-``VLLM_CACHE_ROOT``; ``inductor-cache``: ``TORCHINDUCTOR_CACHE_DIR``) and its compilation digest.
-"""
+"""Derived-cache seeds, an engine's compile cache files captured into a capsule (``docs/format.md`` §17): the
+documents, reading a seed against its pins, and checking it without placing it (:func:`verify_seed`)."""
 
 from __future__ import annotations
 
@@ -62,10 +56,7 @@ class SeedMember(ContentRef):
 
 class SeedQualification(Record):
     """What a seed's compiled code depends on; a seed is placed only where every field is equal (``docs/format.md`` §17.2).
-
-    Raises:
-        ManifestValueError: ``cpu_isa_flags`` is not sorted and unique.
-    """
+    ManifestValueError when ``cpu_isa_flags`` is not sorted and unique."""
 
     engine: Text
     engine_version: Text | None
@@ -105,8 +96,7 @@ class SeedQualification(Record):
         )
 
     def differences(self, current: SeedQualification, fields: Iterable[str] | None = None) -> list[str]:
-        """Each differing field as ``name: captured X, here Y`` (flags: only those that differ); only
-        ``fields`` when given (default: every field)."""
+        """Each differing field (of ``fields``, default all) as ``name: captured X, here Y`` (flags: those that differ)."""
         out = []
         for name in self.__struct_fields__ if fields is None else fields:
             mine, theirs = getattr(self, name), getattr(current, name)
@@ -122,11 +112,8 @@ class SeedQualification(Record):
 
 
 class SeedDocument(Document, tag=SEED_KIND):
-    """``derived-cache.json`` (``docs/format.md`` §17.2).
-
-    Raises:
-        ManifestValueError: the archive is not named ``derived-cache.tar``, or the members break their order rule.
-    """
+    """``derived-cache.json`` (``docs/format.md`` §17.2); ManifestValueError when the archive is not named
+    ``derived-cache.tar``, or the members break their order rule."""
 
     MAX_BYTES = MAX_SEED_DOCUMENT_BYTES
 
@@ -178,9 +165,8 @@ def read_seed(capsule_dir: Path, pins: dict[str, CapsuleFile]) -> SeedDocument:
     if missing:
         raise CapsulePinMismatchError(f"artifact.json pins one seed file without {missing[0]}", file=capsule_dir)
     document_path = capsule_dir / SEED_DOCUMENT_FILENAME
-    document_pin = pins[SEED_DOCUMENT_FILENAME]
     data = read_document_bytes(document_path, max_bytes=MAX_SEED_DOCUMENT_BYTES)
-    check_pin(document_path, len(data), hashlib.sha256(data).hexdigest(), document_pin)
+    check_pin(document_path, len(data), hashlib.sha256(data).hexdigest(), pins[SEED_DOCUMENT_FILENAME])
     document = SeedDocument.loads(data, file=str(document_path))
     archive_path = capsule_dir / SEED_ARCHIVE_FILENAME
     archive_pin = pins[SEED_ARCHIVE_FILENAME]
@@ -219,13 +205,8 @@ def archive_members(tar: tarfile.TarFile, document: SeedDocument, archive_path: 
 
 def verify_seed(capsule_dir: Path, capsule_files: Iterable[CapsuleFile]) -> SeedDocument | None:
     """Check the seed of the capsule at ``capsule_dir`` without placing it (``coldsnap verify``): both files, the
-    document and every archive member against their pins. Returns the document, or ``None`` without a seed.
-
-    Raises:
-        CapsulePinMismatchError: a file does not match its pin, one seed file is pinned without the other,
-            or the archive's files are not the listed ones (rule ``capsule-pin``).
-        MissingObjectError, ManifestError, FileAccessError: a file is missing, malformed or unreadable.
-    """
+    document and every archive member against their pins; the document, or ``None`` without a seed. Raises
+    CapsulePinMismatchError (rule ``capsule-pin``), MissingObjectError, ManifestError or FileAccessError."""
     pins = {p.name: p for p in capsule_files if p.name in SEED_FILENAMES}
     if not pins:
         return None

@@ -1,5 +1,4 @@
-"""The artifact's copy of the model's non-weight files (``config.json``, tokenizer files, ...): ``<artifact>/model/<name>``,
-pinned in ``artifact.json``'s ``model_files`` (``docs/format.md`` §5)."""
+"""The artifact's copy of the model's non-weight files, ``<artifact>/model/<name>`` (``docs/format.md`` §5, ``model_files``)."""
 
 from __future__ import annotations
 
@@ -25,17 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 def attach_model_files(artifact_dir: Path, folder: Path) -> tuple[CapsuleFile, ...]:
-    """Copy the model files of ``folder`` into ``<artifact_dir>/model/`` (replaced whole) and pin them in ``artifact.json``,
-    under the descriptor's lock; nothing is written when they are pinned and intact already, and a WARNING names files
-    that differ from earlier pins.
-
-    Returns:
-        The pins, sorted by name (empty: ``folder`` holds no model file).
-
-    Raises:
-        MissingObjectError, ManifestError: ``artifact.json`` is missing or malformed.
-        FileAccessError, InsufficientSpaceError, UnsafePathError: reading ``folder`` or writing failed.
-    """
+    """Copy the model files of ``folder`` into ``<artifact_dir>/model/`` and pin them in ``artifact.json``
+    (``docs/format.md`` §5, "The model's non-weight files"); return the pins, sorted by name. MissingObjectError or
+    ManifestError for ``artifact.json``; FileAccessError, InsufficientSpaceError or UnsafePathError for the files."""
     files = read_model_files(folder)
     pins = tuple(pin for pin, _ in files)
     path = artifact_dir / DESCRIPTOR_FILENAME
@@ -75,14 +66,8 @@ def _intact(artifact_dir: Path, pins: tuple[CapsuleFile, ...]) -> bool:
 
 def verify_model_files(artifact_dir: Path, pins: tuple[CapsuleFile, ...]) -> None:
     """``<artifact_dir>/model/`` holds exactly the pinned model files (hidden entries aside), each matching its pin.
-
-    Raises:
-        MissingObjectError: a pinned file is missing (rule ``object-present``).
-        NotRegularFileError: a pinned file is not a regular file.
-        CapsulePinMismatchError: a file has another size or SHA-256 (rule ``capsule-pin``, naming the file).
-        ArtifactError: ``model/`` holds a file ``artifact.json`` does not pin (rule ``artifact``).
-        FileAccessError: a file cannot be read.
-    """
+    Raises as :func:`~coldsnap_core.artifact.capsules.check_pinned_file` for each pin, and ArtifactError (rule
+    ``artifact``) when ``model/`` holds a file ``artifact.json`` does not pin."""
     model_dir = artifact_dir / MODEL_DIRNAME
     for pin in pins:
         check_pinned_file(model_dir / pin.name, pin)

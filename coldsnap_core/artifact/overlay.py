@@ -1,11 +1,4 @@
-"""Target-local residual overlays: the documents and paths of a node's own capsule for a portable capsule it
-may not replay (``docs/format.md`` §15.3).
-
-An overlay folder ``<state-root>/overlays/<artifact-key>/<target-key>/<capsule name>/`` holds ``overlay.json``
-(:class:`OverlayDescriptor`, mode 0444), and for kind ``overlay`` the capsule's four files it pins. Captured by
-:mod:`coldsnap_core.capture.overlay`, selected by :mod:`coldsnap_core.restore.overlay`, removed by
-:mod:`coldsnap_core.cache.overlays`.
-"""
+"""Target-local residual overlays: the documents and paths of a node's own capsule (``docs/format.md`` §15.3)."""
 
 from __future__ import annotations
 
@@ -60,12 +53,8 @@ def portable_descriptor_sha256(artifact_dir: Path) -> str:
 
 class OverlayDescriptor(Document, tag=OVERLAY_KIND):
     """``overlay.json`` (``docs/format.md`` §15.3): kind ``overlay`` (the folder holds this target's capsule) or
-    ``qualified`` (the portable capsule is replayed on this target), bound to the portable ``artifact.json``'s bytes.
-
-    Raises:
-        ManifestValueError: the pins do not fit the kind (``overlay``: the capsule's four files, its blob
-            ``weights.blob``, and optionally a seed's two; ``qualified``: a seed's two or nothing).
-    """
+    ``qualified`` (the portable capsule is replayed on this target), bound to the portable ``artifact.json``'s bytes;
+    ManifestValueError when the pins do not fit the kind."""
 
     kind: OverlayKind
     artifact_dir: Text
@@ -99,12 +88,8 @@ class OverlayDescriptor(Document, tag=OVERLAY_KIND):
 
 
 def refuse_linked_folders(state_root: Path, path: Path, *, create: bool = False) -> bool:
-    """Each folder from ``<state_root>/overlays`` down to ``path`` must be a real folder; with ``create``, each absent one
-    is made (mode 0700). Returns ``False`` when one is absent.
-
-    Raises:
-        UnsafePathError: a symbolic link, or something else than a folder, on the way.
-    """
+    """Each folder from ``<state_root>/overlays`` down to ``path`` must be a real folder (else UnsafePathError); with
+    ``create``, each absent one is made (mode 0700). Returns ``False`` when one is absent."""
     top = state_root / OVERLAYS_DIRNAME
     if create:
         state_root.mkdir(parents=True, exist_ok=True)

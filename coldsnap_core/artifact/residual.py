@@ -39,11 +39,7 @@ def write_residual(
     path: Path,
 ) -> ResidualRef:
     """Write the residual bytes to a new file ``path`` and fsync it; returns the blob's :class:`ResidualRef`.
-
-    Raises:
-        ResidualSizeMismatchError: the file does not hold the bytes written.
-        InsufficientSpaceError: the file system filled up.
-    """
+    ResidualSizeMismatchError when the file does not hold the bytes written; InsufficientSpaceError when it is full."""
 
     def stream() -> Iterator[memoryview]:
         for extent in extents:

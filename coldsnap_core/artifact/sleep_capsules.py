@@ -1,11 +1,5 @@
-"""Process-local sleep capsules under ``<state_root>/sleep/``: names, ownership locks, listing, removal.
-
-A level-1 sleep capsule is valid only in the process that wrote it (its manifest records that process's
-addresses; ``docs/format.md`` §6.2, §10). It is named ``<worker capsule name>-pid<pid>-<hex16>`` (§4.3; the
-``<hex16>`` makes it unique even across PID namespaces), and its owner holds ``flock`` on ``<capsule name>.lock``
-beside it while it is in use. A capsule whose lock can be taken, or that has no lock file, is debris; so are
-its hidden ``.partial`` / ``.old`` staging folders.
-"""
+"""Process-local sleep capsules under ``<state_root>/sleep/``: names, ownership locks, listing, removal
+(``docs/format.md`` §6.2, "Sleep capsule": the owner's ``flock`` on ``<capsule name>.lock``, and what is debris)."""
 
 from __future__ import annotations
 
@@ -22,6 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from coldsnap_core._io import remove_tree
+from coldsnap_core.cache.partials import lock_is_free, tree_size
 from coldsnap_core.errors import CacheError, UnsafePathError
 from coldsnap_core.format.manifest import CAPSULE_NAME_RE, WorkerIdentity
 
@@ -51,29 +46,18 @@ def sleep_capsule_dir(state_root: Path, worker: WorkerIdentity) -> Path:
 def _lock_is_held(lock_path: Path) -> bool:
     """Whether some process holds ``flock`` on ``lock_path`` (``False`` when it is absent)."""
     try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        return not lock_is_free(lock_path, fcntl.LOCK_SH)
     except FileNotFoundError:
         return False
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             return False  # a link is no owner's lock file
         raise CacheError(f"cannot examine a sleep capsule lock: {exc.strerror or exc}", file=lock_path) from exc
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 class SleepCapsuleClaim:
     """This process's claim on one sleep capsule: a unique folder name and the ``flock`` that proves its owner alive.
-
-    Raises:
-        UnsafePathError: ``sleep/`` or the lock path is a symbolic link.
-        CacheError / InsufficientSpaceError: the folder or the lock file cannot be created.
-    """
+    UnsafePathError when ``sleep/`` or the lock path is a link; CacheError when either cannot be created."""
 
     def __init__(self, state_root: Path, capsule_name: str) -> None:
         self.folder = sleep_dir(state_root)
@@ -88,8 +72,7 @@ class SleepCapsuleClaim:
             raise CacheError(f"cannot create the sleep capsule folder: {exc.strerror or exc}", file=self.folder) from exc
         if not stat.S_ISDIR(st.st_mode):
             raise UnsafePathError("refusing a symbolic link or non-folder as the sleep capsule folder", file=self.folder)
-        # The lock file appears under its name already locked (flock first, then rename): a sweeper
-        # never sees it free while its owner lives.
+        # flock first, then rename: a sweeper never sees the lock file free while its owner lives
         staging = self.folder / f".{self.name}.lock-{secrets.token_hex(8)}.tmp"
         try:
             fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -130,11 +113,7 @@ class SleepCapsuleEntry:
 
 
 def list_sleep_capsules(state_root: Path) -> list[SleepCapsuleEntry]:
-    """Every capsule folder (and hidden staging folder) under ``sleep/``, with its owner's state.
-
-    Raises:
-        UnsafePathError: ``sleep/`` is a symbolic link or not a folder.
-    """
+    """Every capsule (and staging) folder under ``sleep/`` with its owner's state; UnsafePathError for a linked ``sleep/``."""
     folder = sleep_dir(state_root)
     try:
         st = os.lstat(folder)
@@ -151,17 +130,13 @@ def list_sleep_capsules(state_root: Path) -> list[SleepCapsuleEntry]:
         if _CAPSULE_RE.fullmatch(capsule) is None:
             continue  # not ours: never touched
         alive = _lock_is_held(folder / f"{capsule}{LOCK_SUFFIX}")
-        entries.append(SleepCapsuleEntry(child, "alive" if alive else "gone", _tree_size(child)))
+        entries.append(SleepCapsuleEntry(child, "alive" if alive else "gone", tree_size(child)))
     return entries
 
 
 def sweep_sleep_capsules(state_root: Path, *, dry_run: bool = False) -> list[SleepCapsuleEntry]:
     """Remove every sleep capsule (and staging folder) whose owner is gone, re-checked under its lock, and lock files
-    nobody holds and no capsule uses. Returns the removed capsule entries.
-
-    Raises:
-        UnsafePathError: ``sleep/`` is a symbolic link or not a folder.
-    """
+    nobody holds and no capsule uses. Returns the removed capsule entries; raises as :func:`list_sleep_capsules`."""
     folder = sleep_dir(state_root)
     removed = []
     for entry in list_sleep_capsules(state_root):
@@ -200,11 +175,8 @@ def _held_if_free(lock_path: Path):
     """Hold ``flock`` on ``lock_path`` if nobody does; yields whether it is held (or absent: ``True``)."""
     try:
         fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except FileNotFoundError:
-        yield True
-        return
-    except OSError:
-        yield False
+    except OSError as exc:
+        yield isinstance(exc, FileNotFoundError)
         return
     try:
         try:
@@ -215,9 +187,3 @@ def _held_if_free(lock_path: Path):
         yield True
     finally:
         os.close(fd)
-
-
-def _tree_size(path: Path) -> int:
-    if path.is_symlink() or not path.is_dir():
-        return 0
-    return sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())

@@ -1,5 +1,4 @@
-"""``coldsnap cache gc``'s sweeps of what no reader can use: stale temporaries and quarantined objects
-(the orphan records are swept by :meth:`coldsnap_core.cache.payload_cache.PayloadCache.gc`, under each digest's lock)."""
+"""``coldsnap cache gc``'s sweeps of stale temporaries and quarantined objects (``docs/format.md`` §10, gc)."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coldsnap_core._io import remove_tree
+from coldsnap_core._io import lstat_or_none, remove_tree
 from coldsnap_core.cache.partials import DOWNLOAD_DIR_SUFFIX, TEMP_SUFFIX, list_folder, tree_size, writer_gone
 
 DEFAULT_GC_AGE_SECONDS = 3600.0
@@ -18,8 +17,7 @@ DEFAULT_GC_AGE_SECONDS = 3600.0
 
 @dataclass(frozen=True, slots=True)
 class GcReport:
-    """What :meth:`PayloadCache.gc` removed (or would remove, with ``dry_run``); ``kept_live``: temporaries left in
-    place (younger than the threshold, or their writer still holds them)."""
+    """What :meth:`PayloadCache.gc` removed (``dry_run``: would remove); ``kept_live``: temporaries it left in place."""
 
     temporaries: tuple[Path, ...] = ()
     quarantined: tuple[Path, ...] = ()
@@ -43,15 +41,11 @@ class GcBuilder:
 
 
 def sweep_temporaries(tmp_dir: Path, report: GcBuilder, *, now: float, older_than_seconds: float, dry_run: bool) -> None:
-    """Remove (or, with ``dry_run``, list in ``report``) the stale temporaries of ``tmp_dir`` (``docs/format.md`` §10, gc)."""
+    """Remove (or, with ``dry_run``, list in ``report``) the stale temporaries of ``tmp_dir``."""
     entries = {p.name: p for p in list_folder(tmp_dir)}
     stale_partials: set[str] = set()
     for name, path in sorted(entries.items()):
-        if not name.endswith(TEMP_SUFFIX):
-            continue
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
+        if not name.endswith(TEMP_SUFFIX) or (st := lstat_or_none(path)) is None:
             continue
         if now - st.st_mtime < older_than_seconds or (stat.S_ISREG(st.st_mode) and not writer_gone(path)):
             report.kept_live.append(path)
@@ -63,13 +57,9 @@ def sweep_temporaries(tmp_dir: Path, report: GcBuilder, *, now: float, older_tha
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
     for name, path in sorted(entries.items()):
-        if not name.endswith(DOWNLOAD_DIR_SUFFIX):
+        if not name.endswith(DOWNLOAD_DIR_SUFFIX) or (st := lstat_or_none(path)) is None:
             continue
         owner = name[: -len(".d")]
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            continue
         owner_alive = owner in entries and owner not in stale_partials
         if owner_alive or (owner not in entries and now - st.st_mtime < older_than_seconds):
             report.kept_live.append(path)
@@ -83,11 +73,8 @@ def sweep_temporaries(tmp_dir: Path, report: GcBuilder, *, now: float, older_tha
 def sweep_quarantine(quarantine_dir: Path, report: GcBuilder, *, now: float, older_than_seconds: float, dry_run: bool) -> None:
     """Remove (or, with ``dry_run``, list in ``report``) each entry quarantined (by ctime) before the threshold."""
     for path in list_folder(quarantine_dir):
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            continue
-        if now - st.st_ctime < older_than_seconds:
+        st = lstat_or_none(path)
+        if st is None or now - st.st_ctime < older_than_seconds:
             continue
         report.quarantined.append(path)
         report.bytes_freed += st.st_size if stat.S_ISREG(st.st_mode) else 0

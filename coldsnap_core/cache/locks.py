@@ -1,5 +1,4 @@
-"""The payload cache's per-digest lock plumbing: re-entrancy per thread, logged waits, the holder
-(``docs/format.md`` §10, "Lock waits")."""
+"""The payload cache's per-digest lock plumbing: re-entrancy, logged waits, the holder (``docs/format.md`` §10, "Lock waits")."""
 
 from __future__ import annotations
 
@@ -32,12 +31,8 @@ def held_locks() -> set[tuple[int, str]]:
 
 def acquire_logged(lock: filelock.BaseFileLock, path: Path, timeout: float) -> None:
     """``lock.acquire(timeout)``, logging at INFO while the wait is long. The lock file is created first (with the
-    lock's mode): ``filelock`` retries a create that fails with ``ENOENT`` until the timeout.
-
-    Raises:
-        filelock.Timeout: not had within ``timeout`` seconds (``timeout < 0``: wait for ever): another process holds it.
-        OSError: the lock file cannot be created or opened (``ENOENT``, ``EACCES``, ``EROFS``, ...), at once.
-    """
+    lock's mode): ``filelock`` retries a create that fails with ``ENOENT`` until the timeout. ``filelock.Timeout``
+    when not had within ``timeout`` seconds (``< 0``: for ever); ``OSError`` at once when the file cannot be opened."""
     if not os.path.lexists(path):
         os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, getattr(lock, "mode", 0o644)))
     started = time.monotonic()

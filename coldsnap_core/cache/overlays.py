@@ -1,8 +1,4 @@
-"""``coldsnap cache ls`` and ``gc`` of the target-local overlays under a state root (``docs/format.md`` §15.3;
-the documents: :mod:`coldsnap_core.artifact.overlay`): an overlay whose portable ``artifact.json`` is gone or
-changed, or whose ``overlay.json`` is not trusted, is removed; one whose portable descriptor cannot be read
-now, or another user's, is kept.
-"""
+"""``coldsnap cache ls`` and ``gc`` of the target-local overlays under a state root (``docs/format.md`` §15.3)."""
 
 from __future__ import annotations
 
@@ -26,20 +22,13 @@ from coldsnap_core.cache.records import read_private_record
 from coldsnap_core.errors import ColdsnapError, MissingObjectError, UnsafePathError
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME
 
-__all__ = ["OverlayListing", "gc_overlays", "list_overlays"]
-
 
 @dataclass(frozen=True, slots=True)
 class OverlayListing:
-    """One overlay folder of the state root, for ``coldsnap cache ls`` and ``gc``.
-
-    Attributes:
-        status: ``current`` (its portable ``artifact.json`` has the bound SHA-256), ``stale`` (that descriptor is
-            gone or changed), ``invalid`` (its ``overlay.json`` is not trusted), ``unreadable`` (that descriptor
-            cannot be read now) or ``foreign`` (another user's); ``gc`` keeps the last two.
-        reason: why, in words.
-        descriptor: the parsed descriptor (``None`` when invalid).
-    """
+    """One overlay folder of the state root, for ``coldsnap cache ls`` and ``gc``; ``status``: ``current`` (its portable
+    ``artifact.json`` has the bound SHA-256), ``stale`` (that descriptor is gone or changed), ``invalid`` (its
+    ``overlay.json`` is not trusted; no ``descriptor``), ``unreadable`` (that descriptor cannot be read now) or
+    ``foreign`` (another user's); ``gc`` keeps the last two."""
 
     path: Path
     status: Literal["current", "stale", "invalid", "unreadable", "foreign"]
@@ -49,8 +38,7 @@ class OverlayListing:
 
 
 def list_overlays(state_root: Path) -> list[OverlayListing]:
-    """Every overlay folder (``overlays/<artifact>/<target>/<capsule>``) of ``state_root``, sorted by path; a
-    linked ``overlays`` folder is an UnsafePathError."""
+    """Every overlay folder (``overlays/<artifact>/<target>/<capsule>``), by path; a linked ``overlays`` is an UnsafePathError."""
     top = state_root / OVERLAYS_DIRNAME
     try:
         st = os.lstat(top)

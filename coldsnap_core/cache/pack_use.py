@@ -1,8 +1,5 @@
-"""The packs' life cycle in the node-local cache: the hold of a running load (a shared ``flock`` on
-``used/<digest>.use``), the last use (its mtime), removal and least-recently-used eviction (``coldsnap cache rm``
-and ``gc --unused-for / --max-bytes``). The rules and their order are ``docs/format.md`` §10 ("Last use and loads
-in use", "Removal", "Eviction").
-"""
+"""The packs' life cycle in the node-local cache: a load's hold and the last use (``used/<digest>.use``), removal
+and least-recently-used eviction (``docs/format.md`` §10, "Last use and loads in use", "Removal", "Eviction")."""
 
 from __future__ import annotations
 
@@ -26,16 +23,14 @@ from coldsnap_core.settings import LOCK_TIMEOUT_ENV
 logger = logging.getLogger(__name__)
 
 HOLD_POLL_SECONDS = 0.05
-PROBE_GRACE_SECONDS = 0.5
-"""How long a remover asks again for a use file another process's :func:`pack_in_use` probe holds for an instant
-(a load holds it for the whole load)."""
 """How often a load retries the shared ``flock`` while a remover holds the exclusive one."""
+PROBE_GRACE_SECONDS = 0.5
+"""How long a remover asks again for a use file another process's :func:`pack_in_use` probe holds for an instant."""
 
 
 @dataclass(frozen=True, slots=True)
 class PackUsage:
-    """One cached pack as the life cycle sees it (``last_used_ns``: :func:`last_used_ns`; ``in_use``: a running
-    load held it when it was looked at)."""
+    """One cached pack (``last_used_ns``: :func:`last_used_ns`; ``in_use``: a load held it when it was looked at)."""
 
     digest: str
     size_bytes: int
@@ -76,14 +71,9 @@ def _lock_use_file(cache: PayloadCache, digest: str, operation: int) -> int | No
 
 @contextlib.contextmanager
 def hold_pack(cache: PayloadCache, digest: str) -> Iterator[bool]:
-    """Hold ``digest`` as in use by this load and set its last use to now; yield whether it is held (a use file
-    that cannot be created or written is logged at INFO and the load goes on without the hold).
-
-    Raises:
-        InvalidDigestError: bad digest.
-        UnsafePathError: the use path or a cache folder is a symbolic link.
-        LockTimeoutError: a remover held the pack's exclusive ``flock`` for longer than the lock timeout.
-    """
+    """Hold ``digest`` as in use by this load and set its last use to now; yield whether it is held (``docs/format.md``
+    §10, "Last use and loads in use"). InvalidDigestError, UnsafePathError (a link), LockTimeoutError when a remover
+    held the pack's exclusive ``flock`` for longer than the lock timeout."""
     check_digest(digest)
     deadline = time.monotonic() + cache.lock_timeout_seconds
     fd = None
@@ -126,8 +116,7 @@ def last_used_ns(cache: PayloadCache, digest: str, object_st: os.stat_result) ->
 
 
 def list_packs(cache: PayloadCache) -> list[PackUsage]:
-    """Every cached pack that is a regular file (sorted by digest); a link or an object that cannot be examined
-    is left out."""
+    """Every cached pack that is a regular file, by digest (a link or an object that cannot be examined is left out)."""
     packs = []
     for digest in cache.digests():
         try:
@@ -140,15 +129,9 @@ def list_packs(cache: PayloadCache) -> list[PackUsage]:
 
 
 def remove_pack(cache: PayloadCache, digest: str, *, force: bool = False) -> PackUsage:
-    """Remove one pack, its validation record and its use file (``force``: even while a running load holds it).
-
-    Raises:
-        InvalidDigestError: bad digest (no file touched).
-        MissingObjectError: the pack is not in the cache (or another remover took it first).
-        PackInUseError: a running load holds it and ``force`` is false; nothing was removed.
-        LockTimeoutError: the digest's lock was not had within the lock timeout.
-        UnsafePathError / CacheError: a link in the way, or a file that cannot be removed.
-    """
+    """Remove one pack, its validation record and its use file (``force``: even while a running load holds it;
+    ``docs/format.md`` §10, "Removal"). InvalidDigestError, MissingObjectError (not in the cache), PackInUseError
+    (held by a load, no ``force``: nothing removed), LockTimeoutError, UnsafePathError / CacheError."""
     removed = _remove_if_present(cache, check_digest(digest), force=force)
     if removed is None:
         raise MissingObjectError(
@@ -199,11 +182,8 @@ def _remove_if_present(cache: PayloadCache, digest: str, *, force: bool) -> Pack
 def evict(
     cache: PayloadCache, *, unused_for_seconds: float | None = None, max_bytes: int | None = None, dry_run: bool = False
 ) -> Eviction:
-    """Remove packs least recently used first: every pack last used more than ``unused_for_seconds`` ago, then
-    more until the packs left total at most ``max_bytes`` (measured again before each removal); never a pack a
-    running load holds. With ``dry_run`` nothing is removed. Raises as :func:`remove_pack`, but for a pack gone or
-    in use, which is skipped.
-    """
+    """Remove packs least recently used first (``docs/format.md`` §10, "Eviction"; ``dry_run``: none). Raises as
+    :func:`remove_pack`, but for a pack gone or in use, which is skipped."""
     now_ns = time.time_ns()
     removed: list[PackUsage] = []
     in_use: list[str] = []
@@ -228,6 +208,3 @@ def evict(
             removed.append(usage)
         gone.add(pack.digest)
     return Eviction(tuple(removed), tuple(in_use), sum(p.size_bytes for p in removed), remaining_bytes())
-
-
-__all__ = ["Eviction", "PackUsage", "evict", "hold_pack", "last_used_ns", "list_packs", "pack_in_use", "remove_pack"]

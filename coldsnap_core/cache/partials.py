@@ -1,5 +1,4 @@
-"""Writes in progress in a cache's ``tmp/`` folder: creating a ``flock``-held ``.partial`` file, and telling and
-sweeping the ones whose writer is gone (its ``flock`` is free; ``docs/format.md`` §10, "Temporaries")."""
+"""Writes in progress in ``tmp/``: ``flock``-held ``.partial`` files; dead writers' swept (``docs/format.md`` §10)."""
 
 from __future__ import annotations
 
@@ -27,16 +26,12 @@ def list_folder(folder: Path) -> list[Path]:
         return []
 
 
-def lock_is_free(path: Path) -> bool:
-    """Whether a fresh open of ``path`` (no link followed, non-blocking) can take ``flock`` on it now.
-
-    Raises:
-        OSError: ``path`` cannot be opened (``FileNotFoundError`` included) or ``flock`` fails other
-            than by being held.
-    """
+def lock_is_free(path: Path, operation: int = fcntl.LOCK_EX) -> bool:
+    """Whether a fresh open of ``path`` (no link followed, non-blocking) can take ``flock(operation)`` on it now;
+    ``OSError`` (``FileNotFoundError`` included) when it cannot be opened, or ``flock`` fails other than by being held."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
     finally:
@@ -57,8 +52,7 @@ SWEEP_GRACE_SECONDS = 10.0
 
 
 def create_locked_partial(path: Path) -> int:
-    """Create ``path`` (``O_EXCL | O_NOFOLLOW``, mode 0600, open for writing) and hold ``flock`` on it; return the
-    descriptor (``OSError``: it cannot be created)."""
+    """Create ``path`` (``O_EXCL | O_NOFOLLOW``, mode 0600, for writing), hold ``flock`` on it, return the fd (or OSError)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file (O_EXCL): nobody else holds it
@@ -80,10 +74,8 @@ def _flock_works(path: Path) -> bool:
 
 
 def sweep_dead_partials(tmp_dir: Path, own_path: Path) -> list[Path]:
-    """Remove every ``*.partial`` in ``tmp_dir`` (and its ``.partial.d``) whose writer is gone and that was last
-    modified more than :data:`SWEEP_GRACE_SECONDS` ago, provided ``flock`` excludes here; called by each new writer,
-    which holds ``own_path`` locked. Best effort; returns the removed paths.
-    """
+    """Remove the dead writers' ``*.partial`` of ``tmp_dir`` (``docs/format.md`` §10, "Temporaries"); called by each
+    new writer, which holds ``own_path`` locked. Best effort; returns the removed paths."""
     if not _flock_works(own_path):
         return []
     removed = []

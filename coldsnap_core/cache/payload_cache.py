@@ -1,12 +1,5 @@
-"""The node-local, content-addressed payload cache under ``<state-root>/model-payloads/``.
-
-The layout, the commit order, admission (a trusted record, a first use checked by extents, or a full hash),
-quarantine, lock waits and temporaries are ``docs/format.md`` §10 and §11. Every path is built from a validated
-digest; folders below the state root and object, record and lock paths are refused when they are symbolic links;
-``OSError`` s become typed errors, so a loader's ``auto`` mode can fall back. The per-digest lock prevents duplicate
-work only: a writer that cannot have it proceeds (each writer uses a process-unique temporary name, hashes before
-the rename, and the rename is atomic); a reader that times out raises :class:`~coldsnap_core.errors.LockTimeoutError`.
-"""
+"""The payload cache under ``<state-root>/model-payloads/`` (``docs/format.md`` §10 and §11); ``OSError`` s become
+typed errors, so a loader's ``auto`` mode can fall back."""
 
 from __future__ import annotations
 
@@ -69,6 +62,7 @@ ADMIT_CHUNK_BYTES = 1 << 20
 _LABEL_RE = re.compile(r"[0-9a-z][0-9a-z.-]{0,99}")
 _OBJECT_NAME_RE = re.compile(r"([0-9a-f]{64})\.pack")
 _RECORD_NAME_RE = re.compile(r"([0-9a-f]{64})\.pack\.record")
+_OBJECT_OR_RECORD_RE = re.compile(r"[0-9a-f]{64}\.pack(?:\.record)?")
 
 _record_threads: list[threading.Thread] = []
 """The threads of :meth:`PayloadCache.record_in_background` not yet seen finished."""
@@ -86,14 +80,8 @@ QUARANTINED_REMEDY = (
 
 
 class PayloadCache:
-    """One state root's ``model-payloads`` cache.
-
-    Args:
-        state_root: the state root (``~`` expanded, made absolute); ``None`` or blank: ``~/.cache/coldsnap``.
-            The environment is not read here.
-        lock_timeout_seconds: the wait for a digest's lock, seconds (``None``:
-            :data:`coldsnap_core.settings.LOCK_TIMEOUT_SECONDS`).
-    """
+    """One state root's ``model-payloads`` cache (``state_root``: ``~`` expanded, made absolute; ``None`` or blank:
+    ``~/.cache/coldsnap``, never the environment; ``lock_timeout_seconds``: ``None`` is the settings' default)."""
 
     def __init__(self, state_root: str | os.PathLike[str] | None = None, *, lock_timeout_seconds: float | None = None) -> None:
         given = state_root is not None and str(state_root).strip()
@@ -114,15 +102,9 @@ class PayloadCache:
     def __repr__(self) -> str:
         return f"PayloadCache({str(self.state_root)!r})"
 
-    # -- folders and paths -------------------------------------------------------------------------
-
     def _check_state_root(self) -> bool:
-        """Whether the state root exists; it may be a symbolic link to a folder.
-
-        Raises:
-            ConfigurationError: the state root (or a component of it) is a file, or a link loop.
-            CacheError: the state root cannot be examined (``EACCES``, ``EIO``, ...).
-        """
+        """Whether the state root exists (it may be a link to a folder); ConfigurationError when it or a component of it
+        is a file, or a link loop; CacheError when it cannot be examined (``EACCES``, ``EIO``, ...)."""
         try:
             st = os.stat(self.state_root)
         except FileNotFoundError:
@@ -142,13 +124,8 @@ class PayloadCache:
         return True
 
     def ensure_dirs(self) -> None:
-        """Create the cache folders (mode 0700 where new) and refuse any that is a symbolic link.
-
-        Raises:
-            ConfigurationError: the state root is a file (or a component of it is).
-            UnsafePathError: ``model-payloads`` or one of its folders is a link or not a folder.
-            InsufficientSpaceError / CacheError: a folder could not be created.
-        """
+        """Create the cache folders (mode 0700 where new): ConfigurationError as :meth:`_check_state_root`,
+        UnsafePathError when one is a link or not a folder, InsufficientSpaceError / CacheError when one cannot be made."""
         self._check_state_root()
         try:
             self.state_root.mkdir(parents=True, exist_ok=True)
@@ -161,8 +138,7 @@ class PayloadCache:
             raise _os_error("cannot create the cache folders", exc, self.payloads_dir) from exc
 
     def check_dirs(self) -> bool:
-        """Refuse linked cache folders without creating anything (as :meth:`ensure_dirs`); return whether
-        ``sha256/`` exists."""
+        """Refuse linked cache folders as :meth:`ensure_dirs` does, creating nothing; return whether ``sha256/`` exists."""
         if not self._check_state_root():
             return False
         present = [refuse_symlink(folder, folder=True) is not None for folder in self.folders()]
@@ -190,11 +166,7 @@ class PayloadCache:
 
     def open_use_file(self, digest: str) -> int:
         """Open (create, mode 0600, ``O_NOFOLLOW``) ``used/<digest>.use``; the caller closes the descriptor.
-
-        Raises:
-            UnsafePathError: the use path or a cache folder is a symbolic link.
-            CacheError / InsufficientSpaceError: it cannot be created or opened.
-        """
+        UnsafePathError when it or a cache folder is a link; CacheError / InsufficientSpaceError when it cannot be opened."""
         self.ensure_dirs()
         path = self.use_path(digest)
         refuse_symlink(path)
@@ -220,19 +192,11 @@ class PayloadCache:
             return False
         return True
 
-    # -- locking and temporaries -------------------------------------------------------------------
-
     @contextlib.contextmanager
     def lock(self, digest: str, *, timeout_seconds: float | None = None, required: bool = False) -> Iterator[bool]:
-        """Hold the per-digest lock (``filelock.FileLock``), re-entrant per thread, for at most ``timeout_seconds``
-        (default :attr:`lock_timeout_seconds`); yield ``True`` when held, ``False`` when the wait timed out or the
-        lock file cannot be created: the caller proceeds without it (a WARNING; INFO on a read-only file system).
-
-        Raises:
-            InvalidDigestError: bad digest (before any path is built).
-            UnsafePathError: the lock path or a cache folder is a symbolic link.
-            LockTimeoutError: ``required`` (a reader) and the lock was not had within the timeout.
-        """
+        """Hold the per-digest lock, re-entrant per thread, waiting at most ``timeout_seconds`` (default
+        :attr:`lock_timeout_seconds`); yield whether it is held (if not, the caller proceeds: ``docs/format.md`` §10,
+        "Lock waits"). InvalidDigestError, UnsafePathError (a link), LockTimeoutError when ``required`` and not had in time."""
         path = self.lock_path(digest)
         key = (os.getpid(), str(path))
         held = held_locks()
@@ -272,14 +236,9 @@ class PayloadCache:
 
     @contextlib.contextmanager
     def temporary(self, label: str) -> Iterator[tuple[int, Path]]:
-        """Create ``tmp/<label>.<random>.partial`` (``O_EXCL | O_NOFOLLOW``, mode 0600), flock-held; yield
-        ``(fd, path)``. The file (and its ``.partial.d``) is removed on exit unless the caller renamed it
-        (:meth:`commit`); dead writers' leftovers are swept first (:func:`sweep_dead_partials`).
-
-        Raises:
-            InvalidDigestError: ``label`` is not ``[0-9a-z][0-9a-z.-]*``.
-            InsufficientSpaceError / CacheError: the file could not be created.
-        """
+        """Create ``tmp/<label>.<random>.partial`` (``O_EXCL | O_NOFOLLOW``, mode 0600), flock-held, and yield
+        ``(fd, path)``, removed on exit (with its ``.partial.d``) unless :meth:`commit` renamed it. InvalidDigestError
+        when ``label`` is not ``[0-9a-z][0-9a-z.-]*``; InsufficientSpaceError / CacheError when it cannot be created."""
         if not isinstance(label, str) or not _LABEL_RE.fullmatch(label):
             raise InvalidDigestError(f"{label!r} is not a valid temporary-file label ([0-9a-z][0-9a-z.-]{{0,99}})")
         self.ensure_dirs()
@@ -295,20 +254,11 @@ class PayloadCache:
             close_and_remove(fd, path)
             remove_tree(path.with_name(path.name + ".d"))
 
-    # -- commit ------------------------------------------------------------------------------------
-
     def commit(self, fd: int, temp_path: Path, *, sha256: str, size_bytes: int, expected_sha256: str | None = None) -> Path:
         """Publish a fully written temporary file (from :meth:`temporary`) as the object for ``sha256`` (what the
-        writer streamed), in the commit order of ``docs/format.md`` §10; return the object path.
-
-        Raises:
-            InvalidDigestError: ``sha256`` or ``expected_sha256`` is not a digest.
-            PackSizeMismatchError: the file on disk is not ``size_bytes`` long.
-            PackDigestMismatchError: ``expected_sha256`` differs from ``sha256``.
-            InsufficientSpaceError: fsync reported no space.
-            CacheError: the temporary file was removed or replaced while it was written.
-            UnsafePathError: the object or record path is a symbolic link.
-        """
+        writer streamed), in the commit order of ``docs/format.md`` §10; return the object path. InvalidDigestError,
+        PackSizeMismatchError (not ``size_bytes`` long), PackDigestMismatchError (not ``expected_sha256``),
+        InsufficientSpaceError, CacheError (the temporary was replaced meanwhile), UnsafePathError."""
         check_digest(sha256)
         if expected_sha256 is not None:
             check_digest(expected_sha256)
@@ -346,20 +296,17 @@ class PayloadCache:
         return self.object_path(digest)
 
     def verified_against(self, digest: str, st: os.stat_result, layout: PackLayout) -> bool:
-        """Whether an admission by this object checked the inode ``st`` of ``digest`` against ``layout`` (so a
-        reader need not read its padding again); ``False`` for a pack admitted on its record."""
+        """Whether an admission by this object checked the inode ``st`` of ``digest`` against ``layout`` (not on its record)."""
         with self._verified_here_lock:
             return self._verified_layouts.get(digest) == (identity(st), layout)
 
     def admitted_identity(self, digest: str) -> tuple[int, int, int, int, int] | None:
-        """:func:`~coldsnap_core.cache.records.identity` of the object the latest :meth:`admit` of ``digest``
-        accepted, or ``None``: what a reader that opens the path afterwards compares its open file with."""
+        """:func:`~coldsnap_core.cache.records.identity` of the object the latest :meth:`admit` of ``digest`` accepted."""
         with self._verified_here_lock:
             return self._admitted.get(digest)
 
     def remember_verified(self, digest: str, st: os.stat_result) -> None:
-        """Remember, in this object only, that ``digest`` at the identity of ``st`` was just verified in full
-        (its validation record could not be written; ``docs/format.md`` §10)."""
+        """Trust, in this object only, ``digest`` at the identity of ``st`` (its record could not be written, §10)."""
         with self._verified_here_lock:
             self._verified_here[check_digest(digest)] = identity(st)
 
@@ -389,8 +336,7 @@ class PayloadCache:
 
     @staticmethod
     def wait_for_records(timeout_seconds: float | None = None) -> bool:
-        """Wait for the threads of :meth:`record_in_background` of every cache of this process (at most
-        ``timeout_seconds`` in all); return whether every one has finished."""
+        """Wait at most ``timeout_seconds`` in all for this process's :meth:`record_in_background` threads; whether all ended."""
         deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
         for thread in list(_record_threads):
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -400,8 +346,7 @@ class PayloadCache:
         return not _record_threads
 
     def _record_after_hash(self, digest: str, verified: os.stat_result) -> None:
-        """Hash the object in full; write its record if the SHA-256 is its name, else log an ERROR and quarantine
-        it. Never raises."""
+        """Hash the object; write its record if the SHA-256 is its name, else log an ERROR and quarantine it. Never raises."""
         path = self.object_path(digest)
         try:
             with open_regular(path, "pack") as (fd, opened):
@@ -429,8 +374,6 @@ class PayloadCache:
         except Exception as exc:  # a daemon thread: no record, and say why
             logger.warning("coldsnap: no validation record written for %s (%s)", path, exc)
 
-    # -- admission: the one door for every consumer of a cached pack ---------------------------------
-
     def admit(
         self,
         digest: str,
@@ -442,26 +385,13 @@ class PayloadCache:
         manifest_file: str | None = None,
         log_quarantine: bool = True,
     ) -> Path:
-        """Return the object path of ``digest`` once it is verified for use (``docs/format.md`` §10, admission):
-        on a trusted record without the lock, else under it (:meth:`admit_locked`).
-
-        Args:
-            size_bytes: the size the pack must have (``None``: whatever size it has).
-            progress: called with bytes hashed, during a full verification.
-            layout: the manifest's canonical layout: the object is checked extent by extent first.
-            extent_owner: with ``layout``, maps a stored entry to a destination for error messages.
-            manifest_file: the manifest that gave ``layout``, named by a manifest error (the object stays).
-            log_quarantine: as :meth:`quarantine`'s ``log``.
-
-        Raises:
-            InvalidDigestError: bad digest (no file touched).
-            MissingObjectError: no object.
-            IntegrityError: the object is corrupt (size, digest, padding, extent); it is quarantined, the error's
-                ``quarantined_to`` says where (``None``: it could not be moved).
-            ManifestPaddingError / ManifestExtentDigestError: as ``manifest_file``.
-            UnsafePathError: the object, record or lock path, or a cache folder, is a symbolic link.
-            CacheError: the object changed while it was being verified (not admitted).
-        """
+        """Return the object path of ``digest`` once it is verified for use (``docs/format.md`` §10, admission): on a
+        trusted record without the lock, else under it. ``size_bytes``: the size the pack must have; ``progress``: gets
+        bytes hashed; ``layout``: the manifest's canonical layout, checked extent by extent first; ``manifest_file``:
+        the manifest that gave it, named by a ManifestPaddingError / ManifestExtentDigestError (the object stays).
+        IntegrityError: the object is corrupt (size, digest, padding, extent) and quarantined (``quarantined_to``: where;
+        ``None``: it could not be moved). Also InvalidDigestError (no file touched), MissingObjectError, UnsafePathError
+        (a link), CacheError (the object changed while it was being verified)."""
         check_digest(digest)
         path = self.object_path(digest)
         if not self.check_dirs():
@@ -500,12 +430,7 @@ class PayloadCache:
         manifest_file: str | None = None,
         log_quarantine: bool = True,
     ) -> Path:
-        """Admission with the digest's lock held (or given up on): re-check the record, else check the bytes
-        (by extents with ``layout``, else or on a disagreement :func:`~coldsnap_core.format.verify.verify_pack_file`).
-
-        ``trust_record=False`` hashes in full whatever the record says (``cache verify --full``); the other arguments
-        and errors are :meth:`admit`'s.
-        """
+        """:meth:`admit` with the lock held (or given up on); ``trust_record=False`` hashes in full (``cache verify --full``)."""
         path = self.object_path(digest)
         if size_bytes is None and layout is not None:
             size_bytes = layout.size_bytes
@@ -568,9 +493,8 @@ class PayloadCache:
     def _admit_by_extents(
         self, digest: str, st: os.stat_result, layout: PackLayout, progress: ProgressCallback | None
     ) -> Path | None:
-        """Admit the object at ``st`` if it is exactly the canonical pack of ``layout`` (every extent and padding
-        byte, and its size; ``docs/format.md`` §10, first use) and queue its record; ``None`` when anything
-        disagrees or it changed meanwhile."""
+        """Admit the object at ``st`` if it is exactly the canonical pack of ``layout`` (``docs/format.md`` §10, first
+        use) and queue its record; ``None`` when anything disagrees or it changed meanwhile."""
         path = self.object_path(digest)
         if not stat.S_ISREG(st.st_mode) or st.st_size != layout.size_bytes:
             return None
@@ -594,9 +518,8 @@ class PayloadCache:
             return self.admit_locked(digest, size_bytes, progress=progress, trust_record=False)
 
     def quarantine(self, digest: str, *, log: bool = True) -> Path | None:
-        """Move ``<digest>.pack`` into ``quarantine/`` (unique name), its record deleted first; return where it
-        went, or ``None`` (nothing to move, or it cannot be moved: it stays, with a WARNING). ``log``: a quarantine
-        is a WARNING (``False``: INFO, for a caller that reports it itself)."""
+        """Move ``<digest>.pack`` into ``quarantine/`` (its record deleted first) and return where, or ``None`` (nothing
+        to move, or it stays, with a WARNING); the quarantine is logged as a WARNING (``log=False``: INFO)."""
         check_digest(digest)
         source = self.object_path(digest)
         try:
@@ -615,8 +538,6 @@ class PayloadCache:
         logger.log(logging.WARNING if log else logging.INFO, "coldsnap: quarantined %s as %s", source, target)
         return target
 
-    # -- listing and garbage collection ------------------------------------------------------------
-
     def digests(self) -> list[str]:
         """Digests of every ``<digest>.pack`` name in ``sha256/`` (sorted; links included, to be refused on use)."""
         if not self.check_dirs():
@@ -627,11 +548,7 @@ class PayloadCache:
         """Names in ``sha256/`` that are neither objects nor records (never used, never removed)."""
         if not self.check_dirs():
             return []
-        return sorted(
-            name
-            for name in os.listdir(self.objects_dir)
-            if not _OBJECT_NAME_RE.fullmatch(name) and not _RECORD_NAME_RE.fullmatch(name)
-        )
+        return sorted(name for name in os.listdir(self.objects_dir) if not _OBJECT_OR_RECORD_RE.fullmatch(name))
 
     def temporaries(self) -> list[Path]:
         """Every entry of ``tmp/`` (writes in progress or left by dead writers)."""
@@ -650,8 +567,7 @@ class PayloadCache:
         return list_folder(self.quarantine_dir)
 
     def gc(self, *, older_than_seconds: float = DEFAULT_GC_AGE_SECONDS, dry_run: bool = False) -> GcReport:
-        """Remove what no reader can use: stale temporaries, quarantined objects, orphan records (``docs/format.md``
-        §10, gc); a linked cache folder is an UnsafePathError."""
+        """Remove stale temporaries, quarantined objects, orphan records (``docs/format.md`` §10, gc); links: UnsafePathError."""
         report = GcBuilder()
         if not self.check_dirs():
             return report.freeze()

@@ -1,9 +1,4 @@
-"""Validation records: evidence that a cached pack was fully verified, bound to its inode (``docs/format.md`` §11:
-the fields, when a record is trusted, and its limit).
-
-This module only reads and writes records; it never admits, locks or quarantines
-(:meth:`coldsnap_core.cache.payload_cache.PayloadCache.admit` does).
-"""
+"""Validation records, evidence that a cached pack was fully verified, bound to its inode (``docs/format.md`` §11)."""
 
 from __future__ import annotations
 
@@ -46,8 +41,7 @@ STAT_FIELDS = ("device", "inode", "size_bytes", "mtime_ns", "ctime_ns")
 
 
 class StatBound(Document, kw_only=True):
-    """The ``stat`` fields (:data:`STAT_FIELDS`: ``st_dev``, ``st_ino``, ``st_size``, ``st_mtime_ns``, ``st_ctime_ns``)
-    of the file a node-local record vouches for (``docs/format.md`` §10.1 and §11)."""
+    """The :data:`STAT_FIELDS` of the file a node-local record vouches for (``docs/format.md`` §10.1 and §11)."""
 
     device: Offset
     inode: Offset
@@ -86,24 +80,15 @@ class RecordHost(Protocol):
     """What the record functions need of a cache (:class:`coldsnap_core.cache.payload_cache.PayloadCache` is one)."""
 
     def object_path(self, digest: str) -> Path: ...
-
     def record_path(self, digest: str) -> Path: ...
-
     def temporary(self, label: str) -> AbstractContextManager[tuple[int, Path]]: ...
-
     def remember_verified(self, digest: str, st: os.stat_result) -> None: ...
 
 
 def read_private_record(path: Path, kind: type[D]) -> D:
     """Read and strictly parse a node-local record that this user alone could have written (the trust rules of
-    ``docs/format.md`` §11, checked on the descriptor).
-
-    Raises:
-        ValidationRecordError: absent, another owner, a loose mode, too large, or malformed (names why).
-        UnsafePathError: ``path`` is a symbolic link, or a path component is not a folder.
-        NotRegularFileError: ``path`` is a folder, named pipe, device or other non-regular file.
-        FileAccessError: ``path`` cannot be opened or read (``EACCES``, ``EIO``, ...).
-    """
+    ``docs/format.md`` §11, checked on the descriptor): ValidationRecordError names why not; UnsafePathError,
+    NotRegularFileError and FileAccessError as :func:`~coldsnap_core._io.open_regular`."""
     with open_regular(path, "record", missing=ValidationRecordError) as (fd, st):
         if st.st_uid != os.geteuid():
             raise ValidationRecordError(f"record belongs to uid {st.st_uid}, not {os.geteuid()}", file=path)
@@ -122,14 +107,8 @@ def read_private_record(path: Path, kind: type[D]) -> D:
 
 
 def read_trusted_record(cache: RecordHost, digest: str, object_st: os.stat_result | None = None) -> ValidationRecord:
-    """Return the record of ``digest`` if it may be trusted right now (``object_st``: a fresh ``lstat`` of the object).
-
-    Raises:
-        ValidationRecordError: absent, loose mode, other owner, unparsable, another digest or
-            verifier version, a loose object mode, or a bound field differs from the object.
-        MissingObjectError: the object does not exist.
-        UnsafePathError: the record or object path is a symbolic link or not a regular file.
-    """
+    """Return the record of ``digest`` if it may be trusted right now (``object_st``: a fresh ``lstat`` of the object,
+    ``docs/format.md`` §11); else ValidationRecordError, MissingObjectError (no object) or UnsafePathError (a link)."""
     path = cache.record_path(digest)
     record = read_private_record(path, ValidationRecord)
     if record.digest != digest:
@@ -161,8 +140,7 @@ def record_state(cache: RecordHost, digest: str) -> str:
 
 
 def last_full_verification(cache: RecordHost, digest: str) -> datetime.datetime | None:
-    """When the object ``digest`` was last hashed in full (UTC; its trusted record's ``verified_at``,
-    ``docs/format.md`` §11), or ``None`` without a trusted record or with a time that does not parse."""
+    """When ``digest`` was last hashed in full (its trusted record's ``verified_at``, UTC), else ``None``."""
     try:
         when = datetime.datetime.fromisoformat(read_trusted_record(cache, digest).verified_at)
     except (ColdsnapError, ValueError):
@@ -171,14 +149,9 @@ def last_full_verification(cache: RecordHost, digest: str) -> datetime.datetime 
 
 
 def write_record(cache: RecordHost, digest: str, verified: os.stat_result) -> ValidationRecord:
-    """Write (replace) the read-only record of a just-verified object, if the object path still holds exactly
-    the inode ``verified`` describes.
-
-    Raises:
-        CacheError: the object changed since it was verified (no record written).
-        InsufficientSpaceError: no space for the record (no record written).
-        UnsafePathError: the object or record path is a symbolic link.
-    """
+    """Write (replace) the read-only record of a just-verified object still at the inode ``verified`` describes;
+    CacheError when it changed since, InsufficientSpaceError without space (neither writes a record), UnsafePathError
+    when the object or record path is a symbolic link."""
     object_path = cache.object_path(digest)
     current = refuse_symlink(object_path)
     if current is None or identity(current) != identity(verified):
@@ -201,10 +174,8 @@ def write_record(cache: RecordHost, digest: str, verified: os.stat_result) -> Va
 
 
 def record_verified(cache: RecordHost, digest: str, verified: os.stat_result) -> bool:
-    """After a full verification of the inode ``verified``: write the record and return ``True``; where it cannot
-    be written, ``cache`` remembers the verification (``docs/format.md`` §10, commit), it is logged, ``False``. A
-    linked object or record path is an UnsafePathError.
-    """
+    """After a full verification of the inode ``verified``: write the record (``True``), else ``cache`` remembers
+    the verification and it is logged (``False``; ``docs/format.md`` §10, commit); a link is an UnsafePathError."""
     object_path = cache.object_path(digest)
     current = refuse_symlink(object_path)
     if current is None or identity(current) != identity(verified):
@@ -224,6 +195,3 @@ def record_verified(cache: RecordHost, digest: str, verified: os.stat_result) ->
         )
         return False
     return True
-
-
-__all__ = ["RecordHost", "ValidationRecord", "identity", "read_trusted_record", "record_state", "record_verified", "write_record"]
