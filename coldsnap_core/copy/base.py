@@ -1,12 +1,8 @@
-"""The copy-backend extension point: how bytes move between files and live allocations.
+"""The copy-backend extension point: how bytes move between files and live allocations of one kind of memory.
 
-A backend knows one kind of memory (host, CUDA device). :meth:`CopyBackend.fill` runs a hydration plan (byte
-ranges of the pack and the residual blob into live allocations, optionally checking each model extent's SHA-256);
-:meth:`CopyBackend.read_chunks` reads an allocation back to host memory, in chunks, for capture and
-materialization. Optional capability: ``stable_chunks = True`` on the class (read with :func:`stable_chunks`)
-promises that the yielded views stay valid after the next one is requested and that several iterations may run at
-once on different threads (zero-copy host views), so the writers hash and write on two threads
-(``docs/format.md`` §9).
+:meth:`CopyBackend.fill` runs a hydration plan; :meth:`CopyBackend.read_chunks` reads an allocation back to host
+memory for capture and materialization. A class may declare ``stable_chunks = True`` (read with
+:func:`stable_chunks`; its meaning: ``docs/format.md`` §9).
 """
 
 from __future__ import annotations
@@ -16,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
+from coldsnap_core.errors import CopyBackendError
 from coldsnap_core.format.allocation import LiveAllocation
 
 SourceName = Literal["pack", "blob"]
@@ -66,5 +63,15 @@ class CopyBackend(Protocol):
 
 
 def stable_chunks(backend: object) -> bool:
-    """Whether ``backend`` declares ``stable_chunks = True`` (see the module docstring)."""
+    """Whether ``backend`` declares ``stable_chunks = True``."""
     return getattr(backend, "stable_chunks", False) is True
+
+
+def check_range(allocation: LiveAllocation, offset_bytes: int, size_bytes: int) -> None:
+    """Raise ``CopyBackendError`` (naming the allocation and offset) unless the range lies within ``allocation``."""
+    if offset_bytes < 0 or size_bytes < 0 or offset_bytes + size_bytes > allocation.size_bytes:
+        raise CopyBackendError(
+            f"range [{offset_bytes}, {offset_bytes + size_bytes}) is outside the allocation's {allocation.size_bytes} bytes",
+            allocation=allocation.index,
+            offset_bytes=offset_bytes,
+        )

@@ -1,15 +1,12 @@
 """The CUDA copy backend: allocations are device memory (CUDA virtual addresses), reached from files through
 pinned host staging buffers.
 
-:meth:`CudaCopyBackend.fill` cuts the plan into chunks of one source file (:func:`plan_chunks`) and pipelines them
-through ``staging_buffers`` pinned buffers, one event each: chunk ``k + 1`` is read (``read_threads`` parallel
-``preadv`` calls) while the DMA engine copies chunk ``k``; it returns once the stream is synchronized.
-:meth:`CudaCopyBackend.read_chunks` copies device bytes back through :data:`READ_BUFFERS` pinned buffers in turn.
-The device is reached through :class:`DeviceOps` (CUDA runtime semantics): :class:`CupyDeviceOps` with
-``cupy.cuda.runtime`` (imported lazily), the CPU tests with a host-memory fake that keeps the asynchronous contract.
-Sources: the CUDA runtime API (``cudaMemcpyAsync``, ``cudaHostAlloc``, ``cudaEventRecord``; enum values in
-``driver_types.h``), cupy ``cupy_backends/cuda/api/runtime.pyx``; with unified virtual addressing a device address
-from vLLM's ``CuMemAllocator`` can be filled through any host pointer (``docs/format.md`` §6.2).
+:meth:`CudaCopyBackend.fill` pipelines chunks of one source file (:func:`plan_chunks`) through ``staging_buffers``
+pinned buffers, one event each: chunk ``k + 1`` is read while the DMA engine copies chunk ``k``. The device is
+reached through :class:`DeviceOps`: :class:`CupyDeviceOps` (``cupy.cuda.runtime``, imported lazily), or the CPU
+tests' host-memory fake. Sources: the CUDA runtime API (enum values in ``driver_types.h``), cupy
+``cupy_backends/cuda/api/runtime.pyx``; a ``CuMemAllocator`` address is reachable from any host pointer under unified
+virtual addressing (``docs/format.md`` §6.2).
 """
 
 from __future__ import annotations
@@ -27,10 +24,11 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from coldsnap_core._io import advise_sequential
-from coldsnap_core.copy.base import CopyOp, SourceName
+from coldsnap_core.copy.base import CopyOp, SourceName, check_range
 from coldsnap_core.copy.host import host_view
 from coldsnap_core.errors import ConfigurationError, CopyBackendError, ExtentDigestMismatchError
 from coldsnap_core.format.allocation import LiveAllocation
+from coldsnap_core.format.pack_layout import align_up
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +57,8 @@ CUDA_EVENT_DISABLE_TIMING = 2
 
 @runtime_checkable
 class DeviceOps(Protocol):
-    """The device operations the copy pipeline needs, with CUDA runtime semantics.
+    """The device operations the copy pipeline needs, each the CUDA runtime call of its name (``cudaHostAlloc``,
+    ``cudaMemcpyAsync``, ``cudaEventRecord``, ``cudaEventSynchronize``, ...).
 
     Addresses are integers (host pointers, CUDA virtual addresses); streams and events are opaque handles. An
     asynchronous copy may run at any time until its stream (or a later event) is synchronized: its source must not
@@ -68,8 +67,7 @@ class DeviceOps(Protocol):
 
     device: int
 
-    def alloc_pinned(self, size_bytes: int) -> int:
-        """Allocate page-locked host memory (page aligned); return its address."""
+    def alloc_pinned(self, size_bytes: int) -> int: ...
 
     def free_pinned(self, address: int) -> None: ...
 
@@ -81,20 +79,15 @@ class DeviceOps(Protocol):
 
     def destroy_event(self, event: Any) -> None: ...
 
-    def memcpy_htod_async(self, device_address: int, host_address: int, size_bytes: int, stream: Any) -> None:
-        """Enqueue a copy of ``size_bytes`` bytes from pinned host memory to device memory."""
+    def memcpy_htod_async(self, device_address: int, host_address: int, size_bytes: int, stream: Any) -> None: ...
 
-    def memcpy_dtoh_async(self, host_address: int, device_address: int, size_bytes: int, stream: Any) -> None:
-        """Enqueue a copy of ``size_bytes`` bytes from device memory to pinned host memory."""
+    def memcpy_dtoh_async(self, host_address: int, device_address: int, size_bytes: int, stream: Any) -> None: ...
 
-    def record_event(self, event: Any, stream: Any) -> None:
-        """Record ``event`` after the work enqueued so far on ``stream``."""
+    def record_event(self, event: Any, stream: Any) -> None: ...
 
-    def synchronize_event(self, event: Any) -> None:
-        """Block until the work before the event's last record is done."""
+    def synchronize_event(self, event: Any) -> None: ...
 
-    def synchronize_stream(self, stream: Any) -> None:
-        """Block until all work enqueued on ``stream`` is done."""
+    def synchronize_stream(self, stream: Any) -> None: ...
 
 
 class CupyDeviceOps:
@@ -441,7 +434,9 @@ class CudaCopyBackend:
                 raise CopyBackendError(f"the host-to-device copies failed: {exc}") from exc
             lane.pending = [False] * len(lane.buffers)
         except BaseException:
-            self._drain(lane)
+            with contextlib.suppress(Exception):  # every enqueued copy ends before the staging buffers are reused
+                device.synchronize_stream(lane.stream)
+            lane.pending = [False] * len(lane.buffers)
             raise
         finally:
             if pool is not None:
@@ -475,14 +470,9 @@ class CudaCopyBackend:
         """Read the chunk's bytes into ``buffer``; return where they start in it (the O_DIRECT lead)."""
         lead = chunk.file_offset_bytes % IO_ALIGNMENT_BYTES if direct else 0
         start = chunk.file_offset_bytes - lead
-        length = lead + chunk.size_bytes
-        if direct:
-            length = -(-length // IO_ALIGNMENT_BYTES) * IO_ALIGNMENT_BYTES
-        parts = []
-        part_bytes = max(1 << 20, -(-length // self.read_threads))
-        part_bytes = -(-part_bytes // IO_ALIGNMENT_BYTES) * IO_ALIGNMENT_BYTES
-        for offset in range(0, length, part_bytes):
-            parts.append((offset, min(part_bytes, length - offset)))
+        length = align_up(lead + chunk.size_bytes, IO_ALIGNMENT_BYTES) if direct else chunk.size_bytes
+        part_bytes = align_up(max(1 << 20, -(-length // self.read_threads)), IO_ALIGNMENT_BYTES)
+        parts = [(offset, min(part_bytes, length - offset)) for offset in range(0, length, part_bytes)]
 
         def read(part: tuple[int, int]) -> int:
             offset, size = part
@@ -543,12 +533,6 @@ class CudaCopyBackend:
             offset_bytes=first.offset_bytes,
         )
 
-    def _drain(self, lane: _Lane) -> None:
-        """After a failure: wait for every enqueued copy before the staging buffers are reused."""
-        with contextlib.suppress(Exception):
-            self.ops.synchronize_stream(lane.stream)
-        lane.pending = [False] * len(lane.buffers)
-
     def read_chunks(self, allocation: LiveAllocation, offset_bytes: int, size_bytes: int) -> Iterator[memoryview]:
         """Yield the allocation's bytes ``[offset_bytes, offset_bytes + size_bytes)`` in host memory,
         ``read_chunk_bytes`` at a time, chunk ``k + 1`` copied while the caller uses chunk ``k``.
@@ -561,12 +545,7 @@ class CudaCopyBackend:
             CopyBackendError: the range lies outside the allocation, or a device-to-host copy failed
                 (names the allocation and the offset).
         """
-        if offset_bytes < 0 or size_bytes < 0 or offset_bytes + size_bytes > allocation.size_bytes:
-            raise CopyBackendError(
-                f"bytes [{offset_bytes}, {offset_bytes + size_bytes}) lie outside the allocation's {allocation.size_bytes} bytes",
-                allocation=allocation.index,
-                offset_bytes=offset_bytes,
-            )
+        check_range(allocation, offset_bytes, size_bytes)
         if size_bytes == 0:
             return
         pieces = [

@@ -1,12 +1,10 @@
 """The host-memory copy backend: allocations are plain process memory (CPU tensors' storages).
 
-Hydration reads each source range straight into its destination with ``os.preadv`` (one copy; no staging buffer),
-on one batch per worker thread: without verification the plan's bytes are split evenly (:func:`split_even`), so a
-large extent is shared by every thread; with ``verify_extents`` whole extents are dealt largest first
-(:func:`deal_largest_first`) and each is hashed ``chunk_bytes`` at a time right after its bytes land. Each chunk's
-destination is faulted in just before it is read into (:func:`prefault_for_write`), so one thread's faults overlap
-the others' copies; huge pages are advised only when :func:`huge_pages_pay` (measurements: benchmarks/README.md,
-``host_fill.py``). A failure in one batch stops the others at their next chunk; the first error is raised.
+Hydration ``os.preadv``s each source range straight into its destination, one batch per thread: the plan's bytes
+split evenly (:func:`split_even`), or with ``verify_extents`` whole extents dealt largest first
+(:func:`deal_largest_first`) and hashed as they land. Each chunk is faulted in just before its read
+(:func:`prefault_for_write`), so one thread's faults overlap the others' copies; huge pages are advised only when
+:func:`huge_pages_pay` (measurements: benchmarks/README.md). A failed batch stops the others at their next chunk.
 """
 
 from __future__ import annotations
@@ -22,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coldsnap_core._io import advise_sequential
-from coldsnap_core.copy.base import CopyOp, SourceName
+from coldsnap_core.copy.base import CopyOp, SourceName, check_range
 from coldsnap_core.errors import CopyBackendError, ExtentDigestMismatchError
 from coldsnap_core.format.allocation import LiveAllocation
+from coldsnap_core.format.pack_layout import align_up
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Bytes per ``preadv`` call (4 MiB): large enough for throughput, small enough to hash cache-hot."""
@@ -45,12 +44,9 @@ _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 def advise_huge_pages(address: int, size_bytes: int) -> bool:
-    """Advise ``MADV_HUGEPAGE`` on the whole 2 MiB pages inside ``[address, address + size_bytes)``.
-
-    Only the aligned interior (a straddling huge page would cover memory the caller does not own), before the range
-    is first faulted. Returns ``False`` when the range has no whole huge page or the kernel refuses the advice.
-    """
-    start = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    """Advise ``MADV_HUGEPAGE`` on the whole 2 MiB pages inside ``[address, address + size_bytes)`` (a straddling one
+    would cover memory the caller does not own); ``False`` when there is none or the kernel refuses the advice."""
+    start = align_up(address, HUGE_PAGE_BYTES)
     end = (address + size_bytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     if end <= start:
         return False
@@ -92,12 +88,9 @@ VIRTIO_BALLOON_F_REPORTING = 5
 
 
 def free_page_reporting(devices: Path = VIRTIO_DEVICES) -> bool:
-    """Whether a virtio balloon of this (virtual) machine reports free pages to the hypervisor.
-
-    Then the host discards free 2 MiB blocks (``mm/page_reporting.c``) and a huge-page fault costs 512 host faults.
-    Reads ``devices/*/device`` (``0x0005``: a balloon) and ``devices/*/features`` (one ``0``/``1`` per feature bit,
-    bit 0 first); ``False`` where there is no such device or the files cannot be read.
-    """
+    """Whether a virtio balloon of this (virtual) machine reports free pages to the hypervisor (which then discards
+    free 2 MiB blocks, ``mm/page_reporting.c``: a huge-page fault costs 512 host faults). ``devices/*/features``
+    holds one ``0``/``1`` per feature bit, bit 0 first; ``False`` where the files cannot be read."""
     try:
         folders = sorted(devices.iterdir())
     except OSError:
@@ -122,11 +115,8 @@ def huge_pages_pay(destination_bytes: int, free_block_bytes: int | None, *, page
 
 
 def prefault_for_write(address: int, size_bytes: int) -> bool:
-    """Fault in the pages under ``[address, address + size_bytes)`` for writing, in one system call.
-
-    It never changes the bytes there, so the partial pages at either end are safe to include. ``False`` where the
-    kernel lacks it (older than 5.14) or refuses the range; the copy then faults as usual.
-    """
+    """Fault in the pages under ``[address, address + size_bytes)`` for writing in one system call, without changing
+    a byte; ``False`` where the kernel lacks it (older than 5.14) or refuses the range."""
     if size_bytes <= 0:
         return True
     start = address - address % PAGE_BYTES
@@ -277,8 +267,7 @@ class HostCopyBackend:
                 if stop.is_set():
                     return
                 view = destination[done : done + self.chunk_bytes]
-                # Fault this chunk in now, not the whole piece up front: the other threads copy while
-                # this one faults (see the module docstring).
+                # this chunk only, not the whole piece: the other threads copy while this one faults
                 prefault_for_write(destination_address + done, len(view))
                 try:
                     n = os.preadv(fds[op.source], [view], source_offset + done)
@@ -313,12 +302,7 @@ class HostCopyBackend:
         Raises:
             CopyBackendError: the range is not within the allocation.
         """
-        if offset_bytes < 0 or size_bytes < 0 or offset_bytes + size_bytes > allocation.size_bytes:
-            raise CopyBackendError(
-                f"range [{offset_bytes}, {offset_bytes + size_bytes}) is outside the allocation's {allocation.size_bytes} bytes",
-                allocation=allocation.index,
-                offset_bytes=offset_bytes,
-            )
+        check_range(allocation, offset_bytes, size_bytes)
         view = host_view(allocation.address + offset_bytes, size_bytes)
         for start in range(0, size_bytes, self.chunk_bytes):
             yield view[start : start + self.chunk_bytes]

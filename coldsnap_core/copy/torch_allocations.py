@@ -1,9 +1,5 @@
-"""Portable allocations: a torch module's parameter and buffer storages, in a deterministic order.
-
-At the portable capture point (``docs/format.md`` §6.1) an *allocation* is one ``torch.UntypedStorage`` hosting
-at least one parameter or buffer, in the order ``named_parameters`` and then ``named_buffers`` (both with
-``remove_duplicate=False``) first reach it, so the same model built the same way has the same allocations and
-layout fingerprint anywhere. A tensor sharing an earlier storage (a tied weight, a view) is a further tensor of it.
+"""Portable allocations: a torch module's parameter and buffer storages, in the deterministic order of
+``docs/format.md`` §6.1 (a tensor sharing an earlier storage, a tied weight or a view, is a further tensor of it).
 """
 
 from __future__ import annotations
@@ -95,10 +91,7 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
 
 
 def enumerate_allocations(module: torch.nn.Module) -> TorchAllocations:
-    """Enumerate ``module``'s parameter and buffer storages (order: the module docstring).
-
-    Allocation ``i`` is the ``i``-th distinct storage reached, tagged ``parameter`` or ``buffer`` by its first
-    tensor, hosting every tensor name on it in enumeration order (dtype, shape, stride in elements, byte offset).
+    """Enumerate ``module``'s parameter and buffer storages (``docs/format.md`` §6.1).
 
     Raises:
         ObserverError: a tensor is on the meta device or has no storage (a tensor subclass without data), tensors
@@ -162,11 +155,8 @@ def _enumerate(module: torch.nn.Module) -> TorchAllocations:
 
 
 def _named_tensors(module: torch.nn.Module) -> list[tuple[str, str, torch.Tensor]]:
-    """``(tag, name, tensor)`` of ``named_parameters`` then ``named_buffers`` (``remove_duplicate=False``), in order.
-
-    Both walk ``named_modules`` (``torch/nn/modules/module.py``, ``Module._named_members``): one walk collects both.
-    A module that overrides either method, or ``_named_members``, is asked through the methods.
-    """
+    """``(tag, name, tensor)`` of ``named_parameters`` then ``named_buffers`` (``remove_duplicate=False``), in one
+    walk of ``named_modules`` as ``Module._named_members`` does (``torch/nn/modules/module.py``), unless overridden."""
     base = torch.nn.Module
     cls = type(module)
     methods = ("named_parameters", "named_buffers", "_named_members")
