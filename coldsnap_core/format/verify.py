@@ -1,10 +1,5 @@
-"""The verifier: every rule a payload must pass before a single byte of it is served (``docs/format.md`` §7).
-
-The manifest alone (:func:`check_manifest`), against the live allocations (:func:`check_live_layout`), the pack
-object in one streaming pass (:func:`verify_pack_file`, whose file SHA-256 decides whether the object or the manifest
-is wrong), the first-use admission of a pack on a pool of threads (:func:`pack_matches_layout`), the residual blob
-(:func:`verify_blob_file`) and the padding of an admitted pack (:func:`check_pack_padding`). Each failure raises its
-own :mod:`coldsnap_core.errors` class naming file, allocation, offset and rule.
+"""The verifier: every rule a payload must pass before a single byte of it is served (``docs/format.md`` §7), each
+failure its own :mod:`coldsnap_core.errors` class naming file, allocation, offset and rule.
 """
 
 from __future__ import annotations
@@ -44,6 +39,7 @@ from coldsnap_core.errors import (
     size_mismatch,
 )
 from coldsnap_core.format.allocation import AllocationMap, LiveAllocation
+from coldsnap_core.format.extents import ModelExtent, ResidualExtent
 from coldsnap_core.format.manifest import NativeManifest, PackRef, ResidualRef
 from coldsnap_core.format.pack_layout import PackEntry, PackLayout
 
@@ -87,29 +83,22 @@ def check_coverage(manifest: NativeManifest, *, file: str | None = None) -> None
         previous = (-1, -1)
         for i, extent in enumerate(extents):
             key = (extent.allocation_index, extent.offset_bytes)
+            at = _where(extent, file)
             if key <= previous:
                 raise ExtentOrderError(
                     f"{kind} extent {i} starts at ({key[0]}, {key[1]}), not after {kind} extent {i - 1} at"
                     f" ({previous[0]}, {previous[1]}) in (allocation_index, offset_bytes) order",
-                    file=file,
-                    allocation=extent.allocation_index,
-                    offset_bytes=extent.offset_bytes,
+                    **at,
                 )
             previous = key
             if extent.allocation_index >= count:
                 raise ExtentBoundsError(
-                    f"{kind} extent {i} names allocation {extent.allocation_index}, but there are {count}",
-                    file=file,
-                    allocation=extent.allocation_index,
-                    offset_bytes=extent.offset_bytes,
+                    f"{kind} extent {i} names allocation {extent.allocation_index}, but there are {count}", **at
                 )
             size = sizes[extent.allocation_index]
             if extent.end_bytes > size:
                 raise ExtentBoundsError(
-                    f"{kind} extent {i} ends at byte {extent.end_bytes}, beyond the allocation's {size} bytes",
-                    file=file,
-                    allocation=extent.allocation_index,
-                    offset_bytes=extent.offset_bytes,
+                    f"{kind} extent {i} ends at byte {extent.end_bytes}, beyond the allocation's {size} bytes", **at
                 )
             per_allocation[extent.allocation_index].append((extent.offset_bytes, extent.end_bytes, f"{kind} extent {i}"))
     for allocation, intervals in zip(allocations.allocations, per_allocation, strict=True):
@@ -133,6 +122,11 @@ def check_coverage(manifest: NativeManifest, *, file: str | None = None) -> None
             position, last = end, name
 
 
+def _where(extent: ModelExtent | ResidualExtent, file: str | None) -> dict:
+    """An extent's error keywords: the file, and the extent's allocation and offset."""
+    return {"file": file, "allocation": extent.allocation_index, "offset_bytes": extent.offset_bytes}
+
+
 def check_pack_layout(manifest: NativeManifest, *, file: str | None = None) -> PackLayout:
     """The model extents must describe the canonical pack (``coldsnap_core.format.pack_layout``)."""
     layout = PackLayout.plan((e.sha256, e.size_bytes) for e in manifest.model_extents)
@@ -142,9 +136,7 @@ def check_pack_layout(manifest: NativeManifest, *, file: str | None = None) -> P
         if extent.pack_offset_bytes != expected:
             raise PackLayoutError(
                 f"model extent {i} is at pack offset {extent.pack_offset_bytes}; the canonical layout puts it at {expected}",
-                file=file,
-                allocation=extent.allocation_index,
-                offset_bytes=extent.offset_bytes,
+                **_where(extent, file),
             )
     if manifest.pack.size_bytes != layout.size_bytes:
         raise PackLayoutError(
@@ -160,10 +152,7 @@ def check_residual_layout(extents: Sequence, residual: ResidualRef, *, file: str
     for i, extent in enumerate(extents):
         if extent.blob_offset_bytes != position:
             raise ResidualLayoutError(
-                f"residual extent {i} is at blob offset {extent.blob_offset_bytes}, expected {position}",
-                file=file,
-                allocation=extent.allocation_index,
-                offset_bytes=extent.offset_bytes,
+                f"residual extent {i} is at blob offset {extent.blob_offset_bytes}, expected {position}", **_where(extent, file)
             )
         position += extent.size_bytes
     if position != residual.size_bytes:
@@ -261,19 +250,16 @@ def verify_pack_file(
     chunk_bytes: int = HASH_CHUNK_BYTES,
     manifest_file: str | os.PathLike[str] | None = None,
 ) -> None:
-    """Verify a pack object in full: size, SHA-256, and with ``layout`` its padding and extents.
+    """Verify a pack object in full, in one sequential read: size, SHA-256, and with ``layout`` its padding and extents.
 
-    One sequential read (:func:`_read_pack`). The file's SHA-256 decides who is wrong: when it is not
-    ``pack.sha256`` the **object is corrupt** (exit code 1) and the most precise error is raised (padding, else the
-    first bad stored extent in pack order, else the digest); when it matches, the object holds the bytes its name
-    promises and a padding run or extent the layout gets wrong is **the manifest's** error (exit code 2), named by
-    ``manifest_file`` (default: the pack), and callers keep the object.
+    The file's SHA-256 decides who is wrong: when it is not ``pack.sha256`` the object is corrupt (the most precise
+    error: padding, else the first bad stored extent, else the digest); when it matches, a padding run or extent the
+    layout gets wrong is the manifest's error, named by ``manifest_file`` (default: the pack).
 
     Args:
         layout: the canonical layout (from :func:`check_manifest`), or ``None`` for a bare object check.
         progress: called with the number of bytes read after each chunk.
         extent_owner: maps a stored entry to ``(allocation_index, offset_bytes)`` of one destination, for messages.
-        chunk_bytes: bytes per read (default 8 MiB), > 0.
 
     Raises:
         MissingObjectError, NotRegularFileError, FileAccessError: the file is absent, not regular, or unreadable.
@@ -315,12 +301,9 @@ def pack_matches_layout(
     chunk_bytes: int = HASH_CHUNK_BYTES,
     progress: Callable[[int], object] | None = None,
 ) -> bool:
-    """Whether the file open at ``fd`` holds exactly the canonical pack of ``layout`` (``docs/format.md`` §10).
-
-    Each stored extent is read with the padding after it and hashed (:func:`_stored_extent_matches`) on ``threads``
-    threads, largest first; extents and padding tile the layout, so all matching means the file is the canonical pack
-    (whether it hashes to its name is not checked). ``False`` at the first disagreement, without saying which: a
-    caller judges it with :func:`verify_pack_file`. ``progress`` gets the bytes of each extent and its padding.
+    """Whether the file open at ``fd`` holds exactly the canonical pack of ``layout`` (``docs/format.md`` §10): each
+    stored extent and the padding after it, hashed on ``threads`` threads, largest first (the file's own SHA-256 is
+    not checked). ``False`` at the first disagreement: a caller judges it with :func:`verify_pack_file`.
 
     Raises:
         FileAccessError: a read fails (``EIO``, ...).
@@ -470,17 +453,16 @@ def _raise_pack_error(
             file=blame,
             offset_bytes=read.bad_padding,
         )
-    if bad_extent is not None and corrupt:
-        entry, digest = bad_extent
-        raise ExtentDigestMismatchError(
-            f"the extent stored at pack offset {entry.offset_bytes} ({entry.size_bytes} bytes) has SHA-256 {digest},"
-            f" the manifest records {entry.sha256}",
-            file=path,
-            allocation=where[0],
-            offset_bytes=where[1],
-        )
     if bad_extent is not None:
         entry, digest = bad_extent
+        if corrupt:
+            raise ExtentDigestMismatchError(
+                f"the extent stored at pack offset {entry.offset_bytes} ({entry.size_bytes} bytes) has SHA-256 {digest},"
+                f" the manifest records {entry.sha256}",
+                file=path,
+                allocation=where[0],
+                offset_bytes=where[1],
+            )
         raise ManifestExtentDigestError(
             f"the manifest records SHA-256 {entry.sha256} for the extent stored at pack offset {entry.offset_bytes}"
             f" ({entry.size_bytes} bytes), but the pack {path} (whose SHA-256 matches its name) stores bytes with"
