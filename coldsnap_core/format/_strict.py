@@ -1,14 +1,10 @@
-"""The one codec of coldsnap's JSON documents: each is declared once, and its bytes and its strict reading follow.
+"""The one codec of coldsnap's JSON documents (bytes, rules and error classes: ``docs/format.md`` §4).
 
-A document type is a frozen :class:`msgspec.Struct` (:class:`Document`; its objects :class:`Record`): field types and
-:class:`msgspec.Meta` constraints say what each value may be, and each ``__post_init__`` holds the rules across fields
-(it runs on read and on build, so the writer cannot build what the reader refuses). Bytes: ``docs/format.md`` §4.
-Reading (:func:`load_document`): msgspec decodes; a document is accepted at once only when it is byte for byte what
-:func:`dump_document` writes for it. Anything else is read again with Python's ``json`` (refusing repeated keys, invalid
-UTF-8, a byte-order mark, lone surrogates, deep nesting), the header is checked, msgspec's refusal is raised naming the
-JSON path and the file, and a valid document is refused only if it lacks a key the writer writes or holds one it leaves
-out. Error classes and rules: ``docs/format.md`` §4 (``ManifestParseError``, ``ManifestSchemaError``,
-``UnsupportedFormatVersionError``, ``ManifestValueError``).
+A document type is a frozen :class:`msgspec.Struct` (:class:`Document`; its objects :class:`Record`) whose
+``__post_init__`` holds the rules across fields, on read and on build. :func:`load_document` accepts at once a
+document that is byte for byte what :func:`dump_document` writes for it; anything else is read again with Python's
+``json`` to name what is wrong (a repeated key, invalid UTF-8, the header, msgspec's refusal with its JSON path, a
+key the writer writes that is missing or one it leaves out that is present).
 """
 
 from __future__ import annotations
@@ -110,11 +106,7 @@ def _decoder(kind: type[D]) -> msgspec.json.Decoder[D]:
 
 
 def load_document(kind: type[D], data: str | bytes, *, file: str | None = None) -> D:
-    """Parse one document of type ``kind`` strictly (the module docstring says how).
-
-    Raises:
-        ManifestError: its four subclasses, as ``docs/format.md`` §4 lists them.
-    """
+    """Parse one document of type ``kind`` strictly; raises the ``ManifestError`` subclasses of ``docs/format.md`` §4."""
     data = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
     try:
         document = _decoder(kind).decode(data)
@@ -238,7 +230,7 @@ def _value_at(raw: Any, path: str) -> Any:
 
 def _spelling_error(written: Any, raw: Any, path: str, file: str | None) -> ManifestSchemaError | None:
     """A key :func:`dump_document` writes (``written``) that ``raw`` lacks, or one ``raw`` holds that it leaves out
-    (``docs/format.md`` §4.3's data parallel fields); ``None`` when there is neither."""
+    (§4.3's data parallel fields), as an error; ``None`` when there is neither."""
     if isinstance(written, dict):
         at = f"{path}." if path else ""
         missing = [key for key in written if key not in raw]
@@ -298,13 +290,9 @@ def _refuse_lone_surrogates(value: Any, file: str | None) -> None:
 
 
 def read_document_bytes(path: Path, *, check_size: Callable[[int], None] | None = None, max_bytes: int | None = None) -> bytes:
-    """The bytes of a document file, through one descriptor (:func:`coldsnap_core._io.open_regular`, links followed)
-    whose size is checked before any read: ``check_size(size)`` (a pinned manifest's), then ``max_bytes``.
-
-    Raises:
-        MissingObjectError, NotRegularFileError, FileAccessError: as :func:`~coldsnap_core._io.open_regular` says.
-        ManifestParseError: it is larger than ``max_bytes`` or :data:`MAX_DOCUMENT_BYTES`.
-    """
+    """The bytes of a document file, through one descriptor (:func:`~coldsnap_core._io.open_regular`, links followed,
+    and its errors) whose size is checked before any read: ``check_size(size)``, then ``max_bytes`` and
+    :data:`MAX_DOCUMENT_BYTES` (``ManifestParseError``)."""
     with open_regular(path, "document", follow_links=True) as (fd, st):
         if check_size is not None:
             check_size(st.st_size)

@@ -1,8 +1,5 @@
-"""The allocation map: which weight allocations a capture preserved and what tensors live in them.
-
-An *allocation* is one parameter or buffer storage (portable capture point, ``docs/format.md`` §6.1) or one CuMem
-"weights" segment at its captured virtual address (native, §6.2; vLLM ``device_allocator/cumem.py``). Fields: §4.5;
-the layout fingerprint: §4.4.
+"""The allocation map: which weight allocations a capture preserved and what tensors live in them (fields:
+``docs/format.md`` §4.5; an allocation at each capture point: §6.1, §6.2; the layout fingerprint: §4.4).
 """
 
 from __future__ import annotations
@@ -99,8 +96,8 @@ class Allocation(Record):
 
 
 def canonical_layout_json(allocations: tuple[Allocation, ...]) -> str:
-    """The text the layout fingerprint hashes (``docs/format.md`` §4.4), written directly: exactly what ``json.dumps``
-    with sorted keys, ``(",", ":")`` separators and ASCII escapes writes for it."""
+    """The text the layout fingerprint hashes (``docs/format.md`` §4.4): what ``json.dumps`` with sorted keys,
+    ``(",", ":")`` separators and ASCII escapes writes, written directly."""
     quote = json.encoder.encode_basestring_ascii  # what json.dumps uses with ensure_ascii=True
     parts = []
     for allocation in allocations:
@@ -142,8 +139,7 @@ class AllocationMap(tuple[Allocation, ...]):
         return sum(a.size_bytes for a in self)
 
     def layout_fingerprint(self) -> str:
-        """SHA-256 (hex) of the canonical layout, every field except the addresses (``docs/format.md`` §4.4); computed
-        once per map."""
+        """SHA-256 (hex) of the canonical layout (``docs/format.md`` §4.4), computed once per map."""
         return self._fingerprint
 
     @functools.cached_property
@@ -154,8 +150,7 @@ class AllocationMap(tuple[Allocation, ...]):
 
 @dataclass(frozen=True, slots=True)
 class LiveAllocation:
-    """Where allocation ``index`` of the allocation map lives now (host pointer or CUDA virtual address), as a copy
-    backend sees it."""
+    """Where allocation ``index`` of the allocation map lives now (host pointer or CUDA virtual address)."""
 
     index: int
     address: int

@@ -1,7 +1,5 @@
-"""The one (name, size, SHA-256) reference type of the format documents.
-
-``PackRef``, ``ResidualRef``, ``CheckpointFile``, ``CapsuleFile`` and ``SeedMember`` are :class:`ContentRef`
-subclasses that declare the name field again: its JSON key (``msgspec.field(name=...)``) and its form.
+"""The one (name, size, SHA-256) reference type of the format documents; a subclass declares the name field again,
+for its JSON key (``msgspec.field(name=...)``) and its form.
 """
 
 from __future__ import annotations

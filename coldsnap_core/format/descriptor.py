@@ -40,14 +40,10 @@ class CapsuleFile(ContentRef):
 
 
 def check_capsule_file_names(pins: tuple[CapsuleFile, ...]) -> None:
-    """The pins of a capsule are its four files, and a seed's two or none, each once, sorted (``docs/format.md`` §5, §17).
-
-    Raises:
-        ManifestValueError: any other list.
-    """
+    """The pins of a capsule are its four files, and a seed's two or none, each once, sorted (``docs/format.md`` §5,
+    §17); else ManifestValueError."""
     names = [p.name for p in pins]
     documents = {NATIVE_MANIFEST_FILENAME, RECOVERY_MANIFEST_FILENAME, TARGET_FILENAME}
-    # a derived-cache seed (docs/format.md §17) adds its two files, both or neither
     seed = [n for n in names if n in SEED_FILENAMES]
     core = [n for n in names if n not in SEED_FILENAMES]
     if len(core) != 4 or names != sorted(set(names)) or not documents <= set(core) or seed not in ([], sorted(SEED_FILENAMES)):
@@ -118,7 +114,7 @@ class ArtifactDescriptor(Document, tag=ARTIFACT_KIND):
 
     def with_worker(self, entry: WorkerEntry) -> ArtifactDescriptor:
         """A copy with ``entry`` added, replacing any entry of the same worker and dropping every entry of another
-        world (world size or data parallel size: the old world's capsules cannot be restored next to the new one's)."""
+        world (world size or data parallel size)."""
         key = entry.worker.sort_key
         kept = [w for w in self.workers if w.worker.sort_key != key and w.worker.world == entry.worker.world]
         workers = sorted([*kept, entry], key=lambda w: w.worker.sort_key)
@@ -130,8 +126,8 @@ class ArtifactDescriptor(Document, tag=ARTIFACT_KIND):
         return () if self.model_files is msgspec.UNSET else self.model_files
 
     def pinned_files(self) -> Iterator[tuple[str, ContentRef]]:
-        """Every file ``artifact.json`` pins, as ``(path in the artifact folder, pin)``: each worker's capsule files
-        (``workers/<capsule>/<name>``), in worker order, then ``model/<name>``."""
+        """Every file ``artifact.json`` pins, as ``(path in the artifact folder, pin)``, in worker order, then the
+        model files."""
         for entry in self.workers:
             for pin in entry.capsule_files:
                 yield f"{entry.capsule}/{pin.name}", pin

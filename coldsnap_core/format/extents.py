@@ -22,43 +22,40 @@ class ExtentProvenance(Record):
     dtype_converted: bool
 
 
-class ModelExtent(Record):
-    """A destination byte range filled from ``model-weights.pack`` at ``pack_offset_bytes``."""
+class _Extent(Record):
+    """A destination byte range of allocation ``allocation_index``, and where its bytes are stored."""
 
     allocation_index: Offset
     offset_bytes: Offset
     size_bytes: Count
+
+    @property
+    def end_bytes(self) -> int:
+        return self.offset_bytes + self.size_bytes
+
+    def _check_ends(self, source_field: str) -> None:
+        """Raises ManifestValueError when the destination's or the source's end does not fit a signed 64-bit offset."""
+        for field in ("offset_bytes", source_field):
+            end = getattr(self, field) + self.size_bytes
+            if end > MAX_OFFSET_BYTES:
+                raise ManifestValueError(f"{field} + size_bytes = {end} overflows a signed 64-bit offset")
+
+
+class ModelExtent(_Extent):
+    """A destination byte range filled from ``model-weights.pack`` at ``pack_offset_bytes``."""
+
     pack_offset_bytes: Offset
     sha256: Sha256
     provenance: ExtentProvenance
 
     def __post_init__(self) -> None:
-        _check_end(self.offset_bytes, self.size_bytes, "offset_bytes + size_bytes")
-        _check_end(self.pack_offset_bytes, self.size_bytes, "pack_offset_bytes + size_bytes")
-
-    @property
-    def end_bytes(self) -> int:
-        return self.offset_bytes + self.size_bytes
+        self._check_ends("pack_offset_bytes")
 
 
-class ResidualExtent(Record):
+class ResidualExtent(_Extent):
     """A destination byte range filled from the worker's ``weights.blob`` at ``blob_offset_bytes``."""
 
-    allocation_index: Offset
-    offset_bytes: Offset
-    size_bytes: Count
     blob_offset_bytes: Offset
 
     def __post_init__(self) -> None:
-        _check_end(self.offset_bytes, self.size_bytes, "offset_bytes + size_bytes")
-        _check_end(self.blob_offset_bytes, self.size_bytes, "blob_offset_bytes + size_bytes")
-
-    @property
-    def end_bytes(self) -> int:
-        return self.offset_bytes + self.size_bytes
-
-
-def _check_end(start: int, size: int, what: str) -> None:
-    """Raises ManifestValueError when a range's end does not fit a signed 64-bit offset."""
-    if start + size > MAX_OFFSET_BYTES:
-        raise ManifestValueError(f"{what} = {start + size} overflows a signed 64-bit offset")
+        self._check_ends("blob_offset_bytes")

@@ -1,7 +1,4 @@
-"""Worker manifests: the native and the recovery manifest of one unit capsule (``workers/<capsule_name>/``).
-
-``docs/format.md`` §4 gives every field of every type here.
-"""
+"""Worker manifests: the native and the recovery manifest of one capsule (every field: ``docs/format.md`` §4)."""
 
 from __future__ import annotations
 
@@ -50,8 +47,7 @@ _NO_DATA_PARALLEL = _NoDataParallel(0)
 
 
 class WorkerIdentity(Record, omit_defaults=True):
-    """Which execution worker a capsule belongs to (``docs/format.md`` §4.3; the data parallel fields are written
-    only when ``data_parallel_size`` > 1).
+    """Which execution worker a capsule belongs to (``docs/format.md`` §4.3).
 
     Raises:
         ManifestValueError: a rank is not below its size.
@@ -140,26 +136,19 @@ class CheckpointFile(ContentRef):
     ``None`` (restore then accepts the file on name and size).
 
     Raises:
-        ManifestValueError: the name is not relative to the checkpoint folder (:func:`checkpoint_name_problem`).
+        ManifestValueError: the name is not relative to the checkpoint folder (``docs/format.md`` §4).
     """
 
     fingerprint_sha256: Sha256 | None = None
 
     def __post_init__(self) -> None:
-        problem = checkpoint_name_problem(self.name)
-        if problem is not None:
-            raise ManifestValueError(f"name {self.name!r} {problem}")
-
-
-def checkpoint_name_problem(name: str) -> str | None:
-    """Why ``name`` is not a checkpoint file name relative to its folder (``docs/format.md`` §4), or ``None``."""
-    if "\\" in name or "\x00" in name:
-        return "contains a backslash or NUL"
-    if name.startswith("/"):
-        return "is an absolute path"
-    if any(part in ("", ".", "..") for part in name.split("/")):
-        return "has an empty, '.' or '..' component"
-    return None
+        name = self.name
+        if "\\" in name or "\x00" in name:
+            raise ManifestValueError(f"name {name!r} contains a backslash or NUL")
+        if name.startswith("/"):
+            raise ManifestValueError(f"name {name!r} is an absolute path")
+        if any(part in ("", ".", "..") for part in name.split("/")):
+            raise ManifestValueError(f"name {name!r} has an empty, '.' or '..' component")
 
 
 class ModelIdentity(Record):
@@ -194,8 +183,7 @@ class NativeManifest(Document, tag=NATIVE_MANIFEST_KIND):
     """The allocation map plus the model and residual extent maps of one worker (``docs/format.md`` §4.1).
 
     Raises:
-        ManifestValueError: an allocation's index is not its position, or an address does not fit the capture point
-            (``native``: every allocation has one; ``portable``: none has).
+        ManifestValueError: an allocation's index is not its position, or an address does not fit the capture point.
     """
 
     capture_point: CapturePoint

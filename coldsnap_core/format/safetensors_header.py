@@ -58,8 +58,7 @@ def read_header(path: str | Path) -> dict[str, TensorLocation]:
 
     Raises:
         MissingObjectError: no file at ``path``.
-        ManifestParseError: the header is truncated, too large, not a JSON object, or an entry is malformed
-            (its dtype, shape, ``data_offsets``, data beyond the file, or a size that disagrees with dtype and shape).
+        ManifestParseError: the header is truncated, too large, not a JSON object, or an entry is malformed.
     """
     path = Path(path)
     try:
@@ -100,8 +99,7 @@ def _location(path: Path, name: str, entry: object, base: int, file_size: int) -
     code = entry.get("dtype")
     if not isinstance(code, str) or not code:
         raise bad(f"dtype {code!r} is not a string")
-    # A code this table does not know (F4, F6_E2M3, a future one) keeps its lowercased name; its
-    # byte size is then not checked against the shape (sub-byte dtypes pack several per byte).
+    # a code this table does not know (F4, F6_E2M3, ...) keeps its lowercased name, its size unchecked
     dtype = SAFETENSORS_DTYPES.get(code, code.lower())
     shape = entry.get("shape")
     if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):

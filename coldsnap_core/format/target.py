@@ -1,6 +1,5 @@
 """The target identity document (``target.json``): the runtime a capsule's residual was captured on (``docs/format.md``
-§15; collected by :func:`coldsnap_core.identity.target.collect_target`).
-"""
+§15)."""
 
 from __future__ import annotations
 
