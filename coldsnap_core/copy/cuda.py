@@ -238,7 +238,6 @@ class _Lane:
     stream: Any
     buffers: list[int]
     events: list[Any]
-    pending: list[bool]
 
 
 class CudaCopyBackend:
@@ -313,7 +312,7 @@ class CudaCopyBackend:
         except Exception as exc:
             _release(ops, stream, buffers, events)
             raise CopyBackendError(f"allocating {count} pinned staging buffers of {buffer_bytes} bytes failed: {exc}") from exc
-        lane = _Lane(stream, buffers, events, [False] * count)
+        lane = _Lane(stream, buffers, events)
         self._all_lanes.append(lane)
         return lane
 
@@ -396,12 +395,11 @@ class CudaCopyBackend:
                 fds[name] = self._open(path)
             for k, chunk in enumerate(chunks):
                 slot = k % len(lane.buffers)
-                if lane.pending[slot]:
+                if k >= len(lane.buffers):  # the copies from this buffer, chunk k - len(buffers)'s, must be done
                     try:
                         device.synchronize_event(lane.events[slot])
                     except Exception as exc:
                         raise self._copy_error(chunks[k - len(lane.buffers)], exc) from exc
-                    lane.pending[slot] = False
                 fd, direct = fds[chunk.source]
                 lead = self._read_chunk(pool, fd, direct, lane.buffers[slot], chunk, sources)
                 staged = lane.buffers[slot] + lead
@@ -427,16 +425,13 @@ class CudaCopyBackend:
                     device.record_event(lane.events[slot], lane.stream)
                 except Exception as exc:
                     raise self._copy_error(chunk, exc) from exc
-                lane.pending[slot] = True
             try:
                 device.synchronize_stream(lane.stream)
             except Exception as exc:
                 raise CopyBackendError(f"the host-to-device copies failed: {exc}") from exc
-            lane.pending = [False] * len(lane.buffers)
         except BaseException:
             with contextlib.suppress(Exception):  # every enqueued copy ends before the staging buffers are reused
                 device.synchronize_stream(lane.stream)
-            lane.pending = [False] * len(lane.buffers)
             raise
         finally:
             if pool is not None:
