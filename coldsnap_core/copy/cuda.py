@@ -252,7 +252,6 @@ class CudaCopyBackend:
         read_chunk_bytes: bytes per device-to-host copy in :meth:`read_chunks`.
         max_read_lanes: concurrent :meth:`read_chunks` generators (default: usable CPUs, at most 8); more wait.
         direct_io: open sources with ``O_DIRECT`` (buffered reads where the file system refuses it).
-        max_gap_bytes: see :func:`plan_chunks`.
 
     The pinned buffers and streams are created on first use and kept until :meth:`close`.
     """
@@ -270,7 +269,6 @@ class CudaCopyBackend:
         read_chunk_bytes: int = DEFAULT_READ_CHUNK_BYTES,
         max_read_lanes: int | None = None,
         direct_io: bool = False,
-        max_gap_bytes: int = DEFAULT_MAX_GAP_BYTES,
     ) -> None:
         if staging_buffers < 2:
             raise ValueError("the pipeline needs at least 2 staging buffers")
@@ -284,7 +282,6 @@ class CudaCopyBackend:
         self.read_chunk_bytes = read_chunk_bytes
         self.max_read_lanes = max(1, max_read_lanes or min(8, len(os.sched_getaffinity(0))))
         self.direct_io = direct_io
-        self.max_gap_bytes = max_gap_bytes
         self._lock = threading.Lock()
         self._fill_lock = threading.Lock()
         self._fill_lane: _Lane | None = None
@@ -376,7 +373,7 @@ class CudaCopyBackend:
         if not ops:
             return
         with self._fill_lock:
-            self._fill(plan_chunks(ops, self.chunk_bytes, self.max_gap_bytes), sources, allocations, verify_extents)
+            self._fill(plan_chunks(ops, self.chunk_bytes), sources, allocations, verify_extents)
 
     def _fill(
         self, chunks: list[Chunk], sources: Mapping[SourceName, Path], allocations: Sequence[LiveAllocation], verify_extents: bool

@@ -64,10 +64,6 @@ class TargetIdentity(Record):
         """``(field, self's value, other's value)`` for each of ``names`` that differs, in ``names`` order."""
         return tuple((n, getattr(self, n), getattr(other, n)) for n in names if getattr(self, n) != getattr(other, n))
 
-    def qualifies(self, other: TargetIdentity) -> bool:
-        """Whether a residual captured on ``self`` may be replayed on ``other`` (every qualifying field equal)."""
-        return not self.differences(other)
-
     @classmethod
     def loads(cls, data: str | bytes, *, file: str | None = None) -> TargetIdentity:
         """Parse ``target.json`` strictly (:func:`~coldsnap_core.format._strict.load_document`)."""
