@@ -547,8 +547,4 @@ def extent_owner_map(manifest: NativeManifest) -> Callable[[PackEntry], tuple[in
     owners: dict[tuple[str, int], tuple[int, int]] = {}
     for extent in manifest.model_extents:
         owners.setdefault((extent.sha256, extent.size_bytes), (extent.allocation_index, extent.offset_bytes))
-
-    def owner(entry: PackEntry) -> tuple[int | None, int | None]:
-        return owners.get((entry.sha256, entry.size_bytes), (None, None))
-
-    return owner
+    return lambda entry: owners.get((entry.sha256, entry.size_bytes), (None, None))
