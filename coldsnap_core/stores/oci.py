@@ -1,11 +1,6 @@
-"""A payload store in an OCI registry: the OCI Distribution Specification v1.1 through ``httpx`` (the extra
-``coldsnap[oci]``), as ``docs/format.md`` §12.6 describes it.
-
-``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]``: a pack or an artifact's file is the blob ``sha256:<digest>``, fetched by
-:class:`~coldsnap_core.stores._ranged.RangedStore`, uploaded after a mount try through an upload session; an artifact
-is one image manifest under its tag. Credentials: the Docker config's ``auths`` entry, sent only to the registry's
-origin and a safe token realm.
-"""
+"""A payload store ``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]`` in an OCI registry (Distribution Specification v1.1)
+through ``httpx`` (the extra ``coldsnap[oci]``), as ``docs/format.md`` §12.6 describes it: a pack or an artifact's file
+is a blob, an artifact one image manifest under its tag; credentials from the Docker config's ``auths`` entry."""
 
 from __future__ import annotations
 
@@ -67,7 +62,6 @@ FILE_MEDIA_TYPE = "application/vnd.coldsnap.artifact.file.v1"
 """The media type of a layer holding one file of the artifact folder, titled with its path in the folder."""
 TITLE_ANNOTATION = "org.opencontainers.image.title"
 ARTIFACT_TYPE = "application/vnd.coldsnap.artifact.v1"
-"""The ``artifactType`` of a coldsnap artifact's manifest."""
 MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"
 EMPTY_MEDIA_TYPE = "application/vnd.oci.empty.v1+json"
 EMPTY_CONFIG = b"{}"
@@ -581,11 +575,9 @@ class OciPayloadStore(RangedStore):
         except (ValueError, AttributeError):
             title = artifact_type = None
         if artifact_type != ARTIFACT_TYPE or title != listing.name:
-            what = (
-                f"the coldsnap artifact {title!r}"
-                if artifact_type == ARTIFACT_TYPE
-                else "a manifest that is not a coldsnap artifact's"
-            )
+            what = "a manifest that is not a coldsnap artifact's"
+            if artifact_type == ARTIFACT_TYPE:
+                what = f"the coldsnap artifact {title!r}"
             raise ConfigurationError(
                 f"{self.name}: the tag {where} names {what} ({current}); one tag names one artifact: publish {listing.name!r}"
                 " under another tag (or none: each artifact is then tagged by its folder name), or delete the tag first"
