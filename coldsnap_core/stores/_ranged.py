@@ -249,7 +249,6 @@ class RangedStore(ReferenceIndex, ABC):
         return f"{self.prefix}/{relpath}" if self.prefix else relpath
 
     def location(self, obj: str | StoreObject) -> str:
-        """``<url>/<key>``."""
         return f"{self.url}/{self.key(obj)}"
 
     @abstractmethod
@@ -406,7 +405,6 @@ class RangedStore(ReferenceIndex, ABC):
             progress(unreported)
 
     def _read_bytes(self, obj: StoreObject, stat: ObjectStat, start: int, end: int) -> bytearray:
-        """Bytes ``[start, end)`` of the object, in memory."""
         data = bytearray(end - start)
 
         def land(offset: int, chunk: bytes) -> None:

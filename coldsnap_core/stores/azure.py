@@ -134,7 +134,6 @@ class AzurePayloadStore(RangedStore):
 
     @classmethod
     def from_url(cls, spec: str, **kwargs: Any) -> AzurePayloadStore:
-        """A store for ``az://account/container[/prefix]`` or a connection string (:func:`parse_azure_spec`)."""
         account, connection_string, container, prefix = parse_azure_spec(spec)
         return cls(container, prefix, account=account, connection_string=connection_string, **kwargs)
 

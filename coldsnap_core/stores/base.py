@@ -39,8 +39,7 @@ REFS_DIRNAME = "refs"
 """Top folder of the artifacts' names in a store: ``refs/<name>.json``."""
 _ARTIFACT_PATH_RE = re.compile(r"(?:workers/[A-Za-z0-9._-]+/|model/)?[A-Za-z0-9._-]+")
 ARTIFACT_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
-"""An artifact's name: the OCI distribution spec's tag grammar, so one name is a tag, a ``refs/<name>.json`` and a
-path segment."""
+"""An artifact's name: the OCI distribution spec's tag grammar (one name is a tag, a ``refs/<name>.json``, a folder)."""
 
 
 @dataclass(frozen=True, slots=True)

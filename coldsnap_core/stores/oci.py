@@ -202,13 +202,11 @@ def _origin(url: str) -> tuple[str, str, int]:
 
 
 def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
-    """``Bearer realm="...",service="...",scope="..."`` -> ``("bearer", {...})``."""
     scheme, _, params = header.strip().partition(" ")
     return scheme.lower(), {k.lower(): v for k, v in re.findall(r'([A-Za-z]+)="([^"]*)"', params)}
 
 
 def _layer(media_type: str, digest: str, size_bytes: int, title: str, **annotations: str) -> dict[str, Any]:
-    """A manifest layer titled ``title``, with ``annotations`` under :data:`ANNOTATION_PREFIX`."""
     named = {TITLE_ANNOTATION: title, **{f"{ANNOTATION_PREFIX}{k}": v for k, v in annotations.items()}}
     return {"mediaType": media_type, "digest": f"sha256:{digest}", "size": size_bytes, "annotations": named}
 
@@ -260,7 +258,6 @@ class OciPayloadStore(RangedStore):
 
     @classmethod
     def from_url(cls, spec: str, **kwargs: Any) -> OciPayloadStore:
-        """A store for ``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]`` (:func:`parse_oci_url`)."""
         ref = parse_oci_url(spec)
         return cls(ref.registry, ref.repository, tag=ref.tag, **kwargs)
 
@@ -283,15 +280,12 @@ class OciPayloadStore(RangedStore):
         )
 
     def blob_url(self, digest: str) -> str:
-        """``<base>/v2/<name>/blobs/sha256:<digest>``; the digest is validated first."""
         return f"{self.base_url}/v2/{self.repository}/blobs/sha256:{check_digest(digest)}"
 
     def location(self, obj: str | StoreObject) -> str:
         """``oci://HOST/NAME@sha256:<digest>`` (a pack and an artifact's file alike)."""
         digest = check_digest(as_object(obj).sha256)
         return f"{OCI_SCHEME}{self.registry}/{self.repository}@sha256:{digest}"
-
-    # -- HTTP with the registry's authentication -------------------------------------------------
 
     def _credentials_for_registry(self) -> RegistryCredentials | None:
         if not self._credentials_loaded:
@@ -516,8 +510,6 @@ class OciPayloadStore(RangedStore):
             content=data,
             headers={"Content-Type": "application/octet-stream"},
         )
-
-    # -- the artifact's manifest -----------------------------------------------------------------------
 
     def manifest_for(self, listing: ArtifactListing) -> bytes:
         """The OCI image manifest of ``listing`` (UTF-8 JSON, keys sorted; ``docs/format.md`` §12.6): one

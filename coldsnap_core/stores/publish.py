@@ -191,7 +191,6 @@ def _publish_payload(
         raise
     upload_progress = progress(f"upload {pack.sha256[:12]}", pack.size_bytes) if progress else None
     created = store.upload(path, pack.sha256, pack.size_bytes, progress=upload_progress)
-    # False: another publisher created this digest while we verified and sent it (kept as is)
     return "present" if created is False else "uploaded"
 
 

@@ -151,7 +151,6 @@ class S3PayloadStore(RangedStore):
 
     @classmethod
     def from_url(cls, spec: str, **kwargs: Any) -> S3PayloadStore:
-        """A store for ``s3://bucket[/prefix]`` (:func:`parse_s3_url`)."""
         return cls(*parse_s3_url(spec), **kwargs)
 
     def __repr__(self) -> str:
