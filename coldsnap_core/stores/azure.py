@@ -221,8 +221,7 @@ class AzurePayloadStore(RangedStore):
 
     @contextlib.contextmanager
     def open_range(self, obj: StoreObject, stat: ObjectStat, start: int, end: int) -> Iterator[tuple[Iterable[bytes], bool]]:
-        """One ``Get Blob`` of the range pinned to the ETag through the client's pipeline, read as it arrives
-        (``download_blob`` would hold each response whole)."""
+        """One ranged ``Get Blob`` pinned to the ETag, read as it arrives (``download_blob`` would hold it whole)."""
         from azure.core.rest import HttpRequest
 
         blob, where = self._blob(obj), self.location(obj)

@@ -131,8 +131,7 @@ class GcsPayloadStore(RangedStore):
 
     @contextlib.contextmanager
     def open_range(self, obj: StoreObject, stat: ObjectStat, start: int, end: int) -> Iterator[tuple[Iterable[bytes], bool]]:
-        """One ranged media download of the generation through the client's session and retry policy, read as it
-        arrives (``download_as_bytes`` would hold the whole body)."""
+        """One ranged media download of the generation with the client's retry policy, read as it arrives."""
         url = (
             f"{self.client.api_endpoint}/download/storage/v1/b/{self.bucket_name}/o/{urllib.parse.quote(self.key(obj), safe='')}"
         )

@@ -251,8 +251,8 @@ class OciPayloadStore(RangedStore):
         self.chunk_size_bytes = chunk_size_bytes
         if client is not None:
             self.client = client
-        self._credentials = credentials
-        self._credentials_loaded = credentials is not None
+        if credentials is not None:
+            self._registry_credentials = credentials
         self._authorization: dict[str, str] = {}  # scope -> Authorization header value (one item set at a time: no lock)
         self._tagged: dict[str, str] = {}  # tag -> the artifact this store pushed under it
 
@@ -287,11 +287,9 @@ class OciPayloadStore(RangedStore):
         digest = check_digest(as_object(obj).sha256)
         return f"{OCI_SCHEME}{self.registry}/{self.repository}@sha256:{digest}"
 
-    def _credentials_for_registry(self) -> RegistryCredentials | None:
-        if not self._credentials_loaded:
-            self._credentials = load_credentials(self.registry)
-            self._credentials_loaded = True
-        return self._credentials
+    @functools.cached_property
+    def _registry_credentials(self) -> RegistryCredentials | None:
+        return load_credentials(self.registry)
 
     def _send(self, method: str, url: str, where: str, **kwargs: Any) -> Any:
         """One request, its answer unread; ``StoreError`` when there is no answer (unreachable, a timeout, a bad URL)."""
@@ -332,7 +330,7 @@ class OciPayloadStore(RangedStore):
     ) -> Any:
         """One request, answering the registry's ``401`` challenge once (credentials only to its own origin); the answer
         with at most ``max_bytes`` of its body read, or (``stream``) unread. ``StoreError``: no answer, or a 401/403."""
-        self._credentials_for_registry()  # a broken Docker config entry is refused before any request, not at a 401
+        _ = self._registry_credentials  # a broken Docker config entry is refused before any request, not at a 401
         headers = dict(kwargs.pop("headers", {}))
         for attempt in range(2):
             authorization = self._authorization.get(scope_key) if _origin(url) == _origin(self.base_url) else None
@@ -358,7 +356,7 @@ class OciPayloadStore(RangedStore):
                 " registry's credentials, so they are not the cause (an expired presigned URL, the storage's own policy)",
                 file=where,
             )
-        creds = self._credentials_for_registry()
+        creds = self._registry_credentials
         source = f"credentials from {creds.source}" if creds else f"no credentials for {self.registry} in {docker_config_path()}"
         return StoreError(f"{self.name}: the registry refused access ({answer}) to {method} {url} ({source})", file=where)
 
@@ -366,7 +364,7 @@ class OciPayloadStore(RangedStore):
         """Keep the ``Authorization`` the challenge asks for (``docs/format.md`` §12.6); ``StoreError`` for an unsupported
         challenge, a realm the credentials may not go to, or a refusal by the token service."""
         scheme, params = _parse_challenge(challenge)
-        creds = self._credentials_for_registry()
+        creds = self._registry_credentials
         basic = None
         if creds is not None and creds.username is not None:
             basic = "Basic " + base64.b64encode(f"{creds.username}:{creds.password or ''}".encode()).decode()
@@ -408,8 +406,6 @@ class OciPayloadStore(RangedStore):
 
     def _fail(self, action: str, response: Any, where: str) -> StoreError:
         return StoreError(f"{self.name}: {action} failed: HTTP {response.status_code} {_error_text(response)}", file=where)
-
-    # -- the ranged-store backend (RangedStore writes has, fetch and upload) --------------------------
 
     def stat(self, obj: StoreObject) -> ObjectStat | None:
         """The blob's size from ``HEAD``, or ``None``."""

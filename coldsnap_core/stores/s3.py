@@ -128,8 +128,7 @@ def _capped_answers(client: Any) -> Callable[..., Any]:
 
 
 class S3PayloadStore(RangedStore):
-    """Objects at ``s3://<bucket>/<prefix>/<relpath>`` (coldsnap never creates the bucket); ``client``: a boto3 S3
-    client (default: one from the environment); ``part_size_bytes``: per multipart part and per ranged GET."""
+    """Objects at ``s3://<bucket>/<prefix>/<relpath>`` (the bucket is never created); ``part_size_bytes``: per part and GET."""
 
     def __init__(
         self,
