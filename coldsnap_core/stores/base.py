@@ -27,7 +27,6 @@ NO_SUCH_NAME_REMEDY = (
     "check the name in REF (what publish-native printed: STORE/NAME), or publish the artifact under it:"
     " coldsnap publish-native ARTIFACT --repo STORE --name NAME"
 )
-"""The remedy of a name (or OCI tag) the store records no artifact under."""
 NOT_IN_STORE_REMEDY = (
     "check the store and its prefix (the object is looked up at the location named here), or publish the artifact"
     " there (coldsnap publish-native)"

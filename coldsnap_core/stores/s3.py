@@ -72,7 +72,6 @@ S3_CLIENT_VARIABLES = (
     "AWS_RETRY_MODE",
     "AWS_MAX_ATTEMPTS",
 )
-"""The variables that shape the client: named in the error when it cannot be built."""
 
 
 def _default_client(client_settings: StoreClientSettings | None = None) -> Any:
