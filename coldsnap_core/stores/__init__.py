@@ -127,22 +127,9 @@ def _file_url_path(spec: str) -> str:
     return "/" + path
 
 
-def _check_url(spec: str) -> None:
-    """``ConfigurationError`` for a URL with a ``user:password@`` or a refused character (before the store's parser)."""
-    scheme, _, rest = spec.partition("://")
-    if "@" in rest.partition("/")[0] and scheme != "oci":  # oci's own parser refuses it with its own words
-        raise ConfigurationError(
-            f"{spec!r}: the {scheme}:// payload store URL must not hold a user or password ('user:password@'):"
-            " credentials come from the store's own variables or files"
-        )
-    refused = refused_character_message(f"{spec!r}: the {scheme}:// payload store URL", spec)
-    if refused:
-        raise ConfigurationError(refused)
-
-
 def _parse_store_spec(spec: str, *, repo_type: str, client: StoreClientSettings) -> PayloadStore:
     """A store from a ``--repo`` / ``COLDSNAP_PAYLOAD_REPO`` value (the table of ``docs/format.md`` §12); raises
-    ``ConfigurationError`` for an empty value or revision, a bad repository id or type, scheme, or a bare word."""
+    ``ConfigurationError`` for an empty value or revision, a bad repository id or type, scheme, URL, or a bare word."""
     spec = spec.strip()
     if not spec:
         raise ConfigurationError("the payload store is empty; give a folder path or a Hugging Face repository id")
@@ -152,9 +139,15 @@ def _parse_store_spec(spec: str, *, repo_type: str, client: StoreClientSettings)
         spec = spec[len(HF_REF_SCHEME) :]
     elif not _looks_like_azure_connection_string(spec) and not spec.startswith(_URL_SCHEMES):
         _refuse_unknown_form(spec)
-    if spec.startswith(_URL_SCHEMES):
-        _check_url(spec)
     scheme = next((s for s in _URL_SCHEMES if spec.startswith(s)), None)
+    if scheme is not None:  # a user:password@ or a refused character, before the store's parser
+        if "@" in spec[len(scheme) :].partition("/")[0] and scheme != "oci://":  # oci's parser refuses it in its own words
+            raise ConfigurationError(
+                f"{spec!r}: the {scheme} payload store URL must not hold a user or password ('user:password@'):"
+                " credentials come from the store's own variables or files"
+            )
+        if refused := refused_character_message(f"{spec!r}: the {scheme} payload store URL", spec):
+            raise ConfigurationError(refused)
     if scheme is not None or _looks_like_azure_connection_string(spec):
         module, cls = _URL_STORES[scheme or "az://"]
         store_class = getattr(importlib.import_module(f"coldsnap_core.stores.{module}"), cls)

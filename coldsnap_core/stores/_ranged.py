@@ -1,9 +1,5 @@
-"""The one ranged-fetch core of the object stores (S3, OCI registry, GCS, Azure Blob): :class:`RangedStore`.
-
-A backend gives ``stat``, ``open_range`` and ``create``; ``has``, ``fetch`` and ``upload`` are written here once, with
-the rules of ``docs/format.md`` §12 ("The ranged fetch"). Nothing here judges content: staging hashes the bytes as
-they land (``sink(offset_bytes, chunk)``, in parallel across ranges, in order within one).
-"""
+"""The ranged-fetch core of the object stores (S3, OCI, GCS, Azure), :class:`RangedStore`: a backend gives ``stat``,
+``open_range`` and ``create``; ``has``, ``fetch`` and ``upload`` follow ``docs/format.md`` §12 ("The ranged fetch")."""
 
 from __future__ import annotations
 
@@ -227,21 +223,13 @@ def pwrite_sink(fd: int, file: Path, landed: LandedCallback | None = None) -> Si
 
 class RangedStore(ReferenceIndex, ABC):
     """An object store that serves byte ranges; ``name`` is for logs and errors (``s3 bucket/prefix``). Raises
-    ``ConfigurationError`` for a size or concurrency under 1.
+    ``ConfigurationError`` for a size or concurrency under 1."""
 
-    Class attributes a backend sets:
-        conditional_create: the store can create an object only if absent; else presence is checked first.
-        hash_before_sending: hash the file before the first byte is sent (the store cannot take bytes back).
-        replacement_refused: the advice of a store that never replaces an object it holds.
-        prefix: the key prefix under the bucket or container, without leading or trailing ``/``.
-        url: what :meth:`location` puts before an object's key (``s3://bucket``).
-    """
-
-    conditional_create = True
-    hash_before_sending = False
-    replacement_refused: str | None = None
-    prefix = ""
-    url = ""
+    conditional_create = True  # the store can create an object only if absent; else presence is checked first
+    hash_before_sending = False  # hash the file before the first byte is sent (the store cannot take bytes back)
+    replacement_refused: str | None = None  # the advice of a store that never replaces an object it holds
+    prefix = ""  # the key prefix under the bucket or container, without leading or trailing "/"
+    url = ""  # what location() puts before an object's key (s3://bucket)
 
     def __init__(
         self, name: str, *, range_size_bytes: int, concurrency: int, client_settings: StoreClientSettings | None
@@ -261,7 +249,6 @@ class RangedStore(ReferenceIndex, ABC):
         return f"{self.prefix}/{relpath}" if self.prefix else relpath
 
     def location(self, obj: str | StoreObject) -> str:
-        """``<url>/<key>``."""
         return f"{self.url}/{self.key(obj)}"
 
     @abstractmethod
@@ -418,7 +405,6 @@ class RangedStore(ReferenceIndex, ABC):
             progress(unreported)
 
     def _read_bytes(self, obj: StoreObject, stat: ObjectStat, start: int, end: int) -> bytearray:
-        """Bytes ``[start, end)`` of the object, in memory."""
         data = bytearray(end - start)
 
         def land(offset: int, chunk: bytes) -> None:
@@ -450,8 +436,7 @@ class RangedStore(ReferenceIndex, ABC):
     def upload(self, path: Path, obj: str | StoreObject, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
         """A conditional create (``docs/format.md`` §12.4): an object already there is hashed in full: the digest's
         bytes are kept (``False``), anything else replaced conditionally on its version or refused (``StoreError``).
-        ``PackSizeMismatchError``/``PackDigestMismatchError``: ``path`` is not the digest's bytes (nothing published).
-        """
+        ``PackSizeMismatchError``/``PackDigestMismatchError``: ``path`` is not the digest's bytes (nothing published)."""
         obj = as_object(obj)
         if mismatch := size_mismatch(PackSizeMismatchError, "the file to upload", os.path.getsize(path), size_bytes, file=path):
             raise mismatch
@@ -459,7 +444,7 @@ class RangedStore(ReferenceIndex, ABC):
         with self.typed(f"uploading the {obj.what}", obj):
             existing = None if self.conditional_create else self.stat(obj)
             if existing is None:
-                if self.hash_before_sending:  # what is sent cannot be taken back: hash the file before the first byte
+                if self.hash_before_sending:
                     with hashing_reader(path, digest, size_bytes, None) as reader:
                         while reader.read(8 << 20):
                             pass

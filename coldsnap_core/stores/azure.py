@@ -1,9 +1,6 @@
-"""A payload store in an Azure Blob Storage container, through ``azure-storage-blob`` (the extra ``coldsnap[azure]``).
-
-``az://account/container[/prefix]``, or a connection string ending ``;Container=NAME[/prefix]`` whose key no name or
-message shows; endpoint and credential as ``docs/format.md`` §12.8 says. A blob is created once (``If-None-Match:
-*``), a corrupt one replaced under ``If-Match: <its ETag>``. Fetch: :class:`~coldsnap_core.stores._ranged.RangedStore`.
-"""
+"""A payload store ``az://account/container[/prefix]`` (or a connection string ending ``;Container=NAME[/prefix]``,
+its key never shown) through ``azure-storage-blob`` (the extra ``coldsnap[azure]``; ``docs/format.md`` §12.8): a blob
+is created once (``If-None-Match: *``), a corrupt one replaced under ``If-Match: <its ETag>``."""
 
 from __future__ import annotations
 
@@ -107,9 +104,8 @@ def _retry_policy(retries: int) -> Any:
 
 
 class AzurePayloadStore(RangedStore):
-    """Block blobs at ``<container>/<prefix>/<relpath>`` of one storage account (coldsnap never creates the
-    container); ``account`` names it (:func:`parse_azure_spec`), ``connection_string`` (without ``Container=``)
-    replaces its endpoint; ``chunk_size_bytes``: per ranged download and per staged block."""
+    """Block blobs at ``<container>/<prefix>/<relpath>`` of the storage ``account`` (the container is never created);
+    ``connection_string`` (without ``Container=``) replaces its endpoint; ``chunk_size_bytes``: per range and block."""
 
     hash_before_sending = True  # staged blocks cannot be taken back
 
@@ -138,7 +134,6 @@ class AzurePayloadStore(RangedStore):
 
     @classmethod
     def from_url(cls, spec: str, **kwargs: Any) -> AzurePayloadStore:
-        """A store for ``az://account/container[/prefix]`` or a connection string (:func:`parse_azure_spec`)."""
         account, connection_string, container, prefix = parse_azure_spec(spec)
         return cls(container, prefix, account=account, connection_string=connection_string, **kwargs)
 
@@ -226,8 +221,7 @@ class AzurePayloadStore(RangedStore):
 
     @contextlib.contextmanager
     def open_range(self, obj: StoreObject, stat: ObjectStat, start: int, end: int) -> Iterator[tuple[Iterable[bytes], bool]]:
-        """One ``Get Blob`` of the range pinned to the ETag through the client's pipeline, read as it arrives
-        (``download_blob`` would hold each response whole)."""
+        """One ranged ``Get Blob`` pinned to the ETag, read as it arrives (``download_blob`` would hold it whole)."""
         from azure.core.rest import HttpRequest
 
         blob, where = self._blob(obj), self.location(obj)
@@ -254,8 +248,7 @@ class AzurePayloadStore(RangedStore):
     def create(
         self, path: Path, obj: StoreObject, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
     ) -> bool:
-        """Create the blob only if absent (``replacing`` ``None``) or its ETag is still ``replacing``'s; ``False`` when
-        that failed."""
+        """Create the blob only if absent (``replacing`` ``None``) or still at ``replacing``'s ETag; ``False`` if not."""
         from azure.core import MatchConditions
         from azure.storage.blob import ContentSettings
 

@@ -27,7 +27,6 @@ NO_SUCH_NAME_REMEDY = (
     "check the name in REF (what publish-native printed: STORE/NAME), or publish the artifact under it:"
     " coldsnap publish-native ARTIFACT --repo STORE --name NAME"
 )
-"""The remedy of a name (or OCI tag) the store records no artifact under."""
 NOT_IN_STORE_REMEDY = (
     "check the store and its prefix (the object is looked up at the location named here), or publish the artifact"
     " there (coldsnap publish-native)"
@@ -39,8 +38,7 @@ REFS_DIRNAME = "refs"
 """Top folder of the artifacts' names in a store: ``refs/<name>.json``."""
 _ARTIFACT_PATH_RE = re.compile(r"(?:workers/[A-Za-z0-9._-]+/|model/)?[A-Za-z0-9._-]+")
 ARTIFACT_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
-"""An artifact's name: the OCI distribution spec's tag grammar, so one name is a tag, a ``refs/<name>.json`` and a
-path segment."""
+"""An artifact's name: the OCI distribution spec's tag grammar (one name is a tag, a ``refs/<name>.json``, a folder)."""
 
 
 @dataclass(frozen=True, slots=True)

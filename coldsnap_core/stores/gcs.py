@@ -1,9 +1,6 @@
-"""A payload store in a Google Cloud Storage bucket, through ``google-cloud-storage`` (the extra ``coldsnap[gcs]``).
-
-``gs://bucket[/prefix]`` (``docs/format.md`` §12.7); credentials and endpoint as ``google-cloud-storage`` reads them.
-An object is created once (``if_generation_match=0``; Cloud Storage documentation, "Request preconditions"), a
-corrupt one replaced under ``if_generation_match=<its generation>``. Fetch: :class:`~coldsnap_core.stores._ranged.RangedStore`.
-"""
+"""A payload store ``gs://bucket[/prefix]`` through ``google-cloud-storage`` (the extra ``coldsnap[gcs]``;
+``docs/format.md`` §12.7): an object is created once (``if_generation_match=0``; Cloud Storage documentation, "Request
+preconditions"), a corrupt one replaced under ``if_generation_match=<its generation>``."""
 
 from __future__ import annotations
 
@@ -82,7 +79,6 @@ class GcsPayloadStore(RangedStore):
 
     @classmethod
     def from_url(cls, spec: str, **kwargs: Any) -> GcsPayloadStore:
-        """A store for ``gs://bucket[/prefix]`` (:func:`parse_gs_url`)."""
         return cls(*parse_gs_url(spec), **kwargs)
 
     def __repr__(self) -> str:
@@ -135,8 +131,7 @@ class GcsPayloadStore(RangedStore):
 
     @contextlib.contextmanager
     def open_range(self, obj: StoreObject, stat: ObjectStat, start: int, end: int) -> Iterator[tuple[Iterable[bytes], bool]]:
-        """One ranged media download of the generation through the client's session and retry policy, read as it
-        arrives (``download_as_bytes`` would hold the whole body)."""
+        """One ranged media download of the generation with the client's retry policy, read as it arrives."""
         url = (
             f"{self.client.api_endpoint}/download/storage/v1/b/{self.bucket_name}/o/{urllib.parse.quote(self.key(obj), safe='')}"
         )

@@ -1,9 +1,5 @@
-"""A payload store in a Hugging Face repository, through ``huggingface_hub`` (``docs/format.md`` §12.3).
-
-Objects live at their relative path in the repository (LFS/Xet files); token, endpoint and offline mode as
-``huggingface_hub`` reads them. Presence: ``HfApi.get_paths_info``; fetch: ``hf_hub_download`` into a scratch folder,
-then a kernel copy; upload: ``create_repo(exist_ok=True)`` then ``create_commit``.
-"""
+"""A payload store in a Hugging Face repository through ``huggingface_hub`` (``docs/format.md`` §12.3): objects at
+their relative path in the repository (LFS/Xet files); token, endpoint and offline mode as ``huggingface_hub`` reads them."""
 
 from __future__ import annotations
 
@@ -70,7 +66,6 @@ class HfPayloadStore(ReferenceIndex):
         return f"HfPayloadStore({self.repo_id!r}, revision={self.revision!r}, repo_type={self.repo_type!r})"
 
     def location(self, obj: str | StoreObject) -> str:
-        """``org/name/<relpath>``."""
         return f"{self.repo_id}/{as_object(obj).relpath}"
 
     def _fail(self, action: str, obj: str | StoreObject, exc: Exception) -> StoreError:
@@ -142,18 +137,18 @@ class HfPayloadStore(ReferenceIndex):
             st = refuse_symlink(local)
             if st is None:
                 raise StoreError(f"{self.name}: hf_hub_download returned a path that does not exist", file=local)
-            mismatch = size_mismatch(PackSizeMismatchError, f"stored {obj.what}", st.st_size, size_bytes, file=self.location(obj))
-            if mismatch is not None:
+            if mismatch := size_mismatch(
+                PackSizeMismatchError, f"stored {obj.what}", st.st_size, size_bytes, file=self.location(obj)
+            ):
                 raise mismatch
             copy_file(local, fd, size_bytes, target=file, progress=progress, landed=landed)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
     def upload(self, path: Path, obj: str | StoreObject, size_bytes: int, *, progress: ProgressCallback | None = None) -> bool:
-        """``HfApi.create_commit``, after comparing the SHA-256 ``huggingface_hub`` computed of the file with the
-        object's; ``True`` (the Hub has no conditional create). Raises ``PackSizeMismatchError`` or
-        ``PackDigestMismatchError`` (the file changed after it was verified; nothing uploaded), ``StoreError`` (the Hub
-        refused or failed)."""
+        """``HfApi.create_commit`` once the SHA-256 ``huggingface_hub`` computed is the object's; ``True`` (the Hub has
+        no conditional create). Raises ``PackSizeMismatchError`` or ``PackDigestMismatchError`` (the file changed after
+        it was verified; nothing uploaded), ``StoreError`` (the Hub refused or failed)."""
         obj = as_object(obj)
         relpath = obj.relpath
         operation = CommitOperationAdd(path_in_repo=relpath, path_or_fileobj=str(path))
@@ -183,7 +178,6 @@ class HfPayloadStore(ReferenceIndex):
         self._commit(operation, f"coldsnap: name {relpath}", "writing the name", StoreObject(relpath, ""))
 
     def _commit(self, operation: CommitOperationAdd, message: str, action: str, obj: StoreObject) -> None:
-        """Commit ``operation`` to the revision; ``StoreError`` naming ``action`` when the Hub failed."""
         try:
             self.api.create_commit(
                 self.repo_id, [operation], commit_message=message, repo_type=self.repo_type, revision=self.revision
@@ -192,8 +186,7 @@ class HfPayloadStore(ReferenceIndex):
             raise self._fail(action, obj, exc) from exc
 
     def get_reference(self, relpath: str, max_bytes: int) -> bytes | None:
-        """The bytes of ``relpath`` (at most ``max_bytes``), or ``None``; ``StoreError`` when the Hub failed or it is
-        longer."""
+        """The bytes of ``relpath``, or ``None``; ``StoreError`` when the Hub failed or it is over ``max_bytes``."""
         where = f"{self.repo_id}/{relpath}"
         with tempfile.TemporaryDirectory(prefix="coldsnap-ref-") as scratch:
             try:

@@ -55,7 +55,6 @@ class LocalFolderStore(ReferenceIndex):
             )
 
     def object_path(self, obj: str | StoreObject) -> Path:
-        """``<root>/<relpath>``; a digest is validated first."""
         return self.root / as_object(obj).relpath
 
     def location(self, obj: str | StoreObject) -> str:

@@ -1,11 +1,6 @@
-"""A payload store in an OCI registry: the OCI Distribution Specification v1.1 through ``httpx`` (the extra
-``coldsnap[oci]``), as ``docs/format.md`` §12.6 describes it.
-
-``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]``: a pack or an artifact's file is the blob ``sha256:<digest>``, fetched by
-:class:`~coldsnap_core.stores._ranged.RangedStore`, uploaded after a mount try through an upload session; an artifact
-is one image manifest under its tag. Credentials: the Docker config's ``auths`` entry, sent only to the registry's
-origin and a safe token realm.
-"""
+"""A payload store ``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]`` in an OCI registry (Distribution Specification v1.1)
+through ``httpx`` (the extra ``coldsnap[oci]``), as ``docs/format.md`` §12.6 describes it: a pack or an artifact's file
+is a blob, an artifact one image manifest under its tag; credentials from the Docker config's ``auths`` entry."""
 
 from __future__ import annotations
 
@@ -67,7 +62,6 @@ FILE_MEDIA_TYPE = "application/vnd.coldsnap.artifact.file.v1"
 """The media type of a layer holding one file of the artifact folder, titled with its path in the folder."""
 TITLE_ANNOTATION = "org.opencontainers.image.title"
 ARTIFACT_TYPE = "application/vnd.coldsnap.artifact.v1"
-"""The ``artifactType`` of a coldsnap artifact's manifest."""
 MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"
 EMPTY_MEDIA_TYPE = "application/vnd.oci.empty.v1+json"
 EMPTY_CONFIG = b"{}"
@@ -208,13 +202,11 @@ def _origin(url: str) -> tuple[str, str, int]:
 
 
 def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
-    """``Bearer realm="...",service="...",scope="..."`` -> ``("bearer", {...})``."""
     scheme, _, params = header.strip().partition(" ")
     return scheme.lower(), {k.lower(): v for k, v in re.findall(r'([A-Za-z]+)="([^"]*)"', params)}
 
 
 def _layer(media_type: str, digest: str, size_bytes: int, title: str, **annotations: str) -> dict[str, Any]:
-    """A manifest layer titled ``title``, with ``annotations`` under :data:`ANNOTATION_PREFIX`."""
     named = {TITLE_ANNOTATION: title, **{f"{ANNOTATION_PREFIX}{k}": v for k, v in annotations.items()}}
     return {"mediaType": media_type, "digest": f"sha256:{digest}", "size": size_bytes, "annotations": named}
 
@@ -259,14 +251,13 @@ class OciPayloadStore(RangedStore):
         self.chunk_size_bytes = chunk_size_bytes
         if client is not None:
             self.client = client
-        self._credentials = credentials
-        self._credentials_loaded = credentials is not None
+        if credentials is not None:
+            self._registry_credentials = credentials
         self._authorization: dict[str, str] = {}  # scope -> Authorization header value (one item set at a time: no lock)
         self._tagged: dict[str, str] = {}  # tag -> the artifact this store pushed under it
 
     @classmethod
     def from_url(cls, spec: str, **kwargs: Any) -> OciPayloadStore:
-        """A store for ``oci://HOST[:PORT]/NAMESPACE/NAME[:TAG]`` (:func:`parse_oci_url`)."""
         ref = parse_oci_url(spec)
         return cls(ref.registry, ref.repository, tag=ref.tag, **kwargs)
 
@@ -289,7 +280,6 @@ class OciPayloadStore(RangedStore):
         )
 
     def blob_url(self, digest: str) -> str:
-        """``<base>/v2/<name>/blobs/sha256:<digest>``; the digest is validated first."""
         return f"{self.base_url}/v2/{self.repository}/blobs/sha256:{check_digest(digest)}"
 
     def location(self, obj: str | StoreObject) -> str:
@@ -297,13 +287,9 @@ class OciPayloadStore(RangedStore):
         digest = check_digest(as_object(obj).sha256)
         return f"{OCI_SCHEME}{self.registry}/{self.repository}@sha256:{digest}"
 
-    # -- HTTP with the registry's authentication -------------------------------------------------
-
-    def _credentials_for_registry(self) -> RegistryCredentials | None:
-        if not self._credentials_loaded:
-            self._credentials = load_credentials(self.registry)
-            self._credentials_loaded = True
-        return self._credentials
+    @functools.cached_property
+    def _registry_credentials(self) -> RegistryCredentials | None:
+        return load_credentials(self.registry)
 
     def _send(self, method: str, url: str, where: str, **kwargs: Any) -> Any:
         """One request, its answer unread; ``StoreError`` when there is no answer (unreachable, a timeout, a bad URL)."""
@@ -344,7 +330,7 @@ class OciPayloadStore(RangedStore):
     ) -> Any:
         """One request, answering the registry's ``401`` challenge once (credentials only to its own origin); the answer
         with at most ``max_bytes`` of its body read, or (``stream``) unread. ``StoreError``: no answer, or a 401/403."""
-        self._credentials_for_registry()  # a broken Docker config entry is refused before any request, not at a 401
+        _ = self._registry_credentials  # a broken Docker config entry is refused before any request, not at a 401
         headers = dict(kwargs.pop("headers", {}))
         for attempt in range(2):
             authorization = self._authorization.get(scope_key) if _origin(url) == _origin(self.base_url) else None
@@ -370,7 +356,7 @@ class OciPayloadStore(RangedStore):
                 " registry's credentials, so they are not the cause (an expired presigned URL, the storage's own policy)",
                 file=where,
             )
-        creds = self._credentials_for_registry()
+        creds = self._registry_credentials
         source = f"credentials from {creds.source}" if creds else f"no credentials for {self.registry} in {docker_config_path()}"
         return StoreError(f"{self.name}: the registry refused access ({answer}) to {method} {url} ({source})", file=where)
 
@@ -378,7 +364,7 @@ class OciPayloadStore(RangedStore):
         """Keep the ``Authorization`` the challenge asks for (``docs/format.md`` §12.6); ``StoreError`` for an unsupported
         challenge, a realm the credentials may not go to, or a refusal by the token service."""
         scheme, params = _parse_challenge(challenge)
-        creds = self._credentials_for_registry()
+        creds = self._registry_credentials
         basic = None
         if creds is not None and creds.username is not None:
             basic = "Basic " + base64.b64encode(f"{creds.username}:{creds.password or ''}".encode()).decode()
@@ -420,8 +406,6 @@ class OciPayloadStore(RangedStore):
 
     def _fail(self, action: str, response: Any, where: str) -> StoreError:
         return StoreError(f"{self.name}: {action} failed: HTTP {response.status_code} {_error_text(response)}", file=where)
-
-    # -- the ranged-store backend (RangedStore writes has, fetch and upload) --------------------------
 
     def stat(self, obj: StoreObject) -> ObjectStat | None:
         """The blob's size from ``HEAD``, or ``None``."""
@@ -523,8 +507,6 @@ class OciPayloadStore(RangedStore):
             headers={"Content-Type": "application/octet-stream"},
         )
 
-    # -- the artifact's manifest -----------------------------------------------------------------------
-
     def manifest_for(self, listing: ArtifactListing) -> bytes:
         """The OCI image manifest of ``listing`` (UTF-8 JSON, keys sorted; ``docs/format.md`` §12.6): one
         :data:`PACK_MEDIA_TYPE` layer per pack in digest order, then one :data:`FILE_MEDIA_TYPE` layer per file."""
@@ -581,11 +563,9 @@ class OciPayloadStore(RangedStore):
         except (ValueError, AttributeError):
             title = artifact_type = None
         if artifact_type != ARTIFACT_TYPE or title != listing.name:
-            what = (
-                f"the coldsnap artifact {title!r}"
-                if artifact_type == ARTIFACT_TYPE
-                else "a manifest that is not a coldsnap artifact's"
-            )
+            what = "a manifest that is not a coldsnap artifact's"
+            if artifact_type == ARTIFACT_TYPE:
+                what = f"the coldsnap artifact {title!r}"
             raise ConfigurationError(
                 f"{self.name}: the tag {where} names {what} ({current}); one tag names one artifact: publish {listing.name!r}"
                 " under another tag (or none: each artifact is then tagged by its folder name), or delete the tag first"

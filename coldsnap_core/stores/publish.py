@@ -139,8 +139,6 @@ def publish_native(
         raise ConfigurationError(f"one name names one artifact: {name!r} was given for {len(artifact_dirs)} artifacts")
     payloads = collect_payloads(artifact_dirs)
     listings = [artifact_listing(Path(d), name) for d in artifact_dirs]
-    # a record the store would refuse (an OCI tag naming another artifact) is refused before any pack is uploaded (no
-    # wasted upload, no orphan blob), and a dry run reports it as the real run would
     for listing in listings:
         store.check_artifact(listing)
     results = []
@@ -191,7 +189,6 @@ def _publish_payload(
         raise
     upload_progress = progress(f"upload {pack.sha256[:12]}", pack.size_bytes) if progress else None
     created = store.upload(path, pack.sha256, pack.size_bytes, progress=upload_progress)
-    # False: another publisher created this digest while we verified and sent it (kept as is)
     return "present" if created is False else "uploaded"
 
 

@@ -1,10 +1,6 @@
-"""A payload store in an S3-compatible bucket, through ``boto3`` (the extra ``coldsnap[s3]``; ``docs/format.md`` §12.2).
-
-``s3://bucket[/prefix]``; endpoint, region and credentials as boto3 reads them. An object is created once:
-``If-None-Match: *`` on ``PutObject`` and ``CompleteMultipartUpload`` (S3 User Guide, "Add preconditions to S3
-operations with conditional requests"); the server checks the SHA-256 of what it receives, and a multipart upload whose
-file does not hash to the digest is never completed. Fetch: :class:`~coldsnap_core.stores._ranged.RangedStore`.
-"""
+"""A payload store ``s3://bucket[/prefix]`` through ``boto3`` (the extra ``coldsnap[s3]``; ``docs/format.md`` §12.2):
+an object is created once, ``If-None-Match: *`` (S3 User Guide, "Add preconditions to S3 operations with conditional
+requests"), the server checking its SHA-256."""
 
 from __future__ import annotations
 
@@ -76,13 +72,11 @@ S3_CLIENT_VARIABLES = (
     "AWS_RETRY_MODE",
     "AWS_MAX_ATTEMPTS",
 )
-"""The variables that shape the client: named in the error when it cannot be built."""
 
 
 def _default_client(client_settings: StoreClientSettings | None = None) -> Any:
-    """A boto3 S3 client from the environment with the timeouts and retries of ``client_settings`` (unless
-    ``AWS_RETRY_MODE`` / ``AWS_MAX_ATTEMPTS`` say otherwise); ``ConfigurationError`` when boto3 is missing or the
-    client cannot be built, naming the variables that are set."""
+    """A boto3 S3 client with the timeouts and retries of ``client_settings`` (unless ``AWS_RETRY_MODE`` /
+    ``AWS_MAX_ATTEMPTS`` say otherwise); ``ConfigurationError`` when boto3 is missing or the client cannot be built."""
     try:
         import boto3
         from botocore.config import Config
@@ -117,9 +111,8 @@ def _default_client(client_settings: StoreClientSettings | None = None) -> Any:
 
 
 def _capped_answers(client: Any) -> Callable[..., Any]:
-    """A ``before-send`` handler that sends the request itself and reads at most
-    :data:`~coldsnap_core.stores._ranged.ANSWER_MAX_BYTES` of every answer botocore would read whole (all but a
-    ``GetObject``'s body): a proxy's endless error body costs 64 KiB, not the process."""
+    """A ``before-send`` handler reading at most :data:`~coldsnap_core.stores._ranged.ANSWER_MAX_BYTES` of every
+    answer botocore would read whole (all but a ``GetObject``'s body): a proxy's endless error body costs 64 KiB."""
 
     def send(request: Any, **_: Any) -> Any:
         streaming, request.stream_output = request.stream_output, True  # botocore then leaves the body unread
@@ -133,18 +126,8 @@ def _capped_answers(client: Any) -> Callable[..., Any]:
     return send
 
 
-def _aws_max_attempts() -> tuple[int, str] | None:
-    """``(attempts, "AWS_MAX_ATTEMPTS=N")`` when botocore takes its attempts from that variable, else ``None``."""
-    value = os.environ.get("AWS_MAX_ATTEMPTS", "")
-    try:
-        return int(value), f"AWS_MAX_ATTEMPTS={value.strip()}"
-    except ValueError:  # unset, or refused by botocore when the client was built
-        return None
-
-
 class S3PayloadStore(RangedStore):
-    """Objects at ``s3://<bucket>/<prefix>/<relpath>`` (coldsnap never creates the bucket); ``client``: a boto3 S3
-    client (default: one from the environment); ``part_size_bytes``: per multipart part and per ranged GET."""
+    """Objects at ``s3://<bucket>/<prefix>/<relpath>`` (the bucket is never created); ``part_size_bytes``: per part and GET."""
 
     def __init__(
         self,
@@ -166,7 +149,6 @@ class S3PayloadStore(RangedStore):
 
     @classmethod
     def from_url(cls, spec: str, **kwargs: Any) -> S3PayloadStore:
-        """A store for ``s3://bucket[/prefix]`` (:func:`parse_s3_url`)."""
         return cls(*parse_s3_url(spec), **kwargs)
 
     def __repr__(self) -> str:
@@ -180,9 +162,12 @@ class S3PayloadStore(RangedStore):
         return self._client
 
     def failure(self, action: str, obj: str | StoreObject, exc: BaseException) -> StoreError:
-        return request_failure(
-            self.name, action, exc, self.client_settings, where=self.location(obj), attempts_from=_aws_max_attempts()
-        )
+        value = os.environ.get("AWS_MAX_ATTEMPTS", "")
+        try:  # botocore takes its attempts from the variable when it is set
+            attempts = (int(value), f"AWS_MAX_ATTEMPTS={value.strip()}")
+        except ValueError:  # unset, or refused by botocore when the client was built
+            attempts = None
+        return request_failure(self.name, action, exc, self.client_settings, where=self.location(obj), attempts_from=attempts)
 
     def stat(self, obj: StoreObject) -> ObjectStat | None:
         """``HeadObject``: size and ``ETag``, or ``None``; ``StoreError`` naming a bucket that does not exist."""
@@ -226,9 +211,8 @@ class S3PayloadStore(RangedStore):
     def create(
         self, path: Path, obj: StoreObject, size_bytes: int, progress: ProgressCallback | None, replacing: ObjectStat | None
     ) -> bool:
-        """One ``PutObject`` up to a part, else a multipart upload (parts read and hashed in order, sent
-        ``concurrency`` at a time, aborted unless the file hashed to the digest); ``If-None-Match: *``, or
-        ``If-Match`` on ``replacing``'s ``ETag``."""
+        """One ``PutObject`` up to a part, else a multipart upload (parts hashed in order, sent ``concurrency`` at a time,
+        aborted unless the file hashed to the digest); ``If-None-Match: *``, or ``If-Match`` on ``replacing``'s ``ETag``."""
         condition = {"IfNoneMatch": "*"} if replacing is None else {"IfMatch": str(replacing.version)}
         if size_bytes > self.part_size_bytes:
             return self._multipart(path, obj, size_bytes, progress, condition)
@@ -289,7 +273,6 @@ class S3PayloadStore(RangedStore):
                         progress(len(data))
                 return {"PartNumber": number, "ETag": response["ETag"], "ChecksumSHA256": checksum}
 
-            # the reader hashes the file in order and refuses its last part when the whole is not the digest
             with (
                 hashing_reader(path, obj.sha256, size_bytes, None) as f,
                 concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool,
