@@ -1,7 +1,6 @@
 """The native capture at a level-1 sleep (``docs/format.md`` §6.2): which observed model writes still hold their
 loaded bytes (vLLM's ``process_weights_after_loading`` may have rewritten them), and the capture of the live
-allocations through the capture core into a process-local sleep capsule.
-"""
+allocations through the capture core into a process-local sleep capsule."""
 
 from __future__ import annotations
 
@@ -180,7 +179,20 @@ def capture_native(
         InsufficientSpaceError / CacheError: writing failed (no half-written capsule remains).
     """
     started = time.perf_counter()
-    valid, rewritten = _still_loaded(writes, allocations, backend, references, log)
+    valid: list[tuple[ModelRange, str]] = []  # (range, live digest) of each write that still holds its loaded bytes
+    rewritten: list[ModelRange] = []
+    for r, digest in zip(writes, hash_ranges(writes, allocations, backend), strict=True):
+        if references.expected(r.provenance, r.size_bytes) == digest:
+            valid.append((r, digest))
+        else:
+            rewritten.append(r)
+    if rewritten:
+        log.info(
+            "coldsnap: %d of %d model writes (%d bytes) no longer hold their loaded bytes; they are residual",
+            len(rewritten),
+            len(writes),
+            sum(r.size_bytes for r in rewritten),
+        )
     plan = plan_payload(allocation_map, allocations, backend, [r for r, _ in valid], [d for _, d in valid])
     reference, expected = references.manifest, None
     if reference is not None and set(plan.locate) == {(e.sha256, e.size_bytes) for e in reference.model_extents}:
@@ -209,28 +221,3 @@ def capture_native(
         capture.seconds,
     )
     return capture
-
-
-def _still_loaded(
-    writes: Sequence[ModelRange],
-    allocations: Sequence[LiveAllocation],
-    backend: CopyBackend,
-    references: ReferenceDigests,
-    log: logging.Logger,
-) -> tuple[list[tuple[ModelRange, str]], list[ModelRange]]:
-    """``(range, live digest)`` of each write that still holds its loaded bytes, and the writes rewritten since (logged)."""
-    valid: list[tuple[ModelRange, str]] = []
-    rewritten: list[ModelRange] = []
-    for r, digest in zip(writes, hash_ranges(writes, allocations, backend), strict=True):
-        if references.expected(r.provenance, r.size_bytes) == digest:
-            valid.append((r, digest))
-        else:
-            rewritten.append(r)
-    if rewritten:
-        log.info(
-            "coldsnap: %d of %d model writes (%d bytes) no longer hold their loaded bytes; they are residual",
-            len(rewritten),
-            len(writes),
-            sum(r.size_bytes for r in rewritten),
-        )
-    return valid, rewritten
