@@ -1,10 +1,6 @@
-"""``coldsnap doctor ARTIFACT``: will this node restore ARTIFACT? One preflight, one line per check with a remedy.
-
-The checks, what each asks and its exit code: ``docs/format.md`` §8. A check that needs what this installation lacks
-(torch, the engine) is a warning saying so, as is a restore that works but slower; a check that quotes an error says
-its own remedy instead of the error's. With ``--user``, run as root, every check runs as that user. Nothing is
-written, but a checkpoint file whose checkpoint record is stale is hashed again and recorded, as a start would.
-"""
+"""``coldsnap doctor ARTIFACT``: will this node restore ARTIFACT? One line per check with a remedy (the checks and their
+exit codes: ``docs/format.md`` §8); what this installation lacks to tell (torch, the engine) is a warning. Nothing is
+written, but a checkpoint file whose checkpoint record is stale is hashed again and recorded, as a start would."""
 
 from __future__ import annotations
 
@@ -333,8 +329,7 @@ def target_checks(
 
 
 def _blob_check(name: str, capsule: Capsule) -> Check | None:
-    """The residual blob a restore from ``capsule`` verifies first (size, SHA-256: ``verify_blob_file``): the failed
-    check naming the blob and the rule, or ``None`` when it matches its manifest."""
+    """The failed check of the residual blob a restore verifies first (``verify_blob_file``), or ``None`` when intact."""
     try:
         verify_blob_file(capsule.blob_path, capsule.native.residual)
     except ColdsnapError as exc:

@@ -1,11 +1,7 @@
-"""``coldsnap export -- COMMAND...``: a one-shot export that exits, for a CI or Kubernetes Job.
-
-COMMAND runs in a process group of its own with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1`` and the artifact folder, state
-root and outcome log this command resolved. It waits for a ``captured`` outcome line (``docs/format.md`` §10.3) of
-every worker of the world the first one names, then, with ``--ready-url``, for that URL to answer 200 (vLLM attaches
-its derived-cache seed, §17, before it is ready); then stops the engine and verifies the artifact. The workers must all
-write to the outcome log this node reads. Exit codes: ``docs/format.md`` §8.
-"""
+"""``coldsnap export -- COMMAND...``: a one-shot export that exits, for a CI or Kubernetes Job (exit codes:
+``docs/format.md`` §8). It waits for a ``captured`` outcome line (§10.3) of every worker of the world the first one
+names (all must write to the outcome log this node reads), then for ``--ready-url`` (vLLM attaches its derived-cache
+seed, §17, before it is ready); then stops the engine and verifies the artifact."""
 
 from __future__ import annotations
 
@@ -235,20 +231,17 @@ def _artifact_dir(args: argparse.Namespace) -> Path:
     return artifact_dir
 
 
-def _engine_env(settings: ColdsnapSettings, artifact_dir: Path) -> dict[str, str]:
+def _capture(args: argparse.Namespace, command: list[str], artifact_dir: Path) -> tuple[dict[str, str], int]:
+    """Run ``command`` with the export on and the settings this command resolved: ``(capsule name -> captured pack
+    digest, the engine's exit status)``."""
+    settings: ColdsnapSettings = args.settings
+    tail = _OutcomeTail(settings.outcome_log_path)
     env = {**os.environ, "COLDSNAP_EXPORT_MODEL_PAYLOAD": "1", "COLDSNAP_ARTIFACT_DIR": str(artifact_dir)}
     env["COLDSNAP_STATE_ROOT"] = str(settings.state_root)
     if settings.outcome_log is not None:
         env["COLDSNAP_OUTCOME_LOG"] = str(settings.outcome_log)
-    return env
-
-
-def _capture(args: argparse.Namespace, command: list[str], artifact_dir: Path) -> tuple[dict[str, str], int]:
-    """Steps 1 and 2: ``(capsule name -> captured pack digest, the engine's exit status)``."""
-    settings: ColdsnapSettings = args.settings
-    tail = _OutcomeTail(settings.outcome_log_path)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM: stop the engine, exit as interrupted
-    engine = _Engine(command, _engine_env(settings, artifact_dir))
+    engine = _Engine(command, env)
     try:
         wait = _Wait(engine, tail, artifact_dir, args.timeout)
         captured = wait.captures()

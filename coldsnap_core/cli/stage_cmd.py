@@ -1,7 +1,5 @@
-"""``coldsnap stage ARTIFACT [--rank N ...]``: put this host's packs into the node-local cache, verified.
-
-Exit codes: ``docs/format.md`` §8.
-"""
+"""``coldsnap stage ARTIFACT [--rank N ...]``: put this host's packs into the node-local cache, verified (exit codes:
+``docs/format.md`` §8)."""
 
 from __future__ import annotations
 
