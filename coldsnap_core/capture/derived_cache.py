@@ -1,6 +1,5 @@
 """The capture of a derived-cache seed (``docs/format.md`` §17.3): a worker's compile cache files (:func:`collect_files`)
-written into its captured capsule and pinned in ``artifact.json`` (:func:`attach_seed`), or into an overlay.
-"""
+written into its captured capsule and pinned in ``artifact.json`` (:func:`attach_seed`), or into an overlay."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Materialization: rebuild a worker's pack from its resident model bytes after a recovery load, without reading the
-checkpoint again (``docs/format.md`` §13: the modes ``async``, ``required``, ``off``).
-"""
+checkpoint again (``docs/format.md`` §13: the modes ``async``, ``required``, ``off``)."""
 
 from __future__ import annotations
 

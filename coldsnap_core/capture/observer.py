@@ -1,7 +1,6 @@
 """The checkpoint-to-destination write observer (``docs/format.md`` §6.1), a ``TorchDispatchMode`` around
 ``load_weights``: a same-shape ``aten.copy_`` from a checkpoint tensor records model bytes, every other write makes
-its byte hull residual. Writes that bypass the dispatcher are invisible.
-"""
+its byte hull residual. Writes that bypass the dispatcher are invisible."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The capture of a target-local overlay (``docs/format.md`` §15.3), or of a record that this target is qualified for the
-portable capsule, and of the overlay's own derived-cache seed (§17.3).
-"""
+portable capsule, and of the overlay's own derived-cache seed (§17.3)."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ from coldsnap_core.artifact.overlay import (
 )
 from coldsnap_core.cache.records import read_private_record
 from coldsnap_core.capture.derived_cache import log_captured, with_seed_pins, write_seed_files
-from coldsnap_core.capture.payload import ModelRange, PayloadPlan, plan_payload
+from coldsnap_core.capture.payload import ModelRange, plan_payload
 from coldsnap_core.copy.base import CopyBackend
 from coldsnap_core.errors import OverlayError
 from coldsnap_core.format.allocation import AllocationMap, LiveAllocation
@@ -71,7 +70,15 @@ def capture_overlay(
     """
     worker = entry.worker
     plan = plan_payload(allocation_map, allocations, backend, model_ranges)
-    _require_portable_payload(plan, entry, portable)
+    contents = set(plan.locate)
+    portable_contents = {(e.sha256, e.size_bytes) for e in portable.native.model_extents}
+    if contents != portable_contents or plan.layout.size_bytes != entry.payload.size_bytes:
+        raise OverlayError(
+            f"the loaded model bytes are {len(contents)} distinct contents, the portable capsule's pack"
+            f" {entry.payload.sha256} holds {len(portable_contents)} ({len(contents - portable_contents)} not in it):"
+            " not the same model; no overlay is stored",
+            file=portable.native_manifest_path,
+        )
     path = overlay_dir(state_root, artifact_dir, worker, target)
     created_at = datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat()
 
@@ -135,16 +142,3 @@ def attach_overlay_seed(
         replace_file_durably(path / OVERLAY_FILENAME, updated.dumps(), read_only=True)
     log_captured(descriptor.worker.capsule_name, document, f" into the target-local overlay {path}")
     return document
-
-
-def _require_portable_payload(plan: PayloadPlan, entry: WorkerEntry, portable: Capsule) -> None:
-    """Raise ``OverlayError`` unless the plan has the portable capsule's distinct extent contents and pack size."""
-    contents = set(plan.locate)
-    portable_contents = {(e.sha256, e.size_bytes) for e in portable.native.model_extents}
-    if contents != portable_contents or plan.layout.size_bytes != entry.payload.size_bytes:
-        raise OverlayError(
-            f"the loaded model bytes are {len(contents)} distinct contents, the portable capsule's pack"
-            f" {entry.payload.sha256} holds {len(portable_contents)} ({len(contents - portable_contents)} not in it):"
-            " not the same model; no overlay is stored",
-            file=portable.native_manifest_path,
-        )

@@ -1,8 +1,6 @@
 """The capture core, which every capture runs so that a pack is byte-identical whichever wrote it (``docs/format.md``
 §2, §3, §13): plan the payload of a quiescent model's live bytes (:func:`plan_payload`), write or admit the pack
-(:meth:`PayloadPlan.ensure_pack`, :func:`write_pack`), write the residual and manifests
-(:meth:`PayloadPlan.write_capsule_files`).
-"""
+(:meth:`PayloadPlan.ensure_pack`, :func:`write_pack`), then residual and manifests (:meth:`PayloadPlan.write_capsule_files`)."""
 
 from __future__ import annotations
 

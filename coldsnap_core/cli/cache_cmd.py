@@ -1,8 +1,7 @@
 """``coldsnap cache ls|verify|rm|gc``: look after the node-local payload cache (each action: its ``--help``).
 
 ``gc``, ``rm`` and ``verify`` touch nothing of another user's: a state root another uid owns is refused, and within one
-another user's overlay, object or record is kept and named. Exit codes: ``docs/format.md`` §8.
-"""
+another user's overlay, object or record is kept and named. Exit codes: ``docs/format.md`` §8."""
 
 from __future__ import annotations
 

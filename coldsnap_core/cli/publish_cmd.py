@@ -1,8 +1,7 @@
 """``coldsnap publish-native ARTIFACT... --repo REPO``: upload each distinct model payload once, then each artifact's
 own files and its name, and print the REF that ``coldsnap pull`` takes (the layout in REPO: ``docs/format.md`` §12).
 A payload counts as present only if the store's object verifies as far as the store can tell (a corrupt one is
-replaced); ``--dry-run`` checks by size (and the Hub's LFS SHA-256) only. Exit codes: ``docs/format.md`` §8.
-"""
+replaced); ``--dry-run`` checks by size (and the Hub's LFS SHA-256) only. Exit codes: ``docs/format.md`` §8."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """``coldsnap pull REF DIR``: write the artifact REF names (``docs/format.md`` §12.9) at DIR, every file checked
-against its pin, then stage this host's packs from the same store as ``coldsnap stage`` does. Exit codes: §8.
-"""
+against its pin, then stage this host's packs from the same store as ``coldsnap stage`` does. Exit codes: §8."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """``coldsnap status``: what the recent worker loads did, per artifact, from the load outcome log
 (``docs/format.md`` §10.3); ``--format prometheus``: :func:`coldsnap_core.metrics.node_exposition`. Exit codes:
-``docs/format.md`` §8 (``--fail-on-fallback`` is for alerting: an alert that cannot see a load must not pass).
-"""
+``docs/format.md`` §8 (``--fail-on-fallback`` is for alerting: an alert that cannot see a load must not pass)."""
 
 from __future__ import annotations
 

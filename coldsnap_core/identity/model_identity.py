@@ -34,14 +34,9 @@ def identify_checkpoint(
     records: CheckpointRecords | None = None,
     config_json: str | None = None,
 ) -> ModelIdentity:
-    """Hash every checkpoint file (SHA-256 and :func:`checkpoint_fingerprint`) into a :class:`ModelIdentity`.
-
-    Args:
-        source: the repository id, or the local folder (recorded by its real path) the model was loaded from.
-        revision: for a repository id the commit hash it resolved to (:func:`resolve_hub_commit`), else ``None``.
-        root: names are recorded relative to this folder (default: each file's own folder).
-        config_json: the canonical configuration (``config_sha256`` is derived from it when not given).
-    """
+    """Hash every checkpoint file (SHA-256 and :func:`checkpoint_fingerprint`) into a :class:`ModelIdentity`, names
+    relative to ``root`` (default: each file's own folder); ``revision``: a repository id's commit hash
+    (:func:`resolve_hub_commit`), else ``None``."""
     entries = []
     for path in files:
         path = Path(path)
