@@ -63,7 +63,13 @@ def capture_worker(
         InsufficientSpaceError / CacheError: writing failed (nothing half-written remains).
     """
     started = time.perf_counter()
-    _check_addresses(allocation_map, capture_point)
+    for recorded in allocation_map.allocations:  # an address at the portable capture point, or none at the native
+        if (recorded.address is None) == (capture_point == "native"):
+            rule = "the address of every allocation" if capture_point == "native" else "no addresses (null)"
+            raise ObserverError(
+                f"allocation {recorded.index} has address {recorded.address}; the {capture_point} capture point records {rule}",
+                allocation=recorded.index,
+            )
     check_artifact_paths(artifact_dir, worker)  # a link at a lock path is refused before anything is written
     target = target if target is not None else collect_target()
     plan = plan_payload(allocation_map, allocations, backend, model_ranges)
@@ -89,17 +95,6 @@ def capture_worker(
     )
     _log_captured(result, worker)
     return result
-
-
-def _check_addresses(allocation_map: AllocationMap, capture_point: CapturePoint) -> None:
-    """Raise ``ObserverError`` for the first allocation with an address at the portable capture point, or none at the native."""
-    for recorded in allocation_map.allocations:
-        if (recorded.address is None) == (capture_point == "native"):
-            rule = "the address of every allocation" if capture_point == "native" else "no addresses (null)"
-            raise ObserverError(
-                f"allocation {recorded.index} has address {recorded.address}; the {capture_point} capture point records {rule}",
-                allocation=recorded.index,
-            )
 
 
 def capture_loaded_worker(

@@ -29,7 +29,8 @@ def add_outcome_log_option(parser: argparse.ArgumentParser, what: str) -> None:
     )
 
 
-def _number_of_seconds(text: str, *, above_zero: bool) -> float:
+def seconds(text: str, *, above_zero: bool = False) -> float:
+    """An argparse ``type``: a number of seconds >= 0 (> 0 ``above_zero``); ArgumentTypeError naming the text otherwise."""
     try:
         value = float(text)
     except ValueError:
@@ -39,14 +40,8 @@ def _number_of_seconds(text: str, *, above_zero: bool) -> float:
     return value
 
 
-def seconds(text: str) -> float:
-    """An argparse ``type``: a number of seconds >= 0; ArgumentTypeError naming the text otherwise."""
-    return _number_of_seconds(text, above_zero=False)
-
-
 def positive_seconds(text: str) -> float:
-    """An argparse ``type``: a number of seconds > 0; ArgumentTypeError naming the text otherwise."""
-    return _number_of_seconds(text, above_zero=True)
+    return seconds(text, above_zero=True)
 
 
 def wants_json(args: argparse.Namespace) -> bool:

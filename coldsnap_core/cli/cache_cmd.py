@@ -292,18 +292,14 @@ def _rm(args: argparse.Namespace) -> int:
     return report(args, {"state_root": str(cache.state_root), "removed": removed, "bytes_freed": pack.size_bytes}, [line])
 
 
-def _evict(args: argparse.Namespace, cache: PayloadCache) -> tuple[Eviction, bool]:
-    """``gc --unused-for / --max-bytes``: the eviction (none without either) and whether the packs left exceed ``--max-bytes``."""
-    if args.unused_for is None and args.max_bytes is None:
-        return Eviction((), (), 0, sum(p.size_bytes for p in list_packs(cache))), False
-    eviction = evict(cache, unused_for_seconds=args.unused_for, max_bytes=args.max_bytes, dry_run=args.dry_run)
-    return eviction, args.max_bytes is not None and eviction.remaining_bytes > args.max_bytes
-
-
 def _gc(args: argparse.Namespace) -> int:
     cache = _existing_cache(args, "gc")
     swept = cache.gc(older_than_seconds=args.older_than, dry_run=args.dry_run)
-    eviction, over = _evict(args, cache)
+    if args.unused_for is None and args.max_bytes is None:
+        eviction = Eviction((), (), 0, sum(p.size_bytes for p in list_packs(cache)))
+    else:
+        eviction = evict(cache, unused_for_seconds=args.unused_for, max_bytes=args.max_bytes, dry_run=args.dry_run)
+    over = args.max_bytes is not None and eviction.remaining_bytes > args.max_bytes
     verb = "would remove" if args.dry_run else "removed"
     sleep_capsules = sweep_sleep_capsules(cache.state_root, dry_run=args.dry_run)
     overlays, kept = gc_overlays(cache.state_root, dry_run=args.dry_run)

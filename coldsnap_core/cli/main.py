@@ -56,14 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resolve_environment(args: argparse.Namespace) -> None:
-    """``args.settings`` (:data:`~coldsnap_core.settings.COMMAND_SETTINGS`, options over variables), ``args.state_root``
-    and ``args.lock_timeout_s``; a ``ConfigurationError`` names an invalid option or variable and its value."""
-    flags = {key: value for key, value in vars(args).items() if key in KEYS}
-    args.settings = ColdsnapSettings.resolve(flags=flags, rows=COMMAND_SETTINGS)[0]
-    args.state_root, args.lock_timeout_s = args.settings.state_root, args.settings.lock_timeout_s
-
-
 def _command_named(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str | None:
     """The (sub)command ``argv`` names (``cache verify``), as far as its words name one; ``None`` when none."""
     names: list[str] = []
@@ -104,7 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _usage_error(exc, argv, parser)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
-        _resolve_environment(args)
+        flags = {key: value for key, value in vars(args).items() if key in KEYS}  # options over variables
+        args.settings = ColdsnapSettings.resolve(flags=flags, rows=COMMAND_SETTINGS)[0]
+        args.state_root, args.lock_timeout_s = args.settings.state_root, args.settings.lock_timeout_s
         return int(args.func(args))
     except ColdsnapError as exc:
         return _failed(args, error_json(exc))
