@@ -65,8 +65,7 @@ class CheckpointSources:
         self.unknown: list[str] = []
 
     def register(self, tensor: torch.Tensor, location: TensorLocation | None, checkpoint_file: str | None) -> bool:
-        """Register a yielded checkpoint tensor; return whether it was accepted as a source (``location`` describes it
-        exactly: dtype, shape, byte size; dense and contiguous, with its own data)."""
+        """Register a yielded checkpoint tensor: whether ``location`` describes it exactly (dtype, shape, size; contiguous)."""
         if (
             location is None
             or checkpoint_file is None

@@ -103,8 +103,7 @@ def _written_spec(func) -> tuple[tuple[int, str], ...]:
 
 
 class WriteObserver(TorchDispatchMode):
-    """Observe every tensor write while active; ``unattributed_writes``: one line per write into a tensor without a data
-    pointer (any makes :meth:`model_records` raise)."""
+    """Observe every tensor write while active; ``unattributed_writes``: the writes into tensors without a data pointer."""
 
     def __init__(self, sources: CheckpointSources, *, converted_copies: ConvertedCopies = "model") -> None:
         super().__init__()
@@ -269,8 +268,7 @@ class WriteObserver(TorchDispatchMode):
 def map_to_allocations(
     records: Iterable[ModelRecord], allocations: TorchAllocations
 ) -> tuple[list[ModelRange], list[ModelRecord]]:
-    """Map absolute model records onto the portable allocations: ``(ranges, kept)``, the model ranges sorted by
-    (allocation, offset) and the records (or parts) inside an allocation by address; the rest is dropped."""
+    """Map absolute model records onto the portable allocations: ``(model ranges, records kept)``, sorted; the rest is dropped."""
     ranges = []
     kept = []
     for record in records:

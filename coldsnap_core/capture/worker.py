@@ -108,8 +108,7 @@ def capture_loaded_worker(
     engine: str,
     engine_version: str | None,
 ) -> CaptureResult:
-    """The portable :func:`capture_worker` of a worker an engine plugin just loaded (``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``)
-    with its device's copy backend and target; a WARNING when it replaces a capsule."""
+    """The portable :func:`capture_worker` of a worker an engine plugin just loaded; a WARNING when it replaces a capsule."""
     existing = artifact_dir / WORKERS_DIRNAME / worker.capsule_name
     if existing.is_dir():
         logger.warning(

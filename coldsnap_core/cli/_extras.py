@@ -17,8 +17,7 @@ EXTRA_OF_MODULE = {
 
 
 def missing_dependency(exc: ModuleNotFoundError) -> ConfigurationError:
-    """The typed error for ``exc``, a module of an extra that is not installed; ``exc`` itself is raised when the
-    missing module belongs to no extra (a broken installation)."""
+    """The typed error for ``exc``, a missing module of an extra; ``exc`` itself for one of no extra (a broken install)."""
     module = (exc.name or "").partition(".")[0]
     if module not in EXTRA_OF_MODULE:
         raise exc

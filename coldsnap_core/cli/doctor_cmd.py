@@ -353,8 +353,7 @@ def model_source(descriptor: ArtifactDescriptor, artifact_dir: Path, given: str 
 def model_check(
     descriptor: ArtifactDescriptor, source: str, revision: str | None, records: CheckpointRecords | None, file: Path
 ) -> Check:
-    """``source`` against the artifact's model identity as a restore checks it (``docs/format.md`` §10.1), less what
-    only the engine can check when it starts."""
+    """``source`` against the artifact's model identity as a restore checks it (``docs/format.md`` §10.1) but its engine part."""
     recorded = descriptor.model
     remedy = "start the engine with the checkpoint the artifact was captured from (--model PATH here), or capture anew"
     if os.path.isabs(source) and not os.path.isdir(source):

@@ -232,8 +232,7 @@ def _artifact_dir(args: argparse.Namespace) -> Path:
 
 
 def _capture(args: argparse.Namespace, command: list[str], artifact_dir: Path) -> tuple[dict[str, str], int]:
-    """Run ``command`` with the export on and the settings this command resolved: ``(capsule name -> captured pack
-    digest, the engine's exit status)``."""
+    """Run the engine with the export on: ``(capsule name -> captured pack digest, the engine's exit status)``."""
     settings: ColdsnapSettings = args.settings
     tail = _OutcomeTail(settings.outcome_log_path)
     env = {**os.environ, "COLDSNAP_EXPORT_MODEL_PAYLOAD": "1", "COLDSNAP_ARTIFACT_DIR": str(artifact_dir)}

@@ -51,8 +51,7 @@ def summarize(manifest: NativeManifest) -> dict[str, object]:
 
 
 def seed_summary(descriptor: ArtifactDescriptor, capsule: Capsule) -> dict[str, object]:
-    """The capsule's derived-cache seed (``docs/format.md`` §17): ``present``, then ``files``, ``size_bytes`` and
-    ``qualification``, or the ``error`` :func:`verify_seed` refused it with (never raised)."""
+    """The capsule's derived-cache seed (``docs/format.md`` §17) as ``--json`` shows it (a refusal as ``error``)."""
     try:
         files = find_worker(descriptor, capsule.native.worker).capsule_files
         document = verify_seed(capsule.path, files)

@@ -110,8 +110,7 @@ def add_host_options(p: argparse.ArgumentParser, verb: str) -> None:
 
 
 def _stage_one(pack: PackRef, cache: PayloadCache, store: PayloadStore | None, fetched: set[str]) -> Path:
-    """Stage ``pack``, with a progress unless its validation record is trusted; adds its digest to ``fetched`` when
-    the store was asked for it."""
+    """Stage ``pack`` (a progress bar unless its record is trusted); adds its digest to ``fetched`` if the store was asked."""
     try:
         trusted = record_state(cache, pack.sha256) == "trusted"
         cached = lstat_or_none(cache.object_path(pack.sha256)) is not None

@@ -25,8 +25,7 @@ CHECKPOINT_RECORDS_DIRNAME = "checkpoint-records"
 
 
 class CheckpointRecord(StatBound, kw_only=True, tag="coldsnap.checkpoint-record"):
-    """Evidence that the file at the real path ``path`` had ``sha256`` while it had these ``stat`` fields (UTC
-    ``hashed_at``)."""
+    """Evidence that the real path ``path`` had ``sha256`` while it had these ``stat`` fields (UTC ``hashed_at``)."""
 
     format_version: Literal[1] = 1
     path: Text

@@ -78,8 +78,7 @@ def engine_config_sha256(model_config: object) -> str | None:
 
 
 def config_differences(recorded_json: str, loaded_json: str, *, limit: int = 5) -> list[str]:
-    """The dotted keys in which two canonical configurations differ, as ``key: <loaded> (engine) vs <recorded>
-    (artifact)`` (``docs/format.md`` §4.8); at most ``limit``, then ``... and N more``."""
+    """The dotted keys in which two canonical configurations differ (``docs/format.md`` §4.8), at most ``limit``."""
 
     def flat(value: object, path: str, into: dict[str, object]) -> dict[str, object]:
         if isinstance(value, dict) and value:

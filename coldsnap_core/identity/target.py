@@ -63,8 +63,7 @@ def nvidia_driver_version(version_file: Path = NVIDIA_DRIVER_VERSION_FILE) -> st
 def collect_target(
     engine: str = ENGINE_NONE, engine_version: str | None = None, *, device: torch.device | str | None = None
 ) -> TargetIdentity:
-    """The current worker's target identity (``docs/format.md`` §15.1) for the device its weights live on (default:
-    CPU; a CUDA device without an index: the current one)."""
+    """The current worker's target identity (``docs/format.md`` §15.1) on ``device`` (default CPU; CUDA: the current one)."""
     import torch  # here, not at module top: the CLI's commands import this module and most never need torch
 
     device = torch.device(device if device is not None else "cpu")
@@ -95,8 +94,7 @@ def _engine_text(target: TargetIdentity) -> str:
 
 
 def mismatch_detail(recorded: TargetIdentity, current: TargetIdentity) -> str | None:
-    """Why a residual captured on ``recorded`` is not replayed on ``current`` (another engine named first, as the
-    reason), or ``None`` if it qualifies."""
+    """Why a residual captured on ``recorded`` is not replayed on ``current`` (another engine named first), or ``None``."""
     differences = recorded.differences(current)
     if not differences:
         return None
