@@ -212,18 +212,6 @@ def _existing_cache(args: argparse.Namespace, command: str | None = None) -> Pay
     return cache
 
 
-def _refuse_another_users(cache: PayloadCache, digest: str) -> None:
-    """Leave ``digest`` unverified (``CacheError`` naming the file) when its object or record belongs to another uid."""
-    for path in (cache.object_path(digest), cache.record_path(digest)):
-        st = lstat_or_none(path)
-        if st is not None and st.st_uid != os.geteuid():
-            raise CacheError(
-                f"it belongs to uid {st.st_uid}, not {os.geteuid()}: left unverified, so that its validation record stays"
-                " that user's",
-                file=path,
-            )
-
-
 def _verify(args: argparse.Namespace) -> int:
     given = [check_digest(d) for d in args.digest] if args.digest else None
     cache = _existing_cache(args, "verify")
@@ -232,7 +220,14 @@ def _verify(args: argparse.Namespace) -> int:
     objects: list[dict[str, object]] = []
     for digest in digests:
         try:
-            _refuse_another_users(cache, digest)
+            for path in (cache.object_path(digest), cache.record_path(digest)):  # another uid's: left unverified
+                st = lstat_or_none(path)
+                if st is not None and st.st_uid != os.geteuid():
+                    raise CacheError(
+                        f"it belongs to uid {st.st_uid}, not {os.geteuid()}: left unverified, so that its validation record"
+                        " stays that user's",
+                        file=path,
+                    )
             before = record_state(cache, digest) if not args.full else "ignored"
             st = refuse_symlink(cache.object_path(digest))
             with byte_bar(f"verify {digest[:12]}", st.st_size if st else None) as update:

@@ -137,8 +137,17 @@ def check_model_identity(
         ModelIdentityMismatchError: names what differs.
         UnsafePathError: the checkpoint records folder or a record is a symbolic link.
     """
-    if loaded.checkpoint_absent:
-        _check_model_files(recorded, loaded, model_files, file)
+    if loaded.checkpoint_absent:  # a folder without the checkpoint: its pinned model files, then the configuration digest
+        if not model_files:
+            raise ModelIdentityMismatchError(
+                f"{loaded.folder} holds no checkpoint weights, and the artifact pins no model files to check it by"
+                " (artifact.json has no model_files: its capture copied none); serve from the checkpoint folder",
+                file=file,
+            )
+        for pin in model_files:  # before the configuration digest: a changed config.json is named as such
+            where = f"the artifact ({file})" if file else "the artifact"
+            check_model_file(loaded.folder / pin.name, pin, where=where)
+        _check_config(recorded, loaded, file)
         return
     if loaded.folder is None and (
         (recorded.source, recorded.revision) != (loaded.source, loaded.revision)
@@ -194,22 +203,6 @@ def _check_config(recorded: ModelIdentity, loaded: LoadedModel, file: str | None
         file=file,
         remedy=remedy,
     )
-
-
-def _check_model_files(
-    recorded: ModelIdentity, loaded: LoadedModel, model_files: tuple[CapsuleFile, ...], file: str | None
-) -> None:
-    """The identity of a folder without the checkpoint: its pinned model files, then the configuration digest."""
-    if not model_files:
-        raise ModelIdentityMismatchError(
-            f"{loaded.folder} holds no checkpoint weights, and the artifact pins no model files to check it by"
-            " (artifact.json has no model_files: its capture copied none); serve from the checkpoint folder",
-            file=file,
-        )
-    for pin in model_files:  # before the configuration digest: a changed config.json is named as such
-        where = f"the artifact ({file})" if file else "the artifact"
-        check_model_file(loaded.folder / pin.name, pin, where=where)
-    _check_config(recorded, loaded, file)
 
 
 def _check_file_list(recorded: ModelIdentity, loaded: LoadedModel, file: str | None) -> None:
