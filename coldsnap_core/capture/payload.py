@@ -69,19 +69,6 @@ def check_model_ranges(ranges: Sequence[ModelRange], allocations: Sequence[LiveA
         previous = (r.allocation_index, r.offset_bytes + r.size_bytes)
 
 
-def _check_allocations(allocation_map: AllocationMap, allocations: Sequence[LiveAllocation]) -> None:
-    """Raise ``ObserverError`` for the first live allocation whose index or size the allocation map does not record."""
-    if len(allocation_map) != len(allocations):
-        raise ObserverError(f"the allocation map has {len(allocation_map)} allocations, the live model {len(allocations)}")
-    for recorded, live in zip(allocation_map.allocations, allocations, strict=True):
-        if live.index != recorded.index or live.size_bytes != recorded.size_bytes:
-            raise ObserverError(
-                f"live allocation {live.index} ({live.size_bytes} bytes) is not allocation {recorded.index}"
-                f" of the allocation map ({recorded.size_bytes} bytes)",
-                allocation=recorded.index,
-            )
-
-
 def hash_ranges(ranges: Sequence[ModelRange], allocations: Sequence[LiveAllocation], backend: CopyBackend) -> list[str]:
     """SHA-256 of each range's bytes, on one thread per usable CPU, largest first."""
 
@@ -227,7 +214,15 @@ def plan_payload(
             disjoint, non-empty and in bounds (nothing is read).
         ValueError: ``digests`` and ``model_ranges`` differ in length.
     """
-    _check_allocations(allocation_map, allocations)
+    if len(allocation_map) != len(allocations):
+        raise ObserverError(f"the allocation map has {len(allocation_map)} allocations, the live model {len(allocations)}")
+    for recorded, live in zip(allocation_map.allocations, allocations, strict=True):
+        if live.index != recorded.index or live.size_bytes != recorded.size_bytes:
+            raise ObserverError(
+                f"live allocation {live.index} ({live.size_bytes} bytes) is not allocation {recorded.index}"
+                f" of the allocation map ({recorded.size_bytes} bytes)",
+                allocation=recorded.index,
+            )
     check_model_ranges(model_ranges, allocations)
     if digests is None:
         digests = hash_ranges(model_ranges, allocations, backend)

@@ -198,18 +198,6 @@ def _user_name(uid: int) -> str:
     return "no passwd entry"
 
 
-def pack_states(cache: PayloadCache, packs: Sequence[PackRef]) -> dict[str, str]:
-    """Each pack's state in the cache: ``trusted``, ``untrusted: why``, ``absent`` or ``unusable: why``."""
-    states = {}
-    for pack in packs:
-        try:
-            present = lstat_or_none(cache.object_path(pack.sha256)) is not None
-            states[pack.sha256] = record_state(cache, pack.sha256) if present else "absent"
-        except ColdsnapError as exc:
-            states[pack.sha256] = f"unusable: {_without_remedy(exc)}"
-    return states
-
-
 def store_check(
     store: PayloadStore | ColdsnapError | None, packs: Sequence[PackRef], states: dict[str, str]
 ) -> tuple[Check, set[str]]:
@@ -249,7 +237,7 @@ def store_check(
 
 
 def pack_check(pack: PackRef, state: str, store: PayloadStore | None, held: set[str], cache: PayloadCache) -> Check:
-    """One distinct pack (its :func:`pack_states` ``state``): staged and trusted, untrusted, to be fetched, or unavailable."""
+    """One distinct pack (its ``state`` in the cache): staged and trusted, untrusted, to be fetched, or unavailable."""
     subject = f"pack {pack.sha256} ({pack.size_bytes} bytes)"
     if state == "trusted":
         return Check("packs", "ok", f"{subject} is staged, with a trusted validation record")
@@ -431,7 +419,13 @@ def diagnose(args: argparse.Namespace, uid: int, store: PayloadStore | ColdsnapE
     cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
     plugins = [plugin_check(e) for e in sorted({c.target.engine if c.target else ENGINE_NONE for c in capsules})]
     state_root = state_root_check(cache, uid)
-    states = pack_states(cache, packs)
+    states = {}  # each pack's: trusted, untrusted: why, absent or unusable: why
+    for pack in packs:
+        try:
+            present = lstat_or_none(cache.object_path(pack.sha256)) is not None
+            states[pack.sha256] = record_state(cache, pack.sha256) if present else "absent"
+        except ColdsnapError as exc:
+            states[pack.sha256] = f"unusable: {_without_remedy(exc)}"
     store_line, held = store_check(store, packs, states)
     # a checkpoint record is written (after hashing a changed file) only into a state root the engine's user owns
     records = CheckpointRecords(cache.state_root) if state_root.status == "ok" else None

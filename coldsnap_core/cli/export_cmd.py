@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -211,16 +212,11 @@ class _Wait:
         self.captured[worker] = str(line.get("pack_sha256"))
 
     def ready(self, url: str) -> None:
-        while not _answers_200(url):
+        while True:
+            with contextlib.suppress(urllib.error.URLError, OSError), urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
             self.tick(f"{url} to answer 200 (the engine ready)", self.engine.exited())
-
-
-def _answers_200(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def _artifact_dir(args: argparse.Namespace) -> Path:
