@@ -125,17 +125,12 @@ class WriteObserver(TorchDispatchMode):
             self._on_copy(dest, records, saved, func)
             return result
         result = func(*args, **kwargs)
-        for tensor in self._written_tensors(func, args, kwargs):
-            self._on_write(tensor, func)
-        return result
-
-    def _written_tensors(self, func, args, kwargs) -> Iterator[torch.Tensor]:
         for position, name in _written_spec(func):
             value = args[position] if position < len(args) else kwargs.get(name)
-            if isinstance(value, torch.Tensor):
-                yield value
-            elif isinstance(value, list | tuple):
-                yield from (v for v in value if isinstance(v, torch.Tensor))
+            for tensor in value if isinstance(value, list | tuple) else (value,):
+                if isinstance(tensor, torch.Tensor):
+                    self._on_write(tensor, func)
+        return result
 
     def _on_write(self, tensor: torch.Tensor, func: object) -> None:
         try:

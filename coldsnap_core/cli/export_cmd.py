@@ -219,14 +219,6 @@ class _Wait:
             self.tick(f"{url} to answer 200 (the engine ready)", self.engine.exited())
 
 
-def _artifact_dir(args: argparse.Namespace) -> Path:
-    row = tuple(s for s in SETTINGS if s.key == "artifact_dir")
-    artifact_dir = ColdsnapSettings.resolve(flags={"artifact_dir": args.artifact_dir}, rows=row)[0].artifact_dir
-    if artifact_dir is None:
-        raise ConfigurationError("coldsnap export needs the artifact folder: set COLDSNAP_ARTIFACT_DIR or pass --artifact-dir")
-    return artifact_dir
-
-
 def _capture(args: argparse.Namespace, command: list[str], artifact_dir: Path) -> tuple[dict[str, str], int]:
     """Run the engine with the export on: ``(capsule name -> captured pack digest, the engine's exit status)``."""
     settings: ColdsnapSettings = args.settings
@@ -253,7 +245,10 @@ def run(args: argparse.Namespace) -> int:
     command = args.engine_command[1:] if args.engine_command[:1] == ["--"] else args.engine_command
     if not command:
         raise ConfigurationError("coldsnap export needs the engine's command after --: coldsnap export -- vllm serve MODEL ...")
-    artifact_dir = _artifact_dir(args)
+    row = tuple(s for s in SETTINGS if s.key == "artifact_dir")
+    artifact_dir = ColdsnapSettings.resolve(flags={"artifact_dir": args.artifact_dir}, rows=row)[0].artifact_dir
+    if artifact_dir is None:
+        raise ConfigurationError("coldsnap export needs the artifact folder: set COLDSNAP_ARTIFACT_DIR or pass --artifact-dir")
     captured, returncode = _capture(args, command, artifact_dir)
     cache = PayloadCache(args.state_root, lock_timeout_seconds=args.lock_timeout_s)
     verified = verify_artifact(
