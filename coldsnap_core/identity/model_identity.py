@@ -169,7 +169,23 @@ def check_model_identity(
     _check_config(recorded, loaded, file)
     if loaded.folder is None:
         return
-    _check_file_list(recorded, loaded, file)
+    if loaded.checkpoint_files_error is not None:
+        raise ModelIdentityMismatchError(
+            f"the engine cannot say which checkpoint files of {loaded.folder} it would read"
+            f" ({loaded.checkpoint_files_error}); a plain load would fail the same way",
+            file=file,
+        )
+    recorded_names = {c.name for c in recorded.files}  # exactly the files the engine would read, when it says
+    if loaded.checkpoint_files is not None and set(loaded.checkpoint_files) != recorded_names:
+        added = sorted(set(loaded.checkpoint_files) - recorded_names)
+        dropped = sorted(recorded_names - set(loaded.checkpoint_files))
+        raise ModelIdentityMismatchError(
+            f"the engine would read the checkpoint files {list(loaded.checkpoint_files)} of {loaded.folder}, the"
+            f" artifact recorded {sorted(recorded_names)}"
+            + (f"; not recorded: {added} (a plain load would read them too)" if added else "")
+            + (f"; recorded but not read by the engine now: {dropped}" if dropped else ""),
+            file=file,
+        )
     for checkpoint in recorded.files:
         _check_checkpoint_file(checkpoint, loaded.folder / checkpoint.name, records, verify_checkpoint)
 
@@ -203,28 +219,6 @@ def _check_config(recorded: ModelIdentity, loaded: LoadedModel, file: str | None
         file=file,
         remedy=remedy,
     )
-
-
-def _check_file_list(recorded: ModelIdentity, loaded: LoadedModel, file: str | None) -> None:
-    """The checkpoint files the engine would read from a local folder, when it says, are exactly the recorded ones."""
-    if loaded.checkpoint_files_error is not None:
-        raise ModelIdentityMismatchError(
-            f"the engine cannot say which checkpoint files of {loaded.folder} it would read"
-            f" ({loaded.checkpoint_files_error}); a plain load would fail the same way",
-            file=file,
-        )
-    if loaded.checkpoint_files is not None:
-        recorded_names = {c.name for c in recorded.files}
-        added = sorted(set(loaded.checkpoint_files) - recorded_names)
-        dropped = sorted(recorded_names - set(loaded.checkpoint_files))
-        if added or dropped:
-            raise ModelIdentityMismatchError(
-                f"the engine would read the checkpoint files {list(loaded.checkpoint_files)} of {loaded.folder}, the"
-                f" artifact recorded {sorted(recorded_names)}"
-                + (f"; not recorded: {added} (a plain load would read them too)" if added else "")
-                + (f"; recorded but not read by the engine now: {dropped}" if dropped else ""),
-                file=file,
-            )
 
 
 def _check_checkpoint_file(
