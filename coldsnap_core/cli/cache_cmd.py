@@ -355,7 +355,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         " the sleep capsules of processes that are gone).",
     )
     sub = p.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
-    _add_ls(sub)
+    ls = sub.add_parser(
+        "ls",
+        help="list packs (size, last use, in use, the artifacts on this node that use them, record state, last full"
+        " verification), temporaries, quarantine",
+    )
+    add_command_options(ls, _ls)
+    ls.add_argument(
+        "--sort",
+        choices=("name", "size", "used"),
+        default="name",
+        help="order of the packs: name (digest, default), size (largest first), used (least recently used first: gc's"
+        " eviction order)",
+    )
+    ls.add_argument(
+        "--artifact",
+        action="append",
+        metavar="DIR",
+        help="also name the packs this artifact folder uses (repeatable; the load outcome log and the overlays name the others)",
+    )
+    add_outcome_log_option(ls, "the load outcome log whose artifacts are listed")
 
     rm = sub.add_parser(
         "rm",
@@ -390,29 +409,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="hash in full even where a trusted record exists (the scrub: refreshes each object's last full verification)",
     )
     _add_gc(sub)
-
-
-def _add_ls(sub: argparse._SubParsersAction) -> None:
-    ls = sub.add_parser(
-        "ls",
-        help="list packs (size, last use, in use, the artifacts on this node that use them, record state, last full"
-        " verification), temporaries, quarantine",
-    )
-    add_command_options(ls, _ls)
-    ls.add_argument(
-        "--sort",
-        choices=("name", "size", "used"),
-        default="name",
-        help="order of the packs: name (digest, default), size (largest first), used (least recently used first: gc's"
-        " eviction order)",
-    )
-    ls.add_argument(
-        "--artifact",
-        action="append",
-        metavar="DIR",
-        help="also name the packs this artifact folder uses (repeatable; the load outcome log and the overlays name the others)",
-    )
-    add_outcome_log_option(ls, "the load outcome log whose artifacts are listed")
 
 
 def _add_gc(sub: argparse._SubParsersAction) -> None:

@@ -80,16 +80,6 @@ def _seed_line(seed: dict[str, object]) -> str:
     )
 
 
-def _restore_line(here: dict[str, object]) -> str:
-    where = {
-        "portable": "portable capsule",
-        "qualified": f"portable capsule, qualified for this target by {here['overlay']}",
-        "overlay": f"overlay {here['overlay']}",
-        None: "checkpoint load (auto) or refusal (native)",
-    }[here["capsule"]]  # type: ignore[index]
-    return f"  restore on this node ({here['engine']}): {where}: {here['reason']}"
-
-
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024:
@@ -137,7 +127,14 @@ def run(args: argparse.Namespace) -> int:
                 + f", host {target['host']}"
             )
         if "restore_on_this_node" in s:
-            lines.append(_restore_line(s["restore_on_this_node"]))
+            here = s["restore_on_this_node"]
+            where = {
+                "portable": "portable capsule",
+                "qualified": f"portable capsule, qualified for this target by {here['overlay']}",
+                "overlay": f"overlay {here['overlay']}",
+                None: "checkpoint load (auto) or refusal (native)",
+            }[here["capsule"]]  # type: ignore[index]
+            lines.append(f"  restore on this node ({here['engine']}): {where}: {here['reason']}")
         if "derived_cache" in s:
             lines.append(_seed_line(s["derived_cache"]))
         for name, p in s["provenance"].items():
