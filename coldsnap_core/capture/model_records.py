@@ -11,12 +11,10 @@ from coldsnap_core.format.extents import ExtentProvenance
 
 @dataclass(frozen=True, slots=True)
 class ModelRecord:
-    """A contiguous destination byte range (absolute ``address``) that holds checkpoint bytes.
-
-    The source is described in *units*: one byte for a byte-exact copy, one element for a dtype-converting copy.
-    Destination unit ``k`` came from source unit ``source_first + (k // run) * stride + k % run``, counted from the
-    checkpoint tensor's first byte; ``stride == run`` when contiguous; ``size_bytes`` is whole destination units.
-    """
+    """A contiguous destination byte range (absolute ``address``) that holds checkpoint bytes, its source in *units* (a
+    byte for a byte-exact copy, an element for a dtype-converting one): destination unit ``k`` came from source unit
+    ``source_first + (k // run) * stride + k % run``, counted from the checkpoint tensor's first byte; ``stride == run``
+    when contiguous; ``size_bytes`` is whole destination units."""
 
     address: int
     size_bytes: int
@@ -104,9 +102,8 @@ class RecordMap:
         return True
 
     def fully_overwritten(self, lo: int, hi: int, copied_bytes: int) -> list[ModelRecord] | None:
-        """The records inside ``[lo, hi)`` when a copy over that range fully overwrites earlier copies: some earlier copy
-        wrote there (``copied_bytes > 0`` of the range), every record touching the range lies wholly inside it, and
-        together they cover all ``copied_bytes`` (no copied byte became residual since). Else ``None``."""
+        """The records inside ``[lo, hi)`` when a copy over it fully overwrites earlier copies (``copied_bytes > 0`` of it,
+        every record touching it wholly inside, together covering ``copied_bytes``: none became residual since), else ``None``."""
         if copied_bytes <= 0:
             return None
         i = max(0, bisect.bisect_right(self.starts, lo) - 1)

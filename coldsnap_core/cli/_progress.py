@@ -1,5 +1,4 @@
-"""Byte progress for the CLI, on stderr: tqdm's bar on a terminal, else plain lines
-(:class:`coldsnap_core._progress.ProgressLines`)."""
+"""Byte progress for the CLI on stderr: tqdm's bar on a terminal, else lines (:class:`coldsnap_core._progress.ProgressLines`)."""
 
 from __future__ import annotations
 

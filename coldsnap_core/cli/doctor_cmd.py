@@ -327,8 +327,7 @@ def _blob_check(name: str, capsule: Capsule) -> Check | None:
 
 
 def model_source(descriptor: ArtifactDescriptor, artifact_dir: Path, given: str | None) -> str:
-    """The checkpoint the engine would load: ``given`` (``--model``); else the recorded folder when it is on this node;
-    else the artifact's ``model/`` folder (what ``coldsnap pull`` writes); else the recorded source."""
+    """The checkpoint the engine loads: ``--model``, else the recorded folder here, else ``model/`` (pulled), else the source."""
     if given:
         return os.path.expanduser(given)
     recorded = descriptor.model.source

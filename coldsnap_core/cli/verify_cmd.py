@@ -1,6 +1,5 @@
-"""``coldsnap verify ARTIFACT``: check every rule over every byte of every worker's payloads
-(:func:`coldsnap_core.restore.audit.verify_capsules`). Read only: no validation record is written either.
-Exit codes: ``docs/format.md`` §8."""
+"""``coldsnap verify ARTIFACT``: check every rule over every byte of every worker's payloads, read only (no validation
+record is written either; :func:`coldsnap_core.restore.audit.verify_capsules`). Exit codes: ``docs/format.md`` §8."""
 
 from __future__ import annotations
 

@@ -17,9 +17,8 @@ COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
 def resolve_hub_commit(
     repo_id: str, revision: str | None, *, cache_dir: str | os.PathLike[str] | None = None, repo_type: str = "model"
 ) -> str | None:
-    """The commit hash the local Hugging Face cache resolves ``revision or "main"`` of ``repo_id`` to, without a
-    network call (a 40-hex ``revision`` as is); ``None`` when the cache cannot resolve it. ``cache_dir``: vLLM's
-    ``--download-dir`` (``None``: ``HF_HUB_CACHE``).
+    """The commit hash the local Hugging Face cache resolves ``revision or "main"`` of ``repo_id`` to, offline (a 40-hex
+    ``revision`` as is), or ``None``; ``cache_dir``: vLLM's ``--download-dir`` (``None``: ``HF_HUB_CACHE``).
 
     Raises:
         FileAccessError: the cache exists but cannot be read (anything but "no such file"), naming the file.
@@ -30,8 +29,7 @@ def resolve_hub_commit(
     from huggingface_hub.errors import RevisionResolutionError
 
     try:
-        # the cache's refs/<revision> entry; vLLM's ResolvedRevision is returned as is
-        commit = (
+        commit = (  # the cache's refs/<revision> entry
             huggingface_hub.HfApi()
             .resolve_revision(repo_id, repo_type=repo_type, revision=revision, cache_dir=cache_dir, local_files_only=True)
             .resolved

@@ -57,7 +57,6 @@ class LoadedModel:
 
     Attributes:
         revision: for a repository id, the commit its revision resolves to in the local cache, else as given.
-        folder: the local checkpoint folder's real path when ``source`` is one, else ``None``.
         checkpoint_files: for a local folder, the files (relative, ``/``-separated) the engine's loader would read
             now (:func:`engine_checkpoint_files`), or ``None`` when unknown; empty when it holds no weight file.
         checkpoint_files_error: why the engine could not list them; the identity check then fails closed.
