@@ -44,9 +44,6 @@ SHARED_FOLDERS = (
 (``docs/format.md`` §17.1; ``vllm/model_executor/models/registry.py``, ``vllm/compilation/backends.py``,
 ``vllm/compilation/caching.py``, ``torch/_inductor/codecache.py``)."""
 
-TARGET_QUALIFICATION_FIELDS = QUALIFYING_FIELDS
-"""The qualification's fields that are the target identity's (``docs/format.md`` §15.1, §17.2)."""
-
 
 class SeedMember(ContentRef):
     """One file of a seed: ``name`` is ``<root>/<path below the root>`` (JSON key ``path``)."""
@@ -88,7 +85,7 @@ class SeedQualification(Record):
         if cpu_isa_flags is None:
             cpu_isa_flags = read_cpu_isa_flags() if target.device_type == "cpu" else ()
         return cls(
-            **{name: getattr(target, name) for name in TARGET_QUALIFICATION_FIELDS},
+            **{name: getattr(target, name) for name in QUALIFYING_FIELDS},
             cpu_isa_flags=tuple(sorted(set(cpu_isa_flags))),
             compute_capability=compute_capability,
             model_config_sha256=model_config_sha256,

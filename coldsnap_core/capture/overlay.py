@@ -14,7 +14,7 @@ import msgspec
 
 from coldsnap_core._io import replace_file_durably, write_file_durably
 from coldsnap_core.artifact.capsules import Capsule, _artifact_lock, replace_dir_atomically
-from coldsnap_core.artifact.derived_cache import TARGET_QUALIFICATION_FIELDS, SeedDocument, SeedQualification
+from coldsnap_core.artifact.derived_cache import SeedDocument, SeedQualification
 from coldsnap_core.artifact.overlay import (
     OVERLAY_FILENAME,
     OverlayDescriptor,
@@ -31,7 +31,7 @@ from coldsnap_core.errors import OverlayError
 from coldsnap_core.format.allocation import AllocationMap, LiveAllocation
 from coldsnap_core.format.descriptor import SEED_FILENAMES, WorkerEntry
 from coldsnap_core.format.manifest import ModelIdentity
-from coldsnap_core.format.target import TargetIdentity
+from coldsnap_core.format.target import QUALIFYING_FIELDS, TargetIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def attach_overlay_seed(
     if not files:
         return None
     descriptor, path = capture.descriptor, capture.path
-    if any(getattr(qualification, name) != getattr(descriptor.target, name) for name in TARGET_QUALIFICATION_FIELDS):
+    if any(getattr(qualification, name) != getattr(descriptor.target, name) for name in QUALIFYING_FIELDS):
         raise OverlayError("the seed's qualification is not for the overlay's target; it is not attached", file=path)
     with _artifact_lock(overlay_lock_path(path)):
         if not refuse_linked_folders(path.parents[3], path):
