@@ -1,9 +1,7 @@
 """coldsnap_core: capture a model's weights into a content-addressed payload and restore them, engine neutral.
-
 The public API is :data:`__all__` (README "Using it from Python"); everything else is internal and may change.
 Each name is imported on first use, so ``import coldsnap_core`` stays cheap (no vLLM, SGLang or torch).
-``examples/restore_without_engine.py`` runs the whole round trip on a small torch model.
-"""
+``examples/restore_without_engine.py`` runs the whole round trip on a small torch model."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Low-level file I/O shared by the writers, the cache and the verifier.
-
-:func:`os_error` is the one ``OSError`` table (an ``OSError`` becomes a typed error, so none reaches a loader's
-``auto`` fallback or the CLI bare); :func:`write_hashed` hashes beside the writes and starts writeback every
-:data:`WRITEBACK_WINDOW_BYTES`, so the final ``fsync`` waits only for the last window.
-"""
+"""Low-level file I/O shared by the writers, the cache and the verifier. :func:`os_error` is the one ``OSError``
+table (an ``OSError`` becomes a typed error, so none reaches a loader's ``auto`` fallback or the CLI bare);
+:func:`write_hashed` hashes beside the writes and starts writeback every :data:`WRITEBACK_WINDOW_BYTES`, so the final
+``fsync`` waits only for the last window."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@
     stage 3f2a9c0e1b2d: 2.62GB of 2.62GB (100%), 0.861 GB/s, done in 00:03
 
 A line at the first ``update``, then at most every :data:`LINE_INTERVAL_SECONDS`, and at ``close``; a progress
-never updated writes none.
-"""
+never updated writes none."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The engine contract: the load policy every engine plugin runs, and what an engine adapter supplies.
-
-:meth:`LoadPolicy.load` has the shape of vLLM's ``BaseModelLoader.load_model``
+"""The load policy every engine plugin runs, shaped as vLLM's ``BaseModelLoader.load_model``
 (``vllm/model_executor/model_loader/base_loader.py``): a **restore** when an artifact is set and export is off, else
 (or as its fallback) the observed **checkpoint load** and its **capture**, **materialization** (``docs/format.md``
-§13) or **overlay** (§15); the **derived-cache seed** placed (§17); one **outcome line** (§10.3).
-"""
+§13) or **overlay** (§15); the **derived-cache seed** placed (§17); one **outcome line** (§10.3)."""
 
 from __future__ import annotations
 
@@ -165,8 +162,6 @@ class LoadPolicy(abc.ABC):
         self.store = store_from_settings(settings.store)
         self.session: LoadSession | None = None  # the observed load, while load_checkpoint runs under the observer
 
-    # -- what the engine adapter supplies ----------------------------------------------------------
-
     @abc.abstractmethod
     def worker_identity(self) -> WorkerIdentity:
         """This worker's identity."""
@@ -197,8 +192,6 @@ class LoadPolicy(abc.ABC):
         default does nothing. Must not raise."""
         return None
 
-    # -- the settings -------------------------------------------------------------------------------
-
     @classmethod
     @contextlib.contextmanager
     def refusing_settings(
@@ -222,8 +215,6 @@ class LoadPolicy(abc.ABC):
             why = "its coldsnap settings are invalid"
             refuse(f"coldsnap: {cls.engine_label} start refused for {name} ({why}): {exc}", settings, log, cause=str(exc))
             raise
-
-    # -- the template method -----------------------------------------------------------------------
 
     def load(self, call: LoadCall) -> LoadOutcome:
         """Restore or load ``call.model``, then append one outcome line; a ColdsnapError is reported as refused, raised."""

@@ -1,9 +1,7 @@
 """Prometheus metrics of coldsnap: what each load did (in the loading process) and the node's view (from its files).
-
 :func:`record_load` counts a load in the loading process's default registry, which an engine's ``/metrics`` shows in
 ``prometheus_client``'s multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``: set by ``vllm serve`` with more than one API
-server, ``vllm/entrypoints/cli/serve.py``, or SGLang's ``--enable-metrics``, ``sglang/srt/utils/common.py``).
-"""
+server, ``vllm/entrypoints/cli/serve.py``, or SGLang's ``--enable-metrics``, ``sglang/srt/utils/common.py``)."""
 
 from __future__ import annotations
 

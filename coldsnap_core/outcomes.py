@@ -1,8 +1,6 @@
 """The load outcome log: one JSON line per worker load, so a fleet sees its fallbacks (``docs/format.md`` §10.3).
-
 Appending never fails a load (a log that cannot be written is one WARNING per process); each line is one ``write``
-on an ``O_APPEND`` descriptor, and a log over :data:`OUTCOME_LOG_ROTATE_BYTES` is renamed to ``<path>.1`` first.
-"""
+on an ``O_APPEND`` descriptor, and a log over :data:`OUTCOME_LOG_ROTATE_BYTES` is renamed to ``<path>.1`` first."""
 
 from __future__ import annotations
 

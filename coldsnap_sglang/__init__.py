@@ -1,9 +1,7 @@
 """coldsnap_sglang: the SGLang plugin (``--load-format coldsnap``: capture and restore of model payloads).
-
 ``register()`` is the ``sglang.srt.plugins`` entry point (``pyproject.toml``), called in the launcher and every
 scheduler process before arguments are parsed. The Python API needs no plugin:
-``sgl.Engine(model_path=..., load_format=ColdsnapModelLoader)``.
-"""
+``sgl.Engine(model_path=..., load_format=ColdsnapModelLoader)``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The SGLang loader: ``DefaultModelLoader`` with coldsnap capture and restore, then SGLang's own post-processing.
-
 SGLang's ``DefaultModelLoader.load_model`` builds the model, then calls ``self.load_weights_and_postprocess``
 (SGLang 0.5.23 ``python/sglang/srt/model_loader/loader.py``), which this loader overrides: its checkpoint load is
-``load_weights_only``, so a capture is taken before SGLang's ``postprocess_weights``. SGLang keeps no compile cache.
-"""
+``load_weights_only``, so a capture is taken before SGLang's ``postprocess_weights``. SGLang keeps no compile cache."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """coldsnap_vllm: the vLLM plugin. ``register()`` is the ``vllm.general_plugins`` entry point, which vLLM calls once
-per process (API server, engine core, every worker; vLLM ``plugins/__init__.py``): idempotent, cheap, no CUDA init.
-"""
+per process (API server, engine core, every worker; vLLM ``plugins/__init__.py``): idempotent, cheap, no CUDA init."""
 
 from __future__ import annotations
 

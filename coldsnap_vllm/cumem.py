@@ -1,10 +1,8 @@
-"""vLLM's CuMem "weights" segments as coldsnap allocations (the native capture point).
-
-With ``--enable-sleep-mode`` every tensor ``load_model`` creates lives in a ``CuMemAllocator`` segment tagged
-``"weights"``; ``pointer_to_data`` is keyed by the segment's base address and ``AllocationData.handle`` is
-``(device, aligned_size_bytes, base_address, physical_handle)`` (``vllm/device_allocator/cumem.py``). A wake maps
-new memory at the same address, so the native allocation map records the captured addresses.
-"""
+"""vLLM's CuMem "weights" segments as coldsnap allocations (the native capture point): with ``--enable-sleep-mode``
+every tensor ``load_model`` creates lives in a ``CuMemAllocator`` segment tagged ``"weights"``; ``pointer_to_data`` is
+keyed by the segment's base address and ``AllocationData.handle`` is ``(device, aligned_size_bytes, base_address,
+physical_handle)`` (``vllm/device_allocator/cumem.py``). A wake maps new memory at the same address, so the native
+allocation map records the captured addresses."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """vLLM's compile cache as a derived-cache seed (``docs/format.md`` §17): what to capture, when, and where to place it.
-
-vLLM compiles after ``load_weights``, in the first forward of the backbone, and writes its cache before that
-forward returns (``vllm/compilation/backends.py`` ``VllmBackend.__call__``; with ``VLLM_USE_AOT_COMPILE``
-``save_aot_compiled_function``). So a capture (:class:`SeedCapture`) waits for a forward hook, and a restore
-(:func:`place`) runs inside ``load_weights``.
-"""
+vLLM compiles after ``load_weights``, in the first forward of the backbone, and writes its cache before that forward
+returns (``vllm/compilation/backends.py`` ``VllmBackend.__call__``; with ``VLLM_USE_AOT_COMPILE``
+``save_aot_compiled_function``), so a capture (:class:`SeedCapture`) waits for a forward hook, and a restore
+(:func:`place`) runs inside ``load_weights``."""
 
 from __future__ import annotations
 

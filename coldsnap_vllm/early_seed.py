@@ -2,8 +2,7 @@
 (``docs/format.md`` §17.4): vLLM inspects the model's class when it builds its ``ModelConfig``, before any loader
 runs (``vllm/model_executor/models/registry.py``, ``_LazyRegisteredModel.inspect_model_cls``), but after it calls
 the general plugins' ``register()`` (``EngineArgs.__post_init__``), so :func:`place_early` runs there. It never
-raises and never waits on a lock.
-"""
+raises and never waits on a lock."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""The ``coldsnap`` load format: vLLM's default loader, observed, with capture and restore.
-
-:class:`ColdsnapModelLoader` subclasses vLLM's ``DefaultModelLoader`` (``register_model_loader("coldsnap")``,
-vLLM ``model_executor/model_loader/__init__.py``) and keeps the inner loader's I/O: its own ``load_config`` has the
-inner ``load_format`` and no coldsnap extra-config keys (which ``DefaultModelLoader`` rejects). ``load_weights`` runs
-:meth:`coldsnap_core.load_policy.LoadPolicy.load` and publishes a :class:`coldsnap_vllm.state.WorkerLoadState` for
-the level-1 sleep backend.
-"""
+"""The ``coldsnap`` load format: vLLM's ``DefaultModelLoader`` (``register_model_loader("coldsnap")``, vLLM
+``model_executor/model_loader/__init__.py``), observed, with capture and restore. It keeps the inner loader's I/O: its
+own ``load_config`` has the inner ``load_format`` and no coldsnap extra-config keys (which ``DefaultModelLoader``
+rejects). ``load_weights`` runs :meth:`coldsnap_core.load_policy.LoadPolicy.load` and publishes a
+:class:`coldsnap_vllm.state.WorkerLoadState` for the level-1 sleep backend."""
 
 from __future__ import annotations
 

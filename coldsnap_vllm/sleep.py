@@ -1,10 +1,8 @@
-"""The ``coldsnap`` sleep-mode backend: a level-1 sleep that keeps no host copy of the weights.
-
-Where vLLM's ``CuMemBackend`` copies every "weights" segment to pinned host memory and back, ``suspend(1)`` captures
-them and releases them with no backup, and ``resume`` maps new memory at the same addresses and hydrates them from
-pack + residual. Level 2 keeps vLLM's semantics. vLLM builds the backend with no arguments, so the model comes from
-:mod:`coldsnap_vllm.state` (``docs/format.md`` §6.2; ``vllm/device_allocator/sleep_mode_backend.py``, ``cumem.py``).
-"""
+"""The ``coldsnap`` sleep-mode backend: a level-1 sleep that keeps no host copy of the weights. Where vLLM's
+``CuMemBackend`` copies every "weights" segment to pinned host memory and back, ``suspend(1)`` captures them and
+releases them with no backup, and ``resume`` maps new memory at the same addresses and hydrates them from pack +
+residual. Level 2 keeps vLLM's semantics. vLLM builds the backend with no arguments, so the model comes from
+:mod:`coldsnap_vllm.state` (``docs/format.md`` §6.2; ``vllm/device_allocator/sleep_mode_backend.py``, ``cumem.py``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Verify an artifact: every rule over every byte of every worker's payloads (what ``coldsnap verify`` runs), in the
 order of ``docs/format.md`` §7 ("Order of checks", **coldsnap verify**), each pack read once. Nothing is written (no
-validation record either).
-"""
+validation record either)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Two-source hydration: fill live allocations from the shared pack and the worker's residual blob.
-
-Every check but ``verify_extents``' runs before the first byte is written (``docs/format.md`` §7, "Order of checks",
-the ``hydrate`` entries); a padding or extent that disagrees on an admitted pack is judged by verifying the pack in
-full. If the copy fails the allocations hold a mixture and must not be reported restored.
-"""
+"""Two-source hydration: fill live allocations from the shared pack and the worker's residual blob. Every check but
+``verify_extents``' runs before the first byte is written (``docs/format.md`` §7, "Order of checks", the ``hydrate``
+entries); a padding or extent that disagrees on an admitted pack is judged by verifying the pack in full. If the copy
+fails the allocations hold a mixture and must not be reported restored."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Which capsule a restore on this node uses: the portable one when its target qualifies, else this node's
-target-local overlay or qualification record for exactly this target (``docs/format.md`` §15.4;
-the documents: :mod:`coldsnap_core.artifact.overlay`).
-"""
+target-local overlay or qualification record for exactly this target (``docs/format.md`` §15.4; the documents:
+:mod:`coldsnap_core.artifact.overlay`)."""
 
 from __future__ import annotations
 

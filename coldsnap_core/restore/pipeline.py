@@ -1,12 +1,10 @@
-"""Restore one worker's weights from its pack and residual blob (the portable capture point).
-
-Engine neutral: the vLLM and SGLang loaders call :func:`restore_or_fall_back` after the engine built the model and
-before its post-processing. :class:`WorkerRestore` runs each check once (``docs/format.md`` §7, "Order of checks",
-**Restore**): 1. **read** the capsule; 2. **qualify** its target (§15.4); 3. the model **identity** (§10.1); 4. the
-live **layout**; 5. the **manifest** rules; 6. **admit** the pack (the cache, else a fetch that fills the model as
-the pack lands, §12.4); 7. **hydrate**. Each step raises a :class:`~coldsnap_core.errors.ColdsnapError`; nothing is
-written into the model before step 7 (or the fetch of step 6), so a partly written model is never reported restored.
-"""
+"""Restore one worker's weights from its pack and residual blob (the portable capture point), engine neutral: the
+vLLM and SGLang loaders call :func:`restore_or_fall_back` after the engine built the model and before its
+post-processing. :class:`WorkerRestore` runs each check once (``docs/format.md`` §7, "Order of checks", **Restore**):
+1. **read** the capsule; 2. **qualify** its target (§15.4); 3. the model **identity** (§10.1); 4. the live **layout**;
+5. the **manifest** rules; 6. **admit** the pack (the cache, else a fetch that fills the model as the pack lands,
+§12.4); 7. **hydrate**. Each step raises a :class:`~coldsnap_core.errors.ColdsnapError`; nothing is written into the
+model before step 7 (or the fetch of step 6), so a partly written model is never reported restored."""
 
 from __future__ import annotations
 

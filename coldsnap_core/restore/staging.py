@@ -1,10 +1,8 @@
-"""Staging: make a worker's pack available, verified, in the node-local cache (``docs/format.md`` §12.4).
-
-The cache first; else the payload store, fetched under the digest's lock into a temporary hashed as it lands
-(:class:`LandedHash`) and, in a restore, checked and copied into the allocations as it lands (:class:`LandedFill`),
-committed only when its SHA-256 is its name. A store object that does not verify is reported as the store's
-(:meth:`PayloadStore.location`). Every path is derived from the digest alone.
-"""
+"""Staging: make a worker's pack available, verified, in the node-local cache (``docs/format.md`` §12.4). The cache
+first; else the payload store, fetched under the digest's lock into a temporary hashed as it lands (:class:`LandedHash`)
+and, in a restore, checked and copied into the allocations as it lands (:class:`LandedFill`), committed only when its
+SHA-256 is its name. A store object that does not verify is reported as the store's (:meth:`PayloadStore.location`).
+Every path is derived from the digest alone."""
 
 from __future__ import annotations
 
