@@ -576,8 +576,7 @@ class LoadPolicy(abc.ABC):
         )
 
     def _capture_overlay(self, attempt: WorkerRestore | None, after: TorchAllocations, ranges) -> OverlayCapture | None:
-        """The overlay of the loaded model, after the model identity check; a failure is raised under ``capture``, else
-        one WARNING."""
+        """The overlay of the loaded model, after the identity check; a failure is raised under ``capture``, else a WARNING."""
         settings = self.settings
         assert attempt is not None and settings.artifact_dir is not None
         assert attempt.portable_capsule is not None and attempt.entry is not None

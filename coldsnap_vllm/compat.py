@@ -45,8 +45,7 @@ def check_vllm_version(version: str) -> None:
 
 
 def check_loader_api(loader_cls: type, version: str) -> None:
-    """Raise :class:`EngineVersionError` naming the method unless each of :data:`REQUIRED_LOADER_API` exists with
-    its parameters."""
+    """Raise :class:`EngineVersionError` naming the method unless each :data:`REQUIRED_LOADER_API` has its parameters."""
     for name, parameters in REQUIRED_LOADER_API.items():
         method = getattr(loader_cls, name, None)
         if method is None or not callable(method):

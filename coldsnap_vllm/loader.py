@@ -145,11 +145,8 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
             model_config, str(model_config.model), model_config.revision, self.load_config.download_dir
         )
         outcome = self.policy.load(LoadCall(model, source, _Inputs(model_config, self._vllm_config)))
-        if outcome.observed:
-            self._publish(outcome)
-        return outcome
-
-    def _publish(self, outcome: LoadOutcome) -> None:
+        if not outcome.observed:
+            return outcome
         settings = self.policy.settings  # after a pull of COLDSNAP_ARTIFACT_DIR=REF: the folder it pulled
         download_dir = self.load_config.download_dir
         load_state.publish(
@@ -165,6 +162,7 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
                 lock_timeout_s=settings.lock_timeout_s,
             )
         )
+        return outcome
 
 
 _registration_lock = threading.Lock()

@@ -142,8 +142,7 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
         return frozenset(self._needs_hydration)
 
     def suspend(self, level: int = 1) -> None:
-        """Release GPU state. Level 1 captures first (nothing is released if that fails); level 2 discards the
-        weights as vLLM does.
+        """Release GPU state: level 1 captures first (nothing is released if that fails), level 2 discards as vLLM does.
 
         Raises:
             ConfigurationError: ``level`` is not 1 or 2, the coldsnap loader published no state in this process, or
@@ -196,8 +195,7 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
             self._state = "RUNNING" if self._weights == "resident" and not self._any_asleep(allocator) else "SUSPENDED"
 
     def discard(self, tags: tuple[str, ...]) -> None:
-        """Discard tagged allocations without backup (vLLM ``discard``); the next wake of the weights is a plain
-        re-map."""
+        """Discard tagged allocations without backup (vLLM ``discard``); the next wake of the weights is a re-map."""
         with self._lock:
             allocator = self._get_allocator()
             if WEIGHTS_TAG in tags and self._weights != "discarded":

@@ -78,11 +78,9 @@ def hydrate(
     verify_extents: bool = False,
     manifest_file: str | None = None,
 ) -> HydrationReport:
-    """Verify everything, then fill ``allocations`` from the pack and the blob.
-
-    ``allocations[i].index == i``; ``live_layout``: the live allocation map, to compare fingerprints (``None``:
-    sizes only); ``verify_extents``: hash every model extent right after its bytes land; ``manifest_file``: the
-    manifest's path, for error messages.
+    """Verify everything, then fill ``allocations`` (``allocations[i].index == i``) from the pack and the blob.
+    ``live_layout``: the live allocation map, to compare fingerprints (``None``: sizes only); ``verify_extents``: hash
+    every model extent right after its bytes land; ``manifest_file``: the manifest's path, for error messages.
 
     Raises:
         ManifestError, IntegrityError, MissingObjectError, NotRegularFileError, FileAccessError: a check of

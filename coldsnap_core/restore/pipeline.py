@@ -60,15 +60,12 @@ __all__ = ["RestoreResult", "WorkerRestore", "restore_or_fall_back"]
 
 @dataclass
 class WorkerRestore:
-    """One restore attempt of one worker (see the module docstring for the steps): ``store`` is where a pack missing
-    from the ``cache`` is fetched from (``None``: nowhere); ``target`` defaults to the one of the allocations' device.
-
-    The steps set ``capsule`` (the portable one once read, this node's overlay once selected), ``descriptor_sha256``
-    (of the ``artifact.json`` bytes parsed; overlays bind to it), ``target_mismatch`` (step 2's error),
-    ``layout_matches`` (step 4 passed), ``pack_unavailable`` (no source has the pack, or the cached one was
-    quarantined as corrupt), ``stage_seconds`` (staging from ``store``, also when it failed; ``None``: not contacted)
-    and ``fetched_bytes``.
-    """
+    """One restore attempt of one worker (the steps: module docstring): ``store`` is where a pack missing from the
+    ``cache`` is fetched from (``None``: nowhere); ``target`` defaults to the one of the allocations' device. The steps
+    set ``capsule`` (the portable one once read, this node's overlay once selected), ``descriptor_sha256`` (of the
+    ``artifact.json`` bytes parsed; overlays bind to it), ``target_mismatch`` (step 2's error), ``layout_matches``
+    (step 4 passed), ``pack_unavailable`` (no source has the pack, or the cached one was quarantined as corrupt),
+    ``stage_seconds`` (staging from ``store``, also when it failed; ``None``: not contacted) and ``fetched_bytes``."""
 
     artifact_dir: Path
     worker: WorkerIdentity
@@ -125,9 +122,8 @@ class WorkerRestore:
         return self.capsule.native if self.capsule is not None else None
 
     def read(self) -> Capsule:
-        """Step 1: find and read this worker's capsule. Raises as
-        :func:`~coldsnap_core.artifact.capsules.read_worker_capsule`, ``ManifestMismatchError`` for a model extent
-        naming a file the model identity does not list, ``ArtifactError`` for a native capture."""
+        """Step 1: find and read this worker's capsule. Raises as :func:`~coldsnap_core.artifact.capsules.read_worker_capsule`,
+        ``ManifestMismatchError`` for a model extent naming a file the identity lacks, ``ArtifactError`` for a native capture."""
         descriptor, self.descriptor_sha256 = read_descriptor_bytes(self.artifact_dir)
         entry = find_worker(descriptor, self.worker)
         capsule = read_worker_capsule(self.artifact_dir, entry)
@@ -361,14 +357,12 @@ def restore_or_fall_back(
     backend_for: Callable[[object], CopyBackend] = copy_backend_for,  # type: ignore[assignment]
     store: PayloadStore | _FromSettings | None = _FROM_SETTINGS,
 ) -> RestoreResult:
-    """Restore ``model`` (a ``torch.nn.Module``) from ``settings.artifact_dir``, or say why not: the
-    ``COLDSNAP_RESTORE`` policy of both engine plugins, in one place.
-
-    No attempt is made without an artifact folder, or with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``. On a
-    :class:`~coldsnap_core.errors.ColdsnapError`, ``native`` raises it; ``auto`` logs one WARNING (on ``log``) and
-    returns it as :attr:`RestoreResult.fallback`. ``loaded``: ``None`` when the loader cannot tell what the engine
-    is loading (rule ``model-identity`` fails); ``target_engine``, ``engine_version``: what the target identity
-    records (``docs/format.md`` §15.1); ``store``: default the one ``settings.store`` configures.
+    """Restore ``model`` (a ``torch.nn.Module``) from ``settings.artifact_dir`` under the ``COLDSNAP_RESTORE`` policy:
+    no attempt without an artifact folder or with ``COLDSNAP_EXPORT_MODEL_PAYLOAD=1``; on a ColdsnapError ``native``
+    raises it, ``auto`` logs one WARNING (on ``log``) and returns it as :attr:`RestoreResult.fallback`. ``loaded``:
+    ``None`` when the loader cannot tell what the engine loads (rule ``model-identity`` fails); ``target_engine``,
+    ``engine_version``: what the target identity records (``docs/format.md`` §15.1); ``store``: default
+    ``settings.store``'s.
 
     Raises:
         ConfigurationError: the store ``settings`` configure is malformed (under ``auto`` too).

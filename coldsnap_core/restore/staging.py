@@ -70,11 +70,11 @@ def stage_payload(
     extent_owner: ExtentOwner | None = None,
     fill: FillAsLanded | None = None,
 ) -> Path:
-    """Return the admitted object path of ``pack`` in ``cache`` (verified by its record or a full hash), fetching it
-    from ``store`` (``None``: nowhere) when it is missing or corrupt (quarantined). ``progress``, ``fetched``: called
-    with the bytes of each chunk hashed, and of each chunk the store wrote (one call at a time); ``layout``,
-    ``extent_owner``: a fetched object that does not hash to its name is refused naming its first bad extent or
-    padding byte; ``fill``: with ``layout``, a fetch fills the allocations as the pack lands (sets ``fill.filled``).
+    """The admitted object path of ``pack`` in ``cache`` (verified by its record or a full hash), fetched from ``store``
+    (``None``: nowhere) when missing or corrupt (quarantined). ``progress``, ``fetched``: get the bytes of each chunk
+    hashed, and written by the store (one call at a time); ``layout``, ``extent_owner``: a fetched object that does
+    not hash to its name is refused naming its first bad extent or padding byte; ``fill``: with ``layout``, a fetch
+    fills the allocations as the pack lands (sets ``fill.filled``).
 
     Raises:
         InvalidDigestError, PackPathMismatchError: a malformed digest, or a path not derived from it (nothing touched).
