@@ -20,8 +20,7 @@ LINE_INTERVAL_SECONDS = 5.0
 def progress_line(
     desc: str, done_bytes: float, total_bytes: float | None, rate_bytes_per_s: float | None, *, final: bool, elapsed_s: float
 ) -> str:
-    """One progress line; when ``final``, ``done in`` the elapsed time, or ``stopped after`` it short of
-    ``total_bytes``; ``?`` for a rate or ETA not known yet."""
+    """One progress line; ``final``: ``done in`` the elapsed time (``stopped after`` short of ``total_bytes``); ``?``: unknown."""
     size = tqdm.format_sizeof
     text = f"{desc}: {size(done_bytes, 'B', 1000)}"
     if total_bytes:
@@ -36,8 +35,7 @@ def progress_line(
 
 
 class ProgressLines(tqdm):
-    """A tqdm progress over bytes whose every display is one :func:`progress_line` handed to ``emit`` (``update`` is
-    not thread-safe, like tqdm's)."""
+    """A tqdm byte progress whose every display is one :func:`progress_line` to ``emit`` (``update``: not thread-safe)."""
 
     monitor_interval = 0  # no tqdm monitor thread: with miniters=1 every update checks the interval itself
 

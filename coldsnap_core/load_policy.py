@@ -183,13 +183,11 @@ class LoadPolicy(abc.ABC):
         return False
 
     def place_derived_cache(self, call: LoadCall, outcome: LoadOutcome) -> SeedPlacement | None:
-        """Place the derived-cache seed of ``outcome.capsule_dir`` before the engine compiles; ``None``: the
-        engine keeps no compile cache. Must not raise."""
+        """Place ``outcome.capsule_dir``'s seed before the engine compiles; ``None``: no compile cache. Must not raise."""
         return None
 
     def capture_derived_cache(self, call: LoadCall, outcome: LoadOutcome) -> None:
-        """Attach the engine's compile cache to the capsule this load wrote once the engine has compiled; the
-        default does nothing. Must not raise."""
+        """Attach the engine's compile cache to the capsule this load wrote once it compiled. Must not raise."""
         return None
 
     @classmethod
@@ -346,8 +344,7 @@ class LoadPolicy(abc.ABC):
         ) from cause
 
     def _pull_artifact(self) -> None:
-        """Pull the REF ``COLDSNAP_ARTIFACT_DIR`` names into the state root (its store stages the packs when no payload
-        store is configured)."""
+        """Pull ``COLDSNAP_ARTIFACT_DIR``'s REF into the state root (its store stages the packs when none is configured)."""
         ref = self.settings.artifact_ref
         assert ref is not None
         store, name = parse_artifact_ref(ref, client=self.settings.store.client)

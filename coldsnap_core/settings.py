@@ -185,8 +185,7 @@ def _retry_count(where: str, value: object) -> int:
 
 @dataclass(frozen=True, slots=True)
 class StoreClientSettings:
-    """How a remote payload store's client talks to its server (``docs/format.md`` §12); each field is a row of
-    :data:`SETTINGS`, which says what it means."""
+    """How a remote payload store's client talks to its server (``docs/format.md`` §12); each field: a :data:`SETTINGS` row."""
 
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 20.0

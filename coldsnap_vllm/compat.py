@@ -165,8 +165,7 @@ class _ToVllmLogger(logging.Handler):
 
 def attach_logging() -> None:
     """Route the ``coldsnap_vllm`` and ``coldsnap_core`` loggers through vLLM's ``vllm`` logger, the only one vLLM
-    configures (``vllm/logger.py``), at ``VLLM_LOGGING_LEVEL`` (idempotent; nothing under
-    ``VLLM_CONFIGURE_LOGGING=0``)."""
+    configures (``vllm/logger.py``), at ``VLLM_LOGGING_LEVEL`` (idempotent; nothing under ``VLLM_CONFIGURE_LOGGING=0``)."""
     import vllm.envs as envs
 
     if not envs.VLLM_CONFIGURE_LOGGING:

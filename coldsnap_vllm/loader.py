@@ -103,8 +103,7 @@ class _VllmLoad(LoadPolicy):
         )
 
     def wants_model_identity(self, call: LoadCall) -> bool:
-        """With ``--enable-sleep-mode --sleep-mode-backend coldsnap`` the level-1 sleep backend takes its
-        reference digests from the pinned checkpoint files."""
+        """Under ``--enable-sleep-mode --sleep-mode-backend coldsnap``: the sleep backend's reference digests need the pinned files."""
         config = call.engine.model_config
         return bool(getattr(config, "enable_sleep_mode", False)) and getattr(config, "sleep_mode_backend", None) == "coldsnap"
 
@@ -131,8 +130,7 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
         self._vllm_config = None
 
     def load_model(self, vllm_config, model_config, prefix: str = ""):  # type: ignore[override]
-        """vLLM's ``BaseModelLoader.load_model``, keeping ``vllm_config`` for the derived-cache seed (its
-        compilation settings; ``load_weights`` is not given it)."""
+        """vLLM's ``BaseModelLoader.load_model``, keeping ``vllm_config`` (not given to ``load_weights``) for the seed."""
         self._vllm_config = vllm_config
         return super().load_model(vllm_config, model_config, prefix)
 

@@ -328,8 +328,7 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
         self._weights = "resident"
 
     def _check_segments(self, allocator: Any, capture: SleepCapture) -> Sequence[LiveAllocation]:
-        """Every captured segment is mapped again at its address with its size, and the capture knows every weights
-        segment that was asleep."""
+        """Every captured segment is mapped again at its address and size, and every asleep one was captured."""
         captured = {s.address for s in capture.segments}
         for address in sorted(self._needs_hydration):
             if address not in captured:

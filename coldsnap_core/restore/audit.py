@@ -52,8 +52,7 @@ def verify_capsules(
     progress_for: ProgressFor | None = None,
 ) -> list[VerifiedWorker]:
     """Verify ``capsules`` against ``descriptor`` (``None``: capsules outside an artifact) and the packs in ``cache``;
-    ``artifact_dir`` is checked for capsule folders ``artifact.json`` does not list. Raises the first failed rule's
-    :class:`~coldsnap_core.errors.ColdsnapError`."""
+    ``artifact_dir`` is checked for capsule folders ``artifact.json`` does not list. Raises the first failed rule's error."""
     progress_for = progress_for or (lambda pack: contextlib.nullcontext())
     if descriptor is not None:
         if artifact_dir is not None:

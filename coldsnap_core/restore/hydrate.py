@@ -181,8 +181,7 @@ def hydrate_admitted(
 
 
 def _require_admitted_inode(cache: PayloadCache, digest: str, pack_path: Path, opened: str) -> None:
-    """The pack held open at ``opened`` must be the inode admission accepted, not one renamed onto ``pack_path`` since
-    (else ``CacheError``; nothing is copied)."""
+    """The pack open at ``opened`` must be the inode admission accepted (else ``CacheError``; nothing is copied)."""
     admitted = cache.admitted_identity(digest)
     if admitted is None:  # admitted by another cache object: its validation record must bind the open file
         read_trusted_record(cache, digest, os.stat(opened))

@@ -179,8 +179,7 @@ class LandedHash:
         self._thread.start()
 
     def landed(self, offset_bytes: int, size_bytes: int) -> None:
-        """Bytes ``[offset_bytes, offset_bytes + size_bytes)`` are written (spans may overlap: a server that ignores
-        ``Range`` is read again from byte 0)."""
+        """``[offset_bytes, offset_bytes + size_bytes)`` is written (spans overlap when a server ignores ``Range``)."""
         with self._changed:
             heapq.heappush(self._beyond, (offset_bytes, offset_bytes + size_bytes))
             prefix = self._prefix_bytes
