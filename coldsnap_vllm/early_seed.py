@@ -110,7 +110,7 @@ def _place(environ: Mapping[str, str]) -> SeedPlacement | None:
 
 
 def _candidates(artifact_dir: Path, state_root: Path, overlays: bool) -> Iterator[tuple[Path, tuple[CapsuleFile, ...]]]:
-    """``(folder, pins)`` per seed: the artifact's portable capsules, then this node's valid overlays (``docs/format.md`` §15.3)."""
+    """``(folder, pins)`` per seed: the artifact's portable capsules, then this node's overlays (``docs/format.md`` §15.3)."""
     # artifact.json within its 8 MiB cap (MAX_DESCRIPTOR_BYTES): this runs in every vLLM process, any load format
     descriptor, descriptor_sha256 = read_descriptor_bytes(artifact_dir)
     for entry in descriptor.workers:

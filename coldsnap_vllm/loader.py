@@ -103,7 +103,7 @@ class _VllmLoad(LoadPolicy):
         )
 
     def wants_model_identity(self, call: LoadCall) -> bool:
-        """Under ``--enable-sleep-mode --sleep-mode-backend coldsnap``: the sleep backend's reference digests need the pinned files."""
+        """With ``--sleep-mode-backend coldsnap``: the sleep backend's reference digests need the pinned files."""
         config = call.engine.model_config
         return bool(getattr(config, "enable_sleep_mode", False)) and getattr(config, "sleep_mode_backend", None) == "coldsnap"
 
