@@ -271,8 +271,7 @@ def replace_file_durably(
 ) -> None:
     """Atomically and durably replace the small file ``path`` with ``data``: write ``temporary()`` (default
     :func:`sibling_temporary`), fsync it, call ``before_rename(path)``, rename it onto ``path``, fsync the folder.
-    Raises ``OSError`` (create, rename), InsufficientSpaceError / CacheError (write, fsync), or what ``before_rename`` does.
-    """
+    Raises ``OSError`` (create, rename), InsufficientSpaceError / CacheError (write, fsync), or what ``before_rename`` does."""
     opened = temporary() if temporary is not None else sibling_temporary(path, mode=mode)
     with opened as (fd, temp):
         write_all(fd, data, file=temp)

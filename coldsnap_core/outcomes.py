@@ -44,9 +44,8 @@ _warned: set[str] = set()
 
 @dataclass(frozen=True, slots=True)
 class LoadOutcomeLine:
-    """One line of the outcome log; the fields are ``docs/format.md`` §10.3's (``error``: for ``fell-back`` and
-    ``refused``, written as its class name, ``rule``, ``file`` and ``detail``; ``checkpoint_absent``: written as
-    ``"checkpoint": "absent"``, a key the line has only then)."""
+    """One outcome log line, ``docs/format.md`` §10.3 (``error``: of ``fell-back`` and ``refused``, written as its class
+    name, ``rule``, ``file`` and ``detail``; ``checkpoint_absent``: the key ``"checkpoint": "absent"``, only then)."""
 
     outcome: Outcome
     engine: str

@@ -105,9 +105,8 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
             self._model_config = None
 
     def load_weights_and_postprocess(self, model: torch.nn.Module, weights: Iterable, target_device: torch.device):  # type: ignore[override]
-        """:meth:`coldsnap_core.load_policy.LoadPolicy.load` (SGLang ignores what it returns), then SGLang's
-        post-processing; raises its :class:`~coldsnap_core.errors.ColdsnapError` (``COLDSNAP_RESTORE=native``, or a
-        failed export or overlay capture)."""
+        """:meth:`coldsnap_core.load_policy.LoadPolicy.load` (SGLang ignores what it returns), then SGLang's post-processing;
+        raises its ColdsnapError (``COLDSNAP_RESTORE=native``, or a failed export or overlay capture)."""
         config = self._model_config  # None: called outside load_model, so the loader cannot tell the model
         source = None
         if config is not None:

@@ -115,9 +115,8 @@ def place(
 
 
 class SeedCapture:
-    """Capture this worker's compile cache into its capsule once a forward of ``model`` has returned and vLLM's
-    ``compilation_config.local_cache_dir`` names a folder; ``attach`` writes the collected ``(member path, file)``
-    list into the capsule and pins it."""
+    """Capture this worker's compile cache once a forward of ``model`` returned and vLLM's ``local_cache_dir`` names a
+    folder; ``attach`` writes the collected ``(member path, file)`` list into the capsule and pins it."""
 
     def __init__(
         self,
@@ -200,9 +199,8 @@ def capture_after_compilation(
     engine_version: str | None,
     config_sha256: str | None,
 ) -> SeedCapture | None:
-    """A :class:`SeedCapture` into the export's capsule in ``artifact_dir`` or the target-local overlay this start
-    stored (``docs/format.md`` §15.3), unless vLLM keeps no compile cache for this start (one INFO line says why).
-    Never raises: the export stands without a seed."""
+    """A :class:`SeedCapture` into the export's capsule in ``artifact_dir`` or the overlay this start stored
+    (``docs/format.md`` §15.3), unless vLLM keeps no compile cache (one INFO line says why). Never raises."""
     reason, recorded = _this_start(vllm_config, engine, engine_version, config_sha256)
     if recorded is None:
         logger.info("coldsnap: %s: no derived-cache seed captured: %s", outcome.worker.capsule_name, reason)

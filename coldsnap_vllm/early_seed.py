@@ -43,9 +43,8 @@ _EARLY_FORMAT = "(pid=%(process)d) %(levelname)s %(asctime)s [%(filename)s:%(lin
 
 
 def _info(msg: str, *args: object) -> None:
-    """One INFO line, said now: through vLLM's logger once vLLM has configured it, else (``LLM(...)`` configures
-    logging after the plugins ran) to ``VLLM_LOGGING_STREAM`` in vLLM's format, unless ``VLLM_LOGGING_LEVEL`` is
-    above INFO."""
+    """One INFO line, now: through vLLM's logger once configured, else (``LLM(...)`` configures it after the plugins
+    ran) to ``VLLM_LOGGING_STREAM`` in vLLM's format, unless ``VLLM_LOGGING_LEVEL`` is above INFO."""
     import vllm.envs as envs
 
     if not envs.VLLM_CONFIGURE_LOGGING or logging.getLogger("vllm").handlers:
@@ -60,9 +59,8 @@ def _info(msg: str, *args: object) -> None:
 
 
 def place_early(environ: Mapping[str, str] | None = None) -> SeedPlacement | None:
-    """Place the model-class inspection cache of the artifact's seed, the first time this process calls it: ``None``
-    when there was nothing to do (called before, no artifact, an export, seeds off, no such entries), ``used`` or
-    ``skipped`` (one INFO line says why). Never raises."""
+    """Place the seed's model-class inspection cache, once per process: ``None`` when there was nothing to do (called
+    before, no artifact, an export, seeds off, no such entries), ``used`` or ``skipped`` (one INFO line). Never raises."""
     global _done
     with _lock:
         if _done:
@@ -110,7 +108,7 @@ def _place(environ: Mapping[str, str]) -> SeedPlacement | None:
 
 
 def _candidates(artifact_dir: Path, state_root: Path, overlays: bool) -> Iterator[tuple[Path, tuple[CapsuleFile, ...]]]:
-    """``(folder, pins)`` per seed: the artifact's portable capsules, then this node's overlays (``docs/format.md`` §15.3)."""
+    """``(folder, pins)``: the artifact's portable capsules, then this node's valid overlays (``docs/format.md`` §15.3)."""
     # artifact.json within its 8 MiB cap (MAX_DESCRIPTOR_BYTES): this runs in every vLLM process, any load format
     descriptor, descriptor_sha256 = read_descriptor_bytes(artifact_dir)
     for entry in descriptor.workers:

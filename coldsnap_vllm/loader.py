@@ -55,9 +55,8 @@ class _VllmLoad(LoadPolicy):
         return compat.worker_identity()
 
     def checkpoint_files(self, call: LoadCall) -> tuple[list[str] | None, str | None]:
-        """Through vLLM's ``DefaultModelLoader._prepare_weights`` (with the model's
-        ``fall_back_to_pt_during_load`` and ``allow_patterns_overrides``, as
-        ``DefaultModelLoader.Source.init_new`` passes them), bypassing the observed override."""
+        """Through vLLM's ``DefaultModelLoader._prepare_weights`` (with the model's ``fall_back_to_pt_during_load`` and
+        ``allow_patterns_overrides``, as ``DefaultModelLoader.Source.init_new`` passes them), not the observed override."""
         source, model = call.source, call.model
         assert source is not None
         return engine_checkpoint_files(
