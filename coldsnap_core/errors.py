@@ -27,13 +27,9 @@ _SERVE_AS_CAPTURED = (
 
 class ColdsnapError(Exception):
     """Base class of every error coldsnap raises: ``rule <rule> failed: <detail> [<context>]; remedy: <remedy>``.
-
-    Args:
-        detail: what was found, in words.
-        file, allocation, offset_bytes: where it was found, if known (``offset_bytes`` within the allocation, else
-            within ``file``).
-        remedy: the one thing an operator should do, where the raise site knows better than the class's ``remedy``.
-    """
+    ``detail``: what was found, in words; ``file``, ``allocation``, ``offset_bytes``: where, if known (``offset_bytes``
+    within the allocation, else within ``file``); ``remedy``: the one thing an operator should do, where the raise site
+    knows better than the class's ``remedy``."""
 
     rule: str = "coldsnap"
     exit_code: int = EXIT_OTHER

@@ -101,17 +101,13 @@ class LoadCall:
 
 @dataclass(frozen=True)
 class LoadOutcome:
-    """What one :meth:`LoadPolicy.load` did.
-
-    Attributes:
-        load_seconds: wall time of the weight loading proper (hydration, or the observed checkpoint load).
-        fallback: the error that made ``auto`` fall back to the checkpoint, if any.
-        checkpoint_copies: ``copy_`` calls recorded as model bytes by the observer.
-        writes: the model writes by absolute address, sorted and disjoint (empty when not observed).
-        observed: whether :attr:`writes` says where the model bytes are; ``False``: nothing may be published.
-        capsule_dir: where the derived-cache seed of the capsule chosen for this load is (:func:`_seed_source`).
-        stage_seconds: wall time of staging the pack during this load; ``None``: the store was not contacted.
-    """
+    """What one :meth:`LoadPolicy.load` did. ``load_seconds``: wall time of the weight loading proper (hydration, or
+    the observed checkpoint load); ``fallback``: the error that made ``auto`` fall back to the checkpoint, if any;
+    ``checkpoint_copies``: ``copy_`` calls the observer recorded as model bytes; ``writes``: the model writes by
+    absolute address, sorted and disjoint (empty when not observed); ``observed``: whether :attr:`writes` says where
+    the model bytes are (``False``: nothing may be published); ``capsule_dir``: where the derived-cache seed of the
+    capsule chosen for this load is (:func:`_seed_source`); ``stage_seconds``: wall time of staging the pack during
+    this load (``None``: the store was not contacted)."""
 
     kind: Literal["restored", "captured", "checkpoint"]
     worker: WorkerIdentity

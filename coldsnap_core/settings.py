@@ -459,9 +459,8 @@ def _given(
 
 @dataclass(frozen=True, slots=True)
 class ColdsnapSettings:
-    """The resolved settings of one coldsnap loader or command; each field is a row of :data:`SETTINGS` (its meaning
-    there), but ``artifact_ref``: ``COLDSNAP_ARTIFACT_DIR`` given as a REF, which the load pulls (``artifact_dir``
-    is ``None`` until then)."""
+    """The resolved settings of one coldsnap loader or command; each field is a :data:`SETTINGS` row, but
+    ``artifact_ref``: ``COLDSNAP_ARTIFACT_DIR`` given as a REF, which the load pulls (``artifact_dir``: ``None`` until then)."""
 
     export_model_payload: bool = False
     artifact_dir: Path | None = None

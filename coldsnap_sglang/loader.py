@@ -63,8 +63,7 @@ class _SglangLoad(LoadPolicy):
         return worker_identity(self.loader.load_config)
 
     def checkpoint_files(self, call: LoadCall) -> tuple[list[str] | None, str | None]:
-        """Through SGLang's ``DefaultModelLoader._prepare_weights(model_name_or_path, revision,
-        fall_back_to_pt)`` with the model's ``fall_back_to_pt_during_load``."""
+        """Through SGLang's ``DefaultModelLoader._prepare_weights`` with the model's ``fall_back_to_pt_during_load``."""
         source = call.source
         assert source is not None
         fall_back_to_pt = getattr(call.model, "fall_back_to_pt_during_load", True)
