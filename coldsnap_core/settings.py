@@ -215,16 +215,12 @@ class StoreSettings:
 
 @dataclass(frozen=True, slots=True)
 class Setting:
-    """One coldsnap setting, declared once (a row of :data:`SETTINGS`).
-
-    Attributes:
-        key: the extra-config key (and the ``coldsnap`` option ``--<key with dashes>``, where a command has one).
-        variable: the environment variable, or ``None`` (extra-config key only).
-        parse: ``parse(where, value)``: the value of a non-blank input, or a ConfigurationError naming ``where``.
-        meaning: one line, as README's table shows it (Markdown).
-        shown_default: README's default cell where the default value cannot say it; ``None``: the value.
-        field: the dotted :class:`ColdsnapSettings` attribute it sets (default ``key``); its default is the setting's.
-    """
+    """One coldsnap setting (a row of :data:`SETTINGS`): ``key``: the extra-config key (and the ``coldsnap`` option
+    ``--<key with dashes>``, where a command has one); ``variable``: the environment variable (``None``: key only);
+    ``parse(where, value)``: the value of a non-blank input, or a ConfigurationError naming ``where``; ``meaning``: one
+    line, as README's table shows it (Markdown); ``shown_default``: README's default cell where the default value
+    cannot say it (``None``: the value); ``field``: the dotted :class:`ColdsnapSettings` attribute it sets (default
+    ``key``), whose default is the setting's."""
 
     key: str
     variable: str | None

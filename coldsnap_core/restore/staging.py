@@ -113,9 +113,8 @@ def stage_payload(
 def _fetch_watch(
     pack: PackRef, store: PayloadStore, progress: Callable[[int], object] | None, fetched: Callable[[int], object] | None
 ) -> Iterator[tuple[Callable[[int], object], Callable[[int], object]]]:
-    """Two progress callbacks, ``(counted, hashed)`` (for bytes written, passed on to ``fetched``, and hashed, to
-    ``progress``), one call at a time across both; meanwhile progress lines, and one line after every
-    :data:`FETCH_NOTICE_INTERVAL_S` without a byte written."""
+    """``(counted, hashed)`` callbacks (bytes written, to ``fetched``; hashed, to ``progress``), one call at a time across
+    both; meanwhile progress lines, and one line after every :data:`FETCH_NOTICE_INTERVAL_S` without a byte written."""
     written = [0, time.monotonic()]  # bytes so far, monotonic time of the last bytes
     lock = threading.Lock()
     done = threading.Event()
@@ -164,9 +163,8 @@ def _fetch_watch(
 
 
 class LandedHash:
-    """The SHA-256 of a file being fetched (``path``, ``size_bytes`` long), computed on its own thread in file
-    order as the landed prefix grows (``docs/format.md`` §12.4); :meth:`landed` is told of each written span,
-    ``progress`` gets the bytes hashed."""
+    """The SHA-256 of a file being fetched (``path``, ``size_bytes`` long), computed on its own thread in file order as
+    the landed prefix grows (``docs/format.md`` §12.4); :meth:`landed` gets each written span, ``progress`` the bytes hashed."""
 
     def __init__(self, path: Path, size_bytes: int, progress: Callable[[int], object]) -> None:
         self._path, self._size_bytes, self._progress = path, size_bytes, progress
