@@ -95,9 +95,8 @@ def verify_capsules(
 def verify_artifact(
     artifact_dir: str | Path, *, cache: PayloadCache | None = None, progress_for: ProgressFor | None = None
 ) -> list[VerifiedWorker]:
-    """Verify every worker ``artifact.json`` lists, in its order, with the packs in ``cache`` (default:
-    ``~/.cache/coldsnap``; the environment is not read here); raises as :func:`verify_capsules` (``MissingObjectError``:
-    no ``artifact.json``, a missing capsule file or pack)."""
+    """Verify every worker ``artifact.json`` lists, in order, with the packs in ``cache`` (default ``~/.cache/coldsnap``,
+    not the environment's); raises as :func:`verify_capsules` (``MissingObjectError``: a missing file or pack)."""
     artifact_dir = Path(artifact_dir)
     descriptor = read_descriptor(artifact_dir)
     capsules = [read_worker_capsule(artifact_dir, entry) for entry in descriptor.workers]

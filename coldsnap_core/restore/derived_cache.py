@@ -60,10 +60,8 @@ def place_seed(
 ) -> SeedPlacement:
     """Verify the seed of the capsule at ``capsule_dir`` and place its files under ``roots`` (``docs/format.md`` §17.4):
     each member to ``roots[<root>]/<path>``, never over a file already there. With ``only`` (a member path prefix)
-    just those members are placed, compared on the qualification's ``fields`` alone, and nothing is read when all
-    are there. Never raises: a failure is ``skipped`` with the reason, one INFO line on ``log`` (files placed before
-    it stay).
-    """
+    just those members are placed, compared on the qualification's ``fields`` alone, and nothing is read when all are
+    there. Never raises: a failure is ``skipped`` with the reason, one INFO line on ``log`` (files placed stay)."""
     pins = {p.name: p for p in capsule_files if p.name in SEED_FILENAMES}
     if not pins:
         return SeedPlacement("absent")

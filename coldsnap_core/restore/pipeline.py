@@ -328,9 +328,8 @@ _FROM_SETTINGS = _FromSettings()
 
 @dataclass(frozen=True, slots=True)
 class RestoreResult:
-    """What :func:`restore_or_fall_back` did: the ``attempt`` (``None``: none was made), the ``allocations`` it
-    enumerated (``None`` if it failed or none was made), the hydration ``report`` when restored, and under
-    ``COLDSNAP_RESTORE=auto`` the error that made the attempt fail (``fallback``: the caller loads the checkpoint)."""
+    """What :func:`restore_or_fall_back` did: the ``attempt`` and the ``allocations`` it enumerated (``None``: none, or
+    it failed), the hydration ``report`` when restored, else under ``auto`` the ``fallback`` error (load the checkpoint)."""
 
     attempt: WorkerRestore | None = None
     allocations: TorchAllocations | None = None

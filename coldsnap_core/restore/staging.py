@@ -239,9 +239,8 @@ class LandedHash:
 
 @dataclass
 class FillAsLanded:
-    """What a one-pass fetch fills while the pack lands (:class:`LandedFill`): the model extents' copy ops and
-    ``fill(ops, pack_path)``, which copies them into the live allocations checking each SHA-256 (a copy backend's
-    ``fill`` with ``verify_extents=True``). ``filled``: the fetch committed the pack with every op copied."""
+    """What a one-pass fetch fills as the pack lands (:class:`LandedFill`): the model extents' ``ops`` and ``fill(ops,
+    pack_path)``, a copy backend's ``fill`` with ``verify_extents=True``. ``filled``: committed with every op copied."""
 
     ops: Sequence[CopyOp]
     fill: Callable[[Sequence[CopyOp], Path], object]
