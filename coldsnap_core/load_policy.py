@@ -53,8 +53,7 @@ __all__ = ["LoadCall", "LoadOutcome", "LoadPolicy", "ModelSource", "ModelWrite",
 
 @dataclass(frozen=True, slots=True)
 class ModelWrite:
-    """A destination byte range (``address``: host pointer or CUDA virtual address) the load filled with checkpoint
-    bytes that nothing rewrote before its end."""
+    """A range (``address``: host pointer or CUDA virtual address) filled with checkpoint bytes nothing rewrote in the load."""
 
     address: int
     size_bytes: int
@@ -274,7 +273,6 @@ class LoadPolicy(abc.ABC):
                 return self._load_checkpoint(call, worker, cache, None, exc, None, started)
         settings = self.settings
         if settings.artifact_dir is None and not settings.export_model_payload:
-            # the load format is coldsnap but no artifact is configured: a fallback of rule configuration
             no_artifact = ConfigurationError(
                 f"{self.engine_label} runs the coldsnap load format without an artifact (COLDSNAP_ARTIFACT_DIR is not set),"
                 " so it loads the checkpoint and restores nothing",

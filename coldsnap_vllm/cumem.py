@@ -84,8 +84,7 @@ class MappedWrites:
 
 
 def map_writes(writes: Iterable[ObservedModelWrite], segments: Sequence[WeightsSegment]) -> MappedWrites:
-    """Locate each write in the segment that contains its first byte; raises ``ObserverError`` where a write is
-    empty, starts in a segment and ends beyond it, or two writes overlap."""
+    """Each write in the segment holding its first byte; ObserverError: an empty, straddling or overlapping write."""
     starts = [s.address for s in segments]
     ranges: list[ModelRange] = []
     dropped: list[ObservedModelWrite] = []

@@ -49,8 +49,7 @@ _Weights = Literal["resident", "captured", "discarded", "needs_hydration"]
 
 @dataclass(frozen=True, slots=True)
 class SleepCapture(NativeCapture):
-    """What a level-1 sleep captured (:class:`~coldsnap_core.capture.sleep.NativeCapture`), with the weights
-    segments, by allocation index, that a wake maps again and fills."""
+    """What a level-1 sleep captured (:class:`~coldsnap_core.capture.sleep.NativeCapture`) and the weights segments to refill."""
 
     segments: tuple[WeightsSegment, ...] = ()
 
@@ -285,7 +284,6 @@ class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-ty
         assert capture is not None
         claim = self._claim
         if claim is None or not claim.held or capture.capsule_dir != claim.path:
-            # Only the capsule this backend wrote and still holds is ever read back.
             raise WakeError("this backend holds no sleep capsule of its own; cannot hydrate", file=capture.capsule_dir)
         self._state = "RESUMING"
         self._needs_hydration |= {

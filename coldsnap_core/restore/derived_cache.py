@@ -156,8 +156,7 @@ def _install(root: Path, relative: str, data: bytes) -> int:
 
 
 def _link_new(folder_fd: int, name: str, data: bytes, *, file: Path) -> int:
-    """Create ``name`` in the open folder ``folder_fd`` with ``data`` by a temporary file and a hard link,
-    never over an entry already there (1 if created, else 0)."""
+    """Create ``name`` in the folder ``folder_fd`` by a temporary file and a hard link, never over an entry (1 if created)."""
     temp = f".{name}.{secrets.token_hex(8)}.partial"
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder_fd)
     try:
@@ -167,7 +166,6 @@ def _link_new(folder_fd: int, name: str, data: bytes, *, file: Path) -> int:
         finally:
             os.close(fd)
         try:
-            # fails if anything is there: never replaces an entry
             os.link(temp, name, src_dir_fd=folder_fd, dst_dir_fd=folder_fd, follow_symlinks=False)
         except FileExistsError:
             return 0

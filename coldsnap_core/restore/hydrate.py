@@ -44,8 +44,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class HydrationReport:
-    """What a hydration did: bytes copied from the pack (every destination counted) and the blob, seconds spent on
-    checks before the first byte was written and copying."""
+    """What a hydration did: bytes copied from the pack (each destination counted) and the blob; seconds of checks and copy."""
 
     model_bytes: int
     residual_bytes: int

@@ -72,8 +72,7 @@ def find_overlay(
     current: TargetIdentity,
     descriptor_sha256: str,
 ) -> Lookup:
-    """Look up and validate this node's overlay for ``entry``'s worker on the target ``current``; every problem
-    found is a ``stale`` or ``invalid`` :class:`Lookup`, never raised."""
+    """This node's overlay of ``entry``'s worker for ``current``, validated; a problem is a ``stale``/``invalid`` Lookup."""
     path = overlay_dir(state_root, artifact_dir, entry.worker, current)
     try:
         if not refuse_linked_folders(state_root, path):

@@ -195,8 +195,7 @@ class LandedHash:
         self._thread.join()
 
     def result(self) -> str:
-        """The file's SHA-256 (lowercase hex), once closed; raises ``FileAccessError`` (reading failed) or
-        ``CacheError`` (the file ended or the fetch stopped before its end)."""
+        """The SHA-256 (hex) once closed; raises FileAccessError (a read failed) or CacheError (not every byte landed)."""
         self.close()
         if isinstance(self._result, BaseException):
             raise self._result
