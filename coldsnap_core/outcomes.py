@@ -99,8 +99,7 @@ def _rotate_if_large(path: Path) -> None:
 
 
 def append_outcome(path: str | os.PathLike[str], line: LoadOutcomeLine) -> bool:
-    """Append ``line`` to the outcome log at ``path``; return whether it was written. Never raises for the log
-    itself (a link at ``path`` is refused): a failure is one WARNING per path and process."""
+    """Append ``line`` to the log; whether it was written. Never raises (a link is refused): one WARNING per path and process."""
     path = Path(path)
     data = (json.dumps(line.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n").encode("ascii")
     try:

@@ -537,8 +537,7 @@ class ColdsnapSettings:
 
 
 def _check_combination(settings: ColdsnapSettings) -> None:
-    """The rules between settings (export and ``restore=native`` need an artifact folder; ``overlay=capture`` needs
-    one and excludes export): a ConfigurationError names the broken one."""
+    """ConfigurationError unless export, ``restore=native`` and ``overlay=capture`` have an artifact, the last no export."""
     no_artifact = settings.artifact_dir is None and settings.artifact_ref is None
     if settings.artifact_ref is not None and settings.export_model_payload:
         raise ConfigurationError(

@@ -126,8 +126,7 @@ def data_parallel_position(parallel_config: Any) -> tuple[int, int]:
 
 
 def worker_identity(parallel_config: Any = None) -> WorkerIdentity:
-    """This worker's identity from vLLM's parallel state (rank 0 of 1 outside an engine); ``parallel_config``
-    defaults to the current vLLM config. Raises as :func:`data_parallel_position`."""
+    """This worker's identity from vLLM's parallel state (0 of 1 outside an engine); raises as :func:`data_parallel_position`."""
     from vllm.distributed import parallel_state
 
     if parallel_config is None:

@@ -69,8 +69,7 @@ def live_allocations(segments: Sequence[WeightsSegment]) -> list[LiveAllocation]
 
 
 def native_allocation_map(segments: Sequence[WeightsSegment]) -> AllocationMap:
-    """One allocation per segment (tag ``weights``, captured address, size); no ``tensors``: the backend has no
-    model handle to name them, so the layout fingerprint covers sizes and tags."""
+    """One allocation per segment (tag ``weights``, address, size), no ``tensors``: the fingerprint covers sizes and tags."""
     return AllocationMap(tuple(Allocation(s.index, s.size_bytes, WEIGHTS_TAG, s.address, ()) for s in segments))
 
 

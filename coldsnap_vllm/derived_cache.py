@@ -58,8 +58,7 @@ def cache_roots() -> dict[str, Path]:
 
 
 def qualification(vllm_config, engine: str, engine_version: str | None, config_sha256: str | None) -> SeedQualification:
-    """This start's :class:`~coldsnap_core.artifact.derived_cache.SeedQualification`; its compilation digest is of
-    ``vllm.compilation.caching.aot_compile_hash_factors`` and the compilation mode."""
+    """This start's SeedQualification (compilation digest: ``aot_compile_hash_factors`` of ``vllm.compilation.caching``, mode)."""
     import torch
     from vllm.compilation.caching import aot_compile_hash_factors
 
@@ -101,8 +100,7 @@ def place(
     config_sha256: str | None,
     enabled: bool,
 ) -> SeedPlacement:
-    """Place the seed of the capsule at ``capsule_dir`` for this start (never raises): ``absent``, ``skipped`` (also
-    when ``enabled`` is false or vLLM keeps no compile cache) or ``used``."""
+    """Place the capsule's seed (never raises): ``absent``, ``skipped`` (also if not ``enabled`` or no cache) or ``used``."""
     if not any(p.name in SEED_FILENAMES for p in capsule_files):
         return SeedPlacement("absent")
     reason, current = "COLDSNAP_DERIVED_CACHE=off", None

@@ -82,8 +82,7 @@ def capture_for_sleep(
 
 
 class ColdsnapSleepBackend(_SleepModeBackendBase):  # type: ignore[misc,valid-type]
-    """vLLM ``SleepModeBackend`` named ``coldsnap`` (see the module docstring). The arguments are for tests and tools
-    (vLLM passes none); ``verify_extents`` ``None``: the loader's setting."""
+    """vLLM ``SleepModeBackend`` ``coldsnap``; arguments for tests and tools; ``verify_extents`` ``None``: the loader's."""
 
     def __init__(
         self,
