@@ -1,10 +1,8 @@
-"""The one exception hierarchy of coldsnap: each class names the *rule* it enforces (``docs/format.md``), and each
-error the context that failed, so a log line alone says what was refused and why::
+"""The one exception hierarchy of coldsnap: each class names the *rule* it enforces (``docs/format.md``) and the exit
+code of a CLI command it stops (§8), and each error the context that failed, so a log line alone says what and why::
 
     coldsnap: rule extent-sha256 failed: model extent 17 does not match its SHA-256 (expected 3f2a..., got 9be1...)
         [file=/cache/model-payloads/sha256/ab..cd.pack, allocation=12, offset_bytes=4096]
-
-Each class's ``exit_code`` is what every CLI command exits with when that error stops it (``docs/format.md`` §8).
 """
 
 from __future__ import annotations
