@@ -45,16 +45,14 @@ except (OSError, AttributeError):  # not Linux (or no glibc symbol): writeback s
 
 
 def start_writeback(fd: int, offset_bytes: int, size_bytes: int) -> bool:
-    """Start writing ``[offset_bytes, offset_bytes + size_bytes)`` of ``fd`` to its device without waiting (no
-    durability: the caller still fsyncs); ``False`` where the call is unavailable or refused."""
+    """Start writing back the range of ``fd`` without waiting (the caller still fsyncs); ``False``: unavailable or refused."""
     if _sync_file_range is None or size_bytes <= 0:
         return False
     return _sync_file_range(fd, offset_bytes, size_bytes, SYNC_FILE_RANGE_WRITE) == 0
 
 
 class Writeback:
-    """Writes chunks to ``fd`` (:func:`write_all`), starting writeback every :data:`WRITEBACK_WINDOW_BYTES` bytes
-    from its current offset; ``size_bytes`` counts what was written, ``progress`` gets each chunk's size."""
+    """Writes chunks to ``fd`` (:func:`write_all`), starting writeback every :data:`WRITEBACK_WINDOW_BYTES`."""
 
     def __init__(self, fd: int, *, file: str | os.PathLike[str], progress: Callable[[int], object] | None = None) -> None:
         self._fd = fd
@@ -176,8 +174,7 @@ def open_regular(
 
 
 def unexpected_os_error(exc: OSError) -> FileAccessError:
-    """An ``OSError`` that no coldsnap layer turned into a typed error, as a ``FileAccessError`` naming its
-    file(s), caused by it: the last line of defence of the CLI and of the loaders' ``auto`` fallback."""
+    """An untyped ``OSError`` as a FileAccessError naming its file(s), caused by it: the CLI's and ``auto``'s last defence."""
 
     def name(value: object) -> str | None:
         return os.fsdecode(value) if isinstance(value, (str, bytes, os.PathLike)) else None

@@ -138,8 +138,7 @@ class LoadOutcome:
 
 
 class LoadPolicy(abc.ABC):
-    """The engine-neutral load policy (see the module docstring); an engine adapter subclasses it and passes the
-    resolved settings and its own logger. A malformed payload store is a ConfigurationError."""
+    """The engine-neutral load policy, subclassed by each engine adapter; a malformed payload store is a ConfigurationError."""
 
     engine: ClassVar[str]
     """The engine name a capsule's ``target.json`` records (``vllm``, ``sglang``; ``docs/format.md`` §15.1)."""

@@ -68,8 +68,7 @@ _warned = False
 def record_load(
     line: LoadOutcomeLine, *, stage_seconds: float | None = None, hydrated_bytes: int = 0, fetched_bytes: int = 0
 ) -> None:
-    """Count the load ``line`` describes in this process's registry (``stage_seconds``: ``None`` when the store was
-    not contacted). Never raises for the metrics: a failure is one WARNING per process."""
+    """Count the load ``line`` describes (``stage_seconds`` ``None``: no store contacted); never raises: one WARNING a process."""
     global _warned
     engine = line.engine
     try:

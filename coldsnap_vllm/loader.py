@@ -134,8 +134,7 @@ class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
         return super().load_model(vllm_config, model_config, prefix)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> LoadOutcome:  # type: ignore[override]
-        """:meth:`coldsnap_core.load_policy.LoadPolicy.load` (vLLM ignores what it returns); raises its
-        :class:`~coldsnap_core.errors.ColdsnapError` (``COLDSNAP_RESTORE=native``, or a failed export capture)."""
+        """:meth:`LoadPolicy.load` (vLLM ignores the result); raises its ColdsnapError (``native``, a failed export capture)."""
         # a later load (vLLM's reload_weights) replaces the weights: the sleep backend never sees the previous state
         load_state.clear()
         source = ModelSource.of_engine(
@@ -166,8 +165,7 @@ _registration_lock = threading.Lock()
 
 
 def register_loader() -> None:
-    """Register :class:`ColdsnapModelLoader` as load format ``coldsnap`` and attach coldsnap's logging to vLLM's
-    (idempotent; no CUDA init). The vLLM version is checked only when the loader is built."""
+    """Register load format ``coldsnap`` and attach coldsnap's logging to vLLM's (idempotent; no CUDA init; no version check)."""
     from vllm.model_executor import model_loader
 
     with _registration_lock:

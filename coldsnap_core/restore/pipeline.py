@@ -194,8 +194,7 @@ class WorkerRestore:
         )
 
     def run(self, allocations: TorchAllocations, backend: CopyBackend) -> HydrationReport:
-        """Steps 1-7: on return every byte of every allocation holds the captured bytes. Raises the first failed
-        check's :class:`~coldsnap_core.errors.ColdsnapError`; an untyped ``OSError`` as ``FileAccessError``."""
+        """Steps 1-7, filling every allocation; raises the failed check's ColdsnapError, an ``OSError`` as FileAccessError."""
         try:
             return self._run(allocations, backend)
         except OSError as exc:
