@@ -549,8 +549,7 @@ class LoadPolicy(abc.ABC):
         )
 
     def _wants_overlay(self, attempt: WorkerRestore | None, fallback: ColdsnapError | None) -> bool:
-        """Capture a target-local overlay after this checkpoint load: on ``COLDSNAP_OVERLAY=capture``, or
-        (``auto``) after a fallback caused by target qualification of a capsule this engine captured."""
+        """Capture an overlay: ``overlay=capture``, or ``auto`` after a target fallback from a capsule this engine captured."""
         if attempt is None or attempt.portable_capsule is None:
             return False
         mode = self.settings.overlay

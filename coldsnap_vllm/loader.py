@@ -108,8 +108,7 @@ class _VllmLoad(LoadPolicy):
 
 
 class ColdsnapModelLoader(ObservedLoader, DefaultModelLoader):
-    """vLLM's default loader with coldsnap capture and restore; ``__init__`` only parses settings (vLLM builds
-    loaders several times per worker).
+    """vLLM's default loader with coldsnap capture and restore; ``__init__`` only parses settings (built several times).
 
     Raises:
         EngineVersionError: this vLLM is not 0.32 or 0.33, or its private loader API moved.

@@ -350,8 +350,7 @@ _registration_lock = threading.Lock()
 
 
 def register_sleep_backend() -> bool:
-    """Register ``coldsnap`` with vLLM's ``SleepModeBackendFactory`` (idempotent, no CUDA init; vLLM imports this
-    module only when it is selected); ``False`` when this vLLM has no pluggable sleep backends."""
+    """Register ``coldsnap`` with vLLM's ``SleepModeBackendFactory`` (idempotent, no CUDA init); ``False``: not pluggable here."""
     try:
         from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
     except ImportError:
