@@ -139,11 +139,10 @@ def hydrate_admitted(
     filled_seconds: float | None = None,
     started: float | None = None,
 ) -> HydrationReport:
-    """:func:`hydrate` of a pack the caller admitted at ``pack_path`` (or ``pack_path()``, called with the blob open)
-    after checking the manifest rules (``layout``) and the live layout; raises as :func:`hydrate`. The padding is
-    checked unless the admission verified this inode against ``layout``. ``filled_seconds``: a one-pass fetch
-    (:class:`~coldsnap_core.restore.staging.LandedFill`) filled every model extent in that many seconds: only the
-    residual blob is verified and copied. ``started``: when the checks began (default: now)."""
+    """:func:`hydrate` of a pack the caller admitted at ``pack_path`` (or ``pack_path()``, called with the blob open) after
+    checking the manifest rules (``layout``) and the live layout; raises as :func:`hydrate`. The padding is checked unless the
+    admission verified this inode against ``layout``. ``filled_seconds``: a one-pass fetch filled every model extent in that many
+    seconds: only the residual blob is verified and copied. ``started``: when the checks began (default: now)."""
     started = time.perf_counter() if started is None else started
     # The blob and the pack are each opened once: what is verified below is what the backend copies,
     # through /proc/self/fd/<n>, even if another process renames other bytes onto either path meanwhile.
