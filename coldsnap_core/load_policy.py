@@ -79,8 +79,7 @@ class ModelSource:
         return cls(path, revision, config_sha256, download_dir, config_json)
 
     def identity_revision(self) -> str | None:
-        """The revision the model identity records: as given for a local folder, else the commit it resolves to
-        in the Hugging Face cache (as given when the cache cannot resolve it)."""
+        """The identity's revision: as given for a folder, else its commit in the Hugging Face cache (as given if unresolved)."""
         requested = None if self.revision is None else str(self.revision)
         if os.path.isdir(self.path):
             return requested

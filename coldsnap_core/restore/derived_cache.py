@@ -37,8 +37,7 @@ __all__ = ["MAX_REASON_CHARS", "SeedPlacement", "place_seed"]
 
 @dataclass(frozen=True, slots=True)
 class SeedPlacement:
-    """What :func:`place_seed` did: ``used`` (verified, qualified and placed), ``skipped`` (present but not placed,
-    for ``reason``) or ``absent``; files written, files already there (never overwritten) and the seed's bytes."""
+    """What :func:`place_seed` did (``used``, ``skipped`` for ``reason``, ``absent``); files written, already there; bytes."""
 
     status: Literal["used", "skipped", "absent"]
     reason: str | None = None
