@@ -94,10 +94,10 @@ def hydrate(
         manifest.allocations, live_layout, allocations, file=manifest_file, manifest_fingerprint=manifest.layout_fingerprint
     )
     with hold_pack(cache, manifest.pack.sha256):  # `coldsnap cache rm` and gc leave a pack a load holds
-        return hydrate_admitted(
+        return _verify_and_fill(
             manifest,
-            lambda: cache.admit(manifest.pack.sha256, manifest.pack.size_bytes),
             layout,
+            lambda: cache.admit(manifest.pack.sha256, manifest.pack.size_bytes),
             blob_path=blob_path,
             cache=cache,
             allocations=allocations,
@@ -106,6 +106,36 @@ def hydrate(
             manifest_file=manifest_file,
             started=started,
         )
+
+
+def hydrate_admitted(
+    manifest: NativeManifest,
+    pack_path: Path,
+    layout: PackLayout,
+    *,
+    blob_path: Path,
+    cache: PayloadCache,
+    allocations: Sequence[LiveAllocation],
+    backend: CopyBackend,
+    verify_extents: bool = False,
+    manifest_file: str | None = None,
+    filled_seconds: float | None = None,
+) -> HydrationReport:
+    """:func:`hydrate` of a pack the caller admitted at ``pack_path``, after the manifest rules (``layout``) and the live
+    layout were checked; raises as :func:`hydrate`. ``filled_seconds``: as :func:`_verify_and_fill` (a one-pass fetch)."""
+    return _verify_and_fill(
+        manifest,
+        layout,
+        lambda: pack_path,
+        blob_path=blob_path,
+        cache=cache,
+        allocations=allocations,
+        backend=backend,
+        verify_extents=verify_extents,
+        manifest_file=manifest_file,
+        started=time.perf_counter(),
+        filled_seconds=filled_seconds,
+    )
 
 
 def _reported(manifest: NativeManifest, check_seconds: float, copy_seconds: float, *, fetched: bool) -> HydrationReport:
@@ -125,25 +155,23 @@ def _reported(manifest: NativeManifest, check_seconds: float, copy_seconds: floa
     return report
 
 
-def hydrate_admitted(
+def _verify_and_fill(
     manifest: NativeManifest,
-    pack_path: Path | Callable[[], Path],
     layout: PackLayout,
+    admit: Callable[[], Path],
     *,
     blob_path: Path,
     cache: PayloadCache,
     allocations: Sequence[LiveAllocation],
     backend: CopyBackend,
-    verify_extents: bool = False,
-    manifest_file: str | None = None,
+    verify_extents: bool,
+    manifest_file: str | None,
+    started: float,
     filled_seconds: float | None = None,
-    started: float | None = None,
 ) -> HydrationReport:
-    """:func:`hydrate` of a pack the caller admitted at ``pack_path`` (or ``pack_path()``, called with the blob open) after
-    checking the manifest rules (``layout``) and the live layout; raises as :func:`hydrate`. The padding is checked unless the
-    admission verified this inode against ``layout``. ``filled_seconds``: a one-pass fetch filled every model extent in that many
-    seconds: only the residual blob is verified and copied. ``started``: when the checks began (default: now)."""
-    started = time.perf_counter() if started is None else started
+    """Verify the blob, take the admitted pack (``admit()``, with the blob open), check its padding unless the
+    admission verified this inode against ``layout``, then copy; with ``filled_seconds`` the model extents are in
+    place already and only the blob is copied. Raises as :func:`hydrate`."""
     # The blob and the pack are each opened once: what is verified below is what the backend copies,
     # through /proc/self/fd/<n>, even if another process renames other bytes onto either path meanwhile.
     with pinned_file(blob_path, "residual blob") as blob_opened:
@@ -157,7 +185,7 @@ def hydrate_admitted(
                 exc.renaming_file({blob_opened: str(blob_path)})
                 raise
             return _reported(manifest, checked - started, filled_seconds + time.perf_counter() - checked, fetched=True)
-        pack_path = pack_path() if callable(pack_path) else pack_path
+        pack_path = admit()
         with pinned_file(pack_path, "pack") as pack_opened:
             _require_admitted_inode(cache, manifest.pack.sha256, pack_path, pack_opened)
             try:
