@@ -717,8 +717,9 @@ def run_sleep_backend(
     pack_sha256: str,
 ) -> int:
     """suspend(1) + resume() of the real coldsnap sleep backend over the same segments."""
+    from coldsnap_core.load_policy import ModelWrite as ObservedModelWrite
     from coldsnap_vllm.sleep import ColdsnapSleepBackend
-    from coldsnap_vllm.state import ObservedModelWrite, WorkerLoadState
+    from coldsnap_vllm.state import WorkerLoadState
 
     writes = tuple(
         ObservedModelWrite(a.address + offset, size, provenance)

@@ -16,7 +16,7 @@ from typing import Any
 from coldsnap_core.capture.payload import ModelRange, check_model_ranges
 from coldsnap_core.errors import ObserverError
 from coldsnap_core.format.allocation import Allocation, AllocationMap, LiveAllocation
-from coldsnap_vllm.state import ObservedModelWrite
+from coldsnap_core.load_policy import ModelWrite
 
 logger = logging.getLogger(__name__)
 
@@ -79,14 +79,14 @@ class MappedWrites:
     any more (``dropped``: post-processing replaced the parameter; no model extent)."""
 
     ranges: tuple[ModelRange, ...]
-    dropped: tuple[ObservedModelWrite, ...]
+    dropped: tuple[ModelWrite, ...]
 
 
-def map_writes(writes: Iterable[ObservedModelWrite], segments: Sequence[WeightsSegment]) -> MappedWrites:
+def map_writes(writes: Iterable[ModelWrite], segments: Sequence[WeightsSegment]) -> MappedWrites:
     """Each write in the segment holding its first byte; ObserverError: an empty, straddling or overlapping write."""
     starts = [s.address for s in segments]
     ranges: list[ModelRange] = []
-    dropped: list[ObservedModelWrite] = []
+    dropped: list[ModelWrite] = []
     for write in sorted(writes, key=lambda w: w.address):
         if write.size_bytes <= 0:
             raise ObserverError(f"model write at {write.address:#x} ({write.provenance.tensor_name}) is empty")

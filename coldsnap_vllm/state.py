@@ -10,9 +10,6 @@ from coldsnap_core.format.manifest import ModelIdentity, PackRef, WorkerIdentity
 from coldsnap_core.load_policy import ModelWrite
 from coldsnap_core.settings import LOCK_TIMEOUT_SECONDS
 
-ObservedModelWrite = ModelWrite
-"""A range the loader filled from the checkpoint (:class:`coldsnap_core.load_policy.ModelWrite`)."""
-
 
 @dataclass(frozen=True, slots=True)
 class WorkerLoadState:
@@ -22,7 +19,7 @@ class WorkerLoadState:
 
     worker: WorkerIdentity
     model: ModelIdentity | None
-    writes: tuple[ObservedModelWrite, ...]
+    writes: tuple[ModelWrite, ...]
     pack: PackRef | None
     artifact_dir: Path | None
     state_root: Path

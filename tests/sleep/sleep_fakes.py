@@ -35,7 +35,8 @@ from coldsnap_core.copy.host import host_view
 from coldsnap_core.format.extents import ExtentProvenance
 from coldsnap_core.format.manifest import ModelIdentity, PackRef, WorkerIdentity
 from coldsnap_core.format.safetensors_header import read_header
-from coldsnap_vllm.state import ObservedModelWrite, WorkerLoadState
+from coldsnap_core.load_policy import ModelWrite as ObservedModelWrite
+from coldsnap_vllm.state import WorkerLoadState
 
 try:
     from vllm.device_allocator import DEFERRABLE_TAGS, AllocationData

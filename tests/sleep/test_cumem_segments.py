@@ -7,8 +7,8 @@ from sleep_fakes import AllocationData
 
 from coldsnap_core.errors import ObserverError
 from coldsnap_core.format.extents import ExtentProvenance
+from coldsnap_core.load_policy import ModelWrite as ObservedModelWrite
 from coldsnap_vllm.cumem import WeightsSegment, map_writes, native_allocation_map, weights_segments
-from coldsnap_vllm.state import ObservedModelWrite
 
 MiB = 1 << 20
 

@@ -17,8 +17,9 @@ from coldsnap_core.copy.base import SourceName
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.errors import ConfigurationError, CopyBackendError, ObserverError, WakeError
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME, ModelIdentity, NativeManifest
+from coldsnap_core.load_policy import ModelWrite as ObservedModelWrite
 from coldsnap_vllm.sleep import ColdsnapSleepBackend
-from coldsnap_vllm.state import ObservedModelWrite, WorkerLoadState
+from coldsnap_vllm.state import WorkerLoadState
 
 SMOLLM2_2LAYER_PACK_SHA256 = "b5a02a03cd57b72df32f33a3822006fb012818690d609dfca6a8e0265a05d407"
 """Golden: the canonical pack of the 2-layer SmolLM2 fixture's 20 tensors (equal to the portable

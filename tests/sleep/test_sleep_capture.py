@@ -19,9 +19,10 @@ from coldsnap_core.capture.worker import capture_worker
 from coldsnap_core.copy.host import HostCopyBackend
 from coldsnap_core.errors import ObserverError
 from coldsnap_core.format.manifest import CheckpointFile, ModelIdentity, WorkerIdentity
+from coldsnap_core.load_policy import ModelWrite as ObservedModelWrite
 from coldsnap_vllm.cumem import weights_segments
 from coldsnap_vllm.sleep import ColdsnapSleepBackend, capture_for_sleep
-from coldsnap_vllm.state import ObservedModelWrite, WorkerLoadState
+from coldsnap_vllm.state import WorkerLoadState
 
 WORKER = WorkerIdentity("worker", 0, 1, 0, 1)
 
