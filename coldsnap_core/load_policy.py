@@ -8,6 +8,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -25,7 +26,6 @@ from coldsnap_core.capture.model_records import ModelRecord
 from coldsnap_core.capture.observer import WriteObserver, map_to_allocations
 from coldsnap_core.capture.overlay import OverlayCapture, capture_overlay
 from coldsnap_core.capture.worker import CaptureResult, capture_loaded_worker
-from coldsnap_core.collector import collector_paused
 from coldsnap_core.copy.select import copy_backend_for
 from coldsnap_core.copy.torch_allocations import TorchAllocations, enumerate_allocations
 from coldsnap_core.errors import CheckpointAbsentError, ColdsnapError, ConfigurationError, ObserverError
@@ -213,7 +213,7 @@ class LoadPolicy(abc.ABC):
         banner(self.settings, self.engine_label, self.log)
         worker = self.worker_identity()
         try:
-            with collector_paused():
+            with _collector_paused():
                 outcome = self._load(call, worker, started)
         except ColdsnapError as exc:
             absent = isinstance(exc, CheckpointAbsentError)
@@ -615,6 +615,20 @@ class ObservedLoader:
         iterator = super()._get_weights_iterator(source, *args, **kwargs)  # type: ignore[misc]
         session = self.policy.session
         return iterator if session is None else session.observe(getattr(source, "prefix", "") or "", iterator)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector (slow in an engine process) around the load's bookkeeping of many small
+    objects; vLLM runs ``gc.collect()`` right after ``load_weights`` (``vllm/model_executor/model_loader/base_loader.py``),
+    so nothing accumulates."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _report(settings: ColdsnapSettings, line: LoadOutcomeLine, outcome: LoadOutcome | None = None) -> None:

@@ -9,7 +9,7 @@ so an import hidden inside a function to dodge a cycle is found as well. Layers,
 rank  modules
 ====  ======================================================================================
 0     ``errors``
-1     ``settings``, ``digests``, ``_io`` (the one durable-I/O and ``OSError`` module), ``collector``, ``_progress``, the
+1     ``settings``, ``digests``, ``_io`` (the one durable-I/O and ``OSError`` module), ``_progress``, the
       ``PayloadStore`` Protocol, ``identity.hub_commit``, ``identity.config_digest``
 2     ``format.*`` (the byte-level documents, the safetensors header)
 3     ``format.verify``, the ``CopyBackend`` Protocol and the copy backends, ``copy.torch_allocations``,
@@ -50,7 +50,6 @@ LAYERS: dict[str, int] = {
     "settings": 1,
     "digests": 1,
     "_io": 1,
-    "collector": 1,
     "operator_log": 1,
     "_progress": 1,
     "stores.base": 1,
