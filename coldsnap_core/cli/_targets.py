@@ -8,7 +8,7 @@ from pathlib import Path
 from coldsnap_core._io import os_error
 from coldsnap_core.artifact.capsules import Capsule, read_capsule, read_descriptor, read_worker_capsule
 from coldsnap_core.artifact.overlay import portable_descriptor_sha256
-from coldsnap_core.cli._extras import missing_dependency
+from coldsnap_core.cli._output import missing_dependency
 from coldsnap_core.errors import ArtifactError, ColdsnapError, MissingObjectError
 from coldsnap_core.format.descriptor import DESCRIPTOR_FILENAME, WORKERS_DIRNAME, ArtifactDescriptor
 from coldsnap_core.format.manifest import NATIVE_MANIFEST_FILENAME

@@ -22,8 +22,7 @@ from coldsnap_core.cache.overlays import OverlayListing, gc_overlays, list_overl
 from coldsnap_core.cache.pack_use import Eviction, PackUsage, evict, list_packs, remove_pack
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import last_full_verification, record_state
-from coldsnap_core.cli._output import add_command_options, add_outcome_log_option, error_json, report, seconds
-from coldsnap_core.cli._progress import byte_bar
+from coldsnap_core.cli._output import add_command_options, add_outcome_log_option, byte_bar, error_json, report, seconds
 from coldsnap_core.digests import check_digest
 from coldsnap_core.errors import (
     EXIT_INTEGRITY,

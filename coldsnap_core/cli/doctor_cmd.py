@@ -24,9 +24,7 @@ from coldsnap_core._io import lstat_or_none, unexpected_os_error
 from coldsnap_core.artifact.capsules import Capsule, read_descriptor, read_worker_capsule
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import record_state
-from coldsnap_core.cli._extras import EXTRA_OF_MODULE, missing_dependency
-from coldsnap_core.cli._output import add_command_options, report
-from coldsnap_core.cli._progress import byte_bar
+from coldsnap_core.cli._output import EXTRA_OF_MODULE, add_command_options, byte_bar, missing_dependency, report
 from coldsnap_core.cli._targets import artifact_folder, restore_here
 from coldsnap_core.cli.stage_cmd import add_host_options, add_repo_option, store_of, this_host_entries
 from coldsnap_core.errors import ColdsnapError, ConfigurationError, IntegrityError

@@ -22,8 +22,7 @@ from pathlib import Path
 
 from coldsnap_core.artifact.capsules import read_descriptor
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.cli._output import add_command_options, add_outcome_log_option, positive_seconds, report
-from coldsnap_core.cli._progress import byte_bar
+from coldsnap_core.cli._output import add_command_options, add_outcome_log_option, byte_bar, positive_seconds, report
 from coldsnap_core.cli.verify_cmd import workers_json
 from coldsnap_core.errors import ConfigurationError, ExportError, ManifestMismatchError
 from coldsnap_core.format.manifest import CAPSULE_NAME_RE

@@ -14,8 +14,7 @@ from typing import NoReturn
 
 from coldsnap_core._io import unexpected_os_error
 from coldsnap_core._version import __version__
-from coldsnap_core.cli._extras import missing_dependency
-from coldsnap_core.cli._output import command_name, error_json, print_json, wants_json
+from coldsnap_core.cli._output import command_name, error_json, missing_dependency, print_json, wants_json
 from coldsnap_core.errors import EXIT_OTHER, ColdsnapError
 from coldsnap_core.format._strict import FORMAT_VERSION
 from coldsnap_core.settings import COMMAND_SETTINGS, KEYS, ColdsnapSettings

@@ -10,8 +10,7 @@ import contextlib
 import dataclasses
 
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.cli._output import add_command_options, report
-from coldsnap_core.cli._progress import byte_bar, quiet_hub_bars
+from coldsnap_core.cli._output import add_command_options, byte_bar, quiet_hub_bars, report
 from coldsnap_core.cli._targets import artifact_folder
 from coldsnap_core.stores import artifact_ref, parse_store_spec
 from coldsnap_core.stores.publish import PublishedFile, PublishedPayload, artifact_listing, publish_native

@@ -7,8 +7,7 @@ import argparse
 from pathlib import Path
 
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.cli._output import add_command_options, report
-from coldsnap_core.cli._progress import quiet_hub_bars
+from coldsnap_core.cli._output import add_command_options, quiet_hub_bars, report
 from coldsnap_core.cli.stage_cmd import add_host_options, stage_entries, staged_workers, this_host_entries
 from coldsnap_core.stores import parse_artifact_ref
 from coldsnap_core.stores.pull import pull_artifact

@@ -12,8 +12,7 @@ from coldsnap_core._io import lstat_or_none
 from coldsnap_core.artifact.capsules import read_descriptor
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import record_state
-from coldsnap_core.cli._output import add_command_options, report
-from coldsnap_core.cli._progress import byte_bar, quiet_hub_bars
+from coldsnap_core.cli._output import add_command_options, byte_bar, quiet_hub_bars, report
 from coldsnap_core.cli._targets import artifact_folder
 from coldsnap_core.errors import ColdsnapError, ConfigurationError, MissingObjectError
 from coldsnap_core.format.descriptor import WorkerEntry

@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 
 from coldsnap_core.cache.payload_cache import PayloadCache
-from coldsnap_core.cli._output import add_command_options, report
-from coldsnap_core.cli._progress import byte_bar
+from coldsnap_core.cli._output import add_command_options, byte_bar, report
 from coldsnap_core.cli._targets import artifact_folder, resolve
 from coldsnap_core.restore.audit import VerifiedWorker, verify_capsules
 

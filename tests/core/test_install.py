@@ -23,7 +23,7 @@ from packaging.requirements import Requirement
 
 from coldsnap_core._version import __version__
 from coldsnap_core.cli import stage_cmd
-from coldsnap_core.cli._extras import missing_dependency
+from coldsnap_core.cli._output import missing_dependency
 from coldsnap_core.cli.main import main
 from coldsnap_core.errors import ConfigurationError
 
@@ -219,7 +219,7 @@ def test_vllm_loads_the_plugin_through_its_installed_entry_point(monkeypatch: py
 def test_a_missing_module_of_an_extra_is_a_configuration_error_naming_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """``coldsnap_core.cli._extras``: a missing module of an extra (torch, also as ``torch.cuda``) becomes a
+    """``coldsnap_core.cli._output``: a missing module of an extra (torch, also as ``torch.cuda``) becomes a
     ``ConfigurationError`` naming the extras; a missing module of no extra (a broken installation) propagates as
     it is. Fails if a command that needs torch prints a traceback, or if a real bug is disguised as a missing
     extra."""
