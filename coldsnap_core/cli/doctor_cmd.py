@@ -20,7 +20,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from coldsnap_core._io import lstat_or_none, unexpected_os_error
+from coldsnap_core._io import lstat_or_none, refuse_symlink, unexpected_os_error
 from coldsnap_core.artifact.capsules import Capsule, read_descriptor, read_worker_capsule
 from coldsnap_core.cache.payload_cache import PayloadCache
 from coldsnap_core.cache.records import record_state
@@ -88,7 +88,8 @@ def _without_remedy(exc: ColdsnapError) -> str:
 
 
 def _cannot_tell(check: str, engine: str, what: str) -> Check:
-    return Check(check, "warning", f"cannot tell without {ENGINE_PLUGINS[engine].label} ({what})", EXTRA_OF_MODULE[engine])
+    label = ENGINE_PLUGINS[engine].label if engine in ENGINE_PLUGINS else engine  # a third engine's capture
+    return Check(check, "warning", f"cannot tell without {label} ({what})", EXTRA_OF_MODULE.get(engine))
 
 
 def plugin_check(engine: str) -> Check:
@@ -241,6 +242,8 @@ def pack_check(pack: PackRef, state: str, store: PayloadStore | None, held: set[
         return Check("packs", "ok", f"{subject} is staged, with a trusted validation record")
     if state.startswith("untrusted"):
         return untrusted_pack_check(pack, state, store if store is not None and pack.sha256 in held else None, cache)
+    if state.startswith("unusable"):  # a link or non-regular file where the pack belongs: a restore refuses it
+        return Check("packs", "failed", f"{subject} is {state}", "remove what is there, then coldsnap stage ARTIFACT")
     if store is not None and pack.sha256 in held:
         return Check(
             "packs", "warning", f"{subject} is not staged: a restore fetches it from {store.name}", "coldsnap stage ARTIFACT"
@@ -419,7 +422,7 @@ def diagnose(args: argparse.Namespace, uid: int, store: PayloadStore | ColdsnapE
     states = {}  # each pack's: trusted, untrusted: why, absent or unusable: why
     for pack in packs:
         try:
-            present = lstat_or_none(cache.object_path(pack.sha256)) is not None
+            present = refuse_symlink(cache.object_path(pack.sha256)) is not None  # a restore refuses a link
             states[pack.sha256] = record_state(cache, pack.sha256) if present else "absent"
         except ColdsnapError as exc:
             states[pack.sha256] = f"unusable: {_without_remedy(exc)}"

@@ -437,3 +437,34 @@ def test_a_corrupt_staged_pack_fails_without_a_store_and_warns_with_one(node: No
     assert code == 0, doc
     (packs,) = [c for c in doc["checks"] if c["check"] == "packs"]
     assert packs["status"] == "warning" and "fetches it again from" in packs["message"], packs
+
+
+@pytest.mark.vllm
+def test_a_symbolic_link_in_place_of_the_staged_pack_fails_the_packs_check(node: Node, capsys) -> None:
+    """The staged pack replaced by a symbolic link to an intact copy: a restore refuses it (rule ``no-symlinks``), so
+    doctor fails the packs check (exit 15) naming the link, even with a store that holds the pack. Fails if doctor
+    follows the link and says "ready" (it hashed the copy and called it intact)."""
+    objects = node.state_root / "model-payloads" / "sha256"
+    pack = objects / f"{node.pack_sha256}.pack"
+    copy = node.state_root.parent / "copy.pack"
+    shutil.copyfile(pack, copy)
+    pack.unlink()
+    pack.symlink_to(copy)
+    code, doc = doctor(capsys, node.args())
+    assert code == CHECK_EXIT_CODES["packs"] == 15, doc
+    (packs,) = failed(doc)
+    assert packs["check"] == "packs" and "rule no-symlinks failed: refusing a symbolic link" in packs["message"], packs
+    assert str(pack) in packs["message"] and packs["remedy"] == "remove what is there, then coldsnap stage ARTIFACT"
+
+
+def test_an_artifact_of_an_engine_without_a_plugin_fails_the_plugin_check(tmp_path: Path, tiny_checkpoint: Path, capsys) -> None:
+    """An artifact captured by a third engine through the public engine contract (``target.json`` engine ``toyeng``):
+    the plugin check fails (exit 10) naming the engine, the target check says it cannot tell, as a JSON document.
+    Fails if doctor looks the engine up among vLLM and SGLang only (a KeyError traceback, exit 1, no JSON)."""
+    node = make_node(tmp_path, tiny_checkpoint, collect_target("toyeng", "0.0.1"))
+    code, doc = doctor(capsys, node.args())
+    assert code == CHECK_EXIT_CODES["plugin"] == 10, doc
+    (plugin,) = failed(doc)
+    assert plugin["message"] == "captured by 'toyeng', an engine coldsnap has no plugin for", plugin
+    (target,) = [c for c in doc["checks"] if c["check"] == "target"]
+    assert target["status"] == "warning" and target["message"].startswith("cannot tell without toyeng ("), target
