@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "WriteObserver": "coldsnap_core.capture.observer",
     "capture_worker": "coldsnap_core.capture.worker",
     "copy_backend_for": "coldsnap_core.copy.select",
+    "engine_checkpoint_files": "coldsnap_core.identity.model_identity",
     "enumerate_allocations": "coldsnap_core.copy.torch_allocations",
     "identify_checkpoint": "coldsnap_core.identity.model_identity",
     "map_to_allocations": "coldsnap_core.capture.observer",
@@ -61,6 +62,7 @@ __all__ = [
     "WriteObserver",
     "capture_worker",
     "copy_backend_for",
+    "engine_checkpoint_files",
     "enumerate_allocations",
     "identify_checkpoint",
     "map_to_allocations",
@@ -82,7 +84,7 @@ if TYPE_CHECKING:
     from coldsnap_core.format.manifest import WorkerIdentity
     from coldsnap_core.format.safetensors_header import read_header
     from coldsnap_core.identity.checkpoint_records import CheckpointRecords
-    from coldsnap_core.identity.model_identity import LoadedModel, identify_checkpoint
+    from coldsnap_core.identity.model_identity import LoadedModel, engine_checkpoint_files, identify_checkpoint
     from coldsnap_core.load_policy import LoadCall, LoadOutcome, LoadPolicy, ModelSource, ObservedLoader
     from coldsnap_core.restore.audit import verify_artifact
     from coldsnap_core.restore.pipeline import RestoreResult, WorkerRestore, restore_or_fall_back

@@ -73,7 +73,8 @@ class ModelSource:
 
     @classmethod
     def of_engine(cls, model_config: object, path: str, revision: str | None, download_dir: str | None) -> ModelSource:
-        """The source an engine's model configuration object names, its configuration digested."""
+        """The source an engine's ``ModelConfig`` names, its ``hf_config``, ``dtype`` and ``quantization`` digested
+        (``docs/format.md`` §4.8; ``None`` digest without ``hf_config``)."""
         config_json = engine_model_config(model_config)
         config_sha256 = None if config_json is None else config_json_sha256(config_json)
         return cls(path, revision, config_sha256, download_dir, config_json)
@@ -161,7 +162,7 @@ class LoadPolicy(abc.ABC):
 
     @abc.abstractmethod
     def checkpoint_files(self, call: LoadCall) -> tuple[list[str] | None, str | None]:
-        """:func:`coldsnap_core.identity.model_identity.engine_checkpoint_files` of ``call.source`` (not ``None``)."""
+        """:func:`coldsnap_core.engine_checkpoint_files` of ``call.source`` (not ``None``)."""
 
     @abc.abstractmethod
     def load_checkpoint(self, call: LoadCall) -> None:

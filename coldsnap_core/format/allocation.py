@@ -65,12 +65,8 @@ class TensorPlacement(Record):
     @property
     def span_bytes(self) -> int:
         """Bytes from element 0 to one past the last element (0 for an empty tensor)."""
-        last = 0
-        for n, s in zip(self.shape, self.stride, strict=True):
-            if n == 0:
-                return 0
-            last += (n - 1) * s
-        return (last + 1) * DTYPE_ITEMSIZE_BYTES[self.dtype]
+        last = sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True))
+        return 0 if 0 in self.shape else (last + 1) * DTYPE_ITEMSIZE_BYTES[self.dtype]
 
 
 class Allocation(Record):

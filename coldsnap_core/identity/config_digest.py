@@ -71,12 +71,6 @@ def engine_model_config(model_config: object) -> str | None:
     )
 
 
-def engine_config_sha256(model_config: object) -> str | None:
-    """:func:`model_config_sha256` of an engine's ``ModelConfig``; ``None`` when it has no ``hf_config``."""
-    config_json = engine_model_config(model_config)
-    return None if config_json is None else config_json_sha256(config_json)
-
-
 def config_differences(recorded_json: str, loaded_json: str, *, limit: int = 5) -> list[str]:
     """The dotted keys in which two canonical configurations differ (``docs/format.md`` §4.8), at most ``limit``."""
 

@@ -13,9 +13,16 @@ import logging
 import os
 from typing import ClassVar
 
-from coldsnap_core import ColdsnapSettings, LoadCall, LoadOutcome, LoadPolicy, ModelSource, ObservedLoader, WorkerIdentity
-from coldsnap_core.identity.config_digest import engine_config_sha256
-from coldsnap_core.identity.model_identity import engine_checkpoint_files
+from coldsnap_core import (
+    ColdsnapSettings,
+    LoadCall,
+    LoadOutcome,
+    LoadPolicy,
+    ModelSource,
+    ObservedLoader,
+    WorkerIdentity,
+    engine_checkpoint_files,
+)
 from tests.conformance import fake_engine
 
 logger = logging.getLogger(__name__)
@@ -68,7 +75,7 @@ class ColdsnapLoader(ObservedLoader, fake_engine.DefaultLoader):
             self.policy = _FakeLoad(self, settings)
 
     def load_weights(self, model: fake_engine.TinyModel, model_config: fake_engine.ModelConfig) -> LoadOutcome:
-        source = ModelSource(model_config.path, None, engine_config_sha256(model_config))
+        source = ModelSource.of_engine(model_config, model_config.path, None, None)
         return self.policy.load(LoadCall(model, source, model_config))
 
 

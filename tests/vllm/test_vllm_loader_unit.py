@@ -40,13 +40,19 @@ from coldsnap_core.errors import (
 )
 from coldsnap_core.format.manifest import WorkerIdentity
 from coldsnap_core.format.safetensors_header import read_header
-from coldsnap_core.identity.config_digest import engine_config_sha256, engine_model_config
-from coldsnap_core.load_policy import LoadOutcome
+from coldsnap_core.identity.config_digest import engine_model_config
+from coldsnap_core.load_policy import LoadOutcome, ModelSource
 from coldsnap_vllm import state
 from coldsnap_vllm.loader import ColdsnapModelLoader, register_loader
 from tests.support.observer_support import WrapperTensor
 
 pytestmark = pytest.mark.vllm
+
+
+def engine_config_sha256(model_config: object) -> str | None:
+    """The configuration digest the loader records for vLLM's ``ModelConfig`` (``docs/format.md`` §4.8)."""
+    return ModelSource.of_engine(model_config, "", None, None).config_sha256
+
 
 TARGETS = {
     "model.embed_tokens.weight": "embed",
