@@ -1,4 +1,4 @@
-"""Byte progress as plain lines, for logs (a terminal gets tqdm's bar, ``coldsnap_core.cli._progress``)::
+"""Byte progress as plain lines, for logs (a terminal gets tqdm's bar, :func:`coldsnap_core.cli._output.byte_bar`)::
 
     stage 3f2a9c0e1b2d: 1.31GB of 2.62GB (50%), 0.854 GB/s, ETA 00:02
     stage 3f2a9c0e1b2d: 2.62GB of 2.62GB (100%), 0.861 GB/s, done in 00:03

@@ -1,7 +1,7 @@
 """The ``coldsnap`` command line: one module per subcommand, each with ``add_parser(subparsers)``, whose ``func``
 returns the exit code (``docs/format.md`` §8). A ``ColdsnapError`` stops the command with its message on stderr (under
 ``--json``, a JSON document on stdout) and its ``exit_code``; an untyped ``OSError`` is rule ``io`` and a module
-``pip install coldsnap`` leaves out names its extra (:mod:`coldsnap_core.cli._extras`), both exit 4."""
+``pip install coldsnap`` leaves out names its extra (:func:`coldsnap_core.cli._output.missing_dependency`), both exit 4."""
 
 from __future__ import annotations
 
